@@ -1,0 +1,14 @@
+# Generic image for one better-compute service: a static (CGO_ENABLED=0) Go
+# binary on scratch. Built by scripts/images.sh, which makes the context
+# (the binary named BIN, plus rootfs/ and data/) and appends the line
+#   ENTRYPOINT ["/<BIN>"]
+# (an exec-form ENTRYPOINT cannot use a build arg). Building this file by other
+# means (e.g. compose `build:`) needs `entrypoint: ["/<BIN>"]` next to it.
+FROM scratch
+ARG BIN
+# /tmp (mode 1777), for os.TempDir users.
+COPY rootfs/ /
+# A writable data directory, e.g. /var/lib/fakedaemon for the fakedaemon.
+COPY --chown=65534:65534 data/ /var/lib/${BIN}/
+COPY ${BIN} /${BIN}
+USER 65534:65534

@@ -1,0 +1,144 @@
+// Package outbox publishes the outbox table to NATS: the relay drains rows
+// that committed transactions wrote, publishes each to its subject, and
+// stamps them published. It wakes on the commit-time NOTIFY of
+// store.OutboxChannel and also polls, so a missed notification only delays.
+// Several relays may run: rows are claimed with FOR UPDATE SKIP LOCKED, and a
+// message may be published more than once (pokes and events are idempotent
+// hints to their readers).
+package outbox
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/store"
+)
+
+// Relay moves outbox rows to NATS.
+type Relay struct {
+	DB     *store.DB
+	NC     *nats.Conn
+	Logger *slog.Logger
+	Clock  clock.Clock
+	// Poll is how often the relay looks without a notification; 1 s if zero.
+	Poll time.Duration
+	// Batch is how many rows one pass claims; 500 if zero.
+	Batch int
+	// Retention is how long published rows are kept; 1 h if zero.
+	Retention time.Duration
+}
+
+// Run relays until ctx ends.
+func (r *Relay) Run(ctx context.Context) error {
+	if r.Poll == 0 {
+		r.Poll = time.Second
+	}
+	if r.Batch == 0 {
+		r.Batch = 500
+	}
+	if r.Retention == 0 {
+		r.Retention = time.Hour
+	}
+	wake := make(chan struct{}, 1)
+	go r.listen(ctx, wake)
+	tick := r.Clock.NewTicker(r.Poll)
+	defer tick.Stop()
+	lastPrune := r.Clock.Now()
+	for {
+		for {
+			n, err := r.drainOnce(ctx)
+			if err != nil {
+				if ctx.Err() != nil {
+					return nil
+				}
+				r.Logger.Warn("outbox relay pass failed", "err", err)
+				break
+			}
+			if n < r.Batch {
+				break
+			}
+		}
+		if r.Clock.Now().Sub(lastPrune) > r.Retention/4 {
+			lastPrune = r.Clock.Now()
+			if _, err := store.PruneOutbox(ctx, r.DB.Pool, r.DB.Now().Add(-r.Retention)); err != nil && ctx.Err() == nil {
+				r.Logger.Warn("outbox prune failed", "err", err)
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-wake:
+		case <-tick.C():
+		}
+	}
+}
+
+// drainOnce publishes one batch and returns how many rows it published.
+func (r *Relay) drainOnce(ctx context.Context) (int, error) {
+	var n int
+	err := r.DB.InTx(ctx, func(tx pgx.Tx) error {
+		msgs, err := store.ClaimOutbox(ctx, tx, r.Batch)
+		if err != nil || len(msgs) == 0 {
+			return err
+		}
+		ids := make([]int64, 0, len(msgs))
+		for _, m := range msgs {
+			if err := r.NC.Publish(m.Subject, m.Payload); err != nil {
+				return err
+			}
+			ids = append(ids, m.ID)
+		}
+		if err := r.NC.FlushTimeout(5 * time.Second); err != nil {
+			return err
+		}
+		n = len(ids)
+		return store.MarkPublished(ctx, tx, r.DB.Now(), ids)
+	})
+	return n, err
+}
+
+// listen holds a LISTEN connection and signals wake on every notification;
+// it reconnects after errors until ctx ends.
+func (r *Relay) listen(ctx context.Context, wake chan<- struct{}) {
+	for ctx.Err() == nil {
+		err := r.listenOnce(ctx, wake)
+		if ctx.Err() != nil {
+			return
+		}
+		r.Logger.Warn("outbox listen failed", "err", err)
+		_ = clock.Sleep(ctx, r.Clock, time.Second)
+	}
+}
+
+func (r *Relay) listenOnce(ctx context.Context, wake chan<- struct{}) error {
+	conn, err := r.DB.Pool.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Release()
+	if _, err := conn.Exec(ctx, "LISTEN "+store.OutboxChannel); err != nil {
+		return err
+	}
+	defer func() {
+		_, _ = conn.Exec(context.WithoutCancel(ctx), "UNLISTEN *")
+	}()
+	for {
+		_, err := conn.Conn().WaitForNotification(ctx)
+		if err != nil {
+			if errors.Is(err, context.Canceled) {
+				return nil
+			}
+			return err
+		}
+		select {
+		case wake <- struct{}{}:
+		default:
+		}
+	}
+}

@@ -1,0 +1,410 @@
+// Package pki holds a deployment's certificate authorities and issues the
+// certificates of better-compute: node certificates (client certificates of
+// the daemons, signed by the node CA, with the SPIFFE-style URI SAN
+// spiffe://<trust-domain>/node/<node id>) and gateway serving certificates
+// (signed by the serving CA that daemons pin).
+//
+// Keys are ECDSA P-256. Private keys are written owner-only (0600) and never
+// logged. A deployment's files live in one directory; see Init for the names.
+package pki
+
+import (
+	"crypto"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/sha256"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/hex"
+	"encoding/pem"
+	"errors"
+	"fmt"
+	"math/big"
+	"net"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+)
+
+// DefaultTrustDomain is the SPIFFE trust domain of a deployment that names
+// none.
+const DefaultTrustDomain = "compute.dev.local"
+
+// File names inside a PKI directory.
+const (
+	NodeCACert     = "node-ca.crt"
+	NodeCAKey      = "node-ca.key"
+	ServingCACert  = "serving-ca.crt"
+	ServingCAKey   = "serving-ca.key"
+	GatewayCert    = "gateway.crt"
+	GatewayKey     = "gateway.key"
+	TrustDomainTxt = "trust-domain"
+)
+
+// CA is a certificate authority: its certificate and private key.
+type CA struct {
+	Cert *x509.Certificate
+	Key  crypto.Signer
+}
+
+// GenerateKey returns a new ECDSA P-256 key.
+func GenerateKey() (*ecdsa.PrivateKey, error) {
+	return ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+}
+
+func randomSerial() (*big.Int, error) {
+	return rand.Int(rand.Reader, new(big.Int).Lsh(big.NewInt(1), 127))
+}
+
+// NewCA makes a self-signed CA named commonName, valid from now for validity.
+func NewCA(commonName string, now time.Time, validity time.Duration) (*CA, error) {
+	key, err := GenerateKey()
+	if err != nil {
+		return nil, err
+	}
+	serial, err := randomSerial()
+	if err != nil {
+		return nil, err
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber:          serial,
+		Subject:               pkix.Name{CommonName: commonName, Organization: []string{"better-compute"}},
+		NotBefore:             now.Add(-5 * time.Minute),
+		NotAfter:              now.Add(validity),
+		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageCRLSign | x509.KeyUsageDigitalSignature,
+		BasicConstraintsValid: true,
+		IsCA:                  true,
+		MaxPathLenZero:        true,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, key.Public(), key)
+	if err != nil {
+		return nil, fmt.Errorf("create CA certificate: %w", err)
+	}
+	cert, err := x509.ParseCertificate(der)
+	if err != nil {
+		return nil, err
+	}
+	return &CA{Cert: cert, Key: key}, nil
+}
+
+// Pool returns a cert pool holding only the CA's certificate.
+func (ca *CA) Pool() *x509.CertPool {
+	p := x509.NewCertPool()
+	p.AddCert(ca.Cert)
+	return p
+}
+
+// NodeURI returns spiffe://<trustDomain>/node/<nodeID>.
+func NodeURI(trustDomain, nodeID string) *url.URL {
+	return &url.URL{Scheme: "spiffe", Host: trustDomain, Path: "/node/" + nodeID}
+}
+
+// NodeIDFromCert returns the node id of a node certificate of trustDomain.
+// It fails when the certificate has no URI SAN of that trust domain.
+func NodeIDFromCert(cert *x509.Certificate, trustDomain string) (string, error) {
+	for _, u := range cert.URIs {
+		if u.Scheme == "spiffe" && u.Host == trustDomain {
+			if id, ok := strings.CutPrefix(u.Path, "/node/"); ok && id != "" && !strings.Contains(id, "/") {
+				return id, nil
+			}
+		}
+	}
+	return "", errors.New("certificate names no node of this trust domain")
+}
+
+// SerialHex returns a certificate's serial number in lower-case hex.
+func SerialHex(cert *x509.Certificate) string { return hex.EncodeToString(cert.SerialNumber.Bytes()) }
+
+// PublicKeySHA256 returns the SHA-256 of a certificate's SubjectPublicKeyInfo
+// (its SPKI pin).
+func PublicKeySHA256(cert *x509.Certificate) []byte {
+	sum := sha256.Sum256(cert.RawSubjectPublicKeyInfo)
+	return sum[:]
+}
+
+// NewCSR makes a PKCS#10 request (DER) for key with commonName.
+func NewCSR(key crypto.Signer, commonName string) ([]byte, error) {
+	return x509.CreateCertificateRequest(rand.Reader, &x509.CertificateRequest{
+		Subject: pkix.Name{CommonName: commonName},
+	}, key)
+}
+
+// ParseCSR parses a DER CSR and checks that it is signed by the key it
+// carries. Errors say which check failed.
+func ParseCSR(der []byte) (*x509.CertificateRequest, error) {
+	csr, err := x509.ParseCertificateRequest(der)
+	if err != nil {
+		return nil, fmt.Errorf("csr is not a DER PKCS#10 request: %w", err)
+	}
+	if err := csr.CheckSignature(); err != nil {
+		return nil, fmt.Errorf("csr signature does not match its public key: %w", err)
+	}
+	switch csr.PublicKeyAlgorithm {
+	case x509.ECDSA, x509.Ed25519, x509.RSA:
+	default:
+		return nil, errors.New("csr public key algorithm is not supported")
+	}
+	return csr, nil
+}
+
+// IssueNode signs a node certificate for csr: client auth, subject CN the
+// node id, URI SAN NodeURI(trustDomain, nodeID), valid from now for ttl.
+func (ca *CA) IssueNode(csr *x509.CertificateRequest, nodeID, trustDomain string, now time.Time, ttl time.Duration) (*x509.Certificate, error) {
+	serial, err := randomSerial()
+	if err != nil {
+		return nil, err
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: serial,
+		Subject:      pkix.Name{CommonName: nodeID},
+		URIs:         []*url.URL{NodeURI(trustDomain, nodeID)},
+		NotBefore:    now.Add(-5 * time.Minute),
+		NotAfter:     now.Add(ttl),
+		KeyUsage:     x509.KeyUsageDigitalSignature,
+		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.Cert, csr.PublicKey, ca.Key)
+	if err != nil {
+		return nil, fmt.Errorf("sign node certificate: %w", err)
+	}
+	return x509.ParseCertificate(der)
+}
+
+// IssueServing signs a TLS server certificate for dnsNames (IP addresses
+// among them become IP SANs) with a new key, valid from now for validity.
+func (ca *CA) IssueServing(dnsNames []string, now time.Time, validity time.Duration) (*x509.Certificate, crypto.Signer, error) {
+	key, err := GenerateKey()
+	if err != nil {
+		return nil, nil, err
+	}
+	serial, err := randomSerial()
+	if err != nil {
+		return nil, nil, err
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: serial,
+		Subject:      pkix.Name{CommonName: firstOr(dnsNames, "gateway")},
+		NotBefore:    now.Add(-5 * time.Minute),
+		NotAfter:     now.Add(validity),
+		KeyUsage:     x509.KeyUsageDigitalSignature,
+		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+	}
+	for _, n := range dnsNames {
+		if ip := net.ParseIP(n); ip != nil {
+			tmpl.IPAddresses = append(tmpl.IPAddresses, ip)
+		} else {
+			tmpl.DNSNames = append(tmpl.DNSNames, n)
+		}
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.Cert, key.Public(), ca.Key)
+	if err != nil {
+		return nil, nil, fmt.Errorf("sign serving certificate: %w", err)
+	}
+	cert, err := x509.ParseCertificate(der)
+	return cert, key, err
+}
+
+func firstOr(s []string, d string) string {
+	if len(s) > 0 {
+		return s[0]
+	}
+	return d
+}
+
+// EncodeCertPEM returns cert as a PEM block.
+func EncodeCertPEM(cert *x509.Certificate) []byte {
+	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: cert.Raw})
+}
+
+// EncodeKeyPEM returns key as a PKCS#8 PEM block.
+func EncodeKeyPEM(key crypto.Signer) ([]byte, error) {
+	der, err := x509.MarshalPKCS8PrivateKey(key)
+	if err != nil {
+		return nil, err
+	}
+	return pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der}), nil
+}
+
+// ParseCertPEM parses the first certificate of a PEM file.
+func ParseCertPEM(b []byte) (*x509.Certificate, error) {
+	for {
+		var blk *pem.Block
+		blk, b = pem.Decode(b)
+		if blk == nil {
+			return nil, errors.New("no CERTIFICATE block in PEM")
+		}
+		if blk.Type == "CERTIFICATE" {
+			return x509.ParseCertificate(blk.Bytes)
+		}
+	}
+}
+
+// ParseKeyPEM parses a PKCS#8 (or SEC 1 EC) private key PEM block.
+func ParseKeyPEM(b []byte) (crypto.Signer, error) {
+	blk, _ := pem.Decode(b)
+	if blk == nil {
+		return nil, errors.New("no PEM block in key")
+	}
+	if k, err := x509.ParsePKCS8PrivateKey(blk.Bytes); err == nil {
+		s, ok := k.(crypto.Signer)
+		if !ok {
+			return nil, errors.New("key cannot sign")
+		}
+		return s, nil
+	}
+	return x509.ParseECPrivateKey(blk.Bytes)
+}
+
+// WriteCert writes cert as PEM to path (mode 0644).
+func WriteCert(path string, cert *x509.Certificate) error {
+	return writeFileAtomic(path, EncodeCertPEM(cert), 0o644)
+}
+
+// WriteKey writes key as PEM to path, owner-only (mode 0600).
+func WriteKey(path string, key crypto.Signer) error {
+	b, err := EncodeKeyPEM(key)
+	if err != nil {
+		return err
+	}
+	return writeFileAtomic(path, b, 0o600)
+}
+
+func writeFileAtomic(path string, b []byte, mode os.FileMode) error {
+	tmp, err := os.CreateTemp(filepath.Dir(path), ".tmp-"+filepath.Base(path))
+	if err != nil {
+		return err
+	}
+	defer os.Remove(tmp.Name())
+	if err := tmp.Chmod(mode); err != nil {
+		tmp.Close()
+		return err
+	}
+	if _, err := tmp.Write(b); err != nil {
+		tmp.Close()
+		return err
+	}
+	if err := tmp.Close(); err != nil {
+		return err
+	}
+	return os.Rename(tmp.Name(), path)
+}
+
+// LoadCA reads a CA's certificate and key from PEM files.
+func LoadCA(certPath, keyPath string) (*CA, error) {
+	cb, err := os.ReadFile(certPath)
+	if err != nil {
+		return nil, err
+	}
+	kb, err := os.ReadFile(keyPath)
+	if err != nil {
+		return nil, err
+	}
+	cert, err := ParseCertPEM(cb)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", certPath, err)
+	}
+	key, err := ParseKeyPEM(kb)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", keyPath, err)
+	}
+	return &CA{Cert: cert, Key: key}, nil
+}
+
+// LoadCert reads a PEM certificate file.
+func LoadCert(path string) (*x509.Certificate, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	return ParseCertPEM(b)
+}
+
+// InitOptions configure Init.
+type InitOptions struct {
+	// TrustDomain of node certificates; DefaultTrustDomain when empty.
+	TrustDomain string
+	// GatewayNames are the DNS names and IPs of the gateway's serving
+	// certificate; "gateway", "localhost" and 127.0.0.1 when empty.
+	GatewayNames []string
+}
+
+// Init writes a deployment's PKI into dir unless it is already there: the node
+// CA, the serving CA, a gateway serving certificate and the trust domain. It
+// creates only the files that are missing and reports whether it wrote any.
+func Init(dir string, opts InitOptions, now time.Time) (bool, error) {
+	if opts.TrustDomain == "" {
+		opts.TrustDomain = DefaultTrustDomain
+	}
+	if len(opts.GatewayNames) == 0 {
+		opts.GatewayNames = []string{"gateway", "localhost", "127.0.0.1"}
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return false, err
+	}
+	wrote := false
+	p := func(n string) string { return filepath.Join(dir, n) }
+	if !exists(p(TrustDomainTxt)) {
+		if err := writeFileAtomic(p(TrustDomainTxt), []byte(opts.TrustDomain+"\n"), 0o644); err != nil {
+			return false, err
+		}
+		wrote = true
+	}
+	for _, c := range []struct{ crt, key, cn string }{
+		{NodeCACert, NodeCAKey, "better-compute node CA"},
+		{ServingCACert, ServingCAKey, "better-compute serving CA"},
+	} {
+		if exists(p(c.crt)) && exists(p(c.key)) {
+			continue
+		}
+		ca, err := NewCA(c.cn, now, 10*365*24*time.Hour)
+		if err != nil {
+			return false, err
+		}
+		if err := WriteKey(p(c.key), ca.Key); err != nil {
+			return false, err
+		}
+		if err := WriteCert(p(c.crt), ca.Cert); err != nil {
+			return false, err
+		}
+		// A new serving CA invalidates any old gateway certificate.
+		if c.crt == ServingCACert {
+			_ = os.Remove(p(GatewayCert))
+		}
+		wrote = true
+	}
+	if !exists(p(GatewayCert)) || !exists(p(GatewayKey)) {
+		sca, err := LoadCA(p(ServingCACert), p(ServingCAKey))
+		if err != nil {
+			return false, err
+		}
+		cert, key, err := sca.IssueServing(opts.GatewayNames, now, 2*365*24*time.Hour)
+		if err != nil {
+			return false, err
+		}
+		if err := WriteKey(p(GatewayKey), key); err != nil {
+			return false, err
+		}
+		if err := WriteCert(p(GatewayCert), cert); err != nil {
+			return false, err
+		}
+		wrote = true
+	}
+	return wrote, nil
+}
+
+// ReadTrustDomain reads the trust domain file of a PKI directory.
+func ReadTrustDomain(dir string) (string, error) {
+	b, err := os.ReadFile(filepath.Join(dir, TrustDomainTxt))
+	if err != nil {
+		return "", err
+	}
+	return strings.TrimSpace(string(b)), nil
+}
+
+func exists(path string) bool {
+	_, err := os.Stat(path)
+	return err == nil
+}

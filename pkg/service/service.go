@@ -1,0 +1,174 @@
+// Package service holds what every better-compute service binary shares: an
+// HTTP server with sane limits that speaks HTTP/1.1 and h2c, Connect handler
+// options (OpenTelemetry, protovalidate, internal-error masking), a health
+// endpoint and the `healthcheck` subcommand that scratch images use in
+// compose health checks.
+package service
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"time"
+
+	"connectrpc.com/connect"
+	"connectrpc.com/otelconnect"
+	"connectrpc.com/validate"
+)
+
+// NewServer returns an http.Server for h on addr that accepts HTTP/1.1 and
+// cleartext HTTP/2, with header limits.
+func NewServer(addr string, h http.Handler) *http.Server {
+	var p http.Protocols
+	p.SetHTTP1(true)
+	p.SetUnencryptedHTTP2(true)
+	return &http.Server{
+		Addr:              addr,
+		Handler:           h,
+		Protocols:         &p,
+		ReadHeaderTimeout: 10 * time.Second,
+		MaxHeaderBytes:    64 << 10,
+		IdleTimeout:       5 * time.Minute,
+	}
+}
+
+// Serve runs srv on ln (or listens on srv.Addr when ln is nil) until ctx ends,
+// then shuts it down, waiting up to 10 s for requests in flight.
+func Serve(ctx context.Context, logger *slog.Logger, srv *http.Server, ln net.Listener) error {
+	if ln == nil {
+		var err error
+		ln, err = net.Listen("tcp", srv.Addr)
+		if err != nil {
+			return fmt.Errorf("listen %s: %w", srv.Addr, err)
+		}
+	}
+	logger.Info("listening", "addr", ln.Addr().String())
+	errc := make(chan error, 1)
+	go func() {
+		var err error
+		if srv.TLSConfig != nil {
+			err = srv.ServeTLS(ln, "", "")
+		} else {
+			err = srv.Serve(ln)
+		}
+		if errors.Is(err, http.ErrServerClosed) {
+			err = nil
+		}
+		errc <- err
+	}()
+	select {
+	case err := <-errc:
+		return err
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	if err := srv.Shutdown(sctx); err != nil {
+		_ = srv.Close()
+	}
+	return <-errc
+}
+
+// HandlerOptions returns the Connect options of every service: OpenTelemetry
+// tracing (otelconnect), protovalidate checks of requests (InvalidArgument
+// naming the field) and masking of Internal/Unknown error details.
+func HandlerOptions(logger *slog.Logger) []connect.HandlerOption {
+	otel, err := otelconnect.NewInterceptor()
+	if err != nil {
+		panic(err) // only fails on invalid options, which are constant here
+	}
+	return []connect.HandlerOption{
+		connect.WithInterceptors(otel, validate.NewInterceptor(), maskInternal(logger)),
+	}
+}
+
+// ClientOptions returns the Connect options of every client: OpenTelemetry
+// tracing that propagates trace context to the server.
+func ClientOptions() []connect.ClientOption {
+	otel, err := otelconnect.NewInterceptor()
+	if err != nil {
+		panic(err)
+	}
+	return []connect.ClientOption{connect.WithInterceptors(otel)}
+}
+
+// maskInternal logs Internal and Unknown errors and returns a generic message
+// in their place, so that SQL and internals never reach clients.
+func maskInternal(logger *slog.Logger) connect.UnaryInterceptorFunc {
+	return func(next connect.UnaryFunc) connect.UnaryFunc {
+		return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+			res, err := next(ctx, req)
+			if err == nil {
+				return res, nil
+			}
+			code := connect.CodeOf(err)
+			if code == connect.CodeInternal || code == connect.CodeUnknown {
+				logger.ErrorContext(ctx, "internal error", "procedure", req.Spec().Procedure, "err", err)
+				return nil, connect.NewError(connect.CodeInternal, errors.New("internal error"))
+			}
+			return res, err
+		}
+	}
+}
+
+// Check is one readiness check of a health endpoint.
+type Check func(ctx context.Context) error
+
+// HealthHandler answers GET /healthz with 200 "ok" when every check passes
+// within 2 s, and 503 with the first failure otherwise.
+func HealthHandler(checks ...Check) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
+		defer cancel()
+		for _, c := range checks {
+			if err := c(ctx); err != nil {
+				http.Error(w, "unhealthy: "+err.Error(), http.StatusServiceUnavailable)
+				return
+			}
+		}
+		w.Header().Set("Content-Type", "text/plain")
+		_, _ = w.Write([]byte("ok\n"))
+	})
+}
+
+// Healthcheck GETs url and returns the process exit code for a container
+// health check: 0 when it answered 200, 1 otherwise.
+func Healthcheck(url string) int {
+	c := &http.Client{Timeout: 3 * time.Second}
+	resp, err := c.Get(url)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "healthcheck:", err)
+		return 1
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		fmt.Fprintln(os.Stderr, "healthcheck:", resp.Status)
+		return 1
+	}
+	return 0
+}
+
+// Env returns the environment variable key, or def when it is unset or empty.
+func Env(key, def string) string {
+	if v := os.Getenv(key); v != "" {
+		return v
+	}
+	return def
+}
+
+// EnvDuration returns the duration in key (Go syntax, "5s"), or def.
+func EnvDuration(key string, def time.Duration) (time.Duration, error) {
+	v := os.Getenv(key)
+	if v == "" {
+		return def, nil
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil {
+		return 0, fmt.Errorf("%s: %w", key, err)
+	}
+	return d, nil
+}

@@ -1,0 +1,171 @@
+// Package store is better-compute's one way into PostgreSQL: a pgx pool with
+// OpenTelemetry tracing, transactions that retry serialization failures, the
+// embedded migrations, and the queries of every service.
+//
+// Queries take a DBTX so that the pool and a transaction share code. Driver
+// errors become the sentinels below in one place (interpretError); add a
+// constraint name there when a new unique or exclusion constraint needs its
+// own sentinel. Each area keeps its queries in a file of its own
+// (jointokens.go, nodes.go, commands.go, outbox.go, …).
+package store
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/exaring/otelpgx"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/better-compute/better-compute/pkg/clock"
+)
+
+// Sentinel errors returned by store functions; wrap-compare with errors.Is.
+var (
+	// ErrNotFound means the row does not exist (or is not visible).
+	ErrNotFound = errors.New("not found")
+	// ErrConflict means a unique or exclusion constraint refused the change.
+	ErrConflict = errors.New("conflict")
+	// ErrStale means the row changed under an optimistic update.
+	ErrStale = errors.New("stale")
+)
+
+// DBTX is what both *pgxpool.Pool and pgx.Tx offer.
+type DBTX interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
+	CopyFrom(ctx context.Context, tableName pgx.Identifier, columnNames []string, rowSrc pgx.CopyFromSource) (int64, error)
+}
+
+// DB is the connection pool plus the clock that stamps rows.
+type DB struct {
+	Pool  *pgxpool.Pool
+	Clock clock.Clock
+}
+
+// Options tune Open.
+type Options struct {
+	// MaxConns caps the pool; 0 keeps pgx's default (max(4, CPUs)).
+	MaxConns int32
+}
+
+// Open connects to the database at url (a postgres:// URL) with tracing and
+// waits until it answers a ping, retrying for up to wait.
+func Open(ctx context.Context, url string, clk clock.Clock, wait time.Duration, opts Options) (*DB, error) {
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, fmt.Errorf("parse database url: %w", err)
+	}
+	cfg.ConnConfig.Tracer = otelpgx.NewTracer()
+	if opts.MaxConns > 0 {
+		cfg.MaxConns = opts.MaxConns
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("open database: %w", err)
+	}
+	deadline := clk.Now().Add(wait)
+	for {
+		err = pool.Ping(ctx)
+		if err == nil {
+			return &DB{Pool: pool, Clock: clk}, nil
+		}
+		if clk.Now().After(deadline) {
+			pool.Close()
+			return nil, fmt.Errorf("database not reachable after %s: %w", wait, err)
+		}
+		if serr := clock.Sleep(ctx, clk, 250*time.Millisecond); serr != nil {
+			pool.Close()
+			return nil, serr
+		}
+	}
+}
+
+// Close closes the pool.
+func (db *DB) Close() { db.Pool.Close() }
+
+// Now returns the clock's time truncated to microseconds, the precision of
+// timestamptz.
+func (db *DB) Now() time.Time { return db.Clock.Now().UTC().Truncate(time.Microsecond) }
+
+// InTx runs fn in a transaction and commits it. A serialization failure or
+// deadlock (SQLSTATE 40001, 40P01) reruns fn, up to 10 times; any other error
+// rolls back and is returned, interpreted (ErrNotFound, ErrConflict).
+func (db *DB) InTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
+	var err error
+	for attempt := 0; attempt < 10; attempt++ {
+		err = db.inTxOnce(ctx, fn)
+		if !isRetryable(err) {
+			return err
+		}
+	}
+	return err
+}
+
+func (db *DB) inTxOnce(ctx context.Context, fn func(tx pgx.Tx) error) error {
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		return interpretError(err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	if err := fn(tx); err != nil {
+		return interpretError(err)
+	}
+	return interpretError(tx.Commit(ctx))
+}
+
+func isRetryable(err error) bool {
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		return pe.Code == "40001" || pe.Code == "40P01"
+	}
+	return false
+}
+
+// interpretError turns driver errors into sentinels; other errors pass
+// through unchanged.
+func interpretError(err error) error {
+	if err == nil {
+		return nil
+	}
+	if errors.Is(err, pgx.ErrNoRows) {
+		return fmt.Errorf("%w: %w", ErrNotFound, err)
+	}
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		switch pe.Code {
+		case "23505", "23P01": // unique_violation, exclusion_violation
+			return &ConstraintError{Constraint: pe.ConstraintName, err: err}
+		}
+	}
+	return err
+}
+
+// ConstraintError is a unique or exclusion violation of a named constraint.
+// It matches ErrConflict under errors.Is.
+type ConstraintError struct {
+	// Constraint is the constraint's name in the schema.
+	Constraint string
+	err        error
+}
+
+func (e *ConstraintError) Error() string {
+	return "conflict on " + e.Constraint + ": " + e.err.Error()
+}
+
+// Is makes errors.Is(err, ErrConflict) true.
+func (e *ConstraintError) Is(target error) bool { return target == ErrConflict }
+
+// Unwrap returns the driver error.
+func (e *ConstraintError) Unwrap() error { return e.err }
+
+// IsConstraint reports whether err is a violation of the named constraint.
+func IsConstraint(err error, name string) bool {
+	var ce *ConstraintError
+	return errors.As(err, &ce) && ce.Constraint == name
+}

@@ -1,0 +1,416 @@
+#!/usr/bin/env bash
+# Builds every container image better-compute needs, from local sources only
+# (no image is pulled from any registry): Debian packages through the host's
+# own apt mirror, Go modules through the Go module proxy, and the binaries the
+# Makefile builds into bin/linux/.
+#
+# Each image carries the label org.better-compute.inputs-hash, a hash of what it
+# is built from; an image whose label already matches is skipped, so a second
+# run takes seconds. See usage() for the commands and variables.
+set -euo pipefail
+
+usage() {
+	cat <<'EOF'
+usage: scripts/images.sh [--force] [all|postgres|nats|services [NAME...]]...
+
+  all       postgres, nats and services (the default)
+  postgres  ${BC_POSTGRES_IMAGE:-better-compute/postgres:15}: debootstrap'd
+            Debian bookworm + postgresql-15, official-image-like entrypoint
+  nats      ${BC_NATS_IMAGE:-better-compute/nats:<version>}: static nats-server
+            built with `go install`, on scratch
+  services  ${BC_IMAGE_PREFIX:-better-compute}/<name>:${BC_SERVICE_TAG:-dev} for each
+            static binary $BIN_DIR/<name> (default bin/linux/, built by the Makefile);
+            names: $BC_SERVICES (default: api joinservice gateway scheduler
+            controllers fakedaemon better-compute), or the NAMEs given
+  --force   rebuild even when an up-to-date image exists (also re-runs
+            debootstrap and go install)
+
+environment:
+  BC_POSTGRES_IMAGE  postgres image name     (better-compute/postgres:15)
+  BC_NATS_VERSION    nats-server version     (v2.15.2)
+  BC_NATS_IMAGE      nats image name         (better-compute/nats:<version without v>)
+  BC_IMAGE_PREFIX    service image prefix    (better-compute)
+  BC_SERVICE_TAG     service image tag       (dev)
+  BC_SERVICES        service names           (see above)
+  BIN_DIR            where the service binaries are (<repo>/bin/linux)
+  BC_CACHE_DIR       cache (rootfs, nats-server, logs)
+                     (${XDG_CACHE_HOME:-$HOME/.cache}/better-compute)
+  BC_DEBIAN_MIRROR   Debian mirror for debootstrap (default: read from /etc/apt)
+  BC_DEBIAN_SECURITY_MIRROR  mirror of bookworm-security (default: read from /etc/apt)
+EOF
+}
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+DEPLOY=$ROOT/deploy
+CACHE_DIR=${BC_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/better-compute}
+LABEL=org.better-compute.inputs-hash
+# Bump to invalidate every image built by an older version of this script.
+SCHEMA=1
+
+PG_MAJOR=15
+PG_SUITE=bookworm
+PG_PACKAGES="postgresql-$PG_MAJOR"
+PG_IMAGE=${BC_POSTGRES_IMAGE:-better-compute/postgres:$PG_MAJOR}
+
+NATS_VERSION=${BC_NATS_VERSION:-v2.15.2}
+NATS_IMAGE=${BC_NATS_IMAGE:-better-compute/nats:${NATS_VERSION#v}}
+
+IMAGE_PREFIX=${BC_IMAGE_PREFIX:-better-compute}
+SERVICE_TAG=${BC_SERVICE_TAG:-dev}
+BIN_DIR=${BIN_DIR:-$ROOT/bin/linux}
+DEFAULT_SERVICES="api joinservice gateway scheduler controllers fakedaemon better-compute"
+read -r -a SERVICES <<<"${BC_SERVICES:-$DEFAULT_SERVICES}"
+
+export DOCKER_BUILDKIT=0 # no buildx here: the classic builder
+
+FORCE=0
+STARTED=$SECONDS
+
+# Paths removed on exit, whatever happens (temporary build contexts, a
+# half-made root file system).
+CLEANUP=()
+cleanup() {
+	local p
+	for p in ${CLEANUP[@]+"${CLEANUP[@]}"}; do
+		rm -rf --one-file-system "$p"
+	done
+}
+trap cleanup EXIT
+
+log() { printf '==> %s\n' "$*" >&2; }
+die() {
+	printf 'images.sh: error: %s\n' "$*" >&2
+	exit 1
+}
+
+# hash_of: sha256 of stdin.
+hash_of() { sha256sum | cut -d' ' -f1; }
+
+# image_label IMAGE: the inputs-hash label of IMAGE, empty when there is none.
+image_label() {
+	docker image inspect --format "{{index .Config.Labels \"$LABEL\"}}" "$1" 2>/dev/null || true
+}
+
+# up_to_date IMAGE HASH: true when IMAGE exists with HASH (and no --force).
+up_to_date() {
+	[[ $FORCE == 0 && "$(image_label "$1")" == "$2" ]]
+}
+
+# drop_old OLD_ID: remove an image that a rebuild has left without a tag.
+drop_old() {
+	local old=$1
+	[[ -n $old ]] || return 0
+	if [[ -z "$(docker image inspect --format '{{join .RepoTags " "}}' "$old" 2>/dev/null)" ]]; then
+		docker image rm "$old" >/dev/null 2>&1 || true
+	fi
+}
+
+image_id() { docker image inspect --format '{{.Id}}' "$1" 2>/dev/null || true; }
+
+# run_logged LOG CMD...: run CMD with its output in LOG; show the end of it on failure.
+run_logged() {
+	local logfile=$1
+	shift
+	if ! "$@" >"$logfile" 2>&1; then
+		tail -n 40 "$logfile" >&2
+		die "failed: $* (full log: $logfile)"
+	fi
+}
+
+# docker_build LOG ARGS...: `docker build ARGS` (classic builder, stdin passed
+# on), quiet unless it fails.
+docker_build() {
+	local logfile=$1
+	shift
+	if ! docker build "$@" >"$logfile" 2>&1; then
+		tail -n 40 "$logfile" >&2
+		die "docker build failed (full log: $logfile)"
+	fi
+}
+
+# apt_uri SUITE: the first enabled "deb" source of the host (/etc/apt) that
+# serves SUITE with component main, in one-line or deb822 format.
+apt_uri() {
+	local suite=$1 f
+	local files=()
+	[[ -f /etc/apt/sources.list ]] && files+=(/etc/apt/sources.list)
+	for f in /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; do
+		[[ -f $f ]] && files+=("$f")
+	done
+	((${#files[@]})) || return 0
+	for f in "${files[@]}"; do
+		if [[ $f == *.sources ]]; then
+			awk -v suite="$suite" '
+				BEGIN { RS = ""; FS = "\n" }
+				{
+					types = uris = suites = comps = ""; enabled = "yes"
+					for (i = 1; i <= NF; i++) {
+						line = $i
+						if (line ~ /^[ \t]*#/) continue
+						key = tolower(line); sub(/:.*/, "", key)
+						val = line; sub(/^[^:]*:[ \t]*/, "", val)
+						if (key == "types") types = val
+						else if (key == "uris") uris = val
+						else if (key == "suites") suites = val
+						else if (key == "components") comps = val
+						else if (key == "enabled") enabled = tolower(val)
+					}
+					if (enabled == "no" || enabled == "false") next
+					if ((" " types " ") !~ / deb /) next
+					if ((" " suites " ") !~ (" " suite " ")) next
+					if ((" " comps " ") !~ / main /) next
+					split(uris, u, /[ \t]+/); print u[1]; exit
+				}' "$f"
+		else
+			awk -v suite="$suite" '
+				$1 == "deb" {
+					i = 2
+					if ($i ~ /^\[/) { while ($i !~ /\]$/) i++; i++ }
+					uri = $(i); s = $(i + 1); comps = ""
+					for (j = i + 2; j <= NF; j++) comps = comps " " $j
+					if (s == suite && (comps " ") ~ / main /) { print uri; exit }
+				}' "$f"
+		fi
+	done | head -n 1
+}
+
+lock_cache() {
+	mkdir -p "$CACHE_DIR"
+	exec 9>"$CACHE_DIR/.lock"
+	if ! flock -n 9; then
+		log "waiting for another images.sh run (lock $CACHE_DIR/.lock)"
+		flock 9
+	fi
+}
+
+# ---------------------------------------------------------------- postgres --
+
+build_postgres() {
+	local t0=$SECONDS
+	local ctx=$DEPLOY/postgres
+	local rootfs_hash hash
+	rootfs_hash=$( {
+		echo "schema=$SCHEMA suite=$PG_SUITE variant=minbase packages=$PG_PACKAGES major=$PG_MAJOR"
+		cat "$ctx/setup-rootfs.sh"
+	} | hash_of)
+	hash=$( {
+		echo "rootfs=$rootfs_hash"
+		cat "$ctx/Dockerfile" "$ctx/docker-entrypoint.sh"
+	} | hash_of)
+
+	if up_to_date "$PG_IMAGE" "$hash"; then
+		log "skip  $PG_IMAGE (up to date, ${hash:0:12})"
+		return
+	fi
+	log "build $PG_IMAGE (${hash:0:12})"
+
+	local dir=$CACHE_DIR/postgres
+	local rootfs=$dir/rootfs-${rootfs_hash:0:16}
+	mkdir -p "$dir"
+	if [[ $FORCE == 1 || ! -f $rootfs/.complete ]]; then
+		make_rootfs "$rootfs"
+	else
+		log "      reusing root file system $rootfs"
+	fi
+
+	local old base
+	old=$(image_id "$PG_IMAGE")
+	log "      docker import + docker build"
+	# The imported base stays untagged: it is only the parent of the image.
+	base=$(tar --numeric-owner --exclude=./.complete -C "$rootfs" -c . |
+		docker import --message "Debian $PG_SUITE minbase + $PG_PACKAGES" -)
+	docker_build "$dir/docker-build.log" -f "$ctx/Dockerfile" --build-arg "BASE=$base" \
+		--label "$LABEL=$hash" -t "$PG_IMAGE" "$ctx"
+	drop_old "$old"
+	log "      built $PG_IMAGE in $((SECONDS - t0))s"
+}
+
+# make_rootfs DIR: debootstrap + setup-rootfs.sh into DIR (atomically).
+make_rootfs() {
+	local rootfs=$1 dir
+	dir=$(dirname "$rootfs")
+	command -v debootstrap >/dev/null || {
+		log "      installing debootstrap (apt-get)"
+		run_logged "$dir/apt-get.log" sh -c \
+			'apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends debootstrap'
+	}
+	local mirror security
+	mirror=${BC_DEBIAN_MIRROR:-$(apt_uri "$PG_SUITE")}
+	security=${BC_DEBIAN_SECURITY_MIRROR:-$(apt_uri "$PG_SUITE-security")}
+	[[ -n $mirror ]] || die "no apt source for '$PG_SUITE main' in /etc/apt; set BC_DEBIAN_MIRROR"
+
+	local tmp=$dir/rootfs.tmp
+	rm -rf --one-file-system "$tmp"
+	CLEANUP+=("$tmp") # moved into place below when complete
+
+	log "      debootstrap --variant=minbase $PG_SUITE (log: $dir/debootstrap.log)"
+	run_logged "$dir/debootstrap.log" \
+		debootstrap --variant=minbase "$PG_SUITE" "$tmp" "$mirror"
+
+	{
+		echo "deb $mirror $PG_SUITE main"
+		echo "deb $mirror $PG_SUITE-updates main"
+		[[ -z $security ]] || echo "deb $security $PG_SUITE-security main"
+	} >"$tmp/etc/apt/sources.list"
+	install -m 0755 "$DEPLOY/postgres/setup-rootfs.sh" "$tmp/tmp/setup-rootfs.sh"
+
+	log "      installing $PG_PACKAGES in the chroot (log: $dir/setup-rootfs.log)"
+	run_logged "$dir/setup-rootfs.log" \
+		chroot "$tmp" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
+		PG_MAJOR="$PG_MAJOR" /bin/sh /tmp/setup-rootfs.sh
+	# The host's; Docker provides its own at run time.
+	: >"$tmp/etc/resolv.conf"
+	echo localhost >"$tmp/etc/hostname"
+
+	touch "$tmp/.complete"
+	local old
+	for old in "$dir"/rootfs-*; do
+		[[ -d $old ]] && rm -rf --one-file-system "$old"
+	done
+	mv "$tmp" "$rootfs"
+}
+
+# -------------------------------------------------------------------- nats --
+
+build_nats() {
+	local t0=$SECONDS
+	local dockerfile=$DEPLOY/nats/Dockerfile
+	local hash
+	hash=$( {
+		echo "schema=$SCHEMA nats=$NATS_VERSION"
+		cat "$dockerfile"
+	} | hash_of)
+	if up_to_date "$NATS_IMAGE" "$hash"; then
+		log "skip  $NATS_IMAGE (up to date, ${hash:0:12})"
+		return
+	fi
+	log "build $NATS_IMAGE (${hash:0:12})"
+
+	local dir=$CACHE_DIR/nats/$NATS_VERSION
+	local bin=$dir/nats-server
+	if [[ $FORCE == 1 || ! -x $bin ]]; then
+		mkdir -p "$dir"
+		local gobin
+		gobin=$(mktemp -d "$dir/gobin.XXXXXX")
+		CLEANUP+=("$gobin")
+		log "      go install github.com/nats-io/nats-server/v2@$NATS_VERSION (log: $dir/go-install.log)"
+		# Outside the repo, so its go.mod/go.work play no part.
+		run_logged "$dir/go-install.log" \
+			env -C "$gobin" CGO_ENABLED=0 GOWORK=off GOFLAGS=-trimpath GOBIN="$gobin" \
+			go install -ldflags='-s -w' "github.com/nats-io/nats-server/v2@$NATS_VERSION"
+		mv "$gobin/nats-server" "$bin"
+		rm -rf "$gobin"
+	else
+		log "      reusing $bin"
+	fi
+
+	local ctx
+	ctx=$(mktemp -d)
+	CLEANUP+=("$ctx")
+	mkdir -p "$ctx/rootfs/tmp" "$ctx/data"
+	chmod 1777 "$ctx/rootfs/tmp"
+	cp "$bin" "$ctx/nats-server"
+	local old
+	old=$(image_id "$NATS_IMAGE")
+	docker_build "$CACHE_DIR/nats/docker-build.log" -f "$dockerfile" --label "$LABEL=$hash" -t "$NATS_IMAGE" "$ctx"
+	drop_old "$old"
+	log "      built $NATS_IMAGE in $((SECONDS - t0))s"
+}
+
+# ---------------------------------------------------------------- services --
+
+build_services() {
+	local names=("$@")
+	((${#names[@]})) || names=("${SERVICES[@]}")
+	local name missing=()
+	for name in "${names[@]}"; do
+		[[ -f $BIN_DIR/$name ]] || missing+=("$name")
+	done
+	((${#missing[@]} == 0)) ||
+		die "no binary for: ${missing[*]} in $BIN_DIR (run the Makefile's linux build, or set BIN_DIR)"
+	for name in "${names[@]}"; do
+		build_service "$name"
+	done
+}
+
+build_service() {
+	local name=$1 t0=$SECONDS
+	local bin=$BIN_DIR/$name
+	local image=$IMAGE_PREFIX/$name:$SERVICE_TAG
+	local dockerfile=$DEPLOY/service.Dockerfile
+	if command -v go >/dev/null && go version -m "$bin" 2>/dev/null | grep -q 'CGO_ENABLED=1'; then
+		die "$bin was built with CGO_ENABLED=1; scratch images need a static binary (CGO_ENABLED=0)"
+	fi
+	local hash
+	hash=$( {
+		echo "schema=$SCHEMA name=$name"
+		sha256sum <"$bin"
+		cat "$dockerfile"
+	} | hash_of)
+	if up_to_date "$image" "$hash"; then
+		log "skip  $image (up to date, ${hash:0:12})"
+		return
+	fi
+	log "build $image (${hash:0:12})"
+	local ctx
+	ctx=$(mktemp -d)
+	CLEANUP+=("$ctx")
+	mkdir -p "$ctx/rootfs/tmp" "$ctx/data" "$CACHE_DIR/services"
+	chmod 1777 "$ctx/rootfs/tmp"
+	cp "$bin" "$ctx/$name"
+	chmod 0755 "$ctx/$name"
+	local old
+	old=$(image_id "$image")
+	{
+		cat "$dockerfile"
+		printf 'ENTRYPOINT ["/%s"]\n' "$name"
+	} | docker_build "$CACHE_DIR/services/$name.docker-build.log" -f - --build-arg "BIN=$name" \
+		--label "$LABEL=$hash" -t "$image" "$ctx"
+	drop_old "$old"
+	log "      built $image in $((SECONDS - t0))s"
+}
+
+# -------------------------------------------------------------------- main --
+
+main() {
+	local targets=() names=() arg
+	for arg in "$@"; do
+		case $arg in
+		-h | --help)
+			usage
+			return 0
+			;;
+		-f | --force) FORCE=1 ;;
+		all | postgres | nats | services) targets+=("$arg") ;;
+		-*) die "unknown option $arg (see --help)" ;;
+		*)
+			# NAMEs after "services"
+			[[ ${#targets[@]} -gt 0 && ${targets[-1]} == services ]] ||
+				die "unknown command $arg (see --help)"
+			names+=("$arg")
+			;;
+		esac
+	done
+	((${#targets[@]})) || targets=(all)
+
+	command -v docker >/dev/null || die "docker not found"
+	docker info >/dev/null 2>&1 || die "cannot reach the Docker daemon"
+	lock_cache
+
+	local t
+	for t in "${targets[@]}"; do
+		case $t in
+		all)
+			build_postgres
+			build_nats
+			build_services
+			;;
+		postgres) build_postgres ;;
+		nats) build_nats ;;
+		services) build_services ${names[@]+"${names[@]}"} ;;
+		esac
+	done
+	log "done in $((SECONDS - STARTED))s"
+}
+
+main "$@"
