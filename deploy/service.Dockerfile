@@ -10,5 +10,10 @@ ARG BIN
 COPY rootfs/ /
 # A writable data directory, e.g. /var/lib/fakedaemon for the fakedaemon.
 COPY --chown=65534:65534 data/ /var/lib/${BIN}/
+# The compose stack's named volumes mount here (pki: the deployment's keys;
+# shared: the bootstrap's join token and root credentials). Docker copies a
+# mount point's ownership into an empty named volume, so they start writable.
+COPY --chown=65534:65534 data/ /var/lib/better-compute/pki/
+COPY --chown=65534:65534 data/ /var/lib/better-compute/shared/
 COPY ${BIN} /${BIN}
 USER 65534:65534

@@ -275,10 +275,16 @@ make_rootfs() {
 build_nats() {
 	local t0=$SECONDS
 	local dockerfile=$DEPLOY/nats/Dockerfile
+	# bc-healthcheck: the compose health check of a scratch image (no shell).
+	local hc
+	hc=$(mktemp -d)
+	CLEANUP+=("$hc")
+	CGO_ENABLED=0 go build -C "$ROOT/pkg" -trimpath -ldflags='-s -w' -o "$hc/bc-healthcheck" ./service/healthcheck
 	local hash
 	hash=$( {
 		echo "schema=$SCHEMA nats=$NATS_VERSION"
 		cat "$dockerfile"
+		sha256sum <"$hc/bc-healthcheck"
 	} | hash_of)
 	if up_to_date "$NATS_IMAGE" "$hash"; then
 		log "skip  $NATS_IMAGE (up to date, ${hash:0:12})"
@@ -310,6 +316,7 @@ build_nats() {
 	mkdir -p "$ctx/rootfs/tmp" "$ctx/data"
 	chmod 1777 "$ctx/rootfs/tmp"
 	cp "$bin" "$ctx/nats-server"
+	cp "$hc/bc-healthcheck" "$ctx/bc-healthcheck"
 	local old
 	old=$(image_id "$NATS_IMAGE")
 	docker_build "$CACHE_DIR/nats/docker-build.log" -f "$dockerfile" --label "$LABEL=$hash" -t "$NATS_IMAGE" "$ctx"

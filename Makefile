@@ -1,0 +1,106 @@
+# better-compute: `make up` runs the product, `make test` runs the tests.
+# `make help` lists every target.
+
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+GO ?= go
+# Every Go module of the workspace, in dependency order.
+MODULES := api pkg services/api services/joinservice services/gateway services/scheduler \
+	services/controllers services/fakedaemon cmd/better-compute tests
+SERVICES := api joinservice gateway scheduler controllers fakedaemon
+BIN := bin/linux
+TOOLS := bin/tools
+FLEET ?= 8
+
+# No buildx here: the classic builder, for docker and for compose v1.
+export DOCKER_BUILDKIT := 0
+export COMPOSE_DOCKER_CLI_BUILD := 0
+export COMPOSE_PROJECT_NAME ?= better-compute
+# Ryuk's image cannot be pulled; tests terminate their own containers.
+export TESTCONTAINERS_RYUK_DISABLED := true
+COMPOSE := $(shell if docker compose version >/dev/null 2>&1; then echo "docker compose"; else echo docker-compose; fi)
+
+.PHONY: help
+help: ## Show this help.
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+$(TOOLS)/.stamp: tools/go.mod tools/go.sum
+	@mkdir -p $(TOOLS)
+	cd tools && GOWORK=off $(GO) build -o ../$(TOOLS)/ github.com/bufbuild/buf/cmd/buf \
+		google.golang.org/protobuf/cmd/protoc-gen-go connectrpc.com/connect/cmd/protoc-gen-connect-go \
+		github.com/golangci/golangci-lint/v2/cmd/golangci-lint
+	@touch $@
+
+.PHONY: tools
+tools: $(TOOLS)/.stamp ## Build the pinned tools (buf, protoc plugins, golangci-lint) into bin/tools.
+
+.PHONY: generate
+generate: tools ## Regenerate the protobuf code in api/gen.
+	cd api && PATH="$(CURDIR)/$(TOOLS):$$PATH" buf lint proto && PATH="$(CURDIR)/$(TOOLS):$$PATH" buf generate
+
+.PHONY: generate-check
+generate-check: generate ## Fail when api/gen differs from what the protos generate.
+	@git diff --exit-code --stat -- api/gen || { echo "api/gen is stale: run make generate and commit"; exit 1; }
+	@test -z "$$(git status --porcelain -- api/gen)" || { git status --porcelain -- api/gen; echo "api/gen has untracked files: run make generate and commit"; exit 1; }
+
+.PHONY: vet
+vet: ## go vet every module.
+	@for m in $(MODULES); do echo "vet $$m"; (cd $$m && $(GO) vet ./...); done
+
+.PHONY: lint
+lint: tools ## golangci-lint every module, plus the one-clock rule.
+	@for m in $(MODULES); do echo "lint $$m"; (cd $$m && "$(CURDIR)/$(TOOLS)/golangci-lint" run --config "$(CURDIR)/.golangci.yml" ./...); done
+	scripts/lint-clock.sh
+
+.PHONY: build
+build: ## Build static binaries of every service and the CLI into bin/linux.
+	@mkdir -p $(BIN)
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w' -o $(BIN)/ $(addprefix ./services/,$(SERVICES))
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w' -o $(BIN)/better-compute ./cmd/better-compute
+
+.PHONY: images
+images: build ## Build every image compose and the tests need (no registry: postgres, nats, services).
+	scripts/images.sh all
+
+.PHONY: up
+up: images ## Build what is missing, start the stack with $(FLEET) fakedaemons and print the CLI's environment.
+	$(COMPOSE) up -d --scale fakedaemon=$(FLEET)
+	scripts/wait-fleet.sh $(FLEET)
+
+.PHONY: down
+down: ## Stop the stack and delete its volumes.
+	$(COMPOSE) down -v --remove-orphans
+
+.PHONY: ps
+ps: ## Show the stack's containers.
+	$(COMPOSE) ps
+
+# Unit and integration tests of every module except tests/ (real Postgres in
+# containers via testcontainers, embedded NATS), with the race detector.
+.PHONY: test-unit
+test-unit: images
+	@for m in $(filter-out tests,$(MODULES)); do echo "test $$m"; (cd $$m && $(GO) test -race -count=1 -timeout 10m ./...); done
+
+# The suites of tests/: services in process against Postgres and NATS
+# containers, and the compose fleet end to end.
+.PHONY: test-e2e
+test-e2e: images
+	cd tests && $(GO) test -race -count=1 -timeout 20m ./...
+
+.PHONY: test
+test: images ## Run every test suite (unit, integration, compose end to end).
+	$(MAKE) --no-print-directory test-unit
+	$(MAKE) --no-print-directory test-e2e
+
+.PHONY: check
+check: vet lint generate-check test ## vet, lint, generate-and-diff, and every test.
+
+.PHONY: bench
+bench: images ## Run the benchmarks and print their figures.
+	cd tests && $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 30m ./bench/...
+
+.PHONY: clean
+clean: ## Remove built binaries and tools.
+	rm -rf bin

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Waits until the compose stack's N fakedaemons are adopted, then prints the
+# environment for the CLI (also written to .better-compute/compose.env).
+# Usage: scripts/wait-fleet.sh N [TIMEOUT_SECONDS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+want=${1:-8}
+timeout=${2:-180}
+if docker compose version >/dev/null 2>&1; then compose=(docker compose); else compose=(docker-compose); fi
+cli=bin/linux/better-compute
+
+start=$SECONDS
+# The bootstrap one-shot writes the root credentials into the shared volume.
+env_file=.better-compute/compose.env
+mkdir -p .better-compute
+until id=$("${compose[@]}" ps -q bootstrap 2>/dev/null) && [[ -n $id ]] &&
+	docker cp "$id:/var/lib/better-compute/shared/root.env" - 2>/dev/null | tar -xO >"$env_file.tmp" 2>/dev/null &&
+	[[ -s $env_file.tmp ]]; do
+	if ((SECONDS - start > timeout)); then
+		echo "bootstrap did not write its credentials within ${timeout}s:" >&2
+		"${compose[@]}" logs --tail 30 bootstrap >&2 || true
+		exit 1
+	fi
+	sleep 1
+done
+mv "$env_file.tmp" "$env_file"
+port=${BC_API_PORT:-8080}
+echo "export BETTER_COMPUTE_URL=http://127.0.0.1:$port" >>"$env_file"
+# shellcheck disable=SC1090
+source "$env_file"
+export BETTER_COMPUTE_URL BETTER_COMPUTE_TOKEN BETTER_COMPUTE_TENANT
+
+adopted=0
+while :; do
+	adopted=$("$cli" nodes list -o json 2>/dev/null | grep -o '"state": *"adopted"' | wc -l || true)
+	if ((adopted >= want)); then break; fi
+	if ((SECONDS - start > timeout)); then
+		echo "only $adopted of $want nodes adopted after ${timeout}s" >&2
+		"$cli" nodes list >&2 || true
+		exit 1
+	fi
+	sleep 1
+done
+echo "$adopted nodes adopted in $((SECONDS - start))s"
+"$cli" nodes list
+echo
+echo "The CLI's environment (source $env_file):"
+cat "$env_file"

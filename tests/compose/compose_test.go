@@ -1,0 +1,250 @@
+// Package compose_test brings up compose.yaml the way a user does (`docker
+// compose` or Debian's docker-compose v1, whichever exists) and drives the
+// fleet with the better-compute CLI. It needs the images of `make images` and
+// the CLI binary in bin/linux (`make build`).
+package compose_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// node is one element of `better-compute nodes list -o json`.
+type node struct {
+	ID       string `json:"id"`
+	Pool     string `json:"pool"`
+	State    string `json:"state"`
+	Reason   string `json:"reason"`
+	GPUs     int    `json:"gpus"`
+	Model    string `json:"model"`
+	Gateway  string `json:"gateway"`
+	LastSeen string `json:"lastSeen"`
+}
+
+type stack struct {
+	t       *testing.T
+	root    string
+	project string
+	compose []string
+	env     []string
+	cli     string
+}
+
+func repoRoot(t *testing.T) string {
+	t.Helper()
+	wd, err := os.Getwd()
+	require.NoError(t, err)
+	return filepath.Dir(filepath.Dir(wd))
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+func composeCommand() []string {
+	if exec.Command("docker", "compose", "version").Run() == nil {
+		return []string{"docker", "compose"}
+	}
+	return []string{"docker-compose"}
+}
+
+func newStack(t *testing.T) *stack {
+	t.Helper()
+	root := repoRoot(t)
+	cli := filepath.Join(root, "bin", "linux", "better-compute")
+	if _, err := os.Stat(cli); err != nil {
+		t.Fatalf("CLI binary missing (run make build): %v", err)
+	}
+	s := &stack{
+		t:       t,
+		root:    root,
+		project: fmt.Sprintf("bce2e%d", os.Getpid()),
+		compose: composeCommand(),
+		cli:     cli,
+	}
+	s.env = append(os.Environ(),
+		"COMPOSE_PROJECT_NAME="+s.project,
+		"DOCKER_BUILDKIT=0", "COMPOSE_DOCKER_CLI_BUILD=0",
+		"BC_API_PORT="+strconv.Itoa(freePort(t)),
+	)
+	t.Cleanup(func() {
+		if t.Failed() {
+			out, _ := s.run(context.Background(), "logs", "--tail", "40")
+			t.Logf("compose logs:\n%s", out)
+		}
+		_, _ = s.run(context.Background(), "down", "-v", "--remove-orphans", "-t", "5")
+	})
+	return s
+}
+
+func (s *stack) run(ctx context.Context, args ...string) (string, error) {
+	argv := append(append([]string{}, s.compose[1:]...), "-f", filepath.Join(s.root, "compose.yaml"))
+	argv = append(argv, args...)
+	cmd := exec.CommandContext(ctx, s.compose[0], argv...)
+	cmd.Dir = s.root
+	cmd.Env = s.env
+	out, err := cmd.CombinedOutput()
+	return string(out), err
+}
+
+func (s *stack) mustRun(args ...string) string {
+	s.t.Helper()
+	ctx, cancel := context.WithTimeout(s.t.Context(), 5*time.Minute)
+	defer cancel()
+	out, err := s.run(ctx, args...)
+	require.NoError(s.t, err, "compose %v:\n%s", args, out)
+	return out
+}
+
+// credentials reads the root.env that bootstrap wrote into the shared volume.
+func (s *stack) credentials() {
+	s.t.Helper()
+	id := strings.TrimSpace(s.mustRun("ps", "-q", "bootstrap"))
+	require.NotEmpty(s.t, id, "bootstrap container")
+	var out bytes.Buffer
+	cmd := exec.Command("sh", "-c", "docker cp "+id+":/var/lib/better-compute/shared/root.env - | tar -xO")
+	cmd.Stdout = &out
+	require.NoError(s.t, cmd.Run())
+	for _, line := range strings.Split(out.String(), "\n") {
+		line = strings.TrimSpace(strings.TrimPrefix(strings.TrimSpace(line), "export "))
+		if k, v, ok := strings.Cut(line, "="); ok && strings.HasPrefix(k, "BETTER_COMPUTE_") {
+			s.env = append(s.env, k+"="+strings.Trim(v, `"'`))
+		}
+	}
+	for _, kv := range s.env {
+		if strings.HasPrefix(kv, "BC_API_PORT=") {
+			s.env = append(s.env, "BETTER_COMPUTE_URL=http://127.0.0.1:"+strings.TrimPrefix(kv, "BC_API_PORT="))
+		}
+	}
+}
+
+func (s *stack) nodes() ([]node, error) {
+	cmd := exec.CommandContext(s.t.Context(), s.cli, "nodes", "list", "-o", "json")
+	cmd.Env = s.env
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return nil, fmt.Errorf("nodes list: %w: %s", err, stderr.String())
+	}
+	var ns []node
+	if err := json.Unmarshal(out, &ns); err != nil {
+		return nil, fmt.Errorf("nodes list output %q: %w", out, err)
+	}
+	return ns, nil
+}
+
+// waitAdopted waits until exactly want nodes are adopted with 8 H100 GPUs.
+func (s *stack) waitAdopted(want int, within time.Duration) []node {
+	s.t.Helper()
+	var last []node
+	var lastErr error
+	require.Eventually(s.t, func() bool {
+		last, lastErr = s.nodes()
+		if lastErr != nil {
+			return false
+		}
+		n := 0
+		for _, nd := range last {
+			if nd.State == "adopted" && nd.GPUs == 8 && strings.Contains(nd.Model, "H100") {
+				n++
+			}
+		}
+		return n == want
+	}, within, 500*time.Millisecond, "want %d adopted nodes; last: %+v, err: %v", want, &last, &lastErr)
+	return last
+}
+
+func adoptedIDs(ns []node) map[string]bool {
+	m := map[string]bool{}
+	for _, n := range ns {
+		if n.State == "adopted" {
+			m[n.ID] = true
+		}
+	}
+	return m
+}
+
+// TestComposeFleet is the issue's acceptance on compose: 8 fakedaemons are
+// adopted with 8 H100 each and every service is healthy; scaling to 12 adds 4;
+// a stopped and started fakedaemon comes back as the same node; a machine
+// with a GPU missing joins and is never adopted, and the list says why.
+func TestComposeFleet(t *testing.T) {
+	s := newStack(t)
+	s.mustRun("up", "-d", "--scale", "fakedaemon=8")
+	s.credentials()
+	first := s.waitAdopted(8, 90*time.Second)
+	for _, n := range first {
+		require.NotEmpty(t, n.Gateway, "node %s has a live session", n.ID)
+		require.NotEmpty(t, n.LastSeen)
+	}
+
+	// Every long-running service reports healthy.
+	require.Eventually(t, func() bool {
+		out, err := s.run(t.Context(), "ps")
+		if err != nil {
+			return false
+		}
+		for _, svc := range []string{"postgres", "nats", "api", "joinservice", "gateway", "scheduler", "controllers", "fakedaemon"} {
+			for _, line := range strings.Split(out, "\n") {
+				if strings.Contains(line, "_"+svc+"_") || strings.Contains(line, "-"+svc+"-") {
+					if !strings.Contains(line, "(healthy)") && !strings.Contains(line, "healthy") {
+						return false
+					}
+				}
+			}
+		}
+		return !strings.Contains(out, "unhealthy") && !strings.Contains(out, "Restarting")
+	}, 60*time.Second, time.Second, "every service healthy")
+
+	s.mustRun("up", "-d", "--scale", "fakedaemon=12")
+	all := s.waitAdopted(12, 90*time.Second)
+	for id := range adoptedIDs(first) {
+		require.True(t, adoptedIDs(all)[id], "node %s still adopted after scaling", id)
+	}
+
+	// Stop and start one fakedaemon container: the same node comes back.
+	ids := strings.Fields(s.mustRun("ps", "-q", "fakedaemon"))
+	require.Len(t, ids, 12)
+	out, err := exec.Command("docker", "stop", "-t", "5", ids[0]).CombinedOutput()
+	require.NoError(t, err, string(out))
+	out, err = exec.Command("docker", "start", ids[0]).CombinedOutput()
+	require.NoError(t, err, string(out))
+	again := s.waitAdopted(12, 60*time.Second)
+	require.Len(t, again, 12, "no new node after a restart")
+	require.Equal(t, adoptedIDs(all), adoptedIDs(again))
+
+	// A machine with a GPU missing joins and is never adopted.
+	s.mustRun("run", "-d", "-e", "BC_VARIANT=hgx-h100-gpu-missing", "fakedaemon")
+	require.Eventually(t, func() bool {
+		ns, err := s.nodes()
+		if err != nil {
+			return false
+		}
+		for _, n := range ns {
+			if n.State == "acceptance_failed" {
+				return strings.Contains(n.Reason, "expected 8 GPUs, found 7")
+			}
+		}
+		return false
+	}, 60*time.Second, 500*time.Millisecond)
+	ns, err := s.nodes()
+	require.NoError(t, err)
+	require.Len(t, adoptedIDs(ns), 12, "the machine with a GPU missing is not adopted")
+}
