@@ -1,0 +1,181 @@
+package store
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// JoinToken is a row of join_tokens: a secret that lets up to MaxUses
+// machines join one pool until ExpiresAt. Only the SHA-256 of the secret is
+// stored (Hash).
+type JoinToken struct {
+	ID     string
+	PoolID string
+	// Hash is SHA-256 of the token's secret.
+	Hash      []byte
+	MaxUses   int32
+	Uses      int32
+	ExpiresAt time.Time
+	// RevokedAt is when the token was revoked; nil while it is not.
+	RevokedAt *time.Time
+	// CreatedBy names who minted the token (an API token id), for audit.
+	CreatedBy string
+	CreatedAt time.Time
+}
+
+// Sentinels of a refused join token; UseJoinToken returns them inside a
+// *JoinTokenRefusal.
+var (
+	// ErrJoinTokenUnknown means no token has the secret's hash.
+	ErrJoinTokenUnknown = errors.New("join token is not valid")
+	// ErrJoinTokenExpired means the token's expiry has passed.
+	ErrJoinTokenExpired = errors.New("join token expired")
+	// ErrJoinTokenRevoked means the token was revoked.
+	ErrJoinTokenRevoked = errors.New("join token was revoked")
+	// ErrJoinTokenUsedUp means every use of the token was taken.
+	ErrJoinTokenUsedUp = errors.New("join token is used up")
+)
+
+// JoinTokenRefusal says why UseJoinToken refused a token; errors.Is matches
+// its Reason (one of the ErrJoinToken… sentinels).
+type JoinTokenRefusal struct {
+	// Reason is ErrJoinTokenUnknown, ErrJoinTokenExpired,
+	// ErrJoinTokenRevoked or ErrJoinTokenUsedUp.
+	Reason error
+	// Token is the refused token; zero when Reason is ErrJoinTokenUnknown.
+	Token JoinToken
+}
+
+// Error returns a sentence fit for the caller, e.g. "join token is used up
+// (10 of 10 uses)".
+func (e *JoinTokenRefusal) Error() string {
+	switch e.Reason {
+	case ErrJoinTokenExpired:
+		return fmt.Sprintf("join token expired at %s", e.Token.ExpiresAt.UTC().Format(time.RFC3339))
+	case ErrJoinTokenUsedUp:
+		return fmt.Sprintf("join token is used up (%d of %d uses)", e.Token.Uses, e.Token.MaxUses)
+	default:
+		return e.Reason.Error()
+	}
+}
+
+// Unwrap returns Reason.
+func (e *JoinTokenRefusal) Unwrap() error { return e.Reason }
+
+const joinTokenColumns = `id, pool_id, hash, max_uses, uses, expires_at, revoked_at, created_by, created_at`
+
+func scanJoinToken(row pgx.Row) (JoinToken, error) {
+	var t JoinToken
+	err := row.Scan(&t.ID, &t.PoolID, &t.Hash, &t.MaxUses, &t.Uses, &t.ExpiresAt, &t.RevokedAt, &t.CreatedBy, &t.CreatedAt)
+	return t, err
+}
+
+// CreateJoinToken inserts t (Uses is ignored: a new token has none).
+// Errors: ErrNotFound when the pool does not exist.
+func CreateJoinToken(ctx context.Context, q DBTX, t JoinToken) error {
+	if _, err := GetPool(ctx, q, t.PoolID); err != nil {
+		return err
+	}
+	_, err := q.Exec(ctx, `INSERT INTO join_tokens (id, pool_id, hash, max_uses, expires_at, created_by, created_at)
+		VALUES ($1, $2, $3, $4, $5, $6, $7)`, t.ID, t.PoolID, t.Hash, t.MaxUses, t.ExpiresAt, t.CreatedBy, t.CreatedAt)
+	if err != nil {
+		return queryErr("create join token", err)
+	}
+	return nil
+}
+
+// GetJoinToken returns the join token with id. Errors: ErrNotFound.
+func GetJoinToken(ctx context.Context, q DBTX, id string) (JoinToken, error) {
+	t, err := scanJoinToken(q.QueryRow(ctx, `SELECT `+joinTokenColumns+` FROM join_tokens WHERE id = $1`, id))
+	if err != nil {
+		return JoinToken{}, queryErr(fmt.Sprintf("join token %s", id), err)
+	}
+	return t, nil
+}
+
+// GetJoinTokenByHash returns the join token whose secret hashes to hash.
+// Errors: ErrNotFound.
+func GetJoinTokenByHash(ctx context.Context, q DBTX, hash []byte) (JoinToken, error) {
+	t, err := scanJoinToken(q.QueryRow(ctx, `SELECT `+joinTokenColumns+` FROM join_tokens WHERE hash = $1`, hash))
+	if err != nil {
+		return JoinToken{}, queryErr("join token", err)
+	}
+	return t, nil
+}
+
+// JoinTokenFilter narrows ListJoinTokens; zero fields match everything.
+type JoinTokenFilter struct {
+	PoolID string
+	// OwnerTenantID keeps only tokens of pools this tenant owns.
+	OwnerTenantID string
+}
+
+// ListJoinTokens returns the join tokens matching f ordered by id.
+func ListJoinTokens(ctx context.Context, q DBTX, f JoinTokenFilter) ([]JoinToken, error) {
+	rows, err := q.Query(ctx, `SELECT j.id, j.pool_id, j.hash, j.max_uses, j.uses, j.expires_at, j.revoked_at,
+		j.created_by, j.created_at FROM join_tokens j JOIN pools p ON p.id = j.pool_id
+		WHERE ($1 = '' OR j.pool_id = $1) AND ($2 = '' OR p.owner_tenant_id = $2) ORDER BY j.id`,
+		f.PoolID, f.OwnerTenantID)
+	if err != nil {
+		return nil, queryErr("list join tokens", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (JoinToken, error) { return scanJoinToken(r) })
+	if err != nil {
+		return nil, queryErr("list join tokens", err)
+	}
+	return out, nil
+}
+
+// RevokeJoinToken revokes token id at now and returns it; revoking a revoked
+// token keeps its first revocation time. Errors: ErrNotFound.
+func RevokeJoinToken(ctx context.Context, q DBTX, id string, now time.Time) (JoinToken, error) {
+	t, err := scanJoinToken(q.QueryRow(ctx, `UPDATE join_tokens SET revoked_at = COALESCE(revoked_at, $2)
+		WHERE id = $1 RETURNING `+joinTokenColumns, id, now))
+	if err != nil {
+		return JoinToken{}, queryErr(fmt.Sprintf("join token %s", id), err)
+	}
+	return t, nil
+}
+
+// UseJoinToken counts one use of the token whose secret hashes to hash and
+// returns it with the use counted. The count is one conditional UPDATE, so
+// concurrent joins can never take more than max_uses uses; call it in the
+// transaction that creates the node so that a failed join gives the use
+// back.
+//
+// Errors: a *JoinTokenRefusal (errors.Is ErrJoinTokenUnknown,
+// ErrJoinTokenRevoked, ErrJoinTokenExpired or ErrJoinTokenUsedUp) when the
+// token cannot be used; nothing is counted then.
+func UseJoinToken(ctx context.Context, q DBTX, hash []byte, now time.Time) (JoinToken, error) {
+	for attempt := 0; ; attempt++ {
+		t, err := scanJoinToken(q.QueryRow(ctx, `UPDATE join_tokens SET uses = uses + 1
+			WHERE hash = $1 AND uses < max_uses AND revoked_at IS NULL AND expires_at > $2
+			RETURNING `+joinTokenColumns, hash, now))
+		if err == nil {
+			return t, nil
+		}
+		if !errors.Is(err, pgx.ErrNoRows) {
+			return JoinToken{}, queryErr("use join token", err)
+		}
+		// Nothing was counted; find out why for the caller.
+		t, err = GetJoinTokenByHash(ctx, q, hash)
+		switch {
+		case errors.Is(err, ErrNotFound):
+			return JoinToken{}, &JoinTokenRefusal{Reason: ErrJoinTokenUnknown}
+		case err != nil:
+			return JoinToken{}, err
+		case t.RevokedAt != nil:
+			return JoinToken{}, &JoinTokenRefusal{Reason: ErrJoinTokenRevoked, Token: t}
+		case !t.ExpiresAt.After(now):
+			return JoinToken{}, &JoinTokenRefusal{Reason: ErrJoinTokenExpired, Token: t}
+		case t.Uses >= t.MaxUses || attempt >= 2:
+			return JoinToken{}, &JoinTokenRefusal{Reason: ErrJoinTokenUsedUp, Token: t}
+		}
+		// The token changed between the two statements (a statement sees
+		// only what was committed when it started): try again.
+	}
+}

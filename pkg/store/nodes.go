@@ -1,0 +1,222 @@
+package store
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Provision states of a node (nodes.provision_state).
+const (
+	NodeJoining          = "joining"
+	NodeAccepting        = "accepting"
+	NodeAdopted          = "adopted"
+	NodeAcceptanceFailed = "acceptance_failed"
+)
+
+// Node is a row of nodes as the API shows it, with its devices and its
+// pool's owner.
+type Node struct {
+	ID          string
+	PoolID      string
+	JoinTokenID string
+	// ProvisionState is NodeJoining, NodeAccepting, NodeAdopted or
+	// NodeAcceptanceFailed.
+	ProvisionState string
+	// ProvisionReason says why acceptance failed.
+	ProvisionReason string
+	Hostname        string
+	MachineID       string
+	Variant         string
+	AgentVersion    string
+	Cordoned        bool
+	CordonReason    string
+	Reachable       bool
+	// GatewayID is the gateway holding the live session, empty without one.
+	GatewayID string
+	// SessionID is the live session's id, empty without one.
+	SessionID          string
+	SessionEpoch       int64
+	BootID             string
+	LastSeen           *time.Time
+	SpecGeneration     int64
+	ObservedGeneration int64
+	AdoptedAt          *time.Time
+	CreatedAt          time.Time
+	UpdatedAt          time.Time
+	// PoolOwnerTenantID is the tenant owning the node's pool.
+	PoolOwnerTenantID string
+	// Devices are the node's GPUs (node_devices) ordered by index; filled
+	// by GetNode and ListNodes.
+	Devices []NodeDevice
+}
+
+// NodeDevice is a row of node_devices: one GPU of a node.
+type NodeDevice struct {
+	NodeID      string
+	Index       int32
+	UUID        string
+	Model       string
+	MemoryBytes int64
+	Healthy     bool
+}
+
+// NewNode is what JoinService records about a machine that joins.
+type NewNode struct {
+	ID          string
+	PoolID      string
+	JoinTokenID string
+	// Claims the machine made about itself.
+	Hostname     string
+	MachineID    string
+	Variant      string
+	AgentVersion string
+	CreatedAt    time.Time
+}
+
+// CreateNode inserts a node in state NodeJoining.
+func CreateNode(ctx context.Context, q DBTX, n NewNode) error {
+	_, err := q.Exec(ctx, `INSERT INTO nodes (id, pool_id, join_token_id, provision_state, hostname, machine_id,
+		variant, agent_version, created_at, updated_at) VALUES ($1, $2, NULLIF($3, ''), $4, $5, $6, $7, $8, $9, $9)`,
+		n.ID, n.PoolID, n.JoinTokenID, NodeJoining, n.Hostname, n.MachineID, n.Variant, n.AgentVersion, n.CreatedAt)
+	if err != nil {
+		return queryErr(fmt.Sprintf("create node %s", n.ID), err)
+	}
+	return nil
+}
+
+// NodeCert is a row of node_certs: a certificate issued to a node.
+type NodeCert struct {
+	// Serial is the certificate's serial in lower-case hex (pki.SerialHex).
+	Serial string
+	NodeID string
+	// PublicKeySHA256 is the SHA-256 of the certificate's
+	// SubjectPublicKeyInfo (pki.PublicKeySHA256).
+	PublicKeySHA256 []byte
+	NotBefore       time.Time
+	NotAfter        time.Time
+	RevokedAt       *time.Time
+	CreatedAt       time.Time
+}
+
+// CreateNodeCert records an issued node certificate.
+func CreateNodeCert(ctx context.Context, q DBTX, c NodeCert) error {
+	_, err := q.Exec(ctx, `INSERT INTO node_certs (serial, node_id, public_key_sha256, not_before, not_after, created_at)
+		VALUES ($1, $2, $3, $4, $5, $6)`, c.Serial, c.NodeID, c.PublicKeySHA256, c.NotBefore, c.NotAfter, c.CreatedAt)
+	if err != nil {
+		return queryErr("create node cert", err)
+	}
+	return nil
+}
+
+// ListNodeCerts returns the certificates of node id, oldest first.
+func ListNodeCerts(ctx context.Context, q DBTX, nodeID string) ([]NodeCert, error) {
+	rows, err := q.Query(ctx, `SELECT serial, node_id, public_key_sha256, not_before, not_after, revoked_at, created_at
+		FROM node_certs WHERE node_id = $1 ORDER BY created_at, serial`, nodeID)
+	if err != nil {
+		return nil, queryErr("list node certs", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (NodeCert, error) {
+		var c NodeCert
+		err := r.Scan(&c.Serial, &c.NodeID, &c.PublicKeySHA256, &c.NotBefore, &c.NotAfter, &c.RevokedAt, &c.CreatedAt)
+		return c, err
+	})
+	if err != nil {
+		return nil, queryErr("list node certs", err)
+	}
+	return out, nil
+}
+
+const nodeColumns = `n.id, n.pool_id, COALESCE(n.join_token_id, ''), n.provision_state, n.provision_reason, n.hostname,
+	n.machine_id, n.variant, n.agent_version, n.cordoned, n.cordon_reason, n.reachable, COALESCE(n.gateway_id, ''),
+	COALESCE(n.session_id, ''), n.session_epoch, n.boot_id, n.last_seen, n.spec_generation, n.observed_generation,
+	n.adopted_at, n.created_at, n.updated_at, p.owner_tenant_id`
+
+func scanNode(row pgx.Row) (Node, error) {
+	var n Node
+	err := row.Scan(&n.ID, &n.PoolID, &n.JoinTokenID, &n.ProvisionState, &n.ProvisionReason, &n.Hostname,
+		&n.MachineID, &n.Variant, &n.AgentVersion, &n.Cordoned, &n.CordonReason, &n.Reachable, &n.GatewayID,
+		&n.SessionID, &n.SessionEpoch, &n.BootID, &n.LastSeen, &n.SpecGeneration, &n.ObservedGeneration,
+		&n.AdoptedAt, &n.CreatedAt, &n.UpdatedAt, &n.PoolOwnerTenantID)
+	return n, err
+}
+
+// GetNode returns node id with its devices. Errors: ErrNotFound.
+func GetNode(ctx context.Context, q DBTX, id string) (Node, error) {
+	n, err := scanNode(q.QueryRow(ctx, `SELECT `+nodeColumns+` FROM nodes n JOIN pools p ON p.id = n.pool_id
+		WHERE n.id = $1`, id))
+	if err != nil {
+		return Node{}, queryErr(fmt.Sprintf("node %s", id), err)
+	}
+	nodes := []Node{n}
+	if err := fillDevices(ctx, q, nodes); err != nil {
+		return Node{}, err
+	}
+	return nodes[0], nil
+}
+
+// NodeFilter narrows ListNodes; zero fields match everything.
+type NodeFilter struct {
+	PoolID string
+	// OwnerTenantID keeps only nodes of pools this tenant owns.
+	OwnerTenantID string
+	// After keeps only nodes whose id sorts after it (paging).
+	After string
+	// Limit caps the number of nodes; 0 means no limit.
+	Limit int
+}
+
+// ListNodes returns the nodes matching f ordered by id, with their devices.
+func ListNodes(ctx context.Context, q DBTX, f NodeFilter) ([]Node, error) {
+	limit := any(nil)
+	if f.Limit > 0 {
+		limit = f.Limit
+	}
+	rows, err := q.Query(ctx, `SELECT `+nodeColumns+` FROM nodes n JOIN pools p ON p.id = n.pool_id
+		WHERE ($1 = '' OR n.pool_id = $1) AND ($2 = '' OR p.owner_tenant_id = $2) AND n.id > $3
+		ORDER BY n.id LIMIT $4`, f.PoolID, f.OwnerTenantID, f.After, limit)
+	if err != nil {
+		return nil, queryErr("list nodes", err)
+	}
+	nodes, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Node, error) { return scanNode(r) })
+	if err != nil {
+		return nil, queryErr("list nodes", err)
+	}
+	if err := fillDevices(ctx, q, nodes); err != nil {
+		return nil, err
+	}
+	return nodes, nil
+}
+
+// fillDevices loads the devices of nodes in one query.
+func fillDevices(ctx context.Context, q DBTX, nodes []Node) error {
+	if len(nodes) == 0 {
+		return nil
+	}
+	idx := make(map[string]int, len(nodes))
+	ids := make([]string, len(nodes))
+	for i, n := range nodes {
+		idx[n.ID] = i
+		ids[i] = n.ID
+	}
+	rows, err := q.Query(ctx, `SELECT node_id, device_index, uuid, model, memory_bytes, healthy FROM node_devices
+		WHERE node_id = ANY($1) ORDER BY node_id, device_index`, ids)
+	if err != nil {
+		return queryErr("list node devices", err)
+	}
+	devs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (NodeDevice, error) {
+		var d NodeDevice
+		err := r.Scan(&d.NodeID, &d.Index, &d.UUID, &d.Model, &d.MemoryBytes, &d.Healthy)
+		return d, err
+	})
+	if err != nil {
+		return queryErr("list node devices", err)
+	}
+	for _, d := range devs {
+		i := idx[d.NodeID]
+		nodes[i].Devices = append(nodes[i].Devices, d)
+	}
+	return nil
+}

@@ -1,0 +1,194 @@
+package store
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Site is a row of sites: a place (region) where pools of machines live.
+type Site struct {
+	ID        string
+	Name      string
+	Region    string
+	CreatedAt time.Time
+}
+
+// Constraint names of sites and pools, for IsConstraint.
+const (
+	// ConstraintSiteName makes site names unique.
+	ConstraintSiteName = "sites_name_key"
+	// ConstraintPoolName makes pool names unique within a site.
+	ConstraintPoolName = "pools_site_id_name_key"
+)
+
+const siteColumns = `id, name, region, created_at`
+
+func scanSite(row pgx.Row) (Site, error) {
+	var s Site
+	err := row.Scan(&s.ID, &s.Name, &s.Region, &s.CreatedAt)
+	return s, err
+}
+
+// CreateSite inserts s. Errors: ErrConflict (ConstraintSiteName) when the
+// name is taken.
+func CreateSite(ctx context.Context, q DBTX, s Site) error {
+	_, err := q.Exec(ctx, `INSERT INTO sites (id, name, region, created_at) VALUES ($1, $2, $3, $4)`,
+		s.ID, s.Name, s.Region, s.CreatedAt)
+	if err != nil {
+		return queryErr(fmt.Sprintf("create site %q", s.Name), err)
+	}
+	return nil
+}
+
+// EnsureSite returns the site named s.Name, inserting s first when there is
+// none. An existing site keeps its region.
+func EnsureSite(ctx context.Context, q DBTX, s Site) (Site, error) {
+	_, err := q.Exec(ctx, `INSERT INTO sites (id, name, region, created_at) VALUES ($1, $2, $3, $4)
+		ON CONFLICT (name) DO NOTHING`, s.ID, s.Name, s.Region, s.CreatedAt)
+	if err != nil {
+		return Site{}, queryErr(fmt.Sprintf("ensure site %q", s.Name), err)
+	}
+	return GetSiteByName(ctx, q, s.Name)
+}
+
+// GetSite returns the site with id. Errors: ErrNotFound.
+func GetSite(ctx context.Context, q DBTX, id string) (Site, error) {
+	s, err := scanSite(q.QueryRow(ctx, `SELECT `+siteColumns+` FROM sites WHERE id = $1`, id))
+	if err != nil {
+		return Site{}, queryErr(fmt.Sprintf("site %s", id), err)
+	}
+	return s, nil
+}
+
+// GetSiteByName returns the site named name. Errors: ErrNotFound.
+func GetSiteByName(ctx context.Context, q DBTX, name string) (Site, error) {
+	s, err := scanSite(q.QueryRow(ctx, `SELECT `+siteColumns+` FROM sites WHERE name = $1`, name))
+	if err != nil {
+		return Site{}, queryErr(fmt.Sprintf("site %q", name), err)
+	}
+	return s, nil
+}
+
+// ListSites returns every site ordered by name.
+func ListSites(ctx context.Context, q DBTX) ([]Site, error) {
+	rows, err := q.Query(ctx, `SELECT `+siteColumns+` FROM sites ORDER BY name`)
+	if err != nil {
+		return nil, queryErr("list sites", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Site, error) { return scanSite(r) })
+	if err != nil {
+		return nil, queryErr("list sites", err)
+	}
+	return out, nil
+}
+
+// Pool is a row of pools: machines of one kind in one site, owned by a
+// tenant, with the acceptance a machine must pass to be adopted.
+type Pool struct {
+	ID            string
+	SiteID        string
+	OwnerTenantID string
+	Name          string
+	// Kind is "metal-host".
+	Kind string
+	// AcceptanceCheck is the acceptance command kind, "diag.nvml".
+	AcceptanceCheck string
+	// GPUModel, when non-empty, must be a case-insensitive substring of
+	// every GPU's model.
+	GPUModel string
+	// ExpectGPUCount, when positive, is the exact number of GPUs required.
+	ExpectGPUCount int32
+	CreatedAt      time.Time
+	// NodeCounts is the number of nodes per provision state; filled by
+	// ListPools and GetPool only.
+	NodeCounts map[string]int32
+}
+
+const poolColumns = `p.id, p.site_id, p.owner_tenant_id, p.name, p.kind, p.acceptance_check, p.gpu_model,
+	p.expect_gpu_count, p.created_at,
+	(SELECT COALESCE(jsonb_object_agg(s.provision_state, s.n), '{}'::jsonb) FROM
+		(SELECT provision_state, count(*)::int AS n FROM nodes WHERE pool_id = p.id GROUP BY provision_state) s)`
+
+func scanPool(row pgx.Row) (Pool, error) {
+	var p Pool
+	err := row.Scan(&p.ID, &p.SiteID, &p.OwnerTenantID, &p.Name, &p.Kind, &p.AcceptanceCheck, &p.GPUModel,
+		&p.ExpectGPUCount, &p.CreatedAt, &p.NodeCounts)
+	return p, err
+}
+
+// CreatePool inserts p (AcceptanceCheck defaults to "diag.nvml"). Errors:
+// ErrNotFound when the site or owner tenant does not exist, ErrConflict
+// (ConstraintPoolName) when the name is taken in the site.
+func CreatePool(ctx context.Context, q DBTX, p Pool) error {
+	if p.AcceptanceCheck == "" {
+		p.AcceptanceCheck = "diag.nvml"
+	}
+	if _, err := GetSite(ctx, q, p.SiteID); err != nil {
+		return err
+	}
+	if _, err := GetTenant(ctx, q, p.OwnerTenantID); err != nil {
+		return err
+	}
+	_, err := q.Exec(ctx, `INSERT INTO pools (id, site_id, owner_tenant_id, name, kind, acceptance_check, gpu_model,
+		expect_gpu_count, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)`,
+		p.ID, p.SiteID, p.OwnerTenantID, p.Name, p.Kind, p.AcceptanceCheck, p.GPUModel, p.ExpectGPUCount, p.CreatedAt)
+	if err != nil {
+		return queryErr(fmt.Sprintf("create pool %q", p.Name), err)
+	}
+	return nil
+}
+
+// EnsurePool returns the pool named p.Name in site p.SiteID, inserting p
+// first when there is none. An existing pool keeps its settings.
+func EnsurePool(ctx context.Context, q DBTX, p Pool) (Pool, error) {
+	if p.AcceptanceCheck == "" {
+		p.AcceptanceCheck = "diag.nvml"
+	}
+	_, err := q.Exec(ctx, `INSERT INTO pools (id, site_id, owner_tenant_id, name, kind, acceptance_check, gpu_model,
+		expect_gpu_count, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+		ON CONFLICT (site_id, name) DO NOTHING`,
+		p.ID, p.SiteID, p.OwnerTenantID, p.Name, p.Kind, p.AcceptanceCheck, p.GPUModel, p.ExpectGPUCount, p.CreatedAt)
+	if err != nil {
+		return Pool{}, queryErr(fmt.Sprintf("ensure pool %q", p.Name), err)
+	}
+	out, err := scanPool(q.QueryRow(ctx, `SELECT `+poolColumns+` FROM pools p WHERE p.site_id = $1 AND p.name = $2`,
+		p.SiteID, p.Name))
+	if err != nil {
+		return Pool{}, queryErr(fmt.Sprintf("pool %q", p.Name), err)
+	}
+	return out, nil
+}
+
+// GetPool returns the pool with id. Errors: ErrNotFound.
+func GetPool(ctx context.Context, q DBTX, id string) (Pool, error) {
+	p, err := scanPool(q.QueryRow(ctx, `SELECT `+poolColumns+` FROM pools p WHERE p.id = $1`, id))
+	if err != nil {
+		return Pool{}, queryErr(fmt.Sprintf("pool %s", id), err)
+	}
+	return p, nil
+}
+
+// PoolFilter narrows ListPools; zero fields match everything.
+type PoolFilter struct {
+	SiteID string
+	// OwnerTenantID keeps only the pools this tenant owns.
+	OwnerTenantID string
+}
+
+// ListPools returns the pools matching f ordered by id, with node counts.
+func ListPools(ctx context.Context, q DBTX, f PoolFilter) ([]Pool, error) {
+	rows, err := q.Query(ctx, `SELECT `+poolColumns+` FROM pools p
+		WHERE ($1 = '' OR p.site_id = $1) AND ($2 = '' OR p.owner_tenant_id = $2) ORDER BY p.id`,
+		f.SiteID, f.OwnerTenantID)
+	if err != nil {
+		return nil, queryErr("list pools", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Pool, error) { return scanPool(r) })
+	if err != nil {
+		return nil, queryErr("list pools", err)
+	}
+	return out, nil
+}
