@@ -87,8 +87,9 @@ func CreateNode(ctx context.Context, q DBTX, n NewNode) error {
 	return nil
 }
 
-// NodeCert is a row of node_certs: a certificate issued to a node.
-type NodeCert struct {
+// NewNodeCert is a certificate JoinService issued to a node, to record in
+// node_certs.
+type NewNodeCert struct {
 	// Serial is the certificate's serial in lower-case hex (pki.SerialHex).
 	Serial string
 	NodeID string
@@ -97,36 +98,18 @@ type NodeCert struct {
 	PublicKeySHA256 []byte
 	NotBefore       time.Time
 	NotAfter        time.Time
-	RevokedAt       *time.Time
 	CreatedAt       time.Time
 }
 
-// CreateNodeCert records an issued node certificate.
-func CreateNodeCert(ctx context.Context, q DBTX, c NodeCert) error {
+// CreateNodeCert records an issued node certificate. Errors: ErrConflict
+// when the serial exists.
+func CreateNodeCert(ctx context.Context, q DBTX, c NewNodeCert) error {
 	_, err := q.Exec(ctx, `INSERT INTO node_certs (serial, node_id, public_key_sha256, not_before, not_after, created_at)
 		VALUES ($1, $2, $3, $4, $5, $6)`, c.Serial, c.NodeID, c.PublicKeySHA256, c.NotBefore, c.NotAfter, c.CreatedAt)
 	if err != nil {
 		return queryErr("create node cert", err)
 	}
 	return nil
-}
-
-// ListNodeCerts returns the certificates of node id, oldest first.
-func ListNodeCerts(ctx context.Context, q DBTX, nodeID string) ([]NodeCert, error) {
-	rows, err := q.Query(ctx, `SELECT serial, node_id, public_key_sha256, not_before, not_after, revoked_at, created_at
-		FROM node_certs WHERE node_id = $1 ORDER BY created_at, serial`, nodeID)
-	if err != nil {
-		return nil, queryErr("list node certs", err)
-	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (NodeCert, error) {
-		var c NodeCert
-		err := r.Scan(&c.Serial, &c.NodeID, &c.PublicKeySHA256, &c.NotBefore, &c.NotAfter, &c.RevokedAt, &c.CreatedAt)
-		return c, err
-	})
-	if err != nil {
-		return nil, queryErr("list node certs", err)
-	}
-	return out, nil
 }
 
 const nodeColumns = `n.id, n.pool_id, COALESCE(n.join_token_id, ''), n.provision_state, n.provision_reason, n.hostname,

@@ -126,7 +126,7 @@ func GetAPITokenByHash(ctx context.Context, q DBTX, hash []byte) (APIToken, erro
 // request.
 func TouchAPIToken(ctx context.Context, q DBTX, id string, now time.Time) error {
 	_, err := q.Exec(ctx, `UPDATE api_tokens SET last_used_at = $2
-		WHERE id = $1 AND (last_used_at IS NULL OR last_used_at < $2 - interval '1 minute')`, id, now)
+		WHERE id = $1 AND (last_used_at IS NULL OR last_used_at < $2::timestamptz - interval '1 minute')`, id, now)
 	if err != nil {
 		return queryErr("touch api token", err)
 	}

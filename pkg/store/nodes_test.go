@@ -1,0 +1,78 @@
+package store_test
+
+import (
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/better-compute/better-compute/pkg/ids"
+	"github.com/better-compute/better-compute/pkg/store"
+)
+
+func TestNodes(t *testing.T) {
+	t.Parallel()
+	f := newFleetFixture(t)
+	ctx := t.Context()
+	now := f.db.Now()
+
+	var nodeIDs []string
+	for range 3 {
+		id := ids.New(ids.Node, now)
+		nodeIDs = append(nodeIDs, id)
+		require.NoError(t, store.CreateNode(ctx, f.db.Pool, store.NewNode{ID: id, PoolID: f.pool.ID,
+			Hostname: "host-" + id, MachineID: "m", Variant: "hgx-h100", AgentVersion: "v1", CreatedAt: now}))
+	}
+	slices.Sort(nodeIDs) // ids of one millisecond need not sort in creation order
+	require.NoError(t, store.CreateNodeCert(ctx, f.db.Pool, store.NewNodeCert{Serial: "0abc", NodeID: nodeIDs[0],
+		PublicKeySHA256: []byte{1, 2}, NotBefore: now, NotAfter: now.Add(24 * time.Hour), CreatedAt: now}))
+	require.ErrorIs(t, store.CreateNodeCert(ctx, f.db.Pool, store.NewNodeCert{Serial: "0abc", NodeID: nodeIDs[1],
+		PublicKeySHA256: []byte{1, 2}, NotBefore: now, NotAfter: now, CreatedAt: now}), store.ErrConflict)
+	var notAfter time.Time
+	require.NoError(t, f.db.Pool.QueryRow(ctx, `SELECT not_after FROM node_certs WHERE node_id = $1`, nodeIDs[0]).Scan(&notAfter))
+	require.True(t, notAfter.Equal(now.Add(24*time.Hour)))
+
+	for i := range 2 {
+		_, err := f.db.Pool.Exec(ctx, `INSERT INTO node_devices (node_id, device_index, uuid, model, memory_bytes)
+			VALUES ($1, $2, $3, 'NVIDIA H100 80GB HBM3', 85899345920)`, nodeIDs[1], i, "GPU-"+string(rune('0'+i)))
+		require.NoError(t, err)
+	}
+	_, err := f.db.Pool.Exec(ctx, `UPDATE nodes SET gateway_id = 'gw-a', last_seen = $2, reachable = true,
+		provision_state = 'acceptance_failed', provision_reason = 'expected 8 GPUs, found 2' WHERE id = $1`, nodeIDs[1], now)
+	require.NoError(t, err)
+
+	n, err := store.GetNode(ctx, f.db.Pool, nodeIDs[1])
+	require.NoError(t, err)
+	require.Equal(t, f.tenant.ID, n.PoolOwnerTenantID)
+	require.Equal(t, "gw-a", n.GatewayID)
+	require.True(t, n.Reachable)
+	require.Equal(t, store.NodeAcceptanceFailed, n.ProvisionState)
+	require.Equal(t, "expected 8 GPUs, found 2", n.ProvisionReason)
+	require.True(t, n.LastSeen.Equal(now))
+	require.Len(t, n.Devices, 2)
+	require.EqualValues(t, 1, n.Devices[1].Index)
+	require.Equal(t, "NVIDIA H100 80GB HBM3", n.Devices[0].Model)
+	_, err = store.GetNode(ctx, f.db.Pool, "node_missing")
+	require.ErrorIs(t, err, store.ErrNotFound)
+
+	all, err := store.ListNodes(ctx, f.db.Pool, store.NodeFilter{})
+	require.NoError(t, err)
+	require.Len(t, all, 3)
+	require.Equal(t, nodeIDs[0], all[0].ID)
+	require.Equal(t, "host-"+nodeIDs[0], all[0].Hostname)
+	require.Empty(t, all[0].Devices)
+	require.Len(t, all[1].Devices, 2)
+
+	page, err := store.ListNodes(ctx, f.db.Pool, store.NodeFilter{After: nodeIDs[0], Limit: 1})
+	require.NoError(t, err)
+	require.Len(t, page, 1)
+	require.Equal(t, nodeIDs[1], page[0].ID)
+
+	other, err := store.ListNodes(ctx, f.db.Pool, store.NodeFilter{OwnerTenantID: "ten_other"})
+	require.NoError(t, err)
+	require.Empty(t, other)
+	other, err = store.ListNodes(ctx, f.db.Pool, store.NodeFilter{PoolID: "pool_other"})
+	require.NoError(t, err)
+	require.Empty(t, other)
+}
