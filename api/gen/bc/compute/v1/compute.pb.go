@@ -788,7 +788,9 @@ type Pool struct {
 	Acceptance *Acceptance            `protobuf:"bytes,5,opt,name=acceptance,proto3" json:"acceptance,omitempty"`
 	CreatedAt  *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
 	// NodeCount is the number of nodes in the pool, by provision state.
-	NodeCounts    map[string]int32 `protobuf:"bytes,7,rep,name=node_counts,json=nodeCounts,proto3" json:"node_counts,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	NodeCounts map[string]int32 `protobuf:"bytes,7,rep,name=node_counts,json=nodeCounts,proto3" json:"node_counts,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	// OwnerTenantId is the tenant that owns the pool (and its nodes).
+	OwnerTenantId string `protobuf:"bytes,8,opt,name=owner_tenant_id,json=ownerTenantId,proto3" json:"owner_tenant_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -870,6 +872,13 @@ func (x *Pool) GetNodeCounts() map[string]int32 {
 		return x.NodeCounts
 	}
 	return nil
+}
+
+func (x *Pool) GetOwnerTenantId() string {
+	if x != nil {
+		return x.OwnerTenantId
+	}
+	return ""
 }
 
 type CreatePoolRequest struct {
@@ -1516,7 +1525,7 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"Acceptance\x12&\n" +
 	"\x05check\x18\x01 \x01(\tB\x10\xbaH\rr\vR\tdiag.nvmlR\x05check\x12$\n" +
 	"\tgpu_model\x18\x02 \x01(\tB\a\xbaH\x04r\x02\x18@R\bgpuModel\x123\n" +
-	"\x10expect_gpu_count\x18\x03 \x01(\x05B\t\xbaH\x06\x1a\x04\x18@(\x00R\x0eexpectGpuCount\"\xd2\x02\n" +
+	"\x10expect_gpu_count\x18\x03 \x01(\x05B\t\xbaH\x06\x1a\x04\x18@(\x00R\x0eexpectGpuCount\"\xfa\x02\n" +
 	"\x04Pool\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x17\n" +
 	"\asite_id\x18\x02 \x01(\tR\x06siteId\x12\x12\n" +
@@ -1528,7 +1537,8 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\n" +
 	"created_at\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12D\n" +
 	"\vnode_counts\x18\a \x03(\v2#.bc.compute.v1.Pool.NodeCountsEntryR\n" +
-	"nodeCounts\x1a=\n" +
+	"nodeCounts\x12&\n" +
+	"\x0fowner_tenant_id\x18\b \x01(\tR\rownerTenantId\x1a=\n" +
 	"\x0fNodeCountsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x05R\x05value:\x028\x01\"\xe1\x01\n" +

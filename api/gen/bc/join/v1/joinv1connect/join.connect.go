@@ -40,10 +40,14 @@ const (
 // JoinServiceClient is a client for the bc.join.v1.JoinService service.
 type JoinServiceClient interface {
 	// Join consumes one use of a join token and returns a node certificate for
-	// the CSR. Errors: InvalidArgument (malformed CSR or token), NotFound is
-	// never returned for tokens (an unknown token is PermissionDenied with reason
-	// JOIN_TOKEN_INVALID so that token ids cannot be probed),
-	// FailedPrecondition (token expired, revoked or used up).
+	// the CSR; the node, its certificate record and the counted use are one
+	// transaction, and a refused join consumes nothing. Errors:
+	// InvalidArgument (malformed request, or a CSR that does not parse or is
+	// not signed by its key: the message names csr_der), Unauthenticated
+	// ("join token is not valid": unknown tokens are never NotFound, so that
+	// tokens cannot be probed), FailedPrecondition ("join token expired at
+	// <RFC 3339 time>", "join token was revoked", "join token is used up (N of
+	// N uses)"), Unimplemented (sealed_token, until sealed tokens land).
 	Join(context.Context, *connect.Request[v1.JoinRequest]) (*connect.Response[v1.JoinResponse], error)
 }
 
@@ -80,10 +84,14 @@ func (c *joinServiceClient) Join(ctx context.Context, req *connect.Request[v1.Jo
 // JoinServiceHandler is an implementation of the bc.join.v1.JoinService service.
 type JoinServiceHandler interface {
 	// Join consumes one use of a join token and returns a node certificate for
-	// the CSR. Errors: InvalidArgument (malformed CSR or token), NotFound is
-	// never returned for tokens (an unknown token is PermissionDenied with reason
-	// JOIN_TOKEN_INVALID so that token ids cannot be probed),
-	// FailedPrecondition (token expired, revoked or used up).
+	// the CSR; the node, its certificate record and the counted use are one
+	// transaction, and a refused join consumes nothing. Errors:
+	// InvalidArgument (malformed request, or a CSR that does not parse or is
+	// not signed by its key: the message names csr_der), Unauthenticated
+	// ("join token is not valid": unknown tokens are never NotFound, so that
+	// tokens cannot be probed), FailedPrecondition ("join token expired at
+	// <RFC 3339 time>", "join token was revoked", "join token is used up (N of
+	// N uses)"), Unimplemented (sealed_token, until sealed tokens land).
 	Join(context.Context, *connect.Request[v1.JoinRequest]) (*connect.Response[v1.JoinResponse], error)
 }
 
