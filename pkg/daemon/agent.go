@@ -1,0 +1,803 @@
+// Package daemon is the daemon core of better-compute: the node side of the
+// Session protocol (bc.gateway.v1) as a state machine with no I/O.
+//
+// An Agent owns one machine's session state, its command journal and its
+// applied NodeSpec. It starts no goroutine, reads no clock, iterates no map
+// and draws randomness only from the Rand it is given, so that the same
+// inputs always yield the same Effects. Drivers feed it inputs — Start,
+// Connected, Disconnected, Receive and Tick, each with the current time —
+// and carry out the Effects it returns in order: send a message, dial the
+// gateway, close a session, call Tick again at a time. The fakedaemon drives
+// it in real time over HTTP/2; the fleet simulator drives thousands of Agents
+// from one goroutine on a virtual clock.
+//
+// Sessions are numbered: every EffectDial carries a new number, and inputs for
+// any other number are stale and ignored, so a driver never has to cancel
+// in-flight events precisely.
+//
+// Behaviour (DESIGN §2, §4, §6):
+//   - disconnected → dialing → hello sent → established, heartbeats every
+//     Welcome.heartbeat_interval, reconnect with exponential backoff and full
+//     jitter, reset after a session lasted Config.BackoffResetAfter;
+//   - commands run at most once: journaled before they run, answered from the
+//     journal when redelivered, expired without running past their deadline,
+//     failed instead of run after a journal loss unless retry-safe, failed
+//     as interrupted when the Agent restarts (or the machine reboots) while
+//     they run;
+//   - desired state: newer generations are applied, allocations reported
+//     bound (CDI names "nvidia.com/gpu=<index>") or unbound, then the
+//     observed generation;
+//   - node.reboot answers SUCCEEDED, drops the session, and after
+//     Config.RebootDowntime the machine is back with a new boot id.
+//
+// To add a command kind, teach the Hardware's Run about it; kinds with an
+// effect on the session (like node.reboot) also need a case in finish.
+package daemon
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/oklog/ulid/v2"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+)
+
+// KindNodeReboot is the command kind that reboots the machine once it has
+// answered SUCCEEDED.
+const KindNodeReboot = "node.reboot"
+
+// Errors reported in CommandUpdate.error.
+const (
+	// ErrTextJournalLost is the error of a command that is not retry-safe and
+	// may have run before the daemon lost its journal.
+	ErrTextJournalLost = "journal lost: the command may have run before the daemon lost its journal, so it is not run again"
+	// ErrTextExpired is the error of a command received after its deadline.
+	ErrTextExpired = "deadline passed before the command started"
+	// ErrTextInterrupted is the error of a command that was running when the
+	// daemon restarted.
+	ErrTextInterrupted = "interrupted: the daemon restarted while the command ran"
+	// ErrTextRebooted is the error of a command that was running when the
+	// machine rebooted.
+	ErrTextRebooted = "interrupted: the machine rebooted while the command ran"
+)
+
+// Hardware is the machine the Agent runs on; *fakehw.Machine implements it.
+// The Agent calls it from one goroutine.
+type Hardware interface {
+	// BootID returns the id of the current boot.
+	BootID() string
+	// Run performs a command's effect on the machine and returns its result,
+	// how long it takes (the Agent reports completion that much later) and
+	// an error if it failed.
+	Run(kind string, args []byte) (*gatewayv1.CommandResult, time.Duration, error)
+	// Reboot reboots the machine and returns the new boot id.
+	Reboot() string
+}
+
+// Rand is the randomness the Agent draws backoff jitter from;
+// *math/rand/v2.Rand implements it.
+type Rand interface {
+	// Int64N returns a uniform integer in [0, n); n > 0.
+	Int64N(n int64) int64
+}
+
+// Config configures an Agent. Zero durations take the defaults named.
+type Config struct {
+	// NodeID is the node's id ("node_…"), sent in Hello. Required.
+	NodeID string
+	// AgentVersion is sent in Hello.
+	AgentVersion string
+	// BackoffMin is the first reconnect delay cap (default 250 ms).
+	BackoffMin time.Duration
+	// BackoffMax is the largest reconnect delay cap (default 30 s).
+	BackoffMax time.Duration
+	// BackoffResetAfter is how long a session must have been established for
+	// the backoff to start over when it ends (default 30 s).
+	BackoffResetAfter time.Duration
+	// HelloTimeout is how long to wait for Welcome after Hello before
+	// closing the session and reconnecting (default 30 s).
+	HelloTimeout time.Duration
+	// DefaultHeartbeat is the heartbeat interval when Welcome names none
+	// (default 10 s).
+	DefaultHeartbeat time.Duration
+	// RebootDowntime is how long the machine is down on node.reboot
+	// (default 5 s).
+	RebootDowntime time.Duration
+	// JournalRetention is how long past its deadline a finished command
+	// stays in the journal (default 10 min). Past its deadline a command is
+	// answered EXPIRED without running, so pruning it is safe.
+	JournalRetention time.Duration
+	// HelloJournalMax is how many of the latest journal entries Hello
+	// carries (default 256).
+	HelloJournalMax int
+	// LossSkew widens the journal-loss window: a command that is not in the
+	// journal and not retry-safe is failed if its id's ULID time is before
+	// Journal.LostAt()+LossSkew (default 0; set it to the clock skew allowed
+	// between the control plane and the machine).
+	LossSkew time.Duration
+	// Logger receives the Agent's rare warnings; nil discards them.
+	Logger *slog.Logger
+}
+
+func (c *Config) setDefaults() {
+	def := func(d *time.Duration, v time.Duration) {
+		if *d <= 0 {
+			*d = v
+		}
+	}
+	def(&c.BackoffMin, 250*time.Millisecond)
+	def(&c.BackoffMax, 30*time.Second)
+	def(&c.BackoffResetAfter, 30*time.Second)
+	def(&c.HelloTimeout, 30*time.Second)
+	def(&c.DefaultHeartbeat, 10*time.Second)
+	def(&c.RebootDowntime, 5*time.Second)
+	def(&c.JournalRetention, 10*time.Minute)
+	if c.HelloJournalMax <= 0 {
+		c.HelloJournalMax = 256
+	}
+	if c.BackoffMax < c.BackoffMin {
+		c.BackoffMax = c.BackoffMin
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+}
+
+// State is the Agent's session state.
+type State uint8
+
+// The session states.
+const (
+	// StateIdle is before Start.
+	StateIdle State = iota
+	// StateBackoff waits to dial again (Status.NextDial says when).
+	StateBackoff
+	// StateDialing has asked the driver to open a session.
+	StateDialing
+	// StateHello has sent Hello and waits for Welcome.
+	StateHello
+	// StateEstablished has a session: heartbeats flow, commands run.
+	StateEstablished
+	// StateRebooting is down for a reboot.
+	StateRebooting
+)
+
+// String returns the state's name.
+func (s State) String() string {
+	switch s {
+	case StateIdle:
+		return "idle"
+	case StateBackoff:
+		return "backoff"
+	case StateDialing:
+		return "dialing"
+	case StateHello:
+		return "hello"
+	case StateEstablished:
+		return "established"
+	case StateRebooting:
+		return "rebooting"
+	}
+	return "State(" + strconv.Itoa(int(s)) + ")"
+}
+
+// Agent is the daemon core of one machine. It is not safe for concurrent use:
+// a driver calls it from one goroutine (or holds a lock).
+type Agent struct {
+	cfg Config
+	hw  Hardware
+	j   Journal
+	rnd Rand
+
+	state         State
+	session       uint64 // number of the current (or last) session
+	sessionID     string // Welcome.session_id of the established session
+	heartbeat     time.Duration
+	hbSeq         int64
+	establishedAt time.Time
+	failures      int // sessions that ended (or failed) since the backoff last reset
+
+	dialAt        time.Time // StateBackoff
+	helloDeadline time.Time // StateHello
+	nextHeartbeat time.Time // StateEstablished
+	upAt          time.Time // StateRebooting: when the machine is back
+
+	observed int64
+	allocs   []allocation // sorted by reservation id
+	running  []running    // sorted by due, then seq
+	seq      uint64
+	unsent   []string // command ids whose latest update is yet to be sent
+
+	announced time.Time // last EffectTimer At returned
+}
+
+type allocation struct {
+	reservationID string
+	devices       []int32
+}
+
+type running struct {
+	due    time.Time
+	seq    uint64
+	id     string
+	kind   string
+	result *gatewayv1.CommandResult
+	err    error
+}
+
+// New returns an Agent for the node cfg.NodeID on hw, journaling into j and
+// drawing jitter from rnd. It fails when a dependency or the node id is
+// missing.
+func New(cfg Config, hw Hardware, j Journal, rnd Rand) (*Agent, error) {
+	switch {
+	case cfg.NodeID == "":
+		return nil, errors.New("daemon: node id is required")
+	case hw == nil:
+		return nil, errors.New("daemon: hardware is required")
+	case j == nil:
+		return nil, errors.New("daemon: journal is required")
+	case rnd == nil:
+		return nil, errors.New("daemon: rand is required")
+	}
+	cfg.setDefaults()
+	return &Agent{cfg: cfg, hw: hw, j: j, rnd: rnd}, nil
+}
+
+// Status is a snapshot of an Agent, for handles, health checks and tests.
+type Status struct {
+	// State is the session state.
+	State State
+	// Session is the number of the current (or last) session.
+	Session uint64
+	// SessionID is Welcome.session_id while established, else "".
+	SessionID string
+	// BootID is the machine's current boot id.
+	BootID string
+	// ObservedGeneration is the NodeSpec generation applied.
+	ObservedGeneration int64
+	// Allocations is how many allocations the applied spec holds.
+	Allocations int
+	// Running is how many commands are running.
+	Running int
+	// NextDial is when the Agent dials again (StateBackoff only).
+	NextDial time.Time
+}
+
+// Status returns a snapshot of the Agent.
+func (a *Agent) Status() Status {
+	s := Status{
+		State:              a.state,
+		Session:            a.session,
+		SessionID:          a.sessionID,
+		BootID:             a.hw.BootID(),
+		ObservedGeneration: a.observed,
+		Allocations:        len(a.allocs),
+		Running:            len(a.running),
+	}
+	if a.state == StateBackoff {
+		s.NextDial = a.dialAt
+	}
+	return s
+}
+
+// NodeID returns the node id the Agent was made for.
+func (a *Agent) NodeID() string { return a.cfg.NodeID }
+
+// Allocations returns the applied allocations: reservation id → CDI device
+// names, in reservation id order.
+func (a *Agent) Allocations() []AllocationStatus {
+	out := make([]AllocationStatus, 0, len(a.allocs))
+	for _, al := range a.allocs {
+		out = append(out, AllocationStatus{ReservationID: al.reservationID, CDIDevices: cdiNames(al.devices)})
+	}
+	return out
+}
+
+// AllocationStatus is one applied allocation.
+type AllocationStatus struct {
+	// ReservationID is the reservation the devices are bound to.
+	ReservationID string
+	// CDIDevices are the bound devices' CDI names ("nvidia.com/gpu=<index>").
+	CDIDevices []string
+}
+
+// NextTimer returns when the Agent next needs Tick, or the zero time.
+func (a *Agent) NextTimer() time.Time { return a.nextDeadline() }
+
+// out collects the effects of one input.
+type out struct{ effects []Effect }
+
+func (o *out) add(e Effect) { o.effects = append(o.effects, e) }
+
+// finish appends an EffectTimer when the next deadline changed since the last
+// one announced, and returns the effects.
+func (a *Agent) finish(o *out) []Effect {
+	if next := a.nextDeadline(); !next.Equal(a.announced) {
+		a.announced = next
+		o.add(Effect{Kind: EffectTimer, At: next})
+	}
+	return o.effects
+}
+
+// Start starts the Agent at now: commands the journal shows running are
+// failed as interrupted (this Agent did not start them), finished ones long
+// past their deadline are pruned, and the first session is dialed at once.
+// It returns nil when the Agent was started already.
+func (a *Agent) Start(now time.Time) []Effect {
+	if a.state != StateIdle {
+		return nil
+	}
+	for _, e := range a.j.Entries() {
+		if e.Terminal() {
+			continue
+		}
+		e.State = gatewayv1.CommandState_COMMAND_STATE_FAILED
+		e.Error = ErrTextInterrupted
+		e.Result = nil
+		e.FinishedAt = now
+		a.put(e)
+		a.markUnsent(e.CommandID)
+	}
+	a.prune(now)
+	var o out
+	a.dial(&o)
+	return a.finish(&o)
+}
+
+// Connected reports that the driver opened session for sending; the Agent
+// sends Hello. A stale session is closed.
+func (a *Agent) Connected(now time.Time, session uint64) []Effect {
+	var o out
+	if session != a.session || a.state != StateDialing {
+		o.add(Effect{Kind: EffectClose, Session: session, Reason: "stale session"})
+		return a.finish(&o)
+	}
+	a.prune(now)
+	a.state = StateHello
+	a.helloDeadline = now.Add(a.cfg.HelloTimeout)
+	entries := a.j.Entries()
+	if len(entries) > a.cfg.HelloJournalMax {
+		entries = entries[len(entries)-a.cfg.HelloJournalMax:]
+	}
+	hello := &gatewayv1.Hello{
+		NodeId:             a.cfg.NodeID,
+		BootId:             a.hw.BootID(),
+		ObservedGeneration: a.observed,
+		AgentVersion:       a.cfg.AgentVersion,
+		Journal:            make([]*gatewayv1.JournalEntry, 0, len(entries)),
+	}
+	for _, e := range entries {
+		hello.Journal = append(hello.Journal, &gatewayv1.JournalEntry{CommandId: e.CommandID, State: e.State})
+	}
+	a.send(&o, &gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Hello{Hello: hello}})
+	return a.finish(&o)
+}
+
+// Disconnected reports that session ended or could not be opened (err says
+// why, for logs). The Agent backs off and dials again. Stale sessions are
+// ignored.
+func (a *Agent) Disconnected(now time.Time, session uint64, err error) []Effect {
+	var o out
+	if session != a.session {
+		return nil
+	}
+	switch a.state {
+	case StateDialing, StateHello, StateEstablished:
+	default:
+		return nil
+	}
+	if err != nil {
+		a.cfg.Logger.Debug("session ended", "session", session, "err", err)
+	}
+	a.lose(now)
+	return a.finish(&o)
+}
+
+// lose ends the current session and schedules the next dial with backoff.
+func (a *Agent) lose(now time.Time) {
+	if a.state == StateEstablished && now.Sub(a.establishedAt) >= a.cfg.BackoffResetAfter {
+		a.failures = 0
+	}
+	a.failures++
+	a.state = StateBackoff
+	a.sessionID = ""
+	a.dialAt = now.Add(a.Backoff(a.failures))
+}
+
+// Backoff returns the reconnect delay after the n-th consecutive failure
+// (n ≥ 1): uniform in [0, min(BackoffMax, BackoffMin·2^(n-1))] ("full
+// jitter"). It draws from the Agent's Rand.
+func (a *Agent) Backoff(n int) time.Duration {
+	c := BackoffCap(a.cfg.BackoffMin, a.cfg.BackoffMax, n)
+	return time.Duration(a.rnd.Int64N(int64(c) + 1))
+}
+
+// BackoffCap returns min(maxDelay, minDelay·2^(n-1)) for n ≥ 1 (minDelay for
+// smaller n).
+func BackoffCap(minDelay, maxDelay time.Duration, n int) time.Duration {
+	c := minDelay
+	for i := 1; i < n && c < maxDelay; i++ {
+		c *= 2
+	}
+	return min(c, maxDelay)
+}
+
+// dial starts a new session.
+func (a *Agent) dial(o *out) {
+	a.session++
+	a.state = StateDialing
+	a.sessionID = ""
+	o.add(Effect{Kind: EffectDial, Session: a.session})
+}
+
+// Receive handles a message the gateway sent on session. Messages of stale
+// sessions are ignored.
+func (a *Agent) Receive(now time.Time, session uint64, msg *gatewayv1.SessionResponse) []Effect {
+	if session != a.session || (a.state != StateHello && a.state != StateEstablished) {
+		return nil
+	}
+	var o out
+	switch m := msg.GetMsg().(type) {
+	case *gatewayv1.SessionResponse_Welcome:
+		a.welcome(now, &o, m.Welcome)
+	case *gatewayv1.SessionResponse_Command:
+		a.command(now, &o, m.Command)
+	case *gatewayv1.SessionResponse_DesiredState:
+		a.desired(&o, m.DesiredState)
+	}
+	return a.finish(&o)
+}
+
+func (a *Agent) welcome(now time.Time, o *out, w *gatewayv1.Welcome) {
+	if a.state != StateHello {
+		return
+	}
+	a.state = StateEstablished
+	a.sessionID = w.GetSessionId()
+	a.establishedAt = now
+	a.heartbeat = a.cfg.DefaultHeartbeat
+	if d := w.GetHeartbeatInterval(); d != nil && d.AsDuration() > 0 {
+		a.heartbeat = max(d.AsDuration(), 10*time.Millisecond)
+	}
+	a.nextHeartbeat = now.Add(a.heartbeat)
+	// Updates that could not be sent while disconnected.
+	pending := a.unsent
+	a.unsent = nil
+	for _, id := range pending {
+		if e, ok := a.j.Get(id); ok {
+			a.send(o, updateOf(&e))
+		}
+	}
+	// Bindings may have been reported on a session that broke before the
+	// gateway read them; they carry their generation, so repeats are safe.
+	for _, al := range a.allocs {
+		a.send(o, boundOf(al, a.observed))
+	}
+}
+
+// Tick handles every timer due at now: command completions, the reboot
+// coming back, the next dial, the Welcome timeout and heartbeats.
+func (a *Agent) Tick(now time.Time) []Effect {
+	var o out
+	for range 1000 { // bound the loop; each step consumes one deadline
+		if !a.step(now, &o) {
+			break
+		}
+	}
+	return a.finish(&o)
+}
+
+// step handles the earliest deadline if it is due and reports whether it
+// did. A command completion due at the same time as a session deadline goes
+// first.
+func (a *Agent) step(now time.Time, o *out) bool {
+	sd := a.sessionDeadline()
+	if len(a.running) > 0 && !a.running[0].due.After(now) && (sd.IsZero() || !sd.Before(a.running[0].due)) {
+		r := a.running[0]
+		a.running = slices.Delete(a.running, 0, 1)
+		a.complete(now, o, r)
+		return true
+	}
+	if sd.IsZero() || sd.After(now) {
+		return false
+	}
+	switch a.state {
+	case StateRebooting:
+		boot := a.hw.Reboot()
+		o.add(Effect{Kind: EffectReboot, BootID: boot})
+		a.dial(o)
+	case StateBackoff:
+		a.dial(o)
+	case StateHello:
+		o.add(Effect{Kind: EffectClose, Session: a.session, Reason: "no Welcome within " + a.cfg.HelloTimeout.String()})
+		a.lose(now)
+	case StateEstablished:
+		a.hbSeq++
+		a.send(o, &gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Heartbeat{Heartbeat: &gatewayv1.Heartbeat{
+			Seq:                a.hbSeq,
+			ObservedGeneration: a.observed,
+			SentAt:             timestamppb.New(now),
+		}}})
+		// Skip beats missed by a late Tick rather than bursting them.
+		a.nextHeartbeat = a.nextHeartbeat.Add(a.heartbeat)
+		if !a.nextHeartbeat.After(now) {
+			a.nextHeartbeat = now.Add(a.heartbeat)
+		}
+	}
+	return true
+}
+
+func (a *Agent) sessionDeadline() time.Time {
+	switch a.state {
+	case StateRebooting:
+		return a.upAt
+	case StateBackoff:
+		return a.dialAt
+	case StateHello:
+		return a.helloDeadline
+	case StateEstablished:
+		return a.nextHeartbeat
+	}
+	return time.Time{}
+}
+
+func (a *Agent) nextDeadline() time.Time {
+	d := a.sessionDeadline()
+	if len(a.running) > 0 && (d.IsZero() || a.running[0].due.Before(d)) {
+		d = a.running[0].due
+	}
+	return d
+}
+
+// connected reports whether messages can be sent now.
+func (a *Agent) connected() bool { return a.state == StateHello || a.state == StateEstablished }
+
+func (a *Agent) send(o *out, m *gatewayv1.SessionRequest) {
+	o.add(Effect{Kind: EffectSend, Session: a.session, Msg: m})
+}
+
+// sendUpdate sends the entry's update now, or after the next Welcome.
+func (a *Agent) sendUpdate(o *out, e *Entry) {
+	if a.state == StateEstablished {
+		a.send(o, updateOf(e))
+		return
+	}
+	a.markUnsent(e.CommandID)
+}
+
+func (a *Agent) markUnsent(id string) {
+	if !slices.Contains(a.unsent, id) {
+		a.unsent = append(a.unsent, id)
+	}
+}
+
+func (a *Agent) put(e Entry) bool {
+	if err := a.j.Put(e); err != nil {
+		a.cfg.Logger.Warn("journal write failed", "command.id", e.CommandID, "err", err)
+		return false
+	}
+	return true
+}
+
+// prune forgets finished commands whose deadline passed more than
+// JournalRetention ago.
+func (a *Agent) prune(now time.Time) {
+	cutoff := now.Add(-a.cfg.JournalRetention)
+	for _, e := range a.j.Entries() {
+		if e.Terminal() && !e.Deadline.IsZero() && e.Deadline.Before(cutoff) && !slices.Contains(a.unsent, e.CommandID) {
+			if err := a.j.Delete(e.CommandID); err != nil {
+				a.cfg.Logger.Warn("journal delete failed", "command.id", e.CommandID, "err", err)
+			}
+		}
+	}
+}
+
+func updateOf(e *Entry) *gatewayv1.SessionRequest {
+	return &gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_CommandUpdate{CommandUpdate: &gatewayv1.CommandUpdate{
+		CommandId: e.CommandID,
+		State:     e.State,
+		Result:    e.Result,
+		Error:     e.Error,
+	}}}
+}
+
+// command handles a delivered command (DESIGN §4).
+func (a *Agent) command(now time.Time, o *out, c *gatewayv1.Command) {
+	id := c.GetCommandId()
+	if id == "" {
+		return
+	}
+	if e, ok := a.j.Get(id); ok {
+		// Redelivered: answer from the journal, never run again.
+		a.sendUpdate(o, &e)
+		return
+	}
+	e := Entry{
+		CommandID:  id,
+		Kind:       c.GetKind(),
+		RetrySafe:  c.GetRetrySafe(),
+		ReceivedAt: now,
+	}
+	if c.GetDeadline() != nil {
+		e.Deadline = c.GetDeadline().AsTime()
+	}
+	if lost := a.j.LostAt(); !lost.IsZero() && !e.RetrySafe && issuedBefore(id, lost.Add(a.cfg.LossSkew)) {
+		a.conclude(now, o, e, gatewayv1.CommandState_COMMAND_STATE_FAILED, ErrTextJournalLost)
+		return
+	}
+	if !e.Deadline.IsZero() && now.After(e.Deadline) {
+		a.conclude(now, o, e, gatewayv1.CommandState_COMMAND_STATE_EXPIRED, ErrTextExpired)
+		return
+	}
+	e.State = gatewayv1.CommandState_COMMAND_STATE_RUNNING
+	if err := a.j.Put(e); err != nil {
+		// Not journaled, so not run: a redelivery may try again.
+		a.cfg.Logger.Warn("journal write failed", "command.id", id, "err", err)
+		a.send(o, updateOf(&Entry{CommandID: id, State: gatewayv1.CommandState_COMMAND_STATE_FAILED, Error: "journal write failed: " + err.Error()}))
+		return
+	}
+	a.sendUpdate(o, &e)
+	res, d, err := a.hw.Run(e.Kind, c.GetArgsJson())
+	a.seq++
+	r := running{due: now.Add(max(d, 0)), seq: a.seq, id: id, kind: e.Kind, result: res, err: err}
+	if d <= 0 {
+		a.complete(now, o, r)
+		return
+	}
+	i, _ := slices.BinarySearchFunc(a.running, r, func(x, y running) int {
+		if c := x.due.Compare(y.due); c != 0 {
+			return c
+		}
+		return cmp.Compare(x.seq, y.seq)
+	})
+	a.running = slices.Insert(a.running, i, r)
+}
+
+// conclude journals and reports a command that ends without running.
+func (a *Agent) conclude(now time.Time, o *out, e Entry, s gatewayv1.CommandState, msg string) {
+	e.State = s
+	e.Error = msg
+	e.FinishedAt = now
+	a.put(e)
+	a.sendUpdate(o, &e)
+}
+
+// complete records a finished command and, for node.reboot, takes the
+// machine down.
+func (a *Agent) complete(now time.Time, o *out, r running) {
+	e, ok := a.j.Get(r.id)
+	if !ok {
+		e = Entry{CommandID: r.id, Kind: r.kind, ReceivedAt: now}
+	}
+	e.FinishedAt = now
+	if r.err != nil {
+		e.State = gatewayv1.CommandState_COMMAND_STATE_FAILED
+		e.Error = r.err.Error()
+	} else {
+		e.State = gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED
+		e.Result = r.result
+	}
+	a.put(e)
+	a.sendUpdate(o, &e)
+	if r.kind == KindNodeReboot && r.err == nil {
+		a.reboot(now, o)
+	}
+}
+
+// reboot takes the machine down: the session closes, running commands are
+// failed and the machine is back after RebootDowntime.
+func (a *Agent) reboot(now time.Time, o *out) {
+	if a.connected() || a.state == StateDialing {
+		o.add(Effect{Kind: EffectClose, Session: a.session, Reason: "rebooting"})
+	}
+	for _, r := range a.running {
+		if e, ok := a.j.Get(r.id); ok {
+			e.State = gatewayv1.CommandState_COMMAND_STATE_FAILED
+			e.Error = ErrTextRebooted
+			e.FinishedAt = now
+			a.put(e)
+			a.markUnsent(e.CommandID)
+		}
+	}
+	a.running = nil
+	a.state = StateRebooting
+	a.sessionID = ""
+	a.failures = 0
+	a.upAt = now.Add(a.cfg.RebootDowntime)
+}
+
+// issuedBefore reports whether the command id's ULID time is not after t.
+// Ids that carry no ULID count as issued before (the safe answer).
+func issuedBefore(id string, t time.Time) bool {
+	i := strings.LastIndexByte(id, '_')
+	u, err := ulid.ParseStrict(id[i+1:])
+	if err != nil {
+		return true
+	}
+	return !ulid.Time(u.Time()).After(t)
+}
+
+// desired applies a DesiredState (DESIGN §3, §6).
+func (a *Agent) desired(o *out, ds *gatewayv1.DesiredState) {
+	g := ds.GetGeneration()
+	if g < a.observed {
+		return
+	}
+	if g == a.observed {
+		a.send(o, observedOf(g))
+		return
+	}
+	next := make([]allocation, 0, len(ds.GetSpec().GetAllocations()))
+	for _, al := range ds.GetSpec().GetAllocations() {
+		rid := al.GetReservationId()
+		if rid == "" || slices.ContainsFunc(next, func(x allocation) bool { return x.reservationID == rid }) {
+			continue
+		}
+		next = append(next, allocation{reservationID: rid, devices: slices.Clone(al.GetDeviceIndexes())})
+	}
+	for _, old := range a.allocs {
+		if !slices.ContainsFunc(next, func(x allocation) bool { return x.reservationID == old.reservationID }) {
+			a.send(o, &gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Report{Report: &gatewayv1.Report{
+				Report: &gatewayv1.Report_AllocationUnbound{AllocationUnbound: &gatewayv1.AllocationUnbound{ReservationId: old.reservationID, Generation: g}},
+			}}})
+		}
+	}
+	for _, al := range next {
+		i, found := a.findAlloc(al.reservationID)
+		if found && slices.Equal(a.allocs[i].devices, al.devices) {
+			continue
+		}
+		a.send(o, boundOf(al, g))
+	}
+	slices.SortFunc(next, func(x, y allocation) int { return strings.Compare(x.reservationID, y.reservationID) })
+	a.allocs = next
+	a.observed = g
+	a.send(o, observedOf(g))
+}
+
+func (a *Agent) findAlloc(rid string) (int, bool) {
+	return slices.BinarySearchFunc(a.allocs, rid, func(x allocation, id string) int { return strings.Compare(x.reservationID, id) })
+}
+
+func observedOf(g int64) *gatewayv1.SessionRequest {
+	return &gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Report{Report: &gatewayv1.Report{
+		Report: &gatewayv1.Report_ObservedGeneration{ObservedGeneration: g},
+	}}}
+}
+
+func boundOf(al allocation, g int64) *gatewayv1.SessionRequest {
+	return &gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Report{Report: &gatewayv1.Report{
+		Report: &gatewayv1.Report_AllocationBound{AllocationBound: &gatewayv1.AllocationBound{
+			ReservationId: al.reservationID,
+			CdiDevices:    cdiNames(al.devices),
+			Generation:    g,
+		}},
+	}}}
+}
+
+// CDIName returns the CDI device name of GPU index: "nvidia.com/gpu=<index>".
+func CDIName(index int32) string { return "nvidia.com/gpu=" + strconv.Itoa(int(index)) }
+
+func cdiNames(devices []int32) []string {
+	out := make([]string, len(devices))
+	for i, d := range devices {
+		out[i] = CDIName(d)
+	}
+	return out
+}
+
+// HeartbeatInterval returns the interval in use, for tests and status.
+func (a *Agent) HeartbeatInterval() time.Duration { return a.heartbeat }
+
+// String describes the Agent for logs.
+func (a *Agent) String() string {
+	return fmt.Sprintf("agent %s %s session=%d observed=%d", a.cfg.NodeID, a.state, a.session, a.observed)
+}

@@ -1,0 +1,125 @@
+package daemon
+
+import (
+	"fmt"
+	"strings"
+	"time"
+
+	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+)
+
+// EffectKind says what an Effect asks the driver to do.
+type EffectKind uint8
+
+// The kinds of effect.
+const (
+	// EffectSend asks the driver to send Msg on session Session. A failed
+	// send is reported as Disconnected(Session).
+	EffectSend EffectKind = iota + 1
+	// EffectDial asks the driver to open session Session to the gateway now
+	// and report Connected(Session) once it can send, or
+	// Disconnected(Session) if it could not.
+	EffectDial
+	// EffectClose asks the driver to close session Session (Reason says
+	// why). The Agent has already forgotten it: report nothing more for it.
+	EffectClose
+	// EffectTimer asks the driver to call Tick at At, replacing any earlier
+	// request. A zero At means no timer is needed. Early or extra Tick calls
+	// are harmless.
+	EffectTimer
+	// EffectReboot tells the driver the machine has just rebooted: BootID is
+	// the new boot id (a driver may persist the boot counter). The Agent
+	// dials again right after.
+	EffectReboot
+)
+
+// String returns the kind's name.
+func (k EffectKind) String() string {
+	switch k {
+	case EffectSend:
+		return "send"
+	case EffectDial:
+		return "dial"
+	case EffectClose:
+		return "close"
+	case EffectTimer:
+		return "timer"
+	case EffectReboot:
+		return "reboot"
+	}
+	return fmt.Sprintf("EffectKind(%d)", uint8(k))
+}
+
+// Effect is one thing the Agent asks its driver to do. Only the fields of
+// its Kind are set.
+type Effect struct {
+	Kind EffectKind
+	// Session is the session number of Send, Dial and Close.
+	Session uint64
+	// Msg is the message of Send. Treat it as immutable.
+	Msg *gatewayv1.SessionRequest
+	// At is the wake-up time of Timer.
+	At time.Time
+	// Reason is why a session is closed (Close).
+	Reason string
+	// BootID is the new boot id (Reboot).
+	BootID string
+}
+
+// String describes the effect in one stable line (for logs, test failures
+// and event logs), e.g. "send[3] update cmd_… SUCCEEDED".
+func (e Effect) String() string {
+	switch e.Kind {
+	case EffectSend:
+		return fmt.Sprintf("send[%d] %s", e.Session, DescribeRequest(e.Msg))
+	case EffectDial:
+		return fmt.Sprintf("dial[%d]", e.Session)
+	case EffectClose:
+		return fmt.Sprintf("close[%d] %s", e.Session, e.Reason)
+	case EffectTimer:
+		if e.At.IsZero() {
+			return "timer none"
+		}
+		return "timer " + e.At.UTC().Format(time.RFC3339Nano)
+	case EffectReboot:
+		return "reboot boot=" + e.BootID
+	}
+	return e.Kind.String()
+}
+
+// DescribeRequest describes a SessionRequest in one stable line.
+func DescribeRequest(m *gatewayv1.SessionRequest) string {
+	switch {
+	case m.GetHello() != nil:
+		h := m.GetHello()
+		return fmt.Sprintf("hello node=%s boot=%s observed=%d journal=%d", h.GetNodeId(), h.GetBootId(), h.GetObservedGeneration(), len(h.GetJournal()))
+	case m.GetHeartbeat() != nil:
+		h := m.GetHeartbeat()
+		return fmt.Sprintf("heartbeat seq=%d observed=%d", h.GetSeq(), h.GetObservedGeneration())
+	case m.GetCommandUpdate() != nil:
+		u := m.GetCommandUpdate()
+		s := fmt.Sprintf("update %s %s", u.GetCommandId(), strings.TrimPrefix(u.GetState().String(), "COMMAND_STATE_"))
+		if u.GetError() != "" {
+			s += fmt.Sprintf(" error=%q", u.GetError())
+		}
+		if r := u.GetResult(); r != nil {
+			s += fmt.Sprintf(" gpus=%d output=%d", len(r.GetInventory().GetGpus()), len(r.GetOutput()))
+		}
+		return s
+	case m.GetReport() != nil:
+		r := m.GetReport()
+		switch {
+		case r.GetAllocationBound() != nil:
+			b := r.GetAllocationBound()
+			return fmt.Sprintf("bound %s %s gen=%d", b.GetReservationId(), strings.Join(b.GetCdiDevices(), ","), b.GetGeneration())
+		case r.GetAllocationUnbound() != nil:
+			u := r.GetAllocationUnbound()
+			return fmt.Sprintf("unbound %s gen=%d", u.GetReservationId(), u.GetGeneration())
+		case r.GetInventory() != nil:
+			return fmt.Sprintf("inventory gpus=%d", len(r.GetInventory().GetGpus()))
+		default:
+			return fmt.Sprintf("observed %d", r.GetObservedGeneration())
+		}
+	}
+	return "empty"
+}
