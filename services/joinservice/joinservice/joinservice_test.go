@@ -1,0 +1,295 @@
+package joinservice_test
+
+import (
+	"context"
+	"crypto/x509"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+	"golang.org/x/sync/errgroup"
+
+	joinv1 "github.com/better-compute/better-compute/api/gen/bc/join/v1"
+	"github.com/better-compute/better-compute/api/gen/bc/join/v1/joinv1connect"
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/iam"
+	"github.com/better-compute/better-compute/pkg/ids"
+	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
+	"github.com/better-compute/better-compute/pkg/telemetry"
+	"github.com/better-compute/better-compute/services/joinservice/joinservice"
+)
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	storetest.Stop()
+	if code == 0 {
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintln(os.Stderr, "goleak:", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+type fixture struct {
+	db     *store.DB
+	pkiDir string
+	nodeCA *pki.CA
+	poolID string
+	client joinv1connect.JoinServiceClient
+	url    string
+}
+
+func setup(t *testing.T) *fixture {
+	t.Helper()
+	db := storetest.New(t, clock.New())
+	ctx := t.Context()
+	now := db.Now()
+	f := &fixture{db: db, pkiDir: t.TempDir()}
+	_, err := pki.Init(f.pkiDir, pki.InitOptions{}, now)
+	require.NoError(t, err)
+	f.nodeCA, err = pki.LoadCA(f.pkiDir+"/"+pki.NodeCACert, f.pkiDir+"/"+pki.NodeCAKey)
+	require.NoError(t, err)
+
+	tenant := store.Tenant{ID: ids.New(ids.Tenant, now), Name: "root", CreatedAt: now}
+	require.NoError(t, store.CreateTenant(ctx, db.Pool, tenant))
+	site := store.Site{ID: ids.New(ids.Site, now), Name: "dev-1", Region: "dev-1", CreatedAt: now}
+	require.NoError(t, store.CreateSite(ctx, db.Pool, site))
+	f.poolID = ids.New(ids.Pool, now)
+	require.NoError(t, store.CreatePool(ctx, db.Pool, store.Pool{ID: f.poolID, SiteID: site.ID,
+		OwnerTenantID: tenant.ID, Name: "metal-host", Kind: "metal-host", CreatedAt: now}))
+
+	srv, err := joinservice.New(joinservice.Config{PKIDir: f.pkiDir, GatewayURL: "https://gw.example:8443",
+		GatewayServerName: "gw.example"}, joinservice.Deps{DB: db, Logger: telemetry.Discard()})
+	require.NoError(t, err)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	sctx, cancel := context.WithCancel(context.Background())
+	var g errgroup.Group
+	g.Go(func() error { return srv.Serve(sctx, ln) })
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, g.Wait())
+	})
+
+	// Cleartext HTTP/2, as daemons behind the dev gateway speak it.
+	var protocols http.Protocols
+	protocols.SetUnencryptedHTTP2(true)
+	tr := &http.Transport{Protocols: &protocols}
+	t.Cleanup(tr.CloseIdleConnections)
+	f.url = "http://" + ln.Addr().String()
+	f.client = joinv1connect.NewJoinServiceClient(&http.Client{Transport: tr}, f.url)
+	return f
+}
+
+// token mints a join token of the fixture's pool and returns its secret.
+func (f *fixture) token(t *testing.T, maxUses int32, expires time.Time) (string, string) {
+	t.Helper()
+	secret, err := iam.NewSecret(iam.JoinTokenPrefix)
+	require.NoError(t, err)
+	id := ids.New(ids.JoinToken, f.db.Now())
+	require.NoError(t, store.CreateJoinToken(t.Context(), f.db.Pool, store.JoinToken{ID: id, PoolID: f.poolID,
+		Hash: iam.HashSecret(secret), MaxUses: maxUses, ExpiresAt: expires, CreatedAt: f.db.Now()}))
+	return id, secret
+}
+
+func newCSR(t *testing.T) []byte {
+	t.Helper()
+	key, err := pki.GenerateKey()
+	require.NoError(t, err)
+	der, err := pki.NewCSR(key, "machine")
+	require.NoError(t, err)
+	return der
+}
+
+func (f *fixture) count(t *testing.T, sql string) int {
+	t.Helper()
+	var n int
+	require.NoError(t, f.db.Pool.QueryRow(t.Context(), sql).Scan(&n))
+	return n
+}
+
+func TestJoin(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	tokenID, secret := f.token(t, 5, f.db.Now().Add(time.Hour))
+	before := f.db.Now()
+
+	res, err := f.client.Join(ctx, connect.NewRequest(&joinv1.JoinRequest{
+		Credential: &joinv1.JoinRequest_Token{Token: secret},
+		CsrDer:     newCSR(t),
+		Claims:     &joinv1.Claims{Hostname: "gpu-01", MachineId: "m-01", AgentVersion: "bcd/1.0", Variant: "hgx-h100"},
+	}))
+	require.NoError(t, err)
+	msg := res.Msg
+	require.NoError(t, ids.Check(ids.Node, msg.NodeId))
+	require.Equal(t, f.poolID, msg.PoolId)
+	require.Equal(t, "https://gw.example:8443", msg.GatewayUrl)
+	require.Equal(t, "gw.example", msg.GatewayServerName)
+	require.Equal(t, pki.DefaultTrustDomain, msg.TrustDomain)
+	require.Equal(t, f.nodeCA.Cert.Raw, msg.NodeCaDer)
+	servingCA, err := pki.LoadCert(f.pkiDir + "/" + pki.ServingCACert)
+	require.NoError(t, err)
+	require.Equal(t, servingCA.Raw, msg.ServingCaDer)
+
+	// The certificate chains to the node CA for client auth and names the node.
+	cert, err := x509.ParseCertificate(msg.CertificateDer)
+	require.NoError(t, err)
+	_, err = cert.Verify(x509.VerifyOptions{Roots: f.nodeCA.Pool(), KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}})
+	require.NoError(t, err)
+	require.Len(t, cert.URIs, 1)
+	require.Equal(t, "spiffe://"+pki.DefaultTrustDomain+"/node/"+msg.NodeId, cert.URIs[0].String())
+	id, err := pki.NodeIDFromCert(cert, pki.DefaultTrustDomain)
+	require.NoError(t, err)
+	require.Equal(t, msg.NodeId, id)
+	require.True(t, msg.NotAfter.AsTime().Equal(cert.NotAfter))
+	require.WithinDuration(t, before.Add(24*time.Hour), cert.NotAfter, time.Minute)
+
+	// One transaction wrote the node, its certificate, the use and the poke.
+	n, err := store.GetNode(ctx, f.db.Pool, msg.NodeId)
+	require.NoError(t, err)
+	require.Equal(t, store.NodeJoining, n.ProvisionState)
+	require.Equal(t, tokenID, n.JoinTokenID)
+	require.Equal(t, "gpu-01", n.Hostname)
+	require.Equal(t, "m-01", n.MachineID)
+	require.Equal(t, "bcd/1.0", n.AgentVersion)
+	require.Equal(t, "hgx-h100", n.Variant)
+	var serial string
+	var keySum []byte
+	var notAfter time.Time
+	require.NoError(t, f.db.Pool.QueryRow(ctx, `SELECT serial, public_key_sha256, not_after FROM node_certs WHERE node_id = $1`,
+		msg.NodeId).Scan(&serial, &keySum, &notAfter))
+	require.Equal(t, pki.SerialHex(cert), serial)
+	require.Equal(t, pki.PublicKeySHA256(cert), keySum)
+	require.True(t, notAfter.Equal(cert.NotAfter.Truncate(time.Microsecond)))
+	jt, err := store.GetJoinToken(ctx, f.db.Pool, tokenID)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, jt.Uses)
+	require.Equal(t, 1, f.count(t, `SELECT count(*) FROM outbox WHERE subject = 'bc.poke.controllers'`))
+
+	// Health answers on the same mux.
+	resp, err := http.Get(f.url + "/healthz")
+	require.NoError(t, err)
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	require.NoError(t, resp.Body.Close())
+}
+
+func TestJoinRefusals(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	now := f.db.Now()
+	_, good := f.token(t, 5, now.Add(time.Hour))
+	_, expired := f.token(t, 5, now.Add(-time.Minute))
+	revokedID, revoked := f.token(t, 5, now.Add(time.Hour))
+	_, err := store.RevokeJoinToken(ctx, f.db.Pool, revokedID, now)
+	require.NoError(t, err)
+	usedID, used := f.token(t, 10, now.Add(time.Hour))
+	_, err = f.db.Pool.Exec(ctx, `UPDATE join_tokens SET uses = 10 WHERE id = $1`, usedID)
+	require.NoError(t, err)
+	expiredTok, err := store.GetJoinTokenByHash(ctx, f.db.Pool, iam.HashSecret(expired))
+	require.NoError(t, err)
+
+	csr := newCSR(t)
+	tampered := append([]byte(nil), csr...)
+	tampered[len(tampered)-1] ^= 0xff
+	tok := func(s string) *joinv1.JoinRequest_Token { return &joinv1.JoinRequest_Token{Token: s} }
+
+	for _, tc := range []struct {
+		name string
+		req  *joinv1.JoinRequest
+		code connect.Code
+		msg  string
+	}{
+		{"unknown token", &joinv1.JoinRequest{Credential: tok("bcjt_unknown-token"), CsrDer: csr},
+			connect.CodeUnauthenticated, "join token is not valid"},
+		{"expired", &joinv1.JoinRequest{Credential: tok(expired), CsrDer: csr},
+			connect.CodeFailedPrecondition, "join token expired at " + expiredTok.ExpiresAt.UTC().Format(time.RFC3339)},
+		{"revoked", &joinv1.JoinRequest{Credential: tok(revoked), CsrDer: csr},
+			connect.CodeFailedPrecondition, "join token was revoked"},
+		{"used up", &joinv1.JoinRequest{Credential: tok(used), CsrDer: csr},
+			connect.CodeFailedPrecondition, "join token is used up (10 of 10 uses)"},
+		{"garbage csr", &joinv1.JoinRequest{Credential: tok(good), CsrDer: []byte("not a csr")},
+			connect.CodeInvalidArgument, "csr_der: csr is not a DER PKCS#10 request"},
+		{"csr not signed by its key", &joinv1.JoinRequest{Credential: tok(good), CsrDer: tampered},
+			connect.CodeInvalidArgument, "csr_der: csr signature does not match its public key"},
+		{"no csr", &joinv1.JoinRequest{Credential: tok(good)},
+			connect.CodeInvalidArgument, "csr_der"},
+		{"no credential", &joinv1.JoinRequest{CsrDer: csr},
+			connect.CodeInvalidArgument, "credential"},
+		{"short token", &joinv1.JoinRequest{Credential: tok("bcjt_"), CsrDer: csr},
+			connect.CodeInvalidArgument, "token"},
+		{"sealed token", &joinv1.JoinRequest{Credential: &joinv1.JoinRequest_SealedToken{SealedToken: []byte("x")}, CsrDer: csr},
+			connect.CodeUnimplemented, "sealed_token is not supported yet"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := f.client.Join(ctx, connect.NewRequest(tc.req))
+			require.Error(t, err)
+			require.Equal(t, tc.code, connect.CodeOf(err), "%v", err)
+			var cerr *connect.Error
+			require.ErrorAs(t, err, &cerr)
+			require.True(t, strings.Contains(cerr.Message(), tc.msg), "message %q should contain %q", cerr.Message(), tc.msg)
+		})
+	}
+	// Nothing was consumed.
+	require.Zero(t, f.count(t, `SELECT count(*) FROM nodes`))
+	require.Zero(t, f.count(t, `SELECT count(*) FROM node_certs`))
+	require.Zero(t, f.count(t, `SELECT count(*) FROM outbox`))
+	require.Equal(t, 10, f.count(t, `SELECT sum(uses) FROM join_tokens`), "only the used-up token's 10 uses")
+}
+
+func TestJoinRace(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	tokenID, secret := f.token(t, 10, f.db.Now().Add(time.Hour))
+
+	var wg sync.WaitGroup
+	errs := make([]error, 20)
+	for i := range errs {
+		wg.Go(func() {
+			_, errs[i] = f.client.Join(ctx, connect.NewRequest(&joinv1.JoinRequest{
+				Credential: &joinv1.JoinRequest_Token{Token: secret}, CsrDer: newCSR(t),
+				Claims: &joinv1.Claims{Hostname: fmt.Sprintf("gpu-%02d", i)},
+			}))
+		})
+	}
+	wg.Wait()
+	var ok, usedUp int
+	for _, err := range errs {
+		switch {
+		case err == nil:
+			ok++
+		case connect.CodeOf(err) == connect.CodeFailedPrecondition && strings.Contains(err.Error(), "used up (10 of 10 uses)"):
+			usedUp++
+		default:
+			t.Fatalf("unexpected error: %v", err)
+		}
+	}
+	require.Equal(t, 10, ok)
+	require.Equal(t, 10, usedUp)
+	jt, err := store.GetJoinToken(ctx, f.db.Pool, tokenID)
+	require.NoError(t, err)
+	require.EqualValues(t, 10, jt.Uses)
+	require.Equal(t, 10, f.count(t, `SELECT count(*) FROM nodes`))
+	require.Equal(t, 10, f.count(t, `SELECT count(*) FROM node_certs`))
+	require.Equal(t, 10, f.count(t, `SELECT count(*) FROM outbox`))
+}
+
+func TestNewNeedsPKI(t *testing.T) {
+	t.Parallel()
+	db := storetest.New(t, clock.New())
+	_, err := joinservice.New(joinservice.Config{PKIDir: t.TempDir()}, joinservice.Deps{DB: db})
+	require.ErrorContains(t, err, "load node CA")
+}
