@@ -1,0 +1,55 @@
+package api
+
+import (
+	"context"
+	"errors"
+
+	"connectrpc.com/connect"
+
+	"github.com/better-compute/better-compute/pkg/store"
+)
+
+// conflictMessages say, per unique constraint, what already exists.
+var conflictMessages = map[string]string{
+	store.ConstraintSiteName: "name: a site with this name already exists",
+	store.ConstraintPoolName: "name: a pool with this name already exists in the site",
+}
+
+// mapError turns an error of a handler into a Connect error: Connect errors
+// pass through, store.ErrNotFound becomes NotFound (store messages name the
+// missing row and carry no SQL), store.ErrConflict becomes AlreadyExists
+// (with the message of its constraint), context ends become
+// Canceled/DeadlineExceeded, and anything else Internal (masked for the
+// client and logged by service.HandlerOptions).
+func mapError(err error) error {
+	if err == nil {
+		return nil
+	}
+	var cerr *connect.Error
+	if errors.As(err, &cerr) {
+		return cerr
+	}
+	switch {
+	case errors.Is(err, store.ErrNotFound):
+		return connect.NewError(connect.CodeNotFound, err)
+	case errors.Is(err, store.ErrConflict):
+		var ce *store.ConstraintError
+		if errors.As(err, &ce) {
+			if msg, ok := conflictMessages[ce.Constraint]; ok {
+				return connect.NewError(connect.CodeAlreadyExists, errors.New(msg))
+			}
+		}
+		return connect.NewError(connect.CodeAlreadyExists, errors.New("already exists"))
+	case errors.Is(err, context.Canceled):
+		return connect.NewError(connect.CodeCanceled, err)
+	case errors.Is(err, context.DeadlineExceeded):
+		return connect.NewError(connect.CodeDeadlineExceeded, err)
+	}
+	return connect.NewError(connect.CodeInternal, err)
+}
+
+// notFound is the NotFound error of a resource the caller may not see or
+// that does not exist; the two are not told apart.
+func notFound(kind, id string) error {
+	return connect.NewError(connect.CodeNotFound, errors.New(kind+" "+id+" not found"))
+}

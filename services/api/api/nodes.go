@@ -1,0 +1,119 @@
+package api
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
+	"github.com/better-compute/better-compute/pkg/store"
+)
+
+// Page sizes of ListNodes.
+const (
+	defaultNodePageSize = 500
+)
+
+type nodeService struct{ *Server }
+
+// ListNodes lists the nodes the caller's tenant owns (all for root-admin),
+// optionally of one pool, ordered by id and paged by the last id.
+func (s *nodeService) ListNodes(ctx context.Context, req *connect.Request[computev1.ListNodesRequest]) (*connect.Response[computev1.ListNodesResponse], error) {
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, err
+	}
+	msg := req.Msg
+	if msg.PoolId != "" {
+		pool, err := store.GetPool(ctx, s.db.Pool, msg.PoolId)
+		if errors.Is(err, store.ErrNotFound) || (err == nil && !p.InTenant(pool.OwnerTenantID)) {
+			return nil, notFound("pool", msg.PoolId)
+		}
+		if err != nil {
+			return nil, mapError(err)
+		}
+	}
+	size := int(msg.PageSize)
+	if size == 0 {
+		size = defaultNodePageSize
+	}
+	nodes, err := store.ListNodes(ctx, s.db.Pool, store.NodeFilter{PoolID: msg.PoolId, OwnerTenantID: p.TenantScope(),
+		After: msg.PageToken, Limit: size})
+	if err != nil {
+		return nil, mapError(err)
+	}
+	res := &computev1.ListNodesResponse{Nodes: make([]*computev1.Node, len(nodes))}
+	for i, n := range nodes {
+		res.Nodes[i] = nodeToProto(n)
+	}
+	if len(nodes) == size {
+		res.NextPageToken = nodes[len(nodes)-1].ID
+	}
+	return connect.NewResponse(res), nil
+}
+
+// GetNode returns one node of the caller's tenant (any for root-admin).
+func (s *nodeService) GetNode(ctx context.Context, req *connect.Request[computev1.GetNodeRequest]) (*connect.Response[computev1.GetNodeResponse], error) {
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, err
+	}
+	n, err := store.GetNode(ctx, s.db.Pool, req.Msg.NodeId)
+	if errors.Is(err, store.ErrNotFound) || (err == nil && !p.InTenant(n.PoolOwnerTenantID)) {
+		return nil, notFound("node", req.Msg.NodeId)
+	}
+	if err != nil {
+		return nil, mapError(err)
+	}
+	return connect.NewResponse(&computev1.GetNodeResponse{Node: nodeToProto(n)}), nil
+}
+
+func nodeToProto(n store.Node) *computev1.Node {
+	out := &computev1.Node{
+		Id:                 n.ID,
+		PoolId:             n.PoolID,
+		ProvisionState:     n.ProvisionState,
+		ProvisionReason:    n.ProvisionReason,
+		Reachable:          n.Reachable,
+		Cordoned:           n.Cordoned,
+		CordonReason:       n.CordonReason,
+		Hostname:           n.Hostname,
+		Variant:            n.Variant,
+		GatewayId:          n.GatewayID,
+		LastSeen:           timestampOrNil(n.LastSeen),
+		SpecGeneration:     n.SpecGeneration,
+		ObservedGeneration: n.ObservedGeneration,
+		CreatedAt:          timestamppb.New(n.CreatedAt),
+		BootId:             n.BootID,
+	}
+	var models []string
+	for _, d := range n.Devices {
+		out.Gpus = append(out.Gpus, &computev1.Gpu{Index: d.Index, Uuid: d.UUID, Model: d.Model, MemoryBytes: d.MemoryBytes})
+		if !contains(models, d.Model) {
+			models = append(models, d.Model)
+		}
+	}
+	// One model in the usual case; a mixed node lists its models.
+	out.GpuModel = strings.Join(models, ", ")
+	return out
+}
+
+func contains(list []string, s string) bool {
+	for _, x := range list {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}
+
+func timestampOrNil(t *time.Time) *timestamppb.Timestamp {
+	if t == nil {
+		return nil
+	}
+	return timestamppb.New(*t)
+}

@@ -1,0 +1,95 @@
+package api
+
+import (
+	"context"
+	"errors"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
+	"github.com/better-compute/better-compute/pkg/ids"
+	"github.com/better-compute/better-compute/pkg/store"
+)
+
+type poolService struct{ *Server }
+
+// CreateSite creates a site. Errors: AlreadyExists (name).
+func (s *poolService) CreateSite(ctx context.Context, req *connect.Request[computev1.CreateSiteRequest]) (*connect.Response[computev1.CreateSiteResponse], error) {
+	now := s.db.Now()
+	site := store.Site{ID: ids.New(ids.Site, now), Name: req.Msg.Name, Region: req.Msg.Region, CreatedAt: now}
+	if err := store.CreateSite(ctx, s.db.Pool, site); err != nil {
+		return nil, mapError(err)
+	}
+	s.logger.InfoContext(ctx, "site created", "site.id", site.ID, "site.name", site.Name)
+	return connect.NewResponse(&computev1.CreateSiteResponse{Site: siteToProto(site)}), nil
+}
+
+// ListSites lists every site (sites are shared by all tenants).
+func (s *poolService) ListSites(ctx context.Context, _ *connect.Request[computev1.ListSitesRequest]) (*connect.Response[computev1.ListSitesResponse], error) {
+	sites, err := store.ListSites(ctx, s.db.Pool)
+	if err != nil {
+		return nil, mapError(err)
+	}
+	res := &computev1.ListSitesResponse{}
+	for _, site := range sites {
+		res.Sites = append(res.Sites, siteToProto(site))
+	}
+	return connect.NewResponse(res), nil
+}
+
+// CreatePool creates a pool owned by the caller's tenant. Errors: NotFound
+// (site_id), AlreadyExists (name in the site).
+func (s *poolService) CreatePool(ctx context.Context, req *connect.Request[computev1.CreatePoolRequest]) (*connect.Response[computev1.CreatePoolResponse], error) {
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, err
+	}
+	msg := req.Msg
+	now := s.db.Now()
+	pool := store.Pool{
+		ID: ids.New(ids.Pool, now), SiteID: msg.SiteId, OwnerTenantID: p.TenantID, Name: msg.Name, Kind: msg.Kind,
+		AcceptanceCheck: msg.Acceptance.GetCheck(), GPUModel: msg.Acceptance.GetGpuModel(),
+		ExpectGPUCount: msg.Acceptance.GetExpectGpuCount(), CreatedAt: now,
+	}
+	if _, err := store.GetSite(ctx, s.db.Pool, msg.SiteId); errors.Is(err, store.ErrNotFound) {
+		return nil, connect.NewError(connect.CodeNotFound, errors.New("site_id: site "+msg.SiteId+" not found"))
+	}
+	if err := store.CreatePool(ctx, s.db.Pool, pool); err != nil {
+		return nil, mapError(err)
+	}
+	pool.NodeCounts = map[string]int32{}
+	s.logger.InfoContext(ctx, "pool created", "pool.id", pool.ID, "pool.name", pool.Name, "tenant.id", p.TenantID)
+	return connect.NewResponse(&computev1.CreatePoolResponse{Pool: poolToProto(pool)}), nil
+}
+
+// ListPools lists the pools of the caller's tenant (all for root-admin),
+// optionally of one site, with node counts per provision state.
+func (s *poolService) ListPools(ctx context.Context, req *connect.Request[computev1.ListPoolsRequest]) (*connect.Response[computev1.ListPoolsResponse], error) {
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, err
+	}
+	pools, err := store.ListPools(ctx, s.db.Pool, store.PoolFilter{SiteID: req.Msg.SiteId, OwnerTenantID: p.TenantScope()})
+	if err != nil {
+		return nil, mapError(err)
+	}
+	res := &computev1.ListPoolsResponse{}
+	for _, pool := range pools {
+		res.Pools = append(res.Pools, poolToProto(pool))
+	}
+	return connect.NewResponse(res), nil
+}
+
+func siteToProto(s store.Site) *computev1.Site {
+	return &computev1.Site{Id: s.ID, Name: s.Name, Region: s.Region, CreatedAt: timestamppb.New(s.CreatedAt)}
+}
+
+func poolToProto(p store.Pool) *computev1.Pool {
+	return &computev1.Pool{
+		Id: p.ID, SiteId: p.SiteID, Name: p.Name, Kind: p.Kind, OwnerTenantId: p.OwnerTenantID,
+		Acceptance: &computev1.Acceptance{Check: p.AcceptanceCheck, GpuModel: p.GPUModel, ExpectGpuCount: p.ExpectGPUCount},
+		CreatedAt:  timestamppb.New(p.CreatedAt),
+		NodeCounts: p.NodeCounts,
+	}
+}
