@@ -1,0 +1,344 @@
+package store
+
+// Queries of the controllers' acceptance reconciler: joining nodes get a
+// diag.nvml command with purpose 'acceptance' and become accepting; accepting
+// nodes whose acceptance command is terminal (or past its deadline) are
+// adopted, failed or given a fresh command. Every function works on a batch
+// of nodes with a constant number of statements, so that a thousand joining
+// nodes cost a handful of round trips.
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"time"
+)
+
+// SubjectPokeScheduler wakes the scheduler: capacity appeared (a node was
+// adopted) or a reservation is waiting.
+const SubjectPokeScheduler = "bc.poke.scheduler"
+
+// Event types written by the acceptance reconciler (events.type).
+const (
+	EventNodeAdopted          = "node.adopted"
+	EventNodeAcceptanceFailed = "node.acceptance_failed"
+)
+
+// ClaimJoiningNodes locks up to limit nodes in state joining, oldest first,
+// skipping nodes another transaction holds, and returns their ids. Call it
+// in a transaction that moves them on.
+func ClaimJoiningNodes(ctx context.Context, q DBTX, limit int) ([]string, error) {
+	return acceptanceIDs(ctx, q, "claim joining nodes", `SELECT id FROM nodes WHERE provision_state = 'joining'
+		ORDER BY created_at, id LIMIT $1 FOR UPDATE SKIP LOCKED`, limit)
+}
+
+// NewAcceptanceCommand is one diag.nvml acceptance command to queue.
+type NewAcceptanceCommand struct {
+	// ID is "cmd_…" (ids.Command).
+	ID     string
+	NodeID string
+}
+
+// QueueAcceptanceCommands inserts cmds as queued, retry-safe diag.nvml
+// commands with purpose 'acceptance', created by "controllers" at now with
+// deadline.
+func QueueAcceptanceCommands(ctx context.Context, q DBTX, now, deadline time.Time, cmds []NewAcceptanceCommand) error {
+	if len(cmds) == 0 {
+		return nil
+	}
+	ids := make([]string, len(cmds))
+	nodes := make([]string, len(cmds))
+	for i, c := range cmds {
+		ids[i], nodes[i] = c.ID, c.NodeID
+	}
+	_, err := q.Exec(ctx, `INSERT INTO commands (id, node_id, kind, args, purpose, state, retry_safe, deadline,
+			created_by, created_at, updated_at)
+		SELECT u.id, u.node_id, 'diag.nvml', '{}', 'acceptance', 'queued', true, $3, 'controllers', $4, $4
+		FROM unnest($1::text[], $2::text[]) AS u(id, node_id)`, ids, nodes, deadline, now)
+	if err != nil {
+		return fmt.Errorf("queue acceptance commands: %w", interpretError(err))
+	}
+	return nil
+}
+
+// MarkNodesAccepting moves nodes that are joining or accepting to accepting
+// (stamping updated_at) and returns the ids it changed.
+func MarkNodesAccepting(ctx context.Context, q DBTX, now time.Time, nodeIDs []string) ([]string, error) {
+	if len(nodeIDs) == 0 {
+		return nil, nil
+	}
+	return acceptanceIDs(ctx, q, "mark nodes accepting", `UPDATE nodes SET provision_state = 'accepting', provision_reason = '',
+		updated_at = $2 WHERE id = ANY($1) AND provision_state IN ('joining', 'accepting') RETURNING id`, nodeIDs, now)
+}
+
+// ClaimDueAcceptances locks up to limit accepting nodes that have no open
+// acceptance command before its deadline (their command finished, expired,
+// ran out of time, or is missing), skipping nodes another transaction holds,
+// and returns their ids. Read what to do with them with AcceptanceChecks in
+// the same transaction: its snapshot is taken after the locks.
+func ClaimDueAcceptances(ctx context.Context, q DBTX, now time.Time, limit int) ([]string, error) {
+	return acceptanceIDs(ctx, q, "claim due acceptances", `SELECT n.id FROM nodes n
+		WHERE n.provision_state = 'accepting' AND NOT EXISTS (
+			SELECT 1 FROM commands c WHERE c.node_id = n.id AND c.purpose = 'acceptance'
+				AND c.state IN ('queued', 'delivered', 'running') AND c.deadline > $1)
+		ORDER BY n.id LIMIT $2 FOR UPDATE OF n SKIP LOCKED`, now, limit)
+}
+
+// AcceptanceCheck is what the reconciler needs to decide about one accepting
+// node: its pool's rules and its latest acceptance command.
+type AcceptanceCheck struct {
+	NodeID        string
+	PoolID        string
+	SiteID        string
+	OwnerTenantID string
+	// GPUModel and ExpectGPUCount are the pool's acceptance rules.
+	GPUModel       string
+	ExpectGPUCount int32
+	// CommandID is the latest acceptance command, "" when there is none;
+	// the Command fields below are then zero.
+	CommandID    string
+	CommandState string
+	// CommandResult is the command's result (protojson of
+	// gatewayv1.CommandResult), nil when it has none.
+	CommandResult []byte
+	CommandError  string
+	// CommandDeadline is when the node must have answered.
+	CommandDeadline time.Time
+	// Attempts is how many acceptance commands the node was given.
+	Attempts int
+}
+
+// AcceptanceChecks returns, for those of nodeIDs still accepting, their
+// pool's rules and latest acceptance command, ordered by node id.
+func AcceptanceChecks(ctx context.Context, q DBTX, nodeIDs []string) ([]AcceptanceCheck, error) {
+	if len(nodeIDs) == 0 {
+		return nil, nil
+	}
+	rows, err := q.Query(ctx, `SELECT n.id, n.pool_id, p.site_id, p.owner_tenant_id, p.gpu_model, p.expect_gpu_count,
+			COALESCE(c.id, ''), COALESCE(c.state, ''), c.result, COALESCE(c.error, ''), c.deadline,
+			(SELECT count(*) FROM commands a WHERE a.node_id = n.id AND a.purpose = 'acceptance')
+		FROM nodes n JOIN pools p ON p.id = n.pool_id
+		LEFT JOIN LATERAL (SELECT id, state, result, error, deadline FROM commands
+			WHERE node_id = n.id AND purpose = 'acceptance' ORDER BY created_at DESC, id DESC LIMIT 1) c ON true
+		WHERE n.id = ANY($1) AND n.provision_state = 'accepting'
+		ORDER BY n.id`, nodeIDs)
+	if err != nil {
+		return nil, fmt.Errorf("read acceptance checks: %w", interpretError(err))
+	}
+	defer rows.Close()
+	var out []AcceptanceCheck
+	for rows.Next() {
+		var c AcceptanceCheck
+		var deadline *time.Time
+		if err := rows.Scan(&c.NodeID, &c.PoolID, &c.SiteID, &c.OwnerTenantID, &c.GPUModel, &c.ExpectGPUCount,
+			&c.CommandID, &c.CommandState, &c.CommandResult, &c.CommandError, &deadline, &c.Attempts); err != nil {
+			return nil, fmt.Errorf("read acceptance checks: %w", err)
+		}
+		if deadline != nil {
+			c.CommandDeadline = *deadline
+		}
+		out = append(out, c)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read acceptance checks: %w", interpretError(err))
+	}
+	return out, nil
+}
+
+// ExpireCommands moves those of cmdIDs that are still open (queued,
+// delivered, running) to expired with reason as error, and returns the ids
+// it expired; a command that reached a terminal state meanwhile is left
+// alone.
+func ExpireCommands(ctx context.Context, q DBTX, now time.Time, cmdIDs []string, reason string) ([]string, error) {
+	if len(cmdIDs) == 0 {
+		return nil, nil
+	}
+	return acceptanceIDs(ctx, q, "expire commands", `UPDATE commands SET state = 'expired',
+			error = CASE WHEN error = '' THEN $3 ELSE error END, finished_at = $2, updated_at = $2
+		WHERE id = ANY($1) AND state IN ('queued', 'delivered', 'running') RETURNING id`, cmdIDs, now, reason)
+}
+
+// Adoption is one accepting node to adopt.
+type Adoption struct {
+	NodeID        string
+	PoolID        string
+	OwnerTenantID string
+	// Spec is the node's first NodeSpec (protojson of gatewayv1.NodeSpec),
+	// stored as generation 1.
+	Spec []byte
+	// Inventory is what diag.nvml reported (protojson of
+	// gatewayv1.Inventory).
+	Inventory []byte
+	// Devices become the node's node_devices rows.
+	Devices []NodeDevice
+}
+
+// AdoptNodes moves accepting nodes to adopted at now with spec generation 1,
+// their spec, inventory and devices (replacing any), and writes a
+// node.adopted event for each (tenant: the pool's owner). It returns the ids
+// it adopted: a node no longer accepting is skipped.
+func AdoptNodes(ctx context.Context, q DBTX, now time.Time, adoptions []Adoption) ([]string, error) {
+	if len(adoptions) == 0 {
+		return nil, nil
+	}
+	ids := make([]string, len(adoptions))
+	specs := make([]string, len(adoptions))
+	invs := make([]string, len(adoptions))
+	for i, a := range adoptions {
+		ids[i], specs[i], invs[i] = a.NodeID, string(a.Spec), string(a.Inventory)
+	}
+	adopted, err := acceptanceIDs(ctx, q, "adopt nodes", `UPDATE nodes n SET provision_state = 'adopted', provision_reason = '',
+			adopted_at = $4, spec_generation = 1, spec = u.spec::jsonb, inventory = u.inv::jsonb, updated_at = $4
+		FROM unnest($1::text[], $2::text[], $3::text[]) AS u(id, spec, inv)
+		WHERE n.id = u.id AND n.provision_state = 'accepting' RETURNING n.id`, ids, specs, invs, now)
+	if err != nil {
+		return nil, err
+	}
+	done := make(map[string]bool, len(adopted))
+	for _, id := range adopted {
+		done[id] = true
+	}
+	var (
+		devNode, devUUID, devModel []string
+		devIndex                   []int32
+		devMemory                  []int64
+		devHealthy                 []bool
+		events                     []acceptanceEvent
+	)
+	for _, a := range adoptions {
+		if !done[a.NodeID] {
+			continue
+		}
+		for _, d := range a.Devices {
+			devNode = append(devNode, a.NodeID)
+			devIndex = append(devIndex, d.Index)
+			devUUID = append(devUUID, d.UUID)
+			devModel = append(devModel, d.Model)
+			devMemory = append(devMemory, d.MemoryBytes)
+			devHealthy = append(devHealthy, d.Healthy)
+		}
+		events = append(events, acceptanceEvent{tenantID: a.OwnerTenantID, typ: EventNodeAdopted, nodeID: a.NodeID,
+			data: map[string]any{"nodeId": a.NodeID, "poolId": a.PoolID, "gpus": len(a.Devices)}})
+	}
+	if _, err := q.Exec(ctx, `DELETE FROM node_devices WHERE node_id = ANY($1)`, adopted); err != nil {
+		return nil, fmt.Errorf("adopt nodes: clear devices: %w", interpretError(err))
+	}
+	if len(devNode) > 0 {
+		_, err := q.Exec(ctx, `INSERT INTO node_devices (node_id, device_index, uuid, model, memory_bytes, healthy)
+			SELECT * FROM unnest($1::text[], $2::int[], $3::text[], $4::text[], $5::bigint[], $6::bool[])`,
+			devNode, devIndex, devUUID, devModel, devMemory, devHealthy)
+		if err != nil {
+			return nil, fmt.Errorf("adopt nodes: insert devices: %w", interpretError(err))
+		}
+	}
+	if err := insertAcceptanceEvents(ctx, q, now, events); err != nil {
+		return nil, err
+	}
+	return adopted, nil
+}
+
+// AcceptanceFailure is one accepting node that failed acceptance.
+type AcceptanceFailure struct {
+	NodeID        string
+	PoolID        string
+	OwnerTenantID string
+	// Reason is a human sentence, stored as provision_reason.
+	Reason string
+	// Inventory, when not nil, replaces the node's inventory (protojson of
+	// gatewayv1.Inventory), so operators see what was found.
+	Inventory []byte
+}
+
+// FailAcceptance moves accepting nodes to acceptance_failed with their
+// reasons and writes a node.acceptance_failed event for each (tenant: the
+// pool's owner). It returns the ids it changed: a node no longer accepting
+// is skipped.
+func FailAcceptance(ctx context.Context, q DBTX, now time.Time, failures []AcceptanceFailure) ([]string, error) {
+	if len(failures) == 0 {
+		return nil, nil
+	}
+	ids := make([]string, len(failures))
+	reasons := make([]string, len(failures))
+	invs := make([]*string, len(failures))
+	for i, f := range failures {
+		ids[i], reasons[i] = f.NodeID, f.Reason
+		if f.Inventory != nil {
+			s := string(f.Inventory)
+			invs[i] = &s
+		}
+	}
+	failed, err := acceptanceIDs(ctx, q, "fail acceptance", `UPDATE nodes n SET provision_state = 'acceptance_failed',
+			provision_reason = u.reason, inventory = COALESCE(u.inv::jsonb, n.inventory), updated_at = $4
+		FROM unnest($1::text[], $2::text[], $3::text[]) AS u(id, reason, inv)
+		WHERE n.id = u.id AND n.provision_state = 'accepting' RETURNING n.id`, ids, reasons, invs, now)
+	if err != nil {
+		return nil, err
+	}
+	done := make(map[string]bool, len(failed))
+	for _, id := range failed {
+		done[id] = true
+	}
+	var events []acceptanceEvent
+	for _, f := range failures {
+		if done[f.NodeID] {
+			events = append(events, acceptanceEvent{tenantID: f.OwnerTenantID, typ: EventNodeAcceptanceFailed, nodeID: f.NodeID,
+				data: map[string]any{"nodeId": f.NodeID, "poolId": f.PoolID, "reason": f.Reason}})
+		}
+	}
+	if err := insertAcceptanceEvents(ctx, q, now, events); err != nil {
+		return nil, err
+	}
+	return failed, nil
+}
+
+type acceptanceEvent struct {
+	tenantID, typ, nodeID string
+	data                  map[string]any
+}
+
+// insertAcceptanceEvents writes events rows about nodes in one statement.
+func insertAcceptanceEvents(ctx context.Context, q DBTX, now time.Time, events []acceptanceEvent) error {
+	if len(events) == 0 {
+		return nil
+	}
+	tenants := make([]string, len(events))
+	types := make([]string, len(events))
+	subjects := make([]string, len(events))
+	data := make([]string, len(events))
+	for i, e := range events {
+		b, err := json.Marshal(e.data)
+		if err != nil {
+			return fmt.Errorf("encode %s event: %w", e.typ, err)
+		}
+		tenants[i], types[i], subjects[i], data[i] = e.tenantID, e.typ, e.nodeID, string(b)
+	}
+	_, err := q.Exec(ctx, `INSERT INTO events (tenant_id, type, subject_id, data, created_at)
+		SELECT NULLIF(u.tenant, ''), u.typ, u.subject, u.data::jsonb, $5
+		FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS u(tenant, typ, subject, data, ord)
+		ORDER BY u.ord`, tenants, types, subjects, data, now)
+	if err != nil {
+		return fmt.Errorf("insert node events: %w", interpretError(err))
+	}
+	return nil
+}
+
+// acceptanceIDs runs a query returning one text column and collects it.
+func acceptanceIDs(ctx context.Context, q DBTX, what, sql string, args ...any) ([]string, error) {
+	rows, err := q.Query(ctx, sql, args...)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", what, interpretError(err))
+	}
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var id string
+		if err := rows.Scan(&id); err != nil {
+			return nil, fmt.Errorf("%s: %w", what, err)
+		}
+		out = append(out, id)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("%s: %w", what, interpretError(err))
+	}
+	return out, nil
+}

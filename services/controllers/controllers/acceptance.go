@@ -1,0 +1,409 @@
+package controllers
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+	"google.golang.org/protobuf/encoding/protojson"
+
+	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	"github.com/better-compute/better-compute/pkg/acceptance"
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/ids"
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/telemetry"
+)
+
+// LabelPool and LabelSite are the labels of an adopted node's first
+// NodeSpec: its pool and site ids.
+const (
+	LabelPool = "better-compute.io/pool"
+	LabelSite = "better-compute.io/site"
+)
+
+// Acceptance is the acceptance reconciler (DESIGN §2 step 5). Each pass:
+//
+//  1. Start: claims joining nodes (FOR UPDATE SKIP LOCKED, Batch at a time),
+//     queues a retry-safe diag.nvml command with purpose 'acceptance' and
+//     deadline now+Timeout for each, sets them accepting and pokes their
+//     gateways — one transaction per batch.
+//  2. Evaluate: claims accepting nodes whose latest acceptance command is
+//     terminal or past its deadline, and per batch, in one transaction:
+//     succeeded → pkg/acceptance against the pool's rules → adopted (spec
+//     generation 1, inventory, node_devices, a poke so the gateway sends
+//     DesiredState) or acceptance_failed; failed or canceled →
+//     acceptance_failed "diag.nvml failed: <error>"; past its deadline →
+//     the command is expired and a fresh one queued, up to Attempts
+//     commands, then acceptance_failed "diag.nvml did not answer within …".
+//     Each outcome writes a node.adopted or node.acceptance_failed event
+//     for the pool owner's tenant in the same transaction.
+//
+// Two reconcilers running at once never give a node two live acceptance
+// commands or two outcomes: nodes are locked with SKIP LOCKED, re-read after
+// locking, and every update is conditioned on the node's state.
+type Acceptance struct {
+	// DB is the database; required.
+	DB *store.DB
+	// NC delivers the pokes that wake the reconciler; nil polls only.
+	NC *nats.Conn
+	// Logger defaults to telemetry.Discard().
+	Logger *slog.Logger
+	// Clock defaults to DB.Clock.
+	Clock clock.Clock
+	// Timeout is each acceptance command's deadline from its creation;
+	// DefaultAcceptanceTimeout if zero.
+	Timeout time.Duration
+	// Attempts is how many acceptance commands a node gets;
+	// DefaultAcceptanceAttempts if zero.
+	Attempts int
+	// Interval is how often Run looks without a poke;
+	// DefaultReconcileInterval if zero.
+	Interval time.Duration
+	// Batch is how many nodes one transaction handles; DefaultBatchSize if
+	// zero.
+	Batch int
+}
+
+// PassResult counts what one Reconcile pass did.
+type PassResult struct {
+	// Started is how many joining nodes got their first acceptance command.
+	Started int
+	// Adopted is how many nodes were adopted.
+	Adopted int
+	// Failed is how many nodes failed acceptance.
+	Failed int
+	// Retried is how many nodes got a fresh command after the previous one
+	// ran out of time.
+	Retried int
+}
+
+func (a *Acceptance) timeout() time.Duration {
+	if a.Timeout > 0 {
+		return a.Timeout
+	}
+	return DefaultAcceptanceTimeout
+}
+
+func (a *Acceptance) attempts() int {
+	if a.Attempts > 0 {
+		return a.Attempts
+	}
+	return DefaultAcceptanceAttempts
+}
+
+func (a *Acceptance) batch() int {
+	if a.Batch > 0 {
+		return a.Batch
+	}
+	return DefaultBatchSize
+}
+
+func (a *Acceptance) clock() clock.Clock {
+	if a.Clock != nil {
+		return a.Clock
+	}
+	return a.DB.Clock
+}
+
+func (a *Acceptance) log() *slog.Logger {
+	if a.Logger != nil {
+		return a.Logger
+	}
+	return telemetry.Discard()
+}
+
+func (a *Acceptance) now() time.Time { return a.clock().Now().UTC().Truncate(time.Microsecond) }
+
+// Run reconciles on every poke on store.SubjectPokeControllers (pokes that
+// arrive during a pass coalesce into one more pass) and every Interval,
+// until ctx ends; it returns nil then. A failed pass is logged and retried
+// at the next wake-up.
+func (a *Acceptance) Run(ctx context.Context) error {
+	interval := a.Interval
+	if interval <= 0 {
+		interval = DefaultReconcileInterval
+	}
+	wake := make(chan struct{}, 1)
+	if a.NC != nil {
+		sub, err := a.NC.Subscribe(store.SubjectPokeControllers, func(*nats.Msg) {
+			select {
+			case wake <- struct{}{}:
+			default:
+			}
+		})
+		if err != nil {
+			return fmt.Errorf("subscribe %s: %w", store.SubjectPokeControllers, err)
+		}
+		defer func() { _ = sub.Unsubscribe() }()
+	}
+	tick := a.clock().NewTicker(interval)
+	defer tick.Stop()
+	for {
+		if _, err := a.Reconcile(ctx); err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			a.log().Warn("acceptance pass failed", telemetry.KeyError, err)
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-wake:
+		case <-tick.C():
+		}
+	}
+}
+
+// Reconcile runs one pass: it starts acceptance for every joining node and
+// evaluates every accepting node that is due, Batch nodes per transaction,
+// until none is left.
+func (a *Acceptance) Reconcile(ctx context.Context) (PassResult, error) {
+	var res PassResult
+	for {
+		n, err := a.startBatch(ctx)
+		res.Started += n
+		if err != nil {
+			return res, err
+		}
+		if n < a.batch() {
+			break
+		}
+	}
+	for {
+		claimed, br, err := a.evaluateBatch(ctx)
+		res.Adopted += br.Adopted
+		res.Failed += br.Failed
+		res.Retried += br.Retried
+		if err != nil {
+			return res, err
+		}
+		// Stop when the batch was not full, or when it changed nothing (its
+		// nodes raced with their gateways and are looked at next pass).
+		if claimed < a.batch() || br.Adopted+br.Failed+br.Retried == 0 {
+			break
+		}
+	}
+	if res != (PassResult{}) {
+		a.log().Info("acceptance pass", "started", res.Started, "adopted", res.Adopted,
+			"failed", res.Failed, "retried", res.Retried)
+	}
+	return res, nil
+}
+
+// startBatch moves up to Batch joining nodes to accepting with their first
+// acceptance command and returns how many.
+func (a *Acceptance) startBatch(ctx context.Context) (int, error) {
+	var started int
+	err := a.DB.InTx(ctx, func(tx pgx.Tx) error {
+		started = 0
+		now := a.now()
+		nodes, err := store.ClaimJoiningNodes(ctx, tx, a.batch())
+		if err != nil || len(nodes) == 0 {
+			return err
+		}
+		cmds := make([]store.NewAcceptanceCommand, len(nodes))
+		for i, n := range nodes {
+			cmds[i] = store.NewAcceptanceCommand{ID: ids.New(ids.Command, now), NodeID: n}
+		}
+		if err := store.QueueAcceptanceCommands(ctx, tx, now, now.Add(a.timeout()), cmds); err != nil {
+			return err
+		}
+		if _, err := store.MarkNodesAccepting(ctx, tx, now, nodes); err != nil {
+			return err
+		}
+		if err := store.PokeNodes(ctx, tx, now, nodes...); err != nil {
+			return err
+		}
+		started = len(nodes)
+		return nil
+	})
+	return started, err
+}
+
+// evaluateBatch decides about up to Batch due accepting nodes and returns
+// how many it claimed and what it did.
+func (a *Acceptance) evaluateBatch(ctx context.Context) (int, PassResult, error) {
+	var (
+		claimed int
+		res     PassResult
+		logs    []func()
+	)
+	err := a.DB.InTx(ctx, func(tx pgx.Tx) error {
+		claimed, res, logs = 0, PassResult{}, nil
+		now := a.now()
+		nodes, err := store.ClaimDueAcceptances(ctx, tx, now, a.batch())
+		if err != nil || len(nodes) == 0 {
+			return err
+		}
+		claimed = len(nodes)
+		// Re-read after locking: this statement's snapshot sees whatever a
+		// transaction that held these nodes committed.
+		checks, err := store.AcceptanceChecks(ctx, tx, nodes)
+		if err != nil {
+			return err
+		}
+		var (
+			adopt   []store.Adoption
+			fail    []store.AcceptanceFailure
+			retry   []store.AcceptanceCheck
+			overdue []store.AcceptanceCheck
+		)
+		for _, c := range checks {
+			switch c.CommandState {
+			case "succeeded":
+				ad, f := a.judge(c)
+				if ad != nil {
+					adopt = append(adopt, *ad)
+				} else {
+					fail = append(fail, *f)
+				}
+			case "failed", "canceled":
+				reason := "diag.nvml failed"
+				if c.CommandState == "canceled" {
+					reason = "diag.nvml was canceled"
+				}
+				if c.CommandError != "" {
+					reason += ": " + c.CommandError
+				}
+				fail = append(fail, failure(c, reason, nil))
+			case "expired", "":
+				retry = append(retry, c)
+			default: // queued, delivered, running
+				if !c.CommandDeadline.After(now) {
+					overdue = append(overdue, c)
+				}
+			}
+		}
+		if len(overdue) > 0 {
+			cmdIDs := make([]string, len(overdue))
+			for i, c := range overdue {
+				cmdIDs[i] = c.CommandID
+			}
+			expired, err := store.ExpireCommands(ctx, tx, now, cmdIDs, "the node did not answer before the deadline")
+			if err != nil {
+				return err
+			}
+			// A command that finished meanwhile is evaluated next pass.
+			done := make(map[string]bool, len(expired))
+			for _, id := range expired {
+				done[id] = true
+			}
+			for _, c := range overdue {
+				if done[c.CommandID] {
+					retry = append(retry, c)
+				}
+			}
+		}
+		var fresh []store.NewAcceptanceCommand
+		var freshNodes []string
+		for _, c := range retry {
+			if c.Attempts >= a.attempts() {
+				fail = append(fail, failure(c, fmt.Sprintf("diag.nvml did not answer within %s (%d attempts)",
+					a.timeout(), c.Attempts), nil))
+				continue
+			}
+			fresh = append(fresh, store.NewAcceptanceCommand{ID: ids.New(ids.Command, now), NodeID: c.NodeID})
+			freshNodes = append(freshNodes, c.NodeID)
+			logs = append(logs, func() {
+				a.log().Info("acceptance command ran out of time; queued another", telemetry.KeyNodeID, c.NodeID,
+					"attempt", c.Attempts+1)
+			})
+		}
+		if err := store.QueueAcceptanceCommands(ctx, tx, now, now.Add(a.timeout()), fresh); err != nil {
+			return err
+		}
+		if _, err := store.MarkNodesAccepting(ctx, tx, now, freshNodes); err != nil {
+			return err
+		}
+		adopted, err := store.AdoptNodes(ctx, tx, now, adopt)
+		if err != nil {
+			return err
+		}
+		failed, err := store.FailAcceptance(ctx, tx, now, fail)
+		if err != nil {
+			return err
+		}
+		// Adopted nodes get their DesiredState, retried ones their command.
+		if err := store.PokeNodes(ctx, tx, now, append(adopted, freshNodes...)...); err != nil {
+			return err
+		}
+		if len(adopted) > 0 {
+			if err := store.Enqueue(ctx, tx, now, store.SubjectPokeScheduler, nil); err != nil {
+				return err
+			}
+		}
+		res = PassResult{Adopted: len(adopted), Failed: len(failed), Retried: len(fresh)}
+		for _, id := range adopted {
+			logs = append(logs, func() { a.log().Info("node adopted", telemetry.KeyNodeID, id) })
+		}
+		reasons := make(map[string]store.AcceptanceFailure, len(fail))
+		for _, f := range fail {
+			reasons[f.NodeID] = f
+		}
+		for _, id := range failed {
+			f := reasons[id]
+			logs = append(logs, func() {
+				a.log().Info("node failed acceptance", telemetry.KeyNodeID, id, telemetry.KeyPoolID, f.PoolID,
+					"reason", f.Reason)
+			})
+		}
+		return nil
+	})
+	if err != nil {
+		return claimed, PassResult{}, err
+	}
+	for _, l := range logs {
+		l()
+	}
+	return claimed, res, nil
+}
+
+// judge evaluates a succeeded acceptance command: it returns the adoption
+// of the node, or its failure.
+func (a *Acceptance) judge(c store.AcceptanceCheck) (*store.Adoption, *store.AcceptanceFailure) {
+	var result gatewayv1.CommandResult
+	if len(c.CommandResult) == 0 {
+		f := failure(c, "diag.nvml succeeded without reporting an inventory", nil)
+		return nil, &f
+	}
+	if err := protojson.Unmarshal(c.CommandResult, &result); err != nil {
+		f := failure(c, "diag.nvml reported an unreadable result", nil)
+		return nil, &f
+	}
+	inv := result.GetInventory()
+	if inv == nil {
+		f := failure(c, "diag.nvml succeeded without reporting an inventory", nil)
+		return nil, &f
+	}
+	invJSON, err := protojson.Marshal(inv)
+	if err != nil {
+		f := failure(c, "diag.nvml reported an inventory that cannot be stored", nil)
+		return nil, &f
+	}
+	ok, reason := acceptance.Evaluate(acceptance.Rules{GpuModel: c.GPUModel, ExpectGpuCount: int(c.ExpectGPUCount)}, inv)
+	if !ok {
+		f := failure(c, reason, invJSON)
+		return nil, &f
+	}
+	spec, err := protojson.Marshal(&gatewayv1.NodeSpec{Labels: map[string]string{LabelPool: c.PoolID, LabelSite: c.SiteID}})
+	if err != nil {
+		f := failure(c, "could not build the node's spec", invJSON)
+		return nil, &f
+	}
+	devices := make([]store.NodeDevice, 0, len(inv.GetGpus()))
+	for _, g := range inv.GetGpus() {
+		devices = append(devices, store.NodeDevice{NodeID: c.NodeID, Index: g.GetIndex(), UUID: g.GetUuid(),
+			Model: g.GetModel(), MemoryBytes: g.GetMemoryBytes(), Healthy: g.GetHealthy()})
+	}
+	return &store.Adoption{NodeID: c.NodeID, PoolID: c.PoolID, OwnerTenantID: c.OwnerTenantID, Spec: spec,
+		Inventory: invJSON, Devices: devices}, nil
+}
+
+func failure(c store.AcceptanceCheck, reason string, inventory []byte) store.AcceptanceFailure {
+	return store.AcceptanceFailure{NodeID: c.NodeID, PoolID: c.PoolID, OwnerTenantID: c.OwnerTenantID,
+		Reason: reason, Inventory: inventory}
+}

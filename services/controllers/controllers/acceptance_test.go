@@ -1,0 +1,606 @@
+package controllers_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+	"google.golang.org/protobuf/encoding/protojson"
+
+	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	"github.com/better-compute/better-compute/pkg/bus"
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/fakehw"
+	"github.com/better-compute/better-compute/pkg/ids"
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
+	"github.com/better-compute/better-compute/services/controllers/controllers"
+)
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	storetest.Stop()
+	if code == 0 {
+		if err := goleak.Find(goleak.IgnoreTopFunction("github.com/jackc/pgx/v5/pgxpool.(*Pool).backgroundHealthCheck")); err != nil {
+			fmt.Fprintln(os.Stderr, "goleak:", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+// start is in a zone far from UTC, so that a time written without .UTC()
+// would show.
+var start = time.Date(2030, 5, 6, 7, 8, 9, 0, time.FixedZone("IST", 5*3600+1800))
+
+const (
+	gatewayID = "gw-test"
+	tenantID  = "ten_01JTEST0000000000000000000"
+	siteID    = "site_01JTEST000000000000000000"
+	h100Pool  = "pool_01JH100000000000000000000"
+	l40sPool  = "pool_01JL40S000000000000000000"
+	cpuPool   = "pool_01JCPU0000000000000000000"
+)
+
+type fixture struct {
+	db  *store.DB
+	clk *clock.Fake
+	acc *controllers.Acceptance
+}
+
+// setup returns a database with a tenant, a site and three pools (H100: 8 ×
+// H100; L40S: 4 × L40S; CPU: no rules) and an acceptance reconciler on a
+// fake clock.
+func setup(t *testing.T) *fixture {
+	t.Helper()
+	clk := clock.NewFake(start)
+	db := storetest.New(t, clk)
+	exec(t, db, `INSERT INTO tenants (id, name, created_at) VALUES ($1, 'owner', $2)`, tenantID, start)
+	exec(t, db, `INSERT INTO sites (id, name, created_at) VALUES ($1, 'dev-1', $2)`, siteID, start)
+	for _, p := range []struct {
+		id, name, model string
+		count           int
+	}{{h100Pool, "h100", "H100", 8}, {l40sPool, "l40s", "L40S", 4}, {cpuPool, "cpu", "", 0}} {
+		exec(t, db, `INSERT INTO pools (id, site_id, owner_tenant_id, name, kind, gpu_model, expect_gpu_count, created_at)
+			VALUES ($1, $2, $3, $4, 'metal-host', $5, $6, $7)`, p.id, siteID, tenantID, p.name, p.model, p.count, start)
+	}
+	return &fixture{db: db, clk: clk, acc: &controllers.Acceptance{DB: db, Clock: clk}}
+}
+
+func exec(t *testing.T, db *store.DB, sql string, args ...any) {
+	t.Helper()
+	_, err := db.Pool.Exec(t.Context(), sql, args...)
+	require.NoError(t, err)
+}
+
+// addNodes inserts n joining nodes of variant in pool, each with a session on
+// gatewayID, and returns their ids.
+func (f *fixture) addNodes(t *testing.T, pool, variant string, n int) []string {
+	t.Helper()
+	out := make([]string, n)
+	for i := range out {
+		out[i] = ids.New(ids.Node, f.clk.Now())
+	}
+	exec(t, f.db, `INSERT INTO nodes (id, pool_id, provision_state, variant, machine_id, gateway_id, session_id,
+			reachable, created_at, updated_at)
+		SELECT id, $2, 'joining', $3, id, $4, 'ses_' || id, true, $5, $5 FROM unnest($1::text[]) AS id`,
+		out, pool, variant, gatewayID, f.clk.Now())
+	return out
+}
+
+func (f *fixture) reconcile(t *testing.T) controllers.PassResult {
+	t.Helper()
+	res, err := f.acc.Reconcile(t.Context())
+	require.NoError(t, err)
+	return res
+}
+
+type command struct {
+	ID, State, Kind, Purpose, Error string
+	RetrySafe                       bool
+	Deadline                        time.Time
+}
+
+// commands returns the node's commands, oldest first.
+func (f *fixture) commands(t *testing.T, nodeID string) []command {
+	t.Helper()
+	rows, err := f.db.Pool.Query(t.Context(), `SELECT id, state, kind, purpose, error, retry_safe, deadline
+		FROM commands WHERE node_id = $1 ORDER BY created_at, id`, nodeID)
+	require.NoError(t, err)
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (command, error) {
+		var c command
+		err := r.Scan(&c.ID, &c.State, &c.Kind, &c.Purpose, &c.Error, &c.RetrySafe, &c.Deadline)
+		return c, err
+	})
+	require.NoError(t, err)
+	return out
+}
+
+func (f *fixture) lastCommand(t *testing.T, nodeID string) command {
+	t.Helper()
+	cmds := f.commands(t, nodeID)
+	require.NotEmpty(t, cmds, "node %s has no command", nodeID)
+	return cmds[len(cmds)-1]
+}
+
+// succeed plays the gateway: the node's open acceptance commands succeed
+// with the inventory of a fake machine of variant (machine id = node id).
+func (f *fixture) succeed(t *testing.T, variant string, nodeIDs ...string) {
+	t.Helper()
+	cmdIDs := make([]string, len(nodeIDs))
+	results := make([]string, len(nodeIDs))
+	for i, n := range nodeIDs {
+		m, err := fakehw.New(variant, n)
+		require.NoError(t, err)
+		b, err := protojson.Marshal(&gatewayv1.CommandResult{Inventory: m.Inventory()})
+		require.NoError(t, err)
+		cmdIDs[i] = f.lastCommand(t, n).ID
+		results[i] = string(b)
+	}
+	exec(t, f.db, `UPDATE commands c SET state = 'succeeded', result = u.result::jsonb, finished_at = $3, updated_at = $3
+		FROM unnest($1::text[], $2::text[]) AS u(id, result) WHERE c.id = u.id`, cmdIDs, results, f.clk.Now())
+}
+
+type node struct {
+	State, Reason             string
+	SpecGeneration            int64
+	AdoptedAt                 *time.Time
+	Spec, Inventory           []byte
+	Devices                   int
+	DeviceUUIDs               []string
+	AdoptedEvents, FailEvents int
+}
+
+// state returns the node's provision state, "" on error (for use inside
+// require.Eventually, whose condition runs on another goroutine).
+func (f *fixture) state(id string) string {
+	var s string
+	_ = f.db.Pool.QueryRow(context.Background(), `SELECT provision_state FROM nodes WHERE id = $1`, id).Scan(&s)
+	return s
+}
+
+func (f *fixture) node(t *testing.T, id string) node {
+	t.Helper()
+	var n node
+	err := f.db.Pool.QueryRow(t.Context(), `SELECT provision_state, provision_reason, spec_generation, adopted_at,
+			spec, inventory,
+			(SELECT count(*) FROM node_devices WHERE node_id = n.id),
+			(SELECT COALESCE(array_agg(uuid ORDER BY device_index), '{}') FROM node_devices WHERE node_id = n.id),
+			(SELECT count(*) FROM events WHERE subject_id = n.id AND type = 'node.adopted' AND tenant_id = $2),
+			(SELECT count(*) FROM events WHERE subject_id = n.id AND type = 'node.acceptance_failed' AND tenant_id = $2)
+		FROM nodes n WHERE id = $1`, id, tenantID).Scan(&n.State, &n.Reason, &n.SpecGeneration, &n.AdoptedAt,
+		&n.Spec, &n.Inventory, &n.Devices, &n.DeviceUUIDs, &n.AdoptedEvents, &n.FailEvents)
+	require.NoError(t, err)
+	return n
+}
+
+// pokedNodes returns, per gateway poke row in the outbox, the node ids.
+func (f *fixture) pokedNodes(t *testing.T) map[string]int {
+	t.Helper()
+	rows, err := f.db.Pool.Query(t.Context(), `SELECT payload FROM outbox WHERE subject = $1`,
+		store.SubjectPokeGatewayPrefix+gatewayID)
+	require.NoError(t, err)
+	payloads, err := pgx.CollectRows(rows, pgx.RowTo[[]byte])
+	require.NoError(t, err)
+	out := map[string]int{}
+	for _, p := range payloads {
+		var poke store.Poke
+		require.NoError(t, json.Unmarshal(p, &poke))
+		for _, n := range poke.NodeIDs {
+			out[n]++
+		}
+	}
+	return out
+}
+
+func TestAdoptsHealthyNode(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	n := f.addNodes(t, h100Pool, fakehw.VariantHGXH100, 1)[0]
+
+	require.Equal(t, controllers.PassResult{Started: 1}, f.reconcile(t))
+	require.Equal(t, store.NodeAccepting, f.node(t, n).State)
+	cmds := f.commands(t, n)
+	require.Len(t, cmds, 1)
+	require.Equal(t, "diag.nvml", cmds[0].Kind)
+	require.Equal(t, "acceptance", cmds[0].Purpose)
+	require.Equal(t, "queued", cmds[0].State)
+	require.True(t, cmds[0].RetrySafe)
+	require.True(t, cmds[0].Deadline.Equal(start.Add(controllers.DefaultAcceptanceTimeout)), "deadline %s", cmds[0].Deadline)
+	require.NoError(t, ids.Check(ids.Command, cmds[0].ID))
+	require.Equal(t, map[string]int{n: 1}, f.pokedNodes(t), "the gateway was not poked for the command")
+
+	// Nothing to do until the node answers.
+	require.Equal(t, controllers.PassResult{}, f.reconcile(t))
+
+	f.clk.Advance(time.Second)
+	f.succeed(t, fakehw.VariantHGXH100, n)
+	require.Equal(t, controllers.PassResult{Adopted: 1}, f.reconcile(t))
+
+	got := f.node(t, n)
+	require.Equal(t, store.NodeAdopted, got.State)
+	require.Empty(t, got.Reason)
+	require.EqualValues(t, 1, got.SpecGeneration)
+	require.NotNil(t, got.AdoptedAt)
+	require.True(t, got.AdoptedAt.Equal(start.Add(time.Second)))
+	var spec gatewayv1.NodeSpec
+	require.NoError(t, protojson.Unmarshal(got.Spec, &spec))
+	require.Equal(t, map[string]string{controllers.LabelPool: h100Pool, controllers.LabelSite: siteID}, spec.GetLabels())
+	require.Empty(t, spec.GetAllocations())
+	var inv gatewayv1.Inventory
+	require.NoError(t, protojson.Unmarshal(got.Inventory, &inv))
+	require.Len(t, inv.GetGpus(), 8)
+	require.Equal(t, 8, got.Devices)
+	for i, u := range got.DeviceUUIDs {
+		require.Equal(t, fakehw.GPUUUID(n, int32(i)), u)
+	}
+	require.Equal(t, 1, got.AdoptedEvents)
+	require.Equal(t, 0, got.FailEvents)
+	require.Equal(t, map[string]int{n: 2}, f.pokedNodes(t), "the gateway was not poked for DesiredState")
+	var schedPokes int
+	require.NoError(t, f.db.Pool.QueryRow(t.Context(), `SELECT count(*) FROM outbox WHERE subject = $1`,
+		store.SubjectPokeScheduler).Scan(&schedPokes))
+	require.Equal(t, 1, schedPokes)
+
+	// Adopted nodes are left alone.
+	require.Equal(t, controllers.PassResult{}, f.reconcile(t))
+	require.Len(t, f.commands(t, n), 1)
+}
+
+// TestVariantsAgainstPools runs each fake variant through acceptance in each
+// pool in one pass.
+func TestVariantsAgainstPools(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	tests := []struct {
+		pool, variant string
+		state, reason string
+		devices       int
+	}{
+		{h100Pool, fakehw.VariantHGXH100, store.NodeAdopted, "", 8},
+		{h100Pool, fakehw.VariantHGXH100GPUMissing, store.NodeAcceptanceFailed, "expected 8 GPUs, found 7", 0},
+		{h100Pool, fakehw.VariantL40S, store.NodeAcceptanceFailed,
+			`expected H100 GPUs, found "NVIDIA L40S" (GPUs 0, 1, 2, 3); expected 8 GPUs, found 4`, 0},
+		{h100Pool, fakehw.VariantCPU, store.NodeAcceptanceFailed,
+			"expected H100 GPUs, found no GPUs; expected 8 GPUs, found 0", 0},
+		{l40sPool, fakehw.VariantL40S, store.NodeAdopted, "", 4},
+		{cpuPool, fakehw.VariantCPU, store.NodeAdopted, "", 0},
+		{cpuPool, fakehw.VariantHGXH100GPUMissing, store.NodeAdopted, "", 7},
+	}
+	nodes := make([]string, len(tests))
+	for i, tc := range tests {
+		nodes[i] = f.addNodes(t, tc.pool, tc.variant, 1)[0]
+	}
+	require.Equal(t, len(tests), f.reconcile(t).Started)
+	for i, tc := range tests {
+		f.succeed(t, tc.variant, nodes[i])
+	}
+	res := f.reconcile(t)
+	require.Equal(t, 4, res.Adopted)
+	require.Equal(t, 3, res.Failed)
+	for i, tc := range tests {
+		got := f.node(t, nodes[i])
+		require.Equal(t, tc.state, got.State, "%s in %s", tc.variant, tc.pool)
+		require.Equal(t, tc.reason, got.Reason, "%s in %s", tc.variant, tc.pool)
+		require.Equal(t, tc.devices, got.Devices, "%s in %s", tc.variant, tc.pool)
+		if tc.state == store.NodeAdopted {
+			require.EqualValues(t, 1, got.SpecGeneration)
+			require.Equal(t, [2]int{1, 0}, [2]int{got.AdoptedEvents, got.FailEvents})
+		} else {
+			require.EqualValues(t, 0, got.SpecGeneration)
+			require.Nil(t, got.AdoptedAt)
+			require.Equal(t, [2]int{0, 1}, [2]int{got.AdoptedEvents, got.FailEvents})
+			// The inventory found is kept for the operator.
+			var inv gatewayv1.Inventory
+			require.NoError(t, protojson.Unmarshal(got.Inventory, &inv))
+			m, err := fakehw.New(tc.variant, nodes[i])
+			require.NoError(t, err)
+			require.Len(t, inv.GetGpus(), m.GPUCount())
+		}
+	}
+	// The event carries the reason.
+	var data []byte
+	require.NoError(t, f.db.Pool.QueryRow(t.Context(), `SELECT data FROM events WHERE subject_id = $1`, nodes[1]).Scan(&data))
+	require.JSONEq(t, fmt.Sprintf(`{"nodeId":%q,"poolId":%q,"reason":"expected 8 GPUs, found 7"}`, nodes[1], h100Pool),
+		string(data))
+}
+
+func TestFailedCommand(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	n := f.addNodes(t, h100Pool, fakehw.VariantHGXH100, 1)[0]
+	f.reconcile(t)
+	exec(t, f.db, `UPDATE commands SET state = 'failed', error = 'nvml: driver not loaded', finished_at = $2
+		WHERE id = $1`, f.lastCommand(t, n).ID, f.clk.Now())
+	require.Equal(t, controllers.PassResult{Failed: 1}, f.reconcile(t))
+	got := f.node(t, n)
+	require.Equal(t, store.NodeAcceptanceFailed, got.State)
+	require.Equal(t, "diag.nvml failed: nvml: driver not loaded", got.Reason)
+	require.Equal(t, 1, got.FailEvents)
+	require.Len(t, f.commands(t, n), 1, "a failed command was retried")
+}
+
+// TestExpiredCommandRetriedThenFailed: a node that never answers gets three
+// commands, each expired at its deadline, then fails.
+func TestExpiredCommandRetriedThenFailed(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	n := f.addNodes(t, h100Pool, fakehw.VariantHGXH100, 1)[0]
+	f.reconcile(t)
+	exec(t, f.db, `UPDATE commands SET state = 'delivered', deliveries = 1 WHERE node_id = $1`, n)
+
+	f.clk.Advance(controllers.DefaultAcceptanceTimeout - time.Microsecond)
+	require.Equal(t, controllers.PassResult{}, f.reconcile(t), "expired before the deadline")
+
+	for attempt := 2; attempt <= 3; attempt++ {
+		f.clk.Advance(time.Microsecond)
+		require.Equal(t, controllers.PassResult{Retried: 1}, f.reconcile(t))
+		cmds := f.commands(t, n)
+		require.Len(t, cmds, attempt)
+		require.Equal(t, "expired", cmds[attempt-2].State)
+		require.Equal(t, "the node did not answer before the deadline", cmds[attempt-2].Error)
+		require.Equal(t, "queued", cmds[attempt-1].State)
+		require.True(t, cmds[attempt-1].Deadline.Equal(f.clk.Now().Add(controllers.DefaultAcceptanceTimeout)))
+		require.Equal(t, store.NodeAccepting, f.node(t, n).State)
+		require.Equal(t, attempt, f.pokedNodes(t)[n], "the retry was not poked")
+		f.clk.Advance(controllers.DefaultAcceptanceTimeout - time.Microsecond)
+	}
+	f.clk.Advance(time.Microsecond)
+	require.Equal(t, controllers.PassResult{Failed: 1}, f.reconcile(t))
+	got := f.node(t, n)
+	require.Equal(t, store.NodeAcceptanceFailed, got.State)
+	require.Equal(t, "diag.nvml did not answer within 2m0s (3 attempts)", got.Reason)
+	require.Equal(t, 1, got.FailEvents)
+	for _, c := range f.commands(t, n) {
+		require.Equal(t, "expired", c.State)
+	}
+}
+
+// TestLateAnswerWins: a command that succeeded after its deadline but before
+// the reconciler looked is evaluated, not expired.
+func TestLateAnswerWins(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	n := f.addNodes(t, h100Pool, fakehw.VariantHGXH100, 1)[0]
+	f.reconcile(t)
+	f.clk.Advance(controllers.DefaultAcceptanceTimeout + time.Second)
+	f.succeed(t, fakehw.VariantHGXH100, n)
+	require.Equal(t, controllers.PassResult{Adopted: 1}, f.reconcile(t))
+	require.Equal(t, "succeeded", f.lastCommand(t, n).State)
+}
+
+// TestAnswerAfterExpiryIgnored: once a command is expired and replaced, only
+// the replacement counts.
+func TestAnswerAfterExpiryIgnored(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	n := f.addNodes(t, h100Pool, fakehw.VariantHGXH100, 1)[0]
+	f.reconcile(t)
+	first := f.lastCommand(t, n).ID
+	f.clk.Advance(controllers.DefaultAcceptanceTimeout)
+	require.Equal(t, controllers.PassResult{Retried: 1}, f.reconcile(t))
+	// The gateway never moves a command out of a terminal state, so a late
+	// failure of the first command changes nothing.
+	exec(t, f.db, `UPDATE commands SET state = 'failed' WHERE id = $1 AND state NOT IN ('expired')`, first)
+	require.Equal(t, controllers.PassResult{}, f.reconcile(t))
+	f.succeed(t, fakehw.VariantHGXH100, n)
+	require.Equal(t, controllers.PassResult{Adopted: 1}, f.reconcile(t))
+}
+
+// TestConcurrentReconcilers: two reconcilers racing over many nodes give
+// each node exactly one acceptance command and one outcome.
+func TestConcurrentReconcilers(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	nodes := f.addNodes(t, h100Pool, fakehw.VariantHGXH100, 300)
+	accs := []*controllers.Acceptance{
+		{DB: f.db, Clock: f.clk, Batch: 40},
+		{DB: f.db, Clock: f.clk, Batch: 40},
+	}
+	race := func() controllers.PassResult {
+		var mu sync.Mutex
+		var total controllers.PassResult
+		var wg sync.WaitGroup
+		for _, a := range accs {
+			wg.Go(func() {
+				for range 3 {
+					res, err := a.Reconcile(t.Context())
+					if err != nil {
+						t.Error(err)
+						return
+					}
+					mu.Lock()
+					total.Started += res.Started
+					total.Adopted += res.Adopted
+					total.Failed += res.Failed
+					total.Retried += res.Retried
+					mu.Unlock()
+				}
+			})
+		}
+		wg.Wait()
+		return total
+	}
+	require.Equal(t, controllers.PassResult{Started: len(nodes)}, race())
+	var cmds, perNodeMax int
+	require.NoError(t, f.db.Pool.QueryRow(t.Context(), `SELECT count(*), max(n) FROM
+		(SELECT count(*) AS n FROM commands GROUP BY node_id) c`).Scan(&cmds, &perNodeMax))
+	require.Equal(t, len(nodes), cmds)
+	require.Equal(t, 1, perNodeMax)
+
+	f.succeed(t, fakehw.VariantHGXH100, nodes...)
+	require.Equal(t, controllers.PassResult{Adopted: len(nodes)}, race())
+	var adopted, events int
+	require.NoError(t, f.db.Pool.QueryRow(t.Context(), `SELECT
+		(SELECT count(*) FROM nodes WHERE provision_state = 'adopted'),
+		(SELECT count(*) FROM events WHERE type = 'node.adopted')`).Scan(&adopted, &events))
+	require.Equal(t, len(nodes), adopted)
+	require.Equal(t, len(nodes), events)
+}
+
+// TestThousandNodesRate: 1,000 joining nodes are all adopted at well over
+// 167 nodes/s of reconciler time.
+func TestThousandNodesRate(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	nodes := f.addNodes(t, h100Pool, fakehw.VariantHGXH100, 1000)
+	wall := clock.New()
+	began := wall.Now()
+	require.Equal(t, controllers.PassResult{Started: 1000}, f.reconcile(t))
+	startTook := wall.Now().Sub(began)
+	f.succeed(t, fakehw.VariantHGXH100, nodes...)
+	began = wall.Now()
+	require.Equal(t, controllers.PassResult{Adopted: 1000}, f.reconcile(t))
+	adoptTook := wall.Now().Sub(began)
+	rate := 1000 / (startTook + adoptTook).Seconds()
+	t.Logf("1000 nodes: start %s, adopt %s: %.0f nodes/s", startTook, adoptTook, rate)
+	require.Greater(t, rate, 167.0)
+	var devices int
+	require.NoError(t, f.db.Pool.QueryRow(t.Context(), `SELECT count(*) FROM node_devices`).Scan(&devices))
+	require.Equal(t, 8000, devices)
+}
+
+func startNATS(t *testing.T) (*server.Server, *nats.Conn) {
+	t.Helper()
+	s, err := bus.StartEmbedded(t.TempDir())
+	require.NoError(t, err)
+	t.Cleanup(s.Shutdown)
+	nc, err := nats.Connect(s.ClientURL())
+	require.NoError(t, err)
+	t.Cleanup(nc.Close)
+	return s, nc
+}
+
+// TestRunWakesOnPoke: with polling effectively off (a fake clock that does
+// not move), a poke on bc.poke.controllers starts a pass.
+func TestRunWakesOnPoke(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	_, nc := startNATS(t)
+	acc := &controllers.Acceptance{DB: f.db, NC: nc, Clock: f.clk}
+	ctx, cancel := context.WithCancel(t.Context())
+	errc := make(chan error, 1)
+	go func() { errc <- acc.Run(ctx) }()
+
+	n := f.addNodes(t, h100Pool, fakehw.VariantHGXH100, 1)[0]
+	require.Eventually(t, func() bool {
+		_ = nc.Publish(store.SubjectPokeControllers, nil) // until Run has subscribed
+		return f.state(n) == store.NodeAccepting
+	}, 10*time.Second, 50*time.Millisecond)
+
+	f.succeed(t, fakehw.VariantHGXH100, n)
+	require.NoError(t, nc.Publish(store.SubjectPokeControllers, nil))
+	require.Eventually(t, func() bool { return f.state(n) == store.NodeAdopted }, 10*time.Second, 20*time.Millisecond)
+	cancel()
+	require.NoError(t, <-errc)
+}
+
+// TestRunPolls: without pokes, the reconciler looks every Interval.
+func TestRunPolls(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	acc := &controllers.Acceptance{DB: f.db, Clock: f.clk, Interval: time.Second}
+	ctx, cancel := context.WithCancel(t.Context())
+	errc := make(chan error, 1)
+	go func() { errc <- acc.Run(ctx) }()
+	n := f.addNodes(t, h100Pool, fakehw.VariantHGXH100, 1)[0]
+	require.Eventually(t, func() bool {
+		f.clk.Advance(time.Second)
+		return f.state(n) == store.NodeAccepting
+	}, 10*time.Second, 20*time.Millisecond)
+	cancel()
+	require.NoError(t, <-errc)
+}
+
+// TestServer runs the whole service on the real clock: the joinservice's
+// outbox poke reaches the reconciler through the relay and NATS, the
+// gateway's poke arrives on NATS, /healthz answers, and shutdown releases
+// the lease.
+func TestServer(t *testing.T) {
+	t.Parallel()
+	db := storetest.New(t, nil)
+	now := db.Now()
+	exec(t, db, `INSERT INTO tenants (id, name, created_at) VALUES ($1, 'owner', $2)`, tenantID, now)
+	exec(t, db, `INSERT INTO sites (id, name, created_at) VALUES ($1, 'dev-1', $2)`, siteID, now)
+	exec(t, db, `INSERT INTO pools (id, site_id, owner_tenant_id, name, kind, gpu_model, expect_gpu_count, created_at)
+		VALUES ($1, $2, $3, 'h100', 'metal-host', 'H100', 8, $4)`, h100Pool, siteID, tenantID, now)
+	ns, nc := startNATS(t)
+	gwPokes, err := nc.SubscribeSync(store.SubjectPokeGatewayPrefix + gatewayID)
+	require.NoError(t, err)
+
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	srv, err := controllers.New(controllers.Config{Listener: ln, ReconcileInterval: time.Hour, Holder: "replica-1"},
+		controllers.Deps{DB: db, NC: nc})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(t.Context())
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Run(ctx) }()
+
+	hc := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+	resp, err := hc.Get("http://" + ln.Addr().String() + "/healthz")
+	require.NoError(t, err)
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode, string(body))
+
+	// Wait for the lease and the reconciler's subscription (besides the
+	// test's own), so that the pokes below wake it: it polls only hourly.
+	require.Eventually(t, func() bool { return srv.LeaseHeld() && ns.NumSubscriptions() >= 2 },
+		10*time.Second, 10*time.Millisecond)
+
+	// What joinservice does: create the node and poke the controllers.
+	n := ids.New(ids.Node, now)
+	require.NoError(t, db.InTx(t.Context(), func(tx pgx.Tx) error {
+		if _, err := tx.Exec(t.Context(), `INSERT INTO nodes (id, pool_id, provision_state, gateway_id, session_id,
+				created_at, updated_at) VALUES ($1, $2, 'joining', $3, 'ses_x', $4, $4)`, n, h100Pool, gatewayID, now); err != nil {
+			return err
+		}
+		return store.Enqueue(t.Context(), tx, now, store.SubjectPokeControllers, nil)
+	}))
+	msg, err := gwPokes.NextMsg(10 * time.Second)
+	require.NoError(t, err, "the gateway was not poked with the acceptance command")
+	var poke store.Poke
+	require.NoError(t, json.Unmarshal(msg.Data, &poke))
+	require.Equal(t, []string{n}, poke.NodeIDs)
+
+	// What the gateway does: store the result and poke the controllers.
+	m, err := fakehw.New(fakehw.VariantHGXH100, n)
+	require.NoError(t, err)
+	result, err := protojson.Marshal(&gatewayv1.CommandResult{Inventory: m.Inventory()})
+	require.NoError(t, err)
+	require.NoError(t, db.InTx(t.Context(), func(tx pgx.Tx) error {
+		if _, err := tx.Exec(t.Context(), `UPDATE commands SET state = 'succeeded', result = $2, finished_at = $3
+				WHERE node_id = $1`, n, result, db.Now()); err != nil {
+			return err
+		}
+		return store.Enqueue(t.Context(), tx, db.Now(), store.SubjectPokeControllers, nil)
+	}))
+	_, err = gwPokes.NextMsg(10 * time.Second)
+	require.NoError(t, err, "the gateway was not poked for DesiredState")
+	got, err := store.GetNode(t.Context(), db.Pool, n)
+	require.NoError(t, err)
+	require.Equal(t, store.NodeAdopted, got.ProvisionState)
+	require.EqualValues(t, 1, got.SpecGeneration)
+	require.Len(t, got.Devices, 8)
+
+	lease, err := store.GetLease(t.Context(), db.Pool, controllers.LeaseAcceptance)
+	require.NoError(t, err)
+	require.Equal(t, "replica-1", lease.Holder)
+	cancel()
+	require.NoError(t, <-errc)
+	_, err = store.GetLease(t.Context(), db.Pool, controllers.LeaseAcceptance)
+	require.ErrorIs(t, err, store.ErrNotFound, "shutdown did not release the lease")
+}
