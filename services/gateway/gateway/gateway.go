@@ -1,0 +1,496 @@
+// Package gateway serves the daemons' sessions: bc.gateway.v1.GatewayService/
+// Session, a Connect bidi stream over HTTP/2 with mutual TLS (node
+// certificates signed by the node CA).
+//
+// A session starts with Hello; the gateway checks the client certificate
+// against the node and node_certs, makes the stream the node's live session
+// (nodes.gateway_id, session_id, session_epoch+1) and answers Welcome. It then
+// delivers the node's open commands and, whenever spec_generation is above
+// what the daemon reported and what this session already sent, the
+// DesiredState. Work arrives as NATS pokes on bc.poke.gw.<gateway id> and,
+// since pokes are hints that may be lost, through a periodic re-read of all
+// sessions' pending work in one query. Heartbeats and other messages record
+// last_seen through a batch that one loop flushes every FlushInterval.
+//
+// Memory per session is kept small for thousands of idle sessions: one
+// goroutine per stream (the Connect handler, blocked in Receive); sends run on
+// a short-lived goroutine started when a session is woken (one at a time per
+// session, wakes coalesce); timers and tickers are shared by all sessions.
+//
+// To handle a new daemon message, add a case to (*Server).handle; to send a
+// new kind of message, add it to (*Server).deliver so that it is covered by
+// the coalescing wake-up and by the periodic re-read.
+package gateway
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"connectrpc.com/grpchealth"
+	"github.com/nats-io/nats.go"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/better-compute/better-compute/api/gen/bc/gateway/v1/gatewayv1connect"
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/service"
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/telemetry"
+)
+
+// Defaults of Config.
+const (
+	DefaultListen            = ":8443"
+	DefaultHealthListen      = ":8082"
+	DefaultPKIDir            = "/var/lib/better-compute/pki"
+	DefaultHeartbeatInterval = 10 * time.Second
+	DefaultResyncInterval    = 5 * time.Second
+	DefaultFlushInterval     = time.Second
+	DefaultHelloTimeout      = 10 * time.Second
+	// DefaultFlushBatch is the default Config.FlushBatch.
+	DefaultFlushBatch = 5000
+)
+
+// Config configures a gateway. Zero fields take the defaults above; the TLS
+// pieces that are unset are read from PKIDir.
+type Config struct {
+	// GatewayID names this replica in nodes.gateway_id and in its poke
+	// subject bc.poke.gw.<GatewayID> (env BC_GATEWAY_ID); DefaultGatewayID()
+	// when empty. Replicas must have distinct ids.
+	GatewayID string
+	// Listen is the address of the mTLS Session server (env BC_LISTEN,
+	// DefaultListen); unused when Listener is set.
+	Listen string
+	// Listener, when set, is where the mTLS server accepts connections
+	// (plain TCP: the gateway does TLS itself); Run closes it. Tests and
+	// `better-compute dev` pass one on 127.0.0.1:0.
+	Listener net.Listener
+	// HealthListen is the address of the plain HTTP server answering GET
+	// /healthz (env BC_HEALTH_LISTEN, DefaultHealthListen in the binary).
+	// With neither HealthListen nor HealthListener no health server runs
+	// (HealthHandler can be mounted elsewhere).
+	HealthListen string
+	// HealthListener, when set, is used for the health server instead of
+	// HealthListen; Run closes it.
+	HealthListener net.Listener
+	// PKIDir holds gateway.crt, gateway.key, node-ca.crt and trust-domain
+	// (env BC_PKI_DIR, DefaultPKIDir). Read only for the pieces below that are
+	// unset.
+	PKIDir string
+	// ServingCert is the gateway's TLS certificate and key; PKIDir's
+	// gateway.crt and gateway.key when nil.
+	ServingCert *tls.Certificate
+	// ClientCAs verify the nodes' client certificates; PKIDir's node-ca.crt
+	// when nil.
+	ClientCAs *x509.CertPool
+	// TrustDomain is the SPIFFE trust domain of node certificates;
+	// pki.ReadTrustDomain(PKIDir) when empty.
+	TrustDomain string
+	// HeartbeatInterval is how often daemons are told to send a heartbeat
+	// (Welcome.heartbeat_interval; env BC_HEARTBEAT_INTERVAL, 10 s).
+	HeartbeatInterval time.Duration
+	// ResyncInterval is how often the gateway re-reads the pending work of
+	// all its sessions, so that a lost poke only delays work (env
+	// BC_GATEWAY_RESYNC, 5 s). The same loop closes silent streams.
+	ResyncInterval time.Duration
+	// FlushInterval is how often heard-from nodes' last_seen (and the
+	// generations their heartbeats report) are written, in one statement:
+	// last_seen in the database lags by at most about this much (env
+	// BC_GATEWAY_FLUSH_INTERVAL, 1 s).
+	FlushInterval time.Duration
+	// FlushBatch flushes early when this many nodes are pending, bounding
+	// both staleness under load and the size of one statement
+	// (DefaultFlushBatch).
+	FlushBatch int
+	// IdleTimeout closes a session from which nothing was received for this
+	// long (env BC_GATEWAY_IDLE_TIMEOUT; 3 × HeartbeatInterval). Checked every
+	// ResyncInterval.
+	IdleTimeout time.Duration
+	// HelloTimeout closes a stream that sent no Hello for this long (10 s).
+	HelloTimeout time.Duration
+}
+
+// Deps are the gateway's dependencies.
+type Deps struct {
+	// DB is the database; required.
+	DB *store.DB
+	// NC carries pokes; required.
+	NC *nats.Conn
+	// Logger defaults to telemetry.Discard().
+	Logger *slog.Logger
+	// Clock defaults to DB.Clock.
+	Clock clock.Clock
+}
+
+// DefaultGatewayID returns "gw-" + the host name (or "gw-local" when the
+// host name is unknown).
+func DefaultGatewayID() string {
+	h, err := os.Hostname()
+	if err != nil || h == "" {
+		return "gw-local"
+	}
+	return "gw-" + h
+}
+
+// Server is a gateway replica. Create it with New and run it with Run.
+type Server struct {
+	cfg     Config
+	db      *store.DB
+	nc      *nats.Conn
+	log     *slog.Logger
+	clk     clock.Clock
+	tls     *tls.Config
+	handler http.Handler
+	seen    *lastSeenBatcher
+
+	mu      sync.Mutex
+	streams map[*session]struct{} // every open stream, before and after Hello
+	byNode  map[string]*session   // the newest session of each node past Hello
+	closing bool                  // no new streams once shutdown started
+
+	handlers sync.WaitGroup // running Session handlers
+	ran      atomic.Bool
+}
+
+// New checks cfg, fills its defaults, loads the TLS pieces that are unset
+// from cfg.PKIDir and returns a gateway ready to Run. Errors name the missing
+// dependency or the file that could not be read.
+func New(cfg Config, deps Deps) (*Server, error) {
+	if deps.DB == nil {
+		return nil, errors.New("gateway: DB is required")
+	}
+	if deps.NC == nil {
+		return nil, errors.New("gateway: NATS connection is required")
+	}
+	if deps.Logger == nil {
+		deps.Logger = telemetry.Discard()
+	}
+	if deps.Clock == nil {
+		deps.Clock = deps.DB.Clock
+	}
+	if deps.Clock == nil {
+		deps.Clock = clock.New()
+	}
+	if cfg.GatewayID == "" {
+		cfg.GatewayID = DefaultGatewayID()
+	}
+	if cfg.Listen == "" {
+		cfg.Listen = DefaultListen
+	}
+	if cfg.PKIDir == "" {
+		cfg.PKIDir = DefaultPKIDir
+	}
+	if cfg.HeartbeatInterval <= 0 {
+		cfg.HeartbeatInterval = DefaultHeartbeatInterval
+	}
+	if cfg.ResyncInterval <= 0 {
+		cfg.ResyncInterval = DefaultResyncInterval
+	}
+	if cfg.FlushInterval <= 0 {
+		cfg.FlushInterval = DefaultFlushInterval
+	}
+	if cfg.FlushBatch <= 0 {
+		cfg.FlushBatch = DefaultFlushBatch
+	}
+	if cfg.IdleTimeout <= 0 {
+		cfg.IdleTimeout = 3 * cfg.HeartbeatInterval
+	}
+	if cfg.HelloTimeout <= 0 {
+		cfg.HelloTimeout = DefaultHelloTimeout
+	}
+	if cfg.ServingCert == nil {
+		c, err := tls.LoadX509KeyPair(filepath.Join(cfg.PKIDir, pki.GatewayCert), filepath.Join(cfg.PKIDir, pki.GatewayKey))
+		if err != nil {
+			return nil, fmt.Errorf("gateway: load serving certificate: %w", err)
+		}
+		cfg.ServingCert = &c
+	}
+	if cfg.ClientCAs == nil {
+		ca, err := pki.LoadCert(filepath.Join(cfg.PKIDir, pki.NodeCACert))
+		if err != nil {
+			return nil, fmt.Errorf("gateway: load node CA: %w", err)
+		}
+		cfg.ClientCAs = x509.NewCertPool()
+		cfg.ClientCAs.AddCert(ca)
+	}
+	if cfg.TrustDomain == "" {
+		td, err := pki.ReadTrustDomain(cfg.PKIDir)
+		if err != nil {
+			return nil, fmt.Errorf("gateway: read trust domain: %w", err)
+		}
+		cfg.TrustDomain = td
+	}
+	s := &Server{
+		cfg:     cfg,
+		db:      deps.DB,
+		nc:      deps.NC,
+		log:     deps.Logger.With(telemetry.KeyGatewayID, cfg.GatewayID),
+		clk:     deps.Clock,
+		streams: make(map[*session]struct{}),
+		byNode:  make(map[string]*session),
+	}
+	s.seen = newLastSeenBatcher(s.db, s.clk, s.log, cfg.FlushInterval, cfg.FlushBatch)
+	s.tls = &tls.Config{
+		Certificates: []tls.Certificate{*cfg.ServingCert},
+		ClientCAs:    cfg.ClientCAs,
+		ClientAuth:   tls.RequireAndVerifyClientCert,
+		NextProtos:   []string{"h2"},
+		MinVersion:   tls.VersionTLS13,
+	}
+	mux := http.NewServeMux()
+	mux.Handle(gatewayv1connect.NewGatewayServiceHandler(s, service.HandlerOptions(s.log)...))
+	mux.Handle(grpchealth.NewHandler(grpchealth.NewStaticChecker(gatewayv1connect.GatewayServiceName)))
+	s.handler = s.peerMiddleware(mux)
+	return s, nil
+}
+
+// GatewayID returns the gateway's id.
+func (s *Server) GatewayID() string { return s.cfg.GatewayID }
+
+// TLSConfig returns the server's TLS configuration (mutual TLS, h2 only). Do
+// not modify it.
+func (s *Server) TLSConfig() *tls.Config { return s.tls }
+
+// Handler returns the HTTP handler of the mTLS server. It expects requests
+// over TLS with a verified client certificate (r.TLS.PeerCertificates).
+func (s *Server) Handler() http.Handler { return s.handler }
+
+// HealthHandler answers GET /healthz: 200 when the database answers a ping
+// and NATS is connected, 503 otherwise.
+func (s *Server) HealthHandler() http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("/healthz", service.HealthHandler(
+		func(ctx context.Context) error { return s.db.Pool.Ping(ctx) },
+		func(context.Context) error {
+			if !s.nc.IsConnected() {
+				return errors.New("nats not connected")
+			}
+			return nil
+		},
+	))
+	return mux
+}
+
+// Sessions returns the number of sessions past Hello that this gateway holds.
+func (s *Server) Sessions() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.byNode)
+}
+
+// Run serves sessions until ctx ends, then closes every session (each clears
+// itself in the database), flushes last_seen and returns. It returns an error
+// when a listener cannot be opened or a server fails. Run may be called once.
+func (s *Server) Run(ctx context.Context) error {
+	if !s.ran.CompareAndSwap(false, true) {
+		return errors.New("gateway: Run called twice")
+	}
+	ln := s.cfg.Listener
+	if ln == nil {
+		var err error
+		ln, err = net.Listen("tcp", s.cfg.Listen)
+		if err != nil {
+			return fmt.Errorf("gateway: listen %s: %w", s.cfg.Listen, err)
+		}
+	}
+	hln := s.cfg.HealthListener
+	if hln == nil && s.cfg.HealthListen != "" {
+		var err error
+		hln, err = net.Listen("tcp", s.cfg.HealthListen)
+		if err != nil {
+			ln.Close()
+			return fmt.Errorf("gateway: listen %s: %w", s.cfg.HealthListen, err)
+		}
+	}
+	subject := store.SubjectPokeGatewayPrefix + s.cfg.GatewayID
+	sub, err := s.nc.Subscribe(subject, s.onPoke)
+	if err != nil {
+		ln.Close()
+		if hln != nil {
+			hln.Close()
+		}
+		return fmt.Errorf("gateway: subscribe %s: %w", subject, err)
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+
+	srv := s.newHTTPServer()
+	srv.RegisterOnShutdown(s.closeAll)
+
+	// The loops outlive the servers: sessions that end during shutdown
+	// still clear themselves and get their last_seen flushed.
+	loopCtx, stopLoops := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopLoops()
+	var loops sync.WaitGroup
+	loops.Add(2)
+	go func() { defer loops.Done(); s.resyncLoop(loopCtx) }()
+	go func() { defer loops.Done(); s.seen.run(loopCtx) }()
+
+	s.log.Info("gateway starting", "addr", ln.Addr().String(), "poke_subject", subject)
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error {
+		err := service.Serve(gctx, s.log, srv, ln)
+		s.closeAll()
+		if err != nil {
+			return fmt.Errorf("gateway: serve: %w", err)
+		}
+		return nil
+	})
+	if hln != nil {
+		g.Go(func() error {
+			hs := service.NewServer("", s.HealthHandler())
+			if err := service.Serve(gctx, s.log, hs, hln); err != nil {
+				return fmt.Errorf("gateway: health server: %w", err)
+			}
+			return nil
+		})
+	}
+	err = g.Wait()
+	s.handlers.Wait()
+	stopLoops()
+	loops.Wait()
+	s.log.Info("gateway stopped")
+	return err
+}
+
+// newHTTPServer returns the mTLS server: HTTP/2 only, header limits, and
+// HTTP/2 pings that close connections whose peer stopped answering.
+func (s *Server) newHTTPServer() *http.Server {
+	var p http.Protocols
+	p.SetHTTP2(true)
+	return &http.Server{
+		Handler:           s.handler,
+		Protocols:         &p,
+		TLSConfig:         s.tls,
+		ReadHeaderTimeout: 10 * time.Second,
+		MaxHeaderBytes:    64 << 10,
+		IdleTimeout:       2 * time.Minute,
+		HTTP2: &http.HTTP2Config{
+			// A daemon holds one session; a few more streams cover a
+			// reconnect racing the old stream's end.
+			MaxConcurrentStreams:          16,
+			MaxReceiveBufferPerStream:     256 << 10,
+			MaxReceiveBufferPerConnection: 512 << 10,
+			SendPingTimeout:               s.cfg.IdleTimeout,
+			PingTimeout:                   15 * time.Second,
+		},
+		ErrorLog: slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
+	}
+}
+
+// closeAll refuses new streams and aborts every open one.
+func (s *Server) closeAll() {
+	s.mu.Lock()
+	s.closing = true
+	all := make([]*session, 0, len(s.streams))
+	for st := range s.streams {
+		all = append(all, st)
+	}
+	s.mu.Unlock()
+	for _, st := range all {
+		st.abort(errShuttingDown)
+	}
+}
+
+// onPoke wakes the sessions a poke names. It runs on the subscription's
+// goroutine and never blocks.
+func (s *Server) onPoke(m *nats.Msg) {
+	var p store.Poke
+	if err := json.Unmarshal(m.Data, &p); err != nil {
+		s.log.Warn("ignoring malformed poke", "subject", m.Subject, telemetry.KeyError, err)
+		return
+	}
+	s.mu.Lock()
+	wake := make([]*session, 0, len(p.NodeIDs))
+	for _, id := range p.NodeIDs {
+		if st := s.byNode[id]; st != nil {
+			wake = append(wake, st)
+		}
+	}
+	s.mu.Unlock()
+	for _, st := range wake {
+		s.wake(st)
+	}
+}
+
+// resyncLoop runs resync every ResyncInterval until ctx ends.
+func (s *Server) resyncLoop(ctx context.Context) {
+	t := s.clk.NewTicker(s.cfg.ResyncInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C():
+			s.resync(ctx)
+		}
+	}
+}
+
+// resync closes silent streams and re-reads, in one query, the pending work
+// of every session this gateway holds: it wakes the sessions whose node has
+// queued commands or a spec newer than the session knows, and closes the
+// sessions that another session superseded.
+func (s *Server) resync(ctx context.Context) {
+	now := s.clk.Now().UnixNano()
+	idle := s.cfg.IdleTimeout.Nanoseconds()
+	hello := s.cfg.HelloTimeout.Nanoseconds()
+	type silentStream struct {
+		st  *session
+		err error
+	}
+	var silent []silentStream
+	s.mu.Lock()
+	for st := range s.streams {
+		limit, err := idle, errSilent
+		if st.sessionID == "" {
+			limit, err = hello, errNoHello
+		}
+		if now-st.lastRecv.Load() > limit {
+			silent = append(silent, silentStream{st, err})
+		}
+	}
+	refs := make([]store.SessionRef, 0, len(s.byNode))
+	for id, st := range s.byNode {
+		refs = append(refs, store.SessionRef{NodeID: id, SessionID: st.sessionID})
+	}
+	s.mu.Unlock()
+	for _, x := range silent {
+		x.st.abort(x.err)
+	}
+	if len(refs) == 0 {
+		return
+	}
+	work, err := store.PendingSessionWork(ctx, s.db.Pool, refs)
+	if err != nil {
+		if ctx.Err() == nil {
+			s.log.Warn("resync failed", telemetry.KeyError, err)
+		}
+		return
+	}
+	for _, w := range work {
+		s.mu.Lock()
+		st := s.byNode[w.NodeID]
+		s.mu.Unlock()
+		if st == nil || st.sessionID != w.SessionID {
+			continue
+		}
+		switch {
+		case w.Superseded:
+			st.abort(errSuperseded)
+		case w.Queued || w.SpecGeneration > st.known():
+			s.wake(st)
+		}
+	}
+}

@@ -1,0 +1,547 @@
+package gateway_test
+
+import (
+	"encoding/json"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+
+	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/services/gateway/gateway"
+)
+
+// noResync keeps the periodic re-read out of tests of pokes.
+var noResync = gateway.Config{ResyncInterval: time.Hour}
+
+func TestHelloWelcomeRecordsSession(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	g := e.startGateway(gateway.Config{GatewayID: "gw-a", HeartbeatInterval: 7 * time.Second})
+	n := e.newNode()
+
+	d, w := e.connect(g, n, &gatewayv1.Hello{NodeId: n.id, BootId: "boot-42", AgentVersion: "bcd 1.2.3", ObservedGeneration: 0})
+	require.True(t, strings.HasPrefix(w.GetSessionId(), "ses_"), w.GetSessionId())
+	require.Equal(t, "gw-a", w.GetGatewayId())
+	require.Equal(t, 7*time.Second, w.GetHeartbeatInterval().AsDuration())
+	require.EqualValues(t, 1, w.GetSessionEpoch())
+
+	r := e.nodeRow(n.id)
+	require.Equal(t, "gw-a", *r.GatewayID)
+	require.Equal(t, w.GetSessionId(), *r.SessionID)
+	require.EqualValues(t, 1, r.Epoch)
+	require.Equal(t, "boot-42", r.BootID)
+	require.Equal(t, "bcd 1.2.3", r.Agent)
+	require.True(t, r.Reachable)
+	require.NotNil(t, r.LastSeen)
+	require.Equal(t, 1, g.srv.Sessions())
+
+	// The daemon ends the stream: the session is cleared.
+	require.NoError(t, d.stream.CloseRequest())
+	require.NoError(t, d.ended())
+	eventually(t, func() bool { return e.nodeRow(n.id).SessionID == nil }, "session cleared on stream end")
+	r = e.nodeRow(n.id)
+	require.Nil(t, r.GatewayID)
+	require.True(t, r.Reachable, "reachability is the liveness sweeper's business")
+	eventually(t, func() bool { return g.srv.Sessions() == 0 }, "session unregistered")
+}
+
+func TestPokedCommandIsDeliveredPromptly(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	e.relay()
+	g := e.startGateway(noResync)
+	n := e.newNode()
+	d, _ := e.connect(g, n, nil)
+
+	var cmdID string
+	require.NoError(t, e.db.InTx(t.Context(), func(tx pgx.Tx) error {
+		cmdID = e.queueCommandTx(tx, n.id)
+		return store.PokeNodes(t.Context(), tx, e.db.Now(), n.id)
+	}))
+	c := d.next().GetCommand()
+	require.NotNil(t, c)
+	require.Equal(t, cmdID, c.GetCommandId())
+	require.Equal(t, "inventory.refresh", c.GetKind())
+	require.JSONEq(t, `{"verbose": true}`, string(c.GetArgsJson()))
+	require.True(t, c.GetRetrySafe())
+	require.NotNil(t, c.GetDeadline())
+
+	row := e.command(cmdID)
+	require.Equal(t, "delivered", row.State)
+	require.Equal(t, 1, row.Deliveries)
+	require.NotNil(t, row.DeliveredAt)
+}
+
+// A poke published straight to NATS (no outbox) works too, and a poke naming
+// nodes this gateway does not hold is ignored.
+func TestDirectPoke(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	g := e.startGateway(noResync)
+	n := e.newNode()
+	d, _ := e.connect(g, n, nil)
+	cmdID := e.queueCommand(n.id, "logs.collect", "user")
+	payload, err := json.Marshal(store.Poke{NodeIDs: []string{"node_unknown", n.id}})
+	require.NoError(t, err)
+	require.NoError(t, e.nc.Publish(store.SubjectPokeGatewayPrefix+"gw-test", []byte("not json")))
+	require.NoError(t, e.nc.Publish(store.SubjectPokeGatewayPrefix+"gw-test", payload))
+	require.Equal(t, cmdID, d.next().GetCommand().GetCommandId())
+}
+
+func TestResyncDeliversWithoutPoke(t *testing.T) {
+	t.Parallel()
+	fake := clock.NewFake(realClock.Now())
+	e := setup(t, options{clock: fake})
+	g := e.startGateway(gateway.Config{ResyncInterval: 5 * time.Second, IdleTimeout: time.Hour})
+	n := e.newNode()
+	d, _ := e.connect(g, n, nil)
+
+	cmdID := e.queueCommand(n.id, "diag.nvml", "user")
+	require.Equal(t, "queued", e.command(cmdID).State)
+	got := make(chan *gatewayv1.Command, 1)
+	go func() {
+		m, ok := <-d.msgs
+		if ok {
+			got <- m.GetCommand()
+		}
+	}()
+	var c *gatewayv1.Command
+	eventually(t, func() bool {
+		select {
+		case c = <-got:
+			return true
+		default:
+			fake.Advance(5 * time.Second)
+			return false
+		}
+	}, "the periodic re-read delivers the command")
+	require.Equal(t, cmdID, c.GetCommandId())
+	require.Equal(t, "delivered", e.command(cmdID).State)
+}
+
+func TestNewSessionRedeliversOpenCommands(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	g := e.startGateway(noResync)
+	n := e.newNode()
+	queued := e.queueCommand(n.id, "diag.nvml", "user")
+	running := e.queueCommand(n.id, "logs.collect", "user")
+	done := e.queueCommand(n.id, "inventory.refresh", "user")
+	e.exec(`UPDATE commands SET state = 'running', deliveries = 1 WHERE id = $1`, running)
+	e.exec(`UPDATE commands SET state = 'succeeded', finished_at = now() WHERE id = $1`, done)
+
+	d, _ := e.connect(g, n, nil)
+	require.Equal(t, queued, d.next().GetCommand().GetCommandId())
+	require.Equal(t, running, d.next().GetCommand().GetCommandId())
+	require.Equal(t, "delivered", e.command(queued).State)
+	r := e.command(running)
+	require.Equal(t, "running", r.State, "redelivery never moves a command back")
+	require.Equal(t, 2, r.Deliveries)
+	require.Equal(t, 0, e.command(done).Deliveries)
+}
+
+func TestCommandUpdatesMoveForwardOnly(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	g := e.startGateway(noResync)
+	n := e.newNode()
+	cmdID := e.queueCommand(n.id, "diag.nvml", "user")
+	d, _ := e.connect(g, n, nil)
+	require.Equal(t, cmdID, d.next().GetCommand().GetCommandId())
+
+	d.update(cmdID, gatewayv1.CommandState_COMMAND_STATE_RUNNING, nil, "")
+	eventually(t, func() bool { return e.command(cmdID).State == "running" }, "running stored")
+	require.Nil(t, e.command(cmdID).FinishedAt)
+
+	result := &gatewayv1.CommandResult{Inventory: &gatewayv1.Inventory{Hostname: "h1", CpuCores: 64, Gpus: []*gatewayv1.Gpu{
+		{Index: 0, Uuid: "GPU-1", Model: "NVIDIA H100 80GB HBM3", MemoryBytes: 80 << 30, Healthy: true}}}}
+	d.update(cmdID, gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED, result, "")
+	eventually(t, func() bool { return e.command(cmdID).State == "succeeded" }, "succeeded stored")
+	row := e.command(cmdID)
+	require.NotNil(t, row.FinishedAt)
+	want, err := protojson.Marshal(result)
+	require.NoError(t, err)
+	require.JSONEq(t, string(want), string(row.Result))
+	var back gatewayv1.CommandResult
+	require.NoError(t, protojson.Unmarshal(row.Result, &back))
+	require.True(t, proto.Equal(result, &back))
+
+	// Late and contradicting updates change nothing; an update of a command
+	// of another node or of no command is ignored.
+	other := e.newNode()
+	otherCmd := e.queueCommand(other.id, "diag.nvml", "user")
+	d.update(cmdID, gatewayv1.CommandState_COMMAND_STATE_FAILED, nil, "boom")
+	d.update(cmdID, gatewayv1.CommandState_COMMAND_STATE_RUNNING, nil, "")
+	d.update(otherCmd, gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED, nil, "")
+	d.update("cmd_missing", gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED, nil, "")
+	d.observed(5) // processed after the updates: a marker that they were handled
+	eventually(t, func() bool { return e.nodeRow(n.id).Observed == 5 }, "report stored")
+	after := e.command(cmdID)
+	require.Equal(t, "succeeded", after.State)
+	require.Equal(t, "", after.Error)
+	require.Equal(t, row.FinishedAt, after.FinishedAt)
+	require.Equal(t, "queued", e.command(otherCmd).State)
+
+	// A failure stores its error.
+	failing := e.queueCommand(n.id, "logs.collect", "user")
+	require.NoError(t, e.nc.Publish(store.SubjectPokeGatewayPrefix+"gw-test", pokeJSON(t, n.id)))
+	require.Equal(t, failing, d.next().GetCommand().GetCommandId())
+	d.update(failing, gatewayv1.CommandState_COMMAND_STATE_FAILED, nil, "journal lost; not retry-safe")
+	eventually(t, func() bool { return e.command(failing).State == "failed" }, "failed stored")
+	require.Equal(t, "journal lost; not retry-safe", e.command(failing).Error)
+}
+
+func TestAcceptanceTerminalUpdatePokesControllers(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	e.relay()
+	pokes, err := e.nc.SubscribeSync(store.SubjectPokeControllers)
+	require.NoError(t, err)
+	require.NoError(t, e.nc.Flush())
+	g := e.startGateway(noResync)
+	n := e.newNode()
+	cmdID := e.queueCommand(n.id, "diag.nvml", "acceptance")
+	user := e.queueCommand(n.id, "inventory.refresh", "user")
+	d, _ := e.connect(g, n, nil)
+	require.Equal(t, cmdID, d.next().GetCommand().GetCommandId())
+	require.Equal(t, user, d.next().GetCommand().GetCommandId())
+
+	d.update(cmdID, gatewayv1.CommandState_COMMAND_STATE_RUNNING, nil, "")
+	d.update(user, gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED, nil, "")
+	eventually(t, func() bool { return e.command(user).State == "succeeded" }, "user command done")
+	require.Equal(t, 0, e.outboxCount(store.SubjectPokeControllers), "only an acceptance command's terminal update pokes")
+
+	d.update(cmdID, gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED, &gatewayv1.CommandResult{Inventory: &gatewayv1.Inventory{}}, "")
+	eventually(t, func() bool { return e.command(cmdID).State == "succeeded" }, "acceptance command done")
+	require.Equal(t, 1, e.outboxCount(store.SubjectPokeControllers))
+	m, err := pokes.NextMsg(waitFor)
+	require.NoError(t, err)
+	var p store.Poke
+	require.NoError(t, json.Unmarshal(m.Data, &p))
+	require.Equal(t, []string{n.id}, p.NodeIDs)
+
+	// A repeated terminal update does not poke again.
+	d.update(cmdID, gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED, nil, "")
+	d.observed(1)
+	eventually(t, func() bool { return e.nodeRow(n.id).Observed == 1 }, "marker handled")
+	require.Equal(t, 1, e.outboxCount(store.SubjectPokeControllers))
+}
+
+func TestDesiredStateAndObservedGeneration(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	e.relay()
+	g := e.startGateway(noResync)
+	n := e.newNode()
+	e.exec(`UPDATE nodes SET spec_generation = 2, spec = '{"labels": {"rack": "r1"}}' WHERE id = $1`, n.id)
+
+	d, _ := e.connect(g, n, &gatewayv1.Hello{NodeId: n.id, BootId: "b", ObservedGeneration: 1})
+	ds := d.next().GetDesiredState()
+	require.NotNil(t, ds)
+	require.EqualValues(t, 2, ds.GetGeneration())
+	require.Equal(t, map[string]string{"rack": "r1"}, ds.GetSpec().GetLabels())
+	require.EqualValues(t, 1, e.nodeRow(n.id).Observed, "hello's observed generation is stored")
+
+	d.observed(2)
+	eventually(t, func() bool { return e.nodeRow(n.id).Observed == 2 }, "observed generation stored")
+	d.observed(1)
+	d.heartbeat(1, 1)
+
+	// A new generation is sent after its poke; an older report never lowers
+	// the stored generation.
+	require.NoError(t, e.db.InTx(t.Context(), func(tx pgx.Tx) error {
+		if _, err := tx.Exec(t.Context(), `UPDATE nodes SET spec_generation = 3,
+			spec = '{"allocations": [{"reservationId": "res_1", "deviceIndexes": [0, 1]}]}' WHERE id = $1`, n.id); err != nil {
+			return err
+		}
+		return store.PokeNodes(t.Context(), tx, e.db.Now(), n.id)
+	}))
+	ds = d.next().GetDesiredState()
+	require.NotNil(t, ds)
+	require.EqualValues(t, 3, ds.GetGeneration())
+	require.Len(t, ds.GetSpec().GetAllocations(), 1)
+	require.Equal(t, []int32{0, 1}, ds.GetSpec().GetAllocations()[0].GetDeviceIndexes())
+	require.EqualValues(t, 2, e.nodeRow(n.id).Observed)
+
+	// Once sent, a generation is not sent again in this session: the next
+	// message after a poke is the command, not the spec.
+	cmdID := e.queueCommand(n.id, "diag.nvml", "user")
+	require.NoError(t, e.nc.Publish(store.SubjectPokeGatewayPrefix+"gw-test", pokeJSON(t, n.id)))
+	require.Equal(t, cmdID, d.next().GetCommand().GetCommandId())
+}
+
+// A daemon that already has the spec gets no DesiredState on Hello.
+func TestNoDesiredStateWhenDaemonIsCurrent(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	g := e.startGateway(noResync)
+	n := e.newNode()
+	e.exec(`UPDATE nodes SET spec_generation = 4, observed_generation = 4, spec = '{}' WHERE id = $1`, n.id)
+	cmdID := e.queueCommand(n.id, "diag.nvml", "user")
+	d, _ := e.connect(g, n, &gatewayv1.Hello{NodeId: n.id, BootId: "b", ObservedGeneration: 4})
+	require.Equal(t, cmdID, d.next().GetCommand().GetCommandId())
+	// A daemon that lost its state (reports 0) gets the spec again even
+	// though the database says 4 was observed.
+	d.close()
+	d2, _ := e.connect(g, n, &gatewayv1.Hello{NodeId: n.id, BootId: "b2", ObservedGeneration: 0})
+	m := d2.next()
+	if m.GetCommand() != nil { // redelivered in-flight command first
+		m = d2.next()
+	}
+	require.EqualValues(t, 4, m.GetDesiredState().GetGeneration())
+}
+
+func TestHeartbeatsUpdateLastSeen(t *testing.T) {
+	t.Parallel()
+	start := realClock.Now().Truncate(time.Second)
+	fake := clock.NewFake(start)
+	e := setup(t, options{clock: fake})
+	g := e.startGateway(gateway.Config{FlushInterval: time.Second, IdleTimeout: time.Hour, ResyncInterval: time.Hour})
+	n := e.newNode()
+	d, _ := e.connect(g, n, nil)
+	require.True(t, e.nodeRow(n.id).LastSeen.Equal(start))
+
+	fake.Advance(3 * time.Second)
+	d.heartbeat(1, 0)
+	d.heartbeat(2, 0)
+	eventually(t, func() bool {
+		fake.Advance(10 * time.Millisecond) // fires the flush ticker once it is due
+		ls := e.nodeRow(n.id).LastSeen
+		return ls != nil && !ls.Before(start.Add(3*time.Second))
+	}, "last_seen follows heartbeats")
+
+	// The generation a heartbeat reports is flushed with it.
+	d.heartbeat(3, 6)
+	eventually(t, func() bool {
+		fake.Advance(time.Second)
+		return e.nodeRow(n.id).Observed == 6
+	}, "heartbeat's observed generation stored")
+}
+
+func TestCertificateForAnotherNodeIsRefused(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	g := e.startGateway(noResync)
+	a, b := e.newNode(), e.newNode()
+	d := e.open(g, a, &gatewayv1.Hello{NodeId: b.id, BootId: "x"})
+	err := d.ended()
+	require.Equal(t, connect.CodePermissionDenied, connectCode(err), "%v", err)
+	require.Contains(t, err.Error(), "hello.node_id")
+	require.Nil(t, e.nodeRow(b.id).SessionID)
+	require.Nil(t, e.nodeRow(a.id).SessionID)
+	require.EqualValues(t, 0, e.nodeRow(b.id).Epoch)
+}
+
+func TestUnknownOrRevokedCertificateIsRefused(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	g := e.startGateway(noResync)
+
+	unknown := e.newUnrecordedNode()
+	d := e.open(g, unknown, &gatewayv1.Hello{NodeId: unknown.id})
+	err := d.ended()
+	require.Equal(t, connect.CodeUnauthenticated, connectCode(err), "%v", err)
+	require.Contains(t, err.Error(), "not known")
+	require.Nil(t, e.nodeRow(unknown.id).SessionID)
+
+	revoked := e.newNode()
+	e.exec(`UPDATE node_certs SET revoked_at = now() WHERE node_id = $1`, revoked.id)
+	d = e.open(g, revoked, &gatewayv1.Hello{NodeId: revoked.id})
+	err = d.ended()
+	require.Equal(t, connect.CodeUnauthenticated, connectCode(err), "%v", err)
+	require.Contains(t, err.Error(), "revoked")
+	require.Nil(t, e.nodeRow(revoked.id).SessionID)
+
+	// A certificate recorded for another node (serial reuse) is refused.
+	other := e.newNode()
+	spoof := e.newUnrecordedNode()
+	e.exec(`INSERT INTO node_certs (serial, node_id, public_key_sha256, not_before, not_after, created_at)
+		SELECT $1, $2, public_key_sha256, not_before, not_after, created_at FROM node_certs WHERE node_id = $3`,
+		certSerial(spoof), other.id, other.id)
+	d = e.open(g, spoof, &gatewayv1.Hello{NodeId: spoof.id})
+	err = d.ended()
+	require.Equal(t, connect.CodeUnauthenticated, connectCode(err), "%v", err)
+}
+
+func TestBadFirstMessage(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	g := e.startGateway(noResync)
+	n := e.newNode()
+	d := e.open(g, n, nil)
+	d.heartbeat(1, 0)
+	err := d.ended()
+	require.Equal(t, connect.CodeInvalidArgument, connectCode(err), "%v", err)
+	require.Contains(t, err.Error(), "hello")
+
+	d = e.open(g, n, &gatewayv1.Hello{})
+	err = d.ended()
+	require.Equal(t, connect.CodeInvalidArgument, connectCode(err), "%v", err)
+	require.Contains(t, err.Error(), "hello.node_id")
+
+	// A second Hello ends the session.
+	d, _ = e.connect(g, n, nil)
+	d.send(&gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Hello{Hello: &gatewayv1.Hello{NodeId: n.id}}})
+	err = d.ended()
+	require.Equal(t, connect.CodeInvalidArgument, connectCode(err), "%v", err)
+}
+
+func TestStreamWithoutHelloIsClosed(t *testing.T) {
+	t.Parallel()
+	fake := clock.NewFake(realClock.Now())
+	e := setup(t, options{clock: fake})
+	g := e.startGateway(gateway.Config{ResyncInterval: time.Second, HelloTimeout: 5 * time.Second, IdleTimeout: 20 * time.Second})
+	n := e.newNode()
+	// Send(nil) opens the stream with headers only: no Hello.
+	silent := e.open(g, n, nil)
+	require.NoError(t, silent.stream.Send(nil))
+	quiet, _ := e.connect(g, e.newNode(), nil)
+	var silentErr, quietErr error
+	eventually(t, func() bool {
+		fake.Advance(time.Second)
+		select {
+		case silentErr = <-silent.err:
+		case quietErr = <-quiet.err:
+		default:
+		}
+		return silentErr != nil && quietErr != nil
+	}, "streams without hello and silent sessions are closed")
+	require.Equal(t, connect.CodeDeadlineExceeded, connectCode(silentErr), "%v", silentErr)
+	require.Contains(t, silentErr.Error(), "hello")
+	require.Equal(t, connect.CodeDeadlineExceeded, connectCode(quietErr), "%v", quietErr)
+	require.Contains(t, quietErr.Error(), "idle")
+}
+
+func TestReconnectSupersedesOldSession(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	g := e.startGateway(noResync)
+	n := e.newNode()
+	first, w1 := e.connect(g, n, nil)
+	second, w2 := e.connect(g, n, &gatewayv1.Hello{NodeId: n.id, BootId: "boot-2"})
+	require.EqualValues(t, 1, w1.GetSessionEpoch())
+	require.EqualValues(t, 2, w2.GetSessionEpoch())
+	require.NotEqual(t, w1.GetSessionId(), w2.GetSessionId())
+
+	err := first.ended()
+	require.Equal(t, connect.CodeAborted, connectCode(err), "%v", err)
+	r := e.nodeRow(n.id)
+	require.Equal(t, w2.GetSessionId(), *r.SessionID, "the old session's end leaves the new one")
+	require.EqualValues(t, 2, r.Epoch)
+	require.Equal(t, "boot-2", r.BootID)
+	require.Equal(t, 1, g.srv.Sessions())
+
+	cmdID := e.queueCommand(n.id, "diag.nvml", "user")
+	require.NoError(t, e.nc.Publish(store.SubjectPokeGatewayPrefix+"gw-test", pokeJSON(t, n.id)))
+	require.Equal(t, cmdID, second.next().GetCommand().GetCommandId())
+}
+
+func TestTakeoverByAnotherGateway(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	e.relay()
+	ga := e.startGateway(gateway.Config{GatewayID: "gw-a", ResyncInterval: 100 * time.Millisecond})
+	gb := e.startGateway(gateway.Config{GatewayID: "gw-b", ResyncInterval: time.Hour})
+	n := e.newNode()
+	onA, wa := e.connect(ga, n, nil)
+	onB, wb := e.connect(gb, n, nil)
+	require.EqualValues(t, wa.GetSessionEpoch()+1, wb.GetSessionEpoch())
+
+	// Gateway A notices on its next re-read and ends its stream, without
+	// clearing B's session.
+	err := onA.ended()
+	require.Equal(t, connect.CodeAborted, connectCode(err), "%v", err)
+	eventually(t, func() bool { return ga.srv.Sessions() == 0 }, "A dropped its session")
+	r := e.nodeRow(n.id)
+	require.Equal(t, "gw-b", *r.GatewayID)
+	require.Equal(t, wb.GetSessionId(), *r.SessionID)
+
+	// Pokes now go to B.
+	var cmdID string
+	require.NoError(t, e.db.InTx(t.Context(), func(tx pgx.Tx) error {
+		cmdID = e.queueCommandTx(tx, n.id)
+		return store.PokeNodes(t.Context(), tx, e.db.Now(), n.id)
+	}))
+	require.Equal(t, cmdID, onB.next().GetCommand().GetCommandId())
+}
+
+// The old gateway's stream ending after a takeover (the daemon closes it)
+// does not clear the new session.
+func TestOldStreamEndAfterTakeover(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	ga := e.startGateway(gateway.Config{GatewayID: "gw-a", ResyncInterval: time.Hour})
+	gb := e.startGateway(gateway.Config{GatewayID: "gw-b", ResyncInterval: time.Hour})
+	n := e.newNode()
+	onA, _ := e.connect(ga, n, nil)
+	_, wb := e.connect(gb, n, nil)
+	require.NoError(t, onA.stream.CloseRequest())
+	require.NoError(t, onA.ended())
+	eventually(t, func() bool { return ga.srv.Sessions() == 0 }, "A closed its session")
+	r := e.nodeRow(n.id)
+	require.Equal(t, "gw-b", *r.GatewayID)
+	require.Equal(t, wb.GetSessionId(), *r.SessionID)
+}
+
+func TestShutdownClearsSessions(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	g := e.startGateway(noResync)
+	n := e.newNode()
+	d, _ := e.connect(g, n, nil)
+	d.heartbeat(1, 0)
+	g.stop()
+	err := d.ended()
+	require.Error(t, err)
+	r := e.nodeRow(n.id)
+	require.Nil(t, r.SessionID)
+	require.Nil(t, r.GatewayID)
+}
+
+func TestPlainClientIsRefused(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	g := e.startGateway(noResync)
+	// TLS without a client certificate fails the handshake.
+	var p http.Protocols
+	p.SetHTTP2(true)
+	tr := &http.Transport{TLSClientConfig: e.clientTLSWithoutCert(), Protocols: &p}
+	t.Cleanup(tr.CloseIdleConnections)
+	_, err := (&http.Client{Transport: tr}).Get("https://" + g.addr + "/")
+	require.Error(t, err)
+}
+
+func TestHealth(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	hln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	e.startGateway(gateway.Config{HealthListener: hln, ResyncInterval: time.Hour})
+	eventually(t, func() bool {
+		resp, err := http.Get("http://" + hln.Addr().String() + "/healthz")
+		if err != nil {
+			return false
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode == http.StatusOK && strings.TrimSpace(string(b)) == "ok"
+	}, "healthz answers ok")
+}
+
+func pokeJSON(t *testing.T, nodeIDs ...string) []byte {
+	t.Helper()
+	b, err := json.Marshal(store.Poke{NodeIDs: nodeIDs})
+	require.NoError(t, err)
+	return b
+}

@@ -1,0 +1,556 @@
+package gateway
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/jackc/pgx/v5"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/ids"
+	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/telemetry"
+)
+
+// Errors a stream ends with when the gateway closes it.
+var (
+	errSuperseded   = connect.NewError(connect.CodeAborted, errors.New("session superseded by a newer session of this node"))
+	errSilent       = connect.NewError(connect.CodeDeadlineExceeded, errors.New("no message from the node within the idle timeout"))
+	errNoHello      = connect.NewError(connect.CodeDeadlineExceeded, errors.New("no hello within the hello timeout"))
+	errShuttingDown = connect.NewError(connect.CodeUnavailable, errors.New("gateway is shutting down; reconnect"))
+)
+
+// Delivery states of a session (session.state). A wake moves idle to
+// running (and starts a delivery goroutine) or running to dirty (the
+// goroutine runs once more); closed is a bit set when the stream ends.
+const (
+	stIdle    int32 = 0
+	stRunning int32 = 1
+	stDirty   int32 = 2
+	stClosed  int32 = 4
+)
+
+// session is one Session stream: created by the middleware for each request
+// with the peer's identity, then made a node's session by Hello. Its fields
+// are kept few: a gateway holds thousands.
+type session struct {
+	// Set by the middleware, read-only afterwards.
+	ctx     context.Context
+	w       http.ResponseWriter
+	body    io.Closer
+	certID  string // node id of the client certificate, "" when none
+	certErr error  // why the certificate names no node
+	serial  string // certificate serial, lower-case hex
+	stream  *connect.BidiStream[gatewayv1.SessionRequest, gatewayv1.SessionResponse]
+
+	// Set at Hello under Server.mu, read-only afterwards.
+	nodeID    string
+	sessionID string
+	epoch     int64
+
+	lastRecv atomic.Int64 // clock time of the last message, Unix ns
+	reported atomic.Int64 // greatest generation the daemon reported
+	sent     atomic.Int64 // greatest generation sent in this session
+	state    atomic.Int32 // stIdle, stRunning, stDirty | stClosed
+
+	// deliverMu is held while delivering; closing takes it to wait for a
+	// delivery in flight, so no Send runs after the handler returns.
+	deliverMu sync.Mutex
+	inFlight  bool // next delivery also resends delivered and running commands
+
+	// abortMu guards aborting against the end of the handler.
+	abortMu  sync.Mutex
+	done     bool
+	abortErr error
+}
+
+type sessionKey struct{}
+
+// peerMiddleware reads the verified client certificate of each request into a
+// session in the request's context (connect.Peer does not carry it), and
+// keeps what is needed to abort the stream from another goroutine.
+func (s *Server) peerMiddleware(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		st := &session{w: w, body: r.Body}
+		if r.TLS != nil && len(r.TLS.PeerCertificates) > 0 {
+			cert := r.TLS.PeerCertificates[0]
+			st.serial = pki.SerialHex(cert)
+			st.certID, st.certErr = pki.NodeIDFromCert(cert, s.cfg.TrustDomain)
+		} else {
+			st.certErr = errors.New("no client certificate")
+		}
+		st.ctx = context.WithValue(r.Context(), sessionKey{}, st)
+		defer st.finish()
+		next.ServeHTTP(w, r.WithContext(st.ctx))
+	})
+}
+
+func sessionFrom(ctx context.Context) *session {
+	st, _ := ctx.Value(sessionKey{}).(*session)
+	return st
+}
+
+// sendGrace is how long a Send in flight may still take once its session is
+// closing; then the stream is reset.
+const sendGrace = 5 * time.Second
+
+// transportClock sets HTTP/2 write deadlines, which net/http measures in
+// real time whatever clock the gateway runs on.
+var transportClock = clock.New()
+
+// abort ends the stream from any goroutine: the handler's Receive fails and
+// the handler returns err to the daemon. It does nothing once the handler has
+// returned or after the first abort.
+func (st *session) abort(err error) {
+	st.abortMu.Lock()
+	defer st.abortMu.Unlock()
+	if st.done || st.abortErr != nil {
+		return
+	}
+	st.abortErr = err
+	_ = st.body.Close()
+}
+
+// bound makes a Send that blocks for longer than sendGrace (a daemon that
+// stopped reading) fail by resetting the stream then.
+func (st *session) bound() {
+	st.abortMu.Lock()
+	defer st.abortMu.Unlock()
+	if !st.done {
+		_ = http.NewResponseController(st.w).SetWriteDeadline(transportClock.Now().Add(sendGrace))
+	}
+}
+
+// finish marks the handler returned; abort is a no-op afterwards.
+func (st *session) finish() {
+	st.abortMu.Lock()
+	st.done = true
+	st.abortMu.Unlock()
+}
+
+// endErr is what the handler returns when Receive failed with err.
+func (st *session) endErr(err error) error {
+	st.abortMu.Lock()
+	aerr := st.abortErr
+	st.abortMu.Unlock()
+	if aerr != nil {
+		return aerr
+	}
+	if errors.Is(err, io.EOF) {
+		return nil
+	}
+	return err
+}
+
+func (st *session) touch(now time.Time) { st.lastRecv.Store(now.UnixNano()) }
+
+// known is the greatest generation the daemon has or was sent.
+func (st *session) known() int64 { return max(st.reported.Load(), st.sent.Load()) }
+
+func raise(v *atomic.Int64, n int64) {
+	for {
+		old := v.Load()
+		if n <= old || v.CompareAndSwap(old, n) {
+			return
+		}
+	}
+}
+
+// Session implements bc.gateway.v1.GatewayService/Session.
+func (s *Server) Session(ctx context.Context, stream *connect.BidiStream[gatewayv1.SessionRequest, gatewayv1.SessionResponse]) error {
+	st := sessionFrom(ctx)
+	if st == nil {
+		return connect.NewError(connect.CodeUnauthenticated, errors.New("the session needs a client certificate over TLS"))
+	}
+	st.stream = stream
+	st.touch(s.clk.Now())
+	if !s.track(st) {
+		return errShuttingDown
+	}
+	defer s.untrack(st)
+
+	req, err := stream.Receive()
+	if err != nil {
+		return st.endErr(err)
+	}
+	st.touch(s.clk.Now())
+	hello := req.GetHello()
+	if hello == nil {
+		return connect.NewError(connect.CodeInvalidArgument, errors.New("the first message of a session must be hello"))
+	}
+	welcome, err := s.hello(ctx, st, hello)
+	if err != nil {
+		return err
+	}
+	defer s.closeSession(st)
+	if err := stream.Send(welcome); err != nil {
+		return st.endErr(err)
+	}
+	// The session is registered in state running, so wakes during the
+	// first delivery only mark it dirty; run it here, then go idle.
+	s.deliverLoop(st)
+
+	for {
+		req, err := stream.Receive()
+		if err != nil {
+			return st.endErr(err)
+		}
+		now := s.clk.Now()
+		st.touch(now)
+		if err := s.handle(ctx, st, req); err != nil {
+			return err
+		}
+		s.seen.record(st, now)
+	}
+}
+
+// track adds a new stream unless the gateway is shutting down.
+func (s *Server) track(st *session) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closing {
+		return false
+	}
+	s.streams[st] = struct{}{}
+	s.handlers.Add(1)
+	return true
+}
+
+func (s *Server) untrack(st *session) {
+	s.mu.Lock()
+	delete(s.streams, st)
+	s.mu.Unlock()
+	s.handlers.Done()
+}
+
+// hello checks the client certificate against hello and the database, makes
+// st the node's live session and returns the Welcome to send.
+func (s *Server) hello(ctx context.Context, st *session, h *gatewayv1.Hello) (*gatewayv1.SessionResponse, error) {
+	if h.GetNodeId() == "" {
+		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("hello.node_id is required"))
+	}
+	if st.certErr != nil {
+		return nil, connect.NewError(connect.CodeUnauthenticated, errors.New("the client certificate names no node of this trust domain"))
+	}
+	if st.certID != h.GetNodeId() {
+		s.log.WarnContext(ctx, "hello names another node than the certificate", telemetry.KeyNodeID, h.GetNodeId(), "cert_node_id", st.certID)
+		return nil, connect.NewError(connect.CodePermissionDenied, errors.New("hello.node_id does not match the client certificate"))
+	}
+	now := s.db.Now()
+	sessionID := ids.New(ids.Session, now)
+	var opened store.OpenedSession
+	var refusal error
+	err := s.db.InTx(ctx, func(tx pgx.Tx) error {
+		refusal = nil
+		cert, err := store.GetSessionCert(ctx, tx, st.serial)
+		switch {
+		case errors.Is(err, store.ErrNotFound) || (err == nil && cert.NodeID != st.certID):
+			refusal = connect.NewError(connect.CodeUnauthenticated, errors.New("the client certificate is not known"))
+			return nil
+		case err != nil:
+			return err
+		case cert.RevokedAt != nil:
+			refusal = connect.NewError(connect.CodeUnauthenticated, errors.New("the client certificate is revoked"))
+			return nil
+		case !cert.NotAfter.After(now):
+			refusal = connect.NewError(connect.CodeUnauthenticated, errors.New("the client certificate has expired"))
+			return nil
+		}
+		opened, err = store.OpenSession(ctx, tx, store.OpenSessionParams{
+			NodeID:             st.certID,
+			GatewayID:          s.cfg.GatewayID,
+			SessionID:          sessionID,
+			BootID:             h.GetBootId(),
+			AgentVersion:       h.GetAgentVersion(),
+			ObservedGeneration: h.GetObservedGeneration(),
+			Now:                now,
+		})
+		if errors.Is(err, store.ErrNotFound) {
+			refusal = connect.NewError(connect.CodeNotFound, errors.New("hello.node_id names no node"))
+			return nil
+		}
+		return err
+	})
+	if err != nil {
+		s.log.ErrorContext(ctx, "open session", telemetry.KeyNodeID, st.certID, telemetry.KeyError, err)
+		return nil, connect.NewError(connect.CodeUnavailable, errors.New("the gateway could not open the session; retry"))
+	}
+	if refusal != nil {
+		s.log.WarnContext(ctx, "session refused", telemetry.KeyNodeID, st.certID, "cert_serial", st.serial, telemetry.KeyError, refusal)
+		return nil, refusal
+	}
+
+	st.reported.Store(h.GetObservedGeneration())
+	st.inFlight = true
+	st.state.Store(stRunning)
+	var older *session
+	s.mu.Lock()
+	st.nodeID, st.sessionID, st.epoch = st.certID, sessionID, opened.Epoch
+	if cur := s.byNode[st.nodeID]; cur == nil || cur.epoch < st.epoch {
+		older = cur
+		s.byNode[st.nodeID] = st
+	} else {
+		// A newer session of this node registered first.
+		older = st
+	}
+	s.mu.Unlock()
+	if older == st {
+		s.closeSession(st)
+		return nil, errSuperseded
+	}
+	if older != nil {
+		older.abort(errSuperseded)
+	}
+	s.log.InfoContext(ctx, "session opened", telemetry.KeyNodeID, st.nodeID, telemetry.KeySessionID, sessionID,
+		"session_epoch", opened.Epoch, "boot_id", h.GetBootId(), "observed_generation", h.GetObservedGeneration(),
+		"journal_entries", len(h.GetJournal()))
+	return &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_Welcome{Welcome: &gatewayv1.Welcome{
+		SessionId:         sessionID,
+		GatewayId:         s.cfg.GatewayID,
+		HeartbeatInterval: durationpb.New(s.cfg.HeartbeatInterval),
+		SessionEpoch:      opened.Epoch,
+	}}}, nil
+}
+
+// closeSession ends st as a node's session: it waits for a delivery in
+// flight, unregisters st and clears the node's session in the database if it
+// is still st's.
+func (s *Server) closeSession(st *session) {
+	for {
+		old := st.state.Load()
+		if st.state.CompareAndSwap(old, old|stClosed) {
+			if old&(stRunning|stDirty) != 0 {
+				// A delivery is in flight; do not wait for it forever.
+				st.bound()
+			}
+			break
+		}
+	}
+	st.deliverMu.Lock()
+	st.deliverMu.Unlock() //nolint:staticcheck // waits for a delivery in flight
+	s.mu.Lock()
+	if s.byNode[st.nodeID] == st {
+		delete(s.byNode, st.nodeID)
+	}
+	s.mu.Unlock()
+
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(st.ctx), 5*time.Second)
+	defer cancel()
+	var lastSeen time.Time
+	if ns := st.lastRecv.Load(); ns > 0 {
+		lastSeen = time.Unix(0, ns).UTC().Truncate(time.Microsecond)
+	}
+	cleared, err := store.CloseSession(ctx, s.db.Pool, s.db.Now(), st.nodeID, st.sessionID, lastSeen)
+	if err != nil {
+		s.log.Warn("clear session", telemetry.KeyNodeID, st.nodeID, telemetry.KeySessionID, st.sessionID, telemetry.KeyError, err)
+	}
+	s.log.Info("session closed", telemetry.KeyNodeID, st.nodeID, telemetry.KeySessionID, st.sessionID, "cleared", cleared)
+}
+
+// wake asks for a delivery to st without blocking: it starts one delivery
+// goroutine when none runs, or makes the running one go round once more.
+func (s *Server) wake(st *session) {
+	for {
+		old := st.state.Load()
+		switch {
+		case old&stClosed != 0 || old == stDirty:
+			return
+		case old == stIdle:
+			if st.state.CompareAndSwap(stIdle, stRunning) {
+				go s.deliverLoop(st)
+				return
+			}
+		case old == stRunning:
+			if st.state.CompareAndSwap(stRunning, stDirty) {
+				return
+			}
+		}
+	}
+}
+
+// deliverLoop delivers until no wake arrived during the last delivery. The
+// caller has moved st to running.
+func (s *Server) deliverLoop(st *session) {
+	st.deliverMu.Lock()
+	defer st.deliverMu.Unlock()
+	for {
+		if st.state.Load()&stClosed != 0 {
+			return
+		}
+		s.deliver(st)
+		if st.state.CompareAndSwap(stRunning, stIdle) {
+			return
+		}
+		// Dirty: another wake came in; run again. Closed: stop.
+		if !st.state.CompareAndSwap(stDirty, stRunning) {
+			return
+		}
+	}
+}
+
+// deliver sends st the work it does not have: the commands it claims and the
+// DesiredState when the spec is newer than what the daemon has or was sent.
+// Failures are logged; the periodic re-read retries.
+func (s *Server) deliver(st *session) {
+	ctx := st.ctx
+	known := st.known()
+	d, err := store.ClaimSessionDelivery(ctx, s.db.Pool, s.db.Now(), st.nodeID, st.sessionID, known, st.inFlight)
+	if err != nil {
+		if ctx.Err() == nil {
+			s.log.Warn("read pending work", telemetry.KeyNodeID, st.nodeID, telemetry.KeyError, err)
+		}
+		return
+	}
+	if !d.Current {
+		st.abort(errSuperseded)
+		return
+	}
+	st.inFlight = false
+	for _, c := range d.Commands {
+		msg := &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_Command{Command: &gatewayv1.Command{
+			CommandId: c.ID,
+			Kind:      c.Kind,
+			ArgsJson:  c.Args,
+			Deadline:  timestamppb.New(c.Deadline),
+			RetrySafe: c.RetrySafe,
+		}}}
+		if err := st.stream.Send(msg); err != nil {
+			s.log.Debug("send command", telemetry.KeyNodeID, st.nodeID, telemetry.KeyCommandID, c.ID, telemetry.KeyError, err)
+			return
+		}
+		s.log.Info("command delivered", telemetry.KeyNodeID, st.nodeID, telemetry.KeyCommandID, c.ID, "kind", c.Kind)
+	}
+	if d.Spec != nil && d.SpecGeneration > known {
+		spec := &gatewayv1.NodeSpec{}
+		if err := (protojson.UnmarshalOptions{DiscardUnknown: true}).Unmarshal(d.Spec, spec); err != nil {
+			s.log.Error("node spec is not a NodeSpec", telemetry.KeyNodeID, st.nodeID, "spec_generation", d.SpecGeneration, telemetry.KeyError, err)
+			return
+		}
+		msg := &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_DesiredState{DesiredState: &gatewayv1.DesiredState{
+			Generation: d.SpecGeneration,
+			Spec:       spec,
+		}}}
+		if err := st.stream.Send(msg); err != nil {
+			s.log.Debug("send desired state", telemetry.KeyNodeID, st.nodeID, telemetry.KeyError, err)
+			return
+		}
+		raise(&st.sent, d.SpecGeneration)
+		s.log.Info("desired state sent", telemetry.KeyNodeID, st.nodeID, "spec_generation", d.SpecGeneration)
+	}
+}
+
+// commandStates maps the states a daemon reports to commands.state.
+var commandStates = map[gatewayv1.CommandState]string{
+	gatewayv1.CommandState_COMMAND_STATE_DELIVERED: "delivered",
+	gatewayv1.CommandState_COMMAND_STATE_RUNNING:   "running",
+	gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED: "succeeded",
+	gatewayv1.CommandState_COMMAND_STATE_FAILED:    "failed",
+}
+
+// errRecord ends a session whose update could not be stored: the daemon
+// reconnects, the gateway redelivers the open commands and the daemon
+// answers from its journal, so nothing is lost.
+var errRecord = connect.NewError(connect.CodeUnavailable, errors.New("the gateway could not record the message; reconnect"))
+
+// handle processes one daemon message after Hello. A returned error ends the
+// session.
+func (s *Server) handle(ctx context.Context, st *session, req *gatewayv1.SessionRequest) error {
+	switch m := req.GetMsg().(type) {
+	case *gatewayv1.SessionRequest_Heartbeat:
+		raise(&st.reported, m.Heartbeat.GetObservedGeneration())
+		return nil
+	case *gatewayv1.SessionRequest_CommandUpdate:
+		return s.commandUpdate(ctx, st, m.CommandUpdate)
+	case *gatewayv1.SessionRequest_Report:
+		return s.report(ctx, st, m.Report)
+	case *gatewayv1.SessionRequest_Hello:
+		return connect.NewError(connect.CodeInvalidArgument, errors.New("hello may only be the first message of a session"))
+	default:
+		return connect.NewError(connect.CodeInvalidArgument, errors.New("session message is empty"))
+	}
+}
+
+// commandUpdate stores a command's new state, forward only; the terminal
+// update of an acceptance check wakes the controllers in the same
+// transaction.
+func (s *Server) commandUpdate(ctx context.Context, st *session, u *gatewayv1.CommandUpdate) error {
+	if u.GetCommandId() == "" {
+		return connect.NewError(connect.CodeInvalidArgument, errors.New("command_update.command_id is required"))
+	}
+	state, ok := commandStates[u.GetState()]
+	if !ok {
+		return connect.NewError(connect.CodeInvalidArgument, errors.New("command_update.state must be DELIVERED, RUNNING, SUCCEEDED or FAILED"))
+	}
+	var result []byte
+	if u.GetResult() != nil {
+		var err error
+		if result, err = protojson.Marshal(u.GetResult()); err != nil {
+			return connect.NewError(connect.CodeInvalidArgument, errors.New("command_update.result cannot be encoded"))
+		}
+	}
+	var out store.SessionCommandUpdated
+	err := s.db.InTx(ctx, func(tx pgx.Tx) error {
+		now := s.db.Now()
+		var err error
+		out, err = store.ApplySessionCommandUpdate(ctx, tx, store.SessionCommandUpdate{
+			NodeID: st.nodeID, CommandID: u.GetCommandId(), State: state,
+			Result: result, Error: u.GetError(), Now: now,
+		})
+		if err != nil || !out.Applied || !out.Terminal || !out.Acceptance {
+			return err
+		}
+		payload, err := json.Marshal(store.Poke{NodeIDs: []string{st.nodeID}})
+		if err != nil {
+			return err
+		}
+		return store.Enqueue(ctx, tx, now, store.SubjectPokeControllers, payload)
+	})
+	if err != nil {
+		if ctx.Err() == nil {
+			s.log.Error("record command update", telemetry.KeyNodeID, st.nodeID, telemetry.KeyCommandID, u.GetCommandId(), telemetry.KeyError, err)
+		}
+		return errRecord
+	}
+	if !out.Applied {
+		s.log.Debug("command update ignored: unknown command or not forward", telemetry.KeyNodeID, st.nodeID,
+			telemetry.KeyCommandID, u.GetCommandId(), "state", state)
+		return nil
+	}
+	s.log.Info("command updated", telemetry.KeyNodeID, st.nodeID, telemetry.KeyCommandID, u.GetCommandId(), "state", state)
+	return nil
+}
+
+// report stores what a daemon reports. Only observed_generation is recorded
+// for now; the other kinds are logged.
+func (s *Server) report(ctx context.Context, st *session, r *gatewayv1.Report) error {
+	switch m := r.GetReport().(type) {
+	case *gatewayv1.Report_ObservedGeneration:
+		gen := m.ObservedGeneration
+		raise(&st.reported, gen)
+		if _, err := store.RecordSessionObservedGeneration(ctx, s.db.Pool, s.db.Now(), st.nodeID, gen); err != nil {
+			if ctx.Err() == nil {
+				s.log.Error("record observed generation", telemetry.KeyNodeID, st.nodeID, telemetry.KeyError, err)
+			}
+			return errRecord
+		}
+		s.log.Info("observed generation", telemetry.KeyNodeID, st.nodeID, "observed_generation", gen)
+	case nil:
+		return connect.NewError(connect.CodeInvalidArgument, errors.New("report is empty"))
+	default:
+		s.log.Debug("report not recorded by this gateway", telemetry.KeyNodeID, st.nodeID, "report", fmt.Sprintf("%T", m))
+	}
+	return nil
+}
