@@ -1,0 +1,218 @@
+// Package scheduler will place pending reservations onto free devices
+// (DESIGN §3: fit on one node first, best fit, skip cordoned, unreachable and
+// non-adopted nodes, bookings guarded by the exclusion constraint).
+//
+// Placement is not implemented yet: it arrives with reservations. Today the
+// scheduler connects to Postgres and NATS, serves /healthz, holds the
+// LeaseName lease (one active replica, released on shutdown) and runs the
+// loop placement will use: a pass on every poke on store.SubjectPokeScheduler
+// (pokes during a pass coalesce into one more) and every Interval. A pass
+// does nothing yet.
+//
+// To add placement, implement it in (*Server).pass as one transaction per
+// batch of pending reservations; the lease keeps replicas from contending,
+// the exclusion constraint on bookings keeps an overlap during a lease
+// takeover from double-booking.
+package scheduler
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/lease"
+	"github.com/better-compute/better-compute/pkg/service"
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/telemetry"
+)
+
+// Defaults of Config.
+const (
+	DefaultListen   = ":8083"
+	DefaultInterval = 2 * time.Second
+	DefaultLeaseTTL = lease.DefaultTTL
+)
+
+// LeaseName is the lease the active scheduler holds.
+const LeaseName = "scheduler"
+
+// Config configures the scheduler. Zero fields take the defaults above.
+type Config struct {
+	// Listen is the address of the HTTP server answering GET /healthz (env
+	// BC_LISTEN, DefaultListen); unused when Listener is set.
+	Listen string
+	// Listener, when set, is where the health server accepts connections;
+	// Run closes it.
+	Listener net.Listener
+	// NoHealthServer runs no health server (for `better-compute dev` and
+	// tests).
+	NoHealthServer bool
+	// Interval is how often a pass runs without a poke (env
+	// BC_SCHEDULE_INTERVAL, 2 s).
+	Interval time.Duration
+	// LeaseTTL is the TTL of the scheduler lease (env BC_LEASE_TTL, 15 s):
+	// a dead replica's work resumes elsewhere within about this long.
+	LeaseTTL time.Duration
+	// Holder names this replica in the leases table (env BC_LEASE_HOLDER,
+	// lease.DefaultHolder()).
+	Holder string
+}
+
+// Deps are the scheduler's dependencies.
+type Deps struct {
+	// DB is the database; required.
+	DB *store.DB
+	// NC carries the pokes that wake the scheduler; required.
+	NC *nats.Conn
+	// Logger defaults to telemetry.Discard().
+	Logger *slog.Logger
+	// Clock defaults to DB.Clock.
+	Clock clock.Clock
+}
+
+// Server is one scheduler replica.
+type Server struct {
+	cfg    Config
+	db     *store.DB
+	nc     *nats.Conn
+	log    *slog.Logger
+	clk    clock.Clock
+	lease  *lease.Lease
+	passes atomic.Int64
+}
+
+// New checks cfg and deps and returns a Server; it starts nothing.
+func New(cfg Config, deps Deps) (*Server, error) {
+	if deps.DB == nil {
+		return nil, errors.New("scheduler: Deps.DB is required")
+	}
+	if deps.NC == nil {
+		return nil, errors.New("scheduler: Deps.NC is required")
+	}
+	if deps.Logger == nil {
+		deps.Logger = telemetry.Discard()
+	}
+	if deps.Clock == nil {
+		deps.Clock = deps.DB.Clock
+	}
+	if cfg.Listen == "" {
+		cfg.Listen = DefaultListen
+	}
+	if cfg.Interval <= 0 {
+		cfg.Interval = DefaultInterval
+	}
+	if cfg.LeaseTTL <= 0 {
+		cfg.LeaseTTL = DefaultLeaseTTL
+	}
+	if cfg.Holder == "" {
+		cfg.Holder = lease.DefaultHolder()
+	}
+	s := &Server{cfg: cfg, db: deps.DB, nc: deps.NC, log: deps.Logger, clk: deps.Clock}
+	s.lease = &lease.Lease{DB: deps.DB, Name: LeaseName, Holder: cfg.Holder, TTL: cfg.LeaseTTL,
+		Clock: deps.Clock, Logger: deps.Logger}
+	return s, nil
+}
+
+// LeaseHeld reports whether this replica holds the scheduler lease.
+func (s *Server) LeaseHeld() bool { return s.lease.Held() }
+
+// Passes returns how many scheduling passes this replica has run.
+func (s *Server) Passes() int64 { return s.passes.Load() }
+
+// HealthHandler answers GET /healthz: 200 when the database answers a ping
+// and NATS is connected, 503 otherwise. A standby replica (without the
+// lease) is healthy.
+func (s *Server) HealthHandler() http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("/healthz", service.HealthHandler(
+		func(ctx context.Context) error { return s.db.Pool.Ping(ctx) },
+		func(context.Context) error {
+			if !s.nc.IsConnected() {
+				return errors.New("nats not connected")
+			}
+			return nil
+		},
+	))
+	return mux
+}
+
+// Run serves /healthz and, while this replica holds the lease, runs the
+// scheduling loop, until ctx ends; then it releases the lease and returns
+// nil. It returns an error when the health listener cannot be opened or the
+// loop fails.
+func (s *Server) Run(ctx context.Context) error {
+	var ln net.Listener
+	if !s.cfg.NoHealthServer {
+		ln = s.cfg.Listener
+		if ln == nil {
+			var err error
+			ln, err = net.Listen("tcp", s.cfg.Listen)
+			if err != nil {
+				return fmt.Errorf("scheduler: listen %s: %w", s.cfg.Listen, err)
+			}
+		}
+	}
+	s.log.Info("scheduler starting", "holder", s.cfg.Holder)
+	g, gctx := errgroup.WithContext(ctx)
+	if ln != nil {
+		g.Go(func() error {
+			if err := service.Serve(gctx, s.log, service.NewServer("", s.HealthHandler()), ln); err != nil {
+				return fmt.Errorf("scheduler: health server: %w", err)
+			}
+			return nil
+		})
+	}
+	g.Go(func() error {
+		if err := s.lease.Run(gctx, s.loop); err != nil {
+			return fmt.Errorf("scheduler: %w", err)
+		}
+		return nil
+	})
+	err := g.Wait()
+	s.log.Info("scheduler stopped")
+	return err
+}
+
+// loop runs a pass on every poke and every Interval until ctx ends.
+func (s *Server) loop(ctx context.Context) error {
+	wake := make(chan struct{}, 1)
+	sub, err := s.nc.Subscribe(store.SubjectPokeScheduler, func(*nats.Msg) {
+		select {
+		case wake <- struct{}{}:
+		default:
+		}
+	})
+	if err != nil {
+		return fmt.Errorf("subscribe %s: %w", store.SubjectPokeScheduler, err)
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	tick := s.clk.NewTicker(s.cfg.Interval)
+	defer tick.Stop()
+	for {
+		if err := s.pass(ctx); err != nil && ctx.Err() == nil {
+			s.log.Warn("scheduling pass failed", telemetry.KeyError, err)
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-wake:
+		case <-tick.C():
+		}
+	}
+}
+
+// pass is one scheduling pass. Placement is not implemented yet, so it
+// only counts.
+func (s *Server) pass(context.Context) error {
+	s.passes.Add(1)
+	return nil
+}
