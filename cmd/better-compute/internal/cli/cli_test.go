@@ -1,0 +1,441 @@
+package cli_test
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/better-compute/better-compute/cmd/better-compute/internal/cli"
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/iam"
+	"github.com/better-compute/better-compute/pkg/ids"
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
+	"github.com/better-compute/better-compute/services/api/apitest"
+)
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	storetest.Stop()
+	os.Exit(code)
+}
+
+// runner runs the CLI in-process with its own environment and clock.
+type runner struct {
+	env map[string]string
+	clk clock.Clock
+}
+
+type result struct {
+	code           int
+	stdout, stderr string
+}
+
+func (r runner) run(t *testing.T, args ...string) result {
+	t.Helper()
+	var out, errb bytes.Buffer
+	clk := r.clk
+	if clk == nil {
+		clk = clock.New()
+	}
+	code := cli.Run(t.Context(), args, cli.Env{Stdout: &out, Stderr: &errb, Getenv: func(k string) string { return r.env[k] }, Clock: clk})
+	return result{code: code, stdout: out.String(), stderr: errb.String()}
+}
+
+// fleet is an API server over a database with a tenant, a pool and nodes.
+type fleet struct {
+	db                *store.DB
+	url               string
+	tenant            string
+	root, viewer      string
+	siteID, poolID    string
+	now               time.Time
+	adopted, failed   string
+	joining           string
+	otherTenantPoolID string
+}
+
+func newFleet(t *testing.T) *fleet {
+	t.Helper()
+	db := storetest.New(t, clock.New())
+	ctx := t.Context()
+	f := &fleet{db: db, url: apitest.Start(t, db), now: db.Now().Truncate(time.Second)}
+	f.tenant = apitest.Tenant(t, db, "root")
+	f.root = apitest.Token(t, db, f.tenant, iam.RoleRootAdmin)
+	f.viewer = apitest.Token(t, db, f.tenant, iam.RoleViewer)
+	f.siteID = ids.New(ids.Site, f.now)
+	require.NoError(t, store.CreateSite(ctx, db.Pool, store.Site{ID: f.siteID, Name: "dev-1", Region: "dev-1", CreatedAt: f.now}))
+	f.poolID = ids.New(ids.Pool, f.now)
+	require.NoError(t, store.CreatePool(ctx, db.Pool, store.Pool{ID: f.poolID, SiteID: f.siteID, OwnerTenantID: f.tenant,
+		Name: "metal-host", Kind: "metal-host", GPUModel: "H100", ExpectGPUCount: 8, CreatedAt: f.now}))
+
+	node := func(gpus int, set string, args ...any) string {
+		id := ids.New(ids.Node, f.now)
+		require.NoError(t, store.CreateNode(ctx, db.Pool, store.NewNode{ID: id, PoolID: f.poolID, CreatedAt: f.now}))
+		for i := range gpus {
+			_, err := db.Pool.Exec(ctx, `INSERT INTO node_devices (node_id, device_index, uuid, model)
+				VALUES ($1, $2, $3, 'NVIDIA H100 80GB HBM3')`, id, i, fmt.Sprintf("GPU-%s-%d", id, i))
+			require.NoError(t, err)
+		}
+		if set != "" {
+			_, err := db.Pool.Exec(ctx, `UPDATE nodes SET `+set+` WHERE id = $1`, append([]any{id}, args...)...)
+			require.NoError(t, err)
+		}
+		return id
+	}
+	f.adopted = node(8, `provision_state = 'adopted', gateway_id = 'gw-a', last_seen = $2, reachable = true`, f.now.Add(-3*time.Second))
+	f.failed = node(7, `provision_state = 'acceptance_failed', provision_reason = 'expected 8 GPUs, found 7',
+		gateway_id = 'gw-b', last_seen = $2, reachable = true`, f.now.Add(-5*time.Minute))
+	f.joining = node(0, "")
+	return f
+}
+
+func (f *fleet) runner(token string) runner {
+	return runner{env: map[string]string{"BETTER_COMPUTE_URL": f.url, "BETTER_COMPUTE_TOKEN": token}, clk: clock.NewFake(f.now)}
+}
+
+func TestNodesList(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	r := f.runner(f.viewer)
+
+	res := r.run(t, "nodes", "list", "-o", "json")
+	require.Equal(t, 0, res.code, res.stderr)
+	var nodes []map[string]any
+	require.NoError(t, json.Unmarshal([]byte(res.stdout), &nodes), res.stdout)
+	require.Len(t, nodes, 3)
+	byID := map[string]map[string]any{}
+	for _, n := range nodes {
+		for _, k := range []string{"id", "pool", "state", "reason", "gpus", "model", "gateway", "lastSeen"} {
+			require.Contains(t, n, k)
+		}
+		byID[n["id"].(string)] = n
+	}
+	a := byID[f.adopted]
+	require.Equal(t, f.poolID, a["pool"])
+	require.Equal(t, "adopted", a["state"])
+	require.EqualValues(t, 8, a["gpus"])
+	require.Equal(t, "NVIDIA H100 80GB HBM3", a["model"])
+	require.Equal(t, "gw-a", a["gateway"])
+	seen, err := time.Parse(time.RFC3339, a["lastSeen"].(string))
+	require.NoError(t, err)
+	require.True(t, seen.Equal(f.now.Add(-3*time.Second)))
+	require.Equal(t, "expected 8 GPUs, found 7", byID[f.failed]["reason"])
+	require.EqualValues(t, 7, byID[f.failed]["gpus"])
+	require.Nil(t, byID[f.joining]["lastSeen"])
+	require.EqualValues(t, 0, byID[f.joining]["gpus"])
+
+	res = r.run(t, "nodes", "list")
+	require.Equal(t, 0, res.code, res.stderr)
+	lines := strings.Split(strings.TrimRight(res.stdout, "\n"), "\n")
+	require.Len(t, lines, 4, res.stdout)
+	require.Equal(t, []string{"ID", "POOL", "STATE", "GPUS", "MODEL", "GATEWAY", "LAST", "SEEN", "REASON"}, strings.Fields(lines[0]))
+	row := func(id string) string {
+		for _, l := range lines[1:] {
+			if strings.HasPrefix(l, id) {
+				return l
+			}
+		}
+		t.Fatalf("no row for %s in\n%s", id, res.stdout)
+		return ""
+	}
+	require.Equal(t, []string{f.adopted, f.poolID, "adopted", "8", "NVIDIA", "H100", "80GB", "HBM3", "gw-a", "3s", "ago"},
+		strings.Fields(row(f.adopted)))
+	require.Equal(t, []string{f.failed, f.poolID, "acceptance_failed", "7", "NVIDIA", "H100", "80GB", "HBM3", "gw-b", "5m", "ago",
+		"expected", "8", "GPUs,", "found", "7"}, strings.Fields(row(f.failed)))
+	require.Equal(t, []string{f.joining, f.poolID, "joining", "0", "-", "-", "never"}, strings.Fields(row(f.joining)))
+
+	res = r.run(t, "nodes", "list", "--pool", f.poolID, "-o", "json")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.NoError(t, json.Unmarshal([]byte(res.stdout), &nodes))
+	require.Len(t, nodes, 3)
+
+	res = r.run(t, "nodes", "list", "--pool", "pool_nope")
+	require.Equal(t, 1, res.code)
+	require.Equal(t, "error: not_found: pool pool_nope not found\n", res.stderr)
+
+	res = r.run(t, "nodes", "get", f.failed)
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, `"provisionReason": "expected 8 GPUs, found 7"`)
+}
+
+func TestErrors(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+
+	for _, tc := range []struct {
+		name   string
+		r      runner
+		args   []string
+		stderr string
+	}{
+		{"bad token", f.runner("bct_nope"), []string{"nodes", "list"}, "error: unauthenticated: api token is not valid\n"},
+		{"no token", runner{env: map[string]string{"BETTER_COMPUTE_URL": f.url}}, []string{"pools", "list"},
+			"error: no API token: set BETTER_COMPUTE_TOKEN or pass --token\n"},
+		{"viewer creates a pool", f.runner(f.viewer), []string{"pools", "create", "x", "--site", f.siteID},
+			"error: permission_denied: role viewer may not call CreatePool (needs fleet.manage)\n"},
+		{"bad output", f.runner(f.viewer), []string{"pools", "list", "-o", "yaml"},
+			"error: -o: unknown output format \"yaml\" (want table or json)\n"},
+		{"missing flag", f.runner(f.root), []string{"join-tokens", "create"},
+			"error: required flag(s) \"pool\" not set\n"},
+		{"bad ttl", f.runner(f.root), []string{"join-tokens", "create", "--pool", f.poolID, "--ttl", "soon"},
+			"error: invalid argument \"soon\" for \"--ttl\" flag: time: invalid duration \"soon\" (see 'better-compute join-tokens create --help')\n"},
+		{"too many uses", f.runner(f.root), []string{"join-tokens", "create", "--pool", f.poolID, "--max-uses", "0"},
+			"error: invalid_argument: validation error: max_uses: must be greater than or equal to 1 and less than or equal to 100000\n"},
+		{"bad site name", f.runner(f.root), []string{"sites", "create", "Bad Name"}, "error: invalid_argument: validation error: name: does not match regex pattern"},
+		{"duplicate site", f.runner(f.root), []string{"sites", "create", "dev-1"},
+			"error: already_exists: name: a site with this name already exists\n"},
+		{"unknown command", f.runner(f.root), []string{"frobnicate"}, "error: unknown command \"frobnicate\" for \"better-compute\"\n"},
+		{"no database", runner{}, []string{"migrate", "up"}, "error: no database: set BETTER_COMPUTE_DATABASE_URL or pass --database-url\n"},
+		{"server down", runner{env: map[string]string{"BETTER_COMPUTE_TOKEN": "bct_x"}},
+			[]string{"--url", "http://127.0.0.1:1", "sites", "list"}, "error: unavailable: "},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			res := tc.r.run(t, tc.args...)
+			require.Equal(t, 1, res.code)
+			require.True(t, strings.HasPrefix(res.stderr, tc.stderr), "stderr %q should start with %q", res.stderr, tc.stderr)
+			require.Empty(t, res.stdout)
+		})
+	}
+}
+
+func TestPoolsSitesAndJoinTokens(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	r := f.runner(f.root)
+
+	res := r.run(t, "sites", "list")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, f.siteID)
+	require.Contains(t, res.stdout, "dev-1")
+
+	res = r.run(t, "sites", "create", "eu-1", "--region", "eu")
+	require.Equal(t, 0, res.code, res.stderr)
+	newSite := strings.TrimSpace(res.stdout)
+	require.NoError(t, ids.Check(ids.Site, newSite))
+	res = r.run(t, "pools", "create", "l40s", "--site", newSite, "--gpu-model", "L40S", "--expect-gpus", "4")
+	require.Equal(t, 0, res.code, res.stderr)
+
+	res = r.run(t, "pools", "list", "-o", "json")
+	require.Equal(t, 0, res.code, res.stderr)
+	var pools []map[string]any
+	require.NoError(t, json.Unmarshal([]byte(res.stdout), &pools))
+	require.Len(t, pools, 2)
+	require.Equal(t, map[string]any{"adopted": 1.0, "acceptance_failed": 1.0, "joining": 1.0}, pools[0]["nodes"])
+	res = r.run(t, "pools", "list")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, "acceptance_failed=1 adopted=1 joining=1")
+	require.Contains(t, res.stdout, "L40S")
+
+	// --url overrides BETTER_COMPUTE_URL, --token overrides BETTER_COMPUTE_TOKEN.
+	bad := runner{env: map[string]string{"BETTER_COMPUTE_URL": "http://127.0.0.1:1", "BETTER_COMPUTE_TOKEN": "bct_bad"}, clk: r.clk}
+	res = bad.run(t, "--url", f.url+"/api/compute/", "--token", f.root, "join-tokens", "create", "--pool", f.poolID,
+		"--max-uses", "5", "--ttl", "1h")
+	require.Equal(t, 0, res.code, res.stderr)
+	secret := strings.TrimSpace(res.stdout)
+	require.True(t, strings.HasPrefix(secret, "bcjt_"), secret)
+	require.Contains(t, res.stderr, "5 use(s)")
+	require.Contains(t, res.stderr, "shown only once")
+	jt, err := store.GetJoinTokenByHash(t.Context(), f.db.Pool, iam.HashSecret(secret))
+	require.NoError(t, err)
+	require.EqualValues(t, 5, jt.MaxUses)
+
+	res = r.run(t, "join-tokens", "list")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, jt.ID)
+	require.Contains(t, res.stdout, "0/5")
+	require.NotContains(t, res.stdout, secret)
+	res = r.run(t, "join-tokens", "revoke", jt.ID)
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, "revoked "+jt.ID)
+	res = r.run(t, "join-tokens", "list", "-o", "json")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, `"revokedAt": "`)
+}
+
+func TestTenantHeader(t *testing.T) {
+	t.Parallel()
+	got := make(chan http.Header, 1)
+	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got <- r.Header.Clone()
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusNotFound)
+		_, _ = w.Write([]byte(`{"code":"not_found","message":"nothing here"}`))
+	}))
+	t.Cleanup(ts.Close)
+	r := runner{env: map[string]string{"BETTER_COMPUTE_URL": ts.URL, "BETTER_COMPUTE_TOKEN": "bct_t", "BETTER_COMPUTE_TENANT": "ten_x"}}
+	res := r.run(t, "sites", "list")
+	require.Equal(t, 1, res.code)
+	h := <-got
+	require.Equal(t, "Bearer bct_t", h.Get("Authorization"))
+	require.Equal(t, "ten_x", h.Get("X-BC-Tenant"))
+}
+
+func TestBootstrapIsIdempotent(t *testing.T) {
+	t.Parallel()
+	url := storetest.NewURL(t)
+	dir := t.TempDir()
+	tokenFile := filepath.Join(dir, "shared", "join-token")
+	envFile := filepath.Join(dir, "shared", "root.env")
+	r := runner{env: map[string]string{"BETTER_COMPUTE_DATABASE_URL": url}}
+	args := []string{"bootstrap", "--join-token-file", tokenFile, "--env-file", envFile}
+
+	first := r.run(t, args...)
+	require.Equal(t, 0, first.code, first.stderr)
+	require.Contains(t, first.stderr, "root token new")
+	require.Contains(t, first.stderr, "wrote "+tokenFile)
+	lines := strings.Split(strings.TrimSpace(first.stdout), "\n")
+	require.Len(t, lines, 3)
+	exports := map[string]string{}
+	for _, l := range lines {
+		k, v, ok := strings.Cut(strings.TrimPrefix(l, "export "), "=")
+		require.True(t, ok, l)
+		exports[k] = v
+	}
+	require.NoError(t, ids.Check(ids.Tenant, exports["BETTER_COMPUTE_TENANT"]))
+	require.NoError(t, ids.Check(ids.Pool, exports["BETTER_COMPUTE_POOL"]))
+	require.True(t, strings.HasPrefix(exports["BETTER_COMPUTE_TOKEN"], "bct_"))
+	joinToken, err := os.ReadFile(tokenFile)
+	require.NoError(t, err)
+	require.True(t, strings.HasPrefix(string(joinToken), "bcjt_"))
+	envContent, err := os.ReadFile(envFile)
+	require.NoError(t, err)
+	require.Equal(t, first.stdout, string(envContent))
+	stTok, err := os.Stat(tokenFile)
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o644), stTok.Mode().Perm())
+	stEnv, err := os.Stat(envFile)
+	require.NoError(t, err)
+
+	second := r.run(t, args...)
+	require.Equal(t, 0, second.code, second.stderr)
+	require.Equal(t, first.stdout, second.stdout, "same tenant, token and pool")
+	require.Contains(t, second.stderr, "root token reused")
+	require.Contains(t, second.stderr, "reused (0 of 1000 uses)")
+	require.NotContains(t, second.stderr, "wrote ")
+	for path, before := range map[string]os.FileInfo{tokenFile: stTok, envFile: stEnv} {
+		after, err := os.Stat(path)
+		require.NoError(t, err)
+		require.True(t, os.SameFile(before, after), "%s was replaced", path)
+		require.Equal(t, before.ModTime(), after.ModTime(), "%s was rewritten", path)
+	}
+	again, err := os.ReadFile(tokenFile)
+	require.NoError(t, err)
+	require.Equal(t, joinToken, again)
+
+	db, err := store.Open(t.Context(), url, clock.New(), 10*time.Second, store.Options{})
+	require.NoError(t, err)
+	t.Cleanup(db.Close)
+	for table, want := range map[string]int{"tenants": 1, "api_tokens": 1, "sites": 1, "pools": 1, "join_tokens": 1} {
+		var n int
+		require.NoError(t, db.Pool.QueryRow(t.Context(), `SELECT count(*) FROM `+table).Scan(&n))
+		require.Equal(t, want, n, table)
+	}
+	pool, err := store.GetPool(t.Context(), db.Pool, exports["BETTER_COMPUTE_POOL"])
+	require.NoError(t, err)
+	require.Equal(t, "metal-host", pool.Name)
+	require.Equal(t, "H100", pool.GPUModel)
+	require.EqualValues(t, 8, pool.ExpectGPUCount)
+	jt, err := store.GetJoinTokenByHash(t.Context(), db.Pool, iam.HashSecret(strings.TrimSpace(string(joinToken))))
+	require.NoError(t, err)
+	require.EqualValues(t, 1000, jt.MaxUses)
+
+	// The root token works against the API.
+	api := runner{env: map[string]string{"BETTER_COMPUTE_URL": apitest.Start(t, db), "BETTER_COMPUTE_TOKEN": exports["BETTER_COMPUTE_TOKEN"]}}
+	res := api.run(t, "pools", "list")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, exports["BETTER_COMPUTE_POOL"])
+
+	// A revoked join token is replaced; the rest is kept.
+	_, err = store.RevokeJoinToken(t.Context(), db.Pool, jt.ID, db.Now())
+	require.NoError(t, err)
+	third := r.run(t, args...)
+	require.Equal(t, 0, third.code, third.stderr)
+	require.Equal(t, first.stdout, third.stdout)
+	require.Contains(t, third.stderr, "wrote "+tokenFile)
+	require.NotContains(t, third.stderr, "wrote "+envFile)
+	replaced, err := os.ReadFile(tokenFile)
+	require.NoError(t, err)
+	require.NotEqual(t, joinToken, replaced)
+}
+
+func TestPKIInit(t *testing.T) {
+	t.Parallel()
+	dir := filepath.Join(t.TempDir(), "pki")
+	r := runner{}
+	res := r.run(t, "pki", "init", "--dir", dir, "--trust-domain", "fleet.example", "--gateway-name", "gw.example",
+		"--gateway-name", "10.0.0.1")
+	require.Equal(t, 0, res.code, res.stderr)
+	for _, name := range []string{"node-ca.crt", "node-ca.key", "serving-ca.crt", "serving-ca.key", "gateway.crt", "gateway.key", "trust-domain"} {
+		require.Contains(t, res.stdout, "wrote "+filepath.Join(dir, name))
+		require.FileExists(t, filepath.Join(dir, name))
+	}
+	require.Contains(t, res.stdout, "node-ca.key (private key, mode 0600)")
+	require.Contains(t, res.stdout, "trust domain fleet.example")
+	require.NotContains(t, res.stdout+res.stderr, "PRIVATE KEY")
+	require.NotContains(t, res.stdout+res.stderr, "BEGIN")
+	st, err := os.Stat(filepath.Join(dir, "node-ca.key"))
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o600), st.Mode().Perm())
+
+	res = r.run(t, "pki", "init", "--dir", dir)
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Equal(t, "PKI in "+dir+" is complete; nothing written (trust domain fleet.example)\n", res.stdout)
+}
+
+func TestMigrate(t *testing.T) {
+	t.Parallel()
+	url := storetest.NewURL(t)
+	r := runner{env: map[string]string{"BETTER_COMPUTE_DATABASE_URL": url}}
+	res := r.run(t, "migrate", "version")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, "current: schema version 1 on ")
+	require.NotContains(t, res.stdout, ":bc@", "the password is redacted")
+
+	res = r.run(t, "migrate", "down", "--steps", "0")
+	require.Equal(t, 1, res.code)
+	require.Contains(t, res.stderr, "--steps must be at least 1")
+	res = r.run(t, "migrate", "down", "--all")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, "migrated down: schema version 0")
+	res = r.run(t, "migrate", "up", "--database-url", url)
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, "migrated up: schema version 1")
+	res = r.run(t, "migrate", "down")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, "migrated down: schema version 0")
+	res = r.run(t, "migrate", "up")
+	require.Equal(t, 0, res.code, res.stderr)
+}
+
+func TestMiscCommands(t *testing.T) {
+	t.Parallel()
+	db := storetest.New(t, clock.New())
+	url := apitest.Start(t, db)
+	r := runner{env: map[string]string{"BETTER_COMPUTE_URL": url}}
+
+	res := r.run(t, "healthcheck")
+	require.Equal(t, 0, res.code, res.stderr)
+	res = r.run(t, "healthcheck", url+"/nope")
+	require.Equal(t, 1, res.code)
+	require.Empty(t, res.stderr, "service.Healthcheck says why on the process's stderr")
+
+	res = r.run(t, "version")
+	require.Equal(t, 0, res.code)
+	require.True(t, strings.HasPrefix(res.stdout, "better-compute "), res.stdout)
+
+	for _, shell := range []string{"bash", "zsh", "fish"} {
+		res = r.run(t, "completion", shell)
+		require.Equal(t, 0, res.code, res.stderr)
+		require.Contains(t, res.stdout, "better-compute", shell)
+	}
+}

@@ -1,0 +1,25 @@
+package cli
+
+import (
+	"github.com/spf13/cobra"
+
+	"github.com/better-compute/better-compute/pkg/service"
+)
+
+func (a *app) healthcheckCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "healthcheck [URL]",
+		Short: "GET a /healthz URL and exit 0 when it answers 200 (for container health checks)",
+		Args:  cobra.MaximumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			url := a.baseURL() + "/healthz"
+			if len(args) == 1 {
+				url = args[0]
+			}
+			if code := service.Healthcheck(url); code != 0 {
+				return exitError{code: code}
+			}
+			return nil
+		},
+	}
+}

@@ -1,0 +1,102 @@
+package cli
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/spf13/cobra"
+
+	"github.com/better-compute/better-compute/pkg/store"
+)
+
+// databaseURL returns --database-url or BETTER_COMPUTE_DATABASE_URL.
+func (a *app) databaseURL(flag string) (string, error) {
+	if flag != "" {
+		return flag, nil
+	}
+	if v := a.env.Getenv("BETTER_COMPUTE_DATABASE_URL"); v != "" {
+		return v, nil
+	}
+	return "", errors.New("no database: set BETTER_COMPUTE_DATABASE_URL or pass --database-url")
+}
+
+func (a *app) migrateCmd() *cobra.Command {
+	var dbURL string
+	c := &cobra.Command{Use: "migrate", Short: "Apply or revert the database schema's migrations"}
+	c.PersistentFlags().StringVar(&dbURL, "database-url", "", "postgres:// URL (env BETTER_COMPUTE_DATABASE_URL)")
+
+	report := func(u, verb string) error {
+		v, dirty, err := store.MigrationVersion(u)
+		if err != nil {
+			return err
+		}
+		state := ""
+		if dirty {
+			state = " (dirty: a migration failed half-way; fix it by hand)"
+		}
+		fmt.Fprintf(a.env.Stdout, "%s: schema version %d%s on %s\n", verb, v, state, store.Redact(u))
+		return nil
+	}
+
+	up := &cobra.Command{
+		Use:   "up",
+		Short: "Apply every pending migration",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			u, err := a.databaseURL(dbURL)
+			if err != nil {
+				return err
+			}
+			if err := store.MigrateUp(u); err != nil {
+				return err
+			}
+			return report(u, "migrated up")
+		},
+	}
+
+	var (
+		steps int
+		all   bool
+	)
+	down := &cobra.Command{
+		Use:   "down [--steps N | --all]",
+		Short: "Revert the last N migrations (1 by default); --all drops the whole schema",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if steps < 1 && !all {
+				return errors.New("--steps must be at least 1 (or pass --all)")
+			}
+			if all && cmd.Flags().Changed("steps") {
+				return errors.New("pass --steps or --all, not both")
+			}
+			u, err := a.databaseURL(dbURL)
+			if err != nil {
+				return err
+			}
+			if all {
+				steps = 0
+			}
+			if err := store.MigrateDown(u, steps); err != nil {
+				return err
+			}
+			return report(u, "migrated down")
+		},
+	}
+	down.Flags().IntVar(&steps, "steps", 1, "how many migrations to revert")
+	down.Flags().BoolVar(&all, "all", false, "revert every migration (drops all data)")
+
+	version := &cobra.Command{
+		Use:   "version",
+		Short: "Print the applied schema version",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			u, err := a.databaseURL(dbURL)
+			if err != nil {
+				return err
+			}
+			return report(u, "current")
+		},
+	}
+	c.AddCommand(up, down, version)
+	return c
+}

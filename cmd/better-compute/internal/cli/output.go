@@ -1,0 +1,95 @@
+package cli
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+)
+
+// Output formats of -o.
+const (
+	formatTable = "table"
+	formatJSON  = "json"
+)
+
+// addOutputFlag adds -o/--output to c and returns where its value lands.
+func addOutputFlag(c *cobra.Command) *string {
+	var f string
+	c.Flags().StringVarP(&f, "output", "o", formatTable, "output format: table or json")
+	return &f
+}
+
+func checkFormat(f string) error {
+	if f != formatTable && f != formatJSON {
+		return fmt.Errorf("-o: unknown output format %q (want table or json)", f)
+	}
+	return nil
+}
+
+// writeJSON writes v as indented JSON.
+func writeJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
+// table writes rows under a header, columns aligned with spaces.
+func table(w io.Writer, header []string, rows [][]string) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 3, ' ', 0)
+	fmt.Fprintln(tw, strings.Join(header, "\t"))
+	for _, r := range rows {
+		fmt.Fprintln(tw, strings.Join(r, "\t"))
+	}
+	return tw.Flush()
+}
+
+// ago renders how long before now t was: "3s ago", "5m ago", "2h ago",
+// "4d ago"; "never" for nil.
+func ago(now time.Time, t *time.Time) string {
+	if t == nil {
+		return "never"
+	}
+	d := max(now.Sub(*t), 0)
+	switch {
+	case d < time.Minute:
+		return fmt.Sprintf("%ds ago", int(d/time.Second))
+	case d < time.Hour:
+		return fmt.Sprintf("%dm ago", int(d/time.Minute))
+	case d < 48*time.Hour:
+		return fmt.Sprintf("%dh ago", int(d/time.Hour))
+	default:
+		return fmt.Sprintf("%dd ago", int(d/(24*time.Hour)))
+	}
+}
+
+// orDash returns s, or "-" when it is empty.
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+// writeProto writes m as indented protojson.
+func writeProto(w io.Writer, m proto.Message) error {
+	b, err := protojson.Marshal(m)
+	if err != nil {
+		return err
+	}
+	// Re-indent: protojson's own spacing is deliberately unstable.
+	var buf bytes.Buffer
+	if err := json.Indent(&buf, b, "", "  "); err != nil {
+		return err
+	}
+	buf.WriteByte('\n')
+	_, err = w.Write(buf.Bytes())
+	return err
+}

@@ -1,0 +1,96 @@
+package cli
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"github.com/spf13/cobra"
+
+	"github.com/better-compute/better-compute/pkg/pki"
+)
+
+func (a *app) pkiCmd() *cobra.Command {
+	c := &cobra.Command{Use: "pki", Short: "Manage a deployment's certificate authorities"}
+	c.AddCommand(a.pkiInitCmd())
+	return c
+}
+
+// pkiFiles are the files pki.Init may write, private keys marked.
+var pkiFiles = []struct {
+	name string
+	key  bool
+}{
+	{pki.TrustDomainTxt, false},
+	{pki.NodeCACert, false}, {pki.NodeCAKey, true},
+	{pki.ServingCACert, false}, {pki.ServingCAKey, true},
+	{pki.GatewayCert, false}, {pki.GatewayKey, true},
+}
+
+func (a *app) pkiInitCmd() *cobra.Command {
+	var (
+		dir         string
+		trustDomain string
+		names       []string
+	)
+	c := &cobra.Command{
+		Use:   "init --dir DIR",
+		Short: "Create the node CA, the serving CA and a gateway certificate where missing",
+		Long: "pki init writes a deployment's PKI into DIR: node-ca.crt/key (signs node certificates), serving-ca.crt/key\n" +
+			"(signs gateway certificates, pinned by daemons), gateway.crt/key and trust-domain. Existing files are kept.\n" +
+			"It prints the files it wrote, never key material; keys are written owner-only (0600).",
+		Args: cobra.NoArgs,
+	}
+	c.Flags().StringVar(&dir, "dir", "", "PKI directory (env BC_PKI_DIR, default /var/lib/better-compute/pki)")
+	c.Flags().StringVar(&trustDomain, "trust-domain", "", "SPIFFE trust domain of node certificates (default "+pki.DefaultTrustDomain+")")
+	c.Flags().StringSliceVar(&names, "gateway-name", nil, "DNS name or IP of the gateway certificate (repeatable; default gateway, localhost, 127.0.0.1)")
+	c.RunE = func(cmd *cobra.Command, _ []string) error {
+		if dir == "" {
+			dir = a.env.Getenv("BC_PKI_DIR")
+		}
+		if dir == "" {
+			dir = "/var/lib/better-compute/pki"
+		}
+		before := map[string]os.FileInfo{}
+		for _, f := range pkiFiles {
+			if st, err := os.Stat(filepath.Join(dir, f.name)); err == nil {
+				before[f.name] = st
+			}
+		}
+		wrote, err := pki.Init(dir, pki.InitOptions{TrustDomain: trustDomain, GatewayNames: names}, a.env.Clock.Now())
+		if err != nil {
+			return fmt.Errorf("pki init %s: %w", dir, err)
+		}
+		td, err := pki.ReadTrustDomain(dir)
+		if err != nil {
+			return err
+		}
+		if !wrote {
+			fmt.Fprintf(a.env.Stdout, "PKI in %s is complete; nothing written (trust domain %s)\n", dir, td)
+			return nil
+		}
+		for _, f := range pkiFiles {
+			st, err := os.Stat(filepath.Join(dir, f.name))
+			if err != nil {
+				continue
+			}
+			// Init writes new files and replaces the gateway certificate
+			// when it makes a new serving CA.
+			if old, ok := before[f.name]; ok && os.SameFile(old, st) && old.ModTime().Equal(st.ModTime()) {
+				continue
+			}
+			note := ""
+			if f.key {
+				note = " (private key, mode 0600)"
+			}
+			fmt.Fprintf(a.env.Stdout, "wrote %s%s\n", filepath.Join(dir, f.name), note)
+		}
+		fmt.Fprintf(a.env.Stdout, "trust domain %s\n", td)
+		if trustDomain != "" && trustDomain != td {
+			fmt.Fprintf(a.env.Stderr, "warning: %s already names trust domain %s; --trust-domain %s was ignored\n",
+				filepath.Join(dir, pki.TrustDomainTxt), td, trustDomain)
+		}
+		return nil
+	}
+	return c
+}

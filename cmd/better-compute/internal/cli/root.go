@@ -1,0 +1,110 @@
+// Package cli is the better-compute command line. Each command lives in a
+// file of its own (nodes.go, pools.go, …) as a method of app that returns a
+// *cobra.Command; NewRoot registers them. To add a command (dev, sim, …),
+// write its file and add it to the list in NewRoot.
+//
+// Global configuration comes from the environment and flags: BETTER_COMPUTE_URL
+// (--url, default http://127.0.0.1:8080), BETTER_COMPUTE_TOKEN (--token) and
+// BETTER_COMPUTE_TENANT (sent as the X-BC-Tenant header). Errors are printed
+// as "error: <code>: <message>" for API errors and "error: <message>"
+// otherwise, and make the process exit 1.
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+
+	"connectrpc.com/connect"
+	"github.com/spf13/cobra"
+
+	"github.com/better-compute/better-compute/pkg/clock"
+)
+
+// Env is the world a CLI run sees, so that tests can run it in-process.
+type Env struct {
+	Stdout io.Writer
+	Stderr io.Writer
+	// Getenv reads an environment variable ("" when unset).
+	Getenv func(string) string
+	// Clock tells the time for relative times ("3s ago").
+	Clock clock.Clock
+}
+
+// OSEnv is the process's own environment.
+func OSEnv() Env {
+	return Env{Stdout: os.Stdout, Stderr: os.Stderr, Getenv: os.Getenv, Clock: clock.New()}
+}
+
+// app holds the global flags and the environment of one run.
+type app struct {
+	env   Env
+	url   string
+	token string
+}
+
+// NewRoot returns the root command with every subcommand.
+func NewRoot(env Env) *cobra.Command {
+	a := &app{env: env}
+	root := &cobra.Command{
+		Use:           "better-compute",
+		Short:         "Operate a better-compute GPU fleet",
+		Long:          "better-compute talks to a better-compute control plane (nodes, pools, sites, join tokens)\nand administers a deployment (migrate, pki, bootstrap).",
+		SilenceErrors: true,
+		SilenceUsage:  true,
+	}
+	root.SetOut(env.Stdout)
+	root.SetErr(env.Stderr)
+	root.PersistentFlags().StringVar(&a.url, "url", "", "API base URL (env BETTER_COMPUTE_URL, default "+defaultURL+")")
+	root.PersistentFlags().StringVar(&a.token, "token", "", "API token (env BETTER_COMPUTE_TOKEN)")
+	root.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
+		return fmt.Errorf("%w (see '%s --help')", err, c.CommandPath())
+	})
+	root.AddCommand(
+		a.nodesCmd(),
+		a.poolsCmd(),
+		a.sitesCmd(),
+		a.joinTokensCmd(),
+		a.migrateCmd(),
+		a.pkiCmd(),
+		a.bootstrapCmd(),
+		a.healthcheckCmd(),
+		a.versionCmd(),
+	)
+	return root
+}
+
+// exitError ends a run with a status code and no message of its own (the
+// command printed what it had to say).
+type exitError struct{ code int }
+
+func (e exitError) Error() string { return fmt.Sprintf("exit status %d", e.code) }
+
+// Run runs the CLI with args (without the program name) and returns the
+// process exit code.
+func Run(ctx context.Context, args []string, env Env) int {
+	root := NewRoot(env)
+	root.SetArgs(args)
+	err := root.ExecuteContext(ctx)
+	if err == nil {
+		return 0
+	}
+	var ee exitError
+	if errors.As(err, &ee) {
+		return ee.code
+	}
+	fmt.Fprintln(env.Stderr, FormatError(err))
+	return 1
+}
+
+// FormatError renders err for the terminal: "error: <code>: <message>" for
+// API (Connect) errors, "error: <message>" otherwise.
+func FormatError(err error) string {
+	var cerr *connect.Error
+	if errors.As(err, &cerr) {
+		return fmt.Sprintf("error: %s: %s", cerr.Code(), cerr.Message())
+	}
+	return "error: " + err.Error()
+}
