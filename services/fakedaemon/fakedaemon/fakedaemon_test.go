@@ -1,0 +1,638 @@
+package fakedaemon_test
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	"github.com/better-compute/better-compute/api/gen/bc/gateway/v1/gatewayv1connect"
+	joinv1 "github.com/better-compute/better-compute/api/gen/bc/join/v1"
+	"github.com/better-compute/better-compute/api/gen/bc/join/v1/joinv1connect"
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/daemon"
+	"github.com/better-compute/better-compute/pkg/ids"
+	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/service"
+	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
+
+const (
+	goodToken   = "bcjt_good_token_1234"
+	trustDomain = "compute.test.local"
+	waitFor     = 10 * time.Second
+	tick        = 5 * time.Millisecond
+)
+
+// controlPlane is a fake JoinService (plain HTTP) and a fake gateway
+// (HTTP/2 over mutual TLS) made from throwaway CAs.
+type controlPlane struct {
+	t         *testing.T
+	nodeCA    *pki.CA
+	servingCA *pki.CA
+	join      *fakeJoin
+	gw        *fakeGateway
+	joinURL   string
+	gwURL     string
+}
+
+func newControlPlane(t *testing.T, maxUses int) *controlPlane {
+	t.Helper()
+	now := clock.New().Now()
+	nodeCA, err := pki.NewCA("test node CA", now, time.Hour)
+	require.NoError(t, err)
+	servingCA, err := pki.NewCA("test serving CA", now, time.Hour)
+	require.NoError(t, err)
+	gwCert, gwKey, err := servingCA.IssueServing([]string{"localhost", "127.0.0.1"}, now, time.Hour)
+	require.NoError(t, err)
+
+	gw := &fakeGateway{heartbeat: 50 * time.Millisecond, sessions: map[string]*gwSession{}, msgs: map[string][]*gatewayv1.SessionRequest{}, hellos: map[string][]*gatewayv1.Hello{}}
+	mux := http.NewServeMux()
+	path, h := gatewayv1connect.NewGatewayServiceHandler(gw)
+	mux.Handle(path, peerMiddleware(h))
+	gsrv := httptest.NewUnstartedServer(mux)
+	gsrv.EnableHTTP2 = true
+	gsrv.TLS = &tls.Config{
+		Certificates: []tls.Certificate{{Certificate: [][]byte{gwCert.Raw}, PrivateKey: gwKey, Leaf: gwCert}},
+		ClientAuth:   tls.RequireAndVerifyClientCert,
+		ClientCAs:    nodeCA.Pool(),
+		MinVersion:   tls.VersionTLS12,
+	}
+	gsrv.StartTLS()
+	t.Cleanup(gsrv.Close)
+
+	j := &fakeJoin{nodeCA: nodeCA, servingCA: servingCA, gatewayURL: gsrv.URL, serverName: "localhost", maxUses: maxUses}
+	jmux := http.NewServeMux()
+	jmux.Handle(joinv1connect.NewJoinServiceHandler(j))
+	jsrv := httptest.NewServer(jmux)
+	t.Cleanup(jsrv.Close)
+	return &controlPlane{t: t, nodeCA: nodeCA, servingCA: servingCA, join: j, gw: gw, joinURL: jsrv.URL, gwURL: gsrv.URL}
+}
+
+// config returns a Runner configuration with fast timings.
+func (cp *controlPlane) config(dir string, nodes int) fakedaemon.Config {
+	return fakedaemon.Config{
+		JoinURL: cp.joinURL,
+		Token:   goodToken,
+		DataDir: dir,
+		Nodes:   nodes,
+		Agent: daemon.Config{
+			BackoffMin:     5 * time.Millisecond,
+			BackoffMax:     100 * time.Millisecond,
+			RebootDowntime: 50 * time.Millisecond,
+		},
+		JoinBackoffMin: 5 * time.Millisecond,
+		JoinBackoffMax: 20 * time.Millisecond,
+	}
+}
+
+type peerKey struct{}
+
+func testLogger(t *testing.T) *slog.Logger {
+	return slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+func peerMiddleware(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.TLS == nil || len(r.TLS.PeerCertificates) == 0 {
+			http.Error(w, "client certificate required", http.StatusUnauthorized)
+			return
+		}
+		h.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), peerKey{}, r.TLS.PeerCertificates[0])))
+	})
+}
+
+type fakeJoin struct {
+	nodeCA, servingCA *pki.CA
+	gatewayURL        string
+	serverName        string
+
+	mu        sync.Mutex
+	maxUses   int
+	uses      int
+	calls     int
+	failFirst int // answer Unavailable this many times first
+	claims    []*joinv1.Claims
+}
+
+func (j *fakeJoin) Join(_ context.Context, req *connect.Request[joinv1.JoinRequest]) (*connect.Response[joinv1.JoinResponse], error) {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	j.calls++
+	if j.failFirst > 0 {
+		j.failFirst--
+		return nil, connect.NewError(connect.CodeUnavailable, errors.New("database is starting"))
+	}
+	if req.Msg.GetToken() != goodToken {
+		return nil, connect.NewError(connect.CodePermissionDenied, errors.New("join token is invalid"))
+	}
+	if j.uses >= j.maxUses {
+		return nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("join token is used up (%d of %d uses)", j.uses, j.maxUses))
+	}
+	csr, err := pki.ParseCSR(req.Msg.GetCsrDer())
+	if err != nil {
+		return nil, connect.NewError(connect.CodeInvalidArgument, err)
+	}
+	now := clock.New().Now()
+	nodeID := ids.New(ids.Node, now)
+	cert, err := j.nodeCA.IssueNode(csr, nodeID, trustDomain, now, time.Hour)
+	if err != nil {
+		return nil, err
+	}
+	j.uses++
+	j.claims = append(j.claims, req.Msg.GetClaims())
+	return connect.NewResponse(&joinv1.JoinResponse{
+		NodeId:            nodeID,
+		CertificateDer:    cert.Raw,
+		NodeCaDer:         j.nodeCA.Cert.Raw,
+		GatewayUrl:        j.gatewayURL,
+		GatewayServerName: j.serverName,
+		ServingCaDer:      j.servingCA.Cert.Raw,
+		TrustDomain:       trustDomain,
+		NotAfter:          timestamppb.New(cert.NotAfter),
+		PoolId:            "pool_test",
+	}), nil
+}
+
+func (j *fakeJoin) stats() (calls, uses int) {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	return j.calls, j.uses
+}
+
+type fakeGateway struct {
+	gatewayv1connect.UnimplementedGatewayServiceHandler
+	heartbeat time.Duration
+
+	mu       sync.Mutex
+	seq      int
+	sessions map[string]*gwSession
+	hellos   map[string][]*gatewayv1.Hello
+	msgs     map[string][]*gatewayv1.SessionRequest
+}
+
+type gwSession struct {
+	out  chan *gatewayv1.SessionResponse
+	kick chan struct{}
+}
+
+func (g *fakeGateway) Session(ctx context.Context, stream *connect.BidiStream[gatewayv1.SessionRequest, gatewayv1.SessionResponse]) error {
+	cert, _ := ctx.Value(peerKey{}).(*x509.Certificate)
+	first, err := stream.Receive()
+	if err != nil {
+		return err
+	}
+	hello := first.GetHello()
+	if hello == nil {
+		return connect.NewError(connect.CodeInvalidArgument, errors.New("first message must be Hello"))
+	}
+	certNode, err := pki.NodeIDFromCert(cert, trustDomain)
+	if err != nil || certNode != hello.GetNodeId() {
+		return connect.NewError(connect.CodePermissionDenied, errors.New("certificate does not match Hello.node_id"))
+	}
+	s := &gwSession{out: make(chan *gatewayv1.SessionResponse, 16), kick: make(chan struct{})}
+	g.mu.Lock()
+	g.seq++
+	epoch := g.seq
+	sid := fmt.Sprintf("ses_%d", epoch)
+	g.sessions[certNode] = s
+	g.hellos[certNode] = append(g.hellos[certNode], hello)
+	g.mu.Unlock()
+	if err := stream.Send(&gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_Welcome{Welcome: &gatewayv1.Welcome{
+		SessionId: sid, GatewayId: "gw-test", HeartbeatInterval: durationpb.New(g.heartbeat), SessionEpoch: int64(epoch),
+	}}}); err != nil {
+		return err
+	}
+	recvErr := make(chan error, 1)
+	go func() {
+		for {
+			m, err := stream.Receive()
+			if err != nil {
+				recvErr <- err
+				return
+			}
+			g.mu.Lock()
+			g.msgs[certNode] = append(g.msgs[certNode], m)
+			g.mu.Unlock()
+		}
+	}()
+	for {
+		select {
+		case m := <-s.out:
+			if err := stream.Send(m); err != nil {
+				return err
+			}
+		case <-s.kick:
+			return connect.NewError(connect.CodeUnavailable, errors.New("gateway going away"))
+		case <-recvErr:
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+func (g *fakeGateway) session(node string) *gwSession {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.sessions[node]
+}
+
+func (g *fakeGateway) send(t *testing.T, node string, m *gatewayv1.SessionResponse) {
+	t.Helper()
+	s := g.session(node)
+	require.NotNil(t, s, "no session of %s", node)
+	s.out <- m
+}
+
+func (g *fakeGateway) kick(t *testing.T, node string) {
+	t.Helper()
+	s := g.session(node)
+	require.NotNil(t, s)
+	close(s.kick)
+}
+
+func (g *fakeGateway) received(node string) []*gatewayv1.SessionRequest {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return append([]*gatewayv1.SessionRequest(nil), g.msgs[node]...)
+}
+
+func (g *fakeGateway) helloes(node string) []*gatewayv1.Hello {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return append([]*gatewayv1.Hello(nil), g.hellos[node]...)
+}
+
+// updates returns the command updates the gateway received for command id.
+func (g *fakeGateway) updates(node, id string) []*gatewayv1.CommandUpdate {
+	var out []*gatewayv1.CommandUpdate
+	for _, m := range g.received(node) {
+		if u := m.GetCommandUpdate(); u != nil && u.GetCommandId() == id {
+			out = append(out, u)
+		}
+	}
+	return out
+}
+
+func command(id, kind string) *gatewayv1.SessionResponse {
+	return &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_Command{Command: &gatewayv1.Command{
+		CommandId: id, Kind: kind, Deadline: timestamppb.New(clock.New().Now().Add(time.Hour)),
+	}}}
+}
+
+// start runs a Runner until the test ends.
+func start(t *testing.T, cfg fakedaemon.Config, deps fakedaemon.Deps) (*fakedaemon.Runner, context.CancelFunc) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(t.Context())
+	r, err := fakedaemon.Start(ctx, cfg, deps)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		cancel()
+		<-r.Done()
+	})
+	return r, cancel
+}
+
+func waitEstablished(t *testing.T, r *fakedaemon.Runner) {
+	t.Helper()
+	stopped := false
+	require.Eventually(t, func() bool {
+		select {
+		case <-r.Done():
+			stopped = true
+			return true
+		default:
+		}
+		for _, m := range r.Machines() {
+			if m.State() != daemon.StateEstablished {
+				return false
+			}
+		}
+		return true
+	}, waitFor, tick)
+	if stopped {
+		require.NoError(t, r.Wait())
+		require.FailNow(t, "the runner stopped")
+	}
+}
+
+func TestJoinSessionCommandsAndSpec(t *testing.T) {
+	cp := newControlPlane(t, 10)
+	dir := t.TempDir()
+	r, _ := start(t, cp.config(dir, 3), fakedaemon.Deps{})
+	waitEstablished(t, r)
+	require.NoError(t, r.Ready())
+
+	nodes := map[string]bool{}
+	for i, m := range r.Machines() {
+		st := m.Status()
+		require.Equal(t, i, st.Index)
+		require.True(t, st.Joined)
+		require.Equal(t, "hgx-h100", st.Variant)
+		require.NotEmpty(t, st.SessionID)
+		require.NotEmpty(t, st.BootID)
+		require.False(t, nodes[st.NodeID], "distinct node ids")
+		nodes[st.NodeID] = true
+		require.Equal(t, filepath.Join(dir, fmt.Sprint(i)), m.Dir())
+		hello := cp.gw.helloes(st.NodeID)[0]
+		require.Equal(t, st.BootID, hello.GetBootId())
+		require.Equal(t, fakedaemon.Version, hello.GetAgentVersion())
+		// The key is owner-only.
+		fi, err := os.Stat(filepath.Join(m.Dir(), fakedaemon.KeyFile))
+		require.NoError(t, err)
+		require.Equal(t, os.FileMode(0o600), fi.Mode().Perm())
+	}
+	_, uses := cp.join.stats()
+	require.Equal(t, 3, uses)
+	require.Len(t, cp.join.claims, 3)
+	require.Equal(t, "hgx-h100", cp.join.claims[0].GetVariant())
+	require.NotEmpty(t, cp.join.claims[0].GetMachineId())
+
+	node := r.Machines()[0].NodeID()
+	// Heartbeats flow.
+	require.Eventually(t, func() bool {
+		for _, m := range cp.gw.received(node) {
+			if m.GetHeartbeat().GetSeq() >= 2 {
+				return true
+			}
+		}
+		return false
+	}, waitFor, tick)
+
+	// diag.nvml runs: RUNNING, then SUCCEEDED with 8 GPUs.
+	cmdID := ids.New(ids.Command, clock.New().Now())
+	cp.gw.send(t, node, command(cmdID, "diag.nvml"))
+	require.Eventually(t, func() bool { return len(cp.gw.updates(node, cmdID)) == 2 }, waitFor, tick)
+	u := cp.gw.updates(node, cmdID)
+	require.Equal(t, gatewayv1.CommandState_COMMAND_STATE_RUNNING, u[0].GetState())
+	require.Equal(t, gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED, u[1].GetState())
+	require.Len(t, u[1].GetResult().GetInventory().GetGpus(), 8)
+
+	// Desired state: bound, then observed.
+	cp.gw.send(t, node, &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_DesiredState{DesiredState: &gatewayv1.DesiredState{
+		Generation: 1,
+		Spec:       &gatewayv1.NodeSpec{Allocations: []*gatewayv1.Allocation{{ReservationId: "res_1", DeviceIndexes: []int32{0, 1}}}},
+	}}})
+	require.Eventually(t, func() bool { return r.Machines()[0].Status().ObservedGeneration == 1 }, waitFor, tick)
+	require.Eventually(t, func() bool {
+		var bound, observed bool
+		for _, m := range cp.gw.received(node) {
+			if b := m.GetReport().GetAllocationBound(); b != nil {
+				bound = b.GetReservationId() == "res_1" && strings.Join(b.GetCdiDevices(), ",") == "nvidia.com/gpu=0,nvidia.com/gpu=1"
+			}
+			if m.GetReport().GetObservedGeneration() == 1 {
+				observed = bound
+			}
+		}
+		return observed
+	}, waitFor, tick)
+
+	// The health endpoint says ok.
+	rec := httptest.NewRecorder()
+	r.HealthHandler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/healthz", nil))
+	require.Equal(t, http.StatusOK, rec.Code)
+}
+
+func TestRestartReusesIdentityAndJournal(t *testing.T) {
+	cp := newControlPlane(t, 1)
+	dir := t.TempDir()
+	cfg := cp.config(dir, 1)
+	cfg.Variant = "l40s"
+	ctx, cancel := context.WithCancel(t.Context())
+	r, err := fakedaemon.Start(ctx, cfg, fakedaemon.Deps{})
+	require.NoError(t, err)
+	waitEstablished(t, r)
+	first := r.Machines()[0].Status()
+	cmdID := ids.New(ids.Command, clock.New().Now())
+	cp.gw.send(t, first.NodeID, command(cmdID, "logs.collect"))
+	require.Eventually(t, func() bool { return len(cp.gw.updates(first.NodeID, cmdID)) == 2 }, waitFor, tick)
+	cancel()
+	require.NoError(t, r.Wait())
+
+	// Second run: the token has no uses left, yet no Join is needed.
+	cfg.Variant = "cpu" // ignored: the machine keeps the hardware it joined with
+	r2, _ := start(t, cfg, fakedaemon.Deps{})
+	waitEstablished(t, r2)
+	second := r2.Machines()[0].Status()
+	require.Equal(t, first.NodeID, second.NodeID)
+	require.Equal(t, first.MachineID, second.MachineID)
+	require.Equal(t, "l40s", second.Variant)
+	require.NotEqual(t, first.BootID, second.BootID, "a process start is a boot")
+	calls, uses := cp.join.stats()
+	require.Equal(t, 1, calls)
+	require.Equal(t, 1, uses)
+
+	hellos := cp.gw.helloes(first.NodeID)
+	require.Len(t, hellos, 2)
+	require.Len(t, hellos[1].GetJournal(), 1)
+	require.Equal(t, cmdID, hellos[1].GetJournal()[0].GetCommandId())
+
+	// The command, redelivered, is answered from the journal: SUCCEEDED, no
+	// new RUNNING.
+	cp.gw.send(t, first.NodeID, command(cmdID, "logs.collect"))
+	require.Eventually(t, func() bool { return len(cp.gw.updates(first.NodeID, cmdID)) == 3 }, waitFor, tick)
+	u := cp.gw.updates(first.NodeID, cmdID)
+	require.Equal(t, gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED, u[2].GetState())
+	require.Equal(t, u[1].GetResult().GetOutput(), u[2].GetResult().GetOutput())
+}
+
+func TestJournalLossFailsUnsafeCommands(t *testing.T) {
+	cp := newControlPlane(t, 1)
+	dir := t.TempDir()
+	cfg := cp.config(dir, 1)
+	ctx, cancel := context.WithCancel(t.Context())
+	r, err := fakedaemon.Start(ctx, cfg, fakedaemon.Deps{})
+	require.NoError(t, err)
+	waitEstablished(t, r)
+	node := r.Machines()[0].NodeID()
+	cmdID := ids.New(ids.Command, clock.New().Now())
+	cp.gw.send(t, node, command(cmdID, "logs.collect"))
+	require.Eventually(t, func() bool { return len(cp.gw.updates(node, cmdID)) == 2 }, waitFor, tick)
+	cancel()
+	require.NoError(t, r.Wait())
+
+	require.NoError(t, os.Remove(filepath.Join(r.Machines()[0].Dir(), fakedaemon.JournalFile)))
+	r2, _ := start(t, cfg, fakedaemon.Deps{})
+	waitEstablished(t, r2)
+	cp.gw.send(t, node, command(cmdID, "logs.collect"))
+	require.Eventually(t, func() bool { return len(cp.gw.updates(node, cmdID)) == 3 }, waitFor, tick)
+	u := cp.gw.updates(node, cmdID)[2]
+	require.Equal(t, gatewayv1.CommandState_COMMAND_STATE_FAILED, u.GetState())
+	require.Equal(t, daemon.ErrTextJournalLost, u.GetError())
+}
+
+func TestRebootAndReconnect(t *testing.T) {
+	cp := newControlPlane(t, 1)
+	r, _ := start(t, cp.config(t.TempDir(), 1), fakedaemon.Deps{})
+	waitEstablished(t, r)
+	m := r.Machines()[0]
+	node := m.NodeID()
+	boot := m.Status().BootID
+
+	// The gateway drops the session: the machine reconnects.
+	cp.gw.kick(t, node)
+	require.Eventually(t, func() bool { return len(cp.gw.helloes(node)) == 2 && m.State() == daemon.StateEstablished }, waitFor, tick)
+	require.Equal(t, boot, cp.gw.helloes(node)[1].GetBootId())
+
+	// node.reboot: SUCCEEDED, then back with a new boot id.
+	cmdID := ids.New(ids.Command, clock.New().Now())
+	cp.gw.send(t, node, command(cmdID, "node.reboot"))
+	require.Eventually(t, func() bool { return len(cp.gw.helloes(node)) == 3 && m.State() == daemon.StateEstablished }, waitFor, tick)
+	u := cp.gw.updates(node, cmdID)
+	require.Len(t, u, 2)
+	require.Equal(t, gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED, u[1].GetState())
+	newBoot := cp.gw.helloes(node)[2].GetBootId()
+	require.NotEqual(t, boot, newBoot)
+	require.Equal(t, newBoot, m.Status().BootID)
+	require.Equal(t, 3, m.Status().Sessions)
+	b, err := os.ReadFile(filepath.Join(m.Dir(), fakedaemon.BootFile))
+	require.NoError(t, err)
+	require.Equal(t, "1\n", string(b), "the reboot is persisted")
+}
+
+func TestJoinRefused(t *testing.T) {
+	for _, tc := range []struct {
+		name, token string
+		maxUses     int
+		want        string
+		code        connect.Code
+	}{
+		{"used up", goodToken, 0, "join refused: join token is used up (0 of 0 uses)", connect.CodeFailedPrecondition},
+		{"invalid", "bcjt_wrong_token", 5, "join refused: join token is invalid", connect.CodePermissionDenied},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cp := newControlPlane(t, tc.maxUses)
+			cfg := cp.config(t.TempDir(), 2)
+			cfg.Token = tc.token
+			r, err := fakedaemon.New(cfg, fakedaemon.Deps{})
+			require.NoError(t, err)
+			err = r.Run(t.Context())
+			require.EqualError(t, err, tc.want)
+			var refused *fakedaemon.JoinRefusedError
+			require.ErrorAs(t, err, &refused)
+			require.Equal(t, tc.code, refused.Code)
+			require.Error(t, r.Ready())
+		})
+	}
+}
+
+func TestJoinRetriesTransientErrors(t *testing.T) {
+	cp := newControlPlane(t, 1)
+	cp.join.failFirst = 3
+	r, _ := start(t, cp.config(t.TempDir(), 1), fakedaemon.Deps{})
+	waitEstablished(t, r)
+	calls, uses := cp.join.stats()
+	require.Equal(t, 4, calls)
+	require.Equal(t, 1, uses)
+}
+
+func TestServerNameFromURLHost(t *testing.T) {
+	cp := newControlPlane(t, 1)
+	cp.join.serverName = "" // verify 127.0.0.1 from the URL
+	r, _ := start(t, cp.config(t.TempDir(), 1), fakedaemon.Deps{Logger: testLogger(t)})
+	waitEstablished(t, r)
+}
+
+func TestGatewayServerNameMismatchNeverEstablishes(t *testing.T) {
+	cp := newControlPlane(t, 1)
+	cfg := cp.config(t.TempDir(), 1)
+	cfg.GatewayServerName = "gateway.elsewhere"
+	r, _ := start(t, cfg, fakedaemon.Deps{})
+	require.Eventually(t, func() bool { return r.Ready() == nil }, waitFor, tick)
+	// The TLS check fails, so the machine keeps backing off.
+	require.Eventually(t, func() bool { return r.Machines()[0].State() == daemon.StateBackoff }, waitFor, tick)
+	require.Empty(t, cp.gw.helloes(r.Machines()[0].NodeID()))
+}
+
+func TestTokenFileWait(t *testing.T) {
+	cp := newControlPlane(t, 1)
+	clk := clock.NewFake(clock.New().Now())
+	dir := t.TempDir()
+	cfg := cp.config(filepath.Join(dir, "data"), 1)
+	cfg.Token = ""
+	cfg.TokenFile = filepath.Join(dir, "token")
+	cfg.TokenWait = time.Minute
+	r, _ := start(t, cfg, fakedaemon.Deps{Clock: clk})
+	// Waiting: nothing joins while the file is missing.
+	clk.Advance(time.Second)
+	calls, _ := cp.join.stats()
+	require.Zero(t, calls)
+	require.Error(t, r.Ready())
+	require.NoError(t, os.WriteFile(cfg.TokenFile, []byte(goodToken+"\n"), 0o600))
+	require.Eventually(t, func() bool {
+		clk.Advance(250 * time.Millisecond)
+		return r.Ready() == nil
+	}, waitFor, tick)
+	waitEstablished(t, r)
+}
+
+func TestTokenFileNeverAppears(t *testing.T) {
+	cp := newControlPlane(t, 1)
+	clk := clock.NewFake(clock.New().Now())
+	dir := t.TempDir()
+	cfg := cp.config(filepath.Join(dir, "data"), 1)
+	cfg.Token = ""
+	cfg.TokenFile = filepath.Join(dir, "token")
+	cfg.TokenWait = 5 * time.Second
+	r, _ := start(t, cfg, fakedaemon.Deps{Clock: clk})
+	require.Eventually(t, func() bool {
+		clk.Advance(time.Second)
+		select {
+		case <-r.Done():
+			return true
+		default:
+			return false
+		}
+	}, waitFor, tick)
+	require.ErrorContains(t, r.Wait(), "did not appear within 5s")
+}
+
+func TestNoToken(t *testing.T) {
+	cp := newControlPlane(t, 1)
+	cfg := cp.config(t.TempDir(), 1)
+	cfg.Token = ""
+	r, err := fakedaemon.New(cfg, fakedaemon.Deps{})
+	require.NoError(t, err)
+	require.ErrorContains(t, r.Run(t.Context()), "no join token")
+}
+
+func TestNewValidates(t *testing.T) {
+	_, err := fakedaemon.New(fakedaemon.Config{Variant: "dgx"}, fakedaemon.Deps{})
+	require.ErrorContains(t, err, `unknown hardware variant "dgx" (valid: cpu, hgx-h100, hgx-h100-gpu-missing, l40s)`)
+	_, err = fakedaemon.New(fakedaemon.Config{Nodes: -1}, fakedaemon.Deps{})
+	require.ErrorContains(t, err, "nodes must be at least 1")
+}
+
+func TestHealthServer(t *testing.T) {
+	cp := newControlPlane(t, 1)
+	cfg := cp.config(t.TempDir(), 1)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	r, _ := start(t, cfg, fakedaemon.Deps{HealthListener: ln})
+	waitEstablished(t, r)
+	url := "http://" + ln.Addr().String() + "/healthz"
+	require.Eventually(t, func() bool { return service.Healthcheck(url) == 0 }, waitFor, tick)
+}

@@ -1,0 +1,158 @@
+package fakedaemon_test
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
+
+	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	"github.com/better-compute/better-compute/pkg/daemon"
+	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
+)
+
+// A non-UTC zone, so that time round trips are checked for real.
+var (
+	zone = time.FixedZone("UTC+5:30", 5*3600+1800)
+	jt0  = time.Date(2030, 5, 6, 7, 8, 9, 123456789, zone)
+)
+
+func entry(id string, s gatewayv1.CommandState) daemon.Entry {
+	return daemon.Entry{
+		CommandID:  id,
+		Kind:       "diag.nvml",
+		RetrySafe:  true,
+		State:      s,
+		Deadline:   jt0.Add(time.Hour),
+		ReceivedAt: jt0,
+	}
+}
+
+func TestFileJournalRoundTrip(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	j, err := fakedaemon.OpenFileJournal(dir, jt0)
+	require.NoError(t, err)
+	require.True(t, j.LostAt().IsZero())
+	require.Equal(t, uint64(1), j.Epoch())
+
+	a := entry("cmd_a", gatewayv1.CommandState_COMMAND_STATE_RUNNING)
+	require.NoError(t, j.Put(a))
+	a.State = gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED
+	a.FinishedAt = jt0.Add(time.Second)
+	a.Result = &gatewayv1.CommandResult{Inventory: &gatewayv1.Inventory{Hostname: "h", Gpus: []*gatewayv1.Gpu{{Index: 1, Uuid: "GPU-x"}}}}
+	require.NoError(t, j.Put(a))
+	b := entry("cmd_b", gatewayv1.CommandState_COMMAND_STATE_FAILED)
+	b.Error = "boom"
+	require.NoError(t, j.Put(b))
+	c := entry("cmd_c", gatewayv1.CommandState_COMMAND_STATE_EXPIRED)
+	require.NoError(t, j.Put(c))
+	require.NoError(t, j.Delete("cmd_b"))
+	require.NoError(t, j.Delete("cmd_unknown"))
+	require.NoError(t, j.Close())
+
+	j2, err := fakedaemon.OpenFileJournal(dir, jt0.Add(time.Hour))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = j2.Close() })
+	require.True(t, j2.LostAt().IsZero())
+	got := j2.Entries()
+	require.Len(t, got, 2)
+	require.Equal(t, "cmd_a", got[0].CommandID)
+	require.Equal(t, "cmd_c", got[1].CommandID)
+	ga, ok := j2.Get("cmd_a")
+	require.True(t, ok)
+	require.Equal(t, a.State, ga.State)
+	require.True(t, a.Deadline.Equal(ga.Deadline))
+	require.True(t, a.FinishedAt.Equal(ga.FinishedAt))
+	require.True(t, proto.Equal(a.Result, ga.Result))
+	require.True(t, ga.RetrySafe)
+	_, ok = j2.Get("cmd_b")
+	require.False(t, ok)
+
+	// Open compacts: one header line and one line per live entry.
+	raw, err := os.ReadFile(filepath.Join(dir, fakedaemon.JournalFile))
+	require.NoError(t, err)
+	require.Equal(t, 3, strings.Count(string(raw), "\n"))
+	fi, err := os.Stat(filepath.Join(dir, fakedaemon.JournalFile))
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o600), fi.Mode().Perm())
+}
+
+func TestFileJournalLoss(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name    string
+		breakIt func(t *testing.T, dir string)
+	}{
+		{"deleted", func(t *testing.T, dir string) {
+			require.NoError(t, os.Remove(filepath.Join(dir, fakedaemon.JournalFile)))
+		}},
+		{"other epoch", func(t *testing.T, dir string) {
+			require.NoError(t, os.WriteFile(filepath.Join(dir, fakedaemon.JournalEpochFile), []byte("7\n"), 0o600))
+		}},
+		{"corrupt middle", func(t *testing.T, dir string) {
+			path := filepath.Join(dir, fakedaemon.JournalFile)
+			raw, err := os.ReadFile(path)
+			require.NoError(t, err)
+			lines := strings.Split(string(raw), "\n")
+			lines[1] = "{not json"
+			require.NoError(t, os.WriteFile(path, []byte(strings.Join(lines, "\n")), 0o600))
+		}},
+		{"empty", func(t *testing.T, dir string) {
+			require.NoError(t, os.WriteFile(filepath.Join(dir, fakedaemon.JournalFile), nil, 0o600))
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			dir := t.TempDir()
+			j, err := fakedaemon.OpenFileJournal(dir, jt0)
+			require.NoError(t, err)
+			require.NoError(t, j.Put(entry("cmd_a", gatewayv1.CommandState_COMMAND_STATE_RUNNING)))
+			require.NoError(t, j.Put(entry("cmd_b", gatewayv1.CommandState_COMMAND_STATE_RUNNING)))
+			require.NoError(t, j.Close())
+			tc.breakIt(t, dir)
+
+			lostAt := jt0.Add(time.Minute)
+			j2, err := fakedaemon.OpenFileJournal(dir, lostAt)
+			require.NoError(t, err)
+			require.Empty(t, j2.Entries())
+			require.True(t, lostAt.Equal(j2.LostAt()))
+			require.Greater(t, j2.Epoch(), uint64(1))
+			require.NoError(t, j2.Put(entry("cmd_c", gatewayv1.CommandState_COMMAND_STATE_RUNNING)))
+			require.NoError(t, j2.Close())
+
+			// The loss is remembered by later opens.
+			j3, err := fakedaemon.OpenFileJournal(dir, lostAt.Add(time.Hour))
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = j3.Close() })
+			require.True(t, lostAt.Equal(j3.LostAt()))
+			require.Equal(t, j2.Epoch(), j3.Epoch())
+			require.Len(t, j3.Entries(), 1)
+		})
+	}
+}
+
+func TestFileJournalTornTail(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	j, err := fakedaemon.OpenFileJournal(dir, jt0)
+	require.NoError(t, err)
+	require.NoError(t, j.Put(entry("cmd_a", gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED)))
+	require.NoError(t, j.Close())
+	f, err := os.OpenFile(filepath.Join(dir, fakedaemon.JournalFile), os.O_WRONLY|os.O_APPEND, 0o600)
+	require.NoError(t, err)
+	_, err = f.WriteString(`{"id":"cmd_b","kind":"diag`)
+	require.NoError(t, err)
+	require.NoError(t, f.Close())
+
+	// A Put that never returned is not a loss: the command never ran.
+	j2, err := fakedaemon.OpenFileJournal(dir, jt0.Add(time.Minute))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = j2.Close() })
+	require.True(t, j2.LostAt().IsZero())
+	require.Len(t, j2.Entries(), 1)
+}

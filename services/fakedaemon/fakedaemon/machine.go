@@ -1,0 +1,505 @@
+package fakedaemon
+
+import (
+	"context"
+	"crypto"
+	"crypto/sha256"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"sync"
+	"time"
+
+	"connectrpc.com/connect"
+
+	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	"github.com/better-compute/better-compute/api/gen/bc/gateway/v1/gatewayv1connect"
+	joinv1 "github.com/better-compute/better-compute/api/gen/bc/join/v1"
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/daemon"
+	"github.com/better-compute/better-compute/pkg/fakehw"
+	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/telemetry"
+)
+
+// Machine is the handle of one simulated machine of a Runner. Its methods are
+// safe for concurrent use.
+type Machine struct {
+	r     *Runner
+	index int
+	dir   string
+	log   *slog.Logger
+
+	mu sync.Mutex
+	st MachineStatus
+}
+
+// MachineStatus is a snapshot of a machine.
+type MachineStatus struct {
+	// Index is the machine's index in the Runner (its directory name).
+	Index int
+	// MachineID is the machine's stable id ("" before it was read).
+	MachineID string
+	// NodeID is the node id ("" until the machine has joined).
+	NodeID string
+	// Variant is the machine's fake hardware variant.
+	Variant string
+	// Joined reports that the machine has a node identity.
+	Joined bool
+	// State is the daemon core's session state.
+	State daemon.State
+	// SessionID is the gateway's session id while established.
+	SessionID string
+	// BootID is the machine's current boot id.
+	BootID string
+	// ObservedGeneration is the NodeSpec generation applied.
+	ObservedGeneration int64
+	// Sessions counts the sessions that reached Welcome.
+	Sessions int
+}
+
+// Index returns the machine's index.
+func (m *Machine) Index() int { return m.index }
+
+// Dir returns the machine's data directory.
+func (m *Machine) Dir() string { return m.dir }
+
+// Status returns a snapshot of the machine.
+func (m *Machine) Status() MachineStatus {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.st
+}
+
+// NodeID returns the node id, "" until the machine has joined.
+func (m *Machine) NodeID() string { return m.Status().NodeID }
+
+// State returns the session state.
+func (m *Machine) State() daemon.State { return m.Status().State }
+
+func (m *Machine) update(f func(*MachineStatus)) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	f(&m.st)
+}
+
+// JoinRefusedError is a Join that JoinService refused for good (bad, expired,
+// revoked or used-up token, malformed request). Its message is the server's.
+type JoinRefusedError struct {
+	// Code is the Connect code of the refusal.
+	Code connect.Code
+	// Message is the server's message, e.g. "join token is used up (10 of 10
+	// uses)".
+	Message string
+}
+
+// Error returns "join refused: <server message>".
+func (e *JoinRefusedError) Error() string { return "join refused: " + e.Message }
+
+// permanent reports whether a Join error will not go away by retrying.
+func permanent(code connect.Code) bool {
+	switch code {
+	case connect.CodePermissionDenied, connect.CodeFailedPrecondition, connect.CodeInvalidArgument,
+		connect.CodeUnauthenticated, connect.CodeNotFound, connect.CodeAlreadyExists,
+		connect.CodeUnimplemented, connect.CodeOutOfRange:
+		return true
+	}
+	return false
+}
+
+// run joins if needed and drives the daemon core until ctx ends.
+func (m *Machine) run(ctx context.Context) error {
+	if err := os.MkdirAll(m.dir, 0o700); err != nil {
+		return fmt.Errorf("machine %d: %w", m.index, err)
+	}
+	machineID, err := loadOrCreateMachineID(m.dir)
+	if err != nil {
+		return fmt.Errorf("machine %d: machine id: %w", m.index, err)
+	}
+	id, err := loadIdentity(m.dir)
+	if err != nil {
+		return fmt.Errorf("machine %d: identity: %w", m.index, err)
+	}
+	variant := m.r.cfg.Variant
+	if id != nil && id.Variant != "" {
+		if id.Variant != variant {
+			m.log.Warn("keeping the variant the machine joined with", "variant", id.Variant, "requested", variant)
+		}
+		variant = id.Variant
+	}
+	hw, err := fakehw.New(variant, machineID)
+	if err != nil {
+		return fmt.Errorf("machine %d: %w", m.index, err)
+	}
+	if m.r.cfg.Durations != nil {
+		hw.SetDurations(*m.r.cfg.Durations)
+	}
+	m.update(func(s *MachineStatus) { s.MachineID, s.Variant = machineID, variant })
+	if id == nil {
+		if id, err = m.join(ctx, hw); err != nil {
+			return err
+		}
+	}
+	log := m.log.With(telemetry.KeyNodeID, id.NodeID)
+	boot, err := nextBoot(m.dir)
+	if err != nil {
+		return fmt.Errorf("machine %d: %w", m.index, err)
+	}
+	hw.SetBoot(boot)
+	m.update(func(s *MachineStatus) { s.NodeID, s.Joined, s.BootID = id.NodeID, true, hw.BootID() })
+
+	j, err := OpenFileJournal(m.dir, m.r.clk.Now())
+	if err != nil {
+		return fmt.Errorf("machine %d: journal: %w", m.index, err)
+	}
+	defer j.Close()
+	if !j.LostAt().IsZero() {
+		log.Warn("journal was lost; commands that may have run before are failed unless retry-safe", "lost_at", j.LostAt(), "epoch", j.Epoch())
+	}
+
+	gwURL, tlsCfg, err := m.gatewayTLS(id)
+	if err != nil {
+		return fmt.Errorf("machine %d: %w", m.index, err)
+	}
+	tr := newTransport(tlsCfg)
+	defer tr.CloseIdleConnections()
+	client := gatewayv1connect.NewGatewayServiceClient(&http.Client{Transport: tr}, gwURL, m.r.clientOpts...)
+
+	acfg := m.r.cfg.Agent
+	acfg.NodeID = id.NodeID
+	acfg.AgentVersion = m.r.cfg.AgentVersion
+	acfg.Logger = log
+	seed := sha256.Sum256([]byte(machineID))
+	agent, err := daemon.New(acfg, hw, j, rand.New(rand.NewPCG(binary.BigEndian.Uint64(seed[:8]), boot)))
+	if err != nil {
+		return err
+	}
+	d := &driver{m: m, log: log, clk: m.r.clk, agent: agent, client: client, hw: hw,
+		events: make(chan event, 16), timer: m.r.clk.NewTimer(time.Hour)}
+	d.timer.Stop()
+	log.Info("machine up", "variant", variant, "boot", boot, "gateway", gwURL)
+	return d.loop(ctx)
+}
+
+// join makes the node's identity with JoinService, retrying transient errors.
+func (m *Machine) join(ctx context.Context, hw *fakehw.Machine) (*Identity, error) {
+	key, err := loadOrCreateKey(m.dir)
+	if err != nil {
+		return nil, fmt.Errorf("machine %d: key: %w", m.index, err)
+	}
+	csr, err := pki.NewCSR(key, hw.Hostname())
+	if err != nil {
+		return nil, err
+	}
+	token, err := m.r.readToken(ctx)
+	if err != nil {
+		return nil, err
+	}
+	req := &joinv1.JoinRequest{
+		Credential: &joinv1.JoinRequest_Token{Token: token},
+		CsrDer:     csr,
+		Claims: &joinv1.Claims{
+			Hostname:     hw.Hostname(),
+			MachineId:    hw.MachineID(),
+			AgentVersion: m.r.cfg.AgentVersion,
+			Variant:      hw.Variant(),
+		},
+	}
+	var resp *connect.Response[joinv1.JoinResponse]
+	for attempt := 1; ; attempt++ {
+		select {
+		case m.r.joinSem <- struct{}{}:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+		resp, err = m.r.join.Join(ctx, connect.NewRequest(req))
+		<-m.r.joinSem
+		if err == nil {
+			break
+		}
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		var cerr *connect.Error
+		if errors.As(err, &cerr) && permanent(cerr.Code()) {
+			return nil, &JoinRefusedError{Code: cerr.Code(), Message: cerr.Message()}
+		}
+		delay := daemon.BackoffCap(m.r.cfg.JoinBackoffMin, m.r.cfg.JoinBackoffMax, attempt)
+		delay = delay/2 + time.Duration(rand.Int64N(int64(delay/2)+1))
+		m.log.Warn("join failed; retrying", "attempt", attempt, "in", delay.String(), telemetry.KeyError, err)
+		if err := clock.Sleep(ctx, m.r.clk, delay); err != nil {
+			return nil, err
+		}
+	}
+	msg := resp.Msg
+	cert, err := x509.ParseCertificate(msg.GetCertificateDer())
+	if err != nil {
+		return nil, fmt.Errorf("machine %d: join response: certificate: %w", m.index, err)
+	}
+	if !samePublicKey(cert, key.Public()) {
+		return nil, fmt.Errorf("machine %d: join response: the certificate is not for this machine's key", m.index)
+	}
+	servingCA, err := x509.ParseCertificate(msg.GetServingCaDer())
+	if err != nil {
+		return nil, fmt.Errorf("machine %d: join response: serving CA: %w", m.index, err)
+	}
+	var nodeCA *x509.Certificate
+	if len(msg.GetNodeCaDer()) > 0 {
+		if nodeCA, err = x509.ParseCertificate(msg.GetNodeCaDer()); err != nil {
+			return nil, fmt.Errorf("machine %d: join response: node CA: %w", m.index, err)
+		}
+	}
+	if msg.GetNodeId() == "" || (msg.GetGatewayUrl() == "" && m.r.cfg.GatewayURL == "") {
+		return nil, fmt.Errorf("machine %d: join response lacks node_id or gateway_url", m.index)
+	}
+	id := &Identity{
+		NodeID:            msg.GetNodeId(),
+		MachineID:         hw.MachineID(),
+		Variant:           hw.Variant(),
+		GatewayURL:        msg.GetGatewayUrl(),
+		GatewayServerName: msg.GetGatewayServerName(),
+		TrustDomain:       msg.GetTrustDomain(),
+		PoolID:            msg.GetPoolId(),
+		JoinedAt:          m.r.clk.Now().UTC(),
+		key:               key,
+		cert:              cert,
+		servingCA:         servingCA,
+	}
+	if id.GatewayURL == "" {
+		id.GatewayURL = m.r.cfg.GatewayURL
+	}
+	if msg.GetNotAfter() != nil {
+		id.NotAfter = msg.GetNotAfter().AsTime()
+	}
+	if err := id.save(m.dir, nodeCA); err != nil {
+		return nil, fmt.Errorf("machine %d: save identity: %w", m.index, err)
+	}
+	m.log.Info("joined", telemetry.KeyNodeID, id.NodeID, telemetry.KeyPoolID, id.PoolID)
+	return id, nil
+}
+
+func samePublicKey(cert *x509.Certificate, pub crypto.PublicKey) bool {
+	k, ok := pub.(interface{ Equal(x crypto.PublicKey) bool })
+	return ok && k.Equal(cert.PublicKey)
+}
+
+// gatewayTLS returns the gateway URL and the mTLS client configuration:
+// the node certificate, the serving CA as the only root, and the server name
+// (Config override, else the JoinResponse's, else the URL's host).
+func (m *Machine) gatewayTLS(id *Identity) (string, *tls.Config, error) {
+	raw := id.GatewayURL
+	if m.r.cfg.GatewayURL != "" {
+		raw = m.r.cfg.GatewayURL
+	}
+	u, err := url.Parse(raw)
+	if err != nil || u.Host == "" {
+		return "", nil, fmt.Errorf("gateway url %q is not a URL", raw)
+	}
+	if u.Scheme != "https" {
+		return "", nil, fmt.Errorf("gateway url %q must be https (the session uses mutual TLS)", raw)
+	}
+	name := m.r.cfg.GatewayServerName
+	if name == "" {
+		name = id.GatewayServerName
+	}
+	if name == "" {
+		name = u.Hostname()
+	}
+	roots := x509.NewCertPool()
+	roots.AddCert(id.servingCA)
+	return raw, &tls.Config{
+		Certificates: []tls.Certificate{id.tlsCertificate()},
+		RootCAs:      roots,
+		ServerName:   name,
+		MinVersion:   tls.VersionTLS12,
+		NextProtos:   []string{"h2"},
+	}, nil
+}
+
+// newTransport returns an HTTP/2-only transport for one machine.
+func newTransport(tlsCfg *tls.Config) *http.Transport {
+	var p http.Protocols
+	p.SetHTTP2(true)
+	return &http.Transport{
+		Protocols:           &p,
+		TLSClientConfig:     tlsCfg,
+		DialContext:         (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		TLSHandshakeTimeout: 10 * time.Second,
+		MaxIdleConns:        1,
+		IdleConnTimeout:     90 * time.Second,
+		HTTP2: &http.HTTP2Config{
+			SendPingTimeout: 15 * time.Second,
+			PingTimeout:     10 * time.Second,
+		},
+	}
+}
+
+// event is something the stream reader saw on a session.
+type event struct {
+	session uint64
+	msg     *gatewayv1.SessionResponse
+	err     error // the stream ended
+}
+
+// session is the driver's side of one Session stream.
+type session struct {
+	n      uint64
+	stream *connect.BidiStreamForClient[gatewayv1.SessionRequest, gatewayv1.SessionResponse]
+	ctx    context.Context
+	cancel context.CancelFunc
+}
+
+// closeGrace is how long a gracefully closed session may take to end.
+const closeGrace = 5 * time.Second
+
+// driver feeds one machine's daemon core from its stream and timer and
+// carries out the core's effects. Only loop's goroutine touches it.
+type driver struct {
+	m      *Machine
+	log    *slog.Logger
+	clk    clock.Clock
+	agent  *daemon.Agent
+	hw     *fakehw.Machine
+	client gatewayv1connect.GatewayServiceClient
+	events chan event
+	timer  clock.Timer
+	cur    *session
+	ctx    context.Context
+}
+
+func (d *driver) loop(ctx context.Context) error {
+	d.ctx = ctx
+	defer d.closeSession()
+	defer d.timer.Stop()
+	d.apply(d.agent.Start(d.clk.Now()))
+	for {
+		select {
+		case <-ctx.Done():
+			d.m.update(func(s *MachineStatus) { s.State, s.SessionID = daemon.StateIdle, "" })
+			return nil
+		case ev := <-d.events:
+			if ev.err != nil {
+				if d.cur != nil && d.cur.n == ev.session {
+					d.log.Info("session ended", "session", ev.session, telemetry.KeyError, ev.err)
+					d.closeSession()
+				}
+				d.apply(d.agent.Disconnected(d.clk.Now(), ev.session, ev.err))
+			} else {
+				d.apply(d.agent.Receive(d.clk.Now(), ev.session, ev.msg))
+			}
+		case <-d.timer.C():
+			d.apply(d.agent.Tick(d.clk.Now()))
+		}
+	}
+}
+
+// apply carries out effects in order; effects caused by failures (a failed
+// send) are carried out after them.
+func (d *driver) apply(effects []daemon.Effect) {
+	for len(effects) > 0 {
+		e := effects[0]
+		effects = effects[1:]
+		switch e.Kind {
+		case daemon.EffectSend:
+			if d.cur == nil || d.cur.n != e.Session {
+				continue
+			}
+			if err := d.cur.stream.Send(e.Msg); err != nil {
+				d.log.Debug("send failed", "session", e.Session, telemetry.KeyError, err)
+				d.closeSession()
+				effects = append(effects, d.agent.Disconnected(d.clk.Now(), e.Session, err)...)
+			}
+		case daemon.EffectDial:
+			d.closeSession()
+			d.open(e.Session)
+			effects = append(effects, d.agent.Connected(d.clk.Now(), e.Session)...)
+		case daemon.EffectClose:
+			if d.cur != nil && d.cur.n == e.Session {
+				d.log.Info("closing session", "session", e.Session, "reason", e.Reason)
+				d.closeGracefully()
+			}
+		case daemon.EffectTimer:
+			d.timer.Stop()
+			if !e.At.IsZero() {
+				d.timer.Reset(max(e.At.Sub(d.clk.Now()), 0))
+			}
+		case daemon.EffectReboot:
+			d.log.Info("rebooted", "boot_id", e.BootID)
+			if err := writeBoot(d.m.dir, d.hw.Boot()); err != nil {
+				d.log.Warn("could not persist the boot counter", telemetry.KeyError, err)
+			}
+		}
+	}
+	st := d.agent.Status()
+	d.m.update(func(s *MachineStatus) {
+		if st.State == daemon.StateEstablished && s.State != daemon.StateEstablished {
+			s.Sessions++
+		}
+		s.State, s.SessionID, s.BootID, s.ObservedGeneration = st.State, st.SessionID, st.BootID, st.ObservedGeneration
+	})
+}
+
+// open starts session n: the stream and its reader goroutine. The HTTP/2
+// request goes out with the first message (Hello).
+func (d *driver) open(n uint64) {
+	sctx, cancel := context.WithCancel(d.ctx)
+	stream := d.client.Session(sctx)
+	d.cur = &session{n: n, stream: stream, ctx: sctx, cancel: cancel}
+	go func() {
+		defer cancel()
+		defer func() { _ = stream.CloseResponse() }()
+		for {
+			msg, err := stream.Receive()
+			select {
+			case d.events <- event{session: n, msg: msg, err: err}:
+			case <-sctx.Done():
+				return
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+}
+
+// closeSession aborts the current session's stream, if any.
+func (d *driver) closeSession() {
+	if d.cur == nil {
+		return
+	}
+	d.cur.cancel()
+	_ = d.cur.stream.CloseRequest()
+	d.cur = nil
+}
+
+// closeGracefully half-closes the current session, so that what was sent
+// before (a reboot's SUCCEEDED) still reaches the gateway, and aborts it if
+// the gateway has not ended it within closeGrace.
+func (d *driver) closeGracefully() {
+	if d.cur == nil {
+		return
+	}
+	s := d.cur
+	d.cur = nil
+	if err := s.stream.CloseRequest(); err != nil {
+		s.cancel()
+		return
+	}
+	t := d.clk.NewTimer(closeGrace)
+	go func() {
+		defer t.Stop()
+		select {
+		case <-t.C():
+		case <-s.ctx.Done(): // the reader saw the end, or the machine stops
+		}
+		s.cancel()
+	}()
+}

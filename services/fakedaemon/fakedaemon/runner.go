@@ -1,0 +1,313 @@
+// Package fakedaemon runs simulated GPU machines in real time: each machine
+// joins through JoinService with a fresh key and CSR, keeps its identity and
+// command journal on disk, and drives the daemon core (pkg/daemon) over a
+// Session to the gateway (HTTP/2, mutual TLS with its node certificate), on
+// fake hardware (pkg/fakehw).
+//
+// The Runner owns every goroutine and all I/O; the protocol logic lives in
+// daemon.Agent, the same code the fleet simulator drives on a virtual clock.
+// Each machine costs two goroutines of its own (its loop and the reader of
+// its current stream) plus what net/http's HTTP/2 client keeps per
+// connection.
+//
+// A machine's directory (DataDir/<index>) holds: machine-id, node.key (0600),
+// node.crt, node-ca.crt, serving-ca.crt, node.json (written last: the Join
+// completed), boot (the boot counter; every process start is a boot),
+// journal.jsonl and journal.epoch (see FileJournal). A restart reuses the
+// identity and never joins again; deleting journal.jsonl simulates a journal
+// loss.
+//
+// To run machines in-process (tests, `better-compute dev --sim N`), call
+// Start and read the handles from Runner.Machines.
+package fakedaemon
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"connectrpc.com/connect"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/better-compute/better-compute/api/gen/bc/join/v1/joinv1connect"
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/daemon"
+	"github.com/better-compute/better-compute/pkg/fakehw"
+	"github.com/better-compute/better-compute/pkg/service"
+)
+
+// Version is the agent version fakedaemon reports in Claims and Hello.
+const Version = "fakedaemon/0.1.0"
+
+// Defaults of Config.
+const (
+	DefaultJoinURL      = "http://joinservice:8081"
+	DefaultDataDir      = "/var/lib/fakedaemon"
+	DefaultVariant      = fakehw.VariantHGXH100
+	DefaultHealthListen = ":8085"
+	DefaultTokenWait    = 2 * time.Minute
+)
+
+// Config configures a Runner. Zero fields take the defaults named.
+type Config struct {
+	// JoinURL is JoinService's base URL (default http://joinservice:8081).
+	JoinURL string
+	// Token is the join token in clear text ("bcjt_…"); it wins over
+	// TokenFile.
+	Token string
+	// TokenFile is a file holding the join token, waited for up to
+	// TokenWait (compose's bootstrap writes it).
+	TokenFile string
+	// TokenWait is how long to wait for TokenFile to appear (default 2 min).
+	TokenWait time.Duration
+	// DataDir holds one directory per machine, DataDir/<index>
+	// (default /var/lib/fakedaemon).
+	DataDir string
+	// Variant is the fake hardware of machines that have not joined yet
+	// (default hgx-h100); a joined machine keeps the variant it joined with.
+	Variant string
+	// Nodes is how many machines to run (default 1).
+	Nodes int
+	// GatewayURL overrides the gateway URL of the JoinResponse.
+	GatewayURL string
+	// GatewayServerName overrides the TLS server name to verify on the
+	// gateway (default: the JoinResponse's, else the host of the URL).
+	GatewayServerName string
+	// HealthListen is the address of the /healthz server ("" for none).
+	HealthListen string
+	// AgentVersion is reported in Claims and Hello (default Version).
+	AgentVersion string
+	// Agent is the template of each machine's daemon core configuration
+	// (backoff, timeouts); NodeID, AgentVersion and Logger are filled in.
+	Agent daemon.Config
+	// Durations, when set, replaces how long fake commands take.
+	Durations *fakehw.Durations
+	// JoinBackoffMin and JoinBackoffMax bound the delay between Join
+	// attempts after transient errors (defaults 500 ms and 15 s).
+	JoinBackoffMin, JoinBackoffMax time.Duration
+	// JoinConcurrency caps Joins in flight (default 16).
+	JoinConcurrency int
+}
+
+func (c *Config) setDefaults() {
+	if c.JoinURL == "" {
+		c.JoinURL = DefaultJoinURL
+	}
+	if c.TokenWait <= 0 {
+		c.TokenWait = DefaultTokenWait
+	}
+	if c.DataDir == "" {
+		c.DataDir = DefaultDataDir
+	}
+	if c.Variant == "" {
+		c.Variant = DefaultVariant
+	}
+	if c.Nodes <= 0 {
+		c.Nodes = 1
+	}
+	if c.AgentVersion == "" {
+		c.AgentVersion = Version
+	}
+	if c.JoinBackoffMin <= 0 {
+		c.JoinBackoffMin = 500 * time.Millisecond
+	}
+	if c.JoinBackoffMax <= 0 {
+		c.JoinBackoffMax = 15 * time.Second
+	}
+	if c.JoinConcurrency <= 0 {
+		c.JoinConcurrency = 16
+	}
+}
+
+// Deps are a Runner's dependencies.
+type Deps struct {
+	// Logger receives JSON logs; nil discards them.
+	Logger *slog.Logger
+	// Clock times backoff, token waits and the daemon cores (default real).
+	Clock clock.Clock
+	// JoinHTTPClient calls JoinService (default: a client with a 30 s
+	// timeout).
+	JoinHTTPClient *http.Client
+	// HealthListener, when set, serves /healthz instead of listening on
+	// Config.HealthListen (tests pass a listener on a free port).
+	HealthListener net.Listener
+}
+
+// Runner runs Config.Nodes machines. Make one with New and call Run, or use
+// Start.
+type Runner struct {
+	cfg        Config
+	log        *slog.Logger
+	clk        clock.Clock
+	join       joinv1connect.JoinServiceClient
+	clientOpts []connect.ClientOption
+	joinSem    chan struct{}
+	machines   []*Machine
+	healthLn   net.Listener
+
+	tokenMu sync.Mutex
+	token   string
+
+	done chan struct{}
+	err  error
+}
+
+// New validates cfg and returns a Runner. It fails for an unknown variant
+// (naming the valid ones) or a negative node count.
+func New(cfg Config, deps Deps) (*Runner, error) {
+	if cfg.Nodes < 0 {
+		return nil, fmt.Errorf("nodes must be at least 1, got %d", cfg.Nodes)
+	}
+	cfg.setDefaults()
+	if _, err := fakehw.New(cfg.Variant, "check"); err != nil {
+		return nil, err
+	}
+	if deps.Logger == nil {
+		deps.Logger = slog.New(slog.DiscardHandler)
+	}
+	if deps.Clock == nil {
+		deps.Clock = clock.New()
+	}
+	if deps.JoinHTTPClient == nil {
+		deps.JoinHTTPClient = &http.Client{Timeout: 30 * time.Second}
+	}
+	r := &Runner{
+		cfg:        cfg,
+		log:        deps.Logger,
+		clk:        deps.Clock,
+		clientOpts: service.ClientOptions(),
+		joinSem:    make(chan struct{}, cfg.JoinConcurrency),
+		healthLn:   deps.HealthListener,
+		done:       make(chan struct{}),
+	}
+	r.join = joinv1connect.NewJoinServiceClient(deps.JoinHTTPClient, strings.TrimRight(cfg.JoinURL, "/"), r.clientOpts...)
+	for i := range cfg.Nodes {
+		r.machines = append(r.machines, &Machine{
+			r:     r,
+			index: i,
+			dir:   filepath.Join(cfg.DataDir, strconv.Itoa(i)),
+			log:   deps.Logger.With("machine", i),
+			st:    MachineStatus{Index: i},
+		})
+	}
+	return r, nil
+}
+
+// Start makes a Runner and runs it in the background until ctx ends or a
+// machine fails (a refused Join); Wait returns the outcome.
+func Start(ctx context.Context, cfg Config, deps Deps) (*Runner, error) {
+	r, err := New(cfg, deps)
+	if err != nil {
+		return nil, err
+	}
+	go func() { _ = r.Run(ctx) }()
+	return r, nil
+}
+
+// Run runs every machine and the health server until ctx ends (then it
+// returns nil) or a machine fails: a refused Join (*JoinRefusedError), a
+// token that never appeared, or an unusable data directory.
+func (r *Runner) Run(ctx context.Context) error {
+	defer close(r.done)
+	g, gctx := errgroup.WithContext(ctx)
+	if err := os.MkdirAll(r.cfg.DataDir, 0o700); err != nil {
+		r.err = fmt.Errorf("data dir: %w", err)
+		return r.err
+	}
+	for _, m := range r.machines {
+		g.Go(func() error { return m.run(gctx) })
+	}
+	if r.cfg.HealthListen != "" || r.healthLn != nil {
+		mux := http.NewServeMux()
+		mux.Handle("/healthz", r.HealthHandler())
+		srv := service.NewServer(r.cfg.HealthListen, mux)
+		g.Go(func() error { return service.Serve(gctx, r.log, srv, r.healthLn) })
+	}
+	err := g.Wait()
+	if err != nil && ctx.Err() != nil && errors.Is(err, context.Canceled) {
+		err = nil
+	}
+	r.err = err
+	return err
+}
+
+// Done is closed when Run has returned.
+func (r *Runner) Done() <-chan struct{} { return r.done }
+
+// Wait waits for Run to return and returns its error.
+func (r *Runner) Wait() error {
+	<-r.done
+	return r.err
+}
+
+// Machines returns the handles of the machines, in index order.
+func (r *Runner) Machines() []*Machine { return r.machines }
+
+// Ready returns nil once every machine has joined, else an error saying how
+// many have not.
+func (r *Runner) Ready() error {
+	var waiting int
+	for _, m := range r.machines {
+		if !m.Status().Joined {
+			waiting++
+		}
+	}
+	if waiting > 0 {
+		return fmt.Errorf("%d of %d machines have not joined yet", waiting, len(r.machines))
+	}
+	return nil
+}
+
+// HealthHandler answers GET /healthz: 200 once every machine has joined.
+func (r *Runner) HealthHandler() http.Handler {
+	return service.HealthHandler(func(context.Context) error { return r.Ready() })
+}
+
+// readToken returns the join token, waiting for TokenFile when needed. All
+// machines share one read.
+func (r *Runner) readToken(ctx context.Context) (string, error) {
+	r.tokenMu.Lock()
+	defer r.tokenMu.Unlock()
+	if r.token != "" {
+		return r.token, nil
+	}
+	if t := strings.TrimSpace(r.cfg.Token); t != "" {
+		r.token = t
+		return t, nil
+	}
+	if r.cfg.TokenFile == "" {
+		return "", errors.New("no join token: set --token-file (BC_JOIN_TOKEN_FILE) or BC_JOIN_TOKEN")
+	}
+	deadline := r.clk.Now().Add(r.cfg.TokenWait)
+	logged := false
+	for {
+		b, err := os.ReadFile(r.cfg.TokenFile)
+		if err == nil {
+			if t := strings.TrimSpace(string(b)); t != "" {
+				r.token = t
+				return t, nil
+			}
+		} else if !errors.Is(err, os.ErrNotExist) {
+			return "", fmt.Errorf("join token file: %w", err)
+		}
+		if !r.clk.Now().Before(deadline) {
+			return "", fmt.Errorf("no join token: %s did not appear within %s", r.cfg.TokenFile, r.cfg.TokenWait)
+		}
+		if !logged {
+			r.log.Info("waiting for the join token file", "path", r.cfg.TokenFile)
+			logged = true
+		}
+		if err := clock.Sleep(ctx, r.clk, 250*time.Millisecond); err != nil {
+			return "", err
+		}
+	}
+}
