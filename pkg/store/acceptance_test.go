@@ -1,0 +1,148 @@
+package store_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
+)
+
+// acceptanceDB returns a database with one pool and these nodes:
+// "n-open" accepting with an open command before its deadline, "n-late"
+// accepting with an open command past it, "n-done" accepting with a
+// succeeded command, "n-none" accepting without a command, "n-join"
+// joining and "n-adopted" adopted.
+func acceptanceDB(t *testing.T) (*store.DB, time.Time) {
+	t.Helper()
+	now := time.Date(2030, 3, 4, 5, 6, 7, 0, time.UTC)
+	db := storetest.New(t, clock.NewFake(now))
+	ctx := t.Context()
+	for _, q := range []string{
+		`INSERT INTO tenants (id, name, created_at) VALUES ('ten_1', 'owner', $1)`,
+		`INSERT INTO sites (id, name, created_at) VALUES ('site_1', 'dev-1', $1)`,
+		`INSERT INTO pools (id, site_id, owner_tenant_id, name, kind, gpu_model, expect_gpu_count, created_at)
+			VALUES ('pool_1', 'site_1', 'ten_1', 'p', 'metal-host', 'H100', 8, $1)`,
+		`INSERT INTO nodes (id, pool_id, provision_state, created_at, updated_at) VALUES
+			('n-open', 'pool_1', 'accepting', $1, $1), ('n-late', 'pool_1', 'accepting', $1, $1),
+			('n-done', 'pool_1', 'accepting', $1, $1), ('n-none', 'pool_1', 'accepting', $1, $1),
+			('n-join', 'pool_1', 'joining', $1, $1), ('n-adopted', 'pool_1', 'adopted', $1, $1)`,
+		`INSERT INTO commands (id, node_id, kind, purpose, state, retry_safe, deadline, created_at, updated_at) VALUES
+			('cmd-open', 'n-open', 'diag.nvml', 'acceptance', 'delivered', true, $1::timestamptz + interval '1 minute', $1, $1),
+			('cmd-late', 'n-late', 'diag.nvml', 'acceptance', 'running', true, $1, $1, $1),
+			('cmd-done', 'n-done', 'diag.nvml', 'acceptance', 'succeeded', true, $1::timestamptz + interval '1 minute', $1, $1),
+			('cmd-adopted', 'n-adopted', 'diag.nvml', 'acceptance', 'succeeded', true, $1, $1, $1),
+			('cmd-user', 'n-none', 'logs.collect', 'user', 'queued', false, $1::timestamptz + interval '1 minute', $1, $1)`,
+	} {
+		_, err := db.Pool.Exec(ctx, q, now)
+		require.NoError(t, err)
+	}
+	return db, now
+}
+
+func TestClaimDueAcceptances(t *testing.T) {
+	t.Parallel()
+	db, now := acceptanceDB(t)
+	ctx := t.Context()
+	tx, err := db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	due, err := store.ClaimDueAcceptances(ctx, tx, now, 10)
+	require.NoError(t, err)
+	require.Equal(t, []string{"n-done", "n-late", "n-none"}, due)
+
+	// Another transaction skips the locked nodes.
+	require.NoError(t, db.InTx(ctx, func(tx2 pgx.Tx) error {
+		other, err := store.ClaimDueAcceptances(ctx, tx2, now, 10)
+		require.Empty(t, other)
+		return err
+	}))
+
+	checks, err := store.AcceptanceChecks(ctx, tx, append(due, "n-join"))
+	require.NoError(t, err)
+	require.Len(t, checks, 3, "a joining node was read as accepting")
+	byNode := map[string]store.AcceptanceCheck{}
+	for _, c := range checks {
+		byNode[c.NodeID] = c
+		require.Equal(t, "pool_1", c.PoolID)
+		require.Equal(t, "site_1", c.SiteID)
+		require.Equal(t, "ten_1", c.OwnerTenantID)
+		require.Equal(t, "H100", c.GPUModel)
+		require.EqualValues(t, 8, c.ExpectGPUCount)
+	}
+	require.Equal(t, "cmd-late", byNode["n-late"].CommandID)
+	require.Equal(t, "running", byNode["n-late"].CommandState)
+	require.True(t, byNode["n-late"].CommandDeadline.Equal(now))
+	require.Equal(t, 1, byNode["n-late"].Attempts)
+	require.Equal(t, "", byNode["n-none"].CommandID, "a user command counted as acceptance")
+	require.Equal(t, 0, byNode["n-none"].Attempts)
+
+	// Limit applies.
+	require.NoError(t, tx.Rollback(ctx))
+	require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
+		one, err := store.ClaimDueAcceptances(ctx, tx, now, 1)
+		require.Equal(t, []string{"n-done"}, one)
+		return err
+	}))
+}
+
+func TestExpireCommandsLeavesFinished(t *testing.T) {
+	t.Parallel()
+	db, now := acceptanceDB(t)
+	expired, err := store.ExpireCommands(t.Context(), db.Pool, now, []string{"cmd-late", "cmd-done"}, "too late")
+	require.NoError(t, err)
+	require.Equal(t, []string{"cmd-late"}, expired)
+	var lateState, lateErr, doneState string
+	require.NoError(t, db.Pool.QueryRow(t.Context(), `SELECT
+		(SELECT state FROM commands WHERE id = 'cmd-late'), (SELECT error FROM commands WHERE id = 'cmd-late'),
+		(SELECT state FROM commands WHERE id = 'cmd-done')`).Scan(&lateState, &lateErr, &doneState))
+	require.Equal(t, "expired", lateState)
+	require.Equal(t, "too late", lateErr)
+	require.Equal(t, "succeeded", doneState)
+}
+
+func TestAdoptAndFailOnlyAccepting(t *testing.T) {
+	t.Parallel()
+	db, now := acceptanceDB(t)
+	ctx := t.Context()
+	dev := store.NodeDevice{Index: 0, UUID: "GPU-x", Model: "NVIDIA H100 80GB HBM3", MemoryBytes: 1, Healthy: true}
+	adopted, err := store.AdoptNodes(ctx, db.Pool, now, []store.Adoption{
+		{NodeID: "n-done", PoolID: "pool_1", OwnerTenantID: "ten_1", Spec: []byte(`{}`), Inventory: []byte(`{"gpus":[{}]}`),
+			Devices: []store.NodeDevice{dev}},
+		{NodeID: "n-join", PoolID: "pool_1", OwnerTenantID: "ten_1", Spec: []byte(`{}`), Inventory: []byte(`{}`),
+			Devices: []store.NodeDevice{dev}},
+	})
+	require.NoError(t, err)
+	require.Equal(t, []string{"n-done"}, adopted)
+	failed, err := store.FailAcceptance(ctx, db.Pool, now, []store.AcceptanceFailure{
+		{NodeID: "n-late", PoolID: "pool_1", OwnerTenantID: "ten_1", Reason: "no"},
+		{NodeID: "n-done", PoolID: "pool_1", OwnerTenantID: "ten_1", Reason: "already adopted"},
+	})
+	require.NoError(t, err)
+	require.Equal(t, []string{"n-late"}, failed)
+
+	n, err := store.GetNode(ctx, db.Pool, "n-done")
+	require.NoError(t, err)
+	require.Equal(t, store.NodeAdopted, n.ProvisionState)
+	require.EqualValues(t, 1, n.SpecGeneration)
+	require.Len(t, n.Devices, 1)
+	n, err = store.GetNode(ctx, db.Pool, "n-join")
+	require.NoError(t, err)
+	require.Equal(t, store.NodeJoining, n.ProvisionState)
+	require.Empty(t, n.Devices)
+	n, err = store.GetNode(ctx, db.Pool, "n-late")
+	require.NoError(t, err)
+	require.Equal(t, store.NodeAcceptanceFailed, n.ProvisionState)
+	require.Equal(t, "no", n.ProvisionReason)
+
+	rows, err := db.Pool.Query(ctx, `SELECT tenant_id || ' ' || type || ' ' || subject_id FROM events ORDER BY id`)
+	require.NoError(t, err)
+	events, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	require.Equal(t, []string{"ten_1 node.adopted n-done", "ten_1 node.acceptance_failed n-late"}, events)
+}
