@@ -53,10 +53,10 @@ type JoinTokenRefusal struct {
 // Error returns a sentence fit for the caller, e.g. "join token is used up
 // (10 of 10 uses)".
 func (e *JoinTokenRefusal) Error() string {
-	switch e.Reason {
-	case ErrJoinTokenExpired:
+	switch {
+	case errors.Is(e.Reason, ErrJoinTokenExpired):
 		return fmt.Sprintf("join token expired at %s", e.Token.ExpiresAt.UTC().Format(time.RFC3339))
-	case ErrJoinTokenUsedUp:
+	case errors.Is(e.Reason, ErrJoinTokenUsedUp):
 		return fmt.Sprintf("join token is used up (%d of %d uses)", e.Token.Uses, e.Token.MaxUses)
 	default:
 		return e.Reason.Error()

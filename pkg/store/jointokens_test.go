@@ -1,6 +1,7 @@
 package store_test
 
 import (
+	"errors"
 	"sync"
 	"testing"
 	"time"
@@ -108,7 +109,7 @@ func TestUseJoinTokenRace(t *testing.T) {
 		switch {
 		case err == nil:
 			okCount++
-		case errorsIsUsedUp(err):
+		case errors.Is(err, store.ErrJoinTokenUsedUp):
 			usedUp++
 		default:
 			t.Fatalf("unexpected error: %v", err)
@@ -122,9 +123,4 @@ func TestUseJoinTokenRace(t *testing.T) {
 	nodes, err := store.ListNodes(ctx, f.db.Pool, store.NodeFilter{PoolID: f.pool.ID})
 	require.NoError(t, err)
 	require.Len(t, nodes, 10)
-}
-
-func errorsIsUsedUp(err error) bool {
-	r, ok := err.(*store.JoinTokenRefusal)
-	return ok && r.Reason == store.ErrJoinTokenUsedUp
 }

@@ -53,15 +53,14 @@ func (r runner) run(t *testing.T, args ...string) result {
 
 // fleet is an API server over a database with a tenant, a pool and nodes.
 type fleet struct {
-	db                *store.DB
-	url               string
-	tenant            string
-	root, viewer      string
-	siteID, poolID    string
-	now               time.Time
-	adopted, failed   string
-	joining           string
-	otherTenantPoolID string
+	db              *store.DB
+	url             string
+	tenant          string
+	root, viewer    string
+	siteID, poolID  string
+	now             time.Time
+	adopted, failed string
+	joining         string
 }
 
 func newFleet(t *testing.T) *fleet {
