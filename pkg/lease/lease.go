@@ -158,7 +158,9 @@ func (l *Lease) hold(ctx context.Context, log *slog.Logger, validUntil time.Time
 		select {
 		case <-ctx.Done():
 			cancel()
-			<-done
+			if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
+				log.Warn("leased function ended with an error at shutdown", "err", err)
+			}
 			l.releaseQuietly(ctx, log)
 			return nil
 		case err := <-done:
