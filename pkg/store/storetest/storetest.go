@@ -12,7 +12,10 @@ package storetest
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
+	"io/fs"
 	"net/url"
 	"os"
 	"strings"
@@ -29,14 +32,14 @@ import (
 	"github.com/better-compute/better-compute/pkg/store"
 )
 
-const templateDB = "bc_template"
-
 var (
-	once      sync.Once
-	serverURL string
-	setupErr  error
-	container testcontainers.Container
-	counter   atomic.Int64
+	// templateDB is the migrated template every test database copies.
+	templateDB string
+	once       sync.Once
+	serverURL  string
+	setupErr   error
+	container  testcontainers.Container
+	counter    atomic.Int64
 )
 
 // Image is the Postgres image used when BC_TEST_DATABASE_URL is unset.
@@ -82,15 +85,51 @@ func setup() {
 		return
 	}
 	defer conn.Exec(ctx, `SELECT pg_advisory_unlock(424242)`)
-	_, _ = conn.Exec(ctx, `DROP DATABASE IF EXISTS `+templateDB+` WITH (FORCE)`)
-	if _, err := conn.Exec(ctx, `CREATE DATABASE `+templateDB); err != nil {
-		setupErr = fmt.Errorf("create template database: %w", err)
-		return
-	}
-	if err := store.MigrateUp(withDB(serverURL, templateDB)); err != nil {
+	// The template is named after the migrations it holds and never dropped:
+	// other test processes may be copying it right now. It is built under a
+	// temporary name and renamed once migrated, so it is never seen half-made.
+	templateDB = templateName()
+	var exists bool
+	if err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)`, templateDB).Scan(&exists); err != nil {
 		setupErr = err
 		return
 	}
+	if exists {
+		return
+	}
+	building := templateDB + "_building"
+	_, _ = conn.Exec(ctx, `DROP DATABASE IF EXISTS `+building+` WITH (FORCE)`)
+	if _, err := conn.Exec(ctx, `CREATE DATABASE `+building); err != nil {
+		setupErr = fmt.Errorf("create template database: %w", err)
+		return
+	}
+	if err := store.MigrateUp(withDB(serverURL, building)); err != nil {
+		setupErr = err
+		return
+	}
+	for attempt := 0; ; attempt++ {
+		_, err := conn.Exec(ctx, `ALTER DATABASE `+building+` RENAME TO `+templateDB)
+		// The migrator's connection may still be closing; retry.
+		if err == nil || attempt > 50 || !strings.Contains(err.Error(), "being accessed by other users") {
+			if err != nil {
+				setupErr = fmt.Errorf("rename template database: %w", err)
+			}
+			return
+		}
+		_ = clock.Sleep(ctx, clock.New(), 100*time.Millisecond)
+	}
+}
+
+// templateName names the template after a hash of the embedded migrations.
+func templateName() string {
+	h := sha256.New()
+	entries, _ := fs.ReadDir(store.Migrations, "migrations")
+	for _, e := range entries {
+		b, _ := fs.ReadFile(store.Migrations, "migrations/"+e.Name())
+		h.Write([]byte(e.Name()))
+		h.Write(b)
+	}
+	return "bc_template_" + hex.EncodeToString(h.Sum(nil))[:16]
 }
 
 func connect(ctx context.Context, u string) (*pgx.Conn, error) {
