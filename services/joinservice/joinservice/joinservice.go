@@ -238,7 +238,11 @@ func (s *Server) mapError(ctx context.Context, err error) error {
 		if errors.Is(err, store.ErrJoinTokenUnknown) {
 			code = connect.CodeUnauthenticated
 		}
-		s.logger.InfoContext(ctx, "join refused", "reason", refusal.Error(), "join_token.id", refusal.Token.ID)
+		attrs := []any{"reason", refusal.Error()}
+		if refusal.Token.ID != "" {
+			attrs = append(attrs, "join_token.id", refusal.Token.ID, telemetry.KeyPoolID, refusal.Token.PoolID)
+		}
+		s.logger.InfoContext(ctx, "join refused", attrs...)
 		return connect.NewError(code, refusal)
 	}
 	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
