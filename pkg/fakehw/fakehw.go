@@ -294,7 +294,7 @@ func (m *Machine) Run(kind string, args []byte) (*gatewayv1.CommandResult, time.
 		}
 		if len(args) > 0 {
 			if err := json.Unmarshal(args, &a); err != nil {
-				return nil, d, fmt.Errorf("logs.collect: args must be a JSON object: %v", err)
+				return nil, d, fmt.Errorf("logs.collect: args must be a JSON object: %w", err)
 			}
 		}
 		n := 20

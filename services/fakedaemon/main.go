@@ -12,7 +12,7 @@
 //	--nodes N                  BC_NODES                machines in this process, each in <data-dir>/<i> (1)
 //	--gateway-url URL          BC_GATEWAY_URL          overrides the JoinResponse's gateway URL
 //	--gateway-server-name NAME BC_GATEWAY_SERVER_NAME  overrides the TLS server name of the gateway
-//	--health-listen ADDR       BC_HEALTH_LISTEN        /healthz server (:8085; empty for none)
+//	--health-listen ADDR       BC_HEALTH_LISTEN        /healthz server (:8085; --health-listen= for none)
 //
 // `fakedaemon healthcheck [URL]` probes http://127.0.0.1:8085/healthz, which
 // answers 200 once every machine has joined. A refused Join (bad, expired,
@@ -71,10 +71,6 @@ func parseConfig(args []string) (fakedaemon.Config, error) {
 			return cfg, fmt.Errorf("BC_NODES: %w", err)
 		}
 	}
-	healthDefault := fakedaemon.DefaultHealthListen
-	if v, ok := os.LookupEnv("BC_HEALTH_LISTEN"); ok {
-		healthDefault = v
-	}
 	fs.StringVar(&cfg.JoinURL, "join-url", service.Env("BC_JOIN_URL", fakedaemon.DefaultJoinURL), "JoinService base URL")
 	fs.StringVar(&cfg.TokenFile, "token-file", os.Getenv("BC_JOIN_TOKEN_FILE"), "file holding the join token (waited for)")
 	fs.DurationVar(&cfg.TokenWait, "token-wait", tokenWait, "how long to wait for the token file to appear")
@@ -83,7 +79,7 @@ func parseConfig(args []string) (fakedaemon.Config, error) {
 	fs.IntVar(&cfg.Nodes, "nodes", nodes, "machines to run in this process")
 	fs.StringVar(&cfg.GatewayURL, "gateway-url", os.Getenv("BC_GATEWAY_URL"), "override the gateway URL of the JoinResponse")
 	fs.StringVar(&cfg.GatewayServerName, "gateway-server-name", os.Getenv("BC_GATEWAY_SERVER_NAME"), "override the gateway's TLS server name")
-	fs.StringVar(&cfg.HealthListen, "health-listen", healthDefault, "address of the /healthz server (empty for none)")
+	fs.StringVar(&cfg.HealthListen, "health-listen", service.Env("BC_HEALTH_LISTEN", fakedaemon.DefaultHealthListen), "address of the /healthz server (empty for none)")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
 	}

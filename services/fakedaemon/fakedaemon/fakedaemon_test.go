@@ -6,6 +6,7 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -246,8 +247,11 @@ func (g *fakeGateway) Session(ctx context.Context, stream *connect.BidiStream[ga
 			}
 		case <-s.kick:
 			return connect.NewError(connect.CodeUnavailable, errors.New("gateway going away"))
-		case <-recvErr:
-			return nil
+		case err := <-recvErr:
+			if errors.Is(err, io.EOF) {
+				return nil
+			}
+			return err
 		case <-ctx.Done():
 			return ctx.Err()
 		}
@@ -635,4 +639,16 @@ func TestHealthServer(t *testing.T) {
 	waitEstablished(t, r)
 	url := "http://" + ln.Addr().String() + "/healthz"
 	require.Eventually(t, func() bool { return service.Healthcheck(url) == 0 }, waitFor, tick)
+}
+
+func TestDataDirInUse(t *testing.T) {
+	cp := newControlPlane(t, 2)
+	dir := t.TempDir()
+	r, _ := start(t, cp.config(dir, 1), fakedaemon.Deps{})
+	waitEstablished(t, r)
+	r2, err := fakedaemon.New(cp.config(dir, 1), fakedaemon.Deps{})
+	require.NoError(t, err)
+	require.ErrorContains(t, r2.Run(t.Context()), "in use by another fakedaemon")
+	_, uses := cp.join.stats()
+	require.Equal(t, 1, uses)
 }

@@ -120,6 +120,11 @@ func (m *Machine) run(ctx context.Context) error {
 	if err := os.MkdirAll(m.dir, 0o700); err != nil {
 		return fmt.Errorf("machine %d: %w", m.index, err)
 	}
+	unlock, err := lockDir(m.dir)
+	if err != nil {
+		return fmt.Errorf("machine %d: %w", m.index, err)
+	}
+	defer unlock()
 	machineID, err := loadOrCreateMachineID(m.dir)
 	if err != nil {
 		return fmt.Errorf("machine %d: machine id: %w", m.index, err)

@@ -13,9 +13,10 @@
 // A machine's directory (DataDir/<index>) holds: machine-id, node.key (0600),
 // node.crt, node-ca.crt, serving-ca.crt, node.json (written last: the Join
 // completed), boot (the boot counter; every process start is a boot),
-// journal.jsonl and journal.epoch (see FileJournal). A restart reuses the
-// identity and never joins again; deleting journal.jsonl simulates a journal
-// loss.
+// journal.jsonl and journal.epoch (see FileJournal), and lock (held while the
+// machine runs, so two processes never share an identity). A restart reuses
+// the identity and never joins again; deleting journal.jsonl simulates a
+// journal loss.
 //
 // To run machines in-process (tests, `better-compute dev --sim N`), call
 // Start and read the handles from Runner.Machines.

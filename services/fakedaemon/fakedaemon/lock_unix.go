@@ -1,0 +1,35 @@
+//go:build unix
+
+package fakedaemon
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"syscall"
+)
+
+// LockFile is the file a running machine holds an exclusive lock on, so
+// that two processes never drive the same identity.
+const LockFile = "lock"
+
+// lockDir takes the exclusive lock of a machine directory; release it with
+// the returned function. It fails when another process holds it.
+func lockDir(dir string) (func(), error) {
+	f, err := os.OpenFile(filepath.Join(dir, LockFile), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		f.Close()
+		if errors.Is(err, syscall.EWOULDBLOCK) {
+			return nil, fmt.Errorf("%s is in use by another fakedaemon (give each replica its own --data-dir)", dir)
+		}
+		return nil, err
+	}
+	return func() {
+		_ = syscall.Flock(int(f.Fd()), syscall.LOCK_UN)
+		f.Close()
+	}, nil
+}
