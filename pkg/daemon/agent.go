@@ -20,7 +20,7 @@
 //     Welcome.heartbeat_interval, reconnect with exponential backoff and full
 //     jitter, reset after a session lasted Config.BackoffResetAfter;
 //   - commands run at most once: journaled before they run, answered from the
-//     journal when redelivered, expired without running past their deadline,
+//     journal when redelivered, failed without running past their deadline,
 //     failed instead of run after a journal loss unless retry-safe, failed
 //     as interrupted when the Agent restarts (or the machine reboots) while
 //     they run;
@@ -59,7 +59,8 @@ const (
 	// ErrTextJournalLost is the error of a command that is not retry-safe and
 	// may have run before the daemon lost its journal.
 	ErrTextJournalLost = "journal lost: the command may have run before the daemon lost its journal, so it is not run again"
-	// ErrTextExpired is the error of a command received after its deadline.
+	// ErrTextExpired is the error of a command received after its deadline
+	// (reported FAILED, never run).
 	ErrTextExpired = "deadline passed before the command started"
 	// ErrTextInterrupted is the error of a command that was running when the
 	// daemon restarted.
@@ -113,7 +114,7 @@ type Config struct {
 	RebootDowntime time.Duration
 	// JournalRetention is how long past its deadline a finished command
 	// stays in the journal (default 10 min). Past its deadline a command is
-	// answered EXPIRED without running, so pruning it is safe.
+	// answered FAILED without running, so pruning it is safe.
 	JournalRetention time.Duration
 	// HelloJournalMax is how many of the latest journal entries Hello
 	// carries (default 256).
@@ -634,7 +635,9 @@ func (a *Agent) command(now time.Time, o *out, c *gatewayv1.Command) {
 		return
 	}
 	if !e.Deadline.IsZero() && now.After(e.Deadline) {
-		a.conclude(now, o, e, gatewayv1.CommandState_COMMAND_STATE_EXPIRED, ErrTextExpired)
+		// FAILED rather than EXPIRED: the gateway contract takes RUNNING,
+		// SUCCEEDED and FAILED from daemons; expiry is the control plane's.
+		a.conclude(now, o, e, gatewayv1.CommandState_COMMAND_STATE_FAILED, ErrTextExpired)
 		return
 	}
 	e.State = gatewayv1.CommandState_COMMAND_STATE_RUNNING

@@ -191,7 +191,6 @@ const (
 	running   = gatewayv1.CommandState_COMMAND_STATE_RUNNING
 	succeeded = gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED
 	failed    = gatewayv1.CommandState_COMMAND_STATE_FAILED
-	expired   = gatewayv1.CommandState_COMMAND_STATE_EXPIRED
 )
 
 func TestNewValidates(t *testing.T) {
@@ -383,12 +382,12 @@ func TestExpiredCommandDoesNotRun(t *testing.T) {
 	h.receive(cmd(id, "logs.collect", h.now.Add(-time.Second), false))
 	u := updates(h.take())
 	require.Len(t, u, 1)
-	require.Equal(t, expired, u[0].GetState())
+	require.Equal(t, failed, u[0].GetState())
 	require.Equal(t, daemon.ErrTextExpired, u[0].GetError())
 	require.Zero(t, h.hw.runs["logs.collect"])
 	e, ok := h.j.Get(id)
 	require.True(t, ok)
-	require.Equal(t, expired, e.State)
+	require.Equal(t, failed, e.State)
 }
 
 func TestJournalLoss(t *testing.T) {
@@ -665,7 +664,8 @@ func TestJournalPruning(t *testing.T) {
 	h.take()
 	h.receive(cmd(oldID, "inventory.refresh", t0.Add(time.Minute), false))
 	u := updates(h.take())
-	require.Equal(t, expired, u[0].GetState())
+	require.Equal(t, failed, u[0].GetState())
+	require.Equal(t, daemon.ErrTextExpired, u[0].GetError())
 	require.Equal(t, 2, h.hw.runs["inventory.refresh"])
 }
 

@@ -17,12 +17,12 @@ type Entry struct {
 	Kind string
 	// RetrySafe is the command's retry_safe flag.
 	RetrySafe bool
-	// State is the last state the daemon reached: RUNNING, SUCCEEDED,
-	// FAILED or EXPIRED.
+	// State is the last state the daemon reached: RUNNING, SUCCEEDED or
+	// FAILED (the Agent never reports EXPIRED; see ErrTextExpired).
 	State gatewayv1.CommandState
 	// Result is the result of a SUCCEEDED command. Treat it as immutable.
 	Result *gatewayv1.CommandResult
-	// Error says why a FAILED or EXPIRED command did not succeed.
+	// Error says why a FAILED command did not succeed.
 	Error string
 	// Deadline is the command's deadline (zero when it had none).
 	Deadline time.Time
