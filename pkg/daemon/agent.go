@@ -7,9 +7,11 @@
 // inputs always yield the same Effects. Drivers feed it inputs — Start,
 // Connected, Disconnected, Receive and Tick, each with the current time —
 // and carry out the Effects it returns in order: send a message, dial the
-// gateway, close a session, call Tick again at a time. The fakedaemon drives
+// gateway, close a session, call Tick again at a time. Effects of an input
+// made while carrying out a batch (Connected after EffectDial, Disconnected
+// after a failed send) go after the rest of that batch. The fakedaemon drives
 // it in real time over HTTP/2; the fleet simulator drives thousands of Agents
-// from one goroutine on a virtual clock.
+// from one goroutine on a virtual clock (see Example).
 //
 // Sessions are numbered: every EffectDial carries a new number, and inputs for
 // any other number are stale and ignored, so a driver never has to cancel

@@ -25,7 +25,10 @@ const (
 	EffectClose
 	// EffectTimer asks the driver to call Tick at At, replacing any earlier
 	// request. A zero At means no timer is needed. Early or extra Tick calls
-	// are harmless.
+	// are harmless. Carry out effects first in, first out (effects of an
+	// input made while carrying out a batch go after the rest of the batch),
+	// so the last EffectTimer seen is current; or ignore EffectTimer and
+	// schedule Agent.NextTimer after every batch.
 	EffectTimer
 	// EffectReboot tells the driver the machine has just rebooted: BootID is
 	// the new boot id (a driver may persist the boot counter). The Agent
