@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -364,10 +365,28 @@ func TestJoinSessionCommandsAndSpec(t *testing.T) {
 		hello := cp.gw.helloes(st.NodeID)[0]
 		require.Equal(t, st.BootID, hello.GetBootId())
 		require.Equal(t, fakedaemon.Version, hello.GetAgentVersion())
-		// The key is owner-only.
+		// The key is owner-only; the identity records what the Join said.
 		fi, err := os.Stat(filepath.Join(m.Dir(), fakedaemon.KeyFile))
 		require.NoError(t, err)
 		require.Equal(t, os.FileMode(0o600), fi.Mode().Perm())
+		for _, f := range []string{fakedaemon.MachineIDFile, fakedaemon.CertFile, fakedaemon.NodeCAFile, fakedaemon.ServingCAFile, fakedaemon.BootFile, fakedaemon.JournalFile, fakedaemon.JournalEpochFile} {
+			require.FileExists(t, filepath.Join(m.Dir(), f))
+		}
+		raw, err := os.ReadFile(filepath.Join(m.Dir(), fakedaemon.NodeFile))
+		require.NoError(t, err)
+		var ident fakedaemon.Identity
+		require.NoError(t, json.Unmarshal(raw, &ident))
+		require.Equal(t, st.NodeID, ident.NodeID)
+		require.Equal(t, st.MachineID, ident.MachineID)
+		require.Equal(t, cp.gwURL, ident.GatewayURL)
+		require.Equal(t, "localhost", ident.GatewayServerName)
+		require.Equal(t, "pool_test", ident.PoolID)
+		require.Equal(t, trustDomain, ident.TrustDomain)
+		cert, err := pki.LoadCert(filepath.Join(m.Dir(), fakedaemon.CertFile))
+		require.NoError(t, err)
+		certNode, err := pki.NodeIDFromCert(cert, trustDomain)
+		require.NoError(t, err)
+		require.Equal(t, st.NodeID, certNode)
 	}
 	_, uses := cp.join.stats()
 	require.Equal(t, 3, uses)
