@@ -479,3 +479,98 @@ func TestHTTPSurface(t *testing.T) {
 	require.Equal(t, http.StatusNotFound, resp.StatusCode, "the services live under /api/compute only")
 	require.NoError(t, resp.Body.Close())
 }
+
+// TestEveryRPC checks each RPC's refusals: no token → Unauthenticated, and
+// (where the request has fields) bad input → InvalidArgument naming the
+// field, even for a root administrator.
+func TestEveryRPC(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	long := strings.Repeat("x", 65)
+	type call func(c clients, bad bool) error
+	calls := map[string]struct {
+		call  call
+		field string // empty: the request has no field to get wrong
+	}{
+		"ListNodes": {func(c clients, bad bool) error {
+			r := &computev1.ListNodesRequest{}
+			if bad {
+				r.PageSize = 10001
+			}
+			_, err := c.nodes.ListNodes(ctx, connect.NewRequest(r))
+			return err
+		}, "page_size"},
+		"GetNode": {func(c clients, bad bool) error {
+			r := &computev1.GetNodeRequest{NodeId: "node_x"}
+			if bad {
+				r.NodeId = long
+			}
+			_, err := c.nodes.GetNode(ctx, connect.NewRequest(r))
+			return err
+		}, "node_id"},
+		"CreateSite": {func(c clients, bad bool) error {
+			r := &computev1.CreateSiteRequest{Name: "s"}
+			if bad {
+				r.Name = "-bad-"
+			}
+			_, err := c.pools.CreateSite(ctx, connect.NewRequest(r))
+			return err
+		}, "name"},
+		"ListSites": {func(c clients, _ bool) error {
+			_, err := c.pools.ListSites(ctx, connect.NewRequest(&computev1.ListSitesRequest{}))
+			return err
+		}, ""},
+		"CreatePool": {func(c clients, bad bool) error {
+			r := &computev1.CreatePoolRequest{SiteId: f.site.ID, Name: "p", Kind: "metal-host",
+				Acceptance: &computev1.Acceptance{Check: "diag.nvml"}}
+			if bad {
+				r.Acceptance.GpuModel = long
+			}
+			_, err := c.pools.CreatePool(ctx, connect.NewRequest(r))
+			return err
+		}, "acceptance.gpu_model"},
+		"ListPools": {func(c clients, bad bool) error {
+			r := &computev1.ListPoolsRequest{}
+			if bad {
+				r.SiteId = long
+			}
+			_, err := c.pools.ListPools(ctx, connect.NewRequest(r))
+			return err
+		}, "site_id"},
+		"CreateJoinToken": {func(c clients, bad bool) error {
+			r := &computev1.CreateJoinTokenRequest{PoolId: f.acmePool, MaxUses: 1, TtlSeconds: 60}
+			if bad {
+				r.MaxUses = 100001
+			}
+			_, err := c.tokens.CreateJoinToken(ctx, connect.NewRequest(r))
+			return err
+		}, "max_uses"},
+		"ListJoinTokens": {func(c clients, bad bool) error {
+			r := &computev1.ListJoinTokensRequest{}
+			if bad {
+				r.PoolId = long
+			}
+			_, err := c.tokens.ListJoinTokens(ctx, connect.NewRequest(r))
+			return err
+		}, "pool_id"},
+		"RevokeJoinToken": {func(c clients, bad bool) error {
+			r := &computev1.RevokeJoinTokenRequest{JoinTokenId: "jt_x"}
+			if bad {
+				r.JoinTokenId = ""
+			}
+			_, err := c.tokens.RevokeJoinToken(ctx, connect.NewRequest(r))
+			return err
+		}, "join_token_id"},
+	}
+	require.Len(t, calls, len(api.Policy), "every RPC is exercised")
+	anon, root := f.as(""), f.as(f.tokens["root"])
+	for name, tc := range calls {
+		t.Run(name, func(t *testing.T) {
+			requireCode(t, tc.call(anon, false), connect.CodeUnauthenticated, "missing bearer token")
+			if tc.field != "" {
+				requireCode(t, tc.call(root, true), connect.CodeInvalidArgument, tc.field+":")
+			}
+		})
+	}
+}
