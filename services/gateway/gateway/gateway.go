@@ -250,7 +250,14 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		MinVersion:   tls.VersionTLS13,
 	}
 	mux := http.NewServeMux()
-	mux.Handle(gatewayv1connect.NewGatewayServiceHandler(s, service.HandlerOptions(s.log)...))
+	// Session deliberately runs without service.HandlerOptions: an
+	// otelconnect span would live as long as the session (hours) and
+	// collect an event per message, gateway.proto has no protovalidate
+	// rules, and maskInternal covers unary calls only (Session returns
+	// explicit Connect codes). Together they cost about 6 KiB per idle
+	// session (BenchmarkIdleSessionMemory). Database calls are still
+	// traced by otelpgx.
+	mux.Handle(gatewayv1connect.NewGatewayServiceHandler(s))
 	mux.Handle(grpchealth.NewHandler(grpchealth.NewStaticChecker(gatewayv1connect.GatewayServiceName)))
 	s.handler = s.peerMiddleware(mux)
 	return s, nil
@@ -382,8 +389,12 @@ func (s *Server) newHTTPServer() *http.Server {
 			MaxConcurrentStreams:          16,
 			MaxReceiveBufferPerStream:     256 << 10,
 			MaxReceiveBufferPerConnection: 512 << 10,
-			SendPingTimeout:               s.cfg.IdleTimeout,
-			PingTimeout:                   15 * time.Second,
+			// Tiny HPACK tables: a session sends one set of headers, so
+			// dynamic tables would only hold memory for its lifetime.
+			MaxDecoderHeaderTableSize: 1,
+			MaxEncoderHeaderTableSize: 1,
+			SendPingTimeout:           s.cfg.IdleTimeout,
+			PingTimeout:               15 * time.Second,
 		},
 		ErrorLog: slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
 	}

@@ -3,14 +3,17 @@ package gateway_test
 // Memory per idle session. BenchmarkIdleSessionMemory runs a gateway in this
 // process and N daemons (default 1000, env BC_BENCH_SESSIONS) in a child
 // process (this test binary re-executed as TestBenchClientProcess), so the
-// gateway's heap and stacks are measured without the clients': after all
-// sessions said Hello and got Welcome, it reports the growth of
-// HeapInuse+StackInuse per session (B/session) and goroutines per session.
+// gateway's heap and stacks are measured without the clients'. Once every
+// session got its Welcome it reports, per session, the growth of
+// HeapInuse+StackInuse (B/session), of HeapAlloc+StackInuse
+// (live-B/session) and of goroutines:
 //
 //	go test -run '^$' -bench IdleSessionMemory -benchtime 1x ./services/gateway/gateway/
 //
-// (with BC_TEST_DATABASE_URL set, or a local better-compute/postgres:15
-// image).
+// with BC_TEST_DATABASE_URL set (or the better-compute/postgres:15 image).
+// BC_BENCH_HEAPPROFILE=FILE also writes heap profiles at full sampling rate
+// before (FILE.base) and after (FILE); compare them with
+// `go tool pprof -diff_base FILE.base FILE`.
 
 import (
 	"bufio"
@@ -24,6 +27,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"sync"
@@ -47,18 +51,28 @@ const (
 	benchCAEnv     = "BC_GATEWAY_BENCH_CA"     // serving CA file
 )
 
-// IdleSessionMemory is the result of MeasureIdleSessions.
+// IdleSessionMemory is the result of MeasureIdleSessions: the gateway's
+// growth per idle session, in a steady state (see memNow).
 type IdleSessionMemory struct {
 	Sessions int
-	// BytesPerSession is the growth of HeapInuse+StackInuse per session.
+	// BytesPerSession is the growth of HeapInuse+StackInuse: heap spans in
+	// use (live objects plus the fragmentation around them) and stacks.
 	BytesPerSession float64
-	// GoroutinesPerSession is the growth of goroutines per session.
+	// LiveBytesPerSession is the growth of HeapAlloc+StackInuse: live
+	// objects and stacks.
+	LiveBytesPerSession float64
+	// HeapPerSession and StackPerSession split BytesPerSession.
+	HeapPerSession, StackPerSession float64
+	// GoroutinesPerSession is the growth of goroutines.
 	GoroutinesPerSession float64
 }
 
 // MeasureIdleSessions opens n idle sessions from a child process against a
 // gateway running in this process and measures the gateway's memory growth.
 func MeasureIdleSessions(tb testing.TB, n int) IdleSessionMemory {
+	if os.Getenv("BC_BENCH_HEAPPROFILE") != "" {
+		runtime.MemProfileRate = 1
+	}
 	e := setup(tb, options{})
 	g := e.startGateway(gateway.Config{ResyncInterval: 5 * time.Second, HeartbeatInterval: time.Hour})
 
@@ -86,6 +100,12 @@ func MeasureIdleSessions(tb testing.TB, n int) IdleSessionMemory {
 	require.NoError(tb, os.WriteFile(filepath.Join(dir, "nodes.txt"), []byte(lines.String()), 0o600))
 
 	before := memNow()
+	if path := os.Getenv("BC_BENCH_HEAPPROFILE"); path != "" {
+		f, err := os.Create(path + ".base")
+		require.NoError(tb, err)
+		require.NoError(tb, pprof.WriteHeapProfile(f))
+		require.NoError(tb, f.Close())
+	}
 	cmd := exec.Command(os.Args[0], "-test.run=^TestBenchClientProcess$", "-test.timeout=10m")
 	cmd.Env = append(os.Environ(), benchClientEnv+"="+dir, benchAddrEnv+"="+g.addr,
 		benchCAEnv+"="+filepath.Join(e.pkiDir, pki.ServingCACert))
@@ -110,24 +130,40 @@ func MeasureIdleSessions(tb testing.TB, n int) IdleSessionMemory {
 	require.True(tb, ready, "client process did not get ready")
 	require.Eventually(tb, func() bool { return g.srv.Sessions() == n }, time.Minute, 50*time.Millisecond)
 	after := memNow()
+	if path := os.Getenv("BC_BENCH_HEAPPROFILE"); path != "" {
+		f, err := os.Create(path)
+		require.NoError(tb, err)
+		require.NoError(tb, pprof.WriteHeapProfile(f))
+		require.NoError(tb, f.Close())
+	}
+	per := func(a, b int64) float64 { return float64(a-b) / float64(n) }
 	return IdleSessionMemory{
 		Sessions:             n,
-		BytesPerSession:      float64(after.bytes-before.bytes) / float64(n),
-		GoroutinesPerSession: float64(after.goroutines-before.goroutines) / float64(n),
+		BytesPerSession:      per(after.heapInuse+after.stack, before.heapInuse+before.stack),
+		LiveBytesPerSession:  per(after.heapAlloc+after.stack, before.heapAlloc+before.stack),
+		HeapPerSession:       per(after.heapInuse, before.heapInuse),
+		StackPerSession:      per(after.stack, before.stack),
+		GoroutinesPerSession: per(int64(after.goroutines), int64(before.goroutines)),
 	}
 }
 
 type memSample struct {
-	bytes      int64
-	goroutines int
+	heapInuse, heapAlloc, stack int64
+	goroutines                  int
 }
 
+// memNow samples memory in a steady state: after enough collections that
+// idle goroutines' stacks have shrunk (each GC can halve a stack that uses
+// less than a quarter of it) and sync.Pools have been emptied, as they are in
+// a gateway that has been running for a few minutes.
 func memNow() memSample {
-	runtime.GC()
-	runtime.GC()
+	for range 8 {
+		runtime.GC()
+	}
 	var ms runtime.MemStats
 	runtime.ReadMemStats(&ms)
-	return memSample{bytes: int64(ms.HeapInuse + ms.StackInuse), goroutines: runtime.NumGoroutine()}
+	return memSample{heapInuse: int64(ms.HeapInuse), heapAlloc: int64(ms.HeapAlloc), stack: int64(ms.StackInuse),
+		goroutines: runtime.NumGoroutine()}
 }
 
 func BenchmarkIdleSessionMemory(b *testing.B) {
@@ -142,9 +178,10 @@ func BenchmarkIdleSessionMemory(b *testing.B) {
 		m = MeasureIdleSessions(b, n)
 	}
 	b.ReportMetric(m.BytesPerSession, "B/session")
+	b.ReportMetric(m.LiveBytesPerSession, "live-B/session")
 	b.ReportMetric(m.GoroutinesPerSession, "goroutines/session")
-	b.Logf("%d idle sessions: %.0f B/session (%.1f KiB), %.2f goroutines/session",
-		n, m.BytesPerSession, m.BytesPerSession/1024, m.GoroutinesPerSession)
+	b.Logf("%d idle sessions: %.1f KiB/session (heap %.1f KiB, stacks %.1f KiB; live objects and stacks %.1f KiB), %.2f goroutines/session",
+		n, m.BytesPerSession/1024, m.HeapPerSession/1024, m.StackPerSession/1024, m.LiveBytesPerSession/1024, m.GoroutinesPerSession)
 }
 
 // TestBenchClientProcess is the daemons' side of MeasureIdleSessions; it
