@@ -102,6 +102,15 @@ func (l *Lease) Release(ctx context.Context) error {
 	return err
 }
 
+// tryDetached is TryAcquire with a context that ctx's cancellation does not
+// reach, bounded by TTL/3: a query abandoned mid-flight could still take
+// the lease on the server after Run released it on shutdown.
+func (l *Lease) tryDetached(ctx context.Context) (bool, error) {
+	qctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.ttl()/3)
+	defer cancel()
+	return l.TryAcquire(qctx)
+}
+
 // errLost ends one tenure of Run.
 var errLost = errors.New("lease lost")
 
@@ -118,7 +127,7 @@ func (l *Lease) Run(ctx context.Context, fn func(ctx context.Context) error) err
 	log := l.logger().With("lease", l.Name, "holder", l.Holder)
 	for {
 		start := l.now()
-		ok, err := l.TryAcquire(ctx)
+		ok, err := l.tryDetached(ctx)
 		if ctx.Err() != nil {
 			if ok {
 				l.releaseQuietly(ctx, log)
@@ -171,7 +180,7 @@ func (l *Lease) hold(ctx context.Context, log *slog.Logger, validUntil time.Time
 			return err
 		case <-tick.C():
 			start := l.now()
-			ok, err := l.TryAcquire(ctx)
+			ok, err := l.tryDetached(ctx)
 			switch {
 			case ctx.Err() != nil:
 				continue // the ctx.Done case releases
