@@ -34,12 +34,12 @@ import (
 
 var (
 	// templateDB is the migrated template every test database copies.
-	templateDB string
-	once       sync.Once
-	serverURL  string
-	setupErr   error
-	container  testcontainers.Container
-	counter    atomic.Int64
+	templateDB  string
+	once        sync.Once
+	serverURL   string
+	setupErr    error
+	pgContainer testcontainers.Container
+	counter     atomic.Int64
 )
 
 // Image is the Postgres image used when BC_TEST_DATABASE_URL is unset.
@@ -54,19 +54,18 @@ func setup() {
 	ctx := context.Background()
 	serverURL = os.Getenv("BC_TEST_DATABASE_URL")
 	if serverURL == "" {
-		if os.Getenv("TESTCONTAINERS_RYUK_DISABLED") == "" {
-			os.Setenv("TESTCONTAINERS_RYUK_DISABLED", "true")
-		}
+		UseLocalDocker()
 		c, err := postgres.Run(ctx, Image(),
 			postgres.WithDatabase("bc"), postgres.WithUsername("bc"), postgres.WithPassword("bc"),
 			postgres.BasicWaitStrategies(),
 			testcontainers.WithEnv(map[string]string{"TZ": "UTC"}),
+			LoopbackPorts("5432/tcp"),
 		)
 		if err != nil {
 			setupErr = fmt.Errorf("start postgres container from %s (run `make images`): %w", Image(), err)
 			return
 		}
-		container = c
+		pgContainer = c
 		serverURL, err = c.ConnectionString(ctx, "sslmode=disable")
 		if err != nil {
 			setupErr = err
@@ -219,7 +218,7 @@ func New(t testing.TB, clk clock.Clock) *store.DB {
 // Stop terminates the container started for this process, if any. Call it at
 // the end of TestMain.
 func Stop() {
-	if container != nil {
-		_ = container.Terminate(context.Background())
+	if pgContainer != nil {
+		_ = pgContainer.Terminate(context.Background())
 	}
 }
