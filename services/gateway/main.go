@@ -40,7 +40,7 @@ func main() {
 		os.Exit(service.Healthcheck(url))
 	}
 	if err := run(); err != nil {
-		fmt.Fprintln(os.Stderr, "gateway:", err)
+		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
 }
@@ -68,7 +68,7 @@ func readEnv() (env, error) {
 	var e env
 	e.database = os.Getenv("BETTER_COMPUTE_DATABASE_URL")
 	if e.database == "" {
-		return env{}, errors.New("BETTER_COMPUTE_DATABASE_URL is required")
+		return env{}, errors.New("gateway: BETTER_COMPUTE_DATABASE_URL is required")
 	}
 	e.nats = service.Env("BETTER_COMPUTE_NATS_URL", nats.DefaultURL)
 	e.cfg = gateway.Config{
@@ -89,7 +89,7 @@ func readEnv() (env, error) {
 	} {
 		v, err := service.EnvDuration(d.key, d.def)
 		if err != nil {
-			return env{}, err
+			return env{}, fmt.Errorf("gateway: %w", err)
 		}
 		*d.dst = v
 	}
@@ -101,7 +101,7 @@ func run() error {
 	defer stop()
 	logger, shutdownTracing, err := telemetry.Setup(ctx, "gateway")
 	if err != nil {
-		return fmt.Errorf("telemetry: %w", err)
+		return fmt.Errorf("gateway: telemetry: %w", err)
 	}
 	defer func() {
 		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -115,12 +115,12 @@ func run() error {
 	clk := clock.New()
 	db, err := store.Open(ctx, e.database, clk, time.Minute, store.Options{})
 	if err != nil {
-		return err
+		return fmt.Errorf("gateway: %w", err)
 	}
 	defer db.Close()
 	nc, err := bus.Connect(e.nats, "gateway "+e.cfg.GatewayID, logger)
 	if err != nil {
-		return err
+		return fmt.Errorf("gateway: %w", err)
 	}
 	defer nc.Close()
 	srv, err := gateway.New(e.cfg, gateway.Deps{DB: db, NC: nc, Logger: logger, Clock: clk})

@@ -31,6 +31,7 @@ var (
 	errSilent       = connect.NewError(connect.CodeDeadlineExceeded, errors.New("no message from the node within the idle timeout"))
 	errNoHello      = connect.NewError(connect.CodeDeadlineExceeded, errors.New("no hello within the hello timeout"))
 	errShuttingDown = connect.NewError(connect.CodeUnavailable, errors.New("gateway is shutting down; reconnect"))
+	errPendingWork  = connect.NewError(connect.CodeUnavailable, errors.New("the gateway could not read the session's pending work; reconnect"))
 )
 
 // Delivery states of a session (session.state). A wake moves idle to
@@ -308,6 +309,7 @@ func (s *Server) hello(ctx context.Context, st *session, h *gatewayv1.Hello) (*g
 	}
 	s.mu.Unlock()
 	if older == st {
+		st.state.Store(stClosed) // no delivery ever ran
 		s.closeSession(st)
 		return nil, errSuperseded
 	}
@@ -411,6 +413,11 @@ func (s *Server) deliver(st *session) {
 	if err != nil {
 		if ctx.Err() == nil {
 			s.log.Warn("read pending work", telemetry.KeyNodeID, st.nodeID, telemetry.KeyError, err)
+		}
+		if st.inFlight {
+			// The periodic re-read only looks for queued commands: let the
+			// daemon reconnect so a new session resends the in-flight ones.
+			st.abort(errPendingWork)
 		}
 		return
 	}
