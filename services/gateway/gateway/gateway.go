@@ -13,9 +13,16 @@
 // last_seen through a batch that one loop flushes every FlushInterval.
 //
 // Memory per session is kept small for thousands of idle sessions: one
-// goroutine per stream (the Connect handler, blocked in Receive); sends run on
-// a short-lived goroutine started when a session is woken (one at a time per
-// session, wakes coalesce); timers and tickers are shared by all sessions.
+// goroutine of ours per stream (the Connect handler, blocked in Receive);
+// sends run on a short-lived goroutine started when a session is woken (one
+// at a time per session, wakes coalesce); timers and tickers are shared by
+// all sessions. BenchmarkIdleSessionMemory measures about 66 KiB per idle
+// session (38 KiB heap, 28 KiB stacks, 3 goroutines), nearly all of it
+// net/http's HTTP/2 server (a connection's serve and frame-reader
+// goroutines, a 4 KiB response buffer per stream, framer, request) and
+// crypto/tls (connection, AEAD state, the peer's certificates); the
+// gateway's own state is about 1 KiB (the session record, the request
+// copy that carries it, map entries).
 //
 // To handle a new daemon message, add a case to (*Server).handle; to send a
 // new kind of message, add it to (*Server).deliver so that it is covered by
