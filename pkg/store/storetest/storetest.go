@@ -83,7 +83,7 @@ func setup() {
 		setupErr = err
 		return
 	}
-	defer conn.Exec(ctx, `SELECT pg_advisory_unlock(424242)`)
+	defer func() { _, _ = conn.Exec(ctx, `SELECT pg_advisory_unlock(424242)`) }()
 	// The template is named after the migrations it holds and never dropped:
 	// other test processes may be copying it right now. It is built under a
 	// temporary name and renamed once migrated, so it is never seen half-made.

@@ -518,7 +518,10 @@ func TestPlainClientIsRefused(t *testing.T) {
 	p.SetHTTP2(true)
 	tr := &http.Transport{TLSClientConfig: e.clientTLSWithoutCert(), Protocols: &p}
 	t.Cleanup(tr.CloseIdleConnections)
-	_, err := (&http.Client{Transport: tr}).Get("https://" + g.addr + "/")
+	resp, err := (&http.Client{Transport: tr}).Get("https://" + g.addr + "/")
+	if resp != nil {
+		resp.Body.Close()
+	}
 	require.Error(t, err)
 }
 

@@ -76,8 +76,7 @@ type env struct {
 
 // options tune setup.
 type options struct {
-	clock  clock.Clock // real when nil
-	config gateway.Config
+	clock clock.Clock // real when nil
 }
 
 func setup(t testing.TB, o options) *env {

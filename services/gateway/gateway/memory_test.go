@@ -248,6 +248,6 @@ func TestBenchClientProcess(t *testing.T) {
 	for err := range errs {
 		require.NoError(t, err)
 	}
-	fmt.Println("ready")
+	fmt.Fprintln(os.Stdout, "ready")                  // the parent waits for this line
 	_, _ = bufio.NewReader(os.Stdin).ReadString('\n') // until the parent closes stdin
 }
