@@ -179,3 +179,34 @@ func UseJoinToken(ctx context.Context, q DBTX, hash []byte, now time.Time) (Join
 		// only what was committed when it started): try again.
 	}
 }
+
+// UseJoinTokenN counts up to n uses of the token whose secret hashes to hash,
+// for a batch of n joins in one transaction. It locks the token row (FOR
+// UPDATE), so concurrent batches queue behind each other and can never take
+// more than max_uses uses in all. It returns the token as it was before the
+// uses were counted and how many were granted (1 to n): the first granted
+// joins of the batch get them, the rest are refused as used up.
+//
+// Errors: a *JoinTokenRefusal (errors.Is ErrJoinTokenUnknown,
+// ErrJoinTokenRevoked, ErrJoinTokenExpired or ErrJoinTokenUsedUp) when no use
+// can be granted; nothing is counted then.
+func UseJoinTokenN(ctx context.Context, q DBTX, hash []byte, n int, now time.Time) (JoinToken, int, error) {
+	t, err := scanJoinToken(q.QueryRow(ctx, `SELECT `+joinTokenColumns+` FROM join_tokens WHERE hash = $1 FOR UPDATE`, hash))
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return JoinToken{}, 0, &JoinTokenRefusal{Reason: ErrJoinTokenUnknown}
+	case err != nil:
+		return JoinToken{}, 0, queryErr("lock join token", err)
+	case t.RevokedAt != nil:
+		return t, 0, &JoinTokenRefusal{Reason: ErrJoinTokenRevoked, Token: t}
+	case !t.ExpiresAt.After(now):
+		return t, 0, &JoinTokenRefusal{Reason: ErrJoinTokenExpired, Token: t}
+	case t.Uses >= t.MaxUses:
+		return t, 0, &JoinTokenRefusal{Reason: ErrJoinTokenUsedUp, Token: t}
+	}
+	granted := min(n, int(t.MaxUses-t.Uses))
+	if _, err := q.Exec(ctx, `UPDATE join_tokens SET uses = uses + $2 WHERE id = $1`, t.ID, granted); err != nil {
+		return JoinToken{}, 0, queryErr("use join token", err)
+	}
+	return t, granted, nil
+}

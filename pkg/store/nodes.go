@@ -203,3 +203,59 @@ func fillDevices(ctx context.Context, q DBTX, nodes []Node) error {
 	}
 	return nil
 }
+
+// CreateJoinedNodes inserts the nodes of a batch of joins (state
+// NodeJoining) and their certificates, nodes[i] with certs[i], in two
+// statements whatever the batch's size. Errors: ErrConflict when an id or
+// serial exists, ErrNotFound-like foreign key errors for a missing pool.
+func CreateJoinedNodes(ctx context.Context, q DBTX, nodes []NewNode, certs []NewNodeCert) error {
+	if len(nodes) != len(certs) {
+		return fmt.Errorf("create joined nodes: %d nodes but %d certificates", len(nodes), len(certs))
+	}
+	if len(nodes) == 0 {
+		return nil
+	}
+	var (
+		ids, pools, tokens, hosts, machines, variants, versions []string
+		created                                                 []time.Time
+	)
+	for _, n := range nodes {
+		ids = append(ids, n.ID)
+		pools = append(pools, n.PoolID)
+		tokens = append(tokens, n.JoinTokenID)
+		hosts = append(hosts, n.Hostname)
+		machines = append(machines, n.MachineID)
+		variants = append(variants, n.Variant)
+		versions = append(versions, n.AgentVersion)
+		created = append(created, n.CreatedAt)
+	}
+	_, err := q.Exec(ctx, `INSERT INTO nodes (id, pool_id, join_token_id, provision_state, hostname, machine_id,
+		variant, agent_version, created_at, updated_at)
+		SELECT id, pool_id, NULLIF(token, ''), $9, host, machine, variant, version, created, created
+		FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::timestamptz[])
+			AS t(id, pool_id, token, host, machine, variant, version, created)`,
+		ids, pools, tokens, hosts, machines, variants, versions, created, NodeJoining)
+	if err != nil {
+		return queryErr("create joined nodes", err)
+	}
+	var (
+		serials, nodeIDs      []string
+		keys                  [][]byte
+		before, after, certAt []time.Time
+	)
+	for _, c := range certs {
+		serials = append(serials, c.Serial)
+		nodeIDs = append(nodeIDs, c.NodeID)
+		keys = append(keys, c.PublicKeySHA256)
+		before = append(before, c.NotBefore)
+		after = append(after, c.NotAfter)
+		certAt = append(certAt, c.CreatedAt)
+	}
+	_, err = q.Exec(ctx, `INSERT INTO node_certs (serial, node_id, public_key_sha256, not_before, not_after, created_at)
+		SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::timestamptz[], $5::timestamptz[], $6::timestamptz[])`,
+		serials, nodeIDs, keys, before, after, certAt)
+	if err != nil {
+		return queryErr("create node certs", err)
+	}
+	return nil
+}

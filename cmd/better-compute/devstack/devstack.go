@@ -45,8 +45,13 @@ type Options struct {
 	// PKIDir holds the deployment's keys; created with pki.Init when
 	// missing. Required.
 	PKIDir string
-	// Gateways is how many gateway replicas to run (default 1).
+	// Gateways is how many gateway replicas to run (default 1, or 0 when
+	// ExternalGatewayURL is set).
 	Gateways int
+	// ExternalGatewayURL, when set, is the gateway joined machines are sent
+	// to (a gateway run outside this process, e.g. to measure its memory);
+	// its TLS name must be "localhost".
+	ExternalGatewayURL string
 	// Host is the address services listen on (default 127.0.0.1), each on a
 	// free port.
 	Host string
@@ -98,7 +103,7 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 	if o.DatabaseURL == "" || o.NATSURL == "" || o.PKIDir == "" {
 		return nil, errors.New("devstack: DatabaseURL, NATSURL and PKIDir are required")
 	}
-	if o.Gateways <= 0 {
+	if o.Gateways <= 0 && o.ExternalGatewayURL == "" {
 		o.Gateways = 1
 	}
 	if o.Host == "" {
@@ -187,10 +192,14 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 	}
 
 	// joinservice: machines are sent to the first gateway.
+	gatewayURL := o.ExternalGatewayURL
+	if gatewayURL == "" {
+		gatewayURL = s.GatewayURLs[0]
+	}
 	join, err := joinservice.New(joinservice.Config{
 		PKIDir:            o.PKIDir,
 		NodeCertTTL:       joinservice.DefaultNodeCertTTL,
-		GatewayURL:        s.GatewayURLs[0],
+		GatewayURL:        gatewayURL,
 		GatewayServerName: "localhost",
 	}, joinservice.Deps{DB: db, Logger: log("joinservice")})
 	if err != nil {

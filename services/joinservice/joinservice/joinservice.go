@@ -14,7 +14,6 @@ package joinservice
 import (
 	"context"
 	"crypto/x509"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -24,7 +23,6 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
-	"github.com/jackc/pgx/v5"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	joinv1 "github.com/better-compute/better-compute/api/gen/bc/join/v1"
@@ -96,6 +94,8 @@ type Server struct {
 	nodeCA      *pki.CA
 	servingCA   *x509.Certificate
 	trustDomain string
+	// batch records joins in shared transactions.
+	batch *batcher
 }
 
 var _ joinv1connect.JoinServiceHandler = (*Server)(nil)
@@ -140,7 +140,8 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if td == "" {
 		td = pki.DefaultTrustDomain
 	}
-	return &Server{cfg: cfg, db: deps.DB, logger: deps.Logger, nodeCA: nodeCA, servingCA: servingCA, trustDomain: td}, nil
+	return &Server{cfg: cfg, db: deps.DB, logger: deps.Logger, nodeCA: nodeCA, servingCA: servingCA, trustDomain: td,
+		batch: &batcher{db: deps.DB}}, nil
 }
 
 // Handler returns the mux: JoinService's Connect handler and GET /healthz
@@ -174,43 +175,23 @@ func (s *Server) Join(ctx context.Context, req *connect.Request[joinv1.JoinReque
 	hash := iam.HashSecret(msg.GetToken())
 	claims := msg.GetClaims()
 
-	var (
-		nodeID string
-		cert   *x509.Certificate
-		token  store.JoinToken
-	)
-	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
-		now := s.db.Now()
-		var err error
-		token, err = store.UseJoinToken(ctx, tx, hash, now)
-		if err != nil {
-			return err
-		}
-		nodeID = ids.New(ids.Node, now)
-		if err := store.CreateNode(ctx, tx, store.NewNode{
-			ID: nodeID, PoolID: token.PoolID, JoinTokenID: token.ID,
-			Hostname: claims.GetHostname(), MachineID: claims.GetMachineId(),
+	// The node and its certificate are made before the token is checked:
+	// signing needs no lock, and both are dropped unsent if it is refused.
+	now := s.db.Now()
+	nodeID := ids.New(ids.Node, now)
+	cert, err := s.nodeCA.IssueNode(csr, nodeID, s.trustDomain, now, s.cfg.NodeCertTTL)
+	if err != nil {
+		return nil, s.mapError(ctx, err)
+	}
+	res := s.batch.do(ctx, &joinReq{
+		hash: hash,
+		cert: cert,
+		node: store.NewNode{
+			ID: nodeID, Hostname: claims.GetHostname(), MachineID: claims.GetMachineId(),
 			Variant: claims.GetVariant(), AgentVersion: claims.GetAgentVersion(),
-			CreatedAt: now,
-		}); err != nil {
-			return err
-		}
-		cert, err = s.nodeCA.IssueNode(csr, nodeID, s.trustDomain, now, s.cfg.NodeCertTTL)
-		if err != nil {
-			return err
-		}
-		if err := store.CreateNodeCert(ctx, tx, store.NewNodeCert{
-			Serial: pki.SerialHex(cert), NodeID: nodeID, PublicKeySHA256: pki.PublicKeySHA256(cert),
-			NotBefore: cert.NotBefore, NotAfter: cert.NotAfter, CreatedAt: now,
-		}); err != nil {
-			return err
-		}
-		payload, err := json.Marshal(store.Poke{NodeIDs: []string{nodeID}})
-		if err != nil {
-			return err
-		}
-		return store.Enqueue(ctx, tx, now, store.SubjectPokeControllers, payload)
+		},
 	})
+	token, err := res.token, res.err
 	if err != nil {
 		return nil, s.mapError(ctx, err)
 	}
