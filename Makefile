@@ -98,8 +98,9 @@ test: images ## Run every test suite (unit, integration, compose end to end).
 check: vet lint generate-check test ## vet, lint, generate-and-diff, and every test.
 
 .PHONY: bench
-bench: images ## Run the benchmarks and print their figures.
+bench: images ## Run the benchmarks and print their figures (BC_BENCH_MACHINES=1000).
 	cd tests && $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 30m ./bench/...
+	cd services/gateway && $(GO) test -run '^$$' -bench IdleSessionMemory -benchtime 1x -timeout 10m ./gateway/
 
 .PHONY: clean
 clean: ## Remove built binaries and tools.

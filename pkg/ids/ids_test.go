@@ -1,0 +1,26 @@
+package ids_test
+
+import (
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/better-compute/better-compute/pkg/ids"
+)
+
+func TestIDsSortByTimeAndCheck(t *testing.T) {
+	t0 := time.Date(2026, 11, 30, 8, 0, 0, 0, time.UTC)
+	var got []string
+	for i := range 100 {
+		got = append(got, ids.New(ids.Node, t0.Add(time.Duration(i/10)*time.Millisecond)))
+	}
+	require.True(t, slices.IsSorted(got), "ids of later times sort later, and monotonic within a millisecond")
+	require.Len(t, slices.Compact(slices.Clone(got)), 100, "unique")
+	for _, id := range got {
+		require.NoError(t, ids.Check(ids.Node, id))
+	}
+	require.ErrorContains(t, ids.Check(ids.Pool, got[0]), `must start with "pool_"`)
+	require.Error(t, ids.Check(ids.Node, "node_notaulid"))
+}

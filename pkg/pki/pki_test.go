@@ -1,0 +1,102 @@
+package pki_test
+
+import (
+	"crypto/x509"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/better-compute/better-compute/pkg/pki"
+)
+
+var now = time.Date(2026, 11, 30, 8, 0, 0, 0, time.UTC)
+
+func TestInitWritesOwnerOnlyKeysAndKeepsExisting(t *testing.T) {
+	dir := t.TempDir()
+	wrote, err := pki.Init(dir, pki.InitOptions{}, now)
+	require.NoError(t, err)
+	require.True(t, wrote)
+	for _, k := range []string{pki.NodeCAKey, pki.ServingCAKey, pki.GatewayKey} {
+		st, err := os.Stat(filepath.Join(dir, k))
+		require.NoError(t, err)
+		require.Equal(t, os.FileMode(0o600), st.Mode().Perm(), k)
+	}
+	before, err := os.ReadFile(filepath.Join(dir, pki.NodeCACert))
+	require.NoError(t, err)
+	wrote, err = pki.Init(dir, pki.InitOptions{}, now)
+	require.NoError(t, err)
+	require.False(t, wrote, "a second init changes nothing")
+	after, err := os.ReadFile(filepath.Join(dir, pki.NodeCACert))
+	require.NoError(t, err)
+	require.Equal(t, before, after)
+	td, err := pki.ReadTrustDomain(dir)
+	require.NoError(t, err)
+	require.Equal(t, pki.DefaultTrustDomain, td)
+
+	// The gateway certificate verifies against the serving CA for its names.
+	sca, err := pki.LoadCert(filepath.Join(dir, pki.ServingCACert))
+	require.NoError(t, err)
+	gw, err := pki.LoadCert(filepath.Join(dir, pki.GatewayCert))
+	require.NoError(t, err)
+	pool := x509.NewCertPool()
+	pool.AddCert(sca)
+	for _, name := range []string{"gateway", "localhost", "127.0.0.1"} {
+		_, err = gw.Verify(x509.VerifyOptions{DNSName: name, Roots: pool, CurrentTime: now,
+			KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}})
+		require.NoError(t, err, name)
+	}
+}
+
+func TestIssueNodeCertificate(t *testing.T) {
+	ca, err := pki.NewCA("node CA", now, time.Hour*24*365)
+	require.NoError(t, err)
+	key, err := pki.GenerateKey()
+	require.NoError(t, err)
+	der, err := pki.NewCSR(key, "machine")
+	require.NoError(t, err)
+	csr, err := pki.ParseCSR(der)
+	require.NoError(t, err)
+	cert, err := ca.IssueNode(csr, "node_01", "example.test", now, 24*time.Hour)
+	require.NoError(t, err)
+
+	_, err = cert.Verify(x509.VerifyOptions{Roots: ca.Pool(), CurrentTime: now,
+		KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}})
+	require.NoError(t, err)
+	id, err := pki.NodeIDFromCert(cert, "example.test")
+	require.NoError(t, err)
+	require.Equal(t, "node_01", id)
+	_, err = pki.NodeIDFromCert(cert, "other.test")
+	require.Error(t, err, "another trust domain's node is nobody here")
+	require.Equal(t, now.Add(24*time.Hour), cert.NotAfter)
+	require.Len(t, pki.PublicKeySHA256(cert), 32)
+	require.NotEmpty(t, pki.SerialHex(cert))
+}
+
+func TestParseCSRRefusesBadInput(t *testing.T) {
+	_, err := pki.ParseCSR([]byte("not a csr"))
+	require.ErrorContains(t, err, "not a DER PKCS#10")
+
+	key, err := pki.GenerateKey()
+	require.NoError(t, err)
+	der, err := pki.NewCSR(key, "machine")
+	require.NoError(t, err)
+	tampered := append([]byte(nil), der...)
+	tampered[len(tampered)-5] ^= 0xff // inside the signature
+	_, err = pki.ParseCSR(tampered)
+	require.Error(t, err)
+}
+
+func TestKeyAndCertPEMRoundTrip(t *testing.T) {
+	dir := t.TempDir()
+	key, err := pki.GenerateKey()
+	require.NoError(t, err)
+	require.NoError(t, pki.WriteKey(filepath.Join(dir, "k"), key))
+	b, err := os.ReadFile(filepath.Join(dir, "k"))
+	require.NoError(t, err)
+	back, err := pki.ParseKeyPEM(b)
+	require.NoError(t, err)
+	require.True(t, key.PublicKey.Equal(back.Public()))
+}
