@@ -51,7 +51,7 @@ vet: ## go vet every module.
 
 .PHONY: lint
 lint: tools ## golangci-lint every module, plus the one-clock rule.
-	@for m in $(MODULES); do echo "lint $$m"; (cd $$m && "$(CURDIR)/$(TOOLS)/golangci-lint" run --config "$(CURDIR)/.golangci.yml" ./...); done
+	@for m in $(MODULES); do echo "lint $$m"; (cd $$m && "$(CURDIR)/$(TOOLS)/golangci-lint" run --allow-parallel-runners --config "$(CURDIR)/.golangci.yml" ./...); done
 	scripts/lint-clock.sh
 
 .PHONY: build
