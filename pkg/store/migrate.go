@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
+	"strconv"
 	"strings"
 
 	"github.com/golang-migrate/migrate/v4"
@@ -49,13 +50,24 @@ func MigrateUp(databaseURL string) error {
 	return nil
 }
 
-// MigrateDown reverts steps migrations (all of them when steps <= 0).
+// MigrateDown reverts steps migrations (all of them when steps <= 0). It
+// refuses, changing nothing, when steps is more than the number of applied
+// migrations or the schema is dirty.
 func MigrateDown(databaseURL string, steps int) error {
 	m, err := newMigrate(databaseURL)
 	if err != nil {
 		return err
 	}
 	defer m.Close()
+	if steps > 0 {
+		applied, err := appliedCount(m)
+		if err != nil {
+			return err
+		}
+		if steps > applied {
+			return fmt.Errorf("migrate down: %d steps asked but only %d migrations are applied (nothing reverted)", steps, applied)
+		}
+	}
 	if steps <= 0 {
 		err = m.Down()
 	} else {
@@ -89,4 +101,39 @@ func Redact(databaseURL string) string {
 		return strings.SplitN(databaseURL, "@", 2)[len(strings.SplitN(databaseURL, "@", 2))-1]
 	}
 	return u.Redacted()
+}
+
+// appliedCount returns how many embedded migrations are applied: those with a
+// version up to the database's. A dirty schema is an error.
+func appliedCount(m *migrate.Migrate) (int, error) {
+	v, dirty, err := m.Version()
+	if errors.Is(err, migrate.ErrNilVersion) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, err
+	}
+	if dirty {
+		return 0, fmt.Errorf("migrate down: schema version %d is dirty; fix it by hand first", v)
+	}
+	entries, err := Migrations.ReadDir("migrations")
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, e := range entries {
+		name := e.Name()
+		if !strings.HasSuffix(name, ".up.sql") {
+			continue
+		}
+		num, _, _ := strings.Cut(name, "_")
+		ver, err := strconv.ParseUint(num, 10, 64)
+		if err != nil {
+			return 0, fmt.Errorf("migration %s: %w", name, err)
+		}
+		if uint(ver) <= v {
+			n++
+		}
+	}
+	return n, nil
 }

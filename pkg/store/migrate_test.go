@@ -56,3 +56,16 @@ func TestMigrationsUpDownUp(t *testing.T) {
 	require.Equal(t, up, tables(t, url))
 	require.NoError(t, store.MigrateUp(url), "a second up is no change, not an error")
 }
+
+// TestMigrateDownRefusesTooManySteps: asking to revert more migrations than
+// are applied changes nothing, rather than reverting all and then failing.
+func TestMigrateDownRefusesTooManySteps(t *testing.T) {
+	url := storetest.NewURL(t)
+	before := tables(t, url)
+	err := store.MigrateDown(url, 999)
+	require.ErrorContains(t, err, "nothing reverted")
+	require.Equal(t, before, tables(t, url))
+	v, _, err := store.MigrationVersion(url)
+	require.NoError(t, err)
+	require.NotZero(t, v)
+}

@@ -34,21 +34,30 @@ const (
 )
 
 // Setup configures the global tracer provider and propagator for service and
-// returns its logger and a shutdown function that flushes spans.
+// returns its logger and a shutdown function that flushes spans. Spans are
+// always made, so every log record written in a traced context carries its
+// trace_id and span_id; they are exported over OTLP/HTTP only when
+// OTEL_EXPORTER_OTLP_ENDPOINT (or _TRACES_ENDPOINT) is set. OpenTelemetry's
+// own errors (a failed export) are logged as JSON too.
 func Setup(ctx context.Context, service string) (*slog.Logger, func(context.Context) error, error) {
 	logger := NewLogger(os.Stderr, service)
 	otel.SetTextMapPropagator(propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{}))
-	if os.Getenv("OTEL_EXPORTER_OTLP_ENDPOINT") == "" && os.Getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") == "" {
-		return logger, func(context.Context) error { return nil }, nil
+	otel.SetErrorHandler(otel.ErrorHandlerFunc(func(err error) {
+		logger.Warn("opentelemetry", KeyError, err)
+	}))
+	opts := []sdktrace.TracerProviderOption{
+		sdktrace.WithResource(resource.NewSchemaless(semconv.ServiceName(service))),
 	}
-	exp, err := otlptracehttp.New(ctx)
-	if err != nil {
-		return nil, nil, err
+	if os.Getenv("OTEL_EXPORTER_OTLP_ENDPOINT") != "" || os.Getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") != "" {
+		exp, err := otlptracehttp.New(ctx)
+		if err != nil {
+			return nil, nil, err
+		}
+		opts = append(opts, sdktrace.WithBatcher(exp))
+		logger.Info("tracing exported over OTLP")
 	}
-	res := resource.NewSchemaless(semconv.ServiceName(service))
-	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp), sdktrace.WithResource(res))
+	tp := sdktrace.NewTracerProvider(opts...)
 	otel.SetTracerProvider(tp)
-	logger.Info("tracing exported over OTLP")
 	return logger, tp.Shutdown, nil
 }
 
