@@ -65,7 +65,7 @@ images: build ## Build every image compose and the tests need (no registry: post
 	scripts/images.sh all
 
 .PHONY: up
-up: images ## Build what is missing, start the stack with $(FLEET) fakedaemons and print the CLI's environment.
+up: images ## Build what is missing, start the stack with FLEET (8) fakedaemons, wait for adoption, print the CLI's env.
 	$(COMPOSE) up -d --scale fakedaemon=$(FLEET)
 	scripts/wait-fleet.sh $(FLEET)
 

@@ -13,6 +13,7 @@ start=$SECONDS
 # The bootstrap one-shot writes the root credentials into the shared volume.
 env_file=.better-compute/compose.env
 mkdir -p .better-compute
+umask 077 # the file holds the root token
 until id=$("${compose[@]}" ps -q bootstrap 2>/dev/null) && [[ -n $id ]] &&
 	docker cp "$id:/var/lib/better-compute/shared/root.env" - 2>/dev/null | tar -xO >"$env_file.tmp" 2>/dev/null &&
 	[[ -s $env_file.tmp ]]; do
@@ -32,7 +33,14 @@ export BETTER_COMPUTE_URL BETTER_COMPUTE_TOKEN BETTER_COMPUTE_TENANT
 
 adopted=0
 while :; do
-	adopted=$("$cli" nodes list -o json 2>/dev/null | grep -o '"state": *"adopted"' | wc -l || true)
+	# Adopted nodes with a live session: machines removed by a scale-down
+	# stay adopted in the database but hold no session.
+	adopted=$("$cli" nodes list -o json 2>/dev/null | awk '
+		/^  \{/ { s = 0; g = 0 }
+		/"state": *"adopted"/ { s = 1 }
+		/"gateway": *"[^"]+"/ { g = 1 }
+		/^  \}/ { if (s && g) n++ }
+		END { print n + 0 }' || echo 0)
 	if ((adopted >= want)); then break; fi
 	if ((SECONDS - start > timeout)); then
 		echo "only $adopted of $want nodes adopted after ${timeout}s" >&2
