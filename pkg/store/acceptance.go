@@ -104,7 +104,10 @@ type AcceptanceCheck struct {
 	CommandError  string
 	// CommandDeadline is when the node must have answered.
 	CommandDeadline time.Time
-	// Attempts is how many acceptance commands the node was given.
+	// Attempts is how many acceptance commands reached the node (were
+	// delivered at least once). A command that expired undelivered, while the
+	// node had no session, does not count: a machine that joined during a
+	// gateway outage is tried again once it connects.
 	Attempts int
 }
 
@@ -116,7 +119,7 @@ func AcceptanceChecks(ctx context.Context, q DBTX, nodeIDs []string) ([]Acceptan
 	}
 	rows, err := q.Query(ctx, `SELECT n.id, n.pool_id, p.site_id, p.owner_tenant_id, p.gpu_model, p.expect_gpu_count,
 			COALESCE(c.id, ''), COALESCE(c.state, ''), c.result, COALESCE(c.error, ''), c.deadline,
-			(SELECT count(*) FROM commands a WHERE a.node_id = n.id AND a.purpose = 'acceptance')
+			(SELECT count(*) FROM commands a WHERE a.node_id = n.id AND a.purpose = 'acceptance' AND a.deliveries > 0)
 		FROM nodes n JOIN pools p ON p.id = n.pool_id
 		LEFT JOIN LATERAL (SELECT id, state, result, error, deadline FROM commands
 			WHERE node_id = n.id AND purpose = 'acceptance' ORDER BY created_at DESC, id DESC LIMIT 1) c ON true

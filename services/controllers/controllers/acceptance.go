@@ -38,7 +38,9 @@ const (
 //     DesiredState) or acceptance_failed; failed or canceled →
 //     acceptance_failed "diag.nvml failed: <error>"; past its deadline →
 //     the command is expired and a fresh one queued, up to Attempts
-//     commands, then acceptance_failed "diag.nvml did not answer within …".
+//     commands that reached the node (undelivered ones, while it had no
+//     session, do not count), then acceptance_failed "diag.nvml did not
+//     answer within …".
 //     Each outcome writes a node.adopted or node.acceptance_failed event
 //     for the pool owner's tenant in the same transaction.
 //

@@ -355,6 +355,8 @@ func TestExpiredCommandRetriedThenFailed(t *testing.T) {
 		require.True(t, cmds[attempt-1].Deadline.Equal(f.clk.Now().Add(controllers.DefaultAcceptanceTimeout)))
 		require.Equal(t, store.NodeAccepting, f.node(t, n).State)
 		require.Equal(t, attempt, f.pokedNodes(t)[n], "the retry was not poked")
+		// The gateway delivers it; the node stays silent.
+		exec(t, f.db, `UPDATE commands SET state = 'delivered', deliveries = 1 WHERE id = $1`, cmds[attempt-1].ID)
 		f.clk.Advance(controllers.DefaultAcceptanceTimeout - time.Microsecond)
 	}
 	f.clk.Advance(time.Microsecond)
@@ -366,6 +368,26 @@ func TestExpiredCommandRetriedThenFailed(t *testing.T) {
 	for _, c := range f.commands(t, n) {
 		require.Equal(t, "expired", c.State)
 	}
+}
+
+// TestUndeliveredAttemptsDoNotCount: a node with no session (it joined during
+// a gateway outage) never receives its acceptance command; each expires and
+// is replaced, but it is not failed for silence it had no chance to break.
+func TestUndeliveredAttemptsDoNotCount(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	n := f.addNodes(t, h100Pool, fakehw.VariantHGXH100, 1)[0]
+	f.reconcile(t)
+	for range 5 {
+		f.clk.Advance(controllers.DefaultAcceptanceTimeout)
+		require.Equal(t, controllers.PassResult{Retried: 1}, f.reconcile(t))
+	}
+	require.Equal(t, store.NodeAccepting, f.node(t, n).State)
+	require.Len(t, f.commands(t, n), 6)
+
+	// Once it connects and answers, it is adopted.
+	f.succeed(t, fakehw.VariantHGXH100, n)
+	require.Equal(t, controllers.PassResult{Adopted: 1}, f.reconcile(t))
 }
 
 // TestLateAnswerWins: a command that succeeded after its deadline but before
