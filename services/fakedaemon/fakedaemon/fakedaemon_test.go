@@ -2,6 +2,7 @@ package fakedaemon_test
 
 import (
 	"context"
+	"crypto"
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/json"
@@ -321,6 +322,18 @@ func start(t *testing.T, cfg fakedaemon.Config, deps fakedaemon.Deps) (*fakedaem
 	return r, cancel
 }
 
+// dirNames returns the names of the files in dir.
+func dirNames(t *testing.T, dir string) []string {
+	t.Helper()
+	des, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	names := make([]string, 0, len(des))
+	for _, de := range des {
+		names = append(names, de.Name())
+	}
+	return names
+}
+
 func waitEstablished(t *testing.T, r *fakedaemon.Runner) {
 	t.Helper()
 	stopped := false
@@ -365,13 +378,13 @@ func TestJoinSessionCommandsAndSpec(t *testing.T) {
 		hello := cp.gw.helloes(st.NodeID)[0]
 		require.Equal(t, st.BootID, hello.GetBootId())
 		require.Equal(t, fakedaemon.Version, hello.GetAgentVersion())
-		// The key is owner-only; the identity records what the Join said.
-		fi, err := os.Stat(filepath.Join(m.Dir(), fakedaemon.KeyFile))
+		// Joining wrote one file, the identity, owner-only; the journal
+		// waits for the first command.
+		require.ElementsMatch(t, []string{fakedaemon.NodeFile, fakedaemon.LockFile}, dirNames(t, m.Dir()))
+		fi, err := os.Stat(filepath.Join(m.Dir(), fakedaemon.NodeFile))
 		require.NoError(t, err)
 		require.Equal(t, os.FileMode(0o600), fi.Mode().Perm())
-		for _, f := range []string{fakedaemon.MachineIDFile, fakedaemon.CertFile, fakedaemon.NodeCAFile, fakedaemon.ServingCAFile, fakedaemon.BootFile, fakedaemon.JournalFile, fakedaemon.JournalEpochFile} {
-			require.FileExists(t, filepath.Join(m.Dir(), f))
-		}
+		// The identity records what the Join said.
 		raw, err := os.ReadFile(filepath.Join(m.Dir(), fakedaemon.NodeFile))
 		require.NoError(t, err)
 		var ident fakedaemon.Identity
@@ -382,11 +395,20 @@ func TestJoinSessionCommandsAndSpec(t *testing.T) {
 		require.Equal(t, "localhost", ident.GatewayServerName)
 		require.Equal(t, "pool_test", ident.PoolID)
 		require.Equal(t, trustDomain, ident.TrustDomain)
-		cert, err := pki.LoadCert(filepath.Join(m.Dir(), fakedaemon.CertFile))
+		cert, err := pki.ParseCertPEM([]byte(ident.CertificatePEM))
 		require.NoError(t, err)
 		certNode, err := pki.NodeIDFromCert(cert, trustDomain)
 		require.NoError(t, err)
 		require.Equal(t, st.NodeID, certNode)
+		key, err := pki.ParseKeyPEM([]byte(ident.KeyPEM))
+		require.NoError(t, err)
+		require.True(t, key.Public().(interface{ Equal(crypto.PublicKey) bool }).Equal(cert.PublicKey), "the key is the certificate's")
+		servingCA, err := pki.ParseCertPEM([]byte(ident.ServingCAPEM))
+		require.NoError(t, err)
+		require.True(t, servingCA.Equal(cp.servingCA.Cert))
+		nodeCA, err := pki.ParseCertPEM([]byte(ident.NodeCAPEM))
+		require.NoError(t, err)
+		require.True(t, nodeCA.Equal(cp.nodeCA.Cert))
 	}
 	_, uses := cp.join.stats()
 	require.Equal(t, 3, uses)
@@ -413,6 +435,9 @@ func TestJoinSessionCommandsAndSpec(t *testing.T) {
 	require.Equal(t, gatewayv1.CommandState_COMMAND_STATE_RUNNING, u[0].GetState())
 	require.Equal(t, gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED, u[1].GetState())
 	require.Len(t, u[1].GetResult().GetInventory().GetGpus(), 8)
+	// The first command made the journal and its epoch marker.
+	require.ElementsMatch(t, []string{fakedaemon.NodeFile, fakedaemon.LockFile, fakedaemon.JournalFile, fakedaemon.JournalEpochFile},
+		dirNames(t, r.Machines()[0].Dir()))
 
 	// Desired state: bound, then observed.
 	cp.gw.send(t, node, &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_DesiredState{DesiredState: &gatewayv1.DesiredState{
@@ -454,12 +479,22 @@ func TestRestartReusesIdentityAndJournal(t *testing.T) {
 	require.Eventually(t, func() bool { return len(cp.gw.updates(first.NodeID, cmdID)) == 2 }, waitFor, tick)
 	cancel()
 	require.NoError(t, r.Wait())
+	nodeFile := filepath.Join(r.Machines()[0].Dir(), fakedaemon.NodeFile)
+	ident, err := os.ReadFile(nodeFile)
+	require.NoError(t, err)
+	require.NoFileExists(t, filepath.Join(r.Machines()[0].Dir(), fakedaemon.BootFile), "the start that joins is boot 0")
 
 	// Second run: the token has no uses left, yet no Join is needed.
 	cfg.Variant = "cpu" // ignored: the machine keeps the hardware it joined with
 	r2, _ := start(t, cfg, fakedaemon.Deps{})
 	waitEstablished(t, r2)
 	second := r2.Machines()[0].Status()
+	again, err := os.ReadFile(nodeFile)
+	require.NoError(t, err)
+	require.Equal(t, string(ident), string(again), "the identity is never rewritten")
+	boot, err := os.ReadFile(filepath.Join(r2.Machines()[0].Dir(), fakedaemon.BootFile))
+	require.NoError(t, err)
+	require.Equal(t, "1\n", string(boot))
 	require.Equal(t, first.NodeID, second.NodeID)
 	require.Equal(t, first.MachineID, second.MachineID)
 	require.Equal(t, "l40s", second.Variant)
@@ -534,6 +569,21 @@ func TestRebootAndReconnect(t *testing.T) {
 	b, err := os.ReadFile(filepath.Join(m.Dir(), fakedaemon.BootFile))
 	require.NoError(t, err)
 	require.Equal(t, "1\n", string(b), "the reboot is persisted")
+}
+
+// A crash while saving the identity leaves only a temporary file: the next
+// start joins afresh.
+func TestTornIdentityJoinsAgain(t *testing.T) {
+	cp := newControlPlane(t, 1)
+	dir := t.TempDir()
+	require.NoError(t, os.MkdirAll(filepath.Join(dir, "0"), 0o700))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "0", ".tmp-"+fakedaemon.NodeFile+"123"), []byte(`{"node_id":"node_x",`), 0o600))
+	r, _ := start(t, cp.config(dir, 1), fakedaemon.Deps{})
+	waitEstablished(t, r)
+	require.NotEqual(t, "node_x", r.Machines()[0].NodeID())
+	calls, uses := cp.join.stats()
+	require.Equal(t, 1, calls)
+	require.Equal(t, 1, uses)
 }
 
 func TestJoinRefused(t *testing.T) {

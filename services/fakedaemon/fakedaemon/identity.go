@@ -19,32 +19,26 @@ import (
 	"github.com/better-compute/better-compute/pkg/pki"
 )
 
-// Files of a machine's directory (besides the journal's).
+// Files of a machine's directory (besides the journal's and the lock).
 const (
-	// MachineIDFile holds the machine id: 32 random hex characters made on
-	// first start, the seed of the fake hardware's GPU UUIDs.
-	MachineIDFile = "machine-id"
-	// KeyFile is the node's private key (PEM, mode 0600), made before the
-	// first Join so a retried Join reuses it.
-	KeyFile = "node.key"
-	// CertFile is the node certificate (PEM).
-	CertFile = "node.crt"
-	// NodeCAFile is the node CA certificate from the JoinResponse (PEM).
-	NodeCAFile = "node-ca.crt"
-	// ServingCAFile is the CA of gateway serving certificates (PEM).
-	ServingCAFile = "serving-ca.crt"
-	// NodeFile is the node's identity (JSON); it is written last, so its
-	// presence means the Join completed.
+	// NodeFile is the node's whole identity (JSON, mode 0600): node id,
+	// machine id, the key and the certificates as PEM. It is written once,
+	// atomically, when the Join completes, so its presence means the machine
+	// has joined and a crash never leaves half an identity.
 	NodeFile = "node.json"
-	// BootFile holds the boot counter; every start of the process is a boot.
+	// BootFile holds the boot counter of the last boot that did not join.
+	// Every start of the process is a boot: the start that joins is boot 0
+	// and writes nothing more; each later start writes its number here.
 	BootFile = "boot"
 )
 
-// Identity is what a machine keeps on disk after joining.
+// Identity is what a machine keeps on disk after joining (NodeFile).
 type Identity struct {
 	// NodeID is the node's id ("node_…").
 	NodeID string `json:"node_id"`
-	// MachineID is the machine's stable id.
+	// MachineID is the machine's stable id: 32 random hex characters made on
+	// the first start, the seed of the fake hardware's GPU UUIDs. A machine
+	// that restarts before its Join completed makes a new one.
 	MachineID string `json:"machine_id"`
 	// Variant is the fake hardware variant the machine joined with.
 	Variant string `json:"variant"`
@@ -61,54 +55,29 @@ type Identity struct {
 	NotAfter time.Time `json:"not_after,omitzero"`
 	// JoinedAt is when the Join completed.
 	JoinedAt time.Time `json:"joined_at"`
+	// KeyPEM is the node's private key (PKCS#8 PEM), made for the Join.
+	KeyPEM string `json:"key_pem"`
+	// CertificatePEM is the node certificate (PEM).
+	CertificatePEM string `json:"certificate_pem"`
+	// NodeCAPEM is the node CA certificate of the JoinResponse (PEM; empty
+	// when the response had none).
+	NodeCAPEM string `json:"node_ca_pem,omitempty"`
+	// ServingCAPEM is the CA of gateway serving certificates (PEM), the only
+	// root the node trusts for its Session.
+	ServingCAPEM string `json:"serving_ca_pem"`
 
 	key       crypto.Signer
 	cert      *x509.Certificate
 	servingCA *x509.Certificate
 }
 
-// loadOrCreateMachineID returns the machine id in dir, creating it on first
-// use.
-func loadOrCreateMachineID(dir string) (string, error) {
-	path := filepath.Join(dir, MachineIDFile)
-	b, err := os.ReadFile(path)
-	if err == nil {
-		if id := strings.TrimSpace(string(b)); id != "" {
-			return id, nil
-		}
-	} else if !errors.Is(err, fs.ErrNotExist) {
-		return "", err
-	}
+// newMachineID returns a fresh machine id: 32 random hex characters.
+func newMachineID() (string, error) {
 	var raw [16]byte
 	if _, err := rand.Read(raw[:]); err != nil {
 		return "", err
 	}
-	id := hex.EncodeToString(raw[:])
-	if err := writeFileSync(path, []byte(id+"\n"), 0o644); err != nil {
-		return "", err
-	}
-	return id, nil
-}
-
-// loadOrCreateKey returns the node key in dir, creating it (0600) on first
-// use.
-func loadOrCreateKey(dir string) (crypto.Signer, error) {
-	path := filepath.Join(dir, KeyFile)
-	b, err := os.ReadFile(path)
-	if err == nil {
-		return pki.ParseKeyPEM(b)
-	}
-	if !errors.Is(err, fs.ErrNotExist) {
-		return nil, err
-	}
-	key, err := pki.GenerateKey()
-	if err != nil {
-		return nil, err
-	}
-	if err := pki.WriteKey(path, key); err != nil {
-		return nil, err
-	}
-	return key, nil
+	return hex.EncodeToString(raw[:]), nil
 }
 
 // loadIdentity returns the identity stored in dir, or nil when the machine
@@ -125,43 +94,39 @@ func loadIdentity(dir string) (*Identity, error) {
 	if err := json.Unmarshal(b, &id); err != nil {
 		return nil, fmt.Errorf("%s: %w", NodeFile, err)
 	}
-	if id.NodeID == "" || id.GatewayURL == "" {
-		return nil, fmt.Errorf("%s: node_id and gateway_url are required", NodeFile)
+	if id.NodeID == "" || id.MachineID == "" || id.GatewayURL == "" {
+		return nil, fmt.Errorf("%s: node_id, machine_id and gateway_url are required", NodeFile)
 	}
-	kb, err := os.ReadFile(filepath.Join(dir, KeyFile))
-	if err != nil {
-		return nil, err
+	if id.key, err = pki.ParseKeyPEM([]byte(id.KeyPEM)); err != nil {
+		return nil, fmt.Errorf("%s: key_pem: %w", NodeFile, err)
 	}
-	if id.key, err = pki.ParseKeyPEM(kb); err != nil {
-		return nil, fmt.Errorf("%s: %w", KeyFile, err)
+	if id.cert, err = pki.ParseCertPEM([]byte(id.CertificatePEM)); err != nil {
+		return nil, fmt.Errorf("%s: certificate_pem: %w", NodeFile, err)
 	}
-	if id.cert, err = pki.LoadCert(filepath.Join(dir, CertFile)); err != nil {
-		return nil, fmt.Errorf("%s: %w", CertFile, err)
-	}
-	if id.servingCA, err = pki.LoadCert(filepath.Join(dir, ServingCAFile)); err != nil {
-		return nil, fmt.Errorf("%s: %w", ServingCAFile, err)
+	if id.servingCA, err = pki.ParseCertPEM([]byte(id.ServingCAPEM)); err != nil {
+		return nil, fmt.Errorf("%s: serving_ca_pem: %w", NodeFile, err)
 	}
 	return &id, nil
 }
 
-// save writes the certificates, then node.json (the commit point).
+// save fills the PEM fields from the key and certificates and writes
+// NodeFile atomically and durably (the commit point of the Join).
 func (id *Identity) save(dir string, nodeCA *x509.Certificate) error {
-	if err := pki.WriteCert(filepath.Join(dir, CertFile), id.cert); err != nil {
+	key, err := pki.EncodeKeyPEM(id.key)
+	if err != nil {
 		return err
 	}
+	id.KeyPEM = string(key)
+	id.CertificatePEM = string(pki.EncodeCertPEM(id.cert))
+	id.ServingCAPEM = string(pki.EncodeCertPEM(id.servingCA))
 	if nodeCA != nil {
-		if err := pki.WriteCert(filepath.Join(dir, NodeCAFile), nodeCA); err != nil {
-			return err
-		}
-	}
-	if err := pki.WriteCert(filepath.Join(dir, ServingCAFile), id.servingCA); err != nil {
-		return err
+		id.NodeCAPEM = string(pki.EncodeCertPEM(nodeCA))
 	}
 	b, err := json.MarshalIndent(id, "", "  ")
 	if err != nil {
 		return err
 	}
-	return writeFileSync(filepath.Join(dir, NodeFile), append(b, '\n'), 0o644)
+	return writeFileSync(filepath.Join(dir, NodeFile), append(b, '\n'), 0o600)
 }
 
 // tlsCertificate returns the node's client certificate for mTLS.
@@ -169,12 +134,12 @@ func (id *Identity) tlsCertificate() tls.Certificate {
 	return tls.Certificate{Certificate: [][]byte{id.cert.Raw}, PrivateKey: id.key, Leaf: id.cert}
 }
 
-// nextBoot increments the boot counter in dir and returns the new value (0
-// on the first start).
+// nextBoot returns the number of this start of a joined machine and
+// records it in dir: one more than BootFile says, or 1 when BootFile does
+// not exist (the start that joined was boot 0 and wrote no counter).
 func nextBoot(dir string) (uint64, error) {
-	path := filepath.Join(dir, BootFile)
-	b, err := os.ReadFile(path)
-	var n uint64
+	b, err := os.ReadFile(filepath.Join(dir, BootFile))
+	var n uint64 = 1
 	switch {
 	case err == nil:
 		prev, perr := strconv.ParseUint(strings.TrimSpace(string(b)), 10, 64)
@@ -189,6 +154,7 @@ func nextBoot(dir string) (uint64, error) {
 	return n, writeBoot(dir, n)
 }
 
+// writeBoot records boot n durably, so that no later start reuses its id.
 func writeBoot(dir string, n uint64) error {
-	return writeFileSync(filepath.Join(dir, BootFile), []byte(strconv.FormatUint(n, 10)+"\n"), 0o644)
+	return writeFileSync(filepath.Join(dir, BootFile), []byte(strconv.FormatUint(n, 10)+"\n"), 0o600)
 }

@@ -1,7 +1,6 @@
 package fakedaemon
 
 import (
-	"bufio"
 	"bytes"
 	"encoding/json"
 	"errors"
@@ -22,23 +21,36 @@ import (
 // Journal file names inside a machine's directory.
 const (
 	// JournalFile holds the journal: a header line, then one JSON record
-	// per Put or Delete, appended and fsynced.
+	// per Put or Delete, appended. It is created by the first write, so a
+	// machine that never received a command has none.
 	JournalFile = "journal.jsonl"
 	// JournalEpochFile holds the epoch of the journal the machine expects.
-	// It outlives the journal: finding it without a matching JournalFile
-	// means the journal was lost.
+	// It is written when a journal of a new epoch is created and outlives
+	// the journal: finding it without a matching JournalFile means the
+	// journal was lost.
 	JournalEpochFile = "journal.epoch"
 )
 
+// compactSlack is how many superfluous lines (replaced or deleted entries)
+// beyond one per live entry the journal file may hold before it is
+// rewritten with only the live entries.
+const compactSlack = 64
+
 // FileJournal is a daemon.Journal in a directory: an append-only JSON-lines
-// file, fsynced on every write, beside an epoch marker that detects its loss.
-// It is used from one goroutine (its machine's loop).
+// file beside an epoch marker that detects its loss. A Put is fsynced before
+// it returns; a Delete is not (a forgotten Delete only brings back a finished
+// entry, which is pruned again). Nothing is written until the first Put, and
+// the marker is written once per epoch. It is used from one goroutine (its
+// machine's loop).
 type FileJournal struct {
 	dir    string
-	f      *os.File
+	f      *os.File // nil until the journal file exists
 	mem    *daemon.MemoryJournal
 	epoch  uint64
 	lostAt time.Time
+	marked bool // JournalEpochFile names epoch
+	lines  int  // records in the file
+	closed bool
 }
 
 var _ daemon.Journal = (*FileJournal)(nil)
@@ -62,43 +74,69 @@ type journalRecord struct {
 	FinishedAt time.Time       `json:"finished_at,omitzero"`
 }
 
-// OpenFileJournal opens the journal in dir at now. A first open creates an
-// empty journal and its epoch marker. When the marker names a journal that
-// is missing, belongs to another epoch, or is corrupt before its last line,
-// the journal was lost: OpenFileJournal starts a new, empty one with the next
-// epoch and LostAt reports now from then on (also after later opens). A torn
-// last line (a Put that never returned) is dropped.
+// OpenFileJournal opens the journal in dir at now. A first open writes
+// nothing: the journal file and its epoch marker appear with the first Put.
+// When the marker names a journal that is missing, belongs to another epoch,
+// or is corrupt before its last line, the journal was lost: OpenFileJournal
+// writes a new, empty one with the next epoch and LostAt reports now from
+// then on (also after later opens). A torn last line (a Put that never
+// returned) is dropped, as is a journal without a marker whose header is
+// torn (its first Put never returned). The file is compacted when it holds
+// many replaced or deleted entries.
 func OpenFileJournal(dir string, now time.Time) (*FileJournal, error) {
-	j := &FileJournal{dir: dir, mem: daemon.NewMemoryJournal()}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, err
+	}
+	j := &FileJournal{dir: dir, mem: daemon.NewMemoryJournal(), epoch: 1}
+	if err := j.open(now); err != nil {
+		_ = j.Close()
+		return nil, err
+	}
+	return j, nil
+}
+
+func (j *FileJournal) open(now time.Time) error {
+	dir := j.dir
 	marker, hasMarker, err := readEpoch(filepath.Join(dir, JournalEpochFile))
 	if err != nil {
-		return nil, err
+		return err
 	}
-	hdr, records, clean, err := readJournal(filepath.Join(dir, JournalFile))
+	jf, err := readJournal(filepath.Join(dir, JournalFile))
 	switch {
-	case errors.Is(err, fs.ErrNotExist) && !hasMarker:
-		// Fresh machine.
-		return j, j.rewrite(journalHeader{V: 1, Epoch: 1})
+	case errors.Is(err, fs.ErrNotExist) && !hasMarker, err == nil && !hasMarker && !jf.header:
+		// Fresh machine, or its first Put never returned.
+		return nil
 	case errors.Is(err, fs.ErrNotExist):
-		return j, j.rewrite(journalHeader{V: 1, Epoch: marker + 1, LostAt: now})
+		return j.lose(marker+1, now)
 	case err != nil:
-		return nil, err
-	case hasMarker && hdr.Epoch != marker, !clean:
-		return j, j.rewrite(journalHeader{V: 1, Epoch: max(marker, hdr.Epoch) + 1, LostAt: now})
+		return err
+	case hasMarker && jf.hdr.Epoch != marker, !jf.clean:
+		return j.lose(max(marker, jf.hdr.Epoch)+1, now)
 	}
-	for _, r := range records {
+	j.epoch, j.lostAt, j.marked = jf.hdr.Epoch, jf.hdr.LostAt, hasMarker
+	for _, r := range jf.records {
 		if r.Deleted {
 			_ = j.mem.Delete(r.ID)
 			continue
 		}
 		e, err := r.entry()
 		if err != nil {
-			return j, j.rewrite(journalHeader{V: 1, Epoch: max(marker, hdr.Epoch) + 1, LostAt: now})
+			return j.lose(max(marker, jf.hdr.Epoch)+1, now)
 		}
 		_ = j.mem.Put(e)
 	}
-	// Compact on every open: the file then holds exactly the live entries.
-	return j, j.rewrite(hdr)
+	j.lines = len(jf.records)
+	if jf.torn || !j.marked || j.bloated() {
+		// Drop the torn line before appending after it, write the marker
+		// of a journal whose first Put crashed before it, or compact.
+		return j.rewrite()
+	}
+	f, err := os.OpenFile(filepath.Join(dir, JournalFile), os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		return err
+	}
+	j.f = f
+	return nil
 }
 
 // readEpoch reads the epoch marker; ok is false when it does not exist.
@@ -117,31 +155,42 @@ func readEpoch(path string) (epoch uint64, ok bool, err error) {
 	return epoch, true, nil
 }
 
-// readJournal reads the header and records. clean is false when a line other
-// than the last does not parse (a torn last line is dropped silently).
-func readJournal(path string) (hdr journalHeader, records []journalRecord, clean bool, err error) {
+// journalFile is what readJournal found.
+type journalFile struct {
+	hdr     journalHeader
+	records []journalRecord
+	header  bool // the header line parses
+	clean   bool // every line but a torn last one parses
+	torn    bool // the last line was torn and dropped
+}
+
+// readJournal reads the header and records of the journal file.
+func readJournal(path string) (jf journalFile, err error) {
 	b, err := os.ReadFile(path)
 	if err != nil {
-		return hdr, nil, false, err
+		return jf, err
 	}
 	lines := bytes.Split(b, []byte("\n"))
 	if len(lines) > 0 && len(lines[len(lines)-1]) == 0 {
 		lines = lines[:len(lines)-1]
 	}
-	if len(lines) == 0 || json.Unmarshal(lines[0], &hdr) != nil || hdr.V != 1 {
-		return hdr, nil, false, nil
+	if len(lines) == 0 || json.Unmarshal(lines[0], &jf.hdr) != nil || jf.hdr.V != 1 || jf.hdr.Epoch == 0 {
+		return jf, nil
 	}
+	jf.header = true
 	for i, l := range lines[1:] {
 		var r journalRecord
 		if err := json.Unmarshal(l, &r); err != nil || r.ID == "" {
 			if i == len(lines)-2 && !bytes.HasSuffix(b, []byte("\n")) {
-				break // torn last write
+				jf.torn = true // torn last write
+				break
 			}
-			return hdr, nil, false, nil
+			return jf, nil
 		}
-		records = append(records, r)
+		jf.records = append(jf.records, r)
 	}
-	return hdr, records, true, nil
+	jf.clean = true
+	return jf, nil
 }
 
 func (r *journalRecord) entry() (daemon.Entry, error) {
@@ -189,85 +238,163 @@ func recordOf(e daemon.Entry) (journalRecord, error) {
 	return r, nil
 }
 
-// rewrite writes a new journal file holding hdr and the live entries, then
-// the epoch marker, and keeps the file open for appends.
-func (j *FileJournal) rewrite(hdr journalHeader) error {
-	if err := os.MkdirAll(j.dir, 0o700); err != nil {
+// lose starts an empty journal of epoch at now, the time the loss was found.
+// It is written at once (journal, then marker), so that later opens remember
+// the loss.
+func (j *FileJournal) lose(epoch uint64, now time.Time) error {
+	j.mem = daemon.NewMemoryJournal()
+	j.epoch, j.lostAt, j.marked = epoch, now, false
+	return j.rewrite()
+}
+
+func (j *FileJournal) header() ([]byte, error) {
+	b, err := json.Marshal(journalHeader{V: 1, Epoch: j.epoch, LostAt: j.lostAt})
+	return append(b, '\n'), err
+}
+
+// rewrite replaces the journal file by one holding the header and the live
+// entries (atomically, fsynced), writes the epoch marker if it does not name
+// this epoch yet, and keeps the file open for appends.
+func (j *FileJournal) rewrite() error {
+	buf, err := j.header()
+	if err != nil {
 		return err
 	}
-	j.epoch, j.lostAt = hdr.Epoch, hdr.LostAt
-	var buf bytes.Buffer
-	w := bufio.NewWriter(&buf)
-	if err := json.NewEncoder(w).Encode(hdr); err != nil {
-		return err
-	}
-	for _, e := range j.mem.Entries() {
+	entries := j.mem.Entries()
+	for _, e := range entries {
 		r, err := recordOf(e)
 		if err != nil {
 			return err
 		}
-		if err := json.NewEncoder(w).Encode(r); err != nil {
+		b, err := json.Marshal(r)
+		if err != nil {
 			return err
 		}
+		buf = append(append(buf, b...), '\n')
 	}
-	if err := w.Flush(); err != nil {
-		return err
-	}
-	path := filepath.Join(j.dir, JournalFile)
-	if err := writeFileSync(path, buf.Bytes(), 0o600); err != nil {
-		return err
-	}
-	if err := writeFileSync(filepath.Join(j.dir, JournalEpochFile), []byte(strconv.FormatUint(hdr.Epoch, 10)+"\n"), 0o600); err != nil {
+	f, err := writeFileKeep(filepath.Join(j.dir, JournalFile), buf, 0o600)
+	if err != nil {
 		return err
 	}
 	if j.f != nil {
 		_ = j.f.Close()
 	}
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_APPEND, 0o600)
+	j.f, j.lines = f, len(entries)
+	return j.mark()
+}
+
+// mark writes the epoch marker, once per epoch. It comes after the journal
+// it names is on disk: a crash in between leaves a journal without a marker,
+// which the next open adopts.
+func (j *FileJournal) mark() error {
+	if j.marked {
+		return nil
+	}
+	if err := writeFileSync(filepath.Join(j.dir, JournalEpochFile), []byte(strconv.FormatUint(j.epoch, 10)+"\n"), 0o600); err != nil {
+		return err
+	}
+	j.marked = true
+	return nil
+}
+
+// create makes the journal file with its header and first record, fsyncs
+// it, then writes the epoch marker. A crash before the fsync leaves at most a
+// torn file without a marker: the next open starts fresh, which is right, as
+// the Put never returned.
+func (j *FileJournal) create(first []byte) error {
+	hdr, err := j.header()
 	if err != nil {
 		return err
 	}
-	j.f = f
+	f, err := os.OpenFile(filepath.Join(j.dir, JournalFile), os.O_WRONLY|os.O_CREATE|os.O_TRUNC|os.O_APPEND, 0o600)
+	if err != nil {
+		return fmt.Errorf("journal: %w", err)
+	}
+	if _, err := f.Write(append(hdr, first...)); err != nil {
+		f.Close()
+		return fmt.Errorf("journal: %w", err)
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return fmt.Errorf("journal: %w", err)
+	}
+	if err := j.mark(); err != nil {
+		f.Close()
+		return fmt.Errorf("journal: %w", err)
+	}
+	j.f, j.lines = f, 1
 	return nil
 }
 
 // writeFileSync writes b to path atomically (temporary file, fsync, rename).
 func writeFileSync(path string, b []byte, mode os.FileMode) error {
-	tmp, err := os.CreateTemp(filepath.Dir(path), ".tmp-"+filepath.Base(path))
+	f, err := writeFileKeep(path, b, mode)
 	if err != nil {
 		return err
 	}
-	defer os.Remove(tmp.Name())
-	if err := tmp.Chmod(mode); err != nil {
-		tmp.Close()
-		return err
-	}
-	if _, err := tmp.Write(b); err != nil {
-		tmp.Close()
-		return err
-	}
-	if err := tmp.Sync(); err != nil {
-		tmp.Close()
-		return err
-	}
-	if err := tmp.Close(); err != nil {
-		return err
-	}
-	return os.Rename(tmp.Name(), path)
+	return f.Close()
 }
 
-func (j *FileJournal) append(r journalRecord) error {
+// writeFileKeep is writeFileSync returning the file, open for writing at its
+// end.
+func writeFileKeep(path string, b []byte, mode os.FileMode) (*os.File, error) {
+	tmp, err := os.CreateTemp(filepath.Dir(path), ".tmp-"+filepath.Base(path))
+	if err != nil {
+		return nil, err
+	}
+	err = tmp.Chmod(mode)
+	if err == nil {
+		_, err = tmp.Write(b)
+	}
+	if err == nil {
+		err = tmp.Sync()
+	}
+	if err == nil {
+		err = os.Rename(tmp.Name(), path)
+	}
+	if err != nil {
+		tmp.Close()
+		_ = os.Remove(tmp.Name())
+		return nil, err
+	}
+	return tmp, nil
+}
+
+// append writes r, fsynced when durable; the first write creates the file.
+func (j *FileJournal) append(r journalRecord, durable bool) error {
 	b, err := json.Marshal(r)
 	if err != nil {
 		return err
 	}
-	if _, err := j.f.Write(append(b, '\n')); err != nil {
+	b = append(b, '\n')
+	if j.f == nil {
+		if j.closed {
+			return fmt.Errorf("journal: %w", os.ErrClosed)
+		}
+		return j.create(b)
+	}
+	if _, err := j.f.Write(b); err != nil {
 		return fmt.Errorf("journal: %w", err)
 	}
-	if err := j.f.Sync(); err != nil {
-		return fmt.Errorf("journal: %w", err)
+	j.lines++
+	if durable {
+		if err := j.f.Sync(); err != nil {
+			return fmt.Errorf("journal: %w", err)
+		}
 	}
 	return nil
+}
+
+// bloated reports whether the file holds enough superfluous lines to be
+// compacted.
+func (j *FileJournal) bloated() bool { return j.lines > 2*j.mem.Len()+compactSlack }
+
+// compact rewrites a bloated journal. A failure is not the caller's: the
+// record it appended is already durable, so compaction is retried later.
+func (j *FileJournal) compact() {
+	if j.bloated() {
+		_ = j.rewrite()
+	}
 }
 
 // Get implements daemon.Journal.
@@ -280,10 +407,12 @@ func (j *FileJournal) Put(e daemon.Entry) error {
 	if err != nil {
 		return err
 	}
-	if err := j.append(r); err != nil {
+	if err := j.append(r, true); err != nil {
 		return err
 	}
-	return j.mem.Put(e)
+	_ = j.mem.Put(e)
+	j.compact()
+	return nil
 }
 
 // Delete implements daemon.Journal.
@@ -291,10 +420,12 @@ func (j *FileJournal) Delete(commandID string) error {
 	if _, ok := j.mem.Get(commandID); !ok {
 		return nil
 	}
-	if err := j.append(journalRecord{ID: commandID, Deleted: true}); err != nil {
+	if err := j.append(journalRecord{ID: commandID, Deleted: true}, false); err != nil {
 		return err
 	}
-	return j.mem.Delete(commandID)
+	_ = j.mem.Delete(commandID)
+	j.compact()
+	return nil
 }
 
 // Entries implements daemon.Journal.
@@ -308,6 +439,7 @@ func (j *FileJournal) Epoch() uint64 { return j.epoch }
 
 // Close closes the journal file.
 func (j *FileJournal) Close() error {
+	j.closed = true
 	if j.f == nil {
 		return nil
 	}

@@ -1,6 +1,7 @@
 package fakedaemon_test
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -54,6 +55,7 @@ func TestFileJournalRoundTrip(t *testing.T) {
 	require.NoError(t, j.Delete("cmd_b"))
 	require.NoError(t, j.Delete("cmd_unknown"))
 	require.NoError(t, j.Close())
+	require.Error(t, j.Put(a), "closed")
 
 	j2, err := fakedaemon.OpenFileJournal(dir, jt0.Add(time.Hour))
 	require.NoError(t, err)
@@ -73,13 +75,114 @@ func TestFileJournalRoundTrip(t *testing.T) {
 	_, ok = j2.Get("cmd_b")
 	require.False(t, ok)
 
-	// Open compacts: one header line and one line per live entry.
+	// A small journal is appended to as it is: one header line and one line
+	// per Put or Delete.
 	raw, err := os.ReadFile(filepath.Join(dir, fakedaemon.JournalFile))
 	require.NoError(t, err)
-	require.Equal(t, 3, strings.Count(string(raw), "\n"))
-	fi, err := os.Stat(filepath.Join(dir, fakedaemon.JournalFile))
+	require.Equal(t, 6, strings.Count(string(raw), "\n"))
+	for _, name := range []string{fakedaemon.JournalFile, fakedaemon.JournalEpochFile} {
+		fi, err := os.Stat(filepath.Join(dir, name))
+		require.NoError(t, err)
+		require.Equal(t, os.FileMode(0o600), fi.Mode().Perm())
+	}
+}
+
+// A journal that never saw a command costs nothing on disk, and is not lost.
+func TestFileJournalLazy(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	for range 2 {
+		j, err := fakedaemon.OpenFileJournal(dir, jt0)
+		require.NoError(t, err)
+		require.True(t, j.LostAt().IsZero())
+		require.Equal(t, uint64(1), j.Epoch())
+		require.Empty(t, j.Entries())
+		require.NoError(t, j.Delete("cmd_unknown"))
+		require.NoError(t, j.Close())
+		des, err := os.ReadDir(dir)
+		require.NoError(t, err)
+		require.Empty(t, des)
+	}
+}
+
+// Replaced and deleted entries are compacted away while the journal runs, so
+// the file stays small, and what is read back is the live set.
+func TestFileJournalCompacts(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	j, err := fakedaemon.OpenFileJournal(dir, jt0)
 	require.NoError(t, err)
-	require.Equal(t, os.FileMode(0o600), fi.Mode().Perm())
+	keep := entry("cmd_keep", gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED)
+	require.NoError(t, j.Put(keep))
+	for i := range 500 {
+		id := fmt.Sprintf("cmd_%03d", i)
+		require.NoError(t, j.Put(entry(id, gatewayv1.CommandState_COMMAND_STATE_RUNNING)))
+		require.NoError(t, j.Put(entry(id, gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED)))
+		if i < 495 {
+			require.NoError(t, j.Delete(id))
+		}
+	}
+	require.NoError(t, j.Close())
+	raw, err := os.ReadFile(filepath.Join(dir, fakedaemon.JournalFile))
+	require.NoError(t, err)
+	require.Less(t, strings.Count(string(raw), "\n"), 100)
+
+	j2, err := fakedaemon.OpenFileJournal(dir, jt0.Add(time.Hour))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = j2.Close() })
+	require.True(t, j2.LostAt().IsZero())
+	require.Equal(t, uint64(1), j2.Epoch())
+	var got []string
+	for _, e := range j2.Entries() {
+		require.Equal(t, gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED, e.State)
+		got = append(got, e.CommandID)
+	}
+	require.Equal(t, []string{"cmd_keep", "cmd_495", "cmd_496", "cmd_497", "cmd_498", "cmd_499"}, got)
+}
+
+// A crash during the first Put, before the journal was fsynced, leaves a
+// torn file without a marker: the Put never returned, so nothing ran and
+// nothing is lost. A crash after the fsync but before the marker leaves a
+// whole journal, which is kept.
+func TestFileJournalFirstPutCrash(t *testing.T) {
+	t.Parallel()
+	t.Run("torn", func(t *testing.T) {
+		t.Parallel()
+		dir := t.TempDir()
+		require.NoError(t, os.WriteFile(filepath.Join(dir, fakedaemon.JournalFile), []byte(`{"v":1,"ep`), 0o600))
+		j, err := fakedaemon.OpenFileJournal(dir, jt0)
+		require.NoError(t, err)
+		require.True(t, j.LostAt().IsZero())
+		require.Empty(t, j.Entries())
+		require.NoError(t, j.Put(entry("cmd_a", gatewayv1.CommandState_COMMAND_STATE_RUNNING)))
+		require.NoError(t, j.Close())
+		j2, err := fakedaemon.OpenFileJournal(dir, jt0)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = j2.Close() })
+		require.True(t, j2.LostAt().IsZero())
+		require.Len(t, j2.Entries(), 1)
+	})
+	t.Run("unmarked", func(t *testing.T) {
+		t.Parallel()
+		dir := t.TempDir()
+		j, err := fakedaemon.OpenFileJournal(dir, jt0)
+		require.NoError(t, err)
+		require.NoError(t, j.Put(entry("cmd_a", gatewayv1.CommandState_COMMAND_STATE_RUNNING)))
+		require.NoError(t, j.Close())
+		require.NoError(t, os.Remove(filepath.Join(dir, fakedaemon.JournalEpochFile)))
+		j2, err := fakedaemon.OpenFileJournal(dir, jt0)
+		require.NoError(t, err)
+		require.True(t, j2.LostAt().IsZero())
+		require.Len(t, j2.Entries(), 1)
+		require.NoError(t, j2.Close())
+		// The marker is back: losing the journal now is detected.
+		require.FileExists(t, filepath.Join(dir, fakedaemon.JournalEpochFile))
+		require.NoError(t, os.Remove(filepath.Join(dir, fakedaemon.JournalFile)))
+		j3, err := fakedaemon.OpenFileJournal(dir, jt0.Add(time.Minute))
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = j3.Close() })
+		require.True(t, jt0.Add(time.Minute).Equal(j3.LostAt()))
+	})
 }
 
 func TestFileJournalLoss(t *testing.T) {
@@ -155,4 +258,13 @@ func TestFileJournalTornTail(t *testing.T) {
 	t.Cleanup(func() { _ = j2.Close() })
 	require.True(t, j2.LostAt().IsZero())
 	require.Len(t, j2.Entries(), 1)
+
+	// The torn line is gone before anything is appended after it.
+	require.NoError(t, j2.Put(entry("cmd_c", gatewayv1.CommandState_COMMAND_STATE_RUNNING)))
+	require.NoError(t, j2.Close())
+	j3, err := fakedaemon.OpenFileJournal(dir, jt0.Add(2*time.Minute))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = j3.Close() })
+	require.True(t, j3.LostAt().IsZero())
+	require.Len(t, j3.Entries(), 2)
 }

@@ -125,20 +125,22 @@ func (m *Machine) run(ctx context.Context) error {
 		return fmt.Errorf("machine %d: %w", m.index, err)
 	}
 	defer unlock()
-	machineID, err := loadOrCreateMachineID(m.dir)
-	if err != nil {
-		return fmt.Errorf("machine %d: machine id: %w", m.index, err)
-	}
 	id, err := loadIdentity(m.dir)
 	if err != nil {
 		return fmt.Errorf("machine %d: identity: %w", m.index, err)
 	}
 	variant := m.r.cfg.Variant
-	if id != nil && id.Variant != "" {
-		if id.Variant != variant {
-			m.log.Warn("keeping the variant the machine joined with", "variant", id.Variant, "requested", variant)
+	var machineID string
+	if id != nil {
+		machineID = id.MachineID
+		if id.Variant != "" {
+			if id.Variant != variant {
+				m.log.Warn("keeping the variant the machine joined with", "variant", id.Variant, "requested", variant)
+			}
+			variant = id.Variant
 		}
-		variant = id.Variant
+	} else if machineID, err = newMachineID(); err != nil {
+		return fmt.Errorf("machine %d: machine id: %w", m.index, err)
 	}
 	hw, err := fakehw.New(variant, machineID)
 	if err != nil {
@@ -148,16 +150,17 @@ func (m *Machine) run(ctx context.Context) error {
 		hw.SetDurations(*m.r.cfg.Durations)
 	}
 	m.update(func(s *MachineStatus) { s.MachineID, s.Variant = machineID, variant })
+	// The start that joins is boot 0 and writes nothing but the identity;
+	// every later start advances the boot counter on disk.
+	var boot uint64
 	if id == nil {
 		if id, err = m.join(ctx, hw); err != nil {
 			return err
 		}
-	}
-	log := m.log.With(telemetry.KeyNodeID, id.NodeID)
-	boot, err := nextBoot(m.dir)
-	if err != nil {
+	} else if boot, err = nextBoot(m.dir); err != nil {
 		return fmt.Errorf("machine %d: %w", m.index, err)
 	}
+	log := m.log.With(telemetry.KeyNodeID, id.NodeID)
 	hw.SetBoot(boot)
 	m.update(func(s *MachineStatus) { s.NodeID, s.Joined, s.BootID = id.NodeID, true, hw.BootID() })
 
@@ -196,7 +199,9 @@ func (m *Machine) run(ctx context.Context) error {
 
 // join makes the node's identity with JoinService, retrying transient errors.
 func (m *Machine) join(ctx context.Context, hw *fakehw.Machine) (*Identity, error) {
-	key, err := loadOrCreateKey(m.dir)
+	// The key lives in memory until the identity is saved: a Join that
+	// never completed leaves nothing on disk, so a restart joins afresh.
+	key, err := pki.GenerateKey()
 	if err != nil {
 		return nil, fmt.Errorf("machine %d: key: %w", m.index, err)
 	}
