@@ -438,3 +438,18 @@ func TestMiscCommands(t *testing.T) {
 		require.Contains(t, res.stdout, "better-compute", shell)
 	}
 }
+
+// TestUnknownSubcommandFails: a mistyped subcommand is an error (exit 1,
+// naming it), not a help page with exit 0; a bare group prints its help.
+func TestUnknownSubcommandFails(t *testing.T) {
+	t.Parallel()
+	r := runner{env: map[string]string{}}
+	for _, args := range [][]string{{"nodes", "lst"}, {"completion", "bogus"}, {"bogus"}, {"migrate", "sideways"}} {
+		res := r.run(t, args...)
+		require.Equal(t, 1, res.code, "%v", args)
+		require.Contains(t, res.stderr, `unknown command "`+args[len(args)-1]+`"`, "%v", args)
+	}
+	res := r.run(t, "nodes")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, "list")
+}

@@ -73,7 +73,29 @@ func NewRoot(env Env) *cobra.Command {
 		a.healthcheckCmd(),
 		a.versionCmd(),
 	)
+	root.InitDefaultCompletionCmd()
+	refuseUnknownSubcommands(root)
 	return root
+}
+
+// refuseUnknownSubcommands makes every group command (one with subcommands
+// and no action of its own) fail on an unknown subcommand, instead of
+// cobra's default of printing help and exiting 0. Without arguments it still
+// prints its help.
+func refuseUnknownSubcommands(c *cobra.Command) {
+	for _, sub := range c.Commands() {
+		refuseUnknownSubcommands(sub)
+	}
+	if c == c.Root() || !c.HasSubCommands() || c.Runnable() {
+		return
+	}
+	c.Args = cobra.ArbitraryArgs
+	c.RunE = func(cmd *cobra.Command, args []string) error {
+		if len(args) == 0 {
+			return cmd.Help()
+		}
+		return fmt.Errorf("unknown command %q for %q (see '%s --help')", args[0], cmd.CommandPath(), cmd.CommandPath())
+	}
 }
 
 // exitError ends a run with a status code and no message of its own (the
