@@ -380,7 +380,7 @@ func TestJoinSessionCommandsAndSpec(t *testing.T) {
 		require.Equal(t, fakedaemon.Version, hello.GetAgentVersion())
 		// Joining wrote one file, the identity, owner-only; the journal
 		// waits for the first command.
-		require.ElementsMatch(t, []string{fakedaemon.NodeFile, fakedaemon.LockFile}, dirNames(t, m.Dir()))
+		require.ElementsMatch(t, []string{fakedaemon.NodeFile}, dirNames(t, m.Dir()))
 		fi, err := os.Stat(filepath.Join(m.Dir(), fakedaemon.NodeFile))
 		require.NoError(t, err)
 		require.Equal(t, os.FileMode(0o600), fi.Mode().Perm())
@@ -436,7 +436,7 @@ func TestJoinSessionCommandsAndSpec(t *testing.T) {
 	require.Equal(t, gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED, u[1].GetState())
 	require.Len(t, u[1].GetResult().GetInventory().GetGpus(), 8)
 	// The first command made the journal and its epoch marker.
-	require.ElementsMatch(t, []string{fakedaemon.NodeFile, fakedaemon.LockFile, fakedaemon.JournalFile, fakedaemon.JournalEpochFile},
+	require.ElementsMatch(t, []string{fakedaemon.NodeFile, fakedaemon.JournalFile, fakedaemon.JournalEpochFile},
 		dirNames(t, r.Machines()[0].Dir()))
 
 	// Desired state: bound, then observed.

@@ -6,18 +6,15 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"syscall"
 )
 
-// LockFile is the file a running machine holds an exclusive lock on, so
-// that two processes never drive the same identity.
-const LockFile = "lock"
-
-// lockDir takes the exclusive lock of a machine directory; release it with
-// the returned function. It fails when another process holds it.
+// lockDir takes the exclusive lock (flock) of a machine directory itself, so
+// that two processes never drive the same identity, and without creating a
+// file; release it with the returned function. It fails when another
+// process holds it.
 func lockDir(dir string) (func(), error) {
-	f, err := os.OpenFile(filepath.Join(dir, LockFile), os.O_RDWR|os.O_CREATE, 0o600)
+	f, err := os.Open(dir)
 	if err != nil {
 		return nil, err
 	}
