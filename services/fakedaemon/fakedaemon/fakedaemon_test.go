@@ -378,9 +378,9 @@ func TestJoinSessionCommandsAndSpec(t *testing.T) {
 		hello := cp.gw.helloes(st.NodeID)[0]
 		require.Equal(t, st.BootID, hello.GetBootId())
 		require.Equal(t, fakedaemon.Version, hello.GetAgentVersion())
-		// Joining wrote one file, the identity, owner-only; the journal
-		// waits for the first command.
-		require.ElementsMatch(t, []string{fakedaemon.NodeFile}, dirNames(t, m.Dir()))
+		// Joining wrote two files: an empty journal, then the identity,
+		// owner-only.
+		require.ElementsMatch(t, []string{fakedaemon.NodeFile, fakedaemon.JournalFile}, dirNames(t, m.Dir()))
 		fi, err := os.Stat(filepath.Join(m.Dir(), fakedaemon.NodeFile))
 		require.NoError(t, err)
 		require.Equal(t, os.FileMode(0o600), fi.Mode().Perm())
@@ -435,9 +435,8 @@ func TestJoinSessionCommandsAndSpec(t *testing.T) {
 	require.Equal(t, gatewayv1.CommandState_COMMAND_STATE_RUNNING, u[0].GetState())
 	require.Equal(t, gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED, u[1].GetState())
 	require.Len(t, u[1].GetResult().GetInventory().GetGpus(), 8)
-	// The first command made the journal and its epoch marker.
-	require.ElementsMatch(t, []string{fakedaemon.NodeFile, fakedaemon.JournalFile, fakedaemon.JournalEpochFile},
-		dirNames(t, r.Machines()[0].Dir()))
+	// Commands are appended to the journal; no other file appears.
+	require.ElementsMatch(t, []string{fakedaemon.NodeFile, fakedaemon.JournalFile}, dirNames(t, r.Machines()[0].Dir()))
 
 	// Desired state: bound, then observed.
 	cp.gw.send(t, node, &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_DesiredState{DesiredState: &gatewayv1.DesiredState{
@@ -540,6 +539,46 @@ func TestJournalLossFailsUnsafeCommands(t *testing.T) {
 	u := cp.gw.updates(node, cmdID)[2]
 	require.Equal(t, gatewayv1.CommandState_COMMAND_STATE_FAILED, u.GetState())
 	require.Equal(t, daemon.ErrTextJournalLost, u.GetError())
+}
+
+// The journal made at Join is expected from then on: losing it before any
+// command arrived is still detected, and a restart that lost nothing runs
+// commands made before it.
+func TestJournalLossBeforeAnyCommand(t *testing.T) {
+	for _, lose := range []bool{false, true} {
+		t.Run(fmt.Sprintf("lost=%v", lose), func(t *testing.T) {
+			cp := newControlPlane(t, 1)
+			cfg := cp.config(t.TempDir(), 1)
+			ctx, cancel := context.WithCancel(t.Context())
+			r, err := fakedaemon.Start(ctx, cfg, fakedaemon.Deps{})
+			require.NoError(t, err)
+			waitEstablished(t, r)
+			node := r.Machines()[0].NodeID()
+			cancel()
+			require.NoError(t, r.Wait())
+			cmdID := ids.New(ids.Command, clock.New().Now()) // made before the restart
+			if lose {
+				require.NoError(t, os.Remove(filepath.Join(r.Machines()[0].Dir(), fakedaemon.JournalFile)))
+			}
+
+			r2, _ := start(t, cfg, fakedaemon.Deps{})
+			waitEstablished(t, r2)
+			cp.gw.send(t, node, command(cmdID, "logs.collect"))
+			if lose {
+				require.Eventually(t, func() bool { return len(cp.gw.updates(node, cmdID)) == 1 }, waitFor, tick)
+				u := cp.gw.updates(node, cmdID)[0]
+				require.Equal(t, gatewayv1.CommandState_COMMAND_STATE_FAILED, u.GetState())
+				require.Equal(t, daemon.ErrTextJournalLost, u.GetError())
+				epoch, err := os.ReadFile(filepath.Join(r2.Machines()[0].Dir(), fakedaemon.JournalEpochFile))
+				require.NoError(t, err)
+				require.Equal(t, "2\n", string(epoch))
+				return
+			}
+			require.Eventually(t, func() bool { return len(cp.gw.updates(node, cmdID)) == 2 }, waitFor, tick)
+			require.Equal(t, gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED, cp.gw.updates(node, cmdID)[1].GetState())
+			require.NoFileExists(t, filepath.Join(r2.Machines()[0].Dir(), fakedaemon.JournalEpochFile))
+		})
+	}
 }
 
 func TestRebootAndReconnect(t *testing.T) {

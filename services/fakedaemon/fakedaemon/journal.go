@@ -27,7 +27,8 @@ const (
 	// JournalEpochFile holds the epoch of the journal the machine expects.
 	// It is written when a journal of a new epoch is created and outlives
 	// the journal: finding it without a matching JournalFile means the
-	// journal was lost.
+	// journal was lost. A machine's first journal, made with its identity,
+	// has none: the identity (NodeFile) stands for epoch 1.
 	JournalEpochFile = "journal.epoch"
 )
 
@@ -84,22 +85,60 @@ type journalRecord struct {
 // torn (its first Put never returned). The file is compacted when it holds
 // many replaced or deleted entries.
 func OpenFileJournal(dir string, now time.Time) (*FileJournal, error) {
+	return openFileJournal(dir, now, false)
+}
+
+// initFileJournal makes an empty journal of epoch 1 in dir, durably, and
+// removes any epoch marker of an earlier identity. A machine calls it before
+// saving its identity, which from then on stands for the journal's epoch
+// marker: see openFileJournal.
+func initFileJournal(dir string) error {
+	if err := os.Remove(filepath.Join(dir, JournalEpochFile)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	j := &FileJournal{dir: dir, epoch: 1}
+	hdr, err := j.header()
+	if err != nil {
+		return err
+	}
+	f, err := os.OpenFile(filepath.Join(dir, JournalFile), os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		return err
+	}
+	if _, err := f.Write(hdr); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}
+
+// openFileJournal is OpenFileJournal; joined says that initFileJournal made
+// the epoch-1 journal before the identity was saved, so that without a
+// marker the journal's epoch is 1 and its absence is a loss.
+func openFileJournal(dir string, now time.Time, joined bool) (*FileJournal, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, err
 	}
 	j := &FileJournal{dir: dir, mem: daemon.NewMemoryJournal(), epoch: 1}
-	if err := j.open(now); err != nil {
+	if err := j.open(now, joined); err != nil {
 		_ = j.Close()
 		return nil, err
 	}
 	return j, nil
 }
 
-func (j *FileJournal) open(now time.Time) error {
+func (j *FileJournal) open(now time.Time, joined bool) error {
 	dir := j.dir
 	marker, hasMarker, err := readEpoch(filepath.Join(dir, JournalEpochFile))
 	if err != nil {
 		return err
+	}
+	if !hasMarker && joined {
+		marker, hasMarker = 1, true
 	}
 	jf, err := readJournal(filepath.Join(dir, JournalFile))
 	switch {

@@ -164,7 +164,7 @@ func (m *Machine) run(ctx context.Context) error {
 	hw.SetBoot(boot)
 	m.update(func(s *MachineStatus) { s.NodeID, s.Joined, s.BootID = id.NodeID, true, hw.BootID() })
 
-	j, err := OpenFileJournal(m.dir, m.r.clk.Now())
+	j, err := openFileJournal(m.dir, m.r.clk.Now(), true)
 	if err != nil {
 		return fmt.Errorf("machine %d: journal: %w", m.index, err)
 	}
@@ -288,6 +288,11 @@ func (m *Machine) join(ctx context.Context, hw *fakehw.Machine) (*Identity, erro
 	}
 	if msg.GetNotAfter() != nil {
 		id.NotAfter = msg.GetNotAfter().AsTime()
+	}
+	// The journal comes first: once the identity is saved, a missing
+	// journal is a loss.
+	if err := initFileJournal(m.dir); err != nil {
+		return nil, fmt.Errorf("machine %d: journal: %w", m.index, err)
 	}
 	if err := id.save(m.dir, nodeCA); err != nil {
 		return nil, fmt.Errorf("machine %d: save identity: %w", m.index, err)

@@ -12,14 +12,14 @@
 //
 // A machine's directory (DataDir/<index>) holds: node.json (0600; the whole
 // identity: node and machine ids, key and certificates; written once,
-// atomically, when the Join completes), boot (the boot counter: every process
-// start is a boot; the start that joined is boot 0), and journal.jsonl and
-// journal.epoch (created by the first command; see FileJournal). A running
-// machine holds an exclusive flock on its directory, so two processes never
-// share an identity. A machine's first start thus makes one durable write
-// besides its journal, and a restart one (the boot counter). A restart reuses
-// the identity and never joins again; deleting journal.jsonl simulates a
-// journal loss.
+// atomically, when the Join completes, just after an empty journal.jsonl),
+// boot (the boot counter: every process start is a boot; the start that
+// joined is boot 0), and journal.epoch once a journal loss was found (see
+// FileJournal). A running machine holds an exclusive flock on its directory,
+// so two processes never share an identity. A machine's first start thus
+// creates two files, and a restart rewrites one (the boot counter). A
+// restart reuses the identity and never joins again; deleting journal.jsonl
+// simulates a journal loss.
 //
 // To run machines in-process (tests, `better-compute dev --sim N`), call
 // Start and read the handles from Runner.Machines.
