@@ -40,16 +40,17 @@ const compactSlack = 64
 // FileJournal is a daemon.Journal in a directory: an append-only JSON-lines
 // file beside an epoch marker that detects its loss. A Put is fsynced before
 // it returns; a Delete is not (a forgotten Delete only brings back a finished
-// entry, which is pruned again). Nothing is written until the first Put, and
-// the marker is written once per epoch. It is used from one goroutine (its
-// machine's loop).
+// entry, which is pruned again). Opening writes nothing unless a loss, a
+// torn tail or compaction calls for it; in a bare directory the file appears
+// with the first Put. The marker is written once per epoch. It is used from
+// one goroutine (its machine's loop).
 type FileJournal struct {
 	dir    string
 	f      *os.File // nil until the journal file exists
 	mem    *daemon.MemoryJournal
 	epoch  uint64
 	lostAt time.Time
-	marked bool // JournalEpochFile names epoch
+	marked bool // the marker (JournalEpochFile, or the identity) names epoch
 	lines  int  // records in the file
 	closed bool
 }
