@@ -332,8 +332,11 @@ type InitOptions struct {
 }
 
 // Init writes a deployment's PKI into dir unless it is already there: the node
-// CA, the serving CA, a gateway serving certificate and the trust domain. It
-// creates only the files that are missing and reports whether it wrote any.
+// CA, the serving CA, a gateway serving certificate, the trust domain,
+// JoinService's HPKE key pair and signing key, the command-signing root, and
+// pins.json with the pins daemons check (see Pins). It creates only the files
+// that are missing and reports whether it wrote any. Private keys are mode
+// 0600; nothing secret is logged or returned.
 func Init(dir string, opts InitOptions, now time.Time) (bool, error) {
 	if opts.TrustDomain == "" {
 		opts.TrustDomain = DefaultTrustDomain
@@ -392,7 +395,11 @@ func Init(dir string, opts InitOptions, now time.Time) (bool, error) {
 		}
 		wrote = true
 	}
-	return wrote, nil
+	trustWrote, err := initTrustKeys(dir)
+	if err != nil {
+		return false, err
+	}
+	return wrote || trustWrote, nil
 }
 
 // ReadTrustDomain reads the trust domain file of a PKI directory.

@@ -117,3 +117,8 @@ func timestampOrNil(t *time.Time) *timestamppb.Timestamp {
 	}
 	return timestamppb.New(*t)
 }
+
+// RevokeNode implements NodeService.RevokeNode.
+func (s *nodeService) RevokeNode(ctx context.Context, req *connect.Request[computev1.RevokeNodeRequest]) (*connect.Response[computev1.RevokeNodeResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("RevokeNode is not implemented yet"))
+}

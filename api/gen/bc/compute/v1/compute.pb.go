@@ -23,6 +23,870 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+type Tenant struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Id    string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	Name  string                 `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	// ParentId is empty for the root tenant.
+	ParentId      string                 `protobuf:"bytes,3,opt,name=parent_id,json=parentId,proto3" json:"parent_id,omitempty"`
+	CreatedAt     *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Tenant) Reset() {
+	*x = Tenant{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Tenant) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Tenant) ProtoMessage() {}
+
+func (x *Tenant) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Tenant.ProtoReflect.Descriptor instead.
+func (*Tenant) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *Tenant) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *Tenant) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *Tenant) GetParentId() string {
+	if x != nil {
+		return x.ParentId
+	}
+	return ""
+}
+
+func (x *Tenant) GetCreatedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.CreatedAt
+	}
+	return nil
+}
+
+type CreateTenantRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	ParentId      string                 `protobuf:"bytes,2,opt,name=parent_id,json=parentId,proto3" json:"parent_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CreateTenantRequest) Reset() {
+	*x = CreateTenantRequest{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CreateTenantRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CreateTenantRequest) ProtoMessage() {}
+
+func (x *CreateTenantRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CreateTenantRequest.ProtoReflect.Descriptor instead.
+func (*CreateTenantRequest) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *CreateTenantRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *CreateTenantRequest) GetParentId() string {
+	if x != nil {
+		return x.ParentId
+	}
+	return ""
+}
+
+type CreateTenantResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Tenant        *Tenant                `protobuf:"bytes,1,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CreateTenantResponse) Reset() {
+	*x = CreateTenantResponse{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CreateTenantResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CreateTenantResponse) ProtoMessage() {}
+
+func (x *CreateTenantResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CreateTenantResponse.ProtoReflect.Descriptor instead.
+func (*CreateTenantResponse) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *CreateTenantResponse) GetTenant() *Tenant {
+	if x != nil {
+		return x.Tenant
+	}
+	return nil
+}
+
+type ListTenantsRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListTenantsRequest) Reset() {
+	*x = ListTenantsRequest{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListTenantsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListTenantsRequest) ProtoMessage() {}
+
+func (x *ListTenantsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListTenantsRequest.ProtoReflect.Descriptor instead.
+func (*ListTenantsRequest) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{3}
+}
+
+type ListTenantsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Tenants       []*Tenant              `protobuf:"bytes,1,rep,name=tenants,proto3" json:"tenants,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListTenantsResponse) Reset() {
+	*x = ListTenantsResponse{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListTenantsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListTenantsResponse) ProtoMessage() {}
+
+func (x *ListTenantsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListTenantsResponse.ProtoReflect.Descriptor instead.
+func (*ListTenantsResponse) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *ListTenantsResponse) GetTenants() []*Tenant {
+	if x != nil {
+		return x.Tenants
+	}
+	return nil
+}
+
+type ApiToken struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Id       string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	TenantId string                 `protobuf:"bytes,2,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
+	Name     string                 `protobuf:"bytes,3,opt,name=name,proto3" json:"name,omitempty"`
+	// Role is root-admin, tenant-admin, tenant-member or viewer.
+	Role          string                 `protobuf:"bytes,4,opt,name=role,proto3" json:"role,omitempty"`
+	ExpiresAt     *timestamppb.Timestamp `protobuf:"bytes,5,opt,name=expires_at,json=expiresAt,proto3" json:"expires_at,omitempty"`
+	RevokedAt     *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=revoked_at,json=revokedAt,proto3" json:"revoked_at,omitempty"`
+	CreatedAt     *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
+	LastUsedAt    *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=last_used_at,json=lastUsedAt,proto3" json:"last_used_at,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ApiToken) Reset() {
+	*x = ApiToken{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ApiToken) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ApiToken) ProtoMessage() {}
+
+func (x *ApiToken) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ApiToken.ProtoReflect.Descriptor instead.
+func (*ApiToken) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *ApiToken) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *ApiToken) GetTenantId() string {
+	if x != nil {
+		return x.TenantId
+	}
+	return ""
+}
+
+func (x *ApiToken) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *ApiToken) GetRole() string {
+	if x != nil {
+		return x.Role
+	}
+	return ""
+}
+
+func (x *ApiToken) GetExpiresAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.ExpiresAt
+	}
+	return nil
+}
+
+func (x *ApiToken) GetRevokedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.RevokedAt
+	}
+	return nil
+}
+
+func (x *ApiToken) GetCreatedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.CreatedAt
+	}
+	return nil
+}
+
+func (x *ApiToken) GetLastUsedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.LastUsedAt
+	}
+	return nil
+}
+
+type CreateTokenRequest struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	TenantId string                 `protobuf:"bytes,1,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
+	Name     string                 `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	Role     string                 `protobuf:"bytes,3,opt,name=role,proto3" json:"role,omitempty"`
+	// TtlSeconds is how long the token is valid; 0 means it never expires.
+	TtlSeconds    int64 `protobuf:"varint,4,opt,name=ttl_seconds,json=ttlSeconds,proto3" json:"ttl_seconds,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CreateTokenRequest) Reset() {
+	*x = CreateTokenRequest{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CreateTokenRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CreateTokenRequest) ProtoMessage() {}
+
+func (x *CreateTokenRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CreateTokenRequest.ProtoReflect.Descriptor instead.
+func (*CreateTokenRequest) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *CreateTokenRequest) GetTenantId() string {
+	if x != nil {
+		return x.TenantId
+	}
+	return ""
+}
+
+func (x *CreateTokenRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *CreateTokenRequest) GetRole() string {
+	if x != nil {
+		return x.Role
+	}
+	return ""
+}
+
+func (x *CreateTokenRequest) GetTtlSeconds() int64 {
+	if x != nil {
+		return x.TtlSeconds
+	}
+	return 0
+}
+
+type CreateTokenResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Token *ApiToken              `protobuf:"bytes,1,opt,name=token,proto3" json:"token,omitempty"`
+	// Secret is the token ("bct_…"); it is never shown again.
+	Secret        string `protobuf:"bytes,2,opt,name=secret,proto3" json:"secret,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CreateTokenResponse) Reset() {
+	*x = CreateTokenResponse{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CreateTokenResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CreateTokenResponse) ProtoMessage() {}
+
+func (x *CreateTokenResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CreateTokenResponse.ProtoReflect.Descriptor instead.
+func (*CreateTokenResponse) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *CreateTokenResponse) GetToken() *ApiToken {
+	if x != nil {
+		return x.Token
+	}
+	return nil
+}
+
+func (x *CreateTokenResponse) GetSecret() string {
+	if x != nil {
+		return x.Secret
+	}
+	return ""
+}
+
+type ListTokensRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	TenantId      string                 `protobuf:"bytes,1,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListTokensRequest) Reset() {
+	*x = ListTokensRequest{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListTokensRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListTokensRequest) ProtoMessage() {}
+
+func (x *ListTokensRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListTokensRequest.ProtoReflect.Descriptor instead.
+func (*ListTokensRequest) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *ListTokensRequest) GetTenantId() string {
+	if x != nil {
+		return x.TenantId
+	}
+	return ""
+}
+
+type ListTokensResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Tokens        []*ApiToken            `protobuf:"bytes,1,rep,name=tokens,proto3" json:"tokens,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListTokensResponse) Reset() {
+	*x = ListTokensResponse{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListTokensResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListTokensResponse) ProtoMessage() {}
+
+func (x *ListTokensResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListTokensResponse.ProtoReflect.Descriptor instead.
+func (*ListTokensResponse) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *ListTokensResponse) GetTokens() []*ApiToken {
+	if x != nil {
+		return x.Tokens
+	}
+	return nil
+}
+
+type RevokeTokenRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	TokenId       string                 `protobuf:"bytes,1,opt,name=token_id,json=tokenId,proto3" json:"token_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RevokeTokenRequest) Reset() {
+	*x = RevokeTokenRequest{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RevokeTokenRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RevokeTokenRequest) ProtoMessage() {}
+
+func (x *RevokeTokenRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RevokeTokenRequest.ProtoReflect.Descriptor instead.
+func (*RevokeTokenRequest) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *RevokeTokenRequest) GetTokenId() string {
+	if x != nil {
+		return x.TokenId
+	}
+	return ""
+}
+
+type RevokeTokenResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Token         *ApiToken              `protobuf:"bytes,1,opt,name=token,proto3" json:"token,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RevokeTokenResponse) Reset() {
+	*x = RevokeTokenResponse{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RevokeTokenResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RevokeTokenResponse) ProtoMessage() {}
+
+func (x *RevokeTokenResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RevokeTokenResponse.ProtoReflect.Descriptor instead.
+func (*RevokeTokenResponse) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *RevokeTokenResponse) GetToken() *ApiToken {
+	if x != nil {
+		return x.Token
+	}
+	return nil
+}
+
+type AuditEntry struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Id    int64                  `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
+	At    *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=at,proto3" json:"at,omitempty"`
+	// TenantId and TokenId are the caller's; empty for an unauthenticated
+	// call.
+	TenantId string `protobuf:"bytes,3,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
+	TokenId  string `protobuf:"bytes,4,opt,name=token_id,json=tokenId,proto3" json:"token_id,omitempty"`
+	Role     string `protobuf:"bytes,5,opt,name=role,proto3" json:"role,omitempty"`
+	// Procedure is the RPC, e.g. "/bc.compute.v1.NodeService/RevokeNode".
+	Procedure string `protobuf:"bytes,6,opt,name=procedure,proto3" json:"procedure,omitempty"`
+	// Target is the id of the resource acted on, when there is one.
+	Target string `protobuf:"bytes,7,opt,name=target,proto3" json:"target,omitempty"`
+	// Outcome is "ok" or the Connect code of the refusal, e.g.
+	// "permission_denied".
+	Outcome string `protobuf:"bytes,8,opt,name=outcome,proto3" json:"outcome,omitempty"`
+	// Detail is the error message of a refusal, or what changed.
+	Detail        string `protobuf:"bytes,9,opt,name=detail,proto3" json:"detail,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AuditEntry) Reset() {
+	*x = AuditEntry{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AuditEntry) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AuditEntry) ProtoMessage() {}
+
+func (x *AuditEntry) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AuditEntry.ProtoReflect.Descriptor instead.
+func (*AuditEntry) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *AuditEntry) GetId() int64 {
+	if x != nil {
+		return x.Id
+	}
+	return 0
+}
+
+func (x *AuditEntry) GetAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.At
+	}
+	return nil
+}
+
+func (x *AuditEntry) GetTenantId() string {
+	if x != nil {
+		return x.TenantId
+	}
+	return ""
+}
+
+func (x *AuditEntry) GetTokenId() string {
+	if x != nil {
+		return x.TokenId
+	}
+	return ""
+}
+
+func (x *AuditEntry) GetRole() string {
+	if x != nil {
+		return x.Role
+	}
+	return ""
+}
+
+func (x *AuditEntry) GetProcedure() string {
+	if x != nil {
+		return x.Procedure
+	}
+	return ""
+}
+
+func (x *AuditEntry) GetTarget() string {
+	if x != nil {
+		return x.Target
+	}
+	return ""
+}
+
+func (x *AuditEntry) GetOutcome() string {
+	if x != nil {
+		return x.Outcome
+	}
+	return ""
+}
+
+func (x *AuditEntry) GetDetail() string {
+	if x != nil {
+		return x.Detail
+	}
+	return ""
+}
+
+type ListAuditRequest struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	PageSize int32                  `protobuf:"varint,1,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
+	// PageToken is the last id of the previous page.
+	PageToken     int64 `protobuf:"varint,2,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListAuditRequest) Reset() {
+	*x = ListAuditRequest{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListAuditRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListAuditRequest) ProtoMessage() {}
+
+func (x *ListAuditRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListAuditRequest.ProtoReflect.Descriptor instead.
+func (*ListAuditRequest) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *ListAuditRequest) GetPageSize() int32 {
+	if x != nil {
+		return x.PageSize
+	}
+	return 0
+}
+
+func (x *ListAuditRequest) GetPageToken() int64 {
+	if x != nil {
+		return x.PageToken
+	}
+	return 0
+}
+
+type ListAuditResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Entries       []*AuditEntry          `protobuf:"bytes,1,rep,name=entries,proto3" json:"entries,omitempty"`
+	NextPageToken int64                  `protobuf:"varint,2,opt,name=next_page_token,json=nextPageToken,proto3" json:"next_page_token,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListAuditResponse) Reset() {
+	*x = ListAuditResponse{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListAuditResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListAuditResponse) ProtoMessage() {}
+
+func (x *ListAuditResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListAuditResponse.ProtoReflect.Descriptor instead.
+func (*ListAuditResponse) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *ListAuditResponse) GetEntries() []*AuditEntry {
+	if x != nil {
+		return x.Entries
+	}
+	return nil
+}
+
+func (x *ListAuditResponse) GetNextPageToken() int64 {
+	if x != nil {
+		return x.NextPageToken
+	}
+	return 0
+}
+
 type Gpu struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Index         int32                  `protobuf:"varint,1,opt,name=index,proto3" json:"index,omitempty"`
@@ -35,7 +899,7 @@ type Gpu struct {
 
 func (x *Gpu) Reset() {
 	*x = Gpu{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[0]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -47,7 +911,7 @@ func (x *Gpu) String() string {
 func (*Gpu) ProtoMessage() {}
 
 func (x *Gpu) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[0]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -60,7 +924,7 @@ func (x *Gpu) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Gpu.ProtoReflect.Descriptor instead.
 func (*Gpu) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{0}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *Gpu) GetIndex() int32 {
@@ -112,16 +976,20 @@ type Node struct {
 	ObservedGeneration int64                  `protobuf:"varint,13,opt,name=observed_generation,json=observedGeneration,proto3" json:"observed_generation,omitempty"`
 	Gpus               []*Gpu                 `protobuf:"bytes,14,rep,name=gpus,proto3" json:"gpus,omitempty"`
 	// GpuModel is the model shared by the node's GPUs, empty without GPUs.
-	GpuModel      string                 `protobuf:"bytes,15,opt,name=gpu_model,json=gpuModel,proto3" json:"gpu_model,omitempty"`
-	CreatedAt     *timestamppb.Timestamp `protobuf:"bytes,16,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
-	BootId        string                 `protobuf:"bytes,17,opt,name=boot_id,json=bootId,proto3" json:"boot_id,omitempty"`
+	GpuModel  string                 `protobuf:"bytes,15,opt,name=gpu_model,json=gpuModel,proto3" json:"gpu_model,omitempty"`
+	CreatedAt *timestamppb.Timestamp `protobuf:"bytes,16,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
+	BootId    string                 `protobuf:"bytes,17,opt,name=boot_id,json=bootId,proto3" json:"boot_id,omitempty"`
+	// RevokedAt is when the node's certificates were revoked, unset if never.
+	RevokedAt *timestamppb.Timestamp `protobuf:"bytes,18,opt,name=revoked_at,json=revokedAt,proto3" json:"revoked_at,omitempty"`
+	// CertNotAfter is when the node's newest certificate expires.
+	CertNotAfter  *timestamppb.Timestamp `protobuf:"bytes,19,opt,name=cert_not_after,json=certNotAfter,proto3" json:"cert_not_after,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Node) Reset() {
 	*x = Node{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[1]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -133,7 +1001,7 @@ func (x *Node) String() string {
 func (*Node) ProtoMessage() {}
 
 func (x *Node) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[1]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -146,7 +1014,7 @@ func (x *Node) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Node.ProtoReflect.Descriptor instead.
 func (*Node) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{1}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *Node) GetId() string {
@@ -268,6 +1136,20 @@ func (x *Node) GetBootId() string {
 	return ""
 }
 
+func (x *Node) GetRevokedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.RevokedAt
+	}
+	return nil
+}
+
+func (x *Node) GetCertNotAfter() *timestamppb.Timestamp {
+	if x != nil {
+		return x.CertNotAfter
+	}
+	return nil
+}
+
 type ListNodesRequest struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	PoolId   string                 `protobuf:"bytes,1,opt,name=pool_id,json=poolId,proto3" json:"pool_id,omitempty"`
@@ -280,7 +1162,7 @@ type ListNodesRequest struct {
 
 func (x *ListNodesRequest) Reset() {
 	*x = ListNodesRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[2]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -292,7 +1174,7 @@ func (x *ListNodesRequest) String() string {
 func (*ListNodesRequest) ProtoMessage() {}
 
 func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[2]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -305,7 +1187,7 @@ func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
 func (*ListNodesRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{2}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ListNodesRequest) GetPoolId() string {
@@ -339,7 +1221,7 @@ type ListNodesResponse struct {
 
 func (x *ListNodesResponse) Reset() {
 	*x = ListNodesResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[3]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -351,7 +1233,7 @@ func (x *ListNodesResponse) String() string {
 func (*ListNodesResponse) ProtoMessage() {}
 
 func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[3]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -364,7 +1246,7 @@ func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesResponse.ProtoReflect.Descriptor instead.
 func (*ListNodesResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{3}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *ListNodesResponse) GetNodes() []*Node {
@@ -390,7 +1272,7 @@ type GetNodeRequest struct {
 
 func (x *GetNodeRequest) Reset() {
 	*x = GetNodeRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[4]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -402,7 +1284,7 @@ func (x *GetNodeRequest) String() string {
 func (*GetNodeRequest) ProtoMessage() {}
 
 func (x *GetNodeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[4]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -415,7 +1297,7 @@ func (x *GetNodeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetNodeRequest.ProtoReflect.Descriptor instead.
 func (*GetNodeRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{4}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *GetNodeRequest) GetNodeId() string {
@@ -434,7 +1316,7 @@ type GetNodeResponse struct {
 
 func (x *GetNodeResponse) Reset() {
 	*x = GetNodeResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[5]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -446,7 +1328,7 @@ func (x *GetNodeResponse) String() string {
 func (*GetNodeResponse) ProtoMessage() {}
 
 func (x *GetNodeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[5]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -459,7 +1341,7 @@ func (x *GetNodeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetNodeResponse.ProtoReflect.Descriptor instead.
 func (*GetNodeResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{5}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *GetNodeResponse) GetNode() *Node {
@@ -467,6 +1349,112 @@ func (x *GetNodeResponse) GetNode() *Node {
 		return x.Node
 	}
 	return nil
+}
+
+type RevokeNodeRequest struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	NodeId string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	// Reason is recorded in the audit log.
+	Reason        string `protobuf:"bytes,2,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RevokeNodeRequest) Reset() {
+	*x = RevokeNodeRequest{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RevokeNodeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RevokeNodeRequest) ProtoMessage() {}
+
+func (x *RevokeNodeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RevokeNodeRequest.ProtoReflect.Descriptor instead.
+func (*RevokeNodeRequest) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *RevokeNodeRequest) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
+func (x *RevokeNodeRequest) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+type RevokeNodeResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Node  *Node                  `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	// CertificatesRevoked is how many certificates this call revoked.
+	CertificatesRevoked int32 `protobuf:"varint,2,opt,name=certificates_revoked,json=certificatesRevoked,proto3" json:"certificates_revoked,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
+}
+
+func (x *RevokeNodeResponse) Reset() {
+	*x = RevokeNodeResponse{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RevokeNodeResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RevokeNodeResponse) ProtoMessage() {}
+
+func (x *RevokeNodeResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RevokeNodeResponse.ProtoReflect.Descriptor instead.
+func (*RevokeNodeResponse) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *RevokeNodeResponse) GetNode() *Node {
+	if x != nil {
+		return x.Node
+	}
+	return nil
+}
+
+func (x *RevokeNodeResponse) GetCertificatesRevoked() int32 {
+	if x != nil {
+		return x.CertificatesRevoked
+	}
+	return 0
 }
 
 type Site struct {
@@ -481,7 +1469,7 @@ type Site struct {
 
 func (x *Site) Reset() {
 	*x = Site{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[6]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -493,7 +1481,7 @@ func (x *Site) String() string {
 func (*Site) ProtoMessage() {}
 
 func (x *Site) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[6]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -506,7 +1494,7 @@ func (x *Site) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Site.ProtoReflect.Descriptor instead.
 func (*Site) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{6}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *Site) GetId() string {
@@ -547,7 +1535,7 @@ type CreateSiteRequest struct {
 
 func (x *CreateSiteRequest) Reset() {
 	*x = CreateSiteRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[7]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -559,7 +1547,7 @@ func (x *CreateSiteRequest) String() string {
 func (*CreateSiteRequest) ProtoMessage() {}
 
 func (x *CreateSiteRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[7]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -572,7 +1560,7 @@ func (x *CreateSiteRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSiteRequest.ProtoReflect.Descriptor instead.
 func (*CreateSiteRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{7}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *CreateSiteRequest) GetName() string {
@@ -598,7 +1586,7 @@ type CreateSiteResponse struct {
 
 func (x *CreateSiteResponse) Reset() {
 	*x = CreateSiteResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[8]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -610,7 +1598,7 @@ func (x *CreateSiteResponse) String() string {
 func (*CreateSiteResponse) ProtoMessage() {}
 
 func (x *CreateSiteResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[8]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -623,7 +1611,7 @@ func (x *CreateSiteResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSiteResponse.ProtoReflect.Descriptor instead.
 func (*CreateSiteResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{8}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *CreateSiteResponse) GetSite() *Site {
@@ -641,7 +1629,7 @@ type ListSitesRequest struct {
 
 func (x *ListSitesRequest) Reset() {
 	*x = ListSitesRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[9]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -653,7 +1641,7 @@ func (x *ListSitesRequest) String() string {
 func (*ListSitesRequest) ProtoMessage() {}
 
 func (x *ListSitesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[9]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -666,7 +1654,7 @@ func (x *ListSitesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSitesRequest.ProtoReflect.Descriptor instead.
 func (*ListSitesRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{9}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{26}
 }
 
 type ListSitesResponse struct {
@@ -678,7 +1666,7 @@ type ListSitesResponse struct {
 
 func (x *ListSitesResponse) Reset() {
 	*x = ListSitesResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[10]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -690,7 +1678,7 @@ func (x *ListSitesResponse) String() string {
 func (*ListSitesResponse) ProtoMessage() {}
 
 func (x *ListSitesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[10]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -703,7 +1691,7 @@ func (x *ListSitesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSitesResponse.ProtoReflect.Descriptor instead.
 func (*ListSitesResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{10}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *ListSitesResponse) GetSites() []*Site {
@@ -729,7 +1717,7 @@ type Acceptance struct {
 
 func (x *Acceptance) Reset() {
 	*x = Acceptance{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[11]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -741,7 +1729,7 @@ func (x *Acceptance) String() string {
 func (*Acceptance) ProtoMessage() {}
 
 func (x *Acceptance) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[11]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -754,7 +1742,7 @@ func (x *Acceptance) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Acceptance.ProtoReflect.Descriptor instead.
 func (*Acceptance) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{11}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *Acceptance) GetCheck() string {
@@ -797,7 +1785,7 @@ type Pool struct {
 
 func (x *Pool) Reset() {
 	*x = Pool{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[12]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -809,7 +1797,7 @@ func (x *Pool) String() string {
 func (*Pool) ProtoMessage() {}
 
 func (x *Pool) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[12]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -822,7 +1810,7 @@ func (x *Pool) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Pool.ProtoReflect.Descriptor instead.
 func (*Pool) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{12}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *Pool) GetId() string {
@@ -893,7 +1881,7 @@ type CreatePoolRequest struct {
 
 func (x *CreatePoolRequest) Reset() {
 	*x = CreatePoolRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[13]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -905,7 +1893,7 @@ func (x *CreatePoolRequest) String() string {
 func (*CreatePoolRequest) ProtoMessage() {}
 
 func (x *CreatePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[13]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -918,7 +1906,7 @@ func (x *CreatePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreatePoolRequest.ProtoReflect.Descriptor instead.
 func (*CreatePoolRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{13}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *CreatePoolRequest) GetSiteId() string {
@@ -958,7 +1946,7 @@ type CreatePoolResponse struct {
 
 func (x *CreatePoolResponse) Reset() {
 	*x = CreatePoolResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[14]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -970,7 +1958,7 @@ func (x *CreatePoolResponse) String() string {
 func (*CreatePoolResponse) ProtoMessage() {}
 
 func (x *CreatePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[14]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -983,7 +1971,7 @@ func (x *CreatePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreatePoolResponse.ProtoReflect.Descriptor instead.
 func (*CreatePoolResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{14}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *CreatePoolResponse) GetPool() *Pool {
@@ -1002,7 +1990,7 @@ type ListPoolsRequest struct {
 
 func (x *ListPoolsRequest) Reset() {
 	*x = ListPoolsRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[15]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1014,7 +2002,7 @@ func (x *ListPoolsRequest) String() string {
 func (*ListPoolsRequest) ProtoMessage() {}
 
 func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[15]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1027,7 +2015,7 @@ func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsRequest.ProtoReflect.Descriptor instead.
 func (*ListPoolsRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{15}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *ListPoolsRequest) GetSiteId() string {
@@ -1046,7 +2034,7 @@ type ListPoolsResponse struct {
 
 func (x *ListPoolsResponse) Reset() {
 	*x = ListPoolsResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[16]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1058,7 +2046,7 @@ func (x *ListPoolsResponse) String() string {
 func (*ListPoolsResponse) ProtoMessage() {}
 
 func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[16]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1071,7 +2059,7 @@ func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsResponse.ProtoReflect.Descriptor instead.
 func (*ListPoolsResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{16}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *ListPoolsResponse) GetPools() []*Pool {
@@ -1096,7 +2084,7 @@ type JoinToken struct {
 
 func (x *JoinToken) Reset() {
 	*x = JoinToken{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[17]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1108,7 +2096,7 @@ func (x *JoinToken) String() string {
 func (*JoinToken) ProtoMessage() {}
 
 func (x *JoinToken) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[17]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1121,7 +2109,7 @@ func (x *JoinToken) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JoinToken.ProtoReflect.Descriptor instead.
 func (*JoinToken) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{17}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *JoinToken) GetId() string {
@@ -1185,7 +2173,7 @@ type CreateJoinTokenRequest struct {
 
 func (x *CreateJoinTokenRequest) Reset() {
 	*x = CreateJoinTokenRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[18]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1197,7 +2185,7 @@ func (x *CreateJoinTokenRequest) String() string {
 func (*CreateJoinTokenRequest) ProtoMessage() {}
 
 func (x *CreateJoinTokenRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[18]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1210,7 +2198,7 @@ func (x *CreateJoinTokenRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateJoinTokenRequest.ProtoReflect.Descriptor instead.
 func (*CreateJoinTokenRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{18}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *CreateJoinTokenRequest) GetPoolId() string {
@@ -1245,7 +2233,7 @@ type CreateJoinTokenResponse struct {
 
 func (x *CreateJoinTokenResponse) Reset() {
 	*x = CreateJoinTokenResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[19]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1257,7 +2245,7 @@ func (x *CreateJoinTokenResponse) String() string {
 func (*CreateJoinTokenResponse) ProtoMessage() {}
 
 func (x *CreateJoinTokenResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[19]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1270,7 +2258,7 @@ func (x *CreateJoinTokenResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateJoinTokenResponse.ProtoReflect.Descriptor instead.
 func (*CreateJoinTokenResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{19}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *CreateJoinTokenResponse) GetJoinToken() *JoinToken {
@@ -1296,7 +2284,7 @@ type ListJoinTokensRequest struct {
 
 func (x *ListJoinTokensRequest) Reset() {
 	*x = ListJoinTokensRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[20]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1308,7 +2296,7 @@ func (x *ListJoinTokensRequest) String() string {
 func (*ListJoinTokensRequest) ProtoMessage() {}
 
 func (x *ListJoinTokensRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[20]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1321,7 +2309,7 @@ func (x *ListJoinTokensRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListJoinTokensRequest.ProtoReflect.Descriptor instead.
 func (*ListJoinTokensRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{20}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *ListJoinTokensRequest) GetPoolId() string {
@@ -1340,7 +2328,7 @@ type ListJoinTokensResponse struct {
 
 func (x *ListJoinTokensResponse) Reset() {
 	*x = ListJoinTokensResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[21]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1352,7 +2340,7 @@ func (x *ListJoinTokensResponse) String() string {
 func (*ListJoinTokensResponse) ProtoMessage() {}
 
 func (x *ListJoinTokensResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[21]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1365,7 +2353,7 @@ func (x *ListJoinTokensResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListJoinTokensResponse.ProtoReflect.Descriptor instead.
 func (*ListJoinTokensResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{21}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *ListJoinTokensResponse) GetJoinTokens() []*JoinToken {
@@ -1384,7 +2372,7 @@ type RevokeJoinTokenRequest struct {
 
 func (x *RevokeJoinTokenRequest) Reset() {
 	*x = RevokeJoinTokenRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[22]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1396,7 +2384,7 @@ func (x *RevokeJoinTokenRequest) String() string {
 func (*RevokeJoinTokenRequest) ProtoMessage() {}
 
 func (x *RevokeJoinTokenRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[22]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1409,7 +2397,7 @@ func (x *RevokeJoinTokenRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeJoinTokenRequest.ProtoReflect.Descriptor instead.
 func (*RevokeJoinTokenRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{22}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *RevokeJoinTokenRequest) GetJoinTokenId() string {
@@ -1428,7 +2416,7 @@ type RevokeJoinTokenResponse struct {
 
 func (x *RevokeJoinTokenResponse) Reset() {
 	*x = RevokeJoinTokenResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[23]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1440,7 +2428,7 @@ func (x *RevokeJoinTokenResponse) String() string {
 func (*RevokeJoinTokenResponse) ProtoMessage() {}
 
 func (x *RevokeJoinTokenResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[23]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1453,7 +2441,7 @@ func (x *RevokeJoinTokenResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeJoinTokenResponse.ProtoReflect.Descriptor instead.
 func (*RevokeJoinTokenResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{23}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *RevokeJoinTokenResponse) GetJoinToken() *JoinToken {
@@ -1467,12 +2455,76 @@ var File_bc_compute_v1_compute_proto protoreflect.FileDescriptor
 
 const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\n" +
-	"\x1bbc/compute/v1/compute.proto\x12\rbc.compute.v1\x1a\x1bbuf/validate/validate.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"h\n" +
+	"\x1bbc/compute/v1/compute.proto\x12\rbc.compute.v1\x1a\x1bbuf/validate/validate.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x84\x01\n" +
+	"\x06Tenant\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
+	"\x04name\x18\x02 \x01(\tR\x04name\x12\x1b\n" +
+	"\tparent_id\x18\x03 \x01(\tR\bparentId\x129\n" +
+	"\n" +
+	"created_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\"{\n" +
+	"\x13CreateTenantRequest\x12>\n" +
+	"\x04name\x18\x01 \x01(\tB*\xbaH'r%\x10\x01\x18?2\x1f^[a-z0-9]([a-z0-9-]*[a-z0-9])?$R\x04name\x12$\n" +
+	"\tparent_id\x18\x02 \x01(\tB\a\xbaH\x04r\x02\x18@R\bparentId\"E\n" +
+	"\x14CreateTenantResponse\x12-\n" +
+	"\x06tenant\x18\x01 \x01(\v2\x15.bc.compute.v1.TenantR\x06tenant\"\x14\n" +
+	"\x12ListTenantsRequest\"F\n" +
+	"\x13ListTenantsResponse\x12/\n" +
+	"\atenants\x18\x01 \x03(\v2\x15.bc.compute.v1.TenantR\atenants\"\xce\x02\n" +
+	"\bApiToken\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12\x1b\n" +
+	"\ttenant_id\x18\x02 \x01(\tR\btenantId\x12\x12\n" +
+	"\x04name\x18\x03 \x01(\tR\x04name\x12\x12\n" +
+	"\x04role\x18\x04 \x01(\tR\x04role\x129\n" +
+	"\n" +
+	"expires_at\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\texpiresAt\x129\n" +
+	"\n" +
+	"revoked_at\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\trevokedAt\x129\n" +
+	"\n" +
+	"created_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12<\n" +
+	"\flast_used_at\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\n" +
+	"lastUsedAt\"\xd4\x01\n" +
+	"\x12CreateTokenRequest\x12$\n" +
+	"\ttenant_id\x18\x01 \x01(\tB\a\xbaH\x04r\x02\x18@R\btenantId\x12\x1d\n" +
+	"\x04name\x18\x02 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18?R\x04name\x12J\n" +
+	"\x04role\x18\x03 \x01(\tB6\xbaH3r1R\n" +
+	"root-adminR\ftenant-adminR\rtenant-memberR\x06viewerR\x04role\x12-\n" +
+	"\vttl_seconds\x18\x04 \x01(\x03B\f\xbaH\t\"\a\x18\x80\x8a\x8a\x0f(\x00R\n" +
+	"ttlSeconds\"\\\n" +
+	"\x13CreateTokenResponse\x12-\n" +
+	"\x05token\x18\x01 \x01(\v2\x17.bc.compute.v1.ApiTokenR\x05token\x12\x16\n" +
+	"\x06secret\x18\x02 \x01(\tR\x06secret\"9\n" +
+	"\x11ListTokensRequest\x12$\n" +
+	"\ttenant_id\x18\x01 \x01(\tB\a\xbaH\x04r\x02\x18@R\btenantId\"E\n" +
+	"\x12ListTokensResponse\x12/\n" +
+	"\x06tokens\x18\x01 \x03(\v2\x17.bc.compute.v1.ApiTokenR\x06tokens\":\n" +
+	"\x12RevokeTokenRequest\x12$\n" +
+	"\btoken_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\atokenId\"D\n" +
+	"\x13RevokeTokenResponse\x12-\n" +
+	"\x05token\x18\x01 \x01(\v2\x17.bc.compute.v1.ApiTokenR\x05token\"\xfc\x01\n" +
+	"\n" +
+	"AuditEntry\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\x03R\x02id\x12*\n" +
+	"\x02at\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x02at\x12\x1b\n" +
+	"\ttenant_id\x18\x03 \x01(\tR\btenantId\x12\x19\n" +
+	"\btoken_id\x18\x04 \x01(\tR\atokenId\x12\x12\n" +
+	"\x04role\x18\x05 \x01(\tR\x04role\x12\x1c\n" +
+	"\tprocedure\x18\x06 \x01(\tR\tprocedure\x12\x16\n" +
+	"\x06target\x18\a \x01(\tR\x06target\x12\x18\n" +
+	"\aoutcome\x18\b \x01(\tR\aoutcome\x12\x16\n" +
+	"\x06detail\x18\t \x01(\tR\x06detail\"c\n" +
+	"\x10ListAuditRequest\x12'\n" +
+	"\tpage_size\x18\x01 \x01(\x05B\n" +
+	"\xbaH\a\x1a\x05\x18\xe8\a(\x00R\bpageSize\x12&\n" +
+	"\n" +
+	"page_token\x18\x02 \x01(\x03B\a\xbaH\x04\"\x02(\x00R\tpageToken\"p\n" +
+	"\x11ListAuditResponse\x123\n" +
+	"\aentries\x18\x01 \x03(\v2\x19.bc.compute.v1.AuditEntryR\aentries\x12&\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\x03R\rnextPageToken\"h\n" +
 	"\x03Gpu\x12\x14\n" +
 	"\x05index\x18\x01 \x01(\x05R\x05index\x12\x12\n" +
 	"\x04uuid\x18\x02 \x01(\tR\x04uuid\x12\x14\n" +
 	"\x05model\x18\x03 \x01(\tR\x05model\x12!\n" +
-	"\fmemory_bytes\x18\x04 \x01(\x03R\vmemoryBytes\"\xe3\x04\n" +
+	"\fmemory_bytes\x18\x04 \x01(\x03R\vmemoryBytes\"\xe0\x05\n" +
 	"\x04Node\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x17\n" +
 	"\apool_id\x18\x02 \x01(\tR\x06poolId\x12'\n" +
@@ -1493,7 +2545,10 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\tgpu_model\x18\x0f \x01(\tR\bgpuModel\x129\n" +
 	"\n" +
 	"created_at\x18\x10 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12\x17\n" +
-	"\aboot_id\x18\x11 \x01(\tR\x06bootId\"\x85\x01\n" +
+	"\aboot_id\x18\x11 \x01(\tR\x06bootId\x129\n" +
+	"\n" +
+	"revoked_at\x18\x12 \x01(\v2\x1a.google.protobuf.TimestampR\trevokedAt\x12@\n" +
+	"\x0ecert_not_after\x18\x13 \x01(\v2\x1a.google.protobuf.TimestampR\fcertNotAfter\"\x85\x01\n" +
 	"\x10ListNodesRequest\x12 \n" +
 	"\apool_id\x18\x01 \x01(\tB\a\xbaH\x04r\x02\x18@R\x06poolId\x12'\n" +
 	"\tpage_size\x18\x02 \x01(\x05B\n" +
@@ -1506,7 +2561,13 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\x0eGetNodeRequest\x12\"\n" +
 	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\":\n" +
 	"\x0fGetNodeResponse\x12'\n" +
-	"\x04node\x18\x01 \x01(\v2\x13.bc.compute.v1.NodeR\x04node\"}\n" +
+	"\x04node\x18\x01 \x01(\v2\x13.bc.compute.v1.NodeR\x04node\"Y\n" +
+	"\x11RevokeNodeRequest\x12\"\n" +
+	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\x12 \n" +
+	"\x06reason\x18\x02 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\x06reason\"p\n" +
+	"\x12RevokeNodeResponse\x12'\n" +
+	"\x04node\x18\x01 \x01(\v2\x13.bc.compute.v1.NodeR\x04node\x121\n" +
+	"\x14certificates_revoked\x18\x02 \x01(\x05R\x13certificatesRevoked\"}\n" +
 	"\x04Site\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x16\n" +
@@ -1585,10 +2646,12 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\rjoin_token_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\vjoinTokenId\"R\n" +
 	"\x17RevokeJoinTokenResponse\x127\n" +
 	"\n" +
-	"join_token\x18\x01 \x01(\v2\x18.bc.compute.v1.JoinTokenR\tjoinToken2\xab\x01\n" +
+	"join_token\x18\x01 \x01(\v2\x18.bc.compute.v1.JoinTokenR\tjoinToken2\x80\x02\n" +
 	"\vNodeService\x12P\n" +
 	"\tListNodes\x12\x1f.bc.compute.v1.ListNodesRequest\x1a .bc.compute.v1.ListNodesResponse\"\x00\x12J\n" +
-	"\aGetNode\x12\x1d.bc.compute.v1.GetNodeRequest\x1a\x1e.bc.compute.v1.GetNodeResponse\"\x002\xdb\x02\n" +
+	"\aGetNode\x12\x1d.bc.compute.v1.GetNodeRequest\x1a\x1e.bc.compute.v1.GetNodeResponse\"\x00\x12S\n" +
+	"\n" +
+	"RevokeNode\x12 .bc.compute.v1.RevokeNodeRequest\x1a!.bc.compute.v1.RevokeNodeResponse\"\x002\xdb\x02\n" +
 	"\vPoolService\x12S\n" +
 	"\n" +
 	"CreateSite\x12 .bc.compute.v1.CreateSiteRequest\x1a!.bc.compute.v1.CreateSiteResponse\"\x00\x12P\n" +
@@ -1599,7 +2662,17 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\x10JoinTokenService\x12b\n" +
 	"\x0fCreateJoinToken\x12%.bc.compute.v1.CreateJoinTokenRequest\x1a&.bc.compute.v1.CreateJoinTokenResponse\"\x00\x12_\n" +
 	"\x0eListJoinTokens\x12$.bc.compute.v1.ListJoinTokensRequest\x1a%.bc.compute.v1.ListJoinTokensResponse\"\x00\x12b\n" +
-	"\x0fRevokeJoinToken\x12%.bc.compute.v1.RevokeJoinTokenRequest\x1a&.bc.compute.v1.RevokeJoinTokenResponse\"\x00B\xc1\x01\n" +
+	"\x0fRevokeJoinToken\x12%.bc.compute.v1.RevokeJoinTokenRequest\x1a&.bc.compute.v1.RevokeJoinTokenResponse\"\x002\xc2\x01\n" +
+	"\rTenantService\x12Y\n" +
+	"\fCreateTenant\x12\".bc.compute.v1.CreateTenantRequest\x1a#.bc.compute.v1.CreateTenantResponse\"\x00\x12V\n" +
+	"\vListTenants\x12!.bc.compute.v1.ListTenantsRequest\x1a\".bc.compute.v1.ListTenantsResponse\"\x002\x93\x02\n" +
+	"\fTokenService\x12V\n" +
+	"\vCreateToken\x12!.bc.compute.v1.CreateTokenRequest\x1a\".bc.compute.v1.CreateTokenResponse\"\x00\x12S\n" +
+	"\n" +
+	"ListTokens\x12 .bc.compute.v1.ListTokensRequest\x1a!.bc.compute.v1.ListTokensResponse\"\x00\x12V\n" +
+	"\vRevokeToken\x12!.bc.compute.v1.RevokeTokenRequest\x1a\".bc.compute.v1.RevokeTokenResponse\"\x002`\n" +
+	"\fAuditService\x12P\n" +
+	"\tListAudit\x12\x1f.bc.compute.v1.ListAuditRequest\x1a .bc.compute.v1.ListAuditResponse\"\x00B\xc1\x01\n" +
 	"\x11com.bc.compute.v1B\fComputeProtoP\x01ZHgithub.com/better-compute/better-compute/api/gen/bc/compute/v1;computev1\xa2\x02\x03BCX\xaa\x02\rBc.Compute.V1\xca\x02\rBc\\Compute\\V1\xe2\x02\x19Bc\\Compute\\V1\\GPBMetadata\xea\x02\x0fBc::Compute::V1b\x06proto3"
 
 var (
@@ -1614,79 +2687,125 @@ func file_bc_compute_v1_compute_proto_rawDescGZIP() []byte {
 	return file_bc_compute_v1_compute_proto_rawDescData
 }
 
-var file_bc_compute_v1_compute_proto_msgTypes = make([]protoimpl.MessageInfo, 25)
+var file_bc_compute_v1_compute_proto_msgTypes = make([]protoimpl.MessageInfo, 42)
 var file_bc_compute_v1_compute_proto_goTypes = []any{
-	(*Gpu)(nil),                     // 0: bc.compute.v1.Gpu
-	(*Node)(nil),                    // 1: bc.compute.v1.Node
-	(*ListNodesRequest)(nil),        // 2: bc.compute.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),       // 3: bc.compute.v1.ListNodesResponse
-	(*GetNodeRequest)(nil),          // 4: bc.compute.v1.GetNodeRequest
-	(*GetNodeResponse)(nil),         // 5: bc.compute.v1.GetNodeResponse
-	(*Site)(nil),                    // 6: bc.compute.v1.Site
-	(*CreateSiteRequest)(nil),       // 7: bc.compute.v1.CreateSiteRequest
-	(*CreateSiteResponse)(nil),      // 8: bc.compute.v1.CreateSiteResponse
-	(*ListSitesRequest)(nil),        // 9: bc.compute.v1.ListSitesRequest
-	(*ListSitesResponse)(nil),       // 10: bc.compute.v1.ListSitesResponse
-	(*Acceptance)(nil),              // 11: bc.compute.v1.Acceptance
-	(*Pool)(nil),                    // 12: bc.compute.v1.Pool
-	(*CreatePoolRequest)(nil),       // 13: bc.compute.v1.CreatePoolRequest
-	(*CreatePoolResponse)(nil),      // 14: bc.compute.v1.CreatePoolResponse
-	(*ListPoolsRequest)(nil),        // 15: bc.compute.v1.ListPoolsRequest
-	(*ListPoolsResponse)(nil),       // 16: bc.compute.v1.ListPoolsResponse
-	(*JoinToken)(nil),               // 17: bc.compute.v1.JoinToken
-	(*CreateJoinTokenRequest)(nil),  // 18: bc.compute.v1.CreateJoinTokenRequest
-	(*CreateJoinTokenResponse)(nil), // 19: bc.compute.v1.CreateJoinTokenResponse
-	(*ListJoinTokensRequest)(nil),   // 20: bc.compute.v1.ListJoinTokensRequest
-	(*ListJoinTokensResponse)(nil),  // 21: bc.compute.v1.ListJoinTokensResponse
-	(*RevokeJoinTokenRequest)(nil),  // 22: bc.compute.v1.RevokeJoinTokenRequest
-	(*RevokeJoinTokenResponse)(nil), // 23: bc.compute.v1.RevokeJoinTokenResponse
-	nil,                             // 24: bc.compute.v1.Pool.NodeCountsEntry
-	(*timestamppb.Timestamp)(nil),   // 25: google.protobuf.Timestamp
+	(*Tenant)(nil),                  // 0: bc.compute.v1.Tenant
+	(*CreateTenantRequest)(nil),     // 1: bc.compute.v1.CreateTenantRequest
+	(*CreateTenantResponse)(nil),    // 2: bc.compute.v1.CreateTenantResponse
+	(*ListTenantsRequest)(nil),      // 3: bc.compute.v1.ListTenantsRequest
+	(*ListTenantsResponse)(nil),     // 4: bc.compute.v1.ListTenantsResponse
+	(*ApiToken)(nil),                // 5: bc.compute.v1.ApiToken
+	(*CreateTokenRequest)(nil),      // 6: bc.compute.v1.CreateTokenRequest
+	(*CreateTokenResponse)(nil),     // 7: bc.compute.v1.CreateTokenResponse
+	(*ListTokensRequest)(nil),       // 8: bc.compute.v1.ListTokensRequest
+	(*ListTokensResponse)(nil),      // 9: bc.compute.v1.ListTokensResponse
+	(*RevokeTokenRequest)(nil),      // 10: bc.compute.v1.RevokeTokenRequest
+	(*RevokeTokenResponse)(nil),     // 11: bc.compute.v1.RevokeTokenResponse
+	(*AuditEntry)(nil),              // 12: bc.compute.v1.AuditEntry
+	(*ListAuditRequest)(nil),        // 13: bc.compute.v1.ListAuditRequest
+	(*ListAuditResponse)(nil),       // 14: bc.compute.v1.ListAuditResponse
+	(*Gpu)(nil),                     // 15: bc.compute.v1.Gpu
+	(*Node)(nil),                    // 16: bc.compute.v1.Node
+	(*ListNodesRequest)(nil),        // 17: bc.compute.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),       // 18: bc.compute.v1.ListNodesResponse
+	(*GetNodeRequest)(nil),          // 19: bc.compute.v1.GetNodeRequest
+	(*GetNodeResponse)(nil),         // 20: bc.compute.v1.GetNodeResponse
+	(*RevokeNodeRequest)(nil),       // 21: bc.compute.v1.RevokeNodeRequest
+	(*RevokeNodeResponse)(nil),      // 22: bc.compute.v1.RevokeNodeResponse
+	(*Site)(nil),                    // 23: bc.compute.v1.Site
+	(*CreateSiteRequest)(nil),       // 24: bc.compute.v1.CreateSiteRequest
+	(*CreateSiteResponse)(nil),      // 25: bc.compute.v1.CreateSiteResponse
+	(*ListSitesRequest)(nil),        // 26: bc.compute.v1.ListSitesRequest
+	(*ListSitesResponse)(nil),       // 27: bc.compute.v1.ListSitesResponse
+	(*Acceptance)(nil),              // 28: bc.compute.v1.Acceptance
+	(*Pool)(nil),                    // 29: bc.compute.v1.Pool
+	(*CreatePoolRequest)(nil),       // 30: bc.compute.v1.CreatePoolRequest
+	(*CreatePoolResponse)(nil),      // 31: bc.compute.v1.CreatePoolResponse
+	(*ListPoolsRequest)(nil),        // 32: bc.compute.v1.ListPoolsRequest
+	(*ListPoolsResponse)(nil),       // 33: bc.compute.v1.ListPoolsResponse
+	(*JoinToken)(nil),               // 34: bc.compute.v1.JoinToken
+	(*CreateJoinTokenRequest)(nil),  // 35: bc.compute.v1.CreateJoinTokenRequest
+	(*CreateJoinTokenResponse)(nil), // 36: bc.compute.v1.CreateJoinTokenResponse
+	(*ListJoinTokensRequest)(nil),   // 37: bc.compute.v1.ListJoinTokensRequest
+	(*ListJoinTokensResponse)(nil),  // 38: bc.compute.v1.ListJoinTokensResponse
+	(*RevokeJoinTokenRequest)(nil),  // 39: bc.compute.v1.RevokeJoinTokenRequest
+	(*RevokeJoinTokenResponse)(nil), // 40: bc.compute.v1.RevokeJoinTokenResponse
+	nil,                             // 41: bc.compute.v1.Pool.NodeCountsEntry
+	(*timestamppb.Timestamp)(nil),   // 42: google.protobuf.Timestamp
 }
 var file_bc_compute_v1_compute_proto_depIdxs = []int32{
-	25, // 0: bc.compute.v1.Node.last_seen:type_name -> google.protobuf.Timestamp
-	0,  // 1: bc.compute.v1.Node.gpus:type_name -> bc.compute.v1.Gpu
-	25, // 2: bc.compute.v1.Node.created_at:type_name -> google.protobuf.Timestamp
-	1,  // 3: bc.compute.v1.ListNodesResponse.nodes:type_name -> bc.compute.v1.Node
-	1,  // 4: bc.compute.v1.GetNodeResponse.node:type_name -> bc.compute.v1.Node
-	25, // 5: bc.compute.v1.Site.created_at:type_name -> google.protobuf.Timestamp
-	6,  // 6: bc.compute.v1.CreateSiteResponse.site:type_name -> bc.compute.v1.Site
-	6,  // 7: bc.compute.v1.ListSitesResponse.sites:type_name -> bc.compute.v1.Site
-	11, // 8: bc.compute.v1.Pool.acceptance:type_name -> bc.compute.v1.Acceptance
-	25, // 9: bc.compute.v1.Pool.created_at:type_name -> google.protobuf.Timestamp
-	24, // 10: bc.compute.v1.Pool.node_counts:type_name -> bc.compute.v1.Pool.NodeCountsEntry
-	11, // 11: bc.compute.v1.CreatePoolRequest.acceptance:type_name -> bc.compute.v1.Acceptance
-	12, // 12: bc.compute.v1.CreatePoolResponse.pool:type_name -> bc.compute.v1.Pool
-	12, // 13: bc.compute.v1.ListPoolsResponse.pools:type_name -> bc.compute.v1.Pool
-	25, // 14: bc.compute.v1.JoinToken.expires_at:type_name -> google.protobuf.Timestamp
-	25, // 15: bc.compute.v1.JoinToken.revoked_at:type_name -> google.protobuf.Timestamp
-	25, // 16: bc.compute.v1.JoinToken.created_at:type_name -> google.protobuf.Timestamp
-	17, // 17: bc.compute.v1.CreateJoinTokenResponse.join_token:type_name -> bc.compute.v1.JoinToken
-	17, // 18: bc.compute.v1.ListJoinTokensResponse.join_tokens:type_name -> bc.compute.v1.JoinToken
-	17, // 19: bc.compute.v1.RevokeJoinTokenResponse.join_token:type_name -> bc.compute.v1.JoinToken
-	2,  // 20: bc.compute.v1.NodeService.ListNodes:input_type -> bc.compute.v1.ListNodesRequest
-	4,  // 21: bc.compute.v1.NodeService.GetNode:input_type -> bc.compute.v1.GetNodeRequest
-	7,  // 22: bc.compute.v1.PoolService.CreateSite:input_type -> bc.compute.v1.CreateSiteRequest
-	9,  // 23: bc.compute.v1.PoolService.ListSites:input_type -> bc.compute.v1.ListSitesRequest
-	13, // 24: bc.compute.v1.PoolService.CreatePool:input_type -> bc.compute.v1.CreatePoolRequest
-	15, // 25: bc.compute.v1.PoolService.ListPools:input_type -> bc.compute.v1.ListPoolsRequest
-	18, // 26: bc.compute.v1.JoinTokenService.CreateJoinToken:input_type -> bc.compute.v1.CreateJoinTokenRequest
-	20, // 27: bc.compute.v1.JoinTokenService.ListJoinTokens:input_type -> bc.compute.v1.ListJoinTokensRequest
-	22, // 28: bc.compute.v1.JoinTokenService.RevokeJoinToken:input_type -> bc.compute.v1.RevokeJoinTokenRequest
-	3,  // 29: bc.compute.v1.NodeService.ListNodes:output_type -> bc.compute.v1.ListNodesResponse
-	5,  // 30: bc.compute.v1.NodeService.GetNode:output_type -> bc.compute.v1.GetNodeResponse
-	8,  // 31: bc.compute.v1.PoolService.CreateSite:output_type -> bc.compute.v1.CreateSiteResponse
-	10, // 32: bc.compute.v1.PoolService.ListSites:output_type -> bc.compute.v1.ListSitesResponse
-	14, // 33: bc.compute.v1.PoolService.CreatePool:output_type -> bc.compute.v1.CreatePoolResponse
-	16, // 34: bc.compute.v1.PoolService.ListPools:output_type -> bc.compute.v1.ListPoolsResponse
-	19, // 35: bc.compute.v1.JoinTokenService.CreateJoinToken:output_type -> bc.compute.v1.CreateJoinTokenResponse
-	21, // 36: bc.compute.v1.JoinTokenService.ListJoinTokens:output_type -> bc.compute.v1.ListJoinTokensResponse
-	23, // 37: bc.compute.v1.JoinTokenService.RevokeJoinToken:output_type -> bc.compute.v1.RevokeJoinTokenResponse
-	29, // [29:38] is the sub-list for method output_type
-	20, // [20:29] is the sub-list for method input_type
-	20, // [20:20] is the sub-list for extension type_name
-	20, // [20:20] is the sub-list for extension extendee
-	0,  // [0:20] is the sub-list for field type_name
+	42, // 0: bc.compute.v1.Tenant.created_at:type_name -> google.protobuf.Timestamp
+	0,  // 1: bc.compute.v1.CreateTenantResponse.tenant:type_name -> bc.compute.v1.Tenant
+	0,  // 2: bc.compute.v1.ListTenantsResponse.tenants:type_name -> bc.compute.v1.Tenant
+	42, // 3: bc.compute.v1.ApiToken.expires_at:type_name -> google.protobuf.Timestamp
+	42, // 4: bc.compute.v1.ApiToken.revoked_at:type_name -> google.protobuf.Timestamp
+	42, // 5: bc.compute.v1.ApiToken.created_at:type_name -> google.protobuf.Timestamp
+	42, // 6: bc.compute.v1.ApiToken.last_used_at:type_name -> google.protobuf.Timestamp
+	5,  // 7: bc.compute.v1.CreateTokenResponse.token:type_name -> bc.compute.v1.ApiToken
+	5,  // 8: bc.compute.v1.ListTokensResponse.tokens:type_name -> bc.compute.v1.ApiToken
+	5,  // 9: bc.compute.v1.RevokeTokenResponse.token:type_name -> bc.compute.v1.ApiToken
+	42, // 10: bc.compute.v1.AuditEntry.at:type_name -> google.protobuf.Timestamp
+	12, // 11: bc.compute.v1.ListAuditResponse.entries:type_name -> bc.compute.v1.AuditEntry
+	42, // 12: bc.compute.v1.Node.last_seen:type_name -> google.protobuf.Timestamp
+	15, // 13: bc.compute.v1.Node.gpus:type_name -> bc.compute.v1.Gpu
+	42, // 14: bc.compute.v1.Node.created_at:type_name -> google.protobuf.Timestamp
+	42, // 15: bc.compute.v1.Node.revoked_at:type_name -> google.protobuf.Timestamp
+	42, // 16: bc.compute.v1.Node.cert_not_after:type_name -> google.protobuf.Timestamp
+	16, // 17: bc.compute.v1.ListNodesResponse.nodes:type_name -> bc.compute.v1.Node
+	16, // 18: bc.compute.v1.GetNodeResponse.node:type_name -> bc.compute.v1.Node
+	16, // 19: bc.compute.v1.RevokeNodeResponse.node:type_name -> bc.compute.v1.Node
+	42, // 20: bc.compute.v1.Site.created_at:type_name -> google.protobuf.Timestamp
+	23, // 21: bc.compute.v1.CreateSiteResponse.site:type_name -> bc.compute.v1.Site
+	23, // 22: bc.compute.v1.ListSitesResponse.sites:type_name -> bc.compute.v1.Site
+	28, // 23: bc.compute.v1.Pool.acceptance:type_name -> bc.compute.v1.Acceptance
+	42, // 24: bc.compute.v1.Pool.created_at:type_name -> google.protobuf.Timestamp
+	41, // 25: bc.compute.v1.Pool.node_counts:type_name -> bc.compute.v1.Pool.NodeCountsEntry
+	28, // 26: bc.compute.v1.CreatePoolRequest.acceptance:type_name -> bc.compute.v1.Acceptance
+	29, // 27: bc.compute.v1.CreatePoolResponse.pool:type_name -> bc.compute.v1.Pool
+	29, // 28: bc.compute.v1.ListPoolsResponse.pools:type_name -> bc.compute.v1.Pool
+	42, // 29: bc.compute.v1.JoinToken.expires_at:type_name -> google.protobuf.Timestamp
+	42, // 30: bc.compute.v1.JoinToken.revoked_at:type_name -> google.protobuf.Timestamp
+	42, // 31: bc.compute.v1.JoinToken.created_at:type_name -> google.protobuf.Timestamp
+	34, // 32: bc.compute.v1.CreateJoinTokenResponse.join_token:type_name -> bc.compute.v1.JoinToken
+	34, // 33: bc.compute.v1.ListJoinTokensResponse.join_tokens:type_name -> bc.compute.v1.JoinToken
+	34, // 34: bc.compute.v1.RevokeJoinTokenResponse.join_token:type_name -> bc.compute.v1.JoinToken
+	17, // 35: bc.compute.v1.NodeService.ListNodes:input_type -> bc.compute.v1.ListNodesRequest
+	19, // 36: bc.compute.v1.NodeService.GetNode:input_type -> bc.compute.v1.GetNodeRequest
+	21, // 37: bc.compute.v1.NodeService.RevokeNode:input_type -> bc.compute.v1.RevokeNodeRequest
+	24, // 38: bc.compute.v1.PoolService.CreateSite:input_type -> bc.compute.v1.CreateSiteRequest
+	26, // 39: bc.compute.v1.PoolService.ListSites:input_type -> bc.compute.v1.ListSitesRequest
+	30, // 40: bc.compute.v1.PoolService.CreatePool:input_type -> bc.compute.v1.CreatePoolRequest
+	32, // 41: bc.compute.v1.PoolService.ListPools:input_type -> bc.compute.v1.ListPoolsRequest
+	35, // 42: bc.compute.v1.JoinTokenService.CreateJoinToken:input_type -> bc.compute.v1.CreateJoinTokenRequest
+	37, // 43: bc.compute.v1.JoinTokenService.ListJoinTokens:input_type -> bc.compute.v1.ListJoinTokensRequest
+	39, // 44: bc.compute.v1.JoinTokenService.RevokeJoinToken:input_type -> bc.compute.v1.RevokeJoinTokenRequest
+	1,  // 45: bc.compute.v1.TenantService.CreateTenant:input_type -> bc.compute.v1.CreateTenantRequest
+	3,  // 46: bc.compute.v1.TenantService.ListTenants:input_type -> bc.compute.v1.ListTenantsRequest
+	6,  // 47: bc.compute.v1.TokenService.CreateToken:input_type -> bc.compute.v1.CreateTokenRequest
+	8,  // 48: bc.compute.v1.TokenService.ListTokens:input_type -> bc.compute.v1.ListTokensRequest
+	10, // 49: bc.compute.v1.TokenService.RevokeToken:input_type -> bc.compute.v1.RevokeTokenRequest
+	13, // 50: bc.compute.v1.AuditService.ListAudit:input_type -> bc.compute.v1.ListAuditRequest
+	18, // 51: bc.compute.v1.NodeService.ListNodes:output_type -> bc.compute.v1.ListNodesResponse
+	20, // 52: bc.compute.v1.NodeService.GetNode:output_type -> bc.compute.v1.GetNodeResponse
+	22, // 53: bc.compute.v1.NodeService.RevokeNode:output_type -> bc.compute.v1.RevokeNodeResponse
+	25, // 54: bc.compute.v1.PoolService.CreateSite:output_type -> bc.compute.v1.CreateSiteResponse
+	27, // 55: bc.compute.v1.PoolService.ListSites:output_type -> bc.compute.v1.ListSitesResponse
+	31, // 56: bc.compute.v1.PoolService.CreatePool:output_type -> bc.compute.v1.CreatePoolResponse
+	33, // 57: bc.compute.v1.PoolService.ListPools:output_type -> bc.compute.v1.ListPoolsResponse
+	36, // 58: bc.compute.v1.JoinTokenService.CreateJoinToken:output_type -> bc.compute.v1.CreateJoinTokenResponse
+	38, // 59: bc.compute.v1.JoinTokenService.ListJoinTokens:output_type -> bc.compute.v1.ListJoinTokensResponse
+	40, // 60: bc.compute.v1.JoinTokenService.RevokeJoinToken:output_type -> bc.compute.v1.RevokeJoinTokenResponse
+	2,  // 61: bc.compute.v1.TenantService.CreateTenant:output_type -> bc.compute.v1.CreateTenantResponse
+	4,  // 62: bc.compute.v1.TenantService.ListTenants:output_type -> bc.compute.v1.ListTenantsResponse
+	7,  // 63: bc.compute.v1.TokenService.CreateToken:output_type -> bc.compute.v1.CreateTokenResponse
+	9,  // 64: bc.compute.v1.TokenService.ListTokens:output_type -> bc.compute.v1.ListTokensResponse
+	11, // 65: bc.compute.v1.TokenService.RevokeToken:output_type -> bc.compute.v1.RevokeTokenResponse
+	14, // 66: bc.compute.v1.AuditService.ListAudit:output_type -> bc.compute.v1.ListAuditResponse
+	51, // [51:67] is the sub-list for method output_type
+	35, // [35:51] is the sub-list for method input_type
+	35, // [35:35] is the sub-list for extension type_name
+	35, // [35:35] is the sub-list for extension extendee
+	0,  // [0:35] is the sub-list for field type_name
 }
 
 func init() { file_bc_compute_v1_compute_proto_init() }
@@ -1700,9 +2819,9 @@ func file_bc_compute_v1_compute_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_bc_compute_v1_compute_proto_rawDesc), len(file_bc_compute_v1_compute_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   25,
+			NumMessages:   42,
 			NumExtensions: 0,
-			NumServices:   3,
+			NumServices:   6,
 		},
 		GoTypes:           file_bc_compute_v1_compute_proto_goTypes,
 		DependencyIndexes: file_bc_compute_v1_compute_proto_depIdxs,

@@ -96,6 +96,7 @@ type SessionRequest struct {
 	//	*SessionRequest_CommandUpdate
 	//	*SessionRequest_Report
 	//	*SessionRequest_Heartbeat
+	//	*SessionRequest_RenewCertificate
 	Msg           isSessionRequest_Msg `protobuf_oneof:"msg"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -174,6 +175,15 @@ func (x *SessionRequest) GetHeartbeat() *Heartbeat {
 	return nil
 }
 
+func (x *SessionRequest) GetRenewCertificate() *RenewCertificate {
+	if x != nil {
+		if x, ok := x.Msg.(*SessionRequest_RenewCertificate); ok {
+			return x.RenewCertificate
+		}
+	}
+	return nil
+}
+
 type isSessionRequest_Msg interface {
 	isSessionRequest_Msg()
 }
@@ -194,6 +204,10 @@ type SessionRequest_Heartbeat struct {
 	Heartbeat *Heartbeat `protobuf:"bytes,4,opt,name=heartbeat,proto3,oneof"`
 }
 
+type SessionRequest_RenewCertificate struct {
+	RenewCertificate *RenewCertificate `protobuf:"bytes,5,opt,name=renew_certificate,json=renewCertificate,proto3,oneof"`
+}
+
 func (*SessionRequest_Hello) isSessionRequest_Msg() {}
 
 func (*SessionRequest_CommandUpdate) isSessionRequest_Msg() {}
@@ -201,6 +215,8 @@ func (*SessionRequest_CommandUpdate) isSessionRequest_Msg() {}
 func (*SessionRequest_Report) isSessionRequest_Msg() {}
 
 func (*SessionRequest_Heartbeat) isSessionRequest_Msg() {}
+
+func (*SessionRequest_RenewCertificate) isSessionRequest_Msg() {}
 
 // SessionResponse is one message from the control plane.
 type SessionResponse struct {
@@ -210,6 +226,7 @@ type SessionResponse struct {
 	//	*SessionResponse_Welcome
 	//	*SessionResponse_Command
 	//	*SessionResponse_DesiredState
+	//	*SessionResponse_CertificateIssued
 	Msg           isSessionResponse_Msg `protobuf_oneof:"msg"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -279,6 +296,15 @@ func (x *SessionResponse) GetDesiredState() *DesiredState {
 	return nil
 }
 
+func (x *SessionResponse) GetCertificateIssued() *CertificateIssued {
+	if x != nil {
+		if x, ok := x.Msg.(*SessionResponse_CertificateIssued); ok {
+			return x.CertificateIssued
+		}
+	}
+	return nil
+}
+
 type isSessionResponse_Msg interface {
 	isSessionResponse_Msg()
 }
@@ -295,11 +321,128 @@ type SessionResponse_DesiredState struct {
 	DesiredState *DesiredState `protobuf:"bytes,3,opt,name=desired_state,json=desiredState,proto3,oneof"`
 }
 
+type SessionResponse_CertificateIssued struct {
+	CertificateIssued *CertificateIssued `protobuf:"bytes,4,opt,name=certificate_issued,json=certificateIssued,proto3,oneof"`
+}
+
 func (*SessionResponse_Welcome) isSessionResponse_Msg() {}
 
 func (*SessionResponse_Command) isSessionResponse_Msg() {}
 
 func (*SessionResponse_DesiredState) isSessionResponse_Msg() {}
+
+func (*SessionResponse_CertificateIssued) isSessionResponse_Msg() {}
+
+// RenewCertificate asks for a new node certificate for a new key before the
+// current one expires. The session goes on with the certificate it was
+// opened with; the new one is used from the next session.
+type RenewCertificate struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// CsrDer is a PKCS#10 request (DER) signed by the node's new key.
+	CsrDer        []byte `protobuf:"bytes,1,opt,name=csr_der,json=csrDer,proto3" json:"csr_der,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RenewCertificate) Reset() {
+	*x = RenewCertificate{}
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RenewCertificate) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RenewCertificate) ProtoMessage() {}
+
+func (x *RenewCertificate) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RenewCertificate.ProtoReflect.Descriptor instead.
+func (*RenewCertificate) Descriptor() ([]byte, []int) {
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *RenewCertificate) GetCsrDer() []byte {
+	if x != nil {
+		return x.CsrDer
+	}
+	return nil
+}
+
+// CertificateIssued answers RenewCertificate.
+type CertificateIssued struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// CertificateDer is the new node certificate (DER), empty when refused.
+	CertificateDer []byte                 `protobuf:"bytes,1,opt,name=certificate_der,json=certificateDer,proto3" json:"certificate_der,omitempty"`
+	NotAfter       *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=not_after,json=notAfter,proto3" json:"not_after,omitempty"`
+	// Error says why the renewal was refused (revoked node, bad CSR).
+	Error         string `protobuf:"bytes,3,opt,name=error,proto3" json:"error,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CertificateIssued) Reset() {
+	*x = CertificateIssued{}
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CertificateIssued) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CertificateIssued) ProtoMessage() {}
+
+func (x *CertificateIssued) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CertificateIssued.ProtoReflect.Descriptor instead.
+func (*CertificateIssued) Descriptor() ([]byte, []int) {
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *CertificateIssued) GetCertificateDer() []byte {
+	if x != nil {
+		return x.CertificateDer
+	}
+	return nil
+}
+
+func (x *CertificateIssued) GetNotAfter() *timestamppb.Timestamp {
+	if x != nil {
+		return x.NotAfter
+	}
+	return nil
+}
+
+func (x *CertificateIssued) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
 
 type Hello struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
@@ -318,7 +461,7 @@ type Hello struct {
 
 func (x *Hello) Reset() {
 	*x = Hello{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[2]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -330,7 +473,7 @@ func (x *Hello) String() string {
 func (*Hello) ProtoMessage() {}
 
 func (x *Hello) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[2]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -343,7 +486,7 @@ func (x *Hello) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Hello.ProtoReflect.Descriptor instead.
 func (*Hello) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{2}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *Hello) GetNodeId() string {
@@ -391,7 +534,7 @@ type JournalEntry struct {
 
 func (x *JournalEntry) Reset() {
 	*x = JournalEntry{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[3]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -403,7 +546,7 @@ func (x *JournalEntry) String() string {
 func (*JournalEntry) ProtoMessage() {}
 
 func (x *JournalEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[3]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -416,7 +559,7 @@ func (x *JournalEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JournalEntry.ProtoReflect.Descriptor instead.
 func (*JournalEntry) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{3}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *JournalEntry) GetCommandId() string {
@@ -446,7 +589,7 @@ type Welcome struct {
 
 func (x *Welcome) Reset() {
 	*x = Welcome{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[4]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -458,7 +601,7 @@ func (x *Welcome) String() string {
 func (*Welcome) ProtoMessage() {}
 
 func (x *Welcome) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[4]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -471,7 +614,7 @@ func (x *Welcome) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Welcome.ProtoReflect.Descriptor instead.
 func (*Welcome) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{4}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Welcome) GetSessionId() string {
@@ -513,7 +656,9 @@ type Command struct {
 	Deadline *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=deadline,proto3" json:"deadline,omitempty"`
 	// RetrySafe commands may run again after the daemon loses its journal.
 	RetrySafe bool `protobuf:"varint,5,opt,name=retry_safe,json=retrySafe,proto3" json:"retry_safe,omitempty"`
-	// Signature over the command (signedIntent), empty when unsigned.
+	// Signature is the command-signing root's Ed25519 signature
+	// (signedIntent) over the command bound to its node, empty when the
+	// deployment does not sign intent. See pkg/pki CommandSigningInput.
 	Signature     []byte `protobuf:"bytes,15,opt,name=signature,proto3" json:"signature,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -521,7 +666,7 @@ type Command struct {
 
 func (x *Command) Reset() {
 	*x = Command{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[5]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -533,7 +678,7 @@ func (x *Command) String() string {
 func (*Command) ProtoMessage() {}
 
 func (x *Command) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[5]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -546,7 +691,7 @@ func (x *Command) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Command.ProtoReflect.Descriptor instead.
 func (*Command) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{5}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *Command) GetCommandId() string {
@@ -605,7 +750,7 @@ type CommandUpdate struct {
 
 func (x *CommandUpdate) Reset() {
 	*x = CommandUpdate{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[6]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -617,7 +762,7 @@ func (x *CommandUpdate) String() string {
 func (*CommandUpdate) ProtoMessage() {}
 
 func (x *CommandUpdate) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[6]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -630,7 +775,7 @@ func (x *CommandUpdate) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommandUpdate.ProtoReflect.Descriptor instead.
 func (*CommandUpdate) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{6}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *CommandUpdate) GetCommandId() string {
@@ -673,7 +818,7 @@ type CommandResult struct {
 
 func (x *CommandResult) Reset() {
 	*x = CommandResult{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[7]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -685,7 +830,7 @@ func (x *CommandResult) String() string {
 func (*CommandResult) ProtoMessage() {}
 
 func (x *CommandResult) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[7]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -698,7 +843,7 @@ func (x *CommandResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommandResult.ProtoReflect.Descriptor instead.
 func (*CommandResult) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{7}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *CommandResult) GetInventory() *Inventory {
@@ -728,7 +873,7 @@ type Inventory struct {
 
 func (x *Inventory) Reset() {
 	*x = Inventory{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[8]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -740,7 +885,7 @@ func (x *Inventory) String() string {
 func (*Inventory) ProtoMessage() {}
 
 func (x *Inventory) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[8]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -753,7 +898,7 @@ func (x *Inventory) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Inventory.ProtoReflect.Descriptor instead.
 func (*Inventory) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{8}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *Inventory) GetGpus() []*Gpu {
@@ -806,7 +951,7 @@ type Gpu struct {
 
 func (x *Gpu) Reset() {
 	*x = Gpu{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[9]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -818,7 +963,7 @@ func (x *Gpu) String() string {
 func (*Gpu) ProtoMessage() {}
 
 func (x *Gpu) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[9]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -831,7 +976,7 @@ func (x *Gpu) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Gpu.ProtoReflect.Descriptor instead.
 func (*Gpu) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{9}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *Gpu) GetIndex() int32 {
@@ -879,16 +1024,19 @@ func (x *Gpu) GetHealthy() bool {
 type DesiredState struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Generation increases with every change of the NodeSpec.
-	Generation    int64     `protobuf:"varint,1,opt,name=generation,proto3" json:"generation,omitempty"`
-	Spec          *NodeSpec `protobuf:"bytes,2,opt,name=spec,proto3" json:"spec,omitempty"`
-	Signature     []byte    `protobuf:"bytes,15,opt,name=signature,proto3" json:"signature,omitempty"`
+	Generation int64     `protobuf:"varint,1,opt,name=generation,proto3" json:"generation,omitempty"`
+	Spec       *NodeSpec `protobuf:"bytes,2,opt,name=spec,proto3" json:"spec,omitempty"`
+	// Signature is the command-signing root's Ed25519 signature
+	// (signedIntent) over the node id, generation and spec, empty when the
+	// deployment does not sign intent. See pkg/pki SpecSigningInput.
+	Signature     []byte `protobuf:"bytes,15,opt,name=signature,proto3" json:"signature,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *DesiredState) Reset() {
 	*x = DesiredState{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[10]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -900,7 +1048,7 @@ func (x *DesiredState) String() string {
 func (*DesiredState) ProtoMessage() {}
 
 func (x *DesiredState) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[10]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -913,7 +1061,7 @@ func (x *DesiredState) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DesiredState.ProtoReflect.Descriptor instead.
 func (*DesiredState) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{10}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *DesiredState) GetGeneration() int64 {
@@ -948,7 +1096,7 @@ type NodeSpec struct {
 
 func (x *NodeSpec) Reset() {
 	*x = NodeSpec{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[11]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -960,7 +1108,7 @@ func (x *NodeSpec) String() string {
 func (*NodeSpec) ProtoMessage() {}
 
 func (x *NodeSpec) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[11]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -973,7 +1121,7 @@ func (x *NodeSpec) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeSpec.ProtoReflect.Descriptor instead.
 func (*NodeSpec) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{11}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *NodeSpec) GetAllocations() []*Allocation {
@@ -1000,7 +1148,7 @@ type Allocation struct {
 
 func (x *Allocation) Reset() {
 	*x = Allocation{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[12]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1012,7 +1160,7 @@ func (x *Allocation) String() string {
 func (*Allocation) ProtoMessage() {}
 
 func (x *Allocation) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[12]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1025,7 +1173,7 @@ func (x *Allocation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Allocation.ProtoReflect.Descriptor instead.
 func (*Allocation) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{12}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *Allocation) GetReservationId() string {
@@ -1050,6 +1198,7 @@ type Report struct {
 	//	*Report_Inventory
 	//	*Report_AllocationBound
 	//	*Report_AllocationUnbound
+	//	*Report_SpecRefused
 	Report        isReport_Report `protobuf_oneof:"report"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1057,7 +1206,7 @@ type Report struct {
 
 func (x *Report) Reset() {
 	*x = Report{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[13]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1069,7 +1218,7 @@ func (x *Report) String() string {
 func (*Report) ProtoMessage() {}
 
 func (x *Report) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[13]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1082,7 +1231,7 @@ func (x *Report) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Report.ProtoReflect.Descriptor instead.
 func (*Report) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{13}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *Report) GetReport() isReport_Report {
@@ -1128,6 +1277,15 @@ func (x *Report) GetAllocationUnbound() *AllocationUnbound {
 	return nil
 }
 
+func (x *Report) GetSpecRefused() *SpecRefused {
+	if x != nil {
+		if x, ok := x.Report.(*Report_SpecRefused); ok {
+			return x.SpecRefused
+		}
+	}
+	return nil
+}
+
 type isReport_Report interface {
 	isReport_Report()
 }
@@ -1149,6 +1307,12 @@ type Report_AllocationUnbound struct {
 	AllocationUnbound *AllocationUnbound `protobuf:"bytes,4,opt,name=allocation_unbound,json=allocationUnbound,proto3,oneof"`
 }
 
+type Report_SpecRefused struct {
+	// SpecRefused says the daemon refused a DesiredState (signedIntent: an
+	// unsigned or wrongly signed spec) and did not apply it.
+	SpecRefused *SpecRefused `protobuf:"bytes,5,opt,name=spec_refused,json=specRefused,proto3,oneof"`
+}
+
 func (*Report_ObservedGeneration) isReport_Report() {}
 
 func (*Report_Inventory) isReport_Report() {}
@@ -1156,6 +1320,60 @@ func (*Report_Inventory) isReport_Report() {}
 func (*Report_AllocationBound) isReport_Report() {}
 
 func (*Report_AllocationUnbound) isReport_Report() {}
+
+func (*Report_SpecRefused) isReport_Report() {}
+
+type SpecRefused struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Generation    int64                  `protobuf:"varint,1,opt,name=generation,proto3" json:"generation,omitempty"`
+	Reason        string                 `protobuf:"bytes,2,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SpecRefused) Reset() {
+	*x = SpecRefused{}
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SpecRefused) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SpecRefused) ProtoMessage() {}
+
+func (x *SpecRefused) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SpecRefused.ProtoReflect.Descriptor instead.
+func (*SpecRefused) Descriptor() ([]byte, []int) {
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *SpecRefused) GetGeneration() int64 {
+	if x != nil {
+		return x.Generation
+	}
+	return 0
+}
+
+func (x *SpecRefused) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
 
 type AllocationBound struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -1169,7 +1387,7 @@ type AllocationBound struct {
 
 func (x *AllocationBound) Reset() {
 	*x = AllocationBound{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[14]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1181,7 +1399,7 @@ func (x *AllocationBound) String() string {
 func (*AllocationBound) ProtoMessage() {}
 
 func (x *AllocationBound) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[14]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1194,7 +1412,7 @@ func (x *AllocationBound) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AllocationBound.ProtoReflect.Descriptor instead.
 func (*AllocationBound) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{14}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *AllocationBound) GetReservationId() string {
@@ -1228,7 +1446,7 @@ type AllocationUnbound struct {
 
 func (x *AllocationUnbound) Reset() {
 	*x = AllocationUnbound{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[15]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1240,7 +1458,7 @@ func (x *AllocationUnbound) String() string {
 func (*AllocationUnbound) ProtoMessage() {}
 
 func (x *AllocationUnbound) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[15]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1253,7 +1471,7 @@ func (x *AllocationUnbound) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AllocationUnbound.ProtoReflect.Descriptor instead.
 func (*AllocationUnbound) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{15}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *AllocationUnbound) GetReservationId() string {
@@ -1281,7 +1499,7 @@ type Heartbeat struct {
 
 func (x *Heartbeat) Reset() {
 	*x = Heartbeat{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[16]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1293,7 +1511,7 @@ func (x *Heartbeat) String() string {
 func (*Heartbeat) ProtoMessage() {}
 
 func (x *Heartbeat) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[16]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1306,7 +1524,7 @@ func (x *Heartbeat) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Heartbeat.ProtoReflect.Descriptor instead.
 func (*Heartbeat) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{16}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *Heartbeat) GetSeq() int64 {
@@ -1334,18 +1552,26 @@ var File_bc_gateway_v1_gateway_proto protoreflect.FileDescriptor
 
 const file_bc_gateway_v1_gateway_proto_rawDesc = "" +
 	"\n" +
-	"\x1bbc/gateway/v1/gateway.proto\x12\rbc.gateway.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf7\x01\n" +
+	"\x1bbc/gateway/v1/gateway.proto\x12\rbc.gateway.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc7\x02\n" +
 	"\x0eSessionRequest\x12,\n" +
 	"\x05hello\x18\x01 \x01(\v2\x14.bc.gateway.v1.HelloH\x00R\x05hello\x12E\n" +
 	"\x0ecommand_update\x18\x02 \x01(\v2\x1c.bc.gateway.v1.CommandUpdateH\x00R\rcommandUpdate\x12/\n" +
 	"\x06report\x18\x03 \x01(\v2\x15.bc.gateway.v1.ReportH\x00R\x06report\x128\n" +
-	"\theartbeat\x18\x04 \x01(\v2\x18.bc.gateway.v1.HeartbeatH\x00R\theartbeatB\x05\n" +
-	"\x03msg\"\xc4\x01\n" +
+	"\theartbeat\x18\x04 \x01(\v2\x18.bc.gateway.v1.HeartbeatH\x00R\theartbeat\x12N\n" +
+	"\x11renew_certificate\x18\x05 \x01(\v2\x1f.bc.gateway.v1.RenewCertificateH\x00R\x10renewCertificateB\x05\n" +
+	"\x03msg\"\x97\x02\n" +
 	"\x0fSessionResponse\x122\n" +
 	"\awelcome\x18\x01 \x01(\v2\x16.bc.gateway.v1.WelcomeH\x00R\awelcome\x122\n" +
 	"\acommand\x18\x02 \x01(\v2\x16.bc.gateway.v1.CommandH\x00R\acommand\x12B\n" +
-	"\rdesired_state\x18\x03 \x01(\v2\x1b.bc.gateway.v1.DesiredStateH\x00R\fdesiredStateB\x05\n" +
-	"\x03msg\"\xc6\x01\n" +
+	"\rdesired_state\x18\x03 \x01(\v2\x1b.bc.gateway.v1.DesiredStateH\x00R\fdesiredState\x12Q\n" +
+	"\x12certificate_issued\x18\x04 \x01(\v2 .bc.gateway.v1.CertificateIssuedH\x00R\x11certificateIssuedB\x05\n" +
+	"\x03msg\"+\n" +
+	"\x10RenewCertificate\x12\x17\n" +
+	"\acsr_der\x18\x01 \x01(\fR\x06csrDer\"\x8b\x01\n" +
+	"\x11CertificateIssued\x12'\n" +
+	"\x0fcertificate_der\x18\x01 \x01(\fR\x0ecertificateDer\x127\n" +
+	"\tnot_after\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\bnotAfter\x12\x14\n" +
+	"\x05error\x18\x03 \x01(\tR\x05error\"\xc6\x01\n" +
 	"\x05Hello\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x17\n" +
 	"\aboot_id\x18\x02 \x01(\tR\x06bootId\x12/\n" +
@@ -1410,13 +1636,19 @@ const file_bc_gateway_v1_gateway_proto_rawDesc = "" +
 	"\n" +
 	"Allocation\x12%\n" +
 	"\x0ereservation_id\x18\x01 \x01(\tR\rreservationId\x12%\n" +
-	"\x0edevice_indexes\x18\x02 \x03(\x05R\rdeviceIndexes\"\x9f\x02\n" +
+	"\x0edevice_indexes\x18\x02 \x03(\x05R\rdeviceIndexes\"\xe0\x02\n" +
 	"\x06Report\x121\n" +
 	"\x13observed_generation\x18\x01 \x01(\x03H\x00R\x12observedGeneration\x128\n" +
 	"\tinventory\x18\x02 \x01(\v2\x18.bc.gateway.v1.InventoryH\x00R\tinventory\x12K\n" +
 	"\x10allocation_bound\x18\x03 \x01(\v2\x1e.bc.gateway.v1.AllocationBoundH\x00R\x0fallocationBound\x12Q\n" +
-	"\x12allocation_unbound\x18\x04 \x01(\v2 .bc.gateway.v1.AllocationUnboundH\x00R\x11allocationUnboundB\b\n" +
-	"\x06report\"y\n" +
+	"\x12allocation_unbound\x18\x04 \x01(\v2 .bc.gateway.v1.AllocationUnboundH\x00R\x11allocationUnbound\x12?\n" +
+	"\fspec_refused\x18\x05 \x01(\v2\x1a.bc.gateway.v1.SpecRefusedH\x00R\vspecRefusedB\b\n" +
+	"\x06report\"E\n" +
+	"\vSpecRefused\x12\x1e\n" +
+	"\n" +
+	"generation\x18\x01 \x01(\x03R\n" +
+	"generation\x12\x16\n" +
+	"\x06reason\x18\x02 \x01(\tR\x06reason\"y\n" +
 	"\x0fAllocationBound\x12%\n" +
 	"\x0ereservation_id\x18\x01 \x01(\tR\rreservationId\x12\x1f\n" +
 	"\vcdi_devices\x18\x02 \x03(\tR\n" +
@@ -1459,60 +1691,67 @@ func file_bc_gateway_v1_gateway_proto_rawDescGZIP() []byte {
 }
 
 var file_bc_gateway_v1_gateway_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_bc_gateway_v1_gateway_proto_msgTypes = make([]protoimpl.MessageInfo, 18)
+var file_bc_gateway_v1_gateway_proto_msgTypes = make([]protoimpl.MessageInfo, 21)
 var file_bc_gateway_v1_gateway_proto_goTypes = []any{
 	(CommandState)(0),             // 0: bc.gateway.v1.CommandState
 	(*SessionRequest)(nil),        // 1: bc.gateway.v1.SessionRequest
 	(*SessionResponse)(nil),       // 2: bc.gateway.v1.SessionResponse
-	(*Hello)(nil),                 // 3: bc.gateway.v1.Hello
-	(*JournalEntry)(nil),          // 4: bc.gateway.v1.JournalEntry
-	(*Welcome)(nil),               // 5: bc.gateway.v1.Welcome
-	(*Command)(nil),               // 6: bc.gateway.v1.Command
-	(*CommandUpdate)(nil),         // 7: bc.gateway.v1.CommandUpdate
-	(*CommandResult)(nil),         // 8: bc.gateway.v1.CommandResult
-	(*Inventory)(nil),             // 9: bc.gateway.v1.Inventory
-	(*Gpu)(nil),                   // 10: bc.gateway.v1.Gpu
-	(*DesiredState)(nil),          // 11: bc.gateway.v1.DesiredState
-	(*NodeSpec)(nil),              // 12: bc.gateway.v1.NodeSpec
-	(*Allocation)(nil),            // 13: bc.gateway.v1.Allocation
-	(*Report)(nil),                // 14: bc.gateway.v1.Report
-	(*AllocationBound)(nil),       // 15: bc.gateway.v1.AllocationBound
-	(*AllocationUnbound)(nil),     // 16: bc.gateway.v1.AllocationUnbound
-	(*Heartbeat)(nil),             // 17: bc.gateway.v1.Heartbeat
-	nil,                           // 18: bc.gateway.v1.NodeSpec.LabelsEntry
-	(*durationpb.Duration)(nil),   // 19: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil), // 20: google.protobuf.Timestamp
+	(*RenewCertificate)(nil),      // 3: bc.gateway.v1.RenewCertificate
+	(*CertificateIssued)(nil),     // 4: bc.gateway.v1.CertificateIssued
+	(*Hello)(nil),                 // 5: bc.gateway.v1.Hello
+	(*JournalEntry)(nil),          // 6: bc.gateway.v1.JournalEntry
+	(*Welcome)(nil),               // 7: bc.gateway.v1.Welcome
+	(*Command)(nil),               // 8: bc.gateway.v1.Command
+	(*CommandUpdate)(nil),         // 9: bc.gateway.v1.CommandUpdate
+	(*CommandResult)(nil),         // 10: bc.gateway.v1.CommandResult
+	(*Inventory)(nil),             // 11: bc.gateway.v1.Inventory
+	(*Gpu)(nil),                   // 12: bc.gateway.v1.Gpu
+	(*DesiredState)(nil),          // 13: bc.gateway.v1.DesiredState
+	(*NodeSpec)(nil),              // 14: bc.gateway.v1.NodeSpec
+	(*Allocation)(nil),            // 15: bc.gateway.v1.Allocation
+	(*Report)(nil),                // 16: bc.gateway.v1.Report
+	(*SpecRefused)(nil),           // 17: bc.gateway.v1.SpecRefused
+	(*AllocationBound)(nil),       // 18: bc.gateway.v1.AllocationBound
+	(*AllocationUnbound)(nil),     // 19: bc.gateway.v1.AllocationUnbound
+	(*Heartbeat)(nil),             // 20: bc.gateway.v1.Heartbeat
+	nil,                           // 21: bc.gateway.v1.NodeSpec.LabelsEntry
+	(*timestamppb.Timestamp)(nil), // 22: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 23: google.protobuf.Duration
 }
 var file_bc_gateway_v1_gateway_proto_depIdxs = []int32{
-	3,  // 0: bc.gateway.v1.SessionRequest.hello:type_name -> bc.gateway.v1.Hello
-	7,  // 1: bc.gateway.v1.SessionRequest.command_update:type_name -> bc.gateway.v1.CommandUpdate
-	14, // 2: bc.gateway.v1.SessionRequest.report:type_name -> bc.gateway.v1.Report
-	17, // 3: bc.gateway.v1.SessionRequest.heartbeat:type_name -> bc.gateway.v1.Heartbeat
-	5,  // 4: bc.gateway.v1.SessionResponse.welcome:type_name -> bc.gateway.v1.Welcome
-	6,  // 5: bc.gateway.v1.SessionResponse.command:type_name -> bc.gateway.v1.Command
-	11, // 6: bc.gateway.v1.SessionResponse.desired_state:type_name -> bc.gateway.v1.DesiredState
-	4,  // 7: bc.gateway.v1.Hello.journal:type_name -> bc.gateway.v1.JournalEntry
-	0,  // 8: bc.gateway.v1.JournalEntry.state:type_name -> bc.gateway.v1.CommandState
-	19, // 9: bc.gateway.v1.Welcome.heartbeat_interval:type_name -> google.protobuf.Duration
-	20, // 10: bc.gateway.v1.Command.deadline:type_name -> google.protobuf.Timestamp
-	0,  // 11: bc.gateway.v1.CommandUpdate.state:type_name -> bc.gateway.v1.CommandState
-	8,  // 12: bc.gateway.v1.CommandUpdate.result:type_name -> bc.gateway.v1.CommandResult
-	9,  // 13: bc.gateway.v1.CommandResult.inventory:type_name -> bc.gateway.v1.Inventory
-	10, // 14: bc.gateway.v1.Inventory.gpus:type_name -> bc.gateway.v1.Gpu
-	12, // 15: bc.gateway.v1.DesiredState.spec:type_name -> bc.gateway.v1.NodeSpec
-	13, // 16: bc.gateway.v1.NodeSpec.allocations:type_name -> bc.gateway.v1.Allocation
-	18, // 17: bc.gateway.v1.NodeSpec.labels:type_name -> bc.gateway.v1.NodeSpec.LabelsEntry
-	9,  // 18: bc.gateway.v1.Report.inventory:type_name -> bc.gateway.v1.Inventory
-	15, // 19: bc.gateway.v1.Report.allocation_bound:type_name -> bc.gateway.v1.AllocationBound
-	16, // 20: bc.gateway.v1.Report.allocation_unbound:type_name -> bc.gateway.v1.AllocationUnbound
-	20, // 21: bc.gateway.v1.Heartbeat.sent_at:type_name -> google.protobuf.Timestamp
-	1,  // 22: bc.gateway.v1.GatewayService.Session:input_type -> bc.gateway.v1.SessionRequest
-	2,  // 23: bc.gateway.v1.GatewayService.Session:output_type -> bc.gateway.v1.SessionResponse
-	23, // [23:24] is the sub-list for method output_type
-	22, // [22:23] is the sub-list for method input_type
-	22, // [22:22] is the sub-list for extension type_name
-	22, // [22:22] is the sub-list for extension extendee
-	0,  // [0:22] is the sub-list for field type_name
+	5,  // 0: bc.gateway.v1.SessionRequest.hello:type_name -> bc.gateway.v1.Hello
+	9,  // 1: bc.gateway.v1.SessionRequest.command_update:type_name -> bc.gateway.v1.CommandUpdate
+	16, // 2: bc.gateway.v1.SessionRequest.report:type_name -> bc.gateway.v1.Report
+	20, // 3: bc.gateway.v1.SessionRequest.heartbeat:type_name -> bc.gateway.v1.Heartbeat
+	3,  // 4: bc.gateway.v1.SessionRequest.renew_certificate:type_name -> bc.gateway.v1.RenewCertificate
+	7,  // 5: bc.gateway.v1.SessionResponse.welcome:type_name -> bc.gateway.v1.Welcome
+	8,  // 6: bc.gateway.v1.SessionResponse.command:type_name -> bc.gateway.v1.Command
+	13, // 7: bc.gateway.v1.SessionResponse.desired_state:type_name -> bc.gateway.v1.DesiredState
+	4,  // 8: bc.gateway.v1.SessionResponse.certificate_issued:type_name -> bc.gateway.v1.CertificateIssued
+	22, // 9: bc.gateway.v1.CertificateIssued.not_after:type_name -> google.protobuf.Timestamp
+	6,  // 10: bc.gateway.v1.Hello.journal:type_name -> bc.gateway.v1.JournalEntry
+	0,  // 11: bc.gateway.v1.JournalEntry.state:type_name -> bc.gateway.v1.CommandState
+	23, // 12: bc.gateway.v1.Welcome.heartbeat_interval:type_name -> google.protobuf.Duration
+	22, // 13: bc.gateway.v1.Command.deadline:type_name -> google.protobuf.Timestamp
+	0,  // 14: bc.gateway.v1.CommandUpdate.state:type_name -> bc.gateway.v1.CommandState
+	10, // 15: bc.gateway.v1.CommandUpdate.result:type_name -> bc.gateway.v1.CommandResult
+	11, // 16: bc.gateway.v1.CommandResult.inventory:type_name -> bc.gateway.v1.Inventory
+	12, // 17: bc.gateway.v1.Inventory.gpus:type_name -> bc.gateway.v1.Gpu
+	14, // 18: bc.gateway.v1.DesiredState.spec:type_name -> bc.gateway.v1.NodeSpec
+	15, // 19: bc.gateway.v1.NodeSpec.allocations:type_name -> bc.gateway.v1.Allocation
+	21, // 20: bc.gateway.v1.NodeSpec.labels:type_name -> bc.gateway.v1.NodeSpec.LabelsEntry
+	11, // 21: bc.gateway.v1.Report.inventory:type_name -> bc.gateway.v1.Inventory
+	18, // 22: bc.gateway.v1.Report.allocation_bound:type_name -> bc.gateway.v1.AllocationBound
+	19, // 23: bc.gateway.v1.Report.allocation_unbound:type_name -> bc.gateway.v1.AllocationUnbound
+	17, // 24: bc.gateway.v1.Report.spec_refused:type_name -> bc.gateway.v1.SpecRefused
+	22, // 25: bc.gateway.v1.Heartbeat.sent_at:type_name -> google.protobuf.Timestamp
+	1,  // 26: bc.gateway.v1.GatewayService.Session:input_type -> bc.gateway.v1.SessionRequest
+	2,  // 27: bc.gateway.v1.GatewayService.Session:output_type -> bc.gateway.v1.SessionResponse
+	27, // [27:28] is the sub-list for method output_type
+	26, // [26:27] is the sub-list for method input_type
+	26, // [26:26] is the sub-list for extension type_name
+	26, // [26:26] is the sub-list for extension extendee
+	0,  // [0:26] is the sub-list for field type_name
 }
 
 func init() { file_bc_gateway_v1_gateway_proto_init() }
@@ -1525,17 +1764,20 @@ func file_bc_gateway_v1_gateway_proto_init() {
 		(*SessionRequest_CommandUpdate)(nil),
 		(*SessionRequest_Report)(nil),
 		(*SessionRequest_Heartbeat)(nil),
+		(*SessionRequest_RenewCertificate)(nil),
 	}
 	file_bc_gateway_v1_gateway_proto_msgTypes[1].OneofWrappers = []any{
 		(*SessionResponse_Welcome)(nil),
 		(*SessionResponse_Command)(nil),
 		(*SessionResponse_DesiredState)(nil),
+		(*SessionResponse_CertificateIssued)(nil),
 	}
-	file_bc_gateway_v1_gateway_proto_msgTypes[13].OneofWrappers = []any{
+	file_bc_gateway_v1_gateway_proto_msgTypes[15].OneofWrappers = []any{
 		(*Report_ObservedGeneration)(nil),
 		(*Report_Inventory)(nil),
 		(*Report_AllocationBound)(nil),
 		(*Report_AllocationUnbound)(nil),
+		(*Report_SpecRefused)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -1543,7 +1785,7 @@ func file_bc_gateway_v1_gateway_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_bc_gateway_v1_gateway_proto_rawDesc), len(file_bc_gateway_v1_gateway_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   18,
+			NumMessages:   21,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -99,14 +99,12 @@ func (x *Claims) GetVariant() string {
 
 type JoinRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// Token is the join token in clear text ("bcjt_…"). Exactly one of token
-	// and sealed_token is set.
-	//
-	// Types that are valid to be assigned to Credential:
-	//
-	//	*JoinRequest_Token
-	//	*JoinRequest_SealedToken
-	Credential isJoinRequest_Credential `protobuf_oneof:"credential"`
+	// SealedToken is the join token ("bcjt_…") sealed to JoinService's HPKE
+	// public key (RFC 9180 base mode, DHKEM(X25519, HKDF-SHA256),
+	// HKDF-SHA256, ChaCha20-Poly1305, info "better-compute join token v1")
+	// with SHA-256(csr_der) as the associated data: the encapsulated key (32
+	// bytes) followed by the ciphertext. See pkg/pki SealJoinToken.
+	SealedToken []byte `protobuf:"bytes,2,opt,name=sealed_token,json=sealedToken,proto3" json:"sealed_token,omitempty"`
 	// CsrDer is a PKCS#10 certificate request in DER form, signed by the
 	// node's key.
 	CsrDer        []byte  `protobuf:"bytes,3,opt,name=csr_der,json=csrDer,proto3" json:"csr_der,omitempty"`
@@ -145,27 +143,9 @@ func (*JoinRequest) Descriptor() ([]byte, []int) {
 	return file_bc_join_v1_join_proto_rawDescGZIP(), []int{1}
 }
 
-func (x *JoinRequest) GetCredential() isJoinRequest_Credential {
-	if x != nil {
-		return x.Credential
-	}
-	return nil
-}
-
-func (x *JoinRequest) GetToken() string {
-	if x != nil {
-		if x, ok := x.Credential.(*JoinRequest_Token); ok {
-			return x.Token
-		}
-	}
-	return ""
-}
-
 func (x *JoinRequest) GetSealedToken() []byte {
 	if x != nil {
-		if x, ok := x.Credential.(*JoinRequest_SealedToken); ok {
-			return x.SealedToken
-		}
+		return x.SealedToken
 	}
 	return nil
 }
@@ -183,24 +163,6 @@ func (x *JoinRequest) GetClaims() *Claims {
 	}
 	return nil
 }
-
-type isJoinRequest_Credential interface {
-	isJoinRequest_Credential()
-}
-
-type JoinRequest_Token struct {
-	Token string `protobuf:"bytes,1,opt,name=token,proto3,oneof"`
-}
-
-type JoinRequest_SealedToken struct {
-	// SealedToken is the token sealed to JoinService's HPKE public key
-	// (RFC 9180) with SHA-256(csr_der) as associated data.
-	SealedToken []byte `protobuf:"bytes,2,opt,name=sealed_token,json=sealedToken,proto3,oneof"`
-}
-
-func (*JoinRequest_Token) isJoinRequest_Credential() {}
-
-func (*JoinRequest_SealedToken) isJoinRequest_Credential() {}
 
 type JoinResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -220,8 +182,13 @@ type JoinResponse struct {
 	TrustDomain  string                 `protobuf:"bytes,7,opt,name=trust_domain,json=trustDomain,proto3" json:"trust_domain,omitempty"`
 	NotAfter     *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=not_after,json=notAfter,proto3" json:"not_after,omitempty"`
 	PoolId       string                 `protobuf:"bytes,9,opt,name=pool_id,json=poolId,proto3" json:"pool_id,omitempty"`
-	// Signature is JoinService's signature over the response with this field
-	// empty (set once signed responses are enabled).
+	// Trust holds the roots the node must check intent against.
+	Trust *Trust `protobuf:"bytes,10,opt,name=trust,proto3" json:"trust,omitempty"`
+	// Signature is JoinService's Ed25519 signature (RFC 8032) over
+	// "better-compute join response v1\x00" followed by the deterministic
+	// protobuf encoding of this response with signature empty. The daemon
+	// checks it against its pinned join signing key before it trusts anything
+	// in the response. See pkg/pki SignJoinResponse.
 	Signature     []byte `protobuf:"bytes,15,opt,name=signature,proto3" json:"signature,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -320,9 +287,65 @@ func (x *JoinResponse) GetPoolId() string {
 	return ""
 }
 
+func (x *JoinResponse) GetTrust() *Trust {
+	if x != nil {
+		return x.Trust
+	}
+	return nil
+}
+
 func (x *JoinResponse) GetSignature() []byte {
 	if x != nil {
 		return x.Signature
+	}
+	return nil
+}
+
+// Trust is what the node trusts besides the CAs of the JoinResponse.
+type Trust struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// CommandSigningRoot is the DER SubjectPublicKeyInfo of the Ed25519 key
+	// that signs every command and NodeSpec (signedIntent). Empty when the
+	// deployment does not sign intent; when set, the daemon refuses unsigned
+	// or wrongly signed commands and specs.
+	CommandSigningRoot []byte `protobuf:"bytes,1,opt,name=command_signing_root,json=commandSigningRoot,proto3" json:"command_signing_root,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
+}
+
+func (x *Trust) Reset() {
+	*x = Trust{}
+	mi := &file_bc_join_v1_join_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Trust) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Trust) ProtoMessage() {}
+
+func (x *Trust) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_join_v1_join_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Trust.ProtoReflect.Descriptor instead.
+func (*Trust) Descriptor() ([]byte, []int) {
+	return file_bc_join_v1_join_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *Trust) GetCommandSigningRoot() []byte {
+	if x != nil {
+		return x.CommandSigningRoot
 	}
 	return nil
 }
@@ -338,15 +361,12 @@ const file_bc_join_v1_join_proto_rawDesc = "" +
 	"\n" +
 	"machine_id\x18\x02 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x01R\tmachineId\x12,\n" +
 	"\ragent_version\x18\x03 \x01(\tB\a\xbaH\x04r\x02\x18@R\fagentVersion\x12!\n" +
-	"\avariant\x18\x04 \x01(\tB\a\xbaH\x04r\x02\x18@R\avariant\"\xc7\x01\n" +
-	"\vJoinRequest\x12\"\n" +
-	"\x05token\x18\x01 \x01(\tB\n" +
-	"\xbaH\ar\x05\x10\b\x18\x80\x02H\x00R\x05token\x12-\n" +
-	"\fsealed_token\x18\x02 \x01(\fB\b\xbaH\x05z\x03\x18\x80 H\x00R\vsealedToken\x12$\n" +
+	"\avariant\x18\x04 \x01(\tB\a\xbaH\x04r\x02\x18@R\avariant\"\x9b\x01\n" +
+	"\vJoinRequest\x12-\n" +
+	"\fsealed_token\x18\x02 \x01(\fB\n" +
+	"\xbaH\az\x05\x101\x18\x80 R\vsealedToken\x12$\n" +
 	"\acsr_der\x18\x03 \x01(\fB\v\xbaH\bz\x06\x10\x01\x18\x80\x80\x01R\x06csrDer\x12*\n" +
-	"\x06claims\x18\x04 \x01(\v2\x12.bc.join.v1.ClaimsR\x06claimsB\x13\n" +
-	"\n" +
-	"credential\x12\x05\xbaH\x02\b\x01\"\xfa\x02\n" +
+	"\x06claims\x18\x04 \x01(\v2\x12.bc.join.v1.ClaimsR\x06claimsJ\x04\b\x01\x10\x02R\x05token\"\xa3\x03\n" +
 	"\fJoinResponse\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12'\n" +
 	"\x0fcertificate_der\x18\x02 \x01(\fR\x0ecertificateDer\x12\x1e\n" +
@@ -357,8 +377,12 @@ const file_bc_join_v1_join_proto_rawDesc = "" +
 	"\x0eserving_ca_der\x18\x06 \x01(\fR\fservingCaDer\x12!\n" +
 	"\ftrust_domain\x18\a \x01(\tR\vtrustDomain\x127\n" +
 	"\tnot_after\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\bnotAfter\x12\x17\n" +
-	"\apool_id\x18\t \x01(\tR\x06poolId\x12\x1c\n" +
-	"\tsignature\x18\x0f \x01(\fR\tsignature2J\n" +
+	"\apool_id\x18\t \x01(\tR\x06poolId\x12'\n" +
+	"\x05trust\x18\n" +
+	" \x01(\v2\x11.bc.join.v1.TrustR\x05trust\x12\x1c\n" +
+	"\tsignature\x18\x0f \x01(\fR\tsignature\"9\n" +
+	"\x05Trust\x120\n" +
+	"\x14command_signing_root\x18\x01 \x01(\fR\x12commandSigningRoot2J\n" +
 	"\vJoinService\x12;\n" +
 	"\x04Join\x12\x17.bc.join.v1.JoinRequest\x1a\x18.bc.join.v1.JoinResponse\"\x00B\xa9\x01\n" +
 	"\x0ecom.bc.join.v1B\tJoinProtoP\x01ZBgithub.com/better-compute/better-compute/api/gen/bc/join/v1;joinv1\xa2\x02\x03BJX\xaa\x02\n" +
@@ -377,23 +401,25 @@ func file_bc_join_v1_join_proto_rawDescGZIP() []byte {
 	return file_bc_join_v1_join_proto_rawDescData
 }
 
-var file_bc_join_v1_join_proto_msgTypes = make([]protoimpl.MessageInfo, 3)
+var file_bc_join_v1_join_proto_msgTypes = make([]protoimpl.MessageInfo, 4)
 var file_bc_join_v1_join_proto_goTypes = []any{
 	(*Claims)(nil),                // 0: bc.join.v1.Claims
 	(*JoinRequest)(nil),           // 1: bc.join.v1.JoinRequest
 	(*JoinResponse)(nil),          // 2: bc.join.v1.JoinResponse
-	(*timestamppb.Timestamp)(nil), // 3: google.protobuf.Timestamp
+	(*Trust)(nil),                 // 3: bc.join.v1.Trust
+	(*timestamppb.Timestamp)(nil), // 4: google.protobuf.Timestamp
 }
 var file_bc_join_v1_join_proto_depIdxs = []int32{
 	0, // 0: bc.join.v1.JoinRequest.claims:type_name -> bc.join.v1.Claims
-	3, // 1: bc.join.v1.JoinResponse.not_after:type_name -> google.protobuf.Timestamp
-	1, // 2: bc.join.v1.JoinService.Join:input_type -> bc.join.v1.JoinRequest
-	2, // 3: bc.join.v1.JoinService.Join:output_type -> bc.join.v1.JoinResponse
-	3, // [3:4] is the sub-list for method output_type
-	2, // [2:3] is the sub-list for method input_type
-	2, // [2:2] is the sub-list for extension type_name
-	2, // [2:2] is the sub-list for extension extendee
-	0, // [0:2] is the sub-list for field type_name
+	4, // 1: bc.join.v1.JoinResponse.not_after:type_name -> google.protobuf.Timestamp
+	3, // 2: bc.join.v1.JoinResponse.trust:type_name -> bc.join.v1.Trust
+	1, // 3: bc.join.v1.JoinService.Join:input_type -> bc.join.v1.JoinRequest
+	2, // 4: bc.join.v1.JoinService.Join:output_type -> bc.join.v1.JoinResponse
+	4, // [4:5] is the sub-list for method output_type
+	3, // [3:4] is the sub-list for method input_type
+	3, // [3:3] is the sub-list for extension type_name
+	3, // [3:3] is the sub-list for extension extendee
+	0, // [0:3] is the sub-list for field type_name
 }
 
 func init() { file_bc_join_v1_join_proto_init() }
@@ -401,17 +427,13 @@ func file_bc_join_v1_join_proto_init() {
 	if File_bc_join_v1_join_proto != nil {
 		return
 	}
-	file_bc_join_v1_join_proto_msgTypes[1].OneofWrappers = []any{
-		(*JoinRequest_Token)(nil),
-		(*JoinRequest_SealedToken)(nil),
-	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_bc_join_v1_join_proto_rawDesc), len(file_bc_join_v1_join_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   3,
+			NumMessages:   4,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

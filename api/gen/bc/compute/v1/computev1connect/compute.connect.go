@@ -27,6 +27,12 @@ const (
 	PoolServiceName = "bc.compute.v1.PoolService"
 	// JoinTokenServiceName is the fully-qualified name of the JoinTokenService service.
 	JoinTokenServiceName = "bc.compute.v1.JoinTokenService"
+	// TenantServiceName is the fully-qualified name of the TenantService service.
+	TenantServiceName = "bc.compute.v1.TenantService"
+	// TokenServiceName is the fully-qualified name of the TokenService service.
+	TokenServiceName = "bc.compute.v1.TokenService"
+	// AuditServiceName is the fully-qualified name of the AuditService service.
+	AuditServiceName = "bc.compute.v1.AuditService"
 )
 
 // These constants are the fully-qualified names of the RPCs defined in this package. They're
@@ -41,6 +47,8 @@ const (
 	NodeServiceListNodesProcedure = "/bc.compute.v1.NodeService/ListNodes"
 	// NodeServiceGetNodeProcedure is the fully-qualified name of the NodeService's GetNode RPC.
 	NodeServiceGetNodeProcedure = "/bc.compute.v1.NodeService/GetNode"
+	// NodeServiceRevokeNodeProcedure is the fully-qualified name of the NodeService's RevokeNode RPC.
+	NodeServiceRevokeNodeProcedure = "/bc.compute.v1.NodeService/RevokeNode"
 	// PoolServiceCreateSiteProcedure is the fully-qualified name of the PoolService's CreateSite RPC.
 	PoolServiceCreateSiteProcedure = "/bc.compute.v1.PoolService/CreateSite"
 	// PoolServiceListSitesProcedure is the fully-qualified name of the PoolService's ListSites RPC.
@@ -58,6 +66,22 @@ const (
 	// JoinTokenServiceRevokeJoinTokenProcedure is the fully-qualified name of the JoinTokenService's
 	// RevokeJoinToken RPC.
 	JoinTokenServiceRevokeJoinTokenProcedure = "/bc.compute.v1.JoinTokenService/RevokeJoinToken"
+	// TenantServiceCreateTenantProcedure is the fully-qualified name of the TenantService's
+	// CreateTenant RPC.
+	TenantServiceCreateTenantProcedure = "/bc.compute.v1.TenantService/CreateTenant"
+	// TenantServiceListTenantsProcedure is the fully-qualified name of the TenantService's ListTenants
+	// RPC.
+	TenantServiceListTenantsProcedure = "/bc.compute.v1.TenantService/ListTenants"
+	// TokenServiceCreateTokenProcedure is the fully-qualified name of the TokenService's CreateToken
+	// RPC.
+	TokenServiceCreateTokenProcedure = "/bc.compute.v1.TokenService/CreateToken"
+	// TokenServiceListTokensProcedure is the fully-qualified name of the TokenService's ListTokens RPC.
+	TokenServiceListTokensProcedure = "/bc.compute.v1.TokenService/ListTokens"
+	// TokenServiceRevokeTokenProcedure is the fully-qualified name of the TokenService's RevokeToken
+	// RPC.
+	TokenServiceRevokeTokenProcedure = "/bc.compute.v1.TokenService/RevokeToken"
+	// AuditServiceListAuditProcedure is the fully-qualified name of the AuditService's ListAudit RPC.
+	AuditServiceListAuditProcedure = "/bc.compute.v1.AuditService/ListAudit"
 )
 
 // NodeServiceClient is a client for the bc.compute.v1.NodeService service.
@@ -66,6 +90,10 @@ type NodeServiceClient interface {
 	ListNodes(context.Context, *connect.Request[v1.ListNodesRequest]) (*connect.Response[v1.ListNodesResponse], error)
 	// GetNode returns one node. Errors: NotFound.
 	GetNode(context.Context, *connect.Request[v1.GetNodeRequest]) (*connect.Response[v1.GetNodeResponse], error)
+	// RevokeNode revokes every certificate of a node: it can no longer open a
+	// session or renew its certificate, and its open session is closed within
+	// seconds. Revoking a revoked node changes nothing. Errors: NotFound.
+	RevokeNode(context.Context, *connect.Request[v1.RevokeNodeRequest]) (*connect.Response[v1.RevokeNodeResponse], error)
 }
 
 // NewNodeServiceClient constructs a client for the bc.compute.v1.NodeService service. By default,
@@ -91,13 +119,20 @@ func NewNodeServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			connect.WithSchema(nodeServiceMethods.ByName("GetNode")),
 			connect.WithClientOptions(opts...),
 		),
+		revokeNode: connect.NewClient[v1.RevokeNodeRequest, v1.RevokeNodeResponse](
+			httpClient,
+			baseURL+NodeServiceRevokeNodeProcedure,
+			connect.WithSchema(nodeServiceMethods.ByName("RevokeNode")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // nodeServiceClient implements NodeServiceClient.
 type nodeServiceClient struct {
-	listNodes *connect.Client[v1.ListNodesRequest, v1.ListNodesResponse]
-	getNode   *connect.Client[v1.GetNodeRequest, v1.GetNodeResponse]
+	listNodes  *connect.Client[v1.ListNodesRequest, v1.ListNodesResponse]
+	getNode    *connect.Client[v1.GetNodeRequest, v1.GetNodeResponse]
+	revokeNode *connect.Client[v1.RevokeNodeRequest, v1.RevokeNodeResponse]
 }
 
 // ListNodes calls bc.compute.v1.NodeService.ListNodes.
@@ -110,12 +145,21 @@ func (c *nodeServiceClient) GetNode(ctx context.Context, req *connect.Request[v1
 	return c.getNode.CallUnary(ctx, req)
 }
 
+// RevokeNode calls bc.compute.v1.NodeService.RevokeNode.
+func (c *nodeServiceClient) RevokeNode(ctx context.Context, req *connect.Request[v1.RevokeNodeRequest]) (*connect.Response[v1.RevokeNodeResponse], error) {
+	return c.revokeNode.CallUnary(ctx, req)
+}
+
 // NodeServiceHandler is an implementation of the bc.compute.v1.NodeService service.
 type NodeServiceHandler interface {
 	// ListNodes lists nodes, optionally of one pool, ordered by id.
 	ListNodes(context.Context, *connect.Request[v1.ListNodesRequest]) (*connect.Response[v1.ListNodesResponse], error)
 	// GetNode returns one node. Errors: NotFound.
 	GetNode(context.Context, *connect.Request[v1.GetNodeRequest]) (*connect.Response[v1.GetNodeResponse], error)
+	// RevokeNode revokes every certificate of a node: it can no longer open a
+	// session or renew its certificate, and its open session is closed within
+	// seconds. Revoking a revoked node changes nothing. Errors: NotFound.
+	RevokeNode(context.Context, *connect.Request[v1.RevokeNodeRequest]) (*connect.Response[v1.RevokeNodeResponse], error)
 }
 
 // NewNodeServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -137,12 +181,20 @@ func NewNodeServiceHandler(svc NodeServiceHandler, opts ...connect.HandlerOption
 		connect.WithSchema(nodeServiceMethods.ByName("GetNode")),
 		connect.WithHandlerOptions(opts...),
 	)
+	nodeServiceRevokeNodeHandler := connect.NewUnaryHandler(
+		NodeServiceRevokeNodeProcedure,
+		svc.RevokeNode,
+		connect.WithSchema(nodeServiceMethods.ByName("RevokeNode")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/bc.compute.v1.NodeService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case NodeServiceListNodesProcedure:
 			nodeServiceListNodesHandler.ServeHTTP(w, r)
 		case NodeServiceGetNodeProcedure:
 			nodeServiceGetNodeHandler.ServeHTTP(w, r)
+		case NodeServiceRevokeNodeProcedure:
+			nodeServiceRevokeNodeHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -158,6 +210,10 @@ func (UnimplementedNodeServiceHandler) ListNodes(context.Context, *connect.Reque
 
 func (UnimplementedNodeServiceHandler) GetNode(context.Context, *connect.Request[v1.GetNodeRequest]) (*connect.Response[v1.GetNodeResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.NodeService.GetNode is not implemented"))
+}
+
+func (UnimplementedNodeServiceHandler) RevokeNode(context.Context, *connect.Request[v1.RevokeNodeRequest]) (*connect.Response[v1.RevokeNodeResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.NodeService.RevokeNode is not implemented"))
 }
 
 // PoolServiceClient is a client for the bc.compute.v1.PoolService service.
@@ -434,4 +490,322 @@ func (UnimplementedJoinTokenServiceHandler) ListJoinTokens(context.Context, *con
 
 func (UnimplementedJoinTokenServiceHandler) RevokeJoinToken(context.Context, *connect.Request[v1.RevokeJoinTokenRequest]) (*connect.Response[v1.RevokeJoinTokenResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.JoinTokenService.RevokeJoinToken is not implemented"))
+}
+
+// TenantServiceClient is a client for the bc.compute.v1.TenantService service.
+type TenantServiceClient interface {
+	// CreateTenant creates a tenant under parent_id (default: the root
+	// tenant). Root administrators only. Errors: AlreadyExists (name taken),
+	// NotFound (parent).
+	CreateTenant(context.Context, *connect.Request[v1.CreateTenantRequest]) (*connect.Response[v1.CreateTenantResponse], error)
+	// ListTenants lists the tenants the caller sees: all for a root
+	// administrator, its own otherwise.
+	ListTenants(context.Context, *connect.Request[v1.ListTenantsRequest]) (*connect.Response[v1.ListTenantsResponse], error)
+}
+
+// NewTenantServiceClient constructs a client for the bc.compute.v1.TenantService service. By
+// default, it uses the Connect protocol with the binary Protobuf Codec, asks for gzipped responses,
+// and sends uncompressed requests. To use the gRPC or gRPC-Web protocols, supply the
+// connect.WithGRPC() or connect.WithGRPCWeb() options.
+//
+// The URL supplied here should be the base URL for the Connect or gRPC server (for example,
+// http://api.acme.com or https://acme.com/grpc).
+func NewTenantServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...connect.ClientOption) TenantServiceClient {
+	baseURL = strings.TrimRight(baseURL, "/")
+	tenantServiceMethods := v1.File_bc_compute_v1_compute_proto.Services().ByName("TenantService").Methods()
+	return &tenantServiceClient{
+		createTenant: connect.NewClient[v1.CreateTenantRequest, v1.CreateTenantResponse](
+			httpClient,
+			baseURL+TenantServiceCreateTenantProcedure,
+			connect.WithSchema(tenantServiceMethods.ByName("CreateTenant")),
+			connect.WithClientOptions(opts...),
+		),
+		listTenants: connect.NewClient[v1.ListTenantsRequest, v1.ListTenantsResponse](
+			httpClient,
+			baseURL+TenantServiceListTenantsProcedure,
+			connect.WithSchema(tenantServiceMethods.ByName("ListTenants")),
+			connect.WithClientOptions(opts...),
+		),
+	}
+}
+
+// tenantServiceClient implements TenantServiceClient.
+type tenantServiceClient struct {
+	createTenant *connect.Client[v1.CreateTenantRequest, v1.CreateTenantResponse]
+	listTenants  *connect.Client[v1.ListTenantsRequest, v1.ListTenantsResponse]
+}
+
+// CreateTenant calls bc.compute.v1.TenantService.CreateTenant.
+func (c *tenantServiceClient) CreateTenant(ctx context.Context, req *connect.Request[v1.CreateTenantRequest]) (*connect.Response[v1.CreateTenantResponse], error) {
+	return c.createTenant.CallUnary(ctx, req)
+}
+
+// ListTenants calls bc.compute.v1.TenantService.ListTenants.
+func (c *tenantServiceClient) ListTenants(ctx context.Context, req *connect.Request[v1.ListTenantsRequest]) (*connect.Response[v1.ListTenantsResponse], error) {
+	return c.listTenants.CallUnary(ctx, req)
+}
+
+// TenantServiceHandler is an implementation of the bc.compute.v1.TenantService service.
+type TenantServiceHandler interface {
+	// CreateTenant creates a tenant under parent_id (default: the root
+	// tenant). Root administrators only. Errors: AlreadyExists (name taken),
+	// NotFound (parent).
+	CreateTenant(context.Context, *connect.Request[v1.CreateTenantRequest]) (*connect.Response[v1.CreateTenantResponse], error)
+	// ListTenants lists the tenants the caller sees: all for a root
+	// administrator, its own otherwise.
+	ListTenants(context.Context, *connect.Request[v1.ListTenantsRequest]) (*connect.Response[v1.ListTenantsResponse], error)
+}
+
+// NewTenantServiceHandler builds an HTTP handler from the service implementation. It returns the
+// path on which to mount the handler and the handler itself.
+//
+// By default, handlers support the Connect, gRPC, and gRPC-Web protocols with the binary Protobuf
+// and JSON codecs. They also support gzip compression.
+func NewTenantServiceHandler(svc TenantServiceHandler, opts ...connect.HandlerOption) (string, http.Handler) {
+	tenantServiceMethods := v1.File_bc_compute_v1_compute_proto.Services().ByName("TenantService").Methods()
+	tenantServiceCreateTenantHandler := connect.NewUnaryHandler(
+		TenantServiceCreateTenantProcedure,
+		svc.CreateTenant,
+		connect.WithSchema(tenantServiceMethods.ByName("CreateTenant")),
+		connect.WithHandlerOptions(opts...),
+	)
+	tenantServiceListTenantsHandler := connect.NewUnaryHandler(
+		TenantServiceListTenantsProcedure,
+		svc.ListTenants,
+		connect.WithSchema(tenantServiceMethods.ByName("ListTenants")),
+		connect.WithHandlerOptions(opts...),
+	)
+	return "/bc.compute.v1.TenantService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case TenantServiceCreateTenantProcedure:
+			tenantServiceCreateTenantHandler.ServeHTTP(w, r)
+		case TenantServiceListTenantsProcedure:
+			tenantServiceListTenantsHandler.ServeHTTP(w, r)
+		default:
+			http.NotFound(w, r)
+		}
+	})
+}
+
+// UnimplementedTenantServiceHandler returns CodeUnimplemented from all methods.
+type UnimplementedTenantServiceHandler struct{}
+
+func (UnimplementedTenantServiceHandler) CreateTenant(context.Context, *connect.Request[v1.CreateTenantRequest]) (*connect.Response[v1.CreateTenantResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.TenantService.CreateTenant is not implemented"))
+}
+
+func (UnimplementedTenantServiceHandler) ListTenants(context.Context, *connect.Request[v1.ListTenantsRequest]) (*connect.Response[v1.ListTenantsResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.TenantService.ListTenants is not implemented"))
+}
+
+// TokenServiceClient is a client for the bc.compute.v1.TokenService service.
+type TokenServiceClient interface {
+	// CreateToken mints a token of tenant_id (default: the caller's) with a
+	// role no stronger than the caller's; only root administrators mint
+	// root-admin tokens or tokens of other tenants. Errors: NotFound (tenant),
+	// PermissionDenied (role).
+	CreateToken(context.Context, *connect.Request[v1.CreateTokenRequest]) (*connect.Response[v1.CreateTokenResponse], error)
+	// ListTokens lists the tokens of the caller's tenant (or of tenant_id,
+	// for a root administrator), without secrets.
+	ListTokens(context.Context, *connect.Request[v1.ListTokensRequest]) (*connect.Response[v1.ListTokensResponse], error)
+	// RevokeToken revokes a token at once. A token of another tenant is
+	// NotFound. Revoking a revoked token changes nothing.
+	RevokeToken(context.Context, *connect.Request[v1.RevokeTokenRequest]) (*connect.Response[v1.RevokeTokenResponse], error)
+}
+
+// NewTokenServiceClient constructs a client for the bc.compute.v1.TokenService service. By default,
+// it uses the Connect protocol with the binary Protobuf Codec, asks for gzipped responses, and
+// sends uncompressed requests. To use the gRPC or gRPC-Web protocols, supply the connect.WithGRPC()
+// or connect.WithGRPCWeb() options.
+//
+// The URL supplied here should be the base URL for the Connect or gRPC server (for example,
+// http://api.acme.com or https://acme.com/grpc).
+func NewTokenServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...connect.ClientOption) TokenServiceClient {
+	baseURL = strings.TrimRight(baseURL, "/")
+	tokenServiceMethods := v1.File_bc_compute_v1_compute_proto.Services().ByName("TokenService").Methods()
+	return &tokenServiceClient{
+		createToken: connect.NewClient[v1.CreateTokenRequest, v1.CreateTokenResponse](
+			httpClient,
+			baseURL+TokenServiceCreateTokenProcedure,
+			connect.WithSchema(tokenServiceMethods.ByName("CreateToken")),
+			connect.WithClientOptions(opts...),
+		),
+		listTokens: connect.NewClient[v1.ListTokensRequest, v1.ListTokensResponse](
+			httpClient,
+			baseURL+TokenServiceListTokensProcedure,
+			connect.WithSchema(tokenServiceMethods.ByName("ListTokens")),
+			connect.WithClientOptions(opts...),
+		),
+		revokeToken: connect.NewClient[v1.RevokeTokenRequest, v1.RevokeTokenResponse](
+			httpClient,
+			baseURL+TokenServiceRevokeTokenProcedure,
+			connect.WithSchema(tokenServiceMethods.ByName("RevokeToken")),
+			connect.WithClientOptions(opts...),
+		),
+	}
+}
+
+// tokenServiceClient implements TokenServiceClient.
+type tokenServiceClient struct {
+	createToken *connect.Client[v1.CreateTokenRequest, v1.CreateTokenResponse]
+	listTokens  *connect.Client[v1.ListTokensRequest, v1.ListTokensResponse]
+	revokeToken *connect.Client[v1.RevokeTokenRequest, v1.RevokeTokenResponse]
+}
+
+// CreateToken calls bc.compute.v1.TokenService.CreateToken.
+func (c *tokenServiceClient) CreateToken(ctx context.Context, req *connect.Request[v1.CreateTokenRequest]) (*connect.Response[v1.CreateTokenResponse], error) {
+	return c.createToken.CallUnary(ctx, req)
+}
+
+// ListTokens calls bc.compute.v1.TokenService.ListTokens.
+func (c *tokenServiceClient) ListTokens(ctx context.Context, req *connect.Request[v1.ListTokensRequest]) (*connect.Response[v1.ListTokensResponse], error) {
+	return c.listTokens.CallUnary(ctx, req)
+}
+
+// RevokeToken calls bc.compute.v1.TokenService.RevokeToken.
+func (c *tokenServiceClient) RevokeToken(ctx context.Context, req *connect.Request[v1.RevokeTokenRequest]) (*connect.Response[v1.RevokeTokenResponse], error) {
+	return c.revokeToken.CallUnary(ctx, req)
+}
+
+// TokenServiceHandler is an implementation of the bc.compute.v1.TokenService service.
+type TokenServiceHandler interface {
+	// CreateToken mints a token of tenant_id (default: the caller's) with a
+	// role no stronger than the caller's; only root administrators mint
+	// root-admin tokens or tokens of other tenants. Errors: NotFound (tenant),
+	// PermissionDenied (role).
+	CreateToken(context.Context, *connect.Request[v1.CreateTokenRequest]) (*connect.Response[v1.CreateTokenResponse], error)
+	// ListTokens lists the tokens of the caller's tenant (or of tenant_id,
+	// for a root administrator), without secrets.
+	ListTokens(context.Context, *connect.Request[v1.ListTokensRequest]) (*connect.Response[v1.ListTokensResponse], error)
+	// RevokeToken revokes a token at once. A token of another tenant is
+	// NotFound. Revoking a revoked token changes nothing.
+	RevokeToken(context.Context, *connect.Request[v1.RevokeTokenRequest]) (*connect.Response[v1.RevokeTokenResponse], error)
+}
+
+// NewTokenServiceHandler builds an HTTP handler from the service implementation. It returns the
+// path on which to mount the handler and the handler itself.
+//
+// By default, handlers support the Connect, gRPC, and gRPC-Web protocols with the binary Protobuf
+// and JSON codecs. They also support gzip compression.
+func NewTokenServiceHandler(svc TokenServiceHandler, opts ...connect.HandlerOption) (string, http.Handler) {
+	tokenServiceMethods := v1.File_bc_compute_v1_compute_proto.Services().ByName("TokenService").Methods()
+	tokenServiceCreateTokenHandler := connect.NewUnaryHandler(
+		TokenServiceCreateTokenProcedure,
+		svc.CreateToken,
+		connect.WithSchema(tokenServiceMethods.ByName("CreateToken")),
+		connect.WithHandlerOptions(opts...),
+	)
+	tokenServiceListTokensHandler := connect.NewUnaryHandler(
+		TokenServiceListTokensProcedure,
+		svc.ListTokens,
+		connect.WithSchema(tokenServiceMethods.ByName("ListTokens")),
+		connect.WithHandlerOptions(opts...),
+	)
+	tokenServiceRevokeTokenHandler := connect.NewUnaryHandler(
+		TokenServiceRevokeTokenProcedure,
+		svc.RevokeToken,
+		connect.WithSchema(tokenServiceMethods.ByName("RevokeToken")),
+		connect.WithHandlerOptions(opts...),
+	)
+	return "/bc.compute.v1.TokenService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case TokenServiceCreateTokenProcedure:
+			tokenServiceCreateTokenHandler.ServeHTTP(w, r)
+		case TokenServiceListTokensProcedure:
+			tokenServiceListTokensHandler.ServeHTTP(w, r)
+		case TokenServiceRevokeTokenProcedure:
+			tokenServiceRevokeTokenHandler.ServeHTTP(w, r)
+		default:
+			http.NotFound(w, r)
+		}
+	})
+}
+
+// UnimplementedTokenServiceHandler returns CodeUnimplemented from all methods.
+type UnimplementedTokenServiceHandler struct{}
+
+func (UnimplementedTokenServiceHandler) CreateToken(context.Context, *connect.Request[v1.CreateTokenRequest]) (*connect.Response[v1.CreateTokenResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.TokenService.CreateToken is not implemented"))
+}
+
+func (UnimplementedTokenServiceHandler) ListTokens(context.Context, *connect.Request[v1.ListTokensRequest]) (*connect.Response[v1.ListTokensResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.TokenService.ListTokens is not implemented"))
+}
+
+func (UnimplementedTokenServiceHandler) RevokeToken(context.Context, *connect.Request[v1.RevokeTokenRequest]) (*connect.Response[v1.RevokeTokenResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.TokenService.RevokeToken is not implemented"))
+}
+
+// AuditServiceClient is a client for the bc.compute.v1.AuditService service.
+type AuditServiceClient interface {
+	// ListAudit lists the newest audit rows first: every tenant's for a root
+	// administrator, the caller's tenant's otherwise.
+	ListAudit(context.Context, *connect.Request[v1.ListAuditRequest]) (*connect.Response[v1.ListAuditResponse], error)
+}
+
+// NewAuditServiceClient constructs a client for the bc.compute.v1.AuditService service. By default,
+// it uses the Connect protocol with the binary Protobuf Codec, asks for gzipped responses, and
+// sends uncompressed requests. To use the gRPC or gRPC-Web protocols, supply the connect.WithGRPC()
+// or connect.WithGRPCWeb() options.
+//
+// The URL supplied here should be the base URL for the Connect or gRPC server (for example,
+// http://api.acme.com or https://acme.com/grpc).
+func NewAuditServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...connect.ClientOption) AuditServiceClient {
+	baseURL = strings.TrimRight(baseURL, "/")
+	auditServiceMethods := v1.File_bc_compute_v1_compute_proto.Services().ByName("AuditService").Methods()
+	return &auditServiceClient{
+		listAudit: connect.NewClient[v1.ListAuditRequest, v1.ListAuditResponse](
+			httpClient,
+			baseURL+AuditServiceListAuditProcedure,
+			connect.WithSchema(auditServiceMethods.ByName("ListAudit")),
+			connect.WithClientOptions(opts...),
+		),
+	}
+}
+
+// auditServiceClient implements AuditServiceClient.
+type auditServiceClient struct {
+	listAudit *connect.Client[v1.ListAuditRequest, v1.ListAuditResponse]
+}
+
+// ListAudit calls bc.compute.v1.AuditService.ListAudit.
+func (c *auditServiceClient) ListAudit(ctx context.Context, req *connect.Request[v1.ListAuditRequest]) (*connect.Response[v1.ListAuditResponse], error) {
+	return c.listAudit.CallUnary(ctx, req)
+}
+
+// AuditServiceHandler is an implementation of the bc.compute.v1.AuditService service.
+type AuditServiceHandler interface {
+	// ListAudit lists the newest audit rows first: every tenant's for a root
+	// administrator, the caller's tenant's otherwise.
+	ListAudit(context.Context, *connect.Request[v1.ListAuditRequest]) (*connect.Response[v1.ListAuditResponse], error)
+}
+
+// NewAuditServiceHandler builds an HTTP handler from the service implementation. It returns the
+// path on which to mount the handler and the handler itself.
+//
+// By default, handlers support the Connect, gRPC, and gRPC-Web protocols with the binary Protobuf
+// and JSON codecs. They also support gzip compression.
+func NewAuditServiceHandler(svc AuditServiceHandler, opts ...connect.HandlerOption) (string, http.Handler) {
+	auditServiceMethods := v1.File_bc_compute_v1_compute_proto.Services().ByName("AuditService").Methods()
+	auditServiceListAuditHandler := connect.NewUnaryHandler(
+		AuditServiceListAuditProcedure,
+		svc.ListAudit,
+		connect.WithSchema(auditServiceMethods.ByName("ListAudit")),
+		connect.WithHandlerOptions(opts...),
+	)
+	return "/bc.compute.v1.AuditService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case AuditServiceListAuditProcedure:
+			auditServiceListAuditHandler.ServeHTTP(w, r)
+		default:
+			http.NotFound(w, r)
+		}
+	})
+}
+
+// UnimplementedAuditServiceHandler returns CodeUnimplemented from all methods.
+type UnimplementedAuditServiceHandler struct{}
+
+func (UnimplementedAuditServiceHandler) ListAudit(context.Context, *connect.Request[v1.ListAuditRequest]) (*connect.Response[v1.ListAuditResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.AuditService.ListAudit is not implemented"))
 }

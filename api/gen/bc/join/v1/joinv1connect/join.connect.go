@@ -39,15 +39,17 @@ const (
 
 // JoinServiceClient is a client for the bc.join.v1.JoinService service.
 type JoinServiceClient interface {
-	// Join consumes one use of a join token and returns a node certificate for
-	// the CSR; the node, its certificate record and the counted use are one
-	// transaction, and a refused join consumes nothing. Errors:
+	// Join opens the sealed join token, consumes one use of it and returns a
+	// node certificate for the CSR in a JoinResponse signed by JoinService's
+	// signing key; the node, its certificate record and the counted use are
+	// one transaction, and a refused join consumes nothing. Errors:
 	// InvalidArgument (malformed request, or a CSR that does not parse or is
 	// not signed by its key: the message names csr_der), Unauthenticated
-	// ("join token is not valid": unknown tokens are never NotFound, so that
-	// tokens cannot be probed), FailedPrecondition ("join token expired at
-	// <RFC 3339 time>", "join token was revoked", "join token is used up (N of
-	// N uses)"), Unimplemented (sealed_token, until sealed tokens land).
+	// ("sealed_token cannot be opened": sealed to another key, tampered with,
+	// or bound to another CSR; "join token is not valid": unknown tokens are
+	// never NotFound, so that tokens cannot be probed), FailedPrecondition
+	// ("join token expired at <RFC 3339 time>", "join token was revoked",
+	// "join token is used up (N of N uses)").
 	Join(context.Context, *connect.Request[v1.JoinRequest]) (*connect.Response[v1.JoinResponse], error)
 }
 
@@ -83,15 +85,17 @@ func (c *joinServiceClient) Join(ctx context.Context, req *connect.Request[v1.Jo
 
 // JoinServiceHandler is an implementation of the bc.join.v1.JoinService service.
 type JoinServiceHandler interface {
-	// Join consumes one use of a join token and returns a node certificate for
-	// the CSR; the node, its certificate record and the counted use are one
-	// transaction, and a refused join consumes nothing. Errors:
+	// Join opens the sealed join token, consumes one use of it and returns a
+	// node certificate for the CSR in a JoinResponse signed by JoinService's
+	// signing key; the node, its certificate record and the counted use are
+	// one transaction, and a refused join consumes nothing. Errors:
 	// InvalidArgument (malformed request, or a CSR that does not parse or is
 	// not signed by its key: the message names csr_der), Unauthenticated
-	// ("join token is not valid": unknown tokens are never NotFound, so that
-	// tokens cannot be probed), FailedPrecondition ("join token expired at
-	// <RFC 3339 time>", "join token was revoked", "join token is used up (N of
-	// N uses)"), Unimplemented (sealed_token, until sealed tokens land).
+	// ("sealed_token cannot be opened": sealed to another key, tampered with,
+	// or bound to another CSR; "join token is not valid": unknown tokens are
+	// never NotFound, so that tokens cannot be probed), FailedPrecondition
+	// ("join token expired at <RFC 3339 time>", "join token was revoked",
+	// "join token is used up (N of N uses)").
 	Join(context.Context, *connect.Request[v1.JoinRequest]) (*connect.Response[v1.JoinResponse], error)
 }
 
