@@ -5,11 +5,19 @@
 // (api_tokens.hash), with its tenant, one Role, an optional expiry and a
 // revocation time. A Role grants Permissions; a Principal holds the caller's
 // tenant and role, and may touch a tenant's resources when it belongs to that
-// tenant or is a root administrator.
+// tenant or is a root administrator. Tenants form a tree under the root
+// tenant, but rights never flow down it: a tenant's tokens see that tenant
+// only. Another tenant's resource reads as NotFound, never as
+// PermissionDenied, so that ids do not leak.
+//
+// Every mutating RPC is audited (audit.go): NewAuditInterceptor writes one
+// row per call, refusals included, and a handler writes its success row in
+// the transaction of its change with AuditInTx.
 //
 // To extend it: add a Permission constant and grant it to roles in
-// rolePermissions; then name it in the per-RPC table of the service that
-// needs it (services/api/api/authz.go).
+// rolePermissions (the single table of who may do what); then name it in
+// the per-RPC table of the service that needs it
+// (services/api/api/authz.go).
 package iam
 
 import (
@@ -32,9 +40,12 @@ type Role string
 
 // The roles, as stored in api_tokens.role.
 const (
-	// RoleRootAdmin may do everything in every tenant.
+	// RoleRootAdmin may do everything in every tenant: create tenants and
+	// sites, mint tokens of any tenant and role. Its tokens belong to the
+	// root tenant.
 	RoleRootAdmin Role = "root-admin"
-	// RoleTenantAdmin manages its tenant's fleet: sites, pools, join tokens.
+	// RoleTenantAdmin manages its tenant: pools, join tokens, node
+	// revocation, API tokens (up to tenant-admin), and reads its audit log.
 	RoleTenantAdmin Role = "tenant-admin"
 	// RoleTenantMember uses its tenant's fleet.
 	RoleTenantMember Role = "tenant-member"
@@ -62,16 +73,39 @@ type Permission string
 const (
 	// PermFleetRead reads sites, pools and nodes.
 	PermFleetRead Permission = "fleet.read"
-	// PermFleetManage creates sites and pools and mints, lists and revokes
-	// join tokens.
+	// PermFleetManage creates pools, mints, lists and revokes join tokens,
+	// and revokes nodes.
 	PermFleetManage Permission = "fleet.manage"
+	// PermSitesManage creates sites. Sites are places shared by every
+	// tenant, so only root administrators create them.
+	PermSitesManage Permission = "sites.manage"
+	// PermTenantsRead lists the tenants the caller sees (its own, or all
+	// for a root administrator).
+	PermTenantsRead Permission = "tenants.read"
+	// PermTenantsManage creates tenants.
+	PermTenantsManage Permission = "tenants.manage"
+	// PermIAMManage mints, lists and revokes API tokens. Which tenant and
+	// role a caller may mint for is the handler's rule (no stronger than
+	// its own, its own tenant unless root-admin).
+	PermIAMManage Permission = "iam.manage"
+	// PermAuditRead lists the audit log (the caller's tenant's, or all for
+	// a root administrator).
+	PermAuditRead Permission = "audit.read"
 )
 
+// rolePermissions is the single table of what each role may do.
 var rolePermissions = map[Role][]Permission{
-	RoleRootAdmin:    {PermFleetRead, PermFleetManage},
-	RoleTenantAdmin:  {PermFleetRead, PermFleetManage},
-	RoleTenantMember: {PermFleetRead},
-	RoleViewer:       {PermFleetRead},
+	RoleRootAdmin: {PermFleetRead, PermFleetManage, PermSitesManage, PermTenantsRead, PermTenantsManage,
+		PermIAMManage, PermAuditRead},
+	RoleTenantAdmin:  {PermFleetRead, PermFleetManage, PermTenantsRead, PermIAMManage, PermAuditRead},
+	RoleTenantMember: {PermFleetRead, PermTenantsRead},
+	RoleViewer:       {PermFleetRead, PermTenantsRead},
+}
+
+// Permissions lists every permission, in the order of the table above.
+func Permissions() []Permission {
+	return []Permission{PermFleetRead, PermFleetManage, PermSitesManage, PermTenantsRead, PermTenantsManage,
+		PermIAMManage, PermAuditRead}
 }
 
 // Grants reports whether role r has permission p.
@@ -88,9 +122,28 @@ func (r Role) Grants(p Permission) bool {
 type Principal struct {
 	// TokenID is the API token's id ("tok_…").
 	TokenID string
-	// TenantID is the tenant the token belongs to.
+	// TenantID is the tenant the token belongs to ("ten_…").
 	TenantID string
-	Role     Role
+	// Role is the token's role.
+	Role Role
+}
+
+// rank is a role's place in Roles, 0 for the most powerful; an unknown
+// role ranks below every known one.
+func (r Role) rank() int {
+	for i, q := range Roles() {
+		if q == r {
+			return i
+		}
+	}
+	return len(Roles())
+}
+
+// MayGrant reports whether p may mint, or revoke, a token of role r: one no
+// stronger than its own (a tenant-admin may not touch root-admin tokens).
+// Which tenant it may act in is Principal.InTenant's question.
+func (p Principal) MayGrant(r Role) bool {
+	return r.rank() < len(Roles()) && p.Role.rank() <= r.rank()
 }
 
 // IsRoot reports whether p is a root administrator.
@@ -181,21 +234,64 @@ type Authenticator struct {
 	DB *store.DB
 }
 
-// Authenticate returns the principal of an Authorization header value
-// ("Bearer bct_…"). Refusals match ErrUnauthenticated and say why (missing,
-// malformed, unknown, expired or revoked token); other errors are the
-// database's.
-func (a *Authenticator) Authenticate(ctx context.Context, authorization string) (Principal, error) {
-	if authorization == "" {
-		return Principal{}, &authError{"missing bearer token: set the Authorization header to \"Bearer <api token>\""}
+// secretChars is the length of a secret's random part: 32 bytes in
+// unpadded base64url.
+const secretChars = 43
+
+// ParseBearer returns the API token in an Authorization header value. It
+// accepts exactly `Bearer bct_<43 base64url characters>`: the scheme
+// case-insensitive and followed by one or more spaces (RFC 6750 section
+// 2.1, RFC 9110 section 11.1), the token the canonical unpadded base64url
+// encoding of 32 bytes (RFC 4648 section 5) after its prefix, and nothing
+// else. Errors match ErrUnauthenticated and say what is wrong (missing
+// header, another scheme, a malformed token); it never touches a database.
+func ParseBearer(header string) (string, error) {
+	if header == "" {
+		return "", &authError{"missing bearer token: set the Authorization header to \"Bearer <api token>\""}
 	}
-	scheme, secret, ok := strings.Cut(authorization, " ")
+	scheme, rest, ok := strings.Cut(header, " ")
 	if !ok || !strings.EqualFold(scheme, "Bearer") {
-		return Principal{}, &authError{"authorization header must be \"Bearer <api token>\""}
+		return "", &authError{"authorization header must be \"Bearer <api token>\""}
 	}
-	secret = strings.TrimSpace(secret)
-	if !strings.HasPrefix(secret, APITokenPrefix) || len(secret) > 256 {
-		return Principal{}, &authError{"api token is not valid"}
+	secret := strings.TrimLeft(rest, " ")
+	if !wellFormedSecret(secret, APITokenPrefix) {
+		return "", &authError{"api token is not valid"}
+	}
+	return secret, nil
+}
+
+// wellFormedSecret reports whether s is prefix followed by the canonical
+// unpadded base64url encoding of 32 bytes, as NewSecret makes.
+func wellFormedSecret(s, prefix string) bool {
+	body, ok := strings.CutPrefix(s, prefix)
+	if !ok || len(body) != secretChars {
+		return false
+	}
+	for i := 0; i < len(body); i++ {
+		if !isBase64URL(body[i]) {
+			return false
+		}
+	}
+	// Strict refuses a last character with stray low bits, so one token has
+	// one spelling.
+	b, err := base64.RawURLEncoding.Strict().DecodeString(body)
+	return err == nil && len(b) == 32
+}
+
+// isBase64URL reports whether c is in the base64url alphabet (RFC 4648
+// section 5), without padding.
+func isBase64URL(c byte) bool {
+	return 'A' <= c && c <= 'Z' || 'a' <= c && c <= 'z' || '0' <= c && c <= '9' || c == '-' || c == '_'
+}
+
+// Authenticate returns the principal of an Authorization header value
+// ("Bearer bct_…", see ParseBearer). Refusals match ErrUnauthenticated and
+// say why (missing, malformed, unknown, expired or revoked token); other
+// errors are the database's.
+func (a *Authenticator) Authenticate(ctx context.Context, authorization string) (Principal, error) {
+	secret, err := ParseBearer(authorization)
+	if err != nil {
+		return Principal{}, err
 	}
 	tok, err := store.GetAPITokenByHash(ctx, a.DB.Pool, HashSecret(secret))
 	if errors.Is(err, store.ErrNotFound) {

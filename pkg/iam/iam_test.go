@@ -2,6 +2,7 @@ package iam_test
 
 import (
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -36,20 +37,31 @@ func TestSecrets(t *testing.T) {
 
 func TestRoles(t *testing.T) {
 	t.Parallel()
-	for _, tc := range []struct {
-		role   iam.Role
-		read   bool
-		manage bool
-	}{
-		{iam.RoleRootAdmin, true, true},
-		{iam.RoleTenantAdmin, true, true},
-		{iam.RoleTenantMember, true, false},
-		{iam.RoleViewer, true, false},
-		{iam.Role("nobody"), false, false},
-	} {
-		require.Equal(t, tc.read, tc.role.Grants(iam.PermFleetRead), tc.role)
-		require.Equal(t, tc.manage, tc.role.Grants(iam.PermFleetManage), tc.role)
+	// The whole role → permission table, so that a change to it is a
+	// deliberate change here too.
+	want := map[iam.Role][]iam.Permission{
+		iam.RoleRootAdmin: {iam.PermFleetRead, iam.PermFleetManage, iam.PermSitesManage, iam.PermTenantsRead,
+			iam.PermTenantsManage, iam.PermIAMManage, iam.PermAuditRead},
+		iam.RoleTenantAdmin:  {iam.PermFleetRead, iam.PermFleetManage, iam.PermTenantsRead, iam.PermIAMManage, iam.PermAuditRead},
+		iam.RoleTenantMember: {iam.PermFleetRead, iam.PermTenantsRead},
+		iam.RoleViewer:       {iam.PermFleetRead, iam.PermTenantsRead},
+		iam.Role("nobody"):   nil,
 	}
+	for role, perms := range want {
+		for _, p := range iam.Permissions() {
+			require.Equal(t, slices.Contains(perms, p), role.Grants(p), "%s %s", role, p)
+		}
+	}
+
+	// A role may mint and revoke tokens no stronger than its own.
+	admin := iam.Principal{TenantID: "ten_a", Role: iam.RoleTenantAdmin}
+	require.False(t, admin.MayGrant(iam.RoleRootAdmin))
+	for _, r := range []iam.Role{iam.RoleTenantAdmin, iam.RoleTenantMember, iam.RoleViewer} {
+		require.True(t, admin.MayGrant(r), r)
+	}
+	require.True(t, iam.Principal{Role: iam.RoleRootAdmin}.MayGrant(iam.RoleRootAdmin))
+	require.False(t, iam.Principal{Role: iam.RoleViewer}.MayGrant(iam.RoleTenantMember))
+	require.False(t, iam.Principal{Role: iam.RoleRootAdmin}.MayGrant(iam.Role("god")))
 	_, err := iam.ParseRole("admin")
 	require.ErrorContains(t, err, "unknown role \"admin\"")
 	root := iam.Principal{TenantID: "ten_a", Role: iam.RoleRootAdmin}
@@ -89,6 +101,8 @@ func TestAuthenticate(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, iam.RoleTenantAdmin, p.Role)
 
+	unknown, err := iam.NewSecret(iam.APITokenPrefix)
+	require.NoError(t, err)
 	clk.Advance(2 * time.Hour)
 	for _, tc := range []struct{ header, msg string }{
 		{"", "missing bearer token"},
@@ -96,6 +110,7 @@ func TestAuthenticate(t *testing.T) {
 		{"Basic " + good, "authorization header must be"},
 		{"Bearer nope", "api token is not valid"},
 		{"Bearer bct_unknown", "api token is not valid"},
+		{"Bearer " + unknown, "api token is not valid"},
 		{"Bearer " + revoked, "api token was revoked"},
 		{"Bearer " + expiring, "api token expired at 2030-01-02T04:04:05Z"},
 	} {

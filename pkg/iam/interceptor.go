@@ -17,6 +17,14 @@ type Rule struct {
 	// authenticated caller. Tenant scoping (which tenant's resources) is
 	// the handler's job, with Principal.InTenant or Principal.TenantScope.
 	Permission Permission
+	// Mutating RPCs change state: each call, allowed or refused, writes one
+	// audit row (NewAuditInterceptor, AuditInTx).
+	Mutating bool
+	// Target names the request field (proto name, e.g. "node_id") holding
+	// the id, or for a create the name, of the resource a mutating RPC acts
+	// on; the audit row of a call the handler did not record itself (a
+	// refusal) takes its target from it. Empty: no target.
+	Target string
 }
 
 // Policy maps Connect procedures ("/bc.compute.v1.NodeService/ListNodes") to
@@ -25,9 +33,10 @@ type Policy map[string]Rule
 
 // NewInterceptor returns a Connect handler interceptor that authenticates
 // every request with a and authorizes it by policy, and puts the Principal
-// in the handler's context (PrincipalFrom). Errors: Unauthenticated (missing
-// or bad token), PermissionDenied (role lacks the permission, or the
-// procedure has no rule).
+// in the handler's context (PrincipalFrom) and in the call's audit record
+// (so that a refusal is audited with its caller). Errors: Unauthenticated
+// (missing or bad token), PermissionDenied (role lacks the permission, or
+// the procedure has no rule).
 func NewInterceptor(a *Authenticator, policy Policy) connect.Interceptor {
 	return &interceptor{authn: a, policy: policy}
 }
@@ -52,6 +61,9 @@ func (i *interceptor) authorize(ctx context.Context, procedure, authorization st
 	}
 	if err != nil {
 		return nil, connect.NewError(connect.CodeInternal, fmt.Errorf("authenticate: %w", err))
+	}
+	if rec := auditFrom(ctx); rec != nil {
+		rec.setPrincipal(p)
 	}
 	if rule.Permission != "" && !p.Can(rule.Permission) {
 		return nil, connect.NewError(connect.CodePermissionDenied,

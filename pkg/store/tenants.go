@@ -10,6 +10,8 @@ import (
 )
 
 // Tenant is a row of tenants: an organisation that owns pools and tokens.
+// Tenants form a tree under the root tenant (ParentID); the tree is
+// structure only: a tenant's rights never reach its children.
 type Tenant struct {
 	ID   string
 	Name string
@@ -28,6 +30,9 @@ func queryErr(what string, err error) error {
 	return fmt.Errorf("%s: %w", what, interpretError(err))
 }
 
+// ConstraintTenantName makes tenant names unique, for IsConstraint.
+const ConstraintTenantName = "tenants_name_key"
+
 const tenantColumns = `id, name, COALESCE(parent_id, ''), created_at`
 
 func scanTenant(row pgx.Row) (Tenant, error) {
@@ -36,7 +41,9 @@ func scanTenant(row pgx.Row) (Tenant, error) {
 	return t, err
 }
 
-// CreateTenant inserts t. Errors: ErrConflict when the name is taken.
+// CreateTenant inserts t. Errors: ErrConflict (ConstraintTenantName) when
+// the name is taken; the parent must exist (check it in the same
+// transaction: a missing parent is a foreign-key error).
 func CreateTenant(ctx context.Context, q DBTX, t Tenant) error {
 	_, err := q.Exec(ctx, `INSERT INTO tenants (id, name, parent_id, created_at) VALUES ($1, $2, NULLIF($3, ''), $4)`,
 		t.ID, t.Name, t.ParentID, t.CreatedAt)
@@ -75,73 +82,24 @@ func GetTenantByName(ctx context.Context, q DBTX, name string) (Tenant, error) {
 	return t, nil
 }
 
-// APIToken is a row of api_tokens: a bearer credential of one tenant with
-// one role. Only the SHA-256 of the secret is stored (Hash).
-type APIToken struct {
-	ID       string
-	TenantID string
-	Name     string
-	// Hash is SHA-256 of the token's secret.
-	Hash []byte
-	// Role is root-admin, tenant-admin, tenant-member or viewer.
-	Role string
-	// ExpiresAt is when the token stops working; nil never expires.
-	ExpiresAt *time.Time
-	// RevokedAt is when the token was revoked; nil while it is not.
-	RevokedAt  *time.Time
-	CreatedAt  time.Time
-	LastUsedAt *time.Time
+// TenantFilter selects tenants for ListTenants; zero fields select all.
+type TenantFilter struct {
+	// ID selects one tenant.
+	ID string
+	// ParentID selects the children of a tenant.
+	ParentID string
 }
 
-const apiTokenColumns = `id, tenant_id, name, hash, role, expires_at, revoked_at, created_at, last_used_at`
-
-func scanAPIToken(row pgx.Row) (APIToken, error) {
-	var t APIToken
-	err := row.Scan(&t.ID, &t.TenantID, &t.Name, &t.Hash, &t.Role, &t.ExpiresAt, &t.RevokedAt, &t.CreatedAt, &t.LastUsedAt)
-	return t, err
-}
-
-// CreateAPIToken inserts t. Errors: ErrConflict when the hash exists.
-func CreateAPIToken(ctx context.Context, q DBTX, t APIToken) error {
-	_, err := q.Exec(ctx, `INSERT INTO api_tokens (id, tenant_id, name, hash, role, expires_at, created_at)
-		VALUES ($1, $2, $3, $4, $5, $6, $7)`, t.ID, t.TenantID, t.Name, t.Hash, t.Role, t.ExpiresAt, t.CreatedAt)
+// ListTenants returns the tenants matching f, ordered by id (creation time).
+func ListTenants(ctx context.Context, q DBTX, f TenantFilter) ([]Tenant, error) {
+	rows, err := q.Query(ctx, `SELECT `+tenantColumns+` FROM tenants
+		WHERE ($1 = '' OR id = $1) AND ($2 = '' OR parent_id = $2) ORDER BY id`, f.ID, f.ParentID)
 	if err != nil {
-		return queryErr("create api token", err)
+		return nil, queryErr("list tenants", err)
 	}
-	return nil
-}
-
-// GetAPITokenByHash returns the token whose secret hashes to hash, whether
-// or not it is expired or revoked (the caller decides). Errors: ErrNotFound.
-func GetAPITokenByHash(ctx context.Context, q DBTX, hash []byte) (APIToken, error) {
-	t, err := scanAPIToken(q.QueryRow(ctx, `SELECT `+apiTokenColumns+` FROM api_tokens WHERE hash = $1`, hash))
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Tenant, error) { return scanTenant(r) })
 	if err != nil {
-		return APIToken{}, queryErr("api token", err)
+		return nil, queryErr("list tenants", err)
 	}
-	return t, nil
-}
-
-// TouchAPIToken records that token id was used at now. It writes at most
-// once per minute per token, so that authenticating is not a write per
-// request.
-func TouchAPIToken(ctx context.Context, q DBTX, id string, now time.Time) error {
-	_, err := q.Exec(ctx, `UPDATE api_tokens SET last_used_at = $2
-		WHERE id = $1 AND (last_used_at IS NULL OR last_used_at < $2::timestamptz - interval '1 minute')`, id, now)
-	if err != nil {
-		return queryErr("touch api token", err)
-	}
-	return nil
-}
-
-// RevokeAPIToken revokes token id at now, keeping an earlier revocation
-// time. Errors: ErrNotFound.
-func RevokeAPIToken(ctx context.Context, q DBTX, id string, now time.Time) error {
-	tag, err := q.Exec(ctx, `UPDATE api_tokens SET revoked_at = COALESCE(revoked_at, $2) WHERE id = $1`, id, now)
-	if err != nil {
-		return queryErr("revoke api token", err)
-	}
-	if tag.RowsAffected() == 0 {
-		return fmt.Errorf("api token %s: %w", id, ErrNotFound)
-	}
-	return nil
+	return out, nil
 }

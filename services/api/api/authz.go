@@ -6,26 +6,54 @@ import (
 )
 
 // Policy is the authorization of every RPC the API serves: the permission
-// the caller's role must hold. Which tenant's resources a caller sees is
-// decided by the handlers (own tenant, or all for root-admin). A procedure
-// missing here is refused with PermissionDenied, so a new RPC must be added.
+// the caller's role must hold (pkg/iam's rolePermissions says which roles
+// hold it), whether the RPC mutates (and is audited), and the request field
+// naming its target for the audit log. Which tenant's resources a caller
+// sees is decided by the handlers: its own tenant's, or every tenant's for
+// root-admin; another tenant's resource reads as NotFound. A procedure
+// missing here is refused with PermissionDenied, so a new RPC must be added
+// (TestPolicyCoversEveryProcedure and the matrix test fail until it is).
 //
-//	RPC                               permission     roles
-//	NodeService.ListNodes, GetNode    fleet.read     any role (own tenant), root-admin (all)
-//	PoolService.ListSites, ListPools  fleet.read     any role (own tenant), root-admin (all)
-//	PoolService.CreateSite            fleet.manage   root-admin, tenant-admin
-//	PoolService.CreatePool            fleet.manage   root-admin, tenant-admin (pool owned by the caller's tenant)
-//	JoinTokenService.*                fleet.manage   root-admin, tenant-admin (own tenant's pools)
+// Sites are places shared by every tenant: any role reads all of them, only
+// root-admin creates them (sites.manage). Pools, nodes, join tokens, API
+// tokens and audit rows belong to a tenant.
+//
+//	RPC                               permission      roles                      audited
+//	NodeService.ListNodes, GetNode    fleet.read      any (own tenant), root     no
+//	NodeService.RevokeNode            fleet.manage    tenant-admin (own), root   yes (node_id)
+//	PoolService.ListSites             fleet.read      any (all sites)            no
+//	PoolService.CreateSite            sites.manage    root                       yes (name)
+//	PoolService.ListPools             fleet.read      any (own tenant), root     no
+//	PoolService.CreatePool            fleet.manage    tenant-admin (own), root   yes (name)
+//	JoinTokenService.CreateJoinToken  fleet.manage    tenant-admin (own), root   yes (pool_id)
+//	JoinTokenService.ListJoinTokens   fleet.manage    tenant-admin (own), root   no
+//	JoinTokenService.RevokeJoinToken  fleet.manage    tenant-admin (own), root   yes (join_token_id)
+//	TenantService.CreateTenant        tenants.manage  root                       yes (name)
+//	TenantService.ListTenants         tenants.read    any (own tenant), root     no
+//	TokenService.CreateToken          iam.manage      tenant-admin (own), root   yes (tenant_id)
+//	TokenService.ListTokens           iam.manage      tenant-admin (own), root   no
+//	TokenService.RevokeToken          iam.manage      tenant-admin (own), root   yes (token_id)
+//	AuditService.ListAudit            audit.read      tenant-admin (own), root   no
 var Policy = iam.Policy{
-	computev1connect.NodeServiceListNodesProcedure: {Permission: iam.PermFleetRead},
-	computev1connect.NodeServiceGetNodeProcedure:   {Permission: iam.PermFleetRead},
+	computev1connect.NodeServiceListNodesProcedure:  {Permission: iam.PermFleetRead},
+	computev1connect.NodeServiceGetNodeProcedure:    {Permission: iam.PermFleetRead},
+	computev1connect.NodeServiceRevokeNodeProcedure: {Permission: iam.PermFleetManage, Mutating: true, Target: "node_id"},
 
-	computev1connect.PoolServiceCreateSiteProcedure: {Permission: iam.PermFleetManage},
+	computev1connect.PoolServiceCreateSiteProcedure: {Permission: iam.PermSitesManage, Mutating: true, Target: "name"},
 	computev1connect.PoolServiceListSitesProcedure:  {Permission: iam.PermFleetRead},
-	computev1connect.PoolServiceCreatePoolProcedure: {Permission: iam.PermFleetManage},
+	computev1connect.PoolServiceCreatePoolProcedure: {Permission: iam.PermFleetManage, Mutating: true, Target: "name"},
 	computev1connect.PoolServiceListPoolsProcedure:  {Permission: iam.PermFleetRead},
 
-	computev1connect.JoinTokenServiceCreateJoinTokenProcedure: {Permission: iam.PermFleetManage},
+	computev1connect.JoinTokenServiceCreateJoinTokenProcedure: {Permission: iam.PermFleetManage, Mutating: true, Target: "pool_id"},
 	computev1connect.JoinTokenServiceListJoinTokensProcedure:  {Permission: iam.PermFleetManage},
-	computev1connect.JoinTokenServiceRevokeJoinTokenProcedure: {Permission: iam.PermFleetManage},
+	computev1connect.JoinTokenServiceRevokeJoinTokenProcedure: {Permission: iam.PermFleetManage, Mutating: true, Target: "join_token_id"},
+
+	computev1connect.TenantServiceCreateTenantProcedure: {Permission: iam.PermTenantsManage, Mutating: true, Target: "name"},
+	computev1connect.TenantServiceListTenantsProcedure:  {Permission: iam.PermTenantsRead},
+
+	computev1connect.TokenServiceCreateTokenProcedure: {Permission: iam.PermIAMManage, Mutating: true, Target: "tenant_id"},
+	computev1connect.TokenServiceListTokensProcedure:  {Permission: iam.PermIAMManage},
+	computev1connect.TokenServiceRevokeTokenProcedure: {Permission: iam.PermIAMManage, Mutating: true, Target: "token_id"},
+
+	computev1connect.AuditServiceListAuditProcedure: {Permission: iam.PermAuditRead},
 }

@@ -3,9 +3,11 @@ package api
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"connectrpc.com/connect"
+	"github.com/jackc/pgx/v5"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
@@ -48,7 +50,13 @@ func (s *joinTokenService) CreateJoinToken(ctx context.Context, req *connect.Req
 	jt := store.JoinToken{ID: ids.New(ids.JoinToken, now), PoolID: msg.PoolId, Hash: iam.HashSecret(secret),
 		MaxUses: msg.MaxUses, ExpiresAt: now.Add(time.Duration(msg.TtlSeconds) * time.Second), CreatedBy: p.TokenID,
 		CreatedAt: now}
-	if err := store.CreateJoinToken(ctx, s.db.Pool, jt); err != nil {
+	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
+		if err := store.CreateJoinToken(ctx, tx, jt); err != nil {
+			return err
+		}
+		return s.auditInTx(ctx, tx, jt.ID, fmt.Sprintf("join token for pool %s, %d use(s)", jt.PoolID, jt.MaxUses))
+	})
+	if err != nil {
 		return nil, mapError(err)
 	}
 	s.logger.InfoContext(ctx, "join token created", "join_token.id", jt.ID, "pool.id", jt.PoolID, "max_uses", jt.MaxUses)
@@ -96,7 +104,12 @@ func (s *joinTokenService) RevokeJoinToken(ctx context.Context, req *connect.Req
 	if _, err := s.visiblePool(ctx, p, "pool_id", jt.PoolID); err != nil {
 		return nil, notFound("join token", id)
 	}
-	jt, err = store.RevokeJoinToken(ctx, s.db.Pool, id, s.db.Now())
+	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
+		if jt, err = store.RevokeJoinToken(ctx, tx, id, s.db.Now()); err != nil {
+			return err
+		}
+		return s.auditInTx(ctx, tx, id, "revoked")
+	})
 	if err != nil {
 		return nil, mapError(err)
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 
 	"connectrpc.com/connect"
+	"github.com/jackc/pgx/v5"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
@@ -14,18 +15,26 @@ import (
 
 type poolService struct{ *Server }
 
-// CreateSite creates a site. Errors: AlreadyExists (name).
+// CreateSite creates a site. Sites are shared by every tenant, so only root
+// administrators create them (Policy). Errors: AlreadyExists (name).
 func (s *poolService) CreateSite(ctx context.Context, req *connect.Request[computev1.CreateSiteRequest]) (*connect.Response[computev1.CreateSiteResponse], error) {
 	now := s.db.Now()
 	site := store.Site{ID: ids.New(ids.Site, now), Name: req.Msg.Name, Region: req.Msg.Region, CreatedAt: now}
-	if err := store.CreateSite(ctx, s.db.Pool, site); err != nil {
+	err := s.db.InTx(ctx, func(tx pgx.Tx) error {
+		if err := store.CreateSite(ctx, tx, site); err != nil {
+			return err
+		}
+		return s.auditInTx(ctx, tx, site.ID, "site "+site.Name)
+	})
+	if err != nil {
 		return nil, mapError(err)
 	}
 	s.logger.InfoContext(ctx, "site created", "site.id", site.ID, "site.name", site.Name)
 	return connect.NewResponse(&computev1.CreateSiteResponse{Site: siteToProto(site)}), nil
 }
 
-// ListSites lists every site (sites are shared by all tenants).
+// ListSites lists every site: sites are places shared by all tenants (their
+// names and regions are not a tenant's secret); pools in them are scoped.
 func (s *poolService) ListSites(ctx context.Context, _ *connect.Request[computev1.ListSitesRequest]) (*connect.Response[computev1.ListSitesResponse], error) {
 	sites, err := store.ListSites(ctx, s.db.Pool)
 	if err != nil {
@@ -52,10 +61,18 @@ func (s *poolService) CreatePool(ctx context.Context, req *connect.Request[compu
 		AcceptanceCheck: msg.Acceptance.GetCheck(), GPUModel: msg.Acceptance.GetGpuModel(),
 		ExpectGPUCount: msg.Acceptance.GetExpectGpuCount(), CreatedAt: now,
 	}
-	if _, err := store.GetSite(ctx, s.db.Pool, msg.SiteId); errors.Is(err, store.ErrNotFound) {
-		return nil, connect.NewError(connect.CodeNotFound, errors.New("site_id: site "+msg.SiteId+" not found"))
-	}
-	if err := store.CreatePool(ctx, s.db.Pool, pool); err != nil {
+	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
+		if _, err := store.GetSite(ctx, tx, msg.SiteId); errors.Is(err, store.ErrNotFound) {
+			return connect.NewError(connect.CodeNotFound, errors.New("site_id: site "+msg.SiteId+" not found"))
+		} else if err != nil {
+			return err
+		}
+		if err := store.CreatePool(ctx, tx, pool); err != nil {
+			return err
+		}
+		return s.auditInTx(ctx, tx, pool.ID, "pool "+pool.Name+" in site "+pool.SiteID)
+	})
+	if err != nil {
 		return nil, mapError(err)
 	}
 	pool.NodeCounts = map[string]int32{}

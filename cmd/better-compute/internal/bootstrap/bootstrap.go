@@ -97,6 +97,17 @@ func (r Result) Exports() string {
 		EnvTenant, r.TenantID, EnvToken, r.RootToken, EnvPool, r.PoolID)
 }
 
+// Announcement returns the export lines to print: the root token's only when
+// this run minted it, so that the first start of a deployment prints its
+// root token once and a re-run does not print it again (the env file keeps
+// it for the dev stack).
+func (r Result) Announcement() string {
+	if r.RootTokenMinted {
+		return r.Exports()
+	}
+	return fmt.Sprintf("export %s=%s\nexport %s=%s\n", EnvTenant, r.TenantID, EnvPool, r.PoolID)
+}
+
 // Run ensures the tenant, root token, site, pool and join token in one
 // transaction, then writes the files whose content changed.
 func Run(ctx context.Context, db *store.DB, o Options) (Result, error) {

@@ -23,7 +23,8 @@ func (a *app) bootstrapCmd() *cobra.Command {
 		Long: "bootstrap connects to the database directly and ensures the root tenant with a root-admin API token,\n" +
 			"a site, a metal-host pool with diag.nvml acceptance and a join token. It writes the join token to\n" +
 			"--join-token-file and the root tenant, token and pool to --env-file (both mode 0644: this is for dev\n" +
-			"stacks), and prints them as export lines. A re-run reuses what the files hold while it is still valid.",
+			"stacks), and prints them as export lines. The root token is printed once, by the run that mints it; a\n" +
+			"re-run reuses what the files hold while it is still valid and prints the tenant and pool only.",
 		Args: cobra.NoArgs,
 	}
 	f := c.Flags()
@@ -77,7 +78,12 @@ func (a *app) bootstrapCmd() *cobra.Command {
 		for _, p := range res.FilesWritten {
 			fmt.Fprintf(a.env.Stderr, "wrote %s\n", p)
 		}
-		fmt.Fprint(a.env.Stdout, res.Exports())
+		if res.RootTokenMinted {
+			fmt.Fprintln(a.env.Stderr, "The root token below is printed only this once; keep it safe.")
+		} else {
+			fmt.Fprintf(a.env.Stderr, "The root token is not printed again; it is in %s.\n", o.EnvFile)
+		}
+		fmt.Fprint(a.env.Stdout, res.Announcement())
 		return nil
 	}
 	return c

@@ -20,9 +20,12 @@ const (
 
 // apiClients are the Connect clients of the public API.
 type apiClients struct {
-	nodes  computev1connect.NodeServiceClient
-	pools  computev1connect.PoolServiceClient
-	tokens computev1connect.JoinTokenServiceClient
+	nodes     computev1connect.NodeServiceClient
+	pools     computev1connect.PoolServiceClient
+	tokens    computev1connect.JoinTokenServiceClient
+	tenants   computev1connect.TenantServiceClient
+	apiTokens computev1connect.TokenServiceClient
+	audit     computev1connect.AuditServiceClient
 }
 
 // baseURL returns the API's base URL: --url, else BETTER_COMPUTE_URL, else
@@ -63,8 +66,11 @@ func (a *app) clients() (*apiClients, error) {
 	base := a.baseURL() + apiPath
 	opt := connect.WithInterceptors(headers)
 	return &apiClients{
-		nodes:  computev1connect.NewNodeServiceClient(hc, base, opt),
-		pools:  computev1connect.NewPoolServiceClient(hc, base, opt),
-		tokens: computev1connect.NewJoinTokenServiceClient(hc, base, opt),
+		nodes:     computev1connect.NewNodeServiceClient(hc, base, opt),
+		pools:     computev1connect.NewPoolServiceClient(hc, base, opt),
+		tokens:    computev1connect.NewJoinTokenServiceClient(hc, base, opt),
+		tenants:   computev1connect.NewTenantServiceClient(hc, base, opt),
+		apiTokens: computev1connect.NewTokenServiceClient(hc, base, opt),
+		audit:     computev1connect.NewAuditServiceClient(hc, base, opt),
 	}, nil
 }

@@ -51,7 +51,7 @@ func NewRoot(env Env) *cobra.Command {
 	root := &cobra.Command{
 		Use:           "better-compute",
 		Short:         "Operate a better-compute GPU fleet",
-		Long:          "better-compute talks to a better-compute control plane (nodes, pools, sites, join tokens)\nand administers a deployment (migrate, pki, bootstrap).",
+		Long:          "better-compute talks to a better-compute control plane (nodes, pools, sites, join tokens,\ntenants, API tokens, audit) and administers a deployment (migrate, pki, bootstrap).",
 		SilenceErrors: true,
 		SilenceUsage:  true,
 	}
@@ -67,6 +67,9 @@ func NewRoot(env Env) *cobra.Command {
 		a.poolsCmd(),
 		a.sitesCmd(),
 		a.joinTokensCmd(),
+		a.tenantsCmd(),
+		a.tokensCmd(),
+		a.auditCmd(),
 		a.migrateCmd(),
 		a.pkiCmd(),
 		a.bootstrapCmd(),

@@ -1,0 +1,76 @@
+package store
+
+import (
+	"context"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// AuditEntry is a row of audit: one mutating API call, allowed or refused.
+type AuditEntry struct {
+	// ID orders the rows (bigserial); set by InsertAudit.
+	ID int64
+	At time.Time
+	// TenantID, TokenID and Role are the caller's; empty for an
+	// unauthenticated call.
+	TenantID string
+	TokenID  string
+	Role     string
+	// Procedure is the Connect procedure, e.g.
+	// "/bc.compute.v1.TokenService/RevokeToken".
+	Procedure string
+	// Target is the id (or, for a refused create, the name) of the resource
+	// acted on; empty when there is none.
+	Target string
+	// Outcome is "ok" or the Connect code of the refusal in snake_case
+	// ("permission_denied").
+	Outcome string
+	// Detail is the refusal's message, or what a successful call changed.
+	Detail string
+}
+
+// InsertAudit appends e and returns its id. Call it in the transaction of
+// the change it records, so that the row and the change commit together.
+func InsertAudit(ctx context.Context, q DBTX, e AuditEntry) (int64, error) {
+	var id int64
+	err := q.QueryRow(ctx, `INSERT INTO audit (at, tenant_id, token_id, role, procedure, target, outcome, detail)
+		VALUES ($1, NULLIF($2, ''), NULLIF($3, ''), $4, $5, $6, $7, $8) RETURNING id`,
+		e.At, e.TenantID, e.TokenID, e.Role, e.Procedure, e.Target, e.Outcome, e.Detail).Scan(&id)
+	if err != nil {
+		return 0, queryErr("insert audit row", err)
+	}
+	return id, nil
+}
+
+// AuditFilter selects audit rows for ListAudit.
+type AuditFilter struct {
+	// TenantID selects one tenant's rows; empty selects every row,
+	// unauthenticated calls included.
+	TenantID string
+	// Before, when positive, selects rows with a smaller id (the previous
+	// page's last id).
+	Before int64
+	// Limit caps the rows returned; it must be positive.
+	Limit int
+}
+
+// ListAudit returns the rows matching f, newest (highest id) first.
+func ListAudit(ctx context.Context, q DBTX, f AuditFilter) ([]AuditEntry, error) {
+	rows, err := q.Query(ctx, `SELECT id, at, COALESCE(tenant_id, ''), COALESCE(token_id, ''), role, procedure, target,
+			outcome, detail
+		FROM audit WHERE ($1 = '' OR tenant_id = $1) AND ($2 <= 0 OR id < $2)
+		ORDER BY id DESC LIMIT $3`, f.TenantID, f.Before, f.Limit)
+	if err != nil {
+		return nil, queryErr("list audit", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (AuditEntry, error) {
+		var e AuditEntry
+		err := r.Scan(&e.ID, &e.At, &e.TenantID, &e.TokenID, &e.Role, &e.Procedure, &e.Target, &e.Outcome, &e.Detail)
+		return e, err
+	})
+	if err != nil {
+		return nil, queryErr("list audit", err)
+	}
+	return out, nil
+}

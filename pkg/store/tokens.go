@@ -1,0 +1,104 @@
+package store
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// APIToken is a row of api_tokens: a bearer credential of one tenant with
+// one role. Only the SHA-256 of the secret is stored (Hash).
+type APIToken struct {
+	ID       string
+	TenantID string
+	Name     string
+	// Hash is SHA-256 of the token's secret.
+	Hash []byte
+	// Role is root-admin, tenant-admin, tenant-member or viewer.
+	Role string
+	// ExpiresAt is when the token stops working; nil never expires.
+	ExpiresAt *time.Time
+	// RevokedAt is when the token was revoked; nil while it is not.
+	RevokedAt  *time.Time
+	CreatedAt  time.Time
+	LastUsedAt *time.Time
+}
+
+const apiTokenColumns = `id, tenant_id, name, hash, role, expires_at, revoked_at, created_at, last_used_at`
+
+func scanAPIToken(row pgx.Row) (APIToken, error) {
+	var t APIToken
+	err := row.Scan(&t.ID, &t.TenantID, &t.Name, &t.Hash, &t.Role, &t.ExpiresAt, &t.RevokedAt, &t.CreatedAt, &t.LastUsedAt)
+	return t, err
+}
+
+// CreateAPIToken inserts t. Errors: ErrConflict when the hash exists.
+func CreateAPIToken(ctx context.Context, q DBTX, t APIToken) error {
+	_, err := q.Exec(ctx, `INSERT INTO api_tokens (id, tenant_id, name, hash, role, expires_at, created_at)
+		VALUES ($1, $2, $3, $4, $5, $6, $7)`, t.ID, t.TenantID, t.Name, t.Hash, t.Role, t.ExpiresAt, t.CreatedAt)
+	if err != nil {
+		return queryErr("create api token", err)
+	}
+	return nil
+}
+
+// GetAPITokenByHash returns the token whose secret hashes to hash, whether
+// or not it is expired or revoked (the caller decides). Errors: ErrNotFound.
+func GetAPITokenByHash(ctx context.Context, q DBTX, hash []byte) (APIToken, error) {
+	t, err := scanAPIToken(q.QueryRow(ctx, `SELECT `+apiTokenColumns+` FROM api_tokens WHERE hash = $1`, hash))
+	if err != nil {
+		return APIToken{}, queryErr("api token", err)
+	}
+	return t, nil
+}
+
+// TouchAPIToken records that token id was used at now. It writes at most
+// once per minute per token, so that authenticating is not a write per
+// request.
+func TouchAPIToken(ctx context.Context, q DBTX, id string, now time.Time) error {
+	_, err := q.Exec(ctx, `UPDATE api_tokens SET last_used_at = $2
+		WHERE id = $1 AND (last_used_at IS NULL OR last_used_at < $2::timestamptz - interval '1 minute')`, id, now)
+	if err != nil {
+		return queryErr("touch api token", err)
+	}
+	return nil
+}
+
+// GetAPIToken returns the token with id. Errors: ErrNotFound.
+func GetAPIToken(ctx context.Context, q DBTX, id string) (APIToken, error) {
+	t, err := scanAPIToken(q.QueryRow(ctx, `SELECT `+apiTokenColumns+` FROM api_tokens WHERE id = $1`, id))
+	if err != nil {
+		return APIToken{}, queryErr("api token "+id, err)
+	}
+	return t, nil
+}
+
+// ListAPITokens returns the tokens of tenantID (every tenant's when it is
+// empty), oldest first, revoked and expired ones included.
+func ListAPITokens(ctx context.Context, q DBTX, tenantID string) ([]APIToken, error) {
+	rows, err := q.Query(ctx, `SELECT `+apiTokenColumns+` FROM api_tokens
+		WHERE ($1 = '' OR tenant_id = $1) ORDER BY created_at, id`, tenantID)
+	if err != nil {
+		return nil, queryErr("list api tokens", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (APIToken, error) { return scanAPIToken(r) })
+	if err != nil {
+		return nil, queryErr("list api tokens", err)
+	}
+	return out, nil
+}
+
+// RevokeAPIToken revokes token id at now, keeping an earlier revocation
+// time. Errors: ErrNotFound.
+func RevokeAPIToken(ctx context.Context, q DBTX, id string, now time.Time) error {
+	tag, err := q.Exec(ctx, `UPDATE api_tokens SET revoked_at = COALESCE(revoked_at, $2) WHERE id = $1`, id, now)
+	if err != nil {
+		return queryErr("revoke api token", err)
+	}
+	if tag.RowsAffected() == 0 {
+		return fmt.Errorf("api token %s: %w", id, ErrNotFound)
+	}
+	return nil
+}
