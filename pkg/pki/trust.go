@@ -100,8 +100,8 @@ func MatchPin(pin string, spkiDER []byte) bool {
 
 // The HPKE suite of sealed join tokens (RFC 9180 §7):
 // DHKEM(X25519, HKDF-SHA256), HKDF-SHA256, ChaCha20-Poly1305, base mode.
+// The KEM is implied by the key type (hpke.NewDHKEMPublicKey).
 var (
-	joinKEM  = hpke.DHKEM(ecdh.X25519())
 	joinKDF  = hpke.HKDFSHA256()
 	joinAEAD = hpke.ChaCha20Poly1305()
 )

@@ -55,7 +55,7 @@ func TestSealOpenJoinToken(t *testing.T) {
 
 func TestInitWritesTrustKeysAndPins(t *testing.T) {
 	dir := t.TempDir()
-	if _, err := Init(dir, InitOptions{}, time.Now()); err != nil {
+	if _, err := Init(dir, InitOptions{}, testNow); err != nil {
 		t.Fatal(err)
 	}
 	for _, f := range []string{JoinEncryptionKey, JoinSigningKey, CommandSigningKey, NodeCAKey, ServingCAKey, GatewayKey} {
@@ -101,7 +101,7 @@ func TestInitWritesTrustKeysAndPins(t *testing.T) {
 		t.Errorf("joinEncryption pin %s; want %s", pins.JoinEncryption, pin)
 	}
 	// A second Init changes nothing.
-	wrote, err := Init(dir, InitOptions{}, time.Now())
+	wrote, err := Init(dir, InitOptions{}, testNow)
 	if err != nil || wrote {
 		t.Fatalf("second Init wrote=%v err=%v; want nothing written", wrote, err)
 	}
@@ -126,3 +126,5 @@ func TestIntentSignatureBoundToNode(t *testing.T) {
 }
 
 type ed25519PublicKey = ed25519.PublicKey
+
+var testNow = time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC)

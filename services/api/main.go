@@ -1,7 +1,10 @@
-// Command api serves better-compute's public Connect API under /api/compute
-// and GET /healthz. Configuration is the environment:
-// BETTER_COMPUTE_DATABASE_URL and BC_LISTEN (:8080). `api healthcheck [URL]`
-// probes /healthz.
+// Command api serves better-compute's public Connect API under /api/compute,
+// GET /healthz and GET /.well-known/better-compute. Configuration is the
+// environment: BETTER_COMPUTE_DATABASE_URL, BC_LISTEN (:8080) and, for the
+// well-known document, BC_PKI_DIR (its public files; unset: not served),
+// BC_PUBLIC_URL (baseUrl; unset: from the request), BC_JOIN_URL,
+// BC_GATEWAY_URL and BC_GATEWAY_SERVER_NAME. `api healthcheck [URL]` probes
+// /healthz.
 package main
 
 import (

@@ -1,22 +1,40 @@
 // Command fakedaemon runs simulated GPU machines that join better-compute and
 // hold a Session with the gateway, as the real daemon does, on fake hardware.
 //
+//	fakedaemon [flags]          join (machines that have not yet), then run the sessions
+//	fakedaemon join [flags]     join the machines that have not yet, print their node ids, exit
+//	fakedaemon healthcheck [URL]
+//
 // Flags (each with an environment variable that sets its default):
 //
-//	--join-url URL             BC_JOIN_URL             JoinService (http://joinservice:8081)
-//	--token-file PATH          BC_JOIN_TOKEN_FILE      file holding the join token, waited for
-//	                           BC_JOIN_TOKEN           the join token itself (wins over the file)
-//	--token-wait DURATION      BC_JOIN_TOKEN_WAIT      how long to wait for the token file (2m)
-//	--data-dir PATH            BC_DATA_DIR             identities and journals (/var/lib/fakedaemon)
-//	--variant NAME             BC_VARIANT              hgx-h100, hgx-h100-gpu-missing, l40s, cpu (hgx-h100)
-//	--nodes N                  BC_NODES                machines in this process, each in <data-dir>/<i> (1)
-//	--gateway-url URL          BC_GATEWAY_URL          overrides the JoinResponse's gateway URL
-//	--gateway-server-name NAME BC_GATEWAY_SERVER_NAME  overrides the TLS server name of the gateway
-//	--health-listen ADDR       BC_HEALTH_LISTEN        /healthz server (:8085; --health-listen= for none)
+//	--server URL                 BC_SERVER               the deployment's API: its /.well-known/better-compute
+//	                                                     gives the join URL, the gateway and the join keys
+//	--pins-file PATH             BC_PINS_FILE            the deployment's pins.json (from `pki init`)
+//	--serving-ca-pin PIN         BC_SERVING_CA_PIN       pins ("sha256/<base64>"), each overriding the pins file;
+//	--join-signing-pin PIN       BC_JOIN_SIGNING_PIN     the first three are required to join
+//	--join-encryption-pin PIN    BC_JOIN_ENCRYPTION_PIN
+//	--command-signing-pin PIN    BC_COMMAND_SIGNING_PIN
+//	--join-keys-dir DIR          BC_JOIN_KEYS_DIR        join-encryption.pub and join-signing.pub, without --server
+//	--insecure-trust-server-pins BC_INSECURE_TRUST_SERVER_PINS  take the pins from the server's own document
+//	                                                     (trust on first use; development only)
+//	--join-url URL               BC_JOIN_URL             JoinService (the document's joinUrl with --server,
+//	                                                     else http://joinservice:8081)
+//	--token-file PATH            BC_JOIN_TOKEN_FILE      file holding the join token, waited for
+//	                             BC_JOIN_TOKEN           the join token itself (wins over the file)
+//	--token-wait DURATION        BC_JOIN_TOKEN_WAIT      how long to wait for the token file (2m)
+//	--data-dir PATH              BC_DATA_DIR             identities and journals (/var/lib/fakedaemon)
+//	--variant NAME               BC_VARIANT              hgx-h100, hgx-h100-gpu-missing, l40s, cpu (hgx-h100)
+//	--nodes N                    BC_NODES                machines in this process, each in <data-dir>/<i> (1)
+//	--gateway-url URL            BC_GATEWAY_URL          overrides the JoinResponse's gateway URL
+//	--gateway-server-name NAME   BC_GATEWAY_SERVER_NAME  overrides the TLS server name of the gateway
+//	--health-listen ADDR         BC_HEALTH_LISTEN        /healthz server (:8085; --health-listen= for none)
 //
-// `fakedaemon healthcheck [URL]` probes http://127.0.0.1:8085/healthz, which
-// answers 200 once every machine has joined. A refused Join (bad, expired,
-// revoked or used-up token) exits with status 1 and the server's reason.
+// The token is only ever sent sealed to JoinService's key, and a machine
+// trusts a JoinResponse only once it verified it against the pins: without
+// pins it refuses to join. `fakedaemon healthcheck [URL]` probes
+// http://127.0.0.1:8085/healthz, which answers 200 once every machine has
+// joined. A refused Join (bad, expired, revoked or used-up token) or an
+// untrusted JoinResponse exits with status 1 and the reason.
 package main
 
 import (
@@ -24,26 +42,33 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"os/signal"
 	"strconv"
 	"syscall"
 	"time"
 
+	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/telemetry"
 	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
 )
 
 func main() {
-	if len(os.Args) > 1 && os.Args[1] == "healthcheck" {
+	args := os.Args[1:]
+	if len(args) > 0 && args[0] == "healthcheck" {
 		url := "http://127.0.0.1:8085/healthz"
-		if len(os.Args) > 2 {
-			url = os.Args[2]
+		if len(args) > 1 {
+			url = args[1]
 		}
 		os.Exit(service.Healthcheck(url))
 	}
-	cfg, err := parseConfig(os.Args[1:])
+	joinOnly := len(args) > 0 && args[0] == "join"
+	if joinOnly {
+		args = args[1:]
+	}
+	cfg, err := parseConfig(args, joinOnly)
 	if errors.Is(err, flag.ErrHelp) {
 		os.Exit(0)
 	}
@@ -51,16 +76,21 @@ func main() {
 		fmt.Fprintln(os.Stderr, "fakedaemon:", err)
 		os.Exit(2)
 	}
-	if err := run(cfg); err != nil {
+	if err := run(cfg, os.Stdout); err != nil {
 		fmt.Fprintln(os.Stderr, "fakedaemon:", err)
 		os.Exit(1)
 	}
 }
 
-// parseConfig reads flags whose defaults come from the environment.
-func parseConfig(args []string) (fakedaemon.Config, error) {
+// parseConfig reads flags whose defaults come from the environment; joinOnly
+// is the `join` subcommand.
+func parseConfig(args []string, joinOnly bool) (fakedaemon.Config, error) {
 	var cfg fakedaemon.Config
-	fs := flag.NewFlagSet("fakedaemon", flag.ContinueOnError)
+	name := "fakedaemon"
+	if joinOnly {
+		name = "fakedaemon join"
+	}
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	tokenWait, err := service.EnvDuration("BC_JOIN_TOKEN_WAIT", fakedaemon.DefaultTokenWait)
 	if err != nil {
 		return cfg, err
@@ -71,7 +101,23 @@ func parseConfig(args []string) (fakedaemon.Config, error) {
 			return cfg, fmt.Errorf("BC_NODES: %w", err)
 		}
 	}
-	fs.StringVar(&cfg.JoinURL, "join-url", service.Env("BC_JOIN_URL", fakedaemon.DefaultJoinURL), "JoinService base URL")
+	insecure := false
+	if v := os.Getenv("BC_INSECURE_TRUST_SERVER_PINS"); v != "" {
+		if insecure, err = strconv.ParseBool(v); err != nil {
+			return cfg, fmt.Errorf("BC_INSECURE_TRUST_SERVER_PINS: %w", err)
+		}
+	}
+	var pinsFile, keysDir string
+	var pins pki.Pins
+	fs.StringVar(&cfg.Server, "server", os.Getenv("BC_SERVER"), "the deployment's API base URL (its well-known document gives the join URL, gateway and keys)")
+	fs.StringVar(&pinsFile, "pins-file", os.Getenv("BC_PINS_FILE"), "the deployment's pins.json")
+	fs.StringVar(&pins.ServingCA, "serving-ca-pin", os.Getenv("BC_SERVING_CA_PIN"), "pin of the gateways' serving CA (sha256/<base64>)")
+	fs.StringVar(&pins.JoinSigning, "join-signing-pin", os.Getenv("BC_JOIN_SIGNING_PIN"), "pin of JoinService's signing key")
+	fs.StringVar(&pins.JoinEncryption, "join-encryption-pin", os.Getenv("BC_JOIN_ENCRYPTION_PIN"), "pin of JoinService's HPKE key")
+	fs.StringVar(&pins.CommandSigning, "command-signing-pin", os.Getenv("BC_COMMAND_SIGNING_PIN"), "pin of the command-signing root (checked when given)")
+	fs.StringVar(&keysDir, "join-keys-dir", os.Getenv("BC_JOIN_KEYS_DIR"), "directory holding join-encryption.pub and join-signing.pub (instead of --server)")
+	fs.BoolVar(&cfg.InsecureTrustServerPins, "insecure-trust-server-pins", insecure, "INSECURE: take the pins from the server's own well-known document (trust on first use)")
+	fs.StringVar(&cfg.JoinURL, "join-url", os.Getenv("BC_JOIN_URL"), "JoinService base URL (default: the well-known document's, else "+fakedaemon.DefaultJoinURL+")")
 	fs.StringVar(&cfg.TokenFile, "token-file", os.Getenv("BC_JOIN_TOKEN_FILE"), "file holding the join token (waited for)")
 	fs.DurationVar(&cfg.TokenWait, "token-wait", tokenWait, "how long to wait for the token file to appear")
 	fs.StringVar(&cfg.DataDir, "data-dir", service.Env("BC_DATA_DIR", fakedaemon.DefaultDataDir), "directory of the machines' identities and journals")
@@ -89,11 +135,61 @@ func parseConfig(args []string) (fakedaemon.Config, error) {
 	if cfg.Nodes < 1 {
 		return cfg, fmt.Errorf("--nodes must be at least 1, got %d", cfg.Nodes)
 	}
+	if pinsFile != "" {
+		fromFile, err := pki.ReadPinsFile(pinsFile)
+		if err != nil {
+			return cfg, fmt.Errorf("--pins-file: %w", err)
+		}
+		cfg.Pins = fromFile
+	}
+	for _, p := range []struct{ flag, v string }{
+		{"--serving-ca-pin", pins.ServingCA}, {"--join-signing-pin", pins.JoinSigning},
+		{"--join-encryption-pin", pins.JoinEncryption}, {"--command-signing-pin", pins.CommandSigning},
+	} {
+		if p.v == "" {
+			continue
+		}
+		if _, err := pki.ParsePin(p.v); err != nil {
+			return cfg, fmt.Errorf("%s: %w", p.flag, err)
+		}
+	}
+	cfg.Pins = mergePins(cfg.Pins, pins)
+	if keysDir != "" {
+		if cfg.JoinEncryptionKey, cfg.JoinSigningKey, err = pki.ReadJoinPublicKeys(keysDir); err != nil {
+			return cfg, fmt.Errorf("--join-keys-dir: %w", err)
+		}
+	}
+	if cfg.InsecureTrustServerPins && cfg.Server == "" {
+		return cfg, errors.New("--insecure-trust-server-pins needs --server")
+	}
+	if joinOnly {
+		cfg.JoinOnly = true
+		cfg.HealthListen = ""
+	}
 	cfg.Token = os.Getenv("BC_JOIN_TOKEN")
 	return cfg, nil
 }
 
-func run(cfg fakedaemon.Config) error {
+// mergePins returns base with every pin set in over replacing its own.
+func mergePins(base, over pki.Pins) pki.Pins {
+	if over.ServingCA != "" {
+		base.ServingCA = over.ServingCA
+	}
+	if over.JoinSigning != "" {
+		base.JoinSigning = over.JoinSigning
+	}
+	if over.JoinEncryption != "" {
+		base.JoinEncryption = over.JoinEncryption
+	}
+	if over.CommandSigning != "" {
+		base.CommandSigning = over.CommandSigning
+	}
+	return base
+}
+
+// run runs the machines until a signal (or, joining only, until every
+// machine has joined; then it prints one line per machine to out).
+func run(cfg fakedaemon.Config, out io.Writer) error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	logger, shutdown, err := telemetry.Setup(ctx, "fakedaemon")
@@ -109,5 +205,14 @@ func run(cfg fakedaemon.Config) error {
 	if err != nil {
 		return err
 	}
-	return r.Run(ctx)
+	if err := r.Run(ctx); err != nil || !cfg.JoinOnly {
+		return err
+	}
+	if err := r.Ready(); err != nil {
+		return err // interrupted before every machine joined
+	}
+	for _, m := range r.Machines() {
+		fmt.Fprintf(out, "machine %d joined as %s (%s)\n", m.Index(), m.NodeID(), m.Dir())
+	}
+	return nil
 }

@@ -1,19 +1,38 @@
 package main
 
 import (
+	"bytes"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/pki"
 )
 
-func TestParseConfigDefaults(t *testing.T) {
-	for _, k := range []string{"BC_JOIN_URL", "BC_JOIN_TOKEN_FILE", "BC_JOIN_TOKEN", "BC_JOIN_TOKEN_WAIT", "BC_DATA_DIR", "BC_VARIANT", "BC_NODES", "BC_GATEWAY_URL", "BC_GATEWAY_SERVER_NAME", "BC_HEALTH_LISTEN"} {
+var envVars = []string{"BC_JOIN_URL", "BC_JOIN_TOKEN_FILE", "BC_JOIN_TOKEN", "BC_JOIN_TOKEN_WAIT", "BC_DATA_DIR", "BC_VARIANT",
+	"BC_NODES", "BC_GATEWAY_URL", "BC_GATEWAY_SERVER_NAME", "BC_HEALTH_LISTEN", "BC_SERVER", "BC_PINS_FILE",
+	"BC_SERVING_CA_PIN", "BC_JOIN_SIGNING_PIN", "BC_JOIN_ENCRYPTION_PIN", "BC_COMMAND_SIGNING_PIN", "BC_JOIN_KEYS_DIR",
+	"BC_INSECURE_TRUST_SERVER_PINS"}
+
+func clearEnv(t *testing.T) {
+	for _, k := range envVars {
 		t.Setenv(k, "")
 	}
-	cfg, err := parseConfig(nil)
+}
+
+func TestParseConfigDefaults(t *testing.T) {
+	clearEnv(t)
+	cfg, err := parseConfig(nil, false)
 	require.NoError(t, err)
-	require.Equal(t, "http://joinservice:8081", cfg.JoinURL)
+	require.Empty(t, cfg.JoinURL, "the Runner defaults it: from the well-known document, else joinservice")
+	require.Empty(t, cfg.Server)
+	require.Equal(t, pki.Pins{}, cfg.Pins)
+	require.False(t, cfg.InsecureTrustServerPins)
+	require.False(t, cfg.JoinOnly)
 	require.Equal(t, "/var/lib/fakedaemon", cfg.DataDir)
 	require.Equal(t, "hgx-h100", cfg.Variant)
 	require.Equal(t, 1, cfg.Nodes)
@@ -22,6 +41,7 @@ func TestParseConfigDefaults(t *testing.T) {
 }
 
 func TestParseConfigEnvAndFlags(t *testing.T) {
+	clearEnv(t)
 	t.Setenv("BC_JOIN_URL", "http://j:1")
 	t.Setenv("BC_JOIN_TOKEN_FILE", "/tok")
 	t.Setenv("BC_JOIN_TOKEN", "bcjt_x")
@@ -32,9 +52,11 @@ func TestParseConfigEnvAndFlags(t *testing.T) {
 	t.Setenv("BC_GATEWAY_URL", "https://g:8443")
 	t.Setenv("BC_GATEWAY_SERVER_NAME", "gw")
 	t.Setenv("BC_HEALTH_LISTEN", "127.0.0.1:9999")
-	cfg, err := parseConfig([]string{"--nodes", "8", "--variant", "cpu", "--health-listen="})
+	t.Setenv("BC_SERVER", "http://api:8080")
+	cfg, err := parseConfig([]string{"--nodes", "8", "--variant", "cpu", "--health-listen="}, false)
 	require.NoError(t, err)
 	require.Equal(t, "http://j:1", cfg.JoinURL)
+	require.Equal(t, "http://api:8080", cfg.Server)
 	require.Equal(t, "/tok", cfg.TokenFile)
 	require.Equal(t, "bcjt_x", cfg.Token)
 	require.Equal(t, 5*time.Second, cfg.TokenWait)
@@ -46,14 +68,67 @@ func TestParseConfigEnvAndFlags(t *testing.T) {
 	require.Empty(t, cfg.HealthListen, "an empty --health-listen turns the server off")
 }
 
+// TestParseConfigPinsAndKeys: pins come from the pins file, each flag
+// (or its variable) overriding the file's; the join keys from a directory.
+func TestParseConfigPinsAndKeys(t *testing.T) {
+	clearEnv(t)
+	dir := t.TempDir()
+	_, err := pki.Init(dir, pki.InitOptions{}, clock.New().Now())
+	require.NoError(t, err)
+	filePins, err := pki.ReadPins(dir)
+	require.NoError(t, err)
+	otherPin := pki.PinOfSPKI([]byte("another key"))
+	t.Setenv("BC_COMMAND_SIGNING_PIN", otherPin)
+	cfg, err := parseConfig([]string{"--pins-file", filepath.Join(dir, pki.PinsJSON), "--serving-ca-pin", otherPin,
+		"--join-keys-dir", dir}, false)
+	require.NoError(t, err)
+	want := filePins
+	want.ServingCA, want.CommandSigning = otherPin, otherPin
+	require.Equal(t, want, cfg.Pins)
+	enc, sig, err := pki.ReadJoinPublicKeys(dir)
+	require.NoError(t, err)
+	require.Equal(t, enc, cfg.JoinEncryptionKey)
+	require.Equal(t, sig, cfg.JoinSigningKey)
+}
+
+func TestParseConfigJoin(t *testing.T) {
+	clearEnv(t)
+	t.Setenv("BC_INSECURE_TRUST_SERVER_PINS", "true")
+	cfg, err := parseConfig([]string{"--server", "http://127.0.0.1:8080"}, true)
+	require.NoError(t, err)
+	require.True(t, cfg.JoinOnly)
+	require.True(t, cfg.InsecureTrustServerPins)
+	require.Empty(t, cfg.HealthListen, "joining only serves no health endpoint")
+}
+
 func TestParseConfigErrors(t *testing.T) {
-	t.Setenv("BC_NODES", "")
-	t.Setenv("BC_JOIN_TOKEN_WAIT", "")
-	_, err := parseConfig([]string{"--nodes", "0"})
+	clearEnv(t)
+	_, err := parseConfig([]string{"--nodes", "0"}, false)
 	require.ErrorContains(t, err, "--nodes must be at least 1")
-	_, err = parseConfig([]string{"extra"})
+	_, err = parseConfig([]string{"extra"}, false)
 	require.ErrorContains(t, err, `unexpected argument "extra"`)
+	_, err = parseConfig([]string{"--join-signing-pin", "sha1/abc"}, false)
+	require.ErrorContains(t, err, `--join-signing-pin: pin "sha1/abc" does not start with "sha256/"`)
+	_, err = parseConfig([]string{"--pins-file", filepath.Join(t.TempDir(), "missing.json")}, false)
+	require.ErrorContains(t, err, "--pins-file")
+	_, err = parseConfig([]string{"--join-keys-dir", t.TempDir()}, false)
+	require.ErrorContains(t, err, "--join-keys-dir")
+	_, err = parseConfig([]string{"--insecure-trust-server-pins"}, true)
+	require.ErrorContains(t, err, "--insecure-trust-server-pins needs --server")
 	t.Setenv("BC_NODES", "many")
-	_, err = parseConfig(nil)
+	_, err = parseConfig(nil, false)
 	require.ErrorContains(t, err, "BC_NODES")
+}
+
+func TestRunJoinRefusesWithoutPins(t *testing.T) {
+	clearEnv(t)
+	t.Setenv("BC_JOIN_TOKEN", "bcjt_x")
+	cfg, err := parseConfig([]string{"--server", "http://127.0.0.1:1", "--data-dir", t.TempDir()}, true)
+	require.NoError(t, err)
+	var out bytes.Buffer
+	err = run(cfg, &out)
+	require.ErrorContains(t, err, "refusing to join a deployment it cannot authenticate")
+	require.Empty(t, out.String())
+	_, statErr := os.Stat(filepath.Join(cfg.DataDir, "0", "node.json"))
+	require.ErrorIs(t, statErr, os.ErrNotExist)
 }

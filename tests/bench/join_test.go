@@ -130,7 +130,7 @@ func BenchmarkJoinToAdoption(b *testing.B) {
 		ctx, cancel := context.WithCancel(context.Background())
 		start := clk.Now()
 		r, err := fakedaemon.Start(ctx, fakedaemon.Config{
-			JoinURL: st.JoinURL, Token: res.JoinToken, DataDir: b.TempDir(), Nodes: n, JoinConcurrency: 32,
+			Server: st.APIURL, Pins: st.Pins, Token: res.JoinToken, DataDir: b.TempDir(), Nodes: n, JoinConcurrency: 32,
 		}, fakedaemon.Deps{})
 		require.NoError(b, err)
 		b.Cleanup(func() {

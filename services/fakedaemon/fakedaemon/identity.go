@@ -2,6 +2,7 @@ package fakedaemon
 
 import (
 	"crypto"
+	"crypto/ed25519"
 	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
@@ -63,13 +64,25 @@ type Identity struct {
 	// when the response had none).
 	NodeCAPEM string `json:"node_ca_pem,omitempty"`
 	// ServingCAPEM is the CA of gateway serving certificates (PEM), the only
-	// root the node trusts for its Session.
+	// root the node trusts for its Session. It matched the servingCa pin at
+	// Join.
 	ServingCAPEM string `json:"serving_ca_pem"`
+	// CommandSigningRoot is the command-signing root of the JoinResponse's
+	// trust (DER SubjectPublicKeyInfo of an Ed25519 key; base64 in JSON),
+	// empty when the deployment does not sign intent. When set, the node
+	// refuses unsigned or wrongly signed commands and specs.
+	CommandSigningRoot []byte `json:"command_signing_root,omitempty"`
 
-	key       crypto.Signer
-	cert      *x509.Certificate
-	servingCA *x509.Certificate
+	key         crypto.Signer
+	cert        *x509.Certificate
+	servingCA   *x509.Certificate
+	commandRoot ed25519.PublicKey
 }
+
+// CommandSigningKey returns the command-signing root the node checks intent
+// against (parsed CommandSigningRoot), or nil when the deployment does not
+// sign intent.
+func (id *Identity) CommandSigningKey() ed25519.PublicKey { return id.commandRoot }
 
 // newMachineID returns a fresh machine id: 32 random hex characters.
 func newMachineID() (string, error) {
@@ -105,6 +118,11 @@ func loadIdentity(dir string) (*Identity, error) {
 	}
 	if id.servingCA, err = pki.ParseCertPEM([]byte(id.ServingCAPEM)); err != nil {
 		return nil, fmt.Errorf("%s: serving_ca_pem: %w", NodeFile, err)
+	}
+	if len(id.CommandSigningRoot) > 0 {
+		if id.commandRoot, err = pki.ParseEd25519SPKI(id.CommandSigningRoot); err != nil {
+			return nil, fmt.Errorf("%s: command_signing_root: %w", NodeFile, err)
+		}
 	}
 	return &id, nil
 }

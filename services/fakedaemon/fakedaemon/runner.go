@@ -4,6 +4,12 @@
 // Session to the gateway (HTTP/2, mutual TLS with its node certificate), on
 // fake hardware (pkg/fakehw).
 //
+// Joining is the real daemon's: the token is sealed to JoinService's HPKE key
+// and bound to the CSR (never sent in clear), and the JoinResponse is used
+// only after pki.CheckJoinResponse accepted it: signed by the pinned join
+// signing key, its serving CA matching the servingCa pin, its
+// command-signing root matching the commandSigning pin (jointrust.go).
+//
 // The Runner owns every goroutine and all I/O; the protocol logic lives in
 // daemon.Agent, the same code the fleet simulator drives on a virtual clock.
 // Each machine costs two goroutines of its own (its loop and the reader of
@@ -42,10 +48,10 @@ import (
 	"connectrpc.com/connect"
 	"golang.org/x/sync/errgroup"
 
-	"github.com/better-compute/better-compute/api/gen/bc/join/v1/joinv1connect"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/daemon"
 	"github.com/better-compute/better-compute/pkg/fakehw"
+	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/service"
 )
 
@@ -62,11 +68,35 @@ const (
 )
 
 // Config configures a Runner. Zero fields take the defaults named.
+//
+// To join, a machine needs JoinService's public keys and the pins to check
+// them and the signed JoinResponse against: the keys come from Server's
+// well-known document or from JoinEncryptionKey and JoinSigningKey; the
+// pins from Pins (servingCa, joinSigning and joinEncryption are required;
+// commandSigning is checked when given). A machine that has joined before
+// needs none of this.
 type Config struct {
-	// JoinURL is JoinService's base URL (default http://joinservice:8081).
+	// Server is the deployment's public API base URL: its well-known document
+	// (pki.WellKnownPath) gives the join URL, the gateway and JoinService's
+	// public keys, each checked against Pins before use.
+	Server string
+	// Pins are the deployment's pins (pki.Pins, as `pki init` writes them in
+	// pins.json).
+	Pins pki.Pins
+	// InsecureTrustServerPins takes the pins from Server's well-known
+	// document itself instead of Pins (trust on first use): whoever answers
+	// for Server then chooses the keys this machine trusts. For development
+	// only; it is logged as a warning.
+	InsecureTrustServerPins bool
+	// JoinEncryptionKey and JoinSigningKey are JoinService's public keys
+	// (DER SubjectPublicKeyInfo), used when Server is empty; they are
+	// checked against Pins too.
+	JoinEncryptionKey, JoinSigningKey []byte
+	// JoinURL is JoinService's base URL (default: the well-known document's
+	// joinUrl with Server, else http://joinservice:8081).
 	JoinURL string
 	// Token is the join token in clear text ("bcjt_…"); it wins over
-	// TokenFile.
+	// TokenFile. It is only ever sent sealed to JoinService's key.
 	Token string
 	// TokenFile is a file holding the join token, waited for up to
 	// TokenWait (compose's bootstrap writes it).
@@ -100,10 +130,14 @@ type Config struct {
 	JoinBackoffMin, JoinBackoffMax time.Duration
 	// JoinConcurrency caps Joins in flight (default 16).
 	JoinConcurrency int
+	// JoinOnly makes Run return once every machine has joined (or had
+	// joined before), without opening sessions or the health server
+	// (`fakedaemon join`).
+	JoinOnly bool
 }
 
 func (c *Config) setDefaults() {
-	if c.JoinURL == "" {
+	if c.JoinURL == "" && c.Server == "" {
 		c.JoinURL = DefaultJoinURL
 	}
 	if c.TokenWait <= 0 {
@@ -138,8 +172,8 @@ type Deps struct {
 	Logger *slog.Logger
 	// Clock times backoff, token waits and the daemon cores (default real).
 	Clock clock.Clock
-	// JoinHTTPClient calls JoinService (default: a client with a 30 s
-	// timeout).
+	// JoinHTTPClient calls JoinService and fetches the well-known document
+	// (default: a client with a 30 s timeout).
 	JoinHTTPClient *http.Client
 	// HealthListener, when set, serves /healthz instead of listening on
 	// Config.HealthListen (tests pass a listener on a free port).
@@ -152,7 +186,7 @@ type Runner struct {
 	cfg        Config
 	log        *slog.Logger
 	clk        clock.Clock
-	join       joinv1connect.JoinServiceClient
+	httpClient *http.Client // calls JoinService and fetches the well-known document
 	clientOpts []connect.ClientOption
 	joinSem    chan struct{}
 	machines   []*Machine
@@ -161,15 +195,25 @@ type Runner struct {
 	tokenMu sync.Mutex
 	token   string
 
+	trustMu sync.Mutex
+	trust   *joinTrust // resolved once for all machines (jointrust.go)
+
 	done chan struct{}
 	err  error
 }
 
 // New validates cfg and returns a Runner. It fails for an unknown variant
-// (naming the valid ones) or a negative node count.
+// (naming the valid ones), a negative node count, a malformed pin, or
+// InsecureTrustServerPins without Server.
 func New(cfg Config, deps Deps) (*Runner, error) {
 	if cfg.Nodes < 0 {
 		return nil, fmt.Errorf("nodes must be at least 1, got %d", cfg.Nodes)
+	}
+	if err := cfg.Pins.Validate(); err != nil {
+		return nil, fmt.Errorf("pins: %w", err)
+	}
+	if cfg.InsecureTrustServerPins && cfg.Server == "" {
+		return nil, errors.New("trusting the server's pins needs a server (--server)")
 	}
 	cfg.setDefaults()
 	if _, err := fakehw.New(cfg.Variant, "check"); err != nil {
@@ -188,12 +232,12 @@ func New(cfg Config, deps Deps) (*Runner, error) {
 		cfg:        cfg,
 		log:        deps.Logger,
 		clk:        deps.Clock,
+		httpClient: deps.JoinHTTPClient,
 		clientOpts: service.ClientOptions(),
 		joinSem:    make(chan struct{}, cfg.JoinConcurrency),
 		healthLn:   deps.HealthListener,
 		done:       make(chan struct{}),
 	}
-	r.join = joinv1connect.NewJoinServiceClient(deps.JoinHTTPClient, strings.TrimRight(cfg.JoinURL, "/"), r.clientOpts...)
 	for i := range cfg.Nodes {
 		r.machines = append(r.machines, &Machine{
 			r:     r,
@@ -230,7 +274,7 @@ func (r *Runner) Run(ctx context.Context) error {
 	for _, m := range r.machines {
 		g.Go(func() error { return m.run(gctx) })
 	}
-	if r.cfg.HealthListen != "" || r.healthLn != nil {
+	if !r.cfg.JoinOnly && (r.cfg.HealthListen != "" || r.healthLn != nil) {
 		mux := http.NewServeMux()
 		mux.Handle("/healthz", r.HealthHandler())
 		srv := service.NewServer(r.cfg.HealthListen, mux)

@@ -1,27 +1,41 @@
-// Package joinservice turns join tokens and CSRs into node identities: it
-// serves bc.join.v1.JoinService/Join over Connect (HTTP/1.1 and h2c) and
-// GET /healthz on one mux.
+// Package joinservice turns sealed join tokens and CSRs into node
+// identities: it serves bc.join.v1.JoinService/Join over Connect (HTTP/1.1
+// and h2c) and GET /healthz on one mux.
 //
-// A join counts one use of the token, creates the node (provision state
-// joining, with the machine's claims), records the certificate it signs with
-// the node CA and enqueues a poke for the controllers, all in one
-// transaction: a refused or failed join consumes nothing.
+// A join is checked in two steps. decodeJoinRequest needs no database: it
+// validates the request (protovalidate), parses the CSR and checks its
+// signature, and opens the sealed token with JoinService's HPKE key (RFC
+// 9180) and SHA-256 of the CSR's DER as associated data, so a token sealed to
+// another deployment, tampered with, or replayed with another CSR is refused
+// there. Then one transaction (shared by concurrent joins, see batcher)
+// counts one use of the token, creates the node (provision state joining,
+// with the machine's claims), records the certificate signed with the node CA
+// and enqueues a poke for the controllers: a refused or failed join consumes
+// nothing. Every JoinResponse is signed with the join signing key
+// (pki.SignJoinResponse); with Config.SignedIntent it carries the
+// command-signing root in trust.command_signing_root.
 //
-// To extend it (sealed tokens, signed responses), keep that rule: every check
-// that can refuse happens before or inside the one transaction.
+// To extend it, keep those rules: every check that can refuse happens in
+// decodeJoinRequest or inside the one transaction, and nothing reaches the
+// daemon unsigned.
 package joinservice
 
 import (
 	"context"
+	"crypto/ecdh"
+	"crypto/ed25519"
 	"crypto/x509"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
 	"path/filepath"
+	"strconv"
 	"time"
 
+	"buf.build/go/protovalidate"
 	"connectrpc.com/connect"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -49,8 +63,9 @@ const (
 type Config struct {
 	// Listen is the address of the Connect and health endpoints (BC_LISTEN).
 	Listen string
-	// PKIDir holds node-ca.crt/key, serving-ca.crt and trust-domain
-	// (BC_PKI_DIR).
+	// PKIDir holds node-ca.crt/key, serving-ca.crt, trust-domain,
+	// join-encryption.key, join-signing.key and, with SignedIntent,
+	// command-signing.pub (BC_PKI_DIR).
 	PKIDir string
 	// NodeCertTTL is how long issued node certificates are valid
 	// (BC_NODE_CERT_TTL, Go duration).
@@ -62,11 +77,19 @@ type Config struct {
 	GatewayServerName string
 	// TrustDomain overrides PKIDir/trust-domain when set (BC_TRUST_DOMAIN).
 	TrustDomain string
+	// SignedIntent puts the command-signing root (PKIDir/command-signing.pub)
+	// into every JoinResponse's trust.command_signing_root, so daemons refuse
+	// unsigned commands and specs (BC_SIGNED_INTENT=true).
+	SignedIntent bool
 }
 
 // ConfigFromEnv reads Config from the environment, with the defaults above.
 func ConfigFromEnv() (Config, error) {
 	ttl, err := service.EnvDuration("BC_NODE_CERT_TTL", DefaultNodeCertTTL)
+	if err != nil {
+		return Config{}, err
+	}
+	signed, err := envBool("BC_SIGNED_INTENT")
 	if err != nil {
 		return Config{}, err
 	}
@@ -77,7 +100,21 @@ func ConfigFromEnv() (Config, error) {
 		GatewayURL:        service.Env("BC_GATEWAY_URL", DefaultGatewayURL),
 		GatewayServerName: service.Env("BC_GATEWAY_SERVER_NAME", DefaultGatewayServerName),
 		TrustDomain:       service.Env("BC_TRUST_DOMAIN", ""),
+		SignedIntent:      signed,
 	}, nil
+}
+
+// envBool reads a boolean environment variable ("" is false).
+func envBool(key string) (bool, error) {
+	v := os.Getenv(key)
+	if v == "" {
+		return false, nil
+	}
+	b, err := strconv.ParseBool(v)
+	if err != nil {
+		return false, fmt.Errorf("%s: %q is not true or false", key, v)
+	}
+	return b, nil
 }
 
 // Deps are JoinService's collaborators.
@@ -94,15 +131,22 @@ type Server struct {
 	nodeCA      *pki.CA
 	servingCA   *x509.Certificate
 	trustDomain string
+	// joinKey opens sealed tokens; signKey signs JoinResponses.
+	joinKey *ecdh.PrivateKey
+	signKey ed25519.PrivateKey
+	// commandRoot is the command-signing root's DER SubjectPublicKeyInfo
+	// (SignedIntent), nil otherwise.
+	commandRoot []byte
 	// batch records joins in shared transactions.
 	batch *batcher
 }
 
 var _ joinv1connect.JoinServiceHandler = (*Server)(nil)
 
-// New loads the node CA, the serving CA and the trust domain from
-// cfg.PKIDir and returns a Server. Errors name the file that is missing or
-// broken.
+// New loads the node CA, the serving CA, the trust domain, the join
+// encryption and signing keys and (with SignedIntent) the command-signing
+// root from cfg.PKIDir and returns a Server. Errors name the file that is
+// missing or broken.
 func New(cfg Config, deps Deps) (*Server, error) {
 	if deps.DB == nil {
 		return nil, errors.New("joinservice: no database")
@@ -140,8 +184,28 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if td == "" {
 		td = pki.DefaultTrustDomain
 	}
+	joinKey, err := pki.LoadJoinEncryptionKey(filepath.Join(cfg.PKIDir, pki.JoinEncryptionKey))
+	if err != nil {
+		return nil, fmt.Errorf("load join encryption key: %w", err)
+	}
+	signKey, err := pki.LoadSigningKey(filepath.Join(cfg.PKIDir, pki.JoinSigningKey))
+	if err != nil {
+		return nil, fmt.Errorf("load join signing key: %w", err)
+	}
+	var commandRoot []byte
+	if cfg.SignedIntent {
+		path := filepath.Join(cfg.PKIDir, pki.CommandSigningPub)
+		pub, der, err := pki.LoadPublicKey(path)
+		if err != nil {
+			return nil, fmt.Errorf("load command-signing root: %w", err)
+		}
+		if _, ok := pub.(ed25519.PublicKey); !ok {
+			return nil, fmt.Errorf("load command-signing root: %s: not an Ed25519 key", path)
+		}
+		commandRoot = der
+	}
 	return &Server{cfg: cfg, db: deps.DB, logger: deps.Logger, nodeCA: nodeCA, servingCA: servingCA, trustDomain: td,
-		batch: &batcher{db: deps.DB}}, nil
+		joinKey: joinKey, signKey: signKey, commandRoot: commandRoot, batch: &batcher{db: deps.DB}}, nil
 }
 
 // Handler returns the mux: JoinService's Connect handler and GET /healthz
@@ -163,28 +227,23 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 
 // Join implements bc.join.v1.JoinService/Join; see the proto for errors.
 func (s *Server) Join(ctx context.Context, req *connect.Request[joinv1.JoinRequest]) (*connect.Response[joinv1.JoinResponse], error) {
-	msg := req.Msg
-	if _, ok := msg.GetCredential().(*joinv1.JoinRequest_SealedToken); ok {
-		return nil, connect.NewError(connect.CodeUnimplemented,
-			errors.New("sealed_token is not supported yet: send the token in clear text (token)"))
-	}
-	csr, err := pki.ParseCSR(msg.GetCsrDer())
+	in, err := decodeJoinRequest(s.joinKey, req.Msg)
 	if err != nil {
-		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("csr_der: %w", err))
+		s.logger.InfoContext(ctx, "join refused", "reason", err.Error())
+		return nil, err
 	}
-	hash := iam.HashSecret(msg.GetToken())
-	claims := msg.GetClaims()
+	claims := req.Msg.GetClaims()
 
 	// The node and its certificate are made before the token is checked:
 	// signing needs no lock, and both are dropped unsent if it is refused.
 	now := s.db.Now()
 	nodeID := ids.New(ids.Node, now)
-	cert, err := s.nodeCA.IssueNode(csr, nodeID, s.trustDomain, now, s.cfg.NodeCertTTL)
+	cert, err := s.nodeCA.IssueNode(in.csr, nodeID, s.trustDomain, now, s.cfg.NodeCertTTL)
 	if err != nil {
 		return nil, s.mapError(ctx, err)
 	}
 	res := s.batch.do(ctx, &joinReq{
-		hash: hash,
+		hash: in.tokenHash,
 		cert: cert,
 		node: store.NewNode{
 			ID: nodeID, Hostname: claims.GetHostname(), MachineID: claims.GetMachineId(),
@@ -195,9 +254,7 @@ func (s *Server) Join(ctx context.Context, req *connect.Request[joinv1.JoinReque
 	if err != nil {
 		return nil, s.mapError(ctx, err)
 	}
-	s.logger.InfoContext(ctx, "node joined", telemetry.KeyNodeID, nodeID, telemetry.KeyPoolID, token.PoolID,
-		"join_token.id", token.ID, "join_token.uses", token.Uses, "hostname", claims.GetHostname())
-	return connect.NewResponse(&joinv1.JoinResponse{
+	resp := &joinv1.JoinResponse{
 		NodeId:            nodeID,
 		CertificateDer:    cert.Raw,
 		NodeCaDer:         s.nodeCA.Cert.Raw,
@@ -207,7 +264,47 @@ func (s *Server) Join(ctx context.Context, req *connect.Request[joinv1.JoinReque
 		TrustDomain:       s.trustDomain,
 		NotAfter:          timestamppb.New(cert.NotAfter),
 		PoolId:            token.PoolID,
-	}), nil
+	}
+	if s.commandRoot != nil {
+		resp.Trust = &joinv1.Trust{CommandSigningRoot: s.commandRoot}
+	}
+	// The join is recorded: a signing failure (which only a broken key can
+	// cause) leaves a node that never connects, as a lost response would.
+	if err := pki.SignJoinResponse(s.signKey, resp); err != nil {
+		return nil, connect.NewError(connect.CodeInternal, err)
+	}
+	s.logger.InfoContext(ctx, "node joined", telemetry.KeyNodeID, nodeID, telemetry.KeyPoolID, token.PoolID,
+		"join_token.id", token.ID, "join_token.uses", token.Uses, "hostname", claims.GetHostname())
+	return connect.NewResponse(resp), nil
+}
+
+// joinInput is what decodeJoinRequest took from a JoinRequest.
+type joinInput struct {
+	// csr is the parsed CSR, its signature checked.
+	csr *x509.CertificateRequest
+	// tokenHash is iam.HashSecret of the opened token.
+	tokenHash []byte
+}
+
+// decodeJoinRequest runs every check of a JoinRequest that needs no
+// database, cheapest first: protovalidate (InvalidArgument naming the field),
+// the CSR (InvalidArgument "csr_der: …": not DER PKCS#10, or not signed by
+// its key), then the sealed token, opened with key and bound to the CSR's
+// DER (Unauthenticated "sealed_token cannot be opened…"). Every error is a
+// *connect.Error; it never panics, whatever msg holds.
+func decodeJoinRequest(key *ecdh.PrivateKey, msg *joinv1.JoinRequest) (joinInput, error) {
+	if err := protovalidate.Validate(msg); err != nil {
+		return joinInput{}, connect.NewError(connect.CodeInvalidArgument, err)
+	}
+	csr, err := pki.ParseCSR(msg.GetCsrDer())
+	if err != nil {
+		return joinInput{}, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("csr_der: %w", err))
+	}
+	token, err := pki.OpenJoinToken(key, msg.GetSealedToken(), msg.GetCsrDer())
+	if err != nil {
+		return joinInput{}, connect.NewError(connect.CodeUnauthenticated, pki.ErrSealOpen)
+	}
+	return joinInput{csr: csr, tokenHash: iam.HashSecret(token)}, nil
 }
 
 // mapError turns store errors into Connect errors with messages fit for

@@ -2,12 +2,16 @@ package joinservice_test
 
 import (
 	"context"
+	"crypto/ecdh"
 	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/asn1"
 	"encoding/json"
 	"fmt"
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -51,9 +55,17 @@ type fixture struct {
 	poolID string
 	client joinv1connect.JoinServiceClient
 	url    string
+	// joinKey is JoinService's HPKE public key, pins the deployment's pins
+	// and signSPKI the join signing key: what a daemon joins with.
+	joinKey  *ecdh.PublicKey
+	pins     pki.Pins
+	signSPKI []byte
 }
 
-func setup(t *testing.T) *fixture {
+func setup(t *testing.T) *fixture { return setupWith(t, nil) }
+
+// setupWith is setup with edit applied to JoinService's Config.
+func setupWith(t *testing.T, edit func(*joinservice.Config)) *fixture {
 	t.Helper()
 	db := storetest.New(t, clock.New())
 	ctx := t.Context()
@@ -63,6 +75,13 @@ func setup(t *testing.T) *fixture {
 	require.NoError(t, err)
 	f.nodeCA, err = pki.LoadCA(f.pkiDir+"/"+pki.NodeCACert, f.pkiDir+"/"+pki.NodeCAKey)
 	require.NoError(t, err)
+	f.pins, err = pki.ReadPins(f.pkiDir)
+	require.NoError(t, err)
+	encSPKI, signSPKI, err := pki.ReadJoinPublicKeys(f.pkiDir)
+	require.NoError(t, err)
+	keys, err := pki.CheckJoinKeys(f.pins, encSPKI, signSPKI)
+	require.NoError(t, err)
+	f.joinKey, f.signSPKI = keys.Encryption, keys.SigningSPKI
 
 	tenant := store.Tenant{ID: ids.New(ids.Tenant, now), Name: "root", CreatedAt: now}
 	require.NoError(t, store.CreateTenant(ctx, db.Pool, tenant))
@@ -72,8 +91,11 @@ func setup(t *testing.T) *fixture {
 	require.NoError(t, store.CreatePool(ctx, db.Pool, store.Pool{ID: f.poolID, SiteID: site.ID,
 		OwnerTenantID: tenant.ID, Name: "metal-host", Kind: "metal-host", CreatedAt: now}))
 
-	srv, err := joinservice.New(joinservice.Config{PKIDir: f.pkiDir, GatewayURL: "https://gw.example:8443",
-		GatewayServerName: "gw.example"}, joinservice.Deps{DB: db, Logger: telemetry.Discard()})
+	cfg := joinservice.Config{PKIDir: f.pkiDir, GatewayURL: "https://gw.example:8443", GatewayServerName: "gw.example"}
+	if edit != nil {
+		edit(&cfg)
+	}
+	srv, err := joinservice.New(cfg, joinservice.Deps{DB: db, Logger: telemetry.Discard()})
 	require.NoError(t, err)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
@@ -112,6 +134,43 @@ func newCSR(t *testing.T) []byte {
 	require.NoError(t, err)
 	der, err := pki.NewCSR(key, "machine")
 	require.NoError(t, err)
+	return der
+}
+
+// seal seals token to the fixture's JoinService, bound to csr.
+func (f *fixture) seal(t *testing.T, token string, csr []byte) []byte {
+	t.Helper()
+	sealed, err := pki.SealJoinToken(f.joinKey, token, csr)
+	require.NoError(t, err)
+	return sealed
+}
+
+// request returns a JoinRequest with a new CSR and token sealed to it.
+func (f *fixture) request(t *testing.T, token string, claims *joinv1.Claims) *joinv1.JoinRequest {
+	t.Helper()
+	csr := newCSR(t)
+	return &joinv1.JoinRequest{SealedToken: f.seal(t, token, csr), CsrDer: csr, Claims: claims}
+}
+
+// mismatchedCSR returns a CSR whose signature was made by another key than
+// the one it carries: the request of one key with the signature of another.
+func mismatchedCSR(t *testing.T) []byte {
+	t.Helper()
+	type certificationRequest struct {
+		TBS       asn1.RawValue
+		Algorithm pkix.AlgorithmIdentifier
+		Signature asn1.BitString
+	}
+	var a, b certificationRequest
+	_, err := asn1.Unmarshal(newCSR(t), &a)
+	require.NoError(t, err)
+	_, err = asn1.Unmarshal(newCSR(t), &b)
+	require.NoError(t, err)
+	a.Signature = b.Signature
+	der, err := asn1.Marshal(a)
+	require.NoError(t, err)
+	_, err = x509.ParseCertificateRequest(der)
+	require.NoError(t, err, "it still parses: only the signature is wrong")
 	return der
 }
 
@@ -157,13 +216,15 @@ func TestJoin(t *testing.T) {
 	tokenID, secret := f.token(t, 5, f.db.Now().Add(time.Hour))
 	before := f.db.Now()
 
-	res, err := f.client.Join(ctx, connect.NewRequest(&joinv1.JoinRequest{
-		Credential: &joinv1.JoinRequest_Token{Token: secret},
-		CsrDer:     newCSR(t),
-		Claims:     &joinv1.Claims{Hostname: "gpu-01", MachineId: "m-01", AgentVersion: "bcd/1.0", Variant: "hgx-h100"},
-	}))
+	res, err := f.client.Join(ctx, connect.NewRequest(f.request(t, secret,
+		&joinv1.Claims{Hostname: "gpu-01", MachineId: "m-01", AgentVersion: "bcd/1.0", Variant: "hgx-h100"})))
 	require.NoError(t, err)
 	msg := res.Msg
+	// Signed with the pinned key, as the daemon checks it; no signed intent.
+	verified, err := pki.CheckJoinResponse(msg, f.pins, f.signSPKI)
+	require.NoError(t, err)
+	require.Nil(t, verified.CommandSigningRoot)
+	require.Nil(t, msg.Trust)
 	require.NoError(t, ids.Check(ids.Node, msg.NodeId))
 	require.Equal(t, f.poolID, msg.PoolId)
 	require.Equal(t, "https://gw.example:8443", msg.GatewayUrl)
@@ -216,12 +277,15 @@ func TestJoin(t *testing.T) {
 	require.NoError(t, resp.Body.Close())
 }
 
+// TestJoinRefusals is the table of bad joins: each is refused with its own
+// code and message, and consumes nothing (no use counted, no node,
+// certificate or poke written).
 func TestJoinRefusals(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
 	ctx := t.Context()
 	now := f.db.Now()
-	_, good := f.token(t, 5, now.Add(time.Hour))
+	goodID, good := f.token(t, 5, now.Add(time.Hour))
 	_, expired := f.token(t, 5, now.Add(-time.Minute))
 	revokedID, revoked := f.token(t, 5, now.Add(time.Hour))
 	_, err := store.RevokeJoinToken(ctx, f.db.Pool, revokedID, now)
@@ -232,10 +296,21 @@ func TestJoinRefusals(t *testing.T) {
 	expiredTok, err := store.GetJoinTokenByHash(ctx, f.db.Pool, iam.HashSecret(expired))
 	require.NoError(t, err)
 
-	csr := newCSR(t)
-	tampered := append([]byte(nil), csr...)
-	tampered[len(tampered)-1] ^= 0xff
-	tok := func(s string) *joinv1.JoinRequest_Token { return &joinv1.JoinRequest_Token{Token: s} }
+	// Another deployment's join key: what a token sealed for the wrong
+	// deployment (or by a daemon pinned to it) carries.
+	otherKey, err := pki.GenerateJoinEncryptionKey()
+	require.NoError(t, err)
+	sealedTo := func(k *ecdh.PublicKey, token string, csr []byte) []byte {
+		b, err := pki.SealJoinToken(k, token, csr)
+		require.NoError(t, err)
+		return b
+	}
+	csr, otherCSR := newCSR(t), newCSR(t)
+	sealed := func(token string) []byte { return f.seal(t, token, csr) }
+	tampered := sealed(good)
+	tampered[len(tampered)-1] ^= 0x01
+	mismatched := mismatchedCSR(t)
+	const sealMsg = "sealed_token cannot be opened: it is not sealed to this deployment's join key or not bound to this CSR"
 
 	for _, tc := range []struct {
 		name string
@@ -243,26 +318,30 @@ func TestJoinRefusals(t *testing.T) {
 		code connect.Code
 		msg  string
 	}{
-		{"unknown token", &joinv1.JoinRequest{Credential: tok("bcjt_unknown-token"), CsrDer: csr},
+		{"unknown token", &joinv1.JoinRequest{SealedToken: sealed("bcjt_unknown-token"), CsrDer: csr},
 			connect.CodeUnauthenticated, "join token is not valid"},
-		{"expired", &joinv1.JoinRequest{Credential: tok(expired), CsrDer: csr},
+		{"expired token", &joinv1.JoinRequest{SealedToken: sealed(expired), CsrDer: csr},
 			connect.CodeFailedPrecondition, "join token expired at " + expiredTok.ExpiresAt.UTC().Format(time.RFC3339)},
-		{"revoked", &joinv1.JoinRequest{Credential: tok(revoked), CsrDer: csr},
+		{"revoked token", &joinv1.JoinRequest{SealedToken: sealed(revoked), CsrDer: csr},
 			connect.CodeFailedPrecondition, "join token was revoked"},
-		{"used up", &joinv1.JoinRequest{Credential: tok(used), CsrDer: csr},
+		{"used-up token", &joinv1.JoinRequest{SealedToken: sealed(used), CsrDer: csr},
 			connect.CodeFailedPrecondition, "join token is used up (10 of 10 uses)"},
-		{"garbage csr", &joinv1.JoinRequest{Credential: tok(good), CsrDer: []byte("not a csr")},
-			connect.CodeInvalidArgument, "csr_der: csr is not a DER PKCS#10 request"},
-		{"csr not signed by its key", &joinv1.JoinRequest{Credential: tok(good), CsrDer: tampered},
+		{"sealed to another deployment's key", &joinv1.JoinRequest{SealedToken: sealedTo(otherKey.PublicKey(), good, csr), CsrDer: csr},
+			connect.CodeUnauthenticated, sealMsg},
+		{"sealed token replayed with another CSR", &joinv1.JoinRequest{SealedToken: sealed(good), CsrDer: otherCSR},
+			connect.CodeUnauthenticated, sealMsg},
+		{"sealed token tampered with", &joinv1.JoinRequest{SealedToken: tampered, CsrDer: csr},
+			connect.CodeUnauthenticated, sealMsg},
+		{"CSR whose key does not match its signature", &joinv1.JoinRequest{SealedToken: f.seal(t, good, mismatched), CsrDer: mismatched},
 			connect.CodeInvalidArgument, "csr_der: csr signature does not match its public key"},
-		{"no csr", &joinv1.JoinRequest{Credential: tok(good)},
+		{"garbage CSR", &joinv1.JoinRequest{SealedToken: f.seal(t, good, []byte("not a csr")), CsrDer: []byte("not a csr")},
+			connect.CodeInvalidArgument, "csr_der: csr is not a DER PKCS#10 request"},
+		{"no CSR", &joinv1.JoinRequest{SealedToken: sealed(good)},
 			connect.CodeInvalidArgument, "csr_der"},
-		{"no credential", &joinv1.JoinRequest{CsrDer: csr},
-			connect.CodeInvalidArgument, "credential"},
-		{"short token", &joinv1.JoinRequest{Credential: tok("bcjt_"), CsrDer: csr},
-			connect.CodeInvalidArgument, "token"},
-		{"sealed token", &joinv1.JoinRequest{Credential: &joinv1.JoinRequest_SealedToken{SealedToken: []byte("x")}, CsrDer: csr},
-			connect.CodeUnimplemented, "sealed_token is not supported yet"},
+		{"no sealed token", &joinv1.JoinRequest{CsrDer: csr},
+			connect.CodeInvalidArgument, "sealed_token"},
+		{"sealed token too short", &joinv1.JoinRequest{SealedToken: make([]byte, 48), CsrDer: csr},
+			connect.CodeInvalidArgument, "sealed_token"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := f.client.Join(ctx, connect.NewRequest(tc.req))
@@ -271,13 +350,39 @@ func TestJoinRefusals(t *testing.T) {
 			var cerr *connect.Error
 			require.ErrorAs(t, err, &cerr)
 			require.True(t, strings.Contains(cerr.Message(), tc.msg), "message %q should contain %q", cerr.Message(), tc.msg)
+			// Nothing was consumed.
+			require.Zero(t, f.count(t, `SELECT count(*) FROM nodes`))
+			require.Zero(t, f.count(t, `SELECT count(*) FROM node_certs`))
+			require.Zero(t, f.count(t, `SELECT count(*) FROM outbox`))
+			require.Equal(t, 10, f.count(t, `SELECT sum(uses) FROM join_tokens`), "only the used-up token's 10 uses")
 		})
 	}
-	// Nothing was consumed.
-	require.Zero(t, f.count(t, `SELECT count(*) FROM nodes`))
-	require.Zero(t, f.count(t, `SELECT count(*) FROM node_certs`))
-	require.Zero(t, f.count(t, `SELECT count(*) FROM outbox`))
-	require.Equal(t, 10, f.count(t, `SELECT sum(uses) FROM join_tokens`), "only the used-up token's 10 uses")
+	// The good token, refused only for how it was sent, still joins.
+	_, err = f.client.Join(ctx, connect.NewRequest(f.request(t, good, nil)))
+	require.NoError(t, err)
+	jt, err := store.GetJoinToken(ctx, f.db.Pool, goodID)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, jt.Uses)
+}
+
+// TestJoinSignedIntent: with SignedIntent, the response carries the
+// command-signing root, covered by the signature and matching its pin.
+func TestJoinSignedIntent(t *testing.T) {
+	t.Parallel()
+	f := setupWith(t, func(c *joinservice.Config) { c.SignedIntent = true })
+	_, secret := f.token(t, 1, f.db.Now().Add(time.Hour))
+	res, err := f.client.Join(t.Context(), connect.NewRequest(f.request(t, secret, nil)))
+	require.NoError(t, err)
+	_, root, err := pki.LoadPublicKey(filepath.Join(f.pkiDir, pki.CommandSigningPub))
+	require.NoError(t, err)
+	require.Equal(t, root, res.Msg.GetTrust().GetCommandSigningRoot())
+	v, err := pki.CheckJoinResponse(res.Msg, f.pins, f.signSPKI)
+	require.NoError(t, err)
+	require.NotNil(t, v.CommandSigningRoot)
+	// The root is signed: a response whose root was swapped is refused.
+	res.Msg.Trust.CommandSigningRoot = f.signSPKI
+	_, err = pki.CheckJoinResponse(res.Msg, pki.Pins{ServingCA: f.pins.ServingCA, JoinSigning: f.pins.JoinSigning}, f.signSPKI)
+	require.ErrorContains(t, err, "its signature does not verify")
 }
 
 func TestJoinRace(t *testing.T) {
@@ -290,10 +395,8 @@ func TestJoinRace(t *testing.T) {
 	errs := make([]error, 20)
 	for i := range errs {
 		wg.Go(func() {
-			_, errs[i] = f.client.Join(ctx, connect.NewRequest(&joinv1.JoinRequest{
-				Credential: &joinv1.JoinRequest_Token{Token: secret}, CsrDer: newCSR(t),
-				Claims: &joinv1.Claims{Hostname: fmt.Sprintf("gpu-%02d", i)},
-			}))
+			_, errs[i] = f.client.Join(ctx, connect.NewRequest(f.request(t, secret,
+				&joinv1.Claims{Hostname: fmt.Sprintf("gpu-%02d", i)})))
 		})
 	}
 	wg.Wait()
@@ -324,4 +427,37 @@ func TestNewNeedsPKI(t *testing.T) {
 	db := storetest.New(t, clock.New())
 	_, err := joinservice.New(joinservice.Config{PKIDir: t.TempDir()}, joinservice.Deps{DB: db})
 	require.ErrorContains(t, err, "load node CA")
+
+	for _, tc := range []struct {
+		file, want string
+		signed     bool
+	}{
+		{pki.JoinEncryptionKey, "load join encryption key", false},
+		{pki.JoinSigningKey, "load join signing key", false},
+		{pki.CommandSigningPub, "load command-signing root", true},
+	} {
+		dir := t.TempDir()
+		_, err := pki.Init(dir, pki.InitOptions{}, db.Now())
+		require.NoError(t, err)
+		_, err = joinservice.New(joinservice.Config{PKIDir: dir, SignedIntent: tc.signed}, joinservice.Deps{DB: db})
+		require.NoError(t, err)
+		require.NoError(t, os.Remove(filepath.Join(dir, tc.file)))
+		_, err = joinservice.New(joinservice.Config{PKIDir: dir, SignedIntent: tc.signed}, joinservice.Deps{DB: db})
+		require.ErrorContains(t, err, tc.want)
+		require.ErrorContains(t, err, filepath.Join(dir, tc.file), "the error names the file")
+	}
+}
+
+func TestConfigFromEnvSignedIntent(t *testing.T) {
+	t.Setenv("BC_SIGNED_INTENT", "true")
+	cfg, err := joinservice.ConfigFromEnv()
+	require.NoError(t, err)
+	require.True(t, cfg.SignedIntent)
+	t.Setenv("BC_SIGNED_INTENT", "")
+	cfg, err = joinservice.ConfigFromEnv()
+	require.NoError(t, err)
+	require.False(t, cfg.SignedIntent)
+	t.Setenv("BC_SIGNED_INTENT", "yes please")
+	_, err = joinservice.ConfigFromEnv()
+	require.ErrorContains(t, err, `BC_SIGNED_INTENT: "yes please" is not true or false`)
 }

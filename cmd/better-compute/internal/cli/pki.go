@@ -25,6 +25,10 @@ var pkiFiles = []struct {
 	{pki.NodeCACert, false}, {pki.NodeCAKey, true},
 	{pki.ServingCACert, false}, {pki.ServingCAKey, true},
 	{pki.GatewayCert, false}, {pki.GatewayKey, true},
+	{pki.JoinEncryptionPub, false}, {pki.JoinEncryptionKey, true},
+	{pki.JoinSigningPub, false}, {pki.JoinSigningKey, true},
+	{pki.CommandSigningPub, false}, {pki.CommandSigningKey, true},
+	{pki.PinsJSON, false},
 }
 
 func (a *app) pkiInitCmd() *cobra.Command {
@@ -32,18 +36,23 @@ func (a *app) pkiInitCmd() *cobra.Command {
 		dir         string
 		trustDomain string
 		names       []string
+		pinsOut     string
 	)
 	c := &cobra.Command{
 		Use:   "init --dir DIR",
-		Short: "Create the node CA, the serving CA and a gateway certificate where missing",
+		Short: "Create the deployment's CAs, join and signing keys where missing, and print its pins",
 		Long: "pki init writes a deployment's PKI into DIR: node-ca.crt/key (signs node certificates), serving-ca.crt/key\n" +
-			"(signs gateway certificates, pinned by daemons), gateway.crt/key and trust-domain. Existing files are kept.\n" +
-			"It prints the files it wrote, never key material; keys are written owner-only (0600).",
+			"(signs gateway certificates, pinned by daemons), gateway.crt/key, trust-domain, join-encryption.key/.pub\n" +
+			"(JoinService's HPKE key, which join tokens are sealed to), join-signing.key/.pub (signs JoinResponses),\n" +
+			"command-signing.key/.pub (signs commands and specs with signedIntent) and pins.json. Existing files are kept.\n" +
+			"It prints the files it wrote and the pins daemons need (public), never key material; keys are written\n" +
+			"owner-only (0600).",
 		Args: cobra.NoArgs,
 	}
 	c.Flags().StringVar(&dir, "dir", "", "PKI directory (env BC_PKI_DIR, default /var/lib/better-compute/pki)")
 	c.Flags().StringVar(&trustDomain, "trust-domain", "", "SPIFFE trust domain of node certificates (default "+pki.DefaultTrustDomain+")")
 	c.Flags().StringSliceVar(&names, "gateway-name", nil, "DNS name or IP of the gateway certificate (repeatable; default gateway, localhost, 127.0.0.1)")
+	c.Flags().StringVar(&pinsOut, "pins-out", "", "also write the pins (public) to this file, e.g. a volume daemons read, which must not see DIR")
 	c.RunE = func(cmd *cobra.Command, _ []string) error {
 		if dir == "" {
 			dir = a.env.Getenv("BC_PKI_DIR")
@@ -65,27 +74,26 @@ func (a *app) pkiInitCmd() *cobra.Command {
 		if err != nil {
 			return err
 		}
-		if !wrote {
+		pins, err := pki.ReadPins(dir)
+		if err != nil {
+			return err
+		}
+		wroteOut := false
+		if pinsOut != "" {
+			if wroteOut, err = pki.WritePinsFile(pinsOut, pins); err != nil {
+				return fmt.Errorf("--pins-out: %w", err)
+			}
+		}
+		if wrote {
+			a.printWritten(dir, before)
+			fmt.Fprintf(a.env.Stdout, "trust domain %s\n", td)
+		} else {
 			fmt.Fprintf(a.env.Stdout, "PKI in %s is complete; nothing written (trust domain %s)\n", dir, td)
-			return nil
 		}
-		for _, f := range pkiFiles {
-			st, err := os.Stat(filepath.Join(dir, f.name))
-			if err != nil {
-				continue
-			}
-			// Init writes new files and replaces the gateway certificate
-			// when it makes a new serving CA.
-			if old, ok := before[f.name]; ok && os.SameFile(old, st) && old.ModTime().Equal(st.ModTime()) {
-				continue
-			}
-			note := ""
-			if f.key {
-				note = " (private key, mode 0600)"
-			}
-			fmt.Fprintf(a.env.Stdout, "wrote %s%s\n", filepath.Join(dir, f.name), note)
+		if wroteOut {
+			fmt.Fprintf(a.env.Stdout, "wrote %s\n", pinsOut)
 		}
-		fmt.Fprintf(a.env.Stdout, "trust domain %s\n", td)
+		a.printPins(dir, pins)
 		if trustDomain != "" && trustDomain != td {
 			fmt.Fprintf(a.env.Stderr, "warning: %s already names trust domain %s; --trust-domain %s was ignored\n",
 				filepath.Join(dir, pki.TrustDomainTxt), td, trustDomain)
@@ -93,4 +101,36 @@ func (a *app) pkiInitCmd() *cobra.Command {
 		return nil
 	}
 	return c
+}
+
+// printWritten prints the files of dir that pki.Init wrote: those that did
+// not exist before, or changed (Init replaces the gateway certificate when it
+// makes a new serving CA).
+func (a *app) printWritten(dir string, before map[string]os.FileInfo) {
+	for _, f := range pkiFiles {
+		st, err := os.Stat(filepath.Join(dir, f.name))
+		if err != nil {
+			continue
+		}
+		if old, ok := before[f.name]; ok && os.SameFile(old, st) && old.ModTime().Equal(st.ModTime()) {
+			continue
+		}
+		note := ""
+		if f.key {
+			note = " (private key, mode 0600)"
+		}
+		fmt.Fprintf(a.env.Stdout, "wrote %s%s\n", filepath.Join(dir, f.name), note)
+	}
+}
+
+// printPins prints the deployment's pins: public, what a daemon is given to
+// trust the deployment.
+func (a *app) printPins(dir string, p pki.Pins) {
+	fmt.Fprintf(a.env.Stdout, "pins (for daemons: --pins-file %s, or one flag each):\n", filepath.Join(dir, pki.PinsJSON))
+	for _, f := range []struct{ flag, pin string }{
+		{"--serving-ca-pin", p.ServingCA}, {"--join-signing-pin", p.JoinSigning},
+		{"--join-encryption-pin", p.JoinEncryption}, {"--command-signing-pin", p.CommandSigning},
+	} {
+		fmt.Fprintf(a.env.Stdout, "  %-22s %s\n", f.flag, f.pin)
+	}
 }

@@ -1,0 +1,192 @@
+package pki
+
+import (
+	"bytes"
+	"crypto/ecdh"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+)
+
+// WellKnownPath is where the API serves a deployment's WellKnown document
+// (unauthenticated, GET only).
+const WellKnownPath = "/.well-known/better-compute"
+
+// WellKnown is the JSON document at WellKnownPath: where a daemon joins and
+// opens its session, the deployment's pins, and the public keys a daemon
+// needs to join. Nothing in it is trusted by itself: a daemon checks each
+// key against the pins it was given (JoinKeys) and then the signed
+// JoinResponse against the join signing key (CheckJoinResponse).
+type WellKnown struct {
+	// BaseURL is the public API's base URL (Connect services under
+	// /api/compute).
+	BaseURL string `json:"baseUrl"`
+	// JoinURL is JoinService's base URL.
+	JoinURL string `json:"joinUrl"`
+	// Gateway is where joined nodes open their Session.
+	Gateway WellKnownGateway `json:"gateway"`
+	// Pins are the deployment's SPKI pins (see Pins). A daemon must get its
+	// pins out of band; these are for display and for trust on first use.
+	Pins Pins `json:"pins"`
+	// JoinEncryptionKey is JoinService's HPKE (X25519) public key as a DER
+	// SubjectPublicKeyInfo (standard base64 in JSON); tokens are sealed to it.
+	JoinEncryptionKey []byte `json:"joinEncryptionKey"`
+	// JoinSigningKey is the Ed25519 key that signs JoinResponses as a DER
+	// SubjectPublicKeyInfo (standard base64 in JSON).
+	JoinSigningKey []byte `json:"joinSigningKey"`
+	// ServingCA is the CA of gateway serving certificates (PEM).
+	ServingCA string `json:"servingCa"`
+}
+
+// WellKnownGateway is the gateway part of a WellKnown document.
+type WellKnownGateway struct {
+	// URL is the gateway's https:// Session URL.
+	URL string `json:"url"`
+	// ServerName is the TLS server name to verify on the gateway.
+	ServerName string `json:"serverName"`
+}
+
+// NewWellKnown fills a WellKnown document's keys and pins from the public
+// files of the PKI directory dir (join-encryption.pub, join-signing.pub,
+// serving-ca.crt and command-signing.pub for the pins); the caller sets the
+// URLs. Errors name the file that is missing or broken. No private key is
+// read.
+func NewWellKnown(dir string) (WellKnown, error) {
+	pins, err := ComputePins(dir)
+	if err != nil {
+		return WellKnown{}, err
+	}
+	enc, sig, err := ReadJoinPublicKeys(dir)
+	if err != nil {
+		return WellKnown{}, err
+	}
+	sca, err := LoadCert(filepath.Join(dir, ServingCACert))
+	if err != nil {
+		return WellKnown{}, fmt.Errorf("%s: %w", ServingCACert, err)
+	}
+	return WellKnown{Pins: pins, JoinEncryptionKey: enc, JoinSigningKey: sig, ServingCA: string(EncodeCertPEM(sca))}, nil
+}
+
+// ReadJoinPublicKeys reads the DER SubjectPublicKeyInfos of JoinService's
+// encryption and signing keys from the public files of the PKI directory dir
+// (JoinEncryptionPub, JoinSigningPub).
+func ReadJoinPublicKeys(dir string) (encryptionSPKI, signingSPKI []byte, err error) {
+	if _, encryptionSPKI, err = LoadPublicKey(filepath.Join(dir, JoinEncryptionPub)); err != nil {
+		return nil, nil, err
+	}
+	if _, signingSPKI, err = LoadPublicKey(filepath.Join(dir, JoinSigningPub)); err != nil {
+		return nil, nil, err
+	}
+	return encryptionSPKI, signingSPKI, nil
+}
+
+// JoinKeys are the public keys a daemon joins with, checked against its
+// pins by CheckJoinKeys.
+type JoinKeys struct {
+	// Encryption is JoinService's HPKE key: tokens are sealed to it
+	// (SealJoinToken).
+	Encryption *ecdh.PublicKey
+	// SigningSPKI is the DER SubjectPublicKeyInfo of the join signing key,
+	// for CheckJoinResponse.
+	SigningSPKI []byte
+}
+
+// CheckJoinKeys checks JoinService's public keys (DER SubjectPublicKeyInfos)
+// against pins.JoinEncryption and pins.JoinSigning, both required, and
+// returns them parsed. Errors name the key and both pins.
+func CheckJoinKeys(pins Pins, encryptionSPKI, signingSPKI []byte) (JoinKeys, error) {
+	if pins.JoinEncryption == "" || pins.JoinSigning == "" {
+		return JoinKeys{}, errors.New("the join encryption and join signing pins are required")
+	}
+	if !MatchPin(pins.JoinEncryption, encryptionSPKI) {
+		return JoinKeys{}, fmt.Errorf("the join encryption key (%s) does not match the join encryption pin (%s)",
+			PinOfSPKI(encryptionSPKI), pins.JoinEncryption)
+	}
+	if !MatchPin(pins.JoinSigning, signingSPKI) {
+		return JoinKeys{}, fmt.Errorf("the join signing key (%s) does not match the join signing pin (%s)",
+			PinOfSPKI(signingSPKI), pins.JoinSigning)
+	}
+	enc, err := ParseJoinEncryptionSPKI(encryptionSPKI)
+	if err != nil {
+		return JoinKeys{}, err
+	}
+	if _, err := ParseEd25519SPKI(signingSPKI); err != nil {
+		return JoinKeys{}, fmt.Errorf("join signing key: %w", err)
+	}
+	return JoinKeys{Encryption: enc, SigningSPKI: signingSPKI}, nil
+}
+
+// JoinKeys checks the document's keys against pins (CheckJoinKeys, and its
+// serving CA against pins.ServingCA when both are given) and returns the
+// keys to join with. Errors name the field of the document.
+func (w *WellKnown) JoinKeys(pins Pins) (JoinKeys, error) {
+	if w.ServingCA != "" && pins.ServingCA != "" {
+		sca, err := ParseCertPEM([]byte(w.ServingCA))
+		if err != nil {
+			return JoinKeys{}, fmt.Errorf("well-known document: servingCa: %w", err)
+		}
+		if !MatchPin(pins.ServingCA, sca.RawSubjectPublicKeyInfo) {
+			return JoinKeys{}, fmt.Errorf("well-known document: servingCa (%s) does not match the serving CA pin (%s)",
+				PinOfSPKI(sca.RawSubjectPublicKeyInfo), pins.ServingCA)
+		}
+	}
+	k, err := CheckJoinKeys(pins, w.JoinEncryptionKey, w.JoinSigningKey)
+	if err != nil {
+		return JoinKeys{}, fmt.Errorf("well-known document: %w", err)
+	}
+	return k, nil
+}
+
+// Validate checks the form of every pin that is set (ParsePin); errors name
+// the JSON field.
+func (p Pins) Validate() error {
+	for _, f := range []struct{ name, pin string }{
+		{"servingCa", p.ServingCA}, {"joinSigning", p.JoinSigning},
+		{"joinEncryption", p.JoinEncryption}, {"commandSigning", p.CommandSigning},
+	} {
+		if f.pin == "" {
+			continue
+		}
+		if _, err := ParsePin(f.pin); err != nil {
+			return fmt.Errorf("%s: %w", f.name, err)
+		}
+	}
+	return nil
+}
+
+// ReadPinsFile reads Pins from a pins.json file (as `pki init` writes it)
+// and checks their form.
+func ReadPinsFile(path string) (Pins, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return Pins{}, err
+	}
+	var p Pins
+	if err := json.Unmarshal(b, &p); err != nil {
+		return Pins{}, fmt.Errorf("%s: %w", path, err)
+	}
+	if err := p.Validate(); err != nil {
+		return Pins{}, fmt.Errorf("%s: %w", path, err)
+	}
+	return p, nil
+}
+
+// WritePinsFile writes pins as pins.json does (indented JSON, mode 0644)
+// to path, atomically, unless path already holds exactly that; it reports
+// whether it wrote.
+func WritePinsFile(path string, pins Pins) (bool, error) {
+	b, err := json.MarshalIndent(pins, "", "  ")
+	if err != nil {
+		return false, err
+	}
+	b = append(b, '\n')
+	if old, err := os.ReadFile(path); err == nil && bytes.Equal(old, b) {
+		return false, nil
+	}
+	if err := writeFileAtomic(path, b, 0o644); err != nil {
+		return false, err
+	}
+	return true, nil
+}
