@@ -89,9 +89,18 @@ test-unit: images
 test-e2e: images
 	cd tests && $(GO) test -race -count=1 -timeout 20m ./...
 
+# Each fuzz test runs for FUZZTIME; its seed corpus and the crashers kept
+# in testdata/fuzz also run as plain tests in test-unit.
+FUZZTIME ?= 15s
+.PHONY: fuzz
+fuzz: ## Run the fuzz tests (join request decoding, API token parsing) for FUZZTIME each.
+	cd services/joinservice && $(GO) test -run '^$$' -fuzz '^FuzzJoinRequest$$' -fuzztime $(FUZZTIME) ./joinservice/
+	cd pkg && $(GO) test -run '^$$' -fuzz '^FuzzParseBearer$$' -fuzztime $(FUZZTIME) ./iam/
+
 .PHONY: test
-test: images ## Run every test suite (unit, integration, compose end to end).
+test: images ## Run every test suite (unit, integration, fuzz for FUZZTIME, compose end to end).
 	$(MAKE) --no-print-directory test-unit
+	$(MAKE) --no-print-directory fuzz
 	$(MAKE) --no-print-directory test-e2e
 
 .PHONY: check

@@ -30,7 +30,17 @@
 //     bound (CDI names "nvidia.com/gpu=<index>") or unbound, then the
 //     observed generation;
 //   - node.reboot answers SUCCEEDED, drops the session, and after
-//     Config.RebootDowntime the machine is back with a new boot id.
+//     Config.RebootDowntime the machine is back with a new boot id;
+//   - signed intent (Config.CommandSigningRoot): every Command and
+//     DesiredState must carry the command-signing root's signature bound to
+//     this node; others are refused without running or applying them and
+//     reported (CommandUpdate FAILED "refused: …", Report.spec_refused);
+//   - certificate renewal (Config.CertNotAfter): once less than a third of
+//     the node certificate's lifetime is left, the Agent asks the driver for
+//     a CSR of a new key (EffectMakeCSR), sends RenewCertificate on the
+//     established session, hands the issued certificate to the driver
+//     (EffectCertificate) for the next dial, and retries with backoff when
+//     the gateway does not answer or refuses.
 //
 // To add a command kind, teach the Hardware's Run about it; kinds with an
 // effect on the session (like node.reboot) also need a case in finish.
@@ -38,6 +48,7 @@ package daemon
 
 import (
 	"cmp"
+	"crypto/ed25519"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -126,6 +137,28 @@ type Config struct {
 	// Journal.LostAt()+LossSkew (default 0; set it to the clock skew allowed
 	// between the control plane and the machine).
 	LossSkew time.Duration
+	// CommandSigningRoot is the command-signing root's Ed25519 public key
+	// when the deployment signs intent (signedIntent; received at Join).
+	// With it, a Command or DesiredState whose signature is missing or does
+	// not verify over pkg/pki CommandSigningInput / SpecSigningInput with
+	// NodeID is refused and reported, never run or applied. Nil accepts
+	// intent unverified.
+	CommandSigningRoot ed25519.PublicKey
+	// CertNotBefore and CertNotAfter are the validity of the node
+	// certificate the driver presents. With CertNotAfter set, the Agent
+	// renews the certificate over the established session once less than a
+	// third of its lifetime (CertNotAfter − CertNotBefore) is left. A zero
+	// CertNotAfter renews nothing.
+	CertNotBefore, CertNotAfter time.Time
+	// RenewTimeout is how long a renewal waits for the driver's CSR or the
+	// gateway's CertificateIssued before it counts as failed (default 30 s).
+	RenewTimeout time.Duration
+	// RenewBackoffMin and RenewBackoffMax bound the wait before a failed
+	// renewal is tried again: after the n-th failure in a row, between half
+	// and all of min(RenewBackoffMax, RenewBackoffMin·2^(n-1)) (defaults 5 s
+	// and 10 min). RenewBackoffMin is also the least time between two
+	// renewals.
+	RenewBackoffMin, RenewBackoffMax time.Duration
 	// Logger receives the Agent's rare warnings; nil discards them.
 	Logger *slog.Logger
 }
@@ -143,6 +176,12 @@ func (c *Config) setDefaults() {
 	def(&c.DefaultHeartbeat, 10*time.Second)
 	def(&c.RebootDowntime, 5*time.Second)
 	def(&c.JournalRetention, 10*time.Minute)
+	def(&c.RenewTimeout, 30*time.Second)
+	def(&c.RenewBackoffMin, 5*time.Second)
+	def(&c.RenewBackoffMax, 10*time.Minute)
+	if c.RenewBackoffMax < c.RenewBackoffMin {
+		c.RenewBackoffMax = c.RenewBackoffMin
+	}
 	if c.HelloJournalMax <= 0 {
 		c.HelloJournalMax = 256
 	}
@@ -219,6 +258,8 @@ type Agent struct {
 	seq      uint64
 	unsent   []string // command ids whose latest update is yet to be sent
 
+	cert renewal // the node certificate and its renewal
+
 	announced time.Time // last EffectTimer At returned
 }
 
@@ -249,9 +290,16 @@ func New(cfg Config, hw Hardware, j Journal, rnd Rand) (*Agent, error) {
 		return nil, errors.New("daemon: journal is required")
 	case rnd == nil:
 		return nil, errors.New("daemon: rand is required")
+	case cfg.CommandSigningRoot != nil && len(cfg.CommandSigningRoot) != ed25519.PublicKeySize:
+		return nil, fmt.Errorf("daemon: command-signing root must be an Ed25519 public key of %d bytes", ed25519.PublicKeySize)
+	case !cfg.CertNotAfter.IsZero() && (cfg.CertNotBefore.IsZero() || !cfg.CertNotBefore.Before(cfg.CertNotAfter)):
+		return nil, errors.New("daemon: the certificate's NotBefore must be set and before its NotAfter")
 	}
 	cfg.setDefaults()
-	return &Agent{cfg: cfg, hw: hw, j: j, rnd: rnd}, nil
+	a := &Agent{cfg: cfg, hw: hw, j: j, rnd: rnd}
+	a.cert.notBefore, a.cert.notAfter = cfg.CertNotBefore, cfg.CertNotAfter
+	a.cert.at = a.renewPoint()
+	return a, nil
 }
 
 // Status is a snapshot of an Agent, for handles, health checks and tests.
@@ -272,6 +320,11 @@ type Status struct {
 	Running int
 	// NextDial is when the Agent dials again (StateBackoff only).
 	NextDial time.Time
+	// CertNotAfter is when the node certificate in use expires (zero when
+	// the Agent does not renew it).
+	CertNotAfter time.Time
+	// Renewals counts the certificates renewed since the Agent was made.
+	Renewals int
 }
 
 // Status returns a snapshot of the Agent.
@@ -284,6 +337,8 @@ func (a *Agent) Status() Status {
 		ObservedGeneration: a.observed,
 		Allocations:        len(a.allocs),
 		Running:            len(a.running),
+		CertNotAfter:       a.cert.notAfter,
+		Renewals:           a.cert.renewals,
 	}
 	if a.state == StateBackoff {
 		s.NextDial = a.dialAt
@@ -455,6 +510,8 @@ func (a *Agent) Receive(now time.Time, session uint64, msg *gatewayv1.SessionRes
 		a.command(now, &o, m.Command)
 	case *gatewayv1.SessionResponse_DesiredState:
 		a.desired(&o, m.DesiredState)
+	case *gatewayv1.SessionResponse_CertificateIssued:
+		a.issued(now, &o, m.CertificateIssued)
 	}
 	return a.finish(&o)
 }
@@ -484,6 +541,14 @@ func (a *Agent) welcome(now time.Time, o *out, w *gatewayv1.Welcome) {
 	for _, al := range a.allocs {
 		a.send(o, boundOf(al, a.observed))
 	}
+	if a.cert.phase != renewIdle {
+		// The session that carried the renewal ended before its answer.
+		a.renewFailed(now, "the session ended before the certificate was issued")
+	}
+	if a.cert.at.Before(now) {
+		// Overdue while there was no session: renew now.
+		a.cert.at = now
+	}
 }
 
 // Tick handles every timer due at now: command completions, the reboot
@@ -507,6 +572,10 @@ func (a *Agent) step(now time.Time, o *out) bool {
 		r := a.running[0]
 		a.running = slices.Delete(a.running, 0, 1)
 		a.complete(now, o, r)
+		return true
+	}
+	if rd := a.renewDeadline(); !rd.IsZero() && !rd.After(now) && (sd.IsZero() || !sd.Before(rd)) {
+		a.renewStep(now, o)
 		return true
 	}
 	if sd.IsZero() || sd.After(now) {
@@ -556,6 +625,9 @@ func (a *Agent) nextDeadline() time.Time {
 	d := a.sessionDeadline()
 	if len(a.running) > 0 && (d.IsZero() || a.running[0].due.Before(d)) {
 		d = a.running[0].due
+	}
+	if rd := a.renewDeadline(); !rd.IsZero() && (d.IsZero() || rd.Before(d)) {
+		d = rd
 	}
 	return d
 }
@@ -616,6 +688,13 @@ func updateOf(e *Entry) *gatewayv1.SessionRequest {
 func (a *Agent) command(now time.Time, o *out, c *gatewayv1.Command) {
 	id := c.GetCommandId()
 	if id == "" {
+		return
+	}
+	if reason := a.verifyCommand(c); reason != "" {
+		// Not journaled: nothing ran, and a correctly signed delivery of
+		// the same id may still run.
+		a.cfg.Logger.Warn("command refused", "command.id", id, "reason", reason)
+		a.send(o, updateOf(&Entry{CommandID: id, State: gatewayv1.CommandState_COMMAND_STATE_FAILED, Error: reason}))
 		return
 	}
 	if e, ok := a.j.Get(id); ok {
@@ -733,6 +812,13 @@ func issuedBefore(id string, t time.Time) bool {
 // desired applies a DesiredState (DESIGN §3, §6).
 func (a *Agent) desired(o *out, ds *gatewayv1.DesiredState) {
 	g := ds.GetGeneration()
+	if reason := a.verifySpec(ds); reason != "" {
+		a.cfg.Logger.Warn("desired state refused", "generation", g, "reason", reason)
+		a.send(o, &gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Report{Report: &gatewayv1.Report{
+			Report: &gatewayv1.Report_SpecRefused{SpecRefused: &gatewayv1.SpecRefused{Generation: g, Reason: reason}},
+		}}})
+		return
+	}
 	if g < a.observed {
 		return
 	}

@@ -47,6 +47,8 @@ type harness struct {
 	log     []string
 	closed  []daemon.Effect
 	reboots []string
+	csrs    int             // EffectMakeCSR seen
+	certs   []daemon.Effect // EffectCertificate seen
 }
 
 func newHarness(t *testing.T, cfg daemon.Config, seed uint64) *harness {
@@ -88,6 +90,10 @@ func (h *harness) apply(effects []daemon.Effect) {
 			h.timer = e.At
 		case daemon.EffectReboot:
 			h.reboots = append(h.reboots, e.BootID)
+		case daemon.EffectMakeCSR:
+			h.csrs++
+		case daemon.EffectCertificate:
+			h.certs = append(h.certs, e)
 		}
 	}
 }

@@ -34,6 +34,18 @@ const (
 	// the new boot id (a driver may persist the boot counter). The Agent
 	// dials again right after.
 	EffectReboot
+	// EffectMakeCSR asks the driver, when the node certificate is due for
+	// renewal, to make a new key pair, keep its private key aside and report
+	// a PKCS#10 request for it (DER) with Agent.RenewalCSR, or
+	// Agent.RenewalFailed when it cannot. A later EffectMakeCSR replaces
+	// the key.
+	EffectMakeCSR
+	// EffectCertificate gives the driver the node's new certificate
+	// (Certificate, DER; valid until NotAfter), issued for the key of the
+	// last CSR: the driver stores key and certificate together, atomically,
+	// and presents them from the next dial on (the current session goes on
+	// with the old ones). It reports Agent.RenewalFailed when it cannot.
+	EffectCertificate
 )
 
 // String returns the kind's name.
@@ -49,6 +61,10 @@ func (k EffectKind) String() string {
 		return "timer"
 	case EffectReboot:
 		return "reboot"
+	case EffectMakeCSR:
+		return "make-csr"
+	case EffectCertificate:
+		return "certificate"
 	}
 	return fmt.Sprintf("EffectKind(%d)", uint8(k))
 }
@@ -67,6 +83,11 @@ type Effect struct {
 	Reason string
 	// BootID is the new boot id (Reboot).
 	BootID string
+	// Certificate is the new node certificate, DER (Certificate). Treat it
+	// as immutable.
+	Certificate []byte
+	// NotAfter is when Certificate expires (Certificate).
+	NotAfter time.Time
 }
 
 // String describes the effect in one stable line (for logs, test failures
@@ -86,6 +107,8 @@ func (e Effect) String() string {
 		return "timer " + e.At.UTC().Format(time.RFC3339Nano)
 	case EffectReboot:
 		return "reboot boot=" + e.BootID
+	case EffectCertificate:
+		return "certificate not_after=" + e.NotAfter.UTC().Format(time.RFC3339Nano)
 	}
 	return e.Kind.String()
 }
@@ -109,6 +132,8 @@ func DescribeRequest(m *gatewayv1.SessionRequest) string {
 			s += fmt.Sprintf(" gpus=%d output=%d", len(r.GetInventory().GetGpus()), len(r.GetOutput()))
 		}
 		return s
+	case m.GetRenewCertificate() != nil:
+		return fmt.Sprintf("renew csr=%dB", len(m.GetRenewCertificate().GetCsrDer()))
 	case m.GetReport() != nil:
 		r := m.GetReport()
 		switch {
@@ -120,6 +145,9 @@ func DescribeRequest(m *gatewayv1.SessionRequest) string {
 			return fmt.Sprintf("unbound %s gen=%d", u.GetReservationId(), u.GetGeneration())
 		case r.GetInventory() != nil:
 			return fmt.Sprintf("inventory gpus=%d", len(r.GetInventory().GetGpus()))
+		case r.GetSpecRefused() != nil:
+			sr := r.GetSpecRefused()
+			return fmt.Sprintf("spec-refused gen=%d reason=%q", sr.GetGeneration(), sr.GetReason())
 		default:
 			return fmt.Sprintf("observed %d", r.GetObservedGeneration())
 		}

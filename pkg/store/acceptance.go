@@ -41,8 +41,8 @@ type NewAcceptanceCommand struct {
 
 // QueueAcceptanceCommands inserts cmds as queued, retry-safe diag.nvml
 // commands with purpose 'acceptance', created by "controllers" at now with
-// deadline.
-func QueueAcceptanceCommands(ctx context.Context, q DBTX, now, deadline time.Time, cmds []NewAcceptanceCommand) error {
+// deadline, and signs them with intent (nil: unsigned; see SignCommands).
+func QueueAcceptanceCommands(ctx context.Context, q DBTX, intent *IntentSigner, now, deadline time.Time, cmds []NewAcceptanceCommand) error {
 	if len(cmds) == 0 {
 		return nil
 	}
@@ -58,7 +58,7 @@ func QueueAcceptanceCommands(ctx context.Context, q DBTX, now, deadline time.Tim
 	if err != nil {
 		return fmt.Errorf("queue acceptance commands: %w", interpretError(err))
 	}
-	return nil
+	return SignCommands(ctx, q, intent, ids)
 }
 
 // MarkNodesAccepting moves nodes that are joining or accepting to accepting
@@ -177,10 +177,11 @@ type Adoption struct {
 }
 
 // AdoptNodes moves accepting nodes to adopted at now with spec generation 1,
-// their spec, inventory and devices (replacing any), and writes a
-// node.adopted event for each (tenant: the pool's owner). It returns the ids
-// it adopted: a node no longer accepting is skipped.
-func AdoptNodes(ctx context.Context, q DBTX, now time.Time, adoptions []Adoption) ([]string, error) {
+// their spec (signed with intent; nil: unsigned, see SignNodeSpecs),
+// inventory and devices (replacing any), and writes a node.adopted event for
+// each (tenant: the pool's owner). It returns the ids it adopted: a node no
+// longer accepting is skipped.
+func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time, adoptions []Adoption) ([]string, error) {
 	if len(adoptions) == 0 {
 		return nil, nil
 	}
@@ -195,6 +196,9 @@ func AdoptNodes(ctx context.Context, q DBTX, now time.Time, adoptions []Adoption
 		FROM unnest($1::text[], $2::text[], $3::text[]) AS u(id, spec, inv)
 		WHERE n.id = u.id AND n.provision_state = 'accepting' RETURNING n.id`, ids, specs, invs, now)
 	if err != nil {
+		return nil, err
+	}
+	if err := SignNodeSpecs(ctx, q, intent, adopted); err != nil {
 		return nil, err
 	}
 	done := make(map[string]bool, len(adopted))

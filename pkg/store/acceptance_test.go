@@ -113,7 +113,7 @@ func TestAdoptAndFailOnlyAccepting(t *testing.T) {
 	db, now := acceptanceDB(t)
 	ctx := t.Context()
 	dev := store.NodeDevice{Index: 0, UUID: "GPU-x", Model: "NVIDIA H100 80GB HBM3", MemoryBytes: 1, Healthy: true}
-	adopted, err := store.AdoptNodes(ctx, db.Pool, now, []store.Adoption{
+	adopted, err := store.AdoptNodes(ctx, db.Pool, nil, now, []store.Adoption{
 		{NodeID: "n-done", PoolID: "pool_1", OwnerTenantID: "ten_1", Spec: []byte(`{}`), Inventory: []byte(`{"gpus":[{}]}`),
 			Devices: []store.NodeDevice{dev}},
 		{NodeID: "n-join", PoolID: "pool_1", OwnerTenantID: "ten_1", Spec: []byte(`{}`), Inventory: []byte(`{}`),

@@ -45,19 +45,34 @@ var cmdRank = map[string]int{
 
 // SessionCert is what a session needs of a row of node_certs.
 type SessionCert struct {
-	Serial    string
-	NodeID    string
-	NotAfter  time.Time
+	Serial   string
+	NodeID   string
+	NotAfter time.Time
+	// RevokedAt is when the certificate, or its whole node (nodes.revoked_at),
+	// was revoked; nil when neither is.
 	RevokedAt *time.Time
 }
+
+const sessionCertQuery = `SELECT c.serial, c.node_id, c.not_after, COALESCE(c.revoked_at, n.revoked_at)
+	FROM node_certs c JOIN nodes n ON n.id = c.node_id WHERE c.serial = $1`
 
 // GetSessionCert returns the node certificate with serial (lower-case hex, see
 // pki.SerialHex), or ErrNotFound.
 func GetSessionCert(ctx context.Context, q DBTX, serial string) (SessionCert, error) {
+	return scanSessionCert(q.QueryRow(ctx, sessionCertQuery, serial))
+}
+
+// LockSessionCert is GetSessionCert that also locks the certificate's node
+// (FOR SHARE) until the transaction ends, so that a concurrent RevokeNode
+// either commits first (and RevokedAt shows it) or waits: a certificate
+// issued in the same transaction never outlives a revocation.
+func LockSessionCert(ctx context.Context, q DBTX, serial string) (SessionCert, error) {
+	return scanSessionCert(q.QueryRow(ctx, sessionCertQuery+` FOR SHARE OF n`, serial))
+}
+
+func scanSessionCert(row pgx.Row) (SessionCert, error) {
 	var c SessionCert
-	err := q.QueryRow(ctx, `SELECT serial, node_id, not_after, revoked_at FROM node_certs WHERE serial = $1`,
-		serial).Scan(&c.Serial, &c.NodeID, &c.NotAfter, &c.RevokedAt)
-	if err != nil {
+	if err := row.Scan(&c.Serial, &c.NodeID, &c.NotAfter, &c.RevokedAt); err != nil {
 		return SessionCert{}, interpretError(err)
 	}
 	return c, nil
@@ -140,6 +155,9 @@ type SessionCommand struct {
 	Deadline  time.Time
 	RetrySafe bool
 	CreatedAt time.Time
+	// Signature is the command-signing root's signature (signedIntent), nil
+	// when the command is unsigned. See CommandMessage.
+	Signature []byte
 }
 
 // SessionDelivery is the work ClaimSessionDelivery found for a session.
@@ -147,11 +165,17 @@ type SessionDelivery struct {
 	// Current is false when the session is no longer the node's live
 	// session; nothing was claimed then.
 	Current bool
+	// Revoked is true when the node is revoked (nodes.revoked_at); nothing
+	// was claimed then, and the session must end.
+	Revoked bool
 	// SpecGeneration is the node's desired spec generation.
 	SpecGeneration int64
 	// Spec is the node's spec (protojson of gatewayv1.NodeSpec), set only
 	// when SpecGeneration is greater than the caller's known generation.
 	Spec []byte
+	// SpecSignature is the signature of that spec generation (signedIntent),
+	// nil when unsigned or when Spec is nil. See DesiredStateMessage.
+	SpecSignature []byte
 	// Commands are the claimed commands, oldest first.
 	Commands []SessionCommand
 }
@@ -161,27 +185,28 @@ type SessionDelivery struct {
 // send. It claims the queued ones, or with inFlight (a new session) also the
 // delivered and running ones, by setting state delivered (running stays
 // running), delivered_at and deliveries+1. Claiming is conditioned on the
-// session still being live in the same statement, so a superseded session
-// never takes a newer session's commands. One round trip.
+// session still being live and the node not revoked in the same statement,
+// so a superseded session never takes a newer session's commands and a
+// revoked node gets nothing. One round trip.
 func ClaimSessionDelivery(ctx context.Context, q DBTX, now time.Time, nodeID, sessionID string, known int64, inFlight bool) (SessionDelivery, error) {
 	states := []string{cmdQueued}
 	if inFlight {
 		states = append(states, cmdDelivered, cmdRunning)
 	}
 	b := &pgx.Batch{}
-	b.Queue(`SELECT session_id IS NOT DISTINCT FROM $2, spec_generation,
-			CASE WHEN spec_generation > $3 THEN spec END
+	b.Queue(`SELECT session_id IS NOT DISTINCT FROM $2, revoked_at IS NOT NULL, spec_generation,
+			CASE WHEN spec_generation > $3 THEN spec END, CASE WHEN spec_generation > $3 THEN spec_signature END
 		FROM nodes WHERE id = $1`, nodeID, sessionID, known)
 	b.Queue(`UPDATE commands SET
 			state = CASE WHEN state = 'queued' THEN 'delivered' ELSE state END,
 			delivered_at = $4, deliveries = deliveries + 1, updated_at = $4
 		WHERE node_id = $1 AND state = ANY($3)
-			AND EXISTS (SELECT 1 FROM nodes WHERE id = $1 AND session_id = $2)
-		RETURNING id, kind, args, deadline, retry_safe, created_at`, nodeID, sessionID, states, now)
+			AND EXISTS (SELECT 1 FROM nodes WHERE id = $1 AND session_id = $2 AND revoked_at IS NULL)
+		RETURNING id, kind, args, deadline, retry_safe, created_at, signature`, nodeID, sessionID, states, now)
 	br := q.SendBatch(ctx, b)
 	defer br.Close()
 	var d SessionDelivery
-	if err := br.QueryRow().Scan(&d.Current, &d.SpecGeneration, &d.Spec); err != nil {
+	if err := br.QueryRow().Scan(&d.Current, &d.Revoked, &d.SpecGeneration, &d.Spec, &d.SpecSignature); err != nil {
 		return SessionDelivery{}, interpretError(err)
 	}
 	rows, err := br.Query()
@@ -190,7 +215,7 @@ func ClaimSessionDelivery(ctx context.Context, q DBTX, now time.Time, nodeID, se
 	}
 	for rows.Next() {
 		var c SessionCommand
-		if err := rows.Scan(&c.ID, &c.Kind, &c.Args, &c.Deadline, &c.RetrySafe, &c.CreatedAt); err != nil {
+		if err := rows.Scan(&c.ID, &c.Kind, &c.Args, &c.Deadline, &c.RetrySafe, &c.CreatedAt, &c.Signature); err != nil {
 			rows.Close()
 			return SessionDelivery{}, err
 		}
@@ -209,8 +234,8 @@ func ClaimSessionDelivery(ctx context.Context, q DBTX, now time.Time, nodeID, se
 		}
 		return strings.Compare(a.ID, b.ID)
 	})
-	if !d.Current {
-		d.Spec = nil
+	if !d.Current || d.Revoked {
+		d.Spec, d.SpecSignature = nil, nil
 	}
 	return d, nil
 }
@@ -345,6 +370,10 @@ func RecordSessionLastSeen(ctx context.Context, q DBTX, batch []SessionLastSeen)
 type SessionRef struct {
 	NodeID    string
 	SessionID string
+	// Serial is the session's client certificate serial (lower-case hex);
+	// a revoked certificate makes the session Revoked. Empty checks only
+	// the node.
+	Serial string
 }
 
 // SessionWork is what PendingSessionWork found for one session.
@@ -354,6 +383,8 @@ type SessionWork struct {
 	// Superseded is true when the session is no longer the node's live
 	// session (or the node is gone).
 	Superseded bool
+	// Revoked is true when the node or the session's certificate is revoked.
+	Revoked bool
 	// SpecGeneration is the node's desired spec generation.
 	SpecGeneration int64
 	// ObservedGeneration is the stored observed generation.
@@ -363,26 +394,31 @@ type SessionWork struct {
 }
 
 // PendingSessionWork checks all sessions of a gateway in one query and
-// returns those that need attention: superseded sessions, and sessions whose
-// node has queued commands or a spec generation above its observed one.
+// returns those that need attention: superseded sessions, sessions whose node
+// or certificate is revoked, and sessions whose node has queued commands or a
+// spec generation above its observed one.
 func PendingSessionWork(ctx context.Context, q DBTX, sessions []SessionRef) ([]SessionWork, error) {
 	if len(sessions) == 0 {
 		return nil, nil
 	}
 	ids := make([]string, len(sessions))
 	sids := make([]string, len(sessions))
+	serials := make([]string, len(sessions))
 	for i, s := range sessions {
-		ids[i], sids[i] = s.NodeID, s.SessionID
+		ids[i], sids[i], serials[i] = s.NodeID, s.SessionID, s.Serial
 	}
 	rows, err := q.Query(ctx, `SELECT u.id, u.sid,
 			n.session_id IS DISTINCT FROM u.sid,
+			n.revoked_at IS NOT NULL OR nc.revoked_at IS NOT NULL,
 			COALESCE(n.spec_generation, 0), COALESCE(n.observed_generation, 0),
 			EXISTS (SELECT 1 FROM commands c WHERE c.node_id = u.id AND c.state = 'queued')
-		FROM unnest($1::text[], $2::text[]) AS u(id, sid)
+		FROM unnest($1::text[], $2::text[], $3::text[]) AS u(id, sid, serial)
 		LEFT JOIN nodes n ON n.id = u.id
+		LEFT JOIN node_certs nc ON nc.serial = u.serial AND nc.node_id = u.id
 		WHERE n.session_id IS DISTINCT FROM u.sid
+			OR n.revoked_at IS NOT NULL OR nc.revoked_at IS NOT NULL
 			OR n.spec_generation > n.observed_generation
-			OR EXISTS (SELECT 1 FROM commands c WHERE c.node_id = u.id AND c.state = 'queued')`, ids, sids)
+			OR EXISTS (SELECT 1 FROM commands c WHERE c.node_id = u.id AND c.state = 'queued')`, ids, sids, serials)
 	if err != nil {
 		return nil, interpretError(err)
 	}
@@ -390,7 +426,7 @@ func PendingSessionWork(ctx context.Context, q DBTX, sessions []SessionRef) ([]S
 	var out []SessionWork
 	for rows.Next() {
 		var w SessionWork
-		if err := rows.Scan(&w.NodeID, &w.SessionID, &w.Superseded, &w.SpecGeneration, &w.ObservedGeneration, &w.Queued); err != nil {
+		if err := rows.Scan(&w.NodeID, &w.SessionID, &w.Superseded, &w.Revoked, &w.SpecGeneration, &w.ObservedGeneration, &w.Queued); err != nil {
 			return nil, err
 		}
 		out = append(out, w)

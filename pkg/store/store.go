@@ -6,7 +6,9 @@
 // errors become the sentinels below in one place (interpretError); add a
 // constraint name there when a new unique or exclusion constraint needs its
 // own sentinel. Each area keeps its queries in a file of its own
-// (jointokens.go, nodes.go, commands.go, outbox.go, …).
+// (jointokens.go, nodes.go, commands.go, outbox.go, …). A function that
+// creates a command or changes a NodeSpec takes an *IntentSigner and signs
+// what it wrote in the same transaction (signedIntent; see intent.go).
 package store
 
 import (

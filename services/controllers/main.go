@@ -4,14 +4,18 @@
 // Environment: BETTER_COMPUTE_DATABASE_URL (required), BETTER_COMPUTE_NATS_URL
 // (nats://127.0.0.1:4222), BC_LISTEN (:8084, serves GET /healthz),
 // BC_ACCEPTANCE_TIMEOUT (2m), BC_RECONCILE_INTERVAL (2s), BC_LEASE_TTL (15s),
-// BC_LEASE_HOLDER (<hostname>-<random>).
+// BC_LEASE_HOLDER (<hostname>-<random>), BC_SIGNED_INTENT (false; true signs
+// every command and NodeSpec with BC_PKI_DIR/command-signing.key), BC_PKI_DIR
+// (/var/lib/better-compute/pki).
 //
 // `controllers healthcheck [URL]` GETs URL (http://127.0.0.1:8084/healthz by
 // default) and exits 0 when it answers 200.
 package main
 
 import (
+	"fmt"
 	"os"
+	"strconv"
 
 	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/services/controllers/controllers"
@@ -21,6 +25,7 @@ func main() {
 	cfg := controllers.Config{
 		Listen: service.Env("BC_LISTEN", controllers.DefaultListen),
 		Holder: os.Getenv("BC_LEASE_HOLDER"),
+		PKIDir: service.Env("BC_PKI_DIR", controllers.DefaultPKIDir),
 	}
 	service.Main(service.MainOptions{
 		Name: "controllers", HealthListen: cfg.Listen, NeedDB: true, NeedNATS: true,
@@ -32,6 +37,11 @@ func main() {
 			}); err != nil {
 				return err
 			}
+			signed, err := strconv.ParseBool(service.Env("BC_SIGNED_INTENT", "false"))
+			if err != nil {
+				return fmt.Errorf("BC_SIGNED_INTENT: want true or false: %w", err)
+			}
+			cfg.SignedIntent = signed
 			srv, err := controllers.New(cfg, controllers.Deps{DB: p.DB, NC: p.NC, Logger: p.Logger, Clock: p.Clock})
 			if err != nil {
 				return err

@@ -5,7 +5,8 @@
 // (nats://127.0.0.1:4222), BC_PKI_DIR (/var/lib/better-compute/pki),
 // BC_LISTEN (:8443), BC_HEALTH_LISTEN (:8082), BC_GATEWAY_ID (gw-<hostname>),
 // BC_HEARTBEAT_INTERVAL (10s), BC_GATEWAY_RESYNC (5s),
-// BC_GATEWAY_FLUSH_INTERVAL (1s), BC_GATEWAY_IDLE_TIMEOUT (3 × heartbeat).
+// BC_GATEWAY_FLUSH_INTERVAL (1s), BC_GATEWAY_IDLE_TIMEOUT (3 × heartbeat),
+// BC_NODE_CERT_TTL (24h, the lifetime of renewed node certificates).
 //
 // `gateway healthcheck [URL]` GETs URL (http://127.0.0.1:8082/healthz by
 // default) and exits 0 when it answers 200.
@@ -30,6 +31,7 @@ func main() {
 				"BC_HEARTBEAT_INTERVAL":     {Dst: &cfg.HeartbeatInterval, Default: gateway.DefaultHeartbeatInterval},
 				"BC_GATEWAY_RESYNC":         {Dst: &cfg.ResyncInterval, Default: gateway.DefaultResyncInterval},
 				"BC_GATEWAY_FLUSH_INTERVAL": {Dst: &cfg.FlushInterval, Default: gateway.DefaultFlushInterval},
+				"BC_NODE_CERT_TTL":          {Dst: &cfg.NodeCertTTL, Default: gateway.DefaultNodeCertTTL},
 			}); err != nil {
 				return err
 			}

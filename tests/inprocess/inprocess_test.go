@@ -18,6 +18,7 @@ import (
 	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
 	"github.com/better-compute/better-compute/cmd/better-compute/devstack"
 	"github.com/better-compute/better-compute/pkg/fakehw"
+	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
 	"github.com/better-compute/better-compute/tests/internal/containers"
 )
@@ -80,8 +81,10 @@ func (f *fixture) listNodes(ctx context.Context) ([]*computev1.Node, error) {
 func (f *fixture) startDaemons(t *testing.T, n int, variant string) *fakedaemon.Runner {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
+	// Joins as a real daemon does: with the server's URL and the pins.
 	r, err := fakedaemon.Start(ctx, fakedaemon.Config{
-		JoinURL: f.stack.JoinURL,
+		Server:  f.stack.APIURL,
+		Pins:    f.stack.Pins,
 		Token:   f.join,
 		DataDir: t.TempDir(),
 		Variant: variant,
@@ -150,4 +153,44 @@ func TestGPUMissingIsNeverAdopted(t *testing.T) {
 	}, 60*time.Second, 200*time.Millisecond, "%v", &nodes)
 	require.Equal(t, "expected 8 GPUs, found 7", nodes[0].GetProvisionReason())
 	require.Zero(t, nodes[0].GetSpecGeneration(), "never adopted: no NodeSpec")
+}
+
+// TestJoinWithAnotherDeploymentsPinsConsumesNothing: a machine pinned to
+// another deployment refuses the well-known document's keys before it sends
+// anything, and a token sealed to another deployment's key is refused by
+// JoinService; neither uses the join token.
+func TestJoinWithAnotherDeploymentsPinsConsumesNothing(t *testing.T) {
+	f := setup(t)
+	otherDir := t.TempDir()
+	_, err := pki.Init(otherDir, pki.InitOptions{}, f.stack.DB.Now())
+	require.NoError(t, err)
+	otherPins, err := pki.ReadPins(otherDir)
+	require.NoError(t, err)
+
+	r, err := fakedaemon.New(fakedaemon.Config{
+		Server: f.stack.APIURL, Pins: otherPins, Token: f.join, DataDir: t.TempDir(),
+	}, fakedaemon.Deps{})
+	require.NoError(t, err)
+	require.ErrorContains(t, r.Run(t.Context()), "does not match the serving CA pin")
+
+	// Keys and pins of the other deployment, at this deployment's
+	// JoinService: the seal does not open.
+	enc, sig, err := pki.ReadJoinPublicKeys(otherDir)
+	require.NoError(t, err)
+	r, err = fakedaemon.New(fakedaemon.Config{
+		JoinURL: f.stack.JoinURL, JoinEncryptionKey: enc, JoinSigningKey: sig, Pins: otherPins,
+		Token: f.join, DataDir: t.TempDir(),
+	}, fakedaemon.Deps{})
+	require.NoError(t, err)
+	err = r.Run(t.Context())
+	var refused *fakedaemon.JoinRefusedError
+	require.ErrorAs(t, err, &refused)
+	require.Equal(t, connect.CodeUnauthenticated, refused.Code)
+	require.Contains(t, refused.Message, "sealed_token cannot be opened")
+
+	var uses, nodes int
+	require.NoError(t, f.stack.DB.Pool.QueryRow(t.Context(), `SELECT coalesce(sum(uses), 0) FROM join_tokens`).Scan(&uses))
+	require.NoError(t, f.stack.DB.Pool.QueryRow(t.Context(), `SELECT count(*) FROM nodes`).Scan(&nodes))
+	require.Zero(t, uses)
+	require.Zero(t, nodes)
 }

@@ -64,12 +64,24 @@ type Options struct {
 	// ReconcileInterval, ResyncInterval and HeartbeatInterval override the
 	// services' defaults when non-zero.
 	ReconcileInterval, ResyncInterval, HeartbeatInterval time.Duration
+	// NodeCertTTL is the lifetime of node certificates, issued at join and
+	// renewed over the session (default 24 h).
+	NodeCertTTL time.Duration
+	// SignedIntent signs every command and NodeSpec with the PKI's
+	// command-signing root and gives joining daemons that root, so they
+	// refuse unsigned intent.
+	SignedIntent bool
 }
 
 // Stack is a running control plane.
 type Stack struct {
-	// APIURL is the public API's base URL (append /api/compute for Connect).
+	// APIURL is the public API's base URL (append /api/compute for Connect);
+	// it serves the well-known document daemons join from (fakedaemon
+	// Config.Server).
 	APIURL string
+	// Pins are the deployment's pins (PKIDir/pins.json), which daemons check
+	// the well-known document and their JoinResponse against.
+	Pins pki.Pins
 	// JoinURL is JoinService's base URL.
 	JoinURL string
 	// Gateways are the running gateway replicas; GatewayURLs their
@@ -118,6 +130,9 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 	if o.MaxConns == 0 {
 		o.MaxConns = 40
 	}
+	if o.NodeCertTTL <= 0 {
+		o.NodeCertTTL = joinservice.DefaultNodeCertTTL
+	}
 	if err := store.MigrateUp(o.DatabaseURL); err != nil {
 		return nil, err
 	}
@@ -153,18 +168,6 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 	}
 	log := func(svc string) *slog.Logger { return o.Logger.With("service", svc) }
 
-	// api
-	apiSrv, err := api.New(api.Config{}, api.Deps{DB: db, Logger: log("api")})
-	if err != nil {
-		return nil, err
-	}
-	apiLn, apiAddr, err := listen(o.Host)
-	if err != nil {
-		return nil, err
-	}
-	s.APIURL = "http://" + apiAddr
-	g.Go(func() error { return apiSrv.Serve(gctx, apiLn) })
-
 	// gateways
 	for i := range o.Gateways {
 		nc, err := connect(fmt.Sprintf("gateway-%d", i))
@@ -181,6 +184,7 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 			PKIDir:            o.PKIDir,
 			HeartbeatInterval: o.HeartbeatInterval,
 			ResyncInterval:    o.ResyncInterval,
+			NodeCertTTL:       o.NodeCertTTL,
 		}, gateway.Deps{DB: db, NC: nc, Logger: log("gateway"), Clock: o.Clock})
 		if err != nil {
 			ln.Close()
@@ -198,7 +202,8 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 	}
 	join, err := joinservice.New(joinservice.Config{
 		PKIDir:            o.PKIDir,
-		NodeCertTTL:       joinservice.DefaultNodeCertTTL,
+		NodeCertTTL:       o.NodeCertTTL,
+		SignedIntent:      o.SignedIntent,
 		GatewayURL:        gatewayURL,
 		GatewayServerName: "localhost",
 	}, joinservice.Deps{DB: db, Logger: log("joinservice")})
@@ -212,6 +217,25 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 	s.JoinURL = "http://" + joinAddr
 	g.Go(func() error { return join.Serve(gctx, joinLn) })
 
+	// api, after joinservice and the gateways, whose URLs its well-known
+	// document publishes.
+	apiLn, apiAddr, err := listen(o.Host)
+	if err != nil {
+		return nil, err
+	}
+	s.APIURL = "http://" + apiAddr
+	apiSrv, err := api.New(api.Config{WellKnown: api.WellKnownConfig{
+		PKIDir: o.PKIDir, PublicURL: s.APIURL, JoinURL: s.JoinURL, GatewayURL: gatewayURL, GatewayServerName: "localhost",
+	}}, api.Deps{DB: db, Logger: log("api")})
+	if err != nil {
+		apiLn.Close()
+		return nil, err
+	}
+	g.Go(func() error { return apiSrv.Serve(gctx, apiLn) })
+	if s.Pins, err = pki.ReadPins(o.PKIDir); err != nil {
+		return nil, fmt.Errorf("devstack: pins: %w", err)
+	}
+
 	// controllers
 	nc, err := connect("controllers")
 	if err != nil {
@@ -221,6 +245,8 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 		NoHealthServer:    true,
 		ReconcileInterval: o.ReconcileInterval,
 		Holder:            "dev-controllers",
+		SignedIntent:      o.SignedIntent,
+		PKIDir:            o.PKIDir,
 	}, controllers.Deps{DB: db, NC: nc, Logger: log("controllers"), Clock: o.Clock})
 	if err != nil {
 		return nil, err

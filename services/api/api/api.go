@@ -1,14 +1,19 @@
 // Package api serves better-compute's public Connect API under
-// /api/compute/ (bc.compute.v1: NodeService, PoolService, JoinTokenService)
-// and GET /healthz.
+// /api/compute/ (bc.compute.v1: NodeService, PoolService, JoinTokenService,
+// TenantService, TokenService, AuditService) and GET /healthz.
 //
 // Every request is authenticated by an API token (pkg/iam) and authorized by
 // the per-RPC table in authz.go; handlers then scope what they read and write
-// to the caller's tenant (root administrators see every tenant). Store errors
+// to the caller's tenant (root administrators see every tenant), and another
+// tenant's resource reads as NotFound. Every call of a mutating RPC writes
+// one audit row: handlers write the success row in the transaction of their
+// change (auditInTx), the audit interceptor writes refusals. Store errors
 // become Connect codes in mapError (errors.go).
 //
 // To add an RPC: implement it on its service type, add its procedure to
-// Policy, and map any new store sentinel or constraint in mapError.
+// Policy (Mutating and Target when it changes state, and then call auditInTx
+// in its transaction), add its row to the matrix in iam_test.go, and map any
+// new store sentinel or constraint in mapError.
 package api
 
 import (
@@ -22,6 +27,7 @@ import (
 
 	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
 	"github.com/better-compute/better-compute/pkg/iam"
+	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/telemetry"
@@ -38,11 +44,13 @@ const PathPrefix = "/api/compute"
 type Config struct {
 	// Listen is the HTTP address (BC_LISTEN).
 	Listen string
+	// WellKnown configures GET /.well-known/better-compute (wellknown.go).
+	WellKnown WellKnownConfig
 }
 
 // ConfigFromEnv reads Config from the environment.
 func ConfigFromEnv() Config {
-	return Config{Listen: service.Env("BC_LISTEN", DefaultListen)}
+	return Config{Listen: service.Env("BC_LISTEN", DefaultListen), WellKnown: wellKnownConfigFromEnv()}
 }
 
 // Deps are the API server's collaborators.
@@ -57,6 +65,8 @@ type Server struct {
 	db     *store.DB
 	logger *slog.Logger
 	authn  *iam.Authenticator
+	// wellKnown serves pki.WellKnownPath (wellknown.go).
+	wellKnown http.Handler
 }
 
 // New returns a Server.
@@ -70,24 +80,37 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if cfg.Listen == "" {
 		cfg.Listen = DefaultListen
 	}
-	return &Server{cfg: cfg, db: deps.DB, logger: deps.Logger, authn: &iam.Authenticator{DB: deps.DB}}, nil
+	wellKnown, err := newWellKnownHandler(cfg.WellKnown)
+	if err != nil {
+		return nil, err
+	}
+	return &Server{cfg: cfg, db: deps.DB, logger: deps.Logger, authn: &iam.Authenticator{DB: deps.DB}, wellKnown: wellKnown}, nil
 }
 
 // Handler returns the API's HTTP handler: the Connect services under
-// PathPrefix and GET /healthz (which pings the database).
+// PathPrefix, GET /healthz (which pings the database) and the
+// unauthenticated GET /.well-known/better-compute (wellknown.go).
 func (s *Server) Handler() http.Handler {
+	// Auditing runs outermost, so that it records every refusal of a
+	// mutating call, validation's included, with messages already masked.
 	// Authorization runs innermost, after tracing, validation and error
 	// masking (service.HandlerOptions), so its failures are traced and a
 	// database error while authenticating is masked like any other.
-	opts := append(service.HandlerOptions(s.logger), connect.WithInterceptors(iam.NewInterceptor(s.authn, Policy)))
+	opts := []connect.HandlerOption{connect.WithInterceptors(iam.NewAuditInterceptor(s.db, Policy, s.logger))}
+	opts = append(opts, service.HandlerOptions(s.logger)...)
+	opts = append(opts, connect.WithInterceptors(iam.NewInterceptor(s.authn, Policy)))
 	api := http.NewServeMux()
 	api.Handle(computev1connect.NewNodeServiceHandler(&nodeService{s}, opts...))
 	api.Handle(computev1connect.NewPoolServiceHandler(&poolService{s}, opts...))
 	api.Handle(computev1connect.NewJoinTokenServiceHandler(&joinTokenService{s}, opts...))
+	api.Handle(computev1connect.NewTenantServiceHandler(&tenantService{s}, opts...))
+	api.Handle(computev1connect.NewTokenServiceHandler(&tokenService{s}, opts...))
+	api.Handle(computev1connect.NewAuditServiceHandler(&auditService{s}, opts...))
 
 	mux := http.NewServeMux()
 	mux.Handle(PathPrefix+"/", http.StripPrefix(PathPrefix, api))
 	mux.Handle("/healthz", service.HealthHandler(func(ctx context.Context) error { return s.db.Pool.Ping(ctx) }))
+	mux.Handle("GET "+pki.WellKnownPath, s.wellKnown)
 	return mux
 }
 
@@ -97,6 +120,16 @@ func (s *Server) Run(ctx context.Context) error { return s.Serve(ctx, nil) }
 // Serve serves on ln (or cfg.Listen when ln is nil) until ctx ends.
 func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	return service.Serve(ctx, s.logger, service.NewServer(s.cfg.Listen, s.Handler()), ln)
+}
+
+// auditInTx writes the audit row of the current call, a successful call of
+// a Mutating RPC, in tx: the transaction of its change, so that the change
+// and its row commit together. target is the id of the resource acted on
+// (the new one, for a create); detail says what changed. Call it at the end
+// of the transaction's function; refusals are written by the audit
+// interceptor. Errors: the RPC is not Mutating in Policy, or the database's.
+func (s *Server) auditInTx(ctx context.Context, tx store.DBTX, target, detail string) error {
+	return iam.AuditInTx(ctx, tx, s.db.Now(), target, detail)
 }
 
 // principal returns the caller authenticated by the interceptor.

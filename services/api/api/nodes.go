@@ -3,14 +3,17 @@ package api
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"time"
 
 	"connectrpc.com/connect"
+	"github.com/jackc/pgx/v5"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/telemetry"
 )
 
 // Page sizes of ListNodes.
@@ -89,6 +92,8 @@ func nodeToProto(n store.Node) *computev1.Node {
 		ObservedGeneration: n.ObservedGeneration,
 		CreatedAt:          timestamppb.New(n.CreatedAt),
 		BootId:             n.BootID,
+		RevokedAt:          timestampOrNil(n.RevokedAt),
+		CertNotAfter:       timestampOrNil(n.CertNotAfter),
 	}
 	var models []string
 	for _, d := range n.Devices {
@@ -118,7 +123,44 @@ func timestampOrNil(t *time.Time) *timestamppb.Timestamp {
 	return timestamppb.New(*t)
 }
 
-// RevokeNode implements NodeService.RevokeNode.
+// RevokeNode revokes every certificate of a node of the caller's tenant (any
+// for root-admin) and the node itself, in one transaction with its audit row
+// and the poke that makes the gateway close the node's session: the node can
+// no longer open a session or renew its certificate. Revoking a revoked node
+// changes nothing and returns it. Errors: NotFound (node_id; another
+// tenant's node too).
 func (s *nodeService) RevokeNode(ctx context.Context, req *connect.Request[computev1.RevokeNodeRequest]) (*connect.Response[computev1.RevokeNodeResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("RevokeNode is not implemented yet"))
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, err
+	}
+	id, reason := req.Msg.NodeId, req.Msg.Reason
+	n, err := store.GetNode(ctx, s.db.Pool, id)
+	if errors.Is(err, store.ErrNotFound) || (err == nil && !p.InTenant(n.PoolOwnerTenantID)) {
+		return nil, notFound("node", id)
+	}
+	if err != nil {
+		return nil, mapError(err)
+	}
+	var rev store.RevokedNode
+	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
+		var err error
+		if rev, err = store.RevokeNode(ctx, tx, s.db.Now(), id, reason); err != nil {
+			return err
+		}
+		detail := fmt.Sprintf("revoked %d certificate(s)", rev.CertificatesRevoked)
+		if reason != "" {
+			detail += ": " + reason
+		}
+		return s.auditInTx(ctx, tx, id, detail)
+	})
+	if err != nil {
+		return nil, mapError(err)
+	}
+	if n, err = store.GetNode(ctx, s.db.Pool, id); err != nil {
+		return nil, mapError(err)
+	}
+	s.logger.InfoContext(ctx, "node revoked", telemetry.KeyNodeID, id, "certificates_revoked", rev.CertificatesRevoked,
+		"newly", rev.Newly, "reason", reason)
+	return connect.NewResponse(&computev1.RevokeNodeResponse{Node: nodeToProto(n), CertificatesRevoked: int32(rev.CertificatesRevoked)}), nil
 }

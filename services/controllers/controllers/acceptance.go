@@ -68,6 +68,9 @@ type Acceptance struct {
 	// Batch is how many nodes one transaction handles; DefaultBatchSize if
 	// zero.
 	Batch int
+	// Intent signs the acceptance commands and the first NodeSpecs
+	// (signedIntent); nil leaves them unsigned.
+	Intent *store.IntentSigner
 }
 
 // PassResult counts what one Reconcile pass did.
@@ -211,7 +214,7 @@ func (a *Acceptance) startBatch(ctx context.Context) (int, error) {
 		for i, n := range nodes {
 			cmds[i] = store.NewAcceptanceCommand{ID: ids.New(ids.Command, now), NodeID: n}
 		}
-		if err := store.QueueAcceptanceCommands(ctx, tx, now, now.Add(a.timeout()), cmds); err != nil {
+		if err := store.QueueAcceptanceCommands(ctx, tx, a.Intent, now, now.Add(a.timeout()), cmds); err != nil {
 			return err
 		}
 		if _, err := store.MarkNodesAccepting(ctx, tx, now, nodes); err != nil {
@@ -315,13 +318,13 @@ func (a *Acceptance) evaluateBatch(ctx context.Context) (int, PassResult, error)
 					"attempt", c.Attempts+1)
 			})
 		}
-		if err := store.QueueAcceptanceCommands(ctx, tx, now, now.Add(a.timeout()), fresh); err != nil {
+		if err := store.QueueAcceptanceCommands(ctx, tx, a.Intent, now, now.Add(a.timeout()), fresh); err != nil {
 			return err
 		}
 		if _, err := store.MarkNodesAccepting(ctx, tx, now, freshNodes); err != nil {
 			return err
 		}
-		adopted, err := store.AdoptNodes(ctx, tx, now, adopt)
+		adopted, err := store.AdoptNodes(ctx, tx, a.Intent, now, adopt)
 		if err != nil {
 			return err
 		}

@@ -46,6 +46,7 @@ const (
 	DefaultAcceptanceAttempts = 3
 	DefaultBatchSize          = 500
 	DefaultLeaseTTL           = lease.DefaultTTL
+	DefaultPKIDir             = "/var/lib/better-compute/pki"
 )
 
 // LeaseAcceptance is the lease name of the acceptance reconciler.
@@ -79,6 +80,13 @@ type Config struct {
 	// Holder names this replica in the leases table (env BC_LEASE_HOLDER,
 	// lease.DefaultHolder()).
 	Holder string
+	// SignedIntent signs every command and NodeSpec the controllers write
+	// with the command-signing root (env BC_SIGNED_INTENT; see pkg/store
+	// IntentSigner). The key is read from PKIDir.
+	SignedIntent bool
+	// PKIDir holds command-signing.key (env BC_PKI_DIR, DefaultPKIDir); read
+	// only with SignedIntent.
+	PKIDir string
 }
 
 // Deps are the controllers' dependencies.
@@ -127,6 +135,16 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if cfg.Holder == "" {
 		cfg.Holder = lease.DefaultHolder()
 	}
+	if cfg.PKIDir == "" {
+		cfg.PKIDir = DefaultPKIDir
+	}
+	var intent *store.IntentSigner
+	if cfg.SignedIntent {
+		var err error
+		if intent, err = store.LoadIntentSigner(cfg.PKIDir); err != nil {
+			return nil, fmt.Errorf("controllers: %w", err)
+		}
+	}
 	s := &Server{cfg: cfg, db: deps.DB, nc: deps.NC, log: deps.Logger, clk: deps.Clock}
 	s.acceptance = &Acceptance{
 		DB:       deps.DB,
@@ -137,6 +155,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		Attempts: cfg.AcceptanceAttempts,
 		Interval: cfg.ReconcileInterval,
 		Batch:    cfg.BatchSize,
+		Intent:   intent,
 	}
 	s.lease = &lease.Lease{DB: deps.DB, Name: LeaseAcceptance, Holder: cfg.Holder, TTL: cfg.LeaseTTL,
 		Clock: deps.Clock, Logger: deps.Logger}

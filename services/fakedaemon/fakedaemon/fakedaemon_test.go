@@ -3,6 +3,8 @@ package fakedaemon_test
 import (
 	"context"
 	"crypto"
+	"crypto/ecdh"
+	"crypto/ed25519"
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/json"
@@ -23,6 +25,7 @@ import (
 	"connectrpc.com/connect"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -49,8 +52,9 @@ const (
 	tick        = 5 * time.Millisecond
 )
 
-// controlPlane is a fake JoinService (plain HTTP) and a fake gateway
-// (HTTP/2 over mutual TLS) made from throwaway CAs.
+// controlPlane is a fake JoinService (plain HTTP, which also serves the
+// well-known document) and a fake gateway (HTTP/2 over mutual TLS) made
+// from throwaway CAs and keys.
 type controlPlane struct {
 	t         *testing.T
 	nodeCA    *pki.CA
@@ -59,6 +63,8 @@ type controlPlane struct {
 	gw        *fakeGateway
 	joinURL   string
 	gwURL     string
+	// pins are the deployment's pins, as pins.json would hold them.
+	pins pki.Pins
 }
 
 func newControlPlane(t *testing.T, maxUses int) *controlPlane {
@@ -86,18 +92,41 @@ func newControlPlane(t *testing.T, maxUses int) *controlPlane {
 	gsrv.StartTLS()
 	t.Cleanup(gsrv.Close)
 
-	j := &fakeJoin{nodeCA: nodeCA, servingCA: servingCA, gatewayURL: gsrv.URL, serverName: "localhost", maxUses: maxUses}
+	joinKey, err := pki.GenerateJoinEncryptionKey()
+	require.NoError(t, err)
+	signKey, err := pki.GenerateSigningKey()
+	require.NoError(t, err)
+	commandKey, err := pki.GenerateSigningKey()
+	require.NoError(t, err)
+	j := &fakeJoin{nodeCA: nodeCA, servingCA: servingCA, gatewayURL: gsrv.URL, serverName: "localhost", maxUses: maxUses,
+		joinKey: joinKey, signKey: signKey}
 	jmux := http.NewServeMux()
 	jmux.Handle(joinv1connect.NewJoinServiceHandler(j))
 	jsrv := httptest.NewServer(jmux)
 	t.Cleanup(jsrv.Close)
-	return &controlPlane{t: t, nodeCA: nodeCA, servingCA: servingCA, join: j, gw: gw, joinURL: jsrv.URL, gwURL: gsrv.URL}
+	jmux.Handle("GET "+pki.WellKnownPath, http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(j.wellKnown(jsrv.URL))
+	}))
+	cp := &controlPlane{t: t, nodeCA: nodeCA, servingCA: servingCA, join: j, gw: gw, joinURL: jsrv.URL, gwURL: gsrv.URL}
+	cp.pins.ServingCA = pki.PinOfSPKI(servingCA.Cert.RawSubjectPublicKeyInfo)
+	cp.pins.JoinSigning, err = pki.SPKIPin(signKey.Public())
+	require.NoError(t, err)
+	cp.pins.JoinEncryption, err = pki.SPKIPin(joinKey.PublicKey())
+	require.NoError(t, err)
+	cp.pins.CommandSigning, err = pki.SPKIPin(commandKey.Public())
+	require.NoError(t, err)
+	j.commandRoot, err = x509.MarshalPKIXPublicKey(commandKey.Public())
+	require.NoError(t, err)
+	return cp
 }
 
-// config returns a Runner configuration with fast timings.
+// config returns a Runner configuration with fast timings that joins
+// from the well-known document with the deployment's pins.
 func (cp *controlPlane) config(dir string, nodes int) fakedaemon.Config {
 	return fakedaemon.Config{
-		JoinURL: cp.joinURL,
+		Server:  cp.joinURL,
+		Pins:    cp.pins,
 		Token:   goodToken,
 		DataDir: dir,
 		Nodes:   nodes,
@@ -131,6 +160,8 @@ type fakeJoin struct {
 	nodeCA, servingCA *pki.CA
 	gatewayURL        string
 	serverName        string
+	joinKey           *ecdh.PrivateKey   // opens sealed tokens
+	signKey           ed25519.PrivateKey // signs JoinResponses
 
 	mu        sync.Mutex
 	maxUses   int
@@ -138,17 +169,59 @@ type fakeJoin struct {
 	calls     int
 	failFirst int // answer Unavailable this many times first
 	claims    []*joinv1.Claims
+	requests  []*joinv1.JoinRequest
+	// signedIntent sends commandRoot in the response's trust.
+	signedIntent bool
+	commandRoot  []byte
+	// edit changes the response before it is signed, tamper after.
+	edit, tamper func(*joinv1.JoinResponse)
+	// signWith, when set, signs responses instead of signKey (which the
+	// well-known document keeps naming).
+	signWith ed25519.PrivateKey
+	// editDoc changes the well-known document.
+	editDoc func(*pki.WellKnown)
+}
+
+// wellKnown returns the document the fake deployment publishes.
+func (j *fakeJoin) wellKnown(joinURL string) pki.WellKnown {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	enc, err := x509.MarshalPKIXPublicKey(j.joinKey.PublicKey())
+	if err != nil {
+		panic(err)
+	}
+	sig, err := x509.MarshalPKIXPublicKey(j.signKey.Public())
+	if err != nil {
+		panic(err)
+	}
+	doc := pki.WellKnown{
+		BaseURL: joinURL, JoinURL: joinURL,
+		Gateway:           pki.WellKnownGateway{URL: j.gatewayURL, ServerName: j.serverName},
+		JoinEncryptionKey: enc, JoinSigningKey: sig,
+		ServingCA: string(pki.EncodeCertPEM(j.servingCA.Cert)),
+	}
+	doc.Pins.ServingCA = pki.PinOfSPKI(j.servingCA.Cert.RawSubjectPublicKeyInfo)
+	doc.Pins.JoinEncryption, doc.Pins.JoinSigning = pki.PinOfSPKI(enc), pki.PinOfSPKI(sig)
+	if j.editDoc != nil {
+		j.editDoc(&doc)
+	}
+	return doc
 }
 
 func (j *fakeJoin) Join(_ context.Context, req *connect.Request[joinv1.JoinRequest]) (*connect.Response[joinv1.JoinResponse], error) {
 	j.mu.Lock()
 	defer j.mu.Unlock()
 	j.calls++
+	j.requests = append(j.requests, req.Msg)
 	if j.failFirst > 0 {
 		j.failFirst--
 		return nil, connect.NewError(connect.CodeUnavailable, errors.New("database is starting"))
 	}
-	if req.Msg.GetToken() != goodToken {
+	token, err := pki.OpenJoinToken(j.joinKey, req.Msg.GetSealedToken(), req.Msg.GetCsrDer())
+	if err != nil {
+		return nil, connect.NewError(connect.CodeUnauthenticated, err)
+	}
+	if token != goodToken {
 		return nil, connect.NewError(connect.CodePermissionDenied, errors.New("join token is invalid"))
 	}
 	if j.uses >= j.maxUses {
@@ -166,7 +239,7 @@ func (j *fakeJoin) Join(_ context.Context, req *connect.Request[joinv1.JoinReque
 	}
 	j.uses++
 	j.claims = append(j.claims, req.Msg.GetClaims())
-	return connect.NewResponse(&joinv1.JoinResponse{
+	resp := &joinv1.JoinResponse{
 		NodeId:            nodeID,
 		CertificateDer:    cert.Raw,
 		NodeCaDer:         j.nodeCA.Cert.Raw,
@@ -176,7 +249,24 @@ func (j *fakeJoin) Join(_ context.Context, req *connect.Request[joinv1.JoinReque
 		TrustDomain:       trustDomain,
 		NotAfter:          timestamppb.New(cert.NotAfter),
 		PoolId:            "pool_test",
-	}), nil
+	}
+	if j.signedIntent {
+		resp.Trust = &joinv1.Trust{CommandSigningRoot: j.commandRoot}
+	}
+	if j.edit != nil {
+		j.edit(resp)
+	}
+	signer := j.signKey
+	if j.signWith != nil {
+		signer = j.signWith
+	}
+	if err := pki.SignJoinResponse(signer, resp); err != nil {
+		return nil, err
+	}
+	if j.tamper != nil {
+		j.tamper(resp)
+	}
+	return connect.NewResponse(resp), nil
 }
 
 func (j *fakeJoin) stats() (calls, uses int) {
@@ -759,4 +849,216 @@ func TestDataDirInUse(t *testing.T) {
 	require.ErrorContains(t, r2.Run(t.Context()), "in use by another fakedaemon")
 	_, uses := cp.join.stats()
 	require.Equal(t, 1, uses)
+}
+
+// TestJoinSealsTokenAndStoresTrust: the token travels only sealed, bound to
+// the CSR, and with signed intent the identity keeps the command-signing
+// root, which a restart reads back.
+func TestJoinSealsTokenAndStoresTrust(t *testing.T) {
+	cp := newControlPlane(t, 1)
+	cp.join.signedIntent = true
+	cfg := cp.config(t.TempDir(), 1)
+	ctx, cancel := context.WithCancel(t.Context())
+	r, err := fakedaemon.Start(ctx, cfg, fakedaemon.Deps{})
+	require.NoError(t, err)
+	waitEstablished(t, r)
+	cancel()
+	require.NoError(t, r.Wait())
+
+	require.Len(t, cp.join.requests, 1)
+	req := cp.join.requests[0]
+	raw, err := proto.Marshal(req)
+	require.NoError(t, err)
+	require.NotContains(t, string(raw), goodToken, "the token is never sent in clear")
+	_, err = pki.OpenJoinToken(cp.join.joinKey, req.GetSealedToken(), newCSRFor(t))
+	require.ErrorIs(t, err, pki.ErrSealOpen, "the seal is bound to the machine's CSR")
+
+	b, err := os.ReadFile(filepath.Join(r.Machines()[0].Dir(), fakedaemon.NodeFile))
+	require.NoError(t, err)
+	var ident fakedaemon.Identity
+	require.NoError(t, json.Unmarshal(b, &ident))
+	require.Equal(t, cp.join.commandRoot, ident.CommandSigningRoot)
+
+	// A restart reads the root back (a broken one is refused: see
+	// TestBrokenCommandSigningRootInIdentityIsRefused) and joins no more.
+	r2, _ := start(t, cfg, fakedaemon.Deps{})
+	waitEstablished(t, r2)
+	require.Equal(t, 1, cp.join.uses)
+}
+
+func TestBrokenCommandSigningRootInIdentityIsRefused(t *testing.T) {
+	cp := newControlPlane(t, 1)
+	cfg := cp.config(t.TempDir(), 1)
+	ctx, cancel := context.WithCancel(t.Context())
+	r, err := fakedaemon.Start(ctx, cfg, fakedaemon.Deps{})
+	require.NoError(t, err)
+	waitEstablished(t, r)
+	cancel()
+	require.NoError(t, r.Wait())
+	path := filepath.Join(r.Machines()[0].Dir(), fakedaemon.NodeFile)
+	b, err := os.ReadFile(path)
+	require.NoError(t, err)
+	var doc map[string]any
+	require.NoError(t, json.Unmarshal(b, &doc))
+	doc["command_signing_root"] = "bm90IGEga2V5" // base64 of "not a key"
+	b, err = json.Marshal(doc)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(path, b, 0o600))
+	r2, err := fakedaemon.New(cfg, fakedaemon.Deps{})
+	require.NoError(t, err)
+	require.ErrorContains(t, r2.Run(t.Context()), "command_signing_root")
+}
+
+func newCSRFor(t *testing.T) []byte {
+	t.Helper()
+	key, err := pki.GenerateKey()
+	require.NoError(t, err)
+	csr, err := pki.NewCSR(key, "other")
+	require.NoError(t, err)
+	return csr
+}
+
+// TestUntrustedJoinResponseIsRefused is the daemon's half of the bad joins:
+// a JoinResponse it cannot trust stops the machine with the reason, and
+// nothing of it is kept.
+func TestUntrustedJoinResponseIsRefused(t *testing.T) {
+	otherCA, err := pki.NewCA("another serving CA", clock.New().Now(), time.Hour)
+	require.NoError(t, err)
+	otherSigner, err := pki.GenerateSigningKey()
+	require.NoError(t, err)
+	otherRoot, err := x509.MarshalPKIXPublicKey(otherSigner.Public())
+	require.NoError(t, err)
+	for _, tc := range []struct {
+		name  string
+		setup func(j *fakeJoin)
+		want  string
+	}{
+		{"bad signature", func(j *fakeJoin) {
+			j.tamper = func(r *joinv1.JoinResponse) { r.Signature[3] ^= 0x10 }
+		}, "its signature does not verify with the pinned join signing key"},
+		{"unsigned", func(j *fakeJoin) {
+			j.tamper = func(r *joinv1.JoinResponse) { r.Signature = nil }
+		}, "it is not signed"},
+		{"changed after signing", func(j *fakeJoin) {
+			j.tamper = func(r *joinv1.JoinResponse) { r.GatewayUrl = "https://elsewhere.example:8443" }
+		}, "its signature does not verify"},
+		{"signed by another key than the pinned one", func(j *fakeJoin) {
+			j.signWith = otherSigner
+		}, "its signature does not verify with the pinned join signing key"},
+		{"document naming a signing key not matching the pin", func(j *fakeJoin) {
+			j.signKey = otherSigner // the document names it and it signs: both agree, the pin does not
+		}, "does not match the join signing pin"},
+		{"serving CA not matching its pin", func(j *fakeJoin) {
+			j.edit = func(r *joinv1.JoinResponse) { r.ServingCaDer = otherCA.Cert.Raw }
+		}, "serving_ca_der"},
+		{"command-signing root not matching its pin", func(j *fakeJoin) {
+			j.edit = func(r *joinv1.JoinResponse) { r.Trust = &joinv1.Trust{CommandSigningRoot: otherRoot} }
+		}, "trust.command_signing_root"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cp := newControlPlane(t, 1)
+			tc.setup(cp.join)
+			r, err := fakedaemon.New(cp.config(t.TempDir(), 1), fakedaemon.Deps{})
+			require.NoError(t, err)
+			err = r.Run(t.Context())
+			require.ErrorContains(t, err, tc.want)
+			require.Error(t, r.Ready())
+			require.NoFileExists(t, filepath.Join(r.Machines()[0].Dir(), fakedaemon.NodeFile))
+			require.Empty(t, cp.gw.helloes(r.Machines()[0].NodeID()))
+		})
+	}
+}
+
+// TestJoinNeedsTrustedKeys: without pins, or with a well-known document
+// whose keys do not match them, the machine never calls Join.
+func TestJoinNeedsTrustedKeys(t *testing.T) {
+	other, err := pki.GenerateJoinEncryptionKey()
+	require.NoError(t, err)
+	otherEnc, err := x509.MarshalPKIXPublicKey(other.PublicKey())
+	require.NoError(t, err)
+	for _, tc := range []struct {
+		name string
+		edit func(cp *controlPlane, cfg *fakedaemon.Config)
+		want string
+	}{
+		{"no pins", func(_ *controlPlane, cfg *fakedaemon.Config) { cfg.Pins = pki.Pins{} },
+			"refusing to join a deployment it cannot authenticate: no pins for --serving-ca-pin, --join-signing-pin, --join-encryption-pin"},
+		{"no serving CA pin", func(_ *controlPlane, cfg *fakedaemon.Config) { cfg.Pins.ServingCA = "" },
+			"no pins for --serving-ca-pin"},
+		{"document's encryption key not matching its pin", func(cp *controlPlane, _ *fakedaemon.Config) {
+			cp.join.editDoc = func(d *pki.WellKnown) { d.JoinEncryptionKey = otherEnc }
+		}, "does not match the join encryption pin"},
+		{"document's serving CA not matching its pin", func(cp *controlPlane, cfg *fakedaemon.Config) {
+			cfg.Pins.ServingCA = pki.PinOfSPKI(otherEnc)
+		}, "well-known document: servingCa"},
+		{"no join keys without a server", func(cp *controlPlane, cfg *fakedaemon.Config) {
+			cfg.Server, cfg.JoinURL = "", cp.joinURL
+		}, "no join keys: set --server"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cp := newControlPlane(t, 1)
+			cfg := cp.config(t.TempDir(), 1)
+			tc.edit(cp, &cfg)
+			r, err := fakedaemon.New(cfg, fakedaemon.Deps{})
+			require.NoError(t, err)
+			require.ErrorContains(t, r.Run(t.Context()), tc.want)
+			calls, _ := cp.join.stats()
+			require.Zero(t, calls)
+		})
+	}
+}
+
+// TestJoinWithKeysInsteadOfServer joins with the keys given directly (as
+// --join-keys-dir does), at JoinURL.
+func TestJoinWithKeysInsteadOfServer(t *testing.T) {
+	cp := newControlPlane(t, 1)
+	doc := cp.join.wellKnown(cp.joinURL)
+	cfg := cp.config(t.TempDir(), 1)
+	cfg.Server, cfg.JoinURL = "", cp.joinURL
+	cfg.JoinEncryptionKey, cfg.JoinSigningKey = doc.JoinEncryptionKey, doc.JoinSigningKey
+	r, _ := start(t, cfg, fakedaemon.Deps{})
+	waitEstablished(t, r)
+}
+
+// TestInsecureTrustServerPins joins with no pins but the escape hatch: the
+// document's own pins are taken.
+func TestInsecureTrustServerPins(t *testing.T) {
+	cp := newControlPlane(t, 1)
+	cfg := cp.config(t.TempDir(), 1)
+	cfg.Pins, cfg.InsecureTrustServerPins = pki.Pins{}, true
+	r, _ := start(t, cfg, fakedaemon.Deps{})
+	waitEstablished(t, r)
+	_, err := fakedaemon.New(fakedaemon.Config{InsecureTrustServerPins: true}, fakedaemon.Deps{})
+	require.ErrorContains(t, err, "needs a server")
+}
+
+// TestJoinOnly joins every machine and returns without sessions; a second
+// run has nothing to do and is no boot.
+func TestJoinOnly(t *testing.T) {
+	cp := newControlPlane(t, 2)
+	cfg := cp.config(t.TempDir(), 2)
+	cfg.JoinOnly = true
+	cfg.HealthListen = ":1" // ignored: joining only serves no health endpoint
+	r, err := fakedaemon.New(cfg, fakedaemon.Deps{})
+	require.NoError(t, err)
+	require.NoError(t, r.Run(t.Context()))
+	require.NoError(t, r.Ready())
+	for _, m := range r.Machines() {
+		require.NotEmpty(t, m.NodeID())
+		require.ElementsMatch(t, []string{fakedaemon.NodeFile, fakedaemon.JournalFile}, dirNames(t, m.Dir()))
+		require.Empty(t, cp.gw.helloes(m.NodeID()), "no session")
+	}
+	r2, err := fakedaemon.New(cfg, fakedaemon.Deps{})
+	require.NoError(t, err)
+	require.NoError(t, r2.Run(t.Context()))
+	require.Equal(t, r.Machines()[1].NodeID(), r2.Machines()[1].NodeID())
+	require.NoFileExists(t, filepath.Join(r2.Machines()[0].Dir(), fakedaemon.BootFile))
+	calls, uses := cp.join.stats()
+	require.Equal(t, 2, calls)
+	require.Equal(t, 2, uses)
+}
+
+func TestNewRefusesMalformedPins(t *testing.T) {
+	_, err := fakedaemon.New(fakedaemon.Config{Pins: pki.Pins{JoinSigning: "sha256/short"}}, fakedaemon.Deps{})
+	require.ErrorContains(t, err, "pins: joinSigning")
 }

@@ -40,6 +40,8 @@ type Machine struct {
 
 	mu sync.Mutex
 	st MachineStatus
+
+	cert clientCert // the node certificate presented at each TLS handshake
 }
 
 // MachineStatus is a snapshot of a machine.
@@ -64,6 +66,11 @@ type MachineStatus struct {
 	ObservedGeneration int64
 	// Sessions counts the sessions that reached Welcome.
 	Sessions int
+	// CertNotAfter is when the node certificate in use expires.
+	CertNotAfter time.Time
+	// Renewals counts the certificates renewed over the session and stored
+	// since the machine started.
+	Renewals int
 }
 
 // Index returns the machine's index.
@@ -157,12 +164,20 @@ func (m *Machine) run(ctx context.Context) error {
 		if id, err = m.join(ctx, hw); err != nil {
 			return err
 		}
-	} else if boot, err = nextBoot(m.dir); err != nil {
-		return fmt.Errorf("machine %d: %w", m.index, err)
+	} else if !m.r.cfg.JoinOnly { // joining only is no boot of the machine
+		if boot, err = nextBoot(m.dir); err != nil {
+			return fmt.Errorf("machine %d: %w", m.index, err)
+		}
 	}
 	log := m.log.With(telemetry.KeyNodeID, id.NodeID)
 	hw.SetBoot(boot)
-	m.update(func(s *MachineStatus) { s.NodeID, s.Joined, s.BootID = id.NodeID, true, hw.BootID() })
+	m.update(func(s *MachineStatus) {
+		s.NodeID, s.Joined, s.BootID, s.CertNotAfter = id.NodeID, true, hw.BootID(), id.cert.NotAfter
+	})
+
+	if m.r.cfg.JoinOnly {
+		return nil
+	}
 
 	j, err := openFileJournal(m.dir, m.r.clk.Now(), true)
 	if err != nil {
@@ -185,20 +200,30 @@ func (m *Machine) run(ctx context.Context) error {
 	acfg.NodeID = id.NodeID
 	acfg.AgentVersion = m.r.cfg.AgentVersion
 	acfg.Logger = log
+	acfg.CertNotBefore, acfg.CertNotAfter = id.cert.NotBefore, id.cert.NotAfter
+	acfg.CommandSigningRoot = id.CommandSigningKey()
 	seed := sha256.Sum256([]byte(machineID))
 	agent, err := daemon.New(acfg, hw, j, rand.New(rand.NewPCG(binary.BigEndian.Uint64(seed[:8]), boot)))
 	if err != nil {
 		return err
 	}
 	d := &driver{m: m, log: log, clk: m.r.clk, agent: agent, client: client, hw: hw,
-		events: make(chan event, 16), timer: m.r.clk.NewTimer(time.Hour)}
+		events: make(chan event, 16), timer: m.r.clk.NewTimer(time.Hour),
+		rn: renewState{id: id, url: gwURL, tlsCfg: tlsCfg, tr: tr}}
 	d.timer.Stop()
 	log.Info("machine up", "variant", variant, "boot", boot, "gateway", gwURL)
 	return d.loop(ctx)
 }
 
-// join makes the node's identity with JoinService, retrying transient errors.
+// join makes the node's identity with JoinService, retrying transient
+// errors: the token goes sealed to JoinService's key and bound to the CSR,
+// and nothing of the response is used before pki.CheckJoinResponse accepted
+// it against the pins.
 func (m *Machine) join(ctx context.Context, hw *fakehw.Machine) (*Identity, error) {
+	trust, err := m.r.joinTrust(ctx)
+	if err != nil {
+		return nil, err
+	}
 	// The key lives in memory until the identity is saved: a Join that
 	// never completed leaves nothing on disk, so a restart joins afresh.
 	key, err := pki.GenerateKey()
@@ -213,9 +238,13 @@ func (m *Machine) join(ctx context.Context, hw *fakehw.Machine) (*Identity, erro
 	if err != nil {
 		return nil, err
 	}
+	sealed, err := pki.SealJoinToken(trust.keys.Encryption, token, csr)
+	if err != nil {
+		return nil, fmt.Errorf("machine %d: seal the join token: %w", m.index, err)
+	}
 	req := &joinv1.JoinRequest{
-		Credential: &joinv1.JoinRequest_Token{Token: token},
-		CsrDer:     csr,
+		SealedToken: sealed,
+		CsrDer:      csr,
 		Claims: &joinv1.Claims{
 			Hostname:     hw.Hostname(),
 			MachineId:    hw.MachineID(),
@@ -230,7 +259,7 @@ func (m *Machine) join(ctx context.Context, hw *fakehw.Machine) (*Identity, erro
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		}
-		resp, err = m.r.join.Join(ctx, connect.NewRequest(req))
+		resp, err = trust.client.Join(ctx, connect.NewRequest(req))
 		<-m.r.joinSem
 		if err == nil {
 			break
@@ -250,41 +279,36 @@ func (m *Machine) join(ctx context.Context, hw *fakehw.Machine) (*Identity, erro
 		}
 	}
 	msg := resp.Msg
-	cert, err := x509.ParseCertificate(msg.GetCertificateDer())
+	v, err := pki.CheckJoinResponse(msg, trust.pins, trust.keys.SigningSPKI)
 	if err != nil {
-		return nil, fmt.Errorf("machine %d: join response: certificate: %w", m.index, err)
+		return nil, fmt.Errorf("machine %d: %w", m.index, err)
 	}
-	if !samePublicKey(cert, key.Public()) {
+	if !samePublicKey(v.Certificate, key.Public()) {
 		return nil, fmt.Errorf("machine %d: join response: the certificate is not for this machine's key", m.index)
 	}
-	servingCA, err := x509.ParseCertificate(msg.GetServingCaDer())
-	if err != nil {
-		return nil, fmt.Errorf("machine %d: join response: serving CA: %w", m.index, err)
-	}
-	var nodeCA *x509.Certificate
-	if len(msg.GetNodeCaDer()) > 0 {
-		if nodeCA, err = x509.ParseCertificate(msg.GetNodeCaDer()); err != nil {
-			return nil, fmt.Errorf("machine %d: join response: node CA: %w", m.index, err)
-		}
-	}
-	if msg.GetNodeId() == "" || (msg.GetGatewayUrl() == "" && m.r.cfg.GatewayURL == "") {
-		return nil, fmt.Errorf("machine %d: join response lacks node_id or gateway_url", m.index)
-	}
 	id := &Identity{
-		NodeID:            msg.GetNodeId(),
-		MachineID:         hw.MachineID(),
-		Variant:           hw.Variant(),
-		GatewayURL:        msg.GetGatewayUrl(),
-		GatewayServerName: msg.GetGatewayServerName(),
-		TrustDomain:       msg.GetTrustDomain(),
-		PoolID:            msg.GetPoolId(),
-		JoinedAt:          m.r.clk.Now().UTC(),
-		key:               key,
-		cert:              cert,
-		servingCA:         servingCA,
+		NodeID:             msg.GetNodeId(),
+		MachineID:          hw.MachineID(),
+		Variant:            hw.Variant(),
+		GatewayURL:         msg.GetGatewayUrl(),
+		GatewayServerName:  msg.GetGatewayServerName(),
+		TrustDomain:        msg.GetTrustDomain(),
+		PoolID:             msg.GetPoolId(),
+		JoinedAt:           m.r.clk.Now().UTC(),
+		CommandSigningRoot: msg.GetTrust().GetCommandSigningRoot(),
+		key:                key,
+		cert:               v.Certificate,
+		servingCA:          v.ServingCA,
+		commandRoot:        v.CommandSigningRoot,
+	}
+	if id.GatewayURL == "" {
+		id.GatewayURL, id.GatewayServerName = trust.gateway.URL, trust.gateway.ServerName
 	}
 	if id.GatewayURL == "" {
 		id.GatewayURL = m.r.cfg.GatewayURL
+	}
+	if id.NodeID == "" || id.GatewayURL == "" {
+		return nil, fmt.Errorf("machine %d: join response lacks node_id or gateway_url", m.index)
 	}
 	if msg.GetNotAfter() != nil {
 		id.NotAfter = msg.GetNotAfter().AsTime()
@@ -294,10 +318,11 @@ func (m *Machine) join(ctx context.Context, hw *fakehw.Machine) (*Identity, erro
 	if err := initFileJournal(m.dir); err != nil {
 		return nil, fmt.Errorf("machine %d: journal: %w", m.index, err)
 	}
-	if err := id.save(m.dir, nodeCA); err != nil {
+	if err := id.save(m.dir, v.NodeCA); err != nil {
 		return nil, fmt.Errorf("machine %d: save identity: %w", m.index, err)
 	}
-	m.log.Info("joined", telemetry.KeyNodeID, id.NodeID, telemetry.KeyPoolID, id.PoolID)
+	m.log.Info("joined", telemetry.KeyNodeID, id.NodeID, telemetry.KeyPoolID, id.PoolID,
+		"signed_intent", id.commandRoot != nil)
 	return id, nil
 }
 
@@ -330,12 +355,14 @@ func (m *Machine) gatewayTLS(id *Identity) (string, *tls.Config, error) {
 	}
 	roots := x509.NewCertPool()
 	roots.AddCert(id.servingCA)
+	m.cert.set(id)
 	return raw, &tls.Config{
-		Certificates: []tls.Certificate{id.tlsCertificate()},
-		RootCAs:      roots,
-		ServerName:   name,
-		MinVersion:   tls.VersionTLS12,
-		NextProtos:   []string{"h2"},
+		// The newest certificate: a renewal replaces it (renew.go).
+		GetClientCertificate: m.cert.get,
+		RootCAs:              roots,
+		ServerName:           name,
+		MinVersion:           tls.VersionTLS12,
+		NextProtos:           []string{"h2"},
 	}, nil
 }
 
@@ -388,10 +415,12 @@ type driver struct {
 	timer  clock.Timer
 	cur    *session
 	ctx    context.Context
+	rn     renewState // certificate renewal (renew.go)
 }
 
 func (d *driver) loop(ctx context.Context) error {
 	d.ctx = ctx
+	defer d.closeTransports()
 	defer d.closeSession()
 	defer d.timer.Stop()
 	d.apply(d.agent.Start(d.clk.Now()))
@@ -434,6 +463,7 @@ func (d *driver) apply(effects []daemon.Effect) {
 			}
 		case daemon.EffectDial:
 			d.closeSession()
+			d.freshTransport()
 			d.open(e.Session)
 			effects = append(effects, d.agent.Connected(d.clk.Now(), e.Session)...)
 		case daemon.EffectClose:
@@ -451,6 +481,8 @@ func (d *driver) apply(effects []daemon.Effect) {
 			if err := writeBoot(d.m.dir, d.hw.Boot()); err != nil {
 				d.log.Warn("could not persist the boot counter", telemetry.KeyError, err)
 			}
+		case daemon.EffectMakeCSR, daemon.EffectCertificate:
+			effects = append(effects, d.renewEffect(e)...)
 		}
 	}
 	st := d.agent.Status()

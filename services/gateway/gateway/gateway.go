@@ -12,6 +12,16 @@
 // sessions' pending work in one query. Heartbeats and other messages record
 // last_seen through a batch that one loop flushes every FlushInterval.
 //
+// Trust: a session is refused at Hello, and an open one closed with
+// Unauthenticated "certificate revoked", when its certificate or its node is
+// revoked (RevokeNode pokes the gateway; the periodic re-read is the
+// backstop). A daemon renews its certificate on the session
+// (RenewCertificate): the gateway signs the CSR with the node CA for
+// NodeCertTTL, records it in node_certs and answers CertificateIssued, never
+// dropping the session. Commands and DesiredStates carry the signatures
+// stored with them (signedIntent) untouched; the gateway holds no signing
+// key. Spec refusals daemons report become node.spec_refused events.
+//
 // Memory per session is kept small for thousands of idle sessions: one
 // goroutine of ours per stream (the Connect handler, blocked in Receive);
 // sends run on a short-lived goroutine started when a session is woken (one
@@ -66,6 +76,9 @@ const (
 	DefaultResyncInterval    = 5 * time.Second
 	DefaultFlushInterval     = time.Second
 	DefaultHelloTimeout      = 10 * time.Second
+	// DefaultNodeCertTTL is the default Config.NodeCertTTL, the same as
+	// JoinService's.
+	DefaultNodeCertTTL = 24 * time.Hour
 	// DefaultFlushBatch is the default Config.FlushBatch.
 	DefaultFlushBatch = 5000
 )
@@ -105,6 +118,12 @@ type Config struct {
 	// TrustDomain is the SPIFFE trust domain of node certificates;
 	// pki.ReadTrustDomain(PKIDir) when empty.
 	TrustDomain string
+	// NodeCA signs renewed node certificates; PKIDir's node-ca.crt and
+	// node-ca.key when nil.
+	NodeCA *pki.CA
+	// NodeCertTTL is how long a renewed node certificate is valid (env
+	// BC_NODE_CERT_TTL, DefaultNodeCertTTL).
+	NodeCertTTL time.Duration
 	// HeartbeatInterval is how often daemons are told to send a heartbeat
 	// (Welcome.heartbeat_interval; env BC_HEARTBEAT_INTERVAL, 10 s).
 	HeartbeatInterval time.Duration
@@ -217,6 +236,16 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if cfg.HelloTimeout <= 0 {
 		cfg.HelloTimeout = DefaultHelloTimeout
 	}
+	if cfg.NodeCertTTL <= 0 {
+		cfg.NodeCertTTL = DefaultNodeCertTTL
+	}
+	if cfg.NodeCA == nil {
+		ca, err := pki.LoadCA(filepath.Join(cfg.PKIDir, pki.NodeCACert), filepath.Join(cfg.PKIDir, pki.NodeCAKey))
+		if err != nil {
+			return nil, fmt.Errorf("gateway: load the node CA that signs renewed certificates: %w", err)
+		}
+		cfg.NodeCA = ca
+	}
 	if cfg.ServingCert == nil {
 		c, err := tls.LoadX509KeyPair(filepath.Join(cfg.PKIDir, pki.GatewayCert), filepath.Join(cfg.PKIDir, pki.GatewayKey))
 		if err != nil {
@@ -225,12 +254,8 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		cfg.ServingCert = &c
 	}
 	if cfg.ClientCAs == nil {
-		ca, err := pki.LoadCert(filepath.Join(cfg.PKIDir, pki.NodeCACert))
-		if err != nil {
-			return nil, fmt.Errorf("gateway: load node CA: %w", err)
-		}
 		cfg.ClientCAs = x509.NewCertPool()
-		cfg.ClientCAs.AddCert(ca)
+		cfg.ClientCAs.AddCert(cfg.NodeCA.Cert)
 	}
 	if cfg.TrustDomain == "" {
 		td, err := pki.ReadTrustDomain(cfg.PKIDir)
@@ -459,7 +484,8 @@ func (s *Server) resyncLoop(ctx context.Context) {
 // resync closes silent streams and re-reads, in one query, the pending work
 // of every session this gateway holds: it wakes the sessions whose node has
 // queued commands or a spec newer than the session knows, and closes the
-// sessions that another session superseded.
+// sessions that another session superseded or whose node or certificate was
+// revoked.
 func (s *Server) resync(ctx context.Context) {
 	now := s.clk.Now().UnixNano()
 	idle := s.cfg.IdleTimeout.Nanoseconds()
@@ -481,7 +507,7 @@ func (s *Server) resync(ctx context.Context) {
 	}
 	refs := make([]store.SessionRef, 0, len(s.byNode))
 	for id, st := range s.byNode {
-		refs = append(refs, store.SessionRef{NodeID: id, SessionID: st.sessionID})
+		refs = append(refs, store.SessionRef{NodeID: id, SessionID: st.sessionID, Serial: st.serial})
 	}
 	s.mu.Unlock()
 	for _, x := range silent {
@@ -505,6 +531,9 @@ func (s *Server) resync(ctx context.Context) {
 			continue
 		}
 		switch {
+		case w.Revoked:
+			s.log.Warn("closing the session of a revoked node", telemetry.KeyNodeID, w.NodeID, telemetry.KeySessionID, w.SessionID)
+			st.abort(errRevoked)
 		case w.Superseded:
 			st.abort(errSuperseded)
 		case w.Queued || w.SpecGeneration > st.known():

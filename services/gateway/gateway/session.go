@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -15,7 +16,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/types/known/durationpb"
-	"google.golang.org/protobuf/types/known/timestamppb"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	"github.com/better-compute/better-compute/pkg/clock"
@@ -32,6 +32,9 @@ var (
 	errNoHello      = connect.NewError(connect.CodeDeadlineExceeded, errors.New("no hello within the hello timeout"))
 	errShuttingDown = connect.NewError(connect.CodeUnavailable, errors.New("gateway is shutting down; reconnect"))
 	errPendingWork  = connect.NewError(connect.CodeUnavailable, errors.New("the gateway could not read the session's pending work; reconnect"))
+	// errRevoked ends the session of a revoked node or certificate, and
+	// refuses its Hello.
+	errRevoked = connect.NewError(connect.CodeUnauthenticated, errors.New("certificate revoked"))
 )
 
 // Delivery states of a session (session.state). A wake moves idle to
@@ -66,6 +69,10 @@ type session struct {
 	reported atomic.Int64 // greatest generation the daemon reported
 	sent     atomic.Int64 // greatest generation sent in this session
 	state    atomic.Int32 // stIdle, stRunning, stDirty | stClosed
+
+	// issued is the answer to a RenewCertificate, sent by the next
+	// delivery (the only sender after Welcome).
+	issued atomic.Pointer[gatewayv1.CertificateIssued]
 
 	// deliverMu is held while delivering; closing takes it to wait for a
 	// delivery in flight, so no Send runs after the handler returns.
@@ -264,7 +271,7 @@ func (s *Server) hello(ctx context.Context, st *session, h *gatewayv1.Hello) (*g
 		case err != nil:
 			return err
 		case cert.RevokedAt != nil:
-			refusal = connect.NewError(connect.CodeUnauthenticated, errors.New("the client certificate is revoked"))
+			refusal = errRevoked
 			return nil
 		case !cert.NotAfter.After(now):
 			refusal = connect.NewError(connect.CodeUnauthenticated, errors.New("the client certificate has expired"))
@@ -403,11 +410,20 @@ func (s *Server) deliverLoop(st *session) {
 	}
 }
 
-// deliver sends st the work it does not have: the commands it claims and the
-// DesiredState when the spec is newer than what the daemon has or was sent.
-// Failures are logged; the periodic re-read retries.
+// deliver sends st the work it does not have: a pending CertificateIssued,
+// the commands it claims and the DesiredState when the spec is newer than
+// what the daemon has or was sent, each with its stored signature. It ends
+// the session of a revoked node. Failures are logged; the periodic re-read
+// retries.
 func (s *Server) deliver(st *session) {
 	ctx := st.ctx
+	if ci := st.issued.Swap(nil); ci != nil {
+		msg := &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_CertificateIssued{CertificateIssued: ci}}
+		if err := st.stream.Send(msg); err != nil {
+			s.log.Debug("send certificate", telemetry.KeyNodeID, st.nodeID, telemetry.KeyError, err)
+			return
+		}
+	}
 	known := st.known()
 	d, err := store.ClaimSessionDelivery(ctx, s.db.Pool, s.db.Now(), st.nodeID, st.sessionID, known, st.inFlight)
 	if err != nil {
@@ -421,19 +437,18 @@ func (s *Server) deliver(st *session) {
 		}
 		return
 	}
+	if d.Revoked {
+		s.log.Warn("closing the session of a revoked node", telemetry.KeyNodeID, st.nodeID, telemetry.KeySessionID, st.sessionID)
+		st.abort(errRevoked)
+		return
+	}
 	if !d.Current {
 		st.abort(errSuperseded)
 		return
 	}
 	st.inFlight = false
 	for _, c := range d.Commands {
-		msg := &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_Command{Command: &gatewayv1.Command{
-			CommandId: c.ID,
-			Kind:      c.Kind,
-			ArgsJson:  c.Args,
-			Deadline:  timestamppb.New(c.Deadline),
-			RetrySafe: c.RetrySafe,
-		}}}
+		msg := &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_Command{Command: store.CommandMessage(c)}}
 		if err := st.stream.Send(msg); err != nil {
 			s.log.Debug("send command", telemetry.KeyNodeID, st.nodeID, telemetry.KeyCommandID, c.ID, telemetry.KeyError, err)
 			return
@@ -441,15 +456,12 @@ func (s *Server) deliver(st *session) {
 		s.log.Info("command delivered", telemetry.KeyNodeID, st.nodeID, telemetry.KeyCommandID, c.ID, "kind", c.Kind)
 	}
 	if d.Spec != nil && d.SpecGeneration > known {
-		spec := &gatewayv1.NodeSpec{}
-		if err := (protojson.UnmarshalOptions{DiscardUnknown: true}).Unmarshal(d.Spec, spec); err != nil {
+		ds, err := store.DesiredStateMessage(d.SpecGeneration, d.Spec, d.SpecSignature)
+		if err != nil {
 			s.log.Error("node spec is not a NodeSpec", telemetry.KeyNodeID, st.nodeID, "spec_generation", d.SpecGeneration, telemetry.KeyError, err)
 			return
 		}
-		msg := &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_DesiredState{DesiredState: &gatewayv1.DesiredState{
-			Generation: d.SpecGeneration,
-			Spec:       spec,
-		}}}
+		msg := &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_DesiredState{DesiredState: ds}}
 		if err := st.stream.Send(msg); err != nil {
 			s.log.Debug("send desired state", telemetry.KeyNodeID, st.nodeID, telemetry.KeyError, err)
 			return
@@ -483,6 +495,9 @@ func (s *Server) handle(ctx context.Context, st *session, req *gatewayv1.Session
 		return s.commandUpdate(ctx, st, m.CommandUpdate)
 	case *gatewayv1.SessionRequest_Report:
 		return s.report(ctx, st, m.Report)
+	case *gatewayv1.SessionRequest_RenewCertificate:
+		s.renew(ctx, st, m.RenewCertificate)
+		return nil
 	case *gatewayv1.SessionRequest_Hello:
 		return connect.NewError(connect.CodeInvalidArgument, errors.New("hello may only be the first message of a session"))
 	default:
@@ -536,6 +551,10 @@ func (s *Server) commandUpdate(ctx context.Context, st *session, u *gatewayv1.Co
 			telemetry.KeyCommandID, u.GetCommandId(), "state", state)
 		return nil
 	}
+	if state == "failed" && strings.HasPrefix(u.GetError(), refusedPrefix) {
+		s.log.Warn("the daemon refused a command", telemetry.KeyNodeID, st.nodeID, telemetry.KeyCommandID, u.GetCommandId(),
+			"reason", u.GetError())
+	}
 	s.log.Info("command updated", telemetry.KeyNodeID, st.nodeID, telemetry.KeyCommandID, u.GetCommandId(), "state", state)
 	return nil
 }
@@ -554,6 +573,8 @@ func (s *Server) report(ctx context.Context, st *session, r *gatewayv1.Report) e
 			return errRecord
 		}
 		s.log.Info("observed generation", telemetry.KeyNodeID, st.nodeID, "observed_generation", gen)
+	case *gatewayv1.Report_SpecRefused:
+		return s.specRefused(ctx, st, m.SpecRefused)
 	case nil:
 		return connect.NewError(connect.CodeInvalidArgument, errors.New("report is empty"))
 	default:

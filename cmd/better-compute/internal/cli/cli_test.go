@@ -18,6 +18,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/iam"
 	"github.com/better-compute/better-compute/pkg/ids"
+	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/services/api/apitest"
@@ -315,10 +316,17 @@ func TestBootstrapIsIdempotent(t *testing.T) {
 	stEnv, err := os.Stat(envFile)
 	require.NoError(t, err)
 
+	require.Contains(t, first.stderr, "printed only this once")
+
+	// A re-run reuses everything and does not print the root token again.
+	withoutToken := "export BETTER_COMPUTE_TENANT=" + exports["BETTER_COMPUTE_TENANT"] + "\n" +
+		"export BETTER_COMPUTE_POOL=" + exports["BETTER_COMPUTE_POOL"] + "\n"
 	second := r.run(t, args...)
 	require.Equal(t, 0, second.code, second.stderr)
-	require.Equal(t, first.stdout, second.stdout, "same tenant, token and pool")
+	require.Equal(t, withoutToken, second.stdout, "same tenant and pool, no token")
+	require.NotContains(t, second.stdout+second.stderr, exports["BETTER_COMPUTE_TOKEN"])
 	require.Contains(t, second.stderr, "root token reused")
+	require.Contains(t, second.stderr, "not printed again; it is in "+envFile)
 	require.Contains(t, second.stderr, "reused (0 of 1000 uses)")
 	require.NotContains(t, second.stderr, "wrote ")
 	for path, before := range map[string]os.FileInfo{tokenFile: stTok, envFile: stEnv} {
@@ -359,7 +367,7 @@ func TestBootstrapIsIdempotent(t *testing.T) {
 	require.NoError(t, err)
 	third := r.run(t, args...)
 	require.Equal(t, 0, third.code, third.stderr)
-	require.Equal(t, first.stdout, third.stdout)
+	require.Equal(t, withoutToken, third.stdout)
 	require.Contains(t, third.stderr, "wrote "+tokenFile)
 	require.NotContains(t, third.stderr, "wrote "+envFile)
 	replaced, err := os.ReadFile(tokenFile)
@@ -374,11 +382,22 @@ func TestPKIInit(t *testing.T) {
 	res := r.run(t, "pki", "init", "--dir", dir, "--trust-domain", "fleet.example", "--gateway-name", "gw.example",
 		"--gateway-name", "10.0.0.1")
 	require.Equal(t, 0, res.code, res.stderr)
-	for _, name := range []string{"node-ca.crt", "node-ca.key", "serving-ca.crt", "serving-ca.key", "gateway.crt", "gateway.key", "trust-domain"} {
+	for _, name := range []string{"node-ca.crt", "node-ca.key", "serving-ca.crt", "serving-ca.key", "gateway.crt", "gateway.key", "trust-domain",
+		"join-encryption.key", "join-encryption.pub", "join-signing.key", "join-signing.pub", "command-signing.key", "command-signing.pub", "pins.json"} {
 		require.Contains(t, res.stdout, "wrote "+filepath.Join(dir, name))
 		require.FileExists(t, filepath.Join(dir, name))
 	}
 	require.Contains(t, res.stdout, "node-ca.key (private key, mode 0600)")
+	require.Contains(t, res.stdout, "join-encryption.key (private key, mode 0600)")
+	// The pins (public) are printed, as pins.json holds them.
+	pins, err := pki.ReadPins(dir)
+	require.NoError(t, err)
+	pinLines := "pins (for daemons: --pins-file " + filepath.Join(dir, "pins.json") + ", or one flag each):\n" +
+		"  --serving-ca-pin       " + pins.ServingCA + "\n" +
+		"  --join-signing-pin     " + pins.JoinSigning + "\n" +
+		"  --join-encryption-pin  " + pins.JoinEncryption + "\n" +
+		"  --command-signing-pin  " + pins.CommandSigning + "\n"
+	require.True(t, strings.HasSuffix(res.stdout, pinLines), "%s", res.stdout)
 	require.Contains(t, res.stdout, "trust domain fleet.example")
 	require.NotContains(t, res.stdout+res.stderr, "PRIVATE KEY")
 	require.NotContains(t, res.stdout+res.stderr, "BEGIN")
@@ -386,18 +405,49 @@ func TestPKIInit(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, os.FileMode(0o600), st.Mode().Perm())
 
-	res = r.run(t, "pki", "init", "--dir", dir)
+	// Run again: nothing written but the pins file asked for, pins printed.
+	pinsOut := filepath.Join(t.TempDir(), "pins.json")
+	res = r.run(t, "pki", "init", "--dir", dir, "--pins-out", pinsOut)
 	require.Equal(t, 0, res.code, res.stderr)
-	require.Equal(t, "PKI in "+dir+" is complete; nothing written (trust domain fleet.example)\n", res.stdout)
+	require.Equal(t, "PKI in "+dir+" is complete; nothing written (trust domain fleet.example)\n"+
+		"wrote "+pinsOut+"\n"+pinLines, res.stdout)
+	copied, err := pki.ReadPinsFile(pinsOut)
+	require.NoError(t, err)
+	require.Equal(t, pins, copied)
+	res = r.run(t, "pki", "init", "--dir", dir, "--pins-out", pinsOut)
+	require.Equal(t, 0, res.code, res.stderr)
+	require.NotContains(t, res.stdout, "wrote", "an unchanged pins file is not rewritten")
+}
+
+// migrationVersions returns the versions of the embedded migrations, in
+// order.
+func migrationVersions(t *testing.T) []string {
+	t.Helper()
+	entries, err := store.Migrations.ReadDir("migrations")
+	require.NoError(t, err)
+	var out []string
+	for _, e := range entries {
+		if num, ok := strings.CutSuffix(e.Name(), ".up.sql"); ok {
+			num, _, _ = strings.Cut(num, "_")
+			out = append(out, strings.TrimLeft(num, "0"))
+		}
+	}
+	require.NotEmpty(t, out)
+	return out
 }
 
 func TestMigrate(t *testing.T) {
 	t.Parallel()
+	versions := migrationVersions(t)
+	latest, previous := versions[len(versions)-1], "0"
+	if len(versions) > 1 {
+		previous = versions[len(versions)-2]
+	}
 	url := storetest.NewURL(t)
 	r := runner{env: map[string]string{"BETTER_COMPUTE_DATABASE_URL": url}}
 	res := r.run(t, "migrate", "version")
 	require.Equal(t, 0, res.code, res.stderr)
-	require.Contains(t, res.stdout, "current: schema version 1 on ")
+	require.Contains(t, res.stdout, "current: schema version "+latest+" on ")
 	require.NotContains(t, res.stdout, ":bc@", "the password is redacted")
 
 	res = r.run(t, "migrate", "down", "--steps", "0")
@@ -408,10 +458,10 @@ func TestMigrate(t *testing.T) {
 	require.Contains(t, res.stdout, "migrated down: schema version 0")
 	res = r.run(t, "migrate", "up", "--database-url", url)
 	require.Equal(t, 0, res.code, res.stderr)
-	require.Contains(t, res.stdout, "migrated up: schema version 1")
+	require.Contains(t, res.stdout, "migrated up: schema version "+latest+" on ")
 	res = r.run(t, "migrate", "down")
 	require.Equal(t, 0, res.code, res.stderr)
-	require.Contains(t, res.stdout, "migrated down: schema version 0")
+	require.Contains(t, res.stdout, "migrated down: schema version "+previous+" on ", "one step")
 	res = r.run(t, "migrate", "up")
 	require.Equal(t, 0, res.code, res.stderr)
 }

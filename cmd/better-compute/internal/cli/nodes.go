@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"fmt"
 	"strconv"
 	"time"
 
@@ -11,8 +12,8 @@ import (
 )
 
 func (a *app) nodesCmd() *cobra.Command {
-	c := &cobra.Command{Use: "nodes", Short: "List and inspect nodes"}
-	c.AddCommand(a.nodesListCmd(), a.nodesGetCmd())
+	c := &cobra.Command{Use: "nodes", Short: "List, inspect and revoke nodes"}
+	c.AddCommand(a.nodesListCmd(), a.nodesGetCmd(), a.nodesRevokeCmd())
 	return c
 }
 
@@ -95,7 +96,7 @@ func (a *app) nodesListCmd() *cobra.Command {
 func (a *app) nodesGetCmd() *cobra.Command {
 	return &cobra.Command{
 		Use:   "get NODE_ID",
-		Short: "Show one node as JSON",
+		Short: "Show one node as JSON (revokedAt and certNotAfter when set)",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			cl, err := a.clients()
@@ -109,4 +110,32 @@ func (a *app) nodesGetCmd() *cobra.Command {
 			return writeProto(a.env.Stdout, res.Msg.Node)
 		},
 	}
+}
+
+func (a *app) nodesRevokeCmd() *cobra.Command {
+	var reason string
+	c := &cobra.Command{
+		Use:   "revoke NODE_ID",
+		Short: "Revoke a node: its certificates stop working and its open session is closed within seconds",
+		Long: "Revoke every certificate of a node. The node can no longer open a session or renew its\n" +
+			"certificate, and the gateway closes its open session within seconds. Revoking a revoked\n" +
+			"node changes nothing. The machine must join again, as a new node, to come back.",
+		Args: cobra.ExactArgs(1),
+	}
+	c.Flags().StringVar(&reason, "reason", "", "why, recorded in the audit log (at most 256 characters)")
+	c.RunE = func(cmd *cobra.Command, args []string) error {
+		cl, err := a.clients()
+		if err != nil {
+			return err
+		}
+		res, err := cl.nodes.RevokeNode(cmd.Context(), connect.NewRequest(&computev1.RevokeNodeRequest{NodeId: args[0], Reason: reason}))
+		if err != nil {
+			return err
+		}
+		n := res.Msg.GetNode()
+		fmt.Fprintf(a.env.Stdout, "revoked %s at %s (%d certificate(s) revoked now)\n", n.GetId(),
+			n.GetRevokedAt().AsTime().UTC().Format(time.RFC3339), res.Msg.GetCertificatesRevoked())
+		return nil
+	}
+	return c
 }

@@ -1,0 +1,98 @@
+package store
+
+// Queries of node trust: revocation (the API's RevokeNode), certificate
+// renewal over the session (the gateway), and the refusals daemons report
+// when signedIntent is on.
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"time"
+)
+
+// Event types about node trust (events.type).
+const (
+	// EventNodeRevoked is written when an operator revokes a node.
+	EventNodeRevoked = "node.revoked"
+	// EventNodeSpecRefused is written when a daemon refuses a DesiredState
+	// (signedIntent: unsigned or wrongly signed).
+	EventNodeSpecRefused = "node.spec_refused"
+)
+
+// RevokedNode says what RevokeNode did.
+type RevokedNode struct {
+	// RevokedAt is when the node was revoked: now, or the earlier time of a
+	// previous revocation.
+	RevokedAt time.Time
+	// CertificatesRevoked is how many of the node's certificates this call
+	// revoked (0 when they all were already).
+	CertificatesRevoked int
+	// Newly is false when the node was already revoked.
+	Newly bool
+}
+
+// RevokeNode revokes node nodeID at now: it sets nodes.revoked_at (kept when
+// already set), revokes every certificate of the node not yet revoked,
+// writes a node.revoked event for the pool owner's tenant (with reason) when
+// the node was not revoked before, and pokes the gateway holding the node's
+// session so that it closes it. Call it in a transaction (with the caller's
+// audit row). Errors: ErrNotFound when the node does not exist.
+func RevokeNode(ctx context.Context, q DBTX, now time.Time, nodeID, reason string) (RevokedNode, error) {
+	var out RevokedNode
+	var owner string
+	// Updating the node first locks it: a concurrent renewal
+	// (LockSessionCert) waits for this transaction and then sees it.
+	err := q.QueryRow(ctx, `WITH prev AS (SELECT id, revoked_at FROM nodes WHERE id = $1 FOR UPDATE)
+		UPDATE nodes n SET revoked_at = COALESCE(prev.revoked_at, $2),
+			updated_at = CASE WHEN prev.revoked_at IS NULL THEN $2 ELSE n.updated_at END
+		FROM prev, pools p WHERE n.id = prev.id AND p.id = n.pool_id
+		RETURNING n.revoked_at, prev.revoked_at IS NULL, p.owner_tenant_id`, nodeID, now).Scan(&out.RevokedAt, &out.Newly, &owner)
+	if err != nil {
+		return RevokedNode{}, queryErr(fmt.Sprintf("node %s", nodeID), err)
+	}
+	tag, err := q.Exec(ctx, `UPDATE node_certs SET revoked_at = $2 WHERE node_id = $1 AND revoked_at IS NULL`, nodeID, now)
+	if err != nil {
+		return RevokedNode{}, fmt.Errorf("revoke the certificates of node %s: %w", nodeID, interpretError(err))
+	}
+	out.CertificatesRevoked = int(tag.RowsAffected())
+	if out.Newly {
+		data, err := json.Marshal(map[string]any{"nodeId": nodeID, "reason": reason, "certificatesRevoked": out.CertificatesRevoked})
+		if err != nil {
+			return RevokedNode{}, err
+		}
+		if err := insertNodeEvent(ctx, q, now, owner, EventNodeRevoked, nodeID, data); err != nil {
+			return RevokedNode{}, err
+		}
+	}
+	if err := PokeNodes(ctx, q, now, nodeID); err != nil {
+		return RevokedNode{}, err
+	}
+	return out, nil
+}
+
+// RecordSpecRefused writes a node.spec_refused event for the pool owner's
+// tenant: the node's daemon refused DesiredState generation with reason.
+// Errors: ErrNotFound when the node does not exist.
+func RecordSpecRefused(ctx context.Context, q DBTX, now time.Time, nodeID string, generation int64, reason string) error {
+	data, err := json.Marshal(map[string]any{"nodeId": nodeID, "generation": generation, "reason": reason})
+	if err != nil {
+		return err
+	}
+	var owner string
+	err = q.QueryRow(ctx, `SELECT p.owner_tenant_id FROM nodes n JOIN pools p ON p.id = n.pool_id WHERE n.id = $1`,
+		nodeID).Scan(&owner)
+	if err != nil {
+		return queryErr(fmt.Sprintf("node %s", nodeID), err)
+	}
+	return insertNodeEvent(ctx, q, now, owner, EventNodeSpecRefused, nodeID, data)
+}
+
+func insertNodeEvent(ctx context.Context, q DBTX, now time.Time, tenantID, typ, nodeID string, data []byte) error {
+	_, err := q.Exec(ctx, `INSERT INTO events (tenant_id, type, subject_id, data, created_at)
+		VALUES (NULLIF($1, ''), $2, $3, $4::jsonb, $5)`, tenantID, typ, nodeID, string(data), now)
+	if err != nil {
+		return fmt.Errorf("insert %s event: %w", typ, interpretError(err))
+	}
+	return nil
+}

@@ -1,0 +1,196 @@
+package inprocess_test
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
+	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
+	"github.com/better-compute/better-compute/cmd/better-compute/devstack"
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/daemon"
+	"github.com/better-compute/better-compute/pkg/fakehw"
+	"github.com/better-compute/better-compute/pkg/ids"
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
+	"github.com/better-compute/better-compute/tests/internal/containers"
+)
+
+// setupWith is setup with the stack options o (database, NATS and PKI
+// filled in).
+func setupWith(t *testing.T, o devstack.Options) *fixture {
+	t.Helper()
+	o.DatabaseURL = containers.Postgres(t)
+	o.NATSURL = containers.NATS(t)
+	o.PKIDir = t.TempDir()
+	st, err := devstack.Start(t.Context(), o)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, st.Close()) })
+	res, err := st.Bootstrap(t.Context(), devstack.BootstrapOptions{Dir: t.TempDir(), JoinMaxUses: 10})
+	require.NoError(t, err)
+	return &fixture{
+		stack: st,
+		nodes: computev1connect.NewNodeServiceClient(http.DefaultClient, st.APIURL+"/api/compute"),
+		token: res.RootToken,
+		join:  res.JoinToken,
+		pool:  res.PoolID,
+	}
+}
+
+// realClock measures how long things take.
+var realClock = clock.New()
+
+// shortCertTTL makes node certificates due for renewal about 4 s after they
+// are issued: pki.IssueNode backdates NotBefore by 5 minutes, and the daemon
+// renews at two thirds of NotAfter − NotBefore: 2/3 × (156 s + 300 s) − 300 s
+// = 4 s. Renewals then repeat every RenewBackoffMin (5 s).
+const shortCertTTL = 156 * time.Second
+
+// adoptedMachine starts one simulated machine and waits until its node is
+// adopted with generation 1 applied and a live session.
+func (f *fixture) adoptedMachine(t *testing.T) (*fakedaemon.Machine, string) {
+	t.Helper()
+	r := f.startDaemons(t, 1, fakehw.VariantHGXH100)
+	var nodes []*computev1.Node
+	require.Eventually(t, func() bool {
+		var err error
+		nodes, err = f.listNodes(t.Context())
+		return err == nil && len(nodes) == 1 && nodes[0].GetProvisionState() == "adopted" &&
+			nodes[0].GetObservedGeneration() >= 1 && r.Machines()[0].Status().SessionID != ""
+	}, 60*time.Second, 100*time.Millisecond, "adopted: %v", &nodes)
+	return r.Machines()[0], nodes[0].GetId()
+}
+
+func (f *fixture) liveSession(t *testing.T, nodeID string) string {
+	t.Helper()
+	var sid *string
+	require.NoError(t, f.stack.DB.Pool.QueryRow(t.Context(), `SELECT session_id FROM nodes WHERE id = $1`, nodeID).Scan(&sid))
+	if sid == nil {
+		return ""
+	}
+	return *sid
+}
+
+// TestRenewalKeepsSessionAndRevocationEndsIt runs the real services and a
+// simulated machine with short certificates:
+//   - the certificate is renewed over the session without dropping it (same
+//     session id before and after), the new one is in node_certs, and the
+//     next dial presents it (revoking only the first certificate closes the
+//     session, and the machine is back at once on a new one);
+//   - revoking the node through the API closes its session within seconds,
+//     and its reconnects are refused.
+func TestRenewalKeepsSessionAndRevocationEndsIt(t *testing.T) {
+	f := setupWith(t, devstack.Options{NodeCertTTL: shortCertTTL, ResyncInterval: time.Second})
+	m, nodeID := f.adoptedMachine(t)
+	ctx := t.Context()
+	st := m.Status()
+	require.Zero(t, st.Renewals)
+	session, sessions := st.SessionID, st.Sessions
+	require.Equal(t, session, f.liveSession(t, nodeID))
+	var firstSerial string
+	require.NoError(t, f.stack.DB.Pool.QueryRow(ctx, `SELECT serial FROM node_certs WHERE node_id = $1`, nodeID).Scan(&firstSerial))
+
+	require.Eventually(t, func() bool { return m.Status().Renewals >= 1 }, 30*time.Second, 50*time.Millisecond,
+		"the certificate is renewed")
+	st = m.Status()
+	require.Equal(t, session, st.SessionID, "the renewal kept the session")
+	require.Equal(t, sessions, st.Sessions, "no new session")
+	require.Equal(t, session, f.liveSession(t, nodeID))
+	var certs int
+	var newest time.Time
+	require.NoError(t, f.stack.DB.Pool.QueryRow(ctx, `SELECT count(*), max(not_after) FROM node_certs
+		WHERE node_id = $1 AND revoked_at IS NULL`, nodeID).Scan(&certs, &newest))
+	require.GreaterOrEqual(t, certs, 2, "the renewed certificate is in node_certs")
+	require.False(t, newest.Before(st.CertNotAfter), "the machine's certificate is the newest one recorded")
+	var onDisk fakedaemon.Identity
+	b, err := os.ReadFile(filepath.Join(m.Dir(), fakedaemon.NodeFile))
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal(b, &onDisk))
+	require.True(t, onDisk.NotAfter.Equal(st.CertNotAfter) || onDisk.NotAfter.After(st.CertNotAfter),
+		"the identity on disk holds the renewed certificate")
+
+	// Only the first certificate is revoked: the session opened with it ends,
+	// and the next dial, with the renewed certificate, is accepted.
+	_, err = f.stack.DB.Pool.Exec(ctx, `UPDATE node_certs SET revoked_at = now() WHERE serial = $1`, firstSerial)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		s := m.Status()
+		return s.State == daemon.StateEstablished && s.SessionID != "" && s.SessionID != session
+	}, 20*time.Second, 50*time.Millisecond, "back on a new session with the renewed certificate")
+	second := m.Status().SessionID
+	require.Eventually(t, func() bool { return f.liveSession(t, nodeID) == second }, 10*time.Second, 50*time.Millisecond)
+
+	// Revocation through the API.
+	req := connect.NewRequest(&computev1.RevokeNodeRequest{NodeId: nodeID, Reason: "test"})
+	req.Header().Set("Authorization", "Bearer "+f.token)
+	revokedAt := realClock.Now()
+	res, err := f.nodes.RevokeNode(ctx, req)
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, res.Msg.GetCertificatesRevoked(), int32(1))
+	require.Eventually(t, func() bool { return f.liveSession(t, nodeID) == "" && m.Status().SessionID == "" },
+		5*time.Second, 20*time.Millisecond, "the revoked node's session is closed within seconds")
+	t.Logf("session closed %s after the revocation", realClock.Now().Sub(revokedAt))
+	require.Never(t, func() bool { return f.liveSession(t, nodeID) != "" || m.Status().SessionID != "" },
+		3*time.Second, 50*time.Millisecond, "its reconnects are refused")
+	n, err := f.getNode(ctx, nodeID)
+	require.NoError(t, err)
+	require.NotNil(t, n.GetRevokedAt())
+}
+
+func (f *fixture) getNode(ctx context.Context, id string) (*computev1.Node, error) {
+	req := connect.NewRequest(&computev1.GetNodeRequest{NodeId: id})
+	req.Header().Set("Authorization", "Bearer "+f.token)
+	res, err := f.nodes.GetNode(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	return res.Msg.GetNode(), nil
+}
+
+// TestSignedIntentFleet runs the stack with signedIntent: a machine joins
+// with the command-signing root and is adopted (its acceptance command and
+// first NodeSpec verified), and a command written without a signature is
+// refused by the daemon and reported failed, never run.
+func TestSignedIntentFleet(t *testing.T) {
+	f := setupWith(t, devstack.Options{SignedIntent: true})
+	m, nodeID := f.adoptedMachine(t)
+	ctx := t.Context()
+
+	var onDisk fakedaemon.Identity
+	b, err := os.ReadFile(filepath.Join(m.Dir(), fakedaemon.NodeFile))
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal(b, &onDisk))
+	require.NotEmpty(t, onDisk.CommandSigningRoot, "the machine holds the command-signing root")
+	var signed int
+	require.NoError(t, f.stack.DB.Pool.QueryRow(ctx, `SELECT count(*) FROM commands WHERE node_id = $1
+		AND state = 'succeeded' AND signature IS NOT NULL`, nodeID).Scan(&signed))
+	require.Equal(t, 1, signed, "the signed acceptance command ran")
+
+	// A writer that forgot to sign.
+	db := f.stack.DB
+	cmdID := ids.New(ids.Command, db.Now())
+	require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
+		now := db.Now()
+		if _, err := tx.Exec(ctx, `INSERT INTO commands (id, node_id, kind, state, retry_safe, deadline, created_at, updated_at)
+			VALUES ($1, $2, 'inventory.refresh', 'queued', true, $3, $4, $4)`, cmdID, nodeID, now.Add(time.Minute), now); err != nil {
+			return err
+		}
+		return store.PokeNodes(ctx, tx, now, nodeID)
+	}))
+	var state, errText string
+	require.Eventually(t, func() bool {
+		return db.Pool.QueryRow(ctx, `SELECT state, error FROM commands WHERE id = $1`, cmdID).Scan(&state, &errText) == nil &&
+			state == "failed"
+	}, 20*time.Second, 50*time.Millisecond, "the unsigned command is refused: %s %s", &state, &errText)
+	require.Contains(t, errText, "refused: ")
+	require.Contains(t, errText, "signature")
+}
