@@ -110,3 +110,13 @@ func poolToProto(p store.Pool) *computev1.Pool {
 		NodeCounts: p.NodeCounts,
 	}
 }
+
+// OfferPool implements PoolService.OfferPool.
+func (s *poolService) OfferPool(ctx context.Context, req *connect.Request[computev1.OfferPoolRequest]) (*connect.Response[computev1.OfferPoolResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("OfferPool is not implemented yet"))
+}
+
+// ListOffers implements PoolService.ListOffers.
+func (s *poolService) ListOffers(ctx context.Context, req *connect.Request[computev1.ListOffersRequest]) (*connect.Response[computev1.ListOffersResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("ListOffers is not implemented yet"))
+}

@@ -10,6 +10,7 @@ import (
 	_ "buf.build/gen/go/bufbuild/protovalidate/protocolbuffers/go/buf/validate"
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
+	durationpb "google.golang.org/protobuf/types/known/durationpb"
 	timestamppb "google.golang.org/protobuf/types/known/timestamppb"
 	reflect "reflect"
 	sync "sync"
@@ -887,6 +888,1060 @@ func (x *ListAuditResponse) GetNextPageToken() int64 {
 	return 0
 }
 
+type Offer struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	PoolId   string                 `protobuf:"bytes,1,opt,name=pool_id,json=poolId,proto3" json:"pool_id,omitempty"`
+	TenantId string                 `protobuf:"bytes,2,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
+	// GpuQuota is how many GPUs the tenant may hold at once in the pool.
+	GpuQuota  int32                  `protobuf:"varint,3,opt,name=gpu_quota,json=gpuQuota,proto3" json:"gpu_quota,omitempty"`
+	CreatedAt *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
+	// GpusInUse is how many GPUs the tenant's pending, binding and active
+	// reservations of the pool hold.
+	GpusInUse     int32 `protobuf:"varint,5,opt,name=gpus_in_use,json=gpusInUse,proto3" json:"gpus_in_use,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Offer) Reset() {
+	*x = Offer{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Offer) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Offer) ProtoMessage() {}
+
+func (x *Offer) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Offer.ProtoReflect.Descriptor instead.
+func (*Offer) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *Offer) GetPoolId() string {
+	if x != nil {
+		return x.PoolId
+	}
+	return ""
+}
+
+func (x *Offer) GetTenantId() string {
+	if x != nil {
+		return x.TenantId
+	}
+	return ""
+}
+
+func (x *Offer) GetGpuQuota() int32 {
+	if x != nil {
+		return x.GpuQuota
+	}
+	return 0
+}
+
+func (x *Offer) GetCreatedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.CreatedAt
+	}
+	return nil
+}
+
+func (x *Offer) GetGpusInUse() int32 {
+	if x != nil {
+		return x.GpusInUse
+	}
+	return 0
+}
+
+type OfferPoolRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	PoolId        string                 `protobuf:"bytes,1,opt,name=pool_id,json=poolId,proto3" json:"pool_id,omitempty"`
+	TenantId      string                 `protobuf:"bytes,2,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
+	GpuQuota      int32                  `protobuf:"varint,3,opt,name=gpu_quota,json=gpuQuota,proto3" json:"gpu_quota,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OfferPoolRequest) Reset() {
+	*x = OfferPoolRequest{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OfferPoolRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OfferPoolRequest) ProtoMessage() {}
+
+func (x *OfferPoolRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OfferPoolRequest.ProtoReflect.Descriptor instead.
+func (*OfferPoolRequest) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *OfferPoolRequest) GetPoolId() string {
+	if x != nil {
+		return x.PoolId
+	}
+	return ""
+}
+
+func (x *OfferPoolRequest) GetTenantId() string {
+	if x != nil {
+		return x.TenantId
+	}
+	return ""
+}
+
+func (x *OfferPoolRequest) GetGpuQuota() int32 {
+	if x != nil {
+		return x.GpuQuota
+	}
+	return 0
+}
+
+type OfferPoolResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Offer         *Offer                 `protobuf:"bytes,1,opt,name=offer,proto3" json:"offer,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OfferPoolResponse) Reset() {
+	*x = OfferPoolResponse{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OfferPoolResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OfferPoolResponse) ProtoMessage() {}
+
+func (x *OfferPoolResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OfferPoolResponse.ProtoReflect.Descriptor instead.
+func (*OfferPoolResponse) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *OfferPoolResponse) GetOffer() *Offer {
+	if x != nil {
+		return x.Offer
+	}
+	return nil
+}
+
+type ListOffersRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	PoolId        string                 `protobuf:"bytes,1,opt,name=pool_id,json=poolId,proto3" json:"pool_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListOffersRequest) Reset() {
+	*x = ListOffersRequest{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListOffersRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListOffersRequest) ProtoMessage() {}
+
+func (x *ListOffersRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListOffersRequest.ProtoReflect.Descriptor instead.
+func (*ListOffersRequest) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *ListOffersRequest) GetPoolId() string {
+	if x != nil {
+		return x.PoolId
+	}
+	return ""
+}
+
+type ListOffersResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Offers        []*Offer               `protobuf:"bytes,1,rep,name=offers,proto3" json:"offers,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListOffersResponse) Reset() {
+	*x = ListOffersResponse{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListOffersResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListOffersResponse) ProtoMessage() {}
+
+func (x *ListOffersResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListOffersResponse.ProtoReflect.Descriptor instead.
+func (*ListOffersResponse) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *ListOffersResponse) GetOffers() []*Offer {
+	if x != nil {
+		return x.Offers
+	}
+	return nil
+}
+
+type Reservation struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Id        string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	TenantId  string                 `protobuf:"bytes,2,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
+	PoolId    string                 `protobuf:"bytes,3,opt,name=pool_id,json=poolId,proto3" json:"pool_id,omitempty"`
+	Gpus      int32                  `protobuf:"varint,4,opt,name=gpus,proto3" json:"gpus,omitempty"`
+	StartTime *timestamppb.Timestamp `protobuf:"bytes,5,opt,name=start_time,json=startTime,proto3" json:"start_time,omitempty"`
+	EndTime   *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=end_time,json=endTime,proto3" json:"end_time,omitempty"`
+	// State is pending, binding, active, released, expired or failed.
+	State string `protobuf:"bytes,7,opt,name=state,proto3" json:"state,omitempty"`
+	// Reason says why the reservation failed or is still pending.
+	Reason string `protobuf:"bytes,8,opt,name=reason,proto3" json:"reason,omitempty"`
+	// NodeId is the node the reservation was placed on.
+	NodeId string `protobuf:"bytes,9,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	// Binding lists the CDI device names the daemon bound, e.g.
+	// "nvidia.com/gpu=3" (CDI spec: vendor.com/class=name).
+	Binding       []string               `protobuf:"bytes,10,rep,name=binding,proto3" json:"binding,omitempty"`
+	DeviceIndexes []int32                `protobuf:"varint,11,rep,packed,name=device_indexes,json=deviceIndexes,proto3" json:"device_indexes,omitempty"`
+	RequestId     string                 `protobuf:"bytes,12,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	CreatedAt     *timestamppb.Timestamp `protobuf:"bytes,13,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
+	UpdatedAt     *timestamppb.Timestamp `protobuf:"bytes,14,opt,name=updated_at,json=updatedAt,proto3" json:"updated_at,omitempty"`
+	ActiveAt      *timestamppb.Timestamp `protobuf:"bytes,15,opt,name=active_at,json=activeAt,proto3" json:"active_at,omitempty"`
+	EndedAt       *timestamppb.Timestamp `protobuf:"bytes,16,opt,name=ended_at,json=endedAt,proto3" json:"ended_at,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Reservation) Reset() {
+	*x = Reservation{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Reservation) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Reservation) ProtoMessage() {}
+
+func (x *Reservation) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Reservation.ProtoReflect.Descriptor instead.
+func (*Reservation) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *Reservation) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *Reservation) GetTenantId() string {
+	if x != nil {
+		return x.TenantId
+	}
+	return ""
+}
+
+func (x *Reservation) GetPoolId() string {
+	if x != nil {
+		return x.PoolId
+	}
+	return ""
+}
+
+func (x *Reservation) GetGpus() int32 {
+	if x != nil {
+		return x.Gpus
+	}
+	return 0
+}
+
+func (x *Reservation) GetStartTime() *timestamppb.Timestamp {
+	if x != nil {
+		return x.StartTime
+	}
+	return nil
+}
+
+func (x *Reservation) GetEndTime() *timestamppb.Timestamp {
+	if x != nil {
+		return x.EndTime
+	}
+	return nil
+}
+
+func (x *Reservation) GetState() string {
+	if x != nil {
+		return x.State
+	}
+	return ""
+}
+
+func (x *Reservation) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *Reservation) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
+func (x *Reservation) GetBinding() []string {
+	if x != nil {
+		return x.Binding
+	}
+	return nil
+}
+
+func (x *Reservation) GetDeviceIndexes() []int32 {
+	if x != nil {
+		return x.DeviceIndexes
+	}
+	return nil
+}
+
+func (x *Reservation) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
+func (x *Reservation) GetCreatedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.CreatedAt
+	}
+	return nil
+}
+
+func (x *Reservation) GetUpdatedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.UpdatedAt
+	}
+	return nil
+}
+
+func (x *Reservation) GetActiveAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.ActiveAt
+	}
+	return nil
+}
+
+func (x *Reservation) GetEndedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.EndedAt
+	}
+	return nil
+}
+
+type ReserveRequest struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	PoolId string                 `protobuf:"bytes,1,opt,name=pool_id,json=poolId,proto3" json:"pool_id,omitempty"`
+	Gpus   int32                  `protobuf:"varint,2,opt,name=gpus,proto3" json:"gpus,omitempty"`
+	// Duration is how long the GPUs are held, 1 s to 366 days.
+	Duration *durationpb.Duration `protobuf:"bytes,3,opt,name=duration,proto3" json:"duration,omitempty"`
+	// StartTime defaults to now.
+	StartTime *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=start_time,json=startTime,proto3" json:"start_time,omitempty"`
+	// RequestId makes Reserve idempotent per tenant; empty: not idempotent.
+	RequestId     string `protobuf:"bytes,5,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReserveRequest) Reset() {
+	*x = ReserveRequest{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReserveRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReserveRequest) ProtoMessage() {}
+
+func (x *ReserveRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReserveRequest.ProtoReflect.Descriptor instead.
+func (*ReserveRequest) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *ReserveRequest) GetPoolId() string {
+	if x != nil {
+		return x.PoolId
+	}
+	return ""
+}
+
+func (x *ReserveRequest) GetGpus() int32 {
+	if x != nil {
+		return x.Gpus
+	}
+	return 0
+}
+
+func (x *ReserveRequest) GetDuration() *durationpb.Duration {
+	if x != nil {
+		return x.Duration
+	}
+	return nil
+}
+
+func (x *ReserveRequest) GetStartTime() *timestamppb.Timestamp {
+	if x != nil {
+		return x.StartTime
+	}
+	return nil
+}
+
+func (x *ReserveRequest) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
+type ReserveResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Reservation   *Reservation           `protobuf:"bytes,1,opt,name=reservation,proto3" json:"reservation,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReserveResponse) Reset() {
+	*x = ReserveResponse{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReserveResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReserveResponse) ProtoMessage() {}
+
+func (x *ReserveResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReserveResponse.ProtoReflect.Descriptor instead.
+func (*ReserveResponse) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *ReserveResponse) GetReservation() *Reservation {
+	if x != nil {
+		return x.Reservation
+	}
+	return nil
+}
+
+type GetReservationRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	ReservationId string                 `protobuf:"bytes,1,opt,name=reservation_id,json=reservationId,proto3" json:"reservation_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetReservationRequest) Reset() {
+	*x = GetReservationRequest{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetReservationRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetReservationRequest) ProtoMessage() {}
+
+func (x *GetReservationRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetReservationRequest.ProtoReflect.Descriptor instead.
+func (*GetReservationRequest) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *GetReservationRequest) GetReservationId() string {
+	if x != nil {
+		return x.ReservationId
+	}
+	return ""
+}
+
+type GetReservationResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Reservation   *Reservation           `protobuf:"bytes,1,opt,name=reservation,proto3" json:"reservation,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetReservationResponse) Reset() {
+	*x = GetReservationResponse{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetReservationResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetReservationResponse) ProtoMessage() {}
+
+func (x *GetReservationResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetReservationResponse.ProtoReflect.Descriptor instead.
+func (*GetReservationResponse) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *GetReservationResponse) GetReservation() *Reservation {
+	if x != nil {
+		return x.Reservation
+	}
+	return nil
+}
+
+type ListReservationsRequest struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	PoolId string                 `protobuf:"bytes,1,opt,name=pool_id,json=poolId,proto3" json:"pool_id,omitempty"`
+	// State filters by state when set.
+	State    string `protobuf:"bytes,2,opt,name=state,proto3" json:"state,omitempty"`
+	PageSize int32  `protobuf:"varint,3,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
+	// PageToken is the last reservation id of the previous page.
+	PageToken     string `protobuf:"bytes,4,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListReservationsRequest) Reset() {
+	*x = ListReservationsRequest{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListReservationsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListReservationsRequest) ProtoMessage() {}
+
+func (x *ListReservationsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListReservationsRequest.ProtoReflect.Descriptor instead.
+func (*ListReservationsRequest) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *ListReservationsRequest) GetPoolId() string {
+	if x != nil {
+		return x.PoolId
+	}
+	return ""
+}
+
+func (x *ListReservationsRequest) GetState() string {
+	if x != nil {
+		return x.State
+	}
+	return ""
+}
+
+func (x *ListReservationsRequest) GetPageSize() int32 {
+	if x != nil {
+		return x.PageSize
+	}
+	return 0
+}
+
+func (x *ListReservationsRequest) GetPageToken() string {
+	if x != nil {
+		return x.PageToken
+	}
+	return ""
+}
+
+type ListReservationsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Reservations  []*Reservation         `protobuf:"bytes,1,rep,name=reservations,proto3" json:"reservations,omitempty"`
+	NextPageToken string                 `protobuf:"bytes,2,opt,name=next_page_token,json=nextPageToken,proto3" json:"next_page_token,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListReservationsResponse) Reset() {
+	*x = ListReservationsResponse{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListReservationsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListReservationsResponse) ProtoMessage() {}
+
+func (x *ListReservationsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListReservationsResponse.ProtoReflect.Descriptor instead.
+func (*ListReservationsResponse) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *ListReservationsResponse) GetReservations() []*Reservation {
+	if x != nil {
+		return x.Reservations
+	}
+	return nil
+}
+
+func (x *ListReservationsResponse) GetNextPageToken() string {
+	if x != nil {
+		return x.NextPageToken
+	}
+	return ""
+}
+
+type ReleaseReservationRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	ReservationId string                 `protobuf:"bytes,1,opt,name=reservation_id,json=reservationId,proto3" json:"reservation_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReleaseReservationRequest) Reset() {
+	*x = ReleaseReservationRequest{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[27]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReleaseReservationRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReleaseReservationRequest) ProtoMessage() {}
+
+func (x *ReleaseReservationRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[27]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReleaseReservationRequest.ProtoReflect.Descriptor instead.
+func (*ReleaseReservationRequest) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{27}
+}
+
+func (x *ReleaseReservationRequest) GetReservationId() string {
+	if x != nil {
+		return x.ReservationId
+	}
+	return ""
+}
+
+type ReleaseReservationResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Reservation   *Reservation           `protobuf:"bytes,1,opt,name=reservation,proto3" json:"reservation,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReleaseReservationResponse) Reset() {
+	*x = ReleaseReservationResponse{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[28]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReleaseReservationResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReleaseReservationResponse) ProtoMessage() {}
+
+func (x *ReleaseReservationResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[28]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReleaseReservationResponse.ProtoReflect.Descriptor instead.
+func (*ReleaseReservationResponse) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{28}
+}
+
+func (x *ReleaseReservationResponse) GetReservation() *Reservation {
+	if x != nil {
+		return x.Reservation
+	}
+	return nil
+}
+
+// UsageWindow is one reservation's use in one hour.
+type UsageWindow struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	ReservationId string                 `protobuf:"bytes,1,opt,name=reservation_id,json=reservationId,proto3" json:"reservation_id,omitempty"`
+	TenantId      string                 `protobuf:"bytes,2,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
+	PoolId        string                 `protobuf:"bytes,3,opt,name=pool_id,json=poolId,proto3" json:"pool_id,omitempty"`
+	// WindowStart is the start of the hour (UTC).
+	WindowStart *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=window_start,json=windowStart,proto3" json:"window_start,omitempty"`
+	// GpuSeconds is GPUs x booked seconds within the hour.
+	GpuSeconds    int64 `protobuf:"varint,5,opt,name=gpu_seconds,json=gpuSeconds,proto3" json:"gpu_seconds,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UsageWindow) Reset() {
+	*x = UsageWindow{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[29]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UsageWindow) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UsageWindow) ProtoMessage() {}
+
+func (x *UsageWindow) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[29]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UsageWindow.ProtoReflect.Descriptor instead.
+func (*UsageWindow) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{29}
+}
+
+func (x *UsageWindow) GetReservationId() string {
+	if x != nil {
+		return x.ReservationId
+	}
+	return ""
+}
+
+func (x *UsageWindow) GetTenantId() string {
+	if x != nil {
+		return x.TenantId
+	}
+	return ""
+}
+
+func (x *UsageWindow) GetPoolId() string {
+	if x != nil {
+		return x.PoolId
+	}
+	return ""
+}
+
+func (x *UsageWindow) GetWindowStart() *timestamppb.Timestamp {
+	if x != nil {
+		return x.WindowStart
+	}
+	return nil
+}
+
+func (x *UsageWindow) GetGpuSeconds() int64 {
+	if x != nil {
+		return x.GpuSeconds
+	}
+	return 0
+}
+
+type ListUsageRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// TenantId defaults to the caller's; other tenants need root-admin.
+	TenantId      string                 `protobuf:"bytes,1,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
+	Since         *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=since,proto3" json:"since,omitempty"`
+	PageSize      int32                  `protobuf:"varint,3,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListUsageRequest) Reset() {
+	*x = ListUsageRequest{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[30]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListUsageRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListUsageRequest) ProtoMessage() {}
+
+func (x *ListUsageRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[30]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListUsageRequest.ProtoReflect.Descriptor instead.
+func (*ListUsageRequest) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{30}
+}
+
+func (x *ListUsageRequest) GetTenantId() string {
+	if x != nil {
+		return x.TenantId
+	}
+	return ""
+}
+
+func (x *ListUsageRequest) GetSince() *timestamppb.Timestamp {
+	if x != nil {
+		return x.Since
+	}
+	return nil
+}
+
+func (x *ListUsageRequest) GetPageSize() int32 {
+	if x != nil {
+		return x.PageSize
+	}
+	return 0
+}
+
+type ListUsageResponse struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Windows []*UsageWindow         `protobuf:"bytes,1,rep,name=windows,proto3" json:"windows,omitempty"`
+	// TotalGpuSeconds sums gpu_seconds of the windows listed.
+	TotalGpuSeconds int64 `protobuf:"varint,2,opt,name=total_gpu_seconds,json=totalGpuSeconds,proto3" json:"total_gpu_seconds,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *ListUsageResponse) Reset() {
+	*x = ListUsageResponse{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[31]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListUsageResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListUsageResponse) ProtoMessage() {}
+
+func (x *ListUsageResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[31]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListUsageResponse.ProtoReflect.Descriptor instead.
+func (*ListUsageResponse) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{31}
+}
+
+func (x *ListUsageResponse) GetWindows() []*UsageWindow {
+	if x != nil {
+		return x.Windows
+	}
+	return nil
+}
+
+func (x *ListUsageResponse) GetTotalGpuSeconds() int64 {
+	if x != nil {
+		return x.TotalGpuSeconds
+	}
+	return 0
+}
+
 type Gpu struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Index         int32                  `protobuf:"varint,1,opt,name=index,proto3" json:"index,omitempty"`
@@ -899,7 +1954,7 @@ type Gpu struct {
 
 func (x *Gpu) Reset() {
 	*x = Gpu{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[15]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -911,7 +1966,7 @@ func (x *Gpu) String() string {
 func (*Gpu) ProtoMessage() {}
 
 func (x *Gpu) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[15]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -924,7 +1979,7 @@ func (x *Gpu) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Gpu.ProtoReflect.Descriptor instead.
 func (*Gpu) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{15}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *Gpu) GetIndex() int32 {
@@ -989,7 +2044,7 @@ type Node struct {
 
 func (x *Node) Reset() {
 	*x = Node{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[16]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1001,7 +2056,7 @@ func (x *Node) String() string {
 func (*Node) ProtoMessage() {}
 
 func (x *Node) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[16]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1014,7 +2069,7 @@ func (x *Node) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Node.ProtoReflect.Descriptor instead.
 func (*Node) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{16}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *Node) GetId() string {
@@ -1162,7 +2217,7 @@ type ListNodesRequest struct {
 
 func (x *ListNodesRequest) Reset() {
 	*x = ListNodesRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[17]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1174,7 +2229,7 @@ func (x *ListNodesRequest) String() string {
 func (*ListNodesRequest) ProtoMessage() {}
 
 func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[17]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1187,7 +2242,7 @@ func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
 func (*ListNodesRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{17}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *ListNodesRequest) GetPoolId() string {
@@ -1221,7 +2276,7 @@ type ListNodesResponse struct {
 
 func (x *ListNodesResponse) Reset() {
 	*x = ListNodesResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[18]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1233,7 +2288,7 @@ func (x *ListNodesResponse) String() string {
 func (*ListNodesResponse) ProtoMessage() {}
 
 func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[18]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1246,7 +2301,7 @@ func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesResponse.ProtoReflect.Descriptor instead.
 func (*ListNodesResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{18}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *ListNodesResponse) GetNodes() []*Node {
@@ -1272,7 +2327,7 @@ type GetNodeRequest struct {
 
 func (x *GetNodeRequest) Reset() {
 	*x = GetNodeRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[19]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1284,7 +2339,7 @@ func (x *GetNodeRequest) String() string {
 func (*GetNodeRequest) ProtoMessage() {}
 
 func (x *GetNodeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[19]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1297,7 +2352,7 @@ func (x *GetNodeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetNodeRequest.ProtoReflect.Descriptor instead.
 func (*GetNodeRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{19}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *GetNodeRequest) GetNodeId() string {
@@ -1316,7 +2371,7 @@ type GetNodeResponse struct {
 
 func (x *GetNodeResponse) Reset() {
 	*x = GetNodeResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[20]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1328,7 +2383,7 @@ func (x *GetNodeResponse) String() string {
 func (*GetNodeResponse) ProtoMessage() {}
 
 func (x *GetNodeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[20]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1341,7 +2396,7 @@ func (x *GetNodeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetNodeResponse.ProtoReflect.Descriptor instead.
 func (*GetNodeResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{20}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *GetNodeResponse) GetNode() *Node {
@@ -1362,7 +2417,7 @@ type RevokeNodeRequest struct {
 
 func (x *RevokeNodeRequest) Reset() {
 	*x = RevokeNodeRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[21]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1374,7 +2429,7 @@ func (x *RevokeNodeRequest) String() string {
 func (*RevokeNodeRequest) ProtoMessage() {}
 
 func (x *RevokeNodeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[21]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1387,7 +2442,7 @@ func (x *RevokeNodeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeNodeRequest.ProtoReflect.Descriptor instead.
 func (*RevokeNodeRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{21}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *RevokeNodeRequest) GetNodeId() string {
@@ -1415,7 +2470,7 @@ type RevokeNodeResponse struct {
 
 func (x *RevokeNodeResponse) Reset() {
 	*x = RevokeNodeResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[22]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1427,7 +2482,7 @@ func (x *RevokeNodeResponse) String() string {
 func (*RevokeNodeResponse) ProtoMessage() {}
 
 func (x *RevokeNodeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[22]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1440,7 +2495,7 @@ func (x *RevokeNodeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeNodeResponse.ProtoReflect.Descriptor instead.
 func (*RevokeNodeResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{22}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *RevokeNodeResponse) GetNode() *Node {
@@ -1469,7 +2524,7 @@ type Site struct {
 
 func (x *Site) Reset() {
 	*x = Site{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[23]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1481,7 +2536,7 @@ func (x *Site) String() string {
 func (*Site) ProtoMessage() {}
 
 func (x *Site) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[23]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1494,7 +2549,7 @@ func (x *Site) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Site.ProtoReflect.Descriptor instead.
 func (*Site) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{23}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *Site) GetId() string {
@@ -1535,7 +2590,7 @@ type CreateSiteRequest struct {
 
 func (x *CreateSiteRequest) Reset() {
 	*x = CreateSiteRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[24]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1547,7 +2602,7 @@ func (x *CreateSiteRequest) String() string {
 func (*CreateSiteRequest) ProtoMessage() {}
 
 func (x *CreateSiteRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[24]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1560,7 +2615,7 @@ func (x *CreateSiteRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSiteRequest.ProtoReflect.Descriptor instead.
 func (*CreateSiteRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{24}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *CreateSiteRequest) GetName() string {
@@ -1586,7 +2641,7 @@ type CreateSiteResponse struct {
 
 func (x *CreateSiteResponse) Reset() {
 	*x = CreateSiteResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[25]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1598,7 +2653,7 @@ func (x *CreateSiteResponse) String() string {
 func (*CreateSiteResponse) ProtoMessage() {}
 
 func (x *CreateSiteResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[25]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1611,7 +2666,7 @@ func (x *CreateSiteResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSiteResponse.ProtoReflect.Descriptor instead.
 func (*CreateSiteResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{25}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *CreateSiteResponse) GetSite() *Site {
@@ -1629,7 +2684,7 @@ type ListSitesRequest struct {
 
 func (x *ListSitesRequest) Reset() {
 	*x = ListSitesRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[26]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1641,7 +2696,7 @@ func (x *ListSitesRequest) String() string {
 func (*ListSitesRequest) ProtoMessage() {}
 
 func (x *ListSitesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[26]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1654,7 +2709,7 @@ func (x *ListSitesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSitesRequest.ProtoReflect.Descriptor instead.
 func (*ListSitesRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{26}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{43}
 }
 
 type ListSitesResponse struct {
@@ -1666,7 +2721,7 @@ type ListSitesResponse struct {
 
 func (x *ListSitesResponse) Reset() {
 	*x = ListSitesResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[27]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1678,7 +2733,7 @@ func (x *ListSitesResponse) String() string {
 func (*ListSitesResponse) ProtoMessage() {}
 
 func (x *ListSitesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[27]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1691,7 +2746,7 @@ func (x *ListSitesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSitesResponse.ProtoReflect.Descriptor instead.
 func (*ListSitesResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{27}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *ListSitesResponse) GetSites() []*Site {
@@ -1717,7 +2772,7 @@ type Acceptance struct {
 
 func (x *Acceptance) Reset() {
 	*x = Acceptance{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[28]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1729,7 +2784,7 @@ func (x *Acceptance) String() string {
 func (*Acceptance) ProtoMessage() {}
 
 func (x *Acceptance) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[28]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1742,7 +2797,7 @@ func (x *Acceptance) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Acceptance.ProtoReflect.Descriptor instead.
 func (*Acceptance) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{28}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *Acceptance) GetCheck() string {
@@ -1785,7 +2840,7 @@ type Pool struct {
 
 func (x *Pool) Reset() {
 	*x = Pool{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[29]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1797,7 +2852,7 @@ func (x *Pool) String() string {
 func (*Pool) ProtoMessage() {}
 
 func (x *Pool) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[29]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1810,7 +2865,7 @@ func (x *Pool) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Pool.ProtoReflect.Descriptor instead.
 func (*Pool) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{29}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *Pool) GetId() string {
@@ -1881,7 +2936,7 @@ type CreatePoolRequest struct {
 
 func (x *CreatePoolRequest) Reset() {
 	*x = CreatePoolRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[30]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1893,7 +2948,7 @@ func (x *CreatePoolRequest) String() string {
 func (*CreatePoolRequest) ProtoMessage() {}
 
 func (x *CreatePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[30]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1906,7 +2961,7 @@ func (x *CreatePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreatePoolRequest.ProtoReflect.Descriptor instead.
 func (*CreatePoolRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{30}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *CreatePoolRequest) GetSiteId() string {
@@ -1946,7 +3001,7 @@ type CreatePoolResponse struct {
 
 func (x *CreatePoolResponse) Reset() {
 	*x = CreatePoolResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[31]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1958,7 +3013,7 @@ func (x *CreatePoolResponse) String() string {
 func (*CreatePoolResponse) ProtoMessage() {}
 
 func (x *CreatePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[31]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1971,7 +3026,7 @@ func (x *CreatePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreatePoolResponse.ProtoReflect.Descriptor instead.
 func (*CreatePoolResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{31}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *CreatePoolResponse) GetPool() *Pool {
@@ -1990,7 +3045,7 @@ type ListPoolsRequest struct {
 
 func (x *ListPoolsRequest) Reset() {
 	*x = ListPoolsRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[32]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2002,7 +3057,7 @@ func (x *ListPoolsRequest) String() string {
 func (*ListPoolsRequest) ProtoMessage() {}
 
 func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[32]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2015,7 +3070,7 @@ func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsRequest.ProtoReflect.Descriptor instead.
 func (*ListPoolsRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{32}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *ListPoolsRequest) GetSiteId() string {
@@ -2034,7 +3089,7 @@ type ListPoolsResponse struct {
 
 func (x *ListPoolsResponse) Reset() {
 	*x = ListPoolsResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[33]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2046,7 +3101,7 @@ func (x *ListPoolsResponse) String() string {
 func (*ListPoolsResponse) ProtoMessage() {}
 
 func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[33]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2059,7 +3114,7 @@ func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsResponse.ProtoReflect.Descriptor instead.
 func (*ListPoolsResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{33}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *ListPoolsResponse) GetPools() []*Pool {
@@ -2084,7 +3139,7 @@ type JoinToken struct {
 
 func (x *JoinToken) Reset() {
 	*x = JoinToken{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[34]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2096,7 +3151,7 @@ func (x *JoinToken) String() string {
 func (*JoinToken) ProtoMessage() {}
 
 func (x *JoinToken) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[34]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2109,7 +3164,7 @@ func (x *JoinToken) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JoinToken.ProtoReflect.Descriptor instead.
 func (*JoinToken) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{34}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *JoinToken) GetId() string {
@@ -2173,7 +3228,7 @@ type CreateJoinTokenRequest struct {
 
 func (x *CreateJoinTokenRequest) Reset() {
 	*x = CreateJoinTokenRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[35]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2185,7 +3240,7 @@ func (x *CreateJoinTokenRequest) String() string {
 func (*CreateJoinTokenRequest) ProtoMessage() {}
 
 func (x *CreateJoinTokenRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[35]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2198,7 +3253,7 @@ func (x *CreateJoinTokenRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateJoinTokenRequest.ProtoReflect.Descriptor instead.
 func (*CreateJoinTokenRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{35}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *CreateJoinTokenRequest) GetPoolId() string {
@@ -2233,7 +3288,7 @@ type CreateJoinTokenResponse struct {
 
 func (x *CreateJoinTokenResponse) Reset() {
 	*x = CreateJoinTokenResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[36]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2245,7 +3300,7 @@ func (x *CreateJoinTokenResponse) String() string {
 func (*CreateJoinTokenResponse) ProtoMessage() {}
 
 func (x *CreateJoinTokenResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[36]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2258,7 +3313,7 @@ func (x *CreateJoinTokenResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateJoinTokenResponse.ProtoReflect.Descriptor instead.
 func (*CreateJoinTokenResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{36}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *CreateJoinTokenResponse) GetJoinToken() *JoinToken {
@@ -2284,7 +3339,7 @@ type ListJoinTokensRequest struct {
 
 func (x *ListJoinTokensRequest) Reset() {
 	*x = ListJoinTokensRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[37]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2296,7 +3351,7 @@ func (x *ListJoinTokensRequest) String() string {
 func (*ListJoinTokensRequest) ProtoMessage() {}
 
 func (x *ListJoinTokensRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[37]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2309,7 +3364,7 @@ func (x *ListJoinTokensRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListJoinTokensRequest.ProtoReflect.Descriptor instead.
 func (*ListJoinTokensRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{37}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *ListJoinTokensRequest) GetPoolId() string {
@@ -2328,7 +3383,7 @@ type ListJoinTokensResponse struct {
 
 func (x *ListJoinTokensResponse) Reset() {
 	*x = ListJoinTokensResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[38]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2340,7 +3395,7 @@ func (x *ListJoinTokensResponse) String() string {
 func (*ListJoinTokensResponse) ProtoMessage() {}
 
 func (x *ListJoinTokensResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[38]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2353,7 +3408,7 @@ func (x *ListJoinTokensResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListJoinTokensResponse.ProtoReflect.Descriptor instead.
 func (*ListJoinTokensResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{38}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *ListJoinTokensResponse) GetJoinTokens() []*JoinToken {
@@ -2372,7 +3427,7 @@ type RevokeJoinTokenRequest struct {
 
 func (x *RevokeJoinTokenRequest) Reset() {
 	*x = RevokeJoinTokenRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[39]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2384,7 +3439,7 @@ func (x *RevokeJoinTokenRequest) String() string {
 func (*RevokeJoinTokenRequest) ProtoMessage() {}
 
 func (x *RevokeJoinTokenRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[39]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2397,7 +3452,7 @@ func (x *RevokeJoinTokenRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeJoinTokenRequest.ProtoReflect.Descriptor instead.
 func (*RevokeJoinTokenRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{39}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *RevokeJoinTokenRequest) GetJoinTokenId() string {
@@ -2416,7 +3471,7 @@ type RevokeJoinTokenResponse struct {
 
 func (x *RevokeJoinTokenResponse) Reset() {
 	*x = RevokeJoinTokenResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[40]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2428,7 +3483,7 @@ func (x *RevokeJoinTokenResponse) String() string {
 func (*RevokeJoinTokenResponse) ProtoMessage() {}
 
 func (x *RevokeJoinTokenResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[40]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2441,7 +3496,7 @@ func (x *RevokeJoinTokenResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeJoinTokenResponse.ProtoReflect.Descriptor instead.
 func (*RevokeJoinTokenResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{40}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *RevokeJoinTokenResponse) GetJoinToken() *JoinToken {
@@ -2455,7 +3510,7 @@ var File_bc_compute_v1_compute_proto protoreflect.FileDescriptor
 
 const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\n" +
-	"\x1bbc/compute/v1/compute.proto\x12\rbc.compute.v1\x1a\x1bbuf/validate/validate.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x84\x01\n" +
+	"\x1bbc/compute/v1/compute.proto\x12\rbc.compute.v1\x1a\x1bbuf/validate/validate.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x84\x01\n" +
 	"\x06Tenant\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x1b\n" +
@@ -2519,7 +3574,89 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"page_token\x18\x02 \x01(\x03B\a\xbaH\x04\"\x02(\x00R\tpageToken\"p\n" +
 	"\x11ListAuditResponse\x123\n" +
 	"\aentries\x18\x01 \x03(\v2\x19.bc.compute.v1.AuditEntryR\aentries\x12&\n" +
-	"\x0fnext_page_token\x18\x02 \x01(\x03R\rnextPageToken\"h\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\x03R\rnextPageToken\"\xb5\x01\n" +
+	"\x05Offer\x12\x17\n" +
+	"\apool_id\x18\x01 \x01(\tR\x06poolId\x12\x1b\n" +
+	"\ttenant_id\x18\x02 \x01(\tR\btenantId\x12\x1b\n" +
+	"\tgpu_quota\x18\x03 \x01(\x05R\bgpuQuota\x129\n" +
+	"\n" +
+	"created_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12\x1e\n" +
+	"\vgpus_in_use\x18\x05 \x01(\x05R\tgpusInUse\"\x88\x01\n" +
+	"\x10OfferPoolRequest\x12\"\n" +
+	"\apool_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06poolId\x12&\n" +
+	"\ttenant_id\x18\x02 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\btenantId\x12(\n" +
+	"\tgpu_quota\x18\x03 \x01(\x05B\v\xbaH\b\x1a\x06\x18\xc0\x84=(\x00R\bgpuQuota\"?\n" +
+	"\x11OfferPoolResponse\x12*\n" +
+	"\x05offer\x18\x01 \x01(\v2\x14.bc.compute.v1.OfferR\x05offer\"5\n" +
+	"\x11ListOffersRequest\x12 \n" +
+	"\apool_id\x18\x01 \x01(\tB\a\xbaH\x04r\x02\x18@R\x06poolId\"B\n" +
+	"\x12ListOffersResponse\x12,\n" +
+	"\x06offers\x18\x01 \x03(\v2\x14.bc.compute.v1.OfferR\x06offers\"\xe6\x04\n" +
+	"\vReservation\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12\x1b\n" +
+	"\ttenant_id\x18\x02 \x01(\tR\btenantId\x12\x17\n" +
+	"\apool_id\x18\x03 \x01(\tR\x06poolId\x12\x12\n" +
+	"\x04gpus\x18\x04 \x01(\x05R\x04gpus\x129\n" +
+	"\n" +
+	"start_time\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\tstartTime\x125\n" +
+	"\bend_time\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\aendTime\x12\x14\n" +
+	"\x05state\x18\a \x01(\tR\x05state\x12\x16\n" +
+	"\x06reason\x18\b \x01(\tR\x06reason\x12\x17\n" +
+	"\anode_id\x18\t \x01(\tR\x06nodeId\x12\x18\n" +
+	"\abinding\x18\n" +
+	" \x03(\tR\abinding\x12%\n" +
+	"\x0edevice_indexes\x18\v \x03(\x05R\rdeviceIndexes\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\f \x01(\tR\trequestId\x129\n" +
+	"\n" +
+	"created_at\x18\r \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x129\n" +
+	"\n" +
+	"updated_at\x18\x0e \x01(\v2\x1a.google.protobuf.TimestampR\tupdatedAt\x127\n" +
+	"\tactive_at\x18\x0f \x01(\v2\x1a.google.protobuf.TimestampR\bactiveAt\x125\n" +
+	"\bended_at\x18\x10 \x01(\v2\x1a.google.protobuf.TimestampR\aendedAt\"\x84\x02\n" +
+	"\x0eReserveRequest\x12\"\n" +
+	"\apool_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06poolId\x12\x1d\n" +
+	"\x04gpus\x18\x02 \x01(\x05B\t\xbaH\x06\x1a\x04\x18@(\x01R\x04gpus\x12K\n" +
+	"\bduration\x18\x03 \x01(\v2\x19.google.protobuf.DurationB\x14\xbaH\x11\xc8\x01\x01\xaa\x01\v\"\x05\b\x80\x8a\x8a\x0f2\x02\b\x01R\bduration\x129\n" +
+	"\n" +
+	"start_time\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\tstartTime\x12'\n" +
+	"\n" +
+	"request_id\x18\x05 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x01R\trequestId\"O\n" +
+	"\x0fReserveResponse\x12<\n" +
+	"\vreservation\x18\x01 \x01(\v2\x1a.bc.compute.v1.ReservationR\vreservation\"I\n" +
+	"\x15GetReservationRequest\x120\n" +
+	"\x0ereservation_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\rreservationId\"V\n" +
+	"\x16GetReservationResponse\x12<\n" +
+	"\vreservation\x18\x01 \x01(\v2\x1a.bc.compute.v1.ReservationR\vreservation\"\xe0\x01\n" +
+	"\x17ListReservationsRequest\x12 \n" +
+	"\apool_id\x18\x01 \x01(\tB\a\xbaH\x04r\x02\x18@R\x06poolId\x12R\n" +
+	"\x05state\x18\x02 \x01(\tB<\xbaH9r7R\x00R\apendingR\abindingR\x06activeR\breleasedR\aexpiredR\x06failedR\x05state\x12'\n" +
+	"\tpage_size\x18\x03 \x01(\x05B\n" +
+	"\xbaH\a\x1a\x05\x18\x90N(\x00R\bpageSize\x12&\n" +
+	"\n" +
+	"page_token\x18\x04 \x01(\tB\a\xbaH\x04r\x02\x18@R\tpageToken\"\x82\x01\n" +
+	"\x18ListReservationsResponse\x12>\n" +
+	"\freservations\x18\x01 \x03(\v2\x1a.bc.compute.v1.ReservationR\freservations\x12&\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"M\n" +
+	"\x19ReleaseReservationRequest\x120\n" +
+	"\x0ereservation_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\rreservationId\"Z\n" +
+	"\x1aReleaseReservationResponse\x12<\n" +
+	"\vreservation\x18\x01 \x01(\v2\x1a.bc.compute.v1.ReservationR\vreservation\"\xca\x01\n" +
+	"\vUsageWindow\x12%\n" +
+	"\x0ereservation_id\x18\x01 \x01(\tR\rreservationId\x12\x1b\n" +
+	"\ttenant_id\x18\x02 \x01(\tR\btenantId\x12\x17\n" +
+	"\apool_id\x18\x03 \x01(\tR\x06poolId\x12=\n" +
+	"\fwindow_start\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\vwindowStart\x12\x1f\n" +
+	"\vgpu_seconds\x18\x05 \x01(\x03R\n" +
+	"gpuSeconds\"\x93\x01\n" +
+	"\x10ListUsageRequest\x12$\n" +
+	"\ttenant_id\x18\x01 \x01(\tB\a\xbaH\x04r\x02\x18@R\btenantId\x120\n" +
+	"\x05since\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x05since\x12'\n" +
+	"\tpage_size\x18\x03 \x01(\x05B\n" +
+	"\xbaH\a\x1a\x05\x18\x90N(\x00R\bpageSize\"u\n" +
+	"\x11ListUsageResponse\x124\n" +
+	"\awindows\x18\x01 \x03(\v2\x1a.bc.compute.v1.UsageWindowR\awindows\x12*\n" +
+	"\x11total_gpu_seconds\x18\x02 \x01(\x03R\x0ftotalGpuSeconds\"h\n" +
 	"\x03Gpu\x12\x14\n" +
 	"\x05index\x18\x01 \x01(\x05R\x05index\x12\x12\n" +
 	"\x04uuid\x18\x02 \x01(\tR\x04uuid\x12\x14\n" +
@@ -2651,14 +3788,24 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\tListNodes\x12\x1f.bc.compute.v1.ListNodesRequest\x1a .bc.compute.v1.ListNodesResponse\"\x00\x12J\n" +
 	"\aGetNode\x12\x1d.bc.compute.v1.GetNodeRequest\x1a\x1e.bc.compute.v1.GetNodeResponse\"\x00\x12S\n" +
 	"\n" +
-	"RevokeNode\x12 .bc.compute.v1.RevokeNodeRequest\x1a!.bc.compute.v1.RevokeNodeResponse\"\x002\xdb\x02\n" +
+	"RevokeNode\x12 .bc.compute.v1.RevokeNodeRequest\x1a!.bc.compute.v1.RevokeNodeResponse\"\x002\x82\x04\n" +
 	"\vPoolService\x12S\n" +
 	"\n" +
 	"CreateSite\x12 .bc.compute.v1.CreateSiteRequest\x1a!.bc.compute.v1.CreateSiteResponse\"\x00\x12P\n" +
 	"\tListSites\x12\x1f.bc.compute.v1.ListSitesRequest\x1a .bc.compute.v1.ListSitesResponse\"\x00\x12S\n" +
 	"\n" +
 	"CreatePool\x12 .bc.compute.v1.CreatePoolRequest\x1a!.bc.compute.v1.CreatePoolResponse\"\x00\x12P\n" +
-	"\tListPools\x12\x1f.bc.compute.v1.ListPoolsRequest\x1a .bc.compute.v1.ListPoolsResponse\"\x002\xbb\x02\n" +
+	"\tListPools\x12\x1f.bc.compute.v1.ListPoolsRequest\x1a .bc.compute.v1.ListPoolsResponse\"\x00\x12P\n" +
+	"\tOfferPool\x12\x1f.bc.compute.v1.OfferPoolRequest\x1a .bc.compute.v1.OfferPoolResponse\"\x00\x12S\n" +
+	"\n" +
+	"ListOffers\x12 .bc.compute.v1.ListOffersRequest\x1a!.bc.compute.v1.ListOffersResponse\"\x002\x95\x03\n" +
+	"\x12ReservationService\x12J\n" +
+	"\aReserve\x12\x1d.bc.compute.v1.ReserveRequest\x1a\x1e.bc.compute.v1.ReserveResponse\"\x00\x12_\n" +
+	"\x0eGetReservation\x12$.bc.compute.v1.GetReservationRequest\x1a%.bc.compute.v1.GetReservationResponse\"\x00\x12e\n" +
+	"\x10ListReservations\x12&.bc.compute.v1.ListReservationsRequest\x1a'.bc.compute.v1.ListReservationsResponse\"\x00\x12k\n" +
+	"\x12ReleaseReservation\x12(.bc.compute.v1.ReleaseReservationRequest\x1a).bc.compute.v1.ReleaseReservationResponse\"\x002`\n" +
+	"\fUsageService\x12P\n" +
+	"\tListUsage\x12\x1f.bc.compute.v1.ListUsageRequest\x1a .bc.compute.v1.ListUsageResponse\"\x002\xbb\x02\n" +
 	"\x10JoinTokenService\x12b\n" +
 	"\x0fCreateJoinToken\x12%.bc.compute.v1.CreateJoinTokenRequest\x1a&.bc.compute.v1.CreateJoinTokenResponse\"\x00\x12_\n" +
 	"\x0eListJoinTokens\x12$.bc.compute.v1.ListJoinTokensRequest\x1a%.bc.compute.v1.ListJoinTokensResponse\"\x00\x12b\n" +
@@ -2687,125 +3834,175 @@ func file_bc_compute_v1_compute_proto_rawDescGZIP() []byte {
 	return file_bc_compute_v1_compute_proto_rawDescData
 }
 
-var file_bc_compute_v1_compute_proto_msgTypes = make([]protoimpl.MessageInfo, 42)
+var file_bc_compute_v1_compute_proto_msgTypes = make([]protoimpl.MessageInfo, 59)
 var file_bc_compute_v1_compute_proto_goTypes = []any{
-	(*Tenant)(nil),                  // 0: bc.compute.v1.Tenant
-	(*CreateTenantRequest)(nil),     // 1: bc.compute.v1.CreateTenantRequest
-	(*CreateTenantResponse)(nil),    // 2: bc.compute.v1.CreateTenantResponse
-	(*ListTenantsRequest)(nil),      // 3: bc.compute.v1.ListTenantsRequest
-	(*ListTenantsResponse)(nil),     // 4: bc.compute.v1.ListTenantsResponse
-	(*ApiToken)(nil),                // 5: bc.compute.v1.ApiToken
-	(*CreateTokenRequest)(nil),      // 6: bc.compute.v1.CreateTokenRequest
-	(*CreateTokenResponse)(nil),     // 7: bc.compute.v1.CreateTokenResponse
-	(*ListTokensRequest)(nil),       // 8: bc.compute.v1.ListTokensRequest
-	(*ListTokensResponse)(nil),      // 9: bc.compute.v1.ListTokensResponse
-	(*RevokeTokenRequest)(nil),      // 10: bc.compute.v1.RevokeTokenRequest
-	(*RevokeTokenResponse)(nil),     // 11: bc.compute.v1.RevokeTokenResponse
-	(*AuditEntry)(nil),              // 12: bc.compute.v1.AuditEntry
-	(*ListAuditRequest)(nil),        // 13: bc.compute.v1.ListAuditRequest
-	(*ListAuditResponse)(nil),       // 14: bc.compute.v1.ListAuditResponse
-	(*Gpu)(nil),                     // 15: bc.compute.v1.Gpu
-	(*Node)(nil),                    // 16: bc.compute.v1.Node
-	(*ListNodesRequest)(nil),        // 17: bc.compute.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),       // 18: bc.compute.v1.ListNodesResponse
-	(*GetNodeRequest)(nil),          // 19: bc.compute.v1.GetNodeRequest
-	(*GetNodeResponse)(nil),         // 20: bc.compute.v1.GetNodeResponse
-	(*RevokeNodeRequest)(nil),       // 21: bc.compute.v1.RevokeNodeRequest
-	(*RevokeNodeResponse)(nil),      // 22: bc.compute.v1.RevokeNodeResponse
-	(*Site)(nil),                    // 23: bc.compute.v1.Site
-	(*CreateSiteRequest)(nil),       // 24: bc.compute.v1.CreateSiteRequest
-	(*CreateSiteResponse)(nil),      // 25: bc.compute.v1.CreateSiteResponse
-	(*ListSitesRequest)(nil),        // 26: bc.compute.v1.ListSitesRequest
-	(*ListSitesResponse)(nil),       // 27: bc.compute.v1.ListSitesResponse
-	(*Acceptance)(nil),              // 28: bc.compute.v1.Acceptance
-	(*Pool)(nil),                    // 29: bc.compute.v1.Pool
-	(*CreatePoolRequest)(nil),       // 30: bc.compute.v1.CreatePoolRequest
-	(*CreatePoolResponse)(nil),      // 31: bc.compute.v1.CreatePoolResponse
-	(*ListPoolsRequest)(nil),        // 32: bc.compute.v1.ListPoolsRequest
-	(*ListPoolsResponse)(nil),       // 33: bc.compute.v1.ListPoolsResponse
-	(*JoinToken)(nil),               // 34: bc.compute.v1.JoinToken
-	(*CreateJoinTokenRequest)(nil),  // 35: bc.compute.v1.CreateJoinTokenRequest
-	(*CreateJoinTokenResponse)(nil), // 36: bc.compute.v1.CreateJoinTokenResponse
-	(*ListJoinTokensRequest)(nil),   // 37: bc.compute.v1.ListJoinTokensRequest
-	(*ListJoinTokensResponse)(nil),  // 38: bc.compute.v1.ListJoinTokensResponse
-	(*RevokeJoinTokenRequest)(nil),  // 39: bc.compute.v1.RevokeJoinTokenRequest
-	(*RevokeJoinTokenResponse)(nil), // 40: bc.compute.v1.RevokeJoinTokenResponse
-	nil,                             // 41: bc.compute.v1.Pool.NodeCountsEntry
-	(*timestamppb.Timestamp)(nil),   // 42: google.protobuf.Timestamp
+	(*Tenant)(nil),                     // 0: bc.compute.v1.Tenant
+	(*CreateTenantRequest)(nil),        // 1: bc.compute.v1.CreateTenantRequest
+	(*CreateTenantResponse)(nil),       // 2: bc.compute.v1.CreateTenantResponse
+	(*ListTenantsRequest)(nil),         // 3: bc.compute.v1.ListTenantsRequest
+	(*ListTenantsResponse)(nil),        // 4: bc.compute.v1.ListTenantsResponse
+	(*ApiToken)(nil),                   // 5: bc.compute.v1.ApiToken
+	(*CreateTokenRequest)(nil),         // 6: bc.compute.v1.CreateTokenRequest
+	(*CreateTokenResponse)(nil),        // 7: bc.compute.v1.CreateTokenResponse
+	(*ListTokensRequest)(nil),          // 8: bc.compute.v1.ListTokensRequest
+	(*ListTokensResponse)(nil),         // 9: bc.compute.v1.ListTokensResponse
+	(*RevokeTokenRequest)(nil),         // 10: bc.compute.v1.RevokeTokenRequest
+	(*RevokeTokenResponse)(nil),        // 11: bc.compute.v1.RevokeTokenResponse
+	(*AuditEntry)(nil),                 // 12: bc.compute.v1.AuditEntry
+	(*ListAuditRequest)(nil),           // 13: bc.compute.v1.ListAuditRequest
+	(*ListAuditResponse)(nil),          // 14: bc.compute.v1.ListAuditResponse
+	(*Offer)(nil),                      // 15: bc.compute.v1.Offer
+	(*OfferPoolRequest)(nil),           // 16: bc.compute.v1.OfferPoolRequest
+	(*OfferPoolResponse)(nil),          // 17: bc.compute.v1.OfferPoolResponse
+	(*ListOffersRequest)(nil),          // 18: bc.compute.v1.ListOffersRequest
+	(*ListOffersResponse)(nil),         // 19: bc.compute.v1.ListOffersResponse
+	(*Reservation)(nil),                // 20: bc.compute.v1.Reservation
+	(*ReserveRequest)(nil),             // 21: bc.compute.v1.ReserveRequest
+	(*ReserveResponse)(nil),            // 22: bc.compute.v1.ReserveResponse
+	(*GetReservationRequest)(nil),      // 23: bc.compute.v1.GetReservationRequest
+	(*GetReservationResponse)(nil),     // 24: bc.compute.v1.GetReservationResponse
+	(*ListReservationsRequest)(nil),    // 25: bc.compute.v1.ListReservationsRequest
+	(*ListReservationsResponse)(nil),   // 26: bc.compute.v1.ListReservationsResponse
+	(*ReleaseReservationRequest)(nil),  // 27: bc.compute.v1.ReleaseReservationRequest
+	(*ReleaseReservationResponse)(nil), // 28: bc.compute.v1.ReleaseReservationResponse
+	(*UsageWindow)(nil),                // 29: bc.compute.v1.UsageWindow
+	(*ListUsageRequest)(nil),           // 30: bc.compute.v1.ListUsageRequest
+	(*ListUsageResponse)(nil),          // 31: bc.compute.v1.ListUsageResponse
+	(*Gpu)(nil),                        // 32: bc.compute.v1.Gpu
+	(*Node)(nil),                       // 33: bc.compute.v1.Node
+	(*ListNodesRequest)(nil),           // 34: bc.compute.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),          // 35: bc.compute.v1.ListNodesResponse
+	(*GetNodeRequest)(nil),             // 36: bc.compute.v1.GetNodeRequest
+	(*GetNodeResponse)(nil),            // 37: bc.compute.v1.GetNodeResponse
+	(*RevokeNodeRequest)(nil),          // 38: bc.compute.v1.RevokeNodeRequest
+	(*RevokeNodeResponse)(nil),         // 39: bc.compute.v1.RevokeNodeResponse
+	(*Site)(nil),                       // 40: bc.compute.v1.Site
+	(*CreateSiteRequest)(nil),          // 41: bc.compute.v1.CreateSiteRequest
+	(*CreateSiteResponse)(nil),         // 42: bc.compute.v1.CreateSiteResponse
+	(*ListSitesRequest)(nil),           // 43: bc.compute.v1.ListSitesRequest
+	(*ListSitesResponse)(nil),          // 44: bc.compute.v1.ListSitesResponse
+	(*Acceptance)(nil),                 // 45: bc.compute.v1.Acceptance
+	(*Pool)(nil),                       // 46: bc.compute.v1.Pool
+	(*CreatePoolRequest)(nil),          // 47: bc.compute.v1.CreatePoolRequest
+	(*CreatePoolResponse)(nil),         // 48: bc.compute.v1.CreatePoolResponse
+	(*ListPoolsRequest)(nil),           // 49: bc.compute.v1.ListPoolsRequest
+	(*ListPoolsResponse)(nil),          // 50: bc.compute.v1.ListPoolsResponse
+	(*JoinToken)(nil),                  // 51: bc.compute.v1.JoinToken
+	(*CreateJoinTokenRequest)(nil),     // 52: bc.compute.v1.CreateJoinTokenRequest
+	(*CreateJoinTokenResponse)(nil),    // 53: bc.compute.v1.CreateJoinTokenResponse
+	(*ListJoinTokensRequest)(nil),      // 54: bc.compute.v1.ListJoinTokensRequest
+	(*ListJoinTokensResponse)(nil),     // 55: bc.compute.v1.ListJoinTokensResponse
+	(*RevokeJoinTokenRequest)(nil),     // 56: bc.compute.v1.RevokeJoinTokenRequest
+	(*RevokeJoinTokenResponse)(nil),    // 57: bc.compute.v1.RevokeJoinTokenResponse
+	nil,                                // 58: bc.compute.v1.Pool.NodeCountsEntry
+	(*timestamppb.Timestamp)(nil),      // 59: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),        // 60: google.protobuf.Duration
 }
 var file_bc_compute_v1_compute_proto_depIdxs = []int32{
-	42, // 0: bc.compute.v1.Tenant.created_at:type_name -> google.protobuf.Timestamp
+	59, // 0: bc.compute.v1.Tenant.created_at:type_name -> google.protobuf.Timestamp
 	0,  // 1: bc.compute.v1.CreateTenantResponse.tenant:type_name -> bc.compute.v1.Tenant
 	0,  // 2: bc.compute.v1.ListTenantsResponse.tenants:type_name -> bc.compute.v1.Tenant
-	42, // 3: bc.compute.v1.ApiToken.expires_at:type_name -> google.protobuf.Timestamp
-	42, // 4: bc.compute.v1.ApiToken.revoked_at:type_name -> google.protobuf.Timestamp
-	42, // 5: bc.compute.v1.ApiToken.created_at:type_name -> google.protobuf.Timestamp
-	42, // 6: bc.compute.v1.ApiToken.last_used_at:type_name -> google.protobuf.Timestamp
+	59, // 3: bc.compute.v1.ApiToken.expires_at:type_name -> google.protobuf.Timestamp
+	59, // 4: bc.compute.v1.ApiToken.revoked_at:type_name -> google.protobuf.Timestamp
+	59, // 5: bc.compute.v1.ApiToken.created_at:type_name -> google.protobuf.Timestamp
+	59, // 6: bc.compute.v1.ApiToken.last_used_at:type_name -> google.protobuf.Timestamp
 	5,  // 7: bc.compute.v1.CreateTokenResponse.token:type_name -> bc.compute.v1.ApiToken
 	5,  // 8: bc.compute.v1.ListTokensResponse.tokens:type_name -> bc.compute.v1.ApiToken
 	5,  // 9: bc.compute.v1.RevokeTokenResponse.token:type_name -> bc.compute.v1.ApiToken
-	42, // 10: bc.compute.v1.AuditEntry.at:type_name -> google.protobuf.Timestamp
+	59, // 10: bc.compute.v1.AuditEntry.at:type_name -> google.protobuf.Timestamp
 	12, // 11: bc.compute.v1.ListAuditResponse.entries:type_name -> bc.compute.v1.AuditEntry
-	42, // 12: bc.compute.v1.Node.last_seen:type_name -> google.protobuf.Timestamp
-	15, // 13: bc.compute.v1.Node.gpus:type_name -> bc.compute.v1.Gpu
-	42, // 14: bc.compute.v1.Node.created_at:type_name -> google.protobuf.Timestamp
-	42, // 15: bc.compute.v1.Node.revoked_at:type_name -> google.protobuf.Timestamp
-	42, // 16: bc.compute.v1.Node.cert_not_after:type_name -> google.protobuf.Timestamp
-	16, // 17: bc.compute.v1.ListNodesResponse.nodes:type_name -> bc.compute.v1.Node
-	16, // 18: bc.compute.v1.GetNodeResponse.node:type_name -> bc.compute.v1.Node
-	16, // 19: bc.compute.v1.RevokeNodeResponse.node:type_name -> bc.compute.v1.Node
-	42, // 20: bc.compute.v1.Site.created_at:type_name -> google.protobuf.Timestamp
-	23, // 21: bc.compute.v1.CreateSiteResponse.site:type_name -> bc.compute.v1.Site
-	23, // 22: bc.compute.v1.ListSitesResponse.sites:type_name -> bc.compute.v1.Site
-	28, // 23: bc.compute.v1.Pool.acceptance:type_name -> bc.compute.v1.Acceptance
-	42, // 24: bc.compute.v1.Pool.created_at:type_name -> google.protobuf.Timestamp
-	41, // 25: bc.compute.v1.Pool.node_counts:type_name -> bc.compute.v1.Pool.NodeCountsEntry
-	28, // 26: bc.compute.v1.CreatePoolRequest.acceptance:type_name -> bc.compute.v1.Acceptance
-	29, // 27: bc.compute.v1.CreatePoolResponse.pool:type_name -> bc.compute.v1.Pool
-	29, // 28: bc.compute.v1.ListPoolsResponse.pools:type_name -> bc.compute.v1.Pool
-	42, // 29: bc.compute.v1.JoinToken.expires_at:type_name -> google.protobuf.Timestamp
-	42, // 30: bc.compute.v1.JoinToken.revoked_at:type_name -> google.protobuf.Timestamp
-	42, // 31: bc.compute.v1.JoinToken.created_at:type_name -> google.protobuf.Timestamp
-	34, // 32: bc.compute.v1.CreateJoinTokenResponse.join_token:type_name -> bc.compute.v1.JoinToken
-	34, // 33: bc.compute.v1.ListJoinTokensResponse.join_tokens:type_name -> bc.compute.v1.JoinToken
-	34, // 34: bc.compute.v1.RevokeJoinTokenResponse.join_token:type_name -> bc.compute.v1.JoinToken
-	17, // 35: bc.compute.v1.NodeService.ListNodes:input_type -> bc.compute.v1.ListNodesRequest
-	19, // 36: bc.compute.v1.NodeService.GetNode:input_type -> bc.compute.v1.GetNodeRequest
-	21, // 37: bc.compute.v1.NodeService.RevokeNode:input_type -> bc.compute.v1.RevokeNodeRequest
-	24, // 38: bc.compute.v1.PoolService.CreateSite:input_type -> bc.compute.v1.CreateSiteRequest
-	26, // 39: bc.compute.v1.PoolService.ListSites:input_type -> bc.compute.v1.ListSitesRequest
-	30, // 40: bc.compute.v1.PoolService.CreatePool:input_type -> bc.compute.v1.CreatePoolRequest
-	32, // 41: bc.compute.v1.PoolService.ListPools:input_type -> bc.compute.v1.ListPoolsRequest
-	35, // 42: bc.compute.v1.JoinTokenService.CreateJoinToken:input_type -> bc.compute.v1.CreateJoinTokenRequest
-	37, // 43: bc.compute.v1.JoinTokenService.ListJoinTokens:input_type -> bc.compute.v1.ListJoinTokensRequest
-	39, // 44: bc.compute.v1.JoinTokenService.RevokeJoinToken:input_type -> bc.compute.v1.RevokeJoinTokenRequest
-	1,  // 45: bc.compute.v1.TenantService.CreateTenant:input_type -> bc.compute.v1.CreateTenantRequest
-	3,  // 46: bc.compute.v1.TenantService.ListTenants:input_type -> bc.compute.v1.ListTenantsRequest
-	6,  // 47: bc.compute.v1.TokenService.CreateToken:input_type -> bc.compute.v1.CreateTokenRequest
-	8,  // 48: bc.compute.v1.TokenService.ListTokens:input_type -> bc.compute.v1.ListTokensRequest
-	10, // 49: bc.compute.v1.TokenService.RevokeToken:input_type -> bc.compute.v1.RevokeTokenRequest
-	13, // 50: bc.compute.v1.AuditService.ListAudit:input_type -> bc.compute.v1.ListAuditRequest
-	18, // 51: bc.compute.v1.NodeService.ListNodes:output_type -> bc.compute.v1.ListNodesResponse
-	20, // 52: bc.compute.v1.NodeService.GetNode:output_type -> bc.compute.v1.GetNodeResponse
-	22, // 53: bc.compute.v1.NodeService.RevokeNode:output_type -> bc.compute.v1.RevokeNodeResponse
-	25, // 54: bc.compute.v1.PoolService.CreateSite:output_type -> bc.compute.v1.CreateSiteResponse
-	27, // 55: bc.compute.v1.PoolService.ListSites:output_type -> bc.compute.v1.ListSitesResponse
-	31, // 56: bc.compute.v1.PoolService.CreatePool:output_type -> bc.compute.v1.CreatePoolResponse
-	33, // 57: bc.compute.v1.PoolService.ListPools:output_type -> bc.compute.v1.ListPoolsResponse
-	36, // 58: bc.compute.v1.JoinTokenService.CreateJoinToken:output_type -> bc.compute.v1.CreateJoinTokenResponse
-	38, // 59: bc.compute.v1.JoinTokenService.ListJoinTokens:output_type -> bc.compute.v1.ListJoinTokensResponse
-	40, // 60: bc.compute.v1.JoinTokenService.RevokeJoinToken:output_type -> bc.compute.v1.RevokeJoinTokenResponse
-	2,  // 61: bc.compute.v1.TenantService.CreateTenant:output_type -> bc.compute.v1.CreateTenantResponse
-	4,  // 62: bc.compute.v1.TenantService.ListTenants:output_type -> bc.compute.v1.ListTenantsResponse
-	7,  // 63: bc.compute.v1.TokenService.CreateToken:output_type -> bc.compute.v1.CreateTokenResponse
-	9,  // 64: bc.compute.v1.TokenService.ListTokens:output_type -> bc.compute.v1.ListTokensResponse
-	11, // 65: bc.compute.v1.TokenService.RevokeToken:output_type -> bc.compute.v1.RevokeTokenResponse
-	14, // 66: bc.compute.v1.AuditService.ListAudit:output_type -> bc.compute.v1.ListAuditResponse
-	51, // [51:67] is the sub-list for method output_type
-	35, // [35:51] is the sub-list for method input_type
-	35, // [35:35] is the sub-list for extension type_name
-	35, // [35:35] is the sub-list for extension extendee
-	0,  // [0:35] is the sub-list for field type_name
+	59, // 12: bc.compute.v1.Offer.created_at:type_name -> google.protobuf.Timestamp
+	15, // 13: bc.compute.v1.OfferPoolResponse.offer:type_name -> bc.compute.v1.Offer
+	15, // 14: bc.compute.v1.ListOffersResponse.offers:type_name -> bc.compute.v1.Offer
+	59, // 15: bc.compute.v1.Reservation.start_time:type_name -> google.protobuf.Timestamp
+	59, // 16: bc.compute.v1.Reservation.end_time:type_name -> google.protobuf.Timestamp
+	59, // 17: bc.compute.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
+	59, // 18: bc.compute.v1.Reservation.updated_at:type_name -> google.protobuf.Timestamp
+	59, // 19: bc.compute.v1.Reservation.active_at:type_name -> google.protobuf.Timestamp
+	59, // 20: bc.compute.v1.Reservation.ended_at:type_name -> google.protobuf.Timestamp
+	60, // 21: bc.compute.v1.ReserveRequest.duration:type_name -> google.protobuf.Duration
+	59, // 22: bc.compute.v1.ReserveRequest.start_time:type_name -> google.protobuf.Timestamp
+	20, // 23: bc.compute.v1.ReserveResponse.reservation:type_name -> bc.compute.v1.Reservation
+	20, // 24: bc.compute.v1.GetReservationResponse.reservation:type_name -> bc.compute.v1.Reservation
+	20, // 25: bc.compute.v1.ListReservationsResponse.reservations:type_name -> bc.compute.v1.Reservation
+	20, // 26: bc.compute.v1.ReleaseReservationResponse.reservation:type_name -> bc.compute.v1.Reservation
+	59, // 27: bc.compute.v1.UsageWindow.window_start:type_name -> google.protobuf.Timestamp
+	59, // 28: bc.compute.v1.ListUsageRequest.since:type_name -> google.protobuf.Timestamp
+	29, // 29: bc.compute.v1.ListUsageResponse.windows:type_name -> bc.compute.v1.UsageWindow
+	59, // 30: bc.compute.v1.Node.last_seen:type_name -> google.protobuf.Timestamp
+	32, // 31: bc.compute.v1.Node.gpus:type_name -> bc.compute.v1.Gpu
+	59, // 32: bc.compute.v1.Node.created_at:type_name -> google.protobuf.Timestamp
+	59, // 33: bc.compute.v1.Node.revoked_at:type_name -> google.protobuf.Timestamp
+	59, // 34: bc.compute.v1.Node.cert_not_after:type_name -> google.protobuf.Timestamp
+	33, // 35: bc.compute.v1.ListNodesResponse.nodes:type_name -> bc.compute.v1.Node
+	33, // 36: bc.compute.v1.GetNodeResponse.node:type_name -> bc.compute.v1.Node
+	33, // 37: bc.compute.v1.RevokeNodeResponse.node:type_name -> bc.compute.v1.Node
+	59, // 38: bc.compute.v1.Site.created_at:type_name -> google.protobuf.Timestamp
+	40, // 39: bc.compute.v1.CreateSiteResponse.site:type_name -> bc.compute.v1.Site
+	40, // 40: bc.compute.v1.ListSitesResponse.sites:type_name -> bc.compute.v1.Site
+	45, // 41: bc.compute.v1.Pool.acceptance:type_name -> bc.compute.v1.Acceptance
+	59, // 42: bc.compute.v1.Pool.created_at:type_name -> google.protobuf.Timestamp
+	58, // 43: bc.compute.v1.Pool.node_counts:type_name -> bc.compute.v1.Pool.NodeCountsEntry
+	45, // 44: bc.compute.v1.CreatePoolRequest.acceptance:type_name -> bc.compute.v1.Acceptance
+	46, // 45: bc.compute.v1.CreatePoolResponse.pool:type_name -> bc.compute.v1.Pool
+	46, // 46: bc.compute.v1.ListPoolsResponse.pools:type_name -> bc.compute.v1.Pool
+	59, // 47: bc.compute.v1.JoinToken.expires_at:type_name -> google.protobuf.Timestamp
+	59, // 48: bc.compute.v1.JoinToken.revoked_at:type_name -> google.protobuf.Timestamp
+	59, // 49: bc.compute.v1.JoinToken.created_at:type_name -> google.protobuf.Timestamp
+	51, // 50: bc.compute.v1.CreateJoinTokenResponse.join_token:type_name -> bc.compute.v1.JoinToken
+	51, // 51: bc.compute.v1.ListJoinTokensResponse.join_tokens:type_name -> bc.compute.v1.JoinToken
+	51, // 52: bc.compute.v1.RevokeJoinTokenResponse.join_token:type_name -> bc.compute.v1.JoinToken
+	34, // 53: bc.compute.v1.NodeService.ListNodes:input_type -> bc.compute.v1.ListNodesRequest
+	36, // 54: bc.compute.v1.NodeService.GetNode:input_type -> bc.compute.v1.GetNodeRequest
+	38, // 55: bc.compute.v1.NodeService.RevokeNode:input_type -> bc.compute.v1.RevokeNodeRequest
+	41, // 56: bc.compute.v1.PoolService.CreateSite:input_type -> bc.compute.v1.CreateSiteRequest
+	43, // 57: bc.compute.v1.PoolService.ListSites:input_type -> bc.compute.v1.ListSitesRequest
+	47, // 58: bc.compute.v1.PoolService.CreatePool:input_type -> bc.compute.v1.CreatePoolRequest
+	49, // 59: bc.compute.v1.PoolService.ListPools:input_type -> bc.compute.v1.ListPoolsRequest
+	16, // 60: bc.compute.v1.PoolService.OfferPool:input_type -> bc.compute.v1.OfferPoolRequest
+	18, // 61: bc.compute.v1.PoolService.ListOffers:input_type -> bc.compute.v1.ListOffersRequest
+	21, // 62: bc.compute.v1.ReservationService.Reserve:input_type -> bc.compute.v1.ReserveRequest
+	23, // 63: bc.compute.v1.ReservationService.GetReservation:input_type -> bc.compute.v1.GetReservationRequest
+	25, // 64: bc.compute.v1.ReservationService.ListReservations:input_type -> bc.compute.v1.ListReservationsRequest
+	27, // 65: bc.compute.v1.ReservationService.ReleaseReservation:input_type -> bc.compute.v1.ReleaseReservationRequest
+	30, // 66: bc.compute.v1.UsageService.ListUsage:input_type -> bc.compute.v1.ListUsageRequest
+	52, // 67: bc.compute.v1.JoinTokenService.CreateJoinToken:input_type -> bc.compute.v1.CreateJoinTokenRequest
+	54, // 68: bc.compute.v1.JoinTokenService.ListJoinTokens:input_type -> bc.compute.v1.ListJoinTokensRequest
+	56, // 69: bc.compute.v1.JoinTokenService.RevokeJoinToken:input_type -> bc.compute.v1.RevokeJoinTokenRequest
+	1,  // 70: bc.compute.v1.TenantService.CreateTenant:input_type -> bc.compute.v1.CreateTenantRequest
+	3,  // 71: bc.compute.v1.TenantService.ListTenants:input_type -> bc.compute.v1.ListTenantsRequest
+	6,  // 72: bc.compute.v1.TokenService.CreateToken:input_type -> bc.compute.v1.CreateTokenRequest
+	8,  // 73: bc.compute.v1.TokenService.ListTokens:input_type -> bc.compute.v1.ListTokensRequest
+	10, // 74: bc.compute.v1.TokenService.RevokeToken:input_type -> bc.compute.v1.RevokeTokenRequest
+	13, // 75: bc.compute.v1.AuditService.ListAudit:input_type -> bc.compute.v1.ListAuditRequest
+	35, // 76: bc.compute.v1.NodeService.ListNodes:output_type -> bc.compute.v1.ListNodesResponse
+	37, // 77: bc.compute.v1.NodeService.GetNode:output_type -> bc.compute.v1.GetNodeResponse
+	39, // 78: bc.compute.v1.NodeService.RevokeNode:output_type -> bc.compute.v1.RevokeNodeResponse
+	42, // 79: bc.compute.v1.PoolService.CreateSite:output_type -> bc.compute.v1.CreateSiteResponse
+	44, // 80: bc.compute.v1.PoolService.ListSites:output_type -> bc.compute.v1.ListSitesResponse
+	48, // 81: bc.compute.v1.PoolService.CreatePool:output_type -> bc.compute.v1.CreatePoolResponse
+	50, // 82: bc.compute.v1.PoolService.ListPools:output_type -> bc.compute.v1.ListPoolsResponse
+	17, // 83: bc.compute.v1.PoolService.OfferPool:output_type -> bc.compute.v1.OfferPoolResponse
+	19, // 84: bc.compute.v1.PoolService.ListOffers:output_type -> bc.compute.v1.ListOffersResponse
+	22, // 85: bc.compute.v1.ReservationService.Reserve:output_type -> bc.compute.v1.ReserveResponse
+	24, // 86: bc.compute.v1.ReservationService.GetReservation:output_type -> bc.compute.v1.GetReservationResponse
+	26, // 87: bc.compute.v1.ReservationService.ListReservations:output_type -> bc.compute.v1.ListReservationsResponse
+	28, // 88: bc.compute.v1.ReservationService.ReleaseReservation:output_type -> bc.compute.v1.ReleaseReservationResponse
+	31, // 89: bc.compute.v1.UsageService.ListUsage:output_type -> bc.compute.v1.ListUsageResponse
+	53, // 90: bc.compute.v1.JoinTokenService.CreateJoinToken:output_type -> bc.compute.v1.CreateJoinTokenResponse
+	55, // 91: bc.compute.v1.JoinTokenService.ListJoinTokens:output_type -> bc.compute.v1.ListJoinTokensResponse
+	57, // 92: bc.compute.v1.JoinTokenService.RevokeJoinToken:output_type -> bc.compute.v1.RevokeJoinTokenResponse
+	2,  // 93: bc.compute.v1.TenantService.CreateTenant:output_type -> bc.compute.v1.CreateTenantResponse
+	4,  // 94: bc.compute.v1.TenantService.ListTenants:output_type -> bc.compute.v1.ListTenantsResponse
+	7,  // 95: bc.compute.v1.TokenService.CreateToken:output_type -> bc.compute.v1.CreateTokenResponse
+	9,  // 96: bc.compute.v1.TokenService.ListTokens:output_type -> bc.compute.v1.ListTokensResponse
+	11, // 97: bc.compute.v1.TokenService.RevokeToken:output_type -> bc.compute.v1.RevokeTokenResponse
+	14, // 98: bc.compute.v1.AuditService.ListAudit:output_type -> bc.compute.v1.ListAuditResponse
+	76, // [76:99] is the sub-list for method output_type
+	53, // [53:76] is the sub-list for method input_type
+	53, // [53:53] is the sub-list for extension type_name
+	53, // [53:53] is the sub-list for extension extendee
+	0,  // [0:53] is the sub-list for field type_name
 }
 
 func init() { file_bc_compute_v1_compute_proto_init() }
@@ -2819,9 +4016,9 @@ func file_bc_compute_v1_compute_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_bc_compute_v1_compute_proto_rawDesc), len(file_bc_compute_v1_compute_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   42,
+			NumMessages:   59,
 			NumExtensions: 0,
-			NumServices:   6,
+			NumServices:   8,
 		},
 		GoTypes:           file_bc_compute_v1_compute_proto_goTypes,
 		DependencyIndexes: file_bc_compute_v1_compute_proto_depIdxs,

@@ -25,6 +25,10 @@ const (
 	NodeServiceName = "bc.compute.v1.NodeService"
 	// PoolServiceName is the fully-qualified name of the PoolService service.
 	PoolServiceName = "bc.compute.v1.PoolService"
+	// ReservationServiceName is the fully-qualified name of the ReservationService service.
+	ReservationServiceName = "bc.compute.v1.ReservationService"
+	// UsageServiceName is the fully-qualified name of the UsageService service.
+	UsageServiceName = "bc.compute.v1.UsageService"
 	// JoinTokenServiceName is the fully-qualified name of the JoinTokenService service.
 	JoinTokenServiceName = "bc.compute.v1.JoinTokenService"
 	// TenantServiceName is the fully-qualified name of the TenantService service.
@@ -57,6 +61,24 @@ const (
 	PoolServiceCreatePoolProcedure = "/bc.compute.v1.PoolService/CreatePool"
 	// PoolServiceListPoolsProcedure is the fully-qualified name of the PoolService's ListPools RPC.
 	PoolServiceListPoolsProcedure = "/bc.compute.v1.PoolService/ListPools"
+	// PoolServiceOfferPoolProcedure is the fully-qualified name of the PoolService's OfferPool RPC.
+	PoolServiceOfferPoolProcedure = "/bc.compute.v1.PoolService/OfferPool"
+	// PoolServiceListOffersProcedure is the fully-qualified name of the PoolService's ListOffers RPC.
+	PoolServiceListOffersProcedure = "/bc.compute.v1.PoolService/ListOffers"
+	// ReservationServiceReserveProcedure is the fully-qualified name of the ReservationService's
+	// Reserve RPC.
+	ReservationServiceReserveProcedure = "/bc.compute.v1.ReservationService/Reserve"
+	// ReservationServiceGetReservationProcedure is the fully-qualified name of the ReservationService's
+	// GetReservation RPC.
+	ReservationServiceGetReservationProcedure = "/bc.compute.v1.ReservationService/GetReservation"
+	// ReservationServiceListReservationsProcedure is the fully-qualified name of the
+	// ReservationService's ListReservations RPC.
+	ReservationServiceListReservationsProcedure = "/bc.compute.v1.ReservationService/ListReservations"
+	// ReservationServiceReleaseReservationProcedure is the fully-qualified name of the
+	// ReservationService's ReleaseReservation RPC.
+	ReservationServiceReleaseReservationProcedure = "/bc.compute.v1.ReservationService/ReleaseReservation"
+	// UsageServiceListUsageProcedure is the fully-qualified name of the UsageService's ListUsage RPC.
+	UsageServiceListUsageProcedure = "/bc.compute.v1.UsageService/ListUsage"
 	// JoinTokenServiceCreateJoinTokenProcedure is the fully-qualified name of the JoinTokenService's
 	// CreateJoinToken RPC.
 	JoinTokenServiceCreateJoinTokenProcedure = "/bc.compute.v1.JoinTokenService/CreateJoinToken"
@@ -224,6 +246,13 @@ type PoolServiceClient interface {
 	// AlreadyExists (name taken in the site), InvalidArgument.
 	CreatePool(context.Context, *connect.Request[v1.CreatePoolRequest]) (*connect.Response[v1.CreatePoolResponse], error)
 	ListPools(context.Context, *connect.Request[v1.ListPoolsRequest]) (*connect.Response[v1.ListPoolsResponse], error)
+	// OfferPool offers a pool to a tenant with a GPU quota, or changes the
+	// quota of an existing offer (root-admin, or a tenant-admin of the pool's
+	// owner). Errors: NotFound (pool or tenant).
+	OfferPool(context.Context, *connect.Request[v1.OfferPoolRequest]) (*connect.Response[v1.OfferPoolResponse], error)
+	// ListOffers lists the offers the caller sees: those made to its tenant,
+	// and those of pools its tenant owns (all for root-admin).
+	ListOffers(context.Context, *connect.Request[v1.ListOffersRequest]) (*connect.Response[v1.ListOffersResponse], error)
 }
 
 // NewPoolServiceClient constructs a client for the bc.compute.v1.PoolService service. By default,
@@ -261,6 +290,18 @@ func NewPoolServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			connect.WithSchema(poolServiceMethods.ByName("ListPools")),
 			connect.WithClientOptions(opts...),
 		),
+		offerPool: connect.NewClient[v1.OfferPoolRequest, v1.OfferPoolResponse](
+			httpClient,
+			baseURL+PoolServiceOfferPoolProcedure,
+			connect.WithSchema(poolServiceMethods.ByName("OfferPool")),
+			connect.WithClientOptions(opts...),
+		),
+		listOffers: connect.NewClient[v1.ListOffersRequest, v1.ListOffersResponse](
+			httpClient,
+			baseURL+PoolServiceListOffersProcedure,
+			connect.WithSchema(poolServiceMethods.ByName("ListOffers")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -270,6 +311,8 @@ type poolServiceClient struct {
 	listSites  *connect.Client[v1.ListSitesRequest, v1.ListSitesResponse]
 	createPool *connect.Client[v1.CreatePoolRequest, v1.CreatePoolResponse]
 	listPools  *connect.Client[v1.ListPoolsRequest, v1.ListPoolsResponse]
+	offerPool  *connect.Client[v1.OfferPoolRequest, v1.OfferPoolResponse]
+	listOffers *connect.Client[v1.ListOffersRequest, v1.ListOffersResponse]
 }
 
 // CreateSite calls bc.compute.v1.PoolService.CreateSite.
@@ -292,6 +335,16 @@ func (c *poolServiceClient) ListPools(ctx context.Context, req *connect.Request[
 	return c.listPools.CallUnary(ctx, req)
 }
 
+// OfferPool calls bc.compute.v1.PoolService.OfferPool.
+func (c *poolServiceClient) OfferPool(ctx context.Context, req *connect.Request[v1.OfferPoolRequest]) (*connect.Response[v1.OfferPoolResponse], error) {
+	return c.offerPool.CallUnary(ctx, req)
+}
+
+// ListOffers calls bc.compute.v1.PoolService.ListOffers.
+func (c *poolServiceClient) ListOffers(ctx context.Context, req *connect.Request[v1.ListOffersRequest]) (*connect.Response[v1.ListOffersResponse], error) {
+	return c.listOffers.CallUnary(ctx, req)
+}
+
 // PoolServiceHandler is an implementation of the bc.compute.v1.PoolService service.
 type PoolServiceHandler interface {
 	CreateSite(context.Context, *connect.Request[v1.CreateSiteRequest]) (*connect.Response[v1.CreateSiteResponse], error)
@@ -300,6 +353,13 @@ type PoolServiceHandler interface {
 	// AlreadyExists (name taken in the site), InvalidArgument.
 	CreatePool(context.Context, *connect.Request[v1.CreatePoolRequest]) (*connect.Response[v1.CreatePoolResponse], error)
 	ListPools(context.Context, *connect.Request[v1.ListPoolsRequest]) (*connect.Response[v1.ListPoolsResponse], error)
+	// OfferPool offers a pool to a tenant with a GPU quota, or changes the
+	// quota of an existing offer (root-admin, or a tenant-admin of the pool's
+	// owner). Errors: NotFound (pool or tenant).
+	OfferPool(context.Context, *connect.Request[v1.OfferPoolRequest]) (*connect.Response[v1.OfferPoolResponse], error)
+	// ListOffers lists the offers the caller sees: those made to its tenant,
+	// and those of pools its tenant owns (all for root-admin).
+	ListOffers(context.Context, *connect.Request[v1.ListOffersRequest]) (*connect.Response[v1.ListOffersResponse], error)
 }
 
 // NewPoolServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -333,6 +393,18 @@ func NewPoolServiceHandler(svc PoolServiceHandler, opts ...connect.HandlerOption
 		connect.WithSchema(poolServiceMethods.ByName("ListPools")),
 		connect.WithHandlerOptions(opts...),
 	)
+	poolServiceOfferPoolHandler := connect.NewUnaryHandler(
+		PoolServiceOfferPoolProcedure,
+		svc.OfferPool,
+		connect.WithSchema(poolServiceMethods.ByName("OfferPool")),
+		connect.WithHandlerOptions(opts...),
+	)
+	poolServiceListOffersHandler := connect.NewUnaryHandler(
+		PoolServiceListOffersProcedure,
+		svc.ListOffers,
+		connect.WithSchema(poolServiceMethods.ByName("ListOffers")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/bc.compute.v1.PoolService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case PoolServiceCreateSiteProcedure:
@@ -343,6 +415,10 @@ func NewPoolServiceHandler(svc PoolServiceHandler, opts ...connect.HandlerOption
 			poolServiceCreatePoolHandler.ServeHTTP(w, r)
 		case PoolServiceListPoolsProcedure:
 			poolServiceListPoolsHandler.ServeHTTP(w, r)
+		case PoolServiceOfferPoolProcedure:
+			poolServiceOfferPoolHandler.ServeHTTP(w, r)
+		case PoolServiceListOffersProcedure:
+			poolServiceListOffersHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -366,6 +442,250 @@ func (UnimplementedPoolServiceHandler) CreatePool(context.Context, *connect.Requ
 
 func (UnimplementedPoolServiceHandler) ListPools(context.Context, *connect.Request[v1.ListPoolsRequest]) (*connect.Response[v1.ListPoolsResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.PoolService.ListPools is not implemented"))
+}
+
+func (UnimplementedPoolServiceHandler) OfferPool(context.Context, *connect.Request[v1.OfferPoolRequest]) (*connect.Response[v1.OfferPoolResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.PoolService.OfferPool is not implemented"))
+}
+
+func (UnimplementedPoolServiceHandler) ListOffers(context.Context, *connect.Request[v1.ListOffersRequest]) (*connect.Response[v1.ListOffersResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.PoolService.ListOffers is not implemented"))
+}
+
+// ReservationServiceClient is a client for the bc.compute.v1.ReservationService service.
+type ReservationServiceClient interface {
+	// Reserve asks for gpus GPUs of one node of the pool for duration from
+	// start_time (default: now). Idempotent by request_id: a retried call with
+	// the same request_id returns the first reservation. Errors:
+	// InvalidArgument (field named), PermissionDenied (pool not offered to the
+	// tenant), ResourceExhausted (quota: the message gives the quota and the
+	// GPUs in use), NotFound (pool).
+	Reserve(context.Context, *connect.Request[v1.ReserveRequest]) (*connect.Response[v1.ReserveResponse], error)
+	GetReservation(context.Context, *connect.Request[v1.GetReservationRequest]) (*connect.Response[v1.GetReservationResponse], error)
+	ListReservations(context.Context, *connect.Request[v1.ListReservationsRequest]) (*connect.Response[v1.ListReservationsResponse], error)
+	// ReleaseReservation ends a reservation now: its bookings end and the
+	// node's spec drops the allocation. Releasing an ended reservation
+	// returns it unchanged. Another tenant's reservation is NotFound.
+	ReleaseReservation(context.Context, *connect.Request[v1.ReleaseReservationRequest]) (*connect.Response[v1.ReleaseReservationResponse], error)
+}
+
+// NewReservationServiceClient constructs a client for the bc.compute.v1.ReservationService service.
+// By default, it uses the Connect protocol with the binary Protobuf Codec, asks for gzipped
+// responses, and sends uncompressed requests. To use the gRPC or gRPC-Web protocols, supply the
+// connect.WithGRPC() or connect.WithGRPCWeb() options.
+//
+// The URL supplied here should be the base URL for the Connect or gRPC server (for example,
+// http://api.acme.com or https://acme.com/grpc).
+func NewReservationServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...connect.ClientOption) ReservationServiceClient {
+	baseURL = strings.TrimRight(baseURL, "/")
+	reservationServiceMethods := v1.File_bc_compute_v1_compute_proto.Services().ByName("ReservationService").Methods()
+	return &reservationServiceClient{
+		reserve: connect.NewClient[v1.ReserveRequest, v1.ReserveResponse](
+			httpClient,
+			baseURL+ReservationServiceReserveProcedure,
+			connect.WithSchema(reservationServiceMethods.ByName("Reserve")),
+			connect.WithClientOptions(opts...),
+		),
+		getReservation: connect.NewClient[v1.GetReservationRequest, v1.GetReservationResponse](
+			httpClient,
+			baseURL+ReservationServiceGetReservationProcedure,
+			connect.WithSchema(reservationServiceMethods.ByName("GetReservation")),
+			connect.WithClientOptions(opts...),
+		),
+		listReservations: connect.NewClient[v1.ListReservationsRequest, v1.ListReservationsResponse](
+			httpClient,
+			baseURL+ReservationServiceListReservationsProcedure,
+			connect.WithSchema(reservationServiceMethods.ByName("ListReservations")),
+			connect.WithClientOptions(opts...),
+		),
+		releaseReservation: connect.NewClient[v1.ReleaseReservationRequest, v1.ReleaseReservationResponse](
+			httpClient,
+			baseURL+ReservationServiceReleaseReservationProcedure,
+			connect.WithSchema(reservationServiceMethods.ByName("ReleaseReservation")),
+			connect.WithClientOptions(opts...),
+		),
+	}
+}
+
+// reservationServiceClient implements ReservationServiceClient.
+type reservationServiceClient struct {
+	reserve            *connect.Client[v1.ReserveRequest, v1.ReserveResponse]
+	getReservation     *connect.Client[v1.GetReservationRequest, v1.GetReservationResponse]
+	listReservations   *connect.Client[v1.ListReservationsRequest, v1.ListReservationsResponse]
+	releaseReservation *connect.Client[v1.ReleaseReservationRequest, v1.ReleaseReservationResponse]
+}
+
+// Reserve calls bc.compute.v1.ReservationService.Reserve.
+func (c *reservationServiceClient) Reserve(ctx context.Context, req *connect.Request[v1.ReserveRequest]) (*connect.Response[v1.ReserveResponse], error) {
+	return c.reserve.CallUnary(ctx, req)
+}
+
+// GetReservation calls bc.compute.v1.ReservationService.GetReservation.
+func (c *reservationServiceClient) GetReservation(ctx context.Context, req *connect.Request[v1.GetReservationRequest]) (*connect.Response[v1.GetReservationResponse], error) {
+	return c.getReservation.CallUnary(ctx, req)
+}
+
+// ListReservations calls bc.compute.v1.ReservationService.ListReservations.
+func (c *reservationServiceClient) ListReservations(ctx context.Context, req *connect.Request[v1.ListReservationsRequest]) (*connect.Response[v1.ListReservationsResponse], error) {
+	return c.listReservations.CallUnary(ctx, req)
+}
+
+// ReleaseReservation calls bc.compute.v1.ReservationService.ReleaseReservation.
+func (c *reservationServiceClient) ReleaseReservation(ctx context.Context, req *connect.Request[v1.ReleaseReservationRequest]) (*connect.Response[v1.ReleaseReservationResponse], error) {
+	return c.releaseReservation.CallUnary(ctx, req)
+}
+
+// ReservationServiceHandler is an implementation of the bc.compute.v1.ReservationService service.
+type ReservationServiceHandler interface {
+	// Reserve asks for gpus GPUs of one node of the pool for duration from
+	// start_time (default: now). Idempotent by request_id: a retried call with
+	// the same request_id returns the first reservation. Errors:
+	// InvalidArgument (field named), PermissionDenied (pool not offered to the
+	// tenant), ResourceExhausted (quota: the message gives the quota and the
+	// GPUs in use), NotFound (pool).
+	Reserve(context.Context, *connect.Request[v1.ReserveRequest]) (*connect.Response[v1.ReserveResponse], error)
+	GetReservation(context.Context, *connect.Request[v1.GetReservationRequest]) (*connect.Response[v1.GetReservationResponse], error)
+	ListReservations(context.Context, *connect.Request[v1.ListReservationsRequest]) (*connect.Response[v1.ListReservationsResponse], error)
+	// ReleaseReservation ends a reservation now: its bookings end and the
+	// node's spec drops the allocation. Releasing an ended reservation
+	// returns it unchanged. Another tenant's reservation is NotFound.
+	ReleaseReservation(context.Context, *connect.Request[v1.ReleaseReservationRequest]) (*connect.Response[v1.ReleaseReservationResponse], error)
+}
+
+// NewReservationServiceHandler builds an HTTP handler from the service implementation. It returns
+// the path on which to mount the handler and the handler itself.
+//
+// By default, handlers support the Connect, gRPC, and gRPC-Web protocols with the binary Protobuf
+// and JSON codecs. They also support gzip compression.
+func NewReservationServiceHandler(svc ReservationServiceHandler, opts ...connect.HandlerOption) (string, http.Handler) {
+	reservationServiceMethods := v1.File_bc_compute_v1_compute_proto.Services().ByName("ReservationService").Methods()
+	reservationServiceReserveHandler := connect.NewUnaryHandler(
+		ReservationServiceReserveProcedure,
+		svc.Reserve,
+		connect.WithSchema(reservationServiceMethods.ByName("Reserve")),
+		connect.WithHandlerOptions(opts...),
+	)
+	reservationServiceGetReservationHandler := connect.NewUnaryHandler(
+		ReservationServiceGetReservationProcedure,
+		svc.GetReservation,
+		connect.WithSchema(reservationServiceMethods.ByName("GetReservation")),
+		connect.WithHandlerOptions(opts...),
+	)
+	reservationServiceListReservationsHandler := connect.NewUnaryHandler(
+		ReservationServiceListReservationsProcedure,
+		svc.ListReservations,
+		connect.WithSchema(reservationServiceMethods.ByName("ListReservations")),
+		connect.WithHandlerOptions(opts...),
+	)
+	reservationServiceReleaseReservationHandler := connect.NewUnaryHandler(
+		ReservationServiceReleaseReservationProcedure,
+		svc.ReleaseReservation,
+		connect.WithSchema(reservationServiceMethods.ByName("ReleaseReservation")),
+		connect.WithHandlerOptions(opts...),
+	)
+	return "/bc.compute.v1.ReservationService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case ReservationServiceReserveProcedure:
+			reservationServiceReserveHandler.ServeHTTP(w, r)
+		case ReservationServiceGetReservationProcedure:
+			reservationServiceGetReservationHandler.ServeHTTP(w, r)
+		case ReservationServiceListReservationsProcedure:
+			reservationServiceListReservationsHandler.ServeHTTP(w, r)
+		case ReservationServiceReleaseReservationProcedure:
+			reservationServiceReleaseReservationHandler.ServeHTTP(w, r)
+		default:
+			http.NotFound(w, r)
+		}
+	})
+}
+
+// UnimplementedReservationServiceHandler returns CodeUnimplemented from all methods.
+type UnimplementedReservationServiceHandler struct{}
+
+func (UnimplementedReservationServiceHandler) Reserve(context.Context, *connect.Request[v1.ReserveRequest]) (*connect.Response[v1.ReserveResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.ReservationService.Reserve is not implemented"))
+}
+
+func (UnimplementedReservationServiceHandler) GetReservation(context.Context, *connect.Request[v1.GetReservationRequest]) (*connect.Response[v1.GetReservationResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.ReservationService.GetReservation is not implemented"))
+}
+
+func (UnimplementedReservationServiceHandler) ListReservations(context.Context, *connect.Request[v1.ListReservationsRequest]) (*connect.Response[v1.ListReservationsResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.ReservationService.ListReservations is not implemented"))
+}
+
+func (UnimplementedReservationServiceHandler) ReleaseReservation(context.Context, *connect.Request[v1.ReleaseReservationRequest]) (*connect.Response[v1.ReleaseReservationResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.ReservationService.ReleaseReservation is not implemented"))
+}
+
+// UsageServiceClient is a client for the bc.compute.v1.UsageService service.
+type UsageServiceClient interface {
+	ListUsage(context.Context, *connect.Request[v1.ListUsageRequest]) (*connect.Response[v1.ListUsageResponse], error)
+}
+
+// NewUsageServiceClient constructs a client for the bc.compute.v1.UsageService service. By default,
+// it uses the Connect protocol with the binary Protobuf Codec, asks for gzipped responses, and
+// sends uncompressed requests. To use the gRPC or gRPC-Web protocols, supply the connect.WithGRPC()
+// or connect.WithGRPCWeb() options.
+//
+// The URL supplied here should be the base URL for the Connect or gRPC server (for example,
+// http://api.acme.com or https://acme.com/grpc).
+func NewUsageServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...connect.ClientOption) UsageServiceClient {
+	baseURL = strings.TrimRight(baseURL, "/")
+	usageServiceMethods := v1.File_bc_compute_v1_compute_proto.Services().ByName("UsageService").Methods()
+	return &usageServiceClient{
+		listUsage: connect.NewClient[v1.ListUsageRequest, v1.ListUsageResponse](
+			httpClient,
+			baseURL+UsageServiceListUsageProcedure,
+			connect.WithSchema(usageServiceMethods.ByName("ListUsage")),
+			connect.WithClientOptions(opts...),
+		),
+	}
+}
+
+// usageServiceClient implements UsageServiceClient.
+type usageServiceClient struct {
+	listUsage *connect.Client[v1.ListUsageRequest, v1.ListUsageResponse]
+}
+
+// ListUsage calls bc.compute.v1.UsageService.ListUsage.
+func (c *usageServiceClient) ListUsage(ctx context.Context, req *connect.Request[v1.ListUsageRequest]) (*connect.Response[v1.ListUsageResponse], error) {
+	return c.listUsage.CallUnary(ctx, req)
+}
+
+// UsageServiceHandler is an implementation of the bc.compute.v1.UsageService service.
+type UsageServiceHandler interface {
+	ListUsage(context.Context, *connect.Request[v1.ListUsageRequest]) (*connect.Response[v1.ListUsageResponse], error)
+}
+
+// NewUsageServiceHandler builds an HTTP handler from the service implementation. It returns the
+// path on which to mount the handler and the handler itself.
+//
+// By default, handlers support the Connect, gRPC, and gRPC-Web protocols with the binary Protobuf
+// and JSON codecs. They also support gzip compression.
+func NewUsageServiceHandler(svc UsageServiceHandler, opts ...connect.HandlerOption) (string, http.Handler) {
+	usageServiceMethods := v1.File_bc_compute_v1_compute_proto.Services().ByName("UsageService").Methods()
+	usageServiceListUsageHandler := connect.NewUnaryHandler(
+		UsageServiceListUsageProcedure,
+		svc.ListUsage,
+		connect.WithSchema(usageServiceMethods.ByName("ListUsage")),
+		connect.WithHandlerOptions(opts...),
+	)
+	return "/bc.compute.v1.UsageService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case UsageServiceListUsageProcedure:
+			usageServiceListUsageHandler.ServeHTTP(w, r)
+		default:
+			http.NotFound(w, r)
+		}
+	})
+}
+
+// UnimplementedUsageServiceHandler returns CodeUnimplemented from all methods.
+type UnimplementedUsageServiceHandler struct{}
+
+func (UnimplementedUsageServiceHandler) ListUsage(context.Context, *connect.Request[v1.ListUsageRequest]) (*connect.Response[v1.ListUsageResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.UsageService.ListUsage is not implemented"))
 }
 
 // JoinTokenServiceClient is a client for the bc.compute.v1.JoinTokenService service.
