@@ -110,6 +110,7 @@ check: vet lint generate-check test ## vet, lint, generate-and-diff, and every t
 bench: images ## Run the benchmarks and print their figures (BC_BENCH_MACHINES=1000).
 	cd tests && $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 30m ./bench/...
 	cd services/gateway && $(GO) test -run '^$$' -bench IdleSessionMemory -benchtime 1x -timeout 10m ./gateway/
+	cd services/controllers && $(GO) test -run '^$$' -bench Acceptance1000 -benchtime 3x -timeout 10m ./controllers/
 
 .PHONY: clean
 clean: ## Remove built binaries and tools.

@@ -47,9 +47,9 @@ const (
 	// RoleTenantAdmin manages its tenant: pools, join tokens, node
 	// revocation, API tokens (up to tenant-admin), and reads its audit log.
 	RoleTenantAdmin Role = "tenant-admin"
-	// RoleTenantMember uses its tenant's fleet.
+	// RoleTenantMember uses its tenant's fleet: reserves and releases GPUs.
 	RoleTenantMember Role = "tenant-member"
-	// RoleViewer only reads its tenant's fleet.
+	// RoleViewer only reads its tenant's fleet, reservations and usage.
 	RoleViewer Role = "viewer"
 )
 
@@ -91,21 +91,31 @@ const (
 	// PermAuditRead lists the audit log (the caller's tenant's, or all for
 	// a root administrator).
 	PermAuditRead Permission = "audit.read"
+	// PermReservationsRead gets and lists the reservations of the caller's
+	// tenant (all for a root administrator).
+	PermReservationsRead Permission = "reservations.read"
+	// PermReservationsWrite reserves GPUs of pools offered to the caller's
+	// tenant and releases its reservations.
+	PermReservationsWrite Permission = "reservations.write"
+	// PermUsageRead lists usage windows (the caller's tenant's, or any
+	// tenant's for a root administrator).
+	PermUsageRead Permission = "usage.read"
 )
 
 // rolePermissions is the single table of what each role may do.
 var rolePermissions = map[Role][]Permission{
 	RoleRootAdmin: {PermFleetRead, PermFleetManage, PermSitesManage, PermTenantsRead, PermTenantsManage,
-		PermIAMManage, PermAuditRead},
-	RoleTenantAdmin:  {PermFleetRead, PermFleetManage, PermTenantsRead, PermIAMManage, PermAuditRead},
-	RoleTenantMember: {PermFleetRead, PermTenantsRead},
-	RoleViewer:       {PermFleetRead, PermTenantsRead},
+		PermIAMManage, PermAuditRead, PermReservationsRead, PermReservationsWrite, PermUsageRead},
+	RoleTenantAdmin: {PermFleetRead, PermFleetManage, PermTenantsRead, PermIAMManage, PermAuditRead,
+		PermReservationsRead, PermReservationsWrite, PermUsageRead},
+	RoleTenantMember: {PermFleetRead, PermTenantsRead, PermReservationsRead, PermReservationsWrite, PermUsageRead},
+	RoleViewer:       {PermFleetRead, PermTenantsRead, PermReservationsRead, PermUsageRead},
 }
 
 // Permissions lists every permission, in the order of the table above.
 func Permissions() []Permission {
 	return []Permission{PermFleetRead, PermFleetManage, PermSitesManage, PermTenantsRead, PermTenantsManage,
-		PermIAMManage, PermAuditRead}
+		PermIAMManage, PermAuditRead, PermReservationsRead, PermReservationsWrite, PermUsageRead}
 }
 
 // Grants reports whether role r has permission p.
@@ -126,6 +136,9 @@ type Principal struct {
 	TenantID string
 	// Role is the token's role.
 	Role Role
+	// ExpiresAt is when the token expires, nil for never. A token it mints
+	// may not outlive it.
+	ExpiresAt *time.Time
 }
 
 // rank is a role's place in Roles, 0 for the most powerful; an unknown
@@ -314,5 +327,5 @@ func (a *Authenticator) Authenticate(ctx context.Context, authorization string) 
 	if err := store.TouchAPIToken(ctx, a.DB.Pool, tok.ID, now); err != nil {
 		return Principal{}, err
 	}
-	return Principal{TokenID: tok.ID, TenantID: tok.TenantID, Role: role}, nil
+	return Principal{TokenID: tok.ID, TenantID: tok.TenantID, Role: role, ExpiresAt: tok.ExpiresAt}, nil
 }

@@ -41,11 +41,14 @@ func TestRoles(t *testing.T) {
 	// deliberate change here too.
 	want := map[iam.Role][]iam.Permission{
 		iam.RoleRootAdmin: {iam.PermFleetRead, iam.PermFleetManage, iam.PermSitesManage, iam.PermTenantsRead,
-			iam.PermTenantsManage, iam.PermIAMManage, iam.PermAuditRead},
-		iam.RoleTenantAdmin:  {iam.PermFleetRead, iam.PermFleetManage, iam.PermTenantsRead, iam.PermIAMManage, iam.PermAuditRead},
-		iam.RoleTenantMember: {iam.PermFleetRead, iam.PermTenantsRead},
-		iam.RoleViewer:       {iam.PermFleetRead, iam.PermTenantsRead},
-		iam.Role("nobody"):   nil,
+			iam.PermTenantsManage, iam.PermIAMManage, iam.PermAuditRead, iam.PermReservationsRead,
+			iam.PermReservationsWrite, iam.PermUsageRead},
+		iam.RoleTenantAdmin: {iam.PermFleetRead, iam.PermFleetManage, iam.PermTenantsRead, iam.PermIAMManage,
+			iam.PermAuditRead, iam.PermReservationsRead, iam.PermReservationsWrite, iam.PermUsageRead},
+		iam.RoleTenantMember: {iam.PermFleetRead, iam.PermTenantsRead, iam.PermReservationsRead,
+			iam.PermReservationsWrite, iam.PermUsageRead},
+		iam.RoleViewer:     {iam.PermFleetRead, iam.PermTenantsRead, iam.PermReservationsRead, iam.PermUsageRead},
+		iam.Role("nobody"): nil,
 	}
 	for role, perms := range want {
 		for _, p := range iam.Permissions() {

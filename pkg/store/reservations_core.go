@@ -41,52 +41,87 @@ func ReservationEnded(state string) bool {
 // spec generation, signed (signer; nil: unsigned), and its gateway is poked;
 // reservations newly in a spec record that generation. Nodes are locked in
 // id order. It returns the new generation of each node that changed. Call it
-// in the transaction that placed or ended the reservations.
+// in the transaction that placed or ended the reservations. It costs a fixed
+// number of round trips whatever the number of nodes. Errors: ErrNotFound
+// when a node does not exist.
 func RebuildNodeSpecs(ctx context.Context, q DBTX, signer *IntentSigner, now time.Time, nodeIDs []string) (map[string]int64, error) {
 	ids := slices.Clone(nodeIDs)
 	slices.Sort(ids)
 	ids = slices.Compact(ids)
 	changed := map[string]int64{}
-	var changedIDs []string
-	for _, nodeID := range ids {
+	if len(ids) == 0 {
+		return changed, nil
+	}
+	type current struct {
+		gen  int64
+		spec []byte
+	}
+	cur := make(map[string]current, len(ids))
+	rows, err := q.Query(ctx, `SELECT id, spec_generation, spec FROM nodes WHERE id = ANY($1) ORDER BY id FOR UPDATE`, ids)
+	if err != nil {
+		return nil, fmt.Errorf("rebuild node specs: %w", interpretError(err))
+	}
+	for rows.Next() {
 		var (
-			gen  int64
-			spec []byte
+			id string
+			c  current
 		)
-		err := q.QueryRow(ctx, `SELECT spec_generation, spec FROM nodes WHERE id = $1 FOR UPDATE`, nodeID).Scan(&gen, &spec)
-		if errors.Is(err, pgx.ErrNoRows) {
-			return nil, fmt.Errorf("rebuild spec of %s: %w", nodeID, ErrNotFound)
+		if err := rows.Scan(&id, &c.gen, &c.spec); err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("rebuild node specs: %w", err)
 		}
-		if err != nil {
-			return nil, fmt.Errorf("rebuild spec of %s: %w", nodeID, interpretError(err))
+		cur[id] = c
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("rebuild node specs: %w", interpretError(err))
+	}
+	for _, id := range ids {
+		if _, ok := cur[id]; !ok {
+			return nil, fmt.Errorf("rebuild spec of %s: %w", id, ErrNotFound)
 		}
+	}
+	allocs, err := placedAllocations(ctx, q, ids)
+	if err != nil {
+		return nil, err
+	}
+	var (
+		changedIDs []string
+		specs      []string
+		gens       []int64
+	)
+	for _, nodeID := range ids {
+		c := cur[nodeID]
 		ns := &gatewayv1.NodeSpec{}
-		if err := (protojson.UnmarshalOptions{DiscardUnknown: true}).Unmarshal(spec, ns); err != nil {
+		if err := (protojson.UnmarshalOptions{DiscardUnknown: true}).Unmarshal(c.spec, ns); err != nil {
 			return nil, fmt.Errorf("rebuild spec of %s: stored spec: %w", nodeID, err)
 		}
-		allocs, err := placedAllocations(ctx, q, nodeID)
-		if err != nil {
-			return nil, err
-		}
-		if slices.EqualFunc(ns.GetAllocations(), allocs, func(a, b *gatewayv1.Allocation) bool { return proto.Equal(a, b) }) {
+		want := allocs[nodeID]
+		if slices.EqualFunc(ns.GetAllocations(), want, func(a, b *gatewayv1.Allocation) bool { return proto.Equal(a, b) }) {
 			continue
 		}
-		ns.Allocations = allocs
+		ns.Allocations = want
 		b, err := protojson.Marshal(ns)
 		if err != nil {
 			return nil, err
 		}
-		gen++
-		if _, err := q.Exec(ctx, `UPDATE nodes SET spec = $2::jsonb, spec_generation = $3, updated_at = $4 WHERE id = $1`,
-			nodeID, string(b), gen, now); err != nil {
-			return nil, fmt.Errorf("rebuild spec of %s: %w", nodeID, interpretError(err))
-		}
-		if _, err := q.Exec(ctx, `UPDATE reservations SET spec_generation = $2
-			WHERE node_id = $1 AND state IN ('binding', 'active') AND spec_generation IS NULL`, nodeID, gen); err != nil {
-			return nil, fmt.Errorf("rebuild spec of %s: %w", nodeID, interpretError(err))
-		}
-		changed[nodeID] = gen
+		changed[nodeID] = c.gen + 1
 		changedIDs = append(changedIDs, nodeID)
+		specs = append(specs, string(b))
+		gens = append(gens, c.gen+1)
+	}
+	if len(changedIDs) == 0 {
+		return changed, nil
+	}
+	if _, err := q.Exec(ctx, `UPDATE nodes n SET spec = u.spec::jsonb, spec_generation = u.gen, updated_at = $4
+		FROM unnest($1::text[], $2::text[], $3::bigint[]) AS u(id, spec, gen) WHERE n.id = u.id`,
+		changedIDs, specs, gens, now); err != nil {
+		return nil, fmt.Errorf("rebuild node specs: %w", interpretError(err))
+	}
+	if _, err := q.Exec(ctx, `UPDATE reservations r SET spec_generation = u.gen
+		FROM unnest($1::text[], $2::bigint[]) AS u(id, gen)
+		WHERE r.node_id = u.id AND r.state IN ('binding', 'active') AND r.spec_generation IS NULL`, changedIDs, gens); err != nil {
+		return nil, fmt.Errorf("rebuild node specs: %w", interpretError(err))
 	}
 	if err := SignNodeSpecs(ctx, q, signer, changedIDs); err != nil {
 		return nil, err
@@ -97,24 +132,26 @@ func RebuildNodeSpecs(ctx context.Context, q DBTX, signer *IntentSigner, now tim
 	return changed, nil
 }
 
-// placedAllocations returns the allocations of a node's binding and active
-// reservations, by reservation id, device indexes ascending.
-func placedAllocations(ctx context.Context, q DBTX, nodeID string) ([]*gatewayv1.Allocation, error) {
-	rows, err := q.Query(ctx, `SELECT r.id, array_agg(b.device_index ORDER BY b.device_index)
+// placedAllocations returns the allocations of the nodes' binding and active
+// reservations, by node id, each by reservation id with device indexes
+// ascending.
+func placedAllocations(ctx context.Context, q DBTX, nodeIDs []string) (map[string][]*gatewayv1.Allocation, error) {
+	rows, err := q.Query(ctx, `SELECT r.node_id, r.id, array_agg(b.device_index ORDER BY b.device_index)
 		FROM reservations r JOIN bookings b ON b.reservation_id = r.id
-		WHERE r.node_id = $1 AND r.state IN ('binding', 'active')
-		GROUP BY r.id ORDER BY r.id`, nodeID)
+		WHERE r.node_id = ANY($1) AND r.state IN ('binding', 'active')
+		GROUP BY r.node_id, r.id ORDER BY r.node_id, r.id`, nodeIDs)
 	if err != nil {
-		return nil, fmt.Errorf("allocations of %s: %w", nodeID, interpretError(err))
+		return nil, fmt.Errorf("allocations of nodes: %w", interpretError(err))
 	}
 	defer rows.Close()
-	var out []*gatewayv1.Allocation
+	out := map[string][]*gatewayv1.Allocation{}
 	for rows.Next() {
+		var nodeID string
 		a := &gatewayv1.Allocation{}
-		if err := rows.Scan(&a.ReservationId, &a.DeviceIndexes); err != nil {
+		if err := rows.Scan(&nodeID, &a.ReservationId, &a.DeviceIndexes); err != nil {
 			return nil, err
 		}
-		out = append(out, a)
+		out[nodeID] = append(out[nodeID], a)
 	}
 	return out, rows.Err()
 }
@@ -132,8 +169,8 @@ type EndedReservation struct {
 // EndReservation ends reservation id at now with state (released or
 // expired): its bookings end at now (bookings that had not started are
 // deleted), its node's spec drops the allocation (RebuildNodeSpecs, signed by
-// signer), and a reservation.<state> event is written; all in q's
-// transaction. An already ended reservation is left as it is (Changed
+// signer), the scheduler is poked when devices were freed, and a
+// reservation.<state> event is written; all in q's transaction. An already ended reservation is left as it is (Changed
 // false). Errors: ErrNotFound.
 func EndReservation(ctx context.Context, q DBTX, signer *IntentSigner, now time.Time, id, state string) (EndedReservation, error) {
 	if state != ReservationReleased && state != ReservationExpired {
@@ -172,6 +209,10 @@ func EndReservation(ctx context.Context, q DBTX, signer *IntentSigner, now time.
 		if _, err := RebuildNodeSpecs(ctx, q, signer, now, []string{res.NodeID}); err != nil {
 			return EndedReservation{}, err
 		}
+		// The devices are free again: pending reservations may fit now.
+		if err := Enqueue(ctx, q, now, SubjectPokeScheduler, nil); err != nil {
+			return EndedReservation{}, err
+		}
 	}
 	data, err := json.Marshal(map[string]string{"reservationId": id, "nodeId": res.NodeID, "from": cur})
 	if err != nil {
@@ -188,22 +229,76 @@ func EndReservation(ctx context.Context, q DBTX, signer *IntentSigner, now time.
 // bc.events.<tenant>.<type>, e.g. bc.events.ten_x.reservation.active.
 const SubjectEvents = "bc.events"
 
+// ReservationEvent is one event of InsertReservationEvents.
+type ReservationEvent struct {
+	// TenantID is the tenant the event belongs to.
+	TenantID string
+	// Type is e.g. "reservation.bound".
+	Type string
+	// SubjectID is the reservation id.
+	SubjectID string
+	// Data is a JSON object; nil is {}.
+	Data []byte
+}
+
 // InsertReservationEvent writes an event row of tenantID (type e.g.
 // "reservation.active", subject the reservation id) and enqueues it for NATS
 // on bc.events.<tenant>.<type>, in q's transaction.
 func InsertReservationEvent(ctx context.Context, q DBTX, now time.Time, tenantID, typ, subjectID string, data []byte) error {
-	if data == nil {
-		data = []byte("{}")
+	return InsertReservationEvents(ctx, q, now, []ReservationEvent{{TenantID: tenantID, Type: typ, SubjectID: subjectID, Data: data}})
+}
+
+// InsertReservationEvents writes the events' rows and their outbox messages
+// (bc.events.<tenant>.<type>) in q's transaction, in three round trips
+// whatever their number.
+func InsertReservationEvents(ctx context.Context, q DBTX, now time.Time, events []ReservationEvent) error {
+	if len(events) == 0 {
+		return nil
 	}
-	var id int64
-	if err := q.QueryRow(ctx, `INSERT INTO events (tenant_id, type, subject_id, data, created_at)
-		VALUES ($1, $2, $3, $4::jsonb, $5) RETURNING id`, tenantID, typ, subjectID, string(data), now).Scan(&id); err != nil {
-		return fmt.Errorf("insert event %s: %w", typ, interpretError(err))
+	tenants := make([]string, len(events))
+	types := make([]string, len(events))
+	subjects := make([]string, len(events))
+	datas := make([]string, len(events))
+	for i, e := range events {
+		tenants[i], types[i], subjects[i] = e.TenantID, e.Type, e.SubjectID
+		datas[i] = "{}"
+		if e.Data != nil {
+			datas[i] = string(e.Data)
+		}
 	}
-	payload, err := json.Marshal(map[string]any{"id": id, "tenantId": tenantID, "type": typ, "subjectId": subjectID,
-		"data": json.RawMessage(data), "time": now.UTC()})
+	rows, err := q.Query(ctx, `INSERT INTO events (tenant_id, type, subject_id, data, created_at)
+		SELECT u.tenant, u.typ, u.subject, u.data::jsonb, $5
+		FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS u(tenant, typ, subject, data, ord)
+		ORDER BY u.ord RETURNING id`, tenants, types, subjects, datas, now)
 	if err != nil {
-		return err
+		return fmt.Errorf("insert events: %w", interpretError(err))
 	}
-	return Enqueue(ctx, q, now, SubjectEvents+"."+tenantID+"."+typ, payload)
+	evIDs, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return fmt.Errorf("insert events: %w", interpretError(err))
+	}
+	if len(evIDs) != len(events) {
+		return fmt.Errorf("insert events: %d ids for %d events", len(evIDs), len(events))
+	}
+	slices.Sort(evIDs) // bigserial ids follow the insertion order
+	outSubjects := make([]string, len(events))
+	payloads := make([][]byte, len(events))
+	for i, e := range events {
+		p, err := json.Marshal(map[string]any{"id": evIDs[i], "tenantId": e.TenantID, "type": e.Type, "subjectId": e.SubjectID,
+			"data": json.RawMessage(datas[i]), "time": now.UTC()})
+		if err != nil {
+			return err
+		}
+		outSubjects[i] = SubjectEvents + "." + e.TenantID + "." + e.Type
+		payloads[i] = p
+	}
+	if _, err := q.Exec(ctx, `INSERT INTO outbox (subject, payload, created_at)
+		SELECT u.subject, u.payload, $3 FROM unnest($1::text[], $2::bytea[]) AS u(subject, payload)`,
+		outSubjects, payloads, now); err != nil {
+		return fmt.Errorf("enqueue events: %w", interpretError(err))
+	}
+	if _, err := q.Exec(ctx, `SELECT pg_notify($1, '')`, OutboxChannel); err != nil {
+		return fmt.Errorf("enqueue events: %w", interpretError(err))
+	}
+	return nil
 }

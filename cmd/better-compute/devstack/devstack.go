@@ -67,6 +67,8 @@ type Options struct {
 	// NodeCertTTL is the lifetime of node certificates, issued at join and
 	// renewed over the session (default 24 h).
 	NodeCertTTL time.Duration
+	// NoScheduler starts no scheduler (benchmarks run their own).
+	NoScheduler bool
 	// SignedIntent signs every command and NodeSpec with the PKI's
 	// command-signing root and gives joining daemons that root, so they
 	// refuse unsigned intent.
@@ -90,6 +92,8 @@ type Stack struct {
 	GatewayURLs []string
 	// Controllers is the reconcilers' service.
 	Controllers *controllers.Server
+	// Scheduler is the placement service.
+	Scheduler *scheduler.Server
 	// DB is the stack's database handle (shared by its services).
 	DB *store.DB
 
@@ -224,7 +228,7 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 		return nil, err
 	}
 	s.APIURL = "http://" + apiAddr
-	apiSrv, err := api.New(api.Config{WellKnown: api.WellKnownConfig{
+	apiSrv, err := api.New(api.Config{SignedIntent: o.SignedIntent, WellKnown: api.WellKnownConfig{
 		PKIDir: o.PKIDir, PublicURL: s.APIURL, JoinURL: s.JoinURL, GatewayURL: gatewayURL, GatewayServerName: "localhost",
 	}}, api.Deps{DB: db, Logger: log("api")})
 	if err != nil {
@@ -255,15 +259,20 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 	g.Go(func() error { return ctrl.Run(gctx) })
 
 	// scheduler
+	if o.NoScheduler {
+		return s, nil
+	}
 	nc, err = connect("scheduler")
 	if err != nil {
 		return nil, err
 	}
-	sched, err := scheduler.New(scheduler.Config{NoHealthServer: true, Holder: "dev-scheduler"},
+	sched, err := scheduler.New(scheduler.Config{NoHealthServer: true, Holder: "dev-scheduler",
+		SignedIntent: o.SignedIntent, PKIDir: o.PKIDir},
 		scheduler.Deps{DB: db, NC: nc, Logger: log("scheduler"), Clock: o.Clock})
 	if err != nil {
 		return nil, err
 	}
+	s.Scheduler = sched
 	g.Go(func() error { return sched.Run(gctx) })
 	return s, nil
 }

@@ -16,24 +16,33 @@ import (
 //
 // Sites are places shared by every tenant: any role reads all of them, only
 // root-admin creates them (sites.manage). Pools, nodes, join tokens, API
-// tokens and audit rows belong to a tenant.
+// tokens, reservations, usage and audit rows belong to a tenant. A pool's
+// owner offers it to tenants (its own included); a tenant reserves only in
+// pools offered to it (PermissionDenied otherwise).
 //
-//	RPC                               permission      roles                      audited
-//	NodeService.ListNodes, GetNode    fleet.read      any (own tenant), root     no
-//	NodeService.RevokeNode            fleet.manage    tenant-admin (own), root   yes (node_id)
-//	PoolService.ListSites             fleet.read      any (all sites)            no
-//	PoolService.CreateSite            sites.manage    root                       yes (name)
-//	PoolService.ListPools             fleet.read      any (own tenant), root     no
-//	PoolService.CreatePool            fleet.manage    tenant-admin (own), root   yes (name)
-//	JoinTokenService.CreateJoinToken  fleet.manage    tenant-admin (own), root   yes (pool_id)
-//	JoinTokenService.ListJoinTokens   fleet.manage    tenant-admin (own), root   no
-//	JoinTokenService.RevokeJoinToken  fleet.manage    tenant-admin (own), root   yes (join_token_id)
-//	TenantService.CreateTenant        tenants.manage  root                       yes (name)
-//	TenantService.ListTenants         tenants.read    any (own tenant), root     no
-//	TokenService.CreateToken          iam.manage      tenant-admin (own), root   yes (tenant_id)
-//	TokenService.ListTokens           iam.manage      tenant-admin (own), root   no
-//	TokenService.RevokeToken          iam.manage      tenant-admin (own), root   yes (token_id)
-//	AuditService.ListAudit            audit.read      tenant-admin (own), root   no
+//	RPC                                    permission          roles                        audited
+//	NodeService.ListNodes, GetNode         fleet.read          any (own tenant), root       no
+//	NodeService.RevokeNode                 fleet.manage        tenant-admin (own), root     yes (node_id)
+//	PoolService.ListSites                  fleet.read          any (all sites)              no
+//	PoolService.CreateSite                 sites.manage        root                         yes (name)
+//	PoolService.ListPools                  fleet.read          any (own tenant), root       no
+//	PoolService.CreatePool                 fleet.manage        tenant-admin (own), root     yes (name)
+//	PoolService.OfferPool                  fleet.manage        tenant-admin (own), root     yes (pool_id)
+//	PoolService.ListOffers                 fleet.read          any (to or of own), root     no
+//	ReservationService.Reserve             reservations.write  tenant-member+ (offered)     yes (pool_id)
+//	ReservationService.GetReservation      reservations.read   any (own tenant), root       no
+//	ReservationService.ListReservations    reservations.read   any (own tenant), root       no
+//	ReservationService.ReleaseReservation  reservations.write  tenant-member+ (own), root   yes (reservation_id)
+//	UsageService.ListUsage                 usage.read          any (own tenant), root       no
+//	JoinTokenService.CreateJoinToken       fleet.manage        tenant-admin (own), root     yes (pool_id)
+//	JoinTokenService.ListJoinTokens        fleet.manage        tenant-admin (own), root     no
+//	JoinTokenService.RevokeJoinToken       fleet.manage        tenant-admin (own), root     yes (join_token_id)
+//	TenantService.CreateTenant             tenants.manage      root                         yes (name)
+//	TenantService.ListTenants              tenants.read        any (own tenant), root       no
+//	TokenService.CreateToken               iam.manage          tenant-admin (own), root     yes (tenant_id)
+//	TokenService.ListTokens                iam.manage          tenant-admin (own), root     no
+//	TokenService.RevokeToken               iam.manage          tenant-admin (own), root     yes (token_id)
+//	AuditService.ListAudit                 audit.read          tenant-admin (own), root     no
 var Policy = iam.Policy{
 	computev1connect.NodeServiceListNodesProcedure:  {Permission: iam.PermFleetRead},
 	computev1connect.NodeServiceGetNodeProcedure:    {Permission: iam.PermFleetRead},
@@ -43,6 +52,16 @@ var Policy = iam.Policy{
 	computev1connect.PoolServiceListSitesProcedure:  {Permission: iam.PermFleetRead},
 	computev1connect.PoolServiceCreatePoolProcedure: {Permission: iam.PermFleetManage, Mutating: true, Target: "name"},
 	computev1connect.PoolServiceListPoolsProcedure:  {Permission: iam.PermFleetRead},
+	computev1connect.PoolServiceOfferPoolProcedure:  {Permission: iam.PermFleetManage, Mutating: true, Target: "pool_id"},
+	computev1connect.PoolServiceListOffersProcedure: {Permission: iam.PermFleetRead},
+
+	computev1connect.ReservationServiceReserveProcedure:          {Permission: iam.PermReservationsWrite, Mutating: true, Target: "pool_id"},
+	computev1connect.ReservationServiceGetReservationProcedure:   {Permission: iam.PermReservationsRead},
+	computev1connect.ReservationServiceListReservationsProcedure: {Permission: iam.PermReservationsRead},
+	computev1connect.ReservationServiceReleaseReservationProcedure: {Permission: iam.PermReservationsWrite, Mutating: true,
+		Target: "reservation_id"},
+
+	computev1connect.UsageServiceListUsageProcedure: {Permission: iam.PermUsageRead},
 
 	computev1connect.JoinTokenServiceCreateJoinTokenProcedure: {Permission: iam.PermFleetManage, Mutating: true, Target: "pool_id"},
 	computev1connect.JoinTokenServiceListJoinTokensProcedure:  {Permission: iam.PermFleetManage},

@@ -3,6 +3,7 @@ package api
 import (
 	"context"
 	"errors"
+	"fmt"
 
 	"connectrpc.com/connect"
 	"github.com/jackc/pgx/v5"
@@ -111,12 +112,61 @@ func poolToProto(p store.Pool) *computev1.Pool {
 	}
 }
 
-// OfferPool implements PoolService.OfferPool.
+// OfferPool offers a pool of the caller's tenant (any pool for root-admin)
+// to tenant_id with a GPU quota, or changes the quota of the offer; the
+// pool's owner may offer it to itself. Lowering a quota ends no
+// reservation. Errors: NotFound (pool_id: missing or another tenant's;
+// tenant_id).
 func (s *poolService) OfferPool(ctx context.Context, req *connect.Request[computev1.OfferPoolRequest]) (*connect.Response[computev1.OfferPoolResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("OfferPool is not implemented yet"))
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, err
+	}
+	msg := req.Msg
+	if _, err := s.visiblePool(ctx, p, "pool_id", msg.PoolId); err != nil {
+		return nil, err
+	}
+	var offer store.Offer
+	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
+		if _, err := store.GetTenant(ctx, tx, msg.TenantId); errors.Is(err, store.ErrNotFound) {
+			return connect.NewError(connect.CodeNotFound, errors.New("tenant_id: tenant "+msg.TenantId+" not found"))
+		} else if err != nil {
+			return err
+		}
+		var err error
+		if offer, err = store.UpsertOffer(ctx, tx, store.Offer{PoolID: msg.PoolId, TenantID: msg.TenantId,
+			GPUQuota: msg.GpuQuota, UpdatedAt: s.db.Now()}); err != nil {
+			return err
+		}
+		return s.auditInTx(ctx, tx, msg.PoolId, fmt.Sprintf("offered to tenant %s with a quota of %d GPUs", msg.TenantId, msg.GpuQuota))
+	})
+	if err != nil {
+		return nil, mapError(err)
+	}
+	s.logger.InfoContext(ctx, "pool offered", "pool.id", offer.PoolID, "tenant.id", offer.TenantID, "gpu_quota", offer.GPUQuota)
+	return connect.NewResponse(&computev1.OfferPoolResponse{Offer: offerToProto(offer)}), nil
 }
 
-// ListOffers implements PoolService.ListOffers.
+// ListOffers lists, by pool then tenant, the offers made to the caller's
+// tenant and those of the pools it owns (all for root-admin), optionally of
+// one pool, with the GPUs each tenant holds.
 func (s *poolService) ListOffers(ctx context.Context, req *connect.Request[computev1.ListOffersRequest]) (*connect.Response[computev1.ListOffersResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("ListOffers is not implemented yet"))
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, err
+	}
+	offers, err := store.ListOffers(ctx, s.db.Pool, store.OfferFilter{PoolID: req.Msg.PoolId, VisibleTo: p.TenantScope()})
+	if err != nil {
+		return nil, mapError(err)
+	}
+	res := &computev1.ListOffersResponse{Offers: make([]*computev1.Offer, len(offers))}
+	for i, o := range offers {
+		res.Offers[i] = offerToProto(o)
+	}
+	return connect.NewResponse(res), nil
+}
+
+func offerToProto(o store.Offer) *computev1.Offer {
+	return &computev1.Offer{PoolId: o.PoolID, TenantId: o.TenantID, GpuQuota: o.GPUQuota, GpusInUse: o.GPUsInUse,
+		CreatedAt: timestamppb.New(o.CreatedAt)}
 }

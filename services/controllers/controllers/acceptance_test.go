@@ -63,7 +63,7 @@ type fixture struct {
 // setup returns a database with a tenant, a site and three pools (H100: 8 ×
 // H100; L40S: 4 × L40S; CPU: no rules) and an acceptance reconciler on a
 // fake clock.
-func setup(t *testing.T) *fixture {
+func setup(t testing.TB) *fixture {
 	t.Helper()
 	clk := clock.NewFake(start)
 	db := storetest.New(t, clk)
@@ -79,7 +79,7 @@ func setup(t *testing.T) *fixture {
 	return &fixture{db: db, clk: clk, acc: &controllers.Acceptance{DB: db, Clock: clk}}
 }
 
-func exec(t *testing.T, db *store.DB, sql string, args ...any) {
+func exec(t testing.TB, db *store.DB, sql string, args ...any) {
 	t.Helper()
 	_, err := db.Pool.Exec(t.Context(), sql, args...)
 	require.NoError(t, err)
@@ -87,7 +87,7 @@ func exec(t *testing.T, db *store.DB, sql string, args ...any) {
 
 // addNodes inserts n joining nodes of variant in pool, each with a session on
 // gatewayID, and returns their ids.
-func (f *fixture) addNodes(t *testing.T, pool, variant string, n int) []string {
+func (f *fixture) addNodes(t testing.TB, pool, variant string, n int) []string {
 	t.Helper()
 	out := make([]string, n)
 	for i := range out {
@@ -100,7 +100,7 @@ func (f *fixture) addNodes(t *testing.T, pool, variant string, n int) []string {
 	return out
 }
 
-func (f *fixture) reconcile(t *testing.T) controllers.PassResult {
+func (f *fixture) reconcile(t testing.TB) controllers.PassResult {
 	t.Helper()
 	res, err := f.acc.Reconcile(t.Context())
 	require.NoError(t, err)
@@ -114,7 +114,7 @@ type command struct {
 }
 
 // commands returns the node's commands, oldest first.
-func (f *fixture) commands(t *testing.T, nodeID string) []command {
+func (f *fixture) commands(t testing.TB, nodeID string) []command {
 	t.Helper()
 	rows, err := f.db.Pool.Query(t.Context(), `SELECT id, state, kind, purpose, error, retry_safe, deadline
 		FROM commands WHERE node_id = $1 ORDER BY created_at, id`, nodeID)
@@ -128,7 +128,7 @@ func (f *fixture) commands(t *testing.T, nodeID string) []command {
 	return out
 }
 
-func (f *fixture) lastCommand(t *testing.T, nodeID string) command {
+func (f *fixture) lastCommand(t testing.TB, nodeID string) command {
 	t.Helper()
 	cmds := f.commands(t, nodeID)
 	require.NotEmpty(t, cmds, "node %s has no command", nodeID)
@@ -137,7 +137,7 @@ func (f *fixture) lastCommand(t *testing.T, nodeID string) command {
 
 // succeed plays the gateway: the node's open acceptance commands succeed
 // with the inventory of a fake machine of variant (machine id = node id).
-func (f *fixture) succeed(t *testing.T, variant string, nodeIDs ...string) {
+func (f *fixture) succeed(t testing.TB, variant string, nodeIDs ...string) {
 	t.Helper()
 	cmdIDs := make([]string, len(nodeIDs))
 	results := make([]string, len(nodeIDs))
@@ -472,26 +472,43 @@ func TestConcurrentReconcilers(t *testing.T) {
 	require.Equal(t, len(nodes), events)
 }
 
-// TestThousandNodesRate: 1,000 joining nodes are all adopted at well over
-// 167 nodes/s of reconciler time.
-func TestThousandNodesRate(t *testing.T) {
+// TestThousandNodes: 1,000 joining nodes are all started and adopted by one
+// pass each, with their devices recorded. The rate is measured by
+// BenchmarkAcceptance1000, not asserted here.
+func TestThousandNodes(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
 	nodes := f.addNodes(t, h100Pool, fakehw.VariantHGXH100, 1000)
-	wall := clock.New()
-	began := wall.Now()
 	require.Equal(t, controllers.PassResult{Started: 1000}, f.reconcile(t))
-	startTook := wall.Now().Sub(began)
 	f.succeed(t, fakehw.VariantHGXH100, nodes...)
-	began = wall.Now()
 	require.Equal(t, controllers.PassResult{Adopted: 1000}, f.reconcile(t))
-	adoptTook := wall.Now().Sub(began)
-	rate := 1000 / (startTook + adoptTook).Seconds()
-	t.Logf("1000 nodes: start %s, adopt %s: %.0f nodes/s", startTook, adoptTook, rate)
-	require.Greater(t, rate, 167.0)
 	var devices int
 	require.NoError(t, f.db.Pool.QueryRow(t.Context(), `SELECT count(*) FROM node_devices`).Scan(&devices))
 	require.Equal(t, 8000, devices)
+}
+
+// BenchmarkAcceptance1000 reports how many nodes per second of reconciler
+// time the acceptance passes start and adopt, 1,000 nodes at a time (target:
+// well over 167 nodes/s, the adoption rate `make bench` aims at end to end).
+func BenchmarkAcceptance1000(b *testing.B) {
+	wall := clock.New()
+	var took time.Duration
+	for b.Loop() {
+		b.StopTimer()
+		f := setup(b)
+		nodes := f.addNodes(b, h100Pool, fakehw.VariantHGXH100, 1000)
+		b.StartTimer()
+		began := wall.Now()
+		require.Equal(b, controllers.PassResult{Started: 1000}, f.reconcile(b))
+		took += clock.Since(wall, began)
+		b.StopTimer()
+		f.succeed(b, fakehw.VariantHGXH100, nodes...)
+		b.StartTimer()
+		began = wall.Now()
+		require.Equal(b, controllers.PassResult{Adopted: 1000}, f.reconcile(b))
+		took += clock.Since(wall, began)
+	}
+	b.ReportMetric(float64(1000*b.N)/took.Seconds(), "nodes/s")
 }
 
 func startNATS(t *testing.T) (*server.Server, *nats.Conn) {

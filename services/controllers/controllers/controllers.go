@@ -1,12 +1,17 @@
-// Package controllers runs better-compute's reconcilers: today the outbox
-// relay and the acceptance reconciler (joining → accepting → adopted or
-// acceptance_failed, see Acceptance). N replicas may run:
+// Package controllers runs better-compute's reconcilers: the outbox relay,
+// the acceptance reconciler (joining → accepting → adopted or
+// acceptance_failed, see Acceptance), the expiry of reservations at their
+// end time (Expiry) and the usage sink (Usage). N replicas may run:
 //
 //   - The acceptance reconciler runs behind the lease LeaseAcceptance, so one
 //     replica works at a time and another takes over within a lease TTL when
 //     it dies. Its transactions claim nodes with FOR UPDATE SKIP LOCKED and
 //     guard every transition on the node's state, so an overlap during a
 //     takeover (a stalled holder still running) does no harm.
+//   - Expiry and Usage run behind the leases LeaseExpiry and LeaseUsage.
+//     Expiry claims reservations with SKIP LOCKED and ends them with
+//     store.EndReservation, which leaves an ended one alone; Usage writes
+//     windows with ON CONFLICT DO NOTHING. An overlap does no harm.
 //   - The outbox relay runs on every replica without a lease: it claims rows
 //     with FOR UPDATE SKIP LOCKED, so replicas share the work instead of
 //     waiting on each other, and a dead replica delays no poke by a lease
@@ -87,6 +92,12 @@ type Config struct {
 	// PKIDir holds command-signing.key (env BC_PKI_DIR, DefaultPKIDir); read
 	// only with SignedIntent.
 	PKIDir string
+	// ExpiryInterval is how often reservations past their end are expired
+	// (env BC_EXPIRY_INTERVAL, 1 s).
+	ExpiryInterval time.Duration
+	// UsageInterval is how often the usage sink writes final windows (env
+	// BC_USAGE_INTERVAL, 1 min).
+	UsageInterval time.Duration
 }
 
 // Deps are the controllers' dependencies.
@@ -110,6 +121,9 @@ type Server struct {
 	clk        clock.Clock
 	acceptance *Acceptance
 	lease      *lease.Lease
+	expiry     *Expiry
+	usage      *Usage
+	leases     []*lease.Lease // expiry, usage
 }
 
 // New checks cfg and deps and returns a Server; it starts nothing.
@@ -159,12 +173,26 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	}
 	s.lease = &lease.Lease{DB: deps.DB, Name: LeaseAcceptance, Holder: cfg.Holder, TTL: cfg.LeaseTTL,
 		Clock: deps.Clock, Logger: deps.Logger}
+	s.expiry = &Expiry{DB: deps.DB, Logger: deps.Logger.With("reconciler", "expiry"), Clock: deps.Clock,
+		Interval: cfg.ExpiryInterval, Batch: cfg.BatchSize, Intent: intent}
+	s.usage = &Usage{DB: deps.DB, Logger: deps.Logger.With("reconciler", "usage"), Clock: deps.Clock,
+		Interval: cfg.UsageInterval, Batch: cfg.BatchSize}
+	for _, name := range []string{LeaseExpiry, LeaseUsage} {
+		s.leases = append(s.leases, &lease.Lease{DB: deps.DB, Name: name, Holder: cfg.Holder, TTL: cfg.LeaseTTL,
+			Clock: deps.Clock, Logger: deps.Logger})
+	}
 	return s, nil
 }
 
 // Acceptance returns the acceptance reconciler (for tests and tools that
 // drive a pass by hand).
 func (s *Server) Acceptance() *Acceptance { return s.acceptance }
+
+// Expiry returns the expiry reconciler (for tests and tools).
+func (s *Server) Expiry() *Expiry { return s.expiry }
+
+// Usage returns the usage sink (for tests and tools).
+func (s *Server) Usage() *Usage { return s.usage }
 
 // LeaseHeld reports whether this replica holds the acceptance lease.
 func (s *Server) LeaseHeld() bool { return s.lease.Held() }
@@ -186,7 +214,7 @@ func (s *Server) HealthHandler() http.Handler {
 }
 
 // Run runs the health server, the outbox relay and, while this replica holds
-// its lease, the acceptance reconciler, until ctx ends; then it stops them,
+// their leases, the acceptance, expiry and usage reconcilers, until ctx ends; then it stops them,
 // releases the lease and returns nil. It returns an error when the health
 // listener cannot be opened or a loop fails.
 func (s *Server) Run(ctx context.Context) error {
@@ -221,6 +249,18 @@ func (s *Server) Run(ctx context.Context) error {
 	g.Go(func() error {
 		if err := s.lease.Run(gctx, s.acceptance.Run); err != nil {
 			return fmt.Errorf("controllers: acceptance: %w", err)
+		}
+		return nil
+	})
+	g.Go(func() error {
+		if err := s.leases[0].Run(gctx, s.expiry.Run); err != nil {
+			return fmt.Errorf("controllers: expiry: %w", err)
+		}
+		return nil
+	})
+	g.Go(func() error {
+		if err := s.leases[1].Run(gctx, s.usage.Run); err != nil {
+			return fmt.Errorf("controllers: usage: %w", err)
 		}
 		return nil
 	})

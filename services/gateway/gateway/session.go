@@ -559,8 +559,10 @@ func (s *Server) commandUpdate(ctx context.Context, st *session, u *gatewayv1.Co
 	return nil
 }
 
-// report stores what a daemon reports. Only observed_generation is recorded
-// for now; the other kinds are logged.
+// report stores what a daemon reports: observed_generation, AllocationBound
+// (the reservation turns active, store.ActivateReservation) and SpecRefused;
+// AllocationUnbound is logged (the reservation ended before the spec dropped
+// it). Nothing here, nor the end of a session, ends a reservation (I5).
 func (s *Server) report(ctx context.Context, st *session, r *gatewayv1.Report) error {
 	switch m := r.GetReport().(type) {
 	case *gatewayv1.Report_ObservedGeneration:
@@ -575,10 +577,49 @@ func (s *Server) report(ctx context.Context, st *session, r *gatewayv1.Report) e
 		s.log.Info("observed generation", telemetry.KeyNodeID, st.nodeID, "observed_generation", gen)
 	case *gatewayv1.Report_SpecRefused:
 		return s.specRefused(ctx, st, m.SpecRefused)
+	case *gatewayv1.Report_AllocationBound:
+		return s.allocationBound(ctx, st, m.AllocationBound)
+	case *gatewayv1.Report_AllocationUnbound:
+		s.log.Info("allocation unbound", telemetry.KeyNodeID, st.nodeID, telemetry.KeyReservationID, m.AllocationUnbound.GetReservationId(),
+			"generation", m.AllocationUnbound.GetGeneration())
 	case nil:
 		return connect.NewError(connect.CodeInvalidArgument, errors.New("report is empty"))
 	default:
 		s.log.Debug("report not recorded by this gateway", telemetry.KeyNodeID, st.nodeID, "report", fmt.Sprintf("%T", m))
 	}
+	return nil
+}
+
+// allocationBound records a daemon's AllocationBound: the reservation turns
+// active with the CDI names in binding, when it is binding on this node and
+// the report's generation carries it (store.ActivateReservation); a stale or
+// foreign report changes nothing and is logged.
+func (s *Server) allocationBound(ctx context.Context, st *session, b *gatewayv1.AllocationBound) error {
+	if b.GetReservationId() == "" {
+		return connect.NewError(connect.CodeInvalidArgument, errors.New("allocation_bound.reservation_id is required"))
+	}
+	var a store.Activation
+	err := s.db.InTx(ctx, func(tx pgx.Tx) error {
+		var err error
+		a, err = store.ActivateReservation(ctx, tx, s.db.Now(), st.nodeID, b.GetReservationId(), b.GetCdiDevices(), b.GetGeneration())
+		return err
+	})
+	if errors.Is(err, store.ErrNotFound) {
+		s.log.Warn("allocation bound for an unknown reservation", telemetry.KeyNodeID, st.nodeID, telemetry.KeyReservationID, b.GetReservationId())
+		return nil
+	}
+	if err != nil {
+		if ctx.Err() == nil {
+			s.log.Error("record allocation bound", telemetry.KeyNodeID, st.nodeID, telemetry.KeyReservationID, b.GetReservationId(), telemetry.KeyError, err)
+		}
+		return errRecord
+	}
+	if !a.Activated {
+		s.log.Debug("allocation bound ignored", telemetry.KeyNodeID, st.nodeID, telemetry.KeyReservationID, b.GetReservationId(),
+			"state", a.State, "generation", b.GetGeneration())
+		return nil
+	}
+	s.log.Info("reservation active", telemetry.KeyNodeID, st.nodeID, telemetry.KeyReservationID, b.GetReservationId(),
+		"binding", b.GetCdiDevices(), "generation", b.GetGeneration())
 	return nil
 }

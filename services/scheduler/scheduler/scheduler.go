@@ -1,18 +1,23 @@
-// Package scheduler will place pending reservations onto free devices
-// (DESIGN §3: fit on one node first, best fit, skip cordoned, unreachable and
-// non-adopted nodes, bookings guarded by the exclusion constraint).
+// Package scheduler places pending reservations onto free devices (DESIGN
+// §3): each reservation whole on one node, best fit, FIFO per pool with a
+// bounded wait for large requests (see planPool for the exact rules), on
+// adopted, reachable, uncordoned, non-revoked nodes.
 //
-// Placement is not implemented yet: it arrives with reservations. Today the
-// scheduler connects to Postgres and NATS, serves /healthz, holds the
-// LeaseName lease (one active replica, released on shutdown) and runs the
-// loop placement will use: a pass on every poke on store.SubjectPokeScheduler
+// The scheduler holds the LeaseName lease (one active replica, released on
+// shutdown) and runs a pass on every poke on store.SubjectPokeScheduler
 // (pokes during a pass coalesce into one more) and every Interval. A pass
-// does nothing yet.
+// reads every due pending reservation and each pool's free capacity once,
+// plans in memory and writes the placements Batch at a time, each batch one
+// transaction (bookings, binding, the nodes' signed NodeSpecs, events:
+// store.PlaceReservations). The lease only keeps replicas from contending:
+// safety comes from the bookings' exclusion constraint (I1). A batch that
+// overlaps a booking another replica committed rolls back whole, and the
+// pass re-plans on fresh data; the last attempt places one reservation per
+// transaction so that one conflict costs only itself.
 //
-// To add placement, implement it in (*Server).pass as one transaction per
-// batch of pending reservations; the lease keeps replicas from contending,
-// the exclusion constraint on bookings keeps an overlap during a lease
-// takeover from double-booking.
+// To change placement rules, change planPool (pure, unit tested); to add a
+// resource kind, extend store.PoolCapacity and planPool's notion of a free
+// device.
 package scheduler
 
 import (
@@ -40,6 +45,12 @@ const (
 	DefaultListen   = ":8083"
 	DefaultInterval = 2 * time.Second
 	DefaultLeaseTTL = lease.DefaultTTL
+	// DefaultStarvationBound is how long a reservation that does not fit may
+	// be passed by newer ones before its pool holds them back.
+	DefaultStarvationBound = 5 * time.Minute
+	DefaultBatch           = 1000
+	DefaultMaxPending      = 20000
+	DefaultPKIDir          = "/var/lib/better-compute/pki"
 )
 
 // LeaseName is the lease the active scheduler holds.
@@ -65,6 +76,22 @@ type Config struct {
 	// Holder names this replica in the leases table (env BC_LEASE_HOLDER,
 	// lease.DefaultHolder()).
 	Holder string
+	// StarvationBound is how long a pending reservation that does not fit
+	// may be passed by newer reservations of its pool; past it, the pool
+	// places nothing newer until it fits (env BC_STARVATION_BOUND, 5 min).
+	StarvationBound time.Duration
+	// Batch is how many placements one transaction writes (1000).
+	Batch int
+	// MaxPending is how many pending reservations one pass reads (20,000);
+	// a full read runs another pass at once.
+	MaxPending int
+	// SignedIntent signs every NodeSpec the scheduler writes with the
+	// command-signing root (env BC_SIGNED_INTENT; see store.IntentSigner),
+	// read from PKIDir.
+	SignedIntent bool
+	// PKIDir holds command-signing.key (env BC_PKI_DIR, DefaultPKIDir); read
+	// only with SignedIntent.
+	PKIDir string
 }
 
 // Deps are the scheduler's dependencies.
@@ -87,7 +114,9 @@ type Server struct {
 	log    *slog.Logger
 	clk    clock.Clock
 	lease  *lease.Lease
+	intent *store.IntentSigner
 	passes atomic.Int64
+	placed atomic.Int64
 }
 
 // New checks cfg and deps and returns a Server; it starts nothing.
@@ -116,7 +145,25 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if cfg.Holder == "" {
 		cfg.Holder = lease.DefaultHolder()
 	}
+	if cfg.StarvationBound <= 0 {
+		cfg.StarvationBound = DefaultStarvationBound
+	}
+	if cfg.Batch <= 0 {
+		cfg.Batch = DefaultBatch
+	}
+	if cfg.MaxPending <= 0 {
+		cfg.MaxPending = DefaultMaxPending
+	}
+	if cfg.PKIDir == "" {
+		cfg.PKIDir = DefaultPKIDir
+	}
 	s := &Server{cfg: cfg, db: deps.DB, nc: deps.NC, log: deps.Logger, clk: deps.Clock}
+	if cfg.SignedIntent {
+		var err error
+		if s.intent, err = store.LoadIntentSigner(cfg.PKIDir); err != nil {
+			return nil, fmt.Errorf("scheduler: %w", err)
+		}
+	}
 	s.lease = &lease.Lease{DB: deps.DB, Name: LeaseName, Holder: cfg.Holder, TTL: cfg.LeaseTTL,
 		Clock: deps.Clock, Logger: deps.Logger}
 	return s, nil
@@ -127,6 +174,9 @@ func (s *Server) LeaseHeld() bool { return s.lease.Held() }
 
 // Passes returns how many scheduling passes this replica has run.
 func (s *Server) Passes() int64 { return s.passes.Load() }
+
+// Placed returns how many reservations this replica has placed.
+func (s *Server) Placed() int64 { return s.placed.Load() }
 
 // HealthHandler answers GET /healthz: 200 when the database answers a ping
 // and NATS is connected, 503 otherwise. A standby replica (without the
@@ -182,7 +232,9 @@ func (s *Server) Run(ctx context.Context) error {
 	return err
 }
 
-// loop runs a pass on every poke and every Interval until ctx ends.
+// loop runs a pass on every poke and every Interval until ctx ends; a pass
+// that left work behind (a full read, a conflict) is followed by another at
+// once.
 func (s *Server) loop(ctx context.Context) error {
 	wake := make(chan struct{}, 1)
 	sub, err := s.nc.Subscribe(store.SubjectPokeScheduler, func(*nats.Msg) {
@@ -198,8 +250,16 @@ func (s *Server) loop(ctx context.Context) error {
 	tick := s.clk.NewTicker(s.cfg.Interval)
 	defer tick.Stop()
 	for {
-		if err := s.pass(ctx); err != nil && ctx.Err() == nil {
+		s.passes.Add(1)
+		res, err := s.Schedule(ctx)
+		if err != nil && ctx.Err() == nil {
 			s.log.Warn("scheduling pass failed", telemetry.KeyError, err)
+		}
+		if err == nil && res.Again {
+			if ctx.Err() != nil {
+				return nil
+			}
+			continue
 		}
 		select {
 		case <-ctx.Done():
@@ -208,11 +268,4 @@ func (s *Server) loop(ctx context.Context) error {
 		case <-tick.C():
 		}
 	}
-}
-
-// pass is one scheduling pass. Placement is not implemented yet, so it
-// only counts.
-func (s *Server) pass(context.Context) error {
-	s.passes.Add(1)
-	return nil
 }

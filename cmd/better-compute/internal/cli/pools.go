@@ -13,8 +13,8 @@ import (
 )
 
 func (a *app) poolsCmd() *cobra.Command {
-	c := &cobra.Command{Use: "pools", Short: "List and create pools"}
-	c.AddCommand(a.poolsListCmd(), a.poolsCreateCmd())
+	c := &cobra.Command{Use: "pools", Short: "List, create and offer pools"}
+	c.AddCommand(a.poolsListCmd(), a.poolsCreateCmd(), a.poolsOfferCmd(), a.poolsOffersCmd())
 	return c
 }
 

@@ -51,7 +51,7 @@ func NewRoot(env Env) *cobra.Command {
 	root := &cobra.Command{
 		Use:           "better-compute",
 		Short:         "Operate a better-compute GPU fleet",
-		Long:          "better-compute talks to a better-compute control plane (nodes, pools, sites, join tokens,\ntenants, API tokens, audit) and administers a deployment (migrate, pki, bootstrap).",
+		Long:          "better-compute talks to a better-compute control plane (nodes, pools and their offers,\nreservations, usage, sites, join tokens, tenants, API tokens, audit) and administers a deployment\n(migrate, pki, bootstrap).",
 		SilenceErrors: true,
 		SilenceUsage:  true,
 	}
@@ -65,6 +65,10 @@ func NewRoot(env Env) *cobra.Command {
 	root.AddCommand(
 		a.nodesCmd(),
 		a.poolsCmd(),
+		a.reserveCmd(),
+		a.releaseCmd(),
+		a.reservationsCmd(),
+		a.usageCmd(),
 		a.sitesCmd(),
 		a.joinTokensCmd(),
 		a.tenantsCmd(),

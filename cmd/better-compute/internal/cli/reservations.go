@@ -1,0 +1,360 @@
+package cli
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/spf13/cobra"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
+	"github.com/better-compute/better-compute/pkg/clock"
+)
+
+// reservePollInterval is how often `reserve --wait` reads the reservation.
+const reservePollInterval = 250 * time.Millisecond
+
+// parseQuota parses --quota: "gpu=N" with N ≥ 0.
+func parseQuota(s string) (int32, error) {
+	k, v, ok := strings.Cut(s, "=")
+	if !ok || strings.TrimSpace(k) != "gpu" {
+		return 0, fmt.Errorf("--quota: want gpu=N (e.g. gpu=64), got %q", s)
+	}
+	n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 32)
+	if err != nil || n < 0 {
+		return 0, fmt.Errorf("--quota: want gpu=N with N a whole number ≥ 0, got %q", s)
+	}
+	return int32(n), nil
+}
+
+func (a *app) poolsOfferCmd() *cobra.Command {
+	var to, quota string
+	c := &cobra.Command{
+		Use:   "offer POOL_ID --to TENANT_ID --quota gpu=N",
+		Short: "Offer a pool to a tenant with a GPU quota, or change the quota of the offer",
+		Long: "offer lets --to reserve GPUs of the pool, holding at most N at once (pending, binding and active\n" +
+			"reservations count). Offering again changes the quota; a lower quota ends no reservation. Needs a\n" +
+			"root-admin token, or a tenant-admin token of the pool's owner.",
+		Args: cobra.ExactArgs(1),
+	}
+	c.Flags().StringVar(&to, "to", "", "tenant id to offer the pool to (required)")
+	c.Flags().StringVar(&quota, "quota", "", "GPU quota, gpu=N (required)")
+	_ = c.MarkFlagRequired("to")
+	_ = c.MarkFlagRequired("quota")
+	c.RunE = func(cmd *cobra.Command, args []string) error {
+		n, err := parseQuota(quota)
+		if err != nil {
+			return err
+		}
+		cl, err := a.clients()
+		if err != nil {
+			return err
+		}
+		res, err := cl.pools.OfferPool(cmd.Context(), connect.NewRequest(&computev1.OfferPoolRequest{PoolId: args[0],
+			TenantId: to, GpuQuota: n}))
+		if err != nil {
+			return err
+		}
+		o := res.Msg.Offer
+		fmt.Fprintf(a.env.Stdout, "pool %s offered to %s: quota gpu=%d (%d in use)\n", o.PoolId, o.TenantId, o.GpuQuota, o.GpusInUse)
+		return nil
+	}
+	return c
+}
+
+func (a *app) poolsOffersCmd() *cobra.Command {
+	var pool string
+	c := &cobra.Command{
+		Use:   "offers [--pool POOL_ID]",
+		Short: "List the offers made to your tenant and those of its pools, with the GPUs in use",
+		Args:  cobra.NoArgs,
+	}
+	c.Flags().StringVar(&pool, "pool", "", "only offers of this pool id")
+	format := addOutputFlag(c)
+	c.RunE = func(cmd *cobra.Command, _ []string) error {
+		if err := checkFormat(*format); err != nil {
+			return err
+		}
+		cl, err := a.clients()
+		if err != nil {
+			return err
+		}
+		res, err := cl.pools.ListOffers(cmd.Context(), connect.NewRequest(&computev1.ListOffersRequest{PoolId: pool}))
+		if err != nil {
+			return err
+		}
+		type offerJSON struct {
+			Pool      string    `json:"pool"`
+			Tenant    string    `json:"tenant"`
+			GPUQuota  int32     `json:"gpuQuota"`
+			GPUsInUse int32     `json:"gpusInUse"`
+			CreatedAt time.Time `json:"createdAt"`
+		}
+		out := make([]offerJSON, len(res.Msg.Offers))
+		rows := make([][]string, len(res.Msg.Offers))
+		for i, o := range res.Msg.Offers {
+			out[i] = offerJSON{Pool: o.PoolId, Tenant: o.TenantId, GPUQuota: o.GpuQuota, GPUsInUse: o.GpusInUse,
+				CreatedAt: o.CreatedAt.AsTime()}
+			rows[i] = []string{o.PoolId, o.TenantId, strconv.Itoa(int(o.GpuQuota)), strconv.Itoa(int(o.GpusInUse))}
+		}
+		if *format == formatJSON {
+			return writeJSON(a.env.Stdout, out)
+		}
+		return table(a.env.Stdout, []string{"POOL", "TENANT", "GPU QUOTA", "GPUS IN USE"}, rows)
+	}
+	return c
+}
+
+func (a *app) reserveCmd() *cobra.Command {
+	var (
+		pool, start, requestID string
+		gpus                   int32
+		dur, timeout           time.Duration
+		wait                   bool
+	)
+	c := &cobra.Command{
+		Use:   "reserve --pool POOL_ID --gpus N --for DURATION [--start TIME] [--request-id ID] [--wait]",
+		Short: "Reserve N GPUs of one node of a pool offered to your tenant",
+		Long: "reserve asks for --gpus GPUs of one node of --pool for --for (e.g. 1h) from --start (RFC 3339,\n" +
+			"default now) and prints the reservation as JSON. It starts pending; the scheduler places it\n" +
+			"(binding) and it turns active once the node has bound the GPUs. With --request-id a retry returns\n" +
+			"the first reservation instead of making another. --wait polls until it is active (exit 0) or\n" +
+			"failed (exit 1), for at most --timeout.",
+		Args: cobra.NoArgs,
+	}
+	c.Flags().StringVar(&pool, "pool", "", "pool id (required)")
+	c.Flags().Int32Var(&gpus, "gpus", 0, "how many GPUs, all on one node (required)")
+	c.Flags().DurationVar(&dur, "for", 0, "how long, e.g. 30m or 1h (required)")
+	c.Flags().StringVar(&start, "start", "", "start time, RFC 3339 (e.g. 2025-03-01T10:00:00Z; default now)")
+	c.Flags().StringVar(&requestID, "request-id", "", "idempotency key: a retry with the same id returns the same reservation")
+	c.Flags().BoolVar(&wait, "wait", false, "wait until the reservation is active or failed")
+	c.Flags().DurationVar(&timeout, "timeout", time.Minute, "how long --wait waits")
+	_ = c.MarkFlagRequired("pool")
+	_ = c.MarkFlagRequired("gpus")
+	_ = c.MarkFlagRequired("for")
+	c.RunE = func(cmd *cobra.Command, _ []string) error {
+		req := &computev1.ReserveRequest{PoolId: pool, Gpus: gpus, Duration: durationpb.New(dur), RequestId: requestID}
+		if start != "" {
+			t, err := time.Parse(time.RFC3339, start)
+			if err != nil {
+				return fmt.Errorf("--start: want an RFC 3339 time such as 2025-03-01T10:00:00Z: %w", err)
+			}
+			req.StartTime = timestamppb.New(t)
+		}
+		if wait && timeout <= 0 {
+			return errors.New("--timeout must be positive")
+		}
+		cl, err := a.clients()
+		if err != nil {
+			return err
+		}
+		res, err := cl.res.Reserve(cmd.Context(), connect.NewRequest(req))
+		if err != nil {
+			return err
+		}
+		r := res.Msg.Reservation
+		if wait {
+			deadline := a.env.Clock.Now().Add(timeout)
+			for r.State == "pending" || r.State == "binding" {
+				if !a.env.Clock.Now().Before(deadline) {
+					if err := writeProto(a.env.Stdout, r); err != nil {
+						return err
+					}
+					return fmt.Errorf("reservation %s is still %s after %s", r.Id, r.State, timeout)
+				}
+				if err := clock.Sleep(cmd.Context(), a.env.Clock, reservePollInterval); err != nil {
+					return err
+				}
+				got, err := cl.res.GetReservation(cmd.Context(), connect.NewRequest(&computev1.GetReservationRequest{ReservationId: r.Id}))
+				if err != nil {
+					return err
+				}
+				r = got.Msg.Reservation
+			}
+		}
+		if err := writeProto(a.env.Stdout, r); err != nil {
+			return err
+		}
+		if wait && r.State != "active" {
+			return fmt.Errorf("reservation %s is %s: %s", r.Id, r.State, orDash(r.Reason))
+		}
+		return nil
+	}
+	return c
+}
+
+func (a *app) releaseCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "release RESERVATION_ID",
+		Short: "Release a reservation now: its GPUs are unbound and freed; prints it as JSON",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			cl, err := a.clients()
+			if err != nil {
+				return err
+			}
+			res, err := cl.res.ReleaseReservation(cmd.Context(), connect.NewRequest(&computev1.ReleaseReservationRequest{ReservationId: args[0]}))
+			if err != nil {
+				return err
+			}
+			return writeProto(a.env.Stdout, res.Msg.Reservation)
+		},
+	}
+}
+
+func (a *app) reservationsCmd() *cobra.Command {
+	c := &cobra.Command{Use: "reservations", Short: "List and show your tenant's reservations"}
+	c.AddCommand(a.reservationsListCmd(), a.reservationsGetCmd())
+	return c
+}
+
+func (a *app) reservationsListCmd() *cobra.Command {
+	var pool, state string
+	c := &cobra.Command{
+		Use:   "list [--pool POOL_ID] [--state STATE]",
+		Short: "List reservations (all pages), oldest first",
+		Args:  cobra.NoArgs,
+	}
+	c.Flags().StringVar(&pool, "pool", "", "only reservations of this pool id")
+	c.Flags().StringVar(&state, "state", "", "only this state: pending, binding, active, released, expired or failed")
+	format := addOutputFlag(c)
+	c.RunE = func(cmd *cobra.Command, _ []string) error {
+		if err := checkFormat(*format); err != nil {
+			return err
+		}
+		cl, err := a.clients()
+		if err != nil {
+			return err
+		}
+		var rs []*computev1.Reservation
+		page := ""
+		for {
+			res, err := cl.res.ListReservations(cmd.Context(), connect.NewRequest(&computev1.ListReservationsRequest{
+				PoolId: pool, State: state, PageToken: page}))
+			if err != nil {
+				return err
+			}
+			rs = append(rs, res.Msg.Reservations...)
+			if page = res.Msg.NextPageToken; page == "" {
+				break
+			}
+		}
+		if *format == formatJSON {
+			type reservationJSON struct {
+				ID      string    `json:"id"`
+				Pool    string    `json:"pool"`
+				GPUs    int32     `json:"gpus"`
+				State   string    `json:"state"`
+				Reason  string    `json:"reason"`
+				Node    string    `json:"node"`
+				Binding []string  `json:"binding"`
+				Start   time.Time `json:"start"`
+				End     time.Time `json:"end"`
+			}
+			out := make([]reservationJSON, len(rs))
+			for i, r := range rs {
+				out[i] = reservationJSON{ID: r.Id, Pool: r.PoolId, GPUs: r.Gpus, State: r.State, Reason: r.Reason,
+					Node: r.NodeId, Binding: r.Binding, Start: r.StartTime.AsTime(), End: r.EndTime.AsTime()}
+				if out[i].Binding == nil {
+					out[i].Binding = []string{}
+				}
+			}
+			return writeJSON(a.env.Stdout, out)
+		}
+		rows := make([][]string, len(rs))
+		for i, r := range rs {
+			rows[i] = []string{r.Id, r.PoolId, strconv.Itoa(int(r.Gpus)), r.State, orDash(r.NodeId),
+				r.StartTime.AsTime().UTC().Format(time.RFC3339), r.EndTime.AsTime().UTC().Format(time.RFC3339), r.Reason}
+		}
+		return table(a.env.Stdout, []string{"ID", "POOL", "GPUS", "STATE", "NODE", "START", "END", "REASON"}, rows)
+	}
+	return c
+}
+
+func (a *app) reservationsGetCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "get RESERVATION_ID",
+		Short: "Show one reservation as JSON (binding holds the CDI device names once active)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			cl, err := a.clients()
+			if err != nil {
+				return err
+			}
+			res, err := cl.res.GetReservation(cmd.Context(), connect.NewRequest(&computev1.GetReservationRequest{ReservationId: args[0]}))
+			if err != nil {
+				return err
+			}
+			return writeProto(a.env.Stdout, res.Msg.Reservation)
+		},
+	}
+}
+
+func (a *app) usageCmd() *cobra.Command {
+	var tenant, since string
+	c := &cobra.Command{
+		Use:   "usage [--tenant TENANT_ID] [--since TIME]",
+		Short: "Show GPU-seconds per reservation and hour, with their total",
+		Long: "usage lists the usage windows of your tenant (or of --tenant, with a root-admin token): the\n" +
+			"GPU-seconds each reservation used in each hour. --since (RFC 3339) keeps the windows ending after it.",
+		Args: cobra.NoArgs,
+	}
+	c.Flags().StringVar(&tenant, "tenant", "", "tenant id (default: your token's tenant)")
+	c.Flags().StringVar(&since, "since", "", "only windows ending after this RFC 3339 time")
+	format := addOutputFlag(c)
+	c.RunE = func(cmd *cobra.Command, _ []string) error {
+		if err := checkFormat(*format); err != nil {
+			return err
+		}
+		req := &computev1.ListUsageRequest{TenantId: tenant}
+		if since != "" {
+			t, err := time.Parse(time.RFC3339, since)
+			if err != nil {
+				return fmt.Errorf("--since: want an RFC 3339 time such as 2025-03-01T10:00:00Z: %w", err)
+			}
+			req.Since = timestamppb.New(t)
+		}
+		cl, err := a.clients()
+		if err != nil {
+			return err
+		}
+		res, err := cl.usage.ListUsage(cmd.Context(), connect.NewRequest(req))
+		if err != nil {
+			return err
+		}
+		type windowJSON struct {
+			Reservation string    `json:"reservation"`
+			Tenant      string    `json:"tenant"`
+			Pool        string    `json:"pool"`
+			WindowStart time.Time `json:"windowStart"`
+			GPUSeconds  int64     `json:"gpuSeconds"`
+		}
+		out := struct {
+			Windows         []windowJSON `json:"windows"`
+			TotalGPUSeconds int64        `json:"totalGpuSeconds"`
+		}{Windows: make([]windowJSON, len(res.Msg.Windows)), TotalGPUSeconds: res.Msg.TotalGpuSeconds}
+		rows := make([][]string, 0, len(res.Msg.Windows)+1)
+		for i, w := range res.Msg.Windows {
+			out.Windows[i] = windowJSON{Reservation: w.ReservationId, Tenant: w.TenantId, Pool: w.PoolId,
+				WindowStart: w.WindowStart.AsTime().UTC(), GPUSeconds: w.GpuSeconds}
+			rows = append(rows, []string{w.WindowStart.AsTime().UTC().Format(time.RFC3339), w.ReservationId, w.PoolId,
+				strconv.FormatInt(w.GpuSeconds, 10), gpuHours(w.GpuSeconds)})
+		}
+		if *format == formatJSON {
+			return writeJSON(a.env.Stdout, out)
+		}
+		rows = append(rows, []string{"TOTAL", "", "", strconv.FormatInt(res.Msg.TotalGpuSeconds, 10), gpuHours(res.Msg.TotalGpuSeconds)})
+		return table(a.env.Stdout, []string{"WINDOW", "RESERVATION", "POOL", "GPU-SECONDS", "GPU-HOURS"}, rows)
+	}
+	return c
+}
+
+// gpuHours renders GPU-seconds as GPU-hours with two decimals.
+func gpuHours(secs int64) string {
+	return strconv.FormatFloat(float64(secs)/3600, 'f', 2, 64)
+}

@@ -1,0 +1,184 @@
+package cli_test
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/better-compute/better-compute/pkg/clock"
+)
+
+// reservationOut is the part of a printed reservation the tests read.
+type reservationOut struct {
+	ID      string   `json:"id"`
+	PoolID  string   `json:"poolId"`
+	Gpus    int      `json:"gpus"`
+	State   string   `json:"state"`
+	Reason  string   `json:"reason"`
+	Binding []string `json:"binding"`
+}
+
+func parseReservation(t *testing.T, out string) reservationOut {
+	t.Helper()
+	var r reservationOut
+	require.NoError(t, json.Unmarshal([]byte(out), &r), out)
+	return r
+}
+
+// TestReserveWalkthrough is the seed's walkthrough (offer, reserve), then
+// list, get, release and usage.
+func TestReserveWalkthrough(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	r := runner{env: map[string]string{"BETTER_COMPUTE_URL": f.url, "BETTER_COMPUTE_TOKEN": f.root,
+		"BETTER_COMPUTE_TENANT": f.tenant}}
+
+	res := r.run(t, "pools", "offer", f.poolID, "--to", f.tenant, "--quota", "gpu=64")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Equal(t, "pool "+f.poolID+" offered to "+f.tenant+": quota gpu=64 (0 in use)\n", res.stdout)
+
+	res = r.run(t, "reserve", "--pool", f.poolID, "--gpus", "4", "--for", "1h")
+	require.Equal(t, 0, res.code, res.stderr)
+	first := parseReservation(t, res.stdout)
+	require.Equal(t, "pending", first.State)
+	require.Equal(t, 4, first.Gpus)
+	require.Equal(t, f.poolID, first.PoolID)
+
+	res = r.run(t, "pools", "offers")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Equal(t, []string{"POOL", "TENANT", "GPU", "QUOTA", "GPUS", "IN", "USE", f.poolID, f.tenant, "64", "4"},
+		strings.Fields(res.stdout))
+
+	// Idempotent by request id.
+	res = r.run(t, "reserve", "--pool", f.poolID, "--gpus", "2", "--for", "30m", "--request-id", "job-7",
+		"--start", clock.New().Now().Add(time.Hour).UTC().Format(time.RFC3339))
+	require.Equal(t, 0, res.code, res.stderr)
+	second := parseReservation(t, res.stdout)
+	res = r.run(t, "reserve", "--pool", f.poolID, "--gpus", "2", "--for", "30m", "--request-id", "job-7")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Equal(t, second.ID, parseReservation(t, res.stdout).ID)
+
+	res = r.run(t, "reservations", "list")
+	require.Equal(t, 0, res.code, res.stderr)
+	lines := strings.Split(strings.TrimRight(res.stdout, "\n"), "\n")
+	require.Len(t, lines, 3, res.stdout)
+	require.Equal(t, []string{"ID", "POOL", "GPUS", "STATE", "NODE", "START", "END", "REASON"}, strings.Fields(lines[0]))
+	require.Equal(t, []string{first.ID, f.poolID, "4", "pending", "-"}, strings.Fields(lines[1])[:5])
+
+	res = r.run(t, "release", first.ID)
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Equal(t, "released", parseReservation(t, res.stdout).State)
+	res = r.run(t, "reservations", "get", first.ID)
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Equal(t, "released", parseReservation(t, res.stdout).State)
+	res = r.run(t, "reservations", "list", "--state", "pending", "-o", "json")
+	require.Equal(t, 0, res.code, res.stderr)
+	var pending []map[string]any
+	require.NoError(t, json.Unmarshal([]byte(res.stdout), &pending))
+	require.Len(t, pending, 1)
+	require.Equal(t, second.ID, pending[0]["id"])
+
+	// Usage: the windows the controllers wrote, with a total.
+	hour := time.Date(2025, 3, 1, 10, 0, 0, 0, time.UTC)
+	for i, secs := range []int64{1800 * 4, 3600 * 4} {
+		_, err := f.db.Pool.Exec(t.Context(), `INSERT INTO usage_windows (reservation_id, window_start, tenant_id, pool_id,
+			gpu_seconds, created_at) VALUES ($1, $2, $3, $4, $5, $2)`, first.ID, hour.Add(time.Duration(i)*time.Hour), f.tenant, f.poolID, secs)
+		require.NoError(t, err)
+	}
+	res = r.run(t, "usage")
+	require.Equal(t, 0, res.code, res.stderr)
+	lines = strings.Split(strings.TrimRight(res.stdout, "\n"), "\n")
+	require.Len(t, lines, 4, res.stdout)
+	require.Equal(t, []string{"2025-03-01T10:00:00Z", first.ID, f.poolID, "7200", "2.00"}, strings.Fields(lines[1]))
+	require.Equal(t, []string{"TOTAL", "21600", "6.00"}, strings.Fields(lines[3]))
+	res = r.run(t, "usage", "--since", "2025-03-01T11:30:00Z", "-o", "json")
+	require.Equal(t, 0, res.code, res.stderr)
+	var usage struct {
+		Windows []map[string]any `json:"windows"`
+		Total   int64            `json:"totalGpuSeconds"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(res.stdout), &usage), res.stdout)
+	require.Len(t, usage.Windows, 1)
+	require.EqualValues(t, 14400, usage.Total)
+}
+
+func TestReserveWait(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	r := runner{env: map[string]string{"BETTER_COMPUTE_URL": f.url, "BETTER_COMPUTE_TOKEN": f.root}, clk: clock.New()}
+	res := r.run(t, "pools", "offer", f.poolID, "--to", f.tenant, "--quota", "gpu=16")
+	require.Equal(t, 0, res.code, res.stderr)
+
+	// Nothing places it: --wait gives up after --timeout.
+	res = r.run(t, "reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h", "--wait", "--timeout", "600ms")
+	require.Equal(t, 1, res.code)
+	pending := parseReservation(t, res.stdout)
+	require.Equal(t, "error: reservation "+pending.ID+" is still pending after 600ms\n", res.stderr)
+
+	// Active as soon as the node bound it (here: by hand, as the scheduler
+	// and the gateway would).
+	go func() {
+		for range 100 {
+			tag, err := f.db.Pool.Exec(t.Context(), `UPDATE reservations SET state = 'active', node_id = $1,
+				binding = '{nvidia.com/gpu=0}' WHERE state = 'pending' AND request_id = 'w'`, f.adopted)
+			if err != nil || tag.RowsAffected() > 0 {
+				return
+			}
+			_ = clock.Sleep(t.Context(), clock.New(), 50*time.Millisecond)
+		}
+	}()
+	res = r.run(t, "reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h", "--request-id", "w", "--wait", "--timeout", "10s")
+	require.Equal(t, 0, res.code, res.stderr)
+	active := parseReservation(t, res.stdout)
+	require.Equal(t, "active", active.State)
+	require.Equal(t, []string{"nvidia.com/gpu=0"}, active.Binding)
+
+	// No node of the pool has 9 GPUs: failed at once, exit 1 with the reason.
+	res = r.run(t, "reserve", "--pool", f.poolID, "--gpus", "9", "--for", "1h", "--wait")
+	require.Equal(t, 1, res.code)
+	failed := parseReservation(t, res.stdout)
+	require.Equal(t, "failed", failed.State)
+	require.Equal(t, "error: reservation "+failed.ID+" is failed: no node of pool "+f.poolID+" has 9 GPUs (largest: 8)\n", res.stderr)
+}
+
+func TestReserveErrors(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	root := f.runner(f.root)
+	res := root.run(t, "pools", "offer", f.poolID, "--to", f.tenant, "--quota", "gpu=4")
+	require.Equal(t, 0, res.code, res.stderr)
+	res = root.run(t, "reserve", "--pool", f.poolID, "--gpus", "4", "--for", "1h")
+	require.Equal(t, 0, res.code, res.stderr)
+
+	for _, tc := range []struct {
+		name   string
+		r      runner
+		args   []string
+		stderr string
+	}{
+		{"quota", root, []string{"reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h"},
+			"error: resource_exhausted: gpus: quota of pool " + f.poolID + " is 4 GPUs, 4 in use, 1 requested\n"},
+		{"zero gpus", root, []string{"reserve", "--pool", f.poolID, "--gpus", "0", "--for", "1h"},
+			"error: invalid_argument: validation error: gpus: "},
+		{"negative duration", root, []string{"reserve", "--pool", f.poolID, "--gpus", "1", "--for", "-1h"},
+			"error: invalid_argument: validation error: duration: "},
+		{"bad start", root, []string{"reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h", "--start", "tomorrow"},
+			"error: --start: want an RFC 3339 time"},
+		{"bad quota", root, []string{"pools", "offer", f.poolID, "--to", f.tenant, "--quota", "cpu=4"},
+			"error: --quota: want gpu=N (e.g. gpu=64), got \"cpu=4\"\n"},
+		{"missing flags", root, []string{"reserve", "--pool", f.poolID}, "error: required flag(s) \"for\", \"gpus\" not set\n"},
+		{"viewer reserves", f.runner(f.viewer), []string{"reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h"},
+			"error: permission_denied: role viewer may not call Reserve (needs reservations.write)\n"},
+		{"release missing", root, []string{"release", "res_missing"}, "error: not_found: reservation res_missing not found\n"},
+		{"bad state", root, []string{"reservations", "list", "--state", "running"}, "error: invalid_argument: validation error: state: "},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			res := tc.r.run(t, tc.args...)
+			require.Equal(t, 1, res.code, res.stdout)
+			require.True(t, strings.HasPrefix(res.stderr, tc.stderr), "stderr %q, want prefix %q", res.stderr, tc.stderr)
+		})
+	}
+}

@@ -1,0 +1,311 @@
+package store
+
+// Placement (DESIGN §3): the scheduler reads what is pending and what is
+// free, plans in memory, and writes placements in one transaction per batch.
+// The bookings' exclusion constraint (bookings_no_overlap, I1) is what keeps
+// two schedulers from double-booking a device: a placement that overlaps a
+// booking another transaction committed fails with a ConstraintError on
+// BookingsNoOverlap and its transaction rolls back.
+//
+// A placement books its devices from the time it is made (not from the
+// reservation's start_at, which may be long past for a reservation that
+// waited): [placed_at, end_at). Booked time, and so usage, starts then.
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// BookingsNoOverlap is the exclusion constraint on bookings (I1).
+const BookingsNoOverlap = "bookings_no_overlap"
+
+// PendingReservation is a reservation waiting for placement.
+type PendingReservation struct {
+	ID, TenantID, PoolID string
+	// GPUs is how many devices it needs, all on one node.
+	GPUs int
+	// StartAt and EndAt bound the time it holds them: [StartAt, EndAt).
+	StartAt, EndAt time.Time
+	// CreatedAt orders the pool's queue (FIFO, ties by ID).
+	CreatedAt time.Time
+}
+
+// PendingReservations returns up to limit pending reservations whose start
+// is due (start_at ≤ now) and whose end is not (end_at > now), by pool, then
+// created_at, then id: each pool's FIFO queue.
+func PendingReservations(ctx context.Context, q DBTX, now time.Time, limit int) ([]PendingReservation, error) {
+	rows, err := q.Query(ctx, `SELECT id, tenant_id, pool_id, gpus, start_at, end_at, created_at FROM reservations
+		WHERE state = 'pending' AND start_at <= $1 AND end_at > $1
+		ORDER BY pool_id, created_at, id LIMIT $2`, now, limit)
+	if err != nil {
+		return nil, fmt.Errorf("pending reservations: %w", interpretError(err))
+	}
+	out, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (PendingReservation, error) {
+		var r PendingReservation
+		err := row.Scan(&r.ID, &r.TenantID, &r.PoolID, &r.GPUs, &r.StartAt, &r.EndAt, &r.CreatedAt)
+		return r, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("pending reservations: %w", interpretError(err))
+	}
+	return out, nil
+}
+
+// PoolNode is an adopted, non-revoked node of a pool as placement sees it.
+type PoolNode struct {
+	ID string
+	// Schedulable is true when the node is reachable, holds a session (a
+	// node whose session closed is not placed on, though liveness may not
+	// have marked it unreachable yet) and is not cordoned.
+	Schedulable bool
+	// Healthy are its healthy device indexes, ascending.
+	Healthy []int32
+	// Devices is how many devices it has, healthy or not: the most it could
+	// ever hold.
+	Devices int
+}
+
+// BookedInterval is one booking of a device: [Lower, Upper).
+type BookedInterval struct {
+	NodeID       string
+	DeviceIndex  int32
+	Lower, Upper time.Time
+}
+
+// PoolCapacity returns the adopted, non-revoked nodes of poolID by id, and
+// the bookings of their devices that end after now.
+func PoolCapacity(ctx context.Context, q DBTX, poolID string, now time.Time) ([]PoolNode, []BookedInterval, error) {
+	rows, err := q.Query(ctx, `SELECT n.id, n.reachable AND n.session_id IS NOT NULL AND NOT n.cordoned,
+			coalesce(array_agg(d.device_index ORDER BY d.device_index) FILTER (WHERE d.healthy), '{}'),
+			count(d.device_index)
+		FROM nodes n LEFT JOIN node_devices d ON d.node_id = n.id
+		WHERE n.pool_id = $1 AND n.provision_state = 'adopted' AND n.revoked_at IS NULL
+		GROUP BY n.id ORDER BY n.id`, poolID)
+	if err != nil {
+		return nil, nil, fmt.Errorf("pool capacity: %w", interpretError(err))
+	}
+	nodes, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (PoolNode, error) {
+		var n PoolNode
+		err := row.Scan(&n.ID, &n.Schedulable, &n.Healthy, &n.Devices)
+		return n, err
+	})
+	if err != nil {
+		return nil, nil, fmt.Errorf("pool capacity: %w", interpretError(err))
+	}
+	rows, err = q.Query(ctx, `SELECT b.node_id, b.device_index, lower(b.during), upper(b.during)
+		FROM bookings b JOIN nodes n ON n.id = b.node_id
+		WHERE n.pool_id = $1 AND upper(b.during) > $2`, poolID, now)
+	if err != nil {
+		return nil, nil, fmt.Errorf("pool bookings: %w", interpretError(err))
+	}
+	booked, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (BookedInterval, error) {
+		var b BookedInterval
+		err := row.Scan(&b.NodeID, &b.DeviceIndex, &b.Lower, &b.Upper)
+		return b, err
+	})
+	if err != nil {
+		return nil, nil, fmt.Errorf("pool bookings: %w", interpretError(err))
+	}
+	return nodes, booked, nil
+}
+
+// Placement puts one pending reservation on devices of one node for
+// [Lower, Upper).
+type Placement struct {
+	ReservationID, TenantID, NodeID string
+	Devices                         []int32
+	Lower, Upper                    time.Time
+}
+
+// PlaceReservations writes placements in q's transaction: each reservation
+// still pending turns binding on its node (placed_at now) with one booking
+// per device, the nodes' specs are rebuilt (RebuildNodeSpecs, signed by
+// signer) and a reservation.bound event is written for each. Reservations
+// no longer pending (another scheduler placed them, the tenant released
+// them) are skipped. It returns the ids placed. Errors: a ConstraintError on
+// BookingsNoOverlap (errors.Is ErrConflict) when a booking overlaps one
+// already committed; the caller must roll back.
+func PlaceReservations(ctx context.Context, q DBTX, signer *IntentSigner, now time.Time, ps []Placement) ([]string, error) {
+	if len(ps) == 0 {
+		return nil, nil
+	}
+	resIDs := make([]string, len(ps))
+	nodeIDs := make([]string, len(ps))
+	for i, p := range ps {
+		resIDs[i], nodeIDs[i] = p.ReservationID, p.NodeID
+	}
+	rows, err := q.Query(ctx, `UPDATE reservations r SET state = 'binding', node_id = u.node, placed_at = $3, updated_at = $3
+		FROM unnest($1::text[], $2::text[]) AS u(id, node)
+		WHERE r.id = u.id AND r.state = 'pending' RETURNING r.id`, resIDs, nodeIDs, now)
+	if err != nil {
+		return nil, fmt.Errorf("place reservations: %w", interpretError(err))
+	}
+	updated, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("place reservations: %w", interpretError(err))
+	}
+	got := make(map[string]bool, len(updated))
+	for _, id := range updated {
+		got[id] = true
+	}
+	var (
+		bRes, bNode         []string
+		bDev                []int32
+		bLower, bUpper      []time.Time
+		placed, placedNodes []string
+		events              []ReservationEvent
+	)
+	for _, p := range ps {
+		if !got[p.ReservationID] {
+			continue
+		}
+		for _, d := range p.Devices {
+			bRes, bNode, bDev = append(bRes, p.ReservationID), append(bNode, p.NodeID), append(bDev, d)
+			bLower, bUpper = append(bLower, p.Lower), append(bUpper, p.Upper)
+		}
+		placed, placedNodes = append(placed, p.ReservationID), append(placedNodes, p.NodeID)
+		data, err := json.Marshal(map[string]any{"reservationId": p.ReservationID, "nodeId": p.NodeID, "deviceIndexes": p.Devices})
+		if err != nil {
+			return nil, err
+		}
+		events = append(events, ReservationEvent{TenantID: p.TenantID, Type: "reservation.bound", SubjectID: p.ReservationID, Data: data})
+	}
+	if len(placed) == 0 {
+		return nil, nil
+	}
+	if _, err := q.Exec(ctx, `INSERT INTO bookings (reservation_id, node_id, device_index, during)
+		SELECT u.res, u.node, u.dev, tstzrange(u.lo, u.hi, '[)')
+		FROM unnest($1::text[], $2::text[], $3::int[], $4::timestamptz[], $5::timestamptz[]) AS u(res, node, dev, lo, hi)`,
+		bRes, bNode, bDev, bLower, bUpper); err != nil {
+		return nil, fmt.Errorf("book devices: %w", interpretError(err))
+	}
+	if _, err := RebuildNodeSpecs(ctx, q, signer, now, placedNodes); err != nil {
+		return nil, err
+	}
+	if err := InsertReservationEvents(ctx, q, now, events); err != nil {
+		return nil, err
+	}
+	return placed, nil
+}
+
+// ReservationFailure fails one pending reservation with a reason.
+type ReservationFailure struct {
+	ID, TenantID, Reason string
+}
+
+// FailReservations turns the reservations that are still pending failed
+// with their reasons (ended_at now) and writes a reservation.failed event
+// for each, in q's transaction. It returns the ids failed.
+func FailReservations(ctx context.Context, q DBTX, now time.Time, fs []ReservationFailure) ([]string, error) {
+	if len(fs) == 0 {
+		return nil, nil
+	}
+	ids := make([]string, len(fs))
+	reasons := make([]string, len(fs))
+	for i, f := range fs {
+		ids[i], reasons[i] = f.ID, f.Reason
+	}
+	rows, err := q.Query(ctx, `UPDATE reservations r SET state = 'failed', reason = u.reason, ended_at = $3, updated_at = $3
+		FROM unnest($1::text[], $2::text[]) AS u(id, reason)
+		WHERE r.id = u.id AND r.state = 'pending' RETURNING r.id`, ids, reasons, now)
+	if err != nil {
+		return nil, fmt.Errorf("fail reservations: %w", interpretError(err))
+	}
+	failed, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("fail reservations: %w", interpretError(err))
+	}
+	done := make(map[string]bool, len(failed))
+	for _, id := range failed {
+		done[id] = true
+	}
+	var events []ReservationEvent
+	for _, f := range fs {
+		if !done[f.ID] {
+			continue
+		}
+		data, err := json.Marshal(map[string]string{"reservationId": f.ID, "reason": f.Reason})
+		if err != nil {
+			return nil, err
+		}
+		events = append(events, ReservationEvent{TenantID: f.TenantID, Type: "reservation.failed", SubjectID: f.ID, Data: data})
+	}
+	if err := InsertReservationEvents(ctx, q, now, events); err != nil {
+		return nil, err
+	}
+	return failed, nil
+}
+
+// Activation is what ActivateReservation did.
+type Activation struct {
+	// Activated is true when the reservation turned active now.
+	Activated bool
+	// TenantID is the reservation's tenant ("" when it does not exist).
+	TenantID string
+	// State is the reservation's state after the call.
+	State string
+}
+
+// ActivateReservation records a daemon's AllocationBound: reservation id
+// turns active with binding (CDI device names) and active_at now, and a
+// reservation.active event is written, in q's transaction — only when it is
+// binding on nodeID and generation is at least the spec generation that
+// first carried it. Anything else (a stale report, another node's
+// reservation, one already active or ended) changes nothing (Activated
+// false). Errors: ErrNotFound when the reservation does not exist.
+func ActivateReservation(ctx context.Context, q DBTX, now time.Time, nodeID, id string, binding []string, generation int64) (Activation, error) {
+	var (
+		a       Activation
+		node    *string
+		specGen *int64
+	)
+	err := q.QueryRow(ctx, `SELECT tenant_id, state, node_id, spec_generation FROM reservations WHERE id = $1 FOR UPDATE`, id).
+		Scan(&a.TenantID, &a.State, &node, &specGen)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Activation{}, fmt.Errorf("activate reservation %s: %w", id, ErrNotFound)
+	}
+	if err != nil {
+		return Activation{}, fmt.Errorf("activate reservation %s: %w", id, interpretError(err))
+	}
+	if a.State != ReservationBinding || node == nil || *node != nodeID || specGen == nil || generation < *specGen {
+		return a, nil
+	}
+	if binding == nil {
+		binding = []string{}
+	}
+	if _, err := q.Exec(ctx, `UPDATE reservations SET state = 'active', binding = $2, active_at = $3, updated_at = $3 WHERE id = $1`,
+		id, binding, now); err != nil {
+		return Activation{}, fmt.Errorf("activate reservation %s: %w", id, interpretError(err))
+	}
+	data, err := json.Marshal(map[string]any{"reservationId": id, "nodeId": nodeID, "binding": binding, "generation": generation})
+	if err != nil {
+		return Activation{}, err
+	}
+	if err := InsertReservationEvent(ctx, q, now, a.TenantID, "reservation.active", id, data); err != nil {
+		return Activation{}, err
+	}
+	a.Activated, a.State = true, ReservationActive
+	return a, nil
+}
+
+// ClaimDueReservations locks (FOR UPDATE SKIP LOCKED) and returns the ids of
+// up to limit reservations not yet ended whose end_at ≤ now, earliest end
+// first: those the expiry reconciler ends.
+func ClaimDueReservations(ctx context.Context, q DBTX, now time.Time, limit int) ([]string, error) {
+	rows, err := q.Query(ctx, `SELECT id FROM reservations
+		WHERE state IN ('pending', 'binding', 'active') AND end_at <= $1
+		ORDER BY end_at, id LIMIT $2 FOR UPDATE SKIP LOCKED`, now, limit)
+	if err != nil {
+		return nil, fmt.Errorf("due reservations: %w", interpretError(err))
+	}
+	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("due reservations: %w", interpretError(err))
+	}
+	return out, nil
+}

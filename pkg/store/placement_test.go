@@ -1,0 +1,345 @@
+package store_test
+
+import (
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/encoding/protojson"
+
+	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/daemon"
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
+)
+
+type placeFixture struct {
+	t      *testing.T
+	db     *store.DB
+	clk    *clock.Fake
+	fleet  *storetest.Fleet
+	tenant string
+}
+
+func newPlaceFixture(t *testing.T, name string, gpus ...int) placeFixture {
+	t.Helper()
+	clk := clock.NewFake(time.Date(2030, 1, 1, 10, 20, 30, 500_000_000, time.FixedZone("IST", 5*3600+1800)))
+	db := storetest.New(t, clk)
+	f := storetest.NewFleet(t, db, name, gpus...)
+	return placeFixture{t: t, db: db, clk: clk, fleet: f, tenant: f.Tenant(t, "tenant-"+name, 64)}
+}
+
+func (f placeFixture) reserve(gpus int32, d time.Duration) store.Reservation {
+	f.t.Helper()
+	r, err := f.fleet.Reserve(f.t.Context(), f.tenant, gpus, d)
+	require.NoError(f.t, err)
+	require.Equal(f.t, store.ReservationPending, r.State)
+	return r
+}
+
+func (f placeFixture) place(signer *store.IntentSigner, ps ...store.Placement) ([]string, error) {
+	var placed []string
+	err := f.db.InTx(f.t.Context(), func(tx pgx.Tx) error {
+		var err error
+		placed, err = store.PlaceReservations(f.t.Context(), tx, signer, f.db.Now(), ps)
+		return err
+	})
+	return placed, err
+}
+
+func (f placeFixture) get(id string) store.Reservation {
+	f.t.Helper()
+	r, err := store.GetReservation(f.t.Context(), f.db.Pool, id)
+	require.NoError(f.t, err)
+	return r
+}
+
+func (f placeFixture) spec(nodeID string) (*gatewayv1.NodeSpec, int64) {
+	f.t.Helper()
+	var b []byte
+	var gen int64
+	require.NoError(f.t, f.db.Pool.QueryRow(f.t.Context(), `SELECT spec, spec_generation FROM nodes WHERE id = $1`, nodeID).Scan(&b, &gen))
+	ns := &gatewayv1.NodeSpec{}
+	require.NoError(f.t, protojson.Unmarshal(b, ns))
+	return ns, gen
+}
+
+func (f placeFixture) events(id string) []string {
+	f.t.Helper()
+	rows, err := f.db.Pool.Query(f.t.Context(), `SELECT type FROM events WHERE subject_id = $1 ORDER BY id`, id)
+	require.NoError(f.t, err)
+	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(f.t, err)
+	return out
+}
+
+func (f placeFixture) outbox(subject string) int {
+	f.t.Helper()
+	var n int
+	require.NoError(f.t, f.db.Pool.QueryRow(f.t.Context(), `SELECT count(*) FROM outbox WHERE subject = $1`, subject).Scan(&n))
+	return n
+}
+
+func (f placeFixture) placement(r store.Reservation, node string, devs ...int32) store.Placement {
+	now := f.db.Now()
+	return store.Placement{ReservationID: r.ID, TenantID: r.TenantID, NodeID: node, Devices: devs, Lower: now, Upper: r.EndAt}
+}
+
+// TestPlaceBindsBooksAndSignsTheSpec: a placement turns the reservation
+// binding with its bookings, gives the node the next spec generation with
+// the allocation, signed, pokes its gateway and writes reservation.bound;
+// placing it again does nothing.
+func TestPlaceBindsBooksAndSignsTheSpec(t *testing.T) {
+	t.Parallel()
+	f := newPlaceFixture(t, "bind", 8)
+	signer, root := newIntentSigner(t)
+	node := f.fleet.Nodes[0]
+	_, err := f.db.Pool.Exec(t.Context(), `UPDATE nodes SET gateway_id = 'gw-1' WHERE id = $1`, node)
+	require.NoError(t, err)
+	r := f.reserve(4, time.Hour)
+
+	placed, err := f.place(signer, f.placement(r, node, 1, 3, 5, 7))
+	require.NoError(t, err)
+	require.Equal(t, []string{r.ID}, placed)
+	got := f.get(r.ID)
+	require.Equal(t, store.ReservationBinding, got.State)
+	require.Equal(t, node, got.NodeID)
+	require.Equal(t, []int32{1, 3, 5, 7}, got.DeviceIndexes)
+	require.NotNil(t, got.PlacedAt)
+	require.NotNil(t, got.SpecGeneration)
+	require.EqualValues(t, 2, *got.SpecGeneration)
+
+	ns, gen := f.spec(node)
+	require.EqualValues(t, 2, gen)
+	require.Len(t, ns.GetAllocations(), 1)
+	require.Equal(t, r.ID, ns.GetAllocations()[0].GetReservationId())
+	require.Equal(t, []int32{1, 3, 5, 7}, ns.GetAllocations()[0].GetDeviceIndexes())
+	require.Equal(t, f.fleet.PoolID, ns.GetLabels()["better-compute.io/pool"], "labels kept")
+	var sig []byte
+	var specJSON []byte
+	require.NoError(t, f.db.Pool.QueryRow(t.Context(), `SELECT spec, spec_signature FROM nodes WHERE id = $1`, node).Scan(&specJSON, &sig))
+	ds, err := store.DesiredStateMessage(gen, specJSON, sig)
+	require.NoError(t, err)
+	require.Empty(t, daemon.VerifySpec(root, node, ds), "the new generation is signed")
+	require.Equal(t, 1, f.outbox(store.SubjectPokeGatewayPrefix+"gw-1"))
+	require.Equal(t, []string{"reservation.created", "reservation.bound"}, f.events(r.ID))
+	require.Equal(t, 1, f.outbox(store.SubjectEvents+"."+f.tenant+".reservation.bound"))
+
+	placed, err = f.place(signer, f.placement(r, node, 0, 2, 4, 6))
+	require.NoError(t, err)
+	require.Empty(t, placed, "no longer pending: skipped")
+	require.Equal(t, []int32{1, 3, 5, 7}, f.get(r.ID).DeviceIndexes)
+}
+
+// TestOverlappingBookingIsRefusedByTheDatabase (I1): a placement on a device
+// another transaction booked for an overlapping time fails on
+// bookings_no_overlap and writes nothing, even when both are planned on the
+// same stale view; the same device after the other's end is fine.
+func TestOverlappingBookingIsRefusedByTheDatabase(t *testing.T) {
+	t.Parallel()
+	f := newPlaceFixture(t, "overlap", 8)
+	node := f.fleet.Nodes[0]
+	a, b := f.reserve(2, time.Hour), f.reserve(2, time.Hour)
+	_, err := f.place(nil, f.placement(a, node, 0, 1))
+	require.NoError(t, err)
+	_, gen := f.spec(node)
+
+	_, err = f.place(nil, f.placement(b, node, 1, 2))
+	require.True(t, store.IsConstraint(err, store.BookingsNoOverlap), "%v", err)
+	require.ErrorIs(t, err, store.ErrConflict)
+	got := f.get(b.ID)
+	require.Equal(t, store.ReservationPending, got.State, "rolled back whole")
+	require.Empty(t, got.DeviceIndexes)
+	_, gen2 := f.spec(node)
+	require.Equal(t, gen, gen2)
+	require.Equal(t, []string{"reservation.created"}, f.events(b.ID))
+
+	// Two transactions racing on the same device: one wins.
+	c := f.reserve(1, time.Hour)
+	d := f.reserve(1, time.Hour)
+	errs := make(chan error, 2)
+	for _, r := range []store.Reservation{c, d} {
+		go func() {
+			_, err := f.place(nil, f.placement(r, node, 5))
+			errs <- err
+		}()
+	}
+	e1, e2 := <-errs, <-errs
+	require.True(t, (e1 == nil) != (e2 == nil), "exactly one wins: %v / %v", e1, e2)
+
+	// A booking after the first one's end does not overlap it.
+	f.clk.Advance(2 * time.Hour)
+	e := f.reserve(2, time.Hour)
+	_, err = f.place(nil, f.placement(e, node, 0, 1))
+	require.NoError(t, err)
+}
+
+// TestActivateOnlyWhatTheNodeWasGiven: AllocationBound activates a binding
+// reservation of the reporting node at a generation that carries it, once.
+func TestActivateOnlyWhatTheNodeWasGiven(t *testing.T) {
+	t.Parallel()
+	f := newPlaceFixture(t, "activate", 8, 8)
+	n0, n1 := f.fleet.Nodes[0], f.fleet.Nodes[1]
+	r := f.reserve(2, time.Hour)
+	_, err := f.place(nil, f.placement(r, n0, 0, 1))
+	require.NoError(t, err)
+	activate := func(node string, gen int64) store.Activation {
+		var a store.Activation
+		require.NoError(t, f.db.InTx(t.Context(), func(tx pgx.Tx) error {
+			var err error
+			a, err = store.ActivateReservation(t.Context(), tx, f.db.Now(), node, r.ID, []string{"nvidia.com/gpu=0", "nvidia.com/gpu=1"}, gen)
+			return err
+		}))
+		return a
+	}
+	require.False(t, activate(n1, 2).Activated, "another node")
+	require.False(t, activate(n0, 1).Activated, "a generation before the allocation")
+	require.Equal(t, store.ReservationBinding, f.get(r.ID).State)
+	a := activate(n0, 2)
+	require.True(t, a.Activated)
+	got := f.get(r.ID)
+	require.Equal(t, store.ReservationActive, got.State)
+	require.Equal(t, []string{"nvidia.com/gpu=0", "nvidia.com/gpu=1"}, got.Binding)
+	require.NotNil(t, got.ActiveAt)
+	require.False(t, activate(n0, 3).Activated, "already active")
+	require.Equal(t, []string{"reservation.created", "reservation.bound", "reservation.active"}, f.events(r.ID))
+
+	err = f.db.InTx(t.Context(), func(tx pgx.Tx) error {
+		_, err := store.ActivateReservation(t.Context(), tx, f.db.Now(), n0, "res_nope", nil, 9)
+		return err
+	})
+	require.ErrorIs(t, err, store.ErrNotFound)
+}
+
+// TestEndReservationFreesDevicesAndDropsTheAllocation: releasing an active
+// reservation ends its bookings now, removes it from the node's spec (a new
+// generation), pokes the scheduler and writes reservation.released; ending
+// it again changes nothing. A pending one expires without a node.
+func TestEndReservationFreesDevicesAndDropsTheAllocation(t *testing.T) {
+	t.Parallel()
+	f := newPlaceFixture(t, "end", 8)
+	node := f.fleet.Nodes[0]
+	r := f.reserve(3, time.Hour)
+	_, err := f.place(nil, f.placement(r, node, 0, 1, 2))
+	require.NoError(t, err)
+	f.clk.Advance(10 * time.Minute)
+	pokes := f.outbox(store.SubjectPokeScheduler)
+	end := func(id, state string) store.EndedReservation {
+		var e store.EndedReservation
+		require.NoError(t, f.db.InTx(t.Context(), func(tx pgx.Tx) error {
+			var err error
+			e, err = store.EndReservation(t.Context(), tx, nil, f.db.Now(), id, state)
+			return err
+		}))
+		return e
+	}
+	e := end(r.ID, store.ReservationReleased)
+	require.True(t, e.Changed)
+	require.Equal(t, node, e.NodeID)
+	got := f.get(r.ID)
+	require.Equal(t, store.ReservationReleased, got.State)
+	require.NotNil(t, got.EndedAt)
+	var upper time.Time
+	require.NoError(t, f.db.Pool.QueryRow(t.Context(), `SELECT max(upper(during)) FROM bookings WHERE reservation_id = $1`, r.ID).Scan(&upper))
+	require.True(t, upper.Equal(f.db.Now()), "bookings end at the release: %s", upper)
+	ns, gen := f.spec(node)
+	require.Empty(t, ns.GetAllocations())
+	require.EqualValues(t, 3, gen)
+	require.Equal(t, pokes+1, f.outbox(store.SubjectPokeScheduler))
+	require.Equal(t, []string{"reservation.created", "reservation.bound", "reservation.released"}, f.events(r.ID))
+	require.False(t, end(r.ID, store.ReservationExpired).Changed)
+	require.Equal(t, store.ReservationReleased, f.get(r.ID).State)
+
+	p := f.reserve(1, time.Hour)
+	e = end(p.ID, store.ReservationExpired)
+	require.True(t, e.Changed)
+	require.Empty(t, e.NodeID)
+	require.Equal(t, store.ReservationExpired, f.get(p.ID).State)
+
+	// The freed devices can be booked again now.
+	again := f.reserve(8, time.Hour)
+	_, err = f.place(nil, f.placement(again, node, 0, 1, 2, 3, 4, 5, 6, 7))
+	require.NoError(t, err)
+}
+
+// TestUsageWindowsSumToBookedTime (I8): windows are written per UTC hour
+// once final, a replay writes nothing, and the windows of a released and of
+// an expired reservation add up exactly to GPUs × booked whole seconds.
+func TestUsageWindowsSumToBookedTime(t *testing.T) {
+	t.Parallel()
+	f := newPlaceFixture(t, "usage", 8)
+	ctx := t.Context()
+	node := f.fleet.Nodes[0]
+	// Starts at 04:50:30.5 UTC (10:20:30.5 IST).
+	rel := f.reserve(4, 3*time.Hour)
+	exp := f.reserve(2, 90*time.Minute+250*time.Millisecond)
+	_, err := f.place(nil, f.placement(rel, node, 0, 1, 2, 3), f.placement(exp, node, 4, 5))
+	require.NoError(t, err)
+	start := f.db.Now()
+
+	write := func() int64 {
+		ids, err := store.UsageCandidates(ctx, f.db.Pool, "", 100)
+		require.NoError(t, err)
+		n, err := store.WriteUsageWindows(ctx, f.db.Pool, f.db.Now(), ids)
+		require.NoError(t, err)
+		return n
+	}
+	windows := func(id string) map[time.Time]int64 {
+		rows, err := f.db.Pool.Query(ctx, `SELECT window_start, gpu_seconds FROM usage_windows WHERE reservation_id = $1`, id)
+		require.NoError(t, err)
+		out := map[time.Time]int64{}
+		for rows.Next() {
+			var ws time.Time
+			var s int64
+			require.NoError(t, rows.Scan(&ws, &s))
+			out[ws.UTC()] = s
+		}
+		require.NoError(t, rows.Err())
+		return out
+	}
+	require.Zero(t, write(), "no hour has ended")
+
+	f.clk.Advance(40 * time.Minute) // 05:30:30.5 UTC
+	require.EqualValues(t, 2, write(), "04:00 for both")
+	h4 := time.Date(2030, 1, 1, 4, 0, 0, 0, time.UTC)
+	require.Equal(t, map[time.Time]int64{h4: 4 * 570}, windows(rel.ID), "04:50:30 to 05:00:00")
+	require.Zero(t, write(), "replay")
+
+	// exp ends at 06:20:30.75 UTC: expire it then; release rel at
+	// 06:45:10.9 UTC.
+	f.clk.Advance(50*time.Minute + 250*time.Millisecond)
+	require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
+		ids, err := store.ClaimDueReservations(ctx, tx, f.db.Now(), 10)
+		require.Equal(t, []string{exp.ID}, ids)
+		if err != nil {
+			return err
+		}
+		_, err = store.EndReservation(ctx, tx, nil, f.db.Now(), exp.ID, store.ReservationExpired)
+		return err
+	}))
+	f.clk.Advance(24*time.Minute + 40*time.Second + 150*time.Millisecond)
+	require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
+		_, err := store.EndReservation(ctx, tx, nil, f.db.Now(), rel.ID, store.ReservationReleased)
+		return err
+	}))
+	end := f.db.Now()
+	require.EqualValues(t, 4, write(), "05:00 and 06:00 of each")
+	require.Zero(t, write(), "replay")
+	ids, err := store.UsageCandidates(ctx, f.db.Pool, "", 100)
+	require.NoError(t, err)
+	require.Empty(t, ids, "both are done")
+
+	sum := func(m map[time.Time]int64) (s int64) {
+		for _, v := range m {
+			s += v
+		}
+		return s
+	}
+	secs := func(a, b time.Time) int64 { return b.Truncate(time.Second).Unix() - a.Truncate(time.Second).Unix() }
+	require.Equal(t, 4*secs(start, end), sum(windows(rel.ID)))
+	require.Equal(t, map[time.Time]int64{h4: 4 * 570, h4.Add(time.Hour): 4 * 3600, h4.Add(2 * time.Hour): 4 * 2710}, windows(rel.ID))
+	require.Equal(t, 2*secs(start, exp.EndAt), sum(windows(exp.ID)))
+	require.Equal(t, int64(2*(570+3600+1230)), sum(windows(exp.ID)))
+}

@@ -1,0 +1,104 @@
+package store_test
+
+import (
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/better-compute/better-compute/pkg/ids"
+	"github.com/better-compute/better-compute/pkg/store"
+)
+
+// TestCreateReservationQuotaUnderConcurrency races 20 one-GPU reservations
+// of one tenant against a quota of 8: the offer lock serialises them, so
+// exactly 8 are created and the rest refused with the numbers.
+func TestCreateReservationQuotaUnderConcurrency(t *testing.T) {
+	t.Parallel()
+	f := newFleetFixture(t)
+	ctx := t.Context()
+	now := f.db.Now()
+	node := ids.New(ids.Node, now)
+	require.NoError(t, store.CreateNode(ctx, f.db.Pool, store.NewNode{ID: node, PoolID: f.pool.ID, CreatedAt: now}))
+	_, err := f.db.Pool.Exec(ctx, `UPDATE nodes SET provision_state = 'adopted' WHERE id = $1`, node)
+	require.NoError(t, err)
+	_, err = f.db.Pool.Exec(ctx, `INSERT INTO node_devices (node_id, device_index, uuid, model)
+		SELECT $1, i, 'GPU-' || i, 'H100' FROM generate_series(0, 7) AS i`, node)
+	require.NoError(t, err)
+
+	create := func(gpus int32, requestID string) (store.CreatedReservation, error) {
+		var c store.CreatedReservation
+		err := f.db.InTx(ctx, func(tx pgx.Tx) error {
+			var err error
+			c, err = store.CreateReservation(ctx, tx, f.db.Now(), store.NewReservation{ID: ids.New(ids.Reservation, now),
+				TenantID: f.tenant.ID, PoolID: f.pool.ID, GPUs: gpus, StartAt: now, EndAt: now.Add(time.Hour), RequestID: requestID})
+			return err
+		})
+		return c, err
+	}
+	_, err = create(1, "")
+	var notOffered *store.NotOfferedError
+	require.ErrorAs(t, err, &notOffered)
+	require.ErrorIs(t, err, store.ErrNotOffered)
+	require.Equal(t, "pool "+f.pool.ID+" is not offered to tenant "+f.tenant.ID, err.Error())
+
+	o, err := store.UpsertOffer(ctx, f.db.Pool, store.Offer{PoolID: f.pool.ID, TenantID: f.tenant.ID, GPUQuota: 8, UpdatedAt: now})
+	require.NoError(t, err)
+	require.EqualValues(t, 8, o.GPUQuota)
+	_, err = store.UpsertOffer(ctx, f.db.Pool, store.Offer{PoolID: "pool_missing", TenantID: f.tenant.ID, GPUQuota: 8, UpdatedAt: now})
+	require.ErrorIs(t, err, store.ErrNotFound)
+
+	var (
+		wg               sync.WaitGroup
+		mu               sync.Mutex
+		created, refused int
+	)
+	for range 20 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_, err := create(1, "")
+			mu.Lock()
+			defer mu.Unlock()
+			var qe *store.QuotaError
+			switch {
+			case err == nil:
+				created++
+			case errors.As(err, &qe):
+				refused++
+				if qe.Quota != 8 || qe.InUse != 8 || qe.Want != 1 {
+					t.Errorf("quota error %+v, want quota 8, in use 8, want 1", *qe)
+				}
+			default:
+				t.Errorf("unexpected error: %v", err)
+			}
+		}()
+	}
+	wg.Wait()
+	require.Equal(t, 8, created)
+	require.Equal(t, 12, refused)
+	o, err = store.GetOffer(ctx, f.db.Pool, f.pool.ID, f.tenant.ID)
+	require.NoError(t, err)
+	require.EqualValues(t, 8, o.GPUsInUse)
+
+	// Ending one frees its GPUs for the next.
+	rs, err := store.ListReservations(ctx, f.db.Pool, store.ReservationFilter{TenantID: f.tenant.ID, State: store.ReservationPending})
+	require.NoError(t, err)
+	require.Len(t, rs, 8)
+	require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
+		_, err := store.EndReservation(ctx, tx, nil, f.db.Now(), rs[0].ID, store.ReservationReleased)
+		return err
+	}))
+	c, err := create(1, "retry-me")
+	require.NoError(t, err)
+	require.False(t, c.Existing)
+	require.Equal(t, store.ReservationPending, c.Reservation.State)
+	// A retry is answered from the first call, although the quota is full.
+	again, err := create(1, "retry-me")
+	require.NoError(t, err)
+	require.True(t, again.Existing)
+	require.Equal(t, c.Reservation.ID, again.Reservation.ID)
+}

@@ -1,0 +1,80 @@
+package store
+
+// Usage windows (I8): GPU-seconds of each reservation in each UTC hour,
+// written once. A window's GPU-seconds are, summed over the reservation's
+// bookings, the seconds of the booking's [lower, upper) within the hour,
+// both bounds first truncated to the whole second. Hour boundaries are whole
+// seconds, so the windows of a reservation add up exactly to
+// Σ (trunc(upper) − trunc(lower)) over its bookings: its GPUs × its booked
+// seconds.
+//
+// A window is written when it is final: the hour has ended (window end ≤
+// now; bookings only ever shrink to the time of a release, which is later),
+// or the reservation has ended (released or expired). Windows are written in
+// order, so the latest stored window of a reservation says how far it is
+// done; the primary key (reservation_id, window_start) with ON CONFLICT DO
+// NOTHING makes a replay, or two writers racing, count nothing twice.
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// UsageCandidates returns, by id, up to limit reservations after the id
+// after ("" from the start) that may have usage windows to write: the
+// placed ones still open, and the ended ones whose last window (the hour of
+// their last booked second) is not written yet.
+func UsageCandidates(ctx context.Context, q DBTX, after string, limit int) ([]string, error) {
+	rows, err := q.Query(ctx, `SELECT r.id FROM reservations r
+		WHERE r.id > $1 AND r.placed_at IS NOT NULL AND (
+			r.state IN ('binding', 'active')
+			OR (r.state IN ('released', 'expired') AND EXISTS (
+				SELECT 1 FROM bookings b
+				WHERE b.reservation_id = r.id
+					AND date_trunc('second', upper(b.during), 'UTC') > date_trunc('second', lower(b.during), 'UTC')
+					AND NOT EXISTS (SELECT 1 FROM usage_windows w WHERE w.reservation_id = r.id
+						AND w.window_start = date_trunc('hour', date_trunc('second', upper(b.during), 'UTC') - interval '1 second', 'UTC')))))
+		ORDER BY r.id LIMIT $2`, after, limit)
+	if err != nil {
+		return nil, fmt.Errorf("usage candidates: %w", interpretError(err))
+	}
+	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("usage candidates: %w", interpretError(err))
+	}
+	return out, nil
+}
+
+// WriteUsageWindows writes the final usage windows of the reservations ids
+// that are not written yet (see the package comment on usage) and returns
+// how many it wrote. It is one statement: atomic without a transaction.
+func WriteUsageWindows(ctx context.Context, q DBTX, now time.Time, ids []string) (int64, error) {
+	if len(ids) == 0 {
+		return 0, nil
+	}
+	tag, err := q.Exec(ctx, `WITH b AS (
+			SELECT b.reservation_id AS rid,
+				date_trunc('second', lower(b.during), 'UTC') AS lo,
+				date_trunc('second', upper(b.during), 'UTC') AS hi
+			FROM bookings b WHERE b.reservation_id = ANY($1)
+		), w AS (
+			SELECT b.rid, ws,
+				extract(epoch FROM least(b.hi, ws + interval '1 hour') - greatest(b.lo, ws))::bigint AS secs
+			FROM b, generate_series(date_trunc('hour', b.lo, 'UTC'), b.hi - interval '1 second', interval '1 hour') AS ws
+			WHERE b.hi > b.lo
+		)
+		INSERT INTO usage_windows (reservation_id, window_start, tenant_id, pool_id, gpu_seconds, created_at)
+		SELECT w.rid, w.ws, r.tenant_id, r.pool_id, sum(w.secs), $2
+		FROM w JOIN reservations r ON r.id = w.rid
+		WHERE (w.ws + interval '1 hour' <= $2 OR r.state IN ('released', 'expired'))
+			AND w.ws > coalesce((SELECT max(u.window_start) FROM usage_windows u WHERE u.reservation_id = w.rid), '-infinity')
+		GROUP BY w.rid, w.ws, r.tenant_id, r.pool_id
+		ON CONFLICT (reservation_id, window_start) DO NOTHING`, ids, now)
+	if err != nil {
+		return 0, fmt.Errorf("write usage windows: %w", interpretError(err))
+	}
+	return tag.RowsAffected(), nil
+}

@@ -1,0 +1,476 @@
+package api_test
+
+import (
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
+	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	"github.com/better-compute/better-compute/pkg/ids"
+	"github.com/better-compute/better-compute/pkg/store"
+)
+
+// reservation creates a pending reservation of gpus GPUs of pool for tenant,
+// for an hour from now, through the store (the pool must be offered to it).
+func (f *fixture) reservation(t *testing.T, tenant, pool string, gpus int32, requestID string) string {
+	t.Helper()
+	now := f.db.Now()
+	var id string
+	require.NoError(t, f.db.InTx(t.Context(), func(tx pgx.Tx) error {
+		c, err := store.CreateReservation(t.Context(), tx, now, store.NewReservation{ID: ids.New(ids.Reservation, now),
+			TenantID: tenant, PoolID: pool, GPUs: gpus, StartAt: now, EndAt: now.Add(time.Hour), RequestID: requestID})
+		id = c.Reservation.ID
+		return err
+	}))
+	return id
+}
+
+// offer offers pool to tenant with quota GPUs.
+func (f *fixture) offer(t *testing.T, pool, tenant string, quota int32) {
+	t.Helper()
+	_, err := store.UpsertOffer(t.Context(), f.db.Pool, store.Offer{PoolID: pool, TenantID: tenant, GPUQuota: quota, UpdatedAt: f.db.Now()})
+	require.NoError(t, err)
+}
+
+// count returns the result of a count(*) query.
+func (f *fixture) count(t *testing.T, sql string, args ...any) int {
+	t.Helper()
+	var n int
+	require.NoError(t, f.db.Pool.QueryRow(t.Context(), sql, args...).Scan(&n))
+	return n
+}
+
+func reserveReq(pool string, gpus int32, d time.Duration) *connect.Request[computev1.ReserveRequest] {
+	return connect.NewRequest(&computev1.ReserveRequest{PoolId: pool, Gpus: gpus, Duration: durationpb.New(d)})
+}
+
+func TestReserve(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	member := f.as(f.tokens["acme-member"])
+	f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
+	f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
+	f.offer(t, f.acmePool, f.acme, 8)
+
+	before := f.db.Now()
+	res, err := member.res.Reserve(ctx, reserveReq(f.acmePool, 4, time.Hour))
+	require.NoError(t, err)
+	r := res.Msg.Reservation
+	require.NoError(t, ids.Check(ids.Reservation, r.Id))
+	require.Equal(t, f.acme, r.TenantId)
+	require.Equal(t, f.acmePool, r.PoolId)
+	require.EqualValues(t, 4, r.Gpus)
+	require.Equal(t, "pending", r.State)
+	require.Empty(t, r.Reason)
+	require.False(t, r.StartTime.AsTime().Before(before))
+	require.Equal(t, time.Hour, r.EndTime.AsTime().Sub(r.StartTime.AsTime()))
+	// Its event and the scheduler's poke went out with it.
+	require.Equal(t, 1, f.count(t, `SELECT count(*) FROM events WHERE type = 'reservation.created' AND subject_id = $1 AND tenant_id = $2`, r.Id, f.acme))
+	require.Equal(t, 1, f.count(t, `SELECT count(*) FROM outbox WHERE subject = $1`, "bc.events."+f.acme+".reservation.created"))
+	require.Equal(t, 1, f.count(t, `SELECT count(*) FROM outbox WHERE subject = $1`, store.SubjectPokeScheduler))
+
+	// A start in the future is kept.
+	start := f.db.Now().Add(48 * time.Hour).Truncate(time.Second)
+	res, err = member.res.Reserve(ctx, connect.NewRequest(&computev1.ReserveRequest{PoolId: f.acmePool, Gpus: 4,
+		Duration: durationpb.New(30 * time.Minute), StartTime: timestamppb.New(start)}))
+	require.NoError(t, err)
+	require.True(t, res.Msg.Reservation.StartTime.AsTime().Equal(start))
+	require.True(t, res.Msg.Reservation.EndTime.AsTime().Equal(start.Add(30*time.Minute)))
+
+	// Quota: 8 GPUs, 8 in use.
+	_, err = member.res.Reserve(ctx, reserveReq(f.acmePool, 1, time.Hour))
+	requireCode(t, err, connect.CodeResourceExhausted, "gpus: quota of pool "+f.acmePool+" is 8 GPUs, 8 in use, 1 requested")
+	offers, err := member.pools.ListOffers(ctx, connect.NewRequest(&computev1.ListOffersRequest{}))
+	require.NoError(t, err)
+	require.Len(t, offers.Msg.Offers, 1)
+	require.EqualValues(t, 8, offers.Msg.Offers[0].GpusInUse)
+	require.EqualValues(t, 8, offers.Msg.Offers[0].GpuQuota)
+
+	// Releasing frees quota.
+	_, err = member.res.ReleaseReservation(ctx, connect.NewRequest(&computev1.ReleaseReservationRequest{ReservationId: r.Id}))
+	require.NoError(t, err)
+	_, err = member.res.Reserve(ctx, reserveReq(f.acmePool, 4, time.Hour))
+	require.NoError(t, err)
+
+	// No node of the pool can ever hold 9 GPUs: failed at once, with the
+	// reason and its event, and it holds no quota.
+	f.offer(t, f.acmePool, f.acme, 64)
+	res, err = member.res.Reserve(ctx, reserveReq(f.acmePool, 9, time.Hour))
+	require.NoError(t, err)
+	failed := res.Msg.Reservation
+	require.Equal(t, "failed", failed.State)
+	require.Equal(t, "no node of pool "+f.acmePool+" has 9 GPUs (largest: 8)", failed.Reason)
+	require.NotNil(t, failed.EndedAt)
+	require.Equal(t, 1, f.count(t, `SELECT count(*) FROM events WHERE type = 'reservation.failed' AND subject_id = $1`, failed.Id))
+	offers, err = member.pools.ListOffers(ctx, connect.NewRequest(&computev1.ListOffersRequest{PoolId: f.acmePool}))
+	require.NoError(t, err)
+	require.EqualValues(t, 8, offers.Msg.Offers[0].GpusInUse, "a failed reservation holds nothing")
+
+	// The pool is not offered to the other tenant; a missing pool.
+	_, err = f.as(f.tokens["other-member"]).res.Reserve(ctx, reserveReq(f.acmePool, 1, time.Hour))
+	requireCode(t, err, connect.CodePermissionDenied, "pool_id: pool "+f.acmePool+" is not offered to tenant "+f.other)
+	_, err = member.res.Reserve(ctx, reserveReq(f.otherPool, 1, time.Hour))
+	requireCode(t, err, connect.CodePermissionDenied, "pool "+f.otherPool+" is not offered to tenant "+f.acme)
+	_, err = member.res.Reserve(ctx, reserveReq("pool_missing", 1, time.Hour))
+	requireCode(t, err, connect.CodeNotFound, "pool_id: pool pool_missing not found")
+}
+
+func TestReserveInvalid(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	member := f.as(f.tokens["acme-member"])
+	f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
+	f.offer(t, f.acmePool, f.acme, 64)
+	for _, tc := range []struct {
+		name  string
+		req   *computev1.ReserveRequest
+		field string
+	}{
+		{"zero gpus", &computev1.ReserveRequest{PoolId: f.acmePool, Gpus: 0, Duration: durationpb.New(time.Hour)}, "gpus:"},
+		{"negative gpus", &computev1.ReserveRequest{PoolId: f.acmePool, Gpus: -2, Duration: durationpb.New(time.Hour)}, "gpus:"},
+		{"zero duration", &computev1.ReserveRequest{PoolId: f.acmePool, Gpus: 1, Duration: durationpb.New(0)}, "duration:"},
+		{"negative duration", &computev1.ReserveRequest{PoolId: f.acmePool, Gpus: 1, Duration: durationpb.New(-time.Hour)}, "duration:"},
+		{"no duration", &computev1.ReserveRequest{PoolId: f.acmePool, Gpus: 1}, "duration:"},
+		{"no pool", &computev1.ReserveRequest{Gpus: 1, Duration: durationpb.New(time.Hour)}, "pool_id:"},
+		{"start in the past", &computev1.ReserveRequest{PoolId: f.acmePool, Gpus: 1, Duration: durationpb.New(time.Hour),
+			StartTime: timestamppb.New(f.db.Now().Add(-time.Hour))}, "start_time:"},
+		{"start too far", &computev1.ReserveRequest{PoolId: f.acmePool, Gpus: 1, Duration: durationpb.New(time.Hour),
+			StartTime: timestamppb.New(f.db.Now().Add(400 * 24 * time.Hour))}, "start_time:"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := member.res.Reserve(ctx, connect.NewRequest(tc.req))
+			requireCode(t, err, connect.CodeInvalidArgument, tc.field)
+		})
+	}
+	require.Zero(t, f.count(t, `SELECT count(*) FROM reservations`), "nothing half-written")
+}
+
+func TestReserveIdempotent(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	member := f.as(f.tokens["acme-member"])
+	f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
+	f.offer(t, f.acmePool, f.acme, 4)
+	req := func(id string) *connect.Request[computev1.ReserveRequest] {
+		return connect.NewRequest(&computev1.ReserveRequest{PoolId: f.acmePool, Gpus: 4, Duration: durationpb.New(time.Hour),
+			RequestId: id})
+	}
+	first, err := member.res.Reserve(ctx, req("req-1"))
+	require.NoError(t, err)
+	require.Equal(t, "req-1", first.Msg.Reservation.RequestId)
+	// The quota is now full, but a retry returns the same reservation.
+	again, err := member.res.Reserve(ctx, req("req-1"))
+	require.NoError(t, err)
+	require.Equal(t, first.Msg.Reservation.Id, again.Msg.Reservation.Id)
+	_, err = member.res.Reserve(ctx, req("req-2"))
+	requireCode(t, err, connect.CodeResourceExhausted, "4 in use")
+	// Another tenant's request id is its own.
+	f.offer(t, f.acmePool, f.other, 4)
+	other, err := f.as(f.tokens["other-member"]).res.Reserve(ctx, req("req-1"))
+	require.NoError(t, err)
+	require.NotEqual(t, first.Msg.Reservation.Id, other.Msg.Reservation.Id)
+
+	// Concurrent duplicates make one reservation.
+	f.offer(t, f.acmePool, f.acme, 64)
+	var (
+		wg  sync.WaitGroup
+		mu  sync.Mutex
+		got = map[string]int{}
+	)
+	for range 10 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			res, err := member.res.Reserve(ctx, req("req-concurrent"))
+			if !assertNoErr(t, err) {
+				return
+			}
+			mu.Lock()
+			got[res.Msg.Reservation.Id]++
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	require.Len(t, got, 1, "every call returned the same reservation")
+	require.Equal(t, 1, f.count(t, `SELECT count(*) FROM reservations WHERE request_id = 'req-concurrent'`))
+	require.Equal(t, 1, f.count(t, `SELECT count(*) FROM events e JOIN reservations r ON r.id = e.subject_id
+		WHERE r.request_id = 'req-concurrent' AND e.type = 'reservation.created'`), "one event")
+}
+
+// assertNoErr reports err without stopping the test (for goroutines).
+func assertNoErr(t *testing.T, err error) bool {
+	t.Helper()
+	if err != nil {
+		t.Errorf("unexpected error: %v", err)
+		return false
+	}
+	return true
+}
+
+// TestRelease places a reservation by hand (booking and spec, as the
+// scheduler would) and releases it: bookings end, the spec drops the
+// allocation with a new generation, the event is written; another tenant
+// gets NotFound.
+func TestRelease(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	member := f.as(f.tokens["acme-member"])
+	node := f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
+	f.offer(t, f.acmePool, f.acme, 8)
+	id := f.reservation(t, f.acme, f.acmePool, 2, "")
+	var gen0 int64
+	require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
+		now := f.db.Now()
+		if _, err := tx.Exec(ctx, `UPDATE reservations SET state = 'active', node_id = $2, placed_at = $3, active_at = $3,
+			binding = '{nvidia.com/gpu=2,nvidia.com/gpu=3}' WHERE id = $1`, id, node, now); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO bookings (reservation_id, node_id, device_index, during)
+			SELECT $1, $2, d, tstzrange(start_at, end_at, '[)') FROM reservations, unnest('{2,3}'::int[]) AS d WHERE id = $1`,
+			id, node); err != nil {
+			return err
+		}
+		gens, err := store.RebuildNodeSpecs(ctx, tx, nil, now, []string{node})
+		gen0 = gens[node]
+		return err
+	}))
+	allocs := f.allocations(t, node).Allocations
+	require.Len(t, allocs, 1)
+	require.Equal(t, id, allocs[0].ReservationId)
+	require.Equal(t, []int32{2, 3}, allocs[0].DeviceIndexes)
+
+	got, err := member.res.GetReservation(ctx, connect.NewRequest(&computev1.GetReservationRequest{ReservationId: id}))
+	require.NoError(t, err)
+	require.Equal(t, "active", got.Msg.Reservation.State)
+	require.Equal(t, node, got.Msg.Reservation.NodeId)
+	require.Equal(t, []int32{2, 3}, got.Msg.Reservation.DeviceIndexes)
+	require.Equal(t, []string{"nvidia.com/gpu=2", "nvidia.com/gpu=3"}, got.Msg.Reservation.Binding)
+
+	// Another tenant's release and get are NotFound and change nothing.
+	_, err = f.as(f.tokens["other-admin"]).res.ReleaseReservation(ctx, connect.NewRequest(&computev1.ReleaseReservationRequest{ReservationId: id}))
+	requireCode(t, err, connect.CodeNotFound, "reservation "+id+" not found")
+	_, err = f.as(f.tokens["other-member"]).res.GetReservation(ctx, connect.NewRequest(&computev1.GetReservationRequest{ReservationId: id}))
+	requireCode(t, err, connect.CodeNotFound, "reservation "+id+" not found")
+	_, err = member.res.ReleaseReservation(ctx, connect.NewRequest(&computev1.ReleaseReservationRequest{ReservationId: "res_missing"}))
+	requireCode(t, err, connect.CodeNotFound, "reservation res_missing not found")
+	require.Equal(t, 2, f.count(t, `SELECT count(*) FROM bookings WHERE reservation_id = $1 AND upper(during) > now() + interval '50 minutes'`, id))
+
+	rel, err := member.res.ReleaseReservation(ctx, connect.NewRequest(&computev1.ReleaseReservationRequest{ReservationId: id}))
+	require.NoError(t, err)
+	r := rel.Msg.Reservation
+	require.Equal(t, "released", r.State)
+	require.NotNil(t, r.EndedAt)
+	ended := r.EndedAt.AsTime()
+	// Bookings end at the release; the spec drops the allocation.
+	rows, err := f.db.Pool.Query(ctx, `SELECT upper(during) FROM bookings WHERE reservation_id = $1`, id)
+	require.NoError(t, err)
+	uppers, err := pgx.CollectRows(rows, pgx.RowTo[time.Time])
+	require.NoError(t, err)
+	require.Len(t, uppers, 2)
+	for _, u := range uppers {
+		require.True(t, u.Equal(ended), "booking ends at %s, released at %s", u, ended)
+	}
+	spec := f.allocations(t, node)
+	require.Empty(t, spec.Allocations)
+	require.Equal(t, gen0+1, spec.gen)
+	require.Equal(t, 1, f.count(t, `SELECT count(*) FROM events WHERE type = 'reservation.released' AND subject_id = $1`, id))
+
+	// Releasing again returns it unchanged.
+	again, err := member.res.ReleaseReservation(ctx, connect.NewRequest(&computev1.ReleaseReservationRequest{ReservationId: id}))
+	require.NoError(t, err)
+	require.Equal(t, "released", again.Msg.Reservation.State)
+	require.True(t, again.Msg.Reservation.EndedAt.AsTime().Equal(ended))
+	require.Equal(t, gen0+1, f.allocations(t, node).gen)
+	require.Equal(t, 1, f.count(t, `SELECT count(*) FROM events WHERE type = 'reservation.released' AND subject_id = $1`, id))
+	audit, err := store.ListAudit(ctx, f.db.Pool, store.AuditFilter{Limit: 10})
+	require.NoError(t, err)
+	require.Equal(t, "already released", audit[0].Detail)
+	require.Equal(t, "released", audit[1].Detail)
+	require.Equal(t, id, audit[1].Target)
+}
+
+// nodeSpec is a node's spec and its generation.
+type nodeSpec struct {
+	*gatewayv1.NodeSpec
+	gen int64
+}
+
+func (f *fixture) allocations(t *testing.T, node string) nodeSpec {
+	t.Helper()
+	var (
+		b   []byte
+		gen int64
+	)
+	require.NoError(t, f.db.Pool.QueryRow(t.Context(), `SELECT spec, spec_generation FROM nodes WHERE id = $1`, node).Scan(&b, &gen))
+	ns := &gatewayv1.NodeSpec{}
+	require.NoError(t, protojson.Unmarshal(b, ns))
+	return nodeSpec{NodeSpec: ns, gen: gen}
+}
+
+func TestOffers(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	admin := f.as(f.tokens["acme-admin"])
+	offer := func(c clients, pool, tenant string, quota int32) (*computev1.Offer, error) {
+		res, err := c.pools.OfferPool(ctx, connect.NewRequest(&computev1.OfferPoolRequest{PoolId: pool, TenantId: tenant, GpuQuota: quota}))
+		if err != nil {
+			return nil, err
+		}
+		return res.Msg.Offer, nil
+	}
+	o, err := offer(admin, f.acmePool, f.other, 16)
+	require.NoError(t, err)
+	require.Equal(t, f.acmePool, o.PoolId)
+	require.Equal(t, f.other, o.TenantId)
+	require.EqualValues(t, 16, o.GpuQuota)
+	require.Zero(t, o.GpusInUse)
+	created := o.CreatedAt.AsTime()
+	// Offering again changes the quota.
+	o, err = offer(admin, f.acmePool, f.other, 32)
+	require.NoError(t, err)
+	require.EqualValues(t, 32, o.GpuQuota)
+	require.True(t, o.CreatedAt.AsTime().Equal(created))
+	_, err = offer(admin, f.acmePool, f.acme, 8)
+	require.NoError(t, err)
+
+	_, err = offer(f.as(f.tokens["other-admin"]), f.acmePool, f.other, 64)
+	requireCode(t, err, connect.CodeNotFound, "pool_id: pool "+f.acmePool+" not found")
+	_, err = offer(admin, f.acmePool, "ten_missing", 1)
+	requireCode(t, err, connect.CodeNotFound, "tenant_id: tenant ten_missing not found")
+	_, err = offer(f.as(f.tokens["acme-member"]), f.acmePool, f.acme, 1)
+	requireCode(t, err, connect.CodePermissionDenied, "needs fleet.manage")
+	_, err = offer(f.as(f.tokens["root"]), f.otherPool, f.acme, 4)
+	require.NoError(t, err, "root offers any pool")
+
+	list := func(who, pool string) []string {
+		res, err := f.as(f.tokens[who]).pools.ListOffers(ctx, connect.NewRequest(&computev1.ListOffersRequest{PoolId: pool}))
+		require.NoError(t, err)
+		var out []string
+		for _, o := range res.Msg.Offers {
+			out = append(out, fmt.Sprintf("%s>%s:%d", o.PoolId, o.TenantId, o.GpuQuota))
+		}
+		return out
+	}
+	acmeToAcme := f.acmePool + ">" + f.acme + ":8"
+	acmeToOther := f.acmePool + ">" + f.other + ":32"
+	otherToAcme := f.otherPool + ">" + f.acme + ":4"
+	// acme sees the offers of its pool and those made to it.
+	require.ElementsMatch(t, []string{acmeToAcme, acmeToOther, otherToAcme}, list("acme-viewer", ""))
+	// other sees the offer made to it and those of its own pool.
+	require.ElementsMatch(t, []string{acmeToOther, otherToAcme}, list("other-member", ""))
+	require.ElementsMatch(t, []string{acmeToOther}, list("other-member", f.acmePool))
+	require.ElementsMatch(t, []string{acmeToAcme, acmeToOther, otherToAcme}, list("root", ""))
+}
+
+func TestListReservations(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
+	f.node(t, f.otherPool, 8, "H100", "provision_state = 'adopted'")
+	f.offer(t, f.acmePool, f.acme, 64)
+	f.offer(t, f.otherPool, f.acme, 64)
+	f.offer(t, f.otherPool, f.other, 64)
+	var acmeIDs []string
+	for range 3 {
+		acmeIDs = append(acmeIDs, f.reservation(t, f.acme, f.acmePool, 1, ""))
+	}
+	acmeIDs = append(acmeIDs, f.reservation(t, f.acme, f.otherPool, 1, ""))
+	otherID := f.reservation(t, f.other, f.otherPool, 1, "")
+	_, err := f.as(f.tokens["acme-member"]).res.ReleaseReservation(ctx, connect.NewRequest(&computev1.ReleaseReservationRequest{ReservationId: acmeIDs[1]}))
+	require.NoError(t, err)
+
+	list := func(who string, req *computev1.ListReservationsRequest) ([]string, string) {
+		res, err := f.as(f.tokens[who]).res.ListReservations(ctx, connect.NewRequest(req))
+		require.NoError(t, err)
+		var out []string
+		for _, r := range res.Msg.Reservations {
+			out = append(out, r.Id)
+		}
+		return out, res.Msg.NextPageToken
+	}
+	got, next := list("acme-viewer", &computev1.ListReservationsRequest{})
+	require.Equal(t, acmeIDs, got)
+	require.Empty(t, next)
+	got, _ = list("acme-viewer", &computev1.ListReservationsRequest{PoolId: f.acmePool, State: "pending"})
+	require.Equal(t, []string{acmeIDs[0], acmeIDs[2]}, got)
+	got, _ = list("acme-viewer", &computev1.ListReservationsRequest{State: "released"})
+	require.Equal(t, []string{acmeIDs[1]}, got)
+	got, next = list("acme-viewer", &computev1.ListReservationsRequest{PageSize: 2})
+	require.Equal(t, acmeIDs[:2], got)
+	require.Equal(t, acmeIDs[1], next)
+	got, _ = list("acme-viewer", &computev1.ListReservationsRequest{PageSize: 2, PageToken: next})
+	require.Equal(t, acmeIDs[2:], got)
+	got, _ = list("other-member", &computev1.ListReservationsRequest{})
+	require.Equal(t, []string{otherID}, got, "another tenant's reservations are never listed")
+	got, _ = list("root", &computev1.ListReservationsRequest{})
+	require.Equal(t, append(append([]string{}, acmeIDs...), otherID), got)
+}
+
+func TestListUsage(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
+	f.offer(t, f.acmePool, f.acme, 64)
+	f.offer(t, f.acmePool, f.other, 64)
+	acmeRes := f.reservation(t, f.acme, f.acmePool, 2, "")
+	otherRes := f.reservation(t, f.other, f.acmePool, 1, "")
+	hour := time.Date(2025, 3, 1, 10, 0, 0, 0, time.UTC)
+	for _, w := range []struct {
+		res, tenant string
+		start       time.Time
+		secs        int64
+	}{
+		{acmeRes, f.acme, hour, 1800 * 2},
+		{acmeRes, f.acme, hour.Add(time.Hour), 3600 * 2},
+		{acmeRes, f.acme, hour.Add(2 * time.Hour), 600 * 2},
+		{otherRes, f.other, hour, 3600},
+	} {
+		_, err := f.db.Pool.Exec(ctx, `INSERT INTO usage_windows (reservation_id, window_start, tenant_id, pool_id, gpu_seconds, created_at)
+			VALUES ($1, $2, $3, $4, $5, $6)`, w.res, w.start, w.tenant, f.acmePool, w.secs, f.db.Now())
+		require.NoError(t, err)
+	}
+	usage := func(who, tenant string, since *time.Time) (*computev1.ListUsageResponse, error) {
+		req := &computev1.ListUsageRequest{TenantId: tenant}
+		if since != nil {
+			req.Since = timestamppb.New(*since)
+		}
+		res, err := f.as(f.tokens[who]).usage.ListUsage(ctx, connect.NewRequest(req))
+		if err != nil {
+			return nil, err
+		}
+		return res.Msg, nil
+	}
+	res, err := usage("acme-viewer", "", nil)
+	require.NoError(t, err)
+	require.Len(t, res.Windows, 3)
+	require.EqualValues(t, 3600+7200+1200, res.TotalGpuSeconds)
+	require.Equal(t, acmeRes, res.Windows[0].ReservationId)
+	require.True(t, res.Windows[0].WindowStart.AsTime().Equal(hour))
+	// Since 11:30: the windows that end after it.
+	since := hour.Add(90 * time.Minute)
+	res, err = usage("acme-viewer", "", &since)
+	require.NoError(t, err)
+	require.Len(t, res.Windows, 2)
+	require.EqualValues(t, 7200+1200, res.TotalGpuSeconds)
+	_, err = usage("acme-viewer", f.other, nil)
+	requireCode(t, err, connect.CodeNotFound, "tenant_id: tenant "+f.other+" not found")
+	res, err = usage("root", f.other, nil)
+	require.NoError(t, err)
+	require.EqualValues(t, 3600, res.TotalGpuSeconds)
+}

@@ -1,0 +1,56 @@
+package api
+
+import (
+	"context"
+	"fmt"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
+	"github.com/better-compute/better-compute/pkg/store"
+)
+
+// defaultUsagePageSize is ListUsage's page size when the request names none.
+const defaultUsagePageSize = 1000
+
+type usageService struct{ *Server }
+
+// ListUsage lists the usage windows (GPU-seconds per reservation and hour,
+// written by the controllers' usage sink) of tenant_id (default: the
+// caller's; another tenant's needs root-admin), those ending after since
+// when it is set, by window start; at most page_size windows (default
+// 1000). total_gpu_seconds sums the windows listed. Errors: NotFound
+// (tenant_id), InvalidArgument (since).
+func (s *usageService) ListUsage(ctx context.Context, req *connect.Request[computev1.ListUsageRequest]) (*connect.Response[computev1.ListUsageResponse], error) {
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, err
+	}
+	msg := req.Msg
+	tenant, err := s.tenantFor(ctx, s.db.Pool, p, msg.TenantId)
+	if err != nil {
+		return nil, mapError(err)
+	}
+	f := store.UsageFilter{TenantID: tenant, Limit: int(msg.PageSize)}
+	if f.Limit == 0 {
+		f.Limit = defaultUsagePageSize
+	}
+	if msg.Since != nil {
+		if err := msg.Since.CheckValid(); err != nil {
+			return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("since: %w", err))
+		}
+		f.Since = msg.Since.AsTime()
+	}
+	windows, err := store.ListUsage(ctx, s.db.Pool, f)
+	if err != nil {
+		return nil, mapError(err)
+	}
+	res := &computev1.ListUsageResponse{Windows: make([]*computev1.UsageWindow, len(windows))}
+	for i, w := range windows {
+		res.Windows[i] = &computev1.UsageWindow{ReservationId: w.ReservationID, TenantId: w.TenantID, PoolId: w.PoolID,
+			WindowStart: timestamppb.New(w.WindowStart), GpuSeconds: w.GPUSeconds}
+		res.TotalGpuSeconds += w.GPUSeconds
+	}
+	return connect.NewResponse(res), nil
+}

@@ -1,0 +1,199 @@
+package controllers
+
+import (
+	"context"
+	"log/slog"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/telemetry"
+)
+
+// Lease names of the reservation reconcilers.
+const (
+	LeaseExpiry = "controllers.expiry"
+	LeaseUsage  = "controllers.usage"
+)
+
+// Defaults of the reservation reconcilers.
+const (
+	DefaultExpiryInterval = time.Second
+	DefaultUsageInterval  = time.Minute
+)
+
+// Expiry ends reservations at their end time (DESIGN §3): every Interval it
+// claims (FOR UPDATE SKIP LOCKED) reservations not yet ended whose end_at ≤
+// now, Batch per transaction, and ends each with store.EndReservation(state
+// expired): bookings end, the node's spec drops the allocation (signed),
+// the gateway and the scheduler are poked and a reservation.expired event is
+// written. Pending reservations past their end expire too. Nothing else ends
+// a reservation: a node's connectivity never does (I5).
+type Expiry struct {
+	// DB is the database; required.
+	DB *store.DB
+	// Logger defaults to telemetry.Discard().
+	Logger *slog.Logger
+	// Clock defaults to DB.Clock.
+	Clock clock.Clock
+	// Interval is how often it looks; DefaultExpiryInterval if zero.
+	Interval time.Duration
+	// Batch is how many reservations one transaction ends; DefaultBatchSize
+	// if zero.
+	Batch int
+	// Intent signs the NodeSpecs it changes; nil leaves them unsigned.
+	Intent *store.IntentSigner
+}
+
+// Run expires due reservations every Interval until ctx ends; it returns
+// nil then. A failed pass is logged and retried at the next tick.
+func (e *Expiry) Run(ctx context.Context) error {
+	clk := e.Clock
+	if clk == nil {
+		clk = e.DB.Clock
+	}
+	return every(ctx, clk, positive(e.Interval, DefaultExpiryInterval), func() {
+		if _, err := e.Reconcile(ctx); err != nil && ctx.Err() == nil {
+			logger(e.Logger).Warn("expiry pass failed", telemetry.KeyError, err)
+		}
+	})
+}
+
+// Reconcile ends every reservation due now, Batch per transaction, and
+// returns how many it ended.
+func (e *Expiry) Reconcile(ctx context.Context) (int, error) {
+	clk := e.Clock
+	if clk == nil {
+		clk = e.DB.Clock
+	}
+	batch := positive(e.Batch, DefaultBatchSize)
+	total := 0
+	for {
+		var ended []store.EndedReservation
+		var ids []string
+		err := e.DB.InTx(ctx, func(tx pgx.Tx) error {
+			ended, ids = nil, nil
+			now := clk.Now().UTC().Truncate(time.Microsecond)
+			var err error
+			if ids, err = store.ClaimDueReservations(ctx, tx, now, batch); err != nil {
+				return err
+			}
+			for _, id := range ids {
+				r, err := store.EndReservation(ctx, tx, e.Intent, now, id, store.ReservationExpired)
+				if err != nil {
+					return err
+				}
+				ended = append(ended, r)
+			}
+			return nil
+		})
+		if err != nil {
+			return total, err
+		}
+		for i, r := range ended {
+			if r.Changed {
+				total++
+				logger(e.Logger).Info("reservation expired", telemetry.KeyReservationID, ids[i],
+					telemetry.KeyTenantID, r.TenantID, telemetry.KeyNodeID, r.NodeID)
+			}
+		}
+		if len(ids) < batch {
+			return total, nil
+		}
+	}
+}
+
+// Usage is the usage sink (I8): every Interval it writes the final usage
+// windows (GPU-seconds per reservation and UTC hour) of every placed
+// reservation, Batch reservations per statement (see pkg/store usage.go for
+// what a window counts and when it is final). A window is written once:
+// replays and racing replicas count nothing twice.
+type Usage struct {
+	// DB is the database; required.
+	DB *store.DB
+	// Logger defaults to telemetry.Discard().
+	Logger *slog.Logger
+	// Clock defaults to DB.Clock.
+	Clock clock.Clock
+	// Interval is how often it writes; DefaultUsageInterval if zero.
+	Interval time.Duration
+	// Batch is how many reservations one statement covers;
+	// DefaultBatchSize if zero.
+	Batch int
+}
+
+// Run writes usage windows every Interval until ctx ends; it returns nil
+// then.
+func (u *Usage) Run(ctx context.Context) error {
+	clk := u.Clock
+	if clk == nil {
+		clk = u.DB.Clock
+	}
+	return every(ctx, clk, positive(u.Interval, DefaultUsageInterval), func() {
+		if _, err := u.Reconcile(ctx); err != nil && ctx.Err() == nil {
+			logger(u.Logger).Warn("usage pass failed", telemetry.KeyError, err)
+		}
+	})
+}
+
+// Reconcile writes every final usage window not yet written and returns how
+// many it wrote.
+func (u *Usage) Reconcile(ctx context.Context) (int64, error) {
+	clk := u.Clock
+	if clk == nil {
+		clk = u.DB.Clock
+	}
+	batch := positive(u.Batch, DefaultBatchSize)
+	now := clk.Now().UTC().Truncate(time.Microsecond)
+	var total int64
+	after := ""
+	for {
+		ids, err := store.UsageCandidates(ctx, u.DB.Pool, after, batch)
+		if err != nil {
+			return total, err
+		}
+		n, err := store.WriteUsageWindows(ctx, u.DB.Pool, now, ids)
+		total += n
+		if err != nil {
+			return total, err
+		}
+		if len(ids) < batch {
+			break
+		}
+		after = ids[len(ids)-1]
+	}
+	if total > 0 {
+		logger(u.Logger).Info("usage windows written", "windows", total)
+	}
+	return total, nil
+}
+
+// every runs fn at once and then every interval until ctx ends.
+func every(ctx context.Context, clk clock.Clock, interval time.Duration, fn func()) error {
+	tick := clk.NewTicker(interval)
+	defer tick.Stop()
+	for {
+		fn()
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-tick.C():
+		}
+	}
+}
+
+func positive[T int | time.Duration](v, def T) T {
+	if v > 0 {
+		return v
+	}
+	return def
+}
+
+func logger(l *slog.Logger) *slog.Logger {
+	if l != nil {
+		return l
+	}
+	return telemetry.Discard()
+}

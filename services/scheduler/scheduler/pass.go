@@ -1,0 +1,182 @@
+package scheduler
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/telemetry"
+)
+
+// PassResult counts what one Schedule pass did.
+type PassResult struct {
+	// Placed is how many reservations turned binding.
+	Placed int
+	// Failed is how many failed because no node can ever hold them.
+	Failed int
+	// Waiting is how many stay pending for lack of room.
+	Waiting int
+	// Conflicts is how many batches or placements lost to another writer
+	// (the bookings' exclusion constraint) and were re-planned.
+	Conflicts int
+	// Again is true when the pass left due work behind (a full read, or a
+	// placement lost on its last attempt): run another pass at once.
+	Again bool
+}
+
+// attempts is how many times a pool is planned within one pass; the last
+// attempt writes one placement per transaction.
+const attempts = 3
+
+func (s *Server) now() time.Time { return s.clk.Now().UTC().Truncate(time.Microsecond) }
+
+// Schedule runs one placement pass: it reads the due pending reservations
+// (up to MaxPending) and, pool by pool, plans them on the pool's free
+// capacity and writes the plan (see planPool and the package comment). It
+// can run in any number of replicas at once: the database keeps bookings
+// from overlapping. It returns the first error that stopped a pool; the
+// other pools are still scheduled.
+func (s *Server) Schedule(ctx context.Context) (PassResult, error) {
+	var res PassResult
+	began := s.clk.Now()
+	pending, err := store.PendingReservations(ctx, s.db.Pool, s.now(), s.cfg.MaxPending)
+	if err != nil {
+		return res, err
+	}
+	res.Again = len(pending) >= s.cfg.MaxPending
+	var firstErr error
+	for start := 0; start < len(pending); {
+		end := start
+		for end < len(pending) && pending[end].PoolID == pending[start].PoolID {
+			end++
+		}
+		if err := s.schedulePool(ctx, pending[start].PoolID, pending[start:end], &res); err != nil && firstErr == nil {
+			firstErr = fmt.Errorf("pool %s: %w", pending[start].PoolID, err)
+		}
+		start = end
+	}
+	if res.Placed+res.Failed+res.Conflicts > 0 {
+		s.log.Info("scheduling pass", "placed", res.Placed, "failed", res.Failed, "waiting", res.Waiting,
+			"conflicts", res.Conflicts, "duration", s.clk.Now().Sub(began))
+	}
+	return res, firstErr
+}
+
+// schedulePool plans and writes one pool's queue, re-planning on fresh data
+// after a conflict.
+func (s *Server) schedulePool(ctx context.Context, poolID string, queue []store.PendingReservation, res *PassResult) error {
+	for attempt := 1; ; attempt++ {
+		now := s.now()
+		nodes, booked, err := store.PoolCapacity(ctx, s.db.Pool, poolID, now)
+		if err != nil {
+			return err
+		}
+		plan := planPool(queue, nodes, booked, now, s.cfg.StarvationBound)
+		if plan.BlockedBy != "" {
+			s.log.Debug("pool holds newer reservations back for one that waited past the starvation bound",
+				telemetry.KeyPoolID, poolID, telemetry.KeyReservationID, plan.BlockedBy)
+		}
+		failed, err := s.fail(ctx, plan.Failures)
+		if err != nil {
+			return err
+		}
+		res.Failed += failed
+		perReservation := attempt == attempts
+		placed, placedIDs, conflict, err := s.place(ctx, plan.Placements, perReservation)
+		res.Placed += placed
+		s.placed.Add(int64(placed))
+		if err != nil {
+			return err
+		}
+		if !conflict {
+			res.Waiting += plan.Waiting
+			return nil
+		}
+		res.Conflicts++
+		if perReservation {
+			res.Waiting += plan.Waiting
+			res.Again = true
+			return nil
+		}
+		// Re-plan what is still pending on fresh data.
+		queue = remaining(queue, placedIDs, plan.Failures)
+	}
+}
+
+// remaining is queue without the placed and failed reservations.
+func remaining(queue []store.PendingReservation, placed map[string]bool, failed []store.ReservationFailure) []store.PendingReservation {
+	gone := make(map[string]bool, len(failed))
+	for _, f := range failed {
+		gone[f.ID] = true
+	}
+	out := queue[:0:0]
+	for _, r := range queue {
+		if !placed[r.ID] && !gone[r.ID] {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// fail writes the failures in one transaction.
+func (s *Server) fail(ctx context.Context, fs []store.ReservationFailure) (int, error) {
+	if len(fs) == 0 {
+		return 0, nil
+	}
+	var failed []string
+	err := s.db.InTx(ctx, func(tx pgx.Tx) error {
+		var err error
+		failed, err = store.FailReservations(ctx, tx, s.now(), fs)
+		return err
+	})
+	if err != nil {
+		return 0, err
+	}
+	reasons := make(map[string]string, len(fs))
+	for _, f := range fs {
+		reasons[f.ID] = f.Reason
+	}
+	for _, id := range failed {
+		s.log.Info("reservation failed", telemetry.KeyReservationID, id, "reason", reasons[id])
+	}
+	return len(failed), nil
+}
+
+// place writes placements Batch per transaction (one per transaction when
+// perReservation). It stops at the first batch that conflicts (conflict
+// true) unless perReservation, where a conflicting placement is skipped. It
+// returns how many it placed and which.
+func (s *Server) place(ctx context.Context, ps []store.Placement, perReservation bool) (int, map[string]bool, bool, error) {
+	size := s.cfg.Batch
+	if perReservation {
+		size = 1
+	}
+	placed := map[string]bool{}
+	conflict := false
+	for start := 0; start < len(ps); start += size {
+		chunk := ps[start:min(start+size, len(ps))]
+		var ids []string
+		err := s.db.InTx(ctx, func(tx pgx.Tx) error {
+			var err error
+			ids, err = store.PlaceReservations(ctx, tx, s.intent, s.now(), chunk)
+			return err
+		})
+		if store.IsConstraint(err, store.BookingsNoOverlap) {
+			conflict = true
+			if perReservation {
+				continue
+			}
+			return len(placed), placed, true, nil
+		}
+		if err != nil {
+			return len(placed), placed, conflict, err
+		}
+		for _, id := range ids {
+			placed[id] = true
+		}
+	}
+	return len(placed), placed, conflict, nil
+}
