@@ -58,12 +58,14 @@ func (r *auditRecord) setPrincipal(p Principal) {
 }
 
 // entry returns the row of the call with outcome and detail at time at;
-// target overrides the request's when not empty.
+// target overrides the request's when not empty. The row of a caller that
+// was not authenticated keeps no target from the request: it names nothing
+// the caller proved it may touch.
 func (r *auditRecord) entry(at time.Time, target, outcome, detail string) store.AuditEntry {
 	r.mu.Lock()
 	p := r.principal
 	r.mu.Unlock()
-	if target == "" {
+	if target == "" && p.TokenID != "" {
 		target = r.target
 	}
 	return store.AuditEntry{At: at, TenantID: p.TenantID, TokenID: p.TokenID, Role: string(p.Role),

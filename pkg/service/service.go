@@ -73,17 +73,37 @@ func Serve(ctx context.Context, logger *slog.Logger, srv *http.Server, ln net.Li
 	return <-errc
 }
 
+// MaxRequestBytes caps the size of one request message a service reads
+// (connect.WithReadMaxBytes): larger requests fail with ResourceExhausted
+// before they are decoded.
+const MaxRequestBytes = 1 << 20
+
 // HandlerOptions returns the Connect options of every service: OpenTelemetry
-// tracing (otelconnect), protovalidate checks of requests (InvalidArgument
-// naming the field) and masking of Internal/Unknown error details.
+// tracing (otelconnect), masking of Internal/Unknown error details,
+// protovalidate checks of requests (InvalidArgument naming the field) and
+// the MaxRequestBytes limit. It is HandlerOptionsAround with no interceptors
+// of its own.
 func HandlerOptions(logger *slog.Logger) []connect.HandlerOption {
+	return HandlerOptionsAround(logger, nil, nil)
+}
+
+// HandlerOptionsAround is HandlerOptions with a service's interceptors
+// placed among the shared ones, outermost first: tracing, outer (e.g.
+// auditing, which then sees every outcome with messages masked), masking,
+// inner (e.g. authentication, so that an unauthenticated caller learns
+// nothing from validation and a database error while authenticating is
+// masked), validation, the handler.
+func HandlerOptionsAround(logger *slog.Logger, outer, inner []connect.Interceptor) []connect.HandlerOption {
 	otel, err := otelconnect.NewInterceptor()
 	if err != nil {
 		panic(err) // only fails on invalid options, which are constant here
 	}
-	return []connect.HandlerOption{
-		connect.WithInterceptors(otel, validate.NewInterceptor(), maskInternal(logger)),
-	}
+	ints := []connect.Interceptor{otel}
+	ints = append(ints, outer...)
+	ints = append(ints, maskInternal(logger))
+	ints = append(ints, inner...)
+	ints = append(ints, validate.NewInterceptor())
+	return []connect.HandlerOption{connect.WithInterceptors(ints...), connect.WithReadMaxBytes(MaxRequestBytes)}
 }
 
 // ClientOptions returns the Connect options of every client: OpenTelemetry

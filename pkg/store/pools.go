@@ -20,8 +20,8 @@ type Site struct {
 const (
 	// ConstraintSiteName makes site names unique.
 	ConstraintSiteName = "sites_name_key"
-	// ConstraintPoolName makes pool names unique within a site.
-	ConstraintPoolName = "pools_site_id_name_key"
+	// ConstraintPoolName makes pool names unique among one tenant's pools of a site.
+	ConstraintPoolName = "pools_site_owner_name_key"
 )
 
 const siteColumns = `id, name, region, created_at`
@@ -121,7 +121,7 @@ func scanPool(row pgx.Row) (Pool, error) {
 
 // CreatePool inserts p (AcceptanceCheck defaults to "diag.nvml"). Errors:
 // ErrNotFound when the site or owner tenant does not exist, ErrConflict
-// (ConstraintPoolName) when the name is taken in the site.
+// (ConstraintPoolName) when the owner tenant already has the name in the site.
 func CreatePool(ctx context.Context, q DBTX, p Pool) error {
 	if p.AcceptanceCheck == "" {
 		p.AcceptanceCheck = "diag.nvml"
@@ -141,21 +141,21 @@ func CreatePool(ctx context.Context, q DBTX, p Pool) error {
 	return nil
 }
 
-// EnsurePool returns the pool named p.Name in site p.SiteID, inserting p
-// first when there is none. An existing pool keeps its settings.
+// EnsurePool returns the pool of tenant p.OwnerTenantID named p.Name in site
+// p.SiteID, inserting p first when there is none. An existing pool keeps its settings.
 func EnsurePool(ctx context.Context, q DBTX, p Pool) (Pool, error) {
 	if p.AcceptanceCheck == "" {
 		p.AcceptanceCheck = "diag.nvml"
 	}
 	_, err := q.Exec(ctx, `INSERT INTO pools (id, site_id, owner_tenant_id, name, kind, acceptance_check, gpu_model,
 		expect_gpu_count, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-		ON CONFLICT (site_id, name) DO NOTHING`,
+		ON CONFLICT (site_id, owner_tenant_id, name) DO NOTHING`,
 		p.ID, p.SiteID, p.OwnerTenantID, p.Name, p.Kind, p.AcceptanceCheck, p.GPUModel, p.ExpectGPUCount, p.CreatedAt)
 	if err != nil {
 		return Pool{}, queryErr(fmt.Sprintf("ensure pool %q", p.Name), err)
 	}
-	out, err := scanPool(q.QueryRow(ctx, `SELECT `+poolColumns+` FROM pools p WHERE p.site_id = $1 AND p.name = $2`,
-		p.SiteID, p.Name))
+	out, err := scanPool(q.QueryRow(ctx, `SELECT `+poolColumns+` FROM pools p
+		WHERE p.site_id = $1 AND p.owner_tenant_id = $2 AND p.name = $3`, p.SiteID, p.OwnerTenantID, p.Name))
 	if err != nil {
 		return Pool{}, queryErr(fmt.Sprintf("pool %q", p.Name), err)
 	}

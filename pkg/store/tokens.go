@@ -102,3 +102,22 @@ func RevokeAPIToken(ctx context.Context, q DBTX, id string, now time.Time) error
 	}
 	return nil
 }
+
+// CountLiveRootAdminTokens locks the live root-admin tokens (not revoked,
+// not expired at now) other than exceptID and returns how many there are, so
+// that a revocation can refuse to remove the last one; concurrent callers
+// serialise on the locks.
+func CountLiveRootAdminTokens(ctx context.Context, q DBTX, now time.Time, exceptID string) (int, error) {
+	rows, err := q.Query(ctx, `SELECT id FROM api_tokens
+		WHERE role = 'root-admin' AND revoked_at IS NULL AND (expires_at IS NULL OR expires_at > $1) AND id <> $2
+		ORDER BY id FOR UPDATE`, now, exceptID)
+	if err != nil {
+		return 0, queryErr("count root-admin tokens", err)
+	}
+	defer rows.Close()
+	n := 0
+	for rows.Next() {
+		n++
+	}
+	return n, rows.Err()
+}

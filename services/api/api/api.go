@@ -1,6 +1,7 @@
 // Package api serves better-compute's public Connect API under
-// /api/compute/ (bc.compute.v1: NodeService, PoolService, JoinTokenService,
-// TenantService, TokenService, AuditService) and GET /healthz.
+// /api/compute/ (bc.compute.v1: NodeService, PoolService, ReservationService,
+// UsageService, JoinTokenService, TenantService, TokenService, AuditService)
+// and GET /healthz.
 //
 // Every request is authenticated by an API token (pkg/iam) and authorized by
 // the per-RPC table in authz.go; handlers then scope what they read and write
@@ -19,6 +20,7 @@ package api
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
@@ -46,6 +48,12 @@ type Config struct {
 	Listen string
 	// WellKnown configures GET /.well-known/better-compute (wellknown.go).
 	WellKnown WellKnownConfig
+	// SignedIntent signs the NodeSpecs the API changes (a release drops an
+	// allocation) with the command-signing root, read from
+	// WellKnown.PKIDir (env BC_SIGNED_INTENT, false; see pkg/store
+	// IntentSigner). Turn it on wherever the controllers sign: daemons that
+	// joined with signedIntent refuse unsigned specs.
+	SignedIntent bool
 }
 
 // ConfigFromEnv reads Config from the environment.
@@ -67,6 +75,8 @@ type Server struct {
 	authn  *iam.Authenticator
 	// wellKnown serves pki.WellKnownPath (wellknown.go).
 	wellKnown http.Handler
+	// intent signs changed NodeSpecs; nil without Config.SignedIntent.
+	intent *store.IntentSigner
 }
 
 // New returns a Server.
@@ -84,24 +94,35 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Server{cfg: cfg, db: deps.DB, logger: deps.Logger, authn: &iam.Authenticator{DB: deps.DB}, wellKnown: wellKnown}, nil
+	var intent *store.IntentSigner
+	if cfg.SignedIntent {
+		if cfg.WellKnown.PKIDir == "" {
+			return nil, errors.New("api: signedIntent needs the PKI directory (BC_PKI_DIR)")
+		}
+		if intent, err = store.LoadIntentSigner(cfg.WellKnown.PKIDir); err != nil {
+			return nil, fmt.Errorf("api: %w", err)
+		}
+	}
+	return &Server{cfg: cfg, db: deps.DB, logger: deps.Logger, authn: &iam.Authenticator{DB: deps.DB}, wellKnown: wellKnown,
+		intent: intent}, nil
 }
 
 // Handler returns the API's HTTP handler: the Connect services under
 // PathPrefix, GET /healthz (which pings the database) and the
 // unauthenticated GET /.well-known/better-compute (wellknown.go).
 func (s *Server) Handler() http.Handler {
-	// Auditing runs outermost, so that it records every refusal of a
-	// mutating call, validation's included, with messages already masked.
-	// Authorization runs innermost, after tracing, validation and error
-	// masking (service.HandlerOptions), so its failures are traced and a
-	// database error while authenticating is masked like any other.
-	opts := []connect.HandlerOption{connect.WithInterceptors(iam.NewAuditInterceptor(s.db, Policy, s.logger))}
-	opts = append(opts, service.HandlerOptions(s.logger)...)
-	opts = append(opts, connect.WithInterceptors(iam.NewInterceptor(s.authn, Policy)))
+	// Auditing runs just inside tracing, so that it records every refusal
+	// of a mutating call with messages already masked. Authentication and
+	// authorization run before validation, so that a caller without a
+	// valid token is told only that (Unauthenticated) whatever it sent.
+	opts := service.HandlerOptionsAround(s.logger,
+		[]connect.Interceptor{iam.NewAuditInterceptor(s.db, Policy, s.logger)},
+		[]connect.Interceptor{iam.NewInterceptor(s.authn, Policy)})
 	api := http.NewServeMux()
 	api.Handle(computev1connect.NewNodeServiceHandler(&nodeService{s}, opts...))
 	api.Handle(computev1connect.NewPoolServiceHandler(&poolService{s}, opts...))
+	api.Handle(computev1connect.NewReservationServiceHandler(&reservationService{s}, opts...))
+	api.Handle(computev1connect.NewUsageServiceHandler(&usageService{s}, opts...))
 	api.Handle(computev1connect.NewJoinTokenServiceHandler(&joinTokenService{s}, opts...))
 	api.Handle(computev1connect.NewTenantServiceHandler(&tenantService{s}, opts...))
 	api.Handle(computev1connect.NewTokenServiceHandler(&tokenService{s}, opts...))

@@ -86,6 +86,8 @@ func setup(t *testing.T) *fixture {
 type clients struct {
 	nodes     computev1connect.NodeServiceClient
 	pools     computev1connect.PoolServiceClient
+	res       computev1connect.ReservationServiceClient
+	usage     computev1connect.UsageServiceClient
 	tokens    computev1connect.JoinTokenServiceClient
 	tenants   computev1connect.TenantServiceClient
 	apiTokens computev1connect.TokenServiceClient
@@ -107,6 +109,8 @@ func (f *fixture) as(token string) clients {
 	return clients{
 		nodes:     computev1connect.NewNodeServiceClient(http.DefaultClient, base, opt),
 		pools:     computev1connect.NewPoolServiceClient(http.DefaultClient, base, opt),
+		res:       computev1connect.NewReservationServiceClient(http.DefaultClient, base, opt),
+		usage:     computev1connect.NewUsageServiceClient(http.DefaultClient, base, opt),
 		tokens:    computev1connect.NewJoinTokenServiceClient(http.DefaultClient, base, opt),
 		tenants:   computev1connect.NewTenantServiceClient(http.DefaultClient, base, opt),
 		apiTokens: computev1connect.NewTokenServiceClient(http.DefaultClient, base, opt),
@@ -351,7 +355,12 @@ func TestSitesAndPools(t *testing.T) {
 	require.Equal(t, "L40S", p.Acceptance.GpuModel)
 	require.EqualValues(t, 4, p.Acceptance.ExpectGpuCount)
 	_, err = admin.pools.CreatePool(ctx, connect.NewRequest(req))
-	requireCode(t, err, connect.CodeAlreadyExists, "name: a pool with this name already exists in the site")
+	requireCode(t, err, connect.CodeAlreadyExists, "name: your tenant already has a pool with this name in the site")
+	// Another tenant may use the same name: names of other tenants' pools
+	// are not revealed by an AlreadyExists.
+	other, err := f.as(f.tokens["other-admin"]).pools.CreatePool(ctx, connect.NewRequest(req))
+	require.NoError(t, err)
+	require.NotEqual(t, p.Id, other.Msg.Pool.Id)
 
 	for _, tc := range []struct {
 		name  string

@@ -12,7 +12,7 @@ import (
 // conflictMessages say, per unique constraint, what already exists.
 var conflictMessages = map[string]string{
 	store.ConstraintSiteName: "name: a site with this name already exists",
-	store.ConstraintPoolName: "name: a pool with this name already exists in the site",
+	store.ConstraintPoolName: "name: your tenant already has a pool with this name in the site",
 }
 
 // mapError turns an error of a handler into a Connect error: Connect errors

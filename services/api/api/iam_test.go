@@ -8,6 +8,7 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
@@ -83,6 +84,11 @@ func TestMatrix(t *testing.T) {
 		Hash: iam.HashSecret(acmeJoinToken), MaxUses: 1, ExpiresAt: now.Add(time.Hour), CreatedAt: now}))
 	_, victim, err := iam.MintAPIToken(ctx, f.db.Pool, now, f.acme, "victim", iam.RoleTenantMember, nil)
 	require.NoError(t, err)
+	// acme's pool is offered to acme, which holds a reservation in it.
+	f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
+	_, err = store.UpsertOffer(ctx, f.db.Pool, store.Offer{PoolID: f.acmePool, TenantID: f.acme, GPUQuota: 1000, UpdatedAt: now})
+	require.NoError(t, err)
+	acmeRes := f.reservation(t, f.acme, f.acmePool, 1, "")
 	long := strings.Repeat("x", 65)
 	pd, nf := connect.CodePermissionDenied, connect.CodeNotFound
 
@@ -162,6 +168,91 @@ func TestMatrix(t *testing.T) {
 				_, err := c.pools.ListPools(ctx, connect.NewRequest(&computev1.ListPoolsRequest{SiteId: long}))
 				return err
 			}, field: "site_id",
+		},
+		computev1connect.PoolServiceOfferPoolProcedure: {
+			call: func(c clients, _ string) error {
+				// acme re-offers its pool to itself: an offer to the other
+				// tenant would let it Reserve (rows run in any order).
+				_, err := c.pools.OfferPool(ctx, connect.NewRequest(&computev1.OfferPoolRequest{PoolId: f.acmePool,
+					TenantId: f.acme, GpuQuota: 1000}))
+				return err
+			},
+			viewer: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
+			bad: func(c clients) error {
+				_, err := c.pools.OfferPool(ctx, connect.NewRequest(&computev1.OfferPoolRequest{PoolId: f.acmePool,
+					TenantId: f.other, GpuQuota: -1}))
+				return err
+			}, field: "gpu_quota",
+		},
+		computev1connect.PoolServiceListOffersProcedure: {
+			call: func(c clients, _ string) error {
+				_, err := c.pools.ListOffers(ctx, connect.NewRequest(&computev1.ListOffersRequest{PoolId: f.acmePool}))
+				return err
+			},
+			// Other tenants see no offer of acme's pool, and no error.
+			viewer: codeOK, otherMember: codeOK, otherAdmin: codeOK, right: "acme-member",
+			bad: func(c clients) error {
+				_, err := c.pools.ListOffers(ctx, connect.NewRequest(&computev1.ListOffersRequest{PoolId: long}))
+				return err
+			}, field: "pool_id",
+		},
+		computev1connect.ReservationServiceReserveProcedure: {
+			call: func(c clients, _ string) error {
+				_, err := c.res.Reserve(ctx, connect.NewRequest(&computev1.ReserveRequest{PoolId: f.acmePool, Gpus: 1,
+					Duration: durationpb.New(time.Hour)}))
+				return err
+			},
+			// acme's pool is not offered to the other tenant.
+			viewer: pd, otherMember: pd, otherAdmin: pd, right: "acme-member",
+			bad: func(c clients) error {
+				_, err := c.res.Reserve(ctx, connect.NewRequest(&computev1.ReserveRequest{PoolId: f.acmePool, Gpus: 0,
+					Duration: durationpb.New(time.Hour)}))
+				return err
+			}, field: "gpus",
+		},
+		computev1connect.ReservationServiceGetReservationProcedure: {
+			call: func(c clients, _ string) error {
+				_, err := c.res.GetReservation(ctx, connect.NewRequest(&computev1.GetReservationRequest{ReservationId: acmeRes}))
+				return err
+			},
+			viewer: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
+			bad: func(c clients) error {
+				_, err := c.res.GetReservation(ctx, connect.NewRequest(&computev1.GetReservationRequest{}))
+				return err
+			}, field: "reservation_id",
+		},
+		computev1connect.ReservationServiceListReservationsProcedure: {
+			call: func(c clients, _ string) error {
+				_, err := c.res.ListReservations(ctx, connect.NewRequest(&computev1.ListReservationsRequest{PoolId: f.acmePool}))
+				return err
+			},
+			viewer: codeOK, otherMember: codeOK, otherAdmin: codeOK, right: "acme-member",
+			bad: func(c clients) error {
+				_, err := c.res.ListReservations(ctx, connect.NewRequest(&computev1.ListReservationsRequest{State: "running"}))
+				return err
+			}, field: "state",
+		},
+		computev1connect.ReservationServiceReleaseReservationProcedure: {
+			call: func(c clients, _ string) error {
+				_, err := c.res.ReleaseReservation(ctx, connect.NewRequest(&computev1.ReleaseReservationRequest{ReservationId: acmeRes}))
+				return err
+			},
+			viewer: pd, otherMember: nf, otherAdmin: nf, right: "acme-member",
+			bad: func(c clients) error {
+				_, err := c.res.ReleaseReservation(ctx, connect.NewRequest(&computev1.ReleaseReservationRequest{}))
+				return err
+			}, field: "reservation_id",
+		},
+		computev1connect.UsageServiceListUsageProcedure: {
+			call: func(c clients, _ string) error {
+				_, err := c.usage.ListUsage(ctx, connect.NewRequest(&computev1.ListUsageRequest{TenantId: f.acme}))
+				return err
+			},
+			viewer: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
+			bad: func(c clients) error {
+				_, err := c.usage.ListUsage(ctx, connect.NewRequest(&computev1.ListUsageRequest{PageSize: 10001}))
+				return err
+			}, field: "page_size",
 		},
 		computev1connect.JoinTokenServiceCreateJoinTokenProcedure: {
 			call: func(c clients, _ string) error {
@@ -350,6 +441,11 @@ func TestMatrix(t *testing.T) {
 	require.NoError(t, ids.Check(ids.Tenant, got[computev1connect.TenantServiceCreateTenantProcedure][5].Target))
 	require.Equal(t, "tenant-viewer", got[computev1connect.TenantServiceCreateTenantProcedure][2].Target)
 	require.Equal(t, acmeJoinToken, got[computev1connect.JoinTokenServiceRevokeJoinTokenProcedure][4].Target)
+	require.Equal(t, acmeRes, got[computev1connect.ReservationServiceReleaseReservationProcedure][5].Target)
+	require.Equal(t, f.acmePool, got[computev1connect.ReservationServiceReserveProcedure][3].Target)
+	require.NoError(t, ids.Check(ids.Reservation, got[computev1connect.ReservationServiceReserveProcedure][5].Target),
+		"a reservation's audit row names the new reservation")
+	require.Equal(t, f.acmePool, got[computev1connect.PoolServiceOfferPoolProcedure][5].Target)
 }
 
 // outcome is the audit outcome of a call expected to end with code.
@@ -528,7 +624,7 @@ func TestAudit(t *testing.T) {
 	require.NoError(t, err)
 	_, err = admin.pools.CreatePool(ctx, connect.NewRequest(&computev1.CreatePoolRequest{SiteId: f.site.ID, Name: "gpu",
 		Kind: "metal-host", Acceptance: &computev1.Acceptance{Check: "diag.nvml"}}))
-	requireCode(t, err, connect.CodeAlreadyExists, "name: a pool with this name already exists in the site")
+	requireCode(t, err, connect.CodeAlreadyExists, "name: your tenant already has a pool with this name in the site")
 	_, err = f.as("").tokens.RevokeJoinToken(ctx, connect.NewRequest(&computev1.RevokeJoinTokenRequest{JoinTokenId: "jt_x"}))
 	requireCode(t, err, connect.CodeUnauthenticated, "missing bearer token")
 	_, err = f.as(f.tokens["other-admin"]).tokens.CreateJoinToken(ctx, connect.NewRequest(&computev1.CreateJoinTokenRequest{
@@ -548,10 +644,10 @@ func TestAudit(t *testing.T) {
 	require.WithinDuration(t, f.db.Now(), created.At, time.Minute)
 	require.Equal(t, store.AuditEntry{ID: dup.ID, At: dup.At, TenantID: f.acme, TokenID: adminTok.ID,
 		Role: "tenant-admin", Procedure: computev1connect.PoolServiceCreatePoolProcedure, Target: "gpu",
-		Outcome: "already_exists", Detail: "name: a pool with this name already exists in the site"}, dup,
+		Outcome: "already_exists", Detail: "name: your tenant already has a pool with this name in the site"}, dup,
 		"the refused create's row; its transaction's own row rolled back")
 	require.Equal(t, store.AuditEntry{ID: anon.ID, At: anon.At, Procedure: computev1connect.JoinTokenServiceRevokeJoinTokenProcedure,
-		Target: "jt_x", Outcome: "unauthenticated",
+		Target: "", Outcome: "unauthenticated",
 		Detail: "missing bearer token: set the Authorization header to \"Bearer <api token>\""}, anon)
 	require.Equal(t, f.other, foreign.TenantID)
 	require.Equal(t, "not_found", foreign.Outcome)
@@ -588,4 +684,91 @@ func TestAudit(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, all.Msg.Entries, 4, "root sees every row, unauthenticated calls included")
 	require.Zero(t, all.Msg.NextPageToken, "not a full page")
+}
+
+// TestAuthenticationBeforeValidation checks that a caller without a valid
+// token is told only that, whatever it sent, and that an authenticated
+// caller's invalid request is audited with who sent it.
+func TestAuthenticationBeforeValidation(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	for _, tok := range []string{"", "bct_not-a-token"} {
+		_, err := f.as(tok).tenants.CreateTenant(ctx, connect.NewRequest(&computev1.CreateTenantRequest{Name: ""}))
+		require.Equal(t, connect.CodeUnauthenticated, connect.CodeOf(err), "token %q: %v", tok, err)
+	}
+	_, err := f.as(f.tokens["acme-admin"]).tokens.CreateJoinToken(ctx, connect.NewRequest(&computev1.CreateJoinTokenRequest{
+		PoolId: f.acmePool, MaxUses: 0, TtlSeconds: 60}))
+	require.Equal(t, connect.CodeInvalidArgument, connect.CodeOf(err), "%v", err)
+	require.Contains(t, err.Error(), "max_uses")
+	entries, err := store.ListAudit(ctx, f.db.Pool, store.AuditFilter{Limit: 100})
+	require.NoError(t, err)
+	require.Len(t, entries, 3)
+	require.Equal(t, "invalid_argument", entries[0].Outcome)
+	require.Equal(t, f.acme, entries[0].TenantID, "the refused call's row names its caller")
+	require.Equal(t, "tenant-admin", entries[0].Role)
+	for _, e := range entries[1:] {
+		require.Equal(t, "unauthenticated", e.Outcome)
+		require.Empty(t, e.Target, "an unauthenticated caller's target is not recorded")
+	}
+}
+
+// TestTokenLifetimeAndLastRoot checks that a token never mints one that
+// outlives it, and that the last live root-admin token cannot be revoked.
+func TestTokenLifetimeAndLastRoot(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	exp := f.db.Now().Add(time.Hour)
+	short, _, err := iam.MintAPIToken(ctx, f.db.Pool, f.db.Now(), f.acme, "short", iam.RoleTenantAdmin, &exp)
+	require.NoError(t, err)
+	c := f.as(short)
+	for _, ttl := range []int64{0, 7200} {
+		_, err = c.apiTokens.CreateToken(ctx, connect.NewRequest(&computev1.CreateTokenRequest{Name: "forever",
+			Role: "tenant-admin", TtlSeconds: ttl}))
+		requireCode(t, err, connect.CodeInvalidArgument, "ttl_seconds: a token may not outlive the token that mints it")
+	}
+	res, err := c.apiTokens.CreateToken(ctx, connect.NewRequest(&computev1.CreateTokenRequest{Name: "ci",
+		Role: "viewer", TtlSeconds: 1800}))
+	require.NoError(t, err)
+	require.NotNil(t, res.Msg.Token.ExpiresAt)
+
+	// Every root-admin token of the fixture but one is revoked; the last
+	// one refuses, and a new one makes the old one revocable.
+	root := f.as(f.tokens["root"])
+	all, err := root.apiTokens.ListTokens(ctx, connect.NewRequest(&computev1.ListTokensRequest{}))
+	require.NoError(t, err)
+	rootTok, err := store.GetAPITokenByHash(ctx, f.db.Pool, iam.HashSecret(f.tokens["root"]))
+	require.NoError(t, err)
+	for _, tok := range all.Msg.Tokens {
+		if tok.Role == "root-admin" && tok.Id != rootTok.ID && tok.RevokedAt == nil {
+			_, err := root.apiTokens.RevokeToken(ctx, connect.NewRequest(&computev1.RevokeTokenRequest{TokenId: tok.Id}))
+			require.NoError(t, err)
+		}
+	}
+	_, err = root.apiTokens.RevokeToken(ctx, connect.NewRequest(&computev1.RevokeTokenRequest{TokenId: rootTok.ID}))
+	requireCode(t, err, connect.CodeFailedPrecondition, "is the last live root-admin token")
+	res, err = root.apiTokens.CreateToken(ctx, connect.NewRequest(&computev1.CreateTokenRequest{Name: "root-next", Role: "root-admin"}))
+	require.NoError(t, err)
+	_, err = root.apiTokens.RevokeToken(ctx, connect.NewRequest(&computev1.RevokeTokenRequest{TokenId: rootTok.ID}))
+	require.NoError(t, err)
+}
+
+// TestFreeTextRefusesControlCharacters checks that names and reasons that
+// end up in tables and the audit log cannot carry control characters.
+func TestFreeTextRefusesControlCharacters(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	root := f.as(f.tokens["root"])
+	for _, name := range []string{"a\nb", "\x1b[31mRED\x1b[0m"} {
+		_, err := root.apiTokens.CreateToken(ctx, connect.NewRequest(&computev1.CreateTokenRequest{Name: name, Role: "viewer"}))
+		require.Equal(t, connect.CodeInvalidArgument, connect.CodeOf(err), "%q: %v", name, err)
+		require.Contains(t, err.Error(), "name")
+	}
+	_, err := root.nodes.RevokeNode(ctx, connect.NewRequest(&computev1.RevokeNodeRequest{NodeId: "node_x", Reason: "x\ry"}))
+	require.Equal(t, connect.CodeInvalidArgument, connect.CodeOf(err), "%v", err)
+	require.Contains(t, err.Error(), "reason")
+	_, err = root.apiTokens.CreateToken(ctx, connect.NewRequest(&computev1.CreateTokenRequest{Name: "ci bot (nightly) é", Role: "viewer"}))
+	require.NoError(t, err)
 }

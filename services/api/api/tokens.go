@@ -75,6 +75,14 @@ func (s *tokenService) CreateToken(ctx context.Context, req *connect.Request[com
 			t := now.Add(time.Duration(msg.TtlSeconds) * time.Second)
 			expires = &t
 		}
+		// A token never outlives the token that mints it, so an expiring
+		// credential cannot be turned into a permanent one.
+		if p.ExpiresAt != nil && (expires == nil || expires.After(*p.ExpiresAt)) {
+			left := int64(p.ExpiresAt.Sub(now) / time.Second)
+			return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf(
+				"ttl_seconds: a token may not outlive the token that mints it (yours expires at %s): ask for at most %d seconds",
+				p.ExpiresAt.UTC().Format(time.RFC3339), max(left, 0)))
+		}
 		secret, tok, err = iam.MintAPIToken(ctx, tx, now, tenant, msg.Name, role, expires)
 		if err != nil {
 			return err
@@ -136,6 +144,15 @@ func (s *tokenService) RevokeToken(ctx context.Context, req *connect.Request[com
 		detail := "revoked"
 		if old.RevokedAt != nil {
 			detail = "already revoked"
+		} else if old.Role == string(iam.RoleRootAdmin) {
+			n, err := store.CountLiveRootAdminTokens(ctx, tx, s.db.Now(), id)
+			if err != nil {
+				return err
+			}
+			if n == 0 {
+				return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf(
+					"token_id: %s is the last live root-admin token; mint another root-admin token before revoking it", id))
+			}
 		}
 		if err := store.RevokeAPIToken(ctx, tx, id, s.db.Now()); err != nil {
 			return err

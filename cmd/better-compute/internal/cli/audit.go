@@ -78,10 +78,10 @@ func (a *app) auditListCmd() *cobra.Command {
 		for i, e := range out {
 			// "/bc.compute.v1.TokenService/RevokeToken" → "TokenService/RevokeToken"
 			proc := e.Procedure[strings.LastIndex(e.Procedure, ".")+1:]
-			rows[i] = []string{strconv.FormatInt(e.ID, 10), e.At.Format(time.RFC3339), orDash(e.Tenant), orDash(e.Role), proc,
+			rows[i] = []string{strconv.FormatInt(e.ID, 10), e.At.Format(time.RFC3339), orDash(e.Tenant), orDash(e.Token), orDash(e.Role), proc,
 				orDash(e.Target), e.Outcome, e.Detail}
 		}
-		return table(a.env.Stdout, []string{"ID", "AT", "TENANT", "ROLE", "CALL", "TARGET", "OUTCOME", "DETAIL"}, rows)
+		return table(a.env.Stdout, []string{"ID", "AT", "TENANT", "TOKEN", "ROLE", "CALL", "TARGET", "OUTCOME", "DETAIL"}, rows)
 	}
 	return c
 }

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -49,10 +50,14 @@ func TestTenantsTokensAndAudit(t *testing.T) {
 	require.Equal(t, []string{"ID", "NAME", "PARENT", "CREATED"}, strings.Fields(lines[0]))
 	require.Equal(t, []string{acme, "acme", f.tenant}, strings.Fields(lines[1])[:3])
 
+	// A token may not outlive the one that mints it.
 	res = admin.run(t, "tokens", "create", "--name", "ci", "--role", "viewer")
+	require.Equal(t, 1, res.code)
+	require.Contains(t, res.stderr, "ttl_seconds: a token may not outlive the token that mints it")
+	res = admin.run(t, "tokens", "create", "--name", "ci", "--role", "viewer", "--ttl", "1h")
 	require.Equal(t, 0, res.code, res.stderr)
 	viewerSecret := strings.TrimSpace(res.stdout)
-	require.Contains(t, res.stderr, "never expires")
+	require.Contains(t, res.stderr, "role viewer, expires ")
 	viewerTok, err := store.GetAPITokenByHash(t.Context(), f.db.Pool, iam.HashSecret(viewerSecret))
 	require.NoError(t, err)
 	require.Equal(t, acme, viewerTok.TenantID)
@@ -63,7 +68,8 @@ func TestTenantsTokensAndAudit(t *testing.T) {
 	lines = strings.Split(strings.TrimSpace(res.stdout), "\n")
 	require.Len(t, lines, 3, res.stdout)
 	require.Equal(t, []string{"ID", "NAME", "ROLE", "TENANT", "EXPIRES", "LAST", "USED", "STATE"}, strings.Fields(lines[0]))
-	require.Equal(t, []string{viewerTok.ID, "ci", "viewer", acme, "never", "never", "active"}, strings.Fields(lines[2]))
+	require.Equal(t, []string{viewerTok.ID, "ci", "viewer", acme, viewerTok.ExpiresAt.UTC().Format(time.RFC3339), "never", "active"},
+		strings.Fields(lines[2]))
 
 	res = admin.run(t, "tokens", "revoke", viewerTok.ID)
 	require.Equal(t, 0, res.code, res.stderr)
@@ -111,14 +117,17 @@ func TestTenantsTokensAndAudit(t *testing.T) {
 		"/bc.compute.v1.TokenService/CreateToken permission_denied",
 		"/bc.compute.v1.TokenService/RevokeToken ok",
 		"/bc.compute.v1.TokenService/CreateToken ok",
+		"/bc.compute.v1.TokenService/CreateToken invalid_argument",
 	}, calls, "newest first; reads and calls the CLI refused itself are not audited")
 	res = admin.run(t, "audit", "list", "--limit", "1")
 	require.Equal(t, 0, res.code, res.stderr)
 	lines = strings.Split(strings.TrimSpace(res.stdout), "\n")
 	require.Len(t, lines, 2)
-	require.Equal(t, []string{"ID", "AT", "TENANT", "ROLE", "CALL", "TARGET", "OUTCOME", "DETAIL"}, strings.Fields(lines[0]))
+	require.Equal(t, []string{"ID", "AT", "TENANT", "TOKEN", "ROLE", "CALL", "TARGET", "OUTCOME", "DETAIL"}, strings.Fields(lines[0]))
+	fields := strings.Fields(lines[1])
 	require.Equal(t, []string{acme, "tenant-admin", "TokenService/CreateToken", "-", "permission_denied", "role:"},
-		strings.Fields(lines[1])[2:8])
+		append(fields[2:3:3], fields[4:9]...))
+	require.True(t, strings.HasPrefix(fields[3], "tok_"), "the caller's token id: %q", fields[3])
 
 	res = root.run(t, "audit", "list", "--limit", "3", "-o", "json")
 	require.Equal(t, 0, res.code, res.stderr)
@@ -127,7 +136,7 @@ func TestTenantsTokensAndAudit(t *testing.T) {
 	res = root.run(t, "audit", "list", "--limit", "100", "-o", "json")
 	require.Equal(t, 0, res.code, res.stderr)
 	require.NoError(t, json.Unmarshal([]byte(res.stdout), &rows))
-	require.Len(t, rows, 6, "every tenant's rows: root's 3 (2 tenants, 1 token), acme's 3")
+	require.Len(t, rows, 7, "every tenant's rows: root's 3 (2 tenants, 1 token), acme's 4")
 	res = root.run(t, "audit", "list", "--limit", "0")
 	require.Equal(t, 1, res.code)
 	require.Equal(t, "error: --limit must be at least 1\n", res.stderr)

@@ -30,6 +30,7 @@ type nodeJSON struct {
 	Reachable bool       `json:"reachable"`
 	Cordoned  bool       `json:"cordoned"`
 	Hostname  string     `json:"hostname"`
+	RevokedAt *time.Time `json:"revokedAt,omitempty"`
 }
 
 func toNodeJSON(n *computev1.Node) nodeJSON {
@@ -38,6 +39,10 @@ func toNodeJSON(n *computev1.Node) nodeJSON {
 	if n.LastSeen != nil {
 		t := n.LastSeen.AsTime()
 		out.LastSeen = &t
+	}
+	if n.RevokedAt != nil {
+		t := n.RevokedAt.AsTime()
+		out.RevokedAt = &t
 	}
 	return out
 }
@@ -85,7 +90,13 @@ func (a *app) nodesListCmd() *cobra.Command {
 			if n.State == "acceptance_failed" {
 				reason = n.Reason
 			}
-			rows[i] = []string{n.ID, n.Pool, n.State, strconv.Itoa(n.GPUs), orDash(n.Model), orDash(n.Gateway),
+			state := n.State
+			if n.RevokedAt != nil {
+				// A revoked node keeps its provision state, but it can
+				// never hold a session again.
+				state += ",revoked"
+			}
+			rows[i] = []string{n.ID, n.Pool, state, strconv.Itoa(n.GPUs), orDash(n.Model), orDash(n.Gateway),
 				ago(now, n.LastSeen), reason}
 		}
 		return table(a.env.Stdout, []string{"ID", "POOL", "STATE", "GPUS", "MODEL", "GATEWAY", "LAST SEEN", "REASON"}, rows)

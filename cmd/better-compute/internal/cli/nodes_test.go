@@ -3,6 +3,7 @@ package cli_test
 import (
 	"encoding/json"
 	"regexp"
+	"strings"
 	"testing"
 	"time"
 
@@ -48,4 +49,18 @@ func TestNodesRevoke(t *testing.T) {
 	res = f.runner(f.viewer).run(t, "nodes", "get", f.failed)
 	require.Equal(t, 0, res.code, res.stderr)
 	require.NotContains(t, res.stdout, "revokedAt")
+
+	// nodes list marks the revoked node, and only it.
+	res = f.runner(f.viewer).run(t, "nodes", "list")
+	require.Equal(t, 0, res.code, res.stderr)
+	for line := range strings.Lines(res.stdout) {
+		fields := strings.Fields(line)
+		switch fields[0] {
+		case f.adopted:
+			require.Equal(t, "adopted,revoked", fields[2], line)
+		case "ID":
+		default:
+			require.NotContains(t, fields[2], "revoked", line)
+		}
+	}
 }

@@ -373,8 +373,9 @@ func (x *ApiToken) GetLastUsedAt() *timestamppb.Timestamp {
 type CreateTokenRequest struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	TenantId string                 `protobuf:"bytes,1,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
-	Name     string                 `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
-	Role     string                 `protobuf:"bytes,3,opt,name=role,proto3" json:"role,omitempty"`
+	// Name says what the token is for; no control characters.
+	Name string `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	Role string `protobuf:"bytes,3,opt,name=role,proto3" json:"role,omitempty"`
 	// TtlSeconds is how long the token is valid; 0 means it never expires.
 	TtlSeconds    int64 `protobuf:"varint,4,opt,name=ttl_seconds,json=ttlSeconds,proto3" json:"ttl_seconds,omitempty"`
 	unknownFields protoimpl.UnknownFields
@@ -3537,10 +3538,10 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\n" +
 	"created_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12<\n" +
 	"\flast_used_at\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\n" +
-	"lastUsedAt\"\xd4\x01\n" +
+	"lastUsedAt\"\xe2\x01\n" +
 	"\x12CreateTokenRequest\x12$\n" +
-	"\ttenant_id\x18\x01 \x01(\tB\a\xbaH\x04r\x02\x18@R\btenantId\x12\x1d\n" +
-	"\x04name\x18\x02 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18?R\x04name\x12J\n" +
+	"\ttenant_id\x18\x01 \x01(\tB\a\xbaH\x04r\x02\x18@R\btenantId\x12+\n" +
+	"\x04name\x18\x02 \x01(\tB\x17\xbaH\x14r\x12\x10\x01\x18?2\f^[^\\p{Cc}]*$R\x04name\x12J\n" +
 	"\x04role\x18\x03 \x01(\tB6\xbaH3r1R\n" +
 	"root-adminR\ftenant-adminR\rtenant-memberR\x06viewerR\x04role\x12-\n" +
 	"\vttl_seconds\x18\x04 \x01(\x03B\f\xbaH\t\"\a\x18\x80\x8a\x8a\x0f(\x00R\n" +
@@ -3613,15 +3614,15 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\n" +
 	"updated_at\x18\x0e \x01(\v2\x1a.google.protobuf.TimestampR\tupdatedAt\x127\n" +
 	"\tactive_at\x18\x0f \x01(\v2\x1a.google.protobuf.TimestampR\bactiveAt\x125\n" +
-	"\bended_at\x18\x10 \x01(\v2\x1a.google.protobuf.TimestampR\aendedAt\"\x84\x02\n" +
+	"\bended_at\x18\x10 \x01(\v2\x1a.google.protobuf.TimestampR\aendedAt\"\x92\x02\n" +
 	"\x0eReserveRequest\x12\"\n" +
 	"\apool_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06poolId\x12\x1d\n" +
 	"\x04gpus\x18\x02 \x01(\x05B\t\xbaH\x06\x1a\x04\x18@(\x01R\x04gpus\x12K\n" +
 	"\bduration\x18\x03 \x01(\v2\x19.google.protobuf.DurationB\x14\xbaH\x11\xc8\x01\x01\xaa\x01\v\"\x05\b\x80\x8a\x8a\x0f2\x02\b\x01R\bduration\x129\n" +
 	"\n" +
-	"start_time\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\tstartTime\x12'\n" +
+	"start_time\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\tstartTime\x125\n" +
 	"\n" +
-	"request_id\x18\x05 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x01R\trequestId\"O\n" +
+	"request_id\x18\x05 \x01(\tB\x16\xbaH\x13r\x11\x18\x80\x012\f^[^\\p{Cc}]*$R\trequestId\"O\n" +
 	"\x0fReserveResponse\x12<\n" +
 	"\vreservation\x18\x01 \x01(\v2\x1a.bc.compute.v1.ReservationR\vreservation\"I\n" +
 	"\x15GetReservationRequest\x120\n" +
@@ -3698,10 +3699,10 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\x0eGetNodeRequest\x12\"\n" +
 	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\":\n" +
 	"\x0fGetNodeResponse\x12'\n" +
-	"\x04node\x18\x01 \x01(\v2\x13.bc.compute.v1.NodeR\x04node\"Y\n" +
+	"\x04node\x18\x01 \x01(\v2\x13.bc.compute.v1.NodeR\x04node\"g\n" +
 	"\x11RevokeNodeRequest\x12\"\n" +
-	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\x12 \n" +
-	"\x06reason\x18\x02 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x02R\x06reason\"p\n" +
+	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\x12.\n" +
+	"\x06reason\x18\x02 \x01(\tB\x16\xbaH\x13r\x11\x18\x80\x022\f^[^\\p{Cc}]*$R\x06reason\"p\n" +
 	"\x12RevokeNodeResponse\x12'\n" +
 	"\x04node\x18\x01 \x01(\v2\x13.bc.compute.v1.NodeR\x04node\x121\n" +
 	"\x14certificates_revoked\x18\x02 \x01(\x05R\x13certificatesRevoked\"}\n" +
@@ -3710,10 +3711,10 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x16\n" +
 	"\x06region\x18\x03 \x01(\tR\x06region\x129\n" +
 	"\n" +
-	"created_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\"t\n" +
+	"created_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\"\x82\x01\n" +
 	"\x11CreateSiteRequest\x12>\n" +
-	"\x04name\x18\x01 \x01(\tB*\xbaH'r%\x10\x01\x18?2\x1f^[a-z0-9]([a-z0-9-]*[a-z0-9])?$R\x04name\x12\x1f\n" +
-	"\x06region\x18\x02 \x01(\tB\a\xbaH\x04r\x02\x18?R\x06region\"=\n" +
+	"\x04name\x18\x01 \x01(\tB*\xbaH'r%\x10\x01\x18?2\x1f^[a-z0-9]([a-z0-9-]*[a-z0-9])?$R\x04name\x12-\n" +
+	"\x06region\x18\x02 \x01(\tB\x15\xbaH\x12r\x10\x18?2\f^[^\\p{Cc}]*$R\x06region\"=\n" +
 	"\x12CreateSiteResponse\x12'\n" +
 	"\x04site\x18\x01 \x01(\v2\x13.bc.compute.v1.SiteR\x04site\"\x12\n" +
 	"\x10ListSitesRequest\">\n" +
