@@ -22,6 +22,8 @@ const (
 type apiClients struct {
 	nodes     computev1connect.NodeServiceClient
 	pools     computev1connect.PoolServiceClient
+	res       computev1connect.ReservationServiceClient
+	usage     computev1connect.UsageServiceClient
 	tokens    computev1connect.JoinTokenServiceClient
 	tenants   computev1connect.TenantServiceClient
 	apiTokens computev1connect.TokenServiceClient
@@ -68,6 +70,8 @@ func (a *app) clients() (*apiClients, error) {
 	return &apiClients{
 		nodes:     computev1connect.NewNodeServiceClient(hc, base, opt),
 		pools:     computev1connect.NewPoolServiceClient(hc, base, opt),
+		res:       computev1connect.NewReservationServiceClient(hc, base, opt),
+		usage:     computev1connect.NewUsageServiceClient(hc, base, opt),
 		tokens:    computev1connect.NewJoinTokenServiceClient(hc, base, opt),
 		tenants:   computev1connect.NewTenantServiceClient(hc, base, opt),
 		apiTokens: computev1connect.NewTokenServiceClient(hc, base, opt),
