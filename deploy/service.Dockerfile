@@ -11,9 +11,11 @@ COPY rootfs/ /
 # A writable data directory, e.g. /var/lib/fakedaemon for the fakedaemon.
 COPY --chown=65534:65534 data/ /var/lib/${BIN}/
 # The compose stack's named volumes mount here (pki: the deployment's keys;
-# shared: the bootstrap's join token and root credentials). Docker copies a
+# shared: the join token and pins.json that machines read; secrets: the
+# bootstrap's root credentials, mounted by nothing else). Docker copies a
 # mount point's ownership into an empty named volume, so they start writable.
 COPY --chown=65534:65534 data/ /var/lib/better-compute/pki/
 COPY --chown=65534:65534 data/ /var/lib/better-compute/shared/
+COPY --chown=65534:65534 data/ /var/lib/better-compute/secrets/
 COPY ${BIN} /${BIN}
 USER 65534:65534

@@ -10,12 +10,13 @@ if docker compose version >/dev/null 2>&1; then compose=(docker compose); else c
 cli=bin/linux/better-compute
 
 start=$SECONDS
-# The bootstrap one-shot writes the root credentials into the shared volume.
+# The bootstrap one-shot writes the root credentials (mode 0600) into the
+# secrets volume, which only it mounts; docker cp reads them as root.
 env_file=.better-compute/compose.env
 mkdir -p .better-compute
 umask 077 # the file holds the root token
 until id=$("${compose[@]}" ps -q bootstrap 2>/dev/null) && [[ -n $id ]] &&
-	docker cp "$id:/var/lib/better-compute/shared/root.env" - 2>/dev/null | tar -xO >"$env_file.tmp" 2>/dev/null &&
+	docker cp "$id:/var/lib/better-compute/secrets/root.env" - 2>/dev/null | tar -xO >"$env_file.tmp" 2>/dev/null &&
 	[[ -s $env_file.tmp ]]; do
 	if ((SECONDS - start > timeout)); then
 		echo "bootstrap did not write its credentials within ${timeout}s:" >&2

@@ -35,6 +35,11 @@
 //     DesiredState must carry the command-signing root's signature bound to
 //     this node; others are refused without running or applying them and
 //     reported (CommandUpdate FAILED "refused: …", Report.spec_refused);
+//   - stopping for good (StateStopped, EffectStop): a session refused or
+//     ended because the node is revoked (Disconnected with an error matching
+//     ErrRevoked), or a node certificate past its NotAfter when the Agent
+//     would dial (ErrCertificateExpired), ends the Agent: it logs an error
+//     saying the node must join again and never dials again;
 //   - certificate renewal (Config.CertNotAfter): once less than a third of
 //     the node certificate's lifetime is left, the Agent asks the driver for
 //     a CSR of a new key (EffectMakeCSR), sends RenewCertificate on the
@@ -81,6 +86,22 @@ const (
 	// ErrTextRebooted is the error of a command that was running when the
 	// machine rebooted.
 	ErrTextRebooted = "interrupted: the machine rebooted while the command ran"
+)
+
+// Reasons an Agent stops for good (Status.Stopped matches one with
+// errors.Is).
+var (
+	// ErrRevoked is what a driver wraps into the error it gives
+	// Disconnected when the gateway refused or ended the session because
+	// the node or its certificate is revoked (Connect Unauthenticated
+	// "certificate revoked"). Retrying cannot help: the node must join
+	// again.
+	ErrRevoked = errors.New("node revoked")
+	// ErrCertificateExpired is the reason of an Agent whose node
+	// certificate (Config.CertNotAfter, or the last one renewed) expired
+	// before it could dial: no gateway accepts it, so the node must join
+	// again.
+	ErrCertificateExpired = errors.New("node certificate expired")
 )
 
 // Hardware is the machine the Agent runs on; *fakehw.Machine implements it.
@@ -147,9 +168,15 @@ type Config struct {
 	// CertNotBefore and CertNotAfter are the validity of the node
 	// certificate the driver presents. With CertNotAfter set, the Agent
 	// renews the certificate over the established session once less than a
-	// third of its lifetime (CertNotAfter − CertNotBefore) is left. A zero
-	// CertNotAfter renews nothing.
+	// third of its lifetime (CertNotAfter − CertNotBefore, counted from
+	// CertReceivedAt when that is later) is left. A zero CertNotAfter renews
+	// nothing.
 	CertNotBefore, CertNotAfter time.Time
+	// CertReceivedAt is when the driver received that certificate (e.g.
+	// the Join that just issued it); zero when unknown (a certificate read
+	// back from disk). The renewal point counts from the later of it and
+	// CertNotBefore, so a backdated NotBefore never puts it in the past.
+	CertReceivedAt time.Time
 	// RenewTimeout is how long a renewal waits for the driver's CSR or the
 	// gateway's CertificateIssued before it counts as failed (default 30 s).
 	RenewTimeout time.Duration
@@ -210,6 +237,9 @@ const (
 	StateEstablished
 	// StateRebooting is down for a reboot.
 	StateRebooting
+	// StateStopped has stopped for good (Status.Stopped says why): the node
+	// was revoked or its certificate expired, and it must join again.
+	StateStopped
 )
 
 // String returns the state's name.
@@ -227,6 +257,8 @@ func (s State) String() string {
 		return "established"
 	case StateRebooting:
 		return "rebooting"
+	case StateStopped:
+		return "stopped"
 	}
 	return "State(" + strconv.Itoa(int(s)) + ")"
 }
@@ -259,6 +291,12 @@ type Agent struct {
 	unsent   []string // command ids whose latest update is yet to be sent
 
 	cert renewal // the node certificate and its renewal
+
+	stopped error // why the Agent stopped for good (StateStopped)
+	// dialRenewals is cert.renewals when the current session was dialled:
+	// a session opened with a certificate since renewed may be refused for
+	// that old certificate's revocation without the node being revoked.
+	dialRenewals int
 
 	announced time.Time // last EffectTimer At returned
 }
@@ -297,7 +335,7 @@ func New(cfg Config, hw Hardware, j Journal, rnd Rand) (*Agent, error) {
 	}
 	cfg.setDefaults()
 	a := &Agent{cfg: cfg, hw: hw, j: j, rnd: rnd}
-	a.cert.notBefore, a.cert.notAfter = cfg.CertNotBefore, cfg.CertNotAfter
+	a.cert.notBefore, a.cert.notAfter, a.cert.receivedAt = cfg.CertNotBefore, cfg.CertNotAfter, cfg.CertReceivedAt
 	a.cert.at = a.renewPoint()
 	return a, nil
 }
@@ -325,6 +363,9 @@ type Status struct {
 	CertNotAfter time.Time
 	// Renewals counts the certificates renewed since the Agent was made.
 	Renewals int
+	// Stopped is why the Agent stopped for good (StateStopped only); it
+	// matches ErrRevoked or ErrCertificateExpired with errors.Is.
+	Stopped error
 }
 
 // Status returns a snapshot of the Agent.
@@ -339,6 +380,7 @@ func (a *Agent) Status() Status {
 		Running:            len(a.running),
 		CertNotAfter:       a.cert.notAfter,
 		Renewals:           a.cert.renewals,
+		Stopped:            a.stopped,
 	}
 	if a.state == StateBackoff {
 		s.NextDial = a.dialAt
@@ -406,7 +448,7 @@ func (a *Agent) Start(now time.Time) []Effect {
 	}
 	a.prune(now)
 	var o out
-	a.dial(&o)
+	a.dial(now, &o)
 	return a.finish(&o)
 }
 
@@ -440,8 +482,10 @@ func (a *Agent) Connected(now time.Time, session uint64) []Effect {
 }
 
 // Disconnected reports that session ended or could not be opened (err says
-// why, for logs). The Agent backs off and dials again. Stale sessions are
-// ignored.
+// why). The Agent backs off and dials again, unless err matches ErrRevoked
+// and the session presented the certificate still in use (none was renewed
+// since it was dialled): then it stops for good (StateStopped, EffectStop).
+// Stale sessions are ignored.
 func (a *Agent) Disconnected(now time.Time, session uint64, err error) []Effect {
 	var o out
 	if session != a.session {
@@ -452,11 +496,33 @@ func (a *Agent) Disconnected(now time.Time, session uint64, err error) []Effect 
 	default:
 		return nil
 	}
+	if errors.Is(err, ErrRevoked) {
+		if a.cert.renewals == a.dialRenewals {
+			a.stop(&o, fmt.Errorf("node %s was revoked (%w); it stops and must join again with a new join token", a.cfg.NodeID, err))
+			return a.finish(&o)
+		}
+		// The session presented a certificate renewed since: the next dial
+		// presents the new one, and is terminal if refused too.
+		a.cfg.Logger.Warn("the certificate this session was opened with is revoked; reconnecting with the renewed one",
+			"session", session, "err", err)
+	}
 	if err != nil {
 		a.cfg.Logger.Debug("session ended", "session", session, "err", err)
 	}
 	a.lose(now)
 	return a.finish(&o)
+}
+
+// stop ends the Agent for good: no session, no dial, no renewal; reason is
+// logged as an error and handed to the driver (EffectStop).
+func (a *Agent) stop(o *out, reason error) {
+	a.state = StateStopped
+	a.sessionID = ""
+	a.stopped = reason
+	a.cert.phase = renewIdle
+	a.cert.csr = nil
+	a.cfg.Logger.Error("machine stopped for good", "node.id", a.cfg.NodeID, "reason", reason.Error())
+	o.add(Effect{Kind: EffectStop, Reason: reason.Error()})
 }
 
 // lose ends the current session and schedules the next dial with backoff.
@@ -488,9 +554,17 @@ func BackoffCap(minDelay, maxDelay time.Duration, n int) time.Duration {
 	return min(c, maxDelay)
 }
 
-// dial starts a new session.
-func (a *Agent) dial(o *out) {
+// dial starts a new session, unless the node certificate has expired (at
+// or past its NotAfter): then the Agent stops for good, since no gateway
+// would accept it.
+func (a *Agent) dial(now time.Time, o *out) {
+	if na := a.cert.notAfter; !na.IsZero() && !now.Before(na) {
+		a.stop(o, fmt.Errorf("node %s: node certificate expired at %s; join again (%w)",
+			a.cfg.NodeID, na.UTC().Format(time.RFC3339), ErrCertificateExpired))
+		return
+	}
 	a.session++
+	a.dialRenewals = a.cert.renewals
 	a.state = StateDialing
 	a.sessionID = ""
 	o.add(Effect{Kind: EffectDial, Session: a.session})
@@ -585,9 +659,9 @@ func (a *Agent) step(now time.Time, o *out) bool {
 	case StateRebooting:
 		boot := a.hw.Reboot()
 		o.add(Effect{Kind: EffectReboot, BootID: boot})
-		a.dial(o)
+		a.dial(now, o)
 	case StateBackoff:
-		a.dial(o)
+		a.dial(now, o)
 	case StateHello:
 		o.add(Effect{Kind: EffectClose, Session: a.session, Reason: "no Welcome within " + a.cfg.HelloTimeout.String()})
 		a.lose(now)

@@ -49,6 +49,7 @@ type harness struct {
 	reboots []string
 	csrs    int             // EffectMakeCSR seen
 	certs   []daemon.Effect // EffectCertificate seen
+	stops   []daemon.Effect // EffectStop seen
 }
 
 func newHarness(t *testing.T, cfg daemon.Config, seed uint64) *harness {
@@ -94,6 +95,8 @@ func (h *harness) apply(effects []daemon.Effect) {
 			h.csrs++
 		case daemon.EffectCertificate:
 			h.certs = append(h.certs, e)
+		case daemon.EffectStop:
+			h.stops = append(h.stops, e)
 		}
 	}
 }

@@ -46,6 +46,11 @@ const (
 	// and presents them from the next dial on (the current session goes on
 	// with the old ones). It reports Agent.RenewalFailed when it cannot.
 	EffectCertificate
+	// EffectStop tells the driver the Agent has stopped for good (Reason
+	// says why; Status.Stopped matches ErrRevoked or ErrCertificateExpired):
+	// the node was revoked or its certificate expired, and the machine must
+	// join again. The driver stops driving it and reports it unhealthy.
+	EffectStop
 )
 
 // String returns the kind's name.
@@ -65,6 +70,8 @@ func (k EffectKind) String() string {
 		return "make-csr"
 	case EffectCertificate:
 		return "certificate"
+	case EffectStop:
+		return "stop"
 	}
 	return fmt.Sprintf("EffectKind(%d)", uint8(k))
 }
@@ -79,7 +86,8 @@ type Effect struct {
 	Msg *gatewayv1.SessionRequest
 	// At is the wake-up time of Timer.
 	At time.Time
-	// Reason is why a session is closed (Close).
+	// Reason is why a session is closed (Close), or why the Agent stopped
+	// for good (Stop).
 	Reason string
 	// BootID is the new boot id (Reboot).
 	BootID string
@@ -109,6 +117,8 @@ func (e Effect) String() string {
 		return "reboot boot=" + e.BootID
 	case EffectCertificate:
 		return "certificate not_after=" + e.NotAfter.UTC().Format(time.RFC3339Nano)
+	case EffectStop:
+		return "stop " + e.Reason
 	}
 	return e.Kind.String()
 }

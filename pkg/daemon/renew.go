@@ -24,6 +24,7 @@ const (
 // renewal is the node certificate in use and the state of its renewal.
 type renewal struct {
 	notBefore, notAfter time.Time
+	receivedAt          time.Time // when the certificate in use arrived (zero: unknown)
 	phase               renewPhase
 	// at is when to start a renewal (renewIdle) or when the one in flight
 	// has failed for want of an answer (renewCSR, renewSent).
@@ -34,12 +35,18 @@ type renewal struct {
 }
 
 // renewPoint is when two thirds of the certificate's lifetime have passed,
-// or the zero time when the Agent renews nothing.
+// counted from the later of its NotBefore and when it was received (so a
+// NotBefore backdated for clock skew cannot make a fresh certificate due at
+// once), or the zero time when the Agent renews nothing.
 func (a *Agent) renewPoint() time.Time {
 	if a.cert.notAfter.IsZero() {
 		return time.Time{}
 	}
-	return a.cert.notBefore.Add(a.cert.notAfter.Sub(a.cert.notBefore) * 2 / 3)
+	from := a.cert.notBefore
+	if a.cert.receivedAt.After(from) {
+		from = a.cert.receivedAt
+	}
+	return from.Add(a.cert.notAfter.Sub(from) * 2 / 3)
 }
 
 // renewDeadline is when the renewal next needs a Tick. Renewal runs only on
@@ -147,7 +154,7 @@ func (a *Agent) issued(now time.Time, o *out, ci *gatewayv1.CertificateIssued) {
 		a.renewFailed(now, "the issued certificate is not valid now")
 		return
 	}
-	a.cert.notBefore, a.cert.notAfter = cert.NotBefore, cert.NotAfter
+	a.cert.notBefore, a.cert.notAfter, a.cert.receivedAt = cert.NotBefore, cert.NotAfter, now
 	a.cert.phase = renewIdle
 	a.cert.csr = nil
 	a.cert.failures = 0

@@ -252,6 +252,7 @@ func TestRenewalAtTwoThirdsOfLifetime(t *testing.T) {
 
 	h.advance(2 * time.Second)
 	msg, cert := f.issue(csr, h.now, 24*time.Hour)
+	received := h.now
 	h.receive(msg)
 	require.Len(t, h.certs, 1)
 	require.Equal(t, cert.Raw, h.certs[0].Certificate)
@@ -263,8 +264,9 @@ func TestRenewalAtTwoThirdsOfLifetime(t *testing.T) {
 	require.Equal(t, 1, st.Renewals)
 	require.Empty(t, h.closed)
 
-	// The next renewal is at two thirds of the new certificate's lifetime.
-	next := cert.NotBefore.Add(cert.NotAfter.Sub(cert.NotBefore) * 2 / 3)
+	// The next renewal is at two thirds of the new certificate's lifetime,
+	// counted from when it was received (its NotBefore is backdated).
+	next := received.Add(cert.NotAfter.Sub(received) * 2 / 3)
 	h.advance(next.Sub(h.now) - time.Second)
 	require.Equal(t, 1, h.csrs)
 	h.advance(time.Second)
@@ -380,9 +382,8 @@ func TestShortCertificateRenewsNoFasterThanBackoffMin(t *testing.T) {
 	require.Equal(t, 1, h.csrs)
 	csr := f.csr()
 	h.apply(h.a.RenewalCSR(h.now, csr))
-	// IssueNode backdates NotBefore by 5 minutes: two thirds of this
-	// certificate's lifetime are already past.
-	msg, _ := f.issue(csr, h.now, time.Minute)
+	// Two thirds of this certificate's remaining lifetime are 4 s.
+	msg, _ := f.issue(csr, h.now, 6*time.Second)
 	h.receive(msg)
 	require.Len(t, h.certs, 1)
 	h.advance(5*time.Second - time.Millisecond)
@@ -402,4 +403,35 @@ func TestCertificateIssuedWithoutRenewalIsIgnored(t *testing.T) {
 	h.receive(msg)
 	require.Empty(t, h.certs)
 	require.True(t, t0.Add(24*time.Hour).Equal(h.a.Status().CertNotAfter))
+}
+
+// TestShortCertificateRenewedOnceAtTwoThirds: with a 90 s TTL, a node
+// renews about every 60 s, not every RenewBackoffMin: the renewal point of a
+// certificate counts from when it was received (or its NotBefore, if later),
+// so a backdated NotBefore never puts it in the past.
+func TestShortCertificateRenewedOnceAtTwoThirds(t *testing.T) {
+	t.Parallel()
+	f := newCertFixture(t)
+	key, err := pki.GenerateKey()
+	require.NoError(t, err)
+	csrDER, err := pki.NewCSR(key, "node_1")
+	require.NoError(t, err)
+	_, first := f.issue(csrDER, t0, 90*time.Second)
+	h := newHarness(t, daemon.Config{CertNotBefore: first.NotBefore, CertNotAfter: first.NotAfter, CertReceivedAt: t0,
+		RenewBackoffMin: 5 * time.Second}, 1)
+	h.establish()
+	for i := range 3 {
+		issuedAt := h.now
+		h.advance(60*time.Second - time.Millisecond)
+		require.Equal(t, i, h.csrs, "renewal %d not before 60 s", i+1)
+		h.advance(time.Millisecond)
+		require.Equal(t, i+1, h.csrs, "renewal %d at 60 s", i+1)
+		require.Equal(t, issuedAt.Add(60*time.Second), h.now)
+		csr := f.csr()
+		h.apply(h.a.RenewalCSR(h.now, csr))
+		msg, _ := f.issue(csr, h.now, 90*time.Second)
+		h.receive(msg)
+		require.Len(t, h.certs, i+1)
+	}
+	require.Equal(t, 3, h.a.Status().Renewals, "three renewals in three minutes, not one every 5 s")
 }

@@ -193,6 +193,14 @@ func TestWellKnownJoinKeys(t *testing.T) {
 	k, err := wk.JoinKeys(d.pins)
 	require.NoError(t, err)
 	require.Equal(t, d.signSPKI, k.SigningSPKI)
+	require.True(t, pki.MatchPin(d.pins.CommandSigning, wk.CommandSigningKey), "the document publishes the command-signing root")
+	// Without a command-signing pin, the document's key is not required.
+	noCmd := wk
+	noCmd.CommandSigningKey = nil
+	noPin := d.pins
+	noPin.CommandSigning = ""
+	_, err = noCmd.JoinKeys(noPin)
+	require.NoError(t, err)
 	// Sealing to the key of the document reaches JoinService.
 	priv, err := pki.LoadJoinEncryptionKey(filepath.Join(d.dir, pki.JoinEncryptionKey))
 	require.NoError(t, err)
@@ -221,6 +229,15 @@ func TestWellKnownJoinKeys(t *testing.T) {
 			w.JoinEncryptionKey, w.JoinSigningKey = w.JoinSigningKey, w.JoinEncryptionKey
 			p.JoinEncryption, p.JoinSigning = p.JoinSigning, p.JoinEncryption
 		}, "join encryption key is not an X25519 key"},
+		// The command-signing pin is checked before Join too, so a wrong
+		// one never spends a join token.
+		{"another deployment's command-signing pin", func(_ *pki.WellKnown, p *pki.Pins) { p.CommandSigning = other.pins.CommandSigning },
+			"commandSigningKey: the command-signing key (" + d.pins.CommandSigning + ") does not match the command signing pin (" +
+				other.pins.CommandSigning + ")"},
+		{"another deployment's command-signing key", func(w *pki.WellKnown, _ *pki.Pins) { w.CommandSigningKey = otherWK.CommandSigningKey },
+			"does not match the command signing pin"},
+		{"a command-signing pin and no key in the document", func(w *pki.WellKnown, _ *pki.Pins) { w.CommandSigningKey = nil },
+			"no command-signing key to check the command signing pin"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			w, p := wk, d.pins

@@ -150,8 +150,19 @@ func ParseCSR(der []byte) (*x509.CertificateRequest, error) {
 	return csr, nil
 }
 
+// MaxBackdate is the most a node certificate's NotBefore is set before the
+// time of issue, to tolerate clock skew between the issuer and the gateway.
+const MaxBackdate = 5 * time.Minute
+
+// NodeBackdate returns how far before issue a node certificate of ttl is
+// valid from: min(MaxBackdate, ttl/10). A short TTL gets a short backdate, so
+// that two thirds of its lifetime (when daemons renew) are not already past
+// when it is issued.
+func NodeBackdate(ttl time.Duration) time.Duration { return min(MaxBackdate, ttl/10) }
+
 // IssueNode signs a node certificate for csr: client auth, subject CN the
-// node id, URI SAN NodeURI(trustDomain, nodeID), valid from now for ttl.
+// node id, URI SAN NodeURI(trustDomain, nodeID), valid from
+// now − NodeBackdate(ttl) until now + ttl.
 func (ca *CA) IssueNode(csr *x509.CertificateRequest, nodeID, trustDomain string, now time.Time, ttl time.Duration) (*x509.Certificate, error) {
 	serial, err := randomSerial()
 	if err != nil {
@@ -161,7 +172,7 @@ func (ca *CA) IssueNode(csr *x509.CertificateRequest, nodeID, trustDomain string
 		SerialNumber: serial,
 		Subject:      pkix.Name{CommonName: nodeID},
 		URIs:         []*url.URL{NodeURI(trustDomain, nodeID)},
-		NotBefore:    now.Add(-5 * time.Minute),
+		NotBefore:    now.Add(-NodeBackdate(ttl)),
 		NotAfter:     now.Add(ttl),
 		KeyUsage:     x509.KeyUsageDigitalSignature,
 		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
@@ -180,9 +191,15 @@ func (ca *CA) IssueServing(dnsNames []string, now time.Time, validity time.Durat
 	if err != nil {
 		return nil, nil, err
 	}
+	cert, err := ca.issueServingFor(key, dnsNames, now, validity)
+	return cert, key, err
+}
+
+// issueServingFor signs a TLS server certificate for key (see IssueServing).
+func (ca *CA) issueServingFor(key crypto.Signer, dnsNames []string, now time.Time, validity time.Duration) (*x509.Certificate, error) {
 	serial, err := randomSerial()
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	tmpl := &x509.Certificate{
 		SerialNumber: serial,
@@ -201,10 +218,9 @@ func (ca *CA) IssueServing(dnsNames []string, now time.Time, validity time.Durat
 	}
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.Cert, key.Public(), ca.Key)
 	if err != nil {
-		return nil, nil, fmt.Errorf("sign serving certificate: %w", err)
+		return nil, fmt.Errorf("sign serving certificate: %w", err)
 	}
-	cert, err := x509.ParseCertificate(der)
-	return cert, key, err
+	return x509.ParseCertificate(der)
 }
 
 func firstOr(s []string, d string) string {
@@ -331,13 +347,36 @@ type InitOptions struct {
 	GatewayNames []string
 }
 
+// InitResult is what Init did.
+type InitResult struct {
+	// Wrote reports that Init wrote any file.
+	Wrote bool
+	// Warnings are problems Init fixed, one sentence each naming the file
+	// (e.g. a private key readable by group or others, now 0600).
+	Warnings []string
+}
+
+// privateKeyFiles are the private key files of a PKI directory.
+var privateKeyFiles = []string{NodeCAKey, ServingCAKey, GatewayKey, JoinEncryptionKey, JoinSigningKey, CommandSigningKey}
+
 // Init writes a deployment's PKI into dir unless it is already there: the node
 // CA, the serving CA, a gateway serving certificate, the trust domain,
 // JoinService's HPKE key pair and signing key, the command-signing root, and
 // pins.json with the pins daemons check (see Pins). It creates only the files
-// that are missing and reports whether it wrote any. Private keys are mode
-// 0600; nothing secret is logged or returned.
-func Init(dir string, opts InitOptions, now time.Time) (bool, error) {
+// that are missing and never replaces an existing private key (that would
+// change a pin or orphan what the key signed):
+//   - a missing public file (.pub) is derived from its private key; a missing
+//     gateway certificate is issued for the existing gateway key;
+//   - a CA certificate without its key, a key without its certificate, or a
+//     public file without its private key is an error naming both files;
+//   - every existing key, certificate and public file must parse, and a
+//     public file or CA certificate must be its key's: errors name the file;
+//   - a private key file readable by group or others is set to 0600, with a
+//     warning in the result.
+//
+// Private keys are mode 0600; nothing secret is logged or returned.
+func Init(dir string, opts InitOptions, now time.Time) (InitResult, error) {
+	var res InitResult
 	if opts.TrustDomain == "" {
 		opts.TrustDomain = DefaultTrustDomain
 	}
@@ -345,61 +384,140 @@ func Init(dir string, opts InitOptions, now time.Time) (bool, error) {
 		opts.GatewayNames = []string{"gateway", "localhost", "127.0.0.1"}
 	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return false, err
+		return res, err
 	}
-	wrote := false
 	p := func(n string) string { return filepath.Join(dir, n) }
+	for _, k := range privateKeyFiles {
+		st, err := os.Stat(p(k))
+		if err != nil || st.Mode().Perm()&0o077 == 0 {
+			continue
+		}
+		if err := os.Chmod(p(k), 0o600); err != nil {
+			return res, fmt.Errorf("%s: %w", p(k), err)
+		}
+		res.Warnings = append(res.Warnings, fmt.Sprintf("%s was mode %04o (readable by group or others); set it to 0600",
+			p(k), st.Mode().Perm()))
+	}
 	if !exists(p(TrustDomainTxt)) {
 		if err := writeFileAtomic(p(TrustDomainTxt), []byte(opts.TrustDomain+"\n"), 0o644); err != nil {
-			return false, err
+			return res, err
 		}
-		wrote = true
+		res.Wrote = true
 	}
 	for _, c := range []struct{ crt, key, cn string }{
 		{NodeCACert, NodeCAKey, "better-compute node CA"},
 		{ServingCACert, ServingCAKey, "better-compute serving CA"},
 	} {
-		if exists(p(c.crt)) && exists(p(c.key)) {
+		switch crtOK, keyOK := exists(p(c.crt)), exists(p(c.key)); {
+		case crtOK && keyOK:
+			if _, err := loadMatchingCA(p(c.crt), p(c.key)); err != nil {
+				return res, err
+			}
 			continue
+		case crtOK || keyOK:
+			missing, present := p(c.crt), p(c.key)
+			if crtOK {
+				missing, present = present, missing
+			}
+			return res, fmt.Errorf("%s is missing but %s exists: restore it from a backup, or remove both to make a new CA "+
+				"(which changes its pin and invalidates what the old one signed)", missing, present)
 		}
 		ca, err := NewCA(c.cn, now, 10*365*24*time.Hour)
 		if err != nil {
-			return false, err
+			return res, err
 		}
 		if err := WriteKey(p(c.key), ca.Key); err != nil {
-			return false, err
+			return res, err
 		}
 		if err := WriteCert(p(c.crt), ca.Cert); err != nil {
-			return false, err
+			return res, err
 		}
 		// A new serving CA invalidates any old gateway certificate.
 		if c.crt == ServingCACert {
 			_ = os.Remove(p(GatewayCert))
 		}
-		wrote = true
+		res.Wrote = true
 	}
-	if !exists(p(GatewayCert)) || !exists(p(GatewayKey)) {
-		sca, err := LoadCA(p(ServingCACert), p(ServingCAKey))
-		if err != nil {
-			return false, err
-		}
-		cert, key, err := sca.IssueServing(opts.GatewayNames, now, 2*365*24*time.Hour)
-		if err != nil {
-			return false, err
-		}
-		if err := WriteKey(p(GatewayKey), key); err != nil {
-			return false, err
-		}
-		if err := WriteCert(p(GatewayCert), cert); err != nil {
-			return false, err
-		}
-		wrote = true
+	wrote, err := initGateway(dir, opts.GatewayNames, now)
+	if err != nil {
+		return res, err
 	}
+	res.Wrote = res.Wrote || wrote
 	trustWrote, err := initTrustKeys(dir)
+	if err != nil {
+		return res, err
+	}
+	res.Wrote = res.Wrote || trustWrote
+	return res, nil
+}
+
+// loadMatchingCA loads a CA and checks that the certificate is the key's.
+func loadMatchingCA(crt, key string) (*CA, error) {
+	ca, err := LoadCA(crt, key)
+	if err != nil {
+		return nil, err
+	}
+	if !publicKeysEqual(ca.Key.Public(), ca.Cert.PublicKey) {
+		return nil, fmt.Errorf("%s does not match %s", crt, key)
+	}
+	return ca, nil
+}
+
+func publicKeysEqual(a, b crypto.PublicKey) bool {
+	k, ok := a.(interface{ Equal(x crypto.PublicKey) bool })
+	return ok && k.Equal(b)
+}
+
+// initGateway makes the gateway's serving certificate when it is missing:
+// for the existing gateway key if there is one (it is never replaced), else
+// for a new key. Existing files must parse; errors name the file.
+func initGateway(dir string, names []string, now time.Time) (bool, error) {
+	p := func(n string) string { return filepath.Join(dir, n) }
+	var key crypto.Signer
+	if exists(p(GatewayKey)) {
+		b, err := os.ReadFile(p(GatewayKey))
+		if err != nil {
+			return false, err
+		}
+		if key, err = ParseKeyPEM(b); err != nil {
+			return false, fmt.Errorf("%s: %w", p(GatewayKey), err)
+		}
+	}
+	if exists(p(GatewayCert)) {
+		cert, err := LoadCert(p(GatewayCert))
+		if err != nil {
+			return false, fmt.Errorf("%s: %w", p(GatewayCert), err)
+		}
+		if key != nil {
+			if !publicKeysEqual(key.Public(), cert.PublicKey) {
+				return false, fmt.Errorf("%s does not match %s", p(GatewayCert), p(GatewayKey))
+			}
+			return false, nil
+		}
+	}
+	sca, err := loadMatchingCA(p(ServingCACert), p(ServingCAKey))
 	if err != nil {
 		return false, err
 	}
-	return wrote || trustWrote, nil
+	newKey := key == nil
+	if newKey {
+		if key, err = GenerateKey(); err != nil {
+			return false, err
+		}
+	}
+	cert, err := sca.issueServingFor(key, names, now, 2*365*24*time.Hour)
+	if err != nil {
+		return false, err
+	}
+	if newKey {
+		if err := WriteKey(p(GatewayKey), key); err != nil {
+			return false, err
+		}
+	}
+	if err := WriteCert(p(GatewayCert), cert); err != nil {
+		return false, err
+	}
+	return true, nil
 }
 
 // ReadTrustDomain reads the trust domain file of a PKI directory.

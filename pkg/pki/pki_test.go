@@ -16,9 +16,9 @@ var now = time.Date(2026, 11, 30, 8, 0, 0, 0, time.UTC)
 
 func TestInitWritesOwnerOnlyKeysAndKeepsExisting(t *testing.T) {
 	dir := t.TempDir()
-	wrote, err := pki.Init(dir, pki.InitOptions{}, now)
+	res, err := pki.Init(dir, pki.InitOptions{}, now)
 	require.NoError(t, err)
-	require.True(t, wrote)
+	require.True(t, res.Wrote)
 	for _, k := range []string{pki.NodeCAKey, pki.ServingCAKey, pki.GatewayKey} {
 		st, err := os.Stat(filepath.Join(dir, k))
 		require.NoError(t, err)
@@ -26,9 +26,10 @@ func TestInitWritesOwnerOnlyKeysAndKeepsExisting(t *testing.T) {
 	}
 	before, err := os.ReadFile(filepath.Join(dir, pki.NodeCACert))
 	require.NoError(t, err)
-	wrote, err = pki.Init(dir, pki.InitOptions{}, now)
+	res, err = pki.Init(dir, pki.InitOptions{}, now)
 	require.NoError(t, err)
-	require.False(t, wrote, "a second init changes nothing")
+	require.False(t, res.Wrote, "a second init changes nothing")
+	require.Empty(t, res.Warnings)
 	after, err := os.ReadFile(filepath.Join(dir, pki.NodeCACert))
 	require.NoError(t, err)
 	require.Equal(t, before, after)
@@ -99,4 +100,28 @@ func TestKeyAndCertPEMRoundTrip(t *testing.T) {
 	back, err := pki.ParseKeyPEM(b)
 	require.NoError(t, err)
 	require.True(t, key.PublicKey.Equal(back.Public()))
+}
+
+// TestIssueNodeBackdatesLittle: NotBefore is backdated for clock skew by at
+// most a tenth of the TTL (and never more than 5 minutes), so that two
+// thirds of a short certificate's lifetime are not already past at issue.
+func TestIssueNodeBackdatesLittle(t *testing.T) {
+	ca, err := pki.NewCA("node CA", now, time.Hour*24*365)
+	require.NoError(t, err)
+	key, err := pki.GenerateKey()
+	require.NoError(t, err)
+	der, err := pki.NewCSR(key, "machine")
+	require.NoError(t, err)
+	csr, err := pki.ParseCSR(der)
+	require.NoError(t, err)
+	for _, tc := range []struct{ ttl, backdate time.Duration }{
+		{90 * time.Second, 9 * time.Second},
+		{10 * time.Minute, time.Minute},
+		{24 * time.Hour, 5 * time.Minute},
+	} {
+		cert, err := ca.IssueNode(csr, "node_01", "example.test", now, tc.ttl)
+		require.NoError(t, err)
+		require.Equal(t, now.Add(-tc.backdate), cert.NotBefore, tc.ttl)
+		require.Equal(t, now.Add(tc.ttl), cert.NotAfter, tc.ttl)
+	}
 }

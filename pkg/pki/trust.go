@@ -406,38 +406,73 @@ func ComputePins(dir string) (Pins, error) {
 
 // initTrustKeys writes the join encryption key, the join signing key and the
 // command-signing root into dir when missing, then pins.json from the public
-// files. It reports whether it wrote anything.
+// files. An existing private key is never replaced: it must parse as its
+// kind, its public file must be its key's (a missing one is derived from
+// it), and a public file without its key is an error. Errors name the file.
+// It reports whether it wrote anything.
 func initTrustKeys(dir string) (bool, error) {
 	p := func(n string) string { return filepath.Join(dir, n) }
 	wrote := false
-	if !exists(p(JoinEncryptionKey)) || !exists(p(JoinEncryptionPub)) {
-		k, err := GenerateJoinEncryptionKey()
-		if err != nil {
-			return false, err
+	for _, f := range []struct {
+		key, pub string
+		load     func(path string) (crypto.PublicKey, error)
+		generate func() (any, crypto.PublicKey, error)
+	}{
+		{JoinEncryptionKey, JoinEncryptionPub,
+			func(path string) (crypto.PublicKey, error) {
+				k, err := LoadJoinEncryptionKey(path)
+				if err != nil {
+					return nil, err
+				}
+				return k.PublicKey(), nil
+			},
+			func() (any, crypto.PublicKey, error) {
+				k, err := GenerateJoinEncryptionKey()
+				if err != nil {
+					return nil, nil, err
+				}
+				return k, k.PublicKey(), nil
+			}},
+		{JoinSigningKey, JoinSigningPub, loadSigningPublic, generateSigning},
+		{CommandSigningKey, CommandSigningPub, loadSigningPublic, generateSigning},
+	} {
+		keyOK, pubOK := exists(p(f.key)), exists(p(f.pub))
+		switch {
+		case keyOK:
+			pub, err := f.load(p(f.key))
+			if err != nil {
+				return false, err
+			}
+			if pubOK {
+				have, _, err := LoadPublicKey(p(f.pub))
+				if err != nil {
+					return false, err
+				}
+				if !publicKeysEqual(pub, have) {
+					return false, fmt.Errorf("%s does not match %s: remove %s to derive it from the key", p(f.pub), p(f.key), p(f.pub))
+				}
+				continue
+			}
+			if err := writePublicKey(p(f.pub), pub); err != nil {
+				return false, err
+			}
+			wrote = true
+		case pubOK:
+			return false, fmt.Errorf("%s is missing but %s exists: restore the key from a backup, or remove both to make a new one "+
+				"(which changes its pin)", p(f.key), p(f.pub))
+		default:
+			k, pub, err := f.generate()
+			if err != nil {
+				return false, err
+			}
+			if err := writePrivateKey(p(f.key), k); err != nil {
+				return false, err
+			}
+			if err := writePublicKey(p(f.pub), pub); err != nil {
+				return false, err
+			}
+			wrote = true
 		}
-		if err := writePrivateKey(p(JoinEncryptionKey), k); err != nil {
-			return false, err
-		}
-		if err := writePublicKey(p(JoinEncryptionPub), k.PublicKey()); err != nil {
-			return false, err
-		}
-		wrote = true
-	}
-	for _, f := range []struct{ key, pub string }{{JoinSigningKey, JoinSigningPub}, {CommandSigningKey, CommandSigningPub}} {
-		if exists(p(f.key)) && exists(p(f.pub)) {
-			continue
-		}
-		k, err := GenerateSigningKey()
-		if err != nil {
-			return false, err
-		}
-		if err := writePrivateKey(p(f.key), k); err != nil {
-			return false, err
-		}
-		if err := writePublicKey(p(f.pub), k.Public()); err != nil {
-			return false, err
-		}
-		wrote = true
 	}
 	pins, err := ComputePins(dir)
 	if err != nil {
@@ -455,4 +490,20 @@ func initTrustKeys(dir string) (bool, error) {
 		wrote = true
 	}
 	return wrote, nil
+}
+
+func loadSigningPublic(path string) (crypto.PublicKey, error) {
+	k, err := LoadSigningKey(path)
+	if err != nil {
+		return nil, err
+	}
+	return k.Public(), nil
+}
+
+func generateSigning() (any, crypto.PublicKey, error) {
+	k, err := GenerateSigningKey()
+	if err != nil {
+		return nil, nil, err
+	}
+	return k, k.Public(), nil
 }

@@ -101,9 +101,9 @@ func TestInitWritesTrustKeysAndPins(t *testing.T) {
 		t.Errorf("joinEncryption pin %s; want %s", pins.JoinEncryption, pin)
 	}
 	// A second Init changes nothing.
-	wrote, err := Init(dir, InitOptions{}, testNow)
-	if err != nil || wrote {
-		t.Fatalf("second Init wrote=%v err=%v; want nothing written", wrote, err)
+	res, err := Init(dir, InitOptions{}, testNow)
+	if err != nil || res.Wrote {
+		t.Fatalf("second Init wrote=%v err=%v; want nothing written", res.Wrote, err)
 	}
 }
 

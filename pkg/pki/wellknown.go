@@ -36,6 +36,12 @@ type WellKnown struct {
 	// JoinSigningKey is the Ed25519 key that signs JoinResponses as a DER
 	// SubjectPublicKeyInfo (standard base64 in JSON).
 	JoinSigningKey []byte `json:"joinSigningKey"`
+	// CommandSigningKey is the command-signing root (Ed25519) as a DER
+	// SubjectPublicKeyInfo (standard base64 in JSON), so that a daemon given
+	// a command-signing pin checks it before it spends a join token (the
+	// JoinResponse's trust.command_signing_root is checked again after).
+	// Empty in documents of deployments older than this field.
+	CommandSigningKey []byte `json:"commandSigningKey,omitempty"`
 	// ServingCA is the CA of gateway serving certificates (PEM).
 	ServingCA string `json:"servingCa"`
 }
@@ -50,9 +56,8 @@ type WellKnownGateway struct {
 
 // NewWellKnown fills a WellKnown document's keys and pins from the public
 // files of the PKI directory dir (join-encryption.pub, join-signing.pub,
-// serving-ca.crt and command-signing.pub for the pins); the caller sets the
-// URLs. Errors name the file that is missing or broken. No private key is
-// read.
+// serving-ca.crt and command-signing.pub); the caller sets the URLs. Errors
+// name the file that is missing or broken. No private key is read.
 func NewWellKnown(dir string) (WellKnown, error) {
 	pins, err := ComputePins(dir)
 	if err != nil {
@@ -66,7 +71,15 @@ func NewWellKnown(dir string) (WellKnown, error) {
 	if err != nil {
 		return WellKnown{}, fmt.Errorf("%s: %w", ServingCACert, err)
 	}
-	return WellKnown{Pins: pins, JoinEncryptionKey: enc, JoinSigningKey: sig, ServingCA: string(EncodeCertPEM(sca))}, nil
+	_, cmd, err := LoadPublicKey(filepath.Join(dir, CommandSigningPub))
+	if err != nil {
+		return WellKnown{}, err
+	}
+	if _, err := ParseEd25519SPKI(cmd); err != nil {
+		return WellKnown{}, fmt.Errorf("%s: %w", CommandSigningPub, err)
+	}
+	return WellKnown{Pins: pins, JoinEncryptionKey: enc, JoinSigningKey: sig, CommandSigningKey: cmd,
+		ServingCA: string(EncodeCertPEM(sca))}, nil
 }
 
 // ReadJoinPublicKeys reads the DER SubjectPublicKeyInfos of JoinService's
@@ -118,9 +131,33 @@ func CheckJoinKeys(pins Pins, encryptionSPKI, signingSPKI []byte) (JoinKeys, err
 	return JoinKeys{Encryption: enc, SigningSPKI: signingSPKI}, nil
 }
 
-// JoinKeys checks the document's keys against pins (CheckJoinKeys, and its
-// serving CA against pins.ServingCA when both are given) and returns the
-// keys to join with. Errors name the field of the document.
+// CheckCommandSigningKey checks the command-signing root (a DER
+// SubjectPublicKeyInfo) against pins.CommandSigning, when that pin is given:
+// the key must be present, match the pin and be an Ed25519 key. Errors name
+// the key and both pins.
+func CheckCommandSigningKey(pins Pins, spki []byte) error {
+	if pins.CommandSigning == "" {
+		return nil
+	}
+	if len(spki) == 0 {
+		return fmt.Errorf("no command-signing key to check the command signing pin (%s) against", pins.CommandSigning)
+	}
+	if !MatchPin(pins.CommandSigning, spki) {
+		return fmt.Errorf("the command-signing key (%s) does not match the command signing pin (%s)",
+			PinOfSPKI(spki), pins.CommandSigning)
+	}
+	if _, err := ParseEd25519SPKI(spki); err != nil {
+		return fmt.Errorf("command-signing key: %w", err)
+	}
+	return nil
+}
+
+// JoinKeys checks the document's keys against pins (CheckJoinKeys; its
+// serving CA against pins.ServingCA when both are given; its
+// commandSigningKey against pins.CommandSigning when that pin is given, a
+// document without the key failing) and returns the keys to join with. A
+// daemon calls it before Join, so a wrong pin never spends a join token.
+// Errors name the field of the document.
 func (w *WellKnown) JoinKeys(pins Pins) (JoinKeys, error) {
 	if w.ServingCA != "" && pins.ServingCA != "" {
 		sca, err := ParseCertPEM([]byte(w.ServingCA))
@@ -135,6 +172,9 @@ func (w *WellKnown) JoinKeys(pins Pins) (JoinKeys, error) {
 	k, err := CheckJoinKeys(pins, w.JoinEncryptionKey, w.JoinSigningKey)
 	if err != nil {
 		return JoinKeys{}, fmt.Errorf("well-known document: %w", err)
+	}
+	if err := CheckCommandSigningKey(pins, w.CommandSigningKey); err != nil {
+		return JoinKeys{}, fmt.Errorf("well-known document: commandSigningKey: %w", err)
 	}
 	return k, nil
 }

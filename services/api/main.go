@@ -3,11 +3,15 @@
 // environment: BETTER_COMPUTE_DATABASE_URL, BC_LISTEN (:8080) and, for the
 // well-known document, BC_PKI_DIR (its public files; unset: not served),
 // BC_PUBLIC_URL (baseUrl; unset: from the request), BC_JOIN_URL,
-// BC_GATEWAY_URL and BC_GATEWAY_SERVER_NAME. `api healthcheck [URL]` probes
-// /healthz.
+// BC_GATEWAY_URL and BC_GATEWAY_SERVER_NAME; BC_SIGNED_INTENT (false; true
+// signs the NodeSpecs a release changes with BC_PKI_DIR/command-signing.key).
+// `api healthcheck [URL]` probes /healthz.
 package main
 
 import (
+	"fmt"
+	"strconv"
+
 	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/services/api/api"
 )
@@ -17,6 +21,11 @@ func main() {
 	service.Main(service.MainOptions{
 		Name: "api", HealthListen: cfg.Listen, NeedDB: true,
 		Run: func(p *service.Process) error {
+			signed, err := strconv.ParseBool(service.Env("BC_SIGNED_INTENT", "false"))
+			if err != nil {
+				return fmt.Errorf("BC_SIGNED_INTENT: want true or false: %w", err)
+			}
+			cfg.SignedIntent = signed
 			srv, err := api.New(cfg, api.Deps{DB: p.DB, Logger: p.Logger})
 			if err != nil {
 				return err

@@ -14,7 +14,7 @@
 //	--join-signing-pin PIN       BC_JOIN_SIGNING_PIN     the first three are required to join
 //	--join-encryption-pin PIN    BC_JOIN_ENCRYPTION_PIN
 //	--command-signing-pin PIN    BC_COMMAND_SIGNING_PIN
-//	--join-keys-dir DIR          BC_JOIN_KEYS_DIR        join-encryption.pub and join-signing.pub, without --server
+//	--join-keys-dir DIR          BC_JOIN_KEYS_DIR        join-encryption.pub, join-signing.pub (and command-signing.pub, optional), without --server
 //	--insecure-trust-server-pins BC_INSECURE_TRUST_SERVER_PINS  take the pins from the server's own document
 //	                                                     (trust on first use; development only)
 //	--join-url URL               BC_JOIN_URL             JoinService (the document's joinUrl with --server,
@@ -45,6 +45,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"strconv"
 	"syscall"
 	"time"
@@ -158,6 +159,13 @@ func parseConfig(args []string, joinOnly bool) (fakedaemon.Config, error) {
 		if cfg.JoinEncryptionKey, cfg.JoinSigningKey, err = pki.ReadJoinPublicKeys(keysDir); err != nil {
 			return cfg, fmt.Errorf("--join-keys-dir: %w", err)
 		}
+		// Optional: with it, a command-signing pin is checked before Join.
+		if _, cfg.CommandSigningKey, err = pki.LoadPublicKey(filepath.Join(keysDir, pki.CommandSigningPub)); err != nil {
+			if !errors.Is(err, os.ErrNotExist) {
+				return cfg, fmt.Errorf("--join-keys-dir: %w", err)
+			}
+			cfg.CommandSigningKey = nil
+		}
 	}
 	if cfg.InsecureTrustServerPins && cfg.Server == "" {
 		return cfg, errors.New("--insecure-trust-server-pins needs --server")
@@ -205,14 +213,33 @@ func run(cfg fakedaemon.Config, out io.Writer) error {
 	if err != nil {
 		return err
 	}
-	if err := r.Run(ctx); err != nil || !cfg.JoinOnly {
+	err = r.Run(ctx)
+	if !cfg.JoinOnly {
 		return err
 	}
-	if err := r.Ready(); err != nil {
-		return err // interrupted before every machine joined
+	return joinReport(r, err, out)
+}
+
+// joinReport prints one line per machine of a `join` run (the id of each
+// that joined, the refusal of each that was refused) and returns err, or
+// why not every machine joined: the command exits non-zero if any machine
+// was refused.
+func joinReport(r *fakedaemon.Runner, err error, out io.Writer) error {
+	var refused *fakedaemon.JoinRefusedError
+	if err != nil && !errors.As(err, &refused) {
+		return err
 	}
 	for _, m := range r.Machines() {
-		fmt.Fprintf(out, "machine %d joined as %s (%s)\n", m.Index(), m.NodeID(), m.Dir())
+		st := m.Status()
+		switch {
+		case st.Joined:
+			fmt.Fprintf(out, "machine %d joined as %s (%s)\n", st.Index, st.NodeID, m.Dir())
+		case st.JoinError != "":
+			fmt.Fprintf(out, "machine %d refused: %s\n", st.Index, st.JoinError)
+		}
 	}
-	return nil
+	if err != nil {
+		return err
+	}
+	return r.Ready() // nil, or interrupted before every machine joined
 }

@@ -112,13 +112,14 @@ func (s *stack) mustRun(args ...string) string {
 	return out
 }
 
-// credentials reads the root.env that bootstrap wrote into the shared volume.
+// credentials reads the root.env that bootstrap wrote into the secrets
+// volume (as scripts/wait-fleet.sh does).
 func (s *stack) credentials() {
 	s.t.Helper()
 	id := strings.TrimSpace(s.mustRun("ps", "-q", "bootstrap"))
 	require.NotEmpty(s.t, id, "bootstrap container")
 	var out bytes.Buffer
-	cmd := exec.Command("sh", "-c", "docker cp "+id+":/var/lib/better-compute/shared/root.env - | tar -xO")
+	cmd := exec.Command("sh", "-c", "docker cp "+id+":/var/lib/better-compute/secrets/root.env - | tar -xO")
 	cmd.Stdout = &out
 	require.NoError(s.t, cmd.Run())
 	for _, line := range strings.Split(out.String(), "\n") {
@@ -213,6 +214,8 @@ func TestComposeFleet(t *testing.T) {
 		return !strings.Contains(out, "unhealthy") && !strings.Contains(out, "Restarting")
 	}, 60*time.Second, time.Second, "every service healthy")
 
+	s.checkFleetIsolation()
+
 	s.mustRun("up", "-d", "--scale", "fakedaemon=12")
 	all := s.waitAdopted(12, 90*time.Second)
 	for id := range adoptedIDs(first) {
@@ -247,4 +250,84 @@ func TestComposeFleet(t *testing.T) {
 	ns, err := s.nodes()
 	require.NoError(t, err)
 	require.Len(t, adoptedIDs(ns), 12, "the machine with a GPU missing is not adopted")
+}
+
+// probe runs `<bin> healthcheck url` inside container id: a GET with a 3 s
+// timeout, from that container's network namespace. It returns the output
+// and whether the GET answered 200.
+func probe(t *testing.T, id, bin, url string) (string, bool) {
+	t.Helper()
+	out, err := exec.CommandContext(t.Context(), "docker", "exec", id, bin, "healthcheck", url).CombinedOutput()
+	return string(out), err == nil
+}
+
+// checkFleetIsolation asserts the trust boundary of compose.yaml: a machine
+// (fakedaemon) can neither resolve nor reach Postgres or NATS, reaches the
+// API, and has no root credentials (no root.env, no secrets or pki volume);
+// the API, on the control network, reaches NATS (so the probe can succeed).
+func (s *stack) checkFleetIsolation() {
+	t := s.t
+	t.Helper()
+	fd := strings.Fields(s.mustRun("ps", "-q", "fakedaemon"))[0]
+	api := strings.TrimSpace(s.mustRun("ps", "-q", "api"))
+	nats := strings.TrimSpace(s.mustRun("ps", "-q", "nats"))
+	pg := strings.TrimSpace(s.mustRun("ps", "-q", "postgres"))
+
+	// The control plane reaches NATS's monitoring port by name.
+	out, ok := probe(t, api, "/api", "http://nats:8222/healthz")
+	require.True(t, ok, "api reaches nats: %s", out)
+	// A machine reaches the API by name ...
+	out, ok = probe(t, fd, "/fakedaemon", "http://api:8080/healthz")
+	require.True(t, ok, "fakedaemon reaches api: %s", out)
+	// ... but not Postgres or NATS by name: on the internal fleet network
+	// the lookup fails (no such host) or times out, as for a name that does
+	// not exist; had NATS resolved, its monitoring port would answer 200 ...
+	for _, url := range []string{"http://postgres:5432/", "http://nats:8222/healthz", "http://no-such-service:80/"} {
+		out, ok = probe(t, fd, "/fakedaemon", url)
+		require.False(t, ok, "fakedaemon must not reach %s: %s", url, out)
+		require.True(t, unreachable(out), "fakedaemon must not resolve %s: %s", url, out)
+	}
+	// ... nor by address (Postgres would close the connection, EOF).
+	for _, c := range []struct{ id, url string }{{nats, "http://%s:8222/healthz"}, {pg, "http://%s:5432/"}} {
+		ips := strings.Fields(s.inspect(c.id, "{{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}"))
+		require.NotEmpty(t, ips)
+		for _, ip := range ips {
+			url := fmt.Sprintf(c.url, ip)
+			out, ok = probe(t, fd, "/fakedaemon", url)
+			require.False(t, ok, "fakedaemon must not reach %s: %s", url, out)
+			require.True(t, unreachable(out), "fakedaemon must not reach %s: %s", url, out)
+		}
+	}
+	// Its only network is the fleet network, and it mounts no secret.
+	nets := strings.Fields(s.inspect(fd, "{{range $k, $v := .NetworkSettings.Networks}}{{$k}} {{end}}"))
+	require.Equal(t, []string{s.project + "_fleet"}, nets)
+	mounts := s.inspect(fd, "{{range .Mounts}}{{.Name}}:{{.Destination}} {{end}}")
+	require.Contains(t, mounts, s.project+"_shared:/var/lib/better-compute/shared")
+	require.NotContains(t, mounts, "_secrets:")
+	require.NotContains(t, mounts, "_pki:")
+	out2, err := exec.CommandContext(t.Context(), "docker", "cp", fd+":/var/lib/better-compute/shared/join-token", "-").CombinedOutput()
+	require.NoError(t, err, "the machine reads its join token: %s", out2)
+	for _, path := range []string{"/var/lib/better-compute/shared/root.env", "/var/lib/better-compute/secrets/root.env"} {
+		out, err := exec.CommandContext(t.Context(), "docker", "cp", fd+":"+path, "-").CombinedOutput()
+		require.Error(t, err, "fakedaemon has %s", path)
+		require.Contains(t, strings.ToLower(string(out)), "could not find the file", path)
+	}
+}
+
+// unreachable reports whether a failed probe's output says the peer was
+// never reached: no such host, or a timeout with nothing answering.
+func unreachable(out string) bool {
+	for _, m := range []string{"no such host", "deadline exceeded", "i/o timeout", "no route to host", "network is unreachable"} {
+		if strings.Contains(out, m) {
+			return true
+		}
+	}
+	return false
+}
+
+func (s *stack) inspect(id, format string) string {
+	s.t.Helper()
+	out, err := exec.CommandContext(s.t.Context(), "docker", "inspect", "--format", format, id).CombinedOutput()
+	require.NoError(s.t, err, string(out))
+	return strings.TrimSpace(string(out))
 }

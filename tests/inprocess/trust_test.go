@@ -49,11 +49,12 @@ func setupWith(t *testing.T, o devstack.Options) *fixture {
 // realClock measures how long things take.
 var realClock = clock.New()
 
-// shortCertTTL makes node certificates due for renewal about 4 s after they
-// are issued: pki.IssueNode backdates NotBefore by 5 minutes, and the daemon
-// renews at two thirds of NotAfter − NotBefore: 2/3 × (156 s + 300 s) − 300 s
-// = 4 s. Renewals then repeat every RenewBackoffMin (5 s).
-const shortCertTTL = 156 * time.Second
+// shortCertTTL makes node certificates due for renewal 8 s after they are
+// received: the daemon renews at two thirds of the lifetime counted from
+// receipt (pki.IssueNode backdates NotBefore by only a tenth of the TTL, and
+// the daemon counts from the later of NotBefore and receipt). Renewals then
+// repeat every 8 s.
+const shortCertTTL = 12 * time.Second
 
 // adoptedMachine starts one simulated machine and waits until its node is
 // adopted with generation 1 applied and a live session.
@@ -141,6 +142,10 @@ func TestRenewalKeepsSessionAndRevocationEndsIt(t *testing.T) {
 	t.Logf("session closed %s after the revocation", realClock.Now().Sub(revokedAt))
 	require.Never(t, func() bool { return f.liveSession(t, nodeID) != "" || m.Status().SessionID != "" },
 		3*time.Second, 50*time.Millisecond, "its reconnects are refused")
+	// The refusal is terminal: the machine stopped for good and says so.
+	require.Equal(t, daemon.StateStopped, m.Status().State)
+	require.Contains(t, m.Status().Stopped, "was revoked")
+	require.Contains(t, m.Status().Stopped, "must join again")
 	n, err := f.getNode(ctx, nodeID)
 	require.NoError(t, err)
 	require.NotNil(t, n.GetRevokedAt())

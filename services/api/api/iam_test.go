@@ -748,8 +748,9 @@ func TestTokenLifetimeAndLastRoot(t *testing.T) {
 	}
 	_, err = root.apiTokens.RevokeToken(ctx, connect.NewRequest(&computev1.RevokeTokenRequest{TokenId: rootTok.ID}))
 	requireCode(t, err, connect.CodeFailedPrecondition, "is the last live root-admin token")
-	res, err = root.apiTokens.CreateToken(ctx, connect.NewRequest(&computev1.CreateTokenRequest{Name: "root-next", Role: "root-admin"}))
+	next, err := root.apiTokens.CreateToken(ctx, connect.NewRequest(&computev1.CreateTokenRequest{Name: "root-next", Role: "root-admin"}))
 	require.NoError(t, err)
+	require.Equal(t, "root-admin", next.Msg.Token.Role)
 	_, err = root.apiTokens.RevokeToken(ctx, connect.NewRequest(&computev1.RevokeTokenRequest{TokenId: rootTok.ID}))
 	require.NoError(t, err)
 }

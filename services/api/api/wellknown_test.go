@@ -59,6 +59,12 @@ func TestWellKnownDocument(t *testing.T) {
 	_, signSPKI, err := pki.ReadJoinPublicKeys(dir)
 	require.NoError(t, err)
 	require.Equal(t, signSPKI, keys.SigningSPKI)
+	// The command-signing root is published, so a daemon checks its
+	// command-signing pin before it spends a join token.
+	_, cmdSPKI, err := pki.LoadPublicKey(filepath.Join(dir, pki.CommandSigningPub))
+	require.NoError(t, err)
+	require.Equal(t, cmdSPKI, doc.CommandSigningKey)
+	require.True(t, pki.MatchPin(pins.CommandSigning, doc.CommandSigningKey))
 	// No private key is published.
 	require.NotContains(t, string(body), "PRIVATE KEY")
 

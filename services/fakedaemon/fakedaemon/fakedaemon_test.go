@@ -1,6 +1,7 @@
 package fakedaemon_test
 
 import (
+	"bytes"
 	"context"
 	"crypto"
 	"crypto/ecdh"
@@ -77,7 +78,8 @@ func newControlPlane(t *testing.T, maxUses int) *controlPlane {
 	gwCert, gwKey, err := servingCA.IssueServing([]string{"localhost", "127.0.0.1"}, now, time.Hour)
 	require.NoError(t, err)
 
-	gw := &fakeGateway{heartbeat: 50 * time.Millisecond, sessions: map[string]*gwSession{}, msgs: map[string][]*gatewayv1.SessionRequest{}, hellos: map[string][]*gatewayv1.Hello{}}
+	gw := &fakeGateway{heartbeat: 50 * time.Millisecond, sessions: map[string]*gwSession{}, msgs: map[string][]*gatewayv1.SessionRequest{},
+		hellos: map[string][]*gatewayv1.Hello{}, revoked: map[string]bool{}, refused: map[string]int{}}
 	mux := http.NewServeMux()
 	path, h := gatewayv1connect.NewGatewayServiceHandler(gw)
 	mux.Handle(path, peerMiddleware(h))
@@ -197,7 +199,7 @@ func (j *fakeJoin) wellKnown(joinURL string) pki.WellKnown {
 	doc := pki.WellKnown{
 		BaseURL: joinURL, JoinURL: joinURL,
 		Gateway:           pki.WellKnownGateway{URL: j.gatewayURL, ServerName: j.serverName},
-		JoinEncryptionKey: enc, JoinSigningKey: sig,
+		JoinEncryptionKey: enc, JoinSigningKey: sig, CommandSigningKey: j.commandRoot,
 		ServingCA: string(pki.EncodeCertPEM(j.servingCA.Cert)),
 	}
 	doc.Pins.ServingCA = pki.PinOfSPKI(j.servingCA.Cert.RawSubjectPublicKeyInfo)
@@ -284,12 +286,20 @@ type fakeGateway struct {
 	sessions map[string]*gwSession
 	hellos   map[string][]*gatewayv1.Hello
 	msgs     map[string][]*gatewayv1.SessionRequest
+	// revoked nodes are refused as the gateway does (Unauthenticated
+	// "certificate revoked"); refused counts their refusals.
+	revoked map[string]bool
+	refused map[string]int
 }
 
 type gwSession struct {
-	out  chan *gatewayv1.SessionResponse
-	kick chan struct{}
+	out    chan *gatewayv1.SessionResponse
+	kick   chan struct{}
+	revoke chan struct{}
 }
+
+// errRevoked is the gateway's refusal of a revoked node or certificate.
+var errRevoked = connect.NewError(connect.CodeUnauthenticated, errors.New("certificate revoked"))
 
 func (g *fakeGateway) Session(ctx context.Context, stream *connect.BidiStream[gatewayv1.SessionRequest, gatewayv1.SessionResponse]) error {
 	cert, _ := ctx.Value(peerKey{}).(*x509.Certificate)
@@ -305,7 +315,14 @@ func (g *fakeGateway) Session(ctx context.Context, stream *connect.BidiStream[ga
 	if err != nil || certNode != hello.GetNodeId() {
 		return connect.NewError(connect.CodePermissionDenied, errors.New("certificate does not match Hello.node_id"))
 	}
-	s := &gwSession{out: make(chan *gatewayv1.SessionResponse, 16), kick: make(chan struct{})}
+	g.mu.Lock()
+	if g.revoked[certNode] {
+		g.refused[certNode]++
+		g.mu.Unlock()
+		return errRevoked
+	}
+	g.mu.Unlock()
+	s := &gwSession{out: make(chan *gatewayv1.SessionResponse, 16), kick: make(chan struct{}), revoke: make(chan struct{})}
 	g.mu.Lock()
 	g.seq++
 	epoch := g.seq
@@ -339,6 +356,8 @@ func (g *fakeGateway) Session(ctx context.Context, stream *connect.BidiStream[ga
 			}
 		case <-s.kick:
 			return connect.NewError(connect.CodeUnavailable, errors.New("gateway going away"))
+		case <-s.revoke:
+			return errRevoked
 		case err := <-recvErr:
 			if errors.Is(err, io.EOF) {
 				return nil
@@ -368,6 +387,24 @@ func (g *fakeGateway) kick(t *testing.T, node string) {
 	s := g.session(node)
 	require.NotNil(t, s)
 	close(s.kick)
+}
+
+// revoke revokes node: its session is closed with the gateway's revocation
+// error and every later one refused.
+func (g *fakeGateway) revoke(t *testing.T, node string) {
+	t.Helper()
+	g.mu.Lock()
+	g.revoked[node] = true
+	s := g.sessions[node]
+	g.mu.Unlock()
+	require.NotNil(t, s)
+	close(s.revoke)
+}
+
+func (g *fakeGateway) refusals(node string) int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.refused[node]
 }
 
 func (g *fakeGateway) received(node string) []*gatewayv1.SessionRequest {
@@ -994,6 +1031,20 @@ func TestJoinNeedsTrustedKeys(t *testing.T) {
 		{"no join keys without a server", func(cp *controlPlane, cfg *fakedaemon.Config) {
 			cfg.Server, cfg.JoinURL = "", cp.joinURL
 		}, "no join keys: set --server"},
+		// The command-signing pin is checked before Join too: a wrong one
+		// spends no join token and leaves no node behind.
+		{"wrong command-signing pin", func(_ *controlPlane, cfg *fakedaemon.Config) {
+			cfg.Pins.CommandSigning = pki.PinOfSPKI(otherEnc)
+		}, "well-known document: commandSigningKey: the command-signing key"},
+		{"command-signing pin and a document without the key", func(cp *controlPlane, _ *fakedaemon.Config) {
+			cp.join.editDoc = func(d *pki.WellKnown) { d.CommandSigningKey = nil }
+		}, "no command-signing key to check the command signing pin"},
+		{"keys given directly and a wrong command-signing pin", func(cp *controlPlane, cfg *fakedaemon.Config) {
+			doc := cp.join.wellKnown(cp.joinURL)
+			cfg.Server, cfg.JoinURL = "", cp.joinURL
+			cfg.JoinEncryptionKey, cfg.JoinSigningKey, cfg.CommandSigningKey = doc.JoinEncryptionKey, doc.JoinSigningKey, doc.CommandSigningKey
+			cfg.Pins.CommandSigning = pki.PinOfSPKI(otherEnc)
+		}, "the command-signing key"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cp := newControlPlane(t, 1)
@@ -1015,7 +1066,7 @@ func TestJoinWithKeysInsteadOfServer(t *testing.T) {
 	doc := cp.join.wellKnown(cp.joinURL)
 	cfg := cp.config(t.TempDir(), 1)
 	cfg.Server, cfg.JoinURL = "", cp.joinURL
-	cfg.JoinEncryptionKey, cfg.JoinSigningKey = doc.JoinEncryptionKey, doc.JoinSigningKey
+	cfg.JoinEncryptionKey, cfg.JoinSigningKey, cfg.CommandSigningKey = doc.JoinEncryptionKey, doc.JoinSigningKey, doc.CommandSigningKey
 	r, _ := start(t, cfg, fakedaemon.Deps{})
 	waitEstablished(t, r)
 }
@@ -1061,4 +1112,151 @@ func TestJoinOnly(t *testing.T) {
 func TestNewRefusesMalformedPins(t *testing.T) {
 	_, err := fakedaemon.New(fakedaemon.Config{Pins: pki.Pins{JoinSigning: "sha256/short"}}, fakedaemon.Deps{})
 	require.ErrorContains(t, err, "pins: joinSigning")
+}
+
+// TestRevokedMachineStopsForGood: a machine whose node is revoked stops
+// (no reconnect loop), says it must join again, and makes the health
+// endpoint unhealthy, while the other machines go on; a restart with the
+// revoked identity is refused once and stops again.
+func TestRevokedMachineStopsForGood(t *testing.T) {
+	cp := newControlPlane(t, 2)
+	dir := t.TempDir()
+	cfg := cp.config(dir, 2)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	var logs syncBuffer
+	r, cancel := start(t, cfg, fakedaemon.Deps{HealthListener: ln, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	waitEstablished(t, r)
+	url := "http://" + ln.Addr().String() + "/healthz"
+	require.Eventually(t, func() bool { return service.Healthcheck(url) == 0 }, waitFor, tick)
+
+	revoked, other := r.Machines()[0], r.Machines()[1]
+	cp.gw.revoke(t, revoked.NodeID())
+	require.Eventually(t, func() bool { return revoked.State() == daemon.StateStopped }, waitFor, tick)
+	st := revoked.Status()
+	require.Contains(t, st.Stopped, "node "+st.NodeID+" was revoked")
+	require.Contains(t, st.Stopped, "must join again")
+	require.ErrorContains(t, r.Ready(), "machine 0 (node "+st.NodeID+") stopped for good")
+	require.Eventually(t, func() bool { return service.Healthcheck(url) != 0 }, waitFor, tick)
+	require.Contains(t, logs.String(), "level=ERROR")
+	require.Contains(t, logs.String(), "must join again")
+
+	// No reconnect loop: many backoff periods (100 ms max) later, the
+	// revoked machine has not dialled again; the other one is untouched.
+	require.Never(t, func() bool { return len(cp.gw.helloes(st.NodeID)) > 1 || cp.gw.refusals(st.NodeID) > 0 },
+		500*time.Millisecond, tick, "no reconnect")
+	require.Equal(t, daemon.StateEstablished, other.State())
+	select {
+	case <-r.Done():
+		t.Fatal("the runner must keep running (health endpoint, other machines)")
+	default:
+	}
+	cancel()
+	require.NoError(t, r.Wait())
+
+	// A restart dials once with the revoked identity, is refused, and stops.
+	r2, _ := start(t, cfg, fakedaemon.Deps{})
+	require.Eventually(t, func() bool { return r2.Machines()[0].State() == daemon.StateStopped }, waitFor, tick)
+	require.Never(t, func() bool { return cp.gw.refusals(st.NodeID) > 1 }, 300*time.Millisecond, tick, "refused once, then stopped")
+	require.Equal(t, 1, cp.gw.refusals(st.NodeID))
+	require.Error(t, r2.Ready())
+	_, uses := cp.join.stats()
+	require.Equal(t, 2, uses, "it does not join again by itself")
+}
+
+// TestExpiredCertificateStopsBeforeDialling: a machine whose certificate
+// expired while it was offline never dials (no "tls: expired certificate"
+// loop): it stops for good, saying when the certificate expired.
+func TestExpiredCertificateStopsBeforeDialling(t *testing.T) {
+	cp := newControlPlane(t, 1)
+	dir := t.TempDir()
+	cfg := cp.config(dir, 1)
+	cfg.JoinOnly = true
+	r, err := fakedaemon.New(cfg, fakedaemon.Deps{})
+	require.NoError(t, err)
+	require.NoError(t, r.Run(t.Context()))
+	notAfter := r.Machines()[0].Status().CertNotAfter
+	require.False(t, notAfter.IsZero())
+
+	// Two hours later (the fake JoinService issues 1 h certificates).
+	cfg.JoinOnly = false
+	clk := clock.NewFake(clock.New().Now().Add(2 * time.Hour))
+	r2, _ := start(t, cfg, fakedaemon.Deps{Clock: clk})
+	m := r2.Machines()[0]
+	require.Eventually(t, func() bool { return m.State() == daemon.StateStopped }, waitFor, tick)
+	require.Contains(t, m.Status().Stopped, "node certificate expired at "+notAfter.UTC().Format(time.RFC3339)+"; join again")
+	require.ErrorContains(t, r2.Ready(), "stopped for good")
+	require.Empty(t, cp.gw.helloes(m.NodeID()), "never dialled")
+}
+
+// syncBuffer is a bytes.Buffer safe for concurrent writers.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// TestJoinOnlyReportsEachMachine: joining 3 machines with a 2-use token joins
+// 2 (their ids are kept) and reports the third's refusal, without the
+// refusal cancelling the others.
+func TestJoinOnlyReportsEachMachine(t *testing.T) {
+	cp := newControlPlane(t, 2)
+	cfg := cp.config(t.TempDir(), 3)
+	cfg.JoinOnly = true
+	cfg.JoinConcurrency = 1 // one at a time: the third is refused
+	r, err := fakedaemon.New(cfg, fakedaemon.Deps{})
+	require.NoError(t, err)
+	err = r.Run(t.Context())
+	require.ErrorContains(t, err, "1 of 3 machines could not join: machine 2: join refused: join token is used up (2 of 2 uses)")
+	var refused *fakedaemon.JoinRefusedError
+	require.ErrorAs(t, err, &refused)
+	var joined, failed int
+	for _, m := range r.Machines() {
+		st := m.Status()
+		if st.Joined {
+			joined++
+			require.NotEmpty(t, st.NodeID)
+			require.Empty(t, st.JoinError)
+		} else {
+			failed++
+			require.Equal(t, "join refused: join token is used up (2 of 2 uses)", st.JoinError)
+		}
+	}
+	require.Equal(t, 2, joined)
+	require.Equal(t, 1, failed)
+}
+
+// TestTokenFileEmpty: a token file that stays empty is reported as empty,
+// not as missing.
+func TestTokenFileEmpty(t *testing.T) {
+	cp := newControlPlane(t, 1)
+	clk := clock.NewFake(clock.New().Now())
+	dir := t.TempDir()
+	cfg := cp.config(filepath.Join(dir, "data"), 1)
+	cfg.Token = ""
+	cfg.TokenFile = filepath.Join(dir, "token")
+	cfg.TokenWait = 3 * time.Second
+	require.NoError(t, os.WriteFile(cfg.TokenFile, []byte("\n"), 0o600))
+	r, _ := start(t, cfg, fakedaemon.Deps{Clock: clk})
+	require.Eventually(t, func() bool {
+		clk.Advance(time.Second)
+		select {
+		case <-r.Done():
+			return true
+		default:
+			return false
+		}
+	}, waitFor, tick)
+	require.EqualError(t, r.Wait(), "no join token: "+cfg.TokenFile+" is empty (waited 3s for a token in it)")
 }

@@ -35,7 +35,9 @@ type joinTrust struct {
 
 // joinTrust returns the Runner's joinTrust, resolving it on the first call:
 // the keys come from Server's well-known document (fetched with retries on
-// transient errors) or from Config, and are checked against the pins.
+// transient errors) or from Config, and are checked against every pin given
+// (the command-signing pin included) before any Join, so a wrong pin never
+// spends a join token.
 // Missing pins or keys, and keys that do not match their pins, are errors
 // that retrying cannot fix.
 func (r *Runner) joinTrust(ctx context.Context) (*joinTrust, error) {
@@ -87,6 +89,11 @@ func (r *Runner) joinTrust(ctx context.Context) (*joinTrust, error) {
 		}
 		if keys, err = pki.CheckJoinKeys(pins, r.cfg.JoinEncryptionKey, r.cfg.JoinSigningKey); err != nil {
 			return nil, err
+		}
+		if len(r.cfg.CommandSigningKey) > 0 {
+			if err := pki.CheckCommandSigningKey(pins, r.cfg.CommandSigningKey); err != nil {
+				return nil, err
+			}
 		}
 	}
 	r.trust = &joinTrust{

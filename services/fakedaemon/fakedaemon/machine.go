@@ -15,6 +15,8 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
@@ -42,6 +44,9 @@ type Machine struct {
 	st MachineStatus
 
 	cert clientCert // the node certificate presented at each TLS handshake
+
+	// refusal is the refused Join of a JoinOnly run (set by the Runner).
+	refusal *JoinRefusedError
 }
 
 // MachineStatus is a snapshot of a machine.
@@ -71,6 +76,15 @@ type MachineStatus struct {
 	// Renewals counts the certificates renewed over the session and stored
 	// since the machine started.
 	Renewals int
+	// Stopped is why the machine stopped for good ("" while it runs): its
+	// node was revoked or its certificate expired (daemon.StateStopped), and
+	// it must join again. The Runner reports unhealthy while any machine is
+	// stopped.
+	Stopped string
+	// JoinError is why the machine could not join with Config.JoinOnly
+	// (e.g. "join refused: join token is used up (2 of 2 uses)"), "" if it
+	// joined.
+	JoinError string
 }
 
 // Index returns the machine's index.
@@ -201,13 +215,16 @@ func (m *Machine) run(ctx context.Context) error {
 	acfg.AgentVersion = m.r.cfg.AgentVersion
 	acfg.Logger = log
 	acfg.CertNotBefore, acfg.CertNotAfter = id.cert.NotBefore, id.cert.NotAfter
+	// The joined certificate arrived at JoinedAt; a renewed one has a later
+	// NotBefore, which then wins (daemon.Config.CertReceivedAt).
+	acfg.CertReceivedAt = id.JoinedAt
 	acfg.CommandSigningRoot = id.CommandSigningKey()
 	seed := sha256.Sum256([]byte(machineID))
 	agent, err := daemon.New(acfg, hw, j, rand.New(rand.NewPCG(binary.BigEndian.Uint64(seed[:8]), boot)))
 	if err != nil {
 		return err
 	}
-	d := &driver{m: m, log: log, clk: m.r.clk, agent: agent, client: client, hw: hw,
+	d := &driver{m: m, log: log, clk: m.r.clk, agent: agent, client: client, hw: hw, dir: m.dir,
 		events: make(chan event, 16), timer: m.r.clk.NewTimer(time.Hour),
 		rn: renewState{id: id, url: gwURL, tlsCfg: tlsCfg, tr: tr}}
 	d.timer.Stop()
@@ -416,6 +433,25 @@ type driver struct {
 	cur    *session
 	ctx    context.Context
 	rn     renewState // certificate renewal (renew.go)
+	dir    string     // the machine's data directory
+	// stopped is set by EffectStop: the machine stopped for good.
+	stopped bool
+}
+
+// revokedMessage is the message of the gateway's Unauthenticated refusal of
+// a revoked node or certificate (services/gateway: errRevoked).
+const revokedMessage = "certificate revoked"
+
+// classify marks a session error that is a revocation (Connect
+// Unauthenticated "certificate revoked", at Session start or closing an
+// established session) with daemon.ErrRevoked, which stops the daemon core
+// for good; other errors are returned as they are.
+func classify(err error) error {
+	var cerr *connect.Error
+	if errors.As(err, &cerr) && cerr.Code() == connect.CodeUnauthenticated && strings.Contains(cerr.Message(), revokedMessage) {
+		return fmt.Errorf("%w: %w", daemon.ErrRevoked, err)
+	}
+	return err
 }
 
 func (d *driver) loop(ctx context.Context) error {
@@ -424,7 +460,7 @@ func (d *driver) loop(ctx context.Context) error {
 	defer d.closeSession()
 	defer d.timer.Stop()
 	d.apply(d.agent.Start(d.clk.Now()))
-	for {
+	for !d.stopped {
 		select {
 		case <-ctx.Done():
 			d.m.update(func(s *MachineStatus) { s.State, s.SessionID = daemon.StateIdle, "" })
@@ -435,7 +471,7 @@ func (d *driver) loop(ctx context.Context) error {
 					d.log.Info("session ended", "session", ev.session, telemetry.KeyError, ev.err)
 					d.closeSession()
 				}
-				d.apply(d.agent.Disconnected(d.clk.Now(), ev.session, ev.err))
+				d.apply(d.agent.Disconnected(d.clk.Now(), ev.session, classify(ev.err)))
 			} else {
 				d.apply(d.agent.Receive(d.clk.Now(), ev.session, ev.msg))
 			}
@@ -443,6 +479,9 @@ func (d *driver) loop(ctx context.Context) error {
 			d.apply(d.agent.Tick(d.clk.Now()))
 		}
 	}
+	// Stopped for good: the other machines and the health endpoint go on;
+	// this one stays down (unhealthy) until it joins again.
+	return nil
 }
 
 // apply carries out effects in order; effects caused by failures (a failed
@@ -459,7 +498,7 @@ func (d *driver) apply(effects []daemon.Effect) {
 			if err := d.cur.stream.Send(e.Msg); err != nil {
 				d.log.Debug("send failed", "session", e.Session, telemetry.KeyError, err)
 				d.closeSession()
-				effects = append(effects, d.agent.Disconnected(d.clk.Now(), e.Session, err)...)
+				effects = append(effects, d.agent.Disconnected(d.clk.Now(), e.Session, classify(err))...)
 			}
 		case daemon.EffectDial:
 			d.closeSession()
@@ -483,6 +522,13 @@ func (d *driver) apply(effects []daemon.Effect) {
 			}
 		case daemon.EffectMakeCSR, daemon.EffectCertificate:
 			effects = append(effects, d.renewEffect(e)...)
+		case daemon.EffectStop:
+			// The core logged the reason as an error; say how to join again.
+			d.log.Error("this machine stopped for good and must join again: remove its identity to join with a new join token",
+				"identity", filepath.Join(d.dir, NodeFile), "reason", e.Reason)
+			d.closeSession()
+			d.timer.Stop()
+			d.stopped = true
 		}
 	}
 	st := d.agent.Status()
@@ -491,6 +537,9 @@ func (d *driver) apply(effects []daemon.Effect) {
 			s.Sessions++
 		}
 		s.State, s.SessionID, s.BootID, s.ObservedGeneration = st.State, st.SessionID, st.BootID, st.ObservedGeneration
+		if st.Stopped != nil {
+			s.Stopped = st.Stopped.Error()
+		}
 	})
 }
 

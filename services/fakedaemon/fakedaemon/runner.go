@@ -92,6 +92,11 @@ type Config struct {
 	// (DER SubjectPublicKeyInfo), used when Server is empty; they are
 	// checked against Pins too.
 	JoinEncryptionKey, JoinSigningKey []byte
+	// CommandSigningKey is the command-signing root (DER
+	// SubjectPublicKeyInfo), used when Server is empty: when it and
+	// Pins.CommandSigning are both given, the key is checked against the pin
+	// before Join (with Server, the document's commandSigningKey is).
+	CommandSigningKey []byte
 	// JoinURL is JoinService's base URL (default: the well-known document's
 	// joinUrl with Server, else http://joinservice:8081).
 	JoinURL string
@@ -263,7 +268,11 @@ func Start(ctx context.Context, cfg Config, deps Deps) (*Runner, error) {
 
 // Run runs every machine and the health server until ctx ends (then it
 // returns nil) or a machine fails: a refused Join (*JoinRefusedError), a
-// token that never appeared, or an unusable data directory.
+// token that never appeared, or an unusable data directory. With JoinOnly, a
+// refused Join is only that machine's (MachineStatus.JoinError): the others
+// go on, and Run returns an error counting the refused machines that wraps
+// the first refusal. A machine that stops for good (revoked, certificate
+// expired) ends nothing: see HealthHandler.
 func (r *Runner) Run(ctx context.Context) error {
 	defer close(r.done)
 	g, gctx := errgroup.WithContext(ctx)
@@ -272,7 +281,18 @@ func (r *Runner) Run(ctx context.Context) error {
 		return r.err
 	}
 	for _, m := range r.machines {
-		g.Go(func() error { return m.run(gctx) })
+		g.Go(func() error {
+			err := m.run(gctx)
+			var refused *JoinRefusedError
+			if r.cfg.JoinOnly && errors.As(err, &refused) {
+				// Joining only, a refusal is this machine's: the others
+				// go on, and Run reports every refusal at the end.
+				m.update(func(s *MachineStatus) { s.JoinError = err.Error() })
+				m.refusal = refused
+				return nil
+			}
+			return err
+		})
 	}
 	if !r.cfg.JoinOnly && (r.cfg.HealthListen != "" || r.healthLn != nil) {
 		mux := http.NewServeMux()
@@ -284,8 +304,32 @@ func (r *Runner) Run(ctx context.Context) error {
 	if err != nil && ctx.Err() != nil && errors.Is(err, context.Canceled) {
 		err = nil
 	}
+	if err == nil && r.cfg.JoinOnly {
+		err = r.joinErrors()
+	}
 	r.err = err
 	return err
+}
+
+// joinErrors returns nil when no machine's Join was refused (JoinOnly), else
+// an error counting the refused machines and wrapping the first refusal
+// (*JoinRefusedError).
+func (r *Runner) joinErrors() error {
+	var first error
+	n := 0
+	for _, m := range r.machines {
+		if m.refusal == nil { // written before its goroutine ended (g.Wait)
+			continue
+		}
+		n++
+		if first == nil {
+			first = fmt.Errorf("machine %d: %w", m.index, m.refusal)
+		}
+	}
+	if n == 0 {
+		return nil
+	}
+	return fmt.Errorf("%d of %d machines could not join: %w", n, len(r.machines), first)
 }
 
 // Done is closed when Run has returned.
@@ -300,12 +344,18 @@ func (r *Runner) Wait() error {
 // Machines returns the handles of the machines, in index order.
 func (r *Runner) Machines() []*Machine { return r.machines }
 
-// Ready returns nil once every machine has joined, else an error saying how
-// many have not.
+// Ready returns nil once every machine has joined and none has stopped for
+// good; else an error naming the first machine that stopped (its node was
+// revoked or its certificate expired: it must join again) or saying how
+// many have not joined.
 func (r *Runner) Ready() error {
 	var waiting int
 	for _, m := range r.machines {
-		if !m.Status().Joined {
+		st := m.Status()
+		if st.Stopped != "" {
+			return fmt.Errorf("machine %d (node %s) stopped for good: %s", st.Index, st.NodeID, st.Stopped)
+		}
+		if !st.Joined {
 			waiting++
 		}
 	}
@@ -315,7 +365,10 @@ func (r *Runner) Ready() error {
 	return nil
 }
 
-// HealthHandler answers GET /healthz: 200 once every machine has joined.
+// HealthHandler answers GET /healthz: 200 once every machine has joined, 503
+// while any machine has stopped for good (Ready). A stopped machine does not
+// end the Runner: the others go on, and the process stays up reporting
+// unhealthy rather than exiting into a restart loop that cannot help.
 func (r *Runner) HealthHandler() http.Handler {
 	return service.HealthHandler(func(context.Context) error { return r.Ready() })
 }
@@ -339,15 +392,20 @@ func (r *Runner) readToken(ctx context.Context) (string, error) {
 	logged := false
 	for {
 		b, err := os.ReadFile(r.cfg.TokenFile)
+		empty := false
 		if err == nil {
 			if t := strings.TrimSpace(string(b)); t != "" {
 				r.token = t
 				return t, nil
 			}
+			empty = true // maybe still being written: wait
 		} else if !errors.Is(err, os.ErrNotExist) {
 			return "", fmt.Errorf("join token file: %w", err)
 		}
 		if !r.clk.Now().Before(deadline) {
+			if empty {
+				return "", fmt.Errorf("no join token: %s is empty (waited %s for a token in it)", r.cfg.TokenFile, r.cfg.TokenWait)
+			}
 			return "", fmt.Errorf("no join token: %s did not appear within %s", r.cfg.TokenFile, r.cfg.TokenWait)
 		}
 		if !logged {

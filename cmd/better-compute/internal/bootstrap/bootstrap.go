@@ -49,7 +49,9 @@ type Options struct {
 	// JoinTokenFile receives the join token's secret (mode 0644).
 	JoinTokenFile string
 	// EnvFile receives `export BETTER_COMPUTE_…=…` lines with the root
-	// tenant, root token and pool (mode 0644: a dev stack's credential).
+	// tenant, root token and pool, owner-only (mode 0600: it holds a
+	// root-admin credential). Keep it where machines cannot read it (compose:
+	// the secrets volume, not the shared one).
 	EnvFile string
 }
 
@@ -65,7 +67,7 @@ func Defaults() Options {
 		JoinMaxUses:   1000,
 		JoinTTL:       365 * 24 * time.Hour,
 		JoinTokenFile: "/var/lib/better-compute/shared/join-token",
-		EnvFile:       "/var/lib/better-compute/shared/root.env",
+		EnvFile:       "/var/lib/better-compute/secrets/root.env",
 	}
 }
 
@@ -202,11 +204,14 @@ func Run(ctx context.Context, db *store.DB, o Options) (Result, error) {
 	for _, f := range []struct {
 		path    string
 		content []byte
+		mode    os.FileMode
 	}{
-		{o.JoinTokenFile, []byte(res.JoinToken + "\n")},
-		{o.EnvFile, []byte(res.Exports())},
+		// Machines read the join token (they may run as another user).
+		{o.JoinTokenFile, []byte(res.JoinToken + "\n"), 0o644},
+		// The root-admin token: owner-only.
+		{o.EnvFile, []byte(res.Exports()), 0o600},
 	} {
-		wrote, err := writeIfChanged(f.path, f.content, 0o644)
+		wrote, err := writeIfChanged(f.path, f.content, f.mode)
 		if err != nil {
 			return res, err
 		}

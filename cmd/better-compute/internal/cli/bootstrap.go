@@ -22,9 +22,10 @@ func (a *app) bootstrapCmd() *cobra.Command {
 		Short: "Create the root tenant and token, a site, a pool and a join token (idempotent)",
 		Long: "bootstrap connects to the database directly and ensures the root tenant with a root-admin API token,\n" +
 			"a site, a metal-host pool with diag.nvml acceptance and a join token. It writes the join token to\n" +
-			"--join-token-file and the root tenant, token and pool to --env-file (both mode 0644: this is for dev\n" +
-			"stacks), and prints them as export lines. The root token is printed once, by the run that mints it; a\n" +
-			"re-run reuses what the files hold while it is still valid and prints the tenant and pool only.",
+			"--join-token-file (mode 0644: machines read it) and the root tenant, token and pool to --env-file\n" +
+			"(mode 0600: it holds the root-admin token), and prints them as export lines. The root token is printed\n" +
+			"once, by the run that mints it; a re-run reuses what the files hold while it is still valid and prints\n" +
+			"the tenant and pool only.",
 		Args: cobra.NoArgs,
 	}
 	f := c.Flags()

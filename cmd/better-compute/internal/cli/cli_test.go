@@ -315,6 +315,7 @@ func TestBootstrapIsIdempotent(t *testing.T) {
 	require.Equal(t, os.FileMode(0o644), stTok.Mode().Perm())
 	stEnv, err := os.Stat(envFile)
 	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o600), stEnv.Mode().Perm(), "root.env holds the root-admin token: owner-only")
 
 	require.Contains(t, first.stderr, "printed only this once")
 

@@ -44,7 +44,10 @@ func (a *app) pkiInitCmd() *cobra.Command {
 		Long: "pki init writes a deployment's PKI into DIR: node-ca.crt/key (signs node certificates), serving-ca.crt/key\n" +
 			"(signs gateway certificates, pinned by daemons), gateway.crt/key, trust-domain, join-encryption.key/.pub\n" +
 			"(JoinService's HPKE key, which join tokens are sealed to), join-signing.key/.pub (signs JoinResponses),\n" +
-			"command-signing.key/.pub (signs commands and specs with signedIntent) and pins.json. Existing files are kept.\n" +
+			"command-signing.key/.pub (signs commands and specs with signedIntent) and pins.json. Existing files are kept:\n" +
+			"a private key is never replaced (a missing .pub or gateway.crt is derived from its key; a CA or key missing\n" +
+			"its other half, or a file that does not parse, is an error naming it), and a private key readable by group\n" +
+			"or others is set to 0600 with a warning.\n" +
 			"It prints the files it wrote and the pins daemons need (public), never key material; keys are written\n" +
 			"owner-only (0600).",
 		Args: cobra.NoArgs,
@@ -66,9 +69,12 @@ func (a *app) pkiInitCmd() *cobra.Command {
 				before[f.name] = st
 			}
 		}
-		wrote, err := pki.Init(dir, pki.InitOptions{TrustDomain: trustDomain, GatewayNames: names}, a.env.Clock.Now())
+		res, err := pki.Init(dir, pki.InitOptions{TrustDomain: trustDomain, GatewayNames: names}, a.env.Clock.Now())
 		if err != nil {
 			return fmt.Errorf("pki init %s: %w", dir, err)
+		}
+		for _, w := range res.Warnings {
+			fmt.Fprintf(a.env.Stderr, "warning: %s\n", w)
 		}
 		td, err := pki.ReadTrustDomain(dir)
 		if err != nil {
@@ -84,7 +90,7 @@ func (a *app) pkiInitCmd() *cobra.Command {
 				return fmt.Errorf("--pins-out: %w", err)
 			}
 		}
-		if wrote {
+		if res.Wrote {
 			a.printWritten(dir, before)
 			fmt.Fprintf(a.env.Stdout, "trust domain %s\n", td)
 		} else {
