@@ -19,6 +19,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/better-compute/better-compute/pkg/clock"
 )
 
 // node is one element of `better-compute nodes list -o json`.
@@ -215,6 +217,7 @@ func TestComposeFleet(t *testing.T) {
 	}, 60*time.Second, time.Second, "every service healthy")
 
 	s.checkFleetIsolation()
+	s.walkthrough()
 
 	s.mustRun("up", "-d", "--scale", "fakedaemon=12")
 	all := s.waitAdopted(12, 90*time.Second)
@@ -330,4 +333,67 @@ func (s *stack) inspect(id, format string) string {
 	out, err := exec.CommandContext(s.t.Context(), "docker", "inspect", "--format", format, id).CombinedOutput()
 	require.NoError(s.t, err, string(out))
 	return strings.TrimSpace(string(out))
+}
+
+// cliRun runs the better-compute CLI with the stack's credentials and
+// returns its standard output; it fails the test on a non-zero exit.
+func (s *stack) cliRun(args ...string) string {
+	s.t.Helper()
+	cmd := exec.CommandContext(s.t.Context(), s.cli, args...)
+	cmd.Env = s.env
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	require.NoError(s.t, err, "better-compute %v: %s", args, stderr.String())
+	return string(out)
+}
+
+// envValue returns the value of the stack's credential variable k.
+func (s *stack) envValue(k string) string {
+	for _, kv := range s.env {
+		if v, ok := strings.CutPrefix(kv, k+"="); ok {
+			return v
+		}
+	}
+	s.t.Fatalf("%s is not in the stack's credentials", k)
+	return ""
+}
+
+// walkthrough follows the seed's walkthrough command by command as the
+// root tenant: offer the pool with a quota, reserve 4 GPUs for an hour
+// (active, with the CDI names of 4 GPUs of one node in binding), see it,
+// release it, see the usage command answer.
+func (s *stack) walkthrough() {
+	t := s.t
+	pool, tenant := s.envValue("BETTER_COMPUTE_POOL"), s.envValue("BETTER_COMPUTE_TENANT")
+	s.cliRun("pools", "offer", pool, "--to", tenant, "--quota", "gpu=64")
+
+	wall := clock.New()
+	began := wall.Now()
+	out := s.cliRun("reserve", "--pool", pool, "--gpus", "4", "--for", "1h", "--wait", "--timeout", "60s")
+	t.Logf("walkthrough: reserve --wait answered active after %s (the issue's target: 2 s)", clock.Since(wall, began))
+	var r struct {
+		ID      string   `json:"id"`
+		State   string   `json:"state"`
+		NodeID  string   `json:"nodeId"`
+		Binding []string `json:"binding"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(out), &r), out)
+	require.Equal(t, "active", r.State, out)
+	require.NotEmpty(t, r.NodeID, out)
+	require.Len(t, r.Binding, 4, out)
+	seen := map[string]bool{}
+	for _, name := range r.Binding {
+		require.Regexp(t, `^nvidia\.com/gpu=[0-7]$`, name)
+		require.False(t, seen[name], "device %s bound twice", name)
+		seen[name] = true
+	}
+
+	out = s.cliRun("reservations", "get", r.ID)
+	require.Contains(t, out, `"active"`)
+	out = s.cliRun("reservations", "list")
+	require.Contains(t, out, r.ID)
+	out = s.cliRun("release", r.ID)
+	require.Contains(t, out, `"released"`, out)
+	s.cliRun("usage")
 }
