@@ -13,6 +13,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	"github.com/better-compute/better-compute/pkg/daemon"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/services/scheduler/scheduler"
@@ -23,7 +24,8 @@ import (
 // scheduler instances place them at once without a lease between them. The
 // database must show no overlapping bookings, no tenant over its quota, and
 // every reservation binding (placed whole on one node, in its node's spec),
-// pending only when no node has room for it, or failed with a reason.
+// pending only when no node has room for it, or failed with a reason; once
+// the daemons bind, every placed one is active.
 func TestRaceTwoSchedulers(t *testing.T) {
 	t.Parallel()
 	db := storetest.New(t, nil)
@@ -159,6 +161,36 @@ func TestRaceTwoSchedulers(t *testing.T) {
 			got[a.GetReservationId()] = a.GetDeviceIndexes()
 		}
 		require.Equal(t, want, got, "spec of %s", nodeID)
+	}
+
+	// The daemons bind what they were sent (as the gateway records their
+	// AllocationBound): every placed reservation turns active, so every
+	// reservation ends active, pending or failed with a reason.
+	for nodeID, rs := range placed {
+		var gen int64
+		require.NoError(t, db.Pool.QueryRow(ctx, `SELECT spec_generation FROM nodes WHERE id = $1`, nodeID).Scan(&gen))
+		for _, r := range rs {
+			names := make([]string, len(r.DeviceIndexes))
+			for i, d := range r.DeviceIndexes {
+				names[i] = daemon.CDIName(d)
+			}
+			act, err := store.ActivateReservation(ctx, db.Pool, db.Now(), nodeID, r.ID, names, gen)
+			require.NoError(t, err)
+			require.True(t, act.Activated, "reservation %s", r.ID)
+		}
+	}
+	all, err = store.ListReservations(ctx, db.Pool, store.ReservationFilter{})
+	require.NoError(t, err)
+	for _, r := range all {
+		switch r.State {
+		case store.ReservationActive:
+			require.Len(t, r.Binding, int(r.GPUs), "reservation %s", r.ID)
+		case store.ReservationPending:
+		case store.ReservationFailed:
+			require.NotEmpty(t, r.Reason)
+		default:
+			t.Fatalf("reservation %s ended %s", r.ID, r.State)
+		}
 	}
 }
 
