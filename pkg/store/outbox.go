@@ -4,7 +4,11 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"sync"
 	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // NATS subjects written through the outbox.
@@ -15,8 +19,8 @@ const (
 	// SubjectPokeControllers wakes the reconcilers (a node joined, a
 	// command finished).
 	SubjectPokeControllers = "bc.poke.controllers"
-	// OutboxChannel is the LISTEN/NOTIFY channel signalled, at commit, by
-	// every transaction that writes an outbox row.
+	// OutboxChannel is the LISTEN/NOTIFY channel signalled when a
+	// transaction that wrote outbox rows commits (signalOutbox).
 	OutboxChannel = "bc_outbox"
 )
 
@@ -26,7 +30,8 @@ type Poke struct {
 }
 
 // Enqueue writes one outbox message in q's transaction and signals the relay,
-// which receives the signal only if and when the transaction commits.
+// which receives the signal only if and when the transaction commits (see
+// signalOutbox).
 func Enqueue(ctx context.Context, q DBTX, now time.Time, subject string, payload []byte) error {
 	if payload == nil {
 		payload = []byte{}
@@ -35,8 +40,93 @@ func Enqueue(ctx context.Context, q DBTX, now time.Time, subject string, payload
 	if err != nil {
 		return fmt.Errorf("enqueue %s: %w", subject, err)
 	}
-	_, err = q.Exec(ctx, `SELECT pg_notify($1, '')`, OutboxChannel)
+	return signalOutbox(ctx, q)
+}
+
+// signalOutbox makes sure the relay hears of the outbox rows q's transaction
+// wrote once it commits. In a transaction of DB.InTx it only marks the
+// transaction, and InTx signals after the commit through the DB's notifier;
+// otherwise it issues NOTIFY in q's transaction.
+//
+// Why not NOTIFY in every transaction: PostgreSQL serialises the commits of
+// all transactions that issued NOTIFY behind one lock held through the commit
+// record's WAL flush, so under load every outbox-writing transaction (each
+// Reserve, placement batch and activation) queued behind the others' fsync.
+func signalOutbox(ctx context.Context, q DBTX) error {
+	if t, ok := q.(*outboxTx); ok {
+		t.wrote = true
+		return nil
+	}
+	_, err := q.Exec(ctx, `SELECT pg_notify($1, '')`, OutboxChannel)
 	return err
+}
+
+// outboxTx is the transaction DB.InTx hands to its function: signalOutbox
+// records that it wrote outbox rows.
+type outboxTx struct {
+	pgx.Tx
+	wrote bool
+}
+
+// notifySQL notifies OutboxChannel in a transaction of its own that commits
+// without waiting for its WAL flush, so the NOTIFY lock is held only briefly;
+// a notification lost in a crash only delays the relay until its next poll.
+const notifySQL = "BEGIN; SET LOCAL synchronous_commit = off; SELECT pg_notify('" + OutboxChannel + "', ''); COMMIT"
+
+// outboxNotifier coalesces the post-commit signals of DB.InTx into NOTIFYs:
+// at most one runs at a time, and signals that arrive meanwhile cause one
+// more. Its zero value is ready; close stops it.
+type outboxNotifier struct {
+	mu     sync.Mutex
+	wake   chan struct{}
+	cancel context.CancelFunc
+	done   chan struct{}
+	closed bool
+}
+
+// signal asks for a NOTIFY on OutboxChannel soon, starting the notifier's
+// goroutine on first use. It never blocks.
+func (n *outboxNotifier) signal(pool *pgxpool.Pool) {
+	n.mu.Lock()
+	if n.closed {
+		n.mu.Unlock()
+		return
+	}
+	if n.wake == nil {
+		ctx, cancel := context.WithCancel(context.Background())
+		n.wake, n.cancel, n.done = make(chan struct{}, 1), cancel, make(chan struct{})
+		go n.run(ctx, pool)
+	}
+	n.mu.Unlock()
+	select {
+	case n.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (n *outboxNotifier) run(ctx context.Context, pool *pgxpool.Pool) {
+	defer close(n.done)
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-n.wake:
+		}
+		// A failure only delays the relay until its next poll.
+		_, _ = pool.Exec(ctx, notifySQL)
+	}
+}
+
+// close stops the goroutine and waits for it.
+func (n *outboxNotifier) close() {
+	n.mu.Lock()
+	n.closed = true
+	cancel, done := n.cancel, n.done
+	n.mu.Unlock()
+	if cancel != nil {
+		cancel()
+		<-done
+	}
 }
 
 // PokeNodes enqueues one poke per gateway that holds a session of any of

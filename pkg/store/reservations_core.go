@@ -297,7 +297,7 @@ func InsertReservationEvents(ctx context.Context, q DBTX, now time.Time, events 
 		outSubjects, payloads, now); err != nil {
 		return fmt.Errorf("enqueue events: %w", interpretError(err))
 	}
-	if _, err := q.Exec(ctx, `SELECT pg_notify($1, '')`, OutboxChannel); err != nil {
+	if err := signalOutbox(ctx, q); err != nil {
 		return fmt.Errorf("enqueue events: %w", interpretError(err))
 	}
 	return nil

@@ -48,6 +48,10 @@ type DBTX interface {
 type DB struct {
 	Pool  *pgxpool.Pool
 	Clock clock.Clock
+
+	// notifier sends the NOTIFYs of the outbox writes InTx committed (see
+	// outboxTx).
+	notifier outboxNotifier
 }
 
 // Options tune Open.
@@ -88,8 +92,11 @@ func Open(ctx context.Context, url string, clk clock.Clock, wait time.Duration, 
 	}
 }
 
-// Close closes the pool.
-func (db *DB) Close() { db.Pool.Close() }
+// Close stops the outbox notifier and closes the pool.
+func (db *DB) Close() {
+	db.notifier.close()
+	db.Pool.Close()
+}
 
 // Now returns the clock's time truncated to microseconds, the precision of
 // timestamptz.
@@ -97,7 +104,9 @@ func (db *DB) Now() time.Time { return db.Clock.Now().UTC().Truncate(time.Micros
 
 // InTx runs fn in a transaction and commits it. A serialization failure or
 // deadlock (SQLSTATE 40001, 40P01) reruns fn, up to 10 times; any other error
-// rolls back and is returned, interpreted (ErrNotFound, ErrConflict).
+// rolls back and is returned, interpreted (ErrNotFound, ErrConflict). When
+// fn wrote outbox rows (Enqueue, InsertReservationEvents), the relay is
+// signalled after the commit (see outboxTx).
 func (db *DB) InTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
 	var err error
 	for attempt := 0; attempt < 10; attempt++ {
@@ -115,10 +124,17 @@ func (db *DB) inTxOnce(ctx context.Context, fn func(tx pgx.Tx) error) error {
 		return interpretError(err)
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	if err := fn(tx); err != nil {
+	otx := &outboxTx{Tx: tx}
+	if err := fn(otx); err != nil {
 		return interpretError(err)
 	}
-	return interpretError(tx.Commit(ctx))
+	if err := tx.Commit(ctx); err != nil {
+		return interpretError(err)
+	}
+	if otx.wrote {
+		db.notifier.signal(db.Pool)
+	}
+	return nil
 }
 
 func isRetryable(err error) bool {

@@ -25,6 +25,16 @@ type PassResult struct {
 	// Again is true when the pass left due work behind (a full read, or a
 	// placement lost on its last attempt): run another pass at once.
 	Again bool
+	// Timings is where the pass spent its time.
+	Timings PassTimings
+}
+
+// PassTimings splits a pass's wall time by phase.
+type PassTimings struct {
+	// Pending reads the pending reservations; Capacity reads the pools'
+	// nodes and bookings; Plan plans in memory; Write writes failures and
+	// placements (the transactions, commit included).
+	Pending, Capacity, Plan, Write time.Duration
 }
 
 // attempts is how many times a pool is planned within one pass; the last
@@ -46,6 +56,7 @@ func (s *Server) Schedule(ctx context.Context) (PassResult, error) {
 	if err != nil {
 		return res, err
 	}
+	res.Timings.Pending = s.clk.Now().Sub(began)
 	res.Again = len(pending) >= s.cfg.MaxPending
 	var firstErr error
 	for start := 0; start < len(pending); {
@@ -60,7 +71,8 @@ func (s *Server) Schedule(ctx context.Context) (PassResult, error) {
 	}
 	if res.Placed+res.Failed+res.Conflicts > 0 {
 		s.log.Info("scheduling pass", "placed", res.Placed, "failed", res.Failed, "waiting", res.Waiting,
-			"conflicts", res.Conflicts, "duration", s.clk.Now().Sub(began))
+			"conflicts", res.Conflicts, "duration", s.clk.Now().Sub(began), "pending_read", res.Timings.Pending,
+			"capacity_read", res.Timings.Capacity, "plan", res.Timings.Plan, "write", res.Timings.Write)
 	}
 	return res, firstErr
 }
@@ -69,23 +81,31 @@ func (s *Server) Schedule(ctx context.Context) (PassResult, error) {
 // after a conflict.
 func (s *Server) schedulePool(ctx context.Context, poolID string, queue []store.PendingReservation, res *PassResult) error {
 	for attempt := 1; ; attempt++ {
+		t0 := s.clk.Now()
 		now := s.now()
 		nodes, booked, err := store.PoolCapacity(ctx, s.db.Pool, poolID, now)
 		if err != nil {
 			return err
 		}
+		t1 := s.clk.Now()
 		plan := planPool(queue, nodes, booked, now, s.cfg.StarvationBound)
+		t2 := s.clk.Now()
+		res.Timings.Capacity += t1.Sub(t0)
+		res.Timings.Plan += t2.Sub(t1)
 		if plan.BlockedBy != "" {
 			s.log.Debug("pool holds newer reservations back for one that waited past the starvation bound",
 				telemetry.KeyPoolID, poolID, telemetry.KeyReservationID, plan.BlockedBy)
 		}
 		failed, err := s.fail(ctx, plan.Failures)
+		res.Timings.Write += s.clk.Now().Sub(t2)
 		if err != nil {
 			return err
 		}
 		res.Failed += failed
 		perReservation := attempt == attempts
+		t3 := s.clk.Now()
 		placed, placedIDs, conflict, err := s.place(ctx, plan.Placements, perReservation)
+		res.Timings.Write += s.clk.Now().Sub(t3)
 		res.Placed += placed
 		s.placed.Add(int64(placed))
 		if err != nil {

@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/better-compute/better-compute/pkg/store"
@@ -38,10 +39,15 @@ type Plan struct {
 //     frees up goes to it first.
 func planPool(queue []store.PendingReservation, nodes []store.PoolNode, booked []store.BookedInterval,
 	now time.Time, starvation time.Duration) Plan {
+	// Every window planned here starts at now, and a booking overlaps
+	// [now, hi) exactly when it ends after now and starts before hi. So each
+	// healthy device needs only next: the start of its earliest booking that
+	// ends after now (zero when it has none); it is free for [now, hi) when
+	// next is zero or not before hi. This keeps a pass linear in bookings.
 	type nodeState struct {
 		node *store.PoolNode
-		// busy holds each healthy device's booked intervals.
-		busy map[int32][]store.BookedInterval
+		// next is per device of node.Healthy, in that order.
+		next []time.Time
 	}
 	states := make([]*nodeState, 0, len(nodes))
 	byID := make(map[string]*nodeState, len(nodes))
@@ -52,27 +58,28 @@ func planPool(queue []store.PendingReservation, nodes []store.PoolNode, booked [
 		if !n.Schedulable || len(n.Healthy) == 0 {
 			continue
 		}
-		ns := &nodeState{node: n, busy: map[int32][]store.BookedInterval{}}
+		ns := &nodeState{node: n, next: make([]time.Time, len(n.Healthy))}
 		states = append(states, ns)
 		byID[n.ID] = ns
 	}
 	for _, b := range booked {
-		if ns := byID[b.NodeID]; ns != nil {
-			ns.busy[b.DeviceIndex] = append(ns.busy[b.DeviceIndex], b)
+		ns := byID[b.NodeID]
+		if ns == nil || !now.Before(b.Upper) {
+			continue
 		}
-	}
-	isFree := func(ns *nodeState, d int32, lo, hi time.Time) bool {
-		for _, b := range ns.busy[d] {
-			if b.Lower.Before(hi) && lo.Before(b.Upper) {
-				return false
+		if i, ok := slices.BinarySearch(ns.node.Healthy, b.DeviceIndex); ok {
+			if ns.next[i].IsZero() || b.Lower.Before(ns.next[i]) {
+				ns.next[i] = b.Lower
 			}
 		}
-		return true
 	}
-	countFree := func(ns *nodeState, lo, hi time.Time) int {
+	isFree := func(ns *nodeState, i int, hi time.Time) bool {
+		return ns.next[i].IsZero() || !ns.next[i].Before(hi)
+	}
+	countFree := func(ns *nodeState, hi time.Time) int {
 		n := 0
-		for _, d := range ns.node.Healthy {
-			if isFree(ns, d, lo, hi) {
+		for i := range ns.next {
+			if isFree(ns, i, hi) {
 				n++
 			}
 		}
@@ -96,7 +103,7 @@ func planPool(queue []store.PendingReservation, nodes []store.PoolNode, booked [
 			bestFree int
 		)
 		for _, ns := range states {
-			n := countFree(ns, lo, hi)
+			n := countFree(ns, hi)
 			if n < r.GPUs {
 				continue
 			}
@@ -112,13 +119,13 @@ func planPool(queue []store.PendingReservation, nodes []store.PoolNode, booked [
 			continue
 		}
 		devs := make([]int32, 0, r.GPUs)
-		for _, d := range best.node.Healthy {
-			if len(devs) < r.GPUs && isFree(best, d, lo, hi) {
+		for i, d := range best.node.Healthy {
+			if len(devs) < r.GPUs && isFree(best, i, hi) {
 				devs = append(devs, d)
+				if lo.Before(hi) {
+					best.next[i] = lo
+				}
 			}
-		}
-		for _, d := range devs {
-			best.busy[d] = append(best.busy[d], store.BookedInterval{NodeID: best.node.ID, DeviceIndex: d, Lower: lo, Upper: hi})
 		}
 		p.Placements = append(p.Placements, store.Placement{ReservationID: r.ID, TenantID: r.TenantID,
 			NodeID: best.node.ID, Devices: devs, Lower: lo, Upper: hi})
