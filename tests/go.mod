@@ -20,10 +20,13 @@ require (
 	github.com/better-compute/better-compute/cmd/better-compute v0.0.0-00010101000000-000000000000
 	github.com/better-compute/better-compute/pkg v0.0.0-00010101000000-000000000000
 	github.com/better-compute/better-compute/services/fakedaemon v0.0.0-00010101000000-000000000000
+	github.com/better-compute/better-compute/services/scheduler v0.0.0-00010101000000-000000000000
 	github.com/jackc/pgx/v5 v5.13.0
+	github.com/nats-io/nats.go v1.55.0
 	github.com/stretchr/testify v1.12.1
 	github.com/testcontainers/testcontainers-go v0.45.0
 	go.uber.org/goleak v1.3.0
+	google.golang.org/protobuf v1.36.12
 )
 
 require (
@@ -44,7 +47,6 @@ require (
 	github.com/better-compute/better-compute/services/controllers v0.0.0-00010101000000-000000000000 // indirect
 	github.com/better-compute/better-compute/services/gateway v0.0.0-00010101000000-000000000000 // indirect
 	github.com/better-compute/better-compute/services/joinservice v0.0.0-00010101000000-000000000000 // indirect
-	github.com/better-compute/better-compute/services/scheduler v0.0.0-00010101000000-000000000000 // indirect
 	github.com/cenkalti/backoff/v4 v4.3.0 // indirect
 	github.com/cenkalti/backoff/v5 v5.0.3 // indirect
 	github.com/cespare/xxhash/v2 v2.3.0 // indirect
@@ -85,7 +87,6 @@ require (
 	github.com/moby/term v0.5.2 // indirect
 	github.com/nats-io/jwt/v2 v2.8.3 // indirect
 	github.com/nats-io/nats-server/v2 v2.15.3 // indirect
-	github.com/nats-io/nats.go v1.55.0 // indirect
 	github.com/nats-io/nkeys v0.4.17 // indirect
 	github.com/nats-io/nuid v1.0.1 // indirect
 	github.com/oklog/ulid/v2 v2.1.2 // indirect
@@ -119,5 +120,4 @@ require (
 	google.golang.org/genproto/googleapis/api v0.0.0-20260928230214-8a89bd6388cc // indirect
 	google.golang.org/genproto/googleapis/rpc v0.0.0-20260928230214-8a89bd6388cc // indirect
 	google.golang.org/grpc v1.83.2 // indirect
-	google.golang.org/protobuf v1.36.12 // indirect
 )

@@ -282,7 +282,10 @@ func (d *daemon) send(m *gatewayv1.SessionRequest) {
 	require.NoError(d.t, d.stream.Send(m))
 }
 
-// next returns the next message, failing the test after waitFor.
+// next returns the next message, failing the test after waitFor or when
+// the stream ended with no message left. Messages received before the end
+// come first: the reader queues them before the error, but a select on both
+// channels would pick either.
 func (d *daemon) next() *gatewayv1.SessionResponse {
 	d.t.Helper()
 	timer := realClock.NewTimer(waitFor)
@@ -292,6 +295,11 @@ func (d *daemon) next() *gatewayv1.SessionResponse {
 		return m
 	case err := <-d.err:
 		d.err <- err
+		select {
+		case m := <-d.msgs:
+			return m
+		default:
+		}
 		require.FailNow(d.t, "stream ended", "%v", err)
 	case <-timer.C():
 		require.FailNow(d.t, "no message from the gateway")

@@ -151,8 +151,10 @@ func TestRenewalKeepsTheSession(t *testing.T) {
 }
 
 // TestRenewalRefusals: a CSR that does not parse or is not signed by its key,
-// and any renewal of a revoked node, are refused with a reason; the session
-// goes on and nothing is recorded.
+// and any renewal of a revoked node, are refused with a reason and nothing is
+// recorded. A bad CSR leaves the session going on; the delivery that answers
+// a revoked node's renewal re-reads the node and then ends its session with
+// Unauthenticated "certificate revoked", even without a poke or a resync.
 func TestRenewalRefusals(t *testing.T) {
 	t.Parallel()
 	e := setup(t, options{})
@@ -175,15 +177,22 @@ func TestRenewalRefusals(t *testing.T) {
 	require.Contains(t, ci.GetError(), "csr_der")
 	require.Equal(t, 1, e.certCount(n.id))
 
-	// Revoked while the session is open (no poke, no resync here).
+	// The session goes on: it still answers, and is still the node's.
+	d.heartbeat(1, 0)
+	ci = d.renew([]byte("still not a csr"))
+	require.Contains(t, ci.GetError(), "csr_der")
+	require.Equal(t, w.GetSessionId(), *e.nodeRow(n.id).SessionID, "the refusals did not end the session")
+
+	// Revoked while the session is open (no poke, no resync here): the
+	// refusal reaches the daemon, then the session ends.
+	start := realClock.Now()
 	e.revoke(n.id)
 	ci = d.renew(csr)
 	require.Empty(t, ci.GetCertificateDer())
 	require.Equal(t, "certificate revoked", ci.GetError())
+	requireRevokedEnd(t, d, start)
 	require.Equal(t, 1, e.certCount(n.id), "no certificate recorded")
-
-	d.heartbeat(1, 0)
-	require.Equal(t, w.GetSessionId(), *e.nodeRow(n.id).SessionID, "the refusals did not end the session")
+	eventually(t, func() bool { return e.nodeRow(n.id).SessionID == nil }, "session cleared")
 }
 
 // TestSignaturesAreRelayedUntouched: the gateway sends commands and desired
