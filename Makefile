@@ -50,9 +50,10 @@ vet: ## go vet every module.
 	@for m in $(MODULES); do echo "vet $$m"; (cd $$m && $(GO) vet ./...); done
 
 .PHONY: lint
-lint: tools ## golangci-lint every module, plus the one-clock rule.
-	@for m in $(MODULES); do echo "lint $$m"; (cd $$m && "$(CURDIR)/$(TOOLS)/golangci-lint" run --allow-parallel-runners --config "$(CURDIR)/.golangci.yml" ./...); done
+lint: tools ## golangci-lint every module, the one-clock rule, and tidy go.mod files.
+	@for m in $(MODULES); do echo "lint $$m"; (cd $$m && "$(CURDIR)/$(TOOLS)/golangci-lint" run --allow-parallel-runners --config "$(CURDIR)/.golangci.yml" ./...) || exit 1; done
 	scripts/lint-clock.sh
+	@for m in $(MODULES); do (cd $$m && GOWORK=off $(GO) mod tidy -diff >/dev/null) || { echo "$$m: go.mod is not tidy: cd $$m && GOWORK=off go mod tidy"; exit 1; }; done
 
 .PHONY: build
 build: ## Build static binaries of every service and the CLI into bin/linux.
