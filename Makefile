@@ -47,7 +47,7 @@ generate-check: generate ## Fail when api/gen differs from what the protos gener
 
 .PHONY: vet
 vet: ## go vet every module.
-	@for m in $(MODULES); do echo "vet $$m"; (cd $$m && $(GO) vet ./...); done
+	@fail=0; for m in $(MODULES); do echo "vet $$m"; (cd $$m && $(GO) vet ./...) || fail=1; done; exit $$fail
 
 .PHONY: lint
 lint: tools ## golangci-lint every module, the one-clock rule, and tidy go.mod files.
@@ -82,7 +82,7 @@ ps: ## Show the stack's containers.
 # containers via testcontainers, embedded NATS), with the race detector.
 .PHONY: test-unit
 test-unit: images
-	@for m in $(filter-out tests,$(MODULES)); do echo "test $$m"; (cd $$m && $(GO) test -race -count=1 -timeout 10m ./...); done
+	@fail=0; for m in $(filter-out tests,$(MODULES)); do echo "test $$m"; (cd $$m && $(GO) test -race -count=1 -timeout 10m ./...) || { echo "FAIL: tests of $$m"; fail=1; }; done; exit $$fail
 
 # The suites of tests/: services in process against Postgres and NATS
 # containers, and the compose fleet end to end.
