@@ -125,6 +125,13 @@ func (r *Relay) listenOnce(ctx context.Context, wake chan<- struct{}) error {
 	if _, err := conn.Exec(ctx, "LISTEN "+store.OutboxChannel); err != nil {
 		return err
 	}
+	// Rows committed while nothing listened (before the first LISTEN, or
+	// between a lost connection and this one) sent their NOTIFY to no one:
+	// drain once now that notifications are heard.
+	select {
+	case wake <- struct{}{}:
+	default:
+	}
 	defer func() {
 		_, _ = conn.Exec(context.WithoutCancel(ctx), "UNLISTEN *")
 	}()
