@@ -37,9 +37,11 @@ func TestTenantsAndTokens(t *testing.T) {
 	now := db.Now()
 	root := store.Tenant{ID: ids.New(ids.Tenant, now), Name: "root", CreatedAt: now}
 	require.NoError(t, store.CreateTenant(ctx, db.Pool, root))
-	acme := store.Tenant{ID: ids.New(ids.Tenant, now), Name: "acme", ParentID: root.ID, CreatedAt: now}
+	// Ids made at the same millisecond sort in creation order only while no
+	// other test makes ids in between: give each its own millisecond.
+	acme := store.Tenant{ID: ids.New(ids.Tenant, now.Add(time.Millisecond)), Name: "acme", ParentID: root.ID, CreatedAt: now}
 	require.NoError(t, store.CreateTenant(ctx, db.Pool, acme))
-	other := store.Tenant{ID: ids.New(ids.Tenant, now), Name: "other", ParentID: root.ID, CreatedAt: now}
+	other := store.Tenant{ID: ids.New(ids.Tenant, now.Add(2*time.Millisecond)), Name: "other", ParentID: root.ID, CreatedAt: now}
 	require.NoError(t, store.CreateTenant(ctx, db.Pool, other))
 
 	err := store.CreateTenant(ctx, db.Pool, store.Tenant{ID: ids.New(ids.Tenant, now), Name: "acme", CreatedAt: now})
