@@ -264,11 +264,36 @@ const (
 	EventReservationFailed  = "reservation.failed"
 )
 
+// RequestConflictError is the refusal of a request id already used by the
+// tenant for a different reservation (another pool, GPU count or duration).
+type RequestConflictError struct {
+	RequestID string
+	Existing  Reservation
+}
+
+// Error names the reservation the request id belongs to.
+func (e *RequestConflictError) Error() string {
+	r := e.Existing
+	return fmt.Sprintf("request_id: %q was used for reservation %s (%d GPUs for %s in pool %s); use another request id",
+		e.RequestID, r.ID, r.GPUs, r.EndAt.Sub(r.StartAt), r.PoolID)
+}
+
+// existingReservation returns r, the reservation a retried request id named,
+// when the retry asks for the same pool, GPU count and duration, and a
+// *RequestConflictError otherwise.
+func existingReservation(r Reservation, n NewReservation) (CreatedReservation, error) {
+	if r.PoolID != n.PoolID || r.GPUs != n.GPUs || r.EndAt.Sub(r.StartAt) != n.EndAt.Sub(n.StartAt) {
+		return CreatedReservation{}, &RequestConflictError{RequestID: n.RequestID, Existing: r}
+	}
+	return CreatedReservation{Reservation: r, Existing: true}, nil
+}
+
 // CreateReservation creates reservation n in q's transaction (call it in
 // DB.InTx) at now:
 //
 //   - a tenant's earlier reservation with the same RequestID is returned as
-//     it is (Existing), whatever the quota now says;
+//     it is (Existing), whatever the quota now says, when it asked for the
+//     same pool, GPU count and duration (else *RequestConflictError);
 //   - the tenant's offer row of the pool is locked (SELECT … FOR UPDATE), so
 //     concurrent reservations of one tenant in one pool are serialised and
 //     the quota holds: GPUs of its pending, binding and active reservations
@@ -287,7 +312,7 @@ const (
 func CreateReservation(ctx context.Context, q DBTX, now time.Time, n NewReservation) (CreatedReservation, error) {
 	if n.RequestID != "" {
 		if r, err := getReservationByRequest(ctx, q, n.TenantID, n.RequestID); err == nil {
-			return CreatedReservation{Reservation: r, Existing: true}, nil
+			return existingReservation(r, n)
 		} else if !errors.Is(err, ErrNotFound) {
 			return CreatedReservation{}, err
 		}
@@ -310,7 +335,7 @@ func CreateReservation(ctx context.Context, q DBTX, now time.Time, n NewReservat
 	// lock; read committed sees it now.
 	if n.RequestID != "" {
 		if r, err := getReservationByRequest(ctx, q, n.TenantID, n.RequestID); err == nil {
-			return CreatedReservation{Reservation: r, Existing: true}, nil
+			return existingReservation(r, n)
 		} else if !errors.Is(err, ErrNotFound) {
 			return CreatedReservation{}, err
 		}
@@ -369,7 +394,7 @@ func CreateReservation(ctx context.Context, q DBTX, now time.Time, n NewReservat
 		if err != nil {
 			return CreatedReservation{}, err
 		}
-		return CreatedReservation{Reservation: r, Existing: true}, nil
+		return existingReservation(r, n)
 	}
 	data, err := json.Marshal(map[string]any{"reservationId": n.ID, "poolId": n.PoolID, "gpus": n.GPUs,
 		"startAt": n.StartAt.UTC(), "endAt": n.EndAt.UTC()})

@@ -124,9 +124,10 @@ func timestampOrNil(t *time.Time) *timestamppb.Timestamp {
 }
 
 // RevokeNode revokes every certificate of a node of the caller's tenant (any
-// for root-admin) and the node itself, in one transaction with its audit row
-// and the poke that makes the gateway close the node's session: the node can
-// no longer open a session or renew its certificate. Revoking a revoked node
+// for root-admin) and the node itself, and fails the node's placed
+// reservations (their bookings end now), in one transaction with its audit
+// row and the poke that makes the gateway close the node's session: the node
+// can no longer open a session or renew its certificate. Revoking a revoked node
 // changes nothing and returns it. Errors: NotFound (node_id; another
 // tenant's node too).
 func (s *nodeService) RevokeNode(ctx context.Context, req *connect.Request[computev1.RevokeNodeRequest]) (*connect.Response[computev1.RevokeNodeResponse], error) {
@@ -142,13 +143,27 @@ func (s *nodeService) RevokeNode(ctx context.Context, req *connect.Request[compu
 	if err != nil {
 		return nil, mapError(err)
 	}
-	var rev store.RevokedNode
+	var (
+		rev    store.RevokedNode
+		failed []string
+	)
 	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
 		var err error
-		if rev, err = store.RevokeNode(ctx, tx, s.db.Now(), id, reason); err != nil {
+		now := s.db.Now()
+		if rev, err = store.RevokeNode(ctx, tx, now, id, reason); err != nil {
 			return err
 		}
-		detail := fmt.Sprintf("revoked %d certificate(s)", rev.CertificatesRevoked)
+		// The node can never bind or hold GPUs again: its reservations
+		// fail now, so their tenants stop being charged and get their
+		// quota back.
+		why := "node " + id + " was revoked"
+		if reason != "" {
+			why += ": " + reason
+		}
+		if failed, err = store.FailNodeReservations(ctx, tx, s.intent, now, id, why); err != nil {
+			return err
+		}
+		detail := fmt.Sprintf("revoked %d certificate(s), failed %d reservation(s)", rev.CertificatesRevoked, len(failed))
 		if reason != "" {
 			detail += ": " + reason
 		}
@@ -161,6 +176,6 @@ func (s *nodeService) RevokeNode(ctx context.Context, req *connect.Request[compu
 		return nil, mapError(err)
 	}
 	s.logger.InfoContext(ctx, "node revoked", telemetry.KeyNodeID, id, "certificates_revoked", rev.CertificatesRevoked,
-		"newly", rev.Newly, "reason", reason)
+		"newly", rev.Newly, "reason", reason, "reservations_failed", len(failed))
 	return connect.NewResponse(&computev1.RevokeNodeResponse{Node: nodeToProto(n), CertificatesRevoked: int32(rev.CertificatesRevoked)}), nil
 }

@@ -81,10 +81,13 @@ func (s *reservationService) Reserve(ctx context.Context, req *connect.Request[c
 		return s.auditInTx(ctx, tx, r.ID, detail)
 	})
 	var (
-		nf    *store.NotOfferedError
-		quota *store.QuotaError
+		nf       *store.NotOfferedError
+		quota    *store.QuotaError
+		conflict *store.RequestConflictError
 	)
 	switch {
+	case errors.As(err, &conflict):
+		return nil, connect.NewError(connect.CodeAlreadyExists, conflict)
 	case errors.Is(err, store.ErrNotFound):
 		return nil, connect.NewError(connect.CodeNotFound, errors.New("pool_id: pool "+msg.PoolId+" not found"))
 	case errors.As(err, &nf):

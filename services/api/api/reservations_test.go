@@ -174,6 +174,11 @@ func TestReserveIdempotent(t *testing.T) {
 	again, err := member.res.Reserve(ctx, req("req-1"))
 	require.NoError(t, err)
 	require.Equal(t, first.Msg.Reservation.Id, again.Msg.Reservation.Id)
+	// The same request id for a different reservation is refused, not
+	// answered with the old one.
+	_, err = member.res.Reserve(ctx, connect.NewRequest(&computev1.ReserveRequest{PoolId: f.acmePool, Gpus: 2,
+		Duration: durationpb.New(2 * time.Hour), RequestId: "req-1"}))
+	requireCode(t, err, connect.CodeAlreadyExists, `request_id: "req-1" was used for reservation `+first.Msg.Reservation.Id)
 	_, err = member.res.Reserve(ctx, req("req-2"))
 	requireCode(t, err, connect.CodeResourceExhausted, "4 in use")
 	// Another tenant's request id is its own.
@@ -473,4 +478,53 @@ func TestListUsage(t *testing.T) {
 	res, err = usage("root", f.other, nil)
 	require.NoError(t, err)
 	require.EqualValues(t, 3600, res.TotalGpuSeconds)
+}
+
+// TestRevokeNodeFailsItsReservations: revoking a node ends its active
+// reservation as failed with the reason, its bookings end at the revocation
+// (usage and quota stop there), the spec drops the allocation and a
+// reservation.failed event is written; other nodes' reservations stay.
+func TestRevokeNodeFailsItsReservations(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	node := f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
+	other := f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
+	f.offer(t, f.acmePool, f.acme, 8)
+	place := func(n string) string {
+		id := f.reservation(t, f.acme, f.acmePool, 2, "")
+		require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
+			now := f.db.Now()
+			if _, err := tx.Exec(ctx, `UPDATE reservations SET state = 'active', node_id = $2, placed_at = $3, active_at = $3
+				WHERE id = $1`, id, n, now); err != nil {
+				return err
+			}
+			if _, err := tx.Exec(ctx, `INSERT INTO bookings (reservation_id, node_id, device_index, during)
+				SELECT $1, $2, d, tstzrange(start_at, end_at, '[)') FROM reservations, unnest('{0,1}'::int[]) AS d WHERE id = $1`,
+				id, n); err != nil {
+				return err
+			}
+			_, err := store.RebuildNodeSpecs(ctx, tx, nil, now, []string{n})
+			return err
+		}))
+		return id
+	}
+	onNode, onOther := place(node), place(other)
+
+	_, err := f.as(f.tokens["acme-admin"]).nodes.RevokeNode(ctx, connect.NewRequest(&computev1.RevokeNodeRequest{NodeId: node, Reason: "stolen"}))
+	require.NoError(t, err)
+	got, err := f.as(f.tokens["acme-member"]).res.GetReservation(ctx, connect.NewRequest(&computev1.GetReservationRequest{ReservationId: onNode}))
+	require.NoError(t, err)
+	r := got.Msg.Reservation
+	require.Equal(t, "failed", r.State)
+	require.Equal(t, "node "+node+" was revoked: stolen", r.Reason)
+	require.NotNil(t, r.EndedAt)
+	require.Equal(t, 2, f.count(t, `SELECT count(*) FROM bookings WHERE reservation_id = $1 AND upper(during) = $2`,
+		onNode, r.EndedAt.AsTime()), "bookings end at the revocation")
+	require.Empty(t, f.allocations(t, node).Allocations)
+	require.Equal(t, 1, f.count(t, `SELECT count(*) FROM events WHERE type = 'reservation.failed' AND subject_id = $1`, onNode))
+
+	still, err := f.as(f.tokens["acme-member"]).res.GetReservation(ctx, connect.NewRequest(&computev1.GetReservationRequest{ReservationId: onOther}))
+	require.NoError(t, err)
+	require.Equal(t, "active", still.Msg.Reservation.State)
 }

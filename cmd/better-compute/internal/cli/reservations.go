@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"strconv"
@@ -9,6 +10,7 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
+	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -245,24 +247,15 @@ func (a *app) reservationsListCmd() *cobra.Command {
 			}
 		}
 		if *format == formatJSON {
-			type reservationJSON struct {
-				ID      string    `json:"id"`
-				Pool    string    `json:"pool"`
-				GPUs    int32     `json:"gpus"`
-				State   string    `json:"state"`
-				Reason  string    `json:"reason"`
-				Node    string    `json:"node"`
-				Binding []string  `json:"binding"`
-				Start   time.Time `json:"start"`
-				End     time.Time `json:"end"`
-			}
-			out := make([]reservationJSON, len(rs))
+			// The same shape as `reservations get` and `reserve`: the
+			// API's Reservation in its JSON form, one array.
+			out := make([]json.RawMessage, len(rs))
 			for i, r := range rs {
-				out[i] = reservationJSON{ID: r.Id, Pool: r.PoolId, GPUs: r.Gpus, State: r.State, Reason: r.Reason,
-					Node: r.NodeId, Binding: r.Binding, Start: r.StartTime.AsTime(), End: r.EndTime.AsTime()}
-				if out[i].Binding == nil {
-					out[i].Binding = []string{}
+				b, err := protojson.Marshal(r)
+				if err != nil {
+					return err
 				}
+				out[i] = b
 			}
 			return writeJSON(a.env.Stdout, out)
 		}
