@@ -33,13 +33,16 @@ type PendingReservation struct {
 	StartAt, EndAt time.Time
 	// CreatedAt orders the pool's queue (FIFO, ties by ID).
 	CreatedAt time.Time
+	// Reason is why it is still pending, as last written by a pass ("" when
+	// none has said): SetPendingReasons writes only reasons that differ.
+	Reason string
 }
 
 // PendingReservations returns up to limit pending reservations whose start
 // is due (start_at ≤ now) and whose end is not (end_at > now), by pool, then
 // created_at, then id: each pool's FIFO queue.
 func PendingReservations(ctx context.Context, q DBTX, now time.Time, limit int) ([]PendingReservation, error) {
-	rows, err := q.Query(ctx, `SELECT id, tenant_id, pool_id, gpus, start_at, end_at, created_at FROM reservations
+	rows, err := q.Query(ctx, `SELECT id, tenant_id, pool_id, gpus, start_at, end_at, created_at, reason FROM reservations
 		WHERE state = 'pending' AND start_at <= $1 AND end_at > $1
 		ORDER BY pool_id, created_at, id LIMIT $2`, now, limit)
 	if err != nil {
@@ -47,7 +50,7 @@ func PendingReservations(ctx context.Context, q DBTX, now time.Time, limit int) 
 	}
 	out, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (PendingReservation, error) {
 		var r PendingReservation
-		err := row.Scan(&r.ID, &r.TenantID, &r.PoolID, &r.GPUs, &r.StartAt, &r.EndAt, &r.CreatedAt)
+		err := row.Scan(&r.ID, &r.TenantID, &r.PoolID, &r.GPUs, &r.StartAt, &r.EndAt, &r.CreatedAt, &r.Reason)
 		return r, err
 	})
 	if err != nil {
@@ -125,7 +128,8 @@ type Placement struct {
 // PlaceReservations writes placements in q's transaction: each reservation
 // still pending turns binding on its node (placed_at now) with one booking
 // per device, the nodes' specs are rebuilt (RebuildNodeSpecs, signed by
-// signer) and a reservation.bound event is written for each. Reservations
+// signer), the reason it waited is cleared and a reservation.bound event is
+// written for each. Reservations
 // no longer pending (another scheduler placed them, the tenant released
 // them) are skipped. It returns the ids placed. Errors: a ConstraintError on
 // BookingsNoOverlap (errors.Is ErrConflict) when a booking overlaps one
@@ -139,7 +143,8 @@ func PlaceReservations(ctx context.Context, q DBTX, signer *IntentSigner, now ti
 	for i, p := range ps {
 		resIDs[i], nodeIDs[i] = p.ReservationID, p.NodeID
 	}
-	rows, err := q.Query(ctx, `UPDATE reservations r SET state = 'binding', node_id = u.node, placed_at = $3, updated_at = $3
+	rows, err := q.Query(ctx, `UPDATE reservations r SET state = 'binding', node_id = u.node, placed_at = $3, updated_at = $3,
+			reason = ''
 		FROM unnest($1::text[], $2::text[]) AS u(id, node)
 		WHERE r.id = u.id AND r.state = 'pending' RETURNING r.id`, resIDs, nodeIDs, now)
 	if err != nil {

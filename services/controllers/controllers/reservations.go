@@ -29,8 +29,10 @@ const (
 // now, Batch per transaction, and ends each with store.EndReservation(state
 // expired): bookings end, the node's spec drops the allocation (signed),
 // the gateway and the scheduler are poked and a reservation.expired event is
-// written. Pending reservations past their end expire too. Nothing else ends
-// a reservation: a node's connectivity never does (I5).
+// written. A reservation still pending at its end was never placed: it fails
+// instead (store.FailNeverPlaced: reason "never placed: no node had N free
+// GPUs before its end time", event reservation.failed). Nothing else ends a
+// reservation: a node's connectivity never does (I5).
 type Expiry struct {
 	// DB is the database; required.
 	DB *store.DB
@@ -61,8 +63,8 @@ func (e *Expiry) Run(ctx context.Context) error {
 	})
 }
 
-// Reconcile ends every reservation due now, Batch per transaction, and
-// returns how many it ended.
+// Reconcile ends every reservation due now (expired, or failed when never
+// placed), Batch per transaction, and returns how many it ended.
 func (e *Expiry) Reconcile(ctx context.Context) (int, error) {
 	clk := e.Clock
 	if clk == nil {
@@ -71,31 +73,50 @@ func (e *Expiry) Reconcile(ctx context.Context) (int, error) {
 	batch := positive(e.Batch, DefaultBatchSize)
 	total := 0
 	for {
-		var ended []store.EndedReservation
-		var ids []string
+		var (
+			ended    []store.EndedReservation
+			endedIDs []string
+			failed   []store.ReservationFailure
+			ids      []string
+		)
 		err := e.DB.InTx(ctx, func(tx pgx.Tx) error {
-			ended, ids = nil, nil
+			ended, endedIDs, failed, ids = nil, nil, nil, nil
 			now := clk.Now().UTC().Truncate(time.Microsecond)
 			var err error
 			if ids, err = store.ClaimDueReservations(ctx, tx, now, batch); err != nil {
 				return err
 			}
+			if failed, err = store.FailNeverPlaced(ctx, tx, now, ids); err != nil {
+				return err
+			}
+			gone := make(map[string]bool, len(failed))
+			for _, f := range failed {
+				gone[f.ID] = true
+			}
 			for _, id := range ids {
+				if gone[id] {
+					continue
+				}
 				r, err := store.EndReservation(ctx, tx, e.Intent, now, id, store.ReservationExpired)
 				if err != nil {
 					return err
 				}
-				ended = append(ended, r)
+				ended, endedIDs = append(ended, r), append(endedIDs, id)
 			}
 			return nil
 		})
 		if err != nil {
 			return total, err
 		}
+		for _, f := range failed {
+			total++
+			logger(e.Logger).Info("reservation failed", telemetry.KeyReservationID, f.ID,
+				telemetry.KeyTenantID, f.TenantID, "reason", f.Reason)
+		}
 		for i, r := range ended {
 			if r.Changed {
 				total++
-				logger(e.Logger).Info("reservation expired", telemetry.KeyReservationID, ids[i],
+				logger(e.Logger).Info("reservation expired", telemetry.KeyReservationID, endedIDs[i],
 					telemetry.KeyTenantID, r.TenantID, telemetry.KeyNodeID, r.NodeID)
 			}
 		}

@@ -92,9 +92,10 @@ func (s *Server) schedulePool(ctx context.Context, poolID string, queue []store.
 		t2 := s.clk.Now()
 		res.Timings.Capacity += t1.Sub(t0)
 		res.Timings.Plan += t2.Sub(t1)
-		if plan.BlockedBy != "" {
-			s.log.Debug("pool holds newer reservations back for one that waited past the starvation bound",
-				telemetry.KeyPoolID, poolID, telemetry.KeyReservationID, plan.BlockedBy)
+		if plan.Head != "" {
+			s.log.Debug("pool keeps a node for a reservation that waited past the starvation bound",
+				telemetry.KeyPoolID, poolID, telemetry.KeyReservationID, plan.Head,
+				telemetry.KeyNodeID, plan.ShadowNode, "from", plan.ShadowAt)
 		}
 		failed, err := s.fail(ctx, plan.Failures)
 		res.Timings.Write += s.clk.Now().Sub(t2)
@@ -111,16 +112,18 @@ func (s *Server) schedulePool(ctx context.Context, poolID string, queue []store.
 		if err != nil {
 			return err
 		}
-		if !conflict {
+		if !conflict || perReservation {
 			res.Waiting += plan.Waiting
-			return nil
+			if conflict {
+				res.Conflicts++
+				res.Again = true
+			}
+			t4 := s.clk.Now()
+			err := s.explain(ctx, plan.Reasons)
+			res.Timings.Write += s.clk.Now().Sub(t4)
+			return err
 		}
 		res.Conflicts++
-		if perReservation {
-			res.Waiting += plan.Waiting
-			res.Again = true
-			return nil
-		}
 		// Re-plan what is still pending on fresh data.
 		queue = remaining(queue, placedIDs, plan.Failures)
 	}
@@ -139,6 +142,16 @@ func remaining(queue []store.PendingReservation, placed map[string]bool, failed 
 		}
 	}
 	return out
+}
+
+// explain writes the reasons of reservations that stay pending, in one
+// statement (only those that changed: see store.SetPendingReasons).
+func (s *Server) explain(ctx context.Context, rs []store.PendingReason) error {
+	if len(rs) == 0 {
+		return nil
+	}
+	_, err := store.SetPendingReasons(ctx, s.db.Pool, s.now(), rs)
+	return err
 }
 
 // fail writes the failures in one transaction.

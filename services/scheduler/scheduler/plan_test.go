@@ -1,6 +1,9 @@
 package scheduler
 
 import (
+	"fmt"
+	"math/rand/v2"
+	"slices"
 	"testing"
 	"time"
 
@@ -92,31 +95,192 @@ func TestNeverFitsFails(t *testing.T) {
 }
 
 // TestStarvationBound: a large request that does not fit lets smaller,
-// newer ones pass until it has waited the bound; from then on nothing newer
-// is placed in the pool, and it takes the capacity as soon as it frees.
+// newer ones pass until it has waited the bound; from then on it is the
+// head: newer ones are placed only where they cannot delay it, and it takes
+// the capacity as soon as it frees.
 func TestStarvationBound(t *testing.T) {
 	nodes := []store.PoolNode{node("n-a", 8)}
-	booked := busy("n-a", 4)
+	booked := busy("n-a", 4) // until t0+1h
 	bound := 5 * time.Minute
 
 	p := planPool([]store.PendingReservation{req("big", 8, bound-time.Second), req("small", 2, 0)}, nodes, booked, t0, bound)
 	require.Len(t, p.Placements, 1)
 	require.Equal(t, "small", p.Placements[0].ReservationID, "within the bound, small requests pass the big one")
-	require.Empty(t, p.BlockedBy)
+	require.Empty(t, p.Head)
 
-	p = planPool([]store.PendingReservation{req("big", 8, bound), req("small", 2, 0), req("small2", 1, 0)}, nodes, booked, t0, bound)
-	require.Empty(t, p.Placements, "past the bound, nothing newer is placed around it")
-	require.Equal(t, "big", p.BlockedBy)
+	short := req("short", 1, 0)
+	short.EndAt = t0.Add(time.Hour)
+	p = planPool([]store.PendingReservation{req("big", 8, bound), req("small", 2, 0), short, req("small2", 1, 0)}, nodes, booked, t0, bound)
+	require.Equal(t, "big", p.Head)
+	require.Equal(t, "n-a", p.ShadowNode)
+	require.Equal(t, t0.Add(time.Hour), p.ShadowAt, "its shadow: when the 4 booked GPUs free")
+	require.Len(t, p.Placements, 1, "past the bound, only what ends by the shadow time is placed on the shadow node")
+	require.Equal(t, "short", p.Placements[0].ReservationID)
 	require.Equal(t, 3, p.Waiting)
+	require.Equal(t, []store.PendingReason{
+		{ID: "big", Reason: "waiting: no node of pool pool has 8 free GPUs now (largest free: 4); next in line, on node n-a from 2030-01-01T13:00:00Z"},
+		{ID: "small", Reason: "waiting behind big (past its bounded wait)"},
+		{ID: "small2", Reason: "waiting behind big (past its bounded wait)"},
+	}, p.Reasons)
 
-	// Older requests ahead of it in the queue are still placed.
-	p = planPool([]store.PendingReservation{req("older", 2, time.Hour), req("big", 8, bound), req("small", 1, 0)}, nodes, booked, t0, bound)
-	require.Len(t, p.Placements, 1)
+	// Older requests ahead of it in the queue are still placed, and count in
+	// its shadow: its last two GPUs free at t0+2h. A newer one that ends
+	// exactly then does not delay it.
+	big := req("big", 8, bound)
+	big.EndAt = t0.Add(3 * time.Hour)
+	p = planPool([]store.PendingReservation{req("older", 2, time.Hour), big, req("small", 1, 0)}, nodes, booked, t0, bound)
+	require.Equal(t, "big", p.Head)
+	require.Len(t, p.Placements, 2)
 	require.Equal(t, "older", p.Placements[0].ReservationID)
+	require.Equal(t, t0.Add(2*time.Hour), p.ShadowAt)
+	require.Equal(t, "small", p.Placements[1].ReservationID)
+
+	// A head that cannot start before its own end keeps nothing for itself.
+	p = planPool([]store.PendingReservation{req("older", 2, time.Hour), req("big", 8, bound), req("small", 2, 0)}, nodes, booked, t0, bound)
+	require.Empty(t, p.Head, "its shadow, t0+2h, is its end")
+	require.Len(t, p.Placements, 2)
 
 	// Capacity frees: the big one goes first.
 	p = planPool([]store.PendingReservation{req("big", 8, bound), req("small", 2, 0)}, nodes, nil, t0, bound)
 	require.Len(t, p.Placements, 1)
 	require.Equal(t, "big", p.Placements[0].ReservationID)
 	require.Equal(t, 1, p.Waiting)
+	require.Empty(t, p.Head, "it fits: no shadow to keep")
+}
+
+// TestBackfillAroundAStarvedHead is the new-user case: the fleet is nearly
+// full, one node is booked for a year, and an 8-GPU request is past its
+// bounded wait. Its shadow is the node that frees first; 1-GPU requests of
+// any tenant are still placed now on the other nodes' free GPUs, or on the
+// shadow node when they end before the shadow time; those that could only
+// delay the head wait behind it, saying so. Reasons already stored are not
+// written again.
+func TestBackfillAroundAStarvedHead(t *testing.T) {
+	bound := 5 * time.Minute
+	nodes := []store.PoolNode{node("n-a", 8), node("n-b", 8), node("n-c", 8)}
+	var booked []store.BookedInterval
+	until := func(nodeID string, n int, end time.Time) {
+		for i := range n {
+			booked = append(booked, store.BookedInterval{NodeID: nodeID, DeviceIndex: int32(i), Lower: t0.Add(-time.Hour), Upper: end})
+		}
+	}
+	until("n-a", 6, t0.Add(time.Hour))        // 2 free, all 8 at t0+1h
+	until("n-b", 7, t0.Add(3*time.Hour))      // 1 free, all 8 at t0+3h
+	until("n-c", 8, t0.Add(366*24*time.Hour)) // full for a year
+	head := req("big", 8, time.Hour)
+	head.EndAt = t0.Add(400 * 24 * time.Hour)
+	long := req("long", 1, 0) // ends t0+2h: after the shadow time
+	short := req("short", 1, 0)
+	short.EndAt = t0.Add(30 * time.Minute)
+	late := req("late", 1, 0) // fits only on n-a's last free GPU, past t0+1h
+	late.Reason = "waiting behind big (past its bounded wait)"
+	later := req("later", 2, 0) // fits nowhere now
+	queue := []store.PendingReservation{head, long, short, late, later}
+
+	p := planPool(queue, nodes, booked, t0, bound)
+	require.Equal(t, "big", p.Head)
+	require.Equal(t, "n-a", p.ShadowNode)
+	require.Equal(t, t0.Add(time.Hour), p.ShadowAt)
+	got := map[string]store.Placement{}
+	for _, pl := range p.Placements {
+		got[pl.ReservationID] = pl
+	}
+	require.Len(t, got, 2)
+	require.Equal(t, "n-b", got["long"].NodeID, "not on the shadow node (best fit otherwise): it would hold a GPU of n-a past t0+1h")
+	require.Equal(t, []int32{7}, got["long"].Devices)
+	require.Equal(t, "n-a", got["short"].NodeID, "on the shadow node: it ends before the shadow time")
+	require.Equal(t, []int32{6}, got["short"].Devices)
+	require.Equal(t, 3, p.Waiting)
+	require.Equal(t, []store.PendingReason{{ID: "big", Reason: "waiting: no node of pool pool has 8 free GPUs now (largest free: 2); " +
+		"next in line, on node n-a from 2030-01-01T13:00:00Z"},
+		{ID: "later", Reason: "waiting: no node of pool pool has 2 free GPUs now (largest free: 1)"},
+	}, p.Reasons, "late's reason is already stored")
+
+	// The head is not delayed: with the placements booked, it still starts
+	// on n-a at t0+1h; and there it does start once the hour has passed.
+	after := withPlacements(booked, p.Placements)
+	states, _ := nodeStates(nodes, after, t0)
+	ns, at, ok := shadowOf(states, 8, head.EndAt, t0)
+	require.True(t, ok)
+	require.Equal(t, "n-a", ns.node.ID)
+	require.Equal(t, t0.Add(time.Hour), at)
+	p = planPool(queue[:1], nodes, after, t0.Add(time.Hour), bound)
+	require.Len(t, p.Placements, 1)
+	require.Equal(t, "big", p.Placements[0].ReservationID)
+	require.Equal(t, "n-a", p.Placements[0].NodeID)
+}
+
+// TestHeadIsNeverDelayed: on random fleets and queues, whatever a pass
+// places around a head past its bounded wait, the head still fits on its
+// shadow node from its shadow time, and its shadow is no later than before;
+// newer requests are still placed (backfilled) in some of them; and the
+// plan is a pure function of its input.
+func TestHeadIsNeverDelayed(t *testing.T) {
+	bound := 5 * time.Minute
+	rng := rand.New(rand.NewPCG(4, 2))
+	heads, backfilled := 0, 0
+	for round := range 500 {
+		var nodes []store.PoolNode
+		var booked []store.BookedInterval
+		for n := range 2 + rng.IntN(5) {
+			id := fmt.Sprintf("n-%d", n)
+			nodes = append(nodes, node(id, 8))
+			for d := range 8 {
+				if rng.IntN(4) > 0 {
+					booked = append(booked, store.BookedInterval{NodeID: id, DeviceIndex: int32(d), Lower: t0.Add(-time.Hour),
+						Upper: t0.Add(time.Duration(1+rng.IntN(600)) * time.Minute)})
+				}
+			}
+		}
+		head := req("head", 5+rng.IntN(4), bound+time.Duration(rng.IntN(60))*time.Minute)
+		head.EndAt = t0.Add(100 * time.Hour)
+		queue := []store.PendingReservation{head}
+		for i := range 20 {
+			r := req(fmt.Sprintf("r%02d", i), 1+rng.IntN(8), time.Duration(rng.IntN(int(bound))))
+			r.EndAt = t0.Add(time.Duration(10+rng.IntN(1200)) * time.Minute)
+			queue = append(queue, r)
+		}
+		p := planPool(queue, nodes, booked, t0, bound)
+		require.Equal(t, p, planPool(queue, nodes, booked, t0, bound), "round %d: deterministic", round)
+		if p.Head != "head" {
+			continue
+		}
+		heads++
+		states, _ := nodeStates(nodes, booked, t0)
+		_, before, _ := shadowOf(states, head.GPUs, head.EndAt, t0)
+		require.Equal(t, before, p.ShadowAt, "round %d", round)
+
+		after := withPlacements(booked, p.Placements)
+		backfilled += len(p.Placements)
+		free := 0
+		for d := range int32(8) {
+			clear := true
+			for _, b := range after {
+				if b.NodeID == p.ShadowNode && b.DeviceIndex == d && b.Lower.Before(head.EndAt) && p.ShadowAt.Before(b.Upper) {
+					clear = false
+				}
+			}
+			if clear {
+				free++
+			}
+		}
+		require.GreaterOrEqual(t, free, head.GPUs, "round %d: the head fits on %s from %s", round, p.ShadowNode, p.ShadowAt)
+		states, _ = nodeStates(nodes, after, t0)
+		_, at, ok := shadowOf(states, head.GPUs, head.EndAt, t0)
+		require.True(t, ok)
+		require.False(t, at.After(p.ShadowAt), "round %d: the head's shadow moved from %s to %s", round, p.ShadowAt, at)
+	}
+	require.Greater(t, heads, 50, "rounds with a starved head")
+	require.Greater(t, backfilled, heads, "requests placed around starved heads")
+}
+
+// withPlacements is booked with the placements' bookings added.
+func withPlacements(booked []store.BookedInterval, ps []store.Placement) []store.BookedInterval {
+	out := slices.Clone(booked)
+	for _, pl := range ps {
+		for _, d := range pl.Devices {
+			out = append(out, store.BookedInterval{NodeID: pl.NodeID, DeviceIndex: d, Lower: pl.Lower, Upper: pl.Upper})
+		}
+	}
+	return out
 }

@@ -1,7 +1,9 @@
 // Package scheduler places pending reservations onto free devices (DESIGN
 // §3): each reservation whole on one node, best fit, FIFO per pool with a
-// bounded wait for large requests (see planPool for the exact rules), on
-// adopted, reachable, uncordoned, non-revoked nodes.
+// bounded wait for large requests and EASY backfilling around the oldest
+// one past it (see planPool for the exact rules), on adopted, reachable,
+// uncordoned, non-revoked nodes. A pass writes why each reservation it
+// leaves pending waits (reservations.reason, only when it changes).
 //
 // The scheduler holds the LeaseName lease (one active replica, released on
 // shutdown) and runs a pass on every poke on store.SubjectPokeScheduler
@@ -46,7 +48,7 @@ const (
 	DefaultInterval = 2 * time.Second
 	DefaultLeaseTTL = lease.DefaultTTL
 	// DefaultStarvationBound is how long a reservation that does not fit may
-	// be passed by newer ones before its pool holds them back.
+	// be passed freely by newer ones before its pool keeps a node for it.
 	DefaultStarvationBound = 5 * time.Minute
 	DefaultBatch           = 1000
 	DefaultMaxPending      = 20000
@@ -77,8 +79,10 @@ type Config struct {
 	// lease.DefaultHolder()).
 	Holder string
 	// StarvationBound is how long a pending reservation that does not fit
-	// may be passed by newer reservations of its pool; past it, the pool
-	// places nothing newer until it fits (env BC_STARVATION_BOUND, 5 min).
+	// may be passed freely by newer reservations of its pool; past it, the
+	// oldest such one keeps its shadow (the node and time at which it is
+	// sure to start) and newer ones are placed only where they do not delay
+	// it: EASY backfilling, see planPool (env BC_STARVATION_BOUND, 5 min).
 	StarvationBound time.Duration
 	// Batch is how many placements one transaction writes (1000).
 	Batch int
