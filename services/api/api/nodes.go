@@ -164,3 +164,13 @@ func (s *nodeService) RevokeNode(ctx context.Context, req *connect.Request[compu
 		"newly", rev.Newly, "reason", reason)
 	return connect.NewResponse(&computev1.RevokeNodeResponse{Node: nodeToProto(n), CertificatesRevoked: int32(rev.CertificatesRevoked)}), nil
 }
+
+// CordonNode implements NodeService.CordonNode.
+func (s *nodeService) CordonNode(ctx context.Context, req *connect.Request[computev1.CordonNodeRequest]) (*connect.Response[computev1.CordonNodeResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("CordonNode is not implemented yet"))
+}
+
+// UncordonNode implements NodeService.UncordonNode.
+func (s *nodeService) UncordonNode(ctx context.Context, req *connect.Request[computev1.UncordonNodeRequest]) (*connect.Response[computev1.UncordonNodeResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("UncordonNode is not implemented yet"))
+}
