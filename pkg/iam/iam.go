@@ -100,22 +100,36 @@ const (
 	// PermUsageRead lists usage windows (the caller's tenant's, or any
 	// tenant's for a root administrator).
 	PermUsageRead Permission = "usage.read"
+	// PermCommandsRun runs commands (diag.nvml, inventory.refresh,
+	// logs.collect, node.reboot) on the nodes of the caller's tenant (any
+	// node for a root administrator). Rebooting a machine is an operator
+	// action, so only administrators hold it.
+	PermCommandsRun Permission = "commands.run"
+	// PermCommandsRead gets and lists the commands of the caller's tenant's
+	// nodes (all for a root administrator).
+	PermCommandsRead Permission = "commands.read"
+	// PermEventsRead watches the events stream: the caller's tenant's
+	// events, or every tenant's for a root administrator.
+	PermEventsRead Permission = "events.read"
 )
 
 // rolePermissions is the single table of what each role may do.
 var rolePermissions = map[Role][]Permission{
 	RoleRootAdmin: {PermFleetRead, PermFleetManage, PermSitesManage, PermTenantsRead, PermTenantsManage,
-		PermIAMManage, PermAuditRead, PermReservationsRead, PermReservationsWrite, PermUsageRead},
+		PermIAMManage, PermAuditRead, PermReservationsRead, PermReservationsWrite, PermUsageRead,
+		PermCommandsRun, PermCommandsRead, PermEventsRead},
 	RoleTenantAdmin: {PermFleetRead, PermFleetManage, PermTenantsRead, PermIAMManage, PermAuditRead,
-		PermReservationsRead, PermReservationsWrite, PermUsageRead},
-	RoleTenantMember: {PermFleetRead, PermTenantsRead, PermReservationsRead, PermReservationsWrite, PermUsageRead},
-	RoleViewer:       {PermFleetRead, PermTenantsRead, PermReservationsRead, PermUsageRead},
+		PermReservationsRead, PermReservationsWrite, PermUsageRead, PermCommandsRun, PermCommandsRead, PermEventsRead},
+	RoleTenantMember: {PermFleetRead, PermTenantsRead, PermReservationsRead, PermReservationsWrite, PermUsageRead,
+		PermCommandsRead, PermEventsRead},
+	RoleViewer: {PermFleetRead, PermTenantsRead, PermReservationsRead, PermUsageRead, PermCommandsRead, PermEventsRead},
 }
 
 // Permissions lists every permission, in the order of the table above.
 func Permissions() []Permission {
 	return []Permission{PermFleetRead, PermFleetManage, PermSitesManage, PermTenantsRead, PermTenantsManage,
-		PermIAMManage, PermAuditRead, PermReservationsRead, PermReservationsWrite, PermUsageRead}
+		PermIAMManage, PermAuditRead, PermReservationsRead, PermReservationsWrite, PermUsageRead,
+		PermCommandsRun, PermCommandsRead, PermEventsRead}
 }
 
 // Grants reports whether role r has permission p.

@@ -42,12 +42,15 @@ func TestRoles(t *testing.T) {
 	want := map[iam.Role][]iam.Permission{
 		iam.RoleRootAdmin: {iam.PermFleetRead, iam.PermFleetManage, iam.PermSitesManage, iam.PermTenantsRead,
 			iam.PermTenantsManage, iam.PermIAMManage, iam.PermAuditRead, iam.PermReservationsRead,
-			iam.PermReservationsWrite, iam.PermUsageRead},
+			iam.PermReservationsWrite, iam.PermUsageRead, iam.PermCommandsRun, iam.PermCommandsRead,
+			iam.PermEventsRead},
 		iam.RoleTenantAdmin: {iam.PermFleetRead, iam.PermFleetManage, iam.PermTenantsRead, iam.PermIAMManage,
-			iam.PermAuditRead, iam.PermReservationsRead, iam.PermReservationsWrite, iam.PermUsageRead},
+			iam.PermAuditRead, iam.PermReservationsRead, iam.PermReservationsWrite, iam.PermUsageRead,
+			iam.PermCommandsRun, iam.PermCommandsRead, iam.PermEventsRead},
 		iam.RoleTenantMember: {iam.PermFleetRead, iam.PermTenantsRead, iam.PermReservationsRead,
-			iam.PermReservationsWrite, iam.PermUsageRead},
-		iam.RoleViewer:     {iam.PermFleetRead, iam.PermTenantsRead, iam.PermReservationsRead, iam.PermUsageRead},
+			iam.PermReservationsWrite, iam.PermUsageRead, iam.PermCommandsRead, iam.PermEventsRead},
+		iam.RoleViewer: {iam.PermFleetRead, iam.PermTenantsRead, iam.PermReservationsRead, iam.PermUsageRead,
+			iam.PermCommandsRead, iam.PermEventsRead},
 		iam.Role("nobody"): nil,
 	}
 	for role, perms := range want {

@@ -9,7 +9,6 @@ package store
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"time"
 )
@@ -210,7 +209,7 @@ func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time
 		devIndex                   []int32
 		devMemory                  []int64
 		devHealthy                 []bool
-		events                     []acceptanceEvent
+		events                     []NodeEvent
 	)
 	for _, a := range adoptions {
 		if !done[a.NodeID] {
@@ -224,8 +223,8 @@ func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time
 			devMemory = append(devMemory, d.MemoryBytes)
 			devHealthy = append(devHealthy, d.Healthy)
 		}
-		events = append(events, acceptanceEvent{tenantID: a.OwnerTenantID, typ: EventNodeAdopted, nodeID: a.NodeID,
-			data: map[string]any{"nodeId": a.NodeID, "poolId": a.PoolID, "gpus": len(a.Devices)}})
+		events = append(events, NodeEvent{TenantID: a.OwnerTenantID, Type: EventNodeAdopted, NodeID: a.NodeID,
+			Data: map[string]any{"poolId": a.PoolID, "gpus": len(a.Devices)}})
 	}
 	if _, err := q.Exec(ctx, `DELETE FROM node_devices WHERE node_id = ANY($1)`, adopted); err != nil {
 		return nil, fmt.Errorf("adopt nodes: clear devices: %w", interpretError(err))
@@ -238,7 +237,7 @@ func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time
 			return nil, fmt.Errorf("adopt nodes: insert devices: %w", interpretError(err))
 		}
 	}
-	if err := insertAcceptanceEvents(ctx, q, now, events); err != nil {
+	if err := InsertNodeEvents(ctx, q, now, events); err != nil {
 		return nil, err
 	}
 	return adopted, nil
@@ -285,48 +284,17 @@ func FailAcceptance(ctx context.Context, q DBTX, now time.Time, failures []Accep
 	for _, id := range failed {
 		done[id] = true
 	}
-	var events []acceptanceEvent
+	var events []NodeEvent
 	for _, f := range failures {
 		if done[f.NodeID] {
-			events = append(events, acceptanceEvent{tenantID: f.OwnerTenantID, typ: EventNodeAcceptanceFailed, nodeID: f.NodeID,
-				data: map[string]any{"nodeId": f.NodeID, "poolId": f.PoolID, "reason": f.Reason}})
+			events = append(events, NodeEvent{TenantID: f.OwnerTenantID, Type: EventNodeAcceptanceFailed, NodeID: f.NodeID,
+				Data: map[string]any{"poolId": f.PoolID, "reason": f.Reason}})
 		}
 	}
-	if err := insertAcceptanceEvents(ctx, q, now, events); err != nil {
+	if err := InsertNodeEvents(ctx, q, now, events); err != nil {
 		return nil, err
 	}
 	return failed, nil
-}
-
-type acceptanceEvent struct {
-	tenantID, typ, nodeID string
-	data                  map[string]any
-}
-
-// insertAcceptanceEvents writes events rows about nodes in one statement.
-func insertAcceptanceEvents(ctx context.Context, q DBTX, now time.Time, events []acceptanceEvent) error {
-	if len(events) == 0 {
-		return nil
-	}
-	tenants := make([]string, len(events))
-	types := make([]string, len(events))
-	subjects := make([]string, len(events))
-	data := make([]string, len(events))
-	for i, e := range events {
-		b, err := json.Marshal(e.data)
-		if err != nil {
-			return fmt.Errorf("encode %s event: %w", e.typ, err)
-		}
-		tenants[i], types[i], subjects[i], data[i] = e.tenantID, e.typ, e.nodeID, string(b)
-	}
-	_, err := q.Exec(ctx, `INSERT INTO events (tenant_id, type, subject_id, data, created_at)
-		SELECT NULLIF(u.tenant, ''), u.typ, u.subject, u.data::jsonb, $5
-		FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS u(tenant, typ, subject, data, ord)
-		ORDER BY u.ord`, tenants, types, subjects, data, now)
-	if err != nil {
-		return fmt.Errorf("insert node events: %w", interpretError(err))
-	}
-	return nil
 }
 
 // acceptanceIDs runs a query returning one text column and collects it.

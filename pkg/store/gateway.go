@@ -102,21 +102,39 @@ type OpenedSession struct {
 
 // OpenSession makes p the node's live session: it records gateway_id,
 // session_id, session_epoch+1, boot_id, last_seen and reachable. Any older
-// session of the node, on any gateway, is superseded. It returns ErrNotFound
-// when the node does not exist.
+// session of the node, on any gateway, is superseded. A node that was
+// unreachable gets a node.reachable event (once per transition: the row is
+// locked). Call it in a transaction. It returns ErrNotFound when the node
+// does not exist.
 func OpenSession(ctx context.Context, q DBTX, p OpenSessionParams) (OpenedSession, error) {
-	var o OpenedSession
-	err := q.QueryRow(ctx, `UPDATE nodes SET
-			gateway_id = $2, session_id = $3, session_epoch = session_epoch + 1,
-			boot_id = $4, agent_version = CASE WHEN $5 = '' THEN agent_version ELSE $5 END,
-			observed_generation = GREATEST(observed_generation, $6),
+	var (
+		o        OpenedSession
+		wasUp    bool
+		owner    string
+		lastSeen *time.Time
+	)
+	err := q.QueryRow(ctx, `WITH prev AS (SELECT id, reachable, last_seen FROM nodes WHERE id = $1 FOR UPDATE)
+		UPDATE nodes n SET
+			gateway_id = $2, session_id = $3, session_epoch = n.session_epoch + 1,
+			boot_id = $4, agent_version = CASE WHEN $5 = '' THEN n.agent_version ELSE $5 END,
+			observed_generation = GREATEST(n.observed_generation, $6),
 			last_seen = $7, reachable = true, updated_at = $7
-		WHERE id = $1
-		RETURNING session_epoch, spec_generation`,
+		FROM prev, pools p WHERE n.id = prev.id AND p.id = n.pool_id
+		RETURNING n.session_epoch, n.spec_generation, prev.reachable, prev.last_seen, p.owner_tenant_id`,
 		p.NodeID, p.GatewayID, p.SessionID, p.BootID, p.AgentVersion, p.ObservedGeneration, p.Now,
-	).Scan(&o.Epoch, &o.SpecGeneration)
+	).Scan(&o.Epoch, &o.SpecGeneration, &wasUp, &lastSeen, &owner)
 	if err != nil {
 		return OpenedSession{}, interpretError(err)
+	}
+	if !wasUp {
+		data := map[string]any{"gatewayId": p.GatewayID, "sessionId": p.SessionID}
+		if lastSeen != nil {
+			data["previousLastSeen"] = lastSeen.UTC()
+		}
+		if err := InsertNodeEvents(ctx, q, p.Now, []NodeEvent{{TenantID: owner, Type: EventNodeReachable,
+			NodeID: p.NodeID, Data: data}}); err != nil {
+			return OpenedSession{}, err
+		}
 	}
 	return o, nil
 }
@@ -267,8 +285,10 @@ type SessionCommandUpdated struct {
 
 // ApplySessionCommandUpdate moves a command of u.NodeID forward to u.State, never
 // backward and never out of a terminal state, storing result and error and,
-// for a terminal state, finished_at. It fails for a state a daemon may not
-// report (queued, expired, canceled or unknown).
+// for a terminal state, finished_at; a user command reaching succeeded or
+// failed gets its command.succeeded or command.failed event in q's
+// transaction. It fails for a state a daemon may not report (queued,
+// expired, canceled or unknown).
 func ApplySessionCommandUpdate(ctx context.Context, q DBTX, u SessionCommandUpdate) (SessionCommandUpdated, error) {
 	switch u.State {
 	case cmdDelivered, cmdRunning, cmdSucceeded, cmdFailed:
@@ -303,6 +323,11 @@ func ApplySessionCommandUpdate(ctx context.Context, q DBTX, u SessionCommandUpda
 	}
 	out.Applied = true
 	out.Terminal = terminal
+	if terminal && !out.Acceptance {
+		if err := recordCommandFinished(ctx, q, u.Now, u.CommandID, u.State); err != nil {
+			return SessionCommandUpdated{}, err
+		}
+	}
 	return out, nil
 }
 
@@ -336,10 +361,13 @@ type SessionLastSeen struct {
 	ObservedGeneration int64
 }
 
-// RecordSessionLastSeen writes a batch of SessionLastSeen in one statement: last_seen and
+// RecordSessionLastSeen writes a batch of SessionLastSeen: last_seen and
 // observed_generation only ever rise; reachable becomes true where the
-// session is still the node's live one. Rows are locked in node id order,
-// so concurrent batches do not deadlock each other.
+// session is still the node's live one, with a node.reachable event for
+// each node that was unreachable (once per transition: rows are locked).
+// Rows are locked in node id order, so concurrent batches do not deadlock
+// each other. Call it in a transaction. It returns how many nodes it
+// updated.
 func RecordSessionLastSeen(ctx context.Context, q DBTX, batch []SessionLastSeen) (int64, error) {
 	if len(batch) == 0 {
 		return 0, nil
@@ -353,17 +381,51 @@ func RecordSessionLastSeen(ctx context.Context, q DBTX, batch []SessionLastSeen)
 	for i, s := range batch {
 		ids[i], sids[i], ats[i], obs[i] = s.NodeID, s.SessionID, s.At, s.ObservedGeneration
 	}
-	tag, err := q.Exec(ctx, `UPDATE nodes n SET
+	rows, err := q.Query(ctx, `WITH u AS (
+			SELECT * FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::bigint[]) AS t(id, sid, at, obs)),
+		prev AS (SELECT n.id, n.reachable FROM nodes n WHERE n.id = ANY($1) ORDER BY n.id FOR UPDATE)
+		UPDATE nodes n SET
 			last_seen = GREATEST(n.last_seen, u.at),
 			observed_generation = GREATEST(n.observed_generation, u.obs),
 			reachable = n.reachable OR n.session_id IS NOT DISTINCT FROM u.sid
-		FROM (SELECT * FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::bigint[])
-			AS t(id, sid, at, obs) ORDER BY id) AS u
-		WHERE n.id = u.id`, ids, sids, ats, obs)
+		FROM u, prev, pools p
+		WHERE n.id = u.id AND prev.id = n.id AND p.id = n.pool_id
+		RETURNING n.id, u.sid, u.at, NOT prev.reachable AND n.reachable, p.owner_tenant_id`, ids, sids, ats, obs)
 	if err != nil {
 		return 0, interpretError(err)
 	}
-	return tag.RowsAffected(), nil
+	var (
+		updated int64
+		events  []NodeEvent
+		at      time.Time
+	)
+	for rows.Next() {
+		var (
+			id, sid, owner string
+			seen           time.Time
+			flipped        bool
+		)
+		if err := rows.Scan(&id, &sid, &seen, &flipped, &owner); err != nil {
+			rows.Close()
+			return 0, err
+		}
+		updated++
+		if seen.After(at) {
+			at = seen
+		}
+		if flipped {
+			events = append(events, NodeEvent{TenantID: owner, Type: EventNodeReachable, NodeID: id,
+				Data: map[string]any{"sessionId": sid}})
+		}
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return 0, interpretError(err)
+	}
+	if err := InsertNodeEvents(ctx, q, at, events); err != nil {
+		return 0, err
+	}
+	return updated, nil
 }
 
 // SessionRef names a session a gateway holds.

@@ -265,3 +265,59 @@ func CreateJoinedNodes(ctx context.Context, q DBTX, nodes []NewNode, certs []New
 	}
 	return nil
 }
+
+// CordonNode cordons node nodeID with reason at now: the scheduler places
+// nothing new on it (its reservations stay). It writes a node.cordoned event
+// (with reason) when the node was not cordoned or its reason changes, and
+// reports whether anything changed. Call it in a transaction. Errors:
+// ErrNotFound.
+func CordonNode(ctx context.Context, q DBTX, now time.Time, nodeID, reason string) (bool, error) {
+	var (
+		changed bool
+		owner   string
+	)
+	err := q.QueryRow(ctx, `WITH prev AS (SELECT id, cordoned, cordon_reason FROM nodes WHERE id = $1 FOR UPDATE)
+		UPDATE nodes n SET cordoned = true, cordon_reason = $2,
+			updated_at = CASE WHEN prev.cordoned AND prev.cordon_reason = $2 THEN n.updated_at ELSE $3 END
+		FROM prev, pools p WHERE n.id = prev.id AND p.id = n.pool_id
+		RETURNING NOT (prev.cordoned AND prev.cordon_reason = $2), p.owner_tenant_id`, nodeID, reason, now).Scan(&changed, &owner)
+	if err != nil {
+		return false, queryErr(fmt.Sprintf("node %s", nodeID), err)
+	}
+	if !changed {
+		return false, nil
+	}
+	return true, InsertNodeEvents(ctx, q, now, []NodeEvent{{TenantID: owner, Type: EventNodeCordoned, NodeID: nodeID,
+		Data: map[string]any{"reason": reason}}})
+}
+
+// UncordonNode lets the scheduler place on node nodeID again: it clears the
+// cordon and its reason, writes a node.uncordoned event (with the reason it
+// had) and pokes the scheduler when the node was cordoned, and reports
+// whether it was. Call it in a transaction. Errors: ErrNotFound.
+func UncordonNode(ctx context.Context, q DBTX, now time.Time, nodeID string) (bool, error) {
+	var (
+		was           bool
+		reason, owner string
+	)
+	err := q.QueryRow(ctx, `WITH prev AS (SELECT id, cordoned, cordon_reason FROM nodes WHERE id = $1 FOR UPDATE)
+		UPDATE nodes n SET cordoned = false, cordon_reason = '',
+			updated_at = CASE WHEN prev.cordoned THEN $2 ELSE n.updated_at END
+		FROM prev, pools p WHERE n.id = prev.id AND p.id = n.pool_id
+		RETURNING prev.cordoned, prev.cordon_reason, p.owner_tenant_id`, nodeID, now).Scan(&was, &reason, &owner)
+	if err != nil {
+		return false, queryErr(fmt.Sprintf("node %s", nodeID), err)
+	}
+	if !was {
+		return false, nil
+	}
+	if err := InsertNodeEvents(ctx, q, now, []NodeEvent{{TenantID: owner, Type: EventNodeUncordoned, NodeID: nodeID,
+		Data: map[string]any{"reason": reason}}}); err != nil {
+		return false, err
+	}
+	// Pending reservations may fit on the node now.
+	if err := Enqueue(ctx, q, now, SubjectPokeScheduler, nil); err != nil {
+		return false, err
+	}
+	return true, nil
+}

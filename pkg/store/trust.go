@@ -6,7 +6,6 @@ package store
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"time"
 )
@@ -57,11 +56,8 @@ func RevokeNode(ctx context.Context, q DBTX, now time.Time, nodeID, reason strin
 	}
 	out.CertificatesRevoked = int(tag.RowsAffected())
 	if out.Newly {
-		data, err := json.Marshal(map[string]any{"nodeId": nodeID, "reason": reason, "certificatesRevoked": out.CertificatesRevoked})
-		if err != nil {
-			return RevokedNode{}, err
-		}
-		if err := insertNodeEvent(ctx, q, now, owner, EventNodeRevoked, nodeID, data); err != nil {
+		if err := InsertNodeEvents(ctx, q, now, []NodeEvent{{TenantID: owner, Type: EventNodeRevoked, NodeID: nodeID,
+			Data: map[string]any{"reason": reason, "certificatesRevoked": out.CertificatesRevoked}}}); err != nil {
 			return RevokedNode{}, err
 		}
 	}
@@ -75,24 +71,12 @@ func RevokeNode(ctx context.Context, q DBTX, now time.Time, nodeID, reason strin
 // tenant: the node's daemon refused DesiredState generation with reason.
 // Errors: ErrNotFound when the node does not exist.
 func RecordSpecRefused(ctx context.Context, q DBTX, now time.Time, nodeID string, generation int64, reason string) error {
-	data, err := json.Marshal(map[string]any{"nodeId": nodeID, "generation": generation, "reason": reason})
-	if err != nil {
-		return err
-	}
 	var owner string
-	err = q.QueryRow(ctx, `SELECT p.owner_tenant_id FROM nodes n JOIN pools p ON p.id = n.pool_id WHERE n.id = $1`,
+	err := q.QueryRow(ctx, `SELECT p.owner_tenant_id FROM nodes n JOIN pools p ON p.id = n.pool_id WHERE n.id = $1`,
 		nodeID).Scan(&owner)
 	if err != nil {
 		return queryErr(fmt.Sprintf("node %s", nodeID), err)
 	}
-	return insertNodeEvent(ctx, q, now, owner, EventNodeSpecRefused, nodeID, data)
-}
-
-func insertNodeEvent(ctx context.Context, q DBTX, now time.Time, tenantID, typ, nodeID string, data []byte) error {
-	_, err := q.Exec(ctx, `INSERT INTO events (tenant_id, type, subject_id, data, created_at)
-		VALUES (NULLIF($1, ''), $2, $3, $4::jsonb, $5)`, tenantID, typ, nodeID, string(data), now)
-	if err != nil {
-		return fmt.Errorf("insert %s event: %w", typ, interpretError(err))
-	}
-	return nil
+	return InsertNodeEvents(ctx, q, now, []NodeEvent{{TenantID: owner, Type: EventNodeSpecRefused, NodeID: nodeID,
+		Data: map[string]any{"generation": generation, "reason": reason}}})
 }

@@ -4,7 +4,9 @@
 // well-known document, BC_PKI_DIR (its public files; unset: not served),
 // BC_PUBLIC_URL (baseUrl; unset: from the request), BC_JOIN_URL,
 // BC_GATEWAY_URL and BC_GATEWAY_SERVER_NAME; BC_SIGNED_INTENT (false; true
-// signs the NodeSpecs a release changes with BC_PKI_DIR/command-signing.key).
+// signs the NodeSpecs a release changes with BC_PKI_DIR/command-signing.key);
+// BETTER_COMPUTE_NATS_URL (nats://127.0.0.1:4222) wakes event watches as
+// soon as an event is published (without NATS they poll the table).
 // `api healthcheck [URL]` probes /healthz.
 package main
 
@@ -19,14 +21,14 @@ import (
 func main() {
 	cfg := api.ConfigFromEnv()
 	service.Main(service.MainOptions{
-		Name: "api", HealthListen: cfg.Listen, NeedDB: true,
+		Name: "api", HealthListen: cfg.Listen, NeedDB: true, NeedNATS: true,
 		Run: func(p *service.Process) error {
 			signed, err := strconv.ParseBool(service.Env("BC_SIGNED_INTENT", "false"))
 			if err != nil {
 				return fmt.Errorf("BC_SIGNED_INTENT: want true or false: %w", err)
 			}
 			cfg.SignedIntent = signed
-			srv, err := api.New(cfg, api.Deps{DB: p.DB, Logger: p.Logger})
+			srv, err := api.New(cfg, api.Deps{DB: p.DB, Logger: p.Logger, NC: p.NC})
 			if err != nil {
 				return err
 			}

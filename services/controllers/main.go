@@ -4,7 +4,8 @@
 // Environment: BETTER_COMPUTE_DATABASE_URL (required), BETTER_COMPUTE_NATS_URL
 // (nats://127.0.0.1:4222), BC_LISTEN (:8084, serves GET /healthz),
 // BC_ACCEPTANCE_TIMEOUT (2m), BC_RECONCILE_INTERVAL (2s), BC_EXPIRY_INTERVAL
-// (1s), BC_USAGE_INTERVAL (1m), BC_LEASE_TTL (15s),
+// (1s), BC_USAGE_INTERVAL (1m), BC_LIVENESS_TIMEOUT (30s), BC_LIVENESS_INTERVAL (1s),
+// BC_LEASE_TTL (15s),
 // BC_LEASE_HOLDER (<hostname>-<random>), BC_SIGNED_INTENT (false; true signs
 // every command and NodeSpec with BC_PKI_DIR/command-signing.key), BC_PKI_DIR
 // (/var/lib/better-compute/pki).
@@ -37,6 +38,8 @@ func main() {
 				"BC_LEASE_TTL":          {Dst: &cfg.LeaseTTL, Default: controllers.DefaultLeaseTTL},
 				"BC_EXPIRY_INTERVAL":    {Dst: &cfg.ExpiryInterval, Default: controllers.DefaultExpiryInterval},
 				"BC_USAGE_INTERVAL":     {Dst: &cfg.UsageInterval, Default: controllers.DefaultUsageInterval},
+				"BC_LIVENESS_TIMEOUT":   {Dst: &cfg.LivenessTimeout, Default: controllers.DefaultLivenessTimeout},
+				"BC_LIVENESS_INTERVAL":  {Dst: &cfg.LivenessInterval, Default: controllers.DefaultLivenessInterval},
 			}); err != nil {
 				return err
 			}

@@ -228,9 +228,14 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 		return nil, err
 	}
 	s.APIURL = "http://" + apiAddr
+	apiNC, err := connect("api")
+	if err != nil {
+		apiLn.Close()
+		return nil, err
+	}
 	apiSrv, err := api.New(api.Config{SignedIntent: o.SignedIntent, WellKnown: api.WellKnownConfig{
 		PKIDir: o.PKIDir, PublicURL: s.APIURL, JoinURL: s.JoinURL, GatewayURL: gatewayURL, GatewayServerName: "localhost",
-	}}, api.Deps{DB: db, Logger: log("api")})
+	}}, api.Deps{DB: db, Logger: log("api"), NC: apiNC, Clock: o.Clock})
 	if err != nil {
 		apiLn.Close()
 		return nil, err

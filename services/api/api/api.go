@@ -1,7 +1,8 @@
 // Package api serves better-compute's public Connect API under
 // /api/compute/ (bc.compute.v1: NodeService, PoolService, ReservationService,
-// UsageService, JoinTokenService, TenantService, TokenService, AuditService)
-// and GET /healthz.
+// UsageService, JoinTokenService, TenantService, TokenService, AuditService,
+// CommandService, EventService), the NDJSON events watch
+// GET /api/compute/watch (events.go) and GET /healthz.
 //
 // Every request is authenticated by an API token (pkg/iam) and authorized by
 // the per-RPC table in authz.go; handlers then scope what they read and write
@@ -24,10 +25,13 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"sync"
 
 	"connectrpc.com/connect"
+	"github.com/nats-io/nats.go"
 
 	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
+	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/iam"
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/service"
@@ -54,6 +58,8 @@ type Config struct {
 	// IntentSigner). Turn it on wherever the controllers sign: daemons that
 	// joined with signedIntent refuse unsigned specs.
 	SignedIntent bool
+	// Watch tunes the events watch (events.go); zero: the defaults.
+	Watch WatchConfig
 }
 
 // ConfigFromEnv reads Config from the environment.
@@ -65,6 +71,12 @@ func ConfigFromEnv() Config {
 type Deps struct {
 	DB     *store.DB
 	Logger *slog.Logger
+	// NC, when set, wakes event watches as soon as the outbox relay
+	// publishes an event (bc.events.>); without it they poll the events
+	// table every WatchConfig.Poll.
+	NC *nats.Conn
+	// Clock times the events watch; nil is DB.Clock.
+	Clock clock.Clock
 }
 
 // Server is the API server.
@@ -77,6 +89,13 @@ type Server struct {
 	wellKnown http.Handler
 	// intent signs changed NodeSpecs; nil without Config.SignedIntent.
 	intent *store.IntentSigner
+	// nc wakes event watches; nil: they poll.
+	nc    *nats.Conn
+	clock clock.Clock
+	// stopWatches is closed when Serve's context ends, ending every watch
+	// (Unavailable) so that shutdown does not wait for them.
+	stopWatches chan struct{}
+	stopOnce    sync.Once
 }
 
 // New returns a Server.
@@ -103,8 +122,11 @@ func New(cfg Config, deps Deps) (*Server, error) {
 			return nil, fmt.Errorf("api: %w", err)
 		}
 	}
+	if deps.Clock == nil {
+		deps.Clock = deps.DB.Clock
+	}
 	return &Server{cfg: cfg, db: deps.DB, logger: deps.Logger, authn: &iam.Authenticator{DB: deps.DB}, wellKnown: wellKnown,
-		intent: intent}, nil
+		intent: intent, nc: deps.NC, clock: deps.Clock, stopWatches: make(chan struct{})}, nil
 }
 
 // Handler returns the API's HTTP handler: the Connect services under
@@ -127,9 +149,12 @@ func (s *Server) Handler() http.Handler {
 	api.Handle(computev1connect.NewTenantServiceHandler(&tenantService{s}, opts...))
 	api.Handle(computev1connect.NewTokenServiceHandler(&tokenService{s}, opts...))
 	api.Handle(computev1connect.NewAuditServiceHandler(&auditService{s}, opts...))
+	api.Handle(computev1connect.NewEventServiceHandler(&eventService{s}, opts...))
+	api.Handle(computev1connect.NewCommandServiceHandler(&commandService{s}, opts...))
 
 	mux := http.NewServeMux()
 	mux.Handle(PathPrefix+"/", http.StripPrefix(PathPrefix, api))
+	mux.HandleFunc("GET "+WatchPath, s.serveWatch)
 	mux.Handle("/healthz", service.HealthHandler(func(ctx context.Context) error { return s.db.Pool.Ping(ctx) }))
 	mux.Handle("GET "+pki.WellKnownPath, s.wellKnown)
 	return mux
@@ -140,8 +165,14 @@ func (s *Server) Run(ctx context.Context) error { return s.Serve(ctx, nil) }
 
 // Serve serves on ln (or cfg.Listen when ln is nil) until ctx ends.
 func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
+	stop := context.AfterFunc(ctx, s.StopWatches)
+	defer stop()
 	return service.Serve(ctx, s.logger, service.NewServer(s.cfg.Listen, s.Handler()), ln)
 }
+
+// StopWatches ends every events watch, now and to come, with Unavailable
+// (clients resume elsewhere or later); Serve calls it when its context ends.
+func (s *Server) StopWatches() { s.stopOnce.Do(func() { close(s.stopWatches) }) }
 
 // auditInTx writes the audit row of the current call, a successful call of
 // a Mutating RPC, in tx: the transaction of its change, so that the change

@@ -92,6 +92,9 @@ type clients struct {
 	tenants   computev1connect.TenantServiceClient
 	apiTokens computev1connect.TokenServiceClient
 	audit     computev1connect.AuditServiceClient
+	commands  computev1connect.CommandServiceClient
+	// events sends the token on streams too (streamBearer, events_test.go).
+	events computev1connect.EventServiceClient
 }
 
 // as returns clients that send token as a bearer token ("" sends none).
@@ -115,6 +118,8 @@ func (f *fixture) as(token string) clients {
 		tenants:   computev1connect.NewTenantServiceClient(http.DefaultClient, base, opt),
 		apiTokens: computev1connect.NewTokenServiceClient(http.DefaultClient, base, opt),
 		audit:     computev1connect.NewAuditServiceClient(http.DefaultClient, base, opt),
+		commands:  computev1connect.NewCommandServiceClient(http.DefaultClient, base, opt),
+		events:    computev1connect.NewEventServiceClient(http.DefaultClient, base, connect.WithInterceptors(streamBearer(token))),
 	}
 }
 

@@ -23,6 +23,7 @@ import (
 //	RPC                                    permission          roles                        audited
 //	NodeService.ListNodes, GetNode         fleet.read          any (own tenant), root       no
 //	NodeService.RevokeNode                 fleet.manage        tenant-admin (own), root     yes (node_id)
+//	NodeService.CordonNode, UncordonNode   fleet.manage        tenant-admin (own), root     yes (node_id)
 //	PoolService.ListSites                  fleet.read          any (all sites)              no
 //	PoolService.CreateSite                 sites.manage        root                         yes (name)
 //	PoolService.ListPools                  fleet.read          any (own tenant), root       no
@@ -43,10 +44,16 @@ import (
 //	TokenService.ListTokens                iam.manage          tenant-admin (own), root     no
 //	TokenService.RevokeToken               iam.manage          tenant-admin (own), root     yes (token_id)
 //	AuditService.ListAudit                 audit.read          tenant-admin (own), root     no
+//	CommandService.RunCommand              commands.run        tenant-admin (own), root     yes (node_id)
+//	CommandService.GetCommand              commands.read       any (own tenant), root       no
+//	CommandService.ListCommands            commands.read       any (own tenant), root       no
+//	EventService.Watch                     events.read         any (own tenant), root       no
 var Policy = iam.Policy{
-	computev1connect.NodeServiceListNodesProcedure:  {Permission: iam.PermFleetRead},
-	computev1connect.NodeServiceGetNodeProcedure:    {Permission: iam.PermFleetRead},
-	computev1connect.NodeServiceRevokeNodeProcedure: {Permission: iam.PermFleetManage, Mutating: true, Target: "node_id"},
+	computev1connect.NodeServiceListNodesProcedure:    {Permission: iam.PermFleetRead},
+	computev1connect.NodeServiceGetNodeProcedure:      {Permission: iam.PermFleetRead},
+	computev1connect.NodeServiceRevokeNodeProcedure:   {Permission: iam.PermFleetManage, Mutating: true, Target: "node_id"},
+	computev1connect.NodeServiceCordonNodeProcedure:   {Permission: iam.PermFleetManage, Mutating: true, Target: "node_id"},
+	computev1connect.NodeServiceUncordonNodeProcedure: {Permission: iam.PermFleetManage, Mutating: true, Target: "node_id"},
 
 	computev1connect.PoolServiceCreateSiteProcedure: {Permission: iam.PermSitesManage, Mutating: true, Target: "name"},
 	computev1connect.PoolServiceListSitesProcedure:  {Permission: iam.PermFleetRead},
@@ -75,4 +82,10 @@ var Policy = iam.Policy{
 	computev1connect.TokenServiceRevokeTokenProcedure: {Permission: iam.PermIAMManage, Mutating: true, Target: "token_id"},
 
 	computev1connect.AuditServiceListAuditProcedure: {Permission: iam.PermAuditRead},
+
+	computev1connect.CommandServiceRunCommandProcedure:   {Permission: iam.PermCommandsRun, Mutating: true, Target: "node_id"},
+	computev1connect.CommandServiceGetCommandProcedure:   {Permission: iam.PermCommandsRead},
+	computev1connect.CommandServiceListCommandsProcedure: {Permission: iam.PermCommandsRead},
+
+	computev1connect.EventServiceWatchProcedure: {Permission: iam.PermEventsRead},
 }

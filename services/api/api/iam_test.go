@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/durationpb"
 
@@ -89,6 +90,20 @@ func TestMatrix(t *testing.T) {
 	_, err = store.UpsertOffer(ctx, f.db.Pool, store.Offer{PoolID: f.acmePool, TenantID: f.acme, GPUQuota: 1000, UpdatedAt: now})
 	require.NoError(t, err)
 	acmeRes := f.reservation(t, f.acme, f.acmePool, 1, "")
+	// acmeCmdNode runs commands (acmeNode may be revoked by RevokeNode's
+	// row first); acmeCmd is one of its commands.
+	acmeCmdNode := f.node(t, f.acmePool, 1, "H100", "provision_state = 'adopted'")
+	acmeCmd := ids.New(ids.Command, now)
+	require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
+		_, err := store.QueueCommand(ctx, tx, nil, now, store.NewCommand{ID: acmeCmd, NodeID: acmeCmdNode,
+			Kind: store.CommandDiagNVML, Deadline: now.Add(time.Minute)})
+		return err
+	}))
+	// An event of each tenant after watchFrom, so that every caller's
+	// watch gets one at once.
+	watchFrom := mark(t, f.db)
+	insertEvent(t, f.db.Pool, now, f.acme, "node.cordoned")
+	insertEvent(t, f.db.Pool, now, f.other, "node.cordoned")
 	long := strings.Repeat("x", 65)
 	pd, nf := connect.CodePermissionDenied, connect.CodeNotFound
 
@@ -123,6 +138,28 @@ func TestMatrix(t *testing.T) {
 			viewer: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
 			bad: func(c clients) error {
 				_, err := c.nodes.RevokeNode(ctx, connect.NewRequest(&computev1.RevokeNodeRequest{}))
+				return err
+			}, field: "node_id",
+		},
+		computev1connect.NodeServiceCordonNodeProcedure: {
+			call: func(c clients, _ string) error {
+				_, err := c.nodes.CordonNode(ctx, connect.NewRequest(&computev1.CordonNodeRequest{NodeId: acmeNode, Reason: "matrix"}))
+				return err
+			},
+			viewer: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
+			bad: func(c clients) error {
+				_, err := c.nodes.CordonNode(ctx, connect.NewRequest(&computev1.CordonNodeRequest{NodeId: acmeNode}))
+				return err
+			}, field: "reason",
+		},
+		computev1connect.NodeServiceUncordonNodeProcedure: {
+			call: func(c clients, _ string) error {
+				_, err := c.nodes.UncordonNode(ctx, connect.NewRequest(&computev1.UncordonNodeRequest{NodeId: acmeNode}))
+				return err
+			},
+			viewer: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
+			bad: func(c clients) error {
+				_, err := c.nodes.UncordonNode(ctx, connect.NewRequest(&computev1.UncordonNodeRequest{}))
 				return err
 			}, field: "node_id",
 		},
@@ -341,6 +378,42 @@ func TestMatrix(t *testing.T) {
 				return err
 			}, field: "token_id",
 		},
+		computev1connect.CommandServiceRunCommandProcedure: {
+			call: func(c clients, _ string) error {
+				_, err := c.commands.RunCommand(ctx, connect.NewRequest(&computev1.RunCommandRequest{NodeId: acmeCmdNode,
+					Kind: "diag.nvml"}))
+				return err
+			},
+			// Running commands (node.reboot among them) is an operator action.
+			viewer: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
+			bad: func(c clients) error {
+				_, err := c.commands.RunCommand(ctx, connect.NewRequest(&computev1.RunCommandRequest{NodeId: acmeCmdNode,
+					Kind: "rm -rf"}))
+				return err
+			}, field: "kind",
+		},
+		computev1connect.CommandServiceGetCommandProcedure: {
+			call: func(c clients, _ string) error {
+				_, err := c.commands.GetCommand(ctx, connect.NewRequest(&computev1.GetCommandRequest{CommandId: acmeCmd}))
+				return err
+			},
+			viewer: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
+			bad: func(c clients) error {
+				_, err := c.commands.GetCommand(ctx, connect.NewRequest(&computev1.GetCommandRequest{}))
+				return err
+			}, field: "command_id",
+		},
+		computev1connect.CommandServiceListCommandsProcedure: {
+			call: func(c clients, _ string) error {
+				_, err := c.commands.ListCommands(ctx, connect.NewRequest(&computev1.ListCommandsRequest{NodeId: acmeCmdNode}))
+				return err
+			},
+			viewer: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
+			bad: func(c clients) error {
+				_, err := c.commands.ListCommands(ctx, connect.NewRequest(&computev1.ListCommandsRequest{PageSize: 10001}))
+				return err
+			}, field: "page_size",
+		},
 		computev1connect.AuditServiceListAuditProcedure: {
 			call: func(c clients, _ string) error {
 				_, err := c.audit.ListAudit(ctx, connect.NewRequest(&computev1.ListAuditRequest{}))
@@ -352,6 +425,18 @@ func TestMatrix(t *testing.T) {
 				_, err := c.audit.ListAudit(ctx, connect.NewRequest(&computev1.ListAuditRequest{PageSize: 1001}))
 				return err
 			}, field: "page_size",
+		},
+		computev1connect.EventServiceWatchProcedure: {
+			// A server stream: the call succeeds when the first event
+			// arrives (every caller's tenant has one after watchFrom).
+			call: func(c clients, _ string) error {
+				return firstEvent(ctx, c, &computev1.WatchRequest{AfterId: watchFrom})
+			},
+			// Every tenant watches its own events.
+			viewer: codeOK, otherMember: codeOK, otherAdmin: codeOK, right: "acme-member",
+			bad: func(c clients) error {
+				return firstEvent(ctx, c, &computev1.WatchRequest{Types: []string{"node.*", "Node.*"}})
+			}, field: "types[1]",
 		},
 	}
 	for _, proc := range procedures() {

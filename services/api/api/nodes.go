@@ -179,3 +179,75 @@ func (s *nodeService) RevokeNode(ctx context.Context, req *connect.Request[compu
 		"newly", rev.Newly, "reason", reason, "reservations_failed", len(failed))
 	return connect.NewResponse(&computev1.RevokeNodeResponse{Node: nodeToProto(n), CertificatesRevoked: int32(rev.CertificatesRevoked)}), nil
 }
+
+// CordonNode cordons a node of the caller's tenant (any for root-admin) with
+// a reason: the scheduler places nothing new on it, its reservations stay.
+// Cordoning a cordoned node updates the reason. The change, its
+// node.cordoned event and its audit row are one transaction. Errors:
+// NotFound (node_id; another tenant's node too), InvalidArgument (reason).
+func (s *nodeService) CordonNode(ctx context.Context, req *connect.Request[computev1.CordonNodeRequest]) (*connect.Response[computev1.CordonNodeResponse], error) {
+	id, reason := req.Msg.NodeId, req.Msg.Reason
+	n, err := s.setCordon(ctx, id, func(tx pgx.Tx) (string, error) {
+		changed, err := store.CordonNode(ctx, tx, s.db.Now(), id, reason)
+		if !changed {
+			return "already cordoned: " + reason, err
+		}
+		return "cordoned: " + reason, err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&computev1.CordonNodeResponse{Node: nodeToProto(n)}), nil
+}
+
+// UncordonNode lets the scheduler place on a node of the caller's tenant
+// (any for root-admin) again; uncordoning a node that is not cordoned
+// changes nothing. The change, its node.uncordoned event and its audit row
+// are one transaction. Errors: NotFound (node_id; another tenant's node too).
+func (s *nodeService) UncordonNode(ctx context.Context, req *connect.Request[computev1.UncordonNodeRequest]) (*connect.Response[computev1.UncordonNodeResponse], error) {
+	id := req.Msg.NodeId
+	n, err := s.setCordon(ctx, id, func(tx pgx.Tx) (string, error) {
+		changed, err := store.UncordonNode(ctx, tx, s.db.Now(), id)
+		if !changed {
+			return "not cordoned", err
+		}
+		return "uncordoned", err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&computev1.UncordonNodeResponse{Node: nodeToProto(n)}), nil
+}
+
+// setCordon checks that node id is the caller's, runs change (which returns
+// the audit detail) with the audit row in one transaction, and returns the
+// node afterwards.
+func (s *nodeService) setCordon(ctx context.Context, id string, change func(tx pgx.Tx) (string, error)) (store.Node, error) {
+	p, err := principal(ctx)
+	if err != nil {
+		return store.Node{}, err
+	}
+	n, err := store.GetNode(ctx, s.db.Pool, id)
+	if errors.Is(err, store.ErrNotFound) || (err == nil && !p.InTenant(n.PoolOwnerTenantID)) {
+		return store.Node{}, notFound("node", id)
+	}
+	if err != nil {
+		return store.Node{}, mapError(err)
+	}
+	var detail string
+	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
+		var err error
+		if detail, err = change(tx); err != nil {
+			return err
+		}
+		return s.auditInTx(ctx, tx, id, detail)
+	})
+	if err != nil {
+		return store.Node{}, mapError(err)
+	}
+	if n, err = store.GetNode(ctx, s.db.Pool, id); err != nil {
+		return store.Node{}, mapError(err)
+	}
+	s.logger.InfoContext(ctx, "node cordon changed", telemetry.KeyNodeID, id, "cordoned", n.Cordoned, "detail", detail)
+	return n, nil
+}

@@ -1,14 +1,17 @@
 // Package controllers runs better-compute's reconcilers: the outbox relay,
 // the acceptance reconciler (joining → accepting → adopted or
 // acceptance_failed, see Acceptance), the expiry of reservations at their
-// end time (Expiry) and the usage sink (Usage). N replicas may run:
+// end time (Expiry), the expiry of user commands at their deadline
+// (CommandExpiry, behind LeaseCommandExpiry) and the usage sink (Usage). N
+// replicas may run:
 //
 //   - The acceptance reconciler runs behind the lease LeaseAcceptance, so one
 //     replica works at a time and another takes over within a lease TTL when
 //     it dies. Its transactions claim nodes with FOR UPDATE SKIP LOCKED and
 //     guard every transition on the node's state, so an overlap during a
 //     takeover (a stalled holder still running) does no harm.
-//   - Expiry and Usage run behind the leases LeaseExpiry and LeaseUsage.
+//   - Expiry, Usage and the liveness sweeper (Liveness) run behind the
+//     leases LeaseExpiry, LeaseUsage and LeaseLiveness.
 //     Expiry claims reservations with SKIP LOCKED and ends them with
 //     store.EndReservation, which leaves an ended one alone; Usage writes
 //     windows with ON CONFLICT DO NOTHING. An overlap does no harm.
@@ -92,12 +95,20 @@ type Config struct {
 	// PKIDir holds command-signing.key (env BC_PKI_DIR, DefaultPKIDir); read
 	// only with SignedIntent.
 	PKIDir string
-	// ExpiryInterval is how often reservations past their end are expired
-	// (env BC_EXPIRY_INTERVAL, 1 s).
+	// ExpiryInterval is how often reservations past their end, and user
+	// commands past their deadline, are expired (env BC_EXPIRY_INTERVAL,
+	// 1 s).
 	ExpiryInterval time.Duration
 	// UsageInterval is how often the usage sink writes final windows (env
 	// BC_USAGE_INTERVAL, 1 min).
 	UsageInterval time.Duration
+	// LivenessTimeout is how long a node may go unheard before it is marked
+	// unreachable (env BC_LIVENESS_TIMEOUT, DefaultLivenessTimeout 30 s; at
+	// least store.MinLivenessTimeout, 20 s, which I4 needs).
+	LivenessTimeout time.Duration
+	// LivenessInterval is how often the liveness sweeper looks (env
+	// BC_LIVENESS_INTERVAL, DefaultLivenessInterval 1 s).
+	LivenessInterval time.Duration
 }
 
 // Deps are the controllers' dependencies.
@@ -123,7 +134,12 @@ type Server struct {
 	lease      *lease.Lease
 	expiry     *Expiry
 	usage      *Usage
-	leases     []*lease.Lease // expiry, usage
+	liveness   *Liveness
+	leases     []*lease.Lease // expiry, usage, liveness
+
+	// commandExpiry runs behind commandLease (LeaseCommandExpiry).
+	commandExpiry *CommandExpiry
+	commandLease  *lease.Lease
 }
 
 // New checks cfg and deps and returns a Server; it starts nothing.
@@ -152,6 +168,10 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if cfg.PKIDir == "" {
 		cfg.PKIDir = DefaultPKIDir
 	}
+	if cfg.LivenessTimeout != 0 && cfg.LivenessTimeout < store.MinLivenessTimeout {
+		return nil, fmt.Errorf("controllers: LivenessTimeout %s is below %s, which I4 needs", cfg.LivenessTimeout,
+			store.MinLivenessTimeout)
+	}
 	var intent *store.IntentSigner
 	if cfg.SignedIntent {
 		var err error
@@ -177,10 +197,16 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		Interval: cfg.ExpiryInterval, Batch: cfg.BatchSize, Intent: intent}
 	s.usage = &Usage{DB: deps.DB, Logger: deps.Logger.With("reconciler", "usage"), Clock: deps.Clock,
 		Interval: cfg.UsageInterval, Batch: cfg.BatchSize}
-	for _, name := range []string{LeaseExpiry, LeaseUsage} {
+	s.liveness = &Liveness{DB: deps.DB, Logger: deps.Logger.With("reconciler", "liveness"), Clock: deps.Clock,
+		Timeout: cfg.LivenessTimeout, Interval: cfg.LivenessInterval, Batch: cfg.BatchSize}
+	for _, name := range []string{LeaseExpiry, LeaseUsage, LeaseLiveness} {
 		s.leases = append(s.leases, &lease.Lease{DB: deps.DB, Name: name, Holder: cfg.Holder, TTL: cfg.LeaseTTL,
 			Clock: deps.Clock, Logger: deps.Logger})
 	}
+	s.commandExpiry = &CommandExpiry{DB: deps.DB, Logger: deps.Logger.With("reconciler", "command-expiry"), Clock: deps.Clock,
+		Interval: cfg.ExpiryInterval, Batch: cfg.BatchSize}
+	s.commandLease = &lease.Lease{DB: deps.DB, Name: LeaseCommandExpiry, Holder: cfg.Holder, TTL: cfg.LeaseTTL,
+		Clock: deps.Clock, Logger: deps.Logger}
 	return s, nil
 }
 
@@ -193,6 +219,13 @@ func (s *Server) Expiry() *Expiry { return s.expiry }
 
 // Usage returns the usage sink (for tests and tools).
 func (s *Server) Usage() *Usage { return s.usage }
+
+// CommandExpiry returns the command expiry reconciler (for tests and
+// tools).
+func (s *Server) CommandExpiry() *CommandExpiry { return s.commandExpiry }
+
+// Liveness returns the liveness sweeper (for tests and tools).
+func (s *Server) Liveness() *Liveness { return s.liveness }
 
 // LeaseHeld reports whether this replica holds the acceptance lease.
 func (s *Server) LeaseHeld() bool { return s.lease.Held() }
@@ -214,7 +247,7 @@ func (s *Server) HealthHandler() http.Handler {
 }
 
 // Run runs the health server, the outbox relay and, while this replica holds
-// their leases, the acceptance, expiry and usage reconcilers, until ctx ends; then it stops them,
+// their leases, the acceptance, expiry, usage and liveness reconcilers, until ctx ends; then it stops them,
 // releases the lease and returns nil. It returns an error when the health
 // listener cannot be opened or a loop fails.
 func (s *Server) Run(ctx context.Context) error {
@@ -261,6 +294,18 @@ func (s *Server) Run(ctx context.Context) error {
 	g.Go(func() error {
 		if err := s.leases[1].Run(gctx, s.usage.Run); err != nil {
 			return fmt.Errorf("controllers: usage: %w", err)
+		}
+		return nil
+	})
+	g.Go(func() error {
+		if err := s.leases[2].Run(gctx, s.liveness.Run); err != nil {
+			return fmt.Errorf("controllers: liveness: %w", err)
+		}
+		return nil
+	})
+	g.Go(func() error {
+		if err := s.commandLease.Run(gctx, s.commandExpiry.Run); err != nil {
+			return fmt.Errorf("controllers: command expiry: %w", err)
 		}
 		return nil
 	})

@@ -132,9 +132,10 @@ type Config struct {
 	// BC_GATEWAY_RESYNC, 5 s). The same loop closes silent streams.
 	ResyncInterval time.Duration
 	// FlushInterval is how often heard-from nodes' last_seen (and the
-	// generations their heartbeats report) are written, in one statement:
-	// last_seen in the database lags by at most about this much (env
-	// BC_GATEWAY_FLUSH_INTERVAL, 1 s).
+	// generations their heartbeats report) are written, in one statement,
+	// with the gateway's presence: last_seen in the database lags by at most
+	// about this much (env BC_GATEWAY_FLUSH_INTERVAL, 1 s; at most
+	// store.MaxGatewayFlushInterval, see pkg/store/liveness.go).
 	FlushInterval time.Duration
 	// FlushBatch flushes early when this many nodes are pending, bounding
 	// both staleness under load and the size of one statement
@@ -227,6 +228,10 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if cfg.FlushInterval <= 0 {
 		cfg.FlushInterval = DefaultFlushInterval
 	}
+	if cfg.FlushInterval > store.MaxGatewayFlushInterval {
+		return nil, fmt.Errorf("gateway: FlushInterval %s is above %s, which the liveness invariant I4 needs",
+			cfg.FlushInterval, store.MaxGatewayFlushInterval)
+	}
 	if cfg.FlushBatch <= 0 {
 		cfg.FlushBatch = DefaultFlushBatch
 	}
@@ -273,7 +278,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		streams: make(map[*session]struct{}),
 		byNode:  make(map[string]*session),
 	}
-	s.seen = newLastSeenBatcher(s.db, s.clk, s.log, cfg.FlushInterval, cfg.FlushBatch)
+	s.seen = newLastSeenBatcher(s.db, s.clk, s.log, cfg.GatewayID, cfg.FlushInterval, cfg.FlushBatch, s.fence)
 	s.tls = &tls.Config{
 		Certificates: []tls.Certificate{*cfg.ServingCert},
 		ClientCAs:    cfg.ClientCAs,
@@ -352,6 +357,16 @@ func (s *Server) Run(ctx context.Context) error {
 			ln.Close()
 			return fmt.Errorf("gateway: listen %s: %w", s.cfg.HealthListen, err)
 		}
+	}
+	// Sessions a previous run of this gateway id left behind are gone.
+	if n, err := store.ResetGatewaySessions(ctx, s.db.Pool, s.db.Now(), s.cfg.GatewayID); err != nil {
+		ln.Close()
+		if hln != nil {
+			hln.Close()
+		}
+		return fmt.Errorf("gateway: %w", err)
+	} else if n > 0 {
+		s.log.Info("cleared sessions of a previous run", "nodes", n)
 	}
 	subject := store.SubjectPokeGatewayPrefix + s.cfg.GatewayID
 	sub, err := s.nc.Subscribe(subject, s.onPoke)
@@ -433,6 +448,21 @@ func (s *Server) newHTTPServer() *http.Server {
 }
 
 // closeAll refuses new streams and aborts every open one.
+// fence aborts every open stream (not stopping the gateway): it runs when
+// last_seen could not be written for store.GatewayFenceAfter, so that the
+// gateway stops hearing from nodes before its presence expires (I4).
+func (s *Server) fence() {
+	s.mu.Lock()
+	all := make([]*session, 0, len(s.streams))
+	for st := range s.streams {
+		all = append(all, st)
+	}
+	s.mu.Unlock()
+	for _, st := range all {
+		st.abort(errFenced)
+	}
+}
+
 func (s *Server) closeAll() {
 	s.mu.Lock()
 	s.closing = true

@@ -19,21 +19,33 @@ import (
 // failed flush keeps its entries for the next one, so staleness grows only
 // while the database is unavailable. The lag of nodes.last_seen behind the
 // last message is therefore at most interval plus one flush's duration.
+//
+// Every flush, even an empty one, renews the gateway's presence
+// (store.RecordGatewayPresence, store.GatewayPresenceTTL) in the same
+// transaction: the liveness sweeper leaves alone the nodes whose session a
+// present gateway holds, however late their batch. When no flush succeeded
+// for store.GatewayFenceAfter, fence is called (it aborts every session), so
+// that the gateway stops hearing from nodes it can no longer vouch for
+// before its presence expires (I4; see pkg/store/liveness.go).
 type lastSeenBatcher struct {
-	db       *store.DB
-	clk      clock.Clock
-	log      *slog.Logger
-	interval time.Duration
-	maxBatch int
+	db        *store.DB
+	clk       clock.Clock
+	log       *slog.Logger
+	gatewayID string
+	interval  time.Duration
+	maxBatch  int
+	fence     func()
+	lastOK    time.Time // of the last successful flush; run's goroutine only
 
 	mu      sync.Mutex
 	pending map[string]store.SessionLastSeen
 	full    chan struct{} // signalled when pending reaches maxBatch
 }
 
-func newLastSeenBatcher(db *store.DB, clk clock.Clock, log *slog.Logger, interval time.Duration, maxBatch int) *lastSeenBatcher {
+func newLastSeenBatcher(db *store.DB, clk clock.Clock, log *slog.Logger, gatewayID string, interval time.Duration, maxBatch int,
+	fence func()) *lastSeenBatcher {
 	return &lastSeenBatcher{
-		db: db, clk: clk, log: log, interval: interval, maxBatch: maxBatch,
+		db: db, clk: clk, log: log, gatewayID: gatewayID, interval: interval, maxBatch: maxBatch, fence: fence,
 		pending: make(map[string]store.SessionLastSeen),
 		full:    make(chan struct{}, 1),
 	}
@@ -72,14 +84,11 @@ func (b *lastSeenBatcher) merge(ls store.SessionLastSeen) {
 	b.pending[ls.NodeID] = ls
 }
 
-// flush writes what is pending in one statement. On failure the entries go
-// back to pending (merged with newer ones) and the error is returned.
+// flush writes what is pending in one statement and renews the gateway's
+// presence, in one transaction. On failure the entries go back to pending
+// (merged with newer ones) and the error is returned.
 func (b *lastSeenBatcher) flush(ctx context.Context) error {
 	b.mu.Lock()
-	if len(b.pending) == 0 {
-		b.mu.Unlock()
-		return nil
-	}
 	batch := make([]store.SessionLastSeen, 0, len(b.pending))
 	for _, ls := range b.pending {
 		batch = append(batch, ls)
@@ -87,8 +96,12 @@ func (b *lastSeenBatcher) flush(ctx context.Context) error {
 	clear(b.pending)
 	b.mu.Unlock()
 	err := b.db.InTx(ctx, func(tx pgx.Tx) error {
-		_, err := store.RecordSessionLastSeen(ctx, tx, batch)
-		return err
+		if _, err := store.RecordSessionLastSeen(ctx, tx, batch); err != nil {
+			return err
+		}
+		// The presence's start is taken after the batch was, so it
+		// never vouches for a hearing the batch does not hold.
+		return store.RecordGatewayPresence(ctx, tx, b.db.Now(), b.gatewayID, store.GatewayPresenceTTL)
 	})
 	if err != nil {
 		b.mu.Lock()
@@ -105,6 +118,8 @@ func (b *lastSeenBatcher) flush(ctx context.Context) error {
 func (b *lastSeenBatcher) run(ctx context.Context) {
 	t := b.clk.NewTicker(b.interval)
 	defer t.Stop()
+	b.lastOK = b.clk.Now()
+	b.tick(ctx)
 	for {
 		select {
 		case <-ctx.Done():
@@ -117,8 +132,24 @@ func (b *lastSeenBatcher) run(ctx context.Context) {
 		case <-t.C():
 		case <-b.full:
 		}
-		if err := b.flush(ctx); err != nil && ctx.Err() == nil {
-			b.log.Warn("last_seen flush failed", telemetry.KeyError, err)
-		}
+		b.tick(ctx)
+	}
+}
+
+// tick flushes once, and fences the gateway when no flush succeeded for
+// store.GatewayFenceAfter.
+func (b *lastSeenBatcher) tick(ctx context.Context) {
+	err := b.flush(ctx)
+	if err == nil {
+		b.lastOK = b.clk.Now()
+		return
+	}
+	if ctx.Err() != nil {
+		return
+	}
+	b.log.Warn("last_seen flush failed", telemetry.KeyError, err)
+	if since := clock.Since(b.clk, b.lastOK); since > store.GatewayFenceAfter {
+		b.log.Error("no last_seen flush succeeded for too long: closing every session", "since", since.String())
+		b.fence()
 	}
 }

@@ -32,6 +32,7 @@ var (
 	errNoHello      = connect.NewError(connect.CodeDeadlineExceeded, errors.New("no hello within the hello timeout"))
 	errShuttingDown = connect.NewError(connect.CodeUnavailable, errors.New("gateway is shutting down; reconnect"))
 	errPendingWork  = connect.NewError(connect.CodeUnavailable, errors.New("the gateway could not read the session's pending work; reconnect"))
+	errFenced       = connect.NewError(connect.CodeUnavailable, errors.New("the gateway cannot reach its database; reconnect"))
 	// errRevoked ends the session of a revoked node or certificate, and
 	// refuses its Hello.
 	errRevoked = connect.NewError(connect.CodeUnauthenticated, errors.New("certificate revoked"))

@@ -117,8 +117,8 @@ func (b *batcher) lead() {
 	b.queue[0].lead <- struct{}{}
 }
 
-// record counts the batch's token uses and creates its nodes, certificates
-// and controllers poke in one transaction, and returns each join's outcome.
+// record counts the batch's token uses and creates its nodes, certificates,
+// node.joined events and controllers poke in one transaction, and returns each join's outcome.
 func (b *batcher) record(batch []*joinReq) []joinResult {
 	ctx, cancel := context.WithTimeout(context.Background(), batchTimeout)
 	defer cancel()
@@ -181,6 +181,9 @@ func (b *batcher) record(batch []*joinReq) []joinResult {
 			return nil
 		}
 		if err := store.CreateJoinedNodes(ctx, tx, nodes, certs); err != nil {
+			return err
+		}
+		if err := store.RecordNodesJoined(ctx, tx, now, ids); err != nil {
 			return err
 		}
 		payload, err := json.Marshal(store.Poke{NodeIDs: ids})

@@ -28,6 +28,7 @@ type apiClients struct {
 	tenants   computev1connect.TenantServiceClient
 	apiTokens computev1connect.TokenServiceClient
 	audit     computev1connect.AuditServiceClient
+	commands  computev1connect.CommandServiceClient
 }
 
 // baseURL returns the API's base URL: --url, else BETTER_COMPUTE_URL, else
@@ -76,5 +77,6 @@ func (a *app) clients() (*apiClients, error) {
 		tenants:   computev1connect.NewTenantServiceClient(hc, base, opt),
 		apiTokens: computev1connect.NewTokenServiceClient(hc, base, opt),
 		audit:     computev1connect.NewAuditServiceClient(hc, base, opt),
+		commands:  computev1connect.NewCommandServiceClient(hc, base, opt),
 	}, nil
 }

@@ -12,8 +12,8 @@ import (
 )
 
 func (a *app) nodesCmd() *cobra.Command {
-	c := &cobra.Command{Use: "nodes", Short: "List, inspect and revoke nodes"}
-	c.AddCommand(a.nodesListCmd(), a.nodesGetCmd(), a.nodesRevokeCmd())
+	c := &cobra.Command{Use: "nodes", Short: "List, inspect, cordon and revoke nodes"}
+	c.AddCommand(a.nodesListCmd(), a.nodesGetCmd(), a.nodesRevokeCmd(), a.nodesCordonCmd(), a.nodesUncordonCmd())
 	return c
 }
 
@@ -29,13 +29,15 @@ type nodeJSON struct {
 	LastSeen  *time.Time `json:"lastSeen"`
 	Reachable bool       `json:"reachable"`
 	Cordoned  bool       `json:"cordoned"`
-	Hostname  string     `json:"hostname"`
-	RevokedAt *time.Time `json:"revokedAt,omitempty"`
+	// CordonReason is set while the node is cordoned.
+	CordonReason string     `json:"cordonReason,omitempty"`
+	Hostname     string     `json:"hostname"`
+	RevokedAt    *time.Time `json:"revokedAt,omitempty"`
 }
 
 func toNodeJSON(n *computev1.Node) nodeJSON {
 	out := nodeJSON{ID: n.Id, Pool: n.PoolId, State: n.ProvisionState, Reason: n.ProvisionReason, GPUs: len(n.Gpus),
-		Model: n.GpuModel, Gateway: n.GatewayId, Reachable: n.Reachable, Cordoned: n.Cordoned, Hostname: n.Hostname}
+		Model: n.GpuModel, Gateway: n.GatewayId, Reachable: n.Reachable, Cordoned: n.Cordoned, CordonReason: n.CordonReason, Hostname: n.Hostname}
 	if n.LastSeen != nil {
 		t := n.LastSeen.AsTime()
 		out.LastSeen = &t
@@ -96,6 +98,11 @@ func (a *app) nodesListCmd() *cobra.Command {
 				// never hold a session again.
 				state += ",revoked"
 			}
+			if n.Cordoned {
+				// Cordoned is a flag beside the provision state.
+				state += ",cordoned"
+				reason = n.CordonReason
+			}
 			rows[i] = []string{n.ID, n.Pool, state, strconv.Itoa(n.GPUs), orDash(n.Model), orDash(n.Gateway),
 				ago(now, n.LastSeen), reason}
 		}
@@ -149,4 +156,50 @@ func (a *app) nodesRevokeCmd() *cobra.Command {
 		return nil
 	}
 	return c
+}
+
+func (a *app) nodesCordonCmd() *cobra.Command {
+	var reason string
+	c := &cobra.Command{
+		Use:   "cordon NODE_ID --reason TEXT",
+		Short: "Cordon a node: no new reservations are placed on it; its reservations stay",
+		Long: "Cordon a node: the scheduler places no new reservation on it, and the reservations it\n" +
+			"holds stay. Cordoning a cordoned node updates the reason. Undo with `nodes uncordon`.",
+		Args: cobra.ExactArgs(1),
+	}
+	c.Flags().StringVar(&reason, "reason", "", "why (required, at most 256 characters); shown by nodes list")
+	_ = c.MarkFlagRequired("reason")
+	c.RunE = func(cmd *cobra.Command, args []string) error {
+		cl, err := a.clients()
+		if err != nil {
+			return err
+		}
+		res, err := cl.nodes.CordonNode(cmd.Context(), connect.NewRequest(&computev1.CordonNodeRequest{NodeId: args[0], Reason: reason}))
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(a.env.Stdout, "cordoned %s: %s\n", res.Msg.GetNode().GetId(), res.Msg.GetNode().GetCordonReason())
+		return nil
+	}
+	return c
+}
+
+func (a *app) nodesUncordonCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "uncordon NODE_ID",
+		Short: "Uncordon a node: the scheduler may place reservations on it again",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			cl, err := a.clients()
+			if err != nil {
+				return err
+			}
+			res, err := cl.nodes.UncordonNode(cmd.Context(), connect.NewRequest(&computev1.UncordonNodeRequest{NodeId: args[0]}))
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(a.env.Stdout, "uncordoned %s\n", res.Msg.GetNode().GetId())
+			return nil
+		},
+	}
 }

@@ -64,3 +64,64 @@ func TestNodesRevoke(t *testing.T) {
 		}
 	}
 }
+
+// TestNodesCordon: `nodes cordon NODE --reason TEXT` cordons the node (list
+// shows it with the reason, JSON has cordonReason), a viewer may not, the
+// reason is required and validated; `nodes uncordon` undoes it; each change
+// writes its event.
+func TestNodesCordon(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+
+	res := f.runner(f.viewer).run(t, "nodes", "cordon", f.adopted, "--reason", "x")
+	require.Equal(t, 1, res.code)
+	require.Equal(t, "error: permission_denied: role viewer may not call CordonNode (needs fleet.manage)\n", res.stderr)
+	res = f.runner(f.root).run(t, "nodes", "cordon", f.adopted)
+	require.Equal(t, 1, res.code)
+	require.Contains(t, res.stderr, `"reason" not set`)
+	res = f.runner(f.root).run(t, "nodes", "cordon", "node_nope", "--reason", "x")
+	require.Equal(t, 1, res.code)
+	require.Equal(t, "error: not_found: node node_nope not found\n", res.stderr)
+
+	res = f.runner(f.root).run(t, "nodes", "cordon", f.adopted, "--reason", "fan noise")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Equal(t, "cordoned "+f.adopted+": fan noise\n", res.stdout)
+
+	res = f.runner(f.viewer).run(t, "nodes", "list")
+	require.Equal(t, 0, res.code, res.stderr)
+	seen := false
+	for line := range strings.Lines(res.stdout) {
+		fields := strings.Fields(line)
+		switch fields[0] {
+		case f.adopted:
+			seen = true
+			require.Equal(t, "adopted,cordoned", fields[2], line)
+			require.True(t, strings.HasSuffix(strings.TrimSpace(line), "fan noise"), line)
+		case "ID":
+		default:
+			require.NotContains(t, fields[2], "cordoned", line)
+		}
+	}
+	require.True(t, seen, res.stdout)
+	res = f.runner(f.viewer).run(t, "nodes", "list", "-o", "json")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, `"cordonReason": "fan noise"`)
+
+	res = f.runner(f.root).run(t, "nodes", "uncordon", f.adopted)
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Equal(t, "uncordoned "+f.adopted+"\n", res.stdout)
+	res = f.runner(f.viewer).run(t, "nodes", "list")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.NotContains(t, res.stdout, "cordoned")
+
+	var types []string
+	rows, err := f.db.Pool.Query(t.Context(), `SELECT type FROM events WHERE subject_id = $1 ORDER BY id`, f.adopted)
+	require.NoError(t, err)
+	for rows.Next() {
+		var typ string
+		require.NoError(t, rows.Scan(&typ))
+		types = append(types, typ)
+	}
+	require.NoError(t, rows.Err())
+	require.Equal(t, []string{"node.cordoned", "node.uncordoned"}, types)
+}

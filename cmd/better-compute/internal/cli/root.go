@@ -51,7 +51,7 @@ func NewRoot(env Env) *cobra.Command {
 	root := &cobra.Command{
 		Use:           "better-compute",
 		Short:         "Operate a better-compute GPU fleet",
-		Long:          "better-compute talks to a better-compute control plane (nodes, pools and their offers,\nreservations, usage, sites, join tokens, tenants, API tokens, audit) and administers a deployment\n(migrate, pki, bootstrap).",
+		Long:          "better-compute talks to a better-compute control plane (nodes, pools and their offers,\nreservations, usage, sites, join tokens, tenants, API tokens, audit, events) and administers a deployment\n(migrate, pki, bootstrap).",
 		SilenceErrors: true,
 		SilenceUsage:  true,
 	}
@@ -68,12 +68,14 @@ func NewRoot(env Env) *cobra.Command {
 		a.reserveCmd(),
 		a.releaseCmd(),
 		a.reservationsCmd(),
+		a.commandsCmd(),
 		a.usageCmd(),
 		a.sitesCmd(),
 		a.joinTokensCmd(),
 		a.tenantsCmd(),
 		a.tokensCmd(),
 		a.auditCmd(),
+		a.eventsCmd(),
 		a.migrateCmd(),
 		a.pkiCmd(),
 		a.bootstrapCmd(),

@@ -2407,6 +2407,837 @@ func (x *GetNodeResponse) GetNode() *Node {
 	return nil
 }
 
+type CordonNodeRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	NodeId        string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	Reason        string                 `protobuf:"bytes,2,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CordonNodeRequest) Reset() {
+	*x = CordonNodeRequest{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[38]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CordonNodeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CordonNodeRequest) ProtoMessage() {}
+
+func (x *CordonNodeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[38]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CordonNodeRequest.ProtoReflect.Descriptor instead.
+func (*CordonNodeRequest) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{38}
+}
+
+func (x *CordonNodeRequest) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
+func (x *CordonNodeRequest) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+type CordonNodeResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Node          *Node                  `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CordonNodeResponse) Reset() {
+	*x = CordonNodeResponse{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[39]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CordonNodeResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CordonNodeResponse) ProtoMessage() {}
+
+func (x *CordonNodeResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[39]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CordonNodeResponse.ProtoReflect.Descriptor instead.
+func (*CordonNodeResponse) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{39}
+}
+
+func (x *CordonNodeResponse) GetNode() *Node {
+	if x != nil {
+		return x.Node
+	}
+	return nil
+}
+
+type UncordonNodeRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	NodeId        string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UncordonNodeRequest) Reset() {
+	*x = UncordonNodeRequest{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[40]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UncordonNodeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UncordonNodeRequest) ProtoMessage() {}
+
+func (x *UncordonNodeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[40]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UncordonNodeRequest.ProtoReflect.Descriptor instead.
+func (*UncordonNodeRequest) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{40}
+}
+
+func (x *UncordonNodeRequest) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
+type UncordonNodeResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Node          *Node                  `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UncordonNodeResponse) Reset() {
+	*x = UncordonNodeResponse{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[41]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UncordonNodeResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UncordonNodeResponse) ProtoMessage() {}
+
+func (x *UncordonNodeResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[41]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UncordonNodeResponse.ProtoReflect.Descriptor instead.
+func (*UncordonNodeResponse) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{41}
+}
+
+func (x *UncordonNodeResponse) GetNode() *Node {
+	if x != nil {
+		return x.Node
+	}
+	return nil
+}
+
+type Command struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Id     string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	NodeId string                 `protobuf:"bytes,2,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	// Kind is diag.nvml, inventory.refresh, logs.collect or node.reboot.
+	Kind string `protobuf:"bytes,3,opt,name=kind,proto3" json:"kind,omitempty"`
+	// State is queued, delivered, running, succeeded, failed, expired or
+	// canceled.
+	State     string                 `protobuf:"bytes,4,opt,name=state,proto3" json:"state,omitempty"`
+	RetrySafe bool                   `protobuf:"varint,5,opt,name=retry_safe,json=retrySafe,proto3" json:"retry_safe,omitempty"`
+	Deadline  *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=deadline,proto3" json:"deadline,omitempty"`
+	// ResultJson is the result of a succeeded command (JSON).
+	ResultJson    string                 `protobuf:"bytes,7,opt,name=result_json,json=resultJson,proto3" json:"result_json,omitempty"`
+	Error         string                 `protobuf:"bytes,8,opt,name=error,proto3" json:"error,omitempty"`
+	Deliveries    int32                  `protobuf:"varint,9,opt,name=deliveries,proto3" json:"deliveries,omitempty"`
+	RequestId     string                 `protobuf:"bytes,10,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	CreatedAt     *timestamppb.Timestamp `protobuf:"bytes,11,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
+	UpdatedAt     *timestamppb.Timestamp `protobuf:"bytes,12,opt,name=updated_at,json=updatedAt,proto3" json:"updated_at,omitempty"`
+	FinishedAt    *timestamppb.Timestamp `protobuf:"bytes,13,opt,name=finished_at,json=finishedAt,proto3" json:"finished_at,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Command) Reset() {
+	*x = Command{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[42]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Command) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Command) ProtoMessage() {}
+
+func (x *Command) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[42]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Command.ProtoReflect.Descriptor instead.
+func (*Command) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{42}
+}
+
+func (x *Command) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *Command) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
+func (x *Command) GetKind() string {
+	if x != nil {
+		return x.Kind
+	}
+	return ""
+}
+
+func (x *Command) GetState() string {
+	if x != nil {
+		return x.State
+	}
+	return ""
+}
+
+func (x *Command) GetRetrySafe() bool {
+	if x != nil {
+		return x.RetrySafe
+	}
+	return false
+}
+
+func (x *Command) GetDeadline() *timestamppb.Timestamp {
+	if x != nil {
+		return x.Deadline
+	}
+	return nil
+}
+
+func (x *Command) GetResultJson() string {
+	if x != nil {
+		return x.ResultJson
+	}
+	return ""
+}
+
+func (x *Command) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
+
+func (x *Command) GetDeliveries() int32 {
+	if x != nil {
+		return x.Deliveries
+	}
+	return 0
+}
+
+func (x *Command) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
+func (x *Command) GetCreatedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.CreatedAt
+	}
+	return nil
+}
+
+func (x *Command) GetUpdatedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.UpdatedAt
+	}
+	return nil
+}
+
+func (x *Command) GetFinishedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.FinishedAt
+	}
+	return nil
+}
+
+type RunCommandRequest struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	NodeId string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	Kind   string                 `protobuf:"bytes,2,opt,name=kind,proto3" json:"kind,omitempty"`
+	// Timeout is how long the command may take from now (default 5 min, at
+	// most 24 h).
+	Timeout       *durationpb.Duration `protobuf:"bytes,3,opt,name=timeout,proto3" json:"timeout,omitempty"`
+	RequestId     string               `protobuf:"bytes,4,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RunCommandRequest) Reset() {
+	*x = RunCommandRequest{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[43]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RunCommandRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RunCommandRequest) ProtoMessage() {}
+
+func (x *RunCommandRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[43]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RunCommandRequest.ProtoReflect.Descriptor instead.
+func (*RunCommandRequest) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{43}
+}
+
+func (x *RunCommandRequest) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
+func (x *RunCommandRequest) GetKind() string {
+	if x != nil {
+		return x.Kind
+	}
+	return ""
+}
+
+func (x *RunCommandRequest) GetTimeout() *durationpb.Duration {
+	if x != nil {
+		return x.Timeout
+	}
+	return nil
+}
+
+func (x *RunCommandRequest) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
+type RunCommandResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Command       *Command               `protobuf:"bytes,1,opt,name=command,proto3" json:"command,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RunCommandResponse) Reset() {
+	*x = RunCommandResponse{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[44]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RunCommandResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RunCommandResponse) ProtoMessage() {}
+
+func (x *RunCommandResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[44]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RunCommandResponse.ProtoReflect.Descriptor instead.
+func (*RunCommandResponse) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{44}
+}
+
+func (x *RunCommandResponse) GetCommand() *Command {
+	if x != nil {
+		return x.Command
+	}
+	return nil
+}
+
+type GetCommandRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	CommandId     string                 `protobuf:"bytes,1,opt,name=command_id,json=commandId,proto3" json:"command_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetCommandRequest) Reset() {
+	*x = GetCommandRequest{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[45]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetCommandRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetCommandRequest) ProtoMessage() {}
+
+func (x *GetCommandRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[45]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetCommandRequest.ProtoReflect.Descriptor instead.
+func (*GetCommandRequest) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{45}
+}
+
+func (x *GetCommandRequest) GetCommandId() string {
+	if x != nil {
+		return x.CommandId
+	}
+	return ""
+}
+
+type GetCommandResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Command       *Command               `protobuf:"bytes,1,opt,name=command,proto3" json:"command,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetCommandResponse) Reset() {
+	*x = GetCommandResponse{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[46]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetCommandResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetCommandResponse) ProtoMessage() {}
+
+func (x *GetCommandResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[46]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetCommandResponse.ProtoReflect.Descriptor instead.
+func (*GetCommandResponse) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{46}
+}
+
+func (x *GetCommandResponse) GetCommand() *Command {
+	if x != nil {
+		return x.Command
+	}
+	return nil
+}
+
+type ListCommandsRequest struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	NodeId   string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	PageSize int32                  `protobuf:"varint,2,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
+	// PageToken is the last command id of the previous page.
+	PageToken     string `protobuf:"bytes,3,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListCommandsRequest) Reset() {
+	*x = ListCommandsRequest{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[47]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListCommandsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListCommandsRequest) ProtoMessage() {}
+
+func (x *ListCommandsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[47]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListCommandsRequest.ProtoReflect.Descriptor instead.
+func (*ListCommandsRequest) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{47}
+}
+
+func (x *ListCommandsRequest) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
+func (x *ListCommandsRequest) GetPageSize() int32 {
+	if x != nil {
+		return x.PageSize
+	}
+	return 0
+}
+
+func (x *ListCommandsRequest) GetPageToken() string {
+	if x != nil {
+		return x.PageToken
+	}
+	return ""
+}
+
+type ListCommandsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Commands      []*Command             `protobuf:"bytes,1,rep,name=commands,proto3" json:"commands,omitempty"`
+	NextPageToken string                 `protobuf:"bytes,2,opt,name=next_page_token,json=nextPageToken,proto3" json:"next_page_token,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListCommandsResponse) Reset() {
+	*x = ListCommandsResponse{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[48]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListCommandsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListCommandsResponse) ProtoMessage() {}
+
+func (x *ListCommandsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[48]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListCommandsResponse.ProtoReflect.Descriptor instead.
+func (*ListCommandsResponse) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{48}
+}
+
+func (x *ListCommandsResponse) GetCommands() []*Command {
+	if x != nil {
+		return x.Commands
+	}
+	return nil
+}
+
+func (x *ListCommandsResponse) GetNextPageToken() string {
+	if x != nil {
+		return x.NextPageToken
+	}
+	return ""
+}
+
+type Event struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Id increases with every event; resume a watch after it.
+	Id int64 `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
+	// Type is e.g. node.cordoned, reservation.active, command.succeeded.
+	Type     string `protobuf:"bytes,2,opt,name=type,proto3" json:"type,omitempty"`
+	TenantId string `protobuf:"bytes,3,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
+	// SubjectId is the id of the node, reservation or command.
+	SubjectId string `protobuf:"bytes,4,opt,name=subject_id,json=subjectId,proto3" json:"subject_id,omitempty"`
+	// DataJson is the event's data (JSON object).
+	DataJson      string                 `protobuf:"bytes,5,opt,name=data_json,json=dataJson,proto3" json:"data_json,omitempty"`
+	Time          *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=time,proto3" json:"time,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Event) Reset() {
+	*x = Event{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[49]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Event) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Event) ProtoMessage() {}
+
+func (x *Event) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[49]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Event.ProtoReflect.Descriptor instead.
+func (*Event) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{49}
+}
+
+func (x *Event) GetId() int64 {
+	if x != nil {
+		return x.Id
+	}
+	return 0
+}
+
+func (x *Event) GetType() string {
+	if x != nil {
+		return x.Type
+	}
+	return ""
+}
+
+func (x *Event) GetTenantId() string {
+	if x != nil {
+		return x.TenantId
+	}
+	return ""
+}
+
+func (x *Event) GetSubjectId() string {
+	if x != nil {
+		return x.SubjectId
+	}
+	return ""
+}
+
+func (x *Event) GetDataJson() string {
+	if x != nil {
+		return x.DataJson
+	}
+	return ""
+}
+
+func (x *Event) GetTime() *timestamppb.Timestamp {
+	if x != nil {
+		return x.Time
+	}
+	return nil
+}
+
+type WatchRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types are patterns: an exact type ("node.cordoned") or a prefix with
+	// ".*" ("node.*"); empty matches every type.
+	Types []string `protobuf:"bytes,1,rep,name=types,proto3" json:"types,omitempty"`
+	// AfterId resumes after the event with this id; 0 starts with the
+	// events written from now on.
+	AfterId       int64 `protobuf:"varint,2,opt,name=after_id,json=afterId,proto3" json:"after_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchRequest) Reset() {
+	*x = WatchRequest{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[50]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchRequest) ProtoMessage() {}
+
+func (x *WatchRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[50]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchRequest.ProtoReflect.Descriptor instead.
+func (*WatchRequest) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{50}
+}
+
+func (x *WatchRequest) GetTypes() []string {
+	if x != nil {
+		return x.Types
+	}
+	return nil
+}
+
+func (x *WatchRequest) GetAfterId() int64 {
+	if x != nil {
+		return x.AfterId
+	}
+	return 0
+}
+
+type WatchResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Event         *Event                 `protobuf:"bytes,1,opt,name=event,proto3" json:"event,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchResponse) Reset() {
+	*x = WatchResponse{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[51]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchResponse) ProtoMessage() {}
+
+func (x *WatchResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[51]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchResponse.ProtoReflect.Descriptor instead.
+func (*WatchResponse) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{51}
+}
+
+func (x *WatchResponse) GetEvent() *Event {
+	if x != nil {
+		return x.Event
+	}
+	return nil
+}
+
 type RevokeNodeRequest struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	NodeId string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
@@ -2418,7 +3249,7 @@ type RevokeNodeRequest struct {
 
 func (x *RevokeNodeRequest) Reset() {
 	*x = RevokeNodeRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[38]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2430,7 +3261,7 @@ func (x *RevokeNodeRequest) String() string {
 func (*RevokeNodeRequest) ProtoMessage() {}
 
 func (x *RevokeNodeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[38]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2443,7 +3274,7 @@ func (x *RevokeNodeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeNodeRequest.ProtoReflect.Descriptor instead.
 func (*RevokeNodeRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{38}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *RevokeNodeRequest) GetNodeId() string {
@@ -2471,7 +3302,7 @@ type RevokeNodeResponse struct {
 
 func (x *RevokeNodeResponse) Reset() {
 	*x = RevokeNodeResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[39]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2483,7 +3314,7 @@ func (x *RevokeNodeResponse) String() string {
 func (*RevokeNodeResponse) ProtoMessage() {}
 
 func (x *RevokeNodeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[39]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2496,7 +3327,7 @@ func (x *RevokeNodeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeNodeResponse.ProtoReflect.Descriptor instead.
 func (*RevokeNodeResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{39}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *RevokeNodeResponse) GetNode() *Node {
@@ -2525,7 +3356,7 @@ type Site struct {
 
 func (x *Site) Reset() {
 	*x = Site{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[40]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2537,7 +3368,7 @@ func (x *Site) String() string {
 func (*Site) ProtoMessage() {}
 
 func (x *Site) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[40]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2550,7 +3381,7 @@ func (x *Site) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Site.ProtoReflect.Descriptor instead.
 func (*Site) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{40}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *Site) GetId() string {
@@ -2591,7 +3422,7 @@ type CreateSiteRequest struct {
 
 func (x *CreateSiteRequest) Reset() {
 	*x = CreateSiteRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[41]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2603,7 +3434,7 @@ func (x *CreateSiteRequest) String() string {
 func (*CreateSiteRequest) ProtoMessage() {}
 
 func (x *CreateSiteRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[41]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2616,7 +3447,7 @@ func (x *CreateSiteRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSiteRequest.ProtoReflect.Descriptor instead.
 func (*CreateSiteRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{41}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *CreateSiteRequest) GetName() string {
@@ -2642,7 +3473,7 @@ type CreateSiteResponse struct {
 
 func (x *CreateSiteResponse) Reset() {
 	*x = CreateSiteResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[42]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2654,7 +3485,7 @@ func (x *CreateSiteResponse) String() string {
 func (*CreateSiteResponse) ProtoMessage() {}
 
 func (x *CreateSiteResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[42]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2667,7 +3498,7 @@ func (x *CreateSiteResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSiteResponse.ProtoReflect.Descriptor instead.
 func (*CreateSiteResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{42}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *CreateSiteResponse) GetSite() *Site {
@@ -2685,7 +3516,7 @@ type ListSitesRequest struct {
 
 func (x *ListSitesRequest) Reset() {
 	*x = ListSitesRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[43]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2697,7 +3528,7 @@ func (x *ListSitesRequest) String() string {
 func (*ListSitesRequest) ProtoMessage() {}
 
 func (x *ListSitesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[43]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2710,7 +3541,7 @@ func (x *ListSitesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSitesRequest.ProtoReflect.Descriptor instead.
 func (*ListSitesRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{43}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{57}
 }
 
 type ListSitesResponse struct {
@@ -2722,7 +3553,7 @@ type ListSitesResponse struct {
 
 func (x *ListSitesResponse) Reset() {
 	*x = ListSitesResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[44]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2734,7 +3565,7 @@ func (x *ListSitesResponse) String() string {
 func (*ListSitesResponse) ProtoMessage() {}
 
 func (x *ListSitesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[44]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2747,7 +3578,7 @@ func (x *ListSitesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSitesResponse.ProtoReflect.Descriptor instead.
 func (*ListSitesResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{44}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *ListSitesResponse) GetSites() []*Site {
@@ -2773,7 +3604,7 @@ type Acceptance struct {
 
 func (x *Acceptance) Reset() {
 	*x = Acceptance{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[45]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2785,7 +3616,7 @@ func (x *Acceptance) String() string {
 func (*Acceptance) ProtoMessage() {}
 
 func (x *Acceptance) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[45]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2798,7 +3629,7 @@ func (x *Acceptance) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Acceptance.ProtoReflect.Descriptor instead.
 func (*Acceptance) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{45}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *Acceptance) GetCheck() string {
@@ -2841,7 +3672,7 @@ type Pool struct {
 
 func (x *Pool) Reset() {
 	*x = Pool{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[46]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2853,7 +3684,7 @@ func (x *Pool) String() string {
 func (*Pool) ProtoMessage() {}
 
 func (x *Pool) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[46]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2866,7 +3697,7 @@ func (x *Pool) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Pool.ProtoReflect.Descriptor instead.
 func (*Pool) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{46}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *Pool) GetId() string {
@@ -2937,7 +3768,7 @@ type CreatePoolRequest struct {
 
 func (x *CreatePoolRequest) Reset() {
 	*x = CreatePoolRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[47]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2949,7 +3780,7 @@ func (x *CreatePoolRequest) String() string {
 func (*CreatePoolRequest) ProtoMessage() {}
 
 func (x *CreatePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[47]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2962,7 +3793,7 @@ func (x *CreatePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreatePoolRequest.ProtoReflect.Descriptor instead.
 func (*CreatePoolRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{47}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *CreatePoolRequest) GetSiteId() string {
@@ -3002,7 +3833,7 @@ type CreatePoolResponse struct {
 
 func (x *CreatePoolResponse) Reset() {
 	*x = CreatePoolResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[48]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3014,7 +3845,7 @@ func (x *CreatePoolResponse) String() string {
 func (*CreatePoolResponse) ProtoMessage() {}
 
 func (x *CreatePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[48]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3027,7 +3858,7 @@ func (x *CreatePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreatePoolResponse.ProtoReflect.Descriptor instead.
 func (*CreatePoolResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{48}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *CreatePoolResponse) GetPool() *Pool {
@@ -3046,7 +3877,7 @@ type ListPoolsRequest struct {
 
 func (x *ListPoolsRequest) Reset() {
 	*x = ListPoolsRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[49]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3058,7 +3889,7 @@ func (x *ListPoolsRequest) String() string {
 func (*ListPoolsRequest) ProtoMessage() {}
 
 func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[49]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3071,7 +3902,7 @@ func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsRequest.ProtoReflect.Descriptor instead.
 func (*ListPoolsRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{49}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *ListPoolsRequest) GetSiteId() string {
@@ -3090,7 +3921,7 @@ type ListPoolsResponse struct {
 
 func (x *ListPoolsResponse) Reset() {
 	*x = ListPoolsResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[50]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3102,7 +3933,7 @@ func (x *ListPoolsResponse) String() string {
 func (*ListPoolsResponse) ProtoMessage() {}
 
 func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[50]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3115,7 +3946,7 @@ func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsResponse.ProtoReflect.Descriptor instead.
 func (*ListPoolsResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{50}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *ListPoolsResponse) GetPools() []*Pool {
@@ -3140,7 +3971,7 @@ type JoinToken struct {
 
 func (x *JoinToken) Reset() {
 	*x = JoinToken{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[51]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3152,7 +3983,7 @@ func (x *JoinToken) String() string {
 func (*JoinToken) ProtoMessage() {}
 
 func (x *JoinToken) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[51]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3165,7 +3996,7 @@ func (x *JoinToken) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JoinToken.ProtoReflect.Descriptor instead.
 func (*JoinToken) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{51}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *JoinToken) GetId() string {
@@ -3229,7 +4060,7 @@ type CreateJoinTokenRequest struct {
 
 func (x *CreateJoinTokenRequest) Reset() {
 	*x = CreateJoinTokenRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[52]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3241,7 +4072,7 @@ func (x *CreateJoinTokenRequest) String() string {
 func (*CreateJoinTokenRequest) ProtoMessage() {}
 
 func (x *CreateJoinTokenRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[52]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3254,7 +4085,7 @@ func (x *CreateJoinTokenRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateJoinTokenRequest.ProtoReflect.Descriptor instead.
 func (*CreateJoinTokenRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{52}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *CreateJoinTokenRequest) GetPoolId() string {
@@ -3289,7 +4120,7 @@ type CreateJoinTokenResponse struct {
 
 func (x *CreateJoinTokenResponse) Reset() {
 	*x = CreateJoinTokenResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[53]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3301,7 +4132,7 @@ func (x *CreateJoinTokenResponse) String() string {
 func (*CreateJoinTokenResponse) ProtoMessage() {}
 
 func (x *CreateJoinTokenResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[53]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3314,7 +4145,7 @@ func (x *CreateJoinTokenResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateJoinTokenResponse.ProtoReflect.Descriptor instead.
 func (*CreateJoinTokenResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{53}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *CreateJoinTokenResponse) GetJoinToken() *JoinToken {
@@ -3340,7 +4171,7 @@ type ListJoinTokensRequest struct {
 
 func (x *ListJoinTokensRequest) Reset() {
 	*x = ListJoinTokensRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[54]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3352,7 +4183,7 @@ func (x *ListJoinTokensRequest) String() string {
 func (*ListJoinTokensRequest) ProtoMessage() {}
 
 func (x *ListJoinTokensRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[54]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3365,7 +4196,7 @@ func (x *ListJoinTokensRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListJoinTokensRequest.ProtoReflect.Descriptor instead.
 func (*ListJoinTokensRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{54}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{68}
 }
 
 func (x *ListJoinTokensRequest) GetPoolId() string {
@@ -3384,7 +4215,7 @@ type ListJoinTokensResponse struct {
 
 func (x *ListJoinTokensResponse) Reset() {
 	*x = ListJoinTokensResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[55]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3396,7 +4227,7 @@ func (x *ListJoinTokensResponse) String() string {
 func (*ListJoinTokensResponse) ProtoMessage() {}
 
 func (x *ListJoinTokensResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[55]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3409,7 +4240,7 @@ func (x *ListJoinTokensResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListJoinTokensResponse.ProtoReflect.Descriptor instead.
 func (*ListJoinTokensResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{55}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *ListJoinTokensResponse) GetJoinTokens() []*JoinToken {
@@ -3428,7 +4259,7 @@ type RevokeJoinTokenRequest struct {
 
 func (x *RevokeJoinTokenRequest) Reset() {
 	*x = RevokeJoinTokenRequest{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[56]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3440,7 +4271,7 @@ func (x *RevokeJoinTokenRequest) String() string {
 func (*RevokeJoinTokenRequest) ProtoMessage() {}
 
 func (x *RevokeJoinTokenRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[56]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3453,7 +4284,7 @@ func (x *RevokeJoinTokenRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeJoinTokenRequest.ProtoReflect.Descriptor instead.
 func (*RevokeJoinTokenRequest) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{56}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *RevokeJoinTokenRequest) GetJoinTokenId() string {
@@ -3472,7 +4303,7 @@ type RevokeJoinTokenResponse struct {
 
 func (x *RevokeJoinTokenResponse) Reset() {
 	*x = RevokeJoinTokenResponse{}
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[57]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3484,7 +4315,7 @@ func (x *RevokeJoinTokenResponse) String() string {
 func (*RevokeJoinTokenResponse) ProtoMessage() {}
 
 func (x *RevokeJoinTokenResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_compute_v1_compute_proto_msgTypes[57]
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3497,7 +4328,7 @@ func (x *RevokeJoinTokenResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeJoinTokenResponse.ProtoReflect.Descriptor instead.
 func (*RevokeJoinTokenResponse) Descriptor() ([]byte, []int) {
-	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{57}
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *RevokeJoinTokenResponse) GetJoinToken() *JoinToken {
@@ -3699,7 +4530,75 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\x0eGetNodeRequest\x12\"\n" +
 	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\":\n" +
 	"\x0fGetNodeResponse\x12'\n" +
-	"\x04node\x18\x01 \x01(\v2\x13.bc.compute.v1.NodeR\x04node\"g\n" +
+	"\x04node\x18\x01 \x01(\v2\x13.bc.compute.v1.NodeR\x04node\"i\n" +
+	"\x11CordonNodeRequest\x12\"\n" +
+	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\x120\n" +
+	"\x06reason\x18\x02 \x01(\tB\x18\xbaH\x15r\x13\x10\x01\x18\x80\x022\f^[^\\p{Cc}]*$R\x06reason\"=\n" +
+	"\x12CordonNodeResponse\x12'\n" +
+	"\x04node\x18\x01 \x01(\v2\x13.bc.compute.v1.NodeR\x04node\"9\n" +
+	"\x13UncordonNodeRequest\x12\"\n" +
+	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\"?\n" +
+	"\x14UncordonNodeResponse\x12'\n" +
+	"\x04node\x18\x01 \x01(\v2\x13.bc.compute.v1.NodeR\x04node\"\xdc\x03\n" +
+	"\aCommand\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12\x17\n" +
+	"\anode_id\x18\x02 \x01(\tR\x06nodeId\x12\x12\n" +
+	"\x04kind\x18\x03 \x01(\tR\x04kind\x12\x14\n" +
+	"\x05state\x18\x04 \x01(\tR\x05state\x12\x1d\n" +
+	"\n" +
+	"retry_safe\x18\x05 \x01(\bR\tretrySafe\x126\n" +
+	"\bdeadline\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\bdeadline\x12\x1f\n" +
+	"\vresult_json\x18\a \x01(\tR\n" +
+	"resultJson\x12\x14\n" +
+	"\x05error\x18\b \x01(\tR\x05error\x12\x1e\n" +
+	"\n" +
+	"deliveries\x18\t \x01(\x05R\n" +
+	"deliveries\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\n" +
+	" \x01(\tR\trequestId\x129\n" +
+	"\n" +
+	"created_at\x18\v \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x129\n" +
+	"\n" +
+	"updated_at\x18\f \x01(\v2\x1a.google.protobuf.TimestampR\tupdatedAt\x12;\n" +
+	"\vfinished_at\x18\r \x01(\v2\x1a.google.protobuf.TimestampR\n" +
+	"finishedAt\"\x89\x02\n" +
+	"\x11RunCommandRequest\x12\"\n" +
+	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\x12R\n" +
+	"\x04kind\x18\x02 \x01(\tB>\xbaH;r9R\tdiag.nvmlR\x11inventory.refreshR\flogs.collectR\vnode.rebootR\x04kind\x12E\n" +
+	"\atimeout\x18\x03 \x01(\v2\x19.google.protobuf.DurationB\x10\xbaH\r\xaa\x01\n" +
+	"\"\x04\b\x80\xa3\x052\x02\b\x01R\atimeout\x125\n" +
+	"\n" +
+	"request_id\x18\x04 \x01(\tB\x16\xbaH\x13r\x11\x18\x80\x012\f^[^\\p{Cc}]*$R\trequestId\"F\n" +
+	"\x12RunCommandResponse\x120\n" +
+	"\acommand\x18\x01 \x01(\v2\x16.bc.compute.v1.CommandR\acommand\"=\n" +
+	"\x11GetCommandRequest\x12(\n" +
+	"\n" +
+	"command_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\tcommandId\"F\n" +
+	"\x12GetCommandResponse\x120\n" +
+	"\acommand\x18\x01 \x01(\v2\x16.bc.compute.v1.CommandR\acommand\"\x88\x01\n" +
+	"\x13ListCommandsRequest\x12 \n" +
+	"\anode_id\x18\x01 \x01(\tB\a\xbaH\x04r\x02\x18@R\x06nodeId\x12'\n" +
+	"\tpage_size\x18\x02 \x01(\x05B\n" +
+	"\xbaH\a\x1a\x05\x18\x90N(\x00R\bpageSize\x12&\n" +
+	"\n" +
+	"page_token\x18\x03 \x01(\tB\a\xbaH\x04r\x02\x18@R\tpageToken\"r\n" +
+	"\x14ListCommandsResponse\x122\n" +
+	"\bcommands\x18\x01 \x03(\v2\x16.bc.compute.v1.CommandR\bcommands\x12&\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"\xb4\x01\n" +
+	"\x05Event\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\x03R\x02id\x12\x12\n" +
+	"\x04type\x18\x02 \x01(\tR\x04type\x12\x1b\n" +
+	"\ttenant_id\x18\x03 \x01(\tR\btenantId\x12\x1d\n" +
+	"\n" +
+	"subject_id\x18\x04 \x01(\tR\tsubjectId\x12\x1b\n" +
+	"\tdata_json\x18\x05 \x01(\tR\bdataJson\x12.\n" +
+	"\x04time\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\x04time\"x\n" +
+	"\fWatchRequest\x12D\n" +
+	"\x05types\x18\x01 \x03(\tB.\xbaH+\x92\x01(\x10 \"$r\"\x10\x01\x18@2\x1c^[a-z_]+(\\.[a-z_]+)*(\\.\\*)?$R\x05types\x12\"\n" +
+	"\bafter_id\x18\x02 \x01(\x03B\a\xbaH\x04\"\x02(\x00R\aafterId\";\n" +
+	"\rWatchResponse\x12*\n" +
+	"\x05event\x18\x01 \x01(\v2\x14.bc.compute.v1.EventR\x05event\"g\n" +
 	"\x11RevokeNodeRequest\x12\"\n" +
 	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\x12.\n" +
 	"\x06reason\x18\x02 \x01(\tB\x16\xbaH\x13r\x11\x18\x80\x022\f^[^\\p{Cc}]*$R\x06reason\"p\n" +
@@ -3784,12 +4683,23 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\rjoin_token_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\vjoinTokenId\"R\n" +
 	"\x17RevokeJoinTokenResponse\x127\n" +
 	"\n" +
-	"join_token\x18\x01 \x01(\v2\x18.bc.compute.v1.JoinTokenR\tjoinToken2\x80\x02\n" +
+	"join_token\x18\x01 \x01(\v2\x18.bc.compute.v1.JoinTokenR\tjoinToken2\xb0\x03\n" +
 	"\vNodeService\x12P\n" +
 	"\tListNodes\x12\x1f.bc.compute.v1.ListNodesRequest\x1a .bc.compute.v1.ListNodesResponse\"\x00\x12J\n" +
 	"\aGetNode\x12\x1d.bc.compute.v1.GetNodeRequest\x1a\x1e.bc.compute.v1.GetNodeResponse\"\x00\x12S\n" +
 	"\n" +
-	"RevokeNode\x12 .bc.compute.v1.RevokeNodeRequest\x1a!.bc.compute.v1.RevokeNodeResponse\"\x002\x82\x04\n" +
+	"RevokeNode\x12 .bc.compute.v1.RevokeNodeRequest\x1a!.bc.compute.v1.RevokeNodeResponse\"\x00\x12S\n" +
+	"\n" +
+	"CordonNode\x12 .bc.compute.v1.CordonNodeRequest\x1a!.bc.compute.v1.CordonNodeResponse\"\x00\x12Y\n" +
+	"\fUncordonNode\x12\".bc.compute.v1.UncordonNodeRequest\x1a#.bc.compute.v1.UncordonNodeResponse\"\x002\x95\x02\n" +
+	"\x0eCommandService\x12S\n" +
+	"\n" +
+	"RunCommand\x12 .bc.compute.v1.RunCommandRequest\x1a!.bc.compute.v1.RunCommandResponse\"\x00\x12S\n" +
+	"\n" +
+	"GetCommand\x12 .bc.compute.v1.GetCommandRequest\x1a!.bc.compute.v1.GetCommandResponse\"\x00\x12Y\n" +
+	"\fListCommands\x12\".bc.compute.v1.ListCommandsRequest\x1a#.bc.compute.v1.ListCommandsResponse\"\x002V\n" +
+	"\fEventService\x12F\n" +
+	"\x05Watch\x12\x1b.bc.compute.v1.WatchRequest\x1a\x1c.bc.compute.v1.WatchResponse\"\x000\x012\x82\x04\n" +
 	"\vPoolService\x12S\n" +
 	"\n" +
 	"CreateSite\x12 .bc.compute.v1.CreateSiteRequest\x1a!.bc.compute.v1.CreateSiteResponse\"\x00\x12P\n" +
@@ -3835,7 +4745,7 @@ func file_bc_compute_v1_compute_proto_rawDescGZIP() []byte {
 	return file_bc_compute_v1_compute_proto_rawDescData
 }
 
-var file_bc_compute_v1_compute_proto_msgTypes = make([]protoimpl.MessageInfo, 59)
+var file_bc_compute_v1_compute_proto_msgTypes = make([]protoimpl.MessageInfo, 73)
 var file_bc_compute_v1_compute_proto_goTypes = []any{
 	(*Tenant)(nil),                     // 0: bc.compute.v1.Tenant
 	(*CreateTenantRequest)(nil),        // 1: bc.compute.v1.CreateTenantRequest
@@ -3875,135 +4785,173 @@ var file_bc_compute_v1_compute_proto_goTypes = []any{
 	(*ListNodesResponse)(nil),          // 35: bc.compute.v1.ListNodesResponse
 	(*GetNodeRequest)(nil),             // 36: bc.compute.v1.GetNodeRequest
 	(*GetNodeResponse)(nil),            // 37: bc.compute.v1.GetNodeResponse
-	(*RevokeNodeRequest)(nil),          // 38: bc.compute.v1.RevokeNodeRequest
-	(*RevokeNodeResponse)(nil),         // 39: bc.compute.v1.RevokeNodeResponse
-	(*Site)(nil),                       // 40: bc.compute.v1.Site
-	(*CreateSiteRequest)(nil),          // 41: bc.compute.v1.CreateSiteRequest
-	(*CreateSiteResponse)(nil),         // 42: bc.compute.v1.CreateSiteResponse
-	(*ListSitesRequest)(nil),           // 43: bc.compute.v1.ListSitesRequest
-	(*ListSitesResponse)(nil),          // 44: bc.compute.v1.ListSitesResponse
-	(*Acceptance)(nil),                 // 45: bc.compute.v1.Acceptance
-	(*Pool)(nil),                       // 46: bc.compute.v1.Pool
-	(*CreatePoolRequest)(nil),          // 47: bc.compute.v1.CreatePoolRequest
-	(*CreatePoolResponse)(nil),         // 48: bc.compute.v1.CreatePoolResponse
-	(*ListPoolsRequest)(nil),           // 49: bc.compute.v1.ListPoolsRequest
-	(*ListPoolsResponse)(nil),          // 50: bc.compute.v1.ListPoolsResponse
-	(*JoinToken)(nil),                  // 51: bc.compute.v1.JoinToken
-	(*CreateJoinTokenRequest)(nil),     // 52: bc.compute.v1.CreateJoinTokenRequest
-	(*CreateJoinTokenResponse)(nil),    // 53: bc.compute.v1.CreateJoinTokenResponse
-	(*ListJoinTokensRequest)(nil),      // 54: bc.compute.v1.ListJoinTokensRequest
-	(*ListJoinTokensResponse)(nil),     // 55: bc.compute.v1.ListJoinTokensResponse
-	(*RevokeJoinTokenRequest)(nil),     // 56: bc.compute.v1.RevokeJoinTokenRequest
-	(*RevokeJoinTokenResponse)(nil),    // 57: bc.compute.v1.RevokeJoinTokenResponse
-	nil,                                // 58: bc.compute.v1.Pool.NodeCountsEntry
-	(*timestamppb.Timestamp)(nil),      // 59: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),        // 60: google.protobuf.Duration
+	(*CordonNodeRequest)(nil),          // 38: bc.compute.v1.CordonNodeRequest
+	(*CordonNodeResponse)(nil),         // 39: bc.compute.v1.CordonNodeResponse
+	(*UncordonNodeRequest)(nil),        // 40: bc.compute.v1.UncordonNodeRequest
+	(*UncordonNodeResponse)(nil),       // 41: bc.compute.v1.UncordonNodeResponse
+	(*Command)(nil),                    // 42: bc.compute.v1.Command
+	(*RunCommandRequest)(nil),          // 43: bc.compute.v1.RunCommandRequest
+	(*RunCommandResponse)(nil),         // 44: bc.compute.v1.RunCommandResponse
+	(*GetCommandRequest)(nil),          // 45: bc.compute.v1.GetCommandRequest
+	(*GetCommandResponse)(nil),         // 46: bc.compute.v1.GetCommandResponse
+	(*ListCommandsRequest)(nil),        // 47: bc.compute.v1.ListCommandsRequest
+	(*ListCommandsResponse)(nil),       // 48: bc.compute.v1.ListCommandsResponse
+	(*Event)(nil),                      // 49: bc.compute.v1.Event
+	(*WatchRequest)(nil),               // 50: bc.compute.v1.WatchRequest
+	(*WatchResponse)(nil),              // 51: bc.compute.v1.WatchResponse
+	(*RevokeNodeRequest)(nil),          // 52: bc.compute.v1.RevokeNodeRequest
+	(*RevokeNodeResponse)(nil),         // 53: bc.compute.v1.RevokeNodeResponse
+	(*Site)(nil),                       // 54: bc.compute.v1.Site
+	(*CreateSiteRequest)(nil),          // 55: bc.compute.v1.CreateSiteRequest
+	(*CreateSiteResponse)(nil),         // 56: bc.compute.v1.CreateSiteResponse
+	(*ListSitesRequest)(nil),           // 57: bc.compute.v1.ListSitesRequest
+	(*ListSitesResponse)(nil),          // 58: bc.compute.v1.ListSitesResponse
+	(*Acceptance)(nil),                 // 59: bc.compute.v1.Acceptance
+	(*Pool)(nil),                       // 60: bc.compute.v1.Pool
+	(*CreatePoolRequest)(nil),          // 61: bc.compute.v1.CreatePoolRequest
+	(*CreatePoolResponse)(nil),         // 62: bc.compute.v1.CreatePoolResponse
+	(*ListPoolsRequest)(nil),           // 63: bc.compute.v1.ListPoolsRequest
+	(*ListPoolsResponse)(nil),          // 64: bc.compute.v1.ListPoolsResponse
+	(*JoinToken)(nil),                  // 65: bc.compute.v1.JoinToken
+	(*CreateJoinTokenRequest)(nil),     // 66: bc.compute.v1.CreateJoinTokenRequest
+	(*CreateJoinTokenResponse)(nil),    // 67: bc.compute.v1.CreateJoinTokenResponse
+	(*ListJoinTokensRequest)(nil),      // 68: bc.compute.v1.ListJoinTokensRequest
+	(*ListJoinTokensResponse)(nil),     // 69: bc.compute.v1.ListJoinTokensResponse
+	(*RevokeJoinTokenRequest)(nil),     // 70: bc.compute.v1.RevokeJoinTokenRequest
+	(*RevokeJoinTokenResponse)(nil),    // 71: bc.compute.v1.RevokeJoinTokenResponse
+	nil,                                // 72: bc.compute.v1.Pool.NodeCountsEntry
+	(*timestamppb.Timestamp)(nil),      // 73: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),        // 74: google.protobuf.Duration
 }
 var file_bc_compute_v1_compute_proto_depIdxs = []int32{
-	59, // 0: bc.compute.v1.Tenant.created_at:type_name -> google.protobuf.Timestamp
+	73, // 0: bc.compute.v1.Tenant.created_at:type_name -> google.protobuf.Timestamp
 	0,  // 1: bc.compute.v1.CreateTenantResponse.tenant:type_name -> bc.compute.v1.Tenant
 	0,  // 2: bc.compute.v1.ListTenantsResponse.tenants:type_name -> bc.compute.v1.Tenant
-	59, // 3: bc.compute.v1.ApiToken.expires_at:type_name -> google.protobuf.Timestamp
-	59, // 4: bc.compute.v1.ApiToken.revoked_at:type_name -> google.protobuf.Timestamp
-	59, // 5: bc.compute.v1.ApiToken.created_at:type_name -> google.protobuf.Timestamp
-	59, // 6: bc.compute.v1.ApiToken.last_used_at:type_name -> google.protobuf.Timestamp
+	73, // 3: bc.compute.v1.ApiToken.expires_at:type_name -> google.protobuf.Timestamp
+	73, // 4: bc.compute.v1.ApiToken.revoked_at:type_name -> google.protobuf.Timestamp
+	73, // 5: bc.compute.v1.ApiToken.created_at:type_name -> google.protobuf.Timestamp
+	73, // 6: bc.compute.v1.ApiToken.last_used_at:type_name -> google.protobuf.Timestamp
 	5,  // 7: bc.compute.v1.CreateTokenResponse.token:type_name -> bc.compute.v1.ApiToken
 	5,  // 8: bc.compute.v1.ListTokensResponse.tokens:type_name -> bc.compute.v1.ApiToken
 	5,  // 9: bc.compute.v1.RevokeTokenResponse.token:type_name -> bc.compute.v1.ApiToken
-	59, // 10: bc.compute.v1.AuditEntry.at:type_name -> google.protobuf.Timestamp
+	73, // 10: bc.compute.v1.AuditEntry.at:type_name -> google.protobuf.Timestamp
 	12, // 11: bc.compute.v1.ListAuditResponse.entries:type_name -> bc.compute.v1.AuditEntry
-	59, // 12: bc.compute.v1.Offer.created_at:type_name -> google.protobuf.Timestamp
+	73, // 12: bc.compute.v1.Offer.created_at:type_name -> google.protobuf.Timestamp
 	15, // 13: bc.compute.v1.OfferPoolResponse.offer:type_name -> bc.compute.v1.Offer
 	15, // 14: bc.compute.v1.ListOffersResponse.offers:type_name -> bc.compute.v1.Offer
-	59, // 15: bc.compute.v1.Reservation.start_time:type_name -> google.protobuf.Timestamp
-	59, // 16: bc.compute.v1.Reservation.end_time:type_name -> google.protobuf.Timestamp
-	59, // 17: bc.compute.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
-	59, // 18: bc.compute.v1.Reservation.updated_at:type_name -> google.protobuf.Timestamp
-	59, // 19: bc.compute.v1.Reservation.active_at:type_name -> google.protobuf.Timestamp
-	59, // 20: bc.compute.v1.Reservation.ended_at:type_name -> google.protobuf.Timestamp
-	60, // 21: bc.compute.v1.ReserveRequest.duration:type_name -> google.protobuf.Duration
-	59, // 22: bc.compute.v1.ReserveRequest.start_time:type_name -> google.protobuf.Timestamp
+	73, // 15: bc.compute.v1.Reservation.start_time:type_name -> google.protobuf.Timestamp
+	73, // 16: bc.compute.v1.Reservation.end_time:type_name -> google.protobuf.Timestamp
+	73, // 17: bc.compute.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
+	73, // 18: bc.compute.v1.Reservation.updated_at:type_name -> google.protobuf.Timestamp
+	73, // 19: bc.compute.v1.Reservation.active_at:type_name -> google.protobuf.Timestamp
+	73, // 20: bc.compute.v1.Reservation.ended_at:type_name -> google.protobuf.Timestamp
+	74, // 21: bc.compute.v1.ReserveRequest.duration:type_name -> google.protobuf.Duration
+	73, // 22: bc.compute.v1.ReserveRequest.start_time:type_name -> google.protobuf.Timestamp
 	20, // 23: bc.compute.v1.ReserveResponse.reservation:type_name -> bc.compute.v1.Reservation
 	20, // 24: bc.compute.v1.GetReservationResponse.reservation:type_name -> bc.compute.v1.Reservation
 	20, // 25: bc.compute.v1.ListReservationsResponse.reservations:type_name -> bc.compute.v1.Reservation
 	20, // 26: bc.compute.v1.ReleaseReservationResponse.reservation:type_name -> bc.compute.v1.Reservation
-	59, // 27: bc.compute.v1.UsageWindow.window_start:type_name -> google.protobuf.Timestamp
-	59, // 28: bc.compute.v1.ListUsageRequest.since:type_name -> google.protobuf.Timestamp
+	73, // 27: bc.compute.v1.UsageWindow.window_start:type_name -> google.protobuf.Timestamp
+	73, // 28: bc.compute.v1.ListUsageRequest.since:type_name -> google.protobuf.Timestamp
 	29, // 29: bc.compute.v1.ListUsageResponse.windows:type_name -> bc.compute.v1.UsageWindow
-	59, // 30: bc.compute.v1.Node.last_seen:type_name -> google.protobuf.Timestamp
+	73, // 30: bc.compute.v1.Node.last_seen:type_name -> google.protobuf.Timestamp
 	32, // 31: bc.compute.v1.Node.gpus:type_name -> bc.compute.v1.Gpu
-	59, // 32: bc.compute.v1.Node.created_at:type_name -> google.protobuf.Timestamp
-	59, // 33: bc.compute.v1.Node.revoked_at:type_name -> google.protobuf.Timestamp
-	59, // 34: bc.compute.v1.Node.cert_not_after:type_name -> google.protobuf.Timestamp
+	73, // 32: bc.compute.v1.Node.created_at:type_name -> google.protobuf.Timestamp
+	73, // 33: bc.compute.v1.Node.revoked_at:type_name -> google.protobuf.Timestamp
+	73, // 34: bc.compute.v1.Node.cert_not_after:type_name -> google.protobuf.Timestamp
 	33, // 35: bc.compute.v1.ListNodesResponse.nodes:type_name -> bc.compute.v1.Node
 	33, // 36: bc.compute.v1.GetNodeResponse.node:type_name -> bc.compute.v1.Node
-	33, // 37: bc.compute.v1.RevokeNodeResponse.node:type_name -> bc.compute.v1.Node
-	59, // 38: bc.compute.v1.Site.created_at:type_name -> google.protobuf.Timestamp
-	40, // 39: bc.compute.v1.CreateSiteResponse.site:type_name -> bc.compute.v1.Site
-	40, // 40: bc.compute.v1.ListSitesResponse.sites:type_name -> bc.compute.v1.Site
-	45, // 41: bc.compute.v1.Pool.acceptance:type_name -> bc.compute.v1.Acceptance
-	59, // 42: bc.compute.v1.Pool.created_at:type_name -> google.protobuf.Timestamp
-	58, // 43: bc.compute.v1.Pool.node_counts:type_name -> bc.compute.v1.Pool.NodeCountsEntry
-	45, // 44: bc.compute.v1.CreatePoolRequest.acceptance:type_name -> bc.compute.v1.Acceptance
-	46, // 45: bc.compute.v1.CreatePoolResponse.pool:type_name -> bc.compute.v1.Pool
-	46, // 46: bc.compute.v1.ListPoolsResponse.pools:type_name -> bc.compute.v1.Pool
-	59, // 47: bc.compute.v1.JoinToken.expires_at:type_name -> google.protobuf.Timestamp
-	59, // 48: bc.compute.v1.JoinToken.revoked_at:type_name -> google.protobuf.Timestamp
-	59, // 49: bc.compute.v1.JoinToken.created_at:type_name -> google.protobuf.Timestamp
-	51, // 50: bc.compute.v1.CreateJoinTokenResponse.join_token:type_name -> bc.compute.v1.JoinToken
-	51, // 51: bc.compute.v1.ListJoinTokensResponse.join_tokens:type_name -> bc.compute.v1.JoinToken
-	51, // 52: bc.compute.v1.RevokeJoinTokenResponse.join_token:type_name -> bc.compute.v1.JoinToken
-	34, // 53: bc.compute.v1.NodeService.ListNodes:input_type -> bc.compute.v1.ListNodesRequest
-	36, // 54: bc.compute.v1.NodeService.GetNode:input_type -> bc.compute.v1.GetNodeRequest
-	38, // 55: bc.compute.v1.NodeService.RevokeNode:input_type -> bc.compute.v1.RevokeNodeRequest
-	41, // 56: bc.compute.v1.PoolService.CreateSite:input_type -> bc.compute.v1.CreateSiteRequest
-	43, // 57: bc.compute.v1.PoolService.ListSites:input_type -> bc.compute.v1.ListSitesRequest
-	47, // 58: bc.compute.v1.PoolService.CreatePool:input_type -> bc.compute.v1.CreatePoolRequest
-	49, // 59: bc.compute.v1.PoolService.ListPools:input_type -> bc.compute.v1.ListPoolsRequest
-	16, // 60: bc.compute.v1.PoolService.OfferPool:input_type -> bc.compute.v1.OfferPoolRequest
-	18, // 61: bc.compute.v1.PoolService.ListOffers:input_type -> bc.compute.v1.ListOffersRequest
-	21, // 62: bc.compute.v1.ReservationService.Reserve:input_type -> bc.compute.v1.ReserveRequest
-	23, // 63: bc.compute.v1.ReservationService.GetReservation:input_type -> bc.compute.v1.GetReservationRequest
-	25, // 64: bc.compute.v1.ReservationService.ListReservations:input_type -> bc.compute.v1.ListReservationsRequest
-	27, // 65: bc.compute.v1.ReservationService.ReleaseReservation:input_type -> bc.compute.v1.ReleaseReservationRequest
-	30, // 66: bc.compute.v1.UsageService.ListUsage:input_type -> bc.compute.v1.ListUsageRequest
-	52, // 67: bc.compute.v1.JoinTokenService.CreateJoinToken:input_type -> bc.compute.v1.CreateJoinTokenRequest
-	54, // 68: bc.compute.v1.JoinTokenService.ListJoinTokens:input_type -> bc.compute.v1.ListJoinTokensRequest
-	56, // 69: bc.compute.v1.JoinTokenService.RevokeJoinToken:input_type -> bc.compute.v1.RevokeJoinTokenRequest
-	1,  // 70: bc.compute.v1.TenantService.CreateTenant:input_type -> bc.compute.v1.CreateTenantRequest
-	3,  // 71: bc.compute.v1.TenantService.ListTenants:input_type -> bc.compute.v1.ListTenantsRequest
-	6,  // 72: bc.compute.v1.TokenService.CreateToken:input_type -> bc.compute.v1.CreateTokenRequest
-	8,  // 73: bc.compute.v1.TokenService.ListTokens:input_type -> bc.compute.v1.ListTokensRequest
-	10, // 74: bc.compute.v1.TokenService.RevokeToken:input_type -> bc.compute.v1.RevokeTokenRequest
-	13, // 75: bc.compute.v1.AuditService.ListAudit:input_type -> bc.compute.v1.ListAuditRequest
-	35, // 76: bc.compute.v1.NodeService.ListNodes:output_type -> bc.compute.v1.ListNodesResponse
-	37, // 77: bc.compute.v1.NodeService.GetNode:output_type -> bc.compute.v1.GetNodeResponse
-	39, // 78: bc.compute.v1.NodeService.RevokeNode:output_type -> bc.compute.v1.RevokeNodeResponse
-	42, // 79: bc.compute.v1.PoolService.CreateSite:output_type -> bc.compute.v1.CreateSiteResponse
-	44, // 80: bc.compute.v1.PoolService.ListSites:output_type -> bc.compute.v1.ListSitesResponse
-	48, // 81: bc.compute.v1.PoolService.CreatePool:output_type -> bc.compute.v1.CreatePoolResponse
-	50, // 82: bc.compute.v1.PoolService.ListPools:output_type -> bc.compute.v1.ListPoolsResponse
-	17, // 83: bc.compute.v1.PoolService.OfferPool:output_type -> bc.compute.v1.OfferPoolResponse
-	19, // 84: bc.compute.v1.PoolService.ListOffers:output_type -> bc.compute.v1.ListOffersResponse
-	22, // 85: bc.compute.v1.ReservationService.Reserve:output_type -> bc.compute.v1.ReserveResponse
-	24, // 86: bc.compute.v1.ReservationService.GetReservation:output_type -> bc.compute.v1.GetReservationResponse
-	26, // 87: bc.compute.v1.ReservationService.ListReservations:output_type -> bc.compute.v1.ListReservationsResponse
-	28, // 88: bc.compute.v1.ReservationService.ReleaseReservation:output_type -> bc.compute.v1.ReleaseReservationResponse
-	31, // 89: bc.compute.v1.UsageService.ListUsage:output_type -> bc.compute.v1.ListUsageResponse
-	53, // 90: bc.compute.v1.JoinTokenService.CreateJoinToken:output_type -> bc.compute.v1.CreateJoinTokenResponse
-	55, // 91: bc.compute.v1.JoinTokenService.ListJoinTokens:output_type -> bc.compute.v1.ListJoinTokensResponse
-	57, // 92: bc.compute.v1.JoinTokenService.RevokeJoinToken:output_type -> bc.compute.v1.RevokeJoinTokenResponse
-	2,  // 93: bc.compute.v1.TenantService.CreateTenant:output_type -> bc.compute.v1.CreateTenantResponse
-	4,  // 94: bc.compute.v1.TenantService.ListTenants:output_type -> bc.compute.v1.ListTenantsResponse
-	7,  // 95: bc.compute.v1.TokenService.CreateToken:output_type -> bc.compute.v1.CreateTokenResponse
-	9,  // 96: bc.compute.v1.TokenService.ListTokens:output_type -> bc.compute.v1.ListTokensResponse
-	11, // 97: bc.compute.v1.TokenService.RevokeToken:output_type -> bc.compute.v1.RevokeTokenResponse
-	14, // 98: bc.compute.v1.AuditService.ListAudit:output_type -> bc.compute.v1.ListAuditResponse
-	76, // [76:99] is the sub-list for method output_type
-	53, // [53:76] is the sub-list for method input_type
-	53, // [53:53] is the sub-list for extension type_name
-	53, // [53:53] is the sub-list for extension extendee
-	0,  // [0:53] is the sub-list for field type_name
+	33, // 37: bc.compute.v1.CordonNodeResponse.node:type_name -> bc.compute.v1.Node
+	33, // 38: bc.compute.v1.UncordonNodeResponse.node:type_name -> bc.compute.v1.Node
+	73, // 39: bc.compute.v1.Command.deadline:type_name -> google.protobuf.Timestamp
+	73, // 40: bc.compute.v1.Command.created_at:type_name -> google.protobuf.Timestamp
+	73, // 41: bc.compute.v1.Command.updated_at:type_name -> google.protobuf.Timestamp
+	73, // 42: bc.compute.v1.Command.finished_at:type_name -> google.protobuf.Timestamp
+	74, // 43: bc.compute.v1.RunCommandRequest.timeout:type_name -> google.protobuf.Duration
+	42, // 44: bc.compute.v1.RunCommandResponse.command:type_name -> bc.compute.v1.Command
+	42, // 45: bc.compute.v1.GetCommandResponse.command:type_name -> bc.compute.v1.Command
+	42, // 46: bc.compute.v1.ListCommandsResponse.commands:type_name -> bc.compute.v1.Command
+	73, // 47: bc.compute.v1.Event.time:type_name -> google.protobuf.Timestamp
+	49, // 48: bc.compute.v1.WatchResponse.event:type_name -> bc.compute.v1.Event
+	33, // 49: bc.compute.v1.RevokeNodeResponse.node:type_name -> bc.compute.v1.Node
+	73, // 50: bc.compute.v1.Site.created_at:type_name -> google.protobuf.Timestamp
+	54, // 51: bc.compute.v1.CreateSiteResponse.site:type_name -> bc.compute.v1.Site
+	54, // 52: bc.compute.v1.ListSitesResponse.sites:type_name -> bc.compute.v1.Site
+	59, // 53: bc.compute.v1.Pool.acceptance:type_name -> bc.compute.v1.Acceptance
+	73, // 54: bc.compute.v1.Pool.created_at:type_name -> google.protobuf.Timestamp
+	72, // 55: bc.compute.v1.Pool.node_counts:type_name -> bc.compute.v1.Pool.NodeCountsEntry
+	59, // 56: bc.compute.v1.CreatePoolRequest.acceptance:type_name -> bc.compute.v1.Acceptance
+	60, // 57: bc.compute.v1.CreatePoolResponse.pool:type_name -> bc.compute.v1.Pool
+	60, // 58: bc.compute.v1.ListPoolsResponse.pools:type_name -> bc.compute.v1.Pool
+	73, // 59: bc.compute.v1.JoinToken.expires_at:type_name -> google.protobuf.Timestamp
+	73, // 60: bc.compute.v1.JoinToken.revoked_at:type_name -> google.protobuf.Timestamp
+	73, // 61: bc.compute.v1.JoinToken.created_at:type_name -> google.protobuf.Timestamp
+	65, // 62: bc.compute.v1.CreateJoinTokenResponse.join_token:type_name -> bc.compute.v1.JoinToken
+	65, // 63: bc.compute.v1.ListJoinTokensResponse.join_tokens:type_name -> bc.compute.v1.JoinToken
+	65, // 64: bc.compute.v1.RevokeJoinTokenResponse.join_token:type_name -> bc.compute.v1.JoinToken
+	34, // 65: bc.compute.v1.NodeService.ListNodes:input_type -> bc.compute.v1.ListNodesRequest
+	36, // 66: bc.compute.v1.NodeService.GetNode:input_type -> bc.compute.v1.GetNodeRequest
+	52, // 67: bc.compute.v1.NodeService.RevokeNode:input_type -> bc.compute.v1.RevokeNodeRequest
+	38, // 68: bc.compute.v1.NodeService.CordonNode:input_type -> bc.compute.v1.CordonNodeRequest
+	40, // 69: bc.compute.v1.NodeService.UncordonNode:input_type -> bc.compute.v1.UncordonNodeRequest
+	43, // 70: bc.compute.v1.CommandService.RunCommand:input_type -> bc.compute.v1.RunCommandRequest
+	45, // 71: bc.compute.v1.CommandService.GetCommand:input_type -> bc.compute.v1.GetCommandRequest
+	47, // 72: bc.compute.v1.CommandService.ListCommands:input_type -> bc.compute.v1.ListCommandsRequest
+	50, // 73: bc.compute.v1.EventService.Watch:input_type -> bc.compute.v1.WatchRequest
+	55, // 74: bc.compute.v1.PoolService.CreateSite:input_type -> bc.compute.v1.CreateSiteRequest
+	57, // 75: bc.compute.v1.PoolService.ListSites:input_type -> bc.compute.v1.ListSitesRequest
+	61, // 76: bc.compute.v1.PoolService.CreatePool:input_type -> bc.compute.v1.CreatePoolRequest
+	63, // 77: bc.compute.v1.PoolService.ListPools:input_type -> bc.compute.v1.ListPoolsRequest
+	16, // 78: bc.compute.v1.PoolService.OfferPool:input_type -> bc.compute.v1.OfferPoolRequest
+	18, // 79: bc.compute.v1.PoolService.ListOffers:input_type -> bc.compute.v1.ListOffersRequest
+	21, // 80: bc.compute.v1.ReservationService.Reserve:input_type -> bc.compute.v1.ReserveRequest
+	23, // 81: bc.compute.v1.ReservationService.GetReservation:input_type -> bc.compute.v1.GetReservationRequest
+	25, // 82: bc.compute.v1.ReservationService.ListReservations:input_type -> bc.compute.v1.ListReservationsRequest
+	27, // 83: bc.compute.v1.ReservationService.ReleaseReservation:input_type -> bc.compute.v1.ReleaseReservationRequest
+	30, // 84: bc.compute.v1.UsageService.ListUsage:input_type -> bc.compute.v1.ListUsageRequest
+	66, // 85: bc.compute.v1.JoinTokenService.CreateJoinToken:input_type -> bc.compute.v1.CreateJoinTokenRequest
+	68, // 86: bc.compute.v1.JoinTokenService.ListJoinTokens:input_type -> bc.compute.v1.ListJoinTokensRequest
+	70, // 87: bc.compute.v1.JoinTokenService.RevokeJoinToken:input_type -> bc.compute.v1.RevokeJoinTokenRequest
+	1,  // 88: bc.compute.v1.TenantService.CreateTenant:input_type -> bc.compute.v1.CreateTenantRequest
+	3,  // 89: bc.compute.v1.TenantService.ListTenants:input_type -> bc.compute.v1.ListTenantsRequest
+	6,  // 90: bc.compute.v1.TokenService.CreateToken:input_type -> bc.compute.v1.CreateTokenRequest
+	8,  // 91: bc.compute.v1.TokenService.ListTokens:input_type -> bc.compute.v1.ListTokensRequest
+	10, // 92: bc.compute.v1.TokenService.RevokeToken:input_type -> bc.compute.v1.RevokeTokenRequest
+	13, // 93: bc.compute.v1.AuditService.ListAudit:input_type -> bc.compute.v1.ListAuditRequest
+	35, // 94: bc.compute.v1.NodeService.ListNodes:output_type -> bc.compute.v1.ListNodesResponse
+	37, // 95: bc.compute.v1.NodeService.GetNode:output_type -> bc.compute.v1.GetNodeResponse
+	53, // 96: bc.compute.v1.NodeService.RevokeNode:output_type -> bc.compute.v1.RevokeNodeResponse
+	39, // 97: bc.compute.v1.NodeService.CordonNode:output_type -> bc.compute.v1.CordonNodeResponse
+	41, // 98: bc.compute.v1.NodeService.UncordonNode:output_type -> bc.compute.v1.UncordonNodeResponse
+	44, // 99: bc.compute.v1.CommandService.RunCommand:output_type -> bc.compute.v1.RunCommandResponse
+	46, // 100: bc.compute.v1.CommandService.GetCommand:output_type -> bc.compute.v1.GetCommandResponse
+	48, // 101: bc.compute.v1.CommandService.ListCommands:output_type -> bc.compute.v1.ListCommandsResponse
+	51, // 102: bc.compute.v1.EventService.Watch:output_type -> bc.compute.v1.WatchResponse
+	56, // 103: bc.compute.v1.PoolService.CreateSite:output_type -> bc.compute.v1.CreateSiteResponse
+	58, // 104: bc.compute.v1.PoolService.ListSites:output_type -> bc.compute.v1.ListSitesResponse
+	62, // 105: bc.compute.v1.PoolService.CreatePool:output_type -> bc.compute.v1.CreatePoolResponse
+	64, // 106: bc.compute.v1.PoolService.ListPools:output_type -> bc.compute.v1.ListPoolsResponse
+	17, // 107: bc.compute.v1.PoolService.OfferPool:output_type -> bc.compute.v1.OfferPoolResponse
+	19, // 108: bc.compute.v1.PoolService.ListOffers:output_type -> bc.compute.v1.ListOffersResponse
+	22, // 109: bc.compute.v1.ReservationService.Reserve:output_type -> bc.compute.v1.ReserveResponse
+	24, // 110: bc.compute.v1.ReservationService.GetReservation:output_type -> bc.compute.v1.GetReservationResponse
+	26, // 111: bc.compute.v1.ReservationService.ListReservations:output_type -> bc.compute.v1.ListReservationsResponse
+	28, // 112: bc.compute.v1.ReservationService.ReleaseReservation:output_type -> bc.compute.v1.ReleaseReservationResponse
+	31, // 113: bc.compute.v1.UsageService.ListUsage:output_type -> bc.compute.v1.ListUsageResponse
+	67, // 114: bc.compute.v1.JoinTokenService.CreateJoinToken:output_type -> bc.compute.v1.CreateJoinTokenResponse
+	69, // 115: bc.compute.v1.JoinTokenService.ListJoinTokens:output_type -> bc.compute.v1.ListJoinTokensResponse
+	71, // 116: bc.compute.v1.JoinTokenService.RevokeJoinToken:output_type -> bc.compute.v1.RevokeJoinTokenResponse
+	2,  // 117: bc.compute.v1.TenantService.CreateTenant:output_type -> bc.compute.v1.CreateTenantResponse
+	4,  // 118: bc.compute.v1.TenantService.ListTenants:output_type -> bc.compute.v1.ListTenantsResponse
+	7,  // 119: bc.compute.v1.TokenService.CreateToken:output_type -> bc.compute.v1.CreateTokenResponse
+	9,  // 120: bc.compute.v1.TokenService.ListTokens:output_type -> bc.compute.v1.ListTokensResponse
+	11, // 121: bc.compute.v1.TokenService.RevokeToken:output_type -> bc.compute.v1.RevokeTokenResponse
+	14, // 122: bc.compute.v1.AuditService.ListAudit:output_type -> bc.compute.v1.ListAuditResponse
+	94, // [94:123] is the sub-list for method output_type
+	65, // [65:94] is the sub-list for method input_type
+	65, // [65:65] is the sub-list for extension type_name
+	65, // [65:65] is the sub-list for extension extendee
+	0,  // [0:65] is the sub-list for field type_name
 }
 
 func init() { file_bc_compute_v1_compute_proto_init() }
@@ -4017,9 +4965,9 @@ func file_bc_compute_v1_compute_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_bc_compute_v1_compute_proto_rawDesc), len(file_bc_compute_v1_compute_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   59,
+			NumMessages:   73,
 			NumExtensions: 0,
-			NumServices:   8,
+			NumServices:   10,
 		},
 		GoTypes:           file_bc_compute_v1_compute_proto_goTypes,
 		DependencyIndexes: file_bc_compute_v1_compute_proto_depIdxs,

@@ -23,6 +23,10 @@ const _ = connect.IsAtLeastVersion1_13_0
 const (
 	// NodeServiceName is the fully-qualified name of the NodeService service.
 	NodeServiceName = "bc.compute.v1.NodeService"
+	// CommandServiceName is the fully-qualified name of the CommandService service.
+	CommandServiceName = "bc.compute.v1.CommandService"
+	// EventServiceName is the fully-qualified name of the EventService service.
+	EventServiceName = "bc.compute.v1.EventService"
 	// PoolServiceName is the fully-qualified name of the PoolService service.
 	PoolServiceName = "bc.compute.v1.PoolService"
 	// ReservationServiceName is the fully-qualified name of the ReservationService service.
@@ -53,6 +57,22 @@ const (
 	NodeServiceGetNodeProcedure = "/bc.compute.v1.NodeService/GetNode"
 	// NodeServiceRevokeNodeProcedure is the fully-qualified name of the NodeService's RevokeNode RPC.
 	NodeServiceRevokeNodeProcedure = "/bc.compute.v1.NodeService/RevokeNode"
+	// NodeServiceCordonNodeProcedure is the fully-qualified name of the NodeService's CordonNode RPC.
+	NodeServiceCordonNodeProcedure = "/bc.compute.v1.NodeService/CordonNode"
+	// NodeServiceUncordonNodeProcedure is the fully-qualified name of the NodeService's UncordonNode
+	// RPC.
+	NodeServiceUncordonNodeProcedure = "/bc.compute.v1.NodeService/UncordonNode"
+	// CommandServiceRunCommandProcedure is the fully-qualified name of the CommandService's RunCommand
+	// RPC.
+	CommandServiceRunCommandProcedure = "/bc.compute.v1.CommandService/RunCommand"
+	// CommandServiceGetCommandProcedure is the fully-qualified name of the CommandService's GetCommand
+	// RPC.
+	CommandServiceGetCommandProcedure = "/bc.compute.v1.CommandService/GetCommand"
+	// CommandServiceListCommandsProcedure is the fully-qualified name of the CommandService's
+	// ListCommands RPC.
+	CommandServiceListCommandsProcedure = "/bc.compute.v1.CommandService/ListCommands"
+	// EventServiceWatchProcedure is the fully-qualified name of the EventService's Watch RPC.
+	EventServiceWatchProcedure = "/bc.compute.v1.EventService/Watch"
 	// PoolServiceCreateSiteProcedure is the fully-qualified name of the PoolService's CreateSite RPC.
 	PoolServiceCreateSiteProcedure = "/bc.compute.v1.PoolService/CreateSite"
 	// PoolServiceListSitesProcedure is the fully-qualified name of the PoolService's ListSites RPC.
@@ -116,6 +136,12 @@ type NodeServiceClient interface {
 	// session or renew its certificate, and its open session is closed within
 	// seconds. Revoking a revoked node changes nothing. Errors: NotFound.
 	RevokeNode(context.Context, *connect.Request[v1.RevokeNodeRequest]) (*connect.Response[v1.RevokeNodeResponse], error)
+	// CordonNode stops new placements on a node; its reservations stay.
+	// Cordoning a cordoned node updates the reason. Errors: NotFound.
+	CordonNode(context.Context, *connect.Request[v1.CordonNodeRequest]) (*connect.Response[v1.CordonNodeResponse], error)
+	// UncordonNode lets the scheduler place on the node again. Errors:
+	// NotFound.
+	UncordonNode(context.Context, *connect.Request[v1.UncordonNodeRequest]) (*connect.Response[v1.UncordonNodeResponse], error)
 }
 
 // NewNodeServiceClient constructs a client for the bc.compute.v1.NodeService service. By default,
@@ -147,14 +173,28 @@ func NewNodeServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			connect.WithSchema(nodeServiceMethods.ByName("RevokeNode")),
 			connect.WithClientOptions(opts...),
 		),
+		cordonNode: connect.NewClient[v1.CordonNodeRequest, v1.CordonNodeResponse](
+			httpClient,
+			baseURL+NodeServiceCordonNodeProcedure,
+			connect.WithSchema(nodeServiceMethods.ByName("CordonNode")),
+			connect.WithClientOptions(opts...),
+		),
+		uncordonNode: connect.NewClient[v1.UncordonNodeRequest, v1.UncordonNodeResponse](
+			httpClient,
+			baseURL+NodeServiceUncordonNodeProcedure,
+			connect.WithSchema(nodeServiceMethods.ByName("UncordonNode")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // nodeServiceClient implements NodeServiceClient.
 type nodeServiceClient struct {
-	listNodes  *connect.Client[v1.ListNodesRequest, v1.ListNodesResponse]
-	getNode    *connect.Client[v1.GetNodeRequest, v1.GetNodeResponse]
-	revokeNode *connect.Client[v1.RevokeNodeRequest, v1.RevokeNodeResponse]
+	listNodes    *connect.Client[v1.ListNodesRequest, v1.ListNodesResponse]
+	getNode      *connect.Client[v1.GetNodeRequest, v1.GetNodeResponse]
+	revokeNode   *connect.Client[v1.RevokeNodeRequest, v1.RevokeNodeResponse]
+	cordonNode   *connect.Client[v1.CordonNodeRequest, v1.CordonNodeResponse]
+	uncordonNode *connect.Client[v1.UncordonNodeRequest, v1.UncordonNodeResponse]
 }
 
 // ListNodes calls bc.compute.v1.NodeService.ListNodes.
@@ -172,6 +212,16 @@ func (c *nodeServiceClient) RevokeNode(ctx context.Context, req *connect.Request
 	return c.revokeNode.CallUnary(ctx, req)
 }
 
+// CordonNode calls bc.compute.v1.NodeService.CordonNode.
+func (c *nodeServiceClient) CordonNode(ctx context.Context, req *connect.Request[v1.CordonNodeRequest]) (*connect.Response[v1.CordonNodeResponse], error) {
+	return c.cordonNode.CallUnary(ctx, req)
+}
+
+// UncordonNode calls bc.compute.v1.NodeService.UncordonNode.
+func (c *nodeServiceClient) UncordonNode(ctx context.Context, req *connect.Request[v1.UncordonNodeRequest]) (*connect.Response[v1.UncordonNodeResponse], error) {
+	return c.uncordonNode.CallUnary(ctx, req)
+}
+
 // NodeServiceHandler is an implementation of the bc.compute.v1.NodeService service.
 type NodeServiceHandler interface {
 	// ListNodes lists nodes, optionally of one pool, ordered by id.
@@ -182,6 +232,12 @@ type NodeServiceHandler interface {
 	// session or renew its certificate, and its open session is closed within
 	// seconds. Revoking a revoked node changes nothing. Errors: NotFound.
 	RevokeNode(context.Context, *connect.Request[v1.RevokeNodeRequest]) (*connect.Response[v1.RevokeNodeResponse], error)
+	// CordonNode stops new placements on a node; its reservations stay.
+	// Cordoning a cordoned node updates the reason. Errors: NotFound.
+	CordonNode(context.Context, *connect.Request[v1.CordonNodeRequest]) (*connect.Response[v1.CordonNodeResponse], error)
+	// UncordonNode lets the scheduler place on the node again. Errors:
+	// NotFound.
+	UncordonNode(context.Context, *connect.Request[v1.UncordonNodeRequest]) (*connect.Response[v1.UncordonNodeResponse], error)
 }
 
 // NewNodeServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -209,6 +265,18 @@ func NewNodeServiceHandler(svc NodeServiceHandler, opts ...connect.HandlerOption
 		connect.WithSchema(nodeServiceMethods.ByName("RevokeNode")),
 		connect.WithHandlerOptions(opts...),
 	)
+	nodeServiceCordonNodeHandler := connect.NewUnaryHandler(
+		NodeServiceCordonNodeProcedure,
+		svc.CordonNode,
+		connect.WithSchema(nodeServiceMethods.ByName("CordonNode")),
+		connect.WithHandlerOptions(opts...),
+	)
+	nodeServiceUncordonNodeHandler := connect.NewUnaryHandler(
+		NodeServiceUncordonNodeProcedure,
+		svc.UncordonNode,
+		connect.WithSchema(nodeServiceMethods.ByName("UncordonNode")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/bc.compute.v1.NodeService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case NodeServiceListNodesProcedure:
@@ -217,6 +285,10 @@ func NewNodeServiceHandler(svc NodeServiceHandler, opts ...connect.HandlerOption
 			nodeServiceGetNodeHandler.ServeHTTP(w, r)
 		case NodeServiceRevokeNodeProcedure:
 			nodeServiceRevokeNodeHandler.ServeHTTP(w, r)
+		case NodeServiceCordonNodeProcedure:
+			nodeServiceCordonNodeHandler.ServeHTTP(w, r)
+		case NodeServiceUncordonNodeProcedure:
+			nodeServiceUncordonNodeHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -236,6 +308,218 @@ func (UnimplementedNodeServiceHandler) GetNode(context.Context, *connect.Request
 
 func (UnimplementedNodeServiceHandler) RevokeNode(context.Context, *connect.Request[v1.RevokeNodeRequest]) (*connect.Response[v1.RevokeNodeResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.NodeService.RevokeNode is not implemented"))
+}
+
+func (UnimplementedNodeServiceHandler) CordonNode(context.Context, *connect.Request[v1.CordonNodeRequest]) (*connect.Response[v1.CordonNodeResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.NodeService.CordonNode is not implemented"))
+}
+
+func (UnimplementedNodeServiceHandler) UncordonNode(context.Context, *connect.Request[v1.UncordonNodeRequest]) (*connect.Response[v1.UncordonNodeResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.NodeService.UncordonNode is not implemented"))
+}
+
+// CommandServiceClient is a client for the bc.compute.v1.CommandService service.
+type CommandServiceClient interface {
+	// RunCommand queues a command for a node. Idempotent by request_id.
+	// Errors: NotFound (node), FailedPrecondition (node not adopted or
+	// revoked), InvalidArgument.
+	RunCommand(context.Context, *connect.Request[v1.RunCommandRequest]) (*connect.Response[v1.RunCommandResponse], error)
+	GetCommand(context.Context, *connect.Request[v1.GetCommandRequest]) (*connect.Response[v1.GetCommandResponse], error)
+	ListCommands(context.Context, *connect.Request[v1.ListCommandsRequest]) (*connect.Response[v1.ListCommandsResponse], error)
+}
+
+// NewCommandServiceClient constructs a client for the bc.compute.v1.CommandService service. By
+// default, it uses the Connect protocol with the binary Protobuf Codec, asks for gzipped responses,
+// and sends uncompressed requests. To use the gRPC or gRPC-Web protocols, supply the
+// connect.WithGRPC() or connect.WithGRPCWeb() options.
+//
+// The URL supplied here should be the base URL for the Connect or gRPC server (for example,
+// http://api.acme.com or https://acme.com/grpc).
+func NewCommandServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...connect.ClientOption) CommandServiceClient {
+	baseURL = strings.TrimRight(baseURL, "/")
+	commandServiceMethods := v1.File_bc_compute_v1_compute_proto.Services().ByName("CommandService").Methods()
+	return &commandServiceClient{
+		runCommand: connect.NewClient[v1.RunCommandRequest, v1.RunCommandResponse](
+			httpClient,
+			baseURL+CommandServiceRunCommandProcedure,
+			connect.WithSchema(commandServiceMethods.ByName("RunCommand")),
+			connect.WithClientOptions(opts...),
+		),
+		getCommand: connect.NewClient[v1.GetCommandRequest, v1.GetCommandResponse](
+			httpClient,
+			baseURL+CommandServiceGetCommandProcedure,
+			connect.WithSchema(commandServiceMethods.ByName("GetCommand")),
+			connect.WithClientOptions(opts...),
+		),
+		listCommands: connect.NewClient[v1.ListCommandsRequest, v1.ListCommandsResponse](
+			httpClient,
+			baseURL+CommandServiceListCommandsProcedure,
+			connect.WithSchema(commandServiceMethods.ByName("ListCommands")),
+			connect.WithClientOptions(opts...),
+		),
+	}
+}
+
+// commandServiceClient implements CommandServiceClient.
+type commandServiceClient struct {
+	runCommand   *connect.Client[v1.RunCommandRequest, v1.RunCommandResponse]
+	getCommand   *connect.Client[v1.GetCommandRequest, v1.GetCommandResponse]
+	listCommands *connect.Client[v1.ListCommandsRequest, v1.ListCommandsResponse]
+}
+
+// RunCommand calls bc.compute.v1.CommandService.RunCommand.
+func (c *commandServiceClient) RunCommand(ctx context.Context, req *connect.Request[v1.RunCommandRequest]) (*connect.Response[v1.RunCommandResponse], error) {
+	return c.runCommand.CallUnary(ctx, req)
+}
+
+// GetCommand calls bc.compute.v1.CommandService.GetCommand.
+func (c *commandServiceClient) GetCommand(ctx context.Context, req *connect.Request[v1.GetCommandRequest]) (*connect.Response[v1.GetCommandResponse], error) {
+	return c.getCommand.CallUnary(ctx, req)
+}
+
+// ListCommands calls bc.compute.v1.CommandService.ListCommands.
+func (c *commandServiceClient) ListCommands(ctx context.Context, req *connect.Request[v1.ListCommandsRequest]) (*connect.Response[v1.ListCommandsResponse], error) {
+	return c.listCommands.CallUnary(ctx, req)
+}
+
+// CommandServiceHandler is an implementation of the bc.compute.v1.CommandService service.
+type CommandServiceHandler interface {
+	// RunCommand queues a command for a node. Idempotent by request_id.
+	// Errors: NotFound (node), FailedPrecondition (node not adopted or
+	// revoked), InvalidArgument.
+	RunCommand(context.Context, *connect.Request[v1.RunCommandRequest]) (*connect.Response[v1.RunCommandResponse], error)
+	GetCommand(context.Context, *connect.Request[v1.GetCommandRequest]) (*connect.Response[v1.GetCommandResponse], error)
+	ListCommands(context.Context, *connect.Request[v1.ListCommandsRequest]) (*connect.Response[v1.ListCommandsResponse], error)
+}
+
+// NewCommandServiceHandler builds an HTTP handler from the service implementation. It returns the
+// path on which to mount the handler and the handler itself.
+//
+// By default, handlers support the Connect, gRPC, and gRPC-Web protocols with the binary Protobuf
+// and JSON codecs. They also support gzip compression.
+func NewCommandServiceHandler(svc CommandServiceHandler, opts ...connect.HandlerOption) (string, http.Handler) {
+	commandServiceMethods := v1.File_bc_compute_v1_compute_proto.Services().ByName("CommandService").Methods()
+	commandServiceRunCommandHandler := connect.NewUnaryHandler(
+		CommandServiceRunCommandProcedure,
+		svc.RunCommand,
+		connect.WithSchema(commandServiceMethods.ByName("RunCommand")),
+		connect.WithHandlerOptions(opts...),
+	)
+	commandServiceGetCommandHandler := connect.NewUnaryHandler(
+		CommandServiceGetCommandProcedure,
+		svc.GetCommand,
+		connect.WithSchema(commandServiceMethods.ByName("GetCommand")),
+		connect.WithHandlerOptions(opts...),
+	)
+	commandServiceListCommandsHandler := connect.NewUnaryHandler(
+		CommandServiceListCommandsProcedure,
+		svc.ListCommands,
+		connect.WithSchema(commandServiceMethods.ByName("ListCommands")),
+		connect.WithHandlerOptions(opts...),
+	)
+	return "/bc.compute.v1.CommandService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case CommandServiceRunCommandProcedure:
+			commandServiceRunCommandHandler.ServeHTTP(w, r)
+		case CommandServiceGetCommandProcedure:
+			commandServiceGetCommandHandler.ServeHTTP(w, r)
+		case CommandServiceListCommandsProcedure:
+			commandServiceListCommandsHandler.ServeHTTP(w, r)
+		default:
+			http.NotFound(w, r)
+		}
+	})
+}
+
+// UnimplementedCommandServiceHandler returns CodeUnimplemented from all methods.
+type UnimplementedCommandServiceHandler struct{}
+
+func (UnimplementedCommandServiceHandler) RunCommand(context.Context, *connect.Request[v1.RunCommandRequest]) (*connect.Response[v1.RunCommandResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.CommandService.RunCommand is not implemented"))
+}
+
+func (UnimplementedCommandServiceHandler) GetCommand(context.Context, *connect.Request[v1.GetCommandRequest]) (*connect.Response[v1.GetCommandResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.CommandService.GetCommand is not implemented"))
+}
+
+func (UnimplementedCommandServiceHandler) ListCommands(context.Context, *connect.Request[v1.ListCommandsRequest]) (*connect.Response[v1.ListCommandsResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.CommandService.ListCommands is not implemented"))
+}
+
+// EventServiceClient is a client for the bc.compute.v1.EventService service.
+type EventServiceClient interface {
+	// Watch sends the events after after_id (0: from now), oldest first,
+	// then every new one as it is written, filtered by types; resuming with
+	// the id of the last event received gives no gap and no duplicate.
+	Watch(context.Context, *connect.Request[v1.WatchRequest]) (*connect.ServerStreamForClient[v1.WatchResponse], error)
+}
+
+// NewEventServiceClient constructs a client for the bc.compute.v1.EventService service. By default,
+// it uses the Connect protocol with the binary Protobuf Codec, asks for gzipped responses, and
+// sends uncompressed requests. To use the gRPC or gRPC-Web protocols, supply the connect.WithGRPC()
+// or connect.WithGRPCWeb() options.
+//
+// The URL supplied here should be the base URL for the Connect or gRPC server (for example,
+// http://api.acme.com or https://acme.com/grpc).
+func NewEventServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...connect.ClientOption) EventServiceClient {
+	baseURL = strings.TrimRight(baseURL, "/")
+	eventServiceMethods := v1.File_bc_compute_v1_compute_proto.Services().ByName("EventService").Methods()
+	return &eventServiceClient{
+		watch: connect.NewClient[v1.WatchRequest, v1.WatchResponse](
+			httpClient,
+			baseURL+EventServiceWatchProcedure,
+			connect.WithSchema(eventServiceMethods.ByName("Watch")),
+			connect.WithClientOptions(opts...),
+		),
+	}
+}
+
+// eventServiceClient implements EventServiceClient.
+type eventServiceClient struct {
+	watch *connect.Client[v1.WatchRequest, v1.WatchResponse]
+}
+
+// Watch calls bc.compute.v1.EventService.Watch.
+func (c *eventServiceClient) Watch(ctx context.Context, req *connect.Request[v1.WatchRequest]) (*connect.ServerStreamForClient[v1.WatchResponse], error) {
+	return c.watch.CallServerStream(ctx, req)
+}
+
+// EventServiceHandler is an implementation of the bc.compute.v1.EventService service.
+type EventServiceHandler interface {
+	// Watch sends the events after after_id (0: from now), oldest first,
+	// then every new one as it is written, filtered by types; resuming with
+	// the id of the last event received gives no gap and no duplicate.
+	Watch(context.Context, *connect.Request[v1.WatchRequest], *connect.ServerStream[v1.WatchResponse]) error
+}
+
+// NewEventServiceHandler builds an HTTP handler from the service implementation. It returns the
+// path on which to mount the handler and the handler itself.
+//
+// By default, handlers support the Connect, gRPC, and gRPC-Web protocols with the binary Protobuf
+// and JSON codecs. They also support gzip compression.
+func NewEventServiceHandler(svc EventServiceHandler, opts ...connect.HandlerOption) (string, http.Handler) {
+	eventServiceMethods := v1.File_bc_compute_v1_compute_proto.Services().ByName("EventService").Methods()
+	eventServiceWatchHandler := connect.NewServerStreamHandler(
+		EventServiceWatchProcedure,
+		svc.Watch,
+		connect.WithSchema(eventServiceMethods.ByName("Watch")),
+		connect.WithHandlerOptions(opts...),
+	)
+	return "/bc.compute.v1.EventService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case EventServiceWatchProcedure:
+			eventServiceWatchHandler.ServeHTTP(w, r)
+		default:
+			http.NotFound(w, r)
+		}
+	})
+}
+
+// UnimplementedEventServiceHandler returns CodeUnimplemented from all methods.
+type UnimplementedEventServiceHandler struct{}
+
+func (UnimplementedEventServiceHandler) Watch(context.Context, *connect.Request[v1.WatchRequest], *connect.ServerStream[v1.WatchResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.EventService.Watch is not implemented"))
 }
 
 // PoolServiceClient is a client for the bc.compute.v1.PoolService service.

@@ -1,0 +1,185 @@
+package cli
+
+import (
+	"fmt"
+	"strconv"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/spf13/cobra"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
+	"github.com/better-compute/better-compute/pkg/clock"
+)
+
+// commandPollInterval is how often `commands run --wait` reads the command.
+const commandPollInterval = 250 * time.Millisecond
+
+// commandKinds are the kinds `commands run` accepts, as the API does.
+var commandKinds = []string{"diag.nvml", "inventory.refresh", "logs.collect", "node.reboot"}
+
+// commandOpen reports whether a command in state may still change.
+func commandOpen(state string) bool {
+	return state == "queued" || state == "delivered" || state == "running"
+}
+
+func (a *app) commandsCmd() *cobra.Command {
+	c := &cobra.Command{Use: "commands", Short: "Run commands on nodes and show them"}
+	c.AddCommand(a.commandsRunCmd(), a.commandsGetCmd(), a.commandsListCmd())
+	return c
+}
+
+func (a *app) commandsRunCmd() *cobra.Command {
+	var (
+		node, requestID string
+		timeout         time.Duration
+		wait            bool
+	)
+	c := &cobra.Command{
+		Use:   "run --node NODE_ID diag.nvml|inventory.refresh|logs.collect|node.reboot [--timeout D] [--wait]",
+		Short: "Run a command on a node; prints the command as JSON",
+		Long: "run queues a command for --node and prints it as JSON. The node runs it at most once, even when\n" +
+			"its connection drops; it must have finished before --timeout (default 5m, at most 24h) or it\n" +
+			"expires. node.reboot reboots the machine (it is never run twice). With --request-id a retry\n" +
+			"returns the first command instead of queuing another. --wait polls until the command has\n" +
+			"finished: exit 0 when it succeeded, 1 when it failed or expired. Needs a tenant-admin or\n" +
+			"root-admin token.",
+		Args:      cobra.ExactArgs(1),
+		ValidArgs: commandKinds,
+	}
+	c.Flags().StringVar(&node, "node", "", "node id (required)")
+	c.Flags().DurationVar(&timeout, "timeout", 0, "how long the command may take from now (default 5m)")
+	c.Flags().StringVar(&requestID, "request-id", "", "idempotency key: a retry with the same id returns the same command")
+	c.Flags().BoolVar(&wait, "wait", false, "wait until the command succeeded, failed or expired")
+	_ = c.MarkFlagRequired("node")
+	c.RunE = func(cmd *cobra.Command, args []string) error {
+		kind := args[0]
+		known := false
+		for _, k := range commandKinds {
+			known = known || k == kind
+		}
+		if !known {
+			return fmt.Errorf("unknown command kind %q (want diag.nvml, inventory.refresh, logs.collect or node.reboot)", kind)
+		}
+		if timeout < 0 {
+			return fmt.Errorf("--timeout must be positive, got %s", timeout)
+		}
+		req := &computev1.RunCommandRequest{NodeId: node, Kind: kind, RequestId: requestID}
+		if timeout > 0 {
+			req.Timeout = durationpb.New(timeout)
+		}
+		cl, err := a.clients()
+		if err != nil {
+			return err
+		}
+		res, err := cl.commands.RunCommand(cmd.Context(), connect.NewRequest(req))
+		if err != nil {
+			return err
+		}
+		cm := res.Msg.Command
+		if wait {
+			for commandOpen(cm.State) {
+				if err := clock.Sleep(cmd.Context(), a.env.Clock, commandPollInterval); err != nil {
+					return err
+				}
+				got, err := cl.commands.GetCommand(cmd.Context(), connect.NewRequest(&computev1.GetCommandRequest{CommandId: cm.Id}))
+				if err != nil {
+					return err
+				}
+				cm = got.Msg.Command
+			}
+		}
+		if err := writeProto(a.env.Stdout, cm); err != nil {
+			return err
+		}
+		if wait && cm.State != "succeeded" {
+			return fmt.Errorf("command %s %s: %s", cm.Id, cm.State, orDash(cm.Error))
+		}
+		return nil
+	}
+	return c
+}
+
+func (a *app) commandsGetCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "get COMMAND_ID",
+		Short: "Show a command as JSON, with its result",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			cl, err := a.clients()
+			if err != nil {
+				return err
+			}
+			res, err := cl.commands.GetCommand(cmd.Context(), connect.NewRequest(&computev1.GetCommandRequest{CommandId: args[0]}))
+			if err != nil {
+				return err
+			}
+			return writeProto(a.env.Stdout, res.Msg.Command)
+		},
+	}
+}
+
+func (a *app) commandsListCmd() *cobra.Command {
+	var node string
+	c := &cobra.Command{
+		Use:   "list [--node NODE_ID]",
+		Short: "List commands (all pages), newest first",
+		Args:  cobra.NoArgs,
+	}
+	c.Flags().StringVar(&node, "node", "", "only commands of this node id")
+	format := addOutputFlag(c)
+	c.RunE = func(cmd *cobra.Command, _ []string) error {
+		if err := checkFormat(*format); err != nil {
+			return err
+		}
+		cl, err := a.clients()
+		if err != nil {
+			return err
+		}
+		var cs []*computev1.Command
+		page := ""
+		for {
+			res, err := cl.commands.ListCommands(cmd.Context(), connect.NewRequest(&computev1.ListCommandsRequest{
+				NodeId: node, PageToken: page}))
+			if err != nil {
+				return err
+			}
+			cs = append(cs, res.Msg.Commands...)
+			if page = res.Msg.NextPageToken; page == "" {
+				break
+			}
+		}
+		if *format == formatJSON {
+			type commandJSON struct {
+				ID         string     `json:"id"`
+				Node       string     `json:"node"`
+				Kind       string     `json:"kind"`
+				State      string     `json:"state"`
+				Error      string     `json:"error"`
+				Deliveries int32      `json:"deliveries"`
+				CreatedAt  time.Time  `json:"createdAt"`
+				Deadline   time.Time  `json:"deadline"`
+				FinishedAt *time.Time `json:"finishedAt"`
+			}
+			out := make([]commandJSON, len(cs))
+			for i, c := range cs {
+				out[i] = commandJSON{ID: c.Id, Node: c.NodeId, Kind: c.Kind, State: c.State, Error: c.Error,
+					Deliveries: c.Deliveries, CreatedAt: c.CreatedAt.AsTime(), Deadline: c.Deadline.AsTime()}
+				if c.FinishedAt != nil {
+					t := c.FinishedAt.AsTime()
+					out[i].FinishedAt = &t
+				}
+			}
+			return writeJSON(a.env.Stdout, out)
+		}
+		now := a.env.Clock.Now()
+		rows := make([][]string, len(cs))
+		for i, c := range cs {
+			created := c.CreatedAt.AsTime()
+			rows[i] = []string{c.Id, c.NodeId, c.Kind, c.State, strconv.Itoa(int(c.Deliveries)), ago(now, &created), orDash(c.Error)}
+		}
+		return table(a.env.Stdout, []string{"ID", "NODE", "KIND", "STATE", "DELIVERIES", "CREATED", "ERROR"}, rows)
+	}
+	return c
+}

@@ -1,0 +1,111 @@
+package cli_test
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/store"
+)
+
+type commandOut struct {
+	ID        string `json:"id"`
+	NodeID    string `json:"nodeId"`
+	Kind      string `json:"kind"`
+	State     string `json:"state"`
+	RetrySafe bool   `json:"retrySafe"`
+	Error     string `json:"error"`
+	RequestID string `json:"requestId"`
+	Deadline  string `json:"deadline"`
+}
+
+func parseCommand(t *testing.T, out string) commandOut {
+	t.Helper()
+	var c commandOut
+	require.NoError(t, json.Unmarshal([]byte(out), &c), out)
+	return c
+}
+
+// TestCommands runs, gets and lists commands, waits for one to finish, and
+// checks the refusals.
+func TestCommands(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	r := runner{env: map[string]string{"BETTER_COMPUTE_URL": f.url, "BETTER_COMPUTE_TOKEN": f.root}, clk: clock.New()}
+
+	before := clock.New().Now()
+	res := r.run(t, "commands", "run", "--node", f.adopted, "node.reboot", "--timeout", "90s", "--request-id", "rb-1")
+	require.Equal(t, 0, res.code, res.stderr)
+	reboot := parseCommand(t, res.stdout)
+	require.Equal(t, "queued", reboot.State)
+	require.Equal(t, f.adopted, reboot.NodeID)
+	require.False(t, reboot.RetrySafe)
+	deadline, err := time.Parse(time.RFC3339Nano, reboot.Deadline)
+	require.NoError(t, err)
+	require.WithinDuration(t, before.Add(90*time.Second), deadline, 10*time.Second)
+	res = r.run(t, "commands", "run", "--node", f.adopted, "node.reboot", "--request-id", "rb-1")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Equal(t, reboot.ID, parseCommand(t, res.stdout).ID, "a retry returns the same command")
+
+	res = r.run(t, "commands", "get", reboot.ID)
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Equal(t, "node.reboot", parseCommand(t, res.stdout).Kind)
+
+	// --wait: the node reports a failure while the CLI polls.
+	go func() {
+		for range 200 {
+			var id string
+			err := f.db.Pool.QueryRow(t.Context(), `SELECT id FROM commands WHERE kind = 'logs.collect'`).Scan(&id)
+			if err == nil {
+				_ = f.db.InTx(t.Context(), func(tx pgx.Tx) error {
+					_, err := store.ApplySessionCommandUpdate(t.Context(), tx, store.SessionCommandUpdate{NodeID: f.adopted,
+						CommandID: id, State: "failed", Error: "disk full", Now: f.db.Now()})
+					return err
+				})
+				return
+			}
+			if clock.Sleep(t.Context(), clock.New(), 20*time.Millisecond) != nil {
+				return
+			}
+		}
+	}()
+	res = r.run(t, "commands", "run", "--node", f.adopted, "logs.collect", "--wait")
+	require.Equal(t, 1, res.code, res.stdout)
+	logs := parseCommand(t, res.stdout)
+	require.Equal(t, "failed", logs.State)
+	require.Contains(t, res.stderr, "command "+logs.ID+" failed: disk full")
+
+	res = r.run(t, "commands", "list", "--node", f.adopted)
+	require.Equal(t, 0, res.code, res.stderr)
+	lines := strings.Split(strings.TrimRight(res.stdout, "\n"), "\n")
+	require.Len(t, lines, 3, res.stdout)
+	require.Equal(t, []string{"ID", "NODE", "KIND", "STATE", "DELIVERIES", "CREATED", "ERROR"}, strings.Fields(lines[0]))
+	require.Equal(t, []string{logs.ID, f.adopted, "logs.collect", "failed", "0"}, strings.Fields(lines[1])[:5])
+	require.Equal(t, []string{reboot.ID, f.adopted, "node.reboot", "queued", "0"}, strings.Fields(lines[2])[:5])
+	res = r.run(t, "commands", "list", "-o", "json")
+	require.Equal(t, 0, res.code, res.stderr)
+	var listed []map[string]any
+	require.NoError(t, json.Unmarshal([]byte(res.stdout), &listed))
+	require.Len(t, listed, 2)
+
+	// Refusals.
+	res = r.run(t, "commands", "run", "--node", f.adopted, "rm-rf")
+	require.Equal(t, 1, res.code)
+	require.Contains(t, res.stderr, `unknown command kind "rm-rf"`)
+	res = r.run(t, "commands", "run", "--node", f.joining, "diag.nvml")
+	require.Equal(t, 1, res.code)
+	require.Contains(t, res.stderr, "is not adopted (it is joining)")
+	res = r.run(t, "commands", "run", "diag.nvml")
+	require.Equal(t, 1, res.code)
+	require.Contains(t, res.stderr, `"node" not set`)
+	res = f.runner(f.viewer).run(t, "commands", "run", "--node", f.adopted, "diag.nvml")
+	require.Equal(t, 1, res.code)
+	require.Contains(t, res.stderr, "needs commands.run")
+	res = f.runner(f.viewer).run(t, "commands", "list")
+	require.Equal(t, 0, res.code, res.stderr)
+}

@@ -1,0 +1,161 @@
+package cli
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/spf13/cobra"
+
+	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
+	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
+	"github.com/better-compute/better-compute/pkg/clock"
+)
+
+// Reconnection delays of `events watch`: the first after a dropped stream,
+// doubling up to the most.
+const (
+	watchRetryFirst = 500 * time.Millisecond
+	watchRetryMost  = 10 * time.Second
+)
+
+func (a *app) eventsCmd() *cobra.Command {
+	c := &cobra.Command{Use: "events", Short: "Watch the events of your tenant (every tenant's with a root-admin token)"}
+	c.AddCommand(a.eventsWatchCmd())
+	return c
+}
+
+// eventJSON is one line of `events watch`, the shape of GET
+// /api/compute/watch's lines.
+type eventJSON struct {
+	ID        int64           `json:"id"`
+	Type      string          `json:"type"`
+	TenantID  string          `json:"tenantId"`
+	SubjectID string          `json:"subjectId"`
+	Data      json.RawMessage `json:"data"`
+	Time      time.Time       `json:"time"`
+}
+
+func (a *app) eventsWatchCmd() *cobra.Command {
+	var (
+		types string
+		after int64
+	)
+	c := &cobra.Command{
+		Use:   "watch [--types node.*,reservation.*] [--after ID]",
+		Short: "Print events as they happen, one JSON object per line",
+		Long: "Print events as they happen, one JSON object per line ({id, type, tenantId, subjectId, data, time}),\n" +
+			"oldest first. --after ID starts after the event with that id (default: from now). When the stream\n" +
+			"drops, the command reconnects and resumes after the last event printed, with no gap and no\n" +
+			"duplicate (before the first event it starts from now again). It runs until interrupted.",
+		Args: cobra.NoArgs,
+	}
+	c.Flags().StringVar(&types, "types", "", "comma-separated type patterns: exact (node.cordoned) or prefix (node.*); default: all")
+	c.Flags().Int64Var(&after, "after", 0, "start after the event with this id")
+	c.RunE = func(cmd *cobra.Command, _ []string) error {
+		if after < 0 {
+			return errors.New("--after must be an event id (≥ 0)")
+		}
+		req := &computev1.WatchRequest{AfterId: after}
+		for _, t := range strings.Split(types, ",") {
+			if t = strings.TrimSpace(t); t != "" {
+				req.Types = append(req.Types, t)
+			}
+		}
+		token := a.token
+		if token == "" {
+			token = a.env.Getenv("BETTER_COMPUTE_TOKEN")
+		}
+		if token == "" {
+			return errors.New("no API token: set BETTER_COMPUTE_TOKEN or pass --token")
+		}
+		// No client timeout: the stream lasts until interrupted.
+		client := computev1connect.NewEventServiceClient(&http.Client{}, a.baseURL()+apiPath,
+			connect.WithInterceptors(streamHeaders{token: token, tenant: a.env.Getenv("BETTER_COMPUTE_TENANT")}))
+		return a.watchEvents(cmd.Context(), client, req)
+	}
+	return c
+}
+
+// watchEvents prints the events of req's watch, reconnecting after a
+// dropped stream from the last id printed, until ctx ends (nil) or the API
+// refuses the watch (its error).
+func (a *app) watchEvents(ctx context.Context, client computev1connect.EventServiceClient, req *computev1.WatchRequest) error {
+	enc := json.NewEncoder(a.env.Stdout)
+	delay := watchRetryFirst
+	for {
+		printed, err := a.watchOnce(ctx, client, req, enc)
+		if ctx.Err() != nil {
+			return nil
+		}
+		switch connect.CodeOf(err) {
+		case connect.CodeUnauthenticated, connect.CodePermissionDenied, connect.CodeInvalidArgument:
+			return err
+		}
+		if printed {
+			delay = watchRetryFirst
+		}
+		reason := "the stream ended"
+		if err != nil {
+			reason = err.Error()
+		}
+		fmt.Fprintf(a.env.Stderr, "events watch: %s; resuming after event %d in %s\n", reason, req.AfterId, delay)
+		if err := clock.Sleep(ctx, a.env.Clock, delay); err != nil {
+			return nil
+		}
+		delay = min(2*delay, watchRetryMost)
+	}
+}
+
+// watchOnce runs one Watch call, printing each event and moving
+// req.AfterId past it; printed reports whether it printed any.
+func (a *app) watchOnce(ctx context.Context, client computev1connect.EventServiceClient, req *computev1.WatchRequest,
+	enc *json.Encoder,
+) (printed bool, err error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stream, err := client.Watch(ctx, connect.NewRequest(req))
+	if err != nil {
+		return false, err
+	}
+	defer stream.Close()
+	for stream.Receive() {
+		e := stream.Msg().GetEvent()
+		data := json.RawMessage(e.DataJson)
+		if len(data) == 0 {
+			data = json.RawMessage("{}")
+		}
+		if err := enc.Encode(eventJSON{ID: e.Id, Type: e.Type, TenantID: e.TenantId, SubjectID: e.SubjectId, Data: data,
+			Time: e.Time.AsTime().UTC()}); err != nil {
+			return printed, err
+		}
+		req.AfterId, printed = e.Id, true
+	}
+	return printed, stream.Err()
+}
+
+// streamHeaders sets the bearer token and X-BC-Tenant on streaming calls
+// (the unary clients of client.go set them with a unary interceptor).
+type streamHeaders struct{ token, tenant string }
+
+func (h streamHeaders) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc { return next }
+
+func (h streamHeaders) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
+	return func(ctx context.Context, spec connect.Spec) connect.StreamingClientConn {
+		conn := next(ctx, spec)
+		conn.RequestHeader().Set("Authorization", "Bearer "+h.token)
+		if h.tenant != "" {
+			conn.RequestHeader().Set("X-BC-Tenant", h.tenant)
+		}
+		return conn
+	}
+}
+
+func (h streamHeaders) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
+	return next
+}

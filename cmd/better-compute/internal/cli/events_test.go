@@ -1,0 +1,136 @@
+package cli_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/better-compute/better-compute/cmd/better-compute/internal/cli"
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/iam"
+	"github.com/better-compute/better-compute/services/api/apitest"
+)
+
+// syncBuffer is a bytes.Buffer safe for a writer and a reader at once.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// insertEvent writes an event of tenant and returns its id.
+func (f *fleet) insertEvent(t *testing.T, tenant, typ string) int64 {
+	t.Helper()
+	var id int64
+	require.NoError(t, f.db.Pool.QueryRow(t.Context(), `INSERT INTO events (tenant_id, type, subject_id, data, created_at)
+		VALUES ($1, $2, 'node_x', '{"n": 1}', $3) RETURNING id`, tenant, typ, f.now).Scan(&id))
+	return id
+}
+
+// TestEventsWatch runs `events watch` through a proxy that drops its
+// connections: the command prints one JSON line per event of the caller's
+// tenant and type, reconnects and resumes after the last one printed, with
+// no gap and no duplicate.
+func TestEventsWatch(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	other := apitest.Tenant(t, f.db, "other")
+	target, err := url.Parse(f.url)
+	require.NoError(t, err)
+	rp := httputil.NewSingleHostReverseProxy(target)
+	rp.FlushInterval = -1
+	proxy := httptest.NewServer(rp)
+	t.Cleanup(proxy.Close)
+
+	before := f.insertEvent(t, f.tenant, "node.cordoned")
+	first := f.insertEvent(t, f.tenant, "node.cordoned")
+	f.insertEvent(t, other, "node.cordoned")
+	f.insertEvent(t, f.tenant, "reservation.active")
+	second := f.insertEvent(t, f.tenant, "node.uncordoned")
+
+	var stdout, stderr syncBuffer
+	ctx, cancel := context.WithCancel(t.Context())
+	env := map[string]string{"BETTER_COMPUTE_URL": proxy.URL, "BETTER_COMPUTE_TOKEN": apitest.Token(t, f.db, f.tenant, iam.RoleViewer)}
+	done := make(chan int, 1)
+	go func() {
+		done <- cli.Run(ctx, []string{"events", "watch", "--types", "node.*", "--after", strconv.FormatInt(before, 10)},
+			cli.Env{Stdout: &stdout, Stderr: &stderr, Getenv: func(k string) string { return env[k] }, Clock: clock.New()})
+	}()
+	lines := func(n int) []map[string]any {
+		t.Helper()
+		require.Eventually(t, func() bool { return strings.Count(stdout.String(), "\n") >= n }, 15*time.Second,
+			20*time.Millisecond, "want %d lines, have %q (stderr %q)", n, stdout.String(), stderr.String())
+		var out []map[string]any
+		for _, l := range strings.Split(strings.TrimSuffix(stdout.String(), "\n"), "\n") {
+			var m map[string]any
+			require.NoError(t, json.Unmarshal([]byte(l), &m), l)
+			out = append(out, m)
+		}
+		return out
+	}
+	got := lines(2)
+	require.Equal(t, map[string]any{"id": float64(first), "type": "node.cordoned", "tenantId": f.tenant, "subjectId": "node_x",
+		"data": map[string]any{"n": float64(1)}, "time": f.now.UTC().Format(time.RFC3339Nano)}, got[0])
+	require.Equal(t, float64(second), got[1]["id"])
+
+	// The stream drops twice; events written meanwhile come once each.
+	var want []float64
+	for i := range 2 {
+		proxy.CloseClientConnections()
+		require.Eventually(t, func() bool { return strings.Count(stderr.String(), "resuming after event") == i+1 },
+			15*time.Second, 20*time.Millisecond, "the drop is noticed")
+		want = append(want, float64(f.insertEvent(t, f.tenant, "node.cordoned")))
+		f.insertEvent(t, other, "node.cordoned")
+		want = append(want, float64(f.insertEvent(t, f.tenant, "node.rebooted")))
+		lines(4 + 2*i) // printed: the new stream is up
+	}
+	got = lines(6)
+	var ids []float64
+	for _, m := range got[2:] {
+		ids = append(ids, m["id"].(float64))
+	}
+	require.Equal(t, want, ids)
+	require.Contains(t, stderr.String(), "resuming after event ")
+
+	cancel()
+	require.Equal(t, 0, <-done, "interrupted: exit 0")
+	require.Len(t, lines(6), 6, "nothing more")
+}
+
+// TestEventsWatchRefused checks that a refused watch ends at once with the
+// API's error rather than retrying.
+func TestEventsWatchRefused(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	res := f.runner(f.viewer).run(t, "events", "watch", "--types", "Node.*")
+	require.Equal(t, 1, res.code)
+	require.Contains(t, res.stderr, "error: invalid_argument: ")
+	require.Contains(t, res.stderr, "types[0]")
+	res = f.runner("bct_bad").run(t, "events", "watch")
+	require.Equal(t, 1, res.code)
+	require.Contains(t, res.stderr, "error: unauthenticated: ")
+	res = f.runner(f.viewer).run(t, "events", "watch", "--after", "-1")
+	require.Equal(t, 1, res.code)
+	require.Contains(t, res.stderr, "--after")
+}

@@ -1,0 +1,237 @@
+package store_test
+
+import (
+	"crypto/ed25519"
+	"crypto/rand"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
+)
+
+// commandsDB returns a database with tenants ten_1 (owning pool_1 with
+// n-ok adopted, n-rev adopted and revoked, n-acc accepting) and ten_2
+// (owning pool_2 with n-other adopted).
+func commandsDB(t *testing.T) (*store.DB, time.Time) {
+	t.Helper()
+	now := time.Date(2030, 3, 4, 5, 6, 7, 0, time.UTC)
+	db := storetest.New(t, clock.NewFake(now))
+	for _, q := range []string{
+		`INSERT INTO tenants (id, name, created_at) VALUES ('ten_1', 'one', $1), ('ten_2', 'two', $1)`,
+		`INSERT INTO sites (id, name, created_at) VALUES ('site_1', 'dev-1', $1)`,
+		`INSERT INTO pools (id, site_id, owner_tenant_id, name, kind, created_at)
+			VALUES ('pool_1', 'site_1', 'ten_1', 'p', 'metal-host', $1), ('pool_2', 'site_1', 'ten_2', 'q', 'metal-host', $1)`,
+		`INSERT INTO nodes (id, pool_id, provision_state, created_at, updated_at, revoked_at) VALUES
+			('n-ok', 'pool_1', 'adopted', $1, $1, NULL), ('n-rev', 'pool_1', 'adopted', $1, $1, $1),
+			('n-acc', 'pool_1', 'accepting', $1, $1, NULL), ('n-other', 'pool_2', 'adopted', $1, $1, NULL)`,
+	} {
+		_, err := db.Pool.Exec(t.Context(), q, now)
+		require.NoError(t, err)
+	}
+	return db, now
+}
+
+func queue(t *testing.T, db *store.DB, intent *store.IntentSigner, now time.Time, n store.NewCommand) (store.QueuedCommand, error) {
+	t.Helper()
+	var out store.QueuedCommand
+	err := db.InTx(t.Context(), func(tx pgx.Tx) error {
+		var err error
+		out, err = store.QueueCommand(t.Context(), tx, intent, now, n)
+		return err
+	})
+	return out, err
+}
+
+func countRows(t *testing.T, db *store.DB, sql string, args ...any) int {
+	t.Helper()
+	var n int
+	require.NoError(t, db.Pool.QueryRow(t.Context(), sql, args...).Scan(&n))
+	return n
+}
+
+func TestQueueCommand(t *testing.T) {
+	t.Parallel()
+	db, now := commandsDB(t)
+	pub, priv, err := ed25519.GenerateKey(rand.Reader)
+	require.NoError(t, err)
+	intent, err := store.NewIntentSigner(priv)
+	require.NoError(t, err)
+
+	q, err := queue(t, db, intent, now, store.NewCommand{ID: "cmd_1", NodeID: "n-ok", Kind: store.CommandNodeReboot,
+		Deadline: now.Add(time.Minute), RequestID: "r1", CreatedBy: "tok_1"})
+	require.NoError(t, err)
+	require.False(t, q.Existing)
+	require.Equal(t, "queued", q.State)
+	require.Equal(t, "ten_1", q.TenantID)
+	require.Equal(t, "user", q.Purpose)
+	require.False(t, q.RetrySafe, "node.reboot must not be retry-safe")
+	require.Equal(t, "r1", q.RequestID)
+	require.True(t, q.Deadline.Equal(now.Add(time.Minute)))
+
+	// Signed over what the gateway sends.
+	var sig []byte
+	require.NoError(t, db.Pool.QueryRow(t.Context(), `SELECT signature FROM commands WHERE id = 'cmd_1'`).Scan(&sig))
+	msg := store.CommandMessage(store.SessionCommand{ID: "cmd_1", Kind: q.Kind, Args: []byte("{}"), Deadline: q.Deadline,
+		RetrySafe: q.RetrySafe})
+	msg.Signature = nil
+	b, err := proto.MarshalOptions{Deterministic: true}.Marshal(msg)
+	require.NoError(t, err)
+	require.True(t, pki.VerifyIntent(pub, pki.CommandSigningInput("n-ok", b), sig), "command signature does not verify")
+
+	require.Equal(t, 1, countRows(t, db, `SELECT count(*) FROM events WHERE type = 'command.queued' AND subject_id = 'cmd_1'
+		AND tenant_id = 'ten_1'`))
+	require.Equal(t, 1, countRows(t, db, `SELECT count(*) FROM outbox WHERE subject = 'bc.events.ten_1.command.queued'`))
+
+	// The same request id returns the first command and writes nothing.
+	again, err := queue(t, db, intent, now, store.NewCommand{ID: "cmd_2", NodeID: "n-ok", Kind: store.CommandNodeReboot,
+		Deadline: now.Add(time.Hour), RequestID: "r1", CreatedBy: "tok_1"})
+	require.NoError(t, err)
+	require.True(t, again.Existing)
+	require.Equal(t, "cmd_1", again.ID)
+	require.Equal(t, 1, countRows(t, db, `SELECT count(*) FROM commands`))
+	require.Equal(t, 1, countRows(t, db, `SELECT count(*) FROM events WHERE type = 'command.queued'`))
+
+	// Retry-safety per kind.
+	for i, kind := range []string{store.CommandDiagNVML, store.CommandInventoryRefresh, store.CommandLogsCollect} {
+		c, err := queue(t, db, nil, now, store.NewCommand{ID: "cmd_s" + string(rune('a'+i)), NodeID: "n-ok", Kind: kind,
+			Deadline: now.Add(time.Minute)})
+		require.NoError(t, err)
+		require.True(t, c.RetrySafe, kind)
+	}
+
+	_, err = queue(t, db, nil, now, store.NewCommand{ID: "cmd_3", NodeID: "n-rev", Kind: store.CommandDiagNVML, Deadline: now})
+	require.ErrorIs(t, err, store.ErrNodeNotRunnable)
+	require.ErrorContains(t, err, "is revoked")
+	_, err = queue(t, db, nil, now, store.NewCommand{ID: "cmd_4", NodeID: "n-acc", Kind: store.CommandDiagNVML, Deadline: now})
+	require.ErrorIs(t, err, store.ErrNodeNotRunnable)
+	require.ErrorContains(t, err, "is not adopted (it is accepting)")
+	_, err = queue(t, db, nil, now, store.NewCommand{ID: "cmd_5", NodeID: "n-missing", Kind: store.CommandDiagNVML, Deadline: now})
+	require.ErrorIs(t, err, store.ErrNotFound)
+	_, err = queue(t, db, nil, now, store.NewCommand{ID: "cmd_6", NodeID: "n-ok", Kind: "rm -rf", Deadline: now})
+	require.ErrorContains(t, err, "unknown command kind")
+	require.Equal(t, 0, countRows(t, db, `SELECT count(*) FROM commands WHERE id IN ('cmd_3', 'cmd_4', 'cmd_5', 'cmd_6')`))
+}
+
+func TestListCommandsScopesAndPages(t *testing.T) {
+	t.Parallel()
+	db, now := commandsDB(t)
+	for _, n := range []store.NewCommand{
+		{ID: "cmd_a", NodeID: "n-ok", Kind: store.CommandDiagNVML},
+		{ID: "cmd_b", NodeID: "n-other", Kind: store.CommandDiagNVML},
+		{ID: "cmd_c", NodeID: "n-ok", Kind: store.CommandLogsCollect},
+	} {
+		n.Deadline = now.Add(time.Minute)
+		_, err := queue(t, db, nil, now, n)
+		require.NoError(t, err)
+	}
+	ids := func(cs []store.Command) []string {
+		var out []string
+		for _, c := range cs {
+			out = append(out, c.ID)
+		}
+		return out
+	}
+	all, err := store.ListCommands(t.Context(), db.Pool, store.CommandFilter{Limit: 10})
+	require.NoError(t, err)
+	require.Equal(t, []string{"cmd_c", "cmd_b", "cmd_a"}, ids(all))
+	mine, err := store.ListCommands(t.Context(), db.Pool, store.CommandFilter{TenantID: "ten_1", Limit: 1})
+	require.NoError(t, err)
+	require.Equal(t, []string{"cmd_c"}, ids(mine))
+	next, err := store.ListCommands(t.Context(), db.Pool, store.CommandFilter{TenantID: "ten_1", Before: "cmd_c", Limit: 5})
+	require.NoError(t, err)
+	require.Equal(t, []string{"cmd_a"}, ids(next))
+	other, err := store.ListCommands(t.Context(), db.Pool, store.CommandFilter{NodeID: "n-other", Limit: 5})
+	require.NoError(t, err)
+	require.Equal(t, []string{"cmd_b"}, ids(other))
+	got, err := store.GetCommand(t.Context(), db.Pool, "cmd_b")
+	require.NoError(t, err)
+	require.Equal(t, "ten_2", got.TenantID)
+	_, err = store.GetCommand(t.Context(), db.Pool, "cmd_zz")
+	require.ErrorIs(t, err, store.ErrNotFound)
+}
+
+func TestExpireDueCommands(t *testing.T) {
+	t.Parallel()
+	db, now := commandsDB(t)
+	for _, n := range []store.NewCommand{
+		{ID: "cmd_due", NodeID: "n-ok", Kind: store.CommandDiagNVML, Deadline: now},
+		{ID: "cmd_later", NodeID: "n-ok", Kind: store.CommandDiagNVML, Deadline: now.Add(time.Second)},
+		{ID: "cmd_done", NodeID: "n-other", Kind: store.CommandDiagNVML, Deadline: now.Add(-time.Minute)},
+	} {
+		_, err := queue(t, db, nil, now.Add(-time.Hour), n)
+		require.NoError(t, err)
+	}
+	_, err := db.Pool.Exec(t.Context(), `INSERT INTO commands (id, node_id, kind, purpose, state, retry_safe, deadline,
+		created_at, updated_at) VALUES ('cmd_acc', 'n-acc', 'diag.nvml', 'acceptance', 'queued', true, $1, $1, $1)`, now.Add(-time.Hour))
+	require.NoError(t, err)
+	_, err = db.Pool.Exec(t.Context(), `UPDATE commands SET state = 'succeeded' WHERE id = 'cmd_done'`)
+	require.NoError(t, err)
+
+	var expired []store.Command
+	require.NoError(t, db.InTx(t.Context(), func(tx pgx.Tx) error {
+		var err error
+		expired, err = store.ExpireDueCommands(t.Context(), tx, now, 10)
+		return err
+	}))
+	require.Len(t, expired, 1)
+	require.Equal(t, "cmd_due", expired[0].ID)
+	require.Equal(t, "expired", expired[0].State)
+	require.Equal(t, "deadline passed", expired[0].Error)
+	require.NotNil(t, expired[0].FinishedAt)
+	require.Equal(t, 1, countRows(t, db, `SELECT count(*) FROM events WHERE type = 'command.expired' AND subject_id = 'cmd_due'
+		AND tenant_id = 'ten_1'`))
+	for id, state := range map[string]string{"cmd_later": "queued", "cmd_done": "succeeded", "cmd_acc": "queued"} {
+		c, err := store.GetCommand(t.Context(), db.Pool, id)
+		require.NoError(t, err)
+		require.Equal(t, state, c.State, id)
+	}
+	// A second pass finds nothing.
+	require.NoError(t, db.InTx(t.Context(), func(tx pgx.Tx) error {
+		var err error
+		expired, err = store.ExpireDueCommands(t.Context(), tx, now, 10)
+		return err
+	}))
+	require.Empty(t, expired)
+}
+
+func TestApplySessionCommandUpdateWritesCommandEvents(t *testing.T) {
+	t.Parallel()
+	db, now := commandsDB(t)
+	for _, id := range []string{"cmd_ok", "cmd_bad"} {
+		_, err := queue(t, db, nil, now, store.NewCommand{ID: id, NodeID: "n-ok", Kind: store.CommandDiagNVML, Deadline: now.Add(time.Minute)})
+		require.NoError(t, err)
+	}
+	_, err := db.Pool.Exec(t.Context(), `INSERT INTO commands (id, node_id, kind, purpose, state, retry_safe, deadline,
+		created_at, updated_at) VALUES ('cmd_acc', 'n-acc', 'diag.nvml', 'acceptance', 'delivered', true, $1, $1, $1)`, now)
+	require.NoError(t, err)
+	apply := func(node, id, state string) store.SessionCommandUpdated {
+		var out store.SessionCommandUpdated
+		require.NoError(t, db.InTx(t.Context(), func(tx pgx.Tx) error {
+			var err error
+			out, err = store.ApplySessionCommandUpdate(t.Context(), tx, store.SessionCommandUpdate{NodeID: node, CommandID: id,
+				State: state, Error: map[bool]string{true: "boom"}[state == "failed"], Now: now})
+			return err
+		}))
+		return out
+	}
+	require.True(t, apply("n-ok", "cmd_ok", "running").Applied)
+	require.True(t, apply("n-ok", "cmd_ok", "succeeded").Terminal)
+	require.True(t, apply("n-ok", "cmd_bad", "failed").Terminal)
+	require.False(t, apply("n-ok", "cmd_ok", "succeeded").Applied, "a repeated terminal update was applied")
+	require.True(t, apply("n-acc", "cmd_acc", "succeeded").Acceptance)
+
+	type ev struct{ Type, Subject, Tenant string }
+	rows, err := db.Pool.Query(t.Context(), `SELECT type, subject_id, tenant_id FROM events WHERE type LIKE 'command.%'
+		AND type <> 'command.queued' ORDER BY id`)
+	require.NoError(t, err)
+	got, err := pgx.CollectRows(rows, pgx.RowToStructByPos[ev])
+	require.NoError(t, err)
+	require.Equal(t, []ev{{"command.succeeded", "cmd_ok", "ten_1"}, {"command.failed", "cmd_bad", "ten_1"}}, got)
+}

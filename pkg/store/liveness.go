@@ -1,0 +1,205 @@
+package store
+
+// Node events and liveness: every node.* event goes through InsertNodeEvents
+// (an events row and its NATS message on bc.events.<tenant>.<type>, in the
+// caller's transaction); the liveness sweeper's query (SweepUnreachable);
+// gateway presence, which tells the sweeper whether the gateway holding a
+// node's session is alive.
+//
+// Invariant I4 (no node marked unreachable within 20 s of any gateway
+// hearing from it) rests on three rules, whatever the number of gateways and
+// however their last_seen writes are batched:
+//
+//  1. A node whose live session (nodes.session_id) is held by a gateway with
+//     an unexpired presence is never swept: its batch may be late, but that
+//     gateway closes the session when it stops hearing from the node, and
+//     CloseSession writes the session's last message time into last_seen in
+//     the same statement that clears session_id.
+//  2. A node is swept only when last_seen < now − timeout (timeout ≥ 20 s,
+//     MinLivenessTimeout): every hearing that reached the database is at
+//     least timeout old.
+//  3. Hearings that never reached the database were made by a gateway that
+//     stopped writing: it renews its presence (expiry = write time +
+//     GatewayPresenceTTL) in the transaction of every last_seen flush, every
+//     flush interval F ≤ MaxGatewayFlushInterval, and it aborts all its
+//     sessions when no flush succeeded for GatewayFenceAfter. Its last
+//     hearing is therefore at most GatewayFenceAfter + F after its last
+//     successful write w, while the sweeper treats it as dead only from
+//     w + GatewayPresenceTTL on: the gap is at least
+//     GatewayPresenceTTL − GatewayFenceAfter − MaxGatewayFlushInterval =
+//     30 s − 5 s − 2 s = 23 s ≥ 20 s. A gateway that restarts under the same
+//     id (ResetGatewaySessions) raises its nodes' last_seen to its start
+//     time, which is after any hearing of its previous run.
+//
+// Clocks of gateways and controllers are assumed to agree within a second
+// (NTP); the 3 s of slack above absorbs that.
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"time"
+)
+
+// Event types about nodes (events.type), besides EventNodeAdopted,
+// EventNodeAcceptanceFailed, EventNodeRevoked and EventNodeSpecRefused.
+const (
+	// EventNodeJoined is written when a machine joins (JoinService).
+	EventNodeJoined = "node.joined"
+	// EventNodeCordoned is written when a node is cordoned, or its cordon
+	// reason changes.
+	EventNodeCordoned = "node.cordoned"
+	// EventNodeUncordoned is written when a cordoned node is uncordoned.
+	EventNodeUncordoned = "node.uncordoned"
+	// EventNodeUnreachable is written when the liveness sweeper marks a
+	// reachable node unreachable.
+	EventNodeUnreachable = "node.unreachable"
+	// EventNodeReachable is written when an unreachable node is heard from
+	// again (a new session or a message on its live session).
+	EventNodeReachable = "node.reachable"
+)
+
+// Liveness bounds (see the package comment of this file for the
+// arithmetic behind I4).
+const (
+	// MinLivenessTimeout is the smallest liveness timeout that keeps I4.
+	MinLivenessTimeout = 20 * time.Second
+	// GatewayPresenceTTL is how long a gateway counts as alive after a
+	// successful last_seen flush.
+	GatewayPresenceTTL = 30 * time.Second
+	// GatewayFenceAfter is how long a gateway keeps its sessions without a
+	// successful last_seen flush; then it aborts them all.
+	GatewayFenceAfter = 5 * time.Second
+	// MaxGatewayFlushInterval bounds a gateway's last_seen flush interval.
+	MaxGatewayFlushInterval = 2 * time.Second
+)
+
+// gatewayPresencePrefix prefixes a gateway's presence row in leases:
+// name "gateway.<gateway id>", holder the gateway id.
+const gatewayPresencePrefix = "gateway."
+
+// NodeEvent is one node.* event of InsertNodeEvents.
+type NodeEvent struct {
+	// TenantID is the tenant owning the node's pool.
+	TenantID string
+	// Type is a node event type, e.g. EventNodeCordoned.
+	Type string
+	// NodeID is the event's subject.
+	NodeID string
+	// Data is the event's JSON object; "nodeId" is always set to NodeID.
+	Data map[string]any
+}
+
+// InsertNodeEvents writes node events: their events rows and their outbox
+// messages on bc.events.<tenant>.<type>, in q's transaction and in a fixed
+// number of round trips. It is the one way node.* events are written.
+func InsertNodeEvents(ctx context.Context, q DBTX, now time.Time, events []NodeEvent) error {
+	if len(events) == 0 {
+		return nil
+	}
+	out := make([]ReservationEvent, len(events))
+	for i, e := range events {
+		data := make(map[string]any, len(e.Data)+1)
+		for k, v := range e.Data {
+			data[k] = v
+		}
+		data["nodeId"] = e.NodeID
+		b, err := json.Marshal(data)
+		if err != nil {
+			return fmt.Errorf("encode %s event: %w", e.Type, err)
+		}
+		out[i] = ReservationEvent{TenantID: e.TenantID, Type: e.Type, SubjectID: e.NodeID, Data: b}
+	}
+	return InsertReservationEvents(ctx, q, now, out)
+}
+
+// insertNodeEventsOf writes one event of type typ for each of nodeIDs, with
+// the tenant owning each node's pool and data (shared; nil for none).
+func insertNodeEventsOf(ctx context.Context, q DBTX, now time.Time, typ string, nodeIDs []string, data map[string]any) error {
+	if len(nodeIDs) == 0 {
+		return nil
+	}
+	rows, err := q.Query(ctx, `SELECT n.id, p.owner_tenant_id FROM nodes n JOIN pools p ON p.id = n.pool_id
+		WHERE n.id = ANY($1) ORDER BY n.id`, nodeIDs)
+	if err != nil {
+		return fmt.Errorf("owners of nodes: %w", interpretError(err))
+	}
+	var events []NodeEvent
+	for rows.Next() {
+		var id, owner string
+		if err := rows.Scan(&id, &owner); err != nil {
+			rows.Close()
+			return err
+		}
+		events = append(events, NodeEvent{TenantID: owner, Type: typ, NodeID: id, Data: data})
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("owners of nodes: %w", interpretError(err))
+	}
+	return InsertNodeEvents(ctx, q, now, events)
+}
+
+// RecordNodesJoined writes a node.joined event for each of nodeIDs (created
+// in q's transaction by CreateJoinedNodes), for the tenant owning its pool.
+func RecordNodesJoined(ctx context.Context, q DBTX, now time.Time, nodeIDs []string) error {
+	return insertNodeEventsOf(ctx, q, now, EventNodeJoined, nodeIDs, nil)
+}
+
+// RecordGatewayPresence marks gateway gatewayID alive until now + ttl (a row
+// "gateway.<id>" of leases). Call it in the transaction of the gateway's
+// last_seen flush, so that presence proves the flush.
+func RecordGatewayPresence(ctx context.Context, q DBTX, now time.Time, gatewayID string, ttl time.Duration) error {
+	_, err := q.Exec(ctx, `INSERT INTO leases (name, holder, expires_at, acquired_at) VALUES ($1, $2, $3, $4)
+		ON CONFLICT (name) DO UPDATE SET holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at`,
+		gatewayPresencePrefix+gatewayID, gatewayID, now.Add(ttl), now)
+	if err != nil {
+		return fmt.Errorf("record presence of gateway %s: %w", gatewayID, interpretError(err))
+	}
+	return nil
+}
+
+// ResetGatewaySessions clears the sessions that gateway gatewayID held in a
+// previous run (it holds none when it starts) and raises their nodes'
+// last_seen to now, after any message that run may have heard but not
+// flushed. It returns how many nodes it changed.
+func ResetGatewaySessions(ctx context.Context, q DBTX, now time.Time, gatewayID string) (int64, error) {
+	tag, err := q.Exec(ctx, `UPDATE nodes SET gateway_id = NULL, session_id = NULL,
+			last_seen = GREATEST(last_seen, $2), updated_at = $2
+		WHERE gateway_id = $1`, gatewayID, now)
+	if err != nil {
+		return 0, fmt.Errorf("reset sessions of gateway %s: %w", gatewayID, interpretError(err))
+	}
+	return tag.RowsAffected(), nil
+}
+
+// SweepUnreachable marks unreachable at most limit reachable nodes not heard
+// from for timeout (last_seen < now − timeout; a reachable node has a
+// last_seen, set with reachable by OpenSession) whose live session,
+// if any, is held by no gateway with an unexpired presence, and writes a
+// node.unreachable event for each. Nodes locked by another transaction are
+// skipped. It returns the ids it marked. Their reservations and bookings
+// are left alone (I5). Errors: timeout below MinLivenessTimeout.
+func SweepUnreachable(ctx context.Context, q DBTX, now time.Time, timeout time.Duration, limit int) ([]string, error) {
+	if timeout < MinLivenessTimeout {
+		return nil, fmt.Errorf("sweep unreachable: timeout %s is below %s (I4)", timeout, MinLivenessTimeout)
+	}
+	cutoff := now.Add(-timeout)
+	ids, err := acceptanceIDs(ctx, q, "sweep unreachable", `WITH c AS (
+			SELECT n.id FROM nodes n
+			WHERE n.reachable AND n.last_seen < $2
+				AND (n.session_id IS NULL OR n.gateway_id IS NULL OR NOT EXISTS (
+					SELECT 1 FROM leases l WHERE l.name = $4 || n.gateway_id AND l.expires_at > $1))
+			ORDER BY n.id LIMIT $3 FOR UPDATE OF n SKIP LOCKED)
+		UPDATE nodes n SET reachable = false, updated_at = $1 FROM c
+		WHERE n.id = c.id AND n.reachable
+		RETURNING n.id`, now, cutoff, limit, gatewayPresencePrefix)
+	if err != nil {
+		return nil, err
+	}
+	if err := insertNodeEventsOf(ctx, q, now, EventNodeUnreachable, ids,
+		map[string]any{"timeoutSeconds": timeout.Seconds()}); err != nil {
+		return nil, err
+	}
+	return ids, nil
+}

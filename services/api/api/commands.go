@@ -1,0 +1,150 @@
+package api
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"connectrpc.com/connect"
+	"github.com/jackc/pgx/v5"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
+	"github.com/better-compute/better-compute/pkg/ids"
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/telemetry"
+)
+
+// defaultCommandPageSize is ListCommands' page size when the request gives
+// none.
+const defaultCommandPageSize = 500
+
+type commandService struct{ *Server }
+
+// RunCommand queues a command for a node of the caller's tenant (any node
+// for root-admin), with deadline now + timeout (store.DefaultCommandTimeout
+// when unset), signed when the deployment signs intent, in one transaction
+// with its audit row, its command.queued event and the gateway's poke. A
+// request_id already used on the node returns the command it queued (and
+// writes only the audit row). Errors: NotFound (node_id; another tenant's
+// node too), FailedPrecondition (node not adopted or revoked, with the
+// reason), AlreadyExists (request_id used for another kind),
+// InvalidArgument (protovalidate).
+func (s *commandService) RunCommand(ctx context.Context, req *connect.Request[computev1.RunCommandRequest]) (*connect.Response[computev1.RunCommandResponse], error) {
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, err
+	}
+	msg := req.Msg
+	n, err := store.GetNode(ctx, s.db.Pool, msg.NodeId)
+	if errors.Is(err, store.ErrNotFound) || (err == nil && !p.InTenant(n.PoolOwnerTenantID)) {
+		return nil, notFound("node", msg.NodeId)
+	}
+	if err != nil {
+		return nil, mapError(err)
+	}
+	timeout := store.DefaultCommandTimeout
+	if msg.Timeout != nil {
+		timeout = msg.Timeout.AsDuration()
+	}
+	var q store.QueuedCommand
+	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
+		now := s.db.Now()
+		var err error
+		q, err = store.QueueCommand(ctx, tx, s.intent, now, store.NewCommand{ID: ids.New(ids.Command, now), NodeID: msg.NodeId,
+			Kind: msg.Kind, Deadline: now.Add(timeout), RequestID: msg.RequestId, CreatedBy: p.TokenID})
+		if err != nil {
+			return err
+		}
+		if q.Existing && q.Kind != msg.Kind {
+			return connect.NewError(connect.CodeAlreadyExists, fmt.Errorf(
+				"request_id: already used for %s command %s on this node", q.Kind, q.ID))
+		}
+		detail := fmt.Sprintf("queued %s on %s", q.Kind, q.NodeID)
+		if q.Existing {
+			detail = fmt.Sprintf("request_id %s: %s already queued", msg.RequestId, q.ID)
+		}
+		return s.auditInTx(ctx, tx, q.ID, detail)
+	})
+	if errors.Is(err, store.ErrNodeNotRunnable) {
+		return nil, connect.NewError(connect.CodeFailedPrecondition, err)
+	}
+	if err != nil {
+		return nil, mapError(err)
+	}
+	s.logger.InfoContext(ctx, "command queued", telemetry.KeyCommandID, q.ID, telemetry.KeyNodeID, q.NodeID, "kind", q.Kind,
+		"existing", q.Existing)
+	return connect.NewResponse(&computev1.RunCommandResponse{Command: commandToProto(q.Command)}), nil
+}
+
+// GetCommand returns a command of the caller's tenant's nodes (any for
+// root-admin). Errors: NotFound (command_id; another tenant's too).
+func (s *commandService) GetCommand(ctx context.Context, req *connect.Request[computev1.GetCommandRequest]) (*connect.Response[computev1.GetCommandResponse], error) {
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, err
+	}
+	c, err := store.GetCommand(ctx, s.db.Pool, req.Msg.CommandId)
+	if errors.Is(err, store.ErrNotFound) || (err == nil && !p.InTenant(c.TenantID)) {
+		return nil, notFound("command", req.Msg.CommandId)
+	}
+	if err != nil {
+		return nil, mapError(err)
+	}
+	return connect.NewResponse(&computev1.GetCommandResponse{Command: commandToProto(c)}), nil
+}
+
+// ListCommands lists the commands of the caller's tenant's nodes (all for
+// root-admin), optionally of one node, newest first, paged by the last id.
+// Errors: NotFound (node_id of another tenant or unknown).
+func (s *commandService) ListCommands(ctx context.Context, req *connect.Request[computev1.ListCommandsRequest]) (*connect.Response[computev1.ListCommandsResponse], error) {
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, err
+	}
+	msg := req.Msg
+	if msg.NodeId != "" {
+		n, err := store.GetNode(ctx, s.db.Pool, msg.NodeId)
+		if errors.Is(err, store.ErrNotFound) || (err == nil && !p.InTenant(n.PoolOwnerTenantID)) {
+			return nil, notFound("node", msg.NodeId)
+		}
+		if err != nil {
+			return nil, mapError(err)
+		}
+	}
+	size := int(msg.PageSize)
+	if size == 0 {
+		size = defaultCommandPageSize
+	}
+	cmds, err := store.ListCommands(ctx, s.db.Pool, store.CommandFilter{TenantID: p.TenantScope(), NodeID: msg.NodeId,
+		Before: msg.PageToken, Limit: size})
+	if err != nil {
+		return nil, mapError(err)
+	}
+	res := &computev1.ListCommandsResponse{Commands: make([]*computev1.Command, len(cmds))}
+	for i, c := range cmds {
+		res.Commands[i] = commandToProto(c)
+	}
+	if len(cmds) == size {
+		res.NextPageToken = cmds[len(cmds)-1].ID
+	}
+	return connect.NewResponse(res), nil
+}
+
+func commandToProto(c store.Command) *computev1.Command {
+	return &computev1.Command{
+		Id:         c.ID,
+		NodeId:     c.NodeID,
+		Kind:       c.Kind,
+		State:      c.State,
+		RetrySafe:  c.RetrySafe,
+		Deadline:   timestamppb.New(c.Deadline),
+		ResultJson: string(c.Result),
+		Error:      c.Error,
+		Deliveries: c.Deliveries,
+		RequestId:  c.RequestID,
+		CreatedAt:  timestamppb.New(c.CreatedAt),
+		UpdatedAt:  timestamppb.New(c.UpdatedAt),
+		FinishedAt: timestampOrNil(c.FinishedAt),
+	}
+}

@@ -1,0 +1,338 @@
+package api
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"buf.build/go/protovalidate"
+	"connectrpc.com/connect"
+	"github.com/nats-io/nats.go"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/iam"
+	"github.com/better-compute/better-compute/pkg/store"
+)
+
+// WatchPath is the NDJSON events route (GET, under PathPrefix):
+// ?types=node.*,reservation.active&after=ID, one JSON object per line.
+const WatchPath = PathPrefix + "/watch"
+
+// WatchConfig tunes the events watch (EventService.Watch and WatchPath);
+// zero fields take the defaults.
+//
+// Event ids are bigserial: taken at insert, visible at commit, so a later id
+// can commit before an earlier one, and a rolled-back insert leaves a gap
+// that never fills. A watcher delivers strictly by id and never steps over a
+// missing id that may still commit. When it meets a gap (ids missing below a
+// committed one) it holds the events after it and records the database's
+// transaction horizon (store.CurrentTxHorizon Xmax): the transaction that
+// took a missing id took it before the committed id after it, so it was
+// running (or had ended) when the gap was seen. The gap is stepped over once
+// every transaction running then has ended (a later Xmin ≥ that Xmax, and
+// the missing id is still missing when read after that check), but not
+// before MinGrace (an insert is assigned its transaction id just after its
+// sequence value; MinGrace covers that instant), and at the latest after
+// MaxGrace, so that an unrelated long transaction cannot stall every watch
+// (an event whose transaction outlives MaxGrace is then not delivered to
+// watches that were live; a watch resumed later does get it).
+type WatchConfig struct {
+	// Poll is how often a watch reads the events table when NATS wakes it
+	// for nothing (the backstop; default 1 s).
+	Poll time.Duration
+	// MinGrace is the least time a gap is held (default 1 s).
+	MinGrace time.Duration
+	// MaxGrace is the most time a gap is held (default 1 min).
+	MaxGrace time.Duration
+	// Batch is how many events rows one read returns, which bounds a
+	// watch's memory (default 500).
+	Batch int
+}
+
+func (c WatchConfig) withDefaults() WatchConfig {
+	if c.Poll <= 0 {
+		c.Poll = time.Second
+	}
+	if c.MinGrace <= 0 {
+		c.MinGrace = time.Second
+	}
+	if c.MaxGrace <= 0 {
+		c.MaxGrace = time.Minute
+	}
+	if c.MaxGrace < c.MinGrace {
+		c.MaxGrace = c.MinGrace
+	}
+	if c.Batch <= 0 {
+		c.Batch = 500
+	}
+	return c
+}
+
+type eventService struct{ *Server }
+
+// Watch streams the events of the caller's tenant (every tenant's for
+// root-admin) whose type matches req.Types, after req.AfterId (0: from the
+// newest committed event), oldest first, then each new one as it commits
+// (WatchConfig says how gaps in the ids are handled). It ends when the
+// client cancels (no error) or the server shuts down (Unavailable: resume
+// with the last id received).
+func (s *eventService) Watch(ctx context.Context, req *connect.Request[computev1.WatchRequest], stream *connect.ServerStream[computev1.WatchResponse]) error {
+	p, err := principal(ctx)
+	if err != nil {
+		return err
+	}
+	// Send(nil) sends the response headers: the watch has its cursor.
+	ready := func() error { return stream.Send(nil) }
+	send := func(e store.Event) error {
+		return stream.Send(&computev1.WatchResponse{Event: &computev1.Event{Id: e.ID, Type: e.Type, TenantId: e.TenantID,
+			SubjectId: e.SubjectID, DataJson: string(e.Data), Time: timestamppb.New(e.CreatedAt)}})
+	}
+	err = s.watch(ctx, p, req.Msg.Types, req.Msg.AfterId, ready, send)
+	if connect.CodeOf(err) == connect.CodeInternal || connect.CodeOf(err) == connect.CodeUnknown {
+		// The shared masking interceptor only wraps unary calls.
+		s.logger.ErrorContext(ctx, "internal error", "procedure", req.Spec().Procedure, "err", err)
+		return connect.NewError(connect.CodeInternal, errors.New("internal error"))
+	}
+	return err
+}
+
+// watchEventJSON is one line of WatchPath, the shape of the events NATS
+// carries (pkg/store InsertReservationEvents).
+type watchEventJSON struct {
+	ID        int64           `json:"id"`
+	Type      string          `json:"type"`
+	TenantID  string          `json:"tenantId"`
+	SubjectID string          `json:"subjectId"`
+	Data      json.RawMessage `json:"data"`
+	Time      time.Time       `json:"time"`
+}
+
+// serveWatch serves GET WatchPath: the events watch as NDJSON
+// (application/x-ndjson), one event per line, flushed per event, with the
+// semantics of EventService.Watch. types is a comma-separated list of
+// patterns, after the id of the last event received. Refusals are JSON
+// objects {"code": "...", "message": "..."} with 401 (missing or bad
+// token), 403 (role without events.read) or 400 (bad query parameter, named).
+// Once the first line is sent, an error ends the response; resume with the
+// last id.
+func (s *Server) serveWatch(w http.ResponseWriter, r *http.Request) {
+	ctx := r.Context()
+	p, err := s.authn.Authenticate(ctx, r.Header.Get("Authorization"))
+	switch {
+	case errors.Is(err, iam.ErrUnauthenticated):
+		writeHTTPError(w, http.StatusUnauthorized, connect.CodeUnauthenticated, err.Error())
+		return
+	case err != nil:
+		s.logger.ErrorContext(ctx, "authenticate", "err", err)
+		writeHTTPError(w, http.StatusInternalServerError, connect.CodeInternal, "internal error")
+		return
+	case !p.Can(iam.PermEventsRead):
+		writeHTTPError(w, http.StatusForbidden, connect.CodePermissionDenied,
+			"role "+string(p.Role)+" may not watch events (needs "+string(iam.PermEventsRead)+")")
+		return
+	}
+	q := r.URL.Query()
+	req := &computev1.WatchRequest{}
+	for _, t := range strings.Split(q.Get("types"), ",") {
+		if t = strings.TrimSpace(t); t != "" {
+			req.Types = append(req.Types, t)
+		}
+	}
+	if a := q.Get("after"); a != "" {
+		if req.AfterId, err = strconv.ParseInt(a, 10, 64); err != nil {
+			writeHTTPError(w, http.StatusBadRequest, connect.CodeInvalidArgument, "after: want an event id (an integer ≥ 0)")
+			return
+		}
+	}
+	if err := protovalidate.Validate(req); err != nil {
+		writeHTTPError(w, http.StatusBadRequest, connect.CodeInvalidArgument, err.Error())
+		return
+	}
+	rc := http.NewResponseController(w)
+	ready := func() error {
+		w.Header().Set("Content-Type", "application/x-ndjson")
+		w.Header().Set("Cache-Control", "no-store")
+		w.Header().Set("X-Accel-Buffering", "no") // proxies: do not buffer
+		w.WriteHeader(http.StatusOK)
+		return rc.Flush()
+	}
+	enc := json.NewEncoder(w)
+	send := func(e store.Event) error {
+		if err := enc.Encode(watchEventJSON{ID: e.ID, Type: e.Type, TenantID: e.TenantID, SubjectID: e.SubjectID,
+			Data: e.Data, Time: e.CreatedAt.UTC()}); err != nil {
+			return err
+		}
+		return rc.Flush()
+	}
+	started := false
+	err = s.watch(ctx, p, req.Types, req.AfterId, func() error { started = true; return ready() }, send)
+	if err == nil {
+		return
+	}
+	if !started {
+		writeHTTPError(w, http.StatusInternalServerError, connect.CodeInternal, "internal error")
+	}
+	if code := connect.CodeOf(err); code != connect.CodeUnavailable && code != connect.CodeCanceled {
+		s.logger.ErrorContext(ctx, "watch", "err", err)
+	}
+}
+
+// writeHTTPError writes a JSON error {"code": "...", "message": "..."} with
+// status, codes as Connect names them ("unauthenticated").
+func writeHTTPError(w http.ResponseWriter, status int, code connect.Code, msg string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(map[string]string{"code": code.String(), "message": msg})
+}
+
+// gapHold is a watch's wait for missing ids to commit (WatchConfig).
+type gapHold struct {
+	// seen is when the gap was first met.
+	seen time.Time
+	// xmax is the transaction horizon's Xmax then.
+	xmax int64
+	// upTo is the highest committed id read then: it covers every id
+	// missing below it.
+	upTo int64
+}
+
+// watcher is one watch's position.
+type watcher struct {
+	s      *Server
+	cfg    WatchConfig
+	filter store.EventFilter
+	// cursor is the last id delivered or stepped over.
+	cursor int64
+	hold   *gapHold
+}
+
+// watch runs one watch for p: it fixes the cursor (after, or the newest
+// committed id when after is 0), calls ready, then calls send for every
+// matching event in id order until ctx ends (nil), the server stops
+// (Unavailable), send fails (its error) or the database does (Internal).
+func (s *Server) watch(ctx context.Context, p iam.Principal, types []string, after int64, ready func() error,
+	send func(store.Event) error,
+) error {
+	w := &watcher{s: s, cfg: s.cfg.Watch.withDefaults(), filter: store.EventFilter{TenantID: p.TenantScope(), Types: types},
+		cursor: after}
+	wake := make(chan struct{}, 1)
+	if s.nc != nil {
+		// The outbox relay publishes an event after its commit: a hint to
+		// read now rather than at the next poll.
+		subject := store.SubjectEvents + ".>"
+		if w.filter.TenantID != "" {
+			subject = store.SubjectEvents + "." + w.filter.TenantID + ".>"
+		}
+		sub, err := s.nc.Subscribe(subject, func(*nats.Msg) {
+			select {
+			case wake <- struct{}{}:
+			default:
+			}
+		})
+		if err != nil {
+			s.logger.WarnContext(ctx, "watch: subscribe to events; polling only", "err", err)
+		} else {
+			defer func() { _ = sub.Unsubscribe() }()
+		}
+	}
+	if after == 0 {
+		id, err := store.MaxEventID(ctx, s.db.Pool)
+		if err != nil {
+			return w.end(ctx, err)
+		}
+		w.cursor = id
+	}
+	if err := ready(); err != nil {
+		return w.end(ctx, err)
+	}
+	ticker := s.clock.NewTicker(w.cfg.Poll)
+	defer ticker.Stop()
+	for {
+		more, err := w.step(ctx, send)
+		if err != nil {
+			return w.end(ctx, err)
+		}
+		if more {
+			if ctx.Err() != nil {
+				return nil
+			}
+			continue
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-s.stopWatches:
+			return connect.NewError(connect.CodeUnavailable, errors.New("the server is shutting down: resume after the last event id"))
+		case <-wake:
+		case <-ticker.C():
+		}
+	}
+}
+
+// end is the error a watch ends with after err: none when the client went
+// away.
+func (w *watcher) end(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		return nil
+	}
+	return mapError(err)
+}
+
+// step reads the events after the cursor once and delivers them up to the
+// first gap it may not step over. more reports a full read: there may be
+// more to deliver now.
+func (w *watcher) step(ctx context.Context, send func(store.Event) error) (more bool, err error) {
+	db, clk := w.s.db, w.s.clock
+	// Decide before reading whether the held gap may be stepped over, so
+	// that an id whose transaction committed before the check is read.
+	var covered int64 // missing ids below it may be stepped over
+	if h := w.hold; h != nil {
+		switch held := clock.Since(clk, h.seen); {
+		case held >= w.cfg.MaxGrace:
+			covered = h.upTo
+			w.s.logger.WarnContext(ctx, "watch: stepping over event ids still missing after the grace", "after", w.cursor,
+				"up_to", h.upTo, "held", held)
+		case held >= w.cfg.MinGrace:
+			hz, err := store.CurrentTxHorizon(ctx, db.Pool)
+			if err != nil {
+				return false, err
+			}
+			if hz.Xmin >= h.xmax {
+				covered = h.upTo
+			}
+		}
+	}
+	rows, err := store.ScanEvents(ctx, db.Pool, w.cursor, w.filter, w.cfg.Batch)
+	if err != nil {
+		return false, err
+	}
+	for _, r := range rows {
+		if r.ID != w.cursor+1 && r.ID > covered {
+			// Missing ids before r: hold r and what follows.
+			if w.hold == nil || r.ID > w.hold.upTo {
+				hz, err := store.CurrentTxHorizon(ctx, db.Pool)
+				if err != nil {
+					return false, err
+				}
+				w.hold = &gapHold{seen: clk.Now(), xmax: hz.Xmax, upTo: rows[len(rows)-1].ID}
+			}
+			return false, nil
+		}
+		if r.Match {
+			if err := send(r.Event); err != nil {
+				return false, err
+			}
+		}
+		w.cursor = r.ID
+		if w.hold != nil && w.cursor >= w.hold.upTo {
+			w.hold = nil
+		}
+	}
+	return len(rows) == w.cfg.Batch, nil
+}

@@ -1,0 +1,88 @@
+package controllers_test
+
+import (
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
+	"github.com/better-compute/better-compute/services/controllers/controllers"
+)
+
+// TestCommandExpiry: a user command still open at its deadline expires with
+// a command.expired event, once; a command that finished, one not yet due
+// and an acceptance command are left alone; a late report of the expired
+// command changes nothing.
+func TestCommandExpiry(t *testing.T) {
+	t.Parallel()
+	start := time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC)
+	clk := clock.NewFake(start)
+	db := storetest.New(t, clk)
+	ctx := t.Context()
+	for _, q := range []string{
+		`INSERT INTO tenants (id, name, created_at) VALUES ('ten_1', 'one', $1)`,
+		`INSERT INTO sites (id, name, created_at) VALUES ('site_1', 'dev-1', $1)`,
+		`INSERT INTO pools (id, site_id, owner_tenant_id, name, kind, created_at) VALUES ('pool_1', 'site_1', 'ten_1', 'p', 'metal-host', $1)`,
+		`INSERT INTO nodes (id, pool_id, provision_state, created_at, updated_at) VALUES ('n1', 'pool_1', 'adopted', $1, $1),
+			('n2', 'pool_1', 'accepting', $1, $1)`,
+		`INSERT INTO commands (id, node_id, kind, purpose, state, retry_safe, deadline, created_at, updated_at)
+			VALUES ('cmd_acc', 'n2', 'diag.nvml', 'acceptance', 'delivered', true, $1, $1, $1)`,
+	} {
+		_, err := db.Pool.Exec(ctx, q, start)
+		require.NoError(t, err)
+	}
+	for _, n := range []store.NewCommand{
+		{ID: "cmd_a", NodeID: "n1", Kind: store.CommandNodeReboot, Deadline: start.Add(time.Minute)},
+		{ID: "cmd_b", NodeID: "n1", Kind: store.CommandDiagNVML, Deadline: start.Add(time.Minute)},
+		{ID: "cmd_c", NodeID: "n1", Kind: store.CommandLogsCollect, Deadline: start.Add(time.Hour)},
+	} {
+		require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
+			_, err := store.QueueCommand(ctx, tx, nil, start, n)
+			return err
+		}))
+	}
+	_, err := db.Pool.Exec(ctx, `UPDATE commands SET state = 'running', deliveries = 1 WHERE id = 'cmd_a'`)
+	require.NoError(t, err)
+	_, err = db.Pool.Exec(ctx, `UPDATE commands SET state = 'succeeded' WHERE id = 'cmd_b'`)
+	require.NoError(t, err)
+
+	e := &controllers.CommandExpiry{DB: db, Clock: clk, Batch: 1}
+	n, err := e.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Zero(t, n, "nothing is due before the deadline")
+
+	clk.Advance(time.Minute)
+	n, err = e.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	n, err = e.Reconcile(ctx)
+	require.NoError(t, err)
+	require.Zero(t, n)
+
+	states := map[string]string{}
+	rows, err := db.Pool.Query(ctx, `SELECT id, state FROM commands`)
+	require.NoError(t, err)
+	for rows.Next() {
+		var id, state string
+		require.NoError(t, rows.Scan(&id, &state))
+		states[id] = state
+	}
+	require.NoError(t, rows.Err())
+	require.Equal(t, map[string]string{"cmd_a": "expired", "cmd_b": "succeeded", "cmd_c": "queued", "cmd_acc": "delivered"}, states)
+	var events int
+	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT count(*) FROM events WHERE type = 'command.expired' AND subject_id = 'cmd_a'
+		AND tenant_id = 'ten_1'`).Scan(&events))
+	require.Equal(t, 1, events)
+
+	// The daemon's late report does not revive it.
+	require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
+		out, err := store.ApplySessionCommandUpdate(ctx, tx, store.SessionCommandUpdate{NodeID: "n1", CommandID: "cmd_a",
+			State: "succeeded", Now: clk.Now()})
+		require.False(t, out.Applied)
+		return err
+	}))
+}
