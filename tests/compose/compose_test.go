@@ -218,6 +218,7 @@ func TestComposeFleet(t *testing.T) {
 
 	s.checkFleetIsolation()
 	s.walkthrough()
+	s.watchCordon(first[0].ID)
 
 	s.mustRun("up", "-d", "--scale", "fakedaemon=12")
 	all := s.waitAdopted(12, 90*time.Second)
@@ -396,4 +397,62 @@ func (s *stack) walkthrough() {
 	out = s.cliRun("release", r.ID)
 	require.Contains(t, out, `"released"`, out)
 	s.cliRun("usage")
+}
+
+// watchCordon runs `events watch --types node.*` as a user would in one
+// terminal, cordons nodeID in another, and waits for the watch to print the
+// node.cordoned event of that node; then it uncordons it.
+func (s *stack) watchCordon(nodeID string) {
+	t := s.t
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	watch := exec.CommandContext(ctx, s.cli, "events", "watch", "--types", "node.*")
+	watch.Env = s.env
+	var stderr bytes.Buffer
+	watch.Stderr = &stderr
+	out, err := watch.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, watch.Start())
+	defer func() {
+		cancel()
+		_ = watch.Wait()
+	}()
+	type line struct {
+		Type      string `json:"type"`
+		SubjectID string `json:"subjectId"`
+	}
+	lines := make(chan line, 64)
+	go func() {
+		defer close(lines)
+		dec := json.NewDecoder(out)
+		for {
+			var l line
+			if err := dec.Decode(&l); err != nil {
+				return
+			}
+			lines <- l
+		}
+	}()
+	// The watch starts from now: give it time to subscribe before the
+	// cordon, as a person switching terminals would.
+	wall := clock.New()
+	require.NoError(t, clock.Sleep(ctx, wall, time.Second))
+	began := wall.Now()
+	s.cliRun("nodes", "cordon", nodeID, "--reason", "compose test")
+	timer := wall.NewTimer(30 * time.Second)
+	defer timer.Stop()
+	deadline := timer.C()
+	for {
+		select {
+		case l, ok := <-lines:
+			require.True(t, ok, "events watch ended: %s", stderr.String())
+			if l.Type == "node.cordoned" && l.SubjectID == nodeID {
+				t.Logf("events watch printed node.cordoned %s after the cordon (the issue's target: 1 s)", clock.Since(wall, began))
+				s.cliRun("nodes", "uncordon", nodeID)
+				return
+			}
+		case <-deadline:
+			t.Fatalf("events watch printed no node.cordoned for %s: %s", nodeID, stderr.String())
+		}
+	}
 }
