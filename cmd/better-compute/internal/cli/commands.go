@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"context"
 	"fmt"
 	"strconv"
 	"time"
@@ -10,7 +11,6 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
-	"github.com/better-compute/better-compute/pkg/clock"
 )
 
 // commandPollInterval is how often `commands run --wait` reads the command.
@@ -79,15 +79,18 @@ func (a *app) commandsRunCmd() *cobra.Command {
 		}
 		cm := res.Msg.Command
 		if wait {
-			for commandOpen(cm.State) {
-				if err := clock.Sleep(cmd.Context(), a.env.Clock, commandPollInterval); err != nil {
-					return err
-				}
-				got, err := cl.commands.GetCommand(cmd.Context(), connect.NewRequest(&computev1.GetCommandRequest{CommandId: cm.Id}))
-				if err != nil {
-					return err
-				}
-				cm = got.Msg.Command
+			// No deadline of its own: the command expires at its deadline.
+			cm, _, err = pollWhile(cmd.Context(), a.env.Clock, commandPollInterval, time.Time{}, cm,
+				func(c *computev1.Command) bool { return commandOpen(c.State) },
+				func(ctx context.Context) (*computev1.Command, error) {
+					got, err := cl.commands.GetCommand(ctx, connect.NewRequest(&computev1.GetCommandRequest{CommandId: cm.Id}))
+					if err != nil {
+						return nil, err
+					}
+					return got.Msg.Command, nil
+				})
+			if err != nil {
+				return err
 			}
 		}
 		if err := writeProto(a.env.Stdout, cm); err != nil {

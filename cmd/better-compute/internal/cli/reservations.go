@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -15,7 +16,6 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
-	"github.com/better-compute/better-compute/pkg/clock"
 )
 
 // reservePollInterval is how often `reserve --wait` reads the reservation.
@@ -161,22 +161,24 @@ func (a *app) reserveCmd() *cobra.Command {
 		}
 		r := res.Msg.Reservation
 		if wait {
-			deadline := a.env.Clock.Now().Add(timeout)
-			for r.State == "pending" || r.State == "binding" {
-				if !a.env.Clock.Now().Before(deadline) {
-					if err := writeProto(a.env.Stdout, r); err != nil {
-						return err
+			var timedOut bool
+			r, timedOut, err = pollWhile(cmd.Context(), a.env.Clock, reservePollInterval, a.env.Clock.Now().Add(timeout), r,
+				func(r *computev1.Reservation) bool { return r.State == "pending" || r.State == "binding" },
+				func(ctx context.Context) (*computev1.Reservation, error) {
+					got, err := cl.res.GetReservation(ctx, connect.NewRequest(&computev1.GetReservationRequest{ReservationId: r.Id}))
+					if err != nil {
+						return nil, err
 					}
-					return fmt.Errorf("reservation %s is still %s after %s", r.Id, r.State, timeout)
-				}
-				if err := clock.Sleep(cmd.Context(), a.env.Clock, reservePollInterval); err != nil {
+					return got.Msg.Reservation, nil
+				})
+			if err != nil {
+				return err
+			}
+			if timedOut {
+				if err := writeProto(a.env.Stdout, r); err != nil {
 					return err
 				}
-				got, err := cl.res.GetReservation(cmd.Context(), connect.NewRequest(&computev1.GetReservationRequest{ReservationId: r.Id}))
-				if err != nil {
-					return err
-				}
-				r = got.Msg.Reservation
+				return fmt.Errorf("reservation %s is still %s after %s", r.Id, r.State, timeout)
 			}
 		}
 		if err := writeProto(a.env.Stdout, r); err != nil {
