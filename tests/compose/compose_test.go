@@ -408,15 +408,17 @@ func (s *stack) watchCordon(nodeID string) {
 	defer cancel()
 	watch := exec.CommandContext(ctx, s.cli, "events", "watch", "--types", "node.*")
 	watch.Env = s.env
-	var stderr bytes.Buffer
+	var stderr bytes.Buffer // read only after Wait: exec writes it from its own goroutine
 	watch.Stderr = &stderr
 	out, err := watch.StdoutPipe()
 	require.NoError(t, err)
 	require.NoError(t, watch.Start())
-	defer func() {
+	stop := func() string {
 		cancel()
 		_ = watch.Wait()
-	}()
+		return stderr.String()
+	}
+	defer stop()
 	type line struct {
 		Type      string `json:"type"`
 		SubjectID string `json:"subjectId"`
@@ -445,14 +447,16 @@ func (s *stack) watchCordon(nodeID string) {
 	for {
 		select {
 		case l, ok := <-lines:
-			require.True(t, ok, "events watch ended: %s", stderr.String())
+			if !ok {
+				t.Fatalf("events watch ended: %s", stop())
+			}
 			if l.Type == "node.cordoned" && l.SubjectID == nodeID {
 				t.Logf("events watch printed node.cordoned %s after the cordon (the issue's target: 1 s)", clock.Since(wall, began))
 				s.cliRun("nodes", "uncordon", nodeID)
 				return
 			}
 		case <-deadline:
-			t.Fatalf("events watch printed no node.cordoned for %s: %s", nodeID, stderr.String())
+			t.Fatalf("events watch printed no node.cordoned for %s: %s", nodeID, stop())
 		}
 	}
 }

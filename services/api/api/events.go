@@ -94,7 +94,8 @@ func (s *eventService) Watch(ctx context.Context, req *connect.Request[computev1
 			SubjectId: e.SubjectID, DataJson: string(e.Data), Time: timestamppb.New(e.CreatedAt)}})
 	}
 	err = s.watch(ctx, p, req.Msg.Types, req.Msg.AfterId, ready, send)
-	if connect.CodeOf(err) == connect.CodeInternal || connect.CodeOf(err) == connect.CodeUnknown {
+	// connect.CodeOf(nil) is Unknown: a watch that ended well is not an error.
+	if err != nil && (connect.CodeOf(err) == connect.CodeInternal || connect.CodeOf(err) == connect.CodeUnknown) {
 		// The shared masking interceptor only wraps unary calls.
 		s.logger.ErrorContext(ctx, "internal error", "procedure", req.Spec().Procedure, "err", err)
 		return connect.NewError(connect.CodeInternal, errors.New("internal error"))

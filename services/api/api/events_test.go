@@ -2,13 +2,16 @@ package api_test
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
 	"strconv"
+	"sync"
 	"testing"
 	"time"
 
@@ -312,7 +315,8 @@ func TestWatchWakesOnNATS(t *testing.T) {
 func TestWatchEnds(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
-	srv, err := api.New(api.Config{}, api.Deps{DB: f.db, Logger: telemetry.Discard()})
+	var logs lockedBuffer
+	srv, err := api.New(api.Config{}, api.Deps{DB: f.db, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	require.NoError(t, err)
 	ts := httptest.NewServer(srv.Handler())
 	t.Cleanup(ts.Close)
@@ -327,6 +331,26 @@ func TestWatchEnds(t *testing.T) {
 	srv.StopWatches()
 	err = <-w.done
 	requireCode(t, err, connect.CodeUnavailable, "resume after the last event id")
+	ts.Close() // waits for the handlers
+	require.NotContains(t, logs.String(), "internal error", "a watch that ended well is not an error")
+}
+
+// lockedBuffer is a bytes.Buffer safe for a logger's concurrent writes.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
 
 // TestWatchHTTP checks GET /api/compute/watch: NDJSON lines with the same
