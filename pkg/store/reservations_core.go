@@ -198,12 +198,8 @@ func EndReservation(ctx context.Context, q DBTX, signer *IntentSigner, now time.
 	if _, err := q.Exec(ctx, `UPDATE reservations SET state = $2, ended_at = $3, updated_at = $3 WHERE id = $1`, id, state, now); err != nil {
 		return EndedReservation{}, fmt.Errorf("end reservation: %w", interpretError(err))
 	}
-	if _, err := q.Exec(ctx, `DELETE FROM bookings WHERE reservation_id = $1 AND lower(during) >= $2`, id, now); err != nil {
-		return EndedReservation{}, fmt.Errorf("end reservation bookings: %w", interpretError(err))
-	}
-	if _, err := q.Exec(ctx, `UPDATE bookings SET during = tstzrange(lower(during), $2, '[)')
-		WHERE reservation_id = $1 AND upper(during) > $2`, id, now); err != nil {
-		return EndedReservation{}, fmt.Errorf("end reservation bookings: %w", interpretError(err))
+	if err := endBookings(ctx, q, now, []string{id}); err != nil {
+		return EndedReservation{}, err
 	}
 	if res.NodeID != "" {
 		if _, err := RebuildNodeSpecs(ctx, q, signer, now, []string{res.NodeID}); err != nil {
@@ -299,6 +295,20 @@ func InsertReservationEvents(ctx context.Context, q DBTX, now time.Time, events 
 	}
 	if err := signalOutbox(ctx, q); err != nil {
 		return fmt.Errorf("enqueue events: %w", interpretError(err))
+	}
+	return nil
+}
+
+// endBookings ends the bookings of reservations ids at now: bookings that
+// had not started are deleted (an empty range is not a booking), the others
+// end at now. Usage then counts up to now and the devices are free after it.
+func endBookings(ctx context.Context, q DBTX, now time.Time, ids []string) error {
+	if _, err := q.Exec(ctx, `DELETE FROM bookings WHERE reservation_id = ANY($1) AND lower(during) >= $2`, ids, now); err != nil {
+		return fmt.Errorf("end bookings: %w", interpretError(err))
+	}
+	if _, err := q.Exec(ctx, `UPDATE bookings SET during = tstzrange(lower(during), $2, '[)')
+		WHERE reservation_id = ANY($1) AND upper(during) > $2`, ids, now); err != nil {
+		return fmt.Errorf("end bookings: %w", interpretError(err))
 	}
 	return nil
 }

@@ -46,12 +46,8 @@ func FailNodeReservations(ctx context.Context, q DBTX, signer *IntentSigner, now
 	if len(ids) == 0 {
 		return nil, nil
 	}
-	if _, err := q.Exec(ctx, `DELETE FROM bookings WHERE reservation_id = ANY($1) AND lower(during) >= $2`, ids, now); err != nil {
-		return nil, fmt.Errorf("end bookings of node %s: %w", nodeID, interpretError(err))
-	}
-	if _, err := q.Exec(ctx, `UPDATE bookings SET during = tstzrange(lower(during), $2, '[)')
-		WHERE reservation_id = ANY($1) AND upper(during) > $2`, ids, now); err != nil {
-		return nil, fmt.Errorf("end bookings of node %s: %w", nodeID, interpretError(err))
+	if err := endBookings(ctx, q, now, ids); err != nil {
+		return nil, err
 	}
 	if _, err := RebuildNodeSpecs(ctx, q, signer, now, []string{nodeID}); err != nil {
 		return nil, err
