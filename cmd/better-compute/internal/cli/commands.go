@@ -8,6 +8,7 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
@@ -105,22 +106,14 @@ func (a *app) commandsRunCmd() *cobra.Command {
 }
 
 func (a *app) commandsGetCmd() *cobra.Command {
-	return &cobra.Command{
-		Use:   "get COMMAND_ID",
-		Short: "Show a command as JSON, with its result",
-		Args:  cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			cl, err := a.clients()
+	return a.idJSONCmd("get COMMAND_ID", "Show a command as JSON, with its result",
+		func(ctx context.Context, cl *apiClients, id string) (proto.Message, error) {
+			res, err := cl.commands.GetCommand(ctx, connect.NewRequest(&computev1.GetCommandRequest{CommandId: id}))
 			if err != nil {
-				return err
+				return nil, err
 			}
-			res, err := cl.commands.GetCommand(cmd.Context(), connect.NewRequest(&computev1.GetCommandRequest{CommandId: args[0]}))
-			if err != nil {
-				return err
-			}
-			return writeProto(a.env.Stdout, res.Msg.Command)
-		},
-	}
+			return res.Msg.GetCommand(), nil
+		})
 }
 
 func (a *app) commandsListCmd() *cobra.Command {

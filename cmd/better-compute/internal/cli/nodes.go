@@ -1,12 +1,14 @@
 package cli
 
 import (
+	"context"
 	"fmt"
 	"strconv"
 	"time"
 
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
+	"google.golang.org/protobuf/proto"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 )
@@ -112,22 +114,14 @@ func (a *app) nodesListCmd() *cobra.Command {
 }
 
 func (a *app) nodesGetCmd() *cobra.Command {
-	return &cobra.Command{
-		Use:   "get NODE_ID",
-		Short: "Show one node as JSON (revokedAt and certNotAfter when set)",
-		Args:  cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			cl, err := a.clients()
+	return a.idJSONCmd("get NODE_ID", "Show one node as JSON (revokedAt and certNotAfter when set)",
+		func(ctx context.Context, cl *apiClients, id string) (proto.Message, error) {
+			res, err := cl.nodes.GetNode(ctx, connect.NewRequest(&computev1.GetNodeRequest{NodeId: id}))
 			if err != nil {
-				return err
+				return nil, err
 			}
-			res, err := cl.nodes.GetNode(cmd.Context(), connect.NewRequest(&computev1.GetNodeRequest{NodeId: args[0]}))
-			if err != nil {
-				return err
-			}
-			return writeProto(a.env.Stdout, res.Msg.Node)
-		},
-	}
+			return res.Msg.GetNode(), nil
+		})
 }
 
 func (a *app) nodesRevokeCmd() *cobra.Command {

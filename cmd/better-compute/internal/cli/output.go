@@ -2,6 +2,7 @@ package cli
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -121,4 +122,25 @@ func writeProto(w io.Writer, m proto.Message) error {
 	buf.WriteByte('\n')
 	_, err = w.Write(buf.Bytes())
 	return err
+}
+
+// idJSONCmd returns a command that takes one id, calls do with the API
+// clients and prints the resource do returns as JSON (writeProto).
+func (a *app) idJSONCmd(use, short string, do func(ctx context.Context, cl *apiClients, id string) (proto.Message, error)) *cobra.Command {
+	return &cobra.Command{
+		Use:   use,
+		Short: short,
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			cl, err := a.clients()
+			if err != nil {
+				return err
+			}
+			m, err := do(cmd.Context(), cl, args[0])
+			if err != nil {
+				return err
+			}
+			return writeProto(a.env.Stdout, m)
+		},
+	}
 }

@@ -12,6 +12,7 @@ import (
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
 	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -193,22 +194,14 @@ func (a *app) reserveCmd() *cobra.Command {
 }
 
 func (a *app) releaseCmd() *cobra.Command {
-	return &cobra.Command{
-		Use:   "release RESERVATION_ID",
-		Short: "Release a reservation now: its GPUs are unbound and freed; prints it as JSON",
-		Args:  cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			cl, err := a.clients()
+	return a.idJSONCmd("release RESERVATION_ID", "Release a reservation now: its GPUs are unbound and freed; prints it as JSON",
+		func(ctx context.Context, cl *apiClients, id string) (proto.Message, error) {
+			res, err := cl.res.ReleaseReservation(ctx, connect.NewRequest(&computev1.ReleaseReservationRequest{ReservationId: id}))
 			if err != nil {
-				return err
+				return nil, err
 			}
-			res, err := cl.res.ReleaseReservation(cmd.Context(), connect.NewRequest(&computev1.ReleaseReservationRequest{ReservationId: args[0]}))
-			if err != nil {
-				return err
-			}
-			return writeProto(a.env.Stdout, res.Msg.Reservation)
-		},
-	}
+			return res.Msg.GetReservation(), nil
+		})
 }
 
 func (a *app) reservationsCmd() *cobra.Command {
@@ -272,22 +265,14 @@ func (a *app) reservationsListCmd() *cobra.Command {
 }
 
 func (a *app) reservationsGetCmd() *cobra.Command {
-	return &cobra.Command{
-		Use:   "get RESERVATION_ID",
-		Short: "Show one reservation as JSON (binding holds the CDI device names once active)",
-		Args:  cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			cl, err := a.clients()
+	return a.idJSONCmd("get RESERVATION_ID", "Show one reservation as JSON (binding holds the CDI device names once active)",
+		func(ctx context.Context, cl *apiClients, id string) (proto.Message, error) {
+			res, err := cl.res.GetReservation(ctx, connect.NewRequest(&computev1.GetReservationRequest{ReservationId: id}))
 			if err != nil {
-				return err
+				return nil, err
 			}
-			res, err := cl.res.GetReservation(cmd.Context(), connect.NewRequest(&computev1.GetReservationRequest{ReservationId: args[0]}))
-			if err != nil {
-				return err
-			}
-			return writeProto(a.env.Stdout, res.Msg.Reservation)
-		},
-	}
+			return res.Msg.GetReservation(), nil
+		})
 }
 
 func (a *app) usageCmd() *cobra.Command {
