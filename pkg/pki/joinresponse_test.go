@@ -129,6 +129,12 @@ func TestCheckJoinResponseRefuses(t *testing.T) {
 			r.GatewayUrl = "https://evil.example:8443"
 			return r, d.signSPKI
 		}, want: "its signature does not verify with the pinned join signing key"},
+		{name: "gateway added after signing", make: func(t *testing.T) (*joinv1.JoinResponse, []byte) {
+			r := d.response(t)
+			require.NoError(t, pki.SignJoinResponse(d.signKey, r))
+			r.GatewayUrls = append(r.GatewayUrls, "https://evil.example:8443")
+			return r, d.signSPKI
+		}, want: "its signature does not verify with the pinned join signing key"},
 		{name: "signed by a key not matching the pin", make: func(t *testing.T) (*joinv1.JoinResponse, []byte) {
 			r := d.response(t)
 			require.NoError(t, pki.SignJoinResponse(other.signKey, r))

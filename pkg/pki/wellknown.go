@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 )
 
 // WellKnownPath is where the API serves a deployment's WellKnown document
@@ -48,8 +49,12 @@ type WellKnown struct {
 
 // WellKnownGateway is the gateway part of a WellKnown document.
 type WellKnownGateway struct {
-	// URL is the gateway's https:// Session URL.
+	// URL is the gateway's https:// Session URL (the first of URLs).
 	URL string `json:"url"`
+	// URLs are the Session URLs of every gateway replica, URL first; a
+	// daemon moves to the next when it loses its session. Omitted when
+	// there is one.
+	URLs []string `json:"urls,omitempty"`
 	// ServerName is the TLS server name to verify on the gateway.
 	ServerName string `json:"serverName"`
 }
@@ -229,4 +234,32 @@ func WritePinsFile(path string, pins Pins) (bool, error) {
 		return false, err
 	}
 	return true, nil
+}
+
+// SplitGatewayURLs splits a configured gateway URL list — one URL or several
+// separated by commas, as in BC_GATEWAY_URL="https://gw-a:8443,https://gw-b:8443"
+// — into its URLs, trimmed, empty parts dropped, order kept. It returns nil
+// for an empty list.
+func SplitGatewayURLs(list string) []string {
+	var urls []string
+	for _, u := range strings.Split(list, ",") {
+		if u = strings.TrimSpace(u); u != "" {
+			urls = append(urls, u)
+		}
+	}
+	return urls
+}
+
+// NewWellKnownGateway returns the gateway part of a WellKnown document for a
+// configured gateway URL list (see SplitGatewayURLs) and TLS server name.
+func NewWellKnownGateway(list, serverName string) WellKnownGateway {
+	urls := SplitGatewayURLs(list)
+	g := WellKnownGateway{ServerName: serverName}
+	if len(urls) > 0 {
+		g.URL = urls[0]
+	}
+	if len(urls) > 1 {
+		g.URLs = urls
+	}
+	return g
 }

@@ -25,7 +25,8 @@
 //	--data-dir PATH              BC_DATA_DIR             identities and journals (/var/lib/fakedaemon)
 //	--variant NAME               BC_VARIANT              hgx-h100, hgx-h100-gpu-missing, l40s, cpu (hgx-h100)
 //	--nodes N                    BC_NODES                machines in this process, each in <data-dir>/<i> (1)
-//	--gateway-url URL            BC_GATEWAY_URL          overrides the JoinResponse's gateway URL
+//	--gateway-url URL[,URL…]     BC_GATEWAY_URL          overrides the JoinResponse's gateway URLs (one per
+//	                                                     replica; a machine moves to the next when it loses one)
 //	--gateway-server-name NAME   BC_GATEWAY_SERVER_NAME  overrides the TLS server name of the gateway
 //	--health-listen ADDR         BC_HEALTH_LISTEN        /healthz server (:8085; --health-listen= for none)
 //
@@ -124,7 +125,7 @@ func parseConfig(args []string, joinOnly bool) (fakedaemon.Config, error) {
 	fs.StringVar(&cfg.DataDir, "data-dir", service.Env("BC_DATA_DIR", fakedaemon.DefaultDataDir), "directory of the machines' identities and journals")
 	fs.StringVar(&cfg.Variant, "variant", service.Env("BC_VARIANT", fakedaemon.DefaultVariant), "fake hardware: hgx-h100, hgx-h100-gpu-missing, l40s or cpu")
 	fs.IntVar(&cfg.Nodes, "nodes", nodes, "machines to run in this process")
-	fs.StringVar(&cfg.GatewayURL, "gateway-url", os.Getenv("BC_GATEWAY_URL"), "override the gateway URL of the JoinResponse")
+	fs.StringVar(&cfg.GatewayURL, "gateway-url", os.Getenv("BC_GATEWAY_URL"), "override the gateway URLs of the JoinResponse (comma-separated, one per gateway replica; a machine moves to the next when it loses its session)")
 	fs.StringVar(&cfg.GatewayServerName, "gateway-server-name", os.Getenv("BC_GATEWAY_SERVER_NAME"), "override the gateway's TLS server name")
 	fs.StringVar(&cfg.HealthListen, "health-listen", service.Env("BC_HEALTH_LISTEN", fakedaemon.DefaultHealthListen), "address of the /healthz server (empty for none)")
 	if err := fs.Parse(args); err != nil {

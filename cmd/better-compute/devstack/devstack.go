@@ -17,6 +17,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
@@ -49,8 +50,9 @@ type Options struct {
 	// ExternalGatewayURL is set).
 	Gateways int
 	// ExternalGatewayURL, when set, is the gateway joined machines are sent
-	// to (a gateway run outside this process, e.g. to measure its memory);
-	// its TLS name must be "localhost".
+	// to (gateways run outside this process, e.g. to measure their memory or
+	// kill one): one https:// URL or several separated by commas; their TLS
+	// name must be "localhost".
 	ExternalGatewayURL string
 	// Host is the address services listen on (default 127.0.0.1), each on a
 	// free port.
@@ -69,6 +71,10 @@ type Options struct {
 	NodeCertTTL time.Duration
 	// NoScheduler starts no scheduler (benchmarks run their own).
 	NoScheduler bool
+	// NoControllers starts no controllers (no outbox relay, acceptance or
+	// expiry): the caller runs them, e.g. as their own process to measure
+	// their CPU. Stack.Controllers is then nil.
+	NoControllers bool
 	// SignedIntent signs every command and NodeSpec with the PKI's
 	// command-signing root and gives joining daemons that root, so they
 	// refuse unsigned intent.
@@ -90,7 +96,7 @@ type Stack struct {
 	// https:// Session URLs.
 	Gateways    []*gateway.Server
 	GatewayURLs []string
-	// Controllers is the reconcilers' service.
+	// Controllers is the reconcilers' service (nil with NoControllers).
 	Controllers *controllers.Server
 	// Scheduler is the placement service.
 	Scheduler *scheduler.Server
@@ -199,10 +205,11 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 		g.Go(func() error { return gw.Run(gctx) })
 	}
 
-	// joinservice: machines are sent to the first gateway.
+	// joinservice: machines are sent to every gateway (they start on one
+	// and move to the next when they lose it).
 	gatewayURL := o.ExternalGatewayURL
 	if gatewayURL == "" {
-		gatewayURL = s.GatewayURLs[0]
+		gatewayURL = strings.Join(s.GatewayURLs, ",")
 	}
 	join, err := joinservice.New(joinservice.Config{
 		PKIDir:            o.PKIDir,
@@ -246,28 +253,30 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 	}
 
 	// controllers
-	nc, err := connect("controllers")
-	if err != nil {
-		return nil, err
+	if !o.NoControllers {
+		nc, err := connect("controllers")
+		if err != nil {
+			return nil, err
+		}
+		ctrl, err := controllers.New(controllers.Config{
+			NoHealthServer:    true,
+			ReconcileInterval: o.ReconcileInterval,
+			Holder:            "dev-controllers",
+			SignedIntent:      o.SignedIntent,
+			PKIDir:            o.PKIDir,
+		}, controllers.Deps{DB: db, NC: nc, Logger: log("controllers"), Clock: o.Clock})
+		if err != nil {
+			return nil, err
+		}
+		s.Controllers = ctrl
+		g.Go(func() error { return ctrl.Run(gctx) })
 	}
-	ctrl, err := controllers.New(controllers.Config{
-		NoHealthServer:    true,
-		ReconcileInterval: o.ReconcileInterval,
-		Holder:            "dev-controllers",
-		SignedIntent:      o.SignedIntent,
-		PKIDir:            o.PKIDir,
-	}, controllers.Deps{DB: db, NC: nc, Logger: log("controllers"), Clock: o.Clock})
-	if err != nil {
-		return nil, err
-	}
-	s.Controllers = ctrl
-	g.Go(func() error { return ctrl.Run(gctx) })
 
 	// scheduler
 	if o.NoScheduler {
 		return s, nil
 	}
-	nc, err = connect("scheduler")
+	nc, err := connect("scheduler")
 	if err != nil {
 		return nil, err
 	}

@@ -30,8 +30,8 @@ type WellKnownConfig struct {
 	// JoinURL is JoinService's base URL as daemons reach it (BC_JOIN_URL).
 	JoinURL string
 	// GatewayURL and GatewayServerName are where daemons open their Session
-	// and the TLS name they verify there (BC_GATEWAY_URL,
-	// BC_GATEWAY_SERVER_NAME).
+	// and the TLS name they verify there (BC_GATEWAY_URL: one URL or every
+	// gateway replica's, separated by commas; BC_GATEWAY_SERVER_NAME).
 	GatewayURL        string
 	GatewayServerName string
 }
@@ -63,7 +63,7 @@ func newWellKnownHandler(cfg WellKnownConfig) (http.Handler, error) {
 		return nil, fmt.Errorf("well-known document: %w", err)
 	}
 	doc.JoinURL = cfg.JoinURL
-	doc.Gateway = pki.WellKnownGateway{URL: cfg.GatewayURL, ServerName: cfg.GatewayServerName}
+	doc.Gateway = pki.NewWellKnownGateway(cfg.GatewayURL, cfg.GatewayServerName)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		d := doc
 		d.BaseURL = cfg.PublicURL

@@ -43,8 +43,13 @@ type Identity struct {
 	MachineID string `json:"machine_id"`
 	// Variant is the fake hardware variant the machine joined with.
 	Variant string `json:"variant"`
-	// GatewayURL is where the node opens its Session.
+	// GatewayURL is where the node opens its Session (the first of
+	// GatewayURLs).
 	GatewayURL string `json:"gateway_url"`
+	// GatewayURLs are every gateway replica's Session URL when the
+	// deployment named several (JoinResponse.gateway_urls); the node moves
+	// to the next when it loses its session.
+	GatewayURLs []string `json:"gateway_urls,omitempty"`
 	// GatewayServerName is the TLS server name of the gateway ("" means the
 	// host of the gateway URL).
 	GatewayServerName string `json:"gateway_server_name,omitempty"`
@@ -145,6 +150,14 @@ func (id *Identity) save(dir string, nodeCA *x509.Certificate) error {
 		return err
 	}
 	return writeFileSync(filepath.Join(dir, NodeFile), append(b, '\n'), 0o600)
+}
+
+// gatewayURLs returns the Session URLs the node may use, in order.
+func (id *Identity) gatewayURLs() []string {
+	if len(id.GatewayURLs) > 0 {
+		return id.GatewayURLs
+	}
+	return []string{id.GatewayURL}
 }
 
 // tlsCertificate returns the node's client certificate for mTLS.

@@ -76,6 +76,10 @@ type MachineStatus struct {
 	// Renewals counts the certificates renewed over the session and stored
 	// since the machine started.
 	Renewals int
+	// Runs counts the commands the hardware ran (not those answered from
+	// the journal) since the machine started: a command delivered twice
+	// and run once counts one.
+	Runs int
 	// Stopped is why the machine stopped for good ("" while it runs): its
 	// node was revoked or its certificate expired (daemon.StateStopped), and
 	// it must join again. The Runner reports unhealthy while any machine is
@@ -202,13 +206,12 @@ func (m *Machine) run(ctx context.Context) error {
 		log.Warn("journal was lost; commands that may have run before are failed unless retry-safe", "lost_at", j.LostAt(), "epoch", j.Epoch())
 	}
 
-	gwURL, tlsCfg, err := m.gatewayTLS(id)
+	gwURLs, tlsCfg, err := m.gatewayTLS(id)
 	if err != nil {
 		return fmt.Errorf("machine %d: %w", m.index, err)
 	}
 	tr := newTransport(tlsCfg)
 	defer tr.CloseIdleConnections()
-	client := gatewayv1connect.NewGatewayServiceClient(&http.Client{Transport: tr}, gwURL, m.r.clientOpts...)
 
 	acfg := m.r.cfg.Agent
 	acfg.NodeID = id.NodeID
@@ -220,15 +223,17 @@ func (m *Machine) run(ctx context.Context) error {
 	acfg.CertReceivedAt = id.JoinedAt
 	acfg.CommandSigningRoot = id.CommandSigningKey()
 	seed := sha256.Sum256([]byte(machineID))
-	agent, err := daemon.New(acfg, hw, j, rand.New(rand.NewPCG(binary.BigEndian.Uint64(seed[:8]), boot)))
+	agent, err := daemon.New(acfg, countingHardware{hw, m}, j, rand.New(rand.NewPCG(binary.BigEndian.Uint64(seed[:8]), boot)))
 	if err != nil {
 		return err
 	}
-	d := &driver{m: m, log: log, clk: m.r.clk, agent: agent, client: client, hw: hw, dir: m.dir,
+	d := &driver{m: m, log: log, clk: m.r.clk, agent: agent, hw: hw, dir: m.dir,
 		events: make(chan event, 16), timer: m.r.clk.NewTimer(time.Hour),
-		rn: renewState{id: id, url: gwURL, tlsCfg: tlsCfg, tr: tr}}
+		urls: gwURLs, gw: int(binary.BigEndian.Uint64(seed[8:16]) % uint64(len(gwURLs))),
+		rn: renewState{id: id, tlsCfg: tlsCfg, tr: tr}}
+	d.makeClients()
 	d.timer.Stop()
-	log.Info("machine up", "variant", variant, "boot", boot, "gateway", gwURL)
+	log.Info("machine up", "variant", variant, "boot", boot, "gateways", gwURLs)
 	return d.loop(ctx)
 }
 
@@ -308,6 +313,7 @@ func (m *Machine) join(ctx context.Context, hw *fakehw.Machine) (*Identity, erro
 		MachineID:          hw.MachineID(),
 		Variant:            hw.Variant(),
 		GatewayURL:         msg.GetGatewayUrl(),
+		GatewayURLs:        msg.GetGatewayUrls(),
 		GatewayServerName:  msg.GetGatewayServerName(),
 		TrustDomain:        msg.GetTrustDomain(),
 		PoolID:             msg.GetPoolId(),
@@ -319,10 +325,15 @@ func (m *Machine) join(ctx context.Context, hw *fakehw.Machine) (*Identity, erro
 		commandRoot:        v.CommandSigningRoot,
 	}
 	if id.GatewayURL == "" {
-		id.GatewayURL, id.GatewayServerName = trust.gateway.URL, trust.gateway.ServerName
+		id.GatewayURL, id.GatewayURLs, id.GatewayServerName = trust.gateway.URL, trust.gateway.URLs, trust.gateway.ServerName
 	}
 	if id.GatewayURL == "" {
-		id.GatewayURL = m.r.cfg.GatewayURL
+		if urls := pki.SplitGatewayURLs(m.r.cfg.GatewayURL); len(urls) > 0 {
+			id.GatewayURL = urls[0]
+			if len(urls) > 1 {
+				id.GatewayURLs = urls
+			}
+		}
 	}
 	if id.NodeID == "" || id.GatewayURL == "" {
 		return nil, fmt.Errorf("machine %d: join response lacks node_id or gateway_url", m.index)
@@ -348,20 +359,42 @@ func samePublicKey(cert *x509.Certificate, pub crypto.PublicKey) bool {
 	return ok && k.Equal(cert.PublicKey)
 }
 
-// gatewayTLS returns the gateway URL and the mTLS client configuration:
-// the node certificate, the serving CA as the only root, and the server name
-// (Config override, else the JoinResponse's, else the URL's host).
-func (m *Machine) gatewayTLS(id *Identity) (string, *tls.Config, error) {
-	raw := id.GatewayURL
+// countingHardware counts the commands the daemon core runs on the machine
+// (MachineStatus.Runs).
+type countingHardware struct {
+	*fakehw.Machine
+	m *Machine
+}
+
+// Run runs the command on the fake hardware and counts it.
+func (h countingHardware) Run(kind string, args []byte) (*gatewayv1.CommandResult, time.Duration, error) {
+	h.m.update(func(s *MachineStatus) { s.Runs++ })
+	return h.Machine.Run(kind, args)
+}
+
+// gatewayTLS returns the gateway URLs (Config override, else the
+// identity's) and the mTLS client configuration: the node certificate, the
+// serving CA as the only root, and the server name (Config override, else
+// the JoinResponse's, else the first URL's host) that every gateway replica
+// presents.
+func (m *Machine) gatewayTLS(id *Identity) ([]string, *tls.Config, error) {
+	urls := id.gatewayURLs()
 	if m.r.cfg.GatewayURL != "" {
-		raw = m.r.cfg.GatewayURL
+		urls = pki.SplitGatewayURLs(m.r.cfg.GatewayURL)
 	}
-	u, err := url.Parse(raw)
-	if err != nil || u.Host == "" {
-		return "", nil, fmt.Errorf("gateway url %q is not a URL", raw)
+	if len(urls) == 0 {
+		return nil, nil, errors.New("no gateway url")
 	}
-	if u.Scheme != "https" {
-		return "", nil, fmt.Errorf("gateway url %q must be https (the session uses mutual TLS)", raw)
+	var u *url.URL
+	for i := len(urls) - 1; i >= 0; i-- {
+		var err error
+		u, err = url.Parse(urls[i])
+		if err != nil || u.Host == "" {
+			return nil, nil, fmt.Errorf("gateway url %q is not a URL", urls[i])
+		}
+		if u.Scheme != "https" {
+			return nil, nil, fmt.Errorf("gateway url %q must be https (the session uses mutual TLS)", urls[i])
+		}
 	}
 	name := m.r.cfg.GatewayServerName
 	if name == "" {
@@ -373,7 +406,7 @@ func (m *Machine) gatewayTLS(id *Identity) (string, *tls.Config, error) {
 	roots := x509.NewCertPool()
 	roots.AddCert(id.servingCA)
 	m.cert.set(id)
-	return raw, &tls.Config{
+	return urls, &tls.Config{
 		// The newest certificate: a renewal replaces it (renew.go).
 		GetClientCertificate: m.cert.get,
 		RootCAs:              roots,
@@ -422,18 +455,26 @@ const closeGrace = 5 * time.Second
 // driver feeds one machine's daemon core from its stream and timer and
 // carries out the core's effects. Only loop's goroutine touches it.
 type driver struct {
-	m      *Machine
-	log    *slog.Logger
-	clk    clock.Clock
-	agent  *daemon.Agent
-	hw     *fakehw.Machine
-	client gatewayv1connect.GatewayServiceClient
-	events chan event
-	timer  clock.Timer
-	cur    *session
-	ctx    context.Context
-	rn     renewState // certificate renewal (renew.go)
-	dir    string     // the machine's data directory
+	m     *Machine
+	log   *slog.Logger
+	clk   clock.Clock
+	agent *daemon.Agent
+	hw    *fakehw.Machine
+	// urls are the gateway replicas' Session URLs and clients one client
+	// for each (over the current transport); gw is the index of the
+	// gateway the next session goes to. A node moves to the next gateway
+	// each time it dials again after its first session, so that a lost
+	// gateway costs one backoff, not a wait for it to come back.
+	urls    []string
+	clients []gatewayv1connect.GatewayServiceClient
+	gw      int
+	dialed  bool
+	events  chan event
+	timer   clock.Timer
+	cur     *session
+	ctx     context.Context
+	rn      renewState // certificate renewal (renew.go)
+	dir     string     // the machine's data directory
 	// stopped is set by EffectStop: the machine stopped for good.
 	stopped bool
 }
@@ -503,6 +544,10 @@ func (d *driver) apply(effects []daemon.Effect) {
 		case daemon.EffectDial:
 			d.closeSession()
 			d.freshTransport()
+			if d.dialed {
+				d.gw = (d.gw + 1) % len(d.urls)
+			}
+			d.dialed = true
 			d.open(e.Session)
 			effects = append(effects, d.agent.Connected(d.clk.Now(), e.Session)...)
 		case daemon.EffectClose:
@@ -547,7 +592,10 @@ func (d *driver) apply(effects []daemon.Effect) {
 // request goes out with the first message (Hello).
 func (d *driver) open(n uint64) {
 	sctx, cancel := context.WithCancel(d.ctx)
-	stream := d.client.Session(sctx)
+	if len(d.urls) > 1 {
+		d.log.Debug("opening session", "session", n, "gateway", d.urls[d.gw])
+	}
+	stream := d.clients[d.gw].Session(sctx)
 	d.cur = &session{n: n, stream: stream, ctx: sctx, cancel: cancel}
 	go func() {
 		defer cancel()
@@ -564,6 +612,15 @@ func (d *driver) open(n uint64) {
 			}
 		}
 	}()
+}
+
+// makeClients makes one Session client per gateway URL over the current
+// transport.
+func (d *driver) makeClients() {
+	d.clients = d.clients[:0]
+	for _, u := range d.urls {
+		d.clients = append(d.clients, gatewayv1connect.NewGatewayServiceClient(&http.Client{Transport: d.rn.tr}, u, d.m.r.clientOpts...))
+	}
 }
 
 // closeSession aborts the current session's stream, if any.

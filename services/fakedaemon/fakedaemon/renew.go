@@ -17,7 +17,6 @@ import (
 	"net/http"
 	"sync/atomic"
 
-	"github.com/better-compute/better-compute/api/gen/bc/gateway/v1/gatewayv1connect"
 	"github.com/better-compute/better-compute/pkg/daemon"
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/telemetry"
@@ -49,7 +48,6 @@ type renewState struct {
 	id      *Identity     // the identity in use
 	key     crypto.Signer // the key of the last CSR, until its certificate comes
 	fresh   bool          // a renewed certificate awaits a new connection
-	url     string        // the gateway URL
 	tlsCfg  *tls.Config
 	tr      *http.Transport   // the transport of the next session
 	retired []*http.Transport // earlier transports, closed when idle
@@ -117,7 +115,7 @@ func (d *driver) freshTransport() {
 	}
 	d.rn.retired = append(d.rn.retired, d.rn.tr)
 	d.rn.tr = newTransport(d.rn.tlsCfg)
-	d.client = gatewayv1connect.NewGatewayServiceClient(&http.Client{Transport: d.rn.tr}, d.rn.url, d.m.r.clientOpts...)
+	d.makeClients()
 }
 
 // closeTransports closes the idle connections of every transport the driver

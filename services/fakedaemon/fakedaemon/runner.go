@@ -116,7 +116,8 @@ type Config struct {
 	Variant string
 	// Nodes is how many machines to run (default 1).
 	Nodes int
-	// GatewayURL overrides the gateway URL of the JoinResponse.
+	// GatewayURL overrides the gateway URLs of the JoinResponse: one URL or
+	// several separated by commas (one per gateway replica).
 	GatewayURL string
 	// GatewayServerName overrides the TLS server name to verify on the
 	// gateway (default: the JoinResponse's, else the host of the URL).

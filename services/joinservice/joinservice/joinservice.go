@@ -70,7 +70,9 @@ type Config struct {
 	// NodeCertTTL is how long issued node certificates are valid
 	// (BC_NODE_CERT_TTL, Go duration).
 	NodeCertTTL time.Duration
-	// GatewayURL is where joined nodes open their sessions (BC_GATEWAY_URL).
+	// GatewayURL is where joined nodes open their sessions (BC_GATEWAY_URL):
+	// one URL, or every gateway replica's URL separated by commas (sent as
+	// JoinResponse.gateway_urls, the first also as gateway_url).
 	GatewayURL string
 	// GatewayServerName is the TLS name nodes verify on the gateway
 	// (BC_GATEWAY_SERVER_NAME).
@@ -254,11 +256,13 @@ func (s *Server) Join(ctx context.Context, req *connect.Request[joinv1.JoinReque
 	if err != nil {
 		return nil, s.mapError(ctx, err)
 	}
+	gw := pki.NewWellKnownGateway(s.cfg.GatewayURL, s.cfg.GatewayServerName)
 	resp := &joinv1.JoinResponse{
 		NodeId:            nodeID,
 		CertificateDer:    cert.Raw,
 		NodeCaDer:         s.nodeCA.Cert.Raw,
-		GatewayUrl:        s.cfg.GatewayURL,
+		GatewayUrl:        gw.URL,
+		GatewayUrls:       gw.URLs,
 		GatewayServerName: s.cfg.GatewayServerName,
 		ServingCaDer:      s.servingCA.Raw,
 		TrustDomain:       s.trustDomain,

@@ -228,6 +228,7 @@ func TestJoin(t *testing.T) {
 	require.NoError(t, ids.Check(ids.Node, msg.NodeId))
 	require.Equal(t, f.poolID, msg.PoolId)
 	require.Equal(t, "https://gw.example:8443", msg.GatewayUrl)
+	require.Empty(t, msg.GatewayUrls, "one gateway: no list")
 	require.Equal(t, "gw.example", msg.GatewayServerName)
 	require.Equal(t, pki.DefaultTrustDomain, msg.TrustDomain)
 	require.Equal(t, f.nodeCA.Cert.Raw, msg.NodeCaDer)
@@ -383,6 +384,21 @@ func TestJoinSignedIntent(t *testing.T) {
 	res.Msg.Trust.CommandSigningRoot = f.signSPKI
 	_, err = pki.CheckJoinResponse(res.Msg, pki.Pins{ServingCA: f.pins.ServingCA, JoinSigning: f.pins.JoinSigning}, f.signSPKI)
 	require.ErrorContains(t, err, "its signature does not verify")
+}
+
+// TestJoinGatewayReplicas configures two gateways (BC_GATEWAY_URL with a
+// comma): the JoinResponse names both, the first also as gateway_url, under
+// the signature.
+func TestJoinGatewayReplicas(t *testing.T) {
+	t.Parallel()
+	f := setupWith(t, func(c *joinservice.Config) { c.GatewayURL = "https://gw-a.example:8443, https://gw-b.example:8443" })
+	_, secret := f.token(t, 1, f.db.Now().Add(time.Hour))
+	res, err := f.client.Join(t.Context(), connect.NewRequest(f.request(t, secret, nil)))
+	require.NoError(t, err)
+	require.Equal(t, "https://gw-a.example:8443", res.Msg.GetGatewayUrl())
+	require.Equal(t, []string{"https://gw-a.example:8443", "https://gw-b.example:8443"}, res.Msg.GetGatewayUrls())
+	_, err = pki.CheckJoinResponse(res.Msg, f.pins, f.signSPKI)
+	require.NoError(t, err)
 }
 
 func TestJoinRace(t *testing.T) {

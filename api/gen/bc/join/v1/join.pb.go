@@ -184,6 +184,12 @@ type JoinResponse struct {
 	PoolId       string                 `protobuf:"bytes,9,opt,name=pool_id,json=poolId,proto3" json:"pool_id,omitempty"`
 	// Trust holds the roots the node must check intent against.
 	Trust *Trust `protobuf:"bytes,10,opt,name=trust,proto3" json:"trust,omitempty"`
+	// GatewayUrls are the Session URLs of every gateway replica the node may
+	// use, gateway_url first; all share gateway_server_name. A node opens its
+	// session on one and moves to the next when it loses it (gateway
+	// failover). Empty from a JoinService that knows one gateway: use
+	// gateway_url.
+	GatewayUrls []string `protobuf:"bytes,11,rep,name=gateway_urls,json=gatewayUrls,proto3" json:"gateway_urls,omitempty"`
 	// Signature is JoinService's Ed25519 signature (RFC 8032) over
 	// "better-compute join response v1\x00" followed by the deterministic
 	// protobuf encoding of this response with signature empty. The daemon
@@ -294,6 +300,13 @@ func (x *JoinResponse) GetTrust() *Trust {
 	return nil
 }
 
+func (x *JoinResponse) GetGatewayUrls() []string {
+	if x != nil {
+		return x.GatewayUrls
+	}
+	return nil
+}
+
 func (x *JoinResponse) GetSignature() []byte {
 	if x != nil {
 		return x.Signature
@@ -366,7 +379,7 @@ const file_bc_join_v1_join_proto_rawDesc = "" +
 	"\fsealed_token\x18\x02 \x01(\fB\n" +
 	"\xbaH\az\x05\x101\x18\x80 R\vsealedToken\x12$\n" +
 	"\acsr_der\x18\x03 \x01(\fB\v\xbaH\bz\x06\x10\x01\x18\x80\x80\x01R\x06csrDer\x12*\n" +
-	"\x06claims\x18\x04 \x01(\v2\x12.bc.join.v1.ClaimsR\x06claimsJ\x04\b\x01\x10\x02R\x05token\"\xa3\x03\n" +
+	"\x06claims\x18\x04 \x01(\v2\x12.bc.join.v1.ClaimsR\x06claimsJ\x04\b\x01\x10\x02R\x05token\"\xc6\x03\n" +
 	"\fJoinResponse\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12'\n" +
 	"\x0fcertificate_der\x18\x02 \x01(\fR\x0ecertificateDer\x12\x1e\n" +
@@ -379,7 +392,8 @@ const file_bc_join_v1_join_proto_rawDesc = "" +
 	"\tnot_after\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\bnotAfter\x12\x17\n" +
 	"\apool_id\x18\t \x01(\tR\x06poolId\x12'\n" +
 	"\x05trust\x18\n" +
-	" \x01(\v2\x11.bc.join.v1.TrustR\x05trust\x12\x1c\n" +
+	" \x01(\v2\x11.bc.join.v1.TrustR\x05trust\x12!\n" +
+	"\fgateway_urls\x18\v \x03(\tR\vgatewayUrls\x12\x1c\n" +
 	"\tsignature\x18\x0f \x01(\fR\tsignature\"9\n" +
 	"\x05Trust\x120\n" +
 	"\x14command_signing_root\x18\x01 \x01(\fR\x12commandSigningRoot2J\n" +

@@ -1,0 +1,92 @@
+// Package procs runs the project's service binaries (bin/linux, `make
+// build`) as processes of a test, so that a test can kill one (SIGKILL, as
+// a crash or an OOM kill does) or read its CPU and memory apart from the
+// test's own.
+package procs
+
+import (
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// FreeAddr returns a free 127.0.0.1:port.
+func FreeAddr(tb testing.TB) string {
+	tb.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(tb, err)
+	addr := ln.Addr().String()
+	require.NoError(tb, ln.Close())
+	return addr
+}
+
+// Binary returns the path of bin/linux/<name> at the repository root and
+// fails the test when it was not built (run `make build`).
+func Binary(tb testing.TB, name string) string {
+	tb.Helper()
+	_, file, _, _ := runtime.Caller(0)
+	bin := filepath.Join(filepath.Dir(file), "..", "..", "..", "bin", "linux", name)
+	_, err := os.Stat(bin)
+	require.NoError(tb, err, "%s binary (run make build)", name)
+	return bin
+}
+
+// Proc is a running service process.
+type Proc struct {
+	cmd  *exec.Cmd
+	once sync.Once
+	err  error
+}
+
+// Start runs bin/linux/<name> with the test's environment plus env
+// ("KEY=value"), its stderr to the test's stderr, and waits until
+// http://<health>/healthz answers 200 (health is the BC_HEALTH_LISTEN
+// address, also added to env). The process is interrupted and waited for
+// when the test ends, unless it was killed before.
+func Start(tb testing.TB, name, health string, env ...string) *Proc {
+	tb.Helper()
+	cmd := exec.Command(Binary(tb, name))
+	cmd.Env = append(append(os.Environ(), "BC_HEALTH_LISTEN="+health), env...)
+	cmd.Stderr = os.Stderr
+	require.NoError(tb, cmd.Start())
+	p := &Proc{cmd: cmd}
+	tb.Cleanup(p.Stop)
+	require.Eventually(tb, func() bool {
+		resp, err := http.Get("http://" + health + "/healthz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	}, 30*time.Second, 50*time.Millisecond, "%s healthy at %s", name, health)
+	return p
+}
+
+// PID is the process id.
+func (p *Proc) PID() int { return p.cmd.Process.Pid }
+
+// Kill kills the process with SIGKILL (no shutdown: its sessions, leases and
+// buffered writes are left as a crash leaves them) and waits for it.
+func (p *Proc) Kill() {
+	p.once.Do(func() {
+		_ = p.cmd.Process.Signal(syscall.SIGKILL)
+		p.err = p.cmd.Wait()
+	})
+}
+
+// Stop interrupts the process (a graceful shutdown) and waits for it.
+func (p *Proc) Stop() {
+	p.once.Do(func() {
+		_ = p.cmd.Process.Signal(os.Interrupt)
+		p.err = p.cmd.Wait()
+	})
+}
