@@ -166,6 +166,19 @@ func TestNodesList(t *testing.T) {
 	res = r.run(t, "nodes", "get", f.failed)
 	require.Equal(t, 0, res.code, res.stderr)
 	require.Contains(t, res.stdout, `"provisionReason": "expected 8 GPUs, found 7"`)
+
+	// The liveness sweeper marked the adopted node unreachable: the table
+	// says so beside its state, the JSON has reachable false.
+	_, err = f.db.Pool.Exec(t.Context(), `UPDATE nodes SET reachable = false WHERE id = $1`, f.adopted)
+	require.NoError(t, err)
+	res = r.run(t, "nodes", "list")
+	require.Equal(t, 0, res.code, res.stderr)
+	lines = strings.Split(strings.TrimRight(res.stdout, "\n"), "\n")
+	require.Equal(t, "adopted,unreachable", strings.Fields(row(f.adopted))[2])
+	require.Equal(t, "joining", strings.Fields(row(f.joining))[2], "a node never heard from is not called unreachable")
+	res = r.run(t, "nodes", "list", "-o", "json")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, `"reachable": false`)
 }
 
 func TestErrors(t *testing.T) {

@@ -100,6 +100,11 @@ func (a *app) nodesListCmd() *cobra.Command {
 				// never hold a session again.
 				state += ",revoked"
 			}
+			if !n.Reachable && n.LastSeen != nil {
+				// Heard from before, then marked by the liveness sweeper:
+				// no gateway heard from it for the liveness timeout.
+				state += ",unreachable"
+			}
 			if n.Cordoned {
 				// Cordoned is a flag beside the provision state.
 				state += ",cordoned"
