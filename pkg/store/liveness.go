@@ -20,19 +20,20 @@ package store
 //     least timeout old.
 //  3. Hearings that never reached the database were made by a gateway that
 //     stopped writing: it renews its presence (expiry = write time +
-//     GatewayPresenceTTL) in the transaction of every last_seen flush, every
-//     flush interval F ≤ MaxGatewayFlushInterval, and it aborts all its
-//     sessions when no flush succeeded for GatewayFenceAfter. Its last
-//     hearing is therefore at most GatewayFenceAfter + F after its last
-//     successful write w, while the sweeper treats it as dead only from
-//     w + GatewayPresenceTTL on: the gap is at least
-//     GatewayPresenceTTL − GatewayFenceAfter − MaxGatewayFlushInterval =
-//     30 s − 5 s − 2 s = 23 s ≥ 20 s. A gateway that restarts under the same
-//     id (ResetGatewaySessions) raises its nodes' last_seen to its start
-//     time, which is after any hearing of its previous run.
+//     GatewayPresenceTTL) in the transaction of every last_seen flush, and
+//     a watchdog that never waits on the database aborts all its sessions,
+//     checking every GatewayFenceCheck, once no flush that started in the
+//     last GatewayFenceAfter succeeded (a hung flush counts as failed). A
+//     successful flush starts before its presence write w, so the last
+//     hearing is at most w + GatewayFenceAfter + GatewayFenceCheck, while
+//     the sweeper treats the gateway as dead only from w +
+//     GatewayPresenceTTL on: the gap is at least 30 s − 5 s − 0.25 s =
+//     24.75 s ≥ 20 s. A gateway that restarts under the same id
+//     (ResetGatewaySessions) raises its nodes' last_seen to its start time,
+//     which is after any hearing of its previous run.
 //
 // Clocks of gateways and controllers are assumed to agree within a second
-// (NTP); the 3 s of slack above absorbs that.
+// (NTP); the 4.75 s of slack above absorbs that.
 
 import (
 	"context"
@@ -70,7 +71,11 @@ const (
 	// GatewayFenceAfter is how long a gateway keeps its sessions without a
 	// successful last_seen flush; then it aborts them all.
 	GatewayFenceAfter = 5 * time.Second
-	// MaxGatewayFlushInterval bounds a gateway's last_seen flush interval.
+	// GatewayFenceCheck is how often a gateway's watchdog checks for
+	// GatewayFenceAfter.
+	GatewayFenceCheck = 250 * time.Millisecond
+	// MaxGatewayFlushInterval bounds a gateway's last_seen flush interval,
+	// so that a healthy gateway flushes well within GatewayFenceAfter.
 	MaxGatewayFlushInterval = 2 * time.Second
 )
 

@@ -1,6 +1,7 @@
 package gateway_test
 
 import (
+	"context"
 	"encoding/json"
 	"io"
 	"net"
@@ -547,4 +548,45 @@ func pokeJSON(t *testing.T, nodeIDs ...string) []byte {
 	b, err := json.Marshal(store.Poke{NodeIDs: nodeIDs})
 	require.NoError(t, err)
 	return b
+}
+
+// TestFenceWhenFlushesHang holds a lock that blocks every last_seen flush
+// (the presence write in the same transaction waits on it): a hung flush
+// must count as a failed one, so the gateway aborts its sessions within
+// store.GatewayFenceAfter plus a flush interval and a flush timeout, long
+// before its presence (store.GatewayPresenceTTL) expires and the sweeper
+// may judge its nodes (I4). Without a bound on the flush the gateway would
+// keep hearing from nodes it can no longer vouch for.
+func TestFenceWhenFlushesHang(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	g := e.startGateway(gateway.Config{})
+	n := e.newNode()
+	d, _ := e.connect(g, n, nil)
+	d.heartbeat(1, 0)
+	eventually(t, func() bool { return e.nodeRow(n.id).LastSeen != nil }, "the first flush")
+
+	tx, err := e.db.Pool.Begin(t.Context())
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	_, err = tx.Exec(t.Context(), `LOCK TABLE leases IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	locked := realClock.Now()
+	// Heartbeats keep coming; the gateway must still fence, well before its
+	// presence expires.
+	hb := realClock.NewTicker(500 * time.Millisecond)
+	defer hb.Stop()
+	deadline := realClock.NewTimer(store.GatewayPresenceTTL - store.MinLivenessTimeout)
+	defer deadline.Stop()
+	for seq := int64(2); g.srv.Sessions() > 0; seq++ {
+		select {
+		case <-deadline.C():
+			require.FailNow(t, "the gateway still holds its session", "%s after the lock", clock.Since(realClock, locked))
+		case <-hb.C():
+			// The fence may end the stream between the check and the send.
+			_ = d.stream.Send(&gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Heartbeat{Heartbeat: &gatewayv1.Heartbeat{Seq: seq}}})
+		}
+	}
+	t.Logf("fenced %s after the lock", clock.Since(realClock, locked).Round(time.Millisecond))
+	require.Error(t, d.ended(), "the fenced session ends with an error")
 }

@@ -525,10 +525,10 @@ func (s *Server) commandUpdate(ctx context.Context, st *session, u *gatewayv1.Co
 		}
 	}
 	var out store.SessionCommandUpdated
-	err := s.db.InTx(ctx, func(tx pgx.Tx) error {
+	apply := func(q store.DBTX) error {
 		now := s.db.Now()
 		var err error
-		out, err = store.ApplySessionCommandUpdate(ctx, tx, store.SessionCommandUpdate{
+		out, err = store.ApplySessionCommandUpdate(ctx, q, store.SessionCommandUpdate{
 			NodeID: st.nodeID, CommandID: u.GetCommandId(), State: state,
 			Result: result, Error: u.GetError(), Now: now,
 		})
@@ -539,8 +539,16 @@ func (s *Server) commandUpdate(ctx context.Context, st *session, u *gatewayv1.Co
 		if err != nil {
 			return err
 		}
-		return store.Enqueue(ctx, tx, now, store.SubjectPokeControllers, payload)
-	})
+		return store.Enqueue(ctx, q, now, store.SubjectPokeControllers, payload)
+	}
+	var err error
+	if state == "delivered" || state == "running" {
+		// One UPDATE and nothing else (no event, no poke): no transaction
+		// of its own, two round trips fewer per command.
+		err = apply(s.db.Pool)
+	} else {
+		err = s.db.InTx(ctx, func(tx pgx.Tx) error { return apply(tx) })
+	}
 	if err != nil {
 		if ctx.Err() == nil {
 			s.log.Error("record command update", telemetry.KeyNodeID, st.nodeID, telemetry.KeyCommandID, u.GetCommandId(), telemetry.KeyError, err)
