@@ -25,11 +25,11 @@ const (
 // with probability p, one node (or gateway) drawn uniformly suffers the
 // fault.
 type chaosParams struct {
-	latency, jitter time.Duration
-	drop            float64 // per message, either direction: the connection is reset
-	duplicate       float64 // per message, either direction: delivered twice
-	reorder         float64 // per message, down only: overtaken by later ones
-	faultEvery      time.Duration
+	latency, jitter                                                                     time.Duration
+	drop                                                                                float64 // per message, either direction: the connection is reset
+	duplicate                                                                           float64 // per message, either direction: delivered twice
+	reorder                                                                             float64 // per message, down only: overtaken by later ones
+	faultEvery                                                                          time.Duration
 	crash, reboot, journalLoss, partition, isolate, halfOpen, reset, stall, gatewayKill float64
 }
 

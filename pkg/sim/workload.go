@@ -69,12 +69,12 @@ func (s *Sim) workload() {
 
 // Fault durations, drawn uniformly.
 const (
-	restartMin, restartMax     = time.Second, 5 * time.Second         // a crashed daemon's restart
-	rebootMin, rebootMax       = 20 * time.Second, 60 * time.Second   // a rebooted machine's downtime
-	partitionMin, partitionMax = 5 * time.Second, 20 * time.Second    // shorter than the liveness timeout
-	isolateMin, isolateMax     = 45 * time.Second, 120 * time.Second  // longer: the node is marked unreachable
-	stallMin, stallMax         = time.Second, 10 * time.Second        // messages held back
-	gatewayDownMin             = 30 * time.Second                     // a killed gateway's downtime
+	restartMin, restartMax     = time.Second, 5 * time.Second        // a crashed daemon's restart
+	rebootMin, rebootMax       = 20 * time.Second, 60 * time.Second  // a rebooted machine's downtime
+	partitionMin, partitionMax = 5 * time.Second, 20 * time.Second   // shorter than the liveness timeout
+	isolateMin, isolateMax     = 45 * time.Second, 120 * time.Second // longer: the node is marked unreachable
+	stallMin, stallMax         = time.Second, 10 * time.Second       // messages held back
+	gatewayDownMin             = 30 * time.Second                    // a killed gateway's downtime
 	gatewayDownMax             = 90 * time.Second
 )
 
