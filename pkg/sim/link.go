@@ -25,12 +25,14 @@ const (
 // with probability p, one node (or gateway) drawn uniformly suffers the
 // fault.
 type chaosParams struct {
-	latency, jitter                                                                     time.Duration
-	drop                                                                                float64 // per message, either direction: the connection is reset
-	duplicate                                                                           float64 // per message, either direction: delivered twice
-	reorder                                                                             float64 // per message, down only: overtaken by later ones
-	faultEvery                                                                          time.Duration
-	crash, reboot, journalLoss, partition, isolate, halfOpen, reset, stall, gatewayKill float64
+	latency, jitter time.Duration
+	drop            float64 // per message, either direction: the connection is reset
+	duplicate       float64 // per message, either direction: delivered twice
+	reorder         float64 // per message, down only: overtaken by later ones
+	faultEvery      time.Duration
+	// Fault probabilities per draw.
+	crash, reboot, journalLoss, partition, isolate float64
+	halfOpen, reset, stall, gatewayKill            float64
 }
 
 var chaosLevels = map[Chaos]chaosParams{
