@@ -134,7 +134,10 @@ func (c *i2) Observe(r *Record) []Violation {
 			out = append(out, violation("I2", r, "ran %s, a command for %s", r.Command, cmd.node))
 		}
 		loss, lost := c.lastLoss[r.Node]
-		if cmd.runs > 0 && !(cmd.retrySafe && lost && loss.After(cmd.lastRun)) {
+		// A second run is allowed only for a retry-safe command whose node
+		// lost its journal since the last run.
+		rerunAllowed := cmd.retrySafe && lost && loss.After(cmd.lastRun)
+		if cmd.runs > 0 && !rerunAllowed {
 			out = append(out, violation("I2", r, "ran %s again (run %d, last at %s)", r.Command, cmd.runs+1, cmd.lastRun.UTC().Format(time.RFC3339Nano)))
 		}
 		if !cmd.retrySafe && lost && !cmd.issued.After(loss) {

@@ -37,7 +37,6 @@ type node struct {
 
 	cutUntil   time.Duration // partitioned or isolated until then
 	stallUntil time.Duration // messages held until then
-	downUntil  time.Duration // process (or machine) down until then
 
 	holds []Hold // the daemon's allocations last recorded
 }

@@ -62,12 +62,13 @@ func TestCleanRuns(t *testing.T) {
 			require.Equal(t, int64((10*time.Minute+DefaultSettle)/time.Millisecond), r.SimulatedMs)
 			kinds := []RecordKind{RecHeard, RecBookingStart, RecReleaseRequested, RecBookingEnd, RecNodeHolds,
 				RecCommandCreated, RecExecuted, RecSpecDelivered, RecSpecObserved, RecUsageWindow}
-			if chaos == ChaosHeavy {
+			switch chaos {
+			case ChaosHeavy:
 				kinds = append(kinds, RecJournalLost, RecUnreachable, RecReachable)
 				require.Positive(t, r.Faults.Crashes)
 				require.Positive(t, r.Faults.Reboots)
 				require.Positive(t, r.Faults.JournalLosses)
-			} else if chaos == ChaosNone {
+			case ChaosNone:
 				require.Zero(t, r.Faults)
 				require.Zero(t, r.Records[RecUnreachable])
 			}
