@@ -71,8 +71,11 @@ type Config struct {
 	Settle time.Duration
 	// Chaos is the chaos level (DefaultChaos if empty).
 	Chaos Chaos
-	// Log, when set, receives the event log (one line per event): the
-	// bytes the digest is computed over.
+	// Log, when set, receives the event log: one line per thing that
+	// happened (every message a daemon sends, dial, close, command run,
+	// gateway action, fault and violation; not the arrival of each
+	// message), "<ns since the start> <node or -> <text>". The digest is
+	// SHA-256 over exactly these bytes, computed without Log too.
 	Log io.Writer
 	// Clock measures wallMs (clock.New() if nil); the simulation never
 	// reads it.
