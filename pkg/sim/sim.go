@@ -3,7 +3,12 @@
 // cores (pkg/daemon's Agent, the code the fakedaemon runs) on fake hardware
 // (pkg/fakehw), each with its own command journal, talk the Session
 // protocol over simulated links to a GatewayStub, entirely in simulated
-// time, under a steady workload and the faults of a chaos level. Every
+// time, under a steady workload and the faults of a chaos level. The
+// Agent has no I/O of its own; the simulator is its driver, as the
+// fakedaemon is: time is the virtual clock's on every input, the transport
+// is the simulated link (link.go), storage is a daemon.Journal (a
+// MemoryJournal that survives the daemon's crash and is wiped for a
+// journal loss) and the hardware is fakehw behind daemon.Hardware. Every
 // fact that matters is recorded and checked against the invariants (I1,
 // I2, I3, I4, I5, I8; see Checkers), and every event is written to an
 // event log whose SHA-256 is the run's digest.
@@ -17,7 +22,7 @@
 // therefore gives the same digest on every run and machine.
 //
 // To add a fault, add its rate to chaosParams (and the table) and a case to
-// faults; to add an invariant, write a Checker with a test feeding it a
+// faultDraw; to add an invariant, write a Checker with a test feeding it a
 // hand-made violating history, and add it to Checkers.
 package sim
 
@@ -41,12 +46,19 @@ import (
 
 // Limits and defaults of a run.
 const (
-	MaxNodes        = 5000
-	DefaultSeed     = "sim"
-	DefaultNodes    = 50
+	// MaxNodes is the most nodes a run simulates.
+	MaxNodes = 5000
+	// DefaultSeed is the seed when none is given.
+	DefaultSeed = "sim"
+	// DefaultNodes is the CLI's --nodes default.
+	DefaultNodes = 50
+	// DefaultDuration is the CLI's --duration default.
 	DefaultDuration = 10 * time.Minute
-	DefaultSettle   = 16 * time.Minute
-	DefaultChaos    = ChaosLight
+	// DefaultSettle is the CLI's --settle default: long enough for every
+	// command (CommandTimeout) and booking (at most 15 min) to end.
+	DefaultSettle = 16 * time.Minute
+	// DefaultChaos is the chaos level when none is given.
+	DefaultChaos = ChaosLight
 	// WorkloadEvery is the workload's beat: three commands, a booking and
 	// sometimes a release.
 	WorkloadEvery = 2 * time.Second
@@ -143,10 +155,14 @@ type CommandSummary struct {
 
 // FaultSummary counts the injected faults of some kinds.
 type FaultSummary struct {
-	Crashes       int `json:"crashes"`
-	Reboots       int `json:"reboots"`
+	// Crashes counts daemon crashes (restarts with the journal kept).
+	Crashes int `json:"crashes"`
+	// Reboots counts machine reboots (a new boot id).
+	Reboots int `json:"reboots"`
+	// JournalLosses counts crashes that wiped the journal.
 	JournalLosses int `json:"journalLosses"`
-	GatewayKills  int `json:"gatewayKills"`
+	// GatewayKills counts stub gateways killed.
+	GatewayKills int `json:"gatewayKills"`
 }
 
 // ErrConfig is the sentinel of a bad Config.
