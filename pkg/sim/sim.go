@@ -103,11 +103,15 @@ type Config struct {
 
 // Report is a run's outcome, printed as JSON by `better-compute sim`.
 type Report struct {
-	Seed        string `json:"seed"`
-	Nodes       int    `json:"nodes"`
-	Chaos       Chaos  `json:"chaos"`
-	SimulatedMs int64  `json:"simulatedMs"`
-	WallMs      int64  `json:"wallMs"`
+	// Seed, Nodes and Chaos are the run's configuration.
+	Seed  string `json:"seed"`
+	Nodes int    `json:"nodes"`
+	Chaos Chaos  `json:"chaos"`
+	// SimulatedMs is the simulated time, Duration + Settle, in ms.
+	SimulatedMs int64 `json:"simulatedMs"`
+	// WallMs is how long the run took on the wall clock, in ms (not part
+	// of the digest).
+	WallMs int64 `json:"wallMs"`
 	// Digest is the hex SHA-256 of the event log.
 	Digest   string         `json:"digest"`
 	Commands CommandSummary `json:"commands"`
