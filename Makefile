@@ -98,6 +98,13 @@ fuzz: ## Run the fuzz tests (join request decoding, API token parsing) for FUZZT
 	cd services/joinservice && $(GO) test -run '^$$' -fuzz '^FuzzJoinRequest$$' -fuzztime $(FUZZTIME) ./joinservice/
 	cd pkg && $(GO) test -run '^$$' -fuzz '^FuzzParseBearer$$' -fuzztime $(FUZZTIME) ./iam/
 
+# The fleet simulator: SEEDS seeds × the chaos levels none, light and heavy
+# (the levels in parallel), one line per run and a summary.
+SEEDS ?= 20
+.PHONY: sim-matrix
+sim-matrix: ## Run the fleet simulator for SEEDS (20) seeds × chaos none, light, heavy at 200 nodes for 10 simulated minutes; fail on any violation.
+	SEEDS=$(SEEDS) NODES=200 DURATION=10m GO=$(GO) scripts/sim-matrix.sh
+
 .PHONY: test
 test: images ## Run every test suite (unit, integration, fuzz for FUZZTIME, compose end to end).
 	$(MAKE) --no-print-directory test-unit
@@ -108,10 +115,11 @@ test: images ## Run every test suite (unit, integration, fuzz for FUZZTIME, comp
 check: vet lint generate-check test ## vet, lint, generate-and-diff, and every test.
 
 .PHONY: bench
-bench: images ## Run the benchmarks and print their figures (BC_BENCH_MACHINES=1000).
+bench: images ## Run the benchmarks and print their figures (BC_BENCH_MACHINES=1000), the fleet simulator's speed too.
 	cd tests && $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 30m ./bench/...
 	cd services/gateway && $(GO) test -run '^$$' -bench IdleSessionMemory -benchtime 1x -timeout 10m ./gateway/
 	cd services/controllers && $(GO) test -run '^$$' -bench Acceptance1000 -benchtime 3x -timeout 10m ./controllers/
+	cd pkg && $(GO) test -run '^$$' -bench '^BenchmarkSim$$' -benchtime 1x -timeout 10m ./sim/
 
 .PHONY: clean
 clean: ## Remove built binaries and tools.

@@ -51,7 +51,7 @@ func NewRoot(env Env) *cobra.Command {
 	root := &cobra.Command{
 		Use:           "better-compute",
 		Short:         "Operate a better-compute GPU fleet",
-		Long:          "better-compute talks to a better-compute control plane (nodes, pools and their offers,\nreservations, usage, sites, join tokens, tenants, API tokens, audit, events) and administers a deployment\n(migrate, pki, bootstrap).",
+		Long:          "better-compute talks to a better-compute control plane (nodes, pools and their offers,\nreservations, usage, sites, join tokens, tenants, API tokens, audit, events), administers a deployment\n(migrate, pki, bootstrap) and runs the deterministic fleet simulator (sim).",
 		SilenceErrors: true,
 		SilenceUsage:  true,
 	}
@@ -76,6 +76,7 @@ func NewRoot(env Env) *cobra.Command {
 		a.tokensCmd(),
 		a.auditCmd(),
 		a.eventsCmd(),
+		a.simCmd(),
 		a.migrateCmd(),
 		a.pkiCmd(),
 		a.bootstrapCmd(),

@@ -1,0 +1,402 @@
+package sim
+
+import (
+	"fmt"
+	"slices"
+	"time"
+)
+
+// Bounds of the invariants.
+const (
+	// SpecObserveWithin is I3's bound: a delivered spec is observed this
+	// soon while the node stays reachable.
+	SpecObserveWithin = 60 * time.Second
+	// HeardGrace is I4's bound: no node is marked unreachable this soon
+	// after a gateway heard from it.
+	HeardGrace = 20 * time.Second
+)
+
+func violation(inv string, r *Record, format string, args ...any) Violation {
+	return Violation{Invariant: inv, At: r.At, Node: r.Node, Detail: fmt.Sprintf(format, args...)}
+}
+
+// i1 checks I1: bookings on one node never share a device while both are
+// live, and no daemon holds one device for two allocations.
+type i1 struct {
+	byNode map[string][]*i1Booking // live or recently ended bookings of a node
+	byRes  map[string]*i1Booking
+}
+
+type i1Booking struct {
+	res     string
+	devices []int32
+	end     time.Time // scheduled end, or when it was ended
+}
+
+func newI1() *i1 { return &i1{byNode: map[string][]*i1Booking{}, byRes: map[string]*i1Booking{}} }
+
+func (c *i1) Invariant() (string, string) {
+	return "I1", "no overlapping bookings or node-held devices: two live allocations on one node never share a device"
+}
+
+func (c *i1) Observe(r *Record) []Violation {
+	var out []Violation
+	switch r.Kind {
+	case RecBookingStart:
+		kept := c.byNode[r.Node][:0]
+		for _, b := range c.byNode[r.Node] {
+			if !b.end.After(r.At) {
+				delete(c.byRes, b.res)
+				continue
+			}
+			kept = append(kept, b)
+			for _, d := range r.Devices {
+				if slices.Contains(b.devices, d) {
+					out = append(out, violation("I1", r, "reservation %s booked device %d of %s while %s holds it until %s",
+						r.Reservation, d, r.Node, b.res, b.end.UTC().Format(time.RFC3339)))
+				}
+			}
+		}
+		if d, ok := duplicate(r.Devices); ok {
+			out = append(out, violation("I1", r, "reservation %s booked device %d twice", r.Reservation, d))
+		}
+		b := &i1Booking{res: r.Reservation, devices: r.Devices, end: r.End}
+		c.byNode[r.Node] = append(kept, b)
+		c.byRes[r.Reservation] = b
+	case RecBookingEnd:
+		if b := c.byRes[r.Reservation]; b != nil && r.At.Before(b.end) {
+			b.end = r.At
+		}
+	case RecNodeHolds:
+		var seen []int32
+		for _, h := range r.Holds {
+			for _, d := range h.Devices {
+				if slices.Contains(seen, d) {
+					out = append(out, violation("I1", r, "the daemon holds device %d for two allocations (one is %s)", d, h.Reservation))
+				}
+				seen = append(seen, d)
+			}
+		}
+	}
+	return out
+}
+
+func (c *i1) Finish(time.Time) []Violation { return nil }
+
+func duplicate(ds []int32) (int32, bool) {
+	for i, d := range ds {
+		if slices.Contains(ds[i+1:], d) {
+			return d, true
+		}
+	}
+	return 0, false
+}
+
+// i2 checks I2: each command runs at most once; a retry-safe one may run
+// again only after its node lost its journal, and one that is not
+// retry-safe never runs after a journal loss that happened after it was
+// issued.
+type i2 struct {
+	cmds     map[string]*i2Command
+	lastLoss map[string]time.Time
+}
+
+type i2Command struct {
+	node      string
+	retrySafe bool
+	issued    time.Time
+	runs      int
+	lastRun   time.Time
+}
+
+func newI2() *i2 { return &i2{cmds: map[string]*i2Command{}, lastLoss: map[string]time.Time{}} }
+
+func (c *i2) Invariant() (string, string) {
+	return "I2", "at most one execution per command; after a journal loss, in-flight commands that are not retry-safe fail instead of running again"
+}
+
+func (c *i2) Observe(r *Record) []Violation {
+	switch r.Kind {
+	case RecCommandCreated:
+		c.cmds[r.Command] = &i2Command{node: r.Node, retrySafe: r.RetrySafe, issued: r.At}
+	case RecJournalLost:
+		c.lastLoss[r.Node] = r.At
+	case RecExecuted:
+		if r.Command == "" {
+			return []Violation{violation("I2", r, "the hardware ran a command outside any delivery")}
+		}
+		cmd := c.cmds[r.Command]
+		if cmd == nil {
+			return []Violation{violation("I2", r, "ran %s, which was never issued", r.Command)}
+		}
+		var out []Violation
+		if cmd.node != r.Node {
+			out = append(out, violation("I2", r, "ran %s, a command for %s", r.Command, cmd.node))
+		}
+		loss, lost := c.lastLoss[r.Node]
+		// A second run is allowed only for a retry-safe command whose node
+		// lost its journal since the last run.
+		rerunAllowed := cmd.retrySafe && lost && loss.After(cmd.lastRun)
+		if cmd.runs > 0 && !rerunAllowed {
+			out = append(out, violation("I2", r, "ran %s again (run %d, last at %s)", r.Command, cmd.runs+1, cmd.lastRun.UTC().Format(time.RFC3339Nano)))
+		}
+		if !cmd.retrySafe && lost && !cmd.issued.After(loss) {
+			out = append(out, violation("I2", r, "ran %s, not retry-safe and issued before the journal loss at %s", r.Command, loss.UTC().Format(time.RFC3339Nano)))
+		}
+		cmd.runs++
+		cmd.lastRun = r.At
+		return out
+	}
+	return nil
+}
+
+func (c *i2) Finish(time.Time) []Violation { return nil }
+
+// i3 checks I3: a DesiredState a gateway sent is reported observed (a
+// generation at least as new) within SpecObserveWithin, unless the node is
+// marked unreachable in that time. Deliveries whose window outlasts the run
+// are not judged.
+type i3 struct {
+	pending map[string][]*i3Delivery // by node, not yet observed
+	queue   []*i3Delivery            // every delivery not yet judged, in delivery (= deadline) order
+}
+
+type i3Delivery struct {
+	node     string
+	gen      int64
+	at       time.Time
+	deadline time.Time
+	done     bool
+}
+
+func newI3() *i3 { return &i3{pending: map[string][]*i3Delivery{}} }
+
+func (c *i3) Invariant() (string, string) {
+	return "I3", "a delivered spec is reported observed within 60 s while the node stays reachable"
+}
+
+// expire judges the deliveries whose deadline is before t.
+func (c *i3) expire(t time.Time) []Violation {
+	var out []Violation
+	n := 0
+	for n < len(c.queue) && c.queue[n].deadline.Before(t) {
+		d := c.queue[n]
+		if !d.done {
+			d.done = true
+			r := &Record{At: d.deadline, Node: d.node}
+			out = append(out, violation("I3", r, "generation %d, sent at %s, was not observed within %s while the node stayed reachable",
+				d.gen, d.at.UTC().Format(time.RFC3339Nano), SpecObserveWithin))
+			c.drop(d.node)
+		}
+		n++
+	}
+	if n > 0 {
+		c.queue = slices.Delete(c.queue, 0, n)
+	}
+	return out
+}
+
+// drop forgets the node's judged or observed deliveries.
+func (c *i3) drop(node string) {
+	kept := slices.DeleteFunc(c.pending[node], func(d *i3Delivery) bool { return d.done })
+	if len(kept) == 0 {
+		delete(c.pending, node)
+		return
+	}
+	c.pending[node] = kept
+}
+
+func (c *i3) Observe(r *Record) []Violation {
+	var out []Violation
+	if len(c.queue) > 0 && c.queue[0].deadline.Before(r.At) {
+		out = c.expire(r.At)
+	}
+	switch r.Kind {
+	case RecSpecDelivered:
+		d := &i3Delivery{node: r.Node, gen: r.Gen, at: r.At, deadline: r.At.Add(SpecObserveWithin)}
+		c.pending[r.Node] = append(c.pending[r.Node], d)
+		c.queue = append(c.queue, d)
+	case RecSpecObserved:
+		for _, d := range c.pending[r.Node] {
+			if d.gen <= r.Gen {
+				d.done = true
+			}
+		}
+		c.drop(r.Node)
+	case RecUnreachable:
+		for _, d := range c.pending[r.Node] {
+			d.done = true
+		}
+		delete(c.pending, r.Node)
+	}
+	return out
+}
+
+func (c *i3) Finish(end time.Time) []Violation {
+	// A deadline exactly at the end was still met by anything observed
+	// until then; later ones are not judged.
+	var out []Violation
+	for _, d := range c.queue {
+		if d.deadline.Before(end) && !d.done {
+			d.done = true
+			r := &Record{At: d.deadline, Node: d.node}
+			out = append(out, violation("I3", r, "generation %d, sent at %s, was not observed within %s while the node stayed reachable",
+				d.gen, d.at.UTC().Format(time.RFC3339Nano), SpecObserveWithin))
+		}
+	}
+	c.queue = nil
+	return out
+}
+
+// i4 checks I4: a node is never marked unreachable within HeardGrace of a
+// gateway hearing from it.
+type i4 struct{ lastHeard map[string]time.Time }
+
+func newI4() *i4 { return &i4{lastHeard: map[string]time.Time{}} }
+
+func (c *i4) Invariant() (string, string) {
+	return "I4", "no node is marked unreachable within 20 s of a gateway hearing from it"
+}
+
+func (c *i4) Observe(r *Record) []Violation {
+	switch r.Kind {
+	case RecHeard:
+		c.lastHeard[r.Node] = r.At
+	case RecUnreachable:
+		if h, ok := c.lastHeard[r.Node]; ok && r.At.Sub(h) < HeardGrace {
+			return []Violation{violation("I4", r, "marked unreachable %s after a gateway heard from it", r.At.Sub(h))}
+		}
+	}
+	return nil
+}
+
+func (c *i4) Finish(time.Time) []Violation { return nil }
+
+// i5 checks I5: a booking ends only when released (after a release was
+// asked for) or at its scheduled end; never because of connectivity.
+type i5 struct {
+	bookings map[string]*i5Booking
+	releases map[string]time.Time // first release request of a reservation
+}
+
+type i5Booking struct {
+	end   time.Time
+	ended bool
+}
+
+func newI5() *i5 { return &i5{bookings: map[string]*i5Booking{}, releases: map[string]time.Time{}} }
+
+func (c *i5) Invariant() (string, string) {
+	return "I5", "no release caused by connectivity: a booking ends only by release or at its end time"
+}
+
+func (c *i5) Observe(r *Record) []Violation {
+	switch r.Kind {
+	case RecBookingStart:
+		c.bookings[r.Reservation] = &i5Booking{end: r.End}
+	case RecReleaseRequested:
+		if _, ok := c.releases[r.Reservation]; !ok {
+			c.releases[r.Reservation] = r.At
+		}
+	case RecBookingEnd:
+		b := c.bookings[r.Reservation]
+		switch {
+		case b == nil:
+			return []Violation{violation("I5", r, "the booking of %s ended but never started", r.Reservation)}
+		case b.ended:
+			return []Violation{violation("I5", r, "the booking of %s ended twice", r.Reservation)}
+		}
+		b.ended = true
+		switch r.Cause {
+		case CauseRelease:
+			if at, ok := c.releases[r.Reservation]; !ok || at.After(r.At) {
+				return []Violation{violation("I5", r, "the booking of %s was released though no release was asked for", r.Reservation)}
+			}
+		case CauseExpiry:
+			if !r.At.Equal(b.end) {
+				return []Violation{violation("I5", r, "the booking of %s expired at %s, but it ends at %s", r.Reservation,
+					r.At.UTC().Format(time.RFC3339Nano), b.end.UTC().Format(time.RFC3339Nano))}
+			}
+		default:
+			return []Violation{violation("I5", r, "the booking of %s ended because of %q", r.Reservation, r.Cause)}
+		}
+	}
+	return nil
+}
+
+func (c *i5) Finish(time.Time) []Violation { return nil }
+
+// i8 checks I8: the usage windows of a reservation are whole UTC hours,
+// written once each, and add up to its GPUs × its booked seconds (both
+// bounds truncated to the second; a booking still live at the end counts
+// until the end).
+type i8 struct {
+	bookings map[string]*i8Booking
+	order    []string // reservations in booking order, for a stable report
+	windows  map[i8Key]bool
+}
+
+type i8Key struct {
+	res    string
+	window int64 // Unix seconds
+}
+
+type i8Booking struct {
+	node       string
+	gpus       int64
+	start, end time.Time
+	ended      bool
+	sum        int64
+}
+
+func newI8() *i8 { return &i8{bookings: map[string]*i8Booking{}, windows: map[i8Key]bool{}} }
+
+func (c *i8) Invariant() (string, string) {
+	return "I8", "usage windows (per reservation and UTC hour, integer GPU-seconds) add up to booked time × GPUs, with no duplicate keys"
+}
+
+func (c *i8) Observe(r *Record) []Violation {
+	switch r.Kind {
+	case RecBookingStart:
+		c.bookings[r.Reservation] = &i8Booking{node: r.Node, gpus: int64(r.GPUs), start: r.At, end: r.End}
+		c.order = append(c.order, r.Reservation)
+	case RecBookingEnd:
+		if b := c.bookings[r.Reservation]; b != nil {
+			b.end, b.ended = r.At, true
+		}
+	case RecUsageWindow:
+		k := i8Key{res: r.Reservation, window: r.Window.Unix()}
+		var out []Violation
+		if c.windows[k] {
+			out = append(out, violation("I8", r, "usage window %s of %s written twice", r.Window.UTC().Format(time.RFC3339), r.Reservation))
+		}
+		c.windows[k] = true
+		if !r.Window.Equal(r.Window.Truncate(time.Hour)) {
+			out = append(out, violation("I8", r, "usage window %s of %s is not a whole UTC hour", r.Window.UTC().Format(time.RFC3339), r.Reservation))
+		}
+		b := c.bookings[r.Reservation]
+		if b == nil {
+			return append(out, violation("I8", r, "usage window for %s, which was never booked", r.Reservation))
+		}
+		b.sum += r.Secs
+		return out
+	}
+	return nil
+}
+
+func (c *i8) Finish(end time.Time) []Violation {
+	var out []Violation
+	for _, id := range c.order {
+		b := c.bookings[id]
+		e := b.end
+		if !b.ended && e.After(end) {
+			e = end
+		}
+		want := b.gpus * int64(max(0, e.Truncate(time.Second).Sub(b.start.Truncate(time.Second))/time.Second))
+		if b.sum != want {
+			r := &Record{At: end, Node: b.node}
+			out = append(out, violation("I8", r, "usage windows of %s add up to %d GPU-seconds, its booking to %d", id, b.sum, want))
+		}
+	}
+	return out
+}

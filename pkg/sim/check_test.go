@@ -1,0 +1,271 @@
+package sim
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+var h0 = time.Date(2030, 1, 1, 23, 50, 0, 0, time.UTC)
+
+func at(d time.Duration) time.Time { return h0.Add(d) }
+
+// checkCase is a hand-made history: clean must pass, each of bad must be
+// caught with a violation of the checker's invariant.
+type checkCase struct {
+	checker func() Checker
+	clean   []Record
+	bad     map[string][]Record
+	end     time.Time
+}
+
+func runCase(t *testing.T, c checkCase) {
+	t.Helper()
+	name, summary := c.checker().Invariant()
+	require.NotEmpty(t, summary)
+	require.Empty(t, Check(c.checker(), c.clean, c.end), "the clean history of %s", name)
+	require.NotEmpty(t, c.bad)
+	for what, h := range c.bad {
+		vs := Check(c.checker(), h, c.end)
+		require.NotEmpty(t, vs, "%s: %s is not caught", name, what)
+		for _, v := range vs {
+			require.Equal(t, name, v.Invariant, what)
+			require.NotEmpty(t, v.Detail, what)
+		}
+	}
+}
+
+func TestI1(t *testing.T) {
+	start := func(d time.Duration, node, res string, end time.Duration, devs ...int32) Record {
+		return Record{At: at(d), Kind: RecBookingStart, Node: node, Reservation: res, Devices: devs, GPUs: len(devs), End: at(end)}
+	}
+	endAt := func(d time.Duration, res, cause string) Record {
+		return Record{At: at(d), Kind: RecBookingEnd, Reservation: res, Cause: cause}
+	}
+	holds := func(d time.Duration, node string, hs ...Hold) Record {
+		return Record{At: at(d), Kind: RecNodeHolds, Node: node, Holds: hs}
+	}
+	runCase(t, checkCase{
+		checker: func() Checker { return newI1() },
+		clean: []Record{
+			start(0, "n1", "r1", time.Hour, 0, 1),
+			start(time.Second, "n1", "r2", time.Hour, 2, 3),
+			start(time.Second, "n2", "r3", time.Hour, 0, 1), // another node
+			endAt(time.Minute, "r1", CauseRelease),
+			start(time.Minute, "n1", "r4", time.Hour, 0), // device 0 is free since r1 ended
+			start(time.Hour, "n1", "r5", 2*time.Hour, 1, 2, 3),
+			holds(time.Hour, "n1", Hold{"r4", []int32{0}}, Hold{"r5", []int32{1, 2, 3}}),
+		},
+		bad: map[string][]Record{
+			"two bookings share a device": {
+				start(0, "n1", "r1", time.Hour, 0, 1),
+				start(time.Minute, "n1", "r2", time.Hour, 1, 2),
+			},
+			"a booking reuses a device before the other is released": {
+				start(0, "n1", "r1", time.Hour, 0),
+				start(time.Minute, "n1", "r2", time.Hour, 0),
+				endAt(2*time.Minute, "r1", CauseRelease),
+			},
+			"a booking names a device twice": {start(0, "n1", "r1", time.Hour, 4, 4)},
+			"the daemon holds a device twice": {
+				holds(0, "n1", Hold{"r1", []int32{0, 1}}, Hold{"r2", []int32{1}}),
+			},
+		},
+		end: at(3 * time.Hour),
+	})
+}
+
+func TestI2(t *testing.T) {
+	created := func(d time.Duration, id, node string, safe bool) Record {
+		return Record{At: at(d), Kind: RecCommandCreated, Command: id, Node: node, RetrySafe: safe}
+	}
+	ran := func(d time.Duration, id, node string) Record {
+		return Record{At: at(d), Kind: RecExecuted, Command: id, Node: node}
+	}
+	lost := func(d time.Duration, node string) Record {
+		return Record{At: at(d), Kind: RecJournalLost, Node: node}
+	}
+	runCase(t, checkCase{
+		checker: func() Checker { return newI2() },
+		clean: []Record{
+			created(0, "c1", "n1", true),
+			created(0, "c2", "n1", false),
+			created(0, "c3", "n2", false),
+			ran(time.Second, "c1", "n1"),
+			ran(time.Second, "c2", "n1"),
+			lost(time.Minute, "n1"),
+			ran(2*time.Minute, "c1", "n1"), // retry-safe: may run again after the loss
+			ran(2*time.Minute, "c3", "n2"), // another node's loss does not matter
+			created(3*time.Minute, "c4", "n1", false),
+			ran(4*time.Minute, "c4", "n1"), // issued after the loss
+		},
+		bad: map[string][]Record{
+			"a command runs twice": {
+				created(0, "c1", "n1", true),
+				ran(time.Second, "c1", "n1"),
+				ran(time.Minute, "c1", "n1"),
+			},
+			"a command that is not retry-safe runs again after a journal loss": {
+				created(0, "c1", "n1", false),
+				ran(time.Second, "c1", "n1"),
+				lost(time.Minute, "n1"),
+				ran(2*time.Minute, "c1", "n1"),
+			},
+			"an in-flight command that is not retry-safe runs after a journal loss": {
+				created(0, "c1", "n1", false),
+				lost(time.Minute, "n1"),
+				ran(2*time.Minute, "c1", "n1"),
+			},
+			"an unknown command runs":          {ran(time.Second, "c9", "n1")},
+			"a command runs on another node":   {created(0, "c1", "n1", true), ran(time.Second, "c1", "n2")},
+			"the hardware runs outside a send": {ran(time.Second, "", "n1")},
+		},
+		end: at(time.Hour),
+	})
+}
+
+func TestI3(t *testing.T) {
+	sent := func(d time.Duration, node string, gen int64) Record {
+		return Record{At: at(d), Kind: RecSpecDelivered, Node: node, Gen: gen}
+	}
+	seen := func(d time.Duration, node string, gen int64) Record {
+		return Record{At: at(d), Kind: RecSpecObserved, Node: node, Gen: gen}
+	}
+	unreachable := func(d time.Duration, node string) Record {
+		return Record{At: at(d), Kind: RecUnreachable, Node: node}
+	}
+	heard := func(d time.Duration, node string) Record { return Record{At: at(d), Kind: RecHeard, Node: node} }
+	runCase(t, checkCase{
+		checker: func() Checker { return newI3() },
+		clean: []Record{
+			sent(0, "n1", 1),
+			seen(time.Second, "n1", 1),
+			sent(time.Minute, "n1", 2),
+			sent(time.Minute+time.Second, "n1", 3),
+			seen(2*time.Minute, "n1", 3), // observes both, at exactly 60 s for gen 2
+			sent(3*time.Minute, "n2", 1),
+			unreachable(3*time.Minute+40*time.Second, "n2"), // excused
+			heard(5*time.Minute, "n2"),
+			sent(9*time.Minute+30*time.Second, "n1", 4), // its window outlasts the run
+		},
+		bad: map[string][]Record{
+			"a spec is never observed": {sent(0, "n1", 1), heard(10*time.Second, "n1")},
+			"a spec is observed late": {
+				sent(0, "n1", 2),
+				seen(30*time.Second, "n1", 1), // an older generation does not count
+				seen(61*time.Second, "n1", 2),
+			},
+			"unreachable only after the deadline": {
+				sent(0, "n1", 1),
+				unreachable(90*time.Second, "n1"),
+			},
+			"another node's unreachability does not excuse": {
+				sent(0, "n1", 1),
+				unreachable(10*time.Second, "n2"),
+			},
+		},
+		end: at(10 * time.Minute),
+	})
+}
+
+func TestI4(t *testing.T) {
+	heard := func(d time.Duration, node string) Record { return Record{At: at(d), Kind: RecHeard, Node: node} }
+	unreachable := func(d time.Duration, node string) Record {
+		return Record{At: at(d), Kind: RecUnreachable, Node: node}
+	}
+	runCase(t, checkCase{
+		checker: func() Checker { return newI4() },
+		clean: []Record{
+			heard(0, "n1"),
+			heard(15*time.Second, "n2"),
+			unreachable(30*time.Second, "n1"),
+			heard(time.Minute, "n1"),
+			unreachable(time.Minute+20*time.Second, "n1"), // exactly 20 s
+		},
+		bad: map[string][]Record{
+			"marked 19 s after a hearing": {heard(0, "n1"), heard(11*time.Second, "n1"), unreachable(30*time.Second, "n1")},
+		},
+		end: at(time.Hour),
+	})
+}
+
+func TestI5(t *testing.T) {
+	start := func(d time.Duration, res string, end time.Duration) Record {
+		return Record{At: at(d), Kind: RecBookingStart, Node: "n1", Reservation: res, Devices: []int32{0}, GPUs: 1, End: at(end)}
+	}
+	release := func(d time.Duration, res string) Record {
+		return Record{At: at(d), Kind: RecReleaseRequested, Reservation: res}
+	}
+	endAt := func(d time.Duration, res, cause string) Record {
+		return Record{At: at(d), Kind: RecBookingEnd, Reservation: res, Cause: cause}
+	}
+	runCase(t, checkCase{
+		checker: func() Checker { return newI5() },
+		clean: []Record{
+			start(0, "r1", time.Hour),
+			start(0, "r2", 10*time.Minute),
+			release(time.Minute, "r1"),
+			endAt(time.Minute, "r1", CauseRelease),
+			endAt(10*time.Minute, "r2", CauseExpiry),
+			release(11*time.Minute, "r2"), // too late: changes nothing
+		},
+		bad: map[string][]Record{
+			"ended by connectivity":        {start(0, "r1", time.Hour), endAt(time.Minute, "r1", "unreachable")},
+			"released without a request":   {start(0, "r1", time.Hour), endAt(time.Minute, "r1", CauseRelease)},
+			"expired before its end":       {start(0, "r1", time.Hour), endAt(time.Minute, "r1", CauseExpiry)},
+			"ended twice":                  {start(0, "r1", time.Hour), release(time.Minute, "r1"), endAt(time.Minute, "r1", CauseRelease), endAt(time.Hour, "r1", CauseExpiry)},
+			"ended but was never started":  {release(time.Minute, "r9"), endAt(time.Minute, "r9", CauseRelease)},
+			"released before its request":  {start(0, "r1", time.Hour), endAt(time.Minute, "r1", CauseRelease), release(2*time.Minute, "r1")},
+			"expired after its end (late)": {start(0, "r1", time.Minute), endAt(2*time.Minute, "r1", CauseExpiry)},
+		},
+		end: at(2 * time.Hour),
+	})
+}
+
+func TestI8(t *testing.T) {
+	// h0 is 23:50; the next hour starts at 00:00.
+	hour := h0.Truncate(time.Hour)
+	start := func(d time.Duration, res string, gpus int, end time.Duration) Record {
+		return Record{At: at(d), Kind: RecBookingStart, Node: "n1", Reservation: res, GPUs: gpus, End: at(end)}
+	}
+	endAt := func(d time.Duration, res string) Record {
+		return Record{At: at(d), Kind: RecBookingEnd, Reservation: res, Cause: CauseExpiry}
+	}
+	window := func(d time.Duration, res string, w time.Time, secs int64) Record {
+		return Record{At: at(d), Kind: RecUsageWindow, Reservation: res, Window: w, Secs: secs}
+	}
+	clean := []Record{
+		// r1: 2 GPUs from 23:50:00.5 to 00:05:00.9, i.e. 23:50:00–00:05:00
+		// whole seconds: 600 s + 300 s.
+		start(500*time.Millisecond, "r1", 2, 15*time.Minute+900*time.Millisecond),
+		// r2: 1 GPU, live at the end (00:20), booked until 01:00: counts
+		// until 00:20.
+		start(time.Minute, "r2", 1, 70*time.Minute),
+		endAt(15*time.Minute+900*time.Millisecond, "r1"),
+		window(16*time.Minute, "r1", hour, 1200),
+		window(16*time.Minute, "r1", hour.Add(time.Hour), 600),
+		window(30*time.Minute, "r2", hour, 540),
+		window(30*time.Minute, "r2", hour.Add(time.Hour), 1200),
+	}
+	runCase(t, checkCase{
+		checker: func() Checker { return newI8() },
+		clean:   clean,
+		bad: map[string][]Record{
+			"a window is written twice": append(clean[:len(clean):len(clean)], window(31*time.Minute, "r2", hour.Add(time.Hour), 0)),
+			"windows fall short":        clean[:len(clean)-1],
+			"windows count too much":    append(clean[:len(clean):len(clean)], window(31*time.Minute, "r2", hour.Add(2*time.Hour), 1)),
+			"a window off the hour":     {start(0, "r1", 1, time.Minute), endAt(time.Minute, "r1"), window(2*time.Minute, "r1", h0, 60)},
+			"a window of no booking":    {window(time.Minute, "r9", hour, 0)},
+		},
+		end: at(30 * time.Minute),
+	})
+}
+
+func TestInvariantsListed(t *testing.T) {
+	inv := Invariants()
+	require.Len(t, inv, 6)
+	for i, name := range []string{"I1", "I2", "I3", "I4", "I5", "I8"} {
+		require.Regexp(t, "^"+name+": ", inv[i])
+	}
+}
