@@ -185,7 +185,11 @@ type Server struct {
 	mu      sync.Mutex
 	streams map[*session]struct{} // every open stream, before and after Hello
 	byNode  map[string]*session   // the newest session of each node past Hello
-	closing bool                  // no new streams once shutdown started
+	// unclosed are ended sessions whose CloseSession write failed; resync
+	// writes them again, so that no node keeps a live session in the
+	// database that no gateway holds (the sweeper would never judge it).
+	unclosed []unclosedSession
+	closing  bool // no new streams once shutdown started
 
 	handlers sync.WaitGroup // running Session handlers
 	ran      atomic.Bool
@@ -511,7 +515,48 @@ func (s *Server) resyncLoop(ctx context.Context) {
 	}
 }
 
-// resync closes silent streams and re-reads, in one query, the pending work
+// unclosedSession is an ended session still to be cleared in the database.
+type unclosedSession struct {
+	nodeID, sessionID string
+	lastSeen          time.Time
+}
+
+// clearSession clears the ended session u in the database (CloseSession,
+// which leaves a newer session alone) and reports whether it did; when the
+// write fails, u is kept for resync to write again.
+func (s *Server) clearSession(ctx context.Context, u unclosedSession) (bool, error) {
+	cleared, err := store.CloseSession(ctx, s.db.Pool, s.db.Now(), u.nodeID, u.sessionID, u.lastSeen)
+	if err != nil {
+		s.mu.Lock()
+		s.unclosed = append(s.unclosed, u)
+		s.mu.Unlock()
+	}
+	return cleared, err
+}
+
+// retryCloses writes the session closes that failed before again.
+func (s *Server) retryCloses(ctx context.Context) {
+	s.mu.Lock()
+	retry := s.unclosed
+	s.unclosed = nil
+	s.mu.Unlock()
+	for _, u := range retry {
+		if ctx.Err() != nil {
+			s.mu.Lock()
+			s.unclosed = append(s.unclosed, u)
+			s.mu.Unlock()
+			continue
+		}
+		if _, err := s.clearSession(ctx, u); err != nil {
+			s.log.Warn("clear session again", telemetry.KeyNodeID, u.nodeID, telemetry.KeySessionID, u.sessionID, telemetry.KeyError, err)
+		} else {
+			s.log.Info("cleared a session whose close had failed", telemetry.KeyNodeID, u.nodeID, telemetry.KeySessionID, u.sessionID)
+		}
+	}
+}
+
+// resync closes silent streams, writes the session closes that failed
+// again, and re-reads, in one query, the pending work
 // of every session this gateway holds: it wakes the sessions whose node has
 // queued commands or a spec newer than the session knows, and closes the
 // sessions that another session superseded or whose node or certificate was
@@ -543,6 +588,7 @@ func (s *Server) resync(ctx context.Context) {
 	for _, x := range silent {
 		x.st.abort(x.err)
 	}
+	s.retryCloses(ctx)
 	if len(refs) == 0 {
 		return
 	}

@@ -590,3 +590,28 @@ func TestFenceWhenFlushesHang(t *testing.T) {
 	t.Logf("fenced %s after the lock", clock.Since(realClock, locked).Round(time.Millisecond))
 	require.Error(t, d.ended(), "the fenced session ends with an error")
 }
+
+// TestFailedSessionCloseIsWrittenAgain ends a session while a lock blocks
+// the write that clears it (nodes.session_id), so that the write times out:
+// once the database is back, resync writes it again, and the node has no
+// live session left that no gateway holds (the liveness sweeper never
+// judges a node whose session a present gateway holds).
+func TestFailedSessionCloseIsWrittenAgain(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	g := e.startGateway(gateway.Config{ResyncInterval: 200 * time.Millisecond})
+	n := e.newNode()
+	d, w := e.connect(g, n, nil)
+	eventually(t, func() bool { s := e.nodeRow(n.id).SessionID; return s != nil && *s == w.GetSessionId() }, "the session is recorded")
+
+	tx, err := e.db.Pool.Begin(t.Context())
+	require.NoError(t, err)
+	_, err = tx.Exec(t.Context(), `LOCK TABLE nodes IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	d.close()
+	// The close waits on the lock for its 5 s and gives up.
+	require.Eventually(t, func() bool { return g.srv.Sessions() == 0 }, waitFor, 20*time.Millisecond)
+	require.NoError(t, clock.Sleep(t.Context(), realClock, 6*time.Second))
+	require.NoError(t, tx.Rollback(t.Context()))
+	eventually(t, func() bool { return e.nodeRow(n.id).SessionID == nil }, "the close is written again")
+}

@@ -363,9 +363,9 @@ func (s *Server) closeSession(st *session) {
 	if ns := st.lastRecv.Load(); ns > 0 {
 		lastSeen = time.Unix(0, ns).UTC().Truncate(time.Microsecond)
 	}
-	cleared, err := store.CloseSession(ctx, s.db.Pool, s.db.Now(), st.nodeID, st.sessionID, lastSeen)
+	cleared, err := s.clearSession(ctx, unclosedSession{nodeID: st.nodeID, sessionID: st.sessionID, lastSeen: lastSeen})
 	if err != nil {
-		s.log.Warn("clear session", telemetry.KeyNodeID, st.nodeID, telemetry.KeySessionID, st.sessionID, telemetry.KeyError, err)
+		s.log.Warn("clear session (resync writes it again)", telemetry.KeyNodeID, st.nodeID, telemetry.KeySessionID, st.sessionID, telemetry.KeyError, err)
 	}
 	s.log.Info("session closed", telemetry.KeyNodeID, st.nodeID, telemetry.KeySessionID, st.sessionID, "cleared", cleared)
 }
