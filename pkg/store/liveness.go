@@ -20,20 +20,21 @@ package store
 //     least timeout old.
 //  3. Hearings that never reached the database were made by a gateway that
 //     stopped writing: it renews its presence (expiry = write time +
-//     GatewayPresenceTTL) in the transaction of every last_seen flush, and
-//     a watchdog that never waits on the database aborts all its sessions,
-//     checking every GatewayFenceCheck, once no flush that started in the
-//     last GatewayFenceAfter succeeded (a hung flush counts as failed). A
+//     GatewayPresenceTTL) in the transaction of every last_seen flush, every
+//     flush interval F ≤ MaxGatewayFlushInterval; a flush not committed
+//     within GatewayFlushTimeout fails (a hung database counts as a failing
+//     one); and the gateway aborts all its sessions when a flush fails and
+//     none that started in the last GatewayFenceAfter succeeded. A
 //     successful flush starts before its presence write w, so the last
-//     hearing is at most w + GatewayFenceAfter + GatewayFenceCheck, while
-//     the sweeper treats the gateway as dead only from w +
-//     GatewayPresenceTTL on: the gap is at least 30 s − 5 s − 0.25 s =
-//     24.75 s ≥ 20 s. A gateway that restarts under the same id
+//     hearing is at most w + GatewayFenceAfter + F + GatewayFlushTimeout,
+//     while the sweeper treats the gateway as dead only from w +
+//     GatewayPresenceTTL on: the gap is at least 30 s − 5 s − 2 s − 1 s =
+//     22 s ≥ 20 s. A gateway that restarts under the same id
 //     (ResetGatewaySessions) raises its nodes' last_seen to its start time,
 //     which is after any hearing of its previous run.
 //
 // Clocks of gateways and controllers are assumed to agree within a second
-// (NTP); the 4.75 s of slack above absorbs that.
+// (NTP); the 2 s of slack above absorbs that.
 
 import (
 	"context"
@@ -71,9 +72,9 @@ const (
 	// GatewayFenceAfter is how long a gateway keeps its sessions without a
 	// successful last_seen flush; then it aborts them all.
 	GatewayFenceAfter = 5 * time.Second
-	// GatewayFenceCheck is how often a gateway's watchdog checks for
-	// GatewayFenceAfter.
-	GatewayFenceCheck = 250 * time.Millisecond
+	// GatewayFlushTimeout is how long a gateway's last_seen flush may take
+	// before it is abandoned as failed.
+	GatewayFlushTimeout = time.Second
 	// MaxGatewayFlushInterval bounds a gateway's last_seen flush interval,
 	// so that a healthy gateway flushes well within GatewayFenceAfter.
 	MaxGatewayFlushInterval = 2 * time.Second

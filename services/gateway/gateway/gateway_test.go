@@ -552,8 +552,9 @@ func pokeJSON(t *testing.T, nodeIDs ...string) []byte {
 
 // TestFenceWhenFlushesHang holds a lock that blocks every last_seen flush
 // (the presence write in the same transaction waits on it): a hung flush
-// must count as a failed one, so the gateway aborts its sessions within
-// store.GatewayFenceAfter plus a flush interval and a flush timeout, long
+// must count as a failed one (store.GatewayFlushTimeout), so the gateway
+// aborts its sessions within store.GatewayFenceAfter plus a flush interval
+// and a flush timeout, long
 // before its presence (store.GatewayPresenceTTL) expires and the sweeper
 // may judge its nodes (I4). Without a bound on the flush the gateway would
 // keep hearing from nodes it can no longer vouch for.

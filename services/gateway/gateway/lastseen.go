@@ -4,7 +4,6 @@ import (
 	"context"
 	"log/slog"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -24,12 +23,13 @@ import (
 // Every flush, even an empty one, renews the gateway's presence
 // (store.RecordGatewayPresence, store.GatewayPresenceTTL) in the same
 // transaction: the liveness sweeper leaves alone the nodes whose session a
-// present gateway holds, however late their batch. A watchdog, apart from
-// the flushes so that a flush hung on the database cannot hold it up, calls
-// fence (it aborts every session) every store.GatewayFenceCheck while no flush that
-// started in the last store.GatewayFenceAfter succeeded, so that the gateway
-// stops hearing from nodes it can no longer vouch for long before its
-// presence expires (I4; see pkg/store/liveness.go).
+// present gateway holds, however late their batch. A flush that has not
+// committed within store.GatewayFlushTimeout is abandoned as failed (so a
+// database that hangs counts as one that fails), and when a flush fails
+// and none that started in the last store.GatewayFenceAfter succeeded,
+// fence is called (it aborts every session), so that the gateway stops
+// hearing from nodes it can no longer vouch for long before its presence
+// expires (I4; see pkg/store/liveness.go).
 type lastSeenBatcher struct {
 	db        *store.DB
 	clk       clock.Clock
@@ -38,9 +38,9 @@ type lastSeenBatcher struct {
 	interval  time.Duration
 	maxBatch  int
 	fence     func()
-	// lastOK is when the last successful flush started (Unix ns), which is
-	// no later than the presence it wrote.
-	lastOK atomic.Int64
+	// lastOK is when the last successful flush started, which is no later
+	// than the presence it wrote; run's goroutine only.
+	lastOK time.Time
 
 	mu      sync.Mutex
 	pending map[string]store.SessionLastSeen
@@ -119,21 +119,11 @@ func (b *lastSeenBatcher) flush(ctx context.Context) error {
 }
 
 // run flushes every interval, and early when the batch is full, until ctx
-// ends; then it flushes once more. The fence watchdog runs beside it.
+// ends; then it flushes once more.
 func (b *lastSeenBatcher) run(ctx context.Context) {
-	b.lastOK.Store(b.clk.Now().UnixNano())
-	wctx, stopWatchdog := context.WithCancel(ctx)
-	watchdogDone := make(chan struct{})
-	go func() {
-		defer close(watchdogDone)
-		b.watchdog(wctx)
-	}()
-	defer func() {
-		stopWatchdog()
-		<-watchdogDone
-	}()
 	t := b.clk.NewTicker(b.interval)
 	defer t.Stop()
+	b.lastOK = b.clk.Now()
 	b.tick(ctx)
 	for {
 		select {
@@ -151,45 +141,24 @@ func (b *lastSeenBatcher) run(ctx context.Context) {
 	}
 }
 
-// tick flushes once and records when a successful flush started.
+// tick flushes once, giving up after store.GatewayFlushTimeout, and fences
+// the gateway when no flush that started in the last
+// store.GatewayFenceAfter succeeded.
 func (b *lastSeenBatcher) tick(ctx context.Context) {
 	started := b.clk.Now()
-	err := b.flush(ctx)
+	fctx, cancel := context.WithTimeout(ctx, store.GatewayFlushTimeout)
+	err := b.flush(fctx)
+	cancel()
 	if err == nil {
-		b.lastOK.Store(started.UnixNano())
+		b.lastOK = started
 		return
 	}
-	if ctx.Err() == nil {
-		b.log.Warn("last_seen flush failed", telemetry.KeyError, err)
+	if ctx.Err() != nil {
+		return
 	}
-}
-
-// watchdog fences the gateway every store.GatewayFenceCheck while the last successful
-// flush started more than store.GatewayFenceAfter ago, until ctx ends. It
-// does not wait for a flush, so a flush hung on the database counts as
-// failed.
-func (b *lastSeenBatcher) watchdog(ctx context.Context) {
-	t := b.clk.NewTicker(store.GatewayFenceCheck)
-	defer t.Stop()
-	fenced := false
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C():
-		}
-		since := clock.Since(b.clk, time.Unix(0, b.lastOK.Load()))
-		if since <= store.GatewayFenceAfter {
-			if fenced {
-				b.log.Info("last_seen flushes succeed again", "fenced_for", since.String())
-			}
-			fenced = false
-			continue
-		}
-		if !fenced {
-			b.log.Error("no last_seen flush succeeded for too long: closing every session until one does", "since", since.String())
-		}
-		fenced = true
+	b.log.Warn("last_seen flush failed", telemetry.KeyError, err)
+	if since := clock.Since(b.clk, b.lastOK); since > store.GatewayFenceAfter {
+		b.log.Error("no last_seen flush succeeded for too long: closing every session", "since", since.String())
 		b.fence()
 	}
 }
