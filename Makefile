@@ -114,9 +114,12 @@ test: images ## Run every test suite (unit, integration, fuzz for FUZZTIME, comp
 .PHONY: check
 check: vet lint generate-check test ## vet, lint, generate-and-diff, and every test.
 
+# tests/bench: join → adoption, reservations, commands (throughput and round
+# trip), the events watch and the idle fleet's CPU; the gateway and the
+# controllers run there from bin/linux (images builds them).
 .PHONY: bench
 bench: images ## Run the benchmarks and print their figures (BC_BENCH_MACHINES=1000), the fleet simulator's speed too.
-	cd tests && $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 30m ./bench/...
+	cd tests && $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 45m ./bench/...
 	cd services/gateway && $(GO) test -run '^$$' -bench IdleSessionMemory -benchtime 1x -timeout 10m ./gateway/
 	cd services/controllers && $(GO) test -run '^$$' -bench Acceptance1000 -benchtime 3x -timeout 10m ./controllers/
 	cd pkg && $(GO) test -run '^$$' -bench '^BenchmarkSim$$' -benchtime 1x -timeout 10m ./sim/

@@ -173,6 +173,9 @@ type NewCommand struct {
 	RequestID string
 	// CreatedBy names the caller (its token id).
 	CreatedBy string
+	// TenantID, when not empty, is the caller's tenant: a node whose pool
+	// another tenant owns is refused with ErrNotFound, as an unknown one is.
+	TenantID string
 }
 
 // QueuedCommand is what QueueCommand did.
@@ -190,18 +193,23 @@ type QueuedCommand struct {
 // writes a command.queued event for the node's tenant and pokes the gateway
 // holding the node's session. A request id already used on the node
 // returns that command with Existing and writes nothing. Errors:
-// ErrNotFound (node), an error for an unknown kind.
+// ErrNotFound (node unknown, or of a tenant other than n.TenantID), an
+// error for an unknown kind.
 func QueueCommand(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time, n NewCommand) (QueuedCommand, error) {
 	retrySafe, ok := CommandRetrySafe(n.Kind)
 	if !ok {
 		return QueuedCommand{}, fmt.Errorf("unknown command kind %q", n.Kind)
 	}
 	var state, tenant string
+	var gatewayID *string
 	var revoked bool
-	err := q.QueryRow(ctx, `SELECT n.provision_state, n.revoked_at IS NOT NULL, p.owner_tenant_id
-		FROM nodes n JOIN pools p ON p.id = n.pool_id WHERE n.id = $1 FOR SHARE OF n`, n.NodeID).Scan(&state, &revoked, &tenant)
+	err := q.QueryRow(ctx, `SELECT n.provision_state, n.revoked_at IS NOT NULL, p.owner_tenant_id, n.gateway_id
+		FROM nodes n JOIN pools p ON p.id = n.pool_id WHERE n.id = $1 FOR SHARE OF n`, n.NodeID).Scan(&state, &revoked, &tenant, &gatewayID)
 	if err != nil {
 		return QueuedCommand{}, queryErr("node "+n.NodeID, err)
+	}
+	if n.TenantID != "" && n.TenantID != tenant {
+		return QueuedCommand{}, fmt.Errorf("node %s: %w", n.NodeID, ErrNotFound)
 	}
 	if n.RequestID != "" {
 		c, err := commandByRequest(ctx, q, n.NodeID, n.RequestID)
@@ -223,21 +231,25 @@ func QueueCommand(ctx context.Context, q DBTX, intent *IntentSigner, now time.Ti
 	if n.RequestID != "" {
 		requestID = &n.RequestID
 	}
-	tag, err := q.Exec(ctx, `INSERT INTO commands (id, node_id, kind, args, purpose, state, retry_safe, deadline,
-			created_by, created_at, updated_at, request_id)
+	// The row as stored (timestamps rounded to the microsecond), read back
+	// by the insert itself rather than by another query.
+	c, err := scanCommand(q.QueryRow(ctx, `INSERT INTO commands AS c (id, node_id, kind, args, purpose, state, retry_safe,
+			deadline, created_by, created_at, updated_at, request_id)
 		VALUES ($1, $2, $3, '{}', 'user', 'queued', $4, $5, $6, $7, $7, $8)
-		ON CONFLICT (node_id, request_id) WHERE request_id IS NOT NULL DO NOTHING`,
-		n.ID, n.NodeID, n.Kind, retrySafe, n.Deadline, n.CreatedBy, now, requestID)
-	if err != nil {
-		return QueuedCommand{}, queryErr("queue command", err)
-	}
-	if tag.RowsAffected() == 0 {
+		ON CONFLICT (node_id, request_id) WHERE request_id IS NOT NULL DO NOTHING
+		RETURNING c.id, c.node_id, $9::text, c.kind, c.purpose, c.state, c.retry_safe, c.deadline, c.result, c.error,
+			c.deliveries, COALESCE(c.request_id, ''), c.created_by, c.created_at, c.updated_at, c.delivered_at, c.finished_at`,
+		n.ID, n.NodeID, n.Kind, retrySafe, n.Deadline, n.CreatedBy, now, requestID, tenant))
+	if errors.Is(err, pgx.ErrNoRows) {
 		// A concurrent call with the same request id committed first.
 		c, err := commandByRequest(ctx, q, n.NodeID, n.RequestID)
 		if err != nil {
 			return QueuedCommand{}, err
 		}
 		return QueuedCommand{Command: c, Existing: true}, nil
+	}
+	if err != nil {
+		return QueuedCommand{}, queryErr("queue command", err)
 	}
 	if err := SignCommands(ctx, q, intent, []string{n.ID}); err != nil {
 		return QueuedCommand{}, err
@@ -250,12 +262,15 @@ func QueueCommand(ctx context.Context, q DBTX, intent *IntentSigner, now time.Ti
 	if err := InsertReservationEvent(ctx, q, now, tenant, EventCommandQueued, n.ID, data); err != nil {
 		return QueuedCommand{}, err
 	}
-	if err := PokeNodes(ctx, q, now, n.NodeID); err != nil {
-		return QueuedCommand{}, err
-	}
-	c, err := GetCommand(ctx, q, n.ID)
-	if err != nil {
-		return QueuedCommand{}, err
+	// PokeNodes for one node, whose gateway the locked row gave.
+	if gatewayID != nil {
+		payload, err := json.Marshal(Poke{NodeIDs: []string{n.NodeID}})
+		if err != nil {
+			return QueuedCommand{}, err
+		}
+		if err := Enqueue(ctx, q, now, SubjectPokeGatewayPrefix+*gatewayID, payload); err != nil {
+			return QueuedCommand{}, err
+		}
 	}
 	return QueuedCommand{Command: c}, nil
 }
@@ -341,15 +356,12 @@ func insertCommandEvents(ctx context.Context, q DBTX, now time.Time, typ string,
 }
 
 // recordCommandFinished writes the command.succeeded or command.failed
-// event of user command id, which just reached state (ApplySessionCommandUpdate).
-func recordCommandFinished(ctx context.Context, q DBTX, now time.Time, id, state string) error {
+// event of user command c (its id, node, tenant, kind, error), which just
+// reached c.State (ApplySessionCommandUpdate).
+func recordCommandFinished(ctx context.Context, q DBTX, now time.Time, c Command) error {
 	typ := EventCommandFailed
-	if state == cmdSucceeded {
+	if c.State == cmdSucceeded {
 		typ = EventCommandSucceeded
-	}
-	c, err := GetCommand(ctx, q, id)
-	if err != nil {
-		return err
 	}
 	return insertCommandEvents(ctx, q, now, typ, []Command{c})
 }

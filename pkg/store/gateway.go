@@ -303,17 +303,20 @@ func ApplySessionCommandUpdate(ctx context.Context, q DBTX, u SessionCommandUpda
 	}
 	terminal := cmdRank[u.State] == 3
 	var out SessionCommandUpdated
-	err := q.QueryRow(ctx, `UPDATE commands SET
+	// What the terminal event needs comes back with the update.
+	c := Command{ID: u.CommandID, NodeID: u.NodeID, State: u.State}
+	err := q.QueryRow(ctx, `UPDATE commands c SET
 			state = $3,
-			result = COALESCE($4::jsonb, result),
-			error = CASE WHEN $5 = '' THEN error ELSE $5 END,
-			finished_at = CASE WHEN $6 THEN $7 ELSE finished_at END,
-			delivered_at = COALESCE(delivered_at, $7),
+			result = COALESCE($4::jsonb, c.result),
+			error = CASE WHEN $5 = '' THEN c.error ELSE $5 END,
+			finished_at = CASE WHEN $6 THEN $7 ELSE c.finished_at END,
+			delivered_at = COALESCE(c.delivered_at, $7),
 			updated_at = $7
-		WHERE id = $1 AND node_id = $2 AND state = ANY($8)
-		RETURNING purpose = 'acceptance'`,
+		FROM nodes n JOIN pools p ON p.id = n.pool_id
+		WHERE c.id = $1 AND c.node_id = $2 AND c.state = ANY($8) AND n.id = c.node_id
+		RETURNING c.purpose = 'acceptance', p.owner_tenant_id, c.kind, c.error`,
 		u.CommandID, u.NodeID, u.State, nullJSON(u.Result), u.Error, terminal, u.Now, from,
-	).Scan(&out.Acceptance)
+	).Scan(&out.Acceptance, &c.TenantID, &c.Kind, &c.Error)
 	if err != nil {
 		err = interpretError(err)
 		if errors.Is(err, ErrNotFound) {
@@ -324,7 +327,7 @@ func ApplySessionCommandUpdate(ctx context.Context, q DBTX, u SessionCommandUpda
 	out.Applied = true
 	out.Terminal = terminal
 	if terminal && !out.Acceptance {
-		if err := recordCommandFinished(ctx, q, u.Now, u.CommandID, u.State); err != nil {
+		if err := recordCommandFinished(ctx, q, u.Now, c); err != nil {
 			return SessionCommandUpdated{}, err
 		}
 	}

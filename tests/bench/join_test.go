@@ -3,101 +3,16 @@
 package bench
 
 import (
-	"context"
 	"fmt"
-	"net"
-	"net/http"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"slices"
-	"strconv"
-	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
-	"github.com/better-compute/better-compute/cmd/better-compute/devstack"
 	"github.com/better-compute/better-compute/pkg/clock"
-	"github.com/better-compute/better-compute/pkg/pki"
-	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
-	"github.com/better-compute/better-compute/tests/internal/containers"
 )
-
-func TestMain(m *testing.M) {
-	code := m.Run()
-	containers.Stop()
-	os.Exit(code)
-}
-
-func freeAddr(tb testing.TB) string {
-	tb.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(tb, err)
-	defer l.Close()
-	return l.Addr().String()
-}
-
-// rssKiB reads a process's resident set size from /proc.
-func rssKiB(tb testing.TB, pid int) int64 {
-	tb.Helper()
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-	require.NoError(tb, err)
-	for _, line := range strings.Split(string(b), "\n") {
-		if rest, ok := strings.CutPrefix(line, "VmRSS:"); ok {
-			n, err := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(rest), " kB"), 10, 64)
-			require.NoError(tb, err)
-			return n
-		}
-	}
-	tb.Fatal("no VmRSS")
-	return 0
-}
-
-func machines() int {
-	if v, err := strconv.Atoi(os.Getenv("BC_BENCH_MACHINES")); err == nil && v > 0 {
-		return v
-	}
-	return 1000
-}
-
-// startGateway runs the gateway binary (bin/linux/gateway, `make build`) as
-// its own process, so that its memory can be read apart from the machines'.
-func startGateway(b *testing.B, dbURL, natsURL, pkiDir string) (url string, pid int) {
-	b.Helper()
-	bin := filepath.Join("..", "..", "bin", "linux", "gateway")
-	_, err := os.Stat(bin)
-	require.NoError(b, err, "gateway binary (run make build)")
-	listen, health := freeAddr(b), freeAddr(b)
-	cmd := exec.Command(bin)
-	cmd.Env = append(os.Environ(),
-		"BETTER_COMPUTE_DATABASE_URL="+dbURL,
-		"BETTER_COMPUTE_NATS_URL="+natsURL,
-		"BC_PKI_DIR="+pkiDir,
-		"BC_LISTEN="+listen,
-		"BC_HEALTH_LISTEN="+health,
-		"BC_GATEWAY_ID=gw-bench",
-		"BC_LOG_LEVEL=warn",
-	)
-	cmd.Stderr = os.Stderr
-	require.NoError(b, cmd.Start())
-	b.Cleanup(func() {
-		_ = cmd.Process.Signal(os.Interrupt)
-		_ = cmd.Wait()
-	})
-	require.Eventually(b, func() bool {
-		resp, err := http.Get("http://" + health + "/healthz")
-		if err != nil {
-			return false
-		}
-		resp.Body.Close()
-		return resp.StatusCode == http.StatusOK
-	}, 30*time.Second, 100*time.Millisecond)
-	_, port, _ := net.SplitHostPort(listen)
-	return "https://localhost:" + port, cmd.Process.Pid
-}
 
 // BenchmarkJoinToAdoption joins BC_BENCH_MACHINES (default 1,000) simulated
 // H100 machines (fakedaemon's multi-machine mode, in this process) to the
@@ -107,44 +22,14 @@ func startGateway(b *testing.B, dbURL, natsURL, pkiDir string) (url string, pid 
 // connected machine. Targets on a 2-core machine: ≥ 167 adopted/s, ≤ 20 KiB
 // per idle session.
 func BenchmarkJoinToAdoption(b *testing.B) {
-	n := machines()
-	clk := clock.New()
 	for range b.N {
-		dbURL := containers.Postgres(b)
-		natsURL := containers.NATS(b)
-		pkiDir := b.TempDir()
-		_, err := pki.Init(pkiDir, pki.InitOptions{GatewayNames: []string{"localhost", "127.0.0.1"}}, clk.Now())
-		require.NoError(b, err)
-		require.NoError(b, os.Chmod(pkiDir, 0o755))
-		gwURL, gwPID := startGateway(b, dbURL, natsURL, pkiDir)
-
-		st, err := devstack.Start(b.Context(), devstack.Options{
-			DatabaseURL: dbURL, NATSURL: natsURL, PKIDir: pkiDir, ExternalGatewayURL: gwURL,
-		})
-		require.NoError(b, err)
-		b.Cleanup(func() { _ = st.Close() })
-		res, err := st.Bootstrap(b.Context(), devstack.BootstrapOptions{Dir: b.TempDir(), JoinMaxUses: int32(n)})
-		require.NoError(b, err)
-
-		rssBefore := rssKiB(b, gwPID)
-		ctx, cancel := context.WithCancel(context.Background())
-		start := clk.Now()
-		r, err := fakedaemon.Start(ctx, fakedaemon.Config{
-			Server: st.APIURL, Pins: st.Pins, Token: res.JoinToken, DataDir: b.TempDir(), Nodes: n, JoinConcurrency: 32,
-		}, fakedaemon.Deps{})
-		require.NoError(b, err)
-		b.Cleanup(func() {
-			cancel()
-			_ = r.Wait()
-		})
-
-		var adopted int
-		require.Eventually(b, func() bool {
-			err := st.DB.Pool.QueryRow(ctx, `SELECT count(*) FROM nodes
-				WHERE provision_state = 'adopted' AND observed_generation >= 1`).Scan(&adopted)
-			return err == nil && adopted == n
-		}, 10*time.Minute, 100*time.Millisecond, "adopted %d of %d", &adopted, n)
+		f := startFleet(b, fleetOptions{externalGateway: true})
+		n, clk, ctx := f.n, f.clk, b.Context()
+		rssBefore := rssKiB(b, f.gatewayPID)
+		start := f.startMachines(b, nil)
+		f.waitAdopted(b)
 		wall := clk.Now().Sub(start)
+		st := f.stack
 
 		rows, err := st.DB.Pool.Query(ctx, `SELECT extract(epoch FROM adopted_at - created_at) FROM nodes`)
 		require.NoError(b, err)
@@ -162,7 +47,7 @@ func BenchmarkJoinToAdoption(b *testing.B) {
 
 		// Let the sessions go idle (past Welcome and the first heartbeat).
 		require.NoError(b, clock.Sleep(ctx, clk, 3*time.Second))
-		rssAfter := rssKiB(b, gwPID)
+		rssAfter := rssKiB(b, f.gatewayPID)
 		perSession := float64(rssAfter-rssBefore) / float64(n)
 		rate := float64(n) / wall.Seconds()
 

@@ -3,7 +3,6 @@ package bench
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"os"
 	"slices"
 	"sync"
@@ -14,14 +13,9 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
 
-	"github.com/better-compute/better-compute/cmd/better-compute/devstack"
-	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/ids"
-	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/store"
-	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
 	"github.com/better-compute/better-compute/services/scheduler/scheduler"
-	"github.com/better-compute/better-compute/tests/internal/containers"
 )
 
 // BenchmarkReservations runs the real services in process (one gateway) with
@@ -37,38 +31,17 @@ import (
 //     created_at (the daemons bind them through the gateway). Target p99 <
 //     250 ms.
 func BenchmarkReservations(b *testing.B) {
-	n := machines()
-	clk := clock.New()
 	for range b.N {
-		dbURL := containers.Postgres(b)
-		natsURL := containers.NATS(b)
-		pkiDir := b.TempDir()
-		_, err := pki.Init(pkiDir, pki.InitOptions{GatewayNames: []string{"localhost", "127.0.0.1"}}, clk.Now())
-		require.NoError(b, err)
-		st, err := devstack.Start(b.Context(), devstack.Options{DatabaseURL: dbURL, NATSURL: natsURL, PKIDir: pkiDir,
-			NoScheduler: true})
-		require.NoError(b, err)
-		b.Cleanup(func() { _ = st.Close() })
-		res, err := st.Bootstrap(b.Context(), devstack.BootstrapOptions{Dir: b.TempDir(), JoinMaxUses: int32(n)})
-		require.NoError(b, err)
-		ctx, cancel := context.WithCancel(context.Background())
-		r, err := fakedaemon.Start(ctx, fakedaemon.Config{
-			Server: st.APIURL, Pins: st.Pins, Token: res.JoinToken, DataDir: b.TempDir(), Nodes: n, JoinConcurrency: 32,
-		}, fakedaemon.Deps{})
-		require.NoError(b, err)
-		b.Cleanup(func() {
-			cancel()
-			_ = r.Wait()
-		})
-		db := st.DB
+		f := startFleet(b, fleetOptions{noScheduler: true})
+		n, clk, ctx, natsURL := f.n, f.clk, b.Context(), f.natsURL
+		f.startMachines(b, nil)
+		f.waitAdopted(b)
+		db := f.stack.DB
 		count := func(sql string, args ...any) int {
 			var c int
 			require.NoError(b, db.Pool.QueryRow(ctx, sql, args...).Scan(&c))
 			return c
 		}
-		require.Eventually(b, func() bool {
-			return count(`SELECT count(*) FROM nodes WHERE provision_state = 'adopted' AND observed_generation >= 1`) == n
-		}, 10*time.Minute, 100*time.Millisecond)
 
 		// Tenants with offers; reservations of one tenant in one pool are
 		// serialised by the offer's lock, so spread them.
@@ -80,7 +53,7 @@ func BenchmarkReservations(b *testing.B) {
 			_, err := db.Pool.Exec(ctx, `INSERT INTO tenants (id, name, created_at) VALUES ($1, $2, $3)`,
 				tenantIDs[i], fmt.Sprintf("bench-%d", i), now)
 			require.NoError(b, err)
-			_, err = store.UpsertOffer(ctx, db.Pool, store.Offer{PoolID: res.PoolID, TenantID: tenantIDs[i],
+			_, err = store.UpsertOffer(ctx, db.Pool, store.Offer{PoolID: f.poolID, TenantID: tenantIDs[i],
 				GPUQuota: int32(8 * n), CreatedAt: now, UpdatedAt: now})
 			require.NoError(b, err)
 		}
@@ -88,7 +61,7 @@ func BenchmarkReservations(b *testing.B) {
 			require.NoError(b, db.InTx(ctx, func(tx pgx.Tx) error {
 				now := db.Now()
 				_, err := store.CreateReservation(ctx, tx, now, store.NewReservation{ID: ids.New(ids.Reservation, now),
-					TenantID: tenantIDs[i%tenants], PoolID: res.PoolID, GPUs: gpus, StartAt: now, EndAt: now.Add(time.Hour)})
+					TenantID: tenantIDs[i%tenants], PoolID: f.poolID, GPUs: gpus, StartAt: now, EndAt: now.Add(time.Hour)})
 				return err
 			}))
 		}
@@ -177,12 +150,4 @@ func BenchmarkReservations(b *testing.B) {
 			phase2, p(0.5).Round(time.Millisecond), p(0.99).Round(time.Millisecond))
 		fmt.Fprintf(os.Stdout, "  median created→placed %.0fms, placed→active %.0fms\n", placeP50*1000, bindP50*1000)
 	}
-}
-
-// benchLogger logs the scheduler's passes to stderr when BC_BENCH_LOG is set.
-func benchLogger() *slog.Logger {
-	if os.Getenv("BC_BENCH_LOG") == "" {
-		return nil
-	}
-	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
 }

@@ -36,13 +36,6 @@ func (s *commandService) RunCommand(ctx context.Context, req *connect.Request[co
 		return nil, err
 	}
 	msg := req.Msg
-	n, err := store.GetNode(ctx, s.db.Pool, msg.NodeId)
-	if errors.Is(err, store.ErrNotFound) || (err == nil && !p.InTenant(n.PoolOwnerTenantID)) {
-		return nil, notFound("node", msg.NodeId)
-	}
-	if err != nil {
-		return nil, mapError(err)
-	}
 	timeout := store.DefaultCommandTimeout
 	if msg.Timeout != nil {
 		timeout = msg.Timeout.AsDuration()
@@ -52,7 +45,8 @@ func (s *commandService) RunCommand(ctx context.Context, req *connect.Request[co
 		now := s.db.Now()
 		var err error
 		q, err = store.QueueCommand(ctx, tx, s.intent, now, store.NewCommand{ID: ids.New(ids.Command, now), NodeID: msg.NodeId,
-			Kind: msg.Kind, Deadline: now.Add(timeout), RequestID: msg.RequestId, CreatedBy: p.TokenID})
+			Kind: msg.Kind, Deadline: now.Add(timeout), RequestID: msg.RequestId, CreatedBy: p.TokenID,
+			TenantID: p.TenantScope()})
 		if err != nil {
 			return err
 		}
@@ -66,6 +60,11 @@ func (s *commandService) RunCommand(ctx context.Context, req *connect.Request[co
 		}
 		return s.auditInTx(ctx, tx, q.ID, detail)
 	})
+	if errors.Is(err, store.ErrNotFound) {
+		// Unknown, or another tenant's (QueueCommand checks the tenant
+		// on the row it locks).
+		return nil, notFound("node", msg.NodeId)
+	}
 	if errors.Is(err, store.ErrNodeNotRunnable) {
 		return nil, connect.NewError(connect.CodeFailedPrecondition, err)
 	}

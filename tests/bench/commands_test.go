@@ -1,0 +1,250 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
+	"github.com/better-compute/better-compute/pkg/fakehw"
+	"github.com/better-compute/better-compute/pkg/store"
+)
+
+// commandKind is the kind the benchmark runs: the machines run it in no
+// simulated time (fakedaemon Config.Durations), so the round trip is the
+// control plane's and the daemons' handling only.
+const commandKind = fakehw.KindDiagNVML
+
+// commandRun is one command the benchmark ran: when RunCommand was called
+// and returned, and (from its terminal event) when the control plane
+// recorded its end and when the watch delivered that.
+type commandRun struct {
+	called, returned time.Time
+	state            string
+	finished, seen   time.Time
+}
+
+// commandLog records the commands' calls and terminal events; events may
+// arrive before their RunCommand call returns.
+type commandLog struct {
+	mu   sync.Mutex
+	runs map[string]*commandRun
+	// ended counts the terminal events received.
+	ended int
+}
+
+func (l *commandLog) get(id string) *commandRun {
+	r := l.runs[id]
+	if r == nil {
+		r = &commandRun{}
+		l.runs[id] = r
+	}
+	return r
+}
+
+func (l *commandLog) called(id string, called, returned time.Time) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	r := l.get(id)
+	r.called, r.returned = called, returned
+}
+
+func (l *commandLog) event(e *computev1.Event, at time.Time) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	r := l.get(e.GetSubjectId())
+	if r.state == "" {
+		l.ended++
+	}
+	r.state, r.finished, r.seen = e.GetType(), e.GetTime().AsTime(), at
+}
+
+// waitEnded waits until every command of ids has its terminal event.
+func (l *commandLog) waitEnded(b *testing.B, ids []string, within time.Duration) {
+	b.Helper()
+	missing := 0
+	require.Eventually(b, func() bool {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		missing = 0
+		for _, id := range ids {
+			if r := l.runs[id]; r == nil || r.state == "" {
+				missing++
+			}
+		}
+		return missing == 0
+	}, within, 20*time.Millisecond, "commands without a terminal event: %d of %d", &missing, len(ids))
+}
+
+// commandStats are the figures of a set of commands.
+type commandStats struct {
+	// first is the first RunCommand call, lastReturned the last return,
+	// lastFinished the last terminal state recorded.
+	first, lastReturned, lastFinished time.Time
+	// roundTrip is RunCommand called → terminal state recorded (the
+	// terminal event's time, which is the command's finished_at);
+	// call is the RunCommand call alone; seen is called → terminal event
+	// received through the watch.
+	roundTrip, call, seen []time.Duration
+	failed                int
+}
+
+func (l *commandLog) stats(ids []string) commandStats {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var s commandStats
+	for _, id := range ids {
+		r := l.runs[id]
+		if s.first.IsZero() || r.called.Before(s.first) {
+			s.first = r.called
+		}
+		if r.returned.After(s.lastReturned) {
+			s.lastReturned = r.returned
+		}
+		if r.finished.After(s.lastFinished) {
+			s.lastFinished = r.finished
+		}
+		if r.state != store.EventCommandSucceeded {
+			s.failed++
+		}
+		s.roundTrip = append(s.roundTrip, r.finished.Sub(r.called))
+		s.call = append(s.call, r.returned.Sub(r.called))
+		s.seen = append(s.seen, r.seen.Sub(r.called))
+	}
+	return s
+}
+
+// BenchmarkCommands runs diag.nvml commands through the public API
+// (CommandService.RunCommand, as `better-compute commands run` does) on
+// BC_BENCH_MACHINES (1,000) adopted machines, the services in process, and
+// learns each command's end from its command.succeeded (or .failed,
+// .expired) event through one EventService.Watch. It prints:
+//
+//   - throughput: BC_BENCH_COMMANDS (10 × machines) commands queued by
+//     BC_BENCH_CALLERS (64) concurrent callers as fast as RunCommand
+//     returns, spread round-robin over the machines; completed per second
+//     from the first call to the last terminal state recorded. Target
+//     ≥ 5,000/s.
+//   - round trip: commands at BC_BENCH_COMMAND_RATE (default: half the
+//     throughput just measured, so that they do not queue), 2 × machines
+//     or 20 s of them (at least 200); p50/p99 from the RunCommand call to
+//     the terminal state the control plane records (the event's time, the
+//     command's finished_at), with the RunCommand call alone, the watch's
+//     delivery and, from the commands table, queued → delivered and
+//     delivered → finished. Target p99 < 100 ms.
+//
+// It also prints the CPU time per command of this process (services,
+// machines and callers) and of the Postgres and NATS containers during the
+// throughput phase.
+func BenchmarkCommands(b *testing.B) {
+	callers := envInt("BC_BENCH_CALLERS", 64)
+	rate := envInt("BC_BENCH_COMMAND_RATE", 0) // 0: half the measured throughput
+	durations := fakehw.Durations{ByKind: map[string]time.Duration{commandKind: 0}}
+	for range b.N {
+		f := startFleet(b, fleetOptions{})
+		n, clk, ctx := f.n, f.clk, b.Context()
+		total := envInt("BC_BENCH_COMMANDS", 10*n)
+		f.startMachines(b, &durations)
+		f.waitAdopted(b)
+		nodes := f.nodeIDs(b)
+		hc := f.apiHTTPClient(callers + 2)
+		commands := f.commandClient(hc)
+
+		log := &commandLog{runs: map[string]*commandRun{}}
+		after, err := store.MaxEventID(ctx, f.stack.DB.Pool)
+		require.NoError(b, err)
+		watchCtx, stopWatch := context.WithCancel(ctx)
+		watchDone := f.watchEvents(watchCtx, hc, []string{store.EventCommandSucceeded, store.EventCommandFailed,
+			store.EventCommandExpired}, after, log.event)
+		run := func(node string) (string, error) {
+			called := clk.Now()
+			res, err := commands.RunCommand(ctx, connect.NewRequest(&computev1.RunCommandRequest{NodeId: node, Kind: commandKind,
+				Timeout: durationpb.New(5 * time.Minute)}))
+			if err != nil {
+				return "", err
+			}
+			id := res.Msg.GetCommand().GetId()
+			log.called(id, called, clk.Now())
+			return id, nil
+		}
+		runAll := func(count int, each func(i int) (string, error)) []string {
+			ids := make([]string, count)
+			require.NoError(b, parallel(count, callers, func(i int) error {
+				id, err := each(i)
+				ids[i] = id
+				return err
+			}))
+			log.waitEnded(b, ids, 5*time.Minute)
+			return ids
+		}
+
+		// Phase 1: throughput, with the CPU time it costs this process (the
+		// services and the machines) and the Postgres and NATS containers.
+		pg, nc := containerOf(b, f.dbURL), containerOf(b, f.natsURL)
+		self0, pg0, nc0 := procCPU(b, os.Getpid()), containerCPU(b, pg), containerCPU(b, nc)
+		ids := runAll(total, func(i int) (string, error) { return run(nodes[i%len(nodes)]) })
+		self1, pg1, nc1 := procCPU(b, os.Getpid()), containerCPU(b, pg), containerCPU(b, nc)
+		perCmd := func(d time.Duration) time.Duration { return d / time.Duration(total) }
+		s := log.stats(ids)
+		require.Zero(b, s.failed, "commands that did not succeed")
+		completed := float64(total) / s.lastFinished.Sub(s.first).Seconds()
+		queued := float64(total) / s.lastReturned.Sub(s.first).Seconds()
+		satRT := percentiles(s.roundTrip, 0.5, 0.99)
+
+		// Phase 2: round trip at a steady rate the control plane sustains.
+		rate := rate
+		if rate == 0 {
+			rate = max(1, int(completed/2))
+		}
+		steady := max(200, min(2*n, 20*rate))
+		tick := clk.NewTicker(time.Second / time.Duration(rate))
+		ids = runAll(steady, func(i int) (string, error) {
+			<-tick.C()
+			return run(nodes[(i*7)%len(nodes)])
+		})
+		tick.Stop()
+		s = log.stats(ids)
+		require.Zero(b, s.failed, "commands that did not succeed")
+		offered := float64(steady) / s.lastReturned.Sub(s.first).Seconds()
+		rt := percentiles(s.roundTrip, 0.5, 0.99)
+		call := percentiles(s.call, 0.5, 0.99)
+		seen := percentiles(s.seen, 0.5, 0.99)
+		var deliver50, deliver99, finish50, finish99 float64
+		require.NoError(b, f.stack.DB.Pool.QueryRow(ctx, `SELECT
+				percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - created_at)),
+				percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - created_at)),
+				percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM finished_at - delivered_at)),
+				percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM finished_at - delivered_at))
+			FROM commands WHERE id = ANY($1)`, ids).Scan(&deliver50, &deliver99, &finish50, &finish99))
+		stopWatch()
+		require.NoError(b, <-watchDone)
+
+		b.ReportMetric(completed, "commands/s")
+		b.ReportMetric(ms(rt[0]), "rt-p50-ms")
+		b.ReportMetric(ms(rt[1]), "rt-p99-ms")
+		fmt.Printf("commands: %d %s (no simulated time) on %d machines from %d callers: queued at %.0f/s, "+
+			"%.0f completed/s (target ≥ 5000); round trip at that load p50 %s, p99 %s\n",
+			total, commandKind, n, callers, queued, completed, satRT[0].Round(time.Millisecond), satRT[1].Round(time.Millisecond))
+		fmt.Printf("  CPU per command: %s services and machines (this process), %s Postgres, %s NATS\n",
+			perCmd(self1-self0).Round(time.Microsecond), perCmd(pg1-pg0).Round(time.Microsecond),
+			perCmd(nc1-nc0).Round(time.Microsecond))
+		fmt.Printf("command round trip at %.0f/s (%d commands): RunCommand → terminal state recorded p50 %s, p99 %s "+
+			"(target p99 < 100ms)\n", offered, steady, rt[0].Round(time.Millisecond), rt[1].Round(time.Millisecond))
+		fmt.Printf("  RunCommand call p50 %s, p99 %s; queued→delivered p50 %s, p99 %s; delivered→finished p50 %s, p99 %s; "+
+			"terminal event received by the watch p50 %s, p99 %s after the call\n",
+			call[0].Round(time.Millisecond), call[1].Round(time.Millisecond), secs(deliver50), secs(deliver99),
+			secs(finish50), secs(finish99), seen[0].Round(time.Millisecond), seen[1].Round(time.Millisecond))
+	}
+}
+
+// secs rounds a duration in seconds to the millisecond.
+func secs(s float64) time.Duration {
+	return time.Duration(s * float64(time.Second)).Round(time.Millisecond)
+}

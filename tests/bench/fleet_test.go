@@ -1,0 +1,438 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/stretchr/testify/require"
+
+	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
+	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
+	"github.com/better-compute/better-compute/cmd/better-compute/devstack"
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/fakehw"
+	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
+	"github.com/better-compute/better-compute/tests/internal/containers"
+)
+
+// The shared setup of the benchmarks: Postgres and NATS containers, the
+// services in process (devstack) with the gateway and the controllers
+// optionally in processes of their own (bin/linux, `make build`), and
+// BC_BENCH_MACHINES fakedaemon machines in this process.
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	containers.Stop()
+	os.Exit(code)
+}
+
+func freeAddr(tb testing.TB) string {
+	tb.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(tb, err)
+	defer l.Close()
+	return l.Addr().String()
+}
+
+// machines is BC_BENCH_MACHINES (default 1,000).
+func machines() int {
+	return envInt("BC_BENCH_MACHINES", 1000)
+}
+
+// envInt is the positive integer in env var name, or def.
+func envInt(name string, def int) int {
+	if v, err := strconv.Atoi(os.Getenv(name)); err == nil && v > 0 {
+		return v
+	}
+	return def
+}
+
+// envDuration is the positive duration in env var name, or def.
+func envDuration(name string, def time.Duration) time.Duration {
+	if v, err := time.ParseDuration(os.Getenv(name)); err == nil && v > 0 {
+		return v
+	}
+	return def
+}
+
+// benchLogger logs the services to stderr when BC_BENCH_LOG is set.
+func benchLogger() *slog.Logger {
+	if os.Getenv("BC_BENCH_LOG") == "" {
+		return nil
+	}
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
+}
+
+// startProcess runs the service binary bin/linux/<name> (`make build`) with
+// env added to this process's, waits until http://<health>/healthz answers
+// 200 and returns its pid; the process is interrupted when the benchmark
+// ends.
+func startProcess(b *testing.B, name, health string, env ...string) int {
+	b.Helper()
+	bin := filepath.Join("..", "..", "bin", "linux", name)
+	_, err := os.Stat(bin)
+	require.NoError(b, err, "%s binary (run make build)", name)
+	cmd := exec.Command(bin)
+	cmd.Env = append(os.Environ(), env...)
+	cmd.Stderr = os.Stderr
+	require.NoError(b, cmd.Start())
+	b.Cleanup(func() {
+		_ = cmd.Process.Signal(os.Interrupt)
+		_ = cmd.Wait()
+	})
+	require.Eventually(b, func() bool {
+		resp, err := http.Get("http://" + health + "/healthz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	}, 30*time.Second, 100*time.Millisecond, "%s answers /healthz", name)
+	return cmd.Process.Pid
+}
+
+// startGateway runs the gateway binary as its own process, so that its
+// memory and CPU can be read apart from the machines'.
+func startGateway(b *testing.B, dbURL, natsURL, pkiDir string) (url string, pid int) {
+	b.Helper()
+	listen, health := freeAddr(b), freeAddr(b)
+	pid = startProcess(b, "gateway", health,
+		"BETTER_COMPUTE_DATABASE_URL="+dbURL,
+		"BETTER_COMPUTE_NATS_URL="+natsURL,
+		"BC_PKI_DIR="+pkiDir,
+		"BC_LISTEN="+listen,
+		"BC_HEALTH_LISTEN="+health,
+		"BC_GATEWAY_ID=gw-bench",
+		"BC_LOG_LEVEL=warn",
+	)
+	_, port, _ := net.SplitHostPort(listen)
+	return "https://localhost:" + port, pid
+}
+
+// startControllers runs the controllers binary (outbox relay, acceptance,
+// expiry, liveness, usage) as its own process and returns its pid.
+func startControllers(b *testing.B, dbURL, natsURL, pkiDir string) int {
+	b.Helper()
+	health := freeAddr(b)
+	return startProcess(b, "controllers", health,
+		"BETTER_COMPUTE_DATABASE_URL="+dbURL,
+		"BETTER_COMPUTE_NATS_URL="+natsURL,
+		"BC_PKI_DIR="+pkiDir,
+		"BC_LISTEN="+health,
+		"BC_LEASE_HOLDER=bench-controllers",
+		"BC_LOG_LEVEL=warn",
+	)
+}
+
+// fleetOptions say how startFleet runs the control plane.
+type fleetOptions struct {
+	// externalGateway runs the gateway as its own process (gatewayPID).
+	externalGateway bool
+	// externalControllers runs the controllers as their own process
+	// (controllersPID).
+	externalControllers bool
+	// noScheduler starts no scheduler.
+	noScheduler bool
+}
+
+// fleet is a running control plane, bootstrapped, and (after
+// startMachines) its machines.
+type fleet struct {
+	n                      int
+	clk                    clock.Clock
+	dbURL, natsURL, pkiDir string
+	stack                  *devstack.Stack
+	// rootToken is the root administrator's API token; joinToken admits
+	// n machines to poolID of tenantID.
+	rootToken, joinToken, poolID, tenantID string
+	// gatewayPID and controllersPID are 0 when they run in this process.
+	gatewayPID, controllersPID int
+	runner                     *fakedaemon.Runner
+}
+
+// startFleet starts the containers and the control plane for machines()
+// machines and bootstraps it; startMachines starts the machines.
+func startFleet(b *testing.B, o fleetOptions) *fleet {
+	b.Helper()
+	f := &fleet{n: machines(), clk: clock.New()}
+	f.dbURL = containers.Postgres(b)
+	f.natsURL = containers.NATS(b)
+	f.pkiDir = b.TempDir()
+	_, err := pki.Init(f.pkiDir, pki.InitOptions{GatewayNames: []string{"localhost", "127.0.0.1"}}, f.clk.Now())
+	require.NoError(b, err)
+	require.NoError(b, os.Chmod(f.pkiDir, 0o755))
+	opts := devstack.Options{DatabaseURL: f.dbURL, NATSURL: f.natsURL, PKIDir: f.pkiDir, Logger: benchLogger(),
+		NoScheduler: o.noScheduler, NoControllers: o.externalControllers}
+	if o.externalGateway {
+		opts.ExternalGatewayURL, f.gatewayPID = startGateway(b, f.dbURL, f.natsURL, f.pkiDir)
+	}
+	if o.externalControllers {
+		f.controllersPID = startControllers(b, f.dbURL, f.natsURL, f.pkiDir)
+	}
+	f.stack, err = devstack.Start(b.Context(), opts)
+	require.NoError(b, err)
+	b.Cleanup(func() { _ = f.stack.Close() })
+	res, err := f.stack.Bootstrap(b.Context(), devstack.BootstrapOptions{Dir: b.TempDir(), JoinMaxUses: int32(f.n)})
+	require.NoError(b, err)
+	f.rootToken, f.joinToken, f.poolID, f.tenantID = res.RootToken, res.JoinToken, res.PoolID, res.TenantID
+	return f
+}
+
+// startMachines starts the fleet's n machines (fakedaemon's multi-machine
+// mode, in this process), with durations when not nil, and returns when
+// they were started; they stop when the benchmark ends.
+func (f *fleet) startMachines(b *testing.B, durations *fakehw.Durations) time.Time {
+	b.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	start := f.clk.Now()
+	r, err := fakedaemon.Start(ctx, fakedaemon.Config{
+		Server: f.stack.APIURL, Pins: f.stack.Pins, Token: f.joinToken, DataDir: b.TempDir(), Nodes: f.n,
+		JoinConcurrency: 32, Durations: durations,
+	}, fakedaemon.Deps{})
+	require.NoError(b, err)
+	f.runner = r
+	b.Cleanup(func() {
+		cancel()
+		_ = r.Wait()
+	})
+	return start
+}
+
+// waitAdopted waits until every machine is adopted and has reported its
+// first NodeSpec.
+func (f *fleet) waitAdopted(b *testing.B) {
+	b.Helper()
+	var adopted int
+	require.Eventually(b, func() bool {
+		err := f.stack.DB.Pool.QueryRow(b.Context(), `SELECT count(*) FROM nodes
+			WHERE provision_state = 'adopted' AND observed_generation >= 1`).Scan(&adopted)
+		return err == nil && adopted == f.n
+	}, 10*time.Minute, 100*time.Millisecond, "adopted %d of %d", &adopted, f.n)
+}
+
+// nodeIDs returns the ids of the fleet's nodes, sorted.
+func (f *fleet) nodeIDs(b *testing.B) []string {
+	b.Helper()
+	rows, err := f.stack.DB.Pool.Query(b.Context(), `SELECT id FROM nodes ORDER BY id`)
+	require.NoError(b, err)
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var id string
+		require.NoError(b, rows.Scan(&id))
+		out = append(out, id)
+	}
+	require.NoError(b, rows.Err())
+	return out
+}
+
+// bearer adds an Authorization header to every request.
+type bearer struct {
+	token string
+	next  http.RoundTripper
+}
+
+func (t bearer) RoundTrip(r *http.Request) (*http.Response, error) {
+	r = r.Clone(r.Context())
+	r.Header.Set("Authorization", "Bearer "+t.token)
+	return t.next.RoundTrip(r)
+}
+
+// apiHTTPClient is an HTTP client of the public API as root-admin that keeps
+// up to conns connections open (many concurrent callers).
+func (f *fleet) apiHTTPClient(conns int) *http.Client {
+	tr := http.DefaultTransport.(*http.Transport).Clone()
+	tr.MaxIdleConns, tr.MaxIdleConnsPerHost = conns, conns
+	return &http.Client{Transport: bearer{token: f.rootToken, next: tr}}
+}
+
+// commandClient and eventClient are Connect clients of the public API as
+// root-admin.
+func (f *fleet) commandClient(hc *http.Client) computev1connect.CommandServiceClient {
+	return computev1connect.NewCommandServiceClient(hc, f.stack.APIURL+"/api/compute")
+}
+
+func (f *fleet) eventClient(hc *http.Client) computev1connect.EventServiceClient {
+	return computev1connect.NewEventServiceClient(hc, f.stack.APIURL+"/api/compute")
+}
+
+// percentiles returns the q-quantiles of ds (sorted in place), nearest rank
+// below.
+func percentiles(ds []time.Duration, qs ...float64) []time.Duration {
+	slices.Sort(ds)
+	out := make([]time.Duration, len(qs))
+	if len(ds) == 0 {
+		return out
+	}
+	for i, q := range qs {
+		out[i] = ds[int(q*float64(len(ds)-1))]
+	}
+	return out
+}
+
+// ms is d in milliseconds, for b.ReportMetric.
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// rssKiB reads a process's resident set size from /proc.
+func rssKiB(tb testing.TB, pid int) int64 {
+	tb.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	require.NoError(tb, err)
+	for _, line := range strings.Split(string(b), "\n") {
+		if rest, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			n, err := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(rest), " kB"), 10, 64)
+			require.NoError(tb, err)
+			return n
+		}
+	}
+	tb.Fatal("no VmRSS")
+	return 0
+}
+
+// procCPU is the CPU time (user + system, every thread) process pid has
+// used, from /proc/<pid>/stat (clock ticks of 10 ms: USER_HZ is 100 on
+// Linux).
+func procCPU(tb testing.TB, pid int) time.Duration {
+	tb.Helper()
+	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	require.NoError(tb, err)
+	// The command name (field 2) may hold spaces: fields after its ')'.
+	s := string(raw)
+	fields := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+	// fields[0] is field 3 (state): utime and stime are fields 14 and 15.
+	utime, err := strconv.ParseInt(fields[11], 10, 64)
+	require.NoError(tb, err)
+	stime, err := strconv.ParseInt(fields[12], 10, 64)
+	require.NoError(tb, err)
+	return time.Duration(utime+stime) * 10 * time.Millisecond
+}
+
+// containerOf returns the id of the running container that publishes the
+// port of rawURL (a postgres:// or nats:// URL of containers.Postgres or
+// containers.NATS) on the host.
+func containerOf(tb testing.TB, rawURL string) string {
+	tb.Helper()
+	u, err := url.Parse(rawURL)
+	require.NoError(tb, err)
+	out, err := exec.Command("docker", "ps", "--no-trunc", "--format", "{{.ID}} {{.Ports}}").Output()
+	require.NoError(tb, err, "docker ps")
+	for _, line := range strings.Split(string(out), "\n") {
+		id, ports, ok := strings.Cut(line, " ")
+		if ok && strings.Contains(ports, ":"+u.Port()+"->") {
+			return id
+		}
+	}
+	tb.Fatalf("no container publishes port %s", u.Port())
+	return ""
+}
+
+// containerCPU is the CPU time container id (full id) has used, read from
+// its cgroup on the host (cgroup v1 cpuacct.usage or v2 cpu.stat under
+// Docker's cgroupfs or systemd parents), else inside it with docker exec.
+func containerCPU(tb testing.TB, id string) time.Duration {
+	tb.Helper()
+	for _, p := range []string{
+		"/sys/fs/cgroup/cpuacct/docker/" + id + "/cpuacct.usage",
+		"/sys/fs/cgroup/cpu,cpuacct/docker/" + id + "/cpuacct.usage",
+		"/sys/fs/cgroup/docker/" + id + "/cpu.stat",
+		"/sys/fs/cgroup/system.slice/docker-" + id + ".scope/cpu.stat",
+	} {
+		if raw, err := os.ReadFile(p); err == nil {
+			return parseCgroupCPU(tb, string(raw))
+		}
+	}
+	out, err := exec.Command("docker", "exec", id, "sh", "-c",
+		"cat /sys/fs/cgroup/cpu.stat 2>/dev/null || cat /sys/fs/cgroup/cpuacct/cpuacct.usage").Output()
+	require.NoError(tb, err, "read the CPU time of container %s", id)
+	return parseCgroupCPU(tb, string(out))
+}
+
+// parseCgroupCPU reads cpuacct.usage (ns) or cpu.stat (usage_usec).
+func parseCgroupCPU(tb testing.TB, s string) time.Duration {
+	tb.Helper()
+	s = strings.TrimSpace(s)
+	if rest, ok := strings.CutPrefix(s, "usage_usec "); ok {
+		us, err := strconv.ParseInt(strings.Fields(rest)[0], 10, 64)
+		require.NoError(tb, err)
+		return time.Duration(us) * time.Microsecond
+	}
+	ns, err := strconv.ParseInt(s, 10, 64)
+	require.NoError(tb, err, "cgroup CPU time: %q", s)
+	return time.Duration(ns)
+}
+
+// parallel calls each(i) for i in [0, total) from workers goroutines and
+// returns the first error (the others still run).
+func parallel(total, workers int, each func(i int) error) error {
+	var (
+		wg    sync.WaitGroup
+		mu    sync.Mutex
+		first error
+	)
+	next := make(chan int)
+	for range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range next {
+				if err := each(i); err != nil {
+					mu.Lock()
+					if first == nil {
+						first = err
+					}
+					mu.Unlock()
+				}
+			}
+		}()
+	}
+	for i := range total {
+		next <- i
+	}
+	close(next)
+	wg.Wait()
+	return first
+}
+
+// watchEvents streams the events of types (all when empty) after event id
+// after through EventService.Watch as root-admin, calling fn with each and
+// when it was received, until ctx ends. The returned channel receives the
+// stream's end (nil when ctx ended it).
+func (f *fleet) watchEvents(ctx context.Context, hc *http.Client, types []string, after int64,
+	fn func(e *computev1.Event, at time.Time),
+) <-chan error {
+	done := make(chan error, 1)
+	go func() {
+		stream, err := f.eventClient(hc).Watch(ctx, connect.NewRequest(&computev1.WatchRequest{Types: types, AfterId: after}))
+		if err != nil {
+			done <- err
+			return
+		}
+		defer stream.Close()
+		for stream.Receive() {
+			if e := stream.Msg().GetEvent(); e != nil {
+				fn(e, f.clk.Now())
+			}
+		}
+		if ctx.Err() != nil {
+			done <- nil
+			return
+		}
+		done <- stream.Err()
+	}()
+	return done
+}
