@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"slices"
 	"time"
+
+	"github.com/better-compute/better-compute/pkg/daemon"
 )
 
 // Bounds of the invariants.
@@ -36,7 +38,8 @@ type i1Booking struct {
 func newI1() *i1 { return &i1{byNode: map[string][]*i1Booking{}, byRes: map[string]*i1Booking{}} }
 
 func (c *i1) Invariant() (string, string) {
-	return "I1", "no overlapping bookings or node-held devices: two live allocations on one node never share a device"
+	return "I1", "no overlapping bookings or node-held devices: two live allocations on one node never share a device " +
+		"(node-held devices: the daemon core; bookings: the stub's own placement)"
 }
 
 func (c *i1) Observe(r *Record) []Violation {
@@ -95,7 +98,8 @@ func duplicate(ds []int32) (int32, bool) {
 // i2 checks I2: each command runs at most once; a retry-safe one may run
 // again only after its node lost its journal, and one that is not
 // retry-safe never runs after a journal loss that happened after it was
-// issued.
+// issued: when its node's daemon receives it after the loss, it answers
+// FAILED with daemon.ErrTextJournalLost at once (not merely "not run").
 type i2 struct {
 	cmds     map[string]*i2Command
 	lastLoss map[string]time.Time
@@ -112,7 +116,8 @@ type i2Command struct {
 func newI2() *i2 { return &i2{cmds: map[string]*i2Command{}, lastLoss: map[string]time.Time{}} }
 
 func (c *i2) Invariant() (string, string) {
-	return "I2", "at most one execution per command; after a journal loss, in-flight commands that are not retry-safe fail instead of running again"
+	return "I2", "at most one execution per command; after a journal loss, in-flight commands that are not retry-safe " +
+		"are answered FAILED (journal lost) instead of running again (the daemon core)"
 }
 
 func (c *i2) Observe(r *Record) []Violation {
@@ -146,6 +151,20 @@ func (c *i2) Observe(r *Record) []Violation {
 		cmd.runs++
 		cmd.lastRun = r.At
 		return out
+	case RecCommandReceived:
+		cmd := c.cmds[r.Command]
+		loss, lost := c.lastLoss[r.Node]
+		if cmd == nil || cmd.retrySafe || !lost || cmd.issued.After(loss) || !r.At.After(loss) {
+			return nil
+		}
+		if r.State != cmdStateNames[cmdFailed] || r.Error != daemon.ErrTextJournalLost {
+			answer := "nothing"
+			if r.State != "" {
+				answer = fmt.Sprintf("%s %q", r.State, r.Error)
+			}
+			return []Violation{violation("I2", r, "received %s after the journal loss at %s (not retry-safe, issued before it) and answered %s, not failed: journal lost",
+				r.Command, loss.UTC().Format(time.RFC3339Nano), answer)}
+		}
 	}
 	return nil
 }
@@ -154,11 +173,12 @@ func (c *i2) Finish(time.Time) []Violation { return nil }
 
 // i3 checks I3: a DesiredState a gateway sent is reported observed (a
 // generation at least as new) within SpecObserveWithin, unless the node is
-// marked unreachable in that time. Deliveries whose window outlasts the run
+// marked unreachable in that time or was when it was sent. Deliveries whose window outlasts the run
 // are not judged.
 type i3 struct {
 	pending map[string][]*i3Delivery // by node, not yet observed
 	queue   []*i3Delivery            // every delivery not yet judged, in delivery (= deadline) order
+	down    map[string]bool          // nodes marked unreachable and not heard from since
 }
 
 type i3Delivery struct {
@@ -169,10 +189,10 @@ type i3Delivery struct {
 	done     bool
 }
 
-func newI3() *i3 { return &i3{pending: map[string][]*i3Delivery{}} }
+func newI3() *i3 { return &i3{pending: map[string][]*i3Delivery{}, down: map[string]bool{}} }
 
 func (c *i3) Invariant() (string, string) {
-	return "I3", "a delivered spec is reported observed within 60 s while the node stays reachable"
+	return "I3", "a delivered spec is reported observed within 60 s while the node stays reachable (the daemon core)"
 }
 
 // expire judges the deliveries whose deadline is before t.
@@ -213,6 +233,11 @@ func (c *i3) Observe(r *Record) []Violation {
 	}
 	switch r.Kind {
 	case RecSpecDelivered:
+		if c.down[r.Node] {
+			// Sent while the node is marked unreachable (on a session its
+			// gateway has not closed yet): not "while reachable".
+			return out
+		}
 		d := &i3Delivery{node: r.Node, gen: r.Gen, at: r.At, deadline: r.At.Add(SpecObserveWithin)}
 		c.pending[r.Node] = append(c.pending[r.Node], d)
 		c.queue = append(c.queue, d)
@@ -224,10 +249,13 @@ func (c *i3) Observe(r *Record) []Violation {
 		}
 		c.drop(r.Node)
 	case RecUnreachable:
+		c.down[r.Node] = true
 		for _, d := range c.pending[r.Node] {
 			d.done = true
 		}
 		delete(c.pending, r.Node)
+	case RecReachable:
+		delete(c.down, r.Node)
 	}
 	return out
 }
@@ -255,7 +283,8 @@ type i4 struct{ lastHeard map[string]time.Time }
 func newI4() *i4 { return &i4{lastHeard: map[string]time.Time{}} }
 
 func (c *i4) Invariant() (string, string) {
-	return "I4", "no node is marked unreachable within 20 s of a gateway hearing from it"
+	return "I4", "no node is marked unreachable within 20 s of a gateway hearing from it (the stub's model of the gateways' " +
+		"batched last_seen, presence and the sweeper, against the true hearings)"
 }
 
 func (c *i4) Observe(r *Record) []Violation {
@@ -287,7 +316,7 @@ type i5Booking struct {
 func newI5() *i5 { return &i5{bookings: map[string]*i5Booking{}, releases: map[string]time.Time{}} }
 
 func (c *i5) Invariant() (string, string) {
-	return "I5", "no release caused by connectivity: a booking ends only by release or at its end time"
+	return "I5", "no release caused by connectivity: a booking ends only by release or at its end time (the stub's own bookkeeping)"
 }
 
 func (c *i5) Observe(r *Record) []Violation {
@@ -352,7 +381,8 @@ type i8Booking struct {
 func newI8() *i8 { return &i8{bookings: map[string]*i8Booking{}, windows: map[i8Key]bool{}} }
 
 func (c *i8) Invariant() (string, string) {
-	return "I8", "usage windows (per reservation and UTC hour, integer GPU-seconds) add up to booked time × GPUs, with no duplicate keys"
+	return "I8", "usage windows (per reservation and UTC hour, integer GPU-seconds) add up to booked time × GPUs, with no " +
+		"duplicate keys (the stub's own bookkeeping)"
 }
 
 func (c *i8) Observe(r *Record) []Violation {
@@ -397,6 +427,155 @@ func (c *i8) Finish(end time.Time) []Violation {
 			r := &Record{At: end, Node: b.node}
 			out = append(out, violation("I8", r, "usage windows of %s add up to %d GPU-seconds, its booking to %d", id, b.sum, want))
 		}
+	}
+	return out
+}
+
+// progress checks that the daemons do their work, so that a daemon that
+// runs nothing cannot pass. Strict (chaos none): every command ends
+// SUCCEEDED (a FAILED one only when a node.reboot the workload sent
+// interrupted it: daemon.ErrTextRebooted) and none is still open after its
+// deadline; every booking is reported bound (AllocationBound) by its own
+// node within SpecObserveWithin unless it ended sooner. Under chaos: when
+// some command's deadline passed before the end of the run, some command
+// succeeded; when some booking was live SpecObserveWithin before the end,
+// some booking was bound.
+type progress struct {
+	strict    bool
+	cmds      map[string]*progCommand // not ended, by id
+	cmdOrder  []*progCommand          // every command, by issue time
+	bookings  map[string]*progBooking
+	bookOrder []*progBooking // every booking, by start
+	succeeded int
+	bound     int
+}
+
+type progCommand struct {
+	id, node string
+	issued   time.Time
+	ended    bool
+}
+
+type progBooking struct {
+	res, node  string
+	start, end time.Time // end: when it ended (zero while live)
+	bound      bool
+}
+
+// ProgressName is the name of the progress check in violations.
+const ProgressName = "progress"
+
+func newProgress(strict bool) *progress {
+	return &progress{strict: strict, cmds: map[string]*progCommand{}, bookings: map[string]*progBooking{}}
+}
+
+func (c *progress) Invariant() (string, string) {
+	return ProgressName, "the daemons do the work: with chaos none every command succeeds (or fails only because a node.reboot " +
+		"interrupted it) and every booking is bound by its node within 60 s; under chaos some command succeeds and some " +
+		"booking is bound (the daemon core)"
+}
+
+func (c *progress) Observe(r *Record) []Violation {
+	var out []Violation
+	if c.strict {
+		out = c.judgeBookings(r.At, false)
+	}
+	switch r.Kind {
+	case RecCommandCreated:
+		cmd := &progCommand{id: r.Command, node: r.Node, issued: r.At}
+		c.cmds[r.Command] = cmd
+		c.cmdOrder = append(c.cmdOrder, cmd)
+	case RecCommandEnded:
+		cmd := c.cmds[r.Command]
+		if cmd == nil {
+			return out
+		}
+		delete(c.cmds, r.Command)
+		cmd.ended = true
+		switch {
+		case r.State == cmdStateNames[cmdSucceeded]:
+			c.succeeded++
+		case !c.strict:
+		case r.State == cmdStateNames[cmdFailed] && r.Error == daemon.ErrTextRebooted:
+		default:
+			out = append(out, violation(ProgressName, r, "%s ended %s %q with chaos none", r.Command, r.State, r.Error))
+		}
+	case RecBookingStart:
+		b := &progBooking{res: r.Reservation, node: r.Node, start: r.At}
+		c.bookings[r.Reservation] = b
+		c.bookOrder = append(c.bookOrder, b)
+	case RecBookingEnd:
+		if b := c.bookings[r.Reservation]; b != nil && b.end.IsZero() {
+			b.end = r.At
+		}
+	case RecBound:
+		b := c.bookings[r.Reservation]
+		switch {
+		case b == nil:
+		case b.node != r.Node:
+			out = append(out, violation(ProgressName, r, "bound %s, a booking on %s", r.Reservation, b.node))
+		case !b.bound:
+			b.bound = true
+			c.bound++
+		}
+	}
+	return out
+}
+
+// judgeBookings judges, in strict mode, the bookings whose binding window
+// ended before t (at t too when final).
+func (c *progress) judgeBookings(t time.Time, final bool) []Violation {
+	var out []Violation
+	n := 0
+	for _, b := range c.bookOrder {
+		deadline := b.start.Add(SpecObserveWithin)
+		if deadline.After(t) || (!final && deadline.Equal(t)) {
+			break
+		}
+		n++
+		if b.bound || (!b.end.IsZero() && b.end.Before(deadline)) {
+			continue
+		}
+		r := &Record{At: deadline, Node: b.node}
+		out = append(out, violation(ProgressName, r, "booking %s was not reported bound within %s with chaos none", b.res, SpecObserveWithin))
+	}
+	if n > 0 {
+		for _, b := range c.bookOrder[:n] {
+			delete(c.bookings, b.res)
+		}
+		c.bookOrder = slices.Delete(c.bookOrder, 0, n)
+	}
+	return out
+}
+
+func (c *progress) Finish(end time.Time) []Violation {
+	at := &Record{At: end}
+	var out []Violation
+	due := 0
+	for _, cmd := range c.cmdOrder {
+		if cmd.issued.Add(CommandTimeout).After(end) {
+			break
+		}
+		due++
+		if c.strict && !cmd.ended {
+			r := &Record{At: end, Node: cmd.node}
+			out = append(out, violation(ProgressName, r, "%s never ended", cmd.id))
+		}
+	}
+	if c.strict {
+		return append(out, c.judgeBookings(end, true)...)
+	}
+	if due > 0 && c.succeeded == 0 {
+		out = append(out, violation(ProgressName, at, "no command succeeded of %d issued", len(c.cmdOrder)))
+	}
+	live := 0
+	for _, b := range c.bookOrder {
+		if !b.start.Add(SpecObserveWithin).After(end) && (b.end.IsZero() || !b.end.Before(b.start.Add(SpecObserveWithin))) {
+			live++
+		}
+	}
+	if live > 0 && c.bound == 0 {
+		out = append(out, violation(ProgressName, at, "no booking was reported bound of %d that lived %s", live, SpecObserveWithin))
 	}
 	return out
 }

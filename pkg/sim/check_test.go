@@ -5,6 +5,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/better-compute/better-compute/pkg/daemon"
 )
 
 var h0 = time.Date(2030, 1, 1, 23, 50, 0, 0, time.UTC)
@@ -86,19 +88,32 @@ func TestI2(t *testing.T) {
 	lost := func(d time.Duration, node string) Record {
 		return Record{At: at(d), Kind: RecJournalLost, Node: node}
 	}
+	got := func(d time.Duration, id, node, state, errText string) Record {
+		return Record{At: at(d), Kind: RecCommandReceived, Command: id, Node: node, State: state, Error: errText}
+	}
+	failedLost := func(d time.Duration, id, node string) Record {
+		return got(d, id, node, "failed", daemon.ErrTextJournalLost)
+	}
 	runCase(t, checkCase{
 		checker: func() Checker { return newI2() },
 		clean: []Record{
+			created(0, "c5", "n1", false),
+			got(time.Millisecond, "c5", "n1", "running", ""), // before any loss
 			created(0, "c1", "n1", true),
 			created(0, "c2", "n1", false),
 			created(0, "c3", "n2", false),
 			ran(time.Second, "c1", "n1"),
 			ran(time.Second, "c2", "n1"),
 			lost(time.Minute, "n1"),
-			ran(2*time.Minute, "c1", "n1"), // retry-safe: may run again after the loss
-			ran(2*time.Minute, "c3", "n2"), // another node's loss does not matter
+			ran(2*time.Minute, "c1", "n1"),        // retry-safe: may run again after the loss
+			ran(2*time.Minute, "c3", "n2"),        // another node's loss does not matter
+			failedLost(2*time.Minute, "c2", "n1"), // redelivered after the loss: failed
+			failedLost(2*time.Minute, "c5", "n1"),
+			failedLost(3*time.Minute, "c5", "n1"),         // again: answered from the journal
+			got(2*time.Minute, "c1", "n1", "running", ""), // retry-safe
 			created(3*time.Minute, "c4", "n1", false),
-			ran(4*time.Minute, "c4", "n1"), // issued after the loss
+			got(4*time.Minute, "c4", "n1", "running", ""), // issued after the loss
+			ran(4*time.Minute, "c4", "n1"),
 		},
 		bad: map[string][]Record{
 			"a command runs twice": {
@@ -116,6 +131,21 @@ func TestI2(t *testing.T) {
 				created(0, "c1", "n1", false),
 				lost(time.Minute, "n1"),
 				ran(2*time.Minute, "c1", "n1"),
+			},
+			"an in-flight command that is not retry-safe is not answered after a journal loss": {
+				created(0, "c1", "n1", false),
+				lost(time.Minute, "n1"),
+				got(2*time.Minute, "c1", "n1", "", ""),
+			},
+			"an in-flight command that is not retry-safe is answered running after a journal loss": {
+				created(0, "c1", "n1", false),
+				lost(time.Minute, "n1"),
+				got(2*time.Minute, "c1", "n1", "running", ""),
+			},
+			"an in-flight command that is not retry-safe fails for another reason after a journal loss": {
+				created(0, "c1", "n1", false),
+				lost(time.Minute, "n1"),
+				got(2*time.Minute, "c1", "n1", "failed", daemon.ErrTextExpired),
 			},
 			"an unknown command runs":          {ran(time.Second, "c9", "n1")},
 			"a command runs on another node":   {created(0, "c1", "n1", true), ran(time.Second, "c1", "n2")},
@@ -147,6 +177,7 @@ func TestI3(t *testing.T) {
 			sent(3*time.Minute, "n2", 1),
 			unreachable(3*time.Minute+40*time.Second, "n2"), // excused
 			heard(5*time.Minute, "n2"),
+			sent(5*time.Minute, "n2", 2),                // sent while n2 is marked unreachable: not judged
 			sent(9*time.Minute+30*time.Second, "n1", 4), // its window outlasts the run
 		},
 		bad: map[string][]Record{
@@ -159,6 +190,11 @@ func TestI3(t *testing.T) {
 			"unreachable only after the deadline": {
 				sent(0, "n1", 1),
 				unreachable(90*time.Second, "n1"),
+			},
+			"reachable again, then not observed": {
+				unreachable(0, "n1"),
+				Record{At: at(10 * time.Second), Kind: RecReachable, Node: "n1"},
+				sent(20*time.Second, "n1", 1),
 			},
 			"another node's unreachability does not excuse": {
 				sent(0, "n1", 1),
@@ -262,10 +298,85 @@ func TestI8(t *testing.T) {
 	})
 }
 
+func TestProgress(t *testing.T) {
+	created := func(d time.Duration, id, node string) Record {
+		return Record{At: at(d), Kind: RecCommandCreated, Command: id, Node: node}
+	}
+	ended := func(d time.Duration, id, state, errText string) Record {
+		return Record{At: at(d), Kind: RecCommandEnded, Command: id, Node: "n1", State: state, Error: errText}
+	}
+	booked := func(d time.Duration, res, node string) Record {
+		return Record{At: at(d), Kind: RecBookingStart, Node: node, Reservation: res, Devices: []int32{0}, GPUs: 1, End: at(d + time.Hour)}
+	}
+	bound := func(d time.Duration, res, node string) Record {
+		return Record{At: at(d), Kind: RecBound, Node: node, Reservation: res}
+	}
+	released := func(d time.Duration, res string) Record {
+		return Record{At: at(d), Kind: RecBookingEnd, Reservation: res, Cause: CauseRelease}
+	}
+	end := at(time.Hour)
+	t.Run("strict", func(t *testing.T) {
+		runCase(t, checkCase{
+			checker: func() Checker { return newProgress(true) },
+			clean: []Record{
+				created(0, "c1", "n1"),
+				created(0, "c2", "n1"),
+				booked(0, "r1", "n1"),
+				booked(0, "r2", "n1"),
+				ended(time.Second, "c1", "succeeded", ""),
+				ended(2*time.Second, "c2", "failed", daemon.ErrTextRebooted), // a node.reboot interrupted it
+				bound(time.Second, "r1", "n1"),
+				released(10*time.Second, "r2"), // too short-lived to judge
+				booked(time.Minute, "r3", "n2"),
+				bound(2*time.Minute, "r3", "n2"),    // exactly 60 s
+				created(58*time.Minute, "c3", "n1"), // its deadline is after the end
+				booked(59*time.Minute+30*time.Second, "r4", "n1"),
+			},
+			bad: map[string][]Record{
+				"a command expires":           {created(0, "c1", "n1"), ended(5*time.Minute, "c1", "expired", "")},
+				"a command fails":             {created(0, "c1", "n1"), ended(time.Second, "c1", "failed", "boom")},
+				"a command never ends":        {created(0, "c1", "n1")},
+				"a booking is never bound":    {booked(0, "r1", "n1")},
+				"a booking is bound too late": {booked(0, "r1", "n1"), bound(61*time.Second, "r1", "n1")},
+				"another node binds it":       {booked(0, "r1", "n1"), bound(time.Second, "r1", "n2")},
+				"released after its window, never bound": {
+					booked(0, "r1", "n1"), released(2*time.Minute, "r1"),
+				},
+			},
+			end: end,
+		})
+	})
+	t.Run("chaos", func(t *testing.T) {
+		runCase(t, checkCase{
+			checker: func() Checker { return newProgress(false) },
+			clean: []Record{
+				created(0, "c1", "n1"),
+				created(0, "c2", "n1"),
+				booked(0, "r1", "n1"),
+				booked(0, "r2", "n1"),
+				ended(5*time.Minute, "c1", "expired", ""),
+				ended(time.Minute, "c2", "succeeded", ""),
+				bound(time.Second, "r2", "n1"),
+			},
+			bad: map[string][]Record{
+				"no command succeeds": {
+					created(0, "c1", "n1"), created(0, "c2", "n1"),
+					ended(time.Minute, "c1", "failed", "boom"), ended(5*time.Minute, "c2", "expired", ""),
+				},
+				"no booking is bound": {booked(0, "r1", "n1"), booked(0, "r2", "n1")},
+			},
+			end: end,
+		})
+		// Too short a run is not judged.
+		require.Empty(t, Check(newProgress(false), []Record{created(0, "c1", "n1"), booked(0, "r1", "n1")}, at(30*time.Second)))
+	})
+}
+
 func TestInvariantsListed(t *testing.T) {
 	inv := Invariants()
-	require.Len(t, inv, 6)
-	for i, name := range []string{"I1", "I2", "I3", "I4", "I5", "I8"} {
+	require.Len(t, inv, 7)
+	for i, name := range []string{"I1", "I2", "I3", "I4", "I5", "I8", ProgressName} {
 		require.Regexp(t, "^"+name+": ", inv[i])
+		require.Regexp(t, `\(.*(the daemon core|the stub.s ).*\)$`, inv[i])
 	}
 }

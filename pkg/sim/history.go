@@ -42,6 +42,18 @@ const (
 	// RecUsageWindow: the usage meter wrote Secs GPU-seconds for
 	// Reservation in the UTC hour starting at Window.
 	RecUsageWindow
+	// RecCommandReceived: the daemon of Node received Command at At and
+	// answered it, in the same step, with State (a cmdState name:
+	// "running", "succeeded" or "failed"; "" when it sent no update for
+	// it) and Error.
+	RecCommandReceived
+	// RecCommandEnded: the control plane recorded Command's terminal State
+	// ("succeeded", "failed" with the daemon's Error, or "expired" at its
+	// deadline) at At.
+	RecCommandEnded
+	// RecBound: a gateway heard from Node at At that its daemon bound the
+	// allocation of Reservation (AllocationBound).
+	RecBound
 
 	recordKinds // one past the last kind
 )
@@ -84,6 +96,10 @@ type Record struct {
 	Window time.Time
 	// Secs is a usage window's GPU-seconds.
 	Secs int64
+	// State is a command's state (RecCommandReceived, RecCommandEnded).
+	State string
+	// Error is a failed command's error text.
+	Error string
 }
 
 // Hold is one allocation a daemon has applied.
@@ -96,7 +112,7 @@ type Hold struct {
 
 // Violation is one breach of an invariant.
 type Violation struct {
-	// Invariant is "I1", "I2", "I3", "I4", "I5" or "I8".
+	// Invariant is "I1", "I2", "I3", "I4", "I5", "I8" or "progress".
 	Invariant string `json:"invariant"`
 	// At is the simulated time the breach was found.
 	At time.Time `json:"-"`
@@ -123,17 +139,20 @@ type Checker interface {
 	Finish(end time.Time) []Violation
 }
 
-// Checkers returns a fresh checker of every invariant the simulator checks,
-// in order: I1, I2, I3, I4, I5, I8.
-func Checkers() []Checker {
-	return []Checker{newI1(), newI2(), newI3(), newI4(), newI5(), newI8()}
+// Checkers returns a fresh checker of every invariant the simulator checks
+// in a run at chaos level chaos, in order: I1, I2, I3, I4, I5, I8 and
+// progress (strict with ChaosNone; see newProgress).
+func Checkers(chaos Chaos) []Checker {
+	return []Checker{newI1(), newI2(), newI3(), newI4(), newI5(), newI8(), newProgress(chaos == ChaosNone)}
 }
 
 // Invariants returns "<name>: <summary>" for every invariant checked, one
-// per line's worth, in order (the CLI's help text lists them).
+// per line's worth, in order (the CLI's help text lists them). Each
+// summary ends by saying what it exercises: the daemon core, or the
+// stub's own bookkeeping.
 func Invariants() []string {
 	var out []string
-	for _, c := range Checkers() {
+	for _, c := range Checkers(ChaosNone) {
 		n, s := c.Invariant()
 		out = append(out, n+": "+s)
 	}

@@ -8,6 +8,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	"github.com/better-compute/better-compute/pkg/daemon"
 )
 
 // Chaos is a level of chaos: "none", "light" or "heavy".
@@ -284,13 +285,37 @@ func (s *Sim) onDown(c *conn, m *gatewayv1.SessionResponse) {
 	if c.dead || !c.nodeOpen || c.inc != n.inc || n.agent == nil {
 		return
 	}
-	if cmd := m.GetCommand(); cmd != nil {
+	cmd := m.GetCommand()
+	if cmd != nil {
+		if s.cfg.dropCommands {
+			return
+		}
 		n.delivering = cmd.GetCommandId()
 	}
 	effects := n.agent.Receive(s.time(), c.session, m)
 	n.delivering = ""
+	if cmd != nil {
+		s.noteAnswer(n, cmd.GetCommandId(), effects)
+	}
 	if m.GetDesiredState() != nil {
 		s.noteHolds(n)
 	}
 	s.apply(n, effects)
+}
+
+// noteAnswer records what n's daemon answered, in effects, to the Command
+// id it just received (I2): its last CommandUpdate for id, if any.
+func (s *Sim) noteAnswer(n *node, id string, effects []daemon.Effect) {
+	r := Record{Kind: RecCommandReceived, Node: n.id, Command: id}
+	for _, e := range effects {
+		u := e.Msg.GetCommandUpdate()
+		if e.Kind != daemon.EffectSend || u.GetCommandId() != id {
+			continue
+		}
+		r.State, r.Error = "", u.GetError()
+		if st, ok := updateStates[u.GetState()]; ok {
+			r.State = cmdStateNames[st]
+		}
+	}
+	s.record(r)
 }

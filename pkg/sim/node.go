@@ -125,7 +125,8 @@ func (s *Sim) apply(n *node, effects []daemon.Effect) {
 
 // syncTimer schedules a Tick at the Agent's next deadline unless one is
 // scheduled for then already. A deadline that a Tick just left due (which
-// the Agent never does) is pushed a millisecond on, so a run cannot spin.
+// the Agent should never do) is pushed a millisecond on, so a run cannot
+// spin, and noted in the event log ("driver note"), so it is not hidden.
 func (s *Sim) syncTimer(n *node) {
 	if n.agent == nil {
 		return
@@ -143,6 +144,8 @@ func (s *Sim) syncTimer(n *node) {
 		return
 	}
 	if at <= s.eng.now && n.ticking {
+		s.logNode(n, "driver note: the Agent asked for a timer at "+(at-s.eng.now).String()+
+			" from now right after a Tick; it runs 1ms from now")
 		at = s.eng.now + time.Millisecond
 	}
 	n.timerTok++

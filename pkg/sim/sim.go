@@ -10,8 +10,10 @@
 // MemoryJournal that survives the daemon's crash and is wiped for a
 // journal loss) and the hardware is fakehw behind daemon.Hardware. Every
 // fact that matters is recorded and checked against the invariants (I1,
-// I2, I3, I4, I5, I8; see Checkers), and every event is written to an
-// event log whose SHA-256 is the run's digest.
+// I2, I3, I4, I5, I8) and the progress check (see Checkers; GatewayStub
+// says which of them exercise the daemon core and which the stub's own
+// bookkeeping), and every event is written to an event log whose SHA-256
+// is the run's digest.
 //
 // Determinism: one discrete-event scheduler on a virtual clock (a heap
 // ordered by time, ties broken by the order events were scheduled); every
@@ -36,6 +38,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/better-compute/better-compute/pkg/clock"
@@ -64,6 +67,8 @@ const (
 	WorkloadEvery = 2 * time.Second
 	// MaxFirstViolations is how many violations a Report lists.
 	MaxFirstViolations = 20
+	// MaxDuration bounds Config.Duration and Config.Settle, each.
+	MaxDuration = 7 * 24 * time.Hour
 )
 
 // Start is the simulated time every run starts at: ten minutes before an
@@ -76,10 +81,11 @@ type Config struct {
 	Seed string
 	// Nodes is how many machines, 1 to MaxNodes.
 	Nodes int
-	// Duration is the simulated time under workload and faults (> 0).
+	// Duration is the simulated time under workload and faults, from
+	// WorkloadEvery (one beat) to MaxDuration.
 	Duration time.Duration
-	// Settle is the quiet simulated time afterwards (≥ 0): no workload, no
-	// faults, links as chaotic as before.
+	// Settle is the quiet simulated time afterwards, 0 to MaxDuration: no
+	// workload, no faults, links as chaotic as before.
 	Settle time.Duration
 	// Chaos is the chaos level (DefaultChaos if empty).
 	Chaos Chaos
@@ -99,6 +105,11 @@ type Config struct {
 	// sample, a test hook, is called every sampleEvery events (benchmarks
 	// sample memory with it).
 	sample func()
+	// dropCommands, a test hook, drops every Command before the Agent
+	// sees it (a daemon that runs nothing).
+	dropCommands bool
+	// sweepTimeout, a test hook, replaces the sweeper's LivenessTimeout.
+	sweepTimeout time.Duration
 }
 
 // Report is a run's outcome, printed as JSON by `better-compute sim`.
@@ -145,8 +156,17 @@ func (r *Report) Err() error {
 		v := r.FirstViolations[0]
 		first = fmt.Sprintf("; first: %s at %d ms %s: %s", v.Invariant, v.AtMs, v.Node, v.Detail)
 	}
-	return fmt.Errorf("%w: %d violation(s)%s; reproduce with --seed %q --nodes %d --duration %s --settle %s --chaos %s (add --log PATH for the event log)",
-		ErrInvariantViolated, r.Violations, first, r.Seed, r.Nodes, r.duration, r.settle, r.Chaos)
+	return fmt.Errorf("%w: %d violation(s)%s; reproduce with --seed %s --nodes %d --duration %s --settle %s --chaos %s (add --log PATH for the event log)",
+		ErrInvariantViolated, r.Violations, first, ShellQuote(r.Seed), r.Nodes, r.duration, r.settle, r.Chaos)
+}
+
+// ShellQuote quotes s for a POSIX shell: in single quotes, each single
+// quote in s replaced by these four characters (close, escaped quote,
+// reopen), so that $, `, \, tabs and newlines stay literal:
+//
+//	'\''
+func ShellQuote(s string) string {
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
 
 // CommandSummary counts the workload's commands.
@@ -155,6 +175,11 @@ type CommandSummary struct {
 	Total int `json:"total"`
 	// Open is how many were not in a terminal state at the end.
 	Open int `json:"open"`
+	// Succeeded, Failed and Expired count those that ended so (Total =
+	// Open + Succeeded + Failed + Expired).
+	Succeeded int `json:"succeeded"`
+	Failed    int `json:"failed"`
+	Expired   int `json:"expired"`
 }
 
 // FaultSummary counts the injected faults of some kinds.
@@ -185,10 +210,14 @@ func (c *Config) normalize() error {
 	switch {
 	case c.Nodes < 1 || c.Nodes > MaxNodes:
 		return fmt.Errorf("%w: nodes must be between 1 and %d, got %d", ErrConfig, MaxNodes, c.Nodes)
-	case c.Duration <= 0:
-		return fmt.Errorf("%w: duration must be positive, got %s", ErrConfig, c.Duration)
+	case c.Duration < WorkloadEvery:
+		return fmt.Errorf("%w: duration must be at least %s (one workload beat), got %s", ErrConfig, WorkloadEvery, c.Duration)
+	case c.Duration > MaxDuration:
+		return fmt.Errorf("%w: duration must be at most %s, got %s", ErrConfig, MaxDuration, c.Duration)
 	case c.Settle < 0:
 		return fmt.Errorf("%w: settle must not be negative, got %s", ErrConfig, c.Settle)
+	case c.Settle > MaxDuration:
+		return fmt.Errorf("%w: settle must be at most %s, got %s", ErrConfig, MaxDuration, c.Settle)
 	}
 	if _, ok := chaosLevels[c.Chaos]; !ok {
 		return fmt.Errorf("%w: chaos must be none, light or heavy, got %q", ErrConfig, c.Chaos)
@@ -220,8 +249,17 @@ type Sim struct {
 
 const sampleEvery = 1 << 16
 
-// Run simulates cfg and returns its report. It fails only for a bad Config
-// or a failing Log writer; violations are in the report.
+// ErrLog is the sentinel of a failing Config.Log writer.
+var ErrLog = errors.New("write the event log")
+
+// Validate returns the error Run would return for cfg's configuration (one
+// matching ErrConfig), without running it.
+func (c Config) Validate() error { return c.normalize() }
+
+// Run simulates cfg and returns its report. It fails for a bad Config
+// (ErrConfig, no report) or a failing Log writer (ErrLog: the run is
+// complete and its report is returned too, with the digest of the whole
+// log); violations are in the report.
 func Run(cfg Config) (*Report, error) {
 	if err := cfg.normalize(); err != nil {
 		return nil, err
@@ -244,20 +282,20 @@ func Run(cfg Config) (*Report, error) {
 	for _, c := range s.checkers {
 		s.violate(c.Finish(s.time()))
 	}
-	digest, err := s.log.finish()
-	if err != nil {
-		return nil, fmt.Errorf("write the event log: %w", err)
-	}
+	digest, logErr := s.log.finish()
 	r := &Report{
 		Seed: cfg.Seed, Nodes: cfg.Nodes, Chaos: cfg.Chaos,
 		SimulatedMs: s.end.Milliseconds(),
 		Digest:      digest,
-		Commands:    CommandSummary{Total: s.stub.total, Open: s.stub.open()},
-		Faults:      s.faults,
-		Violations:  s.violations,
-		Events:      s.eng.popped,
-		Records:     s.records,
-		duration:    cfg.Duration, settle: cfg.Settle,
+		Commands: CommandSummary{
+			Total: s.stub.total, Open: s.stub.open(),
+			Succeeded: s.stub.succeeded, Failed: s.stub.failed, Expired: s.stub.expired,
+		},
+		Faults:     s.faults,
+		Violations: s.violations,
+		Events:     s.eng.popped,
+		Records:    s.records,
+		duration:   cfg.Duration, settle: cfg.Settle,
 	}
 	r.FirstViolations = make([]Violation, 0, len(s.first))
 	for _, v := range s.first {
@@ -265,6 +303,9 @@ func Run(cfg Config) (*Report, error) {
 		r.FirstViolations = append(r.FirstViolations, v)
 	}
 	r.WallMs = clock.Since(cfg.Clock, wallStart).Milliseconds()
+	if logErr != nil {
+		return r, fmt.Errorf("%w: %w", ErrLog, logErr)
+	}
 	return r, nil
 }
 
@@ -273,7 +314,7 @@ func newSim(cfg Config) *Sim {
 	s := &Sim{
 		cfg: cfg, t0: Start, workEnd: cfg.Duration, end: cfg.Duration + cfg.Settle,
 		rng: rng, ids: randReader{rng}, chaos: chaosLevels[cfg.Chaos],
-		log: newEventLog(cfg.Log), checkers: Checkers(),
+		log: newEventLog(cfg.Log), checkers: Checkers(cfg.Chaos),
 	}
 	s.stub = newStub(s)
 	s.logGlobal(fmt.Sprintf("sim seed=%q nodes=%d duration=%s settle=%s chaos=%s", cfg.Seed, cfg.Nodes, cfg.Duration, cfg.Settle, cfg.Chaos))
@@ -307,7 +348,7 @@ func newSim(cfg Config) *Sim {
 		s.eng.schedule(uniform(rng, 0, 5*time.Second), event{kind: evStart, node: n.idx})
 	}
 	s.eng.schedule(WorkloadEvery, event{kind: evWorkload})
-	if s.chaos.faultEvery > 0 {
+	if s.chaos.faultEvery > 0 && s.chaos.faultEvery < s.workEnd {
 		s.eng.schedule(s.chaos.faultEvery, event{kind: evFaults})
 	}
 	s.eng.schedule(time.Second, event{kind: evStubTick, n: 1})
@@ -345,7 +386,7 @@ func (s *Sim) dispatch(ev *event) {
 		s.stub.tick(int64(ev.n))
 		s.eng.schedule(s.eng.now+time.Second, event{kind: evStubTick, n: ev.n + 1})
 	case evGatewayRevive:
-		s.stub.gateways[ev.n].alive = true
+		s.stub.reviveGateway(int(ev.n))
 		s.logGlobal("gateway " + s.stub.gateways[ev.n].id + " is back")
 	case evHeal:
 		s.logNode(s.nodes[ev.node], ev.text)

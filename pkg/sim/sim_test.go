@@ -5,7 +5,9 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
+	"os/exec"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -59,9 +61,16 @@ func TestCleanRuns(t *testing.T) {
 			require.NoError(t, r.Err())
 			require.Equal(t, 10*60*3/2-3, r.Commands.Total) // three every 2 s, from 2 s to 9m58s
 			require.Zero(t, r.Commands.Open)
-			require.Equal(t, int64((10*time.Minute+DefaultSettle)/time.Millisecond), r.SimulatedMs)
+			c := r.Commands
+			require.Equal(t, c.Total, c.Open+c.Succeeded+c.Failed+c.Expired, "%+v", c)
+			require.Greater(t, c.Succeeded, c.Total/2, "%+v", c)
+			if chaos == ChaosNone {
+				require.Zero(t, c.Expired, "%+v", c)
+			}
 			kinds := []RecordKind{RecHeard, RecBookingStart, RecReleaseRequested, RecBookingEnd, RecNodeHolds,
-				RecCommandCreated, RecExecuted, RecSpecDelivered, RecSpecObserved, RecUsageWindow}
+				RecCommandCreated, RecExecuted, RecSpecDelivered, RecSpecObserved, RecUsageWindow,
+				RecCommandReceived, RecCommandEnded, RecBound}
+			require.Equal(t, int64((10*time.Minute+DefaultSettle)/time.Millisecond), r.SimulatedMs)
 			switch chaos {
 			case ChaosHeavy:
 				kinds = append(kinds, RecJournalLost, RecUnreachable, RecReachable)
@@ -100,18 +109,77 @@ func TestSkippedJournalIsCaught(t *testing.T) {
 	require.True(t, errors.Is(err, ErrInvariantViolated))
 	require.True(t, strings.HasPrefix(err.Error(), "SIM_INVARIANT_VIOLATED: "), err.Error())
 	require.Contains(t, err.Error(), "I2")
-	require.Contains(t, err.Error(), `--seed "forgetful"`)
+	require.Contains(t, err.Error(), `--seed 'forgetful'`)
+}
+
+// TestDaemonRunningNothingIsCaught seeds a bug — every Command is dropped
+// before the Agent, so no daemon runs anything — and sees the progress
+// check fail with and without chaos.
+func TestDaemonRunningNothingIsCaught(t *testing.T) {
+	for _, chaos := range []Chaos{ChaosNone, ChaosHeavy} {
+		t.Run(string(chaos), func(t *testing.T) {
+			r := run(t, Config{Seed: "lazy", Nodes: 30, Duration: 10 * time.Minute, Settle: DefaultSettle, Chaos: chaos, dropCommands: true})
+			require.Zero(t, r.Commands.Succeeded)
+			require.Equal(t, r.Commands.Total, r.Commands.Expired)
+			require.Positive(t, r.Violations)
+			require.True(t, slices.ContainsFunc(r.FirstViolations, func(v Violation) bool { return v.Invariant == ProgressName }),
+				"%+v", r.FirstViolations)
+		})
+	}
+}
+
+// TestShortLivenessTimeoutIsCaught seeds a bug in the modelled sweeper — a
+// 10 s liveness timeout instead of 30 s — and sees I4 violated in a real
+// run: a node whose session ended (a crash, a reset) is marked
+// unreachable about 10 s after its last written hearing.
+func TestShortLivenessTimeoutIsCaught(t *testing.T) {
+	r := run(t, Config{Seed: "hasty", Nodes: 50, Duration: 10 * time.Minute, Settle: 2 * time.Minute, Chaos: ChaosHeavy,
+		sweepTimeout: 10 * time.Second})
+	require.Positive(t, r.Violations)
+	require.True(t, slices.ContainsFunc(r.FirstViolations, func(v Violation) bool { return v.Invariant == "I4" }),
+		"%+v", r.FirstViolations)
+}
+
+// TestShellQuote: the seed in the "reproduce with" line survives a POSIX
+// shell as it is.
+func TestShellQuote(t *testing.T) {
+	seed := "a$HOME `id` it's\ttab\\"
+	out, err := exec.Command("sh", "-c", "printf %s "+ShellQuote(seed)).Output()
+	require.NoError(t, err)
+	require.Equal(t, seed, string(out))
+	r := &Report{Seed: seed, Nodes: 1, Chaos: ChaosNone, Violations: 1, duration: time.Minute}
+	require.Contains(t, r.Err().Error(), "--seed "+ShellQuote(seed)+" --nodes 1 ")
 }
 
 func TestConfigErrors(t *testing.T) {
 	for name, cfg := range map[string]Config{
-		"no nodes":        {Nodes: 0, Duration: time.Minute},
-		"too many nodes":  {Nodes: MaxNodes + 1, Duration: time.Minute},
-		"no duration":     {Nodes: 1},
-		"negative settle": {Nodes: 1, Duration: time.Minute, Settle: -time.Second},
-		"unknown chaos":   {Nodes: 1, Duration: time.Minute, Chaos: "wild"},
+		"no nodes":            {Nodes: 0, Duration: time.Minute},
+		"too many nodes":      {Nodes: MaxNodes + 1, Duration: time.Minute},
+		"no duration":         {Nodes: 1},
+		"shorter than a beat": {Nodes: 1, Duration: WorkloadEvery - time.Millisecond},
+		"too long":            {Nodes: 1, Duration: MaxDuration + time.Second},
+		"negative settle":     {Nodes: 1, Duration: time.Minute, Settle: -time.Second},
+		"too long a settle":   {Nodes: 1, Duration: time.Minute, Settle: MaxDuration + time.Second},
+		"overflow":            {Nodes: 1, Duration: 2562047 * time.Hour, Settle: time.Hour},
+		"unknown chaos":       {Nodes: 1, Duration: time.Minute, Chaos: "wild"},
 	} {
 		_, err := Run(cfg)
 		require.ErrorIs(t, err, ErrConfig, name)
 	}
+}
+
+// failingWriter fails every write.
+type failingWriter struct{}
+
+func (failingWriter) Write([]byte) (int, error) { return 0, errors.New("disk full") }
+
+// TestLogWriteError: a failing log writer fails the run with ErrLog, but
+// the run completes and its report (and digest) come back too.
+func TestLogWriteError(t *testing.T) {
+	cfg := Config{Seed: "log", Nodes: 5, Duration: time.Minute, Chaos: ChaosLight}
+	r, err := Run(Config{Seed: cfg.Seed, Nodes: cfg.Nodes, Duration: cfg.Duration, Chaos: cfg.Chaos, Log: failingWriter{}})
+	require.ErrorIs(t, err, ErrLog)
+	require.ErrorContains(t, err, "disk full")
+	require.NotNil(t, r)
+	require.Equal(t, run(t, cfg).Digest, r.Digest)
 }

@@ -26,9 +26,16 @@ const (
 	HelloTimeout = 10 * time.Second
 	// ResyncInterval is how often a gateway looks for silent streams.
 	ResyncInterval = 5 * time.Second
-	// LivenessTimeout is how long a node may go unheard before the sweeper
-	// marks it unreachable (when no live gateway holds its session).
+	// LivenessTimeout is how long a node may go unheard (by last_seen as
+	// flushed) before the sweeper marks it unreachable, when no present
+	// gateway holds its live session (the controllers' default).
 	LivenessTimeout = 30 * time.Second
+	// FlushInterval is how often each gateway writes the last_seen of the
+	// nodes it heard from and renews its presence.
+	FlushInterval = time.Second
+	// PresenceTTL is how long a gateway counts as present after a flush
+	// (store.GatewayPresenceTTL).
+	PresenceTTL = 30 * time.Second
 	// CommandTimeout is every command's deadline from its creation.
 	CommandTimeout = 5 * time.Minute
 	// UsageInterval is how often the usage meter writes final windows.
@@ -41,17 +48,40 @@ const (
 // memory: gateways that accept sessions (Hello → Welcome, newest session
 // wins), deliver queued commands and the node's DesiredState (again, with
 // the in-flight commands, on every new session), record command updates
-// forward only, observed generations and bindings; a placement that books
-// GPUs on one node (best fit) and bumps its NodeSpec generation; command
-// and booking expiry at their deadline and end; a liveness sweeper; and a
-// usage meter writing per-reservation UTC-hour windows.
+// forward only, observed generations and the allocations each node
+// reports bound (AllocationBound, checked by the progress check); a
+// placement that books GPUs on one node (best fit) and bumps its NodeSpec
+// generation; command and booking expiry at their deadline and end; the
+// liveness design of pkg/store/liveness.go; and a usage meter writing
+// per-reservation UTC-hour windows.
 //
-// It leaves out, on purpose: Postgres and NATS (state is one shared table
-// and delivery is immediate, so no poke is ever lost and last_seen is
-// written at once instead of in batches with gateway presence rows — a
-// killed gateway's sessions are closed at once); TLS, certificates,
-// renewal, revocation and signed intent; join and acceptance (every node is
-// adopted from the start); tenants, pools, quotas, cordons and pending
+// Liveness is modelled as the real gateway and sweeper do it: a Hello
+// writes the node's live session and last_seen at once (OpenSession);
+// every other message is batched per gateway and written every
+// FlushInterval, and each flush renews that gateway's presence for
+// PresenceTTL; a gateway that ends a session writes its last hearing
+// (CloseSession) and clears the live session if it still is the node's; a
+// killed gateway stops flushing, its unflushed hearings are lost, its
+// sessions stay live in the table and its presence expires; back up, it
+// clears its old sessions and raises their last_seen to its start
+// (ResetGatewaySessions). The sweeper (every second, before that second's
+// flushes) marks a node unreachable only when its last_seen is older than
+// LivenessTimeout and no present gateway holds its live session. I4 is
+// checked against the true hearings (RecHeard), so it tests that
+// arithmetic under gateway kills, crashes and partitions.
+//
+// What the invariants exercise: I1 (devices a daemon holds), I2, I3 and
+// the progress check test the daemon core; I4 tests the liveness model
+// above; I1 (bookings), I5 and I8 check the stub's own placement, release
+// and usage bookkeeping (they guard the simulator and its workload, not
+// the control plane).
+//
+// It leaves out, on purpose: Postgres and NATS (state is one shared table,
+// delivery is immediate so no poke is ever lost, and a flush never fails
+// or lags, so the gateway's fence and a late batch never happen: presence
+// matters only for a killed gateway); TLS, certificates, renewal,
+// revocation and signed intent; join and acceptance (every node is adopted
+// from the start); tenants, pools, quotas, cordons and pending
 // reservations (a booking that does not fit now is dropped, not queued);
 // the Hello journal (logged by the real gateway too, not used); and
 // reports other than observed generation, AllocationBound and
@@ -68,12 +98,16 @@ type GatewayStub struct {
 	usage    []*booking // bookings with usage windows left to write
 	hb       *durationpb.Duration
 
-	total, unplaced int
+	total, unplaced            int
+	succeeded, failed, expired int
+	sweepTimeout               time.Duration // LivenessTimeout, or a test's
 }
 
 type stubGateway struct {
-	id    string
-	alive bool
+	id       string
+	alive    bool
+	presence time.Duration // present until then (exclusive)
+	pending  []*stubNode   // nodes heard from since the last flush, in order
 }
 
 // stubNode is the control plane's row of a node plus its gateway sessions.
@@ -86,8 +120,12 @@ type stubNode struct {
 	streams   []*conn    // connections the gateways hold for it
 	session   *conn      // its newest session past Hello
 	epoch     int64
-	lastSeen  time.Duration
+	lastSeen  time.Duration // as written to the table
+	live      *conn         // the table's live session (session_id, gateway_id)
 	reachable bool
+	// Per gateway: the latest unflushed hearing and its connection.
+	pendAt   [Gateways]time.Duration
+	pendConn [Gateways]*conn
 
 	specGen  int64
 	spec     *gatewayv1.SessionResponse // DesiredState of specGen, built when first sent
@@ -134,9 +172,12 @@ type booking struct {
 }
 
 func newStub(s *Sim) *GatewayStub {
-	g := &GatewayStub{s: s, commands: map[string]*command{}, hb: durationpb.New(HeartbeatInterval)}
+	g := &GatewayStub{s: s, commands: map[string]*command{}, hb: durationpb.New(HeartbeatInterval), sweepTimeout: LivenessTimeout}
+	if s.cfg.sweepTimeout > 0 {
+		g.sweepTimeout = s.cfg.sweepTimeout
+	}
 	for i := range Gateways {
-		g.gateways = append(g.gateways, &stubGateway{id: "gw-" + strconv.Itoa(i), alive: true})
+		g.gateways = append(g.gateways, &stubGateway{id: "gw-" + strconv.Itoa(i), alive: true, presence: PresenceTTL})
 	}
 	return g
 }
@@ -202,6 +243,7 @@ func (g *GatewayStub) abort(c *conn, why string) {
 		return
 	}
 	g.forget(c)
+	g.closeSession(c)
 	g.log(g.nodes[c.n.idx], fmt.Sprintf("%s closes conn %d: %s", g.gateways[c.gw].id, c.id, why))
 	g.s.closeByGateway(c)
 }
@@ -222,22 +264,59 @@ func (g *GatewayStub) closed(c *conn) {
 	}
 	c.gwOpen = false
 	g.forget(c)
+	g.closeSession(c)
 	g.log(g.nodes[c.n.idx], fmt.Sprintf("%s saw conn %d end", g.gateways[c.gw].id, c.id))
+}
+
+// closeSession is a live gateway's CloseSession of c: the session's last
+// hearing goes into last_seen, and the live session is cleared if c still
+// is it.
+func (g *GatewayStub) closeSession(c *conn) {
+	if !c.helloed {
+		return
+	}
+	sn := g.nodes[c.n.idx]
+	sn.lastSeen = max(sn.lastSeen, c.lastRecv)
+	if sn.live == c {
+		sn.live = nil
+	}
+}
+
+// heard batches a hearing on c for its gateway's next flush.
+func (g *GatewayStub) heard(c *conn, sn *stubNode, at time.Duration) {
+	gw := g.gateways[c.gw]
+	if sn.pendConn[c.gw] == nil {
+		gw.pending = append(gw.pending, sn)
+	}
+	sn.pendAt[c.gw], sn.pendConn[c.gw] = at, c
+}
+
+// flush is gateway k's last_seen flush: every batched hearing is written
+// (a node whose live session it was is reachable again) and its presence
+// renewed.
+func (g *GatewayStub) flush(k int) {
+	gw := g.gateways[k]
+	for _, sn := range gw.pending {
+		sn.lastSeen = max(sn.lastSeen, sn.pendAt[k])
+		if !sn.reachable && sn.live == sn.pendConn[k] {
+			sn.reachable = true
+			g.s.record(Record{Kind: RecReachable, Node: sn.id})
+			g.log(sn, "reachable")
+		}
+		sn.pendConn[k] = nil
+	}
+	clear(gw.pending)
+	gw.pending = gw.pending[:0]
+	gw.presence = g.now() + PresenceTTL
 }
 
 // receive handles a message that reached the gateway of c.
 func (g *GatewayStub) receive(c *conn, m *gatewayv1.SessionRequest) {
 	sn := g.nodes[c.n.idx]
 	now := g.now()
-	c.lastRecv = now
-	sn.lastSeen = now
 	g.s.record(Record{Kind: RecHeard, Node: sn.id})
-	if !sn.reachable {
-		sn.reachable = true
-		g.s.record(Record{Kind: RecReachable, Node: sn.id})
-		g.log(sn, "reachable")
-	}
 	if h := m.GetHello(); h != nil {
+		c.lastRecv = now
 		g.hello(c, sn, h)
 		return
 	}
@@ -245,6 +324,8 @@ func (g *GatewayStub) receive(c *conn, m *gatewayv1.SessionRequest) {
 		g.abort(c, "the first message is not Hello")
 		return
 	}
+	c.lastRecv = now
+	g.heard(c, sn, now)
 	switch {
 	case m.GetHeartbeat() != nil:
 		g.observe(sn, m.GetHeartbeat().GetObservedGeneration(), false)
@@ -256,6 +337,7 @@ func (g *GatewayStub) receive(c *conn, m *gatewayv1.SessionRequest) {
 		case r.GetAllocationBound() != nil:
 			b := r.GetAllocationBound()
 			g.log(sn, "gw bound "+b.GetReservationId()+" "+strings.Join(b.GetCdiDevices(), ","))
+			g.s.record(Record{Kind: RecBound, Node: sn.id, Reservation: b.GetReservationId()})
 		case r.GetAllocationUnbound() != nil:
 			g.log(sn, "gw unbound "+r.GetAllocationUnbound().GetReservationId())
 		case r.GetInventory() == nil && r.GetSpecRefused() == nil:
@@ -271,6 +353,14 @@ func (g *GatewayStub) hello(c *conn, sn *stubNode, h *gatewayv1.Hello) {
 	}
 	c.helloed = true
 	sn.epoch++
+	// OpenSession: the live session, last_seen and reachable, at once.
+	sn.live = c
+	sn.lastSeen = max(sn.lastSeen, g.now())
+	if !sn.reachable {
+		sn.reachable = true
+		g.s.record(Record{Kind: RecReachable, Node: sn.id})
+		g.log(sn, "reachable")
+	}
 	older := sn.session
 	sn.session = c
 	if older != nil && older != c {
@@ -314,6 +404,12 @@ func (g *GatewayStub) update(sn *stubNode, u *gatewayv1.CommandUpdate) {
 	if st.terminal() {
 		g.log(sn, "gw "+cmd.id+" "+cmdStateNames[st])
 		sn.open = slices.DeleteFunc(sn.open, func(x *command) bool { return x == cmd })
+		if st == cmdSucceeded {
+			g.succeeded++
+		} else {
+			g.failed++
+		}
+		g.s.record(Record{Kind: RecCommandEnded, Node: sn.id, Command: cmd.id, State: cmdStateNames[st], Error: u.GetError()})
 	}
 }
 
@@ -456,6 +552,8 @@ func (g *GatewayStub) tick(n int64) {
 			cmd.state = cmdExpired
 			cmd.node.open = slices.DeleteFunc(cmd.node.open, func(x *command) bool { return x == cmd })
 			g.log(cmd.node, "gw "+cmd.id+" expired")
+			g.expired++
+			g.s.record(Record{Kind: RecCommandEnded, Node: cmd.node.id, Command: cmd.id, State: cmdStateNames[cmdExpired]})
 		}
 	}
 	if g.cmdHead > 1024 && g.cmdHead*2 > len(g.cmdQueue) {
@@ -463,11 +561,16 @@ func (g *GatewayStub) tick(n int64) {
 		g.cmdHead = 0
 	}
 	for _, sn := range g.nodes {
-		held := sn.session != nil && sn.session.gwOpen && g.gateways[sn.session.gw].alive
-		if sn.reachable && !held && now-sn.lastSeen >= LivenessTimeout {
+		held := sn.live != nil && g.gateways[sn.live.gw].presence > now
+		if sn.reachable && !held && now-sn.lastSeen > g.sweepTimeout {
 			sn.reachable = false
 			g.log(sn, "unreachable")
 			g.s.record(Record{Kind: RecUnreachable, Node: sn.id})
+		}
+	}
+	for k, gw := range g.gateways {
+		if gw.alive {
+			g.flush(k)
 		}
 	}
 	if n%int64(ResyncInterval/time.Second) == 0 {
@@ -487,10 +590,17 @@ func (g *GatewayStub) tick(n int64) {
 	}
 }
 
-// killGateway kills gateway k: its connections are reset and its sessions
-// gone; nodes reconnect to another.
+// killGateway kills gateway k: its connections are reset (nodes reconnect
+// to another), its unflushed hearings are lost and it stops flushing, so
+// its presence expires; its sessions stay live in the table.
 func (g *GatewayStub) killGateway(k int) {
-	g.gateways[k].alive = false
+	gw := g.gateways[k]
+	gw.alive = false
+	for _, sn := range gw.pending {
+		sn.pendConn[k] = nil
+	}
+	clear(gw.pending)
+	gw.pending = gw.pending[:0]
 	for _, sn := range g.nodes {
 		for _, c := range slices.Clone(sn.streams) {
 			if c.gw == k {
@@ -503,6 +613,21 @@ func (g *GatewayStub) killGateway(k int) {
 			}
 		}
 	}
+}
+
+// reviveGateway brings gateway k back: it clears the sessions it held in
+// the table, raising their last_seen to now (ResetGatewaySessions), and
+// flushes at once (its presence).
+func (g *GatewayStub) reviveGateway(k int) {
+	now := g.now()
+	for _, sn := range g.nodes {
+		if sn.live != nil && sn.live.gw == k {
+			sn.live = nil
+			sn.lastSeen = max(sn.lastSeen, now)
+		}
+	}
+	g.gateways[k].alive = true
+	g.flush(k)
 }
 
 // meter writes the usage windows that are final: those of hours that

@@ -20,8 +20,11 @@ type simReport struct {
 	WallMs      *int64 `json:"wallMs"`
 	Digest      string `json:"digest"`
 	Commands    struct {
-		Total int  `json:"total"`
-		Open  *int `json:"open"`
+		Total     int  `json:"total"`
+		Open      *int `json:"open"`
+		Succeeded *int `json:"succeeded"`
+		Failed    *int `json:"failed"`
+		Expired   *int `json:"expired"`
 	} `json:"commands"`
 	Faults struct {
 		Crashes       *int `json:"crashes"`
@@ -52,6 +55,11 @@ func TestSim(t *testing.T) {
 	require.NotNil(t, r.WallMs)
 	require.Equal(t, 2*60*3/2-3, r.Commands.Total)
 	require.NotNil(t, r.Commands.Open)
+	require.NotNil(t, r.Commands.Succeeded)
+	require.NotNil(t, r.Commands.Failed)
+	require.NotNil(t, r.Commands.Expired)
+	require.Equal(t, r.Commands.Total, *r.Commands.Open+*r.Commands.Succeeded+*r.Commands.Failed+*r.Commands.Expired)
+	require.Positive(t, *r.Commands.Succeeded)
 	require.NotNil(t, r.Faults.Crashes)
 	require.NotNil(t, r.Faults.Reboots)
 	require.NotNil(t, r.Faults.JournalLosses)
@@ -78,24 +86,43 @@ func TestSim(t *testing.T) {
 }
 
 func TestSimBadFlags(t *testing.T) {
-	for _, args := range [][]string{
-		{"sim", "--nodes", "0"},
-		{"sim", "--nodes", "5001"},
-		{"sim", "--chaos", "wild"},
-		{"sim", "--duration", "0s"},
-		{"sim", "--settle", "-1s"},
-		{"sim", "extra"},
+	dir := t.TempDir()
+	for _, c := range []struct {
+		args []string
+		want string // in stderr
+	}{
+		{[]string{"--nodes", "0"}, "--nodes"},
+		{[]string{"--nodes", "5001"}, "--nodes"},
+		{[]string{"--chaos", "wild"}, "--chaos"},
+		{[]string{"--chaos", ""}, "--chaos: must not be empty"},
+		{[]string{"--seed", ""}, "--seed: must not be empty"},
+		{[]string{"--log", ""}, "--log: must not be empty"},
+		{[]string{"--duration", "0s"}, "--duration"},
+		{[]string{"--duration", "1s"}, "--duration: "},
+		{[]string{"--duration", "2562047h", "--settle", "1h"}, "--duration: "},
+		{[]string{"--duration", "169h"}, "at most 168h0m0s"},
+		{[]string{"--settle", "169h"}, "--settle: "},
+		{[]string{"--settle", "-1s"}, "--settle"},
+		{[]string{"extra"}, ""},
 	} {
+		// A bad flag never leaves a log file behind.
+		log := filepath.Join(dir, "t.log")
+		args := append([]string{"sim", "--log", log}, c.args...)
 		res := runner{}.run(t, args...)
 		require.Equal(t, 1, res.code, "%v", args)
 		require.Contains(t, res.stderr, "error: ", "%v", args)
+		require.Contains(t, res.stderr, c.want, "%v", args)
+		require.Empty(t, res.stdout, "%v", args)
+		require.NoFileExists(t, log, "%v", args)
 	}
 }
 
 func TestSimHelpListsInvariants(t *testing.T) {
 	res := runner{}.run(t, "sim", "--help")
 	require.Equal(t, 0, res.code)
-	for _, inv := range []string{"I1: ", "I2: ", "I3: ", "I4: ", "I5: ", "I8: "} {
+	require.Contains(t, res.stdout, "168h0m0s")
+	require.Contains(t, res.stdout, "only the stub's own bookkeeping")
+	for _, inv := range []string{"I1: ", "I2: ", "I3: ", "I4: ", "I5: ", "I8: ", "progress: "} {
 		require.Contains(t, res.stdout, "\n  "+inv)
 	}
 }
