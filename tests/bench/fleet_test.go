@@ -9,7 +9,6 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -28,6 +27,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
 	"github.com/better-compute/better-compute/tests/internal/containers"
+	"github.com/better-compute/better-compute/tests/internal/procs"
 )
 
 // The shared setup of the benchmarks: Postgres and NATS containers, the
@@ -39,14 +39,6 @@ func TestMain(m *testing.M) {
 	code := m.Run()
 	containers.Stop()
 	os.Exit(code)
-}
-
-func freeAddr(tb testing.TB) string {
-	tb.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(tb, err)
-	defer l.Close()
-	return l.Addr().String()
 }
 
 // machines is BC_BENCH_MACHINES (default 1,000).
@@ -78,40 +70,12 @@ func benchLogger() *slog.Logger {
 	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
 }
 
-// startProcess runs the service binary bin/linux/<name> (`make build`) with
-// env added to this process's, waits until http://<health>/healthz answers
-// 200 and returns its pid; the process is interrupted when the benchmark
-// ends.
-func startProcess(b *testing.B, name, health string, env ...string) int {
-	b.Helper()
-	bin := filepath.Join("..", "..", "bin", "linux", name)
-	_, err := os.Stat(bin)
-	require.NoError(b, err, "%s binary (run make build)", name)
-	cmd := exec.Command(bin)
-	cmd.Env = append(os.Environ(), env...)
-	cmd.Stderr = os.Stderr
-	require.NoError(b, cmd.Start())
-	b.Cleanup(func() {
-		_ = cmd.Process.Signal(os.Interrupt)
-		_ = cmd.Wait()
-	})
-	require.Eventually(b, func() bool {
-		resp, err := http.Get("http://" + health + "/healthz")
-		if err != nil {
-			return false
-		}
-		resp.Body.Close()
-		return resp.StatusCode == http.StatusOK
-	}, 30*time.Second, 100*time.Millisecond, "%s answers /healthz", name)
-	return cmd.Process.Pid
-}
-
 // startGateway runs the gateway binary as its own process, so that its
 // memory and CPU can be read apart from the machines'.
 func startGateway(b *testing.B, dbURL, natsURL, pkiDir string) (url string, pid int) {
 	b.Helper()
-	listen, health := freeAddr(b), freeAddr(b)
-	pid = startProcess(b, "gateway", health,
+	listen, health := procs.FreeAddr(b), procs.FreeAddr(b)
+	pid = procs.Start(b, "gateway", health,
 		"BETTER_COMPUTE_DATABASE_URL="+dbURL,
 		"BETTER_COMPUTE_NATS_URL="+natsURL,
 		"BC_PKI_DIR="+pkiDir,
@@ -119,7 +83,7 @@ func startGateway(b *testing.B, dbURL, natsURL, pkiDir string) (url string, pid 
 		"BC_HEALTH_LISTEN="+health,
 		"BC_GATEWAY_ID=gw-bench",
 		"BC_LOG_LEVEL=warn",
-	)
+	).PID()
 	_, port, _ := net.SplitHostPort(listen)
 	return "https://localhost:" + port, pid
 }
@@ -128,15 +92,15 @@ func startGateway(b *testing.B, dbURL, natsURL, pkiDir string) (url string, pid 
 // expiry, liveness, usage) as its own process and returns its pid.
 func startControllers(b *testing.B, dbURL, natsURL, pkiDir string) int {
 	b.Helper()
-	health := freeAddr(b)
-	return startProcess(b, "controllers", health,
+	health := procs.FreeAddr(b)
+	return procs.Start(b, "controllers", health,
 		"BETTER_COMPUTE_DATABASE_URL="+dbURL,
 		"BETTER_COMPUTE_NATS_URL="+natsURL,
 		"BC_PKI_DIR="+pkiDir,
 		"BC_LISTEN="+health,
 		"BC_LEASE_HOLDER=bench-controllers",
 		"BC_LOG_LEVEL=warn",
-	)
+	).PID()
 }
 
 // fleetOptions say how startFleet runs the control plane.

@@ -50,7 +50,8 @@ func TestGatewayKilledMidRun(t *testing.T) {
 	t.Cleanup(func() { require.NoError(t, st.Close()) })
 	gws := map[string]*procs.Proc{}
 	for i, name := range names {
-		gws[name] = procs.Start(t, "gateway", procs.FreeAddr(t),
+		health := procs.FreeAddr(t)
+		gws[name] = procs.Start(t, "gateway", health, "BC_HEALTH_LISTEN="+health,
 			"BETTER_COMPUTE_DATABASE_URL="+dbURL, "BETTER_COMPUTE_NATS_URL="+natsURL, "BC_PKI_DIR="+pkiDir,
 			"BC_LISTEN="+addrs[i], "BC_GATEWAY_ID="+name, "BC_GATEWAY_RESYNC=1h", "BC_LOG_LEVEL=warn")
 	}

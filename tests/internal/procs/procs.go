@@ -49,13 +49,14 @@ type Proc struct {
 
 // Start runs bin/linux/<name> with the test's environment plus env
 // ("KEY=value"), its stderr to the test's stderr, and waits until
-// http://<health>/healthz answers 200 (health is the BC_HEALTH_LISTEN
-// address, also added to env). The process is interrupted and waited for
-// when the test ends, unless it was killed before.
+// http://<health>/healthz answers 200 (env must make it serve there:
+// BC_HEALTH_LISTEN for the gateway, BC_LISTEN for the other services). The
+// process is interrupted and waited for when the test ends, unless it was
+// killed before.
 func Start(tb testing.TB, name, health string, env ...string) *Proc {
 	tb.Helper()
 	cmd := exec.Command(Binary(tb, name))
-	cmd.Env = append(append(os.Environ(), "BC_HEALTH_LISTEN="+health), env...)
+	cmd.Env = append(os.Environ(), env...)
 	cmd.Stderr = os.Stderr
 	require.NoError(tb, cmd.Start())
 	p := &Proc{cmd: cmd}
