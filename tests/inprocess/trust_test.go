@@ -140,7 +140,13 @@ func TestRenewalKeepsSessionAndRevocationEndsIt(t *testing.T) {
 	require.Eventually(t, func() bool { return f.liveSession(t, nodeID) == "" && m.Status().SessionID == "" },
 		5*time.Second, 20*time.Millisecond, "the revoked node's session is closed within seconds")
 	t.Logf("session closed %s after the revocation", realClock.Now().Sub(revokedAt))
-	require.Never(t, func() bool { return f.liveSession(t, nodeID) != "" || m.Status().SessionID != "" },
+	// The condition runs on its own goroutine, which may still be querying
+	// when Never returns: it must not touch t (nor the test's context).
+	require.Never(t, func() bool {
+		var sid *string
+		err := f.stack.DB.Pool.QueryRow(context.Background(), `SELECT session_id FROM nodes WHERE id = $1`, nodeID).Scan(&sid)
+		return (err == nil && sid != nil) || m.Status().SessionID != ""
+	},
 		3*time.Second, 50*time.Millisecond, "its reconnects are refused")
 	// The refusal is terminal: the machine stopped for good and says so.
 	require.Equal(t, daemon.StateStopped, m.Status().State)
