@@ -385,15 +385,17 @@ func (m *Machine) gatewayTLS(id *Identity) ([]string, *tls.Config, error) {
 	if len(urls) == 0 {
 		return nil, nil, errors.New("no gateway url")
 	}
-	var u *url.URL
-	for i := len(urls) - 1; i >= 0; i-- {
-		var err error
-		u, err = url.Parse(urls[i])
+	var firstHost string
+	for i, raw := range urls {
+		u, err := url.Parse(raw)
 		if err != nil || u.Host == "" {
-			return nil, nil, fmt.Errorf("gateway url %q is not a URL", urls[i])
+			return nil, nil, fmt.Errorf("gateway url %q is not a URL", raw)
 		}
 		if u.Scheme != "https" {
-			return nil, nil, fmt.Errorf("gateway url %q must be https (the session uses mutual TLS)", urls[i])
+			return nil, nil, fmt.Errorf("gateway url %q must be https (the session uses mutual TLS)", raw)
+		}
+		if i == 0 {
+			firstHost = u.Hostname()
 		}
 	}
 	name := m.r.cfg.GatewayServerName
@@ -401,7 +403,7 @@ func (m *Machine) gatewayTLS(id *Identity) ([]string, *tls.Config, error) {
 		name = id.GatewayServerName
 	}
 	if name == "" {
-		name = u.Hostname()
+		name = firstHost
 	}
 	roots := x509.NewCertPool()
 	roots.AddCert(id.servingCA)
