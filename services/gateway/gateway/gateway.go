@@ -55,6 +55,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"connectrpc.com/connect"
 	"connectrpc.com/grpchealth"
 	"github.com/nats-io/nats.go"
 	"golang.org/x/sync/errgroup"
@@ -298,7 +299,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	// explicit Connect codes). Together they cost about 6 KiB per idle
 	// session (BenchmarkIdleSessionMemory). Database calls are still
 	// traced by otelpgx.
-	mux.Handle(gatewayv1connect.NewGatewayServiceHandler(s))
+	mux.Handle(gatewayv1connect.NewGatewayServiceHandler(s, connect.WithCompressMinBytes(service.CompressMinBytes)))
 	mux.Handle(grpchealth.NewHandler(grpchealth.NewStaticChecker(gatewayv1connect.GatewayServiceName)))
 	s.handler = s.peerMiddleware(mux)
 	return s, nil
