@@ -95,6 +95,36 @@ func AuditInTx(ctx context.Context, q store.DBTX, at time.Time, target, detail s
 	return nil
 }
 
+// DeferredAudit is the success row of a mutating call that a batch writes
+// on the call's behalf, in the batch's transaction (the command queue
+// batches RunCommand calls): DeferAudit takes it from the call's context,
+// Entry gives the row to insert (store.InsertAudits), and Written, called
+// once the batch committed, keeps the audit interceptor from writing
+// another.
+type DeferredAudit struct{ rec *auditRecord }
+
+// DeferAudit returns the DeferredAudit of the mutating call in ctx. Errors:
+// the procedure is not marked Mutating in the policy (as AuditInTx).
+func DeferAudit(ctx context.Context) (DeferredAudit, error) {
+	rec := auditFrom(ctx)
+	if rec == nil {
+		return DeferredAudit{}, errors.New("audit: no audit record in the context (is the RPC marked Mutating in the policy?)")
+	}
+	return DeferredAudit{rec: rec}, nil
+}
+
+// Entry is the success row at time at, as AuditInTx writes it.
+func (d DeferredAudit) Entry(at time.Time, target, detail string) store.AuditEntry {
+	return d.rec.entry(at, target, OutcomeOK, detail)
+}
+
+// Written records that the row committed.
+func (d DeferredAudit) Written() {
+	d.rec.mu.Lock()
+	d.rec.written = true
+	d.rec.mu.Unlock()
+}
+
 // NewAuditInterceptor returns a Connect handler interceptor that writes one
 // audit row per call of every procedure the policy marks Mutating: the
 // success row when the handler did not write it itself with AuditInTx

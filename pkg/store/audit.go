@@ -43,6 +43,30 @@ func InsertAudit(ctx context.Context, q DBTX, e AuditEntry) (int64, error) {
 	return id, nil
 }
 
+// InsertAudits writes entries in one statement, in their order.
+func InsertAudits(ctx context.Context, q DBTX, entries []AuditEntry) error {
+	if len(entries) == 0 {
+		return nil
+	}
+	n := len(entries)
+	at := make([]time.Time, n)
+	tenant, token, role, proc, target, outcome, detail := make([]string, n), make([]string, n), make([]string, n),
+		make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+	for i, e := range entries {
+		at[i], tenant[i], token[i], role[i], proc[i], target[i], outcome[i], detail[i] =
+			e.At, e.TenantID, e.TokenID, e.Role, e.Procedure, e.Target, e.Outcome, e.Detail
+	}
+	_, err := q.Exec(ctx, `INSERT INTO audit (at, tenant_id, token_id, role, procedure, target, outcome, detail)
+		SELECT u.at, NULLIF(u.tenant, ''), NULLIF(u.token, ''), u.role, u.proc, u.target, u.outcome, u.detail
+		FROM unnest($1::timestamptz[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[])
+			WITH ORDINALITY AS u(at, tenant, token, role, proc, target, outcome, detail, ord)
+		ORDER BY u.ord`, at, tenant, token, role, proc, target, outcome, detail)
+	if err != nil {
+		return queryErr("insert audit rows", err)
+	}
+	return nil
+}
+
 // AuditFilter selects audit rows for ListAudit.
 type AuditFilter struct {
 	// TenantID selects one tenant's rows; empty selects every row,

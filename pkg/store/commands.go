@@ -13,6 +13,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -186,93 +188,262 @@ type QueuedCommand struct {
 	Existing bool
 }
 
-// QueueCommand queues n on its node in q's transaction: it locks the node
-// (refusing one that is not adopted or is revoked with a
-// *NodeNotRunnableError), inserts the command as queued with its kind's
-// retry-safety and purpose 'user', signs it with intent (nil: unsigned),
-// writes a command.queued event for the node's tenant and pokes the gateway
-// holding the node's session. A request id already used on the node
-// returns that command with Existing and writes nothing. Errors:
-// ErrNotFound (node unknown, or of a tenant other than n.TenantID), an
-// error for an unknown kind.
+// QueueCommand queues n on its node in q's transaction: QueueCommands of
+// one command, its error returned as the error.
 func QueueCommand(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time, n NewCommand) (QueuedCommand, error) {
-	retrySafe, ok := CommandRetrySafe(n.Kind)
-	if !ok {
-		return QueuedCommand{}, fmt.Errorf("unknown command kind %q", n.Kind)
-	}
-	var state, tenant string
-	var gatewayID *string
-	var revoked bool
-	err := q.QueryRow(ctx, `SELECT n.provision_state, n.revoked_at IS NOT NULL, p.owner_tenant_id, n.gateway_id
-		FROM nodes n JOIN pools p ON p.id = n.pool_id WHERE n.id = $1 FOR SHARE OF n`, n.NodeID).Scan(&state, &revoked, &tenant, &gatewayID)
+	res, err := QueueCommands(ctx, q, intent, now, []NewCommand{n})
 	if err != nil {
-		return QueuedCommand{}, queryErr("node "+n.NodeID, err)
+		return QueuedCommand{}, err
 	}
-	if n.TenantID != "" && n.TenantID != tenant {
-		return QueuedCommand{}, fmt.Errorf("node %s: %w", n.NodeID, ErrNotFound)
+	return res[0].QueuedCommand, res[0].Err
+}
+
+// QueueResult is the outcome of one NewCommand of QueueCommands: the
+// command, or Err for this command alone.
+type QueueResult struct {
+	QueuedCommand
+	// Err is ErrNotFound (node unknown, or of a tenant other than the
+	// command's TenantID), a *NodeNotRunnableError, or an error for an
+	// unknown kind; nothing was written for the command then.
+	Err error
+}
+
+// queueNode is what QueueCommands reads of a node it locks.
+type queueNode struct {
+	state, tenant string
+	gatewayID     *string
+	revoked       bool
+}
+
+// QueueCommands queues cmds in q's transaction, in a fixed number of round
+// trips whatever their number (the API batches concurrent RunCommand calls
+// into one call). For each command it locks the node (in node id order, so
+// concurrent batches do not deadlock), refuses one that is unknown or of
+// another tenant than the command's TenantID (ErrNotFound) or is not
+// adopted or is revoked (*NodeNotRunnableError), inserts the command as
+// queued with its kind's retry-safety and purpose 'user', signs it with
+// intent (nil: unsigned), writes a command.queued event for the node's
+// tenant and pokes the gateways holding the nodes' sessions (one poke per
+// gateway). A request id already used on the node — before or earlier in
+// cmds — answers that command with Existing and writes nothing. Per-command
+// refusals are in the results (one per command, in order); the error is
+// the database's and fails them all.
+func QueueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time, cmds []NewCommand) ([]QueueResult, error) {
+	out := make([]QueueResult, len(cmds))
+	nodeIDs := make([]string, 0, len(cmds))
+	for _, n := range cmds {
+		nodeIDs = append(nodeIDs, n.NodeID)
 	}
-	if n.RequestID != "" {
-		c, err := commandByRequest(ctx, q, n.NodeID, n.RequestID)
-		if err == nil {
-			return QueuedCommand{Command: c, Existing: true}, nil
+	slices.Sort(nodeIDs)
+	nodeIDs = slices.Compact(nodeIDs)
+	rows, err := q.Query(ctx, `SELECT n.id, n.provision_state, n.revoked_at IS NOT NULL, p.owner_tenant_id, n.gateway_id
+		FROM nodes n JOIN pools p ON p.id = n.pool_id WHERE n.id = ANY($1) ORDER BY n.id FOR SHARE OF n`, nodeIDs)
+	if err != nil {
+		return nil, queryErr("lock nodes", err)
+	}
+	nodes := make(map[string]queueNode, len(nodeIDs))
+	for rows.Next() {
+		var id string
+		var n queueNode
+		if err := rows.Scan(&id, &n.state, &n.revoked, &n.tenant, &n.gatewayID); err != nil {
+			rows.Close()
+			return nil, queryErr("lock nodes", err)
 		}
-		if !errors.Is(err, ErrNotFound) {
-			return QueuedCommand{}, err
+		nodes[id] = n
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, queryErr("lock nodes", err)
+	}
+
+	// Refusals, then request ids already used.
+	type reqKey struct{ node, request string }
+	var reqNodes, reqIDs []string
+	for i, n := range cmds {
+		node, ok := nodes[n.NodeID]
+		switch {
+		case !ok || (n.TenantID != "" && n.TenantID != node.tenant):
+			out[i].Err = fmt.Errorf("node %s: %w", n.NodeID, ErrNotFound)
+		case n.RequestID != "":
+			reqNodes, reqIDs = append(reqNodes, n.NodeID), append(reqIDs, n.RequestID)
+		}
+		if out[i].Err == nil {
+			if _, ok := CommandRetrySafe(n.Kind); !ok {
+				out[i].Err = fmt.Errorf("unknown command kind %q", n.Kind)
+			}
 		}
 	}
-	switch {
-	case revoked:
-		return QueuedCommand{}, &NodeNotRunnableError{NodeID: n.NodeID, Reason: "node " + n.NodeID + " is revoked"}
-	case state != "adopted":
-		return QueuedCommand{}, &NodeNotRunnableError{NodeID: n.NodeID,
-			Reason: fmt.Sprintf("node %s is not adopted (it is %s)", n.NodeID, state)}
+	existing := map[reqKey]Command{}
+	if len(reqIDs) > 0 {
+		found, err := commandsByRequest(ctx, q, reqNodes, reqIDs)
+		if err != nil {
+			return nil, err
+		}
+		for _, c := range found {
+			existing[reqKey{c.NodeID, c.RequestID}] = c
+		}
 	}
-	var requestID *string
-	if n.RequestID != "" {
-		requestID = &n.RequestID
+	// The commands to insert; a request id repeated in cmds is inserted
+	// once, and the later ones answer that insert.
+	var ins []int
+	first := map[reqKey]int{}
+	dup := map[int]int{}
+	for i, n := range cmds {
+		if out[i].Err != nil {
+			continue
+		}
+		node := nodes[n.NodeID]
+		if n.RequestID != "" {
+			k := reqKey{n.NodeID, n.RequestID}
+			if c, ok := existing[k]; ok {
+				out[i].QueuedCommand = QueuedCommand{Command: c, Existing: true}
+				continue
+			}
+			if j, ok := first[k]; ok {
+				dup[i] = j
+				continue
+			}
+			first[k] = i
+		}
+		switch {
+		case node.revoked:
+			out[i].Err = &NodeNotRunnableError{NodeID: n.NodeID, Reason: "node " + n.NodeID + " is revoked"}
+		case node.state != "adopted":
+			out[i].Err = &NodeNotRunnableError{NodeID: n.NodeID,
+				Reason: fmt.Sprintf("node %s is not adopted (it is %s)", n.NodeID, node.state)}
+		default:
+			ins = append(ins, i)
+		}
 	}
-	// The row as stored (timestamps rounded to the microsecond), read back
-	// by the insert itself rather than by another query.
-	c, err := scanCommand(q.QueryRow(ctx, `INSERT INTO commands AS c (id, node_id, kind, args, purpose, state, retry_safe,
+	if len(ins) > 0 {
+		if err := insertCommands(ctx, q, intent, now, cmds, ins, nodes, out); err != nil {
+			return nil, err
+		}
+	}
+	for i, j := range dup {
+		out[i] = QueueResult{QueuedCommand: QueuedCommand{Command: out[j].Command, Existing: true}, Err: out[j].Err}
+	}
+	return out, nil
+}
+
+// insertCommands inserts cmds[ins] (valid, on locked nodes), signs them,
+// writes their command.queued events and pokes their gateways, filling
+// out[ins]. A command whose request id a concurrent transaction used first
+// answers that transaction's command.
+func insertCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time, cmds []NewCommand, ins []int,
+	nodes map[string]queueNode, out []QueueResult,
+) error {
+	n := len(ins)
+	id, node, kind, created, reqs, tenant := make([]string, n), make([]string, n), make([]string, n), make([]string, n),
+		make([]*string, n), make([]string, n)
+	safe := make([]bool, n)
+	deadline := make([]time.Time, n)
+	for k, i := range ins {
+		c := cmds[i]
+		id[k], node[k], kind[k], created[k], deadline[k], tenant[k] = c.ID, c.NodeID, c.Kind, c.CreatedBy, c.Deadline,
+			nodes[c.NodeID].tenant
+		safe[k], _ = CommandRetrySafe(c.Kind)
+		if c.RequestID != "" {
+			reqs[k] = &cmds[i].RequestID
+		}
+	}
+	// The rows as stored (timestamps rounded to the microsecond), read back
+	// by the insert itself.
+	rows, err := q.Query(ctx, `INSERT INTO commands AS c (id, node_id, kind, args, purpose, state, retry_safe,
 			deadline, created_by, created_at, updated_at, request_id)
-		VALUES ($1, $2, $3, '{}', 'user', 'queued', $4, $5, $6, $7, $7, $8)
+		SELECT u.id, u.node, u.kind, '{}', 'user', 'queued', u.safe, u.deadline, u.created, $7, $7, u.req
+		FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[], $5::timestamptz[], $6::text[], $8::text[])
+			WITH ORDINALITY AS u(id, node, kind, safe, deadline, created, req, ord)
+		ORDER BY u.ord
 		ON CONFLICT (node_id, request_id) WHERE request_id IS NOT NULL DO NOTHING
-		RETURNING c.id, c.node_id, $9::text, c.kind, c.purpose, c.state, c.retry_safe, c.deadline, c.result, c.error,
+		RETURNING c.id, c.node_id, '', c.kind, c.purpose, c.state, c.retry_safe, c.deadline, c.result, c.error,
 			c.deliveries, COALESCE(c.request_id, ''), c.created_by, c.created_at, c.updated_at, c.delivered_at, c.finished_at`,
-		n.ID, n.NodeID, n.Kind, retrySafe, n.Deadline, n.CreatedBy, now, requestID, tenant))
-	if errors.Is(err, pgx.ErrNoRows) {
-		// A concurrent call with the same request id committed first.
-		c, err := commandByRequest(ctx, q, n.NodeID, n.RequestID)
-		if err != nil {
-			return QueuedCommand{}, err
-		}
-		return QueuedCommand{Command: c, Existing: true}, nil
-	}
+		id, node, kind, safe, deadline, created, now, reqs)
 	if err != nil {
-		return QueuedCommand{}, queryErr("queue command", err)
+		return queryErr("queue commands", err)
 	}
-	if err := SignCommands(ctx, q, intent, []string{n.ID}); err != nil {
-		return QueuedCommand{}, err
-	}
-	data, err := json.Marshal(map[string]any{"commandId": n.ID, "nodeId": n.NodeID, "kind": n.Kind,
-		"deadline": n.Deadline.UTC()})
-	if err != nil {
-		return QueuedCommand{}, err
-	}
-	if err := InsertReservationEvent(ctx, q, now, tenant, EventCommandQueued, n.ID, data); err != nil {
-		return QueuedCommand{}, err
-	}
-	// PokeNodes for one node, whose gateway the locked row gave.
-	if gatewayID != nil {
-		payload, err := json.Marshal(Poke{NodeIDs: []string{n.NodeID}})
+	stored := make(map[string]Command, n)
+	for rows.Next() {
+		c, err := scanCommand(rows)
 		if err != nil {
-			return QueuedCommand{}, err
+			rows.Close()
+			return queryErr("queue commands", err)
 		}
-		if err := Enqueue(ctx, q, now, SubjectPokeGatewayPrefix+*gatewayID, payload); err != nil {
-			return QueuedCommand{}, err
+		stored[c.ID] = c
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return queryErr("queue commands", err)
+	}
+	var signed []string
+	events := make([]ReservationEvent, 0, n)
+	pokes := map[string][]string{}
+	for k, i := range ins {
+		c, ok := stored[id[k]]
+		if !ok {
+			// A concurrent call with the same request id committed first.
+			prev, err := commandByRequest(ctx, q, node[k], cmds[i].RequestID)
+			if err != nil {
+				return err
+			}
+			out[i].QueuedCommand = QueuedCommand{Command: prev, Existing: true}
+			continue
+		}
+		c.TenantID = tenant[k]
+		out[i].QueuedCommand = QueuedCommand{Command: c}
+		signed = append(signed, c.ID)
+		data, err := json.Marshal(map[string]any{"commandId": c.ID, "nodeId": c.NodeID, "kind": c.Kind,
+			"deadline": cmds[i].Deadline.UTC()})
+		if err != nil {
+			return err
+		}
+		events = append(events, ReservationEvent{TenantID: c.TenantID, Type: EventCommandQueued, SubjectID: c.ID, Data: data})
+		if gw := nodes[c.NodeID].gatewayID; gw != nil && !slices.Contains(pokes[*gw], c.NodeID) {
+			pokes[*gw] = append(pokes[*gw], c.NodeID)
 		}
 	}
-	return QueuedCommand{Command: c}, nil
+	if err := SignCommands(ctx, q, intent, signed); err != nil {
+		return err
+	}
+	if err := InsertReservationEvents(ctx, q, now, events); err != nil {
+		return err
+	}
+	// One poke per gateway holding a session of the nodes, which the
+	// locked rows named.
+	gws := slices.Sorted(maps.Keys(pokes))
+	subjects, payloads := make([]string, len(gws)), make([][]byte, len(gws))
+	for k, gw := range gws {
+		p, err := json.Marshal(Poke{NodeIDs: pokes[gw]})
+		if err != nil {
+			return err
+		}
+		subjects[k], payloads[k] = SubjectPokeGatewayPrefix+gw, p
+	}
+	return EnqueueMany(ctx, q, now, subjects, payloads)
+}
+
+// commandsByRequest returns the commands with the (node, request id)
+// pairs of nodeIDs and requestIDs (same length).
+func commandsByRequest(ctx context.Context, q DBTX, nodeIDs, requestIDs []string) ([]Command, error) {
+	rows, err := q.Query(ctx, `SELECT `+commandColumns+commandFrom+`
+		JOIN unnest($1::text[], $2::text[]) AS r(node, req) ON c.node_id = r.node AND c.request_id = r.req`,
+		nodeIDs, requestIDs)
+	if err != nil {
+		return nil, queryErr("commands of requests", err)
+	}
+	defer rows.Close()
+	var out []Command
+	for rows.Next() {
+		c, err := scanCommand(rows)
+		if err != nil {
+			return nil, queryErr("commands of requests", err)
+		}
+		out = append(out, c)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, queryErr("commands of requests", err)
+	}
+	return out, nil
 }
 
 func commandByRequest(ctx context.Context, q DBTX, nodeID, requestID string) (Command, error) {

@@ -235,3 +235,83 @@ func TestApplySessionCommandUpdateWritesCommandEvents(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, []ev{{"command.succeeded", "cmd_ok", "ten_1"}, {"command.failed", "cmd_bad", "ten_1"}}, got)
 }
+
+// TestQueueCommandsBatch queues one batch mixing good commands, refusals
+// and repeated request ids: each command gets its own answer, the refused
+// ones write nothing, a request id repeated in the batch or used before
+// answers the first command, and the gateways get one poke each.
+func TestQueueCommandsBatch(t *testing.T) {
+	t.Parallel()
+	db, now := commandsDB(t)
+	ctx := t.Context()
+	_, err := db.Pool.Exec(ctx, `INSERT INTO nodes (id, pool_id, provision_state, created_at, updated_at, gateway_id)
+		VALUES ('n-gw-a', 'pool_1', 'adopted', $1, $1, 'gw-a'), ('n-gw-a2', 'pool_1', 'adopted', $1, $1, 'gw-a'),
+			('n-gw-b', 'pool_1', 'adopted', $1, $1, 'gw-b')`, now)
+	require.NoError(t, err)
+	before, err := queue(t, db, nil, now, store.NewCommand{ID: "cmd_0", NodeID: "n-ok", Kind: store.CommandDiagNVML,
+		Deadline: now.Add(time.Minute), RequestID: "old"})
+	require.NoError(t, err)
+	_, err = db.Pool.Exec(ctx, `DELETE FROM outbox`)
+	require.NoError(t, err)
+
+	cmd := func(id, node, kind, req, tenant string) store.NewCommand {
+		return store.NewCommand{ID: id, NodeID: node, Kind: kind, Deadline: now.Add(time.Minute), RequestID: req,
+			CreatedBy: "tok_1", TenantID: tenant}
+	}
+	batch := []store.NewCommand{
+		cmd("cmd_a", "n-gw-a", store.CommandDiagNVML, "", "ten_1"),
+		cmd("cmd_b", "n-gw-b", store.CommandLogsCollect, "same", ""),
+		cmd("cmd_c", "n-rev", store.CommandDiagNVML, "", ""),           // revoked
+		cmd("cmd_d", "n-acc", store.CommandDiagNVML, "", ""),           // not adopted
+		cmd("cmd_e", "n-other", store.CommandDiagNVML, "", "ten_1"),    // another tenant's
+		cmd("cmd_f", "n-none", store.CommandDiagNVML, "", ""),          // unknown node
+		cmd("cmd_g", "n-gw-b", store.CommandNodeReboot, "same", ""),    // repeats cmd_b's request id
+		cmd("cmd_h", "n-ok", store.CommandDiagNVML, "old", ""),         // request id used before the batch
+		cmd("cmd_i", "n-gw-a2", store.CommandInventoryRefresh, "", ""), // same gateway as cmd_a
+		cmd("cmd_j", "n-gw-a", "rm -rf", "", ""),                       // unknown kind
+		cmd("cmd_k", "n-gw-a", store.CommandDiagNVML, "", ""),          // a second command on cmd_a's node
+	}
+	var res []store.QueueResult
+	require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
+		var err error
+		res, err = store.QueueCommands(ctx, tx, nil, now, batch)
+		return err
+	}))
+	require.Len(t, res, len(batch))
+	for _, i := range []int{0, 1, 8, 10} {
+		require.NoError(t, res[i].Err, batch[i].ID)
+		require.False(t, res[i].Existing, batch[i].ID)
+		require.Equal(t, batch[i].ID, res[i].ID)
+		require.Equal(t, "queued", res[i].State)
+		require.Equal(t, "ten_1", res[i].TenantID)
+	}
+	require.ErrorIs(t, res[2].Err, store.ErrNodeNotRunnable)
+	require.ErrorContains(t, res[2].Err, "revoked")
+	require.ErrorIs(t, res[3].Err, store.ErrNodeNotRunnable)
+	require.ErrorContains(t, res[3].Err, "not adopted (it is accepting)")
+	require.ErrorIs(t, res[4].Err, store.ErrNotFound)
+	require.ErrorIs(t, res[5].Err, store.ErrNotFound)
+	require.NoError(t, res[6].Err)
+	require.True(t, res[6].Existing)
+	require.Equal(t, "cmd_b", res[6].ID)
+	require.Equal(t, store.CommandLogsCollect, res[6].Kind)
+	require.NoError(t, res[7].Err)
+	require.True(t, res[7].Existing)
+	require.Equal(t, before.ID, res[7].ID)
+	require.ErrorContains(t, res[9].Err, "unknown command kind")
+
+	var ids []string
+	rows, err := db.Pool.Query(ctx, `SELECT id FROM commands ORDER BY id`)
+	require.NoError(t, err)
+	ids, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	require.Equal(t, []string{"cmd_0", "cmd_a", "cmd_b", "cmd_i", "cmd_k"}, ids)
+	require.Equal(t, 4, countRows(t, db, `SELECT count(*) FROM events WHERE type = 'command.queued'
+		AND subject_id = ANY('{cmd_a,cmd_b,cmd_i,cmd_k}')`))
+	rows, err = db.Pool.Query(ctx, `SELECT subject || ' ' || convert_from(payload, 'UTF8') FROM outbox
+		WHERE subject LIKE 'bc.poke.%' ORDER BY subject`)
+	require.NoError(t, err)
+	pokes, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	require.Equal(t, []string{`bc.poke.gw.gw-a {"nodeIds":["n-gw-a","n-gw-a2"]}`, `bc.poke.gw.gw-b {"nodeIds":["n-gw-b"]}`}, pokes)
+}

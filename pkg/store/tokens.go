@@ -54,12 +54,16 @@ func GetAPITokenByHash(ctx context.Context, q DBTX, hash []byte) (APIToken, erro
 	return t, nil
 }
 
+// APITokenTouchInterval is how stale api_tokens.last_used_at may get:
+// TouchAPIToken writes at most once per interval per token.
+const APITokenTouchInterval = time.Minute
+
 // TouchAPIToken records that token id was used at now. It writes at most
-// once per minute per token, so that authenticating is not a write per
-// request.
+// once per APITokenTouchInterval per token, so that authenticating is not a
+// write per request.
 func TouchAPIToken(ctx context.Context, q DBTX, id string, now time.Time) error {
 	_, err := q.Exec(ctx, `UPDATE api_tokens SET last_used_at = $2
-		WHERE id = $1 AND (last_used_at IS NULL OR last_used_at < $2::timestamptz - interval '1 minute')`, id, now)
+		WHERE id = $1 AND (last_used_at IS NULL OR last_used_at < $3)`, id, now, now.Add(-APITokenTouchInterval))
 	if err != nil {
 		return queryErr("touch api token", err)
 	}

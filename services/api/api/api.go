@@ -31,6 +31,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
+	"github.com/better-compute/better-compute/pkg/batch"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/iam"
 	"github.com/better-compute/better-compute/pkg/pki"
@@ -96,6 +97,9 @@ type Server struct {
 	// (Unavailable) so that shutdown does not wait for them.
 	stopWatches chan struct{}
 	stopOnce    sync.Once
+	// queue batches RunCommand calls (commands.go), started on first use.
+	queue     *batch.Batcher[queueItem, queueAnswer]
+	queueOnce sync.Once
 }
 
 // New returns a Server.
@@ -167,7 +171,15 @@ func (s *Server) Run(ctx context.Context) error { return s.Serve(ctx, nil) }
 func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	stop := context.AfterFunc(ctx, s.StopWatches)
 	defer stop()
+	defer s.Close()
 	return service.Serve(ctx, s.logger, service.NewServer(s.cfg.Listen, s.Handler()), ln)
+}
+
+// Close stops the server's background work (the command queue's workers);
+// calls still queued fail with Unavailable. Serve calls it when it returns;
+// a caller of Handler alone calls it when done.
+func (s *Server) Close() {
+	s.commandQueue().Close()
 }
 
 // StopWatches ends every events watch, now and to come, with Unavailable

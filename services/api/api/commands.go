@@ -4,12 +4,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"connectrpc.com/connect"
 	"github.com/jackc/pgx/v5"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
+	"github.com/better-compute/better-compute/pkg/batch"
+	"github.com/better-compute/better-compute/pkg/iam"
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/telemetry"
@@ -35,45 +38,119 @@ func (s *commandService) RunCommand(ctx context.Context, req *connect.Request[co
 	if err != nil {
 		return nil, err
 	}
+	audit, err := iam.DeferAudit(ctx)
+	if err != nil {
+		return nil, err
+	}
 	msg := req.Msg
 	timeout := store.DefaultCommandTimeout
 	if msg.Timeout != nil {
 		timeout = msg.Timeout.AsDuration()
 	}
-	var q store.QueuedCommand
-	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
-		now := s.db.Now()
-		var err error
-		q, err = store.QueueCommand(ctx, tx, s.intent, now, store.NewCommand{ID: ids.New(ids.Command, now), NodeID: msg.NodeId,
-			Kind: msg.Kind, Deadline: now.Add(timeout), RequestID: msg.RequestId, CreatedBy: p.TokenID,
-			TenantID: p.TenantScope()})
-		if err != nil {
-			return err
-		}
-		if q.Existing && q.Kind != msg.Kind {
-			return connect.NewError(connect.CodeAlreadyExists, fmt.Errorf(
-				"request_id: already used for %s command %s on this node", q.Kind, q.ID))
-		}
-		detail := fmt.Sprintf("queued %s on %s", q.Kind, q.NodeID)
-		if q.Existing {
-			detail = fmt.Sprintf("request_id %s: %s already queued", msg.RequestId, q.ID)
-		}
-		return s.auditInTx(ctx, tx, q.ID, detail)
-	})
+	a, err := s.commandQueue().Do(ctx, queueItem{cmd: store.NewCommand{NodeID: msg.NodeId, Kind: msg.Kind,
+		RequestID: msg.RequestId, CreatedBy: p.TokenID, TenantID: p.TenantScope()}, timeout: timeout, audit: audit})
+	if err == nil {
+		err = a.err
+	}
 	if errors.Is(err, store.ErrNotFound) {
-		// Unknown, or another tenant's (QueueCommand checks the tenant
+		// Unknown, or another tenant's (QueueCommands checks the tenant
 		// on the row it locks).
 		return nil, notFound("node", msg.NodeId)
 	}
 	if errors.Is(err, store.ErrNodeNotRunnable) {
 		return nil, connect.NewError(connect.CodeFailedPrecondition, err)
 	}
+	var cerr *connect.Error
+	if errors.As(err, &cerr) {
+		return nil, cerr
+	}
 	if err != nil {
 		return nil, mapError(err)
 	}
+	q := a.queued
 	s.logger.InfoContext(ctx, "command queued", telemetry.KeyCommandID, q.ID, telemetry.KeyNodeID, q.NodeID, "kind", q.Kind,
 		"existing", q.Existing)
 	return connect.NewResponse(&computev1.RunCommandResponse{Command: commandToProto(q.Command)}), nil
+}
+
+// queueItem is one RunCommand call for the command queue: the command
+// (its id and deadline are set when its batch is written), its timeout and
+// its audit row.
+type queueItem struct {
+	cmd     store.NewCommand
+	timeout time.Duration
+	audit   iam.DeferredAudit
+}
+
+// queueAnswer is what the command queue did with one queueItem.
+type queueAnswer struct {
+	queued store.QueuedCommand
+	// err refuses this call alone (store.QueueResult.Err, or AlreadyExists
+	// for a request id used for another kind); nothing was written for it.
+	err error
+}
+
+// commandQueueWorkers is how many batches of RunCommand calls are written
+// at once (database connections the queue keeps busy).
+const commandQueueWorkers = 4
+
+// commandQueue returns the batcher of RunCommand calls, started on first
+// use; Close stops it.
+func (s *Server) commandQueue() *batch.Batcher[queueItem, queueAnswer] {
+	s.queueOnce.Do(func() {
+		s.queue = batch.New(s.queueCommands, batch.Options{Workers: commandQueueWorkers, MaxBatch: 256})
+	})
+	return s.queue
+}
+
+// queueCommands writes a batch of RunCommand calls in one transaction
+// (store.QueueCommands) with the audit row of each call that queued a
+// command or found the one of its request id; the calls refused write
+// nothing, and the audit interceptor records their refusal.
+func (s *Server) queueCommands(ctx context.Context, items []queueItem) ([]queueAnswer, error) {
+	var out []queueAnswer
+	err := s.db.InTx(ctx, func(tx pgx.Tx) error {
+		now := s.db.Now()
+		cmds := make([]store.NewCommand, len(items))
+		for i, it := range items {
+			cmds[i] = it.cmd
+			cmds[i].ID = ids.New(ids.Command, now)
+			cmds[i].Deadline = now.Add(it.timeout)
+		}
+		res, err := store.QueueCommands(ctx, tx, s.intent, now, cmds)
+		if err != nil {
+			return err
+		}
+		out = make([]queueAnswer, len(items))
+		audits := make([]store.AuditEntry, 0, len(items))
+		for i, r := range res {
+			out[i] = queueAnswer{queued: r.QueuedCommand, err: r.Err}
+			if r.Err != nil {
+				continue
+			}
+			q := r.QueuedCommand
+			if q.Existing && q.Kind != cmds[i].Kind {
+				out[i].err = connect.NewError(connect.CodeAlreadyExists, fmt.Errorf(
+					"request_id: already used for %s command %s on this node", q.Kind, q.ID))
+				continue
+			}
+			detail := fmt.Sprintf("queued %s on %s", q.Kind, q.NodeID)
+			if q.Existing {
+				detail = fmt.Sprintf("request_id %s: %s already queued", cmds[i].RequestID, q.ID)
+			}
+			audits = append(audits, items[i].audit.Entry(now, q.ID, detail))
+		}
+		return store.InsertAudits(ctx, tx, audits)
+	})
+	if err != nil {
+		return nil, err
+	}
+	for i, a := range out {
+		if a.err == nil {
+			items[i].audit.Written()
+		}
+	}
+	return out, nil
 }
 
 // GetCommand returns a command of the caller's tenant's nodes (any for

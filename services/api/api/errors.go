@@ -6,6 +6,7 @@ import (
 
 	"connectrpc.com/connect"
 
+	"github.com/better-compute/better-compute/pkg/batch"
 	"github.com/better-compute/better-compute/pkg/store"
 )
 
@@ -40,6 +41,8 @@ func mapError(err error) error {
 			}
 		}
 		return connect.NewError(connect.CodeAlreadyExists, errors.New("already exists"))
+	case errors.Is(err, batch.ErrClosed):
+		return connect.NewError(connect.CodeUnavailable, errors.New("the server is shutting down; retry"))
 	case errors.Is(err, context.Canceled):
 		return connect.NewError(connect.CodeCanceled, err)
 	case errors.Is(err, context.DeadlineExceeded):

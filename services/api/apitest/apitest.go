@@ -23,7 +23,10 @@ func Start(t testing.TB, db *store.DB) string {
 		t.Fatalf("apitest: %v", err)
 	}
 	ts := httptest.NewServer(srv.Handler())
-	t.Cleanup(ts.Close)
+	t.Cleanup(func() {
+		ts.Close()
+		srv.Close()
+	})
 	return ts.URL
 }
 
