@@ -3,6 +3,7 @@ package store_test
 import (
 	"crypto/ed25519"
 	"crypto/rand"
+	"encoding/json"
 	"testing"
 	"time"
 
@@ -314,4 +315,26 @@ func TestQueueCommandsBatch(t *testing.T) {
 	pokes, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	require.NoError(t, err)
 	require.Equal(t, []string{`bc.poke.gw.gw-a {"nodeIds":["n-gw-a","n-gw-a2"]}`, `bc.poke.gw.gw-b {"nodeIds":["n-gw-b"]}`}, pokes)
+
+	// The event's NATS message carries the event.
+	var payload []byte
+	var evID int64
+	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT o.payload, e.id FROM outbox o, events e
+		WHERE o.subject = 'bc.events.ten_1.command.queued' AND e.subject_id = 'cmd_k'
+			AND o.payload::text <> '' AND convert_from(o.payload, 'UTF8')::jsonb->>'subjectId' = 'cmd_k'`).Scan(&payload, &evID))
+	var msg struct {
+		ID        int64          `json:"id"`
+		TenantID  string         `json:"tenantId"`
+		Type      string         `json:"type"`
+		SubjectID string         `json:"subjectId"`
+		Data      map[string]any `json:"data"`
+		Time      time.Time      `json:"time"`
+	}
+	require.NoError(t, json.Unmarshal(payload, &msg))
+	require.Equal(t, evID, msg.ID)
+	require.Equal(t, "ten_1", msg.TenantID)
+	require.Equal(t, store.EventCommandQueued, msg.Type)
+	require.Equal(t, "cmd_k", msg.SubjectID)
+	require.Equal(t, "n-gw-a", msg.Data["nodeId"])
+	require.True(t, now.Equal(msg.Time), "time %s", msg.Time)
 }

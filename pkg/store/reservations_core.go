@@ -245,8 +245,9 @@ func InsertReservationEvent(ctx context.Context, q DBTX, now time.Time, tenantID
 }
 
 // InsertReservationEvents writes the events' rows and their outbox messages
-// (bc.events.<tenant>.<type>) in q's transaction, in three round trips
-// whatever their number.
+// (bc.events.<tenant>.<type>, payload the JSON object {"id", "tenantId",
+// "type", "subjectId", "data", "time"}) in q's transaction, in one
+// statement whatever their number. Ids follow the order of events.
 func InsertReservationEvents(ctx context.Context, q DBTX, now time.Time, events []ReservationEvent) error {
 	if len(events) == 0 {
 		return nil
@@ -262,36 +263,23 @@ func InsertReservationEvents(ctx context.Context, q DBTX, now time.Time, events 
 			datas[i] = string(e.Data)
 		}
 	}
-	rows, err := q.Query(ctx, `INSERT INTO events (tenant_id, type, subject_id, data, created_at)
-		SELECT u.tenant, u.typ, u.subject, u.data::jsonb, $5
-		FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS u(tenant, typ, subject, data, ord)
-		ORDER BY u.ord RETURNING id`, tenants, types, subjects, datas, now)
+	tag, err := q.Exec(ctx, `WITH ev AS (
+			INSERT INTO events (tenant_id, type, subject_id, data, created_at)
+			SELECT u.tenant, u.typ, u.subject, u.data::jsonb, $5
+			FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS u(tenant, typ, subject, data, ord)
+			ORDER BY u.ord
+			RETURNING id, tenant_id, type, subject_id, data)
+		INSERT INTO outbox (subject, payload, created_at)
+		SELECT $6 || '.' || COALESCE(ev.tenant_id, '') || '.' || ev.type,
+			convert_to(jsonb_build_object('id', ev.id, 'tenantId', COALESCE(ev.tenant_id, ''), 'type', ev.type, 'subjectId', ev.subject_id,
+				'data', ev.data, 'time', $7::text)::text, 'UTF8'),
+			$5
+		FROM ev ORDER BY ev.id`, tenants, types, subjects, datas, now, SubjectEvents, now.UTC().Format(time.RFC3339Nano))
 	if err != nil {
 		return fmt.Errorf("insert events: %w", interpretError(err))
 	}
-	evIDs, err := pgx.CollectRows(rows, pgx.RowTo[int64])
-	if err != nil {
-		return fmt.Errorf("insert events: %w", interpretError(err))
-	}
-	if len(evIDs) != len(events) {
-		return fmt.Errorf("insert events: %d ids for %d events", len(evIDs), len(events))
-	}
-	slices.Sort(evIDs) // bigserial ids follow the insertion order
-	outSubjects := make([]string, len(events))
-	payloads := make([][]byte, len(events))
-	for i, e := range events {
-		p, err := json.Marshal(map[string]any{"id": evIDs[i], "tenantId": e.TenantID, "type": e.Type, "subjectId": e.SubjectID,
-			"data": json.RawMessage(datas[i]), "time": now.UTC()})
-		if err != nil {
-			return err
-		}
-		outSubjects[i] = SubjectEvents + "." + e.TenantID + "." + e.Type
-		payloads[i] = p
-	}
-	if _, err := q.Exec(ctx, `INSERT INTO outbox (subject, payload, created_at)
-		SELECT u.subject, u.payload, $3 FROM unnest($1::text[], $2::bytea[]) AS u(subject, payload)`,
-		outSubjects, payloads, now); err != nil {
-		return fmt.Errorf("enqueue events: %w", interpretError(err))
+	if tag.RowsAffected() != int64(len(events)) {
+		return fmt.Errorf("insert events: %d outbox rows for %d events", tag.RowsAffected(), len(events))
 	}
 	if err := signalOutbox(ctx, q); err != nil {
 		return fmt.Errorf("enqueue events: %w", interpretError(err))

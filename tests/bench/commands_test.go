@@ -3,16 +3,22 @@ package bench
 import (
 	"context"
 	"fmt"
+	"maps"
 	"os"
+	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"connectrpc.com/connect"
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
+	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/store"
 )
@@ -189,7 +195,12 @@ func BenchmarkCommands(b *testing.B) {
 		// services and the machines) and the Postgres and NATS containers.
 		pg, nc := containerOf(b, f.dbURL), containerOf(b, f.natsURL)
 		self0, pg0, nc0 := procCPU(b, os.Getpid()), containerCPU(b, pg), containerCPU(b, nc)
+		pool0 := f.stack.DB.Pool.Stat()
+		sampleCtx, stopSampling := context.WithCancel(ctx)
+		waits := sampleWaits(sampleCtx, f.dbURL, clk)
 		ids := runAll(total, func(i int) (string, error) { return run(nodes[i%len(nodes)]) })
+		stopSampling()
+		pool1 := f.stack.DB.Pool.Stat()
 		self1, pg1, nc1 := procCPU(b, os.Getpid()), containerCPU(b, pg), containerCPU(b, nc)
 		perCmd := func(d time.Duration) time.Duration { return d / time.Duration(total) }
 		s := log.stats(ids)
@@ -235,6 +246,11 @@ func BenchmarkCommands(b *testing.B) {
 		fmt.Printf("  CPU per command: %s services and machines (this process), %s Postgres, %s NATS\n",
 			perCmd(self1-self0).Round(time.Microsecond), perCmd(pg1-pg0).Round(time.Microsecond),
 			perCmd(nc1-nc0).Round(time.Microsecond))
+		acquires := pool1.AcquireCount() - pool0.AcquireCount()
+		fmt.Printf("  shared pool: %d acquires (%.1f per command), %d had to wait, %s waiting on average; %s\n",
+			acquires, float64(acquires)/float64(total), pool1.EmptyAcquireCount()-pool0.EmptyAcquireCount(),
+			((pool1.AcquireDuration()-pool0.AcquireDuration())/time.Duration(max(1, acquires))).Round(time.Microsecond),
+			<-waits)
 		fmt.Printf("command round trip at %.0f/s (%d commands): RunCommand → terminal state recorded p50 %s, p99 %s "+
 			"(target p99 < 100ms)\n", offered, steady, rt[0].Round(time.Millisecond), rt[1].Round(time.Millisecond))
 		fmt.Printf("  RunCommand call p50 %s, p99 %s; queued→delivered p50 %s, p99 %s; delivered→finished p50 %s, p99 %s; "+
@@ -247,4 +263,51 @@ func BenchmarkCommands(b *testing.B) {
 // secs rounds a duration in seconds to the millisecond.
 func secs(s float64) time.Duration {
 	return time.Duration(s * float64(time.Second)).Round(time.Millisecond)
+}
+
+// sampleWaits samples what the database's client backends are doing every
+// 100 ms until ctx ends (pg_stat_activity: active and waiting on what, idle
+// in transaction) over its own connection, and sends a summary: the mean
+// number of backends in each state, busiest first.
+func sampleWaits(ctx context.Context, dbURL string, clk clock.Clock) <-chan string {
+	out := make(chan string, 1)
+	go func() {
+		conn, err := pgx.Connect(context.WithoutCancel(ctx), dbURL)
+		if err != nil {
+			out <- "wait sampling: " + err.Error()
+			return
+		}
+		defer conn.Close(context.WithoutCancel(ctx))
+		counts := map[string]int{}
+		samples := 0
+		tick := clk.NewTicker(100 * time.Millisecond)
+		defer tick.Stop()
+		for ctx.Err() == nil {
+			rows, err := conn.Query(ctx, `SELECT state || COALESCE(' ' || wait_event_type || ':' || wait_event, ''), count(*)
+				FROM pg_stat_activity WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()
+					AND state <> 'idle' GROUP BY 1`)
+			if err == nil {
+				for rows.Next() {
+					var k string
+					var n int
+					if rows.Scan(&k, &n) == nil {
+						counts[k] += n
+					}
+				}
+				rows.Close()
+				samples++
+			}
+			select {
+			case <-ctx.Done():
+			case <-tick.C():
+			}
+		}
+		keys := slices.SortedFunc(maps.Keys(counts), func(a, b string) int { return counts[b] - counts[a] })
+		parts := make([]string, 0, len(keys))
+		for _, k := range keys {
+			parts = append(parts, fmt.Sprintf("%s %.1f", k, float64(counts[k])/float64(max(1, samples))))
+		}
+		out <- "database backends on average (" + strconv.Itoa(samples) + " samples): " + strings.Join(parts, ", ")
+	}()
+	return out
 }

@@ -35,9 +35,11 @@ func NATSImage() string {
 func NATS(t testing.TB) string {
 	t.Helper()
 	ctx := context.Background()
+	storetest.UseLocalDocker()
 	c, err := testcontainers.Run(ctx, NATSImage(),
 		testcontainers.WithCmd("-js", "-m", "8222"),
 		testcontainers.WithExposedPorts("4222/tcp", "8222/tcp"),
+		storetest.LoopbackPorts("4222/tcp", "8222/tcp"),
 		testcontainers.WithWaitStrategy(wait.ForHTTP("/healthz").WithPort("8222/tcp")),
 	)
 	if c != nil {
