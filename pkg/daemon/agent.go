@@ -802,14 +802,16 @@ func (a *Agent) command(now time.Time, o *out, c *gatewayv1.Command) {
 		a.send(o, updateOf(&Entry{CommandID: id, State: gatewayv1.CommandState_COMMAND_STATE_FAILED, Error: "journal write failed: " + err.Error()}))
 		return
 	}
-	a.sendUpdate(o, &e)
 	res, d, err := a.hw.Run(e.Kind, c.GetArgsJson())
 	a.seq++
 	r := running{due: now.Add(max(d, 0)), seq: a.seq, id: id, kind: e.Kind, result: res, err: err}
 	if d <= 0 {
+		// Finished at once: its outcome is the only update worth sending
+		// (RUNNING would be superseded before the gateway could act on it).
 		a.complete(now, o, r)
 		return
 	}
+	a.sendUpdate(o, &e)
 	i, _ := slices.BinarySearchFunc(a.running, r, func(x, y running) int {
 		if c := x.due.Compare(y.due); c != 0 {
 			return c

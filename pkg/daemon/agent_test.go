@@ -341,6 +341,33 @@ func TestCommandRunsOnceAcrossRedelivery(t *testing.T) {
 	require.Equal(t, 1, h.hw.runs["diag.nvml"])
 }
 
+// TestInstantCommandReportsOnlyItsOutcome: a command that finishes as it
+// starts is journaled before it runs, as every command, and reported once,
+// with its outcome (no RUNNING the outcome would supersede at once).
+func TestInstantCommandReportsOnlyItsOutcome(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, daemon.Config{}, 1)
+	h.hw.SetDurations(fakehw.Durations{ByKind: map[string]time.Duration{"diag.nvml": 0}})
+	h.establish()
+	id := ids.New(ids.Command, h.now)
+	h.receive(cmd(id, "diag.nvml", h.now.Add(time.Hour), false))
+	u := updates(h.take())
+	require.Len(t, u, 1)
+	require.Equal(t, succeeded, u[0].GetState())
+	e, ok := h.j.Get(id)
+	require.True(t, ok)
+	require.Equal(t, succeeded, e.State)
+	require.Equal(t, 1, h.hw.runs["diag.nvml"])
+	require.Zero(t, h.a.Status().Running)
+
+	// Redelivered: answered from the journal, not run again.
+	h.receive(cmd(id, "diag.nvml", h.now.Add(time.Hour), false))
+	u2 := updates(h.take())
+	require.Len(t, u2, 1)
+	require.True(t, proto.Equal(u[0], u2[0]))
+	require.Equal(t, 1, h.hw.runs["diag.nvml"])
+}
+
 func TestCommandKinds(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
