@@ -510,7 +510,9 @@ func nullJSON(b []byte) *string {
 // ObservedGeneration is a spec generation a daemon reported having applied
 // on its node.
 type ObservedGeneration struct {
-	NodeID     string
+	// NodeID is the reporting node.
+	NodeID string
+	// Generation is the spec generation it applied.
 	Generation int64
 }
 
