@@ -244,13 +244,13 @@ func ClaimSessionDeliveries(ctx context.Context, q DBTX, now time.Time, reqs []C
 			CASE WHEN n.spec_generation > u.known AND n.session_id = u.sid AND n.revoked_at IS NULL THEN n.spec END,
 			CASE WHEN n.spec_generation > u.known AND n.session_id = u.sid AND n.revoked_at IS NULL THEN n.spec_signature END
 		FROM unnest($1::text[], $2::text[], $3::bigint[]) WITH ORDINALITY AS u(id, sid, known, ord)
-		JOIN nodes n ON n.id = u.id`, ids, sids, known)
+		JOIN nodes n ON n.id = u.id WHERE n.id = ANY($1)`, ids, sids, known)
 	b.Queue(`WITH u AS (
 			SELECT * FROM unnest($1::text[], $2::text[], $3::bool[]) WITH ORDINALITY AS u(id, sid, inflight, ord)),
 		pick AS (SELECT c.id, u.ord FROM u
 			JOIN nodes n ON n.id = u.id AND n.session_id = u.sid AND n.revoked_at IS NULL
 			JOIN commands c ON c.node_id = u.id
-			WHERE c.state = 'queued' OR (u.inflight AND c.state IN ('delivered', 'running'))
+			WHERE n.id = ANY($1) AND (c.state = 'queued' OR (u.inflight AND c.state IN ('delivered', 'running')))
 			ORDER BY c.id FOR UPDATE OF c)
 		UPDATE commands c SET
 			state = CASE WHEN c.state = 'queued' THEN 'delivered' ELSE c.state END,
@@ -404,8 +404,8 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 	rows, err := q.Query(ctx, `WITH u AS (
 			SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int[], $5::text[], $6::text[], $7::timestamptz[])
 				WITH ORDINALITY AS u(cmd, node, state, rank, result, err, at, ord)),
-		old AS (SELECT c.id, c.state FROM commands c JOIN u ON c.id = u.cmd AND c.node_id = u.node
-			ORDER BY c.id FOR UPDATE OF c)
+		old AS (SELECT c.id, c.state, u.ord FROM commands c JOIN u ON c.id = u.cmd AND c.node_id = u.node
+			WHERE c.id = ANY($1) ORDER BY c.id FOR UPDATE OF c)
 		UPDATE commands c SET
 			state = u.state,
 			result = COALESCE(u.result::jsonb, c.result),
@@ -413,8 +413,8 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 			finished_at = CASE WHEN u.rank = 3 THEN u.at ELSE c.finished_at END,
 			delivered_at = COALESCE(c.delivered_at, u.at),
 			updated_at = u.at
-		FROM u, old, nodes n, pools p
-		WHERE c.id = u.cmd AND c.node_id = u.node AND old.id = c.id AND n.id = c.node_id AND p.id = n.pool_id
+		FROM old JOIN u ON u.ord = old.ord JOIN nodes n ON n.id = u.node JOIN pools p ON p.id = n.pool_id
+		WHERE c.id = old.id
 			AND (CASE c.state WHEN 'queued' THEN 0 WHEN 'delivered' THEN 1 WHEN 'running' THEN 2 ELSE 3 END) < u.rank
 		RETURNING u.ord, old.state, c.purpose = 'acceptance', p.owner_tenant_id, c.kind, c.error`,
 		cmds, nodes, states, ranks, results, errs, ats)
@@ -531,7 +531,7 @@ func RecordSessionObservedGenerations(ctx context.Context, q DBTX, now time.Time
 	}
 	tag, err := q.Exec(ctx, `WITH u AS (
 			SELECT id, max(gen) AS gen FROM unnest($1::text[], $2::bigint[]) AS u(id, gen) GROUP BY id),
-		l AS (SELECT n.id FROM nodes n JOIN u ON u.id = n.id WHERE n.observed_generation < u.gen
+		l AS (SELECT n.id FROM nodes n JOIN u ON u.id = n.id WHERE n.id = ANY($1) AND n.observed_generation < u.gen
 			ORDER BY n.id FOR UPDATE OF n)
 		UPDATE nodes n SET observed_generation = u.gen, updated_at = $3
 		FROM u, l WHERE n.id = u.id AND l.id = n.id AND n.observed_generation < u.gen`, ids, vals, now)
