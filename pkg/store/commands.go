@@ -513,26 +513,25 @@ func commandsByID(ctx context.Context, q DBTX, ids []string) ([]Command, error) 
 func insertCommandEvents(ctx context.Context, q DBTX, now time.Time, typ string, cmds []Command) error {
 	events := make([]ReservationEvent, 0, len(cmds))
 	for _, c := range cmds {
-		d := map[string]any{"commandId": c.ID, "nodeId": c.NodeID, "kind": c.Kind, "state": c.State}
-		if c.Error != "" {
-			d["error"] = c.Error
-		}
-		data, err := json.Marshal(d)
+		e, err := commandEvent(typ, c)
 		if err != nil {
 			return err
 		}
-		events = append(events, ReservationEvent{TenantID: c.TenantID, Type: typ, SubjectID: c.ID, Data: data})
+		events = append(events, e)
 	}
 	return InsertReservationEvents(ctx, q, now, events)
 }
 
-// recordCommandFinished writes the command.succeeded or command.failed
-// event of user command c (its id, node, tenant, kind, error), which just
-// reached c.State (ApplySessionCommandUpdate).
-func recordCommandFinished(ctx context.Context, q DBTX, now time.Time, c Command) error {
-	typ := EventCommandFailed
-	if c.State == cmdSucceeded {
-		typ = EventCommandSucceeded
+// commandEvent is the event of type typ of command c: tenant the command's,
+// subject its id, data its id, node, kind, state and error.
+func commandEvent(typ string, c Command) (ReservationEvent, error) {
+	d := map[string]any{"commandId": c.ID, "nodeId": c.NodeID, "kind": c.Kind, "state": c.State}
+	if c.Error != "" {
+		d["error"] = c.Error
 	}
-	return insertCommandEvents(ctx, q, now, typ, []Command{c})
+	data, err := json.Marshal(d)
+	if err != nil {
+		return ReservationEvent{}, err
+	}
+	return ReservationEvent{TenantID: c.TenantID, Type: typ, SubjectID: c.ID, Data: data}, nil
 }

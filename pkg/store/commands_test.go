@@ -216,8 +216,11 @@ func TestApplySessionCommandUpdateWritesCommandEvents(t *testing.T) {
 		var out store.SessionCommandUpdated
 		require.NoError(t, db.InTx(t.Context(), func(tx pgx.Tx) error {
 			var err error
-			out, err = store.ApplySessionCommandUpdate(t.Context(), tx, store.SessionCommandUpdate{NodeID: node, CommandID: id,
-				State: state, Error: map[bool]string{true: "boom"}[state == "failed"], Now: now})
+			outs, err := store.ApplySessionCommandUpdates(t.Context(), tx, []store.SessionCommandUpdate{{NodeID: node, CommandID: id,
+				State: state, Error: map[bool]string{true: "boom"}[state == "failed"], Now: now}})
+			if err == nil {
+				out = outs[0]
+			}
 			return err
 		}))
 		return out

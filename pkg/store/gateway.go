@@ -11,7 +11,7 @@ package store
 
 import (
 	"context"
-	"errors"
+	"encoding/json"
 	"fmt"
 	"slices"
 	"strings"
@@ -178,10 +178,25 @@ type SessionCommand struct {
 	Signature []byte
 }
 
-// SessionDelivery is the work ClaimSessionDelivery found for a session.
+// ClaimRequest asks ClaimSessionDeliveries for the work of one session.
+type ClaimRequest struct {
+	// NodeID is the session's node.
+	NodeID string
+	// SessionID is the session, which must be the node's live session
+	// (nodes.session_id) for anything to be claimed.
+	SessionID string
+	// Known is the greatest spec generation the session's daemon has or
+	// was sent: the spec is returned only when the node's is greater.
+	Known int64
+	// InFlight also claims the delivered and running commands (a new
+	// session resends them), not only the queued ones.
+	InFlight bool
+}
+
+// SessionDelivery is the work ClaimSessionDeliveries found for a session.
 type SessionDelivery struct {
 	// Current is false when the session is no longer the node's live
-	// session; nothing was claimed then.
+	// session, or the node does not exist; nothing was claimed then.
 	Current bool
 	// Revoked is true when the node is revoked (nodes.revoked_at); nothing
 	// was claimed then, and the session must end.
@@ -189,73 +204,113 @@ type SessionDelivery struct {
 	// SpecGeneration is the node's desired spec generation.
 	SpecGeneration int64
 	// Spec is the node's spec (protojson of gatewayv1.NodeSpec), set only
-	// when SpecGeneration is greater than the caller's known generation.
+	// when SpecGeneration is greater than the request's Known generation
+	// and the session is current and not revoked.
 	Spec []byte
 	// SpecSignature is the signature of that spec generation (signedIntent),
 	// nil when unsigned or when Spec is nil. See DesiredStateMessage.
 	SpecSignature []byte
-	// Commands are the claimed commands, oldest first.
+	// Commands are the claimed commands, oldest first (created_at, then id).
 	Commands []SessionCommand
 }
 
-// ClaimSessionDelivery finds the work of sessionID, the live session of nodeID: the
-// spec when its generation is greater than known, and the open commands to
-// send. It claims the queued ones, or with inFlight (a new session) also the
-// delivered and running ones, by setting state delivered (running stays
-// running), delivered_at and deliveries+1. Claiming is conditioned on the
-// session still being live and the node not revoked in the same statement,
-// so a superseded session never takes a newer session's commands and a
-// revoked node gets nothing. One round trip.
-func ClaimSessionDelivery(ctx context.Context, q DBTX, now time.Time, nodeID, sessionID string, known int64, inFlight bool) (SessionDelivery, error) {
-	states := []string{cmdQueued}
-	if inFlight {
-		states = append(states, cmdDelivered, cmdRunning)
+// ClaimSessionDeliveries finds the work of many sessions in one round trip
+// (two statements pipelined in one implicit transaction when q is a pool)
+// and returns one SessionDelivery per request, in their order. For each
+// request it reads whether the session is still its node's live session,
+// whether the node is revoked, and the spec when its generation is greater
+// than Known; and it claims the node's queued commands, or with InFlight
+// also the delivered and running ones, by setting state delivered (running
+// stays running), delivered_at = now and deliveries+1. Claiming is
+// conditioned on the session being live and the node not revoked in the
+// same statement, so a superseded session never takes a newer session's
+// commands and a revoked node gets nothing. Commands are locked in id order,
+// as ApplySessionCommandUpdates locks them, so concurrent batches do not
+// deadlock each other. Two requests for the same session in one call share
+// its commands between them (each command is claimed once).
+func ClaimSessionDeliveries(ctx context.Context, q DBTX, now time.Time, reqs []ClaimRequest) ([]SessionDelivery, error) {
+	if len(reqs) == 0 {
+		return nil, nil
+	}
+	ids := make([]string, len(reqs))
+	sids := make([]string, len(reqs))
+	known := make([]int64, len(reqs))
+	inFlight := make([]bool, len(reqs))
+	for i, r := range reqs {
+		ids[i], sids[i], known[i], inFlight[i] = r.NodeID, r.SessionID, r.Known, r.InFlight
 	}
 	b := &pgx.Batch{}
-	b.Queue(`SELECT session_id IS NOT DISTINCT FROM $2, revoked_at IS NOT NULL, spec_generation,
-			CASE WHEN spec_generation > $3 THEN spec END, CASE WHEN spec_generation > $3 THEN spec_signature END
-		FROM nodes WHERE id = $1`, nodeID, sessionID, known)
-	b.Queue(`UPDATE commands SET
-			state = CASE WHEN state = 'queued' THEN 'delivered' ELSE state END,
-			delivered_at = $4, deliveries = deliveries + 1, updated_at = $4
-		WHERE node_id = $1 AND state = ANY($3)
-			AND EXISTS (SELECT 1 FROM nodes WHERE id = $1 AND session_id = $2 AND revoked_at IS NULL)
-		RETURNING id, kind, args, deadline, retry_safe, created_at, signature`, nodeID, sessionID, states, now)
+	b.Queue(`SELECT u.ord, n.session_id IS NOT DISTINCT FROM u.sid, n.revoked_at IS NOT NULL, n.spec_generation,
+			CASE WHEN n.spec_generation > u.known AND n.session_id = u.sid AND n.revoked_at IS NULL THEN n.spec END,
+			CASE WHEN n.spec_generation > u.known AND n.session_id = u.sid AND n.revoked_at IS NULL THEN n.spec_signature END
+		FROM unnest($1::text[], $2::text[], $3::bigint[]) WITH ORDINALITY AS u(id, sid, known, ord)
+		JOIN nodes n ON n.id = u.id WHERE n.id = ANY($1)`, ids, sids, known)
+	b.Queue(`WITH u AS (
+			SELECT * FROM unnest($1::text[], $2::text[], $3::bool[]) WITH ORDINALITY AS u(id, sid, inflight, ord)),
+		pick AS (SELECT c.id, u.ord FROM u
+			JOIN nodes n ON n.id = u.id AND n.session_id = u.sid AND n.revoked_at IS NULL
+			JOIN commands c ON c.node_id = u.id
+			WHERE n.id = ANY($1) AND (c.state = 'queued' OR (u.inflight AND c.state IN ('delivered', 'running')))
+			ORDER BY c.id FOR UPDATE OF c)
+		UPDATE commands c SET
+			state = CASE WHEN c.state = 'queued' THEN 'delivered' ELSE c.state END,
+			delivered_at = $4, deliveries = c.deliveries + 1, updated_at = $4
+		FROM pick WHERE c.id = pick.id
+		RETURNING pick.ord, c.id, c.kind, c.args, c.deadline, c.retry_safe, c.created_at, c.signature`,
+		ids, sids, inFlight, now)
 	br := q.SendBatch(ctx, b)
 	defer br.Close()
-	var d SessionDelivery
-	if err := br.QueryRow().Scan(&d.Current, &d.Revoked, &d.SpecGeneration, &d.Spec, &d.SpecSignature); err != nil {
-		return SessionDelivery{}, interpretError(err)
-	}
+	out := make([]SessionDelivery, len(reqs))
 	rows, err := br.Query()
 	if err != nil {
-		return SessionDelivery{}, interpretError(err)
+		return nil, interpretError(err)
 	}
 	for rows.Next() {
-		var c SessionCommand
-		if err := rows.Scan(&c.ID, &c.Kind, &c.Args, &c.Deadline, &c.RetrySafe, &c.CreatedAt, &c.Signature); err != nil {
+		var (
+			ord int64
+			d   SessionDelivery
+		)
+		if err := rows.Scan(&ord, &d.Current, &d.Revoked, &d.SpecGeneration, &d.Spec, &d.SpecSignature); err != nil {
 			rows.Close()
-			return SessionDelivery{}, err
+			return nil, err
 		}
-		d.Commands = append(d.Commands, c)
+		out[ord-1] = d
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
-		return SessionDelivery{}, interpretError(err)
+		return nil, interpretError(err)
+	}
+	rows, err = br.Query()
+	if err != nil {
+		return nil, interpretError(err)
+	}
+	for rows.Next() {
+		var (
+			ord int64
+			c   SessionCommand
+		)
+		if err := rows.Scan(&ord, &c.ID, &c.Kind, &c.Args, &c.Deadline, &c.RetrySafe, &c.CreatedAt, &c.Signature); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		out[ord-1].Commands = append(out[ord-1].Commands, c)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, interpretError(err)
 	}
 	if err := br.Close(); err != nil {
-		return SessionDelivery{}, interpretError(err)
+		return nil, interpretError(err)
 	}
-	slices.SortFunc(d.Commands, func(a, b SessionCommand) int {
-		if c := a.CreatedAt.Compare(b.CreatedAt); c != 0 {
-			return c
-		}
-		return strings.Compare(a.ID, b.ID)
-	})
-	if !d.Current || d.Revoked {
-		d.Spec, d.SpecSignature = nil, nil
+	for i := range out {
+		slices.SortFunc(out[i].Commands, func(a, b SessionCommand) int {
+			if c := a.CreatedAt.Compare(b.CreatedAt); c != 0 {
+				return c
+			}
+			return strings.Compare(a.ID, b.ID)
+		})
 	}
-	return d, nil
+	return out, nil
 }
 
 // SessionCommandUpdate is a daemon's report on one of its node's commands.
@@ -268,67 +323,177 @@ type SessionCommandUpdate struct {
 	Result []byte
 	// Error is stored when not empty.
 	Error string
-	Now   time.Time
+	// Now is when the update is recorded: updated_at, delivered_at when
+	// unset, and finished_at of a terminal state.
+	Now time.Time
 }
 
-// SessionCommandUpdated says what ApplySessionCommandUpdate did.
+// SessionCommandUpdated says what ApplySessionCommandUpdates did with one
+// update.
 type SessionCommandUpdated struct {
 	// Applied is false when the command does not exist, belongs to another
-	// node, or is already in this state or a later one.
+	// node, or is already in this state or a later one (counting the
+	// updates before this one in the same call).
 	Applied bool
-	// Acceptance is true for the acceptance check of a joining node
-	// (purpose 'acceptance'), whose terminal update wakes the controllers.
+	// Acceptance is true, for an applied update, when the command is the
+	// acceptance check of a joining node (purpose 'acceptance'), whose
+	// terminal update wakes the controllers.
 	Acceptance bool
-	// Terminal is true when the command reached a terminal state.
+	// Terminal is true when the update applied a terminal state.
 	Terminal bool
 }
 
-// ApplySessionCommandUpdate moves a command of u.NodeID forward to u.State, never
-// backward and never out of a terminal state, storing result and error and,
-// for a terminal state, finished_at; a user command reaching succeeded or
-// failed gets its command.succeeded or command.failed event in q's
-// transaction. It fails for a state a daemon may not report (queued,
-// expired, canceled or unknown).
-func ApplySessionCommandUpdate(ctx context.Context, q DBTX, u SessionCommandUpdate) (SessionCommandUpdated, error) {
-	switch u.State {
-	case cmdDelivered, cmdRunning, cmdSucceeded, cmdFailed:
-	default:
-		return SessionCommandUpdated{}, fmt.Errorf("a daemon cannot move a command to %q", u.State)
-	}
-	var from []string
-	for s, r := range cmdRank {
-		if r < cmdRank[u.State] {
-			from = append(from, s)
+// updateGroup is the updates of one command (of one node) in a call of
+// ApplySessionCommandUpdates, in their order.
+type updateGroup struct {
+	items  []int // indexes into the updates
+	winner int   // the first update of the highest rank
+}
+
+// ApplySessionCommandUpdates applies a batch of daemon updates in q's
+// transaction and returns what it did with each, in their order. Each
+// command of u.NodeID moves forward to u.State, never backward and never out
+// of a terminal state, as if the updates were applied one by one: of several
+// updates of one command the first of the highest rank wins, and the result
+// and error stored are the winner's (or the command's own when the winner
+// has none). A terminal state sets finished_at. It takes one UPDATE for all
+// commands (locked in id order, as ClaimSessionDeliveries locks them), then
+// one InsertReservationEvents call for the command.succeeded and
+// command.failed events of the user commands that reached a terminal state,
+// and one SubjectPokeControllers poke naming the nodes whose acceptance
+// check reached one, both at the greatest Now of the terminal updates. Call
+// it in a transaction (DB.InTx) unless no update is terminal (then it writes
+// only the UPDATE). It fails, writing nothing, for a state a daemon may not
+// report (queued, expired, canceled or unknown).
+func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCommandUpdate) ([]SessionCommandUpdated, error) {
+	out := make([]SessionCommandUpdated, len(updates))
+	type key struct{ node, cmd string }
+	byKey := make(map[key]int, len(updates))
+	var groups []updateGroup
+	for i, u := range updates {
+		switch u.State {
+		case cmdDelivered, cmdRunning, cmdSucceeded, cmdFailed:
+		default:
+			return nil, fmt.Errorf("update %d of command %s: a daemon cannot move a command to %q", i, u.CommandID, u.State)
+		}
+		k := key{u.NodeID, u.CommandID}
+		g, ok := byKey[k]
+		if !ok {
+			g = len(groups)
+			byKey[k] = g
+			groups = append(groups, updateGroup{winner: i})
+		}
+		groups[g].items = append(groups[g].items, i)
+		if cmdRank[u.State] > cmdRank[updates[groups[g].winner].State] {
+			groups[g].winner = i
 		}
 	}
-	terminal := cmdRank[u.State] == 3
-	var out SessionCommandUpdated
-	// What the terminal event needs comes back with the update.
-	c := Command{ID: u.CommandID, NodeID: u.NodeID, State: u.State}
-	err := q.QueryRow(ctx, `UPDATE commands c SET
-			state = $3,
-			result = COALESCE($4::jsonb, c.result),
-			error = CASE WHEN $5 = '' THEN c.error ELSE $5 END,
-			finished_at = CASE WHEN $6 THEN $7 ELSE c.finished_at END,
-			delivered_at = COALESCE(c.delivered_at, $7),
-			updated_at = $7
-		FROM nodes n JOIN pools p ON p.id = n.pool_id
-		WHERE c.id = $1 AND c.node_id = $2 AND c.state = ANY($8) AND n.id = c.node_id
-		RETURNING c.purpose = 'acceptance', p.owner_tenant_id, c.kind, c.error`,
-		u.CommandID, u.NodeID, u.State, nullJSON(u.Result), u.Error, terminal, u.Now, from,
-	).Scan(&out.Acceptance, &c.TenantID, &c.Kind, &c.Error)
+	if len(groups) == 0 {
+		return out, nil
+	}
+	n := len(groups)
+	cmds, nodes, states, errs := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+	ranks := make([]int32, n)
+	results := make([]*string, n)
+	ats := make([]time.Time, n)
+	for g, grp := range groups {
+		w := updates[grp.winner]
+		cmds[g], nodes[g], states[g], errs[g] = w.CommandID, w.NodeID, w.State, w.Error
+		ranks[g], results[g], ats[g] = int32(cmdRank[w.State]), nullJSON(w.Result), w.Now
+	}
+	rows, err := q.Query(ctx, `WITH u AS (
+			SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int[], $5::text[], $6::text[], $7::timestamptz[])
+				WITH ORDINALITY AS u(cmd, node, state, rank, result, err, at, ord)),
+		old AS (SELECT c.id, c.state, u.ord FROM commands c JOIN u ON c.id = u.cmd AND c.node_id = u.node
+			WHERE c.id = ANY($1) ORDER BY c.id FOR UPDATE OF c)
+		UPDATE commands c SET
+			state = u.state,
+			result = COALESCE(u.result::jsonb, c.result),
+			error = CASE WHEN u.err = '' THEN c.error ELSE u.err END,
+			finished_at = CASE WHEN u.rank = 3 THEN u.at ELSE c.finished_at END,
+			delivered_at = COALESCE(c.delivered_at, u.at),
+			updated_at = u.at
+		FROM old JOIN u ON u.ord = old.ord JOIN nodes n ON n.id = u.node JOIN pools p ON p.id = n.pool_id
+		WHERE c.id = old.id
+			AND (CASE c.state WHEN 'queued' THEN 0 WHEN 'delivered' THEN 1 WHEN 'running' THEN 2 ELSE 3 END) < u.rank
+		RETURNING u.ord, old.state, c.purpose = 'acceptance', p.owner_tenant_id, c.kind, c.error`,
+		cmds, nodes, states, ranks, results, errs, ats)
 	if err != nil {
-		err = interpretError(err)
-		if errors.Is(err, ErrNotFound) {
-			return SessionCommandUpdated{}, nil
-		}
-		return SessionCommandUpdated{}, err
+		return nil, interpretError(err)
 	}
-	out.Applied = true
-	out.Terminal = terminal
-	if terminal && !out.Acceptance {
-		if err := recordCommandFinished(ctx, q, u.Now, c); err != nil {
-			return SessionCommandUpdated{}, err
+	type applied struct {
+		ord        int64
+		old        string
+		acceptance bool
+		tenant     string
+		kind       string
+		errText    string
+	}
+	var done []applied
+	for rows.Next() {
+		var a applied
+		if err := rows.Scan(&a.ord, &a.old, &a.acceptance, &a.tenant, &a.kind, &a.errText); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		done = append(done, a)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, interpretError(err)
+	}
+	slices.SortFunc(done, func(a, b applied) int { return int(a.ord - b.ord) })
+	var (
+		events   []ReservationEvent
+		at       time.Time
+		accNodes []string
+	)
+	for _, a := range done {
+		grp := groups[a.ord-1]
+		// Replay the command's updates in order from its previous state.
+		cur := cmdRank[a.old]
+		for _, i := range grp.items {
+			r := cmdRank[updates[i].State]
+			if r <= cur {
+				continue
+			}
+			cur = r
+			out[i] = SessionCommandUpdated{Applied: true, Acceptance: a.acceptance, Terminal: r == cmdRank[cmdSucceeded]}
+		}
+		w := updates[grp.winner]
+		if cmdRank[w.State] != cmdRank[cmdSucceeded] {
+			continue
+		}
+		if w.Now.After(at) {
+			at = w.Now
+		}
+		if a.acceptance {
+			if !slices.Contains(accNodes, w.NodeID) {
+				accNodes = append(accNodes, w.NodeID)
+			}
+			continue
+		}
+		typ := EventCommandFailed
+		if w.State == cmdSucceeded {
+			typ = EventCommandSucceeded
+		}
+		e, err := commandEvent(typ, Command{ID: w.CommandID, NodeID: w.NodeID, TenantID: a.tenant, Kind: a.kind,
+			State: w.State, Error: a.errText})
+		if err != nil {
+			return nil, err
+		}
+		events = append(events, e)
+	}
+	if err := InsertReservationEvents(ctx, q, at, events); err != nil {
+		return nil, err
+	}
+	if len(accNodes) > 0 {
+		payload, err := json.Marshal(Poke{NodeIDs: accNodes})
+		if err != nil {
+			return nil, err
+		}
+		if err := Enqueue(ctx, q, at, SubjectPokeControllers, payload); err != nil {
+			return nil, err
 		}
 	}
 	return out, nil
@@ -342,15 +507,38 @@ func nullJSON(b []byte) *string {
 	return &s
 }
 
-// RecordSessionObservedGeneration raises the node's observed_generation to gen (it
-// never lowers it) and reports whether it changed.
-func RecordSessionObservedGeneration(ctx context.Context, q DBTX, now time.Time, nodeID string, gen int64) (bool, error) {
-	tag, err := q.Exec(ctx, `UPDATE nodes SET observed_generation = $2, updated_at = $3
-		WHERE id = $1 AND observed_generation < $2`, nodeID, gen, now)
-	if err != nil {
-		return false, interpretError(err)
+// ObservedGeneration is a spec generation a daemon reported having applied
+// on its node.
+type ObservedGeneration struct {
+	// NodeID is the reporting node.
+	NodeID string
+	// Generation is the spec generation it applied.
+	Generation int64
+}
+
+// RecordSessionObservedGenerations raises each node's observed_generation to
+// the greatest generation reported for it in gens (it never lowers it), in
+// one statement that locks the nodes in id order (as RecordSessionLastSeen
+// does), and returns how many nodes it raised. Unknown nodes are ignored.
+func RecordSessionObservedGenerations(ctx context.Context, q DBTX, now time.Time, gens []ObservedGeneration) (int64, error) {
+	if len(gens) == 0 {
+		return 0, nil
 	}
-	return tag.RowsAffected() > 0, nil
+	ids := make([]string, len(gens))
+	vals := make([]int64, len(gens))
+	for i, g := range gens {
+		ids[i], vals[i] = g.NodeID, g.Generation
+	}
+	tag, err := q.Exec(ctx, `WITH u AS (
+			SELECT id, max(gen) AS gen FROM unnest($1::text[], $2::bigint[]) AS u(id, gen) GROUP BY id),
+		l AS (SELECT n.id FROM nodes n JOIN u ON u.id = n.id WHERE n.id = ANY($1) AND n.observed_generation < u.gen
+			ORDER BY n.id FOR UPDATE OF n)
+		UPDATE nodes n SET observed_generation = u.gen, updated_at = $3
+		FROM u, l WHERE n.id = u.id AND l.id = n.id AND n.observed_generation < u.gen`, ids, vals, now)
+	if err != nil {
+		return 0, interpretError(err)
+	}
+	return tag.RowsAffected(), nil
 }
 
 // SessionLastSeen is what a gateway heard from a node since its last flush.

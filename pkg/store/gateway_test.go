@@ -135,10 +135,34 @@ func TestGetSessionCert(t *testing.T) {
 	require.ErrorIs(t, err, store.ErrNotFound)
 }
 
+// claim runs ClaimSessionDeliveries for one session.
+func (f gatewayFixture) claim(nodeID, sid string, known int64, inFlight bool) store.SessionDelivery {
+	f.t.Helper()
+	d, err := store.ClaimSessionDeliveries(f.t.Context(), f.db.Pool, f.db.Now(),
+		[]store.ClaimRequest{{NodeID: nodeID, SessionID: sid, Known: known, InFlight: inFlight}})
+	require.NoError(f.t, err)
+	require.Len(f.t, d, 1)
+	return d[0]
+}
+
+func (f gatewayFixture) commandState(id string) (state string, deliveries int) {
+	f.t.Helper()
+	require.NoError(f.t, f.db.Pool.QueryRow(context.Background(), `SELECT state, deliveries FROM commands WHERE id = $1`, id).
+		Scan(&state, &deliveries))
+	return state, deliveries
+}
+
+func commandIDs(d store.SessionDelivery) []string {
+	var got []string
+	for _, c := range d.Commands {
+		got = append(got, c.ID)
+	}
+	return got
+}
+
 func TestClaimSessionDelivery(t *testing.T) {
 	t.Parallel()
 	f := newGatewayFixture(t)
-	ctx := t.Context()
 	n := f.node()
 	base := f.db.Now()
 	queued2 := f.command(n, "queued", "user", base.Add(2*time.Second))
@@ -149,28 +173,20 @@ func TestClaimSessionDelivery(t *testing.T) {
 	sid, _ := f.open(n, "gw-a", 0)
 
 	// A new session gets the in-flight ones too, oldest first, and the spec.
-	d, err := store.ClaimSessionDelivery(ctx, f.db.Pool, f.db.Now(), n, sid, 0, true)
-	require.NoError(t, err)
+	d := f.claim(n, sid, 0, true)
 	require.True(t, d.Current)
 	require.EqualValues(t, 2, d.SpecGeneration)
 	require.JSONEq(t, `{"labels": {"a": "b"}}`, string(d.Spec))
-	var got []string
-	for _, c := range d.Commands {
-		got = append(got, c.ID)
-	}
-	require.Equal(t, []string{running, queued1, queued2}, got)
-	var state string
-	var deliveries int
-	require.NoError(t, f.db.Pool.QueryRow(ctx, `SELECT state, deliveries FROM commands WHERE id = $1`, running).Scan(&state, &deliveries))
+	require.Equal(t, []string{running, queued1, queued2}, commandIDs(d))
+	state, deliveries := f.commandState(running)
 	require.Equal(t, "running", state)
 	require.Equal(t, 1, deliveries)
-	require.NoError(t, f.db.Pool.QueryRow(ctx, `SELECT state, deliveries FROM commands WHERE id = $1`, queued1).Scan(&state, &deliveries))
+	state, _ = f.commandState(queued1)
 	require.Equal(t, "delivered", state)
 
 	// Later wakes take only queued commands; the spec is left out when the
 	// session knows its generation.
-	d, err = store.ClaimSessionDelivery(ctx, f.db.Pool, f.db.Now(), n, sid, 2, false)
-	require.NoError(t, err)
+	d = f.claim(n, sid, 2, false)
 	require.True(t, d.Current)
 	require.Empty(t, d.Commands)
 	require.Nil(t, d.Spec)
@@ -178,13 +194,102 @@ func TestClaimSessionDelivery(t *testing.T) {
 	// A superseded session claims nothing.
 	q := f.command(n, "queued", "user", f.db.Now())
 	f.open(n, "gw-b", 0)
-	d, err = store.ClaimSessionDelivery(ctx, f.db.Pool, f.db.Now(), n, sid, 0, true)
-	require.NoError(t, err)
+	d = f.claim(n, sid, 0, true)
 	require.False(t, d.Current)
 	require.Empty(t, d.Commands)
 	require.Nil(t, d.Spec)
-	require.NoError(t, f.db.Pool.QueryRow(ctx, `SELECT state FROM commands WHERE id = $1`, q).Scan(&state))
+	state, _ = f.commandState(q)
 	require.Equal(t, "queued", state)
+}
+
+// TestClaimSessionDeliveries: one call serves several sessions, each as if
+// alone: a live session gets its node's commands only, a superseded one
+// (even beside its node's live session in the same call) and a revoked
+// node get nothing, an unknown node is not current, and the results come in
+// the requests' order.
+func TestClaimSessionDeliveries(t *testing.T) {
+	t.Parallel()
+	f := newGatewayFixture(t)
+	ctx := t.Context()
+	a, b, taken, revoked := f.node(), f.node(), f.node(), f.node()
+	base := f.db.Now()
+	a2 := f.command(a, "queued", "user", base.Add(time.Second))
+	a1 := f.command(a, "queued", "user", base)
+	aRunning := f.command(a, "running", "user", base.Add(-time.Second))
+	b1 := f.command(b, "queued", "user", base)
+	bDelivered := f.command(b, "delivered", "user", base)
+	t1 := f.command(taken, "queued", "user", base)
+	r1 := f.command(revoked, "queued", "user", base)
+	f.exec(`UPDATE nodes SET spec_generation = 3, spec = '{"labels": {"n": "b"}}' WHERE id = $1`, b)
+	f.exec(`UPDATE nodes SET spec_generation = 1, spec = '{}' WHERE id = ANY($1)`, []string{taken, revoked})
+	sa, _ := f.open(a, "gw", 0)
+	sb, _ := f.open(b, "gw", 0)
+	oldTaken, _ := f.open(taken, "gw", 0)
+	newTaken, _ := f.open(taken, "gw", 0)
+	sr, _ := f.open(revoked, "gw", 0)
+	f.exec(`UPDATE nodes SET revoked_at = $2 WHERE id = $1`, revoked, f.db.Now())
+
+	ds, err := store.ClaimSessionDeliveries(ctx, f.db.Pool, f.db.Now(), []store.ClaimRequest{
+		{NodeID: a, SessionID: sa, InFlight: true},
+		{NodeID: taken, SessionID: oldTaken, InFlight: true},
+		{NodeID: b, SessionID: sb, Known: 1},
+		{NodeID: revoked, SessionID: sr, InFlight: true},
+		{NodeID: "node_gone", SessionID: "ses_x", InFlight: true},
+		{NodeID: taken, SessionID: newTaken, Known: 1},
+	})
+	require.NoError(t, err)
+	require.Len(t, ds, 6)
+
+	require.True(t, ds[0].Current)
+	require.Equal(t, []string{aRunning, a1, a2}, commandIDs(ds[0]))
+	require.Nil(t, ds[0].Spec, "a's spec generation 0 is not above 0")
+
+	require.False(t, ds[1].Current, "the superseded session")
+	require.Empty(t, ds[1].Commands)
+	require.Nil(t, ds[1].Spec)
+
+	require.True(t, ds[2].Current)
+	require.Equal(t, []string{b1}, commandIDs(ds[2]), "without InFlight the delivered command is not resent")
+	require.EqualValues(t, 3, ds[2].SpecGeneration)
+	require.JSONEq(t, `{"labels": {"n": "b"}}`, string(ds[2].Spec))
+
+	require.True(t, ds[3].Revoked)
+	require.Empty(t, ds[3].Commands)
+	require.Nil(t, ds[3].Spec)
+
+	require.Equal(t, store.SessionDelivery{}, ds[4], "an unknown node is not current")
+
+	require.True(t, ds[5].Current, "the live session beside its superseded one")
+	require.Equal(t, []string{t1}, commandIDs(ds[5]))
+	require.Nil(t, ds[5].Spec, "it knows generation 1")
+
+	for id, want := range map[string]string{a1: "delivered", a2: "delivered", aRunning: "running", b1: "delivered",
+		bDelivered: "delivered", t1: "delivered", r1: "queued"} {
+		state, deliveries := f.commandState(id)
+		require.Equal(t, want, state, id)
+		wantDeliveries := 1
+		if id == bDelivered || id == r1 {
+			wantDeliveries = 0
+		}
+		require.Equal(t, wantDeliveries, deliveries, id)
+	}
+
+	ds, err = store.ClaimSessionDeliveries(ctx, f.db.Pool, f.db.Now(), nil)
+	require.NoError(t, err)
+	require.Empty(t, ds)
+}
+
+// applyUpdates runs ApplySessionCommandUpdates in a transaction.
+func (f gatewayFixture) applyUpdates(us ...store.SessionCommandUpdate) []store.SessionCommandUpdated {
+	f.t.Helper()
+	var out []store.SessionCommandUpdated
+	require.NoError(f.t, f.db.InTx(f.t.Context(), func(tx pgx.Tx) error {
+		var err error
+		out, err = store.ApplySessionCommandUpdates(f.t.Context(), tx, us)
+		return err
+	}))
+	require.Len(f.t, out, len(us))
+	return out
 }
 
 func TestApplySessionCommandUpdate(t *testing.T) {
@@ -195,14 +300,8 @@ func TestApplySessionCommandUpdate(t *testing.T) {
 	c := f.command(n, "delivered", "acceptance", f.db.Now())
 	apply := func(node, id, state string, result []byte, errText string) store.SessionCommandUpdated {
 		t.Helper()
-		var out store.SessionCommandUpdated
-		require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
-			var err error
-			out, err = store.ApplySessionCommandUpdate(ctx, tx, store.SessionCommandUpdate{
-				NodeID: node, CommandID: id, State: state, Result: result, Error: errText, Now: f.db.Now()})
-			return err
-		}))
-		return out
+		return f.applyUpdates(store.SessionCommandUpdate{
+			NodeID: node, CommandID: id, State: state, Result: result, Error: errText, Now: f.db.Now()})[0]
 	}
 	require.Equal(t, store.SessionCommandUpdated{Applied: true, Acceptance: true}, apply(n, c, "running", nil, ""))
 	require.False(t, apply(n, c, "delivered", nil, "").Applied, "never backward")
@@ -222,8 +321,117 @@ func TestApplySessionCommandUpdate(t *testing.T) {
 	require.Empty(t, errText)
 	require.NotNil(t, finished)
 
-	_, err := store.ApplySessionCommandUpdate(ctx, f.db.Pool, store.SessionCommandUpdate{NodeID: n, CommandID: c, State: "canceled", Now: f.db.Now()})
+	_, err := store.ApplySessionCommandUpdates(ctx, f.db.Pool, []store.SessionCommandUpdate{
+		{NodeID: n, CommandID: c, State: "canceled", Now: f.db.Now()}})
 	require.Error(t, err, "a daemon cannot cancel")
+}
+
+// TestApplySessionCommandUpdates: one batch applies each command's updates
+// in order (forward only, several of one command included), ignores a
+// foreign node's command, writes each terminal user command's event once
+// and pokes the controllers once for the acceptance checks that ended.
+func TestApplySessionCommandUpdates(t *testing.T) {
+	t.Parallel()
+	f := newGatewayFixture(t)
+	ctx := t.Context()
+	n, m, acc1, acc2 := f.node(), f.node(), f.node(), f.node()
+	base := f.db.Now()
+	x := f.command(n, "delivered", "user", base)       // running, succeeded, failed, running: succeeds
+	y := f.command(n, "running", "user", base)         // delivered, then failed: fails
+	z := f.command(n, "delivered", "user", base)       // running twice: runs
+	foreign := f.command(m, "delivered", "user", base) // reported by n: ignored
+	done := f.command(n, "succeeded", "user", base)    // already terminal
+	a1 := f.command(acc1, "delivered", "acceptance", base)
+	a2 := f.command(acc2, "running", "acceptance", base)
+	var before int
+	require.NoError(t, f.db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox`).Scan(&before))
+
+	now := f.db.Now()
+	u := func(node, id, state, errText string, result []byte) store.SessionCommandUpdate {
+		return store.SessionCommandUpdate{NodeID: node, CommandID: id, State: state, Error: errText, Result: result, Now: now}
+	}
+	out := f.applyUpdates(
+		u(n, x, "running", "", nil),
+		u(n, y, "delivered", "", nil),
+		u(n, x, "succeeded", "", []byte(`{"output":"ok"}`)),
+		u(n, z, "running", "", nil),
+		u(n, foreign, "succeeded", "", nil),
+		u(n, x, "failed", "late", nil),
+		u(acc1, a1, "failed", "no gpu", nil),
+		u(n, y, "failed", "boom", nil),
+		u(n, done, "failed", "again", nil),
+		u(n, z, "running", "", nil),
+		u(acc2, a2, "succeeded", "", nil),
+		u(n, x, "running", "", nil),
+	)
+	applied := store.SessionCommandUpdated{Applied: true}
+	terminal := store.SessionCommandUpdated{Applied: true, Terminal: true}
+	accTerminal := store.SessionCommandUpdated{Applied: true, Terminal: true, Acceptance: true}
+	require.Equal(t, []store.SessionCommandUpdated{
+		applied, {}, terminal, applied, {}, {}, accTerminal, terminal, {}, {}, accTerminal, {},
+	}, out)
+
+	type row struct {
+		State, Error string
+		Result       []byte
+		Finished     *time.Time
+	}
+	get := func(id string) row {
+		t.Helper()
+		var r row
+		require.NoError(t, f.db.Pool.QueryRow(ctx, `SELECT state, error, result, finished_at FROM commands WHERE id = $1`, id).
+			Scan(&r.State, &r.Error, &r.Result, &r.Finished))
+		return r
+	}
+	rx := get(x)
+	require.Equal(t, "succeeded", rx.State, "the first terminal update wins")
+	require.Empty(t, rx.Error, "the later failure's error is not stored")
+	require.JSONEq(t, `{"output":"ok"}`, string(rx.Result))
+	require.NotNil(t, rx.Finished)
+	require.Equal(t, "failed", get(y).State)
+	require.Equal(t, "boom", get(y).Error)
+	require.Equal(t, "running", get(z).State)
+	require.Nil(t, get(z).Finished)
+	require.Equal(t, "delivered", get(foreign).State)
+	require.Equal(t, "succeeded", get(done).State)
+	require.Equal(t, "failed", get(a1).State)
+	require.Equal(t, "succeeded", get(a2).State)
+
+	type ev struct{ Type, Subject string }
+	rows, err := f.db.Pool.Query(ctx, `SELECT type, subject_id FROM events WHERE type LIKE 'command.%' ORDER BY id`)
+	require.NoError(t, err)
+	evs, err := pgx.CollectRows(rows, pgx.RowToStructByPos[ev])
+	require.NoError(t, err)
+	require.Equal(t, []ev{{"command.succeeded", x}, {"command.failed", y}}, evs,
+		"one event per terminal user command, none for acceptance checks")
+
+	rows, err = f.db.Pool.Query(ctx, `SELECT subject, payload FROM outbox WHERE subject = $1`, store.SubjectPokeControllers)
+	require.NoError(t, err)
+	type msg struct {
+		Subject string
+		Payload []byte
+	}
+	pokes, err := pgx.CollectRows(rows, pgx.RowToStructByPos[msg])
+	require.NoError(t, err)
+	require.Len(t, pokes, 1, "one controllers poke per batch")
+	require.JSONEq(t, `{"nodeIds": ["`+acc1+`", "`+acc2+`"]}`, string(pokes[0].Payload))
+	var after int
+	require.NoError(t, f.db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox`).Scan(&after))
+	require.Equal(t, before+3, after, "two events and one poke")
+
+	// A batch of only non-terminal updates needs no transaction.
+	w := f.command(n, "delivered", "user", base)
+	out, err = store.ApplySessionCommandUpdates(ctx, f.db.Pool, []store.SessionCommandUpdate{u(n, w, "running", "", nil)})
+	require.NoError(t, err)
+	require.Equal(t, []store.SessionCommandUpdated{applied}, out)
+	require.Equal(t, "running", get(w).State)
+
+	// An invalid state fails the whole batch, writing nothing.
+	v := f.command(n, "delivered", "user", base)
+	_, err = store.ApplySessionCommandUpdates(ctx, f.db.Pool, []store.SessionCommandUpdate{
+		u(n, v, "running", "", nil), u(n, v, "queued", "", nil)})
+	require.Error(t, err)
+	require.Equal(t, "delivered", get(v).State)
 }
 
 func TestRecordSessionLastSeenAndObserved(t *testing.T) {
@@ -258,12 +466,27 @@ func TestRecordSessionLastSeenAndObserved(t *testing.T) {
 	require.True(t, lastSeen.Equal(at))
 	require.EqualValues(t, 2, observed)
 
-	changed, err := store.RecordSessionObservedGeneration(ctx, f.db.Pool, f.db.Now(), a, 5)
+	// Reported generations: the greatest per node, never lower.
+	raised, err := store.RecordSessionObservedGenerations(ctx, f.db.Pool, f.db.Now(), []store.ObservedGeneration{
+		{NodeID: a, Generation: 5}, {NodeID: b, Generation: 3}, {NodeID: a, Generation: 4}, {NodeID: "node_gone", Generation: 9},
+	})
 	require.NoError(t, err)
-	require.True(t, changed)
-	changed, err = store.RecordSessionObservedGeneration(ctx, f.db.Pool, f.db.Now(), a, 3)
+	require.EqualValues(t, 1, raised, "b's 3 is below its 4")
+	_, _, _, _, observed = f.session(a)
+	require.EqualValues(t, 5, observed)
+	_, _, _, _, observed = f.session(b)
+	require.EqualValues(t, 4, observed)
+	raised, err = store.RecordSessionObservedGenerations(ctx, f.db.Pool, f.db.Now(), []store.ObservedGeneration{
+		{NodeID: a, Generation: 3}, {NodeID: b, Generation: 6}})
 	require.NoError(t, err)
-	require.False(t, changed)
+	require.EqualValues(t, 1, raised)
+	_, _, _, _, observed = f.session(a)
+	require.EqualValues(t, 5, observed)
+	_, _, _, _, observed = f.session(b)
+	require.EqualValues(t, 6, observed)
+	raised, err = store.RecordSessionObservedGenerations(ctx, f.db.Pool, f.db.Now(), nil)
+	require.NoError(t, err)
+	require.Zero(t, raised)
 }
 
 func TestPendingSessionWork(t *testing.T) {

@@ -31,8 +31,7 @@ func newIntentSigner(t *testing.T) (*store.IntentSigner, ed25519.PublicKey) {
 func (f gatewayFixture) delivered(nodeID string) ([]*gatewayv1.Command, *gatewayv1.DesiredState) {
 	f.t.Helper()
 	sid, _ := f.open(nodeID, "gw", 0)
-	d, err := store.ClaimSessionDelivery(f.t.Context(), f.db.Pool, f.db.Now(), nodeID, sid, 0, true)
-	require.NoError(f.t, err)
+	d := f.claim(nodeID, sid, 0, true)
 	var cmds []*gatewayv1.Command
 	for _, c := range d.Commands {
 		cmds = append(cmds, store.CommandMessage(c))

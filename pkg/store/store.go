@@ -111,7 +111,7 @@ func (db *DB) InTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
 	var err error
 	for attempt := 0; attempt < 10; attempt++ {
 		err = db.inTxOnce(ctx, fn)
-		if !isRetryable(err) {
+		if !IsRetryable(err) {
 			return err
 		}
 	}
@@ -137,7 +137,10 @@ func (db *DB) inTxOnce(ctx context.Context, fn func(tx pgx.Tx) error) error {
 	return nil
 }
 
-func isRetryable(err error) bool {
+// IsRetryable reports whether err is a serialization failure or a deadlock
+// (SQLSTATE 40001, 40P01): the transaction was rolled back and may simply
+// run again, as InTx does.
+func IsRetryable(err error) bool {
 	var pe *pgconn.PgError
 	if errors.As(err, &pe) {
 		return pe.Code == "40001" || pe.Code == "40P01"

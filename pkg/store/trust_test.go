@@ -133,8 +133,7 @@ func TestRevokedNodeSessions(t *testing.T) {
 	require.NoError(t, err)
 	require.Nil(t, c.RevokedAt)
 
-	d, err := store.ClaimSessionDelivery(ctx, f.db.Pool, f.db.Now(), n, sn, 0, true)
-	require.NoError(t, err)
+	d := f.claim(n, sn, 0, true)
 	require.True(t, d.Revoked)
 	require.Empty(t, d.Commands)
 	require.Nil(t, d.Spec)

@@ -80,9 +80,10 @@ func TestCommandExpiry(t *testing.T) {
 
 	// The daemon's late report does not revive it.
 	require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
-		out, err := store.ApplySessionCommandUpdate(ctx, tx, store.SessionCommandUpdate{NodeID: "n1", CommandID: "cmd_a",
-			State: "succeeded", Now: clk.Now()})
-		require.False(t, out.Applied)
-		return err
+		out, err := store.ApplySessionCommandUpdates(ctx, tx, []store.SessionCommandUpdate{{NodeID: "n1", CommandID: "cmd_a",
+			State: "succeeded", Now: clk.Now()}})
+		require.NoError(t, err)
+		require.False(t, out[0].Applied)
+		return nil
 	}))
 }

@@ -19,8 +19,10 @@ import (
 // DesiredState, built as the gateway builds them.
 func (f *fixture) delivered(t *testing.T, nodeID string) ([]*gatewayv1.Command, *gatewayv1.DesiredState) {
 	t.Helper()
-	d, err := store.ClaimSessionDelivery(t.Context(), f.db.Pool, f.clk.Now(), nodeID, "ses_"+nodeID, 0, true)
+	claimed, err := store.ClaimSessionDeliveries(t.Context(), f.db.Pool, f.clk.Now(),
+		[]store.ClaimRequest{{NodeID: nodeID, SessionID: "ses_" + nodeID, InFlight: true}})
 	require.NoError(t, err)
+	d := claimed[0]
 	require.True(t, d.Current)
 	var cmds []*gatewayv1.Command
 	for _, c := range d.Commands {

@@ -182,6 +182,9 @@ type Server struct {
 	tls     *tls.Config
 	handler http.Handler
 	seen    *lastSeenBatcher
+	// batch holds the batched writes of the sessions; set by Run before
+	// it serves, closed once every session ended.
+	batch *batchers
 
 	mu      sync.Mutex
 	streams map[*session]struct{} // every open stream, before and after Hello
@@ -313,7 +316,9 @@ func (s *Server) GatewayID() string { return s.cfg.GatewayID }
 func (s *Server) TLSConfig() *tls.Config { return s.tls }
 
 // Handler returns the HTTP handler of the mTLS server. It expects requests
-// over TLS with a verified client certificate (r.TLS.PeerCertificates).
+// over TLS with a verified client certificate (r.TLS.PeerCertificates), and
+// serves sessions only while Run runs (Run starts the batched writes they
+// use).
 func (s *Server) Handler() http.Handler { return s.handler }
 
 // HealthHandler answers GET /healthz: 200 when the database answers a ping
@@ -384,6 +389,8 @@ func (s *Server) Run(ctx context.Context) error {
 	}
 	defer func() { _ = sub.Unsubscribe() }()
 
+	s.batch = s.startBatchers()
+	defer s.batch.close()
 	srv := s.newHTTPServer()
 	srv.RegisterOnShutdown(s.closeAll)
 

@@ -2,7 +2,6 @@ package gateway
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -426,7 +425,7 @@ func (s *Server) deliver(st *session) {
 		}
 	}
 	known := st.known()
-	d, err := store.ClaimSessionDelivery(ctx, s.db.Pool, s.db.Now(), st.nodeID, st.sessionID, known, st.inFlight)
+	d, err := s.batch.claims.Do(ctx, store.ClaimRequest{NodeID: st.nodeID, SessionID: st.sessionID, Known: known, InFlight: st.inFlight})
 	if err != nil {
 		if ctx.Err() == nil {
 			s.log.Warn("read pending work", telemetry.KeyNodeID, st.nodeID, telemetry.KeyError, err)
@@ -506,9 +505,10 @@ func (s *Server) handle(ctx context.Context, st *session, req *gatewayv1.Session
 	}
 }
 
-// commandUpdate stores a command's new state, forward only; the terminal
-// update of an acceptance check wakes the controllers in the same
-// transaction.
+// commandUpdate stores a command's new state, forward only, through the
+// update batcher (store.ApplySessionCommandUpdates), and waits for it: the
+// terminal update of a user command writes its event, and that of an
+// acceptance check wakes the controllers, in the batch's transaction.
 func (s *Server) commandUpdate(ctx context.Context, st *session, u *gatewayv1.CommandUpdate) error {
 	if u.GetCommandId() == "" {
 		return connect.NewError(connect.CodeInvalidArgument, errors.New("command_update.command_id is required"))
@@ -524,31 +524,9 @@ func (s *Server) commandUpdate(ctx context.Context, st *session, u *gatewayv1.Co
 			return connect.NewError(connect.CodeInvalidArgument, errors.New("command_update.result cannot be encoded"))
 		}
 	}
-	var out store.SessionCommandUpdated
-	apply := func(q store.DBTX) error {
-		now := s.db.Now()
-		var err error
-		out, err = store.ApplySessionCommandUpdate(ctx, q, store.SessionCommandUpdate{
-			NodeID: st.nodeID, CommandID: u.GetCommandId(), State: state,
-			Result: result, Error: u.GetError(), Now: now,
-		})
-		if err != nil || !out.Applied || !out.Terminal || !out.Acceptance {
-			return err
-		}
-		payload, err := json.Marshal(store.Poke{NodeIDs: []string{st.nodeID}})
-		if err != nil {
-			return err
-		}
-		return store.Enqueue(ctx, q, now, store.SubjectPokeControllers, payload)
-	}
-	var err error
-	if state == "delivered" || state == "running" {
-		// One UPDATE and nothing else (no event, no poke): no transaction
-		// of its own, two round trips fewer per command.
-		err = apply(s.db.Pool)
-	} else {
-		err = s.db.InTx(ctx, func(tx pgx.Tx) error { return apply(tx) })
-	}
+	out, err := s.batch.updates.Do(ctx, store.SessionCommandUpdate{
+		NodeID: st.nodeID, CommandID: u.GetCommandId(), State: state, Result: result, Error: u.GetError(),
+	})
 	if err != nil {
 		if ctx.Err() == nil {
 			s.log.Error("record command update", telemetry.KeyNodeID, st.nodeID, telemetry.KeyCommandID, u.GetCommandId(), telemetry.KeyError, err)
@@ -577,7 +555,7 @@ func (s *Server) report(ctx context.Context, st *session, r *gatewayv1.Report) e
 	case *gatewayv1.Report_ObservedGeneration:
 		gen := m.ObservedGeneration
 		raise(&st.reported, gen)
-		if _, err := store.RecordSessionObservedGeneration(ctx, s.db.Pool, s.db.Now(), st.nodeID, gen); err != nil {
+		if _, err := s.batch.observed.Do(ctx, store.ObservedGeneration{NodeID: st.nodeID, Generation: gen}); err != nil {
 			if ctx.Err() == nil {
 				s.log.Error("record observed generation", telemetry.KeyNodeID, st.nodeID, telemetry.KeyError, err)
 			}

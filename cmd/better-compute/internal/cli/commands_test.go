@@ -63,8 +63,8 @@ func TestCommands(t *testing.T) {
 			err := f.db.Pool.QueryRow(t.Context(), `SELECT id FROM commands WHERE kind = 'logs.collect'`).Scan(&id)
 			if err == nil {
 				_ = f.db.InTx(t.Context(), func(tx pgx.Tx) error {
-					_, err := store.ApplySessionCommandUpdate(t.Context(), tx, store.SessionCommandUpdate{NodeID: f.adopted,
-						CommandID: id, State: "failed", Error: "disk full", Now: f.db.Now()})
+					_, err := store.ApplySessionCommandUpdates(t.Context(), tx, []store.SessionCommandUpdate{{NodeID: f.adopted,
+						CommandID: id, State: "failed", Error: "disk full", Now: f.db.Now()}})
 					return err
 				})
 				return

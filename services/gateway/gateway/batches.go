@@ -1,0 +1,115 @@
+package gateway
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/better-compute/better-compute/pkg/batch"
+	"github.com/better-compute/better-compute/pkg/store"
+)
+
+// The sessions' database writes go through batchers (pkg/batch): each
+// session still waits for its own answer, but the sessions whose writes
+// arrive while the batcher's workers are busy share one round trip and one
+// commit. Workers bound the database connections each kind of write takes
+// from the pool that every service shares.
+const (
+	// claimWorkers is how many delivery claims (store.ClaimSessionDeliveries)
+	// may run at once.
+	claimWorkers = 4
+	// updateWorkers is how many batches of command updates
+	// (store.ApplySessionCommandUpdates) may run at once.
+	updateWorkers = 4
+	// observedWorkers is how many batches of reported generations
+	// (store.RecordSessionObservedGenerations) may run at once.
+	observedWorkers = 2
+	// maxBatch is the most writes of one kind in one statement.
+	maxBatch = 256
+	// retries is how many times a batch outside a transaction of DB.InTx
+	// runs again after a deadlock or serialization failure
+	// (store.IsRetryable), which fails every session in it otherwise.
+	retries = 3
+)
+
+// batchers are the gateway's batched writes; startBatchers starts them and
+// close stops them.
+type batchers struct {
+	claims   *batch.Batcher[store.ClaimRequest, store.SessionDelivery]
+	updates  *batch.Batcher[store.SessionCommandUpdate, store.SessionCommandUpdated]
+	observed *batch.Batcher[store.ObservedGeneration, struct{}]
+}
+
+func (s *Server) startBatchers() *batchers {
+	return &batchers{
+		claims:   batch.New(s.flushClaims, batch.Options{Workers: claimWorkers, MaxBatch: maxBatch}),
+		updates:  batch.New(s.flushUpdates, batch.Options{Workers: updateWorkers, MaxBatch: maxBatch}),
+		observed: batch.New(s.flushObserved, batch.Options{Workers: observedWorkers, MaxBatch: maxBatch}),
+	}
+}
+
+func (b *batchers) close() {
+	b.claims.Close()
+	b.updates.Close()
+	b.observed.Close()
+}
+
+// retry runs fn, which writes in one implicit transaction, again while it
+// fails with a deadlock or serialization failure, up to retries times.
+func retry(fn func() error) error {
+	err := fn()
+	for i := 0; i < retries && store.IsRetryable(err); i++ {
+		err = fn()
+	}
+	return err
+}
+
+// flushClaims claims the deliveries of sessions in one round trip.
+func (s *Server) flushClaims(ctx context.Context, reqs []store.ClaimRequest) ([]store.SessionDelivery, error) {
+	var out []store.SessionDelivery
+	err := retry(func() error {
+		var err error
+		out, err = store.ClaimSessionDeliveries(ctx, s.db.Pool, s.db.Now(), reqs)
+		return err
+	})
+	return out, err
+}
+
+// flushUpdates records daemons' command updates, all at the time of the
+// flush, in one transaction (or one statement when none is terminal, since
+// only terminal updates write events and pokes).
+func (s *Server) flushUpdates(ctx context.Context, us []store.SessionCommandUpdate) ([]store.SessionCommandUpdated, error) {
+	now := s.db.Now()
+	terminal := false
+	for i := range us {
+		us[i].Now = now
+		terminal = terminal || us[i].State == "succeeded" || us[i].State == "failed"
+	}
+	var out []store.SessionCommandUpdated
+	if !terminal {
+		err := retry(func() error {
+			var err error
+			out, err = store.ApplySessionCommandUpdates(ctx, s.db.Pool, us)
+			return err
+		})
+		return out, err
+	}
+	err := s.db.InTx(ctx, func(tx pgx.Tx) error {
+		var err error
+		out, err = store.ApplySessionCommandUpdates(ctx, tx, us)
+		return err
+	})
+	return out, err
+}
+
+// flushObserved records the generations daemons reported in one statement.
+func (s *Server) flushObserved(ctx context.Context, gens []store.ObservedGeneration) ([]struct{}, error) {
+	err := retry(func() error {
+		_, err := store.RecordSessionObservedGenerations(ctx, s.db.Pool, s.db.Now(), gens)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return make([]struct{}, len(gens)), nil
+}
