@@ -13,7 +13,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"maps"
 	"slices"
 	"time"
 
@@ -178,6 +177,11 @@ type NewCommand struct {
 	// TenantID, when not empty, is the caller's tenant: a node whose pool
 	// another tenant owns is refused with ErrNotFound, as an unknown one is.
 	TenantID string
+	// Audit, when set, is the audit row of the call that queues the
+	// command: QueueCommands writes it with the command (its TenantID,
+	// TokenID, Role and Procedure are used; At, Target, Outcome and Detail
+	// are set there).
+	Audit *AuditEntry
 }
 
 // QueuedCommand is what QueueCommand did.
@@ -202,121 +206,53 @@ func QueueCommand(ctx context.Context, q DBTX, intent *IntentSigner, now time.Ti
 // command, or Err for this command alone.
 type QueueResult struct {
 	QueuedCommand
+	// GatewayID is the gateway that held the node's session when a new
+	// command was queued ("" when none did): the poke went to it.
+	GatewayID string
 	// Err is ErrNotFound (node unknown, or of a tenant other than the
 	// command's TenantID), a *NodeNotRunnableError, or an error for an
 	// unknown kind; nothing was written for the command then.
 	Err error
 }
 
-// queueNode is what QueueCommands reads of a node it locks.
-type queueNode struct {
-	state, tenant string
-	gatewayID     *string
-	revoked       bool
-}
-
-// QueueCommands queues cmds in q's transaction, in a fixed number of round
-// trips whatever their number (the API batches concurrent RunCommand calls
-// into one call). For each command it locks the node (in node id order, so
-// concurrent batches do not deadlock), refuses one that is unknown or of
-// another tenant than the command's TenantID (ErrNotFound) or is not
-// adopted or is revoked (*NodeNotRunnableError), inserts the command as
-// queued with its kind's retry-safety and purpose 'user', signs it with
-// intent (nil: unsigned), writes a command.queued event for the node's
-// tenant and pokes the gateways holding the nodes' sessions (one poke per
-// gateway). A request id already used on the node — before or earlier in
-// cmds — answers that command with Existing and writes nothing. Per-command
-// refusals are in the results (one per command, in order); the error is
-// the database's and fails them all.
+// QueueCommands queues cmds in one statement (one round trip, whatever
+// their number: the API batches concurrent RunCommand calls into one call),
+// in q's transaction or, on DB.AutoCommit, in a transaction of its own. For
+// each command it locks the node (in node id order, so concurrent batches do
+// not deadlock), refuses one that is unknown or of another tenant than the
+// command's TenantID (ErrNotFound) or is not adopted or is revoked
+// (*NodeNotRunnableError), inserts the command as queued with its kind's
+// retry-safety and purpose 'user', signed with intent (nil: unsigned),
+// writes a command.queued event for the node's tenant, pokes the gateways
+// holding the nodes' sessions (one poke per gateway) and writes the
+// command's Audit row when it has one. A request id already used on the
+// node — before or earlier in cmds — answers that command with Existing and
+// writes only its audit row (none when its kind differs: the caller refuses
+// that). Per-command refusals are in the results (one per command, in
+// order); the error is the database's and fails them all.
 func QueueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time, cmds []NewCommand) ([]QueueResult, error) {
 	out := make([]QueueResult, len(cmds))
-	nodeIDs := make([]string, 0, len(cmds))
-	for _, n := range cmds {
-		nodeIDs = append(nodeIDs, n.NodeID)
-	}
-	slices.Sort(nodeIDs)
-	nodeIDs = slices.Compact(nodeIDs)
-	rows, err := q.Query(ctx, `SELECT n.id, n.provision_state, n.revoked_at IS NOT NULL, p.owner_tenant_id, n.gateway_id
-		FROM nodes n JOIN pools p ON p.id = n.pool_id WHERE n.id = ANY($1) ORDER BY n.id FOR SHARE OF n`, nodeIDs)
-	if err != nil {
-		return nil, queryErr("lock nodes", err)
-	}
-	nodes := make(map[string]queueNode, len(nodeIDs))
-	for rows.Next() {
-		var id string
-		var n queueNode
-		if err := rows.Scan(&id, &n.state, &n.revoked, &n.tenant, &n.gatewayID); err != nil {
-			rows.Close()
-			return nil, queryErr("lock nodes", err)
-		}
-		nodes[id] = n
-	}
-	rows.Close()
-	if err := rows.Err(); err != nil {
-		return nil, queryErr("lock nodes", err)
-	}
-
-	// Refusals, then request ids already used.
 	type reqKey struct{ node, request string }
-	var reqNodes, reqIDs []string
-	for i, n := range cmds {
-		node, ok := nodes[n.NodeID]
-		switch {
-		case !ok || (n.TenantID != "" && n.TenantID != node.tenant):
-			out[i].Err = fmt.Errorf("node %s: %w", n.NodeID, ErrNotFound)
-		case n.RequestID != "":
-			reqNodes, reqIDs = append(reqNodes, n.NodeID), append(reqIDs, n.RequestID)
-		}
-		if out[i].Err == nil {
-			if _, ok := CommandRetrySafe(n.Kind); !ok {
-				out[i].Err = fmt.Errorf("unknown command kind %q", n.Kind)
-			}
-		}
-	}
-	existing := map[reqKey]Command{}
-	if len(reqIDs) > 0 {
-		found, err := commandsByRequest(ctx, q, reqNodes, reqIDs)
-		if err != nil {
-			return nil, err
-		}
-		for _, c := range found {
-			existing[reqKey{c.NodeID, c.RequestID}] = c
-		}
-	}
-	// The commands to insert; a request id repeated in cmds is inserted
-	// once, and the later ones answer that insert.
-	var ins []int
 	first := map[reqKey]int{}
 	dup := map[int]int{}
+	var sent []int // indexes of cmds sent to the database
 	for i, n := range cmds {
-		if out[i].Err != nil {
+		if _, ok := CommandRetrySafe(n.Kind); !ok {
+			out[i].Err = fmt.Errorf("unknown command kind %q", n.Kind)
 			continue
 		}
-		node := nodes[n.NodeID]
 		if n.RequestID != "" {
 			k := reqKey{n.NodeID, n.RequestID}
-			if c, ok := existing[k]; ok {
-				out[i].QueuedCommand = QueuedCommand{Command: c, Existing: true}
-				continue
-			}
 			if j, ok := first[k]; ok {
 				dup[i] = j
 				continue
 			}
 			first[k] = i
 		}
-		switch {
-		case node.revoked:
-			out[i].Err = &NodeNotRunnableError{NodeID: n.NodeID, Reason: "node " + n.NodeID + " is revoked"}
-		case node.state != "adopted":
-			out[i].Err = &NodeNotRunnableError{NodeID: n.NodeID,
-				Reason: fmt.Sprintf("node %s is not adopted (it is %s)", n.NodeID, node.state)}
-		default:
-			ins = append(ins, i)
-		}
+		sent = append(sent, i)
 	}
-	if len(ins) > 0 {
-		if err := insertCommands(ctx, q, intent, now, cmds, ins, nodes, out); err != nil {
+	if len(sent) > 0 {
+		if err := queueCommands(ctx, q, intent, now, cmds, sent, out); err != nil {
 			return nil, err
 		}
 	}
@@ -326,124 +262,193 @@ func QueueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 	return out, nil
 }
 
-// insertCommands inserts cmds[ins] (valid, on locked nodes), signs them,
-// writes their command.queued events and pokes their gateways, filling
-// out[ins]. A command whose request id a concurrent transaction used first
-// answers that transaction's command.
-func insertCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time, cmds []NewCommand, ins []int,
-	nodes map[string]queueNode, out []QueueResult,
+// queueSQL is QueueCommands' statement. Its CTEs: u the commands sent, n
+// their nodes locked in id order, ok those of the caller's tenant, prev the
+// commands of request ids already used, cand the commands to insert, done
+// those inserted, then their events with outbox messages, the gateway pokes
+// and the audit rows. It returns, per command in order, what the node was,
+// whether the command was inserted, the rows the outbox and audit CTEs
+// wrote, and, for a request id already used, that command.
+const queueSQL = `WITH u AS (
+		SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[], $5::timestamptz[], $6::text[], $7::text[],
+			$8::text[], $9::bytea[], $10::text[], $11::text[], $12::text[], $13::text[], $14::bool[], $15::text[])
+			WITH ORDINALITY AS u(id, node, kind, safe, deadline, created_by, req, scope, sig, a_tenant, a_token, a_role,
+				a_proc, audit, deadline_text, ord)),
+	n AS (
+		SELECT n.id, n.provision_state, n.revoked_at IS NOT NULL AS revoked, p.owner_tenant_id AS tenant, n.gateway_id
+		FROM nodes n JOIN pools p ON p.id = n.pool_id
+		WHERE n.id = ANY($16::text[]) ORDER BY n.id FOR SHARE OF n),
+	ok AS (
+		SELECT u.*, n.tenant, n.gateway_id, n.provision_state, n.revoked FROM u JOIN n ON n.id = u.node
+		WHERE u.scope = '' OR u.scope = n.tenant),
+	prev AS (
+		SELECT ok.ord, c.id, c.node_id, c.kind, c.purpose, c.state, c.retry_safe, c.deadline, c.result, c.error,
+			c.deliveries, c.request_id, c.created_by, c.created_at, c.updated_at, c.delivered_at, c.finished_at
+		FROM ok JOIN commands c ON c.node_id = ok.node AND c.request_id = ok.req WHERE ok.req <> ''),
+	cand AS (
+		SELECT ok.* FROM ok WHERE NOT ok.revoked AND ok.provision_state = 'adopted'
+			AND NOT EXISTS (SELECT 1 FROM prev WHERE prev.ord = ok.ord)),
+	ins AS (
+		INSERT INTO commands AS c (id, node_id, kind, args, purpose, state, retry_safe, deadline, created_by, created_at,
+			updated_at, request_id, signature)
+		SELECT id, node, kind, '{}', 'user', 'queued', safe, deadline, created_by, $17, $17, NULLIF(req, ''), sig
+		FROM cand ORDER BY ord
+		ON CONFLICT (node_id, request_id) WHERE request_id IS NOT NULL DO NOTHING
+		RETURNING c.id),
+	done AS (SELECT cand.* FROM cand JOIN ins ON ins.id = cand.id),
+	ev AS (
+		INSERT INTO events (tenant_id, type, subject_id, data, created_at)
+		SELECT tenant, '` + EventCommandQueued + `', id,
+			jsonb_build_object('commandId', id, 'nodeId', node, 'kind', kind, 'deadline', deadline_text), $17
+		FROM done ORDER BY ord
+		RETURNING id, tenant_id, type, subject_id, data),
+	evo AS (
+		INSERT INTO outbox (subject, payload, created_at)
+		SELECT '` + SubjectEvents + `.' || COALESCE(tenant_id, '') || '.' || type,
+			convert_to(jsonb_build_object('id', id, 'tenantId', COALESCE(tenant_id, ''), 'type', type, 'subjectId', subject_id,
+				'data', data, 'time', $18::text)::text, 'UTF8'), $17
+		FROM ev ORDER BY id
+		RETURNING id),
+	poke AS (
+		INSERT INTO outbox (subject, payload, created_at)
+		SELECT '` + SubjectPokeGatewayPrefix + `' || gateway_id,
+			convert_to(jsonb_build_object('nodeIds', array_agg(DISTINCT node ORDER BY node))::text, 'UTF8'), $17
+		FROM done WHERE gateway_id IS NOT NULL GROUP BY gateway_id ORDER BY gateway_id
+		RETURNING id),
+	aud AS (
+		INSERT INTO audit (at, tenant_id, token_id, role, procedure, target, outcome, detail)
+		SELECT $17, NULLIF(ok.a_tenant, ''), NULLIF(ok.a_token, ''), ok.a_role, ok.a_proc, COALESCE(d.id, p.id), 'ok',
+			left(CASE WHEN d.id IS NOT NULL THEN format('queued %s on %s', ok.kind, ok.node)
+				ELSE format('request_id %s: %s already queued', ok.req, p.id) END, 1024)
+		FROM ok LEFT JOIN done d ON d.ord = ok.ord LEFT JOIN prev p ON p.ord = ok.ord
+		WHERE ok.audit AND (d.id IS NOT NULL OR p.kind = ok.kind)
+		ORDER BY ok.ord
+		RETURNING id)
+	SELECT u.ord, n.id IS NOT NULL, COALESCE(n.provision_state, ''), COALESCE(n.revoked, false), COALESCE(n.tenant, ''),
+		COALESCE(n.gateway_id, ''),
+		EXISTS (SELECT 1 FROM done WHERE done.ord = u.ord), (SELECT count(*) FROM evo) + (SELECT count(*) FROM poke),
+		(SELECT count(*) FROM aud),
+		p.id, p.node_id, p.kind, p.purpose, p.state, p.retry_safe, p.deadline, p.result, p.error, p.deliveries,
+		COALESCE(p.request_id, ''), p.created_by, p.created_at, p.updated_at, p.delivered_at, p.finished_at
+	FROM u LEFT JOIN n ON n.id = u.node LEFT JOIN prev p ON p.ord = u.ord
+	ORDER BY u.ord`
+
+// queueCommands runs queueSQL for cmds[sent] (known kinds, request ids
+// unique) and fills out[sent].
+func queueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time, cmds []NewCommand, sent []int,
+	out []QueueResult,
 ) error {
-	n := len(ins)
-	id, node, kind, created, reqs, tenant := make([]string, n), make([]string, n), make([]string, n), make([]string, n),
-		make([]*string, n), make([]string, n)
-	safe := make([]bool, n)
-	deadline := make([]time.Time, n)
-	for k, i := range ins {
+	k := len(sent)
+	id, node, kind, created, req, scope := make([]string, k), make([]string, k), make([]string, k), make([]string, k),
+		make([]string, k), make([]string, k)
+	aTenant, aToken, aRole, aProc, deadlineText := make([]string, k), make([]string, k), make([]string, k),
+		make([]string, k), make([]string, k)
+	safe, audit := make([]bool, k), make([]bool, k)
+	deadline := make([]time.Time, k)
+	sig := make([][]byte, k)
+	for x, i := range sent {
 		c := cmds[i]
-		id[k], node[k], kind[k], created[k], deadline[k], tenant[k] = c.ID, c.NodeID, c.Kind, c.CreatedBy, c.Deadline,
-			nodes[c.NodeID].tenant
-		safe[k], _ = CommandRetrySafe(c.Kind)
-		if c.RequestID != "" {
-			reqs[k] = &cmds[i].RequestID
+		// Stored to the microsecond: sign and return what is stored.
+		d := c.Deadline.UTC().Truncate(time.Microsecond)
+		id[x], node[x], kind[x], created[x], req[x], scope[x], deadline[x] = c.ID, c.NodeID, c.Kind, c.CreatedBy,
+			c.RequestID, c.TenantID, d
+		safe[x], _ = CommandRetrySafe(c.Kind)
+		deadlineText[x] = d.Format(time.RFC3339Nano)
+		if c.Audit != nil {
+			audit[x] = true
+			aTenant[x], aToken[x], aRole[x], aProc[x] = c.Audit.TenantID, c.Audit.TokenID, c.Audit.Role, c.Audit.Procedure
+		}
+		if intent != nil {
+			s, err := intent.CommandSignature(c.NodeID, CommandMessage(SessionCommand{ID: c.ID, Kind: c.Kind,
+				Args: []byte("{}"), Deadline: d, RetrySafe: safe[x]}))
+			if err != nil {
+				return fmt.Errorf("sign command %s: %w", c.ID, err)
+			}
+			sig[x] = s
 		}
 	}
-	// The rows as stored (timestamps rounded to the microsecond), read back
-	// by the insert itself.
-	rows, err := q.Query(ctx, `INSERT INTO commands AS c (id, node_id, kind, args, purpose, state, retry_safe,
-			deadline, created_by, created_at, updated_at, request_id)
-		SELECT u.id, u.node, u.kind, '{}', 'user', 'queued', u.safe, u.deadline, u.created, $7, $7, u.req
-		FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[], $5::timestamptz[], $6::text[], $8::text[])
-			WITH ORDINALITY AS u(id, node, kind, safe, deadline, created, req, ord)
-		ORDER BY u.ord
-		ON CONFLICT (node_id, request_id) WHERE request_id IS NOT NULL DO NOTHING
-		RETURNING c.id, c.node_id, '', c.kind, c.purpose, c.state, c.retry_safe, c.deadline, c.result, c.error,
-			c.deliveries, COALESCE(c.request_id, ''), c.created_by, c.created_at, c.updated_at, c.delivered_at, c.finished_at`,
-		id, node, kind, safe, deadline, created, now, reqs)
+	nodes := slices.Clone(node)
+	slices.Sort(nodes)
+	nodes = slices.Compact(nodes)
+	rows, err := q.Query(ctx, queueSQL, id, node, kind, safe, deadline, created, req, scope, sig, aTenant, aToken, aRole,
+		aProc, audit, deadlineText, nodes, now, now.UTC().Format(time.RFC3339Nano))
 	if err != nil {
 		return queryErr("queue commands", err)
 	}
-	stored := make(map[string]Command, n)
+	var outboxRows int64
+	var raced []int // request ids a concurrent transaction used first
 	for rows.Next() {
-		c, err := scanCommand(rows)
-		if err != nil {
+		var (
+			ord                           int
+			found, revoked, inserted      bool
+			state, tenant, gateway        string
+			outboxed, audits              int64
+			p                             Command
+			pid, pnode, pkind, ppurpose   *string
+			pstate, perror, pby           *string
+			psafe                         *bool
+			pdeadline, pcreated, pupdated *time.Time
+			pdeliveries                   *int32
+		)
+		if err := rows.Scan(&ord, &found, &state, &revoked, &tenant, &gateway, &inserted, &outboxed, &audits,
+			&pid, &pnode, &pkind, &ppurpose, &pstate, &psafe, &pdeadline, &p.Result, &perror, &pdeliveries, &p.RequestID,
+			&pby, &pcreated, &pupdated, &p.DeliveredAt, &p.FinishedAt); err != nil {
 			rows.Close()
 			return queryErr("queue commands", err)
 		}
-		stored[c.ID] = c
+		outboxRows = outboxed
+		x := ord - 1
+		i := sent[x]
+		c := cmds[i]
+		switch {
+		case !found || (c.TenantID != "" && c.TenantID != tenant):
+			out[i].Err = fmt.Errorf("node %s: %w", c.NodeID, ErrNotFound)
+		case pid != nil:
+			p.ID, p.NodeID, p.TenantID, p.Kind, p.Purpose, p.State = *pid, *pnode, tenant, *pkind, *ppurpose, *pstate
+			p.RetrySafe, p.Deadline, p.Error, p.Deliveries, p.CreatedBy = *psafe, *pdeadline, *perror, *pdeliveries, *pby
+			p.CreatedAt, p.UpdatedAt = *pcreated, *pupdated
+			out[i].QueuedCommand = QueuedCommand{Command: p, Existing: true}
+		case revoked:
+			out[i].Err = &NodeNotRunnableError{NodeID: c.NodeID, Reason: "node " + c.NodeID + " is revoked"}
+		case state != "adopted":
+			out[i].Err = &NodeNotRunnableError{NodeID: c.NodeID,
+				Reason: fmt.Sprintf("node %s is not adopted (it is %s)", c.NodeID, state)}
+		case inserted:
+			out[i].QueuedCommand = QueuedCommand{Command: Command{ID: c.ID, NodeID: c.NodeID, TenantID: tenant, Kind: c.Kind,
+				Purpose: "user", State: cmdQueued, RetrySafe: safe[x], Deadline: deadline[x], RequestID: c.RequestID,
+				CreatedBy: c.CreatedBy, CreatedAt: now, UpdatedAt: now}}
+			out[i].GatewayID = gateway
+		default:
+			raced = append(raced, i)
+		}
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
 		return queryErr("queue commands", err)
 	}
-	var signed []string
-	events := make([]ReservationEvent, 0, n)
-	pokes := map[string][]string{}
-	for k, i := range ins {
-		c, ok := stored[id[k]]
-		if !ok {
-			// A concurrent call with the same request id committed first.
-			prev, err := commandByRequest(ctx, q, node[k], cmds[i].RequestID)
-			if err != nil {
-				return err
-			}
-			out[i].QueuedCommand = QueuedCommand{Command: prev, Existing: true}
-			continue
+	if outboxRows > 0 {
+		if err := signalOutbox(ctx, q); err != nil {
+			return err
 		}
-		c.TenantID = tenant[k]
-		out[i].QueuedCommand = QueuedCommand{Command: c}
-		signed = append(signed, c.ID)
-		data, err := json.Marshal(map[string]any{"commandId": c.ID, "nodeId": c.NodeID, "kind": c.Kind,
-			"deadline": cmds[i].Deadline.UTC()})
+	}
+	// A concurrent call with the same request id committed first (after
+	// this statement's snapshot was taken): answer its command.
+	var audits []AuditEntry
+	for _, i := range raced {
+		c := cmds[i]
+		prev, err := commandByRequest(ctx, q, c.NodeID, c.RequestID)
 		if err != nil {
 			return err
 		}
-		events = append(events, ReservationEvent{TenantID: c.TenantID, Type: EventCommandQueued, SubjectID: c.ID, Data: data})
-		if gw := nodes[c.NodeID].gatewayID; gw != nil && !slices.Contains(pokes[*gw], c.NodeID) {
-			pokes[*gw] = append(pokes[*gw], c.NodeID)
+		out[i].QueuedCommand = QueuedCommand{Command: prev, Existing: true}
+		if c.Audit != nil && prev.Kind == c.Kind {
+			a := *c.Audit
+			a.At, a.Target, a.Outcome = now, prev.ID, "ok"
+			a.Detail = fmt.Sprintf("request_id %s: %s already queued", c.RequestID, prev.ID)
+			audits = append(audits, a)
 		}
 	}
-	if err := SignCommands(ctx, q, intent, signed); err != nil {
-		return err
-	}
-	if err := InsertReservationEvents(ctx, q, now, events); err != nil {
-		return err
-	}
-	// One poke per gateway holding a session of the nodes, which the
-	// locked rows named.
-	gws := slices.Sorted(maps.Keys(pokes))
-	subjects, payloads := make([]string, len(gws)), make([][]byte, len(gws))
-	for k, gw := range gws {
-		p, err := json.Marshal(Poke{NodeIDs: pokes[gw]})
-		if err != nil {
-			return err
-		}
-		subjects[k], payloads[k] = SubjectPokeGatewayPrefix+gw, p
-	}
-	return EnqueueMany(ctx, q, now, subjects, payloads)
-}
-
-// commandsByRequest returns the commands with the (node, request id)
-// pairs of nodeIDs and requestIDs (same length).
-func commandsByRequest(ctx context.Context, q DBTX, nodeIDs, requestIDs []string) ([]Command, error) {
-	rows, err := q.Query(ctx, `SELECT `+commandColumns+commandFrom+`
-		JOIN unnest($1::text[], $2::text[]) AS r(node, req) ON c.node_id = r.node AND c.request_id = r.req`,
-		nodeIDs, requestIDs)
-	if err != nil {
-		return nil, queryErr("commands of requests", err)
-	}
-	defer rows.Close()
-	var out []Command
-	for rows.Next() {
-		c, err := scanCommand(rows)
-		if err != nil {
-			return nil, queryErr("commands of requests", err)
-		}
-		out = append(out, c)
-	}
-	if err := rows.Err(); err != nil {
-		return nil, queryErr("commands of requests", err)
-	}
-	return out, nil
+	return InsertAudits(ctx, q, audits)
 }
 
 func commandByRequest(ctx context.Context, q DBTX, nodeID, requestID string) (Command, error) {

@@ -289,6 +289,8 @@ func TestQueueCommandsBatch(t *testing.T) {
 		require.Equal(t, "queued", res[i].State)
 		require.Equal(t, "ten_1", res[i].TenantID)
 	}
+	require.Equal(t, "gw-a", res[0].GatewayID)
+	require.Equal(t, "gw-b", res[1].GatewayID)
 	require.ErrorIs(t, res[2].Err, store.ErrNodeNotRunnable)
 	require.ErrorContains(t, res[2].Err, "revoked")
 	require.ErrorIs(t, res[3].Err, store.ErrNodeNotRunnable)
@@ -312,12 +314,19 @@ func TestQueueCommandsBatch(t *testing.T) {
 	require.Equal(t, []string{"cmd_0", "cmd_a", "cmd_b", "cmd_i", "cmd_k"}, ids)
 	require.Equal(t, 4, countRows(t, db, `SELECT count(*) FROM events WHERE type = 'command.queued'
 		AND subject_id = ANY('{cmd_a,cmd_b,cmd_i,cmd_k}')`))
-	rows, err = db.Pool.Query(ctx, `SELECT subject || ' ' || convert_from(payload, 'UTF8') FROM outbox
-		WHERE subject LIKE 'bc.poke.%' ORDER BY subject`)
+	rows, err = db.Pool.Query(ctx, `SELECT subject, payload FROM outbox WHERE subject LIKE 'bc.poke.%' ORDER BY subject`)
 	require.NoError(t, err)
-	pokes, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	require.NoError(t, err)
-	require.Equal(t, []string{`bc.poke.gw.gw-a {"nodeIds":["n-gw-a","n-gw-a2"]}`, `bc.poke.gw.gw-b {"nodeIds":["n-gw-b"]}`}, pokes)
+	pokes := map[string][]string{}
+	for rows.Next() {
+		var subject string
+		var payload []byte
+		require.NoError(t, rows.Scan(&subject, &payload))
+		var p store.Poke
+		require.NoError(t, json.Unmarshal(payload, &p), "%s", payload)
+		pokes[subject] = p.NodeIDs
+	}
+	require.NoError(t, rows.Err())
+	require.Equal(t, map[string][]string{"bc.poke.gw.gw-a": {"n-gw-a", "n-gw-a2"}, "bc.poke.gw.gw-b": {"n-gw-b"}}, pokes)
 
 	// The event's NATS message carries the event.
 	var payload []byte
@@ -340,4 +349,50 @@ func TestQueueCommandsBatch(t *testing.T) {
 	require.Equal(t, "cmd_k", msg.SubjectID)
 	require.Equal(t, "n-gw-a", msg.Data["nodeId"])
 	require.True(t, now.Equal(msg.Time), "time %s", msg.Time)
+}
+
+// TestQueueCommandsAudit queues in a transaction of its own (AutoCommit)
+// with audit rows: a queued command and a request id answered with the
+// command of the same kind get theirs; a refusal and a request id used for
+// another kind get none (the caller refuses that one).
+func TestQueueCommandsAudit(t *testing.T) {
+	t.Parallel()
+	db, now := commandsDB(t)
+	ctx := t.Context()
+	_, err := queue(t, db, nil, now, store.NewCommand{ID: "cmd_0", NodeID: "n-ok", Kind: store.CommandDiagNVML,
+		Deadline: now.Add(time.Minute), RequestID: "old"})
+	require.NoError(t, err)
+	audit := func() *store.AuditEntry {
+		return &store.AuditEntry{TenantID: "ten_1", TokenID: "tok_1", Role: "tenant-admin", Procedure: "/run"}
+	}
+	cmd := func(id, node, kind, req string) store.NewCommand {
+		return store.NewCommand{ID: id, NodeID: node, Kind: kind, Deadline: now.Add(time.Minute), RequestID: req,
+			CreatedBy: "tok_1", Audit: audit()}
+	}
+	res, err := store.QueueCommands(ctx, db.AutoCommit(), nil, now, []store.NewCommand{
+		cmd("cmd_a", "n-ok", store.CommandLogsCollect, ""),
+		cmd("cmd_b", "n-ok", store.CommandDiagNVML, "old"),
+		cmd("cmd_c", "n-ok", store.CommandNodeReboot, "old"),
+		cmd("cmd_d", "n-rev", store.CommandDiagNVML, ""),
+	})
+	require.NoError(t, err)
+	require.NoError(t, res[0].Err)
+	require.True(t, res[1].Existing)
+	require.Equal(t, "cmd_0", res[1].ID)
+	require.True(t, res[2].Existing)
+	require.Equal(t, store.CommandDiagNVML, res[2].Kind)
+	require.ErrorIs(t, res[3].Err, store.ErrNodeNotRunnable)
+
+	rows, err := db.Pool.Query(ctx, `SELECT target || ' ' || detail || ' ' || tenant_id || ' ' || token_id || ' ' || procedure
+		|| ' ' || outcome FROM audit ORDER BY id`)
+	require.NoError(t, err)
+	got, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	require.Equal(t, []string{
+		"cmd_a queued logs.collect on n-ok ten_1 tok_1 /run ok",
+		"cmd_0 request_id old: cmd_0 already queued ten_1 tok_1 /run ok",
+	}, got)
+	// Committed: visible to another connection, with its event.
+	require.Equal(t, 1, countRows(t, db, `SELECT count(*) FROM commands WHERE id = 'cmd_a'`))
+	require.Equal(t, 1, countRows(t, db, `SELECT count(*) FROM events WHERE subject_id = 'cmd_a'`))
 }

@@ -11,7 +11,6 @@ package store
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"slices"
 	"strings"
@@ -356,15 +355,14 @@ type updateGroup struct {
 // of a terminal state, as if the updates were applied one by one: of several
 // updates of one command the first of the highest rank wins, and the result
 // and error stored are the winner's (or the command's own when the winner
-// has none). A terminal state sets finished_at. It takes one UPDATE for all
-// commands (locked in id order, as ClaimSessionDeliveries locks them), then
-// one InsertReservationEvents call for the command.succeeded and
-// command.failed events of the user commands that reached a terminal state,
-// and one SubjectPokeControllers poke naming the nodes whose acceptance
-// check reached one, both at the greatest Now of the terminal updates. Call
-// it in a transaction (DB.InTx) unless no update is terminal (then it writes
-// only the UPDATE). It fails, writing nothing, for a state a daemon may not
-// report (queued, expired, canceled or unknown).
+// has none). A terminal state sets finished_at. It is one statement: one
+// UPDATE for all commands (locked in id order, as ClaimSessionDeliveries
+// locks them), the command.succeeded and command.failed events (with their
+// outbox messages) of the user commands that reached a terminal state, and
+// one SubjectPokeControllers poke naming the nodes whose acceptance check
+// reached one; so it runs in q's transaction or, on DB.AutoCommit, in one of
+// its own. It fails, writing nothing, for a state a daemon may not report
+// (queued, expired, canceled or unknown).
 func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCommandUpdate) ([]SessionCommandUpdated, error) {
 	out := make([]SessionCommandUpdated, len(updates))
 	type key struct{ node, cmd string }
@@ -405,19 +403,42 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 			SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int[], $5::text[], $6::text[], $7::timestamptz[])
 				WITH ORDINALITY AS u(cmd, node, state, rank, result, err, at, ord)),
 		old AS (SELECT c.id, c.state, u.ord FROM commands c JOIN u ON c.id = u.cmd AND c.node_id = u.node
-			WHERE c.id = ANY($1) ORDER BY c.id FOR UPDATE OF c)
-		UPDATE commands c SET
-			state = u.state,
-			result = COALESCE(u.result::jsonb, c.result),
-			error = CASE WHEN u.err = '' THEN c.error ELSE u.err END,
-			finished_at = CASE WHEN u.rank = 3 THEN u.at ELSE c.finished_at END,
-			delivered_at = COALESCE(c.delivered_at, u.at),
-			updated_at = u.at
-		FROM old JOIN u ON u.ord = old.ord JOIN nodes n ON n.id = u.node JOIN pools p ON p.id = n.pool_id
-		WHERE c.id = old.id
-			AND (CASE c.state WHEN 'queued' THEN 0 WHEN 'delivered' THEN 1 WHEN 'running' THEN 2 ELSE 3 END) < u.rank
-		RETURNING u.ord, old.state, c.purpose = 'acceptance', p.owner_tenant_id, c.kind, c.error`,
-		cmds, nodes, states, ranks, results, errs, ats)
+			WHERE c.id = ANY($1) ORDER BY c.id FOR UPDATE OF c),
+		upd AS (
+			UPDATE commands c SET
+				state = u.state,
+				result = COALESCE(u.result::jsonb, c.result),
+				error = CASE WHEN u.err = '' THEN c.error ELSE u.err END,
+				finished_at = CASE WHEN u.rank = 3 THEN u.at ELSE c.finished_at END,
+				delivered_at = COALESCE(c.delivered_at, u.at),
+				updated_at = u.at
+			FROM old JOIN u ON u.ord = old.ord JOIN nodes n ON n.id = u.node JOIN pools p ON p.id = n.pool_id
+			WHERE c.id = old.id
+				AND (CASE c.state WHEN 'queued' THEN 0 WHEN 'delivered' THEN 1 WHEN 'running' THEN 2 ELSE 3 END) < u.rank
+			RETURNING u.ord, old.state AS old_state, c.id, c.node_id, c.state, c.purpose, p.owner_tenant_id AS tenant,
+				c.kind, c.error, u.rank, u.at),
+		ev AS (
+			INSERT INTO events (tenant_id, type, subject_id, data, created_at)
+			SELECT tenant, CASE WHEN state = 'succeeded' THEN '`+EventCommandSucceeded+`' ELSE '`+EventCommandFailed+`' END, id,
+				jsonb_build_object('commandId', id, 'nodeId', node_id, 'kind', kind, 'state', state)
+					|| CASE WHEN error <> '' THEN jsonb_build_object('error', error) ELSE '{}'::jsonb END, at
+			FROM upd WHERE rank = 3 AND purpose <> 'acceptance' ORDER BY ord
+			RETURNING id, tenant_id, type, subject_id, data, created_at),
+		evo AS (
+			INSERT INTO outbox (subject, payload, created_at)
+			SELECT '`+SubjectEvents+`.' || COALESCE(tenant_id, '') || '.' || type,
+				convert_to(jsonb_build_object('id', id, 'tenantId', COALESCE(tenant_id, ''), 'type', type,
+					'subjectId', subject_id, 'data', data, 'time', $8::text)::text, 'UTF8'), created_at
+			FROM ev ORDER BY id
+			RETURNING id),
+		acc AS (
+			INSERT INTO outbox (subject, payload, created_at)
+			SELECT '`+SubjectPokeControllers+`',
+				convert_to(jsonb_build_object('nodeIds', array_agg(DISTINCT node_id ORDER BY node_id))::text, 'UTF8'), max(at)
+			FROM upd WHERE rank = 3 AND purpose = 'acceptance' HAVING count(*) > 0
+			RETURNING id)
+		SELECT ord, old_state, purpose = 'acceptance', (SELECT count(*) FROM evo) + (SELECT count(*) FROM acc) FROM upd`,
+		cmds, nodes, states, ranks, results, errs, ats, slices.MaxFunc(ats, time.Time.Compare).UTC().Format(time.RFC3339Nano))
 	if err != nil {
 		return nil, interpretError(err)
 	}
@@ -425,14 +446,12 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 		ord        int64
 		old        string
 		acceptance bool
-		tenant     string
-		kind       string
-		errText    string
 	}
 	var done []applied
+	var outboxed int64
 	for rows.Next() {
 		var a applied
-		if err := rows.Scan(&a.ord, &a.old, &a.acceptance, &a.tenant, &a.kind, &a.errText); err != nil {
+		if err := rows.Scan(&a.ord, &a.old, &a.acceptance, &outboxed); err != nil {
 			rows.Close()
 			return nil, err
 		}
@@ -442,12 +461,6 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 	if err := rows.Err(); err != nil {
 		return nil, interpretError(err)
 	}
-	slices.SortFunc(done, func(a, b applied) int { return int(a.ord - b.ord) })
-	var (
-		events   []ReservationEvent
-		at       time.Time
-		accNodes []string
-	)
 	for _, a := range done {
 		grp := groups[a.ord-1]
 		// Replay the command's updates in order from its previous state.
@@ -460,39 +473,9 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 			cur = r
 			out[i] = SessionCommandUpdated{Applied: true, Acceptance: a.acceptance, Terminal: r == cmdRank[cmdSucceeded]}
 		}
-		w := updates[grp.winner]
-		if cmdRank[w.State] != cmdRank[cmdSucceeded] {
-			continue
-		}
-		if w.Now.After(at) {
-			at = w.Now
-		}
-		if a.acceptance {
-			if !slices.Contains(accNodes, w.NodeID) {
-				accNodes = append(accNodes, w.NodeID)
-			}
-			continue
-		}
-		typ := EventCommandFailed
-		if w.State == cmdSucceeded {
-			typ = EventCommandSucceeded
-		}
-		e, err := commandEvent(typ, Command{ID: w.CommandID, NodeID: w.NodeID, TenantID: a.tenant, Kind: a.kind,
-			State: w.State, Error: a.errText})
-		if err != nil {
-			return nil, err
-		}
-		events = append(events, e)
 	}
-	if err := InsertReservationEvents(ctx, q, at, events); err != nil {
-		return nil, err
-	}
-	if len(accNodes) > 0 {
-		payload, err := json.Marshal(Poke{NodeIDs: accNodes})
-		if err != nil {
-			return nil, err
-		}
-		if err := Enqueue(ctx, q, at, SubjectPokeControllers, payload); err != nil {
+	if outboxed > 0 {
+		if err := signalOutbox(ctx, q); err != nil {
 			return nil, err
 		}
 	}

@@ -2,6 +2,7 @@ package store_test
 
 import (
 	"context"
+	"encoding/json"
 	"testing"
 	"time"
 
@@ -404,6 +405,20 @@ func TestApplySessionCommandUpdates(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, []ev{{"command.succeeded", x}, {"command.failed", y}}, evs,
 		"one event per terminal user command, none for acceptance checks")
+	// The failed one says why, in the event and in its NATS message.
+	var data, payload []byte
+	require.NoError(t, f.db.Pool.QueryRow(ctx, `SELECT e.data, o.payload FROM events e JOIN outbox o
+			ON o.subject LIKE 'bc.events.%.command.failed' AND convert_from(o.payload, 'UTF8')::jsonb->>'subjectId' = e.subject_id
+		WHERE e.subject_id = $1`, y).Scan(&data, &payload))
+	require.JSONEq(t, `{"commandId": "`+y+`", "nodeId": "`+n+`", "kind": "diag.nvml", "state": "failed", "error": "boom"}`,
+		string(data))
+	var natsMsg struct {
+		Type string          `json:"type"`
+		Data json.RawMessage `json:"data"`
+	}
+	require.NoError(t, json.Unmarshal(payload, &natsMsg))
+	require.Equal(t, "command.failed", natsMsg.Type)
+	require.JSONEq(t, string(data), string(natsMsg.Data))
 
 	rows, err = f.db.Pool.Query(ctx, `SELECT subject, payload FROM outbox WHERE subject = $1`, store.SubjectPokeControllers)
 	require.NoError(t, err)

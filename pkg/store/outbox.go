@@ -72,13 +72,32 @@ func EnqueueMany(ctx context.Context, q DBTX, now time.Time, subjects []string, 
 // record's WAL flush, so under load every outbox-writing transaction (each
 // Reserve, placement batch and activation) queued behind the others' fsync.
 func signalOutbox(ctx context.Context, q DBTX) error {
-	if t, ok := q.(*outboxTx); ok {
+	switch t := q.(type) {
+	case *outboxTx:
 		t.wrote = true
+		return nil
+	case autoCommit:
+		// The statement that wrote the rows has returned, so it committed.
+		t.db.notifier.signal(t.db.Pool)
 		return nil
 	}
 	_, err := q.Exec(ctx, `SELECT pg_notify($1, '')`, OutboxChannel)
 	return err
 }
+
+// autoCommit is DB.AutoCommit: the pool, each statement its own
+// transaction.
+type autoCommit struct {
+	*pgxpool.Pool
+	db *DB
+}
+
+// AutoCommit returns db's pool as a DBTX on which every statement is a
+// transaction of its own, for a store function whose work is one statement
+// (QueueCommands): the outbox rows it writes are signalled to the relay as
+// soon as it returns, as InTx signals them after its commit. Functions of
+// several statements belong in InTx.
+func (db *DB) AutoCommit() DBTX { return autoCommit{Pool: db.Pool, db: db} }
 
 // outboxTx is the transaction DB.InTx hands to its function: signalOutbox
 // records that it wrote outbox rows.

@@ -2,12 +2,13 @@ package api
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"connectrpc.com/connect"
-	"github.com/jackc/pgx/v5"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
@@ -103,54 +104,66 @@ func (s *Server) commandQueue() *batch.Batcher[queueItem, queueAnswer] {
 	return s.queue
 }
 
-// queueCommands writes a batch of RunCommand calls in one transaction
-// (store.QueueCommands) with the audit row of each call that queued a
-// command or found the one of its request id; the calls refused write
-// nothing, and the audit interceptor records their refusal.
+// queueCommands writes a batch of RunCommand calls in one statement
+// (store.QueueCommands, a transaction of its own) with the audit row of each
+// call that queued a command or found the one of its request id; the calls
+// refused write nothing, and the audit interceptor records their refusal.
 func (s *Server) queueCommands(ctx context.Context, items []queueItem) ([]queueAnswer, error) {
-	var out []queueAnswer
-	err := s.db.InTx(ctx, func(tx pgx.Tx) error {
-		now := s.db.Now()
-		cmds := make([]store.NewCommand, len(items))
-		for i, it := range items {
-			cmds[i] = it.cmd
-			cmds[i].ID = ids.New(ids.Command, now)
-			cmds[i].Deadline = now.Add(it.timeout)
-		}
-		res, err := store.QueueCommands(ctx, tx, s.intent, now, cmds)
-		if err != nil {
-			return err
-		}
-		out = make([]queueAnswer, len(items))
-		audits := make([]store.AuditEntry, 0, len(items))
-		for i, r := range res {
-			out[i] = queueAnswer{queued: r.QueuedCommand, err: r.Err}
-			if r.Err != nil {
-				continue
-			}
-			q := r.QueuedCommand
-			if q.Existing && q.Kind != cmds[i].Kind {
-				out[i].err = connect.NewError(connect.CodeAlreadyExists, fmt.Errorf(
-					"request_id: already used for %s command %s on this node", q.Kind, q.ID))
-				continue
-			}
-			detail := fmt.Sprintf("queued %s on %s", q.Kind, q.NodeID)
-			if q.Existing {
-				detail = fmt.Sprintf("request_id %s: %s already queued", cmds[i].RequestID, q.ID)
-			}
-			audits = append(audits, items[i].audit.Entry(now, q.ID, detail))
-		}
-		return store.InsertAudits(ctx, tx, audits)
-	})
+	now := s.db.Now()
+	cmds := make([]store.NewCommand, len(items))
+	for i, it := range items {
+		cmds[i] = it.cmd
+		cmds[i].ID = ids.New(ids.Command, now)
+		cmds[i].Deadline = now.Add(it.timeout)
+		// Target, Detail, At and Outcome are QueueCommands'.
+		a := it.audit.Entry(now, "", "")
+		cmds[i].Audit = &a
+	}
+	res, err := store.QueueCommands(ctx, s.db.AutoCommit(), s.intent, now, cmds)
 	if err != nil {
 		return nil, err
 	}
-	for i, a := range out {
-		if a.err == nil {
-			items[i].audit.Written()
+	s.pokeGateways(res)
+	out := make([]queueAnswer, len(items))
+	for i, r := range res {
+		out[i] = queueAnswer{queued: r.QueuedCommand, err: r.Err}
+		if r.Err != nil {
+			continue
 		}
+		if q := r.QueuedCommand; q.Existing && q.Kind != cmds[i].Kind {
+			out[i].err = connect.NewError(connect.CodeAlreadyExists, fmt.Errorf(
+				"request_id: already used for %s command %s on this node", q.Kind, q.ID))
+			continue
+		}
+		items[i].audit.Written()
 	}
 	return out, nil
+}
+
+// pokeGateways publishes, right after the commit, the pokes QueueCommands
+// also wrote to the outbox: the gateways claim the commands without waiting
+// for the outbox relay, which still delivers its copy (pokes are idempotent
+// hints; the copy finds nothing left to claim) and is what a poke lost here
+// falls back on.
+func (s *Server) pokeGateways(res []store.QueueResult) {
+	if s.nc == nil {
+		return
+	}
+	nodes := map[string][]string{}
+	for _, r := range res {
+		if r.Err == nil && !r.Existing && r.GatewayID != "" && !slices.Contains(nodes[r.GatewayID], r.NodeID) {
+			nodes[r.GatewayID] = append(nodes[r.GatewayID], r.NodeID)
+		}
+	}
+	for gw, ids := range nodes {
+		payload, err := json.Marshal(store.Poke{NodeIDs: ids})
+		if err == nil {
+			err = s.nc.Publish(store.SubjectPokeGatewayPrefix+gw, payload)
+		}
+		if err != nil {
+			s.logger.Warn("poke gateway (the outbox relay pokes it)", "gateway_id", gw, telemetry.KeyError, err)
+		}
+	}
 }
 
 // GetCommand returns a command of the caller's tenant's nodes (any for

@@ -1,15 +1,20 @@
 package api_test
 
 import (
+	"encoding/json"
 	"testing"
 	"time"
 
 	"connectrpc.com/connect"
+	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
+	"github.com/better-compute/better-compute/pkg/bus"
 	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/services/api/api"
 )
 
 func TestRunCommand(t *testing.T) {
@@ -96,4 +101,43 @@ func TestRunCommand(t *testing.T) {
 	require.NoError(t, f.db.Pool.QueryRow(ctx, `SELECT count(*) FROM events WHERE type = 'command.queued' AND tenant_id = $1`,
 		f.acme).Scan(&events))
 	require.Equal(t, 2, events, "one command.queued per queued command, none for a retry")
+}
+
+// TestRunCommandPokesTheGateway: the gateway holding the node's session is
+// poked on NATS as soon as the command is queued, by the API itself (no
+// outbox relay runs here), and the outbox keeps its copy for the relay.
+func TestRunCommandPokesTheGateway(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ns, err := bus.StartEmbedded(t.TempDir())
+	require.NoError(t, err)
+	t.Cleanup(ns.Shutdown)
+	nc, err := nats.Connect(ns.ClientURL())
+	require.NoError(t, err)
+	t.Cleanup(nc.Close)
+	f = f.withServer(t, api.WatchConfig{}, nc, nil)
+	pokes := make(chan *nats.Msg, 4)
+	sub, err := nc.ChanSubscribe(store.SubjectPokeGatewayPrefix+">", pokes)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Unsubscribe() })
+	require.NoError(t, nc.Flush())
+
+	node := f.node(t, f.acmePool, 1, "H100", "provision_state = 'adopted', gateway_id = 'gw-7', session_id = 'ses_1'")
+	res, err := f.as(f.tokens["acme-admin"]).commands.RunCommand(t.Context(),
+		connect.NewRequest(&computev1.RunCommandRequest{NodeId: node, Kind: "diag.nvml"}))
+	require.NoError(t, err)
+	select {
+	case m := <-pokes:
+		require.Equal(t, store.SubjectPokeGatewayPrefix+"gw-7", m.Subject)
+		var p store.Poke
+		require.NoError(t, json.Unmarshal(m.Data, &p))
+		require.Equal(t, []string{node}, p.NodeIDs)
+	case <-time.After(10 * time.Second):
+		t.Fatal("no poke for the gateway of the node")
+	}
+	var outboxed int
+	require.NoError(t, f.db.Pool.QueryRow(t.Context(), `SELECT count(*) FROM outbox WHERE subject = $1`,
+		store.SubjectPokeGatewayPrefix+"gw-7").Scan(&outboxed))
+	require.Equal(t, 1, outboxed, "the relay's copy")
+	require.NotEmpty(t, res.Msg.Command.Id)
 }

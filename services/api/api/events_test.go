@@ -72,6 +72,7 @@ func (f *fixture) withServer(t *testing.T, cfg api.WatchConfig, nc *nats.Conn, c
 	srv, err := api.New(api.Config{Watch: cfg}, api.Deps{DB: f.db, Logger: telemetry.Discard(), NC: nc, Clock: clk})
 	require.NoError(t, err)
 	ts := httptest.NewServer(srv.Handler())
+	t.Cleanup(srv.Close)
 	t.Cleanup(ts.Close)
 	t.Cleanup(srv.StopWatches) // runs first: open watches end, Close returns
 	g := *f

@@ -3,8 +3,6 @@ package gateway
 import (
 	"context"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/better-compute/better-compute/pkg/batch"
 	"github.com/better-compute/better-compute/pkg/store"
 )
@@ -76,27 +74,16 @@ func (s *Server) flushClaims(ctx context.Context, reqs []store.ClaimRequest) ([]
 }
 
 // flushUpdates records daemons' command updates, all at the time of the
-// flush, in one transaction (or one statement when none is terminal, since
-// only terminal updates write events and pokes).
+// flush, in one statement (with the events and pokes of the terminal ones).
 func (s *Server) flushUpdates(ctx context.Context, us []store.SessionCommandUpdate) ([]store.SessionCommandUpdated, error) {
 	now := s.db.Now()
-	terminal := false
 	for i := range us {
 		us[i].Now = now
-		terminal = terminal || us[i].State == "succeeded" || us[i].State == "failed"
 	}
 	var out []store.SessionCommandUpdated
-	if !terminal {
-		err := retry(func() error {
-			var err error
-			out, err = store.ApplySessionCommandUpdates(ctx, s.db.Pool, us)
-			return err
-		})
-		return out, err
-	}
-	err := s.db.InTx(ctx, func(tx pgx.Tx) error {
+	err := retry(func() error {
 		var err error
-		out, err = store.ApplySessionCommandUpdates(ctx, tx, us)
+		out, err = store.ApplySessionCommandUpdates(ctx, s.db.AutoCommit(), us)
 		return err
 	})
 	return out, err
