@@ -219,7 +219,9 @@ type QueueResult struct {
 // their number: the API batches concurrent RunCommand calls into one call),
 // in q's transaction or, on DB.AutoCommit, in a transaction of its own. For
 // each command it locks the node (in node id order, so concurrent batches do
-// not deadlock), refuses one that is unknown or of another tenant than the
+// not deadlock; a session opening on another gateway waits for the commit,
+// then claims the command, and the poke goes to the gateway read, which
+// still holds the session), refuses one that is unknown or of another tenant than the
 // command's TenantID (ErrNotFound) or is not adopted or is revoked
 // (*NodeNotRunnableError), inserts the command as queued with its kind's
 // retry-safety and purpose 'user', signed with intent (nil: unsigned),
