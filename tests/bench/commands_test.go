@@ -249,7 +249,7 @@ func BenchmarkCommands(b *testing.B) {
 		acquires := pool1.AcquireCount() - pool0.AcquireCount()
 		fmt.Printf("  shared pool: %d acquires (%.1f per command), %d had to wait, %s waiting on average; %s\n",
 			acquires, float64(acquires)/float64(total), pool1.EmptyAcquireCount()-pool0.EmptyAcquireCount(),
-			((pool1.AcquireDuration()-pool0.AcquireDuration())/time.Duration(max(1, acquires))).Round(time.Microsecond),
+			((pool1.AcquireDuration() - pool0.AcquireDuration()) / time.Duration(max(1, acquires))).Round(time.Microsecond),
 			<-waits)
 		fmt.Printf("command round trip at %.0f/s (%d commands): RunCommand → terminal state recorded p50 %s, p99 %s "+
 			"(target p99 < 100ms)\n", offered, steady, rt[0].Round(time.Millisecond), rt[1].Round(time.Millisecond))

@@ -126,15 +126,19 @@ func TestRunCommandPokesTheGateway(t *testing.T) {
 	res, err := f.as(f.tokens["acme-admin"]).commands.RunCommand(t.Context(),
 		connect.NewRequest(&computev1.RunCommandRequest{NodeId: node, Kind: "diag.nvml"}))
 	require.NoError(t, err)
-	select {
-	case m := <-pokes:
-		require.Equal(t, store.SubjectPokeGatewayPrefix+"gw-7", m.Subject)
-		var p store.Poke
-		require.NoError(t, json.Unmarshal(m.Data, &p))
-		require.Equal(t, []string{node}, p.NodeIDs)
-	case <-time.After(10 * time.Second):
-		t.Fatal("no poke for the gateway of the node")
-	}
+	var m *nats.Msg
+	require.Eventually(t, func() bool {
+		select {
+		case m = <-pokes:
+			return true
+		default:
+			return false
+		}
+	}, 10*time.Second, 5*time.Millisecond, "no poke for the gateway of the node")
+	require.Equal(t, store.SubjectPokeGatewayPrefix+"gw-7", m.Subject)
+	var p store.Poke
+	require.NoError(t, json.Unmarshal(m.Data, &p))
+	require.Equal(t, []string{node}, p.NodeIDs)
 	var outboxed int
 	require.NoError(t, f.db.Pool.QueryRow(t.Context(), `SELECT count(*) FROM outbox WHERE subject = $1`,
 		store.SubjectPokeGatewayPrefix+"gw-7").Scan(&outboxed))
