@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
@@ -39,6 +40,12 @@ func BenchmarkEventsWatch(b *testing.B) {
 			count int
 			bad   []string
 		)
+		// A marker event first: the watch starts after it, so that it sees
+		// every event of the benchmark however late its stream opens
+		// (after_id 0 would mean "from when the watch starts").
+		require.NoError(b, db.InTx(ctx, func(tx pgx.Tx) error {
+			return store.InsertReservationEvents(ctx, tx, db.Now(), []store.ReservationEvent{{Type: "bench.mark", SubjectID: "mark"}})
+		}))
 		after, err := store.MaxEventID(ctx, db.Pool)
 		require.NoError(b, err)
 		watchCtx, stopWatch := context.WithCancel(ctx)
@@ -69,13 +76,15 @@ func BenchmarkEventsWatch(b *testing.B) {
 			return err
 		}))
 		written := clk.Now()
-		got := 0
-		require.Eventually(b, func() bool {
+		all := assert.Eventually(b, func() bool {
 			mu.Lock()
 			defer mu.Unlock()
-			got = count
 			return count == total
-		}, 5*time.Minute, 10*time.Millisecond, "events received: %d of %d", &got, total)
+		}, 5*time.Minute, 10*time.Millisecond)
+		mu.Lock()
+		got, wrong := count, len(bad)
+		mu.Unlock()
+		require.True(b, all, "events received: %d of %d (and %d not written by the benchmark or twice)", got, total, wrong)
 		stopWatch()
 		require.NoError(b, <-watchDone)
 		require.Empty(b, bad, "events received twice or not written by the benchmark")
