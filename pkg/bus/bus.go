@@ -1,7 +1,6 @@
 // Package bus connects to NATS, which carries better-compute's hints (pokes)
 // and events. Postgres stays the source of truth: losing a message here only
-// delays work. StartEmbedded runs an in-process server for `better-compute
-// dev` and tests.
+// delays work. Tests run an in-process server with package bustest.
 package bus
 
 import (
@@ -9,7 +8,6 @@ import (
 	"log/slog"
 	"time"
 
-	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 )
 
@@ -31,26 +29,4 @@ func Connect(url, name string, logger *slog.Logger) (*nats.Conn, error) {
 		return nil, fmt.Errorf("connect nats %s: %w", url, err)
 	}
 	return nc, nil
-}
-
-// StartEmbedded runs a NATS server with JetStream on a free loopback port,
-// storing streams under storeDir. Call Shutdown on the result when done.
-func StartEmbedded(storeDir string) (*server.Server, error) {
-	s, err := server.NewServer(&server.Options{
-		Host:      "127.0.0.1",
-		Port:      -1,
-		JetStream: true,
-		StoreDir:  storeDir,
-		NoSigs:    true,
-		NoLog:     true,
-	})
-	if err != nil {
-		return nil, err
-	}
-	go s.Start()
-	if !s.ReadyForConnections(10 * time.Second) {
-		s.Shutdown()
-		return nil, fmt.Errorf("embedded nats not ready")
-	}
-	return s, nil
 }

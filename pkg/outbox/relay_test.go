@@ -11,7 +11,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
 
-	"github.com/better-compute/better-compute/pkg/bus"
+	"github.com/better-compute/better-compute/pkg/bus/bustest"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/outbox"
 	"github.com/better-compute/better-compute/pkg/store"
@@ -31,7 +31,7 @@ func TestMain(m *testing.M) {
 // written in a rolled-back transaction never leaves.
 func TestRelayPublishesCommittedRowsOnly(t *testing.T) {
 	db := storetest.New(t, nil)
-	srv, err := bus.StartEmbedded(t.TempDir())
+	srv, err := bustest.StartEmbedded(t.TempDir())
 	require.NoError(t, err)
 	t.Cleanup(srv.Shutdown)
 	nc, err := nats.Connect(srv.ClientURL())

@@ -53,16 +53,17 @@ var chaosLevels = map[Chaos]chaosParams{
 	},
 }
 
-// Transport timings, those of the fakedaemon's HTTP/2 transport.
+// Transport timings, those of the fakedaemon's HTTP/2 transport (on
+// Linux).
 const (
 	// connectTimeout is how long a dial to an unreachable address waits.
 	connectTimeout = 10 * time.Second
-	// pingIdle is how long the transport waits without reading a frame
-	// before it sends a ping; pingTimeout how long it waits for the answer.
-	// A connection that dies silently is noticed pingIdle+pingTimeout after
-	// the last frame at most.
-	pingIdle    = 15 * time.Second
-	pingTimeout = 10 * time.Second
+	// unackedTimeout is how long a heartbeat may stay unacknowledged before
+	// the daemon's kernel ends the connection (TCP_USER_TIMEOUT). A
+	// connection that dies silently is noticed at most
+	// HeartbeatInterval+unackedTimeout after it died: the next heartbeat
+	// goes out within HeartbeatInterval.
+	unackedTimeout = 15 * time.Second
 	// reorderExtra bounds how much later than its turn a reordered message
 	// arrives.
 	reorderExtra = 200 * time.Millisecond
@@ -70,7 +71,7 @@ const (
 
 var (
 	errConnReset    = errors.New("connection reset")
-	errPingTimeout  = errors.New("ping timeout: the connection is dead")
+	errUnacked      = errors.New("heartbeat unacknowledged: the connection is dead")
 	errDialTimeout  = errors.New("dial timeout")
 	errDialRefused  = errors.New("connection refused: the gateway is down")
 	errGatewayClose = errors.New("the gateway closed the session")
@@ -219,14 +220,14 @@ func (s *Sim) reset(c *conn, why string) {
 }
 
 // kill makes c die silently (a partition, a half-open connection): nothing
-// gets through, the node's transport notices at its next unanswered ping
-// and the gateway by its idle timeout.
+// gets through, the node's transport notices unackedTimeout after its next
+// heartbeat and the gateway by its idle timeout.
 func (s *Sim) kill(c *conn) {
 	if c.dead {
 		return
 	}
 	c.dead = true
-	s.notifyNode(c, s.eng.now+uniform(s.rng, time.Millisecond, pingIdle)+pingTimeout, errPingTimeout)
+	s.notifyNode(c, s.eng.now+uniform(s.rng, time.Millisecond, HeartbeatInterval)+unackedTimeout, errUnacked)
 }
 
 // notifyNode tells the node's transport at t that c ended.

@@ -11,7 +11,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
-	"github.com/better-compute/better-compute/pkg/bus"
+	"github.com/better-compute/better-compute/pkg/bus/bustest"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/services/api/api"
@@ -109,7 +109,7 @@ func TestRunCommand(t *testing.T) {
 func TestRunCommandPokesTheGateway(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
-	ns, err := bus.StartEmbedded(t.TempDir())
+	ns, err := bustest.StartEmbedded(t.TempDir())
 	require.NoError(t, err)
 	t.Cleanup(ns.Shutdown)
 	nc, err := nats.Connect(ns.ClientURL())

@@ -21,7 +21,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
-	"github.com/better-compute/better-compute/pkg/bus"
+	"github.com/better-compute/better-compute/pkg/bus/bustest"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/telemetry"
@@ -286,7 +286,7 @@ func TestWatchMaxGrace(t *testing.T) {
 func TestWatchWakesOnNATS(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
-	ns, err := bus.StartEmbedded(t.TempDir())
+	ns, err := bustest.StartEmbedded(t.TempDir())
 	require.NoError(t, err)
 	t.Cleanup(ns.Shutdown)
 	nc, err := nats.Connect(ns.ClientURL())

@@ -20,7 +20,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
-	"github.com/better-compute/better-compute/pkg/bus"
+	"github.com/better-compute/better-compute/pkg/bus/bustest"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/ids"
@@ -513,7 +513,7 @@ func BenchmarkAcceptance1000(b *testing.B) {
 
 func startNATS(t *testing.T) (*server.Server, *nats.Conn) {
 	t.Helper()
-	s, err := bus.StartEmbedded(t.TempDir())
+	s, err := bustest.StartEmbedded(t.TempDir())
 	require.NoError(t, err)
 	t.Cleanup(s.Shutdown)
 	nc, err := nats.Connect(s.ClientURL())

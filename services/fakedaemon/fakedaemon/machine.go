@@ -418,19 +418,23 @@ func (m *Machine) gatewayTLS(id *Identity) ([]string, *tls.Config, error) {
 	}, nil
 }
 
-// newTransport returns an HTTP/2-only transport for one machine.
+// newTransport returns an HTTP/2-only transport for one machine. It notices
+// a connection that died silently within 25 s: on Linux by the heartbeats
+// it cannot deliver (TCP_USER_TIMEOUT, transport_linux.go), elsewhere by an
+// HTTP/2 ping after 15 s without a frame.
 func newTransport(tlsCfg *tls.Config) *http.Transport {
 	var p http.Protocols
 	p.SetHTTP2(true)
 	return &http.Transport{
-		Protocols:           &p,
-		TLSClientConfig:     tlsCfg,
-		DialContext:         (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		Protocols:       &p,
+		TLSClientConfig: tlsCfg,
+		DialContext: (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second,
+			Control: dialControl}).DialContext,
 		TLSHandshakeTimeout: 10 * time.Second,
 		MaxIdleConns:        1,
 		IdleConnTimeout:     90 * time.Second,
 		HTTP2: &http.HTTP2Config{
-			SendPingTimeout: 15 * time.Second,
+			SendPingTimeout: pingIdle,
 			PingTimeout:     10 * time.Second,
 		},
 	}

@@ -430,8 +430,14 @@ func (s *Server) Run(ctx context.Context) error {
 	return err
 }
 
-// newHTTPServer returns the mTLS server: HTTP/2 only, header limits, and
-// HTTP/2 pings that close connections whose peer stopped answering.
+// newHTTPServer returns the mTLS server: HTTP/2 only and header limits.
+//
+// It sends no HTTP/2 pings (SendPingTimeout is 0): a session whose daemon
+// went away, or whose connection died silently, is closed by the idle
+// timeout (resync, IdleTimeout), and a connection left without a stream by
+// the server's IdleTimeout. A ping timer would wake the gateway for every
+// connection every SendPingTimeout, thousands of wake-ups a minute for an
+// idle fleet (BenchmarkIdleFleet), to learn what heartbeats already say.
 func (s *Server) newHTTPServer() *http.Server {
 	var p http.Protocols
 	p.SetHTTP2(true)
@@ -452,8 +458,6 @@ func (s *Server) newHTTPServer() *http.Server {
 			// dynamic tables would only hold memory for its lifetime.
 			MaxDecoderHeaderTableSize: 1,
 			MaxEncoderHeaderTableSize: 1,
-			SendPingTimeout:           s.cfg.IdleTimeout,
-			PingTimeout:               15 * time.Second,
 		},
 		ErrorLog: slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
 	}

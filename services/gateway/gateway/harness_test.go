@@ -24,7 +24,7 @@ import (
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	"github.com/better-compute/better-compute/api/gen/bc/gateway/v1/gatewayv1connect"
-	"github.com/better-compute/better-compute/pkg/bus"
+	"github.com/better-compute/better-compute/pkg/bus/bustest"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/outbox"
@@ -87,7 +87,7 @@ func setup(t testing.TB, o options) *env {
 	}
 	e := &env{t: t, clk: clk}
 	e.db = storetest.New(t, clk)
-	ns, err := bus.StartEmbedded(t.TempDir())
+	ns, err := bustest.StartEmbedded(t.TempDir())
 	require.NoError(t, err)
 	t.Cleanup(ns.Shutdown)
 	e.ns = ns

@@ -15,7 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
-	"github.com/better-compute/better-compute/pkg/bus"
+	"github.com/better-compute/better-compute/pkg/bus/bustest"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/store/storetest"
@@ -36,7 +36,7 @@ func TestMain(m *testing.M) {
 
 func startNATS(t *testing.T) *nats.Conn {
 	t.Helper()
-	s, err := bus.StartEmbedded(t.TempDir())
+	s, err := bustest.StartEmbedded(t.TempDir())
 	require.NoError(t, err)
 	t.Cleanup(s.Shutdown)
 	nc, err := nats.Connect(s.ClientURL())

@@ -1,0 +1,1 @@
+ALTER TABLE nodes RESET (fillfactor, toast_tuple_target);

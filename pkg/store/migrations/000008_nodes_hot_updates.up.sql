@@ -1,0 +1,12 @@
+-- Idle fleet (issue 5): every heartbeat rewrites its node's row (last_seen,
+-- flushed by the gateway about every 10 s per node). The row carried its
+-- inventory inline (~0.7 of ~1.2 KB), so each flush copied it, and with
+-- full pages the new versions went to other pages: no HOT update, an entry
+-- in every index of nodes each time, and a table the liveness sweeper scans
+-- every second swelling with dead versions.
+--
+-- fillfactor leaves room in each page for the new versions (HOT updates:
+-- no index entries, pruned on the page); toast_tuple_target moves the
+-- inventory out of line (TOAST) when a row is written, so a flush copies a
+-- pointer (nothing reads inventory in bulk).
+ALTER TABLE nodes SET (fillfactor = 70, toast_tuple_target = 512);
