@@ -11,7 +11,6 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
-	"github.com/better-compute/better-compute/pkg/bus/bustest"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/services/api/api"
@@ -109,12 +108,7 @@ func TestRunCommand(t *testing.T) {
 func TestRunCommandPokesTheGateway(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
-	ns, err := bustest.StartEmbedded(t.TempDir())
-	require.NoError(t, err)
-	t.Cleanup(ns.Shutdown)
-	nc, err := nats.Connect(ns.ClientURL())
-	require.NoError(t, err)
-	t.Cleanup(nc.Close)
+	nc := natsConn(t)
 	f = f.withServer(t, api.WatchConfig{}, nc, nil)
 	pokes := make(chan *nats.Msg, 4)
 	sub, err := nc.ChanSubscribe(store.SubjectPokeGatewayPrefix+">", pokes)

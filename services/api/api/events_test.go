@@ -280,18 +280,26 @@ func TestWatchMaxGrace(t *testing.T) {
 	require.Equal(t, later, w.next(t).Id)
 }
 
-// TestWatchWakesOnNATS checks that an event published on bc.events wakes a
-// watch whose poll never fires (a clock that does not move), and that a
-// cancelled watch leaves no subscription behind.
-func TestWatchWakesOnNATS(t *testing.T) {
-	t.Parallel()
-	f := setup(t)
+// natsConn starts an in-process NATS server and returns a connection to it,
+// both closed when the test ends.
+func natsConn(t *testing.T) *nats.Conn {
+	t.Helper()
 	ns, err := bustest.StartEmbedded(t.TempDir())
 	require.NoError(t, err)
 	t.Cleanup(ns.Shutdown)
 	nc, err := nats.Connect(ns.ClientURL())
 	require.NoError(t, err)
 	t.Cleanup(nc.Close)
+	return nc
+}
+
+// TestWatchWakesOnNATS checks that an event published on bc.events wakes a
+// watch whose poll never fires (a clock that does not move), and that a
+// cancelled watch leaves no subscription behind.
+func TestWatchWakesOnNATS(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	nc := natsConn(t)
 	f = f.withServer(t, api.WatchConfig{}, nc, clock.NewFake(f.db.Now()))
 	now := f.db.Now()
 	start := mark(t, f.db)
