@@ -43,25 +43,6 @@ func Enqueue(ctx context.Context, q DBTX, now time.Time, subject string, payload
 	return signalOutbox(ctx, q)
 }
 
-// EnqueueMany writes one outbox message per subject (payloads[i] for
-// subjects[i]) in one statement in q's transaction and signals the relay as
-// Enqueue does. Nothing is written for none.
-func EnqueueMany(ctx context.Context, q DBTX, now time.Time, subjects []string, payloads [][]byte) error {
-	if len(subjects) == 0 {
-		return nil
-	}
-	if len(payloads) != len(subjects) {
-		return fmt.Errorf("enqueue: %d payloads for %d subjects", len(payloads), len(subjects))
-	}
-	if _, err := q.Exec(ctx, `INSERT INTO outbox (subject, payload, created_at)
-		SELECT u.subject, COALESCE(u.payload, ''::bytea), $3
-		FROM unnest($1::text[], $2::bytea[]) WITH ORDINALITY AS u(subject, payload, ord) ORDER BY u.ord`,
-		subjects, payloads, now); err != nil {
-		return fmt.Errorf("enqueue: %w", err)
-	}
-	return signalOutbox(ctx, q)
-}
-
 // signalOutbox makes sure the relay hears of the outbox rows q's transaction
 // wrote once it commits. In a transaction of DB.InTx it only marks the
 // transaction, and InTx signals after the commit through the DB's notifier;
