@@ -82,16 +82,14 @@ func (r *auditRecord) entry(at time.Time, target, outcome, detail string) store.
 // instead. Errors: the procedure is not marked Mutating in the policy (no
 // audit record in ctx), or the database's.
 func AuditInTx(ctx context.Context, q store.DBTX, at time.Time, target, detail string) error {
-	rec := auditFrom(ctx)
-	if rec == nil {
-		return errors.New("audit: no audit record in the context (is the RPC marked Mutating in the policy?)")
-	}
-	if _, err := store.InsertAudit(ctx, q, rec.entry(at, target, OutcomeOK, detail)); err != nil {
+	d, err := DeferAudit(ctx)
+	if err != nil {
 		return err
 	}
-	rec.mu.Lock()
-	rec.written = true
-	rec.mu.Unlock()
+	if _, err := store.InsertAudit(ctx, q, d.Entry(at, target, detail)); err != nil {
+		return err
+	}
+	d.Written()
 	return nil
 }
 

@@ -269,8 +269,8 @@ func QueueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 // commands of request ids already used, cand the commands to insert, done
 // those inserted, then their events with outbox messages, the gateway pokes
 // and the audit rows. It returns, per command in order, what the node was,
-// whether the command was inserted, the rows the outbox and audit CTEs
-// wrote, and, for a request id already used, that command.
+// whether the command was inserted, the rows the outbox CTEs wrote, and,
+// for a request id already used, that command.
 const queueSQL = `WITH u AS (
 		SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[], $5::timestamptz[], $6::text[], $7::text[],
 			$8::text[], $9::bytea[], $10::text[], $11::text[], $12::text[], $13::text[], $14::bool[], $15::text[])
@@ -329,7 +329,6 @@ const queueSQL = `WITH u AS (
 	SELECT u.ord, n.id IS NOT NULL, COALESCE(n.provision_state, ''), COALESCE(n.revoked, false), COALESCE(n.tenant, ''),
 		COALESCE(n.gateway_id, ''),
 		EXISTS (SELECT 1 FROM done WHERE done.ord = u.ord), (SELECT count(*) FROM evo) + (SELECT count(*) FROM poke),
-		(SELECT count(*) FROM aud),
 		p.id, p.node_id, p.kind, p.purpose, p.state, p.retry_safe, p.deadline, p.result, p.error, p.deliveries,
 		COALESCE(p.request_id, ''), p.created_by, p.created_at, p.updated_at, p.delivered_at, p.finished_at
 	FROM u LEFT JOIN n ON n.id = u.node LEFT JOIN prev p ON p.ord = u.ord
@@ -384,7 +383,7 @@ func queueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 			ord                           int
 			found, revoked, inserted      bool
 			state, tenant, gateway        string
-			outboxed, audits              int64
+			outboxed                      int64
 			p                             Command
 			pid, pnode, pkind, ppurpose   *string
 			pstate, perror, pby           *string
@@ -392,7 +391,7 @@ func queueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 			pdeadline, pcreated, pupdated *time.Time
 			pdeliveries                   *int32
 		)
-		if err := rows.Scan(&ord, &found, &state, &revoked, &tenant, &gateway, &inserted, &outboxed, &audits,
+		if err := rows.Scan(&ord, &found, &state, &revoked, &tenant, &gateway, &inserted, &outboxed,
 			&pid, &pnode, &pkind, &ppurpose, &pstate, &psafe, &pdeadline, &p.Result, &perror, &pdeliveries, &p.RequestID,
 			&pby, &pcreated, &pupdated, &p.DeliveredAt, &p.FinishedAt); err != nil {
 			rows.Close()

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
@@ -194,14 +195,8 @@ func (f *fleet) nodeIDs(b *testing.B) []string {
 	b.Helper()
 	rows, err := f.stack.DB.Pool.Query(b.Context(), `SELECT id FROM nodes ORDER BY id`)
 	require.NoError(b, err)
-	defer rows.Close()
-	var out []string
-	for rows.Next() {
-		var id string
-		require.NoError(b, rows.Scan(&id))
-		out = append(out, id)
-	}
-	require.NoError(b, rows.Err())
+	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(b, err)
 	return out
 }
 

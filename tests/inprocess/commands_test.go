@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/durationpb"
 
@@ -192,14 +193,8 @@ func (f *commandFixture) events(t *testing.T, cmdID string) []string {
 	t.Helper()
 	rows, err := f.stack.DB.Pool.Query(t.Context(), `SELECT type FROM events WHERE subject_id = $1 ORDER BY id`, cmdID)
 	require.NoError(t, err)
-	defer rows.Close()
-	var out []string
-	for rows.Next() {
-		var s string
-		require.NoError(t, rows.Scan(&s))
-		out = append(out, s)
-	}
-	require.NoError(t, rows.Err())
+	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
 	return out
 }
 
