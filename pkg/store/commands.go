@@ -218,10 +218,14 @@ type QueueResult struct {
 // QueueCommands queues cmds in one statement (one round trip, whatever
 // their number: the API batches concurrent RunCommand calls into one call),
 // in q's transaction or, on DB.AutoCommit, in a transaction of its own. For
-// each command it locks the node (in node id order, so concurrent batches do
-// not deadlock; a session opening on another gateway waits for the commit,
-// then claims the command, and the poke goes to the gateway read, which
-// still holds the session), refuses one that is unknown or of another tenant than the
+// each command it locks the node FOR KEY SHARE (in node id order, so
+// concurrent batches do not deadlock). That lock conflicts only with FOR
+// UPDATE, which the writers of what it checks take (OpenSession moving the
+// session, RevokeNode, acceptance): a session opening on another gateway
+// waits for the commit, then claims the command, and the poke goes to the
+// gateway read, which still holds the session. Writers of other columns
+// (last_seen flushes, cordon, specs) lock FOR NO KEY UPDATE and neither wait
+// for it nor make it wait. It refuses one that is unknown or of another tenant than the
 // command's TenantID (ErrNotFound) or is not adopted or is revoked
 // (*NodeNotRunnableError), inserts the command as queued with its kind's
 // retry-safety and purpose 'user', signed with intent (nil: unsigned),
@@ -279,7 +283,7 @@ const queueSQL = `WITH u AS (
 	n AS (
 		SELECT n.id, n.provision_state, n.revoked_at IS NOT NULL AS revoked, p.owner_tenant_id AS tenant, n.gateway_id
 		FROM nodes n JOIN pools p ON p.id = n.pool_id
-		WHERE n.id = ANY($16::text[]) ORDER BY n.id FOR SHARE OF n),
+		WHERE n.id = ANY($16::text[]) ORDER BY n.id FOR KEY SHARE OF n),
 	ok AS (
 		SELECT u.*, n.tenant, n.gateway_id, n.provision_state, n.revoked FROM u JOIN n ON n.id = u.node
 		WHERE u.scope = '' OR u.scope = n.tenant),

@@ -518,7 +518,7 @@ func RecordSessionObservedGenerations(ctx context.Context, q DBTX, now time.Time
 	tag, err := q.Exec(ctx, `WITH u AS (
 			SELECT id, max(gen) AS gen FROM unnest($1::text[], $2::bigint[]) AS u(id, gen) GROUP BY id),
 		l AS (SELECT n.id FROM nodes n JOIN u ON u.id = n.id WHERE n.id = ANY($1) AND n.observed_generation < u.gen
-			ORDER BY n.id FOR UPDATE OF n)
+			ORDER BY n.id FOR NO KEY UPDATE OF n)
 		UPDATE nodes n SET observed_generation = u.gen, updated_at = $3
 		FROM u, l WHERE n.id = u.id AND l.id = n.id AND n.observed_generation < u.gen`, ids, vals, now)
 	if err != nil {
@@ -560,7 +560,7 @@ func RecordSessionLastSeen(ctx context.Context, q DBTX, batch []SessionLastSeen)
 	}
 	rows, err := q.Query(ctx, `WITH u AS (
 			SELECT * FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::bigint[]) AS t(id, sid, at, obs)),
-		prev AS (SELECT n.id, n.reachable FROM nodes n WHERE n.id = ANY($1) ORDER BY n.id FOR UPDATE)
+		prev AS (SELECT n.id, n.reachable FROM nodes n WHERE n.id = ANY($1) ORDER BY n.id FOR NO KEY UPDATE)
 		UPDATE nodes n SET
 			last_seen = GREATEST(n.last_seen, u.at),
 			observed_generation = GREATEST(n.observed_generation, u.obs),

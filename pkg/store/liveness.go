@@ -196,7 +196,7 @@ func SweepUnreachable(ctx context.Context, q DBTX, now time.Time, timeout time.D
 			WHERE n.reachable AND n.last_seen < $2
 				AND (n.session_id IS NULL OR n.gateway_id IS NULL OR NOT EXISTS (
 					SELECT 1 FROM leases l WHERE l.name = $4 || n.gateway_id AND l.expires_at > $1))
-			ORDER BY n.id LIMIT $3 FOR UPDATE OF n SKIP LOCKED)
+			ORDER BY n.id LIMIT $3 FOR NO KEY UPDATE OF n SKIP LOCKED)
 		UPDATE nodes n SET reachable = false, updated_at = $1 FROM c
 		WHERE n.id = c.id AND n.reachable
 		RETURNING n.id`, now, cutoff, limit, gatewayPresencePrefix)

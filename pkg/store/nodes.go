@@ -276,7 +276,7 @@ func CordonNode(ctx context.Context, q DBTX, now time.Time, nodeID, reason strin
 		changed bool
 		owner   string
 	)
-	err := q.QueryRow(ctx, `WITH prev AS (SELECT id, cordoned, cordon_reason FROM nodes WHERE id = $1 FOR UPDATE)
+	err := q.QueryRow(ctx, `WITH prev AS (SELECT id, cordoned, cordon_reason FROM nodes WHERE id = $1 FOR NO KEY UPDATE)
 		UPDATE nodes n SET cordoned = true, cordon_reason = $2,
 			updated_at = CASE WHEN prev.cordoned AND prev.cordon_reason = $2 THEN n.updated_at ELSE $3 END
 		FROM prev, pools p WHERE n.id = prev.id AND p.id = n.pool_id
@@ -300,7 +300,7 @@ func UncordonNode(ctx context.Context, q DBTX, now time.Time, nodeID string) (bo
 		was           bool
 		reason, owner string
 	)
-	err := q.QueryRow(ctx, `WITH prev AS (SELECT id, cordoned, cordon_reason FROM nodes WHERE id = $1 FOR UPDATE)
+	err := q.QueryRow(ctx, `WITH prev AS (SELECT id, cordoned, cordon_reason FROM nodes WHERE id = $1 FOR NO KEY UPDATE)
 		UPDATE nodes n SET cordoned = false, cordon_reason = '',
 			updated_at = CASE WHEN prev.cordoned THEN $2 ELSE n.updated_at END
 		FROM prev, pools p WHERE n.id = prev.id AND p.id = n.pool_id

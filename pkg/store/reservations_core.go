@@ -57,7 +57,7 @@ func RebuildNodeSpecs(ctx context.Context, q DBTX, signer *IntentSigner, now tim
 		spec []byte
 	}
 	cur := make(map[string]current, len(ids))
-	rows, err := q.Query(ctx, `SELECT id, spec_generation, spec FROM nodes WHERE id = ANY($1) ORDER BY id FOR UPDATE`, ids)
+	rows, err := q.Query(ctx, `SELECT id, spec_generation, spec FROM nodes WHERE id = ANY($1) ORDER BY id FOR NO KEY UPDATE`, ids)
 	if err != nil {
 		return nil, fmt.Errorf("rebuild node specs: %w", interpretError(err))
 	}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"maps"
 	"os"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -146,6 +147,9 @@ func (l *commandLog) stats(ids []string) commandStats {
 //     delivery and, from the commands table, queued → delivered and
 //     delivered → finished. Target p99 < 100 ms.
 //
+// With BC_BENCH_CPUPROFILE=FILE it writes a CPU profile of the throughput
+// phase alone to FILE.
+//
 // It also prints the CPU time per command of this process (services,
 // machines and callers) and of the Postgres and NATS containers during the
 // throughput phase.
@@ -198,7 +202,9 @@ func BenchmarkCommands(b *testing.B) {
 		pool0 := f.stack.DB.Pool.Stat()
 		sampleCtx, stopSampling := context.WithCancel(ctx)
 		waits := sampleWaits(sampleCtx, f.dbURL, clk)
+		stopProfile := startCPUProfile(b, os.Getenv("BC_BENCH_CPUPROFILE"))
 		ids := runAll(total, func(i int) (string, error) { return run(nodes[i%len(nodes)]) })
+		stopProfile()
 		stopSampling()
 		pool1 := f.stack.DB.Pool.Stat()
 		self1, pg1, nc1 := procCPU(b, os.Getpid()), containerCPU(b, pg), containerCPU(b, nc)
@@ -257,6 +263,22 @@ func BenchmarkCommands(b *testing.B) {
 			"terminal event received by the watch p50 %s, p99 %s after the call\n",
 			call[0].Round(time.Millisecond), call[1].Round(time.Millisecond), secs(deliver50), secs(deliver99),
 			secs(finish50), secs(finish99), seen[0].Round(time.Millisecond), seen[1].Round(time.Millisecond))
+	}
+}
+
+// startCPUProfile writes a CPU profile of this process to path until the
+// returned function is called; with path "" it does nothing.
+func startCPUProfile(b *testing.B, path string) (stop func()) {
+	b.Helper()
+	if path == "" {
+		return func() {}
+	}
+	f, err := os.Create(path)
+	require.NoError(b, err)
+	require.NoError(b, pprof.StartCPUProfile(f))
+	return func() {
+		pprof.StopCPUProfile()
+		require.NoError(b, f.Close())
 	}
 }
 
