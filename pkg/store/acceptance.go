@@ -79,7 +79,7 @@ func ClaimDueAcceptances(ctx context.Context, q DBTX, now time.Time, limit int) 
 	return acceptanceIDs(ctx, q, "claim due acceptances", `SELECT n.id FROM nodes n
 		WHERE n.provision_state = 'accepting' AND NOT EXISTS (
 			SELECT 1 FROM commands c WHERE c.node_id = n.id AND c.purpose = 'acceptance'
-				AND c.state IN ('queued', 'delivered', 'running') AND c.deadline > $1)
+				AND c.finished_at IS NULL AND c.deadline > $1)
 		ORDER BY n.id LIMIT $2 FOR UPDATE OF n SKIP LOCKED`, now, limit)
 }
 

@@ -32,14 +32,18 @@ func acceptanceDB(t *testing.T) (*store.DB, time.Time) {
 			('n-open', 'pool_1', 'accepting', $1, $1), ('n-late', 'pool_1', 'accepting', $1, $1),
 			('n-done', 'pool_1', 'accepting', $1, $1), ('n-none', 'pool_1', 'accepting', $1, $1),
 			('n-join', 'pool_1', 'joining', $1, $1), ('n-adopted', 'pool_1', 'adopted', $1, $1)`,
-		`INSERT INTO commands (id, node_id, kind, purpose, state, retry_safe, deadline, created_at, updated_at, deliveries) VALUES
-			('cmd-open', 'n-open', 'diag.nvml', 'acceptance', 'delivered', true, $1::timestamptz + interval '1 minute', $1, $1, 1),
+		`INSERT INTO commands (id, node_id, kind, purpose, state, retry_safe, deadline, created_at, updated_at, deliveries,
+			finished_at) VALUES
+			('cmd-open', 'n-open', 'diag.nvml', 'acceptance', 'delivered', true, $1::timestamptz + interval '1 minute', $1, $1, 1,
+				NULL),
 			('cmd-late-0', 'n-late', 'diag.nvml', 'acceptance', 'expired', true, $1::timestamptz - interval '2 minutes',
-				$1::timestamptz - interval '4 minutes', $1, 0),
-			('cmd-late', 'n-late', 'diag.nvml', 'acceptance', 'running', true, $1, $1, $1, 1),
-			('cmd-done', 'n-done', 'diag.nvml', 'acceptance', 'succeeded', true, $1::timestamptz + interval '1 minute', $1, $1, 1),
-			('cmd-adopted', 'n-adopted', 'diag.nvml', 'acceptance', 'succeeded', true, $1, $1, $1, 1),
-			('cmd-user', 'n-none', 'logs.collect', 'user', 'queued', false, $1::timestamptz + interval '1 minute', $1, $1, 0)`,
+				$1::timestamptz - interval '4 minutes', $1, 0, $1),
+			('cmd-late', 'n-late', 'diag.nvml', 'acceptance', 'running', true, $1, $1, $1, 1, NULL),
+			('cmd-done', 'n-done', 'diag.nvml', 'acceptance', 'succeeded', true, $1::timestamptz + interval '1 minute', $1, $1, 1,
+				$1),
+			('cmd-adopted', 'n-adopted', 'diag.nvml', 'acceptance', 'succeeded', true, $1, $1, $1, 1, $1),
+			('cmd-user', 'n-none', 'logs.collect', 'user', 'queued', false, $1::timestamptz + interval '1 minute', $1, $1, 0,
+				NULL)`,
 	} {
 		_, err := db.Pool.Exec(ctx, q, now)
 		require.NoError(t, err)

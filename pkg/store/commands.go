@@ -472,7 +472,7 @@ func commandByRequest(ctx context.Context, q DBTX, nodeID, requestID string) (Co
 // Acceptance commands are left to the acceptance reconciler.
 func ExpireDueCommands(ctx context.Context, q DBTX, now time.Time, limit int) ([]Command, error) {
 	rows, err := q.Query(ctx, `WITH due AS (
-			SELECT id FROM commands WHERE state IN ('queued', 'delivered', 'running') AND purpose = 'user'
+			SELECT id FROM commands WHERE finished_at IS NULL AND purpose = 'user'
 				AND deadline <= $1 ORDER BY deadline, id LIMIT $2 FOR UPDATE SKIP LOCKED)
 		UPDATE commands c SET state = 'expired', error = CASE WHEN c.error = '' THEN 'deadline passed' ELSE c.error END,
 			finished_at = $1, updated_at = $1

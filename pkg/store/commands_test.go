@@ -172,7 +172,7 @@ func TestExpireDueCommands(t *testing.T) {
 	_, err := db.Pool.Exec(t.Context(), `INSERT INTO commands (id, node_id, kind, purpose, state, retry_safe, deadline,
 		created_at, updated_at) VALUES ('cmd_acc', 'n-acc', 'diag.nvml', 'acceptance', 'queued', true, $1, $1, $1)`, now.Add(-time.Hour))
 	require.NoError(t, err)
-	_, err = db.Pool.Exec(t.Context(), `UPDATE commands SET state = 'succeeded' WHERE id = 'cmd_done'`)
+	_, err = db.Pool.Exec(t.Context(), `UPDATE commands SET state = 'succeeded', finished_at = updated_at WHERE id = 'cmd_done'`)
 	require.NoError(t, err)
 
 	var expired []store.Command

@@ -249,10 +249,11 @@ func ClaimSessionDeliveries(ctx context.Context, q DBTX, now time.Time, reqs []C
 		pick AS (SELECT c.id, u.ord FROM u
 			JOIN nodes n ON n.id = u.id AND n.session_id = u.sid AND n.revoked_at IS NULL
 			JOIN commands c ON c.node_id = u.id
-			-- The state test matches commands_open_idx's predicate, so that
-			-- the node's open commands are read by (node_id) from it rather
-			-- than every open command of the fleet.
-			WHERE n.id = ANY($1) AND c.state IN ('queued', 'delivered', 'running') AND (c.state = 'queued' OR u.inflight)
+			-- finished_at IS NULL (open: see commands_finished_iff_terminal)
+			-- matches commands_open_idx's predicate, so that the node's open
+			-- commands are read by (node_id) from it rather than every open
+			-- command of the fleet.
+			WHERE n.id = ANY($1) AND c.finished_at IS NULL AND (c.state = 'queued' OR u.inflight)
 			ORDER BY c.id FOR UPDATE OF c)
 		UPDATE commands c SET
 			state = CASE WHEN c.state = 'queued' THEN 'delivered' ELSE c.state END,

@@ -52,8 +52,11 @@ func (f gatewayFixture) node() string {
 func (f gatewayFixture) command(nodeID, state, purpose string, createdAt time.Time) string {
 	f.t.Helper()
 	id := ids.New(ids.Command, createdAt)
-	f.exec(`INSERT INTO commands (id, node_id, kind, purpose, state, retry_safe, deadline, created_at, updated_at)
-		VALUES ($1, $2, 'diag.nvml', $3, $4, false, $5, $5, $5)`, id, nodeID, purpose, state, createdAt)
+	f.exec(`INSERT INTO commands (id, node_id, kind, purpose, state, retry_safe, deadline, created_at, updated_at,
+			finished_at)
+		VALUES ($1, $2, 'diag.nvml', $3, $4, false, $5, $5, $5,
+			CASE WHEN $4 IN ('queued', 'delivered', 'running') THEN NULL ELSE $5::timestamptz END)`,
+		id, nodeID, purpose, state, createdAt)
 	return id
 }
 

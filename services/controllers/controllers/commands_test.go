@@ -47,7 +47,7 @@ func TestCommandExpiry(t *testing.T) {
 	}
 	_, err := db.Pool.Exec(ctx, `UPDATE commands SET state = 'running', deliveries = 1 WHERE id = 'cmd_a'`)
 	require.NoError(t, err)
-	_, err = db.Pool.Exec(ctx, `UPDATE commands SET state = 'succeeded' WHERE id = 'cmd_b'`)
+	_, err = db.Pool.Exec(ctx, `UPDATE commands SET state = 'succeeded', finished_at = updated_at WHERE id = 'cmd_b'`)
 	require.NoError(t, err)
 
 	e := &controllers.CommandExpiry{DB: db, Clock: clk, Batch: 1}
