@@ -1,10 +1,12 @@
-// Package outbox publishes the outbox table to NATS: the relay drains rows
-// that committed transactions wrote, publishes each to its subject, and
-// stamps them published. It wakes on the commit-time NOTIFY of
-// store.OutboxChannel and also polls, so a missed notification only delays.
-// Several relays may run: rows are claimed with FOR UPDATE SKIP LOCKED, and a
-// message may be published more than once (pokes and events are idempotent
-// hints to their readers).
+// Package outbox publishes the outbox table to NATS: the relay takes (deletes)
+// a batch of the rows that committed transactions wrote, publishes each to
+// its subject, flushes, and only then commits, so a row costs one insert and
+// one delete; a failed publish rolls the delete back and the rows wait for
+// the next pass. It wakes on the commit-time NOTIFY of store.OutboxChannel
+// and also polls, so a missed notification only delays. Several relays may
+// run: rows are taken with FOR UPDATE SKIP LOCKED, and a message may be
+// published more than once (a commit lost after the flush; pokes and events
+// are idempotent hints to their readers).
 package outbox
 
 import (
@@ -28,10 +30,8 @@ type Relay struct {
 	Clock  clock.Clock
 	// Poll is how often the relay looks without a notification; 1 s if zero.
 	Poll time.Duration
-	// Batch is how many rows one pass claims; 500 if zero.
+	// Batch is how many rows one pass takes; 500 if zero.
 	Batch int
-	// Retention is how long published rows are kept; 1 h if zero.
-	Retention time.Duration
 }
 
 // Run relays until ctx ends.
@@ -42,14 +42,10 @@ func (r *Relay) Run(ctx context.Context) error {
 	if r.Batch == 0 {
 		r.Batch = 500
 	}
-	if r.Retention == 0 {
-		r.Retention = time.Hour
-	}
 	wake := make(chan struct{}, 1)
 	go r.listen(ctx, wake)
 	tick := r.Clock.NewTicker(r.Poll)
 	defer tick.Stop()
-	lastPrune := r.Clock.Now()
 	for {
 		for {
 			n, err := r.drainOnce(ctx)
@@ -64,12 +60,6 @@ func (r *Relay) Run(ctx context.Context) error {
 				break
 			}
 		}
-		if r.Clock.Now().Sub(lastPrune) > r.Retention/4 {
-			lastPrune = r.Clock.Now()
-			if _, err := store.PruneOutbox(ctx, r.DB.Pool, r.DB.Now().Add(-r.Retention)); err != nil && ctx.Err() == nil {
-				r.Logger.Warn("outbox prune failed", "err", err)
-			}
-		}
 		select {
 		case <-ctx.Done():
 			return nil
@@ -79,26 +69,27 @@ func (r *Relay) Run(ctx context.Context) error {
 	}
 }
 
-// drainOnce publishes one batch and returns how many rows it published.
+// drainOnce publishes one batch and returns how many rows it published. The
+// rows are deleted in the transaction that publishes them, which commits
+// only after NATS has flushed them; on any error it rolls back and the rows
+// stay for the next pass.
 func (r *Relay) drainOnce(ctx context.Context) (int, error) {
 	var n int
 	err := r.DB.InTx(ctx, func(tx pgx.Tx) error {
-		msgs, err := store.ClaimOutbox(ctx, tx, r.Batch)
+		msgs, err := store.TakeOutbox(ctx, tx, r.Batch)
 		if err != nil || len(msgs) == 0 {
 			return err
 		}
-		ids := make([]int64, 0, len(msgs))
 		for _, m := range msgs {
 			if err := r.NC.Publish(m.Subject, m.Payload); err != nil {
 				return err
 			}
-			ids = append(ids, m.ID)
 		}
 		if err := r.NC.FlushTimeout(5 * time.Second); err != nil {
 			return err
 		}
-		n = len(ids)
-		return store.MarkPublished(ctx, tx, r.DB.Now(), ids)
+		n = len(msgs)
+		return nil
 	})
 	return n, err
 }

@@ -3,7 +3,9 @@ package outbox_test
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"os"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -27,7 +29,7 @@ func TestMain(m *testing.M) {
 
 // TestRelayPublishesCommittedRowsOnly checks the outbox contract: a message
 // written in a committed transaction reaches NATS promptly (woken by the
-// commit's NOTIFY, long before the 1 h poll) and is marked published; one
+// commit's NOTIFY, long before the 1 h poll) and its row is deleted; one
 // written in a rolled-back transaction never leaves.
 func TestRelayPublishesCommittedRowsOnly(t *testing.T) {
 	db := storetest.New(t, nil)
@@ -64,11 +66,84 @@ func TestRelayPublishesCommittedRowsOnly(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "test.committed", msg.Subject)
 	require.Equal(t, "yes", string(msg.Data))
-	require.Eventually(t, func() bool {
-		var unpublished int
-		err := db.Pool.QueryRow(t.Context(), `SELECT count(*) FROM outbox WHERE published_at IS NULL`).Scan(&unpublished)
-		return err == nil && unpublished == 0
-	}, 10*time.Second, 20*time.Millisecond)
+	require.Eventually(t, func() bool { return outboxRows(t.Context(), db) == 0 }, 10*time.Second, 20*time.Millisecond,
+		"the published row is deleted")
 	_, err = sub.NextMsg(200 * time.Millisecond)
 	require.ErrorIs(t, err, nats.ErrTimeout, "the rolled-back message is never published")
+}
+
+// outboxRows counts the outbox rows, -1 on error (for Eventually).
+func outboxRows(ctx context.Context, db *store.DB) int {
+	var n int
+	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox`).Scan(&n); err != nil {
+		return -1
+	}
+	return n
+}
+
+// failures is a slog.Handler counting the relay's failed passes.
+type failures struct{ n atomic.Int64 }
+
+func (f *failures) Enabled(context.Context, slog.Level) bool { return true }
+func (f *failures) Handle(_ context.Context, r slog.Record) error {
+	if r.Message == "outbox relay pass failed" {
+		f.n.Add(1)
+	}
+	return nil
+}
+func (f *failures) WithAttrs([]slog.Attr) slog.Handler { return f }
+func (f *failures) WithGroup(string) slog.Handler      { return f }
+
+// TestRelayKeepsRowsWhenPublishFails: a relay whose NATS connection is
+// closed fails its pass and rolls back, so the rows stay; a working relay
+// then publishes them and deletes them.
+func TestRelayKeepsRowsWhenPublishFails(t *testing.T) {
+	db := storetest.New(t, nil)
+	srv, err := bustest.StartEmbedded(t.TempDir())
+	require.NoError(t, err)
+	t.Cleanup(srv.Shutdown)
+	require.NoError(t, db.InTx(t.Context(), func(tx pgx.Tx) error {
+		for _, s := range []string{"test.a", "test.b"} {
+			if err := store.Enqueue(t.Context(), tx, db.Now(), s, []byte(s)); err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
+
+	closed, err := nats.Connect(srv.ClientURL())
+	require.NoError(t, err)
+	closed.Close()
+	var failed failures
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	broken := &outbox.Relay{DB: db, NC: closed, Logger: slog.New(&failed), Clock: clock.New(), Poll: time.Hour}
+	go func() { done <- broken.Run(ctx) }()
+	require.Eventually(t, func() bool { return failed.n.Load() > 0 }, 10*time.Second, 10*time.Millisecond,
+		"the relay with a closed connection never failed a pass")
+	cancel()
+	require.NoError(t, <-done)
+	require.Equal(t, 2, outboxRows(t.Context(), db), "a failed publish leaves the rows")
+
+	nc, err := nats.Connect(srv.ClientURL())
+	require.NoError(t, err)
+	t.Cleanup(nc.Close)
+	sub, err := nc.SubscribeSync("test.>")
+	require.NoError(t, err)
+	require.NoError(t, nc.Flush())
+	ctx, cancel = context.WithCancel(t.Context())
+	relay := &outbox.Relay{DB: db, NC: nc, Logger: telemetry.Discard(), Clock: clock.New(), Poll: time.Hour}
+	go func() { done <- relay.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+	})
+	for _, want := range []string{"test.a", "test.b"} {
+		msg, err := sub.NextMsg(10 * time.Second)
+		require.NoError(t, err)
+		require.Equal(t, want, msg.Subject, "published in id order")
+		require.Equal(t, want, string(msg.Data))
+	}
+	require.Eventually(t, func() bool { return outboxRows(t.Context(), db) == 0 }, 10*time.Second, 20*time.Millisecond,
+		"the published rows are deleted")
 }

@@ -69,3 +69,65 @@ func TestMigrateDownRefusesTooManySteps(t *testing.T) {
 	require.NoError(t, err)
 	require.NotZero(t, v)
 }
+
+// TestMigration9OutboxDeleteOnPublish: 000009 deletes the published outbox
+// rows, keeps the unpublished ones and drops published_at and its index;
+// its down migration restores both, every kept row unpublished.
+func TestMigration9OutboxDeleteOnPublish(t *testing.T) {
+	url := storetest.NewURL(t)
+	v, dirty, err := store.MigrationVersion(url)
+	require.NoError(t, err)
+	require.False(t, dirty)
+	require.GreaterOrEqual(t, v, uint(9))
+	toVersion8 := func() {
+		t.Helper()
+		v, _, err := store.MigrationVersion(url)
+		require.NoError(t, err)
+		require.NoError(t, store.MigrateDown(url, int(v)-8))
+		v, _, err = store.MigrationVersion(url)
+		require.NoError(t, err)
+		require.Equal(t, uint(8), v)
+	}
+	ctx := t.Context()
+	conn, err := pgx.Connect(ctx, url)
+	require.NoError(t, err)
+	defer conn.Close(ctx)
+	schema := func() (column, index bool) {
+		t.Helper()
+		require.NoError(t, conn.QueryRow(ctx, `SELECT
+			EXISTS (SELECT 1 FROM information_schema.columns WHERE table_name = 'outbox' AND column_name = 'published_at'),
+			EXISTS (SELECT 1 FROM pg_indexes WHERE indexname = 'outbox_unpublished_idx')`).Scan(&column, &index))
+		return column, index
+	}
+	subjects := func() []string {
+		t.Helper()
+		rows, err := conn.Query(ctx, `SELECT subject FROM outbox ORDER BY id`)
+		require.NoError(t, err)
+		out, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		require.NoError(t, err)
+		return out
+	}
+
+	toVersion8()
+	column, index := schema()
+	require.True(t, column)
+	require.True(t, index)
+	_, err = conn.Exec(ctx, `INSERT INTO outbox (subject, payload, created_at, published_at) VALUES
+		('t.published', '', now(), now()), ('t.pending', 'p', now(), NULL), ('t.pending2', '', now(), NULL)`)
+	require.NoError(t, err)
+
+	require.NoError(t, store.MigrateUp(url))
+	column, index = schema()
+	require.False(t, column)
+	require.False(t, index)
+	require.Equal(t, []string{"t.pending", "t.pending2"}, subjects(), "published rows deleted, the others kept")
+
+	toVersion8()
+	column, index = schema()
+	require.True(t, column)
+	require.True(t, index)
+	var unpublished int
+	require.NoError(t, conn.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE published_at IS NULL`).Scan(&unpublished))
+	require.Equal(t, 2, unpublished)
+	require.NoError(t, store.MigrateUp(url))
+}

@@ -1,9 +1,11 @@
 package store
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -188,42 +190,31 @@ func PokeNodes(ctx context.Context, q DBTX, now time.Time, nodeIDs ...string) er
 	return nil
 }
 
-// OutboxMessage is an unpublished outbox row.
+// OutboxMessage is an outbox row: a message not yet published.
 type OutboxMessage struct {
 	ID      int64
 	Subject string
 	Payload []byte
 }
 
-// ClaimOutbox locks up to limit unpublished messages, oldest first, skipping
-// rows another relay holds. Call it in a transaction and MarkPublished the
-// ones sent before commit.
-func ClaimOutbox(ctx context.Context, q DBTX, limit int) ([]OutboxMessage, error) {
-	rows, err := q.Query(ctx, `SELECT id, subject, payload FROM outbox WHERE published_at IS NULL
-		ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED`, limit)
+// TakeOutbox deletes up to limit outbox rows, oldest (lowest id) first,
+// skipping rows another transaction holds (another relay's batch), and
+// returns them ordered by id; none is an empty slice and no error. It is one
+// statement. Call it in a transaction and commit only once the messages are
+// published: rolling back (a failed publish) puts them back for the next
+// pass, so a message is published at least once. limit must be positive.
+func TakeOutbox(ctx context.Context, q DBTX, limit int) ([]OutboxMessage, error) {
+	rows, err := q.Query(ctx, `DELETE FROM outbox WHERE id IN (
+			SELECT id FROM outbox ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED)
+		RETURNING id, subject, payload`, limit)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("take outbox: %w", err)
 	}
-	defer rows.Close()
-	var out []OutboxMessage
-	for rows.Next() {
-		var m OutboxMessage
-		if err := rows.Scan(&m.ID, &m.Subject, &m.Payload); err != nil {
-			return nil, err
-		}
-		out = append(out, m)
+	out, err := pgx.CollectRows(rows, pgx.RowToStructByPos[OutboxMessage])
+	if err != nil {
+		return nil, fmt.Errorf("take outbox: %w", err)
 	}
-	return out, rows.Err()
-}
-
-// MarkPublished stamps messages as published at now.
-func MarkPublished(ctx context.Context, q DBTX, now time.Time, ids []int64) error {
-	_, err := q.Exec(ctx, `UPDATE outbox SET published_at = $2 WHERE id = ANY($1)`, ids, now)
-	return err
-}
-
-// PruneOutbox deletes messages published before cutoff and returns how many.
-func PruneOutbox(ctx context.Context, q DBTX, cutoff time.Time) (int64, error) {
-	tag, err := q.Exec(ctx, `DELETE FROM outbox WHERE published_at < $1`, cutoff)
-	return tag.RowsAffected(), err
+	// RETURNING follows no ORDER BY.
+	slices.SortFunc(out, func(a, b OutboxMessage) int { return cmp.Compare(a.ID, b.ID) })
+	return out, nil
 }

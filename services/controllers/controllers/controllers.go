@@ -15,7 +15,7 @@
 //     Expiry claims reservations with SKIP LOCKED and ends them with
 //     store.EndReservation, which leaves an ended one alone; Usage writes
 //     windows with ON CONFLICT DO NOTHING. An overlap does no harm.
-//   - The outbox relay runs on every replica without a lease: it claims rows
+//   - The outbox relay runs on every replica without a lease: it takes rows
 //     with FOR UPDATE SKIP LOCKED, so replicas share the work instead of
 //     waiting on each other, and a dead replica delays no poke by a lease
 //     TTL. Pokes are idempotent hints, so the rare double publish is

@@ -206,7 +206,6 @@ func TestCommandUpdatesMoveForwardOnly(t *testing.T) {
 func TestAcceptanceTerminalUpdatePokesControllers(t *testing.T) {
 	t.Parallel()
 	e := setup(t, options{})
-	e.relay()
 	pokes, err := e.nc.SubscribeSync(store.SubjectPokeControllers)
 	require.NoError(t, err)
 	require.NoError(t, e.nc.Flush())
@@ -226,17 +225,27 @@ func TestAcceptanceTerminalUpdatePokesControllers(t *testing.T) {
 	d.update(cmdID, gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED, &gatewayv1.CommandResult{Inventory: &gatewayv1.Inventory{}}, "")
 	eventually(t, func() bool { return e.command(cmdID).State == "succeeded" }, "acceptance command done")
 	require.Equal(t, 1, e.outboxCount(store.SubjectPokeControllers))
-	m, err := pokes.NextMsg(waitFor)
-	require.NoError(t, err)
-	var p store.Poke
-	require.NoError(t, json.Unmarshal(m.Data, &p))
-	require.Equal(t, []string{n.id}, p.NodeIDs)
 
 	// A repeated terminal update does not poke again.
 	d.update(cmdID, gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED, nil, "")
 	d.observed(1)
 	eventually(t, func() bool { return e.nodeRow(n.id).Observed == 1 }, "marker handled")
 	require.Equal(t, 1, e.outboxCount(store.SubjectPokeControllers))
+
+	// The relay (started only now: it deletes the rows it publishes)
+	// delivers the poke.
+	e.relay()
+	m, err := pokes.NextMsg(waitFor)
+	require.NoError(t, err)
+	var p store.Poke
+	require.NoError(t, json.Unmarshal(m.Data, &p))
+	require.Equal(t, []string{n.id}, p.NodeIDs)
+	eventually(t, func() bool {
+		var rows int
+		err := e.db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox WHERE subject = $1`,
+			store.SubjectPokeControllers).Scan(&rows)
+		return err == nil && rows == 0
+	}, "published poke deleted")
 }
 
 func TestDesiredStateAndObservedGeneration(t *testing.T) {
