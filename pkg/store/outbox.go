@@ -75,12 +75,28 @@ type autoCommit struct {
 	db *DB
 }
 
-// AutoCommit returns db's pool as a DBTX on which every statement is a
+// AutoCommit returns a pool of db as a DBTX on which every statement is a
 // transaction of its own, for a store function whose work is one statement
-// (QueueCommands): the outbox rows it writes are signalled to the relay as
-// soon as it returns, as InTx signals them after its commit. Functions of
-// several statements belong in InTx.
-func (db *DB) AutoCommit() DBTX { return autoCommit{Pool: db.Pool, db: db} }
+// (QueueCommands) or one pgx.Batch (ClaimSessionDeliveries): the outbox rows
+// it writes are signalled to the relay as soon as it returns, as InTx
+// signals them after its commit. Functions of several statements belong in
+// InTx.
+//
+// Its connections run prepared statements with generic plans
+// (plan_cache_mode = force_generic_plan): the batched statements of the hot
+// paths (a command queued, delivered, finished) join arrays of a few to a
+// few hundred rows through several CTEs, and Postgres, which otherwise
+// re-plans such a statement for every execution when its generic plan looks
+// costlier, spent more time planning them (~1 ms each) than running them.
+// Their plans do not depend on the parameters' values (primary-key and
+// node-id lookups). Queries whose best plan does — optional filters such as
+// "$1 = ” OR tenant_id = $1" — stay on DB.Pool.
+func (db *DB) AutoCommit() DBTX {
+	if db.generic != nil {
+		return autoCommit{Pool: db.generic, db: db}
+	}
+	return autoCommit{Pool: db.Pool, db: db}
+}
 
 // outboxTx is the transaction DB.InTx hands to its function: signalOutbox
 // records that it wrote outbox rows.

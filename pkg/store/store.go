@@ -49,6 +49,12 @@ type DB struct {
 	Pool  *pgxpool.Pool
 	Clock clock.Clock
 
+	// generic is the pool of AutoCommit: connections whose prepared
+	// statements run with generic plans (plan_cache_mode
+	// force_generic_plan). Nil in a DB not made by Open: AutoCommit uses
+	// Pool then.
+	generic *pgxpool.Pool
+
 	// notifier sends the NOTIFYs of the outbox writes InTx committed (see
 	// outboxTx).
 	notifier outboxNotifier
@@ -75,27 +81,38 @@ func Open(ctx context.Context, url string, clk clock.Clock, wait time.Duration, 
 	if err != nil {
 		return nil, fmt.Errorf("open database: %w", err)
 	}
+	gcfg := cfg.Copy()
+	gcfg.ConnConfig.RuntimeParams["plan_cache_mode"] = "force_generic_plan"
+	generic, err := pgxpool.NewWithConfig(ctx, gcfg)
+	if err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("open database: %w", err)
+	}
+	db := &DB{Pool: pool, Clock: clk, generic: generic}
 	deadline := clk.Now().Add(wait)
 	for {
 		err = pool.Ping(ctx)
 		if err == nil {
-			return &DB{Pool: pool, Clock: clk}, nil
+			return db, nil
 		}
 		if clk.Now().After(deadline) {
-			pool.Close()
+			db.Close()
 			return nil, fmt.Errorf("database not reachable after %s: %w", wait, err)
 		}
 		if serr := clock.Sleep(ctx, clk, 250*time.Millisecond); serr != nil {
-			pool.Close()
+			db.Close()
 			return nil, serr
 		}
 	}
 }
 
-// Close stops the outbox notifier and closes the pool.
+// Close stops the outbox notifier and closes the pools.
 func (db *DB) Close() {
 	db.notifier.close()
 	db.Pool.Close()
+	if db.generic != nil {
+		db.generic.Close()
+	}
 }
 
 // Now returns the clock's time truncated to microseconds, the precision of

@@ -67,7 +67,7 @@ func (s *Server) flushClaims(ctx context.Context, reqs []store.ClaimRequest) ([]
 	var out []store.SessionDelivery
 	err := retry(func() error {
 		var err error
-		out, err = store.ClaimSessionDeliveries(ctx, s.db.Pool, s.db.Now(), reqs)
+		out, err = store.ClaimSessionDeliveries(ctx, s.db.AutoCommit(), s.db.Now(), reqs)
 		return err
 	})
 	return out, err
@@ -92,7 +92,7 @@ func (s *Server) flushUpdates(ctx context.Context, us []store.SessionCommandUpda
 // flushObserved records the generations daemons reported in one statement.
 func (s *Server) flushObserved(ctx context.Context, gens []store.ObservedGeneration) ([]struct{}, error) {
 	err := retry(func() error {
-		_, err := store.RecordSessionObservedGenerations(ctx, s.db.Pool, s.db.Now(), gens)
+		_, err := store.RecordSessionObservedGenerations(ctx, s.db.AutoCommit(), s.db.Now(), gens)
 		return err
 	})
 	if err != nil {
