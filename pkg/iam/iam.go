@@ -10,6 +10,12 @@
 // only. Another tenant's resource reads as NotFound, never as
 // PermissionDenied, so that ids do not leak.
 //
+// An Authenticator caches the rows of valid tokens for a second
+// (DefaultTokenCacheTTL) so that a busy client costs no query per call;
+// revoking a token drops it from the revoking server's cache at once and
+// from the others' when the revocation's NATS message arrives (see
+// Authenticate).
+//
 // Every mutating RPC is audited (audit.go): NewAuditInterceptor writes one
 // row per call, refusals included, and a handler writes its success row in
 // the transaction of its change with AuditInTx.
@@ -256,9 +262,40 @@ type authError struct{ msg string }
 func (e *authError) Error() string        { return e.msg }
 func (e *authError) Is(target error) bool { return target == ErrUnauthenticated }
 
-// Authenticator checks API tokens against the database.
+// Authenticator checks API tokens against the database, and caches the
+// rows of valid tokens for CacheTTL so that a busy caller does not cost a
+// query per request (see Authenticate for what the cache may and may not
+// change). Make it with NewAuthenticator; it is safe for concurrent use and
+// must not be copied after first use.
 type Authenticator struct {
 	DB *store.DB
+	// CacheTTL is how long a valid token's row, once read, answers later
+	// calls with that token before it is read again; zero or negative
+	// caches nothing (every call reads the row). NewAuthenticator sets
+	// DefaultTokenCacheTTL.
+	CacheTTL time.Duration
+	// CacheSize caps how many tokens are cached; zero or negative is
+	// DefaultTokenCacheSize.
+	CacheSize int
+
+	cache tokenCache
+}
+
+// Defaults of NewAuthenticator.
+const (
+	// DefaultTokenCacheTTL is the default Authenticator.CacheTTL: 1 s, the
+	// longest a revoked token keeps working on an API server other than the
+	// one that revoked it when the revocation message is lost.
+	DefaultTokenCacheTTL = time.Second
+	// DefaultTokenCacheSize is the default Authenticator.CacheSize: 10,000
+	// tokens.
+	DefaultTokenCacheSize = 10000
+)
+
+// NewAuthenticator returns an Authenticator over db that caches token rows
+// for DefaultTokenCacheTTL.
+func NewAuthenticator(db *store.DB) *Authenticator {
+	return &Authenticator{DB: db, CacheTTL: DefaultTokenCacheTTL, CacheSize: DefaultTokenCacheSize}
 }
 
 // secretChars is the length of a secret's random part: 32 bytes in
@@ -315,35 +352,96 @@ func isBase64URL(c byte) bool {
 // ("Bearer bct_…", see ParseBearer). Refusals match ErrUnauthenticated and
 // say why (missing, malformed, unknown, expired or revoked token); other
 // errors are the database's.
+//
+// The row of a valid token is cached for CacheTTL (by the token's hash);
+// unknown, revoked and expired tokens are never cached, so a token minted a
+// moment ago works at once and guessing fills nothing. Expiry is checked
+// against the clock on every call, cached or not. A revocation is seen:
+//   - at once by the API server that revoked the token, which calls
+//     Invalidate after its commit;
+//   - on other API servers as soon as the revocation's outbox message
+//     (store.SubjectAPITokenRevoked) reaches them and they call Invalidate;
+//   - within CacheTTL at worst, when that message is lost or late.
+//
+// last_used_at is written at most once per store.APITokenTouchInterval per
+// token and process: the cache remembers the last write.
 func (a *Authenticator) Authenticate(ctx context.Context, authorization string) (Principal, error) {
 	secret, err := ParseBearer(authorization)
 	if err != nil {
 		return Principal{}, err
 	}
-	tok, err := store.GetAPITokenByHash(ctx, a.DB.Pool, HashSecret(secret))
-	if errors.Is(err, store.ErrNotFound) {
-		return Principal{}, &authError{"api token is not valid"}
-	}
-	if err != nil {
-		return Principal{}, err
-	}
+	hash := sha256.Sum256([]byte(secret))
 	now := a.DB.Now()
-	if tok.RevokedAt != nil {
-		return Principal{}, &authError{"api token was revoked"}
-	}
-	if tok.ExpiresAt != nil && !tok.ExpiresAt.After(now) {
-		return Principal{}, &authError{"api token expired at " + tok.ExpiresAt.UTC().Format(time.RFC3339)}
-	}
-	role, err := ParseRole(tok.Role)
+	tok, touch, prevUse, err := a.lookup(ctx, hash, now)
 	if err != nil {
 		return Principal{}, err
 	}
-	// TouchAPIToken writes at most once a minute; the row just read tells
-	// whether this call is due, so most calls skip the round trip.
-	if tok.LastUsedAt == nil || tok.LastUsedAt.Before(now.Add(-store.APITokenTouchInterval)) {
-		if err := store.TouchAPIToken(ctx, a.DB.Pool, tok.ID, now); err != nil {
+	if tok.expired(now) {
+		return Principal{}, &authError{"api token expired at " + tok.expiresAt.UTC().Format(time.RFC3339)}
+	}
+	// TouchAPIToken writes at most once a minute; the row (or the cache)
+	// tells whether this call is due, so most calls skip the round trip.
+	// lookup has already recorded the touch, so that concurrent calls do
+	// not all write; a failed write puts the old time back.
+	if touch {
+		if err := store.TouchAPIToken(ctx, a.DB.Pool, tok.id, now); err != nil {
+			a.cache.untouch(hash, now, prevUse)
 			return Principal{}, err
 		}
 	}
-	return Principal{TokenID: tok.ID, TenantID: tok.TenantID, Role: role, ExpiresAt: tok.ExpiresAt}, nil
+	p := Principal{TokenID: tok.id, TenantID: tok.tenantID, Role: tok.role}
+	if tok.expiresAt != nil {
+		exp := *tok.expiresAt // the cache's copy stays its own
+		p.ExpiresAt = &exp
+	}
+	return p, nil
 }
+
+// lookup returns the token whose secret hashes to hash, from the cache while
+// its entry is fresh, else from the database (and then caches it unless it
+// is expired). A revoked or unknown token is a refusal. touch reports
+// whether this call is the one to write last_used_at: then the returned
+// (and cached) lastUsed is already now, and prev is its value before.
+func (a *Authenticator) lookup(ctx context.Context, hash [sha256.Size]byte, now time.Time) (tok cachedToken, touch bool, prev time.Time, err error) {
+	ttl := a.CacheTTL
+	if ttl > 0 {
+		if tok, touch, prev, ok := a.cache.get(hash, now); ok {
+			return tok, touch, prev, nil
+		}
+	}
+	gen := a.cache.generation()
+	row, err := store.GetAPITokenByHash(ctx, a.DB.Pool, hash[:])
+	if errors.Is(err, store.ErrNotFound) {
+		a.cache.remove(hash)
+		return cachedToken{}, false, time.Time{}, &authError{"api token is not valid"}
+	}
+	if err != nil {
+		return cachedToken{}, false, time.Time{}, err
+	}
+	if row.RevokedAt != nil {
+		a.cache.remove(hash) // its stale entry, if any
+		return cachedToken{}, false, time.Time{}, &authError{"api token was revoked"}
+	}
+	role, err := ParseRole(row.Role)
+	if err != nil {
+		return cachedToken{}, false, time.Time{}, err
+	}
+	tok = cachedToken{id: row.ID, tenantID: row.TenantID, role: role, expiresAt: row.ExpiresAt, until: now.Add(ttl)}
+	if row.LastUsedAt != nil {
+		tok.lastUsed = *row.LastUsedAt
+	}
+	prev = tok.lastUsed
+	touch = tok.claimTouch(now)
+	if ttl > 0 && !tok.expired(now) {
+		a.cache.put(hash, tok, gen, now, a.CacheSize)
+	}
+	return tok, touch, prev, nil
+}
+
+// Invalidate drops the cached row of token tokenID ("tok_…"), or every
+// cached row when tokenID is empty, so that the next call with that token
+// reads the database; a lookup that was reading the database meanwhile does
+// not cache what it read. Call it after the commit of a change that may
+// refuse a token: the revoking handler does, and API servers do for each
+// store.SubjectAPITokenRevoked message.
+func (a *Authenticator) Invalidate(tokenID string) { a.cache.invalidate(tokenID) }

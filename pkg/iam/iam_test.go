@@ -128,3 +128,142 @@ func TestAuthenticate(t *testing.T) {
 	require.NoError(t, err)
 	require.NotNil(t, got.LastUsedAt, "use is recorded")
 }
+
+// TestAuthenticateCache checks the token cache: a valid token's row
+// answers within CacheTTL without the database (a revocation behind the
+// cache's back is not seen until the TTL passes or Invalidate), expiry is
+// checked on every call, and unknown tokens are not cached.
+func TestAuthenticateCache(t *testing.T) {
+	t.Parallel()
+	clk := clock.NewFake(time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC))
+	db := storetest.New(t, clk)
+	ctx := t.Context()
+	now := db.Now()
+	tenant := store.Tenant{ID: ids.New(ids.Tenant, now), Name: "acme", CreatedAt: now}
+	require.NoError(t, store.CreateTenant(ctx, db.Pool, tenant))
+	mint := func(expires *time.Time) (string, string) {
+		t.Helper()
+		secret, tok, err := iam.MintAPIToken(ctx, db.Pool, db.Now(), tenant.ID, "", iam.RoleViewer, expires)
+		require.NoError(t, err)
+		return "Bearer " + secret, tok.ID
+	}
+	// revokeBehind revokes id in the database only, as if on another server
+	// whose message never arrives.
+	revokeBehind := func(id string) {
+		t.Helper()
+		_, err := db.Pool.Exec(ctx, `UPDATE api_tokens SET revoked_at = $2 WHERE id = $1`, id, db.Now())
+		require.NoError(t, err)
+	}
+	ok := func(a *iam.Authenticator, header string) {
+		t.Helper()
+		_, err := a.Authenticate(ctx, header)
+		require.NoError(t, err)
+	}
+	refused := func(a *iam.Authenticator, header, msg string) {
+		t.Helper()
+		_, err := a.Authenticate(ctx, header)
+		require.ErrorIs(t, err, iam.ErrUnauthenticated)
+		require.ErrorContains(t, err, msg)
+	}
+
+	a := iam.NewAuthenticator(db)
+	require.Equal(t, iam.DefaultTokenCacheTTL, a.CacheTTL)
+	good, goodID := mint(nil)
+	ok(a, good)
+	require.Equal(t, 1, iam.CachedTokens(a))
+	revokeBehind(goodID)
+	clk.Advance(a.CacheTTL - time.Microsecond)
+	ok(a, good) // the cached row: no query within the TTL
+	clk.Advance(time.Microsecond)
+	refused(a, good, "api token was revoked")
+	require.Zero(t, iam.CachedTokens(a), "revoked tokens are not cached")
+
+	// Invalidate drops one token, or all.
+	one, oneID := mint(nil)
+	two, twoID := mint(nil)
+	ok(a, one)
+	ok(a, two)
+	revokeBehind(oneID)
+	revokeBehind(twoID)
+	a.Invalidate(oneID)
+	refused(a, one, "api token was revoked")
+	ok(a, two)
+	a.Invalidate("")
+	require.Zero(t, iam.CachedTokens(a))
+	refused(a, two, "api token was revoked")
+
+	// Expiry is checked against the clock whatever the cache holds.
+	long := iam.NewAuthenticator(db)
+	long.CacheTTL = time.Hour
+	exp := db.Now().Add(time.Minute)
+	expiring, expiringID := mint(&exp)
+	ok(long, expiring)
+	revokeBehind(expiringID)
+	clk.Advance(time.Minute - time.Microsecond)
+	ok(long, expiring) // cached: the revocation is not seen
+	clk.Advance(time.Microsecond)
+	refused(long, expiring, "api token expired at 2030-01-02T03:05:06Z")
+
+	// Unknown tokens are not cached: one minted later works at once.
+	secret, err := iam.NewSecret(iam.APITokenPrefix)
+	require.NoError(t, err)
+	before := iam.CachedTokens(long)
+	refused(long, "Bearer "+secret, "api token is not valid")
+	require.Equal(t, before, iam.CachedTokens(long))
+	require.NoError(t, store.CreateAPIToken(ctx, db.Pool, store.APIToken{ID: ids.New(ids.APIToken, db.Now()),
+		TenantID: tenant.ID, Hash: iam.HashSecret(secret), Role: string(iam.RoleViewer), CreatedAt: db.Now()}))
+	ok(long, "Bearer "+secret)
+
+	// A zero TTL caches nothing.
+	off := &iam.Authenticator{DB: db}
+	fresh, freshID := mint(nil)
+	ok(off, fresh)
+	require.Zero(t, iam.CachedTokens(off))
+	revokeBehind(freshID)
+	refused(off, fresh, "api token was revoked")
+}
+
+// TestAuthenticateCacheTouch checks that last_used_at is still written
+// about once per store.APITokenTouchInterval when the row comes from the
+// cache, and not on every call.
+func TestAuthenticateCacheTouch(t *testing.T) {
+	t.Parallel()
+	clk := clock.NewFake(time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC))
+	db := storetest.New(t, clk)
+	ctx := t.Context()
+	now := db.Now()
+	tenant := store.Tenant{ID: ids.New(ids.Tenant, now), Name: "acme", CreatedAt: now}
+	require.NoError(t, store.CreateTenant(ctx, db.Pool, tenant))
+	secret, tok, err := iam.MintAPIToken(ctx, db.Pool, now, tenant.ID, "", iam.RoleViewer, nil)
+	require.NoError(t, err)
+	lastUsed := func() *time.Time {
+		t.Helper()
+		got, err := store.GetAPIToken(ctx, db.Pool, tok.ID)
+		require.NoError(t, err)
+		return got.LastUsedAt
+	}
+	a := iam.NewAuthenticator(db)
+	a.CacheTTL = time.Hour
+
+	_, err = a.Authenticate(ctx, "Bearer "+secret)
+	require.NoError(t, err)
+	require.NotNil(t, lastUsed())
+	require.True(t, lastUsed().Equal(now), "the first use is written")
+
+	// Clear it behind the cache's back: a call within the interval must
+	// not write it again (a write per call would).
+	_, err = db.Pool.Exec(ctx, `UPDATE api_tokens SET last_used_at = NULL WHERE id = $1`, tok.ID)
+	require.NoError(t, err)
+	for range 3 {
+		clk.Advance(store.APITokenTouchInterval / 4)
+		_, err = a.Authenticate(ctx, "Bearer "+secret)
+		require.NoError(t, err)
+	}
+	require.Nil(t, lastUsed(), "no write within the interval")
+
+	clk.Advance(store.APITokenTouchInterval/4 + time.Microsecond)
+	_, err = a.Authenticate(ctx, "Bearer "+secret)
+	require.NoError(t, err)
+	require.NotNil(t, lastUsed(), "written again once the interval passed, from the cache")
+	require.True(t, lastUsed().Equal(db.Now()))
+}

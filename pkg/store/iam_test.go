@@ -94,6 +94,13 @@ func TestTenantsAndTokens(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, tok.RevokedAt.Equal(now.Add(time.Minute)), "the first revocation time is kept")
 	require.Equal(t, []byte("a1"), tok.Hash)
+	rows, err := db.Pool.Query(ctx, `SELECT payload FROM outbox WHERE subject = $1 ORDER BY id`, store.SubjectAPITokenRevoked)
+	require.NoError(t, err)
+	payloads, err := pgx.CollectRows(rows, pgx.RowTo[[]byte])
+	require.NoError(t, err)
+	want := []byte(`{"tokenId":"` + a1.ID + `"}`)
+	require.Equal(t, [][]byte{want, want}, payloads, "each revocation tells the API servers, in its statement")
+	require.ErrorIs(t, store.RevokeAPIToken(ctx, db.Pool, "tok_missing", now), store.ErrNotFound)
 	_, err = store.GetAPIToken(ctx, db.Pool, "tok_missing")
 	require.ErrorIs(t, err, store.ErrNotFound)
 }

@@ -21,6 +21,10 @@ const (
 	// SubjectPokeControllers wakes the reconcilers (a node joined, a
 	// command finished).
 	SubjectPokeControllers = "bc.poke.controllers"
+	// SubjectAPITokenRevoked carries an APITokenRevoked: an API token was
+	// revoked (RevokeAPIToken), and API servers drop it from their token
+	// caches (iam.Authenticator.Invalidate).
+	SubjectAPITokenRevoked = "bc.iam.token.revoked"
 	// OutboxChannel is the LISTEN/NOTIFY channel signalled when a
 	// transaction that wrote outbox rows commits (signalOutbox).
 	OutboxChannel = "bc_outbox"
@@ -29,6 +33,12 @@ const (
 // Poke is the payload of a gateway poke: the nodes with new work.
 type Poke struct {
 	NodeIDs []string `json:"nodeIds"`
+}
+
+// APITokenRevoked is the payload of SubjectAPITokenRevoked, as JSON.
+type APITokenRevoked struct {
+	// TokenID is the revoked token's id ("tok_…").
+	TokenID string `json:"tokenId"`
 }
 
 // Enqueue writes one outbox message in q's transaction and signals the relay,

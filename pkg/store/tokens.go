@@ -2,6 +2,7 @@ package store
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"time"
 
@@ -95,16 +96,26 @@ func ListAPITokens(ctx context.Context, q DBTX, tenantID string) ([]APIToken, er
 }
 
 // RevokeAPIToken revokes token id at now, keeping an earlier revocation
-// time. Errors: ErrNotFound.
+// time, and in the same statement writes an outbox message on
+// SubjectAPITokenRevoked (payload APITokenRevoked) so that every API server
+// drops the token from its cache once the change commits; revoking again
+// writes another, harmless, message. Errors: ErrNotFound.
 func RevokeAPIToken(ctx context.Context, q DBTX, id string, now time.Time) error {
-	tag, err := q.Exec(ctx, `UPDATE api_tokens SET revoked_at = COALESCE(revoked_at, $2) WHERE id = $1`, id, now)
+	payload, err := json.Marshal(APITokenRevoked{TokenID: id})
+	if err != nil {
+		return fmt.Errorf("revoke api token: %w", err)
+	}
+	tag, err := q.Exec(ctx, `WITH t AS (
+			UPDATE api_tokens SET revoked_at = COALESCE(revoked_at, $2) WHERE id = $1 RETURNING id)
+		INSERT INTO outbox (subject, payload, created_at) SELECT $3, $4, $2 FROM t`,
+		id, now, SubjectAPITokenRevoked, payload)
 	if err != nil {
 		return queryErr("revoke api token", err)
 	}
 	if tag.RowsAffected() == 0 {
 		return fmt.Errorf("api token %s: %w", id, ErrNotFound)
 	}
-	return nil
+	return signalOutbox(ctx, q)
 }
 
 // CountLiveRootAdminTokens locks the live root-admin tokens (not revoked,

@@ -6,7 +6,12 @@
 // BC_GATEWAY_URL and BC_GATEWAY_SERVER_NAME; BC_SIGNED_INTENT (false; true
 // signs the NodeSpecs a release changes with BC_PKI_DIR/command-signing.key);
 // BETTER_COMPUTE_NATS_URL (nats://127.0.0.1:4222) wakes event watches as
-// soon as an event is published (without NATS they poll the table).
+// soon as an event is published (without NATS they poll the table) and
+// carries API token revocations from the other API servers;
+// BC_TOKEN_CACHE_TTL (unset or 0: 1s; negative: no cache) is how long a
+// valid API token's row is trusted without a query, the longest a token
+// revoked on another server keeps working here when its NATS message is
+// lost.
 // `api healthcheck [URL]` probes /healthz.
 package main
 
@@ -28,6 +33,9 @@ func main() {
 				return fmt.Errorf("BC_SIGNED_INTENT: want true or false: %w", err)
 			}
 			cfg.SignedIntent = signed
+			if cfg.TokenCacheTTL, err = service.EnvDuration("BC_TOKEN_CACHE_TTL", 0); err != nil {
+				return err
+			}
 			srv, err := api.New(cfg, api.Deps{DB: p.DB, Logger: p.Logger, NC: p.NC})
 			if err != nil {
 				return err

@@ -20,12 +20,14 @@ package api
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
 	"sync"
+	"time"
 
 	"connectrpc.com/connect"
 	"github.com/nats-io/nats.go"
@@ -61,6 +63,13 @@ type Config struct {
 	SignedIntent bool
 	// Watch tunes the events watch (events.go); zero: the defaults.
 	Watch WatchConfig
+	// TokenCacheTTL is how long a valid API token's row answers calls
+	// without a query (iam.Authenticator.CacheTTL; env
+	// BC_TOKEN_CACHE_TTL): 0 is iam.DefaultTokenCacheTTL (1 s), negative
+	// caches nothing. A token revoked through this server is refused at
+	// once; through another, once its revocation message arrives on NATS
+	// (Deps.NC), or after TokenCacheTTL at worst.
+	TokenCacheTTL time.Duration
 }
 
 // ConfigFromEnv reads Config from the environment.
@@ -74,7 +83,10 @@ type Deps struct {
 	Logger *slog.Logger
 	// NC, when set, wakes event watches as soon as the outbox relay
 	// publishes an event (bc.events.>); without it they poll the events
-	// table every WatchConfig.Poll.
+	// table every WatchConfig.Poll. It also carries the revocations of API
+	// tokens by other API servers (store.SubjectAPITokenRevoked), which
+	// drop the token from this server's cache; without it a token revoked
+	// elsewhere works here for up to Config.TokenCacheTTL.
 	NC *nats.Conn
 	// Clock times the events watch; nil is DB.Clock.
 	Clock clock.Clock
@@ -86,6 +98,9 @@ type Server struct {
 	db     *store.DB
 	logger *slog.Logger
 	authn  *iam.Authenticator
+	// revoked is the subscription to store.SubjectAPITokenRevoked; nil
+	// without NC.
+	revoked *nats.Subscription
 	// wellKnown serves pki.WellKnownPath (wellknown.go).
 	wellKnown http.Handler
 	// intent signs changed NodeSpecs; nil without Config.SignedIntent.
@@ -129,8 +144,30 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if deps.Clock == nil {
 		deps.Clock = deps.DB.Clock
 	}
-	return &Server{cfg: cfg, db: deps.DB, logger: deps.Logger, authn: &iam.Authenticator{DB: deps.DB}, wellKnown: wellKnown,
-		intent: intent, nc: deps.NC, clock: deps.Clock, stopWatches: make(chan struct{})}, nil
+	authn := iam.NewAuthenticator(deps.DB)
+	if cfg.TokenCacheTTL != 0 {
+		authn.CacheTTL = cfg.TokenCacheTTL
+	}
+	s := &Server{cfg: cfg, db: deps.DB, logger: deps.Logger, authn: authn, wellKnown: wellKnown,
+		intent: intent, nc: deps.NC, clock: deps.Clock, stopWatches: make(chan struct{})}
+	if deps.NC != nil {
+		if s.revoked, err = deps.NC.Subscribe(store.SubjectAPITokenRevoked, s.tokenRevoked); err != nil {
+			return nil, fmt.Errorf("api: subscribe to %s: %w", store.SubjectAPITokenRevoked, err)
+		}
+	}
+	return s, nil
+}
+
+// tokenRevoked drops the token a store.SubjectAPITokenRevoked message
+// names from the cache, or every cached token when the payload does not
+// name one.
+func (s *Server) tokenRevoked(m *nats.Msg) {
+	var p store.APITokenRevoked
+	if err := json.Unmarshal(m.Data, &p); err != nil {
+		s.logger.Warn("api token revocation message unreadable; dropping every cached token", "err", err)
+		p.TokenID = ""
+	}
+	s.authn.Invalidate(p.TokenID)
 }
 
 // Handler returns the API's HTTP handler: the Connect services under
@@ -175,10 +212,14 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	return service.Serve(ctx, s.logger, service.NewServer(s.cfg.Listen, s.Handler()), ln)
 }
 
-// Close stops the server's background work (the command queue's workers);
-// calls still queued fail with Unavailable. Serve calls it when it returns;
-// a caller of Handler alone calls it when done.
+// Close stops the server's background work (the command queue's workers,
+// the subscription to token revocations); calls still queued fail with
+// Unavailable. Serve calls it when it returns; a caller of Handler alone
+// calls it when done.
 func (s *Server) Close() {
+	if s.revoked != nil {
+		_ = s.revoked.Unsubscribe() // fails only when already gone
+	}
 	s.commandQueue().Close()
 }
 

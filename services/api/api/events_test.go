@@ -303,8 +303,10 @@ func TestWatchWakesOnNATS(t *testing.T) {
 	f = f.withServer(t, api.WatchConfig{}, nc, clock.NewFake(f.db.Now()))
 	now := f.db.Now()
 	start := mark(t, f.db)
+	// The server's own subscription (token revocations) is there already.
+	server := nc.NumSubscriptions()
 	w := watch(t, f.as(f.tokens["acme-viewer"]), &computev1.WatchRequest{AfterId: start})
-	subscribed := func(n int) func() bool { return func() bool { return nc.NumSubscriptions() == n } }
+	subscribed := func(n int) func() bool { return func() bool { return nc.NumSubscriptions() == server+n } }
 	require.Eventually(t, subscribed(1), 10*time.Second, 10*time.Millisecond, "the watch subscribes")
 	first := insertEvent(t, f.db.Pool, now, f.acme, "node.cordoned")
 	require.NoError(t, nc.Publish(store.SubjectEvents+"."+f.acme+".node.cordoned", []byte("{}")))

@@ -119,7 +119,10 @@ func (s *tokenService) ListTokens(ctx context.Context, req *connect.Request[comp
 	return connect.NewResponse(res), nil
 }
 
-// RevokeToken revokes an API token at once; revoking it again changes
+// RevokeToken revokes an API token at once: this server refuses it from the
+// next call on (its cache entry is dropped after the commit), other API
+// servers once the revocation's outbox message reaches them over NATS, or
+// after their Config.TokenCacheTTL at worst. Revoking it again changes
 // nothing and returns it. Errors: NotFound (token_id: missing, or of another
 // tenant), PermissionDenied (a token stronger than the caller's).
 func (s *tokenService) RevokeToken(ctx context.Context, req *connect.Request[computev1.RevokeTokenRequest]) (*connect.Response[computev1.RevokeTokenResponse], error) {
@@ -165,6 +168,7 @@ func (s *tokenService) RevokeToken(ctx context.Context, req *connect.Request[com
 	if err != nil {
 		return nil, mapError(err)
 	}
+	s.authn.Invalidate(id)
 	s.logger.InfoContext(ctx, "api token revoked", "api_token.id", tok.ID, "tenant.id", tok.TenantID)
 	return connect.NewResponse(&computev1.RevokeTokenResponse{Token: apiTokenToProto(tok)}), nil
 }

@@ -1,0 +1,143 @@
+package iam
+
+import (
+	"crypto/sha256"
+	"sync"
+	"time"
+
+	"github.com/better-compute/better-compute/pkg/store"
+)
+
+// cachedToken is what Authenticate keeps of a valid api_tokens row. Only
+// tokens that were not revoked when read are cached, so it has no
+// revocation time.
+type cachedToken struct {
+	id, tenantID string
+	role         Role
+	// expiresAt is nil for a token that never expires.
+	expiresAt *time.Time
+	// lastUsed is api_tokens.last_used_at as this process last read or
+	// wrote it; zero for never.
+	lastUsed time.Time
+	// until is when the row must be read again.
+	until time.Time
+}
+
+// expired reports whether t has expired at now.
+func (t *cachedToken) expired(now time.Time) bool {
+	return t.expiresAt != nil && !t.expiresAt.After(now)
+}
+
+// claimTouch reports whether a call at now is due to write last_used_at
+// (store.TouchAPIToken, at most once per store.APITokenTouchInterval) and
+// if so records now as t's last use, so that concurrent calls do not all
+// write. An expired token is refused, so it is never due.
+func (t *cachedToken) claimTouch(now time.Time) bool {
+	if t.expired(now) || !t.lastUsed.IsZero() && !t.lastUsed.Before(now.Add(-store.APITokenTouchInterval)) {
+		return false
+	}
+	t.lastUsed = now
+	return true
+}
+
+// tokenCache maps token hashes to their rows. Its zero value is empty and
+// ready.
+type tokenCache struct {
+	mu      sync.Mutex
+	entries map[[sha256.Size]byte]*cachedToken
+	// gen counts invalidations: a row read while one happened is stale and
+	// not cached.
+	gen uint64
+}
+
+// get returns the fresh entry of hash, if any. When the entry is due for a
+// last_used_at write (touch), it records now as its last use, so that only
+// this call writes, and returns the previous value as prev.
+func (c *tokenCache) get(hash [sha256.Size]byte, now time.Time) (tok cachedToken, touch bool, prev time.Time, ok bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	e := c.entries[hash]
+	if e == nil || !now.Before(e.until) {
+		return cachedToken{}, false, time.Time{}, false
+	}
+	prev = e.lastUsed
+	touch = e.claimTouch(now)
+	return *e, touch, prev, true
+}
+
+// generation returns the invalidation count, to pass to put.
+func (c *tokenCache) generation() uint64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.gen
+}
+
+// put caches tok under hash unless an invalidation happened since
+// generation returned gen. When the cache holds size entries (size ≤ 0:
+// DefaultTokenCacheSize), it first drops the stale ones, and everything if
+// that did not free half of it.
+func (c *tokenCache) put(hash [sha256.Size]byte, tok cachedToken, gen uint64, now time.Time, size int) {
+	if size <= 0 {
+		size = DefaultTokenCacheSize
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.gen != gen {
+		return
+	}
+	if c.entries == nil {
+		c.entries = make(map[[sha256.Size]byte]*cachedToken)
+	}
+	if _, ok := c.entries[hash]; !ok && len(c.entries) >= size {
+		for k, e := range c.entries {
+			if !now.Before(e.until) {
+				delete(c.entries, k)
+			}
+		}
+		if len(c.entries) > size/2 {
+			clear(c.entries)
+		}
+	}
+	c.entries[hash] = &tok
+}
+
+// untouch puts back prev as the last use of hash's entry after the
+// last_used_at write that get or put recorded at now failed.
+func (c *tokenCache) untouch(hash [sha256.Size]byte, now, prev time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if e := c.entries[hash]; e != nil && e.lastUsed.Equal(now) {
+		e.lastUsed = prev
+	}
+}
+
+// remove drops the entry of hash, if any.
+func (c *tokenCache) remove(hash [sha256.Size]byte) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	delete(c.entries, hash)
+}
+
+// invalidate drops the entries of token id, or all when id is empty, and
+// counts an invalidation.
+func (c *tokenCache) invalidate(id string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.gen++
+	if id == "" {
+		clear(c.entries)
+		return
+	}
+	for k, e := range c.entries {
+		if e.id == id {
+			delete(c.entries, k)
+		}
+	}
+}
+
+// count returns how many tokens are cached.
+func (c *tokenCache) count() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.entries)
+}
