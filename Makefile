@@ -115,8 +115,9 @@ test: images ## Run every test suite (unit, integration, fuzz for FUZZTIME, comp
 check: vet lint generate-check test ## vet, lint, generate-and-diff, and every test.
 
 # tests/bench: join → adoption, reservations, commands (throughput and round
-# trip), the events watch and the idle fleet's CPU; the gateway and the
-# controllers run there from bin/linux (images builds them).
+# trip), the events watch and the idle fleet's CPU; the gateway, the
+# controllers and the commands benchmark's machines (fakedaemon) run there
+# from bin/linux (images builds them).
 .PHONY: bench
 bench: images ## Run the benchmarks and print their figures (BC_BENCH_MACHINES=1000), the fleet simulator's speed too.
 	cd tests && $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 45m ./bench/...

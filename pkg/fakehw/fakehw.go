@@ -9,8 +9,8 @@
 // the same machine id and boot number always give the same answers.
 //
 // To add a variant, add an entry to the variants table (and a row to the
-// table test); to add a command kind, add a case to Run and a duration to
-// Durations.
+// table test); to add a command kind, add a case to Run, a duration to
+// DefaultDurations and the kind to Kinds.
 package fakehw
 
 import (
@@ -35,6 +35,12 @@ const (
 	KindLogsCollect      = "logs.collect"
 	KindNodeReboot       = "node.reboot"
 )
+
+// Kinds returns the command kinds Run knows, sorted: diag.nvml,
+// inventory.refresh, logs.collect, node.reboot.
+func Kinds() []string {
+	return []string{KindDiagNVML, KindInventoryRefresh, KindLogsCollect, KindNodeReboot}
+}
 
 // Variant names.
 const (

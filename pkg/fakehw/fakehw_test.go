@@ -1,7 +1,9 @@
 package fakehw_test
 
 import (
+	"maps"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 
@@ -14,6 +16,21 @@ import (
 func TestVariants(t *testing.T) {
 	t.Parallel()
 	require.Equal(t, []string{"cpu", "hgx-h100", "hgx-h100-gpu-missing", "l40s"}, fakehw.Variants())
+}
+
+// TestKinds: Kinds lists exactly the kinds Run knows, each with a duration
+// of its own in DefaultDurations.
+func TestKinds(t *testing.T) {
+	t.Parallel()
+	kinds := fakehw.Kinds()
+	require.True(t, slices.IsSorted(kinds))
+	require.ElementsMatch(t, kinds, slices.Collect(maps.Keys(fakehw.DefaultDurations().ByKind)))
+	m, err := fakehw.New("hgx-h100", "machine-a")
+	require.NoError(t, err)
+	for _, k := range kinds {
+		_, _, err := m.Run(k, nil)
+		require.NoError(t, err, k)
+	}
 }
 
 func TestNewInventory(t *testing.T) {

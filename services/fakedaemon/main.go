@@ -29,6 +29,18 @@
 //	                                                     replica; a machine moves to the next when it loses one)
 //	--gateway-server-name NAME   BC_GATEWAY_SERVER_NAME  overrides the TLS server name of the gateway
 //	--health-listen ADDR         BC_HEALTH_LISTEN        /healthz server (:8085; --health-listen= for none)
+//	--command-durations LIST     BC_COMMAND_DURATIONS    how long fake commands take: KIND=DURATION items,
+//	                                                     comma-separated, e.g. diag.nvml=0,logs.collect=2s,default=1s
+//	                                                     (see below; unset: the usual durations)
+//
+// In --command-durations, KIND is one of diag.nvml, inventory.refresh,
+// logs.collect, node.reboot, and DURATION a Go duration ≥ 0 (a bare 0 is
+// allowed). Kinds not listed keep their usual durations (diag.nvml 800ms,
+// inventory.refresh 200ms, logs.collect 300ms, node.reboot 100ms), unless
+// the list has default=DURATION: then every kind not listed takes that
+// (and so does an unknown kind, which fails after it). An unknown kind, a
+// kind given twice, a malformed item, or a bad or negative duration is an
+// error naming the flag and the item.
 //
 // The token is only ever sent sealed to JoinService's key, and a machine
 // trusts a JoinResponse only once it verified it against the pins: without
@@ -44,13 +56,17 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
+	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/telemetry"
@@ -109,7 +125,7 @@ func parseConfig(args []string, joinOnly bool) (fakedaemon.Config, error) {
 			return cfg, fmt.Errorf("BC_INSECURE_TRUST_SERVER_PINS: %w", err)
 		}
 	}
-	var pinsFile, keysDir string
+	var pinsFile, keysDir, durations string
 	var pins pki.Pins
 	fs.StringVar(&cfg.Server, "server", os.Getenv("BC_SERVER"), "the deployment's API base URL (its well-known document gives the join URL, gateway and keys)")
 	fs.StringVar(&pinsFile, "pins-file", os.Getenv("BC_PINS_FILE"), "the deployment's pins.json")
@@ -128,8 +144,16 @@ func parseConfig(args []string, joinOnly bool) (fakedaemon.Config, error) {
 	fs.StringVar(&cfg.GatewayURL, "gateway-url", os.Getenv("BC_GATEWAY_URL"), "override the gateway URLs of the JoinResponse (comma-separated, one per gateway replica; a machine moves to the next when it loses its session)")
 	fs.StringVar(&cfg.GatewayServerName, "gateway-server-name", os.Getenv("BC_GATEWAY_SERVER_NAME"), "override the gateway's TLS server name")
 	fs.StringVar(&cfg.HealthListen, "health-listen", service.Env("BC_HEALTH_LISTEN", fakedaemon.DefaultHealthListen), "address of the /healthz server (empty for none)")
+	fs.StringVar(&durations, "command-durations", os.Getenv("BC_COMMAND_DURATIONS"), "how long fake commands take: KIND=DURATION,… (kinds "+strings.Join(fakehw.Kinds(), ", ")+", and default for every kind not listed); unset: the usual durations")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
+	}
+	if durations != "" {
+		d, err := parseCommandDurations(durations)
+		if err != nil {
+			return cfg, fmt.Errorf("--command-durations: %w", err)
+		}
+		cfg.Durations = &d
 	}
 	if fs.NArg() > 0 {
 		return cfg, fmt.Errorf("unexpected argument %q", fs.Arg(0))
@@ -177,6 +201,54 @@ func parseConfig(args []string, joinOnly bool) (fakedaemon.Config, error) {
 	}
 	cfg.Token = os.Getenv("BC_JOIN_TOKEN")
 	return cfg, nil
+}
+
+// parseCommandDurations parses the --command-durations list
+// "KIND=DURATION,…" (items separated by commas, spaces around them
+// ignored): each KIND one of fakehw.Kinds or "default", each DURATION a Go
+// duration ≥ 0. It starts from fakehw.DefaultDurations and replaces the
+// duration of each kind listed; with default=D, ByKind holds only the kinds
+// listed and Default is D, so every other kind takes D. It fails for an
+// empty list or item, an item without "=", an unknown or repeated kind, and
+// a bad or negative duration, naming the item.
+func parseCommandDurations(list string) (fakehw.Durations, error) {
+	byKind := map[string]time.Duration{}
+	var def *time.Duration
+	for item := range strings.SplitSeq(list, ",") {
+		item = strings.TrimSpace(item)
+		kind, value, ok := strings.Cut(item, "=")
+		kind, value = strings.TrimSpace(kind), strings.TrimSpace(value)
+		switch {
+		case item == "":
+			return fakehw.Durations{}, fmt.Errorf("empty item in %q", list)
+		case !ok || kind == "" || value == "":
+			return fakehw.Durations{}, fmt.Errorf("item %q: want KIND=DURATION", item)
+		case kind != "default" && !slices.Contains(fakehw.Kinds(), kind):
+			return fakehw.Durations{}, fmt.Errorf("item %q: unknown command kind %q (valid: %s, default)",
+				item, kind, strings.Join(fakehw.Kinds(), ", "))
+		}
+		d, err := time.ParseDuration(value)
+		if err != nil {
+			return fakehw.Durations{}, fmt.Errorf("item %q: %w", item, err)
+		}
+		if d < 0 {
+			return fakehw.Durations{}, fmt.Errorf("item %q: duration must not be negative", item)
+		}
+		if _, dup := byKind[kind]; dup || (kind == "default" && def != nil) {
+			return fakehw.Durations{}, fmt.Errorf("item %q: %s given twice", item, kind)
+		}
+		if kind == "default" {
+			def = &d
+			continue
+		}
+		byKind[kind] = d
+	}
+	out := fakehw.DefaultDurations()
+	if def != nil {
+		return fakehw.Durations{ByKind: byKind, Default: *def}, nil
+	}
+	maps.Copy(out.ByKind, byKind)
+	return out, nil
 }
 
 // mergePins returns base with every pin set in over replacing its own.

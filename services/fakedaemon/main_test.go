@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"maps"
 	"os"
 	"path/filepath"
 	"testing"
@@ -10,13 +11,14 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/pki"
 )
 
 var envVars = []string{"BC_JOIN_URL", "BC_JOIN_TOKEN_FILE", "BC_JOIN_TOKEN", "BC_JOIN_TOKEN_WAIT", "BC_DATA_DIR", "BC_VARIANT",
 	"BC_NODES", "BC_GATEWAY_URL", "BC_GATEWAY_SERVER_NAME", "BC_HEALTH_LISTEN", "BC_SERVER", "BC_PINS_FILE",
 	"BC_SERVING_CA_PIN", "BC_JOIN_SIGNING_PIN", "BC_JOIN_ENCRYPTION_PIN", "BC_COMMAND_SIGNING_PIN", "BC_JOIN_KEYS_DIR",
-	"BC_INSECURE_TRUST_SERVER_PINS"}
+	"BC_INSECURE_TRUST_SERVER_PINS", "BC_COMMAND_DURATIONS"}
 
 func clearEnv(t *testing.T) {
 	for _, k := range envVars {
@@ -38,6 +40,7 @@ func TestParseConfigDefaults(t *testing.T) {
 	require.Equal(t, 1, cfg.Nodes)
 	require.Equal(t, 2*time.Minute, cfg.TokenWait)
 	require.Equal(t, ":8085", cfg.HealthListen)
+	require.Nil(t, cfg.Durations, "unset: the machines' usual command durations")
 }
 
 func TestParseConfigEnvAndFlags(t *testing.T) {
@@ -118,6 +121,78 @@ func TestParseConfigErrors(t *testing.T) {
 	t.Setenv("BC_NODES", "many")
 	_, err = parseConfig(nil, false)
 	require.ErrorContains(t, err, "BC_NODES")
+}
+
+func TestParseCommandDurations(t *testing.T) {
+	def := fakehw.DefaultDurations()
+	with := func(kv map[string]time.Duration) fakehw.Durations {
+		d := fakehw.DefaultDurations()
+		maps.Copy(d.ByKind, kv)
+		return d
+	}
+	for _, tc := range []struct {
+		name, list string
+		want       fakehw.Durations
+		wantErr    string
+	}{
+		{name: "one kind", list: "diag.nvml=0", want: with(map[string]time.Duration{"diag.nvml": 0})},
+		{name: "kinds", list: "diag.nvml=0, logs.collect = 2s,node.reboot=1m30s",
+			want: with(map[string]time.Duration{"diag.nvml": 0, "logs.collect": 2 * time.Second, "node.reboot": 90 * time.Second})},
+		{name: "every kind", list: "diag.nvml=1ms,inventory.refresh=2ms,logs.collect=3ms,node.reboot=4ms",
+			want: fakehw.Durations{ByKind: map[string]time.Duration{"diag.nvml": time.Millisecond,
+				"inventory.refresh": 2 * time.Millisecond, "logs.collect": 3 * time.Millisecond,
+				"node.reboot": 4 * time.Millisecond}, Default: def.Default}},
+		{name: "default replaces the unlisted kinds", list: "diag.nvml=0,logs.collect=2s,default=1s",
+			want: fakehw.Durations{ByKind: map[string]time.Duration{"diag.nvml": 0, "logs.collect": 2 * time.Second},
+				Default: time.Second}},
+		{name: "default alone", list: "default=0s", want: fakehw.Durations{ByKind: map[string]time.Duration{}}},
+		{name: "unknown kind", list: "diag.nvml=0,gpu.reset=1s",
+			wantErr: `item "gpu.reset=1s": unknown command kind "gpu.reset" (valid: diag.nvml, inventory.refresh, logs.collect, node.reboot, default)`},
+		{name: "bad duration", list: "logs.collect=2", wantErr: `item "logs.collect=2": time: missing unit in duration "2"`},
+		{name: "not a duration", list: "logs.collect=soon", wantErr: `item "logs.collect=soon": time: invalid duration "soon"`},
+		{name: "negative", list: "node.reboot=-1s", wantErr: `item "node.reboot=-1s": duration must not be negative`},
+		{name: "no equals", list: "diag.nvml", wantErr: `item "diag.nvml": want KIND=DURATION`},
+		{name: "no value", list: "diag.nvml=", wantErr: `item "diag.nvml=": want KIND=DURATION`},
+		{name: "no kind", list: "=1s", wantErr: `item "=1s": want KIND=DURATION`},
+		{name: "empty item", list: "diag.nvml=0,,logs.collect=1s", wantErr: `empty item in "diag.nvml=0,,logs.collect=1s"`},
+		{name: "trailing comma", list: "diag.nvml=0,", wantErr: "empty item"},
+		{name: "kind twice", list: "diag.nvml=0,diag.nvml=1s", wantErr: `item "diag.nvml=1s": diag.nvml given twice`},
+		{name: "default twice", list: "default=0,default=1s", wantErr: `item "default=1s": default given twice`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := parseCommandDurations(tc.list)
+			if tc.wantErr != "" {
+				require.ErrorContains(t, err, tc.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tc.want, got)
+		})
+	}
+	require.Equal(t, 800*time.Millisecond, def.ByKind["diag.nvml"], "parsing leaves the defaults alone")
+}
+
+// TestParseConfigCommandDurations: --command-durations (or
+// BC_COMMAND_DURATIONS) sets Config.Durations; a bad list names the flag.
+func TestParseConfigCommandDurations(t *testing.T) {
+	clearEnv(t)
+	t.Setenv("BC_COMMAND_DURATIONS", "default=5s")
+	cfg, err := parseConfig(nil, false)
+	require.NoError(t, err)
+	require.Equal(t, &fakehw.Durations{ByKind: map[string]time.Duration{}, Default: 5 * time.Second}, cfg.Durations)
+	cfg, err = parseConfig([]string{"--command-durations", "diag.nvml=0"}, false)
+	require.NoError(t, err, "the flag wins over the variable")
+	require.NotNil(t, cfg.Durations)
+	require.Equal(t, time.Duration(0), cfg.Durations.ByKind["diag.nvml"])
+	require.Equal(t, fakehw.DefaultDurations().ByKind["logs.collect"], cfg.Durations.ByKind["logs.collect"])
+	cfg, err = parseConfig([]string{"--command-durations="}, false)
+	require.NoError(t, err)
+	require.Nil(t, cfg.Durations, "an empty list is the usual durations")
+	_, err = parseConfig([]string{"--command-durations", "diag.nvml=-1s"}, false)
+	require.EqualError(t, err, `--command-durations: item "diag.nvml=-1s": duration must not be negative`)
+	t.Setenv("BC_COMMAND_DURATIONS", "reset=1s")
+	_, err = parseConfig(nil, true)
+	require.ErrorContains(t, err, `--command-durations: item "reset=1s": unknown command kind "reset"`)
 }
 
 func TestRunJoinRefusesWithoutPins(t *testing.T) {

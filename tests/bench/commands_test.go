@@ -25,8 +25,9 @@ import (
 )
 
 // commandKind is the kind the benchmark runs: the machines run it in no
-// simulated time (fakedaemon Config.Durations), so the round trip is the
-// control plane's and the daemons' handling only.
+// simulated time (fakedaemon --command-durations, or Config.Durations in
+// process), so the round trip is the control plane's and the daemons'
+// handling only.
 const commandKind = fakehw.KindDiagNVML
 
 // commandRun is one command the benchmark ran: when RunCommand was called
@@ -147,21 +148,33 @@ func (l *commandLog) stats(ids []string) commandStats {
 //     delivery and, from the commands table, queued → delivered and
 //     delivered → finished. Target p99 < 100 ms.
 //
-// With BC_BENCH_CPUPROFILE=FILE it writes a CPU profile of the throughput
-// phase alone to FILE.
+// The machines run in a fakedaemon process of their own (bin/linux, `make
+// build`), as in a fleet they are other hosts; BC_BENCH_MACHINES_INPROCESS=1
+// runs them in this process instead (as before).
 //
-// It also prints the CPU time per command of this process (services,
-// machines and callers) and of the Postgres and NATS containers during the
-// throughput phase.
+// With BC_BENCH_CPUPROFILE=FILE it writes a CPU profile of the throughput
+// phase alone (of this process) to FILE.
+//
+// It also prints the CPU time per command during the throughput phase of
+// this process (the services and the callers; the machines too when in
+// process), of the machines' process, and of the Postgres and NATS
+// containers, and the control plane's total (this process, Postgres and
+// NATS; the callers' share of this process is small) with the throughput
+// it implies per core: 1 s divided by that total.
 func BenchmarkCommands(b *testing.B) {
 	callers := envInt("BC_BENCH_CALLERS", 64)
 	rate := envInt("BC_BENCH_COMMAND_RATE", 0) // 0: half the measured throughput
+	inProcess := os.Getenv("BC_BENCH_MACHINES_INPROCESS") == "1"
 	durations := fakehw.Durations{ByKind: map[string]time.Duration{commandKind: 0}}
 	for range b.N {
 		f := startFleet(b, fleetOptions{})
 		n, clk, ctx := f.n, f.clk, b.Context()
 		total := envInt("BC_BENCH_COMMANDS", 10*n)
-		f.startMachines(b, &durations)
+		if inProcess {
+			f.startMachines(b, &durations)
+		} else {
+			f.startMachinesProcess(b, commandKind+"=0")
+		}
 		f.waitAdopted(b)
 		nodes := f.nodeIDs(b)
 		hc := f.apiHTTPClient(callers + 2)
@@ -196,9 +209,16 @@ func BenchmarkCommands(b *testing.B) {
 		}
 
 		// Phase 1: throughput, with the CPU time it costs this process (the
-		// services and the machines) and the Postgres and NATS containers.
+		// services and the callers; the machines too when in process), the
+		// machines' process and the Postgres and NATS containers.
 		pg, nc := containerOf(b, f.dbURL), containerOf(b, f.natsURL)
-		self0, pg0, nc0 := procCPU(b, os.Getpid()), containerCPU(b, pg), containerCPU(b, nc)
+		machinesCPU := func() time.Duration {
+			if f.machinesPID == 0 {
+				return 0
+			}
+			return procCPU(b, f.machinesPID)
+		}
+		self0, mach0, pg0, nc0 := procCPU(b, os.Getpid()), machinesCPU(), containerCPU(b, pg), containerCPU(b, nc)
 		pool0 := f.stack.DB.Pool.Stat()
 		sampleCtx, stopSampling := context.WithCancel(ctx)
 		waits := sampleWaits(sampleCtx, f.dbURL, clk)
@@ -207,7 +227,7 @@ func BenchmarkCommands(b *testing.B) {
 		stopProfile()
 		stopSampling()
 		pool1 := f.stack.DB.Pool.Stat()
-		self1, pg1, nc1 := procCPU(b, os.Getpid()), containerCPU(b, pg), containerCPU(b, nc)
+		self1, mach1, pg1, nc1 := procCPU(b, os.Getpid()), machinesCPU(), containerCPU(b, pg), containerCPU(b, nc)
 		perCmd := func(d time.Duration) time.Duration { return d / time.Duration(total) }
 		s := log.stats(ids)
 		require.Zero(b, s.failed, "commands that did not succeed")
@@ -249,9 +269,20 @@ func BenchmarkCommands(b *testing.B) {
 		fmt.Printf("commands: %d %s (no simulated time) on %d machines from %d callers: queued at %.0f/s, "+
 			"%.0f completed/s (target ≥ 5000); round trip at that load p50 %s, p99 %s\n",
 			total, commandKind, n, callers, queued, completed, satRT[0].Round(time.Millisecond), satRT[1].Round(time.Millisecond))
-		fmt.Printf("  CPU per command: %s services and machines (this process), %s Postgres, %s NATS\n",
-			perCmd(self1-self0).Round(time.Microsecond), perCmd(pg1-pg0).Round(time.Microsecond),
-			perCmd(nc1-nc0).Round(time.Microsecond))
+		selfCmd, pgCmd, ncCmd := perCmd(self1-self0), perCmd(pg1-pg0), perCmd(nc1-nc0)
+		controlPlane := selfCmd + pgCmd + ncCmd
+		if inProcess {
+			fmt.Printf("  CPU per command: %s services and machines (this process), %s Postgres, %s NATS\n",
+				selfCmd.Round(time.Microsecond), pgCmd.Round(time.Microsecond), ncCmd.Round(time.Microsecond))
+			fmt.Printf("  control plane %s of CPU per command with the machines (this process, Postgres, NATS) "+
+				"→ ~%.0f commands/s per core\n", controlPlane.Round(time.Microsecond), perCore(controlPlane))
+		} else {
+			fmt.Printf("  CPU per command: %s services and callers (this process), %s machines (their process), "+
+				"%s Postgres, %s NATS\n", selfCmd.Round(time.Microsecond), perCmd(mach1-mach0).Round(time.Microsecond),
+				pgCmd.Round(time.Microsecond), ncCmd.Round(time.Microsecond))
+			fmt.Printf("  control plane %s of CPU per command (services and callers, Postgres, NATS) "+
+				"→ ~%.0f commands/s per core\n", controlPlane.Round(time.Microsecond), perCore(controlPlane))
+		}
 		acquires := pool1.AcquireCount() - pool0.AcquireCount()
 		fmt.Printf("  shared pool: %d acquires (%.1f per command), %d had to wait, %s waiting on average; %s\n",
 			acquires, float64(acquires)/float64(total), pool1.EmptyAcquireCount()-pool0.EmptyAcquireCount(),
@@ -264,6 +295,15 @@ func BenchmarkCommands(b *testing.B) {
 			call[0].Round(time.Millisecond), call[1].Round(time.Millisecond), secs(deliver50), secs(deliver99),
 			secs(finish50), secs(finish99), seen[0].Round(time.Millisecond), seen[1].Round(time.Millisecond))
 	}
+}
+
+// perCore is how many commands per second one core would run at cpu of
+// CPU time per command: 1 s / cpu (0 for no CPU time).
+func perCore(cpu time.Duration) float64 {
+	if cpu <= 0 {
+		return 0
+	}
+	return float64(time.Second) / float64(cpu)
 }
 
 // startCPUProfile writes a CPU profile of this process to path until the

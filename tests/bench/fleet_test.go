@@ -9,6 +9,7 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -34,7 +35,8 @@ import (
 // The shared setup of the benchmarks: Postgres and NATS containers, the
 // services in process (devstack) with the gateway and the controllers
 // optionally in processes of their own (bin/linux, `make build`), and
-// BC_BENCH_MACHINES fakedaemon machines in this process.
+// BC_BENCH_MACHINES fakedaemon machines, in this process or (the commands
+// benchmark) in a fakedaemon process of their own.
 
 func TestMain(m *testing.M) {
 	code := m.Run()
@@ -127,7 +129,11 @@ type fleet struct {
 	rootToken, joinToken, poolID, tenantID string
 	// gatewayPID and controllersPID are 0 when they run in this process.
 	gatewayPID, controllersPID int
-	runner                     *fakedaemon.Runner
+	// runner runs the machines in this process (startMachines);
+	// machinesPID is the fakedaemon process running them instead
+	// (startMachinesProcess), else 0.
+	runner      *fakedaemon.Runner
+	machinesPID int
 }
 
 // startFleet starts the containers and the control plane for machines()
@@ -176,6 +182,25 @@ func (f *fleet) startMachines(b *testing.B, durations *fakehw.Durations) time.Ti
 		_ = r.Wait()
 	})
 	return start
+}
+
+// startMachinesProcess starts the fleet's n machines in a fakedaemon
+// process of their own (bin/linux/fakedaemon, `make build`; --nodes n,
+// joining with the fleet's join token, the deployment's pins.json), with
+// --command-durations durations when not "", and returns once every
+// machine has joined (its /healthz answers 200); it records the process id
+// in machinesPID. The process is interrupted when the benchmark ends.
+func (f *fleet) startMachinesProcess(b *testing.B, durations string) {
+	b.Helper()
+	health := procs.FreeAddr(b)
+	args := []string{"--nodes", strconv.Itoa(f.n), "--data-dir", b.TempDir(), "--server", f.stack.APIURL,
+		"--pins-file", filepath.Join(f.pkiDir, pki.PinsJSON), "--health-listen", health}
+	if durations != "" {
+		args = append(args, "--command-durations", durations)
+	}
+	p := procs.Launch(b, "fakedaemon", args, "BC_JOIN_TOKEN="+f.joinToken, "BC_LOG_LEVEL=warn")
+	f.machinesPID = p.PID()
+	p.WaitHealthy(b, health, 10*time.Minute)
 }
 
 // waitAdopted waits until every machine is adopted and has reported its

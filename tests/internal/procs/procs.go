@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -42,9 +43,12 @@ func Binary(tb testing.TB, name string) string {
 
 // Proc is a running service process.
 type Proc struct {
+	name string
 	cmd  *exec.Cmd
-	once sync.Once
+	// done is closed once the process exited; err is then its Wait error.
+	done chan struct{}
 	err  error
+	once sync.Once
 }
 
 // Start runs bin/linux/<name> with the test's environment plus env
@@ -55,21 +59,53 @@ type Proc struct {
 // killed before.
 func Start(tb testing.TB, name, health string, env ...string) *Proc {
 	tb.Helper()
-	cmd := exec.Command(Binary(tb, name))
+	p := Launch(tb, name, nil, env...)
+	p.WaitHealthy(tb, health, 30*time.Second)
+	return p
+}
+
+// Launch runs bin/linux/<name> with args, the test's environment plus env
+// ("KEY=value") and its stderr to the test's stderr, and returns at once
+// (WaitHealthy waits for it to serve). The process is interrupted and
+// waited for when the test ends, unless it was killed before.
+func Launch(tb testing.TB, name string, args []string, env ...string) *Proc {
+	tb.Helper()
+	cmd := exec.Command(Binary(tb, name), args...)
 	cmd.Env = append(os.Environ(), env...)
 	cmd.Stderr = os.Stderr
 	require.NoError(tb, cmd.Start())
-	p := &Proc{cmd: cmd}
+	p := &Proc{name: name, cmd: cmd, done: make(chan struct{})}
+	go func() {
+		p.err = cmd.Wait()
+		close(p.done)
+	}()
 	tb.Cleanup(p.Stop)
+	return p
+}
+
+// WaitHealthy waits up to within until http://<health>/healthz answers
+// 200, and fails the test if it does not, or at once if the process exits
+// first (with its exit status).
+func (p *Proc) WaitHealthy(tb testing.TB, health string, within time.Duration) {
+	tb.Helper()
+	var exited atomic.Bool
 	require.Eventually(tb, func() bool {
+		select {
+		case <-p.done:
+			exited.Store(true)
+			return true
+		default:
+		}
 		resp, err := http.Get("http://" + health + "/healthz")
 		if err != nil {
 			return false
 		}
 		resp.Body.Close()
 		return resp.StatusCode == http.StatusOK
-	}, 30*time.Second, 50*time.Millisecond, "%s healthy at %s", name, health)
-	return p
+	}, within, 50*time.Millisecond, "%s healthy at %s", p.name, health)
+	if exited.Load() {
+		tb.Fatalf("%s exited before it was healthy: %v", p.name, p.err)
+	}
 }
 
 // PID is the process id.
@@ -77,17 +113,20 @@ func (p *Proc) PID() int { return p.cmd.Process.Pid }
 
 // Kill kills the process with SIGKILL (no shutdown: its sessions, leases and
 // buffered writes are left as a crash leaves them) and waits for it.
-func (p *Proc) Kill() {
-	p.once.Do(func() {
-		_ = p.cmd.Process.Signal(syscall.SIGKILL)
-		p.err = p.cmd.Wait()
-	})
-}
+func (p *Proc) Kill() { p.signal(syscall.SIGKILL) }
 
 // Stop interrupts the process (a graceful shutdown) and waits for it.
-func (p *Proc) Stop() {
+func (p *Proc) Stop() { p.signal(os.Interrupt) }
+
+// signal sends sig once (unless the process already exited) and waits for
+// the process to exit.
+func (p *Proc) signal(sig os.Signal) {
 	p.once.Do(func() {
-		_ = p.cmd.Process.Signal(os.Interrupt)
-		p.err = p.cmd.Wait()
+		select {
+		case <-p.done:
+		default:
+			_ = p.cmd.Process.Signal(sig)
+		}
 	})
+	<-p.done
 }
