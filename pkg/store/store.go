@@ -83,6 +83,10 @@ func Open(ctx context.Context, url string, clk clock.Clock, wait time.Duration, 
 	}
 	gcfg := cfg.Copy()
 	gcfg.ConnConfig.RuntimeParams["plan_cache_mode"] = "force_generic_plan"
+	// A generic plan is made once per connection and statement, maybe while
+	// a table is nearly empty, when scanning it looks cheapest; it must not
+	// stay a scan of the table once the table has grown.
+	gcfg.ConnConfig.RuntimeParams["enable_seqscan"] = "off"
 	generic, err := pgxpool.NewWithConfig(ctx, gcfg)
 	if err != nil {
 		pool.Close()
