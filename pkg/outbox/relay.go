@@ -2,8 +2,10 @@
 // a batch of the rows that committed transactions wrote, publishes each to
 // its subject, flushes, and only then commits, so a row costs one insert and
 // one delete; a failed publish rolls the delete back and the rows wait for
-// the next pass. It wakes on the commit-time NOTIFY of store.OutboxChannel
-// and also polls, so a missed notification only delays. Several relays may
+// the next pass. It wakes on store.SubjectOutboxWritten (published after
+// commit by writers given store.DB.SignalOutboxVia) and on the commit-time
+// NOTIFY of store.OutboxChannel (the others, or when publishing fails), and
+// also polls, so a missed signal only delays. Several relays may
 // run: rows are taken with FOR UPDATE SKIP LOCKED, and a message may be
 // published more than once (a commit lost after the flush; pokes and events
 // are idempotent hints to their readers).
@@ -43,6 +45,18 @@ func (r *Relay) Run(ctx context.Context) error {
 		r.Batch = 500
 	}
 	wake := make(chan struct{}, 1)
+	signal := func() {
+		select {
+		case wake <- struct{}{}:
+		default:
+		}
+	}
+	sub, err := r.NC.Subscribe(store.SubjectOutboxWritten, func(*nats.Msg) { signal() })
+	if err != nil {
+		r.Logger.Warn("outbox relay: subscribe to the write signal; NOTIFY and polling only", "err", err)
+	} else {
+		defer func() { _ = sub.Unsubscribe() }()
+	}
 	go r.listen(ctx, wake)
 	tick := r.Clock.NewTicker(r.Poll)
 	defer tick.Stop()

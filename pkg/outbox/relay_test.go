@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"os"
 	"sync/atomic"
@@ -146,4 +147,57 @@ func TestRelayKeepsRowsWhenPublishFails(t *testing.T) {
 	}
 	require.Eventually(t, func() bool { return outboxRows(t.Context(), db) == 0 }, 10*time.Second, 20*time.Millisecond,
 		"the published rows are deleted")
+}
+
+// TestRelayWakesOnTheWriteSignal: a row whose writer signals the relays over
+// NATS (store.DB.SignalOutboxVia), not with a NOTIFY, is published at once,
+// long before the 1 h poll.
+func TestRelayWakesOnTheWriteSignal(t *testing.T) {
+	db := storetest.New(t, nil)
+	srv, err := bustest.StartEmbedded(t.TempDir())
+	require.NoError(t, err)
+	t.Cleanup(srv.Shutdown)
+	nc, err := nats.Connect(srv.ClientURL())
+	require.NoError(t, err)
+	t.Cleanup(nc.Close)
+	sub, err := nc.SubscribeSync("test.>")
+	require.NoError(t, err)
+	require.NoError(t, nc.Flush())
+	var signals atomic.Int64
+	db.SignalOutboxVia(func() error {
+		signals.Add(1)
+		return nc.Publish(store.SubjectOutboxWritten, nil)
+	})
+
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	relay := &outbox.Relay{DB: db, NC: nc, Logger: telemetry.Discard(), Clock: clock.New(), Poll: time.Hour}
+	go func() { done <- relay.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+	})
+	// The relay drains once when it starts listening; a row it published
+	// shows that it runs (and has subscribed: it subscribes first).
+	require.NoError(t, db.InTx(t.Context(), func(tx pgx.Tx) error {
+		return store.Enqueue(t.Context(), tx, db.Now(), "test.first", nil)
+	}))
+	msg, err := sub.NextMsg(10 * time.Second)
+	require.NoError(t, err)
+	require.Equal(t, "test.first", msg.Subject)
+
+	require.Equal(t, int64(1), signals.Load(), "the committed Enqueue signalled once")
+
+	// Rows written with no NOTIFY at all, each followed by the NATS signal
+	// alone. The relay's one wake-up when it starts listening may serve one
+	// of them (it can come late); not three.
+	for i := range 3 {
+		subject := fmt.Sprintf("test.signalled.%d", i)
+		_, err = db.Pool.Exec(t.Context(), `INSERT INTO outbox (subject, payload, created_at) VALUES ($1, '', now())`, subject)
+		require.NoError(t, err)
+		require.NoError(t, nc.Publish(store.SubjectOutboxWritten, nil))
+		msg, err = sub.NextMsg(10 * time.Second)
+		require.NoError(t, err, "woken by the signal, not the hourly poll")
+		require.Equal(t, subject, msg.Subject)
+	}
 }

@@ -96,6 +96,9 @@ func runMain(o MainOptions) error {
 			return err
 		}
 		defer p.NC.Close()
+		if p.DB != nil {
+			p.DB.SignalOutboxVia(func() error { return p.NC.Publish(store.SubjectOutboxWritten, nil) })
+		}
 	}
 	return o.Run(p)
 }

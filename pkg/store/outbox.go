@@ -28,6 +28,9 @@ const (
 	// OutboxChannel is the LISTEN/NOTIFY channel signalled when a
 	// transaction that wrote outbox rows commits (signalOutbox).
 	OutboxChannel = "bc_outbox"
+	// SubjectOutboxWritten (no payload) wakes the outbox relays instead of a
+	// NOTIFY on OutboxChannel where the writer has NATS (DB.SignalOutboxVia).
+	SubjectOutboxWritten = "bc.outbox.written"
 )
 
 // Poke is the payload of a gateway poke: the nodes with new work.
@@ -71,7 +74,7 @@ func signalOutbox(ctx context.Context, q DBTX) error {
 		return nil
 	case autoCommit:
 		// The statement that wrote the rows has returned, so it committed.
-		t.db.notifier.signal(t.db.Pool)
+		t.db.signalOutbox()
 		return nil
 	}
 	_, err := q.Exec(ctx, `SELECT pg_notify($1, '')`, OutboxChannel)
@@ -129,6 +132,22 @@ type outboxNotifier struct {
 	cancel context.CancelFunc
 	done   chan struct{}
 	closed bool
+}
+
+// SignalOutboxVia makes db wake the outbox relays by calling send (a NATS
+// publish on SubjectOutboxWritten, say) after each commit that wrote outbox
+// rows, instead of a NOTIFY: that NOTIFY is a transaction of its own (see
+// notifySQL), so on a busy command path, where every batch writes outbox
+// rows, it was a second transaction per batch. When send fails, the NOTIFY
+// is sent as before. Call it before db is used; nil restores NOTIFY alone.
+func (db *DB) SignalOutboxVia(send func() error) { db.outboxSignal = send }
+
+// signalOutbox wakes the relays after a commit that wrote outbox rows.
+func (db *DB) signalOutbox() {
+	if db.outboxSignal != nil && db.outboxSignal() == nil {
+		return
+	}
+	db.notifier.signal(db.Pool)
 }
 
 // signal asks for a NOTIFY on OutboxChannel soon, starting the notifier's

@@ -1,7 +1,11 @@
 package store_test
 
 import (
+	"context"
+	"errors"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
@@ -69,3 +73,60 @@ func TestTakeOutbox(t *testing.T) {
 	require.Equal(t, []string{"t.1", "t.2", "t.3", "t.4", "t.5"}, outboxSubjects(t, got))
 	require.Zero(t, countRows(t, db, `SELECT count(*) FROM outbox`), "taken rows are gone once committed")
 }
+
+// TestSignalOutboxVia: a commit that wrote outbox rows calls the signal
+// instead of sending a NOTIFY; a rolled-back one calls nothing; when the
+// signal fails, the NOTIFY goes out as before.
+func TestSignalOutboxVia(t *testing.T) {
+	db := storetest.New(t, nil)
+	ctx := t.Context()
+	listener, err := pgx.Connect(ctx, db.Pool.Config().ConnString())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = listener.Close(context.WithoutCancel(ctx)) })
+	_, err = listener.Exec(ctx, "LISTEN "+store.OutboxChannel)
+	require.NoError(t, err)
+	notified := func(within time.Duration) bool {
+		wctx, cancel := context.WithTimeout(ctx, within)
+		defer cancel()
+		_, err := listener.WaitForNotification(wctx)
+		return err == nil
+	}
+
+	var calls atomic.Int64
+	fail := atomic.Bool{}
+	db.SignalOutboxVia(func() error {
+		calls.Add(1)
+		if fail.Load() {
+			return errors.New("nats: connection closed")
+		}
+		return nil
+	})
+	enqueue := func(rollback bool) {
+		t.Helper()
+		err := db.InTx(ctx, func(tx pgx.Tx) error {
+			if err := store.Enqueue(ctx, tx, db.Now(), "test.x", nil); err != nil {
+				return err
+			}
+			if rollback {
+				return errRollback
+			}
+			return nil
+		})
+		if rollback {
+			require.ErrorIs(t, err, errRollback)
+		} else {
+			require.NoError(t, err)
+		}
+	}
+
+	enqueue(true)
+	require.Zero(t, calls.Load(), "a rollback signals nothing")
+	enqueue(false)
+	require.Equal(t, int64(1), calls.Load())
+	fail.Store(true)
+	enqueue(false)
+	require.Equal(t, int64(2), calls.Load())
+	require.True(t, notified(10*time.Second), "the failed signal falls back to NOTIFY")
+}
+
+var errRollback = errors.New("roll back")

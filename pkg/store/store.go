@@ -58,6 +58,8 @@ type DB struct {
 	// notifier sends the NOTIFYs of the outbox writes InTx committed (see
 	// outboxTx).
 	notifier outboxNotifier
+	// outboxSignal, when set, wakes the relays instead (SignalOutboxVia).
+	outboxSignal func() error
 }
 
 // Options tune Open.
@@ -153,7 +155,7 @@ func (db *DB) inTxOnce(ctx context.Context, fn func(tx pgx.Tx) error) error {
 		return interpretError(err)
 	}
 	if otx.wrote {
-		db.notifier.signal(db.Pool)
+		db.signalOutbox()
 	}
 	return nil
 }

@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"maps"
@@ -142,7 +143,7 @@ func (l *commandLog) stats(ids []string) commandStats {
 //     ≥ 5,000/s.
 //   - round trip: commands at BC_BENCH_COMMAND_RATE (default: half the
 //     throughput just measured, so that they do not queue), 2 × machines
-//     or 20 s of them (at least 200); p50/p99 from the RunCommand call to
+//     or 20 s of them (at least 200; BC_BENCH_STEADY_COMMANDS sets the count); p50/p99 from the RunCommand call to
 //     the terminal state the control plane records (the event's time, the
 //     command's finished_at), with the RunCommand call alone, the watch's
 //     delivery and, from the commands table, queued → delivered and
@@ -240,16 +241,20 @@ func BenchmarkCommands(b *testing.B) {
 		if rate == 0 {
 			rate = max(1, int(completed/2))
 		}
-		steady := max(200, min(2*n, 20*rate))
+		steady := envInt("BC_BENCH_STEADY_COMMANDS", max(200, min(2*n, 20*rate)))
 		tick := clk.NewTicker(time.Second / time.Duration(rate))
+		self2, mach2, pg2, nc2 := procCPU(b, os.Getpid()), machinesCPU(), containerCPU(b, pg), containerCPU(b, nc)
 		ids = runAll(steady, func(i int) (string, error) {
 			<-tick.C()
 			return run(nodes[(i*7)%len(nodes)])
 		})
 		tick.Stop()
+		self3, mach3, pg3, nc3 := procCPU(b, os.Getpid()), machinesCPU(), containerCPU(b, pg), containerCPU(b, nc)
+		steadyCmd := func(d time.Duration) time.Duration { return (d / time.Duration(steady)).Round(time.Microsecond) }
 		s = log.stats(ids)
 		require.Zero(b, s.failed, "commands that did not succeed")
 		offered := float64(steady) / s.lastReturned.Sub(s.first).Seconds()
+		tail := log.tail(ids, 0.01, 250*time.Millisecond)
 		rt := percentiles(s.roundTrip, 0.5, 0.99)
 		call := percentiles(s.call, 0.5, 0.99)
 		seen := percentiles(s.seen, 0.5, 0.99)
@@ -294,6 +299,9 @@ func BenchmarkCommands(b *testing.B) {
 			"terminal event received by the watch p50 %s, p99 %s after the call\n",
 			call[0].Round(time.Millisecond), call[1].Round(time.Millisecond), secs(deliver50), secs(deliver99),
 			secs(finish50), secs(finish99), seen[0].Round(time.Millisecond), seen[1].Round(time.Millisecond))
+		fmt.Printf("  CPU per command at this rate: %s this process, %s machines, %s Postgres, %s NATS\n",
+			steadyCmd(self3-self2), steadyCmd(mach3-mach2), steadyCmd(pg3-pg2), steadyCmd(nc3-nc2))
+		fmt.Printf("  slowest 1%% by when they were called (+s from the first call of the phase, 250 ms buckets): %s\n", tail)
 	}
 }
 
@@ -320,6 +328,41 @@ func startCPUProfile(b *testing.B, path string) (stop func()) {
 		pprof.StopCPUProfile()
 		require.NoError(b, f.Close())
 	}
+}
+
+// tail says when the slowest fraction q of ids' round trips were called:
+// the count in each bucket of width since the first call, e.g. "+1.25s×12
+// (max 310ms)", so that a stall (one bucket) tells apart from a spread tail.
+func (l *commandLog) tail(ids []string, q float64, width time.Duration) string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	type run struct {
+		called time.Time
+		rt     time.Duration
+	}
+	runs := make([]run, 0, len(ids))
+	var first time.Time
+	for _, id := range ids {
+		r := l.runs[id]
+		runs = append(runs, run{r.called, r.finished.Sub(r.called)})
+		if first.IsZero() || r.called.Before(first) {
+			first = r.called
+		}
+	}
+	slices.SortFunc(runs, func(a, b run) int { return cmp.Compare(b.rt, a.rt) })
+	runs = runs[:max(1, int(q*float64(len(runs))))]
+	count := map[time.Duration]int{}
+	worst := map[time.Duration]time.Duration{}
+	for _, r := range runs {
+		b := r.called.Sub(first).Truncate(width)
+		count[b]++
+		worst[b] = max(worst[b], r.rt)
+	}
+	parts := []string{}
+	for _, b := range slices.Sorted(maps.Keys(count)) {
+		parts = append(parts, fmt.Sprintf("+%s×%d (max %s)", b, count[b], worst[b].Round(time.Millisecond)))
+	}
+	return fmt.Sprintf("%s (first call at %s)", strings.Join(parts, ", "), first.UTC().Format("15:04:05.000"))
 }
 
 // secs rounds a duration in seconds to the millisecond.

@@ -177,6 +177,12 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 		return nc, err
 	}
 	log := func(svc string) *slog.Logger { return o.Logger.With("service", svc) }
+	// The services share db: its commits wake the outbox relay over NATS.
+	signalNC, err := connect("outbox-signal")
+	if err != nil {
+		return nil, err
+	}
+	db.SignalOutboxVia(func() error { return signalNC.Publish(store.SubjectOutboxWritten, nil) })
 
 	// gateways
 	for i := range o.Gateways {

@@ -93,7 +93,7 @@ type queueAnswer struct {
 
 // commandQueueWorkers is how many batches of RunCommand calls are written
 // at once (database connections the queue keeps busy).
-const commandQueueWorkers = 4
+const commandQueueWorkers = 2
 
 // commandQueue returns the batcher of RunCommand calls, started on first
 // use; Close stops it.

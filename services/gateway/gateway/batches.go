@@ -15,10 +15,10 @@ import (
 const (
 	// claimWorkers is how many delivery claims (store.ClaimSessionDeliveries)
 	// may run at once.
-	claimWorkers = 4
+	claimWorkers = 1
 	// updateWorkers is how many batches of command updates
 	// (store.ApplySessionCommandUpdates) may run at once.
-	updateWorkers = 4
+	updateWorkers = 1
 	// observedWorkers is how many batches of reported generations
 	// (store.RecordSessionObservedGenerations) may run at once.
 	observedWorkers = 2
