@@ -36,6 +36,14 @@ type Relay struct {
 	Batch int
 }
 
+// straggleWindow is how far below the highest id it took a relay woken by a
+// signal looks (store.TakeOutbox's after): ids are drawn when rows are
+// inserted, so a transaction may commit rows below ids already taken, and
+// those are in flight at most a few pool-fulls of batches (hundreds of ids)
+// behind. A row further behind waits for the next poll, which reads from
+// the oldest id.
+const straggleWindow = 4096
+
 // Run relays until ctx ends.
 func (r *Relay) Run(ctx context.Context) error {
 	if r.Poll == 0 {
@@ -60,9 +68,16 @@ func (r *Relay) Run(ctx context.Context) error {
 	go r.listen(ctx, wake)
 	tick := r.Clock.NewTicker(r.Poll)
 	defer tick.Stop()
+	var last int64 // the highest id taken
+	full := true   // read from the oldest id: at start and on each poll
 	for {
 		for {
-			n, err := r.drainOnce(ctx)
+			after := int64(0)
+			if !full {
+				after = max(0, last-straggleWindow)
+			}
+			n, top, err := r.drainOnce(ctx, after)
+			last = max(last, top)
 			if err != nil {
 				if ctx.Err() != nil {
 					return nil
@@ -74,23 +89,25 @@ func (r *Relay) Run(ctx context.Context) error {
 				break
 			}
 		}
+		full = false
 		select {
 		case <-ctx.Done():
 			return nil
 		case <-wake:
 		case <-tick.C():
+			full = true
 		}
 	}
 }
 
-// drainOnce publishes one batch and returns how many rows it published. The
-// rows are deleted in the transaction that publishes them, which commits
-// only after NATS has flushed them; on any error it rolls back and the rows
-// stay for the next pass.
-func (r *Relay) drainOnce(ctx context.Context) (int, error) {
-	var n int
-	err := r.DB.InTx(ctx, func(tx pgx.Tx) error {
-		msgs, err := store.TakeOutbox(ctx, tx, r.Batch)
+// drainOnce publishes one batch of the rows with ids above after and returns
+// how many rows it published and the highest id among them. The rows are
+// deleted in the transaction that publishes them, which commits only after
+// NATS has flushed them; on any error it rolls back and the rows stay for
+// the next pass.
+func (r *Relay) drainOnce(ctx context.Context, after int64) (n int, top int64, err error) {
+	err = r.DB.InTx(ctx, func(tx pgx.Tx) error {
+		msgs, err := store.TakeOutbox(ctx, tx, after, r.Batch)
 		if err != nil || len(msgs) == 0 {
 			return err
 		}
@@ -102,10 +119,13 @@ func (r *Relay) drainOnce(ctx context.Context) (int, error) {
 		if err := r.NC.FlushTimeout(5 * time.Second); err != nil {
 			return err
 		}
-		n = len(msgs)
+		n, top = len(msgs), msgs[len(msgs)-1].ID
 		return nil
 	})
-	return n, err
+	if err != nil {
+		return 0, 0, err
+	}
+	return n, top, nil
 }
 
 // listen holds a LISTEN connection and signals wake on every notification;

@@ -201,3 +201,61 @@ func TestRelayWakesOnTheWriteSignal(t *testing.T) {
 		require.Equal(t, subject, msg.Subject)
 	}
 }
+
+// TestRelayPublishesStragglers: rows that commit with ids below ones the
+// relay already took are published — just below at once (the relay looks a
+// window back when signalled), far below at the next poll (which reads from
+// the oldest id).
+func TestRelayPublishesStragglers(t *testing.T) {
+	db := storetest.New(t, nil)
+	srv, err := bustest.StartEmbedded(t.TempDir())
+	require.NoError(t, err)
+	t.Cleanup(srv.Shutdown)
+	nc, err := nats.Connect(srv.ClientURL())
+	require.NoError(t, err)
+	t.Cleanup(nc.Close)
+	sub, err := nc.SubscribeSync("test.>")
+	require.NoError(t, err)
+	require.NoError(t, nc.Flush())
+	db.SignalOutboxVia(func() error { return nc.Publish(store.SubjectOutboxWritten, nil) })
+	_, err = db.Pool.Exec(t.Context(), `SELECT setval('outbox_id_seq', 100000)`)
+	require.NoError(t, err)
+
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	relay := &outbox.Relay{DB: db, NC: nc, Logger: telemetry.Discard(), Clock: clock.New(), Poll: 500 * time.Millisecond}
+	go func() { done <- relay.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+	})
+	next := func(want string) {
+		t.Helper()
+		msg, err := sub.NextMsg(10 * time.Second)
+		require.NoError(t, err)
+		require.Equal(t, want, msg.Subject)
+	}
+	require.NoError(t, db.InTx(t.Context(), func(tx pgx.Tx) error {
+		return store.Enqueue(t.Context(), tx, db.Now(), "test.high", nil)
+	}))
+	next("test.high") // id 100001: the relay has taken it
+	for _, s := range []struct {
+		id      int64
+		subject string
+	}{{100001 - 10, "test.near"}, {5, "test.far"}} {
+		require.NoError(t, db.InTx(t.Context(), func(tx pgx.Tx) error {
+			if _, err := tx.Exec(t.Context(), `INSERT INTO outbox (id, subject, payload, created_at) VALUES ($1, $2, '', now())`,
+				s.id, s.subject); err != nil {
+				return err
+			}
+			return store.Enqueue(t.Context(), tx, db.Now(), s.subject+".marker", nil) // signals the commit
+		}))
+		got := map[string]bool{}
+		for range 2 {
+			msg, err := sub.NextMsg(10 * time.Second)
+			require.NoError(t, err, "after %v", got)
+			got[msg.Subject] = true
+		}
+		require.Equal(t, map[string]bool{s.subject: true, s.subject + ".marker": true}, got)
+	}
+}

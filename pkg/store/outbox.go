@@ -242,16 +242,23 @@ type OutboxMessage struct {
 	Payload []byte
 }
 
-// TakeOutbox deletes up to limit outbox rows, oldest (lowest id) first,
-// skipping rows another transaction holds (another relay's batch), and
-// returns them ordered by id; none is an empty slice and no error. It is one
-// statement. Call it in a transaction and commit only once the messages are
-// published: rolling back (a failed publish) puts them back for the next
-// pass, so a message is published at least once. limit must be positive.
-func TakeOutbox(ctx context.Context, q DBTX, limit int) ([]OutboxMessage, error) {
+// TakeOutbox deletes up to limit outbox rows with ids above after, oldest
+// (lowest id) first, skipping rows another transaction holds (another
+// relay's batch), and returns them ordered by id; none is an empty slice and
+// no error. It is one statement. Call it in a transaction and commit only
+// once the messages are published: rolling back (a failed publish) puts them
+// back for the next pass, so a message is published at least once. limit
+// must be positive; after 0 reads from the oldest row.
+//
+// Why after: the rows the relay deleted stay in the primary key's index
+// until a vacuum, and a scan from the oldest id reads every page of them
+// (hundreds per call on a busy command path) before the first live row.
+// The relay passes an id a little below the last it took (see
+// outbox.Relay), and 0 when it polls.
+func TakeOutbox(ctx context.Context, q DBTX, after int64, limit int) ([]OutboxMessage, error) {
 	rows, err := q.Query(ctx, `DELETE FROM outbox WHERE id IN (
-			SELECT id FROM outbox ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED)
-		RETURNING id, subject, payload`, limit)
+			SELECT id FROM outbox WHERE id > $2 ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED)
+		RETURNING id, subject, payload`, limit, after)
 	if err != nil {
 		return nil, fmt.Errorf("take outbox: %w", err)
 	}

@@ -32,7 +32,7 @@ func TestTakeOutbox(t *testing.T) {
 	db := storetest.New(t, nil)
 	ctx := t.Context()
 
-	none, err := store.TakeOutbox(ctx, db.Pool, 10)
+	none, err := store.TakeOutbox(ctx, db.Pool, 0, 10)
 	require.NoError(t, err)
 	require.Empty(t, none)
 
@@ -48,7 +48,7 @@ func TestTakeOutbox(t *testing.T) {
 	a, err := db.Pool.Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = a.Rollback(ctx) }()
-	got, err := store.TakeOutbox(ctx, a, 2)
+	got, err := store.TakeOutbox(ctx, a, 0, 2)
 	require.NoError(t, err)
 	require.Equal(t, []string{"t.1", "t.2"}, outboxSubjects(t, got), "the oldest first")
 	require.Equal(t, "t.1", string(got[0].Payload))
@@ -57,7 +57,7 @@ func TestTakeOutbox(t *testing.T) {
 	b, err := db.Pool.Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = b.Rollback(ctx) }()
-	got, err = store.TakeOutbox(ctx, b, 10)
+	got, err = store.TakeOutbox(ctx, b, 0, 10)
 	require.NoError(t, err)
 	require.Equal(t, []string{"t.3", "t.4", "t.5"}, outboxSubjects(t, got))
 
@@ -66,11 +66,19 @@ func TestTakeOutbox(t *testing.T) {
 	require.NoError(t, a.Rollback(ctx))
 	require.Equal(t, 5, countRows(t, db, `SELECT count(*) FROM outbox`))
 
+	// Rows at or below after are left.
+	var third int64
+	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT id FROM outbox ORDER BY id OFFSET 2 LIMIT 1`).Scan(&third))
 	require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
-		got, err = store.TakeOutbox(ctx, tx, 10)
+		got, err = store.TakeOutbox(ctx, tx, third, 10)
 		return err
 	}))
-	require.Equal(t, []string{"t.1", "t.2", "t.3", "t.4", "t.5"}, outboxSubjects(t, got))
+	require.Equal(t, []string{"t.4", "t.5"}, outboxSubjects(t, got), "only the ids above after")
+	require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
+		got, err = store.TakeOutbox(ctx, tx, 0, 10)
+		return err
+	}))
+	require.Equal(t, []string{"t.1", "t.2", "t.3"}, outboxSubjects(t, got))
 	require.Zero(t, countRows(t, db, `SELECT count(*) FROM outbox`), "taken rows are gone once committed")
 }
 

@@ -244,11 +244,13 @@ func BenchmarkCommands(b *testing.B) {
 		steady := envInt("BC_BENCH_STEADY_COMMANDS", max(200, min(2*n, 20*rate)))
 		tick := clk.NewTicker(time.Second / time.Duration(rate))
 		self2, mach2, pg2, nc2 := procCPU(b, os.Getpid()), machinesCPU(), containerCPU(b, pg), containerCPU(b, nc)
+		stopProfile = startCPUProfile(b, profileOf(os.Getenv("BC_BENCH_CPUPROFILE"), "steady"))
 		ids = runAll(steady, func(i int) (string, error) {
 			<-tick.C()
 			return run(nodes[(i*7)%len(nodes)])
 		})
 		tick.Stop()
+		stopProfile()
 		self3, mach3, pg3, nc3 := procCPU(b, os.Getpid()), machinesCPU(), containerCPU(b, pg), containerCPU(b, nc)
 		steadyCmd := func(d time.Duration) time.Duration { return (d / time.Duration(steady)).Round(time.Microsecond) }
 		s = log.stats(ids)
@@ -363,6 +365,14 @@ func (l *commandLog) tail(ids []string, q float64, width time.Duration) string {
 		parts = append(parts, fmt.Sprintf("+%s×%d (max %s)", b, count[b], worst[b].Round(time.Millisecond)))
 	}
 	return fmt.Sprintf("%s (first call at %s)", strings.Join(parts, ", "), first.UTC().Format("15:04:05.000"))
+}
+
+// profileOf is path with suffix added ("" when path is "").
+func profileOf(path, suffix string) string {
+	if path == "" {
+		return ""
+	}
+	return path + "." + suffix
 }
 
 // secs rounds a duration in seconds to the millisecond.
