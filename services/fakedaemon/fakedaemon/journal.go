@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	"github.com/better-compute/better-compute/pkg/daemon"
@@ -64,11 +65,15 @@ type journalHeader struct {
 }
 
 type journalRecord struct {
-	ID         string          `json:"id"`
-	Deleted    bool            `json:"deleted,omitempty"`
-	Kind       string          `json:"kind,omitempty"`
-	RetrySafe  bool            `json:"retry_safe,omitempty"`
-	State      string          `json:"state,omitempty"`
+	ID        string `json:"id"`
+	Deleted   bool   `json:"deleted,omitempty"`
+	Kind      string `json:"kind,omitempty"`
+	RetrySafe bool   `json:"retry_safe,omitempty"`
+	State     string `json:"state,omitempty"`
+	// ResultPB is the result in protobuf's binary form (base64 in the
+	// JSON); Result, its protojson form, is how journals written before it
+	// hold it and is still read.
+	ResultPB   []byte          `json:"result_pb,omitempty"`
 	Result     json.RawMessage `json:"result,omitempty"`
 	Error      string          `json:"error,omitempty"`
 	Deadline   time.Time       `json:"deadline,omitzero"`
@@ -248,7 +253,13 @@ func (r *journalRecord) entry() (daemon.Entry, error) {
 		ReceivedAt: r.ReceivedAt,
 		FinishedAt: r.FinishedAt,
 	}
-	if len(r.Result) > 0 {
+	switch {
+	case len(r.ResultPB) > 0:
+		e.Result = &gatewayv1.CommandResult{}
+		if err := proto.Unmarshal(r.ResultPB, e.Result); err != nil {
+			return daemon.Entry{}, err
+		}
+	case len(r.Result) > 0:
 		e.Result = &gatewayv1.CommandResult{}
 		if err := protojson.Unmarshal(r.Result, e.Result); err != nil {
 			return daemon.Entry{}, err
@@ -269,11 +280,12 @@ func recordOf(e daemon.Entry) (journalRecord, error) {
 		FinishedAt: e.FinishedAt,
 	}
 	if e.Result != nil {
-		b, err := protojson.Marshal(e.Result)
+		// Binary: protojson was a third of a journal write's CPU.
+		b, err := proto.Marshal(e.Result)
 		if err != nil {
 			return r, err
 		}
-		r.Result = b
+		r.ResultPB = b
 	}
 	return r, nil
 }

@@ -268,3 +268,21 @@ func TestFileJournalTornTail(t *testing.T) {
 	require.True(t, j3.LostAt().IsZero())
 	require.Len(t, j3.Entries(), 2)
 }
+
+// TestFileJournalReadsProtojsonResults: journals written before results were
+// kept in binary hold them as protojson, and still load.
+func TestFileJournalReadsProtojsonResults(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	require.NoError(t, os.WriteFile(filepath.Join(dir, fakedaemon.JournalFile), []byte(`{"v":1,"epoch":1}
+{"id":"cmd_old","kind":"diag.nvml","retry_safe":true,"state":"COMMAND_STATE_SUCCEEDED","result":{"inventory":{"hostname":"old","gpus":[{"index":2,"uuid":"GPU-o","memoryBytes":"85899345920"}]}}}
+`), 0o600))
+	j, err := fakedaemon.OpenFileJournal(dir, jt0)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = j.Close() })
+	got, ok := j.Get("cmd_old")
+	require.True(t, ok)
+	want := &gatewayv1.CommandResult{Inventory: &gatewayv1.Inventory{Hostname: "old",
+		Gpus: []*gatewayv1.Gpu{{Index: 2, Uuid: "GPU-o", MemoryBytes: 85899345920}}}}
+	require.True(t, proto.Equal(want, got.Result), "got %v", got.Result)
+}
