@@ -79,14 +79,23 @@ func TestRoles(t *testing.T) {
 	require.Equal(t, "ten_a", viewer.TenantScope())
 }
 
-func TestAuthenticate(t *testing.T) {
-	t.Parallel()
+// tenantDB is a database on a fake clock (2030-01-02 03:04:05 UTC) holding
+// one tenant, "acme".
+func tenantDB(t *testing.T) (*clock.Fake, *store.DB, store.Tenant) {
+	t.Helper()
 	clk := clock.NewFake(time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC))
 	db := storetest.New(t, clk)
-	ctx := t.Context()
 	now := db.Now()
 	tenant := store.Tenant{ID: ids.New(ids.Tenant, now), Name: "acme", CreatedAt: now}
-	require.NoError(t, store.CreateTenant(ctx, db.Pool, tenant))
+	require.NoError(t, store.CreateTenant(t.Context(), db.Pool, tenant))
+	return clk, db, tenant
+}
+
+func TestAuthenticate(t *testing.T) {
+	t.Parallel()
+	clk, db, tenant := tenantDB(t)
+	ctx := t.Context()
+	now := db.Now()
 	good, tok, err := iam.MintAPIToken(ctx, db.Pool, now, tenant.ID, "ci", iam.RoleViewer, nil)
 	require.NoError(t, err)
 	require.True(t, strings.HasPrefix(good, "bct_"))
@@ -135,12 +144,8 @@ func TestAuthenticate(t *testing.T) {
 // checked on every call, and unknown tokens are not cached.
 func TestAuthenticateCache(t *testing.T) {
 	t.Parallel()
-	clk := clock.NewFake(time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC))
-	db := storetest.New(t, clk)
+	clk, db, tenant := tenantDB(t)
 	ctx := t.Context()
-	now := db.Now()
-	tenant := store.Tenant{ID: ids.New(ids.Tenant, now), Name: "acme", CreatedAt: now}
-	require.NoError(t, store.CreateTenant(ctx, db.Pool, tenant))
 	mint := func(expires *time.Time) (string, string) {
 		t.Helper()
 		secret, tok, err := iam.MintAPIToken(ctx, db.Pool, db.Now(), tenant.ID, "", iam.RoleViewer, expires)
@@ -228,12 +233,9 @@ func TestAuthenticateCache(t *testing.T) {
 // cache, and not on every call.
 func TestAuthenticateCacheTouch(t *testing.T) {
 	t.Parallel()
-	clk := clock.NewFake(time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC))
-	db := storetest.New(t, clk)
+	clk, db, tenant := tenantDB(t)
 	ctx := t.Context()
 	now := db.Now()
-	tenant := store.Tenant{ID: ids.New(ids.Tenant, now), Name: "acme", CreatedAt: now}
-	require.NoError(t, store.CreateTenant(ctx, db.Pool, tenant))
 	secret, tok, err := iam.MintAPIToken(ctx, db.Pool, now, tenant.ID, "", iam.RoleViewer, nil)
 	require.NoError(t, err)
 	lastUsed := func() *time.Time {

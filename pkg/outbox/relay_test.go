@@ -34,27 +34,12 @@ func TestMain(m *testing.M) {
 // written in a rolled-back transaction never leaves.
 func TestRelayPublishesCommittedRowsOnly(t *testing.T) {
 	db := storetest.New(t, nil)
-	srv, err := bustest.StartEmbedded(t.TempDir())
-	require.NoError(t, err)
-	t.Cleanup(srv.Shutdown)
-	nc, err := nats.Connect(srv.ClientURL())
-	require.NoError(t, err)
-	t.Cleanup(nc.Close)
-	sub, err := nc.SubscribeSync("test.>")
-	require.NoError(t, err)
-	require.NoError(t, nc.Flush())
+	nc, sub := natsServer(t)
 
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan error, 1)
-	relay := &outbox.Relay{DB: db, NC: nc, Logger: telemetry.Discard(), Clock: clock.New(), Poll: time.Hour}
-	go func() { done <- relay.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		require.NoError(t, <-done)
-	})
+	runRelay(t, &outbox.Relay{DB: db, NC: nc, Logger: telemetry.Discard(), Clock: clock.New(), Poll: time.Hour})
 
 	rollback := errors.New("roll back")
-	err = db.InTx(t.Context(), func(tx pgx.Tx) error {
+	err := db.InTx(t.Context(), func(tx pgx.Tx) error {
 		require.NoError(t, store.Enqueue(t.Context(), tx, db.Now(), "test.rolled-back", []byte("no")))
 		return rollback
 	})
@@ -71,6 +56,41 @@ func TestRelayPublishesCommittedRowsOnly(t *testing.T) {
 		"the published row is deleted")
 	_, err = sub.NextMsg(200 * time.Millisecond)
 	require.ErrorIs(t, err, nats.ErrTimeout, "the rolled-back message is never published")
+}
+
+// natsServer starts an embedded NATS server for t and returns a connection
+// to it and a subscription of "test.>" on it.
+func natsServer(t *testing.T) (*nats.Conn, *nats.Subscription) {
+	t.Helper()
+	srv, err := bustest.StartEmbedded(t.TempDir())
+	require.NoError(t, err)
+	t.Cleanup(srv.Shutdown)
+	return subscribeTest(t, srv.ClientURL())
+}
+
+// subscribeTest connects to the NATS server at url for t and subscribes to
+// "test.>".
+func subscribeTest(t *testing.T, url string) (*nats.Conn, *nats.Subscription) {
+	t.Helper()
+	nc, err := nats.Connect(url)
+	require.NoError(t, err)
+	t.Cleanup(nc.Close)
+	sub, err := nc.SubscribeSync("test.>")
+	require.NoError(t, err)
+	require.NoError(t, nc.Flush())
+	return nc, sub
+}
+
+// runRelay runs r until t ends, and then requires that it returned nil.
+func runRelay(t *testing.T, r *outbox.Relay) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+	})
 }
 
 // outboxRows counts the outbox rows, -1 on error (for Eventually).
@@ -126,12 +146,7 @@ func TestRelayKeepsRowsWhenPublishFails(t *testing.T) {
 	require.NoError(t, <-done)
 	require.Equal(t, 2, outboxRows(t.Context(), db), "a failed publish leaves the rows")
 
-	nc, err := nats.Connect(srv.ClientURL())
-	require.NoError(t, err)
-	t.Cleanup(nc.Close)
-	sub, err := nc.SubscribeSync("test.>")
-	require.NoError(t, err)
-	require.NoError(t, nc.Flush())
+	nc, sub := subscribeTest(t, srv.ClientURL())
 	ctx, cancel = context.WithCancel(t.Context())
 	relay := &outbox.Relay{DB: db, NC: nc, Logger: telemetry.Discard(), Clock: clock.New(), Poll: time.Hour}
 	go func() { done <- relay.Run(ctx) }()
@@ -154,29 +169,14 @@ func TestRelayKeepsRowsWhenPublishFails(t *testing.T) {
 // long before the 1 h poll.
 func TestRelayWakesOnTheWriteSignal(t *testing.T) {
 	db := storetest.New(t, nil)
-	srv, err := bustest.StartEmbedded(t.TempDir())
-	require.NoError(t, err)
-	t.Cleanup(srv.Shutdown)
-	nc, err := nats.Connect(srv.ClientURL())
-	require.NoError(t, err)
-	t.Cleanup(nc.Close)
-	sub, err := nc.SubscribeSync("test.>")
-	require.NoError(t, err)
-	require.NoError(t, nc.Flush())
+	nc, sub := natsServer(t)
 	var signals atomic.Int64
 	db.SignalOutboxVia(func() error {
 		signals.Add(1)
 		return nc.Publish(store.SubjectOutboxWritten, nil)
 	})
 
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan error, 1)
-	relay := &outbox.Relay{DB: db, NC: nc, Logger: telemetry.Discard(), Clock: clock.New(), Poll: time.Hour}
-	go func() { done <- relay.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		require.NoError(t, <-done)
-	})
+	runRelay(t, &outbox.Relay{DB: db, NC: nc, Logger: telemetry.Discard(), Clock: clock.New(), Poll: time.Hour})
 	// The relay drains once when it starts listening; a row it published
 	// shows that it runs (and has subscribed: it subscribes first).
 	require.NoError(t, db.InTx(t.Context(), func(tx pgx.Tx) error {
@@ -208,27 +208,12 @@ func TestRelayWakesOnTheWriteSignal(t *testing.T) {
 // the oldest id).
 func TestRelayPublishesStragglers(t *testing.T) {
 	db := storetest.New(t, nil)
-	srv, err := bustest.StartEmbedded(t.TempDir())
-	require.NoError(t, err)
-	t.Cleanup(srv.Shutdown)
-	nc, err := nats.Connect(srv.ClientURL())
-	require.NoError(t, err)
-	t.Cleanup(nc.Close)
-	sub, err := nc.SubscribeSync("test.>")
-	require.NoError(t, err)
-	require.NoError(t, nc.Flush())
+	nc, sub := natsServer(t)
 	db.SignalOutboxVia(func() error { return nc.Publish(store.SubjectOutboxWritten, nil) })
-	_, err = db.Pool.Exec(t.Context(), `SELECT setval('outbox_id_seq', 100000)`)
+	_, err := db.Pool.Exec(t.Context(), `SELECT setval('outbox_id_seq', 100000)`)
 	require.NoError(t, err)
 
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan error, 1)
-	relay := &outbox.Relay{DB: db, NC: nc, Logger: telemetry.Discard(), Clock: clock.New(), Poll: 500 * time.Millisecond}
-	go func() { done <- relay.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		require.NoError(t, <-done)
-	})
+	runRelay(t, &outbox.Relay{DB: db, NC: nc, Logger: telemetry.Discard(), Clock: clock.New(), Poll: 500 * time.Millisecond})
 	next := func(want string) {
 		t.Helper()
 		msg, err := sub.NextMsg(10 * time.Second)
