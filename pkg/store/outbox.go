@@ -142,6 +142,15 @@ type outboxNotifier struct {
 // is sent as before. Call it before db is used; nil restores NOTIFY alone.
 func (db *DB) SignalOutboxVia(send func() error) { db.outboxSignal = send }
 
+// AutoCommitStat returns the statistics of the pool behind AutoCommit (the
+// same as Pool.Stat() in a DB not made by Open).
+func (db *DB) AutoCommitStat() *pgxpool.Stat {
+	if db.generic != nil {
+		return db.generic.Stat()
+	}
+	return db.Pool.Stat()
+}
+
 // signalOutbox wakes the relays after a commit that wrote outbox rows.
 func (db *DB) signalOutbox() {
 	if db.outboxSignal != nil && db.outboxSignal() == nil {

@@ -16,6 +16,7 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/durationpb"
 
@@ -220,14 +221,14 @@ func BenchmarkCommands(b *testing.B) {
 			return procCPU(b, f.machinesPID)
 		}
 		self0, mach0, pg0, nc0 := procCPU(b, os.Getpid()), machinesCPU(), containerCPU(b, pg), containerCPU(b, nc)
-		pool0 := f.stack.DB.Pool.Stat()
+		pool0, auto0 := f.stack.DB.Pool.Stat(), f.stack.DB.AutoCommitStat()
 		sampleCtx, stopSampling := context.WithCancel(ctx)
 		waits := sampleWaits(sampleCtx, f.dbURL, clk)
 		stopProfile := startCPUProfile(b, os.Getenv("BC_BENCH_CPUPROFILE"))
 		ids := runAll(total, func(i int) (string, error) { return run(nodes[i%len(nodes)]) })
 		stopProfile()
 		stopSampling()
-		pool1 := f.stack.DB.Pool.Stat()
+		pool1, auto1 := f.stack.DB.Pool.Stat(), f.stack.DB.AutoCommitStat()
 		self1, mach1, pg1, nc1 := procCPU(b, os.Getpid()), machinesCPU(), containerCPU(b, pg), containerCPU(b, nc)
 		perCmd := func(d time.Duration) time.Duration { return d / time.Duration(total) }
 		s := log.stats(ids)
@@ -290,11 +291,14 @@ func BenchmarkCommands(b *testing.B) {
 			fmt.Printf("  control plane %s of CPU per command (services and callers, Postgres, NATS) "+
 				"→ ~%.0f commands/s per core\n", controlPlane.Round(time.Microsecond), perCore(controlPlane))
 		}
-		acquires := pool1.AcquireCount() - pool0.AcquireCount()
-		fmt.Printf("  shared pool: %d acquires (%.1f per command), %d had to wait, %s waiting on average; %s\n",
-			acquires, float64(acquires)/float64(total), pool1.EmptyAcquireCount()-pool0.EmptyAcquireCount(),
-			((pool1.AcquireDuration() - pool0.AcquireDuration()) / time.Duration(max(1, acquires))).Round(time.Microsecond),
-			<-waits)
+		poolLine := func(before, after *pgxpool.Stat) string {
+			acquires := after.AcquireCount() - before.AcquireCount()
+			return fmt.Sprintf("%d acquires (%.1f per command), %d had to wait, %s waiting on average", acquires,
+				float64(acquires)/float64(total), after.EmptyAcquireCount()-before.EmptyAcquireCount(),
+				((after.AcquireDuration()-before.AcquireDuration())/time.Duration(max(1, acquires))).Round(time.Microsecond))
+		}
+		fmt.Printf("  shared pool: %s; batched statements' pool (DB.AutoCommit): %s; %s\n", poolLine(pool0, pool1),
+			poolLine(auto0, auto1), <-waits)
 		fmt.Printf("command round trip at %.0f/s (%d commands): RunCommand → terminal state recorded p50 %s, p99 %s "+
 			"(target p99 < 100ms)\n", offered, steady, rt[0].Round(time.Millisecond), rt[1].Round(time.Millisecond))
 		fmt.Printf("  RunCommand call p50 %s, p99 %s; queued→delivered p50 %s, p99 %s; delivered→finished p50 %s, p99 %s; "+
