@@ -295,7 +295,7 @@ func BenchmarkCommands(b *testing.B) {
 			acquires := after.AcquireCount() - before.AcquireCount()
 			return fmt.Sprintf("%d acquires (%.1f per command), %d had to wait, %s waiting on average", acquires,
 				float64(acquires)/float64(total), after.EmptyAcquireCount()-before.EmptyAcquireCount(),
-				((after.AcquireDuration()-before.AcquireDuration())/time.Duration(max(1, acquires))).Round(time.Microsecond))
+				((after.AcquireDuration() - before.AcquireDuration()) / time.Duration(max(1, acquires))).Round(time.Microsecond))
 		}
 		fmt.Printf("  shared pool: %s; batched statements' pool (DB.AutoCommit): %s; %s\n", poolLine(pool0, pool1),
 			poolLine(auto0, auto1), <-waits)
