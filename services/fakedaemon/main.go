@@ -24,7 +24,7 @@
 //	--token-wait DURATION        BC_JOIN_TOKEN_WAIT      how long to wait for the token file (2m)
 //	--data-dir PATH              BC_DATA_DIR             identities and journals (/var/lib/fakedaemon)
 //	--variant NAME               BC_VARIANT              hgx-h100, hgx-h100-gpu-missing, l40s, cpu (hgx-h100)
-//	--nodes N                    BC_NODES                machines in this process, each in <data-dir>/<i> (1)
+//	--nodes N                    BC_NODES                machines in this process, each in <data-dir>/<i> (1; at most 20,000)
 //	--gateway-url URL[,URL…]     BC_GATEWAY_URL          overrides the JoinResponse's gateway URLs (one per
 //	                                                     replica; a machine moves to the next when it loses one)
 //	--gateway-server-name NAME   BC_GATEWAY_SERVER_NAME  overrides the TLS server name of the gateway
@@ -158,8 +158,8 @@ func parseConfig(args []string, joinOnly bool) (fakedaemon.Config, error) {
 	if fs.NArg() > 0 {
 		return cfg, fmt.Errorf("unexpected argument %q", fs.Arg(0))
 	}
-	if cfg.Nodes < 1 {
-		return cfg, fmt.Errorf("--nodes must be at least 1, got %d", cfg.Nodes)
+	if cfg.Nodes < 1 || cfg.Nodes > fakedaemon.MaxNodes {
+		return cfg, fmt.Errorf("--nodes must be from 1 to %d, got %d", fakedaemon.MaxNodes, cfg.Nodes)
 	}
 	if pinsFile != "" {
 		fromFile, err := pki.ReadPinsFile(pinsFile)

@@ -107,7 +107,9 @@ func TestParseConfigJoin(t *testing.T) {
 func TestParseConfigErrors(t *testing.T) {
 	clearEnv(t)
 	_, err := parseConfig([]string{"--nodes", "0"}, false)
-	require.ErrorContains(t, err, "--nodes must be at least 1")
+	require.ErrorContains(t, err, "--nodes must be from 1 to 20000, got 0")
+	_, err = parseConfig([]string{"--nodes", "100000000"}, false)
+	require.ErrorContains(t, err, "--nodes must be from 1 to 20000, got 100000000")
 	_, err = parseConfig([]string{"extra"}, false)
 	require.ErrorContains(t, err, `unexpected argument "extra"`)
 	_, err = parseConfig([]string{"--join-signing-pin", "sha1/abc"}, false)

@@ -862,7 +862,7 @@ func TestNewValidates(t *testing.T) {
 	_, err := fakedaemon.New(fakedaemon.Config{Variant: "dgx"}, fakedaemon.Deps{})
 	require.ErrorContains(t, err, `unknown hardware variant "dgx" (valid: cpu, hgx-h100, hgx-h100-gpu-missing, l40s)`)
 	_, err = fakedaemon.New(fakedaemon.Config{Nodes: -1}, fakedaemon.Deps{})
-	require.ErrorContains(t, err, "nodes must be at least 1")
+	require.ErrorContains(t, err, "nodes must be from 1 to 20000")
 }
 
 func TestHealthServer(t *testing.T) {

@@ -208,12 +208,17 @@ type Runner struct {
 	err  error
 }
 
+// MaxNodes is the most machines one process runs (Config.Nodes): each holds
+// a key, a TLS session and a journal, so a count off by some orders of
+// magnitude would exhaust the host's memory before anything failed.
+const MaxNodes = 20000
+
 // New validates cfg and returns a Runner. It fails for an unknown variant
-// (naming the valid ones), a negative node count, a malformed pin, or
-// InsecureTrustServerPins without Server.
+// (naming the valid ones), a negative node count or one above MaxNodes, a
+// malformed pin, or InsecureTrustServerPins without Server.
 func New(cfg Config, deps Deps) (*Runner, error) {
-	if cfg.Nodes < 0 {
-		return nil, fmt.Errorf("nodes must be at least 1, got %d", cfg.Nodes)
+	if cfg.Nodes < 0 || cfg.Nodes > MaxNodes {
+		return nil, fmt.Errorf("nodes must be from 1 to %d, got %d", MaxNodes, cfg.Nodes)
 	}
 	if err := cfg.Pins.Validate(); err != nil {
 		return nil, fmt.Errorf("pins: %w", err)
