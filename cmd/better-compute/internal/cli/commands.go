@@ -86,6 +86,12 @@ func (a *app) commandsRunCmd() *cobra.Command {
 				func(ctx context.Context) (*computev1.Command, error) {
 					got, err := cl.commands.GetCommand(ctx, connect.NewRequest(&computev1.GetCommandRequest{CommandId: cm.Id}))
 					if err != nil {
+						if ctx.Err() == nil && transientError(err) {
+							// The command goes on without the API: keep
+							// waiting for it rather than report it failed.
+							fmt.Fprintf(a.env.Stderr, "commands run: waiting for %s: %v; retrying\n", cm.Id, err)
+							return cm, nil
+						}
 						return nil, err
 					}
 					return got.Msg.Command, nil
@@ -103,6 +109,17 @@ func (a *app) commandsRunCmd() *cobra.Command {
 		return nil
 	}
 	return c
+}
+
+// transientError reports whether err, from a call whose context is still
+// live, says the API could not be reached or answer for now (Unavailable, a
+// dropped connection, a timeout) rather than refused the call.
+func transientError(err error) bool {
+	switch connect.CodeOf(err) {
+	case connect.CodeUnavailable, connect.CodeCanceled, connect.CodeDeadlineExceeded, connect.CodeUnknown:
+		return true
+	}
+	return false
 }
 
 func (a *app) commandsGetCmd() *cobra.Command {

@@ -2,7 +2,12 @@ package cli_test
 
 import (
 	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -108,4 +113,49 @@ func TestCommands(t *testing.T) {
 	require.Contains(t, res.stderr, "needs commands.run")
 	res = f.runner(f.viewer).run(t, "commands", "list")
 	require.Equal(t, 0, res.code, res.stderr)
+}
+
+// TestCommandsRunWaitRidesOutAnOutage: `commands run --wait` keeps polling
+// through an API that cannot answer for a while (the command goes on without
+// it) and reports the command's end, not the outage.
+func TestCommandsRunWaitRidesOutAnOutage(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	target, err := url.Parse(f.url)
+	require.NoError(t, err)
+	proxy := httputil.NewSingleHostReverseProxy(target)
+	var refused atomic.Int64
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.HasSuffix(r.URL.Path, "/GetCommand") && refused.Add(1) <= 3 {
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusServiceUnavailable)
+			_, _ = w.Write([]byte(`{"code":"unavailable","message":"the api is restarting"}`))
+			return
+		}
+		proxy.ServeHTTP(w, r)
+	}))
+	t.Cleanup(srv.Close)
+	r := runner{env: map[string]string{"BETTER_COMPUTE_URL": srv.URL, "BETTER_COMPUTE_TOKEN": f.root}, clk: clock.New()}
+
+	go func() {
+		for refused.Load() <= 3 {
+			if clock.Sleep(t.Context(), clock.New(), 20*time.Millisecond) != nil {
+				return
+			}
+		}
+		var id string
+		if f.db.Pool.QueryRow(t.Context(), `SELECT id FROM commands WHERE kind = 'inventory.refresh'`).Scan(&id) != nil {
+			return
+		}
+		_ = f.db.InTx(t.Context(), func(tx pgx.Tx) error {
+			_, err := store.ApplySessionCommandUpdates(t.Context(), tx, []store.SessionCommandUpdate{{NodeID: f.adopted,
+				CommandID: id, State: "succeeded", Now: f.db.Now()}})
+			return err
+		})
+	}()
+	res := r.run(t, "commands", "run", "--node", f.adopted, "inventory.refresh", "--wait")
+	require.Equal(t, 0, res.code, res.stderr)
+	cmd := parseCommand(t, res.stdout)
+	require.Equal(t, "succeeded", cmd.State)
+	require.Contains(t, res.stderr, "commands run: waiting for "+cmd.ID+": unavailable: the api is restarting; retrying")
 }
