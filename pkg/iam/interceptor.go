@@ -34,9 +34,13 @@ type Policy map[string]Rule
 // NewInterceptor returns a Connect handler interceptor that authenticates
 // every request with a and authorizes it by policy, and puts the Principal
 // in the handler's context (PrincipalFrom) and in the call's audit record
-// (so that a refusal is audited with its caller). Errors: Unauthenticated
-// (missing or bad token), PermissionDenied (role lacks the permission, or
-// the procedure has no rule).
+// (so that a refusal is audited with its caller). It checks a streaming
+// call once, when it opens: a long stream that must end when its token
+// does re-authenticates itself (the API's events watch does). Errors:
+// Unauthenticated (missing or bad token), PermissionDenied (role lacks the
+// permission, or the procedure has no rule), Internal wrapping a database
+// error (for the masking of service.HandlerOptions, which makes a failure
+// to reach the database Unavailable).
 func NewInterceptor(a *Authenticator, policy Policy) connect.Interceptor {
 	return &interceptor{authn: a, policy: policy}
 }

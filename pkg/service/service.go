@@ -18,6 +18,8 @@ import (
 	"connectrpc.com/connect"
 	"connectrpc.com/otelconnect"
 	"connectrpc.com/validate"
+
+	"github.com/better-compute/better-compute/pkg/store"
 )
 
 // NewServer returns an http.Server for h on addr that accepts HTTP/1.1 and
@@ -79,7 +81,9 @@ func Serve(ctx context.Context, logger *slog.Logger, srv *http.Server, ln net.Li
 const MaxRequestBytes = 1 << 20
 
 // HandlerOptions returns the Connect options of every service: OpenTelemetry
-// tracing (otelconnect), masking of Internal/Unknown error details,
+// tracing (otelconnect), masking of Internal/Unknown error details in unary
+// and streaming calls (PublicError: database connection failures become
+// Unavailable, the rest Internal "internal error"; the real error is logged),
 // protovalidate checks of requests (InvalidArgument naming the field) and
 // the MaxRequestBytes limit. It is HandlerOptionsAround with no interceptors
 // of its own.
@@ -124,23 +128,75 @@ func ClientOptions() []connect.ClientOption {
 	return []connect.ClientOption{connect.WithInterceptors(otel)}
 }
 
-// maskInternal logs Internal and Unknown errors and returns a generic message
-// in their place, so that SQL and internals never reach clients.
-func maskInternal(logger *slog.Logger) connect.UnaryInterceptorFunc {
-	return func(next connect.UnaryFunc) connect.UnaryFunc {
-		return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
-			res, err := next(ctx, req)
-			if err == nil {
-				return res, nil
-			}
-			code := connect.CodeOf(err)
-			if code == connect.CodeInternal || code == connect.CodeUnknown {
-				logger.ErrorContext(ctx, "internal error", "procedure", req.Spec().Procedure, "err", err)
-				return nil, connect.NewError(connect.CodeInternal, errors.New("internal error"))
-			}
-			return res, err
+// maskInternal returns the interceptor that gives clients PublicError of
+// every handler error, unary and streaming, and logs the real error of those
+// it replaced, so that SQL and internals never reach clients.
+func maskInternal(logger *slog.Logger) connect.Interceptor { return &masker{logger: logger} }
+
+type masker struct{ logger *slog.Logger }
+
+func (m *masker) mask(ctx context.Context, procedure string, err error) error {
+	public, masked := PublicError(err)
+	if masked {
+		if connect.CodeOf(public) == connect.CodeUnavailable {
+			m.logger.WarnContext(ctx, "database unavailable", "procedure", procedure, "err", err)
+		} else {
+			m.logger.ErrorContext(ctx, "internal error", "procedure", procedure, "err", err)
 		}
 	}
+	return public
+}
+
+func (m *masker) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
+	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+		res, err := next(ctx, req)
+		if err != nil && !req.Spec().IsClient {
+			return nil, m.mask(ctx, req.Spec().Procedure, err)
+		}
+		return res, err
+	}
+}
+
+func (m *masker) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
+	return next
+}
+
+func (m *masker) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
+	return func(ctx context.Context, conn connect.StreamingHandlerConn) error {
+		if err := next(ctx, conn); err != nil {
+			return m.mask(ctx, conn.Spec().Procedure, err)
+		}
+		return nil
+	}
+}
+
+// Messages of the errors PublicError puts in place of internal ones.
+const (
+	// MsgInternal is the message of a masked Internal error.
+	MsgInternal = "internal error"
+	// MsgUnavailable is the message of a failure to reach the database.
+	MsgUnavailable = "the database is unavailable; retry later"
+)
+
+// PublicError returns the error a client is given for err, an error a
+// handler ended with: an Internal or Unknown error (a Connect error of
+// those codes, or any plain error) becomes Unavailable (MsgUnavailable)
+// when its cause is a failure to reach the database (store.IsUnavailable:
+// a failed connect or acquire, a network error, a server shutting down or
+// starting), so that clients retry, and Internal (MsgInternal) otherwise.
+// Other Connect errors, and nil, pass unchanged. masked reports that err
+// was replaced: the caller logs it, as its text may hold SQL or host names.
+func PublicError(err error) (public error, masked bool) {
+	if err == nil {
+		return nil, false
+	}
+	if code := connect.CodeOf(err); code != connect.CodeInternal && code != connect.CodeUnknown {
+		return err, false
+	}
+	if store.IsUnavailable(err) {
+		return connect.NewError(connect.CodeUnavailable, errors.New(MsgUnavailable)), true
+	}
+	return connect.NewError(connect.CodeInternal, errors.New(MsgInternal)), true
 }
 
 // Check is one readiness check of a health endpoint.

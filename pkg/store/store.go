@@ -15,6 +15,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
+	"strings"
 	"time"
 
 	"github.com/exaring/otelpgx"
@@ -207,6 +209,41 @@ func (e *ConstraintError) Is(target error) bool { return target == ErrConflict }
 
 // Unwrap returns the driver error.
 func (e *ConstraintError) Unwrap() error { return e.err }
+
+// IsUnavailable reports whether err is a failure to reach the database
+// rather than an answer from it, so that the call may succeed when retried
+// (callers map it to Unavailable): a failed connect, including one that
+// timed out or found no host (*pgconn.ConnectError, also as a pool's
+// failed acquire), a network error on an open connection (net.Error, not
+// the caller's own context ending), or a server that refuses work while
+// shutting down or starting (SQLSTATE class 08, 57P01–57P03).
+func IsUnavailable(err error) bool {
+	if err == nil {
+		return false
+	}
+	var ce *pgconn.ConnectError
+	if errors.As(err, &ce) {
+		return true
+	}
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		switch {
+		case strings.HasPrefix(pe.Code, "08"), // connection_exception
+			pe.Code == "57P01", // admin_shutdown
+			pe.Code == "57P02", // crash_shutdown
+			pe.Code == "57P03": // cannot_connect_now
+			return true
+		}
+		return false
+	}
+	// The context errors are net.Errors too (Timeout): a call whose own
+	// deadline passed is DeadlineExceeded, not Unavailable.
+	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		return false
+	}
+	var ne net.Error
+	return errors.As(err, &ne)
+}
 
 // IsConstraint reports whether err is a violation of the named constraint.
 func IsConstraint(err error, name string) bool {

@@ -20,8 +20,10 @@ var conflictMessages = map[string]string{
 // pass through, store.ErrNotFound becomes NotFound (store messages name the
 // missing row and carry no SQL), store.ErrConflict becomes AlreadyExists
 // (with the message of its constraint), context ends become
-// Canceled/DeadlineExceeded, and anything else Internal (masked for the
-// client and logged by service.HandlerOptions).
+// Canceled/DeadlineExceeded, and anything else Internal, wrapping err: the
+// masking of service.HandlerOptions (service.PublicError) logs it and gives
+// the client Unavailable when err is a failure to reach the database
+// (store.IsUnavailable), "internal error" otherwise.
 func mapError(err error) error {
 	if err == nil {
 		return nil

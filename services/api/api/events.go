@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net/http"
 	"strconv"
 	"strings"
@@ -17,6 +18,7 @@ import (
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/iam"
+	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 )
 
@@ -53,6 +55,11 @@ type WatchConfig struct {
 	// Batch is how many events rows one read returns, which bounds a
 	// watch's memory (default 500).
 	Batch int
+	// AuthCheck is how often an open watch authenticates its caller's
+	// token again (default 1 s, the token cache's TTL, so that a check
+	// costs a query at most once per TTL): a watch whose token was revoked
+	// ends within about AuthCheck. A watch also ends at its token's expiry.
+	AuthCheck time.Duration
 }
 
 func (c WatchConfig) withDefaults() WatchConfig {
@@ -71,6 +78,9 @@ func (c WatchConfig) withDefaults() WatchConfig {
 	if c.Batch <= 0 {
 		c.Batch = 500
 	}
+	if c.AuthCheck <= 0 {
+		c.AuthCheck = time.Second
+	}
 	return c
 }
 
@@ -80,8 +90,11 @@ type eventService struct{ *Server }
 // root-admin) whose type matches req.Types, after req.AfterId (0: from the
 // newest committed event), oldest first, then each new one as it commits
 // (WatchConfig says how gaps in the ids are handled). It ends when the
-// client cancels (no error) or the server shuts down (Unavailable: resume
-// with the last id received).
+// client cancels (no error), the server shuts down or the database cannot
+// be reached (Unavailable: resume with the last id received), or the
+// caller's token is revoked or expires (Unauthenticated "api token was
+// revoked" / "api token expired at …"; checked every WatchConfig.AuthCheck
+// and at the expiry).
 func (s *eventService) Watch(ctx context.Context, req *connect.Request[computev1.WatchRequest], stream *connect.ServerStream[computev1.WatchResponse]) error {
 	p, err := principal(ctx)
 	if err != nil {
@@ -93,14 +106,8 @@ func (s *eventService) Watch(ctx context.Context, req *connect.Request[computev1
 		return stream.Send(&computev1.WatchResponse{Event: &computev1.Event{Id: e.ID, Type: e.Type, TenantId: e.TenantID,
 			SubjectId: e.SubjectID, DataJson: string(e.Data), Time: timestamppb.New(e.CreatedAt)}})
 	}
-	err = s.watch(ctx, p, req.Msg.Types, req.Msg.AfterId, ready, send)
-	// connect.CodeOf(nil) is Unknown: a watch that ended well is not an error.
-	if err != nil && (connect.CodeOf(err) == connect.CodeInternal || connect.CodeOf(err) == connect.CodeUnknown) {
-		// The shared masking interceptor only wraps unary calls.
-		s.logger.ErrorContext(ctx, "internal error", "procedure", req.Spec().Procedure, "err", err)
-		return connect.NewError(connect.CodeInternal, errors.New("internal error"))
-	}
-	return err
+	// The shared interceptor (service.HandlerOptions) masks internal errors.
+	return s.watch(ctx, p, req.Header().Get("Authorization"), req.Msg.Types, req.Msg.AfterId, ready, send)
 }
 
 // watchEventJSON is one line of WatchPath, the shape of the events NATS
@@ -119,19 +126,25 @@ type watchEventJSON struct {
 // semantics of EventService.Watch. types is a comma-separated list of
 // patterns, after the id of the last event received. Refusals are JSON
 // objects {"code": "...", "message": "..."} with 401 (missing or bad
-// token), 403 (role without events.read) or 400 (bad query parameter, named).
-// Once the first line is sent, an error ends the response; resume with the
-// last id.
+// token), 403 (role without events.read), 400 (bad query parameter, named),
+// 503 (database unreachable: retry) or 500. Once the response has begun
+// (200), an error ends it with one last line of that shape, which has no
+// "id": {"code": "unavailable", …} when the server shuts down or the
+// database cannot be reached (resume with the last id), {"code":
+// "unauthenticated", "message": "api token was revoked"} (or "… expired
+// at …") when the token no longer authenticates (checked every
+// WatchConfig.AuthCheck and at its expiry), {"code": "internal", "message":
+// "internal error"} otherwise.
 func (s *Server) serveWatch(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
-	p, err := s.authn.Authenticate(ctx, r.Header.Get("Authorization"))
+	authorization := r.Header.Get("Authorization")
+	p, err := s.authn.Authenticate(ctx, authorization)
 	switch {
 	case errors.Is(err, iam.ErrUnauthenticated):
 		writeHTTPError(w, http.StatusUnauthorized, connect.CodeUnauthenticated, err.Error())
 		return
 	case err != nil:
-		s.logger.ErrorContext(ctx, "authenticate", "err", err)
-		writeHTTPError(w, http.StatusInternalServerError, connect.CodeInternal, "internal error")
+		s.writeWatchError(w, r, false, fmt.Errorf("authenticate: %w", err))
 		return
 	case !p.Can(iam.PermEventsRead):
 		writeHTTPError(w, http.StatusForbidden, connect.CodePermissionDenied,
@@ -172,15 +185,43 @@ func (s *Server) serveWatch(w http.ResponseWriter, r *http.Request) {
 		return rc.Flush()
 	}
 	started := false
-	err = s.watch(ctx, p, req.Types, req.AfterId, func() error { started = true; return ready() }, send)
-	if err == nil {
-		return
+	err = s.watch(ctx, p, authorization, req.Types, req.AfterId, func() error { started = true; return ready() }, send)
+	if err != nil && ctx.Err() == nil {
+		s.writeWatchError(w, r, started, err)
+	}
+}
+
+// writeWatchError tells the client of GET WatchPath what ended its watch,
+// as a JSON error response or, once the response has started, as its last
+// line (serveWatch), masked by service.PublicError (the real error is
+// logged).
+func (s *Server) writeWatchError(w http.ResponseWriter, r *http.Request, started bool, err error) {
+	public, masked := service.PublicError(err)
+	code := connect.CodeOf(public)
+	switch {
+	case masked && code == connect.CodeUnavailable:
+		s.logger.WarnContext(r.Context(), "watch: database unavailable", "err", err)
+	case masked:
+		s.logger.ErrorContext(r.Context(), "watch", "err", err)
+	}
+	msg := public.Error()
+	var cerr *connect.Error
+	if errors.As(public, &cerr) {
+		msg = cerr.Message()
 	}
 	if !started {
-		writeHTTPError(w, http.StatusInternalServerError, connect.CodeInternal, "internal error")
+		status := http.StatusInternalServerError
+		switch code {
+		case connect.CodeUnavailable:
+			status = http.StatusServiceUnavailable
+		case connect.CodeUnauthenticated:
+			status = http.StatusUnauthorized
+		}
+		writeHTTPError(w, status, code, msg)
+		return
 	}
-	if code := connect.CodeOf(err); code != connect.CodeUnavailable && code != connect.CodeCanceled {
-		s.logger.ErrorContext(ctx, "watch", "err", err)
+	if json.NewEncoder(w).Encode(map[string]string{"code": code.String(), "message": msg}) == nil {
+		_ = http.NewResponseController(w).Flush() // the client may be gone
 	}
 }
 
@@ -205,23 +246,31 @@ type gapHold struct {
 
 // watcher is one watch's position.
 type watcher struct {
-	s      *Server
-	cfg    WatchConfig
-	filter store.EventFilter
+	s   *Server
+	cfg WatchConfig
+	// p is the caller, authorization its Authorization header, which
+	// recheck authenticates again.
+	p             iam.Principal
+	authorization string
+	filter        store.EventFilter
 	// cursor is the last id delivered or stepped over.
 	cursor int64
 	hold   *gapHold
 }
 
-// watch runs one watch for p: it fixes the cursor (after, or the newest
+// watch runs one watch for p, who authenticated with the Authorization
+// header value authorization: it fixes the cursor (after, or the newest
 // committed id when after is 0), calls ready, then calls send for every
 // matching event in id order until ctx ends (nil), the server stops
-// (Unavailable), send fails (its error) or the database does (Internal).
-func (s *Server) watch(ctx context.Context, p iam.Principal, types []string, after int64, ready func() error,
-	send func(store.Event) error,
+// (Unavailable), send fails (its error), the database does (Internal, or
+// Unavailable when it cannot be reached: service.PublicError), or the
+// caller no longer authenticates (Unauthenticated; recheck, every
+// WatchConfig.AuthCheck and at p.ExpiresAt).
+func (s *Server) watch(ctx context.Context, p iam.Principal, authorization string, types []string, after int64,
+	ready func() error, send func(store.Event) error,
 ) error {
-	w := &watcher{s: s, cfg: s.cfg.Watch.withDefaults(), filter: store.EventFilter{TenantID: p.TenantScope(), Types: types},
-		cursor: after}
+	w := &watcher{s: s, cfg: s.cfg.Watch.withDefaults(), p: p, authorization: authorization,
+		filter: store.EventFilter{TenantID: p.TenantScope(), Types: types}, cursor: after}
 	wake := make(chan struct{}, 1)
 	if s.nc != nil {
 		// The outbox relay publishes an event after its commit: a hint to
@@ -254,6 +303,14 @@ func (s *Server) watch(ctx context.Context, p iam.Principal, types []string, aft
 	}
 	ticker := s.clock.NewTicker(w.cfg.Poll)
 	defer ticker.Stop()
+	authTick := s.clock.NewTicker(w.cfg.AuthCheck)
+	defer authTick.Stop()
+	var expiry <-chan time.Time // fires at p.ExpiresAt
+	if p.ExpiresAt != nil {
+		t := s.clock.NewTimer(max(0, p.ExpiresAt.Sub(s.clock.Now())))
+		defer t.Stop()
+		expiry = t.C()
+	}
 	for {
 		more, err := w.step(ctx, send)
 		if err != nil {
@@ -263,17 +320,59 @@ func (s *Server) watch(ctx context.Context, p iam.Principal, types []string, aft
 			if ctx.Err() != nil {
 				return nil
 			}
+			// A long catch-up checks the token as often as an idle watch.
+			select {
+			case <-authTick.C():
+			case <-expiry:
+				expiry = nil
+			default:
+				continue
+			}
+			if err := w.recheck(ctx); err != nil {
+				return w.end(ctx, err)
+			}
 			continue
 		}
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-s.stopWatches:
-			return connect.NewError(connect.CodeUnavailable, errors.New("the server is shutting down: resume after the last event id"))
-		case <-wake:
-		case <-ticker.C():
+	wait:
+		for {
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-s.stopWatches:
+				return connect.NewError(connect.CodeUnavailable, errors.New("the server is shutting down: resume after the last event id"))
+			case <-wake:
+				break wait
+			case <-ticker.C():
+				break wait
+			case <-authTick.C():
+			case <-expiry:
+				expiry = nil
+			}
+			if err := w.recheck(ctx); err != nil {
+				return w.end(ctx, err)
+			}
 		}
 	}
+}
+
+// recheck authenticates the watch's caller again: an Unauthenticated error
+// once its token has expired (by the server's clock) or no longer
+// authenticates (revoked, deleted); nil otherwise, also when the database
+// failed (logged; the next check retries), so that a passing database
+// error does not end every watch.
+func (w *watcher) recheck(ctx context.Context) error {
+	if exp := w.p.ExpiresAt; exp != nil && !exp.After(w.s.clock.Now()) {
+		return connect.NewError(connect.CodeUnauthenticated,
+			errors.New("api token expired at "+exp.UTC().Format(time.RFC3339)))
+	}
+	_, err := w.s.authn.Authenticate(ctx, w.authorization)
+	switch {
+	case errors.Is(err, iam.ErrUnauthenticated):
+		return connect.NewError(connect.CodeUnauthenticated, err)
+	case err != nil && ctx.Err() == nil:
+		w.s.logger.WarnContext(ctx, "watch: authenticate again; retrying at the next check", "err", err)
+	}
+	return nil
 }
 
 // end is the error a watch ends with after err: none when the client went

@@ -298,8 +298,8 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	// Session deliberately runs without service.HandlerOptions: an
 	// otelconnect span would live as long as the session (hours) and
 	// collect an event per message, gateway.proto has no protovalidate
-	// rules, and maskInternal covers unary calls only (Session returns
-	// explicit Connect codes). Together they cost about 6 KiB per idle
+	// rules, and Session returns explicit Connect codes, so the masking of
+	// internal errors has nothing to do. Together they cost about 6 KiB per idle
 	// session (BenchmarkIdleSessionMemory). Database calls are still
 	// traced by otelpgx.
 	mux.Handle(gatewayv1connect.NewGatewayServiceHandler(s, connect.WithCompressMinBytes(service.CompressMinBytes)))
