@@ -35,6 +35,15 @@ const (
 	EventCommandExpired   = "command.expired"
 )
 
+// CommandErrTextExpired is the error a daemon reports, with state failed,
+// for a command it received after its deadline (pkg/daemon ErrTextExpired:
+// daemons report only running, succeeded and failed).
+// ApplySessionCommandUpdates records such a failure as expired.
+const CommandErrTextExpired = "deadline passed before the command started"
+
+// commandErrDeadline is the error of a command that expired.
+const commandErrDeadline = "deadline passed"
+
 // DefaultCommandTimeout is a command's deadline from its creation when the
 // caller gives none.
 const DefaultCommandTimeout = 5 * time.Minute
@@ -474,9 +483,9 @@ func ExpireDueCommands(ctx context.Context, q DBTX, now time.Time, limit int) ([
 	rows, err := q.Query(ctx, `WITH due AS (
 			SELECT id FROM commands WHERE finished_at IS NULL AND purpose = 'user'
 				AND deadline <= $1 ORDER BY deadline, id LIMIT $2 FOR UPDATE SKIP LOCKED)
-		UPDATE commands c SET state = 'expired', error = CASE WHEN c.error = '' THEN 'deadline passed' ELSE c.error END,
+		UPDATE commands c SET state = 'expired', error = CASE WHEN c.error = '' THEN $3 ELSE c.error END,
 			finished_at = $1, updated_at = $1
-		FROM due WHERE c.id = due.id RETURNING c.id`, now, limit)
+		FROM due WHERE c.id = due.id RETURNING c.id`, now, limit, commandErrDeadline)
 	if err != nil {
 		return nil, queryErr("expire commands", err)
 	}

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/daemon"
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/store/storetest"
@@ -238,6 +239,133 @@ func TestApplySessionCommandUpdateWritesCommandEvents(t *testing.T) {
 	got, err := pgx.CollectRows(rows, pgx.RowToStructByPos[ev])
 	require.NoError(t, err)
 	require.Equal(t, []ev{{"command.succeeded", "cmd_ok", "ten_1"}, {"command.failed", "cmd_bad", "ten_1"}}, got)
+}
+
+// TestApplySessionCommandUpdatesAfterTheDeadline: a command must finish
+// before its deadline, whether or not the expiry reconciler ran first. A
+// terminal report at or after the deadline records it expired (a success
+// keeps its result), with the command.expired event and NATS message the
+// reconciler would have written; a daemon's "received too late" failure is
+// expired whatever its time; an on-time report is recorded as it came.
+func TestApplySessionCommandUpdatesAfterTheDeadline(t *testing.T) {
+	t.Parallel()
+	require.Equal(t, daemon.ErrTextExpired, store.CommandErrTextExpired, "the daemon's and the store's text must agree")
+	db, now := commandsDB(t)
+	ctx := t.Context()
+	deadline := now.Add(time.Minute)
+	for _, id := range []string{"cmd_late_ok", "cmd_ok", "cmd_too_late", "cmd_late_bad", "cmd_at", "cmd_reaped"} {
+		_, err := queue(t, db, nil, now, store.NewCommand{ID: id, NodeID: "n-ok", Kind: store.CommandDiagNVML, Deadline: deadline})
+		require.NoError(t, err)
+	}
+	_, err := db.Pool.Exec(ctx, `INSERT INTO commands (id, node_id, kind, purpose, state, retry_safe, deadline,
+		created_at, updated_at) VALUES ('cmd_acc', 'n-acc', 'diag.nvml', 'acceptance', 'running', true, $1, $2, $2)`, deadline, now)
+	require.NoError(t, err)
+	_, err = db.Pool.Exec(ctx, `UPDATE commands SET state = 'running', delivered_at = $1 WHERE id <> 'cmd_too_late'`, now)
+	require.NoError(t, err)
+	_, err = db.Pool.Exec(ctx, `DELETE FROM outbox`)
+	require.NoError(t, err)
+
+	late, early := deadline.Add(20*time.Second), deadline.Add(-30*time.Second)
+	u := func(id, state, errText string, at time.Time) store.SessionCommandUpdate {
+		var result []byte
+		if state == "succeeded" {
+			result = []byte(`{"output": "` + id + `"}`)
+		}
+		node := "n-ok"
+		if id == "cmd_acc" {
+			node = "n-acc"
+		}
+		return store.SessionCommandUpdate{NodeID: node, CommandID: id, State: state, Result: result, Error: errText, Now: at}
+	}
+	var out []store.SessionCommandUpdated
+	require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
+		var err error
+		out, err = store.ApplySessionCommandUpdates(ctx, tx, []store.SessionCommandUpdate{
+			u("cmd_late_ok", "succeeded", "", late),
+			u("cmd_ok", "succeeded", "", early),
+			u("cmd_too_late", "failed", daemon.ErrTextExpired, early),
+			u("cmd_late_bad", "failed", "boom", late),
+			u("cmd_at", "succeeded", "", deadline),
+			u("cmd_acc", "succeeded", "", late),
+		})
+		return err
+	}))
+	expired := store.SessionCommandUpdated{Applied: true, Terminal: true, State: "expired"}
+	require.Equal(t, []store.SessionCommandUpdated{
+		expired,
+		{Applied: true, Terminal: true, State: "succeeded"},
+		expired,
+		expired,
+		expired,
+		{Applied: true, Terminal: true, Acceptance: true, State: "expired"},
+	}, out)
+
+	for id, want := range map[string]struct{ state, err string }{
+		"cmd_late_ok":  {"expired", "deadline passed"},
+		"cmd_ok":       {"succeeded", ""},
+		"cmd_too_late": {"expired", daemon.ErrTextExpired},
+		"cmd_late_bad": {"expired", "deadline passed"},
+		"cmd_at":       {"expired", "deadline passed"},
+		"cmd_acc":      {"expired", "deadline passed"},
+	} {
+		c, err := store.GetCommand(ctx, db.Pool, id)
+		require.NoError(t, err)
+		require.Equal(t, want.state, c.State, id)
+		require.Equal(t, want.err, c.Error, id)
+		require.NotNil(t, c.FinishedAt, id)
+		if id == "cmd_late_ok" || id == "cmd_ok" {
+			require.JSONEq(t, `{"output": "`+id+`"}`, string(c.Result), "%s: the result is kept", id)
+		}
+	}
+
+	// The reconciler expires the last one: its event is the model.
+	require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
+		_, err := store.ExpireDueCommands(ctx, tx, late, 10)
+		return err
+	}))
+	type ev struct {
+		Type, Subject string
+		Data          []byte
+	}
+	rows, err := db.Pool.Query(ctx, `SELECT type, subject_id, data FROM events WHERE type LIKE 'command.%'
+		AND type <> 'command.queued' AND tenant_id = 'ten_1' ORDER BY subject_id`)
+	require.NoError(t, err)
+	evs, err := pgx.CollectRows(rows, pgx.RowToStructByPos[ev])
+	require.NoError(t, err)
+	data := func(id, state, errText string) string {
+		return `{"commandId": "` + id + `", "nodeId": "n-ok", "kind": "diag.nvml", "state": "` + state + `"` +
+			map[bool]string{true: `, "error": "` + errText + `"`}[errText != ""] + `}`
+	}
+	want := []struct{ typ, id, data string }{
+		{"command.expired", "cmd_at", data("cmd_at", "expired", "deadline passed")},
+		{"command.expired", "cmd_late_bad", data("cmd_late_bad", "expired", "deadline passed")},
+		{"command.expired", "cmd_late_ok", data("cmd_late_ok", "expired", "deadline passed")},
+		{"command.succeeded", "cmd_ok", data("cmd_ok", "succeeded", "")},
+		{"command.expired", "cmd_reaped", data("cmd_reaped", "expired", "deadline passed")},
+		{"command.expired", "cmd_too_late", data("cmd_too_late", "expired", daemon.ErrTextExpired)},
+	}
+	require.Len(t, evs, len(want), "one event per user command, none for the acceptance check")
+	for i, w := range want {
+		require.Equal(t, w.typ, evs[i].Type, w.id)
+		require.Equal(t, w.id, evs[i].Subject)
+		require.JSONEq(t, w.data, string(evs[i].Data), w.id)
+	}
+
+	// Each event has its NATS message; the acceptance check pokes the
+	// controllers, whose reconciler retries an expired check.
+	var natsMsg struct {
+		Type string          `json:"type"`
+		Data json.RawMessage `json:"data"`
+	}
+	var payload []byte
+	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT payload FROM outbox WHERE subject = 'bc.events.ten_1.command.expired'
+		AND convert_from(payload, 'UTF8')::jsonb->>'subjectId' = 'cmd_late_ok'`).Scan(&payload))
+	require.NoError(t, json.Unmarshal(payload, &natsMsg))
+	require.Equal(t, "command.expired", natsMsg.Type)
+	require.JSONEq(t, want[2].data, string(natsMsg.Data))
+	require.Equal(t, 5, countRows(t, db, `SELECT count(*) FROM outbox WHERE subject = 'bc.events.ten_1.command.expired'`))
+	require.Equal(t, 1, countRows(t, db, `SELECT count(*) FROM outbox WHERE subject = 'bc.events.ten_1.command.succeeded'`))
+	require.Equal(t, 1, countRows(t, db, `SELECT count(*) FROM outbox WHERE subject = $1`, store.SubjectPokeControllers))
 }
 
 // TestQueueCommandsBatch queues one batch mixing good commands, refusals

@@ -327,7 +327,8 @@ type SessionCommandUpdate struct {
 	// Error is stored when not empty.
 	Error string
 	// Now is when the update is recorded: updated_at, delivered_at when
-	// unset, and finished_at of a terminal state.
+	// unset, and finished_at of a terminal state; a terminal update at or
+	// after the command's deadline records it expired.
 	Now time.Time
 }
 
@@ -344,6 +345,11 @@ type SessionCommandUpdated struct {
 	Acceptance bool
 	// Terminal is true when the update applied a terminal state.
 	Terminal bool
+	// State is the state recorded for an applied update ("" when not
+	// applied): the update's own, except that a terminal update is recorded
+	// as expired when it came at or after the deadline or is a failure
+	// with CommandErrTextExpired (see ApplySessionCommandUpdates).
+	State string
 }
 
 // updateGroup is the updates of one command (of one node) in a call of
@@ -359,12 +365,24 @@ type updateGroup struct {
 // of a terminal state, as if the updates were applied one by one: of several
 // updates of one command the first of the highest rank wins, and the result
 // and error stored are the winner's (or the command's own when the winner
-// has none). A terminal state sets finished_at. It is one statement: one
-// UPDATE for all commands (locked in id order, as ClaimSessionDeliveries
-// locks them), the command.succeeded and command.failed events (with their
-// outbox messages) of the user commands that reached a terminal state, and
-// one SubjectPokeControllers poke naming the nodes whose acceptance check
-// reached one; so it runs in q's transaction or, on DB.AutoCommit, in one of
+// has none). A terminal state sets finished_at.
+//
+// A command must finish before its deadline or it expires, whether or not
+// the expiry reconciler (ExpireDueCommands) got to it first: a terminal
+// update whose Now is at or after the command's deadline, and a failure
+// whose Error is CommandErrTextExpired (the daemon's "received too late";
+// daemons cannot report expired) whatever its time, record the command as
+// expired. Its error is then "deadline passed" (CommandErrTextExpired for
+// such a failure); a late success's result is kept, so the work that was
+// done can still be read, but the command did not succeed.
+//
+// It is one statement: one UPDATE for all commands (locked in id order, as
+// ClaimSessionDeliveries locks them), the command.succeeded,
+// command.failed and command.expired events (with their outbox messages,
+// data as ExpireDueCommands writes them) of the user commands that reached
+// a terminal state, and one SubjectPokeControllers poke naming the nodes
+// whose acceptance check reached one (an expired acceptance check is the
+// acceptance reconciler's to retry, as when it expires one); so it runs in q's transaction or, on DB.AutoCommit, in one of
 // its own. It fails, writing nothing, for a state a daemon may not report
 // (queued, expired, canceled or unknown).
 func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCommandUpdate) ([]SessionCommandUpdated, error) {
@@ -406,13 +424,18 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 	rows, err := q.Query(ctx, `WITH u AS (
 			SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int[], $5::text[], $6::text[], $7::timestamptz[])
 				WITH ORDINALITY AS u(cmd, node, state, rank, result, err, at, ord)),
-		old AS (SELECT c.id, c.state, u.ord FROM commands c JOIN u ON c.id = u.cmd AND c.node_id = u.node
+		old AS (SELECT c.id, c.state, u.ord,
+				-- A terminal report at or past the deadline (as ExpireDueCommands
+				-- counts it), or the daemon's own "too late to start", expires it.
+				u.rank = 3 AND (c.deadline <= u.at OR (u.state = 'failed' AND u.err = $9)) AS expire
+			FROM commands c JOIN u ON c.id = u.cmd AND c.node_id = u.node
 			WHERE c.id = ANY($1) ORDER BY c.id FOR UPDATE OF c),
 		upd AS (
 			UPDATE commands c SET
-				state = u.state,
+				state = CASE WHEN old.expire THEN 'expired' ELSE u.state END,
 				result = COALESCE(u.result::jsonb, c.result),
-				error = CASE WHEN u.err = '' THEN c.error ELSE u.err END,
+				error = CASE WHEN old.expire THEN CASE WHEN u.err = $9 THEN u.err ELSE $10 END
+					WHEN u.err = '' THEN c.error ELSE u.err END,
 				finished_at = CASE WHEN u.rank = 3 THEN u.at ELSE c.finished_at END,
 				delivered_at = COALESCE(c.delivered_at, u.at),
 				updated_at = u.at
@@ -423,7 +446,8 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 				c.kind, c.error, u.rank, u.at),
 		ev AS (
 			INSERT INTO events (tenant_id, type, subject_id, data, created_at)
-			SELECT tenant, CASE WHEN state = 'succeeded' THEN '`+EventCommandSucceeded+`' ELSE '`+EventCommandFailed+`' END, id,
+			SELECT tenant, CASE state WHEN 'succeeded' THEN '`+EventCommandSucceeded+`' WHEN 'failed' THEN '`+EventCommandFailed+`'
+					ELSE '`+EventCommandExpired+`' END, id,
 				jsonb_build_object('commandId', id, 'nodeId', node_id, 'kind', kind, 'state', state)
 					|| CASE WHEN error <> '' THEN jsonb_build_object('error', error) ELSE '{}'::jsonb END, at
 			FROM upd WHERE rank = 3 AND purpose <> 'acceptance' ORDER BY ord
@@ -441,21 +465,22 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 				convert_to(jsonb_build_object('nodeIds', array_agg(DISTINCT node_id ORDER BY node_id))::text, 'UTF8'), max(at)
 			FROM upd WHERE rank = 3 AND purpose = 'acceptance' HAVING count(*) > 0
 			RETURNING id)
-		SELECT ord, old_state, purpose = 'acceptance', (SELECT count(*) FROM evo) + (SELECT count(*) FROM acc) FROM upd`,
-		cmds, nodes, states, ranks, results, errs, ats, slices.MaxFunc(ats, time.Time.Compare).UTC().Format(time.RFC3339Nano))
+		SELECT ord, old_state, state, purpose = 'acceptance', (SELECT count(*) FROM evo) + (SELECT count(*) FROM acc) FROM upd`,
+		cmds, nodes, states, ranks, results, errs, ats, slices.MaxFunc(ats, time.Time.Compare).UTC().Format(time.RFC3339Nano),
+		CommandErrTextExpired, commandErrDeadline)
 	if err != nil {
 		return nil, interpretError(err)
 	}
 	type applied struct {
 		ord        int64
-		old        string
+		old, state string
 		acceptance bool
 	}
 	var done []applied
 	var outboxed int64
 	for rows.Next() {
 		var a applied
-		if err := rows.Scan(&a.ord, &a.old, &a.acceptance, &outboxed); err != nil {
+		if err := rows.Scan(&a.ord, &a.old, &a.state, &a.acceptance, &outboxed); err != nil {
 			rows.Close()
 			return nil, err
 		}
@@ -475,7 +500,14 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 				continue
 			}
 			cur = r
-			out[i] = SessionCommandUpdated{Applied: true, Acceptance: a.acceptance, Terminal: r == cmdRank[cmdSucceeded]}
+			state := updates[i].State
+			if r == cmdRank[cmdSucceeded] {
+				// The group's only applied terminal update is its winner,
+				// recorded as the statement says (expired when late).
+				state = a.state
+			}
+			out[i] = SessionCommandUpdated{Applied: true, Acceptance: a.acceptance, Terminal: r == cmdRank[cmdSucceeded],
+				State: state}
 		}
 	}
 	if outboxed > 0 {

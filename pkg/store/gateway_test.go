@@ -49,12 +49,14 @@ func (f gatewayFixture) node() string {
 	return id
 }
 
+// command inserts a diag.nvml command of nodeID created at createdAt, due an
+// hour later, and returns its id.
 func (f gatewayFixture) command(nodeID, state, purpose string, createdAt time.Time) string {
 	f.t.Helper()
 	id := ids.New(ids.Command, createdAt)
 	f.exec(`INSERT INTO commands (id, node_id, kind, purpose, state, retry_safe, deadline, created_at, updated_at,
 			finished_at)
-		VALUES ($1, $2, 'diag.nvml', $3, $4, false, $5, $5, $5,
+		VALUES ($1, $2, 'diag.nvml', $3, $4, false, $5::timestamptz + interval '1 hour', $5, $5,
 			CASE WHEN $4 IN ('queued', 'delivered', 'running') THEN NULL ELSE $5::timestamptz END)`,
 		id, nodeID, purpose, state, createdAt)
 	return id
@@ -307,11 +309,11 @@ func TestApplySessionCommandUpdate(t *testing.T) {
 		return f.applyUpdates(store.SessionCommandUpdate{
 			NodeID: node, CommandID: id, State: state, Result: result, Error: errText, Now: f.db.Now()})[0]
 	}
-	require.Equal(t, store.SessionCommandUpdated{Applied: true, Acceptance: true}, apply(n, c, "running", nil, ""))
+	require.Equal(t, store.SessionCommandUpdated{Applied: true, Acceptance: true, State: "running"}, apply(n, c, "running", nil, ""))
 	require.False(t, apply(n, c, "delivered", nil, "").Applied, "never backward")
 	require.False(t, apply(other, c, "succeeded", nil, "").Applied, "another node's command")
 	require.False(t, apply(n, "cmd_missing", "succeeded", nil, "").Applied)
-	require.Equal(t, store.SessionCommandUpdated{Applied: true, Acceptance: true, Terminal: true},
+	require.Equal(t, store.SessionCommandUpdated{Applied: true, Acceptance: true, Terminal: true, State: "succeeded"},
 		apply(n, c, "succeeded", []byte(`{"output":"ok"}`), ""))
 	require.False(t, apply(n, c, "failed", nil, "late").Applied, "never out of a terminal state")
 
@@ -368,11 +370,13 @@ func TestApplySessionCommandUpdates(t *testing.T) {
 		u(acc2, a2, "succeeded", "", nil),
 		u(n, x, "running", "", nil),
 	)
-	applied := store.SessionCommandUpdated{Applied: true}
-	terminal := store.SessionCommandUpdated{Applied: true, Terminal: true}
-	accTerminal := store.SessionCommandUpdated{Applied: true, Terminal: true, Acceptance: true}
+	running := store.SessionCommandUpdated{Applied: true, State: "running"}
+	succeeded := store.SessionCommandUpdated{Applied: true, Terminal: true, State: "succeeded"}
+	failed := store.SessionCommandUpdated{Applied: true, Terminal: true, State: "failed"}
+	accFailed := store.SessionCommandUpdated{Applied: true, Terminal: true, Acceptance: true, State: "failed"}
+	accSucceeded := store.SessionCommandUpdated{Applied: true, Terminal: true, Acceptance: true, State: "succeeded"}
 	require.Equal(t, []store.SessionCommandUpdated{
-		applied, {}, terminal, applied, {}, {}, accTerminal, terminal, {}, {}, accTerminal, {},
+		running, {}, succeeded, running, {}, {}, accFailed, failed, {}, {}, accSucceeded, {},
 	}, out)
 
 	type row struct {
@@ -441,7 +445,7 @@ func TestApplySessionCommandUpdates(t *testing.T) {
 	w := f.command(n, "delivered", "user", base)
 	out, err = store.ApplySessionCommandUpdates(ctx, f.db.Pool, []store.SessionCommandUpdate{u(n, w, "running", "", nil)})
 	require.NoError(t, err)
-	require.Equal(t, []store.SessionCommandUpdated{applied}, out)
+	require.Equal(t, []store.SessionCommandUpdated{running}, out)
 	require.Equal(t, "running", get(w).State)
 
 	// An invalid state fails the whole batch, writing nothing.

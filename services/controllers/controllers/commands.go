@@ -25,7 +25,10 @@ const DefaultCommandExpiryInterval = time.Second
 // command.expired event (store.ExpireDueCommands). Acceptance commands are
 // the acceptance reconciler's. A daemon's later report of an expired
 // command changes nothing (states only move forward, and a terminal state
-// is final). It claims rows with SKIP LOCKED, so an overlap of two replicas
+// is final), and a report after the deadline that comes before this
+// reconciler records the command expired too
+// (store.ApplySessionCommandUpdates), so the outcome does not depend on
+// which ran first. It claims rows with SKIP LOCKED, so an overlap of two replicas
 // during a lease takeover does no harm.
 type CommandExpiry struct {
 	// DB is the database; required.

@@ -508,7 +508,8 @@ func (s *Server) handle(ctx context.Context, st *session, req *gatewayv1.Session
 // commandUpdate stores a command's new state, forward only, through the
 // update batcher (store.ApplySessionCommandUpdates), and waits for it: the
 // terminal update of a user command writes its event, and that of an
-// acceptance check wakes the controllers, in the batch's transaction.
+// acceptance check wakes the controllers, in the batch's transaction. A
+// terminal update after the command's deadline records it expired.
 func (s *Server) commandUpdate(ctx context.Context, st *session, u *gatewayv1.CommandUpdate) error {
 	if u.GetCommandId() == "" {
 		return connect.NewError(connect.CodeInvalidArgument, errors.New("command_update.command_id is required"))
@@ -542,7 +543,9 @@ func (s *Server) commandUpdate(ctx context.Context, st *session, u *gatewayv1.Co
 		s.log.Warn("the daemon refused a command", telemetry.KeyNodeID, st.nodeID, telemetry.KeyCommandID, u.GetCommandId(),
 			"reason", u.GetError())
 	}
-	s.log.Info("command updated", telemetry.KeyNodeID, st.nodeID, telemetry.KeyCommandID, u.GetCommandId(), "state", state)
+	// out.State is expired for a terminal report after the deadline.
+	s.log.Info("command updated", telemetry.KeyNodeID, st.nodeID, telemetry.KeyCommandID, u.GetCommandId(),
+		"state", out.State, "reported", state)
 	return nil
 }
 
