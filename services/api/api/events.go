@@ -101,7 +101,10 @@ func (s *eventService) Watch(ctx context.Context, req *connect.Request[computev1
 		return err
 	}
 	// Send(nil) sends the response headers: the watch has its cursor.
-	ready := func() error { return stream.Send(nil) }
+	ready := func(cursor int64) error {
+		stream.ResponseHeader().Set(WatchCursorHeader, strconv.FormatInt(cursor, 10))
+		return stream.Send(nil)
+	}
 	send := func(e store.Event) error {
 		return stream.Send(&computev1.WatchResponse{Event: &computev1.Event{Id: e.ID, Type: e.Type, TenantId: e.TenantID,
 			SubjectId: e.SubjectID, DataJson: string(e.Data), Time: timestamppb.New(e.CreatedAt)}})
@@ -169,7 +172,8 @@ func (s *Server) serveWatch(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	rc := http.NewResponseController(w)
-	ready := func() error {
+	ready := func(cursor int64) error {
+		w.Header().Set(WatchCursorHeader, strconv.FormatInt(cursor, 10))
 		w.Header().Set("Content-Type", "application/x-ndjson")
 		w.Header().Set("Cache-Control", "no-store")
 		w.Header().Set("X-Accel-Buffering", "no") // proxies: do not buffer
@@ -185,7 +189,7 @@ func (s *Server) serveWatch(w http.ResponseWriter, r *http.Request) {
 		return rc.Flush()
 	}
 	started := false
-	err = s.watch(ctx, p, authorization, req.Types, req.AfterId, func() error { started = true; return ready() }, send)
+	err = s.watch(ctx, p, authorization, req.Types, req.AfterId, func(cursor int64) error { started = true; return ready(cursor) }, send)
 	if err != nil && ctx.Err() == nil {
 		s.writeWatchError(w, r, started, err)
 	}
@@ -233,6 +237,13 @@ func writeHTTPError(w http.ResponseWriter, status int, code connect.Code, msg st
 	_ = json.NewEncoder(w).Encode(map[string]string{"code": code.String(), "message": msg})
 }
 
+// WatchCursorHeader is the response header of both watch paths that names
+// the id the watch starts after: the request's after_id, or the newest
+// event id when it asked for events "from now" (after_id 0). A client that
+// loses the stream before any event resumes after it, so that nothing
+// committed meanwhile is missed.
+const WatchCursorHeader = "Bc-Watch-After"
+
 // gapHold is a watch's wait for missing ids to commit (WatchConfig).
 type gapHold struct {
 	// seen is when the gap was first met.
@@ -267,7 +278,7 @@ type watcher struct {
 // caller no longer authenticates (Unauthenticated; recheck, every
 // WatchConfig.AuthCheck and at p.ExpiresAt).
 func (s *Server) watch(ctx context.Context, p iam.Principal, authorization string, types []string, after int64,
-	ready func() error, send func(store.Event) error,
+	ready func(cursor int64) error, send func(store.Event) error,
 ) error {
 	w := &watcher{s: s, cfg: s.cfg.Watch.withDefaults(), p: p, authorization: authorization,
 		filter: store.EventFilter{TenantID: p.TenantScope(), Types: types}, cursor: after}
@@ -298,7 +309,7 @@ func (s *Server) watch(ctx context.Context, p iam.Principal, authorization strin
 		}
 		w.cursor = id
 	}
-	if err := ready(); err != nil {
+	if err := ready(w.cursor); err != nil {
 		return w.end(ctx, err)
 	}
 	ticker := s.clock.NewTicker(w.cfg.Poll)

@@ -409,6 +409,9 @@ func TestWatchHTTP(t *testing.T) {
 	defer res.Body.Close()
 	require.Equal(t, http.StatusOK, res.StatusCode)
 	require.Equal(t, "application/x-ndjson", res.Header.Get("Content-Type"))
+	cursor, err := strconv.ParseInt(res.Header.Get(api.WatchCursorHeader), 10, 64)
+	require.NoError(t, err, "the watch names where \"now\" was")
+	require.GreaterOrEqual(t, cursor, old)
 	insertEvent(t, pool, now, f.acme, "reservation.released")
 	insertEvent(t, pool, now, f.other, "node.cordoned")
 	e1 := insertEvent(t, pool, now, f.acme, "node.uncordoned")
@@ -429,6 +432,7 @@ func TestWatchHTTP(t *testing.T) {
 	// Resuming after old: the same events, none before.
 	res2 := get(sctx, f.tokens["acme-viewer"], url.Values{"after": {strconv.FormatInt(old-1, 10)}, "types": {"node.*"}})
 	defer res2.Body.Close()
+	require.Equal(t, strconv.FormatInt(old-1, 10), res2.Header.Get(api.WatchCursorHeader), "the after asked for")
 	lines2 := bufio.NewScanner(res2.Body)
 	var ids []float64
 	for range 2 {

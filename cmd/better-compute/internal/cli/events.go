@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strconv"
 	"strings"
 	"time"
 
@@ -112,8 +113,13 @@ func (a *app) watchEvents(ctx context.Context, client computev1connect.EventServ
 	}
 }
 
+// watchCursorHeader is api.WatchCursorHeader: the id a watch starts after.
+const watchCursorHeader = "Bc-Watch-After"
+
 // watchOnce runs one Watch call, printing each event and moving
-// req.AfterId past it; printed reports whether it printed any.
+// req.AfterId past it; printed reports whether it printed any. A watch
+// "from now" takes its starting id from the Bc-Watch-After header, once the
+// stream has delivered an event or ended.
 func (a *app) watchOnce(ctx context.Context, client computev1connect.EventServiceClient, req *computev1.WatchRequest,
 	enc *json.Encoder,
 ) (printed bool, err error) {
@@ -124,7 +130,25 @@ func (a *app) watchOnce(ctx context.Context, client computev1connect.EventServic
 		return false, err
 	}
 	defer stream.Close()
+	// A watch "from now" (after 0) learns from the response header where now
+	// was, so that a reconnect before the first event resumes from there.
+	started := false
+	start := func() {
+		if started {
+			return
+		}
+		started = true
+		c, err := strconv.ParseInt(stream.ResponseHeader().Get(watchCursorHeader), 10, 64)
+		if err != nil {
+			return // the stream ended before its headers
+		}
+		if req.AfterId == 0 {
+			req.AfterId = c
+		}
+	}
+	defer start()
 	for stream.Receive() {
+		start()
 		e := stream.Msg().GetEvent()
 		data := json.RawMessage(e.DataJson)
 		if len(data) == 0 {

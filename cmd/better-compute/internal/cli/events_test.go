@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
+	"net/http"
 	"net/http/httptest"
 	"net/http/httputil"
 	"net/url"
@@ -133,4 +135,62 @@ func TestEventsWatchRefused(t *testing.T) {
 	res = f.runner(f.viewer).run(t, "events", "watch", "--after", "-1")
 	require.Equal(t, 1, res.code)
 	require.Contains(t, res.stderr, "--after")
+}
+
+// TestEventsWatchFromNowResumesWhereItStarted: a watch "from now" (no
+// --after) whose stream drops before its first event resumes after the
+// newest id when it started (the Bc-Watch-After header), so an event
+// written while it reconnects is printed, not skipped as "before now".
+func TestEventsWatchFromNowResumesWhereItStarted(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	last := f.insertEvent(t, f.tenant, "node.cordoned")
+	target, err := url.Parse(f.url)
+	require.NoError(t, err)
+	rp := httputil.NewSingleHostReverseProxy(target)
+	rp.FlushInterval = -1
+	// started is signalled once the watch's response headers are flushed
+	// to the CLI.
+	started := make(chan struct{}, 1)
+	proxy := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.HasSuffix(r.URL.Path, "/Watch") {
+			w = &flushSignal{ResponseWriter: w, flushed: started}
+		}
+		rp.ServeHTTP(w, r)
+	}))
+	t.Cleanup(proxy.Close)
+
+	var stdout, stderr syncBuffer
+	ctx, cancel := context.WithCancel(t.Context())
+	env := map[string]string{"BETTER_COMPUTE_URL": proxy.URL, "BETTER_COMPUTE_TOKEN": apitest.Token(t, f.db, f.tenant, iam.RoleViewer)}
+	done := make(chan int, 1)
+	go func() {
+		done <- cli.Run(ctx, []string{"events", "watch", "--types", "node.*"},
+			cli.Env{Stdout: &stdout, Stderr: &stderr, Getenv: func(k string) string { return env[k] }, Clock: clock.New()})
+	}()
+	require.Eventually(t, func() bool { return len(started) > 0 }, 15*time.Second, 20*time.Millisecond,
+		"the watch never started")
+	proxy.CloseClientConnections()
+	require.Eventually(t, func() bool { return strings.Contains(stderr.String(), "resuming after event") },
+		15*time.Second, 20*time.Millisecond, "the drop is noticed")
+	require.Contains(t, stderr.String(), fmt.Sprintf("resuming after event %d ", last))
+	during := f.insertEvent(t, f.tenant, "node.uncordoned") // before the reconnect (500 ms later)
+	require.Eventually(t, func() bool { return strings.Contains(stdout.String(), fmt.Sprintf(`"id":%d`, during)) },
+		15*time.Second, 20*time.Millisecond, "the event written while reconnecting is printed (stdout %q)", stdout.String())
+	cancel()
+	require.Equal(t, 0, <-done)
+}
+
+// flushSignal is a ResponseWriter that signals flushed on its first Flush.
+type flushSignal struct {
+	http.ResponseWriter
+	flushed chan struct{}
+}
+
+func (f *flushSignal) Flush() {
+	f.ResponseWriter.(http.Flusher).Flush()
+	select {
+	case f.flushed <- struct{}{}:
+	default:
+	}
 }
