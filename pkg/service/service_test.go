@@ -1,14 +1,12 @@
 package service_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
-	"sync"
 	"testing"
 
 	"connectrpc.com/connect"
@@ -18,6 +16,7 @@ import (
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
 	"github.com/better-compute/better-compute/pkg/service"
+	"github.com/better-compute/better-compute/pkg/syncbuf"
 )
 
 // failing answers ListNodes (unary) with err, and Watch (a server stream)
@@ -39,23 +38,8 @@ func (f *failing) Watch(_ context.Context, _ *connect.Request[computev1.WatchReq
 	return f.err
 }
 
-// syncBuffer is a bytes.Buffer safe for a logger's concurrent writes.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
+// syncBuffer is syncbuf.Buffer: safe for concurrent writers and readers.
+type syncBuffer = syncbuf.Buffer
 
 // TestMaskInternal checks that HandlerOptions gives clients of unary and
 // streaming calls "internal error" in place of an internal error's text,

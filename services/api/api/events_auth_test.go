@@ -49,7 +49,7 @@ func watchLines(t *testing.T, base, token string, q url.Values) *lineStream {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+api.WatchPath+"?"+q.Encode(), nil)
 	require.NoError(t, err)
 	req.Header.Set("Authorization", "Bearer "+token)
-	res, err := http.DefaultClient.Do(req)
+	res, err := http.DefaultClient.Do(req) //nolint:bodyclose // the reading goroutine below closes it
 	require.NoError(t, err)
 	require.Equal(t, http.StatusOK, res.StatusCode)
 	s := &lineStream{lines: make(chan map[string]any, 100)}

@@ -1,7 +1,6 @@
 package fakedaemon_test
 
 import (
-	"bytes"
 	"context"
 	"crypto"
 	"crypto/ecdh"
@@ -39,6 +38,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/service"
+	"github.com/better-compute/better-compute/pkg/syncbuf"
 	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
 )
 
@@ -1189,23 +1189,8 @@ func TestExpiredCertificateStopsBeforeDialling(t *testing.T) {
 	require.Empty(t, cp.gw.helloes(m.NodeID()), "never dialled")
 }
 
-// syncBuffer is a bytes.Buffer safe for concurrent writers.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
+// syncBuffer is syncbuf.Buffer: safe for concurrent writers and readers.
+type syncBuffer = syncbuf.Buffer
 
 // TestJoinOnlyReportsEachMachine: joining 3 machines with a 2-use token joins
 // 2 (their ids are kept) and reports the third's refusal, without the
