@@ -7,7 +7,10 @@ package store
 import (
 	"context"
 	"fmt"
+	"slices"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 )
 
 // Event types about node trust (events.type).
@@ -29,14 +32,26 @@ type RevokedNode struct {
 	CertificatesRevoked int
 	// Newly is false when the node was already revoked.
 	Newly bool
+	// CommandsFailed are the ids of the node's open commands this call
+	// failed (CommandErrTextNodeRevoked), in id order.
+	CommandsFailed []string
 }
+
+// CommandErrTextNodeRevoked is the error of the commands still open on a
+// node when it is revoked: its session is closed and will not open again,
+// so they would otherwise sit open until their deadline. A command the
+// daemon had started may or may not have run.
+const CommandErrTextNodeRevoked = "node revoked before the command finished"
 
 // RevokeNode revokes node nodeID at now: it sets nodes.revoked_at (kept when
 // already set), revokes every certificate of the node not yet revoked,
 // writes a node.revoked event for the pool owner's tenant (with reason) when
 // the node was not revoked before, and pokes the gateway holding the node's
-// session so that it closes it. Call it in a transaction (with the caller's
-// audit row). Errors: ErrNotFound when the node does not exist.
+// session so that it closes it. The node's open commands (queued, delivered,
+// running) fail with CommandErrTextNodeRevoked, each with its command.failed
+// event (user commands; the acceptance reconciler reads its own). Call it in
+// a transaction (with the caller's audit row). Errors: ErrNotFound when the
+// node does not exist.
 func RevokeNode(ctx context.Context, q DBTX, now time.Time, nodeID, reason string) (RevokedNode, error) {
 	var out RevokedNode
 	var owner string
@@ -55,6 +70,26 @@ func RevokeNode(ctx context.Context, q DBTX, now time.Time, nodeID, reason strin
 		return RevokedNode{}, fmt.Errorf("revoke the certificates of node %s: %w", nodeID, interpretError(err))
 	}
 	out.CertificatesRevoked = int(tag.RowsAffected())
+	rows, err := q.Query(ctx, `UPDATE commands SET state = 'failed', error = $3, finished_at = $2, updated_at = $2
+		WHERE node_id = $1 AND finished_at IS NULL RETURNING id`, nodeID, now, CommandErrTextNodeRevoked)
+	if err != nil {
+		return RevokedNode{}, fmt.Errorf("fail the open commands of node %s: %w", nodeID, interpretError(err))
+	}
+	failed, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return RevokedNode{}, fmt.Errorf("fail the open commands of node %s: %w", nodeID, interpretError(err))
+	}
+	if len(failed) > 0 {
+		cmds, err := commandsByID(ctx, q, failed)
+		if err != nil {
+			return RevokedNode{}, err
+		}
+		user := slices.DeleteFunc(cmds, func(c Command) bool { return c.Purpose != "user" })
+		if err := insertCommandEvents(ctx, q, now, EventCommandFailed, user); err != nil {
+			return RevokedNode{}, err
+		}
+		out.CommandsFailed = slices.Sorted(slices.Values(failed))
+	}
 	if out.Newly {
 		if err := InsertNodeEvents(ctx, q, now, []NodeEvent{{TenantID: owner, Type: EventNodeRevoked, NodeID: nodeID,
 			Data: map[string]any{"reason": reason, "certificatesRevoked": out.CertificatesRevoked}}}); err != nil {

@@ -3,6 +3,7 @@ package store_test
 import (
 	"context"
 	"encoding/json"
+	"slices"
 	"testing"
 	"time"
 
@@ -49,6 +50,11 @@ func TestRevokeNode(t *testing.T) {
 	f.cert(bystander, "03", now.Add(time.Hour))
 	f.exec(`UPDATE node_certs SET revoked_at = $2 WHERE serial = $1`, "01", now.Add(-time.Minute))
 	f.open(n, "gw-a", 0)
+	queued := f.command(n, "queued", "user", now.Add(-2*time.Second))
+	running := f.command(n, "running", "user", now.Add(-time.Second))
+	acceptance := f.command(n, "delivered", "acceptance", now.Add(-time.Second))
+	done := f.command(n, "succeeded", "user", now.Add(-3*time.Second))
+	elsewhere := f.command(bystander, "queued", "user", now.Add(-time.Second))
 
 	before, err := store.GetNode(ctx, f.db.Pool, n)
 	require.NoError(t, err)
@@ -81,11 +87,37 @@ func TestRevokeNode(t *testing.T) {
 	require.Equal(t, 1, events)
 	require.JSONEq(t, `{"nodeId": "`+n+`", "reason": "stolen", "certificatesRevoked": 1}`, string(data))
 
+	// Its open commands fail (the session will not open again); finished
+	// ones and other nodes' are untouched; user commands get their event.
+	want := []string{queued, running, acceptance}
+	slices.Sort(want)
+	require.Equal(t, want, rev.CommandsFailed)
+	for _, id := range want {
+		state, _ := f.commandState(id)
+		require.Equal(t, "failed", state, id)
+	}
+	for id, st := range map[string]string{done: "succeeded", elsewhere: "queued"} {
+		state, _ := f.commandState(id)
+		require.Equal(t, st, state, id)
+	}
+	var failedErr string
+	require.NoError(t, f.db.Pool.QueryRow(ctx, `SELECT error FROM commands WHERE id = $1`, running).Scan(&failedErr))
+	require.Equal(t, store.CommandErrTextNodeRevoked, failedErr)
+	var subjects []string
+	rows, err := f.db.Pool.Query(ctx, `SELECT subject_id FROM events WHERE type = $1 ORDER BY subject_id`, store.EventCommandFailed)
+	require.NoError(t, err)
+	subjects, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	userFailed := []string{queued, running}
+	slices.Sort(userFailed)
+	require.Equal(t, userFailed, subjects, "command.failed for the user commands")
+
 	// Again: nothing changes but a fresh poke.
 	again := f.revoke(n, "again")
 	require.False(t, again.Newly)
 	require.Zero(t, again.CertificatesRevoked)
 	require.True(t, again.RevokedAt.Equal(rev.RevokedAt))
+	require.Empty(t, again.CommandsFailed)
 	require.NoError(t, f.db.Pool.QueryRow(ctx, `SELECT count(*) FROM events WHERE type = $1`, store.EventNodeRevoked).Scan(&events))
 	require.Equal(t, 1, events)
 
@@ -137,9 +169,9 @@ func TestRevokedNodeSessions(t *testing.T) {
 	require.True(t, d.Revoked)
 	require.Empty(t, d.Commands)
 	require.Nil(t, d.Spec)
-	var state string
-	require.NoError(t, f.db.Pool.QueryRow(ctx, `SELECT state FROM commands WHERE id = $1`, q).Scan(&state))
-	require.Equal(t, "queued", state, "nothing is claimed for a revoked node")
+	state, deliveries := f.commandState(q)
+	require.Equal(t, "failed", state, "the revocation failed it")
+	require.Zero(t, deliveries, "nothing is claimed for a revoked node")
 
 	work, err := store.PendingSessionWork(ctx, f.db.Pool, []store.SessionRef{
 		{NodeID: n, SessionID: sn, Serial: "0a"},
