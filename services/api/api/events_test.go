@@ -2,7 +2,6 @@ package api_test
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -11,7 +10,6 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"strconv"
-	"sync"
 	"testing"
 	"time"
 
@@ -24,6 +22,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/bus/bustest"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/syncbuf"
 	"github.com/better-compute/better-compute/pkg/telemetry"
 	"github.com/better-compute/better-compute/services/api/api"
 )
@@ -326,7 +325,7 @@ func TestWatchWakesOnNATS(t *testing.T) {
 func TestWatchEnds(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
-	var logs lockedBuffer
+	var logs syncbuf.Buffer
 	srv, err := api.New(api.Config{}, api.Deps{DB: f.db, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	require.NoError(t, err)
 	ts := httptest.NewServer(srv.Handler())
@@ -344,24 +343,6 @@ func TestWatchEnds(t *testing.T) {
 	requireCode(t, err, connect.CodeUnavailable, "resume after the last event id")
 	ts.Close() // waits for the handlers
 	require.NotContains(t, logs.String(), "internal error", "a watch that ended well is not an error")
-}
-
-// lockedBuffer is a bytes.Buffer safe for a logger's concurrent writes.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
 
 // TestWatchHTTP checks GET /api/compute/watch: NDJSON lines with the same
