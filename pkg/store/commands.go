@@ -234,9 +234,9 @@ type QueueResult struct {
 // waits for the commit, then claims the command, and the poke goes to the
 // gateway read, which still holds the session. Writers of other columns
 // (last_seen flushes, cordon, specs) lock FOR NO KEY UPDATE and neither wait
-// for it nor make it wait. It refuses one that is unknown or of another tenant than the
-// command's TenantID (ErrNotFound) or is not adopted or is revoked
-// (*NodeNotRunnableError), inserts the command as queued with its kind's
+// for it nor make it wait. It refuses one that is unknown or of another
+// tenant than the command's TenantID (ErrNotFound) or is not adopted or is
+// revoked (*NodeNotRunnableError), inserts the command as queued with its kind's
 // retry-safety and purpose 'user', signed with intent (nil: unsigned),
 // writes a command.queued event for the node's tenant, pokes the gateways
 // holding the nodes' sessions (one poke per gateway) and writes the

@@ -42,12 +42,7 @@ func TestEventsWatch(t *testing.T) {
 	t.Parallel()
 	f := newFleet(t)
 	other := apitest.Tenant(t, f.db, "other")
-	target, err := url.Parse(f.url)
-	require.NoError(t, err)
-	rp := httputil.NewSingleHostReverseProxy(target)
-	rp.FlushInterval = -1
-	proxy := httptest.NewServer(rp)
-	t.Cleanup(proxy.Close)
+	proxy, _ := watchProxy(t, f)
 
 	before := f.insertEvent(t, f.tenant, "node.cordoned")
 	first := f.insertEvent(t, f.tenant, "node.cordoned")
@@ -129,20 +124,7 @@ func TestEventsWatchFromNowResumesWhereItStarted(t *testing.T) {
 	t.Parallel()
 	f := newFleet(t)
 	last := f.insertEvent(t, f.tenant, "node.cordoned")
-	target, err := url.Parse(f.url)
-	require.NoError(t, err)
-	rp := httputil.NewSingleHostReverseProxy(target)
-	rp.FlushInterval = -1
-	// started is signalled once the watch's response headers are flushed
-	// to the CLI.
-	started := make(chan struct{}, 1)
-	proxy := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if strings.HasSuffix(r.URL.Path, "/Watch") {
-			w = &flushSignal{ResponseWriter: w, flushed: started}
-		}
-		rp.ServeHTTP(w, r)
-	}))
-	t.Cleanup(proxy.Close)
+	proxy, started := watchProxy(t, f)
 
 	var stdout, stderr syncBuffer
 	ctx, cancel := context.WithCancel(t.Context())
@@ -163,6 +145,26 @@ func TestEventsWatchFromNowResumesWhereItStarted(t *testing.T) {
 		15*time.Second, 20*time.Millisecond, "the event written while reconnecting is printed (stdout %q)", stdout.String())
 	cancel()
 	require.Equal(t, 0, <-done)
+}
+
+// watchProxy is a proxy of f's API that streams without buffering (tests
+// drop its connections with CloseClientConnections); started is signalled
+// whenever a Watch's response headers have been flushed to the client.
+func watchProxy(t *testing.T, f *fleet) (proxy *httptest.Server, started <-chan struct{}) {
+	t.Helper()
+	target, err := url.Parse(f.url)
+	require.NoError(t, err)
+	rp := httputil.NewSingleHostReverseProxy(target)
+	rp.FlushInterval = -1
+	flushed := make(chan struct{}, 1)
+	proxy = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.HasSuffix(r.URL.Path, "/Watch") {
+			w = &flushSignal{ResponseWriter: w, flushed: flushed}
+		}
+		rp.ServeHTTP(w, r)
+	}))
+	t.Cleanup(proxy.Close)
+	return proxy, flushed
 }
 
 // flushSignal is a ResponseWriter that signals flushed on its first Flush.
