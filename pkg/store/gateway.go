@@ -665,6 +665,22 @@ type SessionWork struct {
 	Queued bool
 }
 
+// pendingSessionWorkSQL is PendingSessionWork's query. Its queued-command
+// test names finished_at IS NULL so that it reads the small open-command
+// index (commands_open_idx) rather than every command the node ever ran.
+const pendingSessionWorkSQL = `SELECT u.id, u.sid,
+		n.session_id IS DISTINCT FROM u.sid,
+		n.revoked_at IS NOT NULL OR nc.revoked_at IS NOT NULL,
+		COALESCE(n.spec_generation, 0), COALESCE(n.observed_generation, 0),
+		EXISTS (SELECT 1 FROM commands c WHERE c.node_id = u.id AND c.finished_at IS NULL AND c.state = 'queued')
+	FROM unnest($1::text[], $2::text[], $3::text[]) AS u(id, sid, serial)
+	LEFT JOIN nodes n ON n.id = u.id
+	LEFT JOIN node_certs nc ON nc.serial = u.serial AND nc.node_id = u.id
+	WHERE n.session_id IS DISTINCT FROM u.sid
+		OR n.revoked_at IS NOT NULL OR nc.revoked_at IS NOT NULL
+		OR n.spec_generation > n.observed_generation
+		OR EXISTS (SELECT 1 FROM commands c WHERE c.node_id = u.id AND c.finished_at IS NULL AND c.state = 'queued')`
+
 // PendingSessionWork checks all sessions of a gateway in one query and
 // returns those that need attention: superseded sessions, sessions whose node
 // or certificate is revoked, and sessions whose node has queued commands or a
@@ -679,18 +695,7 @@ func PendingSessionWork(ctx context.Context, q DBTX, sessions []SessionRef) ([]S
 	for i, s := range sessions {
 		ids[i], sids[i], serials[i] = s.NodeID, s.SessionID, s.Serial
 	}
-	rows, err := q.Query(ctx, `SELECT u.id, u.sid,
-			n.session_id IS DISTINCT FROM u.sid,
-			n.revoked_at IS NOT NULL OR nc.revoked_at IS NOT NULL,
-			COALESCE(n.spec_generation, 0), COALESCE(n.observed_generation, 0),
-			EXISTS (SELECT 1 FROM commands c WHERE c.node_id = u.id AND c.state = 'queued')
-		FROM unnest($1::text[], $2::text[], $3::text[]) AS u(id, sid, serial)
-		LEFT JOIN nodes n ON n.id = u.id
-		LEFT JOIN node_certs nc ON nc.serial = u.serial AND nc.node_id = u.id
-		WHERE n.session_id IS DISTINCT FROM u.sid
-			OR n.revoked_at IS NOT NULL OR nc.revoked_at IS NOT NULL
-			OR n.spec_generation > n.observed_generation
-			OR EXISTS (SELECT 1 FROM commands c WHERE c.node_id = u.id AND c.state = 'queued')`, ids, sids, serials)
+	rows, err := q.Query(ctx, pendingSessionWorkSQL, ids, sids, serials)
 	if err != nil {
 		return nil, interpretError(err)
 	}

@@ -3,6 +3,7 @@ package store_test
 import (
 	"context"
 	"encoding/json"
+	"strings"
 	"testing"
 	"time"
 
@@ -548,4 +549,43 @@ func TestPendingSessionWork(t *testing.T) {
 	work, err = store.PendingSessionWork(ctx, f.db.Pool, nil)
 	require.NoError(t, err)
 	require.Empty(t, work)
+}
+
+// TestPendingSessionWorkReadsOnlyOpenCommands: the gateway's periodic
+// re-read of its sessions' work must find queued commands through the
+// open-command index, not by reading every command a node ever ran (a
+// gateway of 1,000 busy nodes spent most of a second per re-read).
+func TestPendingSessionWorkReadsOnlyOpenCommands(t *testing.T) {
+	t.Parallel()
+	f := newGatewayFixture(t)
+	ctx := t.Context()
+	var refs []store.SessionRef
+	var nodeIDs, sids, serials []string
+	for range 20 {
+		n := f.node()
+		sid, _ := f.open(n, "gw", 0)
+		refs = append(refs, store.SessionRef{NodeID: n, SessionID: sid})
+		nodeIDs, sids, serials = append(nodeIDs, n), append(sids, sid), append(serials, "")
+	}
+	// A long history of finished commands and one queued command.
+	f.exec(`INSERT INTO commands (id, node_id, kind, purpose, state, retry_safe, deadline, created_at, updated_at, finished_at)
+		SELECT 'cmd_hist_' || n || '_' || i, n, 'diag.nvml', 'user', 'succeeded', false, now(), now(), now(), now()
+		FROM unnest($1::text[]) AS n, generate_series(1, 200) AS i`, nodeIDs)
+	queued := f.command(nodeIDs[0], "queued", "user", f.db.Now())
+	f.exec(`ANALYZE commands`)
+
+	work, err := store.PendingSessionWork(ctx, f.db.Pool, refs)
+	require.NoError(t, err)
+	require.Len(t, work, 1, "only the node with queued command %s has work", queued)
+	require.Equal(t, nodeIDs[0], work[0].NodeID)
+	require.True(t, work[0].Queued)
+
+	rows, err := f.db.Pool.Query(ctx, "EXPLAIN "+store.PendingSessionWorkSQL, nodeIDs, sids, serials)
+	require.NoError(t, err)
+	lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	plan := strings.Join(lines, "\n")
+	require.Contains(t, plan, "commands_open_idx", "queued commands are found through the open-command index:\n%s", plan)
+	require.NotContains(t, plan, "commands_node_idx", "no read of a node's whole command history:\n%s", plan)
+	require.NotContains(t, plan, "Seq Scan on commands", "no read of the whole commands table:\n%s", plan)
 }

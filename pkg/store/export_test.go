@@ -1,0 +1,4 @@
+package store
+
+// PendingSessionWorkSQL exposes PendingSessionWork's query to the plan test.
+const PendingSessionWorkSQL = pendingSessionWorkSQL
