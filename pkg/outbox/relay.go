@@ -106,7 +106,7 @@ func (r *Relay) Run(ctx context.Context) error {
 // NATS has flushed them; on any error it rolls back and the rows stay for
 // the next pass.
 func (r *Relay) drainOnce(ctx context.Context, after int64) (n int, top int64, err error) {
-	err = r.DB.InTx(ctx, func(tx pgx.Tx) error {
+	err = r.DB.InGenericTx(ctx, func(tx pgx.Tx) error {
 		msgs, err := store.TakeOutbox(ctx, tx, after, r.Batch)
 		if err != nil || len(msgs) == 0 {
 			return err

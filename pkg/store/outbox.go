@@ -102,7 +102,8 @@ type autoCommit struct {
 // re-plans such a statement for every execution when its generic plan looks
 // costlier, spent more time planning them (~1 ms each) than running them.
 // Their plans do not depend on the parameters' values (primary-key and
-// node-id lookups). Queries whose best plan does — optional filters such as
+// node-id lookups). So do the events watch's reads (ScanEvents: an id
+// range, its filters tested row by row). Queries whose best plan does — optional filters such as
 // "$1 = ” OR tenant_id = $1" — stay on DB.Pool.
 func (db *DB) AutoCommit() DBTX {
 	if db.generic != nil {

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/store/storetest"
 )
@@ -138,3 +139,27 @@ func TestSignalOutboxVia(t *testing.T) {
 }
 
 var errRollback = errors.New("roll back")
+
+// TestGenericPlanConnections: AutoCommit and InGenericTx run on the
+// connections that plan prepared statements generically (the hot paths'
+// batched statements and the relay's take were re-planned on every
+// execution otherwise); InTx keeps Postgres's choice.
+func TestGenericPlanConnections(t *testing.T) {
+	t.Parallel()
+	db := storetest.New(t, clock.New())
+	ctx := t.Context()
+	show := func(q store.DBTX) string {
+		var mode string
+		require.NoError(t, q.QueryRow(ctx, `SHOW plan_cache_mode`).Scan(&mode))
+		return mode
+	}
+	require.Equal(t, "force_generic_plan", show(db.AutoCommit()))
+	require.NoError(t, db.InGenericTx(ctx, func(tx pgx.Tx) error {
+		require.Equal(t, "force_generic_plan", show(tx))
+		return nil
+	}))
+	require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
+		require.Equal(t, "auto", show(tx))
+		return nil
+	}))
+}

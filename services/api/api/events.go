@@ -419,7 +419,7 @@ func (w *watcher) step(ctx context.Context, send func(store.Event) error) (more 
 			}
 		}
 	}
-	rows, err := store.ScanEvents(ctx, db.Pool, w.cursor, w.filter, w.cfg.Batch)
+	rows, err := store.ScanEvents(ctx, db.AutoCommit(), w.cursor, w.filter, w.cfg.Batch)
 	if err != nil {
 		return false, err
 	}
