@@ -2,13 +2,13 @@ package cli
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"strconv"
 	"time"
 
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
@@ -23,6 +23,53 @@ var commandKinds = []string{"diag.nvml", "inventory.refresh", "logs.collect", "n
 // commandOpen reports whether a command in state may still change.
 func commandOpen(state string) bool {
 	return state == "queued" || state == "delivered" || state == "running"
+}
+
+// commandJSON is one command as the CLI prints it in JSON: an element of
+// `commands list -o json` and the whole of `commands get` and `commands
+// run`, so that one field has one name in all three. Times are RFC 3339 in
+// UTC.
+type commandJSON struct {
+	ID   string `json:"id"`
+	Node string `json:"node"`
+	// Kind is diag.nvml, inventory.refresh, logs.collect or node.reboot.
+	Kind string `json:"kind"`
+	// State is queued, delivered, running, succeeded, failed, expired or
+	// canceled.
+	State string `json:"state"`
+	// Error says why the command failed or expired ("" otherwise).
+	Error string `json:"error"`
+	// Deliveries is how many times a gateway sent the command to the node.
+	Deliveries int32 `json:"deliveries"`
+	// RetrySafe commands may run again after the node lost its journal.
+	RetrySafe bool `json:"retrySafe"`
+	// RequestID is the idempotency key it was run with ("" for none).
+	RequestID string    `json:"requestId"`
+	CreatedAt time.Time `json:"createdAt"`
+	UpdatedAt time.Time `json:"updatedAt"`
+	// Deadline is when the command expires unless it finished.
+	Deadline time.Time `json:"deadline"`
+	// FinishedAt is null while the command is open.
+	FinishedAt *time.Time `json:"finishedAt"`
+	// Result is what a succeeded command reported (a JSON object), null
+	// when it has none.
+	Result json.RawMessage `json:"result"`
+}
+
+func toCommandJSON(c *computev1.Command) commandJSON {
+	out := commandJSON{ID: c.Id, Node: c.NodeId, Kind: c.Kind, State: c.State, Error: c.Error, Deliveries: c.Deliveries,
+		RetrySafe: c.RetrySafe, RequestID: c.RequestId, CreatedAt: c.CreatedAt.AsTime().UTC(),
+		UpdatedAt: c.UpdatedAt.AsTime().UTC(), Deadline: c.Deadline.AsTime().UTC(), FinishedAt: timeOrNil(c.FinishedAt)}
+	switch {
+	case c.ResultJson == "":
+	case json.Valid([]byte(c.ResultJson)):
+		out.Result = json.RawMessage(c.ResultJson)
+	default:
+		// Not JSON after all: keep it, as a string.
+		b, _ := json.Marshal(c.ResultJson)
+		out.Result = b
+	}
+	return out
 }
 
 func (a *app) commandsCmd() *cobra.Command {
@@ -100,7 +147,7 @@ func (a *app) commandsRunCmd() *cobra.Command {
 				return err
 			}
 		}
-		if err := writeProto(a.env.Stdout, cm); err != nil {
+		if err := writeJSON(a.env.Stdout, toCommandJSON(cm)); err != nil {
 			return err
 		}
 		if wait && cm.State != "succeeded" {
@@ -124,12 +171,12 @@ func transientError(err error) bool {
 
 func (a *app) commandsGetCmd() *cobra.Command {
 	return a.idJSONCmd("get COMMAND_ID", "Show a command as JSON, with its result",
-		func(ctx context.Context, cl *apiClients, id string) (proto.Message, error) {
+		func(ctx context.Context, cl *apiClients, id string) (any, error) {
 			res, err := cl.commands.GetCommand(ctx, connect.NewRequest(&computev1.GetCommandRequest{CommandId: id}))
 			if err != nil {
 				return nil, err
 			}
-			return res.Msg.GetCommand(), nil
+			return toCommandJSON(res.Msg.GetCommand()), nil
 		})
 }
 
@@ -164,25 +211,9 @@ func (a *app) commandsListCmd() *cobra.Command {
 			}
 		}
 		if *format == formatJSON {
-			type commandJSON struct {
-				ID         string     `json:"id"`
-				Node       string     `json:"node"`
-				Kind       string     `json:"kind"`
-				State      string     `json:"state"`
-				Error      string     `json:"error"`
-				Deliveries int32      `json:"deliveries"`
-				CreatedAt  time.Time  `json:"createdAt"`
-				Deadline   time.Time  `json:"deadline"`
-				FinishedAt *time.Time `json:"finishedAt"`
-			}
 			out := make([]commandJSON, len(cs))
 			for i, c := range cs {
-				out[i] = commandJSON{ID: c.Id, Node: c.NodeId, Kind: c.Kind, State: c.State, Error: c.Error,
-					Deliveries: c.Deliveries, CreatedAt: c.CreatedAt.AsTime(), Deadline: c.Deadline.AsTime()}
-				if c.FinishedAt != nil {
-					t := c.FinishedAt.AsTime()
-					out[i].FinishedAt = &t
-				}
+				out[i] = toCommandJSON(c)
 			}
 			return writeJSON(a.env.Stdout, out)
 		}

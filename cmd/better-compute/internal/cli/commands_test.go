@@ -20,7 +20,7 @@ import (
 
 type commandOut struct {
 	ID        string `json:"id"`
-	NodeID    string `json:"nodeId"`
+	NodeID    string `json:"node"`
 	Kind      string `json:"kind"`
 	State     string `json:"state"`
 	RetrySafe bool   `json:"retrySafe"`
