@@ -87,17 +87,17 @@ func (a *app) commandsRunCmd() *cobra.Command {
 	c := &cobra.Command{
 		Use:   "run --node NODE_ID diag.nvml|inventory.refresh|logs.collect|node.reboot [--timeout D] [--wait]",
 		Short: "Run a command on a node; prints the command as JSON",
-		Long: "run queues a command for --node and prints it as JSON. The node runs it at most once, even when\n" +
-			"its connection drops; it must have finished before --timeout (default 5m, at most 24h) or it\n" +
-			"expires. node.reboot reboots the machine (it is never run twice). With --request-id a retry\n" +
-			"returns the first command instead of queuing another. --wait polls until the command has\n" +
-			"finished: exit 0 when it succeeded, 1 when it failed or expired. Needs a tenant-admin or\n" +
-			"root-admin token.",
+		Long: "run queues a command for --node and prints it as JSON (as commands get does). The node runs it\n" +
+			"at most once, even when its connection drops; it must have finished before --timeout (1s to 24h,\n" +
+			"default 5m; 0 or a negative timeout is refused) or it expires. node.reboot reboots the machine\n" +
+			"(it is never run twice). With --request-id a retry returns the first command instead of queuing\n" +
+			"another. --wait polls until the command has finished: exit 0 when it succeeded, 1 when it failed\n" +
+			"or expired. Needs a tenant-admin or root-admin token.",
 		Args:      cobra.ExactArgs(1),
 		ValidArgs: commandKinds,
 	}
 	c.Flags().StringVar(&node, "node", "", "node id (required)")
-	c.Flags().DurationVar(&timeout, "timeout", 0, "how long the command may take from now (default 5m)")
+	c.Flags().DurationVar(&timeout, "timeout", 0, "how long the command may take from now, 1s to 24h (default 5m)")
 	c.Flags().StringVar(&requestID, "request-id", "", "idempotency key: a retry with the same id returns the same command")
 	c.Flags().BoolVar(&wait, "wait", false, "wait until the command succeeded, failed or expired")
 	_ = c.MarkFlagRequired("node")
@@ -110,8 +110,10 @@ func (a *app) commandsRunCmd() *cobra.Command {
 		if !known {
 			return fmt.Errorf("unknown command kind %q (want diag.nvml, inventory.refresh, logs.collect or node.reboot)", kind)
 		}
-		if timeout < 0 {
-			return fmt.Errorf("--timeout must be positive, got %s", timeout)
+		// Unset, the API's default (5m) applies; set, it must be a real
+		// timeout: 0 does not mean "the default" or "none".
+		if cmd.Flags().Changed("timeout") && timeout <= 0 {
+			return fmt.Errorf("--timeout must be positive (1s to 24h; leave it out for 5m), got %s", timeout)
 		}
 		req := &computev1.RunCommandRequest{NodeId: node, Kind: kind, RequestId: requestID}
 		if timeout > 0 {

@@ -2739,8 +2739,9 @@ type RunCommandRequest struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	NodeId string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
 	Kind   string                 `protobuf:"bytes,2,opt,name=kind,proto3" json:"kind,omitempty"`
-	// Timeout is how long the command may take from now (default 5 min, at
-	// most 24 h).
+	// Timeout is how long the command may take from now. Unset: 5 min. Set,
+	// it must be 1 s to 24 h: a zero or negative timeout is InvalidArgument
+	// (timeout), not the default.
 	Timeout       *durationpb.Duration `protobuf:"bytes,3,opt,name=timeout,proto3" json:"timeout,omitempty"`
 	RequestId     string               `protobuf:"bytes,4,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
