@@ -6,8 +6,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net/url"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 )
 
@@ -248,6 +250,46 @@ func SplitGatewayURLs(list string) []string {
 		}
 	}
 	return urls
+}
+
+// CheckGatewayURL checks one gateway Session URL: it must parse, use https
+// (the Session is mutual TLS), name a host, and give a port from 1 to 65535
+// if it gives one, as in "https://gateway:8443". The error quotes raw and
+// says what is wrong with it.
+func CheckGatewayURL(raw string) error {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return fmt.Errorf("gateway URL %q does not parse: want https://HOST[:PORT]", raw)
+	}
+	if u.Scheme != "https" || u.Opaque != "" {
+		return fmt.Errorf("gateway URL %q must be https://HOST[:PORT] (the session uses mutual TLS)", raw)
+	}
+	if u.Hostname() == "" {
+		return fmt.Errorf("gateway URL %q has no host: want https://HOST[:PORT]", raw)
+	}
+	if p := u.Port(); p != "" {
+		if n, err := strconv.Atoi(p); err != nil || n < 1 || n > 65535 {
+			return fmt.Errorf("gateway URL %q has a bad port %q: want 1 to 65535", raw, p)
+		}
+	}
+	return nil
+}
+
+// ParseGatewayURLs splits a configured gateway URL list as SplitGatewayURLs
+// does and checks each URL with CheckGatewayURL; it fails on the first bad
+// one, and for a list of commas without a URL. An empty list (or one of
+// spaces) gives nil, nil.
+func ParseGatewayURLs(list string) ([]string, error) {
+	urls := SplitGatewayURLs(list)
+	if len(urls) == 0 && strings.TrimSpace(list) != "" {
+		return nil, fmt.Errorf("gateway URL list %q has no URL: want https://HOST[:PORT][,https://HOST[:PORT]…]", list)
+	}
+	for _, u := range urls {
+		if err := CheckGatewayURL(u); err != nil {
+			return nil, err
+		}
+	}
+	return urls, nil
 }
 
 // NewWellKnownGateway returns the gateway part of a WellKnown document for a

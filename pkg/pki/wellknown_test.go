@@ -22,3 +22,36 @@ func TestNewWellKnownGateway(t *testing.T) {
 		require.Equal(t, tc.want, pki.NewWellKnownGateway(tc.list, "gw"), "list %q", tc.list)
 	}
 }
+
+// TestParseGatewayURLs: a gateway URL list is https URLs with a host; a
+// malformed one is refused, the error quoting it and saying what is wrong.
+func TestParseGatewayURLs(t *testing.T) {
+	t.Parallel()
+	urls, err := pki.ParseGatewayURLs(" https://gw-a:8443 ,https://gw-b.example, https://[::1]:8443/session")
+	require.NoError(t, err)
+	require.Equal(t, []string{"https://gw-a:8443", "https://gw-b.example", "https://[::1]:8443/session"}, urls)
+	for _, empty := range []string{"", "  "} {
+		urls, err = pki.ParseGatewayURLs(empty)
+		require.NoError(t, err)
+		require.Nil(t, urls)
+	}
+
+	for list, want := range map[string]string{
+		"gateway:8443":                 `gateway URL "gateway:8443" must be https://HOST[:PORT]`,
+		"gateway":                      `gateway URL "gateway" must be https://HOST[:PORT]`,
+		"http://gateway:8443":          `gateway URL "http://gateway:8443" must be https://HOST[:PORT] (the session uses mutual TLS)`,
+		"ftp://gateway":                `gateway URL "ftp://gateway" must be https://HOST[:PORT]`,
+		"https://":                     `gateway URL "https://" has no host`,
+		"https://:8443":                `gateway URL "https://:8443" has no host`,
+		"https:///session":             `gateway URL "https:///session" has no host`,
+		"https://gw:0":                 `gateway URL "https://gw:0" has a bad port "0"`,
+		"https://gw:99999":             `gateway URL "https://gw:99999" has a bad port "99999"`,
+		"https://gw:84 43":             `gateway URL "https://gw:84 43" does not parse`,
+		"https://gw-a:8443,gw-b:8443":  `gateway URL "gw-b:8443" must be https://HOST[:PORT]`,
+		"https://gw-a:8443, http://gw": `gateway URL "http://gw" must be https://HOST[:PORT]`,
+		" , ,":                         `gateway URL list " , ," has no URL`,
+	} {
+		_, err := pki.ParseGatewayURLs(list)
+		require.ErrorContains(t, err, want, list)
+	}
+}

@@ -10,7 +10,11 @@ package store
 import (
 	"context"
 	"fmt"
+	"slices"
+	"strings"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 )
 
 // SubjectPokeScheduler wakes the scheduler: capacity appeared (a node was
@@ -147,17 +151,57 @@ func AcceptanceChecks(ctx context.Context, q DBTX, nodeIDs []string) ([]Acceptan
 	return out, nil
 }
 
+// ExpiryReasons are the errors ExpireCommands records, chosen by the state
+// a command is in when it expires, so that the error says what happened.
+type ExpiryReasons struct {
+	// Queued is the error of a command never delivered (the node had no
+	// session).
+	Queued string
+	// Delivered is the error of a command delivered but never started.
+	Delivered string
+	// Running is the error of a command started but not finished.
+	Running string
+}
+
+// ExpiredCommand is one command ExpireCommands expired.
+type ExpiredCommand struct {
+	ID string
+	// State is the state it expired in: queued, delivered or running.
+	State string
+}
+
 // ExpireCommands moves those of cmdIDs that are still open (queued,
-// delivered, running) to expired with reason as error, and returns the ids
-// it expired; a command that reached a terminal state meanwhile is left
-// alone.
-func ExpireCommands(ctx context.Context, q DBTX, now time.Time, cmdIDs []string, reason string) ([]string, error) {
+// delivered, running) to expired, with the error of reasons for the state
+// each is in then (read under the row's lock, so a gateway's concurrent
+// update is seen) unless it already has one, and returns the commands it
+// expired, ordered by id; a command that reached a terminal state meanwhile
+// is left alone.
+func ExpireCommands(ctx context.Context, q DBTX, now time.Time, cmdIDs []string, reasons ExpiryReasons) ([]ExpiredCommand, error) {
 	if len(cmdIDs) == 0 {
 		return nil, nil
 	}
-	return acceptanceIDs(ctx, q, "expire commands", `UPDATE commands SET state = 'expired',
-			error = CASE WHEN error = '' THEN $3 ELSE error END, finished_at = $2, updated_at = $2
-		WHERE id = ANY($1) AND state IN ('queued', 'delivered', 'running') RETURNING id`, cmdIDs, now, reason)
+	rows, err := q.Query(ctx, `WITH old AS (
+			SELECT id, state FROM commands WHERE id = ANY($1) AND state IN ('queued', 'delivered', 'running')
+			ORDER BY id FOR UPDATE)
+		UPDATE commands c SET state = 'expired',
+			error = CASE WHEN c.error <> '' THEN c.error
+				WHEN old.state = 'queued' THEN $3 WHEN old.state = 'delivered' THEN $4 ELSE $5 END,
+			finished_at = $2, updated_at = $2
+		FROM old WHERE c.id = old.id RETURNING c.id, old.state`,
+		cmdIDs, now, reasons.Queued, reasons.Delivered, reasons.Running)
+	if err != nil {
+		return nil, fmt.Errorf("expire commands: %w", interpretError(err))
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (ExpiredCommand, error) {
+		var e ExpiredCommand
+		err := r.Scan(&e.ID, &e.State)
+		return e, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("expire commands: %w", interpretError(err))
+	}
+	slices.SortFunc(out, func(a, b ExpiredCommand) int { return strings.Compare(a.ID, b.ID) })
+	return out, nil
 }
 
 // Adoption is one accepting node to adopt.

@@ -97,19 +97,39 @@ func TestClaimDueAcceptances(t *testing.T) {
 	}))
 }
 
-func TestExpireCommandsLeavesFinished(t *testing.T) {
+// TestExpireCommands: open commands expire with the reason for the state
+// they were in (queued, delivered, running), and the function says which;
+// a finished command is left alone, and an error already recorded is kept.
+func TestExpireCommands(t *testing.T) {
 	t.Parallel()
 	db, now := acceptanceDB(t)
-	expired, err := store.ExpireCommands(t.Context(), db.Pool, now, []string{"cmd-late", "cmd-done"}, "too late")
+	ctx := t.Context()
+	_, err := db.Pool.Exec(ctx, `UPDATE commands SET error = 'daemon said so' WHERE id = 'cmd-open'`)
 	require.NoError(t, err)
-	require.Equal(t, []string{"cmd-late"}, expired)
-	var lateState, lateErr, doneState string
-	require.NoError(t, db.Pool.QueryRow(t.Context(), `SELECT
-		(SELECT state FROM commands WHERE id = 'cmd-late'), (SELECT error FROM commands WHERE id = 'cmd-late'),
-		(SELECT state FROM commands WHERE id = 'cmd-done')`).Scan(&lateState, &lateErr, &doneState))
-	require.Equal(t, "expired", lateState)
-	require.Equal(t, "too late", lateErr)
-	require.Equal(t, "succeeded", doneState)
+	reasons := store.ExpiryReasons{Queued: "never delivered", Delivered: "never started", Running: "never finished"}
+	expired, err := store.ExpireCommands(ctx, db.Pool, now, []string{"cmd-user", "cmd-late", "cmd-done", "cmd-open"}, reasons)
+	require.NoError(t, err)
+	require.Equal(t, []store.ExpiredCommand{{ID: "cmd-late", State: "running"}, {ID: "cmd-open", State: "delivered"},
+		{ID: "cmd-user", State: "queued"}}, expired)
+	rows, err := db.Pool.Query(ctx, `SELECT id, state, error FROM commands
+		WHERE id IN ('cmd-user', 'cmd-late', 'cmd-done', 'cmd-open') ORDER BY id`)
+	require.NoError(t, err)
+	got, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) ([3]string, error) {
+		var v [3]string
+		err := r.Scan(&v[0], &v[1], &v[2])
+		return v, err
+	})
+	require.NoError(t, err)
+	require.Equal(t, [][3]string{
+		{"cmd-done", "succeeded", ""},
+		{"cmd-late", "expired", "never finished"},
+		{"cmd-open", "expired", "daemon said so"},
+		{"cmd-user", "expired", "never delivered"},
+	}, got)
+
+	again, err := store.ExpireCommands(ctx, db.Pool, now, []string{"cmd-user", "cmd-late"}, reasons)
+	require.NoError(t, err)
+	require.Empty(t, again, "expired commands are not expired again")
 }
 
 func TestAdoptAndFailOnlyAccepting(t *testing.T) {

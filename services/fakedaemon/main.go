@@ -26,7 +26,8 @@
 //	--variant NAME               BC_VARIANT              hgx-h100, hgx-h100-gpu-missing, l40s, cpu (hgx-h100)
 //	--nodes N                    BC_NODES                machines in this process, each in <data-dir>/<i> (1; at most 20,000)
 //	--gateway-url URL[,URL…]     BC_GATEWAY_URL          overrides the JoinResponse's gateway URLs (one per
-//	                                                     replica; a machine moves to the next when it loses one)
+//	                                                     replica; a machine moves to the next when it loses one);
+//	                                                     each https://HOST[:PORT], or the flag is an error
 //	--gateway-server-name NAME   BC_GATEWAY_SERVER_NAME  overrides the TLS server name of the gateway
 //	--health-listen ADDR         BC_HEALTH_LISTEN        /healthz server (:8085; --health-listen= for none)
 //	--command-durations LIST     BC_COMMAND_DURATIONS    how long fake commands take: KIND=DURATION items,
@@ -157,6 +158,9 @@ func parseConfig(args []string, joinOnly bool) (fakedaemon.Config, error) {
 	}
 	if fs.NArg() > 0 {
 		return cfg, fmt.Errorf("unexpected argument %q", fs.Arg(0))
+	}
+	if _, err := pki.ParseGatewayURLs(cfg.GatewayURL); err != nil {
+		return cfg, fmt.Errorf("--gateway-url: %w", err)
 	}
 	if cfg.Nodes < 1 || cfg.Nodes > fakedaemon.MaxNodes {
 		return cfg, fmt.Errorf("--nodes must be from 1 to %d, got %d", fakedaemon.MaxNodes, cfg.Nodes)

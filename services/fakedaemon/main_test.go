@@ -125,6 +125,35 @@ func TestParseConfigErrors(t *testing.T) {
 	require.ErrorContains(t, err, "BC_NODES")
 }
 
+// TestParseConfigGatewayURL: --gateway-url (or BC_GATEWAY_URL) must be
+// https URLs with a host; a malformed one is refused at startup naming the
+// flag, instead of machines failing later at their first session.
+func TestParseConfigGatewayURL(t *testing.T) {
+	clearEnv(t)
+	for flag, want := range map[string]string{
+		"gateway:8443":                  `--gateway-url: gateway URL "gateway:8443" must be https://HOST[:PORT] (the session uses mutual TLS)`,
+		"http://gateway:8443":           `--gateway-url: gateway URL "http://gateway:8443" must be https://HOST[:PORT]`,
+		"https://:8443":                 `--gateway-url: gateway URL "https://:8443" has no host`,
+		"https://gw-a:8443,gw-b":        `--gateway-url: gateway URL "gw-b" must be https://HOST[:PORT]`,
+		",":                             `--gateway-url: gateway URL list "," has no URL`,
+		"https://gw-a:8443,https://gw:": "",
+	} {
+		cfg, err := parseConfig([]string{"--gateway-url", flag}, false)
+		if want == "" {
+			require.NoError(t, err, flag)
+			require.Equal(t, flag, cfg.GatewayURL)
+			continue
+		}
+		require.ErrorContains(t, err, want, flag)
+	}
+	t.Setenv("BC_GATEWAY_URL", "ftp://gw")
+	_, err := parseConfig(nil, false)
+	require.ErrorContains(t, err, `--gateway-url: gateway URL "ftp://gw" must be https://HOST[:PORT]`)
+	cfg, err := parseConfig([]string{"--gateway-url", "https://gw:8443, https://gw-b:8443"}, false)
+	require.NoError(t, err, "the flag wins over the variable")
+	require.Equal(t, "https://gw:8443, https://gw-b:8443", cfg.GatewayURL)
+}
+
 func TestParseCommandDurations(t *testing.T) {
 	def := fakehw.DefaultDurations()
 	with := func(kv map[string]time.Duration) fakehw.Durations {

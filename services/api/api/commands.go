@@ -27,13 +27,14 @@ type commandService struct{ *Server }
 
 // RunCommand queues a command for a node of the caller's tenant (any node
 // for root-admin), with deadline now + timeout (store.DefaultCommandTimeout
-// when unset), signed when the deployment signs intent, in one transaction
+// when unset; a set timeout is 1 s to 24 h, so an explicit zero is
+// InvalidArgument rather than the default), signed when the deployment signs intent, in one transaction
 // with its audit row, its command.queued event and the gateway's poke. A
 // request_id already used on the node returns the command it queued (and
 // writes only the audit row). Errors: NotFound (node_id; another tenant's
 // node too), FailedPrecondition (node not adopted or revoked, with the
 // reason), AlreadyExists (request_id used for another kind),
-// InvalidArgument (protovalidate).
+// InvalidArgument (protovalidate: node_id, kind, timeout, request_id).
 func (s *commandService) RunCommand(ctx context.Context, req *connect.Request[computev1.RunCommandRequest]) (*connect.Response[computev1.RunCommandResponse], error) {
 	p, err := principal(ctx)
 	if err != nil {

@@ -54,8 +54,13 @@ func TestRunCommand(t *testing.T) {
 	require.True(t, diag.RetrySafe)
 	require.WithinDuration(t, before.Add(30*time.Second), diag.Deadline.AsTime(), 10*time.Second)
 
-	_, err = run(admin, &computev1.RunCommandRequest{NodeId: node, Kind: "diag.nvml", Timeout: durationpb.New(25 * time.Hour)})
-	requireCode(t, err, connect.CodeInvalidArgument, "timeout")
+	// An explicit timeout must be 1 s to 24 h: zero is not "the default"
+	// (only an unset timeout is), and neither negative nor sub-second ones
+	// make sense.
+	for _, d := range []time.Duration{25 * time.Hour, 0, -time.Second, 500 * time.Millisecond} {
+		_, err = run(admin, &computev1.RunCommandRequest{NodeId: node, Kind: "diag.nvml", Timeout: durationpb.New(d)})
+		requireCode(t, err, connect.CodeInvalidArgument, "timeout")
+	}
 
 	// Nodes that cannot run commands.
 	joining := f.node(t, f.acmePool, 0, "", "")

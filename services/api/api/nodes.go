@@ -127,7 +127,8 @@ func timestampOrNil(t *time.Time) *timestamppb.Timestamp {
 // for root-admin) and the node itself, and fails the node's placed
 // reservations (their bookings end now), in one transaction with its audit
 // row and the poke that makes the gateway close the node's session: the node
-// can no longer open a session or renew its certificate. Revoking a revoked node
+// can no longer open a session or renew its certificate. The reason is
+// trimmed of spaces (spaces only: no reason). Revoking a revoked node
 // changes nothing and returns it. Errors: NotFound (node_id; another
 // tenant's node too).
 func (s *nodeService) RevokeNode(ctx context.Context, req *connect.Request[computev1.RevokeNodeRequest]) (*connect.Response[computev1.RevokeNodeResponse], error) {
@@ -135,7 +136,8 @@ func (s *nodeService) RevokeNode(ctx context.Context, req *connect.Request[compu
 	if err != nil {
 		return nil, err
 	}
-	id, reason := req.Msg.NodeId, req.Msg.Reason
+	// A reason of spaces only is none.
+	id, reason := req.Msg.NodeId, strings.TrimSpace(req.Msg.Reason)
 	n, err := store.GetNode(ctx, s.db.Pool, id)
 	if errors.Is(err, store.ErrNotFound) || (err == nil && !p.InTenant(n.PoolOwnerTenantID)) {
 		return nil, notFound("node", id)
@@ -181,12 +183,14 @@ func (s *nodeService) RevokeNode(ctx context.Context, req *connect.Request[compu
 }
 
 // CordonNode cordons a node of the caller's tenant (any for root-admin) with
-// a reason: the scheduler places nothing new on it, its reservations stay.
-// Cordoning a cordoned node updates the reason. The change, its
-// node.cordoned event and its audit row are one transaction. Errors:
-// NotFound (node_id; another tenant's node too), InvalidArgument (reason).
+// a reason (trimmed of spaces): the scheduler places nothing new on it, its
+// reservations stay. Cordoning a cordoned node updates the reason. The
+// change, its node.cordoned event and its audit row are one transaction.
+// Errors: NotFound (node_id; another tenant's node too), InvalidArgument
+// (reason: empty, spaces only, too long or with control characters).
 func (s *nodeService) CordonNode(ctx context.Context, req *connect.Request[computev1.CordonNodeRequest]) (*connect.Response[computev1.CordonNodeResponse], error) {
-	id, reason := req.Msg.NodeId, req.Msg.Reason
+	// protovalidate refused a reason of spaces only; drop those around it.
+	id, reason := req.Msg.NodeId, strings.TrimSpace(req.Msg.Reason)
 	n, err := s.setCordon(ctx, id, func(tx pgx.Tx) (string, error) {
 		changed, err := store.CordonNode(ctx, tx, s.db.Now(), id, reason)
 		if !changed {

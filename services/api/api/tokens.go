@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"connectrpc.com/connect"
@@ -83,7 +84,8 @@ func (s *tokenService) CreateToken(ctx context.Context, req *connect.Request[com
 				"ttl_seconds: a token may not outlive the token that mints it (yours expires at %s): ask for at most %d seconds",
 				p.ExpiresAt.UTC().Format(time.RFC3339), max(left, 0)))
 		}
-		secret, tok, err = iam.MintAPIToken(ctx, tx, now, tenant, msg.Name, role, expires)
+		// protovalidate refused a name of spaces only; drop those around it.
+		secret, tok, err = iam.MintAPIToken(ctx, tx, now, tenant, strings.TrimSpace(msg.Name), role, expires)
 		if err != nil {
 			return err
 		}

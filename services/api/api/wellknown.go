@@ -31,7 +31,8 @@ type WellKnownConfig struct {
 	JoinURL string
 	// GatewayURL and GatewayServerName are where daemons open their Session
 	// and the TLS name they verify there (BC_GATEWAY_URL: one URL or every
-	// gateway replica's, separated by commas; BC_GATEWAY_SERVER_NAME).
+	// gateway replica's, separated by commas, each https://HOST[:PORT], else
+	// New fails; BC_GATEWAY_SERVER_NAME).
 	GatewayURL        string
 	GatewayServerName string
 }
@@ -51,8 +52,12 @@ func wellKnownConfigFromEnv() WellKnownConfig {
 // the handler of pki.WellKnownPath: unauthenticated, GET and HEAD only (the
 // mux pattern answers 405 otherwise), JSON (pki.WellKnown), cacheable for
 // wellKnownMaxAge seconds with a strong ETag (If-None-Match answers 304).
-// Errors name the PKI file that is missing or broken.
+// Errors name the PKI file that is missing or broken, or say what is wrong
+// with BC_GATEWAY_URL.
 func newWellKnownHandler(cfg WellKnownConfig) (http.Handler, error) {
+	if _, err := pki.ParseGatewayURLs(cfg.GatewayURL); err != nil {
+		return nil, fmt.Errorf("BC_GATEWAY_URL: %w", err)
+	}
 	if cfg.PKIDir == "" {
 		return http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 			http.Error(w, "the well-known document is not configured (no BC_PKI_DIR)", http.StatusNotFound)

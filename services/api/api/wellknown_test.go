@@ -120,3 +120,22 @@ func TestWellKnownNeedsItsFiles(t *testing.T) {
 	_, err = api.New(api.Config{WellKnown: api.WellKnownConfig{PKIDir: dir}}, api.Deps{DB: db})
 	require.ErrorContains(t, err, filepath.Join(dir, pki.JoinSigningPub))
 }
+
+// TestWellKnownRefusesBadGatewayURL: a malformed BC_GATEWAY_URL fails New,
+// naming the variable, rather than being published to every daemon.
+func TestWellKnownRefusesBadGatewayURL(t *testing.T) {
+	t.Parallel()
+	db := storetest.New(t, clock.New())
+	dir := t.TempDir()
+	_, err := pki.Init(dir, pki.InitOptions{}, db.Now())
+	require.NoError(t, err)
+	for list, want := range map[string]string{
+		"gw.compute.example:8443": `BC_GATEWAY_URL: gateway URL "gw.compute.example:8443" must be https://HOST[:PORT]`,
+		"http://gw:8443":          `BC_GATEWAY_URL: gateway URL "http://gw:8443" must be https://HOST[:PORT]`,
+		"https:///session":        `BC_GATEWAY_URL: gateway URL "https:///session" has no host`,
+	} {
+		_, err := api.New(api.Config{WellKnown: api.WellKnownConfig{PKIDir: dir, GatewayURL: list}},
+			api.Deps{DB: db, Logger: telemetry.Discard()})
+		require.ErrorContains(t, err, want, list)
+	}
+}

@@ -37,10 +37,13 @@ const (
 //     generation 1, inventory, node_devices, a poke so the gateway sends
 //     DesiredState) or acceptance_failed; failed or canceled →
 //     acceptance_failed "diag.nvml failed: <error>"; past its deadline →
-//     the command is expired and a fresh one queued, up to Attempts
-//     commands that reached the node (undelivered ones, while it had no
-//     session, do not count), then acceptance_failed "diag.nvml did not
-//     answer within …".
+//     the command is expired, its error saying what happened by the state
+//     it was in (queued: not delivered, the node was not connected;
+//     delivered: not started; running: not finished), and a fresh one
+//     queued, up to Attempts commands that reached the node (undelivered
+//     ones, while it had no session, do not count), then acceptance_failed
+//     with the same account of the last one, e.g. "diag.nvml started but
+//     did not finish within 2m0s (3 attempts)".
 //     Each outcome writes a node.adopted or node.acceptance_failed event
 //     for the pool owner's tenant in the same transaction.
 //
@@ -254,7 +257,7 @@ func (a *Acceptance) evaluateBatch(ctx context.Context) (int, PassResult, error)
 		var (
 			adopt   []store.Adoption
 			fail    []store.AcceptanceFailure
-			retry   []store.AcceptanceCheck
+			retry   []expiredCheck
 			overdue []store.AcceptanceCheck
 		)
 		for _, c := range checks {
@@ -276,7 +279,7 @@ func (a *Acceptance) evaluateBatch(ctx context.Context) (int, PassResult, error)
 				}
 				fail = append(fail, failure(c, reason, nil))
 			case "expired", "":
-				retry = append(retry, c)
+				retry = append(retry, expiredCheck{AcceptanceCheck: c})
 			default: // queued, delivered, running
 				if !c.CommandDeadline.After(now) {
 					overdue = append(overdue, c)
@@ -288,18 +291,18 @@ func (a *Acceptance) evaluateBatch(ctx context.Context) (int, PassResult, error)
 			for i, c := range overdue {
 				cmdIDs[i] = c.CommandID
 			}
-			expired, err := store.ExpireCommands(ctx, tx, now, cmdIDs, "the node did not answer before the deadline")
+			expired, err := store.ExpireCommands(ctx, tx, now, cmdIDs, acceptanceExpiryReasons)
 			if err != nil {
 				return err
 			}
 			// A command that finished meanwhile is evaluated next pass.
-			done := make(map[string]bool, len(expired))
-			for _, id := range expired {
-				done[id] = true
+			stateAtExpiry := make(map[string]string, len(expired))
+			for _, e := range expired {
+				stateAtExpiry[e.ID] = e.State
 			}
 			for _, c := range overdue {
-				if done[c.CommandID] {
-					retry = append(retry, c)
+				if st, ok := stateAtExpiry[c.CommandID]; ok {
+					retry = append(retry, expiredCheck{AcceptanceCheck: c, expiredIn: st})
 				}
 			}
 		}
@@ -307,15 +310,14 @@ func (a *Acceptance) evaluateBatch(ctx context.Context) (int, PassResult, error)
 		var freshNodes []string
 		for _, c := range retry {
 			if c.Attempts >= a.attempts() {
-				fail = append(fail, failure(c, fmt.Sprintf("diag.nvml did not answer within %s (%d attempts)",
-					a.timeout(), c.Attempts), nil))
+				fail = append(fail, failure(c.AcceptanceCheck, a.outOfTimeReason(c), nil))
 				continue
 			}
 			fresh = append(fresh, store.NewAcceptanceCommand{ID: ids.New(ids.Command, now), NodeID: c.NodeID})
 			freshNodes = append(freshNodes, c.NodeID)
 			logs = append(logs, func() {
 				a.log().Info("acceptance command ran out of time; queued another", telemetry.KeyNodeID, c.NodeID,
-					"attempt", c.Attempts+1)
+					"expired_in_state", c.expiredIn, "attempt", c.Attempts+1)
 			})
 		}
 		if err := store.QueueAcceptanceCommands(ctx, tx, a.Intent, now, now.Add(a.timeout()), fresh); err != nil {
@@ -365,6 +367,45 @@ func (a *Acceptance) evaluateBatch(ctx context.Context) (int, PassResult, error)
 		l()
 	}
 	return claimed, res, nil
+}
+
+// acceptanceExpiryReasons are the errors of acceptance commands expired at
+// their deadline, by the state they were in.
+var acceptanceExpiryReasons = store.ExpiryReasons{
+	Queued:    "not delivered before the deadline: the node was not connected",
+	Delivered: "delivered but not started before the deadline",
+	Running:   "started but not finished before the deadline",
+}
+
+// expiredCheck is an accepting node whose latest acceptance command ran out
+// of time (or is missing).
+type expiredCheck struct {
+	store.AcceptanceCheck
+	// expiredIn is the state the command was in when this pass expired it
+	// (queued, delivered or running); "" when it had expired before (its
+	// CommandError says why) or there is none.
+	expiredIn string
+}
+
+// outOfTimeReason is the acceptance failure of a node whose last command
+// ran out of time after c.Attempts delivered ones: what happened to that
+// command, from the state it expired in.
+func (a *Acceptance) outOfTimeReason(c expiredCheck) string {
+	attempts := fmt.Sprintf("(%d attempts)", c.Attempts)
+	if c.Attempts == 1 {
+		attempts = "(1 attempt)"
+	}
+	switch {
+	case c.expiredIn == "queued":
+		return fmt.Sprintf("diag.nvml was not delivered within %s: the node was not connected %s", a.timeout(), attempts)
+	case c.expiredIn == "delivered":
+		return fmt.Sprintf("diag.nvml was delivered but did not start within %s %s", a.timeout(), attempts)
+	case c.expiredIn == "running":
+		return fmt.Sprintf("diag.nvml started but did not finish within %s %s", a.timeout(), attempts)
+	case c.CommandState == "expired" && c.CommandError != "":
+		return fmt.Sprintf("diag.nvml expired: %s %s", c.CommandError, attempts)
+	}
+	return fmt.Sprintf("diag.nvml did not finish within %s %s", a.timeout(), attempts)
 }
 
 // judge evaluates a succeeded acceptance command: it returns the adoption

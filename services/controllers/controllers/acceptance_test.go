@@ -350,7 +350,7 @@ func TestExpiredCommandRetriedThenFailed(t *testing.T) {
 		cmds := f.commands(t, n)
 		require.Len(t, cmds, attempt)
 		require.Equal(t, "expired", cmds[attempt-2].State)
-		require.Equal(t, "the node did not answer before the deadline", cmds[attempt-2].Error)
+		require.Equal(t, "delivered but not started before the deadline", cmds[attempt-2].Error)
 		require.Equal(t, "queued", cmds[attempt-1].State)
 		require.True(t, cmds[attempt-1].Deadline.Equal(f.clk.Now().Add(controllers.DefaultAcceptanceTimeout)))
 		require.Equal(t, store.NodeAccepting, f.node(t, n).State)
@@ -363,11 +363,69 @@ func TestExpiredCommandRetriedThenFailed(t *testing.T) {
 	require.Equal(t, controllers.PassResult{Failed: 1}, f.reconcile(t))
 	got := f.node(t, n)
 	require.Equal(t, store.NodeAcceptanceFailed, got.State)
-	require.Equal(t, "diag.nvml did not answer within 2m0s (3 attempts)", got.Reason)
+	require.Equal(t, "diag.nvml was delivered but did not start within 2m0s (3 attempts)", got.Reason)
 	require.Equal(t, 1, got.FailEvents)
 	for _, c := range f.commands(t, n) {
 		require.Equal(t, "expired", c.State)
 	}
+}
+
+// TestExpiryReasonsByState: an acceptance command that runs out of time
+// says what happened by the state it was in: still queued (never
+// delivered: the node was not connected), delivered (never started) or
+// running (started, not finished); the node that fails says the same of its
+// last command.
+func TestExpiryReasonsByState(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	f.acc.Attempts = 2
+	nodes := f.addNodes(t, h100Pool, fakehw.VariantHGXH100, 3)
+	queued, delivered, running := nodes[0], nodes[1], nodes[2]
+	// set plays the gateway and the daemon for the nodes' open commands.
+	set := func(node, state string) {
+		exec(t, f.db, `UPDATE commands SET state = $2, deliveries = deliveries + 1, delivered_at = $3
+			WHERE node_id = $1 AND finished_at IS NULL`, node, state, f.clk.Now())
+	}
+	f.reconcile(t)
+	for attempt := 1; attempt <= 2; attempt++ {
+		set(delivered, "delivered")
+		set(running, "running")
+		f.clk.Advance(controllers.DefaultAcceptanceTimeout)
+		res := f.reconcile(t)
+		for node, want := range map[string]string{
+			queued:    "not delivered before the deadline: the node was not connected",
+			delivered: "delivered but not started before the deadline",
+			running:   "started but not finished before the deadline",
+		} {
+			cmds := f.commands(t, node)
+			last := cmds[attempt-1]
+			require.Equal(t, "expired", last.State, "attempt %d of %s", attempt, node)
+			require.Equal(t, want, last.Error, "attempt %d of %s", attempt, node)
+		}
+		if attempt == 1 {
+			require.Equal(t, controllers.PassResult{Retried: 3}, res)
+		} else {
+			require.Equal(t, controllers.PassResult{Retried: 1, Failed: 2}, res)
+		}
+	}
+	got := f.node(t, delivered)
+	require.Equal(t, store.NodeAcceptanceFailed, got.State)
+	require.Equal(t, "diag.nvml was delivered but did not start within 2m0s (2 attempts)", got.Reason)
+	got = f.node(t, running)
+	require.Equal(t, store.NodeAcceptanceFailed, got.State)
+	require.Equal(t, "diag.nvml started but did not finish within 2m0s (2 attempts)", got.Reason)
+	// Undelivered commands do not count: the node without a session is
+	// still accepting, with a fresh command.
+	require.Equal(t, store.NodeAccepting, f.node(t, queued).State)
+	require.Equal(t, "queued", f.lastCommand(t, queued).State)
+
+	// One delivered attempt is enough with Attempts 1, and the reason says
+	// so in the singular.
+	f.acc.Attempts = 1
+	set(queued, "running")
+	f.clk.Advance(controllers.DefaultAcceptanceTimeout)
+	require.Equal(t, controllers.PassResult{Failed: 1}, f.reconcile(t))
+	require.Equal(t, "diag.nvml started but did not finish within 2m0s (1 attempt)", f.node(t, queued).Reason)
 }
 
 // TestUndeliveredAttemptsDoNotCount: a node with no session (it joined during

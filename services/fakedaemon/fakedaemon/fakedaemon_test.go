@@ -863,6 +863,12 @@ func TestNewValidates(t *testing.T) {
 	require.ErrorContains(t, err, `unknown hardware variant "dgx" (valid: cpu, hgx-h100, hgx-h100-gpu-missing, l40s)`)
 	_, err = fakedaemon.New(fakedaemon.Config{Nodes: -1}, fakedaemon.Deps{})
 	require.ErrorContains(t, err, "nodes must be from 1 to 20000")
+	// A malformed gateway override is refused up front, not at each
+	// machine's first session.
+	_, err = fakedaemon.New(fakedaemon.Config{GatewayURL: "gateway:8443"}, fakedaemon.Deps{})
+	require.ErrorContains(t, err, `gateway url override (--gateway-url): gateway URL "gateway:8443" must be https://HOST[:PORT]`)
+	_, err = fakedaemon.New(fakedaemon.Config{GatewayURL: "https://gw-a:8443,https://"}, fakedaemon.Deps{})
+	require.ErrorContains(t, err, `gateway URL "https://" has no host`)
 }
 
 func TestHealthServer(t *testing.T) {

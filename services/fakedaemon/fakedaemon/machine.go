@@ -385,19 +385,15 @@ func (m *Machine) gatewayTLS(id *Identity) ([]string, *tls.Config, error) {
 	if len(urls) == 0 {
 		return nil, nil, errors.New("no gateway url")
 	}
-	var firstHost string
-	for i, raw := range urls {
-		u, err := url.Parse(raw)
-		if err != nil || u.Host == "" {
-			return nil, nil, fmt.Errorf("gateway url %q is not a URL", raw)
-		}
-		if u.Scheme != "https" {
-			return nil, nil, fmt.Errorf("gateway url %q must be https (the session uses mutual TLS)", raw)
-		}
-		if i == 0 {
-			firstHost = u.Hostname()
+	// The override was checked by New; the JoinResponse's URLs are checked
+	// here.
+	for _, raw := range urls {
+		if err := pki.CheckGatewayURL(raw); err != nil {
+			return nil, nil, err
 		}
 	}
+	first, _ := url.Parse(urls[0])
+	firstHost := first.Hostname()
 	name := m.r.cfg.GatewayServerName
 	if name == "" {
 		name = id.GatewayServerName

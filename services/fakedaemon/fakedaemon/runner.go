@@ -117,7 +117,8 @@ type Config struct {
 	// Nodes is how many machines to run (default 1).
 	Nodes int
 	// GatewayURL overrides the gateway URLs of the JoinResponse: one URL or
-	// several separated by commas (one per gateway replica).
+	// several separated by commas (one per gateway replica), each
+	// https://HOST[:PORT] (see pki.ParseGatewayURLs; New refuses others).
 	GatewayURL string
 	// GatewayServerName overrides the TLS server name to verify on the
 	// gateway (default: the JoinResponse's, else the host of the URL).
@@ -215,10 +216,14 @@ const MaxNodes = 20000
 
 // New validates cfg and returns a Runner. It fails for an unknown variant
 // (naming the valid ones), a negative node count or one above MaxNodes, a
-// malformed pin, or InsecureTrustServerPins without Server.
+// malformed pin, a malformed GatewayURL (pki.ParseGatewayURLs), or
+// InsecureTrustServerPins without Server.
 func New(cfg Config, deps Deps) (*Runner, error) {
 	if cfg.Nodes < 0 || cfg.Nodes > MaxNodes {
 		return nil, fmt.Errorf("nodes must be from 1 to %d, got %d", MaxNodes, cfg.Nodes)
+	}
+	if _, err := pki.ParseGatewayURLs(cfg.GatewayURL); err != nil {
+		return nil, fmt.Errorf("gateway url override (--gateway-url): %w", err)
 	}
 	if err := cfg.Pins.Validate(); err != nil {
 		return nil, fmt.Errorf("pins: %w", err)

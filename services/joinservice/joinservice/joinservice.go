@@ -72,7 +72,8 @@ type Config struct {
 	NodeCertTTL time.Duration
 	// GatewayURL is where joined nodes open their sessions (BC_GATEWAY_URL):
 	// one URL, or every gateway replica's URL separated by commas (sent as
-	// JoinResponse.gateway_urls, the first also as gateway_url).
+	// JoinResponse.gateway_urls, the first also as gateway_url), each
+	// https://HOST[:PORT]; New refuses others (pki.ParseGatewayURLs).
 	GatewayURL string
 	// GatewayServerName is the TLS name nodes verify on the gateway
 	// (BC_GATEWAY_SERVER_NAME).
@@ -164,6 +165,9 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	}
 	if cfg.GatewayURL == "" {
 		cfg.GatewayURL = DefaultGatewayURL
+	}
+	if _, err := pki.ParseGatewayURLs(cfg.GatewayURL); err != nil {
+		return nil, fmt.Errorf("BC_GATEWAY_URL: %w", err)
 	}
 	if cfg.GatewayServerName == "" {
 		cfg.GatewayServerName = DefaultGatewayServerName

@@ -468,6 +468,29 @@ func TestNewNeedsPKI(t *testing.T) {
 	}
 }
 
+// TestNewRefusesBadGatewayURL: a malformed BC_GATEWAY_URL is refused at
+// startup, naming the variable, rather than sent to every joining machine.
+func TestNewRefusesBadGatewayURL(t *testing.T) {
+	t.Parallel()
+	db := storetest.New(t, clock.New())
+	dir := t.TempDir()
+	_, err := pki.Init(dir, pki.InitOptions{}, db.Now())
+	require.NoError(t, err)
+	for list, want := range map[string]string{
+		"gateway:8443":                    `BC_GATEWAY_URL: gateway URL "gateway:8443" must be https://HOST[:PORT]`,
+		"http://gateway:8443":             `BC_GATEWAY_URL: gateway URL "http://gateway:8443" must be https://HOST[:PORT]`,
+		"https://gw-a:8443, https://:1":   `BC_GATEWAY_URL: gateway URL "https://:1" has no host`,
+		"https://gw-a:8443, https://gw-b": "",
+	} {
+		_, err := joinservice.New(joinservice.Config{PKIDir: dir, GatewayURL: list}, joinservice.Deps{DB: db})
+		if want == "" {
+			require.NoError(t, err, list)
+			continue
+		}
+		require.ErrorContains(t, err, want, list)
+	}
+}
+
 func TestConfigFromEnvSignedIntent(t *testing.T) {
 	t.Setenv("BC_SIGNED_INTENT", "true")
 	cfg, err := joinservice.ConfigFromEnv()

@@ -165,7 +165,7 @@ func TestNodesList(t *testing.T) {
 
 	res = r.run(t, "nodes", "get", f.failed)
 	require.Equal(t, 0, res.code, res.stderr)
-	require.Contains(t, res.stdout, `"provisionReason": "expected 8 GPUs, found 7"`)
+	require.Contains(t, res.stdout, `"reason": "expected 8 GPUs, found 7"`)
 
 	// The liveness sweeper marked the adopted node unreachable: the table
 	// says so beside its state, the JSON has reachable false.
@@ -516,4 +516,71 @@ func TestUnknownSubcommandFails(t *testing.T) {
 	res := r.run(t, "nodes")
 	require.Equal(t, 0, res.code, res.stderr)
 	require.Contains(t, res.stdout, "list")
+}
+
+// TestGetMatchesList: `nodes get` and `commands get` (and `commands run`)
+// print a resource with the same field names and values as the element of
+// its list -o json, and the fields that get adds are in the list too.
+func TestGetMatchesList(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	r := f.runner(f.root)
+	jsonOf := func(args ...string) any {
+		t.Helper()
+		res := r.run(t, args...)
+		require.Equal(t, 0, res.code, res.stderr)
+		var v any
+		require.NoError(t, json.Unmarshal([]byte(res.stdout), &v), res.stdout)
+		return v
+	}
+	element := func(list any, id string) map[string]any {
+		t.Helper()
+		for _, e := range list.([]any) {
+			if m := e.(map[string]any); m["id"] == id {
+				return m
+			}
+		}
+		t.Fatalf("no %s in %v", id, list)
+		return nil
+	}
+
+	_, err := f.db.Pool.Exec(t.Context(), `INSERT INTO node_certs (serial, node_id, public_key_sha256, not_before, not_after, created_at)
+		VALUES ('0c1d', $1, '\x00', $2, $3, $2)`, f.adopted, f.now, f.now.Add(time.Hour))
+	require.NoError(t, err)
+	nodes := jsonOf("nodes", "list", "-o", "json")
+	for _, id := range []string{f.adopted, f.failed, f.joining} {
+		got := jsonOf("nodes", "get", id).(map[string]any)
+		require.Equal(t, element(nodes, id), got, "nodes get %s", id)
+	}
+	got := jsonOf("nodes", "get", f.adopted).(map[string]any)
+	for _, k := range []string{"id", "pool", "state", "reason", "gpus", "model", "gateway", "lastSeen", "reachable", "cordoned",
+		"hostname", "certNotAfter", "variant", "bootId", "specGeneration", "observedGeneration", "createdAt", "devices"} {
+		require.Contains(t, got, k)
+	}
+	require.EqualValues(t, 8, got["gpus"])
+	devices := got["devices"].([]any)
+	require.Len(t, devices, 8)
+	require.Equal(t, map[string]any{"index": 3.0, "uuid": "GPU-" + f.adopted + "-3", "model": "NVIDIA H100 80GB HBM3",
+		"memoryBytes": 0.0}, devices[3])
+
+	run := jsonOf("commands", "run", "--node", f.adopted, "inventory.refresh", "--request-id", "same-1").(map[string]any)
+	id := run["id"].(string)
+	require.Equal(t, f.adopted, run["node"])
+	cmd := jsonOf("commands", "get", id).(map[string]any)
+	require.Equal(t, run, cmd, "commands run and commands get")
+	require.Equal(t, element(jsonOf("commands", "list", "-o", "json"), id), cmd, "commands list and commands get")
+	for _, k := range []string{"id", "node", "kind", "state", "error", "deliveries", "retrySafe", "requestId", "createdAt",
+		"updatedAt", "deadline", "finishedAt", "result"} {
+		require.Contains(t, cmd, k)
+	}
+	require.Nil(t, cmd["result"])
+
+	// A finished command's result is JSON, not a string holding JSON.
+	_, err = f.db.Pool.Exec(t.Context(), `UPDATE commands SET state = 'succeeded', result = '{"inventory": {"hostname": "h1"}}',
+		finished_at = now() WHERE id = $1`, id)
+	require.NoError(t, err)
+	cmd = jsonOf("commands", "get", id).(map[string]any)
+	require.Equal(t, map[string]any{"inventory": map[string]any{"hostname": "h1"}}, cmd["result"])
+	require.NotNil(t, cmd["finishedAt"])
+	require.Equal(t, element(jsonOf("commands", "list", "-o", "json"), id), cmd)
 }

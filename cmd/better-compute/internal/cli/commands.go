@@ -2,13 +2,13 @@ package cli
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"strconv"
 	"time"
 
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
@@ -23,6 +23,53 @@ var commandKinds = []string{"diag.nvml", "inventory.refresh", "logs.collect", "n
 // commandOpen reports whether a command in state may still change.
 func commandOpen(state string) bool {
 	return state == "queued" || state == "delivered" || state == "running"
+}
+
+// commandJSON is one command as the CLI prints it in JSON: an element of
+// `commands list -o json` and the whole of `commands get` and `commands
+// run`, so that one field has one name in all three. Times are RFC 3339 in
+// UTC.
+type commandJSON struct {
+	ID   string `json:"id"`
+	Node string `json:"node"`
+	// Kind is diag.nvml, inventory.refresh, logs.collect or node.reboot.
+	Kind string `json:"kind"`
+	// State is queued, delivered, running, succeeded, failed, expired or
+	// canceled.
+	State string `json:"state"`
+	// Error says why the command failed or expired ("" otherwise).
+	Error string `json:"error"`
+	// Deliveries is how many times a gateway sent the command to the node.
+	Deliveries int32 `json:"deliveries"`
+	// RetrySafe commands may run again after the node lost its journal.
+	RetrySafe bool `json:"retrySafe"`
+	// RequestID is the idempotency key it was run with ("" for none).
+	RequestID string    `json:"requestId"`
+	CreatedAt time.Time `json:"createdAt"`
+	UpdatedAt time.Time `json:"updatedAt"`
+	// Deadline is when the command expires unless it finished.
+	Deadline time.Time `json:"deadline"`
+	// FinishedAt is null while the command is open.
+	FinishedAt *time.Time `json:"finishedAt"`
+	// Result is what a succeeded command reported (a JSON object), null
+	// when it has none.
+	Result json.RawMessage `json:"result"`
+}
+
+func toCommandJSON(c *computev1.Command) commandJSON {
+	out := commandJSON{ID: c.Id, Node: c.NodeId, Kind: c.Kind, State: c.State, Error: c.Error, Deliveries: c.Deliveries,
+		RetrySafe: c.RetrySafe, RequestID: c.RequestId, CreatedAt: c.CreatedAt.AsTime().UTC(),
+		UpdatedAt: c.UpdatedAt.AsTime().UTC(), Deadline: c.Deadline.AsTime().UTC(), FinishedAt: timeOrNil(c.FinishedAt)}
+	switch {
+	case c.ResultJson == "":
+	case json.Valid([]byte(c.ResultJson)):
+		out.Result = json.RawMessage(c.ResultJson)
+	default:
+		// Not JSON after all: keep it, as a string.
+		b, _ := json.Marshal(c.ResultJson)
+		out.Result = b
+	}
+	return out
 }
 
 func (a *app) commandsCmd() *cobra.Command {
@@ -40,17 +87,17 @@ func (a *app) commandsRunCmd() *cobra.Command {
 	c := &cobra.Command{
 		Use:   "run --node NODE_ID diag.nvml|inventory.refresh|logs.collect|node.reboot [--timeout D] [--wait]",
 		Short: "Run a command on a node; prints the command as JSON",
-		Long: "run queues a command for --node and prints it as JSON. The node runs it at most once, even when\n" +
-			"its connection drops; it must have finished before --timeout (default 5m, at most 24h) or it\n" +
-			"expires. node.reboot reboots the machine (it is never run twice). With --request-id a retry\n" +
-			"returns the first command instead of queuing another. --wait polls until the command has\n" +
-			"finished: exit 0 when it succeeded, 1 when it failed or expired. Needs a tenant-admin or\n" +
-			"root-admin token.",
+		Long: "run queues a command for --node and prints it as JSON (as commands get does). The node runs it\n" +
+			"at most once, even when its connection drops; it must have finished before --timeout (1s to 24h,\n" +
+			"default 5m; 0 or a negative timeout is refused) or it expires. node.reboot reboots the machine\n" +
+			"(it is never run twice). With --request-id a retry returns the first command instead of queuing\n" +
+			"another. --wait polls until the command has finished: exit 0 when it succeeded, 1 when it failed\n" +
+			"or expired. Needs a tenant-admin or root-admin token.",
 		Args:      cobra.ExactArgs(1),
 		ValidArgs: commandKinds,
 	}
 	c.Flags().StringVar(&node, "node", "", "node id (required)")
-	c.Flags().DurationVar(&timeout, "timeout", 0, "how long the command may take from now (default 5m)")
+	c.Flags().DurationVar(&timeout, "timeout", 0, "how long the command may take from now, 1s to 24h (default 5m)")
 	c.Flags().StringVar(&requestID, "request-id", "", "idempotency key: a retry with the same id returns the same command")
 	c.Flags().BoolVar(&wait, "wait", false, "wait until the command succeeded, failed or expired")
 	_ = c.MarkFlagRequired("node")
@@ -63,8 +110,10 @@ func (a *app) commandsRunCmd() *cobra.Command {
 		if !known {
 			return fmt.Errorf("unknown command kind %q (want diag.nvml, inventory.refresh, logs.collect or node.reboot)", kind)
 		}
-		if timeout < 0 {
-			return fmt.Errorf("--timeout must be positive, got %s", timeout)
+		// Unset, the API's default (5m) applies; set, it must be a real
+		// timeout: 0 does not mean "the default" or "none".
+		if cmd.Flags().Changed("timeout") && timeout <= 0 {
+			return fmt.Errorf("--timeout must be positive (1s to 24h; leave it out for 5m), got %s", timeout)
 		}
 		req := &computev1.RunCommandRequest{NodeId: node, Kind: kind, RequestId: requestID}
 		if timeout > 0 {
@@ -100,7 +149,7 @@ func (a *app) commandsRunCmd() *cobra.Command {
 				return err
 			}
 		}
-		if err := writeProto(a.env.Stdout, cm); err != nil {
+		if err := writeJSON(a.env.Stdout, toCommandJSON(cm)); err != nil {
 			return err
 		}
 		if wait && cm.State != "succeeded" {
@@ -124,12 +173,12 @@ func transientError(err error) bool {
 
 func (a *app) commandsGetCmd() *cobra.Command {
 	return a.idJSONCmd("get COMMAND_ID", "Show a command as JSON, with its result",
-		func(ctx context.Context, cl *apiClients, id string) (proto.Message, error) {
+		func(ctx context.Context, cl *apiClients, id string) (any, error) {
 			res, err := cl.commands.GetCommand(ctx, connect.NewRequest(&computev1.GetCommandRequest{CommandId: id}))
 			if err != nil {
 				return nil, err
 			}
-			return res.Msg.GetCommand(), nil
+			return toCommandJSON(res.Msg.GetCommand()), nil
 		})
 }
 
@@ -164,25 +213,9 @@ func (a *app) commandsListCmd() *cobra.Command {
 			}
 		}
 		if *format == formatJSON {
-			type commandJSON struct {
-				ID         string     `json:"id"`
-				Node       string     `json:"node"`
-				Kind       string     `json:"kind"`
-				State      string     `json:"state"`
-				Error      string     `json:"error"`
-				Deliveries int32      `json:"deliveries"`
-				CreatedAt  time.Time  `json:"createdAt"`
-				Deadline   time.Time  `json:"deadline"`
-				FinishedAt *time.Time `json:"finishedAt"`
-			}
 			out := make([]commandJSON, len(cs))
 			for i, c := range cs {
-				out[i] = commandJSON{ID: c.Id, Node: c.NodeId, Kind: c.Kind, State: c.State, Error: c.Error,
-					Deliveries: c.Deliveries, CreatedAt: c.CreatedAt.AsTime(), Deadline: c.Deadline.AsTime()}
-				if c.FinishedAt != nil {
-					t := c.FinishedAt.AsTime()
-					out[i].FinishedAt = &t
-				}
+				out[i] = toCommandJSON(c)
 			}
 			return writeJSON(a.env.Stdout, out)
 		}

@@ -20,7 +20,7 @@ import (
 
 type commandOut struct {
 	ID        string `json:"id"`
-	NodeID    string `json:"nodeId"`
+	NodeID    string `json:"node"`
 	Kind      string `json:"kind"`
 	State     string `json:"state"`
 	RetrySafe bool   `json:"retrySafe"`
@@ -158,4 +158,36 @@ func TestCommandsRunWaitRidesOutAnOutage(t *testing.T) {
 	cmd := parseCommand(t, res.stdout)
 	require.Equal(t, "succeeded", cmd.State)
 	require.Contains(t, res.stderr, "commands run: waiting for "+cmd.ID+": unavailable: the api is restarting; retrying")
+}
+
+// TestCommandsRunTimeout: --timeout 0 or negative is refused by the CLI
+// naming the flag (it used to mean the 5m default), and queues nothing; a
+// timeout out of the API's range is the API's invalid_argument naming the
+// field.
+func TestCommandsRunTimeout(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	r := f.runner(f.root)
+	for _, d := range []string{"0", "0s", "-1s", "-5m"} {
+		res := r.run(t, "commands", "run", "--node", f.adopted, "diag.nvml", "--timeout", d)
+		require.Equal(t, 1, res.code, "--timeout %s: %s", d, res.stdout)
+		require.Contains(t, res.stderr, "error: --timeout must be positive (1s to 24h; leave it out for 5m), got ", d)
+		require.Empty(t, res.stdout)
+	}
+	for _, d := range []string{"500ms", "25h"} {
+		res := r.run(t, "commands", "run", "--node", f.adopted, "diag.nvml", "--timeout", d)
+		require.Equal(t, 1, res.code, "--timeout %s: %s", d, res.stdout)
+		require.Contains(t, res.stderr, "error: invalid_argument: ", d)
+		require.Contains(t, res.stderr, "timeout", d)
+	}
+	var n int
+	require.NoError(t, f.db.Pool.QueryRow(t.Context(), `SELECT count(*) FROM commands`).Scan(&n))
+	require.Zero(t, n, "a refused timeout queued a command")
+
+	res := r.run(t, "commands", "run", "--node", f.adopted, "diag.nvml")
+	require.Equal(t, 0, res.code, res.stderr)
+	c := parseCommand(t, res.stdout)
+	deadline, err := time.Parse(time.RFC3339Nano, c.Deadline)
+	require.NoError(t, err)
+	require.WithinDuration(t, clock.New().Now().Add(5*time.Minute), deadline, time.Minute, "unset: the 5m default")
 }

@@ -152,3 +152,49 @@ func TestRoleCompletion(t *testing.T) {
 	require.Equal(t, 0, res.code, res.stderr)
 	require.Contains(t, res.stdout, "tenant-admin")
 }
+
+// TestTokenTTLs: a bad --ttl of tokens create and join-tokens create is
+// refused by the CLI with an error naming --ttl that says what is wrong
+// (a negative one used to be called "not a whole number of seconds"), and
+// mints nothing; an explicit 0 is refused too (leaving --ttl out of tokens
+// create is how to mint a token that never expires).
+func TestTokenTTLs(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	root := f.runner(f.root)
+	for _, tc := range []struct {
+		args   []string
+		stderr string
+	}{
+		{[]string{"tokens", "create", "--name", "x", "--role", "viewer", "--ttl", "-1s"},
+			"error: --ttl must be positive (1s to 8784h (366 days)), got -1s; leave --ttl out for a token that never expires\n"},
+		{[]string{"tokens", "create", "--name", "x", "--role", "viewer", "--ttl", "0"},
+			"error: --ttl must be positive (1s to 8784h (366 days)), got 0s; leave --ttl out for a token that never expires\n"},
+		{[]string{"tokens", "create", "--name", "x", "--role", "viewer", "--ttl", "1.5s"},
+			"error: --ttl must be a whole number of seconds, got 1.5s\n"},
+		{[]string{"tokens", "create", "--name", "x", "--role", "viewer", "--ttl", "8785h"},
+			"error: --ttl must be at most 8784h (366 days), got 8785h0m0s\n"},
+		{[]string{"join-tokens", "create", "--pool", f.poolID, "--ttl", "-1s"},
+			"error: --ttl must be positive (1s to 720h (30 days)), got -1s\n"},
+		{[]string{"join-tokens", "create", "--pool", f.poolID, "--ttl", "0"},
+			"error: --ttl must be positive (1s to 720h (30 days)), got 0s\n"},
+		{[]string{"join-tokens", "create", "--pool", f.poolID, "--ttl", "721h"},
+			"error: --ttl must be at most 720h (30 days), got 721h0m0s\n"},
+	} {
+		res := root.run(t, tc.args...)
+		require.Equal(t, 1, res.code, "%v: %s", tc.args, res.stdout)
+		require.Equal(t, tc.stderr, res.stderr, "%v", tc.args)
+		require.Empty(t, res.stdout)
+	}
+	var minted int
+	require.NoError(t, f.db.Pool.QueryRow(t.Context(),
+		`SELECT (SELECT count(*) FROM api_tokens WHERE name = 'x') + (SELECT count(*) FROM join_tokens)`).Scan(&minted))
+	require.Zero(t, minted)
+
+	res := root.run(t, "tokens", "create", "--name", "forever", "--role", "viewer")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stderr, "never expires")
+	res = root.run(t, "tokens", "create", "--name", "day", "--role", "viewer", "--ttl", "8784h")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stderr, ", expires ")
+}

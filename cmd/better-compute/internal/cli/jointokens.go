@@ -1,7 +1,6 @@
 package cli
 
 import (
-	"errors"
 	"fmt"
 	"strconv"
 	"time"
@@ -17,6 +16,10 @@ func (a *app) joinTokensCmd() *cobra.Command {
 	c.AddCommand(a.joinTokensCreateCmd(), a.joinTokensListCmd(), a.joinTokensRevokeCmd())
 	return c
 }
+
+// maxJoinTokenTTL is the longest --ttl of `join-tokens create` (the API's
+// ttl_seconds limit, 30 days).
+const maxJoinTokenTTL = 720 * time.Hour
 
 func (a *app) joinTokensCreateCmd() *cobra.Command {
 	var (
@@ -34,8 +37,8 @@ func (a *app) joinTokensCreateCmd() *cobra.Command {
 	c.Flags().DurationVar(&ttl, "ttl", 24*time.Hour, "how long it is valid (1s to 720h)")
 	_ = c.MarkFlagRequired("pool")
 	c.RunE = func(cmd *cobra.Command, _ []string) error {
-		if ttl < time.Second || ttl%time.Second != 0 {
-			return errors.New("--ttl must be a whole number of seconds, at least 1s")
+		if err := checkTTL(ttl, maxJoinTokenTTL, "720h (30 days)", ""); err != nil {
+			return err
 		}
 		cl, err := a.clients()
 		if err != nil {

@@ -8,7 +8,6 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
-	"google.golang.org/protobuf/proto"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 )
@@ -19,34 +18,65 @@ func (a *app) nodesCmd() *cobra.Command {
 	return c
 }
 
-// nodeJSON is one node of `nodes list -o json`.
+// nodeJSON is one node as the CLI prints it in JSON: an element of `nodes
+// list -o json` and the whole of `nodes get`, so that one field has one name
+// in both. Times are RFC 3339 in UTC.
 type nodeJSON struct {
-	ID        string     `json:"id"`
-	Pool      string     `json:"pool"`
-	State     string     `json:"state"`
-	Reason    string     `json:"reason"`
-	GPUs      int        `json:"gpus"`
-	Model     string     `json:"model"`
-	Gateway   string     `json:"gateway"`
+	ID   string `json:"id"`
+	Pool string `json:"pool"`
+	// State is the provision state: joining, accepting, adopted or
+	// acceptance_failed.
+	State string `json:"state"`
+	// Reason says why acceptance failed ("" otherwise).
+	Reason string `json:"reason"`
+	// GPUs is how many GPUs the node has (Devices lists them).
+	GPUs int `json:"gpus"`
+	// Model is the model shared by the node's GPUs ("" without GPUs).
+	Model string `json:"model"`
+	// Gateway is the gateway holding the node's live session, if any.
+	Gateway string `json:"gateway"`
+	// LastSeen is null for a node never heard from.
 	LastSeen  *time.Time `json:"lastSeen"`
 	Reachable bool       `json:"reachable"`
 	Cordoned  bool       `json:"cordoned"`
 	// CordonReason is set while the node is cordoned.
-	CordonReason string     `json:"cordonReason,omitempty"`
-	Hostname     string     `json:"hostname"`
-	RevokedAt    *time.Time `json:"revokedAt,omitempty"`
+	CordonReason string `json:"cordonReason,omitempty"`
+	Hostname     string `json:"hostname"`
+	// RevokedAt is set once the node's certificates were revoked.
+	RevokedAt *time.Time `json:"revokedAt,omitempty"`
+	// CertNotAfter is when the node's newest certificate expires, when it
+	// has one.
+	CertNotAfter *time.Time `json:"certNotAfter,omitempty"`
+	// Variant is the fake hardware variant the node joined with ("" for
+	// real hardware).
+	Variant string `json:"variant"`
+	BootID  string `json:"bootId"`
+	// SpecGeneration is the generation of the node's desired state;
+	// ObservedGeneration the one the node reported applied.
+	SpecGeneration     int64     `json:"specGeneration"`
+	ObservedGeneration int64     `json:"observedGeneration"`
+	CreatedAt          time.Time `json:"createdAt"`
+	// Devices are the node's GPUs, by index.
+	Devices []gpuJSON `json:"devices"`
+}
+
+// gpuJSON is one GPU of a node in nodeJSON.
+type gpuJSON struct {
+	Index int32  `json:"index"`
+	UUID  string `json:"uuid"`
+	Model string `json:"model"`
+	// MemoryBytes is the GPU's memory in bytes.
+	MemoryBytes int64 `json:"memoryBytes"`
 }
 
 func toNodeJSON(n *computev1.Node) nodeJSON {
 	out := nodeJSON{ID: n.Id, Pool: n.PoolId, State: n.ProvisionState, Reason: n.ProvisionReason, GPUs: len(n.Gpus),
-		Model: n.GpuModel, Gateway: n.GatewayId, Reachable: n.Reachable, Cordoned: n.Cordoned, CordonReason: n.CordonReason, Hostname: n.Hostname}
-	if n.LastSeen != nil {
-		t := n.LastSeen.AsTime()
-		out.LastSeen = &t
-	}
-	if n.RevokedAt != nil {
-		t := n.RevokedAt.AsTime()
-		out.RevokedAt = &t
+		Model: n.GpuModel, Gateway: n.GatewayId, LastSeen: timeOrNil(n.LastSeen), Reachable: n.Reachable,
+		Cordoned: n.Cordoned, CordonReason: n.CordonReason, Hostname: n.Hostname, RevokedAt: timeOrNil(n.RevokedAt),
+		CertNotAfter: timeOrNil(n.CertNotAfter), Variant: n.Variant, BootID: n.BootId, SpecGeneration: n.SpecGeneration,
+		ObservedGeneration: n.ObservedGeneration, CreatedAt: n.CreatedAt.AsTime().UTC(), Devices: make([]gpuJSON, len(n.Gpus))}
+	for i, g := range n.Gpus {
+		out.Devices[i] = gpuJSON{Index: g.Index, UUID: g.Uuid, Model: g.Model, MemoryBytes: g.MemoryBytes}
 	}
 	return out
 }
@@ -119,13 +149,13 @@ func (a *app) nodesListCmd() *cobra.Command {
 }
 
 func (a *app) nodesGetCmd() *cobra.Command {
-	return a.idJSONCmd("get NODE_ID", "Show one node as JSON (revokedAt and certNotAfter when set)",
-		func(ctx context.Context, cl *apiClients, id string) (proto.Message, error) {
+	return a.idJSONCmd("get NODE_ID", "Show one node as JSON, as nodes list -o json shows it, with its GPUs",
+		func(ctx context.Context, cl *apiClients, id string) (any, error) {
 			res, err := cl.nodes.GetNode(ctx, connect.NewRequest(&computev1.GetNodeRequest{NodeId: id}))
 			if err != nil {
 				return nil, err
 			}
-			return res.Msg.GetNode(), nil
+			return toNodeJSON(res.Msg.GetNode()), nil
 		})
 }
 

@@ -125,8 +125,9 @@ func writeProto(w io.Writer, m proto.Message) error {
 }
 
 // idJSONCmd returns a command that takes one id, calls do with the API
-// clients and prints the resource do returns as JSON (writeProto).
-func (a *app) idJSONCmd(use, short string, do func(ctx context.Context, cl *apiClients, id string) (proto.Message, error)) *cobra.Command {
+// clients and prints what do returns as JSON: a proto.Message in its
+// protojson form (writeProto), anything else with encoding/json (writeJSON).
+func (a *app) idJSONCmd(use, short string, do func(ctx context.Context, cl *apiClients, id string) (any, error)) *cobra.Command {
 	return &cobra.Command{
 		Use:   use,
 		Short: short,
@@ -136,11 +137,14 @@ func (a *app) idJSONCmd(use, short string, do func(ctx context.Context, cl *apiC
 			if err != nil {
 				return err
 			}
-			m, err := do(cmd.Context(), cl, args[0])
+			v, err := do(cmd.Context(), cl, args[0])
 			if err != nil {
 				return err
 			}
-			return writeProto(a.env.Stdout, m)
+			if m, ok := v.(proto.Message); ok {
+				return writeProto(a.env.Stdout, m)
+			}
+			return writeJSON(a.env.Stdout, v)
 		},
 	}
 }

@@ -12,7 +12,6 @@ import (
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
 	"google.golang.org/protobuf/encoding/protojson"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -195,7 +194,7 @@ func (a *app) reserveCmd() *cobra.Command {
 
 func (a *app) releaseCmd() *cobra.Command {
 	return a.idJSONCmd("release RESERVATION_ID", "Release a reservation now: its GPUs are unbound and freed; prints it as JSON",
-		func(ctx context.Context, cl *apiClients, id string) (proto.Message, error) {
+		func(ctx context.Context, cl *apiClients, id string) (any, error) {
 			res, err := cl.res.ReleaseReservation(ctx, connect.NewRequest(&computev1.ReleaseReservationRequest{ReservationId: id}))
 			if err != nil {
 				return nil, err
@@ -266,7 +265,7 @@ func (a *app) reservationsListCmd() *cobra.Command {
 
 func (a *app) reservationsGetCmd() *cobra.Command {
 	return a.idJSONCmd("get RESERVATION_ID", "Show one reservation as JSON (binding holds the CDI device names once active)",
-		func(ctx context.Context, cl *apiClients, id string) (proto.Message, error) {
+		func(ctx context.Context, cl *apiClients, id string) (any, error) {
 			res, err := cl.res.GetReservation(ctx, connect.NewRequest(&computev1.GetReservationRequest{ReservationId: id}))
 			if err != nil {
 				return nil, err

@@ -45,7 +45,7 @@ func (a *app) tokensCreateCmd() *cobra.Command {
 	c.Flags().StringVar(&name, "name", "", "what the token is for, e.g. ci (required)")
 	c.Flags().StringVar(&role, "role", "", "root-admin, tenant-admin, tenant-member or viewer (required)")
 	c.Flags().StringVar(&tenant, "tenant", "", "tenant id (default: your token's tenant)")
-	c.Flags().DurationVar(&ttl, "ttl", 0, "how long it is valid, in whole seconds up to 8784h (0: never expires)")
+	c.Flags().DurationVar(&ttl, "ttl", 0, "how long it is valid, in whole seconds from 1s to 8784h (default: it never expires)")
 	_ = c.MarkFlagRequired("name")
 	_ = c.MarkFlagRequired("role")
 	_ = c.RegisterFlagCompletionFunc("role", func(*cobra.Command, []string, string) ([]cobra.Completion, cobra.ShellCompDirective) {
@@ -55,8 +55,13 @@ func (a *app) tokensCreateCmd() *cobra.Command {
 		if _, err := iam.ParseRole(role); err != nil {
 			return fmt.Errorf("--role: %w", err)
 		}
-		if ttl < 0 || ttl%time.Second != 0 {
-			return errors.New("--ttl must be a whole number of seconds, 0 for a token that never expires")
+		// Unset, the token never expires; set, --ttl is a real lifetime: a
+		// 0 that meant "forever" would turn a slip into a permanent
+		// credential.
+		if cmd.Flags().Changed("ttl") {
+			if err := checkTTL(ttl, maxTokenTTL, "8784h (366 days)", "leave --ttl out for a token that never expires"); err != nil {
+				return err
+			}
 		}
 		cl, err := a.clients()
 		if err != nil {
@@ -155,6 +160,29 @@ func (a *app) tokensRevokeCmd() *cobra.Command {
 			return nil
 		},
 	}
+}
+
+// maxTokenTTL is the longest --ttl of `tokens create` (the API's
+// ttl_seconds limit, 366 days).
+const maxTokenTTL = 8784 * time.Hour
+
+// checkTTL checks a --ttl flag: positive, whole seconds and at most max
+// (written maxText in errors, e.g. "720h (30 days)"); hint, when not empty,
+// ends the error of a zero or negative one.
+func checkTTL(ttl, max time.Duration, maxText, hint string) error {
+	switch {
+	case ttl <= 0:
+		msg := fmt.Sprintf("--ttl must be positive (1s to %s), got %s", maxText, ttl)
+		if hint != "" {
+			msg += "; " + hint
+		}
+		return errors.New(msg)
+	case ttl%time.Second != 0:
+		return fmt.Errorf("--ttl must be a whole number of seconds, got %s", ttl)
+	case ttl > max:
+		return fmt.Errorf("--ttl must be at most %s, got %s", maxText, ttl)
+	}
+	return nil
 }
 
 // timeOrNil returns ts as a UTC time, or nil when it is unset.

@@ -373,7 +373,9 @@ func (x *ApiToken) GetLastUsedAt() *timestamppb.Timestamp {
 type CreateTokenRequest struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	TenantId string                 `protobuf:"bytes,1,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
-	// Name says what the token is for; no control characters.
+	// Name says what the token is for: at most 63 characters, no control
+	// characters, and not empty or only spaces. Leading and trailing spaces
+	// are dropped.
 	Name string `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
 	Role string `protobuf:"bytes,3,opt,name=role,proto3" json:"role,omitempty"`
 	// TtlSeconds is how long the token is valid; 0 means it never expires.
@@ -2408,9 +2410,12 @@ func (x *GetNodeResponse) GetNode() *Node {
 }
 
 type CordonNodeRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	NodeId        string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
-	Reason        string                 `protobuf:"bytes,2,opt,name=reason,proto3" json:"reason,omitempty"`
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	NodeId string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	// Reason says why the node is cordoned: at most 256 characters, no
+	// control characters, and not empty or only spaces. Leading and trailing
+	// spaces are dropped.
+	Reason        string `protobuf:"bytes,2,opt,name=reason,proto3" json:"reason,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2739,8 +2744,9 @@ type RunCommandRequest struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	NodeId string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
 	Kind   string                 `protobuf:"bytes,2,opt,name=kind,proto3" json:"kind,omitempty"`
-	// Timeout is how long the command may take from now (default 5 min, at
-	// most 24 h).
+	// Timeout is how long the command may take from now. Unset: 5 min. Set,
+	// it must be 1 s to 24 h: a zero or negative timeout is InvalidArgument
+	// (timeout), not the default.
 	Timeout       *durationpb.Duration `protobuf:"bytes,3,opt,name=timeout,proto3" json:"timeout,omitempty"`
 	RequestId     string               `protobuf:"bytes,4,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
@@ -3241,7 +3247,8 @@ func (x *WatchResponse) GetEvent() *Event {
 type RevokeNodeRequest struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	NodeId string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
-	// Reason is recorded in the audit log.
+	// Reason is recorded in the audit log (optional; leading and trailing
+	// spaces are dropped, so one of spaces only is none).
 	Reason        string `protobuf:"bytes,2,opt,name=reason,proto3" json:"reason,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -4369,10 +4376,11 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\n" +
 	"created_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12<\n" +
 	"\flast_used_at\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\n" +
-	"lastUsedAt\"\xe2\x01\n" +
+	"lastUsedAt\"\xa8\x02\n" +
 	"\x12CreateTokenRequest\x12$\n" +
-	"\ttenant_id\x18\x01 \x01(\tB\a\xbaH\x04r\x02\x18@R\btenantId\x12+\n" +
-	"\x04name\x18\x02 \x01(\tB\x17\xbaH\x14r\x12\x10\x01\x18?2\f^[^\\p{Cc}]*$R\x04name\x12J\n" +
+	"\ttenant_id\x18\x01 \x01(\tB\a\xbaH\x04r\x02\x18@R\btenantId\x12q\n" +
+	"\x04name\x18\x02 \x01(\tB]\xbaHZ\xba\x01E\n" +
+	"\x0ename.not_blank\x12 must not be empty or only spaces\x1a\x11this.trim() != ''r\x10\x18?2\f^[^\\p{Cc}]*$R\x04name\x12J\n" +
 	"\x04role\x18\x03 \x01(\tB6\xbaH3r1R\n" +
 	"root-adminR\ftenant-adminR\rtenant-memberR\x06viewerR\x04role\x12-\n" +
 	"\vttl_seconds\x18\x04 \x01(\x03B\f\xbaH\t\"\a\x18\x80\x8a\x8a\x0f(\x00R\n" +
@@ -4530,10 +4538,11 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\x0eGetNodeRequest\x12\"\n" +
 	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\":\n" +
 	"\x0fGetNodeResponse\x12'\n" +
-	"\x04node\x18\x01 \x01(\v2\x13.bc.compute.v1.NodeR\x04node\"i\n" +
+	"\x04node\x18\x01 \x01(\v2\x13.bc.compute.v1.NodeR\x04node\"\xb1\x01\n" +
 	"\x11CordonNodeRequest\x12\"\n" +
-	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\x120\n" +
-	"\x06reason\x18\x02 \x01(\tB\x18\xbaH\x15r\x13\x10\x01\x18\x80\x022\f^[^\\p{Cc}]*$R\x06reason\"=\n" +
+	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\x12x\n" +
+	"\x06reason\x18\x02 \x01(\tB`\xbaH]\xba\x01G\n" +
+	"\x10reason.not_blank\x12 must not be empty or only spaces\x1a\x11this.trim() != ''r\x11\x18\x80\x022\f^[^\\p{Cc}]*$R\x06reason\"=\n" +
 	"\x12CordonNodeResponse\x12'\n" +
 	"\x04node\x18\x01 \x01(\v2\x13.bc.compute.v1.NodeR\x04node\"9\n" +
 	"\x13UncordonNodeRequest\x12\"\n" +
