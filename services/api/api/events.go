@@ -127,7 +127,9 @@ type watchEventJSON struct {
 // serveWatch serves GET WatchPath: the events watch as NDJSON
 // (application/x-ndjson), one event per line, flushed per event, with the
 // semantics of EventService.Watch. types is a comma-separated list of
-// patterns, after the id of the last event received. Refusals are JSON
+// patterns and may be repeated (types=node.*&types=reservation.active,
+// command.*): the watch takes every pattern of every types parameter;
+// after is the id of the last event received. Refusals are JSON
 // objects {"code": "...", "message": "..."} with 401 (missing or bad
 // token), 403 (role without events.read), 400 (bad query parameter, named),
 // 503 (database unreachable: retry) or 500. Once the response has begun
@@ -156,9 +158,11 @@ func (s *Server) serveWatch(w http.ResponseWriter, r *http.Request) {
 	}
 	q := r.URL.Query()
 	req := &computev1.WatchRequest{}
-	for _, t := range strings.Split(q.Get("types"), ",") {
-		if t = strings.TrimSpace(t); t != "" {
-			req.Types = append(req.Types, t)
+	for _, list := range q["types"] {
+		for _, t := range strings.Split(list, ",") {
+			if t = strings.TrimSpace(t); t != "" {
+				req.Types = append(req.Types, t)
+			}
 		}
 	}
 	if a := q.Get("after"); a != "" {

@@ -354,25 +354,11 @@ func TestWatchHTTP(t *testing.T) {
 	now := f.db.Now()
 	pool := f.db.Pool
 	get := func(ctx context.Context, token string, q url.Values) *http.Response {
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, f.url+api.WatchPath+"?"+q.Encode(), nil)
-		require.NoError(t, err)
-		if token != "" {
-			req.Header.Set("Authorization", "Bearer "+token)
-		}
-		res, err := http.DefaultClient.Do(req)
-		require.NoError(t, err)
-		return res
+		return f.getWatch(ctx, t, token, q)
 	}
 	refused := func(token string, q url.Values, status int, code, contains string) {
 		t.Helper()
-		res := get(ctx, token, q)
-		defer res.Body.Close()
-		require.Equal(t, status, res.StatusCode)
-		require.Equal(t, "application/json", res.Header.Get("Content-Type"))
-		var body map[string]string
-		require.NoError(t, json.NewDecoder(res.Body).Decode(&body))
-		require.Equal(t, code, body["code"])
-		require.Contains(t, body["message"], contains)
+		f.refusedWatch(t, token, q, status, code, contains)
 	}
 	refused("", nil, http.StatusUnauthorized, "unauthenticated", "missing bearer token")
 	refused("bct_nope", nil, http.StatusUnauthorized, "unauthenticated", "")
@@ -423,6 +409,79 @@ func TestWatchHTTP(t *testing.T) {
 		ids = append(ids, m["id"].(float64))
 	}
 	require.Equal(t, []float64{float64(old), float64(e1)}, ids)
+}
+
+// getWatch sends GET WatchPath?q with token ("" sends none) and returns the
+// response once its headers have come.
+func (f *fixture) getWatch(ctx context.Context, t *testing.T, token string, q url.Values) *http.Response {
+	t.Helper()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, f.url+api.WatchPath+"?"+q.Encode(), nil)
+	require.NoError(t, err)
+	if token != "" {
+		req.Header.Set("Authorization", "Bearer "+token)
+	}
+	res, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = res.Body.Close() })
+	return res
+}
+
+// refusedWatch checks that GET WatchPath?q with token is refused with
+// status and a JSON error of code whose message contains contains.
+func (f *fixture) refusedWatch(t *testing.T, token string, q url.Values, status int, code, contains string) {
+	t.Helper()
+	res := f.getWatch(t.Context(), t, token, q)
+	require.Equal(t, status, res.StatusCode)
+	require.Equal(t, "application/json", res.Header.Get("Content-Type"))
+	var body map[string]string
+	require.NoError(t, json.NewDecoder(res.Body).Decode(&body))
+	require.Equal(t, code, body["code"])
+	require.Contains(t, body["message"], contains)
+}
+
+// ndjsonIDs reads the ids of the next n lines of an NDJSON watch.
+func ndjsonIDs(t *testing.T, lines *bufio.Scanner, n int) []int64 {
+	t.Helper()
+	var ids []int64
+	for range n {
+		require.True(t, lines.Scan(), "a line: %v", lines.Err())
+		var m struct {
+			ID *int64 `json:"id"`
+		}
+		require.NoError(t, json.Unmarshal(lines.Bytes(), &m), lines.Text())
+		require.NotNil(t, m.ID, "an event, not an error: %s", lines.Text())
+		ids = append(ids, *m.ID)
+	}
+	return ids
+}
+
+// TestWatchHTTPRepeatedTypes checks that every types parameter of GET
+// WatchPath counts, each a comma-separated list: the watch takes the union.
+func TestWatchHTTPRepeatedTypes(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	now := f.db.Now()
+	pool := f.db.Pool
+	start := mark(t, f.db)
+	a := insertEvent(t, pool, now, f.acme, "node.cordoned")
+	insertEvent(t, pool, now, f.acme, "pool.created") // in no list
+	b := insertEvent(t, pool, now, f.acme, "reservation.active")
+	c := insertEvent(t, pool, now, f.acme, "command.succeeded")
+	insertEvent(t, pool, now, f.acme, "reservation.released") // in no list
+	d := insertEvent(t, pool, now, f.acme, "node.uncordoned")
+	end := insertEvent(t, pool, now, f.acme, "node.end") // the last line
+	res := f.getWatch(t.Context(), t, f.tokens["acme-viewer"], url.Values{"after": {strconv.FormatInt(start, 10)},
+		"types": {"node.*", "reservation.active, command.*", ""}})
+	require.Equal(t, http.StatusOK, res.StatusCode)
+	lines := bufio.NewScanner(res.Body)
+	var got []int64
+	for id := int64(0); id != end; {
+		id = ndjsonIDs(t, lines, 1)[0]
+		got = append(got, id)
+	}
+	require.Equal(t, []int64{a, b, c, d, end}, got)
+	f.refusedWatch(t, f.tokens["acme-viewer"], url.Values{"types": {"node.*", "x,Bad"}}, http.StatusBadRequest,
+		"invalid_argument", "types[2]")
 }
 
 // TestScanEvents checks that a rolled-back insert leaves a gap in the ids,
