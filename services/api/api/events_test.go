@@ -523,7 +523,7 @@ func TestWatchHTTP(t *testing.T) {
 }
 
 // getWatch sends GET WatchPath?q with token ("" sends none) and returns the
-// response once its headers have come.
+// response once its headers have come; the caller closes its body.
 func (f *fixture) getWatch(ctx context.Context, t *testing.T, token string, q url.Values) *http.Response {
 	t.Helper()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, f.url+api.WatchPath+"?"+q.Encode(), nil)
@@ -533,7 +533,6 @@ func (f *fixture) getWatch(ctx context.Context, t *testing.T, token string, q ur
 	}
 	res, err := http.DefaultClient.Do(req)
 	require.NoError(t, err)
-	t.Cleanup(func() { _ = res.Body.Close() })
 	return res
 }
 
@@ -542,6 +541,7 @@ func (f *fixture) getWatch(ctx context.Context, t *testing.T, token string, q ur
 func (f *fixture) refusedWatch(t *testing.T, token string, q url.Values, status int, code, contains string) {
 	t.Helper()
 	res := f.getWatch(t.Context(), t, token, q)
+	defer res.Body.Close()
 	require.Equal(t, status, res.StatusCode)
 	require.Equal(t, "application/json", res.Header.Get("Content-Type"))
 	var body map[string]string
@@ -583,6 +583,7 @@ func TestWatchHTTPRepeatedTypes(t *testing.T) {
 	end := insertEvent(t, pool, now, f.acme, "node.end") // the last line
 	res := f.getWatch(t.Context(), t, f.tokens["acme-viewer"], url.Values{"after": {strconv.FormatInt(start, 10)},
 		"types": {"node.*", "reservation.active, command.*", ""}})
+	defer res.Body.Close()
 	require.Equal(t, http.StatusOK, res.StatusCode)
 	lines := bufio.NewScanner(res.Body)
 	var got []int64
@@ -640,6 +641,7 @@ func TestWatchHTTPFromStart(t *testing.T) {
 		http.StatusBadRequest, "invalid_argument", "from_start:")
 
 	res := f.getWatch(t.Context(), t, viewer, url.Values{"from_start": {"true"}, "after": {"0"}})
+	defer res.Body.Close()
 	require.Equal(t, http.StatusOK, res.StatusCode)
 	require.Equal(t, "0", res.Header.Get(api.WatchCursorHeader))
 	lines := bufio.NewScanner(res.Body)
@@ -648,9 +650,10 @@ func TestWatchHTTPFromStart(t *testing.T) {
 	require.Equal(t, []int64{live}, ndjsonIDs(t, lines, 1))
 
 	// from_start=false is a watch from now.
-	res = f.getWatch(t.Context(), t, viewer, url.Values{"from_start": {"false"}})
-	require.Equal(t, http.StatusOK, res.StatusCode)
-	require.Equal(t, strconv.FormatInt(live, 10), res.Header.Get(api.WatchCursorHeader))
+	fromNow := f.getWatch(t.Context(), t, viewer, url.Values{"from_start": {"false"}})
+	defer fromNow.Body.Close()
+	require.Equal(t, http.StatusOK, fromNow.StatusCode)
+	require.Equal(t, strconv.FormatInt(live, 10), fromNow.Header.Get(api.WatchCursorHeader))
 }
 
 // TestScanEvents checks that a rolled-back insert leaves a gap in the ids,
