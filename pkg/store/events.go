@@ -24,7 +24,9 @@ type Event struct {
 	SubjectID string
 	// Data is a JSON object.
 	Data []byte
-	// CreatedAt is when it was written.
+	// CreatedAt is when it was written, by the writer's clock (the now of
+	// InsertReservationEvents). The database's own insert time is
+	// events.inserted_at (ScannedEvent.Old).
 	CreatedAt time.Time
 }
 
@@ -77,6 +79,12 @@ type ScannedEvent struct {
 	ID int64
 	// Match is whether the event passes the filter; Event is set only then.
 	Match bool
+	// Old is whether the row was inserted at least ScanEvents' oldAge
+	// before the read, by the database's own clock (events.inserted_at;
+	// rows written before that column existed count as old, migration
+	// 000011 says why). Its id was taken no later than its insert, so any
+	// id missing below an old row was taken at least oldAge ago.
+	Old   bool
 	Event Event
 }
 
@@ -85,15 +93,19 @@ type ScannedEvent struct {
 // passing f carry their content (Match). The rows that do not match are
 // returned too, as bare ids, so that a watcher can tell a gap in the ids
 // (an insert not yet committed, or rolled back) from another tenant's event.
-func ScanEvents(ctx context.Context, q DBTX, after int64, f EventFilter, limit int) ([]ScannedEvent, error) {
+// Every row says whether it was inserted at least oldAge ago (Old).
+func ScanEvents(ctx context.Context, q DBTX, after int64, f EventFilter, limit int, oldAge time.Duration) ([]ScannedEvent, error) {
 	exact, prefixes := f.split()
-	rows, err := q.Query(ctx, `SELECT id, m, CASE WHEN m THEN COALESCE(tenant_id, '') END, CASE WHEN m THEN type END,
+	// clock_timestamp(), not now(): the time of the read, not of the
+	// start of its transaction.
+	rows, err := q.Query(ctx, `SELECT id, m, old, CASE WHEN m THEN COALESCE(tenant_id, '') END, CASE WHEN m THEN type END,
 			CASE WHEN m THEN subject_id END, CASE WHEN m THEN data::text END, CASE WHEN m THEN created_at END
 		FROM (SELECT e.*, ($2 = '' OR e.tenant_id IS NOT DISTINCT FROM $2)
 				AND ($5 OR e.type = ANY($3::text[]) OR EXISTS (SELECT 1 FROM unnest($4::text[]) AS p(prefix)
-					WHERE starts_with(e.type, p.prefix))) AS m
+					WHERE starts_with(e.type, p.prefix))) AS m,
+				COALESCE(e.inserted_at <= clock_timestamp() - $7::bigint * interval '1 microsecond', true) AS old
 			FROM events e WHERE e.id > $1 ORDER BY e.id LIMIT $6) AS s
-		ORDER BY id`, after, f.TenantID, exact, prefixes, len(f.Types) == 0, limit)
+		ORDER BY id`, after, f.TenantID, exact, prefixes, len(f.Types) == 0, limit, oldAge.Microseconds())
 	if err != nil {
 		return nil, queryErr("scan events", err)
 	}
@@ -103,7 +115,7 @@ func ScanEvents(ctx context.Context, q DBTX, after int64, f EventFilter, limit i
 			tenant, typ, subject, data *string
 			at                         *time.Time
 		)
-		if err := r.Scan(&s.ID, &s.Match, &tenant, &typ, &subject, &data, &at); err != nil {
+		if err := r.Scan(&s.ID, &s.Match, &s.Old, &tenant, &typ, &subject, &data, &at); err != nil {
 			return s, err
 		}
 		if s.Match {

@@ -23,7 +23,8 @@ import (
 )
 
 // WatchPath is the NDJSON events route (GET, under PathPrefix):
-// ?types=node.*,reservation.active&after=ID, one JSON object per line.
+// ?types=node.*,reservation.active&after=ID (or from_start=true instead of
+// after), one JSON object per line.
 const WatchPath = PathPrefix + "/watch"
 
 // WatchConfig tunes the events watch (EventService.Watch and WatchPath);
@@ -44,14 +45,30 @@ const WatchPath = PathPrefix + "/watch"
 // MaxGrace, so that an unrelated long transaction cannot stall every watch
 // (an event whose transaction outlives MaxGrace is then not delivered to
 // watches that were live; a watch resumed later does get it).
+//
+// An old gap is not held for MinGrace: when the committed rows after it
+// were inserted at least MinGrace before the watch read them, by the
+// database's own clock (events.inserted_at, store.ScannedEvent.Old; not
+// created_at, which is the writer's clock read before the insert), every
+// id missing below them was taken at least that long before, so its
+// transaction had its transaction id when the horizon was recorded, and the
+// horizon check alone decides. A watch replaying history checks an old gap
+// again at once; a gap the check does not yet pass is checked again after
+// GapRecheck, doubling up to Poll (a new gap: first at MinGrace), as well as
+// at every wake and poll.
 type WatchConfig struct {
 	// Poll is how often a watch reads the events table when NATS wakes it
 	// for nothing (the backstop; default 1 s).
 	Poll time.Duration
-	// MinGrace is the least time a gap is held (default 1 s).
+	// MinGrace is the least time a new gap is held (default 1 s); also the
+	// age past which a gap is old.
 	MinGrace time.Duration
 	// MaxGrace is the most time a gap is held (default 1 min).
 	MaxGrace time.Duration
+	// GapRecheck is how soon a watch holding a gap (past MinGrace, or old)
+	// reads again, doubling at every read that does not step over it, up to
+	// Poll (default 50 ms, at most Poll).
+	GapRecheck time.Duration
 	// Batch is how many events rows one read returns, which bounds a
 	// watch's memory (default 500).
 	Batch int
@@ -75,6 +92,10 @@ func (c WatchConfig) withDefaults() WatchConfig {
 	if c.MaxGrace < c.MinGrace {
 		c.MaxGrace = c.MinGrace
 	}
+	if c.GapRecheck <= 0 {
+		c.GapRecheck = 50 * time.Millisecond
+	}
+	c.GapRecheck = min(c.GapRecheck, c.Poll)
 	if c.Batch <= 0 {
 		c.Batch = 500
 	}
@@ -88,7 +109,8 @@ type eventService struct{ *Server }
 
 // Watch streams the events of the caller's tenant (every tenant's for
 // root-admin) whose type matches req.Types, after req.AfterId (0: from the
-// newest committed event), oldest first, then each new one as it commits
+// newest committed event; with req.FromStart: every retained event), oldest
+// first, then each new one as it commits
 // (WatchConfig says how gaps in the ids are handled). It ends when the
 // client cancels (no error), the server shuts down or the database cannot
 // be reached (Unavailable: resume with the last id received), or the
@@ -110,7 +132,7 @@ func (s *eventService) Watch(ctx context.Context, req *connect.Request[computev1
 			SubjectId: e.SubjectID, DataJson: string(e.Data), Time: timestamppb.New(e.CreatedAt)}})
 	}
 	// The shared interceptor (service.HandlerOptions) masks internal errors.
-	return s.watch(ctx, p, req.Header().Get("Authorization"), req.Msg.Types, req.Msg.AfterId, ready, send)
+	return s.watch(ctx, p, req.Header().Get("Authorization"), req.Msg.Types, req.Msg.AfterId, req.Msg.FromStart, ready, send)
 }
 
 // watchEventJSON is one line of WatchPath, the shape of the events NATS
@@ -127,7 +149,11 @@ type watchEventJSON struct {
 // serveWatch serves GET WatchPath: the events watch as NDJSON
 // (application/x-ndjson), one event per line, flushed per event, with the
 // semantics of EventService.Watch. types is a comma-separated list of
-// patterns, after the id of the last event received. Refusals are JSON
+// patterns and may be repeated (types=node.*&types=reservation.active,
+// command.*): the watch takes every pattern of every types parameter;
+// after is the id of the last event received; from_start=true (a Go
+// boolean: true, false, 1, 0, …) replays every retained event and may not
+// come with a non-zero after. Refusals are JSON
 // objects {"code": "...", "message": "..."} with 401 (missing or bad
 // token), 403 (role without events.read), 400 (bad query parameter, named),
 // 503 (database unreachable: retry) or 500. Once the response has begun
@@ -156,14 +182,22 @@ func (s *Server) serveWatch(w http.ResponseWriter, r *http.Request) {
 	}
 	q := r.URL.Query()
 	req := &computev1.WatchRequest{}
-	for _, t := range strings.Split(q.Get("types"), ",") {
-		if t = strings.TrimSpace(t); t != "" {
-			req.Types = append(req.Types, t)
+	for _, list := range q["types"] {
+		for _, t := range strings.Split(list, ",") {
+			if t = strings.TrimSpace(t); t != "" {
+				req.Types = append(req.Types, t)
+			}
 		}
 	}
 	if a := q.Get("after"); a != "" {
 		if req.AfterId, err = strconv.ParseInt(a, 10, 64); err != nil {
 			writeHTTPError(w, http.StatusBadRequest, connect.CodeInvalidArgument, "after: want an event id (an integer ≥ 0)")
+			return
+		}
+	}
+	if q.Has("from_start") {
+		if req.FromStart, err = strconv.ParseBool(q.Get("from_start")); err != nil {
+			writeHTTPError(w, http.StatusBadRequest, connect.CodeInvalidArgument, "from_start: want true or false")
 			return
 		}
 	}
@@ -189,7 +223,8 @@ func (s *Server) serveWatch(w http.ResponseWriter, r *http.Request) {
 		return rc.Flush()
 	}
 	started := false
-	err = s.watch(ctx, p, authorization, req.Types, req.AfterId, func(cursor int64) error { started = true; return ready(cursor) }, send)
+	err = s.watch(ctx, p, authorization, req.Types, req.AfterId, req.FromStart,
+		func(cursor int64) error { started = true; return ready(cursor) }, send)
 	if err != nil && ctx.Err() == nil {
 		s.writeWatchError(w, r, started, err)
 	}
@@ -238,10 +273,13 @@ func writeHTTPError(w http.ResponseWriter, status int, code connect.Code, msg st
 }
 
 // WatchCursorHeader is the response header of both watch paths that names
-// the id the watch starts after: the request's after_id, or the newest
-// event id when it asked for events "from now" (after_id 0). A client that
-// loses the stream before any event resumes after it, so that nothing
-// committed meanwhile is missed.
+// the id the watch starts after: the request's after_id, the newest event
+// id when it asked for events "from now" (after_id 0), or 0 with
+// from_start. A client that loses the stream before any event resumes
+// after it, so that nothing committed meanwhile is missed; after 0 it
+// resumes with from_start (a watch from now that says 0 began when there
+// was no event: every event retained since is new to it), as after_id 0
+// would mean "from now" again.
 const WatchCursorHeader = "Bc-Watch-After"
 
 // gapHold is a watch's wait for missing ids to commit (WatchConfig).
@@ -250,10 +288,29 @@ type gapHold struct {
 	seen time.Time
 	// xmax is the transaction horizon's Xmax then.
 	xmax int64
-	// upTo is the highest committed id read then: it covers every id
-	// missing below it.
+	// upTo is the highest committed id read then (of an old gap: the
+	// highest old one): it covers every id missing below it.
 	upTo int64
+	// old is whether the row upTo was inserted at least MinGrace before it
+	// was read (store.ScannedEvent.Old): the hold needs no MinGrace.
+	old bool
+	// recheck is the wait before the next read (GapRecheck, doubling).
+	recheck time.Duration
 }
+
+// readNext is when a watch reads the events table again, as step decides.
+type readNext int
+
+const (
+	// readOnWake: caught up; read at the next wake (NATS) or poll.
+	readOnWake readNext = iota
+	// readNow: read again at once: the read was full, or it met an old
+	// gap that the horizon may let it step over already.
+	readNow
+	// readOnRecheck: a gap is held; read again after recheckDelay, or at a
+	// wake or poll if one comes first.
+	readOnRecheck
+)
 
 // watcher is one watch's position.
 type watcher struct {
@@ -270,15 +327,16 @@ type watcher struct {
 }
 
 // watch runs one watch for p, who authenticated with the Authorization
-// header value authorization: it fixes the cursor (after, or the newest
-// committed id when after is 0), calls ready, then calls send for every
+// header value authorization: it fixes the cursor (after; 0 with fromStart,
+// so that every retained event comes; otherwise the newest committed id when
+// after is 0), calls ready, then calls send for every
 // matching event in id order until ctx ends (nil), the server stops
 // (Unavailable), send fails (its error), the database does (Internal, or
 // Unavailable when it cannot be reached: service.PublicError), or the
 // caller no longer authenticates (Unauthenticated; recheck, every
 // WatchConfig.AuthCheck and at p.ExpiresAt).
 func (s *Server) watch(ctx context.Context, p iam.Principal, authorization string, types []string, after int64,
-	ready func(cursor int64) error, send func(store.Event) error,
+	fromStart bool, ready func(cursor int64) error, send func(store.Event) error,
 ) error {
 	w := &watcher{s: s, cfg: s.cfg.Watch.withDefaults(), p: p, authorization: authorization,
 		filter: store.EventFilter{TenantID: p.TenantScope(), Types: types}, cursor: after}
@@ -302,7 +360,7 @@ func (s *Server) watch(ctx context.Context, p iam.Principal, authorization strin
 			defer func() { _ = sub.Unsubscribe() }()
 		}
 	}
-	if after == 0 {
+	if after == 0 && !fromStart {
 		id, err := store.MaxEventID(ctx, s.db.Pool)
 		if err != nil {
 			return w.end(ctx, err)
@@ -322,12 +380,15 @@ func (s *Server) watch(ctx context.Context, p iam.Principal, authorization strin
 		defer t.Stop()
 		expiry = t.C()
 	}
+	recheckTimer := s.clock.NewTimer(w.cfg.Poll) // armed while a gap is held
+	recheckTimer.Stop()
+	defer recheckTimer.Stop()
 	for {
-		more, err := w.step(ctx, send)
+		next, err := w.step(ctx, send)
 		if err != nil {
 			return w.end(ctx, err)
 		}
-		if more {
+		if next == readNow {
 			if ctx.Err() != nil {
 				return nil
 			}
@@ -344,6 +405,11 @@ func (s *Server) watch(ctx context.Context, p iam.Principal, authorization strin
 			}
 			continue
 		}
+		var recheck <-chan time.Time
+		if next == readOnRecheck {
+			recheckTimer.Reset(w.recheckDelay())
+			recheck = recheckTimer.C()
+		}
 	wait:
 		for {
 			select {
@@ -355,6 +421,8 @@ func (s *Server) watch(ctx context.Context, p iam.Principal, authorization strin
 				break wait
 			case <-ticker.C():
 				break wait
+			case <-recheck:
+				break wait
 			case <-authTick.C():
 			case <-expiry:
 				expiry = nil
@@ -363,7 +431,26 @@ func (s *Server) watch(ctx context.Context, p iam.Principal, authorization strin
 				return w.end(ctx, err)
 			}
 		}
+		recheckTimer.Stop()
+		select { // a fake clock's timer may have fired meanwhile
+		case <-recheckTimer.C():
+		default:
+		}
 	}
+}
+
+// recheckDelay is how long a watch holding a gap waits before it reads
+// again (WatchConfig): a new gap until MinGrace after it was met, then
+// hold.recheck, which doubles up to Poll; never past MaxGrace.
+func (w *watcher) recheckDelay() time.Duration {
+	h := w.hold
+	held := clock.Since(w.s.clock, h.seen)
+	if !h.old && held < w.cfg.MinGrace {
+		return w.cfg.MinGrace - held
+	}
+	d := h.recheck
+	h.recheck = min(2*d, w.cfg.Poll)
+	return max(0, min(d, w.cfg.MaxGrace-held))
 }
 
 // recheck authenticates the watch's caller again: an Unauthenticated error
@@ -396,9 +483,8 @@ func (w *watcher) end(ctx context.Context, err error) error {
 }
 
 // step reads the events after the cursor once and delivers them up to the
-// first gap it may not step over. more reports a full read: there may be
-// more to deliver now.
-func (w *watcher) step(ctx context.Context, send func(store.Event) error) (more bool, err error) {
+// first gap it may not step over, and says when to read again.
+func (w *watcher) step(ctx context.Context, send func(store.Event) error) (readNext, error) {
 	db, clk := w.s.db, w.s.clock
 	// Decide before reading whether the held gap may be stepped over, so
 	// that an id whose transaction committed before the check is read.
@@ -409,35 +495,48 @@ func (w *watcher) step(ctx context.Context, send func(store.Event) error) (more 
 			covered = h.upTo
 			w.s.logger.WarnContext(ctx, "watch: stepping over event ids still missing after the grace", "after", w.cursor,
 				"up_to", h.upTo, "held", held)
-		case held >= w.cfg.MinGrace:
+		case h.old || held >= w.cfg.MinGrace:
 			hz, err := store.CurrentTxHorizon(ctx, db.Pool)
 			if err != nil {
-				return false, err
+				return readOnWake, err
 			}
 			if hz.Xmin >= h.xmax {
 				covered = h.upTo
 			}
 		}
 	}
-	rows, err := store.ScanEvents(ctx, db.AutoCommit(), w.cursor, w.filter, w.cfg.Batch)
+	rows, err := store.ScanEvents(ctx, db.AutoCommit(), w.cursor, w.filter, w.cfg.Batch, w.cfg.MinGrace)
 	if err != nil {
-		return false, err
+		return readOnWake, err
 	}
-	for _, r := range rows {
+	for i, r := range rows {
 		if r.ID != w.cursor+1 && r.ID > covered {
 			// Missing ids before r: hold r and what follows.
-			if w.hold == nil || r.ID > w.hold.upTo {
-				hz, err := store.CurrentTxHorizon(ctx, db.Pool)
-				if err != nil {
-					return false, err
-				}
-				w.hold = &gapHold{seen: clk.Now(), xmax: hz.Xmax, upTo: rows[len(rows)-1].ID}
+			if w.hold != nil && r.ID <= w.hold.upTo {
+				return readOnRecheck, nil
 			}
-			return false, nil
+			hz, err := store.CurrentTxHorizon(ctx, db.Pool)
+			if err != nil {
+				return readOnWake, err
+			}
+			w.hold = &gapHold{seen: clk.Now(), xmax: hz.Xmax, upTo: rows[len(rows)-1].ID, recheck: w.cfg.GapRecheck}
+			if !r.Old {
+				return readOnRecheck, nil
+			}
+			// Every id missing below an old row was taken MinGrace or more
+			// ago. The hold covers the ids up to the highest old row read;
+			// a gap above it is new, met again once this one is passed.
+			w.hold.old = true
+			for _, o := range rows[i:] {
+				if o.Old {
+					w.hold.upTo = o.ID
+				}
+			}
+			return readNow, nil
 		}
 		if r.Match {
 			if err := send(r.Event); err != nil {
-				return false, err
+				return readOnWake, err
 			}
 		}
 		w.cursor = r.ID
@@ -445,5 +544,11 @@ func (w *watcher) step(ctx context.Context, send func(store.Event) error) (more 
 			w.hold = nil
 		}
 	}
-	return len(rows) == w.cfg.Batch, nil
+	switch {
+	case len(rows) == w.cfg.Batch:
+		return readNow, nil
+	case w.hold != nil:
+		return readOnRecheck, nil
+	}
+	return readOnWake, nil
 }

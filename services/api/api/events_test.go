@@ -279,6 +279,117 @@ func TestWatchMaxGrace(t *testing.T) {
 	require.Equal(t, later, w.next(t).Id)
 }
 
+// insertOld writes an event like insertEvent, inserted age ago by the
+// database's clock (events.inserted_at): history, as a watch replaying it
+// sees it.
+func insertOld(t *testing.T, q store.DBTX, tenant, typ string, age time.Duration) int64 {
+	t.Helper()
+	var id int64
+	require.NoError(t, q.QueryRow(t.Context(), `INSERT INTO events (tenant_id, type, subject_id, data, created_at, inserted_at)
+		VALUES (NULLIF($1, ''), $2, 'sub-' || $2, jsonb_build_object('type', $2::text), clock_timestamp() - $3::bigint * interval '1 microsecond',
+			clock_timestamp() - $3::bigint * interval '1 microsecond') RETURNING id`,
+		tenant, typ, age.Microseconds()).Scan(&id))
+	return id
+}
+
+// gap takes an event id in a transaction that rolls back: a gap in the ids
+// that never fills.
+func gap(t *testing.T, db *store.DB) int64 {
+	t.Helper()
+	ctx := t.Context()
+	tx, err := db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	id := insertEvent(t, tx, db.Now(), "", "rolled.back")
+	require.NoError(t, tx.Rollback(ctx))
+	return id
+}
+
+// history writes n events of tenant inserted age ago, with 1, 2, … n
+// rolled-back ids before them (and an event of other after each: not a
+// gap), and returns the ids of tenant's events.
+func history(t *testing.T, db *store.DB, tenant, other string, n int, age time.Duration) []int64 {
+	t.Helper()
+	var ids []int64
+	for i := range n {
+		for range i + 1 {
+			gap(t, db)
+		}
+		ids = append(ids, insertOld(t, db.Pool, tenant, "node.cordoned", age))
+		insertOld(t, db.Pool, other, "node.cordoned", age)
+	}
+	return ids
+}
+
+// TestWatchReplaysOldGaps checks that a watch replaying history steps over
+// its gaps in the ids without waiting MinGrace: the rows after them were
+// inserted long ago by the database's clock, and the server's clock here
+// never moves (a gap held for MinGrace would be held for ever). A new gap
+// is still held for MinGrace although its transaction has ended.
+func TestWatchReplaysOldGaps(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	nc := natsConn(t)
+	f = f.withServer(t, api.WatchConfig{MinGrace: time.Hour}, nc, clock.NewFake(f.db.Now()))
+	start := mark(t, f.db)
+	want := history(t, f.db, f.acme, f.other, 4, 2*time.Hour)
+	// The transactions of parallel tests may hold a gap until they end; the
+	// watch re-checks at a wake (the relay's publication after a commit),
+	// as its re-check timer and its poll never fire on this clock.
+	nudge(t, nc, store.SubjectEvents+"."+f.acme+".test.nudge")
+	w := watch(t, f.as(f.tokens["acme-viewer"]), &computev1.WatchRequest{AfterId: start})
+	require.Equal(t, want, w.ids(t, len(want)))
+
+	gap(t, f.db)
+	insertEvent(t, f.db.Pool, f.db.Now(), f.acme, "node.uncordoned")
+	w.none(t, 500*time.Millisecond)
+}
+
+// TestWatchRechecksHeldGaps checks that an old gap is held while a
+// transaction that was running when the watch met it has not ended, and
+// that the watch steps over it soon after that transaction ends, by its
+// re-check timer (WatchConfig.GapRecheck): the poll is an hour away and no
+// NATS wakes it.
+func TestWatchRechecksHeldGaps(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	f = f.withServer(t, api.WatchConfig{Poll: time.Hour, MinGrace: time.Hour}, nil, nil)
+	ctx := t.Context()
+	start := mark(t, f.db)
+	want := history(t, f.db, f.acme, f.other, 4, 2*time.Hour)
+	running, err := f.db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = running.Rollback(ctx) }()
+	require.NoError(t, running.QueryRow(ctx, `SELECT pg_current_xact_id()::text`).Scan(new(string)), "a transaction id")
+	w := watch(t, f.as(f.tokens["acme-viewer"]), &computev1.WatchRequest{AfterId: start})
+	w.none(t, 300*time.Millisecond)
+	require.NoError(t, running.Rollback(ctx))
+	require.Equal(t, want, w.ids(t, len(want)))
+}
+
+// nudge publishes an empty message on subject every 20 ms until the test
+// ends.
+func nudge(t *testing.T, nc *nats.Conn, subject string) {
+	t.Helper()
+	done, stopped := make(chan struct{}), make(chan struct{})
+	ticker := clock.New().NewTicker(20 * time.Millisecond)
+	go func() {
+		defer close(stopped)
+		defer ticker.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-ticker.C():
+				_ = nc.Publish(subject, nil)
+			}
+		}
+	}()
+	t.Cleanup(func() {
+		close(done)
+		<-stopped
+	})
+}
+
 // natsConn starts an in-process NATS server and returns a connection to it,
 // both closed when the test ends.
 func natsConn(t *testing.T) *nats.Conn {
@@ -354,25 +465,11 @@ func TestWatchHTTP(t *testing.T) {
 	now := f.db.Now()
 	pool := f.db.Pool
 	get := func(ctx context.Context, token string, q url.Values) *http.Response {
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, f.url+api.WatchPath+"?"+q.Encode(), nil)
-		require.NoError(t, err)
-		if token != "" {
-			req.Header.Set("Authorization", "Bearer "+token)
-		}
-		res, err := http.DefaultClient.Do(req)
-		require.NoError(t, err)
-		return res
+		return f.getWatch(ctx, t, token, q)
 	}
 	refused := func(token string, q url.Values, status int, code, contains string) {
 		t.Helper()
-		res := get(ctx, token, q)
-		defer res.Body.Close()
-		require.Equal(t, status, res.StatusCode)
-		require.Equal(t, "application/json", res.Header.Get("Content-Type"))
-		var body map[string]string
-		require.NoError(t, json.NewDecoder(res.Body).Decode(&body))
-		require.Equal(t, code, body["code"])
-		require.Contains(t, body["message"], contains)
+		f.refusedWatch(t, token, q, status, code, contains)
 	}
 	refused("", nil, http.StatusUnauthorized, "unauthenticated", "missing bearer token")
 	refused("bct_nope", nil, http.StatusUnauthorized, "unauthenticated", "")
@@ -425,6 +522,140 @@ func TestWatchHTTP(t *testing.T) {
 	require.Equal(t, []float64{float64(old), float64(e1)}, ids)
 }
 
+// getWatch sends GET WatchPath?q with token ("" sends none) and returns the
+// response once its headers have come; the caller closes its body.
+func (f *fixture) getWatch(ctx context.Context, t *testing.T, token string, q url.Values) *http.Response {
+	t.Helper()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, f.url+api.WatchPath+"?"+q.Encode(), nil)
+	require.NoError(t, err)
+	if token != "" {
+		req.Header.Set("Authorization", "Bearer "+token)
+	}
+	res, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	return res
+}
+
+// refusedWatch checks that GET WatchPath?q with token is refused with
+// status and a JSON error of code whose message contains contains.
+func (f *fixture) refusedWatch(t *testing.T, token string, q url.Values, status int, code, contains string) {
+	t.Helper()
+	res := f.getWatch(t.Context(), t, token, q)
+	defer res.Body.Close()
+	require.Equal(t, status, res.StatusCode)
+	require.Equal(t, "application/json", res.Header.Get("Content-Type"))
+	var body map[string]string
+	require.NoError(t, json.NewDecoder(res.Body).Decode(&body))
+	require.Equal(t, code, body["code"])
+	require.Contains(t, body["message"], contains)
+}
+
+// ndjsonIDs reads the ids of the next n lines of an NDJSON watch.
+func ndjsonIDs(t *testing.T, lines *bufio.Scanner, n int) []int64 {
+	t.Helper()
+	var ids []int64
+	for range n {
+		require.True(t, lines.Scan(), "a line: %v", lines.Err())
+		var m struct {
+			ID *int64 `json:"id"`
+		}
+		require.NoError(t, json.Unmarshal(lines.Bytes(), &m), lines.Text())
+		require.NotNil(t, m.ID, "an event, not an error: %s", lines.Text())
+		ids = append(ids, *m.ID)
+	}
+	return ids
+}
+
+// TestWatchHTTPRepeatedTypes checks that every types parameter of GET
+// WatchPath counts, each a comma-separated list: the watch takes the union.
+func TestWatchHTTPRepeatedTypes(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	now := f.db.Now()
+	pool := f.db.Pool
+	start := mark(t, f.db)
+	a := insertEvent(t, pool, now, f.acme, "node.cordoned")
+	insertEvent(t, pool, now, f.acme, "pool.created") // in no list
+	b := insertEvent(t, pool, now, f.acme, "reservation.active")
+	c := insertEvent(t, pool, now, f.acme, "command.succeeded")
+	insertEvent(t, pool, now, f.acme, "reservation.released") // in no list
+	d := insertEvent(t, pool, now, f.acme, "node.uncordoned")
+	end := insertEvent(t, pool, now, f.acme, "node.end") // the last line
+	res := f.getWatch(t.Context(), t, f.tokens["acme-viewer"], url.Values{"after": {strconv.FormatInt(start, 10)},
+		"types": {"node.*", "reservation.active, command.*", ""}})
+	defer res.Body.Close()
+	require.Equal(t, http.StatusOK, res.StatusCode)
+	lines := bufio.NewScanner(res.Body)
+	var got []int64
+	for id := int64(0); id != end; {
+		id = ndjsonIDs(t, lines, 1)[0]
+		got = append(got, id)
+	}
+	require.Equal(t, []int64{a, b, c, d, end}, got)
+	f.refusedWatch(t, f.tokens["acme-viewer"], url.Values{"types": {"node.*", "x,Bad"}}, http.StatusBadRequest,
+		"invalid_argument", "types[2]")
+}
+
+// TestWatchFromStart checks that a watch with from_start replays every
+// retained event, oldest first (the ids below the first one, deleted, are a
+// gap like any other), then goes on live; and that from_start with a
+// non-zero after_id is refused naming from_start.
+func TestWatchFromStart(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	f = f.withServer(t, api.WatchConfig{Poll: 50 * time.Millisecond, MinGrace: 100 * time.Millisecond}, nil, nil)
+	pool, now := f.db.Pool, f.db.Now()
+	deleted := insertEvent(t, pool, now, f.acme, "node.cordoned")
+	a1 := insertEvent(t, pool, now, f.acme, "node.cordoned")
+	insertEvent(t, pool, now, f.other, "node.cordoned")
+	a2 := insertEvent(t, pool, now, f.acme, "reservation.active")
+	_, err := pool.Exec(t.Context(), `DELETE FROM events WHERE id = $1`, deleted) // retention
+	require.NoError(t, err)
+
+	w := watch(t, f.as(f.tokens["acme-viewer"]), &computev1.WatchRequest{FromStart: true})
+	require.Equal(t, []int64{a1, a2}, w.ids(t, 2))
+	live := insertEvent(t, pool, now, f.acme, "node.uncordoned")
+	require.Equal(t, live, w.next(t).Id)
+
+	bad := watch(t, f.as(f.tokens["acme-viewer"]), &computev1.WatchRequest{FromStart: true, AfterId: a1})
+	_, ok := <-bad.events
+	require.False(t, ok)
+	requireCode(t, <-bad.done, connect.CodeInvalidArgument, "from_start")
+	require.NoError(t, firstEvent(t.Context(), f.as(f.tokens["acme-viewer"]),
+		&computev1.WatchRequest{FromStart: true, AfterId: 0}), "after_id 0 is no after_id")
+}
+
+// TestWatchHTTPFromStart checks GET WatchPath?from_start=true: every
+// retained event, the Bc-Watch-After header 0; and its refusals.
+func TestWatchHTTPFromStart(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	pool, now := f.db.Pool, f.db.Now()
+	a1 := insertEvent(t, pool, now, f.acme, "node.cordoned")
+	insertEvent(t, pool, now, f.other, "node.cordoned")
+	a2 := insertEvent(t, pool, now, f.acme, "reservation.active")
+	viewer := f.tokens["acme-viewer"]
+	f.refusedWatch(t, viewer, url.Values{"from_start": {"yes"}}, http.StatusBadRequest, "invalid_argument", "from_start:")
+	f.refusedWatch(t, viewer, url.Values{"from_start": {""}}, http.StatusBadRequest, "invalid_argument", "from_start:")
+	f.refusedWatch(t, viewer, url.Values{"from_start": {"true"}, "after": {strconv.FormatInt(a1, 10)}},
+		http.StatusBadRequest, "invalid_argument", "from_start:")
+
+	res := f.getWatch(t.Context(), t, viewer, url.Values{"from_start": {"true"}, "after": {"0"}})
+	defer res.Body.Close()
+	require.Equal(t, http.StatusOK, res.StatusCode)
+	require.Equal(t, "0", res.Header.Get(api.WatchCursorHeader))
+	lines := bufio.NewScanner(res.Body)
+	require.Equal(t, []int64{a1, a2}, ndjsonIDs(t, lines, 2))
+	live := insertEvent(t, pool, now, f.acme, "node.uncordoned")
+	require.Equal(t, []int64{live}, ndjsonIDs(t, lines, 1))
+
+	// from_start=false is a watch from now.
+	fromNow := f.getWatch(t.Context(), t, viewer, url.Values{"from_start": {"false"}})
+	defer fromNow.Body.Close()
+	require.Equal(t, http.StatusOK, fromNow.StatusCode)
+	require.Equal(t, strconv.FormatInt(live, 10), fromNow.Header.Get(api.WatchCursorHeader))
+}
+
 // TestScanEvents checks that a rolled-back insert leaves a gap in the ids,
 // and that rows outside the filter come as bare ids, so that a watcher can
 // tell them from a gap.
@@ -443,7 +674,7 @@ func TestScanEvents(t *testing.T) {
 	untyped := insertEvent(t, f.db.Pool, f.db.Now(), f.acme, "yy")
 	require.Equal(t, []int64{gap + 1, gap + 2, gap + 3}, []int64{next, foreign, untyped})
 	filter := store.EventFilter{TenantID: f.acme, Types: []string{"y.*"}}
-	rows, err := store.ScanEvents(ctx, f.db.Pool, gap-1, filter, 10)
+	rows, err := store.ScanEvents(ctx, f.db.Pool, gap-1, filter, 10, time.Hour)
 	require.NoError(t, err)
 	require.Len(t, rows, 3)
 	require.Equal(t, store.ScannedEvent{ID: next, Match: true, Event: store.Event{ID: next, TenantID: f.acme, Type: "y.z",
@@ -456,9 +687,30 @@ func TestScanEvents(t *testing.T) {
 			untyped: f.acme}[r.ID], Type: map[int64]string{next: "y.z", foreign: "y.z", untyped: "yy"}[r.ID]}),
 			"EventFilter.Matches agrees with the SQL")
 	}
-	rows, err = store.ScanEvents(ctx, f.db.Pool, gap-1, filter, 2)
+	rows, err = store.ScanEvents(ctx, f.db.Pool, gap-1, filter, 2, time.Hour)
 	require.NoError(t, err)
 	require.Len(t, rows, 2, "limit")
+
+	// Old: inserted oldAge ago or more by the database's clock, whatever
+	// created_at says; a row from before events.inserted_at counts as old.
+	_, err = f.db.Pool.Exec(ctx, `UPDATE events SET created_at = created_at - interval '1 day' WHERE id = $1`, next)
+	require.NoError(t, err)
+	old := insertOld(t, f.db.Pool, f.acme, "y.z", 2*time.Hour)
+	_, err = f.db.Pool.Exec(ctx, `UPDATE events SET inserted_at = NULL WHERE id = $1`, untyped)
+	require.NoError(t, err)
+	oldIDs := func(oldAge time.Duration) []int64 {
+		rows, err := store.ScanEvents(ctx, f.db.Pool, gap-1, filter, 10, oldAge)
+		require.NoError(t, err)
+		var out []int64
+		for _, r := range rows {
+			if r.Old {
+				out = append(out, r.ID)
+			}
+		}
+		return out
+	}
+	require.Equal(t, []int64{untyped, old}, oldIDs(time.Hour))
+	require.Equal(t, []int64{next, foreign, untyped, old}, oldIDs(0))
 }
 
 // firstEvent calls Watch(req) and returns nil once an event arrives, or the

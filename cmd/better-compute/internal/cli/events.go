@@ -44,25 +44,30 @@ type eventJSON struct {
 
 func (a *app) eventsWatchCmd() *cobra.Command {
 	var (
-		types string
-		after int64
+		types     string
+		after     int64
+		fromStart bool
 	)
 	c := &cobra.Command{
-		Use:   "watch [--types node.*,reservation.*] [--after ID]",
+		Use:   "watch [--types node.*,reservation.*] [--after ID | --from-start]",
 		Short: "Print events as they happen, one JSON object per line",
 		Long: "Print events as they happen, one JSON object per line ({id, type, tenantId, subjectId, data, time}),\n" +
-			"oldest first. --after ID starts after the event with that id (default: from now). When the stream\n" +
-			"drops, the command reconnects and resumes after the last event printed, with no gap and no\n" +
-			"duplicate (before the first event it starts from now again). It runs until interrupted.",
+			"oldest first. --after ID starts after the event with that id, --from-start with the oldest event\n" +
+			"retained (default: from now). When the stream drops, the command reconnects and resumes after the\n" +
+			"last event printed, with no gap and no duplicate (before the first event: after the newest event\n" +
+			"when it started, or from the start if there was none or --from-start was given). It runs until\n" +
+			"interrupted.",
 		Args: cobra.NoArgs,
 	}
 	c.Flags().StringVar(&types, "types", "", "comma-separated type patterns: exact (node.cordoned) or prefix (node.*); default: all")
 	c.Flags().Int64Var(&after, "after", 0, "start after the event with this id")
+	c.Flags().BoolVar(&fromStart, "from-start", false, "replay every retained event, oldest first, then go on live")
+	c.MarkFlagsMutuallyExclusive("after", "from-start")
 	c.RunE = func(cmd *cobra.Command, _ []string) error {
 		if after < 0 {
 			return errors.New("--after must be an event id (≥ 0)")
 		}
-		req := &computev1.WatchRequest{AfterId: after}
+		req := &computev1.WatchRequest{AfterId: after, FromStart: fromStart}
 		for _, t := range strings.Split(types, ",") {
 			if t = strings.TrimSpace(t); t != "" {
 				req.Types = append(req.Types, t)
@@ -84,8 +89,8 @@ func (a *app) eventsWatchCmd() *cobra.Command {
 }
 
 // watchEvents prints the events of req's watch, reconnecting after a
-// dropped stream from the last id printed, until ctx ends (nil) or the API
-// refuses the watch (its error).
+// dropped stream from the last id printed (watchOnce moves req), until ctx
+// ends (nil) or the API refuses the watch (its error).
 func (a *app) watchEvents(ctx context.Context, client computev1connect.EventServiceClient, req *computev1.WatchRequest) error {
 	enc := json.NewEncoder(a.env.Stdout)
 	delay := watchRetryFirst
@@ -105,7 +110,11 @@ func (a *app) watchEvents(ctx context.Context, client computev1connect.EventServ
 		if err != nil {
 			reason = err.Error()
 		}
-		fmt.Fprintf(a.env.Stderr, "events watch: %s; resuming after event %d in %s\n", reason, req.AfterId, delay)
+		from := fmt.Sprintf("after event %d", req.AfterId)
+		if req.FromStart {
+			from = "from the oldest retained event"
+		}
+		fmt.Fprintf(a.env.Stderr, "events watch: %s; resuming %s in %s\n", reason, from, delay)
 		if err := clock.Sleep(ctx, a.env.Clock, delay); err != nil {
 			return nil
 		}
@@ -117,9 +126,12 @@ func (a *app) watchEvents(ctx context.Context, client computev1connect.EventServ
 const watchCursorHeader = "Bc-Watch-After"
 
 // watchOnce runs one Watch call, printing each event and moving
-// req.AfterId past it; printed reports whether it printed any. A watch
-// "from now" takes its starting id from the Bc-Watch-After header, once the
-// stream has delivered an event or ended.
+// req.AfterId past it (and clearing req.FromStart); printed reports whether
+// it printed any. A watch "from now" takes its starting id from the
+// Bc-Watch-After header, once the stream has delivered an event or ended:
+// 0 there (no event yet when it started) makes it a watch from the start,
+// since after_id 0 would mean "from now" again and skip what was written
+// meanwhile.
 func (a *app) watchOnce(ctx context.Context, client computev1connect.EventServiceClient, req *computev1.WatchRequest,
 	enc *json.Encoder,
 ) (printed bool, err error) {
@@ -130,8 +142,9 @@ func (a *app) watchOnce(ctx context.Context, client computev1connect.EventServic
 		return false, err
 	}
 	defer stream.Close()
-	// A watch "from now" (after 0) learns from the response header where now
-	// was, so that a reconnect before the first event resumes from there.
+	// A watch "from now" (after 0, not from the start) learns from the
+	// response header where now was, so that a reconnect before the first
+	// event resumes from there.
 	started := false
 	start := func() {
 		if started {
@@ -142,8 +155,8 @@ func (a *app) watchOnce(ctx context.Context, client computev1connect.EventServic
 		if err != nil {
 			return // the stream ended before its headers
 		}
-		if req.AfterId == 0 {
-			req.AfterId = c
+		if req.AfterId == 0 && !req.FromStart {
+			req.AfterId, req.FromStart = c, c == 0
 		}
 	}
 	defer start()
@@ -158,7 +171,7 @@ func (a *app) watchOnce(ctx context.Context, client computev1connect.EventServic
 			Time: e.Time.AsTime().UTC()}); err != nil {
 			return printed, err
 		}
-		req.AfterId, printed = e.Id, true
+		req.AfterId, req.FromStart, printed = e.Id, false, true
 	}
 	return printed, stream.Err()
 }

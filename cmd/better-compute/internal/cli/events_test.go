@@ -18,6 +18,7 @@ import (
 	"github.com/better-compute/better-compute/cmd/better-compute/internal/cli"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/iam"
+	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/syncbuf"
 	"github.com/better-compute/better-compute/services/api/apitest"
 )
@@ -145,6 +146,112 @@ func TestEventsWatchFromNowResumesWhereItStarted(t *testing.T) {
 		15*time.Second, 20*time.Millisecond, "the event written while reconnecting is printed (stdout %q)", stdout.String())
 	cancel()
 	require.Equal(t, 0, <-done)
+}
+
+// runningWatch is `events watch` running in the background.
+type runningWatch struct {
+	stdout, stderr syncBuffer
+	cancel         context.CancelFunc
+	// finished is closed when the command has returned code.
+	finished chan struct{}
+	code     int
+}
+
+// startWatch runs `events watch args…` against url as a viewer of f's
+// tenant, with clk; it is interrupted when the test ends.
+func startWatch(t *testing.T, f *fleet, url string, clk clock.Clock, args ...string) *runningWatch {
+	t.Helper()
+	ctx, cancel := context.WithCancel(t.Context())
+	w := &runningWatch{cancel: cancel, finished: make(chan struct{})}
+	env := map[string]string{"BETTER_COMPUTE_URL": url, "BETTER_COMPUTE_TOKEN": apitest.Token(t, f.db, f.tenant, iam.RoleViewer)}
+	go func() {
+		defer close(w.finished)
+		w.code = cli.Run(ctx, append([]string{"events", "watch"}, args...),
+			cli.Env{Stdout: &w.stdout, Stderr: &w.stderr, Getenv: func(k string) string { return env[k] }, Clock: clk})
+	}()
+	t.Cleanup(func() {
+		cancel()
+		<-w.finished
+	})
+	return w
+}
+
+// interrupt interrupts the command and returns its exit code.
+func (w *runningWatch) interrupt() int {
+	w.cancel()
+	<-w.finished
+	return w.code
+}
+
+// printed reports whether the watch has printed the event id.
+func (w *runningWatch) printed(id int64) bool {
+	return strings.Contains(w.stdout.String(), fmt.Sprintf(`"id":%d,`, id))
+}
+
+// dropBeforeFirstEvent drops the watch's stream once it has started and
+// waits for the command to say it resumes (want in its message); the
+// reconnect then waits for clk to move.
+func dropBeforeFirstEvent(t *testing.T, w *runningWatch, proxy *httptest.Server, started <-chan struct{}, want string) {
+	t.Helper()
+	require.Eventually(t, func() bool { return len(started) > 0 }, 15*time.Second, 20*time.Millisecond,
+		"the watch never started")
+	proxy.CloseClientConnections()
+	require.Eventually(t, func() bool { return strings.Contains(w.stderr.String(), "resuming") },
+		15*time.Second, 20*time.Millisecond, "the drop is noticed")
+	require.Contains(t, w.stderr.String(), want)
+	require.Empty(t, w.stdout.String(), "no event before the drop")
+}
+
+// TestEventsWatchFromNowOnNoEventsResumesFromStart: a watch "from now" that
+// starts when there is no event at all (Bc-Watch-After: 0) and loses its
+// stream before its first event resumes from the start, so that an event
+// written while it reconnects is printed, not skipped as "before now".
+func TestEventsWatchFromNowOnNoEventsResumesFromStart(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	newest, err := store.MaxEventID(t.Context(), f.db.Pool)
+	require.NoError(t, err)
+	require.Zero(t, newest, "no event yet")
+	proxy, started := watchProxy(t, f)
+	clk := clock.NewFake(f.now) // the reconnect waits until the test moves it
+	w := startWatch(t, f, proxy.URL, clk, "--types", "node.*")
+	dropBeforeFirstEvent(t, w, proxy, started, "resuming from the oldest retained event in ")
+	during := f.insertEvent(t, f.tenant, "node.uncordoned")
+	require.Eventually(t, func() bool { clk.Advance(time.Second); return w.printed(during) },
+		15*time.Second, 20*time.Millisecond, "the event written while reconnecting is printed (stdout %q, stderr %q)",
+		w.stdout.String(), w.stderr.String())
+	require.Equal(t, 0, w.interrupt())
+}
+
+// TestEventsWatchFromStart: --from-start prints every retained event,
+// oldest first, then live ones; a stream that drops before its first event
+// resumes from the start again; --from-start and --after are refused
+// together.
+func TestEventsWatchFromStart(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	first := f.insertEvent(t, f.tenant, "node.cordoned")
+	second := f.insertEvent(t, f.tenant, "reservation.active")
+	proxy, started := watchProxy(t, f)
+
+	all := startWatch(t, f, f.url, clock.New(), "--from-start")
+	require.Eventually(t, func() bool { return all.printed(second) }, 15*time.Second, 20*time.Millisecond,
+		"every retained event (stdout %q, stderr %q)", all.stdout.String(), all.stderr.String())
+	require.Less(t, strings.Index(all.stdout.String(), fmt.Sprintf(`"id":%d,`, first)),
+		strings.Index(all.stdout.String(), fmt.Sprintf(`"id":%d,`, second)), "oldest first")
+
+	// No command.* event yet: the stream drops before its first one.
+	clk := clock.NewFake(f.now)
+	commands := startWatch(t, f, proxy.URL, clk, "--types", "command.*", "--from-start")
+	dropBeforeFirstEvent(t, commands, proxy, started, "resuming from the oldest retained event in ")
+	during := f.insertEvent(t, f.tenant, "command.succeeded")
+	require.Eventually(t, func() bool { clk.Advance(time.Second); return commands.printed(during) },
+		15*time.Second, 20*time.Millisecond, "the event written while reconnecting is printed")
+	require.Eventually(t, func() bool { return all.printed(during) }, 15*time.Second, 20*time.Millisecond, "live")
+
+	res := f.runner(f.viewer).run(t, "events", "watch", "--from-start", "--after", strconv.FormatInt(first, 10))
+	require.Equal(t, 1, res.code)
+	require.Contains(t, res.stderr, "[after from-start]")
 }
 
 // watchProxy is a proxy of f's API that streams without buffering (tests

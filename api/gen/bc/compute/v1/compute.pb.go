@@ -3149,9 +3149,13 @@ type WatchRequest struct {
 	// Types are patterns: an exact type ("node.cordoned") or a prefix with
 	// ".*" ("node.*"); empty matches every type.
 	Types []string `protobuf:"bytes,1,rep,name=types,proto3" json:"types,omitempty"`
-	// AfterId resumes after the event with this id; 0 starts with the
-	// events written from now on.
-	AfterId       int64 `protobuf:"varint,2,opt,name=after_id,json=afterId,proto3" json:"after_id,omitempty"`
+	// AfterId resumes after the event with this id; 0 (without from_start)
+	// starts with the events written from now on.
+	AfterId int64 `protobuf:"varint,2,opt,name=after_id,json=afterId,proto3" json:"after_id,omitempty"`
+	// FromStart replays every retained event, oldest first, then goes on
+	// live, as a watch after an id does. It cannot be combined with a
+	// non-zero after_id (InvalidArgument naming from_start).
+	FromStart     bool `protobuf:"varint,3,opt,name=from_start,json=fromStart,proto3" json:"from_start,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3198,6 +3202,13 @@ func (x *WatchRequest) GetAfterId() int64 {
 		return x.AfterId
 	}
 	return 0
+}
+
+func (x *WatchRequest) GetFromStart() bool {
+	if x != nil {
+		return x.FromStart
+	}
+	return false
 }
 
 type WatchResponse struct {
@@ -4602,10 +4613,13 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\n" +
 	"subject_id\x18\x04 \x01(\tR\tsubjectId\x12\x1b\n" +
 	"\tdata_json\x18\x05 \x01(\tR\bdataJson\x12.\n" +
-	"\x04time\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\x04time\"x\n" +
+	"\x04time\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\x04time\"\xfa\x02\n" +
 	"\fWatchRequest\x12D\n" +
 	"\x05types\x18\x01 \x03(\tB.\xbaH+\x92\x01(\x10 \"$r\"\x10\x01\x18@2\x1c^[a-z_]+(\\.[a-z_]+)*(\\.\\*)?$R\x05types\x12\"\n" +
-	"\bafter_id\x18\x02 \x01(\x03B\a\xbaH\x04\"\x02(\x00R\aafterId\";\n" +
+	"\bafter_id\x18\x02 \x01(\x03B\a\xbaH\x04\"\x02(\x00R\aafterId\x12\x1d\n" +
+	"\n" +
+	"from_start\x18\x03 \x01(\bR\tfromStart:\xe0\x01\xbaH\xdc\x01\x1a\xd9\x01\n" +
+	"!watch_request.from_start_after_id\x12\x8b\x01from_start: cannot be combined with a non-zero after_id (from_start replays from the first retained event, after_id resumes after an event)\x1a&!this.from_start || this.after_id == 0\";\n" +
 	"\rWatchResponse\x12*\n" +
 	"\x05event\x18\x01 \x01(\v2\x14.bc.compute.v1.EventR\x05event\"g\n" +
 	"\x11RevokeNodeRequest\x12\"\n" +

@@ -448,9 +448,16 @@ func (UnimplementedCommandServiceHandler) ListCommands(context.Context, *connect
 
 // EventServiceClient is a client for the bc.compute.v1.EventService service.
 type EventServiceClient interface {
-	// Watch sends the events after after_id (0: from now), oldest first,
-	// then every new one as it is written, filtered by types; resuming with
-	// the id of the last event received gives no gap and no duplicate.
+	// Watch sends the events after after_id (0: from now; with from_start:
+	// every retained event), oldest first, then every new one as it is
+	// written, filtered by types; resuming with the id of the last event
+	// received gives no gap and no duplicate. The response header
+	// Bc-Watch-After names the id the watch starts after: after_id, the
+	// newest event id for a watch from now (0 when there was none: resume
+	// such a watch with from_start), 0 with from_start. Errors:
+	// InvalidArgument (types, after_id, from_start with a non-zero after_id),
+	// Unavailable (the server stops or its database cannot be reached:
+	// resume), Unauthenticated (the token was revoked or expired).
 	Watch(context.Context, *connect.Request[v1.WatchRequest]) (*connect.ServerStreamForClient[v1.WatchResponse], error)
 }
 
@@ -486,9 +493,16 @@ func (c *eventServiceClient) Watch(ctx context.Context, req *connect.Request[v1.
 
 // EventServiceHandler is an implementation of the bc.compute.v1.EventService service.
 type EventServiceHandler interface {
-	// Watch sends the events after after_id (0: from now), oldest first,
-	// then every new one as it is written, filtered by types; resuming with
-	// the id of the last event received gives no gap and no duplicate.
+	// Watch sends the events after after_id (0: from now; with from_start:
+	// every retained event), oldest first, then every new one as it is
+	// written, filtered by types; resuming with the id of the last event
+	// received gives no gap and no duplicate. The response header
+	// Bc-Watch-After names the id the watch starts after: after_id, the
+	// newest event id for a watch from now (0 when there was none: resume
+	// such a watch with from_start), 0 with from_start. Errors:
+	// InvalidArgument (types, after_id, from_start with a non-zero after_id),
+	// Unavailable (the server stops or its database cannot be reached:
+	// resume), Unauthenticated (the token was revoked or expired).
 	Watch(context.Context, *connect.Request[v1.WatchRequest], *connect.ServerStream[v1.WatchResponse]) error
 }
 

@@ -1,0 +1,21 @@
+-- events.inserted_at is when the row was inserted by the database's own
+-- clock: clock_timestamp() as the row is formed, at or just after the
+-- nextval that gave it its id. The events watch (services/api WatchConfig)
+-- reads it to tell an old gap in the ids from a new one: every id missing
+-- below a row inserted more than MinGrace ago was taken before that row's,
+-- so its transaction has had its transaction id for that long, and only the
+-- transaction-horizon check remains.
+--
+-- created_at cannot tell: it is the writer's clock (a service, a fake clock
+-- in tests and the simulator), read before the insert and possibly long
+-- before it in a long transaction, and it may run behind the database's
+-- clock. It bounds when the id was taken from below, the watch needs a bound
+-- from above.
+--
+-- Nullable, so that adding it rewrites nothing: rows written before this
+-- migration keep NULL. Adding the column waited for every transaction that
+-- had inserted into events (ACCESS EXCLUSIVE against their ROW EXCLUSIVE),
+-- so an id missing below such a row will never commit: the watch counts
+-- NULL as old. Writers leave the column to its default.
+ALTER TABLE events ADD COLUMN inserted_at timestamptz;
+ALTER TABLE events ALTER COLUMN inserted_at SET DEFAULT clock_timestamp();
