@@ -23,13 +23,21 @@
 //     jitter, reset after a session lasted Config.BackoffResetAfter;
 //   - commands run at most once: journaled before they run, answered from the
 //     journal when redelivered, failed without running past their deadline,
-//     failed instead of run after a journal loss unless retry-safe, failed
-//     as interrupted when the Agent restarts (or the machine reboots) while
-//     they run;
+//     failed instead of run after a journal loss unless retry-safe; a
+//     command running when the Agent restarts (or the machine reboots) is
+//     failed as interrupted unless it is retry-safe and its deadline has not
+//     passed: then it runs again when the gateway delivers it again after
+//     the boot (Entry.Runs counts its runs);
 //   - desired state: newer generations are applied, allocations reported
 //     bound (CDI names "nvidia.com/gpu=<index>") or unbound, then the
 //     observed generation;
-//   - node.reboot answers SUCCEEDED, drops the session, and after
+//   - node.reboot keeps the order commands were queued in (their ids sort by
+//     time): it waits until every command running when it arrives (and any
+//     with an earlier id that arrives while it waits) has finished or reached
+//     its deadline, but not past the reboot's own deadline; commands queued
+//     after it that arrive while it waits are neither journaled nor run, and
+//     the gateway delivers them again on the session after the boot. Then
+//     it answers SUCCEEDED, drops the session, and after
 //     Config.RebootDowntime the machine is back with a new boot id;
 //   - signed intent (Config.CommandSigningRoot): every Command and
 //     DesiredState must carry the command-signing root's signature bound to
@@ -48,7 +56,7 @@
 //     the gateway does not answer or refuses.
 //
 // To add a command kind, teach the Hardware's Run about it; kinds with an
-// effect on the session (like node.reboot) also need a case in finish.
+// effect on the session (like node.reboot) also need a case in complete.
 package daemon
 
 import (
@@ -68,8 +76,8 @@ import (
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 )
 
-// KindNodeReboot is the command kind that reboots the machine once it has
-// answered SUCCEEDED.
+// KindNodeReboot is the command kind that reboots the machine once the
+// commands queued before it have finished and it has answered SUCCEEDED.
 const KindNodeReboot = "node.reboot"
 
 // Errors reported in CommandUpdate.error.
@@ -81,10 +89,11 @@ const (
 	// (reported FAILED, never run).
 	ErrTextExpired = "deadline passed before the command started"
 	// ErrTextInterrupted is the error of a command that was running when the
-	// daemon restarted.
+	// daemon restarted, and is not retry-safe or is past its deadline.
 	ErrTextInterrupted = "interrupted: the daemon restarted while the command ran"
 	// ErrTextRebooted is the error of a command that was running when the
-	// machine rebooted.
+	// machine rebooted (a node.reboot that waited for it until a deadline),
+	// and is not retry-safe or is past its deadline.
 	ErrTextRebooted = "interrupted: the machine rebooted while the command ran"
 )
 
@@ -287,8 +296,11 @@ type Agent struct {
 	observed int64
 	allocs   []allocation // sorted by reservation id
 	running  []running    // sorted by due, then seq
-	seq      uint64
-	unsent   []string // command ids whose latest update is yet to be sent
+	// rebooting is the node.reboot waiting for the commands before it
+	// (nil when none): it completes at rebootAt.
+	rebooting *running
+	seq       uint64
+	unsent    []string // command ids whose latest update is yet to be sent
 
 	cert renewal // the node certificate and its renewal
 
@@ -307,12 +319,13 @@ type allocation struct {
 }
 
 type running struct {
-	due    time.Time
-	seq    uint64
-	id     string
-	kind   string
-	result *gatewayv1.CommandResult
-	err    error
+	due      time.Time
+	deadline time.Time // the command's deadline; zero when none
+	seq      uint64
+	id       string
+	kind     string
+	result   *gatewayv1.CommandResult
+	err      error
 }
 
 // New returns an Agent for the node cfg.NodeID on hw, journaling into j and
@@ -354,7 +367,8 @@ type Status struct {
 	ObservedGeneration int64
 	// Allocations is how many allocations the applied spec holds.
 	Allocations int
-	// Running is how many commands are running.
+	// Running is how many commands are running (a node.reboot waiting for
+	// the commands before it included).
 	Running int
 	// NextDial is when the Agent dials again (StateBackoff only).
 	NextDial time.Time
@@ -377,7 +391,7 @@ func (a *Agent) Status() Status {
 		BootID:             a.hw.BootID(),
 		ObservedGeneration: a.observed,
 		Allocations:        len(a.allocs),
-		Running:            len(a.running),
+		Running:            len(a.running) + btoi(a.rebooting != nil),
 		CertNotAfter:       a.cert.notAfter,
 		Renewals:           a.cert.renewals,
 		Stopped:            a.stopped,
@@ -427,24 +441,20 @@ func (a *Agent) finish(o *out) []Effect {
 	return o.effects
 }
 
-// Start starts the Agent at now: commands the journal shows running are
-// failed as interrupted (this Agent did not start them), finished ones long
-// past their deadline are pruned, and the first session is dialed at once.
-// It returns nil when the Agent was started already.
+// Start starts the Agent at now: commands the journal shows running were
+// interrupted (this Agent did not start them): retry-safe ones before their
+// deadline wait to run again when delivered again, others are failed as
+// interrupted; finished ones long past their deadline are pruned, and the
+// first session is dialed at once. It returns nil when the Agent was
+// started already.
 func (a *Agent) Start(now time.Time) []Effect {
 	if a.state != StateIdle {
 		return nil
 	}
 	for _, e := range a.j.Entries() {
-		if e.Terminal() {
-			continue
+		if !e.Terminal() {
+			a.interrupt(now, e, ErrTextInterrupted)
 		}
-		e.State = gatewayv1.CommandState_COMMAND_STATE_FAILED
-		e.Error = ErrTextInterrupted
-		e.Result = nil
-		e.FinishedAt = now
-		a.put(e)
-		a.markUnsent(e.CommandID)
 	}
 	a.prune(now)
 	var o out
@@ -639,12 +649,19 @@ func (a *Agent) Tick(now time.Time) []Effect {
 
 // step handles the earliest deadline if it is due and reports whether it
 // did. A command completion due at the same time as a session deadline goes
-// first.
+// first, and one due at the same time as a waiting node.reboot goes before
+// it.
 func (a *Agent) step(now time.Time, o *out) bool {
 	sd := a.sessionDeadline()
-	if len(a.running) > 0 && !a.running[0].due.After(now) && (sd.IsZero() || !sd.Before(a.running[0].due)) {
-		r := a.running[0]
-		a.running = slices.Delete(a.running, 0, 1)
+	if cd := a.commandDeadline(); !cd.IsZero() && !cd.After(now) && (sd.IsZero() || !sd.Before(cd)) {
+		if len(a.running) > 0 && a.running[0].due.Equal(cd) {
+			r := a.running[0]
+			a.running = slices.Delete(a.running, 0, 1)
+			a.complete(now, o, r)
+			return true
+		}
+		r := *a.rebooting
+		a.rebooting = nil
 		a.complete(now, o, r)
 		return true
 	}
@@ -695,10 +712,63 @@ func (a *Agent) sessionDeadline() time.Time {
 	return time.Time{}
 }
 
+// commandDeadline returns when the next command completes (the earliest
+// running command, or the waiting node.reboot), or the zero time.
+func (a *Agent) commandDeadline() time.Time {
+	var d time.Time
+	if len(a.running) > 0 {
+		d = a.running[0].due
+	}
+	if a.rebooting != nil {
+		if ra := a.rebootAt(); d.IsZero() || ra.Before(d) {
+			d = ra
+		}
+	}
+	return d
+}
+
+// rebootAt returns when the waiting node.reboot completes: once its own run
+// is done and every other running command (each started before it, or
+// queued before it) has finished or reached its deadline, but no later than
+// the reboot's own deadline (or its own run, if that ends after it).
+func (a *Agent) rebootAt() time.Time {
+	r := a.rebooting
+	at := r.due
+	for _, x := range a.running {
+		end := x.due
+		if !x.deadline.IsZero() && x.deadline.Before(end) {
+			end = x.deadline
+		}
+		if end.After(at) {
+			at = end
+		}
+	}
+	if !r.deadline.IsZero() {
+		if limit := later(r.due, r.deadline); at.After(limit) {
+			at = limit
+		}
+	}
+	return at
+}
+
+func later(x, y time.Time) time.Time {
+	if y.After(x) {
+		return y
+	}
+	return x
+}
+
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
 func (a *Agent) nextDeadline() time.Time {
 	d := a.sessionDeadline()
-	if len(a.running) > 0 && (d.IsZero() || a.running[0].due.Before(d)) {
-		d = a.running[0].due
+	if cd := a.commandDeadline(); !cd.IsZero() && (d.IsZero() || cd.Before(d)) {
+		d = cd
 	}
 	if rd := a.renewDeadline(); !rd.IsZero() && (d.IsZero() || rd.Before(d)) {
 		d = rd
@@ -736,11 +806,16 @@ func (a *Agent) put(e Entry) bool {
 	return true
 }
 
-// prune forgets finished commands whose deadline passed more than
-// JournalRetention ago.
+// prune fails interrupted commands whose deadline passed before they were
+// delivered again (they are never run again), and forgets finished commands
+// whose deadline passed more than JournalRetention ago.
 func (a *Agent) prune(now time.Time) {
 	cutoff := now.Add(-a.cfg.JournalRetention)
 	for _, e := range a.j.Entries() {
+		if e.Interrupted != "" && !e.Terminal() && !e.Deadline.IsZero() && now.After(e.Deadline) {
+			a.failInterrupted(now, e, e.Interrupted)
+			continue
+		}
 		if e.Terminal() && !e.Deadline.IsZero() && e.Deadline.Before(cutoff) && !slices.Contains(a.unsent, e.CommandID) {
 			if err := a.j.Delete(e.CommandID); err != nil {
 				a.cfg.Logger.Warn("journal delete failed", "command.id", e.CommandID, "err", err)
@@ -772,8 +847,23 @@ func (a *Agent) command(now time.Time, o *out, c *gatewayv1.Command) {
 		return
 	}
 	if e, ok := a.j.Get(id); ok {
-		// Redelivered: answer from the journal, never run again.
-		a.sendUpdate(o, &e)
+		if e.Interrupted == "" || e.Terminal() {
+			// Redelivered: answer from the journal, never run again.
+			a.sendUpdate(o, &e)
+			return
+		}
+		// Retry-safe and interrupted by a reboot or a restart: run again,
+		// unless its deadline passed meanwhile.
+		if !e.Deadline.IsZero() && now.After(e.Deadline) {
+			a.conclude(now, o, e, gatewayv1.CommandState_COMMAND_STATE_FAILED, e.Interrupted)
+			return
+		}
+		if a.heldBack(id, e.Kind) {
+			return
+		}
+		e.Runs = max(e.Runs, 1) + 1
+		e.Interrupted = ""
+		a.start(now, o, e, c.GetArgsJson())
 		return
 	}
 	e := Entry{
@@ -795,16 +885,50 @@ func (a *Agent) command(now time.Time, o *out, c *gatewayv1.Command) {
 		a.conclude(now, o, e, gatewayv1.CommandState_COMMAND_STATE_FAILED, ErrTextExpired)
 		return
 	}
+	if a.heldBack(id, e.Kind) {
+		return
+	}
+	e.Runs = 1
+	a.start(now, o, e, c.GetArgsJson())
+}
+
+// heldBack reports whether a command must wait for the node.reboot that
+// waits for the commands before it: one queued after that reboot (a later
+// id), or another reboot, runs after the machine is back. It is neither
+// journaled nor answered: the session ends with the reboot, and the gateway
+// delivers it again on the next one.
+func (a *Agent) heldBack(id, kind string) bool {
+	if a.rebooting == nil || (id < a.rebooting.id && kind != KindNodeReboot) {
+		return false
+	}
+	a.cfg.Logger.Debug("command held back until the machine is back from a reboot", "command.id", id, "reboot", a.rebooting.id)
+	return true
+}
+
+// start journals e as RUNNING, then runs it. A node.reboot completes once
+// the commands before it are done (rebootAt).
+func (a *Agent) start(now time.Time, o *out, e Entry, args []byte) {
 	e.State = gatewayv1.CommandState_COMMAND_STATE_RUNNING
 	if err := a.j.Put(e); err != nil {
 		// Not journaled, so not run: a redelivery may try again.
-		a.cfg.Logger.Warn("journal write failed", "command.id", id, "err", err)
-		a.send(o, updateOf(&Entry{CommandID: id, State: gatewayv1.CommandState_COMMAND_STATE_FAILED, Error: "journal write failed: " + err.Error()}))
+		a.cfg.Logger.Warn("journal write failed", "command.id", e.CommandID, "err", err)
+		a.send(o, updateOf(&Entry{CommandID: e.CommandID, State: gatewayv1.CommandState_COMMAND_STATE_FAILED, Error: "journal write failed: " + err.Error()}))
 		return
 	}
-	res, d, err := a.hw.Run(e.Kind, c.GetArgsJson())
+	res, d, err := a.hw.Run(e.Kind, args)
 	a.seq++
-	r := running{due: now.Add(max(d, 0)), seq: a.seq, id: id, kind: e.Kind, result: res, err: err}
+	r := running{due: now.Add(max(d, 0)), deadline: e.Deadline, seq: a.seq, id: e.CommandID, kind: e.Kind, result: res, err: err}
+	if e.Kind == KindNodeReboot && err == nil {
+		a.rebooting = &r
+		if !a.rebootAt().After(now) {
+			// Nothing to wait for.
+			a.rebooting = nil
+			a.complete(now, o, r)
+			return
+		}
+		a.sendUpdate(o, &e)
+		return
+	}
 	if d <= 0 {
 		// Finished at once: its outcome is the only update worth sending
 		// (RUNNING would be superseded before the gateway could act on it).
@@ -821,10 +945,11 @@ func (a *Agent) command(now time.Time, o *out, c *gatewayv1.Command) {
 	a.running = slices.Insert(a.running, i, r)
 }
 
-// conclude journals and reports a command that ends without running.
+// conclude journals and reports a command that ends without running (again).
 func (a *Agent) conclude(now time.Time, o *out, e Entry, s gatewayv1.CommandState, msg string) {
 	e.State = s
 	e.Error = msg
+	e.Interrupted = ""
 	e.FinishedAt = now
 	a.put(e)
 	a.sendUpdate(o, &e)
@@ -852,19 +977,16 @@ func (a *Agent) complete(now time.Time, o *out, r running) {
 	}
 }
 
-// reboot takes the machine down: the session closes, running commands are
-// failed and the machine is back after RebootDowntime.
+// reboot takes the machine down: the session closes, commands still
+// running (only those the node.reboot stopped waiting for at a deadline)
+// are interrupted, and the machine is back after RebootDowntime.
 func (a *Agent) reboot(now time.Time, o *out) {
 	if a.connected() || a.state == StateDialing {
 		o.add(Effect{Kind: EffectClose, Session: a.session, Reason: "rebooting"})
 	}
 	for _, r := range a.running {
 		if e, ok := a.j.Get(r.id); ok {
-			e.State = gatewayv1.CommandState_COMMAND_STATE_FAILED
-			e.Error = ErrTextRebooted
-			e.FinishedAt = now
-			a.put(e)
-			a.markUnsent(e.CommandID)
+			a.interrupt(now, e, ErrTextRebooted)
 		}
 	}
 	a.running = nil
@@ -872,6 +994,36 @@ func (a *Agent) reboot(now time.Time, o *out) {
 	a.sessionID = ""
 	a.failures = 0
 	a.upAt = now.Add(a.cfg.RebootDowntime)
+}
+
+// interrupt records that the running command e was cut short (why is
+// ErrTextRebooted or ErrTextInterrupted). A retry-safe one before its
+// deadline stays RUNNING, marked interrupted, and runs again when the
+// gateway delivers it again; any other is failed with why.
+func (a *Agent) interrupt(now time.Time, e Entry, why string) {
+	if e.Interrupted != "" {
+		why = e.Interrupted // interrupted before, and not delivered since
+	}
+	if e.RetrySafe && (e.Deadline.IsZero() || now.Before(e.Deadline)) {
+		if e.Interrupted == "" {
+			e.Interrupted = why
+			a.put(e)
+		}
+		return
+	}
+	a.failInterrupted(now, e, why)
+}
+
+// failInterrupted journals an interrupted command FAILED with why and
+// reports it when a session is established.
+func (a *Agent) failInterrupted(now time.Time, e Entry, why string) {
+	e.State = gatewayv1.CommandState_COMMAND_STATE_FAILED
+	e.Error = why
+	e.Result = nil
+	e.Interrupted = ""
+	e.FinishedAt = now
+	a.put(e)
+	a.markUnsent(e.CommandID)
 }
 
 // issuedBefore reports whether the command id's ULID time is not after t.

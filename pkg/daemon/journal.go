@@ -31,6 +31,16 @@ type Entry struct {
 	// FinishedAt is when the command reached its terminal state (zero while
 	// it runs).
 	FinishedAt time.Time
+	// Runs is how many times the daemon started the command: 1 once it
+	// ran, one more each time a retry-safe command interrupted by a reboot
+	// or a restart of the daemon runs again. 0 for a command that ended
+	// without running (and in entries written before Runs existed).
+	Runs int
+	// Interrupted says why the last run of a retry-safe command was cut
+	// short (ErrTextRebooted or ErrTextInterrupted) while its entry, still
+	// RUNNING, waits for the command to be delivered again and run again;
+	// empty otherwise.
+	Interrupted string
 }
 
 // Terminal reports whether the entry's state is final.
