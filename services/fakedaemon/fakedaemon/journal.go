@@ -79,6 +79,10 @@ type journalRecord struct {
 	Deadline   time.Time       `json:"deadline,omitzero"`
 	ReceivedAt time.Time       `json:"received_at,omitzero"`
 	FinishedAt time.Time       `json:"finished_at,omitzero"`
+	// Runs and Interrupted are daemon.Entry's (absent in journals written
+	// before them: Runs reads as 0).
+	Runs        int    `json:"runs,omitempty"`
+	Interrupted string `json:"interrupted,omitempty"`
 }
 
 // OpenFileJournal opens the journal in dir at now. A first open writes
@@ -244,14 +248,16 @@ func (r *journalRecord) entry() (daemon.Entry, error) {
 		return daemon.Entry{}, fmt.Errorf("unknown state %q", r.State)
 	}
 	e := daemon.Entry{
-		CommandID:  r.ID,
-		Kind:       r.Kind,
-		RetrySafe:  r.RetrySafe,
-		State:      gatewayv1.CommandState(st),
-		Error:      r.Error,
-		Deadline:   r.Deadline,
-		ReceivedAt: r.ReceivedAt,
-		FinishedAt: r.FinishedAt,
+		CommandID:   r.ID,
+		Kind:        r.Kind,
+		RetrySafe:   r.RetrySafe,
+		State:       gatewayv1.CommandState(st),
+		Error:       r.Error,
+		Deadline:    r.Deadline,
+		ReceivedAt:  r.ReceivedAt,
+		FinishedAt:  r.FinishedAt,
+		Runs:        r.Runs,
+		Interrupted: r.Interrupted,
 	}
 	switch {
 	case len(r.ResultPB) > 0:
@@ -270,14 +276,16 @@ func (r *journalRecord) entry() (daemon.Entry, error) {
 
 func recordOf(e daemon.Entry) (journalRecord, error) {
 	r := journalRecord{
-		ID:         e.CommandID,
-		Kind:       e.Kind,
-		RetrySafe:  e.RetrySafe,
-		State:      e.State.String(),
-		Error:      e.Error,
-		Deadline:   e.Deadline,
-		ReceivedAt: e.ReceivedAt,
-		FinishedAt: e.FinishedAt,
+		ID:          e.CommandID,
+		Kind:        e.Kind,
+		RetrySafe:   e.RetrySafe,
+		State:       e.State.String(),
+		Error:       e.Error,
+		Deadline:    e.Deadline,
+		ReceivedAt:  e.ReceivedAt,
+		FinishedAt:  e.FinishedAt,
+		Runs:        e.Runs,
+		Interrupted: e.Interrupted,
 	}
 	if e.Result != nil {
 		// Binary: protojson was a third of a journal write's CPU.

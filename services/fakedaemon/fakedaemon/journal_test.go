@@ -42,6 +42,7 @@ func TestFileJournalRoundTrip(t *testing.T) {
 	require.Equal(t, uint64(1), j.Epoch())
 
 	a := entry("cmd_a", gatewayv1.CommandState_COMMAND_STATE_RUNNING)
+	a.Runs = 2
 	require.NoError(t, j.Put(a))
 	a.State = gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED
 	a.FinishedAt = jt0.Add(time.Second)
@@ -52,6 +53,9 @@ func TestFileJournalRoundTrip(t *testing.T) {
 	require.NoError(t, j.Put(b))
 	c := entry("cmd_c", gatewayv1.CommandState_COMMAND_STATE_EXPIRED)
 	require.NoError(t, j.Put(c))
+	d := entry("cmd_d", gatewayv1.CommandState_COMMAND_STATE_RUNNING)
+	d.Runs, d.Interrupted = 1, daemon.ErrTextRebooted // waits to run again
+	require.NoError(t, j.Put(d))
 	require.NoError(t, j.Delete("cmd_b"))
 	require.NoError(t, j.Delete("cmd_unknown"))
 	require.NoError(t, j.Close())
@@ -62,9 +66,12 @@ func TestFileJournalRoundTrip(t *testing.T) {
 	t.Cleanup(func() { _ = j2.Close() })
 	require.True(t, j2.LostAt().IsZero())
 	got := j2.Entries()
-	require.Len(t, got, 2)
+	require.Len(t, got, 3)
 	require.Equal(t, "cmd_a", got[0].CommandID)
 	require.Equal(t, "cmd_c", got[1].CommandID)
+	require.Equal(t, d.Runs, got[2].Runs)
+	require.Equal(t, d.Interrupted, got[2].Interrupted)
+	require.Equal(t, d.State, got[2].State)
 	ga, ok := j2.Get("cmd_a")
 	require.True(t, ok)
 	require.Equal(t, a.State, ga.State)
@@ -72,6 +79,7 @@ func TestFileJournalRoundTrip(t *testing.T) {
 	require.True(t, a.FinishedAt.Equal(ga.FinishedAt))
 	require.True(t, proto.Equal(a.Result, ga.Result))
 	require.True(t, ga.RetrySafe)
+	require.Equal(t, 2, ga.Runs)
 	_, ok = j2.Get("cmd_b")
 	require.False(t, ok)
 
@@ -79,7 +87,7 @@ func TestFileJournalRoundTrip(t *testing.T) {
 	// per Put or Delete.
 	raw, err := os.ReadFile(filepath.Join(dir, fakedaemon.JournalFile))
 	require.NoError(t, err)
-	require.Equal(t, 6, strings.Count(string(raw), "\n"))
+	require.Equal(t, 7, strings.Count(string(raw), "\n"))
 	for _, name := range []string{fakedaemon.JournalFile, fakedaemon.JournalEpochFile} {
 		fi, err := os.Stat(filepath.Join(dir, name))
 		require.NoError(t, err)
