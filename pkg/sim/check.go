@@ -95,37 +95,58 @@ func duplicate(ds []int32) (int32, bool) {
 	return 0, false
 }
 
-// i2 checks I2: each command runs at most once; a retry-safe one may run
-// again only after its node lost its journal, and one that is not
-// retry-safe never runs after a journal loss that happened after it was
-// issued: when its node's daemon receives it after the loss, it answers
-// FAILED with daemon.ErrTextJournalLost at once (not merely "not run").
+// i2 checks I2: each command runs at most once, and only once the
+// daemon's journal holds it as running (run 1, 2, …); a retry-safe one may
+// run again only after its node lost its journal, or after its node went
+// down (RecDown) while the command ran, as a run the journal counts (one
+// more than the last); one that is not retry-safe never runs twice, and
+// never runs after a journal loss that happened after it was issued: when
+// its node's daemon receives it after the loss, it answers FAILED with
+// daemon.ErrTextJournalLost at once (not merely "not run").
 type i2 struct {
 	cmds     map[string]*i2Command
 	lastLoss map[string]time.Time
+	running  map[string][]*i2Command // by node: commands whose last run may not have ended
 }
 
 type i2Command struct {
-	node      string
-	retrySafe bool
-	issued    time.Time
-	runs      int
-	lastRun   time.Time
+	id          string
+	node        string
+	retrySafe   bool
+	issued      time.Time
+	runs        int
+	lastRun     time.Time
+	lastEnd     time.Time // when the last run ends on the hardware
+	journaled   int       // the journal's run count at the last run
+	interrupted bool      // the node went down before the last run ended
 }
 
-func newI2() *i2 { return &i2{cmds: map[string]*i2Command{}, lastLoss: map[string]time.Time{}} }
+func newI2() *i2 {
+	return &i2{cmds: map[string]*i2Command{}, lastLoss: map[string]time.Time{}, running: map[string][]*i2Command{}}
+}
 
 func (c *i2) Invariant() (string, string) {
-	return "I2", "at most one execution per command; after a journal loss, in-flight commands that are not retry-safe " +
-		"are answered FAILED (journal lost) instead of running again (the daemon core)"
+	return "I2", "at most one execution per command, journaled before it runs; a retry-safe one runs again only after a " +
+		"journal loss or when its node went down while it ran; after a journal loss, in-flight commands that are not " +
+		"retry-safe are answered FAILED (journal lost) instead of running again (the daemon core)"
 }
 
 func (c *i2) Observe(r *Record) []Violation {
 	switch r.Kind {
 	case RecCommandCreated:
-		c.cmds[r.Command] = &i2Command{node: r.Node, retrySafe: r.RetrySafe, issued: r.At}
+		c.cmds[r.Command] = &i2Command{id: r.Command, node: r.Node, retrySafe: r.RetrySafe, issued: r.At}
 	case RecJournalLost:
 		c.lastLoss[r.Node] = r.At
+	case RecDown:
+		// A run that had not ended when its node went down was cut short
+		// (one ending at that very instant may have been: the benefit of
+		// the doubt).
+		for _, cmd := range c.running[r.Node] {
+			if !cmd.lastEnd.Before(r.At) {
+				cmd.interrupted = true
+			}
+		}
+		delete(c.running, r.Node)
 	case RecExecuted:
 		if r.Command == "" {
 			return []Violation{violation("I2", r, "the hardware ran a command outside any delivery")}
@@ -138,18 +159,39 @@ func (c *i2) Observe(r *Record) []Violation {
 		if cmd.node != r.Node {
 			out = append(out, violation("I2", r, "ran %s, a command for %s", r.Command, cmd.node))
 		}
+		if r.Runs < 1 {
+			out = append(out, violation("I2", r, "ran %s, which its node's journal does not hold as running", r.Command))
+		}
 		loss, lost := c.lastLoss[r.Node]
-		// A second run is allowed only for a retry-safe command whose node
-		// lost its journal since the last run.
-		rerunAllowed := cmd.retrySafe && lost && loss.After(cmd.lastRun)
-		if cmd.runs > 0 && !rerunAllowed {
-			out = append(out, violation("I2", r, "ran %s again (run %d, last at %s)", r.Command, cmd.runs+1, cmd.lastRun.UTC().Format(time.RFC3339Nano)))
+		if cmd.runs > 0 {
+			// A second run is allowed only for a retry-safe command whose
+			// node lost its journal since the last run, or went down while
+			// it ran; the journal then counts the run.
+			lostSince := lost && loss.After(cmd.lastRun)
+			switch {
+			case !cmd.retrySafe || (!lostSince && !cmd.interrupted):
+				out = append(out, violation("I2", r, "ran %s again (run %d, last at %s)", r.Command, cmd.runs+1, cmd.lastRun.UTC().Format(time.RFC3339Nano)))
+			case !lostSince && r.Runs != cmd.journaled+1:
+				out = append(out, violation("I2", r, "ran %s again after it was interrupted, as run %d of its journal, not %d",
+					r.Command, r.Runs, cmd.journaled+1))
+			}
 		}
 		if !cmd.retrySafe && lost && !cmd.issued.After(loss) {
 			out = append(out, violation("I2", r, "ran %s, not retry-safe and issued before the journal loss at %s", r.Command, loss.UTC().Format(time.RFC3339Nano)))
 		}
 		cmd.runs++
 		cmd.lastRun = r.At
+		cmd.lastEnd = r.At.Add(r.Took)
+		cmd.journaled = r.Runs
+		cmd.interrupted = false
+		// Keep the node's list to the runs that may not have ended.
+		live := c.running[r.Node][:0]
+		for _, x := range c.running[r.Node] {
+			if x != cmd && !x.lastEnd.Before(r.At) {
+				live = append(live, x)
+			}
+		}
+		c.running[r.Node] = append(live, cmd)
 		return out
 	case RecCommandReceived:
 		cmd := c.cmds[r.Command]
@@ -433,9 +475,11 @@ func (c *i8) Finish(end time.Time) []Violation {
 
 // progress checks that the daemons do their work, so that a daemon that
 // runs nothing cannot pass. Strict (chaos none): every command ends
-// SUCCEEDED (a FAILED one only when a node.reboot the workload sent
-// interrupted it: daemon.ErrTextRebooted) and none is still open after its
-// deadline; every booking is reported bound (AllocationBound) by its own
+// SUCCEEDED and none is still open after its deadline — a node.reboot the
+// workload sends waits for the commands queued before it (all of one
+// timeout, so their deadlines come before its own), and those queued after
+// it run after the boot, so no reboot interrupts a command, and none runs
+// twice (a retry-safe one would, after an interruption); every booking is reported bound (AllocationBound) by its own
 // node within SpecObserveWithin unless it ended sooner. Under chaos: when
 // some command's deadline passed before the end of the run, some command
 // succeeded; when some booking was live SpecObserveWithin before the end,
@@ -454,6 +498,7 @@ type progCommand struct {
 	id, node string
 	issued   time.Time
 	ended    bool
+	runs     int
 }
 
 type progBooking struct {
@@ -470,8 +515,8 @@ func newProgress(strict bool) *progress {
 }
 
 func (c *progress) Invariant() (string, string) {
-	return ProgressName, "the daemons do the work: with chaos none every command succeeds (or fails only because a node.reboot " +
-		"interrupted it) and every booking is bound by its node within 60 s; under chaos some command succeeds and some " +
+	return ProgressName, "the daemons do the work: with chaos none every command runs once and succeeds (a node.reboot interrupts none) " +
+		"and every booking is bound by its node within 60 s; under chaos some command succeeds and some " +
 		"booking is bound (the daemon core)"
 }
 
@@ -485,6 +530,13 @@ func (c *progress) Observe(r *Record) []Violation {
 		cmd := &progCommand{id: r.Command, node: r.Node, issued: r.At}
 		c.cmds[r.Command] = cmd
 		c.cmdOrder = append(c.cmdOrder, cmd)
+	case RecExecuted:
+		if cmd := c.cmds[r.Command]; cmd != nil && c.strict {
+			cmd.runs++
+			if cmd.runs == 2 {
+				out = append(out, violation(ProgressName, r, "%s ran twice with chaos none: a node.reboot interrupted it", r.Command))
+			}
+		}
 	case RecCommandEnded:
 		cmd := c.cmds[r.Command]
 		if cmd == nil {
@@ -496,7 +548,6 @@ func (c *progress) Observe(r *Record) []Violation {
 		case r.State == cmdStateNames[cmdSucceeded]:
 			c.succeeded++
 		case !c.strict:
-		case r.State == cmdStateNames[cmdFailed] && r.Error == daemon.ErrTextRebooted:
 		default:
 			out = append(out, violation(ProgressName, r, "%s ended %s %q with chaos none", r.Command, r.State, r.Error))
 		}

@@ -82,8 +82,13 @@ func TestI2(t *testing.T) {
 	created := func(d time.Duration, id, node string, safe bool) Record {
 		return Record{At: at(d), Kind: RecCommandCreated, Command: id, Node: node, RetrySafe: safe}
 	}
-	ran := func(d time.Duration, id, node string) Record {
-		return Record{At: at(d), Kind: RecExecuted, Command: id, Node: node}
+	// ran: the hardware ran id for 10 s, as run runs of the journal.
+	ranRun := func(d time.Duration, id, node string, runs int) Record {
+		return Record{At: at(d), Kind: RecExecuted, Command: id, Node: node, Runs: runs, Took: 10 * time.Second}
+	}
+	ran := func(d time.Duration, id, node string) Record { return ranRun(d, id, node, 1) }
+	down := func(d time.Duration, node string) Record {
+		return Record{At: at(d), Kind: RecDown, Node: node}
 	}
 	lost := func(d time.Duration, node string) Record {
 		return Record{At: at(d), Kind: RecJournalLost, Node: node}
@@ -114,6 +119,18 @@ func TestI2(t *testing.T) {
 			created(3*time.Minute, "c4", "n1", false),
 			got(4*time.Minute, "c4", "n1", "running", ""), // issued after the loss
 			ran(4*time.Minute, "c4", "n1"),
+			// Retry-safe c6 is interrupted (n2 goes down 5 s into its 10 s
+			// run) and runs again, as the journal's run 2; twice.
+			created(5*time.Minute, "c6", "n2", true),
+			ran(5*time.Minute, "c6", "n2"),
+			down(5*time.Minute+5*time.Second, "n2"),
+			ranRun(6*time.Minute, "c6", "n2", 2),
+			down(6*time.Minute+10*time.Second, "n2"), // at the very end of the run: the benefit of the doubt
+			ranRun(7*time.Minute, "c6", "n2", 3),
+			// After a journal loss the journal counts from 1 again.
+			down(7*time.Minute+time.Second, "n2"),
+			lost(7*time.Minute+time.Second, "n2"),
+			ranRun(8*time.Minute, "c6", "n2", 1),
 		},
 		bad: map[string][]Record{
 			"a command runs twice": {
@@ -146,6 +163,41 @@ func TestI2(t *testing.T) {
 				created(0, "c1", "n1", false),
 				lost(time.Minute, "n1"),
 				got(2*time.Minute, "c1", "n1", "failed", daemon.ErrTextExpired),
+			},
+			"a retry-safe command runs again, its node went down after the run ended": {
+				created(0, "c1", "n1", true),
+				ran(time.Second, "c1", "n1"),
+				down(12*time.Second, "n1"),
+				ranRun(time.Minute, "c1", "n1", 2),
+			},
+			"a retry-safe command runs again, another node went down": {
+				created(0, "c1", "n1", true),
+				ran(time.Second, "c1", "n1"),
+				down(5*time.Second, "n2"),
+				ranRun(time.Minute, "c1", "n1", 2),
+			},
+			"a command that is not retry-safe runs again after it was interrupted": {
+				created(0, "c1", "n1", false),
+				ran(time.Second, "c1", "n1"),
+				down(5*time.Second, "n1"),
+				ranRun(time.Minute, "c1", "n1", 2),
+			},
+			"an interrupted command runs again, the journal does not count it": {
+				created(0, "c1", "n1", true),
+				ran(time.Second, "c1", "n1"),
+				down(5*time.Second, "n1"),
+				ranRun(time.Minute, "c1", "n1", 1),
+			},
+			"an interrupted command runs a third time without a second interruption": {
+				created(0, "c1", "n1", true),
+				ran(time.Second, "c1", "n1"),
+				down(5*time.Second, "n1"),
+				ranRun(time.Minute, "c1", "n1", 2),
+				ranRun(2*time.Minute, "c1", "n1", 3),
+			},
+			"a command runs without being journaled": {
+				created(0, "c1", "n1", true),
+				ranRun(time.Second, "c1", "n1", 0),
 			},
 			"an unknown command runs":          {ran(time.Second, "c9", "n1")},
 			"a command runs on another node":   {created(0, "c1", "n1", true), ran(time.Second, "c1", "n2")},
@@ -314,6 +366,9 @@ func TestProgress(t *testing.T) {
 	released := func(d time.Duration, res string) Record {
 		return Record{At: at(d), Kind: RecBookingEnd, Reservation: res, Cause: CauseRelease}
 	}
+	ran := func(d time.Duration, id string) Record {
+		return Record{At: at(d), Kind: RecExecuted, Command: id, Node: "n1", Runs: 1}
+	}
 	end := at(time.Hour)
 	t.Run("strict", func(t *testing.T) {
 		runCase(t, checkCase{
@@ -323,8 +378,9 @@ func TestProgress(t *testing.T) {
 				created(0, "c2", "n1"),
 				booked(0, "r1", "n1"),
 				booked(0, "r2", "n1"),
+				ran(0, "c1"),
 				ended(time.Second, "c1", "succeeded", ""),
-				ended(2*time.Second, "c2", "failed", daemon.ErrTextRebooted), // a node.reboot interrupted it
+				ended(2*time.Second, "c2", "succeeded", ""),
 				bound(time.Second, "r1", "n1"),
 				released(10*time.Second, "r2"), // too short-lived to judge
 				booked(time.Minute, "r3", "n2"),
@@ -333,8 +389,14 @@ func TestProgress(t *testing.T) {
 				booked(59*time.Minute+30*time.Second, "r4", "n1"),
 			},
 			bad: map[string][]Record{
-				"a command expires":           {created(0, "c1", "n1"), ended(5*time.Minute, "c1", "expired", "")},
-				"a command fails":             {created(0, "c1", "n1"), ended(time.Second, "c1", "failed", "boom")},
+				"a command expires": {created(0, "c1", "n1"), ended(5*time.Minute, "c1", "expired", "")},
+				"a command fails":   {created(0, "c1", "n1"), ended(time.Second, "c1", "failed", "boom")},
+				"a reboot interrupts a command": {
+					created(0, "c1", "n1"), ended(time.Second, "c1", "failed", daemon.ErrTextRebooted),
+				},
+				"a reboot interrupts a retry-safe command, which runs again": {
+					created(0, "c1", "n1"), ran(0, "c1"), ran(time.Minute, "c1"), ended(2*time.Minute, "c1", "succeeded", ""),
+				},
 				"a command never ends":        {created(0, "c1", "n1")},
 				"a booking is never bound":    {booked(0, "r1", "n1")},
 				"a booking is bound too late": {booked(0, "r1", "n1"), bound(61*time.Second, "r1", "n1")},
@@ -355,6 +417,8 @@ func TestProgress(t *testing.T) {
 				booked(0, "r1", "n1"),
 				booked(0, "r2", "n1"),
 				ended(5*time.Minute, "c1", "expired", ""),
+				ran(0, "c2"),
+				ran(30*time.Second, "c2"), // run again after a crash: allowed under chaos
 				ended(time.Minute, "c2", "succeeded", ""),
 				bound(time.Second, "r2", "n1"),
 			},

@@ -29,7 +29,9 @@ const (
 	// RecCommandCreated: Command (for Node, RetrySafe) was issued at At.
 	RecCommandCreated
 	// RecExecuted: the hardware of Node ran Command at At ("" when the
-	// simulator could not tell which command ran).
+	// simulator could not tell which command ran), for Took; Runs is the
+	// run count the daemon's journal held for Command as it ran (0 when
+	// the journal held no RUNNING entry of it).
 	RecExecuted
 	// RecJournalLost: Node lost its command journal at At.
 	RecJournalLost
@@ -54,6 +56,10 @@ const (
 	// RecBound: a gateway heard from Node at At that its daemon bound the
 	// allocation of Reservation (AllocationBound).
 	RecBound
+	// RecDown: Node went down at At: its daemon process stopped (a crash,
+	// a reboot, a journal loss) or its machine went down for a node.reboot.
+	// A command still running there was interrupted.
+	RecDown
 
 	recordKinds // one past the last kind
 )
@@ -100,6 +106,10 @@ type Record struct {
 	State string
 	// Error is a failed command's error text.
 	Error string
+	// Runs is a command's run count in the daemon's journal (RecExecuted).
+	Runs int
+	// Took is how long a command runs on the hardware (RecExecuted).
+	Took time.Duration
 }
 
 // Hold is one allocation a daemon has applied.

@@ -34,6 +34,7 @@ type node struct {
 	ticking   bool
 
 	delivering string // the command id of the Command being received
+	rebooting  bool   // the Agent was last seen down for a node.reboot
 
 	cutUntil   time.Duration // partitioned or isolated until then
 	stallUntil time.Duration // messages held until then
@@ -42,8 +43,11 @@ type node struct {
 }
 
 // recordingHW is the node's hardware with every Run recorded (I2): the
-// Agent runs a command only while it receives the Command, so the command
-// id is the one being delivered.
+// Agent runs a command only while it receives the Command (a node.reboot
+// that waits for the commands before it runs at once too; only its
+// completion waits), so the command id is the one being delivered. The
+// record carries the run count the journal "on disk" holds for it, which
+// the Agent writes before it runs a command.
 type recordingHW struct {
 	*fakehw.Machine
 	s *Sim
@@ -52,9 +56,15 @@ type recordingHW struct {
 
 // Run implements daemon.Hardware.
 func (h *recordingHW) Run(kind string, args []byte) (*gatewayv1.CommandResult, time.Duration, error) {
-	h.s.record(Record{Kind: RecExecuted, Node: h.n.id, Command: h.n.delivering})
-	h.s.logNode(h.n, "run "+kind+" "+h.n.delivering)
-	return h.Machine.Run(kind, args)
+	id := h.n.delivering
+	runs := 0
+	if e, ok := h.n.mem.Get(id); ok && e.State == gatewayv1.CommandState_COMMAND_STATE_RUNNING {
+		runs = e.Runs
+	}
+	res, d, err := h.Machine.Run(kind, args)
+	h.s.record(Record{Kind: RecExecuted, Node: h.n.id, Command: id, Runs: runs, Took: d})
+	h.s.logNode(h.n, "run "+kind+" "+id)
+	return res, d, err
 }
 
 // startDaemon starts a new daemon process on n: a new Agent over the same
@@ -70,6 +80,7 @@ func (s *Sim) startDaemon(n *node, rebooted bool) {
 	}
 	n.agent = a
 	n.conn = nil
+	n.rebooting = false
 	s.setHolds(n, nil)
 	s.logNode(n, "daemon start inc="+strconv.FormatUint(n.inc, 10))
 	s.apply(n, a.Start(s.time()))
@@ -82,6 +93,7 @@ func (s *Sim) stopDaemon(n *node) {
 	if n.agent == nil {
 		return
 	}
+	s.record(Record{Kind: RecDown, Node: n.id})
 	if c := n.conn; c != nil && c.nodeOpen {
 		c.nodeOpen = false
 		if !c.dead {
@@ -100,8 +112,15 @@ func (s *Sim) stopDaemon(n *node) {
 // apply carries out an Agent's effects in order. Connected and
 // Disconnected always come from later events, so a batch never grows while
 // it is carried out. The Agent's timer is taken from NextTimer after every
-// batch.
+// batch. An Agent that went down for a node.reboot is recorded (RecDown).
 func (s *Sim) apply(n *node, effects []daemon.Effect) {
+	if n.agent != nil {
+		rebooting := n.agent.Status().State == daemon.StateRebooting
+		if rebooting && !n.rebooting {
+			s.record(Record{Kind: RecDown, Node: n.id})
+		}
+		n.rebooting = rebooting
+	}
 	for _, e := range effects {
 		switch e.Kind {
 		case daemon.EffectSend:

@@ -69,7 +69,7 @@ func TestCleanRuns(t *testing.T) {
 			}
 			kinds := []RecordKind{RecHeard, RecBookingStart, RecReleaseRequested, RecBookingEnd, RecNodeHolds,
 				RecCommandCreated, RecExecuted, RecSpecDelivered, RecSpecObserved, RecUsageWindow,
-				RecCommandReceived, RecCommandEnded, RecBound}
+				RecCommandReceived, RecCommandEnded, RecBound, RecDown}
 			require.Equal(t, int64((10*time.Minute+DefaultSettle)/time.Millisecond), r.SimulatedMs)
 			switch chaos {
 			case ChaosHeavy:
@@ -94,7 +94,8 @@ type forgetfulJournal struct{ daemon.Journal }
 func (forgetfulJournal) Put(daemon.Entry) error { return nil }
 
 // TestSkippedJournalIsCaught seeds a bug — daemons whose journal forgets
-// every command — and sees I2 violated.
+// every command — and sees I2 violated: commands run that the journal does
+// not hold.
 func TestSkippedJournalIsCaught(t *testing.T) {
 	r := run(t, Config{
 		Seed: "forgetful", Nodes: 50, Duration: 10 * time.Minute, Settle: DefaultSettle, Chaos: ChaosHeavy,
@@ -104,7 +105,7 @@ func TestSkippedJournalIsCaught(t *testing.T) {
 	require.NotEmpty(t, r.FirstViolations)
 	require.LessOrEqual(t, len(r.FirstViolations), MaxFirstViolations)
 	require.Equal(t, "I2", r.FirstViolations[0].Invariant)
-	require.Contains(t, r.FirstViolations[0].Detail, "again")
+	require.Contains(t, r.FirstViolations[0].Detail, "journal does not hold")
 	err := r.Err()
 	require.True(t, errors.Is(err, ErrInvariantViolated))
 	require.True(t, strings.HasPrefix(err.Error(), "SIM_INVARIANT_VIOLATED: "), err.Error())
