@@ -252,11 +252,11 @@ func TestRebootRunsOnceAcrossADroppedStream(t *testing.T) {
 	require.Equal(t, []string{"command.queued", "command.succeeded"}, f.events(t, c.GetId()))
 }
 
-// TestJournalWipedMidCommand stops the machine while a node.reboot (not
-// retry-safe) and a logs.collect (retry-safe) run, deletes its journal and
-// starts it again: the gateway delivers both again, the daemon fails the
-// reboot without running it (it may have run before the loss) and runs the
-// logs.collect again. A command queued while the machine is down expires
+// TestJournalWipedMidCommand stops the machine while a logs.collect
+// (retry-safe) and a node.reboot (not retry-safe, queued after it, so
+// waiting for it) run, deletes its journal and starts it again: the gateway
+// delivers both again, the daemon runs the logs.collect again and fails the
+// reboot without running it (it may have run before the loss). A command queued while the machine is down expires
 // at its deadline (controllers) and is never delivered.
 func TestJournalWipedMidCommand(t *testing.T) {
 	d := fakehw.DefaultDurations()
@@ -264,8 +264,8 @@ func TestJournalWipedMidCommand(t *testing.T) {
 	d.ByKind[fakehw.KindLogsCollect] = time.Minute
 	f, _ := setupCommands(t, d)
 	ctx := t.Context()
-	reboot := f.run(t, "node.reboot", 5*time.Minute)
 	logs := f.run(t, "logs.collect", 5*time.Minute)
+	reboot := f.run(t, "node.reboot", 5*time.Minute)
 	require.True(t, logs.GetRetrySafe())
 	f.waitState(t, reboot.GetId(), "running", 10*time.Second)
 	f.waitState(t, logs.GetId(), "running", 10*time.Second)

@@ -111,8 +111,8 @@ func TestGatewayKilledMidRun(t *testing.T) {
 	for _, m := range r.Machines() {
 		machineOf[m.Status().NodeID] = m
 	}
-	// The load goes to every node but the one that reboots (a command
-	// running when its machine reboots fails as interrupted, by design).
+	// The load goes to every node but the one that reboots (commands
+	// queued after the reboot would wait until its machine is back).
 	rebootNode := victimNodes[0]
 	nodeIDs := make([]string, 0, 8)
 	for id := range machineOf {

@@ -90,9 +90,12 @@ func (a *app) commandsRunCmd() *cobra.Command {
 		Long: "run queues a command for --node and prints it as JSON (as commands get does). The node runs it\n" +
 			"at most once, even when its connection drops; it must have finished before --timeout (1s to 24h,\n" +
 			"default 5m; 0 or a negative timeout is refused) or it expires. node.reboot reboots the machine\n" +
-			"(it is never run twice). With --request-id a retry returns the first command instead of queuing\n" +
-			"another. --wait polls until the command has finished: exit 0 when it succeeded, 1 when it failed\n" +
-			"or expired. Needs a tenant-admin or root-admin token.",
+			"once the commands queued before it on the node have finished (or reached their deadlines), and\n" +
+			"is never run twice; commands queued after it run once the machine is back. A retry-safe command\n" +
+			"(any kind but node.reboot) that a reboot or crash cut short runs again after the boot. With\n" +
+			"--request-id a retry returns the first command instead of queuing another. --wait polls until\n" +
+			"the command has finished: exit 0 when it succeeded, 1 when it failed or expired. Needs a\n" +
+			"tenant-admin or root-admin token.",
 		Args:      cobra.ExactArgs(1),
 		ValidArgs: commandKinds,
 	}
