@@ -353,8 +353,9 @@ func TestOffers(t *testing.T) {
 	_, err = offer(admin, f.acmePool, f.acme, 8)
 	require.NoError(t, err)
 
+	// other was offered acme's pool: it sees it, but only its owner offers it.
 	_, err = offer(f.as(f.tokens["other-admin"]), f.acmePool, f.other, 64)
-	requireCode(t, err, connect.CodeNotFound, "pool_id: pool "+f.acmePool+" not found")
+	requireCode(t, err, connect.CodePermissionDenied, "pool_id: pool "+f.acmePool+" is offered to your tenant but owned by another")
 	_, err = offer(admin, f.acmePool, "ten_missing", 1)
 	requireCode(t, err, connect.CodeNotFound, "tenant_id: tenant ten_missing not found")
 	_, err = offer(f.as(f.tokens["acme-member"]), f.acmePool, f.acme, 1)
