@@ -209,6 +209,8 @@ func TestErrors(t *testing.T) {
 		{"duplicate site", f.runner(f.root), []string{"sites", "create", "dev-1", "--region", "dev-1"},
 			"error: already_exists: name: a site with this name already exists\n"},
 		{"unknown command", f.runner(f.root), []string{"frobnicate"}, "error: unknown command \"frobnicate\" for \"better-compute\"\n"},
+		{"bootstrap without region", runner{}, []string{"bootstrap", "--region", " "},
+			"error: --region must not be empty: a site is a place in a region\n"},
 		{"no database", runner{}, []string{"migrate", "up"}, "error: no database: set BETTER_COMPUTE_DATABASE_URL or pass --database-url\n"},
 		{"server down", runner{env: map[string]string{"BETTER_COMPUTE_TOKEN": "bct_x"}},
 			[]string{"--url", "http://127.0.0.1:1", "sites", "list"}, "error: unavailable: "},
