@@ -248,38 +248,18 @@ func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time
 	for _, id := range adopted {
 		done[id] = true
 	}
-	var (
-		devNode, devUUID, devModel []string
-		devIndex                   []int32
-		devMemory                  []int64
-		devHealthy                 []bool
-		events                     []NodeEvent
-	)
+	devices := make(map[string][]NodeDevice, len(adopted))
+	var events []NodeEvent
 	for _, a := range adoptions {
 		if !done[a.NodeID] {
 			continue
 		}
-		for _, d := range a.Devices {
-			devNode = append(devNode, a.NodeID)
-			devIndex = append(devIndex, d.Index)
-			devUUID = append(devUUID, d.UUID)
-			devModel = append(devModel, d.Model)
-			devMemory = append(devMemory, d.MemoryBytes)
-			devHealthy = append(devHealthy, d.Healthy)
-		}
+		devices[a.NodeID] = a.Devices
 		events = append(events, NodeEvent{TenantID: a.OwnerTenantID, Type: EventNodeAdopted, NodeID: a.NodeID,
 			Data: map[string]any{"poolId": a.PoolID, "gpus": len(a.Devices)}})
 	}
-	if _, err := q.Exec(ctx, `DELETE FROM node_devices WHERE node_id = ANY($1)`, adopted); err != nil {
-		return nil, fmt.Errorf("adopt nodes: clear devices: %w", interpretError(err))
-	}
-	if len(devNode) > 0 {
-		_, err := q.Exec(ctx, `INSERT INTO node_devices (node_id, device_index, uuid, model, memory_bytes, healthy)
-			SELECT * FROM unnest($1::text[], $2::int[], $3::text[], $4::text[], $5::bigint[], $6::bool[])`,
-			devNode, devIndex, devUUID, devModel, devMemory, devHealthy)
-		if err != nil {
-			return nil, fmt.Errorf("adopt nodes: insert devices: %w", interpretError(err))
-		}
+	if err := replaceNodeDevices(ctx, q, "adopt nodes", adopted, devices); err != nil {
+		return nil, err
 	}
 	if err := InsertNodeEvents(ctx, q, now, events); err != nil {
 		return nil, err
@@ -297,12 +277,18 @@ type AcceptanceFailure struct {
 	// Inventory, when not nil, replaces the node's inventory (protojson of
 	// gatewayv1.Inventory), so operators see what was found.
 	Inventory []byte
+	// Devices, with Inventory, replace the node's node_devices rows: the
+	// GPUs the machine reported, so that operators see them (nodes get).
+	// They are never placed on: placement takes adopted nodes only
+	// (PoolCapacity), and CreateReservation does not count them. Ignored
+	// when Inventory is nil (nothing was reported: the rows are kept).
+	Devices []NodeDevice
 }
 
 // FailAcceptance moves accepting nodes to acceptance_failed with their
-// reasons and writes a node.acceptance_failed event for each (tenant: the
-// pool's owner). It returns the ids it changed: a node no longer accepting
-// is skipped.
+// reasons, their inventory and devices when reported, and writes a
+// node.acceptance_failed event for each (tenant: the pool's owner). It
+// returns the ids it changed: a node no longer accepting is skipped.
 func FailAcceptance(ctx context.Context, q DBTX, now time.Time, failures []AcceptanceFailure) ([]string, error) {
 	if len(failures) == 0 {
 		return nil, nil
@@ -328,17 +314,66 @@ func FailAcceptance(ctx context.Context, q DBTX, now time.Time, failures []Accep
 	for _, id := range failed {
 		done[id] = true
 	}
-	var events []NodeEvent
+	var (
+		events   []NodeEvent
+		reported []string
+	)
+	devices := make(map[string][]NodeDevice)
 	for _, f := range failures {
-		if done[f.NodeID] {
-			events = append(events, NodeEvent{TenantID: f.OwnerTenantID, Type: EventNodeAcceptanceFailed, NodeID: f.NodeID,
-				Data: map[string]any{"poolId": f.PoolID, "reason": f.Reason}})
+		if !done[f.NodeID] {
+			continue
 		}
+		events = append(events, NodeEvent{TenantID: f.OwnerTenantID, Type: EventNodeAcceptanceFailed, NodeID: f.NodeID,
+			Data: map[string]any{"poolId": f.PoolID, "reason": f.Reason}})
+		if f.Inventory != nil {
+			reported = append(reported, f.NodeID)
+			devices[f.NodeID] = f.Devices
+		}
+	}
+	if err := replaceNodeDevices(ctx, q, "fail acceptance", reported, devices); err != nil {
+		return nil, err
 	}
 	if err := InsertNodeEvents(ctx, q, now, events); err != nil {
 		return nil, err
 	}
 	return failed, nil
+}
+
+// replaceNodeDevices replaces the node_devices rows of nodeIDs with
+// devices[id] (none for a node missing there), in two statements; what
+// names the caller in errors.
+func replaceNodeDevices(ctx context.Context, q DBTX, what string, nodeIDs []string, devices map[string][]NodeDevice) error {
+	if len(nodeIDs) == 0 {
+		return nil
+	}
+	var (
+		devNode, devUUID, devModel []string
+		devIndex                   []int32
+		devMemory                  []int64
+		devHealthy                 []bool
+	)
+	for _, id := range nodeIDs {
+		for _, d := range devices[id] {
+			devNode = append(devNode, id)
+			devIndex = append(devIndex, d.Index)
+			devUUID = append(devUUID, d.UUID)
+			devModel = append(devModel, d.Model)
+			devMemory = append(devMemory, d.MemoryBytes)
+			devHealthy = append(devHealthy, d.Healthy)
+		}
+	}
+	if _, err := q.Exec(ctx, `DELETE FROM node_devices WHERE node_id = ANY($1)`, nodeIDs); err != nil {
+		return fmt.Errorf("%s: clear devices: %w", what, interpretError(err))
+	}
+	if len(devNode) > 0 {
+		_, err := q.Exec(ctx, `INSERT INTO node_devices (node_id, device_index, uuid, model, memory_bytes, healthy)
+			SELECT * FROM unnest($1::text[], $2::int[], $3::text[], $4::text[], $5::bigint[], $6::bool[])`,
+			devNode, devIndex, devUUID, devModel, devMemory, devHealthy)
+		if err != nil {
+			return fmt.Errorf("%s: insert devices: %w", what, interpretError(err))
+		}
+	}
+	return nil
 }
 
 // acceptanceIDs runs a query returning one text column and collects it.

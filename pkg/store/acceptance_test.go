@@ -146,8 +146,9 @@ func TestAdoptAndFailOnlyAccepting(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, []string{"n-done"}, adopted)
 	failed, err := store.FailAcceptance(ctx, db.Pool, now, []store.AcceptanceFailure{
-		{NodeID: "n-late", PoolID: "pool_1", OwnerTenantID: "ten_1", Reason: "no"},
-		{NodeID: "n-done", PoolID: "pool_1", OwnerTenantID: "ten_1", Reason: "already adopted"},
+		{NodeID: "n-late", PoolID: "pool_1", OwnerTenantID: "ten_1", Reason: "no", Inventory: []byte(`{"gpus":[{}]}`),
+			Devices: []store.NodeDevice{dev}},
+		{NodeID: "n-done", PoolID: "pool_1", OwnerTenantID: "ten_1", Reason: "already adopted", Inventory: []byte(`{}`)},
 	})
 	require.NoError(t, err)
 	require.Equal(t, []string{"n-late"}, failed)
@@ -165,6 +166,11 @@ func TestAdoptAndFailOnlyAccepting(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, store.NodeAcceptanceFailed, n.ProvisionState)
 	require.Equal(t, "no", n.ProvisionReason)
+	require.Len(t, n.Devices, 1, "the GPUs a failed node reported are recorded")
+	require.Equal(t, "GPU-x", n.Devices[0].UUID)
+	n, err = store.GetNode(ctx, db.Pool, "n-done")
+	require.NoError(t, err)
+	require.Len(t, n.Devices, 1, "a node no longer accepting keeps its devices")
 
 	rows, err := db.Pool.Query(ctx, `SELECT tenant_id || ' ' || type || ' ' || subject_id FROM events ORDER BY id`)
 	require.NoError(t, err)

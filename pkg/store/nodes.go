@@ -50,6 +50,9 @@ type Node struct {
 	PoolOwnerTenantID string
 	// RevokedAt is when the node was revoked (RevokeNode), nil if never.
 	RevokedAt *time.Time
+	// RevokeReason is the reason the first revocation gave, "" when it gave
+	// none or the node is not revoked.
+	RevokeReason string
 	// CertNotAfter is when the node's newest certificate expires, nil when
 	// it has none.
 	CertNotAfter *time.Time
@@ -120,7 +123,7 @@ func CreateNodeCert(ctx context.Context, q DBTX, c NewNodeCert) error {
 const nodeColumns = `n.id, n.pool_id, COALESCE(n.join_token_id, ''), n.provision_state, n.provision_reason, n.hostname,
 	n.machine_id, n.variant, n.agent_version, n.cordoned, n.cordon_reason, n.reachable, COALESCE(n.gateway_id, ''),
 	COALESCE(n.session_id, ''), n.session_epoch, n.boot_id, n.last_seen, n.spec_generation, n.observed_generation,
-	n.adopted_at, n.created_at, n.updated_at, p.owner_tenant_id, n.revoked_at,
+	n.adopted_at, n.created_at, n.updated_at, p.owner_tenant_id, n.revoked_at, n.revoke_reason,
 	(SELECT max(c.not_after) FROM node_certs c WHERE c.node_id = n.id)`
 
 func scanNode(row pgx.Row) (Node, error) {
@@ -128,7 +131,8 @@ func scanNode(row pgx.Row) (Node, error) {
 	err := row.Scan(&n.ID, &n.PoolID, &n.JoinTokenID, &n.ProvisionState, &n.ProvisionReason, &n.Hostname,
 		&n.MachineID, &n.Variant, &n.AgentVersion, &n.Cordoned, &n.CordonReason, &n.Reachable, &n.GatewayID,
 		&n.SessionID, &n.SessionEpoch, &n.BootID, &n.LastSeen, &n.SpecGeneration, &n.ObservedGeneration,
-		&n.AdoptedAt, &n.CreatedAt, &n.UpdatedAt, &n.PoolOwnerTenantID, &n.RevokedAt, &n.CertNotAfter)
+		&n.AdoptedAt, &n.CreatedAt, &n.UpdatedAt, &n.PoolOwnerTenantID, &n.RevokedAt, &n.RevokeReason,
+		&n.CertNotAfter)
 	return n, err
 }
 

@@ -343,3 +343,37 @@ func TestUsageWindowsSumToBookedTime(t *testing.T) {
 	require.Equal(t, 2*secs(start, exp.EndAt), sum(windows(exp.ID)))
 	require.Equal(t, int64(2*(570+3600+1230)), sum(windows(exp.ID)))
 }
+
+// TestOnlyAdoptedNodesArePlacedOn: nodes that are joining, accepting or
+// failed acceptance have their reported GPUs recorded (node_devices) but
+// are never capacity: PoolCapacity returns adopted nodes only, and a
+// reservation that only such a node could hold fails at once.
+func TestOnlyAdoptedNodesArePlacedOn(t *testing.T) {
+	t.Parallel()
+	f := newPlaceFixture(t, "adoptedonly", 4, 8, 8, 8)
+	ctx := t.Context()
+	failed, accepting, joining := f.fleet.Nodes[1], f.fleet.Nodes[2], f.fleet.Nodes[3]
+	for node, state := range map[string]string{failed: store.NodeAcceptanceFailed, accepting: store.NodeAccepting,
+		joining: store.NodeJoining} {
+		_, err := f.db.Pool.Exec(ctx, `UPDATE nodes SET provision_state = $2 WHERE id = $1`, node, state)
+		require.NoError(t, err)
+	}
+	n, err := store.GetNode(ctx, f.db.Pool, failed)
+	require.NoError(t, err)
+	require.Len(t, n.Devices, 8, "a failed node shows its GPUs")
+
+	nodes, _, err := store.PoolCapacity(ctx, f.db.Pool, f.fleet.PoolID, f.db.Now())
+	require.NoError(t, err)
+	require.Len(t, nodes, 1)
+	require.Equal(t, f.fleet.Nodes[0], nodes[0].ID, "only the adopted node is capacity")
+
+	// Nothing but the failed node (and nodes still on their way to
+	// adoption) has 8 GPUs; once those are gone too, 8 GPUs fail at once.
+	_, err = f.db.Pool.Exec(ctx, `UPDATE nodes SET provision_state = 'acceptance_failed' WHERE id = ANY($1)`,
+		[]string{accepting, joining})
+	require.NoError(t, err)
+	r, err := f.fleet.Reserve(ctx, f.tenant, 8, time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, store.ReservationFailed, r.State)
+	require.Equal(t, "no node of pool "+f.fleet.PoolID+" has 8 GPUs (largest: 4)", r.Reason)
+}

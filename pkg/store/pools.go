@@ -105,6 +105,9 @@ type Pool struct {
 	// NodeCounts is the number of nodes per provision state; filled by
 	// ListPools and GetPool only.
 	NodeCounts map[string]int32
+	// Offer is the pool's offer to PoolFilter.OfferTo, nil when there is
+	// none; filled by ListPools only.
+	Offer *Offer
 }
 
 const poolColumns = `p.id, p.site_id, p.owner_tenant_id, p.name, p.kind, p.acceptance_check, p.gpu_model,
@@ -176,17 +179,42 @@ type PoolFilter struct {
 	SiteID string
 	// OwnerTenantID keeps only the pools this tenant owns.
 	OwnerTenantID string
+	// VisibleTo keeps only the pools this tenant owns or was offered.
+	VisibleTo string
+	// OfferTo fills each pool's Offer with its offer to this tenant ("":
+	// none is filled).
+	OfferTo string
 }
 
-// ListPools returns the pools matching f ordered by id, with node counts.
+// ListPools returns the pools matching f ordered by id, with node counts and
+// their offers to f.OfferTo.
 func ListPools(ctx context.Context, q DBTX, f PoolFilter) ([]Pool, error) {
-	rows, err := q.Query(ctx, `SELECT `+poolColumns+` FROM pools p
-		WHERE ($1 = '' OR p.site_id = $1) AND ($2 = '' OR p.owner_tenant_id = $2) ORDER BY p.id`,
-		f.SiteID, f.OwnerTenantID)
+	rows, err := q.Query(ctx, `SELECT `+poolColumns+`, o.pool_id IS NOT NULL, `+offerColumnsNullable+`
+		FROM pools p LEFT JOIN pool_offers o ON o.pool_id = p.id AND o.tenant_id = $4
+		WHERE ($1 = '' OR p.site_id = $1) AND ($2 = '' OR p.owner_tenant_id = $2)
+			AND ($3 = '' OR p.owner_tenant_id = $3
+				OR EXISTS (SELECT 1 FROM pool_offers v WHERE v.pool_id = p.id AND v.tenant_id = $3))
+		ORDER BY p.id`,
+		f.SiteID, f.OwnerTenantID, f.VisibleTo, f.OfferTo)
 	if err != nil {
 		return nil, queryErr("list pools", err)
 	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Pool, error) { return scanPool(r) })
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Pool, error) {
+		var (
+			p       Pool
+			o       Offer
+			offered bool
+		)
+		if err := r.Scan(&p.ID, &p.SiteID, &p.OwnerTenantID, &p.Name, &p.Kind, &p.AcceptanceCheck, &p.GPUModel,
+			&p.ExpectGPUCount, &p.CreatedAt, &p.NodeCounts, &offered,
+			&o.PoolID, &o.TenantID, &o.GPUQuota, &o.GPUsInUse, &o.CreatedAt, &o.UpdatedAt); err != nil {
+			return Pool{}, err
+		}
+		if offered {
+			p.Offer = &o
+		}
+		return p, nil
+	})
 	if err != nil {
 		return nil, queryErr("list pools", err)
 	}

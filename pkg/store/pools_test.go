@@ -72,6 +72,28 @@ func TestSitesAndPools(t *testing.T) {
 	require.NoError(t, err)
 	require.Empty(t, pools)
 
+	// VisibleTo: the pools a tenant owns or was offered; OfferTo: each
+	// with its offer to that tenant.
+	other := store.Tenant{ID: ids.New(ids.Tenant, now), Name: "other", CreatedAt: now}
+	require.NoError(t, store.CreateTenant(ctx, f.db.Pool, other))
+	pools, err = store.ListPools(ctx, f.db.Pool, store.PoolFilter{VisibleTo: other.ID, OfferTo: other.ID})
+	require.NoError(t, err)
+	require.Empty(t, pools, "neither owned nor offered")
+	_, err = store.UpsertOffer(ctx, f.db.Pool, store.Offer{PoolID: f.pool.ID, TenantID: other.ID, GPUQuota: 12, UpdatedAt: now})
+	require.NoError(t, err)
+	pools, err = store.ListPools(ctx, f.db.Pool, store.PoolFilter{VisibleTo: other.ID, OfferTo: other.ID})
+	require.NoError(t, err)
+	require.Len(t, pools, 1)
+	require.Equal(t, f.pool.ID, pools[0].ID)
+	require.Equal(t, map[string]int32{store.NodeJoining: 2}, pools[0].NodeCounts)
+	require.NotNil(t, pools[0].Offer)
+	require.Equal(t, store.Offer{PoolID: f.pool.ID, TenantID: other.ID, GPUQuota: 12, CreatedAt: pools[0].Offer.CreatedAt,
+		UpdatedAt: pools[0].Offer.UpdatedAt}, *pools[0].Offer)
+	pools, err = store.ListPools(ctx, f.db.Pool, store.PoolFilter{VisibleTo: f.tenant.ID, OfferTo: f.tenant.ID})
+	require.NoError(t, err)
+	require.Len(t, pools, 1, "the owner sees its pool")
+	require.Nil(t, pools[0].Offer, "not offered to its owner")
+
 	// Ensure* return the existing rows and keep their settings.
 	site, err := store.EnsureSite(ctx, f.db.Pool, store.Site{ID: ids.New(ids.Site, now), Name: "dev-1", Region: "x", CreatedAt: now})
 	require.NoError(t, err)

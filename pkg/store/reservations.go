@@ -36,6 +36,12 @@ const gpusInUseSQL = `(SELECT COALESCE(sum(r.gpus), 0)::int FROM reservations r
 
 const offerColumns = `o.pool_id, o.tenant_id, o.gpu_quota, ` + gpusInUseSQL + `, o.created_at, o.updated_at`
 
+// offerColumnsNullable are offerColumns of an offer LEFT JOINed as o to
+// pools p: without an offer they read as empty ids, a zero quota and the
+// pool's creation time (tell the two apart with o.pool_id IS NOT NULL).
+const offerColumnsNullable = `COALESCE(o.pool_id, ''), COALESCE(o.tenant_id, ''), COALESCE(o.gpu_quota, 0), ` +
+	gpusInUseSQL + `, COALESCE(o.created_at, p.created_at), COALESCE(o.updated_at, p.created_at)`
+
 func scanOffer(row pgx.Row) (Offer, error) {
 	var o Offer
 	err := row.Scan(&o.PoolID, &o.TenantID, &o.GPUQuota, &o.GPUsInUse, &o.CreatedAt, &o.UpdatedAt)
@@ -207,6 +213,10 @@ var ErrNotOffered = errors.New("pool not offered")
 // ErrNotOffered under errors.Is.
 type NotOfferedError struct {
 	PoolID, TenantID string
+	// OwnerTenantID is the tenant owning the pool: a caller that is not of
+	// it (nor root) must not learn the pool exists (the API answers
+	// NotFound).
+	OwnerTenantID string
 }
 
 func (e *NotOfferedError) Error() string {
@@ -317,16 +327,17 @@ func CreateReservation(ctx context.Context, q DBTX, now time.Time, n NewReservat
 			return CreatedReservation{}, err
 		}
 	}
-	// Only whether the pool exists (GetPool would also count its nodes).
-	var poolID string
-	if err := q.QueryRow(ctx, `SELECT id FROM pools WHERE id = $1`, n.PoolID).Scan(&poolID); err != nil {
+	// Only whether the pool exists and its owner (GetPool would also count
+	// its nodes).
+	var owner string
+	if err := q.QueryRow(ctx, `SELECT owner_tenant_id FROM pools WHERE id = $1`, n.PoolID).Scan(&owner); err != nil {
 		return CreatedReservation{}, queryErr(fmt.Sprintf("pool %s", n.PoolID), err)
 	}
 	var quota int32
 	err := q.QueryRow(ctx, `SELECT gpu_quota FROM pool_offers WHERE pool_id = $1 AND tenant_id = $2 FOR UPDATE`,
 		n.PoolID, n.TenantID).Scan(&quota)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return CreatedReservation{}, &NotOfferedError{PoolID: n.PoolID, TenantID: n.TenantID}
+		return CreatedReservation{}, &NotOfferedError{PoolID: n.PoolID, TenantID: n.TenantID, OwnerTenantID: owner}
 	}
 	if err != nil {
 		return CreatedReservation{}, queryErr("lock offer", err)

@@ -27,6 +27,9 @@ type RevokedNode struct {
 	// RevokedAt is when the node was revoked: now, or the earlier time of a
 	// previous revocation.
 	RevokedAt time.Time
+	// Reason is the node's revoke reason: this call's, or the earlier one of
+	// a previous revocation (which a later call never replaces).
+	Reason string
 	// CertificatesRevoked is how many of the node's certificates this call
 	// revoked (0 when they all were already).
 	CertificatesRevoked int
@@ -43,8 +46,10 @@ type RevokedNode struct {
 // daemon had started may or may not have run.
 const CommandErrTextNodeRevoked = "node revoked before the command finished"
 
-// RevokeNode revokes node nodeID at now: it sets nodes.revoked_at (kept when
-// already set), revokes every certificate of the node not yet revoked,
+// RevokeNode revokes node nodeID at now: it sets nodes.revoked_at and
+// nodes.revoke_reason to reason (both kept when the node was already
+// revoked: the first revocation's time and reason stand), revokes every
+// certificate of the node not yet revoked,
 // writes a node.revoked event for the pool owner's tenant (with reason) when
 // the node was not revoked before, and pokes the gateway holding the node's
 // session so that it closes it. The node's open commands (queued, delivered,
@@ -59,9 +64,11 @@ func RevokeNode(ctx context.Context, q DBTX, now time.Time, nodeID, reason strin
 	// (LockSessionCert) waits for this transaction and then sees it.
 	err := q.QueryRow(ctx, `WITH prev AS (SELECT id, revoked_at FROM nodes WHERE id = $1 FOR UPDATE)
 		UPDATE nodes n SET revoked_at = COALESCE(prev.revoked_at, $2),
+			revoke_reason = CASE WHEN prev.revoked_at IS NULL THEN $3 ELSE n.revoke_reason END,
 			updated_at = CASE WHEN prev.revoked_at IS NULL THEN $2 ELSE n.updated_at END
 		FROM prev, pools p WHERE n.id = prev.id AND p.id = n.pool_id
-		RETURNING n.revoked_at, prev.revoked_at IS NULL, p.owner_tenant_id`, nodeID, now).Scan(&out.RevokedAt, &out.Newly, &owner)
+		RETURNING n.revoked_at, n.revoke_reason, prev.revoked_at IS NULL, p.owner_tenant_id`, nodeID, now, reason).
+		Scan(&out.RevokedAt, &out.Reason, &out.Newly, &owner)
 	if err != nil {
 		return RevokedNode{}, queryErr(fmt.Sprintf("node %s", nodeID), err)
 	}

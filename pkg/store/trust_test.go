@@ -72,6 +72,8 @@ func TestRevokeNode(t *testing.T) {
 	require.NoError(t, err)
 	require.NotNil(t, after.RevokedAt)
 	require.True(t, after.RevokedAt.Equal(rev.RevokedAt))
+	require.Equal(t, "stolen", rev.Reason)
+	require.Equal(t, "stolen", after.RevokeReason, "the node records why it was revoked")
 
 	// The gateway holding the session is poked in the same transaction,
 	// and the pool owner's tenant gets an event.
@@ -118,6 +120,11 @@ func TestRevokeNode(t *testing.T) {
 	require.Zero(t, again.CertificatesRevoked)
 	require.True(t, again.RevokedAt.Equal(rev.RevokedAt))
 	require.Empty(t, again.CommandsFailed)
+	require.Equal(t, "stolen", again.Reason, "the first reason stands")
+	after, err = store.GetNode(ctx, f.db.Pool, n)
+	require.NoError(t, err)
+	require.Equal(t, "stolen", after.RevokeReason)
+	require.True(t, after.RevokedAt.Equal(rev.RevokedAt))
 	require.NoError(t, f.db.Pool.QueryRow(ctx, `SELECT count(*) FROM events WHERE type = $1`, store.EventNodeRevoked).Scan(&events))
 	require.Equal(t, 1, events)
 

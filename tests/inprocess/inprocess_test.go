@@ -141,7 +141,8 @@ func TestThreeFakedaemonsAreAdopted(t *testing.T) {
 }
 
 // TestGPUMissingIsNeverAdopted joins a machine with a GPU missing: it passes
-// through acceptance to acceptance_failed with the reason, and stays there.
+// through acceptance to acceptance_failed with the reason, and stays there,
+// showing the GPUs it reported.
 func TestGPUMissingIsNeverAdopted(t *testing.T) {
 	f := setup(t)
 	f.startDaemons(t, 1, fakehw.VariantHGXH100GPUMissing)
@@ -153,6 +154,8 @@ func TestGPUMissingIsNeverAdopted(t *testing.T) {
 	}, 60*time.Second, 200*time.Millisecond, "%v", &nodes)
 	require.Equal(t, "expected 8 GPUs, found 7", nodes[0].GetProvisionReason())
 	require.Zero(t, nodes[0].GetSpecGeneration(), "never adopted: no NodeSpec")
+	require.Len(t, nodes[0].GetGpus(), 7, "the GPUs diag.nvml reported are shown")
+	require.Contains(t, nodes[0].GetGpuModel(), "H100")
 }
 
 // TestJoinWithAnotherDeploymentsPinsConsumesNothing: a machine pinned to

@@ -18,7 +18,13 @@ import (
 // root-admin creates them (sites.manage). Pools, nodes, join tokens, API
 // tokens, reservations, usage and audit rows belong to a tenant. A pool's
 // owner offers it to tenants (its own included); a tenant reserves only in
-// pools offered to it (PermissionDenied otherwise).
+// pools offered to it. A tenant sees the pools it owns and those offered to
+// it (pools list, offers, reserve); a pool it neither owns nor was offered
+// reads as NotFound, in the words of a missing pool, in every RPC that
+// names one. Its owner's business (offering it, its join tokens, its nodes)
+// stays the owner's: PermissionDenied for a pool the caller was offered,
+// and it lists none of its nodes. Reserving in a pool the caller sees but
+// was not offered (its own, or any for root-admin) is PermissionDenied.
 //
 //	RPC                                    permission          roles                        audited
 //	NodeService.ListNodes, GetNode         fleet.read          any (own tenant), root       no
@@ -26,7 +32,7 @@ import (
 //	NodeService.CordonNode, UncordonNode   fleet.manage        tenant-admin (own), root     yes (node_id)
 //	PoolService.ListSites                  fleet.read          any (all sites)              no
 //	PoolService.CreateSite                 sites.manage        root                         yes (name)
-//	PoolService.ListPools                  fleet.read          any (own tenant), root       no
+//	PoolService.ListPools                  fleet.read          any (owned or offered), root no
 //	PoolService.CreatePool                 fleet.manage        tenant-admin (own), root     yes (name)
 //	PoolService.OfferPool                  fleet.manage        tenant-admin (own), root     yes (pool_id)
 //	PoolService.ListOffers                 fleet.read          any (to or of own), root     no

@@ -165,12 +165,12 @@ func TestMatrix(t *testing.T) {
 		},
 		computev1connect.PoolServiceCreateSiteProcedure: {
 			call: func(c clients, who string) error {
-				_, err := c.pools.CreateSite(ctx, connect.NewRequest(&computev1.CreateSiteRequest{Name: "site-" + who}))
+				_, err := c.pools.CreateSite(ctx, connect.NewRequest(&computev1.CreateSiteRequest{Name: "site-" + who, Region: "eu"}))
 				return err
 			},
 			viewer: pd, otherMember: pd, otherAdmin: pd, right: "root",
 			bad: func(c clients) error {
-				_, err := c.pools.CreateSite(ctx, connect.NewRequest(&computev1.CreateSiteRequest{Name: "-bad-"}))
+				_, err := c.pools.CreateSite(ctx, connect.NewRequest(&computev1.CreateSiteRequest{Name: "-bad-", Region: "eu"}))
 				return err
 			}, field: "name",
 		},
@@ -239,8 +239,9 @@ func TestMatrix(t *testing.T) {
 					Duration: durationpb.New(time.Hour)}))
 				return err
 			},
-			// acme's pool is not offered to the other tenant.
-			viewer: pd, otherMember: pd, otherAdmin: pd, right: "acme-member",
+			// acme's pool is not offered to the other tenant: to it, the
+			// pool does not exist.
+			viewer: pd, otherMember: nf, otherAdmin: nf, right: "acme-member",
 			bad: func(c clients) error {
 				_, err := c.res.Reserve(ctx, connect.NewRequest(&computev1.ReserveRequest{PoolId: f.acmePool, Gpus: 0,
 					Duration: durationpb.New(time.Hour)}))

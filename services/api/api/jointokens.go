@@ -18,28 +18,63 @@ import (
 
 type joinTokenService struct{ *Server }
 
-// visiblePool returns the pool with id when p may touch it, and NotFound
-// otherwise (a foreign pool is not told apart from a missing one).
-func (s *Server) visiblePool(ctx context.Context, p iam.Principal, field, id string) (store.Pool, error) {
+// poolNotFound is the NotFound of pool id named by request field: the one
+// answer for a pool that does not exist and for one the caller may not
+// see, so that the two cannot be told apart.
+func poolNotFound(field, id string) error {
+	return connect.NewError(connect.CodeNotFound, errors.New(field+": pool "+id+" not found"))
+}
+
+// seenPool returns the pool with id and whether p owns it (its tenant's
+// pool, or any pool for root-admin) when p sees it: when it owns it or the
+// pool is offered to its tenant. A pool p does not see is poolNotFound,
+// as a missing one is.
+func (s *Server) seenPool(ctx context.Context, p iam.Principal, field, id string) (store.Pool, bool, error) {
 	pool, err := store.GetPool(ctx, s.db.Pool, id)
-	if errors.Is(err, store.ErrNotFound) || (err == nil && !p.InTenant(pool.OwnerTenantID)) {
-		return store.Pool{}, connect.NewError(connect.CodeNotFound, errors.New(field+": pool "+id+" not found"))
+	if errors.Is(err, store.ErrNotFound) {
+		return store.Pool{}, false, poolNotFound(field, id)
 	}
 	if err != nil {
-		return store.Pool{}, mapError(err)
+		return store.Pool{}, false, mapError(err)
+	}
+	if p.InTenant(pool.OwnerTenantID) {
+		return pool, true, nil
+	}
+	if _, err := store.GetOffer(ctx, s.db.Pool, id, p.TenantID); errors.Is(err, store.ErrNotFound) {
+		return store.Pool{}, false, poolNotFound(field, id)
+	} else if err != nil {
+		return store.Pool{}, false, mapError(err)
+	}
+	return pool, false, nil
+}
+
+// ownedPool returns the pool with id when p owns it (any pool for
+// root-admin), for what only a pool's owner does (what: "offer it"). A pool
+// p does not see is poolNotFound; one offered to p's tenant that another
+// tenant owns is PermissionDenied, since p knows it exists.
+func (s *Server) ownedPool(ctx context.Context, p iam.Principal, field, id, what string) (store.Pool, error) {
+	pool, owned, err := s.seenPool(ctx, p, field, id)
+	if err != nil {
+		return store.Pool{}, err
+	}
+	if !owned {
+		return store.Pool{}, connect.NewError(connect.CodePermissionDenied,
+			fmt.Errorf("%s: pool %s is offered to your tenant but owned by another: only its owner may %s", field, id, what))
 	}
 	return pool, nil
 }
 
 // CreateJoinToken mints a join token for a pool of the caller's tenant and
-// returns its secret once. Errors: NotFound (pool_id).
+// returns its secret once. Errors: NotFound (pool_id: missing, or neither
+// owned by nor offered to the caller's tenant), PermissionDenied (pool_id:
+// offered to the caller's tenant, owned by another).
 func (s *joinTokenService) CreateJoinToken(ctx context.Context, req *connect.Request[computev1.CreateJoinTokenRequest]) (*connect.Response[computev1.CreateJoinTokenResponse], error) {
 	p, err := principal(ctx)
 	if err != nil {
 		return nil, err
 	}
 	msg := req.Msg
-	if _, err := s.visiblePool(ctx, p, "pool_id", msg.PoolId); err != nil {
+	if _, err := s.ownedPool(ctx, p, "pool_id", msg.PoolId, "mint its join tokens"); err != nil {
 		return nil, err
 	}
 	secret, err := iam.NewSecret(iam.JoinTokenPrefix)
@@ -64,14 +99,17 @@ func (s *joinTokenService) CreateJoinToken(ctx context.Context, req *connect.Req
 }
 
 // ListJoinTokens lists the join tokens of the caller's tenant's pools (all
-// for root-admin), optionally of one pool. Errors: NotFound (pool_id).
+// for root-admin), optionally of one pool. Errors: NotFound (pool_id:
+// missing, or neither owned by nor offered to the caller's tenant),
+// PermissionDenied (pool_id: offered to the caller's tenant, owned by
+// another).
 func (s *joinTokenService) ListJoinTokens(ctx context.Context, req *connect.Request[computev1.ListJoinTokensRequest]) (*connect.Response[computev1.ListJoinTokensResponse], error) {
 	p, err := principal(ctx)
 	if err != nil {
 		return nil, err
 	}
 	if req.Msg.PoolId != "" {
-		if _, err := s.visiblePool(ctx, p, "pool_id", req.Msg.PoolId); err != nil {
+		if _, err := s.ownedPool(ctx, p, "pool_id", req.Msg.PoolId, "list its join tokens"); err != nil {
 			return nil, err
 		}
 	}
@@ -101,8 +139,16 @@ func (s *joinTokenService) RevokeJoinToken(ctx context.Context, req *connect.Req
 	if err != nil {
 		return nil, mapError(err)
 	}
-	if _, err := s.visiblePool(ctx, p, "pool_id", jt.PoolID); err != nil {
-		return nil, notFound("join token", id)
+	if !p.IsRoot() {
+		// A join token is its pool owner's, even when the pool is
+		// offered to the caller's tenant.
+		pool, err := store.GetPool(ctx, s.db.Pool, jt.PoolID)
+		if err != nil && !errors.Is(err, store.ErrNotFound) {
+			return nil, mapError(err)
+		}
+		if err != nil || pool.OwnerTenantID != p.TenantID {
+			return nil, notFound("join token", id)
+		}
 	}
 	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
 		if jt, err = store.RevokeJoinToken(ctx, tx, id, s.db.Now()); err != nil {

@@ -24,7 +24,10 @@ const (
 type nodeService struct{ *Server }
 
 // ListNodes lists the nodes the caller's tenant owns (all for root-admin),
-// optionally of one pool, ordered by id and paged by the last id.
+// optionally of one pool, ordered by id and paged by the last id. A pool
+// offered to the caller's tenant that another tenant owns lists no node
+// (its nodes are its owner's). Errors: NotFound (pool_id: missing, or
+// neither owned by nor offered to the caller's tenant).
 func (s *nodeService) ListNodes(ctx context.Context, req *connect.Request[computev1.ListNodesRequest]) (*connect.Response[computev1.ListNodesResponse], error) {
 	p, err := principal(ctx)
 	if err != nil {
@@ -32,12 +35,8 @@ func (s *nodeService) ListNodes(ctx context.Context, req *connect.Request[comput
 	}
 	msg := req.Msg
 	if msg.PoolId != "" {
-		pool, err := store.GetPool(ctx, s.db.Pool, msg.PoolId)
-		if errors.Is(err, store.ErrNotFound) || (err == nil && !p.InTenant(pool.OwnerTenantID)) {
-			return nil, notFound("pool", msg.PoolId)
-		}
-		if err != nil {
-			return nil, mapError(err)
+		if _, _, err := s.seenPool(ctx, p, "pool_id", msg.PoolId); err != nil {
+			return nil, err
 		}
 	}
 	size := int(msg.PageSize)
@@ -93,6 +92,7 @@ func nodeToProto(n store.Node) *computev1.Node {
 		CreatedAt:          timestamppb.New(n.CreatedAt),
 		BootId:             n.BootID,
 		RevokedAt:          timestampOrNil(n.RevokedAt),
+		RevokeReason:       n.RevokeReason,
 		CertNotAfter:       timestampOrNil(n.CertNotAfter),
 	}
 	var models []string
@@ -128,9 +128,11 @@ func timestampOrNil(t *time.Time) *timestamppb.Timestamp {
 // reservations (their bookings end now), in one transaction with its audit
 // row and the poke that makes the gateway close the node's session: the node
 // can no longer open a session or renew its certificate. The reason is
-// trimmed of spaces (spaces only: no reason). Revoking a revoked node
-// changes nothing and returns it. Errors: NotFound (node_id; another
-// tenant's node too).
+// trimmed of spaces (spaces only: no reason) and recorded on the node
+// (revoke_reason). Revoking a revoked node changes nothing and returns it
+// with already_revoked: it keeps the first revocation's time and reason (the
+// audit row records the reason given again, as not applied), so a retried
+// revoke succeeds. Errors: NotFound (node_id; another tenant's node too).
 func (s *nodeService) RevokeNode(ctx context.Context, req *connect.Request[computev1.RevokeNodeRequest]) (*connect.Response[computev1.RevokeNodeResponse], error) {
 	p, err := principal(ctx)
 	if err != nil {
@@ -159,8 +161,8 @@ func (s *nodeService) RevokeNode(ctx context.Context, req *connect.Request[compu
 		// fail now, so their tenants stop being charged and get their
 		// quota back.
 		why := "node " + id + " was revoked"
-		if reason != "" {
-			why += ": " + reason
+		if rev.Reason != "" {
+			why += ": " + rev.Reason
 		}
 		if failed, err = store.FailNodeReservations(ctx, tx, s.intent, now, id, why); err != nil {
 			return err
@@ -168,6 +170,16 @@ func (s *nodeService) RevokeNode(ctx context.Context, req *connect.Request[compu
 		detail := fmt.Sprintf("revoked %d certificate(s), failed %d reservation(s)", rev.CertificatesRevoked, len(failed))
 		if reason != "" {
 			detail += ": " + reason
+		}
+		if !rev.Newly {
+			// The first revocation's time and reason stand.
+			detail = fmt.Sprintf("already revoked at %s (reason %q)", rev.RevokedAt.UTC().Format(time.RFC3339), rev.Reason)
+			if rev.CertificatesRevoked > 0 || len(failed) > 0 {
+				detail += fmt.Sprintf("; revoked %d certificate(s), failed %d reservation(s)", rev.CertificatesRevoked, len(failed))
+			}
+			if reason != "" {
+				detail += fmt.Sprintf("; the reason given now (%q) was not recorded", reason)
+			}
 		}
 		return s.auditInTx(ctx, tx, id, detail)
 	})
@@ -179,7 +191,8 @@ func (s *nodeService) RevokeNode(ctx context.Context, req *connect.Request[compu
 	}
 	s.logger.InfoContext(ctx, "node revoked", telemetry.KeyNodeID, id, "certificates_revoked", rev.CertificatesRevoked,
 		"newly", rev.Newly, "reason", reason, "reservations_failed", len(failed))
-	return connect.NewResponse(&computev1.RevokeNodeResponse{Node: nodeToProto(n), CertificatesRevoked: int32(rev.CertificatesRevoked)}), nil
+	return connect.NewResponse(&computev1.RevokeNodeResponse{Node: nodeToProto(n), CertificatesRevoked: int32(rev.CertificatesRevoked),
+		AlreadyRevoked: !rev.Newly}), nil
 }
 
 // CordonNode cordons a node of the caller's tenant (any for root-admin) with

@@ -81,14 +81,18 @@ func (s *poolService) CreatePool(ctx context.Context, req *connect.Request[compu
 	return connect.NewResponse(&computev1.CreatePoolResponse{Pool: poolToProto(pool)}), nil
 }
 
-// ListPools lists the pools of the caller's tenant (all for root-admin),
-// optionally of one site, with node counts per provision state.
+// ListPools lists the pools the caller's tenant owns and those offered to
+// it (every pool for root-admin), optionally of one site, with node counts
+// per provision state and the pool's offer to the caller's tenant (its
+// quota and the GPUs in use) when there is one: what a tenant may reserve
+// from.
 func (s *poolService) ListPools(ctx context.Context, req *connect.Request[computev1.ListPoolsRequest]) (*connect.Response[computev1.ListPoolsResponse], error) {
 	p, err := principal(ctx)
 	if err != nil {
 		return nil, err
 	}
-	pools, err := store.ListPools(ctx, s.db.Pool, store.PoolFilter{SiteID: req.Msg.SiteId, OwnerTenantID: p.TenantScope()})
+	pools, err := store.ListPools(ctx, s.db.Pool, store.PoolFilter{SiteID: req.Msg.SiteId, VisibleTo: p.TenantScope(),
+		OfferTo: p.TenantID})
 	if err != nil {
 		return nil, mapError(err)
 	}
@@ -109,21 +113,30 @@ func poolToProto(p store.Pool) *computev1.Pool {
 		Acceptance: &computev1.Acceptance{Check: p.AcceptanceCheck, GpuModel: p.GPUModel, ExpectGpuCount: p.ExpectGPUCount},
 		CreatedAt:  timestamppb.New(p.CreatedAt),
 		NodeCounts: p.NodeCounts,
+		Offer:      offerOrNil(p.Offer),
 	}
+}
+
+func offerOrNil(o *store.Offer) *computev1.Offer {
+	if o == nil {
+		return nil
+	}
+	return offerToProto(*o)
 }
 
 // OfferPool offers a pool of the caller's tenant (any pool for root-admin)
 // to tenant_id with a GPU quota, or changes the quota of the offer; the
 // pool's owner may offer it to itself. Lowering a quota ends no
-// reservation. Errors: NotFound (pool_id: missing or another tenant's;
-// tenant_id).
+// reservation. Errors: NotFound (pool_id: missing, or another tenant's not
+// offered to the caller's; tenant_id), PermissionDenied (pool_id: another
+// tenant's pool offered to the caller's tenant).
 func (s *poolService) OfferPool(ctx context.Context, req *connect.Request[computev1.OfferPoolRequest]) (*connect.Response[computev1.OfferPoolResponse], error) {
 	p, err := principal(ctx)
 	if err != nil {
 		return nil, err
 	}
 	msg := req.Msg
-	if _, err := s.visiblePool(ctx, p, "pool_id", msg.PoolId); err != nil {
+	if _, err := s.ownedPool(ctx, p, "pool_id", msg.PoolId, "offer it"); err != nil {
 		return nil, err
 	}
 	var offer store.Offer

@@ -37,8 +37,11 @@ type reservationService struct{ *Server }
 // tenant returns that reservation unchanged. A reservation no node of the
 // pool can ever hold is returned failed with the reason. Errors:
 // InvalidArgument (start_time; protovalidate: gpus, duration), NotFound
-// (pool_id), PermissionDenied (the pool is not offered to the tenant),
-// ResourceExhausted (the quota and the GPUs in use in the message).
+// (pool_id: missing, or another tenant's pool not offered to the caller's
+// tenant: the same answer, so that the pool's existence does not leak),
+// PermissionDenied (a pool the caller sees, as its owner or root-admin, but
+// not offered to its tenant), ResourceExhausted (the quota and the GPUs in
+// use in the message).
 func (s *reservationService) Reserve(ctx context.Context, req *connect.Request[computev1.ReserveRequest]) (*connect.Response[computev1.ReserveResponse], error) {
 	p, err := principal(ctx)
 	if err != nil {
@@ -89,7 +92,10 @@ func (s *reservationService) Reserve(ctx context.Context, req *connect.Request[c
 	case errors.As(err, &conflict):
 		return nil, connect.NewError(connect.CodeAlreadyExists, conflict)
 	case errors.Is(err, store.ErrNotFound):
-		return nil, connect.NewError(connect.CodeNotFound, errors.New("pool_id: pool "+msg.PoolId+" not found"))
+		return nil, poolNotFound("pool_id", msg.PoolId)
+	case errors.As(err, &nf) && !p.InTenant(nf.OwnerTenantID):
+		// Another tenant's pool, not offered to this one: as if missing.
+		return nil, poolNotFound("pool_id", msg.PoolId)
 	case errors.As(err, &nf):
 		return nil, connect.NewError(connect.CodePermissionDenied, fmt.Errorf("pool_id: %w", nf))
 	case errors.As(err, &quota):

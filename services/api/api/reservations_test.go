@@ -116,11 +116,12 @@ func TestReserve(t *testing.T) {
 	require.NoError(t, err)
 	require.EqualValues(t, 8, offers.Msg.Offers[0].GpusInUse, "a failed reservation holds nothing")
 
-	// The pool is not offered to the other tenant; a missing pool.
+	// The pool is not offered to the other tenant: to it the pool is
+	// missing (TestForeignPoolReadsAsMissing); a missing pool.
 	_, err = f.as(f.tokens["other-member"]).res.Reserve(ctx, reserveReq(f.acmePool, 1, time.Hour))
-	requireCode(t, err, connect.CodePermissionDenied, "pool_id: pool "+f.acmePool+" is not offered to tenant "+f.other)
+	requireCode(t, err, connect.CodeNotFound, "pool_id: pool "+f.acmePool+" not found")
 	_, err = member.res.Reserve(ctx, reserveReq(f.otherPool, 1, time.Hour))
-	requireCode(t, err, connect.CodePermissionDenied, "pool "+f.otherPool+" is not offered to tenant "+f.acme)
+	requireCode(t, err, connect.CodeNotFound, "pool_id: pool "+f.otherPool+" not found")
 	_, err = member.res.Reserve(ctx, reserveReq("pool_missing", 1, time.Hour))
 	requireCode(t, err, connect.CodeNotFound, "pool_id: pool pool_missing not found")
 }
@@ -352,8 +353,9 @@ func TestOffers(t *testing.T) {
 	_, err = offer(admin, f.acmePool, f.acme, 8)
 	require.NoError(t, err)
 
+	// other was offered acme's pool: it sees it, but only its owner offers it.
 	_, err = offer(f.as(f.tokens["other-admin"]), f.acmePool, f.other, 64)
-	requireCode(t, err, connect.CodeNotFound, "pool_id: pool "+f.acmePool+" not found")
+	requireCode(t, err, connect.CodePermissionDenied, "pool_id: pool "+f.acmePool+" is offered to your tenant but owned by another")
 	_, err = offer(admin, f.acmePool, "ten_missing", 1)
 	requireCode(t, err, connect.CodeNotFound, "tenant_id: tenant ten_missing not found")
 	_, err = offer(f.as(f.tokens["acme-member"]), f.acmePool, f.acme, 1)

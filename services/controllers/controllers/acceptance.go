@@ -35,7 +35,9 @@ const (
 //     terminal or past its deadline, and per batch, in one transaction:
 //     succeeded → pkg/acceptance against the pool's rules → adopted (spec
 //     generation 1, inventory, node_devices, a poke so the gateway sends
-//     DesiredState) or acceptance_failed; failed or canceled →
+//     DesiredState) or acceptance_failed (with the inventory and the
+//     node_devices it reported, so operators see the GPUs found; the
+//     scheduler places on adopted nodes only); failed or canceled →
 //     acceptance_failed "diag.nvml failed: <error>"; past its deadline →
 //     the command is expired, its error saying what happened by the state
 //     it was in (queued: not delivered, the node was not connected;
@@ -430,20 +432,24 @@ func (a *Acceptance) judge(c store.AcceptanceCheck) (*store.Adoption, *store.Acc
 		f := failure(c, "diag.nvml reported an inventory that cannot be stored", nil)
 		return nil, &f
 	}
+	devices := make([]store.NodeDevice, 0, len(inv.GetGpus()))
+	for _, g := range inv.GetGpus() {
+		devices = append(devices, store.NodeDevice{NodeID: c.NodeID, Index: g.GetIndex(), UUID: g.GetUuid(),
+			Model: g.GetModel(), MemoryBytes: g.GetMemoryBytes(), Healthy: g.GetHealthy()})
+	}
 	ok, reason := acceptance.Evaluate(acceptance.Rules{GpuModel: c.GPUModel, ExpectGpuCount: int(c.ExpectGPUCount)}, inv)
 	if !ok {
+		// The GPUs found are recorded, so an operator sees what the
+		// machine has; a failed node is never placed on.
 		f := failure(c, reason, invJSON)
+		f.Devices = devices
 		return nil, &f
 	}
 	spec, err := protojson.Marshal(&gatewayv1.NodeSpec{Labels: map[string]string{LabelPool: c.PoolID, LabelSite: c.SiteID}})
 	if err != nil {
 		f := failure(c, "could not build the node's spec", invJSON)
+		f.Devices = devices
 		return nil, &f
-	}
-	devices := make([]store.NodeDevice, 0, len(inv.GetGpus()))
-	for _, g := range inv.GetGpus() {
-		devices = append(devices, store.NodeDevice{NodeID: c.NodeID, Index: g.GetIndex(), UUID: g.GetUuid(),
-			Model: g.GetModel(), MemoryBytes: g.GetMemoryBytes(), Healthy: g.GetHealthy()})
 	}
 	return &store.Adoption{NodeID: c.NodeID, PoolID: c.PoolID, OwnerTenantID: c.OwnerTenantID, Spec: spec,
 		Inventory: invJSON, Devices: devices}, nil

@@ -270,9 +270,10 @@ func TestVariantsAgainstPools(t *testing.T) {
 		devices       int
 	}{
 		{h100Pool, fakehw.VariantHGXH100, store.NodeAdopted, "", 8},
-		{h100Pool, fakehw.VariantHGXH100GPUMissing, store.NodeAcceptanceFailed, "expected 8 GPUs, found 7", 0},
+		// A failed node keeps the GPUs it reported, for operators to see.
+		{h100Pool, fakehw.VariantHGXH100GPUMissing, store.NodeAcceptanceFailed, "expected 8 GPUs, found 7", 7},
 		{h100Pool, fakehw.VariantL40S, store.NodeAcceptanceFailed,
-			`expected H100 GPUs, found "NVIDIA L40S" (GPUs 0, 1, 2, 3); expected 8 GPUs, found 4`, 0},
+			`expected H100 GPUs, found "NVIDIA L40S" (GPUs 0, 1, 2, 3); expected 8 GPUs, found 4`, 4},
 		{h100Pool, fakehw.VariantCPU, store.NodeAcceptanceFailed,
 			"expected H100 GPUs, found no GPUs; expected 8 GPUs, found 0", 0},
 		{l40sPool, fakehw.VariantL40S, store.NodeAdopted, "", 4},
@@ -308,6 +309,11 @@ func TestVariantsAgainstPools(t *testing.T) {
 			m, err := fakehw.New(tc.variant, nodes[i])
 			require.NoError(t, err)
 			require.Len(t, inv.GetGpus(), m.GPUCount())
+			var reported []string
+			for _, g := range inv.GetGpus() {
+				reported = append(reported, g.GetUuid())
+			}
+			require.ElementsMatch(t, reported, got.DeviceUUIDs, "the devices are the GPUs reported")
 		}
 	}
 	// The event carries the reason.

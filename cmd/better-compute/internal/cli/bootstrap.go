@@ -2,6 +2,7 @@ package cli
 
 import (
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -48,6 +49,10 @@ func (a *app) bootstrapCmd() *cobra.Command {
 		}
 		if o.ExpectGPUs < 0 {
 			return fmt.Errorf("--expect-gpus must not be negative")
+		}
+		if strings.TrimSpace(o.Region) == "" {
+			// As CreateSite: a site is a place in a region.
+			return fmt.Errorf("--region must not be empty: a site is a place in a region")
 		}
 		u, err := a.databaseURL(dbURL)
 		if err != nil {

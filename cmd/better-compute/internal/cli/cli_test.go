@@ -161,7 +161,7 @@ func TestNodesList(t *testing.T) {
 
 	res = r.run(t, "nodes", "list", "--pool", "pool_nope")
 	require.Equal(t, 1, res.code)
-	require.Equal(t, "error: not_found: pool pool_nope not found\n", res.stderr)
+	require.Equal(t, "error: not_found: pool_id: pool pool_nope not found\n", res.stderr)
 
 	res = r.run(t, "nodes", "get", f.failed)
 	require.Equal(t, 0, res.code, res.stderr)
@@ -204,10 +204,13 @@ func TestErrors(t *testing.T) {
 			"error: invalid argument \"soon\" for \"--ttl\" flag: time: invalid duration \"soon\" (see 'better-compute join-tokens create --help')\n"},
 		{"too many uses", f.runner(f.root), []string{"join-tokens", "create", "--pool", f.poolID, "--max-uses", "0"},
 			"error: invalid_argument: validation error: max_uses: must be greater than or equal to 1 and less than or equal to 100000\n"},
-		{"bad site name", f.runner(f.root), []string{"sites", "create", "Bad Name"}, "error: invalid_argument: validation error: name: does not match regex pattern"},
-		{"duplicate site", f.runner(f.root), []string{"sites", "create", "dev-1"},
+		{"bad site name", f.runner(f.root), []string{"sites", "create", "Bad Name", "--region", "eu"}, "error: invalid_argument: validation error: name: does not match regex pattern"},
+		{"site without region", f.runner(f.root), []string{"sites", "create", "eu-2"}, "error: required flag(s) \"region\" not set\n"},
+		{"duplicate site", f.runner(f.root), []string{"sites", "create", "dev-1", "--region", "dev-1"},
 			"error: already_exists: name: a site with this name already exists\n"},
 		{"unknown command", f.runner(f.root), []string{"frobnicate"}, "error: unknown command \"frobnicate\" for \"better-compute\"\n"},
+		{"bootstrap without region", runner{}, []string{"bootstrap", "--region", " "},
+			"error: --region must not be empty: a site is a place in a region\n"},
 		{"no database", runner{}, []string{"migrate", "up"}, "error: no database: set BETTER_COMPUTE_DATABASE_URL or pass --database-url\n"},
 		{"server down", runner{env: map[string]string{"BETTER_COMPUTE_TOKEN": "bct_x"}},
 			[]string{"--url", "http://127.0.0.1:1", "sites", "list"}, "error: unavailable: "},

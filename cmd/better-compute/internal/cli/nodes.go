@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"connectrpc.com/connect"
@@ -44,6 +45,9 @@ type nodeJSON struct {
 	Hostname     string `json:"hostname"`
 	// RevokedAt is set once the node's certificates were revoked.
 	RevokedAt *time.Time `json:"revokedAt,omitempty"`
+	// RevokeReason is the reason the (first) revocation gave; absent when
+	// the node is not revoked or no reason was given.
+	RevokeReason string `json:"revokeReason,omitempty"`
 	// CertNotAfter is when the node's newest certificate expires, when it
 	// has one.
 	CertNotAfter *time.Time `json:"certNotAfter,omitempty"`
@@ -73,7 +77,7 @@ func toNodeJSON(n *computev1.Node) nodeJSON {
 	out := nodeJSON{ID: n.Id, Pool: n.PoolId, State: n.ProvisionState, Reason: n.ProvisionReason, GPUs: len(n.Gpus),
 		Model: n.GpuModel, Gateway: n.GatewayId, LastSeen: timeOrNil(n.LastSeen), Reachable: n.Reachable,
 		Cordoned: n.Cordoned, CordonReason: n.CordonReason, Hostname: n.Hostname, RevokedAt: timeOrNil(n.RevokedAt),
-		CertNotAfter: timeOrNil(n.CertNotAfter), Variant: n.Variant, BootID: n.BootId, SpecGeneration: n.SpecGeneration,
+		RevokeReason: n.RevokeReason, CertNotAfter: timeOrNil(n.CertNotAfter), Variant: n.Variant, BootID: n.BootId, SpecGeneration: n.SpecGeneration,
 		ObservedGeneration: n.ObservedGeneration, CreatedAt: n.CreatedAt.AsTime().UTC(), Devices: make([]gpuJSON, len(n.Gpus))}
 	for i, g := range n.Gpus {
 		out.Devices[i] = gpuJSON{Index: g.Index, UUID: g.Uuid, Model: g.Model, MemoryBytes: g.MemoryBytes}
@@ -140,6 +144,10 @@ func (a *app) nodesListCmd() *cobra.Command {
 				state += ",cordoned"
 				reason = n.CordonReason
 			}
+			if n.RevokedAt != nil && n.RevokeReason != "" {
+				// Revocation is final: its reason says most.
+				reason = n.RevokeReason
+			}
 			rows[i] = []string{n.ID, n.Pool, state, strconv.Itoa(n.GPUs), orDash(n.Model), orDash(n.Gateway),
 				ago(now, n.LastSeen), reason}
 		}
@@ -165,11 +173,14 @@ func (a *app) nodesRevokeCmd() *cobra.Command {
 		Use:   "revoke NODE_ID",
 		Short: "Revoke a node: its certificates stop working and its open session is closed within seconds",
 		Long: "Revoke every certificate of a node. The node can no longer open a session or renew its\n" +
-			"certificate, and the gateway closes its open session within seconds. Revoking a revoked\n" +
-			"node changes nothing. The machine must join again, as a new node, to come back.",
+			"certificate, and the gateway closes its open session within seconds; its reservations fail.\n" +
+			"--reason is recorded on the node (nodes get shows it as revokeReason) and in the audit log.\n" +
+			"Revoking a revoked node changes nothing and exits 0: the node keeps the time and reason of\n" +
+			"its first revocation, and a new --reason is not recorded (this says so). The machine must\n" +
+			"join again, as a new node, to come back.",
 		Args: cobra.ExactArgs(1),
 	}
-	c.Flags().StringVar(&reason, "reason", "", "why, recorded in the audit log (at most 256 characters)")
+	c.Flags().StringVar(&reason, "reason", "", "why, recorded on the node and in the audit log (at most 256 characters)")
 	c.RunE = func(cmd *cobra.Command, args []string) error {
 		cl, err := a.clients()
 		if err != nil {
@@ -180,8 +191,21 @@ func (a *app) nodesRevokeCmd() *cobra.Command {
 			return err
 		}
 		n := res.Msg.GetNode()
-		fmt.Fprintf(a.env.Stdout, "revoked %s at %s (%d certificate(s) revoked now)\n", n.GetId(),
-			n.GetRevokedAt().AsTime().UTC().Format(time.RFC3339), res.Msg.GetCertificatesRevoked())
+		at := n.GetRevokedAt().AsTime().UTC().Format(time.RFC3339)
+		if !res.Msg.GetAlreadyRevoked() {
+			fmt.Fprintf(a.env.Stdout, "revoked %s at %s (%d certificate(s) revoked now)\n", n.GetId(), at,
+				res.Msg.GetCertificatesRevoked())
+			return nil
+		}
+		first := "no reason given"
+		if n.GetRevokeReason() != "" {
+			first = "reason: " + n.GetRevokeReason()
+		}
+		fmt.Fprintf(a.env.Stdout, "%s was already revoked at %s (%s); nothing changed (%d certificate(s) revoked now)\n",
+			n.GetId(), at, first, res.Msg.GetCertificatesRevoked())
+		if strings.TrimSpace(reason) != "" {
+			fmt.Fprintf(a.env.Stderr, "warning: --reason was not recorded: a node keeps the reason of its first revocation\n")
+		}
 		return nil
 	}
 	return c

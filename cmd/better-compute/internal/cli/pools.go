@@ -20,21 +20,41 @@ func (a *app) poolsCmd() *cobra.Command {
 
 // poolJSON is one pool of `pools list -o json`.
 type poolJSON struct {
-	ID         string           `json:"id"`
-	Name       string           `json:"name"`
-	Site       string           `json:"site"`
-	Kind       string           `json:"kind"`
+	ID   string `json:"id"`
+	Name string `json:"name"`
+	// Site is the site id.
+	Site string `json:"site"`
+	Kind string `json:"kind"`
+	// Owner is the tenant owning the pool.
 	Owner      string           `json:"owner"`
 	Check      string           `json:"check"`
 	GPUModel   string           `json:"gpuModel"`
 	ExpectGPUs int32            `json:"expectGpus"`
 	Nodes      map[string]int32 `json:"nodes"`
+	// Offer is the pool's offer to your tenant, null when there is none
+	// (you own the pool and did not offer it to yourself).
+	Offer *poolOfferJSON `json:"offer"`
+}
+
+// poolOfferJSON is the offer of a pool to your tenant in poolJSON.
+type poolOfferJSON struct {
+	// GPUQuota is how many GPUs your tenant may hold at once in the pool.
+	GPUQuota int32 `json:"gpuQuota"`
+	// GPUsInUse is what your pending, binding and active reservations hold.
+	GPUsInUse int32 `json:"gpusInUse"`
 }
 
 func (a *app) poolsListCmd() *cobra.Command {
 	var site string
-	c := &cobra.Command{Use: "list", Short: "List pools with their node counts", Args: cobra.NoArgs}
-	c.Flags().StringVar(&site, "site", "", "only pools of this site id")
+	c := &cobra.Command{
+		Use:   "list [--site SITE]",
+		Short: "List the pools your tenant owns or was offered, with node counts and your quota",
+		Long: "list shows the pools your tenant owns and those offered to it (every pool for a root-admin\n" +
+			"token), each with its node counts by state and, when the pool is offered to your tenant, your\n" +
+			"GPU quota and the GPUs your reservations hold (QUOTA: in use/quota): the pools you may reserve from.",
+		Args: cobra.NoArgs,
+	}
+	c.Flags().StringVar(&site, "site", "", "only pools of this site (id or name)")
 	format := addOutputFlag(c)
 	c.RunE = func(cmd *cobra.Command, _ []string) error {
 		if err := checkFormat(*format); err != nil {
@@ -44,7 +64,13 @@ func (a *app) poolsListCmd() *cobra.Command {
 		if err != nil {
 			return err
 		}
-		res, err := cl.pools.ListPools(cmd.Context(), connect.NewRequest(&computev1.ListPoolsRequest{SiteId: site}))
+		siteID := ""
+		if site != "" {
+			if siteID, err = resolveSite(cmd.Context(), cl, site); err != nil {
+				return err
+			}
+		}
+		res, err := cl.pools.ListPools(cmd.Context(), connect.NewRequest(&computev1.ListPoolsRequest{SiteId: siteID}))
 		if err != nil {
 			return err
 		}
@@ -54,9 +80,13 @@ func (a *app) poolsListCmd() *cobra.Command {
 			if counts == nil {
 				counts = map[string]int32{}
 			}
-			out = append(out, poolJSON{ID: p.Id, Name: p.Name, Site: p.SiteId, Kind: p.Kind, Owner: p.OwnerTenantId,
+			pj := poolJSON{ID: p.Id, Name: p.Name, Site: p.SiteId, Kind: p.Kind, Owner: p.OwnerTenantId,
 				Check: p.Acceptance.GetCheck(), GPUModel: p.Acceptance.GetGpuModel(),
-				ExpectGPUs: p.Acceptance.GetExpectGpuCount(), Nodes: counts})
+				ExpectGPUs: p.Acceptance.GetExpectGpuCount(), Nodes: counts}
+			if o := p.GetOffer(); o != nil {
+				pj.Offer = &poolOfferJSON{GPUQuota: o.GpuQuota, GPUsInUse: o.GpusInUse}
+			}
+			out = append(out, pj)
 		}
 		if *format == formatJSON {
 			return writeJSON(a.env.Stdout, out)
@@ -67,9 +97,13 @@ func (a *app) poolsListCmd() *cobra.Command {
 			if p.ExpectGPUs > 0 {
 				expect = strconv.Itoa(int(p.ExpectGPUs))
 			}
-			rows[i] = []string{p.ID, p.Name, p.Site, p.Kind, orDash(p.GPUModel), expect, nodeCounts(p.Nodes)}
+			quota := "-"
+			if p.Offer != nil {
+				quota = fmt.Sprintf("%d/%d", p.Offer.GPUsInUse, p.Offer.GPUQuota)
+			}
+			rows[i] = []string{p.ID, p.Name, p.Site, p.Kind, orDash(p.GPUModel), expect, quota, nodeCounts(p.Nodes)}
 		}
-		return table(a.env.Stdout, []string{"ID", "NAME", "SITE", "KIND", "GPU MODEL", "EXPECT GPUS", "NODES"}, rows)
+		return table(a.env.Stdout, []string{"ID", "NAME", "SITE", "KIND", "GPU MODEL", "EXPECT GPUS", "QUOTA", "NODES"}, rows)
 	}
 	return c
 }
@@ -97,11 +131,13 @@ func (a *app) poolsCreateCmd() *cobra.Command {
 		expect         int32
 	)
 	c := &cobra.Command{
-		Use:   "create NAME --site SITE_ID",
+		Use:   "create NAME --site SITE",
 		Short: "Create a metal-host pool with diag.nvml acceptance",
-		Args:  cobra.ExactArgs(1),
+		Long: "create makes a metal-host pool owned by your tenant in --site (a site id, or a site name: sites\n" +
+			"list shows both) and prints its id.",
+		Args: cobra.ExactArgs(1),
 	}
-	c.Flags().StringVar(&site, "site", "", "site id (required)")
+	c.Flags().StringVar(&site, "site", "", "site id or name (required)")
 	c.Flags().StringVar(&gpuModel, "gpu-model", "", "GPU model every GPU must match (substring, e.g. H100)")
 	c.Flags().Int32Var(&expect, "expect-gpus", 0, "exact number of GPUs a node must have (0: any)")
 	_ = c.MarkFlagRequired("site")
@@ -110,8 +146,12 @@ func (a *app) poolsCreateCmd() *cobra.Command {
 		if err != nil {
 			return err
 		}
+		siteID, err := resolveSite(cmd.Context(), cl, site)
+		if err != nil {
+			return err
+		}
 		res, err := cl.pools.CreatePool(cmd.Context(), connect.NewRequest(&computev1.CreatePoolRequest{
-			SiteId: site, Name: args[0], Kind: "metal-host",
+			SiteId: siteID, Name: args[0], Kind: "metal-host",
 			Acceptance: &computev1.Acceptance{Check: "diag.nvml", GpuModel: gpuModel, ExpectGpuCount: expect},
 		}))
 		if err != nil {

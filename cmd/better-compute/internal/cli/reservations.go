@@ -120,13 +120,13 @@ func (a *app) reserveCmd() *cobra.Command {
 		wait                   bool
 	)
 	c := &cobra.Command{
-		Use:   "reserve --pool POOL_ID --gpus N --for DURATION [--start TIME] [--request-id ID] [--wait]",
+		Use:   "reserve --pool POOL_ID --gpus N --for DURATION [--start TIME] [--request-id ID] [--wait [--timeout D]]",
 		Short: "Reserve N GPUs of one node of a pool offered to your tenant",
 		Long: "reserve asks for --gpus GPUs of one node of --pool for --for (e.g. 1h) from --start (RFC 3339,\n" +
 			"default now) and prints the reservation as JSON. It starts pending; the scheduler places it\n" +
 			"(binding) and it turns active once the node has bound the GPUs. With --request-id a retry returns\n" +
 			"the first reservation instead of making another. --wait polls until it is active (exit 0) or\n" +
-			"failed (exit 1), for at most --timeout.",
+			"failed (exit 1), for at most --timeout (default 1m; only with --wait).",
 		Args: cobra.NoArgs,
 	}
 	c.Flags().StringVar(&pool, "pool", "", "pool id (required)")
@@ -135,7 +135,7 @@ func (a *app) reserveCmd() *cobra.Command {
 	c.Flags().StringVar(&start, "start", "", "start time, RFC 3339 (e.g. 2025-03-01T10:00:00Z; default now)")
 	c.Flags().StringVar(&requestID, "request-id", "", "idempotency key: a retry with the same id returns the same reservation")
 	c.Flags().BoolVar(&wait, "wait", false, "wait until the reservation is active or failed")
-	c.Flags().DurationVar(&timeout, "timeout", time.Minute, "how long --wait waits")
+	c.Flags().DurationVar(&timeout, "timeout", time.Minute, "how long --wait waits (only with --wait)")
 	_ = c.MarkFlagRequired("pool")
 	_ = c.MarkFlagRequired("gpus")
 	_ = c.MarkFlagRequired("for")
@@ -147,6 +147,11 @@ func (a *app) reserveCmd() *cobra.Command {
 				return fmt.Errorf("--start: want an RFC 3339 time such as 2025-03-01T10:00:00Z: %w", err)
 			}
 			req.StartTime = timestamppb.New(t)
+		}
+		// --timeout bounds --wait and nothing else: a reservation has no
+		// deadline of its own (--for is how long it holds the GPUs).
+		if cmd.Flags().Changed("timeout") && !wait {
+			return errors.New("--timeout applies only with --wait (how long to wait for the reservation to be active): add --wait or drop --timeout")
 		}
 		if wait && timeout <= 0 {
 			return errors.New("--timeout must be positive")

@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"context"
 	"fmt"
 
 	"connectrpc.com/connect"
@@ -52,10 +53,37 @@ func (a *app) sitesListCmd() *cobra.Command {
 	return c
 }
 
+// resolveSite returns the id of the site whose id or name is site (ids
+// first: a site id is never another site's name, since names have no
+// underscore). Sites are few, so it reads them all (ListSites). Errors:
+// neither matches (both were tried), or the RPC's.
+func resolveSite(ctx context.Context, cl *apiClients, site string) (string, error) {
+	res, err := cl.pools.ListSites(ctx, connect.NewRequest(&computev1.ListSitesRequest{}))
+	if err != nil {
+		return "", err
+	}
+	for _, s := range res.Msg.Sites {
+		if s.Id == site {
+			return s.Id, nil
+		}
+	}
+	for _, s := range res.Msg.Sites {
+		if s.Name == site {
+			return s.Id, nil
+		}
+	}
+	return "", fmt.Errorf("--site: no site has the id or the name %q (sites list shows them)", site)
+}
+
 func (a *app) sitesCreateCmd() *cobra.Command {
 	var region string
-	c := &cobra.Command{Use: "create NAME", Short: "Create a site", Args: cobra.ExactArgs(1)}
-	c.Flags().StringVar(&region, "region", "", "the site's region")
+	c := &cobra.Command{
+		Use:   "create NAME --region REGION",
+		Short: "Create a site (a place in a region, shared by every tenant; root-admin)",
+		Args:  cobra.ExactArgs(1),
+	}
+	c.Flags().StringVar(&region, "region", "", "the region the site is in (required)")
+	_ = c.MarkFlagRequired("region")
 	c.RunE = func(cmd *cobra.Command, args []string) error {
 		cl, err := a.clients()
 		if err != nil {

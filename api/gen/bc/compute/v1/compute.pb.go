@@ -2040,7 +2040,11 @@ type Node struct {
 	// RevokedAt is when the node's certificates were revoked, unset if never.
 	RevokedAt *timestamppb.Timestamp `protobuf:"bytes,18,opt,name=revoked_at,json=revokedAt,proto3" json:"revoked_at,omitempty"`
 	// CertNotAfter is when the node's newest certificate expires.
-	CertNotAfter  *timestamppb.Timestamp `protobuf:"bytes,19,opt,name=cert_not_after,json=certNotAfter,proto3" json:"cert_not_after,omitempty"`
+	CertNotAfter *timestamppb.Timestamp `protobuf:"bytes,19,opt,name=cert_not_after,json=certNotAfter,proto3" json:"cert_not_after,omitempty"`
+	// RevokeReason is the reason given when the node was revoked (the first
+	// revocation's: a later one changes nothing), empty when none was given or
+	// the node is not revoked.
+	RevokeReason  string `protobuf:"bytes,20,opt,name=revoke_reason,json=revokeReason,proto3" json:"revoke_reason,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2206,6 +2210,13 @@ func (x *Node) GetCertNotAfter() *timestamppb.Timestamp {
 		return x.CertNotAfter
 	}
 	return nil
+}
+
+func (x *Node) GetRevokeReason() string {
+	if x != nil {
+		return x.RevokeReason
+	}
+	return ""
 }
 
 type ListNodesRequest struct {
@@ -3258,8 +3269,9 @@ func (x *WatchResponse) GetEvent() *Event {
 type RevokeNodeRequest struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	NodeId string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
-	// Reason is recorded in the audit log (optional; leading and trailing
-	// spaces are dropped, so one of spaces only is none).
+	// Reason is recorded on the node (Node.revoke_reason) and in the audit
+	// log (optional; leading and trailing spaces are dropped, so one of spaces
+	// only is none).
 	Reason        string `protobuf:"bytes,2,opt,name=reason,proto3" json:"reason,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -3314,8 +3326,12 @@ type RevokeNodeResponse struct {
 	Node  *Node                  `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
 	// CertificatesRevoked is how many certificates this call revoked.
 	CertificatesRevoked int32 `protobuf:"varint,2,opt,name=certificates_revoked,json=certificatesRevoked,proto3" json:"certificates_revoked,omitempty"`
-	unknownFields       protoimpl.UnknownFields
-	sizeCache           protoimpl.SizeCache
+	// AlreadyRevoked is true when the node was revoked before this call: the
+	// call changed nothing, and the node keeps the time and reason of the
+	// first revocation (the reason of this call is not recorded on the node).
+	AlreadyRevoked bool `protobuf:"varint,3,opt,name=already_revoked,json=alreadyRevoked,proto3" json:"already_revoked,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *RevokeNodeResponse) Reset() {
@@ -3360,6 +3376,13 @@ func (x *RevokeNodeResponse) GetCertificatesRevoked() int32 {
 		return x.CertificatesRevoked
 	}
 	return 0
+}
+
+func (x *RevokeNodeResponse) GetAlreadyRevoked() bool {
+	if x != nil {
+		return x.AlreadyRevoked
+	}
+	return false
 }
 
 type Site struct {
@@ -3431,9 +3454,12 @@ func (x *Site) GetCreatedAt() *timestamppb.Timestamp {
 }
 
 type CreateSiteRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
-	Region        string                 `protobuf:"bytes,2,opt,name=region,proto3" json:"region,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// Region is the region the site is in (a site is a place in a region):
+	// required, not empty or only spaces, at most 63 characters, no control
+	// characters.
+	Region        string `protobuf:"bytes,2,opt,name=region,proto3" json:"region,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3684,6 +3710,10 @@ type Pool struct {
 	NodeCounts map[string]int32 `protobuf:"bytes,7,rep,name=node_counts,json=nodeCounts,proto3" json:"node_counts,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
 	// OwnerTenantId is the tenant that owns the pool (and its nodes).
 	OwnerTenantId string `protobuf:"bytes,8,opt,name=owner_tenant_id,json=ownerTenantId,proto3" json:"owner_tenant_id,omitempty"`
+	// Offer is the pool's offer to the caller's tenant: its GPU quota and the
+	// GPUs its reservations hold. Unset when the pool is not offered to the
+	// caller's tenant, and in CreatePool's answer.
+	Offer         *Offer `protobuf:"bytes,9,opt,name=offer,proto3" json:"offer,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3772,6 +3802,13 @@ func (x *Pool) GetOwnerTenantId() string {
 		return x.OwnerTenantId
 	}
 	return ""
+}
+
+func (x *Pool) GetOffer() *Offer {
+	if x != nil {
+		return x.Offer
+	}
+	return nil
 }
 
 type CreatePoolRequest struct {
@@ -4512,7 +4549,7 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\x05index\x18\x01 \x01(\x05R\x05index\x12\x12\n" +
 	"\x04uuid\x18\x02 \x01(\tR\x04uuid\x12\x14\n" +
 	"\x05model\x18\x03 \x01(\tR\x05model\x12!\n" +
-	"\fmemory_bytes\x18\x04 \x01(\x03R\vmemoryBytes\"\xe0\x05\n" +
+	"\fmemory_bytes\x18\x04 \x01(\x03R\vmemoryBytes\"\x85\x06\n" +
 	"\x04Node\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x17\n" +
 	"\apool_id\x18\x02 \x01(\tR\x06poolId\x12'\n" +
@@ -4536,7 +4573,8 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\aboot_id\x18\x11 \x01(\tR\x06bootId\x129\n" +
 	"\n" +
 	"revoked_at\x18\x12 \x01(\v2\x1a.google.protobuf.TimestampR\trevokedAt\x12@\n" +
-	"\x0ecert_not_after\x18\x13 \x01(\v2\x1a.google.protobuf.TimestampR\fcertNotAfter\"\x85\x01\n" +
+	"\x0ecert_not_after\x18\x13 \x01(\v2\x1a.google.protobuf.TimestampR\fcertNotAfter\x12#\n" +
+	"\rrevoke_reason\x18\x14 \x01(\tR\frevokeReason\"\x85\x01\n" +
 	"\x10ListNodesRequest\x12 \n" +
 	"\apool_id\x18\x01 \x01(\tB\a\xbaH\x04r\x02\x18@R\x06poolId\x12'\n" +
 	"\tpage_size\x18\x02 \x01(\x05B\n" +
@@ -4624,19 +4662,21 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\x05event\x18\x01 \x01(\v2\x14.bc.compute.v1.EventR\x05event\"g\n" +
 	"\x11RevokeNodeRequest\x12\"\n" +
 	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\x12.\n" +
-	"\x06reason\x18\x02 \x01(\tB\x16\xbaH\x13r\x11\x18\x80\x022\f^[^\\p{Cc}]*$R\x06reason\"p\n" +
+	"\x06reason\x18\x02 \x01(\tB\x16\xbaH\x13r\x11\x18\x80\x022\f^[^\\p{Cc}]*$R\x06reason\"\x99\x01\n" +
 	"\x12RevokeNodeResponse\x12'\n" +
 	"\x04node\x18\x01 \x01(\v2\x13.bc.compute.v1.NodeR\x04node\x121\n" +
-	"\x14certificates_revoked\x18\x02 \x01(\x05R\x13certificatesRevoked\"}\n" +
+	"\x14certificates_revoked\x18\x02 \x01(\x05R\x13certificatesRevoked\x12'\n" +
+	"\x0falready_revoked\x18\x03 \x01(\bR\x0ealreadyRevoked\"}\n" +
 	"\x04Site\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x16\n" +
 	"\x06region\x18\x03 \x01(\tR\x06region\x129\n" +
 	"\n" +
-	"created_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\"\x82\x01\n" +
+	"created_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\"\xd2\x01\n" +
 	"\x11CreateSiteRequest\x12>\n" +
-	"\x04name\x18\x01 \x01(\tB*\xbaH'r%\x10\x01\x18?2\x1f^[a-z0-9]([a-z0-9-]*[a-z0-9])?$R\x04name\x12-\n" +
-	"\x06region\x18\x02 \x01(\tB\x15\xbaH\x12r\x10\x18?2\f^[^\\p{Cc}]*$R\x06region\"=\n" +
+	"\x04name\x18\x01 \x01(\tB*\xbaH'r%\x10\x01\x18?2\x1f^[a-z0-9]([a-z0-9-]*[a-z0-9])?$R\x04name\x12}\n" +
+	"\x06region\x18\x02 \x01(\tBe\xbaHb\xba\x01M\n" +
+	"\x10region.not_blank\x12&is required: the region the site is in\x1a\x11this.trim() != ''r\x10\x18?2\f^[^\\p{Cc}]*$R\x06region\"=\n" +
 	"\x12CreateSiteResponse\x12'\n" +
 	"\x04site\x18\x01 \x01(\v2\x13.bc.compute.v1.SiteR\x04site\"\x12\n" +
 	"\x10ListSitesRequest\">\n" +
@@ -4646,7 +4686,7 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"Acceptance\x12&\n" +
 	"\x05check\x18\x01 \x01(\tB\x10\xbaH\rr\vR\tdiag.nvmlR\x05check\x12$\n" +
 	"\tgpu_model\x18\x02 \x01(\tB\a\xbaH\x04r\x02\x18@R\bgpuModel\x123\n" +
-	"\x10expect_gpu_count\x18\x03 \x01(\x05B\t\xbaH\x06\x1a\x04\x18@(\x00R\x0eexpectGpuCount\"\xfa\x02\n" +
+	"\x10expect_gpu_count\x18\x03 \x01(\x05B\t\xbaH\x06\x1a\x04\x18@(\x00R\x0eexpectGpuCount\"\xa6\x03\n" +
 	"\x04Pool\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x17\n" +
 	"\asite_id\x18\x02 \x01(\tR\x06siteId\x12\x12\n" +
@@ -4659,7 +4699,8 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"created_at\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12D\n" +
 	"\vnode_counts\x18\a \x03(\v2#.bc.compute.v1.Pool.NodeCountsEntryR\n" +
 	"nodeCounts\x12&\n" +
-	"\x0fowner_tenant_id\x18\b \x01(\tR\rownerTenantId\x1a=\n" +
+	"\x0fowner_tenant_id\x18\b \x01(\tR\rownerTenantId\x12*\n" +
+	"\x05offer\x18\t \x01(\v2\x14.bc.compute.v1.OfferR\x05offer\x1a=\n" +
 	"\x0fNodeCountsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x05R\x05value:\x028\x01\"\xe1\x01\n" +
@@ -4903,78 +4944,79 @@ var file_bc_compute_v1_compute_proto_depIdxs = []int32{
 	59, // 53: bc.compute.v1.Pool.acceptance:type_name -> bc.compute.v1.Acceptance
 	73, // 54: bc.compute.v1.Pool.created_at:type_name -> google.protobuf.Timestamp
 	72, // 55: bc.compute.v1.Pool.node_counts:type_name -> bc.compute.v1.Pool.NodeCountsEntry
-	59, // 56: bc.compute.v1.CreatePoolRequest.acceptance:type_name -> bc.compute.v1.Acceptance
-	60, // 57: bc.compute.v1.CreatePoolResponse.pool:type_name -> bc.compute.v1.Pool
-	60, // 58: bc.compute.v1.ListPoolsResponse.pools:type_name -> bc.compute.v1.Pool
-	73, // 59: bc.compute.v1.JoinToken.expires_at:type_name -> google.protobuf.Timestamp
-	73, // 60: bc.compute.v1.JoinToken.revoked_at:type_name -> google.protobuf.Timestamp
-	73, // 61: bc.compute.v1.JoinToken.created_at:type_name -> google.protobuf.Timestamp
-	65, // 62: bc.compute.v1.CreateJoinTokenResponse.join_token:type_name -> bc.compute.v1.JoinToken
-	65, // 63: bc.compute.v1.ListJoinTokensResponse.join_tokens:type_name -> bc.compute.v1.JoinToken
-	65, // 64: bc.compute.v1.RevokeJoinTokenResponse.join_token:type_name -> bc.compute.v1.JoinToken
-	34, // 65: bc.compute.v1.NodeService.ListNodes:input_type -> bc.compute.v1.ListNodesRequest
-	36, // 66: bc.compute.v1.NodeService.GetNode:input_type -> bc.compute.v1.GetNodeRequest
-	52, // 67: bc.compute.v1.NodeService.RevokeNode:input_type -> bc.compute.v1.RevokeNodeRequest
-	38, // 68: bc.compute.v1.NodeService.CordonNode:input_type -> bc.compute.v1.CordonNodeRequest
-	40, // 69: bc.compute.v1.NodeService.UncordonNode:input_type -> bc.compute.v1.UncordonNodeRequest
-	43, // 70: bc.compute.v1.CommandService.RunCommand:input_type -> bc.compute.v1.RunCommandRequest
-	45, // 71: bc.compute.v1.CommandService.GetCommand:input_type -> bc.compute.v1.GetCommandRequest
-	47, // 72: bc.compute.v1.CommandService.ListCommands:input_type -> bc.compute.v1.ListCommandsRequest
-	50, // 73: bc.compute.v1.EventService.Watch:input_type -> bc.compute.v1.WatchRequest
-	55, // 74: bc.compute.v1.PoolService.CreateSite:input_type -> bc.compute.v1.CreateSiteRequest
-	57, // 75: bc.compute.v1.PoolService.ListSites:input_type -> bc.compute.v1.ListSitesRequest
-	61, // 76: bc.compute.v1.PoolService.CreatePool:input_type -> bc.compute.v1.CreatePoolRequest
-	63, // 77: bc.compute.v1.PoolService.ListPools:input_type -> bc.compute.v1.ListPoolsRequest
-	16, // 78: bc.compute.v1.PoolService.OfferPool:input_type -> bc.compute.v1.OfferPoolRequest
-	18, // 79: bc.compute.v1.PoolService.ListOffers:input_type -> bc.compute.v1.ListOffersRequest
-	21, // 80: bc.compute.v1.ReservationService.Reserve:input_type -> bc.compute.v1.ReserveRequest
-	23, // 81: bc.compute.v1.ReservationService.GetReservation:input_type -> bc.compute.v1.GetReservationRequest
-	25, // 82: bc.compute.v1.ReservationService.ListReservations:input_type -> bc.compute.v1.ListReservationsRequest
-	27, // 83: bc.compute.v1.ReservationService.ReleaseReservation:input_type -> bc.compute.v1.ReleaseReservationRequest
-	30, // 84: bc.compute.v1.UsageService.ListUsage:input_type -> bc.compute.v1.ListUsageRequest
-	66, // 85: bc.compute.v1.JoinTokenService.CreateJoinToken:input_type -> bc.compute.v1.CreateJoinTokenRequest
-	68, // 86: bc.compute.v1.JoinTokenService.ListJoinTokens:input_type -> bc.compute.v1.ListJoinTokensRequest
-	70, // 87: bc.compute.v1.JoinTokenService.RevokeJoinToken:input_type -> bc.compute.v1.RevokeJoinTokenRequest
-	1,  // 88: bc.compute.v1.TenantService.CreateTenant:input_type -> bc.compute.v1.CreateTenantRequest
-	3,  // 89: bc.compute.v1.TenantService.ListTenants:input_type -> bc.compute.v1.ListTenantsRequest
-	6,  // 90: bc.compute.v1.TokenService.CreateToken:input_type -> bc.compute.v1.CreateTokenRequest
-	8,  // 91: bc.compute.v1.TokenService.ListTokens:input_type -> bc.compute.v1.ListTokensRequest
-	10, // 92: bc.compute.v1.TokenService.RevokeToken:input_type -> bc.compute.v1.RevokeTokenRequest
-	13, // 93: bc.compute.v1.AuditService.ListAudit:input_type -> bc.compute.v1.ListAuditRequest
-	35, // 94: bc.compute.v1.NodeService.ListNodes:output_type -> bc.compute.v1.ListNodesResponse
-	37, // 95: bc.compute.v1.NodeService.GetNode:output_type -> bc.compute.v1.GetNodeResponse
-	53, // 96: bc.compute.v1.NodeService.RevokeNode:output_type -> bc.compute.v1.RevokeNodeResponse
-	39, // 97: bc.compute.v1.NodeService.CordonNode:output_type -> bc.compute.v1.CordonNodeResponse
-	41, // 98: bc.compute.v1.NodeService.UncordonNode:output_type -> bc.compute.v1.UncordonNodeResponse
-	44, // 99: bc.compute.v1.CommandService.RunCommand:output_type -> bc.compute.v1.RunCommandResponse
-	46, // 100: bc.compute.v1.CommandService.GetCommand:output_type -> bc.compute.v1.GetCommandResponse
-	48, // 101: bc.compute.v1.CommandService.ListCommands:output_type -> bc.compute.v1.ListCommandsResponse
-	51, // 102: bc.compute.v1.EventService.Watch:output_type -> bc.compute.v1.WatchResponse
-	56, // 103: bc.compute.v1.PoolService.CreateSite:output_type -> bc.compute.v1.CreateSiteResponse
-	58, // 104: bc.compute.v1.PoolService.ListSites:output_type -> bc.compute.v1.ListSitesResponse
-	62, // 105: bc.compute.v1.PoolService.CreatePool:output_type -> bc.compute.v1.CreatePoolResponse
-	64, // 106: bc.compute.v1.PoolService.ListPools:output_type -> bc.compute.v1.ListPoolsResponse
-	17, // 107: bc.compute.v1.PoolService.OfferPool:output_type -> bc.compute.v1.OfferPoolResponse
-	19, // 108: bc.compute.v1.PoolService.ListOffers:output_type -> bc.compute.v1.ListOffersResponse
-	22, // 109: bc.compute.v1.ReservationService.Reserve:output_type -> bc.compute.v1.ReserveResponse
-	24, // 110: bc.compute.v1.ReservationService.GetReservation:output_type -> bc.compute.v1.GetReservationResponse
-	26, // 111: bc.compute.v1.ReservationService.ListReservations:output_type -> bc.compute.v1.ListReservationsResponse
-	28, // 112: bc.compute.v1.ReservationService.ReleaseReservation:output_type -> bc.compute.v1.ReleaseReservationResponse
-	31, // 113: bc.compute.v1.UsageService.ListUsage:output_type -> bc.compute.v1.ListUsageResponse
-	67, // 114: bc.compute.v1.JoinTokenService.CreateJoinToken:output_type -> bc.compute.v1.CreateJoinTokenResponse
-	69, // 115: bc.compute.v1.JoinTokenService.ListJoinTokens:output_type -> bc.compute.v1.ListJoinTokensResponse
-	71, // 116: bc.compute.v1.JoinTokenService.RevokeJoinToken:output_type -> bc.compute.v1.RevokeJoinTokenResponse
-	2,  // 117: bc.compute.v1.TenantService.CreateTenant:output_type -> bc.compute.v1.CreateTenantResponse
-	4,  // 118: bc.compute.v1.TenantService.ListTenants:output_type -> bc.compute.v1.ListTenantsResponse
-	7,  // 119: bc.compute.v1.TokenService.CreateToken:output_type -> bc.compute.v1.CreateTokenResponse
-	9,  // 120: bc.compute.v1.TokenService.ListTokens:output_type -> bc.compute.v1.ListTokensResponse
-	11, // 121: bc.compute.v1.TokenService.RevokeToken:output_type -> bc.compute.v1.RevokeTokenResponse
-	14, // 122: bc.compute.v1.AuditService.ListAudit:output_type -> bc.compute.v1.ListAuditResponse
-	94, // [94:123] is the sub-list for method output_type
-	65, // [65:94] is the sub-list for method input_type
-	65, // [65:65] is the sub-list for extension type_name
-	65, // [65:65] is the sub-list for extension extendee
-	0,  // [0:65] is the sub-list for field type_name
+	15, // 56: bc.compute.v1.Pool.offer:type_name -> bc.compute.v1.Offer
+	59, // 57: bc.compute.v1.CreatePoolRequest.acceptance:type_name -> bc.compute.v1.Acceptance
+	60, // 58: bc.compute.v1.CreatePoolResponse.pool:type_name -> bc.compute.v1.Pool
+	60, // 59: bc.compute.v1.ListPoolsResponse.pools:type_name -> bc.compute.v1.Pool
+	73, // 60: bc.compute.v1.JoinToken.expires_at:type_name -> google.protobuf.Timestamp
+	73, // 61: bc.compute.v1.JoinToken.revoked_at:type_name -> google.protobuf.Timestamp
+	73, // 62: bc.compute.v1.JoinToken.created_at:type_name -> google.protobuf.Timestamp
+	65, // 63: bc.compute.v1.CreateJoinTokenResponse.join_token:type_name -> bc.compute.v1.JoinToken
+	65, // 64: bc.compute.v1.ListJoinTokensResponse.join_tokens:type_name -> bc.compute.v1.JoinToken
+	65, // 65: bc.compute.v1.RevokeJoinTokenResponse.join_token:type_name -> bc.compute.v1.JoinToken
+	34, // 66: bc.compute.v1.NodeService.ListNodes:input_type -> bc.compute.v1.ListNodesRequest
+	36, // 67: bc.compute.v1.NodeService.GetNode:input_type -> bc.compute.v1.GetNodeRequest
+	52, // 68: bc.compute.v1.NodeService.RevokeNode:input_type -> bc.compute.v1.RevokeNodeRequest
+	38, // 69: bc.compute.v1.NodeService.CordonNode:input_type -> bc.compute.v1.CordonNodeRequest
+	40, // 70: bc.compute.v1.NodeService.UncordonNode:input_type -> bc.compute.v1.UncordonNodeRequest
+	43, // 71: bc.compute.v1.CommandService.RunCommand:input_type -> bc.compute.v1.RunCommandRequest
+	45, // 72: bc.compute.v1.CommandService.GetCommand:input_type -> bc.compute.v1.GetCommandRequest
+	47, // 73: bc.compute.v1.CommandService.ListCommands:input_type -> bc.compute.v1.ListCommandsRequest
+	50, // 74: bc.compute.v1.EventService.Watch:input_type -> bc.compute.v1.WatchRequest
+	55, // 75: bc.compute.v1.PoolService.CreateSite:input_type -> bc.compute.v1.CreateSiteRequest
+	57, // 76: bc.compute.v1.PoolService.ListSites:input_type -> bc.compute.v1.ListSitesRequest
+	61, // 77: bc.compute.v1.PoolService.CreatePool:input_type -> bc.compute.v1.CreatePoolRequest
+	63, // 78: bc.compute.v1.PoolService.ListPools:input_type -> bc.compute.v1.ListPoolsRequest
+	16, // 79: bc.compute.v1.PoolService.OfferPool:input_type -> bc.compute.v1.OfferPoolRequest
+	18, // 80: bc.compute.v1.PoolService.ListOffers:input_type -> bc.compute.v1.ListOffersRequest
+	21, // 81: bc.compute.v1.ReservationService.Reserve:input_type -> bc.compute.v1.ReserveRequest
+	23, // 82: bc.compute.v1.ReservationService.GetReservation:input_type -> bc.compute.v1.GetReservationRequest
+	25, // 83: bc.compute.v1.ReservationService.ListReservations:input_type -> bc.compute.v1.ListReservationsRequest
+	27, // 84: bc.compute.v1.ReservationService.ReleaseReservation:input_type -> bc.compute.v1.ReleaseReservationRequest
+	30, // 85: bc.compute.v1.UsageService.ListUsage:input_type -> bc.compute.v1.ListUsageRequest
+	66, // 86: bc.compute.v1.JoinTokenService.CreateJoinToken:input_type -> bc.compute.v1.CreateJoinTokenRequest
+	68, // 87: bc.compute.v1.JoinTokenService.ListJoinTokens:input_type -> bc.compute.v1.ListJoinTokensRequest
+	70, // 88: bc.compute.v1.JoinTokenService.RevokeJoinToken:input_type -> bc.compute.v1.RevokeJoinTokenRequest
+	1,  // 89: bc.compute.v1.TenantService.CreateTenant:input_type -> bc.compute.v1.CreateTenantRequest
+	3,  // 90: bc.compute.v1.TenantService.ListTenants:input_type -> bc.compute.v1.ListTenantsRequest
+	6,  // 91: bc.compute.v1.TokenService.CreateToken:input_type -> bc.compute.v1.CreateTokenRequest
+	8,  // 92: bc.compute.v1.TokenService.ListTokens:input_type -> bc.compute.v1.ListTokensRequest
+	10, // 93: bc.compute.v1.TokenService.RevokeToken:input_type -> bc.compute.v1.RevokeTokenRequest
+	13, // 94: bc.compute.v1.AuditService.ListAudit:input_type -> bc.compute.v1.ListAuditRequest
+	35, // 95: bc.compute.v1.NodeService.ListNodes:output_type -> bc.compute.v1.ListNodesResponse
+	37, // 96: bc.compute.v1.NodeService.GetNode:output_type -> bc.compute.v1.GetNodeResponse
+	53, // 97: bc.compute.v1.NodeService.RevokeNode:output_type -> bc.compute.v1.RevokeNodeResponse
+	39, // 98: bc.compute.v1.NodeService.CordonNode:output_type -> bc.compute.v1.CordonNodeResponse
+	41, // 99: bc.compute.v1.NodeService.UncordonNode:output_type -> bc.compute.v1.UncordonNodeResponse
+	44, // 100: bc.compute.v1.CommandService.RunCommand:output_type -> bc.compute.v1.RunCommandResponse
+	46, // 101: bc.compute.v1.CommandService.GetCommand:output_type -> bc.compute.v1.GetCommandResponse
+	48, // 102: bc.compute.v1.CommandService.ListCommands:output_type -> bc.compute.v1.ListCommandsResponse
+	51, // 103: bc.compute.v1.EventService.Watch:output_type -> bc.compute.v1.WatchResponse
+	56, // 104: bc.compute.v1.PoolService.CreateSite:output_type -> bc.compute.v1.CreateSiteResponse
+	58, // 105: bc.compute.v1.PoolService.ListSites:output_type -> bc.compute.v1.ListSitesResponse
+	62, // 106: bc.compute.v1.PoolService.CreatePool:output_type -> bc.compute.v1.CreatePoolResponse
+	64, // 107: bc.compute.v1.PoolService.ListPools:output_type -> bc.compute.v1.ListPoolsResponse
+	17, // 108: bc.compute.v1.PoolService.OfferPool:output_type -> bc.compute.v1.OfferPoolResponse
+	19, // 109: bc.compute.v1.PoolService.ListOffers:output_type -> bc.compute.v1.ListOffersResponse
+	22, // 110: bc.compute.v1.ReservationService.Reserve:output_type -> bc.compute.v1.ReserveResponse
+	24, // 111: bc.compute.v1.ReservationService.GetReservation:output_type -> bc.compute.v1.GetReservationResponse
+	26, // 112: bc.compute.v1.ReservationService.ListReservations:output_type -> bc.compute.v1.ListReservationsResponse
+	28, // 113: bc.compute.v1.ReservationService.ReleaseReservation:output_type -> bc.compute.v1.ReleaseReservationResponse
+	31, // 114: bc.compute.v1.UsageService.ListUsage:output_type -> bc.compute.v1.ListUsageResponse
+	67, // 115: bc.compute.v1.JoinTokenService.CreateJoinToken:output_type -> bc.compute.v1.CreateJoinTokenResponse
+	69, // 116: bc.compute.v1.JoinTokenService.ListJoinTokens:output_type -> bc.compute.v1.ListJoinTokensResponse
+	71, // 117: bc.compute.v1.JoinTokenService.RevokeJoinToken:output_type -> bc.compute.v1.RevokeJoinTokenResponse
+	2,  // 118: bc.compute.v1.TenantService.CreateTenant:output_type -> bc.compute.v1.CreateTenantResponse
+	4,  // 119: bc.compute.v1.TenantService.ListTenants:output_type -> bc.compute.v1.ListTenantsResponse
+	7,  // 120: bc.compute.v1.TokenService.CreateToken:output_type -> bc.compute.v1.CreateTokenResponse
+	9,  // 121: bc.compute.v1.TokenService.ListTokens:output_type -> bc.compute.v1.ListTokensResponse
+	11, // 122: bc.compute.v1.TokenService.RevokeToken:output_type -> bc.compute.v1.RevokeTokenResponse
+	14, // 123: bc.compute.v1.AuditService.ListAudit:output_type -> bc.compute.v1.ListAuditResponse
+	95, // [95:124] is the sub-list for method output_type
+	66, // [66:95] is the sub-list for method input_type
+	66, // [66:66] is the sub-list for extension type_name
+	66, // [66:66] is the sub-list for extension extendee
+	0,  // [0:66] is the sub-list for field type_name
 }
 
 func init() { file_bc_compute_v1_compute_proto_init() }

@@ -134,7 +134,8 @@ type NodeServiceClient interface {
 	GetNode(context.Context, *connect.Request[v1.GetNodeRequest]) (*connect.Response[v1.GetNodeResponse], error)
 	// RevokeNode revokes every certificate of a node: it can no longer open a
 	// session or renew its certificate, and its open session is closed within
-	// seconds. Revoking a revoked node changes nothing. Errors: NotFound.
+	// seconds. Revoking a revoked node changes nothing (already_revoked: it
+	// keeps its first revocation's time and reason). Errors: NotFound.
 	RevokeNode(context.Context, *connect.Request[v1.RevokeNodeRequest]) (*connect.Response[v1.RevokeNodeResponse], error)
 	// CordonNode stops new placements on a node; its reservations stay.
 	// Cordoning a cordoned node updates the reason. Errors: NotFound.
@@ -230,7 +231,8 @@ type NodeServiceHandler interface {
 	GetNode(context.Context, *connect.Request[v1.GetNodeRequest]) (*connect.Response[v1.GetNodeResponse], error)
 	// RevokeNode revokes every certificate of a node: it can no longer open a
 	// session or renew its certificate, and its open session is closed within
-	// seconds. Revoking a revoked node changes nothing. Errors: NotFound.
+	// seconds. Revoking a revoked node changes nothing (already_revoked: it
+	// keeps its first revocation's time and reason). Errors: NotFound.
 	RevokeNode(context.Context, *connect.Request[v1.RevokeNodeRequest]) (*connect.Response[v1.RevokeNodeResponse], error)
 	// CordonNode stops new placements on a node; its reservations stay.
 	// Cordoning a cordoned node updates the reason. Errors: NotFound.
@@ -538,15 +540,23 @@ func (UnimplementedEventServiceHandler) Watch(context.Context, *connect.Request[
 
 // PoolServiceClient is a client for the bc.compute.v1.PoolService service.
 type PoolServiceClient interface {
+	// CreateSite creates a site, a place in a region shared by every tenant
+	// (root-admin only). Errors: AlreadyExists (name), InvalidArgument (name;
+	// region: required).
 	CreateSite(context.Context, *connect.Request[v1.CreateSiteRequest]) (*connect.Response[v1.CreateSiteResponse], error)
 	ListSites(context.Context, *connect.Request[v1.ListSitesRequest]) (*connect.Response[v1.ListSitesResponse], error)
 	// CreatePool creates a pool in a site. Errors: NotFound (site),
 	// AlreadyExists (name taken in the site), InvalidArgument.
 	CreatePool(context.Context, *connect.Request[v1.CreatePoolRequest]) (*connect.Response[v1.CreatePoolResponse], error)
+	// ListPools lists the pools the caller's tenant owns and those offered to
+	// it (every pool for root-admin), each with the offer to the caller's
+	// tenant when there is one.
 	ListPools(context.Context, *connect.Request[v1.ListPoolsRequest]) (*connect.Response[v1.ListPoolsResponse], error)
 	// OfferPool offers a pool to a tenant with a GPU quota, or changes the
 	// quota of an existing offer (root-admin, or a tenant-admin of the pool's
-	// owner). Errors: NotFound (pool or tenant).
+	// owner). Errors: NotFound (pool: missing, or neither owned by nor offered
+	// to the caller's tenant; tenant), PermissionDenied (a pool offered to the
+	// caller's tenant that another tenant owns).
 	OfferPool(context.Context, *connect.Request[v1.OfferPoolRequest]) (*connect.Response[v1.OfferPoolResponse], error)
 	// ListOffers lists the offers the caller sees: those made to its tenant,
 	// and those of pools its tenant owns (all for root-admin).
@@ -645,15 +655,23 @@ func (c *poolServiceClient) ListOffers(ctx context.Context, req *connect.Request
 
 // PoolServiceHandler is an implementation of the bc.compute.v1.PoolService service.
 type PoolServiceHandler interface {
+	// CreateSite creates a site, a place in a region shared by every tenant
+	// (root-admin only). Errors: AlreadyExists (name), InvalidArgument (name;
+	// region: required).
 	CreateSite(context.Context, *connect.Request[v1.CreateSiteRequest]) (*connect.Response[v1.CreateSiteResponse], error)
 	ListSites(context.Context, *connect.Request[v1.ListSitesRequest]) (*connect.Response[v1.ListSitesResponse], error)
 	// CreatePool creates a pool in a site. Errors: NotFound (site),
 	// AlreadyExists (name taken in the site), InvalidArgument.
 	CreatePool(context.Context, *connect.Request[v1.CreatePoolRequest]) (*connect.Response[v1.CreatePoolResponse], error)
+	// ListPools lists the pools the caller's tenant owns and those offered to
+	// it (every pool for root-admin), each with the offer to the caller's
+	// tenant when there is one.
 	ListPools(context.Context, *connect.Request[v1.ListPoolsRequest]) (*connect.Response[v1.ListPoolsResponse], error)
 	// OfferPool offers a pool to a tenant with a GPU quota, or changes the
 	// quota of an existing offer (root-admin, or a tenant-admin of the pool's
-	// owner). Errors: NotFound (pool or tenant).
+	// owner). Errors: NotFound (pool: missing, or neither owned by nor offered
+	// to the caller's tenant; tenant), PermissionDenied (a pool offered to the
+	// caller's tenant that another tenant owns).
 	OfferPool(context.Context, *connect.Request[v1.OfferPoolRequest]) (*connect.Response[v1.OfferPoolResponse], error)
 	// ListOffers lists the offers the caller sees: those made to its tenant,
 	// and those of pools its tenant owns (all for root-admin).
@@ -755,9 +773,11 @@ type ReservationServiceClient interface {
 	// Reserve asks for gpus GPUs of one node of the pool for duration from
 	// start_time (default: now). Idempotent by request_id: a retried call with
 	// the same request_id returns the first reservation. Errors:
-	// InvalidArgument (field named), PermissionDenied (pool not offered to the
-	// tenant), ResourceExhausted (quota: the message gives the quota and the
-	// GPUs in use), NotFound (pool).
+	// InvalidArgument (field named), PermissionDenied (a pool the caller's
+	// tenant owns but did not offer to itself; root-admin: any pool not
+	// offered to its tenant), ResourceExhausted (quota: the message gives the
+	// quota and the GPUs in use), NotFound (pool: missing, or another
+	// tenant's pool not offered to the caller's tenant, in the same words).
 	Reserve(context.Context, *connect.Request[v1.ReserveRequest]) (*connect.Response[v1.ReserveResponse], error)
 	GetReservation(context.Context, *connect.Request[v1.GetReservationRequest]) (*connect.Response[v1.GetReservationResponse], error)
 	ListReservations(context.Context, *connect.Request[v1.ListReservationsRequest]) (*connect.Response[v1.ListReservationsResponse], error)
@@ -838,9 +858,11 @@ type ReservationServiceHandler interface {
 	// Reserve asks for gpus GPUs of one node of the pool for duration from
 	// start_time (default: now). Idempotent by request_id: a retried call with
 	// the same request_id returns the first reservation. Errors:
-	// InvalidArgument (field named), PermissionDenied (pool not offered to the
-	// tenant), ResourceExhausted (quota: the message gives the quota and the
-	// GPUs in use), NotFound (pool).
+	// InvalidArgument (field named), PermissionDenied (a pool the caller's
+	// tenant owns but did not offer to itself; root-admin: any pool not
+	// offered to its tenant), ResourceExhausted (quota: the message gives the
+	// quota and the GPUs in use), NotFound (pool: missing, or another
+	// tenant's pool not offered to the caller's tenant, in the same words).
 	Reserve(context.Context, *connect.Request[v1.ReserveRequest]) (*connect.Response[v1.ReserveResponse], error)
 	GetReservation(context.Context, *connect.Request[v1.GetReservationRequest]) (*connect.Response[v1.GetReservationResponse], error)
 	ListReservations(context.Context, *connect.Request[v1.ListReservationsRequest]) (*connect.Response[v1.ListReservationsResponse], error)
