@@ -415,11 +415,12 @@ func TestWatchWakesOnNATS(t *testing.T) {
 	start := mark(t, f.db)
 	// The server's own subscription (token revocations) is there already.
 	server := nc.NumSubscriptions()
+	// The watch's first read finds this one without a wake; once it has
+	// been received the watch waits, with no wake pending, for the next.
+	first := insertEvent(t, f.db.Pool, now, f.acme, "node.cordoned")
 	w := watch(t, f.as(f.tokens["acme-viewer"]), &computev1.WatchRequest{AfterId: start})
 	subscribed := func(n int) func() bool { return func() bool { return nc.NumSubscriptions() == server+n } }
 	require.Eventually(t, subscribed(1), 10*time.Second, 10*time.Millisecond, "the watch subscribes")
-	first := insertEvent(t, f.db.Pool, now, f.acme, "node.cordoned")
-	require.NoError(t, nc.Publish(store.SubjectEvents+"."+f.acme+".node.cordoned", []byte("{}")))
 	require.Equal(t, first, w.next(t).Id)
 	// Another tenant's subject does not wake acme's watch.
 	second := insertEvent(t, f.db.Pool, now, f.acme, "node.uncordoned")
@@ -427,6 +428,10 @@ func TestWatchWakesOnNATS(t *testing.T) {
 	w.none(t, 300*time.Millisecond)
 	require.NoError(t, nc.Publish(store.SubjectEvents+"."+f.acme+".node.uncordoned", []byte("{}")))
 	require.Equal(t, second, w.next(t).Id)
+	// And every wake of its own tenant does.
+	third := insertEvent(t, f.db.Pool, now, f.acme, "node.cordoned")
+	require.NoError(t, nc.Publish(store.SubjectEvents+"."+f.acme+".node.cordoned", []byte("{}")))
+	require.Equal(t, third, w.next(t).Id)
 	w.cancel()
 	require.Eventually(t, subscribed(0), 10*time.Second, 10*time.Millisecond, "an ended watch unsubscribes")
 }
