@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -30,13 +31,63 @@ type Event struct {
 	CreatedAt time.Time
 }
 
+// EventTypes are the event types the control plane writes (events.type),
+// sorted: every Event* constant of this package, and nothing else (a test
+// reads the package's source to check it). A watch refuses a type pattern
+// that matches none of them (EventPatternKnown), so a new event type needs
+// its constant here as well. Do not modify the slice.
+var EventTypes = []string{
+	EventCommandExpired,
+	EventCommandFailed,
+	EventCommandQueued,
+	EventCommandSucceeded,
+	EventNodeAcceptanceFailed,
+	EventNodeAdopted,
+	EventNodeCordoned,
+	EventNodeJoined,
+	EventNodeReachable,
+	EventNodeRevoked,
+	EventNodeSpecRefused,
+	EventNodeUncordoned,
+	EventNodeUnreachable,
+	EventReservationActive,
+	EventReservationBound,
+	EventReservationCreated,
+	EventReservationExpired,
+	EventReservationFailed,
+	EventReservationReleased,
+}
+
+// EventFamilies returns the prefix patterns that cover EventTypes, one per
+// first dotted segment, sorted: "command.*", "node.*", "reservation.*".
+func EventFamilies() []string {
+	var out []string
+	for _, t := range EventTypes {
+		family, _, _ := strings.Cut(t, ".")
+		if p := family + ".*"; !slices.Contains(out, p) {
+			out = append(out, p)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// EventPatternKnown reports whether the type pattern p (EventFilter.Types)
+// matches at least one of EventTypes; a pattern that does not can match no
+// event the control plane writes.
+func EventPatternKnown(p string) bool {
+	return slices.ContainsFunc(EventTypes, func(t string) bool { return typeMatches(p, t) })
+}
+
 // EventFilter selects the events a watcher receives.
 type EventFilter struct {
 	// TenantID selects one tenant's events; empty selects every event.
 	TenantID string
 	// Types are patterns: an exact type ("node.cordoned") or a prefix
 	// ending in ".*" ("node.*" matches "node.cordoned", not "node" or
-	// "nodes.x"). Empty matches every type.
+	// "nodes.x"). Empty (nil or no element) matches every type; the
+	// patterns themselves are never empty (the API drops the empty
+	// entries of a comma-separated list).
 	Types []string
 }
 
@@ -48,16 +99,16 @@ func (f EventFilter) Matches(e Event) bool {
 	if len(f.Types) == 0 {
 		return true
 	}
-	for _, p := range f.Types {
-		if prefix, ok := strings.CutSuffix(p, "*"); ok {
-			if strings.HasPrefix(e.Type, prefix) {
-				return true
-			}
-		} else if e.Type == p {
-			return true
-		}
+	return slices.ContainsFunc(f.Types, func(p string) bool { return typeMatches(p, e.Type) })
+}
+
+// typeMatches reports whether the event type typ matches the pattern p
+// (EventFilter.Types).
+func typeMatches(p, typ string) bool {
+	if prefix, ok := strings.CutSuffix(p, "*"); ok {
+		return strings.HasPrefix(typ, prefix)
 	}
-	return false
+	return typ == p
 }
 
 // split returns f's exact types and prefixes ("node.*" → "node.").
@@ -130,6 +181,9 @@ func ScanEvents(ctx context.Context, q DBTX, after int64, f EventFilter, limit i
 }
 
 // MaxEventID returns the highest committed event id, 0 when there is none.
+// Every id a watch ever sent is at most MaxEventID (it was committed before
+// it was sent), so the API refuses to resume after a higher one; that holds
+// as long as the newest event row is never deleted (retention must keep it).
 func MaxEventID(ctx context.Context, q DBTX) (int64, error) {
 	var id int64
 	if err := q.QueryRow(ctx, `SELECT COALESCE(max(id), 0) FROM events`).Scan(&id); err != nil {

@@ -51,7 +51,8 @@ const (
 	// EventNodeCordoned is written when a node is cordoned, or its cordon
 	// reason changes.
 	EventNodeCordoned = "node.cordoned"
-	// EventNodeUncordoned is written when a cordoned node is uncordoned.
+	// EventNodeUncordoned is written when a cordoned node is uncordoned;
+	// its data names the reason of the lifted cordon as previousReason.
 	EventNodeUncordoned = "node.uncordoned"
 	// EventNodeUnreachable is written when the liveness sweeper marks a
 	// reachable node unreachable.

@@ -233,10 +233,11 @@ func TestCordon(t *testing.T) {
 	require.True(t, schedulable())
 	require.Equal(t, pokes+1, f.outbox(store.SubjectPokeScheduler), "uncordon pokes the scheduler")
 	require.Equal(t, []string{store.EventNodeCordoned, store.EventNodeCordoned, store.EventNodeUncordoned}, f.events(node))
-	var reason string
-	require.NoError(t, f.db.Pool.QueryRow(ctx, `SELECT data->>'reason' FROM events WHERE subject_id = $1 AND type = $2`,
-		node, store.EventNodeUncordoned).Scan(&reason))
-	require.Equal(t, "fan replaced tomorrow", reason)
+	var data string
+	require.NoError(t, f.db.Pool.QueryRow(ctx, `SELECT data::text FROM events WHERE subject_id = $1 AND type = $2`,
+		node, store.EventNodeUncordoned).Scan(&data))
+	require.JSONEq(t, `{"nodeId": "`+node+`", "previousReason": "fan replaced tomorrow"}`, data,
+		"an uncordon has no reason of its own: the lifted cordon's is previousReason")
 	require.Equal(t, 2, f.outbox(store.SubjectEvents+"."+f.fleet.OwnerID+"."+store.EventNodeCordoned))
 
 	_, err = store.CordonNode(ctx, f.db.Pool, f.db.Now(), "node_missing", "x")

@@ -296,9 +296,11 @@ func CordonNode(ctx context.Context, q DBTX, now time.Time, nodeID, reason strin
 }
 
 // UncordonNode lets the scheduler place on node nodeID again: it clears the
-// cordon and its reason, writes a node.uncordoned event (with the reason it
-// had) and pokes the scheduler when the node was cordoned, and reports
-// whether it was. Call it in a transaction. Errors: ErrNotFound.
+// cordon and its reason, writes a node.uncordoned event and pokes the
+// scheduler when the node was cordoned, and reports whether it was. The
+// event's data is {"nodeId", "previousReason"}: the reason of the cordon it
+// lifted, not a reason of its own (an uncordon has none). Call it in a
+// transaction. Errors: ErrNotFound.
 func UncordonNode(ctx context.Context, q DBTX, now time.Time, nodeID string) (bool, error) {
 	var (
 		was           bool
@@ -316,7 +318,7 @@ func UncordonNode(ctx context.Context, q DBTX, now time.Time, nodeID string) (bo
 		return false, nil
 	}
 	if err := InsertNodeEvents(ctx, q, now, []NodeEvent{{TenantID: owner, Type: EventNodeUncordoned, NodeID: nodeID,
-		Data: map[string]any{"reason": reason}}}); err != nil {
+		Data: map[string]any{"previousReason": reason}}}); err != nil {
 		return false, err
 	}
 	// Pending reservations may fit on the node now.

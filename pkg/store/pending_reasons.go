@@ -81,7 +81,7 @@ func FailNeverPlaced(ctx context.Context, q DBTX, now time.Time, ids []string) (
 		if err != nil {
 			return nil, err
 		}
-		events = append(events, ReservationEvent{TenantID: f.TenantID, Type: "reservation.failed", SubjectID: f.ID, Data: data})
+		events = append(events, ReservationEvent{TenantID: f.TenantID, Type: EventReservationFailed, SubjectID: f.ID, Data: data})
 	}
 	if err := InsertReservationEvents(ctx, q, now, events); err != nil {
 		return nil, err

@@ -178,7 +178,7 @@ func PlaceReservations(ctx context.Context, q DBTX, signer *IntentSigner, now ti
 		if err != nil {
 			return nil, err
 		}
-		events = append(events, ReservationEvent{TenantID: p.TenantID, Type: "reservation.bound", SubjectID: p.ReservationID, Data: data})
+		events = append(events, ReservationEvent{TenantID: p.TenantID, Type: EventReservationBound, SubjectID: p.ReservationID, Data: data})
 	}
 	if len(placed) == 0 {
 		return nil, nil
@@ -238,7 +238,7 @@ func FailReservations(ctx context.Context, q DBTX, now time.Time, fs []Reservati
 		if err != nil {
 			return nil, err
 		}
-		events = append(events, ReservationEvent{TenantID: f.TenantID, Type: "reservation.failed", SubjectID: f.ID, Data: data})
+		events = append(events, ReservationEvent{TenantID: f.TenantID, Type: EventReservationFailed, SubjectID: f.ID, Data: data})
 	}
 	if err := InsertReservationEvents(ctx, q, now, events); err != nil {
 		return nil, err
@@ -291,7 +291,7 @@ func ActivateReservation(ctx context.Context, q DBTX, now time.Time, nodeID, id 
 	if err != nil {
 		return Activation{}, err
 	}
-	if err := InsertReservationEvent(ctx, q, now, a.TenantID, "reservation.active", id, data); err != nil {
+	if err := InsertReservationEvent(ctx, q, now, a.TenantID, EventReservationActive, id, data); err != nil {
 		return Activation{}, err
 	}
 	a.Activated, a.State = true, ReservationActive

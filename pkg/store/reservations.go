@@ -268,10 +268,26 @@ type CreatedReservation struct {
 	Existing bool
 }
 
-// Event types of reservations written by CreateReservation.
+// Event types of reservations (events.type; subject the reservation id).
 const (
+	// EventReservationCreated is written when a reservation is made
+	// (CreateReservation).
 	EventReservationCreated = "reservation.created"
-	EventReservationFailed  = "reservation.failed"
+	// EventReservationFailed is written when a reservation fails: refused
+	// at once, no longer placeable, or its node was revoked.
+	EventReservationFailed = "reservation.failed"
+	// EventReservationBound is written when the scheduler books devices
+	// for a reservation.
+	EventReservationBound = "reservation.bound"
+	// EventReservationActive is written when the node reports the
+	// reservation's devices bound.
+	EventReservationActive = "reservation.active"
+	// EventReservationReleased is written when a reservation is released
+	// (EndReservation).
+	EventReservationReleased = "reservation.released"
+	// EventReservationExpired is written when a reservation reaches its end
+	// time (EndReservation).
+	EventReservationExpired = "reservation.expired"
 )
 
 // RequestConflictError is the refusal of a request id already used by the

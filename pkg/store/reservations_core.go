@@ -214,7 +214,11 @@ func EndReservation(ctx context.Context, q DBTX, signer *IntentSigner, now time.
 	if err != nil {
 		return EndedReservation{}, err
 	}
-	if err := InsertReservationEvent(ctx, q, now, tenant, "reservation."+state, id, data); err != nil {
+	typ := EventReservationReleased
+	if state == ReservationExpired {
+		typ = EventReservationExpired
+	}
+	if err := InsertReservationEvent(ctx, q, now, tenant, typ, id, data); err != nil {
 		return EndedReservation{}, err
 	}
 	res.State, res.Changed = state, true

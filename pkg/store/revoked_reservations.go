@@ -37,7 +37,7 @@ func FailNodeReservations(ctx context.Context, q DBTX, signer *IntentSigner, now
 			return nil, err
 		}
 		ids = append(ids, id)
-		events = append(events, ReservationEvent{TenantID: tenant, Type: "reservation." + ReservationFailed, SubjectID: id, Data: data})
+		events = append(events, ReservationEvent{TenantID: tenant, Type: EventReservationFailed, SubjectID: id, Data: data})
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {

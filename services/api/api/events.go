@@ -111,7 +111,10 @@ type eventService struct{ *Server }
 // root-admin) whose type matches req.Types, after req.AfterId (0: from the
 // newest committed event; with req.FromStart: every retained event), oldest
 // first, then each new one as it commits
-// (WatchConfig says how gaps in the ids are handled). It ends when the
+// (WatchConfig says how gaps in the ids are handled). It refuses
+// (InvalidArgument) a type pattern that matches none of store.EventTypes
+// ("types[i]: …") and an after_id above the newest committed event id
+// ("after_id: …", naming that id). It ends when the
 // client cancels (no error), the server shuts down or the database cannot
 // be reached (Unavailable: resume with the last id received), or the
 // caller's token is revoked or expires (Unauthenticated "api token was
@@ -132,7 +135,8 @@ func (s *eventService) Watch(ctx context.Context, req *connect.Request[computev1
 			SubjectId: e.SubjectID, DataJson: string(e.Data), Time: timestamppb.New(e.CreatedAt)}})
 	}
 	// The shared interceptor (service.HandlerOptions) masks internal errors.
-	return s.watch(ctx, p, req.Header().Get("Authorization"), req.Msg.Types, req.Msg.AfterId, req.Msg.FromStart, ready, send)
+	return s.watch(ctx, p, req.Header().Get("Authorization"), watchRequest{types: req.Msg.Types, after: req.Msg.AfterId,
+		fromStart: req.Msg.FromStart, afterName: "after_id"}, ready, send)
 }
 
 // watchEventJSON is one line of WatchPath, the shape of the events NATS
@@ -150,8 +154,12 @@ type watchEventJSON struct {
 // (application/x-ndjson), one event per line, flushed per event, with the
 // semantics of EventService.Watch. types is a comma-separated list of
 // patterns and may be repeated (types=node.*&types=reservation.active,
-// command.*): the watch takes every pattern of every types parameter;
-// after is the id of the last event received; from_start=true (a Go
+// command.*): the watch takes every pattern of every types parameter, and
+// they are numbered in that order in refusals (types[2]). Empty entries
+// ("node.*,,command.*", a trailing comma, types=) are dropped, so that no
+// pattern at all (types= alone) watches every type, as no types parameter
+// does; after is the id of the last event received (above the newest
+// event id: refused, naming after); from_start=true (a Go
 // boolean: true, false, 1, 0, …) replays every retained event and may not
 // come with a non-zero after. Refusals are JSON
 // objects {"code": "...", "message": "..."} with 401 (missing or bad
@@ -223,8 +231,8 @@ func (s *Server) serveWatch(w http.ResponseWriter, r *http.Request) {
 		return rc.Flush()
 	}
 	started := false
-	err = s.watch(ctx, p, authorization, req.Types, req.AfterId, req.FromStart,
-		func(cursor int64) error { started = true; return ready(cursor) }, send)
+	err = s.watch(ctx, p, authorization, watchRequest{types: req.Types, after: req.AfterId, fromStart: req.FromStart,
+		afterName: "after"}, func(cursor int64) error { started = true; return ready(cursor) }, send)
 	if err != nil && ctx.Err() == nil {
 		s.writeWatchError(w, r, started, err)
 	}
@@ -251,6 +259,8 @@ func (s *Server) writeWatchError(w http.ResponseWriter, r *http.Request, started
 	if !started {
 		status := http.StatusInternalServerError
 		switch code {
+		case connect.CodeInvalidArgument:
+			status = http.StatusBadRequest
 		case connect.CodeUnavailable:
 			status = http.StatusServiceUnavailable
 		case connect.CodeUnauthenticated:
@@ -326,20 +336,56 @@ type watcher struct {
 	hold   *gapHold
 }
 
+// watchRequest is what a watch asks for, checked by protovalidate
+// (computev1.WatchRequest's rules) but not yet against the events.
+type watchRequest struct {
+	// types are the type patterns (store.EventFilter.Types).
+	types []string
+	// after is the id to resume after; 0 for none.
+	after int64
+	// fromStart replays every retained event (after is then 0).
+	fromStart bool
+	// afterName names after in refusals: "after_id" (EventService.Watch)
+	// or "after" (WatchPath).
+	afterName string
+}
+
 // watch runs one watch for p, who authenticated with the Authorization
-// header value authorization: it fixes the cursor (after; 0 with fromStart,
-// so that every retained event comes; otherwise the newest committed id when
-// after is 0), calls ready, then calls send for every
+// header value authorization: it checks req (InvalidArgument: a type
+// pattern that matches no event type, an after above the newest event id),
+// fixes the cursor (req.after; 0 with req.fromStart, so that every retained
+// event comes; otherwise the newest committed id when req.after is 0),
+// calls ready, then calls send for every
 // matching event in id order until ctx ends (nil), the server stops
 // (Unavailable), send fails (its error), the database does (Internal, or
 // Unavailable when it cannot be reached: service.PublicError), or the
 // caller no longer authenticates (Unauthenticated; recheck, every
 // WatchConfig.AuthCheck and at p.ExpiresAt).
-func (s *Server) watch(ctx context.Context, p iam.Principal, authorization string, types []string, after int64,
-	fromStart bool, ready func(cursor int64) error, send func(store.Event) error,
+func (s *Server) watch(ctx context.Context, p iam.Principal, authorization string, req watchRequest,
+	ready func(cursor int64) error, send func(store.Event) error,
 ) error {
+	if err := checkTypePatterns(req.types); err != nil {
+		return err
+	}
 	w := &watcher{s: s, cfg: s.cfg.Watch.withDefaults(), p: p, authorization: authorization,
-		filter: store.EventFilter{TenantID: p.TenantScope(), Types: types}, cursor: after}
+		filter: store.EventFilter{TenantID: p.TenantScope(), Types: req.types}, cursor: req.after}
+	if req.after != 0 {
+		newest, err := store.MaxEventID(ctx, s.db.Pool)
+		if err != nil {
+			return w.end(ctx, err)
+		}
+		// A client resumes only after ids it received, and every one was
+		// committed before it was sent, so it is at most newest even when
+		// more ids commit between the client's read and ours: a higher one
+		// is a mistake (a typo, an id of another deployment, a database
+		// restored from an older backup), and a watch after it would wait,
+		// silently, for ids this database has not reached.
+		if req.after > newest {
+			return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf(
+				"%s: %d is above the newest event id, %d: resume after an id this API sent (0 watches from now)",
+				req.afterName, req.after, newest))
+		}
+	}
 	wake := make(chan struct{}, 1)
 	if s.nc != nil {
 		// The outbox relay publishes an event after its commit: a hint to
@@ -360,7 +406,7 @@ func (s *Server) watch(ctx context.Context, p iam.Principal, authorization strin
 			defer func() { _ = sub.Unsubscribe() }()
 		}
 	}
-	if after == 0 && !fromStart {
+	if req.after == 0 && !req.fromStart {
 		id, err := store.MaxEventID(ctx, s.db.Pool)
 		if err != nil {
 			return w.end(ctx, err)
@@ -437,6 +483,20 @@ func (s *Server) watch(ctx context.Context, p iam.Principal, authorization strin
 		default:
 		}
 	}
+}
+
+// checkTypePatterns refuses (InvalidArgument, naming types[i]) a type
+// pattern that matches none of the event types the control plane writes
+// (store.EventPatternKnown): such a watch would never deliver anything.
+func checkTypePatterns(types []string) error {
+	for i, t := range types {
+		if !store.EventPatternKnown(t) {
+			return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf(
+				"types[%d]: %q matches no event type (every event type is in one of the families %s)",
+				i, t, strings.Join(store.EventFamilies(), ", ")))
+		}
+	}
+	return nil
 }
 
 // recheckDelay is how long a watch holding a gap waits before it reads

@@ -10,6 +10,7 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -130,6 +131,24 @@ func (s *eventStream) next(t *testing.T) *computev1.Event {
 		return e
 	case <-timer.C():
 		t.Fatal("no event within 10s")
+		return nil
+	}
+}
+
+// refusal returns the error a refused watch ended with, failing when it
+// delivers an event or has not ended within 10 s.
+func (s *eventStream) refusal(t *testing.T) error {
+	t.Helper()
+	timer := clock.New().NewTimer(10 * time.Second)
+	defer timer.Stop()
+	select {
+	case e, ok := <-s.events:
+		if ok {
+			t.Fatalf("the watch was accepted: event %d", e.GetId())
+		}
+		return <-s.done
+	case <-timer.C():
+		t.Fatal("the watch was accepted: no refusal within 10s")
 		return nil
 	}
 }
@@ -735,4 +754,92 @@ func firstEvent(ctx context.Context, c clients, req *computev1.WatchRequest) err
 		return err
 	}
 	return errors.New("the watch ended without an event")
+}
+
+// TestWatchRefusesAfterBeyondNewest checks that a watch after an id above
+// the newest committed event id, which no watch ever sent, is refused on
+// both paths, naming the field and the newest id, rather than accepted to
+// wait for ever; after the newest id itself, from now and from the start
+// are accepted, also when there is no event at all.
+func TestWatchRefusesAfterBeyondNewest(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	viewer := f.tokens["acme-viewer"]
+	c := f.as(viewer)
+
+	// No event yet: any after is beyond the newest (0).
+	empty := watch(t, c, &computev1.WatchRequest{AfterId: 1})
+	requireCode(t, empty.refusal(t), connect.CodeInvalidArgument, "after_id: 1 is above the newest event id, 0")
+	f.refusedWatch(t, viewer, url.Values{"after": {"1"}}, http.StatusBadRequest, "invalid_argument",
+		"after: 1 is above the newest event id, 0")
+	fromNow := f.getWatch(t.Context(), t, viewer, url.Values{"after": {"0"}})
+	defer fromNow.Body.Close()
+	require.Equal(t, http.StatusOK, fromNow.StatusCode, "after=0 is from now")
+	require.Equal(t, "0", fromNow.Header.Get(api.WatchCursorHeader))
+
+	newest := insertEvent(t, f.db.Pool, f.db.Now(), f.acme, "node.cordoned")
+	beyond := strconv.FormatInt(newest+1, 10)
+	bad := watch(t, c, &computev1.WatchRequest{AfterId: newest + 1})
+	requireCode(t, bad.refusal(t), connect.CodeInvalidArgument,
+		"after_id: "+beyond+" is above the newest event id, "+strconv.FormatInt(newest, 10))
+	f.refusedWatch(t, viewer, url.Values{"after": {"99999999"}}, http.StatusBadRequest, "invalid_argument",
+		"after: 99999999 is above the newest event id, "+strconv.FormatInt(newest, 10))
+	f.refusedWatch(t, viewer, url.Values{"after": {beyond}, "types": {"node.*"}}, http.StatusBadRequest,
+		"invalid_argument", "after: "+beyond)
+
+	// After the newest id: accepted, and the next event comes.
+	atNewest := watch(t, c, &computev1.WatchRequest{AfterId: newest})
+	res := f.getWatch(t.Context(), t, viewer, url.Values{"after": {strconv.FormatInt(newest, 10)}})
+	defer res.Body.Close()
+	require.Equal(t, http.StatusOK, res.StatusCode)
+	fromStart := watch(t, c, &computev1.WatchRequest{FromStart: true})
+	require.Equal(t, newest, fromStart.next(t).Id)
+	next := insertEvent(t, f.db.Pool, f.db.Now(), f.acme, "node.uncordoned")
+	require.Equal(t, next, atNewest.next(t).Id)
+	require.Equal(t, []int64{next}, ndjsonIDs(t, bufio.NewScanner(res.Body), 1))
+	require.Equal(t, next, fromStart.next(t).Id)
+}
+
+// TestWatchRefusesUnknownTypes checks that a type pattern that matches
+// none of the event types the control plane writes is refused on both
+// paths, naming its index and the families; empty entries of the NDJSON
+// path's comma-separated lists are dropped (not counted), and types= alone
+// watches every type.
+func TestWatchRefusesUnknownTypes(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	viewer := f.tokens["acme-viewer"]
+	c := f.as(viewer)
+	start := mark(t, f.db)
+	after := strconv.FormatInt(start, 10)
+
+	for types, field := range map[string]string{"bogus": "types[0]", "node.*,bogus.*": "types[1]",
+		"node.cordon": "types[0]", "reservation.active,node.acceptance.*": "types[1]"} {
+		bad := watch(t, c, &computev1.WatchRequest{AfterId: start, Types: strings.Split(types, ",")})
+		err := bad.refusal(t)
+		requireCode(t, err, connect.CodeInvalidArgument, field+": ")
+		requireCode(t, err, connect.CodeInvalidArgument, "matches no event type")
+		requireCode(t, err, connect.CodeInvalidArgument, "command.*, node.*, reservation.*")
+		f.refusedWatch(t, viewer, url.Values{"after": {after}, "types": {types}}, http.StatusBadRequest,
+			"invalid_argument", field+": ")
+	}
+	f.refusedWatch(t, viewer, url.Values{"types": {"node.*,,bogus"}}, http.StatusBadRequest, "invalid_argument",
+		`types[1]: "bogus" matches no event type`)
+	f.refusedWatch(t, viewer, url.Values{"types": {"node.*", "", "x.*"}}, http.StatusBadRequest, "invalid_argument",
+		`types[1]: "x.*" matches no event type`)
+
+	// Empty entries are dropped; types= alone is every type.
+	node := insertEvent(t, f.db.Pool, f.db.Now(), f.acme, "node.cordoned")
+	cmd := insertEvent(t, f.db.Pool, f.db.Now(), f.acme, "command.succeeded")
+	res := insertEvent(t, f.db.Pool, f.db.Now(), f.acme, "reservation.active")
+	some := f.getWatch(t.Context(), t, viewer, url.Values{"after": {after}, "types": {"node.*,,reservation.*,"}})
+	defer some.Body.Close()
+	require.Equal(t, http.StatusOK, some.StatusCode)
+	require.Equal(t, []int64{node, res}, ndjsonIDs(t, bufio.NewScanner(some.Body), 2))
+	all := f.getWatch(t.Context(), t, viewer, url.Values{"after": {after}, "types": {""}})
+	defer all.Body.Close()
+	require.Equal(t, http.StatusOK, all.StatusCode)
+	require.Equal(t, []int64{node, cmd, res}, ndjsonIDs(t, bufio.NewScanner(all.Body), 3))
+	w := watch(t, c, &computev1.WatchRequest{AfterId: start, Types: []string{"node.cordoned", "command.*"}})
+	require.Equal(t, []int64{node, cmd}, w.ids(t, 2))
 }

@@ -64,6 +64,8 @@ type controlPlane struct {
 	gw        *fakeGateway
 	joinURL   string
 	gwURL     string
+	// gwServer serves gw (CloseClientConnections drops the sessions' connections).
+	gwServer *httptest.Server
 	// pins are the deployment's pins, as pins.json would hold them.
 	pins pki.Pins
 }
@@ -110,7 +112,8 @@ func newControlPlane(t *testing.T, maxUses int) *controlPlane {
 		w.Header().Set("Content-Type", "application/json")
 		_ = json.NewEncoder(w).Encode(j.wellKnown(jsrv.URL))
 	}))
-	cp := &controlPlane{t: t, nodeCA: nodeCA, servingCA: servingCA, join: j, gw: gw, joinURL: jsrv.URL, gwURL: gsrv.URL}
+	cp := &controlPlane{t: t, nodeCA: nodeCA, servingCA: servingCA, join: j, gw: gw, joinURL: jsrv.URL, gwURL: gsrv.URL,
+		gwServer: gsrv}
 	cp.pins.ServingCA = pki.PinOfSPKI(servingCA.Cert.RawSubjectPublicKeyInfo)
 	cp.pins.JoinSigning, err = pki.SPKIPin(signKey.Public())
 	require.NoError(t, err)
@@ -735,6 +738,31 @@ func TestRebootAndReconnect(t *testing.T) {
 	b, err := os.ReadFile(filepath.Join(m.Dir(), fakedaemon.BootFile))
 	require.NoError(t, err)
 	require.Equal(t, "1\n", string(b), "the reboot is persisted")
+}
+
+// TestLostGatewayConnection: a session whose connection drops (the gateway
+// was killed) ends as unavailable, "lost the connection to the gateway",
+// not as connect-go's "internal: protocol error: incomplete envelope", and
+// the machine reconnects.
+func TestLostGatewayConnection(t *testing.T) {
+	cp := newControlPlane(t, 1)
+	var logs syncBuffer
+	r, _ := start(t, cp.config(t.TempDir(), 1), fakedaemon.Deps{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	waitEstablished(t, r)
+	m := r.Machines()[0]
+	node := m.NodeID()
+
+	cp.gwServer.CloseClientConnections()
+	require.Eventually(t, func() bool { return len(cp.gw.helloes(node)) == 2 && m.State() == daemon.StateEstablished },
+		waitFor, tick, "the machine reconnects (logs %s)", logs.String())
+	var ended []string
+	for _, l := range strings.Split(logs.String(), "\n") {
+		if strings.Contains(l, `msg="session ended"`) {
+			ended = append(ended, l)
+		}
+	}
+	require.Len(t, ended, 1, logs.String())
+	require.Contains(t, ended[0], `err="unavailable: lost the connection to the gateway: `)
 }
 
 // A crash while saving the identity leaves only a temporary file: the next

@@ -29,6 +29,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/daemon"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/telemetry"
 )
 
@@ -488,13 +489,15 @@ const revokedMessage = "certificate revoked"
 // classify marks a session error that is a revocation (Connect
 // Unauthenticated "certificate revoked", at Session start or closing an
 // established session) with daemon.ErrRevoked, which stops the daemon core
-// for good; other errors are returned as they are.
+// for good, and reports a connection that dropped mid-stream (the gateway
+// was killed) as Unavailable "lost the connection to the gateway: …"
+// (service.ConnectionLost); other errors are returned as they are.
 func classify(err error) error {
 	var cerr *connect.Error
 	if errors.As(err, &cerr) && cerr.Code() == connect.CodeUnauthenticated && strings.Contains(cerr.Message(), revokedMessage) {
 		return fmt.Errorf("%w: %w", daemon.ErrRevoked, err)
 	}
-	return err
+	return service.ConnectionLost(err, "the gateway")
 }
 
 func (d *driver) loop(ctx context.Context) error {
@@ -510,11 +513,12 @@ func (d *driver) loop(ctx context.Context) error {
 			return nil
 		case ev := <-d.events:
 			if ev.err != nil {
+				err := classify(ev.err)
 				if d.cur != nil && d.cur.n == ev.session {
-					d.log.Info("session ended", "session", ev.session, telemetry.KeyError, ev.err)
+					d.log.Info("session ended", "session", ev.session, telemetry.KeyError, err)
 					d.closeSession()
 				}
-				d.apply(d.agent.Disconnected(d.clk.Now(), ev.session, classify(ev.err)))
+				d.apply(d.agent.Disconnected(d.clk.Now(), ev.session, err))
 			} else {
 				d.apply(d.agent.Receive(d.clk.Now(), ev.session, ev.msg))
 			}

@@ -10,6 +10,7 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
+	"github.com/better-compute/better-compute/pkg/service"
 )
 
 const (
@@ -67,7 +68,7 @@ func (a *app) clients() (*apiClients, error) {
 	})
 	hc := &http.Client{Timeout: 60 * time.Second}
 	base := a.baseURL() + apiPath
-	opt := connect.WithInterceptors(headers)
+	opt := connect.WithInterceptors(lostConnection{}, headers)
 	return &apiClients{
 		nodes:     computev1connect.NewNodeServiceClient(hc, base, opt),
 		pools:     computev1connect.NewPoolServiceClient(hc, base, opt),
@@ -79,4 +80,41 @@ func (a *app) clients() (*apiClients, error) {
 		audit:     computev1connect.NewAuditServiceClient(hc, base, opt),
 		commands:  computev1connect.NewCommandServiceClient(hc, base, opt),
 	}, nil
+}
+
+// apiPeer names the API in errors about the connection to it.
+const apiPeer = "the API server"
+
+// lostConnection is a client interceptor that reports a connection to the
+// API dropped in the middle of a response (the server was killed or
+// restarted) as Unavailable "lost the connection to the API server: …"
+// (service.ConnectionLost) rather than as connect-go's "internal: protocol
+// error: incomplete envelope: unexpected EOF", so that the user reads what
+// happened and the retries of `commands run --wait` and `events watch`
+// (transientError) take it for the transient failure it is.
+type lostConnection struct{}
+
+func (lostConnection) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
+	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+		res, err := next(ctx, req)
+		return res, service.ConnectionLost(err, apiPeer)
+	}
+}
+
+func (lostConnection) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
+	return func(ctx context.Context, spec connect.Spec) connect.StreamingClientConn {
+		return lostConnectionConn{next(ctx, spec)}
+	}
+}
+
+func (lostConnection) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
+	return next
+}
+
+// lostConnectionConn is a stream whose Receive errors pass through
+// service.ConnectionLost.
+type lostConnectionConn struct{ connect.StreamingClientConn }
+
+func (c lostConnectionConn) Receive(msg any) error {
+	return service.ConnectionLost(c.StreamingClientConn.Receive(msg), apiPeer)
 }

@@ -165,7 +165,9 @@ func (a *app) commandsRunCmd() *cobra.Command {
 
 // transientError reports whether err, from a call whose context is still
 // live, says the API could not be reached or answer for now (Unavailable, a
-// dropped connection, a timeout) rather than refused the call.
+// dropped connection, a timeout) rather than refused the call. A connection
+// lost mid-response is Unavailable too: every client of the CLI reports it
+// so (lostConnection).
 func transientError(err error) bool {
 	switch connect.CodeOf(err) {
 	case connect.CodeUnavailable, connect.CodeCanceled, connect.CodeDeadlineExceeded, connect.CodeUnknown:

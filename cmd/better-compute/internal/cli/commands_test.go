@@ -120,6 +120,37 @@ func TestCommands(t *testing.T) {
 // it) and reports the command's end, not the outage.
 func TestCommandsRunWaitRidesOutAnOutage(t *testing.T) {
 	t.Parallel()
+	id, res := runWaitThrough(t, func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusServiceUnavailable)
+		_, _ = w.Write([]byte(`{"code":"unavailable","message":"the api is restarting"}`))
+	})
+	require.Contains(t, res.stderr, "commands run: waiting for "+id+": unavailable: the api is restarting; retrying")
+}
+
+// TestCommandsRunWaitRidesOutLostConnections: a connection that drops in the
+// middle of a response (the API was killed) is a transient failure too, and
+// reads as one: "unavailable: lost the connection to the API server".
+func TestCommandsRunWaitRidesOutLostConnections(t *testing.T) {
+	t.Parallel()
+	id, res := runWaitThrough(t, func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/proto")
+		w.Header().Set("Content-Length", "100")
+		w.WriteHeader(http.StatusOK)
+		_, _ = w.Write([]byte{0x0a, 0x02})
+		http.NewResponseController(w).Flush() //nolint:errcheck // the client sees what was written
+		panic(http.ErrAbortHandler)           // drop the connection
+	})
+	require.Contains(t, res.stderr, "commands run: waiting for "+id+
+		": unavailable: lost the connection to the API server: read message: unexpected EOF; retrying")
+}
+
+// runWaitThrough runs `commands run --wait` through a proxy of a fleet's API
+// that answers its first three GetCommand calls with fail, then lets the
+// command succeed; it checks that the command waited for the success and
+// returns its id and the command's result.
+func runWaitThrough(t *testing.T, fail http.HandlerFunc) (string, result) {
+	t.Helper()
 	f := newFleet(t)
 	target, err := url.Parse(f.url)
 	require.NoError(t, err)
@@ -127,9 +158,7 @@ func TestCommandsRunWaitRidesOutAnOutage(t *testing.T) {
 	var refused atomic.Int64
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if strings.HasSuffix(r.URL.Path, "/GetCommand") && refused.Add(1) <= 3 {
-			w.Header().Set("Content-Type", "application/json")
-			w.WriteHeader(http.StatusServiceUnavailable)
-			_, _ = w.Write([]byte(`{"code":"unavailable","message":"the api is restarting"}`))
+			fail(w, r)
 			return
 		}
 		proxy.ServeHTTP(w, r)
@@ -157,7 +186,7 @@ func TestCommandsRunWaitRidesOutAnOutage(t *testing.T) {
 	require.Equal(t, 0, res.code, res.stderr)
 	cmd := parseCommand(t, res.stdout)
 	require.Equal(t, "succeeded", cmd.State)
-	require.Contains(t, res.stderr, "commands run: waiting for "+cmd.ID+": unavailable: the api is restarting; retrying")
+	return cmd.ID, res
 }
 
 // TestCommandsRunTimeout: --timeout 0 or negative is refused by the CLI

@@ -19,7 +19,8 @@ import (
 )
 
 // Reconnection delays of `events watch`: the first after a dropped stream,
-// doubling up to the most.
+// doubling up to the most while no stream is established; once one is (its
+// response headers arrived), the next drop waits watchRetryFirst again.
 const (
 	watchRetryFirst = 500 * time.Millisecond
 	watchRetryMost  = 10 * time.Second
@@ -52,14 +53,17 @@ func (a *app) eventsWatchCmd() *cobra.Command {
 		Use:   "watch [--types node.*,reservation.*] [--after ID | --from-start]",
 		Short: "Print events as they happen, one JSON object per line",
 		Long: "Print events as they happen, one JSON object per line ({id, type, tenantId, subjectId, data, time}),\n" +
-			"oldest first. --after ID starts after the event with that id, --from-start with the oldest event\n" +
-			"retained (default: from now). When the stream drops, the command reconnects and resumes after the\n" +
-			"last event printed, with no gap and no duplicate (before the first event: after the newest event\n" +
-			"when it started, or from the start if there was none or --from-start was given). It runs until\n" +
-			"interrupted.",
+			"oldest first. --after ID starts after the event with that id (an id above the newest event's is\n" +
+			"refused), --from-start with the oldest event retained (default: from now). --types takes exact\n" +
+			"types and families (node.*, command.*, reservation.*); a pattern that matches no event type is\n" +
+			"refused. When the stream drops, the command reconnects and resumes after the last event printed,\n" +
+			"with no gap and no duplicate. Before the first event printed, it resumes after the id the stream\n" +
+			"started after, which the server names in the Bc-Watch-After response header (the --after ID, or\n" +
+			"the newest event id when a watch from now started), or from the start when that is 0 (there was\n" +
+			"no event yet, or --from-start). It runs until interrupted.",
 		Args: cobra.NoArgs,
 	}
-	c.Flags().StringVar(&types, "types", "", "comma-separated type patterns: exact (node.cordoned) or prefix (node.*); default: all")
+	c.Flags().StringVar(&types, "types", "", "comma-separated type patterns: exact (node.cordoned) or family (node.*); empty entries are ignored; default: all")
 	c.Flags().Int64Var(&after, "after", 0, "start after the event with this id")
 	c.Flags().BoolVar(&fromStart, "from-start", false, "replay every retained event, oldest first, then go on live")
 	c.MarkFlagsMutuallyExclusive("after", "from-start")
@@ -82,7 +86,7 @@ func (a *app) eventsWatchCmd() *cobra.Command {
 		}
 		// No client timeout: the stream lasts until interrupted.
 		client := computev1connect.NewEventServiceClient(&http.Client{}, a.baseURL()+apiPath,
-			connect.WithInterceptors(streamHeaders{token: token, tenant: a.env.Getenv("BETTER_COMPUTE_TENANT")}))
+			connect.WithInterceptors(lostConnection{}, streamHeaders{token: token, tenant: a.env.Getenv("BETTER_COMPUTE_TENANT")}))
 		return a.watchEvents(cmd.Context(), client, req)
 	}
 	return c
@@ -90,12 +94,16 @@ func (a *app) eventsWatchCmd() *cobra.Command {
 
 // watchEvents prints the events of req's watch, reconnecting after a
 // dropped stream from the last id printed (watchOnce moves req), until ctx
-// ends (nil) or the API refuses the watch (its error).
+// ends (nil) or the API refuses the watch (its error). The delay before a
+// reconnect doubles from watchRetryFirst up to watchRetryMost while no
+// stream is established, and starts again from watchRetryFirst after one
+// was, whether or not it delivered an event: a quiet filtered watch is as
+// quick to come back as a busy one.
 func (a *app) watchEvents(ctx context.Context, client computev1connect.EventServiceClient, req *computev1.WatchRequest) error {
 	enc := json.NewEncoder(a.env.Stdout)
 	delay := watchRetryFirst
 	for {
-		printed, err := a.watchOnce(ctx, client, req, enc)
+		established, err := a.watchOnce(ctx, client, req, enc)
 		if ctx.Err() != nil {
 			return nil
 		}
@@ -103,7 +111,7 @@ func (a *app) watchEvents(ctx context.Context, client computev1connect.EventServ
 		case connect.CodeUnauthenticated, connect.CodePermissionDenied, connect.CodeInvalidArgument:
 			return err
 		}
-		if printed {
+		if established {
 			delay = watchRetryFirst
 		}
 		reason := "the stream ended"
@@ -126,15 +134,17 @@ func (a *app) watchEvents(ctx context.Context, client computev1connect.EventServ
 const watchCursorHeader = "Bc-Watch-After"
 
 // watchOnce runs one Watch call, printing each event and moving
-// req.AfterId past it (and clearing req.FromStart); printed reports whether
-// it printed any. A watch "from now" takes its starting id from the
-// Bc-Watch-After header, once the stream has delivered an event or ended:
-// 0 there (no event yet when it started) makes it a watch from the start,
-// since after_id 0 would mean "from now" again and skip what was written
-// meanwhile.
+// req.AfterId past it (and clearing req.FromStart); established reports
+// whether the stream was established: its response headers arrived, with
+// the Bc-Watch-After header the API sends once the watch has its cursor
+// (a refusal or a failure before that has none). A watch "from now" takes
+// its starting id from that header, once the stream has delivered an event
+// or ended: 0 there (no event yet when it started) makes it a watch from
+// the start, since after_id 0 would mean "from now" again and skip what was
+// written meanwhile.
 func (a *app) watchOnce(ctx context.Context, client computev1connect.EventServiceClient, req *computev1.WatchRequest,
 	enc *json.Encoder,
-) (printed bool, err error) {
+) (established bool, err error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	stream, err := client.Watch(ctx, connect.NewRequest(req))
@@ -155,11 +165,11 @@ func (a *app) watchOnce(ctx context.Context, client computev1connect.EventServic
 		if err != nil {
 			return // the stream ended before its headers
 		}
+		established = true
 		if req.AfterId == 0 && !req.FromStart {
 			req.AfterId, req.FromStart = c, c == 0
 		}
 	}
-	defer start()
 	for stream.Receive() {
 		start()
 		e := stream.Msg().GetEvent()
@@ -169,11 +179,13 @@ func (a *app) watchOnce(ctx context.Context, client computev1connect.EventServic
 		}
 		if err := enc.Encode(eventJSON{ID: e.Id, Type: e.Type, TenantID: e.TenantId, SubjectID: e.SubjectId, Data: data,
 			Time: e.Time.AsTime().UTC()}); err != nil {
-			return printed, err
+			return established, err
 		}
-		req.AfterId, req.FromStart, printed = e.Id, false, true
+		req.AfterId, req.FromStart = e.Id, false
 	}
-	return printed, stream.Err()
+	// Receive returned false: the headers, if any, have arrived.
+	start()
+	return established, stream.Err()
 }
 
 // streamHeaders sets the bearer token and X-BC-Tenant on streaming calls

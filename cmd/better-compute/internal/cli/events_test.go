@@ -287,3 +287,93 @@ func (f *flushSignal) Flush() {
 	default:
 	}
 }
+
+// ended waits up to 15 s for the command to return, and returns its code.
+func (w *runningWatch) ended(t *testing.T) int {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		select {
+		case <-w.finished:
+			return true
+		default:
+			return false
+		}
+	}, 15*time.Second, 20*time.Millisecond, "the command goes on (stdout %q, stderr %q)", w.stdout.String(), w.stderr.String())
+	return w.code
+}
+
+// TestEventsWatchRefusesWhatMatchesNothing: a type pattern that matches no
+// event type, and an --after above the newest event id, are refused by the
+// API at once (exit 1, the field named) rather than watched for ever.
+func TestEventsWatchRefusesWhatMatchesNothing(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	newest := f.insertEvent(t, f.tenant, "node.cordoned")
+
+	bogus := startWatch(t, f, f.url, clock.New(), "--types", "node.*,bogus")
+	require.Equal(t, 1, bogus.ended(t))
+	require.Contains(t, bogus.stderr.String(), `error: invalid_argument: types[1]: "bogus" matches no event type`)
+	require.Contains(t, bogus.stderr.String(), "command.*, node.*, reservation.*")
+
+	beyond := startWatch(t, f, f.url, clock.New(), "--after", "99999999")
+	require.Equal(t, 1, beyond.ended(t))
+	require.Contains(t, beyond.stderr.String(),
+		fmt.Sprintf("error: invalid_argument: after_id: 99999999 is above the newest event id, %d", newest))
+
+	// Empty entries are ignored: node.* alone.
+	ok := startWatch(t, f, f.url, clock.New(), "--types", "node.*,,", "--from-start")
+	require.Eventually(t, func() bool { return ok.printed(newest) }, 15*time.Second, 20*time.Millisecond,
+		"stdout %q, stderr %q", ok.stdout.String(), ok.stderr.String())
+	require.Equal(t, 0, ok.interrupt())
+}
+
+// TestEventsWatchQuietStreamResetsBackoff: a watch whose streams drop
+// without an event (a filter that matches nothing that happens) waits the
+// first reconnect delay after each drop, not a doubling one: every stream
+// that was established resets the backoff, not only a printed event. The
+// drops also read as a lost connection (unavailable), not as connect-go's
+// "internal: protocol error".
+func TestEventsWatchQuietStreamResetsBackoff(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	proxy, started := watchProxy(t, f)
+	clk := clock.NewFake(f.now) // a reconnect waits until the test moves it
+	w := startWatch(t, f, proxy.URL, clk, "--types", "node.*")
+	timer := clock.New().NewTimer(15 * time.Second)
+	defer timer.Stop()
+	for i := range 3 {
+		select { // a stream is established: its headers were flushed
+		case <-started:
+		case <-timer.C():
+			t.Fatalf("stream %d never started (stderr %q)", i+1, w.stderr.String())
+		}
+		proxy.CloseClientConnections()
+		require.Eventually(t, func() bool { return strings.Count(w.stderr.String(), "resuming") == i+1 },
+			15*time.Second, 20*time.Millisecond, "drop %d is noticed", i+1)
+		lines := strings.Split(strings.TrimSuffix(w.stderr.String(), "\n"), "\n")
+		last := lines[len(lines)-1]
+		require.True(t, strings.HasSuffix(last, " in 500ms"), "drop %d: %q", i+1, last)
+		// Move the clock until the next stream starts.
+		require.Eventually(t, func() bool { clk.Advance(100 * time.Millisecond); return len(started) > 0 },
+			15*time.Second, 20*time.Millisecond, "reconnect %d", i+1)
+	}
+	require.Empty(t, w.stdout.String())
+	require.Equal(t, 0, w.interrupt())
+	for _, l := range strings.Split(strings.TrimSuffix(w.stderr.String(), "\n"), "\n") {
+		require.True(t, strings.HasPrefix(l, "events watch: unavailable: lost the connection to the API server: "), l)
+	}
+}
+
+// TestEventsWatchHelp: the help says where a reconnect before the first
+// event resumes, as README does: after the Bc-Watch-After id, or from the
+// start when it is 0.
+func TestEventsWatchHelp(t *testing.T) {
+	t.Parallel()
+	res := runner{}.run(t, "events", "watch", "--help")
+	require.Equal(t, 0, res.code, res.stderr)
+	help := strings.Join(strings.Fields(res.stdout), " ")
+	require.Contains(t, help, "Before the first event printed, it resumes after the id the stream started after, "+
+		"which the server names in the Bc-Watch-After response header")
+	require.Contains(t, help, "or from the start when that is 0")
+	require.NotContains(t, help, "now again")
+}

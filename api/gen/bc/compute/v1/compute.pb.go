@@ -3158,10 +3158,14 @@ func (x *Event) GetTime() *timestamppb.Timestamp {
 type WatchRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Types are patterns: an exact type ("node.cordoned") or a prefix with
-	// ".*" ("node.*"); empty matches every type.
+	// ".*" ("node.*"); empty matches every type. A pattern that matches none
+	// of the event types the control plane writes (families command.*,
+	// node.*, reservation.*) is refused (InvalidArgument naming types[i]).
 	Types []string `protobuf:"bytes,1,rep,name=types,proto3" json:"types,omitempty"`
 	// AfterId resumes after the event with this id; 0 (without from_start)
-	// starts with the events written from now on.
+	// starts with the events written from now on. An id above the newest
+	// event id, which no watch can have sent, is refused (InvalidArgument
+	// naming after_id and the newest id).
 	AfterId int64 `protobuf:"varint,2,opt,name=after_id,json=afterId,proto3" json:"after_id,omitempty"`
 	// FromStart replays every retained event, oldest first, then goes on
 	// live, as a watch after an id does. It cannot be combined with a

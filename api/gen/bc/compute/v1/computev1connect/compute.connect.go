@@ -457,7 +457,9 @@ type EventServiceClient interface {
 	// Bc-Watch-After names the id the watch starts after: after_id, the
 	// newest event id for a watch from now (0 when there was none: resume
 	// such a watch with from_start), 0 with from_start. Errors:
-	// InvalidArgument (types, after_id, from_start with a non-zero after_id),
+	// InvalidArgument (a malformed type pattern or one that matches no event
+	// type, an after_id above the newest event id, from_start with a
+	// non-zero after_id),
 	// Unavailable (the server stops or its database cannot be reached:
 	// resume), Unauthenticated (the token was revoked or expired).
 	Watch(context.Context, *connect.Request[v1.WatchRequest]) (*connect.ServerStreamForClient[v1.WatchResponse], error)
@@ -502,7 +504,9 @@ type EventServiceHandler interface {
 	// Bc-Watch-After names the id the watch starts after: after_id, the
 	// newest event id for a watch from now (0 when there was none: resume
 	// such a watch with from_start), 0 with from_start. Errors:
-	// InvalidArgument (types, after_id, from_start with a non-zero after_id),
+	// InvalidArgument (a malformed type pattern or one that matches no event
+	// type, an after_id above the newest event id, from_start with a
+	// non-zero after_id),
 	// Unavailable (the server stops or its database cannot be reached:
 	// resume), Unauthenticated (the token was revoked or expired).
 	Watch(context.Context, *connect.Request[v1.WatchRequest], *connect.ServerStream[v1.WatchResponse]) error
