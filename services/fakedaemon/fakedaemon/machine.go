@@ -9,6 +9,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"math/rand/v2"
 	"net"
@@ -65,6 +66,12 @@ type MachineStatus struct {
 	State daemon.State
 	// SessionID is the gateway's session id while established.
 	SessionID string
+	// GatewayID is the id of the gateway holding the session while
+	// established (Welcome.gateway_id), else "".
+	GatewayID string
+	// Silenced counts the sessions the machine dropped because their
+	// gateway stopped answering (daemon.Config.SilenceTimeout).
+	Silenced int
 	// BootID is the machine's current boot id.
 	BootID string
 	// ObservedGeneration is the NodeSpec generation applied.
@@ -210,7 +217,8 @@ func (m *Machine) run(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("machine %d: %w", m.index, err)
 	}
-	tr := newTransport(tlsCfg)
+	conns := newConnTracker()
+	tr := newTransport(tlsCfg, conns)
 	defer tr.CloseIdleConnections()
 
 	acfg := m.r.cfg.Agent
@@ -230,7 +238,7 @@ func (m *Machine) run(ctx context.Context) error {
 	d := &driver{m: m, log: log, clk: m.r.clk, agent: agent, hw: hw, dir: m.dir,
 		events: make(chan event, 16), timer: m.r.clk.NewTimer(time.Hour),
 		urls: gwURLs, gw: int(binary.BigEndian.Uint64(seed[8:16]) % uint64(len(gwURLs))),
-		rn: renewState{id: id, tlsCfg: tlsCfg, tr: tr}}
+		conns: conns, rn: renewState{id: id, tlsCfg: tlsCfg, tr: tr}}
 	d.makeClients()
 	d.timer.Stop()
 	log.Info("machine up", "variant", variant, "boot", boot, "gateways", gwURLs)
@@ -414,18 +422,23 @@ func (m *Machine) gatewayTLS(id *Identity) ([]string, *tls.Config, error) {
 	}, nil
 }
 
-// newTransport returns an HTTP/2-only transport for one machine. It notices
-// a connection that died silently within 25 s: on Linux by the heartbeats
-// it cannot deliver (TCP_USER_TIMEOUT, transport_linux.go), elsewhere by an
-// HTTP/2 ping after 15 s without a frame.
-func newTransport(tlsCfg *tls.Config) *http.Transport {
+// newTransport returns an HTTP/2-only transport for one machine, whose
+// connections conns tracks. A gateway that acknowledges heartbeats and
+// stops answering is noticed by the daemon core (daemon.Config
+// SilenceTimeout, 15 s), which has the driver close the connection. Below
+// that, the transport notices a connection that died silently within 25 s:
+// on Linux by the heartbeats it cannot deliver (TCP_USER_TIMEOUT,
+// transport_linux.go), elsewhere by an HTTP/2 ping after 15 s without a
+// frame; those are what notice a hung gateway that does not acknowledge
+// heartbeats (an older one), the ping within 70 s.
+func newTransport(tlsCfg *tls.Config, conns *connTracker) *http.Transport {
 	var p http.Protocols
 	p.SetHTTP2(true)
 	return &http.Transport{
 		Protocols:       &p,
 		TLSClientConfig: tlsCfg,
-		DialContext: (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second,
-			Control: dialControl}).DialContext,
+		DialContext: conns.wrap((&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second,
+			Control: dialControl}).DialContext),
 		TLSHandshakeTimeout: 10 * time.Second,
 		MaxIdleConns:        1,
 		IdleConnTimeout:     90 * time.Second,
@@ -443,12 +456,47 @@ type event struct {
 	err     error // the stream ended
 }
 
-// session is the driver's side of one Session stream.
+// session is the driver's side of one Session stream. The driver's loop
+// never blocks on it: a reader goroutine turns what arrives into events, and
+// what the loop sends goes through a queue to a writer goroutine, the only
+// one that calls Send and CloseRequest. So a gateway that stops reading (its
+// HTTP/2 window spent, the TCP send buffer full) cannot stall the loop, and
+// the daemon core's silence timeout still fires and drops the session.
 type session struct {
 	n      uint64
+	url    string // the gateway's Session URL
 	stream *connect.BidiStreamForClient[gatewayv1.SessionRequest, gatewayv1.SessionResponse]
 	ctx    context.Context
 	cancel context.CancelFunc
+
+	mu      sync.Mutex
+	queue   []*gatewayv1.SessionRequest // to send, in order
+	closing bool                        // half-close once the queue is sent
+	wake    chan struct{}               // capacity 1: queue or closing changed
+}
+
+// enqueue queues m for the writer.
+func (s *session) enqueue(m *gatewayv1.SessionRequest) {
+	s.mu.Lock()
+	s.queue = append(s.queue, m)
+	s.mu.Unlock()
+	s.signal()
+}
+
+// closeAfterQueue has the writer half-close the stream once the queue is
+// sent.
+func (s *session) closeAfterQueue() {
+	s.mu.Lock()
+	s.closing = true
+	s.mu.Unlock()
+	s.signal()
+}
+
+func (s *session) signal() {
+	select {
+	case s.wake <- struct{}{}:
+	default:
+	}
 }
 
 // closeGrace is how long a gracefully closed session may take to end.
@@ -475,8 +523,9 @@ type driver struct {
 	timer   clock.Timer
 	cur     *session
 	ctx     context.Context
-	rn      renewState // certificate renewal (renew.go)
-	dir     string     // the machine's data directory
+	conns   *connTracker // the connections of the machine's transports
+	rn      renewState   // certificate renewal (renew.go)
+	dir     string       // the machine's data directory
 	// stopped is set by EffectStop: the machine stopped for good.
 	stopped bool
 }
@@ -538,11 +587,8 @@ func (d *driver) apply(effects []daemon.Effect) {
 			if d.cur == nil || d.cur.n != e.Session {
 				continue
 			}
-			if err := d.cur.stream.Send(e.Msg); err != nil {
-				d.log.Debug("send failed", "session", e.Session, telemetry.KeyError, err)
-				d.closeSession()
-				effects = append(effects, d.agent.Disconnected(d.clk.Now(), e.Session, classify(err))...)
-			}
+			// A failed send comes back as an event (write).
+			d.cur.enqueue(e.Msg)
 		case daemon.EffectDial:
 			d.closeSession()
 			d.freshTransport()
@@ -554,8 +600,12 @@ func (d *driver) apply(effects []daemon.Effect) {
 			effects = append(effects, d.agent.Connected(d.clk.Now(), e.Session)...)
 		case daemon.EffectClose:
 			if d.cur != nil && d.cur.n == e.Session {
-				d.log.Info("closing session", "session", e.Session, "reason", e.Reason)
-				d.closeGracefully()
+				if e.Abort {
+					d.abortSession(e.Reason)
+				} else {
+					d.log.Info("closing session", "session", e.Session, "reason", e.Reason)
+					d.closeGracefully()
+				}
 			}
 		case daemon.EffectTimer:
 			d.timer.Stop()
@@ -584,21 +634,24 @@ func (d *driver) apply(effects []daemon.Effect) {
 			s.Sessions++
 		}
 		s.State, s.SessionID, s.BootID, s.ObservedGeneration = st.State, st.SessionID, st.BootID, st.ObservedGeneration
+		s.GatewayID, s.Silenced = st.GatewayID, st.Silenced
 		if st.Stopped != nil {
 			s.Stopped = st.Stopped.Error()
 		}
 	})
 }
 
-// open starts session n: the stream and its reader goroutine. The HTTP/2
-// request goes out with the first message (Hello).
+// open starts session n: the stream and its reader and writer goroutines.
+// The HTTP/2 request goes out with the first message (Hello).
 func (d *driver) open(n uint64) {
 	sctx, cancel := context.WithCancel(d.ctx)
 	if len(d.urls) > 1 {
 		d.log.Debug("opening session", "session", n, "gateway", d.urls[d.gw])
 	}
 	stream := d.clients[d.gw].Session(sctx)
-	d.cur = &session{n: n, stream: stream, ctx: sctx, cancel: cancel}
+	s := &session{n: n, url: d.urls[d.gw], stream: stream, ctx: sctx, cancel: cancel, wake: make(chan struct{}, 1)}
+	d.cur = s
+	go d.write(s)
 	go func() {
 		defer cancel()
 		defer func() { _ = stream.CloseResponse() }()
@@ -625,36 +678,95 @@ func (d *driver) makeClients() {
 	}
 }
 
+// write is session s's writer: it sends what the loop queued, in order,
+// until the stream fails or s is cancelled, and half-closes the stream when
+// the loop asked for it (closeGracefully). A send that fails reports the
+// session ended, unless the stream ended (io.EOF): the reader reports why.
+// The request stream is closed when it returns: net/http's HTTP/2 client
+// does not watch the context while it reads the request body, so a
+// cancelled session ends only once its body ends.
+func (d *driver) write(s *session) {
+	defer func() { _ = s.stream.CloseRequest() }()
+	for {
+		select {
+		case <-s.wake:
+		case <-s.ctx.Done():
+			return
+		}
+		for {
+			s.mu.Lock()
+			batch, closing := s.queue, s.closing
+			s.queue = nil
+			s.mu.Unlock()
+			if len(batch) == 0 {
+				if closing {
+					d.halfClose(s)
+					return
+				}
+				break
+			}
+			for _, m := range batch {
+				if err := s.stream.Send(m); err != nil {
+					d.log.Debug("send failed", "session", s.n, telemetry.KeyError, err)
+					if !errors.Is(err, io.EOF) {
+						select {
+						case d.events <- event{session: s.n, err: err}:
+						case <-s.ctx.Done():
+						}
+					}
+					return
+				}
+			}
+		}
+	}
+}
+
+// halfClose ends s's request stream, so that what was sent before (a
+// reboot's SUCCEEDED) still reaches the gateway, and aborts s if the
+// gateway has not ended it within closeGrace.
+func (d *driver) halfClose(s *session) {
+	if err := s.stream.CloseRequest(); err != nil {
+		s.cancel()
+		return
+	}
+	t := d.clk.NewTimer(closeGrace)
+	defer t.Stop()
+	select {
+	case <-t.C():
+	case <-s.ctx.Done(): // the reader saw the end, or the machine stops
+	}
+	s.cancel()
+}
+
 // closeSession aborts the current session's stream, if any.
 func (d *driver) closeSession() {
 	if d.cur == nil {
 		return
 	}
 	d.cur.cancel()
-	_ = d.cur.stream.CloseRequest()
 	d.cur = nil
 }
 
-// closeGracefully half-closes the current session, so that what was sent
-// before (a reboot's SUCCEEDED) still reaches the gateway, and aborts it if
-// the gateway has not ended it within closeGrace.
+// closeGracefully has the current session's writer half-close it once what
+// was queued is sent.
 func (d *driver) closeGracefully() {
 	if d.cur == nil {
 		return
 	}
+	d.cur.closeAfterQueue()
+	d.cur = nil
+}
+
+// abortSession drops the current session at once because its gateway
+// stopped answering (daemon.EffectClose with Abort): the stream is
+// cancelled and every connection to that gateway closed, so that a write
+// blocked on it returns and the next session to it dials afresh. The next
+// session goes to the next gateway (EffectDial).
+func (d *driver) abortSession(reason string) {
 	s := d.cur
 	d.cur = nil
-	if err := s.stream.CloseRequest(); err != nil {
-		s.cancel()
-		return
-	}
-	t := d.clk.NewTimer(closeGrace)
-	go func() {
-		defer t.Stop()
-		select {
-		case <-t.C():
-		case <-s.ctx.Done(): // the reader saw the end, or the machine stops
-		}
-		s.cancel()
-	}()
+	s.cancel()
+	closed := d.conns.closeAddr(dialAddr(s.url))
+	d.log.Warn("dropped the session: the gateway stopped answering", "session", s.n, "gateway", s.url,
+		"reason", reason, "connections_closed", closed)
 }
