@@ -458,10 +458,12 @@ type event struct {
 
 // session is the driver's side of one Session stream. The driver's loop
 // never blocks on it: a reader goroutine turns what arrives into events, and
-// what the loop sends goes through a queue to a writer goroutine, the only
-// one that calls Send and CloseRequest. So a gateway that stops reading (its
-// HTTP/2 window spent, the TCP send buffer full) cannot stall the loop, and
-// the daemon core's silence timeout still fires and drops the session.
+// what the loop sends goes through a queue to a writer goroutine, started
+// when there is something to send and gone when the queue is empty, the
+// only caller of Send and CloseRequest while it runs. So a gateway that
+// stops reading (its HTTP/2 window spent, the TCP send buffer full) cannot
+// stall the loop, and the daemon core's silence timeout still fires and
+// drops the session.
 type session struct {
 	n      uint64
 	url    string // the gateway's Session URL
@@ -471,32 +473,9 @@ type session struct {
 
 	mu      sync.Mutex
 	queue   []*gatewayv1.SessionRequest // to send, in order
+	writing bool                        // a writer goroutine runs
 	closing bool                        // half-close once the queue is sent
-	wake    chan struct{}               // capacity 1: queue or closing changed
-}
-
-// enqueue queues m for the writer.
-func (s *session) enqueue(m *gatewayv1.SessionRequest) {
-	s.mu.Lock()
-	s.queue = append(s.queue, m)
-	s.mu.Unlock()
-	s.signal()
-}
-
-// closeAfterQueue has the writer half-close the stream once the queue is
-// sent.
-func (s *session) closeAfterQueue() {
-	s.mu.Lock()
-	s.closing = true
-	s.mu.Unlock()
-	s.signal()
-}
-
-func (s *session) signal() {
-	select {
-	case s.wake <- struct{}{}:
-	default:
-	}
+	ended   bool                        // send nothing more; close the request stream
 }
 
 // closeGrace is how long a gracefully closed session may take to end.
@@ -588,7 +567,7 @@ func (d *driver) apply(effects []daemon.Effect) {
 				continue
 			}
 			// A failed send comes back as an event (write).
-			d.cur.enqueue(e.Msg)
+			d.send(d.cur, e.Msg)
 		case daemon.EffectDial:
 			d.closeSession()
 			d.freshTransport()
@@ -641,7 +620,7 @@ func (d *driver) apply(effects []daemon.Effect) {
 	})
 }
 
-// open starts session n: the stream and its reader and writer goroutines.
+// open starts session n: the stream and its reader goroutine.
 // The HTTP/2 request goes out with the first message (Hello).
 func (d *driver) open(n uint64) {
 	sctx, cancel := context.WithCancel(d.ctx)
@@ -649,9 +628,7 @@ func (d *driver) open(n uint64) {
 		d.log.Debug("opening session", "session", n, "gateway", d.urls[d.gw])
 	}
 	stream := d.clients[d.gw].Session(sctx)
-	s := &session{n: n, url: d.urls[d.gw], stream: stream, ctx: sctx, cancel: cancel, wake: make(chan struct{}, 1)}
-	d.cur = s
-	go d.write(s)
+	d.cur = &session{n: n, url: d.urls[d.gw], stream: stream, ctx: sctx, cancel: cancel}
 	go func() {
 		defer cancel()
 		defer func() { _ = stream.CloseResponse() }()
@@ -678,46 +655,84 @@ func (d *driver) makeClients() {
 	}
 }
 
+// send queues m on s and starts a writer unless one runs.
+func (d *driver) send(s *session, m *gatewayv1.SessionRequest) {
+	s.mu.Lock()
+	s.queue = append(s.queue, m)
+	start := !s.writing
+	s.writing = true
+	s.mu.Unlock()
+	if start {
+		go d.write(s)
+	}
+}
+
 // write is session s's writer: it sends what the loop queued, in order,
-// until the stream fails or s is cancelled, and half-closes the stream when
-// the loop asked for it (closeGracefully). A send that fails reports the
-// session ended, unless the stream ended (io.EOF): the reader reports why.
-// The request stream is closed when it returns: net/http's HTTP/2 client
-// does not watch the context while it reads the request body, so a
-// cancelled session ends only once its body ends.
+// until the queue is empty, the stream fails or s ended. Once s ended it
+// closes the request stream (net/http's HTTP/2 client does not watch the
+// context while it reads the request body, so a cancelled stream ends only
+// once its body ends); once s is closing, it half-closes it (halfClose). A
+// send that fails ends s and reports the session ended, unless the stream
+// ended (io.EOF): the reader reports why.
 func (d *driver) write(s *session) {
-	defer func() { _ = s.stream.CloseRequest() }()
 	for {
-		select {
-		case <-s.wake:
-		case <-s.ctx.Done():
+		s.mu.Lock()
+		batch := s.queue
+		s.queue = nil
+		if len(batch) == 0 || s.ended {
+			s.writing = false
+			ended, closing := s.ended, s.closing
+			s.mu.Unlock()
+			switch {
+			case ended:
+				_ = s.stream.CloseRequest()
+			case closing:
+				d.halfClose(s)
+			}
 			return
 		}
-		for {
-			s.mu.Lock()
-			batch, closing := s.queue, s.closing
-			s.queue = nil
-			s.mu.Unlock()
-			if len(batch) == 0 {
-				if closing {
-					d.halfClose(s)
-					return
-				}
-				break
-			}
-			for _, m := range batch {
-				if err := s.stream.Send(m); err != nil {
-					d.log.Debug("send failed", "session", s.n, telemetry.KeyError, err)
-					if !errors.Is(err, io.EOF) {
-						select {
-						case d.events <- event{session: s.n, err: err}:
-						case <-s.ctx.Done():
-						}
+		s.mu.Unlock()
+		for _, m := range batch {
+			if err := s.stream.Send(m); err != nil {
+				d.log.Debug("send failed", "session", s.n, telemetry.KeyError, err)
+				s.mu.Lock()
+				s.ended, s.writing, s.queue = true, false, nil
+				s.mu.Unlock()
+				_ = s.stream.CloseRequest()
+				if !errors.Is(err, io.EOF) {
+					select {
+					case d.events <- event{session: s.n, err: err}:
+					case <-s.ctx.Done():
 					}
-					return
 				}
+				return
 			}
 		}
+	}
+}
+
+// end ends s: gracefully, the request stream is half-closed once what was
+// queued is sent (halfClose); otherwise s is cancelled and its request
+// stream closed, by its writer if one runs.
+func (d *driver) end(s *session, graceful bool) {
+	s.mu.Lock()
+	if graceful {
+		s.closing = true
+	} else {
+		s.ended = true
+	}
+	idle := !s.writing
+	s.writing = true // nothing is sent on s any more: this is its last writer
+	s.mu.Unlock()
+	if !graceful {
+		s.cancel()
+	}
+	switch {
+	case !idle:
+	case graceful:
+		go d.halfClose(s)
+	default:
+		_ = s.stream.CloseRequest()
 	}
 }
 
@@ -743,17 +758,17 @@ func (d *driver) closeSession() {
 	if d.cur == nil {
 		return
 	}
-	d.cur.cancel()
+	d.end(d.cur, false)
 	d.cur = nil
 }
 
-// closeGracefully has the current session's writer half-close it once what
-// was queued is sent.
+// closeGracefully half-closes the current session once what was queued is
+// sent.
 func (d *driver) closeGracefully() {
 	if d.cur == nil {
 		return
 	}
-	d.cur.closeAfterQueue()
+	d.end(d.cur, true)
 	d.cur = nil
 }
 
@@ -765,8 +780,8 @@ func (d *driver) closeGracefully() {
 func (d *driver) abortSession(reason string) {
 	s := d.cur
 	d.cur = nil
-	s.cancel()
+	d.end(s, false)
 	closed := d.conns.closeAddr(dialAddr(s.url))
-	d.log.Warn("dropped the session: the gateway stopped answering", "session", s.n, "gateway", s.url,
+	d.log.Info("dropped the session: the gateway stopped answering", "session", s.n, "gateway", s.url,
 		"reason", reason, "connections_closed", closed)
 }
