@@ -21,6 +21,16 @@
 //   - disconnected → dialing → hello sent → established, heartbeats every
 //     Welcome.heartbeat_interval, reconnect with exponential backoff and full
 //     jitter, reset after a session lasted Config.BackoffResetAfter;
+//   - a silent gateway: when Welcome says the gateway acknowledges
+//     heartbeats (acks_heartbeats), an established session on which nothing
+//     arrived from the gateway for the silence timeout (Config.SilenceTimeout:
+//     3 heartbeat intervals, at most 15 s) is closed with EffectClose.Abort
+//     (the driver drops the stream and its connection at once, so a write
+//     blocked on a frozen gateway returns) and the Agent reconnects: a
+//     gateway that hangs without closing its connections (paused, stuck,
+//     cut off while the peer's kernel still acknowledges) costs its nodes
+//     at most that long, well inside the 30 s after which the control plane
+//     marks an unheard node unreachable;
 //   - commands run at most once: journaled before they run, answered from the
 //     journal when redelivered, failed without running past their deadline,
 //     failed instead of run after a journal loss unless retry-safe; a
@@ -79,6 +89,12 @@ import (
 // KindNodeReboot is the command kind that reboots the machine once the
 // commands queued before it have finished and it has answered SUCCEEDED.
 const KindNodeReboot = "node.reboot"
+
+// DefaultSilenceCap bounds the default silence timeout (Config.SilenceTimeout
+// zero: 3 heartbeat intervals, at most this): half the control plane's 30 s
+// liveness timeout, so that a node whose gateway hung is on another gateway
+// long before it could be marked unreachable.
+const DefaultSilenceCap = 15 * time.Second
 
 // Errors reported in CommandUpdate.error.
 const (
@@ -152,6 +168,16 @@ type Config struct {
 	// DefaultHeartbeat is the heartbeat interval when Welcome names none
 	// (default 10 s).
 	DefaultHeartbeat time.Duration
+	// SilenceTimeout is how long an established session may go without any
+	// message from the gateway (a HeartbeatAck, a Command, …) before the
+	// Agent closes it as silent (EffectClose with Abort) and reconnects. It
+	// applies only to sessions whose Welcome sets acks_heartbeats: those
+	// gateways answer every heartbeat, so a live one is heard at least once
+	// per heartbeat interval. Zero means 3 heartbeat intervals, at most
+	// DefaultSilenceCap (15 s with the usual 10 s interval). It is never
+	// taken below 1.5 heartbeat intervals, which would close live sessions
+	// between two heartbeats.
+	SilenceTimeout time.Duration
 	// RebootDowntime is how long the machine is down on node.reboot
 	// (default 5 s).
 	RebootDowntime time.Duration
@@ -283,7 +309,11 @@ type Agent struct {
 	state         State
 	session       uint64 // number of the current (or last) session
 	sessionID     string // Welcome.session_id of the established session
+	gatewayID     string // Welcome.gateway_id of the established session
 	heartbeat     time.Duration
+	silence       time.Duration // silence timeout of the established session, 0: unchecked
+	heardAt       time.Time     // last message from the gateway (StateEstablished)
+	silenced      int           // sessions closed because the gateway was silent
 	hbSeq         int64
 	establishedAt time.Time
 	failures      int // sessions that ended (or failed) since the backoff last reset
@@ -361,6 +391,11 @@ type Status struct {
 	Session uint64
 	// SessionID is Welcome.session_id while established, else "".
 	SessionID string
+	// GatewayID is Welcome.gateway_id while established, else "".
+	GatewayID string
+	// Silenced counts the sessions the Agent closed because the gateway
+	// sent nothing for the silence timeout (Config.SilenceTimeout).
+	Silenced int
 	// BootID is the machine's current boot id.
 	BootID string
 	// ObservedGeneration is the NodeSpec generation applied.
@@ -388,6 +423,8 @@ func (a *Agent) Status() Status {
 		State:              a.state,
 		Session:            a.session,
 		SessionID:          a.sessionID,
+		GatewayID:          a.gatewayID,
+		Silenced:           a.silenced,
 		BootID:             a.hw.BootID(),
 		ObservedGeneration: a.observed,
 		Allocations:        len(a.allocs),
@@ -527,7 +564,7 @@ func (a *Agent) Disconnected(now time.Time, session uint64, err error) []Effect 
 // logged as an error and handed to the driver (EffectStop).
 func (a *Agent) stop(o *out, reason error) {
 	a.state = StateStopped
-	a.sessionID = ""
+	a.sessionID, a.gatewayID = "", ""
 	a.stopped = reason
 	a.cert.phase = renewIdle
 	a.cert.csr = nil
@@ -542,7 +579,7 @@ func (a *Agent) lose(now time.Time) {
 	}
 	a.failures++
 	a.state = StateBackoff
-	a.sessionID = ""
+	a.sessionID, a.gatewayID = "", ""
 	a.dialAt = now.Add(a.Backoff(a.failures))
 }
 
@@ -576,7 +613,7 @@ func (a *Agent) dial(now time.Time, o *out) {
 	a.session++
 	a.dialRenewals = a.cert.renewals
 	a.state = StateDialing
-	a.sessionID = ""
+	a.sessionID, a.gatewayID = "", ""
 	o.add(Effect{Kind: EffectDial, Session: a.session})
 }
 
@@ -587,9 +624,15 @@ func (a *Agent) Receive(now time.Time, session uint64, msg *gatewayv1.SessionRes
 		return nil
 	}
 	var o out
+	if a.state == StateEstablished {
+		// Any message shows the gateway alive (Config.SilenceTimeout).
+		a.heardAt = now
+	}
 	switch m := msg.GetMsg().(type) {
 	case *gatewayv1.SessionResponse_Welcome:
 		a.welcome(now, &o, m.Welcome)
+	case *gatewayv1.SessionResponse_HeartbeatAck:
+		// Nothing to do beyond hearing it.
 	case *gatewayv1.SessionResponse_Command:
 		a.command(now, &o, m.Command)
 	case *gatewayv1.SessionResponse_DesiredState:
@@ -606,12 +649,18 @@ func (a *Agent) welcome(now time.Time, o *out, w *gatewayv1.Welcome) {
 	}
 	a.state = StateEstablished
 	a.sessionID = w.GetSessionId()
+	a.gatewayID = w.GetGatewayId()
 	a.establishedAt = now
 	a.heartbeat = a.cfg.DefaultHeartbeat
 	if d := w.GetHeartbeatInterval(); d != nil && d.AsDuration() > 0 {
 		a.heartbeat = max(d.AsDuration(), 10*time.Millisecond)
 	}
 	a.nextHeartbeat = now.Add(a.heartbeat)
+	a.heardAt = now
+	a.silence = 0
+	if w.GetAcksHeartbeats() {
+		a.silence = SilenceTimeout(a.cfg.SilenceTimeout, a.heartbeat)
+	}
 	// Updates that could not be sent while disconnected.
 	pending := a.unsent
 	a.unsent = nil
@@ -680,9 +729,18 @@ func (a *Agent) step(now time.Time, o *out) bool {
 	case StateBackoff:
 		a.dial(now, o)
 	case StateHello:
-		o.add(Effect{Kind: EffectClose, Session: a.session, Reason: "no Welcome within " + a.cfg.HelloTimeout.String()})
+		o.add(Effect{Kind: EffectClose, Session: a.session, Abort: true, Reason: "no Welcome within " + a.cfg.HelloTimeout.String()})
 		a.lose(now)
 	case StateEstablished:
+		if a.silence > 0 && !now.Before(a.heardAt.Add(a.silence)) {
+			a.silenced++
+			a.cfg.Logger.Warn("the gateway is silent; dropping the session to reconnect",
+				"session", a.session, "gateway", a.gatewayID, "silent_for", now.Sub(a.heardAt).String())
+			o.add(Effect{Kind: EffectClose, Session: a.session, Abort: true,
+				Reason: "gateway silent for " + a.silence.String()})
+			a.lose(now)
+			return true
+		}
 		a.hbSeq++
 		a.send(o, &gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Heartbeat{Heartbeat: &gatewayv1.Heartbeat{
 			Seq:                a.hbSeq,
@@ -707,6 +765,11 @@ func (a *Agent) sessionDeadline() time.Time {
 	case StateHello:
 		return a.helloDeadline
 	case StateEstablished:
+		if a.silence > 0 {
+			if silentAt := a.heardAt.Add(a.silence); silentAt.Before(a.nextHeartbeat) {
+				return silentAt
+			}
+		}
 		return a.nextHeartbeat
 	}
 	return time.Time{}
@@ -763,6 +826,17 @@ func btoi(b bool) int {
 		return 1
 	}
 	return 0
+}
+
+// SilenceTimeout returns the silence timeout of a session with heartbeat
+// interval hb when Config.SilenceTimeout is configured: configured, or for
+// zero min(3·hb, DefaultSilenceCap); never below 1.5·hb.
+func SilenceTimeout(configured, hb time.Duration) time.Duration {
+	d := configured
+	if d <= 0 {
+		d = min(3*hb, DefaultSilenceCap)
+	}
+	return max(d, hb+hb/2)
 }
 
 func (a *Agent) nextDeadline() time.Time {
@@ -991,7 +1065,7 @@ func (a *Agent) reboot(now time.Time, o *out) {
 	}
 	a.running = nil
 	a.state = StateRebooting
-	a.sessionID = ""
+	a.sessionID, a.gatewayID = "", ""
 	a.failures = 0
 	a.upAt = now.Add(a.cfg.RebootDowntime)
 }

@@ -22,6 +22,12 @@ const (
 	EffectDial
 	// EffectClose asks the driver to close session Session (Reason says
 	// why). The Agent has already forgotten it: report nothing more for it.
+	// Without Abort the driver closes it gracefully: what was sent still
+	// reaches the gateway. With Abort the gateway stopped answering (no
+	// Welcome in time, or silent for Config.SilenceTimeout): the driver
+	// drops the stream at once and closes the connection under it, so that a
+	// write blocked on the frozen gateway returns and the next session does
+	// not queue behind it.
 	EffectClose
 	// EffectTimer asks the driver to call Tick at At, replacing any earlier
 	// request. A zero At means no timer is needed. Early or extra Tick calls
@@ -89,6 +95,8 @@ type Effect struct {
 	// Reason is why a session is closed (Close), or why the Agent stopped
 	// for good (Stop).
 	Reason string
+	// Abort asks for a hard close (Close): the gateway is not answering.
+	Abort bool
 	// BootID is the new boot id (Reboot).
 	BootID string
 	// Certificate is the new node certificate, DER (Certificate). Treat it
@@ -107,6 +115,9 @@ func (e Effect) String() string {
 	case EffectDial:
 		return fmt.Sprintf("dial[%d]", e.Session)
 	case EffectClose:
+		if e.Abort {
+			return fmt.Sprintf("close[%d] abort: %s", e.Session, e.Reason)
+		}
 		return fmt.Sprintf("close[%d] %s", e.Session, e.Reason)
 	case EffectTimer:
 		if e.At.IsZero() {

@@ -60,9 +60,11 @@ const (
 	connectTimeout = 10 * time.Second
 	// unackedTimeout is how long a heartbeat may stay unacknowledged before
 	// the daemon's kernel ends the connection (TCP_USER_TIMEOUT). A
-	// connection that dies silently is noticed at most
+	// connection that dies silently is noticed by the transport at most
 	// HeartbeatInterval+unackedTimeout after it died: the next heartbeat
-	// goes out within HeartbeatInterval.
+	// goes out within HeartbeatInterval. The daemon core usually notices
+	// first: it drops a session on which its gateway (which acknowledges
+	// heartbeats) was silent for daemon.DefaultSilenceCap (15 s).
 	unackedTimeout = 15 * time.Second
 	// reorderExtra bounds how much later than its turn a reordered message
 	// arrives.
@@ -239,17 +241,25 @@ func (s *Sim) notifyNode(c *conn, t time.Duration, err error) {
 	s.eng.schedule(t, event{kind: evNodeReset, c: c, text: err.Error()})
 }
 
-// closeByNode closes the daemon's side of session gracefully: what is in
-// flight still arrives, then the gateway sees the end.
-func (s *Sim) closeByNode(n *node, session uint64) {
+// closeByNode closes the daemon's side of session: gracefully, what is in
+// flight still arrives, then the gateway sees the end; aborted (the Agent
+// found its gateway silent), the daemon drops the connection: what is in
+// flight is lost and the gateway sees the end after a link latency.
+func (s *Sim) closeByNode(n *node, session uint64, abort bool) {
 	c := n.conn
 	if c == nil || c.session != session || c.inc != n.inc || !c.nodeOpen {
 		return
 	}
 	c.nodeOpen = false
-	if !c.dead && c.gwOpen {
-		s.eng.schedule(max(s.eng.now+s.delay(), c.upTail), event{kind: evGatewayReset, c: c})
+	if c.dead || !c.gwOpen {
+		return
 	}
+	if abort {
+		c.dead = true
+		s.eng.schedule(s.eng.now+s.delay(), event{kind: evGatewayReset, c: c})
+		return
+	}
+	s.eng.schedule(max(s.eng.now+s.delay(), c.upTail), event{kind: evGatewayReset, c: c})
 }
 
 // closeByGateway ends the gateway's side of c gracefully: what it sent

@@ -131,7 +131,7 @@ func (s *Sim) apply(n *node, effects []daemon.Effect) {
 			s.dial(n, e.Session)
 		case daemon.EffectClose:
 			s.logNode(n, e.String())
-			s.closeByNode(n, e.Session)
+			s.closeByNode(n, e.Session, e.Abort)
 		case daemon.EffectReboot, daemon.EffectStop:
 			s.logNode(n, e.String())
 		case daemon.EffectTimer, daemon.EffectMakeCSR, daemon.EffectCertificate:

@@ -46,7 +46,7 @@ const (
 
 // GatewayStub is the control plane's side of the Session protocol, in
 // memory: gateways that accept sessions (Hello → Welcome, newest session
-// wins), deliver queued commands and the node's DesiredState (again, with
+// wins), answer heartbeats (HeartbeatAck), deliver queued commands and the node's DesiredState (again, with
 // the in-flight commands, on every new session), record command updates
 // forward only, observed generations and the allocations each node
 // reports bound (AllocationBound, checked by the progress check); a
@@ -329,6 +329,10 @@ func (g *GatewayStub) receive(c *conn, m *gatewayv1.SessionRequest) {
 	switch {
 	case m.GetHeartbeat() != nil:
 		g.observe(sn, m.GetHeartbeat().GetObservedGeneration(), false)
+		// As the gateway does (Welcome.acks_heartbeats).
+		g.s.sendDown(c, &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_HeartbeatAck{
+			HeartbeatAck: &gatewayv1.HeartbeatAck{Seq: m.GetHeartbeat().GetSeq()},
+		}})
 	case m.GetCommandUpdate() != nil:
 		g.update(sn, m.GetCommandUpdate())
 	case m.GetReport() != nil:
@@ -372,6 +376,7 @@ func (g *GatewayStub) hello(c *conn, sn *stubNode, h *gatewayv1.Hello) {
 	g.log(sn, fmt.Sprintf("%s welcome conn %d %s epoch=%d", g.gateways[c.gw].id, c.id, sid, sn.epoch))
 	g.s.sendDown(c, &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_Welcome{Welcome: &gatewayv1.Welcome{
 		SessionId: sid, GatewayId: g.gateways[c.gw].id, HeartbeatInterval: g.hb, SessionEpoch: sn.epoch,
+		AcksHeartbeats: true,
 	}}})
 	g.deliver(sn)
 }

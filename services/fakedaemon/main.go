@@ -29,6 +29,10 @@
 //	                                                     replica; a machine moves to the next when it loses one);
 //	                                                     each https://HOST[:PORT], or the flag is an error
 //	--gateway-server-name NAME   BC_GATEWAY_SERVER_NAME  overrides the TLS server name of the gateway
+//	--gateway-silence-timeout D  BC_GATEWAY_SILENCE_TIMEOUT  how long a session may hear nothing from a gateway
+//	                                                     that acknowledges heartbeats before the machine drops
+//	                                                     it and moves on (0: 3 heartbeat intervals, at most 15s;
+//	                                                     never below 1.5 intervals)
 //	--health-listen ADDR         BC_HEALTH_LISTEN        /healthz server (:8085; --health-listen= for none)
 //	--command-durations LIST     BC_COMMAND_DURATIONS    how long fake commands take: KIND=DURATION items,
 //	                                                     comma-separated, e.g. diag.nvml=0,logs.collect=2s,default=1s
@@ -114,6 +118,10 @@ func parseConfig(args []string, joinOnly bool) (fakedaemon.Config, error) {
 	if err != nil {
 		return cfg, err
 	}
+	silence, err := service.EnvDuration("BC_GATEWAY_SILENCE_TIMEOUT", 0)
+	if err != nil {
+		return cfg, err
+	}
 	nodes := 1
 	if v := os.Getenv("BC_NODES"); v != "" {
 		if nodes, err = strconv.Atoi(v); err != nil {
@@ -144,6 +152,7 @@ func parseConfig(args []string, joinOnly bool) (fakedaemon.Config, error) {
 	fs.IntVar(&cfg.Nodes, "nodes", nodes, "machines to run in this process")
 	fs.StringVar(&cfg.GatewayURL, "gateway-url", os.Getenv("BC_GATEWAY_URL"), "override the gateway URLs of the JoinResponse (comma-separated, one per gateway replica; a machine moves to the next when it loses its session)")
 	fs.StringVar(&cfg.GatewayServerName, "gateway-server-name", os.Getenv("BC_GATEWAY_SERVER_NAME"), "override the gateway's TLS server name")
+	fs.DurationVar(&cfg.Agent.SilenceTimeout, "gateway-silence-timeout", silence, "drop a session that heard nothing from its gateway (one that acknowledges heartbeats) for this long and reconnect (0: 3 heartbeat intervals, at most 15s; never below 1.5 intervals)")
 	fs.StringVar(&cfg.HealthListen, "health-listen", service.Env("BC_HEALTH_LISTEN", fakedaemon.DefaultHealthListen), "address of the /healthz server (empty for none)")
 	fs.StringVar(&durations, "command-durations", os.Getenv("BC_COMMAND_DURATIONS"), "how long fake commands take: KIND=DURATION,… (kinds "+strings.Join(fakehw.Kinds(), ", ")+", and default for every kind not listed); unset: the usual durations")
 	if err := fs.Parse(args); err != nil {
@@ -161,6 +170,9 @@ func parseConfig(args []string, joinOnly bool) (fakedaemon.Config, error) {
 	}
 	if _, err := pki.ParseGatewayURLs(cfg.GatewayURL); err != nil {
 		return cfg, fmt.Errorf("--gateway-url: %w", err)
+	}
+	if cfg.Agent.SilenceTimeout < 0 {
+		return cfg, fmt.Errorf("--gateway-silence-timeout must not be negative, got %s", cfg.Agent.SilenceTimeout)
 	}
 	if cfg.Nodes < 1 || cfg.Nodes > fakedaemon.MaxNodes {
 		return cfg, fmt.Errorf("--nodes must be from 1 to %d, got %d", fakedaemon.MaxNodes, cfg.Nodes)

@@ -18,7 +18,7 @@ import (
 var envVars = []string{"BC_JOIN_URL", "BC_JOIN_TOKEN_FILE", "BC_JOIN_TOKEN", "BC_JOIN_TOKEN_WAIT", "BC_DATA_DIR", "BC_VARIANT",
 	"BC_NODES", "BC_GATEWAY_URL", "BC_GATEWAY_SERVER_NAME", "BC_HEALTH_LISTEN", "BC_SERVER", "BC_PINS_FILE",
 	"BC_SERVING_CA_PIN", "BC_JOIN_SIGNING_PIN", "BC_JOIN_ENCRYPTION_PIN", "BC_COMMAND_SIGNING_PIN", "BC_JOIN_KEYS_DIR",
-	"BC_INSECURE_TRUST_SERVER_PINS", "BC_COMMAND_DURATIONS"}
+	"BC_INSECURE_TRUST_SERVER_PINS", "BC_COMMAND_DURATIONS", "BC_GATEWAY_SILENCE_TIMEOUT"}
 
 func clearEnv(t *testing.T) {
 	for _, k := range envVars {
@@ -41,6 +41,23 @@ func TestParseConfigDefaults(t *testing.T) {
 	require.Equal(t, 2*time.Minute, cfg.TokenWait)
 	require.Equal(t, ":8085", cfg.HealthListen)
 	require.Nil(t, cfg.Durations, "unset: the machines' usual command durations")
+	require.Zero(t, cfg.Agent.SilenceTimeout, "unset: the daemon core's default")
+}
+
+func TestParseConfigSilenceTimeout(t *testing.T) {
+	clearEnv(t)
+	t.Setenv("BC_GATEWAY_SILENCE_TIMEOUT", "20s")
+	cfg, err := parseConfig(nil, false)
+	require.NoError(t, err)
+	require.Equal(t, 20*time.Second, cfg.Agent.SilenceTimeout)
+	cfg, err = parseConfig([]string{"--gateway-silence-timeout", "12s"}, false)
+	require.NoError(t, err)
+	require.Equal(t, 12*time.Second, cfg.Agent.SilenceTimeout)
+	_, err = parseConfig([]string{"--gateway-silence-timeout", "-1s"}, false)
+	require.EqualError(t, err, "--gateway-silence-timeout must not be negative, got -1s")
+	t.Setenv("BC_GATEWAY_SILENCE_TIMEOUT", "soon")
+	_, err = parseConfig(nil, false)
+	require.ErrorContains(t, err, "BC_GATEWAY_SILENCE_TIMEOUT")
 }
 
 func TestParseConfigEnvAndFlags(t *testing.T) {

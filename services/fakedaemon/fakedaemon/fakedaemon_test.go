@@ -64,7 +64,9 @@ type controlPlane struct {
 	gw        *fakeGateway
 	joinURL   string
 	gwURL     string
-	// gwServer serves gw (CloseClientConnections drops the sessions' connections).
+	gwTLS     tls.Certificate // the gateways' serving certificate
+	// gwServer serves gw, the first gateway (CloseClientConnections drops
+	// the sessions' connections).
 	gwServer *httptest.Server
 	// pins are the deployment's pins, as pins.json would hold them.
 	pins pki.Pins
@@ -80,21 +82,10 @@ func newControlPlane(t *testing.T, maxUses int) *controlPlane {
 	gwCert, gwKey, err := servingCA.IssueServing([]string{"localhost", "127.0.0.1"}, now, time.Hour)
 	require.NoError(t, err)
 
-	gw := &fakeGateway{heartbeat: 50 * time.Millisecond, sessions: map[string]*gwSession{}, msgs: map[string][]*gatewayv1.SessionRequest{},
-		hellos: map[string][]*gatewayv1.Hello{}, revoked: map[string]bool{}, refused: map[string]int{}}
-	mux := http.NewServeMux()
-	path, h := gatewayv1connect.NewGatewayServiceHandler(gw)
-	mux.Handle(path, peerMiddleware(h))
-	gsrv := httptest.NewUnstartedServer(mux)
-	gsrv.EnableHTTP2 = true
-	gsrv.TLS = &tls.Config{
-		Certificates: []tls.Certificate{{Certificate: [][]byte{gwCert.Raw}, PrivateKey: gwKey, Leaf: gwCert}},
-		ClientAuth:   tls.RequireAndVerifyClientCert,
-		ClientCAs:    nodeCA.Pool(),
-		MinVersion:   tls.VersionTLS12,
-	}
-	gsrv.StartTLS()
-	t.Cleanup(gsrv.Close)
+	cp := &controlPlane{t: t, nodeCA: nodeCA, servingCA: servingCA,
+		gwTLS: tls.Certificate{Certificate: [][]byte{gwCert.Raw}, PrivateKey: gwKey, Leaf: gwCert}}
+	gw := newFakeGateway("gw-test")
+	gwURL := cp.serveGateway(gw)
 
 	joinKey, err := pki.GenerateJoinEncryptionKey()
 	require.NoError(t, err)
@@ -102,7 +93,7 @@ func newControlPlane(t *testing.T, maxUses int) *controlPlane {
 	require.NoError(t, err)
 	commandKey, err := pki.GenerateSigningKey()
 	require.NoError(t, err)
-	j := &fakeJoin{nodeCA: nodeCA, servingCA: servingCA, gatewayURL: gsrv.URL, serverName: "localhost", maxUses: maxUses,
+	j := &fakeJoin{nodeCA: nodeCA, servingCA: servingCA, gatewayURL: gwURL, serverName: "localhost", maxUses: maxUses,
 		joinKey: joinKey, signKey: signKey}
 	jmux := http.NewServeMux()
 	jmux.Handle(joinv1connect.NewJoinServiceHandler(j))
@@ -112,8 +103,7 @@ func newControlPlane(t *testing.T, maxUses int) *controlPlane {
 		w.Header().Set("Content-Type", "application/json")
 		_ = json.NewEncoder(w).Encode(j.wellKnown(jsrv.URL))
 	}))
-	cp := &controlPlane{t: t, nodeCA: nodeCA, servingCA: servingCA, join: j, gw: gw, joinURL: jsrv.URL, gwURL: gsrv.URL,
-		gwServer: gsrv}
+	cp.join, cp.gw, cp.joinURL, cp.gwURL = j, gw, jsrv.URL, gwURL
 	cp.pins.ServingCA = pki.PinOfSPKI(servingCA.Cert.RawSubjectPublicKeyInfo)
 	cp.pins.JoinSigning, err = pki.SPKIPin(signKey.Public())
 	require.NoError(t, err)
@@ -124,6 +114,34 @@ func newControlPlane(t *testing.T, maxUses int) *controlPlane {
 	j.commandRoot, err = x509.MarshalPKIXPublicKey(commandKey.Public())
 	require.NoError(t, err)
 	return cp
+}
+
+func newFakeGateway(id string) *fakeGateway {
+	return &fakeGateway{id: id, heartbeat: 50 * time.Millisecond, sessions: map[string]*gwSession{}, msgs: map[string][]*gatewayv1.SessionRequest{},
+		hellos: map[string][]*gatewayv1.Hello{}, revoked: map[string]bool{}, refused: map[string]int{}}
+}
+
+// serveGateway serves gw over HTTP/2 with mutual TLS (the deployment's
+// serving certificate, node certificates of its node CA) until the test
+// ends, and returns its URL.
+func (cp *controlPlane) serveGateway(gw *fakeGateway) string {
+	mux := http.NewServeMux()
+	path, h := gatewayv1connect.NewGatewayServiceHandler(gw)
+	mux.Handle(path, peerMiddleware(h))
+	gsrv := httptest.NewUnstartedServer(mux)
+	gsrv.EnableHTTP2 = true
+	gsrv.TLS = &tls.Config{
+		Certificates: []tls.Certificate{cp.gwTLS},
+		ClientAuth:   tls.RequireAndVerifyClientCert,
+		ClientCAs:    cp.nodeCA.Pool(),
+		MinVersion:   tls.VersionTLS12,
+	}
+	gsrv.StartTLS()
+	cp.t.Cleanup(gsrv.Close)
+	if cp.gwServer == nil {
+		cp.gwServer = gsrv
+	}
+	return gsrv.URL
 }
 
 // config returns a Runner configuration with fast timings that joins
@@ -282,7 +300,11 @@ func (j *fakeJoin) stats() (calls, uses int) {
 
 type fakeGateway struct {
 	gatewayv1connect.UnimplementedGatewayServiceHandler
+	id        string // Welcome.gateway_id
 	heartbeat time.Duration
+	// acks makes the gateway acknowledge heartbeats (Welcome.acks_heartbeats)
+	// as the real one does.
+	acks bool
 
 	mu       sync.Mutex
 	seq      int
@@ -334,7 +356,8 @@ func (g *fakeGateway) Session(ctx context.Context, stream *connect.BidiStream[ga
 	g.hellos[certNode] = append(g.hellos[certNode], hello)
 	g.mu.Unlock()
 	if err := stream.Send(&gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_Welcome{Welcome: &gatewayv1.Welcome{
-		SessionId: sid, GatewayId: "gw-test", HeartbeatInterval: durationpb.New(g.heartbeat), SessionEpoch: int64(epoch),
+		SessionId: sid, GatewayId: g.id, HeartbeatInterval: durationpb.New(g.heartbeat), SessionEpoch: int64(epoch),
+		AcksHeartbeats: g.acks,
 	}}}); err != nil {
 		return err
 	}
@@ -349,6 +372,12 @@ func (g *fakeGateway) Session(ctx context.Context, stream *connect.BidiStream[ga
 			g.mu.Lock()
 			g.msgs[certNode] = append(g.msgs[certNode], m)
 			g.mu.Unlock()
+			if hb := m.GetHeartbeat(); hb != nil && g.acks {
+				select {
+				case s.out <- &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_HeartbeatAck{HeartbeatAck: &gatewayv1.HeartbeatAck{Seq: hb.GetSeq()}}}:
+				default: // the sender is busy: what it sends answers
+				}
+			}
 		}
 	}()
 	for {

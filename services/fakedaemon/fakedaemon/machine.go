@@ -9,6 +9,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"math/rand/v2"
 	"net"
@@ -66,6 +67,12 @@ type MachineStatus struct {
 	State daemon.State
 	// SessionID is the gateway's session id while established.
 	SessionID string
+	// GatewayID is the id of the gateway holding the session while
+	// established (Welcome.gateway_id), else "".
+	GatewayID string
+	// Silenced counts the sessions the machine dropped because their
+	// gateway stopped answering (daemon.Config.SilenceTimeout).
+	Silenced int
 	// BootID is the machine's current boot id.
 	BootID string
 	// ObservedGeneration is the NodeSpec generation applied.
@@ -211,7 +218,8 @@ func (m *Machine) run(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("machine %d: %w", m.index, err)
 	}
-	tr := newTransport(tlsCfg)
+	conns := newConnTracker()
+	tr := newTransport(tlsCfg, conns)
 	defer tr.CloseIdleConnections()
 
 	acfg := m.r.cfg.Agent
@@ -231,7 +239,7 @@ func (m *Machine) run(ctx context.Context) error {
 	d := &driver{m: m, log: log, clk: m.r.clk, agent: agent, hw: hw, dir: m.dir,
 		events: make(chan event, 16), timer: m.r.clk.NewTimer(time.Hour),
 		urls: gwURLs, gw: int(binary.BigEndian.Uint64(seed[8:16]) % uint64(len(gwURLs))),
-		rn: renewState{id: id, tlsCfg: tlsCfg, tr: tr}}
+		conns: conns, rn: renewState{id: id, tlsCfg: tlsCfg, tr: tr}}
 	d.makeClients()
 	d.timer.Stop()
 	log.Info("machine up", "variant", variant, "boot", boot, "gateways", gwURLs)
@@ -415,18 +423,23 @@ func (m *Machine) gatewayTLS(id *Identity) ([]string, *tls.Config, error) {
 	}, nil
 }
 
-// newTransport returns an HTTP/2-only transport for one machine. It notices
-// a connection that died silently within 25 s: on Linux by the heartbeats
-// it cannot deliver (TCP_USER_TIMEOUT, transport_linux.go), elsewhere by an
-// HTTP/2 ping after 15 s without a frame.
-func newTransport(tlsCfg *tls.Config) *http.Transport {
+// newTransport returns an HTTP/2-only transport for one machine, whose
+// connections conns tracks. A gateway that acknowledges heartbeats and
+// stops answering is noticed by the daemon core (daemon.Config
+// SilenceTimeout, 15 s), which has the driver close the connection. Below
+// that, the transport notices a connection that died silently within 25 s:
+// on Linux by the heartbeats it cannot deliver (TCP_USER_TIMEOUT,
+// transport_linux.go), elsewhere by an HTTP/2 ping after 15 s without a
+// frame; those are what notice a hung gateway that does not acknowledge
+// heartbeats (an older one), the ping within 70 s.
+func newTransport(tlsCfg *tls.Config, conns *connTracker) *http.Transport {
 	var p http.Protocols
 	p.SetHTTP2(true)
 	return &http.Transport{
 		Protocols:       &p,
 		TLSClientConfig: tlsCfg,
-		DialContext: (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second,
-			Control: dialControl}).DialContext,
+		DialContext: conns.wrap((&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second,
+			Control: dialControl}).DialContext),
 		TLSHandshakeTimeout: 10 * time.Second,
 		MaxIdleConns:        1,
 		IdleConnTimeout:     90 * time.Second,
@@ -444,12 +457,26 @@ type event struct {
 	err     error // the stream ended
 }
 
-// session is the driver's side of one Session stream.
+// session is the driver's side of one Session stream. The driver's loop
+// never blocks on it: a reader goroutine turns what arrives into events, and
+// what the loop sends goes through a queue to a writer goroutine, started
+// when there is something to send and gone when the queue is empty, the
+// only caller of Send and CloseRequest while it runs. So a gateway that
+// stops reading (its HTTP/2 window spent, the TCP send buffer full) cannot
+// stall the loop, and the daemon core's silence timeout still fires and
+// drops the session.
 type session struct {
 	n      uint64
+	url    string // the gateway's Session URL
 	stream *connect.BidiStreamForClient[gatewayv1.SessionRequest, gatewayv1.SessionResponse]
 	ctx    context.Context
 	cancel context.CancelFunc
+
+	mu      sync.Mutex
+	queue   []*gatewayv1.SessionRequest // to send, in order
+	writing bool                        // a writer goroutine runs
+	closing bool                        // half-close once the queue is sent
+	ended   bool                        // send nothing more; close the request stream
 }
 
 // closeGrace is how long a gracefully closed session may take to end.
@@ -476,8 +503,9 @@ type driver struct {
 	timer   clock.Timer
 	cur     *session
 	ctx     context.Context
-	rn      renewState // certificate renewal (renew.go)
-	dir     string     // the machine's data directory
+	conns   *connTracker // the connections of the machine's transports
+	rn      renewState   // certificate renewal (renew.go)
+	dir     string       // the machine's data directory
 	// stopped is set by EffectStop: the machine stopped for good.
 	stopped bool
 }
@@ -542,11 +570,8 @@ func (d *driver) apply(effects []daemon.Effect) {
 			if d.cur == nil || d.cur.n != e.Session {
 				continue
 			}
-			if err := d.cur.stream.Send(e.Msg); err != nil {
-				d.log.Debug("send failed", "session", e.Session, telemetry.KeyError, err)
-				d.closeSession()
-				effects = append(effects, d.agent.Disconnected(d.clk.Now(), e.Session, classify(err))...)
-			}
+			// A failed send comes back as an event (write).
+			d.send(d.cur, e.Msg)
 		case daemon.EffectDial:
 			d.closeSession()
 			d.freshTransport()
@@ -558,8 +583,12 @@ func (d *driver) apply(effects []daemon.Effect) {
 			effects = append(effects, d.agent.Connected(d.clk.Now(), e.Session)...)
 		case daemon.EffectClose:
 			if d.cur != nil && d.cur.n == e.Session {
-				d.log.Info("closing session", "session", e.Session, "reason", e.Reason)
-				d.closeGracefully()
+				if e.Abort {
+					d.abortSession(e.Reason)
+				} else {
+					d.log.Info("closing session", "session", e.Session, "reason", e.Reason)
+					d.closeGracefully()
+				}
 			}
 		case daemon.EffectTimer:
 			d.timer.Stop()
@@ -588,21 +617,22 @@ func (d *driver) apply(effects []daemon.Effect) {
 			s.Sessions++
 		}
 		s.State, s.SessionID, s.BootID, s.ObservedGeneration = st.State, st.SessionID, st.BootID, st.ObservedGeneration
+		s.GatewayID, s.Silenced = st.GatewayID, st.Silenced
 		if st.Stopped != nil {
 			s.Stopped = st.Stopped.Error()
 		}
 	})
 }
 
-// open starts session n: the stream and its reader goroutine. The HTTP/2
-// request goes out with the first message (Hello).
+// open starts session n: the stream and its reader goroutine.
+// The HTTP/2 request goes out with the first message (Hello).
 func (d *driver) open(n uint64) {
 	sctx, cancel := context.WithCancel(d.ctx)
 	if len(d.urls) > 1 {
 		d.log.Debug("opening session", "session", n, "gateway", d.urls[d.gw])
 	}
 	stream := d.clients[d.gw].Session(sctx)
-	d.cur = &session{n: n, stream: stream, ctx: sctx, cancel: cancel}
+	d.cur = &session{n: n, url: d.urls[d.gw], stream: stream, ctx: sctx, cancel: cancel}
 	go func() {
 		defer cancel()
 		defer func() { _ = stream.CloseResponse() }()
@@ -629,36 +659,133 @@ func (d *driver) makeClients() {
 	}
 }
 
-// closeSession aborts the current session's stream, if any.
-func (d *driver) closeSession() {
-	if d.cur == nil {
-		return
+// send queues m on s and starts a writer unless one runs.
+func (d *driver) send(s *session, m *gatewayv1.SessionRequest) {
+	s.mu.Lock()
+	s.queue = append(s.queue, m)
+	start := !s.writing
+	s.writing = true
+	s.mu.Unlock()
+	if start {
+		go d.write(s)
 	}
-	d.cur.cancel()
-	_ = d.cur.stream.CloseRequest()
-	d.cur = nil
 }
 
-// closeGracefully half-closes the current session, so that what was sent
-// before (a reboot's SUCCEEDED) still reaches the gateway, and aborts it if
-// the gateway has not ended it within closeGrace.
-func (d *driver) closeGracefully() {
-	if d.cur == nil {
-		return
+// write is session s's writer: it sends what the loop queued, in order,
+// until the queue is empty, the stream fails or s ended. Once s ended it
+// closes the request stream (net/http's HTTP/2 client does not watch the
+// context while it reads the request body, so a cancelled stream ends only
+// once its body ends); once s is closing, it half-closes it (halfClose). A
+// send that fails ends s and reports the session ended, unless the stream
+// ended (io.EOF): the reader reports why.
+func (d *driver) write(s *session) {
+	for {
+		s.mu.Lock()
+		batch := s.queue
+		s.queue = nil
+		if len(batch) == 0 || s.ended {
+			s.writing = false
+			ended, closing := s.ended, s.closing
+			s.mu.Unlock()
+			switch {
+			case ended:
+				_ = s.stream.CloseRequest()
+			case closing:
+				d.halfClose(s)
+			}
+			return
+		}
+		s.mu.Unlock()
+		for _, m := range batch {
+			if err := s.stream.Send(m); err != nil {
+				d.log.Debug("send failed", "session", s.n, telemetry.KeyError, err)
+				s.mu.Lock()
+				s.ended, s.writing, s.queue = true, false, nil
+				s.mu.Unlock()
+				_ = s.stream.CloseRequest()
+				if !errors.Is(err, io.EOF) {
+					select {
+					case d.events <- event{session: s.n, err: err}:
+					case <-s.ctx.Done():
+					}
+				}
+				return
+			}
+		}
 	}
-	s := d.cur
-	d.cur = nil
+}
+
+// end ends s: gracefully, the request stream is half-closed once what was
+// queued is sent (halfClose); otherwise s is cancelled and its request
+// stream closed, by its writer if one runs.
+func (d *driver) end(s *session, graceful bool) {
+	s.mu.Lock()
+	if graceful {
+		s.closing = true
+	} else {
+		s.ended = true
+	}
+	idle := !s.writing
+	s.writing = true // nothing is sent on s any more: this is its last writer
+	s.mu.Unlock()
+	if !graceful {
+		s.cancel()
+	}
+	switch {
+	case !idle:
+	case graceful:
+		go d.halfClose(s)
+	default:
+		_ = s.stream.CloseRequest()
+	}
+}
+
+// halfClose ends s's request stream, so that what was sent before (a
+// reboot's SUCCEEDED) still reaches the gateway, and aborts s if the
+// gateway has not ended it within closeGrace.
+func (d *driver) halfClose(s *session) {
 	if err := s.stream.CloseRequest(); err != nil {
 		s.cancel()
 		return
 	}
 	t := d.clk.NewTimer(closeGrace)
-	go func() {
-		defer t.Stop()
-		select {
-		case <-t.C():
-		case <-s.ctx.Done(): // the reader saw the end, or the machine stops
-		}
-		s.cancel()
-	}()
+	defer t.Stop()
+	select {
+	case <-t.C():
+	case <-s.ctx.Done(): // the reader saw the end, or the machine stops
+	}
+	s.cancel()
+}
+
+// closeSession aborts the current session's stream, if any.
+func (d *driver) closeSession() {
+	if d.cur == nil {
+		return
+	}
+	d.end(d.cur, false)
+	d.cur = nil
+}
+
+// closeGracefully half-closes the current session once what was queued is
+// sent.
+func (d *driver) closeGracefully() {
+	if d.cur == nil {
+		return
+	}
+	d.end(d.cur, true)
+	d.cur = nil
+}
+
+// abortSession drops the current session at once because its gateway
+// stopped answering (daemon.EffectClose with Abort): the stream is
+// cancelled and every connection to that gateway closed, so that a write
+// blocked on it returns and the next session to it dials afresh. The next
+// session goes to the next gateway (EffectDial).
+func (d *driver) abortSession(reason string) {
+	s := d.cur
+	d.cur = nil
+	d.end(s, false)
+	closed := d.conns.closeAddr(dialAddr(s.url))
+	d.log.Info("dropped the session: the gateway stopped answering", "session", s.n, "gateway", s.url,
+		"reason", reason, "connections_closed", closed)
 }

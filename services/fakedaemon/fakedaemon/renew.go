@@ -114,7 +114,7 @@ func (d *driver) freshTransport() {
 		t.CloseIdleConnections()
 	}
 	d.rn.retired = append(d.rn.retired, d.rn.tr)
-	d.rn.tr = newTransport(d.rn.tlsCfg)
+	d.rn.tr = newTransport(d.rn.tlsCfg, d.conns)
 	d.makeClients()
 }
 

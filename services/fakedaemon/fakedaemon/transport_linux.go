@@ -18,8 +18,11 @@ import (
 // the 15 s + 10 s HTTP/2 ping did. The acknowledgements come from the
 // gateway's kernel: the gateway process is not woken, where a ping every
 // 15 s woke it (read the ping, write its answer) 4 times a minute per idle
-// machine. The ping stays as a backstop, rarely, for a gateway whose kernel
-// answers but whose process does not (stopped).
+// machine. A gateway whose kernel answers but whose process does not (paused,
+// hung) is noticed by the daemon core instead: it drops a session whose
+// gateway, acknowledging heartbeats, was silent for its silence timeout
+// (15 s; daemon.Config.SilenceTimeout). The ping stays as a backstop, rarely,
+// for that case with an older gateway that does not acknowledge heartbeats.
 const (
 	unackedTimeout = 15 * time.Second
 	pingIdle       = time.Minute

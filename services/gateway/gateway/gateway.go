@@ -11,6 +11,11 @@
 // since pokes are hints that may be lost, through a periodic re-read of all
 // sessions' pending work in one query. Heartbeats and other messages record
 // last_seen through a batch that one loop flushes every FlushInterval.
+// Each heartbeat is answered at once with a HeartbeatAck from the handler's
+// goroutine (Welcome.acks_heartbeats; skipped when a delivery is being sent
+// at that moment, which answers it), so that a daemon notices a gateway
+// that hangs without closing its connections (paused, stuck) and moves to
+// another.
 //
 // Trust: a session is refused at Hello, and an open one closed with
 // Unauthenticated "certificate revoked", when its certificate or its node is
@@ -23,10 +28,10 @@
 // key. Spec refusals daemons report become node.spec_refused events.
 //
 // Memory per session is kept small for thousands of idle sessions: one
-// goroutine of ours per stream (the Connect handler, blocked in Receive);
-// sends run on a short-lived goroutine started when a session is woken (one
-// at a time per session, wakes coalesce); timers and tickers are shared by
-// all sessions. BenchmarkIdleSessionMemory measures about 66 KiB per idle
+// goroutine of ours per stream (the Connect handler, blocked in Receive,
+// which also writes the heartbeat acknowledgements); deliveries run on a
+// short-lived goroutine started when a session is woken (one at a time per
+// session, wakes coalesce); timers and tickers are shared by all sessions. BenchmarkIdleSessionMemory measures about 66 KiB per idle
 // session (38 KiB heap, 28 KiB stacks, 3 goroutines), nearly all of it
 // net/http's HTTP/2 server (a connection's serve and frame-reader
 // goroutines, a 4 KiB response buffer per stream, framer, request) and
@@ -435,7 +440,8 @@ func (s *Server) Run(ctx context.Context) error {
 // It sends no HTTP/2 pings (SendPingTimeout is 0): a session whose daemon
 // went away, or whose connection died silently, is closed by the idle
 // timeout (resync, IdleTimeout), and a connection left without a stream by
-// the server's IdleTimeout. A ping timer would wake the gateway for every
+// the server's IdleTimeout. Daemons learn that the gateway is alive from
+// the acknowledgements of their heartbeats. A ping timer would wake the gateway for every
 // connection every SendPingTimeout, thousands of wake-ups a minute for an
 // idle fleet (BenchmarkIdleFleet), to learn what heartbeats already say.
 func (s *Server) newHTTPServer() *http.Server {

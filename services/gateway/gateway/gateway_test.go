@@ -339,6 +339,64 @@ func TestHeartbeatsUpdateLastSeen(t *testing.T) {
 	}, "heartbeat's observed generation stored")
 }
 
+// TestHeartbeatsAreAcknowledged: Welcome says the gateway acknowledges
+// heartbeats, and it answers each with its seq, so that a daemon can tell a
+// gateway that stopped answering (hung, paused) from an idle one. Commands
+// delivered meanwhile still arrive.
+func TestHeartbeatsAreAcknowledged(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	g := e.startGateway(noResync)
+	n := e.newNode()
+	d, w := e.connect(g, n, nil)
+	require.True(t, w.GetAcksHeartbeats())
+	for seq := int64(1); seq <= 3; seq++ {
+		d.heartbeat(seq, 0)
+		require.Equal(t, seq, d.nextAck())
+	}
+	cmdID := e.queueCommand(n.id, "diag.nvml", "user")
+	require.NoError(t, e.nc.Publish(store.SubjectPokeGatewayPrefix+"gw-test", mustJSON(t, store.Poke{NodeIDs: []string{n.id}})))
+	for seq := int64(4); seq <= 40; seq++ {
+		d.heartbeat(seq, 0)
+	}
+	require.Equal(t, cmdID, d.next().GetCommand().GetCommandId())
+	// Heartbeats are answered in order; one that met a delivery being sent
+	// may go unanswered (the delivery answered it), those after are
+	// answered again.
+	last, seq := int64(3), int64(40)
+	var disorder []int64
+	var sendErr error
+	eventually(t, func() bool {
+		seq++
+		if sendErr = d.stream.Send(&gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Heartbeat{
+			Heartbeat: &gatewayv1.Heartbeat{Seq: seq},
+		}}); sendErr != nil {
+			return true
+		}
+		for {
+			select {
+			case a := <-d.acks:
+				if a <= last {
+					disorder = append(disorder, a)
+				}
+				last = a
+				continue
+			default:
+			}
+			return last > 40
+		}
+	}, "heartbeats after the delivery are answered")
+	require.NoError(t, sendErr)
+	require.Empty(t, disorder, "acks out of order")
+}
+
+func mustJSON(t *testing.T, v any) []byte {
+	t.Helper()
+	b, err := json.Marshal(v)
+	require.NoError(t, err)
+	return b
+}
+
 func TestCertificateForAnotherNodeIsRefused(t *testing.T) {
 	t.Parallel()
 	e := setup(t, options{})

@@ -230,8 +230,9 @@ func (e *env) client(g *gw, cert tls.Certificate) gatewayv1connect.GatewayServic
 type daemon struct {
 	t      testing.TB
 	stream *connect.BidiStreamForClient[gatewayv1.SessionRequest, gatewayv1.SessionResponse]
-	msgs   chan *gatewayv1.SessionResponse
-	err    chan error // the Receive error that ended the stream
+	msgs   chan *gatewayv1.SessionResponse // every message but HeartbeatAcks
+	acks   chan int64                      // seq of each HeartbeatAck (the latest 64 kept)
+	err    chan error                      // the Receive error that ended the stream
 	cancel context.CancelFunc
 	done   chan struct{}
 }
@@ -246,7 +247,7 @@ func (e *env) open(g *gw, n node, hello *gatewayv1.Hello) *daemon {
 func (e *env) openWith(c gatewayv1connect.GatewayServiceClient, hello *gatewayv1.Hello) *daemon {
 	ctx, cancel := context.WithCancel(context.Background())
 	d := &daemon{t: e.t, stream: c.Session(ctx), msgs: make(chan *gatewayv1.SessionResponse, 64),
-		err: make(chan error, 1), cancel: cancel, done: make(chan struct{})}
+		acks: make(chan int64, 64), err: make(chan error, 1), cancel: cancel, done: make(chan struct{})}
 	e.t.Cleanup(d.close)
 	if hello != nil {
 		d.send(&gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Hello{Hello: hello}})
@@ -258,6 +259,13 @@ func (e *env) openWith(c gatewayv1connect.GatewayServiceClient, hello *gatewayv1
 			if err != nil {
 				d.err <- err
 				return
+			}
+			if a := m.GetHeartbeatAck(); a != nil {
+				select {
+				case d.acks <- a.GetSeq():
+				default:
+				}
+				continue
 			}
 			d.msgs <- m
 		}
@@ -305,6 +313,21 @@ func (d *daemon) next() *gatewayv1.SessionResponse {
 		require.FailNow(d.t, "no message from the gateway")
 	}
 	return nil
+}
+
+// nextAck returns the seq of the next HeartbeatAck, failing the test after
+// waitFor.
+func (d *daemon) nextAck() int64 {
+	d.t.Helper()
+	timer := realClock.NewTimer(waitFor)
+	defer timer.Stop()
+	select {
+	case seq := <-d.acks:
+		return seq
+	case <-timer.C():
+		require.FailNow(d.t, "no heartbeat ack from the gateway")
+	}
+	return 0
 }
 
 // ended waits for the stream to end and returns its error, nil when the

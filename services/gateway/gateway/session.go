@@ -71,13 +71,17 @@ type session struct {
 	state    atomic.Int32 // stIdle, stRunning, stDirty | stClosed
 
 	// issued is the answer to a RenewCertificate, sent by the next
-	// delivery (the only sender after Welcome).
+	// delivery (deliveries send everything after Welcome but heartbeat
+	// acknowledgements).
 	issued atomic.Pointer[gatewayv1.CertificateIssued]
 
 	// deliverMu is held while delivering; closing takes it to wait for a
 	// delivery in flight, so no Send runs after the handler returns.
 	deliverMu sync.Mutex
 	inFlight  bool // next delivery also resends delivered and running commands
+	// sendMu is held by each Send after Welcome: deliveries and heartbeat
+	// acknowledgements go out from different goroutines.
+	sendMu sync.Mutex
 
 	// abortMu guards aborting against the end of the handler.
 	abortMu  sync.Mutex
@@ -120,8 +124,9 @@ const sendGrace = 5 * time.Second
 var transportClock = clock.New()
 
 // abort ends the stream from any goroutine: the handler's Receive fails and
-// the handler returns err to the daemon. It does nothing once the handler has
-// returned or after the first abort.
+// the handler returns err to the daemon; a Send blocked on a daemon that
+// stopped reading fails after sendGrace. It does nothing once the handler
+// has returned or after the first abort.
 func (st *session) abort(err error) {
 	st.abortMu.Lock()
 	defer st.abortMu.Unlock()
@@ -130,6 +135,31 @@ func (st *session) abort(err error) {
 	}
 	st.abortErr = err
 	_ = st.body.Close()
+	_ = http.NewResponseController(st.w).SetWriteDeadline(transportClock.Now().Add(sendGrace))
+}
+
+// send sends m on the stream after Welcome (sendMu).
+func (st *session) send(m *gatewayv1.SessionResponse) error {
+	st.sendMu.Lock()
+	defer st.sendMu.Unlock()
+	return st.stream.Send(m)
+}
+
+// ackHeartbeat answers the daemon's heartbeat seq (Welcome.acks_heartbeats)
+// from the handler's goroutine. When a delivery is sending at that moment,
+// its message is the answer: the handler never waits for a send, so it
+// goes on reading. A failed send ends the stream, which the next Receive
+// reports.
+func (s *Server) ackHeartbeat(st *session, seq int64) {
+	if !st.sendMu.TryLock() {
+		return
+	}
+	defer st.sendMu.Unlock()
+	if err := st.stream.Send(&gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_HeartbeatAck{
+		HeartbeatAck: &gatewayv1.HeartbeatAck{Seq: seq},
+	}}); err != nil {
+		s.log.Debug("send heartbeat ack", telemetry.KeyNodeID, st.nodeID, telemetry.KeyError, err)
+	}
 }
 
 // bound makes a Send that blocks for longer than sendGrace (a daemon that
@@ -331,6 +361,7 @@ func (s *Server) hello(ctx context.Context, st *session, h *gatewayv1.Hello) (*g
 		GatewayId:         s.cfg.GatewayID,
 		HeartbeatInterval: durationpb.New(s.cfg.HeartbeatInterval),
 		SessionEpoch:      opened.Epoch,
+		AcksHeartbeats:    true,
 	}}}, nil
 }
 
@@ -419,7 +450,7 @@ func (s *Server) deliver(st *session) {
 	ctx := st.ctx
 	if ci := st.issued.Swap(nil); ci != nil {
 		msg := &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_CertificateIssued{CertificateIssued: ci}}
-		if err := st.stream.Send(msg); err != nil {
+		if err := st.send(msg); err != nil {
 			s.log.Debug("send certificate", telemetry.KeyNodeID, st.nodeID, telemetry.KeyError, err)
 			return
 		}
@@ -449,7 +480,7 @@ func (s *Server) deliver(st *session) {
 	st.inFlight = false
 	for _, c := range d.Commands {
 		msg := &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_Command{Command: store.CommandMessage(c)}}
-		if err := st.stream.Send(msg); err != nil {
+		if err := st.send(msg); err != nil {
 			s.log.Debug("send command", telemetry.KeyNodeID, st.nodeID, telemetry.KeyCommandID, c.ID, telemetry.KeyError, err)
 			return
 		}
@@ -462,7 +493,7 @@ func (s *Server) deliver(st *session) {
 			return
 		}
 		msg := &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_DesiredState{DesiredState: ds}}
-		if err := st.stream.Send(msg); err != nil {
+		if err := st.send(msg); err != nil {
 			s.log.Debug("send desired state", telemetry.KeyNodeID, st.nodeID, telemetry.KeyError, err)
 			return
 		}
@@ -490,6 +521,7 @@ func (s *Server) handle(ctx context.Context, st *session, req *gatewayv1.Session
 	switch m := req.GetMsg().(type) {
 	case *gatewayv1.SessionRequest_Heartbeat:
 		raise(&st.reported, m.Heartbeat.GetObservedGeneration())
+		s.ackHeartbeat(st, m.Heartbeat.GetSeq())
 		return nil
 	case *gatewayv1.SessionRequest_CommandUpdate:
 		return s.commandUpdate(ctx, st, m.CommandUpdate)

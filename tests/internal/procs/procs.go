@@ -46,9 +46,10 @@ type Proc struct {
 	name string
 	cmd  *exec.Cmd
 	// done is closed once the process exited; err is then its Wait error.
-	done chan struct{}
-	err  error
-	once sync.Once
+	done   chan struct{}
+	err    error
+	once   sync.Once
+	paused atomic.Bool // stopped by Pause and not resumed
 }
 
 // Start runs bin/linux/<name> with the test's environment plus env
@@ -115,17 +116,39 @@ func (p *Proc) PID() int { return p.cmd.Process.Pid }
 // buffered writes are left as a crash leaves them) and waits for it.
 func (p *Proc) Kill() { p.signal(syscall.SIGKILL) }
 
-// Stop interrupts the process (a graceful shutdown) and waits for it.
+// Stop interrupts the process (a graceful shutdown) and waits for it; a
+// paused process is resumed first, so that it can shut down.
 func (p *Proc) Stop() { p.signal(os.Interrupt) }
 
-// signal sends sig once (unless the process already exited) and waits for
-// the process to exit.
+// Pause stops the process with SIGSTOP, as `docker pause` freezes a
+// container: it runs nothing and answers nothing, while the kernel keeps
+// its connections open and acknowledges what arrives until the buffers
+// are full. Resume (or the end of the test) lets it go on.
+func (p *Proc) Pause(tb testing.TB) {
+	tb.Helper()
+	require.NoError(tb, p.cmd.Process.Signal(syscall.SIGSTOP))
+	p.paused.Store(true)
+}
+
+// Resume continues a paused process (SIGCONT).
+func (p *Proc) Resume(tb testing.TB) {
+	tb.Helper()
+	if p.paused.Swap(false) {
+		require.NoError(tb, p.cmd.Process.Signal(syscall.SIGCONT))
+	}
+}
+
+// signal sends sig once (unless the process already exited), resuming a
+// paused process, and waits for the process to exit.
 func (p *Proc) signal(sig os.Signal) {
 	p.once.Do(func() {
 		select {
 		case <-p.done:
 		default:
 			_ = p.cmd.Process.Signal(sig)
+			if p.paused.Swap(false) {
+				_ = p.cmd.Process.Signal(syscall.SIGCONT)
+			}
 		}
 	})
 	<-p.done

@@ -227,6 +227,7 @@ type SessionResponse struct {
 	//	*SessionResponse_Command
 	//	*SessionResponse_DesiredState
 	//	*SessionResponse_CertificateIssued
+	//	*SessionResponse_HeartbeatAck
 	Msg           isSessionResponse_Msg `protobuf_oneof:"msg"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -305,6 +306,15 @@ func (x *SessionResponse) GetCertificateIssued() *CertificateIssued {
 	return nil
 }
 
+func (x *SessionResponse) GetHeartbeatAck() *HeartbeatAck {
+	if x != nil {
+		if x, ok := x.Msg.(*SessionResponse_HeartbeatAck); ok {
+			return x.HeartbeatAck
+		}
+	}
+	return nil
+}
+
 type isSessionResponse_Msg interface {
 	isSessionResponse_Msg()
 }
@@ -325,6 +335,10 @@ type SessionResponse_CertificateIssued struct {
 	CertificateIssued *CertificateIssued `protobuf:"bytes,4,opt,name=certificate_issued,json=certificateIssued,proto3,oneof"`
 }
 
+type SessionResponse_HeartbeatAck struct {
+	HeartbeatAck *HeartbeatAck `protobuf:"bytes,5,opt,name=heartbeat_ack,json=heartbeatAck,proto3,oneof"`
+}
+
 func (*SessionResponse_Welcome) isSessionResponse_Msg() {}
 
 func (*SessionResponse_Command) isSessionResponse_Msg() {}
@@ -332,6 +346,8 @@ func (*SessionResponse_Command) isSessionResponse_Msg() {}
 func (*SessionResponse_DesiredState) isSessionResponse_Msg() {}
 
 func (*SessionResponse_CertificateIssued) isSessionResponse_Msg() {}
+
+func (*SessionResponse_HeartbeatAck) isSessionResponse_Msg() {}
 
 // RenewCertificate asks for a new node certificate for a new key before the
 // current one expires. The session goes on with the certificate it was
@@ -582,9 +598,19 @@ type Welcome struct {
 	GatewayId         string                 `protobuf:"bytes,2,opt,name=gateway_id,json=gatewayId,proto3" json:"gateway_id,omitempty"`
 	HeartbeatInterval *durationpb.Duration   `protobuf:"bytes,3,opt,name=heartbeat_interval,json=heartbeatInterval,proto3" json:"heartbeat_interval,omitempty"`
 	// SessionEpoch increases with every session the node opens.
-	SessionEpoch  int64 `protobuf:"varint,4,opt,name=session_epoch,json=sessionEpoch,proto3" json:"session_epoch,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	SessionEpoch int64 `protobuf:"varint,4,opt,name=session_epoch,json=sessionEpoch,proto3" json:"session_epoch,omitempty"`
+	// AcksHeartbeats says that the gateway answers every Heartbeat of this
+	// session with a HeartbeatAck, unless it is sending the daemon another
+	// message at that moment. A live gateway is then heard at least once per
+	// heartbeat interval, so the daemon closes a session on which it heard
+	// nothing for its silence timeout (the gateway hung, was paused or cut
+	// off without the connection closing), closes its connection too, and
+	// reconnects, to another gateway when it knows several. Gateways that
+	// leave it false (older ones) send nothing on an idle session, and their
+	// sessions are not checked for silence.
+	AcksHeartbeats bool `protobuf:"varint,5,opt,name=acks_heartbeats,json=acksHeartbeats,proto3" json:"acks_heartbeats,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *Welcome) Reset() {
@@ -643,6 +669,13 @@ func (x *Welcome) GetSessionEpoch() int64 {
 		return x.SessionEpoch
 	}
 	return 0
+}
+
+func (x *Welcome) GetAcksHeartbeats() bool {
+	if x != nil {
+		return x.AcksHeartbeats
+	}
+	return false
 }
 
 type Command struct {
@@ -1548,6 +1581,53 @@ func (x *Heartbeat) GetSentAt() *timestamppb.Timestamp {
 	return nil
 }
 
+// HeartbeatAck answers a Heartbeat (Welcome.acks_heartbeats): the gateway
+// has read it, and everything the daemon sent before it on the session.
+type HeartbeatAck struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Seq is the seq of the Heartbeat answered.
+	Seq           int64 `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *HeartbeatAck) Reset() {
+	*x = HeartbeatAck{}
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HeartbeatAck) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HeartbeatAck) ProtoMessage() {}
+
+func (x *HeartbeatAck) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HeartbeatAck.ProtoReflect.Descriptor instead.
+func (*HeartbeatAck) Descriptor() ([]byte, []int) {
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *HeartbeatAck) GetSeq() int64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
 var File_bc_gateway_v1_gateway_proto protoreflect.FileDescriptor
 
 const file_bc_gateway_v1_gateway_proto_rawDesc = "" +
@@ -1559,12 +1639,13 @@ const file_bc_gateway_v1_gateway_proto_rawDesc = "" +
 	"\x06report\x18\x03 \x01(\v2\x15.bc.gateway.v1.ReportH\x00R\x06report\x128\n" +
 	"\theartbeat\x18\x04 \x01(\v2\x18.bc.gateway.v1.HeartbeatH\x00R\theartbeat\x12N\n" +
 	"\x11renew_certificate\x18\x05 \x01(\v2\x1f.bc.gateway.v1.RenewCertificateH\x00R\x10renewCertificateB\x05\n" +
-	"\x03msg\"\x97\x02\n" +
+	"\x03msg\"\xdb\x02\n" +
 	"\x0fSessionResponse\x122\n" +
 	"\awelcome\x18\x01 \x01(\v2\x16.bc.gateway.v1.WelcomeH\x00R\awelcome\x122\n" +
 	"\acommand\x18\x02 \x01(\v2\x16.bc.gateway.v1.CommandH\x00R\acommand\x12B\n" +
 	"\rdesired_state\x18\x03 \x01(\v2\x1b.bc.gateway.v1.DesiredStateH\x00R\fdesiredState\x12Q\n" +
-	"\x12certificate_issued\x18\x04 \x01(\v2 .bc.gateway.v1.CertificateIssuedH\x00R\x11certificateIssuedB\x05\n" +
+	"\x12certificate_issued\x18\x04 \x01(\v2 .bc.gateway.v1.CertificateIssuedH\x00R\x11certificateIssued\x12B\n" +
+	"\rheartbeat_ack\x18\x05 \x01(\v2\x1b.bc.gateway.v1.HeartbeatAckH\x00R\fheartbeatAckB\x05\n" +
 	"\x03msg\"+\n" +
 	"\x10RenewCertificate\x12\x17\n" +
 	"\acsr_der\x18\x01 \x01(\fR\x06csrDer\"\x8b\x01\n" +
@@ -1581,14 +1662,15 @@ const file_bc_gateway_v1_gateway_proto_rawDesc = "" +
 	"\fJournalEntry\x12\x1d\n" +
 	"\n" +
 	"command_id\x18\x01 \x01(\tR\tcommandId\x121\n" +
-	"\x05state\x18\x02 \x01(\x0e2\x1b.bc.gateway.v1.CommandStateR\x05state\"\xb6\x01\n" +
+	"\x05state\x18\x02 \x01(\x0e2\x1b.bc.gateway.v1.CommandStateR\x05state\"\xdf\x01\n" +
 	"\aWelcome\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12\x1d\n" +
 	"\n" +
 	"gateway_id\x18\x02 \x01(\tR\tgatewayId\x12H\n" +
 	"\x12heartbeat_interval\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\x11heartbeatInterval\x12#\n" +
-	"\rsession_epoch\x18\x04 \x01(\x03R\fsessionEpoch\"\xce\x01\n" +
+	"\rsession_epoch\x18\x04 \x01(\x03R\fsessionEpoch\x12'\n" +
+	"\x0facks_heartbeats\x18\x05 \x01(\bR\x0eacksHeartbeats\"\xce\x01\n" +
 	"\aCommand\x12\x1d\n" +
 	"\n" +
 	"command_id\x18\x01 \x01(\tR\tcommandId\x12\x12\n" +
@@ -1664,7 +1746,9 @@ const file_bc_gateway_v1_gateway_proto_rawDesc = "" +
 	"\tHeartbeat\x12\x10\n" +
 	"\x03seq\x18\x01 \x01(\x03R\x03seq\x12/\n" +
 	"\x13observed_generation\x18\x02 \x01(\x03R\x12observedGeneration\x123\n" +
-	"\asent_at\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\x06sentAt*\xed\x01\n" +
+	"\asent_at\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\x06sentAt\" \n" +
+	"\fHeartbeatAck\x12\x10\n" +
+	"\x03seq\x18\x01 \x01(\x03R\x03seq*\xed\x01\n" +
 	"\fCommandState\x12\x1d\n" +
 	"\x19COMMAND_STATE_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14COMMAND_STATE_QUEUED\x10\x01\x12\x1b\n" +
@@ -1691,7 +1775,7 @@ func file_bc_gateway_v1_gateway_proto_rawDescGZIP() []byte {
 }
 
 var file_bc_gateway_v1_gateway_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_bc_gateway_v1_gateway_proto_msgTypes = make([]protoimpl.MessageInfo, 21)
+var file_bc_gateway_v1_gateway_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
 var file_bc_gateway_v1_gateway_proto_goTypes = []any{
 	(CommandState)(0),             // 0: bc.gateway.v1.CommandState
 	(*SessionRequest)(nil),        // 1: bc.gateway.v1.SessionRequest
@@ -1714,9 +1798,10 @@ var file_bc_gateway_v1_gateway_proto_goTypes = []any{
 	(*AllocationBound)(nil),       // 18: bc.gateway.v1.AllocationBound
 	(*AllocationUnbound)(nil),     // 19: bc.gateway.v1.AllocationUnbound
 	(*Heartbeat)(nil),             // 20: bc.gateway.v1.Heartbeat
-	nil,                           // 21: bc.gateway.v1.NodeSpec.LabelsEntry
-	(*timestamppb.Timestamp)(nil), // 22: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 23: google.protobuf.Duration
+	(*HeartbeatAck)(nil),          // 21: bc.gateway.v1.HeartbeatAck
+	nil,                           // 22: bc.gateway.v1.NodeSpec.LabelsEntry
+	(*timestamppb.Timestamp)(nil), // 23: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 24: google.protobuf.Duration
 }
 var file_bc_gateway_v1_gateway_proto_depIdxs = []int32{
 	5,  // 0: bc.gateway.v1.SessionRequest.hello:type_name -> bc.gateway.v1.Hello
@@ -1728,30 +1813,31 @@ var file_bc_gateway_v1_gateway_proto_depIdxs = []int32{
 	8,  // 6: bc.gateway.v1.SessionResponse.command:type_name -> bc.gateway.v1.Command
 	13, // 7: bc.gateway.v1.SessionResponse.desired_state:type_name -> bc.gateway.v1.DesiredState
 	4,  // 8: bc.gateway.v1.SessionResponse.certificate_issued:type_name -> bc.gateway.v1.CertificateIssued
-	22, // 9: bc.gateway.v1.CertificateIssued.not_after:type_name -> google.protobuf.Timestamp
-	6,  // 10: bc.gateway.v1.Hello.journal:type_name -> bc.gateway.v1.JournalEntry
-	0,  // 11: bc.gateway.v1.JournalEntry.state:type_name -> bc.gateway.v1.CommandState
-	23, // 12: bc.gateway.v1.Welcome.heartbeat_interval:type_name -> google.protobuf.Duration
-	22, // 13: bc.gateway.v1.Command.deadline:type_name -> google.protobuf.Timestamp
-	0,  // 14: bc.gateway.v1.CommandUpdate.state:type_name -> bc.gateway.v1.CommandState
-	10, // 15: bc.gateway.v1.CommandUpdate.result:type_name -> bc.gateway.v1.CommandResult
-	11, // 16: bc.gateway.v1.CommandResult.inventory:type_name -> bc.gateway.v1.Inventory
-	12, // 17: bc.gateway.v1.Inventory.gpus:type_name -> bc.gateway.v1.Gpu
-	14, // 18: bc.gateway.v1.DesiredState.spec:type_name -> bc.gateway.v1.NodeSpec
-	15, // 19: bc.gateway.v1.NodeSpec.allocations:type_name -> bc.gateway.v1.Allocation
-	21, // 20: bc.gateway.v1.NodeSpec.labels:type_name -> bc.gateway.v1.NodeSpec.LabelsEntry
-	11, // 21: bc.gateway.v1.Report.inventory:type_name -> bc.gateway.v1.Inventory
-	18, // 22: bc.gateway.v1.Report.allocation_bound:type_name -> bc.gateway.v1.AllocationBound
-	19, // 23: bc.gateway.v1.Report.allocation_unbound:type_name -> bc.gateway.v1.AllocationUnbound
-	17, // 24: bc.gateway.v1.Report.spec_refused:type_name -> bc.gateway.v1.SpecRefused
-	22, // 25: bc.gateway.v1.Heartbeat.sent_at:type_name -> google.protobuf.Timestamp
-	1,  // 26: bc.gateway.v1.GatewayService.Session:input_type -> bc.gateway.v1.SessionRequest
-	2,  // 27: bc.gateway.v1.GatewayService.Session:output_type -> bc.gateway.v1.SessionResponse
-	27, // [27:28] is the sub-list for method output_type
-	26, // [26:27] is the sub-list for method input_type
-	26, // [26:26] is the sub-list for extension type_name
-	26, // [26:26] is the sub-list for extension extendee
-	0,  // [0:26] is the sub-list for field type_name
+	21, // 9: bc.gateway.v1.SessionResponse.heartbeat_ack:type_name -> bc.gateway.v1.HeartbeatAck
+	23, // 10: bc.gateway.v1.CertificateIssued.not_after:type_name -> google.protobuf.Timestamp
+	6,  // 11: bc.gateway.v1.Hello.journal:type_name -> bc.gateway.v1.JournalEntry
+	0,  // 12: bc.gateway.v1.JournalEntry.state:type_name -> bc.gateway.v1.CommandState
+	24, // 13: bc.gateway.v1.Welcome.heartbeat_interval:type_name -> google.protobuf.Duration
+	23, // 14: bc.gateway.v1.Command.deadline:type_name -> google.protobuf.Timestamp
+	0,  // 15: bc.gateway.v1.CommandUpdate.state:type_name -> bc.gateway.v1.CommandState
+	10, // 16: bc.gateway.v1.CommandUpdate.result:type_name -> bc.gateway.v1.CommandResult
+	11, // 17: bc.gateway.v1.CommandResult.inventory:type_name -> bc.gateway.v1.Inventory
+	12, // 18: bc.gateway.v1.Inventory.gpus:type_name -> bc.gateway.v1.Gpu
+	14, // 19: bc.gateway.v1.DesiredState.spec:type_name -> bc.gateway.v1.NodeSpec
+	15, // 20: bc.gateway.v1.NodeSpec.allocations:type_name -> bc.gateway.v1.Allocation
+	22, // 21: bc.gateway.v1.NodeSpec.labels:type_name -> bc.gateway.v1.NodeSpec.LabelsEntry
+	11, // 22: bc.gateway.v1.Report.inventory:type_name -> bc.gateway.v1.Inventory
+	18, // 23: bc.gateway.v1.Report.allocation_bound:type_name -> bc.gateway.v1.AllocationBound
+	19, // 24: bc.gateway.v1.Report.allocation_unbound:type_name -> bc.gateway.v1.AllocationUnbound
+	17, // 25: bc.gateway.v1.Report.spec_refused:type_name -> bc.gateway.v1.SpecRefused
+	23, // 26: bc.gateway.v1.Heartbeat.sent_at:type_name -> google.protobuf.Timestamp
+	1,  // 27: bc.gateway.v1.GatewayService.Session:input_type -> bc.gateway.v1.SessionRequest
+	2,  // 28: bc.gateway.v1.GatewayService.Session:output_type -> bc.gateway.v1.SessionResponse
+	28, // [28:29] is the sub-list for method output_type
+	27, // [27:28] is the sub-list for method input_type
+	27, // [27:27] is the sub-list for extension type_name
+	27, // [27:27] is the sub-list for extension extendee
+	0,  // [0:27] is the sub-list for field type_name
 }
 
 func init() { file_bc_gateway_v1_gateway_proto_init() }
@@ -1771,6 +1857,7 @@ func file_bc_gateway_v1_gateway_proto_init() {
 		(*SessionResponse_Command)(nil),
 		(*SessionResponse_DesiredState)(nil),
 		(*SessionResponse_CertificateIssued)(nil),
+		(*SessionResponse_HeartbeatAck)(nil),
 	}
 	file_bc_gateway_v1_gateway_proto_msgTypes[15].OneofWrappers = []any{
 		(*Report_ObservedGeneration)(nil),
@@ -1785,7 +1872,7 @@ func file_bc_gateway_v1_gateway_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_bc_gateway_v1_gateway_proto_rawDesc), len(file_bc_gateway_v1_gateway_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   21,
+			NumMessages:   22,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

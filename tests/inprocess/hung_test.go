@@ -1,0 +1,135 @@
+package inprocess_test
+
+import (
+	"context"
+	"net/http"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
+	"github.com/better-compute/better-compute/cmd/better-compute/devstack"
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/daemon"
+	"github.com/better-compute/better-compute/pkg/fakehw"
+	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
+	"github.com/better-compute/better-compute/tests/internal/containers"
+	"github.com/better-compute/better-compute/tests/internal/procs"
+)
+
+// TestGatewayPausedNodesMove runs two gateways as processes with their
+// default timings (heartbeats every 10 s) and six machines spread over both,
+// and pauses (SIGSTOP, as `docker pause` does) the gateway holding more
+// nodes: it neither dies nor closes a connection, and its kernel goes on
+// acknowledging what the machines send. Each of its machines drops its
+// session because the gateway was silent for the silence timeout (15 s),
+// closes the connection under it and holds a session on the other gateway;
+// past the 30 s liveness timeout no node was marked unreachable.
+func TestGatewayPausedNodesMove(t *testing.T) {
+	ctx := t.Context()
+	dbURL, natsURL, pkiDir := containers.Postgres(t), containers.NATS(t), t.TempDir()
+	addrs := []string{procs.FreeAddr(t), procs.FreeAddr(t)}
+	names := []string{"gw-a", "gw-b"}
+	urls := "https://" + addrs[0] + "," + "https://" + addrs[1]
+	st, err := devstack.Start(ctx, devstack.Options{DatabaseURL: dbURL, NATSURL: natsURL, PKIDir: pkiDir,
+		ExternalGatewayURL: urls})
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, st.Close()) })
+	gws := map[string]*procs.Proc{}
+	for i, name := range names {
+		health := procs.FreeAddr(t)
+		gws[name] = procs.Start(t, "gateway", health, "BC_HEALTH_LISTEN="+health,
+			"BETTER_COMPUTE_DATABASE_URL="+dbURL, "BETTER_COMPUTE_NATS_URL="+natsURL, "BC_PKI_DIR="+pkiDir,
+			"BC_LISTEN="+addrs[i], "BC_GATEWAY_ID="+name, "BC_LOG_LEVEL=warn")
+	}
+	res, err := st.Bootstrap(ctx, devstack.BootstrapOptions{Dir: t.TempDir(), JoinMaxUses: 10})
+	require.NoError(t, err)
+	f := &fixture{stack: st, token: res.RootToken, join: res.JoinToken, pool: res.PoolID,
+		nodes: computev1connect.NewNodeServiceClient(http.DefaultClient, st.APIURL+"/api/compute")}
+
+	mctx, stopMachines := context.WithCancel(context.Background())
+	r, err := fakedaemon.Start(mctx, fakedaemon.Config{Server: st.APIURL, Pins: st.Pins, Token: f.join,
+		DataDir: t.TempDir(), Variant: fakehw.VariantHGXH100, Nodes: 6}, fakedaemon.Deps{})
+	require.NoError(t, err)
+	t.Cleanup(func() { stopMachines(); _ = r.Wait() })
+
+	sessions := func() map[string]string { // node id → gateway id of its live session
+		out := map[string]string{}
+		rows, err := st.DB.Pool.Query(ctx, `SELECT id, gateway_id FROM nodes
+			WHERE provision_state = 'adopted' AND session_id IS NOT NULL`)
+		require.NoError(t, err)
+		defer rows.Close()
+		for rows.Next() {
+			var id, gw string
+			require.NoError(t, rows.Scan(&id, &gw))
+			out[id] = gw
+		}
+		require.NoError(t, rows.Err())
+		return out
+	}
+	require.Eventually(t, func() bool { return len(sessions()) == 6 }, 90*time.Second, 100*time.Millisecond,
+		"6 machines adopted with live sessions")
+	count := map[string]int{}
+	for _, gw := range sessions() {
+		count[gw]++
+	}
+	victim, survivor := names[0], names[1]
+	if count[names[1]] > count[names[0]] {
+		victim, survivor = names[1], names[0]
+	}
+	require.Positive(t, count[victim], "sessions per gateway: %v", count)
+	var moved []*fakedaemon.Machine
+	for _, m := range r.Machines() {
+		st := m.Status()
+		require.Equal(t, daemon.StateEstablished, st.State)
+		require.Zero(t, st.Silenced)
+		if st.GatewayID == victim {
+			moved = append(moved, m)
+		}
+	}
+	require.Len(t, moved, count[victim])
+	t.Logf("sessions per gateway before the pause: %v; pausing %s", count, victim)
+
+	pausedAt := realClock.Now()
+	gws[victim].Pause(t)
+	require.Eventually(t, func() bool {
+		for _, m := range r.Machines() {
+			st := m.Status()
+			if st.State != daemon.StateEstablished || st.GatewayID != survivor {
+				return false
+			}
+		}
+		s := sessions()
+		for _, m := range r.Machines() {
+			if s[m.NodeID()] != survivor {
+				return false
+			}
+		}
+		return true
+	}, 90*time.Second, 50*time.Millisecond, "every node holds a session on %s", survivor)
+	t.Logf("all 6 nodes on %s %s after the pause", survivor, realClock.Now().Sub(pausedAt).Round(time.Millisecond))
+	for _, m := range moved {
+		require.Equal(t, 1, m.Status().Silenced, "machine %d left %s because it was silent", m.Index(), victim)
+	}
+	for _, m := range r.Machines() {
+		if !slices.Contains(moved, m) {
+			require.Zero(t, m.Status().Silenced, "machine %d stayed on %s", m.Index(), survivor)
+		}
+	}
+
+	// Past the liveness timeout (30 s after the pause, when the paused
+	// gateway's presence has lapsed): no node was marked unreachable.
+	require.NoError(t, clock.Sleep(ctx, realClock, max(pausedAt.Add(40*time.Second).Sub(realClock.Now()), 0)))
+	var unreachable int
+	require.NoError(t, st.DB.Pool.QueryRow(ctx, `SELECT count(*) FROM events WHERE type = 'node.unreachable'`).Scan(&unreachable))
+	require.Zero(t, unreachable, "no node was marked unreachable")
+	nodes, err := f.listNodes(ctx)
+	require.NoError(t, err)
+	require.Len(t, nodes, 6)
+	for _, n := range nodes {
+		require.True(t, n.GetReachable(), "node %s is reachable", n.GetId())
+	}
+	gws[victim].Resume(t)
+}
