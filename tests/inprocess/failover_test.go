@@ -75,35 +75,21 @@ func TestGatewayKilledMidRun(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { stopMachines(); _ = r.Wait() })
 
-	sessions := func() map[string]string { // node id → gateway id of its live session
-		out := map[string]string{}
-		rows, err := st.DB.Pool.Query(ctx, `SELECT id, gateway_id FROM nodes
-			WHERE provision_state = 'adopted' AND session_id IS NOT NULL AND observed_generation = spec_generation`)
-		require.NoError(t, err)
-		defer rows.Close()
-		for rows.Next() {
-			var id, gw string
-			require.NoError(t, rows.Scan(&id, &gw))
-			out[id] = gw
+	// sessions: node id → gateway id of the live sessions of the nodes
+	// that applied their NodeSpec.
+	sessions := func() map[string]string {
+		out, err := liveSessions(ctx, st.DB.Pool, true)
+		if err != nil {
+			t.Logf("read the sessions: %v", err)
 		}
-		require.NoError(t, rows.Err())
 		return out
 	}
-	require.Eventually(t, func() bool { return len(sessions()) == 8 }, 90*time.Second, 100*time.Millisecond,
-		"8 machines adopted with live sessions")
-	count := map[string]int{}
-	for _, gw := range sessions() {
-		count[gw]++
-	}
-	victim, survivor := names[0], names[1]
-	if count[names[1]] > count[names[0]] {
-		victim, survivor = names[1], names[0]
-	}
-	require.Positive(t, count[victim], "sessions per gateway: %v", count)
+	before8 := waitSessions(t, ctx, st.DB.Pool, true, 8)
+	victim, survivor, count := busiestGateway(t, before8, names)
 	t.Logf("sessions per gateway before the kill: %v; killing %s", count, victim)
 	machineOf := map[string]*fakedaemon.Machine{}
 	var victimNodes []string
-	for id, gw := range sessions() {
+	for id, gw := range before8 {
 		if gw == victim {
 			victimNodes = append(victimNodes, id)
 		}
