@@ -33,23 +33,30 @@ source "$env_file"
 export BETTER_COMPUTE_URL BETTER_COMPUTE_TOKEN BETTER_COMPUTE_TENANT
 
 adopted=0
+revoked=0
 while :; do
 	# Adopted nodes with a live session: machines removed by a scale-down
-	# stay adopted in the database but hold no session.
-	adopted=$("$cli" nodes list -o json 2>/dev/null | awk '
-		/^  \{/ { s = 0; g = 0 }
+	# stay adopted in the database but hold no session. A revoked node's
+	# machine may still run but never gets a session again: it counts as
+	# settled, so that FLEET=N after a revocation does not wait forever.
+	read -r adopted revoked < <("$cli" nodes list -o json 2>/dev/null | awk '
+		/^  \{/ { s = 0; g = 0; r = 0 }
 		/"state": *"adopted"/ { s = 1 }
 		/"gateway": *"[^"]+"/ { g = 1 }
-		/^  \}/ { if (s && g) n++ }
-		END { print n + 0 }' || echo 0)
-	if ((adopted >= want)); then break; fi
+		/"revokedAt": *"/ { r = 1 }
+		/^  \}/ { if (r) k++; else if (s && g) n++ }
+		END { print n + 0, k + 0 }' || echo 0 0)
+	if ((adopted + revoked >= want)); then break; fi
 	if ((SECONDS - start > timeout)); then
-		echo "only $adopted of $want nodes adopted after ${timeout}s" >&2
+		echo "only $adopted of $want nodes adopted after ${timeout}s ($revoked revoked)" >&2
 		"$cli" nodes list >&2 || true
 		exit 1
 	fi
 	sleep 1
 done
+if ((revoked > 0)); then
+	echo "note: $revoked revoked node(s) counted as settled: a revoked machine never gets a session again" >&2
+fi
 echo "$adopted nodes adopted in $((SECONDS - start))s"
 "$cli" nodes list
 echo
