@@ -197,8 +197,14 @@ func (s *Server) serveWatch(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 	}
+	for _, name := range []string{"after", "from_start"} {
+		if len(q[name]) > 1 {
+			writeHTTPError(w, http.StatusBadRequest, connect.CodeInvalidArgument, name+": given more than once")
+			return
+		}
+	}
 	if a := q.Get("after"); a != "" {
-		if req.AfterId, err = strconv.ParseInt(a, 10, 64); err != nil {
+		if req.AfterId, err = strconv.ParseInt(a, 10, 64); err != nil || req.AfterId < 0 {
 			writeHTTPError(w, http.StatusBadRequest, connect.CodeInvalidArgument, "after: want an event id (an integer ≥ 0)")
 			return
 		}
@@ -206,6 +212,11 @@ func (s *Server) serveWatch(w http.ResponseWriter, r *http.Request) {
 	if q.Has("from_start") {
 		if req.FromStart, err = strconv.ParseBool(q.Get("from_start")); err != nil {
 			writeHTTPError(w, http.StatusBadRequest, connect.CodeInvalidArgument, "from_start: want true or false")
+			return
+		}
+		if req.FromStart && req.AfterId != 0 {
+			writeHTTPError(w, http.StatusBadRequest, connect.CodeInvalidArgument,
+				"from_start: cannot be combined with after="+strconv.FormatInt(req.AfterId, 10))
 			return
 		}
 	}

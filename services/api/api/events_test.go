@@ -498,7 +498,12 @@ func TestWatchHTTP(t *testing.T) {
 	refused("", nil, http.StatusUnauthorized, "unauthenticated", "missing bearer token")
 	refused("bct_nope", nil, http.StatusUnauthorized, "unauthenticated", "")
 	refused(f.tokens["acme-viewer"], url.Values{"after": {"x"}}, http.StatusBadRequest, "invalid_argument", "after:")
-	refused(f.tokens["acme-viewer"], url.Values{"after": {"-1"}}, http.StatusBadRequest, "invalid_argument", "after_id")
+	// The route's own parameter names, not the request message's (after_id).
+	refused(f.tokens["acme-viewer"], url.Values{"after": {"-1"}}, http.StatusBadRequest, "invalid_argument", "after: want")
+	refused(f.tokens["acme-viewer"], url.Values{"after": {"1", "2"}}, http.StatusBadRequest, "invalid_argument",
+		"after: given more than once")
+	refused(f.tokens["acme-viewer"], url.Values{"from_start": {"true", "false"}}, http.StatusBadRequest, "invalid_argument",
+		"from_start: given more than once")
 	refused(f.tokens["acme-viewer"], url.Values{"types": {"node.*,Bad"}}, http.StatusBadRequest, "invalid_argument",
 		"types[1]")
 
@@ -662,7 +667,7 @@ func TestWatchHTTPFromStart(t *testing.T) {
 	f.refusedWatch(t, viewer, url.Values{"from_start": {"yes"}}, http.StatusBadRequest, "invalid_argument", "from_start:")
 	f.refusedWatch(t, viewer, url.Values{"from_start": {""}}, http.StatusBadRequest, "invalid_argument", "from_start:")
 	f.refusedWatch(t, viewer, url.Values{"from_start": {"true"}, "after": {strconv.FormatInt(a1, 10)}},
-		http.StatusBadRequest, "invalid_argument", "from_start:")
+		http.StatusBadRequest, "invalid_argument", "from_start: cannot be combined with after=")
 
 	res := f.getWatch(t.Context(), t, viewer, url.Values{"from_start": {"true"}, "after": {"0"}})
 	defer res.Body.Close()
