@@ -118,11 +118,7 @@ func (a *app) watchEvents(ctx context.Context, client computev1connect.EventServ
 		if err != nil {
 			reason = err.Error()
 		}
-		from := fmt.Sprintf("after event %d", req.AfterId)
-		if req.FromStart {
-			from = "from the oldest retained event"
-		}
-		fmt.Fprintf(a.env.Stderr, "events watch: %s; resuming %s in %s\n", reason, from, delay)
+		fmt.Fprintf(a.env.Stderr, "events watch: %s; resuming %s in %s\n", reason, resumePoint(req), delay)
 		if err := clock.Sleep(ctx, a.env.Clock, delay); err != nil {
 			return nil
 		}
@@ -207,4 +203,17 @@ func (h streamHeaders) WrapStreamingClient(next connect.StreamingClientFunc) con
 
 func (h streamHeaders) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
 	return next
+}
+
+// resumePoint says where a watch with req starts: after an id, from the
+// oldest retained event, or from now (after_id 0, before any stream told
+// it where it started).
+func resumePoint(req *computev1.WatchRequest) string {
+	switch {
+	case req.FromStart:
+		return "from the oldest retained event"
+	case req.AfterId == 0:
+		return "from now (no stream has started yet)"
+	}
+	return fmt.Sprintf("after event %d", req.AfterId)
 }

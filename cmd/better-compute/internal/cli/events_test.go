@@ -15,6 +15,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/cmd/better-compute/internal/cli"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/iam"
@@ -376,4 +377,18 @@ func TestEventsWatchHelp(t *testing.T) {
 		"which the server names in the Bc-Watch-After response header")
 	require.Contains(t, help, "or from the start when that is 0")
 	require.NotContains(t, help, "now again")
+}
+
+// TestResumePoint: the reconnect message says where the watch starts again;
+// a watch from now that never got a stream does not claim to resume "after
+// event 0", which reads as a replay from the start.
+func TestResumePoint(t *testing.T) {
+	t.Parallel()
+	for req, want := range map[*computev1.WatchRequest]string{
+		{}:                "from now (no stream has started yet)",
+		{AfterId: 42}:     "after event 42",
+		{FromStart: true}: "from the oldest retained event",
+	} {
+		require.Equal(t, want, cli.ResumePoint(req))
+	}
 }

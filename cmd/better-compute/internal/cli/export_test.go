@@ -1,0 +1,4 @@
+package cli
+
+// ResumePoint exposes resumePoint to the tests.
+var ResumePoint = resumePoint
