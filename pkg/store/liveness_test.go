@@ -192,14 +192,14 @@ func TestCordon(t *testing.T) {
 	_, err := f.place(nil, f.placement(r, node, 0))
 	require.NoError(t, err)
 
+	var last store.CordonResult
 	cordon := func(reason string) bool {
-		var changed bool
 		require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
 			var err error
-			changed, err = store.CordonNode(ctx, tx, f.db.Now(), node, reason)
+			last, err = store.CordonNode(ctx, tx, f.db.Now(), node, reason)
 			return err
 		}))
-		return changed
+		return last.Changed
 	}
 	uncordon := func() bool {
 		var changed bool
@@ -218,9 +218,12 @@ func TestCordon(t *testing.T) {
 	}
 	require.True(t, schedulable())
 	require.True(t, cordon("fan noise"))
+	require.Equal(t, store.CordonResult{Changed: true}, last)
 	require.False(t, schedulable())
 	require.False(t, cordon("fan noise"), "same reason: nothing changes")
+	require.Equal(t, store.CordonResult{WasCordoned: true, PreviousReason: "fan noise"}, last)
 	require.True(t, cordon("fan replaced tomorrow"))
+	require.Equal(t, store.CordonResult{Changed: true, WasCordoned: true, PreviousReason: "fan noise"}, last)
 	n, err := store.GetNode(ctx, f.db.Pool, node)
 	require.NoError(t, err)
 	require.True(t, n.Cordoned)
@@ -242,6 +245,17 @@ func TestCordon(t *testing.T) {
 
 	_, err = store.CordonNode(ctx, f.db.Pool, f.db.Now(), "node_missing", "x")
 	require.ErrorIs(t, err, store.ErrNotFound)
+
+	// A revoked node is not cordoned: nothing changes, no event.
+	_, err = store.RevokeNode(ctx, f.db.Pool, f.db.Now(), node, "stolen")
+	require.NoError(t, err)
+	_, err = store.CordonNode(ctx, f.db.Pool, f.db.Now(), node, "x")
+	require.ErrorIs(t, err, store.ErrNodeRevoked)
+	require.EqualError(t, err, "node "+node+" is revoked")
+	n, err = store.GetNode(ctx, f.db.Pool, node)
+	require.NoError(t, err)
+	require.False(t, n.Cordoned)
+	require.Equal(t, 2, f.outbox(store.SubjectEvents+"."+f.fleet.OwnerID+"."+store.EventNodeCordoned))
 	_, err = store.UncordonNode(ctx, f.db.Pool, f.db.Now(), "node_missing")
 	require.ErrorIs(t, err, store.ErrNotFound)
 }

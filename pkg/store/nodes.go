@@ -2,6 +2,7 @@ package store
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -270,28 +271,59 @@ func CreateJoinedNodes(ctx context.Context, q DBTX, nodes []NewNode, certs []New
 	return nil
 }
 
+// ErrNodeRevoked is the sentinel of NodeRevokedError.
+var ErrNodeRevoked = errors.New("node is revoked")
+
+// NodeRevokedError refuses a change that makes no sense on a revoked node
+// (cordoning it). It matches ErrNodeRevoked under errors.Is.
+type NodeRevokedError struct{ NodeID string }
+
+func (e *NodeRevokedError) Error() string { return "node " + e.NodeID + " is revoked" }
+
+// Is makes errors.Is(err, ErrNodeRevoked) true.
+func (e *NodeRevokedError) Is(target error) bool { return target == ErrNodeRevoked }
+
+// CordonResult is what CordonNode did.
+type CordonResult struct {
+	// Changed is true when the node was not cordoned or its reason changed
+	// (and a node.cordoned event was written).
+	Changed bool
+	// WasCordoned is true when the node was cordoned already, with
+	// PreviousReason.
+	WasCordoned    bool
+	PreviousReason string
+}
+
 // CordonNode cordons node nodeID with reason at now: the scheduler places
-// nothing new on it (its reservations stay). It writes a node.cordoned event
-// (with reason) when the node was not cordoned or its reason changes, and
-// reports whether anything changed. Call it in a transaction. Errors:
-// ErrNotFound.
-func CordonNode(ctx context.Context, q DBTX, now time.Time, nodeID, reason string) (bool, error) {
+// nothing new on it (its reservations stay). Cordoning a cordoned node sets
+// the new reason. It writes a node.cordoned event (with reason) only when the
+// node was not cordoned or its reason changes. Call it in a transaction.
+// Errors: ErrNotFound, a *NodeRevokedError (ErrNodeRevoked) when the node is
+// revoked (nothing changes).
+func CordonNode(ctx context.Context, q DBTX, now time.Time, nodeID, reason string) (CordonResult, error) {
 	var (
-		changed bool
+		res     CordonResult
+		revoked bool
 		owner   string
 	)
-	err := q.QueryRow(ctx, `WITH prev AS (SELECT id, cordoned, cordon_reason FROM nodes WHERE id = $1 FOR NO KEY UPDATE)
-		UPDATE nodes n SET cordoned = true, cordon_reason = $2,
-			updated_at = CASE WHEN prev.cordoned AND prev.cordon_reason = $2 THEN n.updated_at ELSE $3 END
-		FROM prev, pools p WHERE n.id = prev.id AND p.id = n.pool_id
-		RETURNING NOT (prev.cordoned AND prev.cordon_reason = $2), p.owner_tenant_id`, nodeID, reason, now).Scan(&changed, &owner)
+	err := q.QueryRow(ctx, `SELECT n.cordoned, n.cordon_reason, n.revoked_at IS NOT NULL, p.owner_tenant_id
+		FROM nodes n JOIN pools p ON p.id = n.pool_id WHERE n.id = $1 FOR NO KEY UPDATE OF n`, nodeID).
+		Scan(&res.WasCordoned, &res.PreviousReason, &revoked, &owner)
 	if err != nil {
-		return false, queryErr(fmt.Sprintf("node %s", nodeID), err)
+		return CordonResult{}, queryErr(fmt.Sprintf("node %s", nodeID), err)
 	}
-	if !changed {
-		return false, nil
+	if revoked {
+		return CordonResult{}, &NodeRevokedError{NodeID: nodeID}
 	}
-	return true, InsertNodeEvents(ctx, q, now, []NodeEvent{{TenantID: owner, Type: EventNodeCordoned, NodeID: nodeID,
+	if res.WasCordoned && res.PreviousReason == reason {
+		return res, nil
+	}
+	if _, err := q.Exec(ctx, `UPDATE nodes SET cordoned = true, cordon_reason = $2, updated_at = $3 WHERE id = $1`,
+		nodeID, reason, now); err != nil {
+		return CordonResult{}, fmt.Errorf("cordon node %s: %w", nodeID, interpretError(err))
+	}
+	res.Changed = true
+	return res, InsertNodeEvents(ctx, q, now, []NodeEvent{{TenantID: owner, Type: EventNodeCordoned, NodeID: nodeID,
 		Data: map[string]any{"reason": reason}}})
 }
 

@@ -66,6 +66,11 @@ type PoolNode struct {
 	// node whose session closed is not placed on, though liveness may not
 	// have marked it unreachable yet) and is not cordoned.
 	Schedulable bool
+	// Cordoned is true when the node is cordoned.
+	Cordoned bool
+	// Unreachable is true when the node is not reachable or holds no
+	// session.
+	Unreachable bool
 	// Healthy are its healthy device indexes, ascending.
 	Healthy []int32
 	// Devices is how many devices it has, healthy or not: the most it could
@@ -83,7 +88,7 @@ type BookedInterval struct {
 // PoolCapacity returns the adopted, non-revoked nodes of poolID by id, and
 // the bookings of their devices that end after now.
 func PoolCapacity(ctx context.Context, q DBTX, poolID string, now time.Time) ([]PoolNode, []BookedInterval, error) {
-	rows, err := q.Query(ctx, `SELECT n.id, n.reachable AND n.session_id IS NOT NULL AND NOT n.cordoned,
+	rows, err := q.Query(ctx, `SELECT n.id, n.cordoned, NOT (n.reachable AND n.session_id IS NOT NULL),
 			coalesce(array_agg(d.device_index ORDER BY d.device_index) FILTER (WHERE d.healthy), '{}'),
 			count(d.device_index)
 		FROM nodes n LEFT JOIN node_devices d ON d.node_id = n.id
@@ -94,7 +99,8 @@ func PoolCapacity(ctx context.Context, q DBTX, poolID string, now time.Time) ([]
 	}
 	nodes, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (PoolNode, error) {
 		var n PoolNode
-		err := row.Scan(&n.ID, &n.Schedulable, &n.Healthy, &n.Devices)
+		err := row.Scan(&n.ID, &n.Cordoned, &n.Unreachable, &n.Healthy, &n.Devices)
+		n.Schedulable = !n.Cordoned && !n.Unreachable
 		return n, err
 	})
 	if err != nil {

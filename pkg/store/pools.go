@@ -102,18 +102,25 @@ type Pool struct {
 	// ExpectGPUCount, when positive, is the exact number of GPUs required.
 	ExpectGPUCount int32
 	CreatedAt      time.Time
-	// NodeCounts is the number of nodes per provision state; filled by
-	// ListPools and GetPool only.
+	// NodeCounts is the number of nodes per provision state, except that
+	// revoked nodes are counted under NodeCountRevoked whatever their
+	// provision state (they are no placeable capacity); filled by ListPools
+	// and GetPool only.
 	NodeCounts map[string]int32
 	// Offer is the pool's offer to PoolFilter.OfferTo, nil when there is
 	// none; filled by ListPools only.
 	Offer *Offer
 }
 
+// NodeCountRevoked is the key of Pool.NodeCounts under which revoked nodes
+// are counted, apart from the provision states.
+const NodeCountRevoked = "revoked"
+
 const poolColumns = `p.id, p.site_id, p.owner_tenant_id, p.name, p.kind, p.acceptance_check, p.gpu_model,
 	p.expect_gpu_count, p.created_at,
 	(SELECT COALESCE(jsonb_object_agg(s.provision_state, s.n), '{}'::jsonb) FROM
-		(SELECT provision_state, count(*)::int AS n FROM nodes WHERE pool_id = p.id GROUP BY provision_state) s)`
+		(SELECT CASE WHEN revoked_at IS NOT NULL THEN '` + NodeCountRevoked + `' ELSE provision_state END AS provision_state,
+			count(*)::int AS n FROM nodes WHERE pool_id = p.id GROUP BY 1) s)`
 
 func scanPool(row pgx.Row) (Pool, error) {
 	var p Pool

@@ -107,6 +107,18 @@ func TestSitesAndPools(t *testing.T) {
 	sites, err := store.ListSites(ctx, f.db.Pool)
 	require.NoError(t, err)
 	require.Len(t, sites, 1)
+
+	// A revoked node is counted under "revoked", apart from its provision
+	// state: it is no placeable capacity.
+	revoked := ids.New(ids.Node, now)
+	require.NoError(t, store.CreateNode(ctx, f.db.Pool, store.NewNode{ID: revoked, PoolID: f.pool.ID, CreatedAt: now}))
+	_, err = f.db.Pool.Exec(ctx, `UPDATE nodes SET provision_state = 'adopted' WHERE id = $1`, revoked)
+	require.NoError(t, err)
+	_, err = store.RevokeNode(ctx, f.db.Pool, now, revoked, "stolen")
+	require.NoError(t, err)
+	got, err = store.GetPool(ctx, f.db.Pool, f.pool.ID)
+	require.NoError(t, err)
+	require.Equal(t, map[string]int32{store.NodeJoining: 2, store.NodeCountRevoked: 1}, got.NodeCounts)
 }
 
 func TestTenantsAndAPITokens(t *testing.T) {

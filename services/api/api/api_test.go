@@ -391,10 +391,13 @@ func TestSitesAndPools(t *testing.T) {
 	f.node(t, f.acmePool, 0, "", "")
 	f.node(t, f.acmePool, 0, "", "provision_state = 'adopted'")
 	f.node(t, f.acmePool, 0, "", "provision_state = 'adopted'")
+	// Revoked nodes are counted apart: they are no placeable capacity.
+	f.node(t, f.acmePool, 0, "", "provision_state = 'adopted', revoked_at = now()")
+	f.node(t, f.acmePool, 0, "", "provision_state = 'acceptance_failed', revoked_at = now()")
 	pools, err := f.as(f.tokens["acme-viewer"]).pools.ListPools(ctx, connect.NewRequest(&computev1.ListPoolsRequest{SiteId: f.site.ID}))
 	require.NoError(t, err)
 	require.Len(t, pools.Msg.Pools, 1)
-	require.Equal(t, map[string]int32{"joining": 1, "adopted": 2}, pools.Msg.Pools[0].NodeCounts)
+	require.Equal(t, map[string]int32{"joining": 1, "adopted": 2, "revoked": 2}, pools.Msg.Pools[0].NodeCounts)
 }
 
 func TestJoinTokens(t *testing.T) {

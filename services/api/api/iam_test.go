@@ -226,8 +226,9 @@ func TestMatrix(t *testing.T) {
 				_, err := c.pools.ListOffers(ctx, connect.NewRequest(&computev1.ListOffersRequest{PoolId: f.acmePool}))
 				return err
 			},
-			// Other tenants see no offer of acme's pool, and no error.
-			viewer: codeOK, otherMember: codeOK, otherAdmin: codeOK, right: "acme-member",
+			// Acme's pool is not offered to other tenants: it reads as a
+			// missing one.
+			viewer: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
 			bad: func(c clients) error {
 				_, err := c.pools.ListOffers(ctx, connect.NewRequest(&computev1.ListOffersRequest{PoolId: long}))
 				return err

@@ -197,16 +197,24 @@ func (s *nodeService) RevokeNode(ctx context.Context, req *connect.Request[compu
 
 // CordonNode cordons a node of the caller's tenant (any for root-admin) with
 // a reason (trimmed of spaces): the scheduler places nothing new on it, its
-// reservations stay. Cordoning a cordoned node updates the reason. The
-// change, its node.cordoned event and its audit row are one transaction.
-// Errors: NotFound (node_id; another tenant's node too), InvalidArgument
-// (reason: empty, spaces only, too long or with control characters).
+// reservations stay. Cordoning a cordoned node updates the reason, with a
+// node.cordoned event only when the reason changes; the answer says whether
+// it was cordoned already and with which reason. The change, its event and
+// its audit row are one transaction. Errors: NotFound (node_id; another
+// tenant's node too), FailedPrecondition (the node is revoked),
+// InvalidArgument (reason: empty, spaces only, too long or with control
+// characters).
 func (s *nodeService) CordonNode(ctx context.Context, req *connect.Request[computev1.CordonNodeRequest]) (*connect.Response[computev1.CordonNodeResponse], error) {
 	// protovalidate refused a reason of spaces only; drop those around it.
 	id, reason := req.Msg.NodeId, strings.TrimSpace(req.Msg.Reason)
+	var res store.CordonResult
 	n, err := s.setCordon(ctx, id, func(tx pgx.Tx) (string, error) {
-		changed, err := store.CordonNode(ctx, tx, s.db.Now(), id, reason)
-		if !changed {
+		var err error
+		res, err = store.CordonNode(ctx, tx, s.db.Now(), id, reason)
+		if errors.Is(err, store.ErrNodeRevoked) {
+			return "", connect.NewError(connect.CodeFailedPrecondition, err)
+		}
+		if !res.Changed {
 			return "already cordoned: " + reason, err
 		}
 		return "cordoned: " + reason, err
@@ -214,17 +222,20 @@ func (s *nodeService) CordonNode(ctx context.Context, req *connect.Request[compu
 	if err != nil {
 		return nil, err
 	}
-	return connect.NewResponse(&computev1.CordonNodeResponse{Node: nodeToProto(n)}), nil
+	return connect.NewResponse(&computev1.CordonNodeResponse{Node: nodeToProto(n), AlreadyCordoned: res.WasCordoned,
+		PreviousReason: res.PreviousReason, Changed: res.Changed}), nil
 }
 
 // UncordonNode lets the scheduler place on a node of the caller's tenant
 // (any for root-admin) again; uncordoning a node that is not cordoned
-// changes nothing. The change, its node.uncordoned event and its audit row
+// changes nothing (Changed false). The change, its node.uncordoned event and its audit row
 // are one transaction. Errors: NotFound (node_id; another tenant's node too).
 func (s *nodeService) UncordonNode(ctx context.Context, req *connect.Request[computev1.UncordonNodeRequest]) (*connect.Response[computev1.UncordonNodeResponse], error) {
 	id := req.Msg.NodeId
+	var changed bool
 	n, err := s.setCordon(ctx, id, func(tx pgx.Tx) (string, error) {
-		changed, err := store.UncordonNode(ctx, tx, s.db.Now(), id)
+		var err error
+		changed, err = store.UncordonNode(ctx, tx, s.db.Now(), id)
 		if !changed {
 			return "not cordoned", err
 		}
@@ -233,7 +244,7 @@ func (s *nodeService) UncordonNode(ctx context.Context, req *connect.Request[com
 	if err != nil {
 		return nil, err
 	}
-	return connect.NewResponse(&computev1.UncordonNodeResponse{Node: nodeToProto(n)}), nil
+	return connect.NewResponse(&computev1.UncordonNodeResponse{Node: nodeToProto(n), Changed: changed}), nil
 }
 
 // setCordon checks that node id is the caller's, runs change (which returns

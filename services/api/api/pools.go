@@ -162,11 +162,19 @@ func (s *poolService) OfferPool(ctx context.Context, req *connect.Request[comput
 
 // ListOffers lists, by pool then tenant, the offers made to the caller's
 // tenant and those of the pools it owns (all for root-admin), optionally of
-// one pool, with the GPUs each tenant holds.
+// one pool, with the GPUs each tenant holds. A pool_id the caller neither
+// owns nor was offered (or that does not exist) is NotFound.
 func (s *poolService) ListOffers(ctx context.Context, req *connect.Request[computev1.ListOffersRequest]) (*connect.Response[computev1.ListOffersResponse], error) {
 	p, err := principal(ctx)
 	if err != nil {
 		return nil, err
+	}
+	if req.Msg.PoolId != "" {
+		// A pool the caller does not see reads as one that does not exist,
+		// as in every other call that names a pool.
+		if _, _, err := s.seenPool(ctx, p, "pool_id", req.Msg.PoolId); err != nil {
+			return nil, err
+		}
 	}
 	offers, err := store.ListOffers(ctx, s.db.Pool, store.OfferFilter{PoolID: req.Msg.PoolId, VisibleTo: p.TenantScope()})
 	if err != nil {

@@ -85,3 +85,60 @@ func TestRevokeNode(t *testing.T) {
 	require.NotNil(t, res.GetNode().GetRevokedAt())
 	require.Zero(t, res.GetCertificatesRevoked(), "it had no certificate")
 }
+
+// TestCordonAnswers: CordonNode says whether the node was cordoned and with
+// which reason, and writes node.cordoned only when the reason changes;
+// UncordonNode says whether anything changed; a revoked node is not
+// cordoned (FailedPrecondition naming it, no event).
+func TestCordonAnswers(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	admin := f.as(f.tokens["acme-admin"])
+	node := f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
+	cordon := func(reason string) *computev1.CordonNodeResponse {
+		res, err := admin.nodes.CordonNode(ctx, connect.NewRequest(&computev1.CordonNodeRequest{NodeId: node, Reason: reason}))
+		require.NoError(t, err)
+		return res.Msg
+	}
+	uncordon := func() *computev1.UncordonNodeResponse {
+		res, err := admin.nodes.UncordonNode(ctx, connect.NewRequest(&computev1.UncordonNodeRequest{NodeId: node}))
+		require.NoError(t, err)
+		return res.Msg
+	}
+	events := func() int {
+		var n int
+		require.NoError(t, f.db.Pool.QueryRow(ctx, `SELECT count(*) FROM events WHERE subject_id = $1`, node).Scan(&n))
+		return n
+	}
+
+	res := cordon("fan noise")
+	require.True(t, res.GetChanged())
+	require.False(t, res.GetAlreadyCordoned())
+	require.Empty(t, res.GetPreviousReason())
+	res = cordon("fan noise")
+	require.False(t, res.GetChanged())
+	require.True(t, res.GetAlreadyCordoned())
+	require.Equal(t, "fan noise", res.GetPreviousReason())
+	require.Equal(t, 1, events(), "the same reason writes no event")
+	res = cordon("fan replaced")
+	require.True(t, res.GetChanged())
+	require.True(t, res.GetAlreadyCordoned())
+	require.Equal(t, "fan noise", res.GetPreviousReason())
+	require.Equal(t, "fan replaced", res.GetNode().GetCordonReason())
+	require.Equal(t, 2, events())
+
+	require.True(t, uncordon().GetChanged())
+	require.False(t, uncordon().GetChanged())
+	require.Equal(t, 3, events())
+
+	_, err := admin.nodes.RevokeNode(ctx, connect.NewRequest(&computev1.RevokeNodeRequest{NodeId: node}))
+	require.NoError(t, err)
+	before := events()
+	_, err = admin.nodes.CordonNode(ctx, connect.NewRequest(&computev1.CordonNodeRequest{NodeId: node, Reason: "x"}))
+	requireCode(t, err, connect.CodeFailedPrecondition, "node "+node+" is revoked")
+	require.Equal(t, before, events(), "no node.cordoned")
+	got, err := admin.nodes.GetNode(ctx, connect.NewRequest(&computev1.GetNodeRequest{NodeId: node}))
+	require.NoError(t, err)
+	require.False(t, got.Msg.GetNode().GetCordoned())
+}

@@ -3,6 +3,7 @@ package scheduler
 import (
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/better-compute/better-compute/pkg/store"
@@ -86,7 +87,7 @@ func planPool(queue []store.PendingReservation, nodes []store.PoolNode, booked [
 		}
 		if best == nil {
 			p.Waiting++
-			reason := fmt.Sprintf("waiting: no node of pool %s has %d free GPUs now (largest free: %d)", r.PoolID, r.GPUs, mostFree)
+			reason := waitingReason(r, nodes, mostFree)
 			if fits != nil {
 				reason = fmt.Sprintf("waiting behind %s (past its bounded wait)", p.Head)
 			} else if p.Head == "" && now.Sub(later(r.CreatedAt, r.StartAt)) >= starvation {
@@ -117,6 +118,47 @@ func planPool(queue []store.PendingReservation, nodes []store.PoolNode, booked [
 			NodeID: best.node.ID, Devices: devs, Lower: lo, Upper: hi})
 	}
 	return p
+}
+
+// waitingReason is the reason of r when no placeable node has r.GPUs free
+// now; mostFree is the most GPUs free on a placeable node. When some adopted
+// nodes cannot be placed on (cordoned, unreachable, or with no healthy GPU),
+// it counts them by cause (each node once, in that order), so that a pool
+// whose nodes are all cordoned does not read as a full pool.
+func waitingReason(r store.PendingReservation, nodes []store.PoolNode, mostFree int) string {
+	var cordoned, unreachable, unhealthy int
+	for _, n := range nodes {
+		switch {
+		case n.Cordoned:
+			cordoned++
+		case n.Unreachable || !n.Schedulable:
+			unreachable++
+		case len(n.Healthy) == 0:
+			unhealthy++
+		}
+	}
+	var causes []string
+	if cordoned > 0 {
+		causes = append(causes, fmt.Sprintf("%d %s cordoned", cordoned, plural(cordoned, "node", "nodes")))
+	}
+	if unreachable > 0 {
+		causes = append(causes, fmt.Sprintf("%d unreachable", unreachable))
+	}
+	if unhealthy > 0 {
+		causes = append(causes, fmt.Sprintf("%d without a healthy GPU", unhealthy))
+	}
+	if len(causes) == 0 {
+		return fmt.Sprintf("waiting: no node of pool %s has %d free GPUs now (largest free: %d)", r.PoolID, r.GPUs, mostFree)
+	}
+	return fmt.Sprintf("waiting: no node of pool %s has %d free GPUs now (%s; largest free on a placeable node: %d)",
+		r.PoolID, r.GPUs, strings.Join(causes, ", "), mostFree)
+}
+
+func plural(n int, one, many string) string {
+	if n == 1 {
+		return one
+	}
+	return many
 }
 
 // nodeState is a schedulable node's healthy devices as a pass sees them.

@@ -80,6 +80,37 @@ func TestSkipsUnschedulableAndUnhealthy(t *testing.T) {
 	require.Equal(t, 1, p.Waiting)
 }
 
+// TestWaitingReasonNamesUnplaceableNodes: when nodes are cordoned,
+// unreachable or have no healthy GPU, the waiting reason says how many of
+// each and that the largest free count is over the placeable nodes only,
+// not "no node has N free" alone while nodes sit idle behind a cordon.
+func TestWaitingReasonNamesUnplaceableNodes(t *testing.T) {
+	var nodes []store.PoolNode
+	for _, id := range []string{"n-a", "n-b", "n-c"} {
+		n := node(id, 8)
+		n.Schedulable, n.Cordoned = false, true
+		nodes = append(nodes, n)
+	}
+	gone := node("n-d", 8)
+	gone.Schedulable, gone.Unreachable = false, true
+	nodes = append(nodes, gone)
+	p := planPool([]store.PendingReservation{req("r1", 1, 0)}, nodes, nil, t0, time.Minute)
+	require.Empty(t, p.Placements)
+	require.Equal(t, []store.PendingReason{{ID: "r1", Reason: "waiting: no node of pool pool has 1 free GPUs now " +
+		"(3 nodes cordoned, 1 unreachable; largest free on a placeable node: 0)"}}, p.Reasons)
+
+	sick := node("n-e", 8)
+	sick.Healthy = nil
+	full := node("n-f", 8)
+	p = planPool([]store.PendingReservation{req("r1", 8, 0)}, []store.PoolNode{nodes[0], sick, full}, busy("n-f", 6), t0, time.Minute)
+	require.Equal(t, []store.PendingReason{{ID: "r1", Reason: "waiting: no node of pool pool has 8 free GPUs now " +
+		"(1 node cordoned, 1 without a healthy GPU; largest free on a placeable node: 2)"}}, p.Reasons)
+
+	// Every node placeable: the reason is as before.
+	p = planPool([]store.PendingReservation{req("r1", 8, 0)}, []store.PoolNode{full}, busy("n-f", 6), t0, time.Minute)
+	require.Equal(t, []store.PendingReason{{ID: "r1", Reason: "waiting: no node of pool pool has 8 free GPUs now (largest free: 2)"}}, p.Reasons)
+}
+
 // TestNeverFitsFails: a request larger than every adopted node fails with
 // the reason; the others are placed.
 func TestNeverFitsFails(t *testing.T) {

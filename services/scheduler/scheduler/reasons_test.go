@@ -81,3 +81,31 @@ func TestPendingReasons(t *testing.T) {
 		require.Empty(t, r.Reason)
 	}
 }
+
+// TestPendingReasonWhenAllCordoned: with every node of the pool cordoned
+// (and one unreachable too), a reservation's reason says so instead of
+// "largest free: 0" about nodes with every GPU free.
+func TestPendingReasonWhenAllCordoned(t *testing.T) {
+	t.Parallel()
+	clk := clock.NewFake(time.Date(2030, 1, 1, 10, 0, 0, 0, time.UTC))
+	db := storetest.New(t, clk)
+	ctx := t.Context()
+	f := storetest.NewFleet(t, db, "cordoned", 8, 8, 8, 8)
+	tenant := f.Tenant(t, "cordoned-tenant", 64)
+	srv, err := scheduler.New(scheduler.Config{NoHealthServer: true, Holder: "a", StarvationBound: 5 * time.Minute},
+		scheduler.Deps{DB: db, NC: startNATS(t), Clock: clk})
+	require.NoError(t, err)
+	_, err = db.Pool.Exec(ctx, `UPDATE nodes SET cordoned = true, cordon_reason = 'maintenance' WHERE id = ANY($1)`, f.Nodes[:3])
+	require.NoError(t, err)
+	_, err = db.Pool.Exec(ctx, `UPDATE nodes SET reachable = false WHERE id = $1`, f.Nodes[3])
+	require.NoError(t, err)
+	r, err := f.Reserve(ctx, tenant, 1, time.Hour)
+	require.NoError(t, err)
+	res, err := srv.Schedule(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, res.Waiting)
+	var reason string
+	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT reason FROM reservations WHERE id = $1`, r.ID).Scan(&reason))
+	require.Equal(t, fmt.Sprintf("waiting: no node of pool %s has 1 free GPUs now (3 nodes cordoned, 1 unreachable; "+
+		"largest free on a placeable node: 0)", f.PoolID), reason)
+}

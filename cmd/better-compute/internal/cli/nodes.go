@@ -217,7 +217,8 @@ func (a *app) nodesCordonCmd() *cobra.Command {
 		Use:   "cordon NODE_ID --reason TEXT",
 		Short: "Cordon a node: no new reservations are placed on it; its reservations stay",
 		Long: "Cordon a node: the scheduler places no new reservation on it, and the reservations it\n" +
-			"holds stay. Cordoning a cordoned node updates the reason. Undo with `nodes uncordon`.",
+			"holds stay. Cordoning a cordoned node updates the reason (and says it was cordoned, and why).\n" +
+			"A revoked node cannot be cordoned. Undo with `nodes uncordon`.",
 		Args: cobra.ExactArgs(1),
 	}
 	c.Flags().StringVar(&reason, "reason", "", "why (required, at most 256 characters); shown by nodes list")
@@ -231,7 +232,15 @@ func (a *app) nodesCordonCmd() *cobra.Command {
 		if err != nil {
 			return err
 		}
-		fmt.Fprintf(a.env.Stdout, "cordoned %s: %s\n", res.Msg.GetNode().GetId(), res.Msg.GetNode().GetCordonReason())
+		id, now := res.Msg.GetNode().GetId(), res.Msg.GetNode().GetCordonReason()
+		switch {
+		case !res.Msg.GetAlreadyCordoned():
+			fmt.Fprintf(a.env.Stdout, "cordoned %s: %s\n", id, now)
+		case res.Msg.GetChanged():
+			fmt.Fprintf(a.env.Stdout, "%s was already cordoned (reason: %s); reason now: %s\n", id, res.Msg.GetPreviousReason(), now)
+		default:
+			fmt.Fprintf(a.env.Stdout, "%s was already cordoned with this reason; nothing changed: %s\n", id, now)
+		}
 		return nil
 	}
 	return c
@@ -250,6 +259,10 @@ func (a *app) nodesUncordonCmd() *cobra.Command {
 			res, err := cl.nodes.UncordonNode(cmd.Context(), connect.NewRequest(&computev1.UncordonNodeRequest{NodeId: args[0]}))
 			if err != nil {
 				return err
+			}
+			if !res.Msg.GetChanged() {
+				fmt.Fprintf(a.env.Stdout, "%s was not cordoned; nothing changed\n", res.Msg.GetNode().GetId())
+				return nil
 			}
 			fmt.Fprintf(a.env.Stdout, "uncordoned %s\n", res.Msg.GetNode().GetId())
 			return nil

@@ -89,6 +89,16 @@ func TestNodesCordon(t *testing.T) {
 	res = f.runner(f.root).run(t, "nodes", "cordon", f.adopted, "--reason", "fan noise")
 	require.Equal(t, 0, res.code, res.stderr)
 	require.Equal(t, "cordoned "+f.adopted+": fan noise\n", res.stdout)
+	// Cordoning it again says it was cordoned; the same reason changes
+	// nothing (no event), a new one replaces it (one event).
+	res = f.runner(f.root).run(t, "nodes", "cordon", f.adopted, "--reason", "fan noise")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Equal(t, f.adopted+" was already cordoned with this reason; nothing changed: fan noise\n", res.stdout)
+	res = f.runner(f.root).run(t, "nodes", "cordon", f.adopted, "--reason", "fan replaced tomorrow")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Equal(t, f.adopted+" was already cordoned (reason: fan noise); reason now: fan replaced tomorrow\n", res.stdout)
+	res = f.runner(f.root).run(t, "nodes", "cordon", f.adopted, "--reason", "fan noise")
+	require.Equal(t, 0, res.code, res.stderr)
 
 	res = f.runner(f.viewer).run(t, "nodes", "list")
 	require.Equal(t, 0, res.code, res.stderr)
@@ -113,6 +123,9 @@ func TestNodesCordon(t *testing.T) {
 	res = f.runner(f.root).run(t, "nodes", "uncordon", f.adopted)
 	require.Equal(t, 0, res.code, res.stderr)
 	require.Equal(t, "uncordoned "+f.adopted+"\n", res.stdout)
+	res = f.runner(f.root).run(t, "nodes", "uncordon", f.adopted)
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Equal(t, f.adopted+" was not cordoned; nothing changed\n", res.stdout)
 	res = f.runner(f.viewer).run(t, "nodes", "list")
 	require.Equal(t, 0, res.code, res.stderr)
 	require.NotContains(t, res.stdout, "cordoned")
@@ -126,5 +139,12 @@ func TestNodesCordon(t *testing.T) {
 		types = append(types, typ)
 	}
 	require.NoError(t, rows.Err())
-	require.Equal(t, []string{"node.cordoned", "node.uncordoned"}, types)
+	require.Equal(t, []string{"node.cordoned", "node.cordoned", "node.cordoned", "node.uncordoned"}, types)
+
+	// A revoked node is not cordoned.
+	res = f.runner(f.root).run(t, "nodes", "revoke", f.adopted)
+	require.Equal(t, 0, res.code, res.stderr)
+	res = f.runner(f.root).run(t, "nodes", "cordon", f.adopted, "--reason", "x")
+	require.Equal(t, 1, res.code)
+	require.Equal(t, "error: failed_precondition: node "+f.adopted+" is revoked\n", res.stderr)
 }

@@ -202,3 +202,33 @@ func TestNodesRevokeReason(t *testing.T) {
 	require.Equal(t, "disk stolen", node["revokeReason"], "the first reason stands")
 	require.Equal(t, revokedAt.Format(time.RFC3339Nano), node["revokedAt"])
 }
+
+// TestPoolsListCountsRevokedApart: `pools list` counts revoked nodes under
+// "revoked", not under their provision state: a revoked adopted node is no
+// placeable capacity.
+func TestPoolsListCountsRevokedApart(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	ctx := t.Context()
+	for _, state := range []string{store.NodeAdopted, store.NodeAdopted, store.NodeAcceptanceFailed} {
+		id := ids.New(ids.Node, f.now)
+		require.NoError(t, store.CreateNode(ctx, f.db.Pool, store.NewNode{ID: id, PoolID: f.poolID, CreatedAt: f.now}))
+		_, err := f.db.Pool.Exec(ctx, `UPDATE nodes SET provision_state = $2 WHERE id = $1`, id, state)
+		require.NoError(t, err)
+		_, err = store.RevokeNode(ctx, f.db.Pool, f.now, id, "stolen")
+		require.NoError(t, err)
+	}
+	r := f.runner(f.root)
+	res := r.run(t, "pools", "list", "-o", "json")
+	require.Equal(t, 0, res.code, res.stderr)
+	var pools []map[string]any
+	require.NoError(t, json.Unmarshal([]byte(res.stdout), &pools), res.stdout)
+	require.Len(t, pools, 1, res.stdout)
+	require.Equal(t, map[string]any{"acceptance_failed": 1.0, "adopted": 1.0, "joining": 1.0, "revoked": 3.0}, pools[0]["nodes"])
+	res = r.run(t, "pools", "list")
+	require.Equal(t, 0, res.code, res.stderr)
+	lines := strings.Split(strings.TrimRight(res.stdout, "\n"), "\n")
+	require.Len(t, lines, 2, res.stdout)
+	require.Equal(t, []string{"acceptance_failed=1", "adopted=1", "joining=1", "revoked=3"},
+		strings.Fields(lines[1])[len(strings.Fields(lines[1]))-4:])
+}

@@ -2476,8 +2476,17 @@ func (x *CordonNodeRequest) GetReason() string {
 }
 
 type CordonNodeResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Node          *Node                  `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Node  *Node                  `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	// AlreadyCordoned is true when the node was cordoned before this call,
+	// with previous_reason.
+	AlreadyCordoned bool `protobuf:"varint,2,opt,name=already_cordoned,json=alreadyCordoned,proto3" json:"already_cordoned,omitempty"`
+	// PreviousReason is the reason of the cordon the node had before this
+	// call; empty when it was not cordoned.
+	PreviousReason string `protobuf:"bytes,3,opt,name=previous_reason,json=previousReason,proto3" json:"previous_reason,omitempty"`
+	// Changed is true when the call changed the node (it was not cordoned, or
+	// its reason differed) and wrote a node.cordoned event.
+	Changed       bool `protobuf:"varint,4,opt,name=changed,proto3" json:"changed,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2517,6 +2526,27 @@ func (x *CordonNodeResponse) GetNode() *Node {
 		return x.Node
 	}
 	return nil
+}
+
+func (x *CordonNodeResponse) GetAlreadyCordoned() bool {
+	if x != nil {
+		return x.AlreadyCordoned
+	}
+	return false
+}
+
+func (x *CordonNodeResponse) GetPreviousReason() string {
+	if x != nil {
+		return x.PreviousReason
+	}
+	return ""
+}
+
+func (x *CordonNodeResponse) GetChanged() bool {
+	if x != nil {
+		return x.Changed
+	}
+	return false
 }
 
 type UncordonNodeRequest struct {
@@ -2564,8 +2594,12 @@ func (x *UncordonNodeRequest) GetNodeId() string {
 }
 
 type UncordonNodeResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Node          *Node                  `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Node  *Node                  `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	// Changed is true when the node was cordoned and this call lifted the
+	// cordon (and wrote a node.uncordoned event); false when it was not
+	// cordoned and nothing changed.
+	Changed       bool `protobuf:"varint,2,opt,name=changed,proto3" json:"changed,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2605,6 +2639,13 @@ func (x *UncordonNodeResponse) GetNode() *Node {
 		return x.Node
 	}
 	return nil
+}
+
+func (x *UncordonNodeResponse) GetChanged() bool {
+	if x != nil {
+		return x.Changed
+	}
+	return false
 }
 
 type Command struct {
@@ -4595,13 +4636,17 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\x11CordonNodeRequest\x12\"\n" +
 	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\x12x\n" +
 	"\x06reason\x18\x02 \x01(\tB`\xbaH]\xba\x01G\n" +
-	"\x10reason.not_blank\x12 must not be empty or only spaces\x1a\x11this.trim() != ''r\x11\x18\x80\x022\f^[^\\p{Cc}]*$R\x06reason\"=\n" +
+	"\x10reason.not_blank\x12 must not be empty or only spaces\x1a\x11this.trim() != ''r\x11\x18\x80\x022\f^[^\\p{Cc}]*$R\x06reason\"\xab\x01\n" +
 	"\x12CordonNodeResponse\x12'\n" +
-	"\x04node\x18\x01 \x01(\v2\x13.bc.compute.v1.NodeR\x04node\"9\n" +
+	"\x04node\x18\x01 \x01(\v2\x13.bc.compute.v1.NodeR\x04node\x12)\n" +
+	"\x10already_cordoned\x18\x02 \x01(\bR\x0falreadyCordoned\x12'\n" +
+	"\x0fprevious_reason\x18\x03 \x01(\tR\x0epreviousReason\x12\x18\n" +
+	"\achanged\x18\x04 \x01(\bR\achanged\"9\n" +
 	"\x13UncordonNodeRequest\x12\"\n" +
-	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\"?\n" +
+	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\"Y\n" +
 	"\x14UncordonNodeResponse\x12'\n" +
-	"\x04node\x18\x01 \x01(\v2\x13.bc.compute.v1.NodeR\x04node\"\xdc\x03\n" +
+	"\x04node\x18\x01 \x01(\v2\x13.bc.compute.v1.NodeR\x04node\x12\x18\n" +
+	"\achanged\x18\x02 \x01(\bR\achanged\"\xdc\x03\n" +
 	"\aCommand\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x17\n" +
 	"\anode_id\x18\x02 \x01(\tR\x06nodeId\x12\x12\n" +

@@ -138,9 +138,12 @@ type NodeServiceClient interface {
 	// keeps its first revocation's time and reason). Errors: NotFound.
 	RevokeNode(context.Context, *connect.Request[v1.RevokeNodeRequest]) (*connect.Response[v1.RevokeNodeResponse], error)
 	// CordonNode stops new placements on a node; its reservations stay.
-	// Cordoning a cordoned node updates the reason. Errors: NotFound.
+	// Cordoning a cordoned node updates the reason (a node.cordoned event only
+	// when the reason changes). Errors: NotFound, FailedPrecondition (the node
+	// is revoked).
 	CordonNode(context.Context, *connect.Request[v1.CordonNodeRequest]) (*connect.Response[v1.CordonNodeResponse], error)
-	// UncordonNode lets the scheduler place on the node again. Errors:
+	// UncordonNode lets the scheduler place on the node again; uncordoning a
+	// node that is not cordoned changes nothing (changed false). Errors:
 	// NotFound.
 	UncordonNode(context.Context, *connect.Request[v1.UncordonNodeRequest]) (*connect.Response[v1.UncordonNodeResponse], error)
 }
@@ -235,9 +238,12 @@ type NodeServiceHandler interface {
 	// keeps its first revocation's time and reason). Errors: NotFound.
 	RevokeNode(context.Context, *connect.Request[v1.RevokeNodeRequest]) (*connect.Response[v1.RevokeNodeResponse], error)
 	// CordonNode stops new placements on a node; its reservations stay.
-	// Cordoning a cordoned node updates the reason. Errors: NotFound.
+	// Cordoning a cordoned node updates the reason (a node.cordoned event only
+	// when the reason changes). Errors: NotFound, FailedPrecondition (the node
+	// is revoked).
 	CordonNode(context.Context, *connect.Request[v1.CordonNodeRequest]) (*connect.Response[v1.CordonNodeResponse], error)
-	// UncordonNode lets the scheduler place on the node again. Errors:
+	// UncordonNode lets the scheduler place on the node again; uncordoning a
+	// node that is not cordoned changes nothing (changed false). Errors:
 	// NotFound.
 	UncordonNode(context.Context, *connect.Request[v1.UncordonNodeRequest]) (*connect.Response[v1.UncordonNodeResponse], error)
 }
