@@ -79,6 +79,9 @@ func TestMatrix(t *testing.T) {
 	f := setup(t)
 	ctx := t.Context()
 	acmeNode := f.node(t, f.acmePool, 0, "", "")
+	// acmeRevokedNode is RevokeNode's: the rows run in map order, and a
+	// revoked node cannot be cordoned.
+	acmeRevokedNode := f.node(t, f.acmePool, 0, "", "")
 	now := f.db.Now()
 	acmeJoinToken := ids.New(ids.JoinToken, now)
 	require.NoError(t, store.CreateJoinToken(ctx, f.db.Pool, store.JoinToken{ID: acmeJoinToken, PoolID: f.acmePool,
@@ -90,8 +93,7 @@ func TestMatrix(t *testing.T) {
 	_, err = store.UpsertOffer(ctx, f.db.Pool, store.Offer{PoolID: f.acmePool, TenantID: f.acme, GPUQuota: 1000, UpdatedAt: now})
 	require.NoError(t, err)
 	acmeRes := f.reservation(t, f.acme, f.acmePool, 1, "")
-	// acmeCmdNode runs commands (acmeNode may be revoked by RevokeNode's
-	// row first); acmeCmd is one of its commands.
+	// acmeCmdNode runs commands; acmeCmd is one of its commands.
 	acmeCmdNode := f.node(t, f.acmePool, 1, "H100", "provision_state = 'adopted'")
 	acmeCmd := ids.New(ids.Command, now)
 	require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
@@ -132,7 +134,7 @@ func TestMatrix(t *testing.T) {
 		},
 		computev1connect.NodeServiceRevokeNodeProcedure: {
 			call: func(c clients, _ string) error {
-				_, err := c.nodes.RevokeNode(ctx, connect.NewRequest(&computev1.RevokeNodeRequest{NodeId: acmeNode, Reason: "matrix"}))
+				_, err := c.nodes.RevokeNode(ctx, connect.NewRequest(&computev1.RevokeNodeRequest{NodeId: acmeRevokedNode, Reason: "matrix"}))
 				return err
 			},
 			viewer: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
@@ -523,7 +525,7 @@ func TestMatrix(t *testing.T) {
 	require.Equal(t, victim.ID, revoke[2].Target, "a refusal's target comes from the request")
 	require.Equal(t, victim.ID, revoke[5].Target)
 	require.Equal(t, "revoked", revoke[5].Detail)
-	require.Equal(t, acmeNode, got[computev1connect.NodeServiceRevokeNodeProcedure][5].Target)
+	require.Equal(t, acmeRevokedNode, got[computev1connect.NodeServiceRevokeNodeProcedure][5].Target)
 	require.NoError(t, ids.Check(ids.APIToken, got[computev1connect.TokenServiceCreateTokenProcedure][5].Target))
 	require.NoError(t, ids.Check(ids.Tenant, got[computev1connect.TenantServiceCreateTenantProcedure][5].Target))
 	require.Equal(t, "tenant-viewer", got[computev1connect.TenantServiceCreateTenantProcedure][2].Target)
