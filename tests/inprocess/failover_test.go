@@ -77,13 +77,7 @@ func TestGatewayKilledMidRun(t *testing.T) {
 
 	// sessions: node id → gateway id of the live sessions of the nodes
 	// that applied their NodeSpec.
-	sessions := func() map[string]string {
-		out, err := liveSessions(ctx, st.DB.Pool, true)
-		if err != nil {
-			t.Logf("read the sessions: %v", err)
-		}
-		return out
-	}
+	sessions := sessionsOf(t, ctx, st.DB.Pool, true)
 	before8 := waitSessions(t, ctx, st.DB.Pool, true, 8)
 	victim, survivor, count := busiestGateway(t, before8, names)
 	t.Logf("sessions per gateway before the kill: %v; killing %s", count, victim)

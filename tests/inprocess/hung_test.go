@@ -56,13 +56,7 @@ func TestGatewayPausedNodesMove(t *testing.T) {
 	t.Cleanup(func() { stopMachines(); _ = r.Wait() })
 
 	// sessions: node id → gateway id of the adopted nodes' live sessions.
-	sessions := func() map[string]string {
-		out, err := liveSessions(ctx, st.DB.Pool, false)
-		if err != nil {
-			t.Logf("read the sessions: %v", err)
-		}
-		return out
-	}
+	sessions := sessionsOf(t, ctx, st.DB.Pool, false)
 	victim, survivor, count := busiestGateway(t, waitSessions(t, ctx, st.DB.Pool, false, 6), names)
 	var moved []*fakedaemon.Machine
 	for _, m := range r.Machines() {

@@ -32,6 +32,18 @@ func liveSessions(ctx context.Context, pool *pgxpool.Pool, settled bool) (map[st
 	return out, rows.Err()
 }
 
+// sessionsOf returns a reader of liveSessions for Eventually conditions: a
+// failed read is logged and reads as no session.
+func sessionsOf(t *testing.T, ctx context.Context, pool *pgxpool.Pool, settled bool) func() map[string]string {
+	return func() map[string]string {
+		out, err := liveSessions(ctx, pool, settled)
+		if err != nil {
+			t.Logf("read the sessions: %v", err)
+		}
+		return out
+	}
+}
+
 // waitSessions waits until n nodes hold live sessions (liveSessions) and
 // returns them.
 func waitSessions(t *testing.T, ctx context.Context, pool *pgxpool.Pool, settled bool, n int) map[string]string {
