@@ -138,13 +138,22 @@ func (s *reservationService) GetReservation(ctx context.Context, req *connect.Re
 // ListReservations lists the reservations of the caller's tenant (all for
 // root-admin) by id, that is by creation time, optionally of one pool and
 // state. Pages hold page_size rows (default 100); next_page_token is the
-// last id of a full page, "" at the end.
+// last id of a full page, "" at the end. Errors: NotFound for a pool_id
+// that does not exist or that the caller's tenant neither owns nor was
+// offered.
 func (s *reservationService) ListReservations(ctx context.Context, req *connect.Request[computev1.ListReservationsRequest]) (*connect.Response[computev1.ListReservationsResponse], error) {
 	p, err := principal(ctx)
 	if err != nil {
 		return nil, err
 	}
 	msg := req.Msg
+	if msg.PoolId != "" {
+		// A pool the caller does not see reads as one that does not exist,
+		// as in every other call that names a pool.
+		if _, _, err := s.seenPool(ctx, p, "pool_id", msg.PoolId); err != nil {
+			return nil, err
+		}
+	}
 	size := int(msg.PageSize)
 	if size == 0 {
 		size = defaultReservationPageSize

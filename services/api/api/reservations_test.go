@@ -424,6 +424,12 @@ func TestListReservations(t *testing.T) {
 	require.Equal(t, acmeIDs[2:], got)
 	got, _ = list("other-member", &computev1.ListReservationsRequest{})
 	require.Equal(t, []string{otherID}, got, "another tenant's reservations are never listed")
+	// A pool other neither owns nor was offered reads as a missing one.
+	for _, pool := range []string{f.acmePool, "pool_missing"} {
+		_, err := f.as(f.tokens["other-member"]).res.ListReservations(ctx,
+			connect.NewRequest(&computev1.ListReservationsRequest{PoolId: pool}))
+		requireCode(t, err, connect.CodeNotFound, "pool_id: pool "+pool+" not found")
+	}
 	got, _ = list("root", &computev1.ListReservationsRequest{})
 	require.Equal(t, append(append([]string{}, acmeIDs...), otherID), got)
 }
