@@ -50,6 +50,9 @@ func TestPendingReasons(t *testing.T) {
 	}
 
 	held := reserve(6, time.Hour)
+	// Queue order is (created_at, id); ids of one millisecond sort by time
+	// only while no other test takes an id in between (ulid.Monotonic).
+	clk.Advance(time.Millisecond)
 	big := reserve(4, 3*time.Hour)
 	require.Equal(t, 1, pass().Placed)
 	first := get(big)
