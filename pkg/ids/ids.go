@@ -34,16 +34,57 @@ const (
 	Event       Prefix = "evt"
 )
 
+// recentSlots is how many milliseconds New remembers its last id of.
+const recentSlots = 64
+
 var (
-	mu      sync.Mutex
-	entropy io.Reader = ulid.Monotonic(rand.Reader, 0)
+	mu sync.Mutex
+	// recent holds, per slot (a millisecond modulo recentSlots), the last id
+	// New made in that millisecond: the next id of the same millisecond is
+	// that one plus one, so ids made in one process sort in the order they
+	// were made within a millisecond even when ids of other milliseconds are
+	// made in between (ulid.Monotonic forgets as soon as the millisecond
+	// changes: goroutines whose clock readings interleave, or tests on fake
+	// clocks running in parallel, got same-millisecond ids in random order).
+	// A millisecond is forgotten when one of the same slot takes its place,
+	// so the order holds while fewer than recentSlots milliseconds pass in
+	// between, as it does between a clock's readings close in time.
+	recent [recentSlots]struct {
+		ms   uint64
+		last ulid.ULID
+		set  bool
+	}
 )
 
 // New returns a new id of kind p made at time t (take t from a clock.Clock).
 func New(p Prefix, t time.Time) string {
+	ms := ulid.Timestamp(t)
 	mu.Lock()
 	defer mu.Unlock()
-	return string(p) + "_" + ulid.MustNew(ulid.Timestamp(t), entropy).String()
+	slot := &recent[ms%recentSlots]
+	var id ulid.ULID
+	if slot.set && slot.ms == ms && increment(&slot.last) {
+		id = slot.last
+	} else {
+		id = ulid.MustNew(ms, rand.Reader)
+	}
+	slot.ms, slot.last, slot.set = ms, id, true
+	return string(p) + "_" + id.String()
+}
+
+// increment adds one to id's 80 bits of entropy (bytes 6 to 15, big-endian)
+// and reports false, leaving it unchanged, when they would overflow.
+func increment(id *ulid.ULID) bool {
+	for i := len(id) - 1; i >= 6; i-- {
+		if id[i] != 0xff {
+			id[i]++
+			for j := i + 1; j < len(id); j++ {
+				id[j] = 0
+			}
+			return true
+		}
+	}
+	return false
 }
 
 // FromReader returns an id of kind p at time t drawing its randomness from r,

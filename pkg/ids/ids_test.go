@@ -24,3 +24,19 @@ func TestIDsSortByTimeAndCheck(t *testing.T) {
 	require.ErrorContains(t, ids.Check(ids.Pool, got[0]), `must start with "pool_"`)
 	require.Error(t, ids.Check(ids.Node, "node_notaulid"))
 }
+
+// TestIDsOfOneMillisecondSortWhenInterleaved: ids made in the same
+// millisecond sort in the order they were made even when ids of other
+// milliseconds are made in between (parallel tests on fake clocks, or
+// goroutines whose clock readings interleave).
+func TestIDsOfOneMillisecondSortWhenInterleaved(t *testing.T) {
+	t0 := time.Date(2030, 1, 1, 10, 0, 0, 0, time.UTC)
+	other := time.Date(2031, 6, 1, 0, 0, 0, 7e6, time.UTC) // other slots than t0's
+	var got []string
+	for i := range 200 {
+		got = append(got, ids.New(ids.Reservation, t0))
+		ids.New(ids.Command, other.Add(time.Duration(i%5)*time.Millisecond))
+	}
+	require.True(t, slices.IsSorted(got), "same-millisecond ids in the order they were made")
+	require.Len(t, slices.Compact(slices.Clone(got)), 200, "unique")
+}
