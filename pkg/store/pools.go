@@ -124,9 +124,14 @@ const poolColumns = `p.id, p.site_id, p.owner_tenant_id, p.name, p.kind, p.accep
 
 func scanPool(row pgx.Row) (Pool, error) {
 	var p Pool
-	err := row.Scan(&p.ID, &p.SiteID, &p.OwnerTenantID, &p.Name, &p.Kind, &p.AcceptanceCheck, &p.GPUModel,
-		&p.ExpectGPUCount, &p.CreatedAt, &p.NodeCounts)
+	err := row.Scan(poolFields(&p)...)
 	return p, err
+}
+
+// poolFields are the scan destinations of poolColumns in p.
+func poolFields(p *Pool) []any {
+	return []any{&p.ID, &p.SiteID, &p.OwnerTenantID, &p.Name, &p.Kind, &p.AcceptanceCheck, &p.GPUModel,
+		&p.ExpectGPUCount, &p.CreatedAt, &p.NodeCounts}
 }
 
 // CreatePool inserts p (AcceptanceCheck defaults to "diag.nvml"). Errors:
@@ -212,9 +217,8 @@ func ListPools(ctx context.Context, q DBTX, f PoolFilter) ([]Pool, error) {
 			o       Offer
 			offered bool
 		)
-		if err := r.Scan(&p.ID, &p.SiteID, &p.OwnerTenantID, &p.Name, &p.Kind, &p.AcceptanceCheck, &p.GPUModel,
-			&p.ExpectGPUCount, &p.CreatedAt, &p.NodeCounts, &offered,
-			&o.PoolID, &o.TenantID, &o.GPUQuota, &o.GPUsInUse, &o.CreatedAt, &o.UpdatedAt); err != nil {
+		dest := append(append(poolFields(&p), &offered), offerFields(&o)...)
+		if err := r.Scan(dest...); err != nil {
 			return Pool{}, err
 		}
 		if offered {

@@ -44,8 +44,14 @@ const offerColumnsNullable = `COALESCE(o.pool_id, ''), COALESCE(o.tenant_id, '')
 
 func scanOffer(row pgx.Row) (Offer, error) {
 	var o Offer
-	err := row.Scan(&o.PoolID, &o.TenantID, &o.GPUQuota, &o.GPUsInUse, &o.CreatedAt, &o.UpdatedAt)
+	err := row.Scan(offerFields(&o)...)
 	return o, err
+}
+
+// offerFields are the scan destinations of offerColumns (and
+// offerColumnsNullable) in o.
+func offerFields(o *Offer) []any {
+	return []any{&o.PoolID, &o.TenantID, &o.GPUQuota, &o.GPUsInUse, &o.CreatedAt, &o.UpdatedAt}
 }
 
 // UpsertOffer offers pool o.PoolID to tenant o.TenantID with o.GPUQuota at
