@@ -19,8 +19,6 @@ import (
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
-	"github.com/better-compute/better-compute/tests/internal/containers"
-	"github.com/better-compute/better-compute/tests/internal/procs"
 )
 
 // failoverWithin is how soon the nodes of a killed gateway must hold a
@@ -40,25 +38,7 @@ const failoverWithin = 10 * time.Second
 // after it are delivered through the surviving gateway and observed (I3).
 func TestGatewayKilledMidRun(t *testing.T) {
 	ctx := t.Context()
-	dbURL, natsURL, pkiDir := containers.Postgres(t), containers.NATS(t), t.TempDir()
-	addrs := []string{procs.FreeAddr(t), procs.FreeAddr(t)}
-	names := []string{"gw-a", "gw-b"}
-	urls := "https://" + addrs[0] + "," + "https://" + addrs[1]
-	st, err := devstack.Start(ctx, devstack.Options{DatabaseURL: dbURL, NATSURL: natsURL, PKIDir: pkiDir,
-		ExternalGatewayURL: urls, SignedIntent: true})
-	require.NoError(t, err)
-	t.Cleanup(func() { require.NoError(t, st.Close()) })
-	gws := map[string]*procs.Proc{}
-	for i, name := range names {
-		health := procs.FreeAddr(t)
-		gws[name] = procs.Start(t, "gateway", health, "BC_HEALTH_LISTEN="+health,
-			"BETTER_COMPUTE_DATABASE_URL="+dbURL, "BETTER_COMPUTE_NATS_URL="+natsURL, "BC_PKI_DIR="+pkiDir,
-			"BC_LISTEN="+addrs[i], "BC_GATEWAY_ID="+name, "BC_GATEWAY_RESYNC=1h", "BC_LOG_LEVEL=warn")
-	}
-	res, err := st.Bootstrap(ctx, devstack.BootstrapOptions{Dir: t.TempDir(), JoinMaxUses: 10})
-	require.NoError(t, err)
-	f := &fixture{stack: st, token: res.RootToken, join: res.JoinToken, pool: res.PoolID,
-		nodes: computev1connect.NewNodeServiceClient(http.DefaultClient, st.APIURL+"/api/compute")}
+	st, f, names, gws := twoGateways(t, devstack.Options{SignedIntent: true}, "BC_GATEWAY_RESYNC=1h")
 	commands := computev1connect.NewCommandServiceClient(http.DefaultClient, st.APIURL+"/api/compute")
 
 	// Eight machines; commands take a little while so that some are in

@@ -2,21 +2,17 @@ package inprocess_test
 
 import (
 	"context"
-	"net/http"
 	"slices"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
 	"github.com/better-compute/better-compute/cmd/better-compute/devstack"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/daemon"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
-	"github.com/better-compute/better-compute/tests/internal/containers"
-	"github.com/better-compute/better-compute/tests/internal/procs"
 )
 
 // TestGatewayPausedNodesMove runs two gateways as processes with their
@@ -29,25 +25,7 @@ import (
 // past the 30 s liveness timeout no node was marked unreachable.
 func TestGatewayPausedNodesMove(t *testing.T) {
 	ctx := t.Context()
-	dbURL, natsURL, pkiDir := containers.Postgres(t), containers.NATS(t), t.TempDir()
-	addrs := []string{procs.FreeAddr(t), procs.FreeAddr(t)}
-	names := []string{"gw-a", "gw-b"}
-	urls := "https://" + addrs[0] + "," + "https://" + addrs[1]
-	st, err := devstack.Start(ctx, devstack.Options{DatabaseURL: dbURL, NATSURL: natsURL, PKIDir: pkiDir,
-		ExternalGatewayURL: urls})
-	require.NoError(t, err)
-	t.Cleanup(func() { require.NoError(t, st.Close()) })
-	gws := map[string]*procs.Proc{}
-	for i, name := range names {
-		health := procs.FreeAddr(t)
-		gws[name] = procs.Start(t, "gateway", health, "BC_HEALTH_LISTEN="+health,
-			"BETTER_COMPUTE_DATABASE_URL="+dbURL, "BETTER_COMPUTE_NATS_URL="+natsURL, "BC_PKI_DIR="+pkiDir,
-			"BC_LISTEN="+addrs[i], "BC_GATEWAY_ID="+name, "BC_LOG_LEVEL=warn")
-	}
-	res, err := st.Bootstrap(ctx, devstack.BootstrapOptions{Dir: t.TempDir(), JoinMaxUses: 10})
-	require.NoError(t, err)
-	f := &fixture{stack: st, token: res.RootToken, join: res.JoinToken, pool: res.PoolID,
-		nodes: computev1connect.NewNodeServiceClient(http.DefaultClient, st.APIURL+"/api/compute")}
+	st, f, names, gws := twoGateways(t, devstack.Options{})
 
 	mctx, stopMachines := context.WithCancel(context.Background())
 	r, err := fakedaemon.Start(mctx, fakedaemon.Config{Server: st.APIURL, Pins: st.Pins, Token: f.join,
