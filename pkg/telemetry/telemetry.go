@@ -76,6 +76,12 @@ func NewLogger(w io.Writer, service string) *slog.Logger {
 	default:
 		level = slog.LevelInfo
 	}
+	return NewLoggerAt(w, service, level)
+}
+
+// NewLoggerAt returns a JSON logger writing records of level and above to
+// w, with the service name and the trace ids of each record's context.
+func NewLoggerAt(w io.Writer, service string, level slog.Level) *slog.Logger {
 	h := slog.NewJSONHandler(w, &slog.HandlerOptions{Level: level})
 	return slog.New(traceHandler{h}).With("service", service)
 }

@@ -4,6 +4,7 @@ import (
 	"crypto"
 	"crypto/ed25519"
 	"crypto/rand"
+	"crypto/sha256"
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/hex"
@@ -96,6 +97,23 @@ func newMachineID() (string, error) {
 		return "", err
 	}
 	return hex.EncodeToString(raw[:]), nil
+}
+
+// MachineID returns the machine id of machine index under seed
+// (Config.MachineIDSeed): 32 hex characters of SHA-256(seed, index), the
+// shape of a random one.
+func MachineID(seed string, index int) string {
+	sum := sha256.Sum256(fmt.Appendf(nil, "%s/%d", seed, index))
+	return hex.EncodeToString(sum[:16])
+}
+
+// Joined reports whether the machine directory dir (a Runner's
+// DataDir/<index>) holds a node identity, i.e. the machine will restart
+// without joining again. A directory that is missing or has no NodeFile
+// has not joined; an unreadable or corrupt NodeFile is an error.
+func Joined(dir string) (bool, error) {
+	id, err := loadIdentity(dir)
+	return id != nil, err
 }
 
 // loadIdentity returns the identity stored in dir, or nil when the machine

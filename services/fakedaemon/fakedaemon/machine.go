@@ -172,6 +172,8 @@ func (m *Machine) run(ctx context.Context) error {
 			}
 			variant = id.Variant
 		}
+	} else if m.r.cfg.MachineIDSeed != "" {
+		machineID = MachineID(m.r.cfg.MachineIDSeed, m.index)
 	} else if machineID, err = newMachineID(); err != nil {
 		return fmt.Errorf("machine %d: machine id: %w", m.index, err)
 	}

@@ -137,6 +137,10 @@ type Config struct {
 	JoinBackoffMin, JoinBackoffMax time.Duration
 	// JoinConcurrency caps Joins in flight (default 16).
 	JoinConcurrency int
+	// MachineIDSeed, when set, derives each machine's id from it and the
+	// machine's index (MachineID), so the same seed gives the same hardware
+	// (GPU UUIDs, hostnames, boot ids) run after run; empty: random ids.
+	MachineIDSeed string
 	// JoinOnly makes Run return once every machine has joined (or had
 	// joined before), without opening sessions or the health server
 	// (`fakedaemon join`).
