@@ -7,7 +7,7 @@ SHELL := bash
 
 GO ?= go
 # Every Go module of the workspace, in dependency order.
-MODULES := api pkg services/api services/joinservice services/gateway services/scheduler \
+MODULES := api pkg pkg/devstack services/api services/joinservice services/gateway services/scheduler \
 	services/controllers services/fakedaemon cmd/better-compute tests
 SERVICES := api joinservice gateway scheduler controllers fakedaemon
 BIN := bin/linux

@@ -11,7 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
-	"github.com/better-compute/better-compute/cmd/better-compute/devstack"
+	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/tests/internal/containers"
 	"github.com/better-compute/better-compute/tests/internal/procs"
 )

@@ -7,7 +7,7 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/better-compute/better-compute/cmd/better-compute/internal/bootstrap"
+	"github.com/better-compute/better-compute/pkg/bootstrap"
 	"github.com/better-compute/better-compute/pkg/store"
 )
 

@@ -163,14 +163,8 @@ func Run(ctx context.Context, db *store.DB, o Options) (Result, error) {
 		}
 		res.PoolID = pool.ID
 
-		if secret := oldEnv[EnvToken]; secret != "" && rootTokenValid(ctx, tx, secret, tenant.ID, now) {
-			res.RootToken = secret
-		} else {
-			res.RootToken, _, err = iam.MintAPIToken(ctx, tx, now, tenant.ID, "bootstrap", iam.RoleRootAdmin, nil)
-			if err != nil {
-				return err
-			}
-			res.RootTokenMinted = true
+		if res.RootToken, res.RootTokenMinted, err = ensureRootToken(ctx, tx, now, tenant.ID, oldEnv[EnvToken]); err != nil {
+			return err
 		}
 
 		if oldJoinSecret != "" {
@@ -218,6 +212,61 @@ func Run(ctx context.Context, db *store.DB, o Options) (Result, error) {
 		if wrote {
 			res.FilesWritten = append(res.FilesWritten, f.path)
 		}
+	}
+	return res, nil
+}
+
+// ensureRootToken returns secret when it is a live root-admin token of
+// tenantID, else a new one (minted true).
+func ensureRootToken(ctx context.Context, tx store.DBTX, now time.Time, tenantID, secret string) (string, bool, error) {
+	if secret != "" && rootTokenValid(ctx, tx, secret, tenantID, now) {
+		return secret, false, nil
+	}
+	token, _, err := iam.MintAPIToken(ctx, tx, now, tenantID, "bootstrap", iam.RoleRootAdmin, nil)
+	return token, err == nil, err
+}
+
+// RootResult is what Root ensured.
+type RootResult struct {
+	// TenantID is the root tenant's id.
+	TenantID string
+	// RootToken is a root administrator's API token of that tenant (secret).
+	RootToken string
+	// RootTokenMinted is false when the token envFile held was reused.
+	RootTokenMinted bool
+}
+
+// Root ensures the root tenant named tenantName (default "root") and a
+// root-admin API token of it, in one transaction: the token envFile holds
+// (BETTER_COMPUTE_TOKEN) is reused while it is valid, else a new one is
+// minted and envFile is rewritten (mode 0600) with the tenant and token.
+// It is the part of Run that `better-compute dev` and the dev stack need
+// when they create pools and join tokens through the API themselves.
+func Root(ctx context.Context, db *store.DB, tenantName, envFile string) (RootResult, error) {
+	if tenantName == "" {
+		tenantName = Defaults().TenantName
+	}
+	oldEnv, err := readEnvFile(envFile)
+	if err != nil {
+		return RootResult{}, err
+	}
+	var res RootResult
+	err = db.InTx(ctx, func(tx pgx.Tx) error {
+		now := db.Now()
+		tenant, err := store.EnsureTenant(ctx, tx, store.Tenant{ID: ids.New(ids.Tenant, now), Name: tenantName, CreatedAt: now})
+		if err != nil {
+			return err
+		}
+		res.TenantID = tenant.ID
+		res.RootToken, res.RootTokenMinted, err = ensureRootToken(ctx, tx, now, tenant.ID, oldEnv[EnvToken])
+		return err
+	})
+	if err != nil {
+		return RootResult{}, fmt.Errorf("bootstrap: %w", err)
+	}
+	content := fmt.Sprintf("export %s=%s\nexport %s=%s\n", EnvTenant, res.TenantID, EnvToken, res.RootToken)
+	if _, err := writeIfChanged(envFile, []byte(content), 0o600); err != nil {
+		return res, err
 	}
 	return res, nil
 }

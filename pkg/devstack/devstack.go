@@ -1,0 +1,643 @@
+// Package devstack runs the whole better-compute control plane in one process
+// on loopback: api, joinservice, N gateways, scheduler and controllers, the
+// same packages the service binaries run, plus simulated GPU machines (the
+// fakedaemon's) that join it as real machines do. `better-compute dev`, the
+// integration suites of tests/ and the benchmarks run on it, and so can a test
+// in any module of the workspace:
+//
+//	st, err := devstack.Start(ctx, devstack.Options{}) // embedded Postgres and NATS
+//	defer st.Close()
+//	pool, err := st.CreatePool(ctx, devstack.PoolOptions{GPUModel: "H100", ExpectGPUs: 8})
+//	nodes, err := st.Join(ctx, devstack.JoinOptions{Pool: pool, Count: 3})
+//	_, err = st.WaitFor(ctx, nodes, devstack.WaitOptions{}) // adopted, NodeSpec ≥ 1 applied
+//
+// With zero Options the stack is throwaway: an embedded PostgreSQL server
+// (pgembed, from the machine's PostgreSQL binaries) in memory, an embedded
+// NATS server, and a PKI in a temporary directory, all removed by Close. With
+// Options.DataDir the database, the PKI, the root token, the ports and the
+// simulated machines' identities are kept there between runs. DatabaseURL and
+// NATSURL use servers of the caller's instead.
+//
+// Start migrates the database, ensures the PKI and the root tenant with a
+// root administrator's token, and starts every service; Close stops the
+// machines, then the services (releasing their leases), then the embedded
+// servers.
+package devstack
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/better-compute/better-compute/pkg/bootstrap"
+	"github.com/better-compute/better-compute/pkg/bus"
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/pgembed"
+	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/telemetry"
+	"github.com/better-compute/better-compute/services/api/api"
+	"github.com/better-compute/better-compute/services/controllers/controllers"
+	"github.com/better-compute/better-compute/services/gateway/gateway"
+	"github.com/better-compute/better-compute/services/joinservice/joinservice"
+	"github.com/better-compute/better-compute/services/scheduler/scheduler"
+)
+
+// Names of what a stack keeps in Options.DataDir.
+const (
+	// DirPostgres is the embedded PostgreSQL cluster.
+	DirPostgres = "postgres"
+	// DirPKI is the deployment's PKI (`better-compute pki init`'s files).
+	DirPKI = "pki"
+	// DirMachines holds the simulated machines, one directory per Join.
+	DirMachines = "machines"
+	// FileSecret is the embedded PostgreSQL superuser's password (0600).
+	FileSecret = "secret"
+	// FileRootEnv holds the root tenant and root token (0600).
+	FileRootEnv = "root.env"
+	// FilePorts records the gateway and JoinService ports, reused by the
+	// next run so machines that joined find them again.
+	FilePorts = "ports.json"
+)
+
+// DefaultWaitTimeout is how long WaitFor waits when WaitOptions.Timeout is 0.
+const DefaultWaitTimeout = 30 * time.Second
+
+// Options configure Start. The zero value is a throwaway stack on embedded
+// servers.
+type Options struct {
+	// DataDir keeps the stack's state between runs (see the Dir* and File*
+	// names): created 0700 when missing. Empty: a temporary directory that
+	// Close removes, and the embedded database runs in memory.
+	DataDir string
+	// DatabaseURL is a postgres:// URL of a database of the caller's; Start
+	// migrates it up. Empty: an embedded PostgreSQL server (pgembed) in
+	// DataDir/postgres, or in memory without DataDir.
+	DatabaseURL string
+	// PostgresBinDir is where the embedded server's binaries are (default:
+	// pgembed.FindBinDir).
+	PostgresBinDir string
+	// NATSURL is a NATS server of the caller's. Empty: one in process.
+	NATSURL string
+	// PKIDir holds the deployment's keys; created with pki.Init when
+	// missing. Empty: DataDir/pki.
+	PKIDir string
+	// APIListener, when set, is where the API serves (Close closes it);
+	// otherwise it listens on a free port of Host.
+	APIListener net.Listener
+	// Gateways is how many gateway replicas to run (default 1, or 0 when
+	// ExternalGatewayURL is set).
+	Gateways int
+	// ExternalGatewayURL, when set, is the gateway joined machines are sent
+	// to (gateways run outside this process, e.g. to measure their memory or
+	// kill one): one https:// URL or several separated by commas; their TLS
+	// name must be "localhost".
+	ExternalGatewayURL string
+	// Host is the address services listen on (default 127.0.0.1), each on a
+	// free port (or the port DataDir/ports.json recorded).
+	Host string
+	// Logger receives every service's logs (default: discarded).
+	Logger *slog.Logger
+	// MachineLogger receives the simulated machines' logs (default:
+	// discarded).
+	MachineLogger *slog.Logger
+	// Clock is the services' clock (default: real).
+	Clock clock.Clock
+	// MaxConns caps the shared Postgres pool (default 40).
+	MaxConns int32
+	// ReconcileInterval, ResyncInterval and HeartbeatInterval override the
+	// services' defaults when non-zero.
+	ReconcileInterval, ResyncInterval, HeartbeatInterval time.Duration
+	// NodeCertTTL is the lifetime of node certificates, issued at join and
+	// renewed over the session (default 24 h).
+	NodeCertTTL time.Duration
+	// NoScheduler starts no scheduler (benchmarks run their own).
+	NoScheduler bool
+	// NoControllers starts no controllers (no outbox relay, acceptance or
+	// expiry): the caller runs them, e.g. as their own process to measure
+	// their CPU. Stack.Controllers is then nil.
+	NoControllers bool
+	// SignedIntent signs every command and NodeSpec with the PKI's
+	// command-signing root and gives joining daemons that root, so they
+	// refuse unsigned intent.
+	SignedIntent bool
+}
+
+// Stack is a running control plane.
+type Stack struct {
+	// APIURL is the public API's base URL (append /api/compute for Connect);
+	// it serves the well-known document daemons join from (fakedaemon
+	// Config.Server).
+	APIURL string
+	// Pins are the deployment's pins (PKIDir/pins.json), which daemons check
+	// the well-known document and their JoinResponse against.
+	Pins pki.Pins
+	// PKIDir is the deployment's PKI directory.
+	PKIDir string
+	// JoinURL is JoinService's base URL.
+	JoinURL string
+	// Gateways are the running gateway replicas; GatewayURLs their
+	// https:// Session URLs.
+	Gateways    []*gateway.Server
+	GatewayURLs []string
+	// Controllers is the reconcilers' service (nil with NoControllers).
+	Controllers *controllers.Server
+	// Scheduler is the placement service.
+	Scheduler *scheduler.Server
+	// DB is the stack's database handle (shared by its services).
+	DB *store.DB
+	// DatabaseURL is the database's postgres:// URL (the embedded server's
+	// when Options.DatabaseURL was empty).
+	DatabaseURL string
+	// NATSURL is the NATS server's URL (the embedded server's when
+	// Options.NATSURL was empty).
+	NATSURL string
+	// TenantID is the root tenant; RootToken a root administrator's API
+	// token of it (kept in DataDir/root.env and reused by the next run).
+	TenantID, RootToken string
+	// RootTokenMinted is false when the token of an earlier run was reused.
+	RootTokenMinted bool
+	// Postgres is the embedded PostgreSQL server (nil with DatabaseURL).
+	Postgres *pgembed.Server
+
+	opts    Options
+	dataDir string
+	tmpDir  string // the throwaway DataDir, removed by Close
+	nats    *server.Server
+	nc      []*nats.Conn
+	cancel  context.CancelFunc
+	group   *errgroup.Group
+	done    <-chan struct{} // closed when a service stopped or the stack is closing
+	once    sync.Once
+	err     error
+	fleet   fleet
+}
+
+// Start starts the embedded servers it needs, migrates the database, ensures
+// the PKI and the root tenant, and starts every service. The services stop
+// when ctx ends or Close is called. On error nothing is left running.
+func Start(ctx context.Context, o Options) (_ *Stack, err error) {
+	if o.Gateways <= 0 && o.ExternalGatewayURL == "" {
+		o.Gateways = 1
+	}
+	if o.Host == "" {
+		o.Host = "127.0.0.1"
+	}
+	if o.Logger == nil {
+		o.Logger = telemetry.Discard()
+	}
+	if o.MachineLogger == nil {
+		o.MachineLogger = telemetry.Discard()
+	}
+	if o.Clock == nil {
+		o.Clock = clock.New()
+	}
+	if o.MaxConns == 0 {
+		o.MaxConns = 40
+	}
+	if o.NodeCertTTL <= 0 {
+		o.NodeCertTTL = joinservice.DefaultNodeCertTTL
+	}
+	runCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	s := &Stack{opts: o, cancel: cancel, dataDir: o.DataDir}
+	defer func() {
+		if err != nil {
+			if o.APIListener != nil {
+				o.APIListener.Close()
+			}
+			_ = s.Close()
+		}
+	}()
+	if s.dataDir == "" {
+		if s.tmpDir, err = os.MkdirTemp("", "bc-devstack-"); err != nil {
+			return nil, err
+		}
+		s.dataDir = s.tmpDir
+	} else if err := os.MkdirAll(s.dataDir, 0o700); err != nil {
+		return nil, err
+	}
+	if err := s.startServers(ctx); err != nil {
+		return nil, err
+	}
+	if err := store.MigrateUp(s.DatabaseURL); err != nil {
+		return nil, err
+	}
+	s.PKIDir = o.PKIDir
+	if s.PKIDir == "" {
+		s.PKIDir = filepath.Join(s.dataDir, DirPKI)
+		if err := os.MkdirAll(s.PKIDir, 0o700); err != nil {
+			return nil, err
+		}
+	}
+	if _, err := pki.Init(s.PKIDir, pki.InitOptions{GatewayNames: []string{"localhost", "127.0.0.1"}}, o.Clock.Now()); err != nil {
+		return nil, fmt.Errorf("devstack: pki: %w", err)
+	}
+	if s.Pins, err = pki.ReadPins(s.PKIDir); err != nil {
+		return nil, fmt.Errorf("devstack: pins: %w", err)
+	}
+	if s.DB, err = store.Open(ctx, s.DatabaseURL, o.Clock, 30*time.Second, store.Options{MaxConns: o.MaxConns}); err != nil {
+		return nil, err
+	}
+	root, err := bootstrap.Root(ctx, s.DB, "", filepath.Join(s.dataDir, FileRootEnv))
+	if err != nil {
+		return nil, err
+	}
+	s.TenantID, s.RootToken, s.RootTokenMinted = root.TenantID, root.RootToken, root.RootTokenMinted
+
+	g, gctx := errgroup.WithContext(runCtx)
+	s.group, s.done = g, gctx.Done()
+	if s.Postgres != nil {
+		g.Go(func() error {
+			select {
+			case <-s.Postgres.Done():
+				return errors.New("devstack: the embedded PostgreSQL server exited")
+			case <-gctx.Done():
+				return nil
+			}
+		})
+	}
+	go func() {
+		select {
+		case <-ctx.Done():
+			cancel()
+		case <-gctx.Done():
+		}
+	}()
+	if err := s.startServices(gctx, g); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// startServers starts the embedded NATS and PostgreSQL servers the options
+// leave to the stack.
+func (s *Stack) startServers(ctx context.Context) error {
+	o := s.opts
+	s.NATSURL = o.NATSURL
+	if s.NATSURL == "" {
+		ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, NoSigs: true, NoLog: true})
+		if err != nil {
+			return fmt.Errorf("devstack: nats: %w", err)
+		}
+		go ns.Start()
+		if !ns.ReadyForConnections(10 * time.Second) {
+			ns.Shutdown()
+			return errors.New("devstack: the embedded NATS server did not start within 10s")
+		}
+		s.nats = ns
+		s.NATSURL = ns.ClientURL()
+	}
+	s.DatabaseURL = o.DatabaseURL
+	if s.DatabaseURL != "" {
+		return nil
+	}
+	secret, err := readOrMakeSecret(filepath.Join(s.dataDir, FileSecret))
+	if err != nil {
+		return err
+	}
+	po := pgembed.Options{Password: secret, BinDir: o.PostgresBinDir, Clock: o.Clock}
+	if s.tmpDir != "" {
+		po.Memory = true
+	} else {
+		po.DataDir = filepath.Join(s.dataDir, DirPostgres)
+	}
+	if s.Postgres, err = pgembed.Start(ctx, po); err != nil {
+		return err
+	}
+	s.DatabaseURL = s.Postgres.URL("postgres")
+	return nil
+}
+
+// readOrMakeSecret returns the secret in path, making a random one (mode
+// 0600) when the file is missing.
+func readOrMakeSecret(path string) (string, error) {
+	b, err := os.ReadFile(path)
+	if err == nil {
+		if v := strings.TrimSpace(string(b)); v != "" {
+			return v, nil
+		}
+	} else if !errors.Is(err, os.ErrNotExist) {
+		return "", err
+	}
+	var raw [24]byte
+	if _, err := rand.Read(raw[:]); err != nil {
+		return "", err
+	}
+	v := hex.EncodeToString(raw[:])
+	if err := os.WriteFile(path, []byte(v+"\n"), 0o600); err != nil {
+		return "", err
+	}
+	return v, nil
+}
+
+// ports are the listeners' ports that DataDir/ports.json keeps between runs.
+type ports struct {
+	Gateways []int `json:"gateways,omitempty"`
+	Join     int   `json:"join,omitempty"`
+}
+
+// keptPorts reads DataDir/ports.json of a kept stack (zero for a throwaway
+// one or a missing file).
+func (s *Stack) keptPorts() ports {
+	var p ports
+	if s.tmpDir != "" {
+		return p
+	}
+	if b, err := os.ReadFile(filepath.Join(s.dataDir, FilePorts)); err == nil {
+		_ = json.Unmarshal(b, &p) // a damaged file only costs new ports
+	}
+	return p
+}
+
+// keepPorts writes p to DataDir/ports.json of a kept stack.
+func (s *Stack) keepPorts(p ports) error {
+	if s.tmpDir != "" {
+		return nil
+	}
+	b, err := json.Marshal(p)
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(s.dataDir, FilePorts), append(b, '\n'), 0o600)
+}
+
+// listen listens on host:port, or on a free port when port is 0 or taken.
+func listen(host string, port int) (net.Listener, int, error) {
+	if port > 0 {
+		if ln, err := net.Listen("tcp", net.JoinHostPort(host, fmt.Sprint(port))); err == nil {
+			return ln, port, nil
+		}
+	}
+	ln, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
+	if err != nil {
+		return nil, 0, err
+	}
+	return ln, ln.Addr().(*net.TCPAddr).Port, nil
+}
+
+// urlHost is the host to put in URLs for a listener on host: loopback for
+// the unspecified address.
+func urlHost(host string) string {
+	if ip := net.ParseIP(host); ip != nil && ip.IsUnspecified() {
+		return "127.0.0.1"
+	}
+	return host
+}
+
+func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
+	o := s.opts
+	db := s.DB
+	connect := func(name string) (*nats.Conn, error) {
+		nc, err := bus.Connect(s.NATSURL, name, o.Logger)
+		if err == nil {
+			s.nc = append(s.nc, nc)
+		}
+		return nc, err
+	}
+	log := func(svc string) *slog.Logger { return o.Logger.With("service", svc) }
+	// The services share db: its commits wake the outbox relay over NATS.
+	signalNC, err := connect("outbox-signal")
+	if err != nil {
+		return err
+	}
+	db.SignalOutboxVia(func() error { return signalNC.Publish(store.SubjectOutboxWritten, nil) })
+	kept := s.keptPorts()
+	var used ports
+	host := urlHost(o.Host)
+
+	for i := range o.Gateways {
+		nc, err := connect(fmt.Sprintf("gateway-%d", i))
+		if err != nil {
+			return err
+		}
+		var want int
+		if i < len(kept.Gateways) {
+			want = kept.Gateways[i]
+		}
+		ln, port, err := listen(o.Host, want)
+		if err != nil {
+			return err
+		}
+		gw, err := gateway.New(gateway.Config{
+			GatewayID:         fmt.Sprintf("gw-dev-%d", i),
+			Listener:          ln,
+			PKIDir:            s.PKIDir,
+			HeartbeatInterval: o.HeartbeatInterval,
+			ResyncInterval:    o.ResyncInterval,
+			NodeCertTTL:       o.NodeCertTTL,
+		}, gateway.Deps{DB: db, NC: nc, Logger: log("gateway"), Clock: o.Clock})
+		if err != nil {
+			ln.Close()
+			return err
+		}
+		s.Gateways = append(s.Gateways, gw)
+		s.GatewayURLs = append(s.GatewayURLs, "https://"+net.JoinHostPort(host, fmt.Sprint(port)))
+		used.Gateways = append(used.Gateways, port)
+		g.Go(func() error { return gw.Run(gctx) })
+	}
+
+	// joinservice: machines are sent to every gateway (they start on one
+	// and move to the next when they lose it).
+	join, err := joinservice.New(joinservice.Config{
+		PKIDir:            s.PKIDir,
+		NodeCertTTL:       o.NodeCertTTL,
+		SignedIntent:      o.SignedIntent,
+		GatewayURL:        s.GatewayURL(),
+		GatewayServerName: "localhost",
+	}, joinservice.Deps{DB: db, Logger: log("joinservice")})
+	if err != nil {
+		return err
+	}
+	joinLn, joinPort, err := listen(o.Host, kept.Join)
+	if err != nil {
+		return err
+	}
+	used.Join = joinPort
+	s.JoinURL = "http://" + net.JoinHostPort(host, fmt.Sprint(joinPort))
+	g.Go(func() error { return join.Serve(gctx, joinLn) })
+	if err := s.keepPorts(used); err != nil {
+		return err
+	}
+
+	// api, after joinservice and the gateways, whose URLs its well-known
+	// document publishes.
+	apiLn := o.APIListener
+	if apiLn == nil {
+		if apiLn, _, err = listen(o.Host, 0); err != nil {
+			return err
+		}
+	}
+	s.APIURL = "http://" + net.JoinHostPort(host, fmt.Sprint(apiLn.Addr().(*net.TCPAddr).Port))
+	apiNC, err := connect("api")
+	if err != nil {
+		apiLn.Close()
+		return err
+	}
+	apiSrv, err := api.New(api.Config{SignedIntent: o.SignedIntent, WellKnown: api.WellKnownConfig{
+		PKIDir: s.PKIDir, PublicURL: s.APIURL, JoinURL: s.JoinURL, GatewayURL: s.GatewayURL(), GatewayServerName: "localhost",
+	}}, api.Deps{DB: db, Logger: log("api"), NC: apiNC, Clock: o.Clock})
+	if err != nil {
+		apiLn.Close()
+		return err
+	}
+	g.Go(func() error { return apiSrv.Serve(gctx, apiLn) })
+
+	if !o.NoControllers {
+		nc, err := connect("controllers")
+		if err != nil {
+			return err
+		}
+		ctrl, err := controllers.New(controllers.Config{
+			NoHealthServer:    true,
+			ReconcileInterval: o.ReconcileInterval,
+			Holder:            "dev-controllers",
+			SignedIntent:      o.SignedIntent,
+			PKIDir:            s.PKIDir,
+		}, controllers.Deps{DB: db, NC: nc, Logger: log("controllers"), Clock: o.Clock})
+		if err != nil {
+			return err
+		}
+		s.Controllers = ctrl
+		g.Go(func() error { return ctrl.Run(gctx) })
+	}
+
+	if o.NoScheduler {
+		return nil
+	}
+	nc, err := connect("scheduler")
+	if err != nil {
+		return err
+	}
+	sched, err := scheduler.New(scheduler.Config{NoHealthServer: true, Holder: "dev-scheduler",
+		SignedIntent: o.SignedIntent, PKIDir: s.PKIDir},
+		scheduler.Deps{DB: db, NC: nc, Logger: log("scheduler"), Clock: o.Clock})
+	if err != nil {
+		return err
+	}
+	s.Scheduler = sched
+	g.Go(func() error { return sched.Run(gctx) })
+	return nil
+}
+
+// GatewayURL is where joining machines are sent: the gateways' URLs
+// separated by commas (Options.ExternalGatewayURL when set).
+func (s *Stack) GatewayURL() string {
+	if s.opts.ExternalGatewayURL != "" {
+		return s.opts.ExternalGatewayURL
+	}
+	return strings.Join(s.GatewayURLs, ",")
+}
+
+// Done is closed when the stack stops: Close was called, Start's context
+// ended, or a service (or the embedded PostgreSQL server) stopped on its
+// own; Err then says why.
+func (s *Stack) Done() <-chan struct{} { return s.done }
+
+// Err returns nil while the stack runs; after Done, the error a service
+// stopped with (nil when it was closed or its context ended).
+func (s *Stack) Err() error {
+	select {
+	case <-s.done:
+	default:
+		return nil
+	}
+	err := s.group.Wait()
+	if errors.Is(err, context.Canceled) {
+		return nil
+	}
+	return err
+}
+
+// DataDir is the directory the stack keeps its state in (Options.DataDir,
+// or the throwaway directory Close removes).
+func (s *Stack) DataDir() string { return s.dataDir }
+
+// BootstrapOptions say what Bootstrap creates; zero values take
+// compose's defaults (pool accepting 8x H100, a join token of 1,000 uses).
+type BootstrapOptions struct {
+	GPUModel    string
+	ExpectGPUs  int32
+	JoinMaxUses int32
+	// Dir receives the join-token and root.env files (default: a new
+	// directory in DataDir).
+	Dir string
+}
+
+// Bootstrap creates (or reuses) the root tenant and token, site dev-1, a
+// metal-host pool and a join token, as compose's one-shot does.
+func (s *Stack) Bootstrap(ctx context.Context, bo BootstrapOptions) (bootstrap.Result, error) {
+	o := bootstrap.Defaults()
+	if bo.GPUModel != "" {
+		o.GPUModel = bo.GPUModel
+	}
+	if bo.ExpectGPUs != 0 {
+		o.ExpectGPUs = bo.ExpectGPUs
+	}
+	if bo.JoinMaxUses != 0 {
+		o.JoinMaxUses = bo.JoinMaxUses
+	}
+	dir := bo.Dir
+	if dir == "" {
+		var err error
+		if dir, err = os.MkdirTemp(s.dataDir, "bootstrap-"); err != nil {
+			return bootstrap.Result{}, err
+		}
+	}
+	o.JoinTokenFile = filepath.Join(dir, "join-token")
+	o.EnvFile = filepath.Join(dir, "root.env")
+	return bootstrap.Run(ctx, s.DB, o)
+}
+
+// Close stops the simulated machines, then every service (releasing their
+// leases), then the embedded servers, and removes a throwaway DataDir. It
+// returns the first error a service stopped with. Calling it again does
+// nothing.
+func (s *Stack) Close() error {
+	s.once.Do(func() {
+		s.fleet.stop()
+		s.cancel()
+		if s.group != nil {
+			s.err = s.group.Wait()
+			if errors.Is(s.err, context.Canceled) {
+				s.err = nil
+			}
+		}
+		for _, nc := range s.nc {
+			nc.Close()
+		}
+		if s.DB != nil {
+			s.DB.Close()
+		}
+		if s.Postgres != nil {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			if err := s.Postgres.Stop(ctx); err != nil && s.err == nil {
+				s.err = err
+			}
+			cancel()
+		}
+		if s.nats != nil {
+			s.nats.Shutdown()
+			s.nats.WaitForShutdown()
+		}
+		if s.tmpDir != "" {
+			if err := os.RemoveAll(s.tmpDir); err != nil && s.err == nil {
+				s.err = err
+			}
+		}
+	})
+	return s.err
+}

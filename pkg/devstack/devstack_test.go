@@ -1,0 +1,189 @@
+package devstack_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"syscall"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/better-compute/better-compute/pkg/devstack"
+	"github.com/better-compute/better-compute/pkg/fakehw"
+	"github.com/better-compute/better-compute/pkg/store"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m,
+		// http.DefaultClient's idle connections to the stopped servers.
+		goleak.IgnoreAnyFunction("net/http.(*persistConn).readLoop"),
+		goleak.IgnoreAnyFunction("net/http.(*persistConn).writeLoop"),
+		goleak.IgnoreAnyFunction("internal/poll.runtime_pollWait"),
+	)
+}
+
+// start runs a throwaway stack (embedded Postgres in memory, embedded NATS)
+// closed at the end of the test.
+func start(t *testing.T, o devstack.Options) *devstack.Stack {
+	t.Helper()
+	st, err := devstack.Start(t.Context(), o)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, st.Close()) })
+	return st
+}
+
+// The documentation's example: three simulated machines join a pool that
+// expects 8 GPUs and are adopted.
+func ExampleStack() {
+	ctx := context.Background()
+	st, err := devstack.Start(ctx, devstack.Options{}) // embedded Postgres and NATS
+	if err != nil {
+		panic(err)
+	}
+	defer st.Close()
+	pool, err := st.CreatePool(ctx, devstack.PoolOptions{GPUModel: "H100", ExpectGPUs: 8})
+	if err != nil {
+		panic(err)
+	}
+	nodes, err := st.Join(ctx, devstack.JoinOptions{Pool: pool, Count: 3}) // sealed-token Join, then a Session each
+	if err != nil {
+		panic(err)
+	}
+	if _, err := st.WaitFor(ctx, nodes, devstack.WaitOptions{}); err != nil { // adopted, NodeSpec generation ≥ 1 applied
+		panic(err)
+	}
+	fmt.Println(len(st.Daemons()), "daemons adopted")
+	// Output: 3 daemons adopted
+}
+
+// TestAdoptsThreeSimulatedMachines is the example with what it implies
+// checked: the nodes are the machines', adopted with 8 H100s each, their
+// NodeSpec applied, on the stack's gateway.
+func TestAdoptsThreeSimulatedMachines(t *testing.T) {
+	t.Parallel()
+	st := start(t, devstack.Options{})
+	ctx := t.Context()
+	pool, err := st.CreatePool(ctx, devstack.PoolOptions{GPUModel: "H100", ExpectGPUs: 8})
+	require.NoError(t, err)
+	nodes, err := st.Join(ctx, devstack.JoinOptions{Pool: pool, Count: 3})
+	require.NoError(t, err)
+	require.Len(t, nodes, 3)
+	statuses, err := st.WaitFor(ctx, nodes, devstack.WaitOptions{})
+	require.NoError(t, err)
+	for i, s := range statuses {
+		require.Equal(t, nodes[i], s.ID)
+		require.Equal(t, store.NodeAdopted, s.ProvisionState)
+		require.GreaterOrEqual(t, s.ObservedGeneration, int64(1))
+	}
+	daemons := st.Daemons()
+	require.Len(t, daemons, 3)
+	for i, d := range daemons {
+		require.Equal(t, nodes[i], d.NodeID())
+		require.GreaterOrEqual(t, d.Status().ObservedGeneration, int64(1))
+		require.Equal(t, st.Gateways[0].GatewayID(), d.Status().GatewayID)
+	}
+	var gpus int
+	require.NoError(t, st.DB.Pool.QueryRow(ctx, `SELECT count(*) FROM node_devices d JOIN nodes n ON n.id = d.node_id
+		WHERE n.pool_id = $1 AND d.model LIKE '%H100%'`, pool).Scan(&gpus))
+	require.Equal(t, 24, gpus)
+}
+
+// TestGPUMissingFailsAcceptance: WaitFor adopted fails as soon as a node
+// failed acceptance, naming the reason; waiting for acceptance_failed
+// succeeds.
+func TestGPUMissingFailsAcceptance(t *testing.T) {
+	t.Parallel()
+	st := start(t, devstack.Options{})
+	ctx := t.Context()
+	po, err := devstack.VariantPool(fakehw.VariantHGXH100GPUMissing)
+	require.NoError(t, err)
+	pool, err := st.CreatePool(ctx, po)
+	require.NoError(t, err)
+	nodes, err := st.Join(ctx, devstack.JoinOptions{Pool: pool, Count: 2, Variant: fakehw.VariantHGXH100GPUMissing})
+	require.NoError(t, err)
+	_, err = st.WaitFor(ctx, nodes, devstack.WaitOptions{})
+	require.ErrorContains(t, err, "failed acceptance: expected 8 GPUs, found 7")
+	statuses, err := st.WaitFor(ctx, nodes, devstack.WaitOptions{State: store.NodeAcceptanceFailed})
+	require.NoError(t, err)
+	for _, s := range statuses {
+		require.Equal(t, "expected 8 GPUs, found 7", s.ProvisionReason)
+	}
+}
+
+// TestKeptDataDir: a second stack on the same DataDir has the same root
+// token, pool and nodes; its machines come back without joining again.
+func TestKeptDataDir(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	ctx := t.Context()
+	run := func() (token, pool string, nodes []string, joinTokens int) {
+		st, err := devstack.Start(ctx, devstack.Options{DataDir: dir})
+		require.NoError(t, err)
+		defer func() { require.NoError(t, st.Close()) }()
+		po, err := devstack.VariantPool(fakehw.VariantL40S)
+		require.NoError(t, err)
+		pool, err = st.CreatePool(ctx, po)
+		require.NoError(t, err)
+		nodes, err = st.Join(ctx, devstack.JoinOptions{Pool: pool, Count: 2, Variant: fakehw.VariantL40S, Seed: "kept"})
+		require.NoError(t, err)
+		_, err = st.WaitFor(ctx, nodes, devstack.WaitOptions{})
+		require.NoError(t, err)
+		require.NoError(t, st.DB.Pool.QueryRow(ctx, `SELECT count(*) FROM join_tokens`).Scan(&joinTokens))
+		return st.RootToken, pool, nodes, joinTokens
+	}
+	token1, pool1, nodes1, tokens1 := run()
+	token2, pool2, nodes2, tokens2 := run()
+	require.Equal(t, token1, token2, "the root token is kept")
+	require.Equal(t, pool1, pool2, "the pool is found by name")
+	require.Equal(t, nodes1, nodes2, "the machines come back as the same nodes")
+	require.Equal(t, 1, tokens1)
+	require.Equal(t, tokens1, tokens2, "no join token is minted for machines that joined before")
+	for _, name := range []string{devstack.DirPostgres, devstack.DirPKI, devstack.FileSecret, devstack.FileRootEnv} {
+		st, err := os.Stat(dir + "/" + name)
+		require.NoError(t, err, name)
+		require.Zero(t, st.Mode().Perm()&0o077, "%s is owner-only", name)
+	}
+}
+
+// TestCloseStopsEverything: after Close the embedded PostgreSQL server is
+// gone and the throwaway directory removed.
+func TestCloseStopsEverything(t *testing.T) {
+	t.Parallel()
+	st, err := devstack.Start(t.Context(), devstack.Options{})
+	require.NoError(t, err)
+	pid, dir := st.Postgres.PID(), st.DataDir()
+	require.NoError(t, syscall.Kill(pid, 0), "the server runs")
+	require.NoError(t, st.Close())
+	require.NoError(t, st.Close(), "a second Close does nothing")
+	require.ErrorIs(t, syscall.Kill(pid, 0), syscall.ESRCH, "the server is gone")
+	_, err = os.Stat(dir)
+	require.ErrorIs(t, err, os.ErrNotExist)
+	_, err = st.Join(t.Context(), devstack.JoinOptions{Pool: "pool_x"})
+	require.ErrorContains(t, err, "closed")
+}
+
+// TestBadInput: Join and CreatePool refuse what cannot work, saying why.
+func TestBadInput(t *testing.T) {
+	t.Parallel()
+	st := start(t, devstack.Options{})
+	ctx := t.Context()
+	pool, err := st.CreatePool(ctx, devstack.PoolOptions{Name: "gpus", GPUModel: "H100", ExpectGPUs: 8})
+	require.NoError(t, err)
+	again, err := st.CreatePool(ctx, devstack.PoolOptions{Name: "gpus", GPUModel: "H100", ExpectGPUs: 8})
+	require.NoError(t, err)
+	require.Equal(t, pool, again)
+	_, err = st.CreatePool(ctx, devstack.PoolOptions{Name: "gpus", GPUModel: "L40S", ExpectGPUs: 4})
+	require.ErrorContains(t, err, `accepts GPU model "H100" × 8`)
+	_, err = st.Join(ctx, devstack.JoinOptions{Pool: pool, Count: devstack.MaxJoin + 1})
+	require.ErrorContains(t, err, "count must be from 1 to 10000")
+	_, err = st.Join(ctx, devstack.JoinOptions{})
+	require.ErrorContains(t, err, "a pool is required")
+	_, err = st.Join(ctx, devstack.JoinOptions{Pool: pool, Variant: "tpu"})
+	require.ErrorContains(t, err, `unknown hardware variant "tpu"`)
+	_, err = st.WaitFor(ctx, []string{"node_missing"}, devstack.WaitOptions{})
+	require.ErrorContains(t, err, "node node_missing does not exist")
+	_, err = devstack.VariantPool("tpu")
+	require.ErrorContains(t, err, `unknown hardware variant "tpu"`)
+}
