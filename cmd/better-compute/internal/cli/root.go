@@ -76,6 +76,7 @@ func NewRoot(env Env) *cobra.Command {
 		a.tokensCmd(),
 		a.auditCmd(),
 		a.eventsCmd(),
+		a.devCmd(),
 		a.simCmd(),
 		a.migrateCmd(),
 		a.pkiCmd(),

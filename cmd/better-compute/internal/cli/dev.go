@@ -1,0 +1,503 @@
+package cli
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/better-compute/better-compute/pkg/devstack"
+	"github.com/better-compute/better-compute/pkg/fakehw"
+	"github.com/better-compute/better-compute/pkg/pgembed"
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/telemetry"
+)
+
+// Defaults and bounds of `better-compute dev`.
+const (
+	devDefaultHost = "127.0.0.1"
+	devDefaultPort = 3000
+	// devStateDir is the directory, in the working directory, of dev's
+	// files: the default --data, dev.env and dev-pins.json.
+	devStateDir    = ".better-compute"
+	devDefaultData = devStateDir + "/dev-db"
+	// devMaxSim is the most simulated machines --sim accepts.
+	devMaxSim = 10000
+	// devConfigFile is the configuration dev discovers in the working
+	// directory when neither --config nor BETTER_COMPUTE_CONFIG names one.
+	devConfigFile = "better-compute.env"
+	// devMarker marks a --data directory as dev's own.
+	devMarker = ".better-compute-dev"
+)
+
+// devConfigKeys are the settings a dev configuration file may hold: the
+// variables the services read in compose, with what each means.
+var devConfigKeys = map[string]string{
+	"BETTER_COMPUTE_DATABASE_URL": "the deployment's database (postgres://…); no embedded PostgreSQL is started",
+	"BETTER_COMPUTE_NATS_URL":     "the deployment's NATS server (nats://…); no embedded NATS is started",
+	"BC_PKI_DIR":                  "the deployment's PKI directory (`better-compute pki init`), instead of <data>/pki",
+	"BC_SIGNED_INTENT":            "true (dev's default) or false: sign every command and NodeSpec with the command-signing root",
+}
+
+// devFlags are the flags of `better-compute dev`.
+type devFlags struct {
+	host       string
+	port       int
+	data       string
+	memory     bool
+	config     string
+	sim        int
+	simVariant string
+}
+
+func (a *app) devCmd() *cobra.Command {
+	var f devFlags
+	c := &cobra.Command{
+		Use:   "dev [--memory] [--sim N] [--sim-variant VARIANT]",
+		Short: "Run the whole control plane in one process on this machine, with simulated GPU machines",
+		Long: "dev migrates the database, then serves the API under /api/compute and runs joinservice, a gateway,\n" +
+			"the scheduler and the controllers in this process, the same packages the service binaries run.\n\n" +
+			"Without a configuration (and without BETTER_COMPUTE_DATABASE_URL) it builds its own deployment in --data:\n" +
+			"an embedded PostgreSQL server started from this machine's PostgreSQL binaries (as an unprivileged user\n" +
+			"when run as root), an embedded NATS server, a generated PKI and secret (owner-only), all kept between\n" +
+			"runs; --memory uses a throwaway database instead. A configuration file (--config, BETTER_COMPUTE_CONFIG,\n" +
+			"or ./" + devConfigFile + ") holds KEY=VALUE lines of the services' settings:\n" + devConfigHelp() +
+			"Every run prints the root tenant and a root administrator's token (a development credential) and writes\n" +
+			"BETTER_COMPUTE_URL, _TOKEN and _TENANT to " + devStateDir + "/dev.env (mode 0600) and the deployment's pins to\n" +
+			devStateDir + "/dev-pins.json, so `source " + devStateDir + "/dev.env` makes every other command work.\n\n" +
+			"--sim N creates site dev-1 (region dev-1), a metal-host pool sim-VARIANT whose acceptance fits the\n" +
+			"variant and a join token of N uses, and joins N simulated machines the way real ones join (sealed token,\n" +
+			"pinned keys, mTLS sessions to the gateway). Variants: hgx-h100 (8x H100; pool: H100, 8 GPUs),\n" +
+			"hgx-h100-gpu-missing (one GPU missing: fails acceptance), l40s (4x L40S; pool: L40S, 4 GPUs), cpu (no\n" +
+			"GPUs; no model or count check). Machines from outside join too: `fakedaemon --server <URL> --pins-file\n" +
+			devStateDir + "/dev-pins.json`.\n\n" +
+			"SIGINT or SIGTERM stops the machines, the services (releasing their leases) and the embedded servers.",
+		Args: cobra.NoArgs,
+	}
+	fl := c.Flags()
+	fl.StringVar(&f.host, "host", devDefaultHost, "the address to listen on")
+	fl.IntVar(&f.port, "port", devDefaultPort, "the API's port; 0 picks a free one (env PORT)")
+	fl.StringVar(&f.data, "data", devDefaultData, "where the database, PKI and simulated machines are kept, when there is no configuration")
+	fl.BoolVar(&f.memory, "memory", false, "a throwaway database (and PKI), removed at exit")
+	fl.StringVar(&f.config, "config", "", "the configuration file (env BETTER_COMPUTE_CONFIG; default ./"+devConfigFile+" when it exists)")
+	fl.IntVar(&f.sim, "sim", 0, fmt.Sprintf("join N simulated machines, 0 to %d", devMaxSim))
+	fl.StringVar(&f.simVariant, "sim-variant", fakehw.VariantHGXH100, "hardware of the simulated machines: "+strings.Join(fakehw.Variants(), ", "))
+	_ = c.RegisterFlagCompletionFunc("sim-variant", func(*cobra.Command, []string, string) ([]string, cobra.ShellCompDirective) {
+		return fakehw.Variants(), cobra.ShellCompDirectiveNoFileComp
+	})
+	c.RunE = func(cmd *cobra.Command, _ []string) error {
+		if !cmd.Flags().Changed("port") {
+			if v := a.env.Getenv("PORT"); v != "" {
+				p, err := strconv.Atoi(v)
+				if err != nil {
+					return fmt.Errorf("PORT: %q is not a port number", v)
+				}
+				f.port = p
+			}
+		}
+		if f.memory && cmd.Flags().Changed("data") {
+			return errors.New("--memory and --data cannot be used together: --memory keeps no data")
+		}
+		return a.runDev(cmd.Context(), f)
+	}
+	return c
+}
+
+// devConfigHelp lists the configuration's settings for --help.
+func devConfigHelp() string {
+	keys := make([]string, 0, len(devConfigKeys))
+	for k := range devConfigKeys {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	var b strings.Builder
+	for _, k := range keys {
+		fmt.Fprintf(&b, "  %-28s %s\n", k, devConfigKeys[k])
+	}
+	return b.String() + "The environment overrides the file.\n\n"
+}
+
+// validate checks the flags that need no I/O.
+func (f devFlags) validate() error {
+	if f.port < 0 || f.port > 65535 {
+		return fmt.Errorf("--port: %d is not a port (0 to 65535)", f.port)
+	}
+	if f.sim < 0 || f.sim > devMaxSim {
+		return fmt.Errorf("--sim: %d is out of range (0 to %d)", f.sim, devMaxSim)
+	}
+	if !slices.Contains(fakehw.Variants(), f.simVariant) {
+		return fmt.Errorf("--sim-variant: unknown variant %q (want %s)", f.simVariant, strings.Join(fakehw.Variants(), ", "))
+	}
+	if strings.TrimSpace(f.host) == "" {
+		return errors.New("--host: must not be empty")
+	}
+	if !f.memory && strings.TrimSpace(f.data) == "" {
+		return errors.New("--data: must not be empty")
+	}
+	return nil
+}
+
+// devConfig is dev's deployment settings: the configuration file's, with
+// the environment over them.
+type devConfig struct {
+	databaseURL, natsURL, pkiDir string
+	signedIntent                 bool
+}
+
+// loadDevConfig reads the configuration file (--config, else
+// BETTER_COMPUTE_CONFIG, else ./better-compute.env when it exists) and the
+// environment.
+func (a *app) loadDevConfig(flag string) (devConfig, error) {
+	cfg := devConfig{signedIntent: true}
+	path, name := flag, "--config"
+	if path == "" {
+		path, name = a.env.Getenv("BETTER_COMPUTE_CONFIG"), "BETTER_COMPUTE_CONFIG"
+	}
+	vals := map[string]string{}
+	if path == "" {
+		if _, err := os.Stat(devConfigFile); err == nil {
+			path, name = devConfigFile, devConfigFile
+		}
+	}
+	if path != "" {
+		var err error
+		if vals, err = parseDevConfig(path); err != nil {
+			return cfg, fmt.Errorf("%s: %w", name, err)
+		}
+	}
+	for k := range devConfigKeys {
+		if v := a.env.Getenv(k); v != "" {
+			vals[k] = v
+		}
+	}
+	cfg.databaseURL = vals["BETTER_COMPUTE_DATABASE_URL"]
+	cfg.natsURL = vals["BETTER_COMPUTE_NATS_URL"]
+	cfg.pkiDir = vals["BC_PKI_DIR"]
+	if v, ok := vals["BC_SIGNED_INTENT"]; ok {
+		b, err := strconv.ParseBool(v)
+		if err != nil {
+			return cfg, fmt.Errorf("BC_SIGNED_INTENT: want true or false, got %q", v)
+		}
+		cfg.signedIntent = b
+	}
+	return cfg, nil
+}
+
+// parseDevConfig reads KEY=VALUE lines (an optional "export ", blank lines
+// and # comments, values optionally quoted) of the keys in devConfigKeys.
+func parseDevConfig(path string) (map[string]string, error) {
+	file, err := os.Open(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("%s does not exist", path)
+	}
+	if err != nil {
+		return nil, err
+	}
+	defer file.Close()
+	vals := map[string]string{}
+	sc := bufio.NewScanner(file)
+	for n := 1; sc.Scan(); n++ {
+		line := strings.TrimSpace(sc.Text())
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		k, v, ok := strings.Cut(strings.TrimPrefix(line, "export "), "=")
+		k = strings.TrimSpace(k)
+		if !ok || k == "" {
+			return nil, fmt.Errorf("%s:%d: want KEY=VALUE, got %q", path, n, line)
+		}
+		if _, known := devConfigKeys[k]; !known {
+			return nil, fmt.Errorf("%s:%d: unknown setting %s (known: BETTER_COMPUTE_DATABASE_URL, BETTER_COMPUTE_NATS_URL, BC_PKI_DIR, BC_SIGNED_INTENT)", path, n, k)
+		}
+		v = strings.TrimSpace(v)
+		if len(v) >= 2 && (v[0] == '"' || v[0] == '\'') && v[len(v)-1] == v[0] {
+			v = v[1 : len(v)-1]
+		}
+		vals[k] = v
+	}
+	if err := sc.Err(); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return vals, nil
+}
+
+// devData prepares --data: it must be a directory dev can write that is
+// empty, missing or dev's own. It reports whether it created the directory
+// (so a failed start removes it).
+func devData(dir string) (created bool, err error) {
+	st, err := os.Stat(dir)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
+			return false, fmt.Errorf("--data: cannot create %s: %w", dir, err)
+		}
+		if err := os.Mkdir(dir, 0o700); err != nil {
+			return false, fmt.Errorf("--data: cannot create %s: %w", dir, err)
+		}
+		created = true
+	case err != nil:
+		return false, fmt.Errorf("--data: %w", err)
+	case !st.IsDir():
+		return false, fmt.Errorf("--data: %s is not a directory", dir)
+	default:
+		entries, err := os.ReadDir(dir)
+		if err != nil {
+			return false, fmt.Errorf("--data: cannot read %s: %w", dir, err)
+		}
+		if _, err := os.Stat(filepath.Join(dir, devMarker)); len(entries) > 0 && err != nil {
+			return false, fmt.Errorf("--data: %s holds files that are not a better-compute dev database", dir)
+		}
+	}
+	probe, err := os.CreateTemp(dir, ".write-test-")
+	if err != nil {
+		if created {
+			_ = os.Remove(dir)
+		}
+		return false, fmt.Errorf("--data: %s is not writable: %w", dir, errors.Unwrap(err))
+	}
+	probe.Close()
+	_ = os.Remove(probe.Name())
+	if err := os.WriteFile(filepath.Join(dir, devMarker), []byte("better-compute dev data directory\n"), 0o600); err != nil {
+		if created {
+			_ = os.RemoveAll(dir)
+		}
+		return false, fmt.Errorf("--data: %w", err)
+	}
+	return created, nil
+}
+
+// runDev is `better-compute dev`.
+func (a *app) runDev(ctx context.Context, f devFlags) (err error) {
+	if err := f.validate(); err != nil {
+		return err
+	}
+	cfg, err := a.loadDevConfig(f.config)
+	if err != nil {
+		return err
+	}
+	if f.memory {
+		cfg.databaseURL = "" // --memory: a throwaway embedded database, whatever the configuration says
+	}
+	var binDir string
+	if cfg.databaseURL == "" {
+		if binDir, err = pgembed.FindBinDir(a.env.Getenv); err != nil {
+			return err
+		}
+	}
+	ln, err := net.Listen("tcp", net.JoinHostPort(f.host, strconv.Itoa(f.port)))
+	if err != nil {
+		if errors.Is(err, syscall.EADDRINUSE) {
+			return fmt.Errorf("--port: %s is already in use (--port 0 picks a free port)", net.JoinHostPort(f.host, strconv.Itoa(f.port)))
+		}
+		return fmt.Errorf("--host: cannot listen on %s: %w", net.JoinHostPort(f.host, strconv.Itoa(f.port)), err)
+	}
+	createdState, err := mkdirOwned(devStateDir)
+	if err != nil {
+		ln.Close()
+		return fmt.Errorf("%s: %w", devStateDir, err)
+	}
+	var dataDir string
+	var createdData bool
+	if !f.memory {
+		dataDir = f.data
+		if createdData, err = devData(dataDir); err != nil {
+			ln.Close()
+			removeIfEmpty(createdState, devStateDir)
+			return err
+		}
+	}
+	logger := devLogger(a.env)
+	st, err := devstack.Start(ctx, devstack.Options{
+		DataDir:        dataDir,
+		DatabaseURL:    cfg.databaseURL,
+		PostgresBinDir: binDir,
+		NATSURL:        cfg.natsURL,
+		PKIDir:         cfg.pkiDir,
+		APIListener:    ln,
+		Host:           f.host,
+		Logger:         logger,
+		MachineLogger:  logger.With("service", "fakedaemon"),
+		SignedIntent:   cfg.signedIntent,
+		// A laptop's reconcilers look often: adoption in well under a second.
+		ReconcileInterval: 250 * time.Millisecond,
+	})
+	if err != nil {
+		if createdData {
+			_ = os.RemoveAll(dataDir)
+		}
+		removeIfEmpty(createdState, devStateDir)
+		return devStartError(dataDir, err)
+	}
+	defer func() {
+		if cerr := st.Close(); cerr != nil && err == nil {
+			err = fmt.Errorf("stopping: %w", cerr)
+		}
+	}()
+	w := a.env.Stderr
+	fmt.Fprintf(w, "better-compute listening on %s/api/compute\n", st.APIURL)
+	fmt.Fprintf(w, "Gateway (mTLS, loopback): %s\n", st.GatewayURL())
+	fmt.Fprintf(w, "Root tenant %s; root token (dev only): %s\n", st.TenantID, st.RootToken)
+	if err := writeDevFiles(st); err != nil {
+		return err
+	}
+	fmt.Fprintf(w, "CLI environment: source %s\n", filepath.Join(devStateDir, "dev.env"))
+	if f.sim > 0 {
+		if err := a.devSim(ctx, st, f); err != nil {
+			if ctx.Err() != nil {
+				return nil // stopped while the machines joined
+			}
+			return err
+		}
+	}
+	select {
+	case <-ctx.Done():
+	case <-st.Done():
+	}
+	if ctx.Err() != nil {
+		fmt.Fprintln(w, "stopping")
+		return nil
+	}
+	return fmt.Errorf("the control plane stopped: %w", st.Err())
+}
+
+// devSim joins --sim machines and reports their acceptance.
+func (a *app) devSim(ctx context.Context, st *devstack.Stack, f devFlags) error {
+	w := a.env.Stderr
+	po, err := devstack.VariantPool(f.simVariant)
+	if err != nil {
+		return err
+	}
+	pool, err := st.CreatePool(ctx, po)
+	if err != nil {
+		return err
+	}
+	nodes, err := st.Join(ctx, devstack.JoinOptions{Pool: pool, Count: f.sim, Variant: f.simVariant})
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(w, "Joined %d simulated %s node(s) into %s\n", len(nodes), f.simVariant, pool)
+	want := store.NodeAdopted
+	if f.simVariant == fakehw.VariantHGXH100GPUMissing {
+		want = store.NodeAcceptanceFailed
+	}
+	// Acceptance runs diag.nvml on every machine: allow for a large fleet
+	// on a small laptop.
+	timeout := max(time.Minute, time.Duration(f.sim)*100*time.Millisecond)
+	statuses, err := st.WaitFor(ctx, nodes, devstack.WaitOptions{State: want, Timeout: timeout})
+	if err != nil {
+		if ctx.Err() != nil {
+			return err
+		}
+		// The control plane keeps running: say what is wrong and go on.
+		fmt.Fprintf(w, "warning: %v\n", err)
+		return nil
+	}
+	if want == store.NodeAdopted {
+		fmt.Fprintf(w, "%d simulated node(s) adopted\n", len(nodes))
+		return nil
+	}
+	reasons := map[string]int{}
+	for _, s := range statuses {
+		reasons[s.ProvisionReason]++
+	}
+	keys := make([]string, 0, len(reasons))
+	for r := range reasons {
+		keys = append(keys, r)
+	}
+	slices.Sort(keys)
+	for _, r := range keys {
+		fmt.Fprintf(w, "%d simulated node(s) failed acceptance: %s\n", reasons[r], r)
+	}
+	return nil
+}
+
+// writeDevFiles writes .better-compute/dev.env (the CLI's environment, 0600)
+// and .better-compute/dev-pins.json (the deployment's pins, for machines
+// joining from outside).
+func writeDevFiles(st *devstack.Stack) error {
+	env := fmt.Sprintf("export BETTER_COMPUTE_URL=%s\nexport BETTER_COMPUTE_TOKEN=%s\nexport BETTER_COMPUTE_TENANT=%s\n",
+		st.APIURL, st.RootToken, st.TenantID)
+	if err := writeFileAtomic(filepath.Join(devStateDir, "dev.env"), []byte(env), 0o600); err != nil {
+		return err
+	}
+	pins, err := json.MarshalIndent(st.Pins, "", "  ")
+	if err != nil {
+		return err
+	}
+	return writeFileAtomic(filepath.Join(devStateDir, "dev-pins.json"), append(pins, '\n'), 0o644)
+}
+
+// writeFileAtomic replaces path with content (mode) through a rename.
+func writeFileAtomic(path string, content []byte, mode os.FileMode) error {
+	tmp, err := os.CreateTemp(filepath.Dir(path), ".tmp-"+filepath.Base(path))
+	if err != nil {
+		return err
+	}
+	defer os.Remove(tmp.Name())
+	if _, err := tmp.Write(content); err != nil {
+		tmp.Close()
+		return err
+	}
+	if err := tmp.Chmod(mode); err != nil {
+		tmp.Close()
+		return err
+	}
+	if err := tmp.Close(); err != nil {
+		return err
+	}
+	return os.Rename(tmp.Name(), path)
+}
+
+// mkdirOwned makes dir with mode 0700 when missing and reports whether it
+// did.
+func mkdirOwned(dir string) (bool, error) {
+	err := os.Mkdir(dir, 0o700)
+	if errors.Is(err, fs.ErrExist) {
+		return false, nil
+	}
+	return err == nil, err
+}
+
+// removeIfEmpty removes dir when this run created it and left it empty.
+func removeIfEmpty(created bool, dir string) {
+	if !created {
+		return
+	}
+	if entries, err := os.ReadDir(dir); err == nil && len(entries) == 0 {
+		_ = os.Remove(dir)
+	}
+}
+
+// devStartError names the flag behind a failed start where one is.
+func devStartError(dataDir string, err error) error {
+	switch {
+	case errors.Is(err, pgembed.ErrNotCluster):
+		return fmt.Errorf("--data: %s holds files that are not a better-compute dev database: %w", dataDir, err)
+	case errors.Is(err, pgembed.ErrInUse):
+		return fmt.Errorf("--data: %w", err)
+	}
+	return err
+}
+
+// devLogger is dev's log: JSON on standard error at BC_LOG_LEVEL, warn by
+// default (the progress lines are what a developer reads).
+func devLogger(env Env) *slog.Logger {
+	level := slog.LevelWarn
+	if v := env.Getenv("BC_LOG_LEVEL"); v != "" {
+		_ = level.UnmarshalText([]byte(v))
+	}
+	return telemetry.NewLoggerAt(env.Stderr, "dev", level)
+}

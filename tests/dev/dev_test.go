@@ -1,0 +1,297 @@
+// Package dev_test drives `better-compute dev` as a user does: the built
+// binary (bin/linux/better-compute, `make build`) as a subprocess in a
+// working directory of its own, then the CLI with the environment dev wrote
+// to .better-compute/dev.env. Run as root (as CI does), the embedded
+// PostgreSQL server runs as an unprivileged user, and these tests check so.
+package dev_test
+
+import (
+	"context"
+	"encoding/json"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/tests/internal/devproc"
+	"github.com/better-compute/better-compute/tests/internal/procs"
+)
+
+// node is one element of `nodes list -o json`.
+type node struct {
+	ID    string `json:"id"`
+	Pool  string `json:"pool"`
+	State string `json:"state"`
+	GPUs  int    `json:"gpus"`
+	Model string `json:"model"`
+}
+
+func nodes(t *testing.T, d *devproc.Dev) []node {
+	t.Helper()
+	var nodes []node
+	out := d.CLI("nodes", "list", "-o", "json")
+	require.NoError(t, json.Unmarshal([]byte(out), &nodes), out)
+	return nodes
+}
+
+const adoptWithin = 90 * time.Second
+
+// TestDevMemorySim8 is the documentation's laptop walkthrough: dev --memory
+// --sim 8 on a free port, then as the root administrator list the 8
+// adopted nodes, offer the pool, reserve 4 GPUs (active, with CDI names),
+// watch node.* events while cordoning a node, join a machine from outside
+// with the pins dev wrote; SIGTERM stops everything and leaves no process.
+func TestDevMemorySim8(t *testing.T) {
+	t.Parallel()
+	began := devproc.Wall.Now()
+	d := devproc.Start(t, "", nil, "--memory", "--sim", "8", "--port", "0")
+	url := d.WaitLine(`^better-compute listening on (http://127\.0\.0\.1:\d+)/api/compute$`, 30*time.Second)[1]
+	d.WaitLine(`^Gateway \(mTLS, loopback\): https://127\.0\.0\.1:\d+$`, time.Second)
+	root := d.WaitLine(`^Root tenant (ten_\w+); root token \(dev only\): (bct_[\w-]+)$`, time.Second)
+	pool := d.WaitLine(`^Joined 8 simulated hgx-h100 node\(s\) into (pool_\w+)$`, adoptWithin)[1]
+	d.WaitLine(`^8 simulated node\(s\) adopted$`, adoptWithin)
+	t.Logf("dev --memory --sim 8: 8 adopted %s after launch", clock.Since(devproc.Wall, began).Round(time.Millisecond))
+	require.Equal(t, []string{"BETTER_COMPUTE_URL=" + url, "BETTER_COMPUTE_TOKEN=" + root[2], "BETTER_COMPUTE_TENANT=" + root[1]}, d.Env())
+
+	// The embedded PostgreSQL server is dev's child, unprivileged when dev
+	// runs as root.
+	kids := devproc.Children(t, d.PID())
+	require.NotEmpty(t, kids, "the embedded PostgreSQL server runs")
+	for _, pid := range kids {
+		if os.Geteuid() == 0 {
+			require.NotZero(t, devproc.UID(t, pid), "postgres (pid %d) runs as an unprivileged user", pid)
+		} else {
+			require.Equal(t, os.Geteuid(), devproc.UID(t, pid))
+		}
+	}
+
+	all := nodes(t, d)
+	require.Len(t, all, 8)
+	for _, n := range all {
+		require.Equal(t, "adopted", n.State)
+		require.Equal(t, pool, n.Pool)
+		require.Equal(t, 8, n.GPUs)
+		require.Contains(t, n.Model, "H100")
+	}
+
+	d.CLI("pools", "offer", pool, "--to", root[1], "--quota", "gpu=64")
+	out := d.CLI("reserve", "--pool", pool, "--gpus", "4", "--for", "1h", "--wait", "--timeout", "60s")
+	var r struct {
+		State   string   `json:"state"`
+		NodeID  string   `json:"nodeId"`
+		Binding []string `json:"binding"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(out), &r), out)
+	require.Equal(t, "active", r.State, out)
+	require.Len(t, r.Binding, 4, out)
+	for _, name := range r.Binding {
+		require.Regexp(t, `^nvidia\.com/gpu=[0-7]$`, name)
+	}
+
+	watchCordon(t, d, all[0].ID)
+	outsideMachine(t, d, url, pool)
+
+	pg := devproc.Descendants(t, d.PID())
+	require.NotEmpty(t, pg)
+	require.Equal(t, 0, d.Stop(syscall.SIGTERM), d.Stderr())
+	devproc.RequireGone(t, pg)
+	_, err := os.Stat(filepath.Join(d.Dir, ".better-compute", "dev-db"))
+	require.ErrorIs(t, err, os.ErrNotExist, "--memory keeps no data")
+}
+
+// watchCordon runs `events watch --types node.*`, cordons nodeID from
+// another process and waits for the watch to print node.cordoned.
+func watchCordon(t *testing.T, d *devproc.Dev, nodeID string) {
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	watch := exec.CommandContext(ctx, procs.Binary(t, "better-compute"), "events", "watch", "--types", "node.*")
+	watch.Env = append(os.Environ(), d.Env()...)
+	out, err := watch.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, watch.Start())
+	defer func() { cancel(); _ = watch.Wait() }()
+	type event struct {
+		Type      string `json:"type"`
+		SubjectID string `json:"subjectId"`
+	}
+	events := make(chan event, 64)
+	go func() {
+		defer close(events)
+		dec := json.NewDecoder(out)
+		for {
+			var e event
+			if dec.Decode(&e) != nil {
+				return
+			}
+			events <- e
+		}
+	}()
+	// The watch starts from now: let it subscribe first, as a person
+	// switching terminals would.
+	require.NoError(t, clock.Sleep(ctx, devproc.Wall, time.Second))
+	began := devproc.Wall.Now()
+	d.CLI("nodes", "cordon", nodeID, "--reason", "demo")
+	timer := devproc.Wall.NewTimer(10 * time.Second)
+	defer timer.Stop()
+	for {
+		select {
+		case e, ok := <-events:
+			require.True(t, ok, "events watch ended")
+			if e.Type == "node.cordoned" && e.SubjectID == nodeID {
+				t.Logf("events watch printed node.cordoned %s after the cordon (target: 1 s)", clock.Since(devproc.Wall, began).Round(time.Millisecond))
+				return
+			}
+		case <-timer.C():
+			t.Fatalf("events watch printed no node.cordoned for %s", nodeID)
+		}
+	}
+}
+
+// outsideMachine joins one fakedaemon process with --server and the pins
+// dev wrote to .better-compute/dev-pins.json, and waits for its adoption.
+func outsideMachine(t *testing.T, d *devproc.Dev, url, pool string) {
+	secret := strings.TrimSpace(d.CLI("join-tokens", "create", "--pool", pool, "--max-uses", "1"))
+	require.True(t, strings.HasPrefix(secret, "bcjt_"), secret)
+	procs.Launch(t, "fakedaemon", []string{"--server", url, "--pins-file", filepath.Join(d.Dir, ".better-compute", "dev-pins.json"),
+		"--data-dir", t.TempDir(), "--health-listen", procs.FreeAddr(t)}, "BC_JOIN_TOKEN="+secret)
+	require.Eventually(t, func() bool {
+		adopted := 0
+		for _, n := range nodes(t, d) {
+			if n.State == "adopted" {
+				adopted++
+			}
+		}
+		return adopted == 9
+	}, adoptWithin, 200*time.Millisecond, "the outside machine is adopted too")
+}
+
+// TestDevVariants: each --sim-variant gets the pool that fits it; the GPU
+// missing variant fails acceptance with the reason.
+func TestDevVariants(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct{ variant, line string }{
+		{"l40s", `^2 simulated node\(s\) adopted$`},
+		{"cpu", `^2 simulated node\(s\) adopted$`},
+		{"hgx-h100-gpu-missing", `^2 simulated node\(s\) failed acceptance: expected 8 GPUs, found 7$`},
+	} {
+		t.Run(c.variant, func(t *testing.T) {
+			t.Parallel()
+			d := devproc.Start(t, "", nil, "--memory", "--sim", "2", "--sim-variant", c.variant, "--port", "0")
+			d.WaitLine(`^Joined 2 simulated `+regexp.QuoteMeta(c.variant)+` node\(s\) into pool_\w+$`, adoptWithin)
+			d.WaitLine(c.line, adoptWithin)
+			require.Equal(t, 0, d.Stop(syscall.SIGINT), d.Stderr())
+		})
+	}
+}
+
+// TestDevKeptData: two runs on one --data keep the same root token, pool
+// and nodes; the second finds its machines without a new join.
+func TestDevKeptData(t *testing.T) {
+	t.Parallel()
+	dir := devproc.WorkDir(t)
+	data := filepath.Join(dir, "kept")
+	run := func() (token string, ids []string) {
+		d := devproc.Start(t, dir, nil, "--data", data, "--sim", "2", "--port", "0")
+		token = d.WaitLine(`^Root tenant ten_\w+; root token \(dev only\): (bct_[\w-]+)$`, 30*time.Second)[1]
+		d.WaitLine(`^2 simulated node\(s\) adopted$`, adoptWithin)
+		for _, n := range nodes(t, d) {
+			ids = append(ids, n.ID)
+		}
+		require.Equal(t, 0, d.Stop(syscall.SIGTERM), d.Stderr())
+		return token, ids
+	}
+	token1, nodes1 := run()
+	began := devproc.Wall.Now()
+	token2, nodes2 := run()
+	t.Logf("second run on kept data: stopped %s after launch", clock.Since(devproc.Wall, began).Round(time.Millisecond))
+	require.Equal(t, token1, token2)
+	require.Len(t, nodes1, 2)
+	require.ElementsMatch(t, nodes1, nodes2)
+	st, err := os.Stat(data)
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o700), st.Mode().Perm())
+}
+
+// TestDevBadInput: each bad flag, environment or directory exits non-zero
+// with one line naming it, and leaves no directory and no process.
+func TestDevBadInput(t *testing.T) {
+	t.Parallel()
+	busy, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { busy.Close() }) // after the parallel subtests
+	busyPort := strconv.Itoa(busy.Addr().(*net.TCPAddr).Port)
+	for _, c := range []struct {
+		name  string
+		args  []string
+		env   []string
+		setup func(t *testing.T, dir string)
+		want  string
+	}{
+		{name: "negative sim", args: []string{"--sim", "-1"}, want: "--sim: -1 is out of range (0 to 10000)"},
+		{name: "too many sim", args: []string{"--sim", "10001"}, want: "--sim: 10001 is out of range (0 to 10000)"},
+		{name: "unknown variant", args: []string{"--sim-variant", "tpu"}, want: `--sim-variant: unknown variant "tpu"`},
+		{name: "memory and data", args: []string{"--memory", "--data", "x"}, want: "--memory and --data cannot be used together"},
+		{name: "port out of range", args: []string{"--port", "70000"}, want: "--port: 70000 is not a port (0 to 65535)"},
+		{name: "port in use", args: []string{"--port", busyPort}, want: "--port: 127.0.0.1:" + busyPort + " is already in use"},
+		{name: "PORT not a number", env: []string{"PORT=http"}, want: `PORT: "http" is not a port number`},
+		{name: "missing config", args: []string{"--config", "nope.env"}, want: "--config: nope.env does not exist"},
+		{name: "config does not parse", args: []string{"--config", "bad.env"}, want: "--config: bad.env:2: want KEY=VALUE",
+			setup: func(t *testing.T, dir string) {
+				require.NoError(t, os.WriteFile(filepath.Join(dir, "bad.env"), []byte("# dev\nnot a setting\n"), 0o600))
+			}},
+		{name: "config unknown setting", env: []string{"BETTER_COMPUTE_CONFIG=odd.env"}, want: "BETTER_COMPUTE_CONFIG: odd.env:1: unknown setting BC_FOO",
+			setup: func(t *testing.T, dir string) {
+				require.NoError(t, os.WriteFile(filepath.Join(dir, "odd.env"), []byte("BC_FOO=1\n"), 0o600))
+			}},
+		{name: "data not creatable", args: []string{"--data", "/proc/better-compute-dev"}, want: "--data: cannot create /proc/better-compute-dev"},
+		{name: "data is a file", args: []string{"--data", "file"}, want: "--data: file is not a directory",
+			setup: func(t *testing.T, dir string) {
+				require.NoError(t, os.WriteFile(filepath.Join(dir, "file"), nil, 0o600))
+			}},
+		{name: "data holds something else", args: []string{"--data", "photos"}, want: "--data: photos holds files that are not a better-compute dev database",
+			setup: func(t *testing.T, dir string) {
+				require.NoError(t, os.Mkdir(filepath.Join(dir, "photos"), 0o700))
+				require.NoError(t, os.WriteFile(filepath.Join(dir, "photos", "cat.jpg"), []byte("meow"), 0o600))
+			}},
+		{name: "no postgres binaries", env: []string{"BETTER_COMPUTE_POSTGRES_BIN=/nonexistent"}, want: "BETTER_COMPUTE_POSTGRES_BIN"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			dir := devproc.WorkDir(t)
+			if c.setup != nil {
+				c.setup(t, dir)
+			}
+			before := listing(t, dir)
+			args := c.args
+			if len(c.env) == 0 || !strings.HasPrefix(c.env[0], "PORT=") {
+				args = append([]string{"--port", "0"}, args...) // no clash with whatever holds 3000
+			}
+			d := devproc.Start(t, dir, c.env, args...)
+			require.Equal(t, 1, d.Wait(time.Minute), d.Stderr())
+			lines := strings.Split(strings.TrimSpace(d.Stderr()), "\n")
+			require.Len(t, lines, 1, "one line: %q", d.Stderr())
+			require.Contains(t, lines[0], c.want)
+			require.Equal(t, before, listing(t, dir), "nothing left behind")
+		})
+	}
+}
+
+// listing returns the paths under dir.
+func listing(t *testing.T, dir string) []string {
+	t.Helper()
+	var out []string
+	require.NoError(t, filepath.WalkDir(dir, func(path string, _ os.DirEntry, err error) error {
+		out = append(out, path)
+		return err
+	}))
+	return out
+}
