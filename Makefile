@@ -70,6 +70,11 @@ up: images ## Build what is missing, start the stack with FLEET (8) fakedaemons,
 	$(COMPOSE) up -d --scale fakedaemon=$(FLEET)
 	scripts/wait-fleet.sh $(FLEET)
 
+SIM ?= 8
+.PHONY: dev
+dev: ## Run the control plane in one process with SIM (8) simulated machines and a throwaway database (no Docker).
+	$(GO) run ./cmd/better-compute dev --memory --sim $(SIM)
+
 .PHONY: down
 down: ## Stop the stack and delete its volumes.
 	$(COMPOSE) down -v --remove-orphans

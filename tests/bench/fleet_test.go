@@ -23,8 +23,8 @@ import (
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
-	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"

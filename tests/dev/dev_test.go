@@ -19,12 +19,20 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/tests/internal/containers"
 	"github.com/better-compute/better-compute/tests/internal/devproc"
 	"github.com/better-compute/better-compute/tests/internal/procs"
 )
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	containers.Stop()
+	os.Exit(code)
+}
 
 // node is one element of `nodes list -o json`.
 type node struct {
@@ -60,7 +68,8 @@ func TestDevMemorySim8(t *testing.T) {
 	pool := d.WaitLine(`^Joined 8 simulated hgx-h100 node\(s\) into (pool_\w+)$`, adoptWithin)[1]
 	d.WaitLine(`^8 simulated node\(s\) adopted$`, adoptWithin)
 	t.Logf("dev --memory --sim 8: 8 adopted %s after launch", clock.Since(devproc.Wall, began).Round(time.Millisecond))
-	require.Equal(t, []string{"BETTER_COMPUTE_URL=" + url, "BETTER_COMPUTE_TOKEN=" + root[2], "BETTER_COMPUTE_TENANT=" + root[1]}, d.Env())
+	require.Equal(t, []string{"BETTER_COMPUTE_URL=" + url, "BETTER_COMPUTE_TOKEN=" + root[2], "BETTER_COMPUTE_TENANT=" + root[1],
+		"BETTER_COMPUTE_POOL=" + pool}, d.Env())
 
 	// The embedded PostgreSQL server is dev's child, unprivileged when dev
 	// runs as root.
@@ -193,32 +202,78 @@ func TestDevVariants(t *testing.T) {
 	}
 }
 
-// TestDevKeptData: two runs on one --data keep the same root token, pool
-// and nodes; the second finds its machines without a new join.
+// TestDevKeptData: runs on one --data keep the same root token, pool and
+// nodes; a run comes back without a new join, also after the one before it
+// was killed (SIGKILL: its embedded PostgreSQL server left as a crash
+// leaves it).
 func TestDevKeptData(t *testing.T) {
 	t.Parallel()
 	dir := devproc.WorkDir(t)
 	data := filepath.Join(dir, "kept")
-	run := func() (token string, ids []string) {
+	run := func(sig syscall.Signal) (token string, ids []string) {
 		d := devproc.Start(t, dir, nil, "--data", data, "--sim", "2", "--port", "0")
 		token = d.WaitLine(`^Root tenant ten_\w+; root token \(dev only\): (bct_[\w-]+)$`, 30*time.Second)[1]
 		d.WaitLine(`^2 simulated node\(s\) adopted$`, adoptWithin)
 		for _, n := range nodes(t, d) {
 			ids = append(ids, n.ID)
 		}
-		require.Equal(t, 0, d.Stop(syscall.SIGTERM), d.Stderr())
+		pg := devproc.Descendants(t, d.PID())
+		require.NotEmpty(t, pg)
+		code := d.Stop(sig)
+		if sig == syscall.SIGTERM {
+			require.Equal(t, 0, code, d.Stderr())
+		}
+		devproc.RequireGone(t, pg)
 		return token, ids
 	}
-	token1, nodes1 := run()
-	began := devproc.Wall.Now()
-	token2, nodes2 := run()
-	t.Logf("second run on kept data: stopped %s after launch", clock.Since(devproc.Wall, began).Round(time.Millisecond))
-	require.Equal(t, token1, token2)
+	token1, nodes1 := run(syscall.SIGTERM)
+	token2, nodes2 := run(syscall.SIGKILL)
+	token3, nodes3 := run(syscall.SIGTERM)
 	require.Len(t, nodes1, 2)
-	require.ElementsMatch(t, nodes1, nodes2)
+	for _, run := range []struct {
+		token string
+		nodes []string
+	}{{token2, nodes2}, {token3, nodes3}} {
+		require.Equal(t, token1, run.token, "the root token is kept")
+		require.ElementsMatch(t, nodes1, run.nodes, "the machines come back as the same nodes")
+	}
 	st, err := os.Stat(data)
 	require.NoError(t, err)
 	require.Equal(t, os.FileMode(0o700), st.Mode().Perm())
+}
+
+// TestDevExternalDatabase: with a configuration file (or
+// BETTER_COMPUTE_DATABASE_URL) naming a database, dev migrates and uses it
+// and starts no PostgreSQL server of its own.
+func TestDevExternalDatabase(t *testing.T) {
+	t.Parallel()
+	for _, how := range []string{"config", "env"} {
+		t.Run(how, func(t *testing.T) {
+			t.Parallel()
+			url := containers.Postgres(t)
+			dir := devproc.WorkDir(t)
+			var env []string
+			if how == "config" {
+				require.NoError(t, os.WriteFile(filepath.Join(dir, "deploy.env"),
+					[]byte("# the deployment's database\nBETTER_COMPUTE_DATABASE_URL="+url+"\n"), 0o600))
+				env = []string{"BETTER_COMPUTE_CONFIG=deploy.env"}
+			} else {
+				env = []string{"BETTER_COMPUTE_DATABASE_URL=" + url}
+			}
+			d := devproc.Start(t, dir, env, "--sim", "2", "--port", "0")
+			d.WaitLine(`^2 simulated node\(s\) adopted$`, adoptWithin)
+			require.Empty(t, devproc.Descendants(t, d.PID()), "no embedded PostgreSQL server")
+			db, err := pgx.Connect(t.Context(), url)
+			require.NoError(t, err)
+			defer db.Close(context.Background())
+			var adopted int
+			require.NoError(t, db.QueryRow(t.Context(), `SELECT count(*) FROM nodes WHERE provision_state = 'adopted'`).Scan(&adopted))
+			require.Equal(t, 2, adopted, "the nodes are in the configured database")
+			require.Equal(t, 0, d.Stop(syscall.SIGTERM), d.Stderr())
+			_, err = os.Stat(filepath.Join(dir, ".better-compute", "dev-db", "postgres"))
+			require.ErrorIs(t, err, os.ErrNotExist, "no embedded cluster was made")
+		})
+	}
 }
 
 // TestDevBadInput: each bad flag, environment or directory exits non-zero

@@ -76,7 +76,7 @@ func (a *app) devCmd() *cobra.Command {
 			"runs; --memory uses a throwaway database instead. A configuration file (--config, BETTER_COMPUTE_CONFIG,\n" +
 			"or ./" + devConfigFile + ") holds KEY=VALUE lines of the services' settings:\n" + devConfigHelp() +
 			"Every run prints the root tenant and a root administrator's token (a development credential) and writes\n" +
-			"BETTER_COMPUTE_URL, _TOKEN and _TENANT to " + devStateDir + "/dev.env (mode 0600) and the deployment's pins to\n" +
+			"BETTER_COMPUTE_URL, _TOKEN, _TENANT (and with --sim _POOL) to " + devStateDir + "/dev.env (mode 0600) and the deployment's pins to\n" +
 			devStateDir + "/dev-pins.json, so `source " + devStateDir + "/dev.env` makes every other command work.\n\n" +
 			"--sim N creates site dev-1 (region dev-1), a metal-host pool sim-VARIANT whose acceptance fits the\n" +
 			"variant and a join token of N uses, and joins N simulated machines the way real ones join (sealed token,\n" +
@@ -350,7 +350,7 @@ func (a *app) runDev(ctx context.Context, f devFlags) (err error) {
 	fmt.Fprintf(w, "better-compute listening on %s/api/compute\n", st.APIURL)
 	fmt.Fprintf(w, "Gateway (mTLS, loopback): %s\n", st.GatewayURL())
 	fmt.Fprintf(w, "Root tenant %s; root token (dev only): %s\n", st.TenantID, st.RootToken)
-	if err := writeDevFiles(st); err != nil {
+	if err := writeDevFiles(st, ""); err != nil {
 		return err
 	}
 	fmt.Fprintf(w, "CLI environment: source %s\n", filepath.Join(devStateDir, "dev.env"))
@@ -382,6 +382,9 @@ func (a *app) devSim(ctx context.Context, st *devstack.Stack, f devFlags) error 
 	}
 	pool, err := st.CreatePool(ctx, po)
 	if err != nil {
+		return err
+	}
+	if err := writeDevFiles(st, pool); err != nil {
 		return err
 	}
 	nodes, err := st.Join(ctx, devstack.JoinOptions{Pool: pool, Count: f.sim, Variant: f.simVariant})
@@ -424,12 +427,16 @@ func (a *app) devSim(ctx context.Context, st *devstack.Stack, f devFlags) error 
 	return nil
 }
 
-// writeDevFiles writes .better-compute/dev.env (the CLI's environment, 0600)
-// and .better-compute/dev-pins.json (the deployment's pins, for machines
-// joining from outside).
-func writeDevFiles(st *devstack.Stack) error {
+// writeDevFiles writes .better-compute/dev.env (the CLI's environment, 0600;
+// with BETTER_COMPUTE_POOL when pool is set) and
+// .better-compute/dev-pins.json (the deployment's pins, for machines joining
+// from outside).
+func writeDevFiles(st *devstack.Stack, pool string) error {
 	env := fmt.Sprintf("export BETTER_COMPUTE_URL=%s\nexport BETTER_COMPUTE_TOKEN=%s\nexport BETTER_COMPUTE_TENANT=%s\n",
 		st.APIURL, st.RootToken, st.TenantID)
+	if pool != "" {
+		env += "export BETTER_COMPUTE_POOL=" + pool + "\n"
+	}
 	if err := writeFileAtomic(filepath.Join(devStateDir, "dev.env"), []byte(env), 0o600); err != nil {
 		return err
 	}
