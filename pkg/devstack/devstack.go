@@ -188,8 +188,9 @@ type Stack struct {
 }
 
 // Start starts the embedded servers it needs, migrates the database, ensures
-// the PKI and the root tenant, and starts every service. The services stop
-// when ctx ends or Close is called. On error nothing is left running.
+// the PKI and the root tenant, and starts every service. ctx bounds the
+// start only: the stack runs until Close, which stops the machines before
+// the services they talk to. On error nothing is left running.
 func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 	if o.Gateways <= 0 && o.ExternalGatewayURL == "" {
 		o.Gateways = 1
@@ -270,13 +271,6 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 			}
 		})
 	}
-	go func() {
-		select {
-		case <-ctx.Done():
-			cancel()
-		case <-gctx.Done():
-		}
-	}()
 	if err := s.startServices(gctx, g); err != nil {
 		return nil, err
 	}
@@ -542,13 +536,12 @@ func (s *Stack) GatewayURL() string {
 	return strings.Join(s.GatewayURLs, ",")
 }
 
-// Done is closed when the stack stops: Close was called, Start's context
-// ended, or a service (or the embedded PostgreSQL server) stopped on its
-// own; Err then says why.
+// Done is closed when the stack stops: Close was called, or a service (or
+// the embedded PostgreSQL server) stopped on its own; Err then says why.
 func (s *Stack) Done() <-chan struct{} { return s.done }
 
 // Err returns nil while the stack runs; after Done, the error a service
-// stopped with (nil when it was closed or its context ended).
+// stopped with (nil when it was closed).
 func (s *Stack) Err() error {
 	select {
 	case <-s.done:

@@ -80,10 +80,16 @@ func NewLogger(w io.Writer, service string) *slog.Logger {
 }
 
 // NewLoggerAt returns a JSON logger writing records of level and above to
-// w, with the service name and the trace ids of each record's context.
+// w, with the service name (none when service is empty: a process running
+// several services, such as `better-compute dev`, names each with
+// Logger.With) and the trace ids of each record's context.
 func NewLoggerAt(w io.Writer, service string, level slog.Level) *slog.Logger {
 	h := slog.NewJSONHandler(w, &slog.HandlerOptions{Level: level})
-	return slog.New(traceHandler{h}).With("service", service)
+	l := slog.New(traceHandler{h})
+	if service != "" {
+		l = l.With("service", service)
+	}
+	return l
 }
 
 // traceHandler adds trace_id and span_id from the record's context.

@@ -76,8 +76,8 @@ func (a *app) devCmd() *cobra.Command {
 			"runs; --memory uses a throwaway database instead. A configuration file (--config, BETTER_COMPUTE_CONFIG,\n" +
 			"or ./" + devConfigFile + ") holds KEY=VALUE lines of the services' settings:\n" + devConfigHelp() +
 			"Every run prints the root tenant and a root administrator's token (a development credential) and writes\n" +
-			"BETTER_COMPUTE_URL, _TOKEN, _TENANT (and with --sim _POOL) to " + devStateDir + "/dev.env (mode 0600) and the deployment's pins to\n" +
-			devStateDir + "/dev-pins.json, so `source " + devStateDir + "/dev.env` makes every other command work.\n\n" +
+			"BETTER_COMPUTE_URL, _TOKEN, _TENANT (and with --sim _POOL) to " + devStateDir + "/dev.env (mode 0600)\n" +
+			"and the deployment's pins to " + devStateDir + "/dev-pins.json, so `source " + devStateDir + "/dev.env` makes every other command work.\n\n" +
 			"--sim N creates site dev-1 (region dev-1), a metal-host pool sim-VARIANT whose acceptance fits the\n" +
 			"variant and a join token of N uses, and joins N simulated machines the way real ones join (sealed token,\n" +
 			"pinned keys, mTLS sessions to the gateway). Variants: hgx-h100 (8x H100; pool: H100, 8 GPUs),\n" +
@@ -90,7 +90,7 @@ func (a *app) devCmd() *cobra.Command {
 	fl := c.Flags()
 	fl.StringVar(&f.host, "host", devDefaultHost, "the address to listen on")
 	fl.IntVar(&f.port, "port", devDefaultPort, "the API's port; 0 picks a free one (env PORT)")
-	fl.StringVar(&f.data, "data", devDefaultData, "where the database, PKI and simulated machines are kept, when there is no configuration")
+	fl.StringVar(&f.data, "data", devDefaultData, "where the database (unless configured), the PKI, the root token and the simulated machines are kept")
 	fl.BoolVar(&f.memory, "memory", false, "a throwaway database (and PKI), removed at exit")
 	fl.StringVar(&f.config, "config", "", "the configuration file (env BETTER_COMPUTE_CONFIG; default ./"+devConfigFile+" when it exists)")
 	fl.IntVar(&f.sim, "sim", 0, fmt.Sprintf("join N simulated machines, 0 to %d", devMaxSim))
@@ -320,6 +320,8 @@ func (a *app) runDev(ctx context.Context, f devFlags) (err error) {
 		}
 	}
 	logger := devLogger(a.env)
+	// The signal ends the run below, and Close then stops the machines
+	// before the services they talk to; ctx bounds the start only.
 	st, err := devstack.Start(ctx, devstack.Options{
 		DataDir:        dataDir,
 		DatabaseURL:    cfg.databaseURL,
@@ -339,6 +341,9 @@ func (a *app) runDev(ctx context.Context, f devFlags) (err error) {
 			_ = os.RemoveAll(dataDir)
 		}
 		removeIfEmpty(createdState, devStateDir)
+		if ctx.Err() != nil {
+			return nil // interrupted while starting
+		}
 		return devStartError(dataDir, err)
 	}
 	defer func() {
@@ -506,5 +511,5 @@ func devLogger(env Env) *slog.Logger {
 	if v := env.Getenv("BC_LOG_LEVEL"); v != "" {
 		_ = level.UnmarshalText([]byte(v))
 	}
-	return telemetry.NewLoggerAt(env.Stderr, "dev", level)
+	return telemetry.NewLoggerAt(env.Stderr, "", level) // devstack names each service
 }
