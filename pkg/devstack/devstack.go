@@ -176,7 +176,8 @@ type Stack struct {
 
 	opts    Options
 	dataDir string
-	tmpDir  string // the throwaway DataDir, removed by Close
+	tmpDir  string   // the throwaway DataDir, removed by Close
+	tmpLock *os.File // holds tmpDir's lock (tmpdir.go)
 	nats    *server.Server
 	nc      []*nats.Conn
 	cancel  context.CancelFunc
@@ -224,7 +225,7 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 		}
 	}()
 	if s.dataDir == "" {
-		if s.tmpDir, err = os.MkdirTemp("", "bc-devstack-"); err != nil {
+		if s.tmpDir, s.tmpLock, err = makeThrowaway(); err != nil {
 			return nil, err
 		}
 		s.dataDir = s.tmpDir
@@ -630,6 +631,7 @@ func (s *Stack) Close() error {
 			if err := os.RemoveAll(s.tmpDir); err != nil && s.err == nil {
 				s.err = err
 			}
+			s.tmpLock.Close()
 		}
 	})
 	return s.err

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"syscall"
 	"testing"
 
@@ -186,4 +187,29 @@ func TestBadInput(t *testing.T) {
 	require.ErrorContains(t, err, "node node_missing does not exist")
 	_, err = devstack.VariantPool("tpu")
 	require.ErrorContains(t, err, `unknown hardware variant "tpu"`)
+}
+
+// TestThrowawaysOfKilledStacksAreSwept: a throwaway DataDir whose stack
+// died without Close (its lock free) is removed by the next Start; one whose
+// lock is held stays.
+func TestThrowawaysOfKilledStacksAreSwept(t *testing.T) {
+	t.Parallel()
+	mk := func() (string, *os.File) {
+		dir, err := os.MkdirTemp("", "bc-devstack-")
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = os.RemoveAll(dir) })
+		f, err := os.Create(filepath.Join(dir, ".lock"))
+		require.NoError(t, err)
+		t.Cleanup(func() { f.Close() })
+		return dir, f
+	}
+	dead, deadLock := mk()
+	require.NoError(t, deadLock.Close())
+	live, liveLock := mk()
+	require.NoError(t, syscall.Flock(int(liveLock.Fd()), syscall.LOCK_EX|syscall.LOCK_NB))
+	start(t, devstack.Options{})
+	_, err := os.Stat(dead)
+	require.ErrorIs(t, err, os.ErrNotExist, "the dead stack's directory is removed")
+	_, err = os.Stat(live)
+	require.NoError(t, err, "a live stack's directory stays")
 }

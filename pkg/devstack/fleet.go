@@ -214,6 +214,20 @@ func (s *Stack) ensureSite(ctx context.Context, pools computev1connect.PoolServi
 	return res.Msg.GetSite().GetId(), nil
 }
 
+// JoinToken mints a join token of pool admitting maxUses machines, valid
+// for an hour, as the root administrator through the API, and returns its
+// secret: for machines a caller runs itself (fakedaemon.Start, a fakedaemon
+// process) instead of through Join.
+func (s *Stack) JoinToken(ctx context.Context, pool string, maxUses int) (string, error) {
+	res, err := computev1connect.NewJoinTokenServiceClient(http.DefaultClient, s.APIURL+"/api/compute", s.ClientOptions()...).
+		CreateJoinToken(ctx, connect.NewRequest(&computev1.CreateJoinTokenRequest{
+			PoolId: pool, MaxUses: int32(maxUses), TtlSeconds: int64(time.Hour / time.Second)}))
+	if err != nil {
+		return "", fmt.Errorf("devstack: join token for pool %s: %w", pool, err)
+	}
+	return res.Msg.GetSecret(), nil
+}
+
 // JoinOptions say which machines Join runs.
 type JoinOptions struct {
 	// Pool is the pool they join (required).
@@ -228,6 +242,9 @@ type JoinOptions struct {
 	// Configure, when set, adjusts each Join's fakedaemon configuration
 	// (command durations, the daemon core's timeouts) before it starts.
 	Configure func(*fakedaemon.Config)
+	// Timeout bounds the wait for every machine to have joined (default
+	// 30 s plus 10 ms per machine); the machines keep trying after it.
+	Timeout time.Duration
 }
 
 // Join runs o.Count simulated machines that join o.Pool as real daemons do:
@@ -251,6 +268,9 @@ func (s *Stack) Join(ctx context.Context, o JoinOptions) ([]string, error) {
 	}
 	if o.Count < 1 || o.Count > MaxJoin {
 		return nil, fmt.Errorf("devstack: join: count must be from 1 to %d, got %d", MaxJoin, o.Count)
+	}
+	if o.Timeout <= 0 {
+		o.Timeout = DefaultWaitTimeout + time.Duration(o.Count)*10*time.Millisecond
 	}
 	if o.Variant == "" {
 		o.Variant = fakehw.VariantHGXH100
@@ -285,13 +305,9 @@ func (s *Stack) Join(ctx context.Context, o JoinOptions) ([]string, error) {
 		GatewayServerName: "localhost",
 	}
 	if missing > 0 {
-		res, err := computev1connect.NewJoinTokenServiceClient(http.DefaultClient, s.APIURL+"/api/compute", s.ClientOptions()...).
-			CreateJoinToken(ctx, connect.NewRequest(&computev1.CreateJoinTokenRequest{
-				PoolId: o.Pool, MaxUses: int32(missing), TtlSeconds: int64(time.Hour / time.Second)}))
-		if err != nil {
-			return nil, fmt.Errorf("devstack: join token for pool %s: %w", o.Pool, err)
+		if cfg.Token, err = s.JoinToken(ctx, o.Pool, missing); err != nil {
+			return nil, err
 		}
-		cfg.Token = res.Msg.GetSecret()
 	}
 	if o.Configure != nil {
 		o.Configure(&cfg)
@@ -308,12 +324,14 @@ func (s *Stack) Join(ctx context.Context, o JoinOptions) ([]string, error) {
 		_ = r.Wait()
 		return nil, err
 	}
-	return s.waitJoined(ctx, r)
+	return s.waitJoined(ctx, r, o.Timeout)
 }
 
-// waitJoined waits until every machine of r has a node id, and returns them.
-func (s *Stack) waitJoined(ctx context.Context, r *fakedaemon.Runner) ([]string, error) {
+// waitJoined waits up to timeout until every machine of r has a node id,
+// and returns them.
+func (s *Stack) waitJoined(ctx context.Context, r *fakedaemon.Runner, timeout time.Duration) ([]string, error) {
 	clk := s.opts.Clock
+	deadline := clk.Now().Add(timeout)
 	for {
 		ids := make([]string, 0, len(r.Machines()))
 		for _, m := range r.Machines() {
@@ -331,6 +349,9 @@ func (s *Stack) waitJoined(ctx context.Context, r *fakedaemon.Runner) ([]string,
 			}
 			return nil, errors.New("devstack: join: the machines stopped before they joined")
 		default:
+		}
+		if !clk.Now().Before(deadline) {
+			return nil, fmt.Errorf("devstack: join: %d of %d machines joined after %s", len(ids), len(r.Machines()), timeout)
 		}
 		if err := clock.Sleep(ctx, clk, 20*time.Millisecond); err != nil {
 			return nil, fmt.Errorf("devstack: join: %d of %d machines joined: %w", len(ids), len(r.Machines()), err)
@@ -402,15 +423,18 @@ func (s *Stack) WaitFor(ctx context.Context, nodeIDs []string, o WaitOptions) ([
 		if len(waiting) == 0 {
 			return st, nil
 		}
-		if !clk.Now().Before(deadline) {
-			if len(waiting) > 5 {
+		notYet := func(after string) error {
+			n := len(waiting)
+			if n > 5 {
 				waiting = append(waiting[:5], "…")
 			}
-			return st, fmt.Errorf("devstack: wait: %d of %d nodes not %s after %s: %s", len(waiting), len(nodeIDs), o.State,
-				o.Timeout, strings.Join(waiting, ", "))
+			return fmt.Errorf("devstack: wait: %d of %d nodes not %s %s: %s", n, len(nodeIDs), o.State, after, strings.Join(waiting, ", "))
+		}
+		if !clk.Now().Before(deadline) {
+			return st, notYet("after " + o.Timeout.String())
 		}
 		if err := clock.Sleep(ctx, clk, 50*time.Millisecond); err != nil {
-			return st, fmt.Errorf("devstack: wait: %w", err)
+			return st, fmt.Errorf("%w (%w)", notYet("when the wait ended"), err)
 		}
 	}
 }
