@@ -19,8 +19,8 @@ import (
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
-	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/pkg/daemon"
+	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
 )
@@ -99,6 +99,7 @@ type commandFixture struct {
 	*fixture
 	proxy    *cutProxy
 	commands computev1connect.CommandServiceClient
+	token    string // the machine's join token
 	dataDir  string
 	runner   *fakedaemon.Runner
 	stop     func()
@@ -111,7 +112,7 @@ func (f *commandFixture) machineConfig(d fakehw.Durations) fakedaemon.Config {
 	return fakedaemon.Config{
 		Server:     f.stack.APIURL,
 		Pins:       f.stack.Pins,
-		Token:      f.join,
+		Token:      f.token,
 		DataDir:    f.dataDir,
 		Variant:    fakehw.VariantHGXH100,
 		Nodes:      1,
@@ -141,8 +142,8 @@ func setupCommands(t *testing.T, d fakehw.Durations) (*commandFixture, *fakedaem
 	t.Helper()
 	base := setupWith(t, devstack.Options{ResyncInterval: time.Second})
 	f := &commandFixture{fixture: base, proxy: newCutProxy(t, strings.TrimPrefix(base.stack.GatewayURLs[0], "https://")),
-		commands: computev1connect.NewCommandServiceClient(http.DefaultClient, base.stack.APIURL+"/api/compute"),
-		dataDir:  t.TempDir()}
+		commands: computev1connect.NewCommandServiceClient(http.DefaultClient, base.stack.APIURL+"/api/compute", base.stack.ClientOptions()...),
+		token:    base.joinToken(t), dataDir: t.TempDir()}
 	f.start(t, d)
 	m := f.runner.Machines()[0]
 	require.Eventually(t, func() bool {
@@ -162,18 +163,14 @@ func (f *commandFixture) run(t *testing.T, kind string, timeout time.Duration) *
 	if timeout > 0 {
 		msg.Timeout = durationpb.New(timeout)
 	}
-	req := connect.NewRequest(msg)
-	req.Header().Set("Authorization", "Bearer "+f.token)
-	res, err := f.commands.RunCommand(t.Context(), req)
+	res, err := f.commands.RunCommand(t.Context(), connect.NewRequest(msg))
 	require.NoError(t, err)
 	return res.Msg.GetCommand()
 }
 
 func (f *commandFixture) get(t *testing.T, id string) *computev1.Command {
 	t.Helper()
-	req := connect.NewRequest(&computev1.GetCommandRequest{CommandId: id})
-	req.Header().Set("Authorization", "Bearer "+f.token)
-	res, err := f.commands.GetCommand(t.Context(), req)
+	res, err := f.commands.GetCommand(t.Context(), connect.NewRequest(&computev1.GetCommandRequest{CommandId: id}))
 	require.NoError(t, err)
 	return res.Msg.GetCommand()
 }

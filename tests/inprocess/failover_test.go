@@ -13,9 +13,9 @@ import (
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
-	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/daemon"
+	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
@@ -39,7 +39,7 @@ const failoverWithin = 10 * time.Second
 func TestGatewayKilledMidRun(t *testing.T) {
 	ctx := t.Context()
 	st, f, names, gws := twoGateways(t, devstack.Options{SignedIntent: true}, "BC_GATEWAY_RESYNC=1h")
-	commands := computev1connect.NewCommandServiceClient(http.DefaultClient, st.APIURL+"/api/compute")
+	commands := computev1connect.NewCommandServiceClient(http.DefaultClient, st.APIURL+"/api/compute", st.ClientOptions()...)
 
 	// Eight machines; commands take a little while so that some are in
 	// flight when the gateway dies; the reboot takes 3 s.
@@ -48,12 +48,11 @@ func TestGatewayKilledMidRun(t *testing.T) {
 		durations.ByKind[k] = 300 * time.Millisecond
 	}
 	durations.ByKind[fakehw.KindNodeReboot] = 3 * time.Second
-	mctx, stopMachines := context.WithCancel(context.Background())
-	r, err := fakedaemon.Start(mctx, fakedaemon.Config{Server: st.APIURL, Pins: st.Pins, Token: f.join,
-		DataDir: t.TempDir(), Variant: fakehw.VariantHGXH100, Nodes: 8, Durations: &durations,
-		Agent: daemon.Config{RebootDowntime: time.Second}}, fakedaemon.Deps{})
-	require.NoError(t, err)
-	t.Cleanup(func() { stopMachines(); _ = r.Wait() })
+	f.join(t, devstack.JoinOptions{Count: 8, Variant: fakehw.VariantHGXH100, Configure: func(c *fakedaemon.Config) {
+		c.Durations = &durations
+		c.Agent = daemon.Config{RebootDowntime: time.Second}
+	}}, store.NodeAdopted)
+	machines := st.Daemons()
 
 	// sessions: node id → gateway id of the live sessions of the nodes
 	// that applied their NodeSpec.
@@ -68,7 +67,7 @@ func TestGatewayKilledMidRun(t *testing.T) {
 			victimNodes = append(victimNodes, id)
 		}
 	}
-	for _, m := range r.Machines() {
+	for _, m := range machines {
 		machineOf[m.Status().NodeID] = m
 	}
 	// The load goes to every node but the one that reboots (commands
@@ -92,9 +91,8 @@ func TestGatewayKilledMidRun(t *testing.T) {
 	}
 
 	run := func(node, kind string) (string, error) {
-		req := connect.NewRequest(&computev1.RunCommandRequest{NodeId: node, Kind: kind, Timeout: durationpb.New(2 * time.Minute)})
-		req.Header().Set("Authorization", "Bearer "+f.token)
-		res, err := commands.RunCommand(ctx, req)
+		res, err := commands.RunCommand(ctx, connect.NewRequest(&computev1.RunCommandRequest{
+			NodeId: node, Kind: kind, Timeout: durationpb.New(2 * time.Minute)}))
 		if err != nil {
 			return "", err
 		}
@@ -217,7 +215,7 @@ func TestGatewayKilledMidRun(t *testing.T) {
 		Scan(&all, &allSucceeded))
 	require.Equal(t, all, allSucceeded, "every command of the deployment succeeded")
 	runs := 0
-	for _, m := range r.Machines() {
+	for _, m := range machines {
 		runs += m.Status().Runs
 	}
 	require.Equal(t, all, runs, "each command ran exactly once on its machine")

@@ -1,17 +1,17 @@
 package inprocess_test
 
 import (
-	"context"
 	"slices"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/daemon"
+	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/pkg/fakehw"
+	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
 )
 
@@ -27,17 +27,14 @@ func TestGatewayPausedNodesMove(t *testing.T) {
 	ctx := t.Context()
 	st, f, names, gws := twoGateways(t, devstack.Options{})
 
-	mctx, stopMachines := context.WithCancel(context.Background())
-	r, err := fakedaemon.Start(mctx, fakedaemon.Config{Server: st.APIURL, Pins: st.Pins, Token: f.join,
-		DataDir: t.TempDir(), Variant: fakehw.VariantHGXH100, Nodes: 6}, fakedaemon.Deps{})
-	require.NoError(t, err)
-	t.Cleanup(func() { stopMachines(); _ = r.Wait() })
+	f.join(t, devstack.JoinOptions{Count: 6, Variant: fakehw.VariantHGXH100}, store.NodeAdopted)
+	machines := st.Daemons()
 
 	// sessions: node id → gateway id of the adopted nodes' live sessions.
 	sessions := sessionsOf(t, ctx, st.DB.Pool, false)
 	victim, survivor, count := busiestGateway(t, waitSessions(t, ctx, st.DB.Pool, false, 6), names)
 	var moved []*fakedaemon.Machine
-	for _, m := range r.Machines() {
+	for _, m := range machines {
 		st := m.Status()
 		require.Equal(t, daemon.StateEstablished, st.State)
 		require.Zero(t, st.Silenced)
@@ -51,14 +48,14 @@ func TestGatewayPausedNodesMove(t *testing.T) {
 	pausedAt := realClock.Now()
 	gws[victim].Pause(t)
 	require.Eventually(t, func() bool {
-		for _, m := range r.Machines() {
+		for _, m := range machines {
 			st := m.Status()
 			if st.State != daemon.StateEstablished || st.GatewayID != survivor {
 				return false
 			}
 		}
 		s := sessions()
-		for _, m := range r.Machines() {
+		for _, m := range machines {
 			if s[m.NodeID()] != survivor {
 				return false
 			}
@@ -69,7 +66,7 @@ func TestGatewayPausedNodesMove(t *testing.T) {
 	for _, m := range moved {
 		require.Equal(t, 1, m.Status().Silenced, "machine %d left %s because it was silent", m.Index(), victim)
 	}
-	for _, m := range r.Machines() {
+	for _, m := range machines {
 		if !slices.Contains(moved, m) {
 			require.Zero(t, m.Status().Silenced, "machine %d stayed on %s", m.Index(), survivor)
 		}

@@ -1,12 +1,11 @@
-// Package inprocess_test runs the real services in this process against
-// Postgres and NATS containers from the locally built images, joins
-// fakedaemons in-process and follows them to adoption.
+// Package inprocess_test runs the real services in this process on an
+// embedded PostgreSQL and NATS (pkg/devstack), joins simulated machines
+// (fakedaemons) in-process and follows them to adoption.
 package inprocess_test
 
 import (
 	"context"
 	"net/http"
-	"os"
 	"testing"
 	"time"
 
@@ -16,86 +15,86 @@ import (
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
+	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
-	"github.com/better-compute/better-compute/tests/internal/containers"
 )
 
 func TestMain(m *testing.M) {
-	code := m.Run()
-	containers.Stop()
-	if code == 0 {
-		if err := goleak.Find(goleak.IgnoreTopFunction("github.com/testcontainers/testcontainers-go.(*Reaper).connect.func1"),
-			goleak.IgnoreAnyFunction("net/http.(*persistConn).readLoop"),
-			goleak.IgnoreAnyFunction("net/http.(*persistConn).writeLoop"),
-			goleak.IgnoreAnyFunction("internal/poll.runtime_pollWait")); err != nil {
-			os.Stderr.WriteString("goleak: " + err.Error() + "\n")
-			code = 1
-		}
-	}
-	os.Exit(code)
+	goleak.VerifyTestMain(m,
+		// http.DefaultClient's idle connections to the stopped servers.
+		goleak.IgnoreAnyFunction("net/http.(*persistConn).readLoop"),
+		goleak.IgnoreAnyFunction("net/http.(*persistConn).writeLoop"),
+	)
 }
+
+// realClock measures how long things take.
+var realClock = clock.New()
+
+// joinWithin bounds how long machines may take to join, and then to be
+// adopted, in these tests: a deadline for a hang, not a speed target.
+const joinWithin = 60 * time.Second
 
 type fixture struct {
 	stack *devstack.Stack
 	nodes computev1connect.NodeServiceClient
-	token string
-	join  string
 	pool  string
 }
 
+// setup starts a throwaway stack (embedded PostgreSQL and NATS), closed at
+// the end of the test, with a pool accepting machines of 8 H100s.
 func setup(t *testing.T) *fixture {
 	t.Helper()
-	dbURL := containers.Postgres(t)
-	natsURL := containers.NATS(t)
-	st, err := devstack.Start(t.Context(), devstack.Options{
-		DatabaseURL: dbURL,
-		NATSURL:     natsURL,
-		PKIDir:      t.TempDir(),
-	})
+	return setupWith(t, devstack.Options{})
+}
+
+// setupWith is setup with the stack options o.
+func setupWith(t *testing.T, o devstack.Options) *fixture {
+	t.Helper()
+	st, err := devstack.Start(t.Context(), o)
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, st.Close()) })
-	res, err := st.Bootstrap(t.Context(), devstack.BootstrapOptions{Dir: t.TempDir(), JoinMaxUses: 10})
+	pool, err := st.CreatePool(t.Context(), devstack.PoolOptions{GPUModel: "H100", ExpectGPUs: 8})
 	require.NoError(t, err)
 	return &fixture{
 		stack: st,
-		nodes: computev1connect.NewNodeServiceClient(http.DefaultClient, st.APIURL+"/api/compute"),
-		token: res.RootToken,
-		join:  res.JoinToken,
-		pool:  res.PoolID,
+		nodes: computev1connect.NewNodeServiceClient(http.DefaultClient, st.APIURL+"/api/compute", st.ClientOptions()...),
+		pool:  pool,
 	}
 }
 
 func (f *fixture) listNodes(ctx context.Context) ([]*computev1.Node, error) {
-	req := connect.NewRequest(&computev1.ListNodesRequest{PoolId: f.pool})
-	req.Header().Set("Authorization", "Bearer "+f.token)
-	res, err := f.nodes.ListNodes(ctx, req)
+	res, err := f.nodes.ListNodes(ctx, connect.NewRequest(&computev1.ListNodesRequest{PoolId: f.pool}))
 	if err != nil {
 		return nil, err
 	}
 	return res.Msg.GetNodes(), nil
 }
 
-func (f *fixture) startDaemons(t *testing.T, n int, variant string) *fakedaemon.Runner {
+// join runs o.Count simulated machines (default 1) in the fixture's pool
+// through the stack's Join and returns their node ids once they joined and
+// their nodes are in state (WaitFor: adopted includes NodeSpec generation 1
+// or later applied), each within joinWithin.
+func (f *fixture) join(t *testing.T, o devstack.JoinOptions, state string) []string {
 	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	// Joins as a real daemon does: with the server's URL and the pins.
-	r, err := fakedaemon.Start(ctx, fakedaemon.Config{
-		Server:  f.stack.APIURL,
-		Pins:    f.stack.Pins,
-		Token:   f.join,
-		DataDir: t.TempDir(),
-		Variant: variant,
-		Nodes:   n,
-	}, fakedaemon.Deps{})
+	o.Pool, o.Timeout = f.pool, joinWithin
+	ids, err := f.stack.Join(t.Context(), o)
 	require.NoError(t, err)
-	t.Cleanup(func() {
-		cancel()
-		_ = r.Wait()
-	})
-	return r
+	_, err = f.stack.WaitFor(t.Context(), ids, devstack.WaitOptions{State: state, Timeout: joinWithin})
+	require.NoError(t, err)
+	return ids
+}
+
+// joinToken mints a join token of the fixture's pool, for machines a test
+// runs itself (fakedaemon.Start) instead of through join.
+func (f *fixture) joinToken(t *testing.T) string {
+	t.Helper()
+	secret, err := f.stack.JoinToken(t.Context(), f.pool, 10)
+	require.NoError(t, err)
+	return secret
 }
 
 // TestThreeFakedaemonsAreAdopted joins three simulated H100 machines to the
@@ -103,30 +102,16 @@ func (f *fixture) startDaemons(t *testing.T, n int, variant string) *fakedaemon.
 // generation 1, and lists 8 H100 GPUs with stable UUIDs and a live session.
 func TestThreeFakedaemonsAreAdopted(t *testing.T) {
 	f := setup(t)
-	r := f.startDaemons(t, 3, fakehw.VariantHGXH100)
+	ids := f.join(t, devstack.JoinOptions{Count: 3, Variant: fakehw.VariantHGXH100}, store.NodeAdopted)
 
-	var nodes []*computev1.Node
-	require.Eventually(t, func() bool {
-		var err error
-		nodes, err = f.listNodes(t.Context())
-		if err != nil || len(nodes) != 3 {
-			return false
-		}
-		for _, n := range nodes {
-			if n.GetProvisionState() != "adopted" || n.GetObservedGeneration() < 1 {
-				return false
-			}
-		}
-		return true
-	}, 60*time.Second, 200*time.Millisecond, "3 nodes adopted and generation 1 observed: %v", &nodes)
-
-	joined := map[string]bool{}
-	for _, m := range r.Machines() {
-		joined[m.NodeID()] = true
-	}
+	nodes, err := f.listNodes(t.Context())
+	require.NoError(t, err)
+	require.Len(t, nodes, 3)
 	uuids := map[string]bool{}
 	for _, n := range nodes {
-		require.True(t, joined[n.GetId()], "node %s is one of ours", n.GetId())
+		require.Contains(t, ids, n.GetId(), "node %s is one of ours", n.GetId())
+		require.Equal(t, "adopted", n.GetProvisionState())
+		require.GreaterOrEqual(t, n.GetObservedGeneration(), int64(1))
 		require.Equal(t, int64(1), n.GetSpecGeneration())
 		require.Len(t, n.GetGpus(), 8)
 		require.Contains(t, n.GetGpuModel(), "H100")
@@ -145,13 +130,12 @@ func TestThreeFakedaemonsAreAdopted(t *testing.T) {
 // showing the GPUs it reported.
 func TestGPUMissingIsNeverAdopted(t *testing.T) {
 	f := setup(t)
-	f.startDaemons(t, 1, fakehw.VariantHGXH100GPUMissing)
-	var nodes []*computev1.Node
-	require.Eventually(t, func() bool {
-		var err error
-		nodes, err = f.listNodes(t.Context())
-		return err == nil && len(nodes) == 1 && nodes[0].GetProvisionState() == "acceptance_failed"
-	}, 60*time.Second, 200*time.Millisecond, "%v", &nodes)
+	ids := f.join(t, devstack.JoinOptions{Variant: fakehw.VariantHGXH100GPUMissing}, store.NodeAcceptanceFailed)
+	nodes, err := f.listNodes(t.Context())
+	require.NoError(t, err)
+	require.Len(t, nodes, 1)
+	require.Equal(t, ids[0], nodes[0].GetId())
+	require.Equal(t, "acceptance_failed", nodes[0].GetProvisionState())
 	require.Equal(t, "expected 8 GPUs, found 7", nodes[0].GetProvisionReason())
 	require.Zero(t, nodes[0].GetSpecGeneration(), "never adopted: no NodeSpec")
 	require.Len(t, nodes[0].GetGpus(), 7, "the GPUs diag.nvml reported are shown")
@@ -164,6 +148,7 @@ func TestGPUMissingIsNeverAdopted(t *testing.T) {
 // JoinService; neither uses the join token.
 func TestJoinWithAnotherDeploymentsPinsConsumesNothing(t *testing.T) {
 	f := setup(t)
+	token := f.joinToken(t)
 	otherDir := t.TempDir()
 	_, err := pki.Init(otherDir, pki.InitOptions{}, f.stack.DB.Now())
 	require.NoError(t, err)
@@ -171,7 +156,7 @@ func TestJoinWithAnotherDeploymentsPinsConsumesNothing(t *testing.T) {
 	require.NoError(t, err)
 
 	r, err := fakedaemon.New(fakedaemon.Config{
-		Server: f.stack.APIURL, Pins: otherPins, Token: f.join, DataDir: t.TempDir(),
+		Server: f.stack.APIURL, Pins: otherPins, Token: token, DataDir: t.TempDir(),
 	}, fakedaemon.Deps{})
 	require.NoError(t, err)
 	require.ErrorContains(t, r.Run(t.Context()), "does not match the serving CA pin")
@@ -182,7 +167,7 @@ func TestJoinWithAnotherDeploymentsPinsConsumesNothing(t *testing.T) {
 	require.NoError(t, err)
 	r, err = fakedaemon.New(fakedaemon.Config{
 		JoinURL: f.stack.JoinURL, JoinEncryptionKey: enc, JoinSigningKey: sig, Pins: otherPins,
-		Token: f.join, DataDir: t.TempDir(),
+		Token: token, DataDir: t.TempDir(),
 	}, fakedaemon.Deps{})
 	require.NoError(t, err)
 	err = r.Run(t.Context())

@@ -94,10 +94,10 @@ func (f *fixture) node(t *testing.T, id string) nodeRow {
 // released and the expired one add up to their booked GPU-seconds (I8).
 func TestReservationLifecycle(t *testing.T) {
 	f := setup(t)
-	dataDir := t.TempDir()
+	token, dataDir := f.joinToken(t), t.TempDir()
 	start := func() (context.CancelFunc, *fakedaemon.Runner) {
 		ctx, cancel := context.WithCancel(context.Background())
-		r, err := fakedaemon.Start(ctx, fakedaemon.Config{Server: f.stack.APIURL, Pins: f.stack.Pins, Token: f.join,
+		r, err := fakedaemon.Start(ctx, fakedaemon.Config{Server: f.stack.APIURL, Pins: f.stack.Pins, Token: token,
 			DataDir: dataDir, Variant: fakehw.VariantHGXH100, Nodes: 1}, fakedaemon.Deps{})
 		require.NoError(t, err)
 		return cancel, r

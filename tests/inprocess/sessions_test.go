@@ -2,7 +2,6 @@ package inprocess_test
 
 import (
 	"context"
-	"net/http"
 	"testing"
 	"time"
 
@@ -10,9 +9,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
 	"github.com/better-compute/better-compute/pkg/devstack"
-	"github.com/better-compute/better-compute/tests/internal/containers"
 	"github.com/better-compute/better-compute/tests/internal/procs"
 )
 
@@ -81,33 +78,25 @@ func busiestGateway(t *testing.T, sessions map[string]string, names []string) (v
 	return victim, survivor, count
 }
 
-// twoGateways starts the control plane in process (opts, with its database,
-// NATS, PKI directory and the gateway URLs filled in) with two gateway
-// processes outside it, gw-a and gw-b (gatewayEnv added to their
-// environment), bootstraps it and returns the stack, its fixture, the
-// gateways' names and their processes.
+// twoGateways starts the control plane in process (setupWith opts, with the
+// gateway URLs filled in) with two gateway processes outside it on the
+// stack's database, NATS and PKI, gw-a and gw-b (gatewayEnv added to their
+// environment), and returns the stack, its fixture, the gateways' names and
+// their processes.
 func twoGateways(t *testing.T, opts devstack.Options, gatewayEnv ...string) (*devstack.Stack, *fixture, []string, map[string]*procs.Proc) {
 	t.Helper()
-	ctx := t.Context()
-	dbURL, natsURL, pkiDir := containers.Postgres(t), containers.NATS(t), t.TempDir()
 	addrs := []string{procs.FreeAddr(t), procs.FreeAddr(t)}
 	names := []string{"gw-a", "gw-b"}
-	opts.DatabaseURL, opts.NATSURL, opts.PKIDir = dbURL, natsURL, pkiDir
 	opts.ExternalGatewayURL = "https://" + addrs[0] + "," + "https://" + addrs[1]
-	st, err := devstack.Start(ctx, opts)
-	require.NoError(t, err)
-	t.Cleanup(func() { require.NoError(t, st.Close()) })
+	f := setupWith(t, opts)
+	st := f.stack
 	gws := map[string]*procs.Proc{}
 	for i, name := range names {
 		health := procs.FreeAddr(t)
 		env := append([]string{"BC_HEALTH_LISTEN=" + health,
-			"BETTER_COMPUTE_DATABASE_URL=" + dbURL, "BETTER_COMPUTE_NATS_URL=" + natsURL, "BC_PKI_DIR=" + pkiDir,
+			"BETTER_COMPUTE_DATABASE_URL=" + st.DatabaseURL, "BETTER_COMPUTE_NATS_URL=" + st.NATSURL, "BC_PKI_DIR=" + st.PKIDir,
 			"BC_LISTEN=" + addrs[i], "BC_GATEWAY_ID=" + name}, gatewayEnv...)
 		gws[name] = procs.Start(t, "gateway", health, append(env, "BC_LOG_LEVEL=warn")...)
 	}
-	res, err := st.Bootstrap(ctx, devstack.BootstrapOptions{Dir: t.TempDir(), JoinMaxUses: 10})
-	require.NoError(t, err)
-	f := &fixture{stack: st, token: res.RootToken, join: res.JoinToken, pool: res.PoolID,
-		nodes: computev1connect.NewNodeServiceClient(http.DefaultClient, st.APIURL+"/api/compute")}
 	return st, f, names, gws
 }

@@ -3,7 +3,6 @@ package inprocess_test
 import (
 	"context"
 	"encoding/json"
-	"net/http"
 	"os"
 	"path/filepath"
 	"testing"
@@ -14,40 +13,13 @@ import (
 	"github.com/stretchr/testify/require"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
-	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
-	"github.com/better-compute/better-compute/pkg/devstack"
-	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/daemon"
+	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
-	"github.com/better-compute/better-compute/tests/internal/containers"
 )
-
-// setupWith is setup with the stack options o (database, NATS and PKI
-// filled in).
-func setupWith(t *testing.T, o devstack.Options) *fixture {
-	t.Helper()
-	o.DatabaseURL = containers.Postgres(t)
-	o.NATSURL = containers.NATS(t)
-	o.PKIDir = t.TempDir()
-	st, err := devstack.Start(t.Context(), o)
-	require.NoError(t, err)
-	t.Cleanup(func() { require.NoError(t, st.Close()) })
-	res, err := st.Bootstrap(t.Context(), devstack.BootstrapOptions{Dir: t.TempDir(), JoinMaxUses: 10})
-	require.NoError(t, err)
-	return &fixture{
-		stack: st,
-		nodes: computev1connect.NewNodeServiceClient(http.DefaultClient, st.APIURL+"/api/compute"),
-		token: res.RootToken,
-		join:  res.JoinToken,
-		pool:  res.PoolID,
-	}
-}
-
-// realClock measures how long things take.
-var realClock = clock.New()
 
 // shortCertTTL makes node certificates due for renewal 8 s after they are
 // received: the daemon renews at two thirds of the lifetime counted from
@@ -56,19 +28,17 @@ var realClock = clock.New()
 // repeat every 8 s.
 const shortCertTTL = 12 * time.Second
 
-// adoptedMachine starts one simulated machine and waits until its node is
-// adopted with generation 1 applied and a live session.
+// adoptedMachine joins one simulated machine and waits until its node is
+// adopted with generation 1 applied and the machine holds a session.
 func (f *fixture) adoptedMachine(t *testing.T) (*fakedaemon.Machine, string) {
 	t.Helper()
-	r := f.startDaemons(t, 1, fakehw.VariantHGXH100)
-	var nodes []*computev1.Node
-	require.Eventually(t, func() bool {
-		var err error
-		nodes, err = f.listNodes(t.Context())
-		return err == nil && len(nodes) == 1 && nodes[0].GetProvisionState() == "adopted" &&
-			nodes[0].GetObservedGeneration() >= 1 && r.Machines()[0].Status().SessionID != ""
-	}, 60*time.Second, 100*time.Millisecond, "adopted: %v", &nodes)
-	return r.Machines()[0], nodes[0].GetId()
+	ids := f.join(t, devstack.JoinOptions{Variant: fakehw.VariantHGXH100}, store.NodeAdopted)
+	daemons := f.stack.Daemons()
+	m := daemons[len(daemons)-1]
+	require.Equal(t, ids[0], m.NodeID())
+	require.Eventually(t, func() bool { return m.Status().SessionID != "" }, joinWithin, 100*time.Millisecond,
+		"machine %d holds a session", m.Index())
+	return m, ids[0]
 }
 
 func (f *fixture) liveSession(t *testing.T, nodeID string) string {
@@ -131,10 +101,8 @@ func TestRenewalKeepsSessionAndRevocationEndsIt(t *testing.T) {
 	require.Eventually(t, func() bool { return f.liveSession(t, nodeID) == second }, 10*time.Second, 50*time.Millisecond)
 
 	// Revocation through the API.
-	req := connect.NewRequest(&computev1.RevokeNodeRequest{NodeId: nodeID, Reason: "test"})
-	req.Header().Set("Authorization", "Bearer "+f.token)
 	revokedAt := realClock.Now()
-	res, err := f.nodes.RevokeNode(ctx, req)
+	res, err := f.nodes.RevokeNode(ctx, connect.NewRequest(&computev1.RevokeNodeRequest{NodeId: nodeID, Reason: "test"}))
 	require.NoError(t, err)
 	require.GreaterOrEqual(t, res.Msg.GetCertificatesRevoked(), int32(1))
 	require.Eventually(t, func() bool { return f.liveSession(t, nodeID) == "" && m.Status().SessionID == "" },
@@ -158,9 +126,7 @@ func TestRenewalKeepsSessionAndRevocationEndsIt(t *testing.T) {
 }
 
 func (f *fixture) getNode(ctx context.Context, id string) (*computev1.Node, error) {
-	req := connect.NewRequest(&computev1.GetNodeRequest{NodeId: id})
-	req.Header().Set("Authorization", "Bearer "+f.token)
-	res, err := f.nodes.GetNode(ctx, req)
+	res, err := f.nodes.GetNode(ctx, connect.NewRequest(&computev1.GetNodeRequest{NodeId: id}))
 	if err != nil {
 		return nil, err
 	}
