@@ -21,6 +21,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -29,6 +30,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"golang.org/x/sys/unix"
 
 	"github.com/better-compute/better-compute/pkg/clock"
 )
@@ -173,10 +175,14 @@ func Start(ctx context.Context, o Options) (srv *Server, err error) {
 		}
 	}()
 
+	// Memory clusters of supervisors killed before their Stop are removed
+	// by whichever Start comes next, of either kind.
+	base := memoryBase()
+	for _, dir := range uniq(base, os.TempDir()) {
+		sweepMemoryDirs(ctx, s.clk, dir, s.log)
+	}
 	needInit := false
 	if o.Memory {
-		base := memoryBase()
-		sweepMemoryDirs(ctx, s.clk, base, s.log)
 		if s.memDir, err = os.MkdirTemp(base, memPrefix); err != nil && base != os.TempDir() {
 			s.memDir, err = os.MkdirTemp(os.TempDir(), memPrefix)
 		}
@@ -217,6 +223,9 @@ func Start(ctx context.Context, o Options) (srv *Server, err error) {
 		if created != "" {
 			undo = append(undo, func() { _ = os.RemoveAll(created) })
 		}
+		if err := clearIncompleteInitdb(s.dataDir, s.log); err != nil {
+			return nil, err
+		}
 		if needInit, err = inspectDataDir(s.dataDir, major, ru); err != nil {
 			return nil, err
 		}
@@ -226,7 +235,7 @@ func Start(ctx context.Context, o Options) (srv *Server, err error) {
 	}
 
 	if needInit {
-		if err := initdb(ctx, binDir, s.dataDir, o.Password, ru, s.log); err != nil {
+		if err := initdb(ctx, binDir, s.dataDir, o.Password, ru, s.log, !o.Memory); err != nil {
 			return nil, err
 		}
 	}
@@ -385,7 +394,7 @@ func checkCluster(dir, major string, fi os.FileInfo, ru *runUser) error {
 	}
 	if st, ok := fi.Sys().(*syscall.Stat_t); ok && st.Uid != ru.uid {
 		if ru.switchTo {
-			return fmt.Errorf("data directory %s is owned by uid %d, but the server runs as user %s (uid %d): chown -R %s %s, or set RunAs", dir, st.Uid, ru.name, ru.uid, ru.name, dir)
+			return fmt.Errorf("data directory %s is owned by uid %d, but the server runs as user %s (uid %d): chown -R %s %s", dir, st.Uid, ru.name, ru.uid, ru.name, dir)
 		}
 		return fmt.Errorf("data directory %s is owned by uid %d, but this process (and so the server) runs as uid %d", dir, st.Uid, ru.uid)
 	}
@@ -400,19 +409,50 @@ func emptyDir(dir string) {
 	}
 }
 
-// initdb creates a cluster in the empty directory dir.
-func initdb(ctx context.Context, binDir, dir, password string, ru *runUser, log *slog.Logger) error {
-	pw, err := os.CreateTemp(memoryBase(), memPrefix+"pwfile-")
-	if err != nil {
-		return fmt.Errorf("cannot write initdb's password file: %w", err)
+// initdbMarker is the file beside the cluster directory dir that exists
+// while an initdb of dir runs: an initdb that a killed supervisor left
+// half-done leaves it behind, and the next Start empties dir and runs
+// initdb again (clearIncompleteInitdb). It holds the superuser's password
+// for initdb's --pwfile meanwhile, so no copy of the password outlives it.
+func initdbMarker(dir string) string {
+	return filepath.Join(filepath.Dir(dir), "."+filepath.Base(dir)+".initdb")
+}
+
+// clearIncompleteInitdb empties the locked cluster directory dir when the
+// initdb that made it did not finish (its marker is there).
+func clearIncompleteInitdb(dir string, log *slog.Logger) error {
+	marker := initdbMarker(dir)
+	if _, err := os.Lstat(marker); errors.Is(err, os.ErrNotExist) {
+		return nil
 	}
-	defer os.Remove(pw.Name())
+	log.Warn("the last initdb of this data directory did not finish (its supervisor was killed); making the cluster again", "dir", dir)
+	emptyDir(dir)
+	if err := os.Remove(marker); err != nil {
+		return fmt.Errorf("data directory %s: cannot remove %s: %w", dir, marker, err)
+	}
+	return nil
+}
+
+// afterInitdbStarted runs once initdb has started, with its pid (a test
+// hook).
+var afterInitdbStarted = func(int) {}
+
+// initdb creates a cluster in the empty directory dir. With durable, the
+// cluster's files are on disk before its marker goes.
+func initdb(ctx context.Context, binDir, dir, password string, ru *runUser, log *slog.Logger, durable bool) (err error) {
+	marker := initdbMarker(dir)
+	pw, err := os.OpenFile(marker, os.O_WRONLY|os.O_CREATE|os.O_TRUNC|syscall.O_CLOEXEC, 0o600)
+	if err != nil {
+		return fmt.Errorf("cannot write initdb's password file beside the data directory: %w", err)
+	}
+	defer func() {
+		if err != nil {
+			_ = os.Remove(marker) // the caller empties dir again
+		}
+	}()
 	_, err = pw.WriteString(password + "\n")
 	if cerr := pw.Close(); err == nil {
 		err = cerr
-	}
-	if err == nil {
-		err = os.Chmod(pw.Name(), 0o600)
 	}
 	if err != nil {
 		return fmt.Errorf("cannot write initdb's password file %s: %w", pw.Name(), err)
@@ -449,6 +489,7 @@ func initdb(ctx context.Context, binDir, dir, password string, ru *runUser, log 
 		_ = r.Close()
 		return fmt.Errorf("cannot run %s: %w", cmd.Path, err)
 	}
+	afterInitdbStarted(cmd.Process.Pid)
 	go out.consume(r, outDone)
 	<-c.done
 	<-outDone // initdb waits for its own children, so the pipe is closed
@@ -458,7 +499,37 @@ func initdb(ctx context.Context, binDir, dir, password string, ru *runUser, log 
 		}
 		return fmt.Errorf("initdb of data directory %s failed (%s): %s", dir, exitString(c.err), out.last(errLines))
 	}
+	if durable {
+		// initdb ran with --no-sync: one syncfs instead of its fsync per file.
+		if err := syncFS(dir); err != nil {
+			return fmt.Errorf("initdb of data directory %s: sync: %w", dir, err)
+		}
+	}
+	if err := os.Remove(marker); err != nil {
+		return fmt.Errorf("initdb of data directory %s: %w", dir, err)
+	}
 	return nil
+}
+
+// syncFS flushes the file system holding dir to disk.
+func syncFS(dir string) error {
+	f, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	return unix.Syncfs(int(f.Fd()))
+}
+
+// uniq returns dirs without repeats, in order.
+func uniq(dirs ...string) []string {
+	var out []string
+	for _, d := range dirs {
+		if !slices.Contains(out, d) {
+			out = append(out, d)
+		}
+	}
+	return out
 }
 
 // freePort returns a TCP port that was free on host a moment ago.

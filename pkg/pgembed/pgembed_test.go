@@ -455,15 +455,47 @@ func TestParentDeathSignal(t *testing.T) {
 		s := start(t, Options{DataDir: dir})
 		require.Equal(t, "1", query(t, s, "SELECT 1::text"))
 	})
+	t.Run("during initdb", func(t *testing.T) {
+		// A supervisor killed while initdb runs (initdb's pid is what the
+		// child reports here) leaves a half-made cluster and initdb's marker,
+		// which holds the password: the next Start makes the cluster again
+		// and removes the marker.
+		dir := filepath.Join(t.TempDir(), "data")
+		killedSupervisor(t, dir, "PGEMBED_HANG_IN_INITDB=1")
+		require.FileExists(t, initdbMarker(dir))
+		s := start(t, Options{DataDir: dir})
+		require.Equal(t, "1", query(t, s, "SELECT 1::text"))
+		require.NoFileExists(t, initdbMarker(dir))
+	})
+}
+
+// TestIncompleteInitdbIsRedone: a cluster directory beside its initdb marker
+// is one whose initdb never finished, whatever it holds: Start empties it and
+// runs initdb again. Without the marker the cluster is kept.
+func TestIncompleteInitdbIsRedone(t *testing.T) {
+	t.Parallel()
+	dir := filepath.Join(t.TempDir(), "data")
+	s := start(t, Options{DataDir: dir})
+	require.NoFileExists(t, initdbMarker(dir), "a finished initdb leaves no marker")
+	exec1(t, s, "CREATE TABLE sentinel (x int)")
+	require.NoError(t, s.Stop(t.Context()))
+	s = start(t, Options{DataDir: dir})
+	require.Equal(t, "1", query(t, s, "SELECT count(*)::text FROM pg_tables WHERE tablename = 'sentinel'"))
+	require.NoError(t, s.Stop(t.Context()))
+
+	require.NoError(t, os.WriteFile(initdbMarker(dir), []byte("x\n"), 0o600))
+	s = start(t, Options{DataDir: dir})
+	require.Equal(t, "0", query(t, s, "SELECT count(*)::text FROM pg_tables WHERE tablename = 'sentinel'"))
+	require.NoFileExists(t, initdbMarker(dir))
 }
 
 // killedSupervisor runs a child supervisor of a server on dataDir (Memory when
 // empty), SIGKILLs it and waits until its postmaster is gone. It returns the
 // postmaster's data directory.
-func killedSupervisor(t *testing.T, dataDir string) string {
+func killedSupervisor(t *testing.T, dataDir string, env ...string) string {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^TestParentDeathSignal$", "-test.count=1", "-test.timeout=5m")
-	cmd.Env = append(os.Environ(), "PGEMBED_CHILD=1", "PGEMBED_DATA_DIR="+dataDir)
+	cmd.Env = append(append(os.Environ(), "PGEMBED_CHILD=1", "PGEMBED_DATA_DIR="+dataDir), env...)
 	stdin, err := cmd.StdinPipe()
 	require.NoError(t, err)
 	stdout, err := cmd.StdoutPipe()
@@ -524,8 +556,15 @@ func killedSupervisor(t *testing.T, dataDir string) string {
 }
 
 // parentDeathChild is the child side of TestParentDeathSignal: it starts a
-// server, reports it on stdout and runs until its stdin closes.
+// server, reports it on stdout and runs until its stdin closes. With
+// PGEMBED_HANG_IN_INITDB=1 it reports initdb's start instead and hangs there.
 func parentDeathChild(t *testing.T) {
+	if os.Getenv("PGEMBED_HANG_IN_INITDB") == "1" {
+		afterInitdbStarted = func(pid int) {
+			_, _ = os.Stdout.WriteString("PGEMBED_PID=" + strconv.Itoa(pid) + " PGEMBED_DIR=initdb\n")
+			select {} // until killed
+		}
+	}
 	o := Options{Password: testPassword, DataDir: os.Getenv("PGEMBED_DATA_DIR")}
 	o.Memory = o.DataDir == ""
 	s, err := Start(context.Background(), o)

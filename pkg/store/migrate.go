@@ -5,11 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
+	"os"
 	"strconv"
 	"strings"
 
 	"github.com/golang-migrate/migrate/v4"
 	_ "github.com/golang-migrate/migrate/v4/database/pgx/v5" // registers pgx5://
+	"github.com/golang-migrate/migrate/v4/source"
 	"github.com/golang-migrate/migrate/v4/source/iofs"
 )
 
@@ -19,33 +21,87 @@ import (
 var Migrations embed.FS
 
 func newMigrate(databaseURL string) (*migrate.Migrate, error) {
+	m, _, err := newMigrateSource(databaseURL)
+	return m, err
+}
+
+// newMigrateSource is newMigrate that also returns the embedded source.
+func newMigrateSource(databaseURL string) (*migrate.Migrate, source.Driver, error) {
 	src, err := iofs.New(Migrations, "migrations")
 	if err != nil {
-		return nil, fmt.Errorf("read embedded migrations: %w", err)
+		return nil, nil, fmt.Errorf("read embedded migrations: %w", err)
 	}
 	u, err := url.Parse(databaseURL)
 	if err != nil {
-		return nil, fmt.Errorf("parse database url: %w", err)
+		return nil, nil, fmt.Errorf("parse database url: %w", err)
 	}
 	if u.Scheme == "postgres" || u.Scheme == "postgresql" {
 		u.Scheme = "pgx5"
 	}
 	m, err := migrate.NewWithSourceInstance("iofs", src, u.String())
 	if err != nil {
-		return nil, fmt.Errorf("open migrations: %w", err)
+		return nil, nil, fmt.Errorf("open migrations: %w", err)
 	}
-	return m, nil
+	return m, src, nil
 }
 
 // MigrateUp applies every pending migration. No change is success.
+//
+// Each migration runs as one statement batch, so in one transaction: a run
+// that was killed half-way through migration N rolled N back, but left the
+// schema marked dirty at N (golang-migrate marks it before it runs N). Such a
+// migration is run again; if it fails again, the error says how to mark it
+// by hand (MigrateForce) once its state is known.
 func MigrateUp(databaseURL string) error {
-	m, err := newMigrate(databaseURL)
+	m, src, err := newMigrateSource(databaseURL)
 	if err != nil {
 		return err
 	}
 	defer m.Close()
+	v, dirty, err := m.Version()
+	if err != nil && !errors.Is(err, migrate.ErrNilVersion) {
+		return fmt.Errorf("migrate up: %w", err)
+	}
+	if dirty {
+		prev := -1 // none before the first
+		if p, err := src.Prev(v); err == nil {
+			prev = int(p)
+		} else if !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("migrate up: %w", err)
+		}
+		if err := m.Force(prev); err != nil {
+			return fmt.Errorf("migrate up: retrying interrupted migration %d: %w", v, err)
+		}
+		if err := m.Up(); err != nil && !errors.Is(err, migrate.ErrNoChange) {
+			return fmt.Errorf("migrate up: migration %d was interrupted and running it again failed (if it was applied after all, mark it so with `better-compute migrate force %d`): %w", v, v, err)
+		}
+		return nil
+	}
 	if err := m.Up(); err != nil && !errors.Is(err, migrate.ErrNoChange) {
 		return fmt.Errorf("migrate up: %w", err)
+	}
+	return nil
+}
+
+// MigrateForce marks the schema as being at version (clean) without running
+// anything: for an operator who repaired a failed migration by hand. Version
+// 0 means no migration applied. It fails for a version that is not one of
+// the embedded migrations.
+func MigrateForce(databaseURL string, version uint) error {
+	m, src, err := newMigrateSource(databaseURL)
+	if err != nil {
+		return err
+	}
+	defer m.Close()
+	target := -1
+	if version > 0 {
+		if _, _, err := src.ReadUp(version); err != nil {
+			return fmt.Errorf("migrate force: %d is not a migration version", version)
+		}
+		target = int(version)
+	}
+	if err := m.Force(target); err != nil {
+		return fmt.Errorf("migrate force: %w", err)
 	}
 	return nil
 }

@@ -2,6 +2,7 @@ package store_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"testing"
 
@@ -130,4 +131,43 @@ func TestMigration9OutboxDeleteOnPublish(t *testing.T) {
 	require.NoError(t, conn.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE published_at IS NULL`).Scan(&unpublished))
 	require.Equal(t, 2, unpublished)
 	require.NoError(t, store.MigrateUp(url))
+}
+
+// TestInterruptedMigrationIsRetried: a run killed during migration N left
+// the schema dirty at N with N rolled back; MigrateUp runs N again. A
+// migration that fails again names `migrate force`, which marks a version.
+func TestInterruptedMigrationIsRetried(t *testing.T) {
+	url := storetest.NewURL(t)
+	want := tables(t, url)
+	latest, _, err := store.MigrationVersion(url)
+	require.NoError(t, err)
+	require.NoError(t, store.MigrateDown(url, 1))
+	setVersion := func(v uint, dirty bool) {
+		conn, err := pgx.Connect(t.Context(), url)
+		require.NoError(t, err)
+		defer conn.Close(context.Background())
+		_, err = conn.Exec(t.Context(), `UPDATE schema_migrations SET version = $1, dirty = $2`, int64(v), dirty)
+		require.NoError(t, err)
+	}
+	setVersion(latest, true) // what golang-migrate writes before it runs a migration
+
+	require.NoError(t, store.MigrateUp(url))
+	v, dirty, err := store.MigrationVersion(url)
+	require.NoError(t, err)
+	require.Equal(t, latest, v)
+	require.False(t, dirty)
+	require.Equal(t, want, tables(t, url))
+
+	// Dirty although applied (killed between the migration's commit and
+	// the clean mark): running it again fails, and the error says what to do.
+	setVersion(latest, true)
+	err = store.MigrateUp(url)
+	require.ErrorContains(t, err, fmt.Sprintf("better-compute migrate force %d", latest))
+	require.NoError(t, store.MigrateForce(url, latest))
+	v, dirty, err = store.MigrationVersion(url)
+	require.NoError(t, err)
+	require.Equal(t, latest, v)
+	require.False(t, dirty)
+	require.NoError(t, store.MigrateUp(url))
+	require.ErrorContains(t, store.MigrateForce(url, 999), "999 is not a migration version")
 }

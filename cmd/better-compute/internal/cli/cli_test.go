@@ -481,6 +481,18 @@ func TestMigrate(t *testing.T) {
 	require.Contains(t, res.stdout, "migrated down: schema version "+previous+" on ", "one step")
 	res = r.run(t, "migrate", "up")
 	require.Equal(t, 0, res.code, res.stderr)
+
+	res = r.run(t, "migrate", "force", previous)
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, "forced: schema version "+previous+" on ")
+	res = r.run(t, "migrate", "force", latest)
+	require.Equal(t, 0, res.code, res.stderr)
+	res = r.run(t, "migrate", "force", "twelve")
+	require.Equal(t, 1, res.code)
+	require.Contains(t, res.stderr, `VERSION: want a migration number such as 12, got "twelve"`)
+	res = r.run(t, "migrate", "force", "9999")
+	require.Equal(t, 1, res.code)
+	require.Contains(t, res.stderr, "9999 is not a migration version")
 }
 
 func TestMiscCommands(t *testing.T) {

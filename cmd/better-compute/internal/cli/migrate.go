@@ -3,6 +3,7 @@ package cli
 import (
 	"errors"
 	"fmt"
+	"strconv"
 
 	"github.com/spf13/cobra"
 
@@ -97,6 +98,28 @@ func (a *app) migrateCmd() *cobra.Command {
 			return report(u, "current")
 		},
 	}
-	c.AddCommand(up, down, version)
+	force := &cobra.Command{
+		Use:   "force VERSION",
+		Short: "Mark the schema as at VERSION (clean) without running anything, after repairing a failed migration by hand",
+		Long: "force marks the schema as being at VERSION, clean, and runs nothing. `migrate up` already runs again a\n" +
+			"migration that a killed run left half-done (each migration is one transaction); use force only when a\n" +
+			"migration is marked dirty although it was applied, or after repairing one by hand. 0 means none applied.",
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			v, err := strconv.ParseUint(args[0], 10, 32)
+			if err != nil {
+				return fmt.Errorf("VERSION: want a migration number such as 12, got %q", args[0])
+			}
+			u, err := a.databaseURL(dbURL)
+			if err != nil {
+				return err
+			}
+			if err := store.MigrateForce(u, uint(v)); err != nil {
+				return err
+			}
+			return report(u, "forced")
+		},
+	}
+	c.AddCommand(up, down, version, force)
 	return c
 }
