@@ -13,7 +13,9 @@ import (
 )
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	// SIGHUP (the terminal closed) ends a run as Ctrl-C does, so `dev` and
+	// `events watch` clean up.
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM, syscall.SIGHUP)
 	code := cli.Run(ctx, os.Args[1:], cli.OSEnv())
 	stop()
 	os.Exit(code)

@@ -28,7 +28,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -69,9 +68,10 @@ const (
 	FileSecret = "secret"
 	// FileRootEnv holds the root tenant and root token (0600).
 	FileRootEnv = "root.env"
-	// FilePorts records the gateway and JoinService ports, reused by the
-	// next run so machines that joined find them again.
-	FilePorts = "ports.json"
+	// FileState records the stack's instance name and the gateway and
+	// JoinService ports, reused by the next run so machines that joined
+	// find the gateways again.
+	FileState = "state.json"
 )
 
 // DefaultWaitTimeout is how long WaitFor waits when WaitOptions.Timeout is 0.
@@ -173,11 +173,20 @@ type Stack struct {
 	RootTokenMinted bool
 	// Postgres is the embedded PostgreSQL server (nil with DatabaseURL).
 	Postgres *pgembed.Server
+	// Instance names this stack in lease holders ("dev-<instance>-…") and
+	// gateway ids ("gw-dev-<instance>-<n>"): kept in DataDir, new for a
+	// throwaway stack.
+	Instance string
+	// Warnings are what Start found odd but could work around, one
+	// sentence each (a kept port that was taken).
+	Warnings []string
 
 	opts    Options
 	dataDir string
 	tmpDir  string   // the throwaway DataDir, removed by Close
-	tmpLock *os.File // holds tmpDir's lock (tmpdir.go)
+	tmpLock *os.File // holds tmpDir's lock
+	dir     *dataDir // the kept DataDir, locked
+	state   state    // what the DataDir remembers between runs
 	nats    *server.Server
 	nc      []*nats.Conn
 	cancel  context.CancelFunc
@@ -221,17 +230,20 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 			if o.APIListener != nil {
 				o.APIListener.Close()
 			}
-			_ = s.Close()
+			s.close(true)
 		}
 	}()
+	sweepThrowaways()
 	if s.dataDir == "" {
 		if s.tmpDir, s.tmpLock, err = makeThrowaway(); err != nil {
 			return nil, err
 		}
 		s.dataDir = s.tmpDir
-	} else if err := os.MkdirAll(s.dataDir, 0o700); err != nil {
+	} else if s.dir, err = openDataDir(s.dataDir); err != nil {
 		return nil, err
 	}
+	s.state = readState(s.dataDir)
+	s.Instance = s.state.Instance
 	if err := s.startServers(ctx); err != nil {
 		return nil, err
 	}
@@ -283,7 +295,15 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 func (s *Stack) startServers(ctx context.Context) error {
 	o := s.opts
 	s.NATSURL = o.NATSURL
-	if s.NATSURL == "" {
+	if s.NATSURL != "" {
+		// The services' connections retry forever: say at once when the
+		// server cannot be reached at all.
+		probe, err := nats.Connect(s.NATSURL, nats.Timeout(5*time.Second))
+		if err != nil {
+			return fmt.Errorf("devstack: nats %s: %w", s.NATSURL, err)
+		}
+		probe.Close()
+	} else {
 		ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, NoSigs: true, NoLog: true})
 		if err != nil {
 			return fmt.Errorf("devstack: nats: %w", err)
@@ -339,43 +359,26 @@ func readOrMakeSecret(path string) (string, error) {
 	return v, nil
 }
 
-// ports are the listeners' ports that DataDir/ports.json keeps between runs.
-type ports struct {
-	Gateways []int `json:"gateways,omitempty"`
-	Join     int   `json:"join,omitempty"`
-}
-
-// keptPorts reads DataDir/ports.json of a kept stack (zero for a throwaway
-// one or a missing file).
-func (s *Stack) keptPorts() ports {
-	var p ports
-	if s.tmpDir != "" {
-		return p
-	}
-	if b, err := os.ReadFile(filepath.Join(s.dataDir, FilePorts)); err == nil {
-		_ = json.Unmarshal(b, &p) // a damaged file only costs new ports
-	}
-	return p
-}
-
-// keepPorts writes p to DataDir/ports.json of a kept stack.
-func (s *Stack) keepPorts(p ports) error {
+// keepState writes the state of a kept stack to its DataDir.
+func (s *Stack) keepState() error {
 	if s.tmpDir != "" {
 		return nil
 	}
-	b, err := json.Marshal(p)
-	if err != nil {
-		return err
-	}
-	return os.WriteFile(filepath.Join(s.dataDir, FilePorts), append(b, '\n'), 0o600)
+	return writeState(s.dataDir, s.state)
 }
 
-// listen listens on host:port, or on a free port when port is 0 or taken.
-func listen(host string, port int) (net.Listener, int, error) {
+// listen listens on host:port, or on a free port when port is 0 or taken
+// (then it adds a warning naming what).
+func (s *Stack) listen(host string, port int, what string) (net.Listener, int, error) {
 	if port > 0 {
-		if ln, err := net.Listen("tcp", net.JoinHostPort(host, fmt.Sprint(port))); err == nil {
+		ln, err := net.Listen("tcp", net.JoinHostPort(host, fmt.Sprint(port)))
+		if err == nil {
 			return ln, port, nil
 		}
+		defer func() {
+			s.Warnings = append(s.Warnings, fmt.Sprintf("the %s's port %d, kept from the last run, is taken (%s): "+
+				"it listens on another, and machines that joined from outside this process must join again", what, port, errText(err)))
+		}()
 	}
 	ln, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
 	if err != nil {
@@ -410,8 +413,8 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 		return err
 	}
 	db.SignalOutboxVia(func() error { return signalNC.Publish(store.SubjectOutboxWritten, nil) })
-	kept := s.keptPorts()
-	var used ports
+	kept := s.state
+	s.state.Gateways = nil
 	host := urlHost(o.Host)
 
 	for i := range o.Gateways {
@@ -423,12 +426,12 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 		if i < len(kept.Gateways) {
 			want = kept.Gateways[i]
 		}
-		ln, port, err := listen(o.Host, want)
+		ln, port, err := s.listen(o.Host, want, fmt.Sprintf("gateway %d", i))
 		if err != nil {
 			return err
 		}
 		gw, err := gateway.New(gateway.Config{
-			GatewayID:         fmt.Sprintf("gw-dev-%d", i),
+			GatewayID:         fmt.Sprintf("gw-dev-%s-%d", s.state.Instance, i),
 			Listener:          ln,
 			PKIDir:            s.PKIDir,
 			HeartbeatInterval: o.HeartbeatInterval,
@@ -441,7 +444,7 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 		}
 		s.Gateways = append(s.Gateways, gw)
 		s.GatewayURLs = append(s.GatewayURLs, "https://"+net.JoinHostPort(host, fmt.Sprint(port)))
-		used.Gateways = append(used.Gateways, port)
+		s.state.Gateways = append(s.state.Gateways, port)
 		g.Go(func() error { return gw.Run(gctx) })
 	}
 
@@ -457,14 +460,14 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 	if err != nil {
 		return err
 	}
-	joinLn, joinPort, err := listen(o.Host, kept.Join)
+	joinLn, joinPort, err := s.listen(o.Host, kept.Join, "JoinService")
 	if err != nil {
 		return err
 	}
-	used.Join = joinPort
+	s.state.Join = joinPort
 	s.JoinURL = "http://" + net.JoinHostPort(host, fmt.Sprint(joinPort))
 	g.Go(func() error { return join.Serve(gctx, joinLn) })
-	if err := s.keepPorts(used); err != nil {
+	if err := s.keepState(); err != nil {
 		return err
 	}
 
@@ -472,7 +475,7 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 	// document publishes.
 	apiLn := o.APIListener
 	if apiLn == nil {
-		if apiLn, _, err = listen(o.Host, 0); err != nil {
+		if apiLn, _, err = s.listen(o.Host, 0, "API"); err != nil {
 			return err
 		}
 	}
@@ -499,7 +502,7 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 		ctrl, err := controllers.New(controllers.Config{
 			NoHealthServer:    true,
 			ReconcileInterval: o.ReconcileInterval,
-			Holder:            "dev-controllers",
+			Holder:            "dev-" + s.state.Instance + "-controllers",
 			SignedIntent:      o.SignedIntent,
 			PKIDir:            s.PKIDir,
 		}, controllers.Deps{DB: db, NC: nc, Logger: log("controllers"), Clock: o.Clock})
@@ -517,7 +520,7 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 	if err != nil {
 		return err
 	}
-	sched, err := scheduler.New(scheduler.Config{NoHealthServer: true, Holder: "dev-scheduler",
+	sched, err := scheduler.New(scheduler.Config{NoHealthServer: true, Holder: "dev-" + s.state.Instance + "-scheduler",
 		SignedIntent: o.SignedIntent, PKIDir: s.PKIDir},
 		scheduler.Deps{DB: db, NC: nc, Logger: log("scheduler"), Clock: o.Clock})
 	if err != nil {
@@ -597,10 +600,16 @@ func (s *Stack) Bootstrap(ctx context.Context, bo BootstrapOptions) (bootstrap.R
 }
 
 // Close stops the simulated machines, then every service (releasing their
-// leases), then the embedded servers, and removes a throwaway DataDir. It
-// returns the first error a service stopped with. Calling it again does
-// nothing.
+// leases), then the embedded servers, removes a throwaway DataDir and
+// unlocks a kept one. It returns the first error a service stopped with.
+// Calling it again does nothing.
 func (s *Stack) Close() error {
+	s.close(false)
+	return s.err
+}
+
+// close is Close; failedStart also removes a kept DataDir that Start made.
+func (s *Stack) close(failedStart bool) {
 	s.once.Do(func() {
 		s.fleet.stop()
 		s.cancel()
@@ -633,6 +642,8 @@ func (s *Stack) Close() error {
 			}
 			s.tmpLock.Close()
 		}
+		if s.dir != nil {
+			s.dir.close(failedStart)
+		}
 	})
-	return s.err
 }

@@ -3,14 +3,20 @@ package devstack_test
 import (
 	"context"
 	"fmt"
+	"net"
+	"net/http"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 
+	"connectrpc.com/connect"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
+	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
 	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/store"
@@ -212,4 +218,196 @@ func TestThrowawaysOfKilledStacksAreSwept(t *testing.T) {
 	require.ErrorIs(t, err, os.ErrNotExist, "the dead stack's directory is removed")
 	_, err = os.Stat(live)
 	require.NoError(t, err, "a live stack's directory stays")
+}
+
+// TestDataDirIsOneStacks: a second stack on a DataDir in use is refused
+// and changes nothing of it, also when both start at once on a new one.
+func TestDataDirIsOneStacks(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	dir := filepath.Join(t.TempDir(), "new", "data")
+	type outcome struct {
+		st  *devstack.Stack
+		err error
+	}
+	results := make(chan outcome, 2)
+	for range 2 {
+		go func() {
+			st, err := devstack.Start(ctx, devstack.Options{DataDir: dir})
+			results <- outcome{st, err}
+		}()
+	}
+	var winner *devstack.Stack
+	var refused error
+	for range 2 {
+		r := <-results
+		if r.err == nil {
+			require.Nil(t, winner, "only one stack starts")
+			winner = r.st
+		} else {
+			refused = r.err
+		}
+	}
+	require.NotNil(t, winner)
+	t.Cleanup(func() { require.NoError(t, winner.Close()) })
+	require.ErrorIs(t, refused, devstack.ErrDataDirInUse)
+	require.ErrorContains(t, refused, "data directory "+dir+" is in use by another better-compute dev stack (pid ")
+	_, err := devstack.Start(ctx, devstack.Options{DataDir: dir})
+	require.ErrorIs(t, err, devstack.ErrDataDirInUse)
+	_, err = winner.CreatePool(ctx, devstack.PoolOptions{Name: "still-works"})
+	require.NoError(t, err, "the refused starts left the winner's data alone")
+}
+
+// TestDataDirThatIsNotOurs: a file, or a directory of other files, is
+// refused and left as it was.
+func TestDataDirThatIsNotOurs(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	dir := t.TempDir()
+	photos := filepath.Join(dir, "photos")
+	require.NoError(t, os.Mkdir(photos, 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(photos, "cat.jpg"), []byte("meow"), 0o644))
+	_, err := devstack.Start(ctx, devstack.Options{DataDir: photos})
+	require.ErrorIs(t, err, devstack.ErrNotDataDir)
+	require.ErrorContains(t, err, "data directory "+photos+" holds files that are not a better-compute dev stack's")
+	entries, err := os.ReadDir(photos)
+	require.NoError(t, err)
+	require.Len(t, entries, 1, "nothing added")
+
+	file := filepath.Join(dir, "file")
+	require.NoError(t, os.WriteFile(file, nil, 0o600))
+	_, err = devstack.Start(ctx, devstack.Options{DataDir: file})
+	require.ErrorIs(t, err, devstack.ErrNotDataDir)
+	require.ErrorContains(t, err, "is not a directory")
+}
+
+// TestFailedStartLeavesNoDataDir: a Start that fails after making its
+// DataDir removes it (and the parents it made); an empty directory it was
+// given is left empty.
+func TestFailedStartLeavesNoDataDir(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	base := t.TempDir()
+	noBinaries := t.TempDir()
+	_, err := devstack.Start(ctx, devstack.Options{DataDir: filepath.Join(base, "a", "b"), PostgresBinDir: noBinaries})
+	require.ErrorContains(t, err, "initdb")
+	entries, err := os.ReadDir(base)
+	require.NoError(t, err)
+	require.Empty(t, entries)
+
+	empty := filepath.Join(base, "empty")
+	require.NoError(t, os.Mkdir(empty, 0o700))
+	_, err = devstack.Start(ctx, devstack.Options{DataDir: empty, PostgresBinDir: noBinaries})
+	require.Error(t, err)
+	entries, err = os.ReadDir(empty)
+	require.NoError(t, err)
+	require.Empty(t, entries)
+}
+
+// TestTwoStacksOnOneDatabase: stacks of two DataDirs on one database take
+// gateway ids and lease holders of their own, and both serve.
+func TestTwoStacksOnOneDatabase(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	one := start(t, devstack.Options{DataDir: t.TempDir()})
+	two := start(t, devstack.Options{DataDir: t.TempDir(), DatabaseURL: one.DatabaseURL})
+	require.NotEqual(t, one.Gateways[0].GatewayID(), two.Gateways[0].GatewayID())
+	var holders []string
+	rows, err := one.DB.Pool.Query(ctx, `SELECT DISTINCT holder FROM leases ORDER BY 1`)
+	require.NoError(t, err)
+	for rows.Next() {
+		var h string
+		require.NoError(t, rows.Scan(&h))
+		holders = append(holders, h)
+	}
+	require.NoError(t, rows.Err())
+	require.NotEqual(t, one.Instance, two.Instance)
+	for _, h := range holders {
+		require.True(t, strings.Contains(h, "-"+one.Instance+"-") || strings.Contains(h, "-"+two.Instance+"-"),
+			"lease holder %s is one of the two stacks'", h)
+	}
+	require.Subset(t, holders, []string{one.Gateways[0].GatewayID(), two.Gateways[0].GatewayID()})
+	_, err = two.CreatePool(ctx, devstack.PoolOptions{Name: "second"})
+	require.NoError(t, err)
+}
+
+// TestUnreachableNATSIsRefused: a NATS server that does not answer fails
+// Start at once, naming it.
+func TestUnreachableNATSIsRefused(t *testing.T) {
+	t.Parallel()
+	_, err := devstack.Start(t.Context(), devstack.Options{NATSURL: "nats://127.0.0.1:1"})
+	require.ErrorContains(t, err, "nats://127.0.0.1:1")
+}
+
+// TestTakenGatewayPortIsAWarning: a kept stack whose gateway port is taken
+// at the next run listens on another, says so, and its machines still come
+// back.
+func TestTakenGatewayPortIsAWarning(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	dir := t.TempDir()
+	st, err := devstack.Start(ctx, devstack.Options{DataDir: dir})
+	require.NoError(t, err)
+	pool, err := st.CreatePool(ctx, devstack.PoolOptions{Name: "moved"})
+	require.NoError(t, err)
+	nodes, err := st.Join(ctx, devstack.JoinOptions{Pool: pool, Variant: fakehw.VariantCPU})
+	require.NoError(t, err)
+	_, err = st.WaitFor(ctx, nodes, devstack.WaitOptions{})
+	require.NoError(t, err)
+	gw := st.GatewayURL()
+	require.Empty(t, st.Warnings)
+	require.NoError(t, st.Close())
+
+	taken, err := net.Listen("tcp", strings.TrimPrefix(gw, "https://"))
+	require.NoError(t, err)
+	defer taken.Close()
+	st = start(t, devstack.Options{DataDir: dir})
+	require.NotEqual(t, gw, st.GatewayURL())
+	require.Len(t, st.Warnings, 1)
+	require.Contains(t, st.Warnings[0], "the gateway 0's port")
+	again, err := st.Join(ctx, devstack.JoinOptions{Pool: pool, Variant: fakehw.VariantCPU})
+	require.NoError(t, err)
+	require.Equal(t, nodes, again)
+	_, err = st.WaitFor(ctx, again, devstack.WaitOptions{})
+	require.NoError(t, err)
+}
+
+// TestWaitForConnected: after a restart on kept data the nodes are adopted
+// in the database at once; Connected waits for their machines' sessions,
+// and fails at once for a machine whose node was revoked meanwhile.
+func TestWaitForConnected(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	dir := t.TempDir()
+	run := func(revoke bool) (*devstack.Stack, []string, error) {
+		st := start(t, devstack.Options{DataDir: dir})
+		pool, err := st.CreatePool(ctx, devstack.PoolOptions{Name: "revoked"})
+		require.NoError(t, err)
+		nodes, err := st.Join(ctx, devstack.JoinOptions{Pool: pool, Count: 2, Variant: fakehw.VariantCPU})
+		require.NoError(t, err)
+		_, err = st.WaitFor(ctx, nodes, devstack.WaitOptions{Connected: true})
+		if err == nil {
+			for _, m := range st.Daemons() {
+				require.NotEmpty(t, m.Status().SessionID, "connected in this run")
+			}
+		}
+		if revoke {
+			_, rerr := computev1connect.NewNodeServiceClient(http.DefaultClient, st.APIURL+"/api/compute", st.ClientOptions()...).
+				RevokeNode(ctx, connect.NewRequest(&computev1.RevokeNodeRequest{NodeId: nodes[0], Reason: "test"}))
+			require.NoError(t, rerr)
+		}
+		require.NoError(t, st.Close())
+		return st, nodes, err
+	}
+	_, nodes, err := run(false)
+	require.NoError(t, err)
+	_, again, err := run(true)
+	require.NoError(t, err, "a restart waits for the sessions of this run")
+	require.Equal(t, nodes, again)
+	_, _, err = run(false)
+	require.ErrorContains(t, err, "node "+nodes[0]+"'s machine stopped for good")
+
+	st := start(t, devstack.Options{})
+	_, err = st.WaitFor(ctx, []string{"node_elsewhere"}, devstack.WaitOptions{Connected: true})
+	require.ErrorContains(t, err, "is not a machine of this stack's")
 }

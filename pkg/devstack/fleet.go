@@ -379,6 +379,11 @@ type WaitOptions struct {
 	State string
 	// Timeout bounds the wait (default DefaultWaitTimeout).
 	Timeout time.Duration
+	// Connected also waits until the machine of each node (one of this
+	// stack's Joins) holds a live session, and fails as soon as one has
+	// stopped for good (revoked, its certificate expired). Without it a
+	// node adopted in an earlier run of a kept stack is adopted at once.
+	Connected bool
 }
 
 // NodeStatus is a node's provision state as WaitFor saw it last.
@@ -403,6 +408,18 @@ func (s *Stack) WaitFor(ctx context.Context, nodeIDs []string, o WaitOptions) ([
 	}
 	clk := s.opts.Clock
 	deadline := clk.Now().Add(o.Timeout)
+	var machines map[string]*fakedaemon.Machine
+	if o.Connected {
+		machines = map[string]*fakedaemon.Machine{}
+		for _, m := range s.Daemons() {
+			machines[m.NodeID()] = m
+		}
+		for _, id := range nodeIDs {
+			if machines[id] == nil {
+				return nil, fmt.Errorf("devstack: wait: node %s is not a machine of this stack's", id)
+			}
+		}
+	}
 	for {
 		st, err := s.nodeStatuses(ctx, nodeIDs)
 		if err != nil {
@@ -410,14 +427,21 @@ func (s *Stack) WaitFor(ctx context.Context, nodeIDs []string, o WaitOptions) ([
 		}
 		var waiting []string
 		for _, n := range st {
+			var ms fakedaemon.MachineStatus
+			if m := machines[n.ID]; m != nil {
+				ms = m.Status()
+			}
 			switch {
 			case n.ProvisionState == "":
 				return nil, fmt.Errorf("devstack: wait: node %s does not exist", n.ID)
-			case n.ProvisionState == o.State && (o.State != store.NodeAdopted || n.ObservedGeneration >= 1):
+			case ms.Stopped != "":
+				return st, fmt.Errorf("devstack: wait: node %s's machine stopped for good: %s", n.ID, ms.Stopped)
 			case o.State == store.NodeAdopted && n.ProvisionState == store.NodeAcceptanceFailed:
 				return st, fmt.Errorf("devstack: wait: node %s failed acceptance: %s", n.ID, n.ProvisionReason)
-			default:
+			case n.ProvisionState != o.State || (o.State == store.NodeAdopted && n.ObservedGeneration < 1):
 				waiting = append(waiting, fmt.Sprintf("%s %s (generation %d applied)", n.ID, n.ProvisionState, n.ObservedGeneration))
+			case o.Connected && ms.SessionID == "":
+				waiting = append(waiting, fmt.Sprintf("%s %s, its machine not connected", n.ID, n.ProvisionState))
 			}
 		}
 		if len(waiting) == 0 {

@@ -307,17 +307,29 @@ func TestDevBadInput(t *testing.T) {
 			setup: func(t *testing.T, dir string) {
 				require.NoError(t, os.WriteFile(filepath.Join(dir, "odd.env"), []byte("BC_FOO=1\n"), 0o600))
 			}},
-		{name: "data not creatable", args: []string{"--data", "/proc/better-compute-dev"}, want: "--data: cannot create /proc/better-compute-dev"},
+		{name: "data not creatable", args: []string{"--data", "/proc/better-compute-dev"}, want: "--data: /proc/better-compute-dev cannot be created"},
 		{name: "data is a file", args: []string{"--data", "file"}, want: "--data: file is not a directory",
 			setup: func(t *testing.T, dir string) {
 				require.NoError(t, os.WriteFile(filepath.Join(dir, "file"), nil, 0o600))
 			}},
-		{name: "data holds something else", args: []string{"--data", "photos"}, want: "--data: photos holds files that are not a better-compute dev database",
+		{name: "data holds something else", args: []string{"--data", "photos"}, want: "--data: photos holds files that are not a better-compute dev stack's",
 			setup: func(t *testing.T, dir string) {
 				require.NoError(t, os.Mkdir(filepath.Join(dir, "photos"), 0o700))
 				require.NoError(t, os.WriteFile(filepath.Join(dir, "photos", "cat.jpg"), []byte("meow"), 0o600))
 			}},
 		{name: "no postgres binaries", env: []string{"BETTER_COMPUTE_POSTGRES_BIN=/nonexistent"}, want: "BETTER_COMPUTE_POSTGRES_BIN"},
+		{name: "state dir is a file", want: ".better-compute is not a directory",
+			setup: func(t *testing.T, dir string) {
+				require.NoError(t, os.WriteFile(filepath.Join(dir, ".better-compute"), nil, 0o600))
+			}},
+		{name: "log level", env: []string{"BC_LOG_LEVEL=loud"}, want: `BC_LOG_LEVEL: want debug, info, warn or error, got "loud"`},
+		{name: "missing PKI dir", env: []string{"BC_PKI_DIR=/nonexistent/pki"}, want: "BC_PKI_DIR: /nonexistent/pki is not a directory"},
+		{name: "signed intent not a bool", args: []string{"--config", "si.env"}, want: `si.env:1: BC_SIGNED_INTENT: want true or false, got "maybe"`,
+			setup: func(t *testing.T, dir string) {
+				require.NoError(t, os.WriteFile(filepath.Join(dir, "si.env"), []byte("BC_SIGNED_INTENT=maybe\n"), 0o600))
+			}},
+		{name: "NATS unreachable", args: []string{"--memory"}, env: []string{"BETTER_COMPUTE_NATS_URL=nats://127.0.0.1:1"},
+			want: "BETTER_COMPUTE_NATS_URL: cannot reach the NATS server"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
@@ -349,4 +361,121 @@ func listing(t *testing.T, dir string) []string {
 		return err
 	}))
 	return out
+}
+
+// TestDevKilledWhileStarting: dev killed (SIGKILL) at any moment of its
+// first start, during initdb or migrations, leaves a --data that the next
+// run starts from without help.
+func TestDevKilledWhileStarting(t *testing.T) {
+	t.Parallel()
+	dir := devproc.WorkDir(t)
+	data := filepath.Join(dir, "kept")
+	for _, after := range []time.Duration{50 * time.Millisecond, 200 * time.Millisecond, 350 * time.Millisecond,
+		500 * time.Millisecond, 650 * time.Millisecond, 800 * time.Millisecond} {
+		d := devproc.Start(t, dir, nil, "--data", data, "--port", "0")
+		require.NoError(t, clock.Sleep(t.Context(), devproc.Wall, after))
+		pg := devproc.Descendants(t, d.PID())
+		d.Stop(syscall.SIGKILL)
+		devproc.RequireGone(t, pg)
+	}
+	d := devproc.Start(t, dir, nil, "--data", data, "--sim", "2", "--port", "0")
+	d.WaitLine(`^2 simulated node\(s\) adopted$`, adoptWithin)
+	require.Equal(t, 0, d.Stop(syscall.SIGTERM), d.Stderr())
+}
+
+// TestDevTwoAtOnce: two devs started at once on a new --data: one runs, the
+// other is refused, and the refused one leaves the winner's data alone.
+func TestDevTwoAtOnce(t *testing.T) {
+	t.Parallel()
+	dir := devproc.WorkDir(t)
+	data := filepath.Join(dir, "shared")
+	a := devproc.Start(t, dir, nil, "--data", data, "--port", "0")
+	b := devproc.Start(t, dir, nil, "--data", data, "--port", "0")
+	var winner, loser *devproc.Dev
+	for winner == nil {
+		select {
+		case <-a.Done():
+			winner, loser = b, a
+		case <-b.Done():
+			winner, loser = a, b
+		case <-devproc.Wall.NewTimer(time.Minute).C():
+			t.Fatalf("neither dev was refused:\n%s\n---\n%s", a.Stderr(), b.Stderr())
+		}
+	}
+	require.Equal(t, 1, loser.Wait(time.Second), loser.Stderr())
+	require.Contains(t, loser.Stderr(), "--data: "+data+" is in use by another better-compute dev stack (pid ")
+	winner.WaitLine(`^better-compute listening on `, 30*time.Second)
+	require.NotEmpty(t, winner.CLI("pools", "list"), "the winner's data is intact")
+	require.Equal(t, 0, winner.Stop(syscall.SIGTERM), winner.Stderr())
+}
+
+// TestDevHangupAndBrokenPipe: a closed terminal (SIGHUP) stops dev as
+// SIGTERM does, and so does SIGTERM after the reader of its output went
+// away: the embedded server and its directory are gone afterwards.
+func TestDevHangupAndBrokenPipe(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name       string
+		closePipe  bool
+		sig        syscall.Signal
+		wantStderr bool
+	}{
+		{"hangup", false, syscall.SIGHUP, true},
+		{"broken pipe", true, syscall.SIGTERM, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			d := devproc.Start(t, "", nil, "--memory", "--port", "0")
+			d.WaitLine(`^CLI environment: `, 30*time.Second)
+			pg := devproc.Descendants(t, d.PID())
+			require.NotEmpty(t, pg)
+			shm := devproc.DataDirOf(t, pg[0])
+			require.DirExists(t, shm)
+			if c.closePipe {
+				d.CloseStderr()
+			}
+			code := d.Stop(c.sig)
+			require.Equal(t, 0, code, d.Stderr())
+			if c.wantStderr {
+				require.Contains(t, d.Stderr(), "stopping")
+			}
+			devproc.RequireGone(t, pg)
+			require.NoDirExists(t, filepath.Dir(shm), "the in-memory cluster is removed")
+		})
+	}
+}
+
+// TestDevRevokedMachineIsReported: a restart whose machine's node was
+// revoked says so rather than that every machine was adopted.
+func TestDevRevokedMachineIsReported(t *testing.T) {
+	t.Parallel()
+	dir := devproc.WorkDir(t)
+	data := filepath.Join(dir, "kept")
+	d := devproc.Start(t, dir, nil, "--data", data, "--sim", "2", "--port", "0")
+	d.WaitLine(`^2 simulated node\(s\) adopted$`, adoptWithin)
+	victim := nodes(t, d)[0].ID
+	d.CLI("nodes", "revoke", victim, "--reason", "test")
+	require.Equal(t, 0, d.Stop(syscall.SIGTERM), d.Stderr())
+
+	d = devproc.Start(t, dir, nil, "--data", data, "--sim", "2", "--port", "0")
+	d.WaitLine(`^warning: .*node `+victim+`'s machine stopped for good`, adoptWithin)
+	require.NotContains(t, d.Stderr(), "2 simulated node(s) adopted")
+	require.Equal(t, 0, d.Stop(syscall.SIGTERM), d.Stderr())
+}
+
+// TestDevSecondInSameDirectory: a second dev in one working directory
+// prints its environment instead of taking over dev.env, which keeps
+// naming the first.
+func TestDevSecondInSameDirectory(t *testing.T) {
+	t.Parallel()
+	dir := devproc.WorkDir(t)
+	first := devproc.Start(t, dir, nil, "--memory", "--port", "0")
+	url := first.WaitLine(`^better-compute listening on (\S+)/api/compute$`, 30*time.Second)[1]
+	first.WaitLine(`^CLI environment: `, 5*time.Second)
+	second := devproc.Start(t, dir, nil, "--memory", "--port", "0")
+	second.WaitLine(`^Another better-compute dev \(pid \d+\) owns \.better-compute/dev\.env in this directory; this one's CLI environment:$`, 30*time.Second)
+	second.WaitLine(`^export BETTER_COMPUTE_URL=http://`, 5*time.Second)
+	require.Equal(t, 0, second.Stop(syscall.SIGTERM), second.Stderr())
+	require.Contains(t, first.Env(), "BETTER_COMPUTE_URL="+url)
+	require.Equal(t, 0, first.Stop(syscall.SIGTERM), first.Stderr())
 }

@@ -107,6 +107,11 @@ func MachineID(seed string, index int) string {
 	return hex.EncodeToString(sum[:16])
 }
 
+// ReadIdentity returns the identity a machine directory dir (a Runner's
+// DataDir/<index>) holds, or nil when the machine has not joined; an
+// unreadable or corrupt NodeFile is an error.
+func ReadIdentity(dir string) (*Identity, error) { return loadIdentity(dir) }
+
 // Joined reports whether the machine directory dir (a Runner's
 // DataDir/<index>) holds a node identity, i.e. the machine will restart
 // without joining again. A directory that is missing or has no NodeFile

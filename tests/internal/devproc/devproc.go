@@ -8,6 +8,7 @@ package devproc
 import (
 	"bufio"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -35,6 +36,8 @@ type Dev struct {
 	// Dir is its working directory (where .better-compute/ is).
 	Dir string
 
+	stderrPipe io.ReadCloser
+
 	mu    sync.Mutex
 	lines []string
 	more  chan struct{} // signalled on each stderr line
@@ -58,7 +61,7 @@ func Start(tb testing.TB, dir string, env []string, args ...string) *Dev {
 	stderr, err := cmd.StderrPipe()
 	require.NoError(tb, err)
 	require.NoError(tb, cmd.Start())
-	d := &Dev{tb: tb, cmd: cmd, Dir: dir, more: make(chan struct{}, 1), done: make(chan struct{})}
+	d := &Dev{tb: tb, cmd: cmd, Dir: dir, more: make(chan struct{}, 1), done: make(chan struct{}), stderrPipe: stderr}
 	go func() {
 		sc := bufio.NewScanner(stderr)
 		sc.Buffer(make([]byte, 64<<10), 1<<20)
@@ -100,6 +103,13 @@ func (d *Dev) PID() int { return d.cmd.Process.Pid }
 
 // Done is closed when dev exited.
 func (d *Dev) Done() <-chan struct{} { return d.done }
+
+// CloseStderr closes the reading end of dev's standard error, as a reader
+// that went away (`dev | tee` interrupted) does: dev's next write to it
+// meets a broken pipe.
+func (d *Dev) CloseStderr() {
+	_ = d.stderrPipe.Close()
+}
 
 // Stderr returns what dev printed so far.
 func (d *Dev) Stderr() string {
@@ -239,6 +249,22 @@ func Descendants(tb testing.TB, pid int) []int {
 		next = kids
 	}
 	return out
+}
+
+// DataDirOf returns the data directory of a postgres process (its -D
+// argument).
+func DataDirOf(tb testing.TB, pid int) string {
+	tb.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	require.NoError(tb, err)
+	args := strings.Split(string(b), "\x00")
+	for i, a := range args {
+		if a == "-D" && i+1 < len(args) {
+			return args[i+1]
+		}
+	}
+	tb.Fatalf("process %d has no -D argument: %q", pid, args)
+	return ""
 }
 
 // UID returns the real uid of a process.

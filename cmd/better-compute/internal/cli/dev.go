@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"os/signal"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -24,6 +25,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/pgembed"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/telemetry"
+	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
 )
 
 // Defaults and bounds of `better-compute dev`.
@@ -39,8 +41,6 @@ const (
 	// devConfigFile is the configuration dev discovers in the working
 	// directory when neither --config nor BETTER_COMPUTE_CONFIG names one.
 	devConfigFile = "better-compute.env"
-	// devMarker marks a --data directory as dev's own.
-	devMarker = ".better-compute-dev"
 )
 
 // devConfigKeys are the settings a dev configuration file may hold: the
@@ -84,14 +84,17 @@ func (a *app) devCmd() *cobra.Command {
 			"hgx-h100-gpu-missing (one GPU missing: fails acceptance), l40s (4x L40S; pool: L40S, 4 GPUs), cpu (no\n" +
 			"GPUs; no model or count check). Machines from outside join too: `fakedaemon --server <URL> --pins-file\n" +
 			devStateDir + "/dev-pins.json`.\n\n" +
-			"SIGINT or SIGTERM stops the machines, the services (releasing their leases) and the embedded servers.",
+			"One dev at a time uses a --data directory; in one working directory the first dev running owns dev.env\n" +
+			"(a second prints its environment instead). SIGINT, SIGTERM or SIGHUP (a closed terminal) stops the\n" +
+			"machines, the services (releasing their leases) and the embedded servers; after a crash (kill -9) the\n" +
+			"next run cleans up by itself.",
 		Args: cobra.NoArgs,
 	}
 	fl := c.Flags()
 	fl.StringVar(&f.host, "host", devDefaultHost, "the address to listen on")
 	fl.IntVar(&f.port, "port", devDefaultPort, "the API's port; 0 picks a free one (env PORT)")
 	fl.StringVar(&f.data, "data", devDefaultData, "where the database (unless configured), the PKI, the root token and the simulated machines are kept")
-	fl.BoolVar(&f.memory, "memory", false, "a throwaway database (and PKI), removed at exit")
+	fl.BoolVar(&f.memory, "memory", false, "a throwaway database, PKI and machines, removed at exit (a configured database is not used)")
 	fl.StringVar(&f.config, "config", "", "the configuration file (env BETTER_COMPUTE_CONFIG; default ./"+devConfigFile+" when it exists)")
 	fl.IntVar(&f.sim, "sim", 0, fmt.Sprintf("join N simulated machines, 0 to %d", devMaxSim))
 	fl.StringVar(&f.simVariant, "sim-variant", fakehw.VariantHGXH100, "hardware of the simulated machines: "+strings.Join(fakehw.Variants(), ", "))
@@ -111,6 +114,9 @@ func (a *app) devCmd() *cobra.Command {
 		if f.memory && cmd.Flags().Changed("data") {
 			return errors.New("--memory and --data cannot be used together: --memory keeps no data")
 		}
+		// A reader of dev's output that went away (`dev | tee` interrupted)
+		// must not kill dev before it cleaned up: writes fail instead.
+		signal.Ignore(syscall.SIGPIPE)
 		return a.runDev(cmd.Context(), f)
 	}
 	return c
@@ -155,32 +161,35 @@ func (f devFlags) validate() error {
 type devConfig struct {
 	databaseURL, natsURL, pkiDir string
 	signedIntent                 bool
+	// from says where each setting came from, for messages: the variable
+	// itself or "FILE:LINE: VARIABLE".
+	from map[string]string
 }
 
 // loadDevConfig reads the configuration file (--config, else
 // BETTER_COMPUTE_CONFIG, else ./better-compute.env when it exists) and the
-// environment.
+// environment, and checks what it can without starting anything.
 func (a *app) loadDevConfig(flag string) (devConfig, error) {
-	cfg := devConfig{signedIntent: true}
+	cfg := devConfig{signedIntent: true, from: map[string]string{}}
 	path, name := flag, "--config"
 	if path == "" {
 		path, name = a.env.Getenv("BETTER_COMPUTE_CONFIG"), "BETTER_COMPUTE_CONFIG"
 	}
-	vals := map[string]string{}
 	if path == "" {
 		if _, err := os.Stat(devConfigFile); err == nil {
 			path, name = devConfigFile, devConfigFile
 		}
 	}
+	vals := map[string]string{}
 	if path != "" {
 		var err error
-		if vals, err = parseDevConfig(path); err != nil {
+		if vals, cfg.from, err = parseDevConfig(path); err != nil {
 			return cfg, fmt.Errorf("%s: %w", name, err)
 		}
 	}
 	for k := range devConfigKeys {
 		if v := a.env.Getenv(k); v != "" {
-			vals[k] = v
+			vals[k], cfg.from[k] = v, k
 		}
 	}
 	cfg.databaseURL = vals["BETTER_COMPUTE_DATABASE_URL"]
@@ -189,25 +198,32 @@ func (a *app) loadDevConfig(flag string) (devConfig, error) {
 	if v, ok := vals["BC_SIGNED_INTENT"]; ok {
 		b, err := strconv.ParseBool(v)
 		if err != nil {
-			return cfg, fmt.Errorf("BC_SIGNED_INTENT: want true or false, got %q", v)
+			return cfg, fmt.Errorf("%s: want true or false, got %q", cfg.from["BC_SIGNED_INTENT"], v)
 		}
 		cfg.signedIntent = b
+	}
+	if cfg.pkiDir != "" {
+		if fi, err := os.Stat(cfg.pkiDir); err != nil || !fi.IsDir() {
+			return cfg, fmt.Errorf("%s: %s is not a directory (`better-compute pki init --dir %s` makes a deployment's PKI)",
+				cfg.from["BC_PKI_DIR"], cfg.pkiDir, cfg.pkiDir)
+		}
 	}
 	return cfg, nil
 }
 
 // parseDevConfig reads KEY=VALUE lines (an optional "export ", blank lines
-// and # comments, values optionally quoted) of the keys in devConfigKeys.
-func parseDevConfig(path string) (map[string]string, error) {
+// and # comments, values optionally quoted) of the keys in devConfigKeys,
+// and where each was ("PATH:LINE: KEY").
+func parseDevConfig(path string) (map[string]string, map[string]string, error) {
 	file, err := os.Open(path)
 	if errors.Is(err, fs.ErrNotExist) {
-		return nil, fmt.Errorf("%s does not exist", path)
+		return nil, nil, fmt.Errorf("%s does not exist", path)
 	}
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	defer file.Close()
-	vals := map[string]string{}
+	vals, from := map[string]string{}, map[string]string{}
 	sc := bufio.NewScanner(file)
 	for n := 1; sc.Scan(); n++ {
 		line := strings.TrimSpace(sc.Text())
@@ -217,66 +233,75 @@ func parseDevConfig(path string) (map[string]string, error) {
 		k, v, ok := strings.Cut(strings.TrimPrefix(line, "export "), "=")
 		k = strings.TrimSpace(k)
 		if !ok || k == "" {
-			return nil, fmt.Errorf("%s:%d: want KEY=VALUE, got %q", path, n, line)
+			return nil, nil, fmt.Errorf("%s:%d: want KEY=VALUE, got %q", path, n, line)
 		}
 		if _, known := devConfigKeys[k]; !known {
-			return nil, fmt.Errorf("%s:%d: unknown setting %s (known: BETTER_COMPUTE_DATABASE_URL, BETTER_COMPUTE_NATS_URL, BC_PKI_DIR, BC_SIGNED_INTENT)", path, n, k)
+			return nil, nil, fmt.Errorf("%s:%d: unknown setting %s (known: BETTER_COMPUTE_DATABASE_URL, BETTER_COMPUTE_NATS_URL, BC_PKI_DIR, BC_SIGNED_INTENT)", path, n, k)
 		}
 		v = strings.TrimSpace(v)
 		if len(v) >= 2 && (v[0] == '"' || v[0] == '\'') && v[len(v)-1] == v[0] {
 			v = v[1 : len(v)-1]
 		}
-		vals[k] = v
+		vals[k], from[k] = v, fmt.Sprintf("%s:%d: %s", path, n, k)
 	}
 	if err := sc.Err(); err != nil {
-		return nil, fmt.Errorf("%s: %w", path, err)
+		return nil, nil, fmt.Errorf("%s: %w", path, err)
 	}
-	return vals, nil
+	return vals, from, nil
 }
 
-// devData prepares --data: it must be a directory dev can write that is
-// empty, missing or dev's own. It reports whether it created the directory
-// (so a failed start removes it).
-func devData(dir string) (created bool, err error) {
-	st, err := os.Stat(dir)
+// devState is the working directory's .better-compute: dev.env and
+// dev-pins.json belong to the dev that holds its lock (dev.lock), the first
+// of those running in this directory.
+type devState struct {
+	created bool     // this run made the directory
+	lock    *os.File // nil when another dev holds the lock
+	holder  string   // that dev's pid, when lock is nil
+}
+
+// openDevState makes .better-compute (0700) when missing, checks that it is
+// a directory this process can write, and takes its lock when it is free.
+func openDevState() (*devState, error) {
+	d := &devState{}
+	err := os.Mkdir(devStateDir, 0o700)
 	switch {
-	case errors.Is(err, fs.ErrNotExist):
-		if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
-			return false, fmt.Errorf("--data: cannot create %s: %w", dir, err)
-		}
-		if err := os.Mkdir(dir, 0o700); err != nil {
-			return false, fmt.Errorf("--data: cannot create %s: %w", dir, err)
-		}
-		created = true
-	case err != nil:
-		return false, fmt.Errorf("--data: %w", err)
-	case !st.IsDir():
-		return false, fmt.Errorf("--data: %s is not a directory", dir)
-	default:
-		entries, err := os.ReadDir(dir)
-		if err != nil {
-			return false, fmt.Errorf("--data: cannot read %s: %w", dir, err)
-		}
-		if _, err := os.Stat(filepath.Join(dir, devMarker)); len(entries) > 0 && err != nil {
-			return false, fmt.Errorf("--data: %s holds files that are not a better-compute dev database", dir)
-		}
+	case err == nil:
+		d.created = true
+	case !errors.Is(err, fs.ErrExist):
+		return nil, fmt.Errorf("%s: cannot create it: %w", devStateDir, errors.Unwrap(err))
 	}
-	probe, err := os.CreateTemp(dir, ".write-test-")
+	if fi, err := os.Stat(devStateDir); err != nil || !fi.IsDir() {
+		return nil, fmt.Errorf("%s is not a directory (dev keeps dev.env and dev-pins.json there)", devStateDir)
+	}
+	lock, err := os.OpenFile(filepath.Join(devStateDir, "dev.lock"), os.O_RDWR|os.O_CREATE|syscall.O_CLOEXEC, 0o600)
 	if err != nil {
-		if created {
-			_ = os.Remove(dir)
-		}
-		return false, fmt.Errorf("--data: %s is not writable: %w", dir, errors.Unwrap(err))
+		d.close(true)
+		return nil, fmt.Errorf("%s is not writable: %w", devStateDir, errors.Unwrap(err))
 	}
-	probe.Close()
-	_ = os.Remove(probe.Name())
-	if err := os.WriteFile(filepath.Join(dir, devMarker), []byte("better-compute dev data directory\n"), 0o600); err != nil {
-		if created {
-			_ = os.RemoveAll(dir)
-		}
-		return false, fmt.Errorf("--data: %w", err)
+	if syscall.Flock(int(lock.Fd()), syscall.LOCK_EX|syscall.LOCK_NB) != nil {
+		b, _ := os.ReadFile(lock.Name())
+		d.holder = strings.TrimSpace(string(b))
+		lock.Close()
+		return d, nil
 	}
-	return created, nil
+	d.lock = lock
+	_ = lock.Truncate(0)
+	_, _ = lock.WriteAt([]byte(strconv.Itoa(os.Getpid())+"\n"), 0)
+	return d, nil
+}
+
+// close unlocks; with failed, it removes the directory when this run made
+// it and left nothing else in it.
+func (d *devState) close(failed bool) {
+	if d.lock != nil {
+		d.lock.Close()
+	}
+	if !failed || !d.created {
+		return
+	}
+	if entries, err := os.ReadDir(devStateDir); err == nil && len(entries) <= 1 {
+		_ = os.RemoveAll(devStateDir) // nothing, or only dev.lock
+	}
 }
 
 // runDev is `better-compute dev`.
@@ -285,6 +310,10 @@ func (a *app) runDev(ctx context.Context, f devFlags) (err error) {
 		return err
 	}
 	cfg, err := a.loadDevConfig(f.config)
+	if err != nil {
+		return err
+	}
+	logger, err := devLogger(a.env)
 	if err != nil {
 		return err
 	}
@@ -297,29 +326,23 @@ func (a *app) runDev(ctx context.Context, f devFlags) (err error) {
 			return err
 		}
 	}
-	ln, err := net.Listen("tcp", net.JoinHostPort(f.host, strconv.Itoa(f.port)))
+	state, err := openDevState()
 	if err != nil {
+		return err
+	}
+	addr := net.JoinHostPort(f.host, strconv.Itoa(f.port))
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		state.close(true)
 		if errors.Is(err, syscall.EADDRINUSE) {
-			return fmt.Errorf("--port: %s is already in use (--port 0 picks a free port)", net.JoinHostPort(f.host, strconv.Itoa(f.port)))
+			return fmt.Errorf("--port: %s is already in use (--port 0 picks a free port)", addr)
 		}
-		return fmt.Errorf("--host: cannot listen on %s: %w", net.JoinHostPort(f.host, strconv.Itoa(f.port)), err)
+		return fmt.Errorf("--host: cannot listen on %s: %w", addr, err)
 	}
-	createdState, err := mkdirOwned(devStateDir)
-	if err != nil {
-		ln.Close()
-		return fmt.Errorf("%s: %w", devStateDir, err)
-	}
-	var dataDir string
-	var createdData bool
+	dataDir := ""
 	if !f.memory {
 		dataDir = f.data
-		if createdData, err = devData(dataDir); err != nil {
-			ln.Close()
-			removeIfEmpty(createdState, devStateDir)
-			return err
-		}
 	}
-	logger := devLogger(a.env)
 	// The signal ends the run below, and Close then stops the machines
 	// before the services they talk to; ctx bounds the start only.
 	st, err := devstack.Start(ctx, devstack.Options{
@@ -336,32 +359,38 @@ func (a *app) runDev(ctx context.Context, f devFlags) (err error) {
 		// A laptop's reconcilers look often: adoption in well under a second.
 		ReconcileInterval: 250 * time.Millisecond,
 	})
+	w := a.env.Stderr
 	if err != nil {
-		if createdData {
-			_ = os.RemoveAll(dataDir)
-		}
-		removeIfEmpty(createdState, devStateDir)
+		state.close(true)
 		if ctx.Err() != nil {
-			return nil // interrupted while starting
+			fmt.Fprintln(w, "interrupted while starting")
+			return nil
 		}
-		return devStartError(dataDir, err)
+		return devStartError(err, cfg)
 	}
 	defer func() {
 		if cerr := st.Close(); cerr != nil && err == nil {
 			err = fmt.Errorf("stopping: %w", cerr)
 		}
+		state.close(false)
 	}()
-	w := a.env.Stderr
+	gateway := "Gateway (mTLS)"
+	if ip := net.ParseIP(f.host); f.host == "localhost" || (ip != nil && ip.IsLoopback()) {
+		gateway = "Gateway (mTLS, loopback)"
+	}
 	fmt.Fprintf(w, "better-compute listening on %s/api/compute\n", st.APIURL)
-	fmt.Fprintf(w, "Gateway (mTLS, loopback): %s\n", st.GatewayURL())
+	fmt.Fprintf(w, "%s: %s\n", gateway, st.GatewayURL())
+	for _, warning := range st.Warnings {
+		fmt.Fprintf(w, "warning: %s\n", warning)
+	}
 	fmt.Fprintf(w, "Root tenant %s; root token (dev only): %s\n", st.TenantID, st.RootToken)
-	if err := writeDevFiles(st, ""); err != nil {
+	if err := a.devEnv(state, st, ""); err != nil {
 		return err
 	}
-	fmt.Fprintf(w, "CLI environment: source %s\n", filepath.Join(devStateDir, "dev.env"))
 	if f.sim > 0 {
-		if err := a.devSim(ctx, st, f); err != nil {
+		if err := a.devSim(ctx, state, st, f, cfg); err != nil {
 			if ctx.Err() != nil {
+				fmt.Fprintln(w, "stopping")
 				return nil // stopped while the machines joined
 			}
 			return err
@@ -378,8 +407,9 @@ func (a *app) runDev(ctx context.Context, f devFlags) (err error) {
 	return fmt.Errorf("the control plane stopped: %w", st.Err())
 }
 
-// devSim joins --sim machines and reports their acceptance.
-func (a *app) devSim(ctx context.Context, st *devstack.Stack, f devFlags) error {
+// devSim joins --sim machines and reports their acceptance: adopted (or,
+// for hgx-h100-gpu-missing, failed acceptance) and connected in this run.
+func (a *app) devSim(ctx context.Context, state *devState, st *devstack.Stack, f devFlags, cfg devConfig) error {
 	w := a.env.Stderr
 	po, err := devstack.VariantPool(f.simVariant)
 	if err != nil {
@@ -389,7 +419,7 @@ func (a *app) devSim(ctx context.Context, st *devstack.Stack, f devFlags) error 
 	if err != nil {
 		return err
 	}
-	if err := writeDevFiles(st, pool); err != nil {
+	if err := a.devEnv(state, st, pool); err != nil {
 		return err
 	}
 	nodes, err := st.Join(ctx, devstack.JoinOptions{Pool: pool, Count: f.sim, Variant: f.simVariant})
@@ -397,6 +427,12 @@ func (a *app) devSim(ctx context.Context, st *devstack.Stack, f devFlags) error 
 		return err
 	}
 	fmt.Fprintf(w, "Joined %d simulated %s node(s) into %s\n", len(nodes), f.simVariant, pool)
+	if !cfg.signedIntent {
+		if n := requireSignedIntent(st); n > 0 {
+			fmt.Fprintf(w, "warning: signed intent is off (BC_SIGNED_INTENT=false), but %d simulated machine(s) joined "+
+				"when it was on and refuse unsigned commands and NodeSpecs: turn it on again, or use another --data\n", n)
+		}
+	}
 	want := store.NodeAdopted
 	if f.simVariant == fakehw.VariantHGXH100GPUMissing {
 		want = store.NodeAcceptanceFailed
@@ -404,7 +440,7 @@ func (a *app) devSim(ctx context.Context, st *devstack.Stack, f devFlags) error 
 	// Acceptance runs diag.nvml on every machine: allow for a large fleet
 	// on a small laptop.
 	timeout := max(time.Minute, time.Duration(f.sim)*100*time.Millisecond)
-	statuses, err := st.WaitFor(ctx, nodes, devstack.WaitOptions{State: want, Timeout: timeout})
+	statuses, err := st.WaitFor(ctx, nodes, devstack.WaitOptions{State: want, Timeout: timeout, Connected: true})
 	if err != nil {
 		if ctx.Err() != nil {
 			return err
@@ -432,15 +468,38 @@ func (a *app) devSim(ctx context.Context, st *devstack.Stack, f devFlags) error 
 	return nil
 }
 
-// writeDevFiles writes .better-compute/dev.env (the CLI's environment, 0600;
-// with BETTER_COMPUTE_POOL when pool is set) and
-// .better-compute/dev-pins.json (the deployment's pins, for machines joining
-// from outside).
-func writeDevFiles(st *devstack.Stack, pool string) error {
+// requireSignedIntent counts the stack's machines whose identity holds a
+// command-signing root: they refuse unsigned intent.
+func requireSignedIntent(st *devstack.Stack) int {
+	n := 0
+	for _, m := range st.Daemons() {
+		if id, err := fakedaemon.ReadIdentity(m.Dir()); err == nil && id != nil && len(id.CommandSigningRoot) > 0 {
+			n++
+		}
+	}
+	return n
+}
+
+// devEnv writes .better-compute/dev.env (the CLI's environment, 0600; with
+// BETTER_COMPUTE_POOL when pool is set) and .better-compute/dev-pins.json
+// (the deployment's pins, for machines joining from outside), and says so
+// the first time. When another dev in this directory owns those files, it
+// prints the environment instead.
+func (a *app) devEnv(state *devState, st *devstack.Stack, pool string) error {
 	env := fmt.Sprintf("export BETTER_COMPUTE_URL=%s\nexport BETTER_COMPUTE_TOKEN=%s\nexport BETTER_COMPUTE_TENANT=%s\n",
 		st.APIURL, st.RootToken, st.TenantID)
 	if pool != "" {
 		env += "export BETTER_COMPUTE_POOL=" + pool + "\n"
+	}
+	w := a.env.Stderr
+	if state.lock == nil {
+		if pool == "" {
+			fmt.Fprintf(w, "Another better-compute dev (pid %s) owns %s in this directory; this one's CLI environment:\n%s",
+				state.holder, filepath.Join(devStateDir, "dev.env"), env)
+		} else {
+			fmt.Fprintf(w, "export BETTER_COMPUTE_POOL=%s\n", pool)
+		}
+		return nil
 	}
 	if err := writeFileAtomic(filepath.Join(devStateDir, "dev.env"), []byte(env), 0o600); err != nil {
 		return err
@@ -449,7 +508,13 @@ func writeDevFiles(st *devstack.Stack, pool string) error {
 	if err != nil {
 		return err
 	}
-	return writeFileAtomic(filepath.Join(devStateDir, "dev-pins.json"), append(pins, '\n'), 0o644)
+	if err := writeFileAtomic(filepath.Join(devStateDir, "dev-pins.json"), append(pins, '\n'), 0o644); err != nil {
+		return err
+	}
+	if pool == "" {
+		fmt.Fprintf(w, "CLI environment: source %s\n", filepath.Join(devStateDir, "dev.env"))
+	}
+	return nil
 }
 
 // writeFileAtomic replaces path with content (mode) through a rename.
@@ -473,43 +538,28 @@ func writeFileAtomic(path string, content []byte, mode os.FileMode) error {
 	return os.Rename(tmp.Name(), path)
 }
 
-// mkdirOwned makes dir with mode 0700 when missing and reports whether it
-// did.
-func mkdirOwned(dir string) (bool, error) {
-	err := os.Mkdir(dir, 0o700)
-	if errors.Is(err, fs.ErrExist) {
-		return false, nil
-	}
-	return err == nil, err
-}
-
-// removeIfEmpty removes dir when this run created it and left it empty.
-func removeIfEmpty(created bool, dir string) {
-	if !created {
-		return
-	}
-	if entries, err := os.ReadDir(dir); err == nil && len(entries) == 0 {
-		_ = os.Remove(dir)
-	}
-}
-
-// devStartError names the flag behind a failed start where one is.
-func devStartError(dataDir string, err error) error {
+// devStartError names the flag or setting behind a failed start where one
+// is.
+func devStartError(err error, cfg devConfig) error {
+	var dd *devstack.DataDirError
 	switch {
-	case errors.Is(err, pgembed.ErrNotCluster):
-		return fmt.Errorf("--data: %s holds files that are not a better-compute dev database: %w", dataDir, err)
-	case errors.Is(err, pgembed.ErrInUse):
-		return fmt.Errorf("--data: %w", err)
+	case errors.As(err, &dd):
+		return fmt.Errorf("--data: %s %s", dd.Dir, dd.Msg)
+	case cfg.natsURL != "" && strings.Contains(err.Error(), cfg.natsURL):
+		return fmt.Errorf("%s: cannot reach the NATS server: %w", cfg.from["BETTER_COMPUTE_NATS_URL"], err)
 	}
 	return err
 }
 
-// devLogger is dev's log: JSON on standard error at BC_LOG_LEVEL, warn by
-// default (the progress lines are what a developer reads).
-func devLogger(env Env) *slog.Logger {
+// devLogger is dev's log: JSON on standard error at BC_LOG_LEVEL (debug,
+// info, warn or error), warn by default (the progress lines are what a
+// developer reads).
+func devLogger(env Env) (*slog.Logger, error) {
 	level := slog.LevelWarn
 	if v := env.Getenv("BC_LOG_LEVEL"); v != "" {
-		_ = level.UnmarshalText([]byte(v))
+		if err := level.UnmarshalText([]byte(v)); err != nil {
+			return nil, fmt.Errorf("BC_LOG_LEVEL: want debug, info, warn or error, got %q", v)
+		}
 	}
-	return telemetry.NewLoggerAt(env.Stderr, "", level) // devstack names each service
+	return telemetry.NewLoggerAt(env.Stderr, "", level), nil // devstack names each service
 }
