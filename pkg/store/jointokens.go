@@ -2,6 +2,7 @@ package store
 
 import (
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"time"
@@ -191,22 +192,77 @@ func UseJoinToken(ctx context.Context, q DBTX, hash []byte, now time.Time) (Join
 // ErrJoinTokenRevoked, ErrJoinTokenExpired or ErrJoinTokenUsedUp) when no use
 // can be granted; nothing is counted then.
 func UseJoinTokenN(ctx context.Context, q DBTX, hash []byte, n int, now time.Time) (JoinToken, int, error) {
+	t, err := LockJoinToken(ctx, q, hash, now)
+	if err != nil {
+		return t, 0, err
+	}
+	granted, err := CountJoinTokenUses(ctx, q, t, n)
+	return t, granted, err
+}
+
+// LockJoinToken locks the row of the token whose secret hashes to hash (FOR
+// UPDATE, until the transaction ends) and returns it. Errors: a
+// *JoinTokenRefusal (ErrJoinTokenUnknown, ErrJoinTokenRevoked or
+// ErrJoinTokenExpired); whether uses are left is CountJoinTokenUses's to
+// say.
+func LockJoinToken(ctx context.Context, q DBTX, hash []byte, now time.Time) (JoinToken, error) {
 	t, err := scanJoinToken(q.QueryRow(ctx, `SELECT `+joinTokenColumns+` FROM join_tokens WHERE hash = $1 FOR UPDATE`, hash))
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
-		return JoinToken{}, 0, &JoinTokenRefusal{Reason: ErrJoinTokenUnknown}
+		return JoinToken{}, &JoinTokenRefusal{Reason: ErrJoinTokenUnknown}
 	case err != nil:
-		return JoinToken{}, 0, queryErr("lock join token", err)
+		return JoinToken{}, queryErr("lock join token", err)
 	case t.RevokedAt != nil:
-		return t, 0, &JoinTokenRefusal{Reason: ErrJoinTokenRevoked, Token: t}
+		return t, &JoinTokenRefusal{Reason: ErrJoinTokenRevoked, Token: t}
 	case !t.ExpiresAt.After(now):
-		return t, 0, &JoinTokenRefusal{Reason: ErrJoinTokenExpired, Token: t}
-	case t.Uses >= t.MaxUses:
-		return t, 0, &JoinTokenRefusal{Reason: ErrJoinTokenUsedUp, Token: t}
+		return t, &JoinTokenRefusal{Reason: ErrJoinTokenExpired, Token: t}
+	}
+	return t, nil
+}
+
+// CountJoinTokenUses counts up to n uses of t, locked by LockJoinToken in
+// this transaction, and returns how many were granted (1 to n). Errors: a
+// *JoinTokenRefusal (ErrJoinTokenUsedUp) when none is left.
+func CountJoinTokenUses(ctx context.Context, q DBTX, t JoinToken, n int) (int, error) {
+	if t.Uses >= t.MaxUses {
+		return 0, &JoinTokenRefusal{Reason: ErrJoinTokenUsedUp, Token: t}
 	}
 	granted := min(n, int(t.MaxUses-t.Uses))
 	if _, err := q.Exec(ctx, `UPDATE join_tokens SET uses = uses + $2 WHERE id = $1`, t.ID, granted); err != nil {
-		return JoinToken{}, 0, queryErr("use join token", err)
+		return 0, queryErr("use join token", err)
 	}
-	return t, granted, nil
+	return granted, nil
+}
+
+// JoinedKey is a node that a public key joined as.
+type JoinedKey struct {
+	// NodeID is the node and PoolID its pool.
+	NodeID, PoolID string
+}
+
+// JoinedKeys returns, by hex SHA-256 of the SubjectPublicKeyInfo, the nodes
+// that the keys of keys (pki.PublicKeySHA256 values) joined as: the node of
+// the key's first certificate.
+func JoinedKeys(ctx context.Context, q DBTX, keys [][]byte) (map[string]JoinedKey, error) {
+	rows, err := q.Query(ctx, `SELECT DISTINCT ON (c.public_key_sha256) c.public_key_sha256, n.id, n.pool_id
+		FROM node_certs c JOIN nodes n ON n.id = c.node_id
+		WHERE c.public_key_sha256 = ANY($1)
+		ORDER BY c.public_key_sha256, c.created_at`, keys)
+	if err != nil {
+		return nil, queryErr("joined keys", err)
+	}
+	defer rows.Close()
+	out := map[string]JoinedKey{}
+	for rows.Next() {
+		var key []byte
+		var j JoinedKey
+		if err := rows.Scan(&key, &j.NodeID, &j.PoolID); err != nil {
+			return nil, queryErr("joined keys", err)
+		}
+		out[hex.EncodeToString(key)] = j
+	}
+	if err := rows.Err(); err != nil {
+		return nil, queryErr("joined keys", err)
+	}
+	return out, nil
 }

@@ -4,6 +4,7 @@ import (
 	"embed"
 	"errors"
 	"fmt"
+	"io"
 	"net/url"
 	"os"
 	"strconv"
@@ -27,10 +28,11 @@ func newMigrate(databaseURL string) (*migrate.Migrate, error) {
 
 // newMigrateSource is newMigrate that also returns the embedded source.
 func newMigrateSource(databaseURL string) (*migrate.Migrate, source.Driver, error) {
-	src, err := iofs.New(Migrations, "migrations")
+	files, err := iofs.New(Migrations, "migrations")
 	if err != nil {
 		return nil, nil, fmt.Errorf("read embedded migrations: %w", err)
 	}
+	src := cleanMarking{files}
 	u, err := url.Parse(databaseURL)
 	if err != nil {
 		return nil, nil, fmt.Errorf("parse database url: %w", err)
@@ -45,13 +47,35 @@ func newMigrateSource(databaseURL string) (*migrate.Migrate, source.Driver, erro
 	return m, src, nil
 }
 
+// cleanMarking is the embedded migrations, each up migration ending by
+// marking its version clean: golang-migrate marks the schema dirty at N
+// before it runs N, runs N's file as one statement batch (one transaction)
+// and marks N clean after. A run killed between N's commit and that mark
+// would leave N applied but dirty; with the mark inside N's transaction, a
+// dirty N is always one that was rolled back, which MigrateUp runs again.
+type cleanMarking struct{ source.Driver }
+
+// ReadUp returns the up migration of version with the clean mark appended.
+func (c cleanMarking) ReadUp(version uint) (io.ReadCloser, string, error) {
+	r, id, err := c.Driver.ReadUp(version)
+	if err != nil {
+		return nil, id, err
+	}
+	mark := strings.NewReader(fmt.Sprintf("\n;\nUPDATE schema_migrations SET dirty = false WHERE version = %d;\n", version))
+	return struct {
+		io.Reader
+		io.Closer
+	}{io.MultiReader(r, mark), r}, id, nil
+}
+
 // MigrateUp applies every pending migration. No change is success.
 //
-// Each migration runs as one statement batch, so in one transaction: a run
-// that was killed half-way through migration N rolled N back, but left the
-// schema marked dirty at N (golang-migrate marks it before it runs N). Such a
-// migration is run again; if it fails again, the error says how to mark it
-// by hand (MigrateForce) once its state is known.
+// Each migration runs as one statement batch, so in one transaction, which
+// also marks it clean (cleanMarking): a run killed half-way through
+// migration N rolled N back and left the schema marked dirty at N. Such a
+// migration is run again; if it fails again (a schema left dirty by another
+// tool), the error says how to mark it by hand (MigrateForce) once its state
+// is known.
 func MigrateUp(databaseURL string) error {
 	m, src, err := newMigrateSource(databaseURL)
 	if err != nil {

@@ -8,6 +8,7 @@ package dev_test
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"net"
 	"os"
 	"os/exec"
@@ -370,8 +371,8 @@ func TestDevKilledWhileStarting(t *testing.T) {
 	t.Parallel()
 	dir := devproc.WorkDir(t)
 	data := filepath.Join(dir, "kept")
-	for _, after := range []time.Duration{50 * time.Millisecond, 200 * time.Millisecond, 350 * time.Millisecond,
-		500 * time.Millisecond, 650 * time.Millisecond, 800 * time.Millisecond} {
+	// initdb and the migrations take the first ~0.6 s: kill throughout.
+	for after := 50 * time.Millisecond; after <= 900*time.Millisecond; after += 75 * time.Millisecond {
 		d := devproc.Start(t, dir, nil, "--data", data, "--port", "0")
 		require.NoError(t, clock.Sleep(t.Context(), devproc.Wall, after))
 		pg := devproc.Descendants(t, d.PID())
@@ -478,4 +479,28 @@ func TestDevSecondInSameDirectory(t *testing.T) {
 	require.Equal(t, 0, second.Stop(syscall.SIGTERM), second.Stderr())
 	require.Contains(t, first.Env(), "BETTER_COMPUTE_URL="+url)
 	require.Equal(t, 0, first.Stop(syscall.SIGTERM), first.Stderr())
+}
+
+// TestDevInterruptedJoinLeavesNoGhosts: dev stopped while its machines
+// join, then run again, has exactly its machines as nodes, all adopted: a
+// machine stopped mid-join comes back as the node its first Join made.
+func TestDevInterruptedJoinLeavesNoGhosts(t *testing.T) {
+	t.Parallel()
+	dir := devproc.WorkDir(t)
+	data := filepath.Join(dir, "kept")
+	const n = 200
+	for _, sig := range []syscall.Signal{syscall.SIGINT, syscall.SIGKILL} {
+		d := devproc.Start(t, dir, nil, "--data", data, "--sim", strconv.Itoa(n), "--port", "0")
+		d.WaitLine(`^Root tenant `, 30*time.Second)
+		require.NoError(t, clock.Sleep(t.Context(), devproc.Wall, 300*time.Millisecond)) // the machines are joining
+		d.Stop(sig)
+	}
+	d := devproc.Start(t, dir, nil, "--data", data, "--sim", strconv.Itoa(n), "--port", "0")
+	d.WaitLine(fmt.Sprintf(`^%d simulated node\(s\) adopted$`, n), adoptWithin)
+	states := map[string]int{}
+	for _, node := range nodes(t, d) {
+		states[node.State]++
+	}
+	require.Equal(t, map[string]int{"adopted": n}, states, "no node without its machine")
+	require.Equal(t, 0, d.Stop(syscall.SIGTERM), d.Stderr())
 }

@@ -17,6 +17,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -190,7 +191,8 @@ type fakeJoin struct {
 	maxUses   int
 	uses      int
 	calls     int
-	failFirst int // answer Unavailable this many times first
+	failFirst int  // answer Unavailable this many times first
+	hangFirst bool // answer the first call never
 	claims    []*joinv1.Claims
 	requests  []*joinv1.JoinRequest
 	// signedIntent sends commandRoot in the response's trust.
@@ -231,11 +233,18 @@ func (j *fakeJoin) wellKnown(joinURL string) pki.WellKnown {
 	return doc
 }
 
-func (j *fakeJoin) Join(_ context.Context, req *connect.Request[joinv1.JoinRequest]) (*connect.Response[joinv1.JoinResponse], error) {
+func (j *fakeJoin) Join(ctx context.Context, req *connect.Request[joinv1.JoinRequest]) (*connect.Response[joinv1.JoinResponse], error) {
 	j.mu.Lock()
 	defer j.mu.Unlock()
 	j.calls++
 	j.requests = append(j.requests, req.Msg)
+	if j.hangFirst && j.calls == 1 {
+		// The answer never comes: the caller gives up (or is stopped).
+		j.mu.Unlock()
+		<-ctx.Done()
+		j.mu.Lock()
+		return nil, connect.NewError(connect.CodeCanceled, ctx.Err())
+	}
 	if j.failFirst > 0 {
 		j.failFirst--
 		return nil, connect.NewError(connect.CodeUnavailable, errors.New("database is starting"))
@@ -807,6 +816,45 @@ func TestTornIdentityJoinsAgain(t *testing.T) {
 	calls, uses := cp.join.stats()
 	require.Equal(t, 1, calls)
 	require.Equal(t, 1, uses)
+}
+
+// A machine stopped while its Join was in flight (no answer came) joins
+// again with the same key and machine id, so that JoinService answers with
+// the node that key joined as instead of making another; the pending key
+// goes once the identity is saved.
+func TestStoppedMidJoinJoinsAgainWithTheSameKey(t *testing.T) {
+	cp := newControlPlane(t, 2)
+	cp.join.hangFirst = true
+	dir := t.TempDir()
+	r, err := fakedaemon.New(cp.config(dir, 1), fakedaemon.Deps{})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	require.Eventually(t, func() bool { calls, _ := cp.join.stats(); return calls == 1 }, 10*time.Second, 5*time.Millisecond)
+	cancel()
+	require.NoError(t, <-done)
+	pending := filepath.Join(dir, "0", fakedaemon.PendingJoinFile)
+	require.FileExists(t, pending)
+	st, err := os.Stat(pending)
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o600), st.Mode().Perm(), "it holds the private key")
+
+	r2, _ := start(t, cp.config(dir, 1), fakedaemon.Deps{})
+	waitEstablished(t, r2)
+	cp.join.mu.Lock()
+	reqs, claims := slices.Clone(cp.join.requests), slices.Clone(cp.join.claims)
+	cp.join.mu.Unlock()
+	require.Len(t, reqs, 2)
+	key := func(r *joinv1.JoinRequest) []byte {
+		csr, err := pki.ParseCSR(r.GetCsrDer())
+		require.NoError(t, err)
+		return csr.RawSubjectPublicKeyInfo
+	}
+	require.Equal(t, key(reqs[0]), key(reqs[1]), "the same key")
+	require.Equal(t, reqs[0].GetClaims().GetMachineId(), claims[0].GetMachineId(), "the same machine")
+	require.NoFileExists(t, pending)
+	require.Equal(t, reqs[0].GetClaims().GetMachineId(), r2.Machines()[0].Status().MachineID)
 }
 
 func TestJoinRefused(t *testing.T) {

@@ -28,6 +28,12 @@ const (
 	// atomically, when the Join completes, so its presence means the machine
 	// has joined and a crash never leaves half an identity.
 	NodeFile = "node.json"
+	// PendingJoinFile holds the key and machine id of a Join that has not
+	// completed (JSON, mode 0600), written before the first attempt: a
+	// machine stopped mid-join joins again with them, so JoinService
+	// answers with the node that key joined as instead of making another.
+	// It goes once NodeFile is written.
+	PendingJoinFile = "join.pending"
 	// BootFile holds the boot counter of the last boot that did not join.
 	// Every start of the process is a boot: the start that joins is boot 0
 	// and writes nothing more; each later start writes its number here.
@@ -105,6 +111,50 @@ func newMachineID() (string, error) {
 func MachineID(seed string, index int) string {
 	sum := sha256.Sum256(fmt.Appendf(nil, "%s/%d", seed, index))
 	return hex.EncodeToString(sum[:16])
+}
+
+// pendingJoin is PendingJoinFile's content.
+type pendingJoin struct {
+	MachineID string `json:"machine_id"`
+	KeyPEM    string `json:"key_pem"`
+	key       crypto.Signer
+}
+
+// loadPendingJoin returns the pending join in dir, or nil when there is
+// none.
+func loadPendingJoin(dir string) (*pendingJoin, error) {
+	b, err := os.ReadFile(filepath.Join(dir, PendingJoinFile))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var p pendingJoin
+	if err := json.Unmarshal(b, &p); err != nil {
+		return nil, fmt.Errorf("%s: %w", PendingJoinFile, err)
+	}
+	if p.MachineID == "" {
+		return nil, fmt.Errorf("%s: machine_id is required", PendingJoinFile)
+	}
+	if p.key, err = pki.ParseKeyPEM([]byte(p.KeyPEM)); err != nil {
+		return nil, fmt.Errorf("%s: key_pem: %w", PendingJoinFile, err)
+	}
+	return &p, nil
+}
+
+// savePendingJoin writes the pending join of a machine with machineID and
+// key to dir, durably, before its first Join attempt.
+func savePendingJoin(dir, machineID string, key crypto.Signer) error {
+	pem, err := pki.EncodeKeyPEM(key)
+	if err != nil {
+		return err
+	}
+	b, err := json.Marshal(pendingJoin{MachineID: machineID, KeyPEM: string(pem)})
+	if err != nil {
+		return err
+	}
+	return writeFileSync(filepath.Join(dir, PendingJoinFile), append(b, '\n'), 0o600)
 }
 
 // ReadIdentity returns the identity a machine directory dir (a Runner's

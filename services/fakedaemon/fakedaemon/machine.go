@@ -164,6 +164,10 @@ func (m *Machine) run(ctx context.Context) error {
 	}
 	variant := m.r.cfg.Variant
 	var machineID string
+	pending, err := loadPendingJoin(m.dir)
+	if err != nil {
+		return fmt.Errorf("machine %d: %w", m.index, err)
+	}
 	if id != nil {
 		machineID = id.MachineID
 		if id.Variant != "" {
@@ -172,6 +176,8 @@ func (m *Machine) run(ctx context.Context) error {
 			}
 			variant = id.Variant
 		}
+	} else if pending != nil {
+		machineID = pending.MachineID // stopped mid-join: the same machine
 	} else if m.r.cfg.MachineIDSeed != "" {
 		machineID = MachineID(m.r.cfg.MachineIDSeed, m.index)
 	} else if machineID, err = newMachineID(); err != nil {
@@ -189,7 +195,7 @@ func (m *Machine) run(ctx context.Context) error {
 	// every later start advances the boot counter on disk.
 	var boot uint64
 	if id == nil {
-		if id, err = m.join(ctx, hw); err != nil {
+		if id, err = m.join(ctx, hw, pending); err != nil {
 			return err
 		}
 	} else if !m.r.cfg.JoinOnly { // joining only is no boot of the machine
@@ -252,16 +258,25 @@ func (m *Machine) run(ctx context.Context) error {
 // errors: the token goes sealed to JoinService's key and bound to the CSR,
 // and nothing of the response is used before pki.CheckJoinResponse accepted
 // it against the pins.
-func (m *Machine) join(ctx context.Context, hw *fakehw.Machine) (*Identity, error) {
+func (m *Machine) join(ctx context.Context, hw *fakehw.Machine, pending *pendingJoin) (*Identity, error) {
 	trust, err := m.r.joinTrust(ctx)
 	if err != nil {
 		return nil, err
 	}
-	// The key lives in memory until the identity is saved: a Join that
-	// never completed leaves nothing on disk, so a restart joins afresh.
-	key, err := pki.GenerateKey()
-	if err != nil {
-		return nil, fmt.Errorf("machine %d: key: %w", m.index, err)
+	// The key is kept (PendingJoinFile) before the first attempt: a machine
+	// stopped before the answer came joins again with it, and JoinService
+	// answers with the node that key joined as, if the first attempt got
+	// that far, rather than making another.
+	var key crypto.Signer
+	if pending != nil {
+		key = pending.key
+	} else {
+		if key, err = pki.GenerateKey(); err != nil {
+			return nil, fmt.Errorf("machine %d: key: %w", m.index, err)
+		}
+		if err := savePendingJoin(m.dir, hw.MachineID(), key); err != nil {
+			return nil, fmt.Errorf("machine %d: %w", m.index, err)
+		}
 	}
 	csr, err := pki.NewCSR(key, hw.Hostname())
 	if err != nil {
@@ -359,6 +374,9 @@ func (m *Machine) join(ctx context.Context, hw *fakehw.Machine) (*Identity, erro
 	}
 	if err := id.save(m.dir, v.NodeCA); err != nil {
 		return nil, fmt.Errorf("machine %d: save identity: %w", m.index, err)
+	}
+	if err := os.Remove(filepath.Join(m.dir, PendingJoinFile)); err != nil {
+		return nil, fmt.Errorf("machine %d: %w", m.index, err)
 	}
 	m.log.Info("joined", telemetry.KeyNodeID, id.NodeID, telemetry.KeyPoolID, id.PoolID,
 		"signed_intent", id.commandRoot != nil)

@@ -16,16 +16,18 @@
 // its current stream) plus what net/http's HTTP/2 client keeps per
 // connection.
 //
-// A machine's directory (DataDir/<index>) holds: node.json (0600; the whole
-// identity: node and machine ids, key and certificates; written once,
-// atomically, when the Join completes, just after an empty journal.jsonl),
-// boot (the boot counter: every process start is a boot; the start that
-// joined is boot 0), and journal.epoch once a journal loss was found (see
-// FileJournal). A running machine holds an exclusive flock on its directory,
-// so two processes never share an identity. A machine's first start thus
-// creates two files, and a restart rewrites one (the boot counter). A
-// restart reuses the identity and never joins again; deleting journal.jsonl
-// simulates a journal loss.
+// A machine's directory (DataDir/<index>) holds: join.pending while its
+// first Join is not done (0600; the key and machine id it joins with, so a
+// machine stopped mid-join joins again as the same node), node.json (0600;
+// the whole identity: node and machine ids, key and certificates; written
+// once, atomically, when the Join completes, just after an empty
+// journal.jsonl, and then join.pending goes), boot (the boot counter: every
+// process start is a boot; the start that joined is boot 0), and
+// journal.epoch once a journal loss was found (see FileJournal). A running
+// machine holds an exclusive flock on its directory, so two processes never
+// share an identity. A restart reuses the identity and never joins again,
+// and rewrites one file (the boot counter); deleting journal.jsonl simulates
+// a journal loss.
 //
 // To run machines in-process (tests, `better-compute dev --sim N`), call
 // Start and read the handles from Runner.Machines.

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/x509"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"slices"
@@ -39,7 +40,16 @@ type joinReq struct {
 type joinResult struct {
 	token store.JoinToken
 	err   error
+	// rejoin, when set, is the node the request's key joined as already:
+	// the request is a retry, answered with that node (Server.rejoin); no
+	// node was made and no use counted for it.
+	rejoin *store.JoinedKey
 }
+
+// errSameKeyInBatch refuses a join whose key another join of its batch
+// joins with: once that one is recorded, the caller joins again and finds
+// it (a retry sent before the first attempt's answer).
+var errSameKeyInBatch = errors.New("the same key joins in this batch")
 
 // batcher records concurrent joins in shared transactions (group commit).
 // Every join of a token locks that token's row until commit, so joins one
@@ -145,7 +155,7 @@ func (b *batcher) record(batch []*joinReq) []joinResult {
 			}
 			group := order[start:end]
 			start = end
-			token, granted, err := store.UseJoinTokenN(ctx, tx, batch[group[0]].hash, len(group), now)
+			token, err := store.LockJoinToken(ctx, tx, batch[group[0]].hash, now)
 			var refusal *store.JoinTokenRefusal
 			switch {
 			case err != nil && !errors.As(err, &refusal):
@@ -156,7 +166,45 @@ func (b *batcher) record(batch []*joinReq) []joinResult {
 				}
 				continue
 			}
+			// Keys that joined before are retries: answered with their node,
+			// counting no use (a lost answer, a machine restarted mid-join).
+			keys := make([][]byte, len(group))
 			for k, i := range group {
+				keys[k] = pki.PublicKeySHA256(batch[i].cert)
+			}
+			joined, err := store.JoinedKeys(ctx, tx, keys)
+			if err != nil {
+				return err
+			}
+			fresh := group[:0:0]
+			seen := map[string]bool{}
+			for k, i := range group {
+				key := hex.EncodeToString(keys[k])
+				if j, ok := joined[key]; ok {
+					results[i].token, results[i].rejoin = token, &j
+					continue
+				}
+				if seen[key] {
+					results[i].err = errSameKeyInBatch
+					continue
+				}
+				seen[key] = true
+				fresh = append(fresh, i)
+			}
+			if len(fresh) == 0 {
+				continue
+			}
+			granted, err := store.CountJoinTokenUses(ctx, tx, token, len(fresh))
+			switch {
+			case err != nil && !errors.As(err, &refusal):
+				return err
+			case err != nil:
+				for _, i := range fresh {
+					results[i].err = err
+				}
+				continue
+			}
+			for k, i := range fresh {
 				if k >= granted {
 					used := token
 					used.Uses = token.MaxUses

@@ -248,18 +248,74 @@ func (s *Server) Join(ctx context.Context, req *connect.Request[joinv1.JoinReque
 	if err != nil {
 		return nil, s.mapError(ctx, err)
 	}
-	res := s.batch.do(ctx, &joinReq{
-		hash: in.tokenHash,
-		cert: cert,
-		node: store.NewNode{
-			ID: nodeID, Hostname: claims.GetHostname(), MachineID: claims.GetMachineId(),
-			Variant: claims.GetVariant(), AgentVersion: claims.GetAgentVersion(),
-		},
-	})
+	var res joinResult
+	// A join whose key another join of its batch used is recorded by that
+	// one; once it is, this one finds it as a retry (rejoin).
+	for range 2 {
+		res = s.batch.do(ctx, &joinReq{
+			hash: in.tokenHash,
+			cert: cert,
+			node: store.NewNode{
+				ID: nodeID, Hostname: claims.GetHostname(), MachineID: claims.GetMachineId(),
+				Variant: claims.GetVariant(), AgentVersion: claims.GetAgentVersion(),
+			},
+		})
+		if !errors.Is(res.err, errSameKeyInBatch) {
+			break
+		}
+	}
 	token, err := res.token, res.err
 	if err != nil {
 		return nil, s.mapError(ctx, err)
 	}
+	if res.rejoin != nil {
+		if nodeID, cert, err = s.rejoin(ctx, in, *res.rejoin, token); err != nil {
+			return nil, err
+		}
+	}
+	resp, err := s.response(nodeID, cert, token.PoolID)
+	if err != nil {
+		return nil, err
+	}
+	s.logger.InfoContext(ctx, "node joined", telemetry.KeyNodeID, nodeID, telemetry.KeyPoolID, token.PoolID,
+		"join_token.id", token.ID, "join_token.uses", token.Uses, "hostname", claims.GetHostname(), "retry", res.rejoin != nil)
+	return connect.NewResponse(resp), nil
+}
+
+// rejoin answers a Join whose key joined already (a retry after a lost
+// answer, or a machine restarted mid-join, perhaps with a new token of the
+// pool): the node it joined as, with a new certificate for it, recorded like
+// a renewal's. Holding the key and a valid token of the node's pool is what
+// a first Join of that node needed too. It refuses the key with a token of
+// another pool (AlreadyExists: a machine that joins again makes a new key),
+// and the key of a revoked node (FailedPrecondition).
+func (s *Server) rejoin(ctx context.Context, in joinInput, j store.JoinedKey, token store.JoinToken) (string, *x509.Certificate, error) {
+	if j.PoolID != token.PoolID {
+		return "", nil, connect.NewError(connect.CodeAlreadyExists, fmt.Errorf(
+			"csr_der: this key joined already, as node %s of another pool: a machine that joins again makes a new key", j.NodeID))
+	}
+	node, err := store.GetNode(ctx, s.db.Pool, j.NodeID)
+	if err != nil {
+		return "", nil, s.mapError(ctx, err)
+	}
+	if node.RevokedAt != nil {
+		return "", nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf(
+			"node %s was revoked: join again with a new key and a join token", j.NodeID))
+	}
+	now := s.db.Now()
+	cert, err := s.nodeCA.IssueNode(in.csr, j.NodeID, s.trustDomain, now, s.cfg.NodeCertTTL)
+	if err != nil {
+		return "", nil, s.mapError(ctx, err)
+	}
+	if err := store.CreateNodeCert(ctx, s.db.Pool, store.NewNodeCert{Serial: pki.SerialHex(cert), NodeID: j.NodeID,
+		PublicKeySHA256: pki.PublicKeySHA256(cert), NotBefore: cert.NotBefore, NotAfter: cert.NotAfter, CreatedAt: now}); err != nil {
+		return "", nil, s.mapError(ctx, err)
+	}
+	return j.NodeID, cert, nil
+}
+
+// response is the signed JoinResponse for nodeID with cert, in poolID.
+func (s *Server) response(nodeID string, cert *x509.Certificate, poolID string) (*joinv1.JoinResponse, error) {
 	gw := pki.NewWellKnownGateway(s.cfg.GatewayURL, s.cfg.GatewayServerName)
 	resp := &joinv1.JoinResponse{
 		NodeId:            nodeID,
@@ -271,19 +327,17 @@ func (s *Server) Join(ctx context.Context, req *connect.Request[joinv1.JoinReque
 		ServingCaDer:      s.servingCA.Raw,
 		TrustDomain:       s.trustDomain,
 		NotAfter:          timestamppb.New(cert.NotAfter),
-		PoolId:            token.PoolID,
+		PoolId:            poolID,
 	}
 	if s.commandRoot != nil {
 		resp.Trust = &joinv1.Trust{CommandSigningRoot: s.commandRoot}
 	}
 	// The join is recorded: a signing failure (which only a broken key can
-	// cause) leaves a node that never connects, as a lost response would.
+	// cause) leaves a node whose machine finds it again when it retries.
 	if err := pki.SignJoinResponse(s.signKey, resp); err != nil {
 		return nil, connect.NewError(connect.CodeInternal, err)
 	}
-	s.logger.InfoContext(ctx, "node joined", telemetry.KeyNodeID, nodeID, telemetry.KeyPoolID, token.PoolID,
-		"join_token.id", token.ID, "join_token.uses", token.Uses, "hostname", claims.GetHostname())
-	return connect.NewResponse(resp), nil
+	return resp, nil
 }
 
 // joinInput is what decodeJoinRequest took from a JoinRequest.

@@ -2,6 +2,7 @@ package joinservice_test
 
 import (
 	"context"
+	"crypto"
 	"crypto/ecdh"
 	"crypto/x509"
 	"crypto/x509/pkix"
@@ -49,12 +50,14 @@ func TestMain(m *testing.M) {
 }
 
 type fixture struct {
-	db     *store.DB
-	pkiDir string
-	nodeCA *pki.CA
-	poolID string
-	client joinv1connect.JoinServiceClient
-	url    string
+	db       *store.DB
+	pkiDir   string
+	nodeCA   *pki.CA
+	poolID   string
+	siteID   string
+	tenantID string
+	client   joinv1connect.JoinServiceClient
+	url      string
 	// joinKey is JoinService's HPKE public key, pins the deployment's pins
 	// and signSPKI the join signing key: what a daemon joins with.
 	joinKey  *ecdh.PublicKey
@@ -87,7 +90,7 @@ func setupWith(t *testing.T, edit func(*joinservice.Config)) *fixture {
 	require.NoError(t, store.CreateTenant(ctx, db.Pool, tenant))
 	site := store.Site{ID: ids.New(ids.Site, now), Name: "dev-1", Region: "dev-1", CreatedAt: now}
 	require.NoError(t, store.CreateSite(ctx, db.Pool, site))
-	f.poolID = ids.New(ids.Pool, now)
+	f.poolID, f.siteID, f.tenantID = ids.New(ids.Pool, now), site.ID, tenant.ID
 	require.NoError(t, store.CreatePool(ctx, db.Pool, store.Pool{ID: f.poolID, SiteID: site.ID,
 		OwnerTenantID: tenant.ID, Name: "metal-host", Kind: "metal-host", CreatedAt: now}))
 
@@ -440,6 +443,92 @@ func TestJoinRace(t *testing.T) {
 	require.Equal(t, 10, f.count(t, `SELECT count(*) FROM node_certs`))
 	// Joins recorded in one batch share one poke: every node is named once.
 	require.Equal(t, f.nodeIDs(t), f.pokedNodes(t))
+}
+
+// TestJoinRetryIsTheSameNode: a Join retried with the same key (its
+// response was lost, or the machine restarted mid-join, maybe with a new
+// token of the pool) answers with the node that key joined as and a new
+// certificate for it, and counts no use, also when the token is used up
+// since, and when the retries arrive at once. The key with a token of
+// another pool, or of a revoked node, is refused.
+func TestJoinRetryIsTheSameNode(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	tokenID, secret := f.token(t, 1, f.db.Now().Add(time.Hour))
+	key, err := pki.GenerateKey()
+	require.NoError(t, err)
+	join := func(token string) (*joinv1.JoinResponse, error) {
+		csr, err := pki.NewCSR(key, "machine")
+		require.NoError(t, err)
+		res, err := f.client.Join(ctx, connect.NewRequest(&joinv1.JoinRequest{SealedToken: f.seal(t, token, csr), CsrDer: csr}))
+		if err != nil {
+			return nil, err
+		}
+		return res.Msg, nil
+	}
+	first, err := join(secret)
+	require.NoError(t, err)
+
+	var wg sync.WaitGroup
+	again := make([]*joinv1.JoinResponse, 4)
+	errs := make([]error, len(again))
+	for i := range again {
+		wg.Go(func() { again[i], errs[i] = join(secret) })
+	}
+	wg.Wait()
+	for i, msg := range again {
+		require.NoError(t, errs[i], "the token is used up, but a retry uses none")
+		require.Equal(t, first.NodeId, msg.NodeId)
+		_, err := pki.CheckJoinResponse(msg, f.pins, f.signSPKI)
+		require.NoError(t, err)
+		cert, err := x509.ParseCertificate(msg.CertificateDer)
+		require.NoError(t, err)
+		id, err := pki.NodeIDFromCert(cert, pki.DefaultTrustDomain)
+		require.NoError(t, err)
+		require.Equal(t, first.NodeId, id)
+		require.True(t, key.Public().(interface{ Equal(crypto.PublicKey) bool }).Equal(cert.PublicKey))
+	}
+	jt, err := store.GetJoinToken(ctx, f.db.Pool, tokenID)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, jt.Uses)
+	require.Equal(t, []string{first.NodeId}, f.nodeIDs(t))
+	require.Equal(t, 1+len(again), f.count(t, `SELECT count(*) FROM node_certs WHERE node_id = '`+first.NodeId+`'`),
+		"every certificate issued is recorded (revocation revokes them all)")
+	require.Equal(t, 1, f.count(t, `SELECT count(*) FROM events WHERE type = 'node.joined'`), "joined once")
+
+	// A new token of the pool (the machine restarted with one): the same
+	// node, no use counted.
+	samePoolID, samePool := f.token(t, 5, f.db.Now().Add(time.Hour))
+	msg, err := join(samePool)
+	require.NoError(t, err)
+	require.Equal(t, first.NodeId, msg.NodeId)
+	jt, err = store.GetJoinToken(ctx, f.db.Pool, samePoolID)
+	require.NoError(t, err)
+	require.Zero(t, jt.Uses)
+
+	// A token of another pool: refused, nothing counted.
+	now := f.db.Now()
+	other := store.Pool{ID: ids.New(ids.Pool, now), SiteID: f.siteID, OwnerTenantID: f.tenantID, Name: "other", Kind: "metal-host", CreatedAt: now}
+	require.NoError(t, store.CreatePool(ctx, f.db.Pool, other))
+	otherSecret, err := iam.NewSecret(iam.JoinTokenPrefix)
+	require.NoError(t, err)
+	otherID := ids.New(ids.JoinToken, now)
+	require.NoError(t, store.CreateJoinToken(ctx, f.db.Pool, store.JoinToken{ID: otherID, PoolID: other.ID,
+		Hash: iam.HashSecret(otherSecret), MaxUses: 5, ExpiresAt: now.Add(time.Hour), CreatedAt: now}))
+	_, err = join(otherSecret)
+	require.Equal(t, connect.CodeAlreadyExists, connect.CodeOf(err), "%v", err)
+	require.ErrorContains(t, err, "csr_der: this key joined already, as node "+first.NodeId+" of another pool")
+	jt, err = store.GetJoinToken(ctx, f.db.Pool, otherID)
+	require.NoError(t, err)
+	require.Zero(t, jt.Uses)
+
+	_, err = store.RevokeNode(ctx, f.db.Pool, f.db.Now(), first.NodeId, "test")
+	require.NoError(t, err)
+	_, err = join(secret)
+	require.Equal(t, connect.CodeFailedPrecondition, connect.CodeOf(err), "%v", err)
+	require.ErrorContains(t, err, "node "+first.NodeId+" was revoked")
+	require.Equal(t, []string{first.NodeId}, f.nodeIDs(t))
 }
 
 func TestNewNeedsPKI(t *testing.T) {

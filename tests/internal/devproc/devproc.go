@@ -169,7 +169,10 @@ func (d *Dev) Wait(timeout time.Duration) int {
 // code.
 func (d *Dev) Stop(sig syscall.Signal) int {
 	d.tb.Helper()
-	require.NoError(d.tb, d.cmd.Process.Signal(sig))
+	if err := d.cmd.Process.Signal(sig); err != nil {
+		<-d.done
+		d.tb.Fatalf("dev exited (%v) before %s:\n%s", d.err, sig, d.Stderr())
+	}
 	timer := Wall.NewTimer(time.Minute)
 	defer timer.Stop()
 	select {

@@ -50,6 +50,14 @@ type JoinServiceClient interface {
 	// never NotFound, so that tokens cannot be probed), FailedPrecondition
 	// ("join token expired at <RFC 3339 time>", "join token was revoked",
 	// "join token is used up (N of N uses)").
+	//
+	// Join is idempotent by key: a Join whose CSR carries a key that joined
+	// already, with a valid token of that node's pool (a retry after a lost
+	// answer, or a machine restarted mid-join), answers with that node and a
+	// new certificate for it, counting no use, even when the token is used up.
+	// The key with a token of another pool is AlreadyExists ("csr_der: this key
+	// joined already…"), and the key of a revoked node FailedPrecondition
+	// ("node … was revoked").
 	Join(context.Context, *connect.Request[v1.JoinRequest]) (*connect.Response[v1.JoinResponse], error)
 }
 
@@ -96,6 +104,14 @@ type JoinServiceHandler interface {
 	// never NotFound, so that tokens cannot be probed), FailedPrecondition
 	// ("join token expired at <RFC 3339 time>", "join token was revoked",
 	// "join token is used up (N of N uses)").
+	//
+	// Join is idempotent by key: a Join whose CSR carries a key that joined
+	// already, with a valid token of that node's pool (a retry after a lost
+	// answer, or a machine restarted mid-join), answers with that node and a
+	// new certificate for it, counting no use, even when the token is used up.
+	// The key with a token of another pool is AlreadyExists ("csr_der: this key
+	// joined already…"), and the key of a revoked node FailedPrecondition
+	// ("node … was revoked").
 	Join(context.Context, *connect.Request[v1.JoinRequest]) (*connect.Response[v1.JoinResponse], error)
 }
 

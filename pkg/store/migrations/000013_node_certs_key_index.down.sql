@@ -1,0 +1,1 @@
+DROP INDEX node_certs_public_key;
