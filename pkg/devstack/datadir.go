@@ -68,6 +68,9 @@ func openDataDir(dir string) (*dataDir, error) {
 	}
 	switch fi, err := os.Stat(dir); {
 	case errors.Is(err, os.ErrNotExist):
+		if _, lerr := os.Lstat(dir); lerr == nil {
+			return fail("is a symbolic link to nothing", ErrNotDataDir)
+		}
 		top := dir
 		for p := filepath.Dir(dir); p != filepath.Dir(p); p = filepath.Dir(p) {
 			if _, err := os.Lstat(p); err == nil {

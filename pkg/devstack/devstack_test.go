@@ -274,6 +274,12 @@ func TestDataDirThatIsNotOurs(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, entries, 1, "nothing added")
 
+	dangling := filepath.Join(dir, "dangling")
+	require.NoError(t, os.Symlink(filepath.Join(dir, "nowhere"), dangling))
+	_, err = devstack.Start(ctx, devstack.Options{DataDir: dangling})
+	require.ErrorIs(t, err, devstack.ErrNotDataDir)
+	require.ErrorContains(t, err, "is a symbolic link to nothing")
+
 	file := filepath.Join(dir, "file")
 	require.NoError(t, os.WriteFile(file, nil, 0o600))
 	_, err = devstack.Start(ctx, devstack.Options{DataDir: file})
