@@ -405,7 +405,7 @@ func TestDevTwoAtOnce(t *testing.T) {
 	}
 	require.Equal(t, 1, loser.Wait(time.Second), loser.Stderr())
 	require.Contains(t, loser.Stderr(), "--data: "+data+" is in use by another better-compute dev stack (pid ")
-	winner.WaitLine(`^better-compute listening on `, 30*time.Second)
+	winner.WaitLine(`^CLI environment: source \.better-compute/dev\.env$`, 30*time.Second)
 	require.NotEmpty(t, winner.CLI("pools", "list"), "the winner's data is intact")
 	require.Equal(t, 0, winner.Stop(syscall.SIGTERM), winner.Stderr())
 }
@@ -465,20 +465,25 @@ func TestDevRevokedMachineIsReported(t *testing.T) {
 }
 
 // TestDevSecondInSameDirectory: a second dev in one working directory
-// prints its environment instead of taking over dev.env, which keeps
-// naming the first.
+// prints its environment instead of taking over dev.env, which keeps naming
+// the first; once the first stops, the second takes dev.env over.
 func TestDevSecondInSameDirectory(t *testing.T) {
 	t.Parallel()
 	dir := devproc.WorkDir(t)
 	first := devproc.Start(t, dir, nil, "--memory", "--port", "0")
-	url := first.WaitLine(`^better-compute listening on (\S+)/api/compute$`, 30*time.Second)[1]
+	url1 := first.WaitLine(`^better-compute listening on (\S+)/api/compute$`, 30*time.Second)[1]
 	first.WaitLine(`^CLI environment: `, 5*time.Second)
 	second := devproc.Start(t, dir, nil, "--memory", "--port", "0")
-	second.WaitLine(`^Another better-compute dev \(pid \d+\) owns \.better-compute/dev\.env in this directory; this one's CLI environment:$`, 30*time.Second)
-	second.WaitLine(`^export BETTER_COMPUTE_URL=http://`, 5*time.Second)
-	require.Equal(t, 0, second.Stop(syscall.SIGTERM), second.Stderr())
-	require.Contains(t, first.Env(), "BETTER_COMPUTE_URL="+url)
+	url2 := second.WaitLine(`^better-compute listening on (\S+)/api/compute$`, 30*time.Second)[1]
+	second.WaitLine(`^Another better-compute dev \(pid \d+\) owns \.better-compute/dev\.env in this directory; this one's CLI environment:$`, 5*time.Second)
+	second.WaitLine(`^export BETTER_COMPUTE_URL=`+regexp.QuoteMeta(url2)+`$`, 5*time.Second)
+	require.Contains(t, first.Env(), "BETTER_COMPUTE_URL="+url1)
+
 	require.Equal(t, 0, first.Stop(syscall.SIGTERM), first.Stderr())
+	second.WaitLine(`^CLI environment: source \.better-compute/dev\.env \(the dev that had it stopped\)$`, 10*time.Second)
+	require.Contains(t, second.Env(), "BETTER_COMPUTE_URL="+url2)
+	require.NotEmpty(t, second.CLI("nodes", "list"))
+	require.Equal(t, 0, second.Stop(syscall.SIGTERM), second.Stderr())
 }
 
 // TestDevInterruptedJoinLeavesNoGhosts: dev stopped while its machines

@@ -15,6 +15,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -251,16 +252,21 @@ func parseDevConfig(path string) (map[string]string, map[string]string, error) {
 }
 
 // devState is the working directory's .better-compute: dev.env and
-// dev-pins.json belong to the dev that holds its lock (dev.lock), the first
-// of those running in this directory.
+// dev-pins.json belong to the dev that holds its lock (dev.lock). A dev takes
+// the lock once its control plane runs; another dev running in the same
+// directory prints its own environment instead, and takes the files over
+// when the owner stops.
 type devState struct {
-	created bool     // this run made the directory
-	lock    *os.File // nil when another dev holds the lock
-	holder  string   // that dev's pid, when lock is nil
+	created bool // this run made the directory
+
+	mu   sync.Mutex
+	lock *os.File // held: this dev owns the files
+	env  string   // this dev's CLI environment (dev.env's content)
+	pins []byte   // this dev's dev-pins.json
 }
 
-// openDevState makes .better-compute (0700) when missing, checks that it is
-// a directory this process can write, and takes its lock when it is free.
+// openDevState makes .better-compute (0700) when missing and checks that it
+// is a directory this process can write.
 func openDevState() (*devState, error) {
 	d := &devState{}
 	err := os.Mkdir(devStateDir, 0o700)
@@ -273,34 +279,60 @@ func openDevState() (*devState, error) {
 	if fi, err := os.Stat(devStateDir); err != nil || !fi.IsDir() {
 		return nil, fmt.Errorf("%s is not a directory (dev keeps dev.env and dev-pins.json there)", devStateDir)
 	}
-	lock, err := os.OpenFile(filepath.Join(devStateDir, "dev.lock"), os.O_RDWR|os.O_CREATE|syscall.O_CLOEXEC, 0o600)
+	probe, err := os.CreateTemp(devStateDir, ".write-test-")
 	if err != nil {
 		d.close(true)
 		return nil, fmt.Errorf("%s is not writable: %w", devStateDir, errors.Unwrap(err))
 	}
+	probe.Close()
+	_ = os.Remove(probe.Name())
+	return d, nil
+}
+
+// tryOwn takes dev.lock when it is free and reports whether this dev holds
+// it, or else the pid of the dev that does.
+func (d *devState) tryOwn() (bool, string) {
+	if d.lock != nil {
+		return true, ""
+	}
+	if err := os.MkdirAll(devStateDir, 0o700); err != nil {
+		return false, "unknown"
+	}
+	lock, err := os.OpenFile(filepath.Join(devStateDir, "dev.lock"), os.O_RDWR|os.O_CREATE|syscall.O_CLOEXEC, 0o600)
+	if err != nil {
+		return false, "unknown"
+	}
 	if syscall.Flock(int(lock.Fd()), syscall.LOCK_EX|syscall.LOCK_NB) != nil {
 		b, _ := os.ReadFile(lock.Name())
-		d.holder = strings.TrimSpace(string(b))
 		lock.Close()
-		return d, nil
+		return false, strings.TrimSpace(string(b))
 	}
 	d.lock = lock
 	_ = lock.Truncate(0)
 	_, _ = lock.WriteAt([]byte(strconv.Itoa(os.Getpid())+"\n"), 0)
-	return d, nil
+	return true, ""
+}
+
+// write writes dev.env and dev-pins.json; the caller holds d.mu and the
+// lock.
+func (d *devState) write() error {
+	if err := writeFileAtomic(filepath.Join(devStateDir, "dev.env"), []byte(d.env), 0o600); err != nil {
+		return err
+	}
+	return writeFileAtomic(filepath.Join(devStateDir, "dev-pins.json"), d.pins, 0o644)
 }
 
 // close unlocks; with failed, it removes the directory when this run made
-// it and left nothing else in it.
+// it and it is empty.
 func (d *devState) close(failed bool) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
 	if d.lock != nil {
 		d.lock.Close()
+		d.lock = nil
 	}
-	if !failed || !d.created {
-		return
-	}
-	if entries, err := os.ReadDir(devStateDir); err == nil && len(entries) <= 1 {
-		_ = os.RemoveAll(devStateDir) // nothing, or only dev.lock
+	if failed && d.created {
+		_ = os.Remove(devStateDir) // only when empty: another dev may use it
 	}
 }
 
@@ -384,11 +416,13 @@ func (a *app) runDev(ctx context.Context, f devFlags) (err error) {
 		fmt.Fprintf(w, "warning: %s\n", warning)
 	}
 	fmt.Fprintf(w, "Root tenant %s; root token (dev only): %s\n", st.TenantID, st.RootToken)
-	if err := a.devEnv(state, st, ""); err != nil {
+	envCtx, stopTakeover := context.WithCancel(ctx)
+	defer stopTakeover()
+	if err := a.devEnv(envCtx, state, st, ""); err != nil {
 		return err
 	}
 	if f.sim > 0 {
-		if err := a.devSim(ctx, state, st, f, cfg); err != nil {
+		if err := a.devSim(envCtx, state, st, f, cfg); err != nil {
 			if ctx.Err() != nil {
 				fmt.Fprintln(w, "stopping")
 				return nil // stopped while the machines joined
@@ -419,7 +453,7 @@ func (a *app) devSim(ctx context.Context, state *devState, st *devstack.Stack, f
 	if err != nil {
 		return err
 	}
-	if err := a.devEnv(state, st, pool); err != nil {
+	if err := a.devEnv(ctx, state, st, pool); err != nil {
 		return err
 	}
 	nodes, err := st.Join(ctx, devstack.JoinOptions{Pool: pool, Count: f.sim, Variant: f.simVariant})
@@ -480,41 +514,68 @@ func requireSignedIntent(st *devstack.Stack) int {
 	return n
 }
 
-// devEnv writes .better-compute/dev.env (the CLI's environment, 0600; with
-// BETTER_COMPUTE_POOL when pool is set) and .better-compute/dev-pins.json
-// (the deployment's pins, for machines joining from outside), and says so
-// the first time. When another dev in this directory owns those files, it
-// prints the environment instead.
-func (a *app) devEnv(state *devState, st *devstack.Stack, pool string) error {
+// devEnv sets this dev's CLI environment (with BETTER_COMPUTE_POOL when
+// pool is set) and pins, and writes them to .better-compute/dev.env (0600)
+// and dev-pins.json when this dev owns them. The first call takes the files
+// when they are free, else prints the environment and keeps trying (until
+// ctx ends) to take them over from the dev that owns them.
+func (a *app) devEnv(ctx context.Context, state *devState, st *devstack.Stack, pool string) error {
 	env := fmt.Sprintf("export BETTER_COMPUTE_URL=%s\nexport BETTER_COMPUTE_TOKEN=%s\nexport BETTER_COMPUTE_TENANT=%s\n",
 		st.APIURL, st.RootToken, st.TenantID)
 	if pool != "" {
 		env += "export BETTER_COMPUTE_POOL=" + pool + "\n"
 	}
-	w := a.env.Stderr
-	if state.lock == nil {
-		if pool == "" {
-			fmt.Fprintf(w, "Another better-compute dev (pid %s) owns %s in this directory; this one's CLI environment:\n%s",
-				state.holder, filepath.Join(devStateDir, "dev.env"), env)
-		} else {
-			fmt.Fprintf(w, "export BETTER_COMPUTE_POOL=%s\n", pool)
-		}
-		return nil
-	}
-	if err := writeFileAtomic(filepath.Join(devStateDir, "dev.env"), []byte(env), 0o600); err != nil {
-		return err
-	}
 	pins, err := json.MarshalIndent(st.Pins, "", "  ")
 	if err != nil {
 		return err
 	}
-	if err := writeFileAtomic(filepath.Join(devStateDir, "dev-pins.json"), append(pins, '\n'), 0o644); err != nil {
-		return err
-	}
-	if pool == "" {
-		fmt.Fprintf(w, "CLI environment: source %s\n", filepath.Join(devStateDir, "dev.env"))
+	w := a.env.Stderr
+	state.mu.Lock()
+	defer state.mu.Unlock()
+	first := state.env == ""
+	state.env, state.pins = env, append(pins, '\n')
+	owned, holder := state.tryOwn()
+	switch {
+	case owned:
+		if err := state.write(); err != nil {
+			return err
+		}
+		if first {
+			fmt.Fprintf(w, "CLI environment: source %s\n", filepath.Join(devStateDir, "dev.env"))
+		}
+	case first:
+		fmt.Fprintf(w, "Another better-compute dev (pid %s) owns %s in this directory; this one's CLI environment:\n%s",
+			holder, filepath.Join(devStateDir, "dev.env"), env)
+		go a.takeOverDevEnv(ctx, state)
+	default:
+		fmt.Fprintf(w, "export BETTER_COMPUTE_POOL=%s\n", pool)
 	}
 	return nil
+}
+
+// takeOverDevEnv takes dev.env and dev-pins.json over once the dev that
+// owns them stops, checking every second until ctx ends.
+func (a *app) takeOverDevEnv(ctx context.Context, state *devState) {
+	tick := a.env.Clock.NewTicker(time.Second)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C():
+		}
+		state.mu.Lock()
+		if ctx.Err() == nil {
+			if owned, _ := state.tryOwn(); owned {
+				if err := state.write(); err == nil {
+					fmt.Fprintf(a.env.Stderr, "CLI environment: source %s (the dev that had it stopped)\n", filepath.Join(devStateDir, "dev.env"))
+				}
+				state.mu.Unlock()
+				return
+			}
+		}
+		state.mu.Unlock()
+	}
 }
 
 // writeFileAtomic replaces path with content (mode) through a rename.
