@@ -36,23 +36,28 @@ $(TOOLS)/.stamp: tools/go.mod tools/go.sum
 .PHONY: tools
 tools: $(TOOLS)/.stamp ## Build the pinned tools (buf, protoc plugins, golangci-lint) into bin/tools.
 
+# What make generate writes: the protobuf code and the generated references.
+GENERATED := api/gen docs/cli.md
+
 .PHONY: generate
-generate: tools ## Regenerate the protobuf code in api/gen.
+generate: tools ## Regenerate the protobuf code in api/gen and the CLI reference docs/cli.md.
 	cd api && PATH="$(CURDIR)/$(TOOLS):$$PATH" buf lint proto && PATH="$(CURDIR)/$(TOOLS):$$PATH" buf generate
+	$(GO) run ./cmd/better-compute/internal/gendocs docs/cli.md
 
 .PHONY: generate-check
-generate-check: generate ## Fail when api/gen differs from what the protos generate.
-	@git diff --exit-code --stat -- api/gen || { echo "api/gen is stale: run make generate and commit"; exit 1; }
-	@test -z "$$(git status --porcelain -- api/gen)" || { git status --porcelain -- api/gen; echo "api/gen has untracked files: run make generate and commit"; exit 1; }
+generate-check: generate ## Fail when api/gen or docs/cli.md differ from what make generate writes.
+	@git diff --exit-code --stat -- $(GENERATED) || { echo "$(GENERATED): stale: run make generate and commit"; exit 1; }
+	@test -z "$$(git status --porcelain -- $(GENERATED))" || { git status --porcelain -- $(GENERATED); echo "untracked generated files: run make generate and commit"; exit 1; }
 
 .PHONY: vet
 vet: ## go vet every module.
 	@fail=0; for m in $(MODULES); do echo "vet $$m"; (cd $$m && $(GO) vet ./...) || fail=1; done; exit $$fail
 
 .PHONY: lint
-lint: tools ## golangci-lint every module, the one-clock rule, and tidy go.mod files.
+lint: tools ## golangci-lint every module, the one-clock rule, the docs citation rule, and tidy go.mod files.
 	@for m in $(MODULES); do echo "lint $$m"; (cd $$m && "$(CURDIR)/$(TOOLS)/golangci-lint" run --allow-parallel-runners --config "$(CURDIR)/.golangci.yml" ./...) || exit 1; done
 	scripts/lint-clock.sh
+	scripts/lint-docs.sh
 	@for m in $(MODULES); do (cd $$m && GOWORK=off $(GO) mod tidy -diff >/dev/null) || { echo "$$m: go.mod is not tidy: cd $$m && GOWORK=off go mod tidy"; exit 1; }; done
 
 .PHONY: build

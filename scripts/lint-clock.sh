@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one-clock rule (DESIGN §1): time comes from pkg/clock only, so that the
+# The one-clock rule (docs/architecture.md, "Services"): time comes from pkg/clock only, so that the
 # simulator can drive the same code. Fails on any read of the wall clock, sleep
 # or timer outside pkg/clock and generated code, tests included.
 set -euo pipefail

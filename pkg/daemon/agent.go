@@ -17,7 +17,7 @@
 // any other number are stale and ignored, so a driver never has to cancel
 // in-flight events precisely.
 //
-// Behaviour (DESIGN §2, §4, §6):
+// Behaviour (docs/architecture.md, "Session", "Commands", "Reservations"):
 //   - disconnected → dialing → hello sent → established, heartbeats every
 //     Welcome.heartbeat_interval, reconnect with exponential backoff and full
 //     jitter, reset after a session lasted Config.BackoffResetAfter;
@@ -907,7 +907,7 @@ func updateOf(e *Entry) *gatewayv1.SessionRequest {
 	}}}
 }
 
-// command handles a delivered command (DESIGN §4).
+// command handles a delivered command (docs/architecture.md, "Commands").
 func (a *Agent) command(now time.Time, o *out, c *gatewayv1.Command) {
 	id := c.GetCommandId()
 	if id == "" {
@@ -1111,7 +1111,7 @@ func issuedBefore(id string, t time.Time) bool {
 	return !ulid.Time(u.Time()).After(t)
 }
 
-// desired applies a DesiredState (DESIGN §3, §6).
+// desired applies a DesiredState (docs/architecture.md, "Reservations").
 func (a *Agent) desired(o *out, ds *gatewayv1.DesiredState) {
 	g := ds.GetGeneration()
 	if reason := a.verifySpec(ds); reason != "" {

@@ -56,7 +56,7 @@ func terminal(s gatewayv1.CommandState) bool {
 }
 
 // Journal is the daemon's durable record of the commands it has seen, the
-// basis of at-most-once execution (DESIGN §4, invariant I2). Put must be
+// basis of at-most-once execution (docs/architecture.md, "Commands", invariant I2). Put must be
 // durable when it returns: the Agent journals a command before running it.
 //
 // A Journal must be able to tell that it was lost: an implementation keeps a

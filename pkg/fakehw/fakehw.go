@@ -28,7 +28,7 @@ import (
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 )
 
-// Command kinds the fake hardware runs (see DESIGN §4).
+// Command kinds the fake hardware runs (docs/architecture.md, "Commands").
 const (
 	KindDiagNVML         = "diag.nvml"
 	KindInventoryRefresh = "inventory.refresh"

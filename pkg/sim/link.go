@@ -14,7 +14,7 @@ import (
 // Chaos is a level of chaos: "none", "light" or "heavy".
 type Chaos string
 
-// The chaos levels (see the seed's table, reproduced in chaosLevels).
+// The chaos levels (docs/simulator.md's table, defined in chaosLevels).
 const (
 	ChaosNone  Chaos = "none"
 	ChaosLight Chaos = "light"

@@ -1,5 +1,5 @@
 // Package sim is the deterministic fleet simulator behind `better-compute
-// sim` (DESIGN §8, the seed's "The fleet simulator"): thousands of daemon
+// sim` (docs/simulator.md): thousands of daemon
 // cores (pkg/daemon's Agent, the code the fakedaemon runs) on fake hardware
 // (pkg/fakehw), each with its own command journal, talk the Session
 // protocol over simulated links to a GatewayStub, entirely in simulated

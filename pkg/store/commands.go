@@ -1,6 +1,6 @@
 package store
 
-// Commands run by users (DESIGN §2 I2, issue 5): RunCommand queues a signed
+// Commands run by users (docs/architecture.md, "Commands", invariant I2): RunCommand queues a signed
 // command for one node, the gateway delivers it, the daemon runs it at most
 // once (its journal answers a redelivery) and reports; the command expiry
 // reconciler ends what is still open at its deadline. A command belongs to

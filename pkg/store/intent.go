@@ -1,6 +1,6 @@
 package store
 
-// Signed intent (DESIGN §4, signedIntent): with the deployment option on,
+// Signed intent (docs/architecture.md, "Commands": signed intent): with the deployment option on,
 // every command and every NodeSpec generation carries the command-signing
 // root's Ed25519 signature (RFC 8032), made when the row is written and
 // stored beside it (commands.signature, nodes.spec_signature). The gateway

@@ -1,7 +1,7 @@
 package store
 
 // Why a reservation is still pending, and how one that was never placed
-// ends (DESIGN §3): a scheduler pass that cannot place a pending reservation
+// ends (docs/architecture.md, "Reservations"): a scheduler pass that cannot place a pending reservation
 // says why in reservations.reason (placing it clears the reason), and a
 // reservation whose end time passes while still pending fails with a reason
 // instead of expiring silently.

@@ -1,6 +1,6 @@
 package store
 
-// Placement (DESIGN §3): the scheduler reads what is pending and what is
+// Placement (docs/architecture.md, "Reservations"): the scheduler reads what is pending and what is
 // free, plans in memory, and writes placements in one transaction per batch.
 // The bookings' exclusion constraint (bookings_no_overlap, I1) is what keeps
 // two schedulers from double-booking a device: a placement that overlaps a

@@ -1,6 +1,6 @@
 package store
 
-// The tenant side of reservations (DESIGN §3): offers of pools to tenants
+// The tenant side of reservations (docs/architecture.md, "Reservations"): offers of pools to tenants
 // with a GPU quota, creating a reservation (quota, idempotency, fail fast),
 // reading reservations and usage windows. Placement, binding and expiry are
 // the scheduler's and the controllers'; a reservation ends through

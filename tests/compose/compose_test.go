@@ -361,7 +361,7 @@ func (s *stack) envValue(k string) string {
 	return ""
 }
 
-// walkthrough follows the seed's walkthrough command by command as the
+// walkthrough follows the README's walkthrough command by command as the
 // root tenant: offer the pool with a quota, reserve 4 GPUs for an hour
 // (active, with the CDI names of 4 GPUs of one node in binding), see it,
 // release it, see the usage command answer.
@@ -463,7 +463,7 @@ func (s *stack) watchCordon(nodeID string) {
 }
 
 // failoverWithin is how soon the nodes of a killed gateway hold a session on
-// the other (issue 5: all 8 back within 10 s).
+// the other (all 8 back within 10 s).
 const failoverWithin = 10 * time.Second
 
 // killGateway is the issue's failover drill: with want nodes spread over

@@ -22,7 +22,7 @@ import (
 )
 
 // failoverWithin is how soon the nodes of a killed gateway must hold a
-// session on the other one (issue 5: within 10 s).
+// session on the other one (within 10 s).
 const failoverWithin = 10 * time.Second
 
 // TestGatewayKilledMidRun runs two gateways as processes and eight machines

@@ -1,4 +1,4 @@
--- Reservations (DESIGN §3): offers of pools to tenants with a GPU quota,
+-- Reservations (docs/architecture.md, "Reservations"): offers of pools to tenants with a GPU quota,
 -- reservations and their bookings, and usage windows.
 
 -- pool_offers: a pool offered to a tenant, with how many GPUs the tenant may

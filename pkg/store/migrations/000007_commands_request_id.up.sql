@@ -1,4 +1,4 @@
--- Commands run by users (issue 5): RunCommand is idempotent by request id.
+-- Commands run by users: RunCommand is idempotent by request id.
 --
 -- commands.request_id is the caller's idempotency key (NULL when it gave
 -- none); a retry of RunCommand with the same key on the same node returns

@@ -1,4 +1,4 @@
--- Idle fleet (issue 5): every heartbeat rewrites its node's row (last_seen,
+-- Idle fleet: every heartbeat rewrites its node's row (last_seen,
 -- flushed by the gateway about every 10 s per node). The row carried its
 -- inventory inline (~0.7 of ~1.2 KB), so each flush copied it, and with
 -- full pages the new versions went to other pages: no HOT update, an entry

@@ -1,4 +1,4 @@
--- Command throughput (issue 5): a command's row is written three times
+-- Command throughput: a command's row is written three times
 -- (queued, delivered, then its terminal state). The open-command indexes
 -- had the state in their predicate, so every state change was a non-HOT
 -- update: a new entry in each of the table's indexes, twice per command.

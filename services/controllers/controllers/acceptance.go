@@ -25,7 +25,7 @@ const (
 	LabelSite = "better-compute.io/site"
 )
 
-// Acceptance is the acceptance reconciler (DESIGN §2 step 5). Each pass:
+// Acceptance is the acceptance reconciler (docs/architecture.md, "Acceptance and adoption"). Each pass:
 //
 //  1. Start: claims joining nodes (FOR UPDATE SKIP LOCKED, Batch at a time),
 //     queues a retry-safe diag.nvml command with purpose 'acceptance' and

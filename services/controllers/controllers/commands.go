@@ -19,7 +19,7 @@ const LeaseCommandExpiry = "controllers.command-expiry"
 // commands past their deadline.
 const DefaultCommandExpiryInterval = time.Second
 
-// CommandExpiry ends user commands at their deadline (issue 5): every
+// CommandExpiry ends user commands at their deadline: every
 // Interval it moves the queued, delivered and running user commands whose
 // deadline has passed to expired, Batch per transaction, each with its
 // command.expired event (store.ExpireDueCommands). Acceptance commands are

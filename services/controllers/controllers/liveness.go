@@ -25,7 +25,7 @@ const (
 	DefaultLivenessInterval = time.Second
 )
 
-// Liveness is the liveness sweeper (DESIGN §2): every Interval it marks
+// Liveness is the liveness sweeper (docs/architecture.md, "Session"): every Interval it marks
 // unreachable (nodes.reachable = false, a node.unreachable event) the
 // reachable nodes not heard from for Timeout whose session, if any, no
 // present gateway holds (store.SweepUnreachable), Batch per transaction.

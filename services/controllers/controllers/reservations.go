@@ -24,7 +24,7 @@ const (
 	DefaultUsageInterval  = time.Minute
 )
 
-// Expiry ends reservations at their end time (DESIGN §3): every Interval it
+// Expiry ends reservations at their end time (docs/architecture.md, "Reservations"): every Interval it
 // claims (FOR UPDATE SKIP LOCKED) reservations not yet ended whose end_at ≤
 // now, Batch per transaction, and ends each with store.EndReservation(state
 // expired): bookings end, the node's spec drops the allocation (signed),

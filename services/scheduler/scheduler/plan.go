@@ -31,7 +31,7 @@ type Plan struct {
 }
 
 // planPool places the pool's FIFO queue (pending, oldest first) on nodes
-// with the bookings booked, at now (DESIGN §3). It is a pure function of
+// with the bookings booked, at now (docs/architecture.md, "Reservations"). It is a pure function of
 // its arguments, so racing replicas plan alike:
 //
 //   - Each reservation goes whole onto one schedulable node (reachable,

@@ -1,5 +1,5 @@
-// Package scheduler places pending reservations onto free devices (DESIGN
-// §3): each reservation whole on one node, best fit, FIFO per pool with a
+// Package scheduler places pending reservations onto free devices
+// (docs/architecture.md, "Reservations"): each reservation whole on one node, best fit, FIFO per pool with a
 // bounded wait for large requests and EASY backfilling around the oldest
 // one past it (see planPool for the exact rules), on adopted, reachable,
 // uncordoned, non-revoked nodes. A pass writes why each reservation it

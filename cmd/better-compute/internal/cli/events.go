@@ -16,6 +16,7 @@ import (
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
 	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/store"
 )
 
 // Reconnection delays of `events watch`: the first after a dropped stream,
@@ -60,7 +61,11 @@ func (a *app) eventsWatchCmd() *cobra.Command {
 			"with no gap and no duplicate. Before the first event printed, it resumes after the id the stream\n" +
 			"started after, which the server names in the Bc-Watch-After response header (the --after ID, or\n" +
 			"the newest event id when a watch from now started), or from the start when that is 0 (there was\n" +
-			"no event yet, or --from-start). It runs until interrupted.",
+			"no event yet, or --from-start). It runs until interrupted.\n\n" +
+			"The same stream over HTTP: curl -N -H \"Authorization: Bearer $BETTER_COMPUTE_TOKEN\"\n" +
+			"\"$BETTER_COMPUTE_URL/api/compute/watch?types=node.*&after=ID\" (NDJSON; parameters types, after,\n" +
+			"from_start; an error that ends the stream is a last line {\"code\": …, \"message\": …}).\n\n" +
+			"Event types: " + strings.Join(store.EventTypes, ", ") + ".",
 		Args: cobra.NoArgs,
 	}
 	c.Flags().StringVar(&types, "types", "", "comma-separated type patterns: exact (node.cordoned) or family (node.*); empty entries are ignored; default: all")

@@ -90,7 +90,11 @@ func (a *app) nodesListCmd() *cobra.Command {
 	c := &cobra.Command{
 		Use:   "list",
 		Short: "List nodes (all pages), optionally of one pool",
-		Args:  cobra.NoArgs,
+		Long: "List your tenant's nodes (every tenant's with a root-admin token): id, pool, state (the provision\n" +
+			"state, with ,revoked ,unreachable or ,cordoned beside it, and the reason acceptance failed, the cordon\n" +
+			"reason or the revoke reason), GPUs, model, gateway, last seen. -o json prints each node as nodes get does.\n" +
+			"--pool of a pool another tenant offered you lists none: its nodes are that tenant's.",
+		Args: cobra.NoArgs,
 	}
 	c.Flags().StringVar(&pool, "pool", "", "only nodes of this pool id")
 	format := addOutputFlag(c)
@@ -157,7 +161,7 @@ func (a *app) nodesListCmd() *cobra.Command {
 }
 
 func (a *app) nodesGetCmd() *cobra.Command {
-	return a.idJSONCmd("get NODE_ID", "Show one node as JSON, as nodes list -o json shows it, with its GPUs",
+	c := a.idJSONCmd("get NODE_ID", "Show one node as JSON, as nodes list -o json shows it, with its GPUs",
 		func(ctx context.Context, cl *apiClients, id string) (any, error) {
 			res, err := cl.nodes.GetNode(ctx, connect.NewRequest(&computev1.GetNodeRequest{NodeId: id}))
 			if err != nil {
@@ -165,6 +169,11 @@ func (a *app) nodesGetCmd() *cobra.Command {
 			}
 			return toNodeJSON(res.Msg.GetNode()), nil
 		})
+	c.Long = "Show one node as JSON: id, pool, state, reason, gpus (a count), model, gateway, lastSeen, reachable,\n" +
+		"cordoned, cordonReason, revokedAt and revokeReason when set, hostname, certNotAfter when set, variant,\n" +
+		"bootId, specGeneration, observedGeneration, createdAt, and devices: its GPUs, each index, uuid, model and\n" +
+		"memoryBytes (a node that failed acceptance lists the GPUs it reported)."
+	return c
 }
 
 func (a *app) nodesRevokeCmd() *cobra.Command {

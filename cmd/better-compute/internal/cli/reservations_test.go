@@ -28,7 +28,7 @@ func parseReservation(t *testing.T, out string) reservationOut {
 	return r
 }
 
-// TestReserveWalkthrough is the seed's walkthrough (offer, reserve), then
+// TestReserveWalkthrough is the README's walkthrough (offer, reserve), then
 // list, get, release and usage.
 func TestReserveWalkthrough(t *testing.T) {
 	t.Parallel()
