@@ -21,8 +21,8 @@
 //   - disconnected → dialing → hello sent → established, heartbeats every
 //     Welcome.heartbeat_interval, reconnect with exponential backoff and full
 //     jitter, reset after a session lasted Config.BackoffResetAfter;
-//   - a silent gateway: when Welcome says the gateway acknowledges
-//     heartbeats (acks_heartbeats), an established session on which nothing
+//   - a silent gateway: the gateway acknowledges every heartbeat
+//     (HeartbeatAck), so an established session on which nothing
 //     arrived from the gateway for the silence timeout (Config.SilenceTimeout:
 //     3 heartbeat intervals, at most 15 s) is closed with EffectClose.Abort
 //     (the driver drops the stream and its connection at once, so a write
@@ -170,9 +170,8 @@ type Config struct {
 	DefaultHeartbeat time.Duration
 	// SilenceTimeout is how long an established session may go without any
 	// message from the gateway (a HeartbeatAck, a Command, …) before the
-	// Agent closes it as silent (EffectClose with Abort) and reconnects. It
-	// applies only to sessions whose Welcome sets acks_heartbeats: those
-	// gateways answer every heartbeat, so a live one is heard at least once
+	// Agent closes it as silent (EffectClose with Abort) and reconnects. A
+	// gateway answers every heartbeat, so a live one is heard at least once
 	// per heartbeat interval. Zero means 3 heartbeat intervals, at most
 	// DefaultSilenceCap (15 s with the usual 10 s interval). It is never
 	// taken below 1.5 heartbeat intervals, which would close live sessions
@@ -657,10 +656,7 @@ func (a *Agent) welcome(now time.Time, o *out, w *gatewayv1.Welcome) {
 	}
 	a.nextHeartbeat = now.Add(a.heartbeat)
 	a.heardAt = now
-	a.silence = 0
-	if w.GetAcksHeartbeats() {
-		a.silence = SilenceTimeout(a.cfg.SilenceTimeout, a.heartbeat)
-	}
+	a.silence = SilenceTimeout(a.cfg.SilenceTimeout, a.heartbeat)
 	// Updates that could not be sent while disconnected.
 	pending := a.unsent
 	a.unsent = nil

@@ -50,6 +50,10 @@ type harness struct {
 	csrs    int             // EffectMakeCSR seen
 	certs   []daemon.Effect // EffectCertificate seen
 	stops   []daemon.Effect // EffectStop seen
+	// manualAcks: the test answers heartbeats itself (ackHeartbeats), or
+	// not at all (a silent gateway). Otherwise the harness answers each as
+	// a live gateway does, and the sent heartbeat stays in sent.
+	manualAcks bool
 }
 
 func newHarness(t *testing.T, cfg daemon.Config, seed uint64) *harness {
@@ -77,12 +81,16 @@ func (h *harness) restart() {
 }
 
 func (h *harness) apply(effects []daemon.Effect) {
+	var acks []int64
 	for _, e := range effects {
 		h.log = append(h.log, h.now.Sub(t0).String()+" "+e.String())
 		switch e.Kind {
 		case daemon.EffectSend:
 			require.Equal(h.t, h.session, e.Session, "send on a session other than the last dialed")
 			h.sent = append(h.sent, e.Msg)
+			if hb := e.Msg.GetHeartbeat(); hb != nil && !h.manualAcks {
+				acks = append(acks, hb.GetSeq())
+			}
 		case daemon.EffectDial:
 			h.session = e.Session
 		case daemon.EffectClose:
@@ -98,6 +106,9 @@ func (h *harness) apply(effects []daemon.Effect) {
 		case daemon.EffectStop:
 			h.stops = append(h.stops, e)
 		}
+	}
+	for _, seq := range acks {
+		h.receive(&gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_HeartbeatAck{HeartbeatAck: &gatewayv1.HeartbeatAck{Seq: seq}}})
 	}
 }
 

@@ -38,6 +38,11 @@ func Example() {
 						Welcome: &gatewayv1.Welcome{SessionId: "ses_1", HeartbeatInterval: durationpb.New(10 * time.Second)},
 					}})...)
 				}
+				if hb := e.Msg.GetHeartbeat(); hb != nil { // the gateway answers every heartbeat
+					effects = append(effects, a.Receive(now, e.Session, &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_HeartbeatAck{
+						HeartbeatAck: &gatewayv1.HeartbeatAck{Seq: hb.GetSeq()},
+					}})...)
+				}
 			case daemon.EffectTimer:
 				wake = e.At
 			}
@@ -54,6 +59,7 @@ func Example() {
 	// timer 2030-01-01T00:00:30Z
 	// timer 2030-01-01T00:00:10Z
 	// send[1] heartbeat seq=1 observed=0
+	// timer 2030-01-01T00:00:15Z
 	// timer 2030-01-01T00:00:20Z
 	// established
 	// true

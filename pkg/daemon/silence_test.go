@@ -11,12 +11,12 @@ import (
 	"github.com/better-compute/better-compute/pkg/daemon"
 )
 
-// welcomeAcking answers Hello with a Welcome of a gateway that acknowledges
-// heartbeats.
+// welcomeAcking answers Hello with a Welcome of gatewayID; the test
+// answers the heartbeats itself (ackHeartbeats), or lets the gateway go
+// silent.
 func (h *harness) welcomeAcking(gatewayID string, hb time.Duration) {
 	h.receive(&gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_Welcome{Welcome: &gatewayv1.Welcome{
 		SessionId: "ses_" + gatewayID, GatewayId: gatewayID, HeartbeatInterval: durationpb.New(hb), SessionEpoch: 1,
-		AcksHeartbeats: true,
 	}}})
 }
 
@@ -34,8 +34,9 @@ func (h *harness) ackHeartbeats() int {
 }
 
 // establishAcking starts (if idle), connects and welcomes from a gateway
-// that acknowledges heartbeats.
+// whose heartbeat acknowledgements the test sends itself (ackHeartbeats).
 func (h *harness) establishAcking(gatewayID string, hb time.Duration) {
+	h.manualAcks = true
 	if h.a.Status().State == daemon.StateIdle {
 		h.apply(h.a.Start(h.now))
 	}
@@ -116,20 +117,6 @@ func TestAnyGatewayMessageCountsAsHeard(t *testing.T) {
 	h.advance(time.Second)
 	require.Len(t, h.closed, 1)
 	require.True(t, h.closed[0].Abort)
-}
-
-// TestSilenceUncheckedWithoutAcks: an older gateway, whose Welcome does not
-// say it acknowledges heartbeats, sends nothing on an idle session; its
-// sessions are never closed for silence.
-func TestSilenceUncheckedWithoutAcks(t *testing.T) {
-	t.Parallel()
-	h := newHarness(t, daemon.Config{SilenceTimeout: 15 * time.Second}, 1)
-	h.establish()
-	h.advance(10 * time.Minute)
-	require.Empty(t, h.closed)
-	require.Equal(t, daemon.StateEstablished, h.a.Status().State)
-	require.Zero(t, h.a.Status().Silenced)
-	require.Len(t, h.take(), 60, "heartbeats went on")
 }
 
 // TestConfiguredSilenceTimeout: a configured silence timeout is used as

@@ -62,7 +62,7 @@ func (d *deployment) response(t *testing.T) *joinv1.JoinResponse {
 	require.NoError(t, err)
 	return &joinv1.JoinResponse{
 		NodeId: "node_01", CertificateDer: cert.Raw, NodeCaDer: d.nodeCA.Cert.Raw,
-		GatewayUrl: "https://gw.example:8443", GatewayServerName: "gw.example", ServingCaDer: d.servingCA.Raw,
+		GatewayUrls: []string{"https://gw.example:8443"}, GatewayServerName: "gw.example", ServingCaDer: d.servingCA.Raw,
 		TrustDomain: pki.DefaultTrustDomain, NotAfter: timestamppb.New(cert.NotAfter), PoolId: "pool_01",
 		Trust: &joinv1.Trust{CommandSigningRoot: d.commandSPKI},
 	}
@@ -126,7 +126,7 @@ func TestCheckJoinResponseRefuses(t *testing.T) {
 		{name: "changed after signing", make: func(t *testing.T) (*joinv1.JoinResponse, []byte) {
 			r := d.response(t)
 			require.NoError(t, pki.SignJoinResponse(d.signKey, r))
-			r.GatewayUrl = "https://evil.example:8443"
+			r.GatewayUrls[0] = "https://evil.example:8443"
 			return r, d.signSPKI
 		}, want: "its signature does not verify with the pinned join signing key"},
 		{name: "gateway added after signing", make: func(t *testing.T) (*joinv1.JoinResponse, []byte) {

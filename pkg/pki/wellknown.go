@@ -51,12 +51,10 @@ type WellKnown struct {
 
 // WellKnownGateway is the gateway part of a WellKnown document.
 type WellKnownGateway struct {
-	// URL is the gateway's https:// Session URL (the first of URLs).
-	URL string `json:"url"`
-	// URLs are the Session URLs of every gateway replica, URL first; a
-	// daemon moves to the next when it loses its session. Omitted when
-	// there is one.
-	URLs []string `json:"urls,omitempty"`
+	// URLs are the https:// Session URLs of every gateway replica (at least
+	// one when the deployment has a gateway); a daemon moves to the next
+	// when it loses its session.
+	URLs []string `json:"urls"`
 	// ServerName is the TLS server name to verify on the gateway.
 	ServerName string `json:"serverName"`
 }
@@ -295,13 +293,5 @@ func ParseGatewayURLs(list string) ([]string, error) {
 // NewWellKnownGateway returns the gateway part of a WellKnown document for a
 // configured gateway URL list (see SplitGatewayURLs) and TLS server name.
 func NewWellKnownGateway(list, serverName string) WellKnownGateway {
-	urls := SplitGatewayURLs(list)
-	g := WellKnownGateway{ServerName: serverName}
-	if len(urls) > 0 {
-		g.URL = urls[0]
-	}
-	if len(urls) > 1 {
-		g.URLs = urls
-	}
-	return g
+	return WellKnownGateway{URLs: SplitGatewayURLs(list), ServerName: serverName}
 }

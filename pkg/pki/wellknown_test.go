@@ -15,8 +15,8 @@ func TestNewWellKnownGateway(t *testing.T) {
 		want pki.WellKnownGateway
 	}{
 		{"", pki.WellKnownGateway{ServerName: "gw"}},
-		{"https://a:8443", pki.WellKnownGateway{URL: "https://a:8443", ServerName: "gw"}},
-		{" https://a:8443 , ,https://b:8443,", pki.WellKnownGateway{URL: "https://a:8443",
+		{"https://a:8443", pki.WellKnownGateway{URLs: []string{"https://a:8443"}, ServerName: "gw"}},
+		{" https://a:8443 , ,https://b:8443,", pki.WellKnownGateway{
 			URLs: []string{"https://a:8443", "https://b:8443"}, ServerName: "gw"}},
 	} {
 		require.Equal(t, tc.want, pki.NewWellKnownGateway(tc.list, "gw"), "list %q", tc.list)

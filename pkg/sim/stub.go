@@ -329,7 +329,7 @@ func (g *GatewayStub) receive(c *conn, m *gatewayv1.SessionRequest) {
 	switch {
 	case m.GetHeartbeat() != nil:
 		g.observe(sn, m.GetHeartbeat().GetObservedGeneration(), false)
-		// As the gateway does (Welcome.acks_heartbeats).
+		// As the gateway does (HeartbeatAck).
 		g.s.sendDown(c, &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_HeartbeatAck{
 			HeartbeatAck: &gatewayv1.HeartbeatAck{Seq: m.GetHeartbeat().GetSeq()},
 		}})
@@ -376,7 +376,6 @@ func (g *GatewayStub) hello(c *conn, sn *stubNode, h *gatewayv1.Hello) {
 	g.log(sn, fmt.Sprintf("%s welcome conn %d %s epoch=%d", g.gateways[c.gw].id, c.id, sid, sn.epoch))
 	g.s.sendDown(c, &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_Welcome{Welcome: &gatewayv1.Welcome{
 		SessionId: sid, GatewayId: g.gateways[c.gw].id, HeartbeatInterval: g.hb, SessionEpoch: sn.epoch,
-		AcksHeartbeats: true,
 	}}})
 	g.deliver(sn)
 }

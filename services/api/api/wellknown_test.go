@@ -49,7 +49,7 @@ func TestWellKnownDocument(t *testing.T) {
 	require.NoError(t, json.Unmarshal(body, &doc))
 	require.Equal(t, "https://compute.example", doc.BaseURL)
 	require.Equal(t, "https://join.compute.example", doc.JoinURL)
-	require.Equal(t, pki.WellKnownGateway{URL: "https://gw.compute.example:8443", ServerName: "gw.compute.example"}, doc.Gateway)
+	require.Equal(t, pki.WellKnownGateway{URLs: []string{"https://gw.compute.example:8443"}, ServerName: "gw.compute.example"}, doc.Gateway)
 	pins, err := pki.ReadPins(dir)
 	require.NoError(t, err)
 	require.Equal(t, pins, doc.Pins)

@@ -221,7 +221,7 @@ func (j *fakeJoin) wellKnown(joinURL string) pki.WellKnown {
 	}
 	doc := pki.WellKnown{
 		BaseURL: joinURL, JoinURL: joinURL,
-		Gateway:           pki.WellKnownGateway{URL: j.gatewayURL, ServerName: j.serverName},
+		Gateway:           pki.WellKnownGateway{URLs: []string{j.gatewayURL}, ServerName: j.serverName},
 		JoinEncryptionKey: enc, JoinSigningKey: sig, CommandSigningKey: j.commandRoot,
 		ServingCA: string(pki.EncodeCertPEM(j.servingCA.Cert)),
 	}
@@ -275,7 +275,7 @@ func (j *fakeJoin) Join(ctx context.Context, req *connect.Request[joinv1.JoinReq
 		NodeId:            nodeID,
 		CertificateDer:    cert.Raw,
 		NodeCaDer:         j.nodeCA.Cert.Raw,
-		GatewayUrl:        j.gatewayURL,
+		GatewayUrls:       []string{j.gatewayURL},
 		GatewayServerName: j.serverName,
 		ServingCaDer:      j.servingCA.Cert.Raw,
 		TrustDomain:       trustDomain,
@@ -311,9 +311,6 @@ type fakeGateway struct {
 	gatewayv1connect.UnimplementedGatewayServiceHandler
 	id        string // Welcome.gateway_id
 	heartbeat time.Duration
-	// acks makes the gateway acknowledge heartbeats (Welcome.acks_heartbeats)
-	// as the real one does.
-	acks bool
 
 	mu       sync.Mutex
 	seq      int
@@ -366,7 +363,6 @@ func (g *fakeGateway) Session(ctx context.Context, stream *connect.BidiStream[ga
 	g.mu.Unlock()
 	if err := stream.Send(&gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_Welcome{Welcome: &gatewayv1.Welcome{
 		SessionId: sid, GatewayId: g.id, HeartbeatInterval: durationpb.New(g.heartbeat), SessionEpoch: int64(epoch),
-		AcksHeartbeats: g.acks,
 	}}}); err != nil {
 		return err
 	}
@@ -381,7 +377,7 @@ func (g *fakeGateway) Session(ctx context.Context, stream *connect.BidiStream[ga
 			g.mu.Lock()
 			g.msgs[certNode] = append(g.msgs[certNode], m)
 			g.mu.Unlock()
-			if hb := m.GetHeartbeat(); hb != nil && g.acks {
+			if hb := m.GetHeartbeat(); hb != nil { // as the real gateway does
 				select {
 				case s.out <- &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_HeartbeatAck{HeartbeatAck: &gatewayv1.HeartbeatAck{Seq: hb.GetSeq()}}}:
 				default: // the sender is busy: what it sends answers
@@ -559,7 +555,7 @@ func TestJoinSessionCommandsAndSpec(t *testing.T) {
 		require.NoError(t, json.Unmarshal(raw, &ident))
 		require.Equal(t, st.NodeID, ident.NodeID)
 		require.Equal(t, st.MachineID, ident.MachineID)
-		require.Equal(t, cp.gwURL, ident.GatewayURL)
+		require.Equal(t, []string{cp.gwURL}, ident.GatewayURLs)
 		require.Equal(t, "localhost", ident.GatewayServerName)
 		require.Equal(t, "pool_test", ident.PoolID)
 		require.Equal(t, trustDomain, ident.TrustDomain)
@@ -1088,7 +1084,7 @@ func TestUntrustedJoinResponseIsRefused(t *testing.T) {
 			j.tamper = func(r *joinv1.JoinResponse) { r.Signature = nil }
 		}, "it is not signed"},
 		{"changed after signing", func(j *fakeJoin) {
-			j.tamper = func(r *joinv1.JoinResponse) { r.GatewayUrl = "https://elsewhere.example:8443" }
+			j.tamper = func(r *joinv1.JoinResponse) { r.GatewayUrls = []string{"https://elsewhere.example:8443"} }
 		}, "its signature does not verify"},
 		{"signed by another key than the pinned one", func(j *fakeJoin) {
 			j.signWith = otherSigner

@@ -50,13 +50,10 @@ type Identity struct {
 	MachineID string `json:"machine_id"`
 	// Variant is the fake hardware variant the machine joined with.
 	Variant string `json:"variant"`
-	// GatewayURL is where the node opens its Session (the first of
-	// GatewayURLs).
-	GatewayURL string `json:"gateway_url"`
-	// GatewayURLs are every gateway replica's Session URL when the
-	// deployment named several (JoinResponse.gateway_urls); the node moves
-	// to the next when it loses its session.
-	GatewayURLs []string `json:"gateway_urls,omitempty"`
+	// GatewayURLs are every gateway replica's Session URL
+	// (JoinResponse.gateway_urls, at least one); the node starts on one and
+	// moves to the next when it loses its session.
+	GatewayURLs []string `json:"gateway_urls"`
 	// GatewayServerName is the TLS server name of the gateway ("" means the
 	// host of the gateway URL).
 	GatewayServerName string `json:"gateway_server_name,omitempty"`
@@ -185,8 +182,8 @@ func loadIdentity(dir string) (*Identity, error) {
 	if err := json.Unmarshal(b, &id); err != nil {
 		return nil, fmt.Errorf("%s: %w", NodeFile, err)
 	}
-	if id.NodeID == "" || id.MachineID == "" || id.GatewayURL == "" {
-		return nil, fmt.Errorf("%s: node_id, machine_id and gateway_url are required", NodeFile)
+	if id.NodeID == "" || id.MachineID == "" || len(id.GatewayURLs) == 0 {
+		return nil, fmt.Errorf("%s: node_id, machine_id and gateway_urls are required", NodeFile)
 	}
 	if id.key, err = pki.ParseKeyPEM([]byte(id.KeyPEM)); err != nil {
 		return nil, fmt.Errorf("%s: key_pem: %w", NodeFile, err)
@@ -225,13 +222,6 @@ func (id *Identity) save(dir string, nodeCA *x509.Certificate) error {
 	return writeFileSync(filepath.Join(dir, NodeFile), append(b, '\n'), 0o600)
 }
 
-// gatewayURLs returns the Session URLs the node may use, in order.
-func (id *Identity) gatewayURLs() []string {
-	if len(id.GatewayURLs) > 0 {
-		return id.GatewayURLs
-	}
-	return []string{id.GatewayURL}
-}
 
 // tlsCertificate returns the node's client certificate for mTLS.
 func (id *Identity) tlsCertificate() tls.Certificate {

@@ -28,9 +28,6 @@ type joinTrust struct {
 	client joinv1connect.JoinServiceClient
 	keys   pki.JoinKeys
 	pins   pki.Pins
-	// gateway is the well-known document's gateway (zero without Server),
-	// used where the JoinResponse names none.
-	gateway pki.WellKnownGateway
 }
 
 // joinTrust returns the Runner's joinTrust, resolving it on the first call:
@@ -50,7 +47,6 @@ func (r *Runner) joinTrust(ctx context.Context) (*joinTrust, error) {
 	joinURL := r.cfg.JoinURL
 	var (
 		keys pki.JoinKeys
-		gw   pki.WellKnownGateway
 		err  error
 	)
 	if !r.cfg.InsecureTrustServerPins {
@@ -81,7 +77,6 @@ func (r *Runner) joinTrust(ctx context.Context) (*joinTrust, error) {
 		if joinURL == "" {
 			return nil, fmt.Errorf("%s%s has no joinUrl: set --join-url (BC_JOIN_URL)", r.cfg.Server, pki.WellKnownPath)
 		}
-		gw = doc.Gateway
 	} else {
 		if len(r.cfg.JoinEncryptionKey) == 0 || len(r.cfg.JoinSigningKey) == 0 {
 			return nil, errors.New("no join keys: set --server (BC_SERVER) to read them from the deployment's " +
@@ -97,10 +92,9 @@ func (r *Runner) joinTrust(ctx context.Context) (*joinTrust, error) {
 		}
 	}
 	r.trust = &joinTrust{
-		client:  joinv1connect.NewJoinServiceClient(r.httpClient, strings.TrimRight(joinURL, "/"), r.clientOpts...),
-		keys:    keys,
-		pins:    pins,
-		gateway: gw,
+		client: joinv1connect.NewJoinServiceClient(r.httpClient, strings.TrimRight(joinURL, "/"), r.clientOpts...),
+		keys:   keys,
+		pins:   pins,
 	}
 	return r.trust, nil
 }

@@ -338,7 +338,6 @@ func (m *Machine) join(ctx context.Context, hw *fakehw.Machine, pending *pending
 		NodeID:             msg.GetNodeId(),
 		MachineID:          hw.MachineID(),
 		Variant:            hw.Variant(),
-		GatewayURL:         msg.GetGatewayUrl(),
 		GatewayURLs:        msg.GetGatewayUrls(),
 		GatewayServerName:  msg.GetGatewayServerName(),
 		TrustDomain:        msg.GetTrustDomain(),
@@ -350,19 +349,8 @@ func (m *Machine) join(ctx context.Context, hw *fakehw.Machine, pending *pending
 		servingCA:          v.ServingCA,
 		commandRoot:        v.CommandSigningRoot,
 	}
-	if id.GatewayURL == "" {
-		id.GatewayURL, id.GatewayURLs, id.GatewayServerName = trust.gateway.URL, trust.gateway.URLs, trust.gateway.ServerName
-	}
-	if id.GatewayURL == "" {
-		if urls := pki.SplitGatewayURLs(m.r.cfg.GatewayURL); len(urls) > 0 {
-			id.GatewayURL = urls[0]
-			if len(urls) > 1 {
-				id.GatewayURLs = urls
-			}
-		}
-	}
-	if id.NodeID == "" || id.GatewayURL == "" {
-		return nil, fmt.Errorf("machine %d: join response lacks node_id or gateway_url", m.index)
+	if id.NodeID == "" || len(id.GatewayURLs) == 0 {
+		return nil, fmt.Errorf("machine %d: join response lacks node_id or gateway_urls", m.index)
 	}
 	if msg.GetNotAfter() != nil {
 		id.NotAfter = msg.GetNotAfter().AsTime()
@@ -407,7 +395,7 @@ func (h countingHardware) Run(kind string, args []byte) (*gatewayv1.CommandResul
 // the JoinResponse's, else the first URL's host) that every gateway replica
 // presents.
 func (m *Machine) gatewayTLS(id *Identity) ([]string, *tls.Config, error) {
-	urls := id.gatewayURLs()
+	urls := id.GatewayURLs
 	if m.r.cfg.GatewayURL != "" {
 		urls = pki.SplitGatewayURLs(m.r.cfg.GatewayURL)
 	}

@@ -173,7 +173,7 @@ func TestFrozenGatewayFailover(t *testing.T) {
 	var urls []string
 	for _, id := range []string{"gw-a", "gw-b"} {
 		g := gws[id]
-		g.id, g.acks, g.heartbeat = id, true, 300*time.Millisecond
+		g.id, g.heartbeat = id, 300*time.Millisecond
 		u := cp.gwURL
 		if id == "gw-b" {
 			u = cp.serveGateway(g)
@@ -249,7 +249,7 @@ func TestFrozenGatewayFailover(t *testing.T) {
 // the frozen connection.
 func TestFrozenConnectionIsReplaced(t *testing.T) {
 	cp := newControlPlane(t, 1)
-	cp.gw.acks, cp.gw.heartbeat = true, 300*time.Millisecond
+	cp.gw.heartbeat = 300 * time.Millisecond
 	proxy := newFreezeProxy(t, strings.TrimPrefix(cp.gwURL, "https://"))
 	cfg := cp.config(t.TempDir(), 1)
 	cfg.GatewayURL = proxy.URL()

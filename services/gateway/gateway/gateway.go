@@ -12,7 +12,7 @@
 // sessions' pending work in one query. Heartbeats and other messages record
 // last_seen through a batch that one loop flushes every FlushInterval.
 // Each heartbeat is answered at once with a HeartbeatAck from the handler's
-// goroutine (Welcome.acks_heartbeats; skipped when a delivery is being sent
+// goroutine (skipped when a delivery is being sent
 // at that moment, which answers it), so that a daemon notices a gateway
 // that hangs without closing its connections (paused, stuck) and moves to
 // another.

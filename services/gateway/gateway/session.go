@@ -145,7 +145,7 @@ func (st *session) send(m *gatewayv1.SessionResponse) error {
 	return st.stream.Send(m)
 }
 
-// ackHeartbeat answers the daemon's heartbeat seq (Welcome.acks_heartbeats)
+// ackHeartbeat answers the daemon's heartbeat seq (HeartbeatAck)
 // from the handler's goroutine. When a delivery is sending at that moment,
 // its message is the answer: the handler never waits for a send, so it
 // goes on reading. A failed send ends the stream, which the next Receive
@@ -361,7 +361,6 @@ func (s *Server) hello(ctx context.Context, st *session, h *gatewayv1.Hello) (*g
 		GatewayId:         s.cfg.GatewayID,
 		HeartbeatInterval: durationpb.New(s.cfg.HeartbeatInterval),
 		SessionEpoch:      opened.Epoch,
-		AcksHeartbeats:    true,
 	}}}, nil
 }
 

@@ -321,7 +321,6 @@ func (s *Server) response(nodeID string, cert *x509.Certificate, poolID string) 
 		NodeId:            nodeID,
 		CertificateDer:    cert.Raw,
 		NodeCaDer:         s.nodeCA.Cert.Raw,
-		GatewayUrl:        gw.URL,
 		GatewayUrls:       gw.URLs,
 		GatewayServerName: s.cfg.GatewayServerName,
 		ServingCaDer:      s.servingCA.Raw,

@@ -598,19 +598,9 @@ type Welcome struct {
 	GatewayId         string                 `protobuf:"bytes,2,opt,name=gateway_id,json=gatewayId,proto3" json:"gateway_id,omitempty"`
 	HeartbeatInterval *durationpb.Duration   `protobuf:"bytes,3,opt,name=heartbeat_interval,json=heartbeatInterval,proto3" json:"heartbeat_interval,omitempty"`
 	// SessionEpoch increases with every session the node opens.
-	SessionEpoch int64 `protobuf:"varint,4,opt,name=session_epoch,json=sessionEpoch,proto3" json:"session_epoch,omitempty"`
-	// AcksHeartbeats says that the gateway answers every Heartbeat of this
-	// session with a HeartbeatAck, unless it is sending the daemon another
-	// message at that moment. A live gateway is then heard at least once per
-	// heartbeat interval, so the daemon closes a session on which it heard
-	// nothing for its silence timeout (the gateway hung, was paused or cut
-	// off without the connection closing), closes its connection too, and
-	// reconnects, to another gateway when it knows several. Gateways that
-	// leave it false (older ones) send nothing on an idle session, and their
-	// sessions are not checked for silence.
-	AcksHeartbeats bool `protobuf:"varint,5,opt,name=acks_heartbeats,json=acksHeartbeats,proto3" json:"acks_heartbeats,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	SessionEpoch  int64 `protobuf:"varint,4,opt,name=session_epoch,json=sessionEpoch,proto3" json:"session_epoch,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Welcome) Reset() {
@@ -669,13 +659,6 @@ func (x *Welcome) GetSessionEpoch() int64 {
 		return x.SessionEpoch
 	}
 	return 0
-}
-
-func (x *Welcome) GetAcksHeartbeats() bool {
-	if x != nil {
-		return x.AcksHeartbeats
-	}
-	return false
 }
 
 type Command struct {
@@ -1581,8 +1564,13 @@ func (x *Heartbeat) GetSentAt() *timestamppb.Timestamp {
 	return nil
 }
 
-// HeartbeatAck answers a Heartbeat (Welcome.acks_heartbeats): the gateway
-// has read it, and everything the daemon sent before it on the session.
+// HeartbeatAck answers a Heartbeat: the gateway has read it, and everything
+// the daemon sent before it on the session. The gateway answers every
+// Heartbeat, unless it is sending the daemon another message at that moment,
+// so a live gateway is heard at least once per heartbeat interval: a daemon
+// that hears nothing for its silence timeout (the gateway hung, was paused,
+// or was cut off without the connection closing) closes the session and its
+// connection and reconnects, to another gateway when it knows several.
 type HeartbeatAck struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Seq is the seq of the Heartbeat answered.
@@ -1662,15 +1650,14 @@ const file_bc_gateway_v1_gateway_proto_rawDesc = "" +
 	"\fJournalEntry\x12\x1d\n" +
 	"\n" +
 	"command_id\x18\x01 \x01(\tR\tcommandId\x121\n" +
-	"\x05state\x18\x02 \x01(\x0e2\x1b.bc.gateway.v1.CommandStateR\x05state\"\xdf\x01\n" +
+	"\x05state\x18\x02 \x01(\x0e2\x1b.bc.gateway.v1.CommandStateR\x05state\"\xcd\x01\n" +
 	"\aWelcome\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12\x1d\n" +
 	"\n" +
 	"gateway_id\x18\x02 \x01(\tR\tgatewayId\x12H\n" +
 	"\x12heartbeat_interval\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\x11heartbeatInterval\x12#\n" +
-	"\rsession_epoch\x18\x04 \x01(\x03R\fsessionEpoch\x12'\n" +
-	"\x0facks_heartbeats\x18\x05 \x01(\bR\x0eacksHeartbeats\"\xce\x01\n" +
+	"\rsession_epoch\x18\x04 \x01(\x03R\fsessionEpochJ\x04\b\x05\x10\x06R\x0facks_heartbeats\"\xce\x01\n" +
 	"\aCommand\x12\x1d\n" +
 	"\n" +
 	"command_id\x18\x01 \x01(\tR\tcommandId\x12\x12\n" +

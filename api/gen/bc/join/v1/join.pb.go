@@ -173,8 +173,6 @@ type JoinResponse struct {
 	CertificateDer []byte `protobuf:"bytes,2,opt,name=certificate_der,json=certificateDer,proto3" json:"certificate_der,omitempty"`
 	// NodeCaDer is the node CA certificate (DER).
 	NodeCaDer []byte `protobuf:"bytes,3,opt,name=node_ca_der,json=nodeCaDer,proto3" json:"node_ca_der,omitempty"`
-	// GatewayUrl is where the node opens its Session.
-	GatewayUrl string `protobuf:"bytes,4,opt,name=gateway_url,json=gatewayUrl,proto3" json:"gateway_url,omitempty"`
 	// GatewayServerName is the TLS server name to verify on the gateway.
 	GatewayServerName string `protobuf:"bytes,5,opt,name=gateway_server_name,json=gatewayServerName,proto3" json:"gateway_server_name,omitempty"`
 	// ServingCaDer is the CA that signs gateway serving certificates (DER).
@@ -185,10 +183,9 @@ type JoinResponse struct {
 	// Trust holds the roots the node must check intent against.
 	Trust *Trust `protobuf:"bytes,10,opt,name=trust,proto3" json:"trust,omitempty"`
 	// GatewayUrls are the Session URLs of every gateway replica the node may
-	// use, gateway_url first; all share gateway_server_name. A node opens its
+	// use (at least one); all share gateway_server_name. A node opens its
 	// session on one and moves to the next when it loses it (gateway
-	// failover). Empty from a JoinService that knows one gateway: use
-	// gateway_url.
+	// failover).
 	GatewayUrls []string `protobuf:"bytes,11,rep,name=gateway_urls,json=gatewayUrls,proto3" json:"gateway_urls,omitempty"`
 	// Signature is JoinService's Ed25519 signature (RFC 8032) over
 	// "better-compute join response v1\x00" followed by the deterministic
@@ -249,13 +246,6 @@ func (x *JoinResponse) GetNodeCaDer() []byte {
 		return x.NodeCaDer
 	}
 	return nil
-}
-
-func (x *JoinResponse) GetGatewayUrl() string {
-	if x != nil {
-		return x.GatewayUrl
-	}
-	return ""
 }
 
 func (x *JoinResponse) GetGatewayServerName() string {
@@ -379,13 +369,11 @@ const file_bc_join_v1_join_proto_rawDesc = "" +
 	"\fsealed_token\x18\x02 \x01(\fB\n" +
 	"\xbaH\az\x05\x101\x18\x80 R\vsealedToken\x12$\n" +
 	"\acsr_der\x18\x03 \x01(\fB\v\xbaH\bz\x06\x10\x01\x18\x80\x80\x01R\x06csrDer\x12*\n" +
-	"\x06claims\x18\x04 \x01(\v2\x12.bc.join.v1.ClaimsR\x06claimsJ\x04\b\x01\x10\x02R\x05token\"\xc6\x03\n" +
+	"\x06claims\x18\x04 \x01(\v2\x12.bc.join.v1.ClaimsR\x06claimsJ\x04\b\x01\x10\x02R\x05token\"\xb8\x03\n" +
 	"\fJoinResponse\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12'\n" +
 	"\x0fcertificate_der\x18\x02 \x01(\fR\x0ecertificateDer\x12\x1e\n" +
-	"\vnode_ca_der\x18\x03 \x01(\fR\tnodeCaDer\x12\x1f\n" +
-	"\vgateway_url\x18\x04 \x01(\tR\n" +
-	"gatewayUrl\x12.\n" +
+	"\vnode_ca_der\x18\x03 \x01(\fR\tnodeCaDer\x12.\n" +
 	"\x13gateway_server_name\x18\x05 \x01(\tR\x11gatewayServerName\x12$\n" +
 	"\x0eserving_ca_der\x18\x06 \x01(\fR\fservingCaDer\x12!\n" +
 	"\ftrust_domain\x18\a \x01(\tR\vtrustDomain\x127\n" +
@@ -394,7 +382,7 @@ const file_bc_join_v1_join_proto_rawDesc = "" +
 	"\x05trust\x18\n" +
 	" \x01(\v2\x11.bc.join.v1.TrustR\x05trust\x12!\n" +
 	"\fgateway_urls\x18\v \x03(\tR\vgatewayUrls\x12\x1c\n" +
-	"\tsignature\x18\x0f \x01(\fR\tsignature\"9\n" +
+	"\tsignature\x18\x0f \x01(\fR\tsignatureJ\x04\b\x04\x10\x05R\vgateway_url\"9\n" +
 	"\x05Trust\x120\n" +
 	"\x14command_signing_root\x18\x01 \x01(\fR\x12commandSigningRoot2J\n" +
 	"\vJoinService\x12;\n" +
