@@ -49,6 +49,16 @@ generate-check: generate ## Fail when api/gen or docs/cli.md differ from what ma
 	@git diff --exit-code --stat -- $(GENERATED) || { echo "$(GENERATED): stale: run make generate and commit"; exit 1; }
 	@test -z "$$(git status --porcelain -- $(GENERATED))" || { git status --porcelain -- $(GENERATED); echo "untracked generated files: run make generate and commit"; exit 1; }
 
+# The wire format only grows compatibly: the protos against the previous
+# commit's, with buf's FILE rules (a removed field must leave its number and
+# name reserved, in a commit of its own that this check then reads as the
+# base). Skipped, saying so, in a clone without the previous commit.
+.PHONY: breaking
+breaking: tools ## Fail when the protos changed incompatibly since the previous commit (buf breaking).
+	@if git rev-parse -q --verify HEAD~1 >/dev/null; then \
+		cd api/proto && PATH="$(CURDIR)/$(TOOLS):$$PATH" buf breaking --against "$(CURDIR)/.git#ref=HEAD~1,subdir=api/proto"; \
+	else echo "breaking: no previous commit here (shallow clone?): skipped"; fi
+
 .PHONY: vet
 vet: ## go vet every module.
 	@fail=0; for m in $(MODULES); do echo "vet $$m"; (cd $$m && $(GO) vet ./...) || fail=1; done; exit $$fail
@@ -122,7 +132,7 @@ test: images ## Run every test suite (unit, integration, fuzz for FUZZTIME, comp
 	$(MAKE) --no-print-directory test-e2e
 
 .PHONY: check
-check: vet lint generate-check test ## vet, lint, generate-and-diff, and every test.
+check: vet lint generate-check breaking test ## vet, lint, generate-and-diff, buf breaking, and every test.
 
 # tests/bench: join → adoption, reservations, commands (throughput and round
 # trip), the events watch and the idle fleet's CPU; the gateway, the
