@@ -15,6 +15,7 @@ import (
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
+	"github.com/better-compute/better-compute/pkg/agent"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/store"
@@ -40,7 +41,7 @@ type fleet struct {
 
 // joined is one Join's machines.
 type joined struct {
-	runner *fakedaemon.Runner
+	runner *agent.Runner
 	cancel context.CancelFunc
 }
 
@@ -284,7 +285,7 @@ func (s *Stack) Join(ctx context.Context, o JoinOptions) ([]string, error) {
 	}
 	missing := 0
 	for i := range o.Count {
-		ok, err := fakedaemon.Joined(filepath.Join(dir, strconv.Itoa(i)))
+		ok, err := agent.Joined(filepath.Join(dir, strconv.Itoa(i)))
 		if err != nil {
 			return nil, fmt.Errorf("devstack: join: machine %d: %w", i, err)
 		}
@@ -293,16 +294,18 @@ func (s *Stack) Join(ctx context.Context, o JoinOptions) ([]string, error) {
 		}
 	}
 	cfg := fakedaemon.Config{
-		Server:        s.APIURL,
-		Pins:          s.Pins,
-		DataDir:       dir,
+		Config: agent.Config{
+			Server:  s.APIURL,
+			Pins:    s.Pins,
+			DataDir: dir,
+			Nodes:   o.Count,
+			// Machines that joined an earlier run of a kept stack hold
+			// that run's gateway URLs: send them to this run's.
+			GatewayURL:        s.GatewayURL(),
+			GatewayServerName: "localhost",
+		},
 		Variant:       o.Variant,
-		Nodes:         o.Count,
 		MachineIDSeed: o.Seed,
-		// Machines that joined an earlier run of a kept stack hold that
-		// run's gateway URLs: send them to this run's.
-		GatewayURL:        s.GatewayURL(),
-		GatewayServerName: "localhost",
 	}
 	if missing > 0 {
 		if cfg.Token, err = s.JoinToken(ctx, o.Pool, missing); err != nil {
@@ -313,7 +316,7 @@ func (s *Stack) Join(ctx context.Context, o JoinOptions) ([]string, error) {
 		o.Configure(&cfg)
 	}
 	rctx, cancel := context.WithCancel(context.Background())
-	r, err := fakedaemon.New(cfg, fakedaemon.Deps{Logger: s.opts.MachineLogger, Clock: s.opts.Clock})
+	r, err := fakedaemon.New(cfg, agent.Deps{Logger: s.opts.MachineLogger, Clock: s.opts.Clock})
 	if err != nil {
 		cancel()
 		return nil, fmt.Errorf("devstack: join: %w", err)
@@ -329,7 +332,7 @@ func (s *Stack) Join(ctx context.Context, o JoinOptions) ([]string, error) {
 
 // waitJoined waits up to timeout until every machine of r has a node id,
 // and returns them.
-func (s *Stack) waitJoined(ctx context.Context, r *fakedaemon.Runner, timeout time.Duration) ([]string, error) {
+func (s *Stack) waitJoined(ctx context.Context, r *agent.Runner, timeout time.Duration) ([]string, error) {
 	clk := s.opts.Clock
 	deadline := clk.Now().Add(timeout)
 	for {
@@ -361,10 +364,10 @@ func (s *Stack) waitJoined(ctx context.Context, r *fakedaemon.Runner, timeout ti
 
 // Daemons returns every simulated machine of every Join, in the order they
 // were joined.
-func (s *Stack) Daemons() []*fakedaemon.Machine {
+func (s *Stack) Daemons() []*agent.Machine {
 	s.fleet.mu.Lock()
 	defer s.fleet.mu.Unlock()
-	var out []*fakedaemon.Machine
+	var out []*agent.Machine
 	for _, j := range s.fleet.runners {
 		out = append(out, j.runner.Machines()...)
 	}
@@ -408,9 +411,9 @@ func (s *Stack) WaitFor(ctx context.Context, nodeIDs []string, o WaitOptions) ([
 	}
 	clk := s.opts.Clock
 	deadline := clk.Now().Add(o.Timeout)
-	var machines map[string]*fakedaemon.Machine
+	var machines map[string]*agent.Machine
 	if o.Connected {
-		machines = map[string]*fakedaemon.Machine{}
+		machines = map[string]*agent.Machine{}
 		for _, m := range s.Daemons() {
 			machines[m.NodeID()] = m
 		}
@@ -427,7 +430,7 @@ func (s *Stack) WaitFor(ctx context.Context, nodeIDs []string, o WaitOptions) ([
 		}
 		var waiting []string
 		for _, n := range st {
-			var ms fakedaemon.MachineStatus
+			var ms agent.MachineStatus
 			if m := machines[n.ID]; m != nil {
 				ms = m.Status()
 			}

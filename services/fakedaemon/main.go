@@ -71,6 +71,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/better-compute/better-compute/pkg/agent"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/service"
@@ -114,7 +115,7 @@ func parseConfig(args []string, joinOnly bool) (fakedaemon.Config, error) {
 		name = "fakedaemon join"
 	}
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
-	tokenWait, err := service.EnvDuration("BC_JOIN_TOKEN_WAIT", fakedaemon.DefaultTokenWait)
+	tokenWait, err := service.EnvDuration("BC_JOIN_TOKEN_WAIT", agent.DefaultTokenWait)
 	if err != nil {
 		return cfg, err
 	}
@@ -152,7 +153,7 @@ func parseConfig(args []string, joinOnly bool) (fakedaemon.Config, error) {
 	fs.IntVar(&cfg.Nodes, "nodes", nodes, "machines to run in this process")
 	fs.StringVar(&cfg.GatewayURL, "gateway-url", os.Getenv("BC_GATEWAY_URL"), "override the gateway URLs of the JoinResponse (comma-separated, one per gateway replica; a machine moves to the next when it loses its session)")
 	fs.StringVar(&cfg.GatewayServerName, "gateway-server-name", os.Getenv("BC_GATEWAY_SERVER_NAME"), "override the gateway's TLS server name")
-	fs.DurationVar(&cfg.Agent.SilenceTimeout, "gateway-silence-timeout", silence, "drop a session that heard nothing from its gateway (one that acknowledges heartbeats) for this long and reconnect (0: 3 heartbeat intervals, at most 15s; never below 1.5 intervals)")
+	fs.DurationVar(&cfg.Core.SilenceTimeout, "gateway-silence-timeout", silence, "drop a session that heard nothing from its gateway (one that acknowledges heartbeats) for this long and reconnect (0: 3 heartbeat intervals, at most 15s; never below 1.5 intervals)")
 	fs.StringVar(&cfg.HealthListen, "health-listen", service.Env("BC_HEALTH_LISTEN", fakedaemon.DefaultHealthListen), "address of the /healthz server (empty for none)")
 	fs.StringVar(&durations, "command-durations", os.Getenv("BC_COMMAND_DURATIONS"), "how long fake commands take: KIND=DURATION,… (kinds "+strings.Join(fakehw.Kinds(), ", ")+", and default for every kind not listed); unset: the usual durations")
 	if err := fs.Parse(args); err != nil {
@@ -171,11 +172,11 @@ func parseConfig(args []string, joinOnly bool) (fakedaemon.Config, error) {
 	if _, err := pki.ParseGatewayURLs(cfg.GatewayURL); err != nil {
 		return cfg, fmt.Errorf("--gateway-url: %w", err)
 	}
-	if cfg.Agent.SilenceTimeout < 0 {
-		return cfg, fmt.Errorf("--gateway-silence-timeout must not be negative, got %s", cfg.Agent.SilenceTimeout)
+	if cfg.Core.SilenceTimeout < 0 {
+		return cfg, fmt.Errorf("--gateway-silence-timeout must not be negative, got %s", cfg.Core.SilenceTimeout)
 	}
-	if cfg.Nodes < 1 || cfg.Nodes > fakedaemon.MaxNodes {
-		return cfg, fmt.Errorf("--nodes must be from 1 to %d, got %d", fakedaemon.MaxNodes, cfg.Nodes)
+	if cfg.Nodes < 1 || cfg.Nodes > agent.MaxNodes {
+		return cfg, fmt.Errorf("--nodes must be from 1 to %d, got %d", agent.MaxNodes, cfg.Nodes)
 	}
 	if pinsFile != "" {
 		fromFile, err := pki.ReadPinsFile(pinsFile)
@@ -298,7 +299,7 @@ func run(cfg fakedaemon.Config, out io.Writer) error {
 		defer cancel()
 		_ = shutdown(sctx)
 	}()
-	r, err := fakedaemon.New(cfg, fakedaemon.Deps{Logger: logger})
+	r, err := fakedaemon.New(cfg, agent.Deps{Logger: logger})
 	if err != nil {
 		return err
 	}
@@ -313,8 +314,8 @@ func run(cfg fakedaemon.Config, out io.Writer) error {
 // that joined, the refusal of each that was refused) and returns err, or
 // why not every machine joined: the command exits non-zero if any machine
 // was refused.
-func joinReport(r *fakedaemon.Runner, err error, out io.Writer) error {
-	var refused *fakedaemon.JoinRefusedError
+func joinReport(r *agent.Runner, err error, out io.Writer) error {
+	var refused *agent.JoinRefusedError
 	if err != nil && !errors.As(err, &refused) {
 		return err
 	}

@@ -41,7 +41,7 @@ func TestParseConfigDefaults(t *testing.T) {
 	require.Equal(t, 2*time.Minute, cfg.TokenWait)
 	require.Equal(t, ":8085", cfg.HealthListen)
 	require.Nil(t, cfg.Durations, "unset: the machines' usual command durations")
-	require.Zero(t, cfg.Agent.SilenceTimeout, "unset: the daemon core's default")
+	require.Zero(t, cfg.Core.SilenceTimeout, "unset: the daemon core's default")
 }
 
 func TestParseConfigSilenceTimeout(t *testing.T) {
@@ -49,10 +49,10 @@ func TestParseConfigSilenceTimeout(t *testing.T) {
 	t.Setenv("BC_GATEWAY_SILENCE_TIMEOUT", "20s")
 	cfg, err := parseConfig(nil, false)
 	require.NoError(t, err)
-	require.Equal(t, 20*time.Second, cfg.Agent.SilenceTimeout)
+	require.Equal(t, 20*time.Second, cfg.Core.SilenceTimeout)
 	cfg, err = parseConfig([]string{"--gateway-silence-timeout", "12s"}, false)
 	require.NoError(t, err)
-	require.Equal(t, 12*time.Second, cfg.Agent.SilenceTimeout)
+	require.Equal(t, 12*time.Second, cfg.Core.SilenceTimeout)
 	_, err = parseConfig([]string{"--gateway-silence-timeout", "-1s"}, false)
 	require.EqualError(t, err, "--gateway-silence-timeout must not be negative, got -1s")
 	t.Setenv("BC_GATEWAY_SILENCE_TIMEOUT", "soon")

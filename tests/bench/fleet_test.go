@@ -23,6 +23,7 @@ import (
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
+	"github.com/better-compute/better-compute/pkg/agent"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/pkg/fakehw"
@@ -132,7 +133,7 @@ type fleet struct {
 	// runner runs the machines in this process (startMachines);
 	// machinesPID is the fakedaemon process running them instead
 	// (startMachinesProcess), else 0.
-	runner      *fakedaemon.Runner
+	runner      *agent.Runner
 	machinesPID int
 }
 
@@ -171,10 +172,10 @@ func (f *fleet) startMachines(b *testing.B, durations *fakehw.Durations) time.Ti
 	b.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	start := f.clk.Now()
-	r, err := fakedaemon.Start(ctx, fakedaemon.Config{
+	r, err := fakedaemon.Start(ctx, fakedaemon.Config{Config: agent.Config{
 		Server: f.stack.APIURL, Pins: f.stack.Pins, Token: f.joinToken, DataDir: b.TempDir(), Nodes: f.n,
-		JoinConcurrency: 32, Durations: durations,
-	}, fakedaemon.Deps{})
+		JoinConcurrency: 32,
+	}, Durations: durations}, agent.Deps{})
 	require.NoError(b, err)
 	f.runner = r
 	b.Cleanup(func() {

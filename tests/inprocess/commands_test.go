@@ -19,6 +19,7 @@ import (
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
+	"github.com/better-compute/better-compute/pkg/agent"
 	"github.com/better-compute/better-compute/pkg/daemon"
 	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/pkg/fakehw"
@@ -101,7 +102,7 @@ type commandFixture struct {
 	commands computev1connect.CommandServiceClient
 	token    string // the machine's join token
 	dataDir  string
-	runner   *fakedaemon.Runner
+	runner   *agent.Runner
 	stop     func()
 	nodeID   string
 }
@@ -110,22 +111,24 @@ type commandFixture struct {
 // node.reboot and logs.collect take long, reconnects and reboots are quick.
 func (f *commandFixture) machineConfig(d fakehw.Durations) fakedaemon.Config {
 	return fakedaemon.Config{
-		Server:     f.stack.APIURL,
-		Pins:       f.stack.Pins,
-		Token:      f.token,
-		DataDir:    f.dataDir,
-		Variant:    fakehw.VariantHGXH100,
-		Nodes:      1,
-		GatewayURL: f.proxy.URL(),
-		Agent:      daemon.Config{BackoffMin: 50 * time.Millisecond, BackoffMax: 200 * time.Millisecond, RebootDowntime: time.Second},
-		Durations:  &d,
+		Config: agent.Config{
+			Server:     f.stack.APIURL,
+			Pins:       f.stack.Pins,
+			Token:      f.token,
+			DataDir:    f.dataDir,
+			Nodes:      1,
+			GatewayURL: f.proxy.URL(),
+			Core:       daemon.Config{BackoffMin: 50 * time.Millisecond, BackoffMax: 200 * time.Millisecond, RebootDowntime: time.Second},
+		},
+		Variant:   fakehw.VariantHGXH100,
+		Durations: &d,
 	}
 }
 
 func (f *commandFixture) start(t *testing.T, d fakehw.Durations) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	r, err := fakedaemon.Start(ctx, f.machineConfig(d), fakedaemon.Deps{})
+	r, err := fakedaemon.Start(ctx, f.machineConfig(d), agent.Deps{})
 	require.NoError(t, err)
 	var once sync.Once
 	f.runner = r
@@ -138,7 +141,7 @@ func (f *commandFixture) start(t *testing.T, d fakehw.Durations) {
 	t.Cleanup(f.stop)
 }
 
-func setupCommands(t *testing.T, d fakehw.Durations) (*commandFixture, *fakedaemon.Machine) {
+func setupCommands(t *testing.T, d fakehw.Durations) (*commandFixture, *agent.Machine) {
 	t.Helper()
 	base := setupWith(t, devstack.Options{ResyncInterval: time.Second})
 	f := &commandFixture{fixture: base, proxy: newCutProxy(t, strings.TrimPrefix(base.stack.GatewayURLs[0], "https://")),
@@ -196,7 +199,7 @@ func (f *commandFixture) events(t *testing.T, cmdID string) []string {
 }
 
 // bootID is the boot id the machine has after boot number n.
-func bootID(t *testing.T, m *fakedaemon.Machine, n uint64) string {
+func bootID(t *testing.T, m *agent.Machine, n uint64) string {
 	t.Helper()
 	hw, err := fakehw.New(m.Status().Variant, m.Status().MachineID)
 	require.NoError(t, err)
@@ -268,7 +271,7 @@ func TestJournalWipedMidCommand(t *testing.T) {
 	f.waitState(t, logs.GetId(), "running", 10*time.Second)
 
 	f.stop()
-	journal := filepath.Join(f.dataDir, "0", fakedaemon.JournalFile)
+	journal := filepath.Join(f.dataDir, "0", agent.JournalFile)
 	_, err := os.Stat(journal)
 	require.NoError(t, err, "the journal is where the test deletes it")
 	require.NoError(t, os.Remove(journal))

@@ -13,6 +13,7 @@ import (
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
+	"github.com/better-compute/better-compute/pkg/agent"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/daemon"
 	"github.com/better-compute/better-compute/pkg/devstack"
@@ -50,7 +51,7 @@ func TestGatewayKilledMidRun(t *testing.T) {
 	durations.ByKind[fakehw.KindNodeReboot] = 3 * time.Second
 	f.join(t, devstack.JoinOptions{Count: 8, Variant: fakehw.VariantHGXH100, Configure: func(c *fakedaemon.Config) {
 		c.Durations = &durations
-		c.Agent = daemon.Config{RebootDowntime: time.Second}
+		c.Core = daemon.Config{RebootDowntime: time.Second}
 	}}, store.NodeAdopted)
 	machines := st.Daemons()
 
@@ -60,7 +61,7 @@ func TestGatewayKilledMidRun(t *testing.T) {
 	before8 := waitSessions(t, ctx, st.DB.Pool, true, 8)
 	victim, survivor, count := busiestGateway(t, before8, names)
 	t.Logf("sessions per gateway before the kill: %v; killing %s", count, victim)
-	machineOf := map[string]*fakedaemon.Machine{}
+	machineOf := map[string]*agent.Machine{}
 	var victimNodes []string
 	for id, gw := range before8 {
 		if gw == victim {

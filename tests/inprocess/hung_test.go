@@ -7,12 +7,12 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/better-compute/better-compute/pkg/agent"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/daemon"
 	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/store"
-	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
 )
 
 // TestGatewayPausedNodesMove runs two gateways as processes with their
@@ -33,7 +33,7 @@ func TestGatewayPausedNodesMove(t *testing.T) {
 	// sessions: node id → gateway id of the adopted nodes' live sessions.
 	sessions := sessionsOf(t, ctx, st.DB.Pool, false)
 	victim, survivor, count := busiestGateway(t, waitSessions(t, ctx, st.DB.Pool, false, 6), names)
-	var moved []*fakedaemon.Machine
+	var moved []*agent.Machine
 	for _, m := range machines {
 		st := m.Status()
 		require.Equal(t, daemon.StateEstablished, st.State)

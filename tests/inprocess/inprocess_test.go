@@ -15,6 +15,7 @@ import (
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
+	"github.com/better-compute/better-compute/pkg/agent"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/pkg/fakehw"
@@ -155,9 +156,9 @@ func TestJoinWithAnotherDeploymentsPinsConsumesNothing(t *testing.T) {
 	otherPins, err := pki.ReadPins(otherDir)
 	require.NoError(t, err)
 
-	r, err := fakedaemon.New(fakedaemon.Config{
+	r, err := fakedaemon.New(fakedaemon.Config{Config: agent.Config{
 		Server: f.stack.APIURL, Pins: otherPins, Token: token, DataDir: t.TempDir(),
-	}, fakedaemon.Deps{})
+	}}, agent.Deps{})
 	require.NoError(t, err)
 	require.ErrorContains(t, r.Run(t.Context()), "does not match the serving CA pin")
 
@@ -165,13 +166,13 @@ func TestJoinWithAnotherDeploymentsPinsConsumesNothing(t *testing.T) {
 	// JoinService: the seal does not open.
 	enc, sig, err := pki.ReadJoinPublicKeys(otherDir)
 	require.NoError(t, err)
-	r, err = fakedaemon.New(fakedaemon.Config{
+	r, err = fakedaemon.New(fakedaemon.Config{Config: agent.Config{
 		JoinURL: f.stack.JoinURL, JoinEncryptionKey: enc, JoinSigningKey: sig, Pins: otherPins,
 		Token: token, DataDir: t.TempDir(),
-	}, fakedaemon.Deps{})
+	}}, agent.Deps{})
 	require.NoError(t, err)
 	err = r.Run(t.Context())
-	var refused *fakedaemon.JoinRefusedError
+	var refused *agent.JoinRefusedError
 	require.ErrorAs(t, err, &refused)
 	require.Equal(t, connect.CodeUnauthenticated, refused.Code)
 	require.Contains(t, refused.Message, "sealed_token cannot be opened")

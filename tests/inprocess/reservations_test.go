@@ -12,6 +12,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	"github.com/better-compute/better-compute/pkg/agent"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/store"
@@ -95,10 +96,10 @@ func (f *fixture) node(t *testing.T, id string) nodeRow {
 func TestReservationLifecycle(t *testing.T) {
 	f := setup(t)
 	token, dataDir := f.joinToken(t), t.TempDir()
-	start := func() (context.CancelFunc, *fakedaemon.Runner) {
+	start := func() (context.CancelFunc, *agent.Runner) {
 		ctx, cancel := context.WithCancel(context.Background())
-		r, err := fakedaemon.Start(ctx, fakedaemon.Config{Server: f.stack.APIURL, Pins: f.stack.Pins, Token: token,
-			DataDir: dataDir, Variant: fakehw.VariantHGXH100, Nodes: 1}, fakedaemon.Deps{})
+		r, err := fakedaemon.Start(ctx, fakedaemon.Config{Config: agent.Config{Server: f.stack.APIURL, Pins: f.stack.Pins,
+			Token: token, DataDir: dataDir, Nodes: 1}, Variant: fakehw.VariantHGXH100}, agent.Deps{})
 		require.NoError(t, err)
 		return cancel, r
 	}

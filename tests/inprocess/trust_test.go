@@ -13,12 +13,12 @@ import (
 	"github.com/stretchr/testify/require"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
+	"github.com/better-compute/better-compute/pkg/agent"
 	"github.com/better-compute/better-compute/pkg/daemon"
 	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/store"
-	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
 )
 
 // shortCertTTL makes node certificates due for renewal 8 s after they are
@@ -30,7 +30,7 @@ const shortCertTTL = 12 * time.Second
 
 // adoptedMachine joins one simulated machine and waits until its node is
 // adopted with generation 1 applied and the machine holds a session.
-func (f *fixture) adoptedMachine(t *testing.T) (*fakedaemon.Machine, string) {
+func (f *fixture) adoptedMachine(t *testing.T) (*agent.Machine, string) {
 	t.Helper()
 	ids := f.join(t, devstack.JoinOptions{Variant: fakehw.VariantHGXH100}, store.NodeAdopted)
 	daemons := f.stack.Daemons()
@@ -82,8 +82,8 @@ func TestRenewalKeepsSessionAndRevocationEndsIt(t *testing.T) {
 		WHERE node_id = $1 AND revoked_at IS NULL`, nodeID).Scan(&certs, &newest))
 	require.GreaterOrEqual(t, certs, 2, "the renewed certificate is in node_certs")
 	require.False(t, newest.Before(st.CertNotAfter), "the machine's certificate is the newest one recorded")
-	var onDisk fakedaemon.Identity
-	b, err := os.ReadFile(filepath.Join(m.Dir(), fakedaemon.NodeFile))
+	var onDisk agent.Identity
+	b, err := os.ReadFile(filepath.Join(m.Dir(), agent.NodeFile))
 	require.NoError(t, err)
 	require.NoError(t, json.Unmarshal(b, &onDisk))
 	require.True(t, onDisk.NotAfter.Equal(st.CertNotAfter) || onDisk.NotAfter.After(st.CertNotAfter),
@@ -142,8 +142,8 @@ func TestSignedIntentFleet(t *testing.T) {
 	m, nodeID := f.adoptedMachine(t)
 	ctx := t.Context()
 
-	var onDisk fakedaemon.Identity
-	b, err := os.ReadFile(filepath.Join(m.Dir(), fakedaemon.NodeFile))
+	var onDisk agent.Identity
+	b, err := os.ReadFile(filepath.Join(m.Dir(), agent.NodeFile))
 	require.NoError(t, err)
 	require.NoError(t, json.Unmarshal(b, &onDisk))
 	require.NotEmpty(t, onDisk.CommandSigningRoot, "the machine holds the command-signing root")

@@ -21,12 +21,12 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/better-compute/better-compute/pkg/agent"
 	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/pgembed"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/telemetry"
-	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
 )
 
 // Defaults and bounds of `better-compute dev`.
@@ -507,7 +507,7 @@ func (a *app) devSim(ctx context.Context, state *devState, st *devstack.Stack, f
 func requireSignedIntent(st *devstack.Stack) int {
 	n := 0
 	for _, m := range st.Daemons() {
-		if id, err := fakedaemon.ReadIdentity(m.Dir()); err == nil && id != nil && len(id.CommandSigningRoot) > 0 {
+		if id, err := agent.ReadIdentity(m.Dir()); err == nil && id != nil && len(id.CommandSigningRoot) > 0 {
 			n++
 		}
 	}

@@ -1,4 +1,4 @@
-package fakedaemon_test
+package agent_test
 
 import (
 	"context"
@@ -8,11 +8,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	"github.com/better-compute/better-compute/pkg/agent"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/daemon"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/ids"
-	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
 )
 
 // retrySafe marks a Command message retry-safe.
@@ -40,10 +40,10 @@ func TestRebootWaitsForEarlierCommands(t *testing.T) {
 	cp := newControlPlane(t, 1)
 	cfg := cp.config(t.TempDir(), 1)
 	// logs.collect takes well longer than the reboot's own run.
-	cfg.Durations = &fakehw.Durations{ByKind: map[string]time.Duration{
+	durations := &fakehw.Durations{ByKind: map[string]time.Duration{
 		fakehw.KindLogsCollect: time.Second, fakehw.KindNodeReboot: 10 * time.Millisecond,
 	}, Default: 10 * time.Millisecond}
-	r, _ := start(t, cfg, fakedaemon.Deps{})
+	r, _ := start(t, cfg, agent.Deps{Hardware: fakeHardware("", durations)})
 	waitEstablished(t, r)
 	m := r.Machines()[0]
 	node := m.NodeID()
@@ -72,9 +72,9 @@ func TestRetrySafeCommandRunsAgainAfterRestart(t *testing.T) {
 	cp := newControlPlane(t, 1)
 	cfg := cp.config(t.TempDir(), 1)
 	// The first run never ends on its own.
-	cfg.Durations = &fakehw.Durations{ByKind: map[string]time.Duration{fakehw.KindDiagNVML: time.Hour}, Default: 10 * time.Millisecond}
+	durations := &fakehw.Durations{ByKind: map[string]time.Duration{fakehw.KindDiagNVML: time.Hour}, Default: 10 * time.Millisecond}
 	ctx, cancel := context.WithCancel(t.Context())
-	r, err := fakedaemon.Start(ctx, cfg, fakedaemon.Deps{})
+	r, err := startRunner(ctx, cfg, agent.Deps{Hardware: fakeHardware("", durations)})
 	require.NoError(t, err)
 	waitEstablished(t, r)
 	node := r.Machines()[0].NodeID()
@@ -84,8 +84,7 @@ func TestRetrySafeCommandRunsAgainAfterRestart(t *testing.T) {
 	cancel()
 	require.NoError(t, r.Wait())
 
-	cfg.Durations = nil
-	r2, _ := start(t, cfg, fakedaemon.Deps{})
+	r2, _ := start(t, cfg, agent.Deps{}) // the usual durations
 	waitEstablished(t, r2)
 	hello := cp.gw.helloes(node)[1]
 	require.Len(t, hello.GetJournal(), 1)

@@ -1,4 +1,4 @@
-package fakedaemon
+package agent
 
 import (
 	"context"
@@ -81,6 +81,9 @@ func (r *Runner) joinTrust(ctx context.Context) (*joinTrust, error) {
 		if len(r.cfg.JoinEncryptionKey) == 0 || len(r.cfg.JoinSigningKey) == 0 {
 			return nil, errors.New("no join keys: set --server (BC_SERVER) to read them from the deployment's " +
 				"well-known document, or --join-keys-dir (BC_JOIN_KEYS_DIR)")
+		}
+		if joinURL == "" {
+			return nil, errors.New("no join URL: set --join-url (BC_JOIN_URL), or --server (BC_SERVER)")
 		}
 		if keys, err = pki.CheckJoinKeys(pins, r.cfg.JoinEncryptionKey, r.cfg.JoinSigningKey); err != nil {
 			return nil, err

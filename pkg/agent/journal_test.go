@@ -1,4 +1,4 @@
-package fakedaemon_test
+package agent_test
 
 import (
 	"fmt"
@@ -12,8 +12,8 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	"github.com/better-compute/better-compute/pkg/agent"
 	"github.com/better-compute/better-compute/pkg/daemon"
-	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
 )
 
 // A non-UTC zone, so that time round trips are checked for real.
@@ -36,7 +36,7 @@ func entry(id string, s gatewayv1.CommandState) daemon.Entry {
 func TestFileJournalRoundTrip(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
-	j, err := fakedaemon.OpenFileJournal(dir, jt0)
+	j, err := agent.OpenFileJournal(dir, jt0)
 	require.NoError(t, err)
 	require.True(t, j.LostAt().IsZero())
 	require.Equal(t, uint64(1), j.Epoch())
@@ -61,7 +61,7 @@ func TestFileJournalRoundTrip(t *testing.T) {
 	require.NoError(t, j.Close())
 	require.Error(t, j.Put(a), "closed")
 
-	j2, err := fakedaemon.OpenFileJournal(dir, jt0.Add(time.Hour))
+	j2, err := agent.OpenFileJournal(dir, jt0.Add(time.Hour))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = j2.Close() })
 	require.True(t, j2.LostAt().IsZero())
@@ -85,10 +85,10 @@ func TestFileJournalRoundTrip(t *testing.T) {
 
 	// A small journal is appended to as it is: one header line and one line
 	// per Put or Delete.
-	raw, err := os.ReadFile(filepath.Join(dir, fakedaemon.JournalFile))
+	raw, err := os.ReadFile(filepath.Join(dir, agent.JournalFile))
 	require.NoError(t, err)
 	require.Equal(t, 7, strings.Count(string(raw), "\n"))
-	for _, name := range []string{fakedaemon.JournalFile, fakedaemon.JournalEpochFile} {
+	for _, name := range []string{agent.JournalFile, agent.JournalEpochFile} {
 		fi, err := os.Stat(filepath.Join(dir, name))
 		require.NoError(t, err)
 		require.Equal(t, os.FileMode(0o600), fi.Mode().Perm())
@@ -100,7 +100,7 @@ func TestFileJournalLazy(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
 	for range 2 {
-		j, err := fakedaemon.OpenFileJournal(dir, jt0)
+		j, err := agent.OpenFileJournal(dir, jt0)
 		require.NoError(t, err)
 		require.True(t, j.LostAt().IsZero())
 		require.Equal(t, uint64(1), j.Epoch())
@@ -118,7 +118,7 @@ func TestFileJournalLazy(t *testing.T) {
 func TestFileJournalCompacts(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
-	j, err := fakedaemon.OpenFileJournal(dir, jt0)
+	j, err := agent.OpenFileJournal(dir, jt0)
 	require.NoError(t, err)
 	keep := entry("cmd_keep", gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED)
 	require.NoError(t, j.Put(keep))
@@ -131,11 +131,11 @@ func TestFileJournalCompacts(t *testing.T) {
 		}
 	}
 	require.NoError(t, j.Close())
-	raw, err := os.ReadFile(filepath.Join(dir, fakedaemon.JournalFile))
+	raw, err := os.ReadFile(filepath.Join(dir, agent.JournalFile))
 	require.NoError(t, err)
 	require.Less(t, strings.Count(string(raw), "\n"), 100)
 
-	j2, err := fakedaemon.OpenFileJournal(dir, jt0.Add(time.Hour))
+	j2, err := agent.OpenFileJournal(dir, jt0.Add(time.Hour))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = j2.Close() })
 	require.True(t, j2.LostAt().IsZero())
@@ -157,14 +157,14 @@ func TestFileJournalFirstPutCrash(t *testing.T) {
 	t.Run("torn", func(t *testing.T) {
 		t.Parallel()
 		dir := t.TempDir()
-		require.NoError(t, os.WriteFile(filepath.Join(dir, fakedaemon.JournalFile), []byte(`{"v":1,"ep`), 0o600))
-		j, err := fakedaemon.OpenFileJournal(dir, jt0)
+		require.NoError(t, os.WriteFile(filepath.Join(dir, agent.JournalFile), []byte(`{"v":1,"ep`), 0o600))
+		j, err := agent.OpenFileJournal(dir, jt0)
 		require.NoError(t, err)
 		require.True(t, j.LostAt().IsZero())
 		require.Empty(t, j.Entries())
 		require.NoError(t, j.Put(entry("cmd_a", gatewayv1.CommandState_COMMAND_STATE_RUNNING)))
 		require.NoError(t, j.Close())
-		j2, err := fakedaemon.OpenFileJournal(dir, jt0)
+		j2, err := agent.OpenFileJournal(dir, jt0)
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = j2.Close() })
 		require.True(t, j2.LostAt().IsZero())
@@ -173,20 +173,20 @@ func TestFileJournalFirstPutCrash(t *testing.T) {
 	t.Run("unmarked", func(t *testing.T) {
 		t.Parallel()
 		dir := t.TempDir()
-		j, err := fakedaemon.OpenFileJournal(dir, jt0)
+		j, err := agent.OpenFileJournal(dir, jt0)
 		require.NoError(t, err)
 		require.NoError(t, j.Put(entry("cmd_a", gatewayv1.CommandState_COMMAND_STATE_RUNNING)))
 		require.NoError(t, j.Close())
-		require.NoError(t, os.Remove(filepath.Join(dir, fakedaemon.JournalEpochFile)))
-		j2, err := fakedaemon.OpenFileJournal(dir, jt0)
+		require.NoError(t, os.Remove(filepath.Join(dir, agent.JournalEpochFile)))
+		j2, err := agent.OpenFileJournal(dir, jt0)
 		require.NoError(t, err)
 		require.True(t, j2.LostAt().IsZero())
 		require.Len(t, j2.Entries(), 1)
 		require.NoError(t, j2.Close())
 		// The marker is back: losing the journal now is detected.
-		require.FileExists(t, filepath.Join(dir, fakedaemon.JournalEpochFile))
-		require.NoError(t, os.Remove(filepath.Join(dir, fakedaemon.JournalFile)))
-		j3, err := fakedaemon.OpenFileJournal(dir, jt0.Add(time.Minute))
+		require.FileExists(t, filepath.Join(dir, agent.JournalEpochFile))
+		require.NoError(t, os.Remove(filepath.Join(dir, agent.JournalFile)))
+		j3, err := agent.OpenFileJournal(dir, jt0.Add(time.Minute))
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = j3.Close() })
 		require.True(t, jt0.Add(time.Minute).Equal(j3.LostAt()))
@@ -200,13 +200,13 @@ func TestFileJournalLoss(t *testing.T) {
 		breakIt func(t *testing.T, dir string)
 	}{
 		{"deleted", func(t *testing.T, dir string) {
-			require.NoError(t, os.Remove(filepath.Join(dir, fakedaemon.JournalFile)))
+			require.NoError(t, os.Remove(filepath.Join(dir, agent.JournalFile)))
 		}},
 		{"other epoch", func(t *testing.T, dir string) {
-			require.NoError(t, os.WriteFile(filepath.Join(dir, fakedaemon.JournalEpochFile), []byte("7\n"), 0o600))
+			require.NoError(t, os.WriteFile(filepath.Join(dir, agent.JournalEpochFile), []byte("7\n"), 0o600))
 		}},
 		{"corrupt middle", func(t *testing.T, dir string) {
-			path := filepath.Join(dir, fakedaemon.JournalFile)
+			path := filepath.Join(dir, agent.JournalFile)
 			raw, err := os.ReadFile(path)
 			require.NoError(t, err)
 			lines := strings.Split(string(raw), "\n")
@@ -214,13 +214,13 @@ func TestFileJournalLoss(t *testing.T) {
 			require.NoError(t, os.WriteFile(path, []byte(strings.Join(lines, "\n")), 0o600))
 		}},
 		{"empty", func(t *testing.T, dir string) {
-			require.NoError(t, os.WriteFile(filepath.Join(dir, fakedaemon.JournalFile), nil, 0o600))
+			require.NoError(t, os.WriteFile(filepath.Join(dir, agent.JournalFile), nil, 0o600))
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			dir := t.TempDir()
-			j, err := fakedaemon.OpenFileJournal(dir, jt0)
+			j, err := agent.OpenFileJournal(dir, jt0)
 			require.NoError(t, err)
 			require.NoError(t, j.Put(entry("cmd_a", gatewayv1.CommandState_COMMAND_STATE_RUNNING)))
 			require.NoError(t, j.Put(entry("cmd_b", gatewayv1.CommandState_COMMAND_STATE_RUNNING)))
@@ -228,7 +228,7 @@ func TestFileJournalLoss(t *testing.T) {
 			tc.breakIt(t, dir)
 
 			lostAt := jt0.Add(time.Minute)
-			j2, err := fakedaemon.OpenFileJournal(dir, lostAt)
+			j2, err := agent.OpenFileJournal(dir, lostAt)
 			require.NoError(t, err)
 			require.Empty(t, j2.Entries())
 			require.True(t, lostAt.Equal(j2.LostAt()))
@@ -237,7 +237,7 @@ func TestFileJournalLoss(t *testing.T) {
 			require.NoError(t, j2.Close())
 
 			// The loss is remembered by later opens.
-			j3, err := fakedaemon.OpenFileJournal(dir, lostAt.Add(time.Hour))
+			j3, err := agent.OpenFileJournal(dir, lostAt.Add(time.Hour))
 			require.NoError(t, err)
 			t.Cleanup(func() { _ = j3.Close() })
 			require.True(t, lostAt.Equal(j3.LostAt()))
@@ -250,18 +250,18 @@ func TestFileJournalLoss(t *testing.T) {
 func TestFileJournalTornTail(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
-	j, err := fakedaemon.OpenFileJournal(dir, jt0)
+	j, err := agent.OpenFileJournal(dir, jt0)
 	require.NoError(t, err)
 	require.NoError(t, j.Put(entry("cmd_a", gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED)))
 	require.NoError(t, j.Close())
-	f, err := os.OpenFile(filepath.Join(dir, fakedaemon.JournalFile), os.O_WRONLY|os.O_APPEND, 0o600)
+	f, err := os.OpenFile(filepath.Join(dir, agent.JournalFile), os.O_WRONLY|os.O_APPEND, 0o600)
 	require.NoError(t, err)
 	_, err = f.WriteString(`{"id":"cmd_b","kind":"diag`)
 	require.NoError(t, err)
 	require.NoError(t, f.Close())
 
 	// A Put that never returned is not a loss: the command never ran.
-	j2, err := fakedaemon.OpenFileJournal(dir, jt0.Add(time.Minute))
+	j2, err := agent.OpenFileJournal(dir, jt0.Add(time.Minute))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = j2.Close() })
 	require.True(t, j2.LostAt().IsZero())
@@ -270,7 +270,7 @@ func TestFileJournalTornTail(t *testing.T) {
 	// The torn line is gone before anything is appended after it.
 	require.NoError(t, j2.Put(entry("cmd_c", gatewayv1.CommandState_COMMAND_STATE_RUNNING)))
 	require.NoError(t, j2.Close())
-	j3, err := fakedaemon.OpenFileJournal(dir, jt0.Add(2*time.Minute))
+	j3, err := agent.OpenFileJournal(dir, jt0.Add(2*time.Minute))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = j3.Close() })
 	require.True(t, j3.LostAt().IsZero())
@@ -282,10 +282,10 @@ func TestFileJournalTornTail(t *testing.T) {
 func TestFileJournalReadsProtojsonResults(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
-	require.NoError(t, os.WriteFile(filepath.Join(dir, fakedaemon.JournalFile), []byte(`{"v":1,"epoch":1}
+	require.NoError(t, os.WriteFile(filepath.Join(dir, agent.JournalFile), []byte(`{"v":1,"epoch":1}
 {"id":"cmd_old","kind":"diag.nvml","retry_safe":true,"state":"COMMAND_STATE_SUCCEEDED","result":{"inventory":{"hostname":"old","gpus":[{"index":2,"uuid":"GPU-o","memoryBytes":"85899345920"}]}}}
 `), 0o600))
-	j, err := fakedaemon.OpenFileJournal(dir, jt0)
+	j, err := agent.OpenFileJournal(dir, jt0)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = j.Close() })
 	got, ok := j.Get("cmd_old")

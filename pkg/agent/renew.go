@@ -1,4 +1,4 @@
-package fakedaemon
+package agent
 
 // Certificate renewal, the driver's side: the daemon core decides when
 // (pkg/daemon, at two thirds of the certificate's lifetime) and talks to the
@@ -65,15 +65,15 @@ func (d *driver) renewEffect(e daemon.Effect) []daemon.Effect {
 		}
 		if err != nil {
 			d.log.Warn("could not make a CSR for the certificate renewal", telemetry.KeyError, err)
-			return d.agent.RenewalFailed(d.clk.Now(), err)
+			return d.core.RenewalFailed(d.clk.Now(), err)
 		}
 		d.rn.key = key
 		d.log.Info("renewing the node certificate", "not_after", d.rn.id.cert.NotAfter)
-		return d.agent.RenewalCSR(d.clk.Now(), csr)
+		return d.core.RenewalCSR(d.clk.Now(), csr)
 	case daemon.EffectCertificate:
 		if err := d.storeCertificate(e.Certificate); err != nil {
 			d.log.Warn("could not store the renewed certificate", telemetry.KeyError, err)
-			return d.agent.RenewalFailed(d.clk.Now(), err)
+			return d.core.RenewalFailed(d.clk.Now(), err)
 		}
 	}
 	return nil

@@ -1,6 +1,6 @@
 //go:build !linux
 
-package fakedaemon
+package agent
 
 import (
 	"syscall"

@@ -1,6 +1,6 @@
 //go:build unix
 
-package fakedaemon
+package agent
 
 import (
 	"errors"
@@ -21,7 +21,7 @@ func lockDir(dir string) (func(), error) {
 	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
 		f.Close()
 		if errors.Is(err, syscall.EWOULDBLOCK) {
-			return nil, fmt.Errorf("%s is in use by another fakedaemon (give each replica its own --data-dir)", dir)
+			return nil, fmt.Errorf("%s is in use by another agent process (give each its own --data-dir)", dir)
 		}
 		return nil, err
 	}

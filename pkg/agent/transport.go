@@ -1,11 +1,41 @@
-package fakedaemon
+package agent
 
 import (
 	"context"
+	"crypto/tls"
 	"net"
+	"net/http"
 	"net/url"
 	"sync"
+	"time"
 )
+
+// newTransport returns an HTTP/2-only transport for one machine, whose
+// connections conns tracks. A gateway that acknowledges heartbeats and
+// stops answering is noticed by the daemon core (daemon.Config
+// SilenceTimeout, 15 s), which has the driver close the connection. Below
+// that, the transport notices a connection that died silently within 25 s:
+// on Linux by the heartbeats it cannot deliver (TCP_USER_TIMEOUT,
+// transport_linux.go), elsewhere by an HTTP/2 ping after 15 s without a
+// frame; those are what notice a hung gateway that does not acknowledge
+// heartbeats (an older one), the ping within 70 s.
+func newTransport(tlsCfg *tls.Config, conns *connTracker) *http.Transport {
+	var p http.Protocols
+	p.SetHTTP2(true)
+	return &http.Transport{
+		Protocols:       &p,
+		TLSClientConfig: tlsCfg,
+		DialContext: conns.wrap((&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second,
+			Control: dialControl}).DialContext),
+		TLSHandshakeTimeout: 10 * time.Second,
+		MaxIdleConns:        1,
+		IdleConnTimeout:     90 * time.Second,
+		HTTP2: &http.HTTP2Config{
+			SendPingTimeout: pingIdle,
+			PingTimeout:     10 * time.Second,
+		},
+	}
+}
 
 // connTracker keeps the connections a machine's transports dialed, by
 // address, so that the driver can close the connections to a gateway that

@@ -1,4 +1,4 @@
-package fakedaemon_test
+package agent_test
 
 import (
 	"fmt"
@@ -12,11 +12,11 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	"github.com/better-compute/better-compute/pkg/agent"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/daemon"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/ids"
-	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
 )
 
 // freezeProxy forwards TCP connections to a target. Freeze stops every
@@ -183,11 +183,10 @@ func TestFrozenGatewayFailover(t *testing.T) {
 	}
 	cfg := cp.config(t.TempDir(), 1)
 	cfg.GatewayURL = strings.Join(urls, ",")
-	cfg.Agent.SilenceTimeout = 3 * time.Second
+	cfg.Core.SilenceTimeout = 3 * time.Second
 	d := fakehw.DefaultDurations()
 	d.ByKind[fakehw.KindLogsCollect] = time.Second
-	cfg.Durations = &d
-	r, _ := start(t, cfg, fakedaemon.Deps{Logger: testLogger(t)})
+	r, _ := start(t, cfg, agent.Deps{Logger: testLogger(t), Hardware: fakeHardware("", &d)})
 	waitEstablished(t, r)
 	m := r.Machines()[0]
 	node := m.NodeID()
@@ -253,8 +252,8 @@ func TestFrozenConnectionIsReplaced(t *testing.T) {
 	proxy := newFreezeProxy(t, strings.TrimPrefix(cp.gwURL, "https://"))
 	cfg := cp.config(t.TempDir(), 1)
 	cfg.GatewayURL = proxy.URL()
-	cfg.Agent.SilenceTimeout = 3 * time.Second
-	r, _ := start(t, cfg, fakedaemon.Deps{Logger: testLogger(t)})
+	cfg.Core.SilenceTimeout = 3 * time.Second
+	r, _ := start(t, cfg, agent.Deps{Logger: testLogger(t)})
 	waitEstablished(t, r)
 	m := r.Machines()[0]
 	session := m.Status().SessionID

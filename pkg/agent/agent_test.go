@@ -1,4 +1,4 @@
-package fakedaemon_test
+package agent_test
 
 import (
 	"context"
@@ -34,13 +34,14 @@ import (
 	"github.com/better-compute/better-compute/api/gen/bc/gateway/v1/gatewayv1connect"
 	joinv1 "github.com/better-compute/better-compute/api/gen/bc/join/v1"
 	"github.com/better-compute/better-compute/api/gen/bc/join/v1/joinv1connect"
+	"github.com/better-compute/better-compute/pkg/agent"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/daemon"
+	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/syncbuf"
-	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
 )
 
 func TestMain(m *testing.M) {
@@ -147,14 +148,16 @@ func (cp *controlPlane) serveGateway(gw *fakeGateway) string {
 
 // config returns a Runner configuration with fast timings that joins
 // from the well-known document with the deployment's pins.
-func (cp *controlPlane) config(dir string, nodes int) fakedaemon.Config {
-	return fakedaemon.Config{
+func (cp *controlPlane) config(dir string, nodes int) agent.Config {
+	return agent.Config{
 		Server:  cp.joinURL,
 		Pins:    cp.pins,
 		Token:   goodToken,
 		DataDir: dir,
 		Nodes:   nodes,
-		Agent: daemon.Config{
+		// AgentVersion is reported in the Join claims and Hello.
+		AgentVersion: testVersion,
+		Core: daemon.Config{
 			BackoffMin:     5 * time.Millisecond,
 			BackoffMax:     100 * time.Millisecond,
 			RebootDowntime: 50 * time.Millisecond,
@@ -474,10 +477,10 @@ func command(id, kind string) *gatewayv1.SessionResponse {
 }
 
 // start runs a Runner until the test ends.
-func start(t *testing.T, cfg fakedaemon.Config, deps fakedaemon.Deps) (*fakedaemon.Runner, context.CancelFunc) {
+func start(t *testing.T, cfg agent.Config, deps agent.Deps) (*agent.Runner, context.CancelFunc) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(t.Context())
-	r, err := fakedaemon.Start(ctx, cfg, deps)
+	r, err := startRunner(ctx, cfg, deps)
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		cancel()
@@ -498,7 +501,7 @@ func dirNames(t *testing.T, dir string) []string {
 	return names
 }
 
-func waitEstablished(t *testing.T, r *fakedaemon.Runner) {
+func waitEstablished(t *testing.T, r *agent.Runner) {
 	t.Helper()
 	stopped := false
 	require.Eventually(t, func() bool {
@@ -524,7 +527,7 @@ func waitEstablished(t *testing.T, r *fakedaemon.Runner) {
 func TestJoinSessionCommandsAndSpec(t *testing.T) {
 	cp := newControlPlane(t, 10)
 	dir := t.TempDir()
-	r, _ := start(t, cp.config(dir, 3), fakedaemon.Deps{})
+	r, _ := start(t, cp.config(dir, 3), agent.Deps{})
 	waitEstablished(t, r)
 	require.NoError(t, r.Ready())
 
@@ -541,17 +544,17 @@ func TestJoinSessionCommandsAndSpec(t *testing.T) {
 		require.Equal(t, filepath.Join(dir, fmt.Sprint(i)), m.Dir())
 		hello := cp.gw.helloes(st.NodeID)[0]
 		require.Equal(t, st.BootID, hello.GetBootId())
-		require.Equal(t, fakedaemon.Version, hello.GetAgentVersion())
+		require.Equal(t, testVersion, hello.GetAgentVersion())
 		// Joining wrote two files: an empty journal, then the identity,
 		// owner-only.
-		require.ElementsMatch(t, []string{fakedaemon.NodeFile, fakedaemon.JournalFile}, dirNames(t, m.Dir()))
-		fi, err := os.Stat(filepath.Join(m.Dir(), fakedaemon.NodeFile))
+		require.ElementsMatch(t, []string{agent.NodeFile, agent.JournalFile}, dirNames(t, m.Dir()))
+		fi, err := os.Stat(filepath.Join(m.Dir(), agent.NodeFile))
 		require.NoError(t, err)
 		require.Equal(t, os.FileMode(0o600), fi.Mode().Perm())
 		// The identity records what the Join said.
-		raw, err := os.ReadFile(filepath.Join(m.Dir(), fakedaemon.NodeFile))
+		raw, err := os.ReadFile(filepath.Join(m.Dir(), agent.NodeFile))
 		require.NoError(t, err)
-		var ident fakedaemon.Identity
+		var ident agent.Identity
 		require.NoError(t, json.Unmarshal(raw, &ident))
 		require.Equal(t, st.NodeID, ident.NodeID)
 		require.Equal(t, st.MachineID, ident.MachineID)
@@ -600,7 +603,7 @@ func TestJoinSessionCommandsAndSpec(t *testing.T) {
 	require.Equal(t, gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED, u[1].GetState())
 	require.Len(t, u[1].GetResult().GetInventory().GetGpus(), 8)
 	// Commands are appended to the journal; no other file appears.
-	require.ElementsMatch(t, []string{fakedaemon.NodeFile, fakedaemon.JournalFile}, dirNames(t, r.Machines()[0].Dir()))
+	require.ElementsMatch(t, []string{agent.NodeFile, agent.JournalFile}, dirNames(t, r.Machines()[0].Dir()))
 
 	// Desired state: bound, then observed.
 	cp.gw.send(t, node, &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_DesiredState{DesiredState: &gatewayv1.DesiredState{
@@ -631,9 +634,8 @@ func TestRestartReusesIdentityAndJournal(t *testing.T) {
 	cp := newControlPlane(t, 1)
 	dir := t.TempDir()
 	cfg := cp.config(dir, 1)
-	cfg.Variant = "l40s"
 	ctx, cancel := context.WithCancel(t.Context())
-	r, err := fakedaemon.Start(ctx, cfg, fakedaemon.Deps{})
+	r, err := startRunner(ctx, cfg, agent.Deps{Hardware: fakeHardware("l40s", nil)})
 	require.NoError(t, err)
 	waitEstablished(t, r)
 	first := r.Machines()[0].Status()
@@ -642,20 +644,21 @@ func TestRestartReusesIdentityAndJournal(t *testing.T) {
 	require.Eventually(t, func() bool { return len(cp.gw.updates(first.NodeID, cmdID)) == 2 }, waitFor, tick)
 	cancel()
 	require.NoError(t, r.Wait())
-	nodeFile := filepath.Join(r.Machines()[0].Dir(), fakedaemon.NodeFile)
+	nodeFile := filepath.Join(r.Machines()[0].Dir(), agent.NodeFile)
 	ident, err := os.ReadFile(nodeFile)
 	require.NoError(t, err)
-	require.NoFileExists(t, filepath.Join(r.Machines()[0].Dir(), fakedaemon.BootFile), "the start that joins is boot 0")
+	require.NoFileExists(t, filepath.Join(r.Machines()[0].Dir(), agent.BootFile), "the start that joins is boot 0")
 
 	// Second run: the token has no uses left, yet no Join is needed.
-	cfg.Variant = "cpu" // ignored: the machine keeps the hardware it joined with
-	r2, _ := start(t, cfg, fakedaemon.Deps{})
+	// Asked for cpu, the hardware is the l40s the machine joined as: the
+	// identity gives its variant (agent.HardwareSpec.Variant).
+	r2, _ := start(t, cfg, agent.Deps{Hardware: fakeHardware("cpu", nil)})
 	waitEstablished(t, r2)
 	second := r2.Machines()[0].Status()
 	again, err := os.ReadFile(nodeFile)
 	require.NoError(t, err)
 	require.Equal(t, string(ident), string(again), "the identity is never rewritten")
-	boot, err := os.ReadFile(filepath.Join(r2.Machines()[0].Dir(), fakedaemon.BootFile))
+	boot, err := os.ReadFile(filepath.Join(r2.Machines()[0].Dir(), agent.BootFile))
 	require.NoError(t, err)
 	require.Equal(t, "1\n", string(boot))
 	require.Equal(t, first.NodeID, second.NodeID)
@@ -685,7 +688,7 @@ func TestJournalLossFailsUnsafeCommands(t *testing.T) {
 	dir := t.TempDir()
 	cfg := cp.config(dir, 1)
 	ctx, cancel := context.WithCancel(t.Context())
-	r, err := fakedaemon.Start(ctx, cfg, fakedaemon.Deps{})
+	r, err := startRunner(ctx, cfg, agent.Deps{})
 	require.NoError(t, err)
 	waitEstablished(t, r)
 	node := r.Machines()[0].NodeID()
@@ -695,8 +698,8 @@ func TestJournalLossFailsUnsafeCommands(t *testing.T) {
 	cancel()
 	require.NoError(t, r.Wait())
 
-	require.NoError(t, os.Remove(filepath.Join(r.Machines()[0].Dir(), fakedaemon.JournalFile)))
-	r2, _ := start(t, cfg, fakedaemon.Deps{})
+	require.NoError(t, os.Remove(filepath.Join(r.Machines()[0].Dir(), agent.JournalFile)))
+	r2, _ := start(t, cfg, agent.Deps{})
 	waitEstablished(t, r2)
 	cp.gw.send(t, node, command(cmdID, "logs.collect"))
 	require.Eventually(t, func() bool { return len(cp.gw.updates(node, cmdID)) == 3 }, waitFor, tick)
@@ -714,7 +717,7 @@ func TestJournalLossBeforeAnyCommand(t *testing.T) {
 			cp := newControlPlane(t, 1)
 			cfg := cp.config(t.TempDir(), 1)
 			ctx, cancel := context.WithCancel(t.Context())
-			r, err := fakedaemon.Start(ctx, cfg, fakedaemon.Deps{})
+			r, err := startRunner(ctx, cfg, agent.Deps{})
 			require.NoError(t, err)
 			waitEstablished(t, r)
 			node := r.Machines()[0].NodeID()
@@ -722,10 +725,10 @@ func TestJournalLossBeforeAnyCommand(t *testing.T) {
 			require.NoError(t, r.Wait())
 			cmdID := ids.New(ids.Command, clock.New().Now()) // made before the restart
 			if lose {
-				require.NoError(t, os.Remove(filepath.Join(r.Machines()[0].Dir(), fakedaemon.JournalFile)))
+				require.NoError(t, os.Remove(filepath.Join(r.Machines()[0].Dir(), agent.JournalFile)))
 			}
 
-			r2, _ := start(t, cfg, fakedaemon.Deps{})
+			r2, _ := start(t, cfg, agent.Deps{})
 			waitEstablished(t, r2)
 			cp.gw.send(t, node, command(cmdID, "logs.collect"))
 			if lose {
@@ -733,21 +736,21 @@ func TestJournalLossBeforeAnyCommand(t *testing.T) {
 				u := cp.gw.updates(node, cmdID)[0]
 				require.Equal(t, gatewayv1.CommandState_COMMAND_STATE_FAILED, u.GetState())
 				require.Equal(t, daemon.ErrTextJournalLost, u.GetError())
-				epoch, err := os.ReadFile(filepath.Join(r2.Machines()[0].Dir(), fakedaemon.JournalEpochFile))
+				epoch, err := os.ReadFile(filepath.Join(r2.Machines()[0].Dir(), agent.JournalEpochFile))
 				require.NoError(t, err)
 				require.Equal(t, "2\n", string(epoch))
 				return
 			}
 			require.Eventually(t, func() bool { return len(cp.gw.updates(node, cmdID)) == 2 }, waitFor, tick)
 			require.Equal(t, gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED, cp.gw.updates(node, cmdID)[1].GetState())
-			require.NoFileExists(t, filepath.Join(r2.Machines()[0].Dir(), fakedaemon.JournalEpochFile))
+			require.NoFileExists(t, filepath.Join(r2.Machines()[0].Dir(), agent.JournalEpochFile))
 		})
 	}
 }
 
 func TestRebootAndReconnect(t *testing.T) {
 	cp := newControlPlane(t, 1)
-	r, _ := start(t, cp.config(t.TempDir(), 1), fakedaemon.Deps{})
+	r, _ := start(t, cp.config(t.TempDir(), 1), agent.Deps{})
 	waitEstablished(t, r)
 	m := r.Machines()[0]
 	node := m.NodeID()
@@ -769,7 +772,7 @@ func TestRebootAndReconnect(t *testing.T) {
 	require.NotEqual(t, boot, newBoot)
 	require.Equal(t, newBoot, m.Status().BootID)
 	require.Equal(t, 3, m.Status().Sessions)
-	b, err := os.ReadFile(filepath.Join(m.Dir(), fakedaemon.BootFile))
+	b, err := os.ReadFile(filepath.Join(m.Dir(), agent.BootFile))
 	require.NoError(t, err)
 	require.Equal(t, "1\n", string(b), "the reboot is persisted")
 }
@@ -781,7 +784,7 @@ func TestRebootAndReconnect(t *testing.T) {
 func TestLostGatewayConnection(t *testing.T) {
 	cp := newControlPlane(t, 1)
 	var logs syncBuffer
-	r, _ := start(t, cp.config(t.TempDir(), 1), fakedaemon.Deps{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	r, _ := start(t, cp.config(t.TempDir(), 1), agent.Deps{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	waitEstablished(t, r)
 	m := r.Machines()[0]
 	node := m.NodeID()
@@ -805,8 +808,8 @@ func TestTornIdentityJoinsAgain(t *testing.T) {
 	cp := newControlPlane(t, 1)
 	dir := t.TempDir()
 	require.NoError(t, os.MkdirAll(filepath.Join(dir, "0"), 0o700))
-	require.NoError(t, os.WriteFile(filepath.Join(dir, "0", ".tmp-"+fakedaemon.NodeFile+"123"), []byte(`{"node_id":"node_x",`), 0o600))
-	r, _ := start(t, cp.config(dir, 1), fakedaemon.Deps{})
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "0", ".tmp-"+agent.NodeFile+"123"), []byte(`{"node_id":"node_x",`), 0o600))
+	r, _ := start(t, cp.config(dir, 1), agent.Deps{})
 	waitEstablished(t, r)
 	require.NotEqual(t, "node_x", r.Machines()[0].NodeID())
 	calls, uses := cp.join.stats()
@@ -822,7 +825,7 @@ func TestStoppedMidJoinJoinsAgainWithTheSameKey(t *testing.T) {
 	cp := newControlPlane(t, 2)
 	cp.join.hangFirst = true
 	dir := t.TempDir()
-	r, err := fakedaemon.New(cp.config(dir, 1), fakedaemon.Deps{})
+	r, err := newRunner(cp.config(dir, 1), agent.Deps{})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 1)
@@ -830,13 +833,13 @@ func TestStoppedMidJoinJoinsAgainWithTheSameKey(t *testing.T) {
 	require.Eventually(t, func() bool { calls, _ := cp.join.stats(); return calls == 1 }, 10*time.Second, 5*time.Millisecond)
 	cancel()
 	require.NoError(t, <-done)
-	pending := filepath.Join(dir, "0", fakedaemon.PendingJoinFile)
+	pending := filepath.Join(dir, "0", agent.PendingJoinFile)
 	require.FileExists(t, pending)
 	st, err := os.Stat(pending)
 	require.NoError(t, err)
 	require.Equal(t, os.FileMode(0o600), st.Mode().Perm(), "it holds the private key")
 
-	r2, _ := start(t, cp.config(dir, 1), fakedaemon.Deps{})
+	r2, _ := start(t, cp.config(dir, 1), agent.Deps{})
 	waitEstablished(t, r2)
 	cp.join.mu.Lock()
 	reqs, claims := slices.Clone(cp.join.requests), slices.Clone(cp.join.claims)
@@ -867,11 +870,11 @@ func TestJoinRefused(t *testing.T) {
 			cp := newControlPlane(t, tc.maxUses)
 			cfg := cp.config(t.TempDir(), 2)
 			cfg.Token = tc.token
-			r, err := fakedaemon.New(cfg, fakedaemon.Deps{})
+			r, err := newRunner(cfg, agent.Deps{})
 			require.NoError(t, err)
 			err = r.Run(t.Context())
 			require.EqualError(t, err, tc.want)
-			var refused *fakedaemon.JoinRefusedError
+			var refused *agent.JoinRefusedError
 			require.ErrorAs(t, err, &refused)
 			require.Equal(t, tc.code, refused.Code)
 			require.Error(t, r.Ready())
@@ -882,7 +885,7 @@ func TestJoinRefused(t *testing.T) {
 func TestJoinRetriesTransientErrors(t *testing.T) {
 	cp := newControlPlane(t, 1)
 	cp.join.failFirst = 3
-	r, _ := start(t, cp.config(t.TempDir(), 1), fakedaemon.Deps{})
+	r, _ := start(t, cp.config(t.TempDir(), 1), agent.Deps{})
 	waitEstablished(t, r)
 	calls, uses := cp.join.stats()
 	require.Equal(t, 4, calls)
@@ -892,7 +895,7 @@ func TestJoinRetriesTransientErrors(t *testing.T) {
 func TestServerNameFromURLHost(t *testing.T) {
 	cp := newControlPlane(t, 1)
 	cp.join.serverName = "" // verify 127.0.0.1 from the URL
-	r, _ := start(t, cp.config(t.TempDir(), 1), fakedaemon.Deps{Logger: testLogger(t)})
+	r, _ := start(t, cp.config(t.TempDir(), 1), agent.Deps{Logger: testLogger(t)})
 	waitEstablished(t, r)
 }
 
@@ -900,7 +903,7 @@ func TestGatewayServerNameMismatchNeverEstablishes(t *testing.T) {
 	cp := newControlPlane(t, 1)
 	cfg := cp.config(t.TempDir(), 1)
 	cfg.GatewayServerName = "gateway.elsewhere"
-	r, _ := start(t, cfg, fakedaemon.Deps{})
+	r, _ := start(t, cfg, agent.Deps{})
 	require.Eventually(t, func() bool { return r.Ready() == nil }, waitFor, tick)
 	// The TLS check fails, so the machine keeps backing off.
 	require.Eventually(t, func() bool { return r.Machines()[0].State() == daemon.StateBackoff }, waitFor, tick)
@@ -915,7 +918,7 @@ func TestTokenFileWait(t *testing.T) {
 	cfg.Token = ""
 	cfg.TokenFile = filepath.Join(dir, "token")
 	cfg.TokenWait = time.Minute
-	r, _ := start(t, cfg, fakedaemon.Deps{Clock: clk})
+	r, _ := start(t, cfg, agent.Deps{Clock: clk})
 	// Waiting: nothing joins while the file is missing.
 	clk.Advance(time.Second)
 	calls, _ := cp.join.stats()
@@ -937,7 +940,7 @@ func TestTokenFileNeverAppears(t *testing.T) {
 	cfg.Token = ""
 	cfg.TokenFile = filepath.Join(dir, "token")
 	cfg.TokenWait = 5 * time.Second
-	r, _ := start(t, cfg, fakedaemon.Deps{Clock: clk})
+	r, _ := start(t, cfg, agent.Deps{Clock: clk})
 	require.Eventually(t, func() bool {
 		clk.Advance(time.Second)
 		select {
@@ -954,22 +957,35 @@ func TestNoToken(t *testing.T) {
 	cp := newControlPlane(t, 1)
 	cfg := cp.config(t.TempDir(), 1)
 	cfg.Token = ""
-	r, err := fakedaemon.New(cfg, fakedaemon.Deps{})
+	r, err := newRunner(cfg, agent.Deps{})
 	require.NoError(t, err)
 	require.ErrorContains(t, r.Run(t.Context()), "no join token")
 }
 
+// TestNewValidates; an unknown variant is the fake hardware's
+// (services/fakedaemon's TestNewValidatesVariant).
 func TestNewValidates(t *testing.T) {
-	_, err := fakedaemon.New(fakedaemon.Config{Variant: "dgx"}, fakedaemon.Deps{})
-	require.ErrorContains(t, err, `unknown hardware variant "dgx" (valid: cpu, hgx-h100, hgx-h100-gpu-missing, l40s)`)
-	_, err = fakedaemon.New(fakedaemon.Config{Nodes: -1}, fakedaemon.Deps{})
+	_, err := newRunner(agent.Config{Nodes: -1}, agent.Deps{})
 	require.ErrorContains(t, err, "nodes must be from 1 to 20000")
 	// A malformed gateway override is refused up front, not at each
 	// machine's first session.
-	_, err = fakedaemon.New(fakedaemon.Config{GatewayURL: "gateway:8443"}, fakedaemon.Deps{})
+	_, err = newRunner(agent.Config{GatewayURL: "gateway:8443"}, agent.Deps{})
 	require.ErrorContains(t, err, `gateway url override (--gateway-url): gateway URL "gateway:8443" must be https://HOST[:PORT]`)
-	_, err = fakedaemon.New(fakedaemon.Config{GatewayURL: "https://gw-a:8443,https://"}, fakedaemon.Deps{})
+	_, err = newRunner(agent.Config{GatewayURL: "https://gw-a:8443,https://"}, agent.Deps{})
 	require.ErrorContains(t, err, `gateway URL "https://" has no host`)
+	ok := agent.Config{DataDir: t.TempDir(), AgentVersion: testVersion}
+	_, err = newRunner(ok, agent.Deps{})
+	require.NoError(t, err)
+	noDir := ok
+	noDir.DataDir = ""
+	_, err = newRunner(noDir, agent.Deps{})
+	require.EqualError(t, err, "a data directory is required (--data-dir)")
+	noVersion := ok
+	noVersion.AgentVersion = ""
+	_, err = newRunner(noVersion, agent.Deps{})
+	require.EqualError(t, err, "an agent version is required")
+	_, err = agent.New(ok, agent.Deps{})
+	require.EqualError(t, err, "no hardware (Deps.Hardware)")
 }
 
 func TestHealthServer(t *testing.T) {
@@ -977,7 +993,7 @@ func TestHealthServer(t *testing.T) {
 	cfg := cp.config(t.TempDir(), 1)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	r, _ := start(t, cfg, fakedaemon.Deps{HealthListener: ln})
+	r, _ := start(t, cfg, agent.Deps{HealthListener: ln})
 	waitEstablished(t, r)
 	url := "http://" + ln.Addr().String() + "/healthz"
 	require.Eventually(t, func() bool { return service.Healthcheck(url) == 0 }, waitFor, tick)
@@ -986,11 +1002,11 @@ func TestHealthServer(t *testing.T) {
 func TestDataDirInUse(t *testing.T) {
 	cp := newControlPlane(t, 2)
 	dir := t.TempDir()
-	r, _ := start(t, cp.config(dir, 1), fakedaemon.Deps{})
+	r, _ := start(t, cp.config(dir, 1), agent.Deps{})
 	waitEstablished(t, r)
-	r2, err := fakedaemon.New(cp.config(dir, 1), fakedaemon.Deps{})
+	r2, err := newRunner(cp.config(dir, 1), agent.Deps{})
 	require.NoError(t, err)
-	require.ErrorContains(t, r2.Run(t.Context()), "in use by another fakedaemon")
+	require.ErrorContains(t, r2.Run(t.Context()), "is in use by another agent process (give each its own --data-dir)")
 	_, uses := cp.join.stats()
 	require.Equal(t, 1, uses)
 }
@@ -1003,7 +1019,7 @@ func TestJoinSealsTokenAndStoresTrust(t *testing.T) {
 	cp.join.signedIntent = true
 	cfg := cp.config(t.TempDir(), 1)
 	ctx, cancel := context.WithCancel(t.Context())
-	r, err := fakedaemon.Start(ctx, cfg, fakedaemon.Deps{})
+	r, err := startRunner(ctx, cfg, agent.Deps{})
 	require.NoError(t, err)
 	waitEstablished(t, r)
 	cancel()
@@ -1017,15 +1033,15 @@ func TestJoinSealsTokenAndStoresTrust(t *testing.T) {
 	_, err = pki.OpenJoinToken(cp.join.joinKey, req.GetSealedToken(), newCSRFor(t))
 	require.ErrorIs(t, err, pki.ErrSealOpen, "the seal is bound to the machine's CSR")
 
-	b, err := os.ReadFile(filepath.Join(r.Machines()[0].Dir(), fakedaemon.NodeFile))
+	b, err := os.ReadFile(filepath.Join(r.Machines()[0].Dir(), agent.NodeFile))
 	require.NoError(t, err)
-	var ident fakedaemon.Identity
+	var ident agent.Identity
 	require.NoError(t, json.Unmarshal(b, &ident))
 	require.Equal(t, cp.join.commandRoot, ident.CommandSigningRoot)
 
 	// A restart reads the root back (a broken one is refused: see
 	// TestBrokenCommandSigningRootInIdentityIsRefused) and joins no more.
-	r2, _ := start(t, cfg, fakedaemon.Deps{})
+	r2, _ := start(t, cfg, agent.Deps{})
 	waitEstablished(t, r2)
 	require.Equal(t, 1, cp.join.uses)
 }
@@ -1034,12 +1050,12 @@ func TestBrokenCommandSigningRootInIdentityIsRefused(t *testing.T) {
 	cp := newControlPlane(t, 1)
 	cfg := cp.config(t.TempDir(), 1)
 	ctx, cancel := context.WithCancel(t.Context())
-	r, err := fakedaemon.Start(ctx, cfg, fakedaemon.Deps{})
+	r, err := startRunner(ctx, cfg, agent.Deps{})
 	require.NoError(t, err)
 	waitEstablished(t, r)
 	cancel()
 	require.NoError(t, r.Wait())
-	path := filepath.Join(r.Machines()[0].Dir(), fakedaemon.NodeFile)
+	path := filepath.Join(r.Machines()[0].Dir(), agent.NodeFile)
 	b, err := os.ReadFile(path)
 	require.NoError(t, err)
 	var doc map[string]any
@@ -1048,7 +1064,7 @@ func TestBrokenCommandSigningRootInIdentityIsRefused(t *testing.T) {
 	b, err = json.Marshal(doc)
 	require.NoError(t, err)
 	require.NoError(t, os.WriteFile(path, b, 0o600))
-	r2, err := fakedaemon.New(cfg, fakedaemon.Deps{})
+	r2, err := newRunner(cfg, agent.Deps{})
 	require.NoError(t, err)
 	require.ErrorContains(t, r2.Run(t.Context()), "command_signing_root")
 }
@@ -1102,12 +1118,12 @@ func TestUntrustedJoinResponseIsRefused(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			cp := newControlPlane(t, 1)
 			tc.setup(cp.join)
-			r, err := fakedaemon.New(cp.config(t.TempDir(), 1), fakedaemon.Deps{})
+			r, err := newRunner(cp.config(t.TempDir(), 1), agent.Deps{})
 			require.NoError(t, err)
 			err = r.Run(t.Context())
 			require.ErrorContains(t, err, tc.want)
 			require.Error(t, r.Ready())
-			require.NoFileExists(t, filepath.Join(r.Machines()[0].Dir(), fakedaemon.NodeFile))
+			require.NoFileExists(t, filepath.Join(r.Machines()[0].Dir(), agent.NodeFile))
 			require.Empty(t, cp.gw.helloes(r.Machines()[0].NodeID()))
 		})
 	}
@@ -1122,31 +1138,31 @@ func TestJoinNeedsTrustedKeys(t *testing.T) {
 	require.NoError(t, err)
 	for _, tc := range []struct {
 		name string
-		edit func(cp *controlPlane, cfg *fakedaemon.Config)
+		edit func(cp *controlPlane, cfg *agent.Config)
 		want string
 	}{
-		{"no pins", func(_ *controlPlane, cfg *fakedaemon.Config) { cfg.Pins = pki.Pins{} },
+		{"no pins", func(_ *controlPlane, cfg *agent.Config) { cfg.Pins = pki.Pins{} },
 			"refusing to join a deployment it cannot authenticate: no pins for --serving-ca-pin, --join-signing-pin, --join-encryption-pin"},
-		{"no serving CA pin", func(_ *controlPlane, cfg *fakedaemon.Config) { cfg.Pins.ServingCA = "" },
+		{"no serving CA pin", func(_ *controlPlane, cfg *agent.Config) { cfg.Pins.ServingCA = "" },
 			"no pins for --serving-ca-pin"},
-		{"document's encryption key not matching its pin", func(cp *controlPlane, _ *fakedaemon.Config) {
+		{"document's encryption key not matching its pin", func(cp *controlPlane, _ *agent.Config) {
 			cp.join.editDoc = func(d *pki.WellKnown) { d.JoinEncryptionKey = otherEnc }
 		}, "does not match the join encryption pin"},
-		{"document's serving CA not matching its pin", func(cp *controlPlane, cfg *fakedaemon.Config) {
+		{"document's serving CA not matching its pin", func(cp *controlPlane, cfg *agent.Config) {
 			cfg.Pins.ServingCA = pki.PinOfSPKI(otherEnc)
 		}, "well-known document: servingCa"},
-		{"no join keys without a server", func(cp *controlPlane, cfg *fakedaemon.Config) {
+		{"no join keys without a server", func(cp *controlPlane, cfg *agent.Config) {
 			cfg.Server, cfg.JoinURL = "", cp.joinURL
 		}, "no join keys: set --server"},
 		// The command-signing pin is checked before Join too: a wrong one
 		// spends no join token and leaves no node behind.
-		{"wrong command-signing pin", func(_ *controlPlane, cfg *fakedaemon.Config) {
+		{"wrong command-signing pin", func(_ *controlPlane, cfg *agent.Config) {
 			cfg.Pins.CommandSigning = pki.PinOfSPKI(otherEnc)
 		}, "well-known document: commandSigningKey: the command-signing key"},
-		{"command-signing pin and a document without the key", func(cp *controlPlane, _ *fakedaemon.Config) {
+		{"command-signing pin and a document without the key", func(cp *controlPlane, _ *agent.Config) {
 			cp.join.editDoc = func(d *pki.WellKnown) { d.CommandSigningKey = nil }
 		}, "no command-signing key to check the command signing pin"},
-		{"keys given directly and a wrong command-signing pin", func(cp *controlPlane, cfg *fakedaemon.Config) {
+		{"keys given directly and a wrong command-signing pin", func(cp *controlPlane, cfg *agent.Config) {
 			doc := cp.join.wellKnown(cp.joinURL)
 			cfg.Server, cfg.JoinURL = "", cp.joinURL
 			cfg.JoinEncryptionKey, cfg.JoinSigningKey, cfg.CommandSigningKey = doc.JoinEncryptionKey, doc.JoinSigningKey, doc.CommandSigningKey
@@ -1157,7 +1173,7 @@ func TestJoinNeedsTrustedKeys(t *testing.T) {
 			cp := newControlPlane(t, 1)
 			cfg := cp.config(t.TempDir(), 1)
 			tc.edit(cp, &cfg)
-			r, err := fakedaemon.New(cfg, fakedaemon.Deps{})
+			r, err := newRunner(cfg, agent.Deps{})
 			require.NoError(t, err)
 			require.ErrorContains(t, r.Run(t.Context()), tc.want)
 			calls, _ := cp.join.stats()
@@ -1174,7 +1190,7 @@ func TestJoinWithKeysInsteadOfServer(t *testing.T) {
 	cfg := cp.config(t.TempDir(), 1)
 	cfg.Server, cfg.JoinURL = "", cp.joinURL
 	cfg.JoinEncryptionKey, cfg.JoinSigningKey, cfg.CommandSigningKey = doc.JoinEncryptionKey, doc.JoinSigningKey, doc.CommandSigningKey
-	r, _ := start(t, cfg, fakedaemon.Deps{})
+	r, _ := start(t, cfg, agent.Deps{})
 	waitEstablished(t, r)
 }
 
@@ -1184,9 +1200,9 @@ func TestInsecureTrustServerPins(t *testing.T) {
 	cp := newControlPlane(t, 1)
 	cfg := cp.config(t.TempDir(), 1)
 	cfg.Pins, cfg.InsecureTrustServerPins = pki.Pins{}, true
-	r, _ := start(t, cfg, fakedaemon.Deps{})
+	r, _ := start(t, cfg, agent.Deps{})
 	waitEstablished(t, r)
-	_, err := fakedaemon.New(fakedaemon.Config{InsecureTrustServerPins: true}, fakedaemon.Deps{})
+	_, err := newRunner(agent.Config{InsecureTrustServerPins: true}, agent.Deps{})
 	require.ErrorContains(t, err, "needs a server")
 }
 
@@ -1197,27 +1213,27 @@ func TestJoinOnly(t *testing.T) {
 	cfg := cp.config(t.TempDir(), 2)
 	cfg.JoinOnly = true
 	cfg.HealthListen = ":1" // ignored: joining only serves no health endpoint
-	r, err := fakedaemon.New(cfg, fakedaemon.Deps{})
+	r, err := newRunner(cfg, agent.Deps{})
 	require.NoError(t, err)
 	require.NoError(t, r.Run(t.Context()))
 	require.NoError(t, r.Ready())
 	for _, m := range r.Machines() {
 		require.NotEmpty(t, m.NodeID())
-		require.ElementsMatch(t, []string{fakedaemon.NodeFile, fakedaemon.JournalFile}, dirNames(t, m.Dir()))
+		require.ElementsMatch(t, []string{agent.NodeFile, agent.JournalFile}, dirNames(t, m.Dir()))
 		require.Empty(t, cp.gw.helloes(m.NodeID()), "no session")
 	}
-	r2, err := fakedaemon.New(cfg, fakedaemon.Deps{})
+	r2, err := newRunner(cfg, agent.Deps{})
 	require.NoError(t, err)
 	require.NoError(t, r2.Run(t.Context()))
 	require.Equal(t, r.Machines()[1].NodeID(), r2.Machines()[1].NodeID())
-	require.NoFileExists(t, filepath.Join(r2.Machines()[0].Dir(), fakedaemon.BootFile))
+	require.NoFileExists(t, filepath.Join(r2.Machines()[0].Dir(), agent.BootFile))
 	calls, uses := cp.join.stats()
 	require.Equal(t, 2, calls)
 	require.Equal(t, 2, uses)
 }
 
 func TestNewRefusesMalformedPins(t *testing.T) {
-	_, err := fakedaemon.New(fakedaemon.Config{Pins: pki.Pins{JoinSigning: "sha256/short"}}, fakedaemon.Deps{})
+	_, err := newRunner(agent.Config{Pins: pki.Pins{JoinSigning: "sha256/short"}}, agent.Deps{})
 	require.ErrorContains(t, err, "pins: joinSigning")
 }
 
@@ -1232,7 +1248,7 @@ func TestRevokedMachineStopsForGood(t *testing.T) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	var logs syncBuffer
-	r, cancel := start(t, cfg, fakedaemon.Deps{HealthListener: ln, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	r, cancel := start(t, cfg, agent.Deps{HealthListener: ln, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	waitEstablished(t, r)
 	url := "http://" + ln.Addr().String() + "/healthz"
 	require.Eventually(t, func() bool { return service.Healthcheck(url) == 0 }, waitFor, tick)
@@ -1262,7 +1278,7 @@ func TestRevokedMachineStopsForGood(t *testing.T) {
 	require.NoError(t, r.Wait())
 
 	// A restart dials once with the revoked identity, is refused, and stops.
-	r2, _ := start(t, cfg, fakedaemon.Deps{})
+	r2, _ := start(t, cfg, agent.Deps{})
 	require.Eventually(t, func() bool { return r2.Machines()[0].State() == daemon.StateStopped }, waitFor, tick)
 	require.Never(t, func() bool { return cp.gw.refusals(st.NodeID) > 1 }, 300*time.Millisecond, tick, "refused once, then stopped")
 	require.Equal(t, 1, cp.gw.refusals(st.NodeID))
@@ -1279,7 +1295,7 @@ func TestExpiredCertificateStopsBeforeDialling(t *testing.T) {
 	dir := t.TempDir()
 	cfg := cp.config(dir, 1)
 	cfg.JoinOnly = true
-	r, err := fakedaemon.New(cfg, fakedaemon.Deps{})
+	r, err := newRunner(cfg, agent.Deps{})
 	require.NoError(t, err)
 	require.NoError(t, r.Run(t.Context()))
 	notAfter := r.Machines()[0].Status().CertNotAfter
@@ -1288,7 +1304,7 @@ func TestExpiredCertificateStopsBeforeDialling(t *testing.T) {
 	// Two hours later (the fake JoinService issues 1 h certificates).
 	cfg.JoinOnly = false
 	clk := clock.NewFake(clock.New().Now().Add(2 * time.Hour))
-	r2, _ := start(t, cfg, fakedaemon.Deps{Clock: clk})
+	r2, _ := start(t, cfg, agent.Deps{Clock: clk})
 	m := r2.Machines()[0]
 	require.Eventually(t, func() bool { return m.State() == daemon.StateStopped }, waitFor, tick)
 	require.Contains(t, m.Status().Stopped, "node certificate expired at "+notAfter.UTC().Format(time.RFC3339)+"; join again")
@@ -1307,12 +1323,12 @@ func TestJoinOnlyReportsEachMachine(t *testing.T) {
 	cfg := cp.config(t.TempDir(), 3)
 	cfg.JoinOnly = true
 	cfg.JoinConcurrency = 1 // one at a time: the last to join is refused, whichever it is
-	r, err := fakedaemon.New(cfg, fakedaemon.Deps{})
+	r, err := newRunner(cfg, agent.Deps{})
 	require.NoError(t, err)
 	err = r.Run(t.Context())
 	require.Error(t, err)
 	require.Regexp(t, `^1 of 3 machines could not join: machine [0-2]: join refused: join token is used up \(2 of 2 uses\)$`, err.Error())
-	var refused *fakedaemon.JoinRefusedError
+	var refused *agent.JoinRefusedError
 	require.ErrorAs(t, err, &refused)
 	var joined, failed int
 	for _, m := range r.Machines() {
@@ -1341,7 +1357,7 @@ func TestTokenFileEmpty(t *testing.T) {
 	cfg.TokenFile = filepath.Join(dir, "token")
 	cfg.TokenWait = 3 * time.Second
 	require.NoError(t, os.WriteFile(cfg.TokenFile, []byte("\n"), 0o600))
-	r, _ := start(t, cfg, fakedaemon.Deps{Clock: clk})
+	r, _ := start(t, cfg, agent.Deps{Clock: clk})
 	require.Eventually(t, func() bool {
 		clk.Advance(time.Second)
 		select {
@@ -1352,4 +1368,64 @@ func TestTokenFileEmpty(t *testing.T) {
 		}
 	}, waitFor, tick)
 	require.EqualError(t, r.Wait(), "no join token: "+cfg.TokenFile+" is empty (waited 3s for a token in it)")
+}
+
+// TestHardwareSpec: the agent makes each machine's Hardware at each start
+// from what its directory says: nothing on the first start (boot 0), the
+// machine id of a Join that did not complete, then the identity's machine
+// id and variant with the boot counter; joining only is no boot.
+func TestHardwareSpec(t *testing.T) {
+	cp := newControlPlane(t, 2)
+	cp.join.hangFirst = true
+	dir := t.TempDir()
+	var mu sync.Mutex
+	var specs []agent.HardwareSpec
+	deps := agent.Deps{Hardware: func(spec agent.HardwareSpec) (agent.Hardware, error) {
+		if spec.Logger == nil {
+			return nil, errors.New("no logger in the spec")
+		}
+		spec.Logger = nil
+		mu.Lock()
+		specs = append(specs, spec)
+		mu.Unlock()
+		return fakeHardware(fakehw.VariantL40S, nil)(spec)
+	}}
+	last := func() agent.HardwareSpec {
+		mu.Lock()
+		defer mu.Unlock()
+		return specs[len(specs)-1]
+	}
+
+	// Stopped mid-join: the first start knew nothing.
+	r, err := newRunner(cp.config(dir, 1), deps)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	require.Eventually(t, func() bool { calls, _ := cp.join.stats(); return calls == 1 }, waitFor, tick)
+	cancel()
+	require.NoError(t, <-done)
+	require.Equal(t, agent.HardwareSpec{}, last())
+	machineID := r.Machines()[0].Status().MachineID
+	require.NotEmpty(t, machineID)
+
+	// Joining again (only): the machine id of join.pending, boot 0.
+	cfg := cp.config(dir, 1)
+	cfg.JoinOnly = true
+	r, err = newRunner(cfg, deps)
+	require.NoError(t, err)
+	require.NoError(t, r.Run(t.Context()))
+	require.Equal(t, agent.HardwareSpec{MachineID: machineID}, last())
+
+	// Each later start: the identity's machine id and variant, the next
+	// boot.
+	for boot := uint64(1); boot <= 2; boot++ {
+		ctx, cancel := context.WithCancel(t.Context())
+		r, err := startRunner(ctx, cp.config(dir, 1), deps)
+		require.NoError(t, err)
+		waitEstablished(t, r)
+		cancel()
+		require.NoError(t, r.Wait())
+		require.Equal(t, agent.HardwareSpec{MachineID: machineID, Variant: fakehw.VariantL40S, Boot: boot}, last())
+	}
 }

@@ -1,13 +1,10 @@
-package fakedaemon
+package agent
 
 import (
 	"crypto"
 	"crypto/ed25519"
-	"crypto/rand"
-	"crypto/sha256"
 	"crypto/tls"
 	"crypto/x509"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -44,11 +41,11 @@ const (
 type Identity struct {
 	// NodeID is the node's id ("node_…").
 	NodeID string `json:"node_id"`
-	// MachineID is the machine's stable id: 32 random hex characters made on
-	// the first start, the seed of the fake hardware's GPU UUIDs. A machine
-	// that restarts before its Join completed makes a new one.
+	// MachineID is the machine's stable id (Hardware.MachineID when it
+	// joined).
 	MachineID string `json:"machine_id"`
-	// Variant is the fake hardware variant the machine joined with.
+	// Variant is the hardware variant the machine joined with
+	// (Hardware.Variant).
 	Variant string `json:"variant"`
 	// GatewayURLs are every gateway replica's Session URL
 	// (JoinResponse.gateway_urls, at least one); the node starts on one and
@@ -92,23 +89,6 @@ type Identity struct {
 // against (parsed CommandSigningRoot), or nil when the deployment does not
 // sign intent.
 func (id *Identity) CommandSigningKey() ed25519.PublicKey { return id.commandRoot }
-
-// newMachineID returns a fresh machine id: 32 random hex characters.
-func newMachineID() (string, error) {
-	var raw [16]byte
-	if _, err := rand.Read(raw[:]); err != nil {
-		return "", err
-	}
-	return hex.EncodeToString(raw[:]), nil
-}
-
-// MachineID returns the machine id of machine index under seed
-// (Config.MachineIDSeed): 32 hex characters of SHA-256(seed, index), the
-// shape of a random one.
-func MachineID(seed string, index int) string {
-	sum := sha256.Sum256(fmt.Appendf(nil, "%s/%d", seed, index))
-	return hex.EncodeToString(sum[:16])
-}
 
 // pendingJoin is PendingJoinFile's content.
 type pendingJoin struct {
@@ -221,7 +201,6 @@ func (id *Identity) save(dir string, nodeCA *x509.Certificate) error {
 	}
 	return writeFileSync(filepath.Join(dir, NodeFile), append(b, '\n'), 0o600)
 }
-
 
 // tlsCertificate returns the node's client certificate for mTLS.
 func (id *Identity) tlsCertificate() tls.Certificate {

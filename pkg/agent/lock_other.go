@@ -1,6 +1,6 @@
 //go:build !unix
 
-package fakedaemon
+package agent
 
 // lockDir does nothing where flock is unavailable.
 func lockDir(string) (func(), error) { return func() {}, nil }

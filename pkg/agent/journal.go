@@ -1,4 +1,4 @@
-package fakedaemon
+package agent
 
 import (
 	"bytes"

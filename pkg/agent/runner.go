@@ -1,37 +1,4 @@
-// Package fakedaemon runs simulated GPU machines in real time: each machine
-// joins through JoinService with a fresh key and CSR, keeps its identity and
-// command journal on disk, and drives the daemon core (pkg/daemon) over a
-// Session to the gateway (HTTP/2, mutual TLS with its node certificate), on
-// fake hardware (pkg/fakehw).
-//
-// Joining is the real daemon's: the token is sealed to JoinService's HPKE key
-// and bound to the CSR (never sent in clear), and the JoinResponse is used
-// only after pki.CheckJoinResponse accepted it: signed by the pinned join
-// signing key, its serving CA matching the servingCa pin, its
-// command-signing root matching the commandSigning pin (jointrust.go).
-//
-// The Runner owns every goroutine and all I/O; the protocol logic lives in
-// daemon.Agent, the same code the fleet simulator drives on a virtual clock.
-// Each machine costs two goroutines of its own (its loop and the reader of
-// its current stream) plus what net/http's HTTP/2 client keeps per
-// connection.
-//
-// A machine's directory (DataDir/<index>) holds: join.pending while its
-// first Join is not done (0600; the key and machine id it joins with, so a
-// machine stopped mid-join joins again as the same node), node.json (0600;
-// the whole identity: node and machine ids, key and certificates; written
-// once, atomically, when the Join completes, just after an empty
-// journal.jsonl, and then join.pending goes), boot (the boot counter: every
-// process start is a boot; the start that joined is boot 0), and
-// journal.epoch once a journal loss was found (see FileJournal). A running
-// machine holds an exclusive flock on its directory, so two processes never
-// share an identity. A restart reuses the identity and never joins again,
-// and rewrites one file (the boot counter); deleting journal.jsonl simulates
-// a journal loss.
-//
-// To run machines in-process (tests, `better-compute dev --sim N`), call
-// Start and read the handles from Runner.Machines.
-package fakedaemon
+package agent
 
 import (
 	"context"
@@ -52,22 +19,13 @@ import (
 
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/daemon"
-	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/service"
 )
 
-// Version is the agent version fakedaemon reports in Claims and Hello.
-const Version = "fakedaemon/0.1.0"
-
-// Defaults of Config.
-const (
-	DefaultJoinURL      = "http://joinservice:8081"
-	DefaultDataDir      = "/var/lib/fakedaemon"
-	DefaultVariant      = fakehw.VariantHGXH100
-	DefaultHealthListen = ":8085"
-	DefaultTokenWait    = 2 * time.Minute
-)
+// DefaultTokenWait is how long a Runner waits for Config.TokenFile by
+// default.
+const DefaultTokenWait = 2 * time.Minute
 
 // Config configures a Runner. Zero fields take the defaults named.
 //
@@ -100,7 +58,7 @@ type Config struct {
 	// before Join (with Server, the document's commandSigningKey is).
 	CommandSigningKey []byte
 	// JoinURL is JoinService's base URL (default: the well-known document's
-	// joinUrl with Server, else http://joinservice:8081).
+	// joinUrl with Server; required to join without Server).
 	JoinURL string
 	// Token is the join token in clear text ("bcjt_…"); it wins over
 	// TokenFile. It is only ever sent sealed to JoinService's key.
@@ -111,11 +69,8 @@ type Config struct {
 	// TokenWait is how long to wait for TokenFile to appear (default 2 min).
 	TokenWait time.Duration
 	// DataDir holds one directory per machine, DataDir/<index>
-	// (default /var/lib/fakedaemon).
+	// (required).
 	DataDir string
-	// Variant is the fake hardware of machines that have not joined yet
-	// (default hgx-h100); a joined machine keeps the variant it joined with.
-	Variant string
 	// Nodes is how many machines to run (default 1).
 	Nodes int
 	// GatewayURL overrides the gateway URLs of the JoinResponse: one URL or
@@ -127,22 +82,18 @@ type Config struct {
 	GatewayServerName string
 	// HealthListen is the address of the /healthz server ("" for none).
 	HealthListen string
-	// AgentVersion is reported in Claims and Hello (default Version).
+	// AgentVersion is reported in the Join claims and in Hello (required),
+	// e.g. "fakedaemon/0.1.0".
 	AgentVersion string
-	// Agent is the template of each machine's daemon core configuration
-	// (backoff, timeouts); NodeID, AgentVersion and Logger are filled in.
-	Agent daemon.Config
-	// Durations, when set, replaces how long fake commands take.
-	Durations *fakehw.Durations
+	// Core is the template of each machine's daemon core configuration
+	// (backoff, timeouts); NodeID, AgentVersion, Logger, the certificate's
+	// times and the command-signing root are filled in.
+	Core daemon.Config
 	// JoinBackoffMin and JoinBackoffMax bound the delay between Join
 	// attempts after transient errors (defaults 500 ms and 15 s).
 	JoinBackoffMin, JoinBackoffMax time.Duration
 	// JoinConcurrency caps Joins in flight (default 16).
 	JoinConcurrency int
-	// MachineIDSeed, when set, derives each machine's id from it and the
-	// machine's index (MachineID), so the same seed gives the same hardware
-	// (GPU UUIDs, hostnames, boot ids) run after run; empty: random ids.
-	MachineIDSeed string
 	// JoinOnly makes Run return once every machine has joined (or had
 	// joined before), without opening sessions or the health server
 	// (`fakedaemon join`).
@@ -150,23 +101,11 @@ type Config struct {
 }
 
 func (c *Config) setDefaults() {
-	if c.JoinURL == "" && c.Server == "" {
-		c.JoinURL = DefaultJoinURL
-	}
 	if c.TokenWait <= 0 {
 		c.TokenWait = DefaultTokenWait
 	}
-	if c.DataDir == "" {
-		c.DataDir = DefaultDataDir
-	}
-	if c.Variant == "" {
-		c.Variant = DefaultVariant
-	}
 	if c.Nodes <= 0 {
 		c.Nodes = 1
-	}
-	if c.AgentVersion == "" {
-		c.AgentVersion = Version
 	}
 	if c.JoinBackoffMin <= 0 {
 		c.JoinBackoffMin = 500 * time.Millisecond
@@ -191,6 +130,8 @@ type Deps struct {
 	// HealthListener, when set, serves /healthz instead of listening on
 	// Config.HealthListen (tests pass a listener on a free port).
 	HealthListener net.Listener
+	// Hardware makes each machine's Hardware at its start (required).
+	Hardware HardwareFunc
 }
 
 // Runner runs Config.Nodes machines. Make one with New and call Run, or use
@@ -202,6 +143,7 @@ type Runner struct {
 	httpClient *http.Client // calls JoinService and fetches the well-known document
 	clientOpts []connect.ClientOption
 	joinSem    chan struct{}
+	hardware   HardwareFunc
 	machines   []*Machine
 	healthLn   net.Listener
 
@@ -220,10 +162,10 @@ type Runner struct {
 // magnitude would exhaust the host's memory before anything failed.
 const MaxNodes = 20000
 
-// New validates cfg and returns a Runner. It fails for an unknown variant
-// (naming the valid ones), a negative node count or one above MaxNodes, a
-// malformed pin, a malformed GatewayURL (pki.ParseGatewayURLs), or
-// InsecureTrustServerPins without Server.
+// New validates cfg and returns a Runner. It fails for a negative node
+// count or one above MaxNodes, a malformed GatewayURL
+// (pki.ParseGatewayURLs), a malformed pin, InsecureTrustServerPins without
+// Server, and without DataDir, AgentVersion or deps.Hardware.
 func New(cfg Config, deps Deps) (*Runner, error) {
 	if cfg.Nodes < 0 || cfg.Nodes > MaxNodes {
 		return nil, fmt.Errorf("nodes must be from 1 to %d, got %d", MaxNodes, cfg.Nodes)
@@ -237,10 +179,15 @@ func New(cfg Config, deps Deps) (*Runner, error) {
 	if cfg.InsecureTrustServerPins && cfg.Server == "" {
 		return nil, errors.New("trusting the server's pins needs a server (--server)")
 	}
-	cfg.setDefaults()
-	if _, err := fakehw.New(cfg.Variant, "check"); err != nil {
-		return nil, err
+	switch {
+	case cfg.DataDir == "":
+		return nil, errors.New("a data directory is required (--data-dir)")
+	case cfg.AgentVersion == "":
+		return nil, errors.New("an agent version is required")
+	case deps.Hardware == nil:
+		return nil, errors.New("no hardware (Deps.Hardware)")
 	}
+	cfg.setDefaults()
 	if deps.Logger == nil {
 		deps.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -257,6 +204,7 @@ func New(cfg Config, deps Deps) (*Runner, error) {
 		httpClient: deps.JoinHTTPClient,
 		clientOpts: service.ClientOptions(),
 		joinSem:    make(chan struct{}, cfg.JoinConcurrency),
+		hardware:   deps.Hardware,
 		healthLn:   deps.HealthListener,
 		done:       make(chan struct{}),
 	}
