@@ -2,9 +2,15 @@ package main
 
 import (
 	"bytes"
+	"context"
+	"errors"
+	"io"
 	"maps"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -13,6 +19,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
 )
 
 var envVars = []string{"BC_JOIN_URL", "BC_JOIN_TOKEN_FILE", "BC_JOIN_TOKEN", "BC_JOIN_TOKEN_WAIT", "BC_DATA_DIR", "BC_VARIANT",
@@ -24,6 +31,24 @@ func clearEnv(t *testing.T) {
 	for _, k := range envVars {
 		t.Setenv(k, "")
 	}
+}
+
+// parseConfig runs `fakedaemon args` (`fakedaemon join args` when
+// joinOnly) up to the machines and returns the configuration they would
+// run with, or the error the command ends with.
+func parseConfig(args []string, joinOnly bool) (fakedaemon.Config, error) {
+	var got fakedaemon.Config
+	root := newRoot(func(_ context.Context, cfg fakedaemon.Config, _ io.Writer) error {
+		got = cfg
+		return nil
+	})
+	if joinOnly {
+		args = append([]string{"join"}, args...)
+	}
+	root.SetArgs(args)
+	root.SetOut(io.Discard)
+	root.SetErr(io.Discard)
+	return got, root.ExecuteContext(context.Background())
 }
 
 func TestParseConfigDefaults(t *testing.T) {
@@ -249,9 +274,70 @@ func TestRunJoinRefusesWithoutPins(t *testing.T) {
 	cfg, err := parseConfig([]string{"--server", "http://127.0.0.1:1", "--data-dir", t.TempDir()}, true)
 	require.NoError(t, err)
 	var out bytes.Buffer
-	err = run(cfg, &out)
+	err = run(t.Context(), cfg, &out)
 	require.ErrorContains(t, err, "refusing to join a deployment it cannot authenticate")
 	require.Empty(t, out.String())
 	_, statErr := os.Stat(filepath.Join(cfg.DataDir, "0", "node.json"))
 	require.ErrorIs(t, statErr, os.ErrNotExist)
+}
+
+// TestCommands: the command tree's help, exit statuses and healthcheck.
+func TestCommands(t *testing.T) {
+	clearEnv(t)
+	exec := func(run runFunc, args ...string) (code int, stdout, stderr string) {
+		var out, errOut bytes.Buffer
+		root := newRoot(run)
+		root.SetOut(&out)
+		code = execute(t.Context(), root, args, &errOut)
+		return code, out.String(), errOut.String()
+	}
+	ran := 0
+	counting := func(context.Context, fakedaemon.Config, io.Writer) error { ran++; return nil }
+
+	code, out, _ := exec(counting, "--help")
+	require.Zero(t, code)
+	require.Contains(t, out, "fakedaemon [flags]")
+	require.Contains(t, out, "--server URL")
+	require.Contains(t, out, "(env BC_SERVER)")
+	require.Contains(t, out, "(env BC_HEALTH_LISTEN)")
+	require.Contains(t, out, "join ")
+	require.Contains(t, out, "healthcheck ")
+	code, out, _ = exec(counting, "join", "--help")
+	require.Zero(t, code)
+	require.Contains(t, out, "fakedaemon join [flags]")
+	require.Contains(t, out, "(env BC_PINS_FILE)")
+	require.NotContains(t, out, "--health-listen", "joining only serves no /healthz")
+	code, out, _ = exec(counting, "healthcheck", "--help")
+	require.Zero(t, code)
+	require.Contains(t, out, "fakedaemon healthcheck [URL]")
+	require.Zero(t, ran, "help runs nothing")
+
+	for _, args := range [][]string{{"extra"}, {"--nodes", "x"}, {"join", "--bogus"}, {"join", "extra"}, {"--nodes", "0"}} {
+		code, _, errOut := exec(counting, args...)
+		require.Equal(t, 2, code, "%v: a usage error", args)
+		require.True(t, strings.HasPrefix(errOut, "fakedaemon: "), errOut)
+	}
+	require.Zero(t, ran)
+
+	code, _, errOut := exec(func(context.Context, fakedaemon.Config, io.Writer) error { return errors.New("boom") })
+	require.Equal(t, 1, code)
+	require.Equal(t, "fakedaemon: boom\n", errOut)
+	code, _, _ = exec(counting)
+	require.Zero(t, code)
+	code, _, _ = exec(counting, "join")
+	require.Zero(t, code)
+	require.Equal(t, 2, ran)
+
+	healthy := httptest.NewServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {}))
+	defer healthy.Close()
+	unhealthy := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		w.WriteHeader(http.StatusServiceUnavailable)
+	}))
+	defer unhealthy.Close()
+	code, _, _ = exec(counting, "healthcheck", healthy.URL)
+	require.Zero(t, code)
+	code, _, _ = exec(counting, "healthcheck", unhealthy.URL)
+	require.Equal(t, 1, code)
+	code, _, _ = exec(counting, "healthcheck", healthy.URL, "extra")
+	require.Equal(t, 2, code, "at most one URL")
 }
