@@ -9,9 +9,10 @@
 // and carry out the Effects it returns in order: send a message, dial the
 // gateway, close a session, call Tick again at a time. Effects of an input
 // made while carrying out a batch (Connected after EffectDial, Disconnected
-// after a failed send) go after the rest of that batch. The fakedaemon drives
-// it in real time over HTTP/2; the fleet simulator drives thousands of Agents
-// from one goroutine on a virtual clock (see Example).
+// after a failed send) go after the rest of that batch. The node agent
+// (pkg/agent, which the fakedaemon runs) drives it in real time over HTTP/2;
+// the fleet simulator drives thousands of Agents from one goroutine on a
+// virtual clock (see Example).
 //
 // Sessions are numbered: every EffectDial carries a new number, and inputs for
 // any other number are stale and ignored, so a driver never has to cancel
@@ -129,8 +130,9 @@ var (
 	ErrCertificateExpired = errors.New("node certificate expired")
 )
 
-// Hardware is the machine the Agent runs on; *fakehw.Machine implements it.
-// The Agent calls it from one goroutine.
+// Hardware is the machine the Agent runs on; *fakehw.Machine implements it,
+// and pkg/agent's Hardware (what a real machine provides) extends it. The
+// Agent calls it from one goroutine.
 type Hardware interface {
 	// BootID returns the id of the current boot.
 	BootID() string

@@ -65,8 +65,8 @@ func terminal(s gatewayv1.CommandState) bool {
 // Commands that may have been in flight before that time and are not
 // retry-safe are then reported FAILED instead of run again.
 //
-// Implementations: MemoryJournal here (tests and the simulator) and the
-// fakedaemon's file journal. The Agent calls a Journal from one goroutine.
+// Implementations: MemoryJournal here (tests and the simulator) and
+// pkg/agent's FileJournal. The Agent calls a Journal from one goroutine.
 type Journal interface {
 	// Get returns the entry of commandID, if the journal has one.
 	Get(commandID string) (Entry, bool)

@@ -1,9 +1,9 @@
 // Package devstack runs the whole better-compute control plane in one process
 // on loopback: api, joinservice, N gateways, scheduler and controllers, the
 // same packages the service binaries run, plus simulated GPU machines (the
-// fakedaemon's) that join it as real machines do. `better-compute dev`, the
-// integration suites of tests/ and the benchmarks run on it, and so can a test
-// in any module of the workspace:
+// fakedaemon's: pkg/agent on pkg/fakehw) that join it as real machines do.
+// `better-compute dev`, the integration suites of tests/ and the benchmarks
+// run on it, and so can a test in any module of the workspace:
 //
 //	st, err := devstack.Start(ctx, devstack.Options{}) // embedded Postgres and NATS
 //	defer st.Close()

@@ -53,8 +53,8 @@ var chaosLevels = map[Chaos]chaosParams{
 	},
 }
 
-// Transport timings, those of the fakedaemon's HTTP/2 transport (on
-// Linux).
+// Transport timings, those of the node agent's HTTP/2 transport
+// (pkg/agent, on Linux).
 const (
 	// connectTimeout is how long a dial to an unreachable address waits.
 	connectTimeout = 10 * time.Second
