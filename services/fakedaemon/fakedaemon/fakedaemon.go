@@ -45,6 +45,8 @@ const (
 // (the agent's as agent.Config says; JoinURL, DataDir and AgentVersion
 // those of this package).
 type Config struct {
+	// Config is the agent's configuration (server, pins, token, data
+	// directory, node count, the daemon core's timings, …).
 	agent.Config
 	// Variant is the fakehw variant of machines that have not joined yet
 	// (default hgx-h100); a joined machine keeps the variant it joined with.
@@ -74,9 +76,11 @@ func (c Config) hardware(spec agent.HardwareSpec) (agent.Hardware, error) {
 		variant = spec.Variant
 	}
 	machineID := spec.MachineID
-	if machineID == "" && c.MachineIDSeed != "" {
+	switch {
+	case machineID != "":
+	case c.MachineIDSeed != "":
 		machineID = MachineID(c.MachineIDSeed, spec.Index)
-	} else if machineID == "" {
+	default:
 		var raw [16]byte
 		if _, err := rand.Read(raw[:]); err != nil {
 			return nil, fmt.Errorf("machine id: %w", err)
