@@ -75,9 +75,10 @@ type HardwareSpec struct {
 	// Variant is the hardware variant the machine joined with; "" before
 	// it joined.
 	Variant string
-	// Boot is the number of this start as the agent counts them (BootFile):
-	// 0 for the start that joins and for a start that only joins, one more
-	// for each later start. Simulated hardware derives its boot id from it;
+	// Boot is the number of this boot as the agent counts them (BootFile):
+	// 0 for the start that joins and for a start that only joins; else one
+	// more than the last boot recorded, a start's or a reboot's (the agent
+	// records each Reboot). Simulated hardware derives its boot id from it;
 	// hardware whose boot id comes from the machine ignores it.
 	Boot uint64
 	// Logger is the machine's logger.
