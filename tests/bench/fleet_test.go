@@ -85,7 +85,7 @@ func startGateway(b *testing.B, dbURL, natsURL, pkiDir string) (url string, pid 
 		"BC_LISTEN="+listen,
 		"BC_HEALTH_LISTEN="+health,
 		"BC_GATEWAY_ID=gw-bench",
-		"BC_LOG_LEVEL=warn",
+		"BETTER_COMPUTE_LOG_LEVEL=warn",
 	).PID()
 	_, port, _ := net.SplitHostPort(listen)
 	return "https://localhost:" + port, pid
@@ -102,7 +102,7 @@ func startControllers(b *testing.B, dbURL, natsURL, pkiDir string) int {
 		"BC_PKI_DIR="+pkiDir,
 		"BC_LISTEN="+health,
 		"BC_LEASE_HOLDER=bench-controllers",
-		"BC_LOG_LEVEL=warn",
+		"BETTER_COMPUTE_LOG_LEVEL=warn",
 	).PID()
 }
 
@@ -198,7 +198,7 @@ func (f *fleet) startMachinesProcess(b *testing.B, durations string) {
 	if durations != "" {
 		args = append(args, "--command-durations", durations)
 	}
-	p := procs.Launch(b, "fakedaemon", args, "BC_JOIN_TOKEN="+f.joinToken, "BC_LOG_LEVEL=warn")
+	p := procs.Launch(b, "fakedaemon", args, "BC_JOIN_TOKEN="+f.joinToken, "BETTER_COMPUTE_LOG_LEVEL=warn")
 	f.machinesPID = p.PID()
 	p.WaitHealthy(b, health, 10*time.Minute)
 }

@@ -323,7 +323,7 @@ func TestDevBadInput(t *testing.T) {
 			setup: func(t *testing.T, dir string) {
 				require.NoError(t, os.WriteFile(filepath.Join(dir, ".better-compute"), nil, 0o600))
 			}},
-		{name: "log level", env: []string{"BC_LOG_LEVEL=loud"}, want: `BC_LOG_LEVEL: want debug, info, warn or error, got "loud"`},
+		{name: "log level", env: []string{"BETTER_COMPUTE_LOG_LEVEL=loud"}, want: `BETTER_COMPUTE_LOG_LEVEL: want debug, info, warn or error, got "loud"`},
 		{name: "missing PKI dir", env: []string{"BC_PKI_DIR=/nonexistent/pki"}, want: "BC_PKI_DIR: /nonexistent/pki is not a directory"},
 		{name: "signed intent not a bool", args: []string{"--config", "si.env"}, want: `si.env:1: BC_SIGNED_INTENT: want true or false, got "maybe"`,
 			setup: func(t *testing.T, dir string) {

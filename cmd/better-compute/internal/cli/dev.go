@@ -21,6 +21,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/better-compute/better-compute/pkg/config"
 	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/pgembed"
@@ -612,15 +613,17 @@ func devStartError(err error, cfg devConfig) error {
 	return err
 }
 
-// devLogger is dev's log: JSON on standard error at BC_LOG_LEVEL (debug,
-// info, warn or error), warn by default (the progress lines are what a
-// developer reads).
+// devLog is dev's telemetry setting: BETTER_COMPUTE_LOG_LEVEL, warn by
+// default (the progress lines are what a developer reads).
+type devLog struct {
+	telemetry.Settings `default:"LOG_LEVEL=warn"`
+}
+
+// devLogger is dev's log: JSON on standard error at devLog's level.
 func devLogger(env Env) (*slog.Logger, error) {
-	level := slog.LevelWarn
-	if v := env.Getenv("BC_LOG_LEVEL"); v != "" {
-		if err := level.UnmarshalText([]byte(v)); err != nil {
-			return nil, fmt.Errorf("BC_LOG_LEVEL: want debug, info, warn or error, got %q", v)
-		}
+	var l devLog
+	if err := config.Load(&l, env.Getenv); err != nil {
+		return nil, err
 	}
-	return telemetry.NewLoggerAt(env.Stderr, "", level), nil // devstack names each service
+	return telemetry.NewLoggerAt(env.Stderr, "", slog.Level(l.LogLevel)), nil // devstack names each service
 }
