@@ -81,10 +81,10 @@ func startGateway(b *testing.B, dbURL, natsURL, pkiDir string) (url string, pid 
 	pid = procs.Start(b, "gateway", health,
 		"BETTER_COMPUTE_DATABASE_URL="+dbURL,
 		"BETTER_COMPUTE_NATS_URL="+natsURL,
-		"BC_PKI_DIR="+pkiDir,
-		"BC_LISTEN="+listen,
-		"BC_HEALTH_LISTEN="+health,
-		"BC_GATEWAY_ID=gw-bench",
+		"BETTER_COMPUTE_PKI_DIR="+pkiDir,
+		"BETTER_COMPUTE_LISTEN="+listen,
+		"BETTER_COMPUTE_HEALTH_LISTEN="+health,
+		"BETTER_COMPUTE_GATEWAY_ID=gw-bench",
 		"BETTER_COMPUTE_LOG_LEVEL=warn",
 	).PID()
 	_, port, _ := net.SplitHostPort(listen)
@@ -99,9 +99,9 @@ func startControllers(b *testing.B, dbURL, natsURL, pkiDir string) int {
 	return procs.Start(b, "controllers", health,
 		"BETTER_COMPUTE_DATABASE_URL="+dbURL,
 		"BETTER_COMPUTE_NATS_URL="+natsURL,
-		"BC_PKI_DIR="+pkiDir,
-		"BC_LISTEN="+health,
-		"BC_LEASE_HOLDER=bench-controllers",
+		"BETTER_COMPUTE_PKI_DIR="+pkiDir,
+		"BETTER_COMPUTE_LISTEN="+health,
+		"BETTER_COMPUTE_LEASE_HOLDER=bench-controllers",
 		"BETTER_COMPUTE_LOG_LEVEL=warn",
 	).PID()
 }

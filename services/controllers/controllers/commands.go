@@ -13,7 +13,7 @@ import (
 )
 
 // LeaseCommandExpiry is the lease name of the command expiry reconciler.
-const LeaseCommandExpiry = "controllers.command-expiry"
+const LeaseCommandExpiry = LeasePrefix + "command-expiry"
 
 // DefaultCommandExpiryInterval is how often CommandExpiry looks for
 // commands past their deadline.
@@ -43,6 +43,9 @@ type CommandExpiry struct {
 	// if zero.
 	Batch int
 }
+
+// Name returns "command-expiry" (service.Runner); its lease is LeasePrefix + "command-expiry".
+func (e *CommandExpiry) Name() string { return "command-expiry" }
 
 // Run expires due commands every Interval until ctx ends; it returns nil
 // then. A failed pass is logged and retried at the next tick.

@@ -14,7 +14,7 @@ import (
 )
 
 // LeaseLiveness is the lease name of the liveness sweeper.
-const LeaseLiveness = "controllers.liveness"
+const LeaseLiveness = LeasePrefix + "liveness"
 
 // Defaults of the liveness sweeper.
 const (
@@ -51,6 +51,9 @@ type Liveness struct {
 	// zero.
 	Batch int
 }
+
+// Name returns "liveness" (service.Runner); its lease is LeasePrefix + "liveness".
+func (l *Liveness) Name() string { return "liveness" }
 
 // Run sweeps every Interval until ctx ends; it returns nil then. A failed
 // pass is logged and retried at the next tick.

@@ -14,8 +14,8 @@ import (
 
 // Lease names of the reservation reconcilers.
 const (
-	LeaseExpiry = "controllers.expiry"
-	LeaseUsage  = "controllers.usage"
+	LeaseExpiry = LeasePrefix + "expiry"
+	LeaseUsage  = LeasePrefix + "usage"
 )
 
 // Defaults of the reservation reconcilers.
@@ -48,6 +48,9 @@ type Expiry struct {
 	// Intent signs the NodeSpecs it changes; nil leaves them unsigned.
 	Intent *store.IntentSigner
 }
+
+// Name returns "expiry" (service.Runner); its lease is LeasePrefix + "expiry".
+func (e *Expiry) Name() string { return "expiry" }
 
 // Run expires due reservations every Interval until ctx ends; it returns
 // nil then. A failed pass is logged and retried at the next tick.
@@ -144,6 +147,9 @@ type Usage struct {
 	// DefaultBatchSize if zero.
 	Batch int
 }
+
+// Name returns "usage" (service.Runner); its lease is LeasePrefix + "usage".
+func (u *Usage) Name() string { return "usage" }
 
 // Run writes usage windows every Interval until ctx ends; it returns nil
 // then.
