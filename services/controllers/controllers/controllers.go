@@ -97,7 +97,7 @@ type Config struct {
 	UsageInterval time.Duration `env:"USAGE_INTERVAL,positive" default:"1m"`
 	// LivenessTimeout is how long a node may go unheard before it is marked
 	// unreachable; at least 20 s (store.MinLivenessTimeout, which the
-	// invariant I4 needs), else New fails.
+	// invariant I4 needs), else the controllers do not start.
 	LivenessTimeout time.Duration `env:"LIVENESS_TIMEOUT,positive" default:"30s"`
 	// LivenessInterval is how often the liveness sweeper looks.
 	LivenessInterval time.Duration `env:"LIVENESS_INTERVAL,positive" default:"1s"`

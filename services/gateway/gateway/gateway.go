@@ -86,8 +86,8 @@ type Config struct {
 	service.PKI
 	service.NodeCerts
 	// GatewayID names this replica in nodes.gateway_id and in its poke
-	// subject bc.poke.gw.<GatewayID>; replicas must have distinct ids.
-	// Unset: gw-<hostname> (DefaultGatewayID).
+	// subject, bc.poke.gw.<id>; replicas must have distinct ids. Unset:
+	// gw-<hostname> (DefaultGatewayID).
 	GatewayID string `env:"GATEWAY_ID"`
 	// Listen is the address of the mutual-TLS Session server.
 	Listen string `env:"LISTEN" default:":8443"`
@@ -126,14 +126,14 @@ type Config struct {
 	// generations their heartbeats report) are written, in one statement,
 	// with the gateway's presence: last_seen in the database lags by at most
 	// about this much. At most 2 s (store.MaxGatewayFlushInterval, which the
-	// liveness invariant I4 needs), else New fails.
+	// liveness invariant I4 needs), else the gateway does not start.
 	FlushInterval time.Duration `env:"GATEWAY_FLUSH_INTERVAL,positive" default:"1s"`
 	// FlushBatch flushes early when this many nodes are pending, bounding
 	// both staleness under load and the size of one statement.
 	FlushBatch int `default:"5000"`
 	// IdleTimeout closes a session from which nothing was received for this
-	// long, checked every ResyncInterval. Unset or not positive: 3 ×
-	// HeartbeatInterval.
+	// long, checked at every resync. Unset or not positive: 3 heartbeat
+	// intervals.
 	IdleTimeout time.Duration `env:"GATEWAY_IDLE_TIMEOUT"`
 	// HelloTimeout closes a stream that sent no Hello for this long.
 	HelloTimeout time.Duration `default:"10s"`
