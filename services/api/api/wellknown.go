@@ -42,7 +42,7 @@ type WellKnownConfig struct {
 // Errors name the PKI file that is missing or broken, or say what is wrong
 // with GATEWAY_URL.
 func newWellKnownHandler(cfg WellKnownConfig, pkiDir string) (http.Handler, error) {
-	if err := cfg.Gateways.Check(); err != nil {
+	if err := cfg.Check(); err != nil {
 		return nil, err
 	}
 	if pkiDir == "" {

@@ -113,7 +113,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		return nil, err
 	}
 	config.SetDefaults(&cfg)
-	if err := cfg.Gateways.Check(); err != nil {
+	if err := cfg.Check(); err != nil {
 		return nil, err
 	}
 	nodeCA, err := pki.LoadCA(filepath.Join(cfg.PKIDir, pki.NodeCACert), filepath.Join(cfg.PKIDir, pki.NodeCAKey))
