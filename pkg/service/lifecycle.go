@@ -129,7 +129,9 @@ func Run(ctx context.Context, s Spec) error {
 		started[i] = true
 	}
 
-	log.Info("service starting", "parts", names(all))
+	if startErr == nil {
+		log.Info("service starting", "parts", names(all))
+	}
 	g, failed := errgroup.WithContext(context.WithoutCancel(ctx))
 	stops := make([]func(), len(all))
 	dones := make([]chan struct{}, len(all))

@@ -2,7 +2,8 @@
 // /api/compute/ (bc.compute.v1: NodeService, PoolService, ReservationService,
 // UsageService, JoinTokenService, TenantService, TokenService, AuditService,
 // CommandService, EventService), the NDJSON events watch
-// GET /api/compute/watch (events.go) and GET /healthz.
+// GET /api/compute/watch (events.go), the well-known document and, through
+// the service lifecycle (pkg/service), the probes.
 //
 // Every request is authenticated by an API token (pkg/iam) and authorized by
 // the per-RPC table in authz.go; handlers then scope what they read and write

@@ -1,6 +1,7 @@
 // Package joinservice turns sealed join tokens and CSRs into node
 // identities: it serves bc.join.v1.JoinService/Join over Connect (HTTP/1.1
-// and h2c) and GET /healthz on one mux.
+// and h2c), with the probes of the service lifecycle (pkg/service) beside
+// it.
 //
 // A join is checked in two steps. decodeJoinRequest needs no database: it
 // validates the request (protovalidate), parses the CSR and checks its
