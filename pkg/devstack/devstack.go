@@ -47,6 +47,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/pgembed"
 	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/telemetry"
 	"github.com/better-compute/better-compute/services/api/api"
@@ -219,9 +220,6 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 	}
 	if o.MaxConns == 0 {
 		o.MaxConns = 40
-	}
-	if o.NodeCertTTL <= 0 {
-		o.NodeCertTTL = joinservice.DefaultNodeCertTTL
 	}
 	runCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	s := &Stack{opts: o, cancel: cancel, dataDir: o.DataDir}
@@ -396,32 +394,28 @@ func urlHost(host string) string {
 	return host
 }
 
+// startServices builds every service with New and runs it (its Run: the
+// service lifecycle of pkg/service, as in the binaries) in g, on the
+// stack's database and clock, each with a NATS connection of its own. No
+// service runs probes servers of its own here; the API serves its probes
+// beside its handler, as everywhere.
 func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 	o := s.opts
-	db := s.DB
-	connect := func(name string) (*nats.Conn, error) {
-		nc, err := bus.Connect(s.NATSURL, name, o.Logger)
-		if err == nil {
-			s.nc = append(s.nc, nc)
-		}
-		return nc, err
-	}
-	log := func(svc string) *slog.Logger { return o.Logger.With("service", svc) }
-	// The services share db: its commits wake the outbox relay over NATS.
-	signalNC, err := connect("outbox-signal")
+	// The services share the database: its commits wake the outbox relay
+	// over NATS.
+	signalNC, err := s.connect("outbox-signal")
 	if err != nil {
 		return err
 	}
-	db.SignalOutboxVia(func() error { return signalNC.Publish(store.SubjectOutboxWritten, nil) })
+	s.DB.SignalOutboxVia(func() error { return signalNC.Publish(store.SubjectOutboxWritten, nil) })
 	kept := s.state
 	s.state.Gateways = nil
 	host := urlHost(o.Host)
+	pkiDir := service.PKI{PKIDir: s.PKIDir}
+	intent := service.Intent{SignedIntent: o.SignedIntent}
+	certs := service.NodeCerts{NodeCertTTL: o.NodeCertTTL}
 
 	for i := range o.Gateways {
-		nc, err := connect(fmt.Sprintf("gateway-%d", i))
-		if err != nil {
-			return err
-		}
 		var want int
 		if i < len(kept.Gateways) {
 			want = kept.Gateways[i]
@@ -430,14 +424,11 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 		if err != nil {
 			return err
 		}
-		gw, err := gateway.New(gateway.Config{
-			GatewayID:         fmt.Sprintf("gw-dev-%s-%d", s.state.Instance, i),
-			Listener:          ln,
-			PKIDir:            s.PKIDir,
-			HeartbeatInterval: o.HeartbeatInterval,
-			ResyncInterval:    o.ResyncInterval,
-			NodeCertTTL:       o.NodeCertTTL,
-		}, gateway.Deps{DB: db, NC: nc, Logger: log("gateway"), Clock: o.Clock})
+		gw, err := run(s, g, gctx, fmt.Sprintf("gateway-%d", i), true, func(deps service.Deps) (*gateway.Server, error) {
+			return gateway.New(gateway.Config{GatewayID: fmt.Sprintf("gw-dev-%s-%d", s.state.Instance, i), Listener: ln,
+				NoHealthServer: true, PKI: pkiDir, NodeCerts: certs, HeartbeatInterval: o.HeartbeatInterval,
+				ResyncInterval: o.ResyncInterval}, deps)
+		})
 		if err != nil {
 			ln.Close()
 			return err
@@ -445,28 +436,24 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 		s.Gateways = append(s.Gateways, gw)
 		s.GatewayURLs = append(s.GatewayURLs, "https://"+net.JoinHostPort(host, fmt.Sprint(port)))
 		s.state.Gateways = append(s.state.Gateways, port)
-		g.Go(func() error { return gw.Run(gctx) })
 	}
 
 	// joinservice: machines are sent to every gateway (they start on one
 	// and move to the next when they lose it).
-	join, err := joinservice.New(joinservice.Config{
-		PKIDir:            s.PKIDir,
-		NodeCertTTL:       o.NodeCertTTL,
-		SignedIntent:      o.SignedIntent,
-		GatewayURL:        s.GatewayURL(),
-		GatewayServerName: "localhost",
-	}, joinservice.Deps{DB: db, Logger: log("joinservice")})
-	if err != nil {
-		return err
-	}
+	gateways := service.Gateways{GatewayURL: s.GatewayURL(), GatewayServerName: "localhost"}
 	joinLn, joinPort, err := s.listen(o.Host, kept.Join, "JoinService")
 	if err != nil {
 		return err
 	}
+	if _, err := run(s, g, gctx, "joinservice", false, func(deps service.Deps) (*joinservice.Server, error) {
+		return joinservice.New(joinservice.Config{PKI: pkiDir, NodeCerts: certs, Intent: intent, Gateways: gateways,
+			Listener: joinLn}, deps)
+	}); err != nil {
+		joinLn.Close()
+		return err
+	}
 	s.state.Join = joinPort
 	s.JoinURL = "http://" + net.JoinHostPort(host, fmt.Sprint(joinPort))
-	g.Go(func() error { return join.Serve(gctx, joinLn) })
 	if err := s.keepState(); err != nil {
 		return err
 	}
@@ -480,55 +467,62 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 		}
 	}
 	s.APIURL = "http://" + net.JoinHostPort(host, fmt.Sprint(apiLn.Addr().(*net.TCPAddr).Port))
-	apiNC, err := connect("api")
-	if err != nil {
+	if _, err := run(s, g, gctx, "api", true, func(deps service.Deps) (*api.Server, error) {
+		return api.New(api.Config{PKI: pkiDir, Intent: intent, Listener: apiLn, WellKnown: api.WellKnownConfig{
+			PublicURL: s.APIURL, JoinURL: s.JoinURL, Gateways: gateways}}, deps)
+	}); err != nil {
 		apiLn.Close()
 		return err
 	}
-	apiSrv, err := api.New(api.Config{SignedIntent: o.SignedIntent, WellKnown: api.WellKnownConfig{
-		PKIDir: s.PKIDir, PublicURL: s.APIURL, JoinURL: s.JoinURL, GatewayURL: s.GatewayURL(), GatewayServerName: "localhost",
-	}}, api.Deps{DB: db, Logger: log("api"), NC: apiNC, Clock: o.Clock})
-	if err != nil {
-		apiLn.Close()
-		return err
-	}
-	g.Go(func() error { return apiSrv.Serve(gctx, apiLn) })
 
 	if !o.NoControllers {
-		nc, err := connect("controllers")
-		if err != nil {
+		if s.Controllers, err = run(s, g, gctx, "controllers", true, func(deps service.Deps) (*controllers.Server, error) {
+			return controllers.New(controllers.Config{NoHealthServer: true, PKI: pkiDir, Intent: intent,
+				Leases: service.Leases{Holder: "dev-" + s.state.Instance + "-controllers"}, ReconcileInterval: o.ReconcileInterval}, deps)
+		}); err != nil {
 			return err
 		}
-		ctrl, err := controllers.New(controllers.Config{
-			NoHealthServer:    true,
-			ReconcileInterval: o.ReconcileInterval,
-			Holder:            "dev-" + s.state.Instance + "-controllers",
-			SignedIntent:      o.SignedIntent,
-			PKIDir:            s.PKIDir,
-		}, controllers.Deps{DB: db, NC: nc, Logger: log("controllers"), Clock: o.Clock})
-		if err != nil {
+	}
+	if !o.NoScheduler {
+		if s.Scheduler, err = run(s, g, gctx, "scheduler", true, func(deps service.Deps) (*scheduler.Server, error) {
+			return scheduler.New(scheduler.Config{NoHealthServer: true, PKI: pkiDir, Intent: intent,
+				Leases: service.Leases{Holder: "dev-" + s.state.Instance + "-scheduler"}}, deps)
+		}); err != nil {
 			return err
 		}
-		s.Controllers = ctrl
-		g.Go(func() error { return ctrl.Run(gctx) })
 	}
-
-	if o.NoScheduler {
-		return nil
-	}
-	nc, err := connect("scheduler")
-	if err != nil {
-		return err
-	}
-	sched, err := scheduler.New(scheduler.Config{NoHealthServer: true, Holder: "dev-" + s.state.Instance + "-scheduler",
-		SignedIntent: o.SignedIntent, PKIDir: s.PKIDir},
-		scheduler.Deps{DB: db, NC: nc, Logger: log("scheduler"), Clock: o.Clock})
-	if err != nil {
-		return err
-	}
-	s.Scheduler = sched
-	g.Go(func() error { return sched.Run(gctx) })
 	return nil
+}
+
+// connect opens a NATS connection named name, closed by Close.
+func (s *Stack) connect(name string) (*nats.Conn, error) {
+	nc, err := bus.Connect(s.NATSURL, name, s.opts.Logger)
+	if err == nil {
+		s.nc = append(s.nc, nc)
+	}
+	return nc, err
+}
+
+// run builds the service name with New (build) on the stack's database,
+// clock and logger (and, with withNATS, a NATS connection of its own), and
+// runs it in g until gctx ends.
+func run[R service.Runner](s *Stack, g *errgroup.Group, gctx context.Context, name string, withNATS bool,
+	build func(service.Deps) (R, error)) (R, error) {
+	svcName, _, _ := strings.Cut(name, "-") // gateway-1 is a gateway
+	deps := service.Deps{DB: s.DB, Logger: s.opts.Logger.With("service", svcName), Clock: s.opts.Clock}
+	if withNATS {
+		var err error
+		if deps.NC, err = s.connect(name); err != nil {
+			var zero R
+			return zero, err
+		}
+	}
+	svc, err := build(deps)
+	if err != nil {
+		return svc, err
+	}
+	g.Go(func() error { return svc.Run(gctx) })
+	return svc, nil
 }
 
 // GatewayURL is where joining machines are sent: the gateways' URLs

@@ -44,6 +44,9 @@ type Relay struct {
 // the oldest id.
 const straggleWindow = 4096
 
+// Name returns "outbox relay" (service.Runner).
+func (r *Relay) Name() string { return "outbox relay" }
+
 // Run relays until ctx ends.
 func (r *Relay) Run(ctx context.Context) error {
 	if r.Poll == 0 {

@@ -237,7 +237,7 @@ func WritePinsFile(path string, pins Pins) (bool, error) {
 }
 
 // SplitGatewayURLs splits a configured gateway URL list — one URL or several
-// separated by commas, as in BC_GATEWAY_URL="https://gw-a:8443,https://gw-b:8443"
+// separated by commas, as in BETTER_COMPUTE_GATEWAY_URL="https://gw-a:8443,https://gw-b:8443"
 // — into its URLs, trimmed, empty parts dropped, order kept. It returns nil
 // for an empty list.
 func SplitGatewayURLs(list string) []string {

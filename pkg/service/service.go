@@ -1,8 +1,25 @@
-// Package service holds what every better-compute service binary shares: an
-// HTTP server with sane limits that speaks HTTP/1.1 and h2c, Connect handler
-// options (OpenTelemetry, protovalidate, internal-error masking), a health
-// endpoint and the `healthcheck` subcommand that scratch images use in
-// compose health checks.
+// Package service is the one lifecycle of every better-compute service
+// (docs/architecture.md, "Services") and what the services share at their
+// edge: an HTTP server with sane limits that speaks HTTP/1.1 and h2c,
+// Connect handler options (OpenTelemetry, protovalidate, internal-error
+// masking), the probes and the `healthcheck` subcommand that scratch images
+// use in compose health checks.
+//
+// Everything long-running implements Runner: Name and Run(ctx), which
+// works until ctx ends and then releases what it holds. A service is a
+// Runner whose Run hands its Spec (its parts, its HTTP servers, its
+// dependencies) to this package's Run, which listens, starts the parts and
+// servers in an errgroup, serves GET /healthz and GET /readyz, and stops
+// them in order within ShutdownTimeout. A binary's main is Main(name, New):
+// configuration (pkg/config, with the shared settings of config.go),
+// signals, telemetry, the database and NATS, then the service's Run;
+// pkg/devstack runs the same services' Run in one process.
+//
+// To add a service: a package with a Config (embedding the shared settings
+// it reads; ProbeAddr), New(Config, Deps) and Name and Run, and a main.go
+// that calls Main. To add a long-running part to a service, add a Runner to
+// its Spec's Parts (a reconciler of the controllers: one entry in their
+// list, behind its own lease).
 package service
 
 import (
@@ -199,11 +216,12 @@ func PublicError(err error) (public error, masked bool) {
 	return connect.NewError(connect.CodeInternal, errors.New(MsgInternal)), true
 }
 
-// Check is one readiness check of a health endpoint.
+// Check is one readiness check of a health endpoint (GET /readyz).
 type Check func(ctx context.Context) error
 
-// HealthHandler answers GET /healthz with 200 "ok" when every check passes
-// within 2 s, and 503 with the first failure otherwise.
+// HealthHandler answers with 200 "ok" when every check passes within 2 s,
+// and 503 "unhealthy: <first failure>" otherwise; without checks it always
+// answers 200 (GET /healthz: the process is alive).
 func HealthHandler(checks ...Check) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
@@ -236,7 +254,9 @@ func Healthcheck(url string) int {
 	return 0
 }
 
-// Env returns the environment variable key, or def when it is unset or empty.
+// Env returns the environment variable key, or def when it is unset or
+// empty. The services read their configuration with pkg/config; this is
+// for flags whose defaults come from the environment (the fakedaemon's).
 func Env(key, def string) string {
 	if v := os.Getenv(key); v != "" {
 		return v
@@ -244,7 +264,8 @@ func Env(key, def string) string {
 	return def
 }
 
-// EnvDuration returns the duration in key (Go syntax, "5s"), or def.
+// EnvDuration returns the duration in key (Go syntax, "5s"), or def; like
+// Env, for flags whose defaults come from the environment.
 func EnvDuration(key string, def time.Duration) (time.Duration, error) {
 	v := os.Getenv(key)
 	if v == "" {

@@ -1,12 +1,13 @@
 // Package telemetry sets up logs and traces for a better-compute process:
 // log/slog JSON on standard error with the trace and span ids of the context,
-// and OpenTelemetry tracing exported over OTLP/HTTP when
-// OTEL_EXPORTER_OTLP_ENDPOINT is set (off otherwise: a no-op provider that
-// still propagates W3C trace context).
+// at the level of BETTER_COMPUTE_LOG_LEVEL (Settings), and OpenTelemetry
+// tracing exported over OTLP/HTTP when OTEL_EXPORTER_OTLP_ENDPOINT is set
+// (off otherwise: a no-op provider that still propagates W3C trace context).
 package telemetry
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
@@ -19,6 +20,8 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	semconv "go.opentelemetry.io/otel/semconv/v1.26.0"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/better-compute/better-compute/pkg/config"
 )
 
 // Attribute keys used in logs across services.
@@ -61,22 +64,53 @@ func Setup(ctx context.Context, service string) (*slog.Logger, func(context.Cont
 	return logger, tp.Shutdown, nil
 }
 
-// NewLogger returns a JSON logger writing to w, at the level named by
-// BC_LOG_LEVEL (debug, info, warn, error; info by default), with the service
+// Settings are the telemetry settings of every process: the services,
+// `better-compute dev` and the fakedaemon (docs/configuration.md).
+type Settings struct {
+	// LogLevel is the least level logged: debug, info, warn or error.
+	LogLevel Level `env:"LOG_LEVEL" default:"info"`
+}
+
+// LoadSettings reads Settings from getenv (os.Getenv); its error names the
+// variable and says what it wants.
+func LoadSettings(getenv func(string) string) (Settings, error) {
+	var s Settings
+	err := config.Load(&s, getenv)
+	return s, err
+}
+
+// Level is a log level as BETTER_COMPUTE_LOG_LEVEL names it.
+type Level slog.Level
+
+// UnmarshalText reads debug, info, warn or error, in any case.
+func (l *Level) UnmarshalText(b []byte) error {
+	switch strings.ToLower(string(b)) {
+	case "debug":
+		*l = Level(slog.LevelDebug)
+	case "info":
+		*l = Level(slog.LevelInfo)
+	case "warn":
+		*l = Level(slog.LevelWarn)
+	case "error":
+		*l = Level(slog.LevelError)
+	default:
+		return fmt.Errorf("want debug, info, warn or error, got %q", b)
+	}
+	return nil
+}
+
+// NewLogger returns a JSON logger writing to w, at the level of
+// Settings.LogLevel (info when BETTER_COMPUTE_LOG_LEVEL is unset; a value
+// it does not know is logged as a warning, and info used), with the service
 // name and the trace ids of each record's context.
 func NewLogger(w io.Writer, service string) *slog.Logger {
-	var level slog.Level
-	switch strings.ToLower(os.Getenv("BC_LOG_LEVEL")) {
-	case "debug":
-		level = slog.LevelDebug
-	case "warn":
-		level = slog.LevelWarn
-	case "error":
-		level = slog.LevelError
-	default:
-		level = slog.LevelInfo
+	s, err := LoadSettings(os.Getenv)
+	if err != nil {
+		l := NewLoggerAt(w, service, slog.LevelInfo)
+		l.Warn("logging at info", KeyError, err)
+		return l
 	}
-	return NewLoggerAt(w, service, level)
+	return NewLoggerAt(w, service, slog.Level(s.LogLevel))
 }
 
 // NewLoggerAt returns a JSON logger writing records of level and above to

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"log/slog"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -32,4 +33,56 @@ func TestLogsCarryTraceIDs(t *testing.T) {
 	require.Equal(t, span.SpanContext().SpanID().String(), rec["span_id"])
 	require.Equal(t, "test", rec["service"])
 	require.Equal(t, "node_1", rec["node.id"])
+}
+
+// TestLoadSettings reads BETTER_COMPUTE_LOG_LEVEL: info when unset, the
+// four names in any case, and an error naming the variable otherwise.
+func TestLoadSettings(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name, value string
+		want        slog.Level
+		err         string
+	}{
+		{name: "unset", want: slog.LevelInfo},
+		{name: "debug", value: "debug", want: slog.LevelDebug},
+		{name: "upper case", value: "WARN", want: slog.LevelWarn},
+		{name: "error", value: "error", want: slog.LevelError},
+		{name: "unknown", value: "loud", err: `BETTER_COMPUTE_LOG_LEVEL: want debug, info, warn or error, got "loud"`},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			s, err := telemetry.LoadSettings(func(k string) string {
+				if k == "BETTER_COMPUTE_LOG_LEVEL" {
+					return c.value
+				}
+				return ""
+			})
+			if c.err != "" {
+				require.EqualError(t, err, c.err)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, c.want, slog.Level(s.LogLevel))
+		})
+	}
+}
+
+// TestNewLoggerLevel: the logger drops what is below the level, and logs
+// at info, saying why, when the level is unknown.
+func TestNewLoggerLevel(t *testing.T) {
+	t.Setenv("BETTER_COMPUTE_LOG_LEVEL", "warn")
+	var buf bytes.Buffer
+	logger := telemetry.NewLogger(&buf, "test")
+	logger.Info("dropped")
+	logger.Warn("kept")
+	require.NotContains(t, buf.String(), "dropped")
+	require.Contains(t, buf.String(), "kept")
+
+	t.Setenv("BETTER_COMPUTE_LOG_LEVEL", "loud")
+	buf.Reset()
+	logger = telemetry.NewLogger(&buf, "test")
+	logger.Info("at info")
+	require.Contains(t, buf.String(), `got \"loud\"`)
+	require.Contains(t, buf.String(), "at info")
 }

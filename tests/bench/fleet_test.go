@@ -82,11 +82,11 @@ func startGateway(b *testing.B, dbURL, natsURL, pkiDir string) (url string, pid 
 	pid = procs.Start(b, "gateway", health,
 		"BETTER_COMPUTE_DATABASE_URL="+dbURL,
 		"BETTER_COMPUTE_NATS_URL="+natsURL,
-		"BC_PKI_DIR="+pkiDir,
-		"BC_LISTEN="+listen,
-		"BC_HEALTH_LISTEN="+health,
-		"BC_GATEWAY_ID=gw-bench",
-		"BC_LOG_LEVEL=warn",
+		"BETTER_COMPUTE_PKI_DIR="+pkiDir,
+		"BETTER_COMPUTE_LISTEN="+listen,
+		"BETTER_COMPUTE_HEALTH_LISTEN="+health,
+		"BETTER_COMPUTE_GATEWAY_ID=gw-bench",
+		"BETTER_COMPUTE_LOG_LEVEL=warn",
 	).PID()
 	_, port, _ := net.SplitHostPort(listen)
 	return "https://localhost:" + port, pid
@@ -100,10 +100,10 @@ func startControllers(b *testing.B, dbURL, natsURL, pkiDir string) int {
 	return procs.Start(b, "controllers", health,
 		"BETTER_COMPUTE_DATABASE_URL="+dbURL,
 		"BETTER_COMPUTE_NATS_URL="+natsURL,
-		"BC_PKI_DIR="+pkiDir,
-		"BC_LISTEN="+health,
-		"BC_LEASE_HOLDER=bench-controllers",
-		"BC_LOG_LEVEL=warn",
+		"BETTER_COMPUTE_PKI_DIR="+pkiDir,
+		"BETTER_COMPUTE_LISTEN="+health,
+		"BETTER_COMPUTE_LEASE_HOLDER=bench-controllers",
+		"BETTER_COMPUTE_LOG_LEVEL=warn",
 	).PID()
 }
 
@@ -199,7 +199,7 @@ func (f *fleet) startMachinesProcess(b *testing.B, durations string) {
 	if durations != "" {
 		args = append(args, "--command-durations", durations)
 	}
-	p := procs.Launch(b, "fakedaemon", args, "BC_JOIN_TOKEN="+f.joinToken, "BC_LOG_LEVEL=warn")
+	p := procs.Launch(b, "fakedaemon", args, "BC_JOIN_TOKEN="+f.joinToken, "BETTER_COMPUTE_LOG_LEVEL=warn")
 	f.machinesPID = p.PID()
 	p.WaitHealthy(b, health, 10*time.Minute)
 }

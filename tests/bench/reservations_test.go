@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/better-compute/better-compute/pkg/ids"
+	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/services/scheduler/scheduler"
 )
@@ -90,7 +91,7 @@ func BenchmarkReservations(b *testing.B) {
 		nc, err := nats.Connect(natsURL)
 		require.NoError(b, err)
 		b.Cleanup(nc.Close)
-		sched, err := scheduler.New(scheduler.Config{NoHealthServer: true, Holder: "bench", Interval: 200 * time.Millisecond},
+		sched, err := scheduler.New(scheduler.Config{NoHealthServer: true, Leases: service.Leases{Holder: "bench"}, Interval: 200 * time.Millisecond},
 			scheduler.Deps{DB: db, NC: nc, Logger: benchLogger()})
 		require.NoError(b, err)
 		schedCtx, stopSched := context.WithCancel(ctx)

@@ -323,11 +323,11 @@ func TestDevBadInput(t *testing.T) {
 			setup: func(t *testing.T, dir string) {
 				require.NoError(t, os.WriteFile(filepath.Join(dir, ".better-compute"), nil, 0o600))
 			}},
-		{name: "log level", env: []string{"BC_LOG_LEVEL=loud"}, want: `BC_LOG_LEVEL: want debug, info, warn or error, got "loud"`},
-		{name: "missing PKI dir", env: []string{"BC_PKI_DIR=/nonexistent/pki"}, want: "BC_PKI_DIR: /nonexistent/pki is not a directory"},
-		{name: "signed intent not a bool", args: []string{"--config", "si.env"}, want: `si.env:1: BC_SIGNED_INTENT: want true or false, got "maybe"`,
+		{name: "log level", env: []string{"BETTER_COMPUTE_LOG_LEVEL=loud"}, want: `BETTER_COMPUTE_LOG_LEVEL: want debug, info, warn or error, got "loud"`},
+		{name: "missing PKI dir", env: []string{"BETTER_COMPUTE_PKI_DIR=/nonexistent/pki"}, want: "BETTER_COMPUTE_PKI_DIR: /nonexistent/pki is not a directory"},
+		{name: "signed intent not a bool", args: []string{"--config", "si.env"}, want: `si.env:1: BETTER_COMPUTE_SIGNED_INTENT: want true or false, got "maybe"`,
 			setup: func(t *testing.T, dir string) {
-				require.NoError(t, os.WriteFile(filepath.Join(dir, "si.env"), []byte("BC_SIGNED_INTENT=maybe\n"), 0o600))
+				require.NoError(t, os.WriteFile(filepath.Join(dir, "si.env"), []byte("BETTER_COMPUTE_SIGNED_INTENT=maybe\n"), 0o600))
 			}},
 		{name: "NATS unreachable", args: []string{"--memory"}, env: []string{"BETTER_COMPUTE_NATS_URL=nats://127.0.0.1:1"},
 			want: "BETTER_COMPUTE_NATS_URL: cannot reach the NATS server"},

@@ -39,7 +39,7 @@ const failoverWithin = 10 * time.Second
 // after it are delivered through the surviving gateway and observed (I3).
 func TestGatewayKilledMidRun(t *testing.T) {
 	ctx := t.Context()
-	st, f, names, gws := twoGateways(t, devstack.Options{SignedIntent: true}, "BC_GATEWAY_RESYNC=1h")
+	st, f, names, gws := twoGateways(t, devstack.Options{SignedIntent: true}, "BETTER_COMPUTE_GATEWAY_RESYNC=1h")
 	commands := computev1connect.NewCommandServiceClient(http.DefaultClient, st.APIURL+"/api/compute", st.ClientOptions()...)
 
 	// Eight machines; commands take a little while so that some are in

@@ -93,10 +93,10 @@ func twoGateways(t *testing.T, opts devstack.Options, gatewayEnv ...string) (*de
 	gws := map[string]*procs.Proc{}
 	for i, name := range names {
 		health := procs.FreeAddr(t)
-		env := append([]string{"BC_HEALTH_LISTEN=" + health,
-			"BETTER_COMPUTE_DATABASE_URL=" + st.DatabaseURL, "BETTER_COMPUTE_NATS_URL=" + st.NATSURL, "BC_PKI_DIR=" + st.PKIDir,
-			"BC_LISTEN=" + addrs[i], "BC_GATEWAY_ID=" + name}, gatewayEnv...)
-		gws[name] = procs.Start(t, "gateway", health, append(env, "BC_LOG_LEVEL=warn")...)
+		env := append([]string{"BETTER_COMPUTE_HEALTH_LISTEN=" + health,
+			"BETTER_COMPUTE_DATABASE_URL=" + st.DatabaseURL, "BETTER_COMPUTE_NATS_URL=" + st.NATSURL, "BETTER_COMPUTE_PKI_DIR=" + st.PKIDir,
+			"BETTER_COMPUTE_LISTEN=" + addrs[i], "BETTER_COMPUTE_GATEWAY_ID=" + name}, gatewayEnv...)
+		gws[name] = procs.Start(t, "gateway", health, append(env, "BETTER_COMPUTE_LOG_LEVEL=warn")...)
 	}
 	return st, f, names, gws
 }

@@ -2,7 +2,8 @@
 // /api/compute/ (bc.compute.v1: NodeService, PoolService, ReservationService,
 // UsageService, JoinTokenService, TenantService, TokenService, AuditService,
 // CommandService, EventService), the NDJSON events watch
-// GET /api/compute/watch (events.go) and GET /healthz.
+// GET /api/compute/watch (events.go), the well-known document and, through
+// the service lifecycle (pkg/service), the probes.
 //
 // Every request is authenticated by an API token (pkg/iam) and authorized by
 // the per-RPC table in authz.go; handlers then scope what they read and write
@@ -35,66 +36,69 @@ import (
 	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
 	"github.com/better-compute/better-compute/pkg/batch"
 	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/config"
 	"github.com/better-compute/better-compute/pkg/iam"
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
-	"github.com/better-compute/better-compute/pkg/telemetry"
 )
 
-// DefaultListen is the API's default address.
-const DefaultListen = ":8080"
+// Name is the API's name in logs, errors and `api healthcheck`.
+const Name = "api"
 
 // PathPrefix is where the Connect services are mounted; clients use
 // <base URL>/api/compute as their Connect base URL.
 const PathPrefix = "/api/compute"
 
-// Config configures the API server.
+// Config configures the API server. The binary reads it from the
+// environment (pkg/config; docs/configuration.md lists the variables); New
+// gives every zero field its default. The API reads the public files of
+// PKIDir for its well-known document (wellknown.go), and with SignedIntent
+// command-signing.key, to sign the NodeSpecs a release changes (a release
+// drops an allocation; see pkg/store IntentSigner): turn it on wherever the
+// controllers sign, since daemons that joined with signed intent refuse
+// unsigned specs. Unlike the other services, the API has no default PKI
+// directory: without one it serves no well-known document.
 type Config struct {
-	// Listen is the HTTP address (BC_LISTEN).
-	Listen string
+	service.Database
+	service.NATS
+	service.PKI `default:"PKI_DIR="`
+	service.Intent
+	// Listen is the address of the API: the Connect services, the events
+	// watch, the well-known document and the probes (GET /healthz, GET
+	// /readyz).
+	Listen string `env:"LISTEN" default:":8080"`
+	// Listener, when set, is where the API accepts connections instead of
+	// Listen; Run closes it.
+	Listener net.Listener
 	// WellKnown configures GET /.well-known/better-compute (wellknown.go).
 	WellKnown WellKnownConfig
-	// SignedIntent signs the NodeSpecs the API changes (a release drops an
-	// allocation) with the command-signing root, read from
-	// WellKnown.PKIDir (env BC_SIGNED_INTENT, false; see pkg/store
-	// IntentSigner). Turn it on wherever the controllers sign: daemons that
-	// joined with signedIntent refuse unsigned specs.
-	SignedIntent bool
 	// Watch tunes the events watch (events.go); zero: the defaults.
 	Watch WatchConfig
 	// TokenCacheTTL is how long a valid API token's row answers calls
-	// without a query (iam.Authenticator.CacheTTL; env
-	// BC_TOKEN_CACHE_TTL): 0 is iam.DefaultTokenCacheTTL (1 s), negative
-	// caches nothing. A token revoked through this server is refused at
-	// once; through another, once its revocation message arrives on NATS
-	// (Deps.NC), or after TokenCacheTTL at worst.
-	TokenCacheTTL time.Duration
+	// without a query (iam.Authenticator.CacheTTL): unset or 0 is 1 s
+	// (iam.DefaultTokenCacheTTL), negative caches nothing. A token revoked
+	// through this server is refused at once; through another, once its
+	// revocation message arrives on NATS, or after this long at worst.
+	TokenCacheTTL time.Duration `env:"TOKEN_CACHE_TTL"`
 }
 
-// ConfigFromEnv reads Config from the environment.
-func ConfigFromEnv() Config {
-	return Config{Listen: service.Env("BC_LISTEN", DefaultListen), WellKnown: wellKnownConfigFromEnv()}
-}
+// ProbeAddr is Listen (service.Config).
+func (c Config) ProbeAddr() string { return c.Listen }
 
-// Deps are the API server's collaborators.
-type Deps struct {
-	DB     *store.DB
-	Logger *slog.Logger
-	// NC, when set, wakes event watches as soon as the outbox relay
-	// publishes an event (bc.events.>); without it they poll the events
-	// table every WatchConfig.Poll. It also carries the revocations of API
-	// tokens by other API servers (store.SubjectAPITokenRevoked), which
-	// drop the token from this server's cache; without it a token revoked
-	// elsewhere works here for up to Config.TokenCacheTTL.
-	NC *nats.Conn
-	// Clock times the events watch; nil is DB.Clock.
-	Clock clock.Clock
-}
+// Deps are the API server's collaborators. DB is required. NC, when set,
+// wakes event watches as soon as the outbox relay publishes an event
+// (bc.events.>), without it they poll the events table every
+// WatchConfig.Poll; it also carries the revocations of API tokens by other
+// API servers (store.SubjectAPITokenRevoked), which drop the token from
+// this server's cache (without it a token revoked elsewhere works here for
+// up to Config.TokenCacheTTL). Clock times the events watch.
+type Deps = service.Deps
 
 // Server is the API server.
 type Server struct {
 	cfg    Config
+	deps   Deps
 	db     *store.DB
 	logger *slog.Logger
 	authn  *iam.Authenticator
@@ -119,36 +123,29 @@ type Server struct {
 
 // New returns a Server.
 func New(cfg Config, deps Deps) (*Server, error) {
-	if deps.DB == nil {
-		return nil, errors.New("api: no database")
+	deps, err := deps.Complete(Name, false)
+	if err != nil {
+		return nil, err
 	}
-	if deps.Logger == nil {
-		deps.Logger = telemetry.Discard()
-	}
-	if cfg.Listen == "" {
-		cfg.Listen = DefaultListen
-	}
-	wellKnown, err := newWellKnownHandler(cfg.WellKnown)
+	config.SetDefaults(&cfg)
+	wellKnown, err := newWellKnownHandler(cfg.WellKnown, cfg.PKIDir)
 	if err != nil {
 		return nil, err
 	}
 	var intent *store.IntentSigner
 	if cfg.SignedIntent {
-		if cfg.WellKnown.PKIDir == "" {
-			return nil, errors.New("api: signedIntent needs the PKI directory (BC_PKI_DIR)")
+		if cfg.PKIDir == "" {
+			return nil, errors.New("api: signed intent needs the PKI directory (" + config.Prefix + "PKI_DIR)")
 		}
-		if intent, err = store.LoadIntentSigner(cfg.WellKnown.PKIDir); err != nil {
+		if intent, err = store.LoadIntentSigner(cfg.PKIDir); err != nil {
 			return nil, fmt.Errorf("api: %w", err)
 		}
-	}
-	if deps.Clock == nil {
-		deps.Clock = deps.DB.Clock
 	}
 	authn := iam.NewAuthenticator(deps.DB)
 	if cfg.TokenCacheTTL != 0 {
 		authn.CacheTTL = cfg.TokenCacheTTL
 	}
-	s := &Server{cfg: cfg, db: deps.DB, logger: deps.Logger, authn: authn, wellKnown: wellKnown,
+	s := &Server{cfg: cfg, deps: deps, db: deps.DB, logger: deps.Logger, authn: authn, wellKnown: wellKnown,
 		intent: intent, nc: deps.NC, clock: deps.Clock, stopWatches: make(chan struct{})}
 	if deps.NC != nil {
 		if s.revoked, err = deps.NC.Subscribe(store.SubjectAPITokenRevoked, s.tokenRevoked); err != nil {
@@ -171,8 +168,9 @@ func (s *Server) tokenRevoked(m *nats.Msg) {
 }
 
 // Handler returns the API's HTTP handler: the Connect services under
-// PathPrefix, GET /healthz (which pings the database) and the
-// unauthenticated GET /.well-known/better-compute (wellknown.go).
+// PathPrefix, the events watch and the unauthenticated GET
+// /.well-known/better-compute (wellknown.go). Run serves it with the
+// probes.
 func (s *Server) Handler() http.Handler {
 	// Auditing runs just inside tracing, so that it records every refusal
 	// of a mutating call with messages already masked. Authentication and
@@ -196,26 +194,31 @@ func (s *Server) Handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle(PathPrefix+"/", http.StripPrefix(PathPrefix, api))
 	mux.HandleFunc("GET "+WatchPath, s.serveWatch)
-	mux.Handle("/healthz", service.HealthHandler(func(ctx context.Context) error { return s.db.Pool.Ping(ctx) }))
 	mux.Handle("GET "+pki.WellKnownPath, s.wellKnown)
 	return mux
 }
 
-// Run serves on cfg.Listen until ctx ends.
-func (s *Server) Run(ctx context.Context) error { return s.Serve(ctx, nil) }
+// Name returns Name (service.Runner).
+func (s *Server) Name() string { return Name }
 
-// Serve serves on ln (or cfg.Listen when ln is nil) until ctx ends.
-func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
-	stop := context.AfterFunc(ctx, s.StopWatches)
-	defer stop()
-	defer s.Close()
-	return service.Serve(ctx, s.logger, service.NewServer(s.cfg.Listen, s.Handler()), ln)
+// Run serves Handler and the probes on Config.Listen (or Listener) through
+// the service lifecycle (service.Run) until ctx ends; then it ends the
+// events watches (StopWatches), waits for the calls in flight and closes the
+// background work (Close).
+func (s *Server) Run(ctx context.Context) error {
+	return service.Run(ctx, service.Spec{
+		Name:  Name,
+		Deps:  s.deps,
+		Parts: []service.Runner{service.OnStop("background work", s.Close)},
+		Servers: []service.HTTPServer{{Name: Name, Addr: s.cfg.Listen, Listener: s.cfg.Listener, Handler: s.Handler(),
+			Probes: true, OnShutdown: s.StopWatches}},
+	})
 }
 
 // Close stops the server's background work (the command queue's workers,
 // the subscription to token revocations); calls still queued fail with
-// Unavailable. Serve calls it when it returns; a caller of Handler alone
-// calls it when done.
+// Unavailable. Run calls it once its server stopped; a caller of Handler
+// alone calls it when done.
 func (s *Server) Close() {
 	if s.revoked != nil {
 		_ = s.revoked.Unsubscribe() // fails only when already gone
@@ -224,7 +227,8 @@ func (s *Server) Close() {
 }
 
 // StopWatches ends every events watch, now and to come, with Unavailable
-// (clients resume elsewhere or later); Serve calls it when its context ends.
+// (clients resume elsewhere or later); Run calls it when its server starts
+// shutting down.
 func (s *Server) StopWatches() { s.stopOnce.Do(func() { close(s.stopWatches) }) }
 
 // auditInTx writes the audit row of the current call, a successful call of

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/http"
 
+	"github.com/better-compute/better-compute/pkg/config"
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/service"
 )
@@ -18,34 +19,20 @@ const wellKnownMaxAge = 300
 
 // WellKnownConfig configures GET /.well-known/better-compute
 // (pki.WellKnownPath), the document a daemon joins from with just a URL and
-// its pins.
+// its pins. It publishes the public files of the PKI directory
+// (join-encryption.pub, join-signing.pub, serving-ca.crt,
+// command-signing.pub); without one it is not served (404). GatewayURL must
+// be empty or a list of https://HOST[:PORT], else New fails.
 type WellKnownConfig struct {
-	// PKIDir is the PKI directory whose public files (join-encryption.pub,
-	// join-signing.pub, serving-ca.crt, command-signing.pub) the document
-	// publishes (BC_PKI_DIR). Empty: the document is not served (404).
-	PKIDir string
-	// PublicURL is the API's public base URL, published as baseUrl
-	// (BC_PUBLIC_URL). Empty: the scheme and Host of each request.
-	PublicURL string
-	// JoinURL is JoinService's base URL as daemons reach it (BC_JOIN_URL).
-	JoinURL string
-	// GatewayURL and GatewayServerName are where daemons open their Session
-	// and the TLS name they verify there (BC_GATEWAY_URL: one URL or every
-	// gateway replica's, separated by commas, each https://HOST[:PORT], else
-	// New fails; BC_GATEWAY_SERVER_NAME).
-	GatewayURL        string
-	GatewayServerName string
-}
-
-// wellKnownConfigFromEnv reads WellKnownConfig from the environment.
-func wellKnownConfigFromEnv() WellKnownConfig {
-	return WellKnownConfig{
-		PKIDir:            service.Env("BC_PKI_DIR", ""),
-		PublicURL:         service.Env("BC_PUBLIC_URL", ""),
-		JoinURL:           service.Env("BC_JOIN_URL", ""),
-		GatewayURL:        service.Env("BC_GATEWAY_URL", ""),
-		GatewayServerName: service.Env("BC_GATEWAY_SERVER_NAME", ""),
-	}
+	// PublicURL is the API's public base URL, published as baseUrl; unset,
+	// the scheme and Host of each request.
+	PublicURL string `env:"PUBLIC_URL"`
+	// JoinURL is JoinService's base URL as machines reach it, published as
+	// joinUrl.
+	JoinURL string `env:"JOIN_URL"`
+	// Gateways are published as gateway.urls and gateway.serverName; unset,
+	// none.
+	service.Gateways `default:"GATEWAY_URL=;GATEWAY_SERVER_NAME="`
 }
 
 // newWellKnownHandler reads the public files of cfg.PKIDir once and returns
@@ -53,17 +40,17 @@ func wellKnownConfigFromEnv() WellKnownConfig {
 // mux pattern answers 405 otherwise), JSON (pki.WellKnown), cacheable for
 // wellKnownMaxAge seconds with a strong ETag (If-None-Match answers 304).
 // Errors name the PKI file that is missing or broken, or say what is wrong
-// with BC_GATEWAY_URL.
-func newWellKnownHandler(cfg WellKnownConfig) (http.Handler, error) {
-	if _, err := pki.ParseGatewayURLs(cfg.GatewayURL); err != nil {
-		return nil, fmt.Errorf("BC_GATEWAY_URL: %w", err)
+// with GATEWAY_URL.
+func newWellKnownHandler(cfg WellKnownConfig, pkiDir string) (http.Handler, error) {
+	if err := cfg.Check(); err != nil {
+		return nil, err
 	}
-	if cfg.PKIDir == "" {
+	if pkiDir == "" {
 		return http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
-			http.Error(w, "the well-known document is not configured (no BC_PKI_DIR)", http.StatusNotFound)
+			http.Error(w, "the well-known document is not configured (no "+config.Prefix+"PKI_DIR)", http.StatusNotFound)
 		}), nil
 	}
-	doc, err := pki.NewWellKnown(cfg.PKIDir)
+	doc, err := pki.NewWellKnown(pkiDir)
 	if err != nil {
 		return nil, fmt.Errorf("well-known document: %w", err)
 	}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/pkg/telemetry"
 	"github.com/better-compute/better-compute/services/api/api"
@@ -24,9 +25,9 @@ func TestWellKnownDocument(t *testing.T) {
 	dir := t.TempDir()
 	_, err := pki.Init(dir, pki.InitOptions{}, db.Now())
 	require.NoError(t, err)
-	srv, err := api.New(api.Config{WellKnown: api.WellKnownConfig{
-		PKIDir: dir, PublicURL: "https://compute.example", JoinURL: "https://join.compute.example",
-		GatewayURL: "https://gw.compute.example:8443", GatewayServerName: "gw.compute.example",
+	srv, err := api.New(api.Config{PKI: service.PKI{PKIDir: dir}, WellKnown: api.WellKnownConfig{
+		PublicURL: "https://compute.example", JoinURL: "https://join.compute.example",
+		Gateways: service.Gateways{GatewayURL: "https://gw.compute.example:8443", GatewayServerName: "gw.compute.example"},
 	}}, api.Deps{DB: db, Logger: telemetry.Discard()})
 	require.NoError(t, err)
 	ts := httptest.NewServer(srv.Handler())
@@ -90,7 +91,7 @@ func TestWellKnownBaseURLFromRequest(t *testing.T) {
 	dir := t.TempDir()
 	_, err := pki.Init(dir, pki.InitOptions{}, db.Now())
 	require.NoError(t, err)
-	srv, err := api.New(api.Config{WellKnown: api.WellKnownConfig{PKIDir: dir}}, api.Deps{DB: db})
+	srv, err := api.New(api.Config{PKI: service.PKI{PKIDir: dir}}, api.Deps{DB: db})
 	require.NoError(t, err)
 	rec := httptest.NewRecorder()
 	srv.Handler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "http://api.internal:8080"+pki.WellKnownPath, nil))
@@ -117,11 +118,11 @@ func TestWellKnownNeedsItsFiles(t *testing.T) {
 	_, err = pki.Init(dir, pki.InitOptions{}, db.Now())
 	require.NoError(t, err)
 	require.NoError(t, os.Remove(filepath.Join(dir, pki.JoinSigningPub)))
-	_, err = api.New(api.Config{WellKnown: api.WellKnownConfig{PKIDir: dir}}, api.Deps{DB: db})
+	_, err = api.New(api.Config{PKI: service.PKI{PKIDir: dir}}, api.Deps{DB: db})
 	require.ErrorContains(t, err, filepath.Join(dir, pki.JoinSigningPub))
 }
 
-// TestWellKnownRefusesBadGatewayURL: a malformed BC_GATEWAY_URL fails New,
+// TestWellKnownRefusesBadGatewayURL: a malformed BETTER_COMPUTE_GATEWAY_URL fails New,
 // naming the variable, rather than being published to every daemon.
 func TestWellKnownRefusesBadGatewayURL(t *testing.T) {
 	t.Parallel()
@@ -130,11 +131,11 @@ func TestWellKnownRefusesBadGatewayURL(t *testing.T) {
 	_, err := pki.Init(dir, pki.InitOptions{}, db.Now())
 	require.NoError(t, err)
 	for list, want := range map[string]string{
-		"gw.compute.example:8443": `BC_GATEWAY_URL: gateway URL "gw.compute.example:8443" must be https://HOST[:PORT]`,
-		"http://gw:8443":          `BC_GATEWAY_URL: gateway URL "http://gw:8443" must be https://HOST[:PORT]`,
-		"https:///session":        `BC_GATEWAY_URL: gateway URL "https:///session" has no host`,
+		"gw.compute.example:8443": `BETTER_COMPUTE_GATEWAY_URL: gateway URL "gw.compute.example:8443" must be https://HOST[:PORT]`,
+		"http://gw:8443":          `BETTER_COMPUTE_GATEWAY_URL: gateway URL "http://gw:8443" must be https://HOST[:PORT]`,
+		"https:///session":        `BETTER_COMPUTE_GATEWAY_URL: gateway URL "https:///session" has no host`,
 	} {
-		_, err := api.New(api.Config{WellKnown: api.WellKnownConfig{PKIDir: dir, GatewayURL: list}},
+		_, err := api.New(api.Config{PKI: service.PKI{PKIDir: dir}, WellKnown: api.WellKnownConfig{Gateways: service.Gateways{GatewayURL: list}}},
 			api.Deps{DB: db, Logger: telemetry.Discard()})
 		require.ErrorContains(t, err, want, list)
 	}

@@ -1,10 +1,11 @@
 // Package apitest runs the API server in-process for tests of its clients
-// (the CLI, end-to-end suites): an httptest server over the real handler and
-// a helper to mint API tokens.
+// (the CLI, end-to-end suites), through the service lifecycle on a loopback
+// port, and has helpers to mint API tokens.
 package apitest
 
 import (
-	"net/http/httptest"
+	"context"
+	"net"
 	"testing"
 
 	"github.com/better-compute/better-compute/pkg/iam"
@@ -14,20 +15,30 @@ import (
 	"github.com/better-compute/better-compute/services/api/api"
 )
 
-// Start serves the API over db on a loopback httptest server, closed when the
-// test ends, and returns its base URL (without /api/compute).
+// Start runs the API over db on a loopback port (api.Server.Run, probes
+// included), stopped when the test ends, and returns its base URL (without
+// /api/compute).
 func Start(t testing.TB, db *store.DB) string {
 	t.Helper()
-	srv, err := api.New(api.Config{}, api.Deps{DB: db, Logger: telemetry.Discard()})
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatalf("apitest: %v", err)
 	}
-	ts := httptest.NewServer(srv.Handler())
+	srv, err := api.New(api.Config{Listener: ln}, api.Deps{DB: db, Logger: telemetry.Discard()})
+	if err != nil {
+		ln.Close()
+		t.Fatalf("apitest: %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.WithoutCancel(t.Context()))
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Run(ctx) }()
 	t.Cleanup(func() {
-		ts.Close()
-		srv.Close()
+		cancel()
+		if err := <-errc; err != nil {
+			t.Errorf("apitest: the API server stopped with %v", err)
+		}
 	})
-	return ts.URL
+	return "http://" + ln.Addr().String()
 }
 
 // Tenant creates a tenant named name and returns its id.

@@ -128,6 +128,9 @@ func (a *Acceptance) log() *slog.Logger {
 
 func (a *Acceptance) now() time.Time { return a.clock().Now().UTC().Truncate(time.Microsecond) }
 
+// Name returns "acceptance" (service.Runner); its lease is LeasePrefix + "acceptance".
+func (a *Acceptance) Name() string { return "acceptance" }
+
 // Run reconciles on every poke on store.SubjectPokeControllers (pokes that
 // arrive during a pass coalesce into one more pass) and every Interval,
 // until ctx ends; it returns nil then. A failed pass is logged and retried

@@ -24,6 +24,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/ids"
+	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/services/controllers/controllers"
@@ -645,7 +646,7 @@ func TestServer(t *testing.T) {
 
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	srv, err := controllers.New(controllers.Config{Listener: ln, ReconcileInterval: time.Hour, Holder: "replica-1"},
+	srv, err := controllers.New(controllers.Config{Listener: ln, ReconcileInterval: time.Hour, Leases: service.Leases{Holder: "replica-1"}},
 		controllers.Deps{DB: db, NC: nc})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(t.Context())

@@ -13,7 +13,7 @@ import (
 )
 
 // LeaseCommandExpiry is the lease name of the command expiry reconciler.
-const LeaseCommandExpiry = "controllers.command-expiry"
+const LeaseCommandExpiry = LeasePrefix + "command-expiry"
 
 // DefaultCommandExpiryInterval is how often CommandExpiry looks for
 // commands past their deadline.
@@ -44,27 +44,20 @@ type CommandExpiry struct {
 	Batch int
 }
 
+// Name returns "command-expiry" (service.Runner); its lease is LeasePrefix + "command-expiry".
+func (e *CommandExpiry) Name() string { return "command-expiry" }
+
 // Run expires due commands every Interval until ctx ends; it returns nil
 // then. A failed pass is logged and retried at the next tick.
 func (e *CommandExpiry) Run(ctx context.Context) error {
-	clk := e.Clock
-	if clk == nil {
-		clk = e.DB.Clock
-	}
-	return every(ctx, clk, positive(e.Interval, DefaultCommandExpiryInterval), func() {
-		if _, err := e.Reconcile(ctx); err != nil && ctx.Err() == nil {
-			logger(e.Logger).Warn("command expiry pass failed", telemetry.KeyError, err)
-		}
-	})
+	return every(ctx, clockOf(e.Clock, e.DB), positive(e.Interval, DefaultCommandExpiryInterval), e.Logger,
+		"command expiry", e.Reconcile)
 }
 
 // Reconcile expires every user command past its deadline now and returns
 // how many it expired.
 func (e *CommandExpiry) Reconcile(ctx context.Context) (int, error) {
-	clk := e.Clock
-	if clk == nil {
-		clk = e.DB.Clock
-	}
+	clk := clockOf(e.Clock, e.DB)
 	batch := positive(e.Batch, DefaultBatchSize)
 	total := 0
 	for {

@@ -14,7 +14,7 @@ import (
 )
 
 // LeaseLiveness is the lease name of the liveness sweeper.
-const LeaseLiveness = "controllers.liveness"
+const LeaseLiveness = LeasePrefix + "liveness"
 
 // Defaults of the liveness sweeper.
 const (
@@ -52,22 +52,16 @@ type Liveness struct {
 	Batch int
 }
 
+// Name returns "liveness" (service.Runner); its lease is LeasePrefix + "liveness".
+func (l *Liveness) Name() string { return "liveness" }
+
 // Run sweeps every Interval until ctx ends; it returns nil then. A failed
 // pass is logged and retried at the next tick.
 func (l *Liveness) Run(ctx context.Context) error {
-	return every(ctx, l.clock(), positive(l.Interval, DefaultLivenessInterval), func() {
-		if _, err := l.Reconcile(ctx); err != nil && ctx.Err() == nil {
-			logger(l.Logger).Warn("liveness pass failed", telemetry.KeyError, err)
-		}
-	})
+	return every(ctx, l.clock(), positive(l.Interval, DefaultLivenessInterval), l.Logger, "liveness", l.Reconcile)
 }
 
-func (l *Liveness) clock() clock.Clock {
-	if l.Clock != nil {
-		return l.Clock
-	}
-	return l.DB.Clock
-}
+func (l *Liveness) clock() clock.Clock { return clockOf(l.Clock, l.DB) }
 
 // Reconcile marks unreachable every node due now, Batch per transaction,
 // and returns their ids. Errors: a Timeout below store.MinLivenessTimeout.

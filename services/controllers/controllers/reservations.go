@@ -14,8 +14,8 @@ import (
 
 // Lease names of the reservation reconcilers.
 const (
-	LeaseExpiry = "controllers.expiry"
-	LeaseUsage  = "controllers.usage"
+	LeaseExpiry = LeasePrefix + "expiry"
+	LeaseUsage  = LeasePrefix + "usage"
 )
 
 // Defaults of the reservation reconcilers.
@@ -49,27 +49,19 @@ type Expiry struct {
 	Intent *store.IntentSigner
 }
 
+// Name returns "expiry" (service.Runner); its lease is LeasePrefix + "expiry".
+func (e *Expiry) Name() string { return "expiry" }
+
 // Run expires due reservations every Interval until ctx ends; it returns
 // nil then. A failed pass is logged and retried at the next tick.
 func (e *Expiry) Run(ctx context.Context) error {
-	clk := e.Clock
-	if clk == nil {
-		clk = e.DB.Clock
-	}
-	return every(ctx, clk, positive(e.Interval, DefaultExpiryInterval), func() {
-		if _, err := e.Reconcile(ctx); err != nil && ctx.Err() == nil {
-			logger(e.Logger).Warn("expiry pass failed", telemetry.KeyError, err)
-		}
-	})
+	return every(ctx, clockOf(e.Clock, e.DB), positive(e.Interval, DefaultExpiryInterval), e.Logger, "expiry", e.Reconcile)
 }
 
 // Reconcile ends every reservation due now (expired, or failed when never
 // placed), Batch per transaction, and returns how many it ended.
 func (e *Expiry) Reconcile(ctx context.Context) (int, error) {
-	clk := e.Clock
-	if clk == nil {
-		clk = e.DB.Clock
-	}
+	clk := clockOf(e.Clock, e.DB)
 	batch := positive(e.Batch, DefaultBatchSize)
 	total := 0
 	for {
@@ -145,27 +137,19 @@ type Usage struct {
 	Batch int
 }
 
+// Name returns "usage" (service.Runner); its lease is LeasePrefix + "usage".
+func (u *Usage) Name() string { return "usage" }
+
 // Run writes usage windows every Interval until ctx ends; it returns nil
 // then.
 func (u *Usage) Run(ctx context.Context) error {
-	clk := u.Clock
-	if clk == nil {
-		clk = u.DB.Clock
-	}
-	return every(ctx, clk, positive(u.Interval, DefaultUsageInterval), func() {
-		if _, err := u.Reconcile(ctx); err != nil && ctx.Err() == nil {
-			logger(u.Logger).Warn("usage pass failed", telemetry.KeyError, err)
-		}
-	})
+	return every(ctx, clockOf(u.Clock, u.DB), positive(u.Interval, DefaultUsageInterval), u.Logger, "usage", u.Reconcile)
 }
 
 // Reconcile writes every final usage window not yet written and returns how
 // many it wrote.
 func (u *Usage) Reconcile(ctx context.Context) (int64, error) {
-	clk := u.Clock
-	if clk == nil {
-		clk = u.DB.Clock
-	}
+	clk := clockOf(u.Clock, u.DB)
 	batch := positive(u.Batch, DefaultBatchSize)
 	now := clk.Now().UTC().Truncate(time.Microsecond)
 	var total int64
@@ -191,18 +175,32 @@ func (u *Usage) Reconcile(ctx context.Context) (int64, error) {
 	return total, nil
 }
 
-// every runs fn at once and then every interval until ctx ends.
-func every(ctx context.Context, clk clock.Clock, interval time.Duration, fn func()) error {
+// every runs pass at once and then every interval on clk until ctx ends,
+// and returns nil then: the Run of the reconcilers that look every Interval
+// (Expiry, CommandExpiry, Usage, Liveness). A failed pass is logged ("NAME
+// pass failed") and retried at the next tick.
+func every[T any](ctx context.Context, clk clock.Clock, interval time.Duration, log *slog.Logger, name string,
+	pass func(context.Context) (T, error)) error {
 	tick := clk.NewTicker(interval)
 	defer tick.Stop()
 	for {
-		fn()
+		if _, err := pass(ctx); err != nil && ctx.Err() == nil {
+			logger(log).Warn(name+" pass failed", telemetry.KeyError, err)
+		}
 		select {
 		case <-ctx.Done():
 			return nil
 		case <-tick.C():
 		}
 	}
+}
+
+// clockOf is clk, or db's clock when clk is nil.
+func clockOf(clk clock.Clock, db *store.DB) clock.Clock {
+	if clk != nil {
+		return clk
+	}
+	return db.Clock
 }
 
 func positive[T int | time.Duration](v, def T) T {

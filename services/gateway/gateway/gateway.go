@@ -63,58 +63,46 @@ import (
 	"connectrpc.com/connect"
 	"connectrpc.com/grpchealth"
 	"github.com/nats-io/nats.go"
-	"golang.org/x/sync/errgroup"
 
 	"github.com/better-compute/better-compute/api/gen/bc/gateway/v1/gatewayv1connect"
 	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/config"
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/telemetry"
 )
 
-// Defaults of Config.
-const (
-	DefaultListen            = ":8443"
-	DefaultHealthListen      = ":8082"
-	DefaultPKIDir            = "/var/lib/better-compute/pki"
-	DefaultHeartbeatInterval = 10 * time.Second
-	DefaultResyncInterval    = 5 * time.Second
-	DefaultFlushInterval     = time.Second
-	DefaultHelloTimeout      = 10 * time.Second
-	// DefaultNodeCertTTL is the default Config.NodeCertTTL, the same as
-	// JoinService's.
-	DefaultNodeCertTTL = 24 * time.Hour
-	// DefaultFlushBatch is the default Config.FlushBatch.
-	DefaultFlushBatch = 5000
-)
+// Name is the gateway's name in logs, errors and `gateway healthcheck`.
+const Name = "gateway"
 
-// Config configures a gateway. Zero fields take the defaults above; the TLS
-// pieces that are unset are read from PKIDir.
+// Config configures a gateway. The binary reads it from the environment
+// (pkg/config; docs/configuration.md lists the variables); New gives every
+// zero field its default, and reads the TLS pieces that are unset from
+// PKIDir (gateway.crt, gateway.key, node-ca.crt, node-ca.key, trust-domain).
 type Config struct {
+	service.Database
+	service.NATS
+	service.PKI
+	service.NodeCerts
 	// GatewayID names this replica in nodes.gateway_id and in its poke
-	// subject bc.poke.gw.<GatewayID> (env BC_GATEWAY_ID); DefaultGatewayID()
-	// when empty. Replicas must have distinct ids.
-	GatewayID string
-	// Listen is the address of the mTLS Session server (env BC_LISTEN,
-	// DefaultListen); unused when Listener is set.
-	Listen string
+	// subject, bc.poke.gw.<id>; replicas must have distinct ids. Unset:
+	// gw-<hostname> (DefaultGatewayID).
+	GatewayID string `env:"GATEWAY_ID"`
+	// Listen is the address of the mutual-TLS Session server.
+	Listen string `env:"LISTEN" default:":8443"`
 	// Listener, when set, is where the mTLS server accepts connections
-	// (plain TCP: the gateway does TLS itself); Run closes it. Tests and
-	// `better-compute dev` pass one on 127.0.0.1:0.
+	// instead of Listen (plain TCP: the gateway does TLS itself); Run closes
+	// it. Tests and `better-compute dev` pass one on 127.0.0.1:0.
 	Listener net.Listener
-	// HealthListen is the address of the plain HTTP server answering GET
-	// /healthz (env BC_HEALTH_LISTEN, DefaultHealthListen in the binary).
-	// With neither HealthListen nor HealthListener no health server runs
-	// (HealthHandler can be mounted elsewhere).
-	HealthListen string
-	// HealthListener, when set, is used for the health server instead of
-	// HealthListen; Run closes it.
+	// HealthListen is the address of the plain HTTP server of the probes
+	// (GET /healthz, GET /readyz).
+	HealthListen string `env:"HEALTH_LISTEN" default:":8082"`
+	// HealthListener, when set, is where the probes server accepts
+	// connections instead of HealthListen; Run closes it.
 	HealthListener net.Listener
-	// PKIDir holds gateway.crt, gateway.key, node-ca.crt and trust-domain
-	// (env BC_PKI_DIR, DefaultPKIDir). Read only for the pieces below that are
-	// unset.
-	PKIDir string
+	// NoHealthServer runs no probes server (`better-compute dev`, tests).
+	NoHealthServer bool
 	// ServingCert is the gateway's TLS certificate and key; PKIDir's
 	// gateway.crt and gateway.key when nil.
 	ServingCert *tls.Certificate
@@ -127,45 +115,35 @@ type Config struct {
 	// NodeCA signs renewed node certificates; PKIDir's node-ca.crt and
 	// node-ca.key when nil.
 	NodeCA *pki.CA
-	// NodeCertTTL is how long a renewed node certificate is valid (env
-	// BC_NODE_CERT_TTL, DefaultNodeCertTTL).
-	NodeCertTTL time.Duration
-	// HeartbeatInterval is how often daemons are told to send a heartbeat
-	// (Welcome.heartbeat_interval; env BC_HEARTBEAT_INTERVAL, 10 s).
-	HeartbeatInterval time.Duration
+	// HeartbeatInterval is how often machines are told to send a heartbeat
+	// (Welcome.heartbeat_interval).
+	HeartbeatInterval time.Duration `env:"HEARTBEAT_INTERVAL,positive" default:"10s"`
 	// ResyncInterval is how often the gateway re-reads the pending work of
-	// all its sessions, so that a lost poke only delays work (env
-	// BC_GATEWAY_RESYNC, 5 s). The same loop closes silent streams.
-	ResyncInterval time.Duration
+	// all its sessions, so that a lost poke only delays work; the same loop
+	// closes silent streams.
+	ResyncInterval time.Duration `env:"GATEWAY_RESYNC,positive" default:"5s"`
 	// FlushInterval is how often heard-from nodes' last_seen (and the
 	// generations their heartbeats report) are written, in one statement,
 	// with the gateway's presence: last_seen in the database lags by at most
-	// about this much (env BC_GATEWAY_FLUSH_INTERVAL, 1 s; at most
-	// store.MaxGatewayFlushInterval, see pkg/store/liveness.go).
-	FlushInterval time.Duration
+	// about this much. At most 2 s (store.MaxGatewayFlushInterval, which the
+	// liveness invariant I4 needs), else the gateway does not start.
+	FlushInterval time.Duration `env:"GATEWAY_FLUSH_INTERVAL,positive" default:"1s"`
 	// FlushBatch flushes early when this many nodes are pending, bounding
-	// both staleness under load and the size of one statement
-	// (DefaultFlushBatch).
-	FlushBatch int
+	// both staleness under load and the size of one statement.
+	FlushBatch int `default:"5000"`
 	// IdleTimeout closes a session from which nothing was received for this
-	// long (env BC_GATEWAY_IDLE_TIMEOUT; 3 × HeartbeatInterval). Checked every
-	// ResyncInterval.
-	IdleTimeout time.Duration
-	// HelloTimeout closes a stream that sent no Hello for this long (10 s).
-	HelloTimeout time.Duration
+	// long, checked at every resync. Unset or not positive: 3 heartbeat
+	// intervals.
+	IdleTimeout time.Duration `env:"GATEWAY_IDLE_TIMEOUT"`
+	// HelloTimeout closes a stream that sent no Hello for this long.
+	HelloTimeout time.Duration `default:"10s"`
 }
 
-// Deps are the gateway's dependencies.
-type Deps struct {
-	// DB is the database; required.
-	DB *store.DB
-	// NC carries pokes; required.
-	NC *nats.Conn
-	// Logger defaults to telemetry.Discard().
-	Logger *slog.Logger
-	// Clock defaults to DB.Clock.
-	Clock clock.Clock
-}
+// ProbeAddr is HealthListen (service.Config).
+func (c Config) ProbeAddr() string { return c.HealthListen }
+
+// Deps are the gateway's dependencies: DB and NC (the pokes) are required.
+type Deps = service.Deps
 
 // DefaultGatewayID returns "gw-" + the host name (or "gw-local" when the
 // host name is unknown).
@@ -180,6 +158,7 @@ func DefaultGatewayID() string {
 // Server is a gateway replica. Create it with New and run it with Run.
 type Server struct {
 	cfg     Config
+	deps    Deps
 	db      *store.DB
 	nc      *nats.Conn
 	log     *slog.Logger
@@ -208,54 +187,20 @@ type Server struct {
 // from cfg.PKIDir and returns a gateway ready to Run. Errors name the missing
 // dependency or the file that could not be read.
 func New(cfg Config, deps Deps) (*Server, error) {
-	if deps.DB == nil {
-		return nil, errors.New("gateway: DB is required")
+	deps, err := deps.Complete(Name, true)
+	if err != nil {
+		return nil, err
 	}
-	if deps.NC == nil {
-		return nil, errors.New("gateway: NATS connection is required")
-	}
-	if deps.Logger == nil {
-		deps.Logger = telemetry.Discard()
-	}
-	if deps.Clock == nil {
-		deps.Clock = deps.DB.Clock
-	}
-	if deps.Clock == nil {
-		deps.Clock = clock.New()
-	}
+	config.SetDefaults(&cfg)
 	if cfg.GatewayID == "" {
 		cfg.GatewayID = DefaultGatewayID()
-	}
-	if cfg.Listen == "" {
-		cfg.Listen = DefaultListen
-	}
-	if cfg.PKIDir == "" {
-		cfg.PKIDir = DefaultPKIDir
-	}
-	if cfg.HeartbeatInterval <= 0 {
-		cfg.HeartbeatInterval = DefaultHeartbeatInterval
-	}
-	if cfg.ResyncInterval <= 0 {
-		cfg.ResyncInterval = DefaultResyncInterval
-	}
-	if cfg.FlushInterval <= 0 {
-		cfg.FlushInterval = DefaultFlushInterval
 	}
 	if cfg.FlushInterval > store.MaxGatewayFlushInterval {
 		return nil, fmt.Errorf("gateway: FlushInterval %s is above %s, which the liveness invariant I4 needs",
 			cfg.FlushInterval, store.MaxGatewayFlushInterval)
 	}
-	if cfg.FlushBatch <= 0 {
-		cfg.FlushBatch = DefaultFlushBatch
-	}
 	if cfg.IdleTimeout <= 0 {
 		cfg.IdleTimeout = 3 * cfg.HeartbeatInterval
-	}
-	if cfg.HelloTimeout <= 0 {
-		cfg.HelloTimeout = DefaultHelloTimeout
-	}
-	if cfg.NodeCertTTL <= 0 {
-		cfg.NodeCertTTL = DefaultNodeCertTTL
 	}
 	if cfg.NodeCA == nil {
 		ca, err := pki.LoadCA(filepath.Join(cfg.PKIDir, pki.NodeCACert), filepath.Join(cfg.PKIDir, pki.NodeCAKey))
@@ -284,6 +229,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	}
 	s := &Server{
 		cfg:     cfg,
+		deps:    deps,
 		db:      deps.DB,
 		nc:      deps.NC,
 		log:     deps.Logger.With(telemetry.KeyGatewayID, cfg.GatewayID),
@@ -326,22 +272,6 @@ func (s *Server) TLSConfig() *tls.Config { return s.tls }
 // use).
 func (s *Server) Handler() http.Handler { return s.handler }
 
-// HealthHandler answers GET /healthz: 200 when the database answers a ping
-// and NATS is connected, 503 otherwise.
-func (s *Server) HealthHandler() http.Handler {
-	mux := http.NewServeMux()
-	mux.Handle("/healthz", service.HealthHandler(
-		func(ctx context.Context) error { return s.db.Pool.Ping(ctx) },
-		func(context.Context) error {
-			if !s.nc.IsConnected() {
-				return errors.New("nats not connected")
-			}
-			return nil
-		},
-	))
-	return mux
-}
-
 // Sessions returns the number of sessions past Hello that this gateway holds.
 func (s *Server) Sessions() int {
 	s.mu.Lock()
@@ -349,93 +279,82 @@ func (s *Server) Sessions() int {
 	return len(s.byNode)
 }
 
-// Run serves sessions until ctx ends, then closes every session (each clears
-// itself in the database), flushes last_seen and returns. It returns an error
-// when a listener cannot be opened or a server fails. Run may be called once.
+// Name returns Name (service.Runner).
+func (s *Server) Name() string { return Name }
+
+// Run serves sessions until ctx ends, through the service lifecycle
+// (service.Run): the mTLS Session server on Listen and, unless
+// NoHealthServer, the probes on HealthListen. At the end it closes every
+// session (each clears itself in the database), waits for them, flushes
+// last_seen and returns. It returns an error when a listener cannot be
+// opened, the sessions of a previous run cannot be cleared, or a server
+// fails. Run may be called once.
 func (s *Server) Run(ctx context.Context) error {
 	if !s.ran.CompareAndSwap(false, true) {
 		return errors.New("gateway: Run called twice")
 	}
-	ln := s.cfg.Listener
-	if ln == nil {
-		var err error
-		ln, err = net.Listen("tcp", s.cfg.Listen)
-		if err != nil {
-			return fmt.Errorf("gateway: listen %s: %w", s.cfg.Listen, err)
-		}
+	servers := []service.HTTPServer{{Name: "sessions", Addr: s.cfg.Listen, Listener: s.cfg.Listener, Handler: s.handler,
+		TLS: s.tls, Tune: s.tuneHTTP, OnShutdown: s.closeAll}}
+	if !s.cfg.NoHealthServer {
+		servers = append(servers, service.HTTPServer{Name: "health", Addr: s.cfg.HealthListen,
+			Listener: s.cfg.HealthListener, Probes: true})
 	}
-	hln := s.cfg.HealthListener
-	if hln == nil && s.cfg.HealthListen != "" {
-		var err error
-		hln, err = net.Listen("tcp", s.cfg.HealthListen)
-		if err != nil {
-			ln.Close()
-			return fmt.Errorf("gateway: listen %s: %w", s.cfg.HealthListen, err)
-		}
-	}
-	// Sessions a previous run of this gateway id left behind are gone.
+	// The loops outlive the servers, and the sessions that end as they
+	// stop: those still clear themselves and get their last_seen flushed.
+	return service.Run(ctx, service.Spec{Name: Name, Deps: s.deps, Servers: servers,
+		Parts: []service.Runner{&loops{s: s}, service.OnStop("sessions", s.endSessions)}})
+}
+
+// endSessions aborts every open stream and waits for their handlers.
+func (s *Server) endSessions() {
+	s.closeAll()
+	s.handlers.Wait()
+}
+
+// loops is the gateway's own part of its run.
+type loops struct {
+	s   *Server
+	sub *nats.Subscription
+}
+
+func (l *loops) Name() string { return "session loops" }
+
+// Start clears the sessions a previous run of this gateway id left behind,
+// subscribes to the gateway's pokes and starts the batched writes of the
+// sessions, before the Session server accepts one.
+func (l *loops) Start(ctx context.Context) error {
+	s := l.s
 	if n, err := store.ResetGatewaySessions(ctx, s.db.Pool, s.db.Now(), s.cfg.GatewayID); err != nil {
-		ln.Close()
-		if hln != nil {
-			hln.Close()
-		}
-		return fmt.Errorf("gateway: %w", err)
+		return err
 	} else if n > 0 {
 		s.log.Info("cleared sessions of a previous run", "nodes", n)
 	}
 	subject := store.SubjectPokeGatewayPrefix + s.cfg.GatewayID
 	sub, err := s.nc.Subscribe(subject, s.onPoke)
 	if err != nil {
-		ln.Close()
-		if hln != nil {
-			hln.Close()
-		}
-		return fmt.Errorf("gateway: subscribe %s: %w", subject, err)
+		return fmt.Errorf("subscribe %s: %w", subject, err)
 	}
-	defer func() { _ = sub.Unsubscribe() }()
-
+	l.sub = sub
 	s.batch = s.startBatchers()
-	defer s.batch.close()
-	srv := s.newHTTPServer()
-	srv.RegisterOnShutdown(s.closeAll)
-
-	// The loops outlive the servers: sessions that end during shutdown
-	// still clear themselves and get their last_seen flushed.
-	loopCtx, stopLoops := context.WithCancel(context.WithoutCancel(ctx))
-	defer stopLoops()
-	var loops sync.WaitGroup
-	loops.Add(2)
-	go func() { defer loops.Done(); s.resyncLoop(loopCtx) }()
-	go func() { defer loops.Done(); s.seen.run(loopCtx) }()
-
-	s.log.Info("gateway starting", "addr", ln.Addr().String(), "poke_subject", subject)
-	g, gctx := errgroup.WithContext(ctx)
-	g.Go(func() error {
-		err := service.Serve(gctx, s.log, srv, ln)
-		s.closeAll()
-		if err != nil {
-			return fmt.Errorf("gateway: serve: %w", err)
-		}
-		return nil
-	})
-	if hln != nil {
-		g.Go(func() error {
-			hs := service.NewServer("", s.HealthHandler())
-			if err := service.Serve(gctx, s.log, hs, hln); err != nil {
-				return fmt.Errorf("gateway: health server: %w", err)
-			}
-			return nil
-		})
-	}
-	err = g.Wait()
-	s.handlers.Wait()
-	stopLoops()
-	loops.Wait()
-	s.log.Info("gateway stopped")
-	return err
+	s.log.Info("gateway starting", "poke_subject", subject)
+	return nil
 }
 
-// newHTTPServer returns the mTLS server: HTTP/2 only and header limits.
+// Run runs the resync and last_seen loops until ctx ends, then stops the
+// batched writes and the subscription.
+func (l *loops) Run(ctx context.Context) error {
+	s := l.s
+	defer func() { _ = l.sub.Unsubscribe() }()
+	defer s.batch.close()
+	var wg sync.WaitGroup
+	wg.Go(func() { s.resyncLoop(ctx) })
+	wg.Go(func() { s.seen.run(ctx) })
+	wg.Wait()
+	return nil
+}
+
+// tuneHTTP makes the Session server HTTP/2 only, with the limits of
+// long-lived sessions.
 //
 // It sends no HTTP/2 pings (SendPingTimeout is 0): a session whose daemon
 // went away, or whose connection died silently, is closed by the idle
@@ -444,32 +363,25 @@ func (s *Server) Run(ctx context.Context) error {
 // the acknowledgements of their heartbeats. A ping timer would wake the gateway for every
 // connection every SendPingTimeout, thousands of wake-ups a minute for an
 // idle fleet (BenchmarkIdleFleet), to learn what heartbeats already say.
-func (s *Server) newHTTPServer() *http.Server {
+func (s *Server) tuneHTTP(srv *http.Server) {
 	var p http.Protocols
 	p.SetHTTP2(true)
-	return &http.Server{
-		Handler:           s.handler,
-		Protocols:         &p,
-		TLSConfig:         s.tls,
-		ReadHeaderTimeout: 10 * time.Second,
-		MaxHeaderBytes:    64 << 10,
-		IdleTimeout:       2 * time.Minute,
-		HTTP2: &http.HTTP2Config{
-			// A daemon holds one session; a few more streams cover a
-			// reconnect racing the old stream's end.
-			MaxConcurrentStreams:          16,
-			MaxReceiveBufferPerStream:     256 << 10,
-			MaxReceiveBufferPerConnection: 512 << 10,
-			// Tiny HPACK tables: a session sends one set of headers, so
-			// dynamic tables would only hold memory for its lifetime.
-			MaxDecoderHeaderTableSize: 1,
-			MaxEncoderHeaderTableSize: 1,
-		},
-		ErrorLog: slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
+	srv.Protocols = &p
+	srv.IdleTimeout = 2 * time.Minute
+	srv.HTTP2 = &http.HTTP2Config{
+		// A daemon holds one session; a few more streams cover a
+		// reconnect racing the old stream's end.
+		MaxConcurrentStreams:          16,
+		MaxReceiveBufferPerStream:     256 << 10,
+		MaxReceiveBufferPerConnection: 512 << 10,
+		// Tiny HPACK tables: a session sends one set of headers, so
+		// dynamic tables would only hold memory for its lifetime.
+		MaxDecoderHeaderTableSize: 1,
+		MaxEncoderHeaderTableSize: 1,
 	}
+	srv.ErrorLog = slog.NewLogLogger(s.log.Handler(), slog.LevelDebug)
 }
 
-// closeAll refuses new streams and aborts every open one.
 // fence aborts every open stream (not stopping the gateway): it runs when
 // last_seen could not be written for store.GatewayFenceAfter, so that the
 // gateway stops hearing from nodes before its presence expires (I4).
@@ -485,6 +397,7 @@ func (s *Server) fence() {
 	}
 }
 
+// closeAll refuses new streams and aborts every open one.
 func (s *Server) closeAll() {
 	s.mu.Lock()
 	s.closing = true

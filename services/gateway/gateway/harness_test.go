@@ -135,14 +135,15 @@ type gw struct {
 	stop func()
 }
 
-// startGateway runs a gateway with cfg (its listener and PKI filled in) until
-// the test ends.
+// startGateway runs a gateway with cfg (its listener and PKI filled in; no
+// probes server unless cfg has a HealthListener) until the test ends.
 func (e *env) startGateway(cfg gateway.Config) *gw {
 	e.t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(e.t, err)
 	cfg.Listener = ln
 	cfg.PKIDir = e.pkiDir
+	cfg.NoHealthServer = cfg.HealthListener == nil
 	if cfg.GatewayID == "" {
 		cfg.GatewayID = "gw-test"
 	}

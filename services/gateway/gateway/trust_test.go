@@ -12,6 +12,7 @@ import (
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/services/gateway/gateway"
 )
@@ -108,7 +109,7 @@ func TestRenewalKeepsTheSession(t *testing.T) {
 	t.Parallel()
 	e := setup(t, options{})
 	e.relay()
-	g := e.startGateway(gateway.Config{ResyncInterval: time.Hour, NodeCertTTL: 2 * time.Hour})
+	g := e.startGateway(gateway.Config{ResyncInterval: time.Hour, NodeCerts: service.NodeCerts{NodeCertTTL: 2 * time.Hour}})
 	n := e.newNode()
 	d, w := e.connect(g, n, nil)
 

@@ -1,6 +1,7 @@
 // Package joinservice turns sealed join tokens and CSRs into node
 // identities: it serves bc.join.v1.JoinService/Join over Connect (HTTP/1.1
-// and h2c) and GET /healthz on one mux.
+// and h2c), with the probes of the service lifecycle (pkg/service) beside
+// it.
 //
 // A join is checked in two steps. decodeJoinRequest needs no database: it
 // validates the request (protovalidate), parses the CSR and checks its
@@ -30,10 +31,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"os"
 	"path/filepath"
-	"strconv"
-	"time"
 
 	"buf.build/go/protovalidate"
 	"connectrpc.com/connect"
@@ -41,6 +39,7 @@ import (
 
 	joinv1 "github.com/better-compute/better-compute/api/gen/bc/join/v1"
 	"github.com/better-compute/better-compute/api/gen/bc/join/v1/joinv1connect"
+	"github.com/better-compute/better-compute/pkg/config"
 	"github.com/better-compute/better-compute/pkg/iam"
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/pki"
@@ -49,86 +48,45 @@ import (
 	"github.com/better-compute/better-compute/pkg/telemetry"
 )
 
-// Defaults of Config.
-const (
-	DefaultListen            = ":8081"
-	DefaultPKIDir            = "/var/lib/better-compute/pki"
-	DefaultNodeCertTTL       = 24 * time.Hour
-	DefaultGatewayURL        = "https://gateway:8443"
-	DefaultGatewayServerName = "gateway"
-)
+// Name is JoinService's name in logs, errors and `joinservice
+// healthcheck`.
+const Name = "joinservice"
 
 // Config configures JoinService. The binary reads it from the environment
-// (see ConfigFromEnv).
+// (pkg/config; docs/configuration.md lists the variables); New gives every
+// zero field its default. PKIDir holds node-ca.crt/key, serving-ca.crt,
+// trust-domain, join-encryption.key, join-signing.key and, with
+// SignedIntent, command-signing.pub. GatewayURL, sent as
+// JoinResponse.gateway_urls, must be a list of https://HOST[:PORT], else New
+// fails.
 type Config struct {
-	// Listen is the address of the Connect and health endpoints (BC_LISTEN).
-	Listen string
-	// PKIDir holds node-ca.crt/key, serving-ca.crt, trust-domain,
-	// join-encryption.key, join-signing.key and, with SignedIntent,
-	// command-signing.pub (BC_PKI_DIR).
-	PKIDir string
-	// NodeCertTTL is how long issued node certificates are valid
-	// (BC_NODE_CERT_TTL, Go duration).
-	NodeCertTTL time.Duration
-	// GatewayURL is where joined nodes open their sessions (BC_GATEWAY_URL):
-	// one URL, or every gateway replica's URL separated by commas (sent as
-	// JoinResponse.gateway_urls, the first also as gateway_url), each
-	// https://HOST[:PORT]; New refuses others (pki.ParseGatewayURLs).
-	GatewayURL string
-	// GatewayServerName is the TLS name nodes verify on the gateway
-	// (BC_GATEWAY_SERVER_NAME).
-	GatewayServerName string
-	// TrustDomain overrides PKIDir/trust-domain when set (BC_TRUST_DOMAIN).
-	TrustDomain string
-	// SignedIntent puts the command-signing root (PKIDir/command-signing.pub)
-	// into every JoinResponse's trust.command_signing_root, so daemons refuse
-	// unsigned commands and specs (BC_SIGNED_INTENT=true).
-	SignedIntent bool
+	service.Database
+	service.PKI
+	service.Intent
+	service.Gateways
+	service.NodeCerts
+	// Listen is the address of JoinService's Connect API and its probes
+	// (GET /healthz, GET /readyz).
+	Listen string `env:"LISTEN" default:":8081"`
+	// Listener, when set, is where JoinService accepts connections instead
+	// of Listen; Run closes it.
+	Listener net.Listener
+	// TrustDomain is the SPIFFE trust domain of node certificates; unset,
+	// the one in PKI_DIR/trust-domain (spiffe://better-compute.local when
+	// that is missing).
+	TrustDomain string `env:"TRUST_DOMAIN"`
 }
 
-// ConfigFromEnv reads Config from the environment, with the defaults above.
-func ConfigFromEnv() (Config, error) {
-	ttl, err := service.EnvDuration("BC_NODE_CERT_TTL", DefaultNodeCertTTL)
-	if err != nil {
-		return Config{}, err
-	}
-	signed, err := envBool("BC_SIGNED_INTENT")
-	if err != nil {
-		return Config{}, err
-	}
-	return Config{
-		Listen:            service.Env("BC_LISTEN", DefaultListen),
-		PKIDir:            service.Env("BC_PKI_DIR", DefaultPKIDir),
-		NodeCertTTL:       ttl,
-		GatewayURL:        service.Env("BC_GATEWAY_URL", DefaultGatewayURL),
-		GatewayServerName: service.Env("BC_GATEWAY_SERVER_NAME", DefaultGatewayServerName),
-		TrustDomain:       service.Env("BC_TRUST_DOMAIN", ""),
-		SignedIntent:      signed,
-	}, nil
-}
+// ProbeAddr is Listen (service.Config).
+func (c Config) ProbeAddr() string { return c.Listen }
 
-// envBool reads a boolean environment variable ("" is false).
-func envBool(key string) (bool, error) {
-	v := os.Getenv(key)
-	if v == "" {
-		return false, nil
-	}
-	b, err := strconv.ParseBool(v)
-	if err != nil {
-		return false, fmt.Errorf("%s: %q is not true or false", key, v)
-	}
-	return b, nil
-}
-
-// Deps are JoinService's collaborators.
-type Deps struct {
-	DB     *store.DB
-	Logger *slog.Logger
-}
+// Deps are JoinService's collaborators: DB, and optionally Logger.
+type Deps = service.Deps
 
 // Server is a running JoinService.
 type Server struct {
 	cfg         Config
+	deps        Deps
 	db          *store.DB
 	logger      *slog.Logger
 	nodeCA      *pki.CA
@@ -151,26 +109,13 @@ var _ joinv1connect.JoinServiceHandler = (*Server)(nil)
 // root from cfg.PKIDir and returns a Server. Errors name the file that is
 // missing or broken.
 func New(cfg Config, deps Deps) (*Server, error) {
-	if deps.DB == nil {
-		return nil, errors.New("joinservice: no database")
+	deps, err := deps.Complete(Name, false)
+	if err != nil {
+		return nil, err
 	}
-	if deps.Logger == nil {
-		deps.Logger = telemetry.Discard()
-	}
-	if cfg.Listen == "" {
-		cfg.Listen = DefaultListen
-	}
-	if cfg.NodeCertTTL <= 0 {
-		cfg.NodeCertTTL = DefaultNodeCertTTL
-	}
-	if cfg.GatewayURL == "" {
-		cfg.GatewayURL = DefaultGatewayURL
-	}
-	if _, err := pki.ParseGatewayURLs(cfg.GatewayURL); err != nil {
-		return nil, fmt.Errorf("BC_GATEWAY_URL: %w", err)
-	}
-	if cfg.GatewayServerName == "" {
-		cfg.GatewayServerName = DefaultGatewayServerName
+	config.SetDefaults(&cfg)
+	if err := cfg.Check(); err != nil {
+		return nil, err
 	}
 	nodeCA, err := pki.LoadCA(filepath.Join(cfg.PKIDir, pki.NodeCACert), filepath.Join(cfg.PKIDir, pki.NodeCAKey))
 	if err != nil {
@@ -210,25 +155,26 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		}
 		commandRoot = der
 	}
-	return &Server{cfg: cfg, db: deps.DB, logger: deps.Logger, nodeCA: nodeCA, servingCA: servingCA, trustDomain: td,
+	return &Server{cfg: cfg, deps: deps, db: deps.DB, logger: deps.Logger, nodeCA: nodeCA, servingCA: servingCA, trustDomain: td,
 		joinKey: joinKey, signKey: signKey, commandRoot: commandRoot, batch: &batcher{db: deps.DB}}, nil
 }
 
-// Handler returns the mux: JoinService's Connect handler and GET /healthz
-// (which pings the database).
+// Handler returns the mux of JoinService's Connect handler.
 func (s *Server) Handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle(joinv1connect.NewJoinServiceHandler(s, service.HandlerOptions(s.logger)...))
-	mux.Handle("/healthz", service.HealthHandler(func(ctx context.Context) error { return s.db.Pool.Ping(ctx) }))
 	return mux
 }
 
-// Run serves on cfg.Listen until ctx ends.
-func (s *Server) Run(ctx context.Context) error { return s.Serve(ctx, nil) }
+// Name returns Name (service.Runner).
+func (s *Server) Name() string { return Name }
 
-// Serve serves on ln (or cfg.Listen when ln is nil) until ctx ends.
-func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
-	return service.Serve(ctx, s.logger, service.NewServer(s.cfg.Listen, s.Handler()), ln)
+// Run serves the Connect API and the probes on Config.Listen (or
+// Listener) through the service lifecycle (service.Run) until ctx ends.
+func (s *Server) Run(ctx context.Context) error {
+	return service.Run(ctx, service.Spec{Name: Name, Deps: s.deps, Servers: []service.HTTPServer{{
+		Name: Name, Addr: s.cfg.Listen, Listener: s.cfg.Listener, Handler: s.Handler(), Probes: true,
+	}}})
 }
 
 // Join implements bc.join.v1.JoinService/Join; see the proto for errors.

@@ -28,9 +28,11 @@ import (
 	joinv1 "github.com/better-compute/better-compute/api/gen/bc/join/v1"
 	"github.com/better-compute/better-compute/api/gen/bc/join/v1/joinv1connect"
 	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/config"
 	"github.com/better-compute/better-compute/pkg/iam"
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/pkg/telemetry"
@@ -94,17 +96,18 @@ func setupWith(t *testing.T, edit func(*joinservice.Config)) *fixture {
 	require.NoError(t, store.CreatePool(ctx, db.Pool, store.Pool{ID: f.poolID, SiteID: site.ID,
 		OwnerTenantID: tenant.ID, Name: "metal-host", Kind: "metal-host", CreatedAt: now}))
 
-	cfg := joinservice.Config{PKIDir: f.pkiDir, GatewayURL: "https://gw.example:8443", GatewayServerName: "gw.example"}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	cfg := joinservice.Config{PKI: service.PKI{PKIDir: f.pkiDir}, Listener: ln,
+		Gateways: service.Gateways{GatewayURL: "https://gw.example:8443", GatewayServerName: "gw.example"}}
 	if edit != nil {
 		edit(&cfg)
 	}
 	srv, err := joinservice.New(cfg, joinservice.Deps{DB: db, Logger: telemetry.Discard()})
 	require.NoError(t, err)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
 	sctx, cancel := context.WithCancel(context.Background())
 	var g errgroup.Group
-	g.Go(func() error { return srv.Serve(sctx, ln) })
+	g.Go(func() error { return srv.Run(sctx) })
 	t.Cleanup(func() {
 		cancel()
 		require.NoError(t, g.Wait())
@@ -392,7 +395,7 @@ func TestJoinSignedIntent(t *testing.T) {
 	require.ErrorContains(t, err, "its signature does not verify")
 }
 
-// TestJoinGatewayReplicas configures two gateways (BC_GATEWAY_URL with a
+// TestJoinGatewayReplicas configures two gateways (BETTER_COMPUTE_GATEWAY_URL with a
 // comma): the JoinResponse names both, the first also as gateway_url, under
 // the signature.
 func TestJoinGatewayReplicas(t *testing.T) {
@@ -532,7 +535,7 @@ func TestJoinRetryIsTheSameNode(t *testing.T) {
 func TestNewNeedsPKI(t *testing.T) {
 	t.Parallel()
 	db := storetest.New(t, clock.New())
-	_, err := joinservice.New(joinservice.Config{PKIDir: t.TempDir()}, joinservice.Deps{DB: db})
+	_, err := joinservice.New(joinservice.Config{PKI: service.PKI{PKIDir: t.TempDir()}}, joinservice.Deps{DB: db})
 	require.ErrorContains(t, err, "load node CA")
 
 	for _, tc := range []struct {
@@ -546,16 +549,16 @@ func TestNewNeedsPKI(t *testing.T) {
 		dir := t.TempDir()
 		_, err := pki.Init(dir, pki.InitOptions{}, db.Now())
 		require.NoError(t, err)
-		_, err = joinservice.New(joinservice.Config{PKIDir: dir, SignedIntent: tc.signed}, joinservice.Deps{DB: db})
+		_, err = joinservice.New(joinservice.Config{PKI: service.PKI{PKIDir: dir}, Intent: service.Intent{SignedIntent: tc.signed}}, joinservice.Deps{DB: db})
 		require.NoError(t, err)
 		require.NoError(t, os.Remove(filepath.Join(dir, tc.file)))
-		_, err = joinservice.New(joinservice.Config{PKIDir: dir, SignedIntent: tc.signed}, joinservice.Deps{DB: db})
+		_, err = joinservice.New(joinservice.Config{PKI: service.PKI{PKIDir: dir}, Intent: service.Intent{SignedIntent: tc.signed}}, joinservice.Deps{DB: db})
 		require.ErrorContains(t, err, tc.want)
 		require.ErrorContains(t, err, filepath.Join(dir, tc.file), "the error names the file")
 	}
 }
 
-// TestNewRefusesBadGatewayURL: a malformed BC_GATEWAY_URL is refused at
+// TestNewRefusesBadGatewayURL: a malformed BETTER_COMPUTE_GATEWAY_URL is refused at
 // startup, naming the variable, rather than sent to every joining machine.
 func TestNewRefusesBadGatewayURL(t *testing.T) {
 	t.Parallel()
@@ -564,12 +567,12 @@ func TestNewRefusesBadGatewayURL(t *testing.T) {
 	_, err := pki.Init(dir, pki.InitOptions{}, db.Now())
 	require.NoError(t, err)
 	for list, want := range map[string]string{
-		"gateway:8443":                    `BC_GATEWAY_URL: gateway URL "gateway:8443" must be https://HOST[:PORT]`,
-		"http://gateway:8443":             `BC_GATEWAY_URL: gateway URL "http://gateway:8443" must be https://HOST[:PORT]`,
-		"https://gw-a:8443, https://:1":   `BC_GATEWAY_URL: gateway URL "https://:1" has no host`,
+		"gateway:8443":                    `BETTER_COMPUTE_GATEWAY_URL: gateway URL "gateway:8443" must be https://HOST[:PORT]`,
+		"http://gateway:8443":             `BETTER_COMPUTE_GATEWAY_URL: gateway URL "http://gateway:8443" must be https://HOST[:PORT]`,
+		"https://gw-a:8443, https://:1":   `BETTER_COMPUTE_GATEWAY_URL: gateway URL "https://:1" has no host`,
 		"https://gw-a:8443, https://gw-b": "",
 	} {
-		_, err := joinservice.New(joinservice.Config{PKIDir: dir, GatewayURL: list}, joinservice.Deps{DB: db})
+		_, err := joinservice.New(joinservice.Config{PKI: service.PKI{PKIDir: dir}, Gateways: service.Gateways{GatewayURL: list}}, joinservice.Deps{DB: db})
 		if want == "" {
 			require.NoError(t, err, list)
 			continue
@@ -578,16 +581,19 @@ func TestNewRefusesBadGatewayURL(t *testing.T) {
 	}
 }
 
-func TestConfigFromEnvSignedIntent(t *testing.T) {
-	t.Setenv("BC_SIGNED_INTENT", "true")
-	cfg, err := joinservice.ConfigFromEnv()
-	require.NoError(t, err)
+// TestConfigSignedIntent reads BETTER_COMPUTE_SIGNED_INTENT from the
+// environment as the binary does (config.Load): true, unset (false), and a
+// value that is not a boolean, refused naming the variable.
+func TestConfigSignedIntent(t *testing.T) {
+	t.Setenv("BETTER_COMPUTE_SIGNED_INTENT", "true")
+	var cfg joinservice.Config
+	require.NoError(t, config.Load(&cfg, os.Getenv))
 	require.True(t, cfg.SignedIntent)
-	t.Setenv("BC_SIGNED_INTENT", "")
-	cfg, err = joinservice.ConfigFromEnv()
-	require.NoError(t, err)
+	t.Setenv("BETTER_COMPUTE_SIGNED_INTENT", "")
+	cfg = joinservice.Config{}
+	require.NoError(t, config.Load(&cfg, os.Getenv))
 	require.False(t, cfg.SignedIntent)
-	t.Setenv("BC_SIGNED_INTENT", "yes please")
-	_, err = joinservice.ConfigFromEnv()
-	require.ErrorContains(t, err, `BC_SIGNED_INTENT: "yes please" is not true or false`)
+	t.Setenv("BETTER_COMPUTE_SIGNED_INTENT", "yes please")
+	cfg = joinservice.Config{}
+	require.ErrorContains(t, config.Load(&cfg, os.Getenv), `BETTER_COMPUTE_SIGNED_INTENT: want true or false, got "yes please"`)
 }

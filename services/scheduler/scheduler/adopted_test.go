@@ -7,6 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/services/scheduler/scheduler"
@@ -29,7 +30,7 @@ func TestPlacesOnAdoptedNodesOnly(t *testing.T) {
 	require.NoError(t, err)
 	_, err = db.Pool.Exec(ctx, `UPDATE nodes SET provision_state = 'accepting' WHERE id = $1`, accepting)
 	require.NoError(t, err)
-	srv, err := scheduler.New(scheduler.Config{NoHealthServer: true, Holder: "a"}, scheduler.Deps{DB: db, NC: startNATS(t), Clock: clk})
+	srv, err := scheduler.New(scheduler.Config{NoHealthServer: true, Leases: service.Leases{Holder: "a"}}, scheduler.Deps{DB: db, NC: startNATS(t), Clock: clk})
 	require.NoError(t, err)
 
 	var ids []string

@@ -14,6 +14,7 @@ import (
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	"github.com/better-compute/better-compute/pkg/daemon"
+	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/services/scheduler/scheduler"
@@ -42,7 +43,7 @@ func TestRaceTwoSchedulers(t *testing.T) {
 	for _, name := range []string{"a", "b"} {
 		// Small batches so that the two instances interleave many
 		// transactions.
-		s, err := scheduler.New(scheduler.Config{NoHealthServer: true, Holder: name, Batch: 3},
+		s, err := scheduler.New(scheduler.Config{NoHealthServer: true, Leases: service.Leases{Holder: name}, Batch: 3},
 			scheduler.Deps{DB: db, NC: nc})
 		require.NoError(t, err)
 		scheds = append(scheds, s)

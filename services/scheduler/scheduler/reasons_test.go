@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/services/scheduler/scheduler"
@@ -25,7 +26,7 @@ func TestPendingReasons(t *testing.T) {
 	ctx := t.Context()
 	f := storetest.NewFleet(t, db, "reasons", 8)
 	tenant := f.Tenant(t, "reasons-tenant", 64)
-	srv, err := scheduler.New(scheduler.Config{NoHealthServer: true, Holder: "a", StarvationBound: 5 * time.Minute},
+	srv, err := scheduler.New(scheduler.Config{NoHealthServer: true, Leases: service.Leases{Holder: "a"}, StarvationBound: 5 * time.Minute},
 		scheduler.Deps{DB: db, NC: startNATS(t), Clock: clk})
 	require.NoError(t, err)
 	reserve := func(gpus int32, d time.Duration) string {
@@ -95,7 +96,7 @@ func TestPendingReasonWhenAllCordoned(t *testing.T) {
 	ctx := t.Context()
 	f := storetest.NewFleet(t, db, "cordoned", 8, 8, 8, 8)
 	tenant := f.Tenant(t, "cordoned-tenant", 64)
-	srv, err := scheduler.New(scheduler.Config{NoHealthServer: true, Holder: "a", StarvationBound: 5 * time.Minute},
+	srv, err := scheduler.New(scheduler.Config{NoHealthServer: true, Leases: service.Leases{Holder: "a"}, StarvationBound: 5 * time.Minute},
 		scheduler.Deps{DB: db, NC: startNATS(t), Clock: clk})
 	require.NoError(t, err)
 	_, err = db.Pool.Exec(ctx, `UPDATE nodes SET cordoned = true, cordon_reason = 'maintenance' WHERE id = ANY($1)`, f.Nodes[:3])

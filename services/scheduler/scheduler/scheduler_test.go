@@ -17,6 +17,7 @@ import (
 
 	"github.com/better-compute/better-compute/pkg/bus/bustest"
 	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/services/scheduler/scheduler"
@@ -65,7 +66,7 @@ type replica struct {
 
 func startReplica(t *testing.T, db *store.DB, nc *nats.Conn, clk clock.Clock, name string) *replica {
 	t.Helper()
-	srv, err := scheduler.New(scheduler.Config{NoHealthServer: true, Holder: name, LeaseTTL: 3 * time.Second,
+	srv, err := scheduler.New(scheduler.Config{NoHealthServer: true, Leases: service.Leases{Holder: name, LeaseTTL: 3 * time.Second},
 		Interval: time.Hour}, scheduler.Deps{DB: db, NC: nc, Clock: clk})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(t.Context())
@@ -147,7 +148,7 @@ func TestHealthz(t *testing.T) {
 	nc := startNATS(t)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	srv, err := scheduler.New(scheduler.Config{Listener: ln, Holder: "a"}, scheduler.Deps{DB: db, NC: nc})
+	srv, err := scheduler.New(scheduler.Config{Listener: ln, Leases: service.Leases{Holder: "a"}}, scheduler.Deps{DB: db, NC: nc})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(t.Context())
 	errc := make(chan error, 1)

@@ -52,16 +52,17 @@ type Proc struct {
 	paused atomic.Bool // stopped by Pause and not resumed
 }
 
-// Start runs bin/linux/<name> with the test's environment plus env
-// ("KEY=value"), its stderr to the test's stderr, and waits until
-// http://<health>/healthz answers 200 (env must make it serve there:
-// BC_HEALTH_LISTEN for the gateway, BC_LISTEN for the other services). The
-// process is interrupted and waited for when the test ends, unless it was
-// killed before.
-func Start(tb testing.TB, name, health string, env ...string) *Proc {
+// Start runs the service bin/linux/<name> with the test's environment plus
+// env ("KEY=value"), its stderr to the test's stderr, and waits until
+// http://<probes>/readyz answers 200: its dependencies answer (env must make
+// it serve there: BETTER_COMPUTE_HEALTH_LISTEN for the gateway,
+// BETTER_COMPUTE_LISTEN for the other services). The process is
+// interrupted and waited for when the test ends, unless it was killed
+// before.
+func Start(tb testing.TB, name, probes string, env ...string) *Proc {
 	tb.Helper()
 	p := Launch(tb, name, nil, env...)
-	p.WaitHealthy(tb, health, 30*time.Second)
+	p.wait(tb, "http://"+probes+"/readyz", 30*time.Second, "ready")
 	return p
 }
 
@@ -89,6 +90,13 @@ func Launch(tb testing.TB, name string, args []string, env ...string) *Proc {
 // first (with its exit status).
 func (p *Proc) WaitHealthy(tb testing.TB, health string, within time.Duration) {
 	tb.Helper()
+	p.wait(tb, "http://"+health+"/healthz", within, "healthy")
+}
+
+// wait waits up to within until url answers 200 (the process is what),
+// failing the test as WaitHealthy says.
+func (p *Proc) wait(tb testing.TB, url string, within time.Duration, what string) {
+	tb.Helper()
 	var exited atomic.Bool
 	require.Eventually(tb, func() bool {
 		select {
@@ -97,15 +105,15 @@ func (p *Proc) WaitHealthy(tb testing.TB, health string, within time.Duration) {
 			return true
 		default:
 		}
-		resp, err := http.Get("http://" + health + "/healthz")
+		resp, err := http.Get(url)
 		if err != nil {
 			return false
 		}
 		resp.Body.Close()
 		return resp.StatusCode == http.StatusOK
-	}, within, 50*time.Millisecond, "%s healthy at %s", p.name, health)
+	}, within, 50*time.Millisecond, "%s %s at %s", p.name, what, url)
 	if exited.Load() {
-		tb.Fatalf("%s exited before it was healthy: %v", p.name, p.err)
+		tb.Fatalf("%s exited before it was %s: %v", p.name, what, p.err)
 	}
 }
 

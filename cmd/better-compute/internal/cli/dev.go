@@ -22,9 +22,11 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/better-compute/better-compute/pkg/agent"
+	"github.com/better-compute/better-compute/pkg/config"
 	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/pgembed"
+	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/telemetry"
 )
@@ -44,13 +46,32 @@ const (
 	devConfigFile = "better-compute.env"
 )
 
-// devConfigKeys are the settings a dev configuration file may hold: the
-// variables the services read in compose, with what each means.
+// devConfigKeys are the settings a dev configuration file may hold, the
+// variables of DevSettings, with what each means for dev.
 var devConfigKeys = map[string]string{
-	"BETTER_COMPUTE_DATABASE_URL": "the deployment's database (postgres://…); no embedded PostgreSQL is started",
-	"BETTER_COMPUTE_NATS_URL":     "the deployment's NATS server (nats://…); no embedded NATS is started",
-	"BC_PKI_DIR":                  "the deployment's PKI directory (`better-compute pki init`), instead of <data>/pki",
-	"BC_SIGNED_INTENT":            "true (dev's default) or false: sign every command and NodeSpec with the command-signing root",
+	"BETTER_COMPUTE_DATABASE_URL":  "the deployment's database (postgres://…); no embedded PostgreSQL is started",
+	"BETTER_COMPUTE_NATS_URL":      "the deployment's NATS server (nats://…); no embedded NATS is started",
+	"BETTER_COMPUTE_PKI_DIR":       "the deployment's PKI directory (`better-compute pki init`), instead of <data>/pki",
+	"BETTER_COMPUTE_SIGNED_INTENT": "true (dev's default) or false: sign every command and NodeSpec with the command-signing root",
+}
+
+// DevSettings are the deployment settings of `better-compute dev`, from its
+// configuration file with the environment over it (devConfigKeys): the
+// services' own settings, with dev's defaults. Unset, dev starts an
+// embedded PostgreSQL and NATS, keeps the PKI in <data>/pki and signs
+// intent.
+type DevSettings struct {
+	service.Database
+	service.NATS   `default:"NATS_URL="`
+	service.PKI    `default:"PKI_DIR="`
+	service.Intent `default:"SIGNED_INTENT=true"`
+}
+
+// DevLog is dev's telemetry setting, from the environment only:
+// BETTER_COMPUTE_LOG_LEVEL, warn by default (the progress lines are what a
+// developer reads).
+type DevLog struct {
+	telemetry.Settings `default:"LOG_LEVEL=warn"`
 }
 
 // devFlags are the flags of `better-compute dev`.
@@ -123,16 +144,21 @@ func (a *app) devCmd() *cobra.Command {
 	return c
 }
 
-// devConfigHelp lists the configuration's settings for --help.
-func devConfigHelp() string {
+// devConfigNames are the keys of devConfigKeys, sorted.
+func devConfigNames() []string {
 	keys := make([]string, 0, len(devConfigKeys))
 	for k := range devConfigKeys {
 		keys = append(keys, k)
 	}
 	slices.Sort(keys)
+	return keys
+}
+
+// devConfigHelp lists the configuration's settings for --help.
+func devConfigHelp() string {
 	var b strings.Builder
-	for _, k := range keys {
-		fmt.Fprintf(&b, "  %-28s %s\n", k, devConfigKeys[k])
+	for _, k := range devConfigNames() {
+		fmt.Fprintf(&b, "  %-29s %s\n", k, devConfigKeys[k])
 	}
 	return b.String() + "The environment overrides the file.\n\n"
 }
@@ -157,21 +183,19 @@ func (f devFlags) validate() error {
 	return nil
 }
 
-// devConfig is dev's deployment settings: the configuration file's, with
-// the environment over them.
+// devConfig is dev's deployment settings (DevSettings) and where each came
+// from, for messages: the variable itself or "FILE:LINE: VARIABLE".
 type devConfig struct {
-	databaseURL, natsURL, pkiDir string
-	signedIntent                 bool
-	// from says where each setting came from, for messages: the variable
-	// itself or "FILE:LINE: VARIABLE".
+	DevSettings
 	from map[string]string
 }
 
 // loadDevConfig reads the configuration file (--config, else
 // BETTER_COMPUTE_CONFIG, else ./better-compute.env when it exists) and the
-// environment, and checks what it can without starting anything.
+// environment into DevSettings (pkg/config), and checks what it can without
+// starting anything.
 func (a *app) loadDevConfig(flag string) (devConfig, error) {
-	cfg := devConfig{signedIntent: true, from: map[string]string{}}
+	cfg := devConfig{from: map[string]string{}}
 	path, name := flag, "--config"
 	if path == "" {
 		path, name = a.env.Getenv("BETTER_COMPUTE_CONFIG"), "BETTER_COMPUTE_CONFIG"
@@ -193,20 +217,17 @@ func (a *app) loadDevConfig(flag string) (devConfig, error) {
 			vals[k], cfg.from[k] = v, k
 		}
 	}
-	cfg.databaseURL = vals["BETTER_COMPUTE_DATABASE_URL"]
-	cfg.natsURL = vals["BETTER_COMPUTE_NATS_URL"]
-	cfg.pkiDir = vals["BC_PKI_DIR"]
-	if v, ok := vals["BC_SIGNED_INTENT"]; ok {
-		b, err := strconv.ParseBool(v)
-		if err != nil {
-			return cfg, fmt.Errorf("%s: want true or false, got %q", cfg.from["BC_SIGNED_INTENT"], v)
+	if err := config.Load(&cfg.DevSettings, func(k string) string { return vals[k] }); err != nil {
+		var bad *config.Error
+		if errors.As(err, &bad) {
+			return cfg, fmt.Errorf("%s: %w", cfg.from[bad.Name], bad.Err)
 		}
-		cfg.signedIntent = b
+		return cfg, err
 	}
-	if cfg.pkiDir != "" {
-		if fi, err := os.Stat(cfg.pkiDir); err != nil || !fi.IsDir() {
+	if cfg.PKIDir != "" {
+		if fi, err := os.Stat(cfg.PKIDir); err != nil || !fi.IsDir() {
 			return cfg, fmt.Errorf("%s: %s is not a directory (`better-compute pki init --dir %s` makes a deployment's PKI)",
-				cfg.from["BC_PKI_DIR"], cfg.pkiDir, cfg.pkiDir)
+				cfg.from[config.Prefix+"PKI_DIR"], cfg.PKIDir, cfg.PKIDir)
 		}
 	}
 	return cfg, nil
@@ -237,7 +258,7 @@ func parseDevConfig(path string) (map[string]string, map[string]string, error) {
 			return nil, nil, fmt.Errorf("%s:%d: want KEY=VALUE, got %q", path, n, line)
 		}
 		if _, known := devConfigKeys[k]; !known {
-			return nil, nil, fmt.Errorf("%s:%d: unknown setting %s (known: BETTER_COMPUTE_DATABASE_URL, BETTER_COMPUTE_NATS_URL, BC_PKI_DIR, BC_SIGNED_INTENT)", path, n, k)
+			return nil, nil, fmt.Errorf("%s:%d: unknown setting %s (known: %s)", path, n, k, strings.Join(devConfigNames(), ", "))
 		}
 		v = strings.TrimSpace(v)
 		if len(v) >= 2 && (v[0] == '"' || v[0] == '\'') && v[len(v)-1] == v[0] {
@@ -350,10 +371,10 @@ func (a *app) runDev(ctx context.Context, f devFlags) (err error) {
 		return err
 	}
 	if f.memory {
-		cfg.databaseURL = "" // --memory: a throwaway embedded database, whatever the configuration says
+		cfg.DatabaseURL = "" // --memory: a throwaway embedded database, whatever the configuration says
 	}
 	var binDir string
-	if cfg.databaseURL == "" {
+	if cfg.DatabaseURL == "" {
 		if binDir, err = pgembed.FindBinDir(a.env.Getenv); err != nil {
 			return err
 		}
@@ -379,15 +400,15 @@ func (a *app) runDev(ctx context.Context, f devFlags) (err error) {
 	// before the services they talk to; ctx bounds the start only.
 	st, err := devstack.Start(ctx, devstack.Options{
 		DataDir:        dataDir,
-		DatabaseURL:    cfg.databaseURL,
+		DatabaseURL:    cfg.DatabaseURL,
 		PostgresBinDir: binDir,
-		NATSURL:        cfg.natsURL,
-		PKIDir:         cfg.pkiDir,
+		NATSURL:        cfg.NATSURL,
+		PKIDir:         cfg.PKIDir,
 		APIListener:    ln,
 		Host:           f.host,
 		Logger:         logger,
 		MachineLogger:  logger.With("service", "fakedaemon"),
-		SignedIntent:   cfg.signedIntent,
+		SignedIntent:   cfg.SignedIntent,
 		// A laptop's reconcilers look often: adoption in well under a second.
 		ReconcileInterval: 250 * time.Millisecond,
 	})
@@ -461,9 +482,9 @@ func (a *app) devSim(ctx context.Context, state *devState, st *devstack.Stack, f
 		return err
 	}
 	fmt.Fprintf(w, "Joined %d simulated %s node(s) into %s\n", len(nodes), f.simVariant, pool)
-	if !cfg.signedIntent {
+	if !cfg.SignedIntent {
 		if n := requireSignedIntent(st); n > 0 {
-			fmt.Fprintf(w, "warning: signed intent is off (BC_SIGNED_INTENT=false), but %d simulated machine(s) joined "+
+			fmt.Fprintf(w, "warning: signed intent is off (BETTER_COMPUTE_SIGNED_INTENT=false), but %d simulated machine(s) joined "+
 				"when it was on and refuse unsigned commands and NodeSpecs: turn it on again, or use another --data\n", n)
 		}
 	}
@@ -606,21 +627,17 @@ func devStartError(err error, cfg devConfig) error {
 	switch {
 	case errors.As(err, &dd):
 		return fmt.Errorf("--data: %s %s", dd.Dir, dd.Msg)
-	case cfg.natsURL != "" && strings.Contains(err.Error(), cfg.natsURL):
+	case cfg.NATSURL != "" && strings.Contains(err.Error(), cfg.NATSURL):
 		return fmt.Errorf("%s: cannot reach the NATS server: %w", cfg.from["BETTER_COMPUTE_NATS_URL"], err)
 	}
 	return err
 }
 
-// devLogger is dev's log: JSON on standard error at BC_LOG_LEVEL (debug,
-// info, warn or error), warn by default (the progress lines are what a
-// developer reads).
+// devLogger is dev's log: JSON on standard error at DevLog's level.
 func devLogger(env Env) (*slog.Logger, error) {
-	level := slog.LevelWarn
-	if v := env.Getenv("BC_LOG_LEVEL"); v != "" {
-		if err := level.UnmarshalText([]byte(v)); err != nil {
-			return nil, fmt.Errorf("BC_LOG_LEVEL: want debug, info, warn or error, got %q", v)
-		}
+	var l DevLog
+	if err := config.Load(&l, env.Getenv); err != nil {
+		return nil, err
 	}
-	return telemetry.NewLoggerAt(env.Stderr, "", level), nil // devstack names each service
+	return telemetry.NewLoggerAt(env.Stderr, "", slog.Level(l.LogLevel)), nil // devstack names each service
 }

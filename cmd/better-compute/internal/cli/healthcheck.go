@@ -9,10 +9,10 @@ import (
 func (a *app) healthcheckCmd() *cobra.Command {
 	return &cobra.Command{
 		Use:   "healthcheck [URL]",
-		Short: "GET a /healthz URL and exit 0 when it answers 200 (for container health checks)",
+		Short: "GET a /readyz URL (default: the API's) and exit 0 when it answers 200 (for container health checks)",
 		Args:  cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			url := a.baseURL() + "/healthz"
+			url := a.baseURL() + "/readyz"
 			if len(args) == 1 {
 				url = args[0]
 			}

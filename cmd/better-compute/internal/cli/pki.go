@@ -7,7 +7,9 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/better-compute/better-compute/pkg/config"
 	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/service"
 )
 
 func (a *app) pkiCmd() *cobra.Command {
@@ -52,16 +54,17 @@ func (a *app) pkiInitCmd() *cobra.Command {
 			"owner-only (0600).",
 		Args: cobra.NoArgs,
 	}
-	c.Flags().StringVar(&dir, "dir", "", "PKI directory (env BC_PKI_DIR, default /var/lib/better-compute/pki)")
+	c.Flags().StringVar(&dir, "dir", "", "PKI directory (env BETTER_COMPUTE_PKI_DIR, default /var/lib/better-compute/pki)")
 	c.Flags().StringVar(&trustDomain, "trust-domain", "", "SPIFFE trust domain of node certificates (default "+pki.DefaultTrustDomain+")")
 	c.Flags().StringSliceVar(&names, "gateway-name", nil, "DNS name or IP of the gateway certificate (repeatable; default gateway, localhost, 127.0.0.1)")
 	c.Flags().StringVar(&pinsOut, "pins-out", "", "also write the pins (public) to this file, e.g. a volume daemons read, which must not see DIR")
 	c.RunE = func(cmd *cobra.Command, _ []string) error {
 		if dir == "" {
-			dir = a.env.Getenv("BC_PKI_DIR")
-		}
-		if dir == "" {
-			dir = "/var/lib/better-compute/pki"
+			var p service.PKI
+			if err := config.Load(&p, a.env.Getenv); err != nil {
+				return err
+			}
+			dir = p.PKIDir
 		}
 		before := map[string]os.FileInfo{}
 		for _, f := range pkiFiles {

@@ -1,0 +1,271 @@
+// Command genconfig writes the configuration reference, docs/configuration.md,
+// from the configuration structs (`make generate`; `make generate-check`
+// fails when the file differs from what this writes): every variable of
+// every service's Config, of `better-compute dev`'s settings and of the
+// telemetry settings every process reads, with its default, what reads it
+// and what it means: the doc comment of the field that declares it. It reads
+// the structs by reflection (pkg/config.Vars) and their doc comments from
+// the source of their packages (go/build finds them), so it needs the
+// source tree and a go command, not a database.
+//
+// To document a new service, add its Config to readers.
+//
+// Usage: go run ./cmd/better-compute/internal/genconfig PATH
+package main
+
+import (
+	"bytes"
+	"fmt"
+	"go/ast"
+	"go/build"
+	"go/parser"
+	"go/token"
+	"os"
+	"path/filepath"
+	"reflect"
+	"slices"
+	"strings"
+	"time"
+	"unicode"
+	"unicode/utf8"
+
+	"github.com/better-compute/better-compute/cmd/better-compute/internal/cli"
+	"github.com/better-compute/better-compute/pkg/config"
+	"github.com/better-compute/better-compute/pkg/telemetry"
+	"github.com/better-compute/better-compute/services/api/api"
+	"github.com/better-compute/better-compute/services/controllers/controllers"
+	"github.com/better-compute/better-compute/services/gateway/gateway"
+	"github.com/better-compute/better-compute/services/joinservice/joinservice"
+	"github.com/better-compute/better-compute/services/scheduler/scheduler"
+)
+
+// readers are what reads the environment, and from which structs: every
+// service its Config and, through telemetry.Setup, telemetry.Settings.
+var readers = []struct {
+	name  string
+	types []reflect.Type
+}{
+	{api.Name, []reflect.Type{reflect.TypeFor[api.Config](), reflect.TypeFor[telemetry.Settings]()}},
+	{joinservice.Name, []reflect.Type{reflect.TypeFor[joinservice.Config](), reflect.TypeFor[telemetry.Settings]()}},
+	{gateway.Name, []reflect.Type{reflect.TypeFor[gateway.Config](), reflect.TypeFor[telemetry.Settings]()}},
+	{scheduler.Name, []reflect.Type{reflect.TypeFor[scheduler.Config](), reflect.TypeFor[telemetry.Settings]()}},
+	{controllers.Name, []reflect.Type{reflect.TypeFor[controllers.Config](), reflect.TypeFor[telemetry.Settings]()}},
+	{"dev", []reflect.Type{reflect.TypeFor[cli.DevSettings](), reflect.TypeFor[cli.DevLog]()}},
+	{"fakedaemon", []reflect.Type{reflect.TypeFor[telemetry.Settings]()}},
+}
+
+func main() {
+	if len(os.Args) != 2 {
+		fmt.Fprintln(os.Stderr, "usage: genconfig PATH")
+		os.Exit(2)
+	}
+	if err := write(os.Args[1]); err != nil {
+		fmt.Fprintln(os.Stderr, "genconfig:", err)
+		os.Exit(1)
+	}
+}
+
+// row is one line of the table: a variable as one field declares it, and
+// who reads it with which default.
+type row struct {
+	v        config.Var
+	doc      string
+	readers  []string
+	defaults []string // per reader
+}
+
+func write(path string) error {
+	docs := docReader{}
+	var rows []*row
+	byField := map[string]*row{}
+	perReader := map[string][]string{}
+	for _, r := range readers {
+		for _, t := range r.types {
+			for _, v := range config.Vars(t) {
+				key := v.Owner.PkgPath() + "." + v.Owner.Name() + "." + v.Field
+				rw := byField[key]
+				if rw == nil {
+					doc, err := docs.field(v.Owner, v.Field)
+					if err != nil {
+						return err
+					}
+					rw = &row{v: v, doc: doc}
+					byField[key] = rw
+					rows = append(rows, rw)
+				}
+				rw.readers = append(rw.readers, r.name)
+				rw.defaults = append(rw.defaults, v.Default)
+				if !slices.Contains(perReader[r.name], v.Name) {
+					perReader[r.name] = append(perReader[r.name], v.Name)
+				}
+			}
+		}
+	}
+	slices.SortStableFunc(rows, func(a, b *row) int { return strings.Compare(a.v.Name, b.v.Name) })
+
+	var b bytes.Buffer
+	b.WriteString(header)
+	b.WriteString("| variable | default | read by | type | meaning |\n| --- | --- | --- | --- | --- |\n")
+	for _, r := range rows {
+		fmt.Fprintf(&b, "| `%s` | %s | %s | %s | %s |\n", r.v.Name, defaults(r), strings.Join(r.readers, ", "),
+			typeName(r.v), cell(r.doc))
+	}
+	b.WriteString("\n## By service\n\n")
+	for _, r := range readers {
+		names := perReader[r.name]
+		for i, n := range names {
+			names[i] = "`" + strings.TrimPrefix(n, config.Prefix) + "`"
+		}
+		fmt.Fprintf(&b, "- **%s**: %s\n", r.name, strings.Join(names, ", "))
+	}
+	return os.WriteFile(path, b.Bytes(), 0o644)
+}
+
+const header = `# Configuration
+
+Generated from the configuration structs by ` + "`make generate`" + ` (cmd/better-compute/internal/genconfig); do not
+edit. Each service reads its configuration from the environment into one struct, its package's ` + "`Config`" + `,
+whose fields declare the variables, their defaults and their checks; the settings several services share are
+declared once in ` + "`pkg/service`" + ` and embedded, and ` + "`pkg/config`" + ` reads them all (docs/architecture.md, "Services").
+
+Every variable is named ` + "`BETTER_COMPUTE_*`" + `. An unset or empty variable takes its default; a value that does not
+parse, or a duration that must be positive and is not, stops the service at start with a message naming the
+variable. **dev** is ` + "`better-compute dev`" + `, which reads its four deployment settings from its configuration
+file (` + "`--config`" + `) too, the environment over the file. The CLI's own variables (` + "`BETTER_COMPUTE_URL`" + `,
+` + "`_TOKEN`" + `, ` + "`_TENANT`" + `, ` + "`_CONFIG`" + ` …) are in [cli.md](cli.md), the fakedaemon's flags and variables in
+[fakedaemon.md](fakedaemon.md). OpenTelemetry's own variables (` + "`OTEL_EXPORTER_OTLP_ENDPOINT`" + ` …) turn on the
+export of traces.
+
+`
+
+// defaults says a row's default: the most readers' (on a tie, a default
+// over none), then the others' by reader.
+func defaults(r *row) string {
+	show := func(d string) string {
+		switch {
+		case d != "":
+			return "`" + d + "`"
+		case r.v.Type.Kind() == reflect.Bool:
+			return "`false`"
+		default:
+			return "(none)"
+		}
+	}
+	count := map[string]int{}
+	common := r.defaults[0]
+	for _, d := range r.defaults {
+		count[d]++
+		if count[d] > count[common] || (count[d] == count[common] && common == "") {
+			common = d
+		}
+	}
+	parts := []string{show(common)}
+	for i, d := range r.defaults {
+		if d != common {
+			parts = append(parts, r.readers[i]+": "+show(d))
+		}
+	}
+	return strings.Join(parts, "; ")
+}
+
+// typeName says what a variable's value is.
+func typeName(v config.Var) string {
+	switch {
+	case v.Type == reflect.TypeFor[time.Duration]() && v.Positive:
+		return "duration > 0"
+	case v.Type == reflect.TypeFor[time.Duration]():
+		return "duration"
+	case v.Type.Kind() == reflect.Bool:
+		return "true or false"
+	case v.Type == reflect.TypeFor[telemetry.Level]():
+		return "debug, info, warn or error"
+	case v.Type.Kind() == reflect.String:
+		return "string"
+	default:
+		return "whole number"
+	}
+}
+
+// cell is a doc comment as the meaning of a variable: one line, the
+// field's name dropped ("Listen is the address…" → "The address…"), pipes
+// escaped.
+func cell(doc string) string {
+	doc = strings.Join(strings.Fields(doc), " ")
+	doc = strings.ReplaceAll(doc, "|", `\|`)
+	r, size := utf8.DecodeRuneInString(doc)
+	return string(unicode.ToUpper(r)) + doc[size:]
+}
+
+// docReader reads the doc comments of struct fields from their packages'
+// source.
+type docReader map[string][]*ast.File
+
+// field returns the doc comment of field in the struct type t, without
+// its leading name ("X is", "X are", "X").
+func (d docReader) field(t reflect.Type, field string) (string, error) {
+	files, err := d.files(t.PkgPath())
+	if err != nil {
+		return "", err
+	}
+	for _, f := range files {
+		for _, decl := range f.Decls {
+			gd, ok := decl.(*ast.GenDecl)
+			if !ok {
+				continue
+			}
+			for _, spec := range gd.Specs {
+				ts, ok := spec.(*ast.TypeSpec)
+				if !ok || ts.Name.Name != t.Name() {
+					continue
+				}
+				st, ok := ts.Type.(*ast.StructType)
+				if !ok {
+					return "", fmt.Errorf("%s is not a struct", t)
+				}
+				for _, fl := range st.Fields.List {
+					for _, n := range fl.Names {
+						if n.Name == field {
+							return trimName(fl.Doc.Text(), field, t)
+						}
+					}
+				}
+			}
+		}
+	}
+	return "", fmt.Errorf("no field %s in the source of %s", field, t)
+}
+
+func trimName(doc, field string, t reflect.Type) (string, error) {
+	for _, prefix := range []string{field + " is ", field + " are ", field + " "} {
+		if rest, ok := strings.CutPrefix(doc, prefix); ok {
+			return rest, nil
+		}
+	}
+	return "", fmt.Errorf("%s.%s: its doc comment must begin with its name, got %q", t, field, doc)
+}
+
+// files parses the Go files of the package at pkgPath.
+func (d docReader) files(pkgPath string) ([]*ast.File, error) {
+	if fs, ok := d[pkgPath]; ok {
+		return fs, nil
+	}
+	wd, err := os.Getwd()
+	if err != nil {
+		return nil, err
+	}
+	pkg, err := build.Default.Import(pkgPath, wd, 0)
+	if err != nil {
+		return nil, fmt.Errorf("find the source of %s: %w", pkgPath, err)
+	}
+	fset := token.NewFileSet()
+	var fs []*ast.File
+	for _, name := range pkg.GoFiles {
+		f, err := parser.ParseFile(fset, filepath.Join(pkg.Dir, name), nil, parser.ParseComments)
+		if err != nil {
+			return nil, err
+		}
+		fs = append(fs, f)
+	}
+	d[pkgPath] = fs
+	return fs, nil
+}

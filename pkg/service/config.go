@@ -1,0 +1,100 @@
+package service
+
+import (
+	"time"
+
+	"github.com/better-compute/better-compute/pkg/config"
+	"github.com/better-compute/better-compute/pkg/lease"
+	"github.com/better-compute/better-compute/pkg/pki"
+)
+
+// The settings several services share, each declared once: a service's
+// Config embeds those it reads (docs/configuration.md lists who reads
+// which). Embedding Database or NATS also has Main open that dependency.
+
+// Database is the database setting.
+type Database struct {
+	// DatabaseURL is the PostgreSQL database, a postgres:// URL. Every
+	// service needs it and waits up to a minute for it to answer at start;
+	// `better-compute dev` starts an embedded PostgreSQL server when it is
+	// unset.
+	DatabaseURL string `env:"DATABASE_URL"`
+}
+
+func (d Database) databaseURL() string { return d.DatabaseURL }
+
+// NATS is the NATS setting.
+type NATS struct {
+	// NATSURL is the NATS server, which carries pokes, events and token
+	// revocations: hints, since Postgres stays the source of truth. The
+	// services reconnect to it forever; `better-compute dev` starts an
+	// embedded server when it is unset.
+	NATSURL string `env:"NATS_URL" default:"nats://127.0.0.1:4222"`
+}
+
+func (n NATS) natsURL() string { return n.NATSURL }
+
+// PKI is the setting of the deployment's PKI directory.
+type PKI struct {
+	// PKIDir is the deployment's PKI directory, as `better-compute pki
+	// init` writes it; each service reads the files it needs. The API reads
+	// only public files, for its well-known document, and command-signing.key
+	// with signed intent: unset, it serves no well-known document.
+	PKIDir string `env:"PKI_DIR" default:"/var/lib/better-compute/pki"`
+}
+
+// Intent is the signed-intent setting.
+type Intent struct {
+	// SignedIntent signs every command and NodeSpec the services write with
+	// the command-signing root (PKI_DIR/command-signing.key), and has
+	// JoinService give joining machines that root, so that they refuse
+	// unsigned intent (docs/architecture.md, "Commands"). Set it alike for
+	// every service.
+	SignedIntent bool `env:"SIGNED_INTENT"`
+}
+
+// Gateways is where machines open their sessions.
+type Gateways struct {
+	// GatewayURL is where machines open their sessions: one https://HOST[:PORT]
+	// or every gateway replica's, separated by commas (a machine moves to the
+	// next when it loses one). JoinService sends them in JoinResponses; the
+	// API publishes them in its well-known document, which has none when it
+	// is unset there.
+	GatewayURL string `env:"GATEWAY_URL" default:"https://gateway:8443"`
+	// GatewayServerName is the TLS name machines verify on the gateways.
+	GatewayServerName string `env:"GATEWAY_SERVER_NAME" default:"gateway"`
+}
+
+// Check fails, naming GATEWAY_URL, when GatewayURL is not a list of
+// https://HOST[:PORT] URLs (pki.ParseGatewayURLs).
+func (g Gateways) Check() error {
+	if _, err := pki.ParseGatewayURLs(g.GatewayURL); err != nil {
+		return &config.Error{Name: config.Prefix + "GATEWAY_URL", Err: err}
+	}
+	return nil
+}
+
+// NodeCerts is the lifetime of node certificates.
+type NodeCerts struct {
+	// NodeCertTTL is how long a node certificate is valid, issued at join
+	// (JoinService) and renewed over the session (gateway); machines renew at
+	// two thirds of it.
+	NodeCertTTL time.Duration `env:"NODE_CERT_TTL,positive" default:"24h"`
+}
+
+// Leases are the settings of the leases that elect one replica per role
+// (pkg/lease): the scheduler's and the controllers' reconcilers'.
+type Leases struct {
+	// LeaseTTL is how long a lease lasts without renewal: a dead replica's
+	// work resumes elsewhere within about this long.
+	LeaseTTL time.Duration `env:"LEASE_TTL,positive" default:"15s"`
+	// Holder names this replica in the leases table; unset, the service
+	// makes one, <hostname>-<8 random hex digits>, unique per process.
+	Holder string `env:"LEASE_HOLDER"`
+}
+
+// Lease returns the lease named name of this replica (l.Holder, which the
+// caller has filled in), on deps' database and clock.
+func (l Leases) Lease(name string, deps Deps) *lease.Lease {
+	return &lease.Lease{DB: deps.DB, Name: name, Holder: l.Holder, TTL: l.LeaseTTL, Clock: deps.Clock, Logger: deps.Logger}
+}

@@ -1,0 +1,344 @@
+package service
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"slices"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/lease"
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/telemetry"
+)
+
+// Runner is the one contract of everything long-running in a service: the
+// service itself, its reconcilers, the outbox relay, its HTTP servers. Run
+// works until ctx ends, then releases what it holds (leases,
+// subscriptions, listeners) and returns nil; an error it returns before
+// then stops the whole service (Run of this package). Name names it in logs
+// and errors, and a reconciler's lease (controllers: "controllers." + its
+// name).
+type Runner interface {
+	Name() string
+	Run(ctx context.Context) error
+}
+
+// Starter is a Runner with work that must be done before any part of its
+// service serves (the gateway clears the sessions of its previous run and
+// subscribes to its pokes before it accepts one). Run calls Start of every
+// part that has it, in order, before it runs any; a part whose Start
+// succeeded is always Run afterwards, with a context that may have ended
+// already, so that Run releases what Start took.
+type Starter interface {
+	Start(ctx context.Context) error
+}
+
+// ShutdownTimeout is how long Run waits, once its context ended, for a
+// service's parts to stop, in all: 30 s. Each HTTP server's requests in
+// flight get up to 10 s of it (Serve).
+const ShutdownTimeout = 30 * time.Second
+
+// Spec is a service as Run runs it. A service's package builds it from its
+// Config and Deps; see pkg/service's doc for the order of things.
+type Spec struct {
+	// Name names the service in errors.
+	Name string
+	// Deps are the service's dependencies: Run logs to Deps.Logger, and
+	// GET /readyz checks that Deps.DB answers a ping and Deps.NC is
+	// connected (each when set).
+	Deps Deps
+	// Parts run alongside the servers, started first and stopped last, in
+	// the reverse of this order: each stops after the parts listed after it
+	// returned.
+	Parts []Runner
+	// Servers are the service's HTTP servers, listening before anything
+	// else starts (a busy port fails the service before it touched
+	// anything) and stopping before any part, in the reverse of this
+	// order.
+	Servers []HTTPServer
+	// Ready are checks of GET /readyz besides the dependencies'.
+	Ready []Check
+}
+
+// HTTPServer is an HTTP server of a service. Run builds it (NewServer's
+// limits: HTTP/1.1 and cleartext HTTP/2, header limits), listens, serves
+// and shuts it down (Serve: up to 10 s for requests in flight).
+type HTTPServer struct {
+	// Name names the server in logs and errors ("sessions", "health").
+	Name string
+	// Addr is where it listens when Listener is nil.
+	Addr string
+	// Listener, when set, is where it accepts connections; Run closes it.
+	Listener net.Listener
+	// Handler serves its requests; nil with Probes serves the probes only.
+	Handler http.Handler
+	// Probes mounts GET /healthz (alive: 200 "ok" while the process
+	// serves) and GET /readyz (ready: 200 "ok" when every check of the
+	// Spec passes within 2 s, else 503 naming the first failure) before
+	// Handler.
+	Probes bool
+	// TLS, when set, makes it serve TLS (ServeTLS) with this configuration.
+	TLS *tls.Config
+	// Tune, when set, adjusts the server before it serves (protocols, HTTP/2
+	// settings, timeouts of long-lived streams).
+	Tune func(*http.Server)
+	// OnShutdown, when set, runs when the server starts shutting down
+	// (http.Server.RegisterOnShutdown): it ends long streams, so that the
+	// shutdown does not wait for them.
+	OnShutdown func()
+}
+
+// Run runs a service until ctx ends or a part fails: it opens every
+// server's listener, calls Start of every part that has one, in order, then
+// runs every part and server in an errgroup; when ctx ends or one returns
+// an error, it stops the servers, then the parts, each in the reverse of
+// its order, within ShutdownTimeout. It returns nil after a stop by ctx,
+// else the first error, "NAME: …" with the failing part's name.
+func Run(ctx context.Context, s Spec) error {
+	d := s.Deps.withDefaults()
+	log := d.Logger
+	ready := HealthHandler(append(d.checks(), s.Ready...)...)
+	servers := make([]*httpPart, len(s.Servers))
+	for i, h := range s.Servers {
+		servers[i] = &httpPart{spec: h, log: log, srv: h.build(ready)}
+	}
+	// all runs in this order and stops in the reverse; servers start first.
+	all := append(slices.Clone(s.Parts), asRunners(servers)...)
+	startOrder := make([]int, 0, len(all))
+	for i := range all {
+		startOrder = append(startOrder, (i+len(s.Parts))%len(all))
+	}
+	started := make([]bool, len(all))
+	var startErr error
+	for _, i := range startOrder {
+		if st, ok := all[i].(Starter); ok {
+			if err := st.Start(ctx); err != nil {
+				startErr = fmt.Errorf("%s: %w", all[i].Name(), err)
+				break
+			}
+		}
+		started[i] = true
+	}
+
+	if startErr == nil {
+		log.Info("service starting", "parts", names(all))
+	}
+	g, failed := errgroup.WithContext(context.WithoutCancel(ctx))
+	stops := make([]func(), len(all))
+	dones := make([]chan struct{}, len(all))
+	for i, r := range all {
+		if !started[i] {
+			continue
+		}
+		pctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+		stops[i], dones[i] = cancel, make(chan struct{})
+		if startErr != nil {
+			cancel()
+		}
+		g.Go(func() error {
+			defer close(dones[i])
+			if err := r.Run(pctx); err != nil {
+				return fmt.Errorf("%s: %w", r.Name(), err)
+			}
+			return nil
+		})
+	}
+	if startErr == nil {
+		select {
+		case <-ctx.Done():
+		case <-failed.Done():
+		}
+	}
+
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ShutdownTimeout)
+	defer cancel()
+	var stuck []string
+	for i := len(all) - 1; i >= 0; i-- {
+		if stops[i] == nil {
+			continue
+		}
+		stops[i]()
+		if len(stuck) > 0 {
+			continue // out of time: stop the rest without waiting
+		}
+		select {
+		case <-dones[i]:
+		case <-sctx.Done():
+			stuck = append(stuck, all[i].Name())
+		}
+	}
+	if len(stuck) > 0 {
+		log.Error("service did not stop in time", "timeout", ShutdownTimeout.String(), "part", stuck[0])
+		return errors.Join(startErr, fmt.Errorf("%s: %s did not stop within %s", s.Name, stuck[0], ShutdownTimeout))
+	}
+	err := errors.Join(startErr, g.Wait())
+	log.Info("service stopped")
+	return err
+}
+
+func asRunners(servers []*httpPart) []Runner {
+	out := make([]Runner, len(servers))
+	for i, s := range servers {
+		out[i] = s
+	}
+	return out
+}
+
+func names(rs []Runner) []string {
+	out := make([]string, len(rs))
+	for i, r := range rs {
+		out[i] = r.Name()
+	}
+	return out
+}
+
+// build returns the http.Server of h, with the probes answering ready
+// when asked.
+func (h HTTPServer) build(ready http.Handler) *http.Server {
+	handler := h.Handler
+	if h.Probes {
+		mux := http.NewServeMux()
+		mux.Handle("/healthz", HealthHandler())
+		mux.Handle("/readyz", ready)
+		if h.Handler != nil {
+			mux.Handle("/", h.Handler)
+		}
+		handler = mux
+	}
+	srv := NewServer(h.Addr, handler)
+	srv.TLSConfig = h.TLS
+	if h.Tune != nil {
+		h.Tune(srv)
+	}
+	if h.OnShutdown != nil {
+		srv.RegisterOnShutdown(h.OnShutdown)
+	}
+	return srv
+}
+
+// httpPart runs an HTTPServer: Start listens, Run serves.
+type httpPart struct {
+	spec HTTPServer
+	log  *slog.Logger
+	srv  *http.Server
+	ln   net.Listener
+}
+
+func (h *httpPart) Name() string { return h.spec.Name + " server" }
+
+func (h *httpPart) Start(context.Context) error {
+	h.ln = h.spec.Listener
+	if h.ln != nil {
+		return nil
+	}
+	ln, err := net.Listen("tcp", h.spec.Addr)
+	if err != nil {
+		return fmt.Errorf("listen %s: %w", h.spec.Addr, err)
+	}
+	h.ln = ln
+	return nil
+}
+
+func (h *httpPart) Run(ctx context.Context) error {
+	if ctx.Err() != nil {
+		return h.ln.Close()
+	}
+	return Serve(ctx, h.log.With("server", h.spec.Name), h.srv, h.ln)
+}
+
+// Func returns a Runner named name that runs run.
+func Func(name string, run func(ctx context.Context) error) Runner { return funcRunner{name, run} }
+
+type funcRunner struct {
+	name string
+	run  func(ctx context.Context) error
+}
+
+func (f funcRunner) Name() string                  { return f.name }
+func (f funcRunner) Run(ctx context.Context) error { return f.run(ctx) }
+
+// OnStop returns a Runner named name that waits for its context to end and
+// then calls stop: what a service releases once the parts after it (its
+// servers) stopped, such as the API's command queue.
+func OnStop(name string, stop func()) Runner {
+	return Func(name, func(ctx context.Context) error {
+		<-ctx.Done()
+		stop()
+		return nil
+	})
+}
+
+// Leased returns r run behind l (lease.Lease.Run): r runs while this
+// replica holds the lease, is stopped when it loses it, and the lease is
+// released when the context ends. Its name is r's.
+func Leased(l *lease.Lease, r Runner) Runner {
+	return Func(r.Name(), func(ctx context.Context) error { return l.Run(ctx, r.Run) })
+}
+
+// Deps are a service's dependencies, handed to its New: Main opens them
+// for a service binary (per its Config: Database, NATS), pkg/devstack
+// shares its own between the services of one process.
+type Deps struct {
+	// DB is the database; every service needs it.
+	DB *store.DB
+	// NC is the NATS connection; see each service for whether it needs
+	// one.
+	NC *nats.Conn
+	// Logger receives the service's logs; nil discards them.
+	Logger *slog.Logger
+	// Clock is the service's clock; nil is DB.Clock, else the real clock.
+	Clock clock.Clock
+}
+
+// Complete returns d with its defaults filled in (a discarding Logger, the
+// DB's or the real Clock), or an error naming service when the database,
+// or with needNATS the NATS connection, is missing.
+func (d Deps) Complete(service string, needNATS bool) (Deps, error) {
+	if d.DB == nil {
+		return d, fmt.Errorf("%s: Deps.DB, the database, is required", service)
+	}
+	if needNATS && d.NC == nil {
+		return d, fmt.Errorf("%s: Deps.NC, the NATS connection, is required", service)
+	}
+	return d.withDefaults(), nil
+}
+
+func (d Deps) withDefaults() Deps {
+	if d.Logger == nil {
+		d.Logger = telemetry.Discard()
+	}
+	if d.Clock == nil && d.DB != nil {
+		d.Clock = d.DB.Clock
+	}
+	if d.Clock == nil {
+		d.Clock = clock.New()
+	}
+	return d
+}
+
+// checks are the readiness checks of d: the database answers a ping, NATS
+// is connected (each when set).
+func (d Deps) checks() []Check {
+	var checks []Check
+	if d.DB != nil {
+		checks = append(checks, func(ctx context.Context) error { return d.DB.Pool.Ping(ctx) })
+	}
+	if d.NC != nil {
+		checks = append(checks, func(context.Context) error {
+			if !d.NC.IsConnected() {
+				return errors.New("nats not connected")
+			}
+			return nil
+		})
+	}
+	return checks
+}
