@@ -10,7 +10,6 @@ package store
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
@@ -25,14 +24,6 @@ const (
 	CommandInventoryRefresh = "inventory.refresh"
 	CommandLogsCollect      = "logs.collect"
 	CommandNodeReboot       = "node.reboot"
-)
-
-// Event types of user commands (events.type).
-const (
-	EventCommandQueued    = "command.queued"
-	EventCommandSucceeded = "command.succeeded"
-	EventCommandFailed    = "command.failed"
-	EventCommandExpired   = "command.expired"
 )
 
 // CommandErrTextExpired is the error a daemon reports, with state failed,
@@ -525,32 +516,4 @@ func commandsByID(ctx context.Context, q DBTX, ids []string) ([]Command, error) 
 		return nil, queryErr("read commands", err)
 	}
 	return out, nil
-}
-
-// insertCommandEvents writes an event of type typ for each of cmds (tenant:
-// the command's; subject: its id).
-func insertCommandEvents(ctx context.Context, q DBTX, now time.Time, typ string, cmds []Command) error {
-	events := make([]ReservationEvent, 0, len(cmds))
-	for _, c := range cmds {
-		e, err := commandEvent(typ, c)
-		if err != nil {
-			return err
-		}
-		events = append(events, e)
-	}
-	return InsertReservationEvents(ctx, q, now, events)
-}
-
-// commandEvent is the event of type typ of command c: tenant the command's,
-// subject its id, data its id, node, kind, state and error.
-func commandEvent(typ string, c Command) (ReservationEvent, error) {
-	d := map[string]any{"commandId": c.ID, "nodeId": c.NodeID, "kind": c.Kind, "state": c.State}
-	if c.Error != "" {
-		d["error"] = c.Error
-	}
-	data, err := json.Marshal(d)
-	if err != nil {
-		return ReservationEvent{}, err
-	}
-	return ReservationEvent{TenantID: c.TenantID, Type: typ, SubjectID: c.ID, Data: data}, nil
 }

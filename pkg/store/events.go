@@ -2,34 +2,12 @@ package store
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"slices"
 	"strings"
 	"time"
-
-	"github.com/jackc/pgx/v5"
 )
-
-// Event is a row of events: something that happened to a node, reservation
-// or command, streamed to API clients by the events watch.
-type Event struct {
-	// ID increases with every event (bigserial). Ids are taken when a row is
-	// inserted but become visible when its transaction commits, so they may
-	// appear out of order, and a rolled-back insert leaves a gap for ever.
-	ID int64
-	// TenantID is the tenant the event belongs to; empty for none.
-	TenantID string
-	// Type is e.g. "node.cordoned", "reservation.active".
-	Type string
-	// SubjectID is the id of the node, reservation or command.
-	SubjectID string
-	// Data is a JSON object.
-	Data []byte
-	// CreatedAt is when it was written, by the writer's clock (the now of
-	// InsertReservationEvents). The database's own insert time is
-	// events.inserted_at (ScannedEvent.Old).
-	CreatedAt time.Time
-}
 
 // EventTypes are the event types the control plane writes (events.type),
 // sorted: every Event* constant of this package, and nothing else (a test
@@ -79,139 +57,222 @@ func EventPatternKnown(p string) bool {
 	return slices.ContainsFunc(EventTypes, func(t string) bool { return typeMatches(p, t) })
 }
 
-// EventFilter selects the events a watcher receives.
-type EventFilter struct {
-	// TenantID selects one tenant's events; empty selects every event.
+// Event types written by the acceptance reconciler (events.type).
+const (
+	EventNodeAdopted          = "node.adopted"
+	EventNodeAcceptanceFailed = "node.acceptance_failed"
+)
+
+// Event types of user commands (events.type).
+const (
+	EventCommandQueued    = "command.queued"
+	EventCommandSucceeded = "command.succeeded"
+	EventCommandFailed    = "command.failed"
+	EventCommandExpired   = "command.expired"
+)
+
+// insertCommandEvents writes an event of type typ for each of cmds (tenant:
+// the command's; subject: its id).
+func insertCommandEvents(ctx context.Context, q DBTX, now time.Time, typ string, cmds []Command) error {
+	events := make([]ReservationEvent, 0, len(cmds))
+	for _, c := range cmds {
+		e, err := commandEvent(typ, c)
+		if err != nil {
+			return err
+		}
+		events = append(events, e)
+	}
+	return InsertReservationEvents(ctx, q, now, events)
+}
+
+// commandEvent is the event of type typ of command c: tenant the command's,
+// subject its id, data its id, node, kind, state and error.
+func commandEvent(typ string, c Command) (ReservationEvent, error) {
+	d := map[string]any{"commandId": c.ID, "nodeId": c.NodeID, "kind": c.Kind, "state": c.State}
+	if c.Error != "" {
+		d["error"] = c.Error
+	}
+	data, err := json.Marshal(d)
+	if err != nil {
+		return ReservationEvent{}, err
+	}
+	return ReservationEvent{TenantID: c.TenantID, Type: typ, SubjectID: c.ID, Data: data}, nil
+}
+
+// Event types about nodes (events.type), besides EventNodeAdopted,
+// EventNodeAcceptanceFailed, EventNodeRevoked and EventNodeSpecRefused.
+const (
+	// EventNodeJoined is written when a machine joins (JoinService).
+	EventNodeJoined = "node.joined"
+	// EventNodeCordoned is written when a node is cordoned, or its cordon
+	// reason changes.
+	EventNodeCordoned = "node.cordoned"
+	// EventNodeUncordoned is written when a cordoned node is uncordoned;
+	// its data names the reason of the lifted cordon as previousReason.
+	EventNodeUncordoned = "node.uncordoned"
+	// EventNodeUnreachable is written when the liveness sweeper marks a
+	// reachable node unreachable.
+	EventNodeUnreachable = "node.unreachable"
+	// EventNodeReachable is written when an unreachable node is heard from
+	// again (a new session or a message on its live session).
+	EventNodeReachable = "node.reachable"
+)
+
+// NodeEvent is one node.* event of InsertNodeEvents.
+type NodeEvent struct {
+	// TenantID is the tenant owning the node's pool.
 	TenantID string
-	// Types are patterns: an exact type ("node.cordoned") or a prefix
-	// ending in ".*" ("node.*" matches "node.cordoned", not "node" or
-	// "nodes.x"). Empty (nil or no element) matches every type; the
-	// patterns themselves are never empty (the API drops the empty
-	// entries of a comma-separated list).
-	Types []string
+	// Type is a node event type, e.g. EventNodeCordoned.
+	Type string
+	// NodeID is the event's subject.
+	NodeID string
+	// Data is the event's JSON object; "nodeId" is always set to NodeID.
+	Data map[string]any
 }
 
-// Matches reports whether e passes f; it is the Go twin of ScanEvents' SQL.
-func (f EventFilter) Matches(e Event) bool {
-	if f.TenantID != "" && e.TenantID != f.TenantID {
-		return false
+// InsertNodeEvents writes node events: their events rows and their outbox
+// messages on bc.events.<tenant>.<type>, in q's transaction and in a fixed
+// number of round trips. It is the one way node.* events are written.
+func InsertNodeEvents(ctx context.Context, q DBTX, now time.Time, events []NodeEvent) error {
+	if len(events) == 0 {
+		return nil
 	}
-	if len(f.Types) == 0 {
-		return true
-	}
-	return slices.ContainsFunc(f.Types, func(p string) bool { return typeMatches(p, e.Type) })
-}
-
-// typeMatches reports whether the event type typ matches the pattern p
-// (EventFilter.Types).
-func typeMatches(p, typ string) bool {
-	if prefix, ok := strings.CutSuffix(p, "*"); ok {
-		return strings.HasPrefix(typ, prefix)
-	}
-	return typ == p
-}
-
-// split returns f's exact types and prefixes ("node.*" → "node.").
-func (f EventFilter) split() (exact, prefixes []string) {
-	exact, prefixes = []string{}, []string{}
-	for _, p := range f.Types {
-		if prefix, ok := strings.CutSuffix(p, "*"); ok {
-			prefixes = append(prefixes, prefix)
-		} else {
-			exact = append(exact, p)
+	out := make([]ReservationEvent, len(events))
+	for i, e := range events {
+		data := make(map[string]any, len(e.Data)+1)
+		for k, v := range e.Data {
+			data[k] = v
 		}
+		data["nodeId"] = e.NodeID
+		b, err := json.Marshal(data)
+		if err != nil {
+			return fmt.Errorf("encode %s event: %w", e.Type, err)
+		}
+		out[i] = ReservationEvent{TenantID: e.TenantID, Type: e.Type, SubjectID: e.NodeID, Data: b}
 	}
-	return exact, prefixes
+	return InsertReservationEvents(ctx, q, now, out)
 }
 
-// ScannedEvent is one committed events row after a cursor: its id, and the
-// event when it passes the filter.
-type ScannedEvent struct {
-	ID int64
-	// Match is whether the event passes the filter; Event is set only then.
-	Match bool
-	// Old is whether the row was inserted at least ScanEvents' oldAge
-	// before the read, by the database's own clock (events.inserted_at;
-	// rows written before that column existed count as old, migration
-	// 000011 says why). Its id was taken no later than its insert, so any
-	// id missing below an old row was taken at least oldAge ago.
-	Old   bool
-	Event Event
-}
-
-// ScanEvents returns the committed events with an id above after, every
-// tenant's, lowest id first, at most limit (positive) rows; only those
-// passing f carry their content (Match). The rows that do not match are
-// returned too, as bare ids, so that a watcher can tell a gap in the ids
-// (an insert not yet committed, or rolled back) from another tenant's event.
-// Every row says whether it was inserted at least oldAge ago (Old).
-func ScanEvents(ctx context.Context, q DBTX, after int64, f EventFilter, limit int, oldAge time.Duration) ([]ScannedEvent, error) {
-	exact, prefixes := f.split()
-	// clock_timestamp(), not now(): the time of the read, not of the
-	// start of its transaction.
-	rows, err := q.Query(ctx, `SELECT id, m, old, CASE WHEN m THEN COALESCE(tenant_id, '') END, CASE WHEN m THEN type END,
-			CASE WHEN m THEN subject_id END, CASE WHEN m THEN data::text END, CASE WHEN m THEN created_at END
-		FROM (SELECT e.*, ($2 = '' OR e.tenant_id IS NOT DISTINCT FROM $2)
-				AND ($5 OR e.type = ANY($3::text[]) OR EXISTS (SELECT 1 FROM unnest($4::text[]) AS p(prefix)
-					WHERE starts_with(e.type, p.prefix))) AS m,
-				COALESCE(e.inserted_at <= clock_timestamp() - $7::bigint * interval '1 microsecond', true) AS old
-			FROM events e WHERE e.id > $1 ORDER BY e.id LIMIT $6) AS s
-		ORDER BY id`, after, f.TenantID, exact, prefixes, len(f.Types) == 0, limit, oldAge.Microseconds())
+// insertNodeEventsOf writes one event of type typ for each of nodeIDs, with
+// the tenant owning each node's pool and data (shared; nil for none).
+func insertNodeEventsOf(ctx context.Context, q DBTX, now time.Time, typ string, nodeIDs []string, data map[string]any) error {
+	if len(nodeIDs) == 0 {
+		return nil
+	}
+	rows, err := q.Query(ctx, `SELECT n.id, p.owner_tenant_id FROM nodes n JOIN pools p ON p.id = n.pool_id
+		WHERE n.id = ANY($1) ORDER BY n.id`, nodeIDs)
 	if err != nil {
-		return nil, queryErr("scan events", err)
+		return fmt.Errorf("owners of nodes: %w", interpretError(err))
 	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (ScannedEvent, error) {
-		var (
-			s                          ScannedEvent
-			tenant, typ, subject, data *string
-			at                         *time.Time
-		)
-		if err := r.Scan(&s.ID, &s.Match, &s.Old, &tenant, &typ, &subject, &data, &at); err != nil {
-			return s, err
+	var events []NodeEvent
+	for rows.Next() {
+		var id, owner string
+		if err := rows.Scan(&id, &owner); err != nil {
+			rows.Close()
+			return err
 		}
-		if s.Match {
-			s.Event = Event{ID: s.ID, TenantID: *tenant, Type: *typ, SubjectID: *subject, Data: []byte(*data), CreatedAt: *at}
+		events = append(events, NodeEvent{TenantID: owner, Type: typ, NodeID: id, Data: data})
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("owners of nodes: %w", interpretError(err))
+	}
+	return InsertNodeEvents(ctx, q, now, events)
+}
+
+// Event types of reservations (events.type; subject the reservation id).
+const (
+	// EventReservationCreated is written when a reservation is made
+	// (CreateReservation).
+	EventReservationCreated = "reservation.created"
+	// EventReservationFailed is written when a reservation fails: refused
+	// at once, no longer placeable, or its node was revoked.
+	EventReservationFailed = "reservation.failed"
+	// EventReservationBound is written when the scheduler books devices
+	// for a reservation.
+	EventReservationBound = "reservation.bound"
+	// EventReservationActive is written when the node reports the
+	// reservation's devices bound.
+	EventReservationActive = "reservation.active"
+	// EventReservationReleased is written when a reservation is released
+	// (EndReservation).
+	EventReservationReleased = "reservation.released"
+	// EventReservationExpired is written when a reservation reaches its end
+	// time (EndReservation).
+	EventReservationExpired = "reservation.expired"
+)
+
+// SubjectEvents is the NATS subject prefix of events:
+// bc.events.<tenant>.<type>, e.g. bc.events.ten_x.reservation.active.
+const SubjectEvents = "bc.events"
+
+// ReservationEvent is one event of InsertReservationEvents.
+type ReservationEvent struct {
+	// TenantID is the tenant the event belongs to.
+	TenantID string
+	// Type is e.g. "reservation.bound".
+	Type string
+	// SubjectID is the reservation id.
+	SubjectID string
+	// Data is a JSON object; nil is {}.
+	Data []byte
+}
+
+// InsertReservationEvent writes an event row of tenantID (type e.g.
+// "reservation.active", subject the reservation id) and enqueues it for NATS
+// on bc.events.<tenant>.<type>, in q's transaction.
+func InsertReservationEvent(ctx context.Context, q DBTX, now time.Time, tenantID, typ, subjectID string, data []byte) error {
+	return InsertReservationEvents(ctx, q, now, []ReservationEvent{{TenantID: tenantID, Type: typ, SubjectID: subjectID, Data: data}})
+}
+
+// InsertReservationEvents writes the events' rows and their outbox messages
+// (bc.events.<tenant>.<type>, payload the JSON object {"id", "tenantId",
+// "type", "subjectId", "data", "time"}) in q's transaction, in one
+// statement whatever their number. Ids follow the order of events.
+func InsertReservationEvents(ctx context.Context, q DBTX, now time.Time, events []ReservationEvent) error {
+	if len(events) == 0 {
+		return nil
+	}
+	tenants := make([]string, len(events))
+	types := make([]string, len(events))
+	subjects := make([]string, len(events))
+	datas := make([]string, len(events))
+	for i, e := range events {
+		tenants[i], types[i], subjects[i] = e.TenantID, e.Type, e.SubjectID
+		datas[i] = "{}"
+		if e.Data != nil {
+			datas[i] = string(e.Data)
 		}
-		return s, nil
-	})
+	}
+	tag, err := q.Exec(ctx, `WITH ev AS (
+			INSERT INTO events (tenant_id, type, subject_id, data, created_at)
+			SELECT u.tenant, u.typ, u.subject, u.data::jsonb, $5
+			FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS u(tenant, typ, subject, data, ord)
+			ORDER BY u.ord
+			RETURNING id, tenant_id, type, subject_id, data)
+		INSERT INTO outbox (subject, payload, created_at)
+		SELECT $6 || '.' || COALESCE(ev.tenant_id, '') || '.' || ev.type,
+			convert_to(jsonb_build_object('id', ev.id, 'tenantId', COALESCE(ev.tenant_id, ''), 'type', ev.type, 'subjectId', ev.subject_id,
+				'data', ev.data, 'time', $7::text)::text, 'UTF8'),
+			$5
+		FROM ev ORDER BY ev.id`, tenants, types, subjects, datas, now, SubjectEvents, now.UTC().Format(time.RFC3339Nano))
 	if err != nil {
-		return nil, queryErr("scan events", err)
+		return fmt.Errorf("insert events: %w", interpretError(err))
 	}
-	return out, nil
+	if tag.RowsAffected() != int64(len(events)) {
+		return fmt.Errorf("insert events: %d outbox rows for %d events", tag.RowsAffected(), len(events))
+	}
+	if err := signalOutbox(ctx, q); err != nil {
+		return fmt.Errorf("enqueue events: %w", interpretError(err))
+	}
+	return nil
 }
 
-// MaxEventID returns the highest committed event id, 0 when there is none.
-// Every id a watch ever sent is at most MaxEventID (it was committed before
-// it was sent), so the API refuses to resume after a higher one; that holds
-// as long as the newest event row is never deleted (retention must keep it).
-func MaxEventID(ctx context.Context, q DBTX) (int64, error) {
-	var id int64
-	if err := q.QueryRow(ctx, `SELECT COALESCE(max(id), 0) FROM events`).Scan(&id); err != nil {
-		return 0, queryErr("max event id", err)
-	}
-	return id, nil
-}
-
-// TxHorizon is a view of the transactions running in the database
-// (pg_current_snapshot, PostgreSQL 13+), as 64-bit transaction ids.
-type TxHorizon struct {
-	// Xmin is the oldest transaction still running: every transaction with
-	// a smaller id has ended (committed or rolled back).
-	Xmin int64
-	// Xmax is one past the newest transaction id assigned: every
-	// transaction running now has a smaller id.
-	Xmax int64
-}
-
-// CurrentTxHorizon returns the database's TxHorizon now. A watcher that sees
-// a gap in the event ids records Xmax; once a later Xmin reaches it, every
-// transaction that was running when the gap was seen has ended, so an id
-// still missing will never commit (pkg/store Event).
-func CurrentTxHorizon(ctx context.Context, q DBTX) (TxHorizon, error) {
-	var h TxHorizon
-	if err := q.QueryRow(ctx, `SELECT pg_snapshot_xmin(s)::text::bigint, pg_snapshot_xmax(s)::text::bigint
-		FROM pg_current_snapshot() AS s`).Scan(&h.Xmin, &h.Xmax); err != nil {
-		return TxHorizon{}, fmt.Errorf("transaction horizon: %w", interpretError(err))
-	}
-	return h, nil
-}
+// Event types about node trust (events.type).
+const (
+	// EventNodeRevoked is written when an operator revokes a node.
+	EventNodeRevoked = "node.revoked"
+	// EventNodeSpecRefused is written when a daemon refuses a DesiredState
+	// (signedIntent: unsigned or wrongly signed).
+	EventNodeSpecRefused = "node.spec_refused"
+)
