@@ -239,19 +239,19 @@ func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time
 		done[id] = true
 	}
 	devices := make(map[string][]NodeDevice, len(adopted))
-	var events []NodeEvent
+	var events []NewEvent
 	for _, a := range adoptions {
 		if !done[a.NodeID] {
 			continue
 		}
 		devices[a.NodeID] = a.Devices
-		events = append(events, NodeEvent{TenantID: a.OwnerTenantID, Type: EventNodeAdopted, NodeID: a.NodeID,
-			Data: map[string]any{"poolId": a.PoolID, "gpus": len(a.Devices)}})
+		events = append(events, NewEvent{TenantID: a.OwnerTenantID,
+			Data: NodeAdoptedData{NodeID: a.NodeID, PoolID: a.PoolID, GPUs: len(a.Devices)}})
 	}
 	if err := replaceNodeDevices(ctx, q, "adopt nodes", adopted, devices); err != nil {
 		return nil, err
 	}
-	if err := InsertNodeEvents(ctx, q, now, events); err != nil {
+	if err := WriteEvents(ctx, q, now, events...); err != nil {
 		return nil, err
 	}
 	return adopted, nil
@@ -305,7 +305,7 @@ func FailAcceptance(ctx context.Context, q DBTX, now time.Time, failures []Accep
 		done[id] = true
 	}
 	var (
-		events   []NodeEvent
+		events   []NewEvent
 		reported []string
 	)
 	devices := make(map[string][]NodeDevice)
@@ -313,8 +313,8 @@ func FailAcceptance(ctx context.Context, q DBTX, now time.Time, failures []Accep
 		if !done[f.NodeID] {
 			continue
 		}
-		events = append(events, NodeEvent{TenantID: f.OwnerTenantID, Type: EventNodeAcceptanceFailed, NodeID: f.NodeID,
-			Data: map[string]any{"poolId": f.PoolID, "reason": f.Reason}})
+		events = append(events, NewEvent{TenantID: f.OwnerTenantID,
+			Data: NodeAcceptanceFailedData{NodeID: f.NodeID, PoolID: f.PoolID, Reason: f.Reason}})
 		if f.Inventory != nil {
 			reported = append(reported, f.NodeID)
 			devices[f.NodeID] = f.Devices
@@ -323,7 +323,7 @@ func FailAcceptance(ctx context.Context, q DBTX, now time.Time, failures []Accep
 	if err := replaceNodeDevices(ctx, q, "fail acceptance", reported, devices); err != nil {
 		return nil, err
 	}
-	if err := InsertNodeEvents(ctx, q, now, events); err != nil {
+	if err := WriteEvents(ctx, q, now, events...); err != nil {
 		return nil, err
 	}
 	return failed, nil

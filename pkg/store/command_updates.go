@@ -163,21 +163,11 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 				AND (CASE c.state WHEN 'queued' THEN 0 WHEN 'delivered' THEN 1 WHEN 'running' THEN 2 ELSE 3 END) < u.rank
 			RETURNING u.ord, old.state AS old_state, c.id, c.node_id, c.state, c.purpose, p.owner_tenant_id AS tenant,
 				c.kind, c.error, u.rank, u.at),
-		ev AS (
-			INSERT INTO events (tenant_id, type, subject_id, data, created_at)
-			SELECT tenant, CASE state WHEN 'succeeded' THEN '`+EventCommandSucceeded+`' WHEN 'failed' THEN '`+EventCommandFailed+`'
-					ELSE '`+EventCommandExpired+`' END, id,
-				jsonb_build_object('commandId', id, 'nodeId', node_id, 'kind', kind, 'state', state)
-					|| CASE WHEN error <> '' THEN jsonb_build_object('error', error) ELSE '{}'::jsonb END, at
-			FROM upd WHERE rank = 3 AND purpose <> 'acceptance' ORDER BY ord
-			RETURNING id, tenant_id, type, subject_id, data, created_at),
-		evo AS (
-			INSERT INTO outbox (subject, payload, created_at)
-			SELECT '`+SubjectEvents+`.' || COALESCE(tenant_id, '') || '.' || type,
-				convert_to(jsonb_build_object('id', id, 'tenantId', COALESCE(tenant_id, ''), 'type', type,
-					'subjectId', subject_id, 'data', data, 'time', $8::text)::text, 'UTF8'), created_at
-			FROM ev ORDER BY id
-			RETURNING id),
+		ended AS (
+			SELECT ord, tenant, CASE state WHEN 'succeeded' THEN '`+EventCommandSucceeded+`' WHEN 'failed' THEN '`+EventCommandFailed+`'
+					ELSE '`+EventCommandExpired+`' END AS type, id AS subject, `+commandEndedDataSQL+` AS data, at
+			FROM upd WHERE rank = 3 AND purpose <> 'acceptance'),
+		`+eventWriterCTEs("ended", "$8")+`,
 		acc AS (
 			INSERT INTO outbox (subject, payload, created_at)
 			SELECT '`+SubjectPokeControllers+`',
@@ -185,7 +175,7 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 			FROM upd WHERE rank = 3 AND purpose = 'acceptance' HAVING count(*) > 0
 			RETURNING id)
 		SELECT ord, old_state, state, purpose = 'acceptance', (SELECT count(*) FROM evo) + (SELECT count(*) FROM acc) FROM upd`,
-		cmds, nodes, states, ranks, results, errs, ats, slices.MaxFunc(ats, time.Time.Compare).UTC().Format(time.RFC3339Nano),
+		cmds, nodes, states, ranks, results, errs, ats, eventTime(slices.MaxFunc(ats, time.Time.Compare)),
 		CommandErrTextExpired, commandErrDeadline)
 	if err != nil {
 		return nil, interpretError(err)

@@ -1,5 +1,19 @@
 package store
 
+// Events (docs/architecture.md, "Events and the watch"): what a tenant may
+// follow of its nodes, commands and reservations. Each event type has a data
+// type here (NodeCordonedData for node.cordoned, …): a struct whose JSON is
+// the event's data (events.data), built in Go and nowhere else, and whose
+// keys a golden test pins. WriteEvents is the one writer: an events row per
+// event and its outbox message on bc.events.<tenant>.<type>, in the caller's
+// transaction, in one statement per batch. The two hot paths that write
+// events inside a statement of their own (QueueCommands, and
+// ApplySessionCommandUpdates, whose events depend on rows only that statement
+// reads) share its SQL, eventWriterCTEs.
+//
+// A new event type takes its Event* constant in EventTypes, a data type
+// with an event method, and its keys in the golden test.
+
 import (
 	"context"
 	"encoding/json"
@@ -7,6 +21,64 @@ import (
 	"slices"
 	"strings"
 	"time"
+)
+
+// Event types (events.type), one per thing that happened; the subject
+// (events.subject_id) is the node, command or reservation it happened to.
+const (
+	// EventNodeJoined is written when a machine joins (JoinService).
+	EventNodeJoined = "node.joined"
+	// EventNodeAdopted is written when a node passes acceptance.
+	EventNodeAdopted = "node.adopted"
+	// EventNodeAcceptanceFailed is written when a node fails acceptance.
+	EventNodeAcceptanceFailed = "node.acceptance_failed"
+	// EventNodeCordoned is written when a node is cordoned, or its cordon
+	// reason changes.
+	EventNodeCordoned = "node.cordoned"
+	// EventNodeUncordoned is written when a cordoned node is uncordoned;
+	// its data names the reason of the lifted cordon as previousReason.
+	EventNodeUncordoned = "node.uncordoned"
+	// EventNodeUnreachable is written when the liveness sweeper marks a
+	// reachable node unreachable.
+	EventNodeUnreachable = "node.unreachable"
+	// EventNodeReachable is written when an unreachable node is heard from
+	// again (a new session or a message on its live session).
+	EventNodeReachable = "node.reachable"
+	// EventNodeRevoked is written when an operator revokes a node.
+	EventNodeRevoked = "node.revoked"
+	// EventNodeSpecRefused is written when a daemon refuses a DesiredState
+	// (signedIntent: unsigned or wrongly signed).
+	EventNodeSpecRefused = "node.spec_refused"
+
+	// EventCommandQueued is written when a user command is queued.
+	EventCommandQueued = "command.queued"
+	// EventCommandSucceeded is written when a user command succeeds.
+	EventCommandSucceeded = "command.succeeded"
+	// EventCommandFailed is written when a user command fails, or its node
+	// is revoked before it finished.
+	EventCommandFailed = "command.failed"
+	// EventCommandExpired is written when a user command reaches its
+	// deadline before it finished, or finishes after it.
+	EventCommandExpired = "command.expired"
+
+	// EventReservationCreated is written when a reservation is made
+	// (CreateReservation).
+	EventReservationCreated = "reservation.created"
+	// EventReservationFailed is written when a reservation fails: refused
+	// at once, no longer placeable, or its node was revoked.
+	EventReservationFailed = "reservation.failed"
+	// EventReservationBound is written when the scheduler books devices
+	// for a reservation.
+	EventReservationBound = "reservation.bound"
+	// EventReservationActive is written when the node reports the
+	// reservation's devices bound.
+	EventReservationActive = "reservation.active"
+	// EventReservationReleased is written when a reservation is released
+	// (EndReservation).
+	EventReservationReleased = "reservation.released"
+	// EventReservationExpired is written when a reservation reaches its end
+	// time (EndReservation).
+	EventReservationExpired = "reservation.expired"
 )
 
 // EventTypes are the event types the control plane writes (events.type),
@@ -57,105 +129,120 @@ func EventPatternKnown(p string) bool {
 	return slices.ContainsFunc(EventTypes, func(t string) bool { return typeMatches(p, t) })
 }
 
-// Event types written by the acceptance reconciler (events.type).
-const (
-	EventNodeAdopted          = "node.adopted"
-	EventNodeAcceptanceFailed = "node.acceptance_failed"
-)
+// SubjectEvents is the NATS subject prefix of events:
+// bc.events.<tenant>.<type>, e.g. bc.events.ten_x.reservation.active.
+const SubjectEvents = "bc.events"
 
-// Event types of user commands (events.type).
-const (
-	EventCommandQueued    = "command.queued"
-	EventCommandSucceeded = "command.succeeded"
-	EventCommandFailed    = "command.failed"
-	EventCommandExpired   = "command.expired"
-)
-
-// insertCommandEvents writes an event of type typ for each of cmds (tenant:
-// the command's; subject: its id).
-func insertCommandEvents(ctx context.Context, q DBTX, now time.Time, typ string, cmds []Command) error {
-	events := make([]ReservationEvent, 0, len(cmds))
-	for _, c := range cmds {
-		e, err := commandEvent(typ, c)
-		if err != nil {
-			return err
-		}
-		events = append(events, e)
-	}
-	return InsertReservationEvents(ctx, q, now, events)
+// EventData is the data of one event: one of the *Data types of this
+// package, whose JSON object is the event's data and which names the
+// event's type and subject.
+type EventData interface {
+	// event returns the event's type (one of EventTypes) and the id of
+	// its subject.
+	event() (typ, subject string)
 }
 
-// commandEvent is the event of type typ of command c: tenant the command's,
-// subject its id, data its id, node, kind, state and error.
-func commandEvent(typ string, c Command) (ReservationEvent, error) {
-	d := map[string]any{"commandId": c.ID, "nodeId": c.NodeID, "kind": c.Kind, "state": c.State}
-	if c.Error != "" {
-		d["error"] = c.Error
-	}
-	data, err := json.Marshal(d)
-	if err != nil {
-		return ReservationEvent{}, err
-	}
-	return ReservationEvent{TenantID: c.TenantID, Type: typ, SubjectID: c.ID, Data: data}, nil
-}
-
-// Event types about nodes (events.type), besides EventNodeAdopted,
-// EventNodeAcceptanceFailed, EventNodeRevoked and EventNodeSpecRefused.
-const (
-	// EventNodeJoined is written when a machine joins (JoinService).
-	EventNodeJoined = "node.joined"
-	// EventNodeCordoned is written when a node is cordoned, or its cordon
-	// reason changes.
-	EventNodeCordoned = "node.cordoned"
-	// EventNodeUncordoned is written when a cordoned node is uncordoned;
-	// its data names the reason of the lifted cordon as previousReason.
-	EventNodeUncordoned = "node.uncordoned"
-	// EventNodeUnreachable is written when the liveness sweeper marks a
-	// reachable node unreachable.
-	EventNodeUnreachable = "node.unreachable"
-	// EventNodeReachable is written when an unreachable node is heard from
-	// again (a new session or a message on its live session).
-	EventNodeReachable = "node.reachable"
-)
-
-// NodeEvent is one node.* event of InsertNodeEvents.
-type NodeEvent struct {
-	// TenantID is the tenant owning the node's pool.
+// NewEvent is one event for WriteEvents.
+type NewEvent struct {
+	// TenantID is the tenant the event belongs to (whose watchers receive
+	// it): the owner of a node's pool, a reservation's or a command's
+	// tenant.
 	TenantID string
-	// Type is a node event type, e.g. EventNodeCordoned.
-	Type string
-	// NodeID is the event's subject.
-	NodeID string
-	// Data is the event's JSON object; "nodeId" is always set to NodeID.
-	Data map[string]any
+	// Data is the event's data; it names the event's type and subject.
+	Data EventData
 }
 
-// InsertNodeEvents writes node events: their events rows and their outbox
-// messages on bc.events.<tenant>.<type>, in q's transaction and in a fixed
-// number of round trips. It is the one way node.* events are written.
-func InsertNodeEvents(ctx context.Context, q DBTX, now time.Time, events []NodeEvent) error {
+// WriteEvents writes events: an events row for each, created at now, with
+// ids in the order of events, and its outbox message (subject
+// bc.events.<tenant>.<type>, payload the JSON object {"id", "tenantId",
+// "type", "subjectId", "data", "time"}), in q's transaction, in one statement
+// whatever their number. It is how every event is written; it fails, writing
+// nothing, for an event without data.
+func WriteEvents(ctx context.Context, q DBTX, now time.Time, events ...NewEvent) error {
 	if len(events) == 0 {
 		return nil
 	}
-	out := make([]ReservationEvent, len(events))
-	for i, e := range events {
-		data := make(map[string]any, len(e.Data)+1)
-		for k, v := range e.Data {
-			data[k] = v
-		}
-		data["nodeId"] = e.NodeID
-		b, err := json.Marshal(data)
-		if err != nil {
-			return fmt.Errorf("encode %s event: %w", e.Type, err)
-		}
-		out[i] = ReservationEvent{TenantID: e.TenantID, Type: e.Type, SubjectID: e.NodeID, Data: b}
+	cols, err := encodeEvents(events)
+	if err != nil {
+		return err
 	}
-	return InsertReservationEvents(ctx, q, now, out)
+	var outboxed int
+	err = q.QueryRow(ctx, `WITH src AS (
+			SELECT u.ord, u.tenant, u.type, u.subject, u.data::jsonb AS data, $5::timestamptz AS at
+			FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS u(tenant, type, subject, data, ord)),
+		`+eventWriterCTEs("src", "$6")+`
+		SELECT count(*) FROM evo`,
+		cols.tenants, cols.types, cols.subjects, cols.data, now, eventTime(now)).Scan(&outboxed)
+	if err != nil {
+		return fmt.Errorf("write events: %w", interpretError(err))
+	}
+	if outboxed != len(events) {
+		return fmt.Errorf("write events: %d outbox rows for %d events", outboxed, len(events))
+	}
+	if err := signalOutbox(ctx, q); err != nil {
+		return fmt.Errorf("write events: signal the outbox: %w", interpretError(err))
+	}
+	return nil
 }
 
-// insertNodeEventsOf writes one event of type typ for each of nodeIDs, with
-// the tenant owning each node's pool and data (shared; nil for none).
-func insertNodeEventsOf(ctx context.Context, q DBTX, now time.Time, typ string, nodeIDs []string, data map[string]any) error {
+// eventWriterCTEs returns the two CTEs, ev and evo, that write the events of
+// the relation src, whose columns are ord (the order of their ids), tenant,
+// type, subject, data (jsonb) and at (events.created_at): ev inserts the
+// events rows, evo one outbox message per event, its payload's "time" the
+// text of the placeholder timeParam (eventTime). WriteEvents runs them on
+// its arguments; QueueCommands and ApplySessionCommandUpdates within their
+// own statement. The statement must read evo (count(*) FROM evo) to know
+// how many messages it wrote, and signal the outbox when it wrote any.
+func eventWriterCTEs(src, timeParam string) string {
+	return `ev AS (
+			INSERT INTO events (tenant_id, type, subject_id, data, created_at)
+			SELECT tenant, type, subject, data, at FROM ` + src + ` ORDER BY ord
+			RETURNING id, tenant_id, type, subject_id, data, created_at),
+		evo AS (
+			INSERT INTO outbox (subject, payload, created_at)
+			SELECT '` + SubjectEvents + `.' || COALESCE(tenant_id, '') || '.' || type,
+				convert_to(jsonb_build_object('id', id, 'tenantId', COALESCE(tenant_id, ''), 'type', type,
+					'subjectId', subject_id, 'data', data, 'time', ` + timeParam + `::text)::text, 'UTF8'), created_at
+			FROM ev ORDER BY id
+			RETURNING id)`
+}
+
+// eventTime is the "time" of the outbox messages of events written at now.
+func eventTime(now time.Time) string { return now.UTC().Format(time.RFC3339Nano) }
+
+// eventColumns are events as the columns of the statements that write
+// them, one element per event.
+type eventColumns struct {
+	tenants, types, subjects []string
+	// data are the events' data, JSON objects.
+	data []string
+}
+
+// encodeEvents encodes events as columns, each event's data by its type.
+func encodeEvents(events []NewEvent) (eventColumns, error) {
+	n := len(events)
+	c := eventColumns{tenants: make([]string, n), types: make([]string, n), subjects: make([]string, n), data: make([]string, n)}
+	for i, e := range events {
+		if e.Data == nil {
+			return eventColumns{}, fmt.Errorf("write events: event %d of tenant %q has no data", i, e.TenantID)
+		}
+		typ, subject := e.Data.event()
+		if !slices.Contains(EventTypes, typ) {
+			return eventColumns{}, fmt.Errorf("write events: %T of %s names no event type (%q)", e.Data, subject, typ)
+		}
+		b, err := json.Marshal(e.Data)
+		if err != nil {
+			return eventColumns{}, fmt.Errorf("write events: encode %s of %s: %w", typ, subject, err)
+		}
+		c.tenants[i], c.types[i], c.subjects[i], c.data[i] = e.TenantID, typ, subject, string(b)
+	}
+	return c, nil
+}
+
+// writeEventsOfNodes writes one event for each of nodeIDs, ordered by node
+// id, for the tenant owning each node's pool, with the data dataOf(node
+// id). A node that does not exist gets none.
+func writeEventsOfNodes(ctx context.Context, q DBTX, now time.Time, nodeIDs []string, dataOf func(nodeID string) EventData) error {
 	if len(nodeIDs) == 0 {
 		return nil
 	}
@@ -164,115 +251,224 @@ func insertNodeEventsOf(ctx context.Context, q DBTX, now time.Time, typ string, 
 	if err != nil {
 		return fmt.Errorf("owners of nodes: %w", interpretError(err))
 	}
-	var events []NodeEvent
+	var events []NewEvent
 	for rows.Next() {
 		var id, owner string
 		if err := rows.Scan(&id, &owner); err != nil {
 			rows.Close()
 			return err
 		}
-		events = append(events, NodeEvent{TenantID: owner, Type: typ, NodeID: id, Data: data})
+		events = append(events, NewEvent{TenantID: owner, Data: dataOf(id)})
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
 		return fmt.Errorf("owners of nodes: %w", interpretError(err))
 	}
-	return InsertNodeEvents(ctx, q, now, events)
+	return WriteEvents(ctx, q, now, events...)
 }
 
-// Event types of reservations (events.type; subject the reservation id).
-const (
-	// EventReservationCreated is written when a reservation is made
-	// (CreateReservation).
-	EventReservationCreated = "reservation.created"
-	// EventReservationFailed is written when a reservation fails: refused
-	// at once, no longer placeable, or its node was revoked.
-	EventReservationFailed = "reservation.failed"
-	// EventReservationBound is written when the scheduler books devices
-	// for a reservation.
-	EventReservationBound = "reservation.bound"
-	// EventReservationActive is written when the node reports the
-	// reservation's devices bound.
-	EventReservationActive = "reservation.active"
-	// EventReservationReleased is written when a reservation is released
-	// (EndReservation).
-	EventReservationReleased = "reservation.released"
-	// EventReservationExpired is written when a reservation reaches its end
-	// time (EndReservation).
-	EventReservationExpired = "reservation.expired"
-)
+// The data of each event type. Every node event names its node as
+// "nodeId", every command event its command as "commandId", every
+// reservation event its reservation as "reservationId". Times are UTC.
 
-// SubjectEvents is the NATS subject prefix of events:
-// bc.events.<tenant>.<type>, e.g. bc.events.ten_x.reservation.active.
-const SubjectEvents = "bc.events"
-
-// ReservationEvent is one event of InsertReservationEvents.
-type ReservationEvent struct {
-	// TenantID is the tenant the event belongs to.
-	TenantID string
-	// Type is e.g. "reservation.bound".
-	Type string
-	// SubjectID is the reservation id.
-	SubjectID string
-	// Data is a JSON object; nil is {}.
-	Data []byte
+// NodeJoinedData is the data of node.joined.
+type NodeJoinedData struct {
+	NodeID string `json:"nodeId"`
 }
 
-// InsertReservationEvent writes an event row of tenantID (type e.g.
-// "reservation.active", subject the reservation id) and enqueues it for NATS
-// on bc.events.<tenant>.<type>, in q's transaction.
-func InsertReservationEvent(ctx context.Context, q DBTX, now time.Time, tenantID, typ, subjectID string, data []byte) error {
-	return InsertReservationEvents(ctx, q, now, []ReservationEvent{{TenantID: tenantID, Type: typ, SubjectID: subjectID, Data: data}})
+// NodeAdoptedData is the data of node.adopted.
+type NodeAdoptedData struct {
+	NodeID string `json:"nodeId"`
+	PoolID string `json:"poolId"`
+	// GPUs is how many GPUs the node was adopted with.
+	GPUs int `json:"gpus"`
 }
 
-// InsertReservationEvents writes the events' rows and their outbox messages
-// (bc.events.<tenant>.<type>, payload the JSON object {"id", "tenantId",
-// "type", "subjectId", "data", "time"}) in q's transaction, in one
-// statement whatever their number. Ids follow the order of events.
-func InsertReservationEvents(ctx context.Context, q DBTX, now time.Time, events []ReservationEvent) error {
-	if len(events) == 0 {
-		return nil
-	}
-	tenants := make([]string, len(events))
-	types := make([]string, len(events))
-	subjects := make([]string, len(events))
-	datas := make([]string, len(events))
-	for i, e := range events {
-		tenants[i], types[i], subjects[i] = e.TenantID, e.Type, e.SubjectID
-		datas[i] = "{}"
-		if e.Data != nil {
-			datas[i] = string(e.Data)
-		}
-	}
-	tag, err := q.Exec(ctx, `WITH ev AS (
-			INSERT INTO events (tenant_id, type, subject_id, data, created_at)
-			SELECT u.tenant, u.typ, u.subject, u.data::jsonb, $5
-			FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS u(tenant, typ, subject, data, ord)
-			ORDER BY u.ord
-			RETURNING id, tenant_id, type, subject_id, data)
-		INSERT INTO outbox (subject, payload, created_at)
-		SELECT $6 || '.' || COALESCE(ev.tenant_id, '') || '.' || ev.type,
-			convert_to(jsonb_build_object('id', ev.id, 'tenantId', COALESCE(ev.tenant_id, ''), 'type', ev.type, 'subjectId', ev.subject_id,
-				'data', ev.data, 'time', $7::text)::text, 'UTF8'),
-			$5
-		FROM ev ORDER BY ev.id`, tenants, types, subjects, datas, now, SubjectEvents, now.UTC().Format(time.RFC3339Nano))
-	if err != nil {
-		return fmt.Errorf("insert events: %w", interpretError(err))
-	}
-	if tag.RowsAffected() != int64(len(events)) {
-		return fmt.Errorf("insert events: %d outbox rows for %d events", tag.RowsAffected(), len(events))
-	}
-	if err := signalOutbox(ctx, q); err != nil {
-		return fmt.Errorf("enqueue events: %w", interpretError(err))
-	}
-	return nil
+// NodeAcceptanceFailedData is the data of node.acceptance_failed.
+type NodeAcceptanceFailedData struct {
+	NodeID string `json:"nodeId"`
+	PoolID string `json:"poolId"`
+	// Reason says why the node failed acceptance.
+	Reason string `json:"reason"`
 }
 
-// Event types about node trust (events.type).
-const (
-	// EventNodeRevoked is written when an operator revokes a node.
-	EventNodeRevoked = "node.revoked"
-	// EventNodeSpecRefused is written when a daemon refuses a DesiredState
-	// (signedIntent: unsigned or wrongly signed).
-	EventNodeSpecRefused = "node.spec_refused"
-)
+// NodeCordonedData is the data of node.cordoned.
+type NodeCordonedData struct {
+	NodeID string `json:"nodeId"`
+	// Reason is the cordon's reason.
+	Reason string `json:"reason"`
+}
+
+// NodeUncordonedData is the data of node.uncordoned.
+type NodeUncordonedData struct {
+	NodeID string `json:"nodeId"`
+	// PreviousReason is the reason of the cordon that was lifted (an
+	// uncordon has no reason of its own).
+	PreviousReason string `json:"previousReason"`
+}
+
+// NodeUnreachableData is the data of node.unreachable.
+type NodeUnreachableData struct {
+	NodeID string `json:"nodeId"`
+	// TimeoutSeconds is the liveness timeout that passed since the node
+	// was last heard, in seconds.
+	TimeoutSeconds float64 `json:"timeoutSeconds"`
+}
+
+// NodeReachableData is the data of node.reachable.
+type NodeReachableData struct {
+	NodeID string `json:"nodeId"`
+	// SessionID is the session the node was heard on.
+	SessionID string `json:"sessionId"`
+	// GatewayID is the gateway holding that session, set (and
+	// PreviousLastSeen with it) when a new session made the node reachable;
+	// omitted when a message on its live session did.
+	GatewayID string `json:"gatewayId,omitempty"`
+	// PreviousLastSeen is when the node was heard before, omitted when it
+	// never was.
+	PreviousLastSeen *time.Time `json:"previousLastSeen,omitempty"`
+}
+
+// NodeRevokedData is the data of node.revoked.
+type NodeRevokedData struct {
+	NodeID string `json:"nodeId"`
+	// Reason is the revocation's reason.
+	Reason string `json:"reason"`
+	// CertificatesRevoked is how many of the node's certificates the
+	// revocation revoked.
+	CertificatesRevoked int `json:"certificatesRevoked"`
+}
+
+// NodeSpecRefusedData is the data of node.spec_refused.
+type NodeSpecRefusedData struct {
+	NodeID string `json:"nodeId"`
+	// Generation is the NodeSpec generation the daemon refused.
+	Generation int64 `json:"generation"`
+	// Reason is the daemon's.
+	Reason string `json:"reason"`
+}
+
+// CommandQueuedData is the data of command.queued.
+type CommandQueuedData struct {
+	CommandID string `json:"commandId"`
+	NodeID    string `json:"nodeId"`
+	Kind      string `json:"kind"`
+	// Deadline is when the command must have finished, to the
+	// microsecond.
+	Deadline time.Time `json:"deadline"`
+}
+
+// CommandEndedData is the data of the end of a command: command.succeeded,
+// command.failed or command.expired, as its State says.
+// ApplySessionCommandUpdates builds it in SQL (commandEndedDataSQL), a test
+// checks that the two agree.
+type CommandEndedData struct {
+	CommandID string `json:"commandId"`
+	NodeID    string `json:"nodeId"`
+	Kind      string `json:"kind"`
+	// State is succeeded, failed or expired; the event's type is
+	// command.<State>.
+	State string `json:"state"`
+	// Error is the command's error, omitted when it has none.
+	Error string `json:"error,omitempty"`
+}
+
+// commandEndedDataSQL is CommandEndedData as SQL over a row with the
+// columns id, node_id, kind, state and error of commands: the one event
+// data built in SQL, because ApplySessionCommandUpdates reads the kind and
+// decides the state and error in the statement that writes the event.
+const commandEndedDataSQL = `jsonb_build_object('commandId', id, 'nodeId', node_id, 'kind', kind, 'state', state)
+	|| CASE WHEN error <> '' THEN jsonb_build_object('error', error) ELSE '{}'::jsonb END`
+
+// commandEndedEventType is the event type of CommandEndedData by its State.
+var commandEndedEventType = map[string]string{
+	cmdSucceeded: EventCommandSucceeded,
+	cmdFailed:    EventCommandFailed,
+	cmdExpired:   EventCommandExpired,
+}
+
+// reservationEndedEventType is the event type of ReservationEndedData by its
+// State.
+var reservationEndedEventType = map[string]string{
+	ReservationReleased: EventReservationReleased,
+	ReservationExpired:  EventReservationExpired,
+}
+
+// ReservationCreatedData is the data of reservation.created.
+type ReservationCreatedData struct {
+	ReservationID string    `json:"reservationId"`
+	PoolID        string    `json:"poolId"`
+	GPUs          int32     `json:"gpus"`
+	StartAt       time.Time `json:"startAt"`
+	EndAt         time.Time `json:"endAt"`
+}
+
+// ReservationFailedData is the data of reservation.failed.
+type ReservationFailedData struct {
+	ReservationID string `json:"reservationId"`
+	// NodeID is the node whose revocation failed the reservation, omitted
+	// for a reservation that failed unplaced.
+	NodeID string `json:"nodeId,omitempty"`
+	// Reason says why it failed.
+	Reason string `json:"reason"`
+}
+
+// ReservationBoundData is the data of reservation.bound.
+type ReservationBoundData struct {
+	ReservationID string `json:"reservationId"`
+	NodeID        string `json:"nodeId"`
+	// DeviceIndexes are the booked devices of the node.
+	DeviceIndexes []int32 `json:"deviceIndexes"`
+}
+
+// ReservationActiveData is the data of reservation.active.
+type ReservationActiveData struct {
+	ReservationID string `json:"reservationId"`
+	NodeID        string `json:"nodeId"`
+	// Binding is the CDI device names the daemon reported bound.
+	Binding []string `json:"binding"`
+	// Generation is the NodeSpec generation the daemon applied.
+	Generation int64 `json:"generation"`
+}
+
+// ReservationEndedData is the data of the end of a reservation:
+// reservation.released or reservation.expired, as its State says.
+type ReservationEndedData struct {
+	ReservationID string `json:"reservationId"`
+	// NodeID is the node it was placed on, "" when it never was.
+	NodeID string `json:"nodeId"`
+	// From is the state it ended in.
+	From string `json:"from"`
+	// State is released or expired; the event's type is
+	// reservation.<State>. It is not in the data.
+	State string `json:"-"`
+}
+
+func (d NodeJoinedData) event() (string, string)  { return EventNodeJoined, d.NodeID }
+func (d NodeAdoptedData) event() (string, string) { return EventNodeAdopted, d.NodeID }
+func (d NodeAcceptanceFailedData) event() (string, string) {
+	return EventNodeAcceptanceFailed, d.NodeID
+}
+func (d NodeCordonedData) event() (string, string)    { return EventNodeCordoned, d.NodeID }
+func (d NodeUncordonedData) event() (string, string)  { return EventNodeUncordoned, d.NodeID }
+func (d NodeUnreachableData) event() (string, string) { return EventNodeUnreachable, d.NodeID }
+func (d NodeReachableData) event() (string, string)   { return EventNodeReachable, d.NodeID }
+func (d NodeRevokedData) event() (string, string)     { return EventNodeRevoked, d.NodeID }
+func (d NodeSpecRefusedData) event() (string, string) { return EventNodeSpecRefused, d.NodeID }
+func (d CommandQueuedData) event() (string, string)   { return EventCommandQueued, d.CommandID }
+func (d CommandEndedData) event() (string, string) {
+	return commandEndedEventType[d.State], d.CommandID
+}
+func (d ReservationCreatedData) event() (string, string) {
+	return EventReservationCreated, d.ReservationID
+}
+func (d ReservationFailedData) event() (string, string) {
+	return EventReservationFailed, d.ReservationID
+}
+func (d ReservationBoundData) event() (string, string) { return EventReservationBound, d.ReservationID }
+func (d ReservationActiveData) event() (string, string) {
+	return EventReservationActive, d.ReservationID
+}
+func (d ReservationEndedData) event() (string, string) {
+	return reservationEndedEventType[d.State], d.ReservationID
+}

@@ -31,7 +31,7 @@ type Event struct {
 	// Data is a JSON object.
 	Data []byte
 	// CreatedAt is when it was written, by the writer's clock (the now of
-	// InsertReservationEvents). The database's own insert time is
+	// WriteEvents). The database's own insert time is
 	// events.inserted_at (ScannedEvent.Old).
 	CreatedAt time.Time
 }

@@ -114,8 +114,9 @@ func SweepUnreachable(ctx context.Context, q DBTX, now time.Time, timeout time.D
 	if err != nil {
 		return nil, err
 	}
-	if err := insertNodeEventsOf(ctx, q, now, EventNodeUnreachable, ids,
-		map[string]any{"timeoutSeconds": timeout.Seconds()}); err != nil {
+	if err := writeEventsOfNodes(ctx, q, now, ids, func(id string) EventData {
+		return NodeUnreachableData{NodeID: id, TimeoutSeconds: timeout.Seconds()}
+	}); err != nil {
 		return nil, err
 	}
 	return ids, nil

@@ -160,7 +160,7 @@ func CreateJoinedNodes(ctx context.Context, q DBTX, nodes []NewNode, certs []New
 // RecordNodesJoined writes a node.joined event for each of nodeIDs (created
 // in q's transaction by CreateJoinedNodes), for the tenant owning its pool.
 func RecordNodesJoined(ctx context.Context, q DBTX, now time.Time, nodeIDs []string) error {
-	return insertNodeEventsOf(ctx, q, now, EventNodeJoined, nodeIDs, nil)
+	return writeEventsOfNodes(ctx, q, now, nodeIDs, func(id string) EventData { return NodeJoinedData{NodeID: id} })
 }
 
 const nodeColumns = `n.id, n.pool_id, COALESCE(n.join_token_id, ''), n.provision_state, n.provision_reason, n.hostname,
@@ -346,8 +346,7 @@ func CordonNode(ctx context.Context, q DBTX, now time.Time, nodeID, reason strin
 		return CordonResult{}, fmt.Errorf("cordon node %s: %w", nodeID, interpretError(err))
 	}
 	res.Changed = true
-	return res, InsertNodeEvents(ctx, q, now, []NodeEvent{{TenantID: owner, Type: EventNodeCordoned, NodeID: nodeID,
-		Data: map[string]any{"reason": reason}}})
+	return res, WriteEvents(ctx, q, now, NewEvent{TenantID: owner, Data: NodeCordonedData{NodeID: nodeID, Reason: reason}})
 }
 
 // UncordonNode lets the scheduler place on node nodeID again: it clears the
@@ -372,8 +371,8 @@ func UncordonNode(ctx context.Context, q DBTX, now time.Time, nodeID string) (bo
 	if !was {
 		return false, nil
 	}
-	if err := InsertNodeEvents(ctx, q, now, []NodeEvent{{TenantID: owner, Type: EventNodeUncordoned, NodeID: nodeID,
-		Data: map[string]any{"previousReason": reason}}}); err != nil {
+	if err := WriteEvents(ctx, q, now, NewEvent{TenantID: owner,
+		Data: NodeUncordonedData{NodeID: nodeID, PreviousReason: reason}}); err != nil {
 		return false, err
 	}
 	// Pending reservations may fit on the node now.

@@ -16,7 +16,6 @@ package store
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"time"
 
@@ -171,7 +170,7 @@ func PlaceReservations(ctx context.Context, q DBTX, signer *IntentSigner, now ti
 		bDev                []int32
 		bLower, bUpper      []time.Time
 		placed, placedNodes []string
-		events              []ReservationEvent
+		events              []NewEvent
 	)
 	for _, p := range ps {
 		if !got[p.ReservationID] {
@@ -182,11 +181,8 @@ func PlaceReservations(ctx context.Context, q DBTX, signer *IntentSigner, now ti
 			bLower, bUpper = append(bLower, p.Lower), append(bUpper, p.Upper)
 		}
 		placed, placedNodes = append(placed, p.ReservationID), append(placedNodes, p.NodeID)
-		data, err := json.Marshal(map[string]any{"reservationId": p.ReservationID, "nodeId": p.NodeID, "deviceIndexes": p.Devices})
-		if err != nil {
-			return nil, err
-		}
-		events = append(events, ReservationEvent{TenantID: p.TenantID, Type: EventReservationBound, SubjectID: p.ReservationID, Data: data})
+		events = append(events, NewEvent{TenantID: p.TenantID,
+			Data: ReservationBoundData{ReservationID: p.ReservationID, NodeID: p.NodeID, DeviceIndexes: p.Devices}})
 	}
 	if len(placed) == 0 {
 		return nil, nil
@@ -200,7 +196,7 @@ func PlaceReservations(ctx context.Context, q DBTX, signer *IntentSigner, now ti
 	if _, err := RebuildNodeSpecs(ctx, q, signer, now, placedNodes); err != nil {
 		return nil, err
 	}
-	if err := InsertReservationEvents(ctx, q, now, events); err != nil {
+	if err := WriteEvents(ctx, q, now, events...); err != nil {
 		return nil, err
 	}
 	return placed, nil
@@ -237,18 +233,13 @@ func FailReservations(ctx context.Context, q DBTX, now time.Time, fs []Reservati
 	for _, id := range failed {
 		done[id] = true
 	}
-	var events []ReservationEvent
+	var events []NewEvent
 	for _, f := range fs {
-		if !done[f.ID] {
-			continue
+		if done[f.ID] {
+			events = append(events, NewEvent{TenantID: f.TenantID, Data: ReservationFailedData{ReservationID: f.ID, Reason: f.Reason}})
 		}
-		data, err := json.Marshal(map[string]string{"reservationId": f.ID, "reason": f.Reason})
-		if err != nil {
-			return nil, err
-		}
-		events = append(events, ReservationEvent{TenantID: f.TenantID, Type: EventReservationFailed, SubjectID: f.ID, Data: data})
 	}
-	if err := InsertReservationEvents(ctx, q, now, events); err != nil {
+	if err := WriteEvents(ctx, q, now, events...); err != nil {
 		return nil, err
 	}
 	return failed, nil

@@ -11,7 +11,6 @@ package store
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
@@ -241,7 +240,7 @@ func existingReservation(r Reservation, n NewReservation) (CreatedReservation, e
 //     scheduler is poked (SubjectPokeScheduler); whether free capacity
 //     exists now is the scheduler's question, and it fails what it cannot
 //     place;
-//   - a reservation.created event is written (InsertReservationEvent).
+//   - a reservation.created event is written (WriteEvents).
 //
 // Errors: ErrNotFound (pool), *NotOfferedError (ErrNotOffered),
 // *QuotaError (ErrQuotaExceeded).
@@ -333,20 +332,13 @@ func CreateReservation(ctx context.Context, q DBTX, now time.Time, n NewReservat
 		}
 		return existingReservation(r, n)
 	}
-	data, err := json.Marshal(map[string]any{"reservationId": n.ID, "poolId": n.PoolID, "gpus": n.GPUs,
-		"startAt": n.StartAt.UTC(), "endAt": n.EndAt.UTC()})
-	if err != nil {
-		return CreatedReservation{}, err
-	}
-	if err := InsertReservationEvent(ctx, q, now, n.TenantID, EventReservationCreated, n.ID, data); err != nil {
+	if err := WriteEvents(ctx, q, now, NewEvent{TenantID: n.TenantID, Data: ReservationCreatedData{ReservationID: n.ID,
+		PoolID: n.PoolID, GPUs: n.GPUs, StartAt: n.StartAt.UTC(), EndAt: n.EndAt.UTC()}}); err != nil {
 		return CreatedReservation{}, err
 	}
 	if state == ReservationFailed {
-		data, err := json.Marshal(map[string]string{"reservationId": n.ID, "reason": reason})
-		if err != nil {
-			return CreatedReservation{}, err
-		}
-		if err := InsertReservationEvent(ctx, q, now, n.TenantID, EventReservationFailed, n.ID, data); err != nil {
+		if err := WriteEvents(ctx, q, now, NewEvent{TenantID: n.TenantID,
+			Data: ReservationFailedData{ReservationID: n.ID, Reason: reason}}); err != nil {
 			return CreatedReservation{}, err
 		}
 	} else if err := Enqueue(ctx, q, now, SubjectPokeScheduler, nil); err != nil {
@@ -400,11 +392,8 @@ func ActivateReservation(ctx context.Context, q DBTX, now time.Time, nodeID, id 
 		id, binding, now); err != nil {
 		return Activation{}, fmt.Errorf("activate reservation %s: %w", id, interpretError(err))
 	}
-	data, err := json.Marshal(map[string]any{"reservationId": id, "nodeId": nodeID, "binding": binding, "generation": generation})
-	if err != nil {
-		return Activation{}, err
-	}
-	if err := InsertReservationEvent(ctx, q, now, a.TenantID, EventReservationActive, id, data); err != nil {
+	if err := WriteEvents(ctx, q, now, NewEvent{TenantID: a.TenantID, Data: ReservationActiveData{ReservationID: id,
+		NodeID: nodeID, Binding: binding, Generation: generation}}); err != nil {
 		return Activation{}, err
 	}
 	a.Activated, a.State = true, ReservationActive
@@ -465,15 +454,8 @@ func EndReservation(ctx context.Context, q DBTX, signer *IntentSigner, now time.
 			return EndedReservation{}, err
 		}
 	}
-	data, err := json.Marshal(map[string]string{"reservationId": id, "nodeId": res.NodeID, "from": cur})
-	if err != nil {
-		return EndedReservation{}, err
-	}
-	typ := EventReservationReleased
-	if state == ReservationExpired {
-		typ = EventReservationExpired
-	}
-	if err := InsertReservationEvent(ctx, q, now, tenant, typ, id, data); err != nil {
+	if err := WriteEvents(ctx, q, now, NewEvent{TenantID: tenant,
+		Data: ReservationEndedData{ReservationID: id, NodeID: res.NodeID, From: cur, State: state}}); err != nil {
 		return EndedReservation{}, err
 	}
 	res.State, res.Changed = state, true
@@ -496,7 +478,7 @@ func FailNodeReservations(ctx context.Context, q DBTX, signer *IntentSigner, now
 	}
 	var (
 		ids    []string
-		events []ReservationEvent
+		events []NewEvent
 	)
 	for rows.Next() {
 		var id, tenant, state string
@@ -504,13 +486,9 @@ func FailNodeReservations(ctx context.Context, q DBTX, signer *IntentSigner, now
 			rows.Close()
 			return nil, err
 		}
-		data, err := json.Marshal(map[string]string{"reservationId": id, "nodeId": nodeID, "reason": reason})
-		if err != nil {
-			rows.Close()
-			return nil, err
-		}
 		ids = append(ids, id)
-		events = append(events, ReservationEvent{TenantID: tenant, Type: EventReservationFailed, SubjectID: id, Data: data})
+		events = append(events, NewEvent{TenantID: tenant,
+			Data: ReservationFailedData{ReservationID: id, NodeID: nodeID, Reason: reason}})
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
@@ -525,7 +503,7 @@ func FailNodeReservations(ctx context.Context, q DBTX, signer *IntentSigner, now
 	if _, err := RebuildNodeSpecs(ctx, q, signer, now, []string{nodeID}); err != nil {
 		return nil, err
 	}
-	if err := InsertReservationEvents(ctx, q, now, events); err != nil {
+	if err := WriteEvents(ctx, q, now, events...); err != nil {
 		return nil, err
 	}
 	return ids, nil
@@ -593,15 +571,11 @@ func FailNeverPlaced(ctx context.Context, q DBTX, now time.Time, ids []string) (
 		return nil, fmt.Errorf("fail never placed: %w", interpretError(err))
 	}
 	slices.SortFunc(failed, func(a, b ReservationFailure) int { return strings.Compare(a.ID, b.ID) })
-	events := make([]ReservationEvent, 0, len(failed))
-	for _, f := range failed {
-		data, err := json.Marshal(map[string]string{"reservationId": f.ID, "reason": f.Reason})
-		if err != nil {
-			return nil, err
-		}
-		events = append(events, ReservationEvent{TenantID: f.TenantID, Type: EventReservationFailed, SubjectID: f.ID, Data: data})
+	events := make([]NewEvent, len(failed))
+	for i, f := range failed {
+		events[i] = NewEvent{TenantID: f.TenantID, Data: ReservationFailedData{ReservationID: f.ID, Reason: f.Reason}}
 	}
-	if err := InsertReservationEvents(ctx, q, now, events); err != nil {
+	if err := WriteEvents(ctx, q, now, events...); err != nil {
 		return nil, err
 	}
 	return failed, nil

@@ -68,12 +68,12 @@ func OpenSession(ctx context.Context, q DBTX, p OpenSessionParams) (OpenedSessio
 		return OpenedSession{}, interpretError(err)
 	}
 	if !wasUp {
-		data := map[string]any{"gatewayId": p.GatewayID, "sessionId": p.SessionID}
+		data := NodeReachableData{NodeID: p.NodeID, SessionID: p.SessionID, GatewayID: p.GatewayID}
 		if lastSeen != nil {
-			data["previousLastSeen"] = lastSeen.UTC()
+			prev := lastSeen.UTC()
+			data.PreviousLastSeen = &prev
 		}
-		if err := InsertNodeEvents(ctx, q, p.Now, []NodeEvent{{TenantID: owner, Type: EventNodeReachable,
-			NodeID: p.NodeID, Data: data}}); err != nil {
+		if err := WriteEvents(ctx, q, p.Now, NewEvent{TenantID: owner, Data: data}); err != nil {
 			return OpenedSession{}, err
 		}
 	}
@@ -338,7 +338,7 @@ func RecordSessionLastSeen(ctx context.Context, q DBTX, batch []SessionLastSeen)
 	}
 	var (
 		updated int64
-		events  []NodeEvent
+		events  []NewEvent
 		at      time.Time
 	)
 	for rows.Next() {
@@ -356,15 +356,14 @@ func RecordSessionLastSeen(ctx context.Context, q DBTX, batch []SessionLastSeen)
 			at = seen
 		}
 		if flipped {
-			events = append(events, NodeEvent{TenantID: owner, Type: EventNodeReachable, NodeID: id,
-				Data: map[string]any{"sessionId": sid}})
+			events = append(events, NewEvent{TenantID: owner, Data: NodeReachableData{NodeID: id, SessionID: sid}})
 		}
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
 		return 0, interpretError(err)
 	}
-	if err := InsertNodeEvents(ctx, q, at, events); err != nil {
+	if err := WriteEvents(ctx, q, at, events...); err != nil {
 		return 0, err
 	}
 	return updated, nil

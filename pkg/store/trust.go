@@ -143,14 +143,14 @@ func RevokeNode(ctx context.Context, q DBTX, now time.Time, nodeID, reason strin
 			return RevokedNode{}, err
 		}
 		user := slices.DeleteFunc(cmds, func(c Command) bool { return c.Purpose != "user" })
-		if err := insertCommandEvents(ctx, q, now, EventCommandFailed, user); err != nil {
+		if err := writeCommandEndedEvents(ctx, q, now, user); err != nil {
 			return RevokedNode{}, err
 		}
 		out.CommandsFailed = slices.Sorted(slices.Values(failed))
 	}
 	if out.Newly {
-		if err := InsertNodeEvents(ctx, q, now, []NodeEvent{{TenantID: owner, Type: EventNodeRevoked, NodeID: nodeID,
-			Data: map[string]any{"reason": reason, "certificatesRevoked": out.CertificatesRevoked}}}); err != nil {
+		if err := WriteEvents(ctx, q, now, NewEvent{TenantID: owner, Data: NodeRevokedData{NodeID: nodeID, Reason: reason,
+			CertificatesRevoked: out.CertificatesRevoked}}); err != nil {
 			return RevokedNode{}, err
 		}
 	}
@@ -170,6 +170,6 @@ func RecordSpecRefused(ctx context.Context, q DBTX, now time.Time, nodeID string
 	if err != nil {
 		return queryErr(fmt.Sprintf("node %s", nodeID), err)
 	}
-	return InsertNodeEvents(ctx, q, now, []NodeEvent{{TenantID: owner, Type: EventNodeSpecRefused, NodeID: nodeID,
-		Data: map[string]any{"generation": generation, "reason": reason}}})
+	return WriteEvents(ctx, q, now, NewEvent{TenantID: owner,
+		Data: NodeSpecRefusedData{NodeID: nodeID, Generation: generation, Reason: reason}})
 }
