@@ -24,6 +24,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/better-compute/better-compute/pkg/ids"
@@ -181,9 +182,9 @@ type NodeOpts struct {
 	// Reason its reason.
 	State, Reason string
 	// GatewayID and SessionID are the node's live session, none by
-	// default.
-	GatewayID, SessionID string
-	Reachable            bool
+	// default; BootID is the boot its daemon said hello from.
+	GatewayID, SessionID, BootID string
+	Reachable                    bool
 	// LastSeen is when the node was last heard, never by default.
 	LastSeen time.Time
 	// Cordoned and CordonReason are the node's cordon.
@@ -224,10 +225,10 @@ func Node(t testing.TB, db *store.DB, opts *NodeOpts) store.Node {
 	_, err := db.Pool.Exec(ctx, `UPDATE nodes SET provision_state = $2, provision_reason = $3,
 			gateway_id = NULLIF($4, ''), session_id = NULLIF($5, ''), reachable = $6, last_seen = $7, cordoned = $8,
 			cordon_reason = $9, spec_generation = $10, observed_generation = $11, spec = COALESCE(NULLIF($12, '')::jsonb, spec),
-			adopted_at = $13, revoked_at = $14, revoke_reason = $15
+			adopted_at = $13, revoked_at = $14, revoke_reason = $15, boot_id = $16
 		WHERE id = $1`, id, or(o.State, store.NodeJoining), o.Reason, o.GatewayID, o.SessionID, o.Reachable, nullTime(o.LastSeen),
 		o.Cordoned, o.CordonReason, o.SpecGeneration, o.ObservedGeneration, o.Spec, nullTime(o.AdoptedAt), nullTime(o.RevokedAt),
-		o.RevokeReason)
+		o.RevokeReason, o.BootID)
 	require.NoError(t, err)
 	devices := o.Devices
 	if devices == nil {
@@ -547,11 +548,15 @@ type EventOpts struct {
 	// Type defaults to store.EventNodeCordoned, SubjectID to "node_x",
 	// Data (a JSON object) to {}.
 	Type, SubjectID, Data string
-	// CreatedAt is the writer's time.
+	// Age is how long ago the database inserted the event, by its own
+	// clock (events.inserted_at); none by default.
+	Age time.Duration
+	// CreatedAt is the writer's time; it defaults to now, or to the insert
+	// time of an event with an Age.
 	CreatedAt time.Time
-	// InsertedAt is the database's insert time (events.inserted_at),
-	// now by default.
-	InsertedAt time.Time
+	// Tx, when set, is an open transaction of db to insert in: the event's
+	// id is taken now, and the event is seen once Tx commits.
+	Tx pgx.Tx
 }
 
 // Event inserts an events row of any type, tenant (or none) and data, with
@@ -561,14 +566,23 @@ type EventOpts struct {
 func Event(t testing.TB, db *store.DB, opts *EventOpts) int64 {
 	t.Helper()
 	o := ptrOr(opts)
+	var q store.DBTX = db.Pool
+	if o.Tx != nil {
+		q = o.Tx
+	}
 	var tenant *string
 	if !o.NoTenant {
 		tenant = &o.TenantID
 	}
+	created := nullTime(o.CreatedAt)
+	if created == nil && o.Age == 0 {
+		created = nullTime(db.Now())
+	}
 	var id int64
-	require.NoError(t, db.Pool.QueryRow(t.Context(), `INSERT INTO events (tenant_id, type, subject_id, data, created_at, inserted_at)
-		VALUES ($1, $2, $3, $4, $5, COALESCE($6, clock_timestamp())) RETURNING id`, tenant, or(o.Type, store.EventNodeCordoned),
-		or(o.SubjectID, "node_x"), or(o.Data, "{}"), orNow(db, o.CreatedAt), nullTime(o.InsertedAt)).Scan(&id))
+	require.NoError(t, q.QueryRow(t.Context(), `WITH c AS (SELECT clock_timestamp() - $6::bigint * interval '1 microsecond' AS at)
+		INSERT INTO events (tenant_id, type, subject_id, data, created_at, inserted_at)
+		SELECT $1, $2, $3, $4, COALESCE($5, c.at), c.at FROM c RETURNING id`, tenant, or(o.Type, store.EventNodeCordoned),
+		or(o.SubjectID, "node_x"), or(o.Data, "{}"), created, o.Age.Microseconds()).Scan(&id))
 	return id
 }
 
