@@ -191,9 +191,11 @@ type NodeOpts struct {
 	Cordoned     bool
 	CordonReason string
 	// SpecGeneration, ObservedGeneration and Spec (protojson of a
-	// gatewayv1.NodeSpec; "{}" by default) are the node's desired state.
+	// gatewayv1.NodeSpec; "{}" by default) are the node's desired state,
+	// SpecSignature its signature (none by default).
 	SpecGeneration, ObservedGeneration int64
 	Spec                               string
+	SpecSignature                      []byte
 	// GPUs is how many healthy GPUs the node has, indexes 0…, uuids
 	// "GPU-<node id>-<index>", of GPUModel (DefaultGPUModel by default)
 	// with GPUMemoryBytes. Devices, when set, are the node's GPUs instead
@@ -225,10 +227,10 @@ func Node(t testing.TB, db *store.DB, opts *NodeOpts) store.Node {
 	_, err := db.Pool.Exec(ctx, `UPDATE nodes SET provision_state = $2, provision_reason = $3,
 			gateway_id = NULLIF($4, ''), session_id = NULLIF($5, ''), reachable = $6, last_seen = $7, cordoned = $8,
 			cordon_reason = $9, spec_generation = $10, observed_generation = $11, spec = COALESCE(NULLIF($12, '')::jsonb, spec),
-			adopted_at = $13, revoked_at = $14, revoke_reason = $15, boot_id = $16
+			adopted_at = $13, revoked_at = $14, revoke_reason = $15, boot_id = $16, spec_signature = $17
 		WHERE id = $1`, id, or(o.State, store.NodeJoining), o.Reason, o.GatewayID, o.SessionID, o.Reachable, nullTime(o.LastSeen),
 		o.Cordoned, o.CordonReason, o.SpecGeneration, o.ObservedGeneration, o.Spec, nullTime(o.AdoptedAt), nullTime(o.RevokedAt),
-		o.RevokeReason, o.BootID)
+		o.RevokeReason, o.BootID, o.SpecSignature)
 	require.NoError(t, err)
 	devices := o.Devices
 	if devices == nil {
