@@ -22,15 +22,18 @@
 //   - commands.go, command_updates.go: user commands, daemons' updates;
 //   - reservations.go, placement.go, nodespecs.go, usage.go: reservations,
 //     the scheduler's placement, the NodeSpecs that carry them, usage;
-//   - events.go, events_watch.go: the event types and the watch's reads;
+//   - events.go, events_watch.go: the event types, the data type of each
+//     and their one writer (WriteEvents); the watch's reads;
 //   - outbox.go, outbox_signal.go: the outbox and waking its relay;
 //   - intent.go: signed intent;
 //   - migrate.go and migrations/: the schema.
 //
 // A function that creates a command or changes a NodeSpec takes an
 // *IntentSigner and signs what it wrote in the same transaction
-// (signedIntent; see intent.go). Tests get a database of their own, and rows
-// in it, from storetest.
+// (signedIntent; see intent.go); one that changes what a tenant may follow
+// writes its event with WriteEvents in its transaction (events.go says how
+// to add an event type). Tests get a database of their own, and rows in it,
+// from storetest.
 package store
 
 import (
