@@ -153,7 +153,8 @@ func TestAuthenticateCache(t *testing.T) {
 		return "Bearer " + secret, tok.ID
 	}
 	// revokeBehind revokes id in the database only, as if on another server
-	// whose message never arrives.
+	// whose message never arrives. Raw SQL: store.RevokeAPIToken always
+	// writes the message.
 	revokeBehind := func(id string) {
 		t.Helper()
 		_, err := db.Pool.Exec(ctx, `UPDATE api_tokens SET revoked_at = $2 WHERE id = $1`, id, db.Now())
@@ -252,8 +253,9 @@ func TestAuthenticateCacheTouch(t *testing.T) {
 	require.NotNil(t, lastUsed())
 	require.True(t, lastUsed().Equal(now), "the first use is written")
 
-	// Clear it behind the cache's back: a call within the interval must
-	// not write it again (a write per call would).
+	// Clear it behind the cache's back (raw SQL: nothing in the store clears
+	// it): a call within the interval must not write it again (a write per
+	// call would).
 	_, err = db.Pool.Exec(ctx, `UPDATE api_tokens SET last_used_at = NULL WHERE id = $1`, tok.ID)
 	require.NoError(t, err)
 	for range 3 {

@@ -194,6 +194,8 @@ func TestRunStopsFnWhenLost(t *testing.T) {
 	require.Eventually(t, func() bool { return runs.Load() == 1 }, 10*time.Second, 5*time.Millisecond)
 
 	// Another holder steals it (as if a's renewals had stalled past expiry).
+	// Raw SQL: store.TryAcquireLease never takes a lease that has not
+	// expired.
 	_, err := db.Pool.Exec(t.Context(), `UPDATE leases SET holder = 'thief', expires_at = $1 WHERE name = 'role'`,
 		t0.Add(time.Hour))
 	require.NoError(t, err)

@@ -190,7 +190,8 @@ func TestRelayWakesOnTheWriteSignal(t *testing.T) {
 
 	// Rows written with no NOTIFY at all, each followed by the NATS signal
 	// alone. The relay's one wake-up when it starts listening may serve one
-	// of them (it can come late); not three.
+	// of them (it can come late); not three. Raw SQL: store.Enqueue always
+	// signals.
 	for i := range 3 {
 		subject := fmt.Sprintf("test.signalled.%d", i)
 		_, err = db.Pool.Exec(t.Context(), `INSERT INTO outbox (subject, payload, created_at) VALUES ($1, '', now())`, subject)
@@ -229,6 +230,8 @@ func TestRelayPublishesStragglers(t *testing.T) {
 		subject string
 	}{{100001 - 10, "test.near"}, {5, "test.far"}} {
 		require.NoError(t, db.InTx(t.Context(), func(tx pgx.Tx) error {
+			// Raw SQL: a row with the id of a straggler, which the
+			// sequence, and so store.Enqueue, never hands out late.
 			if _, err := tx.Exec(t.Context(), `INSERT INTO outbox (id, subject, payload, created_at) VALUES ($1, $2, '', now())`,
 				s.id, s.subject); err != nil {
 				return err

@@ -186,6 +186,7 @@ func TestPersistentClusterIsReused(t *testing.T) {
 	// t.TempDir()'s parent is mode 0700, so a server that is not root
 	// reaches the directory only through the lent capability.
 	requireCaps(t, s.PID(), true)
+	// A table of the test's own, not the store's: the cluster keeps it.
 	exec1(t, s, "CREATE TABLE kept (v text); INSERT INTO kept VALUES ('row one')")
 	require.Equal(t, dir, s.DataDir())
 	require.NoError(t, s.Stop(t.Context()))

@@ -17,21 +17,11 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// SubjectPokeScheduler wakes the scheduler: capacity appeared (a node was
-// adopted) or a reservation is waiting.
-const SubjectPokeScheduler = "bc.poke.scheduler"
-
-// Event types written by the acceptance reconciler (events.type).
-const (
-	EventNodeAdopted          = "node.adopted"
-	EventNodeAcceptanceFailed = "node.acceptance_failed"
-)
-
 // ClaimJoiningNodes locks up to limit nodes in state joining, oldest first,
 // skipping nodes another transaction holds, and returns their ids. Call it
 // in a transaction that moves them on.
 func ClaimJoiningNodes(ctx context.Context, q DBTX, limit int) ([]string, error) {
-	return acceptanceIDs(ctx, q, "claim joining nodes", `SELECT id FROM nodes WHERE provision_state = 'joining'
+	return queryIDs(ctx, q, "claim joining nodes", `SELECT id FROM nodes WHERE provision_state = 'joining'
 		ORDER BY created_at, id LIMIT $1 FOR UPDATE SKIP LOCKED`, limit)
 }
 
@@ -70,7 +60,7 @@ func MarkNodesAccepting(ctx context.Context, q DBTX, now time.Time, nodeIDs []st
 	if len(nodeIDs) == 0 {
 		return nil, nil
 	}
-	return acceptanceIDs(ctx, q, "mark nodes accepting", `UPDATE nodes SET provision_state = 'accepting', provision_reason = '',
+	return queryIDs(ctx, q, "mark nodes accepting", `UPDATE nodes SET provision_state = 'accepting', provision_reason = '',
 		updated_at = $2 WHERE id = ANY($1) AND provision_state IN ('joining', 'accepting') RETURNING id`, nodeIDs, now)
 }
 
@@ -80,7 +70,7 @@ func MarkNodesAccepting(ctx context.Context, q DBTX, now time.Time, nodeIDs []st
 // and returns their ids. Read what to do with them with AcceptanceChecks in
 // the same transaction: its snapshot is taken after the locks.
 func ClaimDueAcceptances(ctx context.Context, q DBTX, now time.Time, limit int) ([]string, error) {
-	return acceptanceIDs(ctx, q, "claim due acceptances", `SELECT n.id FROM nodes n
+	return queryIDs(ctx, q, "claim due acceptances", `SELECT n.id FROM nodes n
 		WHERE n.provision_state = 'accepting' AND NOT EXISTS (
 			SELECT 1 FROM commands c WHERE c.node_id = n.id AND c.purpose = 'acceptance'
 				AND c.finished_at IS NULL AND c.deadline > $1)
@@ -234,7 +224,7 @@ func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time
 	for i, a := range adoptions {
 		ids[i], specs[i], invs[i] = a.NodeID, string(a.Spec), string(a.Inventory)
 	}
-	adopted, err := acceptanceIDs(ctx, q, "adopt nodes", `UPDATE nodes n SET provision_state = 'adopted', provision_reason = '',
+	adopted, err := queryIDs(ctx, q, "adopt nodes", `UPDATE nodes n SET provision_state = 'adopted', provision_reason = '',
 			adopted_at = $4, spec_generation = 1, spec = u.spec::jsonb, inventory = u.inv::jsonb, updated_at = $4
 		FROM unnest($1::text[], $2::text[], $3::text[]) AS u(id, spec, inv)
 		WHERE n.id = u.id AND n.provision_state = 'accepting' RETURNING n.id`, ids, specs, invs, now)
@@ -249,19 +239,19 @@ func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time
 		done[id] = true
 	}
 	devices := make(map[string][]NodeDevice, len(adopted))
-	var events []NodeEvent
+	var events []NewEvent
 	for _, a := range adoptions {
 		if !done[a.NodeID] {
 			continue
 		}
 		devices[a.NodeID] = a.Devices
-		events = append(events, NodeEvent{TenantID: a.OwnerTenantID, Type: EventNodeAdopted, NodeID: a.NodeID,
-			Data: map[string]any{"poolId": a.PoolID, "gpus": len(a.Devices)}})
+		events = append(events, NewEvent{TenantID: a.OwnerTenantID,
+			Data: NodeAdoptedData{NodeID: a.NodeID, PoolID: a.PoolID, GPUs: len(a.Devices)}})
 	}
 	if err := replaceNodeDevices(ctx, q, "adopt nodes", adopted, devices); err != nil {
 		return nil, err
 	}
-	if err := InsertNodeEvents(ctx, q, now, events); err != nil {
+	if err := WriteEvents(ctx, q, now, events...); err != nil {
 		return nil, err
 	}
 	return adopted, nil
@@ -303,7 +293,7 @@ func FailAcceptance(ctx context.Context, q DBTX, now time.Time, failures []Accep
 			invs[i] = &s
 		}
 	}
-	failed, err := acceptanceIDs(ctx, q, "fail acceptance", `UPDATE nodes n SET provision_state = 'acceptance_failed',
+	failed, err := queryIDs(ctx, q, "fail acceptance", `UPDATE nodes n SET provision_state = 'acceptance_failed',
 			provision_reason = u.reason, inventory = COALESCE(u.inv::jsonb, n.inventory), updated_at = $4
 		FROM unnest($1::text[], $2::text[], $3::text[]) AS u(id, reason, inv)
 		WHERE n.id = u.id AND n.provision_state = 'accepting' RETURNING n.id`, ids, reasons, invs, now)
@@ -315,7 +305,7 @@ func FailAcceptance(ctx context.Context, q DBTX, now time.Time, failures []Accep
 		done[id] = true
 	}
 	var (
-		events   []NodeEvent
+		events   []NewEvent
 		reported []string
 	)
 	devices := make(map[string][]NodeDevice)
@@ -323,8 +313,8 @@ func FailAcceptance(ctx context.Context, q DBTX, now time.Time, failures []Accep
 		if !done[f.NodeID] {
 			continue
 		}
-		events = append(events, NodeEvent{TenantID: f.OwnerTenantID, Type: EventNodeAcceptanceFailed, NodeID: f.NodeID,
-			Data: map[string]any{"poolId": f.PoolID, "reason": f.Reason}})
+		events = append(events, NewEvent{TenantID: f.OwnerTenantID,
+			Data: NodeAcceptanceFailedData{NodeID: f.NodeID, PoolID: f.PoolID, Reason: f.Reason}})
 		if f.Inventory != nil {
 			reported = append(reported, f.NodeID)
 			devices[f.NodeID] = f.Devices
@@ -333,66 +323,8 @@ func FailAcceptance(ctx context.Context, q DBTX, now time.Time, failures []Accep
 	if err := replaceNodeDevices(ctx, q, "fail acceptance", reported, devices); err != nil {
 		return nil, err
 	}
-	if err := InsertNodeEvents(ctx, q, now, events); err != nil {
+	if err := WriteEvents(ctx, q, now, events...); err != nil {
 		return nil, err
 	}
 	return failed, nil
-}
-
-// replaceNodeDevices replaces the node_devices rows of nodeIDs with
-// devices[id] (none for a node missing there), in two statements; what
-// names the caller in errors.
-func replaceNodeDevices(ctx context.Context, q DBTX, what string, nodeIDs []string, devices map[string][]NodeDevice) error {
-	if len(nodeIDs) == 0 {
-		return nil
-	}
-	var (
-		devNode, devUUID, devModel []string
-		devIndex                   []int32
-		devMemory                  []int64
-		devHealthy                 []bool
-	)
-	for _, id := range nodeIDs {
-		for _, d := range devices[id] {
-			devNode = append(devNode, id)
-			devIndex = append(devIndex, d.Index)
-			devUUID = append(devUUID, d.UUID)
-			devModel = append(devModel, d.Model)
-			devMemory = append(devMemory, d.MemoryBytes)
-			devHealthy = append(devHealthy, d.Healthy)
-		}
-	}
-	if _, err := q.Exec(ctx, `DELETE FROM node_devices WHERE node_id = ANY($1)`, nodeIDs); err != nil {
-		return fmt.Errorf("%s: clear devices: %w", what, interpretError(err))
-	}
-	if len(devNode) > 0 {
-		_, err := q.Exec(ctx, `INSERT INTO node_devices (node_id, device_index, uuid, model, memory_bytes, healthy)
-			SELECT * FROM unnest($1::text[], $2::int[], $3::text[], $4::text[], $5::bigint[], $6::bool[])`,
-			devNode, devIndex, devUUID, devModel, devMemory, devHealthy)
-		if err != nil {
-			return fmt.Errorf("%s: insert devices: %w", what, interpretError(err))
-		}
-	}
-	return nil
-}
-
-// acceptanceIDs runs a query returning one text column and collects it.
-func acceptanceIDs(ctx context.Context, q DBTX, what, sql string, args ...any) ([]string, error) {
-	rows, err := q.Query(ctx, sql, args...)
-	if err != nil {
-		return nil, fmt.Errorf("%s: %w", what, interpretError(err))
-	}
-	defer rows.Close()
-	var out []string
-	for rows.Next() {
-		var id string
-		if err := rows.Scan(&id); err != nil {
-			return nil, fmt.Errorf("%s: %w", what, err)
-		}
-		out = append(out, id)
-	}
-	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("%s: %w", what, interpretError(err))
-	}
-	return out, nil
 }

@@ -14,39 +14,35 @@ import (
 )
 
 // acceptanceDB returns a database with one pool and these nodes:
-// "n-open" accepting with an open command before its deadline, "n-late"
-// accepting with an open command past it, "n-done" accepting with a
-// succeeded command, "n-none" accepting without a command, "n-join"
-// joining and "n-adopted" adopted.
+// "n-open" accepting with an open command before its deadline (and the
+// error the daemon reported), "n-late" accepting with an open command past
+// it, "n-done" accepting with a succeeded command, "n-none" accepting
+// without a command, "n-join" joining and "n-adopted" adopted.
 func acceptanceDB(t *testing.T) (*store.DB, time.Time) {
 	t.Helper()
 	now := time.Date(2030, 3, 4, 5, 6, 7, 0, time.UTC)
 	db := storetest.New(t, clock.NewFake(now))
-	ctx := t.Context()
-	for _, q := range []string{
-		`INSERT INTO tenants (id, name, created_at) VALUES ('ten_1', 'owner', $1)`,
-		`INSERT INTO sites (id, name, created_at) VALUES ('site_1', 'dev-1', $1)`,
-		`INSERT INTO pools (id, site_id, owner_tenant_id, name, kind, gpu_model, expect_gpu_count, created_at)
-			VALUES ('pool_1', 'site_1', 'ten_1', 'p', 'metal-host', 'H100', 8, $1)`,
-		`INSERT INTO nodes (id, pool_id, provision_state, created_at, updated_at) VALUES
-			('n-open', 'pool_1', 'accepting', $1, $1), ('n-late', 'pool_1', 'accepting', $1, $1),
-			('n-done', 'pool_1', 'accepting', $1, $1), ('n-none', 'pool_1', 'accepting', $1, $1),
-			('n-join', 'pool_1', 'joining', $1, $1), ('n-adopted', 'pool_1', 'adopted', $1, $1)`,
-		`INSERT INTO commands (id, node_id, kind, purpose, state, retry_safe, deadline, created_at, updated_at, deliveries,
-			finished_at) VALUES
-			('cmd-open', 'n-open', 'diag.nvml', 'acceptance', 'delivered', true, $1::timestamptz + interval '1 minute', $1, $1, 1,
-				NULL),
-			('cmd-late-0', 'n-late', 'diag.nvml', 'acceptance', 'expired', true, $1::timestamptz - interval '2 minutes',
-				$1::timestamptz - interval '4 minutes', $1, 0, $1),
-			('cmd-late', 'n-late', 'diag.nvml', 'acceptance', 'running', true, $1, $1, $1, 1, NULL),
-			('cmd-done', 'n-done', 'diag.nvml', 'acceptance', 'succeeded', true, $1::timestamptz + interval '1 minute', $1, $1, 1,
-				$1),
-			('cmd-adopted', 'n-adopted', 'diag.nvml', 'acceptance', 'succeeded', true, $1, $1, $1, 1, $1),
-			('cmd-user', 'n-none', 'logs.collect', 'user', 'queued', false, $1::timestamptz + interval '1 minute', $1, $1, 0,
-				NULL)`,
+	storetest.Tenant(t, db, &storetest.TenantOpts{ID: "ten_1", Name: "owner"})
+	storetest.Site(t, db, &storetest.SiteOpts{ID: "site_1", Name: "dev-1"})
+	storetest.Pool(t, db, &storetest.PoolOpts{ID: "pool_1", SiteID: "site_1", OwnerTenantID: "ten_1", Name: "p", GPUModel: "H100",
+		ExpectGPUCount: 8})
+	for _, n := range []struct{ id, state string }{
+		{"n-open", store.NodeAccepting}, {"n-late", store.NodeAccepting}, {"n-done", store.NodeAccepting},
+		{"n-none", store.NodeAccepting}, {"n-join", store.NodeJoining}, {"n-adopted", store.NodeAdopted},
 	} {
-		_, err := db.Pool.Exec(ctx, q, now)
-		require.NoError(t, err)
+		storetest.Node(t, db, &storetest.NodeOpts{ID: n.id, PoolID: "pool_1", State: n.state})
+	}
+	for _, c := range []storetest.CommandOpts{
+		{ID: "cmd-open", NodeID: "n-open", Purpose: "acceptance", State: "delivered", Deadline: now.Add(time.Minute), Deliveries: 1,
+			Error: "daemon said so"},
+		{ID: "cmd-late-0", NodeID: "n-late", Purpose: "acceptance", State: "expired", Deadline: now.Add(-2 * time.Minute),
+			CreatedAt: now.Add(-4 * time.Minute), FinishedAt: now},
+		{ID: "cmd-late", NodeID: "n-late", Purpose: "acceptance", State: "running", Deadline: now, Deliveries: 1},
+		{ID: "cmd-done", NodeID: "n-done", Purpose: "acceptance", State: "succeeded", Deadline: now.Add(time.Minute), Deliveries: 1},
+		{ID: "cmd-adopted", NodeID: "n-adopted", Purpose: "acceptance", State: "succeeded", Deadline: now, Deliveries: 1},
+		{ID: "cmd-user", NodeID: "n-none", Kind: store.CommandLogsCollect, RetrySafe: new(bool), Deadline: now.Add(time.Minute)},
+	} {
+		storetest.Command(t, db, &c)
 	}
 	return db, now
 }
@@ -104,8 +100,6 @@ func TestExpireCommands(t *testing.T) {
 	t.Parallel()
 	db, now := acceptanceDB(t)
 	ctx := t.Context()
-	_, err := db.Pool.Exec(ctx, `UPDATE commands SET error = 'daemon said so' WHERE id = 'cmd-open'`)
-	require.NoError(t, err)
 	reasons := store.ExpiryReasons{Queued: "never delivered", Delivered: "never started", Running: "never finished"}
 	expired, err := store.ExpireCommands(ctx, db.Pool, now, []string{"cmd-user", "cmd-late", "cmd-done", "cmd-open"}, reasons)
 	require.NoError(t, err)

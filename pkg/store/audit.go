@@ -1,5 +1,8 @@
 package store
 
+// The audit log: one row per mutating API call, written in the call's
+// transaction.
+
 import (
 	"context"
 	"time"

@@ -6,11 +6,10 @@ package store
 // reconciler ends what is still open at its deadline. A command belongs to
 // its node's tenant (the pool's owner). Every state change here writes its
 // event (command.queued, command.succeeded, command.failed,
-// command.expired) through InsertReservationEvents in the same transaction.
+// command.expired) through WriteEvents in the same transaction.
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
@@ -25,14 +24,6 @@ const (
 	CommandInventoryRefresh = "inventory.refresh"
 	CommandLogsCollect      = "logs.collect"
 	CommandNodeReboot       = "node.reboot"
-)
-
-// Event types of user commands (events.type).
-const (
-	EventCommandQueued    = "command.queued"
-	EventCommandSucceeded = "command.succeeded"
-	EventCommandFailed    = "command.failed"
-	EventCommandExpired   = "command.expired"
 )
 
 // CommandErrTextExpired is the error a daemon reports, with state failed,
@@ -280,15 +271,16 @@ func QueueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 // queueSQL is QueueCommands' statement. Its CTEs: u the commands sent, n
 // their nodes locked in id order, ok those of the caller's tenant, prev the
 // commands of request ids already used, cand the commands to insert, done
-// those inserted, then their events with outbox messages, the gateway pokes
-// and the audit rows. It returns, per command in order, what the node was,
+// those inserted, queued their command.queued events (type and data
+// encoded by encodeEvents, tenant the node's), then the events with their
+// outbox messages (eventWriterCTEs), the gateway pokes and the audit rows. It returns, per command in order, what the node was,
 // whether the command was inserted, the rows the outbox CTEs wrote, and,
 // for a request id already used, that command.
-const queueSQL = `WITH u AS (
+var queueSQL = `WITH u AS (
 		SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[], $5::timestamptz[], $6::text[], $7::text[],
-			$8::text[], $9::bytea[], $10::text[], $11::text[], $12::text[], $13::text[], $14::bool[], $15::text[])
+			$8::text[], $9::bytea[], $10::text[], $11::text[], $12::text[], $13::text[], $14::bool[], $15::text[], $19::text[])
 			WITH ORDINALITY AS u(id, node, kind, safe, deadline, created_by, req, scope, sig, a_tenant, a_token, a_role,
-				a_proc, audit, deadline_text, ord)),
+				a_proc, audit, ev_type, ev_data, ord)),
 	n AS (
 		SELECT n.id, n.provision_state, n.revoked_at IS NOT NULL AS revoked, p.owner_tenant_id AS tenant, n.gateway_id
 		FROM nodes n JOIN pools p ON p.id = n.pool_id
@@ -311,19 +303,8 @@ const queueSQL = `WITH u AS (
 		ON CONFLICT (node_id, request_id) WHERE request_id IS NOT NULL DO NOTHING
 		RETURNING c.id),
 	done AS (SELECT cand.* FROM cand JOIN ins ON ins.id = cand.id),
-	ev AS (
-		INSERT INTO events (tenant_id, type, subject_id, data, created_at)
-		SELECT tenant, '` + EventCommandQueued + `', id,
-			jsonb_build_object('commandId', id, 'nodeId', node, 'kind', kind, 'deadline', deadline_text), $17
-		FROM done ORDER BY ord
-		RETURNING id, tenant_id, type, subject_id, data),
-	evo AS (
-		INSERT INTO outbox (subject, payload, created_at)
-		SELECT '` + SubjectEvents + `.' || COALESCE(tenant_id, '') || '.' || type,
-			convert_to(jsonb_build_object('id', id, 'tenantId', COALESCE(tenant_id, ''), 'type', type, 'subjectId', subject_id,
-				'data', data, 'time', $18::text)::text, 'UTF8'), $17
-		FROM ev ORDER BY id
-		RETURNING id),
+	queued AS (SELECT ord, tenant, ev_type AS type, id AS subject, ev_data::jsonb AS data, $17::timestamptz AS at FROM done),
+	` + eventWriterCTEs("queued", "$18") + `,
 	poke AS (
 		INSERT INTO outbox (subject, payload, created_at)
 		SELECT '` + SubjectPokeGatewayPrefix + `' || gateway_id,
@@ -355,11 +336,11 @@ func queueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 	k := len(sent)
 	id, node, kind, created, req, scope := make([]string, k), make([]string, k), make([]string, k), make([]string, k),
 		make([]string, k), make([]string, k)
-	aTenant, aToken, aRole, aProc, deadlineText := make([]string, k), make([]string, k), make([]string, k),
-		make([]string, k), make([]string, k)
+	aTenant, aToken, aRole, aProc := make([]string, k), make([]string, k), make([]string, k), make([]string, k)
 	safe, audit := make([]bool, k), make([]bool, k)
 	deadline := make([]time.Time, k)
 	sig := make([][]byte, k)
+	events := make([]NewEvent, k)
 	for x, i := range sent {
 		c := cmds[i]
 		// Stored to the microsecond: sign and return what is stored.
@@ -367,7 +348,8 @@ func queueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 		id[x], node[x], kind[x], created[x], req[x], scope[x], deadline[x] = c.ID, c.NodeID, c.Kind, c.CreatedBy,
 			c.RequestID, c.TenantID, d
 		safe[x], _ = CommandRetrySafe(c.Kind)
-		deadlineText[x] = d.Format(time.RFC3339Nano)
+		// The tenant is the node's, read by the statement.
+		events[x] = NewEvent{Data: CommandQueuedData{CommandID: c.ID, NodeID: c.NodeID, Kind: c.Kind, Deadline: d}}
 		if c.Audit != nil {
 			audit[x] = true
 			aTenant[x], aToken[x], aRole[x], aProc[x] = c.Audit.TenantID, c.Audit.TokenID, c.Audit.Role, c.Audit.Procedure
@@ -381,11 +363,15 @@ func queueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 			sig[x] = s
 		}
 	}
+	ev, err := encodeEvents(events)
+	if err != nil {
+		return err
+	}
 	nodes := slices.Clone(node)
 	slices.Sort(nodes)
 	nodes = slices.Compact(nodes)
 	rows, err := q.Query(ctx, queueSQL, id, node, kind, safe, deadline, created, req, scope, sig, aTenant, aToken, aRole,
-		aProc, audit, deadlineText, nodes, now, now.UTC().Format(time.RFC3339Nano))
+		aProc, audit, ev.types, nodes, now, eventTime(now), ev.data)
 	if err != nil {
 		return queryErr("queue commands", err)
 	}
@@ -500,7 +486,7 @@ func ExpireDueCommands(ctx context.Context, q DBTX, now time.Time, limit int) ([
 	if err != nil {
 		return nil, err
 	}
-	if err := insertCommandEvents(ctx, q, now, EventCommandExpired, cmds); err != nil {
+	if err := writeCommandEndedEvents(ctx, q, now, cmds); err != nil {
 		return nil, err
 	}
 	return cmds, nil
@@ -527,30 +513,13 @@ func commandsByID(ctx context.Context, q DBTX, ids []string) ([]Command, error) 
 	return out, nil
 }
 
-// insertCommandEvents writes an event of type typ for each of cmds (tenant:
-// the command's; subject: its id).
-func insertCommandEvents(ctx context.Context, q DBTX, now time.Time, typ string, cmds []Command) error {
-	events := make([]ReservationEvent, 0, len(cmds))
-	for _, c := range cmds {
-		e, err := commandEvent(typ, c)
-		if err != nil {
-			return err
-		}
-		events = append(events, e)
+// writeCommandEndedEvents writes the event of the end of each of cmds
+// (command.<state>, for the command's tenant) as they are now.
+func writeCommandEndedEvents(ctx context.Context, q DBTX, now time.Time, cmds []Command) error {
+	events := make([]NewEvent, len(cmds))
+	for i, c := range cmds {
+		events[i] = NewEvent{TenantID: c.TenantID,
+			Data: CommandEndedData{CommandID: c.ID, NodeID: c.NodeID, Kind: c.Kind, State: c.State, Error: c.Error}}
 	}
-	return InsertReservationEvents(ctx, q, now, events)
-}
-
-// commandEvent is the event of type typ of command c: tenant the command's,
-// subject its id, data its id, node, kind, state and error.
-func commandEvent(typ string, c Command) (ReservationEvent, error) {
-	d := map[string]any{"commandId": c.ID, "nodeId": c.NodeID, "kind": c.Kind, "state": c.State}
-	if c.Error != "" {
-		d["error"] = c.Error
-	}
-	data, err := json.Marshal(d)
-	if err != nil {
-		return ReservationEvent{}, err
-	}
-	return ReservationEvent{TenantID: c.TenantID, Type: typ, SubjectID: c.ID, Data: data}, nil
+	return WriteEvents(ctx, q, now, events...)
 }

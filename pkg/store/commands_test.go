@@ -25,18 +25,15 @@ func commandsDB(t *testing.T) (*store.DB, time.Time) {
 	t.Helper()
 	now := time.Date(2030, 3, 4, 5, 6, 7, 0, time.UTC)
 	db := storetest.New(t, clock.NewFake(now))
-	for _, q := range []string{
-		`INSERT INTO tenants (id, name, created_at) VALUES ('ten_1', 'one', $1), ('ten_2', 'two', $1)`,
-		`INSERT INTO sites (id, name, created_at) VALUES ('site_1', 'dev-1', $1)`,
-		`INSERT INTO pools (id, site_id, owner_tenant_id, name, kind, created_at)
-			VALUES ('pool_1', 'site_1', 'ten_1', 'p', 'metal-host', $1), ('pool_2', 'site_1', 'ten_2', 'q', 'metal-host', $1)`,
-		`INSERT INTO nodes (id, pool_id, provision_state, created_at, updated_at, revoked_at) VALUES
-			('n-ok', 'pool_1', 'adopted', $1, $1, NULL), ('n-rev', 'pool_1', 'adopted', $1, $1, $1),
-			('n-acc', 'pool_1', 'accepting', $1, $1, NULL), ('n-other', 'pool_2', 'adopted', $1, $1, NULL)`,
-	} {
-		_, err := db.Pool.Exec(t.Context(), q, now)
-		require.NoError(t, err)
-	}
+	storetest.Tenant(t, db, &storetest.TenantOpts{ID: "ten_1", Name: "one"})
+	storetest.Tenant(t, db, &storetest.TenantOpts{ID: "ten_2", Name: "two"})
+	storetest.Site(t, db, &storetest.SiteOpts{ID: "site_1", Name: "dev-1"})
+	storetest.Pool(t, db, &storetest.PoolOpts{ID: "pool_1", SiteID: "site_1", OwnerTenantID: "ten_1", Name: "p"})
+	storetest.Pool(t, db, &storetest.PoolOpts{ID: "pool_2", SiteID: "site_1", OwnerTenantID: "ten_2", Name: "q"})
+	storetest.Node(t, db, &storetest.NodeOpts{ID: "n-ok", PoolID: "pool_1", State: store.NodeAdopted})
+	storetest.Node(t, db, &storetest.NodeOpts{ID: "n-rev", PoolID: "pool_1", State: store.NodeAdopted, RevokedAt: now})
+	storetest.Node(t, db, &storetest.NodeOpts{ID: "n-acc", PoolID: "pool_1", State: store.NodeAccepting})
+	storetest.Node(t, db, &storetest.NodeOpts{ID: "n-other", PoolID: "pool_2", State: store.NodeAdopted})
 	return db, now
 }
 
@@ -165,16 +162,14 @@ func TestExpireDueCommands(t *testing.T) {
 	for _, n := range []store.NewCommand{
 		{ID: "cmd_due", NodeID: "n-ok", Kind: store.CommandDiagNVML, Deadline: now},
 		{ID: "cmd_later", NodeID: "n-ok", Kind: store.CommandDiagNVML, Deadline: now.Add(time.Second)},
-		{ID: "cmd_done", NodeID: "n-other", Kind: store.CommandDiagNVML, Deadline: now.Add(-time.Minute)},
 	} {
 		_, err := queue(t, db, nil, now.Add(-time.Hour), n)
 		require.NoError(t, err)
 	}
-	_, err := db.Pool.Exec(t.Context(), `INSERT INTO commands (id, node_id, kind, purpose, state, retry_safe, deadline,
-		created_at, updated_at) VALUES ('cmd_acc', 'n-acc', 'diag.nvml', 'acceptance', 'queued', true, $1, $1, $1)`, now.Add(-time.Hour))
-	require.NoError(t, err)
-	_, err = db.Pool.Exec(t.Context(), `UPDATE commands SET state = 'succeeded', finished_at = updated_at WHERE id = 'cmd_done'`)
-	require.NoError(t, err)
+	storetest.Command(t, db, &storetest.CommandOpts{ID: "cmd_done", NodeID: "n-other", State: "succeeded",
+		Deadline: now.Add(-time.Minute), CreatedAt: now.Add(-time.Hour)})
+	storetest.Command(t, db, &storetest.CommandOpts{ID: "cmd_acc", NodeID: "n-acc", Purpose: "acceptance",
+		Deadline: now.Add(-time.Hour), CreatedAt: now.Add(-time.Hour)})
 
 	var expired []store.Command
 	require.NoError(t, db.InTx(t.Context(), func(tx pgx.Tx) error {
@@ -210,9 +205,8 @@ func TestApplySessionCommandUpdateWritesCommandEvents(t *testing.T) {
 		_, err := queue(t, db, nil, now, store.NewCommand{ID: id, NodeID: "n-ok", Kind: store.CommandDiagNVML, Deadline: now.Add(time.Minute)})
 		require.NoError(t, err)
 	}
-	_, err := db.Pool.Exec(t.Context(), `INSERT INTO commands (id, node_id, kind, purpose, state, retry_safe, deadline,
-		created_at, updated_at) VALUES ('cmd_acc', 'n-acc', 'diag.nvml', 'acceptance', 'delivered', true, $1, $1, $1)`, now)
-	require.NoError(t, err)
+	storetest.Command(t, db, &storetest.CommandOpts{ID: "cmd_acc", NodeID: "n-acc", Purpose: "acceptance", State: "delivered",
+		Deadline: now, CreatedAt: now})
 	apply := func(node, id, state string) store.SessionCommandUpdated {
 		var out store.SessionCommandUpdated
 		require.NoError(t, db.InTx(t.Context(), func(tx pgx.Tx) error {
@@ -257,10 +251,14 @@ func TestApplySessionCommandUpdatesAfterTheDeadline(t *testing.T) {
 		_, err := queue(t, db, nil, now, store.NewCommand{ID: id, NodeID: "n-ok", Kind: store.CommandDiagNVML, Deadline: deadline})
 		require.NoError(t, err)
 	}
-	_, err := db.Pool.Exec(ctx, `INSERT INTO commands (id, node_id, kind, purpose, state, retry_safe, deadline,
-		created_at, updated_at) VALUES ('cmd_acc', 'n-acc', 'diag.nvml', 'acceptance', 'running', true, $1, $2, $2)`, deadline, now)
-	require.NoError(t, err)
-	_, err = db.Pool.Exec(ctx, `UPDATE commands SET state = 'running', delivered_at = $1 WHERE id <> 'cmd_too_late'`, now)
+	storetest.Command(t, db, &storetest.CommandOpts{ID: "cmd_acc", NodeID: "n-acc", Purpose: "acceptance", State: "running",
+		Deadline: deadline, CreatedAt: now, DeliveredAt: now})
+	// Every user command but cmd_too_late was started.
+	var running []store.SessionCommandUpdate
+	for _, id := range []string{"cmd_late_ok", "cmd_ok", "cmd_late_bad", "cmd_at", "cmd_reaped"} {
+		running = append(running, store.SessionCommandUpdate{NodeID: "n-ok", CommandID: id, State: "running", Now: now})
+	}
+	_, err := store.ApplySessionCommandUpdates(ctx, db.Pool, running)
 	require.NoError(t, err)
 	_, err = db.Pool.Exec(ctx, `DELETE FROM outbox`)
 	require.NoError(t, err)
@@ -376,10 +374,9 @@ func TestQueueCommandsBatch(t *testing.T) {
 	t.Parallel()
 	db, now := commandsDB(t)
 	ctx := t.Context()
-	_, err := db.Pool.Exec(ctx, `INSERT INTO nodes (id, pool_id, provision_state, created_at, updated_at, gateway_id)
-		VALUES ('n-gw-a', 'pool_1', 'adopted', $1, $1, 'gw-a'), ('n-gw-a2', 'pool_1', 'adopted', $1, $1, 'gw-a'),
-			('n-gw-b', 'pool_1', 'adopted', $1, $1, 'gw-b')`, now)
-	require.NoError(t, err)
+	for _, n := range []struct{ id, gw string }{{"n-gw-a", "gw-a"}, {"n-gw-a2", "gw-a"}, {"n-gw-b", "gw-b"}} {
+		storetest.Node(t, db, &storetest.NodeOpts{ID: n.id, PoolID: "pool_1", State: store.NodeAdopted, GatewayID: n.gw})
+	}
 	before, err := queue(t, db, nil, now, store.NewCommand{ID: "cmd_0", NodeID: "n-ok", Kind: store.CommandDiagNVML,
 		Deadline: now.Add(time.Minute), RequestID: "old"})
 	require.NoError(t, err)

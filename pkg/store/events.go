@@ -1,35 +1,85 @@
 package store
 
+// Events (docs/architecture.md, "Events and the watch"): what a tenant may
+// follow of its nodes, commands and reservations. Each event type has a data
+// type here (NodeCordonedData for node.cordoned, …): a struct whose JSON is
+// the event's data (events.data), built in Go and nowhere else, and whose
+// keys a golden test pins. WriteEvents is the one writer: an events row per
+// event and its outbox message on bc.events.<tenant>.<type>, in the caller's
+// transaction, in one statement per batch. The two hot paths that write
+// events inside a statement of their own (QueueCommands, and
+// ApplySessionCommandUpdates, whose events depend on rows only that statement
+// reads) share its SQL, eventWriterCTEs.
+//
+// A new event type takes its Event* constant in EventTypes, a data type
+// with an event method, and its keys in the golden test.
+
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"slices"
 	"strings"
 	"time"
-
-	"github.com/jackc/pgx/v5"
 )
 
-// Event is a row of events: something that happened to a node, reservation
-// or command, streamed to API clients by the events watch.
-type Event struct {
-	// ID increases with every event (bigserial). Ids are taken when a row is
-	// inserted but become visible when its transaction commits, so they may
-	// appear out of order, and a rolled-back insert leaves a gap for ever.
-	ID int64
-	// TenantID is the tenant the event belongs to; empty for none.
-	TenantID string
-	// Type is e.g. "node.cordoned", "reservation.active".
-	Type string
-	// SubjectID is the id of the node, reservation or command.
-	SubjectID string
-	// Data is a JSON object.
-	Data []byte
-	// CreatedAt is when it was written, by the writer's clock (the now of
-	// InsertReservationEvents). The database's own insert time is
-	// events.inserted_at (ScannedEvent.Old).
-	CreatedAt time.Time
-}
+// Event types (events.type), one per thing that happened; the subject
+// (events.subject_id) is the node, command or reservation it happened to.
+const (
+	// EventNodeJoined is written when a machine joins (JoinService).
+	EventNodeJoined = "node.joined"
+	// EventNodeAdopted is written when a node passes acceptance.
+	EventNodeAdopted = "node.adopted"
+	// EventNodeAcceptanceFailed is written when a node fails acceptance.
+	EventNodeAcceptanceFailed = "node.acceptance_failed"
+	// EventNodeCordoned is written when a node is cordoned, or its cordon
+	// reason changes.
+	EventNodeCordoned = "node.cordoned"
+	// EventNodeUncordoned is written when a cordoned node is uncordoned;
+	// its data names the reason of the lifted cordon as previousReason.
+	EventNodeUncordoned = "node.uncordoned"
+	// EventNodeUnreachable is written when the liveness sweeper marks a
+	// reachable node unreachable.
+	EventNodeUnreachable = "node.unreachable"
+	// EventNodeReachable is written when an unreachable node is heard from
+	// again (a new session or a message on its live session).
+	EventNodeReachable = "node.reachable"
+	// EventNodeRevoked is written when an operator revokes a node.
+	EventNodeRevoked = "node.revoked"
+	// EventNodeSpecRefused is written when a daemon refuses a DesiredState
+	// (signedIntent: unsigned or wrongly signed).
+	EventNodeSpecRefused = "node.spec_refused"
+
+	// EventCommandQueued is written when a user command is queued.
+	EventCommandQueued = "command.queued"
+	// EventCommandSucceeded is written when a user command succeeds.
+	EventCommandSucceeded = "command.succeeded"
+	// EventCommandFailed is written when a user command fails, or its node
+	// is revoked before it finished.
+	EventCommandFailed = "command.failed"
+	// EventCommandExpired is written when a user command reaches its
+	// deadline before it finished, or finishes after it.
+	EventCommandExpired = "command.expired"
+
+	// EventReservationCreated is written when a reservation is made
+	// (CreateReservation).
+	EventReservationCreated = "reservation.created"
+	// EventReservationFailed is written when a reservation fails: refused
+	// at once, no longer placeable, or its node was revoked.
+	EventReservationFailed = "reservation.failed"
+	// EventReservationBound is written when the scheduler books devices
+	// for a reservation.
+	EventReservationBound = "reservation.bound"
+	// EventReservationActive is written when the node reports the
+	// reservation's devices bound.
+	EventReservationActive = "reservation.active"
+	// EventReservationReleased is written when a reservation is released
+	// (EndReservation).
+	EventReservationReleased = "reservation.released"
+	// EventReservationExpired is written when a reservation reaches its end
+	// time (EndReservation).
+	EventReservationExpired = "reservation.expired"
+)
 
 // EventTypes are the event types the control plane writes (events.type),
 // sorted: every Event* constant of this package, and nothing else (a test
@@ -79,139 +129,346 @@ func EventPatternKnown(p string) bool {
 	return slices.ContainsFunc(EventTypes, func(t string) bool { return typeMatches(p, t) })
 }
 
-// EventFilter selects the events a watcher receives.
-type EventFilter struct {
-	// TenantID selects one tenant's events; empty selects every event.
+// SubjectEvents is the NATS subject prefix of events:
+// bc.events.<tenant>.<type>, e.g. bc.events.ten_x.reservation.active.
+const SubjectEvents = "bc.events"
+
+// EventData is the data of one event: one of the *Data types of this
+// package, whose JSON object is the event's data and which names the
+// event's type and subject.
+type EventData interface {
+	// event returns the event's type (one of EventTypes) and the id of
+	// its subject.
+	event() (typ, subject string)
+}
+
+// NewEvent is one event for WriteEvents.
+type NewEvent struct {
+	// TenantID is the tenant the event belongs to (whose watchers receive
+	// it): the owner of a node's pool, a reservation's or a command's
+	// tenant.
 	TenantID string
-	// Types are patterns: an exact type ("node.cordoned") or a prefix
-	// ending in ".*" ("node.*" matches "node.cordoned", not "node" or
-	// "nodes.x"). Empty (nil or no element) matches every type; the
-	// patterns themselves are never empty (the API drops the empty
-	// entries of a comma-separated list).
-	Types []string
+	// Data is the event's data; it names the event's type and subject.
+	Data EventData
 }
 
-// Matches reports whether e passes f; it is the Go twin of ScanEvents' SQL.
-func (f EventFilter) Matches(e Event) bool {
-	if f.TenantID != "" && e.TenantID != f.TenantID {
-		return false
+// WriteEvents writes events: an events row for each, created at now, with
+// ids in the order of events, and its outbox message (subject
+// bc.events.<tenant>.<type>, payload the JSON object {"id", "tenantId",
+// "type", "subjectId", "data", "time"}), in q's transaction, in one statement
+// whatever their number. It is how every event is written; it fails, writing
+// nothing, for an event without data.
+func WriteEvents(ctx context.Context, q DBTX, now time.Time, events ...NewEvent) error {
+	if len(events) == 0 {
+		return nil
 	}
-	if len(f.Types) == 0 {
-		return true
-	}
-	return slices.ContainsFunc(f.Types, func(p string) bool { return typeMatches(p, e.Type) })
-}
-
-// typeMatches reports whether the event type typ matches the pattern p
-// (EventFilter.Types).
-func typeMatches(p, typ string) bool {
-	if prefix, ok := strings.CutSuffix(p, "*"); ok {
-		return strings.HasPrefix(typ, prefix)
-	}
-	return typ == p
-}
-
-// split returns f's exact types and prefixes ("node.*" → "node.").
-func (f EventFilter) split() (exact, prefixes []string) {
-	exact, prefixes = []string{}, []string{}
-	for _, p := range f.Types {
-		if prefix, ok := strings.CutSuffix(p, "*"); ok {
-			prefixes = append(prefixes, prefix)
-		} else {
-			exact = append(exact, p)
-		}
-	}
-	return exact, prefixes
-}
-
-// ScannedEvent is one committed events row after a cursor: its id, and the
-// event when it passes the filter.
-type ScannedEvent struct {
-	ID int64
-	// Match is whether the event passes the filter; Event is set only then.
-	Match bool
-	// Old is whether the row was inserted at least ScanEvents' oldAge
-	// before the read, by the database's own clock (events.inserted_at;
-	// rows written before that column existed count as old, migration
-	// 000011 says why). Its id was taken no later than its insert, so any
-	// id missing below an old row was taken at least oldAge ago.
-	Old   bool
-	Event Event
-}
-
-// ScanEvents returns the committed events with an id above after, every
-// tenant's, lowest id first, at most limit (positive) rows; only those
-// passing f carry their content (Match). The rows that do not match are
-// returned too, as bare ids, so that a watcher can tell a gap in the ids
-// (an insert not yet committed, or rolled back) from another tenant's event.
-// Every row says whether it was inserted at least oldAge ago (Old).
-func ScanEvents(ctx context.Context, q DBTX, after int64, f EventFilter, limit int, oldAge time.Duration) ([]ScannedEvent, error) {
-	exact, prefixes := f.split()
-	// clock_timestamp(), not now(): the time of the read, not of the
-	// start of its transaction.
-	rows, err := q.Query(ctx, `SELECT id, m, old, CASE WHEN m THEN COALESCE(tenant_id, '') END, CASE WHEN m THEN type END,
-			CASE WHEN m THEN subject_id END, CASE WHEN m THEN data::text END, CASE WHEN m THEN created_at END
-		FROM (SELECT e.*, ($2 = '' OR e.tenant_id IS NOT DISTINCT FROM $2)
-				AND ($5 OR e.type = ANY($3::text[]) OR EXISTS (SELECT 1 FROM unnest($4::text[]) AS p(prefix)
-					WHERE starts_with(e.type, p.prefix))) AS m,
-				COALESCE(e.inserted_at <= clock_timestamp() - $7::bigint * interval '1 microsecond', true) AS old
-			FROM events e WHERE e.id > $1 ORDER BY e.id LIMIT $6) AS s
-		ORDER BY id`, after, f.TenantID, exact, prefixes, len(f.Types) == 0, limit, oldAge.Microseconds())
+	cols, err := encodeEvents(events)
 	if err != nil {
-		return nil, queryErr("scan events", err)
+		return err
 	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (ScannedEvent, error) {
-		var (
-			s                          ScannedEvent
-			tenant, typ, subject, data *string
-			at                         *time.Time
-		)
-		if err := r.Scan(&s.ID, &s.Match, &s.Old, &tenant, &typ, &subject, &data, &at); err != nil {
-			return s, err
-		}
-		if s.Match {
-			s.Event = Event{ID: s.ID, TenantID: *tenant, Type: *typ, SubjectID: *subject, Data: []byte(*data), CreatedAt: *at}
-		}
-		return s, nil
-	})
+	var outboxed int
+	err = q.QueryRow(ctx, `WITH src AS (
+			SELECT u.ord, u.tenant, u.type, u.subject, u.data::jsonb AS data, $5::timestamptz AS at
+			FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS u(tenant, type, subject, data, ord)),
+		`+eventWriterCTEs("src", "$6")+`
+		SELECT count(*) FROM evo`,
+		cols.tenants, cols.types, cols.subjects, cols.data, now, eventTime(now)).Scan(&outboxed)
 	if err != nil {
-		return nil, queryErr("scan events", err)
+		return fmt.Errorf("write events: %w", interpretError(err))
 	}
-	return out, nil
+	if outboxed != len(events) {
+		return fmt.Errorf("write events: %d outbox rows for %d events", outboxed, len(events))
+	}
+	if err := signalOutbox(ctx, q); err != nil {
+		return fmt.Errorf("write events: signal the outbox: %w", interpretError(err))
+	}
+	return nil
 }
 
-// MaxEventID returns the highest committed event id, 0 when there is none.
-// Every id a watch ever sent is at most MaxEventID (it was committed before
-// it was sent), so the API refuses to resume after a higher one; that holds
-// as long as the newest event row is never deleted (retention must keep it).
-func MaxEventID(ctx context.Context, q DBTX) (int64, error) {
-	var id int64
-	if err := q.QueryRow(ctx, `SELECT COALESCE(max(id), 0) FROM events`).Scan(&id); err != nil {
-		return 0, queryErr("max event id", err)
-	}
-	return id, nil
+// eventWriterCTEs returns the two CTEs, ev and evo, that write the events of
+// the relation src, whose columns are ord (the order of their ids), tenant,
+// type, subject, data (jsonb) and at (events.created_at): ev inserts the
+// events rows, evo one outbox message per event, its payload's "time" the
+// text of the placeholder timeParam (eventTime). WriteEvents runs them on
+// its arguments; QueueCommands and ApplySessionCommandUpdates within their
+// own statement. The statement must read evo (count(*) FROM evo) to know
+// how many messages it wrote, and signal the outbox when it wrote any.
+func eventWriterCTEs(src, timeParam string) string {
+	return `ev AS (
+			INSERT INTO events (tenant_id, type, subject_id, data, created_at)
+			SELECT tenant, type, subject, data, at FROM ` + src + ` ORDER BY ord
+			RETURNING id, tenant_id, type, subject_id, data, created_at),
+		evo AS (
+			INSERT INTO outbox (subject, payload, created_at)
+			SELECT '` + SubjectEvents + `.' || COALESCE(tenant_id, '') || '.' || type,
+				convert_to(jsonb_build_object('id', id, 'tenantId', COALESCE(tenant_id, ''), 'type', type,
+					'subjectId', subject_id, 'data', data, 'time', ` + timeParam + `::text)::text, 'UTF8'), created_at
+			FROM ev ORDER BY id
+			RETURNING id)`
 }
 
-// TxHorizon is a view of the transactions running in the database
-// (pg_current_snapshot, PostgreSQL 13+), as 64-bit transaction ids.
-type TxHorizon struct {
-	// Xmin is the oldest transaction still running: every transaction with
-	// a smaller id has ended (committed or rolled back).
-	Xmin int64
-	// Xmax is one past the newest transaction id assigned: every
-	// transaction running now has a smaller id.
-	Xmax int64
+// eventTime is the "time" of the outbox messages of events written at now.
+func eventTime(now time.Time) string { return now.UTC().Format(time.RFC3339Nano) }
+
+// eventColumns are events as the columns of the statements that write
+// them, one element per event.
+type eventColumns struct {
+	tenants, types, subjects []string
+	// data are the events' data, JSON objects.
+	data []string
 }
 
-// CurrentTxHorizon returns the database's TxHorizon now. A watcher that sees
-// a gap in the event ids records Xmax; once a later Xmin reaches it, every
-// transaction that was running when the gap was seen has ended, so an id
-// still missing will never commit (pkg/store Event).
-func CurrentTxHorizon(ctx context.Context, q DBTX) (TxHorizon, error) {
-	var h TxHorizon
-	if err := q.QueryRow(ctx, `SELECT pg_snapshot_xmin(s)::text::bigint, pg_snapshot_xmax(s)::text::bigint
-		FROM pg_current_snapshot() AS s`).Scan(&h.Xmin, &h.Xmax); err != nil {
-		return TxHorizon{}, fmt.Errorf("transaction horizon: %w", interpretError(err))
+// encodeEvents encodes events as columns, each event's data by its type.
+func encodeEvents(events []NewEvent) (eventColumns, error) {
+	n := len(events)
+	c := eventColumns{tenants: make([]string, n), types: make([]string, n), subjects: make([]string, n), data: make([]string, n)}
+	for i, e := range events {
+		if e.Data == nil {
+			return eventColumns{}, fmt.Errorf("write events: event %d of tenant %q has no data", i, e.TenantID)
+		}
+		typ, subject := e.Data.event()
+		if !slices.Contains(EventTypes, typ) {
+			return eventColumns{}, fmt.Errorf("write events: %T of %s names no event type (%q)", e.Data, subject, typ)
+		}
+		b, err := json.Marshal(e.Data)
+		if err != nil {
+			return eventColumns{}, fmt.Errorf("write events: encode %s of %s: %w", typ, subject, err)
+		}
+		c.tenants[i], c.types[i], c.subjects[i], c.data[i] = e.TenantID, typ, subject, string(b)
 	}
-	return h, nil
+	return c, nil
+}
+
+// writeEventsOfNodes writes one event for each of nodeIDs, ordered by node
+// id, for the tenant owning each node's pool, with the data dataOf(node
+// id). A node that does not exist gets none.
+func writeEventsOfNodes(ctx context.Context, q DBTX, now time.Time, nodeIDs []string, dataOf func(nodeID string) EventData) error {
+	if len(nodeIDs) == 0 {
+		return nil
+	}
+	rows, err := q.Query(ctx, `SELECT n.id, p.owner_tenant_id FROM nodes n JOIN pools p ON p.id = n.pool_id
+		WHERE n.id = ANY($1) ORDER BY n.id`, nodeIDs)
+	if err != nil {
+		return fmt.Errorf("owners of nodes: %w", interpretError(err))
+	}
+	var events []NewEvent
+	for rows.Next() {
+		var id, owner string
+		if err := rows.Scan(&id, &owner); err != nil {
+			rows.Close()
+			return err
+		}
+		events = append(events, NewEvent{TenantID: owner, Data: dataOf(id)})
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("owners of nodes: %w", interpretError(err))
+	}
+	return WriteEvents(ctx, q, now, events...)
+}
+
+// The data of each event type. Every node event names its node as
+// "nodeId", every command event its command as "commandId", every
+// reservation event its reservation as "reservationId". Times are UTC.
+
+// NodeJoinedData is the data of node.joined.
+type NodeJoinedData struct {
+	NodeID string `json:"nodeId"`
+}
+
+// NodeAdoptedData is the data of node.adopted.
+type NodeAdoptedData struct {
+	NodeID string `json:"nodeId"`
+	PoolID string `json:"poolId"`
+	// GPUs is how many GPUs the node was adopted with.
+	GPUs int `json:"gpus"`
+}
+
+// NodeAcceptanceFailedData is the data of node.acceptance_failed.
+type NodeAcceptanceFailedData struct {
+	NodeID string `json:"nodeId"`
+	PoolID string `json:"poolId"`
+	// Reason says why the node failed acceptance.
+	Reason string `json:"reason"`
+}
+
+// NodeCordonedData is the data of node.cordoned.
+type NodeCordonedData struct {
+	NodeID string `json:"nodeId"`
+	// Reason is the cordon's reason.
+	Reason string `json:"reason"`
+}
+
+// NodeUncordonedData is the data of node.uncordoned.
+type NodeUncordonedData struct {
+	NodeID string `json:"nodeId"`
+	// PreviousReason is the reason of the cordon that was lifted (an
+	// uncordon has no reason of its own).
+	PreviousReason string `json:"previousReason"`
+}
+
+// NodeUnreachableData is the data of node.unreachable.
+type NodeUnreachableData struct {
+	NodeID string `json:"nodeId"`
+	// TimeoutSeconds is the liveness timeout that passed since the node
+	// was last heard, in seconds.
+	TimeoutSeconds float64 `json:"timeoutSeconds"`
+}
+
+// NodeReachableData is the data of node.reachable.
+type NodeReachableData struct {
+	NodeID string `json:"nodeId"`
+	// SessionID is the session the node was heard on.
+	SessionID string `json:"sessionId"`
+	// GatewayID is the gateway holding that session, set (and
+	// PreviousLastSeen with it) when a new session made the node reachable;
+	// omitted when a message on its live session did.
+	GatewayID string `json:"gatewayId,omitempty"`
+	// PreviousLastSeen is when the node was heard before, omitted when it
+	// never was.
+	PreviousLastSeen *time.Time `json:"previousLastSeen,omitempty"`
+}
+
+// NodeRevokedData is the data of node.revoked.
+type NodeRevokedData struct {
+	NodeID string `json:"nodeId"`
+	// Reason is the revocation's reason.
+	Reason string `json:"reason"`
+	// CertificatesRevoked is how many of the node's certificates the
+	// revocation revoked.
+	CertificatesRevoked int `json:"certificatesRevoked"`
+}
+
+// NodeSpecRefusedData is the data of node.spec_refused.
+type NodeSpecRefusedData struct {
+	NodeID string `json:"nodeId"`
+	// Generation is the NodeSpec generation the daemon refused.
+	Generation int64 `json:"generation"`
+	// Reason is the daemon's.
+	Reason string `json:"reason"`
+}
+
+// CommandQueuedData is the data of command.queued.
+type CommandQueuedData struct {
+	CommandID string `json:"commandId"`
+	NodeID    string `json:"nodeId"`
+	Kind      string `json:"kind"`
+	// Deadline is when the command must have finished, to the
+	// microsecond.
+	Deadline time.Time `json:"deadline"`
+}
+
+// CommandEndedData is the data of the end of a command: command.succeeded,
+// command.failed or command.expired, as its State says.
+// ApplySessionCommandUpdates builds it in SQL (commandEndedDataSQL), a test
+// checks that the two agree.
+type CommandEndedData struct {
+	CommandID string `json:"commandId"`
+	NodeID    string `json:"nodeId"`
+	Kind      string `json:"kind"`
+	// State is succeeded, failed or expired; the event's type is
+	// command.<State>.
+	State string `json:"state"`
+	// Error is the command's error, omitted when it has none.
+	Error string `json:"error,omitempty"`
+}
+
+// commandEndedDataSQL is CommandEndedData as SQL over a row with the
+// columns id, node_id, kind, state and error of commands: the one event
+// data built in SQL, because ApplySessionCommandUpdates reads the kind and
+// decides the state and error in the statement that writes the event.
+const commandEndedDataSQL = `jsonb_build_object('commandId', id, 'nodeId', node_id, 'kind', kind, 'state', state)
+	|| CASE WHEN error <> '' THEN jsonb_build_object('error', error) ELSE '{}'::jsonb END`
+
+// commandEndedEventType is the event type of CommandEndedData by its State.
+var commandEndedEventType = map[string]string{
+	cmdSucceeded: EventCommandSucceeded,
+	cmdFailed:    EventCommandFailed,
+	cmdExpired:   EventCommandExpired,
+}
+
+// reservationEndedEventType is the event type of ReservationEndedData by its
+// State.
+var reservationEndedEventType = map[string]string{
+	ReservationReleased: EventReservationReleased,
+	ReservationExpired:  EventReservationExpired,
+}
+
+// ReservationCreatedData is the data of reservation.created.
+type ReservationCreatedData struct {
+	ReservationID string    `json:"reservationId"`
+	PoolID        string    `json:"poolId"`
+	GPUs          int32     `json:"gpus"`
+	StartAt       time.Time `json:"startAt"`
+	EndAt         time.Time `json:"endAt"`
+}
+
+// ReservationFailedData is the data of reservation.failed.
+type ReservationFailedData struct {
+	ReservationID string `json:"reservationId"`
+	// NodeID is the node whose revocation failed the reservation, omitted
+	// for a reservation that failed unplaced.
+	NodeID string `json:"nodeId,omitempty"`
+	// Reason says why it failed.
+	Reason string `json:"reason"`
+}
+
+// ReservationBoundData is the data of reservation.bound.
+type ReservationBoundData struct {
+	ReservationID string `json:"reservationId"`
+	NodeID        string `json:"nodeId"`
+	// DeviceIndexes are the booked devices of the node.
+	DeviceIndexes []int32 `json:"deviceIndexes"`
+}
+
+// ReservationActiveData is the data of reservation.active.
+type ReservationActiveData struct {
+	ReservationID string `json:"reservationId"`
+	NodeID        string `json:"nodeId"`
+	// Binding is the CDI device names the daemon reported bound.
+	Binding []string `json:"binding"`
+	// Generation is the NodeSpec generation the daemon applied.
+	Generation int64 `json:"generation"`
+}
+
+// ReservationEndedData is the data of the end of a reservation:
+// reservation.released or reservation.expired, as its State says.
+type ReservationEndedData struct {
+	ReservationID string `json:"reservationId"`
+	// NodeID is the node it was placed on, "" when it never was.
+	NodeID string `json:"nodeId"`
+	// From is the state it ended in.
+	From string `json:"from"`
+	// State is released or expired; the event's type is
+	// reservation.<State>. It is not in the data.
+	State string `json:"-"`
+}
+
+func (d NodeJoinedData) event() (string, string)  { return EventNodeJoined, d.NodeID }
+func (d NodeAdoptedData) event() (string, string) { return EventNodeAdopted, d.NodeID }
+func (d NodeAcceptanceFailedData) event() (string, string) {
+	return EventNodeAcceptanceFailed, d.NodeID
+}
+func (d NodeCordonedData) event() (string, string)    { return EventNodeCordoned, d.NodeID }
+func (d NodeUncordonedData) event() (string, string)  { return EventNodeUncordoned, d.NodeID }
+func (d NodeUnreachableData) event() (string, string) { return EventNodeUnreachable, d.NodeID }
+func (d NodeReachableData) event() (string, string)   { return EventNodeReachable, d.NodeID }
+func (d NodeRevokedData) event() (string, string)     { return EventNodeRevoked, d.NodeID }
+func (d NodeSpecRefusedData) event() (string, string) { return EventNodeSpecRefused, d.NodeID }
+func (d CommandQueuedData) event() (string, string)   { return EventCommandQueued, d.CommandID }
+func (d CommandEndedData) event() (string, string) {
+	return commandEndedEventType[d.State], d.CommandID
+}
+func (d ReservationCreatedData) event() (string, string) {
+	return EventReservationCreated, d.ReservationID
+}
+func (d ReservationFailedData) event() (string, string) {
+	return EventReservationFailed, d.ReservationID
+}
+func (d ReservationBoundData) event() (string, string) { return EventReservationBound, d.ReservationID }
+func (d ReservationActiveData) event() (string, string) {
+	return EventReservationActive, d.ReservationID
+}
+func (d ReservationEndedData) event() (string, string) {
+	return reservationEndedEventType[d.State], d.ReservationID
 }

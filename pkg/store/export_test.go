@@ -2,3 +2,10 @@ package store
 
 // PendingSessionWorkSQL exposes PendingSessionWork's query to the plan test.
 const PendingSessionWorkSQL = pendingSessionWorkSQL
+
+// EventOf exposes EventData's type and subject to the tests of the event
+// data.
+func EventOf(d EventData) (typ, subject string) { return d.event() }
+
+// CommandEndedDataSQL exposes commandEndedDataSQL to its test.
+const CommandEndedDataSQL = commandEndedDataSQL

@@ -14,6 +14,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
 )
 
 func newIntentSigner(t *testing.T) (*store.IntentSigner, ed25519.PublicKey) {
@@ -58,13 +59,9 @@ func TestSignedCommandsVerifyAsDelivered(t *testing.T) {
 	id := ids.New(ids.Command, now)
 	args := `{"b": 1,   "a": [1,2], "c": {"z": true, "y": null}}`
 	deadline := time.Date(2030, 1, 2, 3, 4, 5, 123456789, time.FixedZone("X", 3600))
-	require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, `INSERT INTO commands (id, node_id, kind, args, state, retry_safe, deadline, created_at, updated_at)
-			VALUES ($1, $2, 'logs.collect', $3, 'queued', false, $4, $5, $5)`, id, n, args, deadline, now); err != nil {
-			return err
-		}
-		return store.SignCommands(ctx, tx, signer, []string{id})
-	}))
+	storetest.Command(t, f.db, &storetest.CommandOpts{ID: id, NodeID: n, Kind: store.CommandLogsCollect, Args: args,
+		RetrySafe: new(bool), Deadline: deadline, CreatedAt: now})
+	require.NoError(t, store.SignCommands(ctx, f.db.Pool, signer, []string{id}))
 
 	cmds, _ := f.delivered(n)
 	require.Len(t, cmds, 1)
@@ -135,8 +132,10 @@ func TestSignedSpecsVerifyAsDelivered(t *testing.T) {
 	require.Equal(t, daemon.ErrTextSpecBadSignature, daemon.VerifySpec(root, f.node(), ds), "bound to its node")
 
 	// A writer that bumps the spec without signing leaves it unsigned, not
-	// with generation 1's signature.
-	f.exec(`UPDATE nodes SET spec_generation = 2, spec = '{"labels": {"a": "b"}}' WHERE id = $1`, n)
+	// with generation 1's signature. Raw SQL: such a writer is what this
+	// checks, and no store function is one.
+	_, err = f.db.Pool.Exec(ctx, `UPDATE nodes SET spec_generation = 2, spec = '{"labels": {"a": "b"}}' WHERE id = $1`, n)
+	require.NoError(t, err)
 	_, ds = f.delivered(n)
 	require.EqualValues(t, 2, ds.GetGeneration())
 	require.Empty(t, ds.GetSignature())

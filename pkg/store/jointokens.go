@@ -1,5 +1,9 @@
 package store
 
+// Join tokens (docs/architecture.md, "Join"): minted for a pool, used by
+// JoinService once per machine (UseJoinToken, or UseJoinTokenN for a batch),
+// and the keys that joined already (JoinedKeys: a retried Join).
+
 import (
 	"context"
 	"encoding/hex"

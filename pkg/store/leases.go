@@ -1,5 +1,8 @@
 package store
 
+// Leases elect one holder per role (a reconciler, the scheduler) until they
+// expire; gateways' presence rows live in the same table (liveness.go).
+
 import (
 	"context"
 	"errors"

@@ -1,10 +1,8 @@
 package store
 
-// Node events and liveness: every node.* event goes through InsertNodeEvents
-// (an events row and its NATS message on bc.events.<tenant>.<type>, in the
-// caller's transaction); the liveness sweeper's query (SweepUnreachable);
-// gateway presence, which tells the sweeper whether the gateway holding a
-// node's session is alive.
+// Liveness: the liveness sweeper's query (SweepUnreachable) and gateway
+// presence, which tells the sweeper whether the gateway holding a node's
+// session is alive.
 //
 // Invariant I4 (no node marked unreachable within 20 s of any gateway
 // hearing from it) rests on three rules, whatever the number of gateways and
@@ -38,28 +36,8 @@ package store
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"time"
-)
-
-// Event types about nodes (events.type), besides EventNodeAdopted,
-// EventNodeAcceptanceFailed, EventNodeRevoked and EventNodeSpecRefused.
-const (
-	// EventNodeJoined is written when a machine joins (JoinService).
-	EventNodeJoined = "node.joined"
-	// EventNodeCordoned is written when a node is cordoned, or its cordon
-	// reason changes.
-	EventNodeCordoned = "node.cordoned"
-	// EventNodeUncordoned is written when a cordoned node is uncordoned;
-	// its data names the reason of the lifted cordon as previousReason.
-	EventNodeUncordoned = "node.uncordoned"
-	// EventNodeUnreachable is written when the liveness sweeper marks a
-	// reachable node unreachable.
-	EventNodeUnreachable = "node.unreachable"
-	// EventNodeReachable is written when an unreachable node is heard from
-	// again (a new session or a message on its live session).
-	EventNodeReachable = "node.reachable"
 )
 
 // Liveness bounds (see the package comment of this file for the
@@ -84,74 +62,6 @@ const (
 // gatewayPresencePrefix prefixes a gateway's presence row in leases:
 // name "gateway.<gateway id>", holder the gateway id.
 const gatewayPresencePrefix = "gateway."
-
-// NodeEvent is one node.* event of InsertNodeEvents.
-type NodeEvent struct {
-	// TenantID is the tenant owning the node's pool.
-	TenantID string
-	// Type is a node event type, e.g. EventNodeCordoned.
-	Type string
-	// NodeID is the event's subject.
-	NodeID string
-	// Data is the event's JSON object; "nodeId" is always set to NodeID.
-	Data map[string]any
-}
-
-// InsertNodeEvents writes node events: their events rows and their outbox
-// messages on bc.events.<tenant>.<type>, in q's transaction and in a fixed
-// number of round trips. It is the one way node.* events are written.
-func InsertNodeEvents(ctx context.Context, q DBTX, now time.Time, events []NodeEvent) error {
-	if len(events) == 0 {
-		return nil
-	}
-	out := make([]ReservationEvent, len(events))
-	for i, e := range events {
-		data := make(map[string]any, len(e.Data)+1)
-		for k, v := range e.Data {
-			data[k] = v
-		}
-		data["nodeId"] = e.NodeID
-		b, err := json.Marshal(data)
-		if err != nil {
-			return fmt.Errorf("encode %s event: %w", e.Type, err)
-		}
-		out[i] = ReservationEvent{TenantID: e.TenantID, Type: e.Type, SubjectID: e.NodeID, Data: b}
-	}
-	return InsertReservationEvents(ctx, q, now, out)
-}
-
-// insertNodeEventsOf writes one event of type typ for each of nodeIDs, with
-// the tenant owning each node's pool and data (shared; nil for none).
-func insertNodeEventsOf(ctx context.Context, q DBTX, now time.Time, typ string, nodeIDs []string, data map[string]any) error {
-	if len(nodeIDs) == 0 {
-		return nil
-	}
-	rows, err := q.Query(ctx, `SELECT n.id, p.owner_tenant_id FROM nodes n JOIN pools p ON p.id = n.pool_id
-		WHERE n.id = ANY($1) ORDER BY n.id`, nodeIDs)
-	if err != nil {
-		return fmt.Errorf("owners of nodes: %w", interpretError(err))
-	}
-	var events []NodeEvent
-	for rows.Next() {
-		var id, owner string
-		if err := rows.Scan(&id, &owner); err != nil {
-			rows.Close()
-			return err
-		}
-		events = append(events, NodeEvent{TenantID: owner, Type: typ, NodeID: id, Data: data})
-	}
-	rows.Close()
-	if err := rows.Err(); err != nil {
-		return fmt.Errorf("owners of nodes: %w", interpretError(err))
-	}
-	return InsertNodeEvents(ctx, q, now, events)
-}
-
-// RecordNodesJoined writes a node.joined event for each of nodeIDs (created
-// in q's transaction by CreateJoinedNodes), for the tenant owning its pool.
-func RecordNodesJoined(ctx context.Context, q DBTX, now time.Time, nodeIDs []string) error {
-	return insertNodeEventsOf(ctx, q, now, EventNodeJoined, nodeIDs, nil)
-}
 
 // RecordGatewayPresence marks gateway gatewayID alive until now + ttl (a row
 // "gateway.<id>" of leases). Call it in the transaction of the gateway's
@@ -192,7 +102,7 @@ func SweepUnreachable(ctx context.Context, q DBTX, now time.Time, timeout time.D
 		return nil, fmt.Errorf("sweep unreachable: timeout %s is below %s (I4)", timeout, MinLivenessTimeout)
 	}
 	cutoff := now.Add(-timeout)
-	ids, err := acceptanceIDs(ctx, q, "sweep unreachable", `WITH c AS (
+	ids, err := queryIDs(ctx, q, "sweep unreachable", `WITH c AS (
 			SELECT n.id FROM nodes n
 			WHERE n.reachable AND n.last_seen < $2
 				AND (n.session_id IS NULL OR n.gateway_id IS NULL OR NOT EXISTS (
@@ -204,8 +114,9 @@ func SweepUnreachable(ctx context.Context, q DBTX, now time.Time, timeout time.D
 	if err != nil {
 		return nil, err
 	}
-	if err := insertNodeEventsOf(ctx, q, now, EventNodeUnreachable, ids,
-		map[string]any{"timeoutSeconds": timeout.Seconds()}); err != nil {
+	if err := writeEventsOfNodes(ctx, q, now, ids, func(id string) EventData {
+		return NodeUnreachableData{NodeID: id, TimeoutSeconds: timeout.Seconds()}
+	}); err != nil {
 		return nil, err
 	}
 	return ids, nil

@@ -9,6 +9,7 @@ import (
 
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
 )
 
 // livenessFixture is a fleet on a fake clock whose nodes start with no
@@ -24,9 +25,8 @@ func newLivenessFixture(t *testing.T, name string, nodes int) livenessFixture {
 	for i := range gpus {
 		gpus[i] = 2
 	}
-	f := livenessFixture{placeFixture: newPlaceFixture(t, name, gpus...)}
-	_, err := f.db.Pool.Exec(t.Context(), `UPDATE nodes SET reachable = false, session_id = NULL WHERE pool_id = $1`, f.fleet.PoolID)
-	require.NoError(t, err)
+	f := livenessFixture{placeFixture: newPlaceFixtureWith(t, storetest.FleetOpts{Name: name, GPUs: gpus,
+		Node: func(_ int, o *storetest.NodeOpts) { o.Reachable, o.SessionID = false, "" }})}
 	f.t0 = f.db.Now()
 	return f
 }

@@ -1,5 +1,7 @@
 package store
 
+// The embedded migrations and golang-migrate around them.
+
 import (
 	"embed"
 	"errors"

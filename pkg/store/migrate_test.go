@@ -113,6 +113,8 @@ func TestMigration9OutboxDeleteOnPublish(t *testing.T) {
 	column, index := schema()
 	require.True(t, column)
 	require.True(t, index)
+	// Raw SQL: rows of the schema at version 8 (published_at), which no
+	// store function of today writes.
 	_, err = conn.Exec(ctx, `INSERT INTO outbox (subject, payload, created_at, published_at) VALUES
 		('t.published', '', now(), now()), ('t.pending', 'p', now(), NULL), ('t.pending2', '', now(), NULL)`)
 	require.NoError(t, err)
@@ -146,6 +148,8 @@ func TestInterruptedMigrationIsRetried(t *testing.T) {
 		conn, err := pgx.Connect(t.Context(), url)
 		require.NoError(t, err)
 		defer conn.Close(context.Background())
+		// Raw SQL: golang-migrate's own bookkeeping, as an interrupted run
+		// leaves it.
 		_, err = conn.Exec(t.Context(), `UPDATE schema_migrations SET version = $1, dirty = $2`, int64(v), dirty)
 		require.NoError(t, err)
 	}

@@ -1,5 +1,10 @@
 package store
 
+// Nodes (docs/architecture.md, "Acceptance and adoption"): created by
+// JoinService, read with their GPUs, cordoned and uncordoned. Acceptance
+// moves them on (acceptance.go), sessions keep them reachable (sessions.go,
+// liveness.go), revocation ends them (trust.go).
+
 import (
 	"context"
 	"errors"
@@ -96,29 +101,66 @@ func CreateNode(ctx context.Context, q DBTX, n NewNode) error {
 	return nil
 }
 
-// NewNodeCert is a certificate JoinService issued to a node, to record in
-// node_certs.
-type NewNodeCert struct {
-	// Serial is the certificate's serial in lower-case hex (pki.SerialHex).
-	Serial string
-	NodeID string
-	// PublicKeySHA256 is the SHA-256 of the certificate's
-	// SubjectPublicKeyInfo (pki.PublicKeySHA256).
-	PublicKeySHA256 []byte
-	NotBefore       time.Time
-	NotAfter        time.Time
-	CreatedAt       time.Time
-}
-
-// CreateNodeCert records an issued node certificate. Errors: ErrConflict
-// when the serial exists.
-func CreateNodeCert(ctx context.Context, q DBTX, c NewNodeCert) error {
-	_, err := q.Exec(ctx, `INSERT INTO node_certs (serial, node_id, public_key_sha256, not_before, not_after, created_at)
-		VALUES ($1, $2, $3, $4, $5, $6)`, c.Serial, c.NodeID, c.PublicKeySHA256, c.NotBefore, c.NotAfter, c.CreatedAt)
+// CreateJoinedNodes inserts the nodes of a batch of joins (state
+// NodeJoining) and their certificates, nodes[i] with certs[i], in two
+// statements whatever the batch's size. Errors: ErrConflict when an id or
+// serial exists, ErrNotFound-like foreign key errors for a missing pool.
+func CreateJoinedNodes(ctx context.Context, q DBTX, nodes []NewNode, certs []NewNodeCert) error {
+	if len(nodes) != len(certs) {
+		return fmt.Errorf("create joined nodes: %d nodes but %d certificates", len(nodes), len(certs))
+	}
+	if len(nodes) == 0 {
+		return nil
+	}
+	var (
+		ids, pools, tokens, hosts, machines, variants, versions []string
+		created                                                 []time.Time
+	)
+	for _, n := range nodes {
+		ids = append(ids, n.ID)
+		pools = append(pools, n.PoolID)
+		tokens = append(tokens, n.JoinTokenID)
+		hosts = append(hosts, n.Hostname)
+		machines = append(machines, n.MachineID)
+		variants = append(variants, n.Variant)
+		versions = append(versions, n.AgentVersion)
+		created = append(created, n.CreatedAt)
+	}
+	_, err := q.Exec(ctx, `INSERT INTO nodes (id, pool_id, join_token_id, provision_state, hostname, machine_id,
+		variant, agent_version, created_at, updated_at)
+		SELECT id, pool_id, NULLIF(token, ''), $9, host, machine, variant, version, created, created
+		FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::timestamptz[])
+			AS t(id, pool_id, token, host, machine, variant, version, created)`,
+		ids, pools, tokens, hosts, machines, variants, versions, created, NodeJoining)
 	if err != nil {
-		return queryErr("create node cert", err)
+		return queryErr("create joined nodes", err)
+	}
+	var (
+		serials, nodeIDs      []string
+		keys                  [][]byte
+		before, after, certAt []time.Time
+	)
+	for _, c := range certs {
+		serials = append(serials, c.Serial)
+		nodeIDs = append(nodeIDs, c.NodeID)
+		keys = append(keys, c.PublicKeySHA256)
+		before = append(before, c.NotBefore)
+		after = append(after, c.NotAfter)
+		certAt = append(certAt, c.CreatedAt)
+	}
+	_, err = q.Exec(ctx, `INSERT INTO node_certs (serial, node_id, public_key_sha256, not_before, not_after, created_at)
+		SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::timestamptz[], $5::timestamptz[], $6::timestamptz[])`,
+		serials, nodeIDs, keys, before, after, certAt)
+	if err != nil {
+		return queryErr("create node certs", err)
 	}
 	return nil
+}
+
+// RecordNodesJoined writes a node.joined event for each of nodeIDs (created
+// in q's transaction by CreateJoinedNodes), for the tenant owning its pool.
+func RecordNodesJoined(ctx context.Context, q DBTX, now time.Time, nodeIDs []string) error {
+	return writeEventsOfNodes(ctx, q, now, nodeIDs, func(id string) EventData { return NodeJoinedData{NodeID: id} })
 }
 
 const nodeColumns = `n.id, n.pool_id, COALESCE(n.join_token_id, ''), n.provision_state, n.provision_reason, n.hostname,
@@ -215,58 +257,39 @@ func fillDevices(ctx context.Context, q DBTX, nodes []Node) error {
 	return nil
 }
 
-// CreateJoinedNodes inserts the nodes of a batch of joins (state
-// NodeJoining) and their certificates, nodes[i] with certs[i], in two
-// statements whatever the batch's size. Errors: ErrConflict when an id or
-// serial exists, ErrNotFound-like foreign key errors for a missing pool.
-func CreateJoinedNodes(ctx context.Context, q DBTX, nodes []NewNode, certs []NewNodeCert) error {
-	if len(nodes) != len(certs) {
-		return fmt.Errorf("create joined nodes: %d nodes but %d certificates", len(nodes), len(certs))
-	}
-	if len(nodes) == 0 {
+// replaceNodeDevices replaces the node_devices rows of nodeIDs with
+// devices[id] (none for a node missing there), in two statements; what
+// names the caller in errors.
+func replaceNodeDevices(ctx context.Context, q DBTX, what string, nodeIDs []string, devices map[string][]NodeDevice) error {
+	if len(nodeIDs) == 0 {
 		return nil
 	}
 	var (
-		ids, pools, tokens, hosts, machines, variants, versions []string
-		created                                                 []time.Time
+		devNode, devUUID, devModel []string
+		devIndex                   []int32
+		devMemory                  []int64
+		devHealthy                 []bool
 	)
-	for _, n := range nodes {
-		ids = append(ids, n.ID)
-		pools = append(pools, n.PoolID)
-		tokens = append(tokens, n.JoinTokenID)
-		hosts = append(hosts, n.Hostname)
-		machines = append(machines, n.MachineID)
-		variants = append(variants, n.Variant)
-		versions = append(versions, n.AgentVersion)
-		created = append(created, n.CreatedAt)
+	for _, id := range nodeIDs {
+		for _, d := range devices[id] {
+			devNode = append(devNode, id)
+			devIndex = append(devIndex, d.Index)
+			devUUID = append(devUUID, d.UUID)
+			devModel = append(devModel, d.Model)
+			devMemory = append(devMemory, d.MemoryBytes)
+			devHealthy = append(devHealthy, d.Healthy)
+		}
 	}
-	_, err := q.Exec(ctx, `INSERT INTO nodes (id, pool_id, join_token_id, provision_state, hostname, machine_id,
-		variant, agent_version, created_at, updated_at)
-		SELECT id, pool_id, NULLIF(token, ''), $9, host, machine, variant, version, created, created
-		FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::timestamptz[])
-			AS t(id, pool_id, token, host, machine, variant, version, created)`,
-		ids, pools, tokens, hosts, machines, variants, versions, created, NodeJoining)
-	if err != nil {
-		return queryErr("create joined nodes", err)
+	if _, err := q.Exec(ctx, `DELETE FROM node_devices WHERE node_id = ANY($1)`, nodeIDs); err != nil {
+		return fmt.Errorf("%s: clear devices: %w", what, interpretError(err))
 	}
-	var (
-		serials, nodeIDs      []string
-		keys                  [][]byte
-		before, after, certAt []time.Time
-	)
-	for _, c := range certs {
-		serials = append(serials, c.Serial)
-		nodeIDs = append(nodeIDs, c.NodeID)
-		keys = append(keys, c.PublicKeySHA256)
-		before = append(before, c.NotBefore)
-		after = append(after, c.NotAfter)
-		certAt = append(certAt, c.CreatedAt)
-	}
-	_, err = q.Exec(ctx, `INSERT INTO node_certs (serial, node_id, public_key_sha256, not_before, not_after, created_at)
-		SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::timestamptz[], $5::timestamptz[], $6::timestamptz[])`,
-		serials, nodeIDs, keys, before, after, certAt)
-	if err != nil {
-		return queryErr("create node certs", err)
+	if len(devNode) > 0 {
+		_, err := q.Exec(ctx, `INSERT INTO node_devices (node_id, device_index, uuid, model, memory_bytes, healthy)
+			SELECT * FROM unnest($1::text[], $2::int[], $3::text[], $4::text[], $5::bigint[], $6::bool[])`,
+			devNode, devIndex, devUUID, devModel, devMemory, devHealthy)
+		if err != nil {
+			return fmt.Errorf("%s: insert devices: %w", what, interpretError(err))
+		}
 	}
 	return nil
 }
@@ -323,8 +346,7 @@ func CordonNode(ctx context.Context, q DBTX, now time.Time, nodeID, reason strin
 		return CordonResult{}, fmt.Errorf("cordon node %s: %w", nodeID, interpretError(err))
 	}
 	res.Changed = true
-	return res, InsertNodeEvents(ctx, q, now, []NodeEvent{{TenantID: owner, Type: EventNodeCordoned, NodeID: nodeID,
-		Data: map[string]any{"reason": reason}}})
+	return res, WriteEvents(ctx, q, now, NewEvent{TenantID: owner, Data: NodeCordonedData{NodeID: nodeID, Reason: reason}})
 }
 
 // UncordonNode lets the scheduler place on node nodeID again: it clears the
@@ -349,8 +371,8 @@ func UncordonNode(ctx context.Context, q DBTX, now time.Time, nodeID string) (bo
 	if !was {
 		return false, nil
 	}
-	if err := InsertNodeEvents(ctx, q, now, []NodeEvent{{TenantID: owner, Type: EventNodeUncordoned, NodeID: nodeID,
-		Data: map[string]any{"previousReason": reason}}}); err != nil {
+	if err := WriteEvents(ctx, q, now, NewEvent{TenantID: owner,
+		Data: NodeUncordonedData{NodeID: nodeID, PreviousReason: reason}}); err != nil {
 		return false, err
 	}
 	// Pending reservations may fit on the node now.

@@ -9,6 +9,7 @@ import (
 
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
 )
 
 func TestNodes(t *testing.T) {
@@ -19,12 +20,23 @@ func TestNodes(t *testing.T) {
 
 	var nodeIDs []string
 	for range 3 {
-		id := ids.New(ids.Node, now)
-		nodeIDs = append(nodeIDs, id)
-		require.NoError(t, store.CreateNode(ctx, f.db.Pool, store.NewNode{ID: id, PoolID: f.pool.ID,
-			Hostname: "host-" + id, MachineID: "m", Variant: "hgx-h100", AgentVersion: "v1", CreatedAt: now}))
+		nodeIDs = append(nodeIDs, ids.New(ids.Node, now))
 	}
 	slices.Sort(nodeIDs) // ids of one millisecond need not sort in creation order
+	for i, id := range nodeIDs {
+		n := store.NewNode{ID: id, PoolID: f.pool.ID, Hostname: "host-" + id, MachineID: "m", Variant: "hgx-h100",
+			AgentVersion: "v1", CreatedAt: now}
+		if i != 1 {
+			require.NoError(t, store.CreateNode(ctx, f.db.Pool, n))
+			continue
+		}
+		// The second one failed acceptance with the two GPUs it reported,
+		// and its gateway heard from it.
+		storetest.Node(t, f.db, &storetest.NodeOpts{ID: id, PoolID: n.PoolID, Hostname: n.Hostname, MachineID: n.MachineID,
+			Variant: n.Variant, AgentVersion: n.AgentVersion, CreatedAt: now, State: store.NodeAcceptanceFailed,
+			Reason: "expected 8 GPUs, found 2", GatewayID: "gw-a", LastSeen: now, Reachable: true,
+			GPUs: 2, GPUMemoryBytes: 85899345920})
+	}
 	require.NoError(t, store.CreateNodeCert(ctx, f.db.Pool, store.NewNodeCert{Serial: "0abc", NodeID: nodeIDs[0],
 		PublicKeySHA256: []byte{1, 2}, NotBefore: now, NotAfter: now.Add(24 * time.Hour), CreatedAt: now}))
 	require.ErrorIs(t, store.CreateNodeCert(ctx, f.db.Pool, store.NewNodeCert{Serial: "0abc", NodeID: nodeIDs[1],
@@ -32,15 +44,6 @@ func TestNodes(t *testing.T) {
 	var notAfter time.Time
 	require.NoError(t, f.db.Pool.QueryRow(ctx, `SELECT not_after FROM node_certs WHERE node_id = $1`, nodeIDs[0]).Scan(&notAfter))
 	require.True(t, notAfter.Equal(now.Add(24*time.Hour)))
-
-	for i := range 2 {
-		_, err := f.db.Pool.Exec(ctx, `INSERT INTO node_devices (node_id, device_index, uuid, model, memory_bytes)
-			VALUES ($1, $2, $3, 'NVIDIA H100 80GB HBM3', 85899345920)`, nodeIDs[1], i, "GPU-"+string(rune('0'+i)))
-		require.NoError(t, err)
-	}
-	_, err := f.db.Pool.Exec(ctx, `UPDATE nodes SET gateway_id = 'gw-a', last_seen = $2, reachable = true,
-		provision_state = 'acceptance_failed', provision_reason = 'expected 8 GPUs, found 2' WHERE id = $1`, nodeIDs[1], now)
-	require.NoError(t, err)
 
 	n, err := store.GetNode(ctx, f.db.Pool, nodeIDs[1])
 	require.NoError(t, err)

@@ -10,11 +10,12 @@ package store
 // A placement books its devices from the time it is made (not from the
 // reservation's start_at, which may be long past for a reservation that
 // waited): [placed_at, end_at). Booked time, and so usage, starts then.
+//
+// A pass that cannot place a pending reservation says why in
+// reservations.reason (SetPendingReasons); placing it clears the reason.
 
 import (
 	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
 	"time"
 
@@ -169,7 +170,7 @@ func PlaceReservations(ctx context.Context, q DBTX, signer *IntentSigner, now ti
 		bDev                []int32
 		bLower, bUpper      []time.Time
 		placed, placedNodes []string
-		events              []ReservationEvent
+		events              []NewEvent
 	)
 	for _, p := range ps {
 		if !got[p.ReservationID] {
@@ -180,11 +181,8 @@ func PlaceReservations(ctx context.Context, q DBTX, signer *IntentSigner, now ti
 			bLower, bUpper = append(bLower, p.Lower), append(bUpper, p.Upper)
 		}
 		placed, placedNodes = append(placed, p.ReservationID), append(placedNodes, p.NodeID)
-		data, err := json.Marshal(map[string]any{"reservationId": p.ReservationID, "nodeId": p.NodeID, "deviceIndexes": p.Devices})
-		if err != nil {
-			return nil, err
-		}
-		events = append(events, ReservationEvent{TenantID: p.TenantID, Type: EventReservationBound, SubjectID: p.ReservationID, Data: data})
+		events = append(events, NewEvent{TenantID: p.TenantID,
+			Data: ReservationBoundData{ReservationID: p.ReservationID, NodeID: p.NodeID, DeviceIndexes: p.Devices}})
 	}
 	if len(placed) == 0 {
 		return nil, nil
@@ -198,7 +196,7 @@ func PlaceReservations(ctx context.Context, q DBTX, signer *IntentSigner, now ti
 	if _, err := RebuildNodeSpecs(ctx, q, signer, now, placedNodes); err != nil {
 		return nil, err
 	}
-	if err := InsertReservationEvents(ctx, q, now, events); err != nil {
+	if err := WriteEvents(ctx, q, now, events...); err != nil {
 		return nil, err
 	}
 	return placed, nil
@@ -235,88 +233,41 @@ func FailReservations(ctx context.Context, q DBTX, now time.Time, fs []Reservati
 	for _, id := range failed {
 		done[id] = true
 	}
-	var events []ReservationEvent
+	var events []NewEvent
 	for _, f := range fs {
-		if !done[f.ID] {
-			continue
+		if done[f.ID] {
+			events = append(events, NewEvent{TenantID: f.TenantID, Data: ReservationFailedData{ReservationID: f.ID, Reason: f.Reason}})
 		}
-		data, err := json.Marshal(map[string]string{"reservationId": f.ID, "reason": f.Reason})
-		if err != nil {
-			return nil, err
-		}
-		events = append(events, ReservationEvent{TenantID: f.TenantID, Type: EventReservationFailed, SubjectID: f.ID, Data: data})
 	}
-	if err := InsertReservationEvents(ctx, q, now, events); err != nil {
+	if err := WriteEvents(ctx, q, now, events...); err != nil {
 		return nil, err
 	}
 	return failed, nil
 }
 
-// Activation is what ActivateReservation did.
-type Activation struct {
-	// Activated is true when the reservation turned active now.
-	Activated bool
-	// TenantID is the reservation's tenant ("" when it does not exist).
-	TenantID string
-	// State is the reservation's state after the call.
-	State string
+// PendingReason is the reason one pending reservation waits.
+type PendingReason struct {
+	ID, Reason string
 }
 
-// ActivateReservation records a daemon's AllocationBound: reservation id
-// turns active with binding (CDI device names) and active_at now, and a
-// reservation.active event is written, in q's transaction — only when it is
-// binding on nodeID and generation is at least the spec generation that
-// first carried it. Anything else (a stale report, another node's
-// reservation, one already active or ended) changes nothing (Activated
-// false). Errors: ErrNotFound when the reservation does not exist.
-func ActivateReservation(ctx context.Context, q DBTX, now time.Time, nodeID, id string, binding []string, generation int64) (Activation, error) {
-	var (
-		a       Activation
-		node    *string
-		specGen *int64
-	)
-	err := q.QueryRow(ctx, `SELECT tenant_id, state, node_id, spec_generation FROM reservations WHERE id = $1 FOR UPDATE`, id).
-		Scan(&a.TenantID, &a.State, &node, &specGen)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return Activation{}, fmt.Errorf("activate reservation %s: %w", id, ErrNotFound)
+// SetPendingReasons writes each reservation's reason when it is still
+// pending and its stored reason differs (updated_at now), in one statement;
+// it returns how many rows changed. Reservations no longer pending (placed,
+// released, failed meanwhile) are left alone.
+func SetPendingReasons(ctx context.Context, q DBTX, now time.Time, rs []PendingReason) (int64, error) {
+	if len(rs) == 0 {
+		return 0, nil
 	}
+	ids := make([]string, len(rs))
+	reasons := make([]string, len(rs))
+	for i, r := range rs {
+		ids[i], reasons[i] = r.ID, r.Reason
+	}
+	tag, err := q.Exec(ctx, `UPDATE reservations r SET reason = u.reason, updated_at = $3
+		FROM unnest($1::text[], $2::text[]) AS u(id, reason)
+		WHERE r.id = u.id AND r.state = 'pending' AND r.reason <> u.reason`, ids, reasons, now)
 	if err != nil {
-		return Activation{}, fmt.Errorf("activate reservation %s: %w", id, interpretError(err))
+		return 0, fmt.Errorf("set pending reasons: %w", interpretError(err))
 	}
-	if a.State != ReservationBinding || node == nil || *node != nodeID || specGen == nil || generation < *specGen {
-		return a, nil
-	}
-	if binding == nil {
-		binding = []string{}
-	}
-	if _, err := q.Exec(ctx, `UPDATE reservations SET state = 'active', binding = $2, active_at = $3, updated_at = $3 WHERE id = $1`,
-		id, binding, now); err != nil {
-		return Activation{}, fmt.Errorf("activate reservation %s: %w", id, interpretError(err))
-	}
-	data, err := json.Marshal(map[string]any{"reservationId": id, "nodeId": nodeID, "binding": binding, "generation": generation})
-	if err != nil {
-		return Activation{}, err
-	}
-	if err := InsertReservationEvent(ctx, q, now, a.TenantID, EventReservationActive, id, data); err != nil {
-		return Activation{}, err
-	}
-	a.Activated, a.State = true, ReservationActive
-	return a, nil
-}
-
-// ClaimDueReservations locks (FOR UPDATE SKIP LOCKED) and returns the ids of
-// up to limit reservations not yet ended whose end_at ≤ now, earliest end
-// first: those the expiry reconciler ends.
-func ClaimDueReservations(ctx context.Context, q DBTX, now time.Time, limit int) ([]string, error) {
-	rows, err := q.Query(ctx, `SELECT id FROM reservations
-		WHERE state IN ('pending', 'binding', 'active') AND end_at <= $1
-		ORDER BY end_at, id LIMIT $2 FOR UPDATE SKIP LOCKED`, now, limit)
-	if err != nil {
-		return nil, fmt.Errorf("due reservations: %w", interpretError(err))
-	}
-	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	if err != nil {
-		return nil, fmt.Errorf("due reservations: %w", interpretError(err))
-	}
-	return out, nil
+	return tag.RowsAffected(), nil
 }

@@ -25,10 +25,16 @@ type placeFixture struct {
 
 func newPlaceFixture(t *testing.T, name string, gpus ...int) placeFixture {
 	t.Helper()
+	return newPlaceFixtureWith(t, storetest.FleetOpts{Name: name, GPUs: gpus})
+}
+
+// newPlaceFixtureWith is newPlaceFixture with the fleet that opts describe.
+func newPlaceFixtureWith(t *testing.T, opts storetest.FleetOpts) placeFixture {
+	t.Helper()
 	clk := clock.NewFake(time.Date(2030, 1, 1, 10, 20, 30, 500_000_000, time.FixedZone("IST", 5*3600+1800)))
 	db := storetest.New(t, clk)
-	f := storetest.NewFleet(t, db, name, gpus...)
-	return placeFixture{t: t, db: db, clk: clk, fleet: f, tenant: f.Tenant(t, "tenant-"+name, 64)}
+	f := storetest.NewFleetWith(t, db, opts)
+	return placeFixture{t: t, db: db, clk: clk, fleet: f, tenant: f.Tenant(t, "tenant-"+opts.Name, 64)}
 }
 
 func (f placeFixture) reserve(gpus int32, d time.Duration) store.Reservation {
@@ -93,11 +99,10 @@ func (f placeFixture) placement(r store.Reservation, node string, devs ...int32)
 // placing it again does nothing.
 func TestPlaceBindsBooksAndSignsTheSpec(t *testing.T) {
 	t.Parallel()
-	f := newPlaceFixture(t, "bind", 8)
+	f := newPlaceFixtureWith(t, storetest.FleetOpts{Name: "bind", GPUs: []int{8},
+		Node: func(_ int, o *storetest.NodeOpts) { o.GatewayID = "gw-1" }})
 	signer, root := newIntentSigner(t)
 	node := f.fleet.Nodes[0]
-	_, err := f.db.Pool.Exec(t.Context(), `UPDATE nodes SET gateway_id = 'gw-1' WHERE id = $1`, node)
-	require.NoError(t, err)
 	r := f.reserve(4, time.Hour)
 
 	placed, err := f.place(signer, f.placement(r, node, 1, 3, 5, 7))
@@ -350,14 +355,11 @@ func TestUsageWindowsSumToBookedTime(t *testing.T) {
 // reservation that only such a node could hold fails at once.
 func TestOnlyAdoptedNodesArePlacedOn(t *testing.T) {
 	t.Parallel()
-	f := newPlaceFixture(t, "adoptedonly", 4, 8, 8, 8)
+	states := []string{store.NodeAdopted, store.NodeAcceptanceFailed, store.NodeAccepting, store.NodeJoining}
+	f := newPlaceFixtureWith(t, storetest.FleetOpts{Name: "adoptedonly", GPUs: []int{4, 8, 8, 8},
+		Node: func(i int, o *storetest.NodeOpts) { o.State = states[i] }})
 	ctx := t.Context()
 	failed, accepting, joining := f.fleet.Nodes[1], f.fleet.Nodes[2], f.fleet.Nodes[3]
-	for node, state := range map[string]string{failed: store.NodeAcceptanceFailed, accepting: store.NodeAccepting,
-		joining: store.NodeJoining} {
-		_, err := f.db.Pool.Exec(ctx, `UPDATE nodes SET provision_state = $2 WHERE id = $1`, node, state)
-		require.NoError(t, err)
-	}
 	n, err := store.GetNode(ctx, f.db.Pool, failed)
 	require.NoError(t, err)
 	require.Len(t, n.Devices, 8, "a failed node shows its GPUs")
@@ -369,8 +371,11 @@ func TestOnlyAdoptedNodesArePlacedOn(t *testing.T) {
 
 	// Nothing but the failed node (and nodes still on their way to
 	// adoption) has 8 GPUs; once those are gone too, 8 GPUs fail at once.
-	_, err = f.db.Pool.Exec(ctx, `UPDATE nodes SET provision_state = 'acceptance_failed' WHERE id = ANY($1)`,
-		[]string{accepting, joining})
+	_, err = store.MarkNodesAccepting(ctx, f.db.Pool, f.db.Now(), []string{joining})
+	require.NoError(t, err)
+	_, err = store.FailAcceptance(ctx, f.db.Pool, f.db.Now(), []store.AcceptanceFailure{
+		{NodeID: accepting, PoolID: f.fleet.PoolID, OwnerTenantID: f.fleet.OwnerID, Reason: "no"},
+		{NodeID: joining, PoolID: f.fleet.PoolID, OwnerTenantID: f.fleet.OwnerID, Reason: "no"}})
 	require.NoError(t, err)
 	r, err := f.fleet.Reserve(ctx, f.tenant, 8, time.Hour)
 	require.NoError(t, err)

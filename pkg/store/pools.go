@@ -1,5 +1,8 @@
 package store
 
+// Sites and the pools of machines in them, each owned by a tenant with the
+// acceptance its machines must pass.
+
 import (
 	"context"
 	"fmt"

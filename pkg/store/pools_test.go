@@ -110,10 +110,7 @@ func TestSitesAndPools(t *testing.T) {
 
 	// A revoked node is counted under "revoked", apart from its provision
 	// state: it is no placeable capacity.
-	revoked := ids.New(ids.Node, now)
-	require.NoError(t, store.CreateNode(ctx, f.db.Pool, store.NewNode{ID: revoked, PoolID: f.pool.ID, CreatedAt: now}))
-	_, err = f.db.Pool.Exec(ctx, `UPDATE nodes SET provision_state = 'adopted' WHERE id = $1`, revoked)
-	require.NoError(t, err)
+	revoked := storetest.Node(t, f.db, &storetest.NodeOpts{PoolID: f.pool.ID, State: store.NodeAdopted}).ID
 	_, err = store.RevokeNode(ctx, f.db.Pool, now, revoked, "stolen")
 	require.NoError(t, err)
 	got, err = store.GetPool(ctx, f.db.Pool, f.pool.ID)

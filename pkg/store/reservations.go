@@ -1,113 +1,38 @@
 package store
 
-// The tenant side of reservations (docs/architecture.md, "Reservations"): offers of pools to tenants
-// with a GPU quota, creating a reservation (quota, idempotency, fail fast),
-// reading reservations and usage windows. Placement, binding and expiry are
-// the scheduler's and the controllers'; a reservation ends through
-// EndReservation (reservations_core.go).
+// Reservations (docs/architecture.md, "Reservations"): creating one
+// (quota, idempotency, fail fast), reading them, and every way one changes
+// state after placement: the daemon's AllocationBound activates it, release
+// or expiry ends it (EndReservation), revoking its node fails it. A
+// reservation ends in one transaction with its bookings, its node's spec
+// (RebuildNodeSpecs) and its event; one whose end time passes while still
+// pending fails with a reason (FailNeverPlaced) instead of expiring silently.
+// Placement is placement.go's.
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 )
 
-// Offer is a row of pool_offers: a pool offered to a tenant with a quota.
-type Offer struct {
-	PoolID   string
-	TenantID string
-	// GPUQuota is how many GPUs the tenant may hold at once in the pool.
-	GPUQuota int32
-	// GPUsInUse is the sum of the GPUs of the tenant's pending, binding and
-	// active reservations of the pool (filled by reads, ignored by writes).
-	GPUsInUse int32
-	CreatedAt time.Time
-	UpdatedAt time.Time
-}
+// Reservation states (reservations.state).
+const (
+	ReservationPending  = "pending"
+	ReservationBinding  = "binding"
+	ReservationActive   = "active"
+	ReservationReleased = "released"
+	ReservationExpired  = "expired"
+	ReservationFailed   = "failed"
+)
 
-// gpusInUseSQL is the GPUs of the reservations of tenant $t in pool $p that
-// count against the quota: pending, binding and active ones.
-const gpusInUseSQL = `(SELECT COALESCE(sum(r.gpus), 0)::int FROM reservations r
-	WHERE r.tenant_id = o.tenant_id AND r.pool_id = o.pool_id AND r.state IN ('pending', 'binding', 'active'))`
-
-const offerColumns = `o.pool_id, o.tenant_id, o.gpu_quota, ` + gpusInUseSQL + `, o.created_at, o.updated_at`
-
-// offerColumnsNullable are offerColumns of an offer LEFT JOINed as o to
-// pools p: without an offer they read as empty ids, a zero quota and the
-// pool's creation time (tell the two apart with o.pool_id IS NOT NULL).
-const offerColumnsNullable = `COALESCE(o.pool_id, ''), COALESCE(o.tenant_id, ''), COALESCE(o.gpu_quota, 0), ` +
-	gpusInUseSQL + `, COALESCE(o.created_at, p.created_at), COALESCE(o.updated_at, p.created_at)`
-
-func scanOffer(row pgx.Row) (Offer, error) {
-	var o Offer
-	err := row.Scan(offerFields(&o)...)
-	return o, err
-}
-
-// offerFields are the scan destinations of offerColumns (and
-// offerColumnsNullable) in o.
-func offerFields(o *Offer) []any {
-	return []any{&o.PoolID, &o.TenantID, &o.GPUQuota, &o.GPUsInUse, &o.CreatedAt, &o.UpdatedAt}
-}
-
-// UpsertOffer offers pool o.PoolID to tenant o.TenantID with o.GPUQuota at
-// o.UpdatedAt, or changes the quota of the existing offer (which keeps its
-// CreatedAt), and returns the row. Lowering a quota below the GPUs in use
-// ends nothing: it only refuses new reservations. Errors: ErrNotFound (pool
-// or tenant).
-func UpsertOffer(ctx context.Context, q DBTX, o Offer) (Offer, error) {
-	if _, err := GetPool(ctx, q, o.PoolID); err != nil {
-		return Offer{}, err
-	}
-	if _, err := GetTenant(ctx, q, o.TenantID); err != nil {
-		return Offer{}, err
-	}
-	_, err := q.Exec(ctx, `INSERT INTO pool_offers (pool_id, tenant_id, gpu_quota, created_at, updated_at)
-		VALUES ($1, $2, $3, $4, $4)
-		ON CONFLICT (pool_id, tenant_id) DO UPDATE SET gpu_quota = EXCLUDED.gpu_quota, updated_at = EXCLUDED.updated_at`,
-		o.PoolID, o.TenantID, o.GPUQuota, o.UpdatedAt)
-	if err != nil {
-		return Offer{}, queryErr(fmt.Sprintf("offer pool %s to %s", o.PoolID, o.TenantID), err)
-	}
-	return GetOffer(ctx, q, o.PoolID, o.TenantID)
-}
-
-// GetOffer returns the offer of pool to tenant. Errors: ErrNotFound.
-func GetOffer(ctx context.Context, q DBTX, poolID, tenantID string) (Offer, error) {
-	o, err := scanOffer(q.QueryRow(ctx, `SELECT `+offerColumns+` FROM pool_offers o
-		WHERE o.pool_id = $1 AND o.tenant_id = $2`, poolID, tenantID))
-	if err != nil {
-		return Offer{}, queryErr(fmt.Sprintf("offer of pool %s to tenant %s", poolID, tenantID), err)
-	}
-	return o, nil
-}
-
-// OfferFilter narrows ListOffers; zero fields match everything.
-type OfferFilter struct {
-	PoolID string
-	// VisibleTo keeps the offers made to this tenant and the offers of the
-	// pools it owns.
-	VisibleTo string
-}
-
-// ListOffers returns the offers matching f, by pool id then tenant id, with
-// the GPUs in use.
-func ListOffers(ctx context.Context, q DBTX, f OfferFilter) ([]Offer, error) {
-	rows, err := q.Query(ctx, `SELECT `+offerColumns+` FROM pool_offers o JOIN pools p ON p.id = o.pool_id
-		WHERE ($1 = '' OR o.pool_id = $1) AND ($2 = '' OR o.tenant_id = $2 OR p.owner_tenant_id = $2)
-		ORDER BY o.pool_id, o.tenant_id`, f.PoolID, f.VisibleTo)
-	if err != nil {
-		return nil, queryErr("list offers", err)
-	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Offer, error) { return scanOffer(r) })
-	if err != nil {
-		return nil, queryErr("list offers", err)
-	}
-	return out, nil
+// ReservationEnded reports whether state is final.
+func ReservationEnded(state string) bool {
+	return state == ReservationReleased || state == ReservationExpired || state == ReservationFailed
 }
 
 // Reservation is a row of reservations with the device indexes of its
@@ -274,28 +199,6 @@ type CreatedReservation struct {
 	Existing bool
 }
 
-// Event types of reservations (events.type; subject the reservation id).
-const (
-	// EventReservationCreated is written when a reservation is made
-	// (CreateReservation).
-	EventReservationCreated = "reservation.created"
-	// EventReservationFailed is written when a reservation fails: refused
-	// at once, no longer placeable, or its node was revoked.
-	EventReservationFailed = "reservation.failed"
-	// EventReservationBound is written when the scheduler books devices
-	// for a reservation.
-	EventReservationBound = "reservation.bound"
-	// EventReservationActive is written when the node reports the
-	// reservation's devices bound.
-	EventReservationActive = "reservation.active"
-	// EventReservationReleased is written when a reservation is released
-	// (EndReservation).
-	EventReservationReleased = "reservation.released"
-	// EventReservationExpired is written when a reservation reaches its end
-	// time (EndReservation).
-	EventReservationExpired = "reservation.expired"
-)
-
 // RequestConflictError is the refusal of a request id already used by the
 // tenant for a different reservation (another pool, GPU count or duration).
 type RequestConflictError struct {
@@ -337,7 +240,7 @@ func existingReservation(r Reservation, n NewReservation) (CreatedReservation, e
 //     scheduler is poked (SubjectPokeScheduler); whether free capacity
 //     exists now is the scheduler's question, and it fails what it cannot
 //     place;
-//   - a reservation.created event is written (InsertReservationEvent).
+//   - a reservation.created event is written (WriteEvents).
 //
 // Errors: ErrNotFound (pool), *NotOfferedError (ErrNotOffered),
 // *QuotaError (ErrQuotaExceeded).
@@ -429,20 +332,13 @@ func CreateReservation(ctx context.Context, q DBTX, now time.Time, n NewReservat
 		}
 		return existingReservation(r, n)
 	}
-	data, err := json.Marshal(map[string]any{"reservationId": n.ID, "poolId": n.PoolID, "gpus": n.GPUs,
-		"startAt": n.StartAt.UTC(), "endAt": n.EndAt.UTC()})
-	if err != nil {
-		return CreatedReservation{}, err
-	}
-	if err := InsertReservationEvent(ctx, q, now, n.TenantID, EventReservationCreated, n.ID, data); err != nil {
+	if err := WriteEvents(ctx, q, now, NewEvent{TenantID: n.TenantID, Data: ReservationCreatedData{ReservationID: n.ID,
+		PoolID: n.PoolID, GPUs: n.GPUs, StartAt: n.StartAt.UTC(), EndAt: n.EndAt.UTC()}}); err != nil {
 		return CreatedReservation{}, err
 	}
 	if state == ReservationFailed {
-		data, err := json.Marshal(map[string]string{"reservationId": n.ID, "reason": reason})
-		if err != nil {
-			return CreatedReservation{}, err
-		}
-		if err := InsertReservationEvent(ctx, q, now, n.TenantID, EventReservationFailed, n.ID, data); err != nil {
+		if err := WriteEvents(ctx, q, now, NewEvent{TenantID: n.TenantID,
+			Data: ReservationFailedData{ReservationID: n.ID, Reason: reason}}); err != nil {
 			return CreatedReservation{}, err
 		}
 	} else if err := Enqueue(ctx, q, now, SubjectPokeScheduler, nil); err != nil {
@@ -455,52 +351,232 @@ func CreateReservation(ctx context.Context, q DBTX, now time.Time, n NewReservat
 	return CreatedReservation{Reservation: r}, nil
 }
 
-// UsageWindow is a row of usage_windows: the GPU-seconds of one reservation
-// within one hour.
-type UsageWindow struct {
-	ReservationID string
-	TenantID      string
-	PoolID        string
-	// WindowStart is the start of the hour.
-	WindowStart time.Time
-	// GPUSeconds is GPUs × booked seconds within the hour.
-	GPUSeconds int64
-}
-
-// UsageFilter narrows ListUsage.
-type UsageFilter struct {
-	// TenantID keeps one tenant's windows; "" keeps all.
+// Activation is what ActivateReservation did.
+type Activation struct {
+	// Activated is true when the reservation turned active now.
+	Activated bool
+	// TenantID is the reservation's tenant ("" when it does not exist).
 	TenantID string
-	// Since keeps the windows that end after it (zero: all).
-	Since time.Time
-	// Limit caps the rows returned; 0: no cap.
-	Limit int
+	// State is the reservation's state after the call.
+	State string
 }
 
-// ListUsage returns the usage windows matching f ordered by window start,
-// then reservation id.
-func ListUsage(ctx context.Context, q DBTX, f UsageFilter) ([]UsageWindow, error) {
-	limit := any(nil)
-	if f.Limit > 0 {
-		limit = f.Limit
+// ActivateReservation records a daemon's AllocationBound: reservation id
+// turns active with binding (CDI device names) and active_at now, and a
+// reservation.active event is written, in q's transaction — only when it is
+// binding on nodeID and generation is at least the spec generation that
+// first carried it. Anything else (a stale report, another node's
+// reservation, one already active or ended) changes nothing (Activated
+// false). Errors: ErrNotFound when the reservation does not exist.
+func ActivateReservation(ctx context.Context, q DBTX, now time.Time, nodeID, id string, binding []string, generation int64) (Activation, error) {
+	var (
+		a       Activation
+		node    *string
+		specGen *int64
+	)
+	err := q.QueryRow(ctx, `SELECT tenant_id, state, node_id, spec_generation FROM reservations WHERE id = $1 FOR UPDATE`, id).
+		Scan(&a.TenantID, &a.State, &node, &specGen)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Activation{}, fmt.Errorf("activate reservation %s: %w", id, ErrNotFound)
 	}
-	var since any
-	if !f.Since.IsZero() {
-		since = f.Since
-	}
-	rows, err := q.Query(ctx, `SELECT reservation_id, tenant_id, pool_id, window_start, gpu_seconds FROM usage_windows
-		WHERE ($1 = '' OR tenant_id = $1) AND ($2::timestamptz IS NULL OR window_start > $2::timestamptz - interval '1 hour')
-		ORDER BY window_start, reservation_id LIMIT $3`, f.TenantID, since, limit)
 	if err != nil {
-		return nil, queryErr("list usage", err)
+		return Activation{}, fmt.Errorf("activate reservation %s: %w", id, interpretError(err))
 	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (UsageWindow, error) {
-		var w UsageWindow
-		err := r.Scan(&w.ReservationID, &w.TenantID, &w.PoolID, &w.WindowStart, &w.GPUSeconds)
-		return w, err
-	})
+	if a.State != ReservationBinding || node == nil || *node != nodeID || specGen == nil || generation < *specGen {
+		return a, nil
+	}
+	if binding == nil {
+		binding = []string{}
+	}
+	if _, err := q.Exec(ctx, `UPDATE reservations SET state = 'active', binding = $2, active_at = $3, updated_at = $3 WHERE id = $1`,
+		id, binding, now); err != nil {
+		return Activation{}, fmt.Errorf("activate reservation %s: %w", id, interpretError(err))
+	}
+	if err := WriteEvents(ctx, q, now, NewEvent{TenantID: a.TenantID, Data: ReservationActiveData{ReservationID: id,
+		NodeID: nodeID, Binding: binding, Generation: generation}}); err != nil {
+		return Activation{}, err
+	}
+	a.Activated, a.State = true, ReservationActive
+	return a, nil
+}
+
+// EndedReservation is what EndReservation did.
+type EndedReservation struct {
+	// State is the reservation's state after the call.
+	State string
+	// Changed is false when the reservation had already ended.
+	Changed bool
+	// TenantID and NodeID are the reservation's ("" when never placed).
+	TenantID, NodeID string
+}
+
+// EndReservation ends reservation id at now with state (released or
+// expired): its bookings end at now (bookings that had not started are
+// deleted), its node's spec drops the allocation (RebuildNodeSpecs, signed by
+// signer), the scheduler is poked when devices were freed, and a
+// reservation.<state> event is written; all in q's transaction. An already ended reservation is left as it is (Changed
+// false). Errors: ErrNotFound.
+func EndReservation(ctx context.Context, q DBTX, signer *IntentSigner, now time.Time, id, state string) (EndedReservation, error) {
+	if state != ReservationReleased && state != ReservationExpired {
+		return EndedReservation{}, fmt.Errorf("end reservation: state %q is not released or expired", state)
+	}
+	var (
+		cur    string
+		tenant string
+		node   *string
+	)
+	err := q.QueryRow(ctx, `SELECT state, tenant_id, node_id FROM reservations WHERE id = $1 FOR UPDATE`, id).Scan(&cur, &tenant, &node)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return EndedReservation{}, ErrNotFound
+	}
 	if err != nil {
-		return nil, queryErr("list usage", err)
+		return EndedReservation{}, fmt.Errorf("end reservation: %w", interpretError(err))
+	}
+	res := EndedReservation{State: cur, TenantID: tenant}
+	if node != nil {
+		res.NodeID = *node
+	}
+	if ReservationEnded(cur) {
+		return res, nil
+	}
+	if _, err := q.Exec(ctx, `UPDATE reservations SET state = $2, ended_at = $3, updated_at = $3 WHERE id = $1`, id, state, now); err != nil {
+		return EndedReservation{}, fmt.Errorf("end reservation: %w", interpretError(err))
+	}
+	if err := endBookings(ctx, q, now, []string{id}); err != nil {
+		return EndedReservation{}, err
+	}
+	if res.NodeID != "" {
+		if _, err := RebuildNodeSpecs(ctx, q, signer, now, []string{res.NodeID}); err != nil {
+			return EndedReservation{}, err
+		}
+		// The devices are free again: pending reservations may fit now.
+		if err := Enqueue(ctx, q, now, SubjectPokeScheduler, nil); err != nil {
+			return EndedReservation{}, err
+		}
+	}
+	if err := WriteEvents(ctx, q, now, NewEvent{TenantID: tenant,
+		Data: ReservationEndedData{ReservationID: id, NodeID: res.NodeID, From: cur, State: state}}); err != nil {
+		return EndedReservation{}, err
+	}
+	res.State, res.Changed = state, true
+	return res, nil
+}
+
+// FailNodeReservations ends the placed reservations (binding or active) of
+// node nodeID at now as failed with reason: their bookings end at now
+// (bookings that had not started are deleted), so usage stops there and the
+// GPUs stop counting against quota; the node's spec drops the allocations
+// (signed by signer) and a reservation.failed event is written for each. It
+// is for an operator's revocation of the node, never for a loss of
+// connectivity (I5). It returns the ids of the reservations it ended. Call
+// it in the revocation's transaction.
+func FailNodeReservations(ctx context.Context, q DBTX, signer *IntentSigner, now time.Time, nodeID, reason string) ([]string, error) {
+	rows, err := q.Query(ctx, `UPDATE reservations SET state = 'failed', reason = $3, ended_at = $2, updated_at = $2
+		WHERE node_id = $1 AND state IN ('binding', 'active') RETURNING id, tenant_id, state`, nodeID, now, reason)
+	if err != nil {
+		return nil, fmt.Errorf("fail reservations of node %s: %w", nodeID, interpretError(err))
+	}
+	var (
+		ids    []string
+		events []NewEvent
+	)
+	for rows.Next() {
+		var id, tenant, state string
+		if err := rows.Scan(&id, &tenant, &state); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		ids = append(ids, id)
+		events = append(events, NewEvent{TenantID: tenant,
+			Data: ReservationFailedData{ReservationID: id, NodeID: nodeID, Reason: reason}})
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("fail reservations of node %s: %w", nodeID, interpretError(err))
+	}
+	if len(ids) == 0 {
+		return nil, nil
+	}
+	if err := endBookings(ctx, q, now, ids); err != nil {
+		return nil, err
+	}
+	if _, err := RebuildNodeSpecs(ctx, q, signer, now, []string{nodeID}); err != nil {
+		return nil, err
+	}
+	if err := WriteEvents(ctx, q, now, events...); err != nil {
+		return nil, err
+	}
+	return ids, nil
+}
+
+// endBookings ends the bookings of reservations ids at now: bookings that
+// had not started are deleted (an empty range is not a booking), the others
+// end at now. Usage then counts up to now and the devices are free after it.
+func endBookings(ctx context.Context, q DBTX, now time.Time, ids []string) error {
+	if _, err := q.Exec(ctx, `DELETE FROM bookings WHERE reservation_id = ANY($1) AND lower(during) >= $2`, ids, now); err != nil {
+		return fmt.Errorf("end bookings: %w", interpretError(err))
+	}
+	if _, err := q.Exec(ctx, `UPDATE bookings SET during = tstzrange(lower(during), $2, '[)')
+		WHERE reservation_id = ANY($1) AND upper(during) > $2`, ids, now); err != nil {
+		return fmt.Errorf("end bookings: %w", interpretError(err))
+	}
+	return nil
+}
+
+// ClaimDueReservations locks (FOR UPDATE SKIP LOCKED) and returns the ids of
+// up to limit reservations not yet ended whose end_at ≤ now, earliest end
+// first: those the expiry reconciler ends.
+func ClaimDueReservations(ctx context.Context, q DBTX, now time.Time, limit int) ([]string, error) {
+	rows, err := q.Query(ctx, `SELECT id FROM reservations
+		WHERE state IN ('pending', 'binding', 'active') AND end_at <= $1
+		ORDER BY end_at, id LIMIT $2 FOR UPDATE SKIP LOCKED`, now, limit)
+	if err != nil {
+		return nil, fmt.Errorf("due reservations: %w", interpretError(err))
+	}
+	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("due reservations: %w", interpretError(err))
 	}
 	return out, nil
+}
+
+// NeverPlacedReason is the reason of a reservation of gpus GPUs whose end
+// time passed while it was still pending.
+func NeverPlacedReason(gpus int) string {
+	return fmt.Sprintf("never placed: no node had %d free GPUs before its end time", gpus)
+}
+
+// FailNeverPlaced turns those of ids that are still pending failed with
+// NeverPlacedReason (ended_at now) and writes a reservation.failed event for
+// each, in q's transaction. Call it on reservations whose end_at ≤ now
+// (ClaimDueReservations), before ending the others with EndReservation. It
+// returns the failures by id.
+func FailNeverPlaced(ctx context.Context, q DBTX, now time.Time, ids []string) ([]ReservationFailure, error) {
+	if len(ids) == 0 {
+		return nil, nil
+	}
+	rows, err := q.Query(ctx, `UPDATE reservations SET state = 'failed',
+			reason = format('never placed: no node had %s free GPUs before its end time', gpus),
+			ended_at = $2, updated_at = $2
+		WHERE id = ANY($1) AND state = 'pending' RETURNING id, tenant_id, reason`, ids, now)
+	if err != nil {
+		return nil, fmt.Errorf("fail never placed: %w", interpretError(err))
+	}
+	failed, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (ReservationFailure, error) {
+		var f ReservationFailure
+		err := row.Scan(&f.ID, &f.TenantID, &f.Reason)
+		return f, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("fail never placed: %w", interpretError(err))
+	}
+	slices.SortFunc(failed, func(a, b ReservationFailure) int { return strings.Compare(a.ID, b.ID) })
+	events := make([]NewEvent, len(failed))
+	for i, f := range failed {
+		events[i] = NewEvent{TenantID: f.TenantID, Data: ReservationFailedData{ReservationID: f.ID, Reason: f.Reason}}
+	}
+	if err := WriteEvents(ctx, q, now, events...); err != nil {
+		return nil, err
+	}
+	return failed, nil
 }

@@ -11,6 +11,7 @@ import (
 
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
 )
 
 // TestCreateReservationQuotaUnderConcurrency races 20 one-GPU reservations
@@ -21,13 +22,7 @@ func TestCreateReservationQuotaUnderConcurrency(t *testing.T) {
 	f := newFleetFixture(t)
 	ctx := t.Context()
 	now := f.db.Now()
-	node := ids.New(ids.Node, now)
-	require.NoError(t, store.CreateNode(ctx, f.db.Pool, store.NewNode{ID: node, PoolID: f.pool.ID, CreatedAt: now}))
-	_, err := f.db.Pool.Exec(ctx, `UPDATE nodes SET provision_state = 'adopted' WHERE id = $1`, node)
-	require.NoError(t, err)
-	_, err = f.db.Pool.Exec(ctx, `INSERT INTO node_devices (node_id, device_index, uuid, model)
-		SELECT $1, i, 'GPU-' || i, 'H100' FROM generate_series(0, 7) AS i`, node)
-	require.NoError(t, err)
+	storetest.Node(t, f.db, &storetest.NodeOpts{PoolID: f.pool.ID, State: store.NodeAdopted, GPUs: 8, GPUModel: "H100"})
 
 	create := func(gpus int32, requestID string) (store.CreatedReservation, error) {
 		var c store.CreatedReservation
@@ -39,7 +34,7 @@ func TestCreateReservationQuotaUnderConcurrency(t *testing.T) {
 		})
 		return c, err
 	}
-	_, err = create(1, "")
+	_, err := create(1, "")
 	var notOffered *store.NotOfferedError
 	require.ErrorAs(t, err, &notOffered)
 	require.ErrorIs(t, err, store.ErrNotOffered)

@@ -2,21 +2,43 @@
 // OpenTelemetry tracing, transactions that retry serialization failures, the
 // embedded migrations, and the queries of every service.
 //
-// Queries take a DBTX so that the pool and a transaction share code. Driver
-// errors become the sentinels below in one place (interpretError); add a
-// constraint name there when a new unique or exclusion constraint needs its
-// own sentinel. Each area keeps its queries in a file of its own
-// (jointokens.go, nodes.go, commands.go, outbox.go, …). A function that
-// creates a command or changes a NodeSpec takes an *IntentSigner and signs
-// what it wrote in the same transaction (signedIntent; see intent.go).
+// Queries take a DBTX so that the pool and a transaction share code: DB.InTx
+// runs a function of several statements in one transaction, DB.AutoCommit
+// gives a one-statement function a transaction of its own. Driver errors
+// become the sentinels of errors.go in one place (interpretError, queryErr);
+// add a constraint name there when a new unique or exclusion constraint needs
+// its own sentinel.
+//
+// The queries live in one file per area; a new query goes into its area's:
+//
+//   - tenants.go, apitokens.go, audit.go: tenants, their API tokens, the
+//     audit log;
+//   - pools.go, offers.go: sites and pools, offers of pools to tenants;
+//   - jointokens.go, nodes.go, trust.go: join tokens, nodes and their GPUs,
+//     node certificates and revocation;
+//   - acceptance.go: the acceptance reconciler;
+//   - sessions.go, liveness.go, leases.go: the gateways' sessions, liveness
+//     and gateway presence, the reconcilers' leases;
+//   - commands.go, command_updates.go: user commands, daemons' updates;
+//   - reservations.go, placement.go, nodespecs.go, usage.go: reservations,
+//     the scheduler's placement, the NodeSpecs that carry them, usage;
+//   - events.go, events_watch.go: the event types, the data type of each
+//     and their one writer (WriteEvents); the watch's reads;
+//   - outbox.go, outbox_signal.go: the outbox and waking its relay;
+//   - intent.go: signed intent;
+//   - migrate.go and migrations/: the schema.
+//
+// A function that creates a command or changes a NodeSpec takes an
+// *IntentSigner and signs what it wrote in the same transaction
+// (signedIntent; see intent.go); one that changes what a tenant may follow
+// writes its event with WriteEvents in its transaction (events.go says how
+// to add an event type). Tests get a database of their own, and rows in it,
+// from storetest.
 package store
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"net"
-	"strings"
 	"time"
 
 	"github.com/exaring/otelpgx"
@@ -25,16 +47,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/better-compute/better-compute/pkg/clock"
-)
-
-// Sentinel errors returned by store functions; wrap-compare with errors.Is.
-var (
-	// ErrNotFound means the row does not exist (or is not visible).
-	ErrNotFound = errors.New("not found")
-	// ErrConflict means a unique or exclusion constraint refused the change.
-	ErrConflict = errors.New("conflict")
-	// ErrStale means the row changed under an optimistic update.
-	ErrStale = errors.New("stale")
 )
 
 // DBTX is what both *pgxpool.Pool and pgx.Tx offer.
@@ -130,7 +142,7 @@ func (db *DB) Now() time.Time { return db.Clock.Now().UTC().Truncate(time.Micros
 // InTx runs fn in a transaction and commits it. A serialization failure or
 // deadlock (SQLSTATE 40001, 40P01) reruns fn, up to 10 times; any other error
 // rolls back and is returned, interpreted (ErrNotFound, ErrConflict). When
-// fn wrote outbox rows (Enqueue, InsertReservationEvents), the relay is
+// fn wrote outbox rows (Enqueue, WriteEvents), the relay is
 // signalled after the commit (see outboxTx).
 func (db *DB) InTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
 	return db.inTx(ctx, db.Pool, fn)
@@ -179,91 +191,63 @@ func (db *DB) inTxOnce(ctx context.Context, pool *pgxpool.Pool, fn func(tx pgx.T
 	return nil
 }
 
-// IsRetryable reports whether err is a serialization failure or a deadlock
-// (SQLSTATE 40001, 40P01): the transaction was rolled back and may simply
-// run again, as InTx does.
-func IsRetryable(err error) bool {
-	var pe *pgconn.PgError
-	if errors.As(err, &pe) {
-		return pe.Code == "40001" || pe.Code == "40P01"
+// queryIDs runs a query returning one text column and collects it.
+func queryIDs(ctx context.Context, q DBTX, what, sql string, args ...any) ([]string, error) {
+	rows, err := q.Query(ctx, sql, args...)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", what, interpretError(err))
 	}
-	return false
-}
-
-// interpretError turns driver errors into sentinels; other errors pass
-// through unchanged.
-func interpretError(err error) error {
-	if err == nil {
-		return nil
-	}
-	if errors.Is(err, pgx.ErrNoRows) {
-		return fmt.Errorf("%w: %w", ErrNotFound, err)
-	}
-	var pe *pgconn.PgError
-	if errors.As(err, &pe) {
-		switch pe.Code {
-		case "23505", "23P01": // unique_violation, exclusion_violation
-			return &ConstraintError{Constraint: pe.ConstraintName, err: err}
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var id string
+		if err := rows.Scan(&id); err != nil {
+			return nil, fmt.Errorf("%s: %w", what, err)
 		}
+		out = append(out, id)
 	}
-	return err
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("%s: %w", what, interpretError(err))
+	}
+	return out, nil
 }
 
-// ConstraintError is a unique or exclusion violation of a named constraint.
-// It matches ErrConflict under errors.Is.
-type ConstraintError struct {
-	// Constraint is the constraint's name in the schema.
-	Constraint string
-	err        error
+// autoCommit is DB.AutoCommit: the pool, each statement its own
+// transaction.
+type autoCommit struct {
+	*pgxpool.Pool
+	db *DB
 }
 
-func (e *ConstraintError) Error() string {
-	return "conflict on " + e.Constraint + ": " + e.err.Error()
+// AutoCommit returns a pool of db as a DBTX on which every statement is a
+// transaction of its own, for a store function whose work is one statement
+// (QueueCommands) or one pgx.Batch (ClaimSessionDeliveries): the outbox rows
+// it writes are signalled to the relay as soon as it returns, as InTx
+// signals them after its commit. Functions of several statements belong in
+// InTx.
+//
+// Its connections run prepared statements with generic plans
+// (plan_cache_mode = force_generic_plan): the batched statements of the hot
+// paths (a command queued, delivered, finished) join arrays of a few to a
+// few hundred rows through several CTEs, and Postgres, which otherwise
+// re-plans such a statement for every execution when its generic plan looks
+// costlier, spent more time planning them (~1 ms each) than running them.
+// Their plans do not depend on the parameters' values (primary-key and
+// node-id lookups). So do the events watch's reads (ScanEvents: an id
+// range, its filters tested row by row). Queries whose best plan does — optional filters such as
+// "$1 = ” OR tenant_id = $1" — stay on DB.Pool.
+func (db *DB) AutoCommit() DBTX {
+	if db.generic != nil {
+		return autoCommit{Pool: db.generic, db: db}
+	}
+	return autoCommit{Pool: db.Pool, db: db}
 }
 
-// Is makes errors.Is(err, ErrConflict) true.
-func (e *ConstraintError) Is(target error) bool { return target == ErrConflict }
-
-// Unwrap returns the driver error.
-func (e *ConstraintError) Unwrap() error { return e.err }
-
-// IsUnavailable reports whether err is a failure to reach the database
-// rather than an answer from it, so that the call may succeed when retried
-// (callers map it to Unavailable): a failed connect, including one that
-// timed out or found no host (*pgconn.ConnectError, also as a pool's
-// failed acquire), a network error on an open connection (net.Error, not
-// the caller's own context ending), or a server that refuses work while
-// shutting down or starting (SQLSTATE class 08, 57P01–57P03).
-func IsUnavailable(err error) bool {
-	if err == nil {
-		return false
+// AutoCommitStat returns the statistics of the pool behind AutoCommit (the
+// same as Pool.Stat() in a DB not made by Open).
+func (db *DB) AutoCommitStat() *pgxpool.Stat {
+	if db.generic != nil {
+		return db.generic.Stat()
 	}
-	var ce *pgconn.ConnectError
-	if errors.As(err, &ce) {
-		return true
-	}
-	var pe *pgconn.PgError
-	if errors.As(err, &pe) {
-		switch {
-		case strings.HasPrefix(pe.Code, "08"), // connection_exception
-			pe.Code == "57P01", // admin_shutdown
-			pe.Code == "57P02", // crash_shutdown
-			pe.Code == "57P03": // cannot_connect_now
-			return true
-		}
-		return false
-	}
-	// The context errors are net.Errors too (Timeout): a call whose own
-	// deadline passed is DeadlineExceeded, not Unavailable.
-	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
-		return false
-	}
-	var ne net.Error
-	return errors.As(err, &ne)
-}
-
-// IsConstraint reports whether err is a violation of the named constraint.
-func IsConstraint(err error, name string) bool {
-	var ce *ConstraintError
-	return errors.As(err, &ce) && ce.Constraint == name
+	return db.Pool.Stat()
 }

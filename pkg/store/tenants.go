@@ -1,8 +1,9 @@
 package store
 
+// Tenants: a tree under the root tenant, each owning pools and tokens.
+
 import (
 	"context"
-	"errors"
 	"fmt"
 	"time"
 
@@ -18,16 +19,6 @@ type Tenant struct {
 	// ParentID is the parent tenant's id, empty for a top-level tenant.
 	ParentID  string
 	CreatedAt time.Time
-}
-
-// queryErr names what a query was about and interprets err: no rows become
-// ErrNotFound without the driver error (so that InTx does not wrap it
-// twice), constraint violations become ConstraintError.
-func queryErr(what string, err error) error {
-	if errors.Is(err, pgx.ErrNoRows) {
-		return fmt.Errorf("%s: %w", what, ErrNotFound)
-	}
-	return fmt.Errorf("%s: %w", what, interpretError(err))
 }
 
 // ConstraintTenantName makes tenant names unique, for IsConstraint.

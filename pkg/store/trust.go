@@ -1,8 +1,8 @@
 package store
 
-// Queries of node trust: revocation (the API's RevokeNode), certificate
-// renewal over the session (the gateway), and the refusals daemons report
-// when signedIntent is on.
+// Queries of node trust: the certificates issued to nodes and presented by
+// their sessions, revocation (the API's RevokeNode), and the refusals daemons
+// report when signedIntent is on.
 
 import (
 	"context"
@@ -13,14 +13,65 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// Event types about node trust (events.type).
-const (
-	// EventNodeRevoked is written when an operator revokes a node.
-	EventNodeRevoked = "node.revoked"
-	// EventNodeSpecRefused is written when a daemon refuses a DesiredState
-	// (signedIntent: unsigned or wrongly signed).
-	EventNodeSpecRefused = "node.spec_refused"
-)
+// NewNodeCert is a certificate JoinService issued to a node, to record in
+// node_certs.
+type NewNodeCert struct {
+	// Serial is the certificate's serial in lower-case hex (pki.SerialHex).
+	Serial string
+	NodeID string
+	// PublicKeySHA256 is the SHA-256 of the certificate's
+	// SubjectPublicKeyInfo (pki.PublicKeySHA256).
+	PublicKeySHA256 []byte
+	NotBefore       time.Time
+	NotAfter        time.Time
+	CreatedAt       time.Time
+}
+
+// CreateNodeCert records an issued node certificate. Errors: ErrConflict
+// when the serial exists.
+func CreateNodeCert(ctx context.Context, q DBTX, c NewNodeCert) error {
+	_, err := q.Exec(ctx, `INSERT INTO node_certs (serial, node_id, public_key_sha256, not_before, not_after, created_at)
+		VALUES ($1, $2, $3, $4, $5, $6)`, c.Serial, c.NodeID, c.PublicKeySHA256, c.NotBefore, c.NotAfter, c.CreatedAt)
+	if err != nil {
+		return queryErr("create node cert", err)
+	}
+	return nil
+}
+
+// SessionCert is what a session needs of a row of node_certs.
+type SessionCert struct {
+	Serial   string
+	NodeID   string
+	NotAfter time.Time
+	// RevokedAt is when the certificate, or its whole node (nodes.revoked_at),
+	// was revoked; nil when neither is.
+	RevokedAt *time.Time
+}
+
+const sessionCertQuery = `SELECT c.serial, c.node_id, c.not_after, COALESCE(c.revoked_at, n.revoked_at)
+	FROM node_certs c JOIN nodes n ON n.id = c.node_id WHERE c.serial = $1`
+
+// GetSessionCert returns the node certificate with serial (lower-case hex, see
+// pki.SerialHex), or ErrNotFound.
+func GetSessionCert(ctx context.Context, q DBTX, serial string) (SessionCert, error) {
+	return scanSessionCert(q.QueryRow(ctx, sessionCertQuery, serial))
+}
+
+// LockSessionCert is GetSessionCert that also locks the certificate's node
+// (FOR SHARE) until the transaction ends, so that a concurrent RevokeNode
+// either commits first (and RevokedAt shows it) or waits: a certificate
+// issued in the same transaction never outlives a revocation.
+func LockSessionCert(ctx context.Context, q DBTX, serial string) (SessionCert, error) {
+	return scanSessionCert(q.QueryRow(ctx, sessionCertQuery+` FOR SHARE OF n`, serial))
+}
+
+func scanSessionCert(row pgx.Row) (SessionCert, error) {
+	var c SessionCert
+	if err := row.Scan(&c.Serial, &c.NodeID, &c.NotAfter, &c.RevokedAt); err != nil {
+		return SessionCert{}, interpretError(err)
+	}
+	return c, nil
+}
 
 // RevokedNode says what RevokeNode did.
 type RevokedNode struct {
@@ -92,14 +143,14 @@ func RevokeNode(ctx context.Context, q DBTX, now time.Time, nodeID, reason strin
 			return RevokedNode{}, err
 		}
 		user := slices.DeleteFunc(cmds, func(c Command) bool { return c.Purpose != "user" })
-		if err := insertCommandEvents(ctx, q, now, EventCommandFailed, user); err != nil {
+		if err := writeCommandEndedEvents(ctx, q, now, user); err != nil {
 			return RevokedNode{}, err
 		}
 		out.CommandsFailed = slices.Sorted(slices.Values(failed))
 	}
 	if out.Newly {
-		if err := InsertNodeEvents(ctx, q, now, []NodeEvent{{TenantID: owner, Type: EventNodeRevoked, NodeID: nodeID,
-			Data: map[string]any{"reason": reason, "certificatesRevoked": out.CertificatesRevoked}}}); err != nil {
+		if err := WriteEvents(ctx, q, now, NewEvent{TenantID: owner, Data: NodeRevokedData{NodeID: nodeID, Reason: reason,
+			CertificatesRevoked: out.CertificatesRevoked}}); err != nil {
 			return RevokedNode{}, err
 		}
 	}
@@ -119,6 +170,6 @@ func RecordSpecRefused(ctx context.Context, q DBTX, now time.Time, nodeID string
 	if err != nil {
 		return queryErr(fmt.Sprintf("node %s", nodeID), err)
 	}
-	return InsertNodeEvents(ctx, q, now, []NodeEvent{{TenantID: owner, Type: EventNodeSpecRefused, NodeID: nodeID,
-		Data: map[string]any{"generation": generation, "reason": reason}}})
+	return WriteEvents(ctx, q, now, NewEvent{TenantID: owner,
+		Data: NodeSpecRefusedData{NodeID: nodeID, Generation: generation, Reason: reason}})
 }

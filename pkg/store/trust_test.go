@@ -11,14 +11,14 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
 )
 
-// cert records a node certificate with serial, valid until notAfter.
-func (f gatewayFixture) cert(nodeID, serial string, notAfter time.Time) {
+// cert records a node certificate with serial, valid until notAfter and
+// revoked at revokedAt (never when zero).
+func (f gatewayFixture) cert(nodeID, serial string, notAfter, revokedAt time.Time) {
 	f.t.Helper()
-	now := f.db.Now()
-	f.exec(`INSERT INTO node_certs (serial, node_id, public_key_sha256, not_before, not_after, created_at)
-		VALUES ($1, $2, '\x00', $3, $4, $3)`, serial, nodeID, now, notAfter)
+	storetest.NodeCert(f.t, f.db, &storetest.NodeCertOpts{NodeID: nodeID, Serial: serial, NotAfter: notAfter, RevokedAt: revokedAt})
 }
 
 func (f gatewayFixture) certRevokedAt(serial string) *time.Time {
@@ -45,10 +45,9 @@ func TestRevokeNode(t *testing.T) {
 	ctx := t.Context()
 	n, bystander := f.node(), f.node()
 	now := f.db.Now()
-	f.cert(n, "01", now.Add(time.Hour))
-	f.cert(n, "02", now.Add(2*time.Hour))
-	f.cert(bystander, "03", now.Add(time.Hour))
-	f.exec(`UPDATE node_certs SET revoked_at = $2 WHERE serial = $1`, "01", now.Add(-time.Minute))
+	f.cert(n, "01", now.Add(time.Hour), now.Add(-time.Minute))
+	f.cert(n, "02", now.Add(2*time.Hour), time.Time{})
+	f.cert(bystander, "03", now.Add(time.Hour), time.Time{})
 	f.open(n, "gw-a", 0)
 	queued := f.command(n, "queued", "user", now.Add(-2*time.Second))
 	running := f.command(n, "running", "user", now.Add(-time.Second))
@@ -142,22 +141,22 @@ func TestRevokedNodeSessions(t *testing.T) {
 	t.Parallel()
 	f := newGatewayFixture(t)
 	ctx := t.Context()
-	n, other, fine := f.node(), f.node(), f.node()
+	n := f.nodeWith(storetest.NodeOpts{SpecGeneration: 1, Spec: `{}`})
+	other, fine := f.node(), f.node()
 	now := f.db.Now()
-	f.cert(n, "0a", now.Add(time.Hour))
-	f.cert(other, "0b", now.Add(time.Hour))
-	f.cert(other, "0c", now.Add(time.Hour))
-	f.cert(fine, "0d", now.Add(time.Hour))
+	// Only one certificate of node other is revoked.
+	f.cert(other, "0b", now.Add(time.Hour), now)
+	f.cert(other, "0c", now.Add(time.Hour), time.Time{})
+	f.cert(fine, "0d", now.Add(time.Hour), time.Time{})
 	sn, _ := f.open(n, "gw", 0)
 	so, _ := f.open(other, "gw", 0)
 	sf, _ := f.open(fine, "gw", 0)
 	q := f.command(n, "queued", "user", now)
-	f.exec(`UPDATE nodes SET spec_generation = 1, spec = '{}' WHERE id = $1`, n)
 
-	// Node n is revoked after its certificate was recorded (as if a renewal
-	// raced the revocation): the node's revocation covers it.
+	// Node n's certificate is recorded after its revocation (as if a
+	// renewal raced the revocation): the node's revocation covers it.
 	f.revoke(n, "")
-	f.exec(`UPDATE node_certs SET revoked_at = NULL WHERE serial = '0a'`)
+	f.cert(n, "0a", now.Add(time.Hour), time.Time{})
 	c, err := store.GetSessionCert(ctx, f.db.Pool, "0a")
 	require.NoError(t, err)
 	require.NotNil(t, c.RevokedAt)
@@ -166,8 +165,6 @@ func TestRevokedNodeSessions(t *testing.T) {
 		require.NotNil(t, c.RevokedAt)
 		return err
 	}))
-	// Only one certificate of node other is revoked.
-	f.exec(`UPDATE node_certs SET revoked_at = $2 WHERE serial = $1`, "0b", now)
 	c, err = store.GetSessionCert(ctx, f.db.Pool, "0c")
 	require.NoError(t, err)
 	require.Nil(t, c.RevokedAt)

@@ -23,6 +23,56 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
+// UsageWindow is a row of usage_windows: the GPU-seconds of one reservation
+// within one hour.
+type UsageWindow struct {
+	ReservationID string
+	TenantID      string
+	PoolID        string
+	// WindowStart is the start of the hour.
+	WindowStart time.Time
+	// GPUSeconds is GPUs × booked seconds within the hour.
+	GPUSeconds int64
+}
+
+// UsageFilter narrows ListUsage.
+type UsageFilter struct {
+	// TenantID keeps one tenant's windows; "" keeps all.
+	TenantID string
+	// Since keeps the windows that end after it (zero: all).
+	Since time.Time
+	// Limit caps the rows returned; 0: no cap.
+	Limit int
+}
+
+// ListUsage returns the usage windows matching f ordered by window start,
+// then reservation id.
+func ListUsage(ctx context.Context, q DBTX, f UsageFilter) ([]UsageWindow, error) {
+	limit := any(nil)
+	if f.Limit > 0 {
+		limit = f.Limit
+	}
+	var since any
+	if !f.Since.IsZero() {
+		since = f.Since
+	}
+	rows, err := q.Query(ctx, `SELECT reservation_id, tenant_id, pool_id, window_start, gpu_seconds FROM usage_windows
+		WHERE ($1 = '' OR tenant_id = $1) AND ($2::timestamptz IS NULL OR window_start > $2::timestamptz - interval '1 hour')
+		ORDER BY window_start, reservation_id LIMIT $3`, f.TenantID, since, limit)
+	if err != nil {
+		return nil, queryErr("list usage", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (UsageWindow, error) {
+		var w UsageWindow
+		err := r.Scan(&w.ReservationID, &w.TenantID, &w.PoolID, &w.WindowStart, &w.GPUSeconds)
+		return w, err
+	})
+	if err != nil {
+		return nil, queryErr("list usage", err)
+	}
+	return out, nil
+}
+
 // UsageCandidates returns, by id, up to limit reservations after the id
 // after ("" from the start) that may have usage windows to write: the
 // placed ones still open, and the ended ones whose last window (the hour of

@@ -18,7 +18,7 @@ import (
 )
 
 // BenchmarkEventsWatch writes BC_BENCH_EVENTS (100,000) events straight
-// into the store (store.InsertReservationEvents, in transactions of
+// into the store (store.WriteEvents, node.cordoned ones, in transactions of
 // BC_BENCH_EVENT_BATCH (50) events from BC_BENCH_EVENT_PRODUCERS (4)
 // concurrent writers, as fast as they commit) while one root-admin watcher
 // reads every event through EventService.Watch, and prints the events per
@@ -44,7 +44,8 @@ func BenchmarkEventsWatch(b *testing.B) {
 		// every event of the benchmark however late its stream opens
 		// (after_id 0 would mean "from when the watch starts").
 		require.NoError(b, db.InTx(ctx, func(tx pgx.Tx) error {
-			return store.InsertReservationEvents(ctx, tx, db.Now(), []store.ReservationEvent{{Type: "bench.mark", SubjectID: "mark"}})
+			return store.WriteEvents(ctx, tx, db.Now(), store.NewEvent{TenantID: f.tenantID,
+				Data: store.NodeCordonedData{NodeID: "mark", Reason: "benchmark"}})
 		}))
 		after, err := store.MaxEventID(ctx, db.Pool)
 		require.NoError(b, err)
@@ -63,12 +64,12 @@ func BenchmarkEventsWatch(b *testing.B) {
 
 		start := clk.Now()
 		require.NoError(b, parallel(total/batch, producers, func(k int) error {
-			events := make([]store.ReservationEvent, batch)
+			events := make([]store.NewEvent, batch)
 			for j := range events {
-				events[j] = store.ReservationEvent{TenantID: f.tenantID, Type: "bench.tick",
-					SubjectID: fmt.Sprintf("bench-%d", k*batch+j), Data: []byte(`{"bench":true}`)}
+				events[j] = store.NewEvent{TenantID: f.tenantID,
+					Data: store.NodeCordonedData{NodeID: fmt.Sprintf("bench-%d", k*batch+j), Reason: "benchmark"}}
 			}
-			err := db.InTx(ctx, func(tx pgx.Tx) error { return store.InsertReservationEvents(ctx, tx, db.Now(), events) })
+			err := db.InTx(ctx, func(tx pgx.Tx) error { return store.WriteEvents(ctx, tx, db.Now(), events...) })
 			at := clk.Now()
 			for j := range events {
 				committed[k*batch+j] = at

@@ -16,6 +16,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/services/scheduler/scheduler"
 )
 
@@ -49,14 +50,8 @@ func BenchmarkReservations(b *testing.B) {
 		const tenants = 32
 		tenantIDs := make([]string, tenants)
 		for i := range tenantIDs {
-			now := db.Now()
-			tenantIDs[i] = ids.New(ids.Tenant, now)
-			_, err := db.Pool.Exec(ctx, `INSERT INTO tenants (id, name, created_at) VALUES ($1, $2, $3)`,
-				tenantIDs[i], fmt.Sprintf("bench-%d", i), now)
-			require.NoError(b, err)
-			_, err = store.UpsertOffer(ctx, db.Pool, store.Offer{PoolID: f.poolID, TenantID: tenantIDs[i],
-				GPUQuota: int32(8 * n), CreatedAt: now, UpdatedAt: now})
-			require.NoError(b, err)
+			tenantIDs[i] = storetest.Tenant(b, db, &storetest.TenantOpts{Name: fmt.Sprintf("bench-%d", i)}).ID
+			storetest.Offer(b, db, &storetest.OfferOpts{PoolID: f.poolID, TenantID: tenantIDs[i], GPUQuota: int32(8 * n)})
 		}
 		reserve := func(i int, gpus int32) {
 			require.NoError(b, db.InTx(ctx, func(tx pgx.Tx) error {

@@ -16,6 +16,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
 )
 
@@ -56,13 +57,8 @@ func (f *fixture) waitState(t *testing.T, id, state string, within time.Duration
 
 func (f *fixture) offer(t *testing.T, name string, quota int32) string {
 	t.Helper()
-	db := f.stack.DB
-	now := db.Now()
-	tenant := ids.New(ids.Tenant, now)
-	_, err := db.Pool.Exec(t.Context(), `INSERT INTO tenants (id, name, created_at) VALUES ($1, $2, $3)`, tenant, name, now)
-	require.NoError(t, err)
-	_, err = store.UpsertOffer(t.Context(), db.Pool, store.Offer{PoolID: f.pool, TenantID: tenant, GPUQuota: quota, CreatedAt: now, UpdatedAt: now})
-	require.NoError(t, err)
+	tenant := storetest.Tenant(t, f.stack.DB, &storetest.TenantOpts{Name: name}).ID
+	storetest.Offer(t, f.stack.DB, &storetest.OfferOpts{PoolID: f.pool, TenantID: tenant, GPUQuota: quota})
 	return tenant
 }
 

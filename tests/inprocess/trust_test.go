@@ -17,8 +17,8 @@ import (
 	"github.com/better-compute/better-compute/pkg/daemon"
 	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/pkg/fakehw"
-	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
 )
 
 // shortCertTTL makes node certificates due for renewal 8 s after they are
@@ -90,7 +90,8 @@ func TestRenewalKeepsSessionAndRevocationEndsIt(t *testing.T) {
 		"the identity on disk holds the renewed certificate")
 
 	// Only the first certificate is revoked: the session opened with it ends,
-	// and the next dial, with the renewed certificate, is accepted.
+	// and the next dial, with the renewed certificate, is accepted. Raw SQL:
+	// no store function revokes one certificate of a node alone.
 	_, err = f.stack.DB.Pool.Exec(ctx, `UPDATE node_certs SET revoked_at = now() WHERE serial = $1`, firstSerial)
 	require.NoError(t, err)
 	require.Eventually(t, func() bool {
@@ -152,16 +153,12 @@ func TestSignedIntentFleet(t *testing.T) {
 		AND state = 'succeeded' AND signature IS NOT NULL`, nodeID).Scan(&signed))
 	require.Equal(t, 1, signed, "the signed acceptance command ran")
 
-	// A writer that forgot to sign.
+	// A writer that forgot to sign (the factory signs nothing).
 	db := f.stack.DB
-	cmdID := ids.New(ids.Command, db.Now())
+	cmdID := storetest.Command(t, db, &storetest.CommandOpts{NodeID: nodeID, Kind: store.CommandInventoryRefresh,
+		Deadline: db.Now().Add(time.Minute)}).ID
 	require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
-		now := db.Now()
-		if _, err := tx.Exec(ctx, `INSERT INTO commands (id, node_id, kind, state, retry_safe, deadline, created_at, updated_at)
-			VALUES ($1, $2, 'inventory.refresh', 'queued', true, $3, $4, $4)`, cmdID, nodeID, now.Add(time.Minute), now); err != nil {
-			return err
-		}
-		return store.PokeNodes(ctx, tx, now, nodeID)
+		return store.PokeNodes(ctx, tx, db.Now(), nodeID)
 	}))
 	var state, errText string
 	require.Eventually(t, func() bool {

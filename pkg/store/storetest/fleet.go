@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/stretchr/testify/require"
 
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/store"
@@ -30,27 +29,35 @@ type Fleet struct {
 // several fleets can share a database.
 func NewFleet(t testing.TB, db *store.DB, name string, gpus ...int) *Fleet {
 	t.Helper()
-	ctx := context.Background()
+	return NewFleetWith(t, db, FleetOpts{Name: name, GPUs: gpus})
+}
+
+// FleetOpts are the options of NewFleetWith.
+type FleetOpts struct {
+	// Name suffixes the names of the fleet's rows.
+	Name string
+	// GPUs are the nodes' numbers of GPUs, one node each.
+	GPUs []int
+	// Node, when set, changes the options of node i (NewFleet's) before
+	// it is made: its state, session, cordon, ….
+	Node func(i int, o *NodeOpts)
+}
+
+// NewFleetWith is NewFleet with the nodes that opts describe.
+func NewFleetWith(t testing.TB, db *store.DB, opts FleetOpts) *Fleet {
+	t.Helper()
 	now := db.Now()
-	f := &Fleet{DB: db, OwnerID: ids.New(ids.Tenant, now), SiteID: ids.New(ids.Site, now), PoolID: ids.New(ids.Pool, now)}
-	exec := func(sql string, args ...any) {
-		t.Helper()
-		_, err := db.Pool.Exec(ctx, sql, args...)
-		require.NoError(t, err)
-	}
-	exec(`INSERT INTO tenants (id, name, created_at) VALUES ($1, $2, $3)`, f.OwnerID, "owner-"+name, now)
-	exec(`INSERT INTO sites (id, name, created_at) VALUES ($1, $2, $3)`, f.SiteID, "site-"+name, now)
-	exec(`INSERT INTO pools (id, site_id, owner_tenant_id, name, kind, created_at) VALUES ($1, $2, $3, $4, 'metal-host', $5)`,
-		f.PoolID, f.SiteID, f.OwnerID, "pool-"+name, now)
-	for i, n := range gpus {
-		id := fmt.Sprintf("node_%s%04d", name, i)
-		exec(`INSERT INTO nodes (id, pool_id, provision_state, reachable, session_id, spec_generation, spec, created_at, updated_at, adopted_at)
-			VALUES ($1, $2, 'adopted', true, 'ses_fleet', 1, '{"labels":{"better-compute.io/pool":"`+f.PoolID+`"}}', $3, $3, $3)`, id, f.PoolID, now)
-		for d := range n {
-			exec(`INSERT INTO node_devices (node_id, device_index, uuid, model) VALUES ($1, $2, $3, 'NVIDIA H100 80GB HBM3')`,
-				id, d, fmt.Sprintf("GPU-%s-%d", id, d))
+	f := &Fleet{DB: db, OwnerID: Tenant(t, db, &TenantOpts{Name: "owner-" + opts.Name}).ID,
+		SiteID: Site(t, db, &SiteOpts{Name: "site-" + opts.Name}).ID}
+	f.PoolID = Pool(t, db, &PoolOpts{SiteID: f.SiteID, OwnerTenantID: f.OwnerID, Name: "pool-" + opts.Name}).ID
+	for i, n := range opts.GPUs {
+		o := NodeOpts{ID: fmt.Sprintf("node_%s%04d", opts.Name, i), PoolID: f.PoolID, State: store.NodeAdopted,
+			Reachable: true, SessionID: "ses_fleet", SpecGeneration: 1,
+			Spec: `{"labels":{"better-compute.io/pool":"` + f.PoolID + `"}}`, GPUs: n, AdoptedAt: now, CreatedAt: now}
+		if opts.Node != nil {
+			opts.Node(i, &o)
 		}
-		f.Nodes = append(f.Nodes, id)
+		f.Nodes = append(f.Nodes, Node(t, db, &o).ID)
 	}
 	return f
 }
@@ -59,13 +66,8 @@ func NewFleet(t testing.TB, db *store.DB, name string, gpus ...int) *Fleet {
 // the tenant id.
 func (f *Fleet) Tenant(t testing.TB, name string, quota int32) string {
 	t.Helper()
-	ctx := context.Background()
-	now := f.DB.Now()
-	id := ids.New(ids.Tenant, now)
-	_, err := f.DB.Pool.Exec(ctx, `INSERT INTO tenants (id, name, created_at) VALUES ($1, $2, $3)`, id, name, now)
-	require.NoError(t, err)
-	_, err = store.UpsertOffer(ctx, f.DB.Pool, store.Offer{PoolID: f.PoolID, TenantID: id, GPUQuota: quota, CreatedAt: now, UpdatedAt: now})
-	require.NoError(t, err)
+	id := Tenant(t, f.DB, &TenantOpts{Name: name}).ID
+	Offer(t, f.DB, &OfferOpts{PoolID: f.PoolID, TenantID: id, GPUQuota: quota})
 	return id
 }
 

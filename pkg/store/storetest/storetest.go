@@ -7,7 +7,10 @@
 // pulled here, so the container is terminated by Stop (call it from TestMain).
 //
 // Each call of New creates a fresh database from a template migrated once, so
-// tests can run in parallel without seeing each other's rows.
+// tests can run in parallel without seeing each other's rows. Tests put rows
+// in it with the factory (Tenant, Pool, Node, Command, Reservation, …; see
+// factory.go), not with SQL of their own, and a fleet of adopted nodes with
+// NewFleet.
 package storetest
 
 import (

@@ -123,23 +123,18 @@ func (f *fixture) as(token string) clients {
 	}
 }
 
-// node inserts a node of pool with n GPUs of model and extra column values.
-func (f *fixture) node(t *testing.T, pool string, gpus int, model string, set string, args ...any) string {
+// adopted is the options of an adopted node, for node.
+var adopted = storetest.NodeOpts{State: store.NodeAdopted}
+
+// node inserts a node of pool with gpus GPUs of model (80 GiB each), in the
+// state of opts (storetest.NodeOpts; the pool, GPUs and machine claims are
+// set here), and returns its id.
+func (f *fixture) node(t *testing.T, pool string, gpus int, model string, opts storetest.NodeOpts) string {
 	t.Helper()
-	ctx := t.Context()
-	id := ids.New(ids.Node, f.db.Now())
-	require.NoError(t, store.CreateNode(ctx, f.db.Pool, store.NewNode{ID: id, PoolID: pool, Hostname: "h-" + id,
-		Variant: "hgx-h100", CreatedAt: f.db.Now()}))
-	for i := range gpus {
-		_, err := f.db.Pool.Exec(ctx, `INSERT INTO node_devices (node_id, device_index, uuid, model, memory_bytes)
-			VALUES ($1, $2, $3, $4, 85899345920)`, id, i, fmt.Sprintf("GPU-%s-%d", id, i), model)
-		require.NoError(t, err)
-	}
-	if set != "" {
-		_, err := f.db.Pool.Exec(ctx, `UPDATE nodes SET `+set+` WHERE id = $1`, append([]any{id}, args...)...)
-		require.NoError(t, err)
-	}
-	return id
+	opts.ID = ids.New(ids.Node, f.db.Now())
+	opts.PoolID, opts.Hostname, opts.Variant = pool, "h-"+opts.ID, "hgx-h100"
+	opts.GPUs, opts.GPUModel, opts.GPUMemoryBytes = gpus, model, 85899345920
+	return storetest.Node(t, f.db, &opts).ID
 }
 
 func requireCode(t *testing.T, err error, code connect.Code, contains string) {
@@ -182,8 +177,8 @@ func TestAuthorization(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
 	ctx := t.Context()
-	acmeNode := f.node(t, f.acmePool, 0, "", "")
-	otherNode := f.node(t, f.otherPool, 0, "", "")
+	acmeNode := f.node(t, f.acmePool, 0, "", storetest.NodeOpts{})
+	otherNode := f.node(t, f.otherPool, 0, "", storetest.NodeOpts{})
 	createPool := func(c clients, name string) error {
 		_, err := c.pools.CreatePool(ctx, connect.NewRequest(&computev1.CreatePoolRequest{SiteId: f.site.ID, Name: name,
 			Kind: "metal-host", Acceptance: &computev1.Acceptance{Check: "diag.nvml"}}))
@@ -254,13 +249,11 @@ func TestListNodes(t *testing.T) {
 	f := setup(t)
 	ctx := t.Context()
 	seen := f.db.Now().Add(-3 * time.Second)
-	adopted := f.node(t, f.acmePool, 8, "NVIDIA H100 80GB HBM3",
-		`provision_state = 'adopted', gateway_id = 'gw-a', last_seen = $2, reachable = true, spec_generation = 1,
-		 observed_generation = 1, boot_id = 'boot-1'`, seen)
-	failed := f.node(t, f.acmePool, 7, "NVIDIA H100 80GB HBM3",
-		`provision_state = 'acceptance_failed', provision_reason = 'expected 8 GPUs, found 7', cordoned = true,
-		 cordon_reason = 'bad gpu'`)
-	joining := f.node(t, f.acmePool, 0, "", "")
+	adopted := f.node(t, f.acmePool, 8, "NVIDIA H100 80GB HBM3", storetest.NodeOpts{State: store.NodeAdopted, GatewayID: "gw-a",
+		LastSeen: seen, Reachable: true, SpecGeneration: 1, ObservedGeneration: 1, BootID: "boot-1"})
+	failed := f.node(t, f.acmePool, 7, "NVIDIA H100 80GB HBM3", storetest.NodeOpts{State: store.NodeAcceptanceFailed,
+		Reason: "expected 8 GPUs, found 7", Cordoned: true, CordonReason: "bad gpu"})
+	joining := f.node(t, f.acmePool, 0, "", storetest.NodeOpts{})
 
 	c := f.as(f.tokens["acme-viewer"])
 	res, err := c.nodes.ListNodes(ctx, connect.NewRequest(&computev1.ListNodesRequest{PoolId: f.acmePool}))
@@ -388,12 +381,12 @@ func TestSitesAndPools(t *testing.T) {
 		requireCode(t, err, tc.code, tc.field)
 	}
 
-	f.node(t, f.acmePool, 0, "", "")
-	f.node(t, f.acmePool, 0, "", "provision_state = 'adopted'")
-	f.node(t, f.acmePool, 0, "", "provision_state = 'adopted'")
+	f.node(t, f.acmePool, 0, "", storetest.NodeOpts{})
+	f.node(t, f.acmePool, 0, "", adopted)
+	f.node(t, f.acmePool, 0, "", adopted)
 	// Revoked nodes are counted apart: they are no placeable capacity.
-	f.node(t, f.acmePool, 0, "", "provision_state = 'adopted', revoked_at = now()")
-	f.node(t, f.acmePool, 0, "", "provision_state = 'acceptance_failed', revoked_at = now()")
+	f.node(t, f.acmePool, 0, "", storetest.NodeOpts{State: store.NodeAdopted, RevokedAt: f.db.Now()})
+	f.node(t, f.acmePool, 0, "", storetest.NodeOpts{State: store.NodeAcceptanceFailed, RevokedAt: f.db.Now()})
 	pools, err := f.as(f.tokens["acme-viewer"]).pools.ListPools(ctx, connect.NewRequest(&computev1.ListPoolsRequest{SiteId: f.site.ID}))
 	require.NoError(t, err)
 	require.Len(t, pools.Msg.Pools, 1)

@@ -13,6 +13,7 @@ import (
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/services/api/api"
 )
 
@@ -21,7 +22,7 @@ func TestRunCommand(t *testing.T) {
 	f := setup(t)
 	ctx := t.Context()
 	admin := f.as(f.tokens["acme-admin"])
-	node := f.node(t, f.acmePool, 1, "H100", "provision_state = 'adopted'")
+	node := f.node(t, f.acmePool, 1, "H100", adopted)
 	run := func(c clients, req *computev1.RunCommandRequest) (*computev1.Command, error) {
 		res, err := c.commands.RunCommand(ctx, connect.NewRequest(req))
 		if err != nil {
@@ -63,13 +64,13 @@ func TestRunCommand(t *testing.T) {
 	}
 
 	// Nodes that cannot run commands.
-	joining := f.node(t, f.acmePool, 0, "", "")
+	joining := f.node(t, f.acmePool, 0, "", storetest.NodeOpts{})
 	_, err = run(admin, &computev1.RunCommandRequest{NodeId: joining, Kind: "diag.nvml"})
 	requireCode(t, err, connect.CodeFailedPrecondition, "is not adopted (it is joining)")
-	revoked := f.node(t, f.acmePool, 1, "H100", "provision_state = 'adopted', revoked_at = now()")
+	revoked := f.node(t, f.acmePool, 1, "H100", storetest.NodeOpts{State: store.NodeAdopted, RevokedAt: f.db.Now()})
 	_, err = run(admin, &computev1.RunCommandRequest{NodeId: revoked, Kind: "diag.nvml"})
 	requireCode(t, err, connect.CodeFailedPrecondition, "is revoked")
-	otherNode := f.node(t, f.otherPool, 1, "H100", "provision_state = 'adopted'")
+	otherNode := f.node(t, f.otherPool, 1, "H100", adopted)
 	_, err = run(admin, &computev1.RunCommandRequest{NodeId: otherNode, Kind: "diag.nvml"})
 	requireCode(t, err, connect.CodeNotFound, "node "+otherNode+" not found")
 
@@ -121,7 +122,7 @@ func TestRunCommandPokesTheGateway(t *testing.T) {
 	t.Cleanup(func() { _ = sub.Unsubscribe() })
 	require.NoError(t, nc.Flush())
 
-	node := f.node(t, f.acmePool, 1, "H100", "provision_state = 'adopted', gateway_id = 'gw-7', session_id = 'ses_1'")
+	node := f.node(t, f.acmePool, 1, "H100", storetest.NodeOpts{State: store.NodeAdopted, GatewayID: "gw-7", SessionID: "ses_1"})
 	res, err := f.as(f.tokens["acme-admin"]).commands.RunCommand(t.Context(),
 		connect.NewRequest(&computev1.RunCommandRequest{NodeId: node, Kind: "diag.nvml"}))
 	require.NoError(t, err)

@@ -140,7 +140,7 @@ func (s *eventService) Watch(ctx context.Context, req *connect.Request[computev1
 }
 
 // watchEventJSON is one line of WatchPath, the shape of the events NATS
-// carries (pkg/store InsertReservationEvents).
+// carries (pkg/store WriteEvents).
 type watchEventJSON struct {
 	ID        int64           `json:"id"`
 	Type      string          `json:"type"`

@@ -119,7 +119,7 @@ func TestWatchEndsWhenTokenRevoked(t *testing.T) {
 	conn := watch(t, f.as(gone), &computev1.WatchRequest{AfterId: start})
 	lines := watchLines(t, f.url, gone, url.Values{"after": {strconv.FormatInt(start, 10)}})
 	kept := watch(t, f.as(f.tokens["acme-viewer"]), &computev1.WatchRequest{AfterId: start})
-	e1 := insertEvent(t, f.db.Pool, now, f.acme, "node.cordoned")
+	e1 := insertEvent(t, f.db, nil, now, f.acme, "node.cordoned")
 	require.Equal(t, e1, conn.next(t).Id)
 	require.Equal(t, float64(e1), lines.next(t)["id"])
 	require.Equal(t, e1, kept.next(t).Id)
@@ -131,7 +131,7 @@ func TestWatchEndsWhenTokenRevoked(t *testing.T) {
 	lines.requireEnd(t, connect.CodeUnauthenticated, "api token was revoked")
 
 	// The other token's watch has been checked as often, and goes on.
-	e2 := insertEvent(t, f.db.Pool, now, f.acme, "node.uncordoned")
+	e2 := insertEvent(t, f.db, nil, now, f.acme, "node.uncordoned")
 	require.Equal(t, e2, kept.next(t).Id)
 }
 
@@ -153,7 +153,7 @@ func TestWatchEndsAtExpiry(t *testing.T) {
 	// The first event comes from the first read, before any tick (the
 	// fake clock stands still): once it is there, the watches' timers are
 	// set.
-	e1 := insertEvent(t, f.db.Pool, now, f.acme, "node.cordoned")
+	e1 := insertEvent(t, f.db, nil, now, f.acme, "node.cordoned")
 	conn := watch(t, f.as(short), &computev1.WatchRequest{AfterId: start})
 	lines := watchLines(t, f.url, short, url.Values{"after": {strconv.FormatInt(start, 10)}})
 	kept := watch(t, f.as(f.tokens["acme-viewer"]), &computev1.WatchRequest{AfterId: start})
@@ -162,7 +162,7 @@ func TestWatchEndsAtExpiry(t *testing.T) {
 	require.Equal(t, e1, kept.next(t).Id)
 
 	// Half-way: the token is checked again (every second), and still good.
-	e2 := insertEvent(t, f.db.Pool, now, f.acme, "node.uncordoned")
+	e2 := insertEvent(t, f.db, nil, now, f.acme, "node.uncordoned")
 	clk.Advance(30 * time.Second)
 	require.Equal(t, e2, conn.next(t).Id)
 	require.Equal(t, float64(e2), lines.next(t)["id"])
@@ -172,7 +172,7 @@ func TestWatchEndsAtExpiry(t *testing.T) {
 	requireCode(t, conn.ended(t), connect.CodeUnauthenticated, "api token expired at")
 	lines.requireEnd(t, connect.CodeUnauthenticated, "api token expired at")
 
-	e3 := insertEvent(t, f.db.Pool, now, f.acme, "node.cordoned")
+	e3 := insertEvent(t, f.db, nil, now, f.acme, "node.cordoned")
 	clk.Advance(time.Second)
 	require.Equal(t, e3, kept.next(t).Id)
 }

@@ -23,6 +23,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/bus/bustest"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/pkg/syncbuf"
 	"github.com/better-compute/better-compute/pkg/telemetry"
 	"github.com/better-compute/better-compute/services/api/api"
@@ -47,22 +48,21 @@ func (b streamBearer) WrapStreamingHandler(next connect.StreamingHandlerFunc) co
 	return next
 }
 
-// insertEvent writes an event row with q (the pool, or an open transaction)
-// and returns its id.
-func insertEvent(t *testing.T, q store.DBTX, now time.Time, tenant, typ string) int64 {
+// insertEvent writes an event of typ for tenant ("": none), subject
+// "sub-<typ>", data {"type": typ}, in tx when it is not nil (committed then
+// by the caller), and returns its id. The watch's tests need types, tenants
+// and commits the control plane never writes (storetest.Event).
+func insertEvent(t *testing.T, db *store.DB, tx pgx.Tx, now time.Time, tenant, typ string) int64 {
 	t.Helper()
-	var id int64
-	require.NoError(t, q.QueryRow(t.Context(), `INSERT INTO events (tenant_id, type, subject_id, data, created_at)
-		VALUES (NULLIF($1, ''), $2, 'sub-' || $2, jsonb_build_object('type', $2::text), $3) RETURNING id`,
-		tenant, typ, now).Scan(&id))
-	return id
+	return storetest.Event(t, db, &storetest.EventOpts{Tx: tx, TenantID: tenant, NoTenant: tenant == "", Type: typ,
+		SubjectID: "sub-" + typ, Data: `{"type": "` + typ + `"}`, CreatedAt: now})
 }
 
 // mark writes an event of no tenant and returns its id: a watch after it
 // sees what follows (after_id 0 would mean "from now").
 func mark(t *testing.T, db *store.DB) int64 {
 	t.Helper()
-	return insertEvent(t, db.Pool, db.Now(), "", "test.mark")
+	return insertEvent(t, db, nil, db.Now(), "", "test.mark")
 }
 
 // withServer returns f served by a new API server with cfg's watch settings,
@@ -182,15 +182,14 @@ func TestWatchTenantsAndTypes(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
 	now := f.db.Now()
-	pool := f.db.Pool
 	start := mark(t, f.db)
-	a1 := insertEvent(t, pool, now, f.acme, "node.cordoned")
-	o1 := insertEvent(t, pool, now, f.other, "node.cordoned")
-	a2 := insertEvent(t, pool, now, f.acme, "reservation.active")
-	a3 := insertEvent(t, pool, now, f.acme, "nodes.weird") // not node.*
-	a4 := insertEvent(t, pool, now, f.acme, "node")        // not node.*
-	a5 := insertEvent(t, pool, now, f.acme, "reservation.released")
-	n1 := insertEvent(t, pool, now, "", "system.started") // no tenant: root only
+	a1 := insertEvent(t, f.db, nil, now, f.acme, "node.cordoned")
+	o1 := insertEvent(t, f.db, nil, now, f.other, "node.cordoned")
+	a2 := insertEvent(t, f.db, nil, now, f.acme, "reservation.active")
+	a3 := insertEvent(t, f.db, nil, now, f.acme, "nodes.weird") // not node.*
+	a4 := insertEvent(t, f.db, nil, now, f.acme, "node")        // not node.*
+	a5 := insertEvent(t, f.db, nil, now, f.acme, "reservation.released")
+	n1 := insertEvent(t, f.db, nil, now, "", "system.started") // no tenant: root only
 
 	viewer := watch(t, f.as(f.tokens["acme-viewer"]), &computev1.WatchRequest{AfterId: start})
 	require.Equal(t, []int64{a1, a2, a3, a4, a5}, viewer.ids(t, 5))
@@ -211,9 +210,9 @@ func TestWatchTenantsAndTypes(t *testing.T) {
 
 	// Live events follow; a marker after the others proves that nothing
 	// else was sent in between.
-	o2 := insertEvent(t, pool, now, f.other, "reservation.active")
-	a6 := insertEvent(t, pool, now, f.acme, "node.uncordoned")
-	a7 := insertEvent(t, pool, now, f.acme, "reservation.active")
+	o2 := insertEvent(t, f.db, nil, now, f.other, "reservation.active")
+	a6 := insertEvent(t, f.db, nil, now, f.acme, "node.uncordoned")
+	a7 := insertEvent(t, f.db, nil, now, f.acme, "reservation.active")
 	require.Equal(t, []int64{a6, a7}, viewer.ids(t, 2))
 	require.Equal(t, o2, other.next(t).Id)
 	require.Equal(t, []int64{o2, a6, a7}, root.ids(t, 3))
@@ -245,8 +244,8 @@ func TestWatchOutOfOrderCommits(t *testing.T) {
 	txA, err := pool.Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = txA.Rollback(ctx) }()
-	a := insertEvent(t, txA, now, f.acme, "node.cordoned")
-	b := insertEvent(t, pool, now, f.acme, "node.uncordoned")
+	a := insertEvent(t, f.db, txA, now, f.acme, "node.cordoned")
+	b := insertEvent(t, f.db, nil, now, f.acme, "node.uncordoned")
 	require.Equal(t, a+1, b)
 	w.none(t, time.Second) // b is held while A may commit: 5 grace periods
 	require.NoError(t, txA.Commit(ctx))
@@ -256,9 +255,9 @@ func TestWatchOutOfOrderCommits(t *testing.T) {
 	// long before MaxGrace (a minute).
 	txC, err := pool.Begin(ctx)
 	require.NoError(t, err)
-	c := insertEvent(t, txC, now, f.acme, "node.cordoned")
-	o := insertEvent(t, pool, now, f.other, "node.cordoned") // another tenant's: not a gap
-	d := insertEvent(t, pool, now, f.acme, "node.uncordoned")
+	c := insertEvent(t, f.db, txC, now, f.acme, "node.cordoned")
+	o := insertEvent(t, f.db, nil, now, f.other, "node.cordoned") // another tenant's: not a gap
+	d := insertEvent(t, f.db, nil, now, f.acme, "node.uncordoned")
 	require.Equal(t, []int64{c + 1, c + 2}, []int64{o, d})
 	w.none(t, 500*time.Millisecond)
 	require.NoError(t, txC.Rollback(ctx))
@@ -271,7 +270,7 @@ func TestWatchOutOfOrderCommits(t *testing.T) {
 	for i, after := range all {
 		r := watch(t, f.as(f.tokens["acme-viewer"]), &computev1.WatchRequest{AfterId: after})
 		require.Equal(t, all[i+1:], r.ids(t, len(all)-i-1), "after %d", after)
-		e := insertEvent(t, pool, now, f.acme, "marker")
+		e := insertEvent(t, f.db, nil, now, f.acme, "marker")
 		require.Equal(t, e, r.next(t).Id, "after %d: nothing between", after)
 		all = append(all, e)
 		r.cancel()
@@ -292,8 +291,8 @@ func TestWatchMaxGrace(t *testing.T) {
 	tx, err := f.db.Pool.Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(ctx) }()
-	insertEvent(t, tx, now, f.acme, "stuck")
-	later := insertEvent(t, f.db.Pool, now, f.acme, "later")
+	insertEvent(t, f.db, tx, now, f.acme, "stuck")
+	later := insertEvent(t, f.db, nil, now, f.acme, "later")
 	w.none(t, 400*time.Millisecond)
 	require.Equal(t, later, w.next(t).Id)
 }
@@ -301,14 +300,10 @@ func TestWatchMaxGrace(t *testing.T) {
 // insertOld writes an event like insertEvent, inserted age ago by the
 // database's clock (events.inserted_at): history, as a watch replaying it
 // sees it.
-func insertOld(t *testing.T, q store.DBTX, tenant, typ string, age time.Duration) int64 {
+func insertOld(t *testing.T, db *store.DB, tenant, typ string, age time.Duration) int64 {
 	t.Helper()
-	var id int64
-	require.NoError(t, q.QueryRow(t.Context(), `INSERT INTO events (tenant_id, type, subject_id, data, created_at, inserted_at)
-		VALUES (NULLIF($1, ''), $2, 'sub-' || $2, jsonb_build_object('type', $2::text), clock_timestamp() - $3::bigint * interval '1 microsecond',
-			clock_timestamp() - $3::bigint * interval '1 microsecond') RETURNING id`,
-		tenant, typ, age.Microseconds()).Scan(&id))
-	return id
+	return storetest.Event(t, db, &storetest.EventOpts{TenantID: tenant, NoTenant: tenant == "", Type: typ,
+		SubjectID: "sub-" + typ, Data: `{"type": "` + typ + `"}`, Age: age})
 }
 
 // gap takes an event id in a transaction that rolls back: a gap in the ids
@@ -318,7 +313,7 @@ func gap(t *testing.T, db *store.DB) int64 {
 	ctx := t.Context()
 	tx, err := db.Pool.Begin(ctx)
 	require.NoError(t, err)
-	id := insertEvent(t, tx, db.Now(), "", "rolled.back")
+	id := insertEvent(t, db, tx, db.Now(), "", "rolled.back")
 	require.NoError(t, tx.Rollback(ctx))
 	return id
 }
@@ -333,8 +328,8 @@ func history(t *testing.T, db *store.DB, tenant, other string, n int, age time.D
 		for range i + 1 {
 			gap(t, db)
 		}
-		ids = append(ids, insertOld(t, db.Pool, tenant, "node.cordoned", age))
-		insertOld(t, db.Pool, other, "node.cordoned", age)
+		ids = append(ids, insertOld(t, db, tenant, "node.cordoned", age))
+		insertOld(t, db, other, "node.cordoned", age)
 	}
 	return ids
 }
@@ -359,7 +354,7 @@ func TestWatchReplaysOldGaps(t *testing.T) {
 	require.Equal(t, want, w.ids(t, len(want)))
 
 	gap(t, f.db)
-	insertEvent(t, f.db.Pool, f.db.Now(), f.acme, "node.uncordoned")
+	insertEvent(t, f.db, nil, f.db.Now(), f.acme, "node.uncordoned")
 	w.none(t, 500*time.Millisecond)
 }
 
@@ -436,19 +431,19 @@ func TestWatchWakesOnNATS(t *testing.T) {
 	server := nc.NumSubscriptions()
 	// The watch's first read finds this one without a wake; once it has
 	// been received the watch waits, with no wake pending, for the next.
-	first := insertEvent(t, f.db.Pool, now, f.acme, "node.cordoned")
+	first := insertEvent(t, f.db, nil, now, f.acme, "node.cordoned")
 	w := watch(t, f.as(f.tokens["acme-viewer"]), &computev1.WatchRequest{AfterId: start})
 	subscribed := func(n int) func() bool { return func() bool { return nc.NumSubscriptions() == server+n } }
 	require.Eventually(t, subscribed(1), 10*time.Second, 10*time.Millisecond, "the watch subscribes")
 	require.Equal(t, first, w.next(t).Id)
 	// Another tenant's subject does not wake acme's watch.
-	second := insertEvent(t, f.db.Pool, now, f.acme, "node.uncordoned")
+	second := insertEvent(t, f.db, nil, now, f.acme, "node.uncordoned")
 	require.NoError(t, nc.Publish(store.SubjectEvents+"."+f.other+".node.cordoned", []byte("{}")))
 	w.none(t, 300*time.Millisecond)
 	require.NoError(t, nc.Publish(store.SubjectEvents+"."+f.acme+".node.uncordoned", []byte("{}")))
 	require.Equal(t, second, w.next(t).Id)
 	// And every wake of its own tenant does.
-	third := insertEvent(t, f.db.Pool, now, f.acme, "node.cordoned")
+	third := insertEvent(t, f.db, nil, now, f.acme, "node.cordoned")
 	require.NoError(t, nc.Publish(store.SubjectEvents+"."+f.acme+".node.cordoned", []byte("{}")))
 	require.Equal(t, third, w.next(t).Id)
 	w.cancel()
@@ -487,7 +482,6 @@ func TestWatchHTTP(t *testing.T) {
 	f := setup(t)
 	ctx := t.Context()
 	now := f.db.Now()
-	pool := f.db.Pool
 	get := func(ctx context.Context, token string, q url.Values) *http.Response {
 		return f.getWatch(ctx, t, token, q)
 	}
@@ -508,7 +502,7 @@ func TestWatchHTTP(t *testing.T) {
 		"types[1]")
 
 	mark(t, f.db)
-	old := insertEvent(t, pool, now, f.acme, "node.cordoned")
+	old := insertEvent(t, f.db, nil, now, f.acme, "node.cordoned")
 	// No after: from now. The headers come once the watch has its cursor.
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -519,10 +513,10 @@ func TestWatchHTTP(t *testing.T) {
 	cursor, err := strconv.ParseInt(res.Header.Get(api.WatchCursorHeader), 10, 64)
 	require.NoError(t, err, "the watch names where \"now\" was")
 	require.GreaterOrEqual(t, cursor, old)
-	insertEvent(t, pool, now, f.acme, "reservation.released")
-	insertEvent(t, pool, now, f.other, "node.cordoned")
-	e1 := insertEvent(t, pool, now, f.acme, "node.uncordoned")
-	e2 := insertEvent(t, pool, now, f.acme, "reservation.active")
+	insertEvent(t, f.db, nil, now, f.acme, "reservation.released")
+	insertEvent(t, f.db, nil, now, f.other, "node.cordoned")
+	e1 := insertEvent(t, f.db, nil, now, f.acme, "node.uncordoned")
+	e2 := insertEvent(t, f.db, nil, now, f.acme, "reservation.active")
 	lines := bufio.NewScanner(res.Body)
 	var got []map[string]any
 	for range 2 {
@@ -601,15 +595,14 @@ func TestWatchHTTPRepeatedTypes(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
 	now := f.db.Now()
-	pool := f.db.Pool
 	start := mark(t, f.db)
-	a := insertEvent(t, pool, now, f.acme, "node.cordoned")
-	insertEvent(t, pool, now, f.acme, "pool.created") // in no list
-	b := insertEvent(t, pool, now, f.acme, "reservation.active")
-	c := insertEvent(t, pool, now, f.acme, "command.succeeded")
-	insertEvent(t, pool, now, f.acme, "reservation.released") // in no list
-	d := insertEvent(t, pool, now, f.acme, "node.uncordoned")
-	end := insertEvent(t, pool, now, f.acme, "node.end") // the last line
+	a := insertEvent(t, f.db, nil, now, f.acme, "node.cordoned")
+	insertEvent(t, f.db, nil, now, f.acme, "pool.created") // in no list
+	b := insertEvent(t, f.db, nil, now, f.acme, "reservation.active")
+	c := insertEvent(t, f.db, nil, now, f.acme, "command.succeeded")
+	insertEvent(t, f.db, nil, now, f.acme, "reservation.released") // in no list
+	d := insertEvent(t, f.db, nil, now, f.acme, "node.uncordoned")
+	end := insertEvent(t, f.db, nil, now, f.acme, "node.end") // the last line
 	res := f.getWatch(t.Context(), t, f.tokens["acme-viewer"], url.Values{"after": {strconv.FormatInt(start, 10)},
 		"types": {"node.*", "reservation.active, command.*", ""}})
 	defer res.Body.Close()
@@ -634,16 +627,16 @@ func TestWatchFromStart(t *testing.T) {
 	f := setup(t)
 	f = f.withServer(t, api.WatchConfig{Poll: 50 * time.Millisecond, MinGrace: 100 * time.Millisecond}, nil, nil)
 	pool, now := f.db.Pool, f.db.Now()
-	deleted := insertEvent(t, pool, now, f.acme, "node.cordoned")
-	a1 := insertEvent(t, pool, now, f.acme, "node.cordoned")
-	insertEvent(t, pool, now, f.other, "node.cordoned")
-	a2 := insertEvent(t, pool, now, f.acme, "reservation.active")
+	deleted := insertEvent(t, f.db, nil, now, f.acme, "node.cordoned")
+	a1 := insertEvent(t, f.db, nil, now, f.acme, "node.cordoned")
+	insertEvent(t, f.db, nil, now, f.other, "node.cordoned")
+	a2 := insertEvent(t, f.db, nil, now, f.acme, "reservation.active")
 	_, err := pool.Exec(t.Context(), `DELETE FROM events WHERE id = $1`, deleted) // retention
 	require.NoError(t, err)
 
 	w := watch(t, f.as(f.tokens["acme-viewer"]), &computev1.WatchRequest{FromStart: true})
 	require.Equal(t, []int64{a1, a2}, w.ids(t, 2))
-	live := insertEvent(t, pool, now, f.acme, "node.uncordoned")
+	live := insertEvent(t, f.db, nil, now, f.acme, "node.uncordoned")
 	require.Equal(t, live, w.next(t).Id)
 
 	bad := watch(t, f.as(f.tokens["acme-viewer"]), &computev1.WatchRequest{FromStart: true, AfterId: a1})
@@ -659,10 +652,10 @@ func TestWatchFromStart(t *testing.T) {
 func TestWatchHTTPFromStart(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
-	pool, now := f.db.Pool, f.db.Now()
-	a1 := insertEvent(t, pool, now, f.acme, "node.cordoned")
-	insertEvent(t, pool, now, f.other, "node.cordoned")
-	a2 := insertEvent(t, pool, now, f.acme, "reservation.active")
+	now := f.db.Now()
+	a1 := insertEvent(t, f.db, nil, now, f.acme, "node.cordoned")
+	insertEvent(t, f.db, nil, now, f.other, "node.cordoned")
+	a2 := insertEvent(t, f.db, nil, now, f.acme, "reservation.active")
 	viewer := f.tokens["acme-viewer"]
 	f.refusedWatch(t, viewer, url.Values{"from_start": {"yes"}}, http.StatusBadRequest, "invalid_argument", "from_start:")
 	f.refusedWatch(t, viewer, url.Values{"from_start": {""}}, http.StatusBadRequest, "invalid_argument", "from_start:")
@@ -675,7 +668,7 @@ func TestWatchHTTPFromStart(t *testing.T) {
 	require.Equal(t, "0", res.Header.Get(api.WatchCursorHeader))
 	lines := bufio.NewScanner(res.Body)
 	require.Equal(t, []int64{a1, a2}, ndjsonIDs(t, lines, 2))
-	live := insertEvent(t, pool, now, f.acme, "node.uncordoned")
+	live := insertEvent(t, f.db, nil, now, f.acme, "node.uncordoned")
 	require.Equal(t, []int64{live}, ndjsonIDs(t, lines, 1))
 
 	// from_start=false is a watch from now.
@@ -694,13 +687,15 @@ func TestScanEvents(t *testing.T) {
 	ctx := t.Context()
 	var gap int64
 	err := f.db.InTx(ctx, func(tx pgx.Tx) error {
-		gap = insertEvent(t, tx, f.db.Now(), f.acme, "x")
+		gap = insertEvent(t, f.db, tx, f.db.Now(), f.acme, "x")
 		return context.Canceled
 	})
 	require.ErrorIs(t, err, context.Canceled)
-	next := insertEvent(t, f.db.Pool, f.db.Now(), f.acme, "y.z")
-	foreign := insertEvent(t, f.db.Pool, f.db.Now(), f.other, "y.z")
-	untyped := insertEvent(t, f.db.Pool, f.db.Now(), f.acme, "yy")
+	// next was written a day before the database inserted it: its
+	// writer's clock says nothing of how old it is.
+	next := insertEvent(t, f.db, nil, f.db.Now().Add(-24*time.Hour), f.acme, "y.z")
+	foreign := insertEvent(t, f.db, nil, f.db.Now(), f.other, "y.z")
+	untyped := insertEvent(t, f.db, nil, f.db.Now(), f.acme, "yy")
 	require.Equal(t, []int64{gap + 1, gap + 2, gap + 3}, []int64{next, foreign, untyped})
 	filter := store.EventFilter{TenantID: f.acme, Types: []string{"y.*"}}
 	rows, err := store.ScanEvents(ctx, f.db.Pool, gap-1, filter, 10, time.Hour)
@@ -722,9 +717,9 @@ func TestScanEvents(t *testing.T) {
 
 	// Old: inserted oldAge ago or more by the database's clock, whatever
 	// created_at says; a row from before events.inserted_at counts as old.
-	_, err = f.db.Pool.Exec(ctx, `UPDATE events SET created_at = created_at - interval '1 day' WHERE id = $1`, next)
-	require.NoError(t, err)
-	old := insertOld(t, f.db.Pool, f.acme, "y.z", 2*time.Hour)
+	old := insertOld(t, f.db, f.acme, "y.z", 2*time.Hour)
+	// Raw SQL: a row from before migration 000011, which nothing writes
+	// today.
 	_, err = f.db.Pool.Exec(ctx, `UPDATE events SET inserted_at = NULL WHERE id = $1`, untyped)
 	require.NoError(t, err)
 	oldIDs := func(oldAge time.Duration) []int64 {
@@ -782,7 +777,7 @@ func TestWatchRefusesAfterBeyondNewest(t *testing.T) {
 	require.Equal(t, http.StatusOK, fromNow.StatusCode, "after=0 is from now")
 	require.Equal(t, "0", fromNow.Header.Get(api.WatchCursorHeader))
 
-	newest := insertEvent(t, f.db.Pool, f.db.Now(), f.acme, "node.cordoned")
+	newest := insertEvent(t, f.db, nil, f.db.Now(), f.acme, "node.cordoned")
 	beyond := strconv.FormatInt(newest+1, 10)
 	bad := watch(t, c, &computev1.WatchRequest{AfterId: newest + 1})
 	requireCode(t, bad.refusal(t), connect.CodeInvalidArgument,
@@ -799,7 +794,7 @@ func TestWatchRefusesAfterBeyondNewest(t *testing.T) {
 	require.Equal(t, http.StatusOK, res.StatusCode)
 	fromStart := watch(t, c, &computev1.WatchRequest{FromStart: true})
 	require.Equal(t, newest, fromStart.next(t).Id)
-	next := insertEvent(t, f.db.Pool, f.db.Now(), f.acme, "node.uncordoned")
+	next := insertEvent(t, f.db, nil, f.db.Now(), f.acme, "node.uncordoned")
 	require.Equal(t, next, atNewest.next(t).Id)
 	require.Equal(t, []int64{next}, ndjsonIDs(t, bufio.NewScanner(res.Body), 1))
 	require.Equal(t, next, fromStart.next(t).Id)
@@ -834,9 +829,9 @@ func TestWatchRefusesUnknownTypes(t *testing.T) {
 		`types[1]: "x.*" matches no event type`)
 
 	// Empty entries are dropped; types= alone is every type.
-	node := insertEvent(t, f.db.Pool, f.db.Now(), f.acme, "node.cordoned")
-	cmd := insertEvent(t, f.db.Pool, f.db.Now(), f.acme, "command.succeeded")
-	res := insertEvent(t, f.db.Pool, f.db.Now(), f.acme, "reservation.active")
+	node := insertEvent(t, f.db, nil, f.db.Now(), f.acme, "node.cordoned")
+	cmd := insertEvent(t, f.db, nil, f.db.Now(), f.acme, "command.succeeded")
+	res := insertEvent(t, f.db, nil, f.db.Now(), f.acme, "reservation.active")
 	some := f.getWatch(t.Context(), t, viewer, url.Values{"after": {after}, "types": {"node.*,,reservation.*,"}})
 	defer some.Body.Close()
 	require.Equal(t, http.StatusOK, some.StatusCode)

@@ -16,6 +16,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/iam"
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/services/api/api"
 	"github.com/better-compute/better-compute/services/api/apitest"
 )
@@ -78,10 +79,10 @@ type matrixRow struct {
 func TestMatrix(t *testing.T) {
 	f := setup(t)
 	ctx := t.Context()
-	acmeNode := f.node(t, f.acmePool, 0, "", "")
+	acmeNode := f.node(t, f.acmePool, 0, "", storetest.NodeOpts{})
 	// acmeRevokedNode is RevokeNode's: the rows run in map order, and a
 	// revoked node cannot be cordoned.
-	acmeRevokedNode := f.node(t, f.acmePool, 0, "", "")
+	acmeRevokedNode := f.node(t, f.acmePool, 0, "", storetest.NodeOpts{})
 	now := f.db.Now()
 	acmeJoinToken := ids.New(ids.JoinToken, now)
 	require.NoError(t, store.CreateJoinToken(ctx, f.db.Pool, store.JoinToken{ID: acmeJoinToken, PoolID: f.acmePool,
@@ -89,12 +90,12 @@ func TestMatrix(t *testing.T) {
 	_, victim, err := iam.MintAPIToken(ctx, f.db.Pool, now, f.acme, "victim", iam.RoleTenantMember, nil)
 	require.NoError(t, err)
 	// acme's pool is offered to acme, which holds a reservation in it.
-	f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
+	f.node(t, f.acmePool, 8, "H100", adopted)
 	_, err = store.UpsertOffer(ctx, f.db.Pool, store.Offer{PoolID: f.acmePool, TenantID: f.acme, GPUQuota: 1000, UpdatedAt: now})
 	require.NoError(t, err)
 	acmeRes := f.reservation(t, f.acme, f.acmePool, 1, "")
 	// acmeCmdNode runs commands; acmeCmd is one of its commands.
-	acmeCmdNode := f.node(t, f.acmePool, 1, "H100", "provision_state = 'adopted'")
+	acmeCmdNode := f.node(t, f.acmePool, 1, "H100", adopted)
 	acmeCmd := ids.New(ids.Command, now)
 	require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
 		_, err := store.QueueCommand(ctx, tx, nil, now, store.NewCommand{ID: acmeCmd, NodeID: acmeCmdNode,
@@ -104,8 +105,8 @@ func TestMatrix(t *testing.T) {
 	// An event of each tenant after watchFrom, so that every caller's
 	// watch gets one at once.
 	watchFrom := mark(t, f.db)
-	insertEvent(t, f.db.Pool, now, f.acme, "node.cordoned")
-	insertEvent(t, f.db.Pool, now, f.other, "node.cordoned")
+	insertEvent(t, f.db, nil, now, f.acme, "node.cordoned")
+	insertEvent(t, f.db, nil, now, f.other, "node.cordoned")
 	long := strings.Repeat("x", 65)
 	pd, nf := connect.CodePermissionDenied, connect.CodeNotFound
 

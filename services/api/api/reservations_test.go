@@ -17,6 +17,7 @@ import (
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
 )
 
 // reservation creates a pending reservation of gpus GPUs of pool for tenant,
@@ -58,8 +59,8 @@ func TestReserve(t *testing.T) {
 	f := setup(t)
 	ctx := t.Context()
 	member := f.as(f.tokens["acme-member"])
-	f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
-	f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
+	f.node(t, f.acmePool, 8, "H100", adopted)
+	f.node(t, f.acmePool, 8, "H100", adopted)
 	f.offer(t, f.acmePool, f.acme, 8)
 
 	before := f.db.Now()
@@ -131,7 +132,7 @@ func TestReserveInvalid(t *testing.T) {
 	f := setup(t)
 	ctx := t.Context()
 	member := f.as(f.tokens["acme-member"])
-	f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
+	f.node(t, f.acmePool, 8, "H100", adopted)
 	f.offer(t, f.acmePool, f.acme, 64)
 	for _, tc := range []struct {
 		name  string
@@ -162,7 +163,7 @@ func TestReserveIdempotent(t *testing.T) {
 	f := setup(t)
 	ctx := t.Context()
 	member := f.as(f.tokens["acme-member"])
-	f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
+	f.node(t, f.acmePool, 8, "H100", adopted)
 	f.offer(t, f.acmePool, f.acme, 4)
 	req := func(id string) *connect.Request[computev1.ReserveRequest] {
 		return connect.NewRequest(&computev1.ReserveRequest{PoolId: f.acmePool, Gpus: 4, Duration: durationpb.New(time.Hour),
@@ -234,21 +235,14 @@ func TestRelease(t *testing.T) {
 	f := setup(t)
 	ctx := t.Context()
 	member := f.as(f.tokens["acme-member"])
-	node := f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
+	node := f.node(t, f.acmePool, 8, "H100", adopted)
 	f.offer(t, f.acmePool, f.acme, 8)
-	id := f.reservation(t, f.acme, f.acmePool, 2, "")
+	now := f.db.Now()
+	id := storetest.Reservation(t, f.db, &storetest.ReservationOpts{TenantID: f.acme, PoolID: f.acmePool, GPUs: 2,
+		State: store.ReservationActive, NodeID: node, DeviceIndexes: []int32{2, 3},
+		Binding: []string{"nvidia.com/gpu=2", "nvidia.com/gpu=3"}, PlacedAt: now, ActiveAt: now}).ID
 	var gen0 int64
 	require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
-		now := f.db.Now()
-		if _, err := tx.Exec(ctx, `UPDATE reservations SET state = 'active', node_id = $2, placed_at = $3, active_at = $3,
-			binding = '{nvidia.com/gpu=2,nvidia.com/gpu=3}' WHERE id = $1`, id, node, now); err != nil {
-			return err
-		}
-		if _, err := tx.Exec(ctx, `INSERT INTO bookings (reservation_id, node_id, device_index, during)
-			SELECT $1, $2, d, tstzrange(start_at, end_at, '[)') FROM reservations, unnest('{2,3}'::int[]) AS d WHERE id = $1`,
-			id, node); err != nil {
-			return err
-		}
 		gens, err := store.RebuildNodeSpecs(ctx, tx, nil, now, []string{node})
 		gen0 = gens[node]
 		return err
@@ -387,8 +381,8 @@ func TestListReservations(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
 	ctx := t.Context()
-	f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
-	f.node(t, f.otherPool, 8, "H100", "provision_state = 'adopted'")
+	f.node(t, f.acmePool, 8, "H100", adopted)
+	f.node(t, f.otherPool, 8, "H100", adopted)
 	f.offer(t, f.acmePool, f.acme, 64)
 	f.offer(t, f.otherPool, f.acme, 64)
 	f.offer(t, f.otherPool, f.other, 64)
@@ -438,7 +432,7 @@ func TestListUsage(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
 	ctx := t.Context()
-	f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
+	f.node(t, f.acmePool, 8, "H100", adopted)
 	f.offer(t, f.acmePool, f.acme, 64)
 	f.offer(t, f.acmePool, f.other, 64)
 	acmeRes := f.reservation(t, f.acme, f.acmePool, 2, "")
@@ -454,9 +448,8 @@ func TestListUsage(t *testing.T) {
 		{acmeRes, f.acme, hour.Add(2 * time.Hour), 600 * 2},
 		{otherRes, f.other, hour, 3600},
 	} {
-		_, err := f.db.Pool.Exec(ctx, `INSERT INTO usage_windows (reservation_id, window_start, tenant_id, pool_id, gpu_seconds, created_at)
-			VALUES ($1, $2, $3, $4, $5, $6)`, w.res, w.start, w.tenant, f.acmePool, w.secs, f.db.Now())
-		require.NoError(t, err)
+		storetest.UsageWindow(t, f.db, &storetest.UsageWindowOpts{ReservationID: w.res, TenantID: w.tenant, PoolID: f.acmePool,
+			WindowStart: w.start, GPUSeconds: w.secs})
 	}
 	usage := func(who, tenant string, since *time.Time) (*computev1.ListUsageResponse, error) {
 		req := &computev1.ListUsageRequest{TenantId: tenant}
@@ -496,22 +489,14 @@ func TestRevokeNodeFailsItsReservations(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
 	ctx := t.Context()
-	node := f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
-	other := f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
+	node := f.node(t, f.acmePool, 8, "H100", adopted)
+	other := f.node(t, f.acmePool, 8, "H100", adopted)
 	f.offer(t, f.acmePool, f.acme, 8)
 	place := func(n string) string {
-		id := f.reservation(t, f.acme, f.acmePool, 2, "")
+		now := f.db.Now()
+		id := storetest.Reservation(t, f.db, &storetest.ReservationOpts{TenantID: f.acme, PoolID: f.acmePool, GPUs: 2,
+			State: store.ReservationActive, NodeID: n, DeviceIndexes: []int32{0, 1}, PlacedAt: now, ActiveAt: now}).ID
 		require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
-			now := f.db.Now()
-			if _, err := tx.Exec(ctx, `UPDATE reservations SET state = 'active', node_id = $2, placed_at = $3, active_at = $3
-				WHERE id = $1`, id, n, now); err != nil {
-				return err
-			}
-			if _, err := tx.Exec(ctx, `INSERT INTO bookings (reservation_id, node_id, device_index, during)
-				SELECT $1, $2, d, tstzrange(start_at, end_at, '[)') FROM reservations, unnest('{0,1}'::int[]) AS d WHERE id = $1`,
-				id, n); err != nil {
-				return err
-			}
 			_, err := store.RebuildNodeSpecs(ctx, tx, nil, now, []string{n})
 			return err
 		}))

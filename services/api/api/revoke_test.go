@@ -9,6 +9,7 @@ import (
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
 )
 
 // TestRevokeNode: a tenant admin revokes its tenant's node (certificates,
@@ -20,12 +21,11 @@ func TestRevokeNode(t *testing.T) {
 	f := setup(t)
 	ctx := t.Context()
 	now := f.db.Now()
-	acmeNode := f.node(t, f.acmePool, 0, "", `gateway_id = 'gw-a', session_id = 'ses_1'`)
-	otherNode := f.node(t, f.otherPool, 0, "", "")
+	acmeNode := f.node(t, f.acmePool, 0, "", storetest.NodeOpts{GatewayID: "gw-a", SessionID: "ses_1"})
+	otherNode := f.node(t, f.otherPool, 0, "", storetest.NodeOpts{})
 	for i, notAfter := range []time.Time{now.Add(time.Hour), now.Add(3 * time.Hour)} {
-		_, err := f.db.Pool.Exec(ctx, `INSERT INTO node_certs (serial, node_id, public_key_sha256, not_before, not_after, created_at)
-			VALUES ($1, $2, '\x00', $3, $4, $3)`, acmeNode+"-"+string(rune('a'+i)), acmeNode, now, notAfter)
-		require.NoError(t, err)
+		storetest.NodeCert(t, f.db, &storetest.NodeCertOpts{NodeID: acmeNode, Serial: acmeNode + "-" + string(rune('a'+i)),
+			NotBefore: now, NotAfter: notAfter, CreatedAt: now})
 	}
 	revoke := func(who, id string) (*computev1.RevokeNodeResponse, error) {
 		res, err := f.as(f.tokens[who]).nodes.RevokeNode(ctx, connect.NewRequest(&computev1.RevokeNodeRequest{NodeId: id, Reason: "stolen"}))
@@ -95,7 +95,7 @@ func TestCordonAnswers(t *testing.T) {
 	f := setup(t)
 	ctx := t.Context()
 	admin := f.as(f.tokens["acme-admin"])
-	node := f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
+	node := f.node(t, f.acmePool, 8, "H100", adopted)
 	cordon := func(reason string) *computev1.CordonNodeResponse {
 		res, err := admin.nodes.CordonNode(ctx, connect.NewRequest(&computev1.CordonNodeRequest{NodeId: node, Reason: reason}))
 		require.NoError(t, err)

@@ -11,6 +11,7 @@ import (
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
 )
 
 // answer is what a caller learns from a call: its code and message, with
@@ -41,7 +42,7 @@ func TestForeignPoolReadsAsMissing(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
 	ctx := t.Context()
-	f.node(t, f.otherPool, 8, "H100", "provision_state = 'adopted'")
+	f.node(t, f.otherPool, 8, "H100", adopted)
 	member, admin, viewer := f.as(f.tokens["acme-member"]), f.as(f.tokens["acme-admin"]), f.as(f.tokens["acme-viewer"])
 	const missing = "pool_0000000000000000000000missing"
 
@@ -132,7 +133,7 @@ func TestListPoolsShowsOfferedPools(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
 	ctx := t.Context()
-	f.node(t, f.otherPool, 8, "H100", "provision_state = 'adopted'")
+	f.node(t, f.otherPool, 8, "H100", adopted)
 	f.offer(t, f.otherPool, f.acme, 16)
 	f.offer(t, f.acmePool, f.rootTen, 4)
 	f.reservation(t, f.acme, f.otherPool, 3, "")
@@ -196,7 +197,7 @@ func TestRevokeReasonShownAndKept(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
 	ctx := t.Context()
-	node := f.node(t, f.acmePool, 8, "H100", "provision_state = 'adopted'")
+	node := f.node(t, f.acmePool, 8, "H100", adopted)
 	admin := f.as(f.tokens["acme-admin"])
 	revoke := func(reason string) *computev1.RevokeNodeResponse {
 		res, err := admin.nodes.RevokeNode(ctx, connect.NewRequest(&computev1.RevokeNodeRequest{NodeId: node, Reason: reason}))
@@ -241,7 +242,7 @@ func TestRevokeReasonShownAndKept(t *testing.T) {
 	require.Contains(t, details[1], "revoked 0 certificate(s), failed 0 reservation(s): disk stolen")
 
 	// A node revoked without a reason has none.
-	other := f.node(t, f.acmePool, 0, "", "")
+	other := f.node(t, f.acmePool, 0, "", storetest.NodeOpts{})
 	res, err := admin.nodes.RevokeNode(ctx, connect.NewRequest(&computev1.RevokeNodeRequest{NodeId: other}))
 	require.NoError(t, err)
 	require.Empty(t, res.Msg.Node.RevokeReason)

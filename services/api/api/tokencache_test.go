@@ -41,7 +41,8 @@ func (f *fixture) listPools(ctx context.Context, token string) error {
 }
 
 // revokedBehind revokes token id in the database alone: no outbox message,
-// no server told, as if its message were lost.
+// no server told, as if its message were lost. Raw SQL: store.RevokeAPIToken
+// always writes the message.
 func (f *fixture) revokedBehind(t *testing.T, id string) {
 	t.Helper()
 	_, err := f.db.Pool.Exec(t.Context(), `UPDATE api_tokens SET revoked_at = $2 WHERE id = $1`, id, f.db.Now())

@@ -68,22 +68,23 @@ func setup(t testing.TB) *fixture {
 	t.Helper()
 	clk := clock.NewFake(start)
 	db := storetest.New(t, clk)
-	exec(t, db, `INSERT INTO tenants (id, name, created_at) VALUES ($1, 'owner', $2)`, tenantID, start)
-	exec(t, db, `INSERT INTO sites (id, name, created_at) VALUES ($1, 'dev-1', $2)`, siteID, start)
-	for _, p := range []struct {
-		id, name, model string
-		count           int
-	}{{h100Pool, "h100", "H100", 8}, {l40sPool, "l40s", "L40S", 4}, {cpuPool, "cpu", "", 0}} {
-		exec(t, db, `INSERT INTO pools (id, site_id, owner_tenant_id, name, kind, gpu_model, expect_gpu_count, created_at)
-			VALUES ($1, $2, $3, $4, 'metal-host', $5, $6, $7)`, p.id, siteID, tenantID, p.name, p.model, p.count, start)
+	ownerAndSite(t, db)
+	for _, p := range []storetest.PoolOpts{
+		{ID: h100Pool, Name: "h100", GPUModel: "H100", ExpectGPUCount: 8},
+		{ID: l40sPool, Name: "l40s", GPUModel: "L40S", ExpectGPUCount: 4},
+		{ID: cpuPool, Name: "cpu"},
+	} {
+		p.SiteID, p.OwnerTenantID = siteID, tenantID
+		storetest.Pool(t, db, &p)
 	}
 	return &fixture{db: db, clk: clk, acc: &controllers.Acceptance{DB: db, Clock: clk}}
 }
 
-func exec(t testing.TB, db *store.DB, sql string, args ...any) {
+// ownerAndSite inserts the tenant tenantID and the site siteID.
+func ownerAndSite(t testing.TB, db *store.DB) {
 	t.Helper()
-	_, err := db.Pool.Exec(t.Context(), sql, args...)
-	require.NoError(t, err)
+	storetest.Tenant(t, db, &storetest.TenantOpts{ID: tenantID, Name: "owner"})
+	storetest.Site(t, db, &storetest.SiteOpts{ID: siteID, Name: "dev-1"})
 }
 
 // addNodes inserts n joining nodes of variant in pool, each with a session on
@@ -92,12 +93,10 @@ func (f *fixture) addNodes(t testing.TB, pool, variant string, n int) []string {
 	t.Helper()
 	out := make([]string, n)
 	for i := range out {
-		out[i] = ids.New(ids.Node, f.clk.Now())
+		id := ids.New(ids.Node, f.clk.Now())
+		out[i] = storetest.Node(t, f.db, &storetest.NodeOpts{ID: id, PoolID: pool, Variant: variant, MachineID: id,
+			GatewayID: gatewayID, SessionID: "ses_" + id, Reachable: true}).ID
 	}
-	exec(t, f.db, `INSERT INTO nodes (id, pool_id, provision_state, variant, machine_id, gateway_id, session_id,
-			reachable, created_at, updated_at)
-		SELECT id, $2, 'joining', $3, id, $4, 'ses_' || id, true, $5, $5 FROM unnest($1::text[]) AS id`,
-		out, pool, variant, gatewayID, f.clk.Now())
 	return out
 }
 
@@ -137,21 +136,66 @@ func (f *fixture) lastCommand(t testing.TB, nodeID string) command {
 }
 
 // succeed plays the gateway: the node's open acceptance commands succeed
-// with the inventory of a fake machine of variant (machine id = node id).
+// now with the inventory of a fake machine of variant (machine id = node
+// id).
 func (f *fixture) succeed(t testing.TB, variant string, nodeIDs ...string) {
 	t.Helper()
-	cmdIDs := make([]string, len(nodeIDs))
-	results := make([]string, len(nodeIDs))
+	f.update(t, f.successes(t, variant, nodeIDs...)...)
+}
+
+// successes are the updates of succeed.
+func (f *fixture) successes(t testing.TB, variant string, nodeIDs ...string) []store.SessionCommandUpdate {
+	t.Helper()
+	updates := make([]store.SessionCommandUpdate, len(nodeIDs))
 	for i, n := range nodeIDs {
 		m, err := fakehw.New(variant, n)
 		require.NoError(t, err)
 		b, err := protojson.Marshal(&gatewayv1.CommandResult{Inventory: m.Inventory()})
 		require.NoError(t, err)
-		cmdIDs[i] = f.lastCommand(t, n).ID
-		results[i] = string(b)
+		updates[i] = store.SessionCommandUpdate{NodeID: n, CommandID: f.lastCommand(t, n).ID, State: "succeeded", Result: b,
+			Now: f.clk.Now()}
 	}
-	exec(t, f.db, `UPDATE commands c SET state = 'succeeded', result = u.result::jsonb, finished_at = $3, updated_at = $3
+	return updates
+}
+
+// succeedPastDeadline is succeed for commands whose deadline has passed:
+// they succeed all the same. Raw SQL: the gateway records such an answer
+// as expired (store.ApplySessionCommandUpdates), and this is the state the
+// reconciler must still judge by the result, a success finished after the
+// deadline.
+func (f *fixture) succeedPastDeadline(t testing.TB, variant string, nodeIDs ...string) {
+	t.Helper()
+	var cmdIDs, results []string
+	for _, u := range f.successes(t, variant, nodeIDs...) {
+		cmdIDs, results = append(cmdIDs, u.CommandID), append(results, string(u.Result))
+	}
+	_, err := f.db.Pool.Exec(t.Context(), `UPDATE commands c SET state = 'succeeded', result = u.result::jsonb, finished_at = $3,
+			updated_at = $3
 		FROM unnest($1::text[], $2::text[]) AS u(id, result) WHERE c.id = u.id`, cmdIDs, results, f.clk.Now())
+	require.NoError(t, err)
+}
+
+// update plays the gateway: it records the daemons' command updates
+// (store.ApplySessionCommandUpdates) and requires each applied.
+func (f *fixture) update(t testing.TB, updates ...store.SessionCommandUpdate) {
+	t.Helper()
+	out, err := store.ApplySessionCommandUpdates(t.Context(), f.db.Pool, updates)
+	require.NoError(t, err)
+	for i, o := range out {
+		require.True(t, o.Applied, "update %d: %+v", i, updates[i])
+	}
+}
+
+// deliver plays the gateway: it delivers the queued commands of nodes over
+// their sessions (store.ClaimSessionDeliveries).
+func (f *fixture) deliver(t testing.TB, nodeIDs ...string) {
+	t.Helper()
+	reqs := make([]store.ClaimRequest, len(nodeIDs))
+	for i, n := range nodeIDs {
+		reqs[i] = store.ClaimRequest{NodeID: n, SessionID: "ses_" + n}
+	}
+	_, err := store.ClaimSessionDeliveries(t.Context(), f.db.Pool, f.clk.Now(), reqs)
+	require.NoError(t, err)
 }
 
 type node struct {
@@ -329,8 +373,8 @@ func TestFailedCommand(t *testing.T) {
 	f := setup(t)
 	n := f.addNodes(t, h100Pool, fakehw.VariantHGXH100, 1)[0]
 	f.reconcile(t)
-	exec(t, f.db, `UPDATE commands SET state = 'failed', error = 'nvml: driver not loaded', finished_at = $2
-		WHERE id = $1`, f.lastCommand(t, n).ID, f.clk.Now())
+	f.update(t, store.SessionCommandUpdate{NodeID: n, CommandID: f.lastCommand(t, n).ID, State: "failed",
+		Error: "nvml: driver not loaded", Now: f.clk.Now()})
 	require.Equal(t, controllers.PassResult{Failed: 1}, f.reconcile(t))
 	got := f.node(t, n)
 	require.Equal(t, store.NodeAcceptanceFailed, got.State)
@@ -346,7 +390,7 @@ func TestExpiredCommandRetriedThenFailed(t *testing.T) {
 	f := setup(t)
 	n := f.addNodes(t, h100Pool, fakehw.VariantHGXH100, 1)[0]
 	f.reconcile(t)
-	exec(t, f.db, `UPDATE commands SET state = 'delivered', deliveries = 1 WHERE node_id = $1`, n)
+	f.deliver(t, n)
 
 	f.clk.Advance(controllers.DefaultAcceptanceTimeout - time.Microsecond)
 	require.Equal(t, controllers.PassResult{}, f.reconcile(t), "expired before the deadline")
@@ -363,7 +407,7 @@ func TestExpiredCommandRetriedThenFailed(t *testing.T) {
 		require.Equal(t, store.NodeAccepting, f.node(t, n).State)
 		require.Equal(t, attempt, f.pokedNodes(t)[n], "the retry was not poked")
 		// The gateway delivers it; the node stays silent.
-		exec(t, f.db, `UPDATE commands SET state = 'delivered', deliveries = 1 WHERE id = $1`, cmds[attempt-1].ID)
+		f.deliver(t, n)
 		f.clk.Advance(controllers.DefaultAcceptanceTimeout - time.Microsecond)
 	}
 	f.clk.Advance(time.Microsecond)
@@ -388,15 +432,17 @@ func TestExpiryReasonsByState(t *testing.T) {
 	f.acc.Attempts = 2
 	nodes := f.addNodes(t, h100Pool, fakehw.VariantHGXH100, 3)
 	queued, delivered, running := nodes[0], nodes[1], nodes[2]
-	// set plays the gateway and the daemon for the nodes' open commands.
-	set := func(node, state string) {
-		exec(t, f.db, `UPDATE commands SET state = $2, deliveries = deliveries + 1, delivered_at = $3
-			WHERE node_id = $1 AND finished_at IS NULL`, node, state, f.clk.Now())
+	// begin plays the gateway and the daemon: the node's queued command is
+	// delivered and starts.
+	begin := func(node string) {
+		f.deliver(t, node)
+		f.update(t, store.SessionCommandUpdate{NodeID: node, CommandID: f.lastCommand(t, node).ID, State: "running",
+			Now: f.clk.Now()})
 	}
 	f.reconcile(t)
 	for attempt := 1; attempt <= 2; attempt++ {
-		set(delivered, "delivered")
-		set(running, "running")
+		f.deliver(t, delivered)
+		begin(running)
 		f.clk.Advance(controllers.DefaultAcceptanceTimeout)
 		res := f.reconcile(t)
 		for node, want := range map[string]string{
@@ -429,7 +475,7 @@ func TestExpiryReasonsByState(t *testing.T) {
 	// One delivered attempt is enough with Attempts 1, and the reason says
 	// so in the singular.
 	f.acc.Attempts = 1
-	set(queued, "running")
+	begin(queued)
 	f.clk.Advance(controllers.DefaultAcceptanceTimeout)
 	require.Equal(t, controllers.PassResult{Failed: 1}, f.reconcile(t))
 	require.Equal(t, "diag.nvml started but did not finish within 2m0s (1 attempt)", f.node(t, queued).Reason)
@@ -463,7 +509,7 @@ func TestLateAnswerWins(t *testing.T) {
 	n := f.addNodes(t, h100Pool, fakehw.VariantHGXH100, 1)[0]
 	f.reconcile(t)
 	f.clk.Advance(controllers.DefaultAcceptanceTimeout + time.Second)
-	f.succeed(t, fakehw.VariantHGXH100, n)
+	f.succeedPastDeadline(t, fakehw.VariantHGXH100, n)
 	require.Equal(t, controllers.PassResult{Adopted: 1}, f.reconcile(t))
 	require.Equal(t, "succeeded", f.lastCommand(t, n).State)
 }
@@ -480,7 +526,10 @@ func TestAnswerAfterExpiryIgnored(t *testing.T) {
 	require.Equal(t, controllers.PassResult{Retried: 1}, f.reconcile(t))
 	// The gateway never moves a command out of a terminal state, so a late
 	// failure of the first command changes nothing.
-	exec(t, f.db, `UPDATE commands SET state = 'failed' WHERE id = $1 AND state NOT IN ('expired')`, first)
+	out, err := store.ApplySessionCommandUpdates(t.Context(), f.db.Pool, []store.SessionCommandUpdate{
+		{NodeID: n, CommandID: first, State: "failed", Now: f.clk.Now()}})
+	require.NoError(t, err)
+	require.False(t, out[0].Applied)
 	require.Equal(t, controllers.PassResult{}, f.reconcile(t))
 	f.succeed(t, fakehw.VariantHGXH100, n)
 	require.Equal(t, controllers.PassResult{Adopted: 1}, f.reconcile(t))
@@ -636,10 +685,9 @@ func TestServer(t *testing.T) {
 	t.Parallel()
 	db := storetest.New(t, nil)
 	now := db.Now()
-	exec(t, db, `INSERT INTO tenants (id, name, created_at) VALUES ($1, 'owner', $2)`, tenantID, now)
-	exec(t, db, `INSERT INTO sites (id, name, created_at) VALUES ($1, 'dev-1', $2)`, siteID, now)
-	exec(t, db, `INSERT INTO pools (id, site_id, owner_tenant_id, name, kind, gpu_model, expect_gpu_count, created_at)
-		VALUES ($1, $2, $3, 'h100', 'metal-host', 'H100', 8, $4)`, h100Pool, siteID, tenantID, now)
+	ownerAndSite(t, db)
+	storetest.Pool(t, db, &storetest.PoolOpts{ID: h100Pool, SiteID: siteID, OwnerTenantID: tenantID, Name: "h100", GPUModel: "H100",
+		ExpectGPUCount: 8})
 	ns, nc := startNATS(t)
 	gwPokes, err := nc.SubscribeSync(store.SubjectPokeGatewayPrefix + gatewayID)
 	require.NoError(t, err)
@@ -665,13 +713,10 @@ func TestServer(t *testing.T) {
 	require.Eventually(t, func() bool { return srv.LeaseHeld() && ns.NumSubscriptions() >= 2 },
 		10*time.Second, 10*time.Millisecond)
 
-	// What joinservice does: create the node and poke the controllers.
-	n := ids.New(ids.Node, now)
+	// What joinservice does: create the node (here with its session on the
+	// gateway already) and poke the controllers.
+	n := storetest.Node(t, db, &storetest.NodeOpts{PoolID: h100Pool, GatewayID: gatewayID, SessionID: "ses_x", CreatedAt: now}).ID
 	require.NoError(t, db.InTx(t.Context(), func(tx pgx.Tx) error {
-		if _, err := tx.Exec(t.Context(), `INSERT INTO nodes (id, pool_id, provision_state, gateway_id, session_id,
-				created_at, updated_at) VALUES ($1, $2, 'joining', $3, 'ses_x', $4, $4)`, n, h100Pool, gatewayID, now); err != nil {
-			return err
-		}
 		return store.Enqueue(t.Context(), tx, now, store.SubjectPokeControllers, nil)
 	}))
 	msg, err := gwPokes.NextMsg(10 * time.Second)
@@ -680,17 +725,19 @@ func TestServer(t *testing.T) {
 	require.NoError(t, json.Unmarshal(msg.Data, &poke))
 	require.Equal(t, []string{n}, poke.NodeIDs)
 
-	// What the gateway does: store the result and poke the controllers.
+	// What the gateway does: store the result and poke the controllers
+	// (store.ApplySessionCommandUpdates does both).
 	m, err := fakehw.New(fakehw.VariantHGXH100, n)
 	require.NoError(t, err)
 	result, err := protojson.Marshal(&gatewayv1.CommandResult{Inventory: m.Inventory()})
 	require.NoError(t, err)
+	cmds, err := store.ListCommands(t.Context(), db.Pool, store.CommandFilter{NodeID: n, Limit: 1})
+	require.NoError(t, err)
+	require.Len(t, cmds, 1)
 	require.NoError(t, db.InTx(t.Context(), func(tx pgx.Tx) error {
-		if _, err := tx.Exec(t.Context(), `UPDATE commands SET state = 'succeeded', result = $2, finished_at = $3
-				WHERE node_id = $1`, n, result, db.Now()); err != nil {
-			return err
-		}
-		return store.Enqueue(t.Context(), tx, db.Now(), store.SubjectPokeControllers, nil)
+		_, err := store.ApplySessionCommandUpdates(t.Context(), tx, []store.SessionCommandUpdate{{NodeID: n,
+			CommandID: cmds[0].ID, State: "succeeded", Result: result, Now: db.Now()}})
+		return err
 	}))
 	_, err = gwPokes.NextMsg(10 * time.Second)
 	require.NoError(t, err, "the gateway was not poked for DesiredState")

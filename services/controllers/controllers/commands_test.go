@@ -23,18 +23,13 @@ func TestCommandExpiry(t *testing.T) {
 	clk := clock.NewFake(start)
 	db := storetest.New(t, clk)
 	ctx := t.Context()
-	for _, q := range []string{
-		`INSERT INTO tenants (id, name, created_at) VALUES ('ten_1', 'one', $1)`,
-		`INSERT INTO sites (id, name, created_at) VALUES ('site_1', 'dev-1', $1)`,
-		`INSERT INTO pools (id, site_id, owner_tenant_id, name, kind, created_at) VALUES ('pool_1', 'site_1', 'ten_1', 'p', 'metal-host', $1)`,
-		`INSERT INTO nodes (id, pool_id, provision_state, created_at, updated_at) VALUES ('n1', 'pool_1', 'adopted', $1, $1),
-			('n2', 'pool_1', 'accepting', $1, $1)`,
-		`INSERT INTO commands (id, node_id, kind, purpose, state, retry_safe, deadline, created_at, updated_at)
-			VALUES ('cmd_acc', 'n2', 'diag.nvml', 'acceptance', 'delivered', true, $1, $1, $1)`,
-	} {
-		_, err := db.Pool.Exec(ctx, q, start)
-		require.NoError(t, err)
-	}
+	storetest.Tenant(t, db, &storetest.TenantOpts{ID: "ten_1", Name: "one"})
+	storetest.Site(t, db, &storetest.SiteOpts{ID: "site_1", Name: "dev-1"})
+	storetest.Pool(t, db, &storetest.PoolOpts{ID: "pool_1", SiteID: "site_1", OwnerTenantID: "ten_1", Name: "p"})
+	storetest.Node(t, db, &storetest.NodeOpts{ID: "n1", PoolID: "pool_1", State: store.NodeAdopted})
+	storetest.Node(t, db, &storetest.NodeOpts{ID: "n2", PoolID: "pool_1", State: store.NodeAccepting})
+	storetest.Command(t, db, &storetest.CommandOpts{ID: "cmd_acc", NodeID: "n2", Purpose: "acceptance", State: "delivered",
+		Deadline: start})
 	for _, n := range []store.NewCommand{
 		{ID: "cmd_a", NodeID: "n1", Kind: store.CommandNodeReboot, Deadline: start.Add(time.Minute)},
 		{ID: "cmd_b", NodeID: "n1", Kind: store.CommandDiagNVML, Deadline: start.Add(time.Minute)},
@@ -45,9 +40,11 @@ func TestCommandExpiry(t *testing.T) {
 			return err
 		}))
 	}
-	_, err := db.Pool.Exec(ctx, `UPDATE commands SET state = 'running', deliveries = 1 WHERE id = 'cmd_a'`)
-	require.NoError(t, err)
-	_, err = db.Pool.Exec(ctx, `UPDATE commands SET state = 'succeeded', finished_at = updated_at WHERE id = 'cmd_b'`)
+	// The daemon started cmd_a and finished cmd_b.
+	_, err := store.ApplySessionCommandUpdates(ctx, db.Pool, []store.SessionCommandUpdate{
+		{NodeID: "n1", CommandID: "cmd_a", State: "running", Now: start},
+		{NodeID: "n1", CommandID: "cmd_b", State: "succeeded", Now: start},
+	})
 	require.NoError(t, err)
 
 	e := &controllers.CommandExpiry{DB: db, Clock: clk, Batch: 1}

@@ -76,7 +76,7 @@ func TestSignedIntent(t *testing.T) {
 	cmds, _ := f.delivered(t, late)
 	require.Len(t, cmds, 1)
 	f.clk.Advance(controllers.DefaultAcceptanceTimeout + 1)
-	f.succeed(t, "hgx-h100", nodes...)
+	f.succeedPastDeadline(t, "hgx-h100", nodes...)
 	res, err = acc.Reconcile(t.Context())
 	require.NoError(t, err)
 	require.Equal(t, controllers.PassResult{Adopted: 2, Retried: 1}, res)

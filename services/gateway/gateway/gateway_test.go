@@ -18,7 +18,9 @@ import (
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/services/gateway/gateway"
 )
 
@@ -65,9 +67,8 @@ func TestPokedCommandIsDeliveredPromptly(t *testing.T) {
 	n := e.newNode()
 	d, _ := e.connect(g, n, nil)
 
-	var cmdID string
+	cmdID := e.queueCommand(n.id, "inventory.refresh", "user")
 	require.NoError(t, e.db.InTx(t.Context(), func(tx pgx.Tx) error {
-		cmdID = e.queueCommandTx(tx, n.id)
 		return store.PokeNodes(t.Context(), tx, e.db.Now(), n.id)
 	}))
 	c := d.next().GetCommand()
@@ -137,10 +138,8 @@ func TestNewSessionRedeliversOpenCommands(t *testing.T) {
 	g := e.startGateway(noResync)
 	n := e.newNode()
 	queued := e.queueCommand(n.id, "diag.nvml", "user")
-	running := e.queueCommand(n.id, "logs.collect", "user")
-	done := e.queueCommand(n.id, "inventory.refresh", "user")
-	e.exec(`UPDATE commands SET state = 'running', deliveries = 1 WHERE id = $1`, running)
-	e.exec(`UPDATE commands SET state = 'succeeded', finished_at = now() WHERE id = $1`, done)
+	running := e.insertCommand(storetest.CommandOpts{NodeID: n.id, Kind: store.CommandLogsCollect, State: "running", Deliveries: 1})
+	done := e.insertCommand(storetest.CommandOpts{NodeID: n.id, Kind: store.CommandInventoryRefresh, State: "succeeded"})
 
 	d, _ := e.connect(g, n, nil)
 	require.Equal(t, queued, d.next().GetCommand().GetCommandId())
@@ -253,8 +252,7 @@ func TestDesiredStateAndObservedGeneration(t *testing.T) {
 	e := setup(t, options{})
 	e.relay()
 	g := e.startGateway(noResync)
-	n := e.newNode()
-	e.exec(`UPDATE nodes SET spec_generation = 2, spec = '{"labels": {"rack": "r1"}}' WHERE id = $1`, n.id)
+	n := e.newNodeWith(storetest.NodeOpts{SpecGeneration: 2, Spec: `{"labels": {"rack": "r1"}}`}, time.Time{})
 
 	d, _ := e.connect(g, n, &gatewayv1.Hello{NodeId: n.id, BootId: "b", ObservedGeneration: 1})
 	ds := d.next().GetDesiredState()
@@ -269,13 +267,13 @@ func TestDesiredStateAndObservedGeneration(t *testing.T) {
 	d.heartbeat(1, 1)
 
 	// A new generation is sent after its poke; an older report never lowers
-	// the stored generation.
+	// the stored generation. Here a reservation placed on devices 0 and 1
+	// makes it (RebuildNodeSpecs pokes the node's gateway).
+	storetest.Reservation(t, e.db, &storetest.ReservationOpts{TenantID: e.tenantID, PoolID: e.poolID, GPUs: 2,
+		State: store.ReservationBinding, NodeID: n.id, DeviceIndexes: []int32{0, 1}})
 	require.NoError(t, e.db.InTx(t.Context(), func(tx pgx.Tx) error {
-		if _, err := tx.Exec(t.Context(), `UPDATE nodes SET spec_generation = 3,
-			spec = '{"allocations": [{"reservationId": "res_1", "deviceIndexes": [0, 1]}]}' WHERE id = $1`, n.id); err != nil {
-			return err
-		}
-		return store.PokeNodes(t.Context(), tx, e.db.Now(), n.id)
+		_, err := store.RebuildNodeSpecs(t.Context(), tx, nil, e.db.Now(), []string{n.id})
+		return err
 	}))
 	ds = d.next().GetDesiredState()
 	require.NotNil(t, ds)
@@ -296,8 +294,7 @@ func TestNoDesiredStateWhenDaemonIsCurrent(t *testing.T) {
 	t.Parallel()
 	e := setup(t, options{})
 	g := e.startGateway(noResync)
-	n := e.newNode()
-	e.exec(`UPDATE nodes SET spec_generation = 4, observed_generation = 4, spec = '{}' WHERE id = $1`, n.id)
+	n := e.newNodeWith(storetest.NodeOpts{SpecGeneration: 4, ObservedGeneration: 4, Spec: `{}`}, time.Time{})
 	cmdID := e.queueCommand(n.id, "diag.nvml", "user")
 	d, _ := e.connect(g, n, &gatewayv1.Hello{NodeId: n.id, BootId: "b", ObservedGeneration: 4})
 	require.Equal(t, cmdID, d.next().GetCommand().GetCommandId())
@@ -423,8 +420,7 @@ func TestUnknownOrRevokedCertificateIsRefused(t *testing.T) {
 	require.Contains(t, err.Error(), "not known")
 	require.Nil(t, e.nodeRow(unknown.id).SessionID)
 
-	revoked := e.newNode()
-	e.exec(`UPDATE node_certs SET revoked_at = now() WHERE node_id = $1`, revoked.id)
+	revoked := e.newNodeWith(storetest.NodeOpts{}, e.db.Now())
 	d = e.open(g, revoked, &gatewayv1.Hello{NodeId: revoked.id})
 	err = d.ended()
 	require.Equal(t, connect.CodeUnauthenticated, connectCode(err), "%v", err)
@@ -434,9 +430,9 @@ func TestUnknownOrRevokedCertificateIsRefused(t *testing.T) {
 	// A certificate recorded for another node (serial reuse) is refused.
 	other := e.newNode()
 	spoof := e.newUnrecordedNode()
-	e.exec(`INSERT INTO node_certs (serial, node_id, public_key_sha256, not_before, not_after, created_at)
-		SELECT $1, $2, public_key_sha256, not_before, not_after, created_at FROM node_certs WHERE node_id = $3`,
-		certSerial(spoof), other.id, other.id)
+	storetest.NodeCert(t, e.db, &storetest.NodeCertOpts{NodeID: other.id, Serial: certSerial(spoof),
+		PublicKeySHA256: pki.PublicKeySHA256(other.cert.Leaf), NotBefore: other.cert.Leaf.NotBefore,
+		NotAfter: other.cert.Leaf.NotAfter})
 	d = e.open(g, spoof, &gatewayv1.Hello{NodeId: spoof.id})
 	err = d.ended()
 	require.Equal(t, connect.CodeUnauthenticated, connectCode(err), "%v", err)
@@ -536,9 +532,8 @@ func TestTakeoverByAnotherGateway(t *testing.T) {
 	require.Equal(t, wb.GetSessionId(), *r.SessionID)
 
 	// Pokes now go to B.
-	var cmdID string
+	cmdID := e.queueCommand(n.id, "inventory.refresh", "user")
 	require.NoError(t, e.db.InTx(t.Context(), func(tx pgx.Tx) error {
-		cmdID = e.queueCommandTx(tx, n.id)
 		return store.PokeNodes(t.Context(), tx, e.db.Now(), n.id)
 	}))
 	require.Equal(t, cmdID, onB.next().GetCommand().GetCommandId())

@@ -1,6 +1,7 @@
 package gateway_test
 
 import (
+	"cmp"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -16,7 +17,6 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
-	"github.com/jackc/pgx/v5"
 	natsserver "github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
@@ -26,7 +26,6 @@ import (
 	"github.com/better-compute/better-compute/api/gen/bc/gateway/v1/gatewayv1connect"
 	"github.com/better-compute/better-compute/pkg/bus/bustest"
 	"github.com/better-compute/better-compute/pkg/clock"
-	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/outbox"
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/store"
@@ -72,6 +71,7 @@ type env struct {
 	servingCAs  *x509.CertPool
 	trustDomain string
 	poolID      string
+	tenantID    string
 }
 
 // options tune setup.
@@ -105,13 +105,9 @@ func setup(t testing.TB, o options) *env {
 	e.trustDomain, err = pki.ReadTrustDomain(e.pkiDir)
 	require.NoError(t, err)
 
-	now := e.db.Now()
-	ten, site := ids.New(ids.Tenant, now), ids.New(ids.Site, now)
-	e.poolID = ids.New(ids.Pool, now)
-	e.exec(`INSERT INTO tenants (id, name, created_at) VALUES ($1, 'acme', $2)`, ten, now)
-	e.exec(`INSERT INTO sites (id, name, created_at) VALUES ($1, 'dev-1', $2)`, site, now)
-	e.exec(`INSERT INTO pools (id, site_id, owner_tenant_id, name, kind, created_at)
-		VALUES ($1, $2, $3, 'metal', 'metal-host', $4)`, e.poolID, site, ten, now)
+	e.tenantID = storetest.Tenant(t, e.db, &storetest.TenantOpts{Name: "acme"}).ID
+	site := storetest.Site(t, e.db, &storetest.SiteOpts{Name: "dev-1"})
+	e.poolID = storetest.Pool(t, e.db, &storetest.PoolOpts{SiteID: site.ID, OwnerTenantID: e.tenantID, Name: "metal"}).ID
 	return e
 }
 
@@ -182,22 +178,39 @@ type node struct {
 // certificate.
 func (e *env) newNode() node {
 	e.t.Helper()
-	n := e.newUnrecordedNode()
-	leaf := n.cert.Leaf
-	now := e.db.Now()
-	e.exec(`INSERT INTO node_certs (serial, node_id, public_key_sha256, not_before, not_after, created_at)
-		VALUES ($1, $2, $3, $4, $5, $6)`, pki.SerialHex(leaf), n.id, pki.PublicKeySHA256(leaf), leaf.NotBefore, leaf.NotAfter, now)
+	return e.newNodeWith(storetest.NodeOpts{}, time.Time{})
+}
+
+// newNodeWith is newNode with the node's state in opts (its pool and
+// provision state are set here), its certificate revoked at certRevokedAt
+// (never when zero).
+func (e *env) newNodeWith(opts storetest.NodeOpts, certRevokedAt time.Time) node {
+	e.t.Helper()
+	n := e.newUnrecordedNodeWith(opts)
+	e.recordCert(n.id, n.cert.Leaf, certRevokedAt)
 	return n
+}
+
+// recordCert records leaf as a certificate of node id (node_certs),
+// revoked at revokedAt (never when zero).
+func (e *env) recordCert(id string, leaf *x509.Certificate, revokedAt time.Time) {
+	e.t.Helper()
+	storetest.NodeCert(e.t, e.db, &storetest.NodeCertOpts{NodeID: id, Serial: pki.SerialHex(leaf),
+		PublicKeySHA256: pki.PublicKeySHA256(leaf), NotBefore: leaf.NotBefore, NotAfter: leaf.NotAfter, RevokedAt: revokedAt})
 }
 
 // newUnrecordedNode inserts a node and issues it a certificate that
 // node_certs does not know.
 func (e *env) newUnrecordedNode() node {
 	e.t.Helper()
-	now := e.db.Now()
-	id := ids.New(ids.Node, now)
-	e.exec(`INSERT INTO nodes (id, pool_id, provision_state, created_at, updated_at) VALUES ($1, $2, 'accepting', $3, $3)`,
-		id, e.poolID, now)
+	return e.newUnrecordedNodeWith(storetest.NodeOpts{})
+}
+
+// newUnrecordedNodeWith is newUnrecordedNode with the node's state in opts.
+func (e *env) newUnrecordedNodeWith(opts storetest.NodeOpts) node {
+	e.t.Helper()
+	opts.PoolID, opts.State = e.poolID, store.NodeAccepting
+	id := storetest.Node(e.t, e.db, &opts).ID
 	return node{id: id, cert: e.issue(id)}
 }
 
@@ -398,22 +411,18 @@ func (e *env) nodeRow(id string) nodeRow {
 // queueCommand inserts a queued command for node and returns its id.
 func (e *env) queueCommand(nodeID, kind, purpose string) string {
 	e.t.Helper()
-	now := e.db.Now()
-	id := ids.New(ids.Command, now)
-	e.exec(`INSERT INTO commands (id, node_id, kind, args, purpose, state, retry_safe, deadline, created_at, updated_at)
-		VALUES ($1, $2, $3, '{"verbose": true}', $4, 'queued', true, $5, $6, $6)`, id, nodeID, kind, purpose, now.Add(time.Hour), now)
-	return id
+	return e.insertCommand(storetest.CommandOpts{NodeID: nodeID, Kind: kind, Purpose: purpose})
 }
 
-// queueCommandTx inserts a queued inventory.refresh command in tx.
-func (e *env) queueCommandTx(tx pgx.Tx, nodeID string) string {
+// insertCommand inserts the command of opts, by default queued, retry-safe, with
+// arguments {"verbose": true} and due in an hour, and returns its id.
+func (e *env) insertCommand(opts storetest.CommandOpts) string {
 	e.t.Helper()
-	now := e.db.Now()
-	id := ids.New(ids.Command, now)
-	_, err := tx.Exec(context.Background(), `INSERT INTO commands (id, node_id, kind, args, state, retry_safe, deadline, created_at, updated_at)
-		VALUES ($1, $2, 'inventory.refresh', '{"verbose": true}', 'queued', true, $3, $4, $4)`, id, nodeID, now.Add(time.Hour), now)
-	require.NoError(e.t, err)
-	return id
+	opts.Args = cmp.Or(opts.Args, `{"verbose": true}`)
+	if opts.RetrySafe == nil {
+		opts.RetrySafe = new(true)
+	}
+	return storetest.Command(e.t, e.db, &opts).ID
 }
 
 // outboxCount counts outbox rows of subject.

@@ -14,6 +14,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/services/gateway/gateway"
 )
 
@@ -81,6 +82,8 @@ func TestRevokedSessionClosedByResync(t *testing.T) {
 
 	start := realClock.Now()
 	e.revoke(n.id)
+	// Raw SQL: one certificate of a node revoked alone, which no store
+	// function does (RevokeNode revokes them all with the node).
 	e.exec(`UPDATE node_certs SET revoked_at = $2 WHERE serial = $1`, certSerial(c), e.db.Now())
 	requireRevokedEnd(t, dn, start)
 	requireRevokedEnd(t, dc, start)
@@ -202,11 +205,9 @@ func TestSignaturesAreRelayedUntouched(t *testing.T) {
 	t.Parallel()
 	e := setup(t, options{})
 	g := e.startGateway(noResync)
-	n := e.newNode()
-	cmdID := e.queueCommand(n.id, "diag.nvml", "user")
-	e.exec(`UPDATE commands SET signature = '\x0102' WHERE id = $1`, cmdID)
-	e.exec(`UPDATE nodes SET spec_generation = 1, spec = '{"labels": {"a": "b"}}' WHERE id = $1`, n.id)
-	e.exec(`UPDATE nodes SET spec_signature = '\x0304' WHERE id = $1`, n.id)
+	n := e.newNodeWith(storetest.NodeOpts{SpecGeneration: 1, Spec: `{"labels": {"a": "b"}}`, SpecSignature: []byte{3, 4}},
+		time.Time{})
+	cmdID := e.insertCommand(storetest.CommandOpts{NodeID: n.id, Kind: store.CommandDiagNVML, Signature: []byte{1, 2}})
 	d, _ := e.connect(g, n, nil)
 	c := d.next().GetCommand()
 	require.Equal(t, cmdID, c.GetCommandId())

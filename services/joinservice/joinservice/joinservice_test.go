@@ -300,9 +300,11 @@ func TestJoinRefusals(t *testing.T) {
 	revokedID, revoked := f.token(t, 5, now.Add(time.Hour))
 	_, err := store.RevokeJoinToken(ctx, f.db.Pool, revokedID, now)
 	require.NoError(t, err)
-	usedID, used := f.token(t, 10, now.Add(time.Hour))
-	_, err = f.db.Pool.Exec(ctx, `UPDATE join_tokens SET uses = 10 WHERE id = $1`, usedID)
+	_, used := f.token(t, 10, now.Add(time.Hour))
+	// Ten machines joined with it.
+	_, granted, err := store.UseJoinTokenN(ctx, f.db.Pool, iam.HashSecret(used), 10, now)
 	require.NoError(t, err)
+	require.Equal(t, 10, granted)
 	expiredTok, err := store.GetJoinTokenByHash(ctx, f.db.Pool, iam.HashSecret(expired))
 	require.NoError(t, err)
 

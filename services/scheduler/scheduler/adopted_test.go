@@ -22,14 +22,17 @@ func TestPlacesOnAdoptedNodesOnly(t *testing.T) {
 	clk := clock.NewFake(time.Date(2030, 1, 1, 10, 0, 0, 0, time.UTC))
 	db := storetest.New(t, clk)
 	ctx := t.Context()
-	f := storetest.NewFleet(t, db, "adopted", 8, 8, 8)
+	f := storetest.NewFleetWith(t, db, storetest.FleetOpts{Name: "adopted", GPUs: []int{8, 8, 8},
+		Node: func(i int, o *storetest.NodeOpts) {
+			switch i {
+			case 1:
+				o.State, o.Reason = store.NodeAcceptanceFailed, "expected H100 GPUs"
+			case 2:
+				o.State = store.NodeAccepting
+			}
+		}})
 	tenant := f.Tenant(t, "adopted-tenant", 64)
 	adopted, failed, accepting := f.Nodes[0], f.Nodes[1], f.Nodes[2]
-	_, err := db.Pool.Exec(ctx, `UPDATE nodes SET provision_state = 'acceptance_failed',
-		provision_reason = 'expected H100 GPUs' WHERE id = $1`, failed)
-	require.NoError(t, err)
-	_, err = db.Pool.Exec(ctx, `UPDATE nodes SET provision_state = 'accepting' WHERE id = $1`, accepting)
-	require.NoError(t, err)
 	srv, err := scheduler.New(scheduler.Config{NoHealthServer: true, Leases: service.Leases{Holder: "a"}}, scheduler.Deps{DB: db, NC: startNATS(t), Clock: clk})
 	require.NoError(t, err)
 

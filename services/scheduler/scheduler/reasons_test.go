@@ -94,14 +94,18 @@ func TestPendingReasonWhenAllCordoned(t *testing.T) {
 	clk := clock.NewFake(time.Date(2030, 1, 1, 10, 0, 0, 0, time.UTC))
 	db := storetest.New(t, clk)
 	ctx := t.Context()
-	f := storetest.NewFleet(t, db, "cordoned", 8, 8, 8, 8)
+	// Three nodes are cordoned, the fourth unreachable.
+	f := storetest.NewFleetWith(t, db, storetest.FleetOpts{Name: "cordoned", GPUs: []int{8, 8, 8, 8},
+		Node: func(i int, o *storetest.NodeOpts) {
+			if i < 3 {
+				o.Cordoned, o.CordonReason = true, "maintenance"
+			} else {
+				o.Reachable = false
+			}
+		}})
 	tenant := f.Tenant(t, "cordoned-tenant", 64)
 	srv, err := scheduler.New(scheduler.Config{NoHealthServer: true, Leases: service.Leases{Holder: "a"}, StarvationBound: 5 * time.Minute},
 		scheduler.Deps{DB: db, NC: startNATS(t), Clock: clk})
-	require.NoError(t, err)
-	_, err = db.Pool.Exec(ctx, `UPDATE nodes SET cordoned = true, cordon_reason = 'maintenance' WHERE id = ANY($1)`, f.Nodes[:3])
-	require.NoError(t, err)
-	_, err = db.Pool.Exec(ctx, `UPDATE nodes SET reachable = false WHERE id = $1`, f.Nodes[3])
 	require.NoError(t, err)
 	r, err := f.Reserve(ctx, tenant, 1, time.Hour)
 	require.NoError(t, err)

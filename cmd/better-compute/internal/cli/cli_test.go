@@ -3,7 +3,6 @@ package cli_test
 import (
 	"bytes"
 	"encoding/json"
-	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -78,24 +77,15 @@ func newFleet(t *testing.T) *fleet {
 	require.NoError(t, store.CreatePool(ctx, db.Pool, store.Pool{ID: f.poolID, SiteID: f.siteID, OwnerTenantID: f.tenant,
 		Name: "metal-host", Kind: "metal-host", GPUModel: "H100", ExpectGPUCount: 8, CreatedAt: f.now}))
 
-	node := func(gpus int, set string, args ...any) string {
-		id := ids.New(ids.Node, f.now)
-		require.NoError(t, store.CreateNode(ctx, db.Pool, store.NewNode{ID: id, PoolID: f.poolID, CreatedAt: f.now}))
-		for i := range gpus {
-			_, err := db.Pool.Exec(ctx, `INSERT INTO node_devices (node_id, device_index, uuid, model)
-				VALUES ($1, $2, $3, 'NVIDIA H100 80GB HBM3')`, id, i, fmt.Sprintf("GPU-%s-%d", id, i))
-			require.NoError(t, err)
-		}
-		if set != "" {
-			_, err := db.Pool.Exec(ctx, `UPDATE nodes SET `+set+` WHERE id = $1`, append([]any{id}, args...)...)
-			require.NoError(t, err)
-		}
-		return id
+	node := func(o storetest.NodeOpts) string {
+		o.PoolID, o.CreatedAt = f.poolID, f.now
+		return storetest.Node(t, db, &o).ID
 	}
-	f.adopted = node(8, `provision_state = 'adopted', gateway_id = 'gw-a', last_seen = $2, reachable = true`, f.now.Add(-3*time.Second))
-	f.failed = node(7, `provision_state = 'acceptance_failed', provision_reason = 'expected 8 GPUs, found 7',
-		gateway_id = 'gw-b', last_seen = $2, reachable = true`, f.now.Add(-5*time.Minute))
-	f.joining = node(0, "")
+	f.adopted = node(storetest.NodeOpts{GPUs: 8, State: store.NodeAdopted, GatewayID: "gw-a", LastSeen: f.now.Add(-3 * time.Second),
+		Reachable: true})
+	f.failed = node(storetest.NodeOpts{GPUs: 7, State: store.NodeAcceptanceFailed, Reason: "expected 8 GPUs, found 7",
+		GatewayID: "gw-b", LastSeen: f.now.Add(-5 * time.Minute), Reachable: true})
+	f.joining = node(storetest.NodeOpts{})
 	return f
 }
 
@@ -167,9 +157,10 @@ func TestNodesList(t *testing.T) {
 	require.Equal(t, 0, res.code, res.stderr)
 	require.Contains(t, res.stdout, `"reason": "expected 8 GPUs, found 7"`)
 
-	// The liveness sweeper marked the adopted node unreachable: the table
-	// says so beside its state, the JSON has reachable false.
-	_, err = f.db.Pool.Exec(t.Context(), `UPDATE nodes SET reachable = false WHERE id = $1`, f.adopted)
+	// The liveness sweeper, a minute on, marks the adopted node (and the
+	// failed one) unreachable: the table says so beside its state, the JSON
+	// has reachable false.
+	_, err = store.SweepUnreachable(t.Context(), f.db.Pool, f.db.Now().Add(time.Minute), store.MinLivenessTimeout, 10)
 	require.NoError(t, err)
 	res = r.run(t, "nodes", "list")
 	require.Equal(t, 0, res.code, res.stderr)
@@ -559,9 +550,8 @@ func TestGetMatchesList(t *testing.T) {
 		return nil
 	}
 
-	_, err := f.db.Pool.Exec(t.Context(), `INSERT INTO node_certs (serial, node_id, public_key_sha256, not_before, not_after, created_at)
-		VALUES ('0c1d', $1, '\x00', $2, $3, $2)`, f.adopted, f.now, f.now.Add(time.Hour))
-	require.NoError(t, err)
+	storetest.NodeCert(t, f.db, &storetest.NodeCertOpts{NodeID: f.adopted, Serial: "0c1d", NotBefore: f.now,
+		NotAfter: f.now.Add(time.Hour), CreatedAt: f.now})
 	nodes := jsonOf("nodes", "list", "-o", "json")
 	for _, id := range []string{f.adopted, f.failed, f.joining} {
 		got := jsonOf("nodes", "get", id).(map[string]any)
@@ -591,8 +581,8 @@ func TestGetMatchesList(t *testing.T) {
 	require.Nil(t, cmd["result"])
 
 	// A finished command's result is JSON, not a string holding JSON.
-	_, err = f.db.Pool.Exec(t.Context(), `UPDATE commands SET state = 'succeeded', result = '{"inventory": {"hostname": "h1"}}',
-		finished_at = now() WHERE id = $1`, id)
+	_, err := store.ApplySessionCommandUpdates(t.Context(), f.db.Pool, []store.SessionCommandUpdate{{NodeID: f.adopted,
+		CommandID: id, State: "succeeded", Result: []byte(`{"inventory": {"hostname": "h1"}}`), Now: f.db.Now()}})
 	require.NoError(t, err)
 	cmd = jsonOf("commands", "get", id).(map[string]any)
 	require.Equal(t, map[string]any{"inventory": map[string]any{"hostname": "h1"}}, cmd["result"])

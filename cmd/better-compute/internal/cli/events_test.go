@@ -20,6 +20,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/iam"
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/pkg/syncbuf"
 	"github.com/better-compute/better-compute/services/api/apitest"
 )
@@ -30,10 +31,8 @@ type syncBuffer = syncbuf.Buffer
 // insertEvent writes an event of tenant and returns its id.
 func (f *fleet) insertEvent(t *testing.T, tenant, typ string) int64 {
 	t.Helper()
-	var id int64
-	require.NoError(t, f.db.Pool.QueryRow(t.Context(), `INSERT INTO events (tenant_id, type, subject_id, data, created_at)
-		VALUES ($1, $2, 'node_x', '{"n": 1}', $3) RETURNING id`, tenant, typ, f.now).Scan(&id))
-	return id
+	return storetest.Event(t, f.db, &storetest.EventOpts{TenantID: tenant, Type: typ, SubjectID: "node_x", Data: `{"n": 1}`,
+		CreatedAt: f.now})
 }
 
 // TestEventsWatch runs `events watch` through a proxy that drops its

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/better-compute/better-compute/pkg/store/storetest"
 )
 
 // TestNodesRevoke: `nodes revoke NODE --reason TEXT` revokes the node's
@@ -17,9 +19,8 @@ func TestNodesRevoke(t *testing.T) {
 	t.Parallel()
 	f := newFleet(t)
 	notAfter := f.now.Add(24 * time.Hour)
-	_, err := f.db.Pool.Exec(t.Context(), `INSERT INTO node_certs (serial, node_id, public_key_sha256, not_before, not_after, created_at)
-		VALUES ('0a1b', $1, '\x00', $2, $3, $2)`, f.adopted, f.now, notAfter)
-	require.NoError(t, err)
+	storetest.NodeCert(t, f.db, &storetest.NodeCertOpts{NodeID: f.adopted, Serial: "0a1b", NotBefore: f.now, NotAfter: notAfter,
+		CreatedAt: f.now})
 
 	res := f.runner(f.viewer).run(t, "nodes", "revoke", f.adopted)
 	require.Equal(t, 1, res.code)

@@ -1,14 +1,19 @@
 package cli_test
 
 import (
+	"context"
 	"encoding/json"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
 )
 
 // reservationOut is the part of a printed reservation the tests read.
@@ -84,9 +89,9 @@ func TestReserveWalkthrough(t *testing.T) {
 	// Usage: the windows the controllers wrote, with a total.
 	hour := time.Date(2025, 3, 1, 10, 0, 0, 0, time.UTC)
 	for i, secs := range []int64{1800 * 4, 3600 * 4} {
-		_, err := f.db.Pool.Exec(t.Context(), `INSERT INTO usage_windows (reservation_id, window_start, tenant_id, pool_id,
-			gpu_seconds, created_at) VALUES ($1, $2, $3, $4, $5, $2)`, first.ID, hour.Add(time.Duration(i)*time.Hour), f.tenant, f.poolID, secs)
-		require.NoError(t, err)
+		start := hour.Add(time.Duration(i) * time.Hour)
+		storetest.UsageWindow(t, f.db, &storetest.UsageWindowOpts{ReservationID: first.ID, TenantID: f.tenant, PoolID: f.poolID,
+			WindowStart: start, GPUSeconds: secs, CreatedAt: start})
 	}
 	res = r.run(t, "usage")
 	require.Equal(t, 0, res.code, res.stderr)
@@ -118,13 +123,11 @@ func TestReserveWait(t *testing.T) {
 	pending := parseReservation(t, res.stdout)
 	require.Equal(t, "error: reservation "+pending.ID+" is still pending after 600ms\n", res.stderr)
 
-	// Active as soon as the node bound it (here: by hand, as the scheduler
-	// and the gateway would).
+	// Active as soon as the node bound it (here: by the store functions
+	// the scheduler and the gateway call).
 	go func() {
 		for range 100 {
-			tag, err := f.db.Pool.Exec(t.Context(), `UPDATE reservations SET state = 'active', node_id = $1,
-				binding = '{nvidia.com/gpu=0}' WHERE state = 'pending' AND request_id = 'w'`, f.adopted)
-			if err != nil || tag.RowsAffected() > 0 {
+			if done, err := activate(t.Context(), f.db, f.adopted, "w"); err != nil || done {
 				return
 			}
 			_ = clock.Sleep(t.Context(), clock.New(), 50*time.Millisecond)
@@ -181,4 +184,32 @@ func TestReserveErrors(t *testing.T) {
 			require.True(t, strings.HasPrefix(res.stderr, tc.stderr), "stderr %q, want prefix %q", res.stderr, tc.stderr)
 		})
 	}
+}
+
+// activate places the pending reservation of request id requestID on device
+// 0 of node and activates it, as the scheduler and the gateway would, and
+// reports whether there was one.
+func activate(ctx context.Context, db *store.DB, node, requestID string) (bool, error) {
+	pending, err := store.ListReservations(ctx, db.Pool, store.ReservationFilter{State: store.ReservationPending})
+	if err != nil {
+		return false, err
+	}
+	i := slices.IndexFunc(pending, func(r store.Reservation) bool { return r.RequestID == requestID })
+	if i < 0 {
+		return false, nil
+	}
+	r := pending[i]
+	return true, db.InTx(ctx, func(tx pgx.Tx) error {
+		now := db.Now()
+		if _, err := store.PlaceReservations(ctx, tx, nil, now, []store.Placement{{ReservationID: r.ID, TenantID: r.TenantID,
+			NodeID: node, Devices: []int32{0}, Lower: now, Upper: r.EndAt}}); err != nil {
+			return err
+		}
+		placed, err := store.GetReservation(ctx, tx, r.ID)
+		if err != nil {
+			return err
+		}
+		_, err = store.ActivateReservation(ctx, tx, now, node, r.ID, []string{"nvidia.com/gpu=0"}, *placed.SpecGeneration)
+		return err
+	})
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/iam"
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/services/api/apitest"
 )
 
@@ -211,11 +212,8 @@ func TestPoolsListCountsRevokedApart(t *testing.T) {
 	f := newFleet(t)
 	ctx := t.Context()
 	for _, state := range []string{store.NodeAdopted, store.NodeAdopted, store.NodeAcceptanceFailed} {
-		id := ids.New(ids.Node, f.now)
-		require.NoError(t, store.CreateNode(ctx, f.db.Pool, store.NewNode{ID: id, PoolID: f.poolID, CreatedAt: f.now}))
-		_, err := f.db.Pool.Exec(ctx, `UPDATE nodes SET provision_state = $2 WHERE id = $1`, id, state)
-		require.NoError(t, err)
-		_, err = store.RevokeNode(ctx, f.db.Pool, f.now, id, "stolen")
+		id := storetest.Node(t, f.db, &storetest.NodeOpts{PoolID: f.poolID, State: state, CreatedAt: f.now}).ID
+		_, err := store.RevokeNode(ctx, f.db.Pool, f.now, id, "stolen")
 		require.NoError(t, err)
 	}
 	r := f.runner(f.root)

@@ -3,6 +3,7 @@ package store_test
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -26,41 +27,32 @@ type gatewayFixture struct {
 func newGatewayFixture(t *testing.T) gatewayFixture {
 	t.Helper()
 	db := storetest.New(t, clock.New())
-	now := db.Now()
-	f := gatewayFixture{t: t, db: db, poolID: ids.New(ids.Pool, now)}
-	ten, site := ids.New(ids.Tenant, now), ids.New(ids.Site, now)
-	f.exec(`INSERT INTO tenants (id, name, created_at) VALUES ($1, 'gw-acme', $2)`, ten, now)
-	f.exec(`INSERT INTO sites (id, name, created_at) VALUES ($1, 'gw-site', $2)`, site, now)
-	f.exec(`INSERT INTO pools (id, site_id, owner_tenant_id, name, kind, created_at) VALUES ($1, $2, $3, 'p', 'metal-host', $4)`,
-		f.poolID, site, ten, now)
-	return f
+	owner := storetest.Tenant(t, db, &storetest.TenantOpts{Name: "gw-acme"})
+	site := storetest.Site(t, db, &storetest.SiteOpts{Name: "gw-site"})
+	pool := storetest.Pool(t, db, &storetest.PoolOpts{SiteID: site.ID, OwnerTenantID: owner.ID, Name: "p"})
+	return gatewayFixture{t: t, db: db, poolID: pool.ID}
 }
 
-func (f gatewayFixture) exec(sql string, args ...any) {
-	f.t.Helper()
-	_, err := f.db.Pool.Exec(context.Background(), sql, args...)
-	require.NoError(f.t, err)
-}
-
+// node inserts an accepting node of the pool and returns its id.
 func (f gatewayFixture) node() string {
 	f.t.Helper()
-	now := f.db.Now()
-	id := ids.New(ids.Node, now)
-	f.exec(`INSERT INTO nodes (id, pool_id, provision_state, created_at, updated_at) VALUES ($1, $2, 'accepting', $3, $3)`, id, f.poolID, now)
-	return id
+	return f.nodeWith(storetest.NodeOpts{})
+}
+
+// nodeWith inserts an accepting node of the pool with opts and returns its
+// id.
+func (f gatewayFixture) nodeWith(opts storetest.NodeOpts) string {
+	f.t.Helper()
+	opts.PoolID, opts.State = f.poolID, store.NodeAccepting
+	return storetest.Node(f.t, f.db, &opts).ID
 }
 
 // command inserts a diag.nvml command of nodeID created at createdAt, due an
 // hour later, and returns its id.
 func (f gatewayFixture) command(nodeID, state, purpose string, createdAt time.Time) string {
 	f.t.Helper()
-	id := ids.New(ids.Command, createdAt)
-	f.exec(`INSERT INTO commands (id, node_id, kind, purpose, state, retry_safe, deadline, created_at, updated_at,
-			finished_at)
-		VALUES ($1, $2, 'diag.nvml', $3, $4, false, $5::timestamptz + interval '1 hour', $5, $5,
-			CASE WHEN $4 IN ('queued', 'delivered', 'running') THEN NULL ELSE $5::timestamptz END)`,
-		id, nodeID, purpose, state, createdAt)
-	return id
+	return storetest.Command(f.t, f.db, &storetest.CommandOpts{ID: ids.New(ids.Command, createdAt), NodeID: nodeID, State: state,
+		Purpose: purpose, RetrySafe: new(bool), CreatedAt: createdAt}).ID
 }
 
 func (f gatewayFixture) open(nodeID, gw string, observed int64) (string, store.OpenedSession) {
@@ -85,8 +77,7 @@ func TestSessionOpenCloseAndTakeover(t *testing.T) {
 	t.Parallel()
 	f := newGatewayFixture(t)
 	ctx := t.Context()
-	n := f.node()
-	f.exec(`UPDATE nodes SET spec_generation = 3, observed_generation = 2 WHERE id = $1`, n)
+	n := f.nodeWith(storetest.NodeOpts{SpecGeneration: 3, ObservedGeneration: 2})
 
 	s1, o1 := f.open(n, "gw-a", 1)
 	require.EqualValues(t, 1, o1.Epoch)
@@ -131,8 +122,7 @@ func TestGetSessionCert(t *testing.T) {
 	f := newGatewayFixture(t)
 	n := f.node()
 	now := f.db.Now()
-	f.exec(`INSERT INTO node_certs (serial, node_id, public_key_sha256, not_before, not_after, revoked_at, created_at)
-		VALUES ('0abc', $1, '\x00', $2, $3, $2, $2)`, n, now, now.Add(time.Hour))
+	storetest.NodeCert(t, f.db, &storetest.NodeCertOpts{NodeID: n, Serial: "0abc", NotAfter: now.Add(time.Hour), RevokedAt: now})
 	c, err := store.GetSessionCert(t.Context(), f.db.Pool, "0abc")
 	require.NoError(t, err)
 	require.Equal(t, n, c.NodeID)
@@ -170,13 +160,12 @@ func commandIDs(d store.SessionDelivery) []string {
 func TestClaimSessionDelivery(t *testing.T) {
 	t.Parallel()
 	f := newGatewayFixture(t)
-	n := f.node()
+	n := f.nodeWith(storetest.NodeOpts{SpecGeneration: 2, Spec: `{"labels": {"a": "b"}}`})
 	base := f.db.Now()
 	queued2 := f.command(n, "queued", "user", base.Add(2*time.Second))
 	queued1 := f.command(n, "queued", "user", base.Add(time.Second))
 	running := f.command(n, "running", "user", base)
 	f.command(n, "succeeded", "user", base)
-	f.exec(`UPDATE nodes SET spec_generation = 2, spec = '{"labels": {"a": "b"}}' WHERE id = $1`, n)
 	sid, _ := f.open(n, "gw-a", 0)
 
 	// A new session gets the in-flight ones too, oldest first, and the spec.
@@ -218,7 +207,10 @@ func TestClaimSessionDeliveries(t *testing.T) {
 	t.Parallel()
 	f := newGatewayFixture(t)
 	ctx := t.Context()
-	a, b, taken, revoked := f.node(), f.node(), f.node(), f.node()
+	a := f.node()
+	b := f.nodeWith(storetest.NodeOpts{SpecGeneration: 3, Spec: `{"labels": {"n": "b"}}`})
+	taken := f.nodeWith(storetest.NodeOpts{SpecGeneration: 1, Spec: `{}`})
+	revoked := f.nodeWith(storetest.NodeOpts{SpecGeneration: 1, Spec: `{}`, RevokedAt: f.db.Now()})
 	base := f.db.Now()
 	a2 := f.command(a, "queued", "user", base.Add(time.Second))
 	a1 := f.command(a, "queued", "user", base)
@@ -227,14 +219,11 @@ func TestClaimSessionDeliveries(t *testing.T) {
 	bDelivered := f.command(b, "delivered", "user", base)
 	t1 := f.command(taken, "queued", "user", base)
 	r1 := f.command(revoked, "queued", "user", base)
-	f.exec(`UPDATE nodes SET spec_generation = 3, spec = '{"labels": {"n": "b"}}' WHERE id = $1`, b)
-	f.exec(`UPDATE nodes SET spec_generation = 1, spec = '{}' WHERE id = ANY($1)`, []string{taken, revoked})
 	sa, _ := f.open(a, "gw", 0)
 	sb, _ := f.open(b, "gw", 0)
 	oldTaken, _ := f.open(taken, "gw", 0)
 	newTaken, _ := f.open(taken, "gw", 0)
 	sr, _ := f.open(revoked, "gw", 0)
-	f.exec(`UPDATE nodes SET revoked_at = $2 WHERE id = $1`, revoked, f.db.Now())
 
 	ds, err := store.ClaimSessionDeliveries(ctx, f.db.Pool, f.db.Now(), []store.ClaimRequest{
 		{NodeID: a, SessionID: sa, InFlight: true},
@@ -461,10 +450,11 @@ func TestRecordSessionLastSeenAndObserved(t *testing.T) {
 	t.Parallel()
 	f := newGatewayFixture(t)
 	ctx := t.Context()
-	a, b := f.node(), f.node()
-	sa, _ := f.open(a, "gw", 0)
-	f.open(b, "gw", 0)
-	f.exec(`UPDATE nodes SET reachable = false`)
+	// Both hold a live session on gw but are unreachable (the sweeper
+	// marked them).
+	sa := "ses_a"
+	a := f.nodeWith(storetest.NodeOpts{GatewayID: "gw", SessionID: sa})
+	b := f.nodeWith(storetest.NodeOpts{GatewayID: "gw", SessionID: "ses_b"})
 	at := f.db.Now().Add(time.Minute)
 	n, err := store.RecordSessionLastSeen(ctx, f.db.Pool, []store.SessionLastSeen{
 		{NodeID: b, SessionID: "ses_old", At: at, ObservedGeneration: 4},
@@ -516,7 +506,8 @@ func TestPendingSessionWork(t *testing.T) {
 	t.Parallel()
 	f := newGatewayFixture(t)
 	ctx := t.Context()
-	idle, queued, spec, taken := f.node(), f.node(), f.node(), f.node()
+	idle, queued, taken := f.node(), f.node(), f.node()
+	spec := f.nodeWith(storetest.NodeOpts{SpecGeneration: 2, ObservedGeneration: 1})
 	sIdle, _ := f.open(idle, "gw", 0)
 	sQueued, _ := f.open(queued, "gw", 0)
 	sSpec, _ := f.open(spec, "gw", 0)
@@ -524,7 +515,6 @@ func TestPendingSessionWork(t *testing.T) {
 	f.open(taken, "gw-other", 0)
 	f.command(queued, "queued", "user", f.db.Now())
 	f.command(idle, "running", "user", f.db.Now())
-	f.exec(`UPDATE nodes SET spec_generation = 2, observed_generation = 1 WHERE id = $1`, spec)
 
 	work, err := store.PendingSessionWork(ctx, f.db.Pool, []store.SessionRef{
 		{NodeID: idle, SessionID: sIdle}, {NodeID: queued, SessionID: sQueued},
@@ -568,11 +558,15 @@ func TestPendingSessionWorkReadsOnlyOpenCommands(t *testing.T) {
 		nodeIDs, sids, serials = append(nodeIDs, n), append(sids, sid), append(serials, "")
 	}
 	// A long history of finished commands and one queued command.
-	f.exec(`INSERT INTO commands (id, node_id, kind, purpose, state, retry_safe, deadline, created_at, updated_at, finished_at)
-		SELECT 'cmd_hist_' || n || '_' || i, n, 'diag.nvml', 'user', 'succeeded', false, now(), now(), now(), now()
-		FROM unnest($1::text[]) AS n, generate_series(1, 200) AS i`, nodeIDs)
+	for _, n := range nodeIDs {
+		for i := range 200 {
+			storetest.Command(t, f.db, &storetest.CommandOpts{ID: fmt.Sprintf("cmd_hist_%s_%d", n, i), NodeID: n, State: "succeeded",
+				RetrySafe: new(bool), Deadline: f.db.Now()})
+		}
+	}
 	queued := f.command(nodeIDs[0], "queued", "user", f.db.Now())
-	f.exec(`ANALYZE commands`)
+	_, err := f.db.Pool.Exec(ctx, `ANALYZE commands`)
+	require.NoError(t, err)
 
 	work, err := store.PendingSessionWork(ctx, f.db.Pool, refs)
 	require.NoError(t, err)

@@ -1,5 +1,9 @@
 package store
 
+// API tokens of tenants (api_tokens): created, looked up by the hash of
+// their secret, touched, listed and revoked; a revocation tells every API
+// server through the outbox.
+
 import (
 	"context"
 	"encoding/json"

@@ -1,0 +1,121 @@
+package store
+
+// Waking the outbox relays after a commit that wrote outbox rows: a mark on
+// the transaction of DB.InTx, then a NOTIFY (or a NATS message) sent after
+// the commit, coalesced so that a busy writer does not queue behind the NOTIFY
+// lock.
+
+import (
+	"context"
+	"sync"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// signalOutbox makes sure the relay hears of the outbox rows q's transaction
+// wrote once it commits. In a transaction of DB.InTx it only marks the
+// transaction, and InTx signals after the commit through the DB's notifier;
+// otherwise it issues NOTIFY in q's transaction.
+//
+// Why not NOTIFY in every transaction: PostgreSQL serialises the commits of
+// all transactions that issued NOTIFY behind one lock held through the commit
+// record's WAL flush, so under load every outbox-writing transaction (each
+// Reserve, placement batch and activation) queued behind the others' fsync.
+func signalOutbox(ctx context.Context, q DBTX) error {
+	switch t := q.(type) {
+	case *outboxTx:
+		t.wrote = true
+		return nil
+	case autoCommit:
+		// The statement that wrote the rows has returned, so it committed.
+		t.db.signalOutbox()
+		return nil
+	}
+	_, err := q.Exec(ctx, `SELECT pg_notify($1, '')`, OutboxChannel)
+	return err
+}
+
+// outboxTx is the transaction DB.InTx hands to its function: signalOutbox
+// records that it wrote outbox rows.
+type outboxTx struct {
+	pgx.Tx
+	wrote bool
+}
+
+// notifySQL notifies OutboxChannel in a transaction of its own that commits
+// without waiting for its WAL flush, so the NOTIFY lock is held only briefly;
+// a notification lost in a crash only delays the relay until its next poll.
+const notifySQL = "BEGIN; SET LOCAL synchronous_commit = off; SELECT pg_notify('" + OutboxChannel + "', ''); COMMIT"
+
+// outboxNotifier coalesces the post-commit signals of DB.InTx into NOTIFYs:
+// at most one runs at a time, and signals that arrive meanwhile cause one
+// more. Its zero value is ready; close stops it.
+type outboxNotifier struct {
+	mu     sync.Mutex
+	wake   chan struct{}
+	cancel context.CancelFunc
+	done   chan struct{}
+	closed bool
+}
+
+// SignalOutboxVia makes db wake the outbox relays by calling send (a NATS
+// publish on SubjectOutboxWritten, say) after each commit that wrote outbox
+// rows, instead of a NOTIFY: that NOTIFY is a transaction of its own (see
+// notifySQL), so on a busy command path, where every batch writes outbox
+// rows, it was a second transaction per batch. When send fails, the NOTIFY
+// is sent as before. Call it before db is used; nil restores NOTIFY alone.
+func (db *DB) SignalOutboxVia(send func() error) { db.outboxSignal = send }
+
+// signalOutbox wakes the relays after a commit that wrote outbox rows.
+func (db *DB) signalOutbox() {
+	if db.outboxSignal != nil && db.outboxSignal() == nil {
+		return
+	}
+	db.notifier.signal(db.Pool)
+}
+
+// signal asks for a NOTIFY on OutboxChannel soon, starting the notifier's
+// goroutine on first use. It never blocks.
+func (n *outboxNotifier) signal(pool *pgxpool.Pool) {
+	n.mu.Lock()
+	if n.closed {
+		n.mu.Unlock()
+		return
+	}
+	if n.wake == nil {
+		ctx, cancel := context.WithCancel(context.Background())
+		n.wake, n.cancel, n.done = make(chan struct{}, 1), cancel, make(chan struct{})
+		go n.run(ctx, pool)
+	}
+	n.mu.Unlock()
+	select {
+	case n.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (n *outboxNotifier) run(ctx context.Context, pool *pgxpool.Pool) {
+	defer close(n.done)
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-n.wake:
+		}
+		// A failure only delays the relay until its next poll.
+		_, _ = pool.Exec(ctx, notifySQL)
+	}
+}
+
+// close stops the goroutine and waits for it.
+func (n *outboxNotifier) close() {
+	n.mu.Lock()
+	n.closed = true
+	cancel, done := n.cancel, n.done
+	n.mu.Unlock()
+	if cancel != nil {
+		cancel()
+		<-done
+	}
+}
