@@ -91,9 +91,9 @@ type HTTPServer struct {
 	// Tune, when set, adjusts the server before it serves (protocols, HTTP/2
 	// settings, timeouts of long-lived streams).
 	Tune func(*http.Server)
-	// OnShutdown, when set, runs when the server starts shutting down
-	// (http.Server.RegisterOnShutdown): it ends long streams, so that the
-	// shutdown does not wait for them.
+	// OnShutdown, when set, runs when the server starts shutting down, before
+	// it waits for the requests in flight: it ends long streams, so that the
+	// shutdown does not wait for them. It must not block.
 	OnShutdown func()
 }
 
@@ -219,9 +219,6 @@ func (h HTTPServer) build(ready http.Handler) *http.Server {
 	if h.Tune != nil {
 		h.Tune(srv)
 	}
-	if h.OnShutdown != nil {
-		srv.RegisterOnShutdown(h.OnShutdown)
-	}
 	return srv
 }
 
@@ -252,7 +249,25 @@ func (h *httpPart) Run(ctx context.Context) error {
 	if ctx.Err() != nil {
 		return h.ln.Close()
 	}
-	return Serve(ctx, h.log.With("server", h.spec.Name), h.srv, h.ln)
+	if h.spec.OnShutdown == nil {
+		return Serve(ctx, h.log.With("server", h.spec.Name), h.srv, h.ln)
+	}
+	// OnShutdown runs, and returns, before Serve starts the shutdown
+	// (http.Server.RegisterOnShutdown would run it in a goroutine of its own,
+	// in no order with what the lifecycle stops next).
+	serveCtx, shutdown := context.WithCancel(context.WithoutCancel(ctx))
+	served := make(chan struct{})
+	defer close(served)
+	go func() {
+		select {
+		case <-ctx.Done():
+			h.spec.OnShutdown()
+			shutdown()
+		case <-served:
+			shutdown()
+		}
+	}()
+	return Serve(serveCtx, h.log.With("server", h.spec.Name), h.srv, h.ln)
 }
 
 // Func returns a Runner named name that runs run.
