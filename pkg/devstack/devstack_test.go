@@ -7,11 +7,14 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"connectrpc.com/connect"
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
@@ -318,22 +321,25 @@ func TestTwoStacksOnOneDatabase(t *testing.T) {
 	one := start(t, devstack.Options{DataDir: t.TempDir()})
 	two := start(t, devstack.Options{DataDir: t.TempDir(), DatabaseURL: one.DatabaseURL})
 	require.NotEqual(t, one.Gateways[0].GatewayID(), two.Gateways[0].GatewayID())
-	var holders []string
-	rows, err := one.DB.Pool.Query(ctx, `SELECT DISTINCT holder FROM leases ORDER BY 1`)
-	require.NoError(t, err)
-	for rows.Next() {
-		var h string
-		require.NoError(t, rows.Scan(&h))
-		holders = append(holders, h)
-	}
-	require.NoError(t, rows.Err())
 	require.NotEqual(t, one.Instance, two.Instance)
-	for _, h := range holders {
+	holders := func() []string {
+		rows, err := one.DB.Pool.Query(ctx, `SELECT DISTINCT holder FROM leases ORDER BY 1`)
+		require.NoError(t, err)
+		hs, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		require.NoError(t, err)
+		return hs
+	}
+	// Each gateway records its presence at its first last_seen flush.
+	gateways := []string{one.Gateways[0].GatewayID(), two.Gateways[0].GatewayID()}
+	require.Eventually(t, func() bool {
+		hs := holders()
+		return slices.Contains(hs, gateways[0]) && slices.Contains(hs, gateways[1])
+	}, 10*time.Second, 20*time.Millisecond, "both gateways' presence")
+	for _, h := range holders() {
 		require.True(t, strings.Contains(h, "-"+one.Instance+"-") || strings.Contains(h, "-"+two.Instance+"-"),
 			"lease holder %s is one of the two stacks'", h)
 	}
-	require.Subset(t, holders, []string{one.Gateways[0].GatewayID(), two.Gateways[0].GatewayID()})
-	_, err = two.CreatePool(ctx, devstack.PoolOptions{Name: "second"})
+	_, err := two.CreatePool(ctx, devstack.PoolOptions{Name: "second"})
 	require.NoError(t, err)
 }
 

@@ -23,6 +23,7 @@ require (
 	github.com/better-compute/better-compute/services/gateway v0.0.0-00010101000000-000000000000
 	github.com/better-compute/better-compute/services/joinservice v0.0.0-00010101000000-000000000000
 	github.com/better-compute/better-compute/services/scheduler v0.0.0-00010101000000-000000000000
+	github.com/jackc/pgx/v5 v5.13.0
 	github.com/nats-io/nats-server/v2 v2.15.3
 	github.com/nats-io/nats.go v1.55.0
 	github.com/stretchr/testify v1.12.1
@@ -53,7 +54,6 @@ require (
 	github.com/jackc/pgerrcode v0.0.0-20220416144525-469b46aa5efa // indirect
 	github.com/jackc/pgpassfile v1.0.0 // indirect
 	github.com/jackc/pgservicefile v0.0.0-20240606120523-5a60cdf6a761 // indirect
-	github.com/jackc/pgx/v5 v5.13.0 // indirect
 	github.com/jackc/puddle/v2 v2.2.3 // indirect
 	github.com/klauspost/compress v1.20.4 // indirect
 	github.com/minio/highwayhash v1.0.4 // indirect
