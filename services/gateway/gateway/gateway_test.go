@@ -108,6 +108,11 @@ func TestResyncDeliversWithoutPoke(t *testing.T) {
 	g := e.startGateway(gateway.Config{ResyncInterval: 5 * time.Second, IdleTimeout: time.Hour})
 	n := e.newNode()
 	d, _ := e.connect(g, n, nil)
+	// The session's first delivery pass runs after Welcome, before the
+	// handler reads the next message: once a heartbeat is answered, that
+	// pass is over, and a command queued now waits for a poke or a resync.
+	d.heartbeat(1, 0)
+	require.Equal(t, int64(1), d.nextAck())
 
 	cmdID := e.queueCommand(n.id, "diag.nvml", "user")
 	require.Equal(t, "queued", e.command(cmdID).State)
