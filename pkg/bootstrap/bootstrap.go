@@ -184,7 +184,7 @@ func Run(ctx context.Context, db *store.DB, o Options) (Result, error) {
 		}
 		jt := store.JoinToken{ID: ids.New(ids.JoinToken, now), PoolID: pool.ID, Hash: iam.HashSecret(secret),
 			MaxUses: o.JoinMaxUses, ExpiresAt: now.Add(o.JoinTTL), CreatedBy: "bootstrap", CreatedAt: now}
-		if err := store.CreateJoinToken(ctx, tx, jt); err != nil {
+		if err := store.CreateJoinToken(ctx, tx, store.AllTenants, jt); err != nil {
 			return err
 		}
 		res.JoinToken, res.JoinTokenID, res.JoinTokenMinted = secret, jt.ID, true

@@ -426,7 +426,7 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 		}
 		gw, err := run(s, g, gctx, fmt.Sprintf("gateway-%d", i), true, func(deps service.Deps) (*gateway.Server, error) {
 			return gateway.New(gateway.Config{GatewayID: fmt.Sprintf("gw-dev-%s-%d", s.state.Instance, i), Listener: ln,
-				NoHealthServer: true, PKI: pkiDir, NodeCerts: certs, HeartbeatInterval: o.HeartbeatInterval,
+				Probes: service.Probes{NoHealthServer: true}, PKI: pkiDir, NodeCerts: certs, HeartbeatInterval: o.HeartbeatInterval,
 				ResyncInterval: o.ResyncInterval}, deps)
 		})
 		if err != nil {
@@ -477,7 +477,7 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 
 	if !o.NoControllers {
 		if s.Controllers, err = run(s, g, gctx, "controllers", true, func(deps service.Deps) (*controllers.Server, error) {
-			return controllers.New(controllers.Config{NoHealthServer: true, PKI: pkiDir, Intent: intent,
+			return controllers.New(controllers.Config{Probes: service.Probes{NoHealthServer: true}, PKI: pkiDir, Intent: intent,
 				Leases: service.Leases{Holder: "dev-" + s.state.Instance + "-controllers"}, ReconcileInterval: o.ReconcileInterval}, deps)
 		}); err != nil {
 			return err
@@ -485,7 +485,7 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 	}
 	if !o.NoScheduler {
 		if s.Scheduler, err = run(s, g, gctx, "scheduler", true, func(deps service.Deps) (*scheduler.Server, error) {
-			return scheduler.New(scheduler.Config{NoHealthServer: true, PKI: pkiDir, Intent: intent,
+			return scheduler.New(scheduler.Config{Probes: service.Probes{NoHealthServer: true}, PKI: pkiDir, Intent: intent,
 				Leases: service.Leases{Holder: "dev-" + s.state.Instance + "-scheduler"}}, deps)
 		}); err != nil {
 			return err

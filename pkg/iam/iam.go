@@ -174,7 +174,7 @@ func (r Role) rank() int {
 
 // MayGrant reports whether p may mint, or revoke, a token of role r: one no
 // stronger than its own (a tenant-admin may not touch root-admin tokens).
-// Which tenant it may act in is Principal.InTenant's question.
+// Which tenant it may act in is Principal.Scope's question.
 func (p Principal) MayGrant(r Role) bool {
 	return r.rank() < len(Roles()) && p.Role.rank() <= r.rank()
 }
@@ -185,17 +185,15 @@ func (p Principal) IsRoot() bool { return p.Role == RoleRootAdmin }
 // Can reports whether p holds permission perm.
 func (p Principal) Can(perm Permission) bool { return p.Role.Grants(perm) }
 
-// InTenant reports whether p may touch resources owned by tenantID: its own
-// tenant's, or any tenant's for a root administrator.
-func (p Principal) InTenant(tenantID string) bool { return p.IsRoot() || p.TenantID == tenantID }
-
-// TenantScope returns the tenant whose resources p sees, or "" (all tenants)
-// for a root administrator; use it as a store filter.
-func (p Principal) TenantScope() string {
+// Scope is the one place that decides whose tenant-owned rows p may read
+// and change: its own tenant's, or every tenant's for a root administrator
+// (store.AllTenants). Handlers pass it to every store function that reads
+// or writes such rows, which apply it in their queries (store.Scope).
+func (p Principal) Scope() store.Scope {
 	if p.IsRoot() {
-		return ""
+		return store.AllTenants
 	}
-	return p.TenantID
+	return store.TenantScope(p.TenantID)
 }
 
 type principalKey struct{}

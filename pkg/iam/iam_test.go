@@ -72,11 +72,12 @@ func TestRoles(t *testing.T) {
 	require.ErrorContains(t, err, "unknown role \"admin\"")
 	root := iam.Principal{TenantID: "ten_a", Role: iam.RoleRootAdmin}
 	viewer := iam.Principal{TenantID: "ten_a", Role: iam.RoleViewer}
-	require.True(t, root.InTenant("ten_b"))
-	require.Empty(t, root.TenantScope())
-	require.True(t, viewer.InTenant("ten_a"))
-	require.False(t, viewer.InTenant("ten_b"))
-	require.Equal(t, "ten_a", viewer.TenantScope())
+	require.Equal(t, store.AllTenants, root.Scope(), "a root administrator reaches every tenant")
+	require.True(t, root.Scope().Includes("ten_b"))
+	require.True(t, viewer.Scope().Includes("ten_a"))
+	require.False(t, viewer.Scope().Includes("ten_b"))
+	require.Equal(t, "ten_a", viewer.Scope().Tenant())
+	require.False(t, iam.Principal{Role: iam.RoleViewer}.Scope().Includes(""), "a principal without a tenant reaches none")
 }
 
 // tenantDB is a database on a fake clock (2030-01-02 03:04:05 UTC) holding
@@ -104,7 +105,7 @@ func TestAuthenticate(t *testing.T) {
 	require.NoError(t, err)
 	revoked, revokedTok, err := iam.MintAPIToken(ctx, db.Pool, now, tenant.ID, "", iam.RoleTenantAdmin, nil)
 	require.NoError(t, err)
-	require.NoError(t, store.RevokeAPIToken(ctx, db.Pool, revokedTok.ID, now))
+	require.NoError(t, store.RevokeAPIToken(ctx, db.Pool, store.AllTenants, revokedTok.ID, now))
 	_, _, err = iam.MintAPIToken(ctx, db.Pool, now, tenant.ID, "", iam.Role("god"), nil)
 	require.Error(t, err)
 
@@ -241,7 +242,7 @@ func TestAuthenticateCacheTouch(t *testing.T) {
 	require.NoError(t, err)
 	lastUsed := func() *time.Time {
 		t.Helper()
-		got, err := store.GetAPIToken(ctx, db.Pool, tok.ID)
+		got, err := store.GetAPIToken(ctx, db.Pool, store.AllTenants, tok.ID)
 		require.NoError(t, err)
 		return got.LastUsedAt
 	}

@@ -14,8 +14,8 @@ type Rule struct {
 	// Public RPCs need no token at all.
 	Public bool
 	// Permission is what the caller's role must grant; empty admits any
-	// authenticated caller. Tenant scoping (which tenant's resources) is
-	// the handler's job, with Principal.InTenant or Principal.TenantScope.
+	// authenticated caller. Which tenant's resources the caller reaches is
+	// Principal.Scope's to say, applied by the store's queries.
 	Permission Permission
 	// Mutating RPCs change state: each call, allowed or refused, writes one
 	// audit row (NewAuditInterceptor, AuditInTx).

@@ -1,6 +1,7 @@
 package service
 
 import (
+	"net"
 	"time"
 
 	"github.com/better-compute/better-compute/pkg/config"
@@ -97,4 +98,31 @@ type Leases struct {
 // caller has filled in), on deps' database and clock.
 func (l Leases) Lease(name string, deps Deps) *lease.Lease {
 	return &lease.Lease{DB: deps.DB, Name: name, Holder: l.Holder, TTL: l.LeaseTTL, Clock: deps.Clock, Logger: deps.Logger}
+}
+
+// Probes is the setting of a service's own probes server (GET /healthz, GET
+// /readyz, plain HTTP), for a service that has no HTTP listener of its own
+// to mount them on: the scheduler, the controllers, and the gateway (whose
+// sessions listener takes only machines' certificates). An embedding sets
+// its port: service.Probes `default:"HEALTH_LISTEN=:8083"`.
+type Probes struct {
+	// HealthListen is the address of the probes server.
+	HealthListen string `env:"HEALTH_LISTEN"`
+	// HealthListener, when set, is where the probes server accepts
+	// connections instead of HealthListen; Run closes it.
+	HealthListener net.Listener
+	// NoHealthServer runs no probes server (`better-compute dev`, tests).
+	NoHealthServer bool
+}
+
+// ProbeAddr is HealthListen (Config).
+func (p Probes) ProbeAddr() string { return p.HealthListen }
+
+// Servers returns the probes server for Spec.Servers: none with
+// NoHealthServer.
+func (p Probes) Servers() []HTTPServer {
+	if p.NoHealthServer {
+		return nil
+	}
+	return []HTTPServer{{Name: "health", Addr: p.HealthListen, Listener: p.HealthListener, Probes: true}}
 }

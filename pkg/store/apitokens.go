@@ -75,20 +75,22 @@ func TouchAPIToken(ctx context.Context, q DBTX, id string, now time.Time) error 
 	return nil
 }
 
-// GetAPIToken returns the token with id. Errors: ErrNotFound.
-func GetAPIToken(ctx context.Context, q DBTX, id string) (APIToken, error) {
-	t, err := scanAPIToken(q.QueryRow(ctx, `SELECT `+apiTokenColumns+` FROM api_tokens WHERE id = $1`, id))
+// GetAPIToken returns the token with id when scope includes its tenant.
+// Errors: ErrNotFound (missing, or outside scope).
+func GetAPIToken(ctx context.Context, q DBTX, scope Scope, id string) (APIToken, error) {
+	t, err := scanAPIToken(q.QueryRow(ctx, `SELECT `+apiTokenColumns+` FROM api_tokens
+		WHERE id = $1 AND ($2::text IS NULL OR tenant_id = $2)`, id, scope.arg()))
 	if err != nil {
 		return APIToken{}, queryErr("api token "+id, err)
 	}
 	return t, nil
 }
 
-// ListAPITokens returns the tokens of tenantID (every tenant's when it is
-// empty), oldest first, revoked and expired ones included.
-func ListAPITokens(ctx context.Context, q DBTX, tenantID string) ([]APIToken, error) {
+// ListAPITokens returns the tokens of scope's tenants, oldest first,
+// revoked and expired ones included.
+func ListAPITokens(ctx context.Context, q DBTX, scope Scope) ([]APIToken, error) {
 	rows, err := q.Query(ctx, `SELECT `+apiTokenColumns+` FROM api_tokens
-		WHERE ($1 = '' OR tenant_id = $1) ORDER BY created_at, id`, tenantID)
+		WHERE ($1::text IS NULL OR tenant_id = $1) ORDER BY created_at, id`, scope.arg())
 	if err != nil {
 		return nil, queryErr("list api tokens", err)
 	}
@@ -103,16 +105,18 @@ func ListAPITokens(ctx context.Context, q DBTX, tenantID string) ([]APIToken, er
 // time, and in the same statement writes an outbox message on
 // SubjectAPITokenRevoked (payload APITokenRevoked) so that every API server
 // drops the token from its cache once the change commits; revoking again
-// writes another, harmless, message. Errors: ErrNotFound.
-func RevokeAPIToken(ctx context.Context, q DBTX, id string, now time.Time) error {
+// writes another, harmless, message. Errors: ErrNotFound (missing, or its
+// tenant outside scope).
+func RevokeAPIToken(ctx context.Context, q DBTX, scope Scope, id string, now time.Time) error {
 	payload, err := json.Marshal(APITokenRevoked{TokenID: id})
 	if err != nil {
 		return fmt.Errorf("revoke api token: %w", err)
 	}
 	tag, err := q.Exec(ctx, `WITH t AS (
-			UPDATE api_tokens SET revoked_at = COALESCE(revoked_at, $2) WHERE id = $1 RETURNING id)
+			UPDATE api_tokens SET revoked_at = COALESCE(revoked_at, $2)
+			WHERE id = $1 AND ($5::text IS NULL OR tenant_id = $5) RETURNING id)
 		INSERT INTO outbox (subject, payload, created_at) SELECT $3, $4, $2 FROM t`,
-		id, now, SubjectAPITokenRevoked, payload)
+		id, now, SubjectAPITokenRevoked, payload, scope.arg())
 	if err != nil {
 		return queryErr("revoke api token", err)
 	}

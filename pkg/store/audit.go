@@ -72,9 +72,9 @@ func InsertAudits(ctx context.Context, q DBTX, entries []AuditEntry) error {
 
 // AuditFilter selects audit rows for ListAudit.
 type AuditFilter struct {
-	// TenantID selects one tenant's rows; empty selects every row,
-	// unauthenticated calls included.
-	TenantID string
+	// Scope selects its tenants' rows; AllTenants selects every row,
+	// unauthenticated calls included (the zero Scope: none).
+	Scope Scope
 	// Before, when positive, selects rows with a smaller id (the previous
 	// page's last id).
 	Before int64
@@ -86,8 +86,8 @@ type AuditFilter struct {
 func ListAudit(ctx context.Context, q DBTX, f AuditFilter) ([]AuditEntry, error) {
 	rows, err := q.Query(ctx, `SELECT id, at, COALESCE(tenant_id, ''), COALESCE(token_id, ''), role, procedure, target,
 			outcome, detail
-		FROM audit WHERE ($1 = '' OR tenant_id = $1) AND ($2 <= 0 OR id < $2)
-		ORDER BY id DESC LIMIT $3`, f.TenantID, f.Before, f.Limit)
+		FROM audit WHERE ($1::text IS NULL OR tenant_id = $1) AND ($2 <= 0 OR id < $2)
+		ORDER BY id DESC LIMIT $3`, f.Scope.arg(), f.Before, f.Limit)
 	if err != nil {
 		return nil, queryErr("list audit", err)
 	}

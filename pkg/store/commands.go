@@ -116,9 +116,11 @@ func scanCommand(row pgx.Row) (Command, error) {
 	return c, err
 }
 
-// GetCommand returns command id with its tenant, or ErrNotFound.
-func GetCommand(ctx context.Context, q DBTX, id string) (Command, error) {
-	c, err := scanCommand(q.QueryRow(ctx, `SELECT `+commandColumns+commandFrom+` WHERE c.id = $1`, id))
+// GetCommand returns command id with its tenant when scope includes that
+// tenant. Errors: ErrNotFound (missing, or outside scope).
+func GetCommand(ctx context.Context, q DBTX, scope Scope, id string) (Command, error) {
+	c, err := scanCommand(q.QueryRow(ctx, `SELECT `+commandColumns+commandFrom+`
+		WHERE c.id = $1 AND ($2::text IS NULL OR p.owner_tenant_id = $2)`, id, scope.arg()))
 	if err != nil {
 		return Command{}, queryErr("command "+id, err)
 	}
@@ -127,8 +129,9 @@ func GetCommand(ctx context.Context, q DBTX, id string) (Command, error) {
 
 // CommandFilter selects commands for ListCommands.
 type CommandFilter struct {
-	// TenantID, when set, keeps the commands of that tenant's nodes.
-	TenantID string
+	// Scope keeps the commands of nodes its tenants own (the zero Scope:
+	// none).
+	Scope Scope
 	// NodeID, when set, keeps the commands of that node.
 	NodeID string
 	// Before, when set, keeps ids less than it (the previous page's last id).
@@ -141,8 +144,8 @@ type CommandFilter struct {
 // sort by creation time).
 func ListCommands(ctx context.Context, q DBTX, f CommandFilter) ([]Command, error) {
 	rows, err := q.Query(ctx, `SELECT `+commandColumns+commandFrom+`
-		WHERE ($1 = '' OR p.owner_tenant_id = $1) AND ($2 = '' OR c.node_id = $2) AND ($3 = '' OR c.id < $3)
-		ORDER BY c.id DESC LIMIT $4`, f.TenantID, f.NodeID, f.Before, f.Limit)
+		WHERE ($1::text IS NULL OR p.owner_tenant_id = $1) AND ($2 = '' OR c.node_id = $2) AND ($3 = '' OR c.id < $3)
+		ORDER BY c.id DESC LIMIT $4`, f.Scope.arg(), f.NodeID, f.Before, f.Limit)
 	if err != nil {
 		return nil, queryErr("list commands", err)
 	}
@@ -174,9 +177,10 @@ type NewCommand struct {
 	RequestID string
 	// CreatedBy names the caller (its token id).
 	CreatedBy string
-	// TenantID, when not empty, is the caller's tenant: a node whose pool
-	// another tenant owns is refused with ErrNotFound, as an unknown one is.
-	TenantID string
+	// Scope is whose nodes the caller may run commands on: a node whose
+	// pool's owner is outside it is refused with ErrNotFound, as an unknown
+	// one is (the zero Scope refuses every node).
+	Scope Scope
 	// Audit, when set, is the audit row of the call that queues the
 	// command: QueueCommands writes it with the command (its TenantID,
 	// TokenID, Role and Procedure are used; At, Target, Outcome and Detail
@@ -209,8 +213,8 @@ type QueueResult struct {
 	// GatewayID is the gateway that held the node's session when a new
 	// command was queued ("" when none did): the poke went to it.
 	GatewayID string
-	// Err is ErrNotFound (node unknown, or of a tenant other than the
-	// command's TenantID), a *NodeNotRunnableError, or an error for an
+	// Err is ErrNotFound (node unknown, or of a tenant outside the
+	// command's Scope), a *NodeNotRunnableError, or an error for an
 	// unknown kind; nothing was written for the command then.
 	Err error
 }
@@ -225,8 +229,8 @@ type QueueResult struct {
 // waits for the commit, then claims the command, and the poke goes to the
 // gateway read, which still holds the session. Writers of other columns
 // (last_seen flushes, cordon, specs) lock FOR NO KEY UPDATE and neither wait
-// for it nor make it wait. It refuses one that is unknown or of another
-// tenant than the command's TenantID (ErrNotFound) or is not adopted or is
+// for it nor make it wait. It refuses one that is unknown or of a
+// tenant outside the command's Scope (ErrNotFound) or is not adopted or is
 // revoked (*NodeNotRunnableError), inserts the command as queued with its kind's
 // retry-safety and purpose 'user', signed with intent (nil: unsigned),
 // writes a command.queued event for the node's tenant, pokes the gateways
@@ -287,7 +291,7 @@ var queueSQL = `WITH u AS (
 		WHERE n.id = ANY($16::text[]) ORDER BY n.id FOR KEY SHARE OF n),
 	ok AS (
 		SELECT u.*, n.tenant, n.gateway_id, n.provision_state, n.revoked FROM u JOIN n ON n.id = u.node
-		WHERE u.scope = '' OR u.scope = n.tenant),
+		WHERE u.scope IS NULL OR u.scope = n.tenant),
 	prev AS (
 		SELECT ok.ord, c.id, c.node_id, c.kind, c.purpose, c.state, c.retry_safe, c.deadline, c.result, c.error,
 			c.deliveries, c.request_id, c.created_by, c.created_at, c.updated_at, c.delivered_at, c.finished_at
@@ -334,8 +338,9 @@ func queueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 	out []QueueResult,
 ) error {
 	k := len(sent)
-	id, node, kind, created, req, scope := make([]string, k), make([]string, k), make([]string, k), make([]string, k),
-		make([]string, k), make([]string, k)
+	id, node, kind, created, req := make([]string, k), make([]string, k), make([]string, k), make([]string, k),
+		make([]string, k)
+	scope := make([]*string, k)
 	aTenant, aToken, aRole, aProc := make([]string, k), make([]string, k), make([]string, k), make([]string, k)
 	safe, audit := make([]bool, k), make([]bool, k)
 	deadline := make([]time.Time, k)
@@ -346,7 +351,7 @@ func queueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 		// Stored to the microsecond: sign and return what is stored.
 		d := c.Deadline.UTC().Truncate(time.Microsecond)
 		id[x], node[x], kind[x], created[x], req[x], scope[x], deadline[x] = c.ID, c.NodeID, c.Kind, c.CreatedBy,
-			c.RequestID, c.TenantID, d
+			c.RequestID, c.Scope.arg(), d
 		safe[x], _ = CommandRetrySafe(c.Kind)
 		// The tenant is the node's, read by the statement.
 		events[x] = NewEvent{Data: CommandQueuedData{CommandID: c.ID, NodeID: c.NodeID, Kind: c.Kind, Deadline: d}}
@@ -401,7 +406,7 @@ func queueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 		i := sent[x]
 		c := cmds[i]
 		switch {
-		case !found || (c.TenantID != "" && c.TenantID != tenant):
+		case !found || !c.Scope.Includes(tenant):
 			out[i].Err = fmt.Errorf("node %s: %w", c.NodeID, ErrNotFound)
 		case pid != nil:
 			p.ID, p.NodeID, p.TenantID, p.Kind, p.Purpose, p.State = *pid, *pnode, tenant, *pkind, *ppurpose, *pstate

@@ -63,7 +63,7 @@ func TestQueueCommand(t *testing.T) {
 	intent, err := store.NewIntentSigner(priv)
 	require.NoError(t, err)
 
-	q, err := queue(t, db, intent, now, store.NewCommand{ID: "cmd_1", NodeID: "n-ok", Kind: store.CommandNodeReboot,
+	q, err := queue(t, db, intent, now, store.NewCommand{Scope: store.AllTenants, ID: "cmd_1", NodeID: "n-ok", Kind: store.CommandNodeReboot,
 		Deadline: now.Add(time.Minute), RequestID: "r1", CreatedBy: "tok_1"})
 	require.NoError(t, err)
 	require.False(t, q.Existing)
@@ -89,7 +89,7 @@ func TestQueueCommand(t *testing.T) {
 	require.Equal(t, 1, countRows(t, db, `SELECT count(*) FROM outbox WHERE subject = 'bc.events.ten_1.command.queued'`))
 
 	// The same request id returns the first command and writes nothing.
-	again, err := queue(t, db, intent, now, store.NewCommand{ID: "cmd_2", NodeID: "n-ok", Kind: store.CommandNodeReboot,
+	again, err := queue(t, db, intent, now, store.NewCommand{Scope: store.AllTenants, ID: "cmd_2", NodeID: "n-ok", Kind: store.CommandNodeReboot,
 		Deadline: now.Add(time.Hour), RequestID: "r1", CreatedBy: "tok_1"})
 	require.NoError(t, err)
 	require.True(t, again.Existing)
@@ -99,21 +99,21 @@ func TestQueueCommand(t *testing.T) {
 
 	// Retry-safety per kind.
 	for i, kind := range []string{store.CommandDiagNVML, store.CommandInventoryRefresh, store.CommandLogsCollect} {
-		c, err := queue(t, db, nil, now, store.NewCommand{ID: "cmd_s" + string(rune('a'+i)), NodeID: "n-ok", Kind: kind,
+		c, err := queue(t, db, nil, now, store.NewCommand{Scope: store.AllTenants, ID: "cmd_s" + string(rune('a'+i)), NodeID: "n-ok", Kind: kind,
 			Deadline: now.Add(time.Minute)})
 		require.NoError(t, err)
 		require.True(t, c.RetrySafe, kind)
 	}
 
-	_, err = queue(t, db, nil, now, store.NewCommand{ID: "cmd_3", NodeID: "n-rev", Kind: store.CommandDiagNVML, Deadline: now})
+	_, err = queue(t, db, nil, now, store.NewCommand{Scope: store.AllTenants, ID: "cmd_3", NodeID: "n-rev", Kind: store.CommandDiagNVML, Deadline: now})
 	require.ErrorIs(t, err, store.ErrNodeNotRunnable)
 	require.ErrorContains(t, err, "is revoked")
-	_, err = queue(t, db, nil, now, store.NewCommand{ID: "cmd_4", NodeID: "n-acc", Kind: store.CommandDiagNVML, Deadline: now})
+	_, err = queue(t, db, nil, now, store.NewCommand{Scope: store.AllTenants, ID: "cmd_4", NodeID: "n-acc", Kind: store.CommandDiagNVML, Deadline: now})
 	require.ErrorIs(t, err, store.ErrNodeNotRunnable)
 	require.ErrorContains(t, err, "is not adopted (it is accepting)")
-	_, err = queue(t, db, nil, now, store.NewCommand{ID: "cmd_5", NodeID: "n-missing", Kind: store.CommandDiagNVML, Deadline: now})
+	_, err = queue(t, db, nil, now, store.NewCommand{Scope: store.AllTenants, ID: "cmd_5", NodeID: "n-missing", Kind: store.CommandDiagNVML, Deadline: now})
 	require.ErrorIs(t, err, store.ErrNotFound)
-	_, err = queue(t, db, nil, now, store.NewCommand{ID: "cmd_6", NodeID: "n-ok", Kind: "rm -rf", Deadline: now})
+	_, err = queue(t, db, nil, now, store.NewCommand{Scope: store.AllTenants, ID: "cmd_6", NodeID: "n-ok", Kind: "rm -rf", Deadline: now})
 	require.ErrorContains(t, err, "unknown command kind")
 	require.Equal(t, 0, countRows(t, db, `SELECT count(*) FROM commands WHERE id IN ('cmd_3', 'cmd_4', 'cmd_5', 'cmd_6')`))
 }
@@ -122,9 +122,9 @@ func TestListCommandsScopesAndPages(t *testing.T) {
 	t.Parallel()
 	db, now := commandsDB(t)
 	for _, n := range []store.NewCommand{
-		{ID: "cmd_a", NodeID: "n-ok", Kind: store.CommandDiagNVML},
-		{ID: "cmd_b", NodeID: "n-other", Kind: store.CommandDiagNVML},
-		{ID: "cmd_c", NodeID: "n-ok", Kind: store.CommandLogsCollect},
+		{Scope: store.AllTenants, ID: "cmd_a", NodeID: "n-ok", Kind: store.CommandDiagNVML},
+		{Scope: store.AllTenants, ID: "cmd_b", NodeID: "n-other", Kind: store.CommandDiagNVML},
+		{Scope: store.AllTenants, ID: "cmd_c", NodeID: "n-ok", Kind: store.CommandLogsCollect},
 	} {
 		n.Deadline = now.Add(time.Minute)
 		_, err := queue(t, db, nil, now, n)
@@ -137,22 +137,22 @@ func TestListCommandsScopesAndPages(t *testing.T) {
 		}
 		return out
 	}
-	all, err := store.ListCommands(t.Context(), db.Pool, store.CommandFilter{Limit: 10})
+	all, err := store.ListCommands(t.Context(), db.Pool, store.CommandFilter{Scope: store.AllTenants, Limit: 10})
 	require.NoError(t, err)
 	require.Equal(t, []string{"cmd_c", "cmd_b", "cmd_a"}, ids(all))
-	mine, err := store.ListCommands(t.Context(), db.Pool, store.CommandFilter{TenantID: "ten_1", Limit: 1})
+	mine, err := store.ListCommands(t.Context(), db.Pool, store.CommandFilter{Scope: store.TenantScope("ten_1"), Limit: 1})
 	require.NoError(t, err)
 	require.Equal(t, []string{"cmd_c"}, ids(mine))
-	next, err := store.ListCommands(t.Context(), db.Pool, store.CommandFilter{TenantID: "ten_1", Before: "cmd_c", Limit: 5})
+	next, err := store.ListCommands(t.Context(), db.Pool, store.CommandFilter{Scope: store.TenantScope("ten_1"), Before: "cmd_c", Limit: 5})
 	require.NoError(t, err)
 	require.Equal(t, []string{"cmd_a"}, ids(next))
-	other, err := store.ListCommands(t.Context(), db.Pool, store.CommandFilter{NodeID: "n-other", Limit: 5})
+	other, err := store.ListCommands(t.Context(), db.Pool, store.CommandFilter{Scope: store.AllTenants, NodeID: "n-other", Limit: 5})
 	require.NoError(t, err)
 	require.Equal(t, []string{"cmd_b"}, ids(other))
-	got, err := store.GetCommand(t.Context(), db.Pool, "cmd_b")
+	got, err := store.GetCommand(t.Context(), db.Pool, store.AllTenants, "cmd_b")
 	require.NoError(t, err)
 	require.Equal(t, "ten_2", got.TenantID)
-	_, err = store.GetCommand(t.Context(), db.Pool, "cmd_zz")
+	_, err = store.GetCommand(t.Context(), db.Pool, store.AllTenants, "cmd_zz")
 	require.ErrorIs(t, err, store.ErrNotFound)
 }
 
@@ -160,8 +160,8 @@ func TestExpireDueCommands(t *testing.T) {
 	t.Parallel()
 	db, now := commandsDB(t)
 	for _, n := range []store.NewCommand{
-		{ID: "cmd_due", NodeID: "n-ok", Kind: store.CommandDiagNVML, Deadline: now},
-		{ID: "cmd_later", NodeID: "n-ok", Kind: store.CommandDiagNVML, Deadline: now.Add(time.Second)},
+		{Scope: store.AllTenants, ID: "cmd_due", NodeID: "n-ok", Kind: store.CommandDiagNVML, Deadline: now},
+		{Scope: store.AllTenants, ID: "cmd_later", NodeID: "n-ok", Kind: store.CommandDiagNVML, Deadline: now.Add(time.Second)},
 	} {
 		_, err := queue(t, db, nil, now.Add(-time.Hour), n)
 		require.NoError(t, err)
@@ -185,7 +185,7 @@ func TestExpireDueCommands(t *testing.T) {
 	require.Equal(t, 1, countRows(t, db, `SELECT count(*) FROM events WHERE type = 'command.expired' AND subject_id = 'cmd_due'
 		AND tenant_id = 'ten_1'`))
 	for id, state := range map[string]string{"cmd_later": "queued", "cmd_done": "succeeded", "cmd_acc": "queued"} {
-		c, err := store.GetCommand(t.Context(), db.Pool, id)
+		c, err := store.GetCommand(t.Context(), db.Pool, store.AllTenants, id)
 		require.NoError(t, err)
 		require.Equal(t, state, c.State, id)
 	}
@@ -202,7 +202,7 @@ func TestApplySessionCommandUpdateWritesCommandEvents(t *testing.T) {
 	t.Parallel()
 	db, now := commandsDB(t)
 	for _, id := range []string{"cmd_ok", "cmd_bad"} {
-		_, err := queue(t, db, nil, now, store.NewCommand{ID: id, NodeID: "n-ok", Kind: store.CommandDiagNVML, Deadline: now.Add(time.Minute)})
+		_, err := queue(t, db, nil, now, store.NewCommand{Scope: store.AllTenants, ID: id, NodeID: "n-ok", Kind: store.CommandDiagNVML, Deadline: now.Add(time.Minute)})
 		require.NoError(t, err)
 	}
 	storetest.Command(t, db, &storetest.CommandOpts{ID: "cmd_acc", NodeID: "n-acc", Purpose: "acceptance", State: "delivered",
@@ -248,7 +248,7 @@ func TestApplySessionCommandUpdatesAfterTheDeadline(t *testing.T) {
 	ctx := t.Context()
 	deadline := now.Add(time.Minute)
 	for _, id := range []string{"cmd_late_ok", "cmd_ok", "cmd_too_late", "cmd_late_bad", "cmd_at", "cmd_reaped"} {
-		_, err := queue(t, db, nil, now, store.NewCommand{ID: id, NodeID: "n-ok", Kind: store.CommandDiagNVML, Deadline: deadline})
+		_, err := queue(t, db, nil, now, store.NewCommand{Scope: store.AllTenants, ID: id, NodeID: "n-ok", Kind: store.CommandDiagNVML, Deadline: deadline})
 		require.NoError(t, err)
 	}
 	storetest.Command(t, db, &storetest.CommandOpts{ID: "cmd_acc", NodeID: "n-acc", Purpose: "acceptance", State: "running",
@@ -306,7 +306,7 @@ func TestApplySessionCommandUpdatesAfterTheDeadline(t *testing.T) {
 		"cmd_at":       {"expired", "deadline passed"},
 		"cmd_acc":      {"expired", "deadline passed"},
 	} {
-		c, err := store.GetCommand(ctx, db.Pool, id)
+		c, err := store.GetCommand(ctx, db.Pool, store.AllTenants, id)
 		require.NoError(t, err)
 		require.Equal(t, want.state, c.State, id)
 		require.Equal(t, want.err, c.Error, id)
@@ -377,15 +377,20 @@ func TestQueueCommandsBatch(t *testing.T) {
 	for _, n := range []struct{ id, gw string }{{"n-gw-a", "gw-a"}, {"n-gw-a2", "gw-a"}, {"n-gw-b", "gw-b"}} {
 		storetest.Node(t, db, &storetest.NodeOpts{ID: n.id, PoolID: "pool_1", State: store.NodeAdopted, GatewayID: n.gw})
 	}
-	before, err := queue(t, db, nil, now, store.NewCommand{ID: "cmd_0", NodeID: "n-ok", Kind: store.CommandDiagNVML,
+	before, err := queue(t, db, nil, now, store.NewCommand{Scope: store.AllTenants, ID: "cmd_0", NodeID: "n-ok", Kind: store.CommandDiagNVML,
 		Deadline: now.Add(time.Minute), RequestID: "old"})
 	require.NoError(t, err)
 	_, err = db.Pool.Exec(ctx, `DELETE FROM outbox`)
 	require.NoError(t, err)
 
+	// tenant "" is every tenant's scope (a root administrator's).
 	cmd := func(id, node, kind, req, tenant string) store.NewCommand {
+		scope := store.AllTenants
+		if tenant != "" {
+			scope = store.TenantScope(tenant)
+		}
 		return store.NewCommand{ID: id, NodeID: node, Kind: kind, Deadline: now.Add(time.Minute), RequestID: req,
-			CreatedBy: "tok_1", TenantID: tenant}
+			CreatedBy: "tok_1", Scope: scope}
 	}
 	batch := []store.NewCommand{
 		cmd("cmd_a", "n-gw-a", store.CommandDiagNVML, "", "ten_1"),
@@ -484,15 +489,15 @@ func TestQueueCommandsAudit(t *testing.T) {
 	t.Parallel()
 	db, now := commandsDB(t)
 	ctx := t.Context()
-	_, err := queue(t, db, nil, now, store.NewCommand{ID: "cmd_0", NodeID: "n-ok", Kind: store.CommandDiagNVML,
+	_, err := queue(t, db, nil, now, store.NewCommand{Scope: store.AllTenants, ID: "cmd_0", NodeID: "n-ok", Kind: store.CommandDiagNVML,
 		Deadline: now.Add(time.Minute), RequestID: "old"})
 	require.NoError(t, err)
 	audit := func() *store.AuditEntry {
 		return &store.AuditEntry{TenantID: "ten_1", TokenID: "tok_1", Role: "tenant-admin", Procedure: "/run"}
 	}
 	cmd := func(id, node, kind, req string) store.NewCommand {
-		return store.NewCommand{ID: id, NodeID: node, Kind: kind, Deadline: now.Add(time.Minute), RequestID: req,
-			CreatedBy: "tok_1", Audit: audit()}
+		return store.NewCommand{Scope: store.AllTenants, ID: id, NodeID: node, Kind: kind, Deadline: now.Add(time.Minute),
+			RequestID: req, CreatedBy: "tok_1", Audit: audit()}
 	}
 	res, err := store.QueueCommands(ctx, db.AutoCommit(), nil, now, []store.NewCommand{
 		cmd("cmd_a", "n-ok", store.CommandLogsCollect, ""),

@@ -84,7 +84,7 @@ func TestEventsAsWatchersReceiveThem(t *testing.T) {
 			Kind: "metal-host", CreatedAt: now}); err != nil {
 			return err
 		}
-		_, err := store.UpsertOffer(ctx, tx, store.Offer{PoolID: "pool_1", TenantID: "ten_user", GPUQuota: 100, CreatedAt: now, UpdatedAt: now})
+		_, err := store.UpsertOffer(ctx, tx, store.AllTenants, store.Offer{PoolID: "pool_1", TenantID: "ten_user", GPUQuota: 100, CreatedAt: now, UpdatedAt: now})
 		if err != nil {
 			return err
 		}
@@ -168,10 +168,10 @@ func TestEventsAsWatchersReceiveThem(t *testing.T) {
 			`bc.events.ten_owner.node.reachable {"id": 12, "data": {"nodeId": "node_c", "gatewayId": "gw-2", "sessionId": "ses_c2", "previousLastSeen": "2030-05-06T07:08:12.123456Z"}, "time": "2030-05-06T07:09:14.123456Z", "type": "node.reachable", "tenantId": "ten_owner", "subjectId": "node_c"}`},
 	)
 	step("node.cordoned, node.uncordoned", time.Second, func(ctx context.Context, tx pgx.Tx, now time.Time) error {
-		if _, err := store.CordonNode(ctx, tx, now, "node_a", "maintenance"); err != nil {
+		if _, err := store.CordonNode(ctx, tx, store.AllTenants, now, "node_a", "maintenance"); err != nil {
 			return err
 		}
-		_, err := store.UncordonNode(ctx, tx, now, "node_a")
+		_, err := store.UncordonNode(ctx, tx, store.AllTenants, now, "node_a")
 		return err
 	},
 		writtenEvent{"ten_owner", "node.cordoned", "node_a", `{"nodeId": "node_a", "reason": "maintenance"}`,
@@ -191,7 +191,7 @@ func TestEventsAsWatchersReceiveThem(t *testing.T) {
 			node     string
 			deadline time.Duration
 		}{{"node_a", time.Minute}, {"node_a", time.Minute}, {"node_a", time.Minute}, {"node_a", time.Minute}, {"node_c", time.Hour}} {
-			cmds = append(cmds, store.NewCommand{ID: fmt.Sprintf("cmd_%d", i+1), NodeID: c.node, Kind: store.CommandLogsCollect,
+			cmds = append(cmds, store.NewCommand{Scope: store.AllTenants, ID: fmt.Sprintf("cmd_%d", i+1), NodeID: c.node, Kind: store.CommandLogsCollect,
 				Deadline: now.Add(c.deadline).Add(789 * time.Nanosecond), CreatedBy: "tok_1"})
 		}
 		_, err := store.QueueCommands(ctx, tx, nil, now, cmds)
@@ -283,10 +283,10 @@ func TestEventsAsWatchersReceiveThem(t *testing.T) {
 			`bc.events.ten_user.reservation.active {"id": 34, "data": {"nodeId": "node_a", "binding": ["nvidia.com/gpu=0", "nvidia.com/gpu=1"], "generation": 2, "reservationId": "res_1"}, "time": "2030-05-06T07:10:22.123456Z", "type": "reservation.active", "tenantId": "ten_user", "subjectId": "res_1"}`},
 	)
 	step("reservation.released, reservation.expired", time.Second, func(ctx context.Context, tx pgx.Tx, now time.Time) error {
-		if _, err := store.EndReservation(ctx, tx, nil, now, "res_1", store.ReservationReleased); err != nil {
+		if _, err := store.EndReservation(ctx, tx, nil, store.AllTenants, now, "res_1", store.ReservationReleased); err != nil {
 			return err
 		}
-		_, err := store.EndReservation(ctx, tx, nil, now, "res_3", store.ReservationExpired)
+		_, err := store.EndReservation(ctx, tx, nil, store.AllTenants, now, "res_3", store.ReservationExpired)
 		return err
 	},
 		writtenEvent{"ten_user", "reservation.released", "res_1", `{"from": "active", "nodeId": "node_a", "reservationId": "res_1"}`,
@@ -309,7 +309,7 @@ func TestEventsAsWatchersReceiveThem(t *testing.T) {
 	)
 	step("node.revoked, command.failed, reservation.failed by the revocation", time.Second,
 		func(ctx context.Context, tx pgx.Tx, now time.Time) error {
-			if _, err := store.RevokeNode(ctx, tx, now, "node_c", "stolen"); err != nil {
+			if _, err := store.RevokeNode(ctx, tx, store.AllTenants, now, "node_c", "stolen"); err != nil {
 				return err
 			}
 			_, err := store.FailNodeReservations(ctx, tx, nil, now, "node_c", "node revoked: stolen")

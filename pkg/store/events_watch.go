@@ -38,8 +38,9 @@ type Event struct {
 
 // EventFilter selects the events a watcher receives.
 type EventFilter struct {
-	// TenantID selects one tenant's events; empty selects every event.
-	TenantID string
+	// Scope selects its tenants' events; AllTenants selects every event,
+	// those of no tenant included (the zero Scope: none).
+	Scope Scope
 	// Types are patterns: an exact type ("node.cordoned") or a prefix
 	// ending in ".*" ("node.*" matches "node.cordoned", not "node" or
 	// "nodes.x"). Empty (nil or no element) matches every type; the
@@ -50,7 +51,7 @@ type EventFilter struct {
 
 // Matches reports whether e passes f; it is the Go twin of ScanEvents' SQL.
 func (f EventFilter) Matches(e Event) bool {
-	if f.TenantID != "" && e.TenantID != f.TenantID {
+	if !f.Scope.Includes(e.TenantID) {
 		return false
 	}
 	if len(f.Types) == 0 {
@@ -108,12 +109,12 @@ func ScanEvents(ctx context.Context, q DBTX, after int64, f EventFilter, limit i
 	// start of its transaction.
 	rows, err := q.Query(ctx, `SELECT id, m, old, CASE WHEN m THEN COALESCE(tenant_id, '') END, CASE WHEN m THEN type END,
 			CASE WHEN m THEN subject_id END, CASE WHEN m THEN data::text END, CASE WHEN m THEN created_at END
-		FROM (SELECT e.*, ($2 = '' OR e.tenant_id IS NOT DISTINCT FROM $2)
+		FROM (SELECT e.*, ($2::text IS NULL OR e.tenant_id = $2)
 				AND ($5 OR e.type = ANY($3::text[]) OR EXISTS (SELECT 1 FROM unnest($4::text[]) AS p(prefix)
 					WHERE starts_with(e.type, p.prefix))) AS m,
 				COALESCE(e.inserted_at <= clock_timestamp() - $7::bigint * interval '1 microsecond', true) AS old
 			FROM events e WHERE e.id > $1 ORDER BY e.id LIMIT $6) AS s
-		ORDER BY id`, after, f.TenantID, exact, prefixes, len(f.Types) == 0, limit, oldAge.Microseconds())
+		ORDER BY id`, after, f.Scope.arg(), exact, prefixes, len(f.Types) == 0, limit, oldAge.Microseconds())
 	if err != nil {
 		return nil, queryErr("scan events", err)
 	}

@@ -51,16 +51,16 @@ func TestTenantsAndTokens(t *testing.T) {
 		ts, err := store.ListTenants(ctx, q, f)
 		return utcTenants(ts), err
 	}
-	all, err := listTenants(ctx, db.Pool, store.TenantFilter{})
+	all, err := listTenants(ctx, db.Pool, store.TenantFilter{Scope: store.AllTenants})
 	require.NoError(t, err)
 	require.Equal(t, []store.Tenant{root, acme, other}, all, "ordered by id, parents kept")
-	one, err := listTenants(ctx, db.Pool, store.TenantFilter{ID: acme.ID})
+	one, err := listTenants(ctx, db.Pool, store.TenantFilter{Scope: store.TenantScope(acme.ID)})
 	require.NoError(t, err)
 	require.Equal(t, []store.Tenant{acme}, one)
-	children, err := listTenants(ctx, db.Pool, store.TenantFilter{ParentID: root.ID})
+	children, err := listTenants(ctx, db.Pool, store.TenantFilter{Scope: store.AllTenants, ParentID: root.ID})
 	require.NoError(t, err)
 	require.Equal(t, []store.Tenant{acme, other}, children)
-	none, err := store.ListTenants(ctx, db.Pool, store.TenantFilter{ID: "ten_missing"})
+	none, err := store.ListTenants(ctx, db.Pool, store.TenantFilter{Scope: store.TenantScope("ten_missing")})
 	require.NoError(t, err)
 	require.Empty(t, none)
 
@@ -81,16 +81,16 @@ func TestTenantsAndTokens(t *testing.T) {
 		}
 		return out
 	}
-	got, err := store.ListAPITokens(ctx, db.Pool, acme.ID)
+	got, err := store.ListAPITokens(ctx, db.Pool, store.TenantScope(acme.ID))
 	require.NoError(t, err)
 	require.Equal(t, []string{a1.ID, a2.ID}, tokenIDs(got), "one tenant's, oldest first")
-	got, err = store.ListAPITokens(ctx, db.Pool, "")
+	got, err = store.ListAPITokens(ctx, db.Pool, store.AllTenants)
 	require.NoError(t, err)
 	require.ElementsMatch(t, []string{a1.ID, a2.ID, o1.ID}, tokenIDs(got))
 
-	require.NoError(t, store.RevokeAPIToken(ctx, db.Pool, a1.ID, now.Add(time.Minute)))
-	require.NoError(t, store.RevokeAPIToken(ctx, db.Pool, a1.ID, now.Add(time.Hour)))
-	tok, err := store.GetAPIToken(ctx, db.Pool, a1.ID)
+	require.NoError(t, store.RevokeAPIToken(ctx, db.Pool, store.AllTenants, a1.ID, now.Add(time.Minute)))
+	require.NoError(t, store.RevokeAPIToken(ctx, db.Pool, store.AllTenants, a1.ID, now.Add(time.Hour)))
+	tok, err := store.GetAPIToken(ctx, db.Pool, store.AllTenants, a1.ID)
 	require.NoError(t, err)
 	require.True(t, tok.RevokedAt.Equal(now.Add(time.Minute)), "the first revocation time is kept")
 	require.Equal(t, []byte("a1"), tok.Hash)
@@ -100,8 +100,8 @@ func TestTenantsAndTokens(t *testing.T) {
 	require.NoError(t, err)
 	want := []byte(`{"tokenId":"` + a1.ID + `"}`)
 	require.Equal(t, [][]byte{want, want}, payloads, "each revocation tells the API servers, in its statement")
-	require.ErrorIs(t, store.RevokeAPIToken(ctx, db.Pool, "tok_missing", now), store.ErrNotFound)
-	_, err = store.GetAPIToken(ctx, db.Pool, "tok_missing")
+	require.ErrorIs(t, store.RevokeAPIToken(ctx, db.Pool, store.AllTenants, "tok_missing", now), store.ErrNotFound)
+	_, err = store.GetAPIToken(ctx, db.Pool, store.AllTenants, "tok_missing")
 	require.ErrorIs(t, err, store.ErrNotFound)
 }
 
@@ -127,7 +127,7 @@ func TestAudit(t *testing.T) {
 	}
 	require.Less(t, want[0].ID, want[1].ID)
 
-	all, err := store.ListAudit(ctx, db.Pool, store.AuditFilter{Limit: 10})
+	all, err := store.ListAudit(ctx, db.Pool, store.AuditFilter{Scope: store.AllTenants, Limit: 10})
 	require.NoError(t, err)
 	require.Len(t, all, 5)
 	utcAudit(all)
@@ -135,10 +135,10 @@ func TestAudit(t *testing.T) {
 	require.Equal(t, want[2], all[2], "an unauthenticated row has no tenant or token")
 
 	// ten_a's rows, two per page.
-	page, err := store.ListAudit(ctx, db.Pool, store.AuditFilter{TenantID: "ten_a", Limit: 2})
+	page, err := store.ListAudit(ctx, db.Pool, store.AuditFilter{Scope: store.TenantScope("ten_a"), Limit: 2})
 	require.NoError(t, err)
 	require.Equal(t, []store.AuditEntry{want[4], want[3]}, utcAudit(page))
-	page, err = store.ListAudit(ctx, db.Pool, store.AuditFilter{TenantID: "ten_a", Before: page[1].ID, Limit: 2})
+	page, err = store.ListAudit(ctx, db.Pool, store.AuditFilter{Scope: store.TenantScope("ten_a"), Before: page[1].ID, Limit: 2})
 	require.NoError(t, err)
 	require.Equal(t, []store.AuditEntry{want[0]}, utcAudit(page))
 
@@ -150,7 +150,7 @@ func TestAudit(t *testing.T) {
 		return store.ErrStale
 	})
 	require.ErrorIs(t, err, store.ErrStale)
-	all, err = store.ListAudit(ctx, db.Pool, store.AuditFilter{Limit: 10})
+	all, err = store.ListAudit(ctx, db.Pool, store.AuditFilter{Scope: store.AllTenants, Limit: 10})
 	require.NoError(t, err)
 	require.Len(t, all, 5)
 

@@ -71,7 +71,10 @@ func (e *JoinTokenRefusal) Error() string {
 // Unwrap returns Reason.
 func (e *JoinTokenRefusal) Unwrap() error { return e.Reason }
 
-const joinTokenColumns = `id, pool_id, hash, max_uses, uses, expires_at, revoked_at, created_by, created_at`
+// joinTokenColumns are the columns scanJoinToken reads, of join_tokens
+// aliased j.
+const joinTokenColumns = `j.id, j.pool_id, j.hash, j.max_uses, j.uses, j.expires_at, j.revoked_at, j.created_by,
+	j.created_at`
 
 func scanJoinToken(row pgx.Row) (JoinToken, error) {
 	var t JoinToken
@@ -79,10 +82,11 @@ func scanJoinToken(row pgx.Row) (JoinToken, error) {
 	return t, err
 }
 
-// CreateJoinToken inserts t (Uses is ignored: a new token has none).
-// Errors: ErrNotFound when the pool does not exist.
-func CreateJoinToken(ctx context.Context, q DBTX, t JoinToken) error {
-	if _, err := GetPool(ctx, q, t.PoolID); err != nil {
+// CreateJoinToken inserts t (Uses is ignored: a new token has none) for a
+// pool that scope owns. Errors: ErrNotFound when the pool does not exist
+// or its owner is outside scope.
+func CreateJoinToken(ctx context.Context, q DBTX, scope Scope, t JoinToken) error {
+	if err := checkPoolOwned(ctx, q, scope, t.PoolID); err != nil {
 		return err
 	}
 	_, err := q.Exec(ctx, `INSERT INTO join_tokens (id, pool_id, hash, max_uses, expires_at, created_by, created_at)
@@ -93,9 +97,13 @@ func CreateJoinToken(ctx context.Context, q DBTX, t JoinToken) error {
 	return nil
 }
 
-// GetJoinToken returns the join token with id. Errors: ErrNotFound.
-func GetJoinToken(ctx context.Context, q DBTX, id string) (JoinToken, error) {
-	t, err := scanJoinToken(q.QueryRow(ctx, `SELECT `+joinTokenColumns+` FROM join_tokens WHERE id = $1`, id))
+// GetJoinToken returns the join token with id when scope includes its
+// pool's owner (a join token is its pool owner's, even where the pool is
+// offered). Errors: ErrNotFound (missing, or outside scope).
+func GetJoinToken(ctx context.Context, q DBTX, scope Scope, id string) (JoinToken, error) {
+	t, err := scanJoinToken(q.QueryRow(ctx, `SELECT `+joinTokenColumns+` FROM join_tokens j
+		JOIN pools p ON p.id = j.pool_id WHERE j.id = $1 AND ($2::text IS NULL OR p.owner_tenant_id = $2)`,
+		id, scope.arg()))
 	if err != nil {
 		return JoinToken{}, queryErr(fmt.Sprintf("join token %s", id), err)
 	}
@@ -105,26 +113,27 @@ func GetJoinToken(ctx context.Context, q DBTX, id string) (JoinToken, error) {
 // GetJoinTokenByHash returns the join token whose secret hashes to hash.
 // Errors: ErrNotFound.
 func GetJoinTokenByHash(ctx context.Context, q DBTX, hash []byte) (JoinToken, error) {
-	t, err := scanJoinToken(q.QueryRow(ctx, `SELECT `+joinTokenColumns+` FROM join_tokens WHERE hash = $1`, hash))
+	t, err := scanJoinToken(q.QueryRow(ctx, `SELECT `+joinTokenColumns+` FROM join_tokens j WHERE j.hash = $1`, hash))
 	if err != nil {
 		return JoinToken{}, queryErr("join token", err)
 	}
 	return t, nil
 }
 
-// JoinTokenFilter narrows ListJoinTokens; zero fields match everything.
+// JoinTokenFilter narrows ListJoinTokens; zero fields other than Scope
+// match everything.
 type JoinTokenFilter struct {
+	// Scope keeps the tokens of pools its tenants own (the zero Scope:
+	// none).
+	Scope  Scope
 	PoolID string
-	// OwnerTenantID keeps only tokens of pools this tenant owns.
-	OwnerTenantID string
 }
 
 // ListJoinTokens returns the join tokens matching f ordered by id.
 func ListJoinTokens(ctx context.Context, q DBTX, f JoinTokenFilter) ([]JoinToken, error) {
-	rows, err := q.Query(ctx, `SELECT j.id, j.pool_id, j.hash, j.max_uses, j.uses, j.expires_at, j.revoked_at,
-		j.created_by, j.created_at FROM join_tokens j JOIN pools p ON p.id = j.pool_id
-		WHERE ($1 = '' OR j.pool_id = $1) AND ($2 = '' OR p.owner_tenant_id = $2) ORDER BY j.id`,
-		f.PoolID, f.OwnerTenantID)
+	rows, err := q.Query(ctx, `SELECT `+joinTokenColumns+` FROM join_tokens j JOIN pools p ON p.id = j.pool_id
+		WHERE ($1 = '' OR j.pool_id = $1) AND ($2::text IS NULL OR p.owner_tenant_id = $2) ORDER BY j.id`,
+		f.PoolID, f.Scope.arg())
 	if err != nil {
 		return nil, queryErr("list join tokens", err)
 	}
@@ -136,10 +145,12 @@ func ListJoinTokens(ctx context.Context, q DBTX, f JoinTokenFilter) ([]JoinToken
 }
 
 // RevokeJoinToken revokes token id at now and returns it; revoking a revoked
-// token keeps its first revocation time. Errors: ErrNotFound.
-func RevokeJoinToken(ctx context.Context, q DBTX, id string, now time.Time) (JoinToken, error) {
-	t, err := scanJoinToken(q.QueryRow(ctx, `UPDATE join_tokens SET revoked_at = COALESCE(revoked_at, $2)
-		WHERE id = $1 RETURNING `+joinTokenColumns, id, now))
+// token keeps its first revocation time. Errors: ErrNotFound (missing, or
+// its pool's owner outside scope).
+func RevokeJoinToken(ctx context.Context, q DBTX, scope Scope, id string, now time.Time) (JoinToken, error) {
+	t, err := scanJoinToken(q.QueryRow(ctx, `UPDATE join_tokens j SET revoked_at = COALESCE(j.revoked_at, $2)
+		FROM pools p WHERE j.id = $1 AND p.id = j.pool_id AND ($3::text IS NULL OR p.owner_tenant_id = $3)
+		RETURNING `+joinTokenColumns, id, now, scope.arg()))
 	if err != nil {
 		return JoinToken{}, queryErr(fmt.Sprintf("join token %s", id), err)
 	}
@@ -157,8 +168,8 @@ func RevokeJoinToken(ctx context.Context, q DBTX, id string, now time.Time) (Joi
 // token cannot be used; nothing is counted then.
 func UseJoinToken(ctx context.Context, q DBTX, hash []byte, now time.Time) (JoinToken, error) {
 	for attempt := 0; ; attempt++ {
-		t, err := scanJoinToken(q.QueryRow(ctx, `UPDATE join_tokens SET uses = uses + 1
-			WHERE hash = $1 AND uses < max_uses AND revoked_at IS NULL AND expires_at > $2
+		t, err := scanJoinToken(q.QueryRow(ctx, `UPDATE join_tokens j SET uses = j.uses + 1
+			WHERE j.hash = $1 AND j.uses < j.max_uses AND j.revoked_at IS NULL AND j.expires_at > $2
 			RETURNING `+joinTokenColumns, hash, now))
 		if err == nil {
 			return t, nil
@@ -210,7 +221,7 @@ func UseJoinTokenN(ctx context.Context, q DBTX, hash []byte, n int, now time.Tim
 // ErrJoinTokenExpired); whether uses are left is CountJoinTokenUses's to
 // say.
 func LockJoinToken(ctx context.Context, q DBTX, hash []byte, now time.Time) (JoinToken, error) {
-	t, err := scanJoinToken(q.QueryRow(ctx, `SELECT `+joinTokenColumns+` FROM join_tokens WHERE hash = $1 FOR UPDATE`, hash))
+	t, err := scanJoinToken(q.QueryRow(ctx, `SELECT `+joinTokenColumns+` FROM join_tokens j WHERE j.hash = $1 FOR UPDATE`, hash))
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return JoinToken{}, &JoinTokenRefusal{Reason: ErrJoinTokenUnknown}

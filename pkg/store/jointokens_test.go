@@ -21,13 +21,13 @@ func TestUseJoinToken(t *testing.T) {
 	mk := func(hash string, maxUses int32, expires time.Time) store.JoinToken {
 		jt := store.JoinToken{ID: ids.New(ids.JoinToken, now), PoolID: f.pool.ID, Hash: []byte(hash),
 			MaxUses: maxUses, ExpiresAt: expires, CreatedAt: now}
-		require.NoError(t, store.CreateJoinToken(ctx, f.db.Pool, jt))
+		require.NoError(t, store.CreateJoinToken(ctx, f.db.Pool, store.AllTenants, jt))
 		return jt
 	}
 	ok := mk("ok", 2, now.Add(time.Hour))
 	expired := mk("expired", 2, now.Add(-time.Second))
 	revoked := mk("revoked", 2, now.Add(time.Hour))
-	_, err := store.RevokeJoinToken(ctx, f.db.Pool, revoked.ID, now)
+	_, err := store.RevokeJoinToken(ctx, f.db.Pool, store.AllTenants, revoked.ID, now)
 	require.NoError(t, err)
 
 	got, err := store.UseJoinToken(ctx, f.db.Pool, []byte("ok"), now)
@@ -53,7 +53,7 @@ func TestUseJoinToken(t *testing.T) {
 		require.EqualError(t, err, tc.msg)
 	}
 	for _, id := range []string{ok.ID, expired.ID, revoked.ID} {
-		jt, err := store.GetJoinToken(ctx, f.db.Pool, id)
+		jt, err := store.GetJoinToken(ctx, f.db.Pool, store.AllTenants, id)
 		require.NoError(t, err)
 		if id == ok.ID {
 			require.EqualValues(t, 2, jt.Uses)
@@ -64,19 +64,19 @@ func TestUseJoinToken(t *testing.T) {
 
 	// Revoking twice keeps the first time.
 	later := now.Add(time.Minute)
-	jt, err := store.RevokeJoinToken(ctx, f.db.Pool, revoked.ID, later)
+	jt, err := store.RevokeJoinToken(ctx, f.db.Pool, store.AllTenants, revoked.ID, later)
 	require.NoError(t, err)
 	require.True(t, jt.RevokedAt.Equal(now), "%v", jt.RevokedAt)
-	_, err = store.RevokeJoinToken(ctx, f.db.Pool, "jt_missing", now)
+	_, err = store.RevokeJoinToken(ctx, f.db.Pool, store.AllTenants, "jt_missing", now)
 	require.ErrorIs(t, err, store.ErrNotFound)
 
-	all, err := store.ListJoinTokens(ctx, f.db.Pool, store.JoinTokenFilter{OwnerTenantID: f.tenant.ID})
+	all, err := store.ListJoinTokens(ctx, f.db.Pool, store.JoinTokenFilter{Scope: store.TenantScope(f.tenant.ID)})
 	require.NoError(t, err)
 	require.Len(t, all, 3)
-	none, err := store.ListJoinTokens(ctx, f.db.Pool, store.JoinTokenFilter{OwnerTenantID: "ten_other"})
+	none, err := store.ListJoinTokens(ctx, f.db.Pool, store.JoinTokenFilter{Scope: store.TenantScope("ten_other")})
 	require.NoError(t, err)
 	require.Empty(t, none)
-	require.ErrorIs(t, store.CreateJoinToken(ctx, f.db.Pool, store.JoinToken{ID: ids.New(ids.JoinToken, now),
+	require.ErrorIs(t, store.CreateJoinToken(ctx, f.db.Pool, store.AllTenants, store.JoinToken{ID: ids.New(ids.JoinToken, now),
 		PoolID: "pool_missing", Hash: []byte("x"), MaxUses: 1, ExpiresAt: later, CreatedAt: now}), store.ErrNotFound)
 }
 
@@ -86,7 +86,7 @@ func TestUseJoinTokenRace(t *testing.T) {
 	f := newFleetFixture(t)
 	ctx := t.Context()
 	now := f.db.Now()
-	require.NoError(t, store.CreateJoinToken(ctx, f.db.Pool, store.JoinToken{ID: ids.New(ids.JoinToken, now),
+	require.NoError(t, store.CreateJoinToken(ctx, f.db.Pool, store.AllTenants, store.JoinToken{ID: ids.New(ids.JoinToken, now),
 		PoolID: f.pool.ID, Hash: []byte("race"), MaxUses: 10, ExpiresAt: now.Add(time.Hour), CreatedAt: now}))
 
 	var wg sync.WaitGroup
@@ -120,7 +120,7 @@ func TestUseJoinTokenRace(t *testing.T) {
 	jt, err := store.GetJoinTokenByHash(ctx, f.db.Pool, []byte("race"))
 	require.NoError(t, err)
 	require.EqualValues(t, 10, jt.Uses)
-	nodes, err := store.ListNodes(ctx, f.db.Pool, store.NodeFilter{PoolID: f.pool.ID})
+	nodes, err := store.ListNodes(ctx, f.db.Pool, store.NodeFilter{Scope: store.AllTenants, PoolID: f.pool.ID})
 	require.NoError(t, err)
 	require.Len(t, nodes, 10)
 }

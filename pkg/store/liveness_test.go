@@ -196,7 +196,7 @@ func TestCordon(t *testing.T) {
 	cordon := func(reason string) bool {
 		require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
 			var err error
-			last, err = store.CordonNode(ctx, tx, f.db.Now(), node, reason)
+			last, err = store.CordonNode(ctx, tx, store.AllTenants, f.db.Now(), node, reason)
 			return err
 		}))
 		return last.Changed
@@ -205,7 +205,7 @@ func TestCordon(t *testing.T) {
 		var changed bool
 		require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
 			var err error
-			changed, err = store.UncordonNode(ctx, tx, f.db.Now(), node)
+			changed, err = store.UncordonNode(ctx, tx, store.AllTenants, f.db.Now(), node)
 			return err
 		}))
 		return changed
@@ -224,7 +224,7 @@ func TestCordon(t *testing.T) {
 	require.Equal(t, store.CordonResult{WasCordoned: true, PreviousReason: "fan noise"}, last)
 	require.True(t, cordon("fan replaced tomorrow"))
 	require.Equal(t, store.CordonResult{Changed: true, WasCordoned: true, PreviousReason: "fan noise"}, last)
-	n, err := store.GetNode(ctx, f.db.Pool, node)
+	n, err := store.GetNode(ctx, f.db.Pool, store.AllTenants, node)
 	require.NoError(t, err)
 	require.True(t, n.Cordoned)
 	require.Equal(t, "fan replaced tomorrow", n.CordonReason)
@@ -243,19 +243,19 @@ func TestCordon(t *testing.T) {
 		"an uncordon has no reason of its own: the lifted cordon's is previousReason")
 	require.Equal(t, 2, f.outbox(store.SubjectEvents+"."+f.fleet.OwnerID+"."+store.EventNodeCordoned))
 
-	_, err = store.CordonNode(ctx, f.db.Pool, f.db.Now(), "node_missing", "x")
+	_, err = store.CordonNode(ctx, f.db.Pool, store.AllTenants, f.db.Now(), "node_missing", "x")
 	require.ErrorIs(t, err, store.ErrNotFound)
 
 	// A revoked node is not cordoned: nothing changes, no event.
-	_, err = store.RevokeNode(ctx, f.db.Pool, f.db.Now(), node, "stolen")
+	_, err = store.RevokeNode(ctx, f.db.Pool, store.AllTenants, f.db.Now(), node, "stolen")
 	require.NoError(t, err)
-	_, err = store.CordonNode(ctx, f.db.Pool, f.db.Now(), node, "x")
+	_, err = store.CordonNode(ctx, f.db.Pool, store.AllTenants, f.db.Now(), node, "x")
 	require.ErrorIs(t, err, store.ErrNodeRevoked)
 	require.EqualError(t, err, "node "+node+" is revoked")
-	n, err = store.GetNode(ctx, f.db.Pool, node)
+	n, err = store.GetNode(ctx, f.db.Pool, store.AllTenants, node)
 	require.NoError(t, err)
 	require.False(t, n.Cordoned)
 	require.Equal(t, 2, f.outbox(store.SubjectEvents+"."+f.fleet.OwnerID+"."+store.EventNodeCordoned))
-	_, err = store.UncordonNode(ctx, f.db.Pool, f.db.Now(), "node_missing")
+	_, err = store.UncordonNode(ctx, f.db.Pool, store.AllTenants, f.db.Now(), "node_missing")
 	require.ErrorIs(t, err, store.ErrNotFound)
 }

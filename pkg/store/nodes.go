@@ -179,10 +179,11 @@ func scanNode(row pgx.Row) (Node, error) {
 	return n, err
 }
 
-// GetNode returns node id with its devices. Errors: ErrNotFound.
-func GetNode(ctx context.Context, q DBTX, id string) (Node, error) {
+// GetNode returns node id with its devices when scope includes the tenant
+// owning its pool. Errors: ErrNotFound (missing, or outside scope).
+func GetNode(ctx context.Context, q DBTX, scope Scope, id string) (Node, error) {
 	n, err := scanNode(q.QueryRow(ctx, `SELECT `+nodeColumns+` FROM nodes n JOIN pools p ON p.id = n.pool_id
-		WHERE n.id = $1`, id))
+		WHERE n.id = $1 AND ($2::text IS NULL OR p.owner_tenant_id = $2)`, id, scope.arg()))
 	if err != nil {
 		return Node{}, queryErr(fmt.Sprintf("node %s", id), err)
 	}
@@ -193,11 +194,12 @@ func GetNode(ctx context.Context, q DBTX, id string) (Node, error) {
 	return nodes[0], nil
 }
 
-// NodeFilter narrows ListNodes; zero fields match everything.
+// NodeFilter narrows ListNodes; zero fields other than Scope match
+// everything.
 type NodeFilter struct {
+	// Scope keeps the nodes of pools its tenants own (the zero Scope: none).
+	Scope  Scope
 	PoolID string
-	// OwnerTenantID keeps only nodes of pools this tenant owns.
-	OwnerTenantID string
 	// After keeps only nodes whose id sorts after it (paging).
 	After string
 	// Limit caps the number of nodes; 0 means no limit.
@@ -211,8 +213,8 @@ func ListNodes(ctx context.Context, q DBTX, f NodeFilter) ([]Node, error) {
 		limit = f.Limit
 	}
 	rows, err := q.Query(ctx, `SELECT `+nodeColumns+` FROM nodes n JOIN pools p ON p.id = n.pool_id
-		WHERE ($1 = '' OR n.pool_id = $1) AND ($2 = '' OR p.owner_tenant_id = $2) AND n.id > $3
-		ORDER BY n.id LIMIT $4`, f.PoolID, f.OwnerTenantID, f.After, limit)
+		WHERE ($1 = '' OR n.pool_id = $1) AND ($2::text IS NULL OR p.owner_tenant_id = $2) AND n.id > $3
+		ORDER BY n.id LIMIT $4`, f.PoolID, f.Scope.arg(), f.After, limit)
 	if err != nil {
 		return nil, queryErr("list nodes", err)
 	}
@@ -321,16 +323,18 @@ type CordonResult struct {
 // nothing new on it (its reservations stay). Cordoning a cordoned node sets
 // the new reason. It writes a node.cordoned event (with reason) only when the
 // node was not cordoned or its reason changes. Call it in a transaction.
-// Errors: ErrNotFound, a *NodeRevokedError (ErrNodeRevoked) when the node is
-// revoked (nothing changes).
-func CordonNode(ctx context.Context, q DBTX, now time.Time, nodeID, reason string) (CordonResult, error) {
+// Errors: ErrNotFound (missing, or its pool's owner outside scope), a
+// *NodeRevokedError (ErrNodeRevoked) when the node is revoked (nothing
+// changes).
+func CordonNode(ctx context.Context, q DBTX, scope Scope, now time.Time, nodeID, reason string) (CordonResult, error) {
 	var (
 		res     CordonResult
 		revoked bool
 		owner   string
 	)
 	err := q.QueryRow(ctx, `SELECT n.cordoned, n.cordon_reason, n.revoked_at IS NOT NULL, p.owner_tenant_id
-		FROM nodes n JOIN pools p ON p.id = n.pool_id WHERE n.id = $1 FOR NO KEY UPDATE OF n`, nodeID).
+		FROM nodes n JOIN pools p ON p.id = n.pool_id WHERE n.id = $1 AND ($2::text IS NULL OR p.owner_tenant_id = $2)
+		FOR NO KEY UPDATE OF n`, nodeID, scope.arg()).
 		Scan(&res.WasCordoned, &res.PreviousReason, &revoked, &owner)
 	if err != nil {
 		return CordonResult{}, queryErr(fmt.Sprintf("node %s", nodeID), err)
@@ -354,17 +358,20 @@ func CordonNode(ctx context.Context, q DBTX, now time.Time, nodeID, reason strin
 // scheduler when the node was cordoned, and reports whether it was. The
 // event's data is {"nodeId", "previousReason"}: the reason of the cordon it
 // lifted, not a reason of its own (an uncordon has none). Call it in a
-// transaction. Errors: ErrNotFound.
-func UncordonNode(ctx context.Context, q DBTX, now time.Time, nodeID string) (bool, error) {
+// transaction. Errors: ErrNotFound (missing, or its pool's owner outside
+// scope).
+func UncordonNode(ctx context.Context, q DBTX, scope Scope, now time.Time, nodeID string) (bool, error) {
 	var (
 		was           bool
 		reason, owner string
 	)
-	err := q.QueryRow(ctx, `WITH prev AS (SELECT id, cordoned, cordon_reason FROM nodes WHERE id = $1 FOR NO KEY UPDATE)
+	err := q.QueryRow(ctx, `WITH prev AS (
+			SELECT n.id, n.cordoned, n.cordon_reason FROM nodes n JOIN pools p ON p.id = n.pool_id
+			WHERE n.id = $1 AND ($3::text IS NULL OR p.owner_tenant_id = $3) FOR NO KEY UPDATE OF n)
 		UPDATE nodes n SET cordoned = false, cordon_reason = '',
 			updated_at = CASE WHEN prev.cordoned THEN $2 ELSE n.updated_at END
 		FROM prev, pools p WHERE n.id = prev.id AND p.id = n.pool_id
-		RETURNING prev.cordoned, prev.cordon_reason, p.owner_tenant_id`, nodeID, now).Scan(&was, &reason, &owner)
+		RETURNING prev.cordoned, prev.cordon_reason, p.owner_tenant_id`, nodeID, now, scope.arg()).Scan(&was, &reason, &owner)
 	if err != nil {
 		return false, queryErr(fmt.Sprintf("node %s", nodeID), err)
 	}

@@ -45,7 +45,7 @@ func TestNodes(t *testing.T) {
 	require.NoError(t, f.db.Pool.QueryRow(ctx, `SELECT not_after FROM node_certs WHERE node_id = $1`, nodeIDs[0]).Scan(&notAfter))
 	require.True(t, notAfter.Equal(now.Add(24*time.Hour)))
 
-	n, err := store.GetNode(ctx, f.db.Pool, nodeIDs[1])
+	n, err := store.GetNode(ctx, f.db.Pool, store.AllTenants, nodeIDs[1])
 	require.NoError(t, err)
 	require.Equal(t, f.tenant.ID, n.PoolOwnerTenantID)
 	require.Equal(t, "gw-a", n.GatewayID)
@@ -56,10 +56,10 @@ func TestNodes(t *testing.T) {
 	require.Len(t, n.Devices, 2)
 	require.EqualValues(t, 1, n.Devices[1].Index)
 	require.Equal(t, "NVIDIA H100 80GB HBM3", n.Devices[0].Model)
-	_, err = store.GetNode(ctx, f.db.Pool, "node_missing")
+	_, err = store.GetNode(ctx, f.db.Pool, store.AllTenants, "node_missing")
 	require.ErrorIs(t, err, store.ErrNotFound)
 
-	all, err := store.ListNodes(ctx, f.db.Pool, store.NodeFilter{})
+	all, err := store.ListNodes(ctx, f.db.Pool, store.NodeFilter{Scope: store.AllTenants})
 	require.NoError(t, err)
 	require.Len(t, all, 3)
 	require.Equal(t, nodeIDs[0], all[0].ID)
@@ -67,15 +67,15 @@ func TestNodes(t *testing.T) {
 	require.Empty(t, all[0].Devices)
 	require.Len(t, all[1].Devices, 2)
 
-	page, err := store.ListNodes(ctx, f.db.Pool, store.NodeFilter{After: nodeIDs[0], Limit: 1})
+	page, err := store.ListNodes(ctx, f.db.Pool, store.NodeFilter{Scope: store.AllTenants, After: nodeIDs[0], Limit: 1})
 	require.NoError(t, err)
 	require.Len(t, page, 1)
 	require.Equal(t, nodeIDs[1], page[0].ID)
 
-	other, err := store.ListNodes(ctx, f.db.Pool, store.NodeFilter{OwnerTenantID: "ten_other"})
+	other, err := store.ListNodes(ctx, f.db.Pool, store.NodeFilter{Scope: store.TenantScope("ten_other")})
 	require.NoError(t, err)
 	require.Empty(t, other)
-	other, err = store.ListNodes(ctx, f.db.Pool, store.NodeFilter{PoolID: "pool_other"})
+	other, err = store.ListNodes(ctx, f.db.Pool, store.NodeFilter{Scope: store.AllTenants, PoolID: "pool_other"})
 	require.NoError(t, err)
 	require.Empty(t, other)
 }

@@ -52,10 +52,11 @@ func offerFields(o *Offer) []any {
 // UpsertOffer offers pool o.PoolID to tenant o.TenantID with o.GPUQuota at
 // o.UpdatedAt, or changes the quota of the existing offer (which keeps its
 // CreatedAt), and returns the row. Lowering a quota below the GPUs in use
-// ends nothing: it only refuses new reservations. Errors: ErrNotFound (pool
-// or tenant).
-func UpsertOffer(ctx context.Context, q DBTX, o Offer) (Offer, error) {
-	if _, err := GetPool(ctx, q, o.PoolID); err != nil {
+// ends nothing: it only refuses new reservations. Only the pool's owner
+// offers it. Errors: ErrNotFound (the pool: missing or owned outside scope;
+// the tenant).
+func UpsertOffer(ctx context.Context, q DBTX, scope Scope, o Offer) (Offer, error) {
+	if err := checkPoolOwned(ctx, q, scope, o.PoolID); err != nil {
 		return Offer{}, err
 	}
 	if _, err := GetTenant(ctx, q, o.TenantID); err != nil {
@@ -81,20 +82,21 @@ func GetOffer(ctx context.Context, q DBTX, poolID, tenantID string) (Offer, erro
 	return o, nil
 }
 
-// OfferFilter narrows ListOffers; zero fields match everything.
+// OfferFilter narrows ListOffers; zero fields other than Scope match
+// everything.
 type OfferFilter struct {
+	// Scope keeps the offers made to its tenants and the offers of the
+	// pools they own (the zero Scope: none).
+	Scope  Scope
 	PoolID string
-	// VisibleTo keeps the offers made to this tenant and the offers of the
-	// pools it owns.
-	VisibleTo string
 }
 
 // ListOffers returns the offers matching f, by pool id then tenant id, with
 // the GPUs in use.
 func ListOffers(ctx context.Context, q DBTX, f OfferFilter) ([]Offer, error) {
 	rows, err := q.Query(ctx, `SELECT `+offerColumns+` FROM pool_offers o JOIN pools p ON p.id = o.pool_id
-		WHERE ($1 = '' OR o.pool_id = $1) AND ($2 = '' OR o.tenant_id = $2 OR p.owner_tenant_id = $2)
-		ORDER BY o.pool_id, o.tenant_id`, f.PoolID, f.VisibleTo)
+		WHERE ($1 = '' OR o.pool_id = $1) AND ($2::text IS NULL OR o.tenant_id = $2 OR p.owner_tenant_id = $2)
+		ORDER BY o.pool_id, o.tenant_id`, f.PoolID, f.Scope.arg())
 	if err != nil {
 		return nil, queryErr("list offers", err)
 	}

@@ -57,7 +57,7 @@ func (f placeFixture) place(signer *store.IntentSigner, ps ...store.Placement) (
 
 func (f placeFixture) get(id string) store.Reservation {
 	f.t.Helper()
-	r, err := store.GetReservation(f.t.Context(), f.db.Pool, id)
+	r, err := store.GetReservation(f.t.Context(), f.db.Pool, store.AllTenants, id)
 	require.NoError(f.t, err)
 	return r
 }
@@ -235,7 +235,7 @@ func TestEndReservationFreesDevicesAndDropsTheAllocation(t *testing.T) {
 		var e store.EndedReservation
 		require.NoError(t, f.db.InTx(t.Context(), func(tx pgx.Tx) error {
 			var err error
-			e, err = store.EndReservation(t.Context(), tx, nil, f.db.Now(), id, state)
+			e, err = store.EndReservation(t.Context(), tx, nil, store.AllTenants, f.db.Now(), id, state)
 			return err
 		}))
 		return e
@@ -321,12 +321,12 @@ func TestUsageWindowsSumToBookedTime(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		_, err = store.EndReservation(ctx, tx, nil, f.db.Now(), exp.ID, store.ReservationExpired)
+		_, err = store.EndReservation(ctx, tx, nil, store.AllTenants, f.db.Now(), exp.ID, store.ReservationExpired)
 		return err
 	}))
 	f.clk.Advance(24*time.Minute + 40*time.Second + 150*time.Millisecond)
 	require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
-		_, err := store.EndReservation(ctx, tx, nil, f.db.Now(), rel.ID, store.ReservationReleased)
+		_, err := store.EndReservation(ctx, tx, nil, store.AllTenants, f.db.Now(), rel.ID, store.ReservationReleased)
 		return err
 	}))
 	end := f.db.Now()
@@ -360,7 +360,7 @@ func TestOnlyAdoptedNodesArePlacedOn(t *testing.T) {
 		Node: func(i int, o *storetest.NodeOpts) { o.State = states[i] }})
 	ctx := t.Context()
 	failed, accepting, joining := f.fleet.Nodes[1], f.fleet.Nodes[2], f.fleet.Nodes[3]
-	n, err := store.GetNode(ctx, f.db.Pool, failed)
+	n, err := store.GetNode(ctx, f.db.Pool, store.AllTenants, failed)
 	require.NoError(t, err)
 	require.Len(t, n.Devices, 8, "a failed node shows its GPUs")
 

@@ -180,22 +180,48 @@ func EnsurePool(ctx context.Context, q DBTX, p Pool) (Pool, error) {
 	return out, nil
 }
 
-// GetPool returns the pool with id. Errors: ErrNotFound.
-func GetPool(ctx context.Context, q DBTX, id string) (Pool, error) {
-	p, err := scanPool(q.QueryRow(ctx, `SELECT `+poolColumns+` FROM pools p WHERE p.id = $1`, id))
+// GetPool returns the pool with id when scope sees it: when scope includes
+// its owner or the pool is offered to scope's tenant (AllTenants sees every
+// pool). Whether scope owns it is scope.Includes(pool.OwnerTenantID).
+// Errors: ErrNotFound (missing, or not seen by scope).
+func GetPool(ctx context.Context, q DBTX, scope Scope, id string) (Pool, error) {
+	p, err := scanPool(q.QueryRow(ctx, `SELECT `+poolColumns+` FROM pools p WHERE p.id = $1 AND `+poolSeenSQL("$2"),
+		id, scope.arg()))
 	if err != nil {
 		return Pool{}, queryErr(fmt.Sprintf("pool %s", id), err)
 	}
 	return p, nil
 }
 
-// PoolFilter narrows ListPools; zero fields match everything.
+// poolSeenSQL is the condition that scope parameter arg (Scope.arg) sees
+// pool p: it includes the pool's owner, or the pool is offered to its
+// tenant.
+func poolSeenSQL(arg string) string {
+	return `(` + arg + `::text IS NULL OR p.owner_tenant_id = ` + arg + `
+		OR EXISTS (SELECT 1 FROM pool_offers v WHERE v.pool_id = p.id AND v.tenant_id = ` + arg + `))`
+}
+
+// checkPoolOwned returns nil when pool id exists and scope includes its
+// owner, for what only a pool's owner does (offer it, mint its join tokens).
+// Errors: ErrNotFound (missing, or owned outside scope).
+func checkPoolOwned(ctx context.Context, q DBTX, scope Scope, id string) error {
+	var owner string
+	if err := q.QueryRow(ctx, `SELECT owner_tenant_id FROM pools WHERE id = $1`, id).Scan(&owner); err != nil {
+		return queryErr(fmt.Sprintf("pool %s", id), err)
+	}
+	if !scope.Includes(owner) {
+		return fmt.Errorf("pool %s: %w", id, ErrNotFound)
+	}
+	return nil
+}
+
+// PoolFilter narrows ListPools; zero fields other than Scope match
+// everything.
 type PoolFilter struct {
+	// Scope keeps the pools it sees (GetPool says which; the zero Scope:
+	// none).
+	Scope  Scope
 	SiteID string
-	// OwnerTenantID keeps only the pools this tenant owns.
-	OwnerTenantID string
-	// VisibleTo keeps only the pools this tenant owns or was offered.
-	VisibleTo string
 	// OfferTo fills each pool's Offer with its offer to this tenant ("":
 	// none is filled).
 	OfferTo string
@@ -205,12 +231,10 @@ type PoolFilter struct {
 // their offers to f.OfferTo.
 func ListPools(ctx context.Context, q DBTX, f PoolFilter) ([]Pool, error) {
 	rows, err := q.Query(ctx, `SELECT `+poolColumns+`, o.pool_id IS NOT NULL, `+offerColumnsNullable+`
-		FROM pools p LEFT JOIN pool_offers o ON o.pool_id = p.id AND o.tenant_id = $4
-		WHERE ($1 = '' OR p.site_id = $1) AND ($2 = '' OR p.owner_tenant_id = $2)
-			AND ($3 = '' OR p.owner_tenant_id = $3
-				OR EXISTS (SELECT 1 FROM pool_offers v WHERE v.pool_id = p.id AND v.tenant_id = $3))
+		FROM pools p LEFT JOIN pool_offers o ON o.pool_id = p.id AND o.tenant_id = $3
+		WHERE ($1 = '' OR p.site_id = $1) AND `+poolSeenSQL("$2")+`
 		ORDER BY p.id`,
-		f.SiteID, f.OwnerTenantID, f.VisibleTo, f.OfferTo)
+		f.SiteID, f.Scope.arg(), f.OfferTo)
 	if err != nil {
 		return nil, queryErr("list pools", err)
 	}

@@ -53,7 +53,7 @@ func TestSitesAndPools(t *testing.T) {
 		OwnerTenantID: f.tenant.ID, Name: "other", Kind: "metal-host", CreatedAt: now})
 	require.ErrorIs(t, err, store.ErrNotFound)
 
-	got, err := store.GetPool(ctx, f.db.Pool, f.pool.ID)
+	got, err := store.GetPool(ctx, f.db.Pool, store.AllTenants, f.pool.ID)
 	require.NoError(t, err)
 	require.Equal(t, "diag.nvml", got.AcceptanceCheck)
 	require.Equal(t, "H100", got.GPUModel)
@@ -63,12 +63,12 @@ func TestSitesAndPools(t *testing.T) {
 	for _, id := range []string{ids.New(ids.Node, now), ids.New(ids.Node, now)} {
 		require.NoError(t, store.CreateNode(ctx, f.db.Pool, store.NewNode{ID: id, PoolID: f.pool.ID, CreatedAt: now}))
 	}
-	pools, err := store.ListPools(ctx, f.db.Pool, store.PoolFilter{OwnerTenantID: f.tenant.ID})
+	pools, err := store.ListPools(ctx, f.db.Pool, store.PoolFilter{Scope: store.TenantScope(f.tenant.ID)})
 	require.NoError(t, err)
 	require.Len(t, pools, 1)
 	require.Equal(t, map[string]int32{store.NodeJoining: 2}, pools[0].NodeCounts)
 
-	pools, err = store.ListPools(ctx, f.db.Pool, store.PoolFilter{OwnerTenantID: "ten_other"})
+	pools, err = store.ListPools(ctx, f.db.Pool, store.PoolFilter{Scope: store.TenantScope("ten_other")})
 	require.NoError(t, err)
 	require.Empty(t, pools)
 
@@ -76,12 +76,12 @@ func TestSitesAndPools(t *testing.T) {
 	// with its offer to that tenant.
 	other := store.Tenant{ID: ids.New(ids.Tenant, now), Name: "other", CreatedAt: now}
 	require.NoError(t, store.CreateTenant(ctx, f.db.Pool, other))
-	pools, err = store.ListPools(ctx, f.db.Pool, store.PoolFilter{VisibleTo: other.ID, OfferTo: other.ID})
+	pools, err = store.ListPools(ctx, f.db.Pool, store.PoolFilter{Scope: store.TenantScope(other.ID), OfferTo: other.ID})
 	require.NoError(t, err)
 	require.Empty(t, pools, "neither owned nor offered")
-	_, err = store.UpsertOffer(ctx, f.db.Pool, store.Offer{PoolID: f.pool.ID, TenantID: other.ID, GPUQuota: 12, UpdatedAt: now})
+	_, err = store.UpsertOffer(ctx, f.db.Pool, store.AllTenants, store.Offer{PoolID: f.pool.ID, TenantID: other.ID, GPUQuota: 12, UpdatedAt: now})
 	require.NoError(t, err)
-	pools, err = store.ListPools(ctx, f.db.Pool, store.PoolFilter{VisibleTo: other.ID, OfferTo: other.ID})
+	pools, err = store.ListPools(ctx, f.db.Pool, store.PoolFilter{Scope: store.TenantScope(other.ID), OfferTo: other.ID})
 	require.NoError(t, err)
 	require.Len(t, pools, 1)
 	require.Equal(t, f.pool.ID, pools[0].ID)
@@ -89,7 +89,7 @@ func TestSitesAndPools(t *testing.T) {
 	require.NotNil(t, pools[0].Offer)
 	require.Equal(t, store.Offer{PoolID: f.pool.ID, TenantID: other.ID, GPUQuota: 12, CreatedAt: pools[0].Offer.CreatedAt,
 		UpdatedAt: pools[0].Offer.UpdatedAt}, *pools[0].Offer)
-	pools, err = store.ListPools(ctx, f.db.Pool, store.PoolFilter{VisibleTo: f.tenant.ID, OfferTo: f.tenant.ID})
+	pools, err = store.ListPools(ctx, f.db.Pool, store.PoolFilter{Scope: store.TenantScope(f.tenant.ID), OfferTo: f.tenant.ID})
 	require.NoError(t, err)
 	require.Len(t, pools, 1, "the owner sees its pool")
 	require.Nil(t, pools[0].Offer, "not offered to its owner")
@@ -111,9 +111,9 @@ func TestSitesAndPools(t *testing.T) {
 	// A revoked node is counted under "revoked", apart from its provision
 	// state: it is no placeable capacity.
 	revoked := storetest.Node(t, f.db, &storetest.NodeOpts{PoolID: f.pool.ID, State: store.NodeAdopted}).ID
-	_, err = store.RevokeNode(ctx, f.db.Pool, now, revoked, "stolen")
+	_, err = store.RevokeNode(ctx, f.db.Pool, store.AllTenants, now, revoked, "stolen")
 	require.NoError(t, err)
-	got, err = store.GetPool(ctx, f.db.Pool, f.pool.ID)
+	got, err = store.GetPool(ctx, f.db.Pool, store.AllTenants, f.pool.ID)
 	require.NoError(t, err)
 	require.Equal(t, map[string]int32{store.NodeJoining: 2, store.NodeCountRevoked: 1}, got.NodeCounts)
 }
@@ -142,12 +142,12 @@ func TestTenantsAndAPITokens(t *testing.T) {
 	require.Equal(t, tok.ID, got.ID)
 	require.Nil(t, got.LastUsedAt)
 	require.NoError(t, store.TouchAPIToken(ctx, f.db.Pool, tok.ID, now))
-	require.NoError(t, store.RevokeAPIToken(ctx, f.db.Pool, tok.ID, now))
+	require.NoError(t, store.RevokeAPIToken(ctx, f.db.Pool, store.AllTenants, tok.ID, now))
 	got, err = store.GetAPITokenByHash(ctx, f.db.Pool, []byte("h1"))
 	require.NoError(t, err)
 	require.NotNil(t, got.LastUsedAt)
 	require.NotNil(t, got.RevokedAt)
 	_, err = store.GetAPITokenByHash(ctx, f.db.Pool, []byte("nope"))
 	require.ErrorIs(t, err, store.ErrNotFound)
-	require.ErrorIs(t, store.RevokeAPIToken(ctx, f.db.Pool, "tok_missing", now), store.ErrNotFound)
+	require.ErrorIs(t, store.RevokeAPIToken(ctx, f.db.Pool, store.AllTenants, "tok_missing", now), store.ErrNotFound)
 }

@@ -84,9 +84,11 @@ func scanReservation(row pgx.Row) (Reservation, error) {
 	return r, err
 }
 
-// GetReservation returns the reservation with id. Errors: ErrNotFound.
-func GetReservation(ctx context.Context, q DBTX, id string) (Reservation, error) {
-	r, err := scanReservation(q.QueryRow(ctx, `SELECT `+reservationColumns+` FROM reservations r WHERE r.id = $1`, id))
+// GetReservation returns the reservation with id when scope includes its
+// tenant. Errors: ErrNotFound (missing, or outside scope).
+func GetReservation(ctx context.Context, q DBTX, scope Scope, id string) (Reservation, error) {
+	r, err := scanReservation(q.QueryRow(ctx, `SELECT `+reservationColumns+` FROM reservations r
+		WHERE r.id = $1 AND ($2::text IS NULL OR r.tenant_id = $2)`, id, scope.arg()))
 	if err != nil {
 		return Reservation{}, queryErr(fmt.Sprintf("reservation %s", id), err)
 	}
@@ -104,11 +106,13 @@ func getReservationByRequest(ctx context.Context, q DBTX, tenantID, requestID st
 	return r, nil
 }
 
-// ReservationFilter narrows ListReservations; zero fields match everything.
+// ReservationFilter narrows ListReservations; zero fields other than Scope
+// match everything.
 type ReservationFilter struct {
-	TenantID string
-	PoolID   string
-	State    string
+	// Scope keeps its tenants' reservations (the zero Scope: none).
+	Scope  Scope
+	PoolID string
+	State  string
 	// After is the id after which the page starts (the previous page's last).
 	After string
 	// Limit caps the rows returned; 0: no cap.
@@ -123,9 +127,9 @@ func ListReservations(ctx context.Context, q DBTX, f ReservationFilter) ([]Reser
 		limit = f.Limit
 	}
 	rows, err := q.Query(ctx, `SELECT `+reservationColumns+` FROM reservations r
-		WHERE ($1 = '' OR r.tenant_id = $1) AND ($2 = '' OR r.pool_id = $2) AND ($3 = '' OR r.state = $3)
+		WHERE ($1::text IS NULL OR r.tenant_id = $1) AND ($2 = '' OR r.pool_id = $2) AND ($3 = '' OR r.state = $3)
 			AND ($4 = '' OR r.id > $4)
-		ORDER BY r.id LIMIT $5`, f.TenantID, f.PoolID, f.State, f.After, limit)
+		ORDER BY r.id LIMIT $5`, f.Scope.arg(), f.PoolID, f.State, f.After, limit)
 	if err != nil {
 		return nil, queryErr("list reservations", err)
 	}
@@ -344,7 +348,7 @@ func CreateReservation(ctx context.Context, q DBTX, now time.Time, n NewReservat
 	} else if err := Enqueue(ctx, q, now, SubjectPokeScheduler, nil); err != nil {
 		return CreatedReservation{}, err
 	}
-	r, err := GetReservation(ctx, q, n.ID)
+	r, err := GetReservation(ctx, q, AllTenants, n.ID)
 	if err != nil {
 		return CreatedReservation{}, err
 	}
@@ -414,9 +418,10 @@ type EndedReservation struct {
 // expired): its bookings end at now (bookings that had not started are
 // deleted), its node's spec drops the allocation (RebuildNodeSpecs, signed by
 // signer), the scheduler is poked when devices were freed, and a
-// reservation.<state> event is written; all in q's transaction. An already ended reservation is left as it is (Changed
-// false). Errors: ErrNotFound.
-func EndReservation(ctx context.Context, q DBTX, signer *IntentSigner, now time.Time, id, state string) (EndedReservation, error) {
+// reservation.<state> event is written; all in q's transaction. An already
+// ended reservation is left as it is (Changed false). Errors: ErrNotFound
+// (missing, or its tenant outside scope).
+func EndReservation(ctx context.Context, q DBTX, signer *IntentSigner, scope Scope, now time.Time, id, state string) (EndedReservation, error) {
 	if state != ReservationReleased && state != ReservationExpired {
 		return EndedReservation{}, fmt.Errorf("end reservation: state %q is not released or expired", state)
 	}
@@ -425,7 +430,8 @@ func EndReservation(ctx context.Context, q DBTX, signer *IntentSigner, now time.
 		tenant string
 		node   *string
 	)
-	err := q.QueryRow(ctx, `SELECT state, tenant_id, node_id FROM reservations WHERE id = $1 FOR UPDATE`, id).Scan(&cur, &tenant, &node)
+	err := q.QueryRow(ctx, `SELECT state, tenant_id, node_id FROM reservations
+		WHERE id = $1 AND ($2::text IS NULL OR tenant_id = $2) FOR UPDATE`, id, scope.arg()).Scan(&cur, &tenant, &node)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return EndedReservation{}, ErrNotFound
 	}

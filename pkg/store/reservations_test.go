@@ -40,10 +40,10 @@ func TestCreateReservationQuotaUnderConcurrency(t *testing.T) {
 	require.ErrorIs(t, err, store.ErrNotOffered)
 	require.Equal(t, "pool "+f.pool.ID+" is not offered to tenant "+f.tenant.ID, err.Error())
 
-	o, err := store.UpsertOffer(ctx, f.db.Pool, store.Offer{PoolID: f.pool.ID, TenantID: f.tenant.ID, GPUQuota: 8, UpdatedAt: now})
+	o, err := store.UpsertOffer(ctx, f.db.Pool, store.AllTenants, store.Offer{PoolID: f.pool.ID, TenantID: f.tenant.ID, GPUQuota: 8, UpdatedAt: now})
 	require.NoError(t, err)
 	require.EqualValues(t, 8, o.GPUQuota)
-	_, err = store.UpsertOffer(ctx, f.db.Pool, store.Offer{PoolID: "pool_missing", TenantID: f.tenant.ID, GPUQuota: 8, UpdatedAt: now})
+	_, err = store.UpsertOffer(ctx, f.db.Pool, store.AllTenants, store.Offer{PoolID: "pool_missing", TenantID: f.tenant.ID, GPUQuota: 8, UpdatedAt: now})
 	require.ErrorIs(t, err, store.ErrNotFound)
 
 	var (
@@ -80,11 +80,11 @@ func TestCreateReservationQuotaUnderConcurrency(t *testing.T) {
 	require.EqualValues(t, 8, o.GPUsInUse)
 
 	// Ending one frees its GPUs for the next.
-	rs, err := store.ListReservations(ctx, f.db.Pool, store.ReservationFilter{TenantID: f.tenant.ID, State: store.ReservationPending})
+	rs, err := store.ListReservations(ctx, f.db.Pool, store.ReservationFilter{Scope: store.TenantScope(f.tenant.ID), State: store.ReservationPending})
 	require.NoError(t, err)
 	require.Len(t, rs, 8)
 	require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
-		_, err := store.EndReservation(ctx, tx, nil, f.db.Now(), rs[0].ID, store.ReservationReleased)
+		_, err := store.EndReservation(ctx, tx, nil, store.AllTenants, f.db.Now(), rs[0].ID, store.ReservationReleased)
 		return err
 	}))
 	c, err := create(1, "retry-me")

@@ -73,10 +73,12 @@ func GetTenantByName(ctx context.Context, q DBTX, name string) (Tenant, error) {
 	return t, nil
 }
 
-// TenantFilter selects tenants for ListTenants; zero fields select all.
+// TenantFilter selects tenants for ListTenants; zero fields other than
+// Scope select all.
 type TenantFilter struct {
-	// ID selects one tenant.
-	ID string
+	// Scope selects the tenants it includes: one tenant, or all (the zero
+	// Scope: none).
+	Scope Scope
 	// ParentID selects the children of a tenant.
 	ParentID string
 }
@@ -84,7 +86,7 @@ type TenantFilter struct {
 // ListTenants returns the tenants matching f, ordered by id (creation time).
 func ListTenants(ctx context.Context, q DBTX, f TenantFilter) ([]Tenant, error) {
 	rows, err := q.Query(ctx, `SELECT `+tenantColumns+` FROM tenants
-		WHERE ($1 = '' OR id = $1) AND ($2 = '' OR parent_id = $2) ORDER BY id`, f.ID, f.ParentID)
+		WHERE ($1::text IS NULL OR id = $1) AND ($2 = '' OR parent_id = $2) ORDER BY id`, f.Scope.arg(), f.ParentID)
 	if err != nil {
 		return nil, queryErr("list tenants", err)
 	}

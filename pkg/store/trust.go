@@ -107,18 +107,21 @@ const CommandErrTextNodeRevoked = "node revoked before the command finished"
 // running) fail with CommandErrTextNodeRevoked, each with its command.failed
 // event (user commands; the acceptance reconciler reads its own). Call it in
 // a transaction (with the caller's audit row). Errors: ErrNotFound when the
-// node does not exist.
-func RevokeNode(ctx context.Context, q DBTX, now time.Time, nodeID, reason string) (RevokedNode, error) {
+// node does not exist or scope does not include its pool's owner.
+func RevokeNode(ctx context.Context, q DBTX, scope Scope, now time.Time, nodeID, reason string) (RevokedNode, error) {
 	var out RevokedNode
 	var owner string
 	// Updating the node first locks it: a concurrent renewal
 	// (LockSessionCert) waits for this transaction and then sees it.
-	err := q.QueryRow(ctx, `WITH prev AS (SELECT id, revoked_at FROM nodes WHERE id = $1 FOR UPDATE)
+	err := q.QueryRow(ctx, `WITH prev AS (
+			SELECT n.id, n.revoked_at FROM nodes n JOIN pools p ON p.id = n.pool_id
+			WHERE n.id = $1 AND ($4::text IS NULL OR p.owner_tenant_id = $4) FOR UPDATE OF n)
 		UPDATE nodes n SET revoked_at = COALESCE(prev.revoked_at, $2),
 			revoke_reason = CASE WHEN prev.revoked_at IS NULL THEN $3 ELSE n.revoke_reason END,
 			updated_at = CASE WHEN prev.revoked_at IS NULL THEN $2 ELSE n.updated_at END
 		FROM prev, pools p WHERE n.id = prev.id AND p.id = n.pool_id
-		RETURNING n.revoked_at, n.revoke_reason, prev.revoked_at IS NULL, p.owner_tenant_id`, nodeID, now, reason).
+		RETURNING n.revoked_at, n.revoke_reason, prev.revoked_at IS NULL, p.owner_tenant_id`, nodeID, now, reason,
+		scope.arg()).
 		Scan(&out.RevokedAt, &out.Reason, &out.Newly, &owner)
 	if err != nil {
 		return RevokedNode{}, queryErr(fmt.Sprintf("node %s", nodeID), err)

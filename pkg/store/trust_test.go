@@ -33,7 +33,7 @@ func (f gatewayFixture) revoke(nodeID, reason string) store.RevokedNode {
 	var out store.RevokedNode
 	require.NoError(f.t, f.db.InTx(context.Background(), func(tx pgx.Tx) error {
 		var err error
-		out, err = store.RevokeNode(context.Background(), tx, f.db.Now(), nodeID, reason)
+		out, err = store.RevokeNode(context.Background(), tx, store.AllTenants, f.db.Now(), nodeID, reason)
 		return err
 	}))
 	return out
@@ -55,7 +55,7 @@ func TestRevokeNode(t *testing.T) {
 	done := f.command(n, "succeeded", "user", now.Add(-3*time.Second))
 	elsewhere := f.command(bystander, "queued", "user", now.Add(-time.Second))
 
-	before, err := store.GetNode(ctx, f.db.Pool, n)
+	before, err := store.GetNode(ctx, f.db.Pool, store.AllTenants, n)
 	require.NoError(t, err)
 	require.Nil(t, before.RevokedAt)
 	require.NotNil(t, before.CertNotAfter)
@@ -67,7 +67,7 @@ func TestRevokeNode(t *testing.T) {
 	require.True(t, f.certRevokedAt("01").Equal(now.Add(-time.Minute)), "an earlier revocation is kept")
 	require.NotNil(t, f.certRevokedAt("02"))
 	require.Nil(t, f.certRevokedAt("03"), "other nodes' certificates are untouched")
-	after, err := store.GetNode(ctx, f.db.Pool, n)
+	after, err := store.GetNode(ctx, f.db.Pool, store.AllTenants, n)
 	require.NoError(t, err)
 	require.NotNil(t, after.RevokedAt)
 	require.True(t, after.RevokedAt.Equal(rev.RevokedAt))
@@ -120,7 +120,7 @@ func TestRevokeNode(t *testing.T) {
 	require.True(t, again.RevokedAt.Equal(rev.RevokedAt))
 	require.Empty(t, again.CommandsFailed)
 	require.Equal(t, "stolen", again.Reason, "the first reason stands")
-	after, err = store.GetNode(ctx, f.db.Pool, n)
+	after, err = store.GetNode(ctx, f.db.Pool, store.AllTenants, n)
 	require.NoError(t, err)
 	require.Equal(t, "stolen", after.RevokeReason)
 	require.True(t, after.RevokedAt.Equal(rev.RevokedAt))
@@ -128,7 +128,7 @@ func TestRevokeNode(t *testing.T) {
 	require.Equal(t, 1, events)
 
 	err = f.db.InTx(ctx, func(tx pgx.Tx) error {
-		_, err := store.RevokeNode(ctx, tx, f.db.Now(), "node_missing", "")
+		_, err := store.RevokeNode(ctx, tx, store.AllTenants, f.db.Now(), "node_missing", "")
 		return err
 	})
 	require.ErrorIs(t, err, store.ErrNotFound)

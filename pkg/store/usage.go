@@ -37,8 +37,8 @@ type UsageWindow struct {
 
 // UsageFilter narrows ListUsage.
 type UsageFilter struct {
-	// TenantID keeps one tenant's windows; "" keeps all.
-	TenantID string
+	// Scope keeps its tenants' windows (the zero Scope: none).
+	Scope Scope
 	// Since keeps the windows that end after it (zero: all).
 	Since time.Time
 	// Limit caps the rows returned; 0: no cap.
@@ -57,8 +57,8 @@ func ListUsage(ctx context.Context, q DBTX, f UsageFilter) ([]UsageWindow, error
 		since = f.Since
 	}
 	rows, err := q.Query(ctx, `SELECT reservation_id, tenant_id, pool_id, window_start, gpu_seconds FROM usage_windows
-		WHERE ($1 = '' OR tenant_id = $1) AND ($2::timestamptz IS NULL OR window_start > $2::timestamptz - interval '1 hour')
-		ORDER BY window_start, reservation_id LIMIT $3`, f.TenantID, since, limit)
+		WHERE ($1::text IS NULL OR tenant_id = $1) AND ($2::timestamptz IS NULL OR window_start > $2::timestamptz - interval '1 hour')
+		ORDER BY window_start, reservation_id LIMIT $3`, f.Scope.arg(), since, limit)
 	if err != nil {
 		return nil, queryErr("list usage", err)
 	}

@@ -86,7 +86,7 @@ func BenchmarkReservations(b *testing.B) {
 		nc, err := nats.Connect(natsURL)
 		require.NoError(b, err)
 		b.Cleanup(nc.Close)
-		sched, err := scheduler.New(scheduler.Config{NoHealthServer: true, Leases: service.Leases{Holder: "bench"}, Interval: 200 * time.Millisecond},
+		sched, err := scheduler.New(scheduler.Config{Probes: service.Probes{NoHealthServer: true}, Leases: service.Leases{Holder: "bench"}, Interval: 200 * time.Millisecond},
 			scheduler.Deps{DB: db, NC: nc, Logger: benchLogger()})
 		require.NoError(b, err)
 		schedCtx, stopSched := context.WithCancel(ctx)

@@ -40,7 +40,7 @@ func (f *fixture) reserve(t *testing.T, tenant string, gpus int32, d time.Durati
 
 func (f *fixture) reservation(t *testing.T, id string) store.Reservation {
 	t.Helper()
-	r, err := store.GetReservation(context.Background(), f.stack.DB.Pool, id)
+	r, err := store.GetReservation(context.Background(), f.stack.DB.Pool, store.AllTenants, id)
 	require.NoError(t, err)
 	return r
 }
@@ -138,7 +138,7 @@ func TestReservationLifecycle(t *testing.T) {
 
 	// b is released while the node is away: its spec moves on.
 	require.NoError(t, f.stack.DB.InTx(t.Context(), func(tx pgx.Tx) error {
-		_, err := store.EndReservation(t.Context(), tx, nil, f.stack.DB.Now(), b.ID, store.ReservationReleased)
+		_, err := store.EndReservation(t.Context(), tx, nil, store.AllTenants, f.stack.DB.Now(), b.ID, store.ReservationReleased)
 		return err
 	}))
 	away := f.node(t, nodeID)

@@ -142,7 +142,7 @@ func Pool(t testing.TB, db *store.DB, opts *PoolOpts) store.Pool {
 	require.NoError(t, store.CreatePool(t.Context(), db.Pool, store.Pool{ID: id, SiteID: o.SiteID, OwnerTenantID: o.OwnerTenantID,
 		Name: or(o.Name, uniqueName("pool")), Kind: or(o.Kind, "metal-host"), GPUModel: o.GPUModel, ExpectGPUCount: o.ExpectGPUCount,
 		CreatedAt: at}))
-	out, err := store.GetPool(t.Context(), db.Pool, id)
+	out, err := store.GetPool(t.Context(), db.Pool, store.AllTenants, id)
 	require.NoError(t, err)
 	return out
 }
@@ -159,7 +159,7 @@ type OfferOpts struct {
 func Offer(t testing.TB, db *store.DB, opts *OfferOpts) store.Offer {
 	t.Helper()
 	now := db.Now()
-	out, err := store.UpsertOffer(t.Context(), db.Pool, store.Offer{PoolID: opts.PoolID, TenantID: opts.TenantID,
+	out, err := store.UpsertOffer(t.Context(), db.Pool, store.AllTenants, store.Offer{PoolID: opts.PoolID, TenantID: opts.TenantID,
 		GPUQuota: opts.GPUQuota, CreatedAt: now, UpdatedAt: now})
 	require.NoError(t, err)
 	return out
@@ -240,7 +240,7 @@ func Node(t testing.TB, db *store.DB, opts *NodeOpts) store.Node {
 		}
 	}
 	insertDevices(t, db, id, devices)
-	out, err := store.GetNode(ctx, db.Pool, id)
+	out, err := store.GetNode(ctx, db.Pool, store.AllTenants, id)
 	require.NoError(t, err)
 	return out
 }
@@ -361,7 +361,7 @@ func Command(t testing.TB, db *store.DB, opts *CommandOpts) store.Command {
 		result, opts.Error, opts.Deliveries, opts.RequestID, opts.CreatedBy, at, nullTime(opts.DeliveredAt), nullTime(finished),
 		opts.Signature)
 	require.NoError(t, err)
-	out, err := store.GetCommand(t.Context(), db.Pool, id)
+	out, err := store.GetCommand(t.Context(), db.Pool, store.AllTenants, id)
 	require.NoError(t, err)
 	return out
 }
@@ -428,7 +428,7 @@ func Reservation(t testing.TB, db *store.DB, opts *ReservationOpts) store.Reserv
 		Booking(t, db, &BookingOpts{ReservationID: id, NodeID: opts.NodeID, DeviceIndexes: opts.DeviceIndexes,
 			Lower: or(opts.BookedFrom, start), Upper: end})
 	}
-	out, err := store.GetReservation(ctx, db.Pool, id)
+	out, err := store.GetReservation(ctx, db.Pool, store.AllTenants, id)
 	require.NoError(t, err)
 	return out
 }
@@ -497,7 +497,7 @@ func APIToken(t testing.TB, db *store.DB, opts *APITokenOpts) store.APIToken {
 			nullTime(o.RevokedAt), nullTime(o.LastUsedAt))
 		require.NoError(t, err)
 	}
-	out, err := store.GetAPIToken(ctx, db.Pool, id)
+	out, err := store.GetAPIToken(ctx, db.Pool, store.AllTenants, id)
 	require.NoError(t, err)
 	return out
 }
@@ -528,7 +528,7 @@ func JoinToken(t testing.TB, db *store.DB, opts *JoinTokenOpts) store.JoinToken 
 	o.PoolID = orNew(o.PoolID, func() string { return Pool(t, db, nil).ID })
 	at := orNow(db, o.CreatedAt)
 	id := or(o.ID, ids.New(ids.JoinToken, at))
-	require.NoError(t, store.CreateJoinToken(ctx, db.Pool, store.JoinToken{ID: id, PoolID: o.PoolID, Hash: hashOr(o.Hash, id),
+	require.NoError(t, store.CreateJoinToken(ctx, db.Pool, store.AllTenants, store.JoinToken{ID: id, PoolID: o.PoolID, Hash: hashOr(o.Hash, id),
 		MaxUses: or(o.MaxUses, 1), ExpiresAt: or(o.ExpiresAt, at.Add(24*time.Hour)), CreatedBy: o.CreatedBy, CreatedAt: at}))
 	if o.Uses != 0 || !o.RevokedAt.IsZero() {
 		// Uses are counted by joins (store.UseJoinToken), one at a time.
@@ -536,7 +536,7 @@ func JoinToken(t testing.TB, db *store.DB, opts *JoinTokenOpts) store.JoinToken 
 			nullTime(o.RevokedAt))
 		require.NoError(t, err)
 	}
-	out, err := store.GetJoinToken(ctx, db.Pool, id)
+	out, err := store.GetJoinToken(ctx, db.Pool, store.AllTenants, id)
 	require.NoError(t, err)
 	return out
 }

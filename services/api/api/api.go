@@ -6,17 +6,19 @@
 // the service lifecycle (pkg/service), the probes.
 //
 // Every request is authenticated by an API token (pkg/iam) and authorized by
-// the per-RPC table in authz.go; handlers then scope what they read and write
-// to the caller's tenant (root administrators see every tenant), and another
-// tenant's resource reads as NotFound. Every call of a mutating RPC writes
+// the per-RPC table in authz.go; handlers then pass the caller's scope
+// (iam.Principal.Scope: its tenant, or every tenant for root administrators)
+// to every store call that reads or writes tenant-owned rows, so that
+// another tenant's resource reads as NotFound. Every call of a mutating RPC writes
 // one audit row: handlers write the success row in the transaction of their
 // change (auditInTx), the audit interceptor writes refusals. Store errors
 // become Connect codes in mapError (errors.go).
 //
-// To add an RPC: implement it on its service type, add its procedure to
-// Policy (Mutating and Target when it changes state, and then call auditInTx
-// in its transaction), add its row to the matrix in iam_test.go, and map any
-// new store sentinel or constraint in mapError.
+// To add an RPC: implement it on its service type, passing the caller's
+// scope (principal(ctx).Scope()) to the store functions it calls, add its
+// procedure to Policy (Mutating and Target when it changes state, and then
+// call auditInTx in its transaction), add its row to the matrix in
+// iam_test.go, and map any new store sentinel or constraint in mapError.
 package api
 
 import (

@@ -152,7 +152,7 @@ func TestAuthentication(t *testing.T) {
 	ctx := t.Context()
 	revoked, tok, err := iam.MintAPIToken(ctx, f.db.Pool, f.db.Now(), f.acme, "", iam.RoleTenantAdmin, nil)
 	require.NoError(t, err)
-	require.NoError(t, store.RevokeAPIToken(ctx, f.db.Pool, tok.ID, f.db.Now()))
+	require.NoError(t, store.RevokeAPIToken(ctx, f.db.Pool, store.AllTenants, tok.ID, f.db.Now()))
 
 	for _, tc := range []struct {
 		name, token, msg string

@@ -28,7 +28,7 @@ func (s *auditService) ListAudit(ctx context.Context, req *connect.Request[compu
 	if size == 0 {
 		size = defaultAuditPageSize
 	}
-	rows, err := store.ListAudit(ctx, s.db.Pool, store.AuditFilter{TenantID: p.TenantScope(), Before: req.Msg.PageToken, Limit: size})
+	rows, err := store.ListAudit(ctx, s.db.Pool, store.AuditFilter{Scope: p.Scope(), Before: req.Msg.PageToken, Limit: size})
 	if err != nil {
 		return nil, mapError(err)
 	}

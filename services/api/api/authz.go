@@ -9,8 +9,9 @@ import (
 // the caller's role must hold (pkg/iam's rolePermissions says which roles
 // hold it), whether the RPC mutates (and is audited), and the request field
 // naming its target for the audit log. Which tenant's resources a caller
-// sees is decided by the handlers: its own tenant's, or every tenant's for
-// root-admin; another tenant's resource reads as NotFound. A procedure
+// reaches is its scope (iam.Principal.Scope): its own tenant's, or every
+// tenant's for root-admin. Handlers pass that scope to the store, whose
+// queries apply it; another tenant's resource reads as NotFound. A procedure
 // missing here is refused with PermissionDenied, so a new RPC must be added
 // (TestPolicyCoversEveryProcedure and the matrix test fail until it is).
 //

@@ -50,7 +50,7 @@ func (s *commandService) RunCommand(ctx context.Context, req *connect.Request[co
 		timeout = msg.Timeout.AsDuration()
 	}
 	a, err := s.commandQueue().Do(ctx, queueItem{cmd: store.NewCommand{NodeID: msg.NodeId, Kind: msg.Kind,
-		RequestID: msg.RequestId, CreatedBy: p.TokenID, TenantID: p.TenantScope()}, timeout: timeout, audit: audit})
+		RequestID: msg.RequestId, CreatedBy: p.TokenID, Scope: p.Scope()}, timeout: timeout, audit: audit})
 	if err == nil {
 		err = a.err
 	}
@@ -174,12 +174,9 @@ func (s *commandService) GetCommand(ctx context.Context, req *connect.Request[co
 	if err != nil {
 		return nil, err
 	}
-	c, err := store.GetCommand(ctx, s.db.Pool, req.Msg.CommandId)
-	if errors.Is(err, store.ErrNotFound) || (err == nil && !p.InTenant(c.TenantID)) {
-		return nil, notFound("command", req.Msg.CommandId)
-	}
+	c, err := store.GetCommand(ctx, s.db.Pool, p.Scope(), req.Msg.CommandId)
 	if err != nil {
-		return nil, mapError(err)
+		return nil, mapError(notFoundOr(err, "command", req.Msg.CommandId))
 	}
 	return connect.NewResponse(&computev1.GetCommandResponse{Command: commandToProto(c)}), nil
 }
@@ -194,19 +191,15 @@ func (s *commandService) ListCommands(ctx context.Context, req *connect.Request[
 	}
 	msg := req.Msg
 	if msg.NodeId != "" {
-		n, err := store.GetNode(ctx, s.db.Pool, msg.NodeId)
-		if errors.Is(err, store.ErrNotFound) || (err == nil && !p.InTenant(n.PoolOwnerTenantID)) {
-			return nil, notFound("node", msg.NodeId)
-		}
-		if err != nil {
-			return nil, mapError(err)
+		if _, err := store.GetNode(ctx, s.db.Pool, p.Scope(), msg.NodeId); err != nil {
+			return nil, mapError(notFoundOr(err, "node", msg.NodeId))
 		}
 	}
 	size := int(msg.PageSize)
 	if size == 0 {
 		size = defaultCommandPageSize
 	}
-	cmds, err := store.ListCommands(ctx, s.db.Pool, store.CommandFilter{TenantID: p.TenantScope(), NodeID: msg.NodeId,
+	cmds, err := store.ListCommands(ctx, s.db.Pool, store.CommandFilter{Scope: p.Scope(), NodeID: msg.NodeId,
 		Before: msg.PageToken, Limit: size})
 	if err != nil {
 		return nil, mapError(err)

@@ -58,3 +58,13 @@ func mapError(err error) error {
 func notFound(kind, id string) error {
 	return connect.NewError(connect.CodeNotFound, errors.New(kind+" "+id+" not found"))
 }
+
+// notFoundOr is notFound(kind, id) when err is store.ErrNotFound (the row
+// is missing or outside the caller's scope), and err otherwise: the one
+// answer of a store call that names one resource.
+func notFoundOr(err error, kind, id string) error {
+	if errors.Is(err, store.ErrNotFound) {
+		return notFound(kind, id)
+	}
+	return err
+}

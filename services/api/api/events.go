@@ -379,7 +379,7 @@ func (s *Server) watch(ctx context.Context, p iam.Principal, authorization strin
 		return err
 	}
 	w := &watcher{s: s, cfg: s.cfg.Watch.withDefaults(), p: p, authorization: authorization,
-		filter: store.EventFilter{TenantID: p.TenantScope(), Types: req.types}, cursor: req.after}
+		filter: store.EventFilter{Scope: p.Scope(), Types: req.types}, cursor: req.after}
 	if req.after != 0 {
 		newest, err := store.MaxEventID(ctx, s.db.Pool)
 		if err != nil {
@@ -402,8 +402,8 @@ func (s *Server) watch(ctx context.Context, p iam.Principal, authorization strin
 		// The outbox relay publishes an event after its commit: a hint to
 		// read now rather than at the next poll.
 		subject := store.SubjectEvents + ".>"
-		if w.filter.TenantID != "" {
-			subject = store.SubjectEvents + "." + w.filter.TenantID + ".>"
+		if tenant := w.filter.Scope.Tenant(); tenant != "" {
+			subject = store.SubjectEvents + "." + tenant + ".>"
 		}
 		sub, err := s.nc.Subscribe(subject, func(*nats.Msg) {
 			select {

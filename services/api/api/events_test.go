@@ -697,7 +697,7 @@ func TestScanEvents(t *testing.T) {
 	foreign := insertEvent(t, f.db, nil, f.db.Now(), f.other, "y.z")
 	untyped := insertEvent(t, f.db, nil, f.db.Now(), f.acme, "yy")
 	require.Equal(t, []int64{gap + 1, gap + 2, gap + 3}, []int64{next, foreign, untyped})
-	filter := store.EventFilter{TenantID: f.acme, Types: []string{"y.*"}}
+	filter := store.EventFilter{Scope: store.TenantScope(f.acme), Types: []string{"y.*"}}
 	rows, err := store.ScanEvents(ctx, f.db.Pool, gap-1, filter, 10, time.Hour)
 	require.NoError(t, err)
 	require.Len(t, rows, 3)

@@ -85,20 +85,20 @@ func TestMatrix(t *testing.T) {
 	acmeRevokedNode := f.node(t, f.acmePool, 0, "", storetest.NodeOpts{})
 	now := f.db.Now()
 	acmeJoinToken := ids.New(ids.JoinToken, now)
-	require.NoError(t, store.CreateJoinToken(ctx, f.db.Pool, store.JoinToken{ID: acmeJoinToken, PoolID: f.acmePool,
+	require.NoError(t, store.CreateJoinToken(ctx, f.db.Pool, store.AllTenants, store.JoinToken{ID: acmeJoinToken, PoolID: f.acmePool,
 		Hash: iam.HashSecret(acmeJoinToken), MaxUses: 1, ExpiresAt: now.Add(time.Hour), CreatedAt: now}))
 	_, victim, err := iam.MintAPIToken(ctx, f.db.Pool, now, f.acme, "victim", iam.RoleTenantMember, nil)
 	require.NoError(t, err)
 	// acme's pool is offered to acme, which holds a reservation in it.
 	f.node(t, f.acmePool, 8, "H100", adopted)
-	_, err = store.UpsertOffer(ctx, f.db.Pool, store.Offer{PoolID: f.acmePool, TenantID: f.acme, GPUQuota: 1000, UpdatedAt: now})
+	_, err = store.UpsertOffer(ctx, f.db.Pool, store.AllTenants, store.Offer{PoolID: f.acmePool, TenantID: f.acme, GPUQuota: 1000, UpdatedAt: now})
 	require.NoError(t, err)
 	acmeRes := f.reservation(t, f.acme, f.acmePool, 1, "")
 	// acmeCmdNode runs commands; acmeCmd is one of its commands.
 	acmeCmdNode := f.node(t, f.acmePool, 1, "H100", adopted)
 	acmeCmd := ids.New(ids.Command, now)
 	require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
-		_, err := store.QueueCommand(ctx, tx, nil, now, store.NewCommand{ID: acmeCmd, NodeID: acmeCmdNode,
+		_, err := store.QueueCommand(ctx, tx, nil, now, store.NewCommand{Scope: store.AllTenants, ID: acmeCmd, NodeID: acmeCmdNode,
 			Kind: store.CommandDiagNVML, Deadline: now.Add(time.Minute)})
 		return err
 	}))
@@ -495,7 +495,7 @@ func TestMatrix(t *testing.T) {
 
 	// One audit row per call of a mutating RPC, in call order; none for
 	// reads.
-	entries, err := store.ListAudit(ctx, f.db.Pool, store.AuditFilter{Limit: 1000})
+	entries, err := store.ListAudit(ctx, f.db.Pool, store.AuditFilter{Scope: store.AllTenants, Limit: 1000})
 	require.NoError(t, err)
 	got := map[string][]store.AuditEntry{}
 	for _, e := range slices.Backward(entries) {
@@ -612,7 +612,7 @@ func TestAPITokens(t *testing.T) {
 	require.Equal(t, "tenant-member", tok.Role)
 	require.Equal(t, "ci", tok.Name)
 	require.WithinDuration(t, before.Add(time.Hour), tok.ExpiresAt.AsTime(), time.Minute)
-	stored, err := store.GetAPIToken(ctx, f.db.Pool, tok.Id)
+	stored, err := store.GetAPIToken(ctx, f.db.Pool, store.AllTenants, tok.Id)
 	require.NoError(t, err)
 	require.Equal(t, iam.HashSecret(secret), stored.Hash, "only the hash is kept")
 	member := f.as(secret)
@@ -725,7 +725,7 @@ func TestAudit(t *testing.T) {
 	_, err = admin.pools.ListPools(ctx, connect.NewRequest(&computev1.ListPoolsRequest{}))
 	require.NoError(t, err)
 
-	entries, err := store.ListAudit(ctx, f.db.Pool, store.AuditFilter{Limit: 100})
+	entries, err := store.ListAudit(ctx, f.db.Pool, store.AuditFilter{Scope: store.AllTenants, Limit: 100})
 	require.NoError(t, err)
 	require.Len(t, entries, 4)
 	created, dup, anon, foreign := entries[3], entries[2], entries[1], entries[0]
@@ -792,7 +792,7 @@ func TestAuthenticationBeforeValidation(t *testing.T) {
 		PoolId: f.acmePool, MaxUses: 0, TtlSeconds: 60}))
 	require.Equal(t, connect.CodeInvalidArgument, connect.CodeOf(err), "%v", err)
 	require.Contains(t, err.Error(), "max_uses")
-	entries, err := store.ListAudit(ctx, f.db.Pool, store.AuditFilter{Limit: 100})
+	entries, err := store.ListAudit(ctx, f.db.Pool, store.AuditFilter{Scope: store.AllTenants, Limit: 100})
 	require.NoError(t, err)
 	require.Len(t, entries, 3)
 	require.Equal(t, "invalid_argument", entries[0].Outcome)

@@ -25,39 +25,31 @@ func poolNotFound(field, id string) error {
 	return connect.NewError(connect.CodeNotFound, errors.New(field+": pool "+id+" not found"))
 }
 
-// seenPool returns the pool with id and whether p owns it (its tenant's
-// pool, or any pool for root-admin) when p sees it: when it owns it or the
-// pool is offered to its tenant. A pool p does not see is poolNotFound,
-// as a missing one is.
-func (s *Server) seenPool(ctx context.Context, p iam.Principal, field, id string) (store.Pool, bool, error) {
-	pool, err := store.GetPool(ctx, s.db.Pool, id)
+// seenPool returns the pool with id when p sees it (store.GetPool in p's
+// scope: it owns the pool or the pool is offered to its tenant). A pool p
+// does not see is poolNotFound, as a missing one is.
+func (s *Server) seenPool(ctx context.Context, p iam.Principal, field, id string) (store.Pool, error) {
+	pool, err := store.GetPool(ctx, s.db.Pool, p.Scope(), id)
 	if errors.Is(err, store.ErrNotFound) {
-		return store.Pool{}, false, poolNotFound(field, id)
+		return store.Pool{}, poolNotFound(field, id)
 	}
 	if err != nil {
-		return store.Pool{}, false, mapError(err)
+		return store.Pool{}, mapError(err)
 	}
-	if p.InTenant(pool.OwnerTenantID) {
-		return pool, true, nil
-	}
-	if _, err := store.GetOffer(ctx, s.db.Pool, id, p.TenantID); errors.Is(err, store.ErrNotFound) {
-		return store.Pool{}, false, poolNotFound(field, id)
-	} else if err != nil {
-		return store.Pool{}, false, mapError(err)
-	}
-	return pool, false, nil
+	return pool, nil
 }
 
-// ownedPool returns the pool with id when p owns it (any pool for
-// root-admin), for what only a pool's owner does (what: "offer it"). A pool
-// p does not see is poolNotFound; one offered to p's tenant that another
-// tenant owns is PermissionDenied, since p knows it exists.
+// ownedPool returns the pool with id when p owns it (its scope includes the
+// owner: any pool for root-admin), for what only a pool's owner does (what:
+// "offer it"). A pool p does not see is poolNotFound; one offered to p's
+// tenant that another tenant owns is PermissionDenied, since p knows it
+// exists.
 func (s *Server) ownedPool(ctx context.Context, p iam.Principal, field, id, what string) (store.Pool, error) {
-	pool, owned, err := s.seenPool(ctx, p, field, id)
+	pool, err := s.seenPool(ctx, p, field, id)
 	if err != nil {
 		return store.Pool{}, err
 	}
-	if !owned {
+	if !p.Scope().Includes(pool.OwnerTenantID) {
 		return store.Pool{}, connect.NewError(connect.CodePermissionDenied,
 			fmt.Errorf("%s: pool %s is offered to your tenant but owned by another: only its owner may %s", field, id, what))
 	}
@@ -86,8 +78,8 @@ func (s *joinTokenService) CreateJoinToken(ctx context.Context, req *connect.Req
 		MaxUses: msg.MaxUses, ExpiresAt: now.Add(time.Duration(msg.TtlSeconds) * time.Second), CreatedBy: p.TokenID,
 		CreatedAt: now}
 	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
-		if err := store.CreateJoinToken(ctx, tx, jt); err != nil {
-			return err
+		if err := store.CreateJoinToken(ctx, tx, p.Scope(), jt); err != nil {
+			return notFoundOr(err, "pool_id: pool", jt.PoolID)
 		}
 		return s.auditInTx(ctx, tx, jt.ID, fmt.Sprintf("join token for pool %s, %d use(s)", jt.PoolID, jt.MaxUses))
 	})
@@ -113,7 +105,7 @@ func (s *joinTokenService) ListJoinTokens(ctx context.Context, req *connect.Requ
 			return nil, err
 		}
 	}
-	tokens, err := store.ListJoinTokens(ctx, s.db.Pool, store.JoinTokenFilter{PoolID: req.Msg.PoolId, OwnerTenantID: p.TenantScope()})
+	tokens, err := store.ListJoinTokens(ctx, s.db.Pool, store.JoinTokenFilter{Scope: p.Scope(), PoolID: req.Msg.PoolId})
 	if err != nil {
 		return nil, mapError(err)
 	}
@@ -132,27 +124,12 @@ func (s *joinTokenService) RevokeJoinToken(ctx context.Context, req *connect.Req
 		return nil, err
 	}
 	id := req.Msg.JoinTokenId
-	jt, err := store.GetJoinToken(ctx, s.db.Pool, id)
-	if errors.Is(err, store.ErrNotFound) {
-		return nil, notFound("join token", id)
-	}
-	if err != nil {
-		return nil, mapError(err)
-	}
-	if !p.IsRoot() {
-		// A join token is its pool owner's, even when the pool is
-		// offered to the caller's tenant.
-		pool, err := store.GetPool(ctx, s.db.Pool, jt.PoolID)
-		if err != nil && !errors.Is(err, store.ErrNotFound) {
-			return nil, mapError(err)
-		}
-		if err != nil || pool.OwnerTenantID != p.TenantID {
-			return nil, notFound("join token", id)
-		}
-	}
+	var jt store.JoinToken
 	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
-		if jt, err = store.RevokeJoinToken(ctx, tx, id, s.db.Now()); err != nil {
-			return err
+		// A join token is its pool owner's, even where the pool is
+		// offered to the caller's tenant (store.GetJoinToken).
+		if jt, err = store.RevokeJoinToken(ctx, tx, p.Scope(), id, s.db.Now()); err != nil {
+			return notFoundOr(err, "join token", id)
 		}
 		return s.auditInTx(ctx, tx, id, "revoked")
 	})

@@ -35,7 +35,7 @@ func (s *nodeService) ListNodes(ctx context.Context, req *connect.Request[comput
 	}
 	msg := req.Msg
 	if msg.PoolId != "" {
-		if _, _, err := s.seenPool(ctx, p, "pool_id", msg.PoolId); err != nil {
+		if _, err := s.seenPool(ctx, p, "pool_id", msg.PoolId); err != nil {
 			return nil, err
 		}
 	}
@@ -43,7 +43,7 @@ func (s *nodeService) ListNodes(ctx context.Context, req *connect.Request[comput
 	if size == 0 {
 		size = defaultNodePageSize
 	}
-	nodes, err := store.ListNodes(ctx, s.db.Pool, store.NodeFilter{PoolID: msg.PoolId, OwnerTenantID: p.TenantScope(),
+	nodes, err := store.ListNodes(ctx, s.db.Pool, store.NodeFilter{Scope: p.Scope(), PoolID: msg.PoolId,
 		After: msg.PageToken, Limit: size})
 	if err != nil {
 		return nil, mapError(err)
@@ -64,12 +64,9 @@ func (s *nodeService) GetNode(ctx context.Context, req *connect.Request[computev
 	if err != nil {
 		return nil, err
 	}
-	n, err := store.GetNode(ctx, s.db.Pool, req.Msg.NodeId)
-	if errors.Is(err, store.ErrNotFound) || (err == nil && !p.InTenant(n.PoolOwnerTenantID)) {
-		return nil, notFound("node", req.Msg.NodeId)
-	}
+	n, err := store.GetNode(ctx, s.db.Pool, p.Scope(), req.Msg.NodeId)
 	if err != nil {
-		return nil, mapError(err)
+		return nil, notFoundOr(err, "node", req.Msg.NodeId)
 	}
 	return connect.NewResponse(&computev1.GetNodeResponse{Node: nodeToProto(n)}), nil
 }
@@ -140,13 +137,6 @@ func (s *nodeService) RevokeNode(ctx context.Context, req *connect.Request[compu
 	}
 	// A reason of spaces only is none.
 	id, reason := req.Msg.NodeId, strings.TrimSpace(req.Msg.Reason)
-	n, err := store.GetNode(ctx, s.db.Pool, id)
-	if errors.Is(err, store.ErrNotFound) || (err == nil && !p.InTenant(n.PoolOwnerTenantID)) {
-		return nil, notFound("node", id)
-	}
-	if err != nil {
-		return nil, mapError(err)
-	}
 	var (
 		rev    store.RevokedNode
 		failed []string
@@ -154,8 +144,8 @@ func (s *nodeService) RevokeNode(ctx context.Context, req *connect.Request[compu
 	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
 		var err error
 		now := s.db.Now()
-		if rev, err = store.RevokeNode(ctx, tx, now, id, reason); err != nil {
-			return err
+		if rev, err = store.RevokeNode(ctx, tx, p.Scope(), now, id, reason); err != nil {
+			return notFoundOr(err, "node", id)
 		}
 		// The node can never bind or hold GPUs again: its reservations
 		// fail now, so their tenants stop being charged and get their
@@ -186,7 +176,8 @@ func (s *nodeService) RevokeNode(ctx context.Context, req *connect.Request[compu
 	if err != nil {
 		return nil, mapError(err)
 	}
-	if n, err = store.GetNode(ctx, s.db.Pool, id); err != nil {
+	n, err := store.GetNode(ctx, s.db.Pool, p.Scope(), id)
+	if err != nil {
 		return nil, mapError(err)
 	}
 	s.logger.InfoContext(ctx, "node revoked", telemetry.KeyNodeID, id, "certificates_revoked", rev.CertificatesRevoked,
@@ -208,9 +199,9 @@ func (s *nodeService) CordonNode(ctx context.Context, req *connect.Request[compu
 	// protovalidate refused a reason of spaces only; drop those around it.
 	id, reason := req.Msg.NodeId, strings.TrimSpace(req.Msg.Reason)
 	var res store.CordonResult
-	n, err := s.setCordon(ctx, id, func(tx pgx.Tx) (string, error) {
+	n, err := s.setCordon(ctx, id, func(tx pgx.Tx, scope store.Scope) (string, error) {
 		var err error
-		res, err = store.CordonNode(ctx, tx, s.db.Now(), id, reason)
+		res, err = store.CordonNode(ctx, tx, scope, s.db.Now(), id, reason)
 		if errors.Is(err, store.ErrNodeRevoked) {
 			return "", connect.NewError(connect.CodeFailedPrecondition, err)
 		}
@@ -233,9 +224,9 @@ func (s *nodeService) CordonNode(ctx context.Context, req *connect.Request[compu
 func (s *nodeService) UncordonNode(ctx context.Context, req *connect.Request[computev1.UncordonNodeRequest]) (*connect.Response[computev1.UncordonNodeResponse], error) {
 	id := req.Msg.NodeId
 	var changed bool
-	n, err := s.setCordon(ctx, id, func(tx pgx.Tx) (string, error) {
+	n, err := s.setCordon(ctx, id, func(tx pgx.Tx, scope store.Scope) (string, error) {
 		var err error
-		changed, err = store.UncordonNode(ctx, tx, s.db.Now(), id)
+		changed, err = store.UncordonNode(ctx, tx, scope, s.db.Now(), id)
 		if !changed {
 			return "not cordoned", err
 		}
@@ -247,33 +238,27 @@ func (s *nodeService) UncordonNode(ctx context.Context, req *connect.Request[com
 	return connect.NewResponse(&computev1.UncordonNodeResponse{Node: nodeToProto(n), Changed: changed}), nil
 }
 
-// setCordon checks that node id is the caller's, runs change (which returns
-// the audit detail) with the audit row in one transaction, and returns the
-// node afterwards.
-func (s *nodeService) setCordon(ctx context.Context, id string, change func(tx pgx.Tx) (string, error)) (store.Node, error) {
+// setCordon runs change on node id in the caller's scope (which returns the
+// audit detail; a node outside the scope is ErrNotFound) with the audit row
+// in one transaction, and returns the node afterwards.
+func (s *nodeService) setCordon(ctx context.Context, id string, change func(tx pgx.Tx, scope store.Scope) (string, error)) (store.Node, error) {
 	p, err := principal(ctx)
 	if err != nil {
 		return store.Node{}, err
 	}
-	n, err := store.GetNode(ctx, s.db.Pool, id)
-	if errors.Is(err, store.ErrNotFound) || (err == nil && !p.InTenant(n.PoolOwnerTenantID)) {
-		return store.Node{}, notFound("node", id)
-	}
-	if err != nil {
-		return store.Node{}, mapError(err)
-	}
 	var detail string
 	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
 		var err error
-		if detail, err = change(tx); err != nil {
-			return err
+		if detail, err = change(tx, p.Scope()); err != nil {
+			return notFoundOr(err, "node", id)
 		}
 		return s.auditInTx(ctx, tx, id, detail)
 	})
 	if err != nil {
 		return store.Node{}, mapError(err)
 	}
-	if n, err = store.GetNode(ctx, s.db.Pool, id); err != nil {
+	n, err := store.GetNode(ctx, s.db.Pool, p.Scope(), id)
+	if err != nil {
 		return store.Node{}, mapError(err)
 	}
 	s.logger.InfoContext(ctx, "node cordon changed", telemetry.KeyNodeID, id, "cordoned", n.Cordoned, "detail", detail)

@@ -91,7 +91,7 @@ func (s *poolService) ListPools(ctx context.Context, req *connect.Request[comput
 	if err != nil {
 		return nil, err
 	}
-	pools, err := store.ListPools(ctx, s.db.Pool, store.PoolFilter{SiteID: req.Msg.SiteId, VisibleTo: p.TenantScope(),
+	pools, err := store.ListPools(ctx, s.db.Pool, store.PoolFilter{Scope: p.Scope(), SiteID: req.Msg.SiteId,
 		OfferTo: p.TenantID})
 	if err != nil {
 		return nil, mapError(err)
@@ -147,7 +147,7 @@ func (s *poolService) OfferPool(ctx context.Context, req *connect.Request[comput
 			return err
 		}
 		var err error
-		if offer, err = store.UpsertOffer(ctx, tx, store.Offer{PoolID: msg.PoolId, TenantID: msg.TenantId,
+		if offer, err = store.UpsertOffer(ctx, tx, p.Scope(), store.Offer{PoolID: msg.PoolId, TenantID: msg.TenantId,
 			GPUQuota: msg.GpuQuota, UpdatedAt: s.db.Now()}); err != nil {
 			return err
 		}
@@ -172,11 +172,11 @@ func (s *poolService) ListOffers(ctx context.Context, req *connect.Request[compu
 	if req.Msg.PoolId != "" {
 		// A pool the caller does not see reads as one that does not exist,
 		// as in every other call that names a pool.
-		if _, _, err := s.seenPool(ctx, p, "pool_id", req.Msg.PoolId); err != nil {
+		if _, err := s.seenPool(ctx, p, "pool_id", req.Msg.PoolId); err != nil {
 			return nil, err
 		}
 	}
-	offers, err := store.ListOffers(ctx, s.db.Pool, store.OfferFilter{PoolID: req.Msg.PoolId, VisibleTo: p.TenantScope()})
+	offers, err := store.ListOffers(ctx, s.db.Pool, store.OfferFilter{Scope: p.Scope(), PoolID: req.Msg.PoolId})
 	if err != nil {
 		return nil, mapError(err)
 	}

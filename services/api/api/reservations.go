@@ -93,7 +93,7 @@ func (s *reservationService) Reserve(ctx context.Context, req *connect.Request[c
 		return nil, connect.NewError(connect.CodeAlreadyExists, conflict)
 	case errors.Is(err, store.ErrNotFound):
 		return nil, poolNotFound("pool_id", msg.PoolId)
-	case errors.As(err, &nf) && !p.InTenant(nf.OwnerTenantID):
+	case errors.As(err, &nf) && !p.Scope().Includes(nf.OwnerTenantID):
 		// Another tenant's pool, not offered to this one: as if missing.
 		return nil, poolNotFound("pool_id", msg.PoolId)
 	case errors.As(err, &nf):
@@ -111,26 +111,16 @@ func (s *reservationService) Reserve(ctx context.Context, req *connect.Request[c
 	return connect.NewResponse(&computev1.ReserveResponse{Reservation: reservationToProto(r)}), nil
 }
 
-// visibleReservation returns the reservation with id when p's tenant owns
-// it (any for root-admin), and NotFound otherwise.
-func (s *reservationService) visibleReservation(ctx context.Context, q store.DBTX, id string) (store.Reservation, error) {
-	p, err := principal(ctx)
-	if err != nil {
-		return store.Reservation{}, err
-	}
-	r, err := store.GetReservation(ctx, q, id)
-	if errors.Is(err, store.ErrNotFound) || (err == nil && !p.InTenant(r.TenantID)) {
-		return store.Reservation{}, notFound("reservation", id)
-	}
-	return r, err
-}
-
 // GetReservation returns a reservation of the caller's tenant (any for
 // root-admin). Errors: NotFound (missing or another tenant's).
 func (s *reservationService) GetReservation(ctx context.Context, req *connect.Request[computev1.GetReservationRequest]) (*connect.Response[computev1.GetReservationResponse], error) {
-	r, err := s.visibleReservation(ctx, s.db.Pool, req.Msg.ReservationId)
+	p, err := principal(ctx)
 	if err != nil {
-		return nil, mapError(err)
+		return nil, err
+	}
+	r, err := store.GetReservation(ctx, s.db.Pool, p.Scope(), req.Msg.ReservationId)
+	if err != nil {
+		return nil, mapError(notFoundOr(err, "reservation", req.Msg.ReservationId))
 	}
 	return connect.NewResponse(&computev1.GetReservationResponse{Reservation: reservationToProto(r)}), nil
 }
@@ -150,7 +140,7 @@ func (s *reservationService) ListReservations(ctx context.Context, req *connect.
 	if msg.PoolId != "" {
 		// A pool the caller does not see reads as one that does not exist,
 		// as in every other call that names a pool.
-		if _, _, err := s.seenPool(ctx, p, "pool_id", msg.PoolId); err != nil {
+		if _, err := s.seenPool(ctx, p, "pool_id", msg.PoolId); err != nil {
 			return nil, err
 		}
 	}
@@ -158,7 +148,7 @@ func (s *reservationService) ListReservations(ctx context.Context, req *connect.
 	if size == 0 {
 		size = defaultReservationPageSize
 	}
-	rs, err := store.ListReservations(ctx, s.db.Pool, store.ReservationFilter{TenantID: p.TenantScope(),
+	rs, err := store.ListReservations(ctx, s.db.Pool, store.ReservationFilter{Scope: p.Scope(),
 		PoolID: msg.PoolId, State: msg.State, After: msg.PageToken, Limit: size})
 	if err != nil {
 		return nil, mapError(err)
@@ -180,20 +170,21 @@ func (s *reservationService) ListReservations(ctx context.Context, req *connect.
 // reservation is returned unchanged. Errors: NotFound (missing or another
 // tenant's).
 func (s *reservationService) ReleaseReservation(ctx context.Context, req *connect.Request[computev1.ReleaseReservationRequest]) (*connect.Response[computev1.ReleaseReservationResponse], error) {
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, err
+	}
 	id := req.Msg.ReservationId
 	var (
 		r     store.Reservation
 		ended store.EndedReservation
 	)
-	err := s.db.InTx(ctx, func(tx pgx.Tx) error {
-		if _, err := s.visibleReservation(ctx, tx, id); err != nil {
-			return err
-		}
+	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
 		var err error
-		if ended, err = store.EndReservation(ctx, tx, s.intent, s.db.Now(), id, store.ReservationReleased); err != nil {
-			return err
+		if ended, err = store.EndReservation(ctx, tx, s.intent, p.Scope(), s.db.Now(), id, store.ReservationReleased); err != nil {
+			return notFoundOr(err, "reservation", id)
 		}
-		if r, err = store.GetReservation(ctx, tx, id); err != nil {
+		if r, err = store.GetReservation(ctx, tx, p.Scope(), id); err != nil {
 			return err
 		}
 		detail := "released"

@@ -38,7 +38,7 @@ func (f *fixture) reservation(t *testing.T, tenant, pool string, gpus int32, req
 // offer offers pool to tenant with quota GPUs.
 func (f *fixture) offer(t *testing.T, pool, tenant string, quota int32) {
 	t.Helper()
-	_, err := store.UpsertOffer(t.Context(), f.db.Pool, store.Offer{PoolID: pool, TenantID: tenant, GPUQuota: quota, UpdatedAt: f.db.Now()})
+	_, err := store.UpsertOffer(t.Context(), f.db.Pool, store.AllTenants, store.Offer{PoolID: pool, TenantID: tenant, GPUQuota: quota, UpdatedAt: f.db.Now()})
 	require.NoError(t, err)
 }
 
@@ -295,7 +295,7 @@ func TestRelease(t *testing.T) {
 	require.True(t, again.Msg.Reservation.EndedAt.AsTime().Equal(ended))
 	require.Equal(t, gen0+1, f.allocations(t, node).gen)
 	require.Equal(t, 1, f.count(t, `SELECT count(*) FROM events WHERE type = 'reservation.released' AND subject_id = $1`, id))
-	audit, err := store.ListAudit(ctx, f.db.Pool, store.AuditFilter{Limit: 10})
+	audit, err := store.ListAudit(ctx, f.db.Pool, store.AuditFilter{Scope: store.AllTenants, Limit: 10})
 	require.NoError(t, err)
 	require.Equal(t, "already released", audit[0].Detail)
 	require.Equal(t, "released", audit[1].Detail)

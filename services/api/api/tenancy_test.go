@@ -228,7 +228,7 @@ func TestRevokeReasonShownAndKept(t *testing.T) {
 	require.Len(t, list.Msg.Nodes, 1)
 	require.Equal(t, "disk stolen", list.Msg.Nodes[0].RevokeReason)
 
-	entries, err := store.ListAudit(ctx, f.db.Pool, store.AuditFilter{Limit: 10})
+	entries, err := store.ListAudit(ctx, f.db.Pool, store.AuditFilter{Scope: store.AllTenants, Limit: 10})
 	require.NoError(t, err)
 	var details []string
 	for _, e := range entries {

@@ -58,7 +58,7 @@ func (s *tenantService) ListTenants(ctx context.Context, _ *connect.Request[comp
 	if err != nil {
 		return nil, err
 	}
-	tenants, err := store.ListTenants(ctx, s.db.Pool, store.TenantFilter{ID: p.TenantScope()})
+	tenants, err := store.ListTenants(ctx, s.db.Pool, store.TenantFilter{Scope: p.Scope()})
 	if err != nil {
 		return nil, mapError(err)
 	}

@@ -18,22 +18,24 @@ import (
 
 type tokenService struct{ *Server }
 
-// tenantFor returns the tenant a token call acts in: id, or the caller's own
-// when id is empty. Another tenant, for a caller that is not root-admin, is
-// NotFound like a missing one.
-func (s *Server) tenantFor(ctx context.Context, q store.DBTX, p iam.Principal, id string) (string, error) {
+// tenantFor returns the scope of the one tenant a call that names a
+// tenant_id acts in: id, or the caller's own tenant when id is empty, when
+// the caller's scope includes it (p.Scope().Narrow). Another tenant, for a
+// caller that is not root-admin, is NotFound like a missing one.
+func (s *Server) tenantFor(ctx context.Context, q store.DBTX, p iam.Principal, id string) (store.Scope, error) {
 	if id == "" {
-		return p.TenantID, nil
+		id = p.TenantID
 	}
-	if !p.InTenant(id) {
-		return "", connect.NewError(connect.CodeNotFound, errors.New("tenant_id: tenant "+id+" not found"))
+	scope, ok := p.Scope().Narrow(id)
+	if !ok {
+		return store.Scope{}, connect.NewError(connect.CodeNotFound, errors.New("tenant_id: tenant "+id+" not found"))
 	}
 	if _, err := store.GetTenant(ctx, q, id); errors.Is(err, store.ErrNotFound) {
-		return "", connect.NewError(connect.CodeNotFound, errors.New("tenant_id: tenant "+id+" not found"))
+		return store.Scope{}, connect.NewError(connect.CodeNotFound, errors.New("tenant_id: tenant "+id+" not found"))
 	} else if err != nil {
-		return "", err
+		return store.Scope{}, err
 	}
-	return id, nil
+	return scope, nil
 }
 
 // CreateToken mints an API token of tenant_id (default: the caller's
@@ -58,10 +60,11 @@ func (s *tokenService) CreateToken(ctx context.Context, req *connect.Request[com
 		tok    store.APIToken
 	)
 	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
-		tenant, err := s.tenantFor(ctx, tx, p, msg.TenantId)
+		scope, err := s.tenantFor(ctx, tx, p, msg.TenantId)
 		if err != nil {
 			return err
 		}
+		tenant := scope.Tenant()
 		if !p.MayGrant(role) {
 			return connect.NewError(connect.CodePermissionDenied,
 				fmt.Errorf("role: a %s may not mint %s tokens", p.Role, role))
@@ -106,11 +109,11 @@ func (s *tokenService) ListTokens(ctx context.Context, req *connect.Request[comp
 	if err != nil {
 		return nil, err
 	}
-	tenant, err := s.tenantFor(ctx, s.db.Pool, p, req.Msg.TenantId)
+	scope, err := s.tenantFor(ctx, s.db.Pool, p, req.Msg.TenantId)
 	if err != nil {
 		return nil, mapError(err)
 	}
-	tokens, err := store.ListAPITokens(ctx, s.db.Pool, tenant)
+	tokens, err := store.ListAPITokens(ctx, s.db.Pool, scope)
 	if err != nil {
 		return nil, mapError(err)
 	}
@@ -135,12 +138,9 @@ func (s *tokenService) RevokeToken(ctx context.Context, req *connect.Request[com
 	id := req.Msg.TokenId
 	var tok store.APIToken
 	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
-		old, err := store.GetAPIToken(ctx, tx, id)
-		if errors.Is(err, store.ErrNotFound) || (err == nil && !p.InTenant(old.TenantID)) {
-			return notFound("api token", id)
-		}
+		old, err := store.GetAPIToken(ctx, tx, p.Scope(), id)
 		if err != nil {
-			return err
+			return notFoundOr(err, "api token", id)
 		}
 		if !p.MayGrant(iam.Role(old.Role)) {
 			return connect.NewError(connect.CodePermissionDenied,
@@ -159,10 +159,10 @@ func (s *tokenService) RevokeToken(ctx context.Context, req *connect.Request[com
 					"token_id: %s is the last live root-admin token; mint another root-admin token before revoking it", id))
 			}
 		}
-		if err := store.RevokeAPIToken(ctx, tx, id, s.db.Now()); err != nil {
+		if err := store.RevokeAPIToken(ctx, tx, p.Scope(), id, s.db.Now()); err != nil {
 			return err
 		}
-		if tok, err = store.GetAPIToken(ctx, tx, id); err != nil {
+		if tok, err = store.GetAPIToken(ctx, tx, p.Scope(), id); err != nil {
 			return err
 		}
 		return s.auditInTx(ctx, tx, id, detail)

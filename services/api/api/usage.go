@@ -28,11 +28,11 @@ func (s *usageService) ListUsage(ctx context.Context, req *connect.Request[compu
 		return nil, err
 	}
 	msg := req.Msg
-	tenant, err := s.tenantFor(ctx, s.db.Pool, p, msg.TenantId)
+	scope, err := s.tenantFor(ctx, s.db.Pool, p, msg.TenantId)
 	if err != nil {
 		return nil, mapError(err)
 	}
-	f := store.UsageFilter{TenantID: tenant, Limit: int(msg.PageSize)}
+	f := store.UsageFilter{Scope: scope, Limit: int(msg.PageSize)}
 	if f.Limit == 0 {
 		f.Limit = defaultUsagePageSize
 	}

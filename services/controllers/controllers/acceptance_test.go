@@ -694,7 +694,7 @@ func TestServer(t *testing.T) {
 
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	srv, err := controllers.New(controllers.Config{Listener: ln, ReconcileInterval: time.Hour, Leases: service.Leases{Holder: "replica-1"}},
+	srv, err := controllers.New(controllers.Config{Probes: service.Probes{HealthListener: ln}, ReconcileInterval: time.Hour, Leases: service.Leases{Holder: "replica-1"}},
 		controllers.Deps{DB: db, NC: nc})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(t.Context())
@@ -731,7 +731,7 @@ func TestServer(t *testing.T) {
 	require.NoError(t, err)
 	result, err := protojson.Marshal(&gatewayv1.CommandResult{Inventory: m.Inventory()})
 	require.NoError(t, err)
-	cmds, err := store.ListCommands(t.Context(), db.Pool, store.CommandFilter{NodeID: n, Limit: 1})
+	cmds, err := store.ListCommands(t.Context(), db.Pool, store.CommandFilter{Scope: store.AllTenants, NodeID: n, Limit: 1})
 	require.NoError(t, err)
 	require.Len(t, cmds, 1)
 	require.NoError(t, db.InTx(t.Context(), func(tx pgx.Tx) error {
@@ -741,7 +741,7 @@ func TestServer(t *testing.T) {
 	}))
 	_, err = gwPokes.NextMsg(10 * time.Second)
 	require.NoError(t, err, "the gateway was not poked for DesiredState")
-	got, err := store.GetNode(t.Context(), db.Pool, n)
+	got, err := store.GetNode(t.Context(), db.Pool, store.AllTenants, n)
 	require.NoError(t, err)
 	require.Equal(t, store.NodeAdopted, got.ProvisionState)
 	require.EqualValues(t, 1, got.SpecGeneration)

@@ -31,9 +31,9 @@ func TestCommandExpiry(t *testing.T) {
 	storetest.Command(t, db, &storetest.CommandOpts{ID: "cmd_acc", NodeID: "n2", Purpose: "acceptance", State: "delivered",
 		Deadline: start})
 	for _, n := range []store.NewCommand{
-		{ID: "cmd_a", NodeID: "n1", Kind: store.CommandNodeReboot, Deadline: start.Add(time.Minute)},
-		{ID: "cmd_b", NodeID: "n1", Kind: store.CommandDiagNVML, Deadline: start.Add(time.Minute)},
-		{ID: "cmd_c", NodeID: "n1", Kind: store.CommandLogsCollect, Deadline: start.Add(time.Hour)},
+		{Scope: store.AllTenants, ID: "cmd_a", NodeID: "n1", Kind: store.CommandNodeReboot, Deadline: start.Add(time.Minute)},
+		{Scope: store.AllTenants, ID: "cmd_b", NodeID: "n1", Kind: store.CommandDiagNVML, Deadline: start.Add(time.Minute)},
+		{Scope: store.AllTenants, ID: "cmd_c", NodeID: "n1", Kind: store.CommandLogsCollect, Deadline: start.Add(time.Hour)},
 	} {
 		require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
 			_, err := store.QueueCommand(ctx, tx, nil, start, n)

@@ -7,6 +7,7 @@ import (
 
 	"github.com/better-compute/better-compute/pkg/config"
 	"github.com/better-compute/better-compute/pkg/lease"
+	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/services/controllers/controllers"
 )
@@ -17,7 +18,7 @@ func TestReconcilerLeases(t *testing.T) {
 	t.Parallel()
 	db := storetest.New(t, nil)
 	_, nc := startNATS(t)
-	srv, err := controllers.New(controllers.Config{NoHealthServer: true}, controllers.Deps{DB: db, NC: nc})
+	srv, err := controllers.New(controllers.Config{Probes: service.Probes{NoHealthServer: true}}, controllers.Deps{DB: db, NC: nc})
 	require.NoError(t, err)
 	require.Equal(t, []string{controllers.LeaseAcceptance, controllers.LeaseExpiry, controllers.LeaseUsage,
 		controllers.LeaseLiveness, controllers.LeaseCommandExpiry}, srv.LeaseNames())

@@ -30,7 +30,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"net"
 	"time"
 
 	"github.com/better-compute/better-compute/pkg/config"
@@ -70,14 +69,7 @@ type Config struct {
 	service.PKI
 	service.Intent
 	service.Leases
-	// Listen is the address of the probes server (GET /healthz, GET
-	// /readyz).
-	Listen string `env:"LISTEN" default:":8084"`
-	// Listener, when set, is where the probes server accepts connections
-	// instead of Listen; Run closes it.
-	Listener net.Listener
-	// NoHealthServer runs no probes server (`better-compute dev`, tests).
-	NoHealthServer bool
+	service.Probes `default:"HEALTH_LISTEN=:8084"`
 	// AcceptanceTimeout is how long a node has to answer its acceptance
 	// command (the command's deadline).
 	AcceptanceTimeout time.Duration `env:"ACCEPTANCE_TIMEOUT,positive" default:"2m"`
@@ -102,9 +94,6 @@ type Config struct {
 	// LivenessInterval is how often the liveness sweeper looks.
 	LivenessInterval time.Duration `env:"LIVENESS_INTERVAL,positive" default:"1s"`
 }
-
-// ProbeAddr is Listen (service.Config).
-func (c Config) ProbeAddr() string { return c.Listen }
 
 // Deps are the controllers' dependencies: DB and NC (the outbox's
 // destination, and the pokes that wake the reconcilers) are required.
@@ -211,10 +200,6 @@ func (s *Server) Run(ctx context.Context) error {
 	for i, r := range s.reconcilers {
 		parts = append(parts, service.Leased(s.leases[i], r))
 	}
-	var servers []service.HTTPServer
-	if !s.cfg.NoHealthServer {
-		servers = append(servers, service.HTTPServer{Name: "health", Addr: s.cfg.Listen, Listener: s.cfg.Listener, Probes: true})
-	}
 	s.deps.Logger.Info("controllers starting", "holder", s.cfg.Holder)
-	return service.Run(ctx, service.Spec{Name: Name, Deps: s.deps, Parts: parts, Servers: servers})
+	return service.Run(ctx, service.Spec{Name: Name, Deps: s.deps, Parts: parts, Servers: s.cfg.Probes.Servers()})
 }

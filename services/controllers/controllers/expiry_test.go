@@ -45,7 +45,7 @@ func TestExpiryFailsWhatWasNeverPlaced(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 2, n)
 	get := func(id string) store.Reservation {
-		r, err := store.GetReservation(ctx, db.Pool, id)
+		r, err := store.GetReservation(ctx, db.Pool, store.AllTenants, id)
 		require.NoError(t, err)
 		return r
 	}

@@ -52,7 +52,7 @@ func TestSignedIntent(t *testing.T) {
 	require.NoError(t, err)
 	root := pub.(ed25519.PublicKey)
 
-	srv, err := controllers.New(controllers.Config{Intent: service.Intent{SignedIntent: true}, PKI: service.PKI{PKIDir: dir}, NoHealthServer: true},
+	srv, err := controllers.New(controllers.Config{Intent: service.Intent{SignedIntent: true}, PKI: service.PKI{PKIDir: dir}, Probes: service.Probes{NoHealthServer: true}},
 		controllers.Deps{DB: f.db, NC: nc})
 	require.NoError(t, err)
 	acc := srv.Acceptance()
@@ -108,7 +108,7 @@ func TestUnsignedIntentByDefault(t *testing.T) {
 	require.Empty(t, cmds[0].GetSignature())
 
 	_, nc := startNATS(t)
-	_, err := controllers.New(controllers.Config{Intent: service.Intent{SignedIntent: true}, PKI: service.PKI{PKIDir: t.TempDir()}, NoHealthServer: true},
+	_, err := controllers.New(controllers.Config{Intent: service.Intent{SignedIntent: true}, PKI: service.PKI{PKIDir: t.TempDir()}, Probes: service.Probes{NoHealthServer: true}},
 		controllers.Deps{DB: f.db, NC: nc})
 	require.ErrorContains(t, err, pki.CommandSigningKey)
 }

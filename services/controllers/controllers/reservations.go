@@ -89,7 +89,7 @@ func (e *Expiry) Reconcile(ctx context.Context) (int, error) {
 				if gone[id] {
 					continue
 				}
-				r, err := store.EndReservation(ctx, tx, e.Intent, now, id, store.ReservationExpired)
+				r, err := store.EndReservation(ctx, tx, e.Intent, store.AllTenants, now, id, store.ReservationExpired)
 				if err != nil {
 					return err
 				}

@@ -95,14 +95,9 @@ type Config struct {
 	// instead of Listen (plain TCP: the gateway does TLS itself); Run closes
 	// it. Tests and `better-compute dev` pass one on 127.0.0.1:0.
 	Listener net.Listener
-	// HealthListen is the address of the plain HTTP server of the probes
-	// (GET /healthz, GET /readyz).
-	HealthListen string `env:"HEALTH_LISTEN" default:":8082"`
-	// HealthListener, when set, is where the probes server accepts
-	// connections instead of HealthListen; Run closes it.
-	HealthListener net.Listener
-	// NoHealthServer runs no probes server (`better-compute dev`, tests).
-	NoHealthServer bool
+	// Probes serve GET /healthz and GET /readyz on a plain HTTP listener of
+	// their own.
+	service.Probes `default:"HEALTH_LISTEN=:8082"`
 	// ServingCert is the gateway's TLS certificate and key; PKIDir's
 	// gateway.crt and gateway.key when nil.
 	ServingCert *tls.Certificate
@@ -138,9 +133,6 @@ type Config struct {
 	// HelloTimeout closes a stream that sent no Hello for this long.
 	HelloTimeout time.Duration `default:"10s"`
 }
-
-// ProbeAddr is HealthListen (service.Config).
-func (c Config) ProbeAddr() string { return c.HealthListen }
 
 // Deps are the gateway's dependencies: DB and NC (the pokes) are required.
 type Deps = service.Deps
@@ -293,12 +285,8 @@ func (s *Server) Run(ctx context.Context) error {
 	if !s.ran.CompareAndSwap(false, true) {
 		return errors.New("gateway: Run called twice")
 	}
-	servers := []service.HTTPServer{{Name: "sessions", Addr: s.cfg.Listen, Listener: s.cfg.Listener, Handler: s.handler,
-		TLS: s.tls, Tune: s.tuneHTTP, OnShutdown: s.closeAll}}
-	if !s.cfg.NoHealthServer {
-		servers = append(servers, service.HTTPServer{Name: "health", Addr: s.cfg.HealthListen,
-			Listener: s.cfg.HealthListener, Probes: true})
-	}
+	servers := append([]service.HTTPServer{{Name: "sessions", Addr: s.cfg.Listen, Listener: s.cfg.Listener,
+		Handler: s.handler, TLS: s.tls, Tune: s.tuneHTTP, OnShutdown: s.closeAll}}, s.cfg.Probes.Servers()...)
 	// The loops outlive the servers, and the sessions that end as they
 	// stop: those still clear themselves and get their last_seen flushed.
 	return service.Run(ctx, service.Spec{Name: Name, Deps: s.deps, Servers: servers,

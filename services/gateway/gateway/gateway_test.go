@@ -19,6 +19,7 @@ import (
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/services/gateway/gateway"
@@ -604,7 +605,7 @@ func TestHealth(t *testing.T) {
 	e := setup(t, options{})
 	hln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	e.startGateway(gateway.Config{HealthListener: hln, ResyncInterval: time.Hour})
+	e.startGateway(gateway.Config{Probes: service.Probes{HealthListener: hln}, ResyncInterval: time.Hour})
 	eventually(t, func() bool {
 		resp, err := http.Get("http://" + hln.Addr().String() + "/healthz")
 		if err != nil {

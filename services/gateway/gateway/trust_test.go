@@ -25,7 +25,7 @@ const closedWithin = 5 * time.Second
 func (e *env) revoke(id string) {
 	e.t.Helper()
 	require.NoError(e.t, e.db.InTx(e.t.Context(), func(tx pgx.Tx) error {
-		_, err := store.RevokeNode(e.t.Context(), tx, e.db.Now(), id, "test")
+		_, err := store.RevokeNode(e.t.Context(), tx, store.AllTenants, e.db.Now(), id, "test")
 		return err
 	}))
 }

@@ -240,7 +240,7 @@ func (s *Server) rejoin(ctx context.Context, in joinInput, j store.JoinedKey, to
 		return "", nil, connect.NewError(connect.CodeAlreadyExists, fmt.Errorf(
 			"csr_der: this key joined already, as node %s of another pool: a machine that joins again makes a new key", j.NodeID))
 	}
-	node, err := store.GetNode(ctx, s.db.Pool, j.NodeID)
+	node, err := store.GetNode(ctx, s.db.Pool, store.AllTenants, j.NodeID)
 	if err != nil {
 		return "", nil, s.mapError(ctx, err)
 	}

@@ -129,7 +129,7 @@ func (f *fixture) token(t *testing.T, maxUses int32, expires time.Time) (string,
 	secret, err := iam.NewSecret(iam.JoinTokenPrefix)
 	require.NoError(t, err)
 	id := ids.New(ids.JoinToken, f.db.Now())
-	require.NoError(t, store.CreateJoinToken(t.Context(), f.db.Pool, store.JoinToken{ID: id, PoolID: f.poolID,
+	require.NoError(t, store.CreateJoinToken(t.Context(), f.db.Pool, store.AllTenants, store.JoinToken{ID: id, PoolID: f.poolID,
 		Hash: iam.HashSecret(secret), MaxUses: maxUses, ExpiresAt: expires, CreatedAt: f.db.Now()}))
 	return id, secret
 }
@@ -255,7 +255,7 @@ func TestJoin(t *testing.T) {
 	require.WithinDuration(t, before.Add(24*time.Hour), cert.NotAfter, time.Minute)
 
 	// One transaction wrote the node, its certificate, the use and the poke.
-	n, err := store.GetNode(ctx, f.db.Pool, msg.NodeId)
+	n, err := store.GetNode(ctx, f.db.Pool, store.AllTenants, msg.NodeId)
 	require.NoError(t, err)
 	require.Equal(t, store.NodeJoining, n.ProvisionState)
 	require.Equal(t, tokenID, n.JoinTokenID)
@@ -271,7 +271,7 @@ func TestJoin(t *testing.T) {
 	require.Equal(t, pki.SerialHex(cert), serial)
 	require.Equal(t, pki.PublicKeySHA256(cert), keySum)
 	require.True(t, notAfter.Equal(cert.NotAfter.Truncate(time.Microsecond)))
-	jt, err := store.GetJoinToken(ctx, f.db.Pool, tokenID)
+	jt, err := store.GetJoinToken(ctx, f.db.Pool, store.AllTenants, tokenID)
 	require.NoError(t, err)
 	require.EqualValues(t, 1, jt.Uses)
 	require.Equal(t, 1, f.count(t, `SELECT count(*) FROM outbox WHERE subject = 'bc.poke.controllers'`))
@@ -298,7 +298,7 @@ func TestJoinRefusals(t *testing.T) {
 	goodID, good := f.token(t, 5, now.Add(time.Hour))
 	_, expired := f.token(t, 5, now.Add(-time.Minute))
 	revokedID, revoked := f.token(t, 5, now.Add(time.Hour))
-	_, err := store.RevokeJoinToken(ctx, f.db.Pool, revokedID, now)
+	_, err := store.RevokeJoinToken(ctx, f.db.Pool, store.AllTenants, revokedID, now)
 	require.NoError(t, err)
 	_, used := f.token(t, 10, now.Add(time.Hour))
 	// Ten machines joined with it.
@@ -372,7 +372,7 @@ func TestJoinRefusals(t *testing.T) {
 	// The good token, refused only for how it was sent, still joins.
 	_, err = f.client.Join(ctx, connect.NewRequest(f.request(t, good, nil)))
 	require.NoError(t, err)
-	jt, err := store.GetJoinToken(ctx, f.db.Pool, goodID)
+	jt, err := store.GetJoinToken(ctx, f.db.Pool, store.AllTenants, goodID)
 	require.NoError(t, err)
 	require.EqualValues(t, 1, jt.Uses)
 }
@@ -439,7 +439,7 @@ func TestJoinRace(t *testing.T) {
 	}
 	require.Equal(t, 10, ok)
 	require.Equal(t, 10, usedUp)
-	jt, err := store.GetJoinToken(ctx, f.db.Pool, tokenID)
+	jt, err := store.GetJoinToken(ctx, f.db.Pool, store.AllTenants, tokenID)
 	require.NoError(t, err)
 	require.EqualValues(t, 10, jt.Uses)
 	require.Equal(t, 10, f.count(t, `SELECT count(*) FROM nodes`))
@@ -492,7 +492,7 @@ func TestJoinRetryIsTheSameNode(t *testing.T) {
 		require.Equal(t, first.NodeId, id)
 		require.True(t, key.Public().(interface{ Equal(crypto.PublicKey) bool }).Equal(cert.PublicKey))
 	}
-	jt, err := store.GetJoinToken(ctx, f.db.Pool, tokenID)
+	jt, err := store.GetJoinToken(ctx, f.db.Pool, store.AllTenants, tokenID)
 	require.NoError(t, err)
 	require.EqualValues(t, 1, jt.Uses)
 	require.Equal(t, []string{first.NodeId}, f.nodeIDs(t))
@@ -506,7 +506,7 @@ func TestJoinRetryIsTheSameNode(t *testing.T) {
 	msg, err := join(samePool)
 	require.NoError(t, err)
 	require.Equal(t, first.NodeId, msg.NodeId)
-	jt, err = store.GetJoinToken(ctx, f.db.Pool, samePoolID)
+	jt, err = store.GetJoinToken(ctx, f.db.Pool, store.AllTenants, samePoolID)
 	require.NoError(t, err)
 	require.Zero(t, jt.Uses)
 
@@ -517,16 +517,16 @@ func TestJoinRetryIsTheSameNode(t *testing.T) {
 	otherSecret, err := iam.NewSecret(iam.JoinTokenPrefix)
 	require.NoError(t, err)
 	otherID := ids.New(ids.JoinToken, now)
-	require.NoError(t, store.CreateJoinToken(ctx, f.db.Pool, store.JoinToken{ID: otherID, PoolID: other.ID,
+	require.NoError(t, store.CreateJoinToken(ctx, f.db.Pool, store.AllTenants, store.JoinToken{ID: otherID, PoolID: other.ID,
 		Hash: iam.HashSecret(otherSecret), MaxUses: 5, ExpiresAt: now.Add(time.Hour), CreatedAt: now}))
 	_, err = join(otherSecret)
 	require.Equal(t, connect.CodeAlreadyExists, connect.CodeOf(err), "%v", err)
 	require.ErrorContains(t, err, "csr_der: this key joined already, as node "+first.NodeId+" of another pool")
-	jt, err = store.GetJoinToken(ctx, f.db.Pool, otherID)
+	jt, err = store.GetJoinToken(ctx, f.db.Pool, store.AllTenants, otherID)
 	require.NoError(t, err)
 	require.Zero(t, jt.Uses)
 
-	_, err = store.RevokeNode(ctx, f.db.Pool, f.db.Now(), first.NodeId, "test")
+	_, err = store.RevokeNode(ctx, f.db.Pool, store.AllTenants, f.db.Now(), first.NodeId, "test")
 	require.NoError(t, err)
 	_, err = join(secret)
 	require.Equal(t, connect.CodeFailedPrecondition, connect.CodeOf(err), "%v", err)

@@ -33,7 +33,7 @@ func TestPlacesOnAdoptedNodesOnly(t *testing.T) {
 		}})
 	tenant := f.Tenant(t, "adopted-tenant", 64)
 	adopted, failed, accepting := f.Nodes[0], f.Nodes[1], f.Nodes[2]
-	srv, err := scheduler.New(scheduler.Config{NoHealthServer: true, Leases: service.Leases{Holder: "a"}}, scheduler.Deps{DB: db, NC: startNATS(t), Clock: clk})
+	srv, err := scheduler.New(scheduler.Config{Probes: service.Probes{NoHealthServer: true}, Leases: service.Leases{Holder: "a"}}, scheduler.Deps{DB: db, NC: startNATS(t), Clock: clk})
 	require.NoError(t, err)
 
 	var ids []string
@@ -52,7 +52,7 @@ func TestPlacesOnAdoptedNodesOnly(t *testing.T) {
 
 	placedOn := map[string]int{}
 	for _, id := range ids {
-		r, err := store.GetReservation(ctx, db.Pool, id)
+		r, err := store.GetReservation(ctx, db.Pool, store.AllTenants, id)
 		require.NoError(t, err)
 		if r.NodeID != "" {
 			placedOn[r.NodeID]++

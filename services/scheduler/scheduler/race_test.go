@@ -43,7 +43,7 @@ func TestRaceTwoSchedulers(t *testing.T) {
 	for _, name := range []string{"a", "b"} {
 		// Small batches so that the two instances interleave many
 		// transactions.
-		s, err := scheduler.New(scheduler.Config{NoHealthServer: true, Leases: service.Leases{Holder: name}, Batch: 3},
+		s, err := scheduler.New(scheduler.Config{Probes: service.Probes{NoHealthServer: true}, Leases: service.Leases{Holder: name}, Batch: 3},
 			scheduler.Deps{DB: db, NC: nc})
 		require.NoError(t, err)
 		scheds = append(scheds, s)
@@ -125,7 +125,7 @@ func TestRaceTwoSchedulers(t *testing.T) {
 
 	// Every reservation: placed whole on one node, pending, or failed with
 	// a reason.
-	all, err := store.ListReservations(ctx, db.Pool, store.ReservationFilter{})
+	all, err := store.ListReservations(ctx, db.Pool, store.ReservationFilter{Scope: store.AllTenants})
 	require.NoError(t, err)
 	require.Equal(t, 200-refused, len(all))
 	placed := map[string][]store.Reservation{}
@@ -180,7 +180,7 @@ func TestRaceTwoSchedulers(t *testing.T) {
 			require.True(t, act.Activated, "reservation %s", r.ID)
 		}
 	}
-	all, err = store.ListReservations(ctx, db.Pool, store.ReservationFilter{})
+	all, err = store.ListReservations(ctx, db.Pool, store.ReservationFilter{Scope: store.AllTenants})
 	require.NoError(t, err)
 	for _, r := range all {
 		switch r.State {

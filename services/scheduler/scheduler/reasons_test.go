@@ -26,7 +26,7 @@ func TestPendingReasons(t *testing.T) {
 	ctx := t.Context()
 	f := storetest.NewFleet(t, db, "reasons", 8)
 	tenant := f.Tenant(t, "reasons-tenant", 64)
-	srv, err := scheduler.New(scheduler.Config{NoHealthServer: true, Leases: service.Leases{Holder: "a"}, StarvationBound: 5 * time.Minute},
+	srv, err := scheduler.New(scheduler.Config{Probes: service.Probes{NoHealthServer: true}, Leases: service.Leases{Holder: "a"}, StarvationBound: 5 * time.Minute},
 		scheduler.Deps{DB: db, NC: startNATS(t), Clock: clk})
 	require.NoError(t, err)
 	reserve := func(gpus int32, d time.Duration) string {
@@ -75,7 +75,7 @@ func TestPendingReasons(t *testing.T) {
 
 	// held is released: big is placed first, then small; reasons cleared.
 	require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
-		_, err := store.EndReservation(ctx, tx, nil, db.Now(), held, store.ReservationReleased)
+		_, err := store.EndReservation(ctx, tx, nil, store.AllTenants, db.Now(), held, store.ReservationReleased)
 		return err
 	}))
 	require.Equal(t, 2, pass().Placed)
@@ -104,7 +104,7 @@ func TestPendingReasonWhenAllCordoned(t *testing.T) {
 			}
 		}})
 	tenant := f.Tenant(t, "cordoned-tenant", 64)
-	srv, err := scheduler.New(scheduler.Config{NoHealthServer: true, Leases: service.Leases{Holder: "a"}, StarvationBound: 5 * time.Minute},
+	srv, err := scheduler.New(scheduler.Config{Probes: service.Probes{NoHealthServer: true}, Leases: service.Leases{Holder: "a"}, StarvationBound: 5 * time.Minute},
 		scheduler.Deps{DB: db, NC: startNATS(t), Clock: clk})
 	require.NoError(t, err)
 	r, err := f.Reserve(ctx, tenant, 1, time.Hour)

@@ -26,7 +26,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"net"
 	"sync/atomic"
 	"time"
 
@@ -58,14 +57,8 @@ type Config struct {
 	service.PKI
 	service.Intent
 	service.Leases
-	// Listen is the address of the probes server (GET /healthz, GET
-	// /readyz); a standby replica, without the lease, is ready too.
-	Listen string `env:"LISTEN" default:":8083"`
-	// Listener, when set, is where the probes server accepts connections
-	// instead of Listen; Run closes it.
-	Listener net.Listener
-	// NoHealthServer runs no probes server (`better-compute dev`, tests).
-	NoHealthServer bool
+	// Probes: a standby replica, without the lease, is ready too.
+	service.Probes `default:"HEALTH_LISTEN=:8083"`
 	// Interval is how often a scheduling pass runs without a poke.
 	Interval time.Duration `env:"SCHEDULE_INTERVAL,positive" default:"2s"`
 	// StarvationBound is how long a pending reservation that does not fit
@@ -80,9 +73,6 @@ type Config struct {
 	// read runs another pass at once.
 	MaxPending int `default:"20000"`
 }
-
-// ProbeAddr is Listen (service.Config).
-func (c Config) ProbeAddr() string { return c.Listen }
 
 // Deps are the scheduler's dependencies: DB and NC (the pokes that wake it)
 // are required.
@@ -139,12 +129,8 @@ func (s *Server) Name() string { return Name }
 // ends; then it releases the lease and returns nil. It returns an error
 // when the probes listener cannot be opened or the loop fails.
 func (s *Server) Run(ctx context.Context) error {
-	var servers []service.HTTPServer
-	if !s.cfg.NoHealthServer {
-		servers = append(servers, service.HTTPServer{Name: "health", Addr: s.cfg.Listen, Listener: s.cfg.Listener, Probes: true})
-	}
 	s.log.Info("scheduler starting", "holder", s.cfg.Holder)
-	return service.Run(ctx, service.Spec{Name: Name, Deps: s.deps, Servers: servers,
+	return service.Run(ctx, service.Spec{Name: Name, Deps: s.deps, Servers: s.cfg.Probes.Servers(),
 		Parts: []service.Runner{service.Leased(s.lease, service.Func("scheduling", s.loop))}})
 }
 

@@ -66,7 +66,7 @@ type replica struct {
 
 func startReplica(t *testing.T, db *store.DB, nc *nats.Conn, clk clock.Clock, name string) *replica {
 	t.Helper()
-	srv, err := scheduler.New(scheduler.Config{NoHealthServer: true, Leases: service.Leases{Holder: name, LeaseTTL: 3 * time.Second},
+	srv, err := scheduler.New(scheduler.Config{Probes: service.Probes{NoHealthServer: true}, Leases: service.Leases{Holder: name, LeaseTTL: 3 * time.Second},
 		Interval: time.Hour}, scheduler.Deps{DB: db, NC: nc, Clock: clk})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(t.Context())
@@ -148,7 +148,7 @@ func TestHealthz(t *testing.T) {
 	nc := startNATS(t)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	srv, err := scheduler.New(scheduler.Config{Listener: ln, Leases: service.Leases{Holder: "a"}}, scheduler.Deps{DB: db, NC: nc})
+	srv, err := scheduler.New(scheduler.Config{Probes: service.Probes{HealthListener: ln}, Leases: service.Leases{Holder: "a"}}, scheduler.Deps{DB: db, NC: nc})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(t.Context())
 	errc := make(chan error, 1)

@@ -355,7 +355,7 @@ func TestBootstrapIsIdempotent(t *testing.T) {
 		require.NoError(t, db.Pool.QueryRow(t.Context(), `SELECT count(*) FROM `+table).Scan(&n))
 		require.Equal(t, want, n, table)
 	}
-	pool, err := store.GetPool(t.Context(), db.Pool, exports["BETTER_COMPUTE_POOL"])
+	pool, err := store.GetPool(t.Context(), db.Pool, store.AllTenants, exports["BETTER_COMPUTE_POOL"])
 	require.NoError(t, err)
 	require.Equal(t, "metal-host", pool.Name)
 	require.Equal(t, "H100", pool.GPUModel)
@@ -371,7 +371,7 @@ func TestBootstrapIsIdempotent(t *testing.T) {
 	require.Contains(t, res.stdout, exports["BETTER_COMPUTE_POOL"])
 
 	// A revoked join token is replaced; the rest is kept.
-	_, err = store.RevokeJoinToken(t.Context(), db.Pool, jt.ID, db.Now())
+	_, err = store.RevokeJoinToken(t.Context(), db.Pool, store.AllTenants, jt.ID, db.Now())
 	require.NoError(t, err)
 	third := r.run(t, args...)
 	require.Equal(t, 0, third.code, third.stderr)

@@ -190,7 +190,7 @@ func TestReserveErrors(t *testing.T) {
 // 0 of node and activates it, as the scheduler and the gateway would, and
 // reports whether there was one.
 func activate(ctx context.Context, db *store.DB, node, requestID string) (bool, error) {
-	pending, err := store.ListReservations(ctx, db.Pool, store.ReservationFilter{State: store.ReservationPending})
+	pending, err := store.ListReservations(ctx, db.Pool, store.ReservationFilter{Scope: store.AllTenants, State: store.ReservationPending})
 	if err != nil {
 		return false, err
 	}
@@ -205,7 +205,7 @@ func activate(ctx context.Context, db *store.DB, node, requestID string) (bool, 
 			NodeID: node, Devices: []int32{0}, Lower: now, Upper: r.EndAt}}); err != nil {
 			return err
 		}
-		placed, err := store.GetReservation(ctx, tx, r.ID)
+		placed, err := store.GetReservation(ctx, tx, store.AllTenants, r.ID)
 		if err != nil {
 			return err
 		}

@@ -87,7 +87,7 @@ func TestPoolsCreateBySiteName(t *testing.T) {
 	require.Equal(t, 0, res.code, res.stderr)
 	byID := strings.TrimSpace(res.stdout)
 	for _, id := range []string{byName, byID} {
-		p, err := store.GetPool(t.Context(), f.db.Pool, id)
+		p, err := store.GetPool(t.Context(), f.db.Pool, store.AllTenants, id)
 		require.NoError(t, err)
 		require.Equal(t, f.siteID, p.SiteID)
 	}
@@ -213,7 +213,7 @@ func TestPoolsListCountsRevokedApart(t *testing.T) {
 	ctx := t.Context()
 	for _, state := range []string{store.NodeAdopted, store.NodeAdopted, store.NodeAcceptanceFailed} {
 		id := storetest.Node(t, f.db, &storetest.NodeOpts{PoolID: f.poolID, State: state, CreatedAt: f.now}).ID
-		_, err := store.RevokeNode(ctx, f.db.Pool, f.now, id, "stolen")
+		_, err := store.RevokeNode(ctx, f.db.Pool, store.AllTenants, f.now, id, "stolen")
 		require.NoError(t, err)
 	}
 	r := f.runner(f.root)
