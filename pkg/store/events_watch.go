@@ -109,7 +109,7 @@ func ScanEvents(ctx context.Context, q DBTX, after int64, f EventFilter, limit i
 	// start of its transaction.
 	rows, err := q.Query(ctx, `SELECT id, m, old, CASE WHEN m THEN COALESCE(tenant_id, '') END, CASE WHEN m THEN type END,
 			CASE WHEN m THEN subject_id END, CASE WHEN m THEN data::text END, CASE WHEN m THEN created_at END
-		FROM (SELECT e.*, ($2::text IS NULL OR e.tenant_id = $2)
+		FROM (SELECT e.*, ($2::text IS NULL OR e.tenant_id IS NOT DISTINCT FROM $2)
 				AND ($5 OR e.type = ANY($3::text[]) OR EXISTS (SELECT 1 FROM unnest($4::text[]) AS p(prefix)
 					WHERE starts_with(e.type, p.prefix))) AS m,
 				COALESCE(e.inserted_at <= clock_timestamp() - $7::bigint * interval '1 microsecond', true) AS old

@@ -46,9 +46,10 @@ func TestScope(t *testing.T) {
 	require.Equal(t, a, narrowed)
 }
 
-// scopeFixture is two tenants, a and b, each owning a pool with a node, a
-// command, a reservation with a usage window, a join token, an API token,
-// an audit row and an event; b's pool is offered to a.
+// scopeFixture is two tenants, a and b, each owning a pool (offered to
+// itself) with a node, a command, a reservation with a usage window, a join
+// token, an API token, an audit row and an event; b's pool is offered to a
+// too.
 type scopeFixture struct {
 	db   *store.DB
 	a, b scopeRows
@@ -69,6 +70,7 @@ func newScopeFixture(t *testing.T) scopeFixture {
 		var r scopeRows
 		r.tenant = storetest.Tenant(t, db, &storetest.TenantOpts{Name: name}).ID
 		r.pool = storetest.Pool(t, db, &storetest.PoolOpts{SiteID: site.ID, OwnerTenantID: r.tenant}).ID
+		storetest.Offer(t, db, &storetest.OfferOpts{PoolID: r.pool, TenantID: r.tenant, GPUQuota: 8})
 		r.node = storetest.Node(t, db, &storetest.NodeOpts{PoolID: r.pool, State: store.NodeAdopted, GPUs: 1}).ID
 		r.command = storetest.Command(t, db, &storetest.CommandOpts{NodeID: r.node}).ID
 		r.reservation = storetest.Reservation(t, db, &storetest.ReservationOpts{TenantID: r.tenant, PoolID: r.pool}).ID
@@ -84,6 +86,8 @@ func newScopeFixture(t *testing.T) scopeFixture {
 		return r
 	}
 	f := scopeFixture{db: db, a: rows("a"), b: rows("b")}
+	// An event of no tenant: only AllTenants receives it.
+	storetest.Event(t, db, &storetest.EventOpts{NoTenant: true})
 	storetest.Offer(t, db, &storetest.OfferOpts{PoolID: f.b.pool, TenantID: f.a.tenant, GPUQuota: 8})
 	return f
 }
