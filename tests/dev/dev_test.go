@@ -304,9 +304,9 @@ func TestDevBadInput(t *testing.T) {
 			setup: func(t *testing.T, dir string) {
 				require.NoError(t, os.WriteFile(filepath.Join(dir, "bad.env"), []byte("# dev\nnot a setting\n"), 0o600))
 			}},
-		{name: "config unknown setting", env: []string{"BETTER_COMPUTE_CONFIG=odd.env"}, want: "BETTER_COMPUTE_CONFIG: odd.env:1: unknown setting BC_FOO",
+		{name: "config unknown setting", env: []string{"BETTER_COMPUTE_CONFIG=odd.env"}, want: "BETTER_COMPUTE_CONFIG: odd.env:1: unknown setting BETTER_COMPUTE_FOO",
 			setup: func(t *testing.T, dir string) {
-				require.NoError(t, os.WriteFile(filepath.Join(dir, "odd.env"), []byte("BC_FOO=1\n"), 0o600))
+				require.NoError(t, os.WriteFile(filepath.Join(dir, "odd.env"), []byte("BETTER_COMPUTE_FOO=1\n"), 0o600))
 			}},
 		{name: "data not creatable", args: []string{"--data", "/proc/better-compute-dev"}, want: "--data: /proc/better-compute-dev cannot be created"},
 		{name: "data is a file", args: []string{"--data", "file"}, want: "--data: file is not a directory",
