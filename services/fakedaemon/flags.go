@@ -30,7 +30,7 @@ type flags struct {
 }
 
 // addFlags defines the machine flags on fs, with the defaults the
-// environment gives them. A malformed variable (BC_NODES=many) is reported
+// environment gives them. A malformed variable (BETTER_COMPUTE_NODES=many) is reported
 // by config, naming it.
 func addFlags(fs *pflag.FlagSet) *flags {
 	f := &flags{}
@@ -39,42 +39,42 @@ func addFlags(fs *pflag.FlagSet) *flags {
 			f.envErr = err
 		}
 	}
-	tokenWait, err := service.EnvDuration("BC_JOIN_TOKEN_WAIT", agent.DefaultTokenWait)
+	tokenWait, err := service.EnvDuration("BETTER_COMPUTE_JOIN_TOKEN_WAIT", agent.DefaultTokenWait)
 	keep(err)
-	silence, err := service.EnvDuration("BC_GATEWAY_SILENCE_TIMEOUT", 0)
+	silence, err := service.EnvDuration("BETTER_COMPUTE_FAKEDAEMON_GATEWAY_SILENCE_TIMEOUT", 0)
 	keep(err)
 	nodes := 1
-	if v := os.Getenv("BC_NODES"); v != "" {
+	if v := os.Getenv("BETTER_COMPUTE_NODES"); v != "" {
 		if nodes, err = strconv.Atoi(v); err != nil {
-			keep(fmt.Errorf("BC_NODES: %w", err))
+			keep(fmt.Errorf("BETTER_COMPUTE_NODES: %w", err))
 		}
 	}
 	insecure := false
-	if v := os.Getenv("BC_INSECURE_TRUST_SERVER_PINS"); v != "" {
+	if v := os.Getenv("BETTER_COMPUTE_INSECURE_TRUST_SERVER_PINS"); v != "" {
 		if insecure, err = strconv.ParseBool(v); err != nil {
-			keep(fmt.Errorf("BC_INSECURE_TRUST_SERVER_PINS: %w", err))
+			keep(fmt.Errorf("BETTER_COMPUTE_INSECURE_TRUST_SERVER_PINS: %w", err))
 		}
 	}
 	fs.SortFlags = false
-	fs.StringVar(&f.cfg.Server, "server", os.Getenv("BC_SERVER"), "the deployment's API base `URL`: its well-known document gives the join URL, the gateways and the join keys (env BC_SERVER)")
-	fs.StringVar(&f.pinsFile, "pins-file", os.Getenv("BC_PINS_FILE"), "the deployment's pins.json at `PATH`, from better-compute pki init (env BC_PINS_FILE)")
-	fs.StringVar(&f.pins.ServingCA, "serving-ca-pin", os.Getenv("BC_SERVING_CA_PIN"), "the `PIN` (sha256/<base64>) of the gateways' serving CA, over the pins file's; required to join (env BC_SERVING_CA_PIN)")
-	fs.StringVar(&f.pins.JoinSigning, "join-signing-pin", os.Getenv("BC_JOIN_SIGNING_PIN"), "the `PIN` of JoinService's signing key, over the pins file's; required to join (env BC_JOIN_SIGNING_PIN)")
-	fs.StringVar(&f.pins.JoinEncryption, "join-encryption-pin", os.Getenv("BC_JOIN_ENCRYPTION_PIN"), "the `PIN` of JoinService's HPKE key, over the pins file's; required to join (env BC_JOIN_ENCRYPTION_PIN)")
-	fs.StringVar(&f.pins.CommandSigning, "command-signing-pin", os.Getenv("BC_COMMAND_SIGNING_PIN"), "the `PIN` of the command-signing root, over the pins file's; checked when given (env BC_COMMAND_SIGNING_PIN)")
-	fs.StringVar(&f.keysDir, "join-keys-dir", os.Getenv("BC_JOIN_KEYS_DIR"), "a `DIR` holding join-encryption.pub and join-signing.pub (and command-signing.pub), instead of --server (env BC_JOIN_KEYS_DIR)")
-	fs.BoolVar(&f.cfg.InsecureTrustServerPins, "insecure-trust-server-pins", insecure, "INSECURE: take the pins from the server's own well-known document (trust on first use; development only) (env BC_INSECURE_TRUST_SERVER_PINS)")
-	fs.StringVar(&f.cfg.JoinURL, "join-url", os.Getenv("BC_JOIN_URL"), "JoinService's base `URL` (default: the well-known document's, else "+fakedaemon.DefaultJoinURL+") (env BC_JOIN_URL)")
-	fs.StringVar(&f.cfg.TokenFile, "token-file", os.Getenv("BC_JOIN_TOKEN_FILE"), "a file at `PATH` holding the join token, waited for; BC_JOIN_TOKEN holds the token itself and wins (env BC_JOIN_TOKEN_FILE)")
-	fs.DurationVar(&f.cfg.TokenWait, "token-wait", tokenWait, "how long to wait for the token file to appear (env BC_JOIN_TOKEN_WAIT)")
-	fs.StringVar(&f.cfg.DataDir, "data-dir", service.Env("BC_DATA_DIR", fakedaemon.DefaultDataDir), "the machines' directories: `PATH`/<index> holds machine index's identity and journal (env BC_DATA_DIR)")
-	fs.StringVar(&f.cfg.Variant, "variant", service.Env("BC_VARIANT", fakedaemon.DefaultVariant), "the fake hardware (`NAME`) of machines that have not joined: "+strings.Join(fakehw.Variants(), ", ")+" (env BC_VARIANT)")
-	fs.IntVar(&f.cfg.Nodes, "nodes", nodes, fmt.Sprintf("machines to run in this process, 1 to %d (env BC_NODES)", agent.MaxNodes))
-	fs.StringVar(&f.cfg.GatewayURL, "gateway-url", os.Getenv("BC_GATEWAY_URL"), "the gateways (`URLS`), over the JoinResponse's: https://HOST[:PORT], comma-separated, one per replica; a machine moves to the next when it loses its session (env BC_GATEWAY_URL)")
-	fs.StringVar(&f.cfg.GatewayServerName, "gateway-server-name", os.Getenv("BC_GATEWAY_SERVER_NAME"), "the gateways' TLS server `NAME`, over the JoinResponse's (env BC_GATEWAY_SERVER_NAME)")
-	fs.DurationVar(&f.cfg.Core.SilenceTimeout, "gateway-silence-timeout", silence, "drop a session that heard nothing from its gateway for this long and dial the next (0: 3 heartbeat intervals, at most 15s; never below 1.5 intervals) (env BC_GATEWAY_SILENCE_TIMEOUT)")
-	fs.StringVar(&f.cfg.HealthListen, "health-listen", service.Env("BC_HEALTH_LISTEN", fakedaemon.DefaultHealthListen), "the address (`ADDR`) of the /healthz server; empty for none (env BC_HEALTH_LISTEN)")
-	fs.StringVar(&f.durations, "command-durations", os.Getenv("BC_COMMAND_DURATIONS"), "how long fake commands take: a `LIST` of KIND=DURATION,… with KIND one of "+strings.Join(fakehw.Kinds(), ", ")+", or default for every kind not listed; unset: the usual durations (env BC_COMMAND_DURATIONS)")
+	fs.StringVar(&f.cfg.Server, "server", os.Getenv("BETTER_COMPUTE_SERVER"), "the deployment's API base `URL`: its well-known document gives the join URL, the gateways and the join keys (env BETTER_COMPUTE_SERVER)")
+	fs.StringVar(&f.pinsFile, "pins-file", os.Getenv("BETTER_COMPUTE_PINS_FILE"), "the deployment's pins.json at `PATH`, from better-compute pki init (env BETTER_COMPUTE_PINS_FILE)")
+	fs.StringVar(&f.pins.ServingCA, "serving-ca-pin", os.Getenv("BETTER_COMPUTE_SERVING_CA_PIN"), "the `PIN` (sha256/<base64>) of the gateways' serving CA, over the pins file's; required to join (env BETTER_COMPUTE_SERVING_CA_PIN)")
+	fs.StringVar(&f.pins.JoinSigning, "join-signing-pin", os.Getenv("BETTER_COMPUTE_JOIN_SIGNING_PIN"), "the `PIN` of JoinService's signing key, over the pins file's; required to join (env BETTER_COMPUTE_JOIN_SIGNING_PIN)")
+	fs.StringVar(&f.pins.JoinEncryption, "join-encryption-pin", os.Getenv("BETTER_COMPUTE_JOIN_ENCRYPTION_PIN"), "the `PIN` of JoinService's HPKE key, over the pins file's; required to join (env BETTER_COMPUTE_JOIN_ENCRYPTION_PIN)")
+	fs.StringVar(&f.pins.CommandSigning, "command-signing-pin", os.Getenv("BETTER_COMPUTE_COMMAND_SIGNING_PIN"), "the `PIN` of the command-signing root, over the pins file's; checked when given (env BETTER_COMPUTE_COMMAND_SIGNING_PIN)")
+	fs.StringVar(&f.keysDir, "join-keys-dir", os.Getenv("BETTER_COMPUTE_JOIN_KEYS_DIR"), "a `DIR` holding join-encryption.pub and join-signing.pub (and command-signing.pub), instead of --server (env BETTER_COMPUTE_JOIN_KEYS_DIR)")
+	fs.BoolVar(&f.cfg.InsecureTrustServerPins, "insecure-trust-server-pins", insecure, "INSECURE: take the pins from the server's own well-known document (trust on first use; development only) (env BETTER_COMPUTE_INSECURE_TRUST_SERVER_PINS)")
+	fs.StringVar(&f.cfg.JoinURL, "join-url", os.Getenv("BETTER_COMPUTE_FAKEDAEMON_JOIN_URL"), "JoinService's base `URL` (default: the well-known document's, else "+fakedaemon.DefaultJoinURL+") (env BETTER_COMPUTE_FAKEDAEMON_JOIN_URL)")
+	fs.StringVar(&f.cfg.TokenFile, "token-file", os.Getenv("BETTER_COMPUTE_JOIN_TOKEN_FILE"), "a file at `PATH` holding the join token, waited for; BETTER_COMPUTE_JOIN_TOKEN holds the token itself and wins (env BETTER_COMPUTE_JOIN_TOKEN_FILE)")
+	fs.DurationVar(&f.cfg.TokenWait, "token-wait", tokenWait, "how long to wait for the token file to appear (env BETTER_COMPUTE_JOIN_TOKEN_WAIT)")
+	fs.StringVar(&f.cfg.DataDir, "data-dir", service.Env("BETTER_COMPUTE_DATA_DIR", fakedaemon.DefaultDataDir), "the machines' directories: `PATH`/<index> holds machine index's identity and journal (env BETTER_COMPUTE_DATA_DIR)")
+	fs.StringVar(&f.cfg.Variant, "variant", service.Env("BETTER_COMPUTE_VARIANT", fakedaemon.DefaultVariant), "the fake hardware (`NAME`) of machines that have not joined: "+strings.Join(fakehw.Variants(), ", ")+" (env BETTER_COMPUTE_VARIANT)")
+	fs.IntVar(&f.cfg.Nodes, "nodes", nodes, fmt.Sprintf("machines to run in this process, 1 to %d (env BETTER_COMPUTE_NODES)", agent.MaxNodes))
+	fs.StringVar(&f.cfg.GatewayURL, "gateway-url", os.Getenv("BETTER_COMPUTE_FAKEDAEMON_GATEWAY_URL"), "the gateways (`URLS`), over the JoinResponse's: https://HOST[:PORT], comma-separated, one per replica; a machine moves to the next when it loses its session (env BETTER_COMPUTE_FAKEDAEMON_GATEWAY_URL)")
+	fs.StringVar(&f.cfg.GatewayServerName, "gateway-server-name", os.Getenv("BETTER_COMPUTE_FAKEDAEMON_GATEWAY_SERVER_NAME"), "the gateways' TLS server `NAME`, over the JoinResponse's (env BETTER_COMPUTE_FAKEDAEMON_GATEWAY_SERVER_NAME)")
+	fs.DurationVar(&f.cfg.Core.SilenceTimeout, "gateway-silence-timeout", silence, "drop a session that heard nothing from its gateway for this long and dial the next (0: 3 heartbeat intervals, at most 15s; never below 1.5 intervals) (env BETTER_COMPUTE_FAKEDAEMON_GATEWAY_SILENCE_TIMEOUT)")
+	fs.StringVar(&f.cfg.HealthListen, "health-listen", service.Env("BETTER_COMPUTE_HEALTH_LISTEN", fakedaemon.DefaultHealthListen), "the address (`ADDR`) of the /healthz server; empty for none (env BETTER_COMPUTE_HEALTH_LISTEN)")
+	fs.StringVar(&f.durations, "command-durations", os.Getenv("BETTER_COMPUTE_COMMAND_DURATIONS"), "how long fake commands take: a `LIST` of KIND=DURATION,… with KIND one of "+strings.Join(fakehw.Kinds(), ", ")+", or default for every kind not listed; unset: the usual durations (env BETTER_COMPUTE_COMMAND_DURATIONS)")
 	return f
 }
 
@@ -140,7 +140,7 @@ func (f *flags) config(joinOnly bool) (fakedaemon.Config, error) {
 		cfg.JoinOnly = true
 		cfg.HealthListen = ""
 	}
-	cfg.Token = os.Getenv("BC_JOIN_TOKEN")
+	cfg.Token = os.Getenv("BETTER_COMPUTE_JOIN_TOKEN")
 	return cfg, nil
 }
 

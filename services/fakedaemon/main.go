@@ -6,9 +6,10 @@
 //	fakedaemon join [flags]     join the machines that have not yet, print their node ids, exit
 //	fakedaemon healthcheck [URL]
 //
-// Every flag has an environment variable that sets its default (BC_SERVER,
-// BC_PINS_FILE, …): `fakedaemon --help` lists them, and docs/fakedaemon.md
-// explains them. flags.go reads them into a fakedaemon.Config.
+// Every flag has an environment variable that sets its default
+// (BETTER_COMPUTE_SERVER, BETTER_COMPUTE_PINS_FILE, …): `fakedaemon --help`
+// lists them, and docs/fakedaemon.md explains them. flags.go reads them into
+// a fakedaemon.Config.
 //
 // The token is only ever sent sealed to JoinService's key, and a machine
 // trusts a JoinResponse only once it verified it against the pins: without

@@ -22,10 +22,10 @@ import (
 	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
 )
 
-var envVars = []string{"BC_JOIN_URL", "BC_JOIN_TOKEN_FILE", "BC_JOIN_TOKEN", "BC_JOIN_TOKEN_WAIT", "BC_DATA_DIR", "BC_VARIANT",
-	"BC_NODES", "BC_GATEWAY_URL", "BC_GATEWAY_SERVER_NAME", "BC_HEALTH_LISTEN", "BC_SERVER", "BC_PINS_FILE",
-	"BC_SERVING_CA_PIN", "BC_JOIN_SIGNING_PIN", "BC_JOIN_ENCRYPTION_PIN", "BC_COMMAND_SIGNING_PIN", "BC_JOIN_KEYS_DIR",
-	"BC_INSECURE_TRUST_SERVER_PINS", "BC_COMMAND_DURATIONS", "BC_GATEWAY_SILENCE_TIMEOUT"}
+var envVars = []string{"BETTER_COMPUTE_FAKEDAEMON_JOIN_URL", "BETTER_COMPUTE_JOIN_TOKEN_FILE", "BETTER_COMPUTE_JOIN_TOKEN", "BETTER_COMPUTE_JOIN_TOKEN_WAIT", "BETTER_COMPUTE_DATA_DIR", "BETTER_COMPUTE_VARIANT",
+	"BETTER_COMPUTE_NODES", "BETTER_COMPUTE_FAKEDAEMON_GATEWAY_URL", "BETTER_COMPUTE_FAKEDAEMON_GATEWAY_SERVER_NAME", "BETTER_COMPUTE_HEALTH_LISTEN", "BETTER_COMPUTE_SERVER", "BETTER_COMPUTE_PINS_FILE",
+	"BETTER_COMPUTE_SERVING_CA_PIN", "BETTER_COMPUTE_JOIN_SIGNING_PIN", "BETTER_COMPUTE_JOIN_ENCRYPTION_PIN", "BETTER_COMPUTE_COMMAND_SIGNING_PIN", "BETTER_COMPUTE_JOIN_KEYS_DIR",
+	"BETTER_COMPUTE_INSECURE_TRUST_SERVER_PINS", "BETTER_COMPUTE_COMMAND_DURATIONS", "BETTER_COMPUTE_FAKEDAEMON_GATEWAY_SILENCE_TIMEOUT"}
 
 func clearEnv(t *testing.T) {
 	for _, k := range envVars {
@@ -71,7 +71,7 @@ func TestParseConfigDefaults(t *testing.T) {
 
 func TestParseConfigSilenceTimeout(t *testing.T) {
 	clearEnv(t)
-	t.Setenv("BC_GATEWAY_SILENCE_TIMEOUT", "20s")
+	t.Setenv("BETTER_COMPUTE_FAKEDAEMON_GATEWAY_SILENCE_TIMEOUT", "20s")
 	cfg, err := parseConfig(nil, false)
 	require.NoError(t, err)
 	require.Equal(t, 20*time.Second, cfg.Core.SilenceTimeout)
@@ -80,24 +80,24 @@ func TestParseConfigSilenceTimeout(t *testing.T) {
 	require.Equal(t, 12*time.Second, cfg.Core.SilenceTimeout)
 	_, err = parseConfig([]string{"--gateway-silence-timeout", "-1s"}, false)
 	require.EqualError(t, err, "--gateway-silence-timeout must not be negative, got -1s")
-	t.Setenv("BC_GATEWAY_SILENCE_TIMEOUT", "soon")
+	t.Setenv("BETTER_COMPUTE_FAKEDAEMON_GATEWAY_SILENCE_TIMEOUT", "soon")
 	_, err = parseConfig(nil, false)
-	require.ErrorContains(t, err, "BC_GATEWAY_SILENCE_TIMEOUT")
+	require.ErrorContains(t, err, "BETTER_COMPUTE_FAKEDAEMON_GATEWAY_SILENCE_TIMEOUT")
 }
 
 func TestParseConfigEnvAndFlags(t *testing.T) {
 	clearEnv(t)
-	t.Setenv("BC_JOIN_URL", "http://j:1")
-	t.Setenv("BC_JOIN_TOKEN_FILE", "/tok")
-	t.Setenv("BC_JOIN_TOKEN", "bcjt_x")
-	t.Setenv("BC_JOIN_TOKEN_WAIT", "5s")
-	t.Setenv("BC_DATA_DIR", "/d")
-	t.Setenv("BC_VARIANT", "l40s")
-	t.Setenv("BC_NODES", "4")
-	t.Setenv("BC_GATEWAY_URL", "https://g:8443")
-	t.Setenv("BC_GATEWAY_SERVER_NAME", "gw")
-	t.Setenv("BC_HEALTH_LISTEN", "127.0.0.1:9999")
-	t.Setenv("BC_SERVER", "http://api:8080")
+	t.Setenv("BETTER_COMPUTE_FAKEDAEMON_JOIN_URL", "http://j:1")
+	t.Setenv("BETTER_COMPUTE_JOIN_TOKEN_FILE", "/tok")
+	t.Setenv("BETTER_COMPUTE_JOIN_TOKEN", "bcjt_x")
+	t.Setenv("BETTER_COMPUTE_JOIN_TOKEN_WAIT", "5s")
+	t.Setenv("BETTER_COMPUTE_DATA_DIR", "/d")
+	t.Setenv("BETTER_COMPUTE_VARIANT", "l40s")
+	t.Setenv("BETTER_COMPUTE_NODES", "4")
+	t.Setenv("BETTER_COMPUTE_FAKEDAEMON_GATEWAY_URL", "https://g:8443")
+	t.Setenv("BETTER_COMPUTE_FAKEDAEMON_GATEWAY_SERVER_NAME", "gw")
+	t.Setenv("BETTER_COMPUTE_HEALTH_LISTEN", "127.0.0.1:9999")
+	t.Setenv("BETTER_COMPUTE_SERVER", "http://api:8080")
 	cfg, err := parseConfig([]string{"--nodes", "8", "--variant", "cpu", "--health-listen="}, false)
 	require.NoError(t, err)
 	require.Equal(t, "http://j:1", cfg.JoinURL)
@@ -123,7 +123,7 @@ func TestParseConfigPinsAndKeys(t *testing.T) {
 	filePins, err := pki.ReadPins(dir)
 	require.NoError(t, err)
 	otherPin := pki.PinOfSPKI([]byte("another key"))
-	t.Setenv("BC_COMMAND_SIGNING_PIN", otherPin)
+	t.Setenv("BETTER_COMPUTE_COMMAND_SIGNING_PIN", otherPin)
 	cfg, err := parseConfig([]string{"--pins-file", filepath.Join(dir, pki.PinsJSON), "--serving-ca-pin", otherPin,
 		"--join-keys-dir", dir}, false)
 	require.NoError(t, err)
@@ -138,7 +138,7 @@ func TestParseConfigPinsAndKeys(t *testing.T) {
 
 func TestParseConfigJoin(t *testing.T) {
 	clearEnv(t)
-	t.Setenv("BC_INSECURE_TRUST_SERVER_PINS", "true")
+	t.Setenv("BETTER_COMPUTE_INSECURE_TRUST_SERVER_PINS", "true")
 	cfg, err := parseConfig([]string{"--server", "http://127.0.0.1:8080"}, true)
 	require.NoError(t, err)
 	require.True(t, cfg.JoinOnly)
@@ -162,12 +162,12 @@ func TestParseConfigErrors(t *testing.T) {
 	require.ErrorContains(t, err, "--join-keys-dir")
 	_, err = parseConfig([]string{"--insecure-trust-server-pins"}, true)
 	require.ErrorContains(t, err, "--insecure-trust-server-pins needs --server")
-	t.Setenv("BC_NODES", "many")
+	t.Setenv("BETTER_COMPUTE_NODES", "many")
 	_, err = parseConfig(nil, false)
-	require.ErrorContains(t, err, "BC_NODES")
+	require.ErrorContains(t, err, "BETTER_COMPUTE_NODES")
 }
 
-// TestParseConfigGatewayURL: --gateway-url (or BC_GATEWAY_URL) must be
+// TestParseConfigGatewayURL: --gateway-url (or BETTER_COMPUTE_FAKEDAEMON_GATEWAY_URL) must be
 // https URLs with a host; a malformed one is refused at startup naming the
 // flag, instead of machines failing later at their first session.
 func TestParseConfigGatewayURL(t *testing.T) {
@@ -188,7 +188,7 @@ func TestParseConfigGatewayURL(t *testing.T) {
 		}
 		require.ErrorContains(t, err, want, flag)
 	}
-	t.Setenv("BC_GATEWAY_URL", "ftp://gw")
+	t.Setenv("BETTER_COMPUTE_FAKEDAEMON_GATEWAY_URL", "ftp://gw")
 	_, err := parseConfig(nil, false)
 	require.ErrorContains(t, err, `--gateway-url: gateway URL "ftp://gw" must be https://HOST[:PORT]`)
 	cfg, err := parseConfig([]string{"--gateway-url", "https://gw:8443, https://gw-b:8443"}, false)
@@ -246,10 +246,10 @@ func TestParseCommandDurations(t *testing.T) {
 }
 
 // TestParseConfigCommandDurations: --command-durations (or
-// BC_COMMAND_DURATIONS) sets Config.Durations; a bad list names the flag.
+// BETTER_COMPUTE_COMMAND_DURATIONS) sets Config.Durations; a bad list names the flag.
 func TestParseConfigCommandDurations(t *testing.T) {
 	clearEnv(t)
-	t.Setenv("BC_COMMAND_DURATIONS", "default=5s")
+	t.Setenv("BETTER_COMPUTE_COMMAND_DURATIONS", "default=5s")
 	cfg, err := parseConfig(nil, false)
 	require.NoError(t, err)
 	require.Equal(t, &fakehw.Durations{ByKind: map[string]time.Duration{}, Default: 5 * time.Second}, cfg.Durations)
@@ -263,14 +263,14 @@ func TestParseConfigCommandDurations(t *testing.T) {
 	require.Nil(t, cfg.Durations, "an empty list is the usual durations")
 	_, err = parseConfig([]string{"--command-durations", "diag.nvml=-1s"}, false)
 	require.EqualError(t, err, `--command-durations: item "diag.nvml=-1s": duration must not be negative`)
-	t.Setenv("BC_COMMAND_DURATIONS", "reset=1s")
+	t.Setenv("BETTER_COMPUTE_COMMAND_DURATIONS", "reset=1s")
 	_, err = parseConfig(nil, true)
 	require.ErrorContains(t, err, `--command-durations: item "reset=1s": unknown command kind "reset"`)
 }
 
 func TestRunJoinRefusesWithoutPins(t *testing.T) {
 	clearEnv(t)
-	t.Setenv("BC_JOIN_TOKEN", "bcjt_x")
+	t.Setenv("BETTER_COMPUTE_JOIN_TOKEN", "bcjt_x")
 	cfg, err := parseConfig([]string{"--server", "http://127.0.0.1:1", "--data-dir", t.TempDir()}, true)
 	require.NoError(t, err)
 	var out bytes.Buffer
@@ -298,14 +298,14 @@ func TestCommands(t *testing.T) {
 	require.Zero(t, code)
 	require.Contains(t, out, "fakedaemon [flags]")
 	require.Contains(t, out, "--server URL")
-	require.Contains(t, out, "(env BC_SERVER)")
-	require.Contains(t, out, "(env BC_HEALTH_LISTEN)")
+	require.Contains(t, out, "(env BETTER_COMPUTE_SERVER)")
+	require.Contains(t, out, "(env BETTER_COMPUTE_HEALTH_LISTEN)")
 	require.Contains(t, out, "join ")
 	require.Contains(t, out, "healthcheck ")
 	code, out, _ = exec(counting, "join", "--help")
 	require.Zero(t, code)
 	require.Contains(t, out, "fakedaemon join [flags]")
-	require.Contains(t, out, "(env BC_PINS_FILE)")
+	require.Contains(t, out, "(env BETTER_COMPUTE_PINS_FILE)")
 	require.NotContains(t, out, "--health-listen", "joining only serves no /healthz")
 	code, out, _ = exec(counting, "healthcheck", "--help")
 	require.Zero(t, code)

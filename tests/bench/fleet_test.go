@@ -199,7 +199,7 @@ func (f *fleet) startMachinesProcess(b *testing.B, durations string) {
 	if durations != "" {
 		args = append(args, "--command-durations", durations)
 	}
-	p := procs.Launch(b, "fakedaemon", args, "BC_JOIN_TOKEN="+f.joinToken, "BETTER_COMPUTE_LOG_LEVEL=warn")
+	p := procs.Launch(b, "fakedaemon", args, "BETTER_COMPUTE_JOIN_TOKEN="+f.joinToken, "BETTER_COMPUTE_LOG_LEVEL=warn")
 	f.machinesPID = p.PID()
 	p.WaitHealthy(b, health, 10*time.Minute)
 }

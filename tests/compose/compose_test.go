@@ -239,7 +239,7 @@ func TestComposeFleet(t *testing.T) {
 	require.Equal(t, adoptedIDs(all), adoptedIDs(again))
 
 	// A machine with a GPU missing joins and is never adopted.
-	s.mustRun("run", "-d", "-e", "BC_VARIANT=hgx-h100-gpu-missing", "fakedaemon")
+	s.mustRun("run", "-d", "-e", "BETTER_COMPUTE_VARIANT=hgx-h100-gpu-missing", "fakedaemon")
 	require.Eventually(t, func() bool {
 		ns, err := s.nodes()
 		if err != nil {

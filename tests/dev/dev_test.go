@@ -172,7 +172,7 @@ func outsideMachine(t *testing.T, d *devproc.Dev, url, pool string) {
 	secret := strings.TrimSpace(d.CLI("join-tokens", "create", "--pool", pool, "--max-uses", "1"))
 	require.True(t, strings.HasPrefix(secret, "bcjt_"), secret)
 	procs.Launch(t, "fakedaemon", []string{"--server", url, "--pins-file", filepath.Join(d.Dir, ".better-compute", "dev-pins.json"),
-		"--data-dir", t.TempDir(), "--health-listen", procs.FreeAddr(t)}, "BC_JOIN_TOKEN="+secret)
+		"--data-dir", t.TempDir(), "--health-listen", procs.FreeAddr(t)}, "BETTER_COMPUTE_JOIN_TOKEN="+secret)
 	require.Eventually(t, func() bool {
 		adopted := 0
 		for _, n := range nodes(t, d) {
