@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"io"
-	"maps"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -20,16 +19,13 @@ import (
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
+	"github.com/better-compute/better-compute/services/fakedaemon/flags"
 )
 
-var envVars = []string{"BETTER_COMPUTE_FAKEDAEMON_JOIN_URL", "BETTER_COMPUTE_JOIN_TOKEN_FILE", "BETTER_COMPUTE_JOIN_TOKEN", "BETTER_COMPUTE_JOIN_TOKEN_WAIT", "BETTER_COMPUTE_DATA_DIR", "BETTER_COMPUTE_VARIANT",
-	"BETTER_COMPUTE_NODES", "BETTER_COMPUTE_FAKEDAEMON_GATEWAY_URL", "BETTER_COMPUTE_FAKEDAEMON_GATEWAY_SERVER_NAME", "BETTER_COMPUTE_HEALTH_LISTEN", "BETTER_COMPUTE_SERVER", "BETTER_COMPUTE_PINS_FILE",
-	"BETTER_COMPUTE_SERVING_CA_PIN", "BETTER_COMPUTE_JOIN_SIGNING_PIN", "BETTER_COMPUTE_JOIN_ENCRYPTION_PIN", "BETTER_COMPUTE_COMMAND_SIGNING_PIN", "BETTER_COMPUTE_JOIN_KEYS_DIR",
-	"BETTER_COMPUTE_INSECURE_TRUST_SERVER_PINS", "BETTER_COMPUTE_COMMAND_DURATIONS", "BETTER_COMPUTE_FAKEDAEMON_GATEWAY_SILENCE_TIMEOUT"}
-
+// clearEnv unsets every variable of the fakedaemon for the test.
 func clearEnv(t *testing.T) {
-	for _, k := range envVars {
-		t.Setenv(k, "")
+	for _, v := range flags.Vars() {
+		t.Setenv(v.Name, "")
 	}
 }
 
@@ -194,55 +190,6 @@ func TestParseConfigGatewayURL(t *testing.T) {
 	cfg, err := parseConfig([]string{"--gateway-url", "https://gw:8443, https://gw-b:8443"}, false)
 	require.NoError(t, err, "the flag wins over the variable")
 	require.Equal(t, "https://gw:8443, https://gw-b:8443", cfg.GatewayURL)
-}
-
-func TestParseCommandDurations(t *testing.T) {
-	def := fakehw.DefaultDurations()
-	with := func(kv map[string]time.Duration) fakehw.Durations {
-		d := fakehw.DefaultDurations()
-		maps.Copy(d.ByKind, kv)
-		return d
-	}
-	for _, tc := range []struct {
-		name, list string
-		want       fakehw.Durations
-		wantErr    string
-	}{
-		{name: "one kind", list: "diag.nvml=0", want: with(map[string]time.Duration{"diag.nvml": 0})},
-		{name: "kinds", list: "diag.nvml=0, logs.collect = 2s,node.reboot=1m30s",
-			want: with(map[string]time.Duration{"diag.nvml": 0, "logs.collect": 2 * time.Second, "node.reboot": 90 * time.Second})},
-		{name: "every kind", list: "diag.nvml=1ms,inventory.refresh=2ms,logs.collect=3ms,node.reboot=4ms",
-			want: fakehw.Durations{ByKind: map[string]time.Duration{"diag.nvml": time.Millisecond,
-				"inventory.refresh": 2 * time.Millisecond, "logs.collect": 3 * time.Millisecond,
-				"node.reboot": 4 * time.Millisecond}, Default: def.Default}},
-		{name: "default replaces the unlisted kinds", list: "diag.nvml=0,logs.collect=2s,default=1s",
-			want: fakehw.Durations{ByKind: map[string]time.Duration{"diag.nvml": 0, "logs.collect": 2 * time.Second},
-				Default: time.Second}},
-		{name: "default alone", list: "default=0s", want: fakehw.Durations{ByKind: map[string]time.Duration{}}},
-		{name: "unknown kind", list: "diag.nvml=0,gpu.reset=1s",
-			wantErr: `item "gpu.reset=1s": unknown command kind "gpu.reset" (valid: diag.nvml, inventory.refresh, logs.collect, node.reboot, default)`},
-		{name: "bad duration", list: "logs.collect=2", wantErr: `item "logs.collect=2": time: missing unit in duration "2"`},
-		{name: "not a duration", list: "logs.collect=soon", wantErr: `item "logs.collect=soon": time: invalid duration "soon"`},
-		{name: "negative", list: "node.reboot=-1s", wantErr: `item "node.reboot=-1s": duration must not be negative`},
-		{name: "no equals", list: "diag.nvml", wantErr: `item "diag.nvml": want KIND=DURATION`},
-		{name: "no value", list: "diag.nvml=", wantErr: `item "diag.nvml=": want KIND=DURATION`},
-		{name: "no kind", list: "=1s", wantErr: `item "=1s": want KIND=DURATION`},
-		{name: "empty item", list: "diag.nvml=0,,logs.collect=1s", wantErr: `empty item in "diag.nvml=0,,logs.collect=1s"`},
-		{name: "trailing comma", list: "diag.nvml=0,", wantErr: "empty item"},
-		{name: "kind twice", list: "diag.nvml=0,diag.nvml=1s", wantErr: `item "diag.nvml=1s": diag.nvml given twice`},
-		{name: "default twice", list: "default=0,default=1s", wantErr: `item "default=1s": default given twice`},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			got, err := parseCommandDurations(tc.list)
-			if tc.wantErr != "" {
-				require.ErrorContains(t, err, tc.wantErr)
-				return
-			}
-			require.NoError(t, err)
-			require.Equal(t, tc.want, got)
-		})
-	}
-	require.Equal(t, 800*time.Millisecond, def.ByKind["diag.nvml"], "parsing leaves the defaults alone")
 }
 
 // TestParseConfigCommandDurations: --command-durations (or
