@@ -140,7 +140,7 @@ check: vet lint generate-check breaking test ## vet, lint, generate-and-diff, bu
 # controllers and the commands benchmark's machines (fakedaemon) run there
 # from bin/linux (images builds them).
 .PHONY: bench
-bench: images ## Run the benchmarks and print their figures (BC_BENCH_MACHINES=1000), the fleet simulator's speed too.
+bench: images ## Run the benchmarks and print their figures (BETTER_COMPUTE_BENCH_MACHINES=1000), the fleet simulator's speed too.
 	cd tests && $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 45m ./bench/...
 	cd services/gateway && $(GO) test -run '^$$' -bench IdleSessionMemory -benchtime 1x -timeout 10m ./gateway/
 	cd services/controllers && $(GO) test -run '^$$' -bench Acceptance1000 -benchtime 3x -timeout 10m ./controllers/

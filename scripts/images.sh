@@ -14,35 +14,38 @@ usage() {
 usage: scripts/images.sh [--force] [all|postgres|nats|services [NAME...]]...
 
   all       postgres, nats and services (the default)
-  postgres  ${BC_POSTGRES_IMAGE:-better-compute/postgres:15}: debootstrap'd
-            Debian bookworm + postgresql-15, official-image-like entrypoint
-  nats      ${BC_NATS_IMAGE:-better-compute/nats:<version>}: static nats-server
-            built with `go install`, on scratch
-  services  ${BC_IMAGE_PREFIX:-better-compute}/<name>:${BC_SERVICE_TAG:-dev} for each
-            static binary $BIN_DIR/<name> (default bin/linux/, built by the Makefile);
-            names: $BC_SERVICES (default: api joinservice gateway scheduler
-            controllers fakedaemon better-compute), or the NAMEs given
+  postgres  ${BETTER_COMPUTE_POSTGRES_IMAGE:-better-compute/postgres:15}:
+            debootstrap'd Debian bookworm + postgresql-15, official-image-like
+            entrypoint
+  nats      ${BETTER_COMPUTE_NATS_IMAGE:-better-compute/nats:<version>}: static
+            nats-server built with `go install`, on scratch
+  services  ${BETTER_COMPUTE_IMAGE_PREFIX:-better-compute}/<name>:${BETTER_COMPUTE_SERVICE_TAG:-dev}
+            for each static binary $BIN_DIR/<name> (default bin/linux/, built by
+            the Makefile); names: $BETTER_COMPUTE_SERVICES (default: api
+            joinservice gateway scheduler controllers fakedaemon
+            better-compute), or the NAMEs given
   --force   rebuild even when an up-to-date image exists (also re-runs
             debootstrap and go install)
 
 environment:
-  BC_POSTGRES_IMAGE  postgres image name     (better-compute/postgres:15)
-  BC_NATS_VERSION    nats-server version     (v2.15.2)
-  BC_NATS_IMAGE      nats image name         (better-compute/nats:<version without v>)
-  BC_IMAGE_PREFIX    service image prefix    (better-compute)
-  BC_SERVICE_TAG     service image tag       (dev)
-  BC_SERVICES        service names           (see above)
-  BIN_DIR            where the service binaries are (<repo>/bin/linux)
-  BC_CACHE_DIR       cache (rootfs, nats-server, logs)
-                     (${XDG_CACHE_HOME:-$HOME/.cache}/better-compute)
-  BC_DEBIAN_MIRROR   Debian mirror for debootstrap (default: read from /etc/apt)
-  BC_DEBIAN_SECURITY_MIRROR  mirror of bookworm-security (default: read from /etc/apt)
+  BETTER_COMPUTE_POSTGRES_IMAGE  postgres image name   (better-compute/postgres:15)
+  BETTER_COMPUTE_NATS_VERSION    nats-server version   (v2.15.2)
+  BETTER_COMPUTE_NATS_IMAGE      nats image name       (better-compute/nats:<version without v>)
+  BETTER_COMPUTE_IMAGE_PREFIX    service image prefix  (better-compute)
+  BETTER_COMPUTE_SERVICE_TAG     service image tag     (dev)
+  BETTER_COMPUTE_SERVICES        service names         (see above)
+  BIN_DIR                        where the service binaries are (<repo>/bin/linux)
+  BETTER_COMPUTE_CACHE_DIR       cache (rootfs, nats-server, logs)
+                                 (${XDG_CACHE_HOME:-$HOME/.cache}/better-compute)
+  BETTER_COMPUTE_DEBIAN_MIRROR   Debian mirror for debootstrap (default: read from /etc/apt)
+  BETTER_COMPUTE_DEBIAN_SECURITY_MIRROR
+                                 mirror of bookworm-security (default: read from /etc/apt)
 EOF
 }
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DEPLOY=$ROOT/deploy
-CACHE_DIR=${BC_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/better-compute}
+CACHE_DIR=${BETTER_COMPUTE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/better-compute}
 LABEL=org.better-compute.inputs-hash
 # Bump to invalidate every image built by an older version of this script.
 SCHEMA=1
@@ -50,16 +53,16 @@ SCHEMA=1
 PG_MAJOR=15
 PG_SUITE=bookworm
 PG_PACKAGES="postgresql-$PG_MAJOR"
-PG_IMAGE=${BC_POSTGRES_IMAGE:-better-compute/postgres:$PG_MAJOR}
+PG_IMAGE=${BETTER_COMPUTE_POSTGRES_IMAGE:-better-compute/postgres:$PG_MAJOR}
 
-NATS_VERSION=${BC_NATS_VERSION:-v2.15.2}
-NATS_IMAGE=${BC_NATS_IMAGE:-better-compute/nats:${NATS_VERSION#v}}
+NATS_VERSION=${BETTER_COMPUTE_NATS_VERSION:-v2.15.2}
+NATS_IMAGE=${BETTER_COMPUTE_NATS_IMAGE:-better-compute/nats:${NATS_VERSION#v}}
 
-IMAGE_PREFIX=${BC_IMAGE_PREFIX:-better-compute}
-SERVICE_TAG=${BC_SERVICE_TAG:-dev}
+IMAGE_PREFIX=${BETTER_COMPUTE_IMAGE_PREFIX:-better-compute}
+SERVICE_TAG=${BETTER_COMPUTE_SERVICE_TAG:-dev}
 BIN_DIR=${BIN_DIR:-$ROOT/bin/linux}
 DEFAULT_SERVICES="api joinservice gateway scheduler controllers fakedaemon better-compute"
-read -r -a SERVICES <<<"${BC_SERVICES:-$DEFAULT_SERVICES}"
+read -r -a SERVICES <<<"${BETTER_COMPUTE_SERVICES:-$DEFAULT_SERVICES}"
 
 export DOCKER_BUILDKIT=0 # no buildx here: the classic builder
 
@@ -235,9 +238,9 @@ make_rootfs() {
 			'apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends debootstrap'
 	}
 	local mirror security
-	mirror=${BC_DEBIAN_MIRROR:-$(apt_uri "$PG_SUITE")}
-	security=${BC_DEBIAN_SECURITY_MIRROR:-$(apt_uri "$PG_SUITE-security")}
-	[[ -n $mirror ]] || die "no apt source for '$PG_SUITE main' in /etc/apt; set BC_DEBIAN_MIRROR"
+	mirror=${BETTER_COMPUTE_DEBIAN_MIRROR:-$(apt_uri "$PG_SUITE")}
+	security=${BETTER_COMPUTE_DEBIAN_SECURITY_MIRROR:-$(apt_uri "$PG_SUITE-security")}
+	[[ -n $mirror ]] || die "no apt source for '$PG_SUITE main' in /etc/apt; set BETTER_COMPUTE_DEBIAN_MIRROR"
 
 	local tmp=$dir/rootfs.tmp
 	rm -rf --one-file-system "$tmp"

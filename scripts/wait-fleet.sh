@@ -26,7 +26,7 @@ until id=$("${compose[@]}" ps -q bootstrap 2>/dev/null) && [[ -n $id ]] &&
 	sleep 1
 done
 mv "$env_file.tmp" "$env_file"
-port=${BC_API_PORT:-8080}
+port=${BETTER_COMPUTE_API_PORT:-8080}
 echo "export BETTER_COMPUTE_URL=http://127.0.0.1:$port" >>"$env_file"
 # shellcheck disable=SC1090
 source "$env_file"

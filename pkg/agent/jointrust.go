@@ -75,15 +75,17 @@ func (r *Runner) joinTrust(ctx context.Context) (*joinTrust, error) {
 			joinURL = doc.JoinURL
 		}
 		if joinURL == "" {
-			return nil, fmt.Errorf("%s%s has no joinUrl: set --join-url (BC_JOIN_URL)", r.cfg.Server, pki.WellKnownPath)
+			return nil, fmt.Errorf("%s%s has no joinUrl: set --join-url (BETTER_COMPUTE_FAKEDAEMON_JOIN_URL)",
+				r.cfg.Server, pki.WellKnownPath)
 		}
 	} else {
 		if len(r.cfg.JoinEncryptionKey) == 0 || len(r.cfg.JoinSigningKey) == 0 {
-			return nil, errors.New("no join keys: set --server (BC_SERVER) to read them from the deployment's " +
-				"well-known document, or --join-keys-dir (BC_JOIN_KEYS_DIR)")
+			return nil, errors.New("no join keys: set --server (BETTER_COMPUTE_SERVER) to read them from the " +
+				"deployment's well-known document, or --join-keys-dir (BETTER_COMPUTE_JOIN_KEYS_DIR)")
 		}
 		if joinURL == "" {
-			return nil, errors.New("no join URL: set --join-url (BC_JOIN_URL), or --server (BC_SERVER)")
+			return nil, errors.New("no join URL: set --join-url (BETTER_COMPUTE_FAKEDAEMON_JOIN_URL), " +
+				"or --server (BETTER_COMPUTE_SERVER)")
 		}
 		if keys, err = pki.CheckJoinKeys(pins, r.cfg.JoinEncryptionKey, r.cfg.JoinSigningKey); err != nil {
 			return nil, err

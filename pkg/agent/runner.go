@@ -351,7 +351,7 @@ func (r *Runner) readToken(ctx context.Context) (string, error) {
 		return t, nil
 	}
 	if r.cfg.TokenFile == "" {
-		return "", errors.New("no join token: set --token-file (BC_JOIN_TOKEN_FILE) or BC_JOIN_TOKEN")
+		return "", errors.New("no join token: set --token-file (BETTER_COMPUTE_JOIN_TOKEN_FILE) or BETTER_COMPUTE_JOIN_TOKEN")
 	}
 	deadline := r.clk.Now().Add(r.cfg.TokenWait)
 	logged := false

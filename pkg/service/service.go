@@ -253,27 +253,3 @@ func Healthcheck(url string) int {
 	}
 	return 0
 }
-
-// Env returns the environment variable key, or def when it is unset or
-// empty. The services read their configuration with pkg/config; this is
-// for flags whose defaults come from the environment (the fakedaemon's).
-func Env(key, def string) string {
-	if v := os.Getenv(key); v != "" {
-		return v
-	}
-	return def
-}
-
-// EnvDuration returns the duration in key (Go syntax, "5s"), or def; like
-// Env, for flags whose defaults come from the environment.
-func EnvDuration(key string, def time.Duration) (time.Duration, error) {
-	v := os.Getenv(key)
-	if v == "" {
-		return def, nil
-	}
-	d, err := time.ParseDuration(v)
-	if err != nil {
-		return 0, fmt.Errorf("%s: %w", key, err)
-	}
-	return d, nil
-}

@@ -6,9 +6,11 @@
 //	fakedaemon join [flags]     join the machines that have not yet, print their node ids, exit
 //	fakedaemon healthcheck [URL]
 //
-// Every flag has an environment variable that sets its default (BC_SERVER,
-// BC_PINS_FILE, …): `fakedaemon --help` lists them, and docs/fakedaemon.md
-// explains them. flags.go reads them into a fakedaemon.Config.
+// Every flag has an environment variable that sets its default
+// (BETTER_COMPUTE_SERVER, BETTER_COMPUTE_PINS_FILE, …): `fakedaemon --help`
+// lists them, docs/configuration.md too (generated from them), and
+// docs/fakedaemon.md explains them. Package flags defines them and reads
+// them into a fakedaemon.Config.
 //
 // The token is only ever sent sealed to JoinService's key, and a machine
 // trusts a JoinResponse only once it verified it against the pins: without
@@ -35,6 +37,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/telemetry"
 	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
+	"github.com/better-compute/better-compute/services/fakedaemon/flags"
 )
 
 func main() {
@@ -101,12 +104,12 @@ func newRoot(run runFunc) *cobra.Command {
 		return usageError{fmt.Errorf("%w (see '%s --help')", err, c.CommandPath())}
 	})
 	machines := func(c *cobra.Command, joinOnly bool) {
-		f := addFlags(c.Flags())
+		f := flags.Add(c.Flags(), os.Getenv)
 		if joinOnly { // joining only serves no /healthz
 			_ = c.Flags().MarkHidden("health-listen")
 		}
 		c.RunE = func(cmd *cobra.Command, _ []string) error {
-			cfg, err := f.config(joinOnly)
+			cfg, err := f.Config(joinOnly)
 			if err != nil {
 				return usageError{err}
 			}

@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"io"
-	"maps"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -20,16 +19,13 @@ import (
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
+	"github.com/better-compute/better-compute/services/fakedaemon/flags"
 )
 
-var envVars = []string{"BC_JOIN_URL", "BC_JOIN_TOKEN_FILE", "BC_JOIN_TOKEN", "BC_JOIN_TOKEN_WAIT", "BC_DATA_DIR", "BC_VARIANT",
-	"BC_NODES", "BC_GATEWAY_URL", "BC_GATEWAY_SERVER_NAME", "BC_HEALTH_LISTEN", "BC_SERVER", "BC_PINS_FILE",
-	"BC_SERVING_CA_PIN", "BC_JOIN_SIGNING_PIN", "BC_JOIN_ENCRYPTION_PIN", "BC_COMMAND_SIGNING_PIN", "BC_JOIN_KEYS_DIR",
-	"BC_INSECURE_TRUST_SERVER_PINS", "BC_COMMAND_DURATIONS", "BC_GATEWAY_SILENCE_TIMEOUT"}
-
+// clearEnv unsets every variable of the fakedaemon for the test.
 func clearEnv(t *testing.T) {
-	for _, k := range envVars {
-		t.Setenv(k, "")
+	for _, v := range flags.Vars() {
+		t.Setenv(v.Name, "")
 	}
 }
 
@@ -71,7 +67,7 @@ func TestParseConfigDefaults(t *testing.T) {
 
 func TestParseConfigSilenceTimeout(t *testing.T) {
 	clearEnv(t)
-	t.Setenv("BC_GATEWAY_SILENCE_TIMEOUT", "20s")
+	t.Setenv("BETTER_COMPUTE_FAKEDAEMON_GATEWAY_SILENCE_TIMEOUT", "20s")
 	cfg, err := parseConfig(nil, false)
 	require.NoError(t, err)
 	require.Equal(t, 20*time.Second, cfg.Core.SilenceTimeout)
@@ -80,24 +76,24 @@ func TestParseConfigSilenceTimeout(t *testing.T) {
 	require.Equal(t, 12*time.Second, cfg.Core.SilenceTimeout)
 	_, err = parseConfig([]string{"--gateway-silence-timeout", "-1s"}, false)
 	require.EqualError(t, err, "--gateway-silence-timeout must not be negative, got -1s")
-	t.Setenv("BC_GATEWAY_SILENCE_TIMEOUT", "soon")
+	t.Setenv("BETTER_COMPUTE_FAKEDAEMON_GATEWAY_SILENCE_TIMEOUT", "soon")
 	_, err = parseConfig(nil, false)
-	require.ErrorContains(t, err, "BC_GATEWAY_SILENCE_TIMEOUT")
+	require.ErrorContains(t, err, "BETTER_COMPUTE_FAKEDAEMON_GATEWAY_SILENCE_TIMEOUT")
 }
 
 func TestParseConfigEnvAndFlags(t *testing.T) {
 	clearEnv(t)
-	t.Setenv("BC_JOIN_URL", "http://j:1")
-	t.Setenv("BC_JOIN_TOKEN_FILE", "/tok")
-	t.Setenv("BC_JOIN_TOKEN", "bcjt_x")
-	t.Setenv("BC_JOIN_TOKEN_WAIT", "5s")
-	t.Setenv("BC_DATA_DIR", "/d")
-	t.Setenv("BC_VARIANT", "l40s")
-	t.Setenv("BC_NODES", "4")
-	t.Setenv("BC_GATEWAY_URL", "https://g:8443")
-	t.Setenv("BC_GATEWAY_SERVER_NAME", "gw")
-	t.Setenv("BC_HEALTH_LISTEN", "127.0.0.1:9999")
-	t.Setenv("BC_SERVER", "http://api:8080")
+	t.Setenv("BETTER_COMPUTE_FAKEDAEMON_JOIN_URL", "http://j:1")
+	t.Setenv("BETTER_COMPUTE_JOIN_TOKEN_FILE", "/tok")
+	t.Setenv("BETTER_COMPUTE_JOIN_TOKEN", "bcjt_x")
+	t.Setenv("BETTER_COMPUTE_JOIN_TOKEN_WAIT", "5s")
+	t.Setenv("BETTER_COMPUTE_DATA_DIR", "/d")
+	t.Setenv("BETTER_COMPUTE_VARIANT", "l40s")
+	t.Setenv("BETTER_COMPUTE_NODES", "4")
+	t.Setenv("BETTER_COMPUTE_FAKEDAEMON_GATEWAY_URL", "https://g:8443")
+	t.Setenv("BETTER_COMPUTE_FAKEDAEMON_GATEWAY_SERVER_NAME", "gw")
+	t.Setenv("BETTER_COMPUTE_HEALTH_LISTEN", "127.0.0.1:9999")
+	t.Setenv("BETTER_COMPUTE_SERVER", "http://api:8080")
 	cfg, err := parseConfig([]string{"--nodes", "8", "--variant", "cpu", "--health-listen="}, false)
 	require.NoError(t, err)
 	require.Equal(t, "http://j:1", cfg.JoinURL)
@@ -123,7 +119,7 @@ func TestParseConfigPinsAndKeys(t *testing.T) {
 	filePins, err := pki.ReadPins(dir)
 	require.NoError(t, err)
 	otherPin := pki.PinOfSPKI([]byte("another key"))
-	t.Setenv("BC_COMMAND_SIGNING_PIN", otherPin)
+	t.Setenv("BETTER_COMPUTE_COMMAND_SIGNING_PIN", otherPin)
 	cfg, err := parseConfig([]string{"--pins-file", filepath.Join(dir, pki.PinsJSON), "--serving-ca-pin", otherPin,
 		"--join-keys-dir", dir}, false)
 	require.NoError(t, err)
@@ -138,7 +134,7 @@ func TestParseConfigPinsAndKeys(t *testing.T) {
 
 func TestParseConfigJoin(t *testing.T) {
 	clearEnv(t)
-	t.Setenv("BC_INSECURE_TRUST_SERVER_PINS", "true")
+	t.Setenv("BETTER_COMPUTE_INSECURE_TRUST_SERVER_PINS", "true")
 	cfg, err := parseConfig([]string{"--server", "http://127.0.0.1:8080"}, true)
 	require.NoError(t, err)
 	require.True(t, cfg.JoinOnly)
@@ -162,12 +158,12 @@ func TestParseConfigErrors(t *testing.T) {
 	require.ErrorContains(t, err, "--join-keys-dir")
 	_, err = parseConfig([]string{"--insecure-trust-server-pins"}, true)
 	require.ErrorContains(t, err, "--insecure-trust-server-pins needs --server")
-	t.Setenv("BC_NODES", "many")
+	t.Setenv("BETTER_COMPUTE_NODES", "many")
 	_, err = parseConfig(nil, false)
-	require.ErrorContains(t, err, "BC_NODES")
+	require.ErrorContains(t, err, "BETTER_COMPUTE_NODES")
 }
 
-// TestParseConfigGatewayURL: --gateway-url (or BC_GATEWAY_URL) must be
+// TestParseConfigGatewayURL: --gateway-url (or BETTER_COMPUTE_FAKEDAEMON_GATEWAY_URL) must be
 // https URLs with a host; a malformed one is refused at startup naming the
 // flag, instead of machines failing later at their first session.
 func TestParseConfigGatewayURL(t *testing.T) {
@@ -188,7 +184,7 @@ func TestParseConfigGatewayURL(t *testing.T) {
 		}
 		require.ErrorContains(t, err, want, flag)
 	}
-	t.Setenv("BC_GATEWAY_URL", "ftp://gw")
+	t.Setenv("BETTER_COMPUTE_FAKEDAEMON_GATEWAY_URL", "ftp://gw")
 	_, err := parseConfig(nil, false)
 	require.ErrorContains(t, err, `--gateway-url: gateway URL "ftp://gw" must be https://HOST[:PORT]`)
 	cfg, err := parseConfig([]string{"--gateway-url", "https://gw:8443, https://gw-b:8443"}, false)
@@ -196,60 +192,11 @@ func TestParseConfigGatewayURL(t *testing.T) {
 	require.Equal(t, "https://gw:8443, https://gw-b:8443", cfg.GatewayURL)
 }
 
-func TestParseCommandDurations(t *testing.T) {
-	def := fakehw.DefaultDurations()
-	with := func(kv map[string]time.Duration) fakehw.Durations {
-		d := fakehw.DefaultDurations()
-		maps.Copy(d.ByKind, kv)
-		return d
-	}
-	for _, tc := range []struct {
-		name, list string
-		want       fakehw.Durations
-		wantErr    string
-	}{
-		{name: "one kind", list: "diag.nvml=0", want: with(map[string]time.Duration{"diag.nvml": 0})},
-		{name: "kinds", list: "diag.nvml=0, logs.collect = 2s,node.reboot=1m30s",
-			want: with(map[string]time.Duration{"diag.nvml": 0, "logs.collect": 2 * time.Second, "node.reboot": 90 * time.Second})},
-		{name: "every kind", list: "diag.nvml=1ms,inventory.refresh=2ms,logs.collect=3ms,node.reboot=4ms",
-			want: fakehw.Durations{ByKind: map[string]time.Duration{"diag.nvml": time.Millisecond,
-				"inventory.refresh": 2 * time.Millisecond, "logs.collect": 3 * time.Millisecond,
-				"node.reboot": 4 * time.Millisecond}, Default: def.Default}},
-		{name: "default replaces the unlisted kinds", list: "diag.nvml=0,logs.collect=2s,default=1s",
-			want: fakehw.Durations{ByKind: map[string]time.Duration{"diag.nvml": 0, "logs.collect": 2 * time.Second},
-				Default: time.Second}},
-		{name: "default alone", list: "default=0s", want: fakehw.Durations{ByKind: map[string]time.Duration{}}},
-		{name: "unknown kind", list: "diag.nvml=0,gpu.reset=1s",
-			wantErr: `item "gpu.reset=1s": unknown command kind "gpu.reset" (valid: diag.nvml, inventory.refresh, logs.collect, node.reboot, default)`},
-		{name: "bad duration", list: "logs.collect=2", wantErr: `item "logs.collect=2": time: missing unit in duration "2"`},
-		{name: "not a duration", list: "logs.collect=soon", wantErr: `item "logs.collect=soon": time: invalid duration "soon"`},
-		{name: "negative", list: "node.reboot=-1s", wantErr: `item "node.reboot=-1s": duration must not be negative`},
-		{name: "no equals", list: "diag.nvml", wantErr: `item "diag.nvml": want KIND=DURATION`},
-		{name: "no value", list: "diag.nvml=", wantErr: `item "diag.nvml=": want KIND=DURATION`},
-		{name: "no kind", list: "=1s", wantErr: `item "=1s": want KIND=DURATION`},
-		{name: "empty item", list: "diag.nvml=0,,logs.collect=1s", wantErr: `empty item in "diag.nvml=0,,logs.collect=1s"`},
-		{name: "trailing comma", list: "diag.nvml=0,", wantErr: "empty item"},
-		{name: "kind twice", list: "diag.nvml=0,diag.nvml=1s", wantErr: `item "diag.nvml=1s": diag.nvml given twice`},
-		{name: "default twice", list: "default=0,default=1s", wantErr: `item "default=1s": default given twice`},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			got, err := parseCommandDurations(tc.list)
-			if tc.wantErr != "" {
-				require.ErrorContains(t, err, tc.wantErr)
-				return
-			}
-			require.NoError(t, err)
-			require.Equal(t, tc.want, got)
-		})
-	}
-	require.Equal(t, 800*time.Millisecond, def.ByKind["diag.nvml"], "parsing leaves the defaults alone")
-}
-
 // TestParseConfigCommandDurations: --command-durations (or
-// BC_COMMAND_DURATIONS) sets Config.Durations; a bad list names the flag.
+// BETTER_COMPUTE_COMMAND_DURATIONS) sets Config.Durations; a bad list names the flag.
 func TestParseConfigCommandDurations(t *testing.T) {
 	clearEnv(t)
-	t.Setenv("BC_COMMAND_DURATIONS", "default=5s")
+	t.Setenv("BETTER_COMPUTE_COMMAND_DURATIONS", "default=5s")
 	cfg, err := parseConfig(nil, false)
 	require.NoError(t, err)
 	require.Equal(t, &fakehw.Durations{ByKind: map[string]time.Duration{}, Default: 5 * time.Second}, cfg.Durations)
@@ -263,14 +210,14 @@ func TestParseConfigCommandDurations(t *testing.T) {
 	require.Nil(t, cfg.Durations, "an empty list is the usual durations")
 	_, err = parseConfig([]string{"--command-durations", "diag.nvml=-1s"}, false)
 	require.EqualError(t, err, `--command-durations: item "diag.nvml=-1s": duration must not be negative`)
-	t.Setenv("BC_COMMAND_DURATIONS", "reset=1s")
+	t.Setenv("BETTER_COMPUTE_COMMAND_DURATIONS", "reset=1s")
 	_, err = parseConfig(nil, true)
 	require.ErrorContains(t, err, `--command-durations: item "reset=1s": unknown command kind "reset"`)
 }
 
 func TestRunJoinRefusesWithoutPins(t *testing.T) {
 	clearEnv(t)
-	t.Setenv("BC_JOIN_TOKEN", "bcjt_x")
+	t.Setenv("BETTER_COMPUTE_JOIN_TOKEN", "bcjt_x")
 	cfg, err := parseConfig([]string{"--server", "http://127.0.0.1:1", "--data-dir", t.TempDir()}, true)
 	require.NoError(t, err)
 	var out bytes.Buffer
@@ -298,14 +245,14 @@ func TestCommands(t *testing.T) {
 	require.Zero(t, code)
 	require.Contains(t, out, "fakedaemon [flags]")
 	require.Contains(t, out, "--server URL")
-	require.Contains(t, out, "(env BC_SERVER)")
-	require.Contains(t, out, "(env BC_HEALTH_LISTEN)")
+	require.Contains(t, out, "(env BETTER_COMPUTE_SERVER)")
+	require.Contains(t, out, "(env BETTER_COMPUTE_HEALTH_LISTEN)")
 	require.Contains(t, out, "join ")
 	require.Contains(t, out, "healthcheck ")
 	code, out, _ = exec(counting, "join", "--help")
 	require.Zero(t, code)
 	require.Contains(t, out, "fakedaemon join [flags]")
-	require.Contains(t, out, "(env BC_PINS_FILE)")
+	require.Contains(t, out, "(env BETTER_COMPUTE_PINS_FILE)")
 	require.NotContains(t, out, "--health-listen", "joining only serves no /healthz")
 	code, out, _ = exec(counting, "healthcheck", "--help")
 	require.Zero(t, code)

@@ -133,29 +133,31 @@ func (l *commandLog) stats(ids []string) commandStats {
 
 // BenchmarkCommands runs diag.nvml commands through the public API
 // (CommandService.RunCommand, as `better-compute commands run` does) on
-// BC_BENCH_MACHINES (1,000) adopted machines, the services in process, and
-// learns each command's end from its command.succeeded (or .failed,
-// .expired) event through one EventService.Watch. It prints:
+// BETTER_COMPUTE_BENCH_MACHINES (1,000) adopted machines, the services in
+// process, and learns each command's end from its command.succeeded (or
+// .failed, .expired) event through one EventService.Watch. It prints:
 //
-//   - throughput: BC_BENCH_COMMANDS (10 × machines) commands queued by
-//     BC_BENCH_CALLERS (64) concurrent callers as fast as RunCommand
-//     returns, spread round-robin over the machines; completed per second
-//     from the first call to the last terminal state recorded. Target
-//     ≥ 5,000/s.
-//   - round trip: commands at BC_BENCH_COMMAND_RATE (default: half the
-//     throughput just measured, so that they do not queue), 2 × machines
-//     or 20 s of them (at least 200; BC_BENCH_STEADY_COMMANDS sets the count); p50/p99 from the RunCommand call to
-//     the terminal state the control plane records (the event's time, the
-//     command's finished_at), with the RunCommand call alone, the watch's
-//     delivery and, from the commands table, queued → delivered and
-//     delivered → finished. Target p99 < 100 ms.
+//   - throughput: BETTER_COMPUTE_BENCH_COMMANDS (10 × machines) commands
+//     queued by BETTER_COMPUTE_BENCH_CALLERS (64) concurrent callers as fast
+//     as RunCommand returns, spread round-robin over the machines; completed
+//     per second from the first call to the last terminal state recorded.
+//     Target ≥ 5,000/s.
+//   - round trip: commands at BETTER_COMPUTE_BENCH_COMMAND_RATE (default:
+//     half the throughput just measured, so that they do not queue),
+//     2 × machines or 20 s of them (at least 200;
+//     BETTER_COMPUTE_BENCH_STEADY_COMMANDS sets the count); p50/p99 from the
+//     RunCommand call to the terminal state the control plane records (the
+//     event's time, the command's finished_at), with the RunCommand call
+//     alone, the watch's delivery and, from the commands table, queued →
+//     delivered and delivered → finished. Target p99 < 100 ms.
 //
 // The machines run in a fakedaemon process of their own (bin/linux, `make
-// build`), as in a fleet they are other hosts; BC_BENCH_MACHINES_INPROCESS=1
-// runs them in this process instead (as before).
+// build`), as in a fleet they are other hosts;
+// BETTER_COMPUTE_BENCH_MACHINES_INPROCESS=1 runs them in this process instead
+// (as before).
 //
-// With BC_BENCH_CPUPROFILE=FILE it writes a CPU profile of the throughput
-// phase alone (of this process) to FILE.
+// With BETTER_COMPUTE_BENCH_CPUPROFILE=FILE it writes a CPU profile of the
+// throughput phase alone (of this process) to FILE.
 //
 // It also prints the CPU time per command during the throughput phase of
 // this process (the services and the callers; the machines too when in
@@ -164,14 +166,14 @@ func (l *commandLog) stats(ids []string) commandStats {
 // NATS; the callers' share of this process is small) with the throughput
 // it implies per core: 1 s divided by that total.
 func BenchmarkCommands(b *testing.B) {
-	callers := envInt("BC_BENCH_CALLERS", 64)
-	rate := envInt("BC_BENCH_COMMAND_RATE", 0) // 0: half the measured throughput
-	inProcess := os.Getenv("BC_BENCH_MACHINES_INPROCESS") == "1"
+	callers := envInt("BETTER_COMPUTE_BENCH_CALLERS", 64)
+	rate := envInt("BETTER_COMPUTE_BENCH_COMMAND_RATE", 0) // 0: half the measured throughput
+	inProcess := os.Getenv("BETTER_COMPUTE_BENCH_MACHINES_INPROCESS") == "1"
 	durations := fakehw.Durations{ByKind: map[string]time.Duration{commandKind: 0}}
 	for range b.N {
 		f := startFleet(b, fleetOptions{})
 		n, clk, ctx := f.n, f.clk, b.Context()
-		total := envInt("BC_BENCH_COMMANDS", 10*n)
+		total := envInt("BETTER_COMPUTE_BENCH_COMMANDS", 10*n)
 		if inProcess {
 			f.startMachines(b, &durations)
 		} else {
@@ -224,7 +226,7 @@ func BenchmarkCommands(b *testing.B) {
 		pool0, auto0 := f.stack.DB.Pool.Stat(), f.stack.DB.AutoCommitStat()
 		sampleCtx, stopSampling := context.WithCancel(ctx)
 		waits := sampleWaits(sampleCtx, f.dbURL, clk)
-		stopProfile := startCPUProfile(b, os.Getenv("BC_BENCH_CPUPROFILE"))
+		stopProfile := startCPUProfile(b, os.Getenv("BETTER_COMPUTE_BENCH_CPUPROFILE"))
 		ids := runAll(total, func(i int) (string, error) { return run(nodes[i%len(nodes)]) })
 		stopProfile()
 		stopSampling()
@@ -242,10 +244,10 @@ func BenchmarkCommands(b *testing.B) {
 		if rate == 0 {
 			rate = max(1, int(completed/2))
 		}
-		steady := envInt("BC_BENCH_STEADY_COMMANDS", max(200, min(2*n, 20*rate)))
+		steady := envInt("BETTER_COMPUTE_BENCH_STEADY_COMMANDS", max(200, min(2*n, 20*rate)))
 		tick := clk.NewTicker(time.Second / time.Duration(rate))
 		self2, mach2, pg2, nc2 := procCPU(b, os.Getpid()), machinesCPU(), containerCPU(b, pg), containerCPU(b, nc)
-		stopProfile = startCPUProfile(b, profileOf(os.Getenv("BC_BENCH_CPUPROFILE"), "steady"))
+		stopProfile = startCPUProfile(b, profileOf(os.Getenv("BETTER_COMPUTE_BENCH_CPUPROFILE"), "steady"))
 		ids = runAll(steady, func(i int) (string, error) {
 			<-tick.C()
 			return run(nodes[(i*7)%len(nodes)])

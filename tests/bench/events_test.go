@@ -17,18 +17,19 @@ import (
 	"github.com/better-compute/better-compute/pkg/store"
 )
 
-// BenchmarkEventsWatch writes BC_BENCH_EVENTS (100,000) events straight
-// into the store (store.WriteEvents, node.cordoned ones, in transactions of
-// BC_BENCH_EVENT_BATCH (50) events from BC_BENCH_EVENT_PRODUCERS (4)
-// concurrent writers, as fast as they commit) while one root-admin watcher
-// reads every event through EventService.Watch, and prints the events per
-// second delivered end to end (first write to last event received), the
-// writers' own rate and the committed → received latency p50/p99. No
-// machine runs: the events are all that happens.
+// BenchmarkEventsWatch writes BETTER_COMPUTE_BENCH_EVENTS (100,000) events
+// straight into the store (store.WriteEvents, node.cordoned ones, in
+// transactions of BETTER_COMPUTE_BENCH_EVENT_BATCH (50) events from
+// BETTER_COMPUTE_BENCH_EVENT_PRODUCERS (4) concurrent writers, as fast as
+// they commit) while one root-admin watcher reads every event through
+// EventService.Watch, and prints the events per second delivered end to end
+// (first write to last event received), the writers' own rate and the
+// committed → received latency p50/p99. No machine runs: the events are all
+// that happens.
 func BenchmarkEventsWatch(b *testing.B) {
-	total := envInt("BC_BENCH_EVENTS", 100_000)
-	batch := envInt("BC_BENCH_EVENT_BATCH", 50)
-	producers := envInt("BC_BENCH_EVENT_PRODUCERS", 4)
+	total := envInt("BETTER_COMPUTE_BENCH_EVENTS", 100_000)
+	batch := envInt("BETTER_COMPUTE_BENCH_EVENT_BATCH", 50)
+	producers := envInt("BETTER_COMPUTE_BENCH_EVENT_PRODUCERS", 4)
 	total -= total % batch
 	for range b.N {
 		f := startFleet(b, fleetOptions{noScheduler: true})

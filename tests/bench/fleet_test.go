@@ -36,8 +36,8 @@ import (
 // The shared setup of the benchmarks: Postgres and NATS containers, the
 // services in process (devstack) with the gateway and the controllers
 // optionally in processes of their own (bin/linux, `make build`), and
-// BC_BENCH_MACHINES fakedaemon machines, in this process or (the commands
-// benchmark) in a fakedaemon process of their own.
+// BETTER_COMPUTE_BENCH_MACHINES fakedaemon machines, in this process or (the
+// commands benchmark) in a fakedaemon process of their own.
 
 func TestMain(m *testing.M) {
 	code := m.Run()
@@ -45,9 +45,9 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// machines is BC_BENCH_MACHINES (default 1,000).
+// machines is BETTER_COMPUTE_BENCH_MACHINES (default 1,000).
 func machines() int {
-	return envInt("BC_BENCH_MACHINES", 1000)
+	return envInt("BETTER_COMPUTE_BENCH_MACHINES", 1000)
 }
 
 // envInt is the positive integer in env var name, or def.
@@ -66,9 +66,9 @@ func envDuration(name string, def time.Duration) time.Duration {
 	return def
 }
 
-// benchLogger logs the services to stderr when BC_BENCH_LOG is set.
+// benchLogger logs the services to stderr when BETTER_COMPUTE_BENCH_LOG is set.
 func benchLogger() *slog.Logger {
-	if os.Getenv("BC_BENCH_LOG") == "" {
+	if os.Getenv("BETTER_COMPUTE_BENCH_LOG") == "" {
 		return nil
 	}
 	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
@@ -199,7 +199,7 @@ func (f *fleet) startMachinesProcess(b *testing.B, durations string) {
 	if durations != "" {
 		args = append(args, "--command-durations", durations)
 	}
-	p := procs.Launch(b, "fakedaemon", args, "BC_JOIN_TOKEN="+f.joinToken, "BETTER_COMPUTE_LOG_LEVEL=warn")
+	p := procs.Launch(b, "fakedaemon", args, "BETTER_COMPUTE_JOIN_TOKEN="+f.joinToken, "BETTER_COMPUTE_LOG_LEVEL=warn")
 	f.machinesPID = p.PID()
 	p.WaitHealthy(b, health, 10*time.Minute)
 }

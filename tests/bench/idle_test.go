@@ -27,22 +27,22 @@ func (s cpuSample) controlPlane() time.Duration {
 	return s.gateway + s.controllers + s.postgres + s.nats
 }
 
-// BenchmarkIdleFleet measures what BC_BENCH_MACHINES (1,000) connected,
-// idle machines cost the control plane: the gateway and the controllers
-// each run as their own process (bin/linux, `make build`), the api and
-// joinservice in this process with the machines. It reads the CPU time of
-// the gateway, the controllers (/proc/<pid>/stat) and the Postgres and NATS
-// containers (their cgroups) over BC_BENCH_IDLE_BASELINE (20 s) with no
-// machine, then over BC_BENCH_IDLE_WINDOW (60 s) once every machine is
-// adopted and BC_BENCH_IDLE_SETTLE (15 s) has passed, and prints each as a
-// share of one core, and the difference (what the fleet's heartbeats,
-// every 10 s, cost) per 1,000 machines. Target: < 5 % of one core per
-// 1,000 machines. This process's CPU (machines, api, joinservice) is
-// printed apart.
+// BenchmarkIdleFleet measures what BETTER_COMPUTE_BENCH_MACHINES (1,000)
+// connected, idle machines cost the control plane: the gateway and the
+// controllers each run as their own process (bin/linux, `make build`), the
+// api and joinservice in this process with the machines. It reads the CPU
+// time of the gateway, the controllers (/proc/<pid>/stat) and the Postgres
+// and NATS containers (their cgroups) over BETTER_COMPUTE_BENCH_IDLE_BASELINE
+// (20 s) with no machine, then over BETTER_COMPUTE_BENCH_IDLE_WINDOW (60 s)
+// once every machine is adopted and BETTER_COMPUTE_BENCH_IDLE_SETTLE (15 s)
+// has passed, and prints each as a share of one core, and the difference
+// (what the fleet's heartbeats, every 10 s, cost) per 1,000 machines. Target:
+// < 5 % of one core per 1,000 machines. This process's CPU (machines, api,
+// joinservice) is printed apart.
 func BenchmarkIdleFleet(b *testing.B) {
-	window := envDuration("BC_BENCH_IDLE_WINDOW", time.Minute)
-	baseline := envDuration("BC_BENCH_IDLE_BASELINE", 20*time.Second)
-	settle := envDuration("BC_BENCH_IDLE_SETTLE", 15*time.Second)
+	window := envDuration("BETTER_COMPUTE_BENCH_IDLE_WINDOW", time.Minute)
+	baseline := envDuration("BETTER_COMPUTE_BENCH_IDLE_BASELINE", 20*time.Second)
+	settle := envDuration("BETTER_COMPUTE_BENCH_IDLE_SETTLE", 15*time.Second)
 	for range b.N {
 		f := startFleet(b, fleetOptions{externalGateway: true, externalControllers: true, noScheduler: true})
 		n, clk, ctx := f.n, f.clk, b.Context()

@@ -14,11 +14,11 @@ import (
 	"github.com/better-compute/better-compute/pkg/clock"
 )
 
-// BenchmarkJoinToAdoption joins BC_BENCH_MACHINES (default 1,000) simulated
-// H100 machines (fakedaemon's multi-machine mode, in this process) to the
-// real services (in process, the gateway in its own process) on Postgres
-// and NATS containers, and prints machines adopted per second, the p50/p99
-// time from join to adoption, and the gateway's resident memory per
+// BenchmarkJoinToAdoption joins BETTER_COMPUTE_BENCH_MACHINES (default 1,000)
+// simulated H100 machines (fakedaemon's multi-machine mode, in this process)
+// to the real services (in process, the gateway in its own process) on
+// Postgres and NATS containers, and prints machines adopted per second, the
+// p50/p99 time from join to adoption, and the gateway's resident memory per
 // connected machine. Targets on a 2-core machine: ≥ 167 adopted/s, ≤ 20 KiB
 // per idle session.
 func BenchmarkJoinToAdoption(b *testing.B) {

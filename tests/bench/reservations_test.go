@@ -21,8 +21,8 @@ import (
 )
 
 // BenchmarkReservations runs the real services in process (one gateway) with
-// BC_BENCH_MACHINES (default 1,000) simulated H100 machines × 8 GPUs and
-// prints:
+// BETTER_COMPUTE_BENCH_MACHINES (default 1,000) simulated H100 machines
+// × 8 GPUs and prints:
 //
 //   - placement throughput: 2 × machines reservations of 2 GPUs are created
 //     pending with no scheduler running, then one scheduler starts; the rate

@@ -83,7 +83,7 @@ func newStack(t *testing.T) *stack {
 	s.env = append(os.Environ(),
 		"COMPOSE_PROJECT_NAME="+s.project,
 		"DOCKER_BUILDKIT=0", "COMPOSE_DOCKER_CLI_BUILD=0",
-		"BC_API_PORT="+strconv.Itoa(freePort(t)),
+		"BETTER_COMPUTE_API_PORT="+strconv.Itoa(freePort(t)),
 	)
 	t.Cleanup(func() {
 		if t.Failed() {
@@ -131,8 +131,8 @@ func (s *stack) credentials() {
 		}
 	}
 	for _, kv := range s.env {
-		if strings.HasPrefix(kv, "BC_API_PORT=") {
-			s.env = append(s.env, "BETTER_COMPUTE_URL=http://127.0.0.1:"+strings.TrimPrefix(kv, "BC_API_PORT="))
+		if strings.HasPrefix(kv, "BETTER_COMPUTE_API_PORT=") {
+			s.env = append(s.env, "BETTER_COMPUTE_URL=http://127.0.0.1:"+strings.TrimPrefix(kv, "BETTER_COMPUTE_API_PORT="))
 		}
 	}
 }
@@ -239,7 +239,7 @@ func TestComposeFleet(t *testing.T) {
 	require.Equal(t, adoptedIDs(all), adoptedIDs(again))
 
 	// A machine with a GPU missing joins and is never adopted.
-	s.mustRun("run", "-d", "-e", "BC_VARIANT=hgx-h100-gpu-missing", "fakedaemon")
+	s.mustRun("run", "-d", "-e", "BETTER_COMPUTE_VARIANT=hgx-h100-gpu-missing", "fakedaemon")
 	require.Eventually(t, func() bool {
 		ns, err := s.nodes()
 		if err != nil {

@@ -172,7 +172,7 @@ func outsideMachine(t *testing.T, d *devproc.Dev, url, pool string) {
 	secret := strings.TrimSpace(d.CLI("join-tokens", "create", "--pool", pool, "--max-uses", "1"))
 	require.True(t, strings.HasPrefix(secret, "bcjt_"), secret)
 	procs.Launch(t, "fakedaemon", []string{"--server", url, "--pins-file", filepath.Join(d.Dir, ".better-compute", "dev-pins.json"),
-		"--data-dir", t.TempDir(), "--health-listen", procs.FreeAddr(t)}, "BC_JOIN_TOKEN="+secret)
+		"--data-dir", t.TempDir(), "--health-listen", procs.FreeAddr(t)}, "BETTER_COMPUTE_JOIN_TOKEN="+secret)
 	require.Eventually(t, func() bool {
 		adopted := 0
 		for _, n := range nodes(t, d) {
@@ -304,9 +304,9 @@ func TestDevBadInput(t *testing.T) {
 			setup: func(t *testing.T, dir string) {
 				require.NoError(t, os.WriteFile(filepath.Join(dir, "bad.env"), []byte("# dev\nnot a setting\n"), 0o600))
 			}},
-		{name: "config unknown setting", env: []string{"BETTER_COMPUTE_CONFIG=odd.env"}, want: "BETTER_COMPUTE_CONFIG: odd.env:1: unknown setting BC_FOO",
+		{name: "config unknown setting", env: []string{"BETTER_COMPUTE_CONFIG=odd.env"}, want: "BETTER_COMPUTE_CONFIG: odd.env:1: unknown setting BETTER_COMPUTE_FOO",
 			setup: func(t *testing.T, dir string) {
-				require.NoError(t, os.WriteFile(filepath.Join(dir, "odd.env"), []byte("BC_FOO=1\n"), 0o600))
+				require.NoError(t, os.WriteFile(filepath.Join(dir, "odd.env"), []byte("BETTER_COMPUTE_FOO=1\n"), 0o600))
 			}},
 		{name: "data not creatable", args: []string{"--data", "/proc/better-compute-dev"}, want: "--data: /proc/better-compute-dev cannot be created"},
 		{name: "data is a file", args: []string{"--data", "file"}, want: "--data: file is not a directory",

@@ -1,10 +1,11 @@
 // Package storetest gives tests a real, migrated PostgreSQL database of their
-// own. The server is BC_TEST_DATABASE_URL when set (any database on it; the
-// user must be allowed to CREATE DATABASE), otherwise one container per test
-// process started with testcontainers-go from the locally built image
-// BC_POSTGRES_IMAGE (default better-compute/postgres:15; `make images`
-// builds it). Set TESTCONTAINERS_RYUK_DISABLED=true: Ryuk's image cannot be
-// pulled here, so the container is terminated by Stop (call it from TestMain).
+// own. The server is BETTER_COMPUTE_TEST_DATABASE_URL when set (any database
+// on it; the user must be allowed to CREATE DATABASE), otherwise one
+// container per test process started with testcontainers-go from the locally
+// built image BETTER_COMPUTE_POSTGRES_IMAGE (default
+// better-compute/postgres:15; `make images` builds it). Set
+// TESTCONTAINERS_RYUK_DISABLED=true: Ryuk's image cannot be pulled here, so
+// the container is terminated by Stop (call it from TestMain).
 //
 // Each call of New creates a fresh database from a template migrated once, so
 // tests can run in parallel without seeing each other's rows. Tests put rows
@@ -45,9 +46,9 @@ var (
 	counter     atomic.Int64
 )
 
-// Image is the Postgres image used when BC_TEST_DATABASE_URL is unset.
+// Image is the Postgres image used when BETTER_COMPUTE_TEST_DATABASE_URL is unset.
 func Image() string {
-	if v := os.Getenv("BC_POSTGRES_IMAGE"); v != "" {
+	if v := os.Getenv("BETTER_COMPUTE_POSTGRES_IMAGE"); v != "" {
 		return v
 	}
 	return "better-compute/postgres:15"
@@ -55,7 +56,7 @@ func Image() string {
 
 func setup() {
 	ctx := context.Background()
-	serverURL = os.Getenv("BC_TEST_DATABASE_URL")
+	serverURL = os.Getenv("BETTER_COMPUTE_TEST_DATABASE_URL")
 	if serverURL == "" {
 		UseLocalDocker()
 		c, err := postgres.Run(ctx, Image(),

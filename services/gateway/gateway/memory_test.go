@@ -1,18 +1,19 @@
 package gateway_test
 
 // Memory per idle session. BenchmarkIdleSessionMemory runs a gateway in this
-// process and N daemons (default 1000, env BC_BENCH_SESSIONS) in a child
-// process (this test binary re-executed as TestBenchClientProcess), so the
-// gateway's heap and stacks are measured without the clients'. Once every
-// session got its Welcome it reports, per session, the growth of
-// HeapInuse+StackInuse (B/session), of HeapAlloc+StackInuse
-// (live-B/session) and of goroutines:
+// process and N daemons (default 1000, env BETTER_COMPUTE_BENCH_SESSIONS) in
+// a child process (this test binary re-executed as TestBenchClientProcess),
+// so the gateway's heap and stacks are measured without the clients'. Once
+// every session got its Welcome it reports, per session, the growth of
+// HeapInuse+StackInuse (B/session), of HeapAlloc+StackInuse (live-B/session)
+// and of goroutines:
 //
 //	go test -run '^$' -bench IdleSessionMemory -benchtime 1x ./services/gateway/gateway/
 //
-// with BC_TEST_DATABASE_URL set (or the better-compute/postgres:15 image).
-// BC_BENCH_HEAPPROFILE=FILE also writes heap profiles at full sampling rate
-// before (FILE.base) and after (FILE); compare them with
+// with BETTER_COMPUTE_TEST_DATABASE_URL set (or the
+// better-compute/postgres:15 image). BETTER_COMPUTE_BENCH_HEAPPROFILE=FILE
+// also writes heap profiles at full sampling rate before (FILE.base) and
+// after (FILE); compare them with
 // `go tool pprof -diff_base FILE.base FILE`.
 
 import (
@@ -46,9 +47,9 @@ import (
 
 // Environment of the client process.
 const (
-	benchClientEnv = "BC_GATEWAY_BENCH_CLIENT" // directory of node-<i>.crt/.key and nodes.txt
-	benchAddrEnv   = "BC_GATEWAY_BENCH_ADDR"   // gateway host:port
-	benchCAEnv     = "BC_GATEWAY_BENCH_CA"     // serving CA file
+	benchClientEnv = "BETTER_COMPUTE_GATEWAY_BENCH_CLIENT" // directory of node-<i>.crt/.key and nodes.txt
+	benchAddrEnv   = "BETTER_COMPUTE_GATEWAY_BENCH_ADDR"   // gateway host:port
+	benchCAEnv     = "BETTER_COMPUTE_GATEWAY_BENCH_CA"     // serving CA file
 )
 
 // IdleSessionMemory is the result of MeasureIdleSessions: the gateway's
@@ -70,7 +71,7 @@ type IdleSessionMemory struct {
 // MeasureIdleSessions opens n idle sessions from a child process against a
 // gateway running in this process and measures the gateway's memory growth.
 func MeasureIdleSessions(tb testing.TB, n int) IdleSessionMemory {
-	if os.Getenv("BC_BENCH_HEAPPROFILE") != "" {
+	if os.Getenv("BETTER_COMPUTE_BENCH_HEAPPROFILE") != "" {
 		runtime.MemProfileRate = 1
 	}
 	e := setup(tb, options{})
@@ -100,7 +101,7 @@ func MeasureIdleSessions(tb testing.TB, n int) IdleSessionMemory {
 	require.NoError(tb, os.WriteFile(filepath.Join(dir, "nodes.txt"), []byte(lines.String()), 0o600))
 
 	before := memNow()
-	if path := os.Getenv("BC_BENCH_HEAPPROFILE"); path != "" {
+	if path := os.Getenv("BETTER_COMPUTE_BENCH_HEAPPROFILE"); path != "" {
 		f, err := os.Create(path + ".base")
 		require.NoError(tb, err)
 		require.NoError(tb, pprof.WriteHeapProfile(f))
@@ -130,7 +131,7 @@ func MeasureIdleSessions(tb testing.TB, n int) IdleSessionMemory {
 	require.True(tb, ready, "client process did not get ready")
 	require.Eventually(tb, func() bool { return g.srv.Sessions() == n }, time.Minute, 50*time.Millisecond)
 	after := memNow()
-	if path := os.Getenv("BC_BENCH_HEAPPROFILE"); path != "" {
+	if path := os.Getenv("BETTER_COMPUTE_BENCH_HEAPPROFILE"); path != "" {
 		f, err := os.Create(path)
 		require.NoError(tb, err)
 		require.NoError(tb, pprof.WriteHeapProfile(f))
@@ -168,7 +169,7 @@ func memNow() memSample {
 
 func BenchmarkIdleSessionMemory(b *testing.B) {
 	n := 1000
-	if v := os.Getenv("BC_BENCH_SESSIONS"); v != "" {
+	if v := os.Getenv("BETTER_COMPUTE_BENCH_SESSIONS"); v != "" {
 		var err error
 		n, err = strconv.Atoi(v)
 		require.NoError(b, err)

@@ -22,9 +22,9 @@ func init() {
 	}
 }
 
-// NATSImage is the NATS image: BC_NATS_IMAGE or better-compute/nats:2.15.2.
+// NATSImage is the NATS image: BETTER_COMPUTE_NATS_IMAGE or better-compute/nats:2.15.2.
 func NATSImage() string {
-	if v := os.Getenv("BC_NATS_IMAGE"); v != "" {
+	if v := os.Getenv("BETTER_COMPUTE_NATS_IMAGE"); v != "" {
 		return v
 	}
 	return "better-compute/nats:2.15.2"
@@ -60,8 +60,8 @@ func NATS(t testing.TB) string {
 }
 
 // Postgres returns the URL of a fresh, migrated database on a Postgres
-// container started from the local image (one container per test process,
-// see storetest; BC_TEST_DATABASE_URL points elsewhere instead).
+// container started from the local image (one container per test process, see
+// storetest; BETTER_COMPUTE_TEST_DATABASE_URL points elsewhere instead).
 func Postgres(t testing.TB) string {
 	t.Helper()
 	return storetest.NewURL(t)

@@ -1,14 +1,18 @@
 // Command genconfig writes the configuration reference, docs/configuration.md,
-// from the configuration structs (`make generate`; `make generate-check`
-// fails when the file differs from what this writes): every variable of
-// every service's Config, of `better-compute dev`'s settings and of the
-// telemetry settings every process reads, with its default, what reads it
-// and what it means: the doc comment of the field that declares it. It reads
-// the structs by reflection (pkg/config.Vars) and their doc comments from
-// the source of their packages (go/build finds them), so it needs the
-// source tree and a go command, not a database.
+// from the configuration structs and the fakedaemon's flags (`make
+// generate`; `make generate-check` fails when the file differs from what
+// this writes): every variable of every service's Config, of `better-compute
+// dev`'s settings, of the telemetry settings every process reads and of the
+// fakedaemon's flags, with its default, what reads it and what it means: the
+// doc comment of the field that declares it, or the usage of the flag whose
+// default it sets. It reads the structs by reflection (pkg/config.Vars) and
+// their doc comments from the source of their packages (go/build finds
+// them), and the flags from the fakedaemon's flag set (flags.Vars), so it
+// needs the source tree and a go command, not a database.
 //
-// To document a new service, add its Config to readers.
+// To document a new service, add its Config to readers; a command whose
+// variables set the defaults of its flags adds them to its reader's flags,
+// as the fakedaemon's flags.Vars lists its own.
 //
 // Usage: go run ./cmd/better-compute/internal/genconfig PATH
 package main
@@ -34,24 +38,27 @@ import (
 	"github.com/better-compute/better-compute/pkg/telemetry"
 	"github.com/better-compute/better-compute/services/api/api"
 	"github.com/better-compute/better-compute/services/controllers/controllers"
+	fakedaemonflags "github.com/better-compute/better-compute/services/fakedaemon/flags"
 	"github.com/better-compute/better-compute/services/gateway/gateway"
 	"github.com/better-compute/better-compute/services/joinservice/joinservice"
 	"github.com/better-compute/better-compute/services/scheduler/scheduler"
 )
 
 // readers are what reads the environment, and from which structs: every
-// service its Config and, through telemetry.Setup, telemetry.Settings.
+// service its Config and, through telemetry.Setup, telemetry.Settings; the
+// fakedaemon the variables of its flags too.
 var readers = []struct {
 	name  string
 	types []reflect.Type
+	flags []fakedaemonflags.Var
 }{
-	{api.Name, []reflect.Type{reflect.TypeFor[api.Config](), reflect.TypeFor[telemetry.Settings]()}},
-	{joinservice.Name, []reflect.Type{reflect.TypeFor[joinservice.Config](), reflect.TypeFor[telemetry.Settings]()}},
-	{gateway.Name, []reflect.Type{reflect.TypeFor[gateway.Config](), reflect.TypeFor[telemetry.Settings]()}},
-	{scheduler.Name, []reflect.Type{reflect.TypeFor[scheduler.Config](), reflect.TypeFor[telemetry.Settings]()}},
-	{controllers.Name, []reflect.Type{reflect.TypeFor[controllers.Config](), reflect.TypeFor[telemetry.Settings]()}},
-	{"dev", []reflect.Type{reflect.TypeFor[cli.DevSettings](), reflect.TypeFor[cli.DevLog]()}},
-	{"fakedaemon", []reflect.Type{reflect.TypeFor[telemetry.Settings]()}},
+	{api.Name, []reflect.Type{reflect.TypeFor[api.Config](), reflect.TypeFor[telemetry.Settings]()}, nil},
+	{joinservice.Name, []reflect.Type{reflect.TypeFor[joinservice.Config](), reflect.TypeFor[telemetry.Settings]()}, nil},
+	{gateway.Name, []reflect.Type{reflect.TypeFor[gateway.Config](), reflect.TypeFor[telemetry.Settings]()}, nil},
+	{scheduler.Name, []reflect.Type{reflect.TypeFor[scheduler.Config](), reflect.TypeFor[telemetry.Settings]()}, nil},
+	{controllers.Name, []reflect.Type{reflect.TypeFor[controllers.Config](), reflect.TypeFor[telemetry.Settings]()}, nil},
+	{"dev", []reflect.Type{reflect.TypeFor[cli.DevSettings](), reflect.TypeFor[cli.DevLog]()}, nil},
+	{"fakedaemon", []reflect.Type{reflect.TypeFor[telemetry.Settings]()}, fakedaemonflags.Vars()},
 }
 
 func main() {
@@ -80,6 +87,15 @@ func write(path string) error {
 	byField := map[string]*row{}
 	perReader := map[string][]string{}
 	for _, r := range readers {
+		for _, fv := range r.flags {
+			rw, err := flagRow(fv)
+			if err != nil {
+				return err
+			}
+			rw.readers, rw.defaults = []string{r.name}, []string{rw.v.Default}
+			rows = append(rows, rw)
+			perReader[r.name] = append(perReader[r.name], fv.Name)
+		}
 		for _, t := range r.types {
 			for _, v := range config.Vars(t) {
 				key := v.Owner.PkgPath() + "." + v.Owner.Name() + "." + v.Field
@@ -123,20 +139,58 @@ func write(path string) error {
 
 const header = `# Configuration
 
-Generated from the configuration structs by ` + "`make generate`" + ` (cmd/better-compute/internal/genconfig); do not
-edit. Each service reads its configuration from the environment into one struct, its package's ` + "`Config`" + `,
-whose fields declare the variables, their defaults and their checks; the settings several services share are
-declared once in ` + "`pkg/service`" + ` and embedded, and ` + "`pkg/config`" + ` reads them all (docs/architecture.md, "Services").
+Generated from the configuration structs and the fakedaemon's flags by ` + "`make generate`" + `
+(cmd/better-compute/internal/genconfig); do not edit. Each service reads its configuration from the environment
+into one struct, its package's ` + "`Config`" + `, whose fields declare the variables, their defaults and their checks;
+the settings several services share are declared once in ` + "`pkg/service`" + ` and embedded, and ` + "`pkg/config`" + ` reads
+them all (docs/architecture.md, "Services"). The **fakedaemon**'s variables set the defaults of its flags
+(` + "`services/fakedaemon/flags`" + `, ` + "`fakedaemon --help`" + `), each flag first in the meaning of its variable; a flag
+given on the command line wins.
 
 Every variable is named ` + "`BETTER_COMPUTE_*`" + `. An unset or empty variable takes its default; a value that does not
 parse, or a duration that must be positive and is not, stops the service at start with a message naming the
 variable. **dev** is ` + "`better-compute dev`" + `, which reads its four deployment settings from its configuration
 file (` + "`--config`" + `) too, the environment over the file. The CLI's own variables (` + "`BETTER_COMPUTE_URL`" + `,
-` + "`_TOKEN`" + `, ` + "`_TENANT`" + `, ` + "`_CONFIG`" + ` …) are in [cli.md](cli.md), the fakedaemon's flags and variables in
+` + "`_TOKEN`" + `, ` + "`_TENANT`" + `, ` + "`_CONFIG`" + ` …) are in [cli.md](cli.md), how the fakedaemon uses its flags in
 [fakedaemon.md](fakedaemon.md). OpenTelemetry's own variables (` + "`OTEL_EXPORTER_OTLP_ENDPOINT`" + ` …) turn on the
 export of traces.
 
 `
+
+// flagRow is the row of a variable that sets the default of a flag (or,
+// without a flag, is read on its own): its meaning is the flag's usage,
+// after the flag as `--help` shows it.
+func flagRow(fv fakedaemonflags.Var) (*row, error) {
+	types := map[string]reflect.Type{"string": reflect.TypeFor[string](), "bool": reflect.TypeFor[bool](),
+		"int": reflect.TypeFor[int](), "duration": reflect.TypeFor[time.Duration]()}
+	t, ok := types[fv.Type]
+	if !ok {
+		return nil, fmt.Errorf("%s: flag type %q has no name here (add it to flagRow)", fv.Name, fv.Type)
+	}
+	def := fv.Default
+	if t == reflect.TypeFor[time.Duration]() {
+		def = shortDuration(def)
+	}
+	doc := fv.Usage
+	if fv.Flag != "" {
+		doc = "`" + strings.TrimSpace("--"+fv.Flag+" "+fv.Placeholder) + "`: " + doc
+	}
+	if !strings.HasSuffix(doc, ".") {
+		doc += "."
+	}
+	return &row{v: config.Var{Name: fv.Name, Default: def, Type: t}, doc: doc}, nil
+}
+
+// shortDuration drops the zero units time.Duration.String ends with:
+// 2m0s is 2m, 1h0m0s 1h; 0s stays.
+func shortDuration(d string) string {
+	for _, unit := range []string{"0s", "0m"} {
+		if rest, ok := strings.CutSuffix(d, unit); ok && (strings.HasSuffix(rest, "h") || strings.HasSuffix(rest, "m")) {
+			d = rest
+		}
+	}
+	return d
+}
 
 // defaults says a row's default: the most readers' (on a tie, a default
 // over none), then the others' by reader.
