@@ -19,7 +19,7 @@ usage: scripts/images.sh [--force] [all|postgres|nats|services [NAME...]]...
             entrypoint
   nats      ${BETTER_COMPUTE_NATS_IMAGE:-better-compute/nats:<version>}: static
             nats-server built with `go install`, on scratch
-  services  ${BETTER_COMPUTE_IMAGE_PREFIX:-better-compute}/<name>:${BETTER_COMPUTE_SERVICE_TAG:-dev}
+  services  ${BETTER_COMPUTE_IMAGE_PREFIX:-better-compute}/<name>:${BETTER_COMPUTE_IMAGE_TAG:-dev}
             for each static binary $BIN_DIR/<name> (default bin/linux/, built by
             the Makefile); names: $BETTER_COMPUTE_SERVICES (default: api
             joinservice gateway scheduler controllers fakedaemon
@@ -32,7 +32,7 @@ environment:
   BETTER_COMPUTE_NATS_VERSION    nats-server version   (v2.15.2)
   BETTER_COMPUTE_NATS_IMAGE      nats image name       (better-compute/nats:<version without v>)
   BETTER_COMPUTE_IMAGE_PREFIX    service image prefix  (better-compute)
-  BETTER_COMPUTE_SERVICE_TAG     service image tag     (dev)
+  BETTER_COMPUTE_IMAGE_TAG       service image tag     (dev; compose.yaml reads it too)
   BETTER_COMPUTE_SERVICES        service names         (see above)
   BIN_DIR                        where the service binaries are (<repo>/bin/linux)
   BETTER_COMPUTE_CACHE_DIR       cache (rootfs, nats-server, logs)
@@ -59,7 +59,7 @@ NATS_VERSION=${BETTER_COMPUTE_NATS_VERSION:-v2.15.2}
 NATS_IMAGE=${BETTER_COMPUTE_NATS_IMAGE:-better-compute/nats:${NATS_VERSION#v}}
 
 IMAGE_PREFIX=${BETTER_COMPUTE_IMAGE_PREFIX:-better-compute}
-SERVICE_TAG=${BETTER_COMPUTE_SERVICE_TAG:-dev}
+SERVICE_TAG=${BETTER_COMPUTE_IMAGE_TAG:-dev}
 BIN_DIR=${BIN_DIR:-$ROOT/bin/linux}
 DEFAULT_SERVICES="api joinservice gateway scheduler controllers fakedaemon better-compute"
 read -r -a SERVICES <<<"${BETTER_COMPUTE_SERVICES:-$DEFAULT_SERVICES}"

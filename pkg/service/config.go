@@ -106,7 +106,9 @@ func (l Leases) Lease(name string, deps Deps) *lease.Lease {
 // sessions listener takes only machines' certificates). An embedding sets
 // its port: service.Probes `default:"HEALTH_LISTEN=:8083"`.
 type Probes struct {
-	// HealthListen is the address of the probes server.
+	// HealthListen is the address of the probes server (GET /healthz, GET
+	// /readyz, plain HTTP); a standby replica, without its leases, is ready
+	// too.
 	HealthListen string `env:"HEALTH_LISTEN"`
 	// HealthListener, when set, is where the probes server accepts
 	// connections instead of HealthListen; Run closes it.
