@@ -201,5 +201,5 @@ func (s *Server) Run(ctx context.Context) error {
 		parts = append(parts, service.Leased(s.leases[i], r))
 	}
 	s.deps.Logger.Info("controllers starting", "holder", s.cfg.Holder)
-	return service.Run(ctx, service.Spec{Name: Name, Deps: s.deps, Parts: parts, Servers: s.cfg.Probes.Servers()})
+	return service.Run(ctx, service.Spec{Name: Name, Deps: s.deps, Parts: parts, Servers: s.cfg.Servers()})
 }

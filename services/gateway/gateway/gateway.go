@@ -286,7 +286,7 @@ func (s *Server) Run(ctx context.Context) error {
 		return errors.New("gateway: Run called twice")
 	}
 	servers := append([]service.HTTPServer{{Name: "sessions", Addr: s.cfg.Listen, Listener: s.cfg.Listener,
-		Handler: s.handler, TLS: s.tls, Tune: s.tuneHTTP, OnShutdown: s.closeAll}}, s.cfg.Probes.Servers()...)
+		Handler: s.handler, TLS: s.tls, Tune: s.tuneHTTP, OnShutdown: s.closeAll}}, s.cfg.Servers()...)
 	// The loops outlive the servers, and the sessions that end as they
 	// stop: those still clear themselves and get their last_seen flushed.
 	return service.Run(ctx, service.Spec{Name: Name, Deps: s.deps, Servers: servers,

@@ -130,7 +130,7 @@ func (s *Server) Name() string { return Name }
 // when the probes listener cannot be opened or the loop fails.
 func (s *Server) Run(ctx context.Context) error {
 	s.log.Info("scheduler starting", "holder", s.cfg.Holder)
-	return service.Run(ctx, service.Spec{Name: Name, Deps: s.deps, Servers: s.cfg.Probes.Servers(),
+	return service.Run(ctx, service.Spec{Name: Name, Deps: s.deps, Servers: s.cfg.Servers(),
 		Parts: []service.Runner{service.Leased(s.lease, service.Func("scheduling", s.loop))}})
 }
 
