@@ -1,13 +1,15 @@
 package api_test
 
 import (
+	"context"
+	"fmt"
+	"path"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"connectrpc.com/connect"
-	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/durationpb"
 
@@ -54,489 +56,746 @@ func TestPolicyCoversEveryProcedure(t *testing.T) {
 	}
 }
 
-// matrixRow is the expected outcome of one RPC for each kind of caller. Every
-// call acts on acme's resources (its pool, node, join token, API token).
+// subject is what one call of a TestMatrix row acts on: the resource the
+// row's arrange made for that call alone, in the fixture of the row's
+// procedure.
+type subject struct {
+	f *fixture
+	// who is the caller's column ("viewer", "member", …): it keeps the
+	// names of creates apart, so that each create is a new one.
+	who string
+	// id is the resource made for the call (a node, pool, join token, API
+	// token, reservation or command); "" when the row makes none.
+	id string
+	// after is the event id a Watch starts after.
+	after int64
+}
+
+// matrixRow is the expected outcome of one RPC for each kind of caller.
+// Every call acts on acme's resources, made for it by arrange.
 type matrixRow struct {
-	// call makes the request as c; who ("viewer", "other-member", …) keeps
-	// the names of creates apart, so that each create is a new one.
-	call func(c clients, who string) error
-	// viewer is acme's viewer; otherMember and otherAdmin are a
-	// tenant-member and tenant-admin of another tenant.
-	viewer, otherMember, otherAdmin connect.Code
+	proc string
+	// arrange, when set, makes what one call acts on (s.id, s.after); it
+	// runs before every call of the row.
+	arrange func(t *testing.T, s *subject)
+	// call makes the request as c, on s.
+	call func(ctx context.Context, c clients, s subject) error
+	// viewer and member are acme's viewer and tenant-member (which holds
+	// what a viewer does, and reservations.write: pkg/iam's
+	// rolePermissions); otherMember and otherAdmin are a tenant-member and
+	// tenant-admin of another tenant.
+	viewer, member, otherMember, otherAdmin connect.Code
 	// right is the token (fixture.tokens key) with the role the RPC needs.
 	right string
 	// bad makes the call with an invalid field (nil: the request has none),
 	// refused with InvalidArgument naming field even for root.
-	bad   func(c clients) error
+	bad   func(ctx context.Context, c clients, s subject) error
 	field string
+	// The audit rows of a mutating RPC: target is the target an
+	// authenticated caller's row takes from the request (s.id when nil); a
+	// successful create names the new resource instead, an id with prefix
+	// created. detail, when set, is the success row's detail.
+	target  func(s subject) string
+	created ids.Prefix
+	detail  string
 }
 
-// TestMatrix calls every public RPC as {no token, bad token, acme viewer,
-// member of another tenant, admin of another tenant, the right role} and with
-// bad input, checking the code of each; then checks that each call of a
-// mutating RPC wrote exactly one audit row with its outcome, and read-only
-// RPCs none. It fails when an RPC has no row.
-func TestMatrix(t *testing.T) {
-	f := setup(t)
-	ctx := t.Context()
-	acmeNode := f.node(t, f.acmePool, 0, "", storetest.NodeOpts{})
-	// acmeRevokedNode is RevokeNode's: the rows run in map order, and a
-	// revoked node cannot be cordoned.
-	acmeRevokedNode := f.node(t, f.acmePool, 0, "", storetest.NodeOpts{})
-	now := f.db.Now()
-	acmeJoinToken := ids.New(ids.JoinToken, now)
-	require.NoError(t, store.CreateJoinToken(ctx, f.db.Pool, store.AllTenants, store.JoinToken{ID: acmeJoinToken, PoolID: f.acmePool,
-		Hash: iam.HashSecret(acmeJoinToken), MaxUses: 1, ExpiresAt: now.Add(time.Hour), CreatedAt: now}))
-	_, victim, err := iam.MintAPIToken(ctx, f.db.Pool, now, f.acme, "victim", iam.RoleTenantMember, nil)
-	require.NoError(t, err)
-	// acme's pool is offered to acme, which holds a reservation in it.
-	f.node(t, f.acmePool, 8, "H100", adopted)
-	_, err = store.UpsertOffer(ctx, f.db.Pool, store.AllTenants, store.Offer{PoolID: f.acmePool, TenantID: f.acme, GPUQuota: 1000, UpdatedAt: now})
-	require.NoError(t, err)
-	acmeRes := f.reservation(t, f.acme, f.acmePool, 1, "")
-	// acmeCmdNode runs commands; acmeCmd is one of its commands.
-	acmeCmdNode := f.node(t, f.acmePool, 1, "H100", adopted)
-	acmeCmd := ids.New(ids.Command, now)
-	require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
-		_, err := store.QueueCommand(ctx, tx, nil, now, store.NewCommand{Scope: store.AllTenants, ID: acmeCmd, NodeID: acmeCmdNode,
-			Kind: store.CommandDiagNVML, Deadline: now.Add(time.Minute)})
-		return err
-	}))
-	// An event of each tenant after watchFrom, so that every caller's
-	// watch gets one at once.
-	watchFrom := mark(t, f.db)
-	insertEvent(t, f.db, nil, now, f.acme, "node.cordoned")
-	insertEvent(t, f.db, nil, now, f.other, "node.cordoned")
+// matrixRows is TestMatrix's table, one row per procedure of bc.compute.v1.
+func matrixRows() []matrixRow {
 	long := strings.Repeat("x", 65)
 	pd, nf := connect.CodePermissionDenied, connect.CodeNotFound
-
-	rows := map[string]matrixRow{
-		computev1connect.NodeServiceListNodesProcedure: {
-			call: func(c clients, _ string) error {
-				_, err := c.nodes.ListNodes(ctx, connect.NewRequest(&computev1.ListNodesRequest{PoolId: f.acmePool}))
+	// newNode and newCordonedNode make a node of acme's pool.
+	newNode := func(t *testing.T, s *subject) { s.id = s.f.node(t, s.f.acmePool, 0, "", storetest.NodeOpts{}) }
+	newCordonedNode := func(t *testing.T, s *subject) {
+		s.id = s.f.node(t, s.f.acmePool, 0, "", storetest.NodeOpts{Cordoned: true, CordonReason: "matrix"})
+	}
+	// newCommandNode makes an adopted node of acme's pool, which runs
+	// commands.
+	newCommandNode := func(t *testing.T, s *subject) { s.id = s.f.node(t, s.f.acmePool, 1, "H100", adopted) }
+	newPool := func(t *testing.T, s *subject) { s.id = s.f.newPool(t) }
+	newOfferedPool := func(t *testing.T, s *subject) { s.id = s.f.newOfferedPool(t) }
+	return []matrixRow{
+		{
+			proc: computev1connect.NodeServiceListNodesProcedure,
+			// A pool of acme's with a node in it.
+			arrange: func(t *testing.T, s *subject) {
+				s.id = s.f.newPool(t)
+				s.f.node(t, s.id, 0, "", storetest.NodeOpts{})
+			},
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.nodes.ListNodes(ctx, connect.NewRequest(&computev1.ListNodesRequest{PoolId: s.id}))
 				return err
 			},
-			viewer: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
-			bad: func(c clients) error {
+			viewer: codeOK, member: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
+			bad: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.nodes.ListNodes(ctx, connect.NewRequest(&computev1.ListNodesRequest{PageSize: 10001}))
 				return err
 			}, field: "page_size",
 		},
-		computev1connect.NodeServiceGetNodeProcedure: {
-			call: func(c clients, _ string) error {
-				_, err := c.nodes.GetNode(ctx, connect.NewRequest(&computev1.GetNodeRequest{NodeId: acmeNode}))
+		{
+			proc:    computev1connect.NodeServiceGetNodeProcedure,
+			arrange: newNode,
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.nodes.GetNode(ctx, connect.NewRequest(&computev1.GetNodeRequest{NodeId: s.id}))
 				return err
 			},
-			viewer: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
-			bad: func(c clients) error {
+			viewer: codeOK, member: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
+			bad: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.nodes.GetNode(ctx, connect.NewRequest(&computev1.GetNodeRequest{NodeId: long}))
 				return err
 			}, field: "node_id",
 		},
-		computev1connect.NodeServiceRevokeNodeProcedure: {
-			call: func(c clients, _ string) error {
-				_, err := c.nodes.RevokeNode(ctx, connect.NewRequest(&computev1.RevokeNodeRequest{NodeId: acmeRevokedNode, Reason: "matrix"}))
+		{
+			proc:    computev1connect.NodeServiceRevokeNodeProcedure,
+			arrange: newNode,
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.nodes.RevokeNode(ctx, connect.NewRequest(&computev1.RevokeNodeRequest{NodeId: s.id, Reason: "matrix"}))
 				return err
 			},
-			viewer: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
-			bad: func(c clients) error {
+			viewer: pd, member: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
+			bad: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.nodes.RevokeNode(ctx, connect.NewRequest(&computev1.RevokeNodeRequest{}))
 				return err
 			}, field: "node_id",
 		},
-		computev1connect.NodeServiceCordonNodeProcedure: {
-			call: func(c clients, _ string) error {
-				_, err := c.nodes.CordonNode(ctx, connect.NewRequest(&computev1.CordonNodeRequest{NodeId: acmeNode, Reason: "matrix"}))
+		{
+			proc:    computev1connect.NodeServiceCordonNodeProcedure,
+			arrange: newNode,
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.nodes.CordonNode(ctx, connect.NewRequest(&computev1.CordonNodeRequest{NodeId: s.id, Reason: "matrix"}))
 				return err
 			},
-			viewer: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
-			bad: func(c clients) error {
-				_, err := c.nodes.CordonNode(ctx, connect.NewRequest(&computev1.CordonNodeRequest{NodeId: acmeNode}))
+			viewer: pd, member: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
+			bad: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.nodes.CordonNode(ctx, connect.NewRequest(&computev1.CordonNodeRequest{NodeId: s.id}))
 				return err
 			}, field: "reason",
 		},
-		computev1connect.NodeServiceUncordonNodeProcedure: {
-			call: func(c clients, _ string) error {
-				_, err := c.nodes.UncordonNode(ctx, connect.NewRequest(&computev1.UncordonNodeRequest{NodeId: acmeNode}))
+		{
+			proc:    computev1connect.NodeServiceUncordonNodeProcedure,
+			arrange: newCordonedNode,
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.nodes.UncordonNode(ctx, connect.NewRequest(&computev1.UncordonNodeRequest{NodeId: s.id}))
 				return err
 			},
-			viewer: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
-			bad: func(c clients) error {
+			viewer: pd, member: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
+			bad: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.nodes.UncordonNode(ctx, connect.NewRequest(&computev1.UncordonNodeRequest{}))
 				return err
 			}, field: "node_id",
 		},
-		computev1connect.PoolServiceCreateSiteProcedure: {
-			call: func(c clients, who string) error {
-				_, err := c.pools.CreateSite(ctx, connect.NewRequest(&computev1.CreateSiteRequest{Name: "site-" + who, Region: "eu"}))
+		{
+			proc: computev1connect.PoolServiceCreateSiteProcedure,
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.pools.CreateSite(ctx, connect.NewRequest(&computev1.CreateSiteRequest{Name: "site-" + s.who, Region: "eu"}))
 				return err
 			},
-			viewer: pd, otherMember: pd, otherAdmin: pd, right: "root",
-			bad: func(c clients) error {
+			viewer: pd, member: pd, otherMember: pd, otherAdmin: pd, right: "root",
+			bad: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.pools.CreateSite(ctx, connect.NewRequest(&computev1.CreateSiteRequest{Name: "-bad-", Region: "eu"}))
 				return err
 			}, field: "name",
+			target: func(s subject) string { return "site-" + s.who }, created: ids.Site,
 		},
-		computev1connect.PoolServiceListSitesProcedure: {
-			call: func(c clients, _ string) error {
+		{
+			proc: computev1connect.PoolServiceListSitesProcedure,
+			call: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.pools.ListSites(ctx, connect.NewRequest(&computev1.ListSitesRequest{}))
 				return err
 			},
-			viewer: codeOK, otherMember: codeOK, otherAdmin: codeOK, right: "acme-member",
+			viewer: codeOK, member: codeOK, otherMember: codeOK, otherAdmin: codeOK, right: "acme-member",
 		},
-		computev1connect.PoolServiceCreatePoolProcedure: {
-			call: func(c clients, who string) error {
-				_, err := c.pools.CreatePool(ctx, connect.NewRequest(&computev1.CreatePoolRequest{SiteId: f.site.ID,
-					Name: "pool-" + who, Kind: "metal-host", Acceptance: &computev1.Acceptance{Check: "diag.nvml"}}))
+		{
+			proc: computev1connect.PoolServiceCreatePoolProcedure,
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.pools.CreatePool(ctx, connect.NewRequest(&computev1.CreatePoolRequest{SiteId: s.f.site.ID,
+					Name: "pool-" + s.who, Kind: "metal-host", Acceptance: &computev1.Acceptance{Check: "diag.nvml"}}))
 				return err
 			},
 			// Another tenant's admin creates a pool of its own tenant.
-			viewer: pd, otherMember: pd, otherAdmin: codeOK, right: "acme-admin",
-			bad: func(c clients) error {
-				_, err := c.pools.CreatePool(ctx, connect.NewRequest(&computev1.CreatePoolRequest{SiteId: f.site.ID,
+			viewer: pd, member: pd, otherMember: pd, otherAdmin: codeOK, right: "acme-admin",
+			bad: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.pools.CreatePool(ctx, connect.NewRequest(&computev1.CreatePoolRequest{SiteId: s.f.site.ID,
 					Name: "p", Kind: "metal-host", Acceptance: &computev1.Acceptance{Check: "diag.nvml", GpuModel: long}}))
 				return err
 			}, field: "acceptance.gpu_model",
+			target: func(s subject) string { return "pool-" + s.who }, created: ids.Pool,
 		},
-		computev1connect.PoolServiceListPoolsProcedure: {
-			call: func(c clients, _ string) error {
-				_, err := c.pools.ListPools(ctx, connect.NewRequest(&computev1.ListPoolsRequest{SiteId: f.site.ID}))
+		{
+			proc: computev1connect.PoolServiceListPoolsProcedure,
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.pools.ListPools(ctx, connect.NewRequest(&computev1.ListPoolsRequest{SiteId: s.f.site.ID}))
 				return err
 			},
-			viewer: codeOK, otherMember: codeOK, otherAdmin: codeOK, right: "acme-member",
-			bad: func(c clients) error {
+			viewer: codeOK, member: codeOK, otherMember: codeOK, otherAdmin: codeOK, right: "acme-member",
+			bad: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.pools.ListPools(ctx, connect.NewRequest(&computev1.ListPoolsRequest{SiteId: long}))
 				return err
 			}, field: "site_id",
 		},
-		computev1connect.PoolServiceOfferPoolProcedure: {
-			call: func(c clients, _ string) error {
-				// acme re-offers its pool to itself: an offer to the other
-				// tenant would let it Reserve (rows run in any order).
-				_, err := c.pools.OfferPool(ctx, connect.NewRequest(&computev1.OfferPoolRequest{PoolId: f.acmePool,
-					TenantId: f.acme, GpuQuota: 1000}))
+		{
+			proc: computev1connect.PoolServiceOfferPoolProcedure,
+			// acme offers a pool of its own to the other tenant.
+			arrange: newPool,
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.pools.OfferPool(ctx, connect.NewRequest(&computev1.OfferPoolRequest{PoolId: s.id,
+					TenantId: s.f.other, GpuQuota: 1000}))
 				return err
 			},
-			viewer: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
-			bad: func(c clients) error {
-				_, err := c.pools.OfferPool(ctx, connect.NewRequest(&computev1.OfferPoolRequest{PoolId: f.acmePool,
-					TenantId: f.other, GpuQuota: -1}))
+			viewer: pd, member: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
+			bad: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.pools.OfferPool(ctx, connect.NewRequest(&computev1.OfferPoolRequest{PoolId: s.id,
+					TenantId: s.f.other, GpuQuota: -1}))
 				return err
 			}, field: "gpu_quota",
 		},
-		computev1connect.PoolServiceListOffersProcedure: {
-			call: func(c clients, _ string) error {
-				_, err := c.pools.ListOffers(ctx, connect.NewRequest(&computev1.ListOffersRequest{PoolId: f.acmePool}))
+		{
+			proc:    computev1connect.PoolServiceListOffersProcedure,
+			arrange: newOfferedPool,
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.pools.ListOffers(ctx, connect.NewRequest(&computev1.ListOffersRequest{PoolId: s.id}))
 				return err
 			},
 			// Acme's pool is not offered to other tenants: it reads as a
 			// missing one.
-			viewer: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
-			bad: func(c clients) error {
+			viewer: codeOK, member: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
+			bad: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.pools.ListOffers(ctx, connect.NewRequest(&computev1.ListOffersRequest{PoolId: long}))
 				return err
 			}, field: "pool_id",
 		},
-		computev1connect.ReservationServiceReserveProcedure: {
-			call: func(c clients, _ string) error {
-				_, err := c.res.Reserve(ctx, connect.NewRequest(&computev1.ReserveRequest{PoolId: f.acmePool, Gpus: 1,
+		{
+			proc:    computev1connect.ReservationServiceReserveProcedure,
+			arrange: newOfferedPool,
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.res.Reserve(ctx, connect.NewRequest(&computev1.ReserveRequest{PoolId: s.id, Gpus: 1,
 					Duration: durationpb.New(time.Hour)}))
 				return err
 			},
 			// acme's pool is not offered to the other tenant: to it, the
 			// pool does not exist.
-			viewer: pd, otherMember: nf, otherAdmin: nf, right: "acme-member",
-			bad: func(c clients) error {
-				_, err := c.res.Reserve(ctx, connect.NewRequest(&computev1.ReserveRequest{PoolId: f.acmePool, Gpus: 0,
+			viewer: pd, member: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
+			bad: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.res.Reserve(ctx, connect.NewRequest(&computev1.ReserveRequest{PoolId: s.id, Gpus: 0,
 					Duration: durationpb.New(time.Hour)}))
 				return err
 			}, field: "gpus",
+			created: ids.Reservation,
 		},
-		computev1connect.ReservationServiceGetReservationProcedure: {
-			call: func(c clients, _ string) error {
-				_, err := c.res.GetReservation(ctx, connect.NewRequest(&computev1.GetReservationRequest{ReservationId: acmeRes}))
+		{
+			proc:    computev1connect.ReservationServiceGetReservationProcedure,
+			arrange: func(t *testing.T, s *subject) { s.id = s.f.newReservation(t, s.f.acmePool) },
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.res.GetReservation(ctx, connect.NewRequest(&computev1.GetReservationRequest{ReservationId: s.id}))
 				return err
 			},
-			viewer: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
-			bad: func(c clients) error {
+			viewer: codeOK, member: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
+			bad: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.res.GetReservation(ctx, connect.NewRequest(&computev1.GetReservationRequest{}))
 				return err
 			}, field: "reservation_id",
 		},
-		computev1connect.ReservationServiceListReservationsProcedure: {
-			call: func(c clients, _ string) error {
-				_, err := c.res.ListReservations(ctx, connect.NewRequest(&computev1.ListReservationsRequest{PoolId: f.acmePool}))
+		{
+			proc: computev1connect.ReservationServiceListReservationsProcedure,
+			// A pool of acme's with a reservation in it.
+			arrange: func(t *testing.T, s *subject) {
+				s.id = s.f.newPool(t)
+				s.f.newReservation(t, s.id)
+			},
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.res.ListReservations(ctx, connect.NewRequest(&computev1.ListReservationsRequest{PoolId: s.id}))
 				return err
 			},
 			// acme's pool is not offered to other: it reads as missing.
-			viewer: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
-			bad: func(c clients) error {
+			viewer: codeOK, member: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
+			bad: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.res.ListReservations(ctx, connect.NewRequest(&computev1.ListReservationsRequest{State: "running"}))
 				return err
 			}, field: "state",
 		},
-		computev1connect.ReservationServiceReleaseReservationProcedure: {
-			call: func(c clients, _ string) error {
-				_, err := c.res.ReleaseReservation(ctx, connect.NewRequest(&computev1.ReleaseReservationRequest{ReservationId: acmeRes}))
+		{
+			proc:    computev1connect.ReservationServiceReleaseReservationProcedure,
+			arrange: func(t *testing.T, s *subject) { s.id = s.f.newReservation(t, s.f.acmePool) },
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.res.ReleaseReservation(ctx, connect.NewRequest(&computev1.ReleaseReservationRequest{ReservationId: s.id}))
 				return err
 			},
-			viewer: pd, otherMember: nf, otherAdmin: nf, right: "acme-member",
-			bad: func(c clients) error {
+			viewer: pd, member: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
+			bad: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.res.ReleaseReservation(ctx, connect.NewRequest(&computev1.ReleaseReservationRequest{}))
 				return err
 			}, field: "reservation_id",
+			detail: "released",
 		},
-		computev1connect.UsageServiceListUsageProcedure: {
-			call: func(c clients, _ string) error {
-				_, err := c.usage.ListUsage(ctx, connect.NewRequest(&computev1.ListUsageRequest{TenantId: f.acme}))
+		{
+			proc: computev1connect.UsageServiceListUsageProcedure,
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.usage.ListUsage(ctx, connect.NewRequest(&computev1.ListUsageRequest{TenantId: s.f.acme}))
 				return err
 			},
-			viewer: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
-			bad: func(c clients) error {
+			viewer: codeOK, member: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
+			bad: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.usage.ListUsage(ctx, connect.NewRequest(&computev1.ListUsageRequest{PageSize: 10001}))
 				return err
 			}, field: "page_size",
 		},
-		computev1connect.JoinTokenServiceCreateJoinTokenProcedure: {
-			call: func(c clients, _ string) error {
+		{
+			proc:    computev1connect.JoinTokenServiceCreateJoinTokenProcedure,
+			arrange: newPool,
+			call: func(ctx context.Context, c clients, s subject) error {
 				_, err := c.tokens.CreateJoinToken(ctx, connect.NewRequest(&computev1.CreateJoinTokenRequest{
-					PoolId: f.acmePool, MaxUses: 1, TtlSeconds: 60}))
+					PoolId: s.id, MaxUses: 1, TtlSeconds: 60}))
 				return err
 			},
-			viewer: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
-			bad: func(c clients) error {
+			viewer: pd, member: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
+			bad: func(ctx context.Context, c clients, s subject) error {
 				_, err := c.tokens.CreateJoinToken(ctx, connect.NewRequest(&computev1.CreateJoinTokenRequest{
-					PoolId: f.acmePool, MaxUses: 100001, TtlSeconds: 60}))
+					PoolId: s.id, MaxUses: 100001, TtlSeconds: 60}))
 				return err
 			}, field: "max_uses",
+			created: ids.JoinToken,
 		},
-		computev1connect.JoinTokenServiceListJoinTokensProcedure: {
-			call: func(c clients, _ string) error {
-				_, err := c.tokens.ListJoinTokens(ctx, connect.NewRequest(&computev1.ListJoinTokensRequest{PoolId: f.acmePool}))
+		{
+			proc: computev1connect.JoinTokenServiceListJoinTokensProcedure,
+			// A pool of acme's with a join token of it.
+			arrange: func(t *testing.T, s *subject) {
+				s.id = s.f.newPool(t)
+				s.f.newJoinToken(t, s.id)
+			},
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.tokens.ListJoinTokens(ctx, connect.NewRequest(&computev1.ListJoinTokensRequest{PoolId: s.id}))
 				return err
 			},
-			viewer: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
-			bad: func(c clients) error {
+			viewer: pd, member: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
+			bad: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.tokens.ListJoinTokens(ctx, connect.NewRequest(&computev1.ListJoinTokensRequest{PoolId: long}))
 				return err
 			}, field: "pool_id",
 		},
-		computev1connect.JoinTokenServiceRevokeJoinTokenProcedure: {
-			call: func(c clients, _ string) error {
-				_, err := c.tokens.RevokeJoinToken(ctx, connect.NewRequest(&computev1.RevokeJoinTokenRequest{JoinTokenId: acmeJoinToken}))
+		{
+			proc:    computev1connect.JoinTokenServiceRevokeJoinTokenProcedure,
+			arrange: func(t *testing.T, s *subject) { s.id = s.f.newJoinToken(t, s.f.acmePool) },
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.tokens.RevokeJoinToken(ctx, connect.NewRequest(&computev1.RevokeJoinTokenRequest{JoinTokenId: s.id}))
 				return err
 			},
-			viewer: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
-			bad: func(c clients) error {
+			viewer: pd, member: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
+			bad: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.tokens.RevokeJoinToken(ctx, connect.NewRequest(&computev1.RevokeJoinTokenRequest{}))
 				return err
 			}, field: "join_token_id",
+			detail: "revoked",
 		},
-		computev1connect.TenantServiceCreateTenantProcedure: {
-			call: func(c clients, who string) error {
-				_, err := c.tenants.CreateTenant(ctx, connect.NewRequest(&computev1.CreateTenantRequest{Name: "tenant-" + who}))
+		{
+			proc: computev1connect.TenantServiceCreateTenantProcedure,
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.tenants.CreateTenant(ctx, connect.NewRequest(&computev1.CreateTenantRequest{Name: "tenant-" + s.who}))
 				return err
 			},
-			viewer: pd, otherMember: pd, otherAdmin: pd, right: "root",
-			bad: func(c clients) error {
+			viewer: pd, member: pd, otherMember: pd, otherAdmin: pd, right: "root",
+			bad: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.tenants.CreateTenant(ctx, connect.NewRequest(&computev1.CreateTenantRequest{Name: "Bad Name"}))
 				return err
 			}, field: "name",
+			target: func(s subject) string { return "tenant-" + s.who }, created: ids.Tenant,
 		},
-		computev1connect.TenantServiceListTenantsProcedure: {
-			call: func(c clients, _ string) error {
+		{
+			proc: computev1connect.TenantServiceListTenantsProcedure,
+			call: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.tenants.ListTenants(ctx, connect.NewRequest(&computev1.ListTenantsRequest{}))
 				return err
 			},
-			viewer: codeOK, otherMember: codeOK, otherAdmin: codeOK, right: "acme-member",
+			viewer: codeOK, member: codeOK, otherMember: codeOK, otherAdmin: codeOK, right: "acme-member",
 		},
-		computev1connect.TokenServiceCreateTokenProcedure: {
-			call: func(c clients, who string) error {
-				_, err := c.apiTokens.CreateToken(ctx, connect.NewRequest(&computev1.CreateTokenRequest{TenantId: f.acme,
-					Name: "by-" + who, Role: string(iam.RoleViewer)}))
+		{
+			proc: computev1connect.TokenServiceCreateTokenProcedure,
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.apiTokens.CreateToken(ctx, connect.NewRequest(&computev1.CreateTokenRequest{TenantId: s.f.acme,
+					Name: "by-" + s.who, Role: string(iam.RoleViewer)}))
 				return err
 			},
-			viewer: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
-			bad: func(c clients) error {
+			viewer: pd, member: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
+			bad: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.apiTokens.CreateToken(ctx, connect.NewRequest(&computev1.CreateTokenRequest{Name: "x", Role: "god"}))
 				return err
 			}, field: "role",
+			target: func(s subject) string { return s.f.acme }, created: ids.APIToken,
 		},
-		computev1connect.TokenServiceListTokensProcedure: {
-			call: func(c clients, _ string) error {
-				_, err := c.apiTokens.ListTokens(ctx, connect.NewRequest(&computev1.ListTokensRequest{TenantId: f.acme}))
+		{
+			proc: computev1connect.TokenServiceListTokensProcedure,
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.apiTokens.ListTokens(ctx, connect.NewRequest(&computev1.ListTokensRequest{TenantId: s.f.acme}))
 				return err
 			},
-			viewer: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
-			bad: func(c clients) error {
+			viewer: pd, member: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
+			bad: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.apiTokens.ListTokens(ctx, connect.NewRequest(&computev1.ListTokensRequest{TenantId: long}))
 				return err
 			}, field: "tenant_id",
 		},
-		computev1connect.TokenServiceRevokeTokenProcedure: {
-			call: func(c clients, _ string) error {
-				_, err := c.apiTokens.RevokeToken(ctx, connect.NewRequest(&computev1.RevokeTokenRequest{TokenId: victim.ID}))
+		{
+			proc: computev1connect.TokenServiceRevokeTokenProcedure,
+			// The victim, a tenant-member token of acme.
+			arrange: func(t *testing.T, s *subject) { s.id = s.f.newAPIToken(t) },
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.apiTokens.RevokeToken(ctx, connect.NewRequest(&computev1.RevokeTokenRequest{TokenId: s.id}))
 				return err
 			},
-			viewer: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
-			bad: func(c clients) error {
+			viewer: pd, member: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
+			bad: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.apiTokens.RevokeToken(ctx, connect.NewRequest(&computev1.RevokeTokenRequest{}))
 				return err
 			}, field: "token_id",
+			detail: "revoked",
 		},
-		computev1connect.CommandServiceRunCommandProcedure: {
-			call: func(c clients, _ string) error {
-				_, err := c.commands.RunCommand(ctx, connect.NewRequest(&computev1.RunCommandRequest{NodeId: acmeCmdNode,
+		{
+			proc:    computev1connect.CommandServiceRunCommandProcedure,
+			arrange: newCommandNode,
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.commands.RunCommand(ctx, connect.NewRequest(&computev1.RunCommandRequest{NodeId: s.id,
 					Kind: "diag.nvml"}))
 				return err
 			},
 			// Running commands (node.reboot among them) is an operator action.
-			viewer: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
-			bad: func(c clients) error {
-				_, err := c.commands.RunCommand(ctx, connect.NewRequest(&computev1.RunCommandRequest{NodeId: acmeCmdNode,
+			viewer: pd, member: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
+			bad: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.commands.RunCommand(ctx, connect.NewRequest(&computev1.RunCommandRequest{NodeId: s.id,
 					Kind: "rm -rf"}))
 				return err
 			}, field: "kind",
+			created: ids.Command,
 		},
-		computev1connect.CommandServiceGetCommandProcedure: {
-			call: func(c clients, _ string) error {
-				_, err := c.commands.GetCommand(ctx, connect.NewRequest(&computev1.GetCommandRequest{CommandId: acmeCmd}))
+		{
+			proc: computev1connect.CommandServiceGetCommandProcedure,
+			arrange: func(t *testing.T, s *subject) {
+				newCommandNode(t, s)
+				s.id = s.f.newCommand(t, s.id)
+			},
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.commands.GetCommand(ctx, connect.NewRequest(&computev1.GetCommandRequest{CommandId: s.id}))
 				return err
 			},
-			viewer: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
-			bad: func(c clients) error {
+			viewer: codeOK, member: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
+			bad: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.commands.GetCommand(ctx, connect.NewRequest(&computev1.GetCommandRequest{}))
 				return err
 			}, field: "command_id",
 		},
-		computev1connect.CommandServiceListCommandsProcedure: {
-			call: func(c clients, _ string) error {
-				_, err := c.commands.ListCommands(ctx, connect.NewRequest(&computev1.ListCommandsRequest{NodeId: acmeCmdNode}))
+		{
+			proc: computev1connect.CommandServiceListCommandsProcedure,
+			// A node of acme's with a command.
+			arrange: func(t *testing.T, s *subject) {
+				newCommandNode(t, s)
+				s.f.newCommand(t, s.id)
+			},
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.commands.ListCommands(ctx, connect.NewRequest(&computev1.ListCommandsRequest{NodeId: s.id}))
 				return err
 			},
-			viewer: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
-			bad: func(c clients) error {
+			viewer: codeOK, member: codeOK, otherMember: nf, otherAdmin: nf, right: "acme-member",
+			bad: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.commands.ListCommands(ctx, connect.NewRequest(&computev1.ListCommandsRequest{PageSize: 10001}))
 				return err
 			}, field: "page_size",
 		},
-		computev1connect.AuditServiceListAuditProcedure: {
-			call: func(c clients, _ string) error {
+		{
+			proc: computev1connect.AuditServiceListAuditProcedure,
+			call: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.audit.ListAudit(ctx, connect.NewRequest(&computev1.ListAuditRequest{}))
 				return err
 			},
 			// Another tenant's admin reads its own tenant's log.
-			viewer: pd, otherMember: pd, otherAdmin: codeOK, right: "acme-admin",
-			bad: func(c clients) error {
+			viewer: pd, member: pd, otherMember: pd, otherAdmin: codeOK, right: "acme-admin",
+			bad: func(ctx context.Context, c clients, _ subject) error {
 				_, err := c.audit.ListAudit(ctx, connect.NewRequest(&computev1.ListAuditRequest{PageSize: 1001}))
 				return err
 			}, field: "page_size",
 		},
-		computev1connect.EventServiceWatchProcedure: {
+		{
+			proc:    computev1connect.EventServiceWatchProcedure,
+			arrange: func(t *testing.T, s *subject) { s.after = s.f.newEvents(t) },
 			// A server stream: the call succeeds when the first event
-			// arrives (every caller's tenant has one after watchFrom).
-			call: func(c clients, _ string) error {
-				return firstEvent(ctx, c, &computev1.WatchRequest{AfterId: watchFrom})
+			// arrives (every caller's tenant has one after s.after).
+			call: func(ctx context.Context, c clients, s subject) error {
+				return firstEvent(ctx, c, &computev1.WatchRequest{AfterId: s.after})
 			},
 			// Every tenant watches its own events.
-			viewer: codeOK, otherMember: codeOK, otherAdmin: codeOK, right: "acme-member",
-			bad: func(c clients) error {
+			viewer: codeOK, member: codeOK, otherMember: codeOK, otherAdmin: codeOK, right: "acme-member",
+			bad: func(ctx context.Context, c clients, _ subject) error {
 				return firstEvent(ctx, c, &computev1.WatchRequest{Types: []string{"node.*", "Node.*"}})
 			}, field: "types[1]",
 		},
 	}
-	for _, proc := range procedures() {
-		_, ok := rows[proc]
-		require.True(t, ok, "%s has no row in the matrix: add one", proc)
+}
+
+// The fixtures of TestMatrix's calls: each makes a new resource of acme's
+// with the storetest factory and returns its id.
+
+// newPool makes a pool of acme's in the fixture's site.
+func (f *fixture) newPool(t *testing.T) string {
+	t.Helper()
+	return storetest.Pool(t, f.db, &storetest.PoolOpts{SiteID: f.site.ID, OwnerTenantID: f.acme}).ID
+}
+
+// newOfferedPool makes a pool of acme's offered to acme (a quota of 1000
+// GPUs), with an adopted node of 8 GPUs to reserve.
+func (f *fixture) newOfferedPool(t *testing.T) string {
+	t.Helper()
+	pool := f.newPool(t)
+	f.node(t, pool, 8, "H100", adopted)
+	storetest.Offer(t, f.db, &storetest.OfferOpts{PoolID: pool, TenantID: f.acme, GPUQuota: 1000})
+	return pool
+}
+
+// newReservation makes a pending reservation of one GPU of pool for acme.
+func (f *fixture) newReservation(t *testing.T, pool string) string {
+	t.Helper()
+	return storetest.Reservation(t, f.db, &storetest.ReservationOpts{TenantID: f.acme, PoolID: pool}).ID
+}
+
+// newJoinToken makes a join token of pool, of one use for a day.
+func (f *fixture) newJoinToken(t *testing.T, pool string) string {
+	t.Helper()
+	return storetest.JoinToken(t, f.db, &storetest.JoinTokenOpts{PoolID: pool}).ID
+}
+
+// newAPIToken makes a tenant-member API token of acme.
+func (f *fixture) newAPIToken(t *testing.T) string {
+	t.Helper()
+	return storetest.APIToken(t, f.db, &storetest.APITokenOpts{TenantID: f.acme, Role: string(iam.RoleTenantMember)}).ID
+}
+
+// newCommand makes a queued diag.nvml command of node.
+func (f *fixture) newCommand(t *testing.T, node string) string {
+	t.Helper()
+	return storetest.Command(t, f.db, &storetest.CommandOpts{NodeID: node}).ID
+}
+
+// newEvents writes an event of each tenant (acme's, the other's) and returns
+// the id before them: a watch after it gets its tenant's at once.
+func (f *fixture) newEvents(t *testing.T) int64 {
+	t.Helper()
+	from := mark(t, f.db)
+	insertEvent(t, f.db, nil, f.db.Now(), f.acme, "node.cordoned")
+	insertEvent(t, f.db, nil, f.db.Now(), f.other, "node.cordoned")
+	return from
+}
+
+// caller is who makes one call of TestMatrix: column names its subtest, key
+// is its token's fixture.tokens key, "" when it has none (secret is then
+// empty, or well-formed and never minted).
+type caller struct{ column, key, secret string }
+
+// owner returns the tenant and role of the fixture's token key, as the
+// audit rows of its calls name them.
+func (f *fixture) owner(t *testing.T, key string) (string, iam.Role) {
+	t.Helper()
+	owners := map[string]struct {
+		tenant string
+		role   iam.Role
+	}{
+		"root":         {f.rootTen, iam.RoleRootAdmin},
+		"acme-admin":   {f.acme, iam.RoleTenantAdmin},
+		"acme-member":  {f.acme, iam.RoleTenantMember},
+		"acme-viewer":  {f.acme, iam.RoleViewer},
+		"other-admin":  {f.other, iam.RoleTenantAdmin},
+		"other-member": {f.other, iam.RoleTenantMember},
+		"other-viewer": {f.other, iam.RoleViewer},
 	}
-	require.Len(t, rows, len(procedures()), "the matrix names only served procedures")
+	o, ok := owners[key]
+	require.True(t, ok, "no token %q in the fixture", key)
+	return o.tenant, o.role
+}
+
+// newestAudit returns the id of the newest audit row, 0 when there is none.
+func (f *fixture) newestAudit(t *testing.T) int64 {
+	t.Helper()
+	entries, err := store.ListAudit(t.Context(), f.db.Pool, store.AuditFilter{Scope: store.AllTenants, Limit: 1})
+	require.NoError(t, err)
+	if len(entries) == 0 {
+		return 0
+	}
+	return entries[0].ID
+}
+
+// auditAfter returns the audit rows newer than id, oldest first (of the
+// newest 100: a procedure's database holds one row per call at most).
+func (f *fixture) auditAfter(t *testing.T, id int64) []store.AuditEntry {
+	t.Helper()
+	entries, err := store.ListAudit(t.Context(), f.db.Pool, store.AuditFilter{Scope: store.AllTenants, Limit: 100})
+	require.NoError(t, err)
+	var out []store.AuditEntry
+	for _, e := range slices.Backward(entries) {
+		if e.ID > id {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+// errMessage returns the message of err, a Connect error.
+func errMessage(t *testing.T, err error) string {
+	t.Helper()
+	var cerr *connect.Error
+	require.ErrorAs(t, err, &cerr)
+	return cerr.Message()
+}
+
+// matrixCall makes one call of row (call: the row's, or its bad one) as who
+// on what row.arrange makes for it, checks that it ends with code (and a
+// message containing msg), and checks the audit rows it wrote: none for a
+// read-only RPC, one for a mutating one with its outcome, its caller (nobody
+// when unauthenticated) and its target. No other call may write to f's
+// database meanwhile: the call's rows are those newer than a mark taken
+// before it.
+func (f *fixture) matrixCall(t *testing.T, row matrixRow, call func(context.Context, clients, subject) error, who caller,
+	code connect.Code, msg string) {
+	t.Helper()
+	s := subject{f: f, who: who.column}
+	if row.arrange != nil {
+		row.arrange(t, &s)
+	}
+	from := f.newestAudit(t)
+	err := call(t.Context(), f.as(who.secret), s)
+	if code == codeOK {
+		require.NoError(t, err)
+	} else {
+		requireCode(t, err, code, msg)
+	}
+	rule := api.Policy[row.proc]
+	var (
+		tenant string
+		role   iam.Role
+	)
+	if who.key != "" {
+		tenant, role = f.owner(t, who.key)
+		if !role.Grants(rule.Permission) {
+			// A role without the RPC's permission is refused by the
+			// authorization interceptor, before the handler sees the
+			// request.
+			requireCode(t, err, connect.CodePermissionDenied, fmt.Sprintf("role %s may not call %s (needs %s)", role,
+				path.Base(row.proc), rule.Permission))
+		}
+	}
+
+	entries := f.auditAfter(t, from)
+	if !rule.Mutating {
+		require.Empty(t, entries, "%s is read-only: no audit rows", row.proc)
+		return
+	}
+	require.Len(t, entries, 1, "a call of a mutating RPC writes one audit row")
+	e := entries[0]
+	require.Equal(t, row.proc, e.Procedure)
+	require.Equal(t, outcome(code), e.Outcome)
+	if code != codeOK {
+		require.Equal(t, errMessage(t, err), e.Detail, "a refusal's detail is its message")
+	}
+	if who.key == "" {
+		require.Empty(t, e.TenantID+e.TokenID+e.Role, "an unauthenticated caller is nobody")
+		require.Empty(t, e.Target, "an unauthenticated caller's target is not recorded")
+		if who.column == "no-token" {
+			require.Equal(t, "missing bearer token: set the Authorization header to \"Bearer <api token>\"", e.Detail)
+		}
+		return
+	}
+	require.Equal(t, tenant, e.TenantID, "the row names the caller's tenant")
+	require.Equal(t, string(role), e.Role)
+	require.Equal(t, tokenID(t, f.db, who.secret), e.TokenID)
+	if who.column == "bad-input" {
+		// Its target is whatever the invalid request names.
+		return
+	}
+	// Targets: the resource acted on, as the request names it, or the new
+	// one.
+	switch {
+	case code == codeOK && row.created != "":
+		require.NoError(t, ids.Check(row.created, e.Target), "a create's row names the new resource")
+	case row.target != nil:
+		require.Equal(t, row.target(s), e.Target, "the target comes from the request")
+	default:
+		require.Equal(t, s.id, e.Target, "the target comes from the request")
+	}
+	if code == codeOK && row.detail != "" {
+		require.Equal(t, row.detail, e.Detail)
+	}
+}
+
+// TestMatrix calls every public RPC as {no token, bad token, acme viewer,
+// acme tenant-member, member of another tenant, admin of another tenant,
+// the right role} and with bad input, checking the code of each call and
+// the audit rows it wrote: one with its outcome for a mutating RPC, none
+// for a read-only one. It fails when an RPC has no row, or a row names a
+// procedure that is not served.
+//
+// Each procedure has a fixture (a database) of its own, and each call
+// resources of its own in it (arrange): no call depends on another or on
+// the order of the calls. The procedures run in parallel; the calls of one
+// run one after another, so that the audit rows newer than a mark taken
+// before a call are that call's.
+func TestMatrix(t *testing.T) {
+	t.Parallel()
+	rows := matrixRows()
+	served := procedures()
+	seen := map[string]bool{}
+	for _, row := range rows {
+		require.False(t, seen[row.proc], "%s has two rows in the matrix", row.proc)
+		seen[row.proc] = true
+		require.True(t, slices.Contains(served, row.proc), "the matrix names only served procedures: %s is not one", row.proc)
+	}
+	for _, proc := range served {
+		require.True(t, seen[proc], "%s has no row in the matrix: add one", proc)
+	}
 
 	unknown, err := iam.NewSecret(iam.APITokenPrefix) // well-formed, never minted
 	require.NoError(t, err)
 	type column struct {
-		who   string
-		token string
-		code  func(matrixRow) connect.Code
-		msg   string
+		caller
+		code func(matrixRow) connect.Code
+		msg  string
 	}
+	unauthenticated := func(matrixRow) connect.Code { return connect.CodeUnauthenticated }
 	columns := []column{
-		{"no-token", "", func(matrixRow) connect.Code { return connect.CodeUnauthenticated }, "missing bearer token"},
-		{"bad-token", unknown, func(matrixRow) connect.Code { return connect.CodeUnauthenticated }, "api token is not valid"},
-		{"viewer", f.tokens["acme-viewer"], func(r matrixRow) connect.Code { return r.viewer }, ""},
-		{"other-member", f.tokens["other-member"], func(r matrixRow) connect.Code { return r.otherMember }, ""},
-		{"other-admin", f.tokens["other-admin"], func(r matrixRow) connect.Code { return r.otherAdmin }, ""},
-		{"right", "", func(matrixRow) connect.Code { return codeOK }, ""},
+		{caller{column: "no-token"}, unauthenticated, "missing bearer token"},
+		{caller{column: "bad-token", secret: unknown}, unauthenticated, "api token is not valid"},
+		{caller{column: "viewer", key: "acme-viewer"}, func(r matrixRow) connect.Code { return r.viewer }, ""},
+		{caller{column: "member", key: "acme-member"}, func(r matrixRow) connect.Code { return r.member }, ""},
+		{caller{column: "other-member", key: "other-member"}, func(r matrixRow) connect.Code { return r.otherMember }, ""},
+		{caller{column: "other-admin", key: "other-admin"}, func(r matrixRow) connect.Code { return r.otherAdmin }, ""},
+		// The right role's key is the row's.
+		{caller{column: "right"}, func(matrixRow) connect.Code { return codeOK }, ""},
 	}
-	// want is the audit outcomes each mutating procedure should have written,
-	// in order.
-	want := map[string][]string{}
-	for proc, row := range rows {
-		t.Run(proc[strings.LastIndex(proc, ".")+1:], func(t *testing.T) {
+	for _, row := range rows {
+		t.Run(procName(row.proc), func(t *testing.T) {
+			t.Parallel()
+			// The procedure's own database: its calls alone write to it.
+			f := setup(t)
 			for _, col := range columns {
-				token := col.token
-				if col.who == "right" {
-					token = f.tokens[row.right]
-				}
-				code := col.code(row)
-				err := row.call(f.as(token), col.who)
-				if code == codeOK {
-					require.NoError(t, err, "%s as %s", proc, col.who)
-				} else {
-					requireCode(t, err, code, col.msg)
-				}
-				want[proc] = append(want[proc], outcome(code))
+				t.Run(col.column, func(t *testing.T) {
+					who := col.caller
+					if who.column == "right" {
+						who.key = row.right
+					}
+					if who.key != "" {
+						who.secret = f.tokens[who.key]
+					}
+					f.matrixCall(t, row, row.call, who, col.code(row), col.msg)
+				})
 			}
 			if row.bad != nil {
-				requireCode(t, row.bad(f.as(f.tokens["root"])), connect.CodeInvalidArgument, row.field+":")
-				want[proc] = append(want[proc], outcome(connect.CodeInvalidArgument))
+				t.Run("bad-input", func(t *testing.T) {
+					who := caller{column: "bad-input", key: "root", secret: f.tokens["root"]}
+					f.matrixCall(t, row, row.bad, who, connect.CodeInvalidArgument, row.field+":")
+				})
 			}
 		})
 	}
+}
 
-	// One audit row per call of a mutating RPC, in call order; none for
-	// reads.
-	entries, err := store.ListAudit(ctx, f.db.Pool, store.AuditFilter{Scope: store.AllTenants, Limit: 1000})
-	require.NoError(t, err)
-	got := map[string][]store.AuditEntry{}
-	for _, e := range slices.Backward(entries) {
-		got[e.Procedure] = append(got[e.Procedure], e)
-	}
-	for proc := range rows {
-		if !api.Policy[proc].Mutating {
-			require.Empty(t, got[proc], "%s is read-only: no audit rows", proc)
-			continue
-		}
-		var outcomes []string
-		for _, e := range got[proc] {
-			outcomes = append(outcomes, e.Outcome)
-		}
-		require.Equal(t, want[proc], outcomes, "%s: audit outcomes", proc)
-		rs := got[proc]
-		require.Empty(t, rs[0].TenantID+rs[0].TokenID+rs[0].Role, "%s: an unauthenticated caller is nobody", proc)
-		require.Equal(t, "missing bearer token: set the Authorization header to \"Bearer <api token>\"", rs[0].Detail)
-		require.Equal(t, f.acme, rs[2].TenantID, "%s: the viewer's refusal names it", proc)
-		require.Equal(t, string(iam.RoleViewer), rs[2].Role)
-		require.NotEmpty(t, rs[2].TokenID)
-		require.Equal(t, f.other, rs[3].TenantID)
-		require.Equal(t, string(iam.RoleTenantMember), rs[3].Role)
-		require.Equal(t, "ok", rs[5].Outcome)
-		require.NotEmpty(t, rs[5].Target, "%s: a success names its target", proc)
-	}
-	// Targets: the resource acted on, or the new one.
-	revoke := got[computev1connect.TokenServiceRevokeTokenProcedure]
-	require.Equal(t, victim.ID, revoke[2].Target, "a refusal's target comes from the request")
-	require.Equal(t, victim.ID, revoke[5].Target)
-	require.Equal(t, "revoked", revoke[5].Detail)
-	require.Equal(t, acmeRevokedNode, got[computev1connect.NodeServiceRevokeNodeProcedure][5].Target)
-	require.NoError(t, ids.Check(ids.APIToken, got[computev1connect.TokenServiceCreateTokenProcedure][5].Target))
-	require.NoError(t, ids.Check(ids.Tenant, got[computev1connect.TenantServiceCreateTenantProcedure][5].Target))
-	require.Equal(t, "tenant-viewer", got[computev1connect.TenantServiceCreateTenantProcedure][2].Target)
-	require.Equal(t, acmeJoinToken, got[computev1connect.JoinTokenServiceRevokeJoinTokenProcedure][4].Target)
-	require.Equal(t, acmeRes, got[computev1connect.ReservationServiceReleaseReservationProcedure][5].Target)
-	require.Equal(t, f.acmePool, got[computev1connect.ReservationServiceReserveProcedure][3].Target)
-	require.NoError(t, ids.Check(ids.Reservation, got[computev1connect.ReservationServiceReserveProcedure][5].Target),
-		"a reservation's audit row names the new reservation")
-	require.Equal(t, f.acmePool, got[computev1connect.PoolServiceOfferPoolProcedure][5].Target)
+// procName returns the short name of procedure proc:
+// "/bc.compute.v1.NodeService/GetNode" is "NodeService.GetNode".
+func procName(proc string) string {
+	svc := path.Dir(proc)
+	return svc[strings.LastIndex(svc, ".")+1:] + "." + path.Base(proc)
 }
 
 // outcome is the audit outcome of a call expected to end with code.
