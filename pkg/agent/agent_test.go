@@ -120,7 +120,8 @@ func newControlPlane(t *testing.T, maxUses int) *controlPlane {
 
 func newFakeGateway(id string) *fakeGateway {
 	return &fakeGateway{id: id, heartbeat: 50 * time.Millisecond, sessions: map[string]*gwSession{}, msgs: map[string][]*gatewayv1.SessionRequest{},
-		hellos: map[string][]*gatewayv1.Hello{}, revoked: map[string]bool{}, refused: map[string]int{}}
+		hellos: map[string][]*gatewayv1.Hello{}, revoked: map[string]bool{}, refused: map[string]int{},
+		tunnelWaits: map[string]tunnelWait{}}
 }
 
 // serveGateway serves gw over HTTP/2 with mutual TLS (the deployment's
@@ -324,6 +325,9 @@ type fakeGateway struct {
 	// "certificate revoked"); refused counts their refusals.
 	revoked map[string]bool
 	refused map[string]int
+	// tunnelWaits are the tunnels sent in OpenTunnel whose node has not
+	// dialled back yet, by tunnel id (tunnel_test.go).
+	tunnelWaits map[string]tunnelWait
 }
 
 type gwSession struct {

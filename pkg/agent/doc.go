@@ -24,6 +24,19 @@
 // costs two goroutines of its own (its loop and the reader of its current
 // stream) plus what net/http's HTTP/2 client keeps per connection.
 //
+// Tunnels (docs/architecture.md, "Tunnels"; tunnel.go, sshd.go): on the
+// core's EffectOpenTunnel the driver dials GatewayService.Tunnel to the
+// session's gateway with the node certificate and serves the tunnel on
+// goroutines of its own (at most MaxTunnels at a time): a shell tunnel runs
+// Hardware.Shell on a terminal fed by the frames, an ssh tunnel carries one
+// connection to the machine's SSH server, which listens on no port and
+// accepts only certificates that sshca.Authorize accepts against the
+// core's SSHAccess (the applied spec's CAs and reservations). The SSH
+// server hands each refused login to the loop, which has the core report
+// it on the session (Report.ssh_refused). Tunnels end when the machine
+// stops (for good, or its Runner) or reboots, and when their gateway's
+// connections are dropped as silent.
+//
 // A machine's directory (DataDir/<index>) holds: join.pending while its
 // first Join is not done (0600; the key and machine id it joins with, so a
 // machine stopped mid-join joins again as the same node), node.json (0600;
@@ -31,7 +44,9 @@
 // once, atomically, when the Join completes, just after an empty
 // journal.jsonl, and then join.pending goes), boot (the boot counter: every
 // process start is a boot; the start that joined is boot 0), and
-// journal.epoch once a journal loss was found (see FileJournal). A running
+// journal.epoch once a journal loss was found (see FileJournal), and
+// ssh_host_ed25519_key (HostKeyFile, 0600; the SSH server's host key, made
+// at the first ssh tunnel and kept across restarts). A running
 // machine holds an exclusive flock on its directory, so two processes never
 // share an identity. A restart reuses the identity and never joins again,
 // and rewrites one file (the boot counter); deleting journal.jsonl simulates

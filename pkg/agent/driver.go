@@ -39,7 +39,8 @@ type event struct {
 // drops the session.
 type session struct {
 	n      uint64
-	url    string // the gateway's Session URL
+	url    string       // the gateway's Session URL
+	client tunnelClient // the gateway's client, for the session's tunnels
 	stream *connect.BidiStreamForClient[gatewayv1.SessionRequest, gatewayv1.SessionResponse]
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -81,6 +82,12 @@ type driver struct {
 	dir     string       // the machine's data directory
 	// stopped is set by EffectStop: the machine stopped for good.
 	stopped bool
+	// tun is the machine's open tunnels (tunnel.go), sshd its SSH server
+	// (sshd.go), refusals the logins that server refused, for the core to
+	// report.
+	tun      tunnelSet
+	sshd     *sshServer
+	refusals chan *gatewayv1.SshRefused
 }
 
 // revokedMessage is the message of the gateway's Unauthenticated refusal of
@@ -106,6 +113,7 @@ func (d *driver) loop(ctx context.Context) error {
 	defer d.closeTransports()
 	defer d.closeSession()
 	defer d.timer.Stop()
+	defer d.waitTunnels()
 	d.apply(d.core.Start(d.clk.Now()))
 	for !d.stopped {
 		select {
@@ -125,6 +133,8 @@ func (d *driver) loop(ctx context.Context) error {
 			}
 		case <-d.timer.C():
 			d.apply(d.core.Tick(d.clk.Now()))
+		case r := <-d.refusals:
+			d.apply(d.core.ReportSSHRefused(r))
 		}
 	}
 	// Stopped for good: the other machines and the health endpoint go on;
@@ -183,9 +193,24 @@ func (d *driver) apply(effects []daemon.Effect) {
 			d.closeSession()
 			d.timer.Stop()
 			d.stopped = true
+		case daemon.EffectOpenTunnel:
+			if d.cur == nil || d.cur.n != e.Session {
+				d.log.Info("tunnel not opened: its session ended", keyTunnelID, e.Tunnel.GetTunnelId())
+				continue
+			}
+			d.openTunnel(d.cur, e.Tunnel)
 		}
 	}
+	if acc := d.core.SSHAccess(); acc != d.sshd.access.Load() {
+		d.sshd.setAccess(acc)
+	}
 	st := d.core.Status()
+	switch st.State {
+	case daemon.StateRebooting:
+		d.endTunnels("the machine reboots")
+	case daemon.StateStopped:
+		d.endTunnels("the machine stopped for good")
+	}
 	d.m.update(func(s *MachineStatus) {
 		if st.State == daemon.StateEstablished && s.State != daemon.StateEstablished {
 			s.Sessions++
@@ -206,7 +231,7 @@ func (d *driver) open(n uint64) {
 		d.log.Debug("opening session", "session", n, "gateway", d.urls[d.gw])
 	}
 	stream := d.clients[d.gw].Session(sctx)
-	d.cur = &session{n: n, url: d.urls[d.gw], stream: stream, ctx: sctx, cancel: cancel}
+	d.cur = &session{n: n, url: d.urls[d.gw], client: d.clients[d.gw], stream: stream, ctx: sctx, cancel: cancel}
 	go func() {
 		defer cancel()
 		defer func() { _ = stream.CloseResponse() }()

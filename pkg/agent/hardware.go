@@ -1,18 +1,22 @@
 package agent
 
 import (
+	"context"
 	"log/slog"
 	"time"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	"github.com/better-compute/better-compute/pkg/daemon"
+	"github.com/better-compute/better-compute/pkg/tunnel"
 )
 
 // Hardware is one machine as the agent sees it: everything machine-specific
 // the agent and its daemon core (pkg/daemon) ask of it. The fakedaemon's is
 // pkg/fakehw's Machine (services/fakedaemon); a real daemon's reads the host
 // and NVML. The agent calls a machine's Hardware from one goroutine (the
-// machine's loop), never concurrently.
+// machine's loop), never concurrently, except Shell: each shell runs on a
+// goroutine of its own, concurrently with the loop's calls and with other
+// shells.
 //
 // Allocations are not the Hardware's: the daemon core binds them itself,
 // reporting the CDI device names "nvidia.com/gpu=<index>" (daemon.CDIName)
@@ -57,6 +61,24 @@ type Hardware interface {
 	// agent's process ends with the reboot, and its next start is the new
 	// boot.
 	Reboot() string
+	// Shell runs the machine's shell on term for a tunnel
+	// (docs/architecture.md, "Tunnels") and returns its exit status (0 to
+	// 255). With command "" it is an interactive shell (a shell tunnel, or
+	// an SSH session's shell request), which runs until it exits or its
+	// input ends; otherwise it runs that one command line (an SSH exec)
+	// and returns its status. term's size is the client's (zero for an
+	// SSH exec without a pty) and follows its resizes; its input is raw:
+	// the shell echoes and edits lines itself.
+	//
+	// Each call runs on a goroutine of its own, one per shell tunnel or
+	// SSH session, concurrently with the machine's loop (which goes on
+	// calling the other methods) and with other shells: Shell must be safe
+	// for that. ctx ends when the tunnel does (the client left, the
+	// machine stops or reboots, an SSH login lost its right); term's input
+	// then returns an error, and Shell must return promptly. The agent
+	// sends the status as the shell tunnel's exit frame, or as the SSH
+	// session's exit-status. pkg/fakehw's Machine runs its echo shell.
+	Shell(ctx context.Context, term tunnel.Terminal, command string) int
 }
 
 // Hardware is what the daemon core drives.

@@ -78,6 +78,8 @@ type MachineStatus struct {
 	// Renewals counts the certificates renewed over the session and stored
 	// since the machine started.
 	Renewals int
+	// Tunnels is how many tunnels the machine serves now (shell and ssh).
+	Tunnels int
 	// Runs counts the commands the Hardware ran (not those answered from
 	// the journal) since the machine started: a command delivered twice
 	// and run once counts one.
@@ -227,7 +229,9 @@ func (m *Machine) run(ctx context.Context) error {
 	d := &driver{m: m, log: log, clk: m.r.clk, core: core, hw: hw, boot: spec.Boot, dir: m.dir,
 		events: make(chan event, 16), timer: m.r.clk.NewTimer(time.Hour),
 		urls: gwURLs, gw: int(binary.BigEndian.Uint64(seed[8:16]) % uint64(len(gwURLs))),
-		conns: conns, rn: renewState{id: id, tlsCfg: tlsCfg, tr: tr}}
+		conns: conns, rn: renewState{id: id, tlsCfg: tlsCfg, tr: tr},
+		refusals: make(chan *gatewayv1.SshRefused, daemon.MaxPendingSSHRefusals)}
+	d.sshd = newSSHServer(log.With("part", "sshd"), m.dir, id.NodeID, m.r.clk, hw, core.SSHAccess(), d.refused)
 	d.makeClients()
 	d.timer.Stop()
 	log.Info("machine up", "variant", hw.Variant(), "boot", spec.Boot, "gateways", gwURLs)

@@ -46,7 +46,9 @@ type Options struct {
 	JoinMaxUses int32
 	// JoinTTL is how long a new join token is valid.
 	JoinTTL time.Duration
-	// JoinTokenFile receives the join token's secret (mode 0644).
+	// JoinTokenFile receives the join token's secret, owner-only (mode
+	// 0600): the machines that read it run as the same user (compose runs
+	// bootstrap and the fakedaemons as 65534).
 	JoinTokenFile string
 	// EnvFile receives `export BETTER_COMPUTE_…=…` lines with the root
 	// tenant, root token and pool, owner-only (mode 0600: it holds a
@@ -200,8 +202,8 @@ func Run(ctx context.Context, db *store.DB, o Options) (Result, error) {
 		content []byte
 		mode    os.FileMode
 	}{
-		// Machines read the join token (they may run as another user).
-		{o.JoinTokenFile, []byte(res.JoinToken + "\n"), 0o644},
+		// Machines read the join token, as the same user.
+		{o.JoinTokenFile, []byte(res.JoinToken + "\n"), 0o600},
 		// The root-admin token: owner-only.
 		{o.EnvFile, []byte(res.Exports()), 0o600},
 	} {

@@ -59,6 +59,13 @@
 //     ErrRevoked), or a node certificate past its NotAfter when the Agent
 //     would dial (ErrCertificateExpired), ends the Agent: it logs an error
 //     saying the node must join again and never dials again;
+//   - tunnels (docs/architecture.md, "Tunnels"; tunnel.go): an OpenTunnel on
+//     the established session becomes EffectOpenTunnel (the driver dials
+//     the tunnel and serves it; the Agent keeps no state of it); SSHAccess
+//     is what the node's SSH server accepts logins against, the SSH user CAs
+//     and reservations of the applied spec; a spec whose CAs do not parse is
+//     refused (SpecRefused) and leaves no CA trusted; ReportSSHRefused
+//     reports a refused login (Report.ssh_refused);
 //   - certificate renewal (Config.CertNotAfter): once less than a third of
 //     the node certificate's lifetime is left, the Agent asks the driver for
 //     a CSR of a new key (EffectMakeCSR), sends RenewCertificate on the
@@ -85,6 +92,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	"github.com/better-compute/better-compute/pkg/sshca"
 )
 
 // KindNodeReboot is the command kind that reboots the machine once the
@@ -342,6 +350,12 @@ type Agent struct {
 	dialRenewals int
 
 	announced time.Time // last EffectTimer At returned
+
+	// access is what the node's SSH server accepts logins against
+	// (tunnel.go); sshRefusals the refusals to report after the next
+	// Welcome.
+	access      *SSHAccess
+	sshRefusals []*gatewayv1.SshRefused
 }
 
 type allocation struct {
@@ -378,7 +392,7 @@ func New(cfg Config, hw Hardware, j Journal, rnd Rand) (*Agent, error) {
 		return nil, errors.New("daemon: the certificate's NotBefore must be set and before its NotAfter")
 	}
 	cfg.setDefaults()
-	a := &Agent{cfg: cfg, hw: hw, j: j, rnd: rnd}
+	a := &Agent{cfg: cfg, hw: hw, j: j, rnd: rnd, access: noAccess}
 	a.cert.notBefore, a.cert.notAfter, a.cert.receivedAt = cfg.CertNotBefore, cfg.CertNotAfter, cfg.CertReceivedAt
 	a.cert.at = a.renewPoint()
 	return a, nil
@@ -640,6 +654,8 @@ func (a *Agent) Receive(now time.Time, session uint64, msg *gatewayv1.SessionRes
 		a.desired(&o, m.DesiredState)
 	case *gatewayv1.SessionResponse_CertificateIssued:
 		a.issued(now, &o, m.CertificateIssued)
+	case *gatewayv1.SessionResponse_OpenTunnel:
+		a.openTunnel(&o, m.OpenTunnel)
 	}
 	return a.finish(&o)
 }
@@ -672,6 +688,7 @@ func (a *Agent) welcome(now time.Time, o *out, w *gatewayv1.Welcome) {
 	for _, al := range a.allocs {
 		a.send(o, boundOf(al, a.observed))
 	}
+	a.sendSSHRefusals(o)
 	if a.cert.phase != renewIdle {
 		// The session that carried the renewal ended before its answer.
 		a.renewFailed(now, "the session ended before the certificate was issued")
@@ -1126,6 +1143,20 @@ func (a *Agent) desired(o *out, ds *gatewayv1.DesiredState) {
 		a.send(o, observedOf(g))
 		return
 	}
+	authorities, err := sshca.Authorities(ds.GetSpec().GetSshUserCas())
+	if err != nil {
+		// Refused like a badly signed spec, and the SSH server trusts no CA
+		// until a spec with usable ones is applied: the control plane meant
+		// to change the node's trust (a rotation), so keeping the CAs of the
+		// previous spec could keep trusting the very CA it rotates out.
+		reason := ErrTextSpecBadSSHCA + ": " + err.Error()
+		a.cfg.Logger.Warn("desired state refused", "generation", g, "reason", reason)
+		a.send(o, &gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Report{Report: &gatewayv1.Report{
+			Report: &gatewayv1.Report_SpecRefused{SpecRefused: &gatewayv1.SpecRefused{Generation: g, Reason: reason}},
+		}}})
+		a.access = a.specAccess(nil, a.allocs)
+		return
+	}
 	next := make([]allocation, 0, len(ds.GetSpec().GetAllocations()))
 	for _, al := range ds.GetSpec().GetAllocations() {
 		rid := al.GetReservationId()
@@ -1150,6 +1181,7 @@ func (a *Agent) desired(o *out, ds *gatewayv1.DesiredState) {
 	}
 	slices.SortFunc(next, func(x, y allocation) int { return strings.Compare(x.reservationID, y.reservationID) })
 	a.allocs = next
+	a.access = a.specAccess(authorities, next)
 	a.observed = g
 	a.send(o, observedOf(g))
 }

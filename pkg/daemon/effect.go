@@ -57,6 +57,16 @@ const (
 	// the node was revoked or its certificate expired, and the machine must
 	// join again. The driver stops driving it and reports it unhealthy.
 	EffectStop
+	// EffectOpenTunnel asks the driver to open the tunnel the gateway of
+	// session Session asked for (Tunnel: its id, purpose "shell" or "ssh",
+	// the client terminal's size): dial GatewayService.Tunnel to that same
+	// gateway with the node certificate, name the tunnel in its first
+	// message (TunnelRequest.start) and serve it (the machine's shell, or a
+	// connection to its SSH server) on its own goroutines, never blocking
+	// the Agent's caller. The Agent keeps no state of tunnels and reports
+	// nothing back for them; the driver ends them when the machine stops or
+	// reboots.
+	EffectOpenTunnel
 )
 
 // String returns the kind's name.
@@ -78,6 +88,8 @@ func (k EffectKind) String() string {
 		return "certificate"
 	case EffectStop:
 		return "stop"
+	case EffectOpenTunnel:
+		return "open-tunnel"
 	}
 	return fmt.Sprintf("EffectKind(%d)", uint8(k))
 }
@@ -104,6 +116,8 @@ type Effect struct {
 	Certificate []byte
 	// NotAfter is when Certificate expires (Certificate).
 	NotAfter time.Time
+	// Tunnel is the tunnel to open (OpenTunnel). Treat it as immutable.
+	Tunnel *gatewayv1.OpenTunnel
 }
 
 // String describes the effect in one stable line (for logs, test failures
@@ -130,6 +144,8 @@ func (e Effect) String() string {
 		return "certificate not_after=" + e.NotAfter.UTC().Format(time.RFC3339Nano)
 	case EffectStop:
 		return "stop " + e.Reason
+	case EffectOpenTunnel:
+		return fmt.Sprintf("open-tunnel[%d] %s %s", e.Session, e.Tunnel.GetTunnelId(), e.Tunnel.GetPurpose())
 	}
 	return e.Kind.String()
 }
@@ -169,6 +185,9 @@ func DescribeRequest(m *gatewayv1.SessionRequest) string {
 		case r.GetSpecRefused() != nil:
 			sr := r.GetSpecRefused()
 			return fmt.Sprintf("spec-refused gen=%d reason=%q", sr.GetGeneration(), sr.GetReason())
+		case r.GetSshRefused() != nil:
+			sr := r.GetSshRefused()
+			return fmt.Sprintf("ssh-refused user=%s key_id=%q reason=%q", sr.GetUser(), sr.GetKeyId(), sr.GetReason())
 		default:
 			return fmt.Sprintf("observed %d", r.GetObservedGeneration())
 		}

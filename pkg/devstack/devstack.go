@@ -424,13 +424,21 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 		if err != nil {
 			return err
 		}
+		// Its control server (the API opens tunnels there) is on loopback
+		// only, whatever o.Host: only this process's API dials it.
+		control, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			ln.Close()
+			return err
+		}
 		gw, err := run(s, g, gctx, fmt.Sprintf("gateway-%d", i), true, func(deps service.Deps) (*gateway.Server, error) {
 			return gateway.New(gateway.Config{GatewayID: fmt.Sprintf("gw-dev-%s-%d", s.state.Instance, i), Listener: ln,
-				Probes: service.Probes{NoHealthServer: true}, PKI: pkiDir, NodeCerts: certs, HeartbeatInterval: o.HeartbeatInterval,
-				ResyncInterval: o.ResyncInterval}, deps)
+				ControlListener: control, Probes: service.Probes{NoHealthServer: true}, PKI: pkiDir, NodeCerts: certs,
+				HeartbeatInterval: o.HeartbeatInterval, ResyncInterval: o.ResyncInterval}, deps)
 		})
 		if err != nil {
 			ln.Close()
+			control.Close()
 			return err
 		}
 		s.Gateways = append(s.Gateways, gw)

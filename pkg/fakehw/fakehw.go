@@ -3,7 +3,8 @@
 // derived from the machine id, a boot counter whose boot ids are derived from
 // the machine id too, and the effects of the daemon's commands (diag.nvml,
 // inventory.refresh, logs.collect, node.reboot) together with how long each
-// takes in simulated time.
+// takes in simulated time, and the echo shell that the agent runs on shell
+// tunnels and SSH sessions (Shell, shell.go).
 //
 // Nothing here reads the clock, the environment or a global random source, so
 // the same machine id and boot number always give the same answers.
@@ -123,7 +124,8 @@ func DefaultDurations() Durations {
 }
 
 // Machine is one fake GPU machine. It is not safe for concurrent use: its
-// owner (one daemon core) calls it from one goroutine.
+// owner (one daemon core) calls it from one goroutine; only Shell may run
+// on other goroutines meanwhile.
 type Machine struct {
 	variant   string
 	machineID string

@@ -117,15 +117,23 @@ const (
 	// PermEventsRead watches the events stream: the caller's tenant's
 	// events, or every tenant's for a root administrator.
 	PermEventsRead Permission = "events.read"
+	// PermNodesAccess opens a shell on the nodes of the caller's tenant
+	// (any node for a root administrator) and takes break-glass SSH
+	// certificates for them (principal root): an operator's access to the
+	// machine itself, so only administrators hold it. A tenant's access to
+	// the sandbox of its own reservation needs PermReservationsWrite
+	// instead (docs/architecture.md, "Tunnels").
+	PermNodesAccess Permission = "nodes.access"
 )
 
 // rolePermissions is the single table of what each role may do.
 var rolePermissions = map[Role][]Permission{
 	RoleRootAdmin: {PermFleetRead, PermFleetManage, PermSitesManage, PermTenantsRead, PermTenantsManage,
 		PermIAMManage, PermAuditRead, PermReservationsRead, PermReservationsWrite, PermUsageRead,
-		PermCommandsRun, PermCommandsRead, PermEventsRead},
+		PermCommandsRun, PermCommandsRead, PermEventsRead, PermNodesAccess},
 	RoleTenantAdmin: {PermFleetRead, PermFleetManage, PermTenantsRead, PermIAMManage, PermAuditRead,
-		PermReservationsRead, PermReservationsWrite, PermUsageRead, PermCommandsRun, PermCommandsRead, PermEventsRead},
+		PermReservationsRead, PermReservationsWrite, PermUsageRead, PermCommandsRun, PermCommandsRead, PermEventsRead,
+		PermNodesAccess},
 	RoleTenantMember: {PermFleetRead, PermTenantsRead, PermReservationsRead, PermReservationsWrite, PermUsageRead,
 		PermCommandsRead, PermEventsRead},
 	RoleViewer: {PermFleetRead, PermTenantsRead, PermReservationsRead, PermUsageRead, PermCommandsRead, PermEventsRead},
@@ -135,7 +143,7 @@ var rolePermissions = map[Role][]Permission{
 func Permissions() []Permission {
 	return []Permission{PermFleetRead, PermFleetManage, PermSitesManage, PermTenantsRead, PermTenantsManage,
 		PermIAMManage, PermAuditRead, PermReservationsRead, PermReservationsWrite, PermUsageRead,
-		PermCommandsRun, PermCommandsRead, PermEventsRead}
+		PermCommandsRun, PermCommandsRead, PermEventsRead, PermNodesAccess}
 }
 
 // Grants reports whether role r has permission p.

@@ -32,6 +32,7 @@ const (
 	Session     Prefix = "ses"
 	Gateway     Prefix = "gw"
 	Event       Prefix = "evt"
+	Ticket      Prefix = "tkt"
 )
 
 // recentSlots is how many milliseconds New remembers its last id of.

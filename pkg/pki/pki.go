@@ -11,8 +11,10 @@ package pki
 import (
 	"crypto"
 	"crypto/ecdsa"
+	"crypto/ed25519"
 	"crypto/elliptic"
 	"crypto/rand"
+	"crypto/rsa"
 	"crypto/sha256"
 	"crypto/x509"
 	"crypto/x509/pkix"
@@ -132,20 +134,39 @@ func NewCSR(key crypto.Signer, commonName string) ([]byte, error) {
 	}, key)
 }
 
-// ParseCSR parses a DER CSR and checks that it is signed by the key it
-// carries. Errors say which check failed.
+// Bounds of an RSA key in a CSR, in bits: ParseCSR refuses smaller keys
+// (weak) and larger ones (each costs a slow signature check).
+const (
+	MinRSABits = 2048
+	MaxRSABits = 4096
+)
+
+// ParseCSR parses a DER CSR, checks its key (ECDSA P-256 or P-384,
+// Ed25519, or RSA of MinRSABits to MaxRSABits) and then that it is signed
+// by that key. Errors say which check failed.
+
 func ParseCSR(der []byte) (*x509.CertificateRequest, error) {
 	csr, err := x509.ParseCertificateRequest(der)
 	if err != nil {
 		return nil, fmt.Errorf("csr is not a DER PKCS#10 request: %w", err)
 	}
-	if err := csr.CheckSignature(); err != nil {
-		return nil, fmt.Errorf("csr signature does not match its public key: %w", err)
-	}
-	switch csr.PublicKeyAlgorithm {
-	case x509.ECDSA, x509.Ed25519, x509.RSA:
+	// The key is checked before the signature, so that an oversized key
+	// costs nothing to refuse.
+	switch k := csr.PublicKey.(type) {
+	case *ecdsa.PublicKey:
+		if k.Curve != elliptic.P256() && k.Curve != elliptic.P384() {
+			return nil, errors.New("csr ECDSA key is not on P-256 or P-384")
+		}
+	case ed25519.PublicKey:
+	case *rsa.PublicKey:
+		if n := k.N.BitLen(); n < MinRSABits || n > MaxRSABits {
+			return nil, fmt.Errorf("csr RSA key has %d bits: %d to %d are accepted", n, MinRSABits, MaxRSABits)
+		}
 	default:
 		return nil, errors.New("csr public key algorithm is not supported")
+	}
+	if err := csr.CheckSignature(); err != nil {
+		return nil, fmt.Errorf("csr signature does not match its public key: %w", err)
 	}
 	return csr, nil
 }
@@ -357,11 +378,13 @@ type InitResult struct {
 }
 
 // privateKeyFiles are the private key files of a PKI directory.
-var privateKeyFiles = []string{NodeCAKey, ServingCAKey, GatewayKey, JoinEncryptionKey, JoinSigningKey, CommandSigningKey}
+var privateKeyFiles = []string{NodeCAKey, ServingCAKey, GatewayKey, JoinEncryptionKey, JoinSigningKey, CommandSigningKey,
+	TunnelTicketKey, SSHBreakGlassCAKey, SSHSandboxCAKey}
 
 // Init writes a deployment's PKI into dir unless it is already there: the node
 // CA, the serving CA, a gateway serving certificate, the trust domain,
-// JoinService's HPKE key pair and signing key, the command-signing root, and
+// JoinService's HPKE key pair and signing key, the command-signing root, the
+// tunnel-ticket key, the break-glass and sandbox SSH user CAs, and
 // pins.json with the pins daemons check (see Pins). It creates only the files
 // that are missing and never replaces an existing private key (that would
 // change a pin or orphan what the key signed):

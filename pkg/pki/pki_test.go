@@ -1,6 +1,12 @@
 package pki_test
 
 import (
+	"crypto"
+	"crypto/ecdsa"
+	"crypto/ed25519"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/rsa"
 	"crypto/x509"
 	"os"
 	"path/filepath"
@@ -123,5 +129,43 @@ func TestIssueNodeBackdatesLittle(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, now.Add(-tc.backdate), cert.NotBefore, tc.ttl)
 		require.Equal(t, now.Add(tc.ttl), cert.NotAfter, tc.ttl)
+	}
+}
+
+// TestParseCSRKeys: ParseCSR takes ECDSA P-256/P-384, Ed25519 and RSA of
+// 2048 to 4096 bits, and refuses other keys before checking a signature.
+func TestParseCSRKeys(t *testing.T) {
+	t.Parallel()
+	ec256, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	require.NoError(t, err)
+	ec224, err := ecdsa.GenerateKey(elliptic.P224(), rand.Reader)
+	require.NoError(t, err)
+	_, ed, err := ed25519.GenerateKey(rand.Reader)
+	require.NoError(t, err)
+	rsa2048, err := rsa.GenerateKey(rand.Reader, 2048)
+	require.NoError(t, err)
+	rsa1024, err := rsa.GenerateKey(rand.Reader, 1024) //nolint:gosec // the weak key ParseCSR must refuse
+	require.NoError(t, err)
+	for _, tc := range []struct {
+		name string
+		key  crypto.Signer
+		err  string
+	}{
+		{"P-256", ec256, ""},
+		{"Ed25519", ed, ""},
+		{"RSA 2048", rsa2048, ""},
+		{"P-224", ec224, "not on P-256 or P-384"},
+		{"RSA 1024", rsa1024, "RSA key has 1024 bits"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			der, err := pki.NewCSR(tc.key, "m")
+			require.NoError(t, err)
+			_, err = pki.ParseCSR(der)
+			if tc.err == "" {
+				require.NoError(t, err)
+			} else {
+				require.ErrorContains(t, err, tc.err)
+			}
+		})
 	}
 }

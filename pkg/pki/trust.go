@@ -37,6 +37,18 @@ const (
 	// CommandSigningPub is its public key.
 	CommandSigningKey = "command-signing.key"
 	CommandSigningPub = "command-signing.pub"
+	// TunnelTicketKey signs exec tickets (Ed25519): the API issues them and
+	// gateways verify them with TunnelTicketPub before they open a tunnel.
+	TunnelTicketKey = "tunnel-ticket.key"
+	TunnelTicketPub = "tunnel-ticket.pub"
+	// SSHBreakGlassCAKey is the break-glass SSH user CA (Ed25519):
+	// certificates for principal root on one node, for operators.
+	SSHBreakGlassCAKey = "ssh-break-glass-ca.key"
+	SSHBreakGlassCAPub = "ssh-break-glass-ca.pub"
+	// SSHSandboxCAKey is the sandbox SSH user CA (Ed25519): certificates
+	// whose principal is a reservation, for its tenant.
+	SSHSandboxCAKey = "ssh-sandbox-ca.key"
+	SSHSandboxCAPub = "ssh-sandbox-ca.pub"
 	// PinsJSON holds the deployment's Pins (public, mode 0644).
 	PinsJSON = "pins.json"
 )
@@ -435,6 +447,9 @@ func initTrustKeys(dir string) (bool, error) {
 			}},
 		{JoinSigningKey, JoinSigningPub, loadSigningPublic, generateSigning},
 		{CommandSigningKey, CommandSigningPub, loadSigningPublic, generateSigning},
+		{TunnelTicketKey, TunnelTicketPub, loadSigningPublic, generateSigning},
+		{SSHBreakGlassCAKey, SSHBreakGlassCAPub, loadSigningPublic, generateSigning},
+		{SSHSandboxCAKey, SSHSandboxCAPub, loadSigningPublic, generateSigning},
 	} {
 		keyOK, pubOK := exists(p(f.key)), exists(p(f.pub))
 		switch {

@@ -134,9 +134,10 @@ func (s *Sim) apply(n *node, effects []daemon.Effect) {
 			s.closeByNode(n, e.Session, e.Abort)
 		case daemon.EffectReboot, daemon.EffectStop:
 			s.logNode(n, e.String())
-		case daemon.EffectTimer, daemon.EffectMakeCSR, daemon.EffectCertificate:
+		case daemon.EffectTimer, daemon.EffectMakeCSR, daemon.EffectCertificate, daemon.EffectOpenTunnel:
 			// Timer: see below. No certificate expires in a run, so the
-			// Agent never renews one.
+			// Agent never renews one; the stub gateway never sends
+			// OpenTunnel.
 		}
 	}
 	s.syncTimer(n)

@@ -210,7 +210,8 @@ type Adoption struct {
 }
 
 // AdoptNodes moves accepting nodes to adopted at now with spec generation 1,
-// their spec (signed with intent; nil: unsigned, see SignNodeSpecs),
+// their spec carrying the SSH user CAs (SSHUserCAs; signed with intent, nil:
+// unsigned, see SignNodeSpecs),
 // inventory and devices (replacing any), and writes a node.adopted event for
 // each (tenant: the pool's owner). It returns the ids it adopted: a node no
 // longer accepting is skipped.
@@ -218,11 +219,19 @@ func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time
 	if len(adoptions) == 0 {
 		return nil, nil
 	}
+	cas, err := SSHUserCAs(ctx, q)
+	if err != nil {
+		return nil, err
+	}
 	ids := make([]string, len(adoptions))
 	specs := make([]string, len(adoptions))
 	invs := make([]string, len(adoptions))
 	for i, a := range adoptions {
-		ids[i], specs[i], invs[i] = a.NodeID, string(a.Spec), string(a.Inventory)
+		spec, err := withSSHUserCAs(a.Spec, cas)
+		if err != nil {
+			return nil, fmt.Errorf("adopt node %s: %w", a.NodeID, err)
+		}
+		ids[i], specs[i], invs[i] = a.NodeID, string(spec), string(a.Inventory)
 	}
 	adopted, err := queryIDs(ctx, q, "adopt nodes", `UPDATE nodes n SET provision_state = 'adopted', provision_reason = '',
 			adopted_at = $4, spec_generation = 1, spec = u.spec::jsonb, inventory = u.inv::jsonb, updated_at = $4

@@ -242,22 +242,15 @@ type QueueResult struct {
 // order); the error is the database's and fails them all.
 func QueueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time, cmds []NewCommand) ([]QueueResult, error) {
 	out := make([]QueueResult, len(cmds))
-	type reqKey struct{ node, request string }
-	first := map[reqKey]int{}
-	dup := map[int]int{}
+	// Every call goes to the statement, repeats of a request id included:
+	// each is checked against its own scope, the first of a node's request
+	// id inserts, and the others find its command (queueCommands) with an
+	// audit row of their own.
 	var sent []int // indexes of cmds sent to the database
 	for i, n := range cmds {
 		if _, ok := CommandRetrySafe(n.Kind); !ok {
 			out[i].Err = fmt.Errorf("unknown command kind %q", n.Kind)
 			continue
-		}
-		if n.RequestID != "" {
-			k := reqKey{n.NodeID, n.RequestID}
-			if j, ok := first[k]; ok {
-				dup[i] = j
-				continue
-			}
-			first[k] = i
 		}
 		sent = append(sent, i)
 	}
@@ -265,9 +258,6 @@ func QueueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 		if err := queueCommands(ctx, q, intent, now, cmds, sent, out); err != nil {
 			return nil, err
 		}
-	}
-	for i, j := range dup {
-		out[i] = QueueResult{QueuedCommand: QueuedCommand{Command: out[j].Command, Existing: true}, Err: out[j].Err}
 	}
 	return out, nil
 }
@@ -332,8 +322,8 @@ var queueSQL = `WITH u AS (
 	FROM u LEFT JOIN n ON n.id = u.node LEFT JOIN prev p ON p.ord = u.ord
 	ORDER BY u.ord`
 
-// queueCommands runs queueSQL for cmds[sent] (known kinds, request ids
-// unique) and fills out[sent].
+// queueCommands runs queueSQL for cmds[sent] (known kinds) and fills
+// out[sent].
 func queueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time, cmds []NewCommand, sent []int,
 	out []QueueResult,
 ) error {
@@ -381,7 +371,7 @@ func queueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 		return queryErr("queue commands", err)
 	}
 	var outboxRows int64
-	var raced []int // request ids a concurrent transaction used first
+	var raced []int // request ids an earlier call of the batch, or a concurrent transaction, used first
 	for rows.Next() {
 		var (
 			ord                           int
@@ -436,8 +426,9 @@ func queueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 			return err
 		}
 	}
-	// A concurrent call with the same request id committed first (after
-	// this statement's snapshot was taken): answer its command.
+	// A call with the same request id inserted first: earlier in this
+	// batch, or in a concurrent call that committed after this statement's
+	// snapshot was taken. Answer with its command, read now.
 	var audits []AuditEntry
 	for _, i := range raced {
 		c := cmds[i]

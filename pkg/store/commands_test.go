@@ -526,3 +526,55 @@ func TestQueueCommandsAudit(t *testing.T) {
 	require.Equal(t, 1, countRows(t, db, `SELECT count(*) FROM commands WHERE id = 'cmd_a'`))
 	require.Equal(t, 1, countRows(t, db, `SELECT count(*) FROM events WHERE subject_id = 'cmd_a'`))
 }
+
+// TestQueueCommandsDuplicatesInOneBatch: two calls of one batch with the
+// same node and request id are one call only when they come from the same
+// scope: another tenant's call is refused as NotFound (it neither receives
+// the owner's command nor makes the owner's call fail), and each call of the
+// same scope that the batch answers writes its own audit row.
+func TestQueueCommandsDuplicatesInOneBatch(t *testing.T) {
+	t.Parallel()
+	db, now := commandsDB(t)
+	ctx := t.Context()
+	cmd := func(id, tenant, token string) store.NewCommand {
+		return store.NewCommand{Scope: store.TenantScope(tenant), ID: id, NodeID: "n-ok", Kind: store.CommandDiagNVML,
+			Deadline: now.Add(time.Minute), RequestID: "same", CreatedBy: token,
+			Audit: &store.AuditEntry{TenantID: tenant, TokenID: token, Role: "tenant-admin", Procedure: "/run"}}
+	}
+	for _, order := range [][]string{{"owner", "foreign", "owner2"}, {"foreign", "owner", "owner2"}} {
+		t.Run(order[0]+" first", func(t *testing.T) {
+			_, err := db.Pool.Exec(ctx, `DELETE FROM commands; DELETE FROM audit`)
+			require.NoError(t, err)
+			byName := map[string]store.NewCommand{
+				"owner":   cmd("cmd_o_"+order[0], "ten_1", "tok_1"),
+				"owner2":  cmd("cmd_o2_"+order[0], "ten_1", "tok_2"),
+				"foreign": cmd("cmd_f_"+order[0], "ten_2", "tok_9"),
+			}
+			batch := make([]store.NewCommand, len(order))
+			for i, name := range order {
+				batch[i] = byName[name]
+			}
+			res, err := store.QueueCommands(ctx, db.AutoCommit(), nil, now, batch)
+			require.NoError(t, err)
+			got := map[string]store.QueueResult{}
+			for i, name := range order {
+				got[name] = res[i]
+			}
+			require.NoError(t, got["owner"].Err)
+			require.Equal(t, byName["owner"].ID, got["owner"].ID, "the owner's call queued its command")
+			require.ErrorIs(t, got["foreign"].Err, store.ErrNotFound, "another tenant's node reads as missing")
+			require.Empty(t, got["foreign"].ID)
+			require.NoError(t, got["owner2"].Err)
+			require.True(t, got["owner2"].Existing)
+			require.Equal(t, byName["owner"].ID, got["owner2"].ID, "the same tenant's repeat gets the same command")
+
+			rows, err := db.Pool.Query(ctx, `SELECT token_id || ' ' || target || ' ' || outcome FROM audit ORDER BY id`)
+			require.NoError(t, err)
+			audit, err := pgx.CollectRows(rows, pgx.RowTo[string])
+			require.NoError(t, err)
+			require.ElementsMatch(t, []string{"tok_1 " + byName["owner"].ID + " ok", "tok_2 " + byName["owner"].ID + " ok"}, audit,
+				"one row per call answered (the refused call's is the interceptor's)")
+			require.Equal(t, 1, countRows(t, db, `SELECT count(*) FROM commands`))
+		})
+	}
+}

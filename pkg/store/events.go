@@ -49,6 +49,10 @@ const (
 	// EventNodeSpecRefused is written when a daemon refuses a DesiredState
 	// (signedIntent: unsigned or wrongly signed).
 	EventNodeSpecRefused = "node.spec_refused"
+	// EventNodeSSHRefused is written when a node's SSH server refuses a
+	// login (an unknown CA, an expired certificate, another node's, a
+	// sandbox certificate whose reservation ended, a plain key).
+	EventNodeSSHRefused = "node.ssh_refused"
 
 	// EventCommandQueued is written when a user command is queued.
 	EventCommandQueued = "command.queued"
@@ -98,6 +102,7 @@ var EventTypes = []string{
 	EventNodeReachable,
 	EventNodeRevoked,
 	EventNodeSpecRefused,
+	EventNodeSSHRefused,
 	EventNodeUncordoned,
 	EventNodeUnreachable,
 	EventReservationActive,
@@ -339,6 +344,17 @@ type NodeRevokedData struct {
 	CertificatesRevoked int `json:"certificatesRevoked"`
 }
 
+// NodeSSHRefusedData is the data of node.ssh_refused.
+type NodeSSHRefusedData struct {
+	NodeID string `json:"nodeId"`
+	// Reason is the node's SSH server's.
+	Reason string `json:"reason"`
+	// KeyID is the refused certificate's key id, "" for a plain key.
+	KeyID string `json:"keyId"`
+	// User is the user the client asked to log in as.
+	User string `json:"user"`
+}
+
 // NodeSpecRefusedData is the data of node.spec_refused.
 type NodeSpecRefusedData struct {
 	NodeID string `json:"nodeId"`
@@ -455,6 +471,7 @@ func (d NodeUnreachableData) event() (string, string) { return EventNodeUnreacha
 func (d NodeReachableData) event() (string, string)   { return EventNodeReachable, d.NodeID }
 func (d NodeRevokedData) event() (string, string)     { return EventNodeRevoked, d.NodeID }
 func (d NodeSpecRefusedData) event() (string, string) { return EventNodeSpecRefused, d.NodeID }
+func (d NodeSSHRefusedData) event() (string, string)  { return EventNodeSSHRefused, d.NodeID }
 func (d CommandQueuedData) event() (string, string)   { return EventCommandQueued, d.CommandID }
 func (d CommandEndedData) event() (string, string) {
 	return commandEndedEventType[d.State], d.CommandID

@@ -322,6 +322,13 @@ func TestEventsAsWatchersReceiveThem(t *testing.T) {
 		writtenEvent{"ten_user", "reservation.failed", "res_6", `{"nodeId": "node_c", "reason": "node revoked: stolen", "reservationId": "res_6"}`,
 			`bc.events.ten_user.reservation.failed {"id": 41, "data": {"nodeId": "node_c", "reason": "node revoked: stolen", "reservationId": "res_6"}, "time": "2030-05-06T07:10:25.123456Z", "type": "reservation.failed", "tenantId": "ten_user", "subjectId": "res_6"}`},
 	)
+	step("node.ssh_refused", time.Second, func(ctx context.Context, tx pgx.Tx, now time.Time) error {
+		return store.RecordSSHRefused(ctx, tx, now, store.SSHRefusal{NodeID: "node_a", Reason: "expired", KeyID: "tok_1 on node_a",
+			User: "root"})
+	},
+		writtenEvent{"ten_owner", "node.ssh_refused", "node_a", `{"user": "root", "keyId": "tok_1 on node_a", "nodeId": "node_a", "reason": "expired"}`,
+			`bc.events.ten_owner.node.ssh_refused {"id": 42, "data": {"user": "root", "keyId": "tok_1 on node_a", "nodeId": "node_a", "reason": "expired"}, "time": "2030-05-06T07:10:26.123456Z", "type": "node.ssh_refused", "tenantId": "ten_owner", "subjectId": "node_a"}`},
+	)
 	var types []string
 	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT array_agg(DISTINCT type ORDER BY type) FROM events`).Scan(&types))
 	require.Equal(t, store.EventTypes, types, "every event type is pinned")
@@ -350,6 +357,7 @@ func TestEventDataKeys(t *testing.T) {
 			[]string{"gatewayId", "nodeId", "previousLastSeen", "sessionId"}},
 		{store.NodeRevokedData{NodeID: "n"}, store.EventNodeRevoked, []string{"certificatesRevoked", "nodeId", "reason"}},
 		{store.NodeSpecRefusedData{NodeID: "n"}, store.EventNodeSpecRefused, []string{"generation", "nodeId", "reason"}},
+		{store.NodeSSHRefusedData{NodeID: "n"}, store.EventNodeSSHRefused, []string{"keyId", "nodeId", "reason", "user"}},
 		{store.CommandQueuedData{CommandID: "c"}, store.EventCommandQueued, []string{"commandId", "deadline", "kind", "nodeId"}},
 		{store.CommandEndedData{CommandID: "c", State: "succeeded"}, store.EventCommandSucceeded,
 			[]string{"commandId", "kind", "nodeId", "state"}},

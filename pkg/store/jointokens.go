@@ -222,6 +222,21 @@ func UseJoinTokenN(ctx context.Context, q DBTX, hash []byte, n int, now time.Tim
 // say.
 func LockJoinToken(ctx context.Context, q DBTX, hash []byte, now time.Time) (JoinToken, error) {
 	t, err := scanJoinToken(q.QueryRow(ctx, `SELECT `+joinTokenColumns+` FROM join_tokens j WHERE j.hash = $1 FOR UPDATE`, hash))
+	return usableJoinToken(t, err, now)
+}
+
+// CheckJoinToken makes LockJoinToken's checks of the token whose secret
+// hashes to hash without locking it, for a caller that refuses an unusable
+// token before it spends work on the join (JoinService signs nothing for an
+// unknown, revoked or expired token). Errors: as LockJoinToken's.
+func CheckJoinToken(ctx context.Context, q DBTX, hash []byte, now time.Time) (JoinToken, error) {
+	t, err := scanJoinToken(q.QueryRow(ctx, `SELECT `+joinTokenColumns+` FROM join_tokens j WHERE j.hash = $1`, hash))
+	return usableJoinToken(t, err, now)
+}
+
+// usableJoinToken turns the read of a join token into LockJoinToken's
+// answer.
+func usableJoinToken(t JoinToken, err error, now time.Time) (JoinToken, error) {
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return JoinToken{}, &JoinTokenRefusal{Reason: ErrJoinTokenUnknown}
@@ -256,13 +271,10 @@ type JoinedKey struct {
 }
 
 // JoinedKeys returns, by hex SHA-256 of the SubjectPublicKeyInfo, the nodes
-// that the keys of keys (pki.PublicKeySHA256 values) joined as: the node of
-// the key's first certificate.
+// that the keys of keys (pki.PublicKeySHA256 values) joined as
+// (nodes.join_key_sha256).
 func JoinedKeys(ctx context.Context, q DBTX, keys [][]byte) (map[string]JoinedKey, error) {
-	rows, err := q.Query(ctx, `SELECT DISTINCT ON (c.public_key_sha256) c.public_key_sha256, n.id, n.pool_id
-		FROM node_certs c JOIN nodes n ON n.id = c.node_id
-		WHERE c.public_key_sha256 = ANY($1)
-		ORDER BY c.public_key_sha256, c.created_at`, keys)
+	rows, err := q.Query(ctx, `SELECT n.join_key_sha256, n.id, n.pool_id FROM nodes n WHERE n.join_key_sha256 = ANY($1)`, keys)
 	if err != nil {
 		return nil, queryErr("joined keys", err)
 	}

@@ -101,10 +101,17 @@ func CreateNode(ctx context.Context, q DBTX, n NewNode) error {
 	return nil
 }
 
+// ConstraintNodeJoinKey makes a public key join as one node at most
+// (nodes.join_key_sha256), for IsConstraint.
+const ConstraintNodeJoinKey = "nodes_join_key"
+
 // CreateJoinedNodes inserts the nodes of a batch of joins (state
-// NodeJoining) and their certificates, nodes[i] with certs[i], in two
-// statements whatever the batch's size. Errors: ErrConflict when an id or
-// serial exists, ErrNotFound-like foreign key errors for a missing pool.
+// NodeJoining) and their certificates, nodes[i] with certs[i] (whose public
+// key becomes the node's join key), in two statements whatever the batch's
+// size. Errors: ErrConflict when an id or serial exists, or a key joined
+// already (ConstraintNodeJoinKey: a concurrent Join with the same key
+// committed first; retried, the Join finds that node), ErrNotFound-like
+// foreign key errors for a missing pool.
 func CreateJoinedNodes(ctx context.Context, q DBTX, nodes []NewNode, certs []NewNodeCert) error {
 	if len(nodes) != len(certs) {
 		return fmt.Errorf("create joined nodes: %d nodes but %d certificates", len(nodes), len(certs))
@@ -115,8 +122,10 @@ func CreateJoinedNodes(ctx context.Context, q DBTX, nodes []NewNode, certs []New
 	var (
 		ids, pools, tokens, hosts, machines, variants, versions []string
 		created                                                 []time.Time
+		joinKeys                                                [][]byte
 	)
-	for _, n := range nodes {
+	for i, n := range nodes {
+		joinKeys = append(joinKeys, certs[i].PublicKeySHA256)
 		ids = append(ids, n.ID)
 		pools = append(pools, n.PoolID)
 		tokens = append(tokens, n.JoinTokenID)
@@ -127,11 +136,11 @@ func CreateJoinedNodes(ctx context.Context, q DBTX, nodes []NewNode, certs []New
 		created = append(created, n.CreatedAt)
 	}
 	_, err := q.Exec(ctx, `INSERT INTO nodes (id, pool_id, join_token_id, provision_state, hostname, machine_id,
-		variant, agent_version, created_at, updated_at)
-		SELECT id, pool_id, NULLIF(token, ''), $9, host, machine, variant, version, created, created
-		FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::timestamptz[])
-			AS t(id, pool_id, token, host, machine, variant, version, created)`,
-		ids, pools, tokens, hosts, machines, variants, versions, created, NodeJoining)
+		variant, agent_version, created_at, updated_at, join_key_sha256)
+		SELECT id, pool_id, NULLIF(token, ''), $9, host, machine, variant, version, created, created, key
+		FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::timestamptz[],
+			$10::bytea[]) AS t(id, pool_id, token, host, machine, variant, version, created, key)`,
+		ids, pools, tokens, hosts, machines, variants, versions, created, NodeJoining, joinKeys)
 	if err != nil {
 		return queryErr("create joined nodes", err)
 	}
@@ -387,4 +396,36 @@ func UncordonNode(ctx context.Context, q DBTX, scope Scope, now time.Time, nodeI
 		return false, err
 	}
 	return true, nil
+}
+
+// ExpireJoiningNodes deletes at most limit nodes that joined more than
+// timeout before now and never opened a session (still joining, no
+// last_seen): a Join whose machine never came, or a replayed Join that made
+// a phantom. Each gives its join token its use back (when the token is not
+// revoked), and its certificates are deleted with it, so the machine, if
+// it ever comes, must join again. Nodes locked by another transaction are
+// skipped. It returns the ids deleted.
+func ExpireJoiningNodes(ctx context.Context, q DBTX, now time.Time, timeout time.Duration, limit int) ([]string, error) {
+	ids, err := queryIDs(ctx, q, "expire joining nodes", `SELECT id FROM nodes
+		WHERE provision_state = 'joining' AND last_seen IS NULL AND gateway_id IS NULL AND created_at < $1
+		ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED`, now.Add(-timeout), limit)
+	if err != nil || len(ids) == 0 {
+		return nil, err
+	}
+	if _, err := q.Exec(ctx, `UPDATE join_tokens j SET uses = j.uses - u.n
+		FROM (SELECT join_token_id AS id, count(*) AS n FROM nodes WHERE id = ANY($1) AND join_token_id IS NOT NULL
+			GROUP BY join_token_id) AS u
+		WHERE j.id = u.id AND j.revoked_at IS NULL`, ids); err != nil {
+		return nil, queryErr("give join token uses back", err)
+	}
+	for _, stmt := range []string{
+		`DELETE FROM node_certs WHERE node_id = ANY($1)`,
+		`DELETE FROM node_devices WHERE node_id = ANY($1)`,
+		`DELETE FROM nodes WHERE id = ANY($1)`,
+	} {
+		if _, err := q.Exec(ctx, stmt, ids); err != nil {
+			return nil, queryErr("expire joining nodes", err)
+		}
+	}
+	return ids, nil
 }

@@ -79,3 +79,64 @@ func TestNodes(t *testing.T) {
 	require.NoError(t, err)
 	require.Empty(t, other)
 }
+
+// TestExpireJoiningNodes: a node that joined long ago and never opened a
+// session is deleted with its certificates and gives its token its use back;
+// a recent one, one that opened a session and one past joining stay.
+func TestExpireJoiningNodes(t *testing.T) {
+	t.Parallel()
+	db := storetest.New(t, nil)
+	ctx := t.Context()
+	now := db.Now()
+	old := now.Add(-2 * time.Hour)
+	jt := storetest.JoinToken(t, db, &storetest.JoinTokenOpts{MaxUses: 5, Uses: 4})
+	pool := jt.PoolID
+	phantom := storetest.Node(t, db, &storetest.NodeOpts{PoolID: pool, JoinTokenID: jt.ID, CreatedAt: old}).ID
+	storetest.NodeCert(t, db, &storetest.NodeCertOpts{NodeID: phantom})
+	recent := storetest.Node(t, db, &storetest.NodeOpts{PoolID: pool, JoinTokenID: jt.ID, CreatedAt: now.Add(-time.Minute)}).ID
+	connected := storetest.Node(t, db, &storetest.NodeOpts{PoolID: pool, JoinTokenID: jt.ID, CreatedAt: old, LastSeen: old}).ID
+	adopted := storetest.Node(t, db, &storetest.NodeOpts{PoolID: pool, JoinTokenID: jt.ID, CreatedAt: old,
+		State: store.NodeAdopted}).ID
+
+	gone, err := store.ExpireJoiningNodes(ctx, db.Pool, now, time.Hour, 100)
+	require.NoError(t, err)
+	require.Equal(t, []string{phantom}, gone)
+	_, err = store.GetNode(ctx, db.Pool, store.AllTenants, phantom)
+	require.ErrorIs(t, err, store.ErrNotFound)
+	var certs int
+	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT count(*) FROM node_certs WHERE node_id = $1`, phantom).Scan(&certs))
+	require.Zero(t, certs)
+	for _, id := range []string{recent, connected, adopted} {
+		_, err := store.GetNode(ctx, db.Pool, store.AllTenants, id)
+		require.NoError(t, err, id)
+	}
+	got, err := store.GetJoinToken(ctx, db.Pool, store.AllTenants, jt.ID)
+	require.NoError(t, err)
+	require.EqualValues(t, 3, got.Uses, "the phantom's use is given back")
+}
+
+// TestOneKeyJoinsOnce: a public key joins as one node at most; a second
+// node with it is refused by the database (ConstraintNodeJoinKey), and
+// JoinedKeys finds the first.
+func TestOneKeyJoinsOnce(t *testing.T) {
+	t.Parallel()
+	db := storetest.New(t, nil)
+	ctx := t.Context()
+	now := db.Now()
+	pool := storetest.Pool(t, db, nil).ID
+	key := []byte("0123456789abcdef0123456789abcdef")
+	join := func(node, serial string) error {
+		return store.CreateJoinedNodes(ctx, db.Pool, []store.NewNode{{ID: node, PoolID: pool, CreatedAt: now}},
+			[]store.NewNodeCert{{Serial: serial, NodeID: node, PublicKeySHA256: key, NotBefore: now, NotAfter: now.Add(time.Hour),
+				CreatedAt: now}})
+	}
+	require.NoError(t, join("node_first", "01"))
+	err := join("node_second", "02")
+	require.True(t, store.IsConstraint(err, store.ConstraintNodeJoinKey), "%v", err)
+	joined, err := store.JoinedKeys(ctx, db.Pool, [][]byte{key})
+	require.NoError(t, err)
+	require.Len(t, joined, 1)
+	for _, j := range joined {
+		require.Equal(t, "node_first", j.NodeID)
+	}
+}

@@ -19,7 +19,8 @@ import (
 
 // RebuildNodeSpecs makes each node's NodeSpec allocations exactly its placed
 // reservations (state binding or active) with their booked device indexes,
-// keeping the spec's labels. A node whose allocations change gets the next
+// and its SSH user CAs the deployment's (SSHUserCAs), keeping the spec's
+// labels. A node whose allocations or CAs change gets the next
 // spec generation, signed (signer; nil: unsigned), and its gateway is poked;
 // reservations newly in a spec record that generation. Nodes are locked in
 // id order. It returns the new generation of each node that changed. Call it
@@ -67,6 +68,11 @@ func RebuildNodeSpecs(ctx context.Context, q DBTX, signer *IntentSigner, now tim
 	if err != nil {
 		return nil, err
 	}
+	cas, err := SSHUserCAs(ctx, q)
+	if err != nil {
+		return nil, err
+	}
+	sameCA := func(a, b *gatewayv1.SshUserCa) bool { return proto.Equal(a, b) }
 	var (
 		changedIDs []string
 		specs      []string
@@ -79,10 +85,11 @@ func RebuildNodeSpecs(ctx context.Context, q DBTX, signer *IntentSigner, now tim
 			return nil, fmt.Errorf("rebuild spec of %s: stored spec: %w", nodeID, err)
 		}
 		want := allocs[nodeID]
-		if slices.EqualFunc(ns.GetAllocations(), want, func(a, b *gatewayv1.Allocation) bool { return proto.Equal(a, b) }) {
+		if slices.EqualFunc(ns.GetAllocations(), want, func(a, b *gatewayv1.Allocation) bool { return proto.Equal(a, b) }) &&
+			slices.EqualFunc(ns.GetSshUserCas(), cas, sameCA) {
 			continue
 		}
-		ns.Allocations = want
+		ns.Allocations, ns.SshUserCas = want, cas
 		b, err := protojson.Marshal(ns)
 		if err != nil {
 			return nil, err

@@ -17,6 +17,7 @@ package store
 import (
 	"context"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -136,12 +137,32 @@ type Placement struct {
 // still pending turns binding on its node (placed_at now) with one booking
 // per device, the nodes' specs are rebuilt (RebuildNodeSpecs, signed by
 // signer), the reason it waited is cleared and a reservation.bound event is
-// written for each. Reservations
-// no longer pending (another scheduler placed them, the tenant released
-// them) are skipped. It returns the ids placed. Errors: a ConstraintError on
+// written for each. It first locks the placements' nodes and checks again
+// that each may take a placement (adopted, reachable, not cordoned, not
+// revoked: what PoolCapacity read outside this transaction may no longer
+// hold); a revocation or cordon waits for the placement's commit, and one
+// that committed first makes the placement skipped. Reservations no longer
+// pending (another scheduler placed them, the tenant released them) are
+// skipped too, and a skipped one stays as it is (pending, for the next
+// pass). It returns the ids placed. Errors: a ConstraintError on
 // BookingsNoOverlap (errors.Is ErrConflict) when a booking overlaps one
 // already committed; the caller must roll back.
 func PlaceReservations(ctx context.Context, q DBTX, signer *IntentSigner, now time.Time, ps []Placement) ([]string, error) {
+	if len(ps) == 0 {
+		return nil, nil
+	}
+	nodes := make([]string, 0, len(ps))
+	for _, p := range ps {
+		nodes = append(nodes, p.NodeID)
+	}
+	slices.Sort(nodes)
+	placeable, err := queryIDs(ctx, q, "lock the placements' nodes", `SELECT id FROM nodes
+		WHERE id = ANY($1) AND provision_state = 'adopted' AND reachable AND NOT cordoned AND revoked_at IS NULL
+		ORDER BY id FOR NO KEY UPDATE`, slices.Compact(nodes))
+	if err != nil {
+		return nil, err
+	}
+	ps = slices.DeleteFunc(slices.Clone(ps), func(p Placement) bool { return !slices.Contains(placeable, p.NodeID) })
 	if len(ps) == 0 {
 		return nil, nil
 	}

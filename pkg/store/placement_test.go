@@ -1,6 +1,7 @@
 package store_test
 
 import (
+	"context"
 	"testing"
 	"time"
 
@@ -381,4 +382,43 @@ func TestOnlyAdoptedNodesArePlacedOn(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, store.ReservationFailed, r.State)
 	require.Equal(t, "no node of pool "+f.fleet.PoolID+" has 8 GPUs (largest: 4)", r.Reason)
+}
+
+// TestPlacementRechecksTheNode: capacity read before a node's revocation or
+// cordon (outside the placement's transaction) places nothing on it; the
+// reservation stays pending, with no booking, for the next pass.
+func TestPlacementRechecksTheNode(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name   string
+		change func(ctx context.Context, tx pgx.Tx, now time.Time, node string) error
+	}{
+		{"revoked", func(ctx context.Context, tx pgx.Tx, now time.Time, node string) error {
+			_, err := store.RevokeNode(ctx, tx, store.AllTenants, now, node, "stolen")
+			return err
+		}},
+		{"cordoned", func(ctx context.Context, tx pgx.Tx, now time.Time, node string) error {
+			_, err := store.CordonNode(ctx, tx, store.AllTenants, now, node, "maintenance")
+			return err
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			f := newPlaceFixture(t, "recheck-"+tc.name, 8)
+			ctx := t.Context()
+			node := f.fleet.Nodes[0]
+			r := f.reserve(2, time.Hour)
+			nodes, _, err := store.PoolCapacity(ctx, f.db.Pool, f.fleet.PoolID, f.db.Now())
+			require.NoError(t, err)
+			require.Len(t, nodes, 1, "the scheduler saw the node placeable")
+			require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error { return tc.change(ctx, tx, f.db.Now(), node) }))
+
+			placed, err := f.place(nil, f.placement(r, node, 0, 1))
+			require.NoError(t, err)
+			require.Empty(t, placed)
+			got := f.get(r.ID)
+			require.Equal(t, store.ReservationPending, got.State)
+			require.Empty(t, got.DeviceIndexes, "no booking")
+		})
+	}
 }

@@ -101,7 +101,7 @@ func startControllers(b *testing.B, dbURL, natsURL, pkiDir string) int {
 		"BETTER_COMPUTE_DATABASE_URL="+dbURL,
 		"BETTER_COMPUTE_NATS_URL="+natsURL,
 		"BETTER_COMPUTE_PKI_DIR="+pkiDir,
-		"BETTER_COMPUTE_LISTEN="+health,
+		"BETTER_COMPUTE_HEALTH_LISTEN="+health,
 		"BETTER_COMPUTE_LEASE_HOLDER=bench-controllers",
 		"BETTER_COMPUTE_LOG_LEVEL=warn",
 	).PID()
@@ -116,6 +116,8 @@ type fleetOptions struct {
 	externalControllers bool
 	// noScheduler starts no scheduler.
 	noScheduler bool
+	// machines is how many machines; machines() when 0.
+	machines int
 }
 
 // fleet is a running control plane, bootstrapped, and (after
@@ -142,6 +144,9 @@ type fleet struct {
 func startFleet(b *testing.B, o fleetOptions) *fleet {
 	b.Helper()
 	f := &fleet{n: machines(), clk: clock.New()}
+	if o.machines > 0 {
+		f.n = o.machines
+	}
 	f.dbURL = containers.Postgres(b)
 	f.natsURL = containers.NATS(b)
 	f.pkiDir = b.TempDir()

@@ -21,6 +21,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/tests/internal/tunneltest"
 )
 
 // node is one element of `better-compute nodes list -o json`.
@@ -186,7 +187,9 @@ func adoptedIDs(ns []node) map[string]bool {
 
 // TestComposeFleet is the issue's acceptance on compose: 8 fakedaemons are
 // adopted with 8 H100 each and every service is healthy; scaling to 12 adds 4;
-// a stopped and started fakedaemon comes back as the same node; a machine
+// tunnels open as console and ssh (tunneltest.Exercise), and a tunnel on a
+// killed gateway ends with an error while its neighbour's goes on; a
+// stopped and started fakedaemon comes back as the same node; a machine
 // with a GPU missing joins and is never adopted, and the list says why.
 func TestComposeFleet(t *testing.T) {
 	s := newStack(t)
@@ -218,6 +221,7 @@ func TestComposeFleet(t *testing.T) {
 
 	s.checkFleetIsolation()
 	s.walkthrough()
+	s.tunnels(first)
 	s.watchCordon(first[0].ID)
 	s.killGateway(8)
 
@@ -400,6 +404,29 @@ func (s *stack) walkthrough() {
 	s.cliRun("usage")
 }
 
+// tunnels is the tunnel acceptance on compose (tunneltest.Exercise), on
+// the node of a fresh 1-GPU reservation of the root tenant.
+func (s *stack) tunnels(nodes []node) {
+	t := s.t
+	pool := s.envValue("BETTER_COMPUTE_POOL")
+	out := s.cliRun("reserve", "--pool", pool, "--gpus", "1", "--for", "1h", "--wait", "--timeout", "60s")
+	var r struct {
+		ID     string `json:"id"`
+		State  string `json:"state"`
+		NodeID string `json:"nodeId"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(out), &r), out)
+	require.Equal(t, "active", r.State, out)
+	other := nodes[0].ID
+	if other == r.NodeID {
+		other = nodes[1].ID
+	}
+	t.Run("tunnels", func(t *testing.T) {
+		tunneltest.Exercise(t, tunneltest.Scenario{CLI: tunneltest.CLI{Path: s.cli, Env: s.env}, Node: r.NodeID, Other: other,
+			Reservation: r.ID})
+	})
+}
+
 // watchCordon runs `events watch --types node.*` as a user would in one
 // terminal, cordons nodeID in another, and waits for the watch to print the
 // node.cordoned event of that node; then it uncordons it.
@@ -490,9 +517,36 @@ func (s *stack) killGateway(want int) {
 	}
 	require.Positive(t, per[killed], "sessions per gateway: %v", per)
 	t.Logf("sessions per gateway before the kill: %v (killing %s, %s)", per, victim, killed)
+	// A console on each gateway: the one whose gateway is killed ends with
+	// an error that says so; its neighbour's goes on.
+	cli := tunneltest.CLI{Path: s.cli, Env: s.env}
+	var onVictim, onSurvivor string
+	for _, n := range before {
+		switch {
+		case n.Gateway == killed && onVictim == "":
+			onVictim = n.ID
+		case n.Gateway == survivor && onSurvivor == "":
+			onSurvivor = n.ID
+		}
+	}
+	doomed := tunneltest.StartConsole(t, cli, onVictim, 24, 80)
+	doomed.Expect(`\$ `, 20*time.Second)
+	var neighbour *tunneltest.Console
+	if onSurvivor != "" {
+		neighbour = tunneltest.StartConsole(t, cli, onSurvivor, 24, 80)
+		neighbour.Expect(`\$ `, 20*time.Second)
+	}
 	wall := clock.New()
 	began := wall.Now()
 	s.mustRun("kill", victim)
+	require.NotEqual(t, 0, doomed.Wait(30*time.Second), "a console on the killed gateway ends with an error")
+	require.Contains(t, doomed.Output(), "gateway", "and says why")
+	if neighbour != nil {
+		neighbour.Type("size\r")
+		neighbour.Expect(`24 80`, 20*time.Second)
+		neighbour.Type("exit\r")
+		require.Equal(t, 0, neighbour.Wait(20*time.Second), "the neighbour's console survives the kill")
+	}
 	var last []node
 	require.Eventually(t, func() bool {
 		last, err = s.nodes()

@@ -27,6 +27,7 @@ import (
 	"github.com/better-compute/better-compute/tests/internal/containers"
 	"github.com/better-compute/better-compute/tests/internal/devproc"
 	"github.com/better-compute/better-compute/tests/internal/procs"
+	"github.com/better-compute/better-compute/tests/internal/tunneltest"
 )
 
 func TestMain(m *testing.M) {
@@ -57,6 +58,7 @@ const adoptWithin = 90 * time.Second
 // TestDevMemorySim8 is the documentation's laptop walkthrough: dev --memory
 // --sim 8 on a free port, then as the root administrator list the 8
 // adopted nodes, offer the pool, reserve 4 GPUs (active, with CDI names),
+// open tunnels to the reservation's node (console, ssh; tunneltest.Exercise),
 // watch node.* events while cordoning a node, join a machine from outside
 // with the pins dev wrote; SIGTERM stops everything and leaves no process.
 func TestDevMemorySim8(t *testing.T) {
@@ -96,6 +98,7 @@ func TestDevMemorySim8(t *testing.T) {
 	d.CLI("pools", "offer", pool, "--to", root[1], "--quota", "gpu=64")
 	out := d.CLI("reserve", "--pool", pool, "--gpus", "4", "--for", "1h", "--wait", "--timeout", "60s")
 	var r struct {
+		ID      string   `json:"id"`
 		State   string   `json:"state"`
 		NodeID  string   `json:"nodeId"`
 		Binding []string `json:"binding"`
@@ -106,6 +109,13 @@ func TestDevMemorySim8(t *testing.T) {
 	for _, name := range r.Binding {
 		require.Regexp(t, `^nvidia\.com/gpu=[0-7]$`, name)
 	}
+
+	other := all[0].ID
+	if other == r.NodeID {
+		other = all[1].ID
+	}
+	tunneltest.Exercise(t, tunneltest.Scenario{CLI: tunneltest.CLI{Path: procs.Binary(t, "better-compute"),
+		Env: append(os.Environ(), d.Env()...)}, Node: r.NodeID, Other: other, Reservation: r.ID})
 
 	watchCordon(t, d, all[0].ID)
 	outsideMachine(t, d, url, pool)

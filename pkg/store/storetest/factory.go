@@ -629,3 +629,38 @@ func ptrOr[T any](opts *T) T {
 	}
 	return *opts
 }
+
+// TunnelTicketOpts are the options of TunnelTicket; NodeID and TokenID's
+// tenant come from the caller, other zero fields get defaults.
+type TunnelTicketOpts struct {
+	// ID defaults to a new "tkt_…" id.
+	ID string
+	// NodeID and TokenID are required; TenantID defaults to the token's.
+	NodeID, TokenID, TenantID string
+	// Purpose defaults to "shell".
+	Purpose       string
+	ReservationID string
+	// ExpiresAt defaults to a minute after CreatedAt.
+	CreatedAt, ExpiresAt time.Time
+}
+
+// TunnelTicket inserts an unconsumed exec ticket (store.CreateTunnelTicket)
+// and returns it.
+func TunnelTicket(t testing.TB, db *store.DB, opts *TunnelTicketOpts) store.TunnelTicket {
+	t.Helper()
+	ctx := t.Context()
+	at := orNow(db, opts.CreatedAt)
+	tenant := opts.TenantID
+	if tenant == "" {
+		tok, err := store.GetAPIToken(ctx, db.Pool, store.AllTenants, opts.TokenID)
+		require.NoError(t, err)
+		tenant = tok.TenantID
+	}
+	tt := store.TunnelTicket{ID: or(opts.ID, ids.New(ids.Ticket, at)), NodeID: opts.NodeID, Purpose: or(opts.Purpose, "shell"),
+		TenantID: tenant, TokenID: opts.TokenID, ReservationID: opts.ReservationID, CreatedAt: at,
+		ExpiresAt: or(opts.ExpiresAt, at.Add(time.Minute))}
+	require.NoError(t, store.CreateTunnelTicket(ctx, db.Pool, tt))
+	out, err := store.GetTunnelTicket(ctx, db.Pool, tt.ID)
+	require.NoError(t, err)
+	return out
+}

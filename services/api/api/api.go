@@ -1,9 +1,10 @@
 // Package api serves better-compute's public Connect API under
 // /api/compute/ (bc.compute.v1: NodeService, PoolService, ReservationService,
 // UsageService, JoinTokenService, TenantService, TokenService, AuditService,
-// CommandService, EventService), the NDJSON events watch
-// GET /api/compute/watch (events.go), the well-known document and, through
-// the service lifecycle (pkg/service), the probes.
+// CommandService, EventService, TunnelService), the NDJSON events watch
+// GET /api/compute/watch (events.go), the tunnels GET
+// /api/compute/tunnels/{ticket} (WebSockets; tunnel_ws.go), the well-known
+// document and, through the service lifecycle (pkg/service), the probes.
 //
 // Every request is authenticated by an API token (pkg/iam) and authorized by
 // the per-RPC table in authz.go; handlers then pass the caller's scope
@@ -59,8 +60,11 @@ const PathPrefix = "/api/compute"
 // command-signing.key, to sign the NodeSpecs a release changes (a release
 // drops an allocation; see pkg/store IntentSigner): turn it on wherever the
 // controllers sign, since daemons that joined with signed intent refuse
-// unsigned specs. Unlike the other services, the API has no default PKI
-// directory: without one it serves no well-known document.
+// unsigned specs. With a PKI directory it also reads tunnel-ticket.key, the
+// SSH user CAs and serving-ca.crt for TunnelService and the tunnels
+// (tunnels.go), and New fails when one is missing. Unlike the other
+// services, the API has no default PKI directory: without one it serves no
+// well-known document and refuses tunnels.
 type Config struct {
 	service.Database
 	service.NATS
@@ -83,6 +87,8 @@ type Config struct {
 	// through this server is refused at once; through another, once its
 	// revocation message arrives on NATS, or after this long at worst.
 	TokenCacheTTL time.Duration `env:"TOKEN_CACHE_TTL"`
+	// Tunnels tunes the tunnels (tunnel_ws.go).
+	Tunnels TunnelConfig
 }
 
 // ProbeAddr is Listen (service.Config).
@@ -118,6 +124,14 @@ type Server struct {
 	// (Unavailable) so that shutdown does not wait for them.
 	stopWatches chan struct{}
 	stopOnce    sync.Once
+	// keys are the tunnels' keys (tunnels.go); nil without a PKI
+	// directory.
+	keys *tunnelKeys
+	// gatewayClient reaches the gateways' control listeners; nil without
+	// keys.
+	gatewayClient *http.Client
+	// tunnels are the open tunnels (tunnel_ws.go).
+	tunnels tunnelRegistry
 	// queue batches RunCommand calls (commands.go), started on first use.
 	queue     *batch.Batcher[queueItem, queueAnswer]
 	queueOnce sync.Once
@@ -143,12 +157,24 @@ func New(cfg Config, deps Deps) (*Server, error) {
 			return nil, fmt.Errorf("api: %w", err)
 		}
 	}
+	if err := cfg.Tunnels.check(); err != nil {
+		return nil, fmt.Errorf("api: %w", err)
+	}
+	var keys *tunnelKeys
+	if cfg.PKIDir != "" {
+		if keys, err = loadTunnelKeys(cfg.PKIDir); err != nil {
+			return nil, fmt.Errorf("api: tunnels: %w", err)
+		}
+	}
 	authn := iam.NewAuthenticator(deps.DB)
 	if cfg.TokenCacheTTL != 0 {
 		authn.CacheTTL = cfg.TokenCacheTTL
 	}
 	s := &Server{cfg: cfg, deps: deps, db: deps.DB, logger: deps.Logger, authn: authn, wellKnown: wellKnown,
-		intent: intent, nc: deps.NC, clock: deps.Clock, stopWatches: make(chan struct{})}
+		intent: intent, nc: deps.NC, clock: deps.Clock, stopWatches: make(chan struct{}), keys: keys}
+	if keys != nil {
+		s.gatewayClient = newGatewayClient(keys.gatewayTLS)
+	}
 	if deps.NC != nil {
 		if s.revoked, err = deps.NC.Subscribe(store.SubjectAPITokenRevoked, s.tokenRevoked); err != nil {
 			return nil, fmt.Errorf("api: subscribe to %s: %w", store.SubjectAPITokenRevoked, err)
@@ -159,7 +185,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 
 // tokenRevoked drops the token a store.SubjectAPITokenRevoked message
 // names from the cache, or every cached token when the payload does not
-// name one.
+// name one, and has that token's tunnels (every tunnel) authorized again.
 func (s *Server) tokenRevoked(m *nats.Msg) {
 	var p store.APITokenRevoked
 	if err := json.Unmarshal(m.Data, &p); err != nil {
@@ -167,10 +193,11 @@ func (s *Server) tokenRevoked(m *nats.Msg) {
 		p.TokenID = ""
 	}
 	s.authn.Invalidate(p.TokenID)
+	s.tunnels.recheck(p.TokenID)
 }
 
 // Handler returns the API's HTTP handler: the Connect services under
-// PathPrefix, the events watch and the unauthenticated GET
+// PathPrefix, the events watch, the tunnels and the unauthenticated GET
 // /.well-known/better-compute (wellknown.go). Run serves it with the
 // probes.
 func (s *Server) Handler() http.Handler {
@@ -192,10 +219,12 @@ func (s *Server) Handler() http.Handler {
 	api.Handle(computev1connect.NewAuditServiceHandler(&auditService{s}, opts...))
 	api.Handle(computev1connect.NewEventServiceHandler(&eventService{s}, opts...))
 	api.Handle(computev1connect.NewCommandServiceHandler(&commandService{s}, opts...))
+	api.Handle(computev1connect.NewTunnelServiceHandler(&tunnelService{s}, opts...))
 
 	mux := http.NewServeMux()
 	mux.Handle(PathPrefix+"/", http.StripPrefix(PathPrefix, api))
 	mux.HandleFunc("GET "+WatchPath, s.serveWatch)
+	mux.HandleFunc("GET "+TunnelsPath+"{ticket}", s.serveTunnel)
 	mux.Handle("GET "+pki.WellKnownPath, s.wellKnown)
 	return mux
 }
@@ -205,8 +234,8 @@ func (s *Server) Name() string { return Name }
 
 // Run serves Handler and the probes on Config.Listen (or Listener) through
 // the service lifecycle (service.Run) until ctx ends; then it ends the
-// events watches (StopWatches), waits for the calls in flight and closes the
-// background work (Close).
+// events watches and the tunnels (StopWatches), waits for the calls in
+// flight and closes the background work (Close).
 func (s *Server) Run(ctx context.Context) error {
 	return service.Run(ctx, service.Spec{
 		Name:  Name,
@@ -218,7 +247,9 @@ func (s *Server) Run(ctx context.Context) error {
 }
 
 // Close stops the server's background work (the command queue's workers,
-// the subscription to token revocations); calls still queued fail with
+// the subscription to token revocations) and ends the open tunnels
+// (StopWatches), waiting for them to close (their WebSockets are the
+// server's no more once upgraded); calls still queued fail with
 // Unavailable. Run calls it once its server stopped; a caller of Handler
 // alone calls it when done.
 func (s *Server) Close() {
@@ -226,12 +257,28 @@ func (s *Server) Close() {
 		_ = s.revoked.Unsubscribe() // fails only when already gone
 	}
 	s.commandQueue().Close()
+	s.StopWatches()
+	s.tunnels.closeAndWait()
+	if s.gatewayClient != nil {
+		s.gatewayClient.CloseIdleConnections()
+	}
 }
 
 // StopWatches ends every events watch, now and to come, with Unavailable
-// (clients resume elsewhere or later); Run calls it when its server starts
-// shutting down.
+// (clients resume elsewhere or later), and every tunnel with a Close frame
+// "API shutting down" (new ones are refused with 503); Run calls it when its
+// server starts shutting down.
 func (s *Server) StopWatches() { s.stopOnce.Do(func() { close(s.stopWatches) }) }
+
+// stopping reports whether StopWatches was called.
+func (s *Server) stopping() bool {
+	select {
+	case <-s.stopWatches:
+		return true
+	default:
+		return false
+	}
+}
 
 // auditInTx writes the audit row of the current call, a successful call of
 // a Mutating RPC, in tx: the transaction of its change, so that the change

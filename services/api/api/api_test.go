@@ -19,6 +19,8 @@ import (
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/iam"
 	"github.com/better-compute/better-compute/pkg/ids"
+	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/services/api/api"
@@ -41,8 +43,10 @@ func TestMain(m *testing.M) {
 
 // fixture is two tenants with a pool each, and tokens of every role.
 type fixture struct {
-	db      *store.DB
-	url     string
+	db  *store.DB
+	url string
+	// pkiDir is the PKI directory of the fixture's API server (pki.Init).
+	pkiDir  string
 	rootTen string
 	acme    string
 	other   string
@@ -59,7 +63,10 @@ func setup(t *testing.T) *fixture {
 	db := storetest.New(t, clock.New())
 	ctx := t.Context()
 	now := db.Now()
-	f := &fixture{db: db, url: apitest.Start(t, db)}
+	dir := t.TempDir()
+	_, err := pki.Init(dir, pki.InitOptions{}, now)
+	require.NoError(t, err)
+	f := &fixture{db: db, pkiDir: dir, url: apitest.StartWith(t, db, api.Config{PKI: service.PKI{PKIDir: dir}})}
 	f.rootTen = apitest.Tenant(t, db, "root")
 	f.acme = apitest.Tenant(t, db, "acme")
 	f.other = apitest.Tenant(t, db, "other")
@@ -93,6 +100,7 @@ type clients struct {
 	apiTokens computev1connect.TokenServiceClient
 	audit     computev1connect.AuditServiceClient
 	commands  computev1connect.CommandServiceClient
+	tunnels   computev1connect.TunnelServiceClient
 	// events sends the token on streams too (streamBearer, events_test.go).
 	events computev1connect.EventServiceClient
 }
@@ -119,6 +127,7 @@ func (f *fixture) as(token string) clients {
 		apiTokens: computev1connect.NewTokenServiceClient(http.DefaultClient, base, opt),
 		audit:     computev1connect.NewAuditServiceClient(http.DefaultClient, base, opt),
 		commands:  computev1connect.NewCommandServiceClient(http.DefaultClient, base, opt),
+		tunnels:   computev1connect.NewTunnelServiceClient(http.DefaultClient, base, opt),
 		events:    computev1connect.NewEventServiceClient(http.DefaultClient, base, connect.WithInterceptors(streamBearer(token))),
 	}
 }

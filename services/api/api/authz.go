@@ -55,6 +55,15 @@ import (
 //	CommandService.GetCommand              commands.read       any (own tenant), root       no
 //	CommandService.ListCommands            commands.read       any (own tenant), root       no
 //	EventService.Watch                     events.read         any (own tenant), root       no
+//	TunnelService.CreateTicket             reservations.write  see below                    yes (node_id)
+//	TunnelService.IssueSshCertificate      reservations.write  see below                    yes (node_id)
+//
+// TunnelService's two RPCs admit tenant-member and stronger here; the
+// handler then asks for more (checkAccess, tunnels.go): a shell and
+// break-glass SSH (no reservation_id) need nodes.access (tenant-admin of the
+// node's tenant, root-admin), sandbox SSH (reservation_id) a reservation of
+// the caller's tenant active on the node. The tunnel each ticket opens is
+// authorized again, in the same words, while it is open (tunnel_ws.go).
 var Policy = iam.Policy{
 	computev1connect.NodeServiceListNodesProcedure:    {Permission: iam.PermFleetRead},
 	computev1connect.NodeServiceGetNodeProcedure:      {Permission: iam.PermFleetRead},
@@ -95,4 +104,8 @@ var Policy = iam.Policy{
 	computev1connect.CommandServiceListCommandsProcedure: {Permission: iam.PermCommandsRead},
 
 	computev1connect.EventServiceWatchProcedure: {Permission: iam.PermEventsRead},
+
+	computev1connect.TunnelServiceCreateTicketProcedure: {Permission: iam.PermReservationsWrite, Mutating: true, Target: "node_id"},
+	computev1connect.TunnelServiceIssueSshCertificateProcedure: {Permission: iam.PermReservationsWrite, Mutating: true,
+		Target: "node_id"},
 }

@@ -181,7 +181,7 @@ func (s *Server) serveWatch(w http.ResponseWriter, r *http.Request) {
 		writeHTTPError(w, http.StatusUnauthorized, connect.CodeUnauthenticated, err.Error())
 		return
 	case err != nil:
-		s.writeWatchError(w, r, false, fmt.Errorf("authenticate: %w", err))
+		s.writeStreamError(w, r, "watch", false, fmt.Errorf("authenticate: %w", err))
 		return
 	case !p.Can(iam.PermEventsRead):
 		writeHTTPError(w, http.StatusForbidden, connect.CodePermissionDenied,
@@ -245,22 +245,23 @@ func (s *Server) serveWatch(w http.ResponseWriter, r *http.Request) {
 	err = s.watch(ctx, p, authorization, watchRequest{types: req.Types, after: req.AfterId, fromStart: req.FromStart,
 		afterName: "after"}, func(cursor int64) error { started = true; return ready(cursor) }, send)
 	if err != nil && ctx.Err() == nil {
-		s.writeWatchError(w, r, started, err)
+		s.writeStreamError(w, r, "watch", started, err)
 	}
 }
 
-// writeWatchError tells the client of GET WatchPath what ended its watch,
-// as a JSON error response or, once the response has started, as its last
-// line (serveWatch), masked by service.PublicError (the real error is
-// logged).
-func (s *Server) writeWatchError(w http.ResponseWriter, r *http.Request, started bool, err error) {
+// writeStreamError tells the client of GET WatchPath (what "watch") what
+// ended its watch, as a JSON error response or, once the response has
+// started, as its last line (serveWatch), masked by service.PublicError (the
+// real error is logged); the tunnels (what "tunnel") use it before their
+// WebSocket.
+func (s *Server) writeStreamError(w http.ResponseWriter, r *http.Request, what string, started bool, err error) {
 	public, masked := service.PublicError(err)
 	code := connect.CodeOf(public)
 	switch {
 	case masked && code == connect.CodeUnavailable:
-		s.logger.WarnContext(r.Context(), "watch: database unavailable", "err", err)
+		s.logger.WarnContext(r.Context(), what+": database unavailable", "err", err)
 	case masked:
-		s.logger.ErrorContext(r.Context(), "watch", "err", err)
+		s.logger.ErrorContext(r.Context(), what, "err", err)
 	}
 	msg := public.Error()
 	var cerr *connect.Error

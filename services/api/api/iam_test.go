@@ -525,6 +525,40 @@ func matrixRows() []matrixRow {
 				return firstEvent(ctx, c, &computev1.WatchRequest{Types: []string{"node.*", "Node.*"}})
 			}, field: "types[1]",
 		},
+		{
+			proc: computev1connect.TunnelServiceCreateTicketProcedure,
+			// A shell on an adopted node of acme's: an operator's access.
+			arrange: newCommandNode,
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.tunnels.CreateTicket(ctx, connect.NewRequest(&computev1.CreateTicketRequest{NodeId: s.id,
+					Purpose: "shell"}))
+				return err
+			},
+			// A tenant-member passes the policy (reservations.write, for
+			// sandboxes) but a shell needs nodes.access.
+			viewer: pd, member: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
+			bad: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.tunnels.CreateTicket(ctx, connect.NewRequest(&computev1.CreateTicketRequest{NodeId: s.id,
+					Purpose: "rsh"}))
+				return err
+			}, field: "purpose",
+		},
+		{
+			proc: computev1connect.TunnelServiceIssueSshCertificateProcedure,
+			// A break-glass certificate for an adopted node of acme's.
+			arrange: newCommandNode,
+			call: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.tunnels.IssueSshCertificate(ctx, connect.NewRequest(&computev1.IssueSshCertificateRequest{
+					NodeId: s.id, PublicKey: testSSHKey}))
+				return err
+			},
+			viewer: pd, member: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
+			bad: func(ctx context.Context, c clients, s subject) error {
+				_, err := c.tunnels.IssueSshCertificate(ctx, connect.NewRequest(&computev1.IssueSshCertificateRequest{
+					NodeId: s.id, PublicKey: "ssh-ed25519 not-base64"}))
+				return err
+			}, field: "public_key",
+		},
 	}
 }
 

@@ -125,8 +125,8 @@ func (s *tokenService) ListTokens(ctx context.Context, req *connect.Request[comp
 }
 
 // RevokeToken revokes an API token at once: this server refuses it from the
-// next call on (its cache entry is dropped after the commit), other API
-// servers once the revocation's outbox message reaches them over NATS, or
+// next call on (its cache entry is dropped after the commit, and its open
+// tunnels are authorized again, so that they close), other API servers once the revocation's outbox message reaches them over NATS, or
 // after their Config.TokenCacheTTL at worst. Revoking it again changes
 // nothing and returns it. Errors: NotFound (token_id: missing, or of another
 // tenant), PermissionDenied (a token stronger than the caller's).
@@ -171,6 +171,7 @@ func (s *tokenService) RevokeToken(ctx context.Context, req *connect.Request[com
 		return nil, mapError(err)
 	}
 	s.authn.Invalidate(id)
+	s.tunnels.recheck(id) // its tunnels close now
 	s.logger.InfoContext(ctx, "api token revoked", "api_token.id", tok.ID, "tenant.id", tok.TenantID)
 	return connect.NewResponse(&computev1.RevokeTokenResponse{Token: apiTokenToProto(tok)}), nil
 }

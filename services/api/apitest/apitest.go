@@ -20,11 +20,19 @@ import (
 // /api/compute).
 func Start(t testing.TB, db *store.DB) string {
 	t.Helper()
+	return StartWith(t, db, api.Config{})
+}
+
+// StartWith is Start with the settings of cfg (a PKI directory, tunnel
+// limits, …); its Listener is the loopback port's.
+func StartWith(t testing.TB, db *store.DB, cfg api.Config) string {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatalf("apitest: %v", err)
 	}
-	srv, err := api.New(api.Config{Listener: ln}, api.Deps{DB: db, Logger: telemetry.Discard()})
+	cfg.Listener = ln
+	srv, err := api.New(cfg, api.Deps{DB: db, Logger: telemetry.Discard()})
 	if err != nil {
 		ln.Close()
 		t.Fatalf("apitest: %v", err)

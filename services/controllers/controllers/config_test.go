@@ -21,7 +21,8 @@ func TestReconcilerLeases(t *testing.T) {
 	srv, err := controllers.New(controllers.Config{Probes: service.Probes{NoHealthServer: true}}, controllers.Deps{DB: db, NC: nc})
 	require.NoError(t, err)
 	require.Equal(t, []string{controllers.LeaseAcceptance, controllers.LeaseExpiry, controllers.LeaseUsage,
-		controllers.LeaseLiveness, controllers.LeaseCommandExpiry}, srv.LeaseNames())
+		controllers.LeaseLiveness, controllers.LeaseCommandExpiry, controllers.LeaseSSHCAs,
+		controllers.LeaseJoining}, srv.LeaseNames())
 }
 
 // TestConfigDefaults: the variables' defaults are the reconcilers' own, so

@@ -2,19 +2,21 @@
 // the acceptance reconciler (joining → accepting → adopted or
 // acceptance_failed, see Acceptance), the expiry of reservations at their
 // end time (Expiry), the expiry of user commands at their deadline
-// (CommandExpiry), the usage sink (Usage) and the liveness sweeper
-// (Liveness). N replicas may run:
+// (CommandExpiry), the usage sink (Usage), the liveness sweeper (Liveness)
+// the SSH user CAs every NodeSpec carries (SSHCAs) and the removal of stale
+// joins (Joining). N replicas may run:
 //
 //   - Each reconciler runs behind a lease of its own, named LeasePrefix and
 //     its name (LeaseAcceptance, LeaseExpiry, LeaseUsage, LeaseLiveness,
-//     LeaseCommandExpiry), so one replica works at a time and another takes
-//     over within a lease TTL when it dies. None relies on the lease for
-//     safety: acceptance claims nodes with FOR UPDATE SKIP LOCKED and guards
-//     every transition on the node's state; Expiry claims reservations with
-//     SKIP LOCKED and ends them with store.EndReservation, which leaves an
-//     ended one alone; Usage writes windows with ON CONFLICT DO NOTHING. An
-//     overlap during a takeover (a stalled holder still running) does no
-//     harm.
+//     LeaseCommandExpiry, LeaseSSHCAs, LeaseJoining), so one replica works
+//     at a time and another takes over within a lease TTL when it dies. None
+//     relies on the lease for safety: acceptance claims nodes with FOR UPDATE
+//     SKIP LOCKED and guards every transition on the node's state; Expiry
+//     claims reservations with SKIP LOCKED and ends them with
+//     store.EndReservation, which leaves an ended one alone; Usage writes
+//     windows with ON CONFLICT DO NOTHING; SSHCAs locks the CA table; Joining
+//     claims nodes with SKIP LOCKED. An overlap during a takeover (a stalled
+//     holder still running) does no harm.
 //   - The outbox relay runs on every replica without a lease: it takes rows
 //     with FOR UPDATE SKIP LOCKED, so replicas share the work instead of
 //     waiting on each other, and a dead replica delays no poke by a lease
@@ -91,6 +93,9 @@ type Config struct {
 	// unreachable; at least 20 s (store.MinLivenessTimeout, which the
 	// invariant I4 needs), else the controllers do not start.
 	LivenessTimeout time.Duration `env:"LIVENESS_TIMEOUT,positive" default:"30s"`
+	// JoiningTimeout is how long a node may stay joining without ever
+	// opening a session before it is deleted (its token gets the use back).
+	JoiningTimeout time.Duration `env:"JOINING_TIMEOUT,positive" default:"1h"`
 	// LivenessInterval is how often the liveness sweeper looks.
 	LivenessInterval time.Duration `env:"LIVENESS_INTERVAL,positive" default:"1s"`
 }
@@ -108,6 +113,8 @@ type Server struct {
 	usage         *Usage
 	liveness      *Liveness
 	commandExpiry *CommandExpiry
+	sshCAs        *SSHCAs
+	joining       *Joining
 	// reconcilers run each behind its lease: leases[i] is reconcilers[i]'s.
 	reconcilers []service.Runner
 	leases      []*lease.Lease
@@ -146,9 +153,12 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		Timeout: cfg.LivenessTimeout, Interval: cfg.LivenessInterval, Batch: cfg.BatchSize}
 	s.commandExpiry = &CommandExpiry{DB: deps.DB, Logger: log("command-expiry"), Clock: deps.Clock,
 		Interval: cfg.ExpiryInterval, Batch: cfg.BatchSize}
+	s.joining = &Joining{DB: deps.DB, Logger: log("joining"), Clock: deps.Clock, Timeout: cfg.JoiningTimeout,
+		Batch: cfg.BatchSize}
+	s.sshCAs = &SSHCAs{DB: deps.DB, Logger: log("ssh-cas"), Clock: deps.Clock, PKIDir: cfg.PKIDir, Intent: intent}
 	// The reconcilers: each runs behind a lease of its own, LeasePrefix
 	// and its name. To add one, add it here.
-	s.reconcilers = []service.Runner{s.acceptance, s.expiry, s.usage, s.liveness, s.commandExpiry}
+	s.reconcilers = []service.Runner{s.acceptance, s.expiry, s.usage, s.liveness, s.commandExpiry, s.sshCAs, s.joining}
 	for _, r := range s.reconcilers {
 		s.leases = append(s.leases, cfg.Lease(LeasePrefix+r.Name(), deps))
 	}
@@ -171,6 +181,9 @@ func (s *Server) CommandExpiry() *CommandExpiry { return s.commandExpiry }
 
 // Liveness returns the liveness sweeper (for tests and tools).
 func (s *Server) Liveness() *Liveness { return s.liveness }
+
+// SSHCAs returns the SSH user CA reconciler (for tests and tools).
+func (s *Server) SSHCAs() *SSHCAs { return s.sshCAs }
 
 // LeaseNames returns the names of the reconcilers' leases, in the order of the
 // reconcilers.

@@ -1,6 +1,9 @@
 // Package gateway serves the daemons' sessions: bc.gateway.v1.GatewayService/
 // Session, a Connect bidi stream over HTTP/2 with mutual TLS (node
-// certificates signed by the node CA).
+// certificates signed by the node CA); and the tunnels to their machines
+// (tunnel.go): the API's end on a control server of its own (h2c,
+// GatewayControlService), the node's end beside its session
+// (GatewayService/Tunnel).
 //
 // A session starts with Hello; the gateway checks the client certificate
 // against the node and node_certs, makes the stream the node's live session
@@ -39,6 +42,9 @@
 // gateway's own state is about 1 KiB (the session record, the request
 // copy that carries it, map entries).
 //
+// SshRefused reports become node.ssh_refused events, written as spec
+// refusals are.
+//
 // To handle a new daemon message, add a case to (*Server).handle; to send a
 // new kind of message, add it to (*Server).deliver so that it is covered by
 // the coalescing wake-up and by the periodic re-read.
@@ -46,6 +52,7 @@ package gateway
 
 import (
 	"context"
+	"crypto/ed25519"
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/json"
@@ -54,6 +61,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"path/filepath"
 	"sync"
@@ -132,6 +140,37 @@ type Config struct {
 	IdleTimeout time.Duration `env:"GATEWAY_IDLE_TIMEOUT"`
 	// HelloTimeout closes a stream that sent no Hello for this long.
 	HelloTimeout time.Duration `default:"10s"`
+
+	// ControlListen is the address of the control server: cleartext HTTP/2
+	// (h2c) serving GatewayControlService, where the API opens tunnels
+	// (docs/architecture.md, "Tunnels"). Each tunnel is authenticated by
+	// its exec ticket, but the server is for the control plane's network
+	// only, never the machines'.
+	ControlListen string `env:"CONTROL_LISTEN" default:":8086"`
+	// ControlListener, when set, is where the control server accepts
+	// connections instead of ControlListen; Run closes it. Tests and
+	// `better-compute dev` pass one on 127.0.0.1:0.
+	ControlListener net.Listener
+	// ControlURL is where the API reaches the control server, http://HOST:PORT,
+	// recorded in gateways.control_url at start. Unset: http://<host
+	// name>:<port of CONTROL_LISTEN>, with its IP instead of the host name
+	// when it listens on a specific one (Go callers: ControlListener's
+	// address when it is set).
+	ControlURL string `env:"CONTROL_URL"`
+	// TicketKey verifies exec tickets (pkg/tunnel); PKIDir's
+	// tunnel-ticket.pub when nil. Without a key the gateway runs but
+	// refuses every tunnel (FailedPrecondition "tunnels are not
+	// configured: …").
+	TicketKey ed25519.PublicKey
+	// TunnelOpenTimeout is how long a tunnel waits for its node to dial
+	// back (GatewayService.Tunnel) once OpenTunnel is queued on the node's
+	// session; then it fails with DeadlineExceeded.
+	TunnelOpenTimeout time.Duration `env:"GATEWAY_TUNNEL_OPEN_TIMEOUT,positive" default:"10s"`
+	// TunnelsPerNode is the most tunnels, pending or open, that one node
+	// has through this gateway; one more is refused with
+	// ResourceExhausted. The API's limits (per node and per token, across
+	// gateways) come first; this one bounds what one gateway holds.
+	TunnelsPerNode int `env:"GATEWAY_TUNNELS_PER_NODE,positive" default:"16"`
 }
 
 // Deps are the gateway's dependencies: DB and NC (the pokes) are required.
@@ -157,7 +196,13 @@ type Server struct {
 	clk     clock.Clock
 	tls     *tls.Config
 	handler http.Handler
-	seen    *lastSeenBatcher
+	// control is the control server's handler (GatewayControlService).
+	control http.Handler
+	// ticketKey verifies exec tickets; nil when the gateway has none, and
+	// ticketErr says why.
+	ticketKey ed25519.PublicKey
+	ticketErr error
+	seen      *lastSeenBatcher
 	// batch holds the batched writes of the sessions; set by Run before
 	// it serves, closed once every session ended.
 	batch *batchers
@@ -171,8 +216,17 @@ type Server struct {
 	unclosed []unclosedSession
 	closing  bool // no new streams once shutdown started
 
-	handlers sync.WaitGroup // running Session handlers
-	ran      atomic.Bool
+	// tunnels are the pending and open tunnels by id, ofNode the same by
+	// node, and tickets the ids of the exec tickets seen, each kept until
+	// its expiry (tunnel.go).
+	tunnels        map[string]*tunnel
+	ofNode         map[string]map[*tunnel]struct{}
+	tickets        map[string]time.Time
+	tunnelsClosing bool // no new tunnels once shutdown started
+
+	handlers       sync.WaitGroup // running Session handlers
+	tunnelHandlers sync.WaitGroup // running Tunnel handlers, of both services
+	ran            atomic.Bool
 }
 
 // New checks cfg, fills its defaults, loads the TLS pieces that are unset
@@ -219,6 +273,12 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		}
 		cfg.TrustDomain = td
 	}
+	if cfg.ControlURL == "" {
+		cfg.ControlURL = defaultControlURL(cfg.ControlListen, cfg.ControlListener)
+	}
+	if err := checkControlURL(cfg.ControlURL); err != nil {
+		return nil, err
+	}
 	s := &Server{
 		cfg:     cfg,
 		deps:    deps,
@@ -228,6 +288,16 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		clk:     deps.Clock,
 		streams: make(map[*session]struct{}),
 		byNode:  make(map[string]*session),
+		tunnels: make(map[string]*tunnel),
+		ofNode:  make(map[string]map[*tunnel]struct{}),
+		tickets: make(map[string]time.Time),
+	}
+	s.ticketKey, s.ticketErr = cfg.TicketKey, nil
+	if s.ticketKey == nil {
+		s.ticketKey, s.ticketErr = loadTicketKey(filepath.Join(cfg.PKIDir, pki.TunnelTicketPub))
+	}
+	if s.ticketErr != nil {
+		s.log.Warn("the gateway refuses every tunnel", telemetry.KeyError, s.ticketErr)
 	}
 	s.seen = newLastSeenBatcher(s.db, s.clk, s.log, cfg.GatewayID, cfg.FlushInterval, cfg.FlushBatch, s.fence)
 	s.tls = &tls.Config{
@@ -246,9 +316,60 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	// session (BenchmarkIdleSessionMemory). Database calls are still
 	// traced by otelpgx.
 	mux.Handle(gatewayv1connect.NewGatewayServiceHandler(s, connect.WithCompressMinBytes(service.CompressMinBytes)))
+	// The node's end of a tunnel has options of its own (tunnelOptions),
+	// on the more specific path.
+	mux.Handle(gatewayv1connect.GatewayServiceTunnelProcedure, connect.NewBidiStreamHandler(
+		gatewayv1connect.GatewayServiceTunnelProcedure, s.Tunnel, tunnelOptions()...))
 	mux.Handle(grpchealth.NewHandler(grpchealth.NewStaticChecker(gatewayv1connect.GatewayServiceName)))
 	s.handler = s.peerMiddleware(mux)
+
+	cmux := http.NewServeMux()
+	cmux.Handle(gatewayv1connect.NewGatewayControlServiceHandler(controlService{s}, tunnelOptions()...))
+	cmux.Handle(grpchealth.NewHandler(grpchealth.NewStaticChecker(gatewayv1connect.GatewayControlServiceName)))
+	s.control = streamMiddleware(cmux)
 	return s, nil
+}
+
+// defaultControlURL is http://HOST:PORT of the control server listening on
+// ln (when set) or addr: HOST is the listener's IP when it is a specific
+// one, else the host name (localhost when unknown).
+func defaultControlURL(addr string, ln net.Listener) string {
+	if ln != nil {
+		addr = ln.Addr().String()
+	}
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		host, port = "", addr
+	}
+	if ip := net.ParseIP(host); host == "" || (ip != nil && ip.IsUnspecified()) {
+		host = "localhost"
+		if h, err := os.Hostname(); err == nil && h != "" {
+			host = h
+		}
+	}
+	return "http://" + net.JoinHostPort(host, port)
+}
+
+// checkControlURL refuses a ControlURL that is not http(s)://HOST[:PORT].
+func checkControlURL(s string) error {
+	u, err := url.Parse(s)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || (u.Path != "" && u.Path != "/") {
+		return &config.Error{Name: config.Prefix + "CONTROL_URL", Err: fmt.Errorf("%q is not http://HOST:PORT", s)}
+	}
+	return nil
+}
+
+// loadTicketKey reads the tunnel-ticket public key at path.
+func loadTicketKey(path string) (ed25519.PublicKey, error) {
+	pub, _, err := pki.LoadPublicKey(path)
+	if err != nil {
+		return nil, err
+	}
+	key, ok := pub.(ed25519.PublicKey)
+	if !ok {
+		return nil, fmt.Errorf("%s: not an Ed25519 public key", path)
+	}
+	return key, nil
 }
 
 // GatewayID returns the gateway's id.
@@ -285,18 +406,26 @@ func (s *Server) Run(ctx context.Context) error {
 	if !s.ran.CompareAndSwap(false, true) {
 		return errors.New("gateway: Run called twice")
 	}
-	servers := append([]service.HTTPServer{{Name: "sessions", Addr: s.cfg.Listen, Listener: s.cfg.Listener,
-		Handler: s.handler, TLS: s.tls, Tune: s.tuneHTTP, OnShutdown: s.closeAll}}, s.cfg.Servers()...)
+	// The control server stops first: its tunnels close (saying the
+	// gateway is shutting down) before the sessions do.
+	servers := append([]service.HTTPServer{
+		{Name: "sessions", Addr: s.cfg.Listen, Listener: s.cfg.Listener, Handler: s.handler, TLS: s.tls, Tune: s.tuneHTTP,
+			OnShutdown: s.closeAll},
+		{Name: "control", Addr: s.cfg.ControlListen, Listener: s.cfg.ControlListener, Handler: s.control, Tune: tuneControl,
+			OnShutdown: s.closeTunnels},
+	}, s.cfg.Servers()...)
 	// The loops outlive the servers, and the sessions that end as they
 	// stop: those still clear themselves and get their last_seen flushed.
 	return service.Run(ctx, service.Spec{Name: Name, Deps: s.deps, Servers: servers,
 		Parts: []service.Runner{&loops{s: s}, service.OnStop("sessions", s.endSessions)}})
 }
 
-// endSessions aborts every open stream and waits for their handlers.
+// endSessions aborts every open stream and tunnel and waits for their
+// handlers.
 func (s *Server) endSessions() {
 	s.closeAll()
 	s.handlers.Wait()
+	s.tunnelHandlers.Wait()
 }
 
 // loops is the gateway's own part of its run.
@@ -317,6 +446,9 @@ func (l *loops) Start(ctx context.Context) error {
 	} else if n > 0 {
 		s.log.Info("cleared sessions of a previous run", "nodes", n)
 	}
+	if err := store.RegisterGateway(ctx, s.db.Pool, s.cfg.GatewayID, s.cfg.ControlURL, s.db.Now()); err != nil {
+		return err
+	}
 	subject := store.SubjectPokeGatewayPrefix + s.cfg.GatewayID
 	sub, err := s.nc.Subscribe(subject, s.onPoke)
 	if err != nil {
@@ -324,7 +456,7 @@ func (l *loops) Start(ctx context.Context) error {
 	}
 	l.sub = sub
 	s.batch = s.startBatchers()
-	s.log.Info("gateway starting", "poke_subject", subject)
+	s.log.Info("gateway starting", "poke_subject", subject, "control_url", s.cfg.ControlURL)
 	return nil
 }
 
@@ -356,12 +488,18 @@ func (s *Server) tuneHTTP(srv *http.Server) {
 	p.SetHTTP2(true)
 	srv.Protocols = &p
 	srv.IdleTimeout = 2 * time.Minute
+	// A daemon holds one session and up to TunnelsPerNode tunnels; a few
+	// more streams cover a reconnect racing the old stream's end.
+	streams := s.cfg.TunnelsPerNode + 4
 	srv.HTTP2 = &http.HTTP2Config{
-		// A daemon holds one session; a few more streams cover a
-		// reconnect racing the old stream's end.
-		MaxConcurrentStreams:          16,
-		MaxReceiveBufferPerStream:     256 << 10,
-		MaxReceiveBufferPerConnection: 512 << 10,
+		MaxConcurrentStreams:      streams,
+		MaxReceiveBufferPerStream: streamWindow,
+		// Room for every stream's window: HTTP/2 returns the
+		// connection's flow-control credit only as handlers read, so with
+		// less, a tunnel whose other end stopped reading would starve the
+		// connection's session and other tunnels. A window is only
+		// credit: memory is taken by data received and not yet read.
+		MaxReceiveBufferPerConnection: streams * streamWindow,
 		// Tiny HPACK tables: a session sends one set of headers, so
 		// dynamic tables would only hold memory for its lifetime.
 		MaxDecoderHeaderTableSize: 1,
@@ -369,6 +507,10 @@ func (s *Server) tuneHTTP(srv *http.Server) {
 	}
 	srv.ErrorLog = slog.NewLogLogger(s.log.Handler(), slog.LevelDebug)
 }
+
+// streamWindow is the HTTP/2 receive window of each stream of the
+// Session server, in bytes.
+const streamWindow = 256 << 10
 
 // fence aborts every open stream (not stopping the gateway): it runs when
 // last_seen could not be written for store.GatewayFenceAfter, so that the
@@ -385,8 +527,9 @@ func (s *Server) fence() {
 	}
 }
 
-// closeAll refuses new streams and aborts every open one.
+// closeAll refuses new streams and tunnels and aborts every open one.
 func (s *Server) closeAll() {
+	s.closeTunnels()
 	s.mu.Lock()
 	s.closing = true
 	all := make([]*session, 0, len(s.streams))
@@ -474,8 +617,8 @@ func (s *Server) retryCloses(ctx context.Context) {
 	}
 }
 
-// resync closes silent streams, writes the session closes that failed
-// again, and re-reads, in one query, the pending work
+// resync closes silent streams, forgets the exec tickets that expired,
+// writes the session closes that failed again, and re-reads, in one query, the pending work
 // of every session this gateway holds: it wakes the sessions whose node has
 // queued commands or a spec newer than the session knows, and closes the
 // sessions that another session superseded or whose node or certificate was
@@ -507,6 +650,7 @@ func (s *Server) resync(ctx context.Context) {
 	for _, x := range silent {
 		x.st.abort(x.err)
 	}
+	s.pruneTickets(s.clk.Now())
 	s.retryCloses(ctx)
 	if len(refs) == 0 {
 		return

@@ -128,7 +128,9 @@ func (e *env) exec(sql string, args ...any) {
 type gw struct {
 	srv  *gateway.Server
 	addr string
-	stop func()
+	// controlURL is the control server's URL (http://127.0.0.1:PORT).
+	controlURL string
+	stop       func()
 }
 
 // startGateway runs a gateway with cfg (its listener and PKI filled in; no
@@ -138,6 +140,10 @@ func (e *env) startGateway(cfg gateway.Config) *gw {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(e.t, err)
 	cfg.Listener = ln
+	if cfg.ControlListener == nil {
+		cfg.ControlListener, err = net.Listen("tcp", "127.0.0.1:0")
+		require.NoError(e.t, err)
+	}
 	cfg.PKIDir = e.pkiDir
 	cfg.NoHealthServer = cfg.HealthListener == nil
 	if cfg.GatewayID == "" {
@@ -156,7 +162,7 @@ func (e *env) startGateway(cfg gateway.Config) *gw {
 		})
 	}
 	e.t.Cleanup(stop)
-	return &gw{srv: srv, addr: ln.Addr().String(), stop: stop}
+	return &gw{srv: srv, addr: ln.Addr().String(), controlURL: "http://" + cfg.ControlListener.Addr().String(), stop: stop}
 }
 
 // relay runs the outbox relay until the test ends.
@@ -230,11 +236,18 @@ func (e *env) issue(id string) tls.Certificate {
 
 // client returns a Connect client of g presenting cert over HTTP/2 mTLS.
 func (e *env) client(g *gw, cert tls.Certificate) gatewayv1connect.GatewayServiceClient {
+	return e.clientDialing(g, cert, nil)
+}
+
+// clientDialing is client, dialing its connections with dial (net.Dialer's
+// when nil).
+func (e *env) clientDialing(g *gw, cert tls.Certificate, dial func(ctx context.Context, network, addr string) (net.Conn, error)) gatewayv1connect.GatewayServiceClient {
 	var p http.Protocols
 	p.SetHTTP2(true)
 	tr := &http.Transport{
 		TLSClientConfig: &tls.Config{RootCAs: e.servingCAs, Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS13},
 		Protocols:       &p,
+		DialContext:     dial,
 	}
 	e.t.Cleanup(tr.CloseIdleConnections)
 	return gatewayv1connect.NewGatewayServiceClient(&http.Client{Transport: tr}, "https://"+g.addr)

@@ -35,7 +35,30 @@ var (
 	// errRevoked ends the session of a revoked node or certificate, and
 	// refuses its Hello.
 	errRevoked = connect.NewError(connect.CodeUnauthenticated, errors.New("certificate revoked"))
+	// Refusals of a client certificate, at Hello and for a node's tunnel.
+	errNoNodeCert  = connect.NewError(connect.CodeUnauthenticated, errors.New("the client certificate names no node of this trust domain"))
+	errUnknownCert = connect.NewError(connect.CodeUnauthenticated, errors.New("the client certificate is not known"))
+	errExpiredCert = connect.NewError(connect.CodeUnauthenticated, errors.New("the client certificate has expired"))
 )
+
+// certRefusal says why st's client certificate may not be used at now,
+// given its node_certs row as store.GetSessionCert or LockSessionCert
+// returned it (cert, err): unknown, another node's, revoked, expired. It
+// returns nil, nil when the certificate may be used, and a database error as
+// its second result.
+func certRefusal(st *session, cert store.SessionCert, err error, now time.Time) (error, error) {
+	switch {
+	case errors.Is(err, store.ErrNotFound) || (err == nil && cert.NodeID != st.certID):
+		return errUnknownCert, nil
+	case err != nil:
+		return nil, err
+	case cert.RevokedAt != nil:
+		return errRevoked, nil
+	case !cert.NotAfter.After(now):
+		return errExpiredCert, nil
+	}
+	return nil, nil
+}
 
 // Delivery states of a session (session.state). A wake moves idle to
 // running (and starts a delivery goroutine) or running to dirty (the
@@ -208,7 +231,7 @@ func raise(v *atomic.Int64, n int64) {
 }
 
 // Session implements bc.gateway.v1.GatewayService/Session.
-func (s *Server) Session(ctx context.Context, stream *connect.BidiStream[gatewayv1.SessionRequest, gatewayv1.SessionResponse]) error {
+func (s *Server) Session(ctx context.Context, stream *connect.BidiStream[gatewayv1.SessionRequest, gatewayv1.SessionResponse]) (err error) {
 	st := sessionFrom(ctx)
 	if st == nil {
 		return connect.NewError(connect.CodeUnauthenticated, errors.New("the session needs a client certificate over TLS"))
@@ -233,7 +256,7 @@ func (s *Server) Session(ctx context.Context, stream *connect.BidiStream[gateway
 	if err != nil {
 		return err
 	}
-	defer s.closeSession(st)
+	defer func() { s.closeSession(st, err) }()
 	if err := stream.Send(welcome); err != nil {
 		return st.endErr(err)
 	}
@@ -281,7 +304,7 @@ func (s *Server) hello(ctx context.Context, st *session, h *gatewayv1.Hello) (*g
 		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("hello.node_id is required"))
 	}
 	if st.certErr != nil {
-		return nil, connect.NewError(connect.CodeUnauthenticated, errors.New("the client certificate names no node of this trust domain"))
+		return nil, errNoNodeCert
 	}
 	if st.certID != h.GetNodeId() {
 		s.log.WarnContext(ctx, "hello names another node than the certificate", telemetry.KeyNodeID, h.GetNodeId(), "cert_node_id", st.certID)
@@ -292,20 +315,9 @@ func (s *Server) hello(ctx context.Context, st *session, h *gatewayv1.Hello) (*g
 	var opened store.OpenedSession
 	var refusal error
 	err := s.db.InTx(ctx, func(tx pgx.Tx) error {
-		refusal = nil
 		cert, err := store.GetSessionCert(ctx, tx, st.serial)
-		switch {
-		case errors.Is(err, store.ErrNotFound) || (err == nil && cert.NodeID != st.certID):
-			refusal = connect.NewError(connect.CodeUnauthenticated, errors.New("the client certificate is not known"))
-			return nil
-		case err != nil:
+		if refusal, err = certRefusal(st, cert, err, now); refusal != nil || err != nil {
 			return err
-		case cert.RevokedAt != nil:
-			refusal = errRevoked
-			return nil
-		case !cert.NotAfter.After(now):
-			refusal = connect.NewError(connect.CodeUnauthenticated, errors.New("the client certificate has expired"))
-			return nil
 		}
 		opened, err = store.OpenSession(ctx, tx, store.OpenSessionParams{
 			NodeID:             st.certID,
@@ -347,7 +359,7 @@ func (s *Server) hello(ctx context.Context, st *session, h *gatewayv1.Hello) (*g
 	s.mu.Unlock()
 	if older == st {
 		st.state.Store(stClosed) // no delivery ever ran
-		s.closeSession(st)
+		s.closeSession(st, errSuperseded)
 		return nil, errSuperseded
 	}
 	if older != nil {
@@ -364,10 +376,11 @@ func (s *Server) hello(ctx context.Context, st *session, h *gatewayv1.Hello) (*g
 	}}}, nil
 }
 
-// closeSession ends st as a node's session: it waits for a delivery in
-// flight, unregisters st and clears the node's session in the database if it
-// is still st's.
-func (s *Server) closeSession(st *session) {
+// closeSession ends st as a node's session, which its handler ended with
+// err: it waits for a delivery in flight, unregisters st, ends the tunnels
+// st carried and clears the node's session in the database if it is still
+// st's.
+func (s *Server) closeSession(st *session, err error) {
 	for {
 		old := st.state.Load()
 		if st.state.CompareAndSwap(old, old|stClosed) {
@@ -385,6 +398,8 @@ func (s *Server) closeSession(st *session) {
 		delete(s.byNode, st.nodeID)
 	}
 	s.mu.Unlock()
+	// No tunnel joins st now: addTunnel takes st only from byNode.
+	s.endSessionTunnels(st, err)
 
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(st.ctx), 5*time.Second)
 	defer cancel()
@@ -392,9 +407,9 @@ func (s *Server) closeSession(st *session) {
 	if ns := st.lastRecv.Load(); ns > 0 {
 		lastSeen = time.Unix(0, ns).UTC().Truncate(time.Microsecond)
 	}
-	cleared, err := s.clearSession(ctx, unclosedSession{nodeID: st.nodeID, sessionID: st.sessionID, lastSeen: lastSeen})
-	if err != nil {
-		s.log.Warn("clear session (resync writes it again)", telemetry.KeyNodeID, st.nodeID, telemetry.KeySessionID, st.sessionID, telemetry.KeyError, err)
+	cleared, cerr := s.clearSession(ctx, unclosedSession{nodeID: st.nodeID, sessionID: st.sessionID, lastSeen: lastSeen})
+	if cerr != nil {
+		s.log.Warn("clear session (resync writes it again)", telemetry.KeyNodeID, st.nodeID, telemetry.KeySessionID, st.sessionID, telemetry.KeyError, cerr)
 	}
 	s.log.Info("session closed", telemetry.KeyNodeID, st.nodeID, telemetry.KeySessionID, st.sessionID, "cleared", cleared)
 }
@@ -441,7 +456,7 @@ func (s *Server) deliverLoop(st *session) {
 }
 
 // deliver sends st the work it does not have: a pending CertificateIssued,
-// the commands it claims and the DesiredState when the spec is newer than
+// the OpenTunnel of each tunnel pending on it, the commands it claims and the DesiredState when the spec is newer than
 // what the daemon has or was sent, each with its stored signature. It ends
 // the session of a revoked node. Failures are logged; the periodic re-read
 // retries.
@@ -453,6 +468,9 @@ func (s *Server) deliver(st *session) {
 			s.log.Debug("send certificate", telemetry.KeyNodeID, st.nodeID, telemetry.KeyError, err)
 			return
 		}
+	}
+	if !s.announceTunnels(st) {
+		return
 	}
 	known := st.known()
 	d, err := s.batch.claims.Do(ctx, store.ClaimRequest{NodeID: st.nodeID, SessionID: st.sessionID, Known: known, InFlight: st.inFlight})
@@ -581,7 +599,8 @@ func (s *Server) commandUpdate(ctx context.Context, st *session, u *gatewayv1.Co
 }
 
 // report stores what a daemon reports: observed_generation, AllocationBound
-// (the reservation turns active, store.ActivateReservation) and SpecRefused;
+// (the reservation turns active, store.ActivateReservation), SpecRefused
+// and SshRefused;
 // AllocationUnbound is logged (the reservation ended before the spec dropped
 // it). Nothing here, nor the end of a session, ends a reservation (I5).
 func (s *Server) report(ctx context.Context, st *session, r *gatewayv1.Report) error {
@@ -598,6 +617,8 @@ func (s *Server) report(ctx context.Context, st *session, r *gatewayv1.Report) e
 		s.log.Info("observed generation", telemetry.KeyNodeID, st.nodeID, "observed_generation", gen)
 	case *gatewayv1.Report_SpecRefused:
 		return s.specRefused(ctx, st, m.SpecRefused)
+	case *gatewayv1.Report_SshRefused:
+		return s.sshRefused(ctx, st, m.SshRefused)
 	case *gatewayv1.Report_AllocationBound:
 		return s.allocationBound(ctx, st, m.AllocationBound)
 	case *gatewayv1.Report_AllocationUnbound:

@@ -32,6 +32,7 @@ import (
 	"net"
 	"net/http"
 	"path/filepath"
+	"sync/atomic"
 
 	"buf.build/go/protovalidate"
 	"connectrpc.com/connect"
@@ -100,7 +101,14 @@ type Server struct {
 	commandRoot []byte
 	// batch records joins in shared transactions.
 	batch *batcher
+	// issued counts the node certificates signed (CertificatesIssued).
+	issued atomic.Int64
 }
+
+// CertificatesIssued returns how many node certificates this server has
+// signed: joins and rejoins, refused ones included when the refusal came
+// after the signature.
+func (s *Server) CertificatesIssued() int64 { return s.issued.Load() }
 
 var _ joinv1connect.JoinServiceHandler = (*Server)(nil)
 
@@ -186,18 +194,27 @@ func (s *Server) Join(ctx context.Context, req *connect.Request[joinv1.JoinReque
 	}
 	claims := req.Msg.GetClaims()
 
-	// The node and its certificate are made before the token is checked:
-	// signing needs no lock, and both are dropped unsent if it is refused.
+	// An unknown, revoked or expired token is refused before anything is
+	// signed. The node and its certificate are then made before the token is
+	// locked and its use counted (signing needs no lock), and both are
+	// dropped unsent if that refuses it.
 	now := s.db.Now()
+	if _, err := store.CheckJoinToken(ctx, s.db.Pool, in.tokenHash, now); err != nil {
+		return nil, s.mapError(ctx, err)
+	}
 	nodeID := ids.New(ids.Node, now)
 	cert, err := s.nodeCA.IssueNode(in.csr, nodeID, s.trustDomain, now, s.cfg.NodeCertTTL)
 	if err != nil {
 		return nil, s.mapError(ctx, err)
 	}
+	s.issued.Add(1)
 	var res joinResult
 	// A join whose key another join of its batch used is recorded by that
-	// one; once it is, this one finds it as a retry (rejoin).
-	for range 2 {
+	// one; once it is, this one finds it as a retry (rejoin). A batch that
+	// met a key joined concurrently by another replica's batch rolled back
+	// whole (ConstraintNodeJoinKey): its joins are recorded again, and that
+	// one finds its node.
+	for range 3 {
 		res = s.batch.do(ctx, &joinReq{
 			hash: in.tokenHash,
 			cert: cert,
@@ -206,7 +223,7 @@ func (s *Server) Join(ctx context.Context, req *connect.Request[joinv1.JoinReque
 				Variant: claims.GetVariant(), AgentVersion: claims.GetAgentVersion(),
 			},
 		})
-		if !errors.Is(res.err, errSameKeyInBatch) {
+		if !errors.Is(res.err, errSameKeyInBatch) && !store.IsConstraint(res.err, store.ConstraintNodeJoinKey) {
 			break
 		}
 	}
@@ -253,6 +270,7 @@ func (s *Server) rejoin(ctx context.Context, in joinInput, j store.JoinedKey, to
 	if err != nil {
 		return "", nil, s.mapError(ctx, err)
 	}
+	s.issued.Add(1)
 	if err := store.CreateNodeCert(ctx, s.db.Pool, store.NewNodeCert{Serial: pki.SerialHex(cert), NodeID: j.NodeID,
 		PublicKeySHA256: pki.PublicKeySHA256(cert), NotBefore: cert.NotBefore, NotAfter: cert.NotAfter, CreatedAt: now}); err != nil {
 		return "", nil, s.mapError(ctx, err)

@@ -60,6 +60,7 @@ type fixture struct {
 	tenantID string
 	client   joinv1connect.JoinServiceClient
 	url      string
+	srv      *joinservice.Server
 	// joinKey is JoinService's HPKE public key, pins the deployment's pins
 	// and signSPKI the join signing key: what a daemon joins with.
 	joinKey  *ecdh.PublicKey
@@ -105,6 +106,7 @@ func setupWith(t *testing.T, edit func(*joinservice.Config)) *fixture {
 	}
 	srv, err := joinservice.New(cfg, joinservice.Deps{DB: db, Logger: telemetry.Discard()})
 	require.NoError(t, err)
+	f.srv = srv
 	sctx, cancel := context.WithCancel(context.Background())
 	var g errgroup.Group
 	g.Go(func() error { return srv.Run(sctx) })
@@ -356,13 +358,19 @@ func TestJoinRefusals(t *testing.T) {
 			connect.CodeInvalidArgument, "sealed_token"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			signed := f.srv.CertificatesIssued()
 			_, err := f.client.Join(ctx, connect.NewRequest(tc.req))
 			require.Error(t, err)
 			require.Equal(t, tc.code, connect.CodeOf(err), "%v", err)
 			var cerr *connect.Error
 			require.ErrorAs(t, err, &cerr)
 			require.True(t, strings.Contains(cerr.Message(), tc.msg), "message %q should contain %q", cerr.Message(), tc.msg)
-			// Nothing was consumed.
+			// Nothing was consumed, and nothing signed for a token that
+			// is unknown, revoked or expired (nor for a request refused
+			// before its token is read).
+			if tc.name != "used-up token" {
+				require.Equal(t, signed, f.srv.CertificatesIssued(), "no certificate signed")
+			}
 			require.Zero(t, f.count(t, `SELECT count(*) FROM nodes`))
 			require.Zero(t, f.count(t, `SELECT count(*) FROM node_certs`))
 			require.Zero(t, f.count(t, `SELECT count(*) FROM outbox`))

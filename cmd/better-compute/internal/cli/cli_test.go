@@ -24,6 +24,11 @@ import (
 )
 
 func TestMain(m *testing.M) {
+	if os.Getenv(cliSubprocessEnv) == "1" {
+		// The test binary as the CLI, for tests that run it on a
+		// pseudo-terminal (console_test.go).
+		os.Exit(runCLISubprocess())
+	}
 	code := m.Run()
 	storetest.Stop()
 	os.Exit(code)
@@ -319,7 +324,7 @@ func TestBootstrapIsIdempotent(t *testing.T) {
 	require.Equal(t, first.stdout, string(envContent))
 	stTok, err := os.Stat(tokenFile)
 	require.NoError(t, err)
-	require.Equal(t, os.FileMode(0o644), stTok.Mode().Perm())
+	require.Equal(t, os.FileMode(0o600), stTok.Mode().Perm(), "the join token is a secret: owner-only")
 	stEnv, err := os.Stat(envFile)
 	require.NoError(t, err)
 	require.Equal(t, os.FileMode(0o600), stEnv.Mode().Perm(), "root.env holds the root-admin token: owner-only")

@@ -30,6 +30,7 @@ type apiClients struct {
 	apiTokens computev1connect.TokenServiceClient
 	audit     computev1connect.AuditServiceClient
 	commands  computev1connect.CommandServiceClient
+	tunnels   computev1connect.TunnelServiceClient
 }
 
 // baseURL returns the API's base URL: --url, else BETTER_COMPUTE_URL, else
@@ -49,12 +50,9 @@ func (a *app) baseURL() string {
 // clients returns API clients that authenticate with --token or
 // BETTER_COMPUTE_TOKEN and send BETTER_COMPUTE_TENANT as X-BC-Tenant.
 func (a *app) clients() (*apiClients, error) {
-	token := a.token
-	if token == "" {
-		token = a.env.Getenv("BETTER_COMPUTE_TOKEN")
-	}
-	if token == "" {
-		return nil, errors.New("no API token: set BETTER_COMPUTE_TOKEN or pass --token")
+	token, err := a.apiToken()
+	if err != nil {
+		return nil, err
 	}
 	tenant := a.env.Getenv("BETTER_COMPUTE_TENANT")
 	headers := connect.UnaryInterceptorFunc(func(next connect.UnaryFunc) connect.UnaryFunc {
@@ -79,7 +77,21 @@ func (a *app) clients() (*apiClients, error) {
 		apiTokens: computev1connect.NewTokenServiceClient(hc, base, opt),
 		audit:     computev1connect.NewAuditServiceClient(hc, base, opt),
 		commands:  computev1connect.NewCommandServiceClient(hc, base, opt),
+		tunnels:   computev1connect.NewTunnelServiceClient(hc, base, opt),
 	}, nil
+}
+
+// apiToken returns --token, else BETTER_COMPUTE_TOKEN; an error says how to
+// set one when neither is.
+func (a *app) apiToken() (string, error) {
+	token := a.token
+	if token == "" {
+		token = a.env.Getenv("BETTER_COMPUTE_TOKEN")
+	}
+	if token == "" {
+		return "", errors.New("no API token: set BETTER_COMPUTE_TOKEN or pass --token")
+	}
+	return token, nil
 }
 
 // apiPeer names the API in errors about the connection to it.

@@ -82,12 +82,9 @@ func (a *app) eventsWatchCmd() *cobra.Command {
 				req.Types = append(req.Types, t)
 			}
 		}
-		token := a.token
-		if token == "" {
-			token = a.env.Getenv("BETTER_COMPUTE_TOKEN")
-		}
-		if token == "" {
-			return errors.New("no API token: set BETTER_COMPUTE_TOKEN or pass --token")
+		token, err := a.apiToken()
+		if err != nil {
+			return err
 		}
 		// No client timeout: the stream lasts until interrupted.
 		client := computev1connect.NewEventServiceClient(&http.Client{}, a.baseURL()+apiPath,

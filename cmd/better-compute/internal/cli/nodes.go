@@ -208,7 +208,7 @@ func (a *app) nodesRevokeCmd() *cobra.Command {
 		}
 		first := "no reason given"
 		if n.GetRevokeReason() != "" {
-			first = "reason: " + n.GetRevokeReason()
+			first = "reason: " + cell(n.GetRevokeReason())
 		}
 		fmt.Fprintf(a.env.Stdout, "%s was already revoked at %s (%s); nothing changed (%d certificate(s) revoked now)\n",
 			n.GetId(), at, first, res.Msg.GetCertificatesRevoked())
@@ -241,12 +241,12 @@ func (a *app) nodesCordonCmd() *cobra.Command {
 		if err != nil {
 			return err
 		}
-		id, now := res.Msg.GetNode().GetId(), res.Msg.GetNode().GetCordonReason()
+		id, now := res.Msg.GetNode().GetId(), cell(res.Msg.GetNode().GetCordonReason())
 		switch {
 		case !res.Msg.GetAlreadyCordoned():
 			fmt.Fprintf(a.env.Stdout, "cordoned %s: %s\n", id, now)
 		case res.Msg.GetChanged():
-			fmt.Fprintf(a.env.Stdout, "%s was already cordoned (reason: %s); reason now: %s\n", id, res.Msg.GetPreviousReason(), now)
+			fmt.Fprintf(a.env.Stdout, "%s was already cordoned (reason: %s); reason now: %s\n", id, cell(res.Msg.GetPreviousReason()), now)
 		default:
 			fmt.Fprintf(a.env.Stdout, "%s was already cordoned with this reason; nothing changed: %s\n", id, now)
 		}

@@ -44,10 +44,12 @@ func writeJSON(w io.Writer, v any) error {
 	return enc.Encode(v)
 }
 
-// cell returns s fit for one table cell: control characters (newlines, tabs,
-// terminal escapes: text written by other callers, such as audit details)
-// are shown escaped, as in a Go string literal, so they cannot break the
-// table or drive the terminal.
+// cell returns s fit for one table cell, or any line the CLI prints of
+// text it did not write itself (reasons, hostnames, error messages):
+// control characters (newlines, tabs, terminal escapes: text written by
+// other callers or machines, such as audit details) are shown escaped, as in
+// a Go string literal, so they cannot break the output or drive the
+// terminal.
 func cell(s string) string {
 	if !strings.ContainsFunc(s, unicode.IsControl) {
 		return s

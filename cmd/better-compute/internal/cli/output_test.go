@@ -1,8 +1,11 @@
 package cli
 
 import (
+	"errors"
 	"strings"
 	"testing"
+
+	"connectrpc.com/connect"
 )
 
 // TestTableEscapesControlCharacters checks that text from other callers
@@ -20,5 +23,34 @@ func TestTableEscapesControlCharacters(t *testing.T) {
 		if !strings.Contains(got, want) {
 			t.Errorf("table lacks %q:\n%s", want, got)
 		}
+	}
+}
+
+// TestFormatErrorEscapesControlCharacters: an error message from the server
+// (which may quote what a machine or another caller sent) reaches the
+// terminal escaped.
+func TestFormatErrorEscapesControlCharacters(t *testing.T) {
+	got := FormatError(connect.NewError(connect.CodeNotFound, errors.New("node \x1b]0;pwned\x07x not found\nfake line")))
+	if strings.ContainsAny(got, "\x1b\x07\n") {
+		t.Fatalf("FormatError leaked control characters: %q", got)
+	}
+	if want := `error: not_found: node \x1b]0;pwned\ax not found\nfake line`; got != want {
+		t.Fatalf("FormatError = %q, want %q", got, want)
+	}
+}
+
+// TestAsFlags: a refusal naming a request field names the tunnel command's
+// flag instead; other errors pass as they are.
+func TestAsFlags(t *testing.T) {
+	got := asFlags(connect.NewError(connect.CodeFailedPrecondition, errors.New("reservation_id: reservation res_1 is released, not active")))
+	if want := "error: failed_precondition: --reservation: reservation res_1 is released, not active"; FormatError(got) != want {
+		t.Fatalf("asFlags: %q, want %q", FormatError(got), want)
+	}
+	if connect.CodeOf(got) != connect.CodeFailedPrecondition {
+		t.Fatalf("asFlags changed the code: %v", got)
+	}
+	other := connect.NewError(connect.CodeNotFound, errors.New("node node_1 not found"))
+	if got := asFlags(other); !errors.Is(got, other) || FormatError(got) != FormatError(other) {
+		t.Fatalf("asFlags changed %v", other)
 	}
 }

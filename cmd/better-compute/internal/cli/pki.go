@@ -30,6 +30,9 @@ var pkiFiles = []struct {
 	{pki.JoinEncryptionPub, false}, {pki.JoinEncryptionKey, true},
 	{pki.JoinSigningPub, false}, {pki.JoinSigningKey, true},
 	{pki.CommandSigningPub, false}, {pki.CommandSigningKey, true},
+	{pki.TunnelTicketPub, false}, {pki.TunnelTicketKey, true},
+	{pki.SSHBreakGlassCAPub, false}, {pki.SSHBreakGlassCAKey, true},
+	{pki.SSHSandboxCAPub, false}, {pki.SSHSandboxCAKey, true},
 	{pki.PinsJSON, false},
 }
 
@@ -46,7 +49,9 @@ func (a *app) pkiInitCmd() *cobra.Command {
 		Long: "pki init writes a deployment's PKI into DIR: node-ca.crt/key (signs node certificates), serving-ca.crt/key\n" +
 			"(signs gateway certificates, pinned by daemons), gateway.crt/key, trust-domain, join-encryption.key/.pub\n" +
 			"(JoinService's HPKE key, which join tokens are sealed to), join-signing.key/.pub (signs JoinResponses),\n" +
-			"command-signing.key/.pub (signs commands and specs with signedIntent) and pins.json. Existing files are kept:\n" +
+			"command-signing.key/.pub (signs commands and specs with signedIntent), tunnel-ticket.key/.pub (signs exec\n" +
+			"tickets, which gateways verify), ssh-break-glass-ca.key/.pub and ssh-sandbox-ca.key/.pub (the SSH user CAs\n" +
+			"that nodes trust) and pins.json. Existing files are kept:\n" +
 			"a private key is never replaced (a missing .pub or gateway.crt is derived from its key; a CA or key missing\n" +
 			"its other half, or a file that does not parse, is an error naming it), and a private key readable by group\n" +
 			"or others is set to 0600 with a warning.\n" +

@@ -7,7 +7,9 @@
 // (--url, default http://127.0.0.1:8080), BETTER_COMPUTE_TOKEN (--token) and
 // BETTER_COMPUTE_TENANT (sent as the X-BC-Tenant header). Errors are printed
 // as "error: <code>: <message>" for API errors and "error: <message>"
-// otherwise, and make the process exit 1.
+// otherwise, and make the process exit 1 — except in console and ssh-proxy,
+// which exit 255 when the tunnel fails, as ssh does, so that their other
+// statuses are the remote shell's.
 package cli
 
 import (
@@ -25,6 +27,10 @@ import (
 
 // Env is the world a CLI run sees, so that tests can run it in-process.
 type Env struct {
+	// Stdin is what console and ssh-proxy send to the node (nil reads as
+	// empty). A terminal (an *os.File on one) makes console put it in raw
+	// mode and follow its size.
+	Stdin  io.Reader
 	Stdout io.Writer
 	Stderr io.Writer
 	// Getenv reads an environment variable ("" when unset).
@@ -35,7 +41,7 @@ type Env struct {
 
 // OSEnv is the process's own environment.
 func OSEnv() Env {
-	return Env{Stdout: os.Stdout, Stderr: os.Stderr, Getenv: os.Getenv, Clock: clock.New()}
+	return Env{Stdin: os.Stdin, Stdout: os.Stdout, Stderr: os.Stderr, Getenv: os.Getenv, Clock: clock.New()}
 }
 
 // app holds the global flags and the environment of one run.
@@ -51,7 +57,7 @@ func NewRoot(env Env) *cobra.Command {
 	root := &cobra.Command{
 		Use:           "better-compute",
 		Short:         "Operate a better-compute GPU fleet",
-		Long:          "better-compute talks to a better-compute control plane (nodes, pools and their offers,\nreservations, usage, sites, join tokens, tenants, API tokens, audit, events), administers a deployment\n(migrate, pki, bootstrap) and runs the deterministic fleet simulator (sim).",
+		Long:          "better-compute talks to a better-compute control plane (nodes, pools and their offers,\nreservations, usage, sites, join tokens, tenants, API tokens, audit, events), opens machines' consoles\nand SSH connections through tunnels (console, ssh-cert, ssh-proxy), administers a deployment (migrate,\npki, bootstrap) and runs the deterministic fleet simulator (sim).",
 		SilenceErrors: true,
 		SilenceUsage:  true,
 	}
@@ -69,6 +75,9 @@ func NewRoot(env Env) *cobra.Command {
 		a.releaseCmd(),
 		a.reservationsCmd(),
 		a.commandsCmd(),
+		a.consoleCmd(),
+		a.sshCertCmd(),
+		a.sshProxyCmd(),
 		a.usageCmd(),
 		a.sitesCmd(),
 		a.joinTokensCmd(),
@@ -137,7 +146,7 @@ func Run(ctx context.Context, args []string, env Env) int {
 func FormatError(err error) string {
 	var cerr *connect.Error
 	if errors.As(err, &cerr) {
-		return fmt.Sprintf("error: %s: %s", cerr.Code(), cerr.Message())
+		return fmt.Sprintf("error: %s: %s", cerr.Code(), cell(cerr.Message()))
 	}
-	return "error: " + err.Error()
+	return "error: " + cell(err.Error())
 }

@@ -4438,6 +4438,311 @@ func (x *RevokeJoinTokenResponse) GetJoinToken() *JoinToken {
 	return nil
 }
 
+type CreateTicketRequest struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	NodeId string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	// Purpose is "shell" or "ssh".
+	Purpose string `protobuf:"bytes,2,opt,name=purpose,proto3" json:"purpose,omitempty"`
+	// ReservationId, for purpose ssh, asks for the sandbox of this active
+	// reservation of the caller's tenant on the node.
+	ReservationId string `protobuf:"bytes,3,opt,name=reservation_id,json=reservationId,proto3" json:"reservation_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CreateTicketRequest) Reset() {
+	*x = CreateTicketRequest{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[72]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CreateTicketRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CreateTicketRequest) ProtoMessage() {}
+
+func (x *CreateTicketRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[72]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CreateTicketRequest.ProtoReflect.Descriptor instead.
+func (*CreateTicketRequest) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{72}
+}
+
+func (x *CreateTicketRequest) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
+func (x *CreateTicketRequest) GetPurpose() string {
+	if x != nil {
+		return x.Purpose
+	}
+	return ""
+}
+
+func (x *CreateTicketRequest) GetReservationId() string {
+	if x != nil {
+		return x.ReservationId
+	}
+	return ""
+}
+
+type CreateTicketResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Ticket is the secret to put in the tunnel's path, once.
+	Ticket string `protobuf:"bytes,1,opt,name=ticket,proto3" json:"ticket,omitempty"`
+	// TicketId is "tkt_…", as the audit log names it.
+	TicketId  string                 `protobuf:"bytes,2,opt,name=ticket_id,json=ticketId,proto3" json:"ticket_id,omitempty"`
+	ExpiresAt *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=expires_at,json=expiresAt,proto3" json:"expires_at,omitempty"`
+	// Path is the tunnel's path under the API's base URL:
+	// /api/compute/tunnels/<ticket>.
+	Path          string `protobuf:"bytes,4,opt,name=path,proto3" json:"path,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CreateTicketResponse) Reset() {
+	*x = CreateTicketResponse{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[73]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CreateTicketResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CreateTicketResponse) ProtoMessage() {}
+
+func (x *CreateTicketResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[73]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CreateTicketResponse.ProtoReflect.Descriptor instead.
+func (*CreateTicketResponse) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{73}
+}
+
+func (x *CreateTicketResponse) GetTicket() string {
+	if x != nil {
+		return x.Ticket
+	}
+	return ""
+}
+
+func (x *CreateTicketResponse) GetTicketId() string {
+	if x != nil {
+		return x.TicketId
+	}
+	return ""
+}
+
+func (x *CreateTicketResponse) GetExpiresAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.ExpiresAt
+	}
+	return nil
+}
+
+func (x *CreateTicketResponse) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+type IssueSshCertificateRequest struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	NodeId string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	// PublicKey is the user's public key in authorized_keys format
+	// ("ssh-ed25519 AAAA… comment").
+	PublicKey string `protobuf:"bytes,2,opt,name=public_key,json=publicKey,proto3" json:"public_key,omitempty"`
+	// Ttl is how long the certificate is valid: default 15 min, at most 1 h;
+	// a sandbox certificate ends no later than its reservation.
+	Ttl *durationpb.Duration `protobuf:"bytes,3,opt,name=ttl,proto3" json:"ttl,omitempty"`
+	// ReservationId asks for a sandbox certificate for this active
+	// reservation of the caller's tenant on the node.
+	ReservationId string `protobuf:"bytes,4,opt,name=reservation_id,json=reservationId,proto3" json:"reservation_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *IssueSshCertificateRequest) Reset() {
+	*x = IssueSshCertificateRequest{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[74]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *IssueSshCertificateRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*IssueSshCertificateRequest) ProtoMessage() {}
+
+func (x *IssueSshCertificateRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[74]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use IssueSshCertificateRequest.ProtoReflect.Descriptor instead.
+func (*IssueSshCertificateRequest) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{74}
+}
+
+func (x *IssueSshCertificateRequest) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
+func (x *IssueSshCertificateRequest) GetPublicKey() string {
+	if x != nil {
+		return x.PublicKey
+	}
+	return ""
+}
+
+func (x *IssueSshCertificateRequest) GetTtl() *durationpb.Duration {
+	if x != nil {
+		return x.Ttl
+	}
+	return nil
+}
+
+func (x *IssueSshCertificateRequest) GetReservationId() string {
+	if x != nil {
+		return x.ReservationId
+	}
+	return ""
+}
+
+type IssueSshCertificateResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Certificate is the OpenSSH certificate in authorized_keys format
+	// ("ssh-ed25519-cert-v01@openssh.com AAAA…"), for a file next to the key
+	// named <key>-cert.pub.
+	Certificate string                 `protobuf:"bytes,1,opt,name=certificate,proto3" json:"certificate,omitempty"`
+	Serial      uint64                 `protobuf:"varint,2,opt,name=serial,proto3" json:"serial,omitempty"`
+	KeyId       string                 `protobuf:"bytes,3,opt,name=key_id,json=keyId,proto3" json:"key_id,omitempty"`
+	Principals  []string               `protobuf:"bytes,4,rep,name=principals,proto3" json:"principals,omitempty"`
+	ValidAfter  *timestamppb.Timestamp `protobuf:"bytes,5,opt,name=valid_after,json=validAfter,proto3" json:"valid_after,omitempty"`
+	ValidBefore *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=valid_before,json=validBefore,proto3" json:"valid_before,omitempty"`
+	// Ca is "break-glass" or "sandbox".
+	Ca            string `protobuf:"bytes,7,opt,name=ca,proto3" json:"ca,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *IssueSshCertificateResponse) Reset() {
+	*x = IssueSshCertificateResponse{}
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[75]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *IssueSshCertificateResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*IssueSshCertificateResponse) ProtoMessage() {}
+
+func (x *IssueSshCertificateResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_compute_v1_compute_proto_msgTypes[75]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use IssueSshCertificateResponse.ProtoReflect.Descriptor instead.
+func (*IssueSshCertificateResponse) Descriptor() ([]byte, []int) {
+	return file_bc_compute_v1_compute_proto_rawDescGZIP(), []int{75}
+}
+
+func (x *IssueSshCertificateResponse) GetCertificate() string {
+	if x != nil {
+		return x.Certificate
+	}
+	return ""
+}
+
+func (x *IssueSshCertificateResponse) GetSerial() uint64 {
+	if x != nil {
+		return x.Serial
+	}
+	return 0
+}
+
+func (x *IssueSshCertificateResponse) GetKeyId() string {
+	if x != nil {
+		return x.KeyId
+	}
+	return ""
+}
+
+func (x *IssueSshCertificateResponse) GetPrincipals() []string {
+	if x != nil {
+		return x.Principals
+	}
+	return nil
+}
+
+func (x *IssueSshCertificateResponse) GetValidAfter() *timestamppb.Timestamp {
+	if x != nil {
+		return x.ValidAfter
+	}
+	return nil
+}
+
+func (x *IssueSshCertificateResponse) GetValidBefore() *timestamppb.Timestamp {
+	if x != nil {
+		return x.ValidBefore
+	}
+	return nil
+}
+
+func (x *IssueSshCertificateResponse) GetCa() string {
+	if x != nil {
+		return x.Ca
+	}
+	return ""
+}
+
 var File_bc_compute_v1_compute_proto protoreflect.FileDescriptor
 
 const file_bc_compute_v1_compute_proto_rawDesc = "" +
@@ -4796,7 +5101,35 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\rjoin_token_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\vjoinTokenId\"R\n" +
 	"\x17RevokeJoinTokenResponse\x127\n" +
 	"\n" +
-	"join_token\x18\x01 \x01(\v2\x18.bc.compute.v1.JoinTokenR\tjoinToken2\xb0\x03\n" +
+	"join_token\x18\x01 \x01(\v2\x18.bc.compute.v1.JoinTokenR\tjoinToken\"\x96\x01\n" +
+	"\x13CreateTicketRequest\x12\"\n" +
+	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\x12+\n" +
+	"\apurpose\x18\x02 \x01(\tB\x11\xbaH\x0er\fR\x05shellR\x03sshR\apurpose\x12.\n" +
+	"\x0ereservation_id\x18\x03 \x01(\tB\a\xbaH\x04r\x02\x18@R\rreservationId\"\x9a\x01\n" +
+	"\x14CreateTicketResponse\x12\x16\n" +
+	"\x06ticket\x18\x01 \x01(\tR\x06ticket\x12\x1b\n" +
+	"\tticket_id\x18\x02 \x01(\tR\bticketId\x129\n" +
+	"\n" +
+	"expires_at\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\texpiresAt\x12\x12\n" +
+	"\x04path\x18\x04 \x01(\tR\x04path\"\xd8\x01\n" +
+	"\x1aIssueSshCertificateRequest\x12\"\n" +
+	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\x12*\n" +
+	"\n" +
+	"public_key\x18\x02 \x01(\tB\v\xbaH\br\x06\x10\x01\x18\x80\x80\x01R\tpublicKey\x12:\n" +
+	"\x03ttl\x18\x03 \x01(\v2\x19.google.protobuf.DurationB\r\xbaH\n" +
+	"\xaa\x01\a\"\x03\b\x90\x1c*\x00R\x03ttl\x12.\n" +
+	"\x0ereservation_id\x18\x04 \x01(\tB\a\xbaH\x04r\x02\x18@R\rreservationId\"\x9a\x02\n" +
+	"\x1bIssueSshCertificateResponse\x12 \n" +
+	"\vcertificate\x18\x01 \x01(\tR\vcertificate\x12\x16\n" +
+	"\x06serial\x18\x02 \x01(\x04R\x06serial\x12\x15\n" +
+	"\x06key_id\x18\x03 \x01(\tR\x05keyId\x12\x1e\n" +
+	"\n" +
+	"principals\x18\x04 \x03(\tR\n" +
+	"principals\x12;\n" +
+	"\vvalid_after\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\n" +
+	"validAfter\x12=\n" +
+	"\fvalid_before\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\vvalidBefore\x12\x0e\n" +
+	"\x02ca\x18\a \x01(\tR\x02ca2\xb0\x03\n" +
 	"\vNodeService\x12P\n" +
 	"\tListNodes\x12\x1f.bc.compute.v1.ListNodesRequest\x1a .bc.compute.v1.ListNodesResponse\"\x00\x12J\n" +
 	"\aGetNode\x12\x1d.bc.compute.v1.GetNodeRequest\x1a\x1e.bc.compute.v1.GetNodeResponse\"\x00\x12S\n" +
@@ -4841,7 +5174,10 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\vCreateToken\x12!.bc.compute.v1.CreateTokenRequest\x1a\".bc.compute.v1.CreateTokenResponse\"\x00\x12S\n" +
 	"\n" +
 	"ListTokens\x12 .bc.compute.v1.ListTokensRequest\x1a!.bc.compute.v1.ListTokensResponse\"\x00\x12V\n" +
-	"\vRevokeToken\x12!.bc.compute.v1.RevokeTokenRequest\x1a\".bc.compute.v1.RevokeTokenResponse\"\x002`\n" +
+	"\vRevokeToken\x12!.bc.compute.v1.RevokeTokenRequest\x1a\".bc.compute.v1.RevokeTokenResponse\"\x002\xda\x01\n" +
+	"\rTunnelService\x12Y\n" +
+	"\fCreateTicket\x12\".bc.compute.v1.CreateTicketRequest\x1a#.bc.compute.v1.CreateTicketResponse\"\x00\x12n\n" +
+	"\x13IssueSshCertificate\x12).bc.compute.v1.IssueSshCertificateRequest\x1a*.bc.compute.v1.IssueSshCertificateResponse\"\x002`\n" +
 	"\fAuditService\x12P\n" +
 	"\tListAudit\x12\x1f.bc.compute.v1.ListAuditRequest\x1a .bc.compute.v1.ListAuditResponse\"\x00B\xc1\x01\n" +
 	"\x11com.bc.compute.v1B\fComputeProtoP\x01ZHgithub.com/better-compute/better-compute/api/gen/bc/compute/v1;computev1\xa2\x02\x03BCX\xaa\x02\rBc.Compute.V1\xca\x02\rBc\\Compute\\V1\xe2\x02\x19Bc\\Compute\\V1\\GPBMetadata\xea\x02\x0fBc::Compute::V1b\x06proto3"
@@ -4858,214 +5194,226 @@ func file_bc_compute_v1_compute_proto_rawDescGZIP() []byte {
 	return file_bc_compute_v1_compute_proto_rawDescData
 }
 
-var file_bc_compute_v1_compute_proto_msgTypes = make([]protoimpl.MessageInfo, 73)
+var file_bc_compute_v1_compute_proto_msgTypes = make([]protoimpl.MessageInfo, 77)
 var file_bc_compute_v1_compute_proto_goTypes = []any{
-	(*Tenant)(nil),                     // 0: bc.compute.v1.Tenant
-	(*CreateTenantRequest)(nil),        // 1: bc.compute.v1.CreateTenantRequest
-	(*CreateTenantResponse)(nil),       // 2: bc.compute.v1.CreateTenantResponse
-	(*ListTenantsRequest)(nil),         // 3: bc.compute.v1.ListTenantsRequest
-	(*ListTenantsResponse)(nil),        // 4: bc.compute.v1.ListTenantsResponse
-	(*ApiToken)(nil),                   // 5: bc.compute.v1.ApiToken
-	(*CreateTokenRequest)(nil),         // 6: bc.compute.v1.CreateTokenRequest
-	(*CreateTokenResponse)(nil),        // 7: bc.compute.v1.CreateTokenResponse
-	(*ListTokensRequest)(nil),          // 8: bc.compute.v1.ListTokensRequest
-	(*ListTokensResponse)(nil),         // 9: bc.compute.v1.ListTokensResponse
-	(*RevokeTokenRequest)(nil),         // 10: bc.compute.v1.RevokeTokenRequest
-	(*RevokeTokenResponse)(nil),        // 11: bc.compute.v1.RevokeTokenResponse
-	(*AuditEntry)(nil),                 // 12: bc.compute.v1.AuditEntry
-	(*ListAuditRequest)(nil),           // 13: bc.compute.v1.ListAuditRequest
-	(*ListAuditResponse)(nil),          // 14: bc.compute.v1.ListAuditResponse
-	(*Offer)(nil),                      // 15: bc.compute.v1.Offer
-	(*OfferPoolRequest)(nil),           // 16: bc.compute.v1.OfferPoolRequest
-	(*OfferPoolResponse)(nil),          // 17: bc.compute.v1.OfferPoolResponse
-	(*ListOffersRequest)(nil),          // 18: bc.compute.v1.ListOffersRequest
-	(*ListOffersResponse)(nil),         // 19: bc.compute.v1.ListOffersResponse
-	(*Reservation)(nil),                // 20: bc.compute.v1.Reservation
-	(*ReserveRequest)(nil),             // 21: bc.compute.v1.ReserveRequest
-	(*ReserveResponse)(nil),            // 22: bc.compute.v1.ReserveResponse
-	(*GetReservationRequest)(nil),      // 23: bc.compute.v1.GetReservationRequest
-	(*GetReservationResponse)(nil),     // 24: bc.compute.v1.GetReservationResponse
-	(*ListReservationsRequest)(nil),    // 25: bc.compute.v1.ListReservationsRequest
-	(*ListReservationsResponse)(nil),   // 26: bc.compute.v1.ListReservationsResponse
-	(*ReleaseReservationRequest)(nil),  // 27: bc.compute.v1.ReleaseReservationRequest
-	(*ReleaseReservationResponse)(nil), // 28: bc.compute.v1.ReleaseReservationResponse
-	(*UsageWindow)(nil),                // 29: bc.compute.v1.UsageWindow
-	(*ListUsageRequest)(nil),           // 30: bc.compute.v1.ListUsageRequest
-	(*ListUsageResponse)(nil),          // 31: bc.compute.v1.ListUsageResponse
-	(*Gpu)(nil),                        // 32: bc.compute.v1.Gpu
-	(*Node)(nil),                       // 33: bc.compute.v1.Node
-	(*ListNodesRequest)(nil),           // 34: bc.compute.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),          // 35: bc.compute.v1.ListNodesResponse
-	(*GetNodeRequest)(nil),             // 36: bc.compute.v1.GetNodeRequest
-	(*GetNodeResponse)(nil),            // 37: bc.compute.v1.GetNodeResponse
-	(*CordonNodeRequest)(nil),          // 38: bc.compute.v1.CordonNodeRequest
-	(*CordonNodeResponse)(nil),         // 39: bc.compute.v1.CordonNodeResponse
-	(*UncordonNodeRequest)(nil),        // 40: bc.compute.v1.UncordonNodeRequest
-	(*UncordonNodeResponse)(nil),       // 41: bc.compute.v1.UncordonNodeResponse
-	(*Command)(nil),                    // 42: bc.compute.v1.Command
-	(*RunCommandRequest)(nil),          // 43: bc.compute.v1.RunCommandRequest
-	(*RunCommandResponse)(nil),         // 44: bc.compute.v1.RunCommandResponse
-	(*GetCommandRequest)(nil),          // 45: bc.compute.v1.GetCommandRequest
-	(*GetCommandResponse)(nil),         // 46: bc.compute.v1.GetCommandResponse
-	(*ListCommandsRequest)(nil),        // 47: bc.compute.v1.ListCommandsRequest
-	(*ListCommandsResponse)(nil),       // 48: bc.compute.v1.ListCommandsResponse
-	(*Event)(nil),                      // 49: bc.compute.v1.Event
-	(*WatchRequest)(nil),               // 50: bc.compute.v1.WatchRequest
-	(*WatchResponse)(nil),              // 51: bc.compute.v1.WatchResponse
-	(*RevokeNodeRequest)(nil),          // 52: bc.compute.v1.RevokeNodeRequest
-	(*RevokeNodeResponse)(nil),         // 53: bc.compute.v1.RevokeNodeResponse
-	(*Site)(nil),                       // 54: bc.compute.v1.Site
-	(*CreateSiteRequest)(nil),          // 55: bc.compute.v1.CreateSiteRequest
-	(*CreateSiteResponse)(nil),         // 56: bc.compute.v1.CreateSiteResponse
-	(*ListSitesRequest)(nil),           // 57: bc.compute.v1.ListSitesRequest
-	(*ListSitesResponse)(nil),          // 58: bc.compute.v1.ListSitesResponse
-	(*Acceptance)(nil),                 // 59: bc.compute.v1.Acceptance
-	(*Pool)(nil),                       // 60: bc.compute.v1.Pool
-	(*CreatePoolRequest)(nil),          // 61: bc.compute.v1.CreatePoolRequest
-	(*CreatePoolResponse)(nil),         // 62: bc.compute.v1.CreatePoolResponse
-	(*ListPoolsRequest)(nil),           // 63: bc.compute.v1.ListPoolsRequest
-	(*ListPoolsResponse)(nil),          // 64: bc.compute.v1.ListPoolsResponse
-	(*JoinToken)(nil),                  // 65: bc.compute.v1.JoinToken
-	(*CreateJoinTokenRequest)(nil),     // 66: bc.compute.v1.CreateJoinTokenRequest
-	(*CreateJoinTokenResponse)(nil),    // 67: bc.compute.v1.CreateJoinTokenResponse
-	(*ListJoinTokensRequest)(nil),      // 68: bc.compute.v1.ListJoinTokensRequest
-	(*ListJoinTokensResponse)(nil),     // 69: bc.compute.v1.ListJoinTokensResponse
-	(*RevokeJoinTokenRequest)(nil),     // 70: bc.compute.v1.RevokeJoinTokenRequest
-	(*RevokeJoinTokenResponse)(nil),    // 71: bc.compute.v1.RevokeJoinTokenResponse
-	nil,                                // 72: bc.compute.v1.Pool.NodeCountsEntry
-	(*timestamppb.Timestamp)(nil),      // 73: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),        // 74: google.protobuf.Duration
+	(*Tenant)(nil),                      // 0: bc.compute.v1.Tenant
+	(*CreateTenantRequest)(nil),         // 1: bc.compute.v1.CreateTenantRequest
+	(*CreateTenantResponse)(nil),        // 2: bc.compute.v1.CreateTenantResponse
+	(*ListTenantsRequest)(nil),          // 3: bc.compute.v1.ListTenantsRequest
+	(*ListTenantsResponse)(nil),         // 4: bc.compute.v1.ListTenantsResponse
+	(*ApiToken)(nil),                    // 5: bc.compute.v1.ApiToken
+	(*CreateTokenRequest)(nil),          // 6: bc.compute.v1.CreateTokenRequest
+	(*CreateTokenResponse)(nil),         // 7: bc.compute.v1.CreateTokenResponse
+	(*ListTokensRequest)(nil),           // 8: bc.compute.v1.ListTokensRequest
+	(*ListTokensResponse)(nil),          // 9: bc.compute.v1.ListTokensResponse
+	(*RevokeTokenRequest)(nil),          // 10: bc.compute.v1.RevokeTokenRequest
+	(*RevokeTokenResponse)(nil),         // 11: bc.compute.v1.RevokeTokenResponse
+	(*AuditEntry)(nil),                  // 12: bc.compute.v1.AuditEntry
+	(*ListAuditRequest)(nil),            // 13: bc.compute.v1.ListAuditRequest
+	(*ListAuditResponse)(nil),           // 14: bc.compute.v1.ListAuditResponse
+	(*Offer)(nil),                       // 15: bc.compute.v1.Offer
+	(*OfferPoolRequest)(nil),            // 16: bc.compute.v1.OfferPoolRequest
+	(*OfferPoolResponse)(nil),           // 17: bc.compute.v1.OfferPoolResponse
+	(*ListOffersRequest)(nil),           // 18: bc.compute.v1.ListOffersRequest
+	(*ListOffersResponse)(nil),          // 19: bc.compute.v1.ListOffersResponse
+	(*Reservation)(nil),                 // 20: bc.compute.v1.Reservation
+	(*ReserveRequest)(nil),              // 21: bc.compute.v1.ReserveRequest
+	(*ReserveResponse)(nil),             // 22: bc.compute.v1.ReserveResponse
+	(*GetReservationRequest)(nil),       // 23: bc.compute.v1.GetReservationRequest
+	(*GetReservationResponse)(nil),      // 24: bc.compute.v1.GetReservationResponse
+	(*ListReservationsRequest)(nil),     // 25: bc.compute.v1.ListReservationsRequest
+	(*ListReservationsResponse)(nil),    // 26: bc.compute.v1.ListReservationsResponse
+	(*ReleaseReservationRequest)(nil),   // 27: bc.compute.v1.ReleaseReservationRequest
+	(*ReleaseReservationResponse)(nil),  // 28: bc.compute.v1.ReleaseReservationResponse
+	(*UsageWindow)(nil),                 // 29: bc.compute.v1.UsageWindow
+	(*ListUsageRequest)(nil),            // 30: bc.compute.v1.ListUsageRequest
+	(*ListUsageResponse)(nil),           // 31: bc.compute.v1.ListUsageResponse
+	(*Gpu)(nil),                         // 32: bc.compute.v1.Gpu
+	(*Node)(nil),                        // 33: bc.compute.v1.Node
+	(*ListNodesRequest)(nil),            // 34: bc.compute.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),           // 35: bc.compute.v1.ListNodesResponse
+	(*GetNodeRequest)(nil),              // 36: bc.compute.v1.GetNodeRequest
+	(*GetNodeResponse)(nil),             // 37: bc.compute.v1.GetNodeResponse
+	(*CordonNodeRequest)(nil),           // 38: bc.compute.v1.CordonNodeRequest
+	(*CordonNodeResponse)(nil),          // 39: bc.compute.v1.CordonNodeResponse
+	(*UncordonNodeRequest)(nil),         // 40: bc.compute.v1.UncordonNodeRequest
+	(*UncordonNodeResponse)(nil),        // 41: bc.compute.v1.UncordonNodeResponse
+	(*Command)(nil),                     // 42: bc.compute.v1.Command
+	(*RunCommandRequest)(nil),           // 43: bc.compute.v1.RunCommandRequest
+	(*RunCommandResponse)(nil),          // 44: bc.compute.v1.RunCommandResponse
+	(*GetCommandRequest)(nil),           // 45: bc.compute.v1.GetCommandRequest
+	(*GetCommandResponse)(nil),          // 46: bc.compute.v1.GetCommandResponse
+	(*ListCommandsRequest)(nil),         // 47: bc.compute.v1.ListCommandsRequest
+	(*ListCommandsResponse)(nil),        // 48: bc.compute.v1.ListCommandsResponse
+	(*Event)(nil),                       // 49: bc.compute.v1.Event
+	(*WatchRequest)(nil),                // 50: bc.compute.v1.WatchRequest
+	(*WatchResponse)(nil),               // 51: bc.compute.v1.WatchResponse
+	(*RevokeNodeRequest)(nil),           // 52: bc.compute.v1.RevokeNodeRequest
+	(*RevokeNodeResponse)(nil),          // 53: bc.compute.v1.RevokeNodeResponse
+	(*Site)(nil),                        // 54: bc.compute.v1.Site
+	(*CreateSiteRequest)(nil),           // 55: bc.compute.v1.CreateSiteRequest
+	(*CreateSiteResponse)(nil),          // 56: bc.compute.v1.CreateSiteResponse
+	(*ListSitesRequest)(nil),            // 57: bc.compute.v1.ListSitesRequest
+	(*ListSitesResponse)(nil),           // 58: bc.compute.v1.ListSitesResponse
+	(*Acceptance)(nil),                  // 59: bc.compute.v1.Acceptance
+	(*Pool)(nil),                        // 60: bc.compute.v1.Pool
+	(*CreatePoolRequest)(nil),           // 61: bc.compute.v1.CreatePoolRequest
+	(*CreatePoolResponse)(nil),          // 62: bc.compute.v1.CreatePoolResponse
+	(*ListPoolsRequest)(nil),            // 63: bc.compute.v1.ListPoolsRequest
+	(*ListPoolsResponse)(nil),           // 64: bc.compute.v1.ListPoolsResponse
+	(*JoinToken)(nil),                   // 65: bc.compute.v1.JoinToken
+	(*CreateJoinTokenRequest)(nil),      // 66: bc.compute.v1.CreateJoinTokenRequest
+	(*CreateJoinTokenResponse)(nil),     // 67: bc.compute.v1.CreateJoinTokenResponse
+	(*ListJoinTokensRequest)(nil),       // 68: bc.compute.v1.ListJoinTokensRequest
+	(*ListJoinTokensResponse)(nil),      // 69: bc.compute.v1.ListJoinTokensResponse
+	(*RevokeJoinTokenRequest)(nil),      // 70: bc.compute.v1.RevokeJoinTokenRequest
+	(*RevokeJoinTokenResponse)(nil),     // 71: bc.compute.v1.RevokeJoinTokenResponse
+	(*CreateTicketRequest)(nil),         // 72: bc.compute.v1.CreateTicketRequest
+	(*CreateTicketResponse)(nil),        // 73: bc.compute.v1.CreateTicketResponse
+	(*IssueSshCertificateRequest)(nil),  // 74: bc.compute.v1.IssueSshCertificateRequest
+	(*IssueSshCertificateResponse)(nil), // 75: bc.compute.v1.IssueSshCertificateResponse
+	nil,                                 // 76: bc.compute.v1.Pool.NodeCountsEntry
+	(*timestamppb.Timestamp)(nil),       // 77: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),         // 78: google.protobuf.Duration
 }
 var file_bc_compute_v1_compute_proto_depIdxs = []int32{
-	73, // 0: bc.compute.v1.Tenant.created_at:type_name -> google.protobuf.Timestamp
-	0,  // 1: bc.compute.v1.CreateTenantResponse.tenant:type_name -> bc.compute.v1.Tenant
-	0,  // 2: bc.compute.v1.ListTenantsResponse.tenants:type_name -> bc.compute.v1.Tenant
-	73, // 3: bc.compute.v1.ApiToken.expires_at:type_name -> google.protobuf.Timestamp
-	73, // 4: bc.compute.v1.ApiToken.revoked_at:type_name -> google.protobuf.Timestamp
-	73, // 5: bc.compute.v1.ApiToken.created_at:type_name -> google.protobuf.Timestamp
-	73, // 6: bc.compute.v1.ApiToken.last_used_at:type_name -> google.protobuf.Timestamp
-	5,  // 7: bc.compute.v1.CreateTokenResponse.token:type_name -> bc.compute.v1.ApiToken
-	5,  // 8: bc.compute.v1.ListTokensResponse.tokens:type_name -> bc.compute.v1.ApiToken
-	5,  // 9: bc.compute.v1.RevokeTokenResponse.token:type_name -> bc.compute.v1.ApiToken
-	73, // 10: bc.compute.v1.AuditEntry.at:type_name -> google.protobuf.Timestamp
-	12, // 11: bc.compute.v1.ListAuditResponse.entries:type_name -> bc.compute.v1.AuditEntry
-	73, // 12: bc.compute.v1.Offer.created_at:type_name -> google.protobuf.Timestamp
-	15, // 13: bc.compute.v1.OfferPoolResponse.offer:type_name -> bc.compute.v1.Offer
-	15, // 14: bc.compute.v1.ListOffersResponse.offers:type_name -> bc.compute.v1.Offer
-	73, // 15: bc.compute.v1.Reservation.start_time:type_name -> google.protobuf.Timestamp
-	73, // 16: bc.compute.v1.Reservation.end_time:type_name -> google.protobuf.Timestamp
-	73, // 17: bc.compute.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
-	73, // 18: bc.compute.v1.Reservation.updated_at:type_name -> google.protobuf.Timestamp
-	73, // 19: bc.compute.v1.Reservation.active_at:type_name -> google.protobuf.Timestamp
-	73, // 20: bc.compute.v1.Reservation.ended_at:type_name -> google.protobuf.Timestamp
-	74, // 21: bc.compute.v1.ReserveRequest.duration:type_name -> google.protobuf.Duration
-	73, // 22: bc.compute.v1.ReserveRequest.start_time:type_name -> google.protobuf.Timestamp
-	20, // 23: bc.compute.v1.ReserveResponse.reservation:type_name -> bc.compute.v1.Reservation
-	20, // 24: bc.compute.v1.GetReservationResponse.reservation:type_name -> bc.compute.v1.Reservation
-	20, // 25: bc.compute.v1.ListReservationsResponse.reservations:type_name -> bc.compute.v1.Reservation
-	20, // 26: bc.compute.v1.ReleaseReservationResponse.reservation:type_name -> bc.compute.v1.Reservation
-	73, // 27: bc.compute.v1.UsageWindow.window_start:type_name -> google.protobuf.Timestamp
-	73, // 28: bc.compute.v1.ListUsageRequest.since:type_name -> google.protobuf.Timestamp
-	29, // 29: bc.compute.v1.ListUsageResponse.windows:type_name -> bc.compute.v1.UsageWindow
-	73, // 30: bc.compute.v1.Node.last_seen:type_name -> google.protobuf.Timestamp
-	32, // 31: bc.compute.v1.Node.gpus:type_name -> bc.compute.v1.Gpu
-	73, // 32: bc.compute.v1.Node.created_at:type_name -> google.protobuf.Timestamp
-	73, // 33: bc.compute.v1.Node.revoked_at:type_name -> google.protobuf.Timestamp
-	73, // 34: bc.compute.v1.Node.cert_not_after:type_name -> google.protobuf.Timestamp
-	33, // 35: bc.compute.v1.ListNodesResponse.nodes:type_name -> bc.compute.v1.Node
-	33, // 36: bc.compute.v1.GetNodeResponse.node:type_name -> bc.compute.v1.Node
-	33, // 37: bc.compute.v1.CordonNodeResponse.node:type_name -> bc.compute.v1.Node
-	33, // 38: bc.compute.v1.UncordonNodeResponse.node:type_name -> bc.compute.v1.Node
-	73, // 39: bc.compute.v1.Command.deadline:type_name -> google.protobuf.Timestamp
-	73, // 40: bc.compute.v1.Command.created_at:type_name -> google.protobuf.Timestamp
-	73, // 41: bc.compute.v1.Command.updated_at:type_name -> google.protobuf.Timestamp
-	73, // 42: bc.compute.v1.Command.finished_at:type_name -> google.protobuf.Timestamp
-	74, // 43: bc.compute.v1.RunCommandRequest.timeout:type_name -> google.protobuf.Duration
-	42, // 44: bc.compute.v1.RunCommandResponse.command:type_name -> bc.compute.v1.Command
-	42, // 45: bc.compute.v1.GetCommandResponse.command:type_name -> bc.compute.v1.Command
-	42, // 46: bc.compute.v1.ListCommandsResponse.commands:type_name -> bc.compute.v1.Command
-	73, // 47: bc.compute.v1.Event.time:type_name -> google.protobuf.Timestamp
-	49, // 48: bc.compute.v1.WatchResponse.event:type_name -> bc.compute.v1.Event
-	33, // 49: bc.compute.v1.RevokeNodeResponse.node:type_name -> bc.compute.v1.Node
-	73, // 50: bc.compute.v1.Site.created_at:type_name -> google.protobuf.Timestamp
-	54, // 51: bc.compute.v1.CreateSiteResponse.site:type_name -> bc.compute.v1.Site
-	54, // 52: bc.compute.v1.ListSitesResponse.sites:type_name -> bc.compute.v1.Site
-	59, // 53: bc.compute.v1.Pool.acceptance:type_name -> bc.compute.v1.Acceptance
-	73, // 54: bc.compute.v1.Pool.created_at:type_name -> google.protobuf.Timestamp
-	72, // 55: bc.compute.v1.Pool.node_counts:type_name -> bc.compute.v1.Pool.NodeCountsEntry
-	15, // 56: bc.compute.v1.Pool.offer:type_name -> bc.compute.v1.Offer
-	59, // 57: bc.compute.v1.CreatePoolRequest.acceptance:type_name -> bc.compute.v1.Acceptance
-	60, // 58: bc.compute.v1.CreatePoolResponse.pool:type_name -> bc.compute.v1.Pool
-	60, // 59: bc.compute.v1.ListPoolsResponse.pools:type_name -> bc.compute.v1.Pool
-	73, // 60: bc.compute.v1.JoinToken.expires_at:type_name -> google.protobuf.Timestamp
-	73, // 61: bc.compute.v1.JoinToken.revoked_at:type_name -> google.protobuf.Timestamp
-	73, // 62: bc.compute.v1.JoinToken.created_at:type_name -> google.protobuf.Timestamp
-	65, // 63: bc.compute.v1.CreateJoinTokenResponse.join_token:type_name -> bc.compute.v1.JoinToken
-	65, // 64: bc.compute.v1.ListJoinTokensResponse.join_tokens:type_name -> bc.compute.v1.JoinToken
-	65, // 65: bc.compute.v1.RevokeJoinTokenResponse.join_token:type_name -> bc.compute.v1.JoinToken
-	34, // 66: bc.compute.v1.NodeService.ListNodes:input_type -> bc.compute.v1.ListNodesRequest
-	36, // 67: bc.compute.v1.NodeService.GetNode:input_type -> bc.compute.v1.GetNodeRequest
-	52, // 68: bc.compute.v1.NodeService.RevokeNode:input_type -> bc.compute.v1.RevokeNodeRequest
-	38, // 69: bc.compute.v1.NodeService.CordonNode:input_type -> bc.compute.v1.CordonNodeRequest
-	40, // 70: bc.compute.v1.NodeService.UncordonNode:input_type -> bc.compute.v1.UncordonNodeRequest
-	43, // 71: bc.compute.v1.CommandService.RunCommand:input_type -> bc.compute.v1.RunCommandRequest
-	45, // 72: bc.compute.v1.CommandService.GetCommand:input_type -> bc.compute.v1.GetCommandRequest
-	47, // 73: bc.compute.v1.CommandService.ListCommands:input_type -> bc.compute.v1.ListCommandsRequest
-	50, // 74: bc.compute.v1.EventService.Watch:input_type -> bc.compute.v1.WatchRequest
-	55, // 75: bc.compute.v1.PoolService.CreateSite:input_type -> bc.compute.v1.CreateSiteRequest
-	57, // 76: bc.compute.v1.PoolService.ListSites:input_type -> bc.compute.v1.ListSitesRequest
-	61, // 77: bc.compute.v1.PoolService.CreatePool:input_type -> bc.compute.v1.CreatePoolRequest
-	63, // 78: bc.compute.v1.PoolService.ListPools:input_type -> bc.compute.v1.ListPoolsRequest
-	16, // 79: bc.compute.v1.PoolService.OfferPool:input_type -> bc.compute.v1.OfferPoolRequest
-	18, // 80: bc.compute.v1.PoolService.ListOffers:input_type -> bc.compute.v1.ListOffersRequest
-	21, // 81: bc.compute.v1.ReservationService.Reserve:input_type -> bc.compute.v1.ReserveRequest
-	23, // 82: bc.compute.v1.ReservationService.GetReservation:input_type -> bc.compute.v1.GetReservationRequest
-	25, // 83: bc.compute.v1.ReservationService.ListReservations:input_type -> bc.compute.v1.ListReservationsRequest
-	27, // 84: bc.compute.v1.ReservationService.ReleaseReservation:input_type -> bc.compute.v1.ReleaseReservationRequest
-	30, // 85: bc.compute.v1.UsageService.ListUsage:input_type -> bc.compute.v1.ListUsageRequest
-	66, // 86: bc.compute.v1.JoinTokenService.CreateJoinToken:input_type -> bc.compute.v1.CreateJoinTokenRequest
-	68, // 87: bc.compute.v1.JoinTokenService.ListJoinTokens:input_type -> bc.compute.v1.ListJoinTokensRequest
-	70, // 88: bc.compute.v1.JoinTokenService.RevokeJoinToken:input_type -> bc.compute.v1.RevokeJoinTokenRequest
-	1,  // 89: bc.compute.v1.TenantService.CreateTenant:input_type -> bc.compute.v1.CreateTenantRequest
-	3,  // 90: bc.compute.v1.TenantService.ListTenants:input_type -> bc.compute.v1.ListTenantsRequest
-	6,  // 91: bc.compute.v1.TokenService.CreateToken:input_type -> bc.compute.v1.CreateTokenRequest
-	8,  // 92: bc.compute.v1.TokenService.ListTokens:input_type -> bc.compute.v1.ListTokensRequest
-	10, // 93: bc.compute.v1.TokenService.RevokeToken:input_type -> bc.compute.v1.RevokeTokenRequest
-	13, // 94: bc.compute.v1.AuditService.ListAudit:input_type -> bc.compute.v1.ListAuditRequest
-	35, // 95: bc.compute.v1.NodeService.ListNodes:output_type -> bc.compute.v1.ListNodesResponse
-	37, // 96: bc.compute.v1.NodeService.GetNode:output_type -> bc.compute.v1.GetNodeResponse
-	53, // 97: bc.compute.v1.NodeService.RevokeNode:output_type -> bc.compute.v1.RevokeNodeResponse
-	39, // 98: bc.compute.v1.NodeService.CordonNode:output_type -> bc.compute.v1.CordonNodeResponse
-	41, // 99: bc.compute.v1.NodeService.UncordonNode:output_type -> bc.compute.v1.UncordonNodeResponse
-	44, // 100: bc.compute.v1.CommandService.RunCommand:output_type -> bc.compute.v1.RunCommandResponse
-	46, // 101: bc.compute.v1.CommandService.GetCommand:output_type -> bc.compute.v1.GetCommandResponse
-	48, // 102: bc.compute.v1.CommandService.ListCommands:output_type -> bc.compute.v1.ListCommandsResponse
-	51, // 103: bc.compute.v1.EventService.Watch:output_type -> bc.compute.v1.WatchResponse
-	56, // 104: bc.compute.v1.PoolService.CreateSite:output_type -> bc.compute.v1.CreateSiteResponse
-	58, // 105: bc.compute.v1.PoolService.ListSites:output_type -> bc.compute.v1.ListSitesResponse
-	62, // 106: bc.compute.v1.PoolService.CreatePool:output_type -> bc.compute.v1.CreatePoolResponse
-	64, // 107: bc.compute.v1.PoolService.ListPools:output_type -> bc.compute.v1.ListPoolsResponse
-	17, // 108: bc.compute.v1.PoolService.OfferPool:output_type -> bc.compute.v1.OfferPoolResponse
-	19, // 109: bc.compute.v1.PoolService.ListOffers:output_type -> bc.compute.v1.ListOffersResponse
-	22, // 110: bc.compute.v1.ReservationService.Reserve:output_type -> bc.compute.v1.ReserveResponse
-	24, // 111: bc.compute.v1.ReservationService.GetReservation:output_type -> bc.compute.v1.GetReservationResponse
-	26, // 112: bc.compute.v1.ReservationService.ListReservations:output_type -> bc.compute.v1.ListReservationsResponse
-	28, // 113: bc.compute.v1.ReservationService.ReleaseReservation:output_type -> bc.compute.v1.ReleaseReservationResponse
-	31, // 114: bc.compute.v1.UsageService.ListUsage:output_type -> bc.compute.v1.ListUsageResponse
-	67, // 115: bc.compute.v1.JoinTokenService.CreateJoinToken:output_type -> bc.compute.v1.CreateJoinTokenResponse
-	69, // 116: bc.compute.v1.JoinTokenService.ListJoinTokens:output_type -> bc.compute.v1.ListJoinTokensResponse
-	71, // 117: bc.compute.v1.JoinTokenService.RevokeJoinToken:output_type -> bc.compute.v1.RevokeJoinTokenResponse
-	2,  // 118: bc.compute.v1.TenantService.CreateTenant:output_type -> bc.compute.v1.CreateTenantResponse
-	4,  // 119: bc.compute.v1.TenantService.ListTenants:output_type -> bc.compute.v1.ListTenantsResponse
-	7,  // 120: bc.compute.v1.TokenService.CreateToken:output_type -> bc.compute.v1.CreateTokenResponse
-	9,  // 121: bc.compute.v1.TokenService.ListTokens:output_type -> bc.compute.v1.ListTokensResponse
-	11, // 122: bc.compute.v1.TokenService.RevokeToken:output_type -> bc.compute.v1.RevokeTokenResponse
-	14, // 123: bc.compute.v1.AuditService.ListAudit:output_type -> bc.compute.v1.ListAuditResponse
-	95, // [95:124] is the sub-list for method output_type
-	66, // [66:95] is the sub-list for method input_type
-	66, // [66:66] is the sub-list for extension type_name
-	66, // [66:66] is the sub-list for extension extendee
-	0,  // [0:66] is the sub-list for field type_name
+	77,  // 0: bc.compute.v1.Tenant.created_at:type_name -> google.protobuf.Timestamp
+	0,   // 1: bc.compute.v1.CreateTenantResponse.tenant:type_name -> bc.compute.v1.Tenant
+	0,   // 2: bc.compute.v1.ListTenantsResponse.tenants:type_name -> bc.compute.v1.Tenant
+	77,  // 3: bc.compute.v1.ApiToken.expires_at:type_name -> google.protobuf.Timestamp
+	77,  // 4: bc.compute.v1.ApiToken.revoked_at:type_name -> google.protobuf.Timestamp
+	77,  // 5: bc.compute.v1.ApiToken.created_at:type_name -> google.protobuf.Timestamp
+	77,  // 6: bc.compute.v1.ApiToken.last_used_at:type_name -> google.protobuf.Timestamp
+	5,   // 7: bc.compute.v1.CreateTokenResponse.token:type_name -> bc.compute.v1.ApiToken
+	5,   // 8: bc.compute.v1.ListTokensResponse.tokens:type_name -> bc.compute.v1.ApiToken
+	5,   // 9: bc.compute.v1.RevokeTokenResponse.token:type_name -> bc.compute.v1.ApiToken
+	77,  // 10: bc.compute.v1.AuditEntry.at:type_name -> google.protobuf.Timestamp
+	12,  // 11: bc.compute.v1.ListAuditResponse.entries:type_name -> bc.compute.v1.AuditEntry
+	77,  // 12: bc.compute.v1.Offer.created_at:type_name -> google.protobuf.Timestamp
+	15,  // 13: bc.compute.v1.OfferPoolResponse.offer:type_name -> bc.compute.v1.Offer
+	15,  // 14: bc.compute.v1.ListOffersResponse.offers:type_name -> bc.compute.v1.Offer
+	77,  // 15: bc.compute.v1.Reservation.start_time:type_name -> google.protobuf.Timestamp
+	77,  // 16: bc.compute.v1.Reservation.end_time:type_name -> google.protobuf.Timestamp
+	77,  // 17: bc.compute.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
+	77,  // 18: bc.compute.v1.Reservation.updated_at:type_name -> google.protobuf.Timestamp
+	77,  // 19: bc.compute.v1.Reservation.active_at:type_name -> google.protobuf.Timestamp
+	77,  // 20: bc.compute.v1.Reservation.ended_at:type_name -> google.protobuf.Timestamp
+	78,  // 21: bc.compute.v1.ReserveRequest.duration:type_name -> google.protobuf.Duration
+	77,  // 22: bc.compute.v1.ReserveRequest.start_time:type_name -> google.protobuf.Timestamp
+	20,  // 23: bc.compute.v1.ReserveResponse.reservation:type_name -> bc.compute.v1.Reservation
+	20,  // 24: bc.compute.v1.GetReservationResponse.reservation:type_name -> bc.compute.v1.Reservation
+	20,  // 25: bc.compute.v1.ListReservationsResponse.reservations:type_name -> bc.compute.v1.Reservation
+	20,  // 26: bc.compute.v1.ReleaseReservationResponse.reservation:type_name -> bc.compute.v1.Reservation
+	77,  // 27: bc.compute.v1.UsageWindow.window_start:type_name -> google.protobuf.Timestamp
+	77,  // 28: bc.compute.v1.ListUsageRequest.since:type_name -> google.protobuf.Timestamp
+	29,  // 29: bc.compute.v1.ListUsageResponse.windows:type_name -> bc.compute.v1.UsageWindow
+	77,  // 30: bc.compute.v1.Node.last_seen:type_name -> google.protobuf.Timestamp
+	32,  // 31: bc.compute.v1.Node.gpus:type_name -> bc.compute.v1.Gpu
+	77,  // 32: bc.compute.v1.Node.created_at:type_name -> google.protobuf.Timestamp
+	77,  // 33: bc.compute.v1.Node.revoked_at:type_name -> google.protobuf.Timestamp
+	77,  // 34: bc.compute.v1.Node.cert_not_after:type_name -> google.protobuf.Timestamp
+	33,  // 35: bc.compute.v1.ListNodesResponse.nodes:type_name -> bc.compute.v1.Node
+	33,  // 36: bc.compute.v1.GetNodeResponse.node:type_name -> bc.compute.v1.Node
+	33,  // 37: bc.compute.v1.CordonNodeResponse.node:type_name -> bc.compute.v1.Node
+	33,  // 38: bc.compute.v1.UncordonNodeResponse.node:type_name -> bc.compute.v1.Node
+	77,  // 39: bc.compute.v1.Command.deadline:type_name -> google.protobuf.Timestamp
+	77,  // 40: bc.compute.v1.Command.created_at:type_name -> google.protobuf.Timestamp
+	77,  // 41: bc.compute.v1.Command.updated_at:type_name -> google.protobuf.Timestamp
+	77,  // 42: bc.compute.v1.Command.finished_at:type_name -> google.protobuf.Timestamp
+	78,  // 43: bc.compute.v1.RunCommandRequest.timeout:type_name -> google.protobuf.Duration
+	42,  // 44: bc.compute.v1.RunCommandResponse.command:type_name -> bc.compute.v1.Command
+	42,  // 45: bc.compute.v1.GetCommandResponse.command:type_name -> bc.compute.v1.Command
+	42,  // 46: bc.compute.v1.ListCommandsResponse.commands:type_name -> bc.compute.v1.Command
+	77,  // 47: bc.compute.v1.Event.time:type_name -> google.protobuf.Timestamp
+	49,  // 48: bc.compute.v1.WatchResponse.event:type_name -> bc.compute.v1.Event
+	33,  // 49: bc.compute.v1.RevokeNodeResponse.node:type_name -> bc.compute.v1.Node
+	77,  // 50: bc.compute.v1.Site.created_at:type_name -> google.protobuf.Timestamp
+	54,  // 51: bc.compute.v1.CreateSiteResponse.site:type_name -> bc.compute.v1.Site
+	54,  // 52: bc.compute.v1.ListSitesResponse.sites:type_name -> bc.compute.v1.Site
+	59,  // 53: bc.compute.v1.Pool.acceptance:type_name -> bc.compute.v1.Acceptance
+	77,  // 54: bc.compute.v1.Pool.created_at:type_name -> google.protobuf.Timestamp
+	76,  // 55: bc.compute.v1.Pool.node_counts:type_name -> bc.compute.v1.Pool.NodeCountsEntry
+	15,  // 56: bc.compute.v1.Pool.offer:type_name -> bc.compute.v1.Offer
+	59,  // 57: bc.compute.v1.CreatePoolRequest.acceptance:type_name -> bc.compute.v1.Acceptance
+	60,  // 58: bc.compute.v1.CreatePoolResponse.pool:type_name -> bc.compute.v1.Pool
+	60,  // 59: bc.compute.v1.ListPoolsResponse.pools:type_name -> bc.compute.v1.Pool
+	77,  // 60: bc.compute.v1.JoinToken.expires_at:type_name -> google.protobuf.Timestamp
+	77,  // 61: bc.compute.v1.JoinToken.revoked_at:type_name -> google.protobuf.Timestamp
+	77,  // 62: bc.compute.v1.JoinToken.created_at:type_name -> google.protobuf.Timestamp
+	65,  // 63: bc.compute.v1.CreateJoinTokenResponse.join_token:type_name -> bc.compute.v1.JoinToken
+	65,  // 64: bc.compute.v1.ListJoinTokensResponse.join_tokens:type_name -> bc.compute.v1.JoinToken
+	65,  // 65: bc.compute.v1.RevokeJoinTokenResponse.join_token:type_name -> bc.compute.v1.JoinToken
+	77,  // 66: bc.compute.v1.CreateTicketResponse.expires_at:type_name -> google.protobuf.Timestamp
+	78,  // 67: bc.compute.v1.IssueSshCertificateRequest.ttl:type_name -> google.protobuf.Duration
+	77,  // 68: bc.compute.v1.IssueSshCertificateResponse.valid_after:type_name -> google.protobuf.Timestamp
+	77,  // 69: bc.compute.v1.IssueSshCertificateResponse.valid_before:type_name -> google.protobuf.Timestamp
+	34,  // 70: bc.compute.v1.NodeService.ListNodes:input_type -> bc.compute.v1.ListNodesRequest
+	36,  // 71: bc.compute.v1.NodeService.GetNode:input_type -> bc.compute.v1.GetNodeRequest
+	52,  // 72: bc.compute.v1.NodeService.RevokeNode:input_type -> bc.compute.v1.RevokeNodeRequest
+	38,  // 73: bc.compute.v1.NodeService.CordonNode:input_type -> bc.compute.v1.CordonNodeRequest
+	40,  // 74: bc.compute.v1.NodeService.UncordonNode:input_type -> bc.compute.v1.UncordonNodeRequest
+	43,  // 75: bc.compute.v1.CommandService.RunCommand:input_type -> bc.compute.v1.RunCommandRequest
+	45,  // 76: bc.compute.v1.CommandService.GetCommand:input_type -> bc.compute.v1.GetCommandRequest
+	47,  // 77: bc.compute.v1.CommandService.ListCommands:input_type -> bc.compute.v1.ListCommandsRequest
+	50,  // 78: bc.compute.v1.EventService.Watch:input_type -> bc.compute.v1.WatchRequest
+	55,  // 79: bc.compute.v1.PoolService.CreateSite:input_type -> bc.compute.v1.CreateSiteRequest
+	57,  // 80: bc.compute.v1.PoolService.ListSites:input_type -> bc.compute.v1.ListSitesRequest
+	61,  // 81: bc.compute.v1.PoolService.CreatePool:input_type -> bc.compute.v1.CreatePoolRequest
+	63,  // 82: bc.compute.v1.PoolService.ListPools:input_type -> bc.compute.v1.ListPoolsRequest
+	16,  // 83: bc.compute.v1.PoolService.OfferPool:input_type -> bc.compute.v1.OfferPoolRequest
+	18,  // 84: bc.compute.v1.PoolService.ListOffers:input_type -> bc.compute.v1.ListOffersRequest
+	21,  // 85: bc.compute.v1.ReservationService.Reserve:input_type -> bc.compute.v1.ReserveRequest
+	23,  // 86: bc.compute.v1.ReservationService.GetReservation:input_type -> bc.compute.v1.GetReservationRequest
+	25,  // 87: bc.compute.v1.ReservationService.ListReservations:input_type -> bc.compute.v1.ListReservationsRequest
+	27,  // 88: bc.compute.v1.ReservationService.ReleaseReservation:input_type -> bc.compute.v1.ReleaseReservationRequest
+	30,  // 89: bc.compute.v1.UsageService.ListUsage:input_type -> bc.compute.v1.ListUsageRequest
+	66,  // 90: bc.compute.v1.JoinTokenService.CreateJoinToken:input_type -> bc.compute.v1.CreateJoinTokenRequest
+	68,  // 91: bc.compute.v1.JoinTokenService.ListJoinTokens:input_type -> bc.compute.v1.ListJoinTokensRequest
+	70,  // 92: bc.compute.v1.JoinTokenService.RevokeJoinToken:input_type -> bc.compute.v1.RevokeJoinTokenRequest
+	1,   // 93: bc.compute.v1.TenantService.CreateTenant:input_type -> bc.compute.v1.CreateTenantRequest
+	3,   // 94: bc.compute.v1.TenantService.ListTenants:input_type -> bc.compute.v1.ListTenantsRequest
+	6,   // 95: bc.compute.v1.TokenService.CreateToken:input_type -> bc.compute.v1.CreateTokenRequest
+	8,   // 96: bc.compute.v1.TokenService.ListTokens:input_type -> bc.compute.v1.ListTokensRequest
+	10,  // 97: bc.compute.v1.TokenService.RevokeToken:input_type -> bc.compute.v1.RevokeTokenRequest
+	72,  // 98: bc.compute.v1.TunnelService.CreateTicket:input_type -> bc.compute.v1.CreateTicketRequest
+	74,  // 99: bc.compute.v1.TunnelService.IssueSshCertificate:input_type -> bc.compute.v1.IssueSshCertificateRequest
+	13,  // 100: bc.compute.v1.AuditService.ListAudit:input_type -> bc.compute.v1.ListAuditRequest
+	35,  // 101: bc.compute.v1.NodeService.ListNodes:output_type -> bc.compute.v1.ListNodesResponse
+	37,  // 102: bc.compute.v1.NodeService.GetNode:output_type -> bc.compute.v1.GetNodeResponse
+	53,  // 103: bc.compute.v1.NodeService.RevokeNode:output_type -> bc.compute.v1.RevokeNodeResponse
+	39,  // 104: bc.compute.v1.NodeService.CordonNode:output_type -> bc.compute.v1.CordonNodeResponse
+	41,  // 105: bc.compute.v1.NodeService.UncordonNode:output_type -> bc.compute.v1.UncordonNodeResponse
+	44,  // 106: bc.compute.v1.CommandService.RunCommand:output_type -> bc.compute.v1.RunCommandResponse
+	46,  // 107: bc.compute.v1.CommandService.GetCommand:output_type -> bc.compute.v1.GetCommandResponse
+	48,  // 108: bc.compute.v1.CommandService.ListCommands:output_type -> bc.compute.v1.ListCommandsResponse
+	51,  // 109: bc.compute.v1.EventService.Watch:output_type -> bc.compute.v1.WatchResponse
+	56,  // 110: bc.compute.v1.PoolService.CreateSite:output_type -> bc.compute.v1.CreateSiteResponse
+	58,  // 111: bc.compute.v1.PoolService.ListSites:output_type -> bc.compute.v1.ListSitesResponse
+	62,  // 112: bc.compute.v1.PoolService.CreatePool:output_type -> bc.compute.v1.CreatePoolResponse
+	64,  // 113: bc.compute.v1.PoolService.ListPools:output_type -> bc.compute.v1.ListPoolsResponse
+	17,  // 114: bc.compute.v1.PoolService.OfferPool:output_type -> bc.compute.v1.OfferPoolResponse
+	19,  // 115: bc.compute.v1.PoolService.ListOffers:output_type -> bc.compute.v1.ListOffersResponse
+	22,  // 116: bc.compute.v1.ReservationService.Reserve:output_type -> bc.compute.v1.ReserveResponse
+	24,  // 117: bc.compute.v1.ReservationService.GetReservation:output_type -> bc.compute.v1.GetReservationResponse
+	26,  // 118: bc.compute.v1.ReservationService.ListReservations:output_type -> bc.compute.v1.ListReservationsResponse
+	28,  // 119: bc.compute.v1.ReservationService.ReleaseReservation:output_type -> bc.compute.v1.ReleaseReservationResponse
+	31,  // 120: bc.compute.v1.UsageService.ListUsage:output_type -> bc.compute.v1.ListUsageResponse
+	67,  // 121: bc.compute.v1.JoinTokenService.CreateJoinToken:output_type -> bc.compute.v1.CreateJoinTokenResponse
+	69,  // 122: bc.compute.v1.JoinTokenService.ListJoinTokens:output_type -> bc.compute.v1.ListJoinTokensResponse
+	71,  // 123: bc.compute.v1.JoinTokenService.RevokeJoinToken:output_type -> bc.compute.v1.RevokeJoinTokenResponse
+	2,   // 124: bc.compute.v1.TenantService.CreateTenant:output_type -> bc.compute.v1.CreateTenantResponse
+	4,   // 125: bc.compute.v1.TenantService.ListTenants:output_type -> bc.compute.v1.ListTenantsResponse
+	7,   // 126: bc.compute.v1.TokenService.CreateToken:output_type -> bc.compute.v1.CreateTokenResponse
+	9,   // 127: bc.compute.v1.TokenService.ListTokens:output_type -> bc.compute.v1.ListTokensResponse
+	11,  // 128: bc.compute.v1.TokenService.RevokeToken:output_type -> bc.compute.v1.RevokeTokenResponse
+	73,  // 129: bc.compute.v1.TunnelService.CreateTicket:output_type -> bc.compute.v1.CreateTicketResponse
+	75,  // 130: bc.compute.v1.TunnelService.IssueSshCertificate:output_type -> bc.compute.v1.IssueSshCertificateResponse
+	14,  // 131: bc.compute.v1.AuditService.ListAudit:output_type -> bc.compute.v1.ListAuditResponse
+	101, // [101:132] is the sub-list for method output_type
+	70,  // [70:101] is the sub-list for method input_type
+	70,  // [70:70] is the sub-list for extension type_name
+	70,  // [70:70] is the sub-list for extension extendee
+	0,   // [0:70] is the sub-list for field type_name
 }
 
 func init() { file_bc_compute_v1_compute_proto_init() }
@@ -5079,9 +5427,9 @@ func file_bc_compute_v1_compute_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_bc_compute_v1_compute_proto_rawDesc), len(file_bc_compute_v1_compute_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   73,
+			NumMessages:   77,
 			NumExtensions: 0,
-			NumServices:   10,
+			NumServices:   11,
 		},
 		GoTypes:           file_bc_compute_v1_compute_proto_goTypes,
 		DependencyIndexes: file_bc_compute_v1_compute_proto_depIdxs,

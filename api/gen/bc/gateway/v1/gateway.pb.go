@@ -7,6 +7,8 @@
 package gatewayv1
 
 import (
+	_ "buf.build/gen/go/bufbuild/protovalidate/protocolbuffers/go/buf/validate"
+	v1 "github.com/better-compute/better-compute/api/gen/bc/tunnel/v1"
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
 	durationpb "google.golang.org/protobuf/types/known/durationpb"
@@ -87,6 +89,221 @@ func (CommandState) EnumDescriptor() ([]byte, []int) {
 	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{0}
 }
 
+// TunnelRequest is one message a tunnel stream's caller sends: the start,
+// then frames (the client's input on the API's stream to the gateway, the
+// node's output on the daemon's Tunnel stream).
+type TunnelRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Msg:
+	//
+	//	*TunnelRequest_Start
+	//	*TunnelRequest_Frame
+	Msg           isTunnelRequest_Msg `protobuf_oneof:"msg"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TunnelRequest) Reset() {
+	*x = TunnelRequest{}
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TunnelRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TunnelRequest) ProtoMessage() {}
+
+func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TunnelRequest.ProtoReflect.Descriptor instead.
+func (*TunnelRequest) Descriptor() ([]byte, []int) {
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *TunnelRequest) GetMsg() isTunnelRequest_Msg {
+	if x != nil {
+		return x.Msg
+	}
+	return nil
+}
+
+func (x *TunnelRequest) GetStart() *TunnelStart {
+	if x != nil {
+		if x, ok := x.Msg.(*TunnelRequest_Start); ok {
+			return x.Start
+		}
+	}
+	return nil
+}
+
+func (x *TunnelRequest) GetFrame() *v1.Frame {
+	if x != nil {
+		if x, ok := x.Msg.(*TunnelRequest_Frame); ok {
+			return x.Frame
+		}
+	}
+	return nil
+}
+
+type isTunnelRequest_Msg interface {
+	isTunnelRequest_Msg()
+}
+
+type TunnelRequest_Start struct {
+	Start *TunnelStart `protobuf:"bytes,1,opt,name=start,proto3,oneof"`
+}
+
+type TunnelRequest_Frame struct {
+	Frame *v1.Frame `protobuf:"bytes,2,opt,name=frame,proto3,oneof"`
+}
+
+func (*TunnelRequest_Start) isTunnelRequest_Msg() {}
+
+func (*TunnelRequest_Frame) isTunnelRequest_Msg() {}
+
+// TunnelStart begins a tunnel stream.
+type TunnelStart struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// TunnelID names the tunnel: its exec ticket's id ("tkt_…"), which the
+	// API's stream and OpenTunnel carry and the daemon's stream answers with.
+	TunnelId string `protobuf:"bytes,1,opt,name=tunnel_id,json=tunnelId,proto3" json:"tunnel_id,omitempty"`
+	// Ticket is the signed exec ticket (GatewayControlService only).
+	Ticket string `protobuf:"bytes,2,opt,name=ticket,proto3" json:"ticket,omitempty"`
+	// Size is the client terminal's size at the start (shell tunnels).
+	Size          *v1.TerminalSize `protobuf:"bytes,3,opt,name=size,proto3" json:"size,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TunnelStart) Reset() {
+	*x = TunnelStart{}
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TunnelStart) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TunnelStart) ProtoMessage() {}
+
+func (x *TunnelStart) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TunnelStart.ProtoReflect.Descriptor instead.
+func (*TunnelStart) Descriptor() ([]byte, []int) {
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *TunnelStart) GetTunnelId() string {
+	if x != nil {
+		return x.TunnelId
+	}
+	return ""
+}
+
+func (x *TunnelStart) GetTicket() string {
+	if x != nil {
+		return x.Ticket
+	}
+	return ""
+}
+
+func (x *TunnelStart) GetSize() *v1.TerminalSize {
+	if x != nil {
+		return x.Size
+	}
+	return nil
+}
+
+// OpenTunnel asks the daemon to open a Tunnel stream for one tunnel.
+type OpenTunnel struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// TunnelID is the tunnel's exec ticket id, for the daemon's TunnelStart.
+	TunnelId string `protobuf:"bytes,1,opt,name=tunnel_id,json=tunnelId,proto3" json:"tunnel_id,omitempty"`
+	// Purpose is "shell" (the machine's shell on a terminal) or "ssh" (the
+	// machine's SSH server, whose bytes the tunnel carries).
+	Purpose string `protobuf:"bytes,2,opt,name=purpose,proto3" json:"purpose,omitempty"`
+	// Size is the client terminal's size (shell).
+	Size          *v1.TerminalSize `protobuf:"bytes,3,opt,name=size,proto3" json:"size,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OpenTunnel) Reset() {
+	*x = OpenTunnel{}
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OpenTunnel) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OpenTunnel) ProtoMessage() {}
+
+func (x *OpenTunnel) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OpenTunnel.ProtoReflect.Descriptor instead.
+func (*OpenTunnel) Descriptor() ([]byte, []int) {
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *OpenTunnel) GetTunnelId() string {
+	if x != nil {
+		return x.TunnelId
+	}
+	return ""
+}
+
+func (x *OpenTunnel) GetPurpose() string {
+	if x != nil {
+		return x.Purpose
+	}
+	return ""
+}
+
+func (x *OpenTunnel) GetSize() *v1.TerminalSize {
+	if x != nil {
+		return x.Size
+	}
+	return nil
+}
+
 // SessionRequest is one message from the daemon.
 type SessionRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -104,7 +321,7 @@ type SessionRequest struct {
 
 func (x *SessionRequest) Reset() {
 	*x = SessionRequest{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[0]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -116,7 +333,7 @@ func (x *SessionRequest) String() string {
 func (*SessionRequest) ProtoMessage() {}
 
 func (x *SessionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[0]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -129,7 +346,7 @@ func (x *SessionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SessionRequest.ProtoReflect.Descriptor instead.
 func (*SessionRequest) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{0}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *SessionRequest) GetMsg() isSessionRequest_Msg {
@@ -228,6 +445,7 @@ type SessionResponse struct {
 	//	*SessionResponse_DesiredState
 	//	*SessionResponse_CertificateIssued
 	//	*SessionResponse_HeartbeatAck
+	//	*SessionResponse_OpenTunnel
 	Msg           isSessionResponse_Msg `protobuf_oneof:"msg"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -235,7 +453,7 @@ type SessionResponse struct {
 
 func (x *SessionResponse) Reset() {
 	*x = SessionResponse{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[1]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -247,7 +465,7 @@ func (x *SessionResponse) String() string {
 func (*SessionResponse) ProtoMessage() {}
 
 func (x *SessionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[1]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -260,7 +478,7 @@ func (x *SessionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SessionResponse.ProtoReflect.Descriptor instead.
 func (*SessionResponse) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{1}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *SessionResponse) GetMsg() isSessionResponse_Msg {
@@ -315,6 +533,15 @@ func (x *SessionResponse) GetHeartbeatAck() *HeartbeatAck {
 	return nil
 }
 
+func (x *SessionResponse) GetOpenTunnel() *OpenTunnel {
+	if x != nil {
+		if x, ok := x.Msg.(*SessionResponse_OpenTunnel); ok {
+			return x.OpenTunnel
+		}
+	}
+	return nil
+}
+
 type isSessionResponse_Msg interface {
 	isSessionResponse_Msg()
 }
@@ -339,6 +566,10 @@ type SessionResponse_HeartbeatAck struct {
 	HeartbeatAck *HeartbeatAck `protobuf:"bytes,5,opt,name=heartbeat_ack,json=heartbeatAck,proto3,oneof"`
 }
 
+type SessionResponse_OpenTunnel struct {
+	OpenTunnel *OpenTunnel `protobuf:"bytes,6,opt,name=open_tunnel,json=openTunnel,proto3,oneof"`
+}
+
 func (*SessionResponse_Welcome) isSessionResponse_Msg() {}
 
 func (*SessionResponse_Command) isSessionResponse_Msg() {}
@@ -348,6 +579,8 @@ func (*SessionResponse_DesiredState) isSessionResponse_Msg() {}
 func (*SessionResponse_CertificateIssued) isSessionResponse_Msg() {}
 
 func (*SessionResponse_HeartbeatAck) isSessionResponse_Msg() {}
+
+func (*SessionResponse_OpenTunnel) isSessionResponse_Msg() {}
 
 // RenewCertificate asks for a new node certificate for a new key before the
 // current one expires. The session goes on with the certificate it was
@@ -362,7 +595,7 @@ type RenewCertificate struct {
 
 func (x *RenewCertificate) Reset() {
 	*x = RenewCertificate{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[2]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -374,7 +607,7 @@ func (x *RenewCertificate) String() string {
 func (*RenewCertificate) ProtoMessage() {}
 
 func (x *RenewCertificate) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[2]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -387,7 +620,7 @@ func (x *RenewCertificate) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RenewCertificate.ProtoReflect.Descriptor instead.
 func (*RenewCertificate) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{2}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *RenewCertificate) GetCsrDer() []byte {
@@ -411,7 +644,7 @@ type CertificateIssued struct {
 
 func (x *CertificateIssued) Reset() {
 	*x = CertificateIssued{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[3]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -423,7 +656,7 @@ func (x *CertificateIssued) String() string {
 func (*CertificateIssued) ProtoMessage() {}
 
 func (x *CertificateIssued) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[3]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -436,7 +669,7 @@ func (x *CertificateIssued) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CertificateIssued.ProtoReflect.Descriptor instead.
 func (*CertificateIssued) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{3}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *CertificateIssued) GetCertificateDer() []byte {
@@ -477,7 +710,7 @@ type Hello struct {
 
 func (x *Hello) Reset() {
 	*x = Hello{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[4]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -489,7 +722,7 @@ func (x *Hello) String() string {
 func (*Hello) ProtoMessage() {}
 
 func (x *Hello) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[4]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -502,7 +735,7 @@ func (x *Hello) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Hello.ProtoReflect.Descriptor instead.
 func (*Hello) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{4}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *Hello) GetNodeId() string {
@@ -550,7 +783,7 @@ type JournalEntry struct {
 
 func (x *JournalEntry) Reset() {
 	*x = JournalEntry{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[5]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -562,7 +795,7 @@ func (x *JournalEntry) String() string {
 func (*JournalEntry) ProtoMessage() {}
 
 func (x *JournalEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[5]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -575,7 +808,7 @@ func (x *JournalEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JournalEntry.ProtoReflect.Descriptor instead.
 func (*JournalEntry) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{5}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *JournalEntry) GetCommandId() string {
@@ -605,7 +838,7 @@ type Welcome struct {
 
 func (x *Welcome) Reset() {
 	*x = Welcome{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[6]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -617,7 +850,7 @@ func (x *Welcome) String() string {
 func (*Welcome) ProtoMessage() {}
 
 func (x *Welcome) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[6]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -630,7 +863,7 @@ func (x *Welcome) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Welcome.ProtoReflect.Descriptor instead.
 func (*Welcome) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{6}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *Welcome) GetSessionId() string {
@@ -682,7 +915,7 @@ type Command struct {
 
 func (x *Command) Reset() {
 	*x = Command{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[7]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -694,7 +927,7 @@ func (x *Command) String() string {
 func (*Command) ProtoMessage() {}
 
 func (x *Command) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[7]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -707,7 +940,7 @@ func (x *Command) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Command.ProtoReflect.Descriptor instead.
 func (*Command) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{7}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *Command) GetCommandId() string {
@@ -766,7 +999,7 @@ type CommandUpdate struct {
 
 func (x *CommandUpdate) Reset() {
 	*x = CommandUpdate{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[8]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -778,7 +1011,7 @@ func (x *CommandUpdate) String() string {
 func (*CommandUpdate) ProtoMessage() {}
 
 func (x *CommandUpdate) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[8]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -791,7 +1024,7 @@ func (x *CommandUpdate) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommandUpdate.ProtoReflect.Descriptor instead.
 func (*CommandUpdate) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{8}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *CommandUpdate) GetCommandId() string {
@@ -834,7 +1067,7 @@ type CommandResult struct {
 
 func (x *CommandResult) Reset() {
 	*x = CommandResult{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[9]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -846,7 +1079,7 @@ func (x *CommandResult) String() string {
 func (*CommandResult) ProtoMessage() {}
 
 func (x *CommandResult) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[9]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -859,7 +1092,7 @@ func (x *CommandResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommandResult.ProtoReflect.Descriptor instead.
 func (*CommandResult) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{9}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *CommandResult) GetInventory() *Inventory {
@@ -889,7 +1122,7 @@ type Inventory struct {
 
 func (x *Inventory) Reset() {
 	*x = Inventory{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[10]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -901,7 +1134,7 @@ func (x *Inventory) String() string {
 func (*Inventory) ProtoMessage() {}
 
 func (x *Inventory) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[10]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -914,7 +1147,7 @@ func (x *Inventory) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Inventory.ProtoReflect.Descriptor instead.
 func (*Inventory) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{10}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Inventory) GetGpus() []*Gpu {
@@ -967,7 +1200,7 @@ type Gpu struct {
 
 func (x *Gpu) Reset() {
 	*x = Gpu{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[11]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -979,7 +1212,7 @@ func (x *Gpu) String() string {
 func (*Gpu) ProtoMessage() {}
 
 func (x *Gpu) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[11]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -992,7 +1225,7 @@ func (x *Gpu) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Gpu.ProtoReflect.Descriptor instead.
 func (*Gpu) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{11}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *Gpu) GetIndex() int32 {
@@ -1052,7 +1285,7 @@ type DesiredState struct {
 
 func (x *DesiredState) Reset() {
 	*x = DesiredState{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[12]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1064,7 +1297,7 @@ func (x *DesiredState) String() string {
 func (*DesiredState) ProtoMessage() {}
 
 func (x *DesiredState) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[12]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1077,7 +1310,7 @@ func (x *DesiredState) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DesiredState.ProtoReflect.Descriptor instead.
 func (*DesiredState) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{12}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *DesiredState) GetGeneration() int64 {
@@ -1103,16 +1336,20 @@ func (x *DesiredState) GetSignature() []byte {
 
 // NodeSpec is the desired state of a node.
 type NodeSpec struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Allocations   []*Allocation          `protobuf:"bytes,1,rep,name=allocations,proto3" json:"allocations,omitempty"`
-	Labels        map[string]string      `protobuf:"bytes,2,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	Allocations []*Allocation          `protobuf:"bytes,1,rep,name=allocations,proto3" json:"allocations,omitempty"`
+	Labels      map[string]string      `protobuf:"bytes,2,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// SshUserCas are the SSH certificate authorities whose user certificates
+	// the node's SSH server accepts (bound to the node): the deployment's
+	// break-glass and sandbox CAs. Changing them is a new generation.
+	SshUserCas    []*SshUserCa `protobuf:"bytes,3,rep,name=ssh_user_cas,json=sshUserCas,proto3" json:"ssh_user_cas,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *NodeSpec) Reset() {
 	*x = NodeSpec{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[13]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1124,7 +1361,7 @@ func (x *NodeSpec) String() string {
 func (*NodeSpec) ProtoMessage() {}
 
 func (x *NodeSpec) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[13]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1137,7 +1374,7 @@ func (x *NodeSpec) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeSpec.ProtoReflect.Descriptor instead.
 func (*NodeSpec) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{13}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *NodeSpec) GetAllocations() []*Allocation {
@@ -1154,6 +1391,71 @@ func (x *NodeSpec) GetLabels() map[string]string {
 	return nil
 }
 
+func (x *NodeSpec) GetSshUserCas() []*SshUserCa {
+	if x != nil {
+		return x.SshUserCas
+	}
+	return nil
+}
+
+// SshUserCa is one SSH user certificate authority a node trusts.
+type SshUserCa struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Name is "break-glass" (certificates for principal root) or "sandbox"
+	// (certificates whose principal is a reservation id, accepted while that
+	// reservation is in the node's spec).
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// PublicKey is the CA's public key in authorized_keys format
+	// ("ssh-ed25519 AAAA…").
+	PublicKey     string `protobuf:"bytes,2,opt,name=public_key,json=publicKey,proto3" json:"public_key,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SshUserCa) Reset() {
+	*x = SshUserCa{}
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SshUserCa) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SshUserCa) ProtoMessage() {}
+
+func (x *SshUserCa) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SshUserCa.ProtoReflect.Descriptor instead.
+func (*SshUserCa) Descriptor() ([]byte, []int) {
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *SshUserCa) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *SshUserCa) GetPublicKey() string {
+	if x != nil {
+		return x.PublicKey
+	}
+	return ""
+}
+
 type Allocation struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	ReservationId string                 `protobuf:"bytes,1,opt,name=reservation_id,json=reservationId,proto3" json:"reservation_id,omitempty"`
@@ -1164,7 +1466,7 @@ type Allocation struct {
 
 func (x *Allocation) Reset() {
 	*x = Allocation{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[14]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1176,7 +1478,7 @@ func (x *Allocation) String() string {
 func (*Allocation) ProtoMessage() {}
 
 func (x *Allocation) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[14]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1189,7 +1491,7 @@ func (x *Allocation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Allocation.ProtoReflect.Descriptor instead.
 func (*Allocation) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{14}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *Allocation) GetReservationId() string {
@@ -1215,6 +1517,7 @@ type Report struct {
 	//	*Report_AllocationBound
 	//	*Report_AllocationUnbound
 	//	*Report_SpecRefused
+	//	*Report_SshRefused
 	Report        isReport_Report `protobuf_oneof:"report"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1222,7 +1525,7 @@ type Report struct {
 
 func (x *Report) Reset() {
 	*x = Report{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[15]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1234,7 +1537,7 @@ func (x *Report) String() string {
 func (*Report) ProtoMessage() {}
 
 func (x *Report) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[15]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1247,7 +1550,7 @@ func (x *Report) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Report.ProtoReflect.Descriptor instead.
 func (*Report) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{15}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *Report) GetReport() isReport_Report {
@@ -1302,6 +1605,15 @@ func (x *Report) GetSpecRefused() *SpecRefused {
 	return nil
 }
 
+func (x *Report) GetSshRefused() *SshRefused {
+	if x != nil {
+		if x, ok := x.Report.(*Report_SshRefused); ok {
+			return x.SshRefused
+		}
+	}
+	return nil
+}
+
 type isReport_Report interface {
 	isReport_Report()
 }
@@ -1329,6 +1641,11 @@ type Report_SpecRefused struct {
 	SpecRefused *SpecRefused `protobuf:"bytes,5,opt,name=spec_refused,json=specRefused,proto3,oneof"`
 }
 
+type Report_SshRefused struct {
+	// SshRefused says the node's SSH server refused a login.
+	SshRefused *SshRefused `protobuf:"bytes,6,opt,name=ssh_refused,json=sshRefused,proto3,oneof"`
+}
+
 func (*Report_ObservedGeneration) isReport_Report() {}
 
 func (*Report_Inventory) isReport_Report() {}
@@ -1338,6 +1655,72 @@ func (*Report_AllocationBound) isReport_Report() {}
 func (*Report_AllocationUnbound) isReport_Report() {}
 
 func (*Report_SpecRefused) isReport_Report() {}
+
+func (*Report_SshRefused) isReport_Report() {}
+
+// SshRefused is a login the node's SSH server refused, with why (an
+// unknown CA, an expired certificate, another node's, a sandbox certificate
+// whose reservation is not on the node, a plain key).
+type SshRefused struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Reason string                 `protobuf:"bytes,1,opt,name=reason,proto3" json:"reason,omitempty"`
+	// KeyId is the certificate's key id, empty for a plain key.
+	KeyId         string `protobuf:"bytes,2,opt,name=key_id,json=keyId,proto3" json:"key_id,omitempty"`
+	User          string `protobuf:"bytes,3,opt,name=user,proto3" json:"user,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SshRefused) Reset() {
+	*x = SshRefused{}
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SshRefused) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SshRefused) ProtoMessage() {}
+
+func (x *SshRefused) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SshRefused.ProtoReflect.Descriptor instead.
+func (*SshRefused) Descriptor() ([]byte, []int) {
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *SshRefused) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *SshRefused) GetKeyId() string {
+	if x != nil {
+		return x.KeyId
+	}
+	return ""
+}
+
+func (x *SshRefused) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
 
 type SpecRefused struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -1349,7 +1732,7 @@ type SpecRefused struct {
 
 func (x *SpecRefused) Reset() {
 	*x = SpecRefused{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[16]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1361,7 +1744,7 @@ func (x *SpecRefused) String() string {
 func (*SpecRefused) ProtoMessage() {}
 
 func (x *SpecRefused) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[16]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1374,7 +1757,7 @@ func (x *SpecRefused) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SpecRefused.ProtoReflect.Descriptor instead.
 func (*SpecRefused) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{16}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *SpecRefused) GetGeneration() int64 {
@@ -1403,7 +1786,7 @@ type AllocationBound struct {
 
 func (x *AllocationBound) Reset() {
 	*x = AllocationBound{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[17]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1415,7 +1798,7 @@ func (x *AllocationBound) String() string {
 func (*AllocationBound) ProtoMessage() {}
 
 func (x *AllocationBound) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[17]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1428,7 +1811,7 @@ func (x *AllocationBound) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AllocationBound.ProtoReflect.Descriptor instead.
 func (*AllocationBound) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{17}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *AllocationBound) GetReservationId() string {
@@ -1462,7 +1845,7 @@ type AllocationUnbound struct {
 
 func (x *AllocationUnbound) Reset() {
 	*x = AllocationUnbound{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[18]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1474,7 +1857,7 @@ func (x *AllocationUnbound) String() string {
 func (*AllocationUnbound) ProtoMessage() {}
 
 func (x *AllocationUnbound) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[18]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1487,7 +1870,7 @@ func (x *AllocationUnbound) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AllocationUnbound.ProtoReflect.Descriptor instead.
 func (*AllocationUnbound) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{18}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *AllocationUnbound) GetReservationId() string {
@@ -1515,7 +1898,7 @@ type Heartbeat struct {
 
 func (x *Heartbeat) Reset() {
 	*x = Heartbeat{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[19]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1527,7 +1910,7 @@ func (x *Heartbeat) String() string {
 func (*Heartbeat) ProtoMessage() {}
 
 func (x *Heartbeat) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[19]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1540,7 +1923,7 @@ func (x *Heartbeat) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Heartbeat.ProtoReflect.Descriptor instead.
 func (*Heartbeat) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{19}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *Heartbeat) GetSeq() int64 {
@@ -1581,7 +1964,7 @@ type HeartbeatAck struct {
 
 func (x *HeartbeatAck) Reset() {
 	*x = HeartbeatAck{}
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[20]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1593,7 +1976,7 @@ func (x *HeartbeatAck) String() string {
 func (*HeartbeatAck) ProtoMessage() {}
 
 func (x *HeartbeatAck) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[20]
+	mi := &file_bc_gateway_v1_gateway_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1606,7 +1989,7 @@ func (x *HeartbeatAck) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatAck.ProtoReflect.Descriptor instead.
 func (*HeartbeatAck) Descriptor() ([]byte, []int) {
-	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{20}
+	return file_bc_gateway_v1_gateway_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *HeartbeatAck) GetSeq() int64 {
@@ -1620,20 +2003,35 @@ var File_bc_gateway_v1_gateway_proto protoreflect.FileDescriptor
 
 const file_bc_gateway_v1_gateway_proto_rawDesc = "" +
 	"\n" +
-	"\x1bbc/gateway/v1/gateway.proto\x12\rbc.gateway.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc7\x02\n" +
+	"\x1bbc/gateway/v1/gateway.proto\x12\rbc.gateway.v1\x1a\x19bc/tunnel/v1/tunnel.proto\x1a\x1bbuf/validate/validate.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"~\n" +
+	"\rTunnelRequest\x122\n" +
+	"\x05start\x18\x01 \x01(\v2\x1a.bc.gateway.v1.TunnelStartH\x00R\x05start\x12+\n" +
+	"\x05frame\x18\x02 \x01(\v2\x13.bc.tunnel.v1.FrameH\x00R\x05frameB\f\n" +
+	"\x03msg\x12\x05\xbaH\x02\b\x01\"\x87\x01\n" +
+	"\vTunnelStart\x12&\n" +
+	"\ttunnel_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\btunnelId\x12 \n" +
+	"\x06ticket\x18\x02 \x01(\tB\b\xbaH\x05r\x03\x18\x80 R\x06ticket\x12.\n" +
+	"\x04size\x18\x03 \x01(\v2\x1a.bc.tunnel.v1.TerminalSizeR\x04size\"s\n" +
+	"\n" +
+	"OpenTunnel\x12\x1b\n" +
+	"\ttunnel_id\x18\x01 \x01(\tR\btunnelId\x12\x18\n" +
+	"\apurpose\x18\x02 \x01(\tR\apurpose\x12.\n" +
+	"\x04size\x18\x03 \x01(\v2\x1a.bc.tunnel.v1.TerminalSizeR\x04size\"\xc7\x02\n" +
 	"\x0eSessionRequest\x12,\n" +
 	"\x05hello\x18\x01 \x01(\v2\x14.bc.gateway.v1.HelloH\x00R\x05hello\x12E\n" +
 	"\x0ecommand_update\x18\x02 \x01(\v2\x1c.bc.gateway.v1.CommandUpdateH\x00R\rcommandUpdate\x12/\n" +
 	"\x06report\x18\x03 \x01(\v2\x15.bc.gateway.v1.ReportH\x00R\x06report\x128\n" +
 	"\theartbeat\x18\x04 \x01(\v2\x18.bc.gateway.v1.HeartbeatH\x00R\theartbeat\x12N\n" +
 	"\x11renew_certificate\x18\x05 \x01(\v2\x1f.bc.gateway.v1.RenewCertificateH\x00R\x10renewCertificateB\x05\n" +
-	"\x03msg\"\xdb\x02\n" +
+	"\x03msg\"\x99\x03\n" +
 	"\x0fSessionResponse\x122\n" +
 	"\awelcome\x18\x01 \x01(\v2\x16.bc.gateway.v1.WelcomeH\x00R\awelcome\x122\n" +
 	"\acommand\x18\x02 \x01(\v2\x16.bc.gateway.v1.CommandH\x00R\acommand\x12B\n" +
 	"\rdesired_state\x18\x03 \x01(\v2\x1b.bc.gateway.v1.DesiredStateH\x00R\fdesiredState\x12Q\n" +
 	"\x12certificate_issued\x18\x04 \x01(\v2 .bc.gateway.v1.CertificateIssuedH\x00R\x11certificateIssued\x12B\n" +
-	"\rheartbeat_ack\x18\x05 \x01(\v2\x1b.bc.gateway.v1.HeartbeatAckH\x00R\fheartbeatAckB\x05\n" +
+	"\rheartbeat_ack\x18\x05 \x01(\v2\x1b.bc.gateway.v1.HeartbeatAckH\x00R\fheartbeatAck\x12<\n" +
+	"\vopen_tunnel\x18\x06 \x01(\v2\x19.bc.gateway.v1.OpenTunnelH\x00R\n" +
+	"openTunnelB\x05\n" +
 	"\x03msg\"+\n" +
 	"\x10RenewCertificate\x12\x17\n" +
 	"\acsr_der\x18\x01 \x01(\fR\x06csrDer\"\x8b\x01\n" +
@@ -1695,24 +2093,37 @@ const file_bc_gateway_v1_gateway_proto_rawDesc = "" +
 	"generation\x18\x01 \x01(\x03R\n" +
 	"generation\x12+\n" +
 	"\x04spec\x18\x02 \x01(\v2\x17.bc.gateway.v1.NodeSpecR\x04spec\x12\x1c\n" +
-	"\tsignature\x18\x0f \x01(\fR\tsignature\"\xbf\x01\n" +
+	"\tsignature\x18\x0f \x01(\fR\tsignature\"\xfb\x01\n" +
 	"\bNodeSpec\x12;\n" +
 	"\vallocations\x18\x01 \x03(\v2\x19.bc.gateway.v1.AllocationR\vallocations\x12;\n" +
-	"\x06labels\x18\x02 \x03(\v2#.bc.gateway.v1.NodeSpec.LabelsEntryR\x06labels\x1a9\n" +
+	"\x06labels\x18\x02 \x03(\v2#.bc.gateway.v1.NodeSpec.LabelsEntryR\x06labels\x12:\n" +
+	"\fssh_user_cas\x18\x03 \x03(\v2\x18.bc.gateway.v1.SshUserCaR\n" +
+	"sshUserCas\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"Z\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\">\n" +
+	"\tSshUserCa\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1d\n" +
+	"\n" +
+	"public_key\x18\x02 \x01(\tR\tpublicKey\"Z\n" +
 	"\n" +
 	"Allocation\x12%\n" +
 	"\x0ereservation_id\x18\x01 \x01(\tR\rreservationId\x12%\n" +
-	"\x0edevice_indexes\x18\x02 \x03(\x05R\rdeviceIndexes\"\xe0\x02\n" +
+	"\x0edevice_indexes\x18\x02 \x03(\x05R\rdeviceIndexes\"\x9e\x03\n" +
 	"\x06Report\x121\n" +
 	"\x13observed_generation\x18\x01 \x01(\x03H\x00R\x12observedGeneration\x128\n" +
 	"\tinventory\x18\x02 \x01(\v2\x18.bc.gateway.v1.InventoryH\x00R\tinventory\x12K\n" +
 	"\x10allocation_bound\x18\x03 \x01(\v2\x1e.bc.gateway.v1.AllocationBoundH\x00R\x0fallocationBound\x12Q\n" +
 	"\x12allocation_unbound\x18\x04 \x01(\v2 .bc.gateway.v1.AllocationUnboundH\x00R\x11allocationUnbound\x12?\n" +
-	"\fspec_refused\x18\x05 \x01(\v2\x1a.bc.gateway.v1.SpecRefusedH\x00R\vspecRefusedB\b\n" +
-	"\x06report\"E\n" +
+	"\fspec_refused\x18\x05 \x01(\v2\x1a.bc.gateway.v1.SpecRefusedH\x00R\vspecRefused\x12<\n" +
+	"\vssh_refused\x18\x06 \x01(\v2\x19.bc.gateway.v1.SshRefusedH\x00R\n" +
+	"sshRefusedB\b\n" +
+	"\x06report\"O\n" +
+	"\n" +
+	"SshRefused\x12\x16\n" +
+	"\x06reason\x18\x01 \x01(\tR\x06reason\x12\x15\n" +
+	"\x06key_id\x18\x02 \x01(\tR\x05keyId\x12\x12\n" +
+	"\x04user\x18\x03 \x01(\tR\x04user\"E\n" +
 	"\vSpecRefused\x12\x1e\n" +
 	"\n" +
 	"generation\x18\x01 \x01(\x03R\n" +
@@ -1744,9 +2155,12 @@ const file_bc_gateway_v1_gateway_proto_rawDesc = "" +
 	"\x17COMMAND_STATE_SUCCEEDED\x10\x04\x12\x18\n" +
 	"\x14COMMAND_STATE_FAILED\x10\x05\x12\x19\n" +
 	"\x15COMMAND_STATE_EXPIRED\x10\x06\x12\x1a\n" +
-	"\x16COMMAND_STATE_CANCELED\x10\a2`\n" +
+	"\x16COMMAND_STATE_CANCELED\x10\a2\xa3\x01\n" +
 	"\x0eGatewayService\x12N\n" +
-	"\aSession\x12\x1d.bc.gateway.v1.SessionRequest\x1a\x1e.bc.gateway.v1.SessionResponse\"\x00(\x010\x01B\xc1\x01\n" +
+	"\aSession\x12\x1d.bc.gateway.v1.SessionRequest\x1a\x1e.bc.gateway.v1.SessionResponse\"\x00(\x010\x01\x12A\n" +
+	"\x06Tunnel\x12\x1c.bc.gateway.v1.TunnelRequest\x1a\x13.bc.tunnel.v1.Frame\"\x00(\x010\x012Z\n" +
+	"\x15GatewayControlService\x12A\n" +
+	"\x06Tunnel\x12\x1c.bc.gateway.v1.TunnelRequest\x1a\x13.bc.tunnel.v1.Frame\"\x00(\x010\x01B\xc1\x01\n" +
 	"\x11com.bc.gateway.v1B\fGatewayProtoP\x01ZHgithub.com/better-compute/better-compute/api/gen/bc/gateway/v1;gatewayv1\xa2\x02\x03BGX\xaa\x02\rBc.Gateway.V1\xca\x02\rBc\\Gateway\\V1\xe2\x02\x19Bc\\Gateway\\V1\\GPBMetadata\xea\x02\x0fBc::Gateway::V1b\x06proto3"
 
 var (
@@ -1762,69 +2176,87 @@ func file_bc_gateway_v1_gateway_proto_rawDescGZIP() []byte {
 }
 
 var file_bc_gateway_v1_gateway_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_bc_gateway_v1_gateway_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
+var file_bc_gateway_v1_gateway_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
 var file_bc_gateway_v1_gateway_proto_goTypes = []any{
 	(CommandState)(0),             // 0: bc.gateway.v1.CommandState
-	(*SessionRequest)(nil),        // 1: bc.gateway.v1.SessionRequest
-	(*SessionResponse)(nil),       // 2: bc.gateway.v1.SessionResponse
-	(*RenewCertificate)(nil),      // 3: bc.gateway.v1.RenewCertificate
-	(*CertificateIssued)(nil),     // 4: bc.gateway.v1.CertificateIssued
-	(*Hello)(nil),                 // 5: bc.gateway.v1.Hello
-	(*JournalEntry)(nil),          // 6: bc.gateway.v1.JournalEntry
-	(*Welcome)(nil),               // 7: bc.gateway.v1.Welcome
-	(*Command)(nil),               // 8: bc.gateway.v1.Command
-	(*CommandUpdate)(nil),         // 9: bc.gateway.v1.CommandUpdate
-	(*CommandResult)(nil),         // 10: bc.gateway.v1.CommandResult
-	(*Inventory)(nil),             // 11: bc.gateway.v1.Inventory
-	(*Gpu)(nil),                   // 12: bc.gateway.v1.Gpu
-	(*DesiredState)(nil),          // 13: bc.gateway.v1.DesiredState
-	(*NodeSpec)(nil),              // 14: bc.gateway.v1.NodeSpec
-	(*Allocation)(nil),            // 15: bc.gateway.v1.Allocation
-	(*Report)(nil),                // 16: bc.gateway.v1.Report
-	(*SpecRefused)(nil),           // 17: bc.gateway.v1.SpecRefused
-	(*AllocationBound)(nil),       // 18: bc.gateway.v1.AllocationBound
-	(*AllocationUnbound)(nil),     // 19: bc.gateway.v1.AllocationUnbound
-	(*Heartbeat)(nil),             // 20: bc.gateway.v1.Heartbeat
-	(*HeartbeatAck)(nil),          // 21: bc.gateway.v1.HeartbeatAck
-	nil,                           // 22: bc.gateway.v1.NodeSpec.LabelsEntry
-	(*timestamppb.Timestamp)(nil), // 23: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 24: google.protobuf.Duration
+	(*TunnelRequest)(nil),         // 1: bc.gateway.v1.TunnelRequest
+	(*TunnelStart)(nil),           // 2: bc.gateway.v1.TunnelStart
+	(*OpenTunnel)(nil),            // 3: bc.gateway.v1.OpenTunnel
+	(*SessionRequest)(nil),        // 4: bc.gateway.v1.SessionRequest
+	(*SessionResponse)(nil),       // 5: bc.gateway.v1.SessionResponse
+	(*RenewCertificate)(nil),      // 6: bc.gateway.v1.RenewCertificate
+	(*CertificateIssued)(nil),     // 7: bc.gateway.v1.CertificateIssued
+	(*Hello)(nil),                 // 8: bc.gateway.v1.Hello
+	(*JournalEntry)(nil),          // 9: bc.gateway.v1.JournalEntry
+	(*Welcome)(nil),               // 10: bc.gateway.v1.Welcome
+	(*Command)(nil),               // 11: bc.gateway.v1.Command
+	(*CommandUpdate)(nil),         // 12: bc.gateway.v1.CommandUpdate
+	(*CommandResult)(nil),         // 13: bc.gateway.v1.CommandResult
+	(*Inventory)(nil),             // 14: bc.gateway.v1.Inventory
+	(*Gpu)(nil),                   // 15: bc.gateway.v1.Gpu
+	(*DesiredState)(nil),          // 16: bc.gateway.v1.DesiredState
+	(*NodeSpec)(nil),              // 17: bc.gateway.v1.NodeSpec
+	(*SshUserCa)(nil),             // 18: bc.gateway.v1.SshUserCa
+	(*Allocation)(nil),            // 19: bc.gateway.v1.Allocation
+	(*Report)(nil),                // 20: bc.gateway.v1.Report
+	(*SshRefused)(nil),            // 21: bc.gateway.v1.SshRefused
+	(*SpecRefused)(nil),           // 22: bc.gateway.v1.SpecRefused
+	(*AllocationBound)(nil),       // 23: bc.gateway.v1.AllocationBound
+	(*AllocationUnbound)(nil),     // 24: bc.gateway.v1.AllocationUnbound
+	(*Heartbeat)(nil),             // 25: bc.gateway.v1.Heartbeat
+	(*HeartbeatAck)(nil),          // 26: bc.gateway.v1.HeartbeatAck
+	nil,                           // 27: bc.gateway.v1.NodeSpec.LabelsEntry
+	(*v1.Frame)(nil),              // 28: bc.tunnel.v1.Frame
+	(*v1.TerminalSize)(nil),       // 29: bc.tunnel.v1.TerminalSize
+	(*timestamppb.Timestamp)(nil), // 30: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 31: google.protobuf.Duration
 }
 var file_bc_gateway_v1_gateway_proto_depIdxs = []int32{
-	5,  // 0: bc.gateway.v1.SessionRequest.hello:type_name -> bc.gateway.v1.Hello
-	9,  // 1: bc.gateway.v1.SessionRequest.command_update:type_name -> bc.gateway.v1.CommandUpdate
-	16, // 2: bc.gateway.v1.SessionRequest.report:type_name -> bc.gateway.v1.Report
-	20, // 3: bc.gateway.v1.SessionRequest.heartbeat:type_name -> bc.gateway.v1.Heartbeat
-	3,  // 4: bc.gateway.v1.SessionRequest.renew_certificate:type_name -> bc.gateway.v1.RenewCertificate
-	7,  // 5: bc.gateway.v1.SessionResponse.welcome:type_name -> bc.gateway.v1.Welcome
-	8,  // 6: bc.gateway.v1.SessionResponse.command:type_name -> bc.gateway.v1.Command
-	13, // 7: bc.gateway.v1.SessionResponse.desired_state:type_name -> bc.gateway.v1.DesiredState
-	4,  // 8: bc.gateway.v1.SessionResponse.certificate_issued:type_name -> bc.gateway.v1.CertificateIssued
-	21, // 9: bc.gateway.v1.SessionResponse.heartbeat_ack:type_name -> bc.gateway.v1.HeartbeatAck
-	23, // 10: bc.gateway.v1.CertificateIssued.not_after:type_name -> google.protobuf.Timestamp
-	6,  // 11: bc.gateway.v1.Hello.journal:type_name -> bc.gateway.v1.JournalEntry
-	0,  // 12: bc.gateway.v1.JournalEntry.state:type_name -> bc.gateway.v1.CommandState
-	24, // 13: bc.gateway.v1.Welcome.heartbeat_interval:type_name -> google.protobuf.Duration
-	23, // 14: bc.gateway.v1.Command.deadline:type_name -> google.protobuf.Timestamp
-	0,  // 15: bc.gateway.v1.CommandUpdate.state:type_name -> bc.gateway.v1.CommandState
-	10, // 16: bc.gateway.v1.CommandUpdate.result:type_name -> bc.gateway.v1.CommandResult
-	11, // 17: bc.gateway.v1.CommandResult.inventory:type_name -> bc.gateway.v1.Inventory
-	12, // 18: bc.gateway.v1.Inventory.gpus:type_name -> bc.gateway.v1.Gpu
-	14, // 19: bc.gateway.v1.DesiredState.spec:type_name -> bc.gateway.v1.NodeSpec
-	15, // 20: bc.gateway.v1.NodeSpec.allocations:type_name -> bc.gateway.v1.Allocation
-	22, // 21: bc.gateway.v1.NodeSpec.labels:type_name -> bc.gateway.v1.NodeSpec.LabelsEntry
-	11, // 22: bc.gateway.v1.Report.inventory:type_name -> bc.gateway.v1.Inventory
-	18, // 23: bc.gateway.v1.Report.allocation_bound:type_name -> bc.gateway.v1.AllocationBound
-	19, // 24: bc.gateway.v1.Report.allocation_unbound:type_name -> bc.gateway.v1.AllocationUnbound
-	17, // 25: bc.gateway.v1.Report.spec_refused:type_name -> bc.gateway.v1.SpecRefused
-	23, // 26: bc.gateway.v1.Heartbeat.sent_at:type_name -> google.protobuf.Timestamp
-	1,  // 27: bc.gateway.v1.GatewayService.Session:input_type -> bc.gateway.v1.SessionRequest
-	2,  // 28: bc.gateway.v1.GatewayService.Session:output_type -> bc.gateway.v1.SessionResponse
-	28, // [28:29] is the sub-list for method output_type
-	27, // [27:28] is the sub-list for method input_type
-	27, // [27:27] is the sub-list for extension type_name
-	27, // [27:27] is the sub-list for extension extendee
-	0,  // [0:27] is the sub-list for field type_name
+	2,  // 0: bc.gateway.v1.TunnelRequest.start:type_name -> bc.gateway.v1.TunnelStart
+	28, // 1: bc.gateway.v1.TunnelRequest.frame:type_name -> bc.tunnel.v1.Frame
+	29, // 2: bc.gateway.v1.TunnelStart.size:type_name -> bc.tunnel.v1.TerminalSize
+	29, // 3: bc.gateway.v1.OpenTunnel.size:type_name -> bc.tunnel.v1.TerminalSize
+	8,  // 4: bc.gateway.v1.SessionRequest.hello:type_name -> bc.gateway.v1.Hello
+	12, // 5: bc.gateway.v1.SessionRequest.command_update:type_name -> bc.gateway.v1.CommandUpdate
+	20, // 6: bc.gateway.v1.SessionRequest.report:type_name -> bc.gateway.v1.Report
+	25, // 7: bc.gateway.v1.SessionRequest.heartbeat:type_name -> bc.gateway.v1.Heartbeat
+	6,  // 8: bc.gateway.v1.SessionRequest.renew_certificate:type_name -> bc.gateway.v1.RenewCertificate
+	10, // 9: bc.gateway.v1.SessionResponse.welcome:type_name -> bc.gateway.v1.Welcome
+	11, // 10: bc.gateway.v1.SessionResponse.command:type_name -> bc.gateway.v1.Command
+	16, // 11: bc.gateway.v1.SessionResponse.desired_state:type_name -> bc.gateway.v1.DesiredState
+	7,  // 12: bc.gateway.v1.SessionResponse.certificate_issued:type_name -> bc.gateway.v1.CertificateIssued
+	26, // 13: bc.gateway.v1.SessionResponse.heartbeat_ack:type_name -> bc.gateway.v1.HeartbeatAck
+	3,  // 14: bc.gateway.v1.SessionResponse.open_tunnel:type_name -> bc.gateway.v1.OpenTunnel
+	30, // 15: bc.gateway.v1.CertificateIssued.not_after:type_name -> google.protobuf.Timestamp
+	9,  // 16: bc.gateway.v1.Hello.journal:type_name -> bc.gateway.v1.JournalEntry
+	0,  // 17: bc.gateway.v1.JournalEntry.state:type_name -> bc.gateway.v1.CommandState
+	31, // 18: bc.gateway.v1.Welcome.heartbeat_interval:type_name -> google.protobuf.Duration
+	30, // 19: bc.gateway.v1.Command.deadline:type_name -> google.protobuf.Timestamp
+	0,  // 20: bc.gateway.v1.CommandUpdate.state:type_name -> bc.gateway.v1.CommandState
+	13, // 21: bc.gateway.v1.CommandUpdate.result:type_name -> bc.gateway.v1.CommandResult
+	14, // 22: bc.gateway.v1.CommandResult.inventory:type_name -> bc.gateway.v1.Inventory
+	15, // 23: bc.gateway.v1.Inventory.gpus:type_name -> bc.gateway.v1.Gpu
+	17, // 24: bc.gateway.v1.DesiredState.spec:type_name -> bc.gateway.v1.NodeSpec
+	19, // 25: bc.gateway.v1.NodeSpec.allocations:type_name -> bc.gateway.v1.Allocation
+	27, // 26: bc.gateway.v1.NodeSpec.labels:type_name -> bc.gateway.v1.NodeSpec.LabelsEntry
+	18, // 27: bc.gateway.v1.NodeSpec.ssh_user_cas:type_name -> bc.gateway.v1.SshUserCa
+	14, // 28: bc.gateway.v1.Report.inventory:type_name -> bc.gateway.v1.Inventory
+	23, // 29: bc.gateway.v1.Report.allocation_bound:type_name -> bc.gateway.v1.AllocationBound
+	24, // 30: bc.gateway.v1.Report.allocation_unbound:type_name -> bc.gateway.v1.AllocationUnbound
+	22, // 31: bc.gateway.v1.Report.spec_refused:type_name -> bc.gateway.v1.SpecRefused
+	21, // 32: bc.gateway.v1.Report.ssh_refused:type_name -> bc.gateway.v1.SshRefused
+	30, // 33: bc.gateway.v1.Heartbeat.sent_at:type_name -> google.protobuf.Timestamp
+	4,  // 34: bc.gateway.v1.GatewayService.Session:input_type -> bc.gateway.v1.SessionRequest
+	1,  // 35: bc.gateway.v1.GatewayService.Tunnel:input_type -> bc.gateway.v1.TunnelRequest
+	1,  // 36: bc.gateway.v1.GatewayControlService.Tunnel:input_type -> bc.gateway.v1.TunnelRequest
+	5,  // 37: bc.gateway.v1.GatewayService.Session:output_type -> bc.gateway.v1.SessionResponse
+	28, // 38: bc.gateway.v1.GatewayService.Tunnel:output_type -> bc.tunnel.v1.Frame
+	28, // 39: bc.gateway.v1.GatewayControlService.Tunnel:output_type -> bc.tunnel.v1.Frame
+	37, // [37:40] is the sub-list for method output_type
+	34, // [34:37] is the sub-list for method input_type
+	34, // [34:34] is the sub-list for extension type_name
+	34, // [34:34] is the sub-list for extension extendee
+	0,  // [0:34] is the sub-list for field type_name
 }
 
 func init() { file_bc_gateway_v1_gateway_proto_init() }
@@ -1833,25 +2265,31 @@ func file_bc_gateway_v1_gateway_proto_init() {
 		return
 	}
 	file_bc_gateway_v1_gateway_proto_msgTypes[0].OneofWrappers = []any{
+		(*TunnelRequest_Start)(nil),
+		(*TunnelRequest_Frame)(nil),
+	}
+	file_bc_gateway_v1_gateway_proto_msgTypes[3].OneofWrappers = []any{
 		(*SessionRequest_Hello)(nil),
 		(*SessionRequest_CommandUpdate)(nil),
 		(*SessionRequest_Report)(nil),
 		(*SessionRequest_Heartbeat)(nil),
 		(*SessionRequest_RenewCertificate)(nil),
 	}
-	file_bc_gateway_v1_gateway_proto_msgTypes[1].OneofWrappers = []any{
+	file_bc_gateway_v1_gateway_proto_msgTypes[4].OneofWrappers = []any{
 		(*SessionResponse_Welcome)(nil),
 		(*SessionResponse_Command)(nil),
 		(*SessionResponse_DesiredState)(nil),
 		(*SessionResponse_CertificateIssued)(nil),
 		(*SessionResponse_HeartbeatAck)(nil),
+		(*SessionResponse_OpenTunnel)(nil),
 	}
-	file_bc_gateway_v1_gateway_proto_msgTypes[15].OneofWrappers = []any{
+	file_bc_gateway_v1_gateway_proto_msgTypes[19].OneofWrappers = []any{
 		(*Report_ObservedGeneration)(nil),
 		(*Report_Inventory)(nil),
 		(*Report_AllocationBound)(nil),
 		(*Report_AllocationUnbound)(nil),
 		(*Report_SpecRefused)(nil),
+		(*Report_SshRefused)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -1859,9 +2297,9 @@ func file_bc_gateway_v1_gateway_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_bc_gateway_v1_gateway_proto_rawDesc), len(file_bc_gateway_v1_gateway_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   22,
+			NumMessages:   27,
 			NumExtensions: 0,
-			NumServices:   1,
+			NumServices:   2,
 		},
 		GoTypes:           file_bc_gateway_v1_gateway_proto_goTypes,
 		DependencyIndexes: file_bc_gateway_v1_gateway_proto_depIdxs,

@@ -39,6 +39,8 @@ const (
 	TenantServiceName = "bc.compute.v1.TenantService"
 	// TokenServiceName is the fully-qualified name of the TokenService service.
 	TokenServiceName = "bc.compute.v1.TokenService"
+	// TunnelServiceName is the fully-qualified name of the TunnelService service.
+	TunnelServiceName = "bc.compute.v1.TunnelService"
 	// AuditServiceName is the fully-qualified name of the AuditService service.
 	AuditServiceName = "bc.compute.v1.AuditService"
 )
@@ -122,6 +124,12 @@ const (
 	// TokenServiceRevokeTokenProcedure is the fully-qualified name of the TokenService's RevokeToken
 	// RPC.
 	TokenServiceRevokeTokenProcedure = "/bc.compute.v1.TokenService/RevokeToken"
+	// TunnelServiceCreateTicketProcedure is the fully-qualified name of the TunnelService's
+	// CreateTicket RPC.
+	TunnelServiceCreateTicketProcedure = "/bc.compute.v1.TunnelService/CreateTicket"
+	// TunnelServiceIssueSshCertificateProcedure is the fully-qualified name of the TunnelService's
+	// IssueSshCertificate RPC.
+	TunnelServiceIssueSshCertificateProcedure = "/bc.compute.v1.TunnelService/IssueSshCertificate"
 	// AuditServiceListAuditProcedure is the fully-qualified name of the AuditService's ListAudit RPC.
 	AuditServiceListAuditProcedure = "/bc.compute.v1.AuditService/ListAudit"
 )
@@ -1384,6 +1392,126 @@ func (UnimplementedTokenServiceHandler) ListTokens(context.Context, *connect.Req
 
 func (UnimplementedTokenServiceHandler) RevokeToken(context.Context, *connect.Request[v1.RevokeTokenRequest]) (*connect.Response[v1.RevokeTokenResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.TokenService.RevokeToken is not implemented"))
+}
+
+// TunnelServiceClient is a client for the bc.compute.v1.TunnelService service.
+type TunnelServiceClient interface {
+	// CreateTicket issues an exec ticket: single use, valid 60 s, bound to the
+	// caller's token, its tenant, the node, the purpose and (sandbox SSH) the
+	// reservation, signed by the deployment's tunnel-ticket key, audited.
+	// Errors: NotFound (node, reservation), PermissionDenied (a role that may
+	// not open it), FailedPrecondition (the node is revoked or not adopted;
+	// the reservation is not active on the node).
+	CreateTicket(context.Context, *connect.Request[v1.CreateTicketRequest]) (*connect.Response[v1.CreateTicketResponse], error)
+	// IssueSshCertificate signs an OpenSSH user certificate for public_key:
+	// from the break-glass CA (principal root, bound to the node, at most
+	// 1 h, default 15 min), or with reservation_id from the sandbox CA
+	// (principal the reservation id, bound to the node, valid no later than
+	// the reservation's end). Audited with its serial. Errors as CreateTicket,
+	// and InvalidArgument (public_key, ttl).
+	IssueSshCertificate(context.Context, *connect.Request[v1.IssueSshCertificateRequest]) (*connect.Response[v1.IssueSshCertificateResponse], error)
+}
+
+// NewTunnelServiceClient constructs a client for the bc.compute.v1.TunnelService service. By
+// default, it uses the Connect protocol with the binary Protobuf Codec, asks for gzipped responses,
+// and sends uncompressed requests. To use the gRPC or gRPC-Web protocols, supply the
+// connect.WithGRPC() or connect.WithGRPCWeb() options.
+//
+// The URL supplied here should be the base URL for the Connect or gRPC server (for example,
+// http://api.acme.com or https://acme.com/grpc).
+func NewTunnelServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...connect.ClientOption) TunnelServiceClient {
+	baseURL = strings.TrimRight(baseURL, "/")
+	tunnelServiceMethods := v1.File_bc_compute_v1_compute_proto.Services().ByName("TunnelService").Methods()
+	return &tunnelServiceClient{
+		createTicket: connect.NewClient[v1.CreateTicketRequest, v1.CreateTicketResponse](
+			httpClient,
+			baseURL+TunnelServiceCreateTicketProcedure,
+			connect.WithSchema(tunnelServiceMethods.ByName("CreateTicket")),
+			connect.WithClientOptions(opts...),
+		),
+		issueSshCertificate: connect.NewClient[v1.IssueSshCertificateRequest, v1.IssueSshCertificateResponse](
+			httpClient,
+			baseURL+TunnelServiceIssueSshCertificateProcedure,
+			connect.WithSchema(tunnelServiceMethods.ByName("IssueSshCertificate")),
+			connect.WithClientOptions(opts...),
+		),
+	}
+}
+
+// tunnelServiceClient implements TunnelServiceClient.
+type tunnelServiceClient struct {
+	createTicket        *connect.Client[v1.CreateTicketRequest, v1.CreateTicketResponse]
+	issueSshCertificate *connect.Client[v1.IssueSshCertificateRequest, v1.IssueSshCertificateResponse]
+}
+
+// CreateTicket calls bc.compute.v1.TunnelService.CreateTicket.
+func (c *tunnelServiceClient) CreateTicket(ctx context.Context, req *connect.Request[v1.CreateTicketRequest]) (*connect.Response[v1.CreateTicketResponse], error) {
+	return c.createTicket.CallUnary(ctx, req)
+}
+
+// IssueSshCertificate calls bc.compute.v1.TunnelService.IssueSshCertificate.
+func (c *tunnelServiceClient) IssueSshCertificate(ctx context.Context, req *connect.Request[v1.IssueSshCertificateRequest]) (*connect.Response[v1.IssueSshCertificateResponse], error) {
+	return c.issueSshCertificate.CallUnary(ctx, req)
+}
+
+// TunnelServiceHandler is an implementation of the bc.compute.v1.TunnelService service.
+type TunnelServiceHandler interface {
+	// CreateTicket issues an exec ticket: single use, valid 60 s, bound to the
+	// caller's token, its tenant, the node, the purpose and (sandbox SSH) the
+	// reservation, signed by the deployment's tunnel-ticket key, audited.
+	// Errors: NotFound (node, reservation), PermissionDenied (a role that may
+	// not open it), FailedPrecondition (the node is revoked or not adopted;
+	// the reservation is not active on the node).
+	CreateTicket(context.Context, *connect.Request[v1.CreateTicketRequest]) (*connect.Response[v1.CreateTicketResponse], error)
+	// IssueSshCertificate signs an OpenSSH user certificate for public_key:
+	// from the break-glass CA (principal root, bound to the node, at most
+	// 1 h, default 15 min), or with reservation_id from the sandbox CA
+	// (principal the reservation id, bound to the node, valid no later than
+	// the reservation's end). Audited with its serial. Errors as CreateTicket,
+	// and InvalidArgument (public_key, ttl).
+	IssueSshCertificate(context.Context, *connect.Request[v1.IssueSshCertificateRequest]) (*connect.Response[v1.IssueSshCertificateResponse], error)
+}
+
+// NewTunnelServiceHandler builds an HTTP handler from the service implementation. It returns the
+// path on which to mount the handler and the handler itself.
+//
+// By default, handlers support the Connect, gRPC, and gRPC-Web protocols with the binary Protobuf
+// and JSON codecs. They also support gzip compression.
+func NewTunnelServiceHandler(svc TunnelServiceHandler, opts ...connect.HandlerOption) (string, http.Handler) {
+	tunnelServiceMethods := v1.File_bc_compute_v1_compute_proto.Services().ByName("TunnelService").Methods()
+	tunnelServiceCreateTicketHandler := connect.NewUnaryHandler(
+		TunnelServiceCreateTicketProcedure,
+		svc.CreateTicket,
+		connect.WithSchema(tunnelServiceMethods.ByName("CreateTicket")),
+		connect.WithHandlerOptions(opts...),
+	)
+	tunnelServiceIssueSshCertificateHandler := connect.NewUnaryHandler(
+		TunnelServiceIssueSshCertificateProcedure,
+		svc.IssueSshCertificate,
+		connect.WithSchema(tunnelServiceMethods.ByName("IssueSshCertificate")),
+		connect.WithHandlerOptions(opts...),
+	)
+	return "/bc.compute.v1.TunnelService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case TunnelServiceCreateTicketProcedure:
+			tunnelServiceCreateTicketHandler.ServeHTTP(w, r)
+		case TunnelServiceIssueSshCertificateProcedure:
+			tunnelServiceIssueSshCertificateHandler.ServeHTTP(w, r)
+		default:
+			http.NotFound(w, r)
+		}
+	})
+}
+
+// UnimplementedTunnelServiceHandler returns CodeUnimplemented from all methods.
+type UnimplementedTunnelServiceHandler struct{}
+
+func (UnimplementedTunnelServiceHandler) CreateTicket(context.Context, *connect.Request[v1.CreateTicketRequest]) (*connect.Response[v1.CreateTicketResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.TunnelService.CreateTicket is not implemented"))
+}
+
+func (UnimplementedTunnelServiceHandler) IssueSshCertificate(context.Context, *connect.Request[v1.IssueSshCertificateRequest]) (*connect.Response[v1.IssueSshCertificateResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("bc.compute.v1.TunnelService.IssueSshCertificate is not implemented"))
 }
 
 // AuditServiceClient is a client for the bc.compute.v1.AuditService service.

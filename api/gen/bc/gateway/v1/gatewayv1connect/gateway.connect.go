@@ -9,6 +9,7 @@ import (
 	context "context"
 	errors "errors"
 	v1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	v11 "github.com/better-compute/better-compute/api/gen/bc/tunnel/v1"
 	http "net/http"
 	strings "strings"
 )
@@ -23,6 +24,8 @@ const _ = connect.IsAtLeastVersion1_13_0
 const (
 	// GatewayServiceName is the fully-qualified name of the GatewayService service.
 	GatewayServiceName = "bc.gateway.v1.GatewayService"
+	// GatewayControlServiceName is the fully-qualified name of the GatewayControlService service.
+	GatewayControlServiceName = "bc.gateway.v1.GatewayControlService"
 )
 
 // These constants are the fully-qualified names of the RPCs defined in this package. They're
@@ -35,6 +38,11 @@ const (
 const (
 	// GatewayServiceSessionProcedure is the fully-qualified name of the GatewayService's Session RPC.
 	GatewayServiceSessionProcedure = "/bc.gateway.v1.GatewayService/Session"
+	// GatewayServiceTunnelProcedure is the fully-qualified name of the GatewayService's Tunnel RPC.
+	GatewayServiceTunnelProcedure = "/bc.gateway.v1.GatewayService/Tunnel"
+	// GatewayControlServiceTunnelProcedure is the fully-qualified name of the GatewayControlService's
+	// Tunnel RPC.
+	GatewayControlServiceTunnelProcedure = "/bc.gateway.v1.GatewayControlService/Tunnel"
 )
 
 // GatewayServiceClient is a client for the bc.gateway.v1.GatewayService service.
@@ -42,6 +50,11 @@ type GatewayServiceClient interface {
 	// Session is a bidirectional stream over HTTP/2 with mutual TLS. The first
 	// daemon message must be Hello; the gateway answers Welcome.
 	Session(context.Context) *connect.BidiStreamForClient[v1.SessionRequest, v1.SessionResponse]
+	// Tunnel is the node's end of one tunnel: the daemon opens it, with its
+	// node certificate like its Session, when the gateway sent OpenTunnel on
+	// the Session. Its first message is TunnelRequest.start naming the
+	// tunnel; then frames flow both ways until either end closes.
+	Tunnel(context.Context) *connect.BidiStreamForClient[v1.TunnelRequest, v11.Frame]
 }
 
 // NewGatewayServiceClient constructs a client for the bc.gateway.v1.GatewayService service. By
@@ -61,12 +74,19 @@ func NewGatewayServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(gatewayServiceMethods.ByName("Session")),
 			connect.WithClientOptions(opts...),
 		),
+		tunnel: connect.NewClient[v1.TunnelRequest, v11.Frame](
+			httpClient,
+			baseURL+GatewayServiceTunnelProcedure,
+			connect.WithSchema(gatewayServiceMethods.ByName("Tunnel")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // gatewayServiceClient implements GatewayServiceClient.
 type gatewayServiceClient struct {
 	session *connect.Client[v1.SessionRequest, v1.SessionResponse]
+	tunnel  *connect.Client[v1.TunnelRequest, v11.Frame]
 }
 
 // Session calls bc.gateway.v1.GatewayService.Session.
@@ -74,11 +94,21 @@ func (c *gatewayServiceClient) Session(ctx context.Context) *connect.BidiStreamF
 	return c.session.CallBidiStream(ctx)
 }
 
+// Tunnel calls bc.gateway.v1.GatewayService.Tunnel.
+func (c *gatewayServiceClient) Tunnel(ctx context.Context) *connect.BidiStreamForClient[v1.TunnelRequest, v11.Frame] {
+	return c.tunnel.CallBidiStream(ctx)
+}
+
 // GatewayServiceHandler is an implementation of the bc.gateway.v1.GatewayService service.
 type GatewayServiceHandler interface {
 	// Session is a bidirectional stream over HTTP/2 with mutual TLS. The first
 	// daemon message must be Hello; the gateway answers Welcome.
 	Session(context.Context, *connect.BidiStream[v1.SessionRequest, v1.SessionResponse]) error
+	// Tunnel is the node's end of one tunnel: the daemon opens it, with its
+	// node certificate like its Session, when the gateway sent OpenTunnel on
+	// the Session. Its first message is TunnelRequest.start naming the
+	// tunnel; then frames flow both ways until either end closes.
+	Tunnel(context.Context, *connect.BidiStream[v1.TunnelRequest, v11.Frame]) error
 }
 
 // NewGatewayServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -94,10 +124,18 @@ func NewGatewayServiceHandler(svc GatewayServiceHandler, opts ...connect.Handler
 		connect.WithSchema(gatewayServiceMethods.ByName("Session")),
 		connect.WithHandlerOptions(opts...),
 	)
+	gatewayServiceTunnelHandler := connect.NewBidiStreamHandler(
+		GatewayServiceTunnelProcedure,
+		svc.Tunnel,
+		connect.WithSchema(gatewayServiceMethods.ByName("Tunnel")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/bc.gateway.v1.GatewayService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case GatewayServiceSessionProcedure:
 			gatewayServiceSessionHandler.ServeHTTP(w, r)
+		case GatewayServiceTunnelProcedure:
+			gatewayServiceTunnelHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -109,4 +147,93 @@ type UnimplementedGatewayServiceHandler struct{}
 
 func (UnimplementedGatewayServiceHandler) Session(context.Context, *connect.BidiStream[v1.SessionRequest, v1.SessionResponse]) error {
 	return connect.NewError(connect.CodeUnimplemented, errors.New("bc.gateway.v1.GatewayService.Session is not implemented"))
+}
+
+func (UnimplementedGatewayServiceHandler) Tunnel(context.Context, *connect.BidiStream[v1.TunnelRequest, v11.Frame]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("bc.gateway.v1.GatewayService.Tunnel is not implemented"))
+}
+
+// GatewayControlServiceClient is a client for the bc.gateway.v1.GatewayControlService service.
+type GatewayControlServiceClient interface {
+	// Tunnel opens a tunnel to a node whose session this gateway holds
+	// and splices it to this stream. The first message is
+	// TunnelRequest.start carrying the exec ticket the API consumed: the
+	// gateway accepts only a ticket signed by the deployment's tunnel-ticket
+	// key, unexpired, for a node it holds, and each ticket once. Errors:
+	// Unauthenticated (ticket), FailedPrecondition (the node has no live
+	// session here), DeadlineExceeded (the node did not dial back in time).
+	Tunnel(context.Context) *connect.BidiStreamForClient[v1.TunnelRequest, v11.Frame]
+}
+
+// NewGatewayControlServiceClient constructs a client for the bc.gateway.v1.GatewayControlService
+// service. By default, it uses the Connect protocol with the binary Protobuf Codec, asks for
+// gzipped responses, and sends uncompressed requests. To use the gRPC or gRPC-Web protocols, supply
+// the connect.WithGRPC() or connect.WithGRPCWeb() options.
+//
+// The URL supplied here should be the base URL for the Connect or gRPC server (for example,
+// http://api.acme.com or https://acme.com/grpc).
+func NewGatewayControlServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...connect.ClientOption) GatewayControlServiceClient {
+	baseURL = strings.TrimRight(baseURL, "/")
+	gatewayControlServiceMethods := v1.File_bc_gateway_v1_gateway_proto.Services().ByName("GatewayControlService").Methods()
+	return &gatewayControlServiceClient{
+		tunnel: connect.NewClient[v1.TunnelRequest, v11.Frame](
+			httpClient,
+			baseURL+GatewayControlServiceTunnelProcedure,
+			connect.WithSchema(gatewayControlServiceMethods.ByName("Tunnel")),
+			connect.WithClientOptions(opts...),
+		),
+	}
+}
+
+// gatewayControlServiceClient implements GatewayControlServiceClient.
+type gatewayControlServiceClient struct {
+	tunnel *connect.Client[v1.TunnelRequest, v11.Frame]
+}
+
+// Tunnel calls bc.gateway.v1.GatewayControlService.Tunnel.
+func (c *gatewayControlServiceClient) Tunnel(ctx context.Context) *connect.BidiStreamForClient[v1.TunnelRequest, v11.Frame] {
+	return c.tunnel.CallBidiStream(ctx)
+}
+
+// GatewayControlServiceHandler is an implementation of the bc.gateway.v1.GatewayControlService
+// service.
+type GatewayControlServiceHandler interface {
+	// Tunnel opens a tunnel to a node whose session this gateway holds
+	// and splices it to this stream. The first message is
+	// TunnelRequest.start carrying the exec ticket the API consumed: the
+	// gateway accepts only a ticket signed by the deployment's tunnel-ticket
+	// key, unexpired, for a node it holds, and each ticket once. Errors:
+	// Unauthenticated (ticket), FailedPrecondition (the node has no live
+	// session here), DeadlineExceeded (the node did not dial back in time).
+	Tunnel(context.Context, *connect.BidiStream[v1.TunnelRequest, v11.Frame]) error
+}
+
+// NewGatewayControlServiceHandler builds an HTTP handler from the service implementation. It
+// returns the path on which to mount the handler and the handler itself.
+//
+// By default, handlers support the Connect, gRPC, and gRPC-Web protocols with the binary Protobuf
+// and JSON codecs. They also support gzip compression.
+func NewGatewayControlServiceHandler(svc GatewayControlServiceHandler, opts ...connect.HandlerOption) (string, http.Handler) {
+	gatewayControlServiceMethods := v1.File_bc_gateway_v1_gateway_proto.Services().ByName("GatewayControlService").Methods()
+	gatewayControlServiceTunnelHandler := connect.NewBidiStreamHandler(
+		GatewayControlServiceTunnelProcedure,
+		svc.Tunnel,
+		connect.WithSchema(gatewayControlServiceMethods.ByName("Tunnel")),
+		connect.WithHandlerOptions(opts...),
+	)
+	return "/bc.gateway.v1.GatewayControlService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case GatewayControlServiceTunnelProcedure:
+			gatewayControlServiceTunnelHandler.ServeHTTP(w, r)
+		default:
+			http.NotFound(w, r)
+		}
+	})
+}
+
+// UnimplementedGatewayControlServiceHandler returns CodeUnimplemented from all methods.
+type UnimplementedGatewayControlServiceHandler struct{}
+
+func (UnimplementedGatewayControlServiceHandler) Tunnel(context.Context, *connect.BidiStream[v1.TunnelRequest, v11.Frame]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("bc.gateway.v1.GatewayControlService.Tunnel is not implemented"))
 }
