@@ -149,7 +149,7 @@ func TestConsoleRefused(t *testing.T) {
 		{name: "no reason given", refusal: &fakeRefusal{status: http.StatusForbidden},
 			stderr: "error: tunnel refused: forbidden (HTTP 403)\n"},
 		{name: "unknown node", node: "node_01J00000000000000000000000",
-			stderr: "error: not_found: node_id: node node_01J00000000000000000000000 not found\n"},
+			stderr: "error: not_found: --node: node node_01J00000000000000000000000 not found\n"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()

@@ -99,7 +99,7 @@ func TestSSHProxyEnds(t *testing.T) {
 			stderr: "ssh-proxy: tunnel refused: too many open tunnels for the token (HTTP 429; retry after Wed, 21 Oct 2037 07:28:00 GMT)\n"},
 		{name: "a used ticket", refusal: &fakeRefusal{status: http.StatusUnauthorized, text: "ticket already used"},
 			stderr: "ssh-proxy: tunnel refused: ticket already used (HTTP 401)\n"},
-		{name: "unknown node", node: "gpu-1.example", stderr: "ssh-proxy: not_found: node_id: node gpu-1.example not found\n"},
+		{name: "unknown node", node: "gpu-1.example", stderr: "ssh-proxy: not_found: --node: node gpu-1.example not found\n"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
