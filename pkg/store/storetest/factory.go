@@ -18,6 +18,7 @@ package storetest
 // ("tenant-7"), so fixtures of one database never collide.
 
 import (
+	"context"
 	"crypto/sha256"
 	"fmt"
 	"sync/atomic"
@@ -221,35 +222,44 @@ func Node(t testing.TB, db *store.DB, opts *NodeOpts) store.Node {
 	o.PoolID = orNew(o.PoolID, func() string { return Pool(t, db, nil).ID })
 	at := orNow(db, o.CreatedAt)
 	id := or(o.ID, ids.New(ids.Node, at))
-	require.NoError(t, store.CreateNode(ctx, db.Pool, store.NewNode{ID: id, PoolID: o.PoolID, JoinTokenID: o.JoinTokenID,
-		Hostname: o.Hostname, MachineID: o.MachineID, Variant: o.Variant, AgentVersion: o.AgentVersion, CreatedAt: at}))
-	// What no store function sets without an event or the flows before it.
-	_, err := db.Pool.Exec(ctx, `UPDATE nodes SET provision_state = $2, provision_reason = $3,
+	// One transaction: a reconciler running beside the test sees the node
+	// only as the options make it, never as a joining node first (it would
+	// start acceptance on it, and the state written after would undo that).
+	err := db.InTx(ctx, func(tx pgx.Tx) error {
+		if err := store.CreateNode(ctx, tx, store.NewNode{ID: id, PoolID: o.PoolID, JoinTokenID: o.JoinTokenID,
+			Hostname: o.Hostname, MachineID: o.MachineID, Variant: o.Variant, AgentVersion: o.AgentVersion, CreatedAt: at}); err != nil {
+			return err
+		}
+		// What no store function sets without an event or the flows before it.
+		_, err := tx.Exec(ctx, `UPDATE nodes SET provision_state = $2, provision_reason = $3,
 			gateway_id = NULLIF($4, ''), session_id = NULLIF($5, ''), reachable = $6, last_seen = $7, cordoned = $8,
 			cordon_reason = $9, spec_generation = $10, observed_generation = $11, spec = COALESCE(NULLIF($12, '')::jsonb, spec),
 			adopted_at = $13, revoked_at = $14, revoke_reason = $15, boot_id = $16, spec_signature = $17
 		WHERE id = $1`, id, or(o.State, store.NodeJoining), o.Reason, o.GatewayID, o.SessionID, o.Reachable, nullTime(o.LastSeen),
-		o.Cordoned, o.CordonReason, o.SpecGeneration, o.ObservedGeneration, o.Spec, nullTime(o.AdoptedAt), nullTime(o.RevokedAt),
-		o.RevokeReason, o.BootID, o.SpecSignature)
-	require.NoError(t, err)
-	devices := o.Devices
-	if devices == nil {
-		for i := range o.GPUs {
-			devices = append(devices, store.NodeDevice{Index: int32(i), UUID: fmt.Sprintf("GPU-%s-%d", id, i),
-				Model: or(o.GPUModel, DefaultGPUModel), MemoryBytes: o.GPUMemoryBytes, Healthy: true})
+			o.Cordoned, o.CordonReason, o.SpecGeneration, o.ObservedGeneration, o.Spec, nullTime(o.AdoptedAt), nullTime(o.RevokedAt),
+			o.RevokeReason, o.BootID, o.SpecSignature)
+		if err != nil {
+			return err
 		}
-	}
-	insertDevices(t, db, id, devices)
+		devices := o.Devices
+		if devices == nil {
+			for i := range o.GPUs {
+				devices = append(devices, store.NodeDevice{Index: int32(i), UUID: fmt.Sprintf("GPU-%s-%d", id, i),
+					Model: or(o.GPUModel, DefaultGPUModel), MemoryBytes: o.GPUMemoryBytes, Healthy: true})
+			}
+		}
+		return insertDevices(ctx, tx, id, devices)
+	})
+	require.NoError(t, err)
 	out, err := store.GetNode(ctx, db.Pool, store.AllTenants, id)
 	require.NoError(t, err)
 	return out
 }
 
 // insertDevices inserts devices as GPUs of node id.
-func insertDevices(t testing.TB, db *store.DB, id string, devices []store.NodeDevice) {
-	t.Helper()
+func insertDevices(ctx context.Context, q store.DBTX, id string, devices []store.NodeDevice) error {
 	if len(devices) == 0 {
-		return
+		return nil
 	}
 	var (
 		index       []int32
@@ -262,10 +272,10 @@ func insertDevices(t testing.TB, db *store.DB, id string, devices []store.NodeDe
 		nodeIDs, index, uuid, model = append(nodeIDs, id), append(index, d.Index), append(uuid, d.UUID), append(model, d.Model)
 		memory, healthy = append(memory, d.MemoryBytes), append(healthy, d.Healthy)
 	}
-	_, err := db.Pool.Exec(t.Context(), `INSERT INTO node_devices (node_id, device_index, uuid, model, memory_bytes, healthy)
+	_, err := q.Exec(ctx, `INSERT INTO node_devices (node_id, device_index, uuid, model, memory_bytes, healthy)
 		SELECT * FROM unnest($1::text[], $2::int[], $3::text[], $4::text[], $5::bigint[], $6::bool[])`,
 		nodeIDs, index, uuid, model, memory, healthy)
-	require.NoError(t, err)
+	return err
 }
 
 // NodeCertOpts are the options of NodeCert; NodeID is required.
