@@ -111,13 +111,25 @@ test-unit: images
 test-e2e: images
 	cd tests && $(GO) test -race -count=1 -timeout 20m ./...
 
-# Each fuzz test runs for FUZZTIME; its seed corpus and the crashers kept
-# in testdata/fuzz also run as plain tests in test-unit.
+# Each fuzz test runs for FUZZTIME (go test -fuzz takes one target at a
+# time: 12 targets, 3 minutes at the default); its seed corpus and the
+# crashers kept in testdata/fuzz also run as plain tests in test-unit. A new
+# decoder of network input gets its target and a line here.
 FUZZTIME ?= 15s
 .PHONY: fuzz
-fuzz: ## Run the fuzz tests (join request decoding, API token parsing) for FUZZTIME each.
+fuzz: ## Run the fuzz tests of the network decoders (join request and response, session messages, CSRs, pins, gateway URLs, well-known document, signed intent, diag.nvml result, watch query and type patterns, API tokens) for FUZZTIME each.
 	cd services/joinservice && $(GO) test -run '^$$' -fuzz '^FuzzJoinRequest$$' -fuzztime $(FUZZTIME) ./joinservice/
+	cd services/gateway && $(GO) test -run '^$$' -fuzz '^FuzzSessionMessage$$' -fuzztime $(FUZZTIME) ./gateway/
+	cd services/controllers && $(GO) test -run '^$$' -fuzz '^FuzzAcceptanceResult$$' -fuzztime $(FUZZTIME) ./controllers/
+	cd services/api && $(GO) test -run '^$$' -fuzz '^FuzzWatchQuery$$' -fuzztime $(FUZZTIME) ./api/
 	cd pkg && $(GO) test -run '^$$' -fuzz '^FuzzParseBearer$$' -fuzztime $(FUZZTIME) ./iam/
+	cd pkg && $(GO) test -run '^$$' -fuzz '^FuzzParseCSR$$' -fuzztime $(FUZZTIME) ./pki/
+	cd pkg && $(GO) test -run '^$$' -fuzz '^FuzzPins$$' -fuzztime $(FUZZTIME) ./pki/
+	cd pkg && $(GO) test -run '^$$' -fuzz '^FuzzGatewayURLs$$' -fuzztime $(FUZZTIME) ./pki/
+	cd pkg && $(GO) test -run '^$$' -fuzz '^FuzzWellKnown$$' -fuzztime $(FUZZTIME) ./pki/
+	cd pkg && $(GO) test -run '^$$' -fuzz '^FuzzJoinResponse$$' -fuzztime $(FUZZTIME) ./agent/
+	cd pkg && $(GO) test -run '^$$' -fuzz '^FuzzVerifyIntent$$' -fuzztime $(FUZZTIME) ./daemon/
+	cd pkg && $(GO) test -run '^$$' -fuzz '^FuzzEventFilter$$' -fuzztime $(FUZZTIME) ./store/
 
 # The fleet simulator: SEEDS seeds × the chaos levels none, light and heavy
 # (the levels in parallel), one line per run and a summary.

@@ -2,7 +2,6 @@ package agent
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -17,9 +16,6 @@ import (
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/telemetry"
 )
-
-// maxWellKnownBytes caps the well-known document a machine reads.
-const maxWellKnownBytes = 1 << 20
 
 // joinTrust is what every machine of a Runner joins with: the JoinService
 // client, JoinService's keys (checked against the pins) and the pins the
@@ -165,7 +161,7 @@ func (r *Runner) getWellKnown(ctx context.Context, url string) (*pki.WellKnown, 
 		return nil, err
 	}
 	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, maxWellKnownBytes+1))
+	body, err := io.ReadAll(io.LimitReader(resp.Body, pki.MaxWellKnownBytes+1))
 	if err != nil {
 		return nil, err
 	}
@@ -174,12 +170,10 @@ func (r *Runner) getWellKnown(ctx context.Context, url string) (*pki.WellKnown, 
 		return nil, fmt.Errorf("%s: %s", url, resp.Status)
 	case resp.StatusCode != http.StatusOK:
 		return nil, errPermanent{fmt.Errorf("%s: %s", url, resp.Status)}
-	case len(body) > maxWellKnownBytes:
-		return nil, errPermanent{fmt.Errorf("%s: the document is larger than %d bytes", url, maxWellKnownBytes)}
 	}
-	var doc pki.WellKnown
-	if err := json.Unmarshal(body, &doc); err != nil {
+	doc, err := pki.ParseWellKnown(body)
+	if err != nil {
 		return nil, errPermanent{fmt.Errorf("%s: %w", url, err)}
 	}
-	return &doc, nil
+	return doc, nil
 }

@@ -310,41 +310,17 @@ func (m *Machine) join(ctx context.Context, hw Hardware, pending *pendingJoin) (
 			return nil, err
 		}
 	}
-	msg := resp.Msg
-	v, err := pki.CheckJoinResponse(msg, trust.pins, trust.keys.SigningSPKI)
+	id, nodeCA, err := checkJoinResponse(resp.Msg, trust.pins, trust.keys.SigningSPKI, key.Public())
 	if err != nil {
 		return nil, fmt.Errorf("machine %d: %w", m.index, err)
 	}
-	if !samePublicKey(v.Certificate, key.Public()) {
-		return nil, fmt.Errorf("machine %d: join response: the certificate is not for this machine's key", m.index)
-	}
-	id := &Identity{
-		NodeID:             msg.GetNodeId(),
-		MachineID:          hw.MachineID(),
-		Variant:            hw.Variant(),
-		GatewayURLs:        msg.GetGatewayUrls(),
-		GatewayServerName:  msg.GetGatewayServerName(),
-		TrustDomain:        msg.GetTrustDomain(),
-		PoolID:             msg.GetPoolId(),
-		JoinedAt:           m.r.clk.Now().UTC(),
-		CommandSigningRoot: msg.GetTrust().GetCommandSigningRoot(),
-		key:                key,
-		cert:               v.Certificate,
-		servingCA:          v.ServingCA,
-		commandRoot:        v.CommandSigningRoot,
-	}
-	if id.NodeID == "" || len(id.GatewayURLs) == 0 {
-		return nil, fmt.Errorf("machine %d: join response lacks node_id or gateway_urls", m.index)
-	}
-	if msg.GetNotAfter() != nil {
-		id.NotAfter = msg.GetNotAfter().AsTime()
-	}
+	id.MachineID, id.Variant, id.JoinedAt, id.key = hw.MachineID(), hw.Variant(), m.r.clk.Now().UTC(), key
 	// The journal comes first: once the identity is saved, a missing
 	// journal is a loss.
 	if err := initFileJournal(m.dir); err != nil {
 		return nil, fmt.Errorf("machine %d: journal: %w", m.index, err)
 	}
-	if err := id.save(m.dir, v.NodeCA); err != nil {
+	if err := id.save(m.dir, nodeCA); err != nil {
 		return nil, fmt.Errorf("machine %d: save identity: %w", m.index, err)
 	}
 	if err := os.Remove(filepath.Join(m.dir, PendingJoinFile)); err != nil {
@@ -353,6 +329,42 @@ func (m *Machine) join(ctx context.Context, hw Hardware, pending *pendingJoin) (
 	m.log.Info("joined", telemetry.KeyNodeID, id.NodeID, telemetry.KeyPoolID, id.PoolID,
 		"signed_intent", id.commandRoot != nil)
 	return id, nil
+}
+
+// checkJoinResponse is what a machine checks of JoinService's answer msg
+// before it uses any of it: pki.CheckJoinResponse against pins and the join
+// signing key signingSPKI (a DER SubjectPublicKeyInfo), then that the
+// certificate is for the machine's key pub and that msg names a node and at
+// least one gateway URL. It returns the Identity msg makes, without the
+// machine's own fields (MachineID, Variant, JoinedAt, the key), and the node
+// CA (nil when msg has none). Errors say which check failed; those of
+// pki.CheckJoinResponse match pki.ErrUntrustedJoinResponse.
+func checkJoinResponse(msg *joinv1.JoinResponse, pins pki.Pins, signingSPKI []byte, pub crypto.PublicKey) (*Identity, *x509.Certificate, error) {
+	v, err := pki.CheckJoinResponse(msg, pins, signingSPKI)
+	if err != nil {
+		return nil, nil, err
+	}
+	if !samePublicKey(v.Certificate, pub) {
+		return nil, nil, errors.New("join response: the certificate is not for this machine's key")
+	}
+	id := &Identity{
+		NodeID:             msg.GetNodeId(),
+		GatewayURLs:        msg.GetGatewayUrls(),
+		GatewayServerName:  msg.GetGatewayServerName(),
+		TrustDomain:        msg.GetTrustDomain(),
+		PoolID:             msg.GetPoolId(),
+		CommandSigningRoot: msg.GetTrust().GetCommandSigningRoot(),
+		cert:               v.Certificate,
+		servingCA:          v.ServingCA,
+		commandRoot:        v.CommandSigningRoot,
+	}
+	if id.NodeID == "" || len(id.GatewayURLs) == 0 {
+		return nil, nil, errors.New("join response lacks node_id or gateway_urls")
+	}
+	if msg.GetNotAfter() != nil {
+		id.NotAfter = msg.GetNotAfter().AsTime()
+	}
+	return id, v.NodeCA, nil
 }
 
 func samePublicKey(cert *x509.Certificate, pub crypto.PublicKey) bool {

@@ -28,7 +28,7 @@ type deployment struct {
 	commandSPKI []byte
 }
 
-func newDeployment(t *testing.T) *deployment {
+func newDeployment(t testing.TB) *deployment {
 	t.Helper()
 	d := &deployment{dir: t.TempDir()}
 	_, err := pki.Init(d.dir, pki.InitOptions{}, now)

@@ -85,15 +85,17 @@ func PinOfSPKI(spkiDER []byte) string {
 	return PinPrefix + base64.StdEncoding.EncodeToString(sum[:])
 }
 
-// ParsePin checks the form of a pin ("sha256/" + base64 of 32 bytes) and
-// returns its digest. Errors say what is wrong.
+// ParsePin checks the form of a pin ("sha256/" + the padded standard
+// base64 of 32 bytes, spelt as PinOfSPKI spells it: no line breaks, zero
+// padding bits) and returns its digest, so that one key has one pin. Errors
+// say what is wrong.
 func ParsePin(pin string) ([]byte, error) {
 	rest, ok := strings.CutPrefix(pin, PinPrefix)
 	if !ok {
 		return nil, fmt.Errorf("pin %q does not start with %q", pin, PinPrefix)
 	}
 	sum, err := base64.StdEncoding.DecodeString(rest)
-	if err != nil || len(sum) != sha256.Size {
+	if err != nil || len(sum) != sha256.Size || base64.StdEncoding.EncodeToString(sum) != rest {
 		return nil, fmt.Errorf("pin %q is not base64 of a SHA-256 digest", pin)
 	}
 	return sum, nil

@@ -49,6 +49,25 @@ type WellKnown struct {
 	ServingCA string `json:"servingCa"`
 }
 
+// MaxWellKnownBytes is the largest WellKnown document ParseWellKnown
+// decodes, in bytes; a daemon reads at most this much of the answer.
+const MaxWellKnownBytes = 1 << 20
+
+// ParseWellKnown decodes a WellKnown document (JSON) as a daemon reads it
+// from WellKnownPath. Nothing in it is checked: JoinKeys checks its keys
+// against the daemon's pins. Errors: a document larger than
+// MaxWellKnownBytes, or JSON that is not a WellKnown object.
+func ParseWellKnown(b []byte) (*WellKnown, error) {
+	if len(b) > MaxWellKnownBytes {
+		return nil, fmt.Errorf("the well-known document is larger than %d bytes", MaxWellKnownBytes)
+	}
+	var doc WellKnown
+	if err := json.Unmarshal(b, &doc); err != nil {
+		return nil, fmt.Errorf("the well-known document is not a JSON WellKnown object: %w", err)
+	}
+	return &doc, nil
+}
+
 // WellKnownGateway is the gateway part of a WellKnown document.
 type WellKnownGateway struct {
 	// URLs are the https:// Session URLs of every gateway replica (at least
@@ -251,9 +270,11 @@ func SplitGatewayURLs(list string) []string {
 }
 
 // CheckGatewayURL checks one gateway Session URL: it must parse, use https
-// (the Session is mutual TLS), name a host, and give a port from 1 to 65535
-// if it gives one, as in "https://gateway:8443". The error quotes raw and
-// says what is wrong with it.
+// (the Session is mutual TLS), name a host, give a port from 1 to 65535 if
+// it gives one, and have no query or fragment (the daemon appends the
+// Session procedure to it: a path, as behind a proxy, is kept), as in
+// "https://gateway:8443". The error quotes raw and says what is wrong with
+// it.
 func CheckGatewayURL(raw string) error {
 	u, err := url.Parse(raw)
 	if err != nil {
@@ -261,6 +282,9 @@ func CheckGatewayURL(raw string) error {
 	}
 	if u.Scheme != "https" || u.Opaque != "" {
 		return fmt.Errorf("gateway URL %q must be https://HOST[:PORT] (the session uses mutual TLS)", raw)
+	}
+	if u.RawQuery != "" || u.ForceQuery || strings.Contains(raw, "#") {
+		return fmt.Errorf("gateway URL %q has a query or fragment: want https://HOST[:PORT]", raw)
 	}
 	if u.Hostname() == "" {
 		return fmt.Errorf("gateway URL %q has no host: want https://HOST[:PORT]", raw)

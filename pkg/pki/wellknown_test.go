@@ -1,6 +1,7 @@
 package pki_test
 
 import (
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -50,8 +51,34 @@ func TestParseGatewayURLs(t *testing.T) {
 		"https://gw-a:8443,gw-b:8443":  `gateway URL "gw-b:8443" must be https://HOST[:PORT]`,
 		"https://gw-a:8443, http://gw": `gateway URL "http://gw" must be https://HOST[:PORT]`,
 		" , ,":                         `gateway URL list " , ," has no URL`,
+		"https://gw:8443?x=1":          `gateway URL "https://gw:8443?x=1" has a query or fragment`,
+		"https://gw:8443?":             `gateway URL "https://gw:8443?" has a query or fragment`,
+		"https://gw:8443#frag":         `gateway URL "https://gw:8443#frag" has a query or fragment`,
+		"https://gw:8443/#":            `gateway URL "https://gw:8443/#" has a query or fragment`,
 	} {
 		_, err := pki.ParseGatewayURLs(list)
 		require.ErrorContains(t, err, want, list)
+	}
+}
+
+// TestParsePinTakesOneSpelling: a pin is the one spelling PinOfSPKI
+// writes; base64 with line breaks or non-zero padding bits decodes to the
+// same digest but is refused, so that one key has one pin.
+func TestParsePinTakesOneSpelling(t *testing.T) {
+	t.Parallel()
+	const alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+	pin := pki.PinOfSPKI([]byte("spki"))
+	sum, err := pki.ParsePin(pin)
+	require.NoError(t, err)
+	require.Len(t, sum, 32)
+	for _, bad := range []string{
+		pin[:20] + "\n" + pin[20:],
+		pin[:20] + "\r\n" + pin[20:],
+		pin[:len(pin)-2] + string(alphabet[strings.IndexByte(alphabet, pin[len(pin)-2])|1]) + "=", // a padding bit set
+		pin[:len(pin)-1],
+	} {
+		_, err := pki.ParsePin(bad)
+		require.ErrorContains(t, err, "is not base64 of a SHA-256 digest", "%q", bad)
+		require.False(t, pki.MatchPin(bad, []byte("spki")), "%q", bad)
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"net/url"
 	"strconv"
 	"strings"
 	"time"
@@ -188,40 +189,14 @@ func (s *Server) serveWatch(w http.ResponseWriter, r *http.Request) {
 			"role "+string(p.Role)+" may not watch events (needs "+string(iam.PermEventsRead)+")")
 		return
 	}
-	q := r.URL.Query()
-	req := &computev1.WatchRequest{}
-	for _, list := range q["types"] {
-		for _, t := range strings.Split(list, ",") {
-			if t = strings.TrimSpace(t); t != "" {
-				req.Types = append(req.Types, t)
-			}
+	req, err := parseWatchQuery(r.URL.Query())
+	if err != nil {
+		msg := err.Error()
+		var cerr *connect.Error
+		if errors.As(err, &cerr) {
+			msg = cerr.Message()
 		}
-	}
-	for _, name := range []string{"after", "from_start"} {
-		if len(q[name]) > 1 {
-			writeHTTPError(w, http.StatusBadRequest, connect.CodeInvalidArgument, name+": given more than once")
-			return
-		}
-	}
-	if a := q.Get("after"); a != "" {
-		if req.AfterId, err = strconv.ParseInt(a, 10, 64); err != nil || req.AfterId < 0 {
-			writeHTTPError(w, http.StatusBadRequest, connect.CodeInvalidArgument, "after: want an event id (an integer ≥ 0)")
-			return
-		}
-	}
-	if q.Has("from_start") {
-		if req.FromStart, err = strconv.ParseBool(q.Get("from_start")); err != nil {
-			writeHTTPError(w, http.StatusBadRequest, connect.CodeInvalidArgument, "from_start: want true or false")
-			return
-		}
-		if req.FromStart && req.AfterId != 0 {
-			writeHTTPError(w, http.StatusBadRequest, connect.CodeInvalidArgument,
-				"from_start: cannot be combined with after="+strconv.FormatInt(req.AfterId, 10))
-			return
-		}
-	}
-	if err := protovalidate.Validate(req); err != nil {
-		writeHTTPError(w, http.StatusBadRequest, connect.CodeInvalidArgument, err.Error())
+		writeHTTPError(w, http.StatusBadRequest, connect.CodeInvalidArgument, msg)
 		return
 	}
 	rc := http.NewResponseController(w)
@@ -247,6 +222,46 @@ func (s *Server) serveWatch(w http.ResponseWriter, r *http.Request) {
 	if err != nil && ctx.Err() == nil {
 		s.writeStreamError(w, r, "watch", started, err)
 	}
+}
+
+// parseWatchQuery reads the query parameters of GET WatchPath (serveWatch
+// gives their form: types, after, from_start) into a WatchRequest, checked
+// by protovalidate (computev1.WatchRequest's rules) but not yet against the
+// events (watch). Refusals are InvalidArgument errors whose message names
+// the parameter.
+func parseWatchQuery(q url.Values) (*computev1.WatchRequest, error) {
+	invalid := func(msg string) error { return connect.NewError(connect.CodeInvalidArgument, errors.New(msg)) }
+	req := &computev1.WatchRequest{}
+	for _, list := range q["types"] {
+		for _, t := range strings.Split(list, ",") {
+			if t = strings.TrimSpace(t); t != "" {
+				req.Types = append(req.Types, t)
+			}
+		}
+	}
+	for _, name := range []string{"after", "from_start"} {
+		if len(q[name]) > 1 {
+			return nil, invalid(name + ": given more than once")
+		}
+	}
+	var err error
+	if a := q.Get("after"); a != "" {
+		if req.AfterId, err = strconv.ParseInt(a, 10, 64); err != nil || req.AfterId < 0 {
+			return nil, invalid("after: want an event id (an integer ≥ 0)")
+		}
+	}
+	if q.Has("from_start") {
+		if req.FromStart, err = strconv.ParseBool(q.Get("from_start")); err != nil {
+			return nil, invalid("from_start: want true or false")
+		}
+		if req.FromStart && req.AfterId != 0 {
+			return nil, invalid("from_start: cannot be combined with after=" + strconv.FormatInt(req.AfterId, 10))
+		}
+	}
+	if err := protovalidate.Validate(req); err != nil {
+		return nil, invalid(err.Error())
+	}
+	return req, nil
 }
 
 // writeStreamError tells the client of GET WatchPath (what "watch") what

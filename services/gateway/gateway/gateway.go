@@ -45,7 +45,8 @@
 // SshRefused reports become node.ssh_refused events, written as spec
 // refusals are.
 //
-// To handle a new daemon message, add a case to (*Server).handle; to send a
+// To handle a new daemon message, give it a decoder in decode.go (and a case
+// in FuzzSessionMessage) and add a case to (*Server).handle; to send a
 // new kind of message, add it to (*Server).deliver so that it is covered by
 // the coalescing wake-up and by the periodic re-read.
 package gateway

@@ -690,3 +690,91 @@ func TestFailedSessionCloseIsWrittenAgain(t *testing.T) {
 	require.NoError(t, tx.Rollback(t.Context()))
 	eventually(t, func() bool { return e.nodeRow(n.id).SessionID == nil }, "the close is written again")
 }
+
+// TestTextWithNUL: PostgreSQL text and jsonb cannot hold NUL, which proto
+// strings may carry. In free text a daemon sends (hello's boot_id and
+// agent_version, a command's error and result, a spec refusal's reason) a
+// NUL is stored as U+FFFD and the session goes on; an id or CDI device name
+// with one, which names nothing, is refused with InvalidArgument naming the
+// field. Before, each failed its database write (the update batcher's for
+// every session in the batch) and ended the session with Unavailable.
+func TestTextWithNUL(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	g := e.startGateway(noResync)
+	// in is e for subtest t: its helpers fail t.
+	in := func(t *testing.T) *env { c := *e; c.t = t; return &c }
+
+	t.Run("hello", func(t *testing.T) {
+		e := in(t)
+		n := e.newNode()
+		d, _ := e.connect(g, n, &gatewayv1.Hello{NodeId: n.id, BootId: "boot\x00-1", AgentVersion: "bcd\x00/1"})
+		row := e.nodeRow(n.id)
+		require.Equal(t, "boot\uFFFD-1", row.BootID)
+		require.Equal(t, "bcd\uFFFD/1", row.Agent)
+		d.heartbeat(1, 0)
+		require.Equal(t, int64(1), d.nextAck())
+	})
+
+	t.Run("command update", func(t *testing.T) {
+		e := in(t)
+		n := e.newNode()
+		cmdID := e.queueCommand(n.id, "logs.collect", "user")
+		d, _ := e.connect(g, n, nil)
+		require.Equal(t, cmdID, d.next().GetCommand().GetCommandId())
+		d.update(cmdID, gatewayv1.CommandState_COMMAND_STATE_FAILED,
+			&gatewayv1.CommandResult{Output: "out\x00put", Inventory: &gatewayv1.Inventory{Hostname: "h\x00"}}, "boom\x00\nline 2")
+		eventually(t, func() bool { return e.command(cmdID).State == "failed" }, "failure stored")
+		row := e.command(cmdID)
+		require.Equal(t, "boom\uFFFD\nline 2", row.Error)
+		var back gatewayv1.CommandResult
+		require.NoError(t, protojson.Unmarshal(row.Result, &back))
+		require.Equal(t, "out\uFFFDput", back.GetOutput())
+		require.Equal(t, "h\uFFFD", back.GetInventory().GetHostname())
+		d.heartbeat(1, 0)
+		require.Equal(t, int64(1), d.nextAck())
+	})
+
+	t.Run("spec refusal", func(t *testing.T) {
+		e := in(t)
+		n := e.newNode()
+		d, _ := e.connect(g, n, nil)
+		d.send(&gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Report{Report: &gatewayv1.Report{
+			Report: &gatewayv1.Report_SpecRefused{SpecRefused: &gatewayv1.SpecRefused{Generation: 4, Reason: "bad\x00sig"}}}}})
+		var data []byte
+		eventually(t, func() bool {
+			return e.db.Pool.QueryRow(t.Context(), `SELECT data FROM events WHERE type = $1 AND subject_id = $2`,
+				store.EventNodeSpecRefused, n.id).Scan(&data) == nil
+		}, "spec refusal recorded")
+		var got store.NodeSpecRefusedData
+		require.NoError(t, json.Unmarshal(data, &got))
+		require.Equal(t, "bad\uFFFDsig", got.Reason)
+		d.heartbeat(1, 0)
+		require.Equal(t, int64(1), d.nextAck())
+	})
+
+	for _, tc := range []struct {
+		name, field string
+		msg         *gatewayv1.SessionRequest
+	}{
+		{"command id", "command_update.command_id", &gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_CommandUpdate{
+			CommandUpdate: &gatewayv1.CommandUpdate{CommandId: "cmd_\x00", State: gatewayv1.CommandState_COMMAND_STATE_RUNNING}}}},
+		{"reservation id", "allocation_bound.reservation_id", &gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Report{
+			Report: &gatewayv1.Report{Report: &gatewayv1.Report_AllocationBound{AllocationBound: &gatewayv1.AllocationBound{
+				ReservationId: "res_\x00", Generation: 1}}}}}},
+		{"cdi device", "allocation_bound.cdi_devices[1]", &gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Report{
+			Report: &gatewayv1.Report{Report: &gatewayv1.Report_AllocationBound{AllocationBound: &gatewayv1.AllocationBound{
+				ReservationId: "res_01JNUL0000000000000000000", CdiDevices: []string{"nvidia.com/gpu=0", "nvidia.com/gpu=\x00"},
+				Generation: 1}}}}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := in(t)
+			n := e.newNode()
+			d, _ := e.connect(g, n, nil)
+			d.send(tc.msg)
+			err := d.ended()
+			require.Equal(t, connect.CodeInvalidArgument, connectCode(err), "%v", err)
+			require.Contains(t, err.Error(), tc.field)
+		})
+	}
+}

@@ -13,7 +13,6 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/jackc/pgx/v5"
-	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
@@ -300,8 +299,9 @@ func (s *Server) untrack(st *session) {
 // hello checks the client certificate against hello and the database, makes
 // st the node's live session and returns the Welcome to send.
 func (s *Server) hello(ctx context.Context, st *session, h *gatewayv1.Hello) (*gatewayv1.SessionResponse, error) {
-	if h.GetNodeId() == "" {
-		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("hello.node_id is required"))
+	h, err := decodeHello(h)
+	if err != nil {
+		return nil, err
 	}
 	if st.certErr != nil {
 		return nil, errNoNodeCert
@@ -314,7 +314,7 @@ func (s *Server) hello(ctx context.Context, st *session, h *gatewayv1.Hello) (*g
 	sessionID := ids.New(ids.Session, now)
 	var opened store.OpenedSession
 	var refusal error
-	err := s.db.InTx(ctx, func(tx pgx.Tx) error {
+	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
 		cert, err := store.GetSessionCert(ctx, tx, st.serial)
 		if refusal, err = certRefusal(st, cert, err, now); refusal != nil || err != nil {
 			return err
@@ -560,23 +560,12 @@ func (s *Server) handle(ctx context.Context, st *session, req *gatewayv1.Session
 // acceptance check wakes the controllers, in the batch's transaction. A
 // terminal update after the command's deadline records it expired.
 func (s *Server) commandUpdate(ctx context.Context, st *session, u *gatewayv1.CommandUpdate) error {
-	if u.GetCommandId() == "" {
-		return connect.NewError(connect.CodeInvalidArgument, errors.New("command_update.command_id is required"))
+	upd, err := decodeCommandUpdate(st.nodeID, u)
+	if err != nil {
+		return err
 	}
-	state, ok := commandStates[u.GetState()]
-	if !ok {
-		return connect.NewError(connect.CodeInvalidArgument, errors.New("command_update.state must be DELIVERED, RUNNING, SUCCEEDED or FAILED"))
-	}
-	var result []byte
-	if u.GetResult() != nil {
-		var err error
-		if result, err = protojson.Marshal(u.GetResult()); err != nil {
-			return connect.NewError(connect.CodeInvalidArgument, errors.New("command_update.result cannot be encoded"))
-		}
-	}
-	out, err := s.batch.updates.Do(ctx, store.SessionCommandUpdate{
-		NodeID: st.nodeID, CommandID: u.GetCommandId(), State: state, Result: result, Error: u.GetError(),
-	})
+	state := upd.State
+	out, err := s.batch.updates.Do(ctx, upd)
 	if err != nil {
 		if ctx.Err() == nil {
 			s.log.Error("record command update", telemetry.KeyNodeID, st.nodeID, telemetry.KeyCommandID, u.GetCommandId(), telemetry.KeyError, err)
@@ -588,9 +577,9 @@ func (s *Server) commandUpdate(ctx context.Context, st *session, u *gatewayv1.Co
 			telemetry.KeyCommandID, u.GetCommandId(), "state", state)
 		return nil
 	}
-	if state == "failed" && strings.HasPrefix(u.GetError(), refusedPrefix) {
+	if state == "failed" && strings.HasPrefix(upd.Error, refusedPrefix) {
 		s.log.Warn("the daemon refused a command", telemetry.KeyNodeID, st.nodeID, telemetry.KeyCommandID, u.GetCommandId(),
-			"reason", u.GetError())
+			"reason", upd.Error)
 	}
 	// out.State is expired for a terminal report after the deadline.
 	s.log.Info("command updated", telemetry.KeyNodeID, st.nodeID, telemetry.KeyCommandID, u.GetCommandId(),
@@ -604,6 +593,9 @@ func (s *Server) commandUpdate(ctx context.Context, st *session, u *gatewayv1.Co
 // AllocationUnbound is logged (the reservation ended before the spec dropped
 // it). Nothing here, nor the end of a session, ends a reservation (I5).
 func (s *Server) report(ctx context.Context, st *session, r *gatewayv1.Report) error {
+	if err := decodeReport(r); err != nil {
+		return err
+	}
 	switch m := r.GetReport().(type) {
 	case *gatewayv1.Report_ObservedGeneration:
 		gen := m.ObservedGeneration
@@ -624,8 +616,6 @@ func (s *Server) report(ctx context.Context, st *session, r *gatewayv1.Report) e
 	case *gatewayv1.Report_AllocationUnbound:
 		s.log.Info("allocation unbound", telemetry.KeyNodeID, st.nodeID, telemetry.KeyReservationID, m.AllocationUnbound.GetReservationId(),
 			"generation", m.AllocationUnbound.GetGeneration())
-	case nil:
-		return connect.NewError(connect.CodeInvalidArgument, errors.New("report is empty"))
 	default:
 		s.log.Debug("report not recorded by this gateway", telemetry.KeyNodeID, st.nodeID, "report", fmt.Sprintf("%T", m))
 	}
@@ -637,11 +627,12 @@ func (s *Server) report(ctx context.Context, st *session, r *gatewayv1.Report) e
 // the report's generation carries it (store.ActivateReservation); a stale or
 // foreign report changes nothing and is logged.
 func (s *Server) allocationBound(ctx context.Context, st *session, b *gatewayv1.AllocationBound) error {
-	if b.GetReservationId() == "" {
-		return connect.NewError(connect.CodeInvalidArgument, errors.New("allocation_bound.reservation_id is required"))
+	b, err := decodeAllocationBound(b)
+	if err != nil {
+		return err
 	}
 	var a store.Activation
-	err := s.db.InTx(ctx, func(tx pgx.Tx) error {
+	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
 		var err error
 		a, err = store.ActivateReservation(ctx, tx, s.db.Now(), st.nodeID, b.GetReservationId(), b.GetCdiDevices(), b.GetGeneration())
 		return err

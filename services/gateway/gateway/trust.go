@@ -94,6 +94,7 @@ func (s *Server) issue(ctx context.Context, st *session, csrDER []byte) *gateway
 // specRefused records that the daemon refused a DesiredState (signedIntent)
 // as a node.spec_refused event.
 func (s *Server) specRefused(ctx context.Context, st *session, r *gatewayv1.SpecRefused) error {
+	r = decodeSpecRefused(r)
 	s.log.WarnContext(ctx, "the daemon refused a desired state", telemetry.KeyNodeID, st.nodeID,
 		"spec_generation", r.GetGeneration(), "reason", r.GetReason())
 	if err := store.RecordSpecRefused(ctx, s.db.Pool, s.db.Now(), st.nodeID, r.GetGeneration(), r.GetReason()); err != nil {
@@ -116,8 +117,7 @@ const (
 // refusals are; the report's strings are cut to their bounds and rid of
 // control characters.
 func (s *Server) sshRefused(ctx context.Context, st *session, r *gatewayv1.SshRefused) error {
-	ref := store.SSHRefusal{NodeID: st.nodeID, Reason: boundText(r.GetReason(), maxSSHRefusedReason),
-		KeyID: boundText(r.GetKeyId(), maxSSHRefusedField), User: boundText(r.GetUser(), maxSSHRefusedField)}
+	ref := decodeSSHRefused(st.nodeID, r)
 	s.log.WarnContext(ctx, "the node's SSH server refused a login", telemetry.KeyNodeID, st.nodeID, "reason", ref.Reason,
 		"key_id", ref.KeyID, "user", ref.User)
 	if err := store.RecordSSHRefused(ctx, s.db.Pool, s.db.Now(), ref); err != nil {

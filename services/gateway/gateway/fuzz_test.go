@@ -1,0 +1,288 @@
+package gateway
+
+import (
+	"bytes"
+	"crypto/x509"
+	"encoding/json"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+	"unicode/utf8"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+
+	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	"github.com/better-compute/better-compute/pkg/pki"
+)
+
+// fuzzNodeID is the node of the session FuzzSessionMessage's messages come
+// on.
+const fuzzNodeID = "node_01JFUZZ000000000000000000"
+
+// storable reports whether s is text PostgreSQL can hold in a text column or
+// a jsonb string: valid UTF-8 without NUL.
+func storable(s string) bool { return utf8.ValidString(s) && !strings.ContainsRune(s, 0) }
+
+// requireStorable fails unless every string of ss is storable.
+func requireStorable(t *testing.T, field string, ss ...string) {
+	t.Helper()
+	for _, s := range ss {
+		if !storable(s) {
+			t.Fatalf("%s %q is not text the database can hold", field, s)
+		}
+	}
+}
+
+// requireFieldError fails unless err is InvalidArgument with a message that
+// names a field of the message (or says what is wrong with the message).
+func requireFieldError(t *testing.T, err error) {
+	t.Helper()
+	var cerr *connect.Error
+	if !errors.As(err, &cerr) || cerr.Code() != connect.CodeInvalidArgument {
+		t.Fatalf("not an InvalidArgument Connect error: %T %v", err, err)
+	}
+	for _, p := range []string{"hello.", "command_update.", "report is empty", "allocation_bound."} {
+		if strings.HasPrefix(cerr.Message(), p) {
+			return
+		}
+	}
+	t.Fatalf("the error names no field: %q", cerr.Message())
+}
+
+// FuzzSessionMessage feeds arbitrary bytes, decoded as a SessionRequest,
+// through the decoders the gateway runs on each message of a session
+// (decode.go), and for a RenewCertificate through the CSR checks and the
+// signing of a renewal (issue without its database): none may panic; a
+// decoder returns a value or an InvalidArgument error naming the field,
+// never both; every text it hands to the database is text PostgreSQL can
+// hold (the update batcher writes the updates of many sessions in one
+// statement, which one bad string would fail for all), and a command
+// result is JSON that decodes back to the result; a renewed certificate is
+// for the CSR's key and names only the session's node.
+func FuzzSessionMessage(f *testing.F) {
+	now := time.Date(2030, 5, 6, 7, 8, 9, 0, time.UTC)
+	ca, err := pki.NewCA("fuzz node CA", now.Add(-time.Hour), 24*time.Hour)
+	if err != nil {
+		f.Fatal(err)
+	}
+	key, err := pki.GenerateKey()
+	if err != nil {
+		f.Fatal(err)
+	}
+	csr, err := pki.NewCSR(key, fuzzNodeID)
+	if err != nil {
+		f.Fatal(err)
+	}
+	inv := &gatewayv1.Inventory{Hostname: "gpu-01", CpuCores: 64, MemoryBytes: 1 << 40, DriverVersion: "550.54",
+		Gpus: []*gatewayv1.Gpu{{Index: 0, Uuid: "GPU-0", Model: "NVIDIA H100 80GB HBM3", MemoryBytes: 80 << 30, PciBusId: "0000:01:00.0", Healthy: true}}}
+	for _, m := range []*gatewayv1.SessionRequest{
+		{Msg: &gatewayv1.SessionRequest_Hello{Hello: &gatewayv1.Hello{NodeId: fuzzNodeID, BootId: "boot-1", AgentVersion: "bcd/1.0",
+			ObservedGeneration: 3, Journal: []*gatewayv1.JournalEntry{{CommandId: "cmd_01JFUZZ000000000000000000"}}}}},
+		{Msg: &gatewayv1.SessionRequest_Hello{Hello: &gatewayv1.Hello{}}},
+		{Msg: &gatewayv1.SessionRequest_CommandUpdate{CommandUpdate: &gatewayv1.CommandUpdate{CommandId: "cmd_01JFUZZ000000000000000000",
+			State: gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED, Result: &gatewayv1.CommandResult{Inventory: inv}}}},
+		{Msg: &gatewayv1.SessionRequest_CommandUpdate{CommandUpdate: &gatewayv1.CommandUpdate{CommandId: "cmd_01JFUZZ000000000000000000",
+			State: gatewayv1.CommandState_COMMAND_STATE_FAILED, Error: "refused: the command has no signature\nline 2",
+			Result: &gatewayv1.CommandResult{Output: "log line\n"}}}},
+		{Msg: &gatewayv1.SessionRequest_CommandUpdate{CommandUpdate: &gatewayv1.CommandUpdate{CommandId: "cmd_x",
+			State: gatewayv1.CommandState_COMMAND_STATE_QUEUED}}},
+		{Msg: &gatewayv1.SessionRequest_CommandUpdate{CommandUpdate: &gatewayv1.CommandUpdate{}}},
+		{Msg: &gatewayv1.SessionRequest_Report{Report: &gatewayv1.Report{Report: &gatewayv1.Report_ObservedGeneration{ObservedGeneration: 7}}}},
+		{Msg: &gatewayv1.SessionRequest_Report{Report: &gatewayv1.Report{Report: &gatewayv1.Report_Inventory{Inventory: inv}}}},
+		{Msg: &gatewayv1.SessionRequest_Report{Report: &gatewayv1.Report{Report: &gatewayv1.Report_AllocationBound{AllocationBound: &gatewayv1.AllocationBound{
+			ReservationId: "res_01JFUZZ000000000000000000", CdiDevices: []string{"nvidia.com/gpu=0", "nvidia.com/gpu=1"}, Generation: 4}}}}},
+		{Msg: &gatewayv1.SessionRequest_Report{Report: &gatewayv1.Report{Report: &gatewayv1.Report_AllocationBound{AllocationBound: &gatewayv1.AllocationBound{}}}}},
+		{Msg: &gatewayv1.SessionRequest_Report{Report: &gatewayv1.Report{Report: &gatewayv1.Report_AllocationUnbound{AllocationUnbound: &gatewayv1.AllocationUnbound{
+			ReservationId: "res_01JFUZZ000000000000000000", Generation: 5}}}}},
+		{Msg: &gatewayv1.SessionRequest_Report{Report: &gatewayv1.Report{Report: &gatewayv1.Report_SpecRefused{SpecRefused: &gatewayv1.SpecRefused{
+			Generation: 6, Reason: "refused: the desired state has no signature"}}}}},
+		{Msg: &gatewayv1.SessionRequest_Report{Report: &gatewayv1.Report{Report: &gatewayv1.Report_SshRefused{SshRefused: &gatewayv1.SshRefused{
+			Reason: "unknown CA\t" + strings.Repeat("é", 1100), KeyId: "key-1", User: "root"}}}}},
+		{Msg: &gatewayv1.SessionRequest_Report{Report: &gatewayv1.Report{}}},
+		{Msg: &gatewayv1.SessionRequest_Heartbeat{Heartbeat: &gatewayv1.Heartbeat{Seq: 9, ObservedGeneration: 7}}},
+		{Msg: &gatewayv1.SessionRequest_RenewCertificate{RenewCertificate: &gatewayv1.RenewCertificate{CsrDer: csr}}},
+		{Msg: &gatewayv1.SessionRequest_RenewCertificate{RenewCertificate: &gatewayv1.RenewCertificate{CsrDer: csr[:len(csr)-1]}}},
+		{},
+	} {
+		b, err := proto.Marshal(m)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b)
+	}
+
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var req gatewayv1.SessionRequest
+		if err := proto.Unmarshal(b, &req); err != nil {
+			return // Connect ends a session whose message does not decode
+		}
+		switch m := req.GetMsg().(type) {
+		case *gatewayv1.SessionRequest_Hello:
+			h, err := decodeHello(m.Hello)
+			if err != nil {
+				if h != nil {
+					t.Fatalf("a hello and an error: %v", err)
+				}
+				requireFieldError(t, err)
+				return
+			}
+			if h.GetNodeId() == "" {
+				t.Fatal("accepted a hello without node_id")
+			}
+			requireStorable(t, "hello", h.GetBootId(), h.GetAgentVersion())
+		case *gatewayv1.SessionRequest_CommandUpdate:
+			fuzzCommandUpdate(t, m.CommandUpdate)
+		case *gatewayv1.SessionRequest_Report:
+			fuzzReport(t, m.Report)
+		case *gatewayv1.SessionRequest_Heartbeat, nil:
+			// Numbers only; handle answers an empty message itself.
+		case *gatewayv1.SessionRequest_RenewCertificate:
+			fuzzRenewal(t, ca, now, m.RenewCertificate.GetCsrDer())
+		default:
+			t.Fatalf("session message %T has no case here: give it a decoder in decode.go and a case in this target", m)
+		}
+	})
+}
+
+// fuzzCommandUpdate checks decodeCommandUpdate on u.
+func fuzzCommandUpdate(t *testing.T, u *gatewayv1.CommandUpdate) {
+	t.Helper()
+	upd, err := decodeCommandUpdate(fuzzNodeID, u)
+	if err != nil {
+		if upd.CommandID != "" || upd.State != "" || upd.Result != nil {
+			t.Fatalf("an update and an error: %+v, %v", upd, err)
+		}
+		requireFieldError(t, err)
+		return
+	}
+	if upd.NodeID != fuzzNodeID || upd.CommandID == "" || upd.State != commandStates[u.GetState()] {
+		t.Fatalf("update %+v does not say what %v does", upd, u)
+	}
+	requireStorable(t, "command_update", upd.CommandID, upd.Error)
+	if u.GetResult() == nil {
+		if upd.Result != nil {
+			t.Fatalf("a result from an update without one: %s", upd.Result)
+		}
+		return
+	}
+	// jsonb refuses the escape \u0000 as well as a NUL.
+	if !json.Valid(upd.Result) || bytes.Contains(upd.Result, []byte(`\u0000`)) {
+		t.Fatalf("result %s is not JSON the database can hold", upd.Result)
+	}
+	var back gatewayv1.CommandResult
+	if err := protojson.Unmarshal(upd.Result, &back); err != nil {
+		t.Fatalf("result %s does not decode: %v", upd.Result, err)
+	}
+	// JSON has no room for the fields this gateway does not know.
+	want := proto.CloneOf(u.GetResult())
+	discardUnknown(want.ProtoReflect())
+	in, err := protojson.Marshal(want)
+	if err == nil && !bytes.Contains(in, []byte(`\u0000`)) && !proto.Equal(&back, want) {
+		t.Fatalf("result %s is not the update's %v", upd.Result, want)
+	}
+}
+
+// discardUnknown drops the unknown fields of m and of every message in it.
+func discardUnknown(m protoreflect.Message) {
+	m.SetUnknown(nil)
+	m.Range(func(fd protoreflect.FieldDescriptor, v protoreflect.Value) bool {
+		switch {
+		case fd.IsList() && fd.Message() != nil:
+			for i := range v.List().Len() {
+				discardUnknown(v.List().Get(i).Message())
+			}
+		case fd.IsMap() && fd.MapValue().Message() != nil:
+			v.Map().Range(func(_ protoreflect.MapKey, mv protoreflect.Value) bool {
+				discardUnknown(mv.Message())
+				return true
+			})
+		case !fd.IsList() && !fd.IsMap() && fd.Message() != nil:
+			discardUnknown(v.Message())
+		}
+		return true
+	})
+}
+
+// fuzzReport checks the decoders of a Report.
+func fuzzReport(t *testing.T, r *gatewayv1.Report) {
+	t.Helper()
+	if err := decodeReport(r); err != nil {
+		if r.GetReport() != nil {
+			t.Fatalf("refused a report that carries one: %v", err)
+		}
+		requireFieldError(t, err)
+		return
+	}
+	switch m := r.GetReport().(type) {
+	case *gatewayv1.Report_ObservedGeneration, *gatewayv1.Report_Inventory, *gatewayv1.Report_AllocationUnbound:
+		// Recorded as numbers, or not recorded (logged).
+	case *gatewayv1.Report_SpecRefused:
+		sr := decodeSpecRefused(m.SpecRefused)
+		if sr.GetGeneration() != m.SpecRefused.GetGeneration() {
+			t.Fatalf("spec refusal of generation %d recorded as %d", m.SpecRefused.GetGeneration(), sr.GetGeneration())
+		}
+		requireStorable(t, "spec_refused.reason", sr.GetReason())
+	case *gatewayv1.Report_SshRefused:
+		ref := decodeSSHRefused(fuzzNodeID, m.SshRefused)
+		requireStorable(t, "ssh_refused", ref.Reason, ref.KeyID, ref.User)
+		if utf8.RuneCountInString(ref.Reason) > maxSSHRefusedReason || utf8.RuneCountInString(ref.KeyID) > maxSSHRefusedField ||
+			utf8.RuneCountInString(ref.User) > maxSSHRefusedField {
+			t.Fatalf("ssh refusal past its bounds: %+v", ref)
+		}
+	case *gatewayv1.Report_AllocationBound:
+		b, err := decodeAllocationBound(m.AllocationBound)
+		if err != nil {
+			if b != nil {
+				t.Fatalf("an allocation and an error: %v", err)
+			}
+			requireFieldError(t, err)
+			return
+		}
+		if b.GetReservationId() == "" {
+			t.Fatal("accepted an allocation_bound without reservation_id")
+		}
+		requireStorable(t, "allocation_bound", append([]string{b.GetReservationId()}, b.GetCdiDevices()...)...)
+	default:
+		t.Fatalf("report %T has no case here: give it a decoder in decode.go and a case in this target", m)
+	}
+}
+
+// fuzzRenewal runs what issue does with a renewal's CSR before its
+// database writes: pki.ParseCSR, then the node CA's signature for the
+// session's node.
+func fuzzRenewal(t *testing.T, ca *pki.CA, now time.Time, der []byte) {
+	t.Helper()
+	csr, err := pki.ParseCSR(der)
+	if err != nil {
+		if csr != nil {
+			t.Fatalf("a CSR and an error: %v", err)
+		}
+		return
+	}
+	cert, err := ca.IssueNode(csr, fuzzNodeID, "fuzz.test", now, time.Hour)
+	if err != nil {
+		t.Fatalf("a CSR ParseCSR accepted cannot be signed: %v", err)
+	}
+	requireRenewedCert(t, ca, cert, csr)
+}
+
+// requireRenewedCert checks that cert, issued by ca for csr, is for the
+// CSR's key and names only the fuzzed node.
+func requireRenewedCert(t *testing.T, ca *pki.CA, cert *x509.Certificate, csr *x509.CertificateRequest) {
+	t.Helper()
+	if err := cert.CheckSignatureFrom(ca.Cert); err != nil {
+		t.Fatalf("renewed certificate not signed by the node CA: %v", err)
+	}
+	if !bytes.Equal(cert.RawSubjectPublicKeyInfo, csr.RawSubjectPublicKeyInfo) {
+		t.Fatal("renewed certificate is not for the CSR's key")
+	}
+	if id, err := pki.NodeIDFromCert(cert, "fuzz.test"); err != nil || id != fuzzNodeID || len(cert.URIs) != 1 ||
+		len(cert.DNSNames)+len(cert.IPAddresses)+len(cert.EmailAddresses) != 0 {
+		t.Fatalf("renewed certificate names %v %v %v %v (%v), want only node %s", cert.URIs, cert.DNSNames, cert.IPAddresses,
+			cert.EmailAddresses, err, fuzzNodeID)
+	}
+}
