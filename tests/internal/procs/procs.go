@@ -11,6 +11,8 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -28,6 +30,32 @@ func FreeAddr(tb testing.TB) string {
 	addr := ln.Addr().String()
 	require.NoError(tb, ln.Close())
 	return addr
+}
+
+// listenSettings are the address settings of each service whose defaults
+// are fixed ports (docs/configuration.md).
+var listenSettings = map[string][]string{
+	"api":         {"BETTER_COMPUTE_LISTEN"},
+	"joinservice": {"BETTER_COMPUTE_LISTEN"},
+	"gateway":     {"BETTER_COMPUTE_LISTEN", "BETTER_COMPUTE_HEALTH_LISTEN", "BETTER_COMPUTE_CONTROL_LISTEN"},
+	"scheduler":   {"BETTER_COMPUTE_HEALTH_LISTEN"},
+	"controllers": {"BETTER_COMPUTE_HEALTH_LISTEN"},
+	"fakedaemon":  {"BETTER_COMPUTE_HEALTH_LISTEN"},
+}
+
+// freeListens returns a free loopback address ("KEY=127.0.0.1:PORT") for
+// each address setting of the service name that env does not set, so that
+// no process a test starts binds a fixed port another one holds (two
+// gateways of one test, or a test beside a running stack).
+func freeListens(tb testing.TB, name string, env []string) []string {
+	tb.Helper()
+	var out []string
+	for _, key := range listenSettings[name] {
+		if !slices.ContainsFunc(env, func(kv string) bool { return strings.HasPrefix(kv, key+"=") }) {
+			out = append(out, key+"="+FreeAddr(tb))
+		}
+	}
+	return out
 }
 
 // Binary returns the path of bin/linux/<name> at the repository root and
@@ -73,7 +101,7 @@ func Start(tb testing.TB, name, probes string, env ...string) *Proc {
 func Launch(tb testing.TB, name string, args []string, env ...string) *Proc {
 	tb.Helper()
 	cmd := exec.Command(Binary(tb, name), args...)
-	cmd.Env = append(os.Environ(), env...)
+	cmd.Env = append(append(os.Environ(), freeListens(tb, name, env)...), env...)
 	cmd.Stderr = os.Stderr
 	require.NoError(tb, cmd.Start())
 	p := &Proc{name: name, cmd: cmd, done: make(chan struct{})}
