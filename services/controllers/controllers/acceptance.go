@@ -413,6 +413,12 @@ func (a *Acceptance) outOfTimeReason(c expiredCheck) string {
 	return fmt.Sprintf("diag.nvml did not finish within %s %s", a.timeout(), attempts)
 }
 
+// ResultJSON decodes a stored command result (protojson of a
+// gatewayv1.CommandResult): fields it does not know are skipped, so that a
+// result a newer gateway or daemon wrote during a rolling upgrade is judged
+// by the fields this version knows rather than failed as unreadable.
+var ResultJSON = protojson.UnmarshalOptions{DiscardUnknown: true}
+
 // judge evaluates a succeeded acceptance command: it returns the adoption
 // of the node, or its failure.
 func (a *Acceptance) judge(c store.AcceptanceCheck) (*store.Adoption, *store.AcceptanceFailure) {
@@ -421,7 +427,7 @@ func (a *Acceptance) judge(c store.AcceptanceCheck) (*store.Adoption, *store.Acc
 		f := failure(c, "diag.nvml succeeded without reporting an inventory", nil)
 		return nil, &f
 	}
-	if err := protojson.Unmarshal(c.CommandResult, &result); err != nil {
+	if err := ResultJSON.Unmarshal(c.CommandResult, &result); err != nil {
 		f := failure(c, "diag.nvml reported an unreadable result", nil)
 		return nil, &f
 	}

@@ -304,6 +304,31 @@ func TestAdoptsHealthyNode(t *testing.T) {
 	require.Len(t, f.commands(t, n), 1)
 }
 
+// TestResultWithUnknownFields: a result with fields this version does not
+// know (written by a newer gateway or daemon during a rolling upgrade) is
+// judged by the fields it knows: the node is adopted with its GPUs.
+func TestResultWithUnknownFields(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	n := f.addNodes(t, h100Pool, fakehw.VariantHGXH100, 1)[0]
+	require.Equal(t, controllers.PassResult{Started: 1}, f.reconcile(t))
+	u := f.successes(t, fakehw.VariantHGXH100, n)[0]
+	var doc map[string]any
+	require.NoError(t, json.Unmarshal(u.Result, &doc))
+	doc["fromTheFuture"] = map[string]any{"a": 1}
+	inv := doc["inventory"].(map[string]any)
+	inv["nvlinkTopology"] = "full-mesh"
+	inv["gpus"].([]any)[0].(map[string]any)["eccErrors"] = 0
+	b, err := json.Marshal(doc)
+	require.NoError(t, err)
+	u.Result = b
+	f.update(t, u)
+	require.Equal(t, controllers.PassResult{Adopted: 1}, f.reconcile(t))
+	got := f.node(t, n)
+	require.Equal(t, store.NodeAdopted, got.State, got.Reason)
+	require.Equal(t, 8, got.Devices)
+}
+
 // TestVariantsAgainstPools runs each fake variant through acceptance in each
 // pool in one pass.
 func TestVariantsAgainstPools(t *testing.T) {

@@ -56,7 +56,7 @@ func FuzzAcceptanceResult(f *testing.F) {
 			t.Fatalf("want one of an adoption and a failure, got %v and %v", adoption, failure)
 		}
 		var reported gatewayv1.CommandResult
-		readable := len(result) > 0 && protojson.Unmarshal(result, &reported) == nil && reported.GetInventory() != nil
+		readable := len(result) > 0 && ResultJSON.Unmarshal(result, &reported) == nil && reported.GetInventory() != nil
 		inv := reported.GetInventory()
 
 		if failure != nil {
