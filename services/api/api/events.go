@@ -18,6 +18,7 @@ import (
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/iam"
+	"github.com/better-compute/better-compute/pkg/ratelimit"
 	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 )
@@ -175,10 +176,14 @@ type watchEventJSON struct {
 func (s *Server) serveWatch(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
 	authorization := r.Header.Get("Authorization")
-	p, err := s.authn.Authenticate(ctx, authorization)
+	p, err := s.authn.AuthenticateFrom(ctx, authorization, ratelimit.Source(r.RemoteAddr, r.Header, s.cfg.TrustForwardedFor))
+	var throttled *iam.ThrottledError
 	switch {
 	case errors.Is(err, iam.ErrUnauthenticated):
 		writeHTTPError(w, http.StatusUnauthorized, connect.CodeUnauthenticated, err.Error())
+		return
+	case errors.As(err, &throttled):
+		s.writeStreamError(w, r, "watch", false, iam.AuthError(err))
 		return
 	case err != nil:
 		s.writeStreamError(w, r, "watch", false, fmt.Errorf("authenticate: %w", err))
@@ -277,6 +282,13 @@ func (s *Server) writeStreamError(w http.ResponseWriter, r *http.Request, what s
 			status = http.StatusServiceUnavailable
 		case connect.CodeUnauthenticated:
 			status = http.StatusUnauthorized
+		case connect.CodeResourceExhausted:
+			status = http.StatusTooManyRequests
+		}
+		if cerr != nil {
+			if retry := cerr.Meta().Get(ratelimit.RetryAfterHeader); retry != "" {
+				w.Header().Set(ratelimit.RetryAfterHeader, retry)
+			}
 		}
 		writeHTTPError(w, status, code, msg)
 		return
