@@ -161,6 +161,8 @@ type Server struct {
 	tunnels tunnelRegistry
 	// tickets limits ticket issuance per source address (ticketLimit).
 	tickets *ratelimit.Limiter
+	// watches counts the open events watches per token (events.go).
+	watches watchSlots
 	// queue batches RunCommand calls (commands.go), started on first use.
 	queue     *batch.Batcher[queueItem, queueAnswer]
 	queueOnce sync.Once

@@ -605,11 +605,14 @@ func (f *fixture) newCommand(t *testing.T, node string) string {
 	return storetest.Command(t, f.db, &storetest.CommandOpts{NodeID: node}).ID
 }
 
-// newEvents writes an event of each tenant (acme's, the other's) and returns
-// the id before them: a watch after it gets its tenant's at once.
+// newEvents writes a mark of each tenant (acme's, the other's), then an
+// event of each, and returns the first mark's id: at most the newest id of
+// either tenant, so that a watch of either (or root) may start after it,
+// and gets an event at once.
 func (f *fixture) newEvents(t *testing.T) int64 {
 	t.Helper()
-	from := mark(t, f.db)
+	from := mark(t, f.db, f.acme)
+	mark(t, f.db, f.other)
 	insertEvent(t, f.db, nil, f.db.Now(), f.acme, "node.cordoned")
 	insertEvent(t, f.db, nil, f.db.Now(), f.other, "node.cordoned")
 	return from
