@@ -58,8 +58,8 @@ type WatchConfig struct {
 	// MaxGrace is the most time events are held for transactions that
 	// were running when they were read (default 1 min).
 	MaxGrace time.Duration
-	// GapRecheck is how soon a watch holding events checks the horizon
-	// again, doubling at every check that does not let it deliver them,
+	// GapRecheck is how soon a watch holding events checks again whether
+	// it may deliver them, doubling at every check that does not let it,
 	// up to Poll (default 50 ms, at most Poll).
 	GapRecheck time.Duration
 	// Batch is how many events one read returns, which bounds a watch's
@@ -357,8 +357,7 @@ type gapHold struct {
 	// upTo is the highest id that read returned: the ids up to it are
 	// final once the hold passes.
 	upTo int64
-	// recheck is the wait before the next horizon check (GapRecheck,
-	// doubling).
+	// recheck is the wait before the next check (GapRecheck, doubling).
 	recheck time.Duration
 }
 
@@ -370,7 +369,7 @@ const (
 	readOnWake readNext = iota
 	// readNow: read again at once: the read was full.
 	readNow
-	// readOnRecheck: events are held; check the horizon again after
+	// readOnRecheck: events are held; check them again after
 	// recheckDelay, or at a wake or poll if one comes first.
 	readOnRecheck
 )
@@ -563,8 +562,8 @@ func checkTypePatterns(types []string) error {
 }
 
 // recheckDelay is how long a watch holding events waits before it checks
-// the horizon again (WatchConfig): hold.recheck, which doubles up to Poll;
-// never past MaxGrace.
+// them again (WatchConfig): hold.recheck, which doubles up to Poll; never
+// past MaxGrace.
 func (w *watcher) recheckDelay() time.Duration {
 	h := w.hold
 	held := clock.Since(w.s.clock, h.seen)

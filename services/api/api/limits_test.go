@@ -135,3 +135,40 @@ func TestTicketIssuanceThrottled(t *testing.T) {
 	_, err = admin.nodes.ListNodes(ctx, connect.NewRequest(&computev1.ListNodesRequest{}))
 	require.NoError(t, err)
 }
+
+// TestForwardedForTrustedOnlyWhenSet checks that the source address of the
+// limits is the TCP peer, X-Forwarded-For ignored, unless
+// TrustForwardedFor says that a proxy in front writes it: then each
+// forwarded address has its own budget.
+func TestForwardedForTrustedOnlyWhenSet(t *testing.T) {
+	t.Parallel()
+	base := setup(t)
+	ctx := t.Context()
+	revoke := func(f *fixture, forwarded string) connect.Code {
+		t.Helper()
+		req := connect.NewRequest(&computev1.RevokeNodeRequest{NodeId: "node_x"})
+		req.Header().Set("X-Forwarded-For", forwarded)
+		_, err := f.as("").nodes.RevokeNode(ctx, req)
+		return connect.CodeOf(err)
+	}
+	for _, c := range []struct {
+		name  string
+		trust bool
+		// second is the code of a call forwarded for another address
+		// once the first address spent its burst.
+		second connect.Code
+	}{
+		{"ignored", false, connect.CodeResourceExhausted},
+		{"trusted", true, connect.CodeUnauthenticated},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			cfg := api.Config{AuthFailureBurst: 2, AuthFailureRate: 1}
+			cfg.TrustForwardedFor = c.trust
+			f := base.serve(t, cfg, clock.NewFake(base.db.Now()))
+			require.Equal(t, connect.CodeUnauthenticated, revoke(f, "203.0.113.1"))
+			require.Equal(t, connect.CodeUnauthenticated, revoke(f, "203.0.113.1"))
+			require.Equal(t, connect.CodeResourceExhausted, revoke(f, "203.0.113.1"))
+			require.Equal(t, c.second, revoke(f, "203.0.113.2"))
+		})
+	}
+}

@@ -196,7 +196,7 @@ func (s *Server) Handler() http.Handler {
 func (s *Server) joinLimit() connect.Interceptor {
 	return connect.UnaryInterceptorFunc(func(next connect.UnaryFunc) connect.UnaryFunc {
 		return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
-			if req.Spec().IsClient {
+			if req.Spec().IsClient || req.Spec().Procedure != joinv1connect.JoinServiceJoinProcedure {
 				return next(ctx, req)
 			}
 			if ok, retry := s.joins.Allow(ratelimit.Source(req.Peer().Addr, req.Header(), s.cfg.TrustForwardedFor)); !ok {
