@@ -75,6 +75,11 @@ const (
 	FileState = "state.json"
 )
 
+// devJoinLimit is the join burst and rate per second (joinservice.Config
+// JoinBurst, JoinRate) of a dev stack, whose machines all join from one
+// address: far above any fleet it simulates.
+const devJoinLimit = 1 << 20
+
 // DefaultWaitTimeout is how long WaitFor waits when WaitOptions.Timeout is 0.
 const DefaultWaitTimeout = 30 * time.Second
 
@@ -454,8 +459,10 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 		return err
 	}
 	if _, err := run(s, g, gctx, "joinservice", false, func(deps service.Deps) (*joinservice.Server, error) {
+		// Every simulated machine joins from this host: a per-address
+		// join limit would only slow a fleet of them down.
 		return joinservice.New(joinservice.Config{PKI: pkiDir, NodeCerts: certs, Intent: intent, Gateways: gateways,
-			Listener: joinLn}, deps)
+			Listener: joinLn, JoinBurst: devJoinLimit, JoinRate: devJoinLimit}, deps)
 	}); err != nil {
 		joinLn.Close()
 		return err

@@ -124,15 +124,18 @@ func (d DeferredAudit) Written() {
 }
 
 // NewAuditInterceptor returns a Connect handler interceptor that writes one
-// audit row per call of every procedure the policy marks Mutating: the
-// success row when the handler did not write it itself with AuditInTx
-// (outcome "ok", target from the request's Rule.Target field), and for a
-// refusal the Connect code as outcome and the error message as detail.
+// audit row per call of every procedure the policy marks Mutating by an
+// authenticated caller: the success row when the handler did not write it
+// itself with AuditInTx (outcome "ok", target from the request's
+// Rule.Target field), and for a refusal the Connect code as outcome and the
+// error message as detail. A call refused before its caller authenticated
+// (no token, a bad one, a throttled source) writes no row; the
+// bc.auth.failures metric counts it (Authenticator.AuthenticateFrom).
 //
 // Install it outside (before) the validation and authorization
-// interceptors, so that it sees every refusal (unauthenticated, permission
-// denied, invalid argument, not found, …); the authorization interceptor
-// fills in the caller. Refusals are written after the call with the
+// interceptors, so that it sees every refusal of an authenticated caller
+// (permission denied, invalid argument, not found, …); the authorization
+// interceptor fills in the caller. Refusals are written after the call with the
 // database's clock; a failure to write is logged, and the call's own result
 // is returned unchanged.
 func NewAuditInterceptor(db *store.DB, policy Policy, logger *slog.Logger) connect.Interceptor {
@@ -158,14 +161,16 @@ func (a *auditInterceptor) begin(ctx context.Context, procedure string, msg any)
 	return context.WithValue(ctx, auditKey{}, rec), rec
 }
 
-// finish writes the row the handler did not.
+// finish writes the row the handler did not. A call whose caller never
+// authenticated writes none: it names nobody, and a flood of such calls
+// must not become a flood of writes (bc.auth.failures counts them).
 func (a *auditInterceptor) finish(ctx context.Context, rec *auditRecord, err error) {
 	rec.mu.Lock()
-	written := rec.written
+	written, anonymous := rec.written, rec.principal.TokenID == ""
 	rec.mu.Unlock()
 	var e store.AuditEntry
 	switch {
-	case err == nil && written:
+	case err == nil && written, err != nil && anonymous:
 		return
 	case err == nil:
 		e = rec.entry(a.db.Now(), "", OutcomeOK, "")

@@ -13,12 +13,17 @@
 // An Authenticator caches the rows of valid tokens for a second
 // (DefaultTokenCacheTTL) so that a busy client costs no query per call;
 // revoking a token drops it from the revoking server's cache at once and
-// from the others' when the revocation's NATS message arrives (see
-// Authenticate).
+// from the others' when the revocation's NATS message arrives. It caches
+// refusals of well-formed tokens for two seconds (DefaultRefusalCacheTTL),
+// and may limit failed authentications per source address
+// (Authenticator.Failures, pkg/ratelimit); every refusal is counted in the
+// bc.auth.failures metric (see Authenticate).
 //
-// Every mutating RPC is audited (audit.go): NewAuditInterceptor writes one
-// row per call, refusals included, and a handler writes its success row in
-// the transaction of its change with AuditInTx.
+// Every mutating RPC called by an authenticated caller is audited
+// (audit.go): NewAuditInterceptor writes one row per call, refusals
+// included, and a handler writes its success row in the transaction of its
+// change with AuditInTx. A call that fails authentication names nobody and
+// writes no row: bc.auth.failures counts it.
 //
 // To extend it: add a Permission constant and grant it to roles in
 // rolePermissions (the single table of who may do what); then name it in
@@ -36,7 +41,12 @@ import (
 	"strings"
 	"time"
 
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+
 	"github.com/better-compute/better-compute/pkg/ids"
+	"github.com/better-compute/better-compute/pkg/ratelimit"
 	"github.com/better-compute/better-compute/pkg/store"
 )
 
@@ -263,10 +273,45 @@ func MintAPIToken(ctx context.Context, q store.DBTX, now time.Time, tenantID, na
 // Authenticate; the error's text says what was wrong with the credential.
 var ErrUnauthenticated = errors.New("unauthenticated")
 
-type authError struct{ msg string }
+// authError is a refusal of Authenticate: msg says what was wrong, reason
+// is the bounded label of bc.auth.failures (one of the reason constants).
+type authError struct{ reason, msg string }
 
 func (e *authError) Error() string        { return e.msg }
 func (e *authError) Is(target error) bool { return target == ErrUnauthenticated }
+
+// The reasons of refusals, as bc.auth.failures labels them.
+const (
+	reasonMissing   = "missing"   // no Authorization header
+	reasonMalformed = "malformed" // another scheme, or not a well-formed token
+	reasonUnknown   = "unknown"   // a well-formed token that was never minted
+	reasonRevoked   = "revoked"
+	reasonExpired   = "expired"
+	reasonThrottled = "throttled" // the source failed too often (ThrottledError)
+)
+
+// ThrottledError is AuthenticateFrom's refusal of a source address that
+// failed to authenticate more often than Authenticator.Failures allows:
+// its token was not looked at. RetryAfter is how long until the source
+// may try again.
+type ThrottledError struct{ RetryAfter time.Duration }
+
+func (e *ThrottledError) Error() string {
+	return fmt.Sprintf("failed authentications from this address: too many; retry in %d s",
+		ratelimit.RetrySeconds(e.RetryAfter))
+}
+
+// authFailures counts refused authentications by reason (the reason
+// constants); a refused call writes no audit row, this counts it instead.
+var authFailures = func() metric.Int64Counter {
+	c, err := otel.Meter("github.com/better-compute/better-compute/pkg/iam").Int64Counter("bc.auth.failures",
+		metric.WithDescription("API calls refused for their credential, by reason: missing, malformed, unknown, "+
+			"revoked, expired, throttled"), metric.WithUnit("{call}"))
+	if err != nil {
+		panic(err) // only for an invalid name, which is constant here
+	}
+	return c
+}()
 
 // Authenticator checks API tokens against the database, and caches the
 // rows of valid tokens for CacheTTL so that a busy caller does not cost a
@@ -280,9 +325,20 @@ type Authenticator struct {
 	// caches nothing (every call reads the row). NewAuthenticator sets
 	// DefaultTokenCacheTTL.
 	CacheTTL time.Duration
-	// CacheSize caps how many tokens are cached; zero or negative is
-	// DefaultTokenCacheSize.
+	// CacheSize caps how many tokens are cached, and apart from them how
+	// many refusals; zero or negative is DefaultTokenCacheSize.
 	CacheSize int
+	// RefusalCacheTTL is how long a well-formed token refused after a
+	// query (unknown, revoked, expired) is refused again without one; zero
+	// or negative caches no refusal. NewAuthenticator sets
+	// DefaultRefusalCacheTTL. See Authenticate for why a token minted a
+	// moment ago is not refused by it.
+	RefusalCacheTTL time.Duration
+	// Failures, when set, limits failed authentications per source address
+	// (AuthenticateFrom): once a source has spent its burst, its calls are
+	// refused with ThrottledError before their token is looked up, except
+	// those whose valid token the cache holds. Nil: no limit.
+	Failures *ratelimit.Limiter
 
 	cache tokenCache
 }
@@ -296,12 +352,19 @@ const (
 	// DefaultTokenCacheSize is the default Authenticator.CacheSize: 10,000
 	// tokens.
 	DefaultTokenCacheSize = 10000
+	// DefaultRefusalCacheTTL is the default Authenticator.RefusalCacheTTL:
+	// 2 s, long enough that a client retrying a bad token in a loop costs
+	// a query every 2 s, short enough that a refusal never outlives a
+	// fix by much.
+	DefaultRefusalCacheTTL = 2 * time.Second
 )
 
 // NewAuthenticator returns an Authenticator over db that caches token rows
-// for DefaultTokenCacheTTL.
+// for DefaultTokenCacheTTL and refusals for DefaultRefusalCacheTTL, with no
+// limit on failures.
 func NewAuthenticator(db *store.DB) *Authenticator {
-	return &Authenticator{DB: db, CacheTTL: DefaultTokenCacheTTL, CacheSize: DefaultTokenCacheSize}
+	return &Authenticator{DB: db, CacheTTL: DefaultTokenCacheTTL, CacheSize: DefaultTokenCacheSize,
+		RefusalCacheTTL: DefaultRefusalCacheTTL}
 }
 
 // secretChars is the length of a secret's random part: 32 bytes in
@@ -317,15 +380,15 @@ const secretChars = 43
 // header, another scheme, a malformed token); it never touches a database.
 func ParseBearer(header string) (string, error) {
 	if header == "" {
-		return "", &authError{"missing bearer token: set the Authorization header to \"Bearer <api token>\""}
+		return "", &authError{reasonMissing, "missing bearer token: set the Authorization header to \"Bearer <api token>\""}
 	}
 	scheme, rest, ok := strings.Cut(header, " ")
 	if !ok || !strings.EqualFold(scheme, "Bearer") {
-		return "", &authError{"authorization header must be \"Bearer <api token>\""}
+		return "", &authError{reasonMalformed, "authorization header must be \"Bearer <api token>\""}
 	}
 	secret := strings.TrimLeft(rest, " ")
 	if !wellFormedSecret(secret, APITokenPrefix) {
-		return "", &authError{"api token is not valid"}
+		return "", &authError{reasonMalformed, "api token is not valid"}
 	}
 	return secret, nil
 }
@@ -357,33 +420,78 @@ func isBase64URL(c byte) bool {
 // Authenticate returns the principal of an Authorization header value
 // ("Bearer bct_…", see ParseBearer). Refusals match ErrUnauthenticated and
 // say why (missing, malformed, unknown, expired or revoked token); other
-// errors are the database's.
+// errors are the database's. It is AuthenticateFrom with no source: never
+// throttled.
 //
-// The row of a valid token is cached for CacheTTL (by the token's hash);
-// unknown, revoked and expired tokens are never cached, so a token minted a
-// moment ago works at once and guessing fills nothing. Expiry is checked
-// against the clock on every call, cached or not. A revocation is seen:
+// The row of a valid token is cached for CacheTTL (by the token's hash).
+// Expiry is checked against the clock on every call, cached or not. A
+// revocation is seen:
 //   - at once by the API server that revoked the token, which calls
 //     Invalidate after its commit;
 //   - on other API servers as soon as the revocation's outbox message
 //     (store.SubjectAPITokenRevoked) reaches them and they call Invalidate;
 //   - within CacheTTL at worst, when that message is lost or late.
 //
+// A well-formed token refused after a query (unknown, revoked, expired) is
+// refused from the cache for RefusalCacheTTL, so that a client retrying a
+// bad token costs no query per call; the cache holds at most CacheSize
+// refusals. Revoked and expired are for ever. Unknown is not, and yet a
+// token minted a moment ago is never refused by a cached "unknown": a
+// secret is 32 bytes from crypto/rand drawn by MintAPIToken, so nobody can
+// present it before it is minted, and no refusal of its hash can have been
+// cached before then. Should that fail (a secret chosen outside
+// MintAPIToken), the minting server forgets the refusal at once (Minted,
+// which the API's CreateToken calls after its commit; a lookup that read
+// the absence before that caches nothing), and any other server within
+// RefusalCacheTTL.
+//
 // last_used_at is written at most once per store.APITokenTouchInterval per
 // token and process: the cache remembers the last write.
 func (a *Authenticator) Authenticate(ctx context.Context, authorization string) (Principal, error) {
+	return a.AuthenticateFrom(ctx, authorization, "")
+}
+
+// AuthenticateFrom is Authenticate for a call from source (a key of
+// ratelimit.Source; "" for none): every refusal counts in bc.auth.failures
+// and, with Failures set, spends one of source's tokens. A source with no
+// token left is refused with *ThrottledError (not ErrUnauthenticated) before
+// its token is looked up in the database, unless the cache holds that
+// token as valid: a burst of bad calls from an address does not lock out a
+// client there whose token is known good.
+func (a *Authenticator) AuthenticateFrom(ctx context.Context, authorization, source string) (Principal, error) {
+	p, err := a.authenticate(ctx, authorization, source)
+	var (
+		aerr *authError
+		terr *ThrottledError
+	)
+	switch {
+	case errors.As(err, &terr):
+		authFailures.Add(ctx, 1, metric.WithAttributes(attribute.String("reason", reasonThrottled)))
+	case errors.As(err, &aerr):
+		if a.Failures != nil && source != "" {
+			if ok, retry := a.Failures.Allow(source); !ok {
+				authFailures.Add(ctx, 1, metric.WithAttributes(attribute.String("reason", reasonThrottled)))
+				return Principal{}, &ThrottledError{RetryAfter: retry}
+			}
+		}
+		authFailures.Add(ctx, 1, metric.WithAttributes(attribute.String("reason", aerr.reason)))
+	}
+	return p, err
+}
+
+func (a *Authenticator) authenticate(ctx context.Context, authorization, source string) (Principal, error) {
 	secret, err := ParseBearer(authorization)
 	if err != nil {
 		return Principal{}, err
 	}
 	hash := sha256.Sum256([]byte(secret))
 	now := a.DB.Now()
-	tok, touch, prevUse, err := a.lookup(ctx, hash, now)
+	tok, touch, prevUse, err := a.lookup(ctx, hash, now, source)
 	if err != nil {
 		return Principal{}, err
 	}
 	if tok.expired(now) {
-		return Principal{}, &authError{"api token expired at " + tok.expiresAt.UTC().Format(time.RFC3339)}
+		return Principal{}, &authError{reasonExpired, "api token expired at " + tok.expiresAt.UTC().Format(time.RFC3339)}
 	}
 	// TouchAPIToken writes at most once a minute; the row (or the cache)
 	// tells whether this call is due, so most calls skip the round trip.
@@ -405,28 +513,47 @@ func (a *Authenticator) Authenticate(ctx context.Context, authorization string) 
 
 // lookup returns the token whose secret hashes to hash, from the cache while
 // its entry is fresh, else from the database (and then caches it unless it
-// is expired). A revoked or unknown token is a refusal. touch reports
-// whether this call is the one to write last_used_at: then the returned
-// (and cached) lastUsed is already now, and prev is its value before.
-func (a *Authenticator) lookup(ctx context.Context, hash [sha256.Size]byte, now time.Time) (tok cachedToken, touch bool, prev time.Time, err error) {
+// is expired). A revoked, expired or unknown token is a refusal, cached for
+// RefusalCacheTTL; a source that Failures blocks is refused before the
+// database is read. touch reports whether this call is the one to write
+// last_used_at: then the returned (and cached) lastUsed is already now, and
+// prev is its value before.
+func (a *Authenticator) lookup(ctx context.Context, hash [sha256.Size]byte, now time.Time, source string) (tok cachedToken, touch bool, prev time.Time, err error) {
 	ttl := a.CacheTTL
 	if ttl > 0 {
 		if tok, touch, prev, ok := a.cache.get(hash, now); ok {
 			return tok, touch, prev, nil
 		}
 	}
+	if refusal, ok := a.cache.getRefusal(hash, now); ok {
+		return cachedToken{}, false, time.Time{}, refusal
+	}
+	if a.Failures != nil && source != "" {
+		if blocked, retry := a.Failures.Blocked(source); blocked {
+			return cachedToken{}, false, time.Time{}, &ThrottledError{RetryAfter: retry}
+		}
+	}
 	gen := a.cache.generation()
+	refuse := func(reason, msg string) (cachedToken, bool, time.Time, error) {
+		a.cache.remove(hash) // its stale entry, if any
+		e := &authError{reason, msg}
+		if a.RefusalCacheTTL > 0 {
+			a.cache.putRefusal(hash, e, gen, now, now.Add(a.RefusalCacheTTL), a.CacheSize)
+		}
+		return cachedToken{}, false, time.Time{}, e
+	}
 	row, err := store.GetAPITokenByHash(ctx, a.DB.Pool, hash[:])
 	if errors.Is(err, store.ErrNotFound) {
-		a.cache.remove(hash)
-		return cachedToken{}, false, time.Time{}, &authError{"api token is not valid"}
+		return refuse(reasonUnknown, "api token is not valid")
 	}
 	if err != nil {
 		return cachedToken{}, false, time.Time{}, err
 	}
 	if row.RevokedAt != nil {
-		a.cache.remove(hash) // its stale entry, if any
-		return cachedToken{}, false, time.Time{}, &authError{"api token was revoked"}
+		return refuse(reasonRevoked, "api token was revoked")
+	}
+	if row.ExpiresAt != nil && !row.ExpiresAt.After(now) {
+		return refuse(reasonExpired, "api token expired at "+row.ExpiresAt.UTC().Format(time.RFC3339))
 	}
 	role, err := ParseRole(row.Role)
 	if err != nil {
@@ -438,10 +565,22 @@ func (a *Authenticator) lookup(ctx context.Context, hash [sha256.Size]byte, now 
 	}
 	prev = tok.lastUsed
 	touch = tok.claimTouch(now)
-	if ttl > 0 && !tok.expired(now) {
+	if ttl > 0 {
 		a.cache.put(hash, tok, gen, now, a.CacheSize)
 	}
 	return tok, touch, prev, nil
+}
+
+// Minted tells the Authenticator that a token whose secret hashes to hash
+// (store.APIToken.Hash) was just created and committed: a refusal of it
+// cached before is dropped (see Authenticate). Call it after the commit of
+// a MintAPIToken.
+func (a *Authenticator) Minted(hash []byte) {
+	var h [sha256.Size]byte
+	if copy(h[:], hash) != sha256.Size {
+		return
+	}
+	a.cache.minted(h)
 }
 
 // Invalidate drops the cached row of token tokenID ("tok_…"), or every

@@ -12,6 +12,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/iam"
 	"github.com/better-compute/better-compute/pkg/ids"
+	"github.com/better-compute/better-compute/pkg/ratelimit"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/store/storetest"
 )
@@ -211,15 +212,42 @@ func TestAuthenticateCache(t *testing.T) {
 	clk.Advance(time.Microsecond)
 	refused(long, expiring, "api token expired at 2030-01-02T03:05:06Z")
 
-	// Unknown tokens are not cached: one minted later works at once.
+	// An unknown token's refusal is cached for RefusalCacheTTL, not its
+	// row: one created behind the cache's back (with a secret chosen
+	// outside MintAPIToken, which nobody could have presented before) is
+	// refused until then, and works at once after Minted.
+	create := func(secret string) {
+		t.Helper()
+		require.NoError(t, store.CreateAPIToken(ctx, db.Pool, store.APIToken{ID: ids.New(ids.APIToken, db.Now()),
+			TenantID: tenant.ID, Hash: iam.HashSecret(secret), Role: string(iam.RoleViewer), CreatedAt: db.Now()}))
+	}
+	require.Equal(t, iam.DefaultRefusalCacheTTL, long.RefusalCacheTTL)
 	secret, err := iam.NewSecret(iam.APITokenPrefix)
 	require.NoError(t, err)
 	before := iam.CachedTokens(long)
 	refused(long, "Bearer "+secret, "api token is not valid")
 	require.Equal(t, before, iam.CachedTokens(long))
-	require.NoError(t, store.CreateAPIToken(ctx, db.Pool, store.APIToken{ID: ids.New(ids.APIToken, db.Now()),
-		TenantID: tenant.ID, Hash: iam.HashSecret(secret), Role: string(iam.RoleViewer), CreatedAt: db.Now()}))
+	require.Equal(t, 1, iam.CachedRefusals(long))
+	create(secret)
+	refused(long, "Bearer "+secret, "api token is not valid") // the cached refusal: no query
+	long.Minted(iam.HashSecret(secret))
 	ok(long, "Bearer "+secret)
+	// Without Minted, until the refusal's TTL passes.
+	later, err := iam.NewSecret(iam.APITokenPrefix)
+	require.NoError(t, err)
+	refused(long, "Bearer "+later, "api token is not valid")
+	create(later)
+	clk.Advance(long.RefusalCacheTTL - time.Microsecond)
+	refused(long, "Bearer "+later, "api token is not valid")
+	clk.Advance(time.Microsecond)
+	ok(long, "Bearer "+later)
+	// A revoked token's refusal is cached too.
+	gone, goneID := mint(nil)
+	revokeBehind(goneID)
+	refused(long, gone, "api token was revoked")
+	refusedBefore := iam.CachedRefusals(long)
+	refused(long, gone, "api token was revoked")
+	require.Equal(t, refusedBefore, iam.CachedRefusals(long))
 
 	// A zero TTL caches nothing.
 	off := &iam.Authenticator{DB: db}
@@ -271,4 +299,49 @@ func TestAuthenticateCacheTouch(t *testing.T) {
 	require.NoError(t, err)
 	require.NotNil(t, lastUsed(), "written again once the interval passed, from the cache")
 	require.True(t, lastUsed().Equal(db.Now()))
+}
+
+// TestAuthenticateThrottle checks that failed authentications are limited
+// per source: a burst, then ThrottledError before any lookup, except for a
+// token the cache holds as valid; other sources and the unlimited
+// Authenticate are not affected, and the source recovers at the rate.
+func TestAuthenticateThrottle(t *testing.T) {
+	t.Parallel()
+	clk, db, tenant := tenantDB(t)
+	ctx := t.Context()
+	a := iam.NewAuthenticator(db)
+	a.CacheTTL = time.Hour
+	a.Failures = ratelimit.New(10, 5, 0, clk)
+	good, _, err := iam.MintAPIToken(ctx, db.Pool, db.Now(), tenant.ID, "", iam.RoleViewer, nil)
+	require.NoError(t, err)
+	other, _, err := iam.MintAPIToken(ctx, db.Pool, db.Now(), tenant.ID, "", iam.RoleViewer, nil)
+	require.NoError(t, err)
+	_, err = a.AuthenticateFrom(ctx, "Bearer "+good, "192.0.2.1")
+	require.NoError(t, err, "cached from here on")
+
+	for i := range 5 {
+		_, err := a.AuthenticateFrom(ctx, "", "192.0.2.1")
+		require.ErrorIs(t, err, iam.ErrUnauthenticated, "failure %d of the burst", i)
+	}
+	var terr *iam.ThrottledError
+	_, err = a.AuthenticateFrom(ctx, "", "192.0.2.1")
+	require.ErrorAs(t, err, &terr)
+	require.Equal(t, 100*time.Millisecond, terr.RetryAfter)
+	require.EqualError(t, err, "failed authentications from this address: too many; retry in 1 s")
+	require.NotErrorIs(t, err, iam.ErrUnauthenticated)
+
+	_, err = a.AuthenticateFrom(ctx, "Bearer "+good, "192.0.2.1")
+	require.NoError(t, err, "a token the cache holds as valid still passes")
+	_, err = a.AuthenticateFrom(ctx, "Bearer "+other, "192.0.2.1")
+	require.ErrorAs(t, err, &terr, "a token not cached is not looked up for a blocked source")
+	_, err = a.AuthenticateFrom(ctx, "Bearer "+other, "192.0.2.2")
+	require.NoError(t, err, "another source is not blocked")
+	_, err = a.Authenticate(ctx, "")
+	require.ErrorIs(t, err, iam.ErrUnauthenticated, "no source: no limit")
+
+	clk.Advance(100 * time.Millisecond)
+	_, err = a.AuthenticateFrom(ctx, "", "192.0.2.1")
+	require.ErrorIs(t, err, iam.ErrUnauthenticated, "one more failure after a tenth of a second")
+	_, err = a.AuthenticateFrom(ctx, "", "192.0.2.1")
+	require.ErrorAs(t, err, &terr)
 }

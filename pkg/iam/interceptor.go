@@ -4,9 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
 	"path"
 
 	"connectrpc.com/connect"
+
+	"github.com/better-compute/better-compute/pkg/ratelimit"
 )
 
 // Rule is the authorization of one RPC.
@@ -36,21 +39,26 @@ type Policy map[string]Rule
 // in the handler's context (PrincipalFrom) and in the call's audit record
 // (so that a refusal is audited with its caller). It checks a streaming
 // call once, when it opens: a long stream that must end when its token
-// does re-authenticates itself (the API's events watch does). Errors:
-// Unauthenticated (missing or bad token), PermissionDenied (role lacks the
+// does re-authenticates itself (the API's events watch does). The source of
+// a call, to which a.Failures applies, is its TCP peer, or with
+// trustForwarded the last address of its X-Forwarded-For
+// (ratelimit.Source). Errors: Unauthenticated (missing or bad token),
+// ResourceExhausted with a Retry-After header (the source failed too often:
+// ThrottledError, ratelimit.Error), PermissionDenied (role lacks the
 // permission, or the procedure has no rule), Internal wrapping a database
 // error (for the masking of service.HandlerOptions, which makes a failure
 // to reach the database Unavailable).
-func NewInterceptor(a *Authenticator, policy Policy) connect.Interceptor {
-	return &interceptor{authn: a, policy: policy}
+func NewInterceptor(a *Authenticator, policy Policy, trustForwarded bool) connect.Interceptor {
+	return &interceptor{authn: a, policy: policy, trustForwarded: trustForwarded}
 }
 
 type interceptor struct {
-	authn  *Authenticator
-	policy Policy
+	authn          *Authenticator
+	policy         Policy
+	trustForwarded bool
 }
 
-func (i *interceptor) authorize(ctx context.Context, procedure, authorization string) (context.Context, error) {
+func (i *interceptor) authorize(ctx context.Context, procedure string, peer connect.Peer, header http.Header) (context.Context, error) {
 	rule, ok := i.policy[procedure]
 	if !ok {
 		return nil, connect.NewError(connect.CodePermissionDenied,
@@ -59,12 +67,9 @@ func (i *interceptor) authorize(ctx context.Context, procedure, authorization st
 	if rule.Public {
 		return ctx, nil
 	}
-	p, err := i.authn.Authenticate(ctx, authorization)
-	if errors.Is(err, ErrUnauthenticated) {
-		return nil, connect.NewError(connect.CodeUnauthenticated, err)
-	}
+	p, err := i.authn.AuthenticateFrom(ctx, header.Get("Authorization"), ratelimit.Source(peer.Addr, header, i.trustForwarded))
 	if err != nil {
-		return nil, connect.NewError(connect.CodeInternal, fmt.Errorf("authenticate: %w", err))
+		return nil, AuthError(err)
 	}
 	if rec := auditFrom(ctx); rec != nil {
 		rec.setPrincipal(p)
@@ -76,12 +81,28 @@ func (i *interceptor) authorize(ctx context.Context, procedure, authorization st
 	return WithPrincipal(ctx, p), nil
 }
 
+// AuthError is the Connect error of a refusal of Authenticate or
+// AuthenticateFrom: Unauthenticated for ErrUnauthenticated,
+// ResourceExhausted with a Retry-After header for a ThrottledError
+// (ratelimit.Error), Internal wrapping any other (the database's) error.
+func AuthError(err error) *connect.Error {
+	var terr *ThrottledError
+	switch {
+	case errors.As(err, &terr):
+		return ratelimit.Error("failed authentications", terr.RetryAfter)
+	case errors.Is(err, ErrUnauthenticated):
+		return connect.NewError(connect.CodeUnauthenticated, err)
+	default:
+		return connect.NewError(connect.CodeInternal, fmt.Errorf("authenticate: %w", err))
+	}
+}
+
 func (i *interceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
 	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
 		if req.Spec().IsClient {
 			return next(ctx, req)
 		}
-		ctx, err := i.authorize(ctx, req.Spec().Procedure, req.Header().Get("Authorization"))
+		ctx, err := i.authorize(ctx, req.Spec().Procedure, req.Peer(), req.Header())
 		if err != nil {
 			return nil, err
 		}
@@ -95,7 +116,7 @@ func (i *interceptor) WrapStreamingClient(next connect.StreamingClientFunc) conn
 
 func (i *interceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
 	return func(ctx context.Context, conn connect.StreamingHandlerConn) error {
-		ctx, err := i.authorize(ctx, conn.Spec().Procedure, conn.RequestHeader().Get("Authorization"))
+		ctx, err := i.authorize(ctx, conn.Spec().Procedure, conn.Peer(), conn.RequestHeader())
 		if err != nil {
 			return err
 		}

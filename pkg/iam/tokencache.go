@@ -40,13 +40,23 @@ func (t *cachedToken) claimTouch(now time.Time) bool {
 	return true
 }
 
-// tokenCache maps token hashes to their rows. Its zero value is empty and
-// ready.
+// cachedRefusal is what Authenticate keeps of a well-formed token it
+// refused after a query: unknown, revoked or expired.
+type cachedRefusal struct {
+	err *authError
+	// until is when the token must be looked up again.
+	until time.Time
+}
+
+// tokenCache maps token hashes to their rows (entries) and to the
+// refusals of recently refused tokens (refused). Its zero value is empty
+// and ready.
 type tokenCache struct {
 	mu      sync.Mutex
 	entries map[[sha256.Size]byte]*cachedToken
-	// gen counts invalidations: a row read while one happened is stale and
-	// not cached.
+	refused map[[sha256.Size]byte]cachedRefusal
+	// gen counts invalidations and mints: a row, or an absence, read while
+	// one happened may be stale and is not cached.
 	gen uint64
 }
 
@@ -101,6 +111,55 @@ func (c *tokenCache) put(hash [sha256.Size]byte, tok cachedToken, gen uint64, no
 	c.entries[hash] = &tok
 }
 
+// getRefusal returns the fresh refusal of hash, if any.
+func (c *tokenCache) getRefusal(hash [sha256.Size]byte, now time.Time) (*authError, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	r, ok := c.refused[hash]
+	if !ok || !now.Before(r.until) {
+		return nil, false
+	}
+	return r.err, true
+}
+
+// putRefusal caches err as the refusal of hash until until, unless an
+// invalidation or a mint happened since generation returned gen, bounded
+// like put.
+func (c *tokenCache) putRefusal(hash [sha256.Size]byte, err *authError, gen uint64, now, until time.Time, size int) {
+	if size <= 0 {
+		size = DefaultTokenCacheSize
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.gen != gen {
+		return
+	}
+	if c.refused == nil {
+		c.refused = make(map[[sha256.Size]byte]cachedRefusal)
+	}
+	if _, ok := c.refused[hash]; !ok && len(c.refused) >= size {
+		for k, r := range c.refused {
+			if !now.Before(r.until) {
+				delete(c.refused, k)
+			}
+		}
+		if len(c.refused) > size/2 {
+			clear(c.refused)
+		}
+	}
+	c.refused[hash] = cachedRefusal{err: err, until: until}
+}
+
+// minted drops the refusal of hash, a token just created, and counts a
+// mint, so that a lookup that read the token's absence before cannot cache
+// it.
+func (c *tokenCache) minted(hash [sha256.Size]byte) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.gen++
+	delete(c.refused, hash)
+}
+
 // untouch puts back prev as the last use of hash's entry after the
 // last_used_at write that get or put recorded at now failed.
 func (c *tokenCache) untouch(hash [sha256.Size]byte, now, prev time.Time) {
@@ -135,9 +194,16 @@ func (c *tokenCache) invalidate(id string) {
 	}
 }
 
-// count returns how many tokens are cached.
+// count returns how many valid tokens are cached.
 func (c *tokenCache) count() int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return len(c.entries)
+}
+
+// countRefused returns how many refusals are cached.
+func (c *tokenCache) countRefused() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.refused)
 }

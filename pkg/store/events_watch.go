@@ -1,13 +1,13 @@
 package store
 
 // Reading events for the watch (docs/architecture.md, "Events and the
-// watch"): the rows after a cursor, every tenant's, so that a watcher can tell
-// a gap in the ids from another tenant's event, and the transaction horizon that
-// tells it when a gap will never fill.
+// watch"): the rows of the watcher's tenants after a cursor with the
+// transactions running at the read, and whether those may still write
+// events, which tells it when the ids below what it read are final
+// (EventScan, EventWriters).
 
 import (
 	"context"
-	"fmt"
 	"slices"
 	"strings"
 	"time"
@@ -19,7 +19,8 @@ import (
 // or command, streamed to API clients by the events watch.
 type Event struct {
 	// ID increases with every event (bigserial). Ids are taken when a row is
-	// inserted but become visible when its transaction commits, so they may
+	// inserted, after its transaction has a transaction id (migration
+	// 000017), but become visible when its transaction commits, so they may
 	// appear out of order, and a rolled-back insert leaves a gap for ever.
 	ID int64
 	// TenantID is the tenant the event belongs to; empty for none.
@@ -31,8 +32,8 @@ type Event struct {
 	// Data is a JSON object.
 	Data []byte
 	// CreatedAt is when it was written, by the writer's clock (the now of
-	// WriteEvents). The database's own insert time is
-	// events.inserted_at (ScannedEvent.Old).
+	// WriteEvents). The database's own insert time is events.inserted_at,
+	// which no reader needs today.
 	CreatedAt time.Time
 }
 
@@ -82,94 +83,144 @@ func (f EventFilter) split() (exact, prefixes []string) {
 	return exact, prefixes
 }
 
-// ScannedEvent is one committed events row after a cursor: its id, and the
-// event when it passes the filter.
-type ScannedEvent struct {
-	ID int64
-	// Match is whether the event passes the filter; Event is set only then.
-	Match bool
-	// Old is whether the row was inserted at least ScanEvents' oldAge
-	// before the read, by the database's own clock (events.inserted_at;
-	// rows written before that column existed count as old, migration
-	// 000011 says why). Its id was taken no later than its insert, so any
-	// id missing below an old row was taken at least oldAge ago.
-	Old   bool
-	Event Event
+// EventScan is one read of ScanEvents: the matching events and the
+// transactions running when they were read.
+type EventScan struct {
+	// Events are the committed events after the cursor that pass the
+	// filter, lowest id first.
+	Events []Event
+	// Running are the transactions in progress at the read's snapshot
+	// (their ids modulo 2^32, as pg_locks names them). An event id is
+	// taken after its transaction's id (migration 000017), and an id below
+	// a committed one was taken before it, so an event with an id below
+	// one of Events that was not read belongs to one of Running, or rolled
+	// back. With none running the read is final; otherwise EventWriters
+	// tells when it is.
+	Running []int64
 }
 
-// ScanEvents returns the committed events with an id above after, every
-// tenant's, lowest id first, at most limit (positive) rows; only those
-// passing f carry their content (Match). The rows that do not match are
-// returned too, as bare ids, so that a watcher can tell a gap in the ids
-// (an insert not yet committed, or rolled back) from another tenant's event.
-// Every row says whether it was inserted at least oldAge ago (Old).
-func ScanEvents(ctx context.Context, q DBTX, after int64, f EventFilter, limit int, oldAge time.Duration) ([]ScannedEvent, error) {
+// scanEventsSQL is ScanEvents' statement for one tenant's events ($1: the
+// tenant), which reads that tenant's rows only, through events_tenant_idx
+// (tenant_id, id); scanAllEventsSQL reads every row, for AllTenants. Both
+// run with generic plans (DB.AutoCommit), hence a statement per scope
+// rather than an optional filter. The snapshot is the statement's own
+// (pg_current_snapshot() in a query is its snapshot); the LEFT JOIN returns
+// it, with no event, when nothing passes.
+const (
+	scanEventsSQL = `WITH snap AS (SELECT ARRAY(SELECT x::text::bigint % 4294967296 FROM pg_snapshot_xip(s) AS x) AS running
+			FROM pg_current_snapshot() AS s)
+		SELECT snap.running, e.id, COALESCE(e.tenant_id, ''), e.type, e.subject_id, e.data::text, e.created_at
+		FROM snap LEFT JOIN LATERAL (SELECT * FROM events
+			WHERE tenant_id = $1 AND id > $2 AND ($5 OR type = ANY($3::text[])
+				OR EXISTS (SELECT 1 FROM unnest($4::text[]) AS p(prefix) WHERE starts_with(type, p.prefix)))
+			ORDER BY tenant_id, id LIMIT $6) AS e ON true
+		ORDER BY e.id`
+	scanAllEventsSQL = `WITH snap AS (SELECT ARRAY(SELECT x::text::bigint % 4294967296 FROM pg_snapshot_xip(s) AS x) AS running
+			FROM pg_current_snapshot() AS s)
+		SELECT snap.running, e.id, COALESCE(e.tenant_id, ''), e.type, e.subject_id, e.data::text, e.created_at
+		FROM snap LEFT JOIN LATERAL (SELECT * FROM events
+			WHERE id > $1 AND ($4 OR type = ANY($2::text[])
+				OR EXISTS (SELECT 1 FROM unnest($3::text[]) AS p(prefix) WHERE starts_with(type, p.prefix)))
+			ORDER BY id LIMIT $5) AS e ON true
+		ORDER BY e.id`
+)
+
+// ScanEvents returns the committed events with an id above after that pass
+// f, lowest id first, at most limit (positive), and the snapshot of the
+// read (EventScan says what it tells). For one tenant's scope it reads that
+// tenant's rows only (scanEventsSQL), for AllTenants every row; the zero
+// Scope reads none.
+func ScanEvents(ctx context.Context, q DBTX, after int64, f EventFilter, limit int) (EventScan, error) {
 	exact, prefixes := f.split()
-	// clock_timestamp(), not now(): the time of the read, not of the
-	// start of its transaction.
-	rows, err := q.Query(ctx, `SELECT id, m, old, CASE WHEN m THEN COALESCE(tenant_id, '') END, CASE WHEN m THEN type END,
-			CASE WHEN m THEN subject_id END, CASE WHEN m THEN data::text END, CASE WHEN m THEN created_at END
-		FROM (SELECT e.*, ($2::text IS NULL OR e.tenant_id IS NOT DISTINCT FROM $2)
-				AND ($5 OR e.type = ANY($3::text[]) OR EXISTS (SELECT 1 FROM unnest($4::text[]) AS p(prefix)
-					WHERE starts_with(e.type, p.prefix))) AS m,
-				COALESCE(e.inserted_at <= clock_timestamp() - $7::bigint * interval '1 microsecond', true) AS old
-			FROM events e WHERE e.id > $1 ORDER BY e.id LIMIT $6) AS s
-		ORDER BY id`, after, f.Scope.arg(), exact, prefixes, len(f.Types) == 0, limit, oldAge.Microseconds())
-	if err != nil {
-		return nil, queryErr("scan events", err)
+	all := len(f.Types) == 0
+	var (
+		rows pgx.Rows
+		err  error
+	)
+	switch tenant := f.Scope.Tenant(); {
+	case f.Scope.All():
+		rows, err = q.Query(ctx, scanAllEventsSQL, after, exact, prefixes, all, limit)
+	case tenant != "":
+		rows, err = q.Query(ctx, scanEventsSQL, tenant, after, exact, prefixes, all, limit)
+	default:
+		return EventScan{}, nil
 	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (ScannedEvent, error) {
-		var (
-			s                          ScannedEvent
-			tenant, typ, subject, data *string
-			at                         *time.Time
-		)
-		if err := r.Scan(&s.ID, &s.Match, &s.Old, &tenant, &typ, &subject, &data, &at); err != nil {
-			return s, err
-		}
-		if s.Match {
-			s.Event = Event{ID: s.ID, TenantID: *tenant, Type: *typ, SubjectID: *subject, Data: []byte(*data), CreatedAt: *at}
-		}
-		return s, nil
-	})
 	if err != nil {
-		return nil, queryErr("scan events", err)
+		return EventScan{}, queryErr("scan events", err)
+	}
+	var (
+		out                          EventScan
+		id                           *int64
+		tenantID, typ, subject, data *string
+		at                           *time.Time
+	)
+	_, err = pgx.ForEachRow(rows, []any{&out.Running, &id, &tenantID, &typ, &subject, &data, &at},
+		func() error {
+			if id != nil {
+				out.Events = append(out.Events, Event{ID: *id, TenantID: *tenantID, Type: *typ, SubjectID: *subject,
+					Data: []byte(*data), CreatedAt: *at})
+			}
+			return nil
+		})
+	if err != nil {
+		return EventScan{}, queryErr("scan events", err)
 	}
 	return out, nil
 }
 
-// MaxEventID returns the highest committed event id, 0 when there is none.
-// Every id a watch ever sent is at most MaxEventID (it was committed before
-// it was sent), so the API refuses to resume after a higher one; that holds
-// as long as the newest event row is never deleted (retention must keep it).
-func MaxEventID(ctx context.Context, q DBTX) (int64, error) {
+// MaxEventID returns the highest committed event id of scope's tenants (0
+// when there is none): every tenant's for AllTenants, the tenant's own
+// (through events_tenant_idx) otherwise, so that it tells a tenant nothing
+// of the others. Every id a watch of scope ever sent is at most
+// MaxEventID(scope) (it was committed before it was sent), so the API
+// refuses to resume after a higher one; that holds as long as each
+// tenant's newest event row is never deleted (retention must keep it).
+func MaxEventID(ctx context.Context, q DBTX, scope Scope) (int64, error) {
 	var id int64
-	if err := q.QueryRow(ctx, `SELECT COALESCE(max(id), 0) FROM events`).Scan(&id); err != nil {
+	sql := `SELECT COALESCE(max(id), 0) FROM events`
+	args := []any{}
+	switch tenant := scope.Tenant(); {
+	case tenant != "":
+		sql, args = `SELECT COALESCE(max(id), 0) FROM events WHERE tenant_id = $1`, []any{tenant}
+	case !scope.All():
+		return 0, nil
+	}
+	if err := q.QueryRow(ctx, sql, args...).Scan(&id); err != nil {
 		return 0, queryErr("max event id", err)
 	}
 	return id, nil
 }
 
-// TxHorizon is a view of the transactions running in the database
-// (pg_current_snapshot, PostgreSQL 13+), as 64-bit transaction ids.
-type TxHorizon struct {
-	// Xmin is the oldest transaction still running: every transaction with
-	// a smaller id has ended (committed or rolled back).
-	Xmin int64
-	// Xmax is one past the newest transaction id assigned: every
-	// transaction running now has a smaller id.
-	Xmax int64
-}
+// eventWritersSQL is EventWriters' statement: pg_locks read once; a
+// transaction's own ExclusiveLock on its id says it is running, and a lock
+// on this database's events, held by the same virtual transaction, that it
+// may have written events.
+const eventWritersSQL = `WITH l AS MATERIALIZED (SELECT locktype, mode, database, relation,
+			transactionid::text::bigint AS xid, virtualtransaction FROM pg_locks WHERE granted),
+		t AS (SELECT xid, virtualtransaction FROM l
+			WHERE locktype = 'transactionid' AND mode = 'ExclusiveLock' AND xid = ANY($1::bigint[]))
+	SELECT EXISTS (SELECT 1 FROM t JOIN l AS r USING (virtualtransaction)
+			WHERE r.locktype = 'relation' AND r.relation = 'events'::regclass
+				AND r.database = (SELECT oid FROM pg_database WHERE datname = current_database())),
+		(SELECT count(DISTINCT xid) FROM t) < cardinality($1::bigint[])`
 
-// CurrentTxHorizon returns the database's TxHorizon now. A watcher that sees
-// a gap in the event ids records Xmax; once a later Xmin reaches it, every
-// transaction that was running when the gap was seen has ended, so an id
-// still missing will never commit (pkg/store Event).
-func CurrentTxHorizon(ctx context.Context, q DBTX) (TxHorizon, error) {
-	var h TxHorizon
-	if err := q.QueryRow(ctx, `SELECT pg_snapshot_xmin(s)::text::bigint, pg_snapshot_xmax(s)::text::bigint
-		FROM pg_current_snapshot() AS s`).Scan(&h.Xmin, &h.Xmax); err != nil {
-		return TxHorizon{}, fmt.Errorf("transaction horizon: %w", interpretError(err))
+// EventWriters tells what became of the transactions running (ids modulo
+// 2^32, EventScan.Running) at an earlier read of the events: writing is
+// whether one of them is still running and holds a lock on this database's
+// events table, which it took before it took any event id and keeps until
+// it ends; ended is whether any of them has ended. When writing is false,
+// none of them can still commit an event with an id below those the read
+// returned (one that takes an id from now on takes a higher one), so a
+// read from now on of the ids up to them is final; when ended is false too,
+// the earlier read was final already. Transactions of other databases, and
+// those that never touched events, never hold a watch back. A prepared
+// transaction (two-phase commit) keeps its locks, so it counts as running.
+func EventWriters(ctx context.Context, q DBTX, running []int64) (writing, ended bool, err error) {
+	if len(running) == 0 {
+		return false, false, nil
 	}
-	return h, nil
+	if err := q.QueryRow(ctx, eventWritersSQL, running).Scan(&writing, &ended); err != nil {
+		return false, false, queryErr("event writers", err)
+	}
+	return writing, ended, nil
 }

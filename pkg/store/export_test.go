@@ -9,3 +9,7 @@ func EventOf(d EventData) (typ, subject string) { return d.event() }
 
 // CommandEndedDataSQL exposes commandEndedDataSQL to its test.
 const CommandEndedDataSQL = commandEndedDataSQL
+
+// ScanEventsSQL exposes ScanEvents' statement for one tenant to the plan
+// test.
+const ScanEventsSQL = scanEventsSQL

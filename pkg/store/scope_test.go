@@ -195,12 +195,10 @@ func TestScopedReads(t *testing.T) {
 				func(w store.UsageWindow) any { return w.ReservationID })
 		}},
 		{name: "ScanEvents", of: func(rs scopeRows) any { return rs.event }, list: func(s store.Scope) ([]any, error) {
-			scanned, err := store.ScanEvents(ctx, q, 0, store.EventFilter{Scope: s}, 10, 0)
+			scan, err := store.ScanEvents(ctx, q, 0, store.EventFilter{Scope: s}, 10)
 			var out []any
-			for _, e := range scanned {
-				if e.Match {
-					out = append(out, e.ID)
-				}
+			for _, e := range scan.Events {
+				out = append(out, e.ID)
 			}
 			return out, err
 		}},

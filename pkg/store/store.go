@@ -234,7 +234,8 @@ type autoCommit struct {
 // costlier, spent more time planning them (~1 ms each) than running them.
 // Their plans do not depend on the parameters' values (primary-key and
 // node-id lookups). So do the events watch's reads (ScanEvents: an id
-// range, its filters tested row by row). Queries whose best plan does — optional filters such as
+// range of one tenant's index, or of every row, a statement for each, its
+// type filters tested row by row). Queries whose best plan does — optional filters such as
 // "$1 = ” OR tenant_id = $1" — stay on DB.Pool.
 func (db *DB) AutoCommit() DBTX {
 	if db.generic != nil {

@@ -185,7 +185,7 @@ func BenchmarkCommands(b *testing.B) {
 		commands := f.commandClient(hc)
 
 		log := &commandLog{runs: map[string]*commandRun{}}
-		after, err := store.MaxEventID(ctx, f.stack.DB.Pool)
+		after, err := store.MaxEventID(ctx, f.stack.DB.Pool, store.AllTenants)
 		require.NoError(b, err)
 		watchCtx, stopWatch := context.WithCancel(ctx)
 		watchDone := f.watchEvents(watchCtx, hc, []string{store.EventCommandSucceeded, store.EventCommandFailed,

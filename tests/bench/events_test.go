@@ -48,7 +48,7 @@ func BenchmarkEventsWatch(b *testing.B) {
 			return store.WriteEvents(ctx, tx, db.Now(), store.NewEvent{TenantID: f.tenantID,
 				Data: store.NodeCordonedData{NodeID: "mark", Reason: "benchmark"}})
 		}))
-		after, err := store.MaxEventID(ctx, db.Pool)
+		after, err := store.MaxEventID(ctx, db.Pool, store.AllTenants)
 		require.NoError(b, err)
 		watchCtx, stopWatch := context.WithCancel(ctx)
 		watchDone := f.watchEvents(watchCtx, f.apiHTTPClient(1), nil, after, func(e *computev1.Event, at time.Time) {

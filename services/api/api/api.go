@@ -11,9 +11,12 @@
 // (iam.Principal.Scope: its tenant, or every tenant for root administrators)
 // to every store call that reads or writes tenant-owned rows, so that
 // another tenant's resource reads as NotFound. Every call of a mutating RPC writes
-// one audit row: handlers write the success row in the transaction of their
-// change (auditInTx), the audit interceptor writes refusals. Store errors
-// become Connect codes in mapError (errors.go).
+// one audit row when its caller authenticated: handlers write the success
+// row in the transaction of its change (auditInTx), the audit interceptor
+// writes refusals. Calls that fail authentication write none; they are
+// counted (bc.auth.failures) and limited per source address, as is ticket
+// issuance (ratelimit.go); a token's open watches are capped (events.go).
+// Store errors become Connect codes in mapError (errors.go).
 //
 // To add an RPC: implement it on its service type, passing the caller's
 // scope (principal(ctx).Scope()) to the store functions it calls, add its
@@ -42,6 +45,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/config"
 	"github.com/better-compute/better-compute/pkg/iam"
 	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/ratelimit"
 	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 )
@@ -70,6 +74,7 @@ type Config struct {
 	service.NATS
 	service.PKI `default:"PKI_DIR="`
 	service.Intent
+	ratelimit.Proxy
 	// Listen is the address of the API: the Connect services, the events
 	// watch, the well-known document and the probes (GET /healthz, GET
 	// /readyz).
@@ -87,6 +92,28 @@ type Config struct {
 	// through this server is refused at once; through another, once its
 	// revocation message arrives on NATS, or after this long at worst.
 	TokenCacheTTL time.Duration `env:"TOKEN_CACHE_TTL"`
+	// TokenRefusalCacheTTL is how long a well-formed API token refused
+	// after a query (unknown, revoked, expired) is refused again without
+	// one (iam.Authenticator.RefusalCacheTTL): unset or 0 is 2 s
+	// (iam.DefaultRefusalCacheTTL), negative caches none. A token minted
+	// through this server is usable at once whatever was cached.
+	TokenRefusalCacheTTL time.Duration `env:"TOKEN_REFUSAL_CACHE_TTL"`
+	// AuthFailureBurst is how many calls with a missing or bad API token
+	// one source address may make at once before its calls are refused
+	// with ResourceExhausted (HTTP 429, Retry-After) without their token
+	// being looked up; a valid token this server has cached still passes.
+	AuthFailureBurst int `env:"AUTH_FAILURE_BURST,positive" default:"50"`
+	// AuthFailureRate is how many more such calls per second a source
+	// address may make after its burst.
+	AuthFailureRate int `env:"AUTH_FAILURE_RATE,positive" default:"10"`
+	// TicketBurst is how many tunnel tickets and SSH certificates
+	// (TunnelService.CreateTicket, IssueSshCertificate) one source address
+	// may ask for at once before it is refused with ResourceExhausted
+	// (Retry-After).
+	TicketBurst int `env:"TICKET_BURST,positive" default:"50"`
+	// TicketRate is how many more per second a source address may ask for
+	// after its burst.
+	TicketRate int `env:"TICKET_RATE,positive" default:"10"`
 	// Tunnels tunes the tunnels (tunnel_ws.go).
 	Tunnels TunnelConfig
 }
@@ -132,6 +159,10 @@ type Server struct {
 	gatewayClient *http.Client
 	// tunnels are the open tunnels (tunnel_ws.go).
 	tunnels tunnelRegistry
+	// tickets limits ticket issuance per source address (ticketLimit).
+	tickets *ratelimit.Limiter
+	// watches counts the open events watches per token (events.go).
+	watches watchSlots
 	// queue batches RunCommand calls (commands.go), started on first use.
 	queue     *batch.Batcher[queueItem, queueAnswer]
 	queueOnce sync.Once
@@ -170,8 +201,13 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if cfg.TokenCacheTTL != 0 {
 		authn.CacheTTL = cfg.TokenCacheTTL
 	}
+	if cfg.TokenRefusalCacheTTL != 0 {
+		authn.RefusalCacheTTL = cfg.TokenRefusalCacheTTL
+	}
+	authn.Failures = ratelimit.New(cfg.AuthFailureRate, cfg.AuthFailureBurst, 0, deps.Clock)
 	s := &Server{cfg: cfg, deps: deps, db: deps.DB, logger: deps.Logger, authn: authn, wellKnown: wellKnown,
-		intent: intent, nc: deps.NC, clock: deps.Clock, stopWatches: make(chan struct{}), keys: keys}
+		intent: intent, nc: deps.NC, clock: deps.Clock, stopWatches: make(chan struct{}), keys: keys,
+		tickets: ratelimit.New(cfg.TicketRate, cfg.TicketBurst, 0, deps.Clock)}
 	if keys != nil {
 		s.gatewayClient = newGatewayClient(keys.gatewayTLS)
 	}
@@ -202,12 +238,15 @@ func (s *Server) tokenRevoked(m *nats.Msg) {
 // probes.
 func (s *Server) Handler() http.Handler {
 	// Auditing runs just inside tracing, so that it records every refusal
-	// of a mutating call with messages already masked. Authentication and
-	// authorization run before validation, so that a caller without a
-	// valid token is told only that (Unauthenticated) whatever it sent.
+	// of an authenticated caller's mutating call with messages already
+	// masked. Authentication and authorization run before validation, so
+	// that a caller without a valid token is told only that
+	// (Unauthenticated, or ResourceExhausted once its address failed too
+	// often) whatever it sent; the ticket limit runs after them, so that
+	// its refusals are audited with their caller.
 	opts := service.HandlerOptionsAround(s.logger,
 		[]connect.Interceptor{iam.NewAuditInterceptor(s.db, Policy, s.logger)},
-		[]connect.Interceptor{iam.NewInterceptor(s.authn, Policy)})
+		[]connect.Interceptor{iam.NewInterceptor(s.authn, Policy, s.cfg.TrustForwardedFor), s.ticketLimit()})
 	api := http.NewServeMux()
 	api.Handle(computev1connect.NewNodeServiceHandler(&nodeService{s}, opts...))
 	api.Handle(computev1connect.NewPoolServiceHandler(&poolService{s}, opts...))

@@ -16,7 +16,8 @@ const defaultAuditPageSize = 100
 type auditService struct{ *Server }
 
 // ListAudit lists audit rows newest first: the caller's tenant's, or every
-// row (unauthenticated calls included) for a root administrator. Pages hold
+// row for a root administrator (calls that did not authenticate write
+// none). Pages hold
 // page_size rows (default 100, at most 1000); next_page_token is the last
 // row's id when the page is full, and 0 at the end.
 func (s *auditService) ListAudit(ctx context.Context, req *connect.Request[computev1.ListAuditRequest]) (*connect.Response[computev1.ListAuditResponse], error) {

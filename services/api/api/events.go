@@ -9,6 +9,7 @@ import (
 	"net/url"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"buf.build/go/protovalidate"
@@ -19,6 +20,7 @@ import (
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/iam"
+	"github.com/better-compute/better-compute/pkg/ratelimit"
 	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 )
@@ -33,65 +35,55 @@ const WatchPath = PathPrefix + "/watch"
 //
 // Event ids are bigserial: taken at insert, visible at commit, so a later id
 // can commit before an earlier one, and a rolled-back insert leaves a gap
-// that never fills. A watcher delivers strictly by id and never steps over a
-// missing id that may still commit. When it meets a gap (ids missing below a
-// committed one) it holds the events after it and records the database's
-// transaction horizon (store.CurrentTxHorizon Xmax): the transaction that
-// took a missing id took it before the committed id after it, so it was
-// running (or had ended) when the gap was seen. The gap is stepped over once
-// every transaction running then has ended (a later Xmin ≥ that Xmax, and
-// the missing id is still missing when read after that check), but not
-// before MinGrace (an insert is assigned its transaction id just after its
-// sequence value; MinGrace covers that instant), and at the latest after
-// MaxGrace, so that an unrelated long transaction cannot stall every watch
-// (an event whose transaction outlives MaxGrace is then not delivered to
-// watches that were live; a watch resumed later does get it).
-//
-// An old gap is not held for MinGrace: when the committed rows after it
-// were inserted at least MinGrace before the watch read them, by the
-// database's own clock (events.inserted_at, store.ScannedEvent.Old; not
-// created_at, which is the writer's clock read before the insert), every
-// id missing below them was taken at least that long before, so its
-// transaction had its transaction id when the horizon was recorded, and the
-// horizon check alone decides. A watch replaying history checks an old gap
-// again at once; a gap the check does not yet pass is checked again after
-// GapRecheck, doubling up to Poll (a new gap: first at MinGrace), as well as
-// at every wake and poll.
+// that never fills. A watcher delivers strictly by id and never steps over
+// an id that may still commit. It reads only its caller's tenant's events
+// (every tenant's for a root administrator), so it cannot see the ids
+// between them; instead each read comes with the transactions running at
+// its snapshot (store.EventScan). An event id is taken after its
+// transaction's id (migration 000017), so an event below one read that may
+// still commit belongs to one of them; and a transaction that inserted
+// events holds a lock on the table until it ends (store.EventWriters). A
+// read is delivered at once when none of them may write events and none
+// has ended since (none was running, or they are another database's or
+// never touched events); otherwise the watch holds it, and once none of
+// them may write events it reads again and delivers the events up to the
+// highest id held. A hold is checked after GapRecheck, doubling up to
+// Poll, as well as at every wake and poll, and ends at the latest after
+// MaxGrace, so that a long transaction cannot stall every watch (an event
+// whose transaction outlives MaxGrace is then not delivered to watches
+// that were live; a watch resumed later does get it).
 type WatchConfig struct {
 	// Poll is how often a watch reads the events table when NATS wakes it
 	// for nothing (the backstop; default 1 s).
 	Poll time.Duration
-	// MinGrace is the least time a new gap is held (default 1 s); also the
-	// age past which a gap is old.
-	MinGrace time.Duration
-	// MaxGrace is the most time a gap is held (default 1 min).
+	// MaxGrace is the most time events are held for transactions that
+	// were running when they were read (default 1 min).
 	MaxGrace time.Duration
-	// GapRecheck is how soon a watch holding a gap (past MinGrace, or old)
-	// reads again, doubling at every read that does not step over it, up to
-	// Poll (default 50 ms, at most Poll).
+	// GapRecheck is how soon a watch holding events checks again whether
+	// it may deliver them, doubling at every check that does not let it,
+	// up to Poll (default 50 ms, at most Poll).
 	GapRecheck time.Duration
-	// Batch is how many events rows one read returns, which bounds a
-	// watch's memory (default 500).
+	// Batch is how many events one read returns, which bounds a watch's
+	// memory (default 500).
 	Batch int
 	// AuthCheck is how often an open watch authenticates its caller's
 	// token again (default 1 s, the token cache's TTL, so that a check
 	// costs a query at most once per TTL): a watch whose token was revoked
 	// ends within about AuthCheck. A watch also ends at its token's expiry.
 	AuthCheck time.Duration
+	// LimitPerToken is how many events watches (EventService.Watch and
+	// GET /api/compute/watch together) one API token may hold open on this
+	// API server at once; one more is refused with ResourceExhausted (HTTP
+	// 429) until one of them ends.
+	LimitPerToken int `env:"WATCH_LIMIT_PER_TOKEN,positive" default:"16"`
 }
 
 func (c WatchConfig) withDefaults() WatchConfig {
 	if c.Poll <= 0 {
 		c.Poll = time.Second
 	}
-	if c.MinGrace <= 0 {
-		c.MinGrace = time.Second
-	}
 	if c.MaxGrace <= 0 {
 		c.MaxGrace = time.Minute
-	}
-	if c.MaxGrace < c.MinGrace {
-		c.MaxGrace = c.MinGrace
 	}
 	if c.GapRecheck <= 0 {
 		c.GapRecheck = 50 * time.Millisecond
@@ -103,7 +95,40 @@ func (c WatchConfig) withDefaults() WatchConfig {
 	if c.AuthCheck <= 0 {
 		c.AuthCheck = time.Second
 	}
+	if c.LimitPerToken <= 0 {
+		c.LimitPerToken = 16
+	}
 	return c
+}
+
+// watchSlots counts the open watches of each token (WatchConfig
+// LimitPerToken). Its zero value is ready.
+type watchSlots struct {
+	mu   sync.Mutex
+	open map[string]int
+}
+
+// take claims a watch slot of token, or reports false when it has limit
+// open already; release gives it back.
+func (w *watchSlots) take(token string, limit int) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.open[token] >= limit {
+		return false
+	}
+	if w.open == nil {
+		w.open = make(map[string]int)
+	}
+	w.open[token]++
+	return true
+}
+
+func (w *watchSlots) release(token string) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.open[token]--; w.open[token] <= 0 {
+		delete(w.open, token)
+	}
 }
 
 type eventService struct{ *Server }
@@ -114,8 +139,10 @@ type eventService struct{ *Server }
 // first, then each new one as it commits
 // (WatchConfig says how gaps in the ids are handled). It refuses
 // (InvalidArgument) a type pattern that matches none of store.EventTypes
-// ("types[i]: …") and an after_id above the newest committed event id
-// ("after_id: …", naming that id). It ends when the
+// ("types[i]: …") and an after_id above the newest committed event id of
+// the caller's tenant ("after_id: …", naming that id; every tenant's for
+// root-admin), and refuses a token that holds WatchConfig.LimitPerToken
+// watches open already (ResourceExhausted). It ends when the
 // client cancels (no error), the server shuts down or the database cannot
 // be reached (Unavailable: resume with the last id received), or the
 // caller's token is revoked or expires (Unauthenticated "api token was
@@ -164,7 +191,9 @@ type watchEventJSON struct {
 // boolean: true, false, 1, 0, …) replays every retained event and may not
 // come with a non-zero after. Refusals are JSON
 // objects {"code": "...", "message": "..."} with 401 (missing or bad
-// token), 403 (role without events.read), 400 (bad query parameter, named),
+// token), 429 with Retry-After (the address failed to authenticate too
+// often) or without (the token holds WatchConfig.LimitPerToken watches
+// already), 403 (role without events.read), 400 (bad query parameter, named),
 // 503 (database unreachable: retry) or 500. Once the response has begun
 // (200), an error ends it with one last line of that shape, which has no
 // "id": {"code": "unavailable", …} when the server shuts down or the
@@ -176,10 +205,14 @@ type watchEventJSON struct {
 func (s *Server) serveWatch(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
 	authorization := r.Header.Get("Authorization")
-	p, err := s.authn.Authenticate(ctx, authorization)
+	p, err := s.authn.AuthenticateFrom(ctx, authorization, ratelimit.Source(r.RemoteAddr, r.Header, s.cfg.TrustForwardedFor))
+	var throttled *iam.ThrottledError
 	switch {
 	case errors.Is(err, iam.ErrUnauthenticated):
 		writeHTTPError(w, http.StatusUnauthorized, connect.CodeUnauthenticated, err.Error())
+		return
+	case errors.As(err, &throttled):
+		s.writeStreamError(w, r, "watch", false, iam.AuthError(err))
 		return
 	case err != nil:
 		s.writeStreamError(w, r, "watch", false, fmt.Errorf("authenticate: %w", err))
@@ -292,6 +325,13 @@ func (s *Server) writeStreamError(w http.ResponseWriter, r *http.Request, what s
 			status = http.StatusServiceUnavailable
 		case connect.CodeUnauthenticated:
 			status = http.StatusUnauthorized
+		case connect.CodeResourceExhausted:
+			status = http.StatusTooManyRequests
+		}
+		if cerr != nil {
+			if retry := cerr.Meta().Get(ratelimit.RetryAfterHeader); retry != "" {
+				w.Header().Set(ratelimit.RetryAfterHeader, retry)
+			}
 		}
 		writeHTTPError(w, status, code, msg)
 		return
@@ -310,28 +350,29 @@ func writeHTTPError(w http.ResponseWriter, status int, code connect.Code, msg st
 }
 
 // WatchCursorHeader is the response header of both watch paths that names
-// the id the watch starts after: the request's after_id, the newest event
-// id when it asked for events "from now" (after_id 0), or 0 with
-// from_start. A client that loses the stream before any event resumes
+// the id the watch starts after: the request's after_id, the newest id of
+// the caller's tenant's events (of every tenant's for root-admin: never
+// another tenant's) when it asked for events "from now" (after_id 0), or 0
+// with from_start. A client that loses the stream before any event resumes
 // after it, so that nothing committed meanwhile is missed; after 0 it
-// resumes with from_start (a watch from now that says 0 began when there
-// was no event: every event retained since is new to it), as after_id 0
-// would mean "from now" again.
+// resumes with from_start (a watch from now that says 0 began when its
+// tenant had no event: every event retained since is new to it), as
+// after_id 0 would mean "from now" again.
 const WatchCursorHeader = "Bc-Watch-After"
 
-// gapHold is a watch's wait for missing ids to commit (WatchConfig).
+// gapHold is what a watch holds back until the transactions running at a
+// read have ended (WatchConfig).
 type gapHold struct {
-	// seen is when the gap was first met.
+	// seen is when the events were first held.
 	seen time.Time
-	// xmax is the transaction horizon's Xmax then.
-	xmax int64
-	// upTo is the highest committed id read then (of an old gap: the
-	// highest old one): it covers every id missing below it.
+	// running are the transactions running at that read
+	// (store.EventScan.Running): once none of them may write events
+	// (store.EventWriters), a read of the ids up to upTo is final.
+	running []int64
+	// upTo is the highest id that read returned: the ids up to it are
+	// final once the hold passes.
 	upTo int64
-	// old is whether the row upTo was inserted at least MinGrace before it
-	// was read (store.ScannedEvent.Old): the hold needs no MinGrace.
-	old bool
-	// recheck is the wait before the next read (GapRecheck, doubling).
+	// recheck is the wait before the next check (GapRecheck, doubling).
 	recheck time.Duration
 }
 
@@ -341,11 +382,10 @@ type readNext int
 const (
 	// readOnWake: caught up; read at the next wake (NATS) or poll.
 	readOnWake readNext = iota
-	// readNow: read again at once: the read was full, or it met an old
-	// gap that the horizon may let it step over already.
+	// readNow: read again at once: the read was full.
 	readNow
-	// readOnRecheck: a gap is held; read again after recheckDelay, or at a
-	// wake or poll if one comes first.
+	// readOnRecheck: events are held; check them again after
+	// recheckDelay, or at a wake or poll if one comes first.
 	readOnRecheck
 )
 
@@ -358,7 +398,8 @@ type watcher struct {
 	p             iam.Principal
 	authorization string
 	filter        store.EventFilter
-	// cursor is the last id delivered or stepped over.
+	// cursor is the id after which the next read starts: the last id
+	// delivered (or stepped over after MaxGrace), or where the watch began.
 	cursor int64
 	hold   *gapHold
 }
@@ -380,8 +421,10 @@ type watchRequest struct {
 // watch runs one watch for p, who authenticated with the Authorization
 // header value authorization: it checks req (InvalidArgument: a type
 // pattern that matches no event type, an after above the newest event id),
-// fixes the cursor (req.after; 0 with req.fromStart, so that every retained
-// event comes; otherwise the newest committed id when req.after is 0),
+// takes one of the token's watch slots (ResourceExhausted when it has
+// WatchConfig.LimitPerToken), fixes the cursor (req.after; 0 with
+// req.fromStart, so that every retained event comes; otherwise the newest
+// committed id of p's scope when req.after is 0),
 // calls ready, then calls send for every
 // matching event in id order until ctx ends (nil), the server stops
 // (Unavailable), send fails (its error), the database does (Internal, or
@@ -396,8 +439,15 @@ func (s *Server) watch(ctx context.Context, p iam.Principal, authorization strin
 	}
 	w := &watcher{s: s, cfg: s.cfg.Watch.withDefaults(), p: p, authorization: authorization,
 		filter: store.EventFilter{Scope: p.Scope(), Types: req.types}, cursor: req.after}
+	if !s.watches.take(p.TokenID, w.cfg.LimitPerToken) {
+		return connect.NewError(connect.CodeResourceExhausted, fmt.Errorf(
+			"this API token has %d events watches open on this server, the most it may: end one first", w.cfg.LimitPerToken))
+	}
+	defer s.watches.release(p.TokenID)
 	if req.after != 0 {
-		newest, err := store.MaxEventID(ctx, s.db.Pool)
+		// The newest of the caller's own events (all for root): what
+		// another tenant wrote is none of its business, not even the ids.
+		newest, err := store.MaxEventID(ctx, s.db.Pool, w.filter.Scope)
 		if err != nil {
 			return w.end(ctx, err)
 		}
@@ -434,7 +484,7 @@ func (s *Server) watch(ctx context.Context, p iam.Principal, authorization strin
 		}
 	}
 	if req.after == 0 && !req.fromStart {
-		id, err := store.MaxEventID(ctx, s.db.Pool)
+		id, err := store.MaxEventID(ctx, s.db.Pool, w.filter.Scope)
 		if err != nil {
 			return w.end(ctx, err)
 		}
@@ -526,15 +576,12 @@ func checkTypePatterns(types []string) error {
 	return nil
 }
 
-// recheckDelay is how long a watch holding a gap waits before it reads
-// again (WatchConfig): a new gap until MinGrace after it was met, then
-// hold.recheck, which doubles up to Poll; never past MaxGrace.
+// recheckDelay is how long a watch holding events waits before it checks
+// them again (WatchConfig): hold.recheck, which doubles up to Poll; never
+// past MaxGrace.
 func (w *watcher) recheckDelay() time.Duration {
 	h := w.hold
 	held := clock.Since(w.s.clock, h.seen)
-	if !h.old && held < w.cfg.MinGrace {
-		return w.cfg.MinGrace - held
-	}
 	d := h.recheck
 	h.recheck = min(2*d, w.cfg.Poll)
 	return max(0, min(d, w.cfg.MaxGrace-held))
@@ -569,73 +616,65 @@ func (w *watcher) end(ctx context.Context, err error) error {
 	return mapError(err)
 }
 
-// step reads the events after the cursor once and delivers them up to the
-// first gap it may not step over, and says when to read again.
+// step delivers what the watch may: while events are held, nothing until
+// none of the transactions running at their read may still write events
+// (or MaxGrace passed); then it reads the events after the cursor, delivers
+// those up to what the hold covered, or all of them when the read was final
+// (no transaction running at it, or none that may write events and none
+// that ended since), holds the rest, and says when to read again.
 func (w *watcher) step(ctx context.Context, send func(store.Event) error) (readNext, error) {
 	db, clk := w.s.db, w.s.clock
-	// Decide before reading whether the held gap may be stepped over, so
-	// that an id whose transaction committed before the check is read.
-	var covered int64 // missing ids below it may be stepped over
+	// Decide before reading whether the hold has passed, so that an event
+	// whose transaction committed before the check is read.
+	var covered int64 // the events up to it may be delivered
 	if h := w.hold; h != nil {
-		switch held := clock.Since(clk, h.seen); {
-		case held >= w.cfg.MaxGrace:
-			covered = h.upTo
-			w.s.logger.WarnContext(ctx, "watch: stepping over event ids still missing after the grace", "after", w.cursor,
-				"up_to", h.upTo, "held", held)
-		case h.old || held >= w.cfg.MinGrace:
-			hz, err := store.CurrentTxHorizon(ctx, db.Pool)
+		if held := clock.Since(clk, h.seen); held >= w.cfg.MaxGrace {
+			w.s.logger.WarnContext(ctx, "watch: delivering events held past the grace for transactions still running",
+				"after", w.cursor, "up_to", h.upTo, "held", held)
+		} else {
+			writing, _, err := store.EventWriters(ctx, db.Pool, h.running)
 			if err != nil {
 				return readOnWake, err
 			}
-			if hz.Xmin >= h.xmax {
-				covered = h.upTo
+			if writing {
+				return readOnRecheck, nil
 			}
 		}
+		covered = h.upTo
 	}
-	rows, err := store.ScanEvents(ctx, db.AutoCommit(), w.cursor, w.filter, w.cfg.Batch, w.cfg.MinGrace)
+	scan, err := store.ScanEvents(ctx, db.AutoCommit(), w.cursor, w.filter, w.cfg.Batch)
 	if err != nil {
 		return readOnWake, err
 	}
-	for i, r := range rows {
-		if r.ID != w.cursor+1 && r.ID > covered {
-			// Missing ids before r: hold r and what follows.
-			if w.hold != nil && r.ID <= w.hold.upTo {
-				return readOnRecheck, nil
-			}
-			hz, err := store.CurrentTxHorizon(ctx, db.Pool)
-			if err != nil {
-				return readOnWake, err
-			}
-			w.hold = &gapHold{seen: clk.Now(), xmax: hz.Xmax, upTo: rows[len(rows)-1].ID, recheck: w.cfg.GapRecheck}
-			if !r.Old {
-				return readOnRecheck, nil
-			}
-			// Every id missing below an old row was taken MinGrace or more
-			// ago. The hold covers the ids up to the highest old row read;
-			// a gap above it is new, met again once this one is passed.
-			w.hold.old = true
-			for _, o := range rows[i:] {
-				if o.Old {
-					w.hold.upTo = o.ID
-				}
-			}
-			return readNow, nil
+	w.hold = nil
+	if len(scan.Events) == 0 {
+		return readOnWake, nil
+	}
+	upTo := scan.Events[len(scan.Events)-1].ID
+	var writing, ended bool
+	if upTo > covered {
+		if writing, ended, err = store.EventWriters(ctx, db.Pool, scan.Running); err != nil {
+			return readOnWake, err
 		}
-		if r.Match {
-			if err := send(r.Event); err != nil {
-				return readOnWake, err
-			}
-		}
-		w.cursor = r.ID
-		if w.hold != nil && w.cursor >= w.hold.upTo {
-			w.hold = nil
+		if !writing && !ended {
+			covered = upTo // the read was final
 		}
 	}
-	switch {
-	case len(rows) == w.cfg.Batch:
+	for _, e := range scan.Events {
+		if e.ID > covered {
+			w.hold = &gapHold{seen: clk.Now(), running: scan.Running, upTo: upTo, recheck: w.cfg.GapRecheck}
+			if !writing {
+				return readNow, nil // only ended ones: a read from now on is final
+			}
+			return readOnRecheck, nil
+		}
+		if err := send(e); err != nil {
+			return readOnWake, err
+		}
+		w.cursor = e.ID
+	}
+	if len(scan.Events) == w.cfg.Batch {
 		return readNow, nil
-	case w.hold != nil:
-		return readOnRecheck, nil
 	}
 	return readOnWake, nil
 }

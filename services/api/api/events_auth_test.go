@@ -115,7 +115,7 @@ func TestWatchEndsWhenTokenRevoked(t *testing.T) {
 	now := f.db.Now()
 	gone, row, err := iam.MintAPIToken(ctx, f.db.Pool, now, f.acme, "doomed", iam.RoleViewer, nil)
 	require.NoError(t, err)
-	start := mark(t, f.db)
+	start := mark(t, f.db, f.acme)
 	conn := watch(t, f.as(gone), &computev1.WatchRequest{AfterId: start})
 	lines := watchLines(t, f.url, gone, url.Values{"after": {strconv.FormatInt(start, 10)}})
 	kept := watch(t, f.as(f.tokens["acme-viewer"]), &computev1.WatchRequest{AfterId: start})
@@ -149,7 +149,7 @@ func TestWatchEndsAtExpiry(t *testing.T) {
 	exp := now.Add(time.Minute)
 	short, _, err := iam.MintAPIToken(ctx, f.db.Pool, now, f.acme, "short", iam.RoleViewer, &exp)
 	require.NoError(t, err)
-	start := mark(t, f.db)
+	start := mark(t, f.db, f.acme)
 	// The first event comes from the first read, before any tick (the
 	// fake clock stands still): once it is there, the watches' timers are
 	// set.

@@ -58,11 +58,13 @@ func insertEvent(t *testing.T, db *store.DB, tx pgx.Tx, now time.Time, tenant, t
 		SubjectID: "sub-" + typ, Data: `{"type": "` + typ + `"}`, CreatedAt: now})
 }
 
-// mark writes an event of no tenant and returns its id: a watch after it
-// sees what follows (after_id 0 would mean "from now").
-func mark(t *testing.T, db *store.DB) int64 {
+// mark writes an event of tenant ("": none) and returns its id: a watch of
+// that tenant (of every tenant, for none) after it sees what follows
+// (after_id 0 would mean "from now"), and may start after it, since it is
+// the newest of its own.
+func mark(t *testing.T, db *store.DB, tenant string) int64 {
 	t.Helper()
-	return insertEvent(t, db, nil, db.Now(), "", "test.mark")
+	return insertEvent(t, db, nil, db.Now(), tenant, "test.mark")
 }
 
 // withServer returns f served by a new API server with cfg's watch settings,
@@ -182,7 +184,7 @@ func TestWatchTenantsAndTypes(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
 	now := f.db.Now()
-	start := mark(t, f.db)
+	start, otherStart, rootStart := mark(t, f.db, f.acme), mark(t, f.db, f.other), mark(t, f.db, "")
 	a1 := insertEvent(t, f.db, nil, now, f.acme, "node.cordoned")
 	o1 := insertEvent(t, f.db, nil, now, f.other, "node.cordoned")
 	a2 := insertEvent(t, f.db, nil, now, f.acme, "reservation.active")
@@ -193,9 +195,9 @@ func TestWatchTenantsAndTypes(t *testing.T) {
 
 	viewer := watch(t, f.as(f.tokens["acme-viewer"]), &computev1.WatchRequest{AfterId: start})
 	require.Equal(t, []int64{a1, a2, a3, a4, a5}, viewer.ids(t, 5))
-	other := watch(t, f.as(f.tokens["other-member"]), &computev1.WatchRequest{AfterId: start})
+	other := watch(t, f.as(f.tokens["other-member"]), &computev1.WatchRequest{AfterId: otherStart})
 	require.Equal(t, o1, other.next(t).Id)
-	root := watch(t, f.as(f.tokens["root"]), &computev1.WatchRequest{AfterId: start})
+	root := watch(t, f.as(f.tokens["root"]), &computev1.WatchRequest{AfterId: rootStart})
 	require.Equal(t, []int64{a1, o1, a2, a3, a4, a5, n1}, root.ids(t, 7))
 	typed := watch(t, f.as(f.tokens["acme-member"]), &computev1.WatchRequest{AfterId: start,
 		Types: []string{"node.*", "reservation.active"}})
@@ -233,11 +235,11 @@ func TestWatchTenantsAndTypes(t *testing.T) {
 func TestWatchOutOfOrderCommits(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
-	f = f.withServer(t, api.WatchConfig{Poll: 50 * time.Millisecond, MinGrace: 200 * time.Millisecond}, nil, nil)
+	f = f.withServer(t, api.WatchConfig{Poll: 50 * time.Millisecond}, nil, nil)
 	ctx := t.Context()
 	now := f.db.Now()
 	pool := f.db.Pool
-	start := mark(t, f.db)
+	start := mark(t, f.db, f.acme)
 	w := watch(t, f.as(f.tokens["acme-viewer"]), &computev1.WatchRequest{AfterId: start})
 
 	// A takes an id, B takes the next one and commits first.
@@ -247,7 +249,7 @@ func TestWatchOutOfOrderCommits(t *testing.T) {
 	a := insertEvent(t, f.db, txA, now, f.acme, "node.cordoned")
 	b := insertEvent(t, f.db, nil, now, f.acme, "node.uncordoned")
 	require.Equal(t, a+1, b)
-	w.none(t, time.Second) // b is held while A may commit: 5 grace periods
+	w.none(t, time.Second) // b is held while A, running when b was read, may commit
 	require.NoError(t, txA.Commit(ctx))
 	require.Equal(t, []int64{a, b}, w.ids(t, 2))
 
@@ -282,11 +284,10 @@ func TestWatchOutOfOrderCommits(t *testing.T) {
 func TestWatchMaxGrace(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
-	f = f.withServer(t, api.WatchConfig{Poll: 50 * time.Millisecond, MinGrace: 100 * time.Millisecond,
-		MaxGrace: 700 * time.Millisecond}, nil, nil)
+	f = f.withServer(t, api.WatchConfig{Poll: 50 * time.Millisecond, MaxGrace: 700 * time.Millisecond}, nil, nil)
 	ctx := t.Context()
 	now := f.db.Now()
-	start := mark(t, f.db)
+	start := mark(t, f.db, "")
 	w := watch(t, f.as(f.tokens["root"]), &computev1.WatchRequest{AfterId: start})
 	tx, err := f.db.Pool.Begin(ctx)
 	require.NoError(t, err)
@@ -334,50 +335,63 @@ func history(t *testing.T, db *store.DB, tenant, other string, n int, age time.D
 	return ids
 }
 
-// TestWatchReplaysOldGaps checks that a watch replaying history steps over
-// its gaps in the ids without waiting MinGrace: the rows after them were
-// inserted long ago by the database's clock, and the server's clock here
-// never moves (a gap held for MinGrace would be held for ever). A new gap
-// is still held for MinGrace although its transaction has ended.
-func TestWatchReplaysOldGaps(t *testing.T) {
+// TestWatchReplaysHistory checks that a watch replaying history with gaps
+// in the ids (rolled-back inserts) and other tenants' events between its
+// own delivers them without waiting out a grace: the server's clock here
+// never moves, so a hold could only pass by the horizon, checked at each
+// wake. A new gap, whose transaction has ended, does not hold the next
+// event either.
+func TestWatchReplaysHistory(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
 	nc := natsConn(t)
-	f = f.withServer(t, api.WatchConfig{MinGrace: time.Hour}, nc, clock.NewFake(f.db.Now()))
-	start := mark(t, f.db)
+	f = f.withServer(t, api.WatchConfig{}, nc, clock.NewFake(f.db.Now()))
+	start := mark(t, f.db, f.acme)
 	want := history(t, f.db, f.acme, f.other, 4, 2*time.Hour)
-	// The transactions of parallel tests may hold a gap until they end; the
-	// watch re-checks at a wake (the relay's publication after a commit),
-	// as its re-check timer and its poll never fire on this clock.
+	// The transactions of parallel tests may be running at a read; the
+	// watch checks the horizon again at a wake (the relay's publication
+	// after a commit), as its re-check timer and its poll never fire on
+	// this clock.
 	nudge(t, nc, store.SubjectEvents+"."+f.acme+".test.nudge")
 	w := watch(t, f.as(f.tokens["acme-viewer"]), &computev1.WatchRequest{AfterId: start})
 	require.Equal(t, want, w.ids(t, len(want)))
 
 	gap(t, f.db)
-	insertEvent(t, f.db, nil, f.db.Now(), f.acme, "node.uncordoned")
-	w.none(t, 500*time.Millisecond)
+	next := insertEvent(t, f.db, nil, f.db.Now(), f.acme, "node.uncordoned")
+	require.Equal(t, next, w.next(t).Id)
 }
 
-// TestWatchRechecksHeldGaps checks that an old gap is held while a
-// transaction that was running when the watch met it has not ended, and
-// that the watch steps over it soon after that transaction ends, by its
-// re-check timer (WatchConfig.GapRecheck): the poll is an hour away and no
-// NATS wakes it.
+// TestWatchRechecksHeldGaps checks that events are held while a
+// transaction that was running when the watch read them, and wrote events,
+// has not ended, and that the watch delivers them soon after that
+// transaction ends, by its re-check timer (WatchConfig.GapRecheck): the
+// poll is an hour away and no NATS wakes it. A transaction that never
+// touched events holds nothing.
 func TestWatchRechecksHeldGaps(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
-	f = f.withServer(t, api.WatchConfig{Poll: time.Hour, MinGrace: time.Hour}, nil, nil)
+	f = f.withServer(t, api.WatchConfig{Poll: time.Hour}, nil, nil)
 	ctx := t.Context()
-	start := mark(t, f.db)
+	start := mark(t, f.db, f.acme)
 	want := history(t, f.db, f.acme, f.other, 4, 2*time.Hour)
 	running, err := f.db.Pool.Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = running.Rollback(ctx) }()
-	require.NoError(t, running.QueryRow(ctx, `SELECT pg_current_xact_id()::text`).Scan(new(string)), "a transaction id")
+	// It wrote an event (another tenant's, which acme's watch cannot tell):
+	// it may write acme's too until it ends.
+	insertEvent(t, f.db, running, f.db.Now(), f.other, "node.cordoned")
 	w := watch(t, f.as(f.tokens["acme-viewer"]), &computev1.WatchRequest{AfterId: start})
 	w.none(t, 300*time.Millisecond)
 	require.NoError(t, running.Rollback(ctx))
 	require.Equal(t, want, w.ids(t, len(want)))
+
+	idle, err := f.db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = idle.Rollback(ctx) }()
+	require.NoError(t, idle.QueryRow(ctx, `SELECT pg_current_xact_id()::text`).Scan(new(string)), "a transaction id")
+	next := insertEvent(t, f.db, nil, f.db.Now(), f.acme, "node.uncordoned")
+	fresh := watch(t, f.as(f.tokens["acme-viewer"]), &computev1.WatchRequest{AfterId: want[len(want)-1]})
+	require.Equal(t, next, fresh.next(t).Id, "delivered at once: the open transaction never wrote an event")
 }
 
 // nudge publishes an empty message on subject every 20 ms until the test
@@ -426,7 +440,7 @@ func TestWatchWakesOnNATS(t *testing.T) {
 	nc := natsConn(t)
 	f = f.withServer(t, api.WatchConfig{}, nc, clock.NewFake(f.db.Now()))
 	now := f.db.Now()
-	start := mark(t, f.db)
+	start := mark(t, f.db, f.acme)
 	// The server's own subscription (token revocations) is there already.
 	server := nc.NumSubscriptions()
 	// The watch's first read finds this one without a wake; once it has
@@ -501,7 +515,7 @@ func TestWatchHTTP(t *testing.T) {
 	refused(f.tokens["acme-viewer"], url.Values{"types": {"node.*,Bad"}}, http.StatusBadRequest, "invalid_argument",
 		"types[1]")
 
-	mark(t, f.db)
+	mark(t, f.db, f.acme)
 	old := insertEvent(t, f.db, nil, now, f.acme, "node.cordoned")
 	// No after: from now. The headers come once the watch has its cursor.
 	sctx, cancel := context.WithCancel(ctx)
@@ -595,7 +609,7 @@ func TestWatchHTTPRepeatedTypes(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
 	now := f.db.Now()
-	start := mark(t, f.db)
+	start := mark(t, f.db, f.acme)
 	a := insertEvent(t, f.db, nil, now, f.acme, "node.cordoned")
 	insertEvent(t, f.db, nil, now, f.acme, "pool.created") // in no list
 	b := insertEvent(t, f.db, nil, now, f.acme, "reservation.active")
@@ -625,7 +639,7 @@ func TestWatchHTTPRepeatedTypes(t *testing.T) {
 func TestWatchFromStart(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
-	f = f.withServer(t, api.WatchConfig{Poll: 50 * time.Millisecond, MinGrace: 100 * time.Millisecond}, nil, nil)
+	f = f.withServer(t, api.WatchConfig{Poll: 50 * time.Millisecond}, nil, nil)
 	pool, now := f.db.Pool, f.db.Now()
 	deleted := insertEvent(t, f.db, nil, now, f.acme, "node.cordoned")
 	a1 := insertEvent(t, f.db, nil, now, f.acme, "node.cordoned")
@@ -678,9 +692,10 @@ func TestWatchHTTPFromStart(t *testing.T) {
 	require.Equal(t, strconv.FormatInt(live, 10), fromNow.Header.Get(api.WatchCursorHeader))
 }
 
-// TestScanEvents checks that a rolled-back insert leaves a gap in the ids,
-// and that rows outside the filter come as bare ids, so that a watcher can
-// tell them from a gap.
+// TestScanEvents checks that a scan returns its scope's events passing the
+// filter only, across a rolled-back insert's gap and other tenants' and
+// types' events, with their content, up to its limit, in agreement with
+// EventFilter.Matches.
 func TestScanEvents(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
@@ -691,50 +706,29 @@ func TestScanEvents(t *testing.T) {
 		return context.Canceled
 	})
 	require.ErrorIs(t, err, context.Canceled)
-	// next was written a day before the database inserted it: its
-	// writer's clock says nothing of how old it is.
 	next := insertEvent(t, f.db, nil, f.db.Now().Add(-24*time.Hour), f.acme, "y.z")
 	foreign := insertEvent(t, f.db, nil, f.db.Now(), f.other, "y.z")
 	untyped := insertEvent(t, f.db, nil, f.db.Now(), f.acme, "yy")
-	require.Equal(t, []int64{gap + 1, gap + 2, gap + 3}, []int64{next, foreign, untyped})
+	last := insertEvent(t, f.db, nil, f.db.Now(), f.acme, "y.w")
+	require.Equal(t, []int64{gap + 1, gap + 2, gap + 3, gap + 4}, []int64{next, foreign, untyped, last})
 	filter := store.EventFilter{Scope: store.TenantScope(f.acme), Types: []string{"y.*"}}
-	rows, err := store.ScanEvents(ctx, f.db.Pool, gap-1, filter, 10, time.Hour)
+	scan, err := store.ScanEvents(ctx, f.db.AutoCommit(), gap-1, filter, 10)
 	require.NoError(t, err)
-	require.Len(t, rows, 3)
-	require.Equal(t, store.ScannedEvent{ID: next, Match: true, Event: store.Event{ID: next, TenantID: f.acme, Type: "y.z",
-		SubjectID: "sub-y.z", Data: rows[0].Event.Data, CreatedAt: rows[0].Event.CreatedAt}}, rows[0])
-	require.JSONEq(t, `{"type": "y.z"}`, string(rows[0].Event.Data))
-	require.Equal(t, store.ScannedEvent{ID: foreign}, rows[1], "another tenant's event: its id only")
-	require.Equal(t, store.ScannedEvent{ID: untyped}, rows[2], "another type: its id only")
-	for _, r := range rows {
-		require.Equal(t, r.Match, filter.Matches(store.Event{TenantID: map[int64]string{next: f.acme, foreign: f.other,
-			untyped: f.acme}[r.ID], Type: map[int64]string{next: "y.z", foreign: "y.z", untyped: "yy"}[r.ID]}),
-			"EventFilter.Matches agrees with the SQL")
+	require.Len(t, scan.Events, 2)
+	require.Equal(t, store.Event{ID: next, TenantID: f.acme, Type: "y.z", SubjectID: "sub-y.z", Data: scan.Events[0].Data,
+		CreatedAt: scan.Events[0].CreatedAt}, scan.Events[0])
+	require.JSONEq(t, `{"type": "y.z"}`, string(scan.Events[0].Data))
+	require.Equal(t, last, scan.Events[1].ID)
+	for id, e := range map[int64]store.Event{next: {TenantID: f.acme, Type: "y.z"}, foreign: {TenantID: f.other, Type: "y.z"},
+		untyped: {TenantID: f.acme, Type: "yy"}, last: {TenantID: f.acme, Type: "y.w"}} {
+		require.Equal(t, id == next || id == last, filter.Matches(e), "EventFilter.Matches agrees with the SQL: %d", id)
 	}
-	rows, err = store.ScanEvents(ctx, f.db.Pool, gap-1, filter, 2, time.Hour)
+	scan, err = store.ScanEvents(ctx, f.db.AutoCommit(), gap-1, filter, 1)
 	require.NoError(t, err)
-	require.Len(t, rows, 2, "limit")
-
-	// Old: inserted oldAge ago or more by the database's clock, whatever
-	// created_at says; a row from before events.inserted_at counts as old.
-	old := insertOld(t, f.db, f.acme, "y.z", 2*time.Hour)
-	// Raw SQL: a row from before migration 000011, which nothing writes
-	// today.
-	_, err = f.db.Pool.Exec(ctx, `UPDATE events SET inserted_at = NULL WHERE id = $1`, untyped)
+	require.Len(t, scan.Events, 1, "limit")
+	scan, err = store.ScanEvents(ctx, f.db.AutoCommit(), gap-1, store.EventFilter{Scope: store.AllTenants}, 10)
 	require.NoError(t, err)
-	oldIDs := func(oldAge time.Duration) []int64 {
-		rows, err := store.ScanEvents(ctx, f.db.Pool, gap-1, filter, 10, oldAge)
-		require.NoError(t, err)
-		var out []int64
-		for _, r := range rows {
-			if r.Old {
-				out = append(out, r.ID)
-			}
-		}
-		return out
-	}
-	require.Equal(t, []int64{untyped, old}, oldIDs(time.Hour))
-	require.Equal(t, []int64{next, foreign, untyped, old}, oldIDs(0))
+	require.Len(t, scan.Events, 4, "every tenant's for AllTenants")
 }
 
 // firstEvent calls Watch(req) and returns nil once an event arrives, or the
@@ -810,7 +804,7 @@ func TestWatchRefusesUnknownTypes(t *testing.T) {
 	f := setup(t)
 	viewer := f.tokens["acme-viewer"]
 	c := f.as(viewer)
-	start := mark(t, f.db)
+	start := mark(t, f.db, f.acme)
 	after := strconv.FormatInt(start, 10)
 
 	for types, field := range map[string]string{"bogus": "types[0]", "node.*,bogus.*": "types[1]",

@@ -97,6 +97,7 @@ func (s *tokenService) CreateToken(ctx context.Context, req *connect.Request[com
 	if err != nil {
 		return nil, mapError(err)
 	}
+	s.authn.Minted(tok.Hash) // a refusal of its hash cached before goes (iam.Authenticator.Authenticate)
 	s.logger.InfoContext(ctx, "api token created", "api_token.id", tok.ID, "tenant.id", tok.TenantID, "role", tok.Role)
 	return connect.NewResponse(&computev1.CreateTokenResponse{Token: apiTokenToProto(tok), Secret: secret}), nil
 }

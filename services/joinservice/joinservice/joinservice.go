@@ -44,6 +44,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/iam"
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/ratelimit"
 	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/telemetry"
@@ -76,6 +77,14 @@ type Config struct {
 	// the one in PKI_DIR/trust-domain (spiffe://better-compute.local when
 	// that is missing).
 	TrustDomain string `env:"TRUST_DOMAIN"`
+	ratelimit.Proxy
+	// JoinBurst is how many Join calls one source address may make at once
+	// before it is refused with ResourceExhausted (HTTP 429, Retry-After),
+	// before anything of its request is read.
+	JoinBurst int `env:"JOIN_BURST,positive" default:"50"`
+	// JoinRate is how many more Join calls per second a source address may
+	// make after its burst.
+	JoinRate int `env:"JOIN_RATE,positive" default:"10"`
 }
 
 // ProbeAddr is Listen (service.Config).
@@ -103,6 +112,8 @@ type Server struct {
 	batch *batcher
 	// issued counts the node certificates signed (CertificatesIssued).
 	issued atomic.Int64
+	// joins limits Join calls per source address (joinLimit).
+	joins *ratelimit.Limiter
 }
 
 // CertificatesIssued returns how many node certificates this server has
@@ -164,14 +175,37 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		commandRoot = der
 	}
 	return &Server{cfg: cfg, deps: deps, db: deps.DB, logger: deps.Logger, nodeCA: nodeCA, servingCA: servingCA, trustDomain: td,
-		joinKey: joinKey, signKey: signKey, commandRoot: commandRoot, batch: &batcher{db: deps.DB}}, nil
+		joinKey: joinKey, signKey: signKey, commandRoot: commandRoot, batch: &batcher{db: deps.DB},
+		joins: ratelimit.New(cfg.JoinRate, cfg.JoinBurst, 0, deps.Clock)}, nil
 }
 
-// Handler returns the mux of JoinService's Connect handler.
+// Handler returns the mux of JoinService's Connect handler. The join limit
+// runs before validation, so that a refused call costs no parsing.
 func (s *Server) Handler() http.Handler {
 	mux := http.NewServeMux()
-	mux.Handle(joinv1connect.NewJoinServiceHandler(s, service.HandlerOptions(s.logger)...))
+	mux.Handle(joinv1connect.NewJoinServiceHandler(s,
+		service.HandlerOptionsAround(s.logger, nil, []connect.Interceptor{s.joinLimit()})...))
 	return mux
+}
+
+// joinLimit returns the interceptor that limits Join calls per source
+// address (ratelimit.Source: the TCP peer, or X-Forwarded-For with
+// Config.TrustForwardedFor; Config.JoinBurst, JoinRate): over the limit, a
+// call is refused with ResourceExhausted "joins from this address: too
+// many; retry in N s" and a Retry-After header of N (ratelimit.Error).
+func (s *Server) joinLimit() connect.Interceptor {
+	return connect.UnaryInterceptorFunc(func(next connect.UnaryFunc) connect.UnaryFunc {
+		return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+			if req.Spec().IsClient || req.Spec().Procedure != joinv1connect.JoinServiceJoinProcedure {
+				return next(ctx, req)
+			}
+			if ok, retry := s.joins.Allow(ratelimit.Source(req.Peer().Addr, req.Header(), s.cfg.TrustForwardedFor)); !ok {
+				s.logger.InfoContext(ctx, "join refused", "reason", "rate limit")
+				return nil, ratelimit.Error("joins", retry)
+			}
+			return next(ctx, req)
+		}
+	})
 }
 
 // Name returns Name (service.Runner).

@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"slices"
@@ -606,4 +607,36 @@ func TestConfigSignedIntent(t *testing.T) {
 	t.Setenv("BETTER_COMPUTE_SIGNED_INTENT", "yes please")
 	cfg = joinservice.Config{}
 	require.ErrorContains(t, config.Load(&cfg, os.Getenv), `BETTER_COMPUTE_SIGNED_INTENT: want true or false, got "yes please"`)
+}
+
+// TestJoinThrottled checks that Join is limited per source address: after
+// the burst every call is refused with ResourceExhausted and a retry hint
+// before its request is read, valid or not, and nothing is recorded.
+func TestJoinThrottled(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	cfg := joinservice.Config{PKI: service.PKI{PKIDir: f.pkiDir}, JoinBurst: 3, JoinRate: 1,
+		Gateways: service.Gateways{GatewayURL: "https://gw.example:8443", GatewayServerName: "gw.example"}}
+	srv, err := joinservice.New(cfg, joinservice.Deps{DB: f.db, Logger: telemetry.Discard(), Clock: clock.NewFake(f.db.Now())})
+	require.NoError(t, err)
+	ts := httptest.NewServer(srv.Handler())
+	t.Cleanup(ts.Close)
+	client := joinv1connect.NewJoinServiceClient(ts.Client(), ts.URL)
+	_, secret := f.token(t, 5, f.db.Now().Add(time.Hour))
+
+	for range 3 {
+		_, err := client.Join(ctx, connect.NewRequest(&joinv1.JoinRequest{}))
+		require.Equal(t, connect.CodeInvalidArgument, connect.CodeOf(err), "%v", err)
+	}
+	for _, req := range []*joinv1.JoinRequest{{}, f.request(t, secret, &joinv1.Claims{Hostname: "gpu-01"})} {
+		_, err := client.Join(ctx, connect.NewRequest(req))
+		var cerr *connect.Error
+		require.ErrorAs(t, err, &cerr)
+		require.Equal(t, connect.CodeResourceExhausted, cerr.Code(), "%v", err)
+		require.Equal(t, "joins from this address: too many; retry in 1 s", cerr.Message())
+		require.Equal(t, "1", cerr.Meta().Get("Retry-After"))
+	}
+	require.Zero(t, f.count(t, `SELECT count(*) FROM nodes`))
+	require.Zero(t, srv.CertificatesIssued())
 }

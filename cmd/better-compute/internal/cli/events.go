@@ -54,14 +54,15 @@ func (a *app) eventsWatchCmd() *cobra.Command {
 		Use:   "watch [--types node.*,reservation.*] [--after ID | --from-start]",
 		Short: "Print events as they happen, one JSON object per line",
 		Long: "Print events as they happen, one JSON object per line ({id, type, tenantId, subjectId, data, time}),\n" +
-			"oldest first. --after ID starts after the event with that id (an id above the newest event's is\n" +
-			"refused), --from-start with the oldest event retained (default: from now). --types takes exact\n" +
+			"oldest first, of your tenant (every tenant's for a root-admin). --after ID starts after the event\n" +
+			"with that id (an id above the newest of those events is refused), --from-start with the oldest\n" +
+			"event retained (default: from now). --types takes exact\n" +
 			"types and families (node.*, command.*, reservation.*); a pattern that matches no event type is\n" +
 			"refused. When the stream drops, the command reconnects and resumes after the last event printed,\n" +
 			"with no gap and no duplicate. Before the first event printed, it resumes after the id the stream\n" +
 			"started after, which the server names in the Bc-Watch-After response header (the --after ID, or\n" +
-			"the newest event id when a watch from now started), or from the start when that is 0 (there was\n" +
-			"no event yet, or --from-start). It runs until interrupted.\n\n" +
+			"the newest id of those events when a watch from now started), or from the start when that is 0\n" +
+			"(there was no event yet, or --from-start). It runs until interrupted.\n\n" +
 			"The same stream over HTTP: curl -N -H \"Authorization: Bearer $BETTER_COMPUTE_TOKEN\"\n" +
 			"\"$BETTER_COMPUTE_URL/api/compute/watch?types=node.*&after=ID\" (NDJSON; parameters types, after,\n" +
 			"from_start; an error that ends the stream is a last line {\"code\": …, \"message\": …}).\n\n" +

@@ -209,7 +209,7 @@ func dropBeforeFirstEvent(t *testing.T, w *runningWatch, proxy *httptest.Server,
 func TestEventsWatchFromNowOnNoEventsResumesFromStart(t *testing.T) {
 	t.Parallel()
 	f := newFleet(t)
-	newest, err := store.MaxEventID(t.Context(), f.db.Pool)
+	newest, err := store.MaxEventID(t.Context(), f.db.Pool, store.AllTenants)
 	require.NoError(t, err)
 	require.Zero(t, newest, "no event yet")
 	proxy, started := watchProxy(t, f)
