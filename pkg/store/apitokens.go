@@ -126,14 +126,20 @@ func RevokeAPIToken(ctx context.Context, q DBTX, scope Scope, id string, now tim
 	return signalOutbox(ctx, q)
 }
 
-// CountLiveRootAdminTokens locks the live root-admin tokens (not revoked,
-// not expired at now) other than exceptID and returns how many there are, so
-// that a revocation can refuse to remove the last one; concurrent callers
-// serialise on the locks.
+// RootAdminExpiryMargin is how long a root-admin token must still last to
+// count as a remaining root administrator (CountLiveRootAdminTokens): one
+// that expires sooner would leave the control plane without one as soon as
+// it does.
+const RootAdminExpiryMargin = time.Hour
+
+// CountLiveRootAdminTokens locks the live root-admin tokens other than
+// exceptID and returns how many there are, so that a revocation can refuse
+// to remove the last one; concurrent callers serialise on the locks. Live
+// is not revoked and not expiring within RootAdminExpiryMargin of now.
 func CountLiveRootAdminTokens(ctx context.Context, q DBTX, now time.Time, exceptID string) (int, error) {
 	rows, err := q.Query(ctx, `SELECT id FROM api_tokens
 		WHERE role = 'root-admin' AND revoked_at IS NULL AND (expires_at IS NULL OR expires_at > $1) AND id <> $2
-		ORDER BY id FOR UPDATE`, now, exceptID)
+		ORDER BY id FOR UPDATE`, now.Add(RootAdminExpiryMargin), exceptID)
 	if err != nil {
 		return 0, queryErr("count root-admin tokens", err)
 	}

@@ -377,6 +377,10 @@ type SessionRef struct {
 	// a revoked certificate makes the session Revoked. Empty checks only
 	// the node.
 	Serial string
+	// Renewed is the serial (lower-case hex) of the last certificate
+	// renewed on the session, which the session's lifetime rests on since;
+	// revoked, it makes the session Revoked as well. Empty when none was.
+	Renewed string
 }
 
 // SessionWork is what PendingSessionWork found for one session.
@@ -386,7 +390,8 @@ type SessionWork struct {
 	// Superseded is true when the session is no longer the node's live
 	// session (or the node is gone).
 	Superseded bool
-	// Revoked is true when the node or the session's certificate is revoked.
+	// Revoked is true when the node or a certificate of the session (its
+	// client certificate, or the one renewed on it) is revoked.
 	Revoked bool
 	// SpecGeneration is the node's desired spec generation.
 	SpecGeneration int64
@@ -401,14 +406,15 @@ type SessionWork struct {
 // index (commands_open_idx) rather than every command the node ever ran.
 const pendingSessionWorkSQL = `SELECT u.id, u.sid,
 		n.session_id IS DISTINCT FROM u.sid,
-		n.revoked_at IS NOT NULL OR nc.revoked_at IS NOT NULL,
+		n.revoked_at IS NOT NULL OR nc.revoked_at IS NOT NULL OR nr.revoked_at IS NOT NULL,
 		COALESCE(n.spec_generation, 0), COALESCE(n.observed_generation, 0),
 		EXISTS (SELECT 1 FROM commands c WHERE c.node_id = u.id AND c.finished_at IS NULL AND c.state = 'queued')
-	FROM unnest($1::text[], $2::text[], $3::text[]) AS u(id, sid, serial)
+	FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) AS u(id, sid, serial, renewed)
 	LEFT JOIN nodes n ON n.id = u.id
 	LEFT JOIN node_certs nc ON nc.serial = u.serial AND nc.node_id = u.id
+	LEFT JOIN node_certs nr ON nr.serial = u.renewed AND nr.node_id = u.id
 	WHERE n.session_id IS DISTINCT FROM u.sid
-		OR n.revoked_at IS NOT NULL OR nc.revoked_at IS NOT NULL
+		OR n.revoked_at IS NOT NULL OR nc.revoked_at IS NOT NULL OR nr.revoked_at IS NOT NULL
 		OR n.spec_generation > n.observed_generation
 		OR EXISTS (SELECT 1 FROM commands c WHERE c.node_id = u.id AND c.finished_at IS NULL AND c.state = 'queued')`
 
@@ -423,10 +429,11 @@ func PendingSessionWork(ctx context.Context, q DBTX, sessions []SessionRef) ([]S
 	ids := make([]string, len(sessions))
 	sids := make([]string, len(sessions))
 	serials := make([]string, len(sessions))
+	renewed := make([]string, len(sessions))
 	for i, s := range sessions {
-		ids[i], sids[i], serials[i] = s.NodeID, s.SessionID, s.Serial
+		ids[i], sids[i], serials[i], renewed[i] = s.NodeID, s.SessionID, s.Serial, s.Renewed
 	}
-	rows, err := q.Query(ctx, pendingSessionWorkSQL, ids, sids, serials)
+	rows, err := q.Query(ctx, pendingSessionWorkSQL, ids, sids, serials, renewed)
 	if err != nil {
 		return nil, interpretError(err)
 	}

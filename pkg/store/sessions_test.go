@@ -550,12 +550,12 @@ func TestPendingSessionWorkReadsOnlyOpenCommands(t *testing.T) {
 	f := newGatewayFixture(t)
 	ctx := t.Context()
 	var refs []store.SessionRef
-	var nodeIDs, sids, serials []string
+	var nodeIDs, sids, serials, renewed []string
 	for range 20 {
 		n := f.node()
 		sid, _ := f.open(n, "gw", 0)
 		refs = append(refs, store.SessionRef{NodeID: n, SessionID: sid})
-		nodeIDs, sids, serials = append(nodeIDs, n), append(sids, sid), append(serials, "")
+		nodeIDs, sids, serials, renewed = append(nodeIDs, n), append(sids, sid), append(serials, ""), append(renewed, "")
 	}
 	// A long history of finished commands and one queued command.
 	for _, n := range nodeIDs {
@@ -574,7 +574,7 @@ func TestPendingSessionWorkReadsOnlyOpenCommands(t *testing.T) {
 	require.Equal(t, nodeIDs[0], work[0].NodeID)
 	require.True(t, work[0].Queued)
 
-	rows, err := f.db.Pool.Query(ctx, "EXPLAIN "+store.PendingSessionWorkSQL, nodeIDs, sids, serials)
+	rows, err := f.db.Pool.Query(ctx, "EXPLAIN "+store.PendingSessionWorkSQL, nodeIDs, sids, serials, renewed)
 	require.NoError(t, err)
 	lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	require.NoError(t, err)

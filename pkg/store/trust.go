@@ -58,11 +58,30 @@ func GetSessionCert(ctx context.Context, q DBTX, serial string) (SessionCert, er
 }
 
 // LockSessionCert is GetSessionCert that also locks the certificate's node
-// (FOR SHARE) until the transaction ends, so that a concurrent RevokeNode
-// either commits first (and RevokedAt shows it) or waits: a certificate
-// issued in the same transaction never outlives a revocation.
+// (FOR NO KEY UPDATE) until the transaction ends, so that a concurrent
+// RevokeNode either commits first (and RevokedAt shows it) or waits: a
+// certificate issued in the same transaction never outlives a revocation.
+// Two renewals of one node wait for each other too, so that what one reads
+// of the node's certificates (LastNodeCertCreatedAt) holds until it
+// commits. Writes that only reference the node (FOR KEY SHARE: commands)
+// do not wait.
 func LockSessionCert(ctx context.Context, q DBTX, serial string) (SessionCert, error) {
-	return scanSessionCert(q.QueryRow(ctx, sessionCertQuery+` FOR SHARE OF n`, serial))
+	return scanSessionCert(q.QueryRow(ctx, sessionCertQuery+` FOR NO KEY UPDATE OF n`, serial))
+}
+
+// LastNodeCertCreatedAt returns when the newest certificate of node nodeID
+// was recorded (node_certs.created_at: at join or at a renewal), or the zero
+// time when the node has none. The gateway's renewal rate limit counts from
+// it.
+func LastNodeCertCreatedAt(ctx context.Context, q DBTX, nodeID string) (time.Time, error) {
+	var at *time.Time
+	if err := q.QueryRow(ctx, `SELECT max(created_at) FROM node_certs WHERE node_id = $1`, nodeID).Scan(&at); err != nil {
+		return time.Time{}, queryErr(fmt.Sprintf("certificates of node %s", nodeID), err)
+	}
+	if at == nil {
+		return time.Time{}, nil
+	}
+	return *at, nil
 }
 
 func scanSessionCert(row pgx.Row) (SessionCert, error) {

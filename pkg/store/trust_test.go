@@ -3,6 +3,7 @@ package store_test
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"slices"
 	"testing"
 	"time"
@@ -195,6 +196,35 @@ func TestRevokedNodeSessions(t *testing.T) {
 	work, err = store.PendingSessionWork(ctx, f.db.Pool, []store.SessionRef{{NodeID: other, SessionID: so, Serial: "0c"}})
 	require.NoError(t, err)
 	require.Empty(t, work)
+	// Unless the certificate renewed on that session is the revoked one.
+	work, err = store.PendingSessionWork(ctx, f.db.Pool, []store.SessionRef{{NodeID: other, SessionID: so, Serial: "0c",
+		Renewed: "0b"}})
+	require.NoError(t, err)
+	require.Len(t, work, 1)
+	require.True(t, work[0].Revoked, "revoked renewed certificate")
+	work, err = store.PendingSessionWork(ctx, f.db.Pool, []store.SessionRef{{NodeID: fine, SessionID: sf, Serial: "0d",
+		Renewed: "0d"}})
+	require.NoError(t, err)
+	require.Empty(t, work)
+}
+
+// TestLastNodeCertCreatedAt: the time of a node's newest certificate, zero
+// for a node that has none.
+func TestLastNodeCertCreatedAt(t *testing.T) {
+	t.Parallel()
+	f := newGatewayFixture(t)
+	ctx := t.Context()
+	n, none := f.node(), f.node()
+	now := f.db.Now()
+	for i, at := range []time.Time{now.Add(-2 * time.Hour), now.Add(-time.Hour), now.Add(-3 * time.Hour)} {
+		storetest.NodeCert(t, f.db, &storetest.NodeCertOpts{NodeID: n, Serial: fmt.Sprintf("1%d", i), CreatedAt: at})
+	}
+	at, err := store.LastNodeCertCreatedAt(ctx, f.db.Pool, n)
+	require.NoError(t, err)
+	require.True(t, at.Equal(now.Add(-time.Hour)), "%s", at)
+	at, err = store.LastNodeCertCreatedAt(ctx, f.db.Pool, none)
+	require.NoError(t, err)
+	require.True(t, at.IsZero(), "%s", at)
 }
 
 func TestRecordSpecRefused(t *testing.T) {

@@ -54,8 +54,8 @@ func (f *fixture) liveSession(t *testing.T, nodeID string) string {
 // TestRenewalKeepsSessionAndRevocationEndsIt runs the real services and a
 // simulated machine with short certificates:
 //   - the certificate is renewed over the session without dropping it (same
-//     session id before and after), the new one is in node_certs, and the
-//     next dial presents it (revoking only the first certificate closes the
+//     session id before and after, also past the first certificate's
+//     expiry), the new one is in node_certs, and the next dial presents it (revoking only the first certificate closes the
 //     session, and the machine is back at once on a new one);
 //   - revoking the node through the API closes its session within seconds,
 //     and its reconnects are refused.
@@ -68,7 +68,9 @@ func TestRenewalKeepsSessionAndRevocationEndsIt(t *testing.T) {
 	session, sessions := st.SessionID, st.Sessions
 	require.Equal(t, session, f.liveSession(t, nodeID))
 	var firstSerial string
-	require.NoError(t, f.stack.DB.Pool.QueryRow(ctx, `SELECT serial FROM node_certs WHERE node_id = $1`, nodeID).Scan(&firstSerial))
+	var firstNotAfter time.Time
+	require.NoError(t, f.stack.DB.Pool.QueryRow(ctx, `SELECT serial, not_after FROM node_certs WHERE node_id = $1`, nodeID).
+		Scan(&firstSerial, &firstNotAfter))
 
 	require.Eventually(t, func() bool { return m.Status().Renewals >= 1 }, 30*time.Second, 50*time.Millisecond,
 		"the certificate is renewed")
@@ -88,6 +90,14 @@ func TestRenewalKeepsSessionAndRevocationEndsIt(t *testing.T) {
 	require.NoError(t, json.Unmarshal(b, &onDisk))
 	require.True(t, onDisk.NotAfter.Equal(st.CertNotAfter) || onDisk.NotAfter.After(st.CertNotAfter),
 		"the identity on disk holds the renewed certificate")
+
+	// The session outlives the certificate it was opened with: the gateway
+	// ends a session when the certificate renewed on it expires, not the
+	// connection's (two resyncs past the first one's expiry here).
+	require.Never(t, func() bool { return m.Status().SessionID != session },
+		firstNotAfter.Sub(realClock.Now())+2*time.Second, 100*time.Millisecond,
+		"the session renewed on goes on past the first certificate's expiry")
+	require.Equal(t, session, f.liveSession(t, nodeID))
 
 	// Only the first certificate is revoked: the session opened with it ends,
 	// and the next dial, with the renewed certificate, is accepted. Raw SQL:

@@ -57,9 +57,13 @@ func (s *Server) ownedPool(ctx context.Context, p iam.Principal, field, id, what
 }
 
 // CreateJoinToken mints a join token for a pool of the caller's tenant and
-// returns its secret once. Errors: NotFound (pool_id: missing, or neither
-// owned by nor offered to the caller's tenant), PermissionDenied (pool_id:
-// offered to the caller's tenant, owned by another).
+// returns its secret once. The join token gives no more than its minter
+// has: a pool the minter's tenant owns (any pool for root-admin), and an
+// expiry no later than the minting API token's. Errors: NotFound (pool_id:
+// missing, or neither owned by nor offered to the caller's tenant),
+// PermissionDenied (pool_id: offered to the caller's tenant, owned by
+// another), InvalidArgument (ttl_seconds: past the minting token's expiry,
+// with the most allowed).
 func (s *joinTokenService) CreateJoinToken(ctx context.Context, req *connect.Request[computev1.CreateJoinTokenRequest]) (*connect.Response[computev1.CreateJoinTokenResponse], error) {
 	p, err := principal(ctx)
 	if err != nil {
@@ -69,14 +73,23 @@ func (s *joinTokenService) CreateJoinToken(ctx context.Context, req *connect.Req
 	if _, err := s.ownedPool(ctx, p, "pool_id", msg.PoolId, "mint its join tokens"); err != nil {
 		return nil, err
 	}
+	now := s.db.Now()
+	expires := now.Add(time.Duration(msg.TtlSeconds) * time.Second)
+	// A join token never outlives the token that mints it, as an API token
+	// does not (CreateToken): an expiring credential cannot leave a way in
+	// behind it.
+	if p.ExpiresAt != nil && expires.After(*p.ExpiresAt) {
+		left := int64(p.ExpiresAt.Sub(now) / time.Second)
+		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf(
+			"ttl_seconds: a join token may not outlive the API token that mints it (yours expires at %s): ask for at most %d seconds",
+			p.ExpiresAt.UTC().Format(time.RFC3339), max(left, 0)))
+	}
 	secret, err := iam.NewSecret(iam.JoinTokenPrefix)
 	if err != nil {
 		return nil, mapError(err)
 	}
-	now := s.db.Now()
 	jt := store.JoinToken{ID: ids.New(ids.JoinToken, now), PoolID: msg.PoolId, Hash: iam.HashSecret(secret),
-		MaxUses: msg.MaxUses, ExpiresAt: now.Add(time.Duration(msg.TtlSeconds) * time.Second), CreatedBy: p.TokenID,
-		CreatedAt: now}
+		MaxUses: msg.MaxUses, ExpiresAt: expires, CreatedBy: p.TokenID, CreatedAt: now}
 	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
 		if err := store.CreateJoinToken(ctx, tx, p.Scope(), jt); err != nil {
 			return notFoundOr(err, "pool_id: pool", jt.PoolID)

@@ -130,7 +130,9 @@ func (s *tokenService) ListTokens(ctx context.Context, req *connect.Request[comp
 // tunnels are authorized again, so that they close), other API servers once the revocation's outbox message reaches them over NATS, or
 // after their Config.TokenCacheTTL at worst. Revoking it again changes
 // nothing and returns it. Errors: NotFound (token_id: missing, or of another
-// tenant), PermissionDenied (a token stronger than the caller's).
+// tenant), PermissionDenied (a token stronger than the caller's),
+// FailedPrecondition (token_id: the last root-admin token, not counting
+// those expiring within store.RootAdminExpiryMargin).
 func (s *tokenService) RevokeToken(ctx context.Context, req *connect.Request[computev1.RevokeTokenRequest]) (*connect.Response[computev1.RevokeTokenResponse], error) {
 	p, err := principal(ctx)
 	if err != nil {
@@ -157,7 +159,8 @@ func (s *tokenService) RevokeToken(ctx context.Context, req *connect.Request[com
 			}
 			if n == 0 {
 				return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf(
-					"token_id: %s is the last live root-admin token; mint another root-admin token before revoking it", id))
+					"token_id: %s is the last live root-admin token (tokens expiring within %s do not count); "+
+						"mint another root-admin token that lasts longer before revoking it", id, store.RootAdminExpiryMargin))
 			}
 		}
 		if err := store.RevokeAPIToken(ctx, tx, p.Scope(), id, s.db.Now()); err != nil {

@@ -26,7 +26,15 @@
 // backstop). A daemon renews its certificate on the session
 // (RenewCertificate): the gateway signs the CSR with the node CA for
 // NodeCertTTL, records it in node_certs and answers CertificateIssued, never
-// dropping the session. Commands and DesiredStates carry the signatures
+// dropping the session. A session lasts as long as the certificate its
+// authority rests on: the client certificate, then the last one renewed on
+// it (the daemon stays on the connection of its old certificate and presents
+// the new one from its next dial, so a renewal on time extends the session).
+// Past that certificate's NotAfter the session is closed (Unauthenticated
+// "the session's certificate expired at …") by the next resync or delivery,
+// and a renewal is refused; renewal also needs that certificate and the
+// client certificate unrevoked, and at most one certificate is issued per
+// node per RenewInterval. Commands and DesiredStates carry the signatures
 // stored with them (signedIntent) untouched; the gateway holds no signing
 // key. Spec refusals daemons report become node.spec_refused events.
 //
@@ -124,7 +132,7 @@ type Config struct {
 	HeartbeatInterval time.Duration `env:"HEARTBEAT_INTERVAL,positive" default:"10s"`
 	// ResyncInterval is how often the gateway re-reads the pending work of
 	// all its sessions, so that a lost poke only delays work; the same loop
-	// closes silent streams.
+	// closes silent streams and the sessions whose certificate expired.
 	ResyncInterval time.Duration `env:"GATEWAY_RESYNC,positive" default:"5s"`
 	// FlushInterval is how often heard-from nodes' last_seen (and the
 	// generations their heartbeats report) are written, in one statement,
@@ -141,6 +149,17 @@ type Config struct {
 	IdleTimeout time.Duration `env:"GATEWAY_IDLE_TIMEOUT"`
 	// HelloTimeout closes a stream that sent no Hello for this long.
 	HelloTimeout time.Duration `default:"10s"`
+	// RenewInterval is the least time between two certificates of one
+	// node: a renewal sooner than this after the node's newest certificate
+	// (issued at join or renewed, store.LastNodeCertCreatedAt), on any
+	// session of any gateway, is refused with a reason saying when to try
+	// again (pkg/daemon retries with backoff). Machines renew at two thirds
+	// of a certificate's lifetime, far above it. Unset or not positive: the
+	// lesser of 10 minutes (DefaultRenewInterval) and a tenth of
+	// NodeCertTTL. At most a quarter of NodeCertTTL, else the gateway does
+	// not start: a machine whose renewal answer was lost must be able to
+	// renew again before its certificate expires.
+	RenewInterval time.Duration `env:"GATEWAY_RENEW_INTERVAL"`
 
 	// ControlListen is the address of the control server: cleartext HTTP/2
 	// (h2c) serving GatewayControlService, where the API opens tunnels
@@ -173,6 +192,10 @@ type Config struct {
 	// gateways) come first; this one bounds what one gateway holds.
 	TunnelsPerNode int `env:"GATEWAY_TUNNELS_PER_NODE,positive" default:"16"`
 }
+
+// DefaultRenewInterval is Config.RenewInterval when unset, unless a tenth of
+// NodeCertTTL is less.
+const DefaultRenewInterval = 10 * time.Minute
 
 // Deps are the gateway's dependencies: DB and NC (the pokes) are required.
 type Deps = service.Deps
@@ -248,6 +271,14 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	}
 	if cfg.IdleTimeout <= 0 {
 		cfg.IdleTimeout = 3 * cfg.HeartbeatInterval
+	}
+	if cfg.RenewInterval <= 0 {
+		cfg.RenewInterval = min(DefaultRenewInterval, cfg.NodeCertTTL/10)
+	}
+	if cfg.RenewInterval > cfg.NodeCertTTL/4 {
+		return nil, &config.Error{Name: config.Prefix + "GATEWAY_RENEW_INTERVAL", Err: fmt.Errorf(
+			"%s is above a quarter of BETTER_COMPUTE_NODE_CERT_TTL (%s): a renewal whose answer was lost could not be retried before the certificate expires",
+			cfg.RenewInterval, cfg.NodeCertTTL)}
 	}
 	if cfg.NodeCA == nil {
 		ca, err := pki.LoadCA(filepath.Join(cfg.PKIDir, pki.NodeCACert), filepath.Join(cfg.PKIDir, pki.NodeCAKey))
@@ -618,21 +649,23 @@ func (s *Server) retryCloses(ctx context.Context) {
 	}
 }
 
-// resync closes silent streams, forgets the exec tickets that expired,
+// resync closes silent streams and the sessions whose certificate expired
+// (session.expired), forgets the exec tickets that expired,
 // writes the session closes that failed again, and re-reads, in one query, the pending work
 // of every session this gateway holds: it wakes the sessions whose node has
 // queued commands or a spec newer than the session knows, and closes the
-// sessions that another session superseded or whose node or certificate was
-// revoked.
+// sessions that another session superseded or whose node or certificate (the
+// client certificate, or the one renewed on the session) was revoked.
 func (s *Server) resync(ctx context.Context) {
-	now := s.clk.Now().UnixNano()
+	at := s.clk.Now()
+	now := at.UnixNano()
 	idle := s.cfg.IdleTimeout.Nanoseconds()
 	hello := s.cfg.HelloTimeout.Nanoseconds()
 	type silentStream struct {
 		st  *session
 		err error
 	}
-	var silent []silentStream
+	var silent, expired []silentStream
 	s.mu.Lock()
 	for st := range s.streams {
 		limit, err := idle, errSilent
@@ -645,10 +678,23 @@ func (s *Server) resync(ctx context.Context) {
 	}
 	refs := make([]store.SessionRef, 0, len(s.byNode))
 	for id, st := range s.byNode {
-		refs = append(refs, store.SessionRef{NodeID: id, SessionID: st.sessionID, Serial: st.serial})
+		if err := st.expired(at); err != nil {
+			expired = append(expired, silentStream{st, err})
+			continue
+		}
+		ref := store.SessionRef{NodeID: id, SessionID: st.sessionID, Serial: st.serial}
+		if c := st.cert.Load(); c != nil && c.serial != st.serial {
+			ref.Renewed = c.serial
+		}
+		refs = append(refs, ref)
 	}
 	s.mu.Unlock()
 	for _, x := range silent {
+		x.st.abort(x.err)
+	}
+	for _, x := range expired {
+		s.log.Warn("closing a session whose certificate expired", telemetry.KeyNodeID, x.st.nodeID,
+			telemetry.KeySessionID, x.st.sessionID, telemetry.KeyError, x.err)
 		x.st.abort(x.err)
 	}
 	s.pruneTickets(s.clk.Now())

@@ -40,6 +40,19 @@ var (
 	errExpiredCert = connect.NewError(connect.CodeUnauthenticated, errors.New("the client certificate has expired"))
 )
 
+// sessionCertExpired is what ends a session whose certificate (sessionCert)
+// expired at notAfter, and why a renewal on it is refused.
+func sessionCertExpired(notAfter time.Time) string {
+	return "the session's certificate expired at " + notAfter.UTC().Format(time.RFC3339) +
+		": reconnect with a renewed certificate, or join again"
+}
+
+// sessionCert is the certificate a session's authority rests on.
+type sessionCert struct {
+	serial   string    // lower-case hex (pki.SerialHex)
+	notAfter time.Time // when the session ends unless renewed
+}
+
 // certRefusal says why st's client certificate may not be used at now,
 // given its node_certs row as store.GetSessionCert or LockSessionCert
 // returned it (cert, err): unknown, another node's, revoked, expired. It
@@ -91,6 +104,14 @@ type session struct {
 	reported atomic.Int64 // greatest generation the daemon reported
 	sent     atomic.Int64 // greatest generation sent in this session
 	state    atomic.Int32 // stIdle, stRunning, stDirty | stClosed
+
+	// cert is the certificate the session's authority rests on: the client
+	// certificate's node_certs row from Hello on, then each certificate
+	// renewed on the session (issue). Its NotAfter ends the session
+	// (expired). A daemon goes on over the connection of its old
+	// certificate after a renewal and presents the new one from its next
+	// dial (pkg/agent), so a renewal on time extends its session.
+	cert atomic.Pointer[sessionCert]
 
 	// issued is the answer to a RenewCertificate, sent by the next
 	// delivery (deliveries send everything after Welcome but heartbeat
@@ -217,6 +238,17 @@ func (st *session) endErr(err error) error {
 
 func (st *session) touch(now time.Time) { st.lastRecv.Store(now.UnixNano()) }
 
+// expired returns the error that ends st when its certificate (cert) is
+// expired at now (at or past its NotAfter), and nil otherwise or before
+// Hello.
+func (st *session) expired(now time.Time) error {
+	c := st.cert.Load()
+	if c == nil || now.Before(c.notAfter) {
+		return nil
+	}
+	return connect.NewError(connect.CodeUnauthenticated, errors.New(sessionCertExpired(c.notAfter)))
+}
+
 // known is the greatest generation the daemon has or was sent.
 func (st *session) known() int64 { return max(st.reported.Load(), st.sent.Load()) }
 
@@ -314,11 +346,13 @@ func (s *Server) hello(ctx context.Context, st *session, h *gatewayv1.Hello) (*g
 	sessionID := ids.New(ids.Session, now)
 	var opened store.OpenedSession
 	var refusal error
+	var notAfter time.Time
 	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
 		cert, err := store.GetSessionCert(ctx, tx, st.serial)
 		if refusal, err = certRefusal(st, cert, err, now); refusal != nil || err != nil {
 			return err
 		}
+		notAfter = cert.NotAfter
 		opened, err = store.OpenSession(ctx, tx, store.OpenSessionParams{
 			NodeID:             st.certID,
 			GatewayID:          s.cfg.GatewayID,
@@ -343,6 +377,7 @@ func (s *Server) hello(ctx context.Context, st *session, h *gatewayv1.Hello) (*g
 		return nil, refusal
 	}
 
+	st.cert.Store(&sessionCert{serial: st.serial, notAfter: notAfter})
 	st.reported.Store(h.GetObservedGeneration())
 	st.inFlight = true
 	st.state.Store(stRunning)
@@ -458,8 +493,9 @@ func (s *Server) deliverLoop(st *session) {
 // deliver sends st the work it does not have: a pending CertificateIssued,
 // the OpenTunnel of each tunnel pending on it, the commands it claims and the DesiredState when the spec is newer than
 // what the daemon has or was sent, each with its stored signature. It ends
-// the session of a revoked node. Failures are logged; the periodic re-read
-// retries.
+// the session of a revoked node, and one whose certificate expired (after
+// sending the answer to a renewal, which says so). Failures are logged; the
+// periodic re-read retries.
 func (s *Server) deliver(st *session) {
 	ctx := st.ctx
 	if ci := st.issued.Swap(nil); ci != nil {
@@ -468,6 +504,12 @@ func (s *Server) deliver(st *session) {
 			s.log.Debug("send certificate", telemetry.KeyNodeID, st.nodeID, telemetry.KeyError, err)
 			return
 		}
+	}
+	if err := st.expired(s.clk.Now()); err != nil {
+		s.log.Warn("closing a session whose certificate expired", telemetry.KeyNodeID, st.nodeID,
+			telemetry.KeySessionID, st.sessionID, telemetry.KeyError, err)
+		st.abort(err)
+		return
 	}
 	if !s.announceTunnels(st) {
 		return

@@ -4,7 +4,9 @@ import (
 	"context"
 	"crypto/x509"
 	"errors"
+	"fmt"
 	"strings"
+	"time"
 	"unicode"
 
 	"github.com/jackc/pgx/v5"
@@ -20,12 +22,22 @@ import (
 // see pkg/daemon ErrTextCommandUnsigned).
 const refusedPrefix = "refused: "
 
-// Reasons of a refused renewal (CertificateIssued.error).
+// Reasons of a refused renewal (CertificateIssued.error); an expired
+// session certificate is sessionCertExpired, a renewal too soon
+// renewRateLimited.
 const (
 	renewRevoked     = "certificate revoked"
 	renewUnknownCert = "the session's client certificate is not known"
 	renewFailed      = "the gateway could not issue the certificate; retry later"
 )
+
+// renewRateLimited is the reason of a renewal refused because the node's
+// newest certificate was recorded at last, less than every ago: the next one
+// may be issued from last+every.
+func renewRateLimited(last time.Time, every time.Duration) string {
+	return fmt.Sprintf("renewal rate limited: the node was issued a certificate at %s and gets at most one per %s; renew at or after %s",
+		last.UTC().Format(time.RFC3339), every, last.Add(every).UTC().Format(time.RFC3339))
+}
 
 // renew answers a RenewCertificate: the answer goes out with the session's
 // next delivery, and the session goes on whatever the outcome.
@@ -37,14 +49,20 @@ func (s *Server) renew(ctx context.Context, st *session, r *gatewayv1.RenewCerti
 // issue signs csrDER with the node CA for the session's node, valid for
 // NodeCertTTL, and records the certificate in node_certs, in one transaction
 // that first locks the node so that a concurrent RevokeNode cannot be
-// missed. It refuses a CSR that does not parse or is not signed by its key,
-// and a node or session certificate that is revoked.
+// missed, nor a concurrent renewal of the node. It refuses a CSR that does
+// not parse or is not signed by its key; a revoked node, client certificate
+// or certificate renewed on the session; an expired session certificate
+// (session.cert: the client certificate, or the last one renewed on the
+// session); and a renewal within RenewInterval of the node's newest
+// certificate. The issued certificate becomes the session's, extending it
+// to its NotAfter.
 func (s *Server) issue(ctx context.Context, st *session, csrDER []byte) *gatewayv1.CertificateIssued {
 	csr, err := pki.ParseCSR(csrDER)
 	if err != nil {
 		s.log.WarnContext(ctx, "renewal refused: bad CSR", telemetry.KeyNodeID, st.nodeID, telemetry.KeyError, err)
 		return &gatewayv1.CertificateIssued{Error: "renew_certificate.csr_der: " + err.Error()}
 	}
+	sc := st.cert.Load()
 	var (
 		cert    *x509.Certificate
 		refusal string
@@ -53,14 +71,25 @@ func (s *Server) issue(ctx context.Context, st *session, csrDER []byte) *gateway
 		cert, refusal = nil, ""
 		now := s.db.Now()
 		cur, err := store.LockSessionCert(ctx, tx, st.serial)
-		switch {
-		case errors.Is(err, store.ErrNotFound) || (err == nil && cur.NodeID != st.nodeID):
-			refusal = renewUnknownCert
-			return nil
-		case err != nil:
+		if refusal, err = renewRefusal(st, cur, err); refusal != "" || err != nil {
 			return err
-		case cur.RevokedAt != nil:
-			refusal = renewRevoked
+		}
+		if sc.serial != st.serial {
+			renewed, err := store.GetSessionCert(ctx, tx, sc.serial)
+			if refusal, err = renewRefusal(st, renewed, err); refusal != "" || err != nil {
+				return err
+			}
+		}
+		if !now.Before(sc.notAfter) {
+			refusal = sessionCertExpired(sc.notAfter)
+			return nil
+		}
+		last, err := store.LastNodeCertCreatedAt(ctx, tx, st.nodeID)
+		if err != nil {
+			return err
+		}
+		if now.Before(last.Add(s.cfg.RenewInterval)) {
+			refusal = renewRateLimited(last, s.cfg.RenewInterval)
 			return nil
 		}
 		c, err := s.cfg.NodeCA.IssueNode(csr, st.nodeID, s.cfg.TrustDomain, now, s.cfg.NodeCertTTL)
@@ -86,9 +115,26 @@ func (s *Server) issue(ctx context.Context, st *session, csrDER []byte) *gateway
 		s.log.WarnContext(ctx, "renewal refused", telemetry.KeyNodeID, st.nodeID, "cert_serial", st.serial, "reason", refusal)
 		return &gatewayv1.CertificateIssued{Error: refusal}
 	}
+	st.cert.Store(&sessionCert{serial: pki.SerialHex(cert), notAfter: cert.NotAfter})
 	s.log.InfoContext(ctx, "certificate renewed", telemetry.KeyNodeID, st.nodeID, "cert_serial", pki.SerialHex(cert),
 		"not_after", cert.NotAfter)
 	return &gatewayv1.CertificateIssued{CertificateDer: cert.Raw, NotAfter: timestamppb.New(cert.NotAfter)}
+}
+
+// renewRefusal says why a renewal on st may not rest on cert, a
+// certificate of the session as store.LockSessionCert or GetSessionCert
+// returned it (cert, err): unknown, another node's, revoked. It returns ""
+// when it may, and a database error as its second result.
+func renewRefusal(st *session, cert store.SessionCert, err error) (string, error) {
+	switch {
+	case errors.Is(err, store.ErrNotFound) || (err == nil && cert.NodeID != st.nodeID):
+		return renewUnknownCert, nil
+	case err != nil:
+		return "", err
+	case cert.RevokedAt != nil:
+		return renewRevoked, nil
+	}
+	return "", nil
 }
 
 // specRefused records that the daemon refused a DesiredState (signedIntent)

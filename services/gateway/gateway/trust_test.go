@@ -112,7 +112,10 @@ func TestRenewalKeepsTheSession(t *testing.T) {
 	t.Parallel()
 	e := setup(t, options{})
 	e.relay()
-	g := e.startGateway(gateway.Config{ResyncInterval: time.Hour, NodeCerts: service.NodeCerts{NodeCertTTL: 2 * time.Hour}})
+	// The node's certificate is recorded just before the renewal: no rate
+	// limit here (TestRenewalRateLimitedPerNode).
+	g := e.startGateway(gateway.Config{ResyncInterval: time.Hour, NodeCerts: service.NodeCerts{NodeCertTTL: 2 * time.Hour},
+		RenewInterval: time.Millisecond})
 	n := e.newNode()
 	d, w := e.connect(g, n, nil)
 
