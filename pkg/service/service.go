@@ -92,18 +92,13 @@ func Serve(ctx context.Context, logger *slog.Logger, srv *http.Server, ln net.Li
 	return <-errc
 }
 
-// MaxRequestBytes caps the size of one request message a service reads
-// (connect.WithReadMaxBytes): larger requests fail with ResourceExhausted
-// before they are decoded.
-const MaxRequestBytes = 1 << 20
-
 // HandlerOptions returns the Connect options of every service: OpenTelemetry
 // tracing (otelconnect), masking of Internal/Unknown error details in unary
 // and streaming calls (PublicError: database connection failures become
 // Unavailable, the rest Internal "internal error"; the real error is logged),
 // protovalidate checks of requests (InvalidArgument naming the field) and
-// the MaxRequestBytes limit. It is HandlerOptionsAround with no interceptors
-// of its own.
+// the message limits of MessageOptions (MaxMessageBytes). It is
+// HandlerOptionsAround with no interceptors of its own.
 func HandlerOptions(logger *slog.Logger) []connect.HandlerOption {
 	return HandlerOptionsAround(logger, nil, nil)
 }
@@ -124,8 +119,7 @@ func HandlerOptionsAround(logger *slog.Logger, outer, inner []connect.Intercepto
 	ints = append(ints, maskInternal(logger))
 	ints = append(ints, inner...)
 	ints = append(ints, validate.NewInterceptor())
-	return []connect.HandlerOption{connect.WithInterceptors(ints...), connect.WithReadMaxBytes(MaxRequestBytes),
-		connect.WithCompressMinBytes(CompressMinBytes)}
+	return append([]connect.HandlerOption{connect.WithInterceptors(ints...)}, MessageOptions()...)
 }
 
 // CompressMinBytes is the size in bytes below which a handler sends a

@@ -314,18 +314,20 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	// rules, and Session returns explicit Connect codes, so the masking of
 	// internal errors has nothing to do. Together they cost about 6 KiB per idle
 	// session (BenchmarkIdleSessionMemory). Database calls are still
-	// traced by otelpgx.
-	mux.Handle(gatewayv1connect.NewGatewayServiceHandler(s, connect.WithCompressMinBytes(service.CompressMinBytes)))
+	// traced by otelpgx. Its messages have the limits of every handler
+	// (service.MessageOptions).
+	mux.Handle(gatewayv1connect.NewGatewayServiceHandler(s, service.MessageOptions()...))
 	// The node's end of a tunnel has options of its own (tunnelOptions),
 	// on the more specific path.
 	mux.Handle(gatewayv1connect.GatewayServiceTunnelProcedure, connect.NewBidiStreamHandler(
 		gatewayv1connect.GatewayServiceTunnelProcedure, s.Tunnel, tunnelOptions()...))
-	mux.Handle(grpchealth.NewHandler(grpchealth.NewStaticChecker(gatewayv1connect.GatewayServiceName)))
+	mux.Handle(grpchealth.NewHandler(grpchealth.NewStaticChecker(gatewayv1connect.GatewayServiceName), service.MessageOptions()...))
 	s.handler = s.peerMiddleware(mux)
 
 	cmux := http.NewServeMux()
 	cmux.Handle(gatewayv1connect.NewGatewayControlServiceHandler(controlService{s}, tunnelOptions()...))
-	cmux.Handle(grpchealth.NewHandler(grpchealth.NewStaticChecker(gatewayv1connect.GatewayControlServiceName)))
+	cmux.Handle(grpchealth.NewHandler(grpchealth.NewStaticChecker(gatewayv1connect.GatewayControlServiceName),
+		service.MessageOptions()...))
 	s.control = streamMiddleware(cmux)
 	return s, nil
 }

@@ -31,6 +31,7 @@ import (
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	tunnelv1 "github.com/better-compute/better-compute/api/gen/bc/tunnel/v1"
+	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/telemetry"
 	ticket "github.com/better-compute/better-compute/pkg/tunnel"
@@ -38,12 +39,6 @@ import (
 
 // keyTunnelID is the slog key of a tunnel's id (its ticket's, "tkt_…").
 const keyTunnelID = "tunnel.id"
-
-// maxTunnelMessage bounds, in bytes, one message a tunnel stream reads: a
-// frame carries at most 64 KiB of data (bc.tunnel.v1.Frame) and a few bytes
-// of framing (the oneof tags and lengths, 8 bytes); a start is at most a 4
-// KiB ticket and a 64-byte id.
-const maxTunnelMessage = 64<<10 + 64
 
 // Reasons of the Close frames the gateway sends (Close.reason).
 const (
@@ -56,12 +51,13 @@ const (
 )
 
 // tunnelOptions are the Connect options of both Tunnel handlers: messages
-// bounded to one frame, checked by protovalidate (frame sizes, terminal
-// sizes, exit statuses, close reasons), and no compression, which tunnel
-// bytes (SSH's are encrypted) do not repay.
+// bounded to one frame (service.ReadLimit of ticket.MaxMessageBytes),
+// checked by protovalidate (frame sizes, terminal sizes, exit statuses,
+// close reasons), and no compression, which tunnel bytes (SSH's are
+// encrypted) do not repay.
 func tunnelOptions() []connect.HandlerOption {
 	return []connect.HandlerOption{
-		connect.WithReadMaxBytes(maxTunnelMessage),
+		service.ReadLimit(ticket.MaxMessageBytes),
 		connect.WithInterceptors(validate.NewInterceptor()),
 		connect.WithCompression("gzip", nil, nil),
 	}
