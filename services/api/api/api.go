@@ -24,6 +24,7 @@ package api
 
 import (
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -89,6 +90,14 @@ type Config struct {
 	TokenCacheTTL time.Duration `env:"TOKEN_CACHE_TTL"`
 	// Tunnels tunes the tunnels (tunnel_ws.go).
 	Tunnels TunnelConfig
+	// HTTPLimits are the limits of its server. The events watches and the
+	// tunnels are long-lived (service.LongLived): each write of a watch is
+	// bounded by HTTPRequestTimeout, a tunnel by tunnelWriteTimeout and its
+	// IdleTimeout.
+	service.HTTPLimits
+	// TLS, with both files, has it serve HTTPS only: the bearer tokens of
+	// its callers then never cross a network in clear.
+	service.TLS
 }
 
 // ProbeAddr is Listen (service.Config).
@@ -132,6 +141,8 @@ type Server struct {
 	gatewayClient *http.Client
 	// tunnels are the open tunnels (tunnel_ws.go).
 	tunnels tunnelRegistry
+	// tls is its server's TLS configuration; nil: plain HTTP.
+	tls *tls.Config
 	// queue batches RunCommand calls (commands.go), started on first use.
 	queue     *batch.Batcher[queueItem, queueAnswer]
 	queueOnce sync.Once
@@ -160,6 +171,10 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if err := cfg.Tunnels.check(); err != nil {
 		return nil, fmt.Errorf("api: %w", err)
 	}
+	serverTLS, err := cfg.ServerConfig()
+	if err != nil {
+		return nil, fmt.Errorf("api: %w", err)
+	}
 	var keys *tunnelKeys
 	if cfg.PKIDir != "" {
 		if keys, err = loadTunnelKeys(cfg.PKIDir); err != nil {
@@ -171,7 +186,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		authn.CacheTTL = cfg.TokenCacheTTL
 	}
 	s := &Server{cfg: cfg, deps: deps, db: deps.DB, logger: deps.Logger, authn: authn, wellKnown: wellKnown,
-		intent: intent, nc: deps.NC, clock: deps.Clock, stopWatches: make(chan struct{}), keys: keys}
+		intent: intent, nc: deps.NC, clock: deps.Clock, stopWatches: make(chan struct{}), keys: keys, tls: serverTLS}
 	if keys != nil {
 		s.gatewayClient = newGatewayClient(keys.gatewayTLS)
 	}
@@ -232,8 +247,9 @@ func (s *Server) Handler() http.Handler {
 // Name returns Name (service.Runner).
 func (s *Server) Name() string { return Name }
 
-// Run serves Handler and the probes on Config.Listen (or Listener) through
-// the service lifecycle (service.Run) until ctx ends; then it ends the
+// Run serves Handler and the probes on Config.Listen (or Listener), over
+// TLS with Config.TLS, through the service lifecycle (service.Run) until ctx
+// ends; then it ends the
 // events watches and the tunnels (StopWatches), waits for the calls in
 // flight and closes the background work (Close).
 func (s *Server) Run(ctx context.Context) error {
@@ -242,7 +258,7 @@ func (s *Server) Run(ctx context.Context) error {
 		Deps:  s.deps,
 		Parts: []service.Runner{service.OnStop("background work", s.Close)},
 		Servers: []service.HTTPServer{{Name: Name, Addr: s.cfg.Listen, Listener: s.cfg.Listener, Handler: s.Handler(),
-			Probes: true, OnShutdown: s.StopWatches}},
+			Probes: true, TLS: s.tls, Limits: s.cfg.HTTPLimits, OnShutdown: s.StopWatches}},
 	})
 }
 

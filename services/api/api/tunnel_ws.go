@@ -234,6 +234,9 @@ func (s *Server) serveTunnel(w http.ResponseWriter, r *http.Request) {
 		refusal.write(w)
 		return
 	}
+	// The upgrade takes the connection from the server, which lifts its
+	// request deadlines (net/http's Hijack); the tunnel bounds itself
+	// (tunnelWriteTimeout, IdleTimeout).
 	ws, err := websocket.Accept(w, r, &websocket.AcceptOptions{Subprotocols: []string{TunnelSubprotocol}})
 	if err != nil { // Accept answered the client
 		s.recordClose(ctx, log, row.ID, "the WebSocket upgrade failed")

@@ -133,10 +133,17 @@ type gw struct {
 	stop       func()
 }
 
+// requestTimeout is the gateways' HTTPRequestTimeout in tests, far below
+// how long sessions and tunnels last in them: a stream that is not exempt
+// from it (service.LongLived) breaks the tests.
+const requestTimeout = 300 * time.Millisecond
+
 // startGateway runs a gateway with cfg (its listener and PKI filled in; no
-// probes server unless cfg has a HealthListener) until the test ends.
+// probes server unless cfg has a HealthListener; HTTPRequestTimeout
+// requestTimeout unless set) until the test ends.
 func (e *env) startGateway(cfg gateway.Config) *gw {
 	e.t.Helper()
+	cfg.HTTPRequestTimeout = cmp.Or(cfg.HTTPRequestTimeout, requestTimeout)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(e.t, err)
 	cfg.Listener = ln

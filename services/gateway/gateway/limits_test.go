@@ -47,3 +47,17 @@ func TestSessionMessageLimit(t *testing.T) {
 	require.Equal(t, int64(7), bystander.nextAck(), "the other session is up")
 	require.Equal(t, 1, g.srv.Sessions())
 }
+
+// TestStreamsOutliveRequestTimeout checks that a session and a tunnel,
+// long-lived streams, last past several of the servers' HTTPRequestTimeout,
+// which bounds the gateway's unary requests only.
+func TestStreamsOutliveRequestTimeout(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	g := e.startGateway(noResync)
+	f := e.openTunnel(g, nil)
+	<-realClock.NewTimer(4 * requestTimeout).C()
+	f.daemon.heartbeat(1, 0)
+	require.Equal(t, int64(1), f.daemon.nextAck(), "the session is up")
+	requireOpen(t, f)
+}

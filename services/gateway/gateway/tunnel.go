@@ -64,17 +64,15 @@ func tunnelOptions() []connect.HandlerOption {
 }
 
 // tuneControl gives the control server's HTTP/2 connections a receive
-// window per stream and one per connection that holds all of them: the
-// API carries many tunnels on one connection, and HTTP/2 returns a
-// connection's flow-control credit only as handlers read, so a tunnel whose
-// node stopped reading must not take the credit of the others.
+// window per stream and one per connection that holds all of their streams
+// (HTTPMaxStreams, 256 by default): the API carries many tunnels on one
+// connection, and HTTP/2 returns a connection's flow-control credit only as
+// handlers read, so a tunnel whose node stopped reading must not take the
+// credit of the others.
 func tuneControl(srv *http.Server) {
-	const streams, window = 256, 128 << 10
-	srv.HTTP2 = &http.HTTP2Config{
-		MaxConcurrentStreams:          streams,
-		MaxReceiveBufferPerStream:     window,
-		MaxReceiveBufferPerConnection: streams * window,
-	}
+	const window = 128 << 10
+	srv.HTTP2.MaxReceiveBufferPerStream = window
+	srv.HTTP2.MaxReceiveBufferPerConnection = srv.HTTP2.MaxConcurrentStreams * window
 }
 
 // httpStream is the HTTP side of a control server stream, which a tunnel
@@ -355,6 +353,9 @@ func (c controlService) Tunnel(ctx context.Context, stream *connect.BidiStream[g
 	if err != nil {
 		return err
 	}
+	// The start came within the request timeout; the tunnel is bounded by
+	// TunnelOpenTimeout, its session and its ends instead.
+	service.LongLived(ctx)
 	tk, err := s.checkTicket(start)
 	if err != nil {
 		s.log.WarnContext(ctx, "tunnel refused", keyTunnelID, start.GetTunnelId(), telemetry.KeyError, err)
@@ -503,6 +504,9 @@ func (s *Server) Tunnel(ctx context.Context, stream *connect.BidiStream[gatewayv
 	if err != nil {
 		return err
 	}
+	// The start came within the request timeout; the tunnel is bounded by
+	// TunnelOpenTimeout, its session and its ends instead.
+	service.LongLived(ctx)
 	if err := s.checkPeer(ctx, peer); err != nil {
 		s.log.WarnContext(ctx, "node tunnel refused", keyTunnelID, start.GetTunnelId(), "cert_node_id", peer.certID,
 			"cert_serial", peer.serial, telemetry.KeyError, err)

@@ -25,6 +25,7 @@ import (
 	"context"
 	"crypto/ecdh"
 	"crypto/ed25519"
+	"crypto/tls"
 	"crypto/x509"
 	"errors"
 	"fmt"
@@ -76,6 +77,11 @@ type Config struct {
 	// the one in PKI_DIR/trust-domain (spiffe://better-compute.local when
 	// that is missing).
 	TrustDomain string `env:"TRUST_DOMAIN"`
+	// HTTPLimits are the limits of its server.
+	service.HTTPLimits
+	// TLS, with both files, has it serve HTTPS only: the sealed join
+	// tokens and the signed answers then never cross a network in clear.
+	service.TLS
 }
 
 // ProbeAddr is Listen (service.Config).
@@ -103,6 +109,8 @@ type Server struct {
 	batch *batcher
 	// issued counts the node certificates signed (CertificatesIssued).
 	issued atomic.Int64
+	// tls is its server's TLS configuration; nil: plain HTTP.
+	tls *tls.Config
 }
 
 // CertificatesIssued returns how many node certificates this server has
@@ -124,6 +132,10 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	config.SetDefaults(&cfg)
 	if err := cfg.Check(); err != nil {
 		return nil, err
+	}
+	serverTLS, err := cfg.ServerConfig()
+	if err != nil {
+		return nil, fmt.Errorf("joinservice: %w", err)
 	}
 	nodeCA, err := pki.LoadCA(filepath.Join(cfg.PKIDir, pki.NodeCACert), filepath.Join(cfg.PKIDir, pki.NodeCAKey))
 	if err != nil {
@@ -164,7 +176,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		commandRoot = der
 	}
 	return &Server{cfg: cfg, deps: deps, db: deps.DB, logger: deps.Logger, nodeCA: nodeCA, servingCA: servingCA, trustDomain: td,
-		joinKey: joinKey, signKey: signKey, commandRoot: commandRoot, batch: &batcher{db: deps.DB}}, nil
+		joinKey: joinKey, signKey: signKey, commandRoot: commandRoot, batch: &batcher{db: deps.DB}, tls: serverTLS}, nil
 }
 
 // Handler returns the mux of JoinService's Connect handler.
@@ -178,10 +190,12 @@ func (s *Server) Handler() http.Handler {
 func (s *Server) Name() string { return Name }
 
 // Run serves the Connect API and the probes on Config.Listen (or
-// Listener) through the service lifecycle (service.Run) until ctx ends.
+// Listener), over TLS with Config.TLS, through the service lifecycle
+// (service.Run) until ctx ends.
 func (s *Server) Run(ctx context.Context) error {
 	return service.Run(ctx, service.Spec{Name: Name, Deps: s.deps, Servers: []service.HTTPServer{{
 		Name: Name, Addr: s.cfg.Listen, Listener: s.cfg.Listener, Handler: s.Handler(), Probes: true,
+		TLS: s.tls, Limits: s.cfg.HTTPLimits,
 	}}})
 }
 
