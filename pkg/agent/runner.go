@@ -262,7 +262,7 @@ func (r *Runner) Run(ctx context.Context) error {
 	if !r.cfg.JoinOnly && (r.cfg.HealthListen != "" || r.healthLn != nil) {
 		mux := http.NewServeMux()
 		mux.Handle("/healthz", r.HealthHandler())
-		srv := service.NewServer(r.cfg.HealthListen, mux)
+		srv := service.NewServer(r.cfg.HealthListen, mux, service.HTTPLimits{})
 		g.Go(func() error { return service.Serve(gctx, r.log, srv, r.healthLn) })
 	}
 	err := g.Wait()

@@ -1,6 +1,9 @@
 package service
 
 import (
+	"crypto/tls"
+	"errors"
+	"fmt"
 	"net"
 	"time"
 
@@ -128,3 +131,75 @@ func (p Probes) Servers() []HTTPServer {
 	}
 	return []HTTPServer{{Name: "health", Addr: p.HealthListen, Listener: p.HealthListener, Probes: true}}
 }
+
+// HTTPLimits are the limits of a service's HTTP servers (Run builds every
+// server of a Spec with its HTTPServer's; NewServer), each server's own: the
+// gateway's sessions, control and probes servers each hold
+// HTTP_MAX_CONNECTIONS. A zero field is its default. The servers carry
+// long-lived streams (sessions, tunnels, watches), so they have no
+// http.Server ReadTimeout or WriteTimeout, which would cut them: every
+// request gets HTTPRequestTimeout instead, through http.ResponseController,
+// until its handler declares it a long-lived stream (LongLived), which
+// bounds itself. The scheduler's and the controllers' probes servers have
+// the defaults.
+type HTTPLimits struct {
+	// HTTPReadHeaderTimeout is how long a client has, once it connected or
+	// its connection went idle, to finish sending a request's headers; it
+	// bounds a TLS handshake too.
+	HTTPReadHeaderTimeout time.Duration `env:"HTTP_READ_HEADER_TIMEOUT,positive" default:"10s"`
+	// HTTPIdleTimeout closes a connection that had no request in flight for
+	// this long (HTTP/1.1 keep-alive, HTTP/2 without streams).
+	HTTPIdleTimeout time.Duration `env:"HTTP_IDLE_TIMEOUT,positive" default:"2m"`
+	// HTTPRequestTimeout bounds reading a request's body and writing its
+	// response (a unary call, a probe); a request still reading or writing
+	// then fails, its connection (HTTP/1.1) or stream (HTTP/2) reset. The
+	// long-lived streams are exempt and bounded otherwise: sessions by the
+	// hello and idle timeouts, tunnels by their own idle timeout, and the
+	// events watches' writes by this timeout each.
+	HTTPRequestTimeout time.Duration `env:"HTTP_REQUEST_TIMEOUT,positive" default:"1m"`
+	// HTTPMaxConnections is the most connections one server holds at once;
+	// more wait, unaccepted, until one closes.
+	HTTPMaxConnections int `env:"HTTP_MAX_CONNECTIONS,positive" default:"4096"`
+	// HTTPMaxStreams is the most concurrent streams (requests) of one
+	// HTTP/2 connection. The gateway's sessions server has its own:
+	// GATEWAY_TUNNELS_PER_NODE + 4, what one machine needs (its session
+	// and its tunnels).
+	HTTPMaxStreams int `env:"HTTP_MAX_STREAMS,positive" default:"100"`
+}
+
+// TLS is the setting of a service's own TLS (the API's, JoinService's), so
+// that bearer tokens and join tokens need not cross a network in clear.
+type TLS struct {
+	// TLSCert is a PEM file holding the service's TLS certificate (its chain
+	// after it). With TLS_KEY, the service serves HTTPS only (HTTP/2 by
+	// ALPN, and HTTP/1.1), its probes included; with neither, plain HTTP and
+	// h2c, for a private network (compose, `better-compute dev`). One
+	// without the other stops the service at start.
+	TLSCert string `env:"TLS_CERT"`
+	// TLSKey is the PEM file of TLS_CERT's private key.
+	TLSKey string `env:"TLS_KEY"`
+}
+
+// ServerConfig returns the TLS configuration of t's certificate (TLS 1.2
+// and later), or nil when neither file is set. It fails, with a
+// *config.Error naming the variable, when one file is set without the
+// other or the pair cannot be loaded.
+func (t TLS) ServerConfig() (*tls.Config, error) {
+	switch {
+	case t.TLSCert == "" && t.TLSKey == "":
+		return nil, nil
+	case t.TLSKey == "":
+		return nil, &config.Error{Name: config.Prefix + "TLS_KEY", Err: errors.New("is required with " + config.Prefix + "TLS_CERT")}
+	case t.TLSCert == "":
+		return nil, &config.Error{Name: config.Prefix + "TLS_CERT", Err: errors.New("is required with " + config.Prefix + "TLS_KEY")}
+	}
+	cert, err := tls.LoadX509KeyPair(t.TLSCert, t.TLSKey)
+	if err != nil {
+		return nil, &config.Error{Name: config.Prefix + "TLS_CERT", Err: fmt.Errorf("load %s with %s: %w", t.TLSCert, t.TLSKey, err)}
+	}
+	return &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}, nil
+}
+
+// servesTLS reports whether the service serves HTTPS, for Main's
+// healthcheck.
+func (t TLS) servesTLS() bool { return t.TLSCert != "" }

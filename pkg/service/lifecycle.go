@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"golang.org/x/net/netutil"
 	"golang.org/x/sync/errgroup"
 
 	"github.com/better-compute/better-compute/pkg/clock"
@@ -69,8 +70,9 @@ type Spec struct {
 	Ready []Check
 }
 
-// HTTPServer is an HTTP server of a service. Run builds it (NewServer's
-// limits: HTTP/1.1 and cleartext HTTP/2, header limits), listens, serves
+// HTTPServer is an HTTP server of a service. Run builds it (NewServer:
+// HTTP/1.1 and HTTP/2, the timeouts and stream cap of Limits), listens,
+// accepting at most Limits.HTTPMaxConnections connections at once, serves
 // and shuts it down (Serve: up to 10 s for requests in flight).
 type HTTPServer struct {
 	// Name names the server in logs and errors ("sessions", "health").
@@ -88,6 +90,8 @@ type HTTPServer struct {
 	Probes bool
 	// TLS, when set, makes it serve TLS (ServeTLS) with this configuration.
 	TLS *tls.Config
+	// Limits are its timeouts and caps; a zero field is its default.
+	Limits HTTPLimits
 	// Tune, when set, adjusts the server before it serves (protocols, HTTP/2
 	// settings, timeouts of long-lived streams).
 	Tune func(*http.Server)
@@ -109,6 +113,7 @@ func Run(ctx context.Context, s Spec) error {
 	ready := HealthHandler(append(d.checks(), s.Ready...)...)
 	servers := make([]*httpPart, len(s.Servers))
 	for i, h := range s.Servers {
+		h.Limits = h.Limits.withDefaults()
 		servers[i] = &httpPart{spec: h, log: log, srv: h.build(ready)}
 	}
 	// all runs in this order and stops in the reverse; servers start first.
@@ -214,7 +219,7 @@ func (h HTTPServer) build(ready http.Handler) *http.Server {
 		}
 		handler = mux
 	}
-	srv := NewServer(h.Addr, handler)
+	srv := NewServer(h.Addr, handler, h.Limits)
 	srv.TLSConfig = h.TLS
 	if h.Tune != nil {
 		h.Tune(srv)
@@ -232,16 +237,18 @@ type httpPart struct {
 
 func (h *httpPart) Name() string { return h.spec.Name + " server" }
 
+// Start listens (or takes the spec's Listener), accepting at most
+// HTTPMaxConnections connections at once: the next waits, unaccepted, until
+// one closes.
 func (h *httpPart) Start(context.Context) error {
-	h.ln = h.spec.Listener
-	if h.ln != nil {
-		return nil
+	ln := h.spec.Listener
+	if ln == nil {
+		var err error
+		if ln, err = net.Listen("tcp", h.spec.Addr); err != nil {
+			return fmt.Errorf("listen %s: %w", h.spec.Addr, err)
+		}
 	}
-	ln, err := net.Listen("tcp", h.spec.Addr)
-	if err != nil {
-		return fmt.Errorf("listen %s: %w", h.spec.Addr, err)
-	}
-	h.ln = ln
+	h.ln = netutil.LimitListener(ln, h.spec.Limits.HTTPMaxConnections)
 	return nil
 }
 
@@ -340,12 +347,22 @@ func (d Deps) withDefaults() Deps {
 	return d
 }
 
+// errDatabaseUnreachable is GET /readyz's reason when the database does not
+// answer; the database's own error is logged.
+var errDatabaseUnreachable = errors.New("database unreachable")
+
 // checks are the readiness checks of d: the database answers a ping, NATS
 // is connected (each when set).
 func (d Deps) checks() []Check {
 	var checks []Check
 	if d.DB != nil {
-		checks = append(checks, func(ctx context.Context) error { return d.DB.Pool.Ping(ctx) })
+		checks = append(checks, func(ctx context.Context) error {
+			if err := d.DB.Pool.Ping(ctx); err != nil {
+				d.Logger.WarnContext(ctx, "not ready: the database does not answer", telemetry.KeyError, err)
+				return errDatabaseUnreachable
+			}
+			return nil
+		})
 	}
 	if d.NC != nil {
 		checks = append(checks, func(context.Context) error {

@@ -27,9 +27,10 @@ type Config interface {
 
 // Main is the whole main function of a service binary, given its name and
 // its constructor: `NAME healthcheck [URL]` for container health checks
-// (URL defaults to the loopback /readyz of the configuration's
-// ProbeAddr); otherwise it reads C from the environment (config.Load),
-// takes a context that SIGINT and SIGTERM end, sets up telemetry
+// (URL defaults to the loopback /readyz of the configuration's ProbeAddr,
+// https when C embeds TLS with its files set); otherwise it reads C from
+// the environment (config.Load), takes a context that SIGINT and SIGTERM
+// end, sets up telemetry
 // (telemetry.Setup), opens the database when C embeds Database (waiting up
 // to a minute for it) and NATS when C embeds NATS, calls newService and
 // runs what it returns until the signal. It exits 1 with "NAME: error" on
@@ -40,6 +41,9 @@ func Main[C Config, R Runner](name string, newService func(C, Deps) (R, error)) 
 	cfgErr := config.Load(&cfg, os.Getenv)
 	if len(os.Args) > 1 && os.Args[1] == "healthcheck" {
 		url := ProbeURL(cfg.ProbeAddr())
+		if t, ok := any(cfg).(interface{ servesTLS() bool }); ok && t.servesTLS() {
+			url = "https" + strings.TrimPrefix(url, "http")
+		}
 		if len(os.Args) > 2 {
 			url = os.Args[2]
 		}

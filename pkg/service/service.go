@@ -24,6 +24,7 @@ package service
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -39,19 +40,29 @@ import (
 	"github.com/better-compute/better-compute/pkg/store"
 )
 
-// NewServer returns an http.Server for h on addr that accepts HTTP/1.1 and
-// cleartext HTTP/2, with header limits.
-func NewServer(addr string, h http.Handler) *http.Server {
+// NewServer returns an http.Server for h on addr with the limits l (a zero
+// field is its default; HTTPLimits): it accepts HTTP/1.1 and HTTP/2, over
+// TLS by ALPN when served with a TLSConfig and cleartext (h2c) otherwise,
+// with 64 KiB of headers at most, l's header and idle timeouts and l's
+// HTTP/2 streams per connection, and every request is bounded by
+// l.HTTPRequestTimeout unless its handler declares it long-lived
+// (LongLived). It has no ReadTimeout or WriteTimeout, which would cut
+// long-lived streams. Connections are capped by the listener (Run wraps it
+// in netutil.LimitListener of l.HTTPMaxConnections).
+func NewServer(addr string, h http.Handler, l HTTPLimits) *http.Server {
+	l = l.withDefaults()
 	var p http.Protocols
 	p.SetHTTP1(true)
+	p.SetHTTP2(true)
 	p.SetUnencryptedHTTP2(true)
 	return &http.Server{
 		Addr:              addr,
-		Handler:           h,
+		Handler:           requestDeadlines(h, l.HTTPRequestTimeout),
 		Protocols:         &p,
-		ReadHeaderTimeout: 10 * time.Second,
+		ReadHeaderTimeout: l.HTTPReadHeaderTimeout,
 		MaxHeaderBytes:    64 << 10,
-		IdleTimeout:       5 * time.Minute,
+		IdleTimeout:       l.HTTPIdleTimeout,
+		HTTP2:             &http.HTTP2Config{MaxConcurrentStreams: l.HTTPMaxStreams},
 	}
 }
 
@@ -92,18 +103,13 @@ func Serve(ctx context.Context, logger *slog.Logger, srv *http.Server, ln net.Li
 	return <-errc
 }
 
-// MaxRequestBytes caps the size of one request message a service reads
-// (connect.WithReadMaxBytes): larger requests fail with ResourceExhausted
-// before they are decoded.
-const MaxRequestBytes = 1 << 20
-
 // HandlerOptions returns the Connect options of every service: OpenTelemetry
 // tracing (otelconnect), masking of Internal/Unknown error details in unary
 // and streaming calls (PublicError: database connection failures become
 // Unavailable, the rest Internal "internal error"; the real error is logged),
 // protovalidate checks of requests (InvalidArgument naming the field) and
-// the MaxRequestBytes limit. It is HandlerOptionsAround with no interceptors
-// of its own.
+// the message limits of MessageOptions (MaxMessageBytes). It is
+// HandlerOptionsAround with no interceptors of its own.
 func HandlerOptions(logger *slog.Logger) []connect.HandlerOption {
 	return HandlerOptionsAround(logger, nil, nil)
 }
@@ -124,8 +130,7 @@ func HandlerOptionsAround(logger *slog.Logger, outer, inner []connect.Intercepto
 	ints = append(ints, maskInternal(logger))
 	ints = append(ints, inner...)
 	ints = append(ints, validate.NewInterceptor())
-	return []connect.HandlerOption{connect.WithInterceptors(ints...), connect.WithReadMaxBytes(MaxRequestBytes),
-		connect.WithCompressMinBytes(CompressMinBytes)}
+	return append([]connect.HandlerOption{connect.WithInterceptors(ints...)}, MessageOptions()...)
 }
 
 // CompressMinBytes is the size in bytes below which a handler sends a
@@ -216,12 +221,16 @@ func PublicError(err error) (public error, masked bool) {
 	return connect.NewError(connect.CodeInternal, errors.New(MsgInternal)), true
 }
 
-// Check is one readiness check of a health endpoint (GET /readyz).
+// Check is one readiness check of a health endpoint (GET /readyz). The
+// text of the error it returns is the endpoint's answer, which anyone who
+// reaches the port reads: a fixed reason ("database unreachable"), never a
+// dependency's own error, which the check logs instead (its text may hold
+// host names, users, SQL).
 type Check func(ctx context.Context) error
 
 // HealthHandler answers with 200 "ok" when every check passes within 2 s,
-// and 503 "unhealthy: <first failure>" otherwise; without checks it always
-// answers 200 (GET /healthz: the process is alive).
+// and 503 "unhealthy: <first failure's text>" otherwise; without checks it
+// always answers 200 (GET /healthz: the process is alive).
 func HealthHandler(checks ...Check) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
@@ -238,9 +247,14 @@ func HealthHandler(checks ...Check) http.Handler {
 }
 
 // Healthcheck GETs url and returns the process exit code for a container
-// health check: 0 when it answered 200, 1 otherwise.
+// health check: 0 when it answered 200, 1 otherwise. An https URL's
+// certificate is not verified: the check asks the service's own port on
+// the loopback address, which its certificate does not name, and sends
+// nothing secret.
 func Healthcheck(url string) int {
-	c := &http.Client{Timeout: 3 * time.Second}
+	c := &http.Client{Timeout: 3 * time.Second, Transport: &http.Transport{
+		TLSClientConfig: &tls.Config{InsecureSkipVerify: true, MinVersion: tls.VersionTLS12}, //nolint:gosec // the loopback probe of the process itself, see above
+	}}
 	resp, err := c.Get(url)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "healthcheck:", err)

@@ -14,6 +14,13 @@ import (
 // 64 KiB; writers split at this).
 const MaxChunk = 32 << 10
 
+// MaxMessageBytes bounds, in bytes, one tunnel message a server reads (the
+// gateway's Tunnel handlers, the API's WebSocket and its gateway client): a
+// Frame, whose data is at most 64 KiB and whose other kinds are smaller (a
+// close reason of at most 1024 characters), or a TunnelRequest's start (a
+// ticket of at most 4 KiB and a 64-byte id), with room for their framing.
+const MaxMessageBytes = 64<<10 + 1024
+
 // Frames is one end of a stream of tunnel frames: what Conn reads from and
 // writes to. Send and Receive are each called from one goroutine at a time.
 type Frames interface {

@@ -27,6 +27,7 @@ package api
 
 import (
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -116,6 +117,14 @@ type Config struct {
 	TicketRate int `env:"TICKET_RATE,positive" default:"10"`
 	// Tunnels tunes the tunnels (tunnel_ws.go).
 	Tunnels TunnelConfig
+	// HTTPLimits are the limits of its server. The events watches and the
+	// tunnels are long-lived (service.LongLived): each write of a watch is
+	// bounded by HTTPRequestTimeout, a tunnel by tunnelWriteTimeout and its
+	// IdleTimeout.
+	service.HTTPLimits
+	// TLS, with both files, has it serve HTTPS only: the bearer tokens of
+	// its callers then never cross a network in clear.
+	service.TLS
 }
 
 // ProbeAddr is Listen (service.Config).
@@ -163,6 +172,8 @@ type Server struct {
 	tickets *ratelimit.Limiter
 	// watches counts the open events watches per token (events.go).
 	watches watchSlots
+	// tls is its server's TLS configuration; nil: plain HTTP.
+	tls *tls.Config
 	// queue batches RunCommand calls (commands.go), started on first use.
 	queue     *batch.Batcher[queueItem, queueAnswer]
 	queueOnce sync.Once
@@ -191,6 +202,10 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if err := cfg.Tunnels.check(); err != nil {
 		return nil, fmt.Errorf("api: %w", err)
 	}
+	serverTLS, err := cfg.ServerConfig()
+	if err != nil {
+		return nil, fmt.Errorf("api: %w", err)
+	}
 	var keys *tunnelKeys
 	if cfg.PKIDir != "" {
 		if keys, err = loadTunnelKeys(cfg.PKIDir); err != nil {
@@ -207,7 +222,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	authn.Failures = ratelimit.New(cfg.AuthFailureRate, cfg.AuthFailureBurst, 0, deps.Clock)
 	s := &Server{cfg: cfg, deps: deps, db: deps.DB, logger: deps.Logger, authn: authn, wellKnown: wellKnown,
 		intent: intent, nc: deps.NC, clock: deps.Clock, stopWatches: make(chan struct{}), keys: keys,
-		tickets: ratelimit.New(cfg.TicketRate, cfg.TicketBurst, 0, deps.Clock)}
+		tickets: ratelimit.New(cfg.TicketRate, cfg.TicketBurst, 0, deps.Clock), tls: serverTLS}
 	if keys != nil {
 		s.gatewayClient = newGatewayClient(keys.gatewayTLS)
 	}
@@ -271,8 +286,9 @@ func (s *Server) Handler() http.Handler {
 // Name returns Name (service.Runner).
 func (s *Server) Name() string { return Name }
 
-// Run serves Handler and the probes on Config.Listen (or Listener) through
-// the service lifecycle (service.Run) until ctx ends; then it ends the
+// Run serves Handler and the probes on Config.Listen (or Listener), over
+// TLS with Config.TLS, through the service lifecycle (service.Run) until ctx
+// ends; then it ends the
 // events watches and the tunnels (StopWatches), waits for the calls in
 // flight and closes the background work (Close).
 func (s *Server) Run(ctx context.Context) error {
@@ -281,7 +297,7 @@ func (s *Server) Run(ctx context.Context) error {
 		Deps:  s.deps,
 		Parts: []service.Runner{service.OnStop("background work", s.Close)},
 		Servers: []service.HTTPServer{{Name: Name, Addr: s.cfg.Listen, Listener: s.cfg.Listener, Handler: s.Handler(),
-			Probes: true, OnShutdown: s.StopWatches}},
+			Probes: true, TLS: s.tls, Limits: s.cfg.HTTPLimits, OnShutdown: s.StopWatches}},
 	})
 }
 

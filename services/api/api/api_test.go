@@ -495,3 +495,27 @@ func TestHTTPSurface(t *testing.T) {
 	require.Equal(t, http.StatusNotFound, resp.StatusCode, "the services live under /api/compute only")
 	require.NoError(t, resp.Body.Close())
 }
+
+// TestMessageLimit checks that the API refuses a request beyond
+// service.MaxMessageBytes with ResourceExhausted, sent as it is or as a
+// gzip bomb, before it authenticates or validates anything.
+func TestMessageLimit(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	huge := &computev1.CreateSiteRequest{Name: strings.Repeat("a", 64<<20), Region: "r"}
+	for _, c := range []struct {
+		name string
+		opts []connect.ClientOption
+		says string
+	}{
+		{name: "plain", says: "larger than configured max"},
+		{name: "gzip bomb", opts: []connect.ClientOption{connect.WithSendGzip()}, says: "inflates beyond"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			pools := computev1connect.NewPoolServiceClient(http.DefaultClient, f.url+api.PathPrefix, c.opts...)
+			_, err := pools.CreateSite(t.Context(), connect.NewRequest(huge))
+			requireCode(t, err, connect.CodeResourceExhausted, c.says)
+		})
+	}
+}

@@ -153,12 +153,16 @@ func (s *eventService) Watch(ctx context.Context, req *connect.Request[computev1
 	if err != nil {
 		return err
 	}
+	// A watch lasts; each of its writes is bounded (service.BoundWrite).
+	service.LongLived(ctx)
 	// Send(nil) sends the response headers: the watch has its cursor.
 	ready := func(cursor int64) error {
 		stream.ResponseHeader().Set(WatchCursorHeader, strconv.FormatInt(cursor, 10))
+		defer service.BoundWrite(ctx)()
 		return stream.Send(nil)
 	}
 	send := func(e store.Event) error {
+		defer service.BoundWrite(ctx)()
 		return stream.Send(&computev1.WatchResponse{Event: &computev1.Event{Id: e.ID, Type: e.Type, TenantId: e.TenantID,
 			SubjectId: e.SubjectID, DataJson: string(e.Data), Time: timestamppb.New(e.CreatedAt)}})
 	}
@@ -232,6 +236,8 @@ func (s *Server) serveWatch(w http.ResponseWriter, r *http.Request) {
 		writeHTTPError(w, http.StatusBadRequest, connect.CodeInvalidArgument, msg)
 		return
 	}
+	// A watch lasts; each of its writes is bounded (service.BoundWrite).
+	service.LongLived(ctx)
 	rc := http.NewResponseController(w)
 	ready := func(cursor int64) error {
 		w.Header().Set(WatchCursorHeader, strconv.FormatInt(cursor, 10))
@@ -239,10 +245,12 @@ func (s *Server) serveWatch(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Cache-Control", "no-store")
 		w.Header().Set("X-Accel-Buffering", "no") // proxies: do not buffer
 		w.WriteHeader(http.StatusOK)
+		defer service.BoundWrite(ctx)()
 		return rc.Flush()
 	}
 	enc := json.NewEncoder(w)
 	send := func(e store.Event) error {
+		defer service.BoundWrite(ctx)()
 		if err := enc.Encode(watchEventJSON{ID: e.ID, Type: e.Type, TenantID: e.TenantID, SubjectID: e.SubjectID,
 			Data: e.Data, Time: e.CreatedAt.UTC()}); err != nil {
 			return err
@@ -303,6 +311,7 @@ func parseWatchQuery(q url.Values) (*computev1.WatchRequest, error) {
 // real error is logged); the tunnels (what "tunnel") use it before their
 // WebSocket.
 func (s *Server) writeStreamError(w http.ResponseWriter, r *http.Request, what string, started bool, err error) {
+	defer service.BoundWrite(r.Context())() // a watch's last line
 	public, masked := service.PublicError(err)
 	code := connect.CodeOf(public)
 	switch {

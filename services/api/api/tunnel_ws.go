@@ -44,9 +44,6 @@ const TunnelSubprotocol = "bc.tunnel.v1"
 
 // Bounds of a tunnel.
 const (
-	// maxFrameBytes bounds one WebSocket message and one gateway message:
-	// a Frame's data is at most 64 KiB, plus the Frame's own bytes.
-	maxFrameBytes = 64<<10 + 1024
 	// maxCloseReason is the most a Close frame's reason holds (bytes;
 	// tunnelv1.Close).
 	maxCloseReason = 1024
@@ -237,13 +234,16 @@ func (s *Server) serveTunnel(w http.ResponseWriter, r *http.Request) {
 		refusal.write(w)
 		return
 	}
+	// The upgrade takes the connection from the server, which lifts its
+	// request deadlines (net/http's Hijack); the tunnel bounds itself
+	// (tunnelWriteTimeout, IdleTimeout).
 	ws, err := websocket.Accept(w, r, &websocket.AcceptOptions{Subprotocols: []string{TunnelSubprotocol}})
 	if err != nil { // Accept answered the client
 		s.recordClose(ctx, log, row.ID, "the WebSocket upgrade failed")
 		log.InfoContext(ctx, "tunnel: websocket upgrade failed", telemetry.KeyError, err)
 		return
 	}
-	ws.SetReadLimit(maxFrameBytes)
+	ws.SetReadLimit(tunnel.MaxMessageBytes)
 	ot := &openTunnel{s: s, row: row, ticket: r.PathValue("ticket"), size: size, grant: grant, ws: ws, log: log,
 		recheck: make(chan struct{}, 1), ended: make(chan struct{}), gwDone: make(chan struct{}),
 		clientDone: make(chan struct{})}
@@ -438,7 +438,7 @@ func (t *openTunnel) run(ctx context.Context) {
 	gwCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	t.cancelGW = cancel
 	client := gatewayv1connect.NewGatewayControlServiceClient(t.s.gatewayClient, t.grant.route.ControlURL,
-		append(service.ClientOptions(), connect.WithReadMaxBytes(maxFrameBytes))...)
+		append(service.ClientOptions(), connect.WithReadMaxBytes(tunnel.MaxMessageBytes))...)
 	t.gw = client.Tunnel(gwCtx)
 	err := t.toGateway(&gatewayv1.TunnelRequest{Msg: &gatewayv1.TunnelRequest_Start{Start: &gatewayv1.TunnelStart{
 		TunnelId: t.row.ID, Ticket: t.ticket, Size: t.size}}})

@@ -24,7 +24,8 @@ func Start(t testing.TB, db *store.DB) string {
 }
 
 // StartWith is Start with the settings of cfg (a PKI directory, tunnel
-// limits, …); its Listener is the loopback port's.
+// limits, TLS, …); its Listener is the loopback port's. With TLS the base
+// URL is https://127.0.0.1:PORT.
 func StartWith(t testing.TB, db *store.DB, cfg api.Config) string {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -46,6 +47,9 @@ func StartWith(t testing.TB, db *store.DB, cfg api.Config) string {
 			t.Errorf("apitest: the API server stopped with %v", err)
 		}
 	})
+	if cfg.TLSCert != "" {
+		return "https://" + ln.Addr().String()
+	}
 	return "http://" + ln.Addr().String()
 }
 

@@ -115,6 +115,14 @@ type Config struct {
 	// Probes serve GET /healthz and GET /readyz on a plain HTTP listener of
 	// their own.
 	service.Probes `default:"HEALTH_LISTEN=:8082"`
+	// HTTPLimits are the limits of each of its servers (sessions, control,
+	// probes): a gateway holds a connection per machine, and the API's
+	// connections to its control server carry up to 256 tunnels each. The
+	// sessions server allows TunnelsPerNode + 4 streams per connection (a
+	// machine's session and tunnels), whatever HTTPMaxStreams says. Its
+	// Session and Tunnel streams are long-lived (service.LongLived), bounded
+	// by HelloTimeout, IdleTimeout and TunnelOpenTimeout instead.
+	service.HTTPLimits `default:"HTTP_MAX_CONNECTIONS=20000;HTTP_MAX_STREAMS=256"`
 	// ServingCert is the gateway's TLS certificate and key; PKIDir's
 	// gateway.crt and gateway.key when nil.
 	ServingCert *tls.Certificate
@@ -346,18 +354,20 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	// rules, and Session returns explicit Connect codes, so the masking of
 	// internal errors has nothing to do. Together they cost about 6 KiB per idle
 	// session (BenchmarkIdleSessionMemory). Database calls are still
-	// traced by otelpgx.
-	mux.Handle(gatewayv1connect.NewGatewayServiceHandler(s, connect.WithCompressMinBytes(service.CompressMinBytes)))
+	// traced by otelpgx. Its messages have the limits of every handler
+	// (service.MessageOptions).
+	mux.Handle(gatewayv1connect.NewGatewayServiceHandler(s, service.MessageOptions()...))
 	// The node's end of a tunnel has options of its own (tunnelOptions),
 	// on the more specific path.
 	mux.Handle(gatewayv1connect.GatewayServiceTunnelProcedure, connect.NewBidiStreamHandler(
 		gatewayv1connect.GatewayServiceTunnelProcedure, s.Tunnel, tunnelOptions()...))
-	mux.Handle(grpchealth.NewHandler(grpchealth.NewStaticChecker(gatewayv1connect.GatewayServiceName)))
+	mux.Handle(grpchealth.NewHandler(grpchealth.NewStaticChecker(gatewayv1connect.GatewayServiceName), service.MessageOptions()...))
 	s.handler = s.peerMiddleware(mux)
 
 	cmux := http.NewServeMux()
 	cmux.Handle(gatewayv1connect.NewGatewayControlServiceHandler(controlService{s}, tunnelOptions()...))
-	cmux.Handle(grpchealth.NewHandler(grpchealth.NewStaticChecker(gatewayv1connect.GatewayControlServiceName)))
+	cmux.Handle(grpchealth.NewHandler(grpchealth.NewStaticChecker(gatewayv1connect.GatewayControlServiceName),
+		service.MessageOptions()...))
 	s.control = streamMiddleware(cmux)
 	return s, nil
 }
@@ -442,14 +452,24 @@ func (s *Server) Run(ctx context.Context) error {
 	// gateway is shutting down) before the sessions do.
 	servers := append([]service.HTTPServer{
 		{Name: "sessions", Addr: s.cfg.Listen, Listener: s.cfg.Listener, Handler: s.handler, TLS: s.tls, Tune: s.tuneHTTP,
-			OnShutdown: s.closeAll},
+			Limits: s.cfg.HTTPLimits, OnShutdown: s.closeAll},
 		{Name: "control", Addr: s.cfg.ControlListen, Listener: s.cfg.ControlListener, Handler: s.control, Tune: tuneControl,
-			OnShutdown: s.closeTunnels},
-	}, s.cfg.Servers()...)
+			Limits: s.cfg.HTTPLimits, OnShutdown: s.closeTunnels},
+	}, s.probeServers()...)
 	// The loops outlive the servers, and the sessions that end as they
 	// stop: those still clear themselves and get their last_seen flushed.
 	return service.Run(ctx, service.Spec{Name: Name, Deps: s.deps, Servers: servers,
 		Parts: []service.Runner{&loops{s: s}, service.OnStop("sessions", s.endSessions)}})
+}
+
+// probeServers are the probes server (service.Probes), with the gateway's
+// limits.
+func (s *Server) probeServers() []service.HTTPServer {
+	servers := s.cfg.Servers()
+	for i := range servers {
+		servers[i].Limits = s.cfg.HTTPLimits
+	}
+	return servers
 }
 
 // endSessions aborts every open stream and tunnel and waits for their
@@ -511,15 +531,14 @@ func (l *loops) Run(ctx context.Context) error {
 // It sends no HTTP/2 pings (SendPingTimeout is 0): a session whose daemon
 // went away, or whose connection died silently, is closed by the idle
 // timeout (resync, IdleTimeout), and a connection left without a stream by
-// the server's IdleTimeout. Daemons learn that the gateway is alive from
-// the acknowledgements of their heartbeats. A ping timer would wake the gateway for every
+// the server's idle timeout (HTTPIdleTimeout). Daemons learn that the
+// gateway is alive from the acknowledgements of their heartbeats. A ping timer would wake the gateway for every
 // connection every SendPingTimeout, thousands of wake-ups a minute for an
 // idle fleet (BenchmarkIdleFleet), to learn what heartbeats already say.
 func (s *Server) tuneHTTP(srv *http.Server) {
 	var p http.Protocols
 	p.SetHTTP2(true)
 	srv.Protocols = &p
-	srv.IdleTimeout = 2 * time.Minute
 	// A daemon holds one session and up to TunnelsPerNode tunnels; a few
 	// more streams cover a reconnect racing the old stream's end.
 	streams := s.cfg.TunnelsPerNode + 4

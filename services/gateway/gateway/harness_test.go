@@ -133,10 +133,17 @@ type gw struct {
 	stop       func()
 }
 
+// requestTimeout is the gateways' HTTPRequestTimeout in tests, far below
+// how long sessions and tunnels last in them: a stream that is not exempt
+// from it (service.LongLived) breaks the tests.
+const requestTimeout = 300 * time.Millisecond
+
 // startGateway runs a gateway with cfg (its listener and PKI filled in; no
-// probes server unless cfg has a HealthListener) until the test ends.
+// probes server unless cfg has a HealthListener; HTTPRequestTimeout
+// requestTimeout unless set) until the test ends.
 func (e *env) startGateway(cfg gateway.Config) *gw {
 	e.t.Helper()
+	cfg.HTTPRequestTimeout = cmp.Or(cfg.HTTPRequestTimeout, requestTimeout)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(e.t, err)
 	cfg.Listener = ln
@@ -239,9 +246,15 @@ func (e *env) client(g *gw, cert tls.Certificate) gatewayv1connect.GatewayServic
 	return e.clientDialing(g, cert, nil)
 }
 
+// clientWith is client with the Connect options opts.
+func (e *env) clientWith(g *gw, cert tls.Certificate, opts ...connect.ClientOption) gatewayv1connect.GatewayServiceClient {
+	return e.clientDialing(g, cert, nil, opts...)
+}
+
 // clientDialing is client, dialing its connections with dial (net.Dialer's
-// when nil).
-func (e *env) clientDialing(g *gw, cert tls.Certificate, dial func(ctx context.Context, network, addr string) (net.Conn, error)) gatewayv1connect.GatewayServiceClient {
+// when nil), with the Connect options opts.
+func (e *env) clientDialing(g *gw, cert tls.Certificate, dial func(ctx context.Context, network, addr string) (net.Conn, error),
+	opts ...connect.ClientOption) gatewayv1connect.GatewayServiceClient {
 	var p http.Protocols
 	p.SetHTTP2(true)
 	tr := &http.Transport{
@@ -250,7 +263,7 @@ func (e *env) clientDialing(g *gw, cert tls.Certificate, dial func(ctx context.C
 		DialContext:     dial,
 	}
 	e.t.Cleanup(tr.CloseIdleConnections)
-	return gatewayv1connect.NewGatewayServiceClient(&http.Client{Transport: tr}, "https://"+g.addr)
+	return gatewayv1connect.NewGatewayServiceClient(&http.Client{Transport: tr}, "https://"+g.addr, opts...)
 }
 
 // daemon is the client side of one session.
@@ -306,7 +319,14 @@ func (e *env) connect(g *gw, n node, hello *gatewayv1.Hello) (*daemon, *gatewayv
 	if hello == nil {
 		hello = &gatewayv1.Hello{NodeId: n.id, BootId: "boot-1", AgentVersion: "test"}
 	}
-	d := e.open(g, n, hello)
+	return e.connectWith(e.client(g, n.cert), hello)
+}
+
+// connectWith opens a session with hello through c and waits for its
+// Welcome.
+func (e *env) connectWith(c gatewayv1connect.GatewayServiceClient, hello *gatewayv1.Hello) (*daemon, *gatewayv1.Welcome) {
+	e.t.Helper()
+	d := e.openWith(c, hello)
 	w := d.next().GetWelcome()
 	require.NotNil(e.t, w, "first message is Welcome")
 	return d, w

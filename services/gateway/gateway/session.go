@@ -19,6 +19,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/telemetry"
 )
@@ -273,6 +274,9 @@ func (s *Server) Session(ctx context.Context, stream *connect.BidiStream[gateway
 		return errShuttingDown
 	}
 	defer s.untrack(st)
+	// A session is bounded by HelloTimeout and IdleTimeout (resync), not
+	// by the server's request timeout.
+	service.LongLived(ctx)
 
 	req, err := stream.Receive()
 	if err != nil {

@@ -31,6 +31,7 @@ import (
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	tunnelv1 "github.com/better-compute/better-compute/api/gen/bc/tunnel/v1"
+	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/telemetry"
 	ticket "github.com/better-compute/better-compute/pkg/tunnel"
@@ -38,12 +39,6 @@ import (
 
 // keyTunnelID is the slog key of a tunnel's id (its ticket's, "tkt_…").
 const keyTunnelID = "tunnel.id"
-
-// maxTunnelMessage bounds, in bytes, one message a tunnel stream reads: a
-// frame carries at most 64 KiB of data (bc.tunnel.v1.Frame) and a few bytes
-// of framing (the oneof tags and lengths, 8 bytes); a start is at most a 4
-// KiB ticket and a 64-byte id.
-const maxTunnelMessage = 64<<10 + 64
 
 // Reasons of the Close frames the gateway sends (Close.reason).
 const (
@@ -56,29 +51,28 @@ const (
 )
 
 // tunnelOptions are the Connect options of both Tunnel handlers: messages
-// bounded to one frame, checked by protovalidate (frame sizes, terminal
-// sizes, exit statuses, close reasons), and no compression, which tunnel
-// bytes (SSH's are encrypted) do not repay.
+// bounded to one frame (service.ReadLimit of ticket.MaxMessageBytes),
+// checked by protovalidate (frame sizes, terminal sizes, exit statuses,
+// close reasons), and no compression, which tunnel bytes (SSH's are
+// encrypted) do not repay.
 func tunnelOptions() []connect.HandlerOption {
 	return []connect.HandlerOption{
-		connect.WithReadMaxBytes(maxTunnelMessage),
+		service.ReadLimit(ticket.MaxMessageBytes),
 		connect.WithInterceptors(validate.NewInterceptor()),
 		connect.WithCompression("gzip", nil, nil),
 	}
 }
 
 // tuneControl gives the control server's HTTP/2 connections a receive
-// window per stream and one per connection that holds all of them: the
-// API carries many tunnels on one connection, and HTTP/2 returns a
-// connection's flow-control credit only as handlers read, so a tunnel whose
-// node stopped reading must not take the credit of the others.
+// window per stream and one per connection that holds all of their streams
+// (HTTPMaxStreams, 256 by default): the API carries many tunnels on one
+// connection, and HTTP/2 returns a connection's flow-control credit only as
+// handlers read, so a tunnel whose node stopped reading must not take the
+// credit of the others.
 func tuneControl(srv *http.Server) {
-	const streams, window = 256, 128 << 10
-	srv.HTTP2 = &http.HTTP2Config{
-		MaxConcurrentStreams:          streams,
-		MaxReceiveBufferPerStream:     window,
-		MaxReceiveBufferPerConnection: streams * window,
-	}
+	const window = 128 << 10
+	srv.HTTP2.MaxReceiveBufferPerStream = window
+	srv.HTTP2.MaxReceiveBufferPerConnection = srv.HTTP2.MaxConcurrentStreams * window
 }
 
 // httpStream is the HTTP side of a control server stream, which a tunnel
@@ -359,6 +353,9 @@ func (c controlService) Tunnel(ctx context.Context, stream *connect.BidiStream[g
 	if err != nil {
 		return err
 	}
+	// The start came within the request timeout; the tunnel is bounded by
+	// TunnelOpenTimeout, its session and its ends instead.
+	service.LongLived(ctx)
 	tk, err := s.checkTicket(start)
 	if err != nil {
 		s.log.WarnContext(ctx, "tunnel refused", keyTunnelID, start.GetTunnelId(), telemetry.KeyError, err)
@@ -507,6 +504,9 @@ func (s *Server) Tunnel(ctx context.Context, stream *connect.BidiStream[gatewayv
 	if err != nil {
 		return err
 	}
+	// The start came within the request timeout; the tunnel is bounded by
+	// TunnelOpenTimeout, its session and its ends instead.
+	service.LongLived(ctx)
 	if err := s.checkPeer(ctx, peer); err != nil {
 		s.log.WarnContext(ctx, "node tunnel refused", keyTunnelID, start.GetTunnelId(), "cert_node_id", peer.certID,
 			"cert_serial", peer.serial, telemetry.KeyError, err)

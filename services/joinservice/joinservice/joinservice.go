@@ -25,6 +25,7 @@ import (
 	"context"
 	"crypto/ecdh"
 	"crypto/ed25519"
+	"crypto/tls"
 	"crypto/x509"
 	"errors"
 	"fmt"
@@ -85,6 +86,11 @@ type Config struct {
 	// JoinRate is how many more Join calls per second a source address may
 	// make after its burst.
 	JoinRate int `env:"JOIN_RATE,positive" default:"10"`
+	// HTTPLimits are the limits of its server.
+	service.HTTPLimits
+	// TLS, with both files, has it serve HTTPS only: the sealed join
+	// tokens and the signed answers then never cross a network in clear.
+	service.TLS
 }
 
 // ProbeAddr is Listen (service.Config).
@@ -114,6 +120,8 @@ type Server struct {
 	issued atomic.Int64
 	// joins limits Join calls per source address (joinLimit).
 	joins *ratelimit.Limiter
+	// tls is its server's TLS configuration; nil: plain HTTP.
+	tls *tls.Config
 }
 
 // CertificatesIssued returns how many node certificates this server has
@@ -135,6 +143,10 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	config.SetDefaults(&cfg)
 	if err := cfg.Check(); err != nil {
 		return nil, err
+	}
+	serverTLS, err := cfg.ServerConfig()
+	if err != nil {
+		return nil, fmt.Errorf("joinservice: %w", err)
 	}
 	nodeCA, err := pki.LoadCA(filepath.Join(cfg.PKIDir, pki.NodeCACert), filepath.Join(cfg.PKIDir, pki.NodeCAKey))
 	if err != nil {
@@ -176,7 +188,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	}
 	return &Server{cfg: cfg, deps: deps, db: deps.DB, logger: deps.Logger, nodeCA: nodeCA, servingCA: servingCA, trustDomain: td,
 		joinKey: joinKey, signKey: signKey, commandRoot: commandRoot, batch: &batcher{db: deps.DB},
-		joins: ratelimit.New(cfg.JoinRate, cfg.JoinBurst, 0, deps.Clock)}, nil
+		joins: ratelimit.New(cfg.JoinRate, cfg.JoinBurst, 0, deps.Clock), tls: serverTLS}, nil
 }
 
 // Handler returns the mux of JoinService's Connect handler. The join limit
@@ -212,10 +224,12 @@ func (s *Server) joinLimit() connect.Interceptor {
 func (s *Server) Name() string { return Name }
 
 // Run serves the Connect API and the probes on Config.Listen (or
-// Listener) through the service lifecycle (service.Run) until ctx ends.
+// Listener), over TLS with Config.TLS, through the service lifecycle
+// (service.Run) until ctx ends.
 func (s *Server) Run(ctx context.Context) error {
 	return service.Run(ctx, service.Spec{Name: Name, Deps: s.deps, Servers: []service.HTTPServer{{
 		Name: Name, Addr: s.cfg.Listen, Listener: s.cfg.Listener, Handler: s.Handler(), Probes: true,
+		TLS: s.tls, Limits: s.cfg.HTTPLimits,
 	}}})
 }
 

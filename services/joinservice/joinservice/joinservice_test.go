@@ -1,6 +1,7 @@
 package joinservice_test
 
 import (
+	"bytes"
 	"context"
 	"crypto"
 	"crypto/ecdh"
@@ -639,4 +640,32 @@ func TestJoinThrottled(t *testing.T) {
 	}
 	require.Zero(t, f.count(t, `SELECT count(*) FROM nodes`))
 	require.Zero(t, srv.CertificatesIssued())
+}
+
+// TestMessageLimit checks that JoinService refuses a request beyond
+// service.MaxMessageBytes with ResourceExhausted, sent as it is or as a
+// gzip bomb.
+func TestMessageLimit(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	secret, _ := f.token(t, 1, f.db.Now().Add(time.Hour))
+	req := f.request(t, secret, nil)
+	req.CsrDer = bytes.Repeat([]byte{0}, 64<<20)
+	for _, c := range []struct {
+		name string
+		opts []connect.ClientOption
+		says string
+	}{
+		{name: "plain", says: "larger than configured max"},
+		{name: "gzip bomb", opts: []connect.ClientOption{connect.WithSendGzip()}, says: "inflates beyond"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			client := joinv1connect.NewJoinServiceClient(http.DefaultClient, f.url, c.opts...)
+			_, err := client.Join(t.Context(), connect.NewRequest(req))
+			require.Equal(t, connect.CodeResourceExhausted, connect.CodeOf(err), "%v", err)
+			require.Contains(t, err.Error(), c.says)
+		})
+	}
+	require.Equal(t, int64(0), f.srv.CertificatesIssued())
 }
