@@ -1,6 +1,7 @@
 package service
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -18,7 +19,9 @@ import (
 // envelope: unexpected EOF" (or "promised N bytes in enveloped message") on
 // a stream and as Unknown "read message: unexpected EOF" on a unary call,
 // which reads as a bug of the server rather than the transient failure it
-// is: a caller that retries Unavailable retries it. Any other error, nil,
+// is, and a write on the dropped connection as Canceled "…: broken pipe"
+// (or "connection reset by peer"), which reads as the caller's own
+// cancellation: a caller that retries Unavailable retries it. Any other error, nil,
 // and every error the server itself sent (connect.IsWireError) are returned
 // unchanged; the result still matches the cause (errors.Is
 // io.ErrUnexpectedEOF).
@@ -27,11 +30,19 @@ func ConnectionLost(err error, peer string) error {
 	if !errors.As(err, &cerr) || connect.IsWireError(err) {
 		return err
 	}
-	if code := cerr.Code(); code != connect.CodeInternal && code != connect.CodeUnknown {
-		return err
-	}
-	if !errors.Is(err, io.ErrUnexpectedEOF) && !errors.Is(err, syscall.ECONNRESET) &&
-		!strings.Contains(cerr.Message(), "incomplete envelope") {
+	switch cerr.Code() {
+	case connect.CodeInternal, connect.CodeUnknown:
+		if !errors.Is(err, io.ErrUnexpectedEOF) && !reset(err) && !strings.Contains(cerr.Message(), "incomplete envelope") {
+			return err
+		}
+	case connect.CodeCanceled:
+		// A write on a connection the peer dropped (a request message or
+		// a stream's next one), which connect-go reports as Canceled; the
+		// caller's own cancellation stays Canceled.
+		if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) || !reset(err) {
+			return err
+		}
+	default:
 		return err
 	}
 	cause := cerr.Unwrap()
@@ -39,4 +50,10 @@ func ConnectionLost(err error, peer string) error {
 		cause = errors.New(cerr.Message())
 	}
 	return connect.NewError(connect.CodeUnavailable, fmt.Errorf("lost the connection to %s: %w", peer, cause))
+}
+
+// reset reports whether err says the peer closed or reset the connection
+// (ECONNRESET, EPIPE).
+func reset(err error) bool {
+	return errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)
 }

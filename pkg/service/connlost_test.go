@@ -1,11 +1,16 @@
 package service_test
 
 import (
+	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"syscall"
 	"testing"
 
 	"connectrpc.com/connect"
@@ -77,6 +82,16 @@ func TestConnectionLost(t *testing.T) {
 	require.Equal(t, "unavailable: lost the connection to the API server: read message: unexpected EOF", lost.Error(),
 		"connect-go's own view: %v", raw)
 
+	// A write on the dropped connection: connect-go says Canceled with the
+	// write's error as the cause.
+	for _, cause := range []error{syscall.EPIPE, syscall.ECONNRESET} {
+		raw := connect.NewError(connect.CodeCanceled, &net.OpError{Op: "write", Net: "tcp", Err: os.NewSyscallError("write", cause)})
+		lost := service.ConnectionLost(raw, "the gateway")
+		require.Equal(t, connect.CodeUnavailable, connect.CodeOf(lost), "%v", raw)
+		require.Equal(t, "unavailable: lost the connection to the gateway: write tcp: write: "+cause.Error(), lost.Error())
+		require.ErrorIs(t, lost, cause)
+	}
+
 	// Left as they are: nil, the server's errors (even Internal ones that
 	// mention an EOF), other client errors, errors that are not Connect's.
 	require.NoError(t, service.ConnectionLost(nil, "x"))
@@ -86,6 +101,9 @@ func TestConnectionLost(t *testing.T) {
 		connect.NewError(connect.CodeInternal, errors.New("corrupt response")),
 		connect.NewError(connect.CodeUnknown, io.EOF),
 		connect.NewError(connect.CodeInvalidArgument, io.ErrUnexpectedEOF),
+		connect.NewError(connect.CodeCanceled, context.Canceled),
+		connect.NewError(connect.CodeCanceled, fmt.Errorf("%w while writing: %w", context.Canceled, syscall.EPIPE)),
+		connect.NewError(connect.CodeCanceled, errors.New("canceled by the caller")),
 		io.ErrUnexpectedEOF,
 	} {
 		require.Equal(t, e, service.ConnectionLost(e, "x"), "%v", e)
