@@ -405,6 +405,10 @@ type openTunnel struct {
 	wsClosed bool
 
 	endOnce sync.Once
+	// clientClosing is set once the client's Close frame is on its way to
+	// the gateway: the gateway's stream ending after it is that close's
+	// consequence, and the end is the client's.
+	clientClosing atomic.Bool
 	end     tunnelEnd
 	// ended is closed once end is set; gwDone and clientDone when
 	// fromGateway and fromClient return.
@@ -543,6 +547,7 @@ func (t *openTunnel) fromClient() {
 			t.endWith(endByServer, "a client sends no exit frame (the node does)", websocket.StatusInvalidFramePayloadData)
 			return
 		case *tunnelv1.Frame_Close:
+			t.clientClosing.Store(true)
 			_ = t.toGateway(&gatewayv1.TunnelRequest{Msg: &gatewayv1.TunnelRequest_Frame{Frame: f}}) // its end is the gateway's
 			reason := "closed by the client"
 			if r := x.Close.GetReason(); r != "" {
@@ -562,6 +567,9 @@ func (t *openTunnel) fromGateway() {
 	defer close(t.gwDone)
 	for {
 		f, err := t.gw.Receive()
+		if err != nil && t.clientClosing.Load() {
+			return // fromClient ends the tunnel as the client's close
+		}
 		if errors.Is(err, io.EOF) {
 			t.endWith(endByGateway, "the tunnel ended", websocket.StatusNormalClosure, endByGateway)
 			return
