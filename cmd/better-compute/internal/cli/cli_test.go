@@ -3,6 +3,7 @@ package cli_test
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -430,6 +431,65 @@ func TestPKIInit(t *testing.T) {
 	res = r.run(t, "pki", "init", "--dir", dir, "--pins-out", pinsOut)
 	require.Equal(t, 0, res.code, res.stderr)
 	require.NotContains(t, res.stdout, "wrote", "an unchanged pins file is not rewritten")
+}
+
+// TestPKIExport: `pki export` gives one service, or with --all each
+// service in a directory of its own, only the files it reads, and says
+// what it wrote; a second run writes nothing; bad flags are refused.
+func TestPKIExport(t *testing.T) {
+	t.Parallel()
+	dir := filepath.Join(t.TempDir(), "pki")
+	r := runner{}
+	require.Equal(t, 0, r.run(t, "pki", "init", "--dir", dir).code)
+
+	out := filepath.Join(t.TempDir(), "gw")
+	res := r.run(t, "pki", "export", "--dir", dir, "--service", "gateway", "--out", out)
+	require.Equal(t, 0, res.code, res.stderr)
+	files, err := pki.Layout(pki.ServiceGateway)
+	require.NoError(t, err)
+	var want strings.Builder
+	for _, f := range files {
+		note := ""
+		if pki.IsPrivateKey(f) {
+			note = " (private key, mode 0600)"
+		}
+		fmt.Fprintf(&want, "gateway: wrote %s%s\n", filepath.Join(out, f), note)
+	}
+	require.Equal(t, want.String(), res.stdout)
+	require.NotContains(t, res.stdout+res.stderr, "BEGIN")
+	res = r.run(t, "pki", "export", "--dir", dir, "--service", "gateway", "--out", out)
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Equal(t, "gateway: "+out+" is up to date\n", res.stdout)
+
+	root := t.TempDir()
+	res = r.run(t, "pki", "export", "--dir", dir, "--all", "--out", root)
+	require.Equal(t, 0, res.code, res.stderr)
+	for _, svc := range pki.Services() {
+		files, err := pki.Layout(svc)
+		require.NoError(t, err)
+		entries, err := os.ReadDir(filepath.Join(root, svc))
+		require.NoError(t, err)
+		var got []string
+		for _, e := range entries {
+			got = append(got, e.Name())
+		}
+		require.Equal(t, files, got, svc)
+	}
+
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--service", "gateway"}, "--out is required"},
+		{[]string{"--out", out}, "pass --service NAME (or --all)"},
+		{[]string{"--all", "--service", "api", "--out", out}, "pass --service NAME or --all, not both"},
+		{[]string{"--service", "fakedaemon", "--out", out}, `--service: unknown service "fakedaemon"`},
+		{[]string{"--dir", t.TempDir(), "--service", "scheduler", "--out", out}, "pki export: scheduler reads command-signing.key: open "},
+	} {
+		res := r.run(t, append([]string{"pki", "export", "--dir", dir}, tc.args...)...)
+		require.NotEqual(t, 0, res.code, tc.args)
+		require.Contains(t, res.stderr, tc.want, tc.args)
+	}
 }
 
 // migrationVersions returns the versions of the embedded migrations, in
