@@ -6,12 +6,14 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/better-compute/better-compute/cmd/better-compute/internal/cli"
@@ -549,6 +551,41 @@ func TestMigrate(t *testing.T) {
 	res = r.run(t, "migrate", "force", "9999")
 	require.Equal(t, 1, res.code)
 	require.Contains(t, res.stderr, "9999 is not a migration version")
+}
+
+// TestMigrateUpRoles: `migrate up --roles` sets up the services' roles:
+// one given a password in the environment logs in with it and has its
+// service's privileges only; one given none cannot log in.
+func TestMigrateUpRoles(t *testing.T) {
+	t.Parallel()
+	dbURL := storetest.NewURL(t)
+	r := runner{env: map[string]string{"BETTER_COMPUTE_DATABASE_URL": dbURL, "BETTER_COMPUTE_DB_PASSWORD_GATEWAY": "gw-secret"}}
+	res := r.run(t, "migrate", "up", "--roles")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, "role bc_gateway: privileges of roles.sql, LOGIN with the password of BETTER_COMPUTE_DB_PASSWORD_GATEWAY\n")
+	require.Contains(t, res.stdout, "role bc_scheduler: privileges of roles.sql, login unchanged (no BETTER_COMPUTE_DB_PASSWORD_SCHEDULER)\n")
+	require.NotContains(t, res.stdout+res.stderr, "gw-secret")
+
+	as := func(user, password string) (*pgx.Conn, error) {
+		u, err := url.Parse(dbURL)
+		require.NoError(t, err)
+		u.User = url.UserPassword(user, password)
+		return pgx.Connect(t.Context(), u.String())
+	}
+	conn, err := as("bc_gateway", "gw-secret")
+	require.NoError(t, err)
+	defer conn.Close(t.Context())
+	_, err = conn.Exec(t.Context(), `SELECT count(*) FROM nodes`)
+	require.NoError(t, err)
+	_, err = conn.Exec(t.Context(), `UPDATE tenants SET name = name`)
+	require.ErrorContains(t, err, "permission denied for table tenants")
+	_, err = as("bc_gateway", "wrong")
+	require.ErrorContains(t, err, "password authentication failed")
+	_, err = as("bc_scheduler", "")
+	require.Error(t, err, "bc_scheduler has no login")
+
+	res = r.run(t, "migrate", "up", "--roles")
+	require.Equal(t, 0, res.code, "a second run: %s", res.stderr)
 }
 
 func TestMiscCommands(t *testing.T) {
