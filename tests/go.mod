@@ -28,6 +28,7 @@ require (
 	github.com/better-compute/better-compute/services/scheduler v0.0.0-00010101000000-000000000000
 	github.com/coder/websocket v1.8.15
 	github.com/creack/pty v1.1.24
+	github.com/google/go-cmp v0.7.0
 	github.com/jackc/pgx/v5 v5.13.0
 	github.com/nats-io/nats.go v1.55.0
 	github.com/stretchr/testify v1.12.1
