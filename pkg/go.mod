@@ -11,6 +11,7 @@ require (
 	github.com/better-compute/better-compute/api v0.0.0-00010101000000-000000000000
 	github.com/exaring/otelpgx v0.13.0
 	github.com/golang-migrate/migrate/v4 v4.20.1
+	github.com/google/go-cmp v0.7.0
 	github.com/jackc/pgx/v5 v5.13.0
 	github.com/moby/moby/api v1.56.1
 	github.com/nats-io/nats-server/v2 v2.15.3

@@ -20,10 +20,15 @@ require (
 	github.com/better-compute/better-compute/api v0.0.0-00010101000000-000000000000
 	github.com/better-compute/better-compute/pkg v0.0.0-00010101000000-000000000000
 	github.com/better-compute/better-compute/pkg/devstack v0.0.0-00010101000000-000000000000
+	github.com/better-compute/better-compute/services/api v0.0.0-00010101000000-000000000000
+	github.com/better-compute/better-compute/services/controllers v0.0.0-00010101000000-000000000000
 	github.com/better-compute/better-compute/services/fakedaemon v0.0.0-00010101000000-000000000000
+	github.com/better-compute/better-compute/services/gateway v0.0.0-00010101000000-000000000000
+	github.com/better-compute/better-compute/services/joinservice v0.0.0-00010101000000-000000000000
 	github.com/better-compute/better-compute/services/scheduler v0.0.0-00010101000000-000000000000
 	github.com/coder/websocket v1.8.15
 	github.com/creack/pty v1.1.24
+	github.com/google/go-cmp v0.7.0
 	github.com/jackc/pgx/v5 v5.13.0
 	github.com/nats-io/nats.go v1.55.0
 	github.com/stretchr/testify v1.12.1
@@ -47,10 +52,6 @@ require (
 	github.com/Microsoft/go-winio v0.6.2 // indirect
 	github.com/antithesishq/antithesis-sdk-go v0.9.0-default-no-op // indirect
 	github.com/antlr4-go/antlr/v4 v4.13.1 // indirect
-	github.com/better-compute/better-compute/services/api v0.0.0-00010101000000-000000000000 // indirect
-	github.com/better-compute/better-compute/services/controllers v0.0.0-00010101000000-000000000000 // indirect
-	github.com/better-compute/better-compute/services/gateway v0.0.0-00010101000000-000000000000 // indirect
-	github.com/better-compute/better-compute/services/joinservice v0.0.0-00010101000000-000000000000 // indirect
 	github.com/cenkalti/backoff/v4 v4.3.0 // indirect
 	github.com/cenkalti/backoff/v5 v5.0.3 // indirect
 	github.com/cespare/xxhash/v2 v2.3.0 // indirect

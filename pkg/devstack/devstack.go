@@ -63,6 +63,11 @@ const (
 	DirPostgres = "postgres"
 	// DirPKI is the deployment's PKI (`better-compute pki init`'s files).
 	DirPKI = "pki"
+	// DirServicePKI holds each service's own PKI directory,
+	// DirServicePKI/<service>: the files of DirPKI it reads (pki.Export),
+	// made again at every Start, so that each service runs with only its
+	// keys as it does in compose.
+	DirServicePKI = "service-pki"
 	// DirMachines holds the simulated machines, one directory per Join.
 	DirMachines = "machines"
 	// FileSecret is the embedded PostgreSQL superuser's password (0600).
@@ -154,6 +159,10 @@ type Stack struct {
 	Pins pki.Pins
 	// PKIDir is the deployment's PKI directory.
 	PKIDir string
+	// ServicePKIDirs are each service's own PKI directory (pki.Services
+	// names them), holding only the files of PKIDir it reads: the
+	// services run with these.
+	ServicePKIDirs map[string]string
 	// JoinURL is JoinService's base URL.
 	JoinURL string
 	// Gateways are the running gateway replicas; GatewayURLs their
@@ -265,6 +274,14 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 	}
 	if s.Pins, err = pki.ReadPins(s.PKIDir); err != nil {
 		return nil, fmt.Errorf("devstack: pins: %w", err)
+	}
+	s.ServicePKIDirs = map[string]string{}
+	for _, name := range pki.Services() {
+		dir := filepath.Join(s.dataDir, DirServicePKI, name)
+		if _, err := pki.Export(s.PKIDir, name, dir); err != nil {
+			return nil, fmt.Errorf("devstack: pki: %w", err)
+		}
+		s.ServicePKIDirs[name] = dir
 	}
 	if s.DB, err = store.Open(ctx, s.DatabaseURL, o.Clock, 30*time.Second, store.Options{MaxConns: o.MaxConns}); err != nil {
 		return nil, err
@@ -416,7 +433,7 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 	kept := s.state
 	s.state.Gateways = nil
 	host := urlHost(o.Host)
-	pkiDir := service.PKI{PKIDir: s.PKIDir}
+	pkiOf := func(name string) service.PKI { return service.PKI{PKIDir: s.ServicePKIDirs[name]} }
 	intent := service.Intent{SignedIntent: o.SignedIntent}
 	certs := service.NodeCerts{NodeCertTTL: o.NodeCertTTL}
 
@@ -438,7 +455,7 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 		}
 		gw, err := run(s, g, gctx, fmt.Sprintf("gateway-%d", i), true, func(deps service.Deps) (*gateway.Server, error) {
 			return gateway.New(gateway.Config{GatewayID: fmt.Sprintf("gw-dev-%s-%d", s.state.Instance, i), Listener: ln,
-				ControlListener: control, Probes: service.Probes{NoHealthServer: true}, PKI: pkiDir, NodeCerts: certs,
+				ControlListener: control, Probes: service.Probes{NoHealthServer: true}, PKI: pkiOf(pki.ServiceGateway), NodeCerts: certs,
 				HeartbeatInterval: o.HeartbeatInterval, ResyncInterval: o.ResyncInterval}, deps)
 		})
 		if err != nil {
@@ -461,8 +478,8 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 	if _, err := run(s, g, gctx, "joinservice", false, func(deps service.Deps) (*joinservice.Server, error) {
 		// Every simulated machine joins from this host: a per-address
 		// join limit would only slow a fleet of them down.
-		return joinservice.New(joinservice.Config{PKI: pkiDir, NodeCerts: certs, Intent: intent, Gateways: gateways,
-			Listener: joinLn, JoinBurst: devJoinLimit, JoinRate: devJoinLimit}, deps)
+		return joinservice.New(joinservice.Config{PKI: pkiOf(pki.ServiceJoinService), NodeCerts: certs, Intent: intent,
+			Gateways: gateways, Listener: joinLn, JoinBurst: devJoinLimit, JoinRate: devJoinLimit}, deps)
 	}); err != nil {
 		joinLn.Close()
 		return err
@@ -483,7 +500,7 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 	}
 	s.APIURL = "http://" + net.JoinHostPort(host, fmt.Sprint(apiLn.Addr().(*net.TCPAddr).Port))
 	if _, err := run(s, g, gctx, "api", true, func(deps service.Deps) (*api.Server, error) {
-		return api.New(api.Config{PKI: pkiDir, Intent: intent, Listener: apiLn, WellKnown: api.WellKnownConfig{
+		return api.New(api.Config{PKI: pkiOf(pki.ServiceAPI), Intent: intent, Listener: apiLn, WellKnown: api.WellKnownConfig{
 			PublicURL: s.APIURL, JoinURL: s.JoinURL, Gateways: gateways}}, deps)
 	}); err != nil {
 		apiLn.Close()
@@ -492,7 +509,7 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 
 	if !o.NoControllers {
 		if s.Controllers, err = run(s, g, gctx, "controllers", true, func(deps service.Deps) (*controllers.Server, error) {
-			return controllers.New(controllers.Config{Probes: service.Probes{NoHealthServer: true}, PKI: pkiDir, Intent: intent,
+			return controllers.New(controllers.Config{Probes: service.Probes{NoHealthServer: true}, PKI: pkiOf(pki.ServiceControllers), Intent: intent,
 				Leases: service.Leases{Holder: "dev-" + s.state.Instance + "-controllers"}, ReconcileInterval: o.ReconcileInterval}, deps)
 		}); err != nil {
 			return err
@@ -500,7 +517,7 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 	}
 	if !o.NoScheduler {
 		if s.Scheduler, err = run(s, g, gctx, "scheduler", true, func(deps service.Deps) (*scheduler.Server, error) {
-			return scheduler.New(scheduler.Config{Probes: service.Probes{NoHealthServer: true}, PKI: pkiDir, Intent: intent,
+			return scheduler.New(scheduler.Config{Probes: service.Probes{NoHealthServer: true}, PKI: pkiOf(pki.ServiceScheduler), Intent: intent,
 				Leases: service.Leases{Holder: "dev-" + s.state.Instance + "-scheduler"}}, deps)
 		}); err != nil {
 			return err

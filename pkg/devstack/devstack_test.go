@@ -150,7 +150,7 @@ func TestKeptDataDir(t *testing.T) {
 	require.Equal(t, nodes1, nodes2, "the machines come back as the same nodes")
 	require.Equal(t, 1, tokens1)
 	require.Equal(t, tokens1, tokens2, "no join token is minted for machines that joined before")
-	for _, name := range []string{devstack.DirPostgres, devstack.DirPKI, devstack.FileSecret, devstack.FileRootEnv} {
+	for _, name := range []string{devstack.DirPostgres, devstack.DirPKI, devstack.DirServicePKI, devstack.FileSecret, devstack.FileRootEnv} {
 		st, err := os.Stat(dir + "/" + name)
 		require.NoError(t, err, name)
 		require.Zero(t, st.Mode().Perm()&0o077, "%s is owner-only", name)

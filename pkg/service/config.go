@@ -18,8 +18,10 @@ import (
 
 // Database is the database setting.
 type Database struct {
-	// DatabaseURL is the PostgreSQL database, a postgres:// URL. Every
-	// service needs it and waits up to a minute for it to answer at start;
+	// DatabaseURL is the PostgreSQL database, a postgres:// URL, whose
+	// user is the service's own role (bc_<service>, which `better-compute
+	// migrate up --roles` sets up) or the schema's owner. Every service
+	// needs it and waits up to a minute for it to answer at start;
 	// `better-compute dev` starts an embedded PostgreSQL server when it is
 	// unset.
 	DatabaseURL string `env:"DATABASE_URL"`
@@ -40,10 +42,11 @@ func (n NATS) natsURL() string { return n.NATSURL }
 
 // PKI is the setting of the deployment's PKI directory.
 type PKI struct {
-	// PKIDir is the deployment's PKI directory, as `better-compute pki
-	// init` writes it; each service reads the files it needs. The API reads
-	// only public files, for its well-known document, and command-signing.key
-	// with signed intent: unset, it serves no well-known document.
+	// PKIDir is the service's PKI directory: the files of the deployment's
+	// that it reads (`better-compute pki export --service NAME`, pkg/pki
+	// Layout), or the whole directory `better-compute pki init` writes. A
+	// missing file stops the service at start, naming it. Unset for the
+	// API: no well-known document and no tunnels.
 	PKIDir string `env:"PKI_DIR" default:"/var/lib/better-compute/pki"`
 }
 

@@ -26,7 +26,10 @@
 //     and their one writer (WriteEvents); the watch's reads;
 //   - outbox.go, outbox_signal.go: the outbox and waking its relay;
 //   - intent.go: signed intent;
-//   - migrate.go and migrations/: the schema.
+//   - migrate.go and migrations/: the schema;
+//   - roles.go, roles.sql: the services' database roles and their grants. A
+//     query a service runs on a table its role has no privilege on needs a
+//     GRANT in roles.sql; TestRoleGrants fails until it has one.
 //
 // A function that creates a command or changes a NodeSpec takes an
 // *IntentSigner and signs what it wrote in the same transaction

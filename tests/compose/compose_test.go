@@ -5,22 +5,28 @@
 package compose_test
 
 import (
+	"archive/tar"
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sort"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
 	"github.com/stretchr/testify/require"
 
 	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/tests/internal/tunneltest"
 )
 
@@ -220,6 +226,7 @@ func TestComposeFleet(t *testing.T) {
 	}, 60*time.Second, time.Second, "every service healthy")
 
 	s.checkFleetIsolation()
+	s.checkPrivileges()
 	s.walkthrough()
 	s.tunnels(first)
 	s.watchCordon(first[0].ID)
@@ -313,7 +320,7 @@ func (s *stack) checkFleetIsolation() {
 	mounts := s.inspect(fd, "{{range .Mounts}}{{.Name}}:{{.Destination}} {{end}}")
 	require.Contains(t, mounts, s.project+"_shared:/var/lib/better-compute/shared")
 	require.NotContains(t, mounts, "_secrets:")
-	require.NotContains(t, mounts, "_pki:")
+	require.NotContains(t, mounts, "_pki", "no PKI volume, the whole one or a service's")
 	out2, err := exec.CommandContext(t.Context(), "docker", "cp", fd+":/var/lib/better-compute/shared/join-token", "-").CombinedOutput()
 	require.NoError(t, err, "the machine reads its join token: %s", out2)
 	for _, path := range []string{"/var/lib/better-compute/shared/root.env", "/var/lib/better-compute/secrets/root.env"} {
@@ -321,6 +328,103 @@ func (s *stack) checkFleetIsolation() {
 		require.Error(t, err, "fakedaemon has %s", path)
 		require.Contains(t, strings.ToLower(string(out)), "could not find the file", path)
 	}
+}
+
+// keyDir is where every control-plane container mounts its PKI volume
+// (BETTER_COMPUTE_PKI_DIR).
+const keyDir = "/var/lib/better-compute/pki"
+
+// checkPrivileges asserts that each service holds only its own keys and
+// database privileges (docs/architecture.md, "Keys and roles"): each
+// control-plane container's PKI directory holds exactly its files of
+// pki.Layout, the whole PKI volume is mounted by the pki one-shots alone, the
+// services connect to Postgres as their own roles, and a role's forbidden
+// write fails with permission denied while its permitted read works.
+func (s *stack) checkPrivileges() {
+	t := s.t
+	t.Helper()
+	for _, c := range []struct{ container, service string }{
+		{"api", pki.ServiceAPI}, {"joinservice", pki.ServiceJoinService}, {"gateway", pki.ServiceGateway},
+		{"gateway-b", pki.ServiceGateway}, {"scheduler", pki.ServiceScheduler}, {"controllers", pki.ServiceControllers},
+	} {
+		want, err := pki.Layout(c.service)
+		require.NoError(t, err)
+		got := s.keyFiles(strings.TrimSpace(s.mustRun("ps", "-q", c.container)))
+		if diff := cmp.Diff(want, got); diff != "" {
+			t.Errorf("the key files of %s (-want +got):\n%s", c.container, diff)
+		}
+	}
+
+	// The whole PKI volume: the pki and pki-export one-shots only.
+	out, err := exec.CommandContext(t.Context(), "docker", "ps", "-a", "--filter", "label=com.docker.compose.project="+s.project,
+		"--format", `{{.ID}} {{.Label "com.docker.compose.service"}}`).CombinedOutput()
+	require.NoError(t, err, string(out))
+	var withPKI []string
+	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+		id, svc, _ := strings.Cut(line, " ")
+		if strings.Contains(s.inspect(id, "{{range .Mounts}}{{.Name}} {{end}}")+" ", s.project+"_pki ") {
+			withPKI = append(withPKI, svc)
+		}
+	}
+	sort.Strings(withPKI)
+	require.Equal(t, []string{"pki", "pki-export"}, withPKI, "the containers mounting the whole PKI")
+
+	// Each service is connected as its role.
+	pg := strings.TrimSpace(s.mustRun("ps", "-q", "postgres"))
+	users := strings.Fields(s.psql(pg, "bc", "bc", `SELECT DISTINCT usename FROM pg_stat_activity WHERE datname = 'bc' ORDER BY 1`))
+	for _, role := range []string{"bc_api", "bc_controllers", "bc_gateway", "bc_joinservice", "bc_scheduler"} {
+		require.Contains(t, users, role, "a service connected as %s", role)
+	}
+	// The gateway's role reads what it reads, and writes no API token and
+	// no tenant.
+	require.Regexp(t, `^[0-9]+$`, strings.TrimSpace(s.psql(pg, "bc_gateway", "bc_gateway", `SELECT count(*) FROM nodes`)))
+	for _, c := range []struct{ sql, table string }{
+		{`INSERT INTO api_tokens (id, tenant_id, hash, role, created_at) VALUES ('tok_gw', 'ten_gw', '\x00', 'root-admin', now())`, "api_tokens"},
+		{`UPDATE tenants SET name = 'taken'`, "tenants"},
+	} {
+		out, err := s.psqlErr(pg, "bc_gateway", "bc_gateway", c.sql)
+		require.Error(t, err, "bc_gateway: %s: %s", c.sql, out)
+		require.Contains(t, out, "permission denied for table "+c.table, c.sql)
+	}
+}
+
+// keyFiles returns the names of the files in container id's keyDir, sorted
+// (scratch images have no ls: docker cp's tar stream is read).
+func (s *stack) keyFiles(id string) []string {
+	t := s.t
+	t.Helper()
+	out, err := exec.CommandContext(t.Context(), "docker", "cp", id+":"+keyDir, "-").Output()
+	require.NoError(t, err, "docker cp %s:%s", id, keyDir)
+	var names []string
+	tr := tar.NewReader(bytes.NewReader(out))
+	for {
+		h, err := tr.Next()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		require.NoError(t, err)
+		if h.Typeflag == tar.TypeReg {
+			names = append(names, filepath.Base(h.Name))
+		}
+	}
+	sort.Strings(names)
+	return names
+}
+
+// psql runs sql in the postgres container as user over TCP (password
+// authentication, as the services log in) and returns its unaligned output;
+// it fails the test when psql fails.
+func (s *stack) psql(pg, user, password, sql string) string {
+	s.t.Helper()
+	out, err := s.psqlErr(pg, user, password, sql)
+	require.NoError(s.t, err, "psql as %s: %s: %s", user, sql, out)
+	return out
+}
+
+func (s *stack) psqlErr(pg, user, password, sql string) (string, error) {
+	out, err := exec.CommandContext(s.t.Context(), "docker", "exec", "-e", "PGPASSWORD="+password, pg,
+		"psql", "-h", "127.0.0.1", "-U", user, "-d", "bc", "-v", "ON_ERROR_STOP=1", "-At", "-c", sql).CombinedOutput()
+	return string(out), err
 }
 
 // unreachable reports whether a failed probe's output says the peer was

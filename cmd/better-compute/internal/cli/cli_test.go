@@ -3,14 +3,17 @@ package cli_test
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/better-compute/better-compute/cmd/better-compute/internal/cli"
@@ -432,6 +435,65 @@ func TestPKIInit(t *testing.T) {
 	require.NotContains(t, res.stdout, "wrote", "an unchanged pins file is not rewritten")
 }
 
+// TestPKIExport: `pki export` gives one service, or with --all each
+// service in a directory of its own, only the files it reads, and says
+// what it wrote; a second run writes nothing; bad flags are refused.
+func TestPKIExport(t *testing.T) {
+	t.Parallel()
+	dir := filepath.Join(t.TempDir(), "pki")
+	r := runner{}
+	require.Equal(t, 0, r.run(t, "pki", "init", "--dir", dir).code)
+
+	out := filepath.Join(t.TempDir(), "gw")
+	res := r.run(t, "pki", "export", "--dir", dir, "--service", "gateway", "--out", out)
+	require.Equal(t, 0, res.code, res.stderr)
+	files, err := pki.Layout(pki.ServiceGateway)
+	require.NoError(t, err)
+	var want strings.Builder
+	for _, f := range files {
+		note := ""
+		if pki.IsPrivateKey(f) {
+			note = " (private key, mode 0600)"
+		}
+		fmt.Fprintf(&want, "gateway: wrote %s%s\n", filepath.Join(out, f), note)
+	}
+	require.Equal(t, want.String(), res.stdout)
+	require.NotContains(t, res.stdout+res.stderr, "BEGIN")
+	res = r.run(t, "pki", "export", "--dir", dir, "--service", "gateway", "--out", out)
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Equal(t, "gateway: "+out+" is up to date\n", res.stdout)
+
+	root := t.TempDir()
+	res = r.run(t, "pki", "export", "--dir", dir, "--all", "--out", root)
+	require.Equal(t, 0, res.code, res.stderr)
+	for _, svc := range pki.Services() {
+		files, err := pki.Layout(svc)
+		require.NoError(t, err)
+		entries, err := os.ReadDir(filepath.Join(root, svc))
+		require.NoError(t, err)
+		var got []string
+		for _, e := range entries {
+			got = append(got, e.Name())
+		}
+		require.Equal(t, files, got, svc)
+	}
+
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--service", "gateway"}, "--out is required"},
+		{[]string{"--out", out}, "pass --service NAME (or --all)"},
+		{[]string{"--all", "--service", "api", "--out", out}, "pass --service NAME or --all, not both"},
+		{[]string{"--service", "fakedaemon", "--out", out}, `--service: unknown service "fakedaemon"`},
+		{[]string{"--dir", t.TempDir(), "--service", "scheduler", "--out", out}, "pki export: scheduler reads command-signing.key: open "},
+	} {
+		res := r.run(t, append([]string{"pki", "export", "--dir", dir}, tc.args...)...)
+		require.NotEqual(t, 0, res.code, tc.args)
+		require.Contains(t, res.stderr, tc.want, tc.args)
+	}
+}
+
 // migrationVersions returns the versions of the embedded migrations, in
 // order.
 func migrationVersions(t *testing.T) []string {
@@ -489,6 +551,41 @@ func TestMigrate(t *testing.T) {
 	res = r.run(t, "migrate", "force", "9999")
 	require.Equal(t, 1, res.code)
 	require.Contains(t, res.stderr, "9999 is not a migration version")
+}
+
+// TestMigrateUpRoles: `migrate up --roles` sets up the services' roles:
+// one given a password in the environment logs in with it and has its
+// service's privileges only; one given none cannot log in.
+func TestMigrateUpRoles(t *testing.T) {
+	t.Parallel()
+	dbURL := storetest.NewURL(t)
+	r := runner{env: map[string]string{"BETTER_COMPUTE_DATABASE_URL": dbURL, "BETTER_COMPUTE_DB_PASSWORD_GATEWAY": "gw-secret"}}
+	res := r.run(t, "migrate", "up", "--roles")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, "role bc_gateway: privileges of roles.sql, LOGIN with the password of BETTER_COMPUTE_DB_PASSWORD_GATEWAY\n")
+	require.Contains(t, res.stdout, "role bc_scheduler: privileges of roles.sql, login unchanged (no BETTER_COMPUTE_DB_PASSWORD_SCHEDULER)\n")
+	require.NotContains(t, res.stdout+res.stderr, "gw-secret")
+
+	as := func(user, password string) (*pgx.Conn, error) {
+		u, err := url.Parse(dbURL)
+		require.NoError(t, err)
+		u.User = url.UserPassword(user, password)
+		return pgx.Connect(t.Context(), u.String())
+	}
+	conn, err := as("bc_gateway", "gw-secret")
+	require.NoError(t, err)
+	defer conn.Close(t.Context())
+	_, err = conn.Exec(t.Context(), `SELECT count(*) FROM nodes`)
+	require.NoError(t, err)
+	_, err = conn.Exec(t.Context(), `UPDATE tenants SET name = name`)
+	require.ErrorContains(t, err, "permission denied for table tenants")
+	_, err = as("bc_gateway", "wrong")
+	require.ErrorContains(t, err, "password authentication failed")
+	_, err = as("bc_scheduler", "")
+	require.Error(t, err, "bc_scheduler has no login")
+
+	res = r.run(t, "migrate", "up", "--roles")
+	require.Equal(t, 0, res.code, "a second run: %s", res.stderr)
 }
 
 func TestMiscCommands(t *testing.T) {

@@ -1,12 +1,16 @@
 package cli
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
+	"time"
 
 	"github.com/spf13/cobra"
 
+	"github.com/better-compute/better-compute/pkg/config"
 	"github.com/better-compute/better-compute/pkg/store"
 )
 
@@ -39,10 +43,20 @@ func (a *app) migrateCmd() *cobra.Command {
 		return nil
 	}
 
+	var roles bool
 	up := &cobra.Command{
-		Use:   "up",
-		Short: "Apply every pending migration",
-		Args:  cobra.NoArgs,
+		Use:   "up [--roles]",
+		Short: "Apply every pending migration; with --roles, also set up the services' database roles",
+		Long: "up applies every pending migration, as the schema's owner (the URL's user).\n\n" +
+			"With --roles it then sets up the services' database roles, " + strings.Join(store.Roles(), ", ") + ":\n" +
+			"each service connects as its own (postgres://bc_<service>:PASSWORD@…) with only the privileges its\n" +
+			"queries need (pkg/store/roles.sql; docs/architecture.md, \"Keys and roles\"). A missing role is created\n" +
+			"NOLOGIN; each role's privileges on the schema are revoked and granted again from roles.sql, so run it after\n" +
+			"every upgrade. A role whose password is in " + config.Prefix + "DB_PASSWORD_<SERVICE> (" + config.Prefix +
+			"DB_PASSWORD_API,\n…_JOINSERVICE, …_GATEWAY, …_SCHEDULER, …_CONTROLLERS) gets LOGIN with it, sent as a\n" +
+			"SCRAM-SHA-256 verifier; the others keep their login as it is. The owner needs CREATEROLE. Roles are the\n" +
+			"server's: databases on one server share them.",
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			u, err := a.databaseURL(dbURL)
 			if err != nil {
@@ -51,9 +65,13 @@ func (a *app) migrateCmd() *cobra.Command {
 			if err := store.MigrateUp(u); err != nil {
 				return err
 			}
-			return report(u, "migrated up")
+			if err := report(u, "migrated up"); err != nil || !roles {
+				return err
+			}
+			return a.setupRoles(cmd.Context(), u)
 		},
 	}
+	up.Flags().BoolVar(&roles, "roles", false, "also set up the services' database roles and their privileges (see above)")
 
 	var (
 		steps int
@@ -122,4 +140,37 @@ func (a *app) migrateCmd() *cobra.Command {
 	}
 	c.AddCommand(up, down, version, force)
 	return c
+}
+
+// rolePasswordVar returns the variable holding the password of role
+// bc_<service>: BETTER_COMPUTE_DB_PASSWORD_<SERVICE>.
+func rolePasswordVar(role string) string {
+	return config.Prefix + "DB_PASSWORD_" + strings.ToUpper(strings.TrimPrefix(role, "bc_"))
+}
+
+// setupRoles runs store.SetupRoles on the database at u with the passwords
+// of the environment, and says what it did for each role.
+func (a *app) setupRoles(ctx context.Context, u string) error {
+	logins := map[string]string{}
+	for _, role := range store.Roles() {
+		if pw := a.env.Getenv(rolePasswordVar(role)); pw != "" {
+			logins[role] = pw
+		}
+	}
+	db, err := store.Open(ctx, u, a.env.Clock, 30*time.Second, store.Options{MaxConns: 2})
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	if err := store.SetupRoles(ctx, db, logins); err != nil {
+		return err
+	}
+	for _, role := range store.Roles() {
+		login := "login unchanged (no " + rolePasswordVar(role) + ")"
+		if _, ok := logins[role]; ok {
+			login = "LOGIN with the password of " + rolePasswordVar(role)
+		}
+		fmt.Fprintf(a.env.Stdout, "role %s: privileges of roles.sql, %s\n", role, login)
+	}
+	return nil
 }

@@ -1,9 +1,11 @@
 package cli
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 
 	"github.com/spf13/cobra"
 
@@ -14,7 +16,7 @@ import (
 
 func (a *app) pkiCmd() *cobra.Command {
 	c := &cobra.Command{Use: "pki", Short: "Manage a deployment's certificate authorities"}
-	c.AddCommand(a.pkiInitCmd())
+	c.AddCommand(a.pkiInitCmd(), a.pkiExportCmd())
 	return c
 }
 
@@ -115,6 +117,93 @@ func (a *app) pkiInitCmd() *cobra.Command {
 		return nil
 	}
 	return c
+}
+
+func (a *app) pkiExportCmd() *cobra.Command {
+	var (
+		dir, out, name string
+		all            bool
+	)
+	c := &cobra.Command{
+		Use:   "export --dir DIR (--service NAME --out OUT | --all --out ROOT)",
+		Short: "Copy the files of a PKI directory that one service reads into a directory of its own",
+		Long: "pki export copies, from the PKI directory DIR that pki init made, only the files service NAME reads into OUT,\n" +
+			"which becomes that service's BETTER_COMPUTE_PKI_DIR (a volume or secret of its own), so that no service holds\n" +
+			"another's keys (docs/architecture.md, \"Keys and roles\"). With --all, each service's files go to ROOT/<service>.\n" +
+			"The services and their files:\n" + pkiLayoutText() +
+			"No service gets serving-ca.key or pins.json. Files are written only when they differ, private keys 0600 and\n" +
+			"the others 0644; a file of a PKI directory in OUT that is not the service's is removed (other files are left\n" +
+			"alone). A file missing from DIR is an error naming it; run pki init first. Run it again after rotating a\n" +
+			"file in DIR.",
+		Args: cobra.NoArgs,
+	}
+	c.Flags().StringVar(&dir, "dir", "", "PKI directory that pki init made (env BETTER_COMPUTE_PKI_DIR, default /var/lib/better-compute/pki)")
+	c.Flags().StringVar(&name, "service", "", "service whose files to export: one of "+strings.Join(pki.Services(), ", "))
+	c.Flags().BoolVar(&all, "all", false, "export every service's files, each into ROOT/<service>")
+	c.Flags().StringVar(&out, "out", "", "directory to write (made 0700 when missing): the service's PKI directory, or ROOT with --all")
+	c.RunE = func(cmd *cobra.Command, _ []string) error {
+		switch {
+		case out == "":
+			return errors.New("--out is required")
+		case all && name != "":
+			return errors.New("pass --service NAME or --all, not both")
+		case !all && name == "":
+			return errors.New("pass --service NAME (or --all)")
+		}
+		if dir == "" {
+			var p service.PKI
+			if err := config.Load(&p, a.env.Getenv); err != nil {
+				return err
+			}
+			dir = p.PKIDir
+		}
+		targets := map[string]string{}
+		if all {
+			for _, svc := range pki.Services() {
+				targets[svc] = filepath.Join(out, svc)
+			}
+		} else {
+			if _, err := pki.Layout(name); err != nil {
+				return fmt.Errorf("--service: %w", err)
+			}
+			targets[name] = out
+		}
+		for _, name := range pki.Services() {
+			to, ok := targets[name]
+			if !ok {
+				continue
+			}
+			res, err := pki.Export(dir, name, to)
+			if err != nil {
+				return fmt.Errorf("pki export: %w", err)
+			}
+			for _, f := range res.Wrote {
+				note := ""
+				if pki.IsPrivateKey(f) {
+					note = " (private key, mode 0600)"
+				}
+				fmt.Fprintf(a.env.Stdout, "%s: wrote %s%s\n", name, filepath.Join(to, f), note)
+			}
+			for _, f := range res.Removed {
+				fmt.Fprintf(a.env.Stdout, "%s: removed %s (not %s's)\n", name, filepath.Join(to, f), name)
+			}
+			if len(res.Wrote)+len(res.Removed) == 0 {
+				fmt.Fprintf(a.env.Stdout, "%s: %s is up to date\n", name, to)
+			}
+		}
+		return nil
+	}
+	return c
+}
+
+// pkiLayoutText lists each service's files (pki.Layout), one line each.
+func pkiLayoutText() string {
+	var b strings.Builder
+	for _, name := range pki.Services() {
+		files, _ := pki.Layout(name)
+		fmt.Fprintf(&b, "  %-12s %s\n", name, strings.Join(files, " "))
+	}
+	return b.String()
 }
 
 // printWritten prints the files of dir that pki.Init wrote: those that did
