@@ -390,11 +390,18 @@ func apiCalls(r *grantRun, signer *store.IntentSigner) {
 		return err
 	})
 	r.call("ScanEvents", func(ctx context.Context, tx pgx.Tx) error {
-		_, err := store.ScanEvents(ctx, tx, 0, store.EventFilter{Scope: all}, 100, time.Minute)
+		_, err := store.ScanEvents(ctx, tx, 0, store.EventFilter{Scope: all}, 100)
 		return err
 	})
-	r.call("MaxEventID", func(ctx context.Context, tx pgx.Tx) error { _, err := store.MaxEventID(ctx, tx); return err })
-	r.call("CurrentTxHorizon", func(ctx context.Context, tx pgx.Tx) error { _, err := store.CurrentTxHorizon(ctx, tx); return err })
+	r.call("MaxEventID", func(ctx context.Context, tx pgx.Tx) error { _, err := store.MaxEventID(ctx, tx, all); return err })
+	r.call("EventWriters", func(ctx context.Context, tx pgx.Tx) error {
+		var xid int64
+		if err := tx.QueryRow(ctx, `SELECT pg_current_xact_id()::text::bigint`).Scan(&xid); err != nil {
+			return err
+		}
+		_, _, err := store.EventWriters(ctx, tx, []int64{xid})
+		return err
+	})
 
 	require.NoError(t, store.RegisterGateway(t.Context(), o.Pool, "gw-1", "http://gw-1:8086", now))
 	require.NoError(t, store.RecordGatewayPresence(t.Context(), o.Pool, now, "gw-1", time.Minute))
@@ -488,6 +495,10 @@ func gatewayCalls(r *grantRun) {
 	})
 	r.call("GetSessionCert", func(ctx context.Context, tx pgx.Tx) error {
 		_, err := store.GetSessionCert(ctx, tx, cert.Serial)
+		return err
+	})
+	r.call("LastNodeCertCreatedAt", func(ctx context.Context, tx pgx.Tx) error {
+		_, err := store.LastNodeCertCreatedAt(ctx, tx, cert.NodeID)
 		return err
 	})
 	r.call("LockSessionCert", func(ctx context.Context, tx pgx.Tx) error {
