@@ -409,7 +409,7 @@ type openTunnel struct {
 	// the gateway: the gateway's stream ending after it is that close's
 	// consequence, and the end is the client's.
 	clientClosing atomic.Bool
-	end     tunnelEnd
+	end           tunnelEnd
 	// ended is closed once end is set; gwDone and clientDone when
 	// fromGateway and fromClient return.
 	ended, gwDone, clientDone chan struct{}
