@@ -284,6 +284,12 @@ func (m *Machine) join(ctx context.Context, hw Hardware, pending *pendingJoin) (
 			Variant:      hw.Variant(),
 		},
 	}
+	// Claims the hardware reports outside join.proto's rules (a hostname
+	// that is none, a control character) are fitted rather than refused.
+	if fitted, err := daemon.Conform(req); err != nil {
+		m.log.Warn("join claims fitted to JoinService's rules", telemetry.KeyError, err)
+		req = fitted
+	}
 	var resp *connect.Response[joinv1.JoinResponse]
 	for attempt := 1; ; attempt++ {
 		select {

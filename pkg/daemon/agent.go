@@ -195,7 +195,7 @@ type Config struct {
 	// answered FAILED without running, so pruning it is safe.
 	JournalRetention time.Duration
 	// HelloJournalMax is how many of the latest journal entries Hello
-	// carries (default 256).
+	// carries (default 256, at most MaxHelloJournal).
 	HelloJournalMax int
 	// LossSkew widens the journal-loss window: a command that is not in the
 	// journal and not retry-safe is failed if its id's ULID time is before
@@ -256,6 +256,7 @@ func (c *Config) setDefaults() {
 	if c.HelloJournalMax <= 0 {
 		c.HelloJournalMax = 256
 	}
+	c.HelloJournalMax = min(c.HelloJournalMax, MaxHelloJournal)
 	if c.BackoffMax < c.BackoffMin {
 		c.BackoffMax = c.BackoffMin
 	}
@@ -372,6 +373,10 @@ type running struct {
 	result   *gatewayv1.CommandResult
 	err      error
 }
+
+// MaxHelloJournal is the most journal entries a Hello may carry
+// (gateway.proto's Hello.journal max_items).
+const MaxHelloJournal = 1024
 
 // New returns an Agent for the node cfg.NodeID on hw, journaling into j and
 // drawing jitter from rnd. It fails when a dependency or the node id is
@@ -868,8 +873,30 @@ func (a *Agent) nextDeadline() time.Time {
 // connected reports whether messages can be sent now.
 func (a *Agent) connected() bool { return a.state == StateHello || a.state == StateEstablished }
 
+// send sends m on the session, fitted to the gateway's rules (Conform)
+// when it carries text (see carriesText).
 func (a *Agent) send(o *out, m *gatewayv1.SessionRequest) {
+	if carriesText(m) {
+		if fitted, err := Conform(m); err != nil {
+			a.cfg.Logger.Warn("message fitted to the gateway's rules before sending", "msg", DescribeRequest(fitted), "err", err)
+			m = fitted
+		}
+	}
 	o.add(Effect{Kind: EffectSend, Session: a.session, Msg: m})
+}
+
+// carriesText reports whether m may hold a string: heartbeats and
+// observed-generation reports, the most frequent messages, hold none and
+// skip Conform's check.
+func carriesText(m *gatewayv1.SessionRequest) bool {
+	switch m.GetMsg().(type) {
+	case *gatewayv1.SessionRequest_Heartbeat:
+		return false
+	case *gatewayv1.SessionRequest_Report:
+		_, gen := m.GetReport().GetReport().(*gatewayv1.Report_ObservedGeneration)
+		return !gen
+	}
+	return true
 }
 
 // sendUpdate sends the entry's update now, or after the next Welcome.

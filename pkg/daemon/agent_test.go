@@ -20,14 +20,19 @@ import (
 
 var t0 = time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC)
 
-// countingHW counts how often each command kind ran.
+// countingHW counts how often each command kind ran; run, when set, runs
+// the commands instead of the fake machine.
 type countingHW struct {
 	*fakehw.Machine
 	runs map[string]int
+	run  func(kind string, args []byte) (*gatewayv1.CommandResult, time.Duration, error)
 }
 
 func (c *countingHW) Run(kind string, args []byte) (*gatewayv1.CommandResult, time.Duration, error) {
 	c.runs[kind]++
+	if c.run != nil {
+		return c.run(kind, args)
+	}
 	return c.Machine.Run(kind, args)
 }
 

@@ -2,7 +2,13 @@
 // a batch of the rows that committed transactions wrote, publishes each to
 // its subject, flushes, and only then commits, so a row costs one insert and
 // one delete; a failed publish rolls the delete back and the rows wait for
-// the next pass. It wakes on store.SubjectOutboxWritten (published after
+// the next pass. A row that NATS can never take (a payload above the
+// server's max payload, a subject NATS refuses) cannot stop the rows after
+// it: the pass moves it to outbox_dead_letters with why
+// (store.DeadLetterOutbox), counts it (bc.outbox.dead_letters), logs it as
+// an error and goes on. Only those permanent failures set a row aside; a
+// connection that is closed, draining or reconnecting fails the pass, which
+// is retried. It wakes on store.SubjectOutboxWritten (published after
 // commit by writers given store.DB.SignalOutboxVia) and on the commit-time
 // NOTIFY of store.OutboxChannel (the others, or when publishing fails), and
 // also polls, so a missed signal only delays. Several relays may
@@ -14,11 +20,15 @@ package outbox
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
 
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/store"
@@ -34,7 +44,24 @@ type Relay struct {
 	Poll time.Duration
 	// Batch is how many rows one pass takes; 500 if zero.
 	Batch int
+
+	// deadLetters counts the rows set aside, by cause (Run makes it).
+	deadLetters metric.Int64Counter
 }
+
+// Causes of a row set aside: the value of the cause attribute of
+// bc.outbox.dead_letters.
+const (
+	// causeMaxPayload: the payload is larger than the NATS server's max
+	// payload (nats.Conn.MaxPayload).
+	causeMaxPayload = "max_payload"
+	// causeBadSubject: the subject is not a NATS subject (empty, or with
+	// white space).
+	causeBadSubject = "bad_subject"
+)
+
+// deadLetterMetric is the name of the counter of the rows set aside.
+const deadLetterMetric = "bc.outbox.dead_letters"
 
 // straggleWindow is how far below the highest id it took a relay woken by a
 // signal looks (store.TakeOutbox's after): ids are drawn when rows are
@@ -54,6 +81,12 @@ func (r *Relay) Run(ctx context.Context) error {
 	}
 	if r.Batch == 0 {
 		r.Batch = 500
+	}
+	var err error
+	r.deadLetters, err = otel.Meter("github.com/better-compute/better-compute/pkg/outbox").Int64Counter(deadLetterMetric,
+		metric.WithUnit("{row}"), metric.WithDescription("Outbox rows set aside because NATS can never take them, by cause."))
+	if err != nil {
+		r.Logger.Warn("outbox relay: create the dead-letter counter", "err", err)
 	}
 	wake := make(chan struct{}, 1)
 	signal := func() {
@@ -103,21 +136,34 @@ func (r *Relay) Run(ctx context.Context) error {
 	}
 }
 
-// drainOnce publishes one batch of the rows with ids above after and returns
-// how many rows it published and the highest id among them. The rows are
-// deleted in the transaction that publishes them, which commits only after
-// NATS has flushed them; on any error it rolls back and the rows stay for
-// the next pass.
+// drainOnce takes one batch of the rows with ids above after, publishes
+// each or sets it aside, and returns how many rows it took and the highest
+// id among them. The rows are deleted in the transaction that publishes
+// them, which commits only after NATS has flushed them; a row that can
+// never be published (publish's cause) is moved to outbox_dead_letters in
+// that transaction and the others go on. On any other error it rolls back
+// and every row stays for the next pass. The rows set aside are logged and
+// counted once the transaction has committed.
 func (r *Relay) drainOnce(ctx context.Context, after int64) (n int, top int64, err error) {
+	var dead []deadLetter
 	err = r.DB.InGenericTx(ctx, func(tx pgx.Tx) error {
+		dead = dead[:0]
 		msgs, err := store.TakeOutbox(ctx, tx, after, r.Batch)
 		if err != nil || len(msgs) == 0 {
 			return err
 		}
 		for _, m := range msgs {
-			if err := r.NC.Publish(m.Subject, m.Payload); err != nil {
+			cause, err := r.publish(m)
+			if err == nil {
+				continue
+			}
+			if cause == "" {
 				return err
 			}
+			if err := store.DeadLetterOutbox(ctx, tx, r.Clock.Now(), m, err.Error()); err != nil {
+				return err
+			}
+			dead = append(dead, deadLetter{msg: m, cause: cause, err: err})
 		}
 		if err := r.NC.FlushTimeout(5 * time.Second); err != nil {
 			return err
@@ -128,7 +174,44 @@ func (r *Relay) drainOnce(ctx context.Context, after int64) (n int, top int64, e
 	if err != nil {
 		return 0, 0, err
 	}
+	for _, d := range dead {
+		r.Logger.ErrorContext(ctx, "outbox row set aside", "outbox.id", d.msg.ID, "subject", d.msg.Subject,
+			"payload_bytes", len(d.msg.Payload), "cause", d.cause, "err", d.err)
+		if r.deadLetters != nil {
+			r.deadLetters.Add(ctx, 1, metric.WithAttributes(attribute.String("cause", d.cause)))
+		}
+	}
 	return n, top, nil
+}
+
+// deadLetter is a row drainOnce set aside, and why.
+type deadLetter struct {
+	msg   store.OutboxMessage
+	cause string
+	err   error
+}
+
+// publish publishes m. An error that publishing m can never get past comes
+// with its cause (causeMaxPayload, causeBadSubject), and m is to be set
+// aside; an error without a cause (the connection is closed, draining or
+// over its reconnect buffer) may pass, and m is to be retried.
+func (r *Relay) publish(m store.OutboxMessage) (cause string, err error) {
+	// MaxPayload is 0 before the first connection (RetryOnFailedConnect):
+	// then nothing is known yet, and the publish is buffered.
+	if limit := r.NC.MaxPayload(); limit > 0 && int64(len(m.Payload)) > limit {
+		return causeMaxPayload, fmt.Errorf("payload of %d bytes is above the NATS server's max payload of %d bytes",
+			len(m.Payload), limit)
+	}
+	err = r.NC.Publish(m.Subject, m.Payload)
+	switch {
+	case err == nil:
+		return "", nil
+	case errors.Is(err, nats.ErrMaxPayload):
+		return causeMaxPayload, fmt.Errorf("payload of %d bytes: %w", len(m.Payload), err)
+	case errors.Is(err, nats.ErrBadSubject):
+		return causeBadSubject, fmt.Errorf("subject %q: %w", m.Subject, err)
+	}
+	return "", err
 }
 
 // listen holds a LISTEN connection and signals wake on every notification;

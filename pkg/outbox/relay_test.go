@@ -1,11 +1,14 @@
 package outbox_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"os"
+	"slices"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -13,6 +16,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/better-compute/better-compute/pkg/bus/bustest"
 	"github.com/better-compute/better-compute/pkg/clock"
@@ -145,6 +151,7 @@ func TestRelayKeepsRowsWhenPublishFails(t *testing.T) {
 	cancel()
 	require.NoError(t, <-done)
 	require.Equal(t, 2, outboxRows(t.Context(), db), "a failed publish leaves the rows")
+	require.Empty(t, deadLetters(t, db), "a closed connection sets no row aside")
 
 	nc, sub := subscribeTest(t, srv.ClientURL())
 	ctx, cancel = context.WithCancel(t.Context())
@@ -246,4 +253,108 @@ func TestRelayPublishesStragglers(t *testing.T) {
 		}
 		require.Equal(t, map[string]bool{s.subject: true, s.subject + ".marker": true}, got)
 	}
+}
+
+// errorLogs is a slog.Handler keeping the relay's error records.
+type errorLogs struct {
+	mu   sync.Mutex
+	msgs []string
+}
+
+func (h *errorLogs) Enabled(_ context.Context, l slog.Level) bool { return l >= slog.LevelError }
+func (h *errorLogs) Handle(_ context.Context, r slog.Record) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.msgs = append(h.msgs, r.Message)
+	return nil
+}
+func (h *errorLogs) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h *errorLogs) WithGroup(string) slog.Handler      { return h }
+
+func (h *errorLogs) messages() []string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return slices.Clone(h.msgs)
+}
+
+// deadLetter is what the tests read of an outbox_dead_letters row.
+type deadLetter struct {
+	OutboxID int64
+	Subject  string
+	Size     int
+	Reason   string
+}
+
+func deadLetters(t *testing.T, db *store.DB) []deadLetter {
+	t.Helper()
+	rows, err := db.Pool.Query(t.Context(), `SELECT outbox_id, subject, length(payload), reason
+		FROM outbox_dead_letters ORDER BY outbox_id`)
+	require.NoError(t, err)
+	out, err := pgx.CollectRows(rows, pgx.RowToStructByPos[deadLetter])
+	require.NoError(t, err)
+	return out
+}
+
+// TestRelaySetsAsidePoisonRows: a row that NATS can never take (a payload
+// of 2 MiB, above the server's 1 MiB max payload; a subject that is not
+// one) is moved to outbox_dead_letters with its reason, counted and logged
+// as an error, and the rows after it, in the same pass, are published.
+func TestRelaySetsAsidePoisonRows(t *testing.T) {
+	db := storetest.New(t, nil)
+	nc, sub := natsServer(t)
+	reader := sdkmetric.NewManualReader()
+	prev := otel.GetMeterProvider()
+	otel.SetMeterProvider(sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)))
+	t.Cleanup(func() { otel.SetMeterProvider(prev) })
+
+	big := bytes.Repeat([]byte("x"), 2<<20)
+	require.Greater(t, int64(len(big)), nc.MaxPayload())
+	var ids []int64
+	require.NoError(t, db.InTx(t.Context(), func(tx pgx.Tx) error {
+		for _, m := range []struct {
+			subject string
+			payload []byte
+		}{{"test.big", big}, {"test.bad subject", []byte("x")}, {"test.small", []byte("small")}} {
+			if err := store.Enqueue(t.Context(), tx, db.Now(), m.subject, m.payload); err != nil {
+				return err
+			}
+		}
+		return tx.QueryRow(t.Context(), `SELECT array_agg(id ORDER BY id) FROM outbox`).Scan(&ids)
+	}))
+
+	logs := &errorLogs{}
+	runRelay(t, &outbox.Relay{DB: db, NC: nc, Logger: slog.New(logs), Clock: clock.New(), Poll: time.Hour})
+
+	msg, err := sub.NextMsg(10 * time.Second)
+	require.NoError(t, err)
+	require.Equal(t, "test.small", msg.Subject, "the row after the poison ones is published")
+	require.Equal(t, "small", string(msg.Data))
+	require.Eventually(t, func() bool { return outboxRows(t.Context(), db) == 0 }, 10*time.Second, 20*time.Millisecond,
+		"every row left the outbox")
+	dead := deadLetters(t, db)
+	require.Len(t, dead, 2)
+	require.Equal(t, deadLetter{OutboxID: ids[0], Subject: "test.big", Size: 2 << 20, Reason: dead[0].Reason}, dead[0])
+	require.Contains(t, dead[0].Reason, "max payload")
+	require.Equal(t, deadLetter{OutboxID: ids[1], Subject: "test.bad subject", Size: 1, Reason: dead[1].Reason}, dead[1])
+	require.Contains(t, dead[1].Reason, "subject")
+	require.Equal(t, []string{"outbox row set aside", "outbox row set aside"}, logs.messages())
+
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(t.Context(), &rm))
+	counts := map[string]int64{}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name != "bc.outbox.dead_letters" {
+				continue
+			}
+			for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
+				cause, _ := dp.Attributes.Value("cause")
+				counts[cause.AsString()] += dp.Value
+			}
+		}
+	}
+	require.Equal(t, map[string]int64{"max_payload": 1, "bad_subject": 1}, counts)
+
+	_, err = sub.NextMsg(200 * time.Millisecond)
+	require.ErrorIs(t, err, nats.ErrTimeout, "the poison rows are never published")
 }

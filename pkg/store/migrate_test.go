@@ -39,7 +39,7 @@ func TestMigrationsUpDownUp(t *testing.T) {
 	url := storetest.NewURL(t) // already migrated up from the template
 	up := tables(t, url)
 	for _, want := range []string{"tenants", "api_tokens", "sites", "pools", "join_tokens", "nodes",
-		"node_certs", "node_devices", "commands", "outbox", "events", "leases", "audit"} {
+		"node_certs", "node_devices", "commands", "outbox", "outbox_dead_letters", "events", "leases", "audit"} {
 		require.Contains(t, up, want)
 	}
 	v, dirty, err := store.MigrationVersion(url)

@@ -108,6 +108,8 @@ type OutboxMessage struct {
 	ID      int64
 	Subject string
 	Payload []byte
+	// CreatedAt is when the row was written.
+	CreatedAt time.Time
 }
 
 // TakeOutbox deletes up to limit outbox rows with ids above after, oldest
@@ -126,7 +128,7 @@ type OutboxMessage struct {
 func TakeOutbox(ctx context.Context, q DBTX, after int64, limit int) ([]OutboxMessage, error) {
 	rows, err := q.Query(ctx, `DELETE FROM outbox WHERE id IN (
 			SELECT id FROM outbox WHERE id > $2 ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED)
-		RETURNING id, subject, payload`, limit, after)
+		RETURNING id, subject, payload, created_at`, limit, after)
 	if err != nil {
 		return nil, fmt.Errorf("take outbox: %w", err)
 	}
@@ -137,4 +139,22 @@ func TakeOutbox(ctx context.Context, q DBTX, after int64, limit int) ([]OutboxMe
 	// RETURNING follows no ORDER BY.
 	slices.SortFunc(out, func(a, b OutboxMessage) int { return cmp.Compare(a.ID, b.ID) })
 	return out, nil
+}
+
+// DeadLetterOutbox writes m, an outbox row that can never be published (a
+// payload above the NATS server's max payload, a subject NATS refuses), to
+// outbox_dead_letters with reason, a sentence saying why, and now as its
+// dead_at. Call it in the transaction that took m (TakeOutbox), which then
+// commits with the rows after m published and m out of the outbox.
+func DeadLetterOutbox(ctx context.Context, q DBTX, now time.Time, m OutboxMessage, reason string) error {
+	payload := m.Payload
+	if payload == nil {
+		payload = []byte{}
+	}
+	_, err := q.Exec(ctx, `INSERT INTO outbox_dead_letters (outbox_id, subject, payload, created_at, dead_at, reason)
+		VALUES ($1, $2, $3, $4, $5, $6)`, m.ID, m.Subject, payload, m.CreatedAt, now, reason)
+	if err != nil {
+		return fmt.Errorf("dead-letter outbox row %d: %w", m.ID, err)
+	}
+	return nil
 }

@@ -163,3 +163,63 @@ func TestGenericPlanConnections(t *testing.T) {
 		return nil
 	}))
 }
+
+// TestDeadLetterOutbox: a taken row dead-lettered in the taking transaction
+// leaves the outbox for outbox_dead_letters, with its subject, payload,
+// creation time and the reason, when that transaction commits; a rollback
+// puts it back in the outbox and sets nothing aside.
+func TestDeadLetterOutbox(t *testing.T) {
+	db := storetest.New(t, nil)
+	ctx := t.Context()
+	require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
+		return store.Enqueue(ctx, tx, db.Now(), "t.poison", []byte("payload"))
+	}))
+	setAside := func(commit bool) store.OutboxMessage {
+		t.Helper()
+		var m store.OutboxMessage
+		err := db.InTx(ctx, func(tx pgx.Tx) error {
+			got, err := store.TakeOutbox(ctx, tx, 0, 10)
+			if err != nil {
+				return err
+			}
+			require.Len(t, got, 1)
+			m = got[0]
+			if err := store.DeadLetterOutbox(ctx, tx, db.Now(), m, "too large"); err != nil {
+				return err
+			}
+			if !commit {
+				return errRollback
+			}
+			return nil
+		})
+		if commit {
+			require.NoError(t, err)
+		} else {
+			require.ErrorIs(t, err, errRollback)
+		}
+		return m
+	}
+
+	setAside(false)
+	require.Equal(t, 1, countRows(t, db, `SELECT count(*) FROM outbox`), "rolled back: the row is in the outbox again")
+	require.Zero(t, countRows(t, db, `SELECT count(*) FROM outbox_dead_letters`))
+
+	m := setAside(true)
+	require.Zero(t, countRows(t, db, `SELECT count(*) FROM outbox`))
+	var (
+		id              int64
+		subject         string
+		payload         []byte
+		created, deadAt time.Time
+		reason          string
+	)
+	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT outbox_id, subject, payload, created_at, dead_at, reason
+		FROM outbox_dead_letters`).Scan(&id, &subject, &payload, &created, &deadAt, &reason))
+	require.Equal(t, m.ID, id)
+	require.Equal(t, "t.poison", subject)
+	require.Equal(t, "payload", string(payload))
+	require.False(t, m.CreatedAt.IsZero())
+	require.True(t, m.CreatedAt.Equal(created), "%v %v", m.CreatedAt, created)
+	require.False(t, deadAt.Before(created))
+	require.Equal(t, "too large", reason)
+}

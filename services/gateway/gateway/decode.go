@@ -145,11 +145,10 @@ func decodeSpecRefused(r *gatewayv1.SpecRefused) *gatewayv1.SpecRefused {
 }
 
 // decodeSSHRefused returns an SshRefused report of node nodeID as it is
-// recorded: its strings cut to their bounds and rid of control characters
-// (boundText).
+// recorded. Its strings are within gateway.proto's bounds and free of
+// control characters: checkMessage refused the message otherwise.
 func decodeSSHRefused(nodeID string, r *gatewayv1.SshRefused) store.SSHRefusal {
-	return store.SSHRefusal{NodeID: nodeID, Reason: boundText(r.GetReason(), maxSSHRefusedReason),
-		KeyID: boundText(r.GetKeyId(), maxSSHRefusedField), User: boundText(r.GetUser(), maxSSHRefusedField)}
+	return store.SSHRefusal{NodeID: nodeID, Reason: r.GetReason(), KeyID: r.GetKeyId(), User: r.GetUser()}
 }
 
 // decodeAllocationBound checks an AllocationBound report: reservation_id is

@@ -350,12 +350,12 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	mux := http.NewServeMux()
 	// Session deliberately runs without service.HandlerOptions: an
 	// otelconnect span would live as long as the session (hours) and
-	// collect an event per message, gateway.proto has no protovalidate
-	// rules, and Session returns explicit Connect codes, so the masking of
-	// internal errors has nothing to do. Together they cost about 6 KiB per idle
-	// session (BenchmarkIdleSessionMemory). Database calls are still
-	// traced by otelpgx. Its messages have the limits of every handler
-	// (service.MessageOptions).
+	// collect an event per message, Session validates each message it
+	// receives itself (Server.receive), and Session returns explicit Connect
+	// codes, so the masking of internal errors has nothing to do. Together
+	// they cost about 6 KiB per idle session (BenchmarkIdleSessionMemory).
+	// Database calls are still traced by otelpgx. Its messages have the
+	// limits of every handler (service.MessageOptions).
 	mux.Handle(gatewayv1connect.NewGatewayServiceHandler(s, service.MessageOptions()...))
 	// The node's end of a tunnel has options of its own (tunnelOptions),
 	// on the more specific path.

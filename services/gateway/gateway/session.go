@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -11,6 +12,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"buf.build/go/protovalidate"
 	"connectrpc.com/connect"
 	"github.com/jackc/pgx/v5"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -278,7 +280,7 @@ func (s *Server) Session(ctx context.Context, stream *connect.BidiStream[gateway
 	// by the server's request timeout.
 	service.LongLived(ctx)
 
-	req, err := stream.Receive()
+	req, err := s.receive(st)
 	if err != nil {
 		return st.endErr(err)
 	}
@@ -300,7 +302,7 @@ func (s *Server) Session(ctx context.Context, stream *connect.BidiStream[gateway
 	s.deliverLoop(st)
 
 	for {
-		req, err := stream.Receive()
+		req, err := s.receive(st)
 		if err != nil {
 			return st.endErr(err)
 		}
@@ -311,6 +313,35 @@ func (s *Server) Session(ctx context.Context, stream *connect.BidiStream[gateway
 		}
 		s.seen.record(st, now)
 	}
+}
+
+// receive reads st's next message and checks it against gateway.proto's
+// rules (protovalidate): the Session handler runs without the validating
+// interceptor (see New), so every message is checked here. Its error is
+// Receive's (io.EOF when the daemon closed the stream), or InvalidArgument
+// naming the field of a message that breaks a rule; the handler ends the
+// stream with st.endErr of it, which ends only this session.
+func (s *Server) receive(st *session) (*gatewayv1.SessionRequest, error) {
+	req, err := st.stream.Receive()
+	if err != nil {
+		return nil, err
+	}
+	if err := checkMessage(req); err != nil {
+		s.log.WarnContext(st.ctx, "invalid session message", telemetry.KeyNodeID, cmp.Or(st.nodeID, st.certID),
+			telemetry.KeyError, err)
+		return nil, err
+	}
+	return req, nil
+}
+
+// checkMessage checks a Session message against gateway.proto's rules
+// (protovalidate): InvalidArgument naming the field and the rule, never the
+// value, when it breaks one.
+func checkMessage(req *gatewayv1.SessionRequest) error {
+	if err := protovalidate.Validate(req); err != nil {
+		return connect.NewError(connect.CodeInvalidArgument, err)
+	}
+	return nil
 }
 
 // track adds a new stream unless the gateway is shutting down.

@@ -5,9 +5,7 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
-	"unicode"
 
 	"github.com/jackc/pgx/v5"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -152,16 +150,10 @@ func (s *Server) specRefused(ctx context.Context, st *session, r *gatewayv1.Spec
 	return nil
 }
 
-// Bounds of the strings of an SshRefused report as stored, in characters.
-const (
-	maxSSHRefusedReason = 1024
-	maxSSHRefusedField  = 256 // key id, user
-)
-
 // sshRefused records that the node's SSH server refused a login as a
 // node.ssh_refused event (store.RecordSSHRefused), written at once as spec
-// refusals are; the report's strings are cut to their bounds and rid of
-// control characters.
+// refusals are. The report's strings are within gateway.proto's bounds and
+// free of control characters: Server.receive refused the message otherwise.
 func (s *Server) sshRefused(ctx context.Context, st *session, r *gatewayv1.SshRefused) error {
 	ref := decodeSSHRefused(st.nodeID, r)
 	s.log.WarnContext(ctx, "the node's SSH server refused a login", telemetry.KeyNodeID, st.nodeID, "reason", ref.Reason,
@@ -173,21 +165,4 @@ func (s *Server) sshRefused(ctx context.Context, st *session, r *gatewayv1.SshRe
 		return errRecord
 	}
 	return nil
-}
-
-// boundText returns s with its control characters (NUL among them, which
-// a jsonb value cannot hold) made spaces, cut to at most n characters.
-func boundText(s string, n int) string {
-	var b strings.Builder
-	for _, r := range s {
-		if n == 0 {
-			break
-		}
-		if unicode.IsControl(r) {
-			r = ' '
-		}
-		b.WriteRune(r)
-		n--
-	}
-	return b.String()
 }

@@ -691,16 +691,18 @@ func TestBadControlURL(t *testing.T) {
 }
 
 // TestSSHRefusalIsRecorded: an SshRefused report becomes a node.ssh_refused
-// event, its strings bounded, and the session goes on.
+// event with its strings as sent, at their longest, and the session goes
+// on (one that breaks gateway.proto's bounds ends the session:
+// TestInvalidSessionMessageEndsOnlyThatSession).
 func TestSSHRefusalIsRecorded(t *testing.T) {
 	t.Parallel()
 	e := setup(t, options{})
 	g := e.startGateway(noResync)
 	n := e.newNode()
 	d, w := e.connect(g, n, nil)
-	long := strings.Repeat("é", 1500)
+	reason := "unknown CA " + strings.Repeat("é", 1024-len("unknown CA "))
 	d.send(&gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Report{Report: &gatewayv1.Report{
-		Report: &gatewayv1.Report_SshRefused{SshRefused: &gatewayv1.SshRefused{Reason: "unknown CA\x00" + long, KeyId: "key-1",
+		Report: &gatewayv1.Report_SshRefused{SshRefused: &gatewayv1.SshRefused{Reason: reason, KeyId: "key-1",
 			User: "root"}}}}})
 	var data []byte
 	eventually(t, func() bool {
@@ -712,7 +714,7 @@ func TestSSHRefusalIsRecorded(t *testing.T) {
 	require.Equal(t, n.id, got.NodeID)
 	require.Equal(t, "key-1", got.KeyID)
 	require.Equal(t, "root", got.User)
-	require.Equal(t, "unknown CA "+strings.Repeat("é", 1024-len("unknown CA ")), got.Reason, "control characters out, 1024 characters at most")
+	require.Equal(t, reason, got.Reason)
 	d.heartbeat(1, 0)
 	require.Equal(t, int64(1), d.nextAck())
 	require.Equal(t, w.GetSessionId(), *e.nodeRow(n.id).SessionID)

@@ -1,7 +1,9 @@
 package joinservice
 
 import (
+	"crypto/ecdh"
 	"errors"
+	"strings"
 	"testing"
 
 	"connectrpc.com/connect"
@@ -29,7 +31,10 @@ func FuzzJoinRequest(f *testing.F) {
 	if err != nil {
 		f.Fatal(err)
 	}
-	const token = "bcjt_fuzz-seed-token"
+	token, err := iam.NewSecret(iam.JoinTokenPrefix)
+	if err != nil {
+		f.Fatal(err)
+	}
 	sealed, err := pki.SealJoinToken(key.PublicKey(), token, csr)
 	if err != nil {
 		f.Fatal(err)
@@ -77,4 +82,64 @@ func FuzzJoinRequest(f *testing.F) {
 			t.Fatalf("accepted a token that does not open: %v", err)
 		}
 	})
+}
+
+// TestDecodeRefusesMalformedSealedToken: a sealed token that opens but
+// holds no well-formed join token ("bcjt_" and the base64url of 32 bytes,
+// as iam.NewSecret makes it) is refused as an unknown token is, before
+// the database is asked.
+func TestDecodeRefusesMalformedSealedToken(t *testing.T) {
+	t.Parallel()
+	key, err := pki.GenerateJoinEncryptionKey()
+	if err != nil {
+		t.Fatal(err)
+	}
+	nodeKey, err := pki.GenerateKey()
+	if err != nil {
+		t.Fatal(err)
+	}
+	csr, err := pki.NewCSR(nodeKey, "machine")
+	if err != nil {
+		t.Fatal(err)
+	}
+	good, err := iam.NewSecret(iam.JoinTokenPrefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	api, err := iam.NewSecret(iam.APITokenPrefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct{ name, token string }{
+		{"api token", api},
+		{"no prefix", strings.TrimPrefix(good, iam.JoinTokenPrefix)},
+		{"short", good[:len(good)-1]},
+		{"long", good + "A"},
+		{"not base64url", good[:len(good)-1] + "\x00"},
+		{"huge", iam.JoinTokenPrefix + strings.Repeat("A", 3000)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			sealed, err := pki.SealJoinToken(key.PublicKey(), tc.token, csr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, err = decodeJoinRequest(key, &joinv1.JoinRequest{SealedToken: sealed, CsrDer: csr})
+			if connect.CodeOf(err) != connect.CodeUnauthenticated || !strings.Contains(err.Error(), "join token is not valid") {
+				t.Fatalf("decodeJoinRequest = %v, want Unauthenticated: join token is not valid", err)
+			}
+		})
+	}
+	in, err := decodeJoinRequest(key, &joinv1.JoinRequest{SealedToken: mustSeal(t, key, good, csr), CsrDer: csr})
+	if err != nil || string(in.tokenHash) != string(iam.HashSecret(good)) {
+		t.Fatalf("a well-formed token was refused: %v", err)
+	}
+}
+
+func mustSeal(t *testing.T, key *ecdh.PrivateKey, token string, csr []byte) []byte {
+	t.Helper()
+	sealed, err := pki.SealJoinToken(key.PublicKey(), token, csr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sealed
 }

@@ -27,12 +27,14 @@ import (
 	"crypto/ed25519"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
 	"path/filepath"
+	"strings"
 	"sync/atomic"
 
 	"buf.build/go/protovalidate"
@@ -363,8 +365,11 @@ type joinInput struct {
 // database, cheapest first: protovalidate (InvalidArgument naming the field),
 // the CSR (InvalidArgument "csr_der: …": not DER PKCS#10, or not signed by
 // its key), then the sealed token, opened with key and bound to the CSR's
-// DER (Unauthenticated "sealed_token cannot be opened…"). Every error is a
-// *connect.Error; it never panics, whatever msg holds.
+// DER (Unauthenticated "sealed_token cannot be opened…"), and what it
+// holds: a token that is not a well-formed join token (wellFormedJoinToken)
+// is refused as an unknown one is (Unauthenticated "join token is not
+// valid"). Every error is a *connect.Error; it never panics, whatever msg
+// holds.
 func decodeJoinRequest(key *ecdh.PrivateKey, msg *joinv1.JoinRequest) (joinInput, error) {
 	if err := protovalidate.Validate(msg); err != nil {
 		return joinInput{}, connect.NewError(connect.CodeInvalidArgument, err)
@@ -377,7 +382,26 @@ func decodeJoinRequest(key *ecdh.PrivateKey, msg *joinv1.JoinRequest) (joinInput
 	if err != nil {
 		return joinInput{}, connect.NewError(connect.CodeUnauthenticated, pki.ErrSealOpen)
 	}
+	if !wellFormedJoinToken(token) {
+		return joinInput{}, connect.NewError(connect.CodeUnauthenticated, &store.JoinTokenRefusal{Reason: store.ErrJoinTokenUnknown})
+	}
 	return joinInput{csr: csr, tokenHash: iam.HashSecret(token)}, nil
+}
+
+// joinTokenChars is the length of a join token's random part: 32 bytes in
+// unpadded base64url (iam.NewSecret).
+const joinTokenChars = 43
+
+// wellFormedJoinToken reports whether s is a join token as iam.NewSecret
+// makes it: iam.JoinTokenPrefix followed by the canonical unpadded
+// base64url encoding (RFC 4648 section 5) of 32 bytes.
+func wellFormedJoinToken(s string) bool {
+	body, ok := strings.CutPrefix(s, iam.JoinTokenPrefix)
+	if !ok || len(body) != joinTokenChars {
+		return false
+	}
+	b, err := base64.RawURLEncoding.Strict().DecodeString(body)
+	return err == nil && len(b) == 32
 }
 
 // mapError turns store errors into Connect errors with messages fit for

@@ -305,6 +305,8 @@ func TestJoinRefusals(t *testing.T) {
 	_, err := store.RevokeJoinToken(ctx, f.db.Pool, store.AllTenants, revokedID, now)
 	require.NoError(t, err)
 	_, used := f.token(t, 10, now.Add(time.Hour))
+	unknown, err := iam.NewSecret(iam.JoinTokenPrefix) // never recorded
+	require.NoError(t, err)
 	// Ten machines joined with it.
 	_, granted, err := store.UseJoinTokenN(ctx, f.db.Pool, iam.HashSecret(used), 10, now)
 	require.NoError(t, err)
@@ -334,7 +336,9 @@ func TestJoinRefusals(t *testing.T) {
 		code connect.Code
 		msg  string
 	}{
-		{"unknown token", &joinv1.JoinRequest{SealedToken: sealed("bcjt_unknown-token"), CsrDer: csr},
+		{"unknown token", &joinv1.JoinRequest{SealedToken: sealed(unknown), CsrDer: csr},
+			connect.CodeUnauthenticated, "join token is not valid"},
+		{"malformed token", &joinv1.JoinRequest{SealedToken: sealed("bcjt_unknown-token"), CsrDer: csr},
 			connect.CodeUnauthenticated, "join token is not valid"},
 		{"expired token", &joinv1.JoinRequest{SealedToken: sealed(expired), CsrDer: csr},
 			connect.CodeFailedPrecondition, "join token expired at " + expiredTok.ExpiresAt.UTC().Format(time.RFC3339)},
@@ -668,4 +672,38 @@ func TestMessageLimit(t *testing.T) {
 		})
 	}
 	require.Equal(t, int64(0), f.srv.CertificatesIssued())
+}
+
+// TestJoinRefusesInvalidClaims: claims that break join.proto's rules (a
+// control or format character, a host name that is none, too long) are
+// refused with InvalidArgument naming the field, before anything is
+// consumed or recorded.
+func TestJoinRefusesInvalidClaims(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name   string
+		claims *joinv1.Claims
+		field  string
+	}{
+		{"newline in hostname", &joinv1.Claims{Hostname: "gpu-01\nlevel=ERROR"}, "claims.hostname"},
+		{"hostname that is no hostname", &joinv1.Claims{Hostname: "gpu_01; reboot"}, "claims.hostname"},
+		{"escape sequence in agent version", &joinv1.Claims{Hostname: "gpu-01", AgentVersion: "bcd/1.0\x1b]0;owned\x07"}, "claims.agent_version"},
+		{"bidirectional override in variant", &joinv1.Claims{Hostname: "gpu-01", Variant: "hgx\u202e001h"}, "claims.variant"},
+		{"space in machine id", &joinv1.Claims{Hostname: "gpu-01", MachineId: "m 01"}, "claims.machine_id"},
+		{"oversize machine id", &joinv1.Claims{Hostname: "gpu-01", MachineId: strings.Repeat("a", 129)}, "claims.machine_id"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			f := setup(t)
+			tokenID, secret := f.token(t, 5, f.db.Now().Add(time.Hour))
+			_, err := f.client.Join(t.Context(), connect.NewRequest(f.request(t, secret, tc.claims)))
+			require.Equal(t, connect.CodeInvalidArgument, connect.CodeOf(err), "%v", err)
+			require.ErrorContains(t, err, tc.field)
+			require.Zero(t, f.srv.CertificatesIssued())
+			require.Zero(t, f.count(t, `SELECT count(*) FROM nodes`))
+			jt, err := store.GetJoinToken(t.Context(), f.db.Pool, store.AllTenants, tokenID)
+			require.NoError(t, err)
+			require.Zero(t, jt.Uses, "nothing consumed")
+		})
+	}
 }

@@ -305,6 +305,15 @@ func (x *OpenTunnel) GetSize() *v1.TerminalSize {
 }
 
 // SessionRequest is one message from the daemon.
+//
+// Every string a daemon sends is bounded and checked by protovalidate (the
+// gateway validates each message it receives, and ends a session whose
+// message breaks a rule with InvalidArgument naming the field): ids are
+// visible ASCII (pattern "^[!-~]*$"), text shown to people has no control,
+// format or line-separator character (Unicode categories Cc, Cf, Zl, Zp),
+// multi-line text (CommandResult.output) allows tab and newline among them,
+// hostnames are RFC 1123 host names, and repeated fields have a maximum
+// count. Text is bounded in characters (code points), bytes in bytes.
 type SessionRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Types that are valid to be assigned to Msg:
@@ -702,6 +711,7 @@ type Hello struct {
 	ObservedGeneration int64 `protobuf:"varint,3,opt,name=observed_generation,json=observedGeneration,proto3" json:"observed_generation,omitempty"`
 	// Journal lists the commands the daemon's journal knows, so the gateway
 	// can skip redelivering finished ones.
+	// At most 1024 entries.
 	Journal       []*JournalEntry `protobuf:"bytes,4,rep,name=journal,proto3" json:"journal,omitempty"`
 	AgentVersion  string          `protobuf:"bytes,5,opt,name=agent_version,json=agentVersion,proto3" json:"agent_version,omitempty"`
 	unknownFields protoimpl.UnknownFields
@@ -991,7 +1001,8 @@ type CommandUpdate struct {
 	State     CommandState           `protobuf:"varint,2,opt,name=state,proto3,enum=bc.gateway.v1.CommandState" json:"state,omitempty"`
 	// Result of a successful command.
 	Result *CommandResult `protobuf:"bytes,3,opt,name=result,proto3" json:"result,omitempty"`
-	// Error says why the command failed.
+	// Error says why the command failed: one line of at most 4096
+	// characters.
 	Error         string `protobuf:"bytes,4,opt,name=error,proto3" json:"error,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1059,7 +1070,8 @@ type CommandResult struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Inventory for diag.nvml and inventory.refresh.
 	Inventory *Inventory `protobuf:"bytes,1,opt,name=inventory,proto3" json:"inventory,omitempty"`
-	// Output is free text (logs.collect).
+	// Output is free text (logs.collect): lines of text, tabs allowed, at
+	// most 256 KiB.
 	Output        string `protobuf:"bytes,2,opt,name=output,proto3" json:"output,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1110,12 +1122,14 @@ func (x *CommandResult) GetOutput() string {
 }
 
 type Inventory struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Gpus          []*Gpu                 `protobuf:"bytes,1,rep,name=gpus,proto3" json:"gpus,omitempty"`
-	Hostname      string                 `protobuf:"bytes,2,opt,name=hostname,proto3" json:"hostname,omitempty"`
-	CpuCores      int32                  `protobuf:"varint,3,opt,name=cpu_cores,json=cpuCores,proto3" json:"cpu_cores,omitempty"`
-	MemoryBytes   int64                  `protobuf:"varint,4,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
-	DriverVersion string                 `protobuf:"bytes,5,opt,name=driver_version,json=driverVersion,proto3" json:"driver_version,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// At most 64 GPUs.
+	Gpus []*Gpu `protobuf:"bytes,1,rep,name=gpus,proto3" json:"gpus,omitempty"`
+	// Hostname is the machine's RFC 1123 host name, or empty.
+	Hostname      string `protobuf:"bytes,2,opt,name=hostname,proto3" json:"hostname,omitempty"`
+	CpuCores      int32  `protobuf:"varint,3,opt,name=cpu_cores,json=cpuCores,proto3" json:"cpu_cores,omitempty"`
+	MemoryBytes   int64  `protobuf:"varint,4,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
+	DriverVersion string `protobuf:"bytes,5,opt,name=driver_version,json=driverVersion,proto3" json:"driver_version,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1190,8 +1204,9 @@ type Gpu struct {
 	Index int32                  `protobuf:"varint,1,opt,name=index,proto3" json:"index,omitempty"`
 	Uuid  string                 `protobuf:"bytes,2,opt,name=uuid,proto3" json:"uuid,omitempty"`
 	// Model is the marketing name, e.g. "NVIDIA H100 80GB HBM3".
-	Model         string `protobuf:"bytes,3,opt,name=model,proto3" json:"model,omitempty"`
-	MemoryBytes   int64  `protobuf:"varint,4,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
+	Model       string `protobuf:"bytes,3,opt,name=model,proto3" json:"model,omitempty"`
+	MemoryBytes int64  `protobuf:"varint,4,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
+	// PciBusId is the GPU's PCI address, e.g. "00000000:17:00.0".
 	PciBusId      string `protobuf:"bytes,5,opt,name=pci_bus_id,json=pciBusId,proto3" json:"pci_bus_id,omitempty"`
 	Healthy       bool   `protobuf:"varint,6,opt,name=healthy,proto3" json:"healthy,omitempty"`
 	unknownFields protoimpl.UnknownFields
@@ -1665,7 +1680,8 @@ type SshRefused struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	Reason string                 `protobuf:"bytes,1,opt,name=reason,proto3" json:"reason,omitempty"`
 	// KeyId is the certificate's key id, empty for a plain key.
-	KeyId         string `protobuf:"bytes,2,opt,name=key_id,json=keyId,proto3" json:"key_id,omitempty"`
+	KeyId string `protobuf:"bytes,2,opt,name=key_id,json=keyId,proto3" json:"key_id,omitempty"`
+	// User is the user name the client asked for.
 	User          string `protobuf:"bytes,3,opt,name=user,proto3" json:"user,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1777,7 +1793,7 @@ func (x *SpecRefused) GetReason() string {
 type AllocationBound struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	ReservationId string                 `protobuf:"bytes,1,opt,name=reservation_id,json=reservationId,proto3" json:"reservation_id,omitempty"`
-	// CdiDevices are CDI names, e.g. "nvidia.com/gpu=0".
+	// CdiDevices are CDI names, e.g. "nvidia.com/gpu=0", at most 64.
 	CdiDevices    []string `protobuf:"bytes,2,rep,name=cdi_devices,json=cdiDevices,proto3" json:"cdi_devices,omitempty"`
 	Generation    int64    `protobuf:"varint,3,opt,name=generation,proto3" json:"generation,omitempty"`
 	unknownFields protoimpl.UnknownFields
@@ -2016,14 +2032,14 @@ const file_bc_gateway_v1_gateway_proto_rawDesc = "" +
 	"OpenTunnel\x12\x1b\n" +
 	"\ttunnel_id\x18\x01 \x01(\tR\btunnelId\x12\x18\n" +
 	"\apurpose\x18\x02 \x01(\tR\apurpose\x12.\n" +
-	"\x04size\x18\x03 \x01(\v2\x1a.bc.tunnel.v1.TerminalSizeR\x04size\"\xc7\x02\n" +
+	"\x04size\x18\x03 \x01(\v2\x1a.bc.tunnel.v1.TerminalSizeR\x04size\"\xce\x02\n" +
 	"\x0eSessionRequest\x12,\n" +
 	"\x05hello\x18\x01 \x01(\v2\x14.bc.gateway.v1.HelloH\x00R\x05hello\x12E\n" +
 	"\x0ecommand_update\x18\x02 \x01(\v2\x1c.bc.gateway.v1.CommandUpdateH\x00R\rcommandUpdate\x12/\n" +
 	"\x06report\x18\x03 \x01(\v2\x15.bc.gateway.v1.ReportH\x00R\x06report\x128\n" +
 	"\theartbeat\x18\x04 \x01(\v2\x18.bc.gateway.v1.HeartbeatH\x00R\theartbeat\x12N\n" +
-	"\x11renew_certificate\x18\x05 \x01(\v2\x1f.bc.gateway.v1.RenewCertificateH\x00R\x10renewCertificateB\x05\n" +
-	"\x03msg\"\x99\x03\n" +
+	"\x11renew_certificate\x18\x05 \x01(\v2\x1f.bc.gateway.v1.RenewCertificateH\x00R\x10renewCertificateB\f\n" +
+	"\x03msg\x12\x05\xbaH\x02\b\x01\"\x99\x03\n" +
 	"\x0fSessionResponse\x122\n" +
 	"\awelcome\x18\x01 \x01(\v2\x16.bc.gateway.v1.WelcomeH\x00R\awelcome\x122\n" +
 	"\acommand\x18\x02 \x01(\v2\x16.bc.gateway.v1.CommandH\x00R\acommand\x12B\n" +
@@ -2032,23 +2048,23 @@ const file_bc_gateway_v1_gateway_proto_rawDesc = "" +
 	"\rheartbeat_ack\x18\x05 \x01(\v2\x1b.bc.gateway.v1.HeartbeatAckH\x00R\fheartbeatAck\x12<\n" +
 	"\vopen_tunnel\x18\x06 \x01(\v2\x19.bc.gateway.v1.OpenTunnelH\x00R\n" +
 	"openTunnelB\x05\n" +
-	"\x03msg\"+\n" +
-	"\x10RenewCertificate\x12\x17\n" +
-	"\acsr_der\x18\x01 \x01(\fR\x06csrDer\"\x8b\x01\n" +
+	"\x03msg\"6\n" +
+	"\x10RenewCertificate\x12\"\n" +
+	"\acsr_der\x18\x01 \x01(\fB\t\xbaH\x06z\x04\x18\x80\x80\x01R\x06csrDer\"\x8b\x01\n" +
 	"\x11CertificateIssued\x12'\n" +
 	"\x0fcertificate_der\x18\x01 \x01(\fR\x0ecertificateDer\x127\n" +
 	"\tnot_after\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\bnotAfter\x12\x14\n" +
-	"\x05error\x18\x03 \x01(\tR\x05error\"\xc6\x01\n" +
-	"\x05Hello\x12\x17\n" +
-	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12\x17\n" +
-	"\aboot_id\x18\x02 \x01(\tR\x06bootId\x12/\n" +
-	"\x13observed_generation\x18\x03 \x01(\x03R\x12observedGeneration\x125\n" +
-	"\ajournal\x18\x04 \x03(\v2\x1b.bc.gateway.v1.JournalEntryR\ajournal\x12#\n" +
-	"\ragent_version\x18\x05 \x01(\tR\fagentVersion\"`\n" +
-	"\fJournalEntry\x12\x1d\n" +
+	"\x05error\x18\x03 \x01(\tR\x05error\"\xa2\x02\n" +
+	"\x05Hello\x12,\n" +
+	"\anode_id\x18\x01 \x01(\tB\x13\xbaH\x10r\x0e\x10\x01\x18@2\b^[!-~]*$R\x06nodeId\x12*\n" +
+	"\aboot_id\x18\x02 \x01(\tB\x11\xbaH\x0er\f\x18@2\b^[!-~]*$R\x06bootId\x12/\n" +
+	"\x13observed_generation\x18\x03 \x01(\x03R\x12observedGeneration\x12@\n" +
+	"\ajournal\x18\x04 \x03(\v2\x1b.bc.gateway.v1.JournalEntryB\t\xbaH\x06\x92\x01\x03\x10\x80\bR\ajournal\x12L\n" +
+	"\ragent_version\x18\x05 \x01(\tB'\xbaH$r\"\x18@2\x1e^[^\\p{Cc}\\p{Cf}\\p{Zl}\\p{Zp}]*$R\fagentVersion\"\x7f\n" +
+	"\fJournalEntry\x122\n" +
 	"\n" +
-	"command_id\x18\x01 \x01(\tR\tcommandId\x121\n" +
-	"\x05state\x18\x02 \x01(\x0e2\x1b.bc.gateway.v1.CommandStateR\x05state\"\xcd\x01\n" +
+	"command_id\x18\x01 \x01(\tB\x13\xbaH\x10r\x0e\x10\x01\x18@2\b^[!-~]*$R\tcommandId\x12;\n" +
+	"\x05state\x18\x02 \x01(\x0e2\x1b.bc.gateway.v1.CommandStateB\b\xbaH\x05\x82\x01\x02\x10\x01R\x05state\"\xcd\x01\n" +
 	"\aWelcome\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12\x1d\n" +
@@ -2064,29 +2080,30 @@ const file_bc_gateway_v1_gateway_proto_rawDesc = "" +
 	"\bdeadline\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\bdeadline\x12\x1d\n" +
 	"\n" +
 	"retry_safe\x18\x05 \x01(\bR\tretrySafe\x12\x1c\n" +
-	"\tsignature\x18\x0f \x01(\fR\tsignature\"\xad\x01\n" +
-	"\rCommandUpdate\x12\x1d\n" +
+	"\tsignature\x18\x0f \x01(\fR\tsignature\"\xf6\x01\n" +
+	"\rCommandUpdate\x122\n" +
 	"\n" +
-	"command_id\x18\x01 \x01(\tR\tcommandId\x121\n" +
-	"\x05state\x18\x02 \x01(\x0e2\x1b.bc.gateway.v1.CommandStateR\x05state\x124\n" +
-	"\x06result\x18\x03 \x01(\v2\x1c.bc.gateway.v1.CommandResultR\x06result\x12\x14\n" +
-	"\x05error\x18\x04 \x01(\tR\x05error\"_\n" +
+	"command_id\x18\x01 \x01(\tB\x13\xbaH\x10r\x0e\x10\x01\x18@2\b^[!-~]*$R\tcommandId\x12;\n" +
+	"\x05state\x18\x02 \x01(\x0e2\x1b.bc.gateway.v1.CommandStateB\b\xbaH\x05\x82\x01\x02\x10\x01R\x05state\x124\n" +
+	"\x06result\x18\x03 \x01(\v2\x1c.bc.gateway.v1.CommandResultR\x06result\x12>\n" +
+	"\x05error\x18\x04 \x01(\tB(\xbaH%r#\x18\x80 2\x1e^[^\\p{Cc}\\p{Cf}\\p{Zl}\\p{Zp}]*$R\x05error\"\x9f\x01\n" +
 	"\rCommandResult\x126\n" +
-	"\tinventory\x18\x01 \x01(\v2\x18.bc.gateway.v1.InventoryR\tinventory\x12\x16\n" +
-	"\x06output\x18\x02 \x01(\tR\x06output\"\xb6\x01\n" +
-	"\tInventory\x12&\n" +
-	"\x04gpus\x18\x01 \x03(\v2\x12.bc.gateway.v1.GpuR\x04gpus\x12\x1a\n" +
-	"\bhostname\x18\x02 \x01(\tR\bhostname\x12\x1b\n" +
+	"\tinventory\x18\x01 \x01(\v2\x18.bc.gateway.v1.InventoryR\tinventory\x12V\n" +
+	"\x06output\x18\x02 \x01(\tB>\xbaH;r9(\x80\x80\x1023^[^\\x00-\\x08\\x0B-\\x1F\\x7F-\\x9F\\p{Cf}\\p{Zl}\\p{Zp}]*$R\x06output\"\xf8\x01\n" +
+	"\tInventory\x120\n" +
+	"\x04gpus\x18\x01 \x03(\v2\x12.bc.gateway.v1.GpuB\b\xbaH\x05\x92\x01\x02\x10@R\x04gpus\x12)\n" +
+	"\bhostname\x18\x02 \x01(\tB\r\xbaH\n" +
+	"\xd8\x01\x01r\x05\x18\xfd\x01h\x01R\bhostname\x12\x1b\n" +
 	"\tcpu_cores\x18\x03 \x01(\x05R\bcpuCores\x12!\n" +
-	"\fmemory_bytes\x18\x04 \x01(\x03R\vmemoryBytes\x12%\n" +
-	"\x0edriver_version\x18\x05 \x01(\tR\rdriverVersion\"\xa0\x01\n" +
+	"\fmemory_bytes\x18\x04 \x01(\x03R\vmemoryBytes\x12N\n" +
+	"\x0edriver_version\x18\x05 \x01(\tB'\xbaH$r\"\x18@2\x1e^[^\\p{Cc}\\p{Cf}\\p{Zl}\\p{Zp}]*$R\rdriverVersion\"\xf0\x01\n" +
 	"\x03Gpu\x12\x14\n" +
-	"\x05index\x18\x01 \x01(\x05R\x05index\x12\x12\n" +
-	"\x04uuid\x18\x02 \x01(\tR\x04uuid\x12\x14\n" +
-	"\x05model\x18\x03 \x01(\tR\x05model\x12!\n" +
-	"\fmemory_bytes\x18\x04 \x01(\x03R\vmemoryBytes\x12\x1c\n" +
+	"\x05index\x18\x01 \x01(\x05R\x05index\x12%\n" +
+	"\x04uuid\x18\x02 \x01(\tB\x11\xbaH\x0er\f\x18@2\b^[!-~]*$R\x04uuid\x12>\n" +
+	"\x05model\x18\x03 \x01(\tB(\xbaH%r#\x18\x80\x012\x1e^[^\\p{Cc}\\p{Cf}\\p{Zl}\\p{Zp}]*$R\x05model\x12!\n" +
+	"\fmemory_bytes\x18\x04 \x01(\x03R\vmemoryBytes\x12/\n" +
 	"\n" +
-	"pci_bus_id\x18\x05 \x01(\tR\bpciBusId\x12\x18\n" +
+	"pci_bus_id\x18\x05 \x01(\tB\x11\xbaH\x0er\f\x18 2\b^[!-~]*$R\bpciBusId\x12\x18\n" +
 	"\ahealthy\x18\x06 \x01(\bR\ahealthy\"y\n" +
 	"\fDesiredState\x12\x1e\n" +
 	"\n" +
@@ -2109,7 +2126,7 @@ const file_bc_gateway_v1_gateway_proto_rawDesc = "" +
 	"\n" +
 	"Allocation\x12%\n" +
 	"\x0ereservation_id\x18\x01 \x01(\tR\rreservationId\x12%\n" +
-	"\x0edevice_indexes\x18\x02 \x03(\x05R\rdeviceIndexes\"\x9e\x03\n" +
+	"\x0edevice_indexes\x18\x02 \x03(\x05R\rdeviceIndexes\"\xa5\x03\n" +
 	"\x06Report\x121\n" +
 	"\x13observed_generation\x18\x01 \x01(\x03H\x00R\x12observedGeneration\x128\n" +
 	"\tinventory\x18\x02 \x01(\v2\x18.bc.gateway.v1.InventoryH\x00R\tinventory\x12K\n" +
@@ -2117,27 +2134,27 @@ const file_bc_gateway_v1_gateway_proto_rawDesc = "" +
 	"\x12allocation_unbound\x18\x04 \x01(\v2 .bc.gateway.v1.AllocationUnboundH\x00R\x11allocationUnbound\x12?\n" +
 	"\fspec_refused\x18\x05 \x01(\v2\x1a.bc.gateway.v1.SpecRefusedH\x00R\vspecRefused\x12<\n" +
 	"\vssh_refused\x18\x06 \x01(\v2\x19.bc.gateway.v1.SshRefusedH\x00R\n" +
-	"sshRefusedB\b\n" +
-	"\x06report\"O\n" +
+	"sshRefusedB\x0f\n" +
+	"\x06report\x12\x05\xbaH\x02\b\x01\"\xcd\x01\n" +
 	"\n" +
-	"SshRefused\x12\x16\n" +
-	"\x06reason\x18\x01 \x01(\tR\x06reason\x12\x15\n" +
-	"\x06key_id\x18\x02 \x01(\tR\x05keyId\x12\x12\n" +
-	"\x04user\x18\x03 \x01(\tR\x04user\"E\n" +
+	"SshRefused\x12@\n" +
+	"\x06reason\x18\x01 \x01(\tB(\xbaH%r#\x18\x80\b2\x1e^[^\\p{Cc}\\p{Cf}\\p{Zl}\\p{Zp}]*$R\x06reason\x12?\n" +
+	"\x06key_id\x18\x02 \x01(\tB(\xbaH%r#\x18\x80\x022\x1e^[^\\p{Cc}\\p{Cf}\\p{Zl}\\p{Zp}]*$R\x05keyId\x12<\n" +
+	"\x04user\x18\x03 \x01(\tB(\xbaH%r#\x18\x80\x022\x1e^[^\\p{Cc}\\p{Cf}\\p{Zl}\\p{Zp}]*$R\x04user\"o\n" +
 	"\vSpecRefused\x12\x1e\n" +
 	"\n" +
 	"generation\x18\x01 \x01(\x03R\n" +
-	"generation\x12\x16\n" +
-	"\x06reason\x18\x02 \x01(\tR\x06reason\"y\n" +
-	"\x0fAllocationBound\x12%\n" +
-	"\x0ereservation_id\x18\x01 \x01(\tR\rreservationId\x12\x1f\n" +
-	"\vcdi_devices\x18\x02 \x03(\tR\n" +
+	"generation\x12@\n" +
+	"\x06reason\x18\x02 \x01(\tB(\xbaH%r#\x18\x80\b2\x1e^[^\\p{Cc}\\p{Cf}\\p{Zl}\\p{Zp}]*$R\x06reason\"\xa9\x01\n" +
+	"\x0fAllocationBound\x12:\n" +
+	"\x0ereservation_id\x18\x01 \x01(\tB\x13\xbaH\x10r\x0e\x10\x01\x18@2\b^[!-~]*$R\rreservationId\x12:\n" +
+	"\vcdi_devices\x18\x02 \x03(\tB\x19\xbaH\x16\x92\x01\x13\x10@\"\x0fr\r\x18\x80\x022\b^[!-~]*$R\n" +
 	"cdiDevices\x12\x1e\n" +
 	"\n" +
 	"generation\x18\x03 \x01(\x03R\n" +
-	"generation\"Z\n" +
-	"\x11AllocationUnbound\x12%\n" +
-	"\x0ereservation_id\x18\x01 \x01(\tR\rreservationId\x12\x1e\n" +
+	"generation\"m\n" +
+	"\x11AllocationUnbound\x128\n" +
+	"\x0ereservation_id\x18\x01 \x01(\tB\x11\xbaH\x0er\f\x18@2\b^[!-~]*$R\rreservationId\x12\x1e\n" +
 	"\n" +
 	"generation\x18\x02 \x01(\x03R\n" +
 	"generation\"\x83\x01\n" +

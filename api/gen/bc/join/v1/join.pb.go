@@ -24,10 +24,12 @@ const (
 )
 
 // Claims are what the machine says about itself; the control plane records
-// them but trusts only what acceptance proves.
+// them but trusts only what acceptance proves. Each is bounded and checked
+// as gateway.proto's SessionRequest says: visible ASCII for ids, no
+// control, format or line-separator character in text.
 type Claims struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// Hostname of the machine, for display.
+	// Hostname of the machine, for display: an RFC 1123 host name, or empty.
 	Hostname string `protobuf:"bytes,1,opt,name=hostname,proto3" json:"hostname,omitempty"`
 	// MachineID is a stable identifier of the machine (e.g. /etc/machine-id).
 	MachineId string `protobuf:"bytes,2,opt,name=machine_id,json=machineId,proto3" json:"machine_id,omitempty"`
@@ -358,13 +360,14 @@ var File_bc_join_v1_join_proto protoreflect.FileDescriptor
 const file_bc_join_v1_join_proto_rawDesc = "" +
 	"\n" +
 	"\x15bc/join/v1/join.proto\x12\n" +
-	"bc.join.v1\x1a\x1bbuf/validate/validate.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa8\x01\n" +
-	"\x06Claims\x12$\n" +
-	"\bhostname\x18\x01 \x01(\tB\b\xbaH\x05r\x03\x18\xfd\x01R\bhostname\x12'\n" +
+	"bc.join.v1\x1a\x1bbuf/validate/validate.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf7\x01\n" +
+	"\x06Claims\x12)\n" +
+	"\bhostname\x18\x01 \x01(\tB\r\xbaH\n" +
+	"\xd8\x01\x01r\x05\x18\xfd\x01h\x01R\bhostname\x121\n" +
 	"\n" +
-	"machine_id\x18\x02 \x01(\tB\b\xbaH\x05r\x03\x18\x80\x01R\tmachineId\x12,\n" +
-	"\ragent_version\x18\x03 \x01(\tB\a\xbaH\x04r\x02\x18@R\fagentVersion\x12!\n" +
-	"\avariant\x18\x04 \x01(\tB\a\xbaH\x04r\x02\x18@R\avariant\"\x9b\x01\n" +
+	"machine_id\x18\x02 \x01(\tB\x12\xbaH\x0fr\r\x18\x80\x012\b^[!-~]*$R\tmachineId\x12L\n" +
+	"\ragent_version\x18\x03 \x01(\tB'\xbaH$r\"\x18@2\x1e^[^\\p{Cc}\\p{Cf}\\p{Zl}\\p{Zp}]*$R\fagentVersion\x12A\n" +
+	"\avariant\x18\x04 \x01(\tB'\xbaH$r\"\x18@2\x1e^[^\\p{Cc}\\p{Cf}\\p{Zl}\\p{Zp}]*$R\avariant\"\x9b\x01\n" +
 	"\vJoinRequest\x12-\n" +
 	"\fsealed_token\x18\x02 \x01(\fB\n" +
 	"\xbaH\az\x05\x101\x18\x80 R\vsealedToken\x12$\n" +
