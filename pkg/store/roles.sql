@@ -190,6 +190,9 @@ GRANT USAGE ON SEQUENCE events_id_seq TO bc_controllers;
 -- UPDATE).
 GRANT SELECT, INSERT, UPDATE, DELETE ON outbox TO bc_controllers;
 GRANT USAGE ON SEQUENCE outbox_id_seq TO bc_controllers;
+-- The outbox relay sets aside a row NATS can never take (DeadLetterOutbox).
+GRANT INSERT ON outbox_dead_letters TO bc_controllers;
+GRANT USAGE ON SEQUENCE outbox_dead_letters_id_seq TO bc_controllers;
 -- lease: TryAcquireLease, ReleaseLease; SweepUnreachable reads the
 -- gateways' presence.
 GRANT SELECT, INSERT, UPDATE, DELETE ON leases TO bc_controllers;

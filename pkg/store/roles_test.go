@@ -718,6 +718,10 @@ func controllersCalls(r *grantRun, signer *store.IntentSigner) {
 		}
 		return err
 	})
+	r.call("DeadLetterOutbox", func(ctx context.Context, tx pgx.Tx) error {
+		return store.DeadLetterOutbox(ctx, tx, now, store.OutboxMessage{ID: 1, Subject: "bc.test", Payload: []byte("x"),
+			CreatedAt: now}, "a test")
+	})
 	r.call("ReleaseLease", func(ctx context.Context, tx pgx.Tx) error {
 		_, err := store.ReleaseLease(ctx, tx, "controllers.test", "test")
 		return err
