@@ -175,11 +175,11 @@ func (r *Relay) drainOnce(ctx context.Context, after int64) (n int, top int64, e
 		return 0, 0, err
 	}
 	for _, d := range dead {
-		r.Logger.ErrorContext(ctx, "outbox row set aside", "outbox.id", d.msg.ID, "subject", d.msg.Subject,
-			"payload_bytes", len(d.msg.Payload), "cause", d.cause, "err", d.err)
 		if r.deadLetters != nil {
 			r.deadLetters.Add(ctx, 1, metric.WithAttributes(attribute.String("cause", d.cause)))
 		}
+		r.Logger.ErrorContext(ctx, "outbox row set aside", "outbox.id", d.msg.ID, "subject", d.msg.Subject,
+			"payload_bytes", len(d.msg.Payload), "cause", d.cause, "err", d.err)
 	}
 	return n, top, nil
 }

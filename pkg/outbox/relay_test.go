@@ -337,6 +337,9 @@ func TestRelaySetsAsidePoisonRows(t *testing.T) {
 	require.Contains(t, dead[0].Reason, "max payload")
 	require.Equal(t, deadLetter{OutboxID: ids[1], Subject: "test.bad subject", Size: 1, Reason: dead[1].Reason}, dead[1])
 	require.Contains(t, dead[1].Reason, "subject")
+	// Counted, then logged, after the pass's commit, which the reads above
+	// may see first.
+	require.Eventually(t, func() bool { return len(logs.messages()) >= 2 }, 10*time.Second, 10*time.Millisecond)
 	require.Equal(t, []string{"outbox row set aside", "outbox row set aside"}, logs.messages())
 
 	var rm metricdata.ResourceMetrics
