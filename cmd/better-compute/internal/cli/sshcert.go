@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"strconv"
 	"strings"
@@ -135,12 +136,30 @@ func (a *app) sshCertCmd() *cobra.Command {
 	return c
 }
 
+// maxPublicKeyFile is the most bytes of a --public-key file read: the
+// API's bound on IssueSshCertificateRequest.public_key (compute.proto); an
+// OpenSSH public key line is under 1 KiB even for RSA 4096.
+const maxPublicKeyFile = 16384
+
 // readPublicKey reads the SSH public key in file: its text (trimmed, with
-// its comment) and the key. Errors name --public-key.
+// its comment) and the key. It reads at most maxPublicKeyFile bytes, so
+// that a wrong path (a device, a huge file) fails at once. Errors name
+// --public-key.
 func readPublicKey(file string) (string, ssh.PublicKey, error) {
-	b, err := os.ReadFile(file)
+	f, err := os.Open(file)
 	if err != nil {
 		return "", nil, fmt.Errorf("--public-key: %w", err)
+	}
+	defer f.Close()
+	if st, err := f.Stat(); err == nil && st.IsDir() {
+		return "", nil, fmt.Errorf("--public-key %s: a directory, not a public key file", file)
+	}
+	b, err := io.ReadAll(io.LimitReader(f, maxPublicKeyFile+1))
+	if err != nil {
+		return "", nil, fmt.Errorf("--public-key %s: %w", file, err)
+	}
+	if len(b) > maxPublicKeyFile {
+		return "", nil, fmt.Errorf("--public-key %s: more than %d bytes: not an SSH public key", file, maxPublicKeyFile)
 	}
 	pub, err := sshca.ParseUserKey(string(b))
 	if err != nil {

@@ -158,6 +158,9 @@ func TestSSHCertFlagErrors(t *testing.T) {
 		{"ttl 0", []string{"--public-key", good, "--ttl", "0"}, "error: --ttl must be more than 0 and at most 1h, got 0s\n"},
 		{"ttl 2h", []string{"--public-key", good, "--ttl", "2h"}, "error: --ttl must be more than 0 and at most 1h, got 2h0m0s\n"},
 		{"no key", nil, "error: required flag(s) \"public-key\" not set\n"},
+		// Read up to the bound only: an endless file ends at once.
+		{"endless", []string{"--public-key", "/dev/zero"}, "error: --public-key /dev/zero: more than 16384 bytes: not an SSH public key\n"},
+		{"a directory", []string{"--public-key", dir}, "error: --public-key " + dir + ": a directory, not a public key file\n"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			res := runner{env: f.env()}.run(t, append([]string{"ssh-cert", "--node", f.node}, tc.args...)...)
