@@ -8,7 +8,7 @@ SHELL := bash
 GO ?= go
 # Every Go module of the workspace, in dependency order.
 MODULES := api pkg pkg/devstack services/api services/joinservice services/gateway services/scheduler \
-	services/controllers services/fakedaemon cmd/better-compute tests
+	services/controllers services/fakedaemon cmd/better-compute deploy/k8s tests
 SERVICES := api joinservice gateway scheduler controllers fakedaemon
 BIN := bin/linux
 TOOLS := bin/tools
