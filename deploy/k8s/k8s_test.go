@@ -11,7 +11,6 @@ import (
 	"sort"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/google/go-cmp/cmp"
 	appsv1 "k8s.io/api/apps/v1"
@@ -28,6 +27,7 @@ import (
 	"sigs.k8s.io/kustomize/kyaml/filesys"
 	"sigs.k8s.io/yaml"
 
+	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/pki"
 )
 
@@ -64,6 +64,7 @@ var fleetPorts = map[string]int32{"api": 8080, "joinservice": 8081, "gateway": 8
 // TestStaging renders overlays/staging and checks every rule of the
 // manifests on what it renders.
 func TestStaging(t *testing.T) {
+	t.Parallel()
 	objs := render(t, false)
 	checkAll(t, objs, false)
 }
@@ -72,6 +73,7 @@ func TestStaging(t *testing.T) {
 // component added, as docs/deploy.md says to, and checks the same rules and
 // the fleet's own.
 func TestStagingWithSimFleet(t *testing.T) {
+	t.Parallel()
 	objs := render(t, true)
 	checkAll(t, objs, true)
 	if objs.workload(fakedaemon) == nil {
@@ -269,7 +271,7 @@ func (o *objects) decode(apiVersion, kind string, b []byte) error {
 func writeSecrets(t *testing.T, mem filesys.FileSystem, sim bool) {
 	t.Helper()
 	tmp := t.TempDir()
-	if _, err := pki.Init(filepath.Join(tmp, "pki"), pki.InitOptions{}, time.Now()); err != nil {
+	if _, err := pki.Init(filepath.Join(tmp, "pki"), pki.InitOptions{}, clock.New().Now()); err != nil {
 		t.Fatal(err)
 	}
 	write := func(p string, b []byte) {
@@ -450,15 +452,6 @@ func selected(t *testing.T, objs *objects, sel metav1.LabelSelector) []workload 
 			out = append(out, w)
 		}
 	}
-	return out
-}
-
-func names(ws []workload) []string {
-	out := make([]string, 0, len(ws))
-	for _, w := range ws {
-		out = append(out, w.name)
-	}
-	sort.Strings(out)
 	return out
 }
 
