@@ -77,9 +77,15 @@ build: ## Build static binaries of every service and the CLI into bin/linux.
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w' -o $(BIN)/ $(addprefix ./services/,$(SERVICES))
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w' -o $(BIN)/better-compute ./cmd/better-compute
 
+# The version tag of the service images: `git describe` of the work tree
+# (`make images TAG=v1.2.3` names another; BETTER_COMPUTE_IMAGE_TAG, which
+# compose.yaml reads, too). Each is also tagged dev, compose's and the tests'
+# default (scripts/images.sh).
+TAG ?= $(or $(BETTER_COMPUTE_IMAGE_TAG),$(shell git describe --tags --always --dirty 2>/dev/null),dev)
+
 .PHONY: images
-images: build ## Build every image compose and the tests need (no registry: postgres, nats, services).
-	scripts/images.sh all
+images: build ## Build every image compose and the tests need (no registry: postgres, nats, services), the services' tagged TAG (git describe) and dev.
+	BETTER_COMPUTE_IMAGE_TAG=$(TAG) scripts/images.sh all
 
 .PHONY: up
 up: images ## Build what is missing, start the stack with FLEET (8) fakedaemons, wait for adoption, print the CLI's env.

@@ -23,7 +23,10 @@ usage: scripts/images.sh [--force] [all|postgres|nats|services [NAME...]]...
             for each static binary $BIN_DIR/<name> (default bin/linux/, built by
             the Makefile); names: $BETTER_COMPUTE_SERVICES (default: api
             joinservice gateway scheduler controllers fakedaemon
-            better-compute), or the NAMEs given
+            better-compute), or the NAMEs given. With a tag other than dev
+            (`make images` passes `git describe --tags --always --dirty`),
+            each image is also tagged dev, the tag compose.yaml and the
+            tests use by default
   --force   rebuild even when an up-to-date image exists (also re-runs
             debootstrap and go install)
 
@@ -32,7 +35,8 @@ environment:
   BETTER_COMPUTE_NATS_VERSION    nats-server version   (v2.15.2)
   BETTER_COMPUTE_NATS_IMAGE      nats image name       (better-compute/nats:<version without v>)
   BETTER_COMPUTE_IMAGE_PREFIX    service image prefix  (better-compute)
-  BETTER_COMPUTE_IMAGE_TAG       service image tag     (dev; compose.yaml reads it too)
+  BETTER_COMPUTE_IMAGE_TAG       service image tag     (dev; compose.yaml reads it too;
+                                 another is a version, and dev its alias)
   BETTER_COMPUTE_SERVICES        service names         (see above)
   BIN_DIR                        where the service binaries are (<repo>/bin/linux)
   BETTER_COMPUTE_CACHE_DIR       cache (rootfs, nats-server, logs)
@@ -60,6 +64,9 @@ NATS_IMAGE=${BETTER_COMPUTE_NATS_IMAGE:-better-compute/nats:${NATS_VERSION#v}}
 
 IMAGE_PREFIX=${BETTER_COMPUTE_IMAGE_PREFIX:-better-compute}
 SERVICE_TAG=${BETTER_COMPUTE_IMAGE_TAG:-dev}
+# The tag compose.yaml and the tests use by default, given to every service
+# image whatever its version tag.
+ALIAS_TAG=dev
 BIN_DIR=${BIN_DIR:-$ROOT/bin/linux}
 DEFAULT_SERVICES="api joinservice gateway scheduler controllers fakedaemon better-compute"
 read -r -a SERVICES <<<"${BETTER_COMPUTE_SERVICES:-$DEFAULT_SERVICES}"
@@ -357,8 +364,17 @@ build_service() {
 		sha256sum <"$bin"
 		cat "$dockerfile"
 	} | hash_of)
+	local alias=$IMAGE_PREFIX/$name:$ALIAS_TAG
 	if up_to_date "$image" "$hash"; then
 		log "skip  $image (up to date, ${hash:0:12})"
+		tag_alias "$image" "$alias"
+		return
+	fi
+	# Another version tag of the same inputs (a new commit that changed
+	# nothing of this image) is the same image under a new name.
+	if [[ $alias != "$image" ]] && up_to_date "$alias" "$hash"; then
+		log "tag   $image (same inputs as $alias, ${hash:0:12})"
+		docker tag "$alias" "$image"
 		return
 	fi
 	log "build $image (${hash:0:12})"
@@ -377,7 +393,19 @@ build_service() {
 	} | docker_build "$CACHE_DIR/services/$name.docker-build.log" -f - --build-arg "BIN=$name" \
 		--label "$LABEL=$hash" -t "$image" "$ctx"
 	drop_old "$old"
+	tag_alias "$image" "$alias"
 	log "      built $image in $((SECONDS - t0))s"
+}
+
+# tag_alias IMAGE ALIAS: tag IMAGE as ALIAS too (nothing when they are the
+# same name), dropping the image ALIAS named before if nothing else names it.
+tag_alias() {
+	local image=$1 alias=$2 old
+	[[ $alias != "$image" ]] || return 0
+	old=$(image_id "$alias")
+	[[ $old != "$(image_id "$image")" ]] || return 0
+	docker tag "$image" "$alias"
+	drop_old "$old"
 }
 
 # -------------------------------------------------------------------- main --
