@@ -911,10 +911,19 @@ func sortedKeys[V any](m map[string]V) []string {
 // with -N-g<hash>, or an abbreviated hash); a -dirty build never deploys.
 var versionTag = regexp.MustCompile(`^(v?[0-9]+\.[0-9]+\.[0-9]+([-.][0-9A-Za-z.-]+)?|[0-9a-f]{7,40})$`)
 
-// checkStaging: two replicas of every control-plane service; every image
-// at a version tag, set in the overlay one image at a time (so that each
-// service rolls out alone).
+// checkStaging: the namespace enforces the restricted Pod Security
+// standard; two replicas of every control-plane service; every image at a
+// version tag, set in the overlay one image at a time (so that each service
+// rolls out alone).
 func checkStaging(t *testing.T, objs *objects) {
+	if len(objs.namespaces) != 1 {
+		t.Errorf("%s renders %d Namespaces, want 1", staging, len(objs.namespaces))
+	}
+	for _, ns := range objs.namespaces {
+		if got := ns.Labels["pod-security.kubernetes.io/enforce"]; got != "restricted" {
+			t.Errorf("Namespace %s: label pod-security.kubernetes.io/enforce is %q, want restricted", ns.Name, got)
+		}
+	}
 	for _, svc := range pki.Services() {
 		if w := objs.workload(svc); w != nil && w.replicas != 2 {
 			t.Errorf("%s: %d replicas, want 2", w, w.replicas)
