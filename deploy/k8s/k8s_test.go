@@ -87,6 +87,7 @@ func checkAll(t *testing.T, objs *objects, sim bool) {
 	t.Run("secrets", func(t *testing.T) { checkSecrets(t, objs) })
 	t.Run("disruption budgets", func(t *testing.T) { checkPDBs(t, objs) })
 	t.Run("network policies", func(t *testing.T) { checkNetworkPolicies(t, objs, sim) })
+	t.Run("settings", func(t *testing.T) { checkSettings(t, objs) })
 	t.Run("staging", func(t *testing.T) { checkStaging(t, objs) })
 }
 
@@ -905,6 +906,61 @@ func sortedKeys[V any](m map[string]V) []string {
 	}
 	sort.Strings(out)
 	return out
+}
+
+// signedIntent are the services that read BETTER_COMPUTE_SIGNED_INTENT
+// (docs/configuration.md), which must be set alike for all of them.
+var signedIntent = []string{"api", "joinservice", "scheduler", "controllers"}
+
+// checkSettings: each control-plane service connects to PostgreSQL as its
+// own role, bc_<service>, with the password of its <service>-database
+// Secret (docs/architecture.md, "Keys and roles"), and every service that
+// reads signed intent takes it from the one key of the shared ConfigMap.
+func checkSettings(t *testing.T, objs *objects) {
+	for _, svc := range pki.Services() {
+		w := objs.workload(svc)
+		if w == nil {
+			continue // checkSecrets names it
+		}
+		for _, c := range w.pod.Spec.Containers {
+			id := fmt.Sprintf("%s: container %s", w, c.Name)
+			env := map[string]corev1.EnvVar{}
+			for _, e := range c.Env {
+				env[e.Name] = e
+			}
+			url := env["BETTER_COMPUTE_DATABASE_URL"].Value
+			role, rest, _ := strings.Cut(strings.TrimPrefix(url, "postgres://"), ":")
+			pw, _, closed := strings.Cut(strings.TrimPrefix(rest, "$("), ")")
+			if role != "bc_"+svc || !strings.HasPrefix(rest, "$(") || !closed {
+				t.Errorf("%s: BETTER_COMPUTE_DATABASE_URL %q does not connect as role bc_%s with a password from the environment", id, url, svc)
+			} else {
+				ref := env[pw].ValueFrom
+				if ref == nil || ref.SecretKeyRef == nil || byLabel(objs, ref.SecretKeyRef.Name, "database") != svc {
+					t.Errorf("%s: the password %s of BETTER_COMPUTE_DATABASE_URL is not from the Secret %s-database", id, pw, svc)
+				}
+			}
+			e, set := env["BETTER_COMPUTE_SIGNED_INTENT"]
+			switch {
+			case !slices.Contains(signedIntent, svc):
+				if set {
+					t.Errorf("%s: sets BETTER_COMPUTE_SIGNED_INTENT, which it does not read", id)
+				}
+			case !set || e.ValueFrom == nil || e.ValueFrom.ConfigMapKeyRef == nil || e.ValueFrom.ConfigMapKeyRef.Key != "signed-intent":
+				t.Errorf("%s: BETTER_COMPUTE_SIGNED_INTENT is not from the shared ConfigMap's key signed-intent (set it alike for %v)", id, signedIntent)
+			}
+		}
+	}
+}
+
+// byLabel is the service the Secret name is of (its app.kubernetes.io/name)
+// when its kind (better-compute.io/secret) is kind, or "".
+func byLabel(objs *objects, name, kind string) string {
+	for _, s := range objs.secrets {
+		if s.Name == name && s.Labels[secretLabel] == kind {
+			return s.Labels[nameLabel]
+		}
+	}
+	return ""
 }
 
 // versionTag is the shape of `git describe --tags --always` (a tag, a tag
