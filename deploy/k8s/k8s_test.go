@@ -450,7 +450,7 @@ func selected(t *testing.T, objs *objects, sel metav1.LabelSelector) []workload 
 		if !w.longRunning() {
 			continue
 		}
-		if len(sel.MatchLabels) == 0 && len(sel.MatchExpressions) == 0 || selects(t, &sel, w) {
+		if (len(sel.MatchLabels) == 0 && len(sel.MatchExpressions) == 0) || selects(t, &sel, w) {
 			out = append(out, w)
 		}
 	}
