@@ -915,8 +915,29 @@ var signedIntent = []string{"api", "joinservice", "scheduler", "controllers"}
 // checkSettings: each control-plane service connects to PostgreSQL as its
 // own role, bc_<service>, with the password of its <service>-database
 // Secret (docs/architecture.md, "Keys and roles"), and every service that
-// reads signed intent takes it from the one key of the shared ConfigMap.
+// reads signed intent takes it from the one key of the shared ConfigMap;
+// the migration gives each role the password of its service's Secret
+// (BETTER_COMPUTE_DB_PASSWORD_<SERVICE>, `migrate up --roles`).
 func checkSettings(t *testing.T, objs *objects) {
+	if m := objs.workload(migrate); m == nil {
+		t.Errorf("no migration Job %s", migrate)
+	} else {
+		for _, svc := range pki.Services() {
+			name := "BETTER_COMPUTE_DB_PASSWORD_" + strings.ToUpper(svc)
+			ok := false
+			for _, c := range m.pod.Spec.Containers {
+				for _, e := range c.Env {
+					if e.Name == name && e.ValueFrom != nil && e.ValueFrom.SecretKeyRef != nil &&
+						e.ValueFrom.SecretKeyRef.Key == "password" && byLabel(objs, e.ValueFrom.SecretKeyRef.Name, "database") == svc {
+						ok = true
+					}
+				}
+			}
+			if !ok {
+				t.Errorf("%s: %s is not the key password of the Secret %s-database", m, name, svc)
+			}
+		}
+	}
 	for _, svc := range pki.Services() {
 		w := objs.workload(svc)
 		if w == nil {
