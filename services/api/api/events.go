@@ -427,10 +427,6 @@ type watcher struct {
 	fromStart bool
 }
 
-// ErrEventsRemoved is the cause of the refusal of a watch whose cursor is
-// below what retention removed (errors.Is on the error watch returns).
-var ErrEventsRemoved = errors.New("events removed by retention")
-
 // checkRetained refuses (FailedPrecondition, naming afterName and the
 // oldest event id kept of the caller's scope) a cursor after below the
 // highest id retention removed of the caller's scope (store.EventRetention):
@@ -453,8 +449,8 @@ func (w *watcher) removedError(after, oldest int64) error {
 		kept = fmt.Sprintf("the oldest event id kept is %d", oldest)
 	}
 	return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf(
-		"%s: events after %d were removed by retention (%s): %w; watch again from the start (from_start)",
-		w.afterName, after, kept, ErrEventsRemoved))
+		"%s: events after %d were removed by retention (%s): watch again from the start (from_start)",
+		w.afterName, after, kept))
 }
 
 // watchRequest is what a watch asks for, checked by protovalidate
