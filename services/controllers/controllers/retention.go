@@ -89,8 +89,9 @@ type RetentionConfig struct {
 	// RetentionBatch is how many rows one retention statement (one short
 	// transaction) deletes at most.
 	RetentionBatch int `env:"RETENTION_BATCH,positive" default:"1000"`
-	// RetentionPause is the pause after each retention batch, which leaves
-	// the database to the hot paths between them.
+	// RetentionPause is the pause after each retention batch that deleted
+	// a full batch, which leaves the database to the hot paths between
+	// them; 0 takes the default.
 	RetentionPause time.Duration `env:"RETENTION_PAUSE" default:"50ms"`
 }
 
