@@ -90,4 +90,3 @@ func TestWatchEndsWhenRetentionOvertakesIt(t *testing.T) {
 	requireCode(t, w.refusal(t), connect.CodeFailedPrecondition,
 		fmt.Sprintf("after_id: events after %d were removed by retention (the oldest event id kept is %d)", start, held))
 }
-
