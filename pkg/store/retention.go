@@ -45,7 +45,8 @@ import (
 // highest id retention deleted so far and deletes those below the first
 // that is not due, so it never deletes an event while keeping a lower one.
 // In the same statement it raises each tenant's event_retention row to the
-// highest id it deleted of that tenant's (” for the events of no tenant).
+// highest id it deleted of that tenant's (the empty tenant id for the events of
+// no tenant).
 // It returns how many it deleted.
 func DeleteOldEvents(ctx context.Context, q DBTX, before time.Time, limit int) (int, error) {
 	var n int
