@@ -146,8 +146,8 @@ type eventService struct{ *Server }
 // the caller's scope only) an after_id below the highest id retention
 // removed of the caller's events, and ends a watch so far behind that
 // retention removes events after its cursor likewise: resume with
-// from_start (docs/architecture.md, "Retention"). It refuses a token that holds WatchConfig.LimitPerToken
-// watches open already (ResourceExhausted). It ends when the
+// from_start (docs/architecture.md, "Retention"). It refuses a token that
+// holds WatchConfig.LimitPerToken watches open already (ResourceExhausted). It ends when the
 // client cancels (no error), the server shuts down or the database cannot
 // be reached (Unavailable: resume with the last id received), or the
 // caller's token is revoked or expires (Unauthenticated "api token was
@@ -204,8 +204,8 @@ type watchEventJSON struct {
 // often) or without (the token holds WatchConfig.LimitPerToken watches
 // already), 403 (role without events.read), 400 (bad query parameter, named),
 // 410 (code failed_precondition: after is below what retention removed;
-// watch again with from_start), 503 (database unreachable: retry) or 500. Once the response has begun
-// (200), an error ends it with one last line of that shape, which has no
+// watch again with from_start), 503 (database unreachable: retry) or 500.
+// Once the response has begun (200), an error ends it with one last line of that shape, which has no
 // "id": {"code": "unavailable", …} when the server shuts down or the
 // database cannot be reached (resume with the last id), {"code":
 // "unauthenticated", "message": "api token was revoked"} (or "… expired
