@@ -149,7 +149,7 @@ check: vet lint generate-check breaking test ## vet, lint, generate-and-diff, bu
 
 # tests/bench: join → adoption, reservations, commands (throughput and round
 # trip), the events watch, the idle fleet's CPU and a retention pass over 10
-# million events while commands run (about 15 minutes of the run); the gateway, the
+# million events while commands run (about 10 minutes of the run); the gateway, the
 # controllers and the commands benchmark's machines (fakedaemon) run there
 # from bin/linux (images builds them).
 .PHONY: bench
