@@ -140,7 +140,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		return nil, fmt.Errorf("controllers: LivenessTimeout %s is below %s, which I4 needs", cfg.LivenessTimeout,
 			store.MinLivenessTimeout)
 	}
-	if err := cfg.RetentionConfig.Check(cfg.JoiningTimeout); err != nil {
+	if err := cfg.Check(cfg.JoiningTimeout); err != nil {
 		return nil, err
 	}
 	var intent *store.IntentSigner

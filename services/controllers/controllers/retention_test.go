@@ -307,7 +307,7 @@ func TestRetentionConfig(t *testing.T) {
 				return ""
 			})
 			if err == nil {
-				err = cfg.RetentionConfig.Check(cfg.JoiningTimeout) // what New checks first
+				err = cfg.Check(cfg.JoiningTimeout) // what New checks first
 			}
 			require.Error(t, err)
 			var cerr *config.Error
