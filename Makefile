@@ -154,12 +154,13 @@ test: images ## Run every test suite (unit, integration, fuzz for FUZZTIME, comp
 check: vet lint generate-check breaking test ## vet, lint, generate-and-diff, buf breaking, and every test.
 
 # tests/bench: join → adoption, reservations, commands (throughput and round
-# trip), the events watch and the idle fleet's CPU; the gateway, the
+# trip), the events watch, the idle fleet's CPU and a retention pass over 10
+# million events while commands run (about 10 minutes of the run); the gateway, the
 # controllers and the commands benchmark's machines (fakedaemon) run there
 # from bin/linux (images builds them).
 .PHONY: bench
 bench: images ## Run the benchmarks and print their figures (BETTER_COMPUTE_BENCH_MACHINES=1000), the fleet simulator's speed too.
-	cd tests && $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 45m ./bench/...
+	cd tests && $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 75m ./bench/...
 	cd services/gateway && $(GO) test -run '^$$' -bench IdleSessionMemory -benchtime 1x -timeout 10m ./gateway/
 	cd services/controllers && $(GO) test -run '^$$' -bench Acceptance1000 -benchtime 3x -timeout 10m ./controllers/
 	cd pkg && $(GO) test -run '^$$' -bench '^BenchmarkSim$$' -benchtime 1x -timeout 10m ./sim/

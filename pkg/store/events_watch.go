@@ -97,6 +97,10 @@ type EventScan struct {
 	// back. With none running the read is final; otherwise EventWriters
 	// tells when it is.
 	Running []int64
+	// RemovedThrough is the highest id of the filter's scope that retention
+	// deleted as of the read (EventRetention), 0 for none: a watch whose
+	// cursor is below it has lost events it did not deliver.
+	RemovedThrough int64
 }
 
 // scanEventsSQL is ScanEvents' statement for one tenant's events ($1: the
@@ -105,19 +109,22 @@ type EventScan struct {
 // run with generic plans (DB.AutoCommit), hence a statement per scope
 // rather than an optional filter. The snapshot is the statement's own
 // (pg_current_snapshot() in a query is its snapshot); the LEFT JOIN returns
-// it, with no event, when nothing passes.
+// it, with no event, when nothing passes, and with it what retention
+// removed of the scope's events as of the same snapshot (event_retention).
 const (
-	scanEventsSQL = `WITH snap AS (SELECT ARRAY(SELECT x::text::bigint % 4294967296 FROM pg_snapshot_xip(s) AS x) AS running
+	scanEventsSQL = `WITH snap AS (SELECT ARRAY(SELECT x::text::bigint % 4294967296 FROM pg_snapshot_xip(s) AS x) AS running,
+				COALESCE((SELECT removed_through FROM event_retention WHERE tenant_id = $1), 0) AS removed
 			FROM pg_current_snapshot() AS s)
-		SELECT snap.running, e.id, COALESCE(e.tenant_id, ''), e.type, e.subject_id, e.data::text, e.created_at
+		SELECT snap.running, snap.removed, e.id, COALESCE(e.tenant_id, ''), e.type, e.subject_id, e.data::text, e.created_at
 		FROM snap LEFT JOIN LATERAL (SELECT * FROM events
 			WHERE tenant_id = $1 AND id > $2 AND ($5 OR type = ANY($3::text[])
 				OR EXISTS (SELECT 1 FROM unnest($4::text[]) AS p(prefix) WHERE starts_with(type, p.prefix)))
 			ORDER BY tenant_id, id LIMIT $6) AS e ON true
 		ORDER BY e.id`
-	scanAllEventsSQL = `WITH snap AS (SELECT ARRAY(SELECT x::text::bigint % 4294967296 FROM pg_snapshot_xip(s) AS x) AS running
+	scanAllEventsSQL = `WITH snap AS (SELECT ARRAY(SELECT x::text::bigint % 4294967296 FROM pg_snapshot_xip(s) AS x) AS running,
+				COALESCE((SELECT max(removed_through) FROM event_retention), 0) AS removed
 			FROM pg_current_snapshot() AS s)
-		SELECT snap.running, e.id, COALESCE(e.tenant_id, ''), e.type, e.subject_id, e.data::text, e.created_at
+		SELECT snap.running, snap.removed, e.id, COALESCE(e.tenant_id, ''), e.type, e.subject_id, e.data::text, e.created_at
 		FROM snap LEFT JOIN LATERAL (SELECT * FROM events
 			WHERE id > $1 AND ($4 OR type = ANY($2::text[])
 				OR EXISTS (SELECT 1 FROM unnest($3::text[]) AS p(prefix) WHERE starts_with(type, p.prefix)))
@@ -154,7 +161,7 @@ func ScanEvents(ctx context.Context, q DBTX, after int64, f EventFilter, limit i
 		tenantID, typ, subject, data *string
 		at                           *time.Time
 	)
-	_, err = pgx.ForEachRow(rows, []any{&out.Running, &id, &tenantID, &typ, &subject, &data, &at},
+	_, err = pgx.ForEachRow(rows, []any{&out.Running, &out.RemovedThrough, &id, &tenantID, &typ, &subject, &data, &at},
 		func() error {
 			if id != nil {
 				out.Events = append(out.Events, Event{ID: *id, TenantID: *tenantID, Type: *typ, SubjectID: *subject,
@@ -168,20 +175,24 @@ func ScanEvents(ctx context.Context, q DBTX, after int64, f EventFilter, limit i
 	return out, nil
 }
 
-// MaxEventID returns the highest committed event id of scope's tenants (0
-// when there is none): every tenant's for AllTenants, the tenant's own
-// (through events_tenant_idx) otherwise, so that it tells a tenant nothing
-// of the others. Every id a watch of scope ever sent is at most
-// MaxEventID(scope) (it was committed before it was sent), so the API
-// refuses to resume after a higher one; that holds as long as each
-// tenant's newest event row is never deleted (retention must keep it).
+// MaxEventID returns the highest event id of scope's tenants that a watch
+// may have sent (0 when there is none): the newest committed one, or the
+// highest retention deleted (EventRetention) when that is higher, every
+// tenant's for AllTenants, the tenant's own (through events_tenant_idx and
+// its event_retention row) otherwise, so that it tells a tenant nothing of
+// the others. Every id a watch of scope ever sent is at most
+// MaxEventID(scope) (it was committed before it was sent, and retention
+// records what it deletes), so the API refuses to resume after a higher one.
 func MaxEventID(ctx context.Context, q DBTX, scope Scope) (int64, error) {
 	var id int64
-	sql := `SELECT COALESCE(max(id), 0) FROM events`
+	sql := `SELECT GREATEST(COALESCE((SELECT max(id) FROM events), 0),
+		COALESCE((SELECT max(removed_through) FROM event_retention), 0))`
 	args := []any{}
 	switch tenant := scope.Tenant(); {
 	case tenant != "":
-		sql, args = `SELECT COALESCE(max(id), 0) FROM events WHERE tenant_id = $1`, []any{tenant}
+		sql = `SELECT GREATEST(COALESCE((SELECT max(id) FROM events WHERE tenant_id = $1), 0),
+			COALESCE((SELECT removed_through FROM event_retention WHERE tenant_id = $1), 0))`
+		args = []any{tenant}
 	case !scope.All():
 		return 0, nil
 	}

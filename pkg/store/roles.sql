@@ -64,6 +64,8 @@ GRANT SELECT ON usage_windows TO bc_api;
 -- Events: the writers, and ScanEvents, MaxEventID (the events watch).
 GRANT SELECT, INSERT ON events TO bc_api;
 GRANT USAGE ON SEQUENCE events_id_seq TO bc_api;
+-- ScanEvents, MaxEventID, EventRetention: what retention removed.
+GRANT SELECT ON event_retention TO bc_api;
 -- The writers of events, RevokeAPIToken (the revocation), QueueCommands
 -- (the gateways' pokes).
 GRANT SELECT (id), INSERT ON outbox TO bc_api;
@@ -156,7 +158,7 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON leases TO bc_scheduler;
 
 -- -------------------------------------------------------- bc_controllers --
 -- The reconcilers (acceptance, expiry, usage, liveness, command expiry,
--- joining, SSH CAs) and the outbox relay.
+-- joining, SSH CAs, retention) and the outbox relay.
 
 -- ClaimJoiningNodes, MarkNodesAccepting, AdoptNodes, FailAcceptance,
 -- SweepUnreachable, SetSSHUserCAs, EndReservation, PokeNodes; ExpireJoiningNodes
@@ -166,25 +168,34 @@ GRANT SELECT, UPDATE, DELETE ON nodes TO bc_controllers;
 GRANT SELECT ON pools TO bc_controllers;
 -- AdoptNodes and FailAcceptance replace the devices; ExpireJoiningNodes.
 GRANT SELECT, INSERT, DELETE ON node_devices TO bc_controllers;
--- ExpireJoiningNodes.
-GRANT SELECT, DELETE ON node_certs TO bc_controllers;
--- ExpireJoiningNodes gives the token its use back.
-GRANT SELECT, UPDATE ON join_tokens TO bc_controllers;
+-- ExpireJoiningNodes; DeleteOldNodeCerts (FOR UPDATE SKIP LOCKED: the
+-- UPDATE).
+GRANT SELECT, UPDATE, DELETE ON node_certs TO bc_controllers;
+-- ExpireJoiningNodes gives the token its use back; DeleteOldJoinTokens.
+GRANT SELECT, UPDATE, DELETE ON join_tokens TO bc_controllers;
 -- QueueAcceptanceCommands, ClaimDueAcceptances, AcceptanceChecks,
--- ExpireCommands, ExpireDueCommands.
-GRANT SELECT, INSERT, UPDATE ON commands TO bc_controllers;
+-- ExpireCommands, ExpireDueCommands; DeleteOldCommands.
+GRANT SELECT, INSERT, UPDATE, DELETE ON commands TO bc_controllers;
 -- ClaimDueReservations, EndReservation, FailNeverPlaced, UsageCandidates,
--- WriteUsageWindows, SetSSHUserCAs (the specs it rebuilds).
-GRANT SELECT, UPDATE ON reservations TO bc_controllers;
--- EndReservation; UsageCandidates, WriteUsageWindows.
+-- WriteUsageWindows, SetSSHUserCAs (the specs it rebuilds);
+-- DeleteOldReservations.
+GRANT SELECT, UPDATE, DELETE ON reservations TO bc_controllers;
+-- EndReservation; UsageCandidates, WriteUsageWindows;
+-- DeleteOldReservations.
 GRANT SELECT, UPDATE, DELETE ON bookings TO bc_controllers;
--- UsageCandidates, WriteUsageWindows.
-GRANT SELECT, INSERT ON usage_windows TO bc_controllers;
+-- DeleteOldReservations deletes the reservation's tickets.
+GRANT SELECT, DELETE ON tunnel_tickets TO bc_controllers;
+-- UsageCandidates, WriteUsageWindows; DeleteOldUsageWindows (FOR UPDATE).
+GRANT SELECT, INSERT, UPDATE, DELETE ON usage_windows TO bc_controllers;
 -- SetSSHUserCAs (LOCK TABLE, then replaces the rows).
 GRANT SELECT, INSERT, DELETE ON ssh_user_cas TO bc_controllers;
--- The writers of events.
-GRANT SELECT, INSERT ON events TO bc_controllers;
+-- The writers of events; DeleteOldEvents.
+GRANT SELECT, INSERT, DELETE ON events TO bc_controllers;
 GRANT USAGE ON SEQUENCE events_id_seq TO bc_controllers;
+-- DeleteOldEvents records what it deleted (an upsert).
+GRANT SELECT, INSERT, UPDATE ON event_retention TO bc_controllers;
+-- DeleteOldAudit.
+GRANT SELECT, DELETE ON audit TO bc_controllers;
 -- The writers of events, Enqueue, PokeNodes; the outbox relay (TakeOutbox)
 -- deletes what it publishes, having locked it (FOR UPDATE SKIP LOCKED: the
 -- UPDATE).

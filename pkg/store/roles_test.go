@@ -394,6 +394,10 @@ func apiCalls(r *grantRun, signer *store.IntentSigner) {
 		return err
 	})
 	r.call("MaxEventID", func(ctx context.Context, tx pgx.Tx) error { _, err := store.MaxEventID(ctx, tx, all); return err })
+	r.call("EventRetention", func(ctx context.Context, tx pgx.Tx) error {
+		_, _, err := store.EventRetention(ctx, tx, all)
+		return err
+	})
 	r.call("EventWriters", func(ctx context.Context, tx pgx.Tx) error {
 		var xid int64
 		if err := tx.QueryRow(ctx, `SELECT pg_current_xact_id()::text::bigint`).Scan(&xid); err != nil {
@@ -722,6 +726,29 @@ func controllersCalls(r *grantRun, signer *store.IntentSigner) {
 		return store.DeadLetterOutbox(ctx, tx, now, store.OutboxMessage{ID: 1, Subject: "bc.test", Payload: []byte("x"),
 			CreatedAt: now}, "a test")
 	})
+	// Retention, with every row due: each deletes something (an older
+	// certificate of n0, not its newest).
+	_, err := store.InsertAudit(t.Context(), o.Pool, store.AuditEntry{At: now, TenantID: tenant, Procedure: "/test", Outcome: "ok"})
+	require.NoError(t, err)
+	storetest.NodeCert(t, o, &storetest.NodeCertOpts{NodeID: n0, NotAfter: now.Add(time.Hour)})
+	storetest.NodeCert(t, o, &storetest.NodeCertOpts{NodeID: n0, NotAfter: now.Add(2 * time.Hour)})
+	storetest.UsageWindow(t, o, &storetest.UsageWindowOpts{ReservationID: due.ID, TenantID: tenant, PoolID: f.PoolID,
+		WindowStart: now.Add(-1000 * time.Hour).Truncate(time.Hour), GPUSeconds: 1})
+	later := now.Add(1000 * 24 * time.Hour)
+	for name, del := range map[string]func(context.Context, store.DBTX, time.Time, int) (int, error){
+		"DeleteOldEvents": store.DeleteOldEvents, "DeleteOldAudit": store.DeleteOldAudit,
+		"DeleteOldCommands": store.DeleteOldCommands, "DeleteOldReservations": store.DeleteOldReservations,
+		"DeleteOldUsageWindows": store.DeleteOldUsageWindows, "DeleteOldNodeCerts": store.DeleteOldNodeCerts,
+		"DeleteOldJoinTokens": store.DeleteOldJoinTokens,
+	} {
+		r.call(name, func(ctx context.Context, tx pgx.Tx) error {
+			n, err := del(ctx, tx, later, 100)
+			if err == nil && n == 0 {
+				err = errors.New("deleted none")
+			}
+			return err
+		})
+	}
 	r.call("ReleaseLease", func(ctx context.Context, tx pgx.Tx) error {
 		_, err := store.ReleaseLease(ctx, tx, "controllers.test", "test")
 		return err

@@ -141,8 +141,13 @@ type eventService struct{ *Server }
 // (InvalidArgument) a type pattern that matches none of store.EventTypes
 // ("types[i]: …") and an after_id above the newest committed event id of
 // the caller's tenant ("after_id: …", naming that id; every tenant's for
-// root-admin), and refuses a token that holds WatchConfig.LimitPerToken
-// watches open already (ResourceExhausted). It ends when the
+// root-admin); it refuses (FailedPrecondition, "after_id: events after N
+// were removed by retention (the oldest event id kept is M) …", the ids of
+// the caller's scope only) an after_id below the highest id retention
+// removed of the caller's events, and ends a watch so far behind that
+// retention removes events after its cursor likewise: resume with
+// from_start (docs/architecture.md, "Retention"). It refuses a token that
+// holds WatchConfig.LimitPerToken watches open already (ResourceExhausted). It ends when the
 // client cancels (no error), the server shuts down or the database cannot
 // be reached (Unavailable: resume with the last id received), or the
 // caller's token is revoked or expires (Unauthenticated "api token was
@@ -198,8 +203,9 @@ type watchEventJSON struct {
 // token), 429 with Retry-After (the address failed to authenticate too
 // often) or without (the token holds WatchConfig.LimitPerToken watches
 // already), 403 (role without events.read), 400 (bad query parameter, named),
-// 503 (database unreachable: retry) or 500. Once the response has begun
-// (200), an error ends it with one last line of that shape, which has no
+// 410 (code failed_precondition: after is below what retention removed;
+// watch again with from_start), 503 (database unreachable: retry) or 500.
+// Once the response has begun (200), an error ends it with one last line of that shape, which has no
 // "id": {"code": "unavailable", …} when the server shuts down or the
 // database cannot be reached (resume with the last id), {"code":
 // "unauthenticated", "message": "api token was revoked"} (or "… expired
@@ -330,6 +336,8 @@ func (s *Server) writeStreamError(w http.ResponseWriter, r *http.Request, what s
 		switch code {
 		case connect.CodeInvalidArgument:
 			status = http.StatusBadRequest
+		case connect.CodeFailedPrecondition:
+			status = http.StatusGone // the events after the cursor are gone
 		case connect.CodeUnavailable:
 			status = http.StatusServiceUnavailable
 		case connect.CodeUnauthenticated:
@@ -411,6 +419,38 @@ type watcher struct {
 	// delivered (or stepped over after MaxGrace), or where the watch began.
 	cursor int64
 	hold   *gapHold
+	// afterName names the cursor in refusals (watchRequest.afterName).
+	afterName string
+	// fromStart is true while a watch from the start has delivered
+	// nothing: what retention removes before its first event is not lost
+	// to it.
+	fromStart bool
+}
+
+// checkRetained refuses (FailedPrecondition, naming afterName and the
+// oldest event id kept of the caller's scope) a cursor after below the
+// highest id retention removed of the caller's scope (store.EventRetention):
+// events the client never received after it are gone. Both ids are the
+// scope's own (a tenant's events, every tenant's for root-admin), never
+// another tenant's.
+func (w *watcher) checkRetained(ctx context.Context, after int64) error {
+	removed, oldest, err := store.EventRetention(ctx, w.s.db.Pool, w.filter.Scope)
+	if err != nil || after >= removed {
+		return err
+	}
+	return w.removedError(after, oldest)
+}
+
+// removedError is checkRetained's refusal of cursor after, oldest the
+// oldest event id kept of the scope (0: none).
+func (w *watcher) removedError(after, oldest int64) error {
+	kept := "no event is kept"
+	if oldest != 0 {
+		kept = fmt.Sprintf("the oldest event id kept is %d", oldest)
+	}
+	return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf(
+		"%s: events after %d were removed by retention (%s): watch again from the start (from_start)",
+		w.afterName, after, kept))
 }
 
 // watchRequest is what a watch asks for, checked by protovalidate
@@ -447,13 +487,19 @@ func (s *Server) watch(ctx context.Context, p iam.Principal, authorization strin
 		return err
 	}
 	w := &watcher{s: s, cfg: s.cfg.Watch.withDefaults(), p: p, authorization: authorization,
-		filter: store.EventFilter{Scope: p.Scope(), Types: req.types}, cursor: req.after}
+		filter: store.EventFilter{Scope: p.Scope(), Types: req.types}, cursor: req.after, afterName: req.afterName,
+		fromStart: req.fromStart}
 	if !s.watches.take(p.TokenID, w.cfg.LimitPerToken) {
 		return connect.NewError(connect.CodeResourceExhausted, fmt.Errorf(
 			"this API token has %d events watches open on this server, the most it may: end one first", w.cfg.LimitPerToken))
 	}
 	defer s.watches.release(p.TokenID)
 	if req.after != 0 {
+		// What retention removed of the caller's own events: a resume
+		// below it would skip events the client never received.
+		if err := w.checkRetained(ctx, req.after); err != nil {
+			return w.end(ctx, err)
+		}
 		// The newest of the caller's own events (all for root): what
 		// another tenant wrote is none of its business, not even the ids.
 		newest, err := store.MaxEventID(ctx, s.db.Pool, w.filter.Scope)
@@ -655,6 +701,15 @@ func (w *watcher) step(ctx context.Context, send func(store.Event) error) (readN
 	if err != nil {
 		return readOnWake, err
 	}
+	if scan.RemovedThrough > w.cursor && !w.fromStart {
+		// Retention removed events after the cursor while the watch ran
+		// (it was that far behind): it cannot go on without a gap.
+		_, oldest, err := store.EventRetention(ctx, db.Pool, w.filter.Scope)
+		if err != nil {
+			return readOnWake, err
+		}
+		return readOnWake, w.removedError(w.cursor, oldest)
+	}
 	w.hold = nil
 	if len(scan.Events) == 0 {
 		return readOnWake, nil
@@ -680,7 +735,7 @@ func (w *watcher) step(ctx context.Context, send func(store.Event) error) (readN
 		if err := send(e); err != nil {
 			return readOnWake, err
 		}
-		w.cursor = e.ID
+		w.cursor, w.fromStart = e.ID, false
 	}
 	if len(scan.Events) == w.cfg.Batch {
 		return readNow, nil

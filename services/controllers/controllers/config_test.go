@@ -22,7 +22,7 @@ func TestReconcilerLeases(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, []string{controllers.LeaseAcceptance, controllers.LeaseExpiry, controllers.LeaseUsage,
 		controllers.LeaseLiveness, controllers.LeaseCommandExpiry, controllers.LeaseSSHCAs,
-		controllers.LeaseJoining}, srv.LeaseNames())
+		controllers.LeaseJoining, controllers.LeaseRetention}, srv.LeaseNames())
 }
 
 // TestConfigDefaults: the variables' defaults are the reconcilers' own, so

@@ -3,19 +3,21 @@
 // acceptance_failed, see Acceptance), the expiry of reservations at their
 // end time (Expiry), the expiry of user commands at their deadline
 // (CommandExpiry), the usage sink (Usage), the liveness sweeper (Liveness)
-// the SSH user CAs every NodeSpec carries (SSHCAs) and the removal of stale
-// joins (Joining). N replicas may run:
+// the SSH user CAs every NodeSpec carries (SSHCAs), the removal of stale
+// joins (Joining) and the deletion of rows past their retention
+// (Retention). N replicas may run:
 //
 //   - Each reconciler runs behind a lease of its own, named LeasePrefix and
 //     its name (LeaseAcceptance, LeaseExpiry, LeaseUsage, LeaseLiveness,
-//     LeaseCommandExpiry, LeaseSSHCAs, LeaseJoining), so one replica works
+//     LeaseCommandExpiry, LeaseSSHCAs, LeaseJoining, LeaseRetention), so one replica works
 //     at a time and another takes over within a lease TTL when it dies. None
 //     relies on the lease for safety: acceptance claims nodes with FOR UPDATE
 //     SKIP LOCKED and guards every transition on the node's state; Expiry
 //     claims reservations with SKIP LOCKED and ends them with
 //     store.EndReservation, which leaves an ended one alone; Usage writes
 //     windows with ON CONFLICT DO NOTHING; SSHCAs locks the CA table; Joining
-//     claims nodes with SKIP LOCKED. An overlap during a takeover (a stalled
+//     claims nodes with SKIP LOCKED; Retention deletes rows that are due
+//     whoever deletes them, skipping locked ones. An overlap during a takeover (a stalled
 //     holder still running) does no harm.
 //   - The outbox relay runs on every replica without a lease: it takes rows
 //     with FOR UPDATE SKIP LOCKED, so replicas share the work instead of
@@ -98,6 +100,9 @@ type Config struct {
 	JoiningTimeout time.Duration `env:"JOINING_TIMEOUT,positive" default:"1h"`
 	// LivenessInterval is how often the liveness sweeper looks.
 	LivenessInterval time.Duration `env:"LIVENESS_INTERVAL,positive" default:"1s"`
+	// RetentionConfig is how long each kind of row is kept, and how the
+	// retention reconciler deletes the rest (Retention).
+	RetentionConfig
 }
 
 // Deps are the controllers' dependencies: DB and NC (the outbox's
@@ -115,6 +120,7 @@ type Server struct {
 	commandExpiry *CommandExpiry
 	sshCAs        *SSHCAs
 	joining       *Joining
+	retention     *Retention
 	// reconcilers run each behind its lease: leases[i] is reconcilers[i]'s.
 	reconcilers []service.Runner
 	leases      []*lease.Lease
@@ -133,6 +139,9 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if cfg.LivenessTimeout < store.MinLivenessTimeout {
 		return nil, fmt.Errorf("controllers: LivenessTimeout %s is below %s, which I4 needs", cfg.LivenessTimeout,
 			store.MinLivenessTimeout)
+	}
+	if err := cfg.Check(cfg.JoiningTimeout); err != nil {
+		return nil, err
 	}
 	var intent *store.IntentSigner
 	if cfg.SignedIntent {
@@ -155,10 +164,12 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		Interval: cfg.ExpiryInterval, Batch: cfg.BatchSize}
 	s.joining = &Joining{DB: deps.DB, Logger: log("joining"), Clock: deps.Clock, Timeout: cfg.JoiningTimeout,
 		Batch: cfg.BatchSize}
+	s.retention = &Retention{DB: deps.DB, Logger: log("retention"), Clock: deps.Clock, Config: cfg.RetentionConfig}
 	s.sshCAs = &SSHCAs{DB: deps.DB, Logger: log("ssh-cas"), Clock: deps.Clock, PKIDir: cfg.PKIDir, Intent: intent}
 	// The reconcilers: each runs behind a lease of its own, LeasePrefix
 	// and its name. To add one, add it here.
-	s.reconcilers = []service.Runner{s.acceptance, s.expiry, s.usage, s.liveness, s.commandExpiry, s.sshCAs, s.joining}
+	s.reconcilers = []service.Runner{s.acceptance, s.expiry, s.usage, s.liveness, s.commandExpiry, s.sshCAs, s.joining,
+		s.retention}
 	for _, r := range s.reconcilers {
 		s.leases = append(s.leases, cfg.Lease(LeasePrefix+r.Name(), deps))
 	}
@@ -181,6 +192,9 @@ func (s *Server) CommandExpiry() *CommandExpiry { return s.commandExpiry }
 
 // Liveness returns the liveness sweeper (for tests and tools).
 func (s *Server) Liveness() *Liveness { return s.liveness }
+
+// Retention returns the retention reconciler (for tests and tools).
+func (s *Server) Retention() *Retention { return s.retention }
 
 // SSHCAs returns the SSH user CA reconciler (for tests and tools).
 func (s *Server) SSHCAs() *SSHCAs { return s.sshCAs }

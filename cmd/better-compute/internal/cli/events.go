@@ -62,7 +62,9 @@ func (a *app) eventsWatchCmd() *cobra.Command {
 			"with no gap and no duplicate. Before the first event printed, it resumes after the id the stream\n" +
 			"started after, which the server names in the Bc-Watch-After response header (the --after ID, or\n" +
 			"the newest id of those events when a watch from now started), or from the start when that is 0\n" +
-			"(there was no event yet, or --from-start). It runs until interrupted.\n\n" +
+			"(there was no event yet, or --from-start). It runs until interrupted, or until the server\n" +
+			"refuses to resume because retention removed events after the last one printed (it then says\n" +
+			"to use --from-start, which replays the events kept).\n\n" +
 			"The same stream over HTTP: curl -N -H \"Authorization: Bearer $BETTER_COMPUTE_TOKEN\"\n" +
 			"\"$BETTER_COMPUTE_URL/api/compute/watch?types=node.*&after=ID\" (NDJSON; parameters types, after,\n" +
 			"from_start; an error that ends the stream is a last line {\"code\": …, \"message\": …}).\n\n" +
@@ -97,7 +99,9 @@ func (a *app) eventsWatchCmd() *cobra.Command {
 
 // watchEvents prints the events of req's watch, reconnecting after a
 // dropped stream from the last id printed (watchOnce moves req), until ctx
-// ends (nil) or the API refuses the watch (its error). The delay before a
+// ends (nil) or the API refuses the watch (its error; FailedPrecondition,
+// retention removed events after the cursor, with a hint to use
+// --from-start). The delay before a
 // reconnect doubles from watchRetryFirst up to watchRetryMost while no
 // stream is established, and starts again from watchRetryFirst after one
 // was, whether or not it delivered an event: a quiet filtered watch is as
@@ -112,6 +116,16 @@ func (a *app) watchEvents(ctx context.Context, client computev1connect.EventServ
 		}
 		switch connect.CodeOf(err) {
 		case connect.CodeUnauthenticated, connect.CodePermissionDenied, connect.CodeInvalidArgument:
+			return err
+		case connect.CodeFailedPrecondition:
+			// Retention removed events after the cursor: resuming would
+			// skip them, so the watch stops and says how to go on.
+			var cerr *connect.Error
+			if errors.As(err, &cerr) {
+				hinted := connect.NewError(cerr.Code(), errors.New(cerr.Message()+
+					" (run `better-compute events watch --from-start` to replay the events kept)"))
+				return hinted
+			}
 			return err
 		}
 		if established {

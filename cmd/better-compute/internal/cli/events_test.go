@@ -117,6 +117,27 @@ func TestEventsWatchRefused(t *testing.T) {
 	require.Contains(t, res.stderr, "--after")
 }
 
+// TestEventsWatchRemovedByRetention: a watch resuming after an event that
+// retention removed ends at once, with the API's FailedPrecondition naming
+// the oldest id kept and a hint to use --from-start, instead of retrying.
+func TestEventsWatchRemovedByRetention(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	gone := f.insertEvent(t, f.tenant, "node.cordoned")
+	f.insertEvent(t, f.tenant, "node.cordoned")
+	n, err := store.DeleteOldEvents(t.Context(), f.db.Pool, f.now.Add(time.Second), 100)
+	require.NoError(t, err)
+	require.Equal(t, 2, n)
+	kept := storetest.Event(t, f.db, &storetest.EventOpts{TenantID: f.tenant, CreatedAt: f.now.Add(time.Hour)})
+	res := f.runner(f.viewer).run(t, "events", "watch", "--after", strconv.FormatInt(gone, 10))
+	require.Equal(t, 1, res.code)
+	require.Contains(t, res.stderr, "error: failed_precondition: ")
+	require.Contains(t, res.stderr, fmt.Sprintf("after_id: events after %d were removed by retention (the oldest event id kept is %d)",
+		gone, kept))
+	require.Contains(t, res.stderr, "better-compute events watch --from-start")
+	require.Equal(t, 1, strings.Count(res.stderr, "\n"), "one line: %q", res.stderr)
+}
+
 // TestEventsWatchFromNowResumesWhereItStarted: a watch "from now" (no
 // --after) whose stream drops before its first event resumes after the
 // newest id when it started (the Bc-Watch-After header), so an event
