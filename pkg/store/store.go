@@ -48,6 +48,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
 
 	"github.com/better-compute/better-compute/pkg/clock"
 )
@@ -127,6 +129,28 @@ func Open(ctx context.Context, url string, clk clock.Clock, wait time.Duration, 
 			return nil, serr
 		}
 	}
+}
+
+// RecordPoolStats exports the statistics of db's pools through mp
+// (otelpgx.RecordStats of pgxpool.Stat: connections acquired, idle and
+// open, acquires and their waits; docs/metrics.md), read at most once a
+// second, each pool labeled by db.client.connection.pool.name: main (Pool)
+// and generic (AutoCommit's).
+func (db *DB) RecordPoolStats(mp metric.MeterProvider) error {
+	pools := []struct {
+		name string
+		pool *pgxpool.Pool
+	}{{"main", db.Pool}, {"generic", db.generic}}
+	for _, p := range pools {
+		if p.pool == nil {
+			continue
+		}
+		if err := otelpgx.RecordStats(p.pool, otelpgx.WithStatsMeterProvider(mp),
+			otelpgx.WithStatsAttributes(attribute.String("db.client.connection.pool.name", p.name))); err != nil {
+			return fmt.Errorf("record pool stats: %w", err)
+		}
+	}
+	return nil
 }
 
 // Close stops the outbox notifier and closes the pools.
