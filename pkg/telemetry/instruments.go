@@ -5,6 +5,7 @@ import (
 	"slices"
 	"sync"
 
+	"github.com/prometheus/otlptranslator"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 )
@@ -203,7 +204,7 @@ var (
 		Description: "Nodes the liveness sweeper marked unreachable.",
 		Services:    []string{svcControllers}}
 	// LeaseHeld is 1 per lease this replica holds, 0 per lease it waits for.
-	LeaseHeld = Instrument{Name: "bc.lease.held", Kind: Gauge, Unit: "1",
+	LeaseHeld = Instrument{Name: "bc.lease.held", Kind: Gauge, Unit: "{lease}",
 		Description: "1 for each lease (role) this replica holds, 0 for each it stands by for: the scheduler's, and each reconciler's of the controllers.",
 		Labels:      []string{LabelLease}, Services: []string{svcScheduler, svcControllers}}
 
@@ -353,4 +354,38 @@ func (p *AttrPairs) Get(v1, v2 string) metric.MeasurementOption {
 		p.m[key] = o
 	}
 	return o
+}
+
+// PrometheusName is the name the prometheus exporter gives in's series
+// (dots as underscores, the unit's suffix, _total for a counter), as the
+// exporter's own translator (otlptranslator, UnderscoreEscapingWithSuffixes)
+// builds it; a histogram's series add _bucket, _sum and _count.
+func (in Instrument) PrometheusName() string {
+	var t otlptranslator.MetricType = otlptranslator.MetricTypeGauge
+	switch in.Kind {
+	case Counter:
+		t = otlptranslator.MetricTypeMonotonicCounter
+	case Histogram:
+		t = otlptranslator.MetricTypeHistogram
+	}
+	namer := otlptranslator.NewMetricNamer("", otlptranslator.UnderscoreEscapingWithSuffixes)
+	name, err := namer.Build(otlptranslator.Metric{Name: in.Name, Unit: in.Unit, Type: t})
+	if err != nil {
+		panic(fmt.Sprintf("telemetry: %s: %v", in.Name, err)) // the catalog's names are constant and valid
+	}
+	return name
+}
+
+// PrometheusLabels are in's label names as the exporter writes them.
+func (in Instrument) PrometheusLabels() []string {
+	namer := otlptranslator.LabelNamer{}
+	out := make([]string, len(in.Labels))
+	for i, l := range in.Labels {
+		n, err := namer.Build(l)
+		if err != nil {
+			panic(fmt.Sprintf("telemetry: %s: label %s: %v", in.Name, l, err))
+		}
+		out[i] = n
+	}
+	return out
 }
