@@ -101,9 +101,6 @@ const (
 	causeBadSubject = "bad_subject"
 )
 
-// deadLetterMetric is the name of the counter of the rows set aside.
-const deadLetterMetric = "bc.outbox.dead_letters"
-
 // straggleWindow is how far below the highest id it took a relay woken by a
 // signal looks (store.TakeOutbox's after): ids are drawn when rows are
 // inserted, so a transaction may commit rows below ids already taken, and
