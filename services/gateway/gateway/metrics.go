@@ -16,50 +16,54 @@ import (
 // meterName is the instrumentation scope of the gateway's instruments.
 const meterName = "github.com/better-compute/better-compute/services/gateway"
 
-// Reasons a session ended, the reason label of bc.gateway.sessions.closed
-// (closeReason).
+// Reasons a session ended: indexes into closeReasons, the reason label of
+// bc.gateway.sessions.closed (closeReason).
 const (
-	closedByNode        = "closed"
-	closedSuperseded    = "superseded"
-	closedSilent        = "silent"
-	closedRevoked       = "revoked"
-	closedCertExpired   = "cert_expired"
-	closedInvalid       = "invalid"
-	closedShutdown      = "shutdown"
-	closedUnavailable   = "unavailable"
-	closedOther         = "other"
-	closedReasonsLength = 9
+	closedByNode = iota
+	closedSuperseded
+	closedSilent
+	closedRevoked
+	closedCertExpired
+	closedInvalid
+	closedShutdown
+	closedUnavailable
+	closedOther
+	closedReasonsLength
 )
 
-var closeReasons = [closedReasonsLength]string{closedByNode, closedSuperseded, closedSilent, closedRevoked,
-	closedCertExpired, closedInvalid, closedShutdown, closedUnavailable, closedOther}
+// closeReasons are the label values of the reasons.
+var closeReasons = [closedReasonsLength]string{
+	closedByNode: "closed", closedSuperseded: "superseded", closedSilent: "silent", closedRevoked: "revoked",
+	closedCertExpired: "cert_expired", closedInvalid: "invalid", closedShutdown: "shutdown",
+	closedUnavailable: "unavailable", closedOther: "other",
+}
 
-// closeReason is the index in closeReasons of why a session ended with err
-// (the Session handler's error; nil or EOF when the machine ended it).
+// closeReason is the reason a session ended with err (the Session
+// handler's error; nil or EOF when the machine ended it).
 func closeReason(err error) int {
 	switch {
 	case err == nil, errors.Is(err, io.EOF), errors.Is(err, context.Canceled):
-		return 0
+		return closedByNode
 	case errors.Is(err, errSuperseded):
-		return 1
-	case errors.Is(err, errSilent):
-		return 2
+		return closedSuperseded
+	case errors.Is(err, errSilent), errors.Is(err, errNoHello):
+		return closedSilent
 	case errors.Is(err, errRevoked):
-		return 3
+		return closedRevoked
 	case errors.Is(err, errShuttingDown):
-		return 6
+		return closedShutdown
 	case errors.Is(err, errPendingWork), errors.Is(err, errFenced), errors.Is(err, errRecord):
-		return 7
+		return closedUnavailable
 	}
 	switch connect.CodeOf(err) {
 	case connect.CodeUnauthenticated: // the certificate's expiry (revocation is errRevoked)
-		return 4
+		return closedCertExpired
 	case connect.CodeInvalidArgument:
-		return 5
+		return closedInvalid
 	case connect.CodeCanceled:
-		return 0
+		return closedByNode
 	}
-	return 8
+	return closedOther
 }
 
 // metrics are the gateway's instruments (docs/metrics.md), made once in New
