@@ -123,12 +123,12 @@ var (
 		Labels:      []string{LabelKind, LabelState}, Services: []string{svcGateway, svcControllers}, Buckets: latencyBuckets}
 	// Commands is the number of open commands by kind and state.
 	Commands = Instrument{Name: "bc.commands.open", Kind: Gauge, Unit: "{command}",
-		Description: "Commands not yet finished (queued, delivered, running), by kind and state, read from the database (finished ones: bc.commands.finished).",
+		Description: "Commands not yet finished (queued, delivered, running), by kind and state (0 for each pair without any), read from the database (finished ones: bc.commands.finished).",
 		Labels:      []string{LabelKind, LabelState}, Services: []string{svcControllers}}
 
 	// Reservations is the number of live reservations by state.
 	Reservations = Instrument{Name: "bc.reservations", Kind: Gauge, Unit: "{reservation}",
-		Description: "Reservations not yet ended (pending, binding, active), by state, read from the database.",
+		Description: "Reservations not yet ended (pending, binding, active), by state (0 for a state without any), read from the database.",
 		Labels:      []string{LabelState}, Services: []string{svcControllers}}
 	// ReservationActivation is the created→active latency of reservations.
 	ReservationActivation = Instrument{Name: "bc.reservations.activation", Kind: Histogram, Unit: "s",
@@ -141,7 +141,7 @@ var (
 
 	// Nodes is the number of nodes by provision state and reachability.
 	Nodes = Instrument{Name: "bc.nodes", Kind: Gauge, Unit: "{node}",
-		Description: "Nodes not revoked, by provision state (joining, accepting, adopted, acceptance_failed) and reachability, read from the database.",
+		Description: "Nodes not revoked, by provision state (joining, accepting, adopted, acceptance_failed) and reachability (0 for each pair without any), read from the database.",
 		Labels:      []string{LabelProvision, LabelReachable}, Services: []string{svcControllers}}
 	// GPUs is the number of GPUs of adopted nodes per pool, free or booked.
 	GPUs = Instrument{Name: "bc.gpus", Kind: Gauge, Unit: "{gpu}",

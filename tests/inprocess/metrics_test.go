@@ -155,7 +155,9 @@ func TestMetrics(t *testing.T) {
 		require.Contains(t, s, name)
 	}
 	require.Positive(t, s.value("bc_outbox_published_total", map[string]string{"subject": "poke.gw"}), "pokes sent")
+	require.Contains(t, s, "bc_commands_open")
 	require.Zero(t, s.value("bc_commands_open", nil), "every command finished")
+	require.Len(t, s["bc_commands_open"].GetMetric(), 4*3, "each kind and open state, 0 when none")
 	require.Positive(t, s.value("pgxpool_total_connections", map[string]string{"db_client_connection_pool_name": "main"}))
 
 	// Every series is the catalog's, with the catalog's labels.

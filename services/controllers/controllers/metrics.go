@@ -25,6 +25,8 @@ const statsTimeout = 2 * time.Second
 var (
 	provisionStates   = []string{store.NodeJoining, store.NodeAccepting, store.NodeAdopted, store.NodeAcceptanceFailed}
 	liveReservations  = []string{store.ReservationPending, store.ReservationBinding, store.ReservationActive}
+	commandKinds      = []string{store.CommandDiagNVML, store.CommandInventoryRefresh, store.CommandLogsCollect, store.CommandNodeReboot}
+	openCommandStates = []string{"queued", "delivered", "running"}
 	reachabilityNames = []string{"true", "false"}
 )
 
@@ -91,8 +93,14 @@ func registerGauges(meter metric.Meter, db *store.DB, leases []*lease.Lease, sta
 			o.ObserveInt64(reservations, s.Reservations[st], a)
 		}
 		mu.Unlock()
+		open := map[[2]string]int64{}
 		for _, c := range s.Commands {
-			o.ObserveInt64(commands, c.N, commandAttrs.Get(c.Kind, c.State))
+			open[[2]string{c.Kind, c.State}] = c.N
+		}
+		for _, k := range commandKinds {
+			for _, st := range openCommandStates {
+				o.ObserveInt64(commands, open[[2]string{k, st}], commandAttrs.Get(k, st))
+			}
 		}
 		o.ObserveInt64(backlog, s.OutboxRows)
 		o.ObserveFloat64(oldest, s.OutboxAge.Seconds())
