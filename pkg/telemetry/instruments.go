@@ -115,11 +115,11 @@ var (
 		Labels:      []string{LabelKind}, Services: []string{svcAPI}}
 	// CommandsFinished counts commands that reached a terminal state.
 	CommandsFinished = Instrument{Name: "bc.commands.finished", Kind: Counter, Unit: "{command}",
-		Description: "Commands that reached a terminal state (succeeded, failed, expired), by kind and state: the gateway counts the daemons' reports, the controllers the commands they expired.",
+		Description: "Commands that reached a terminal state (succeeded, failed, expired), by kind and state: the gateway counts the daemons' reports, the controllers the user commands they expired (an acceptance check that the acceptance reconciler expires, to retry it, is not counted).",
 		Labels:      []string{LabelKind, LabelState}, Services: []string{svcGateway, svcControllers}}
 	// CommandDuration is the queued→terminal latency of commands.
 	CommandDuration = Instrument{Name: "bc.commands.duration", Kind: Histogram, Unit: "s",
-		Description: "Time from a command's queueing to its terminal state, by kind and state.",
+		Description: "Time from a command's queueing to its terminal state, by kind and state (as bc.commands.finished counts them).",
 		Labels:      []string{LabelKind, LabelState}, Services: []string{svcGateway, svcControllers}, Buckets: latencyBuckets}
 	// Commands is the number of open commands by kind and state.
 	Commands = Instrument{Name: "bc.commands.open", Kind: Gauge, Unit: "{command}",
