@@ -30,10 +30,11 @@ type Config interface {
 // (URL defaults to the loopback /readyz of the configuration's ProbeAddr,
 // https when C embeds TLS with its files set); otherwise it reads C from
 // the environment (config.Load), takes a context that SIGINT and SIGTERM
-// end, sets up telemetry
-// (telemetry.Setup, and telemetry.SetupMetrics: an unknown
-// BETTER_COMPUTE_METRICS_EXPORTER stops it here, naming the variable), opens the database when C embeds Database (waiting up
-// to a minute for it) and NATS when C embeds NATS, calls newService and
+// end, sets up telemetry (telemetry.Setup, and telemetry.SetupMetrics: an
+// unknown BETTER_COMPUTE_METRICS_EXPORTER stops it here, naming the
+// variable), opens the database when C embeds Database (waiting up to a
+// minute for it; its pools' statistics are exported, DB.RecordPoolStats)
+// and NATS when C embeds NATS, calls newService and
 // runs what it returns until the signal. It exits 1 with "NAME: error" on
 // standard error (a line per error) when any of that fails, and never
 // returns.
