@@ -50,8 +50,10 @@ func registerGauges(meter metric.Meter, db *store.DB, leases []*lease.Lease, sta
 	oldest := telemetry.Float64Gauge(meter, telemetry.OutboxOldest)
 	nodeAttrs := telemetry.NewAttrPairs(telemetry.LabelProvision, telemetry.LabelReachable)
 	commandAttrs := telemetry.NewAttrPairs(telemetry.LabelKind, telemetry.LabelState)
-	var mu sync.Mutex
-	resAttrs := map[string]metric.ObserveOption{}
+	resAttrs := make([]metric.ObserveOption, len(liveReservations))
+	for i, st := range liveReservations {
+		resAttrs[i] = telemetry.Attrs(attribute.String(telemetry.LabelState, st))
+	}
 	_, err := meter.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
 		for i, l := range leases {
 			o.ObserveInt64(held, b2i(l.Held()), leaseAttrs[i])
@@ -83,16 +85,9 @@ func registerGauges(meter metric.Meter, db *store.DB, leases []*lease.Lease, sta
 			o.ObserveInt64(gpus, g.N, metric.WithAttributes(attribute.String(telemetry.LabelPoolID, g.PoolID),
 				attribute.String(telemetry.LabelPoolName, g.PoolName), attribute.String(telemetry.LabelState, g.State)))
 		}
-		mu.Lock()
-		for _, st := range liveReservations {
-			a, ok := resAttrs[st]
-			if !ok {
-				a = telemetry.Attrs(attribute.String(telemetry.LabelState, st))
-				resAttrs[st] = a
-			}
-			o.ObserveInt64(reservations, s.Reservations[st], a)
+		for i, st := range liveReservations {
+			o.ObserveInt64(reservations, s.Reservations[st], resAttrs[i])
 		}
-		mu.Unlock()
 		open := map[[2]string]int64{}
 		for _, c := range s.Commands {
 			open[[2]string{c.Kind, c.State}] = c.N
