@@ -85,7 +85,8 @@ type Metrics struct {
 // otlpInterval is how often the otlp exporter pushes.
 const otlpInterval = 15 * time.Second
 
-// NewMetrics builds the metrics pipeline of exporter for service (the
+// NewMetrics builds the metrics pipeline of exporter (the zero Exporter is
+// prometheus) for service (the
 // resource's service.name; Prometheus shows it in target_info): a private
 // Prometheus registry per call, so that several stacks in one process (tests)
 // never share series. Errors: otlp without an OTLP endpoint in the
