@@ -129,3 +129,25 @@ func TestCatalogNames(t *testing.T) {
 	})
 	require.Panics(t, func() { telemetry.Int64Counter(m.Meter("test"), telemetry.GatewaySessions) }, "a gauge as a counter")
 }
+
+// TestOTLPPushes: with otlp, what is recorded is pushed over OTLP/HTTP to
+// OTEL_EXPORTER_OTLP_ENDPOINT (here at shutdown, which flushes), and no
+// /metrics is served.
+func TestOTLPPushes(t *testing.T) {
+	got := make(chan string, 4)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		if len(body) > 0 {
+			got <- r.Method + " " + r.URL.Path
+		}
+		w.WriteHeader(http.StatusOK)
+	}))
+	t.Cleanup(srv.Close)
+	t.Setenv("OTEL_EXPORTER_OTLP_ENDPOINT", srv.URL)
+	m, err := telemetry.NewMetrics(t.Context(), telemetry.ExporterOTLP, "test")
+	require.NoError(t, err)
+	require.Nil(t, m.Handler)
+	telemetry.Int64Counter(m.Meter("test"), telemetry.LivenessSweeps).Add(t.Context(), 1)
+	require.NoError(t, m.Shutdown(t.Context()))
+	require.Equal(t, "POST /v1/metrics", <-got)
+}
