@@ -50,6 +50,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/metric/noop"
 
 	"github.com/better-compute/better-compute/pkg/clock"
 )
@@ -87,14 +88,16 @@ type Options struct {
 	MaxConns int32
 }
 
-// Open connects to the database at url (a postgres:// URL) with tracing and
-// waits until it answers a ping, retrying for up to wait.
+// Open connects to the database at url (a postgres:// URL) with tracing
+// (otelpgx, no per-query metrics) and waits until it answers a ping, retrying for up to wait.
 func Open(ctx context.Context, url string, clk clock.Clock, wait time.Duration, opts Options) (*DB, error) {
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return nil, fmt.Errorf("parse database url: %w", err)
 	}
-	cfg.ConnConfig.Tracer = otelpgx.NewTracer()
+	// Traces only: a per-query histogram would build its attributes at
+	// every query; the pools' statistics are RecordPoolStats'.
+	cfg.ConnConfig.Tracer = otelpgx.NewTracer(otelpgx.WithMeterProvider(noop.NewMeterProvider()))
 	if opts.MaxConns > 0 {
 		cfg.MaxConns = opts.MaxConns
 	}
