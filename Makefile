@@ -37,16 +37,17 @@ $(TOOLS)/.stamp: tools/go.mod tools/go.sum
 tools: $(TOOLS)/.stamp ## Build the pinned tools (buf, protoc plugins, golangci-lint) into bin/tools.
 
 # What make generate writes: the protobuf code and the generated references.
-GENERATED := api/gen docs/cli.md docs/configuration.md
+GENERATED := api/gen docs/cli.md docs/configuration.md docs/metrics.md
 
 .PHONY: generate
-generate: tools ## Regenerate the protobuf code in api/gen, the CLI reference docs/cli.md and the configuration reference docs/configuration.md.
+generate: tools ## Regenerate the protobuf code in api/gen, the CLI reference docs/cli.md, the configuration reference docs/configuration.md and the metrics reference docs/metrics.md.
 	cd api && PATH="$(CURDIR)/$(TOOLS):$$PATH" buf lint proto && PATH="$(CURDIR)/$(TOOLS):$$PATH" buf generate
 	$(GO) run ./cmd/better-compute/internal/gendocs docs/cli.md
 	$(GO) run ./cmd/better-compute/internal/genconfig docs/configuration.md
+	$(GO) run ./cmd/better-compute/internal/genmetrics docs/metrics.md
 
 .PHONY: generate-check
-generate-check: generate ## Fail when api/gen, docs/cli.md or docs/configuration.md differ from what make generate writes.
+generate-check: generate ## Fail when api/gen, docs/cli.md, docs/configuration.md or docs/metrics.md differ from what make generate writes.
 	@git diff --exit-code --stat -- $(GENERATED) || { echo "$(GENERATED): stale: run make generate and commit"; exit 1; }
 	@test -z "$$(git status --porcelain -- $(GENERATED))" || { git status --porcelain -- $(GENERATED); echo "untracked generated files: run make generate and commit"; exit 1; }
 

@@ -21,6 +21,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/daemon"
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/service"
+	"github.com/better-compute/better-compute/pkg/telemetry"
 )
 
 // DefaultTokenWait is how long a Runner waits for Config.TokenFile by
@@ -202,7 +203,7 @@ func New(cfg Config, deps Deps) (*Runner, error) {
 		log:        deps.Logger,
 		clk:        deps.Clock,
 		httpClient: deps.JoinHTTPClient,
-		clientOpts: service.ClientOptions(),
+		clientOpts: service.ClientOptions(telemetry.NoMetrics()),
 		joinSem:    make(chan struct{}, cfg.JoinConcurrency),
 		hardware:   deps.Hardware,
 		healthLn:   deps.HealthListener,

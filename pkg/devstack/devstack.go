@@ -146,6 +146,12 @@ type Options struct {
 	// command-signing root and gives joining daemons that root, so they
 	// refuse unsigned intent.
 	SignedIntent bool
+	// Metrics is where every service of the stack records its metrics, one
+	// pipeline for them all (docs/metrics.md tells their series apart).
+	// Nil: a Prometheus pipeline of the stack's own (telemetry.NewMetrics),
+	// which Close shuts down. The API serves it on GET /metrics
+	// (Stack.MetricsURL), with the prometheus exporter.
+	Metrics *telemetry.Metrics
 }
 
 // Stack is a running control plane.
@@ -195,6 +201,11 @@ type Stack struct {
 	// Warnings are what Start found odd but could work around, one
 	// sentence each (a kept port that was taken).
 	Warnings []string
+	// Metrics is the services' metrics pipeline (Options.Metrics or the
+	// stack's own); MetricsURL is its GET /metrics, on the API's listener
+	// beside the probes ("" without a Prometheus handler).
+	Metrics    *telemetry.Metrics
+	MetricsURL string
 
 	opts    Options
 	dataDir string
@@ -210,6 +221,8 @@ type Stack struct {
 	once    sync.Once
 	err     error
 	fleet   fleet
+	// ownMetrics: Metrics is the stack's own, which Close shuts down.
+	ownMetrics bool
 }
 
 // Start starts the embedded servers it needs, migrates the database, ensures
@@ -235,8 +248,16 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 	if o.MaxConns == 0 {
 		o.MaxConns = 40
 	}
+	ownMetrics := o.Metrics == nil
+	if ownMetrics {
+		m, err := telemetry.NewMetrics(ctx, telemetry.ExporterPrometheus, "better-compute-dev")
+		if err != nil {
+			return nil, err
+		}
+		o.Metrics = m
+	}
 	runCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	s := &Stack{opts: o, cancel: cancel, dataDir: o.DataDir}
+	s := &Stack{opts: o, cancel: cancel, dataDir: o.DataDir, Metrics: o.Metrics, ownMetrics: ownMetrics}
 	defer func() {
 		if err != nil {
 			if o.APIListener != nil {
@@ -284,6 +305,9 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 		s.ServicePKIDirs[name] = dir
 	}
 	if s.DB, err = store.Open(ctx, s.DatabaseURL, o.Clock, 30*time.Second, store.Options{MaxConns: o.MaxConns}); err != nil {
+		return nil, err
+	}
+	if err := s.DB.RecordPoolStats(o.Metrics.Provider); err != nil {
 		return nil, err
 	}
 	root, err := bootstrap.Root(ctx, s.DB, "", filepath.Join(s.dataDir, FileRootEnv))
@@ -499,6 +523,9 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 		}
 	}
 	s.APIURL = "http://" + net.JoinHostPort(host, fmt.Sprint(apiLn.Addr().(*net.TCPAddr).Port))
+	if s.Metrics.Handler != nil {
+		s.MetricsURL = s.APIURL + "/metrics"
+	}
 	if _, err := run(s, g, gctx, "api", true, func(deps service.Deps) (*api.Server, error) {
 		return api.New(api.Config{PKI: pkiOf(pki.ServiceAPI), Intent: intent, Listener: apiLn, WellKnown: api.WellKnownConfig{
 			PublicURL: s.APIURL, JoinURL: s.JoinURL, Gateways: gateways}}, deps)
@@ -541,7 +568,7 @@ func (s *Stack) connect(name string) (*nats.Conn, error) {
 func run[R service.Runner](s *Stack, g *errgroup.Group, gctx context.Context, name string, withNATS bool,
 	build func(service.Deps) (R, error)) (R, error) {
 	svcName, _, _ := strings.Cut(name, "-") // gateway-1 is a gateway
-	deps := service.Deps{DB: s.DB, Logger: s.opts.Logger.With("service", svcName), Clock: s.opts.Clock}
+	deps := service.Deps{DB: s.DB, Logger: s.opts.Logger.With("service", svcName), Clock: s.opts.Clock, Metrics: s.opts.Metrics}
 	if withNATS {
 		var err error
 		if deps.NC, err = s.connect(name); err != nil {
@@ -661,6 +688,9 @@ func (s *Stack) close(failedStart bool) {
 		if s.nats != nil {
 			s.nats.Shutdown()
 			s.nats.WaitForShutdown()
+		}
+		if s.ownMetrics {
+			_ = s.Metrics.Shutdown(context.Background())
 		}
 		if s.tmpDir != "" {
 			if err := os.RemoveAll(s.tmpDir); err != nil && s.err == nil {

@@ -48,6 +48,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/ratelimit"
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/telemetry"
 )
 
 // Role is what an API token may do, within its tenant or, for RoleRootAdmin,
@@ -303,15 +304,8 @@ func (e *ThrottledError) Error() string {
 
 // authFailures counts refused authentications by reason (the reason
 // constants); a refused call writes no audit row, this counts it instead.
-var authFailures = func() metric.Int64Counter {
-	c, err := otel.Meter("github.com/better-compute/better-compute/pkg/iam").Int64Counter("bc.auth.failures",
-		metric.WithDescription("API calls refused for their credential, by reason: missing, malformed, unknown, "+
-			"revoked, expired, throttled"), metric.WithUnit("{call}"))
-	if err != nil {
-		panic(err) // only for an invalid name, which is constant here
-	}
-	return c
-}()
+// It is made on the global MeterProvider (telemetry.SetupMetrics sets it).
+var authFailures = telemetry.Int64Counter(otel.Meter("github.com/better-compute/better-compute/pkg/iam"), telemetry.AuthFailures)
 
 // Authenticator checks API tokens against the database, and caches the
 // rows of valid tokens for CacheTTL so that a busy caller does not cost a

@@ -22,16 +22,17 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
-	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/telemetry"
 )
 
 // Relay moves outbox rows to NATS.
@@ -45,8 +46,48 @@ type Relay struct {
 	// Batch is how many rows one pass takes; 500 if zero.
 	Batch int
 
-	// deadLetters counts the rows set aside, by cause (Run makes it).
+	// Metrics makes the relay's instruments (bc.outbox.published,
+	// publish_failures, dead_letters; docs/metrics.md); nil is the global
+	// MeterProvider.
+	Metrics *telemetry.Metrics
+
+	// deadLetters counts the rows set aside, by cause; published the rows
+	// published, by subject family; failures the passes rolled back (Run
+	// makes them).
 	deadLetters metric.Int64Counter
+	published   metric.Int64Counter
+	failures    metric.Int64Counter
+}
+
+// Subject families, the subject label of bc.outbox.published: the prefix
+// of the subject up to its family's end (store's Subject* names).
+var subjectFamilies = [...]struct {
+	prefix, family string
+}{
+	{"bc.poke.gw.", "poke.gw"},
+	{store.SubjectPokeControllers, "poke.controllers"},
+	{store.SubjectPokeScheduler, "poke.scheduler"},
+	{"bc.events.", "events"},
+	{"bc.iam.", "iam"},
+	{"", "other"},
+}
+
+// familyAttrs are the measurement options of subjectFamilies, made once.
+var familyAttrs = func() (out [len(subjectFamilies)]metric.AddOption) {
+	for i, f := range subjectFamilies {
+		out[i] = telemetry.Attrs(attribute.String(telemetry.LabelSubject, f.family))
+	}
+	return out
+}()
+
+// family returns the index in subjectFamilies of subject's family.
+func family(subject string) int {
+	for i, f := range subjectFamilies {
+		if strings.HasPrefix(subject, f.prefix) {
+			return i
+		}
+	}
+	return len(subjectFamilies) - 1
 }
 
 // Causes of a row set aside: the value of the cause attribute of
@@ -59,9 +100,6 @@ const (
 	// white space).
 	causeBadSubject = "bad_subject"
 )
-
-// deadLetterMetric is the name of the counter of the rows set aside.
-const deadLetterMetric = "bc.outbox.dead_letters"
 
 // straggleWindow is how far below the highest id it took a relay woken by a
 // signal looks (store.TakeOutbox's after): ids are drawn when rows are
@@ -82,12 +120,10 @@ func (r *Relay) Run(ctx context.Context) error {
 	if r.Batch == 0 {
 		r.Batch = 500
 	}
-	var err error
-	r.deadLetters, err = otel.Meter("github.com/better-compute/better-compute/pkg/outbox").Int64Counter(deadLetterMetric,
-		metric.WithUnit("{row}"), metric.WithDescription("Outbox rows set aside because NATS can never take them, by cause."))
-	if err != nil {
-		r.Logger.Warn("outbox relay: create the dead-letter counter", "err", err)
-	}
+	meter := r.Metrics.Meter("github.com/better-compute/better-compute/pkg/outbox")
+	r.deadLetters = telemetry.Int64Counter(meter, telemetry.OutboxDeadLetters)
+	r.published = telemetry.Int64Counter(meter, telemetry.OutboxPublished)
+	r.failures = telemetry.Int64Counter(meter, telemetry.OutboxPublishFailures)
 	wake := make(chan struct{}, 1)
 	signal := func() {
 		select {
@@ -118,6 +154,7 @@ func (r *Relay) Run(ctx context.Context) error {
 				if ctx.Err() != nil {
 					return nil
 				}
+				r.failures.Add(ctx, 1)
 				r.Logger.Warn("outbox relay pass failed", "err", err)
 				break
 			}
@@ -146,8 +183,10 @@ func (r *Relay) Run(ctx context.Context) error {
 // counted once the transaction has committed.
 func (r *Relay) drainOnce(ctx context.Context, after int64) (n int, top int64, err error) {
 	var dead []deadLetter
+	var sent [len(subjectFamilies)]int64
 	err = r.DB.InGenericTx(ctx, func(tx pgx.Tx) error {
 		dead = dead[:0]
+		sent = [len(subjectFamilies)]int64{}
 		msgs, err := store.TakeOutbox(ctx, tx, after, r.Batch)
 		if err != nil || len(msgs) == 0 {
 			return err
@@ -155,6 +194,7 @@ func (r *Relay) drainOnce(ctx context.Context, after int64) (n int, top int64, e
 		for _, m := range msgs {
 			cause, err := r.publish(m)
 			if err == nil {
+				sent[family(m.Subject)]++
 				continue
 			}
 			if cause == "" {
@@ -174,10 +214,13 @@ func (r *Relay) drainOnce(ctx context.Context, after int64) (n int, top int64, e
 	if err != nil {
 		return 0, 0, err
 	}
-	for _, d := range dead {
-		if r.deadLetters != nil {
-			r.deadLetters.Add(ctx, 1, metric.WithAttributes(attribute.String("cause", d.cause)))
+	for i, n := range sent {
+		if n > 0 {
+			r.published.Add(ctx, n, familyAttrs[i])
 		}
+	}
+	for _, d := range dead {
+		r.deadLetters.Add(ctx, 1, metric.WithAttributes(attribute.String(telemetry.LabelCause, d.cause)))
 		r.Logger.ErrorContext(ctx, "outbox row set aside", "outbox.id", d.msg.ID, "subject", d.msg.Subject,
 			"payload_bytes", len(d.msg.Payload), "cause", d.cause, "err", d.err)
 	}

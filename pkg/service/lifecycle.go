@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"go.opentelemetry.io/otel/metric"
 	"golang.org/x/net/netutil"
 	"golang.org/x/sync/errgroup"
 
@@ -84,9 +85,10 @@ type HTTPServer struct {
 	// Handler serves its requests; nil with Probes serves the probes only.
 	Handler http.Handler
 	// Probes mounts GET /healthz (alive: 200 "ok" while the process
-	// serves) and GET /readyz (ready: 200 "ok" when every check of the
-	// Spec passes within 2 s, else 503 naming the first failure) before
-	// Handler.
+	// serves), GET /readyz (ready: 200 "ok" when every check of the
+	// Spec passes within 2 s, else 503 naming the first failure) and, when
+	// Deps.Metrics has a Prometheus handler, GET /metrics (docs/metrics.md)
+	// before Handler.
 	Probes bool
 	// TLS, when set, makes it serve TLS (ServeTLS) with this configuration.
 	TLS *tls.Config
@@ -114,7 +116,7 @@ func Run(ctx context.Context, s Spec) error {
 	servers := make([]*httpPart, len(s.Servers))
 	for i, h := range s.Servers {
 		h.Limits = h.Limits.withDefaults()
-		servers[i] = &httpPart{spec: h, log: log, srv: h.build(ready)}
+		servers[i] = &httpPart{spec: h, log: log, srv: h.build(ready, metricsHandler(d.Metrics))}
 	}
 	// all runs in this order and stops in the reverse; servers start first.
 	all := append(slices.Clone(s.Parts), asRunners(servers)...)
@@ -206,14 +208,25 @@ func names(rs []Runner) []string {
 	return out
 }
 
+// metricsHandler is GET /metrics of m: nil without a Prometheus exporter.
+func metricsHandler(m *telemetry.Metrics) http.Handler {
+	if m == nil {
+		return nil
+	}
+	return m.Handler
+}
+
 // build returns the http.Server of h, with the probes answering ready
-// when asked.
-func (h HTTPServer) build(ready http.Handler) *http.Server {
+// when asked and GET /metrics serving metrics when it is not nil.
+func (h HTTPServer) build(ready, metrics http.Handler) *http.Server {
 	handler := h.Handler
 	if h.Probes {
 		mux := http.NewServeMux()
 		mux.Handle("/healthz", HealthHandler())
 		mux.Handle("/readyz", ready)
+		if metrics != nil {
+			mux.Handle("GET /metrics", metrics)
+		}
 		if h.Handler != nil {
 			mux.Handle("/", h.Handler)
 		}
@@ -319,7 +332,17 @@ type Deps struct {
 	Logger *slog.Logger
 	// Clock is the service's clock; nil is DB.Clock, else the real clock.
 	Clock clock.Clock
+	// Metrics is where the service's instruments are made (Meter) and, with
+	// the prometheus exporter, what GET /metrics of its probes serves; nil
+	// is the global MeterProvider and no /metrics. Main sets it from
+	// BETTER_COMPUTE_METRICS_EXPORTER (telemetry.SetupMetrics);
+	// pkg/devstack shares one between the services of its process.
+	Metrics *telemetry.Metrics
 }
+
+// Meter returns the meter named name (the instrumenting package's import
+// path) of d.Metrics.
+func (d Deps) Meter(name string) metric.Meter { return d.Metrics.Meter(name) }
 
 // Complete returns d with its defaults filled in (a discarding Logger, the
 // DB's or the real Clock), or an error naming service when the database,

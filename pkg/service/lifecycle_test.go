@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/better-compute/better-compute/pkg/service"
+	"github.com/better-compute/better-compute/pkg/telemetry"
 )
 
 // journal records what the parts of a test service did, in order.
@@ -209,6 +210,49 @@ func TestProbeURL(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
 			require.Equal(t, c.want, service.ProbeURL(c.listen))
+		})
+	}
+}
+
+// TestProbesServeMetrics: with Deps.Metrics of the prometheus exporter, the
+// probes server answers GET /metrics with what the service recorded, beside
+// /healthz; with the none exporter, or none at all, /metrics is the
+// server's Handler's (here: none, 404).
+func TestProbesServeMetrics(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name     string
+		exporter telemetry.Exporter
+		want     int
+	}{
+		{"prometheus", telemetry.ExporterPrometheus, http.StatusOK},
+		{"none", telemetry.ExporterNone, http.StatusNotFound},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			m, err := telemetry.NewMetrics(t.Context(), c.exporter, "test")
+			require.NoError(t, err)
+			telemetry.Int64Counter(m.Meter("test"), telemetry.LivenessSweeps).Add(t.Context(), 7)
+			ln := listen(t)
+			ctx, cancel := context.WithCancel(t.Context())
+			errc := make(chan error, 1)
+			go func() {
+				errc <- service.Run(ctx, service.Spec{Name: "test", Deps: service.Deps{Metrics: m},
+					Servers: []service.HTTPServer{{Name: "health", Listener: ln, Probes: true}}})
+			}()
+			base := "http://" + ln.Addr().String()
+			require.Eventually(t, func() bool {
+				code, _ := get(t, base+"/healthz")
+				return code == http.StatusOK
+			}, 10*time.Second, 10*time.Millisecond)
+			code, body := get(t, base+"/metrics")
+			require.Equal(t, c.want, code)
+			if c.want == http.StatusOK {
+				require.Contains(t, body, "\nbc_liveness_sweeps_total{")
+				require.Contains(t, body, "} 7\n")
+			}
+			cancel()
+			require.NoError(t, <-errc)
 		})
 	}
 }

@@ -30,9 +30,11 @@ type Config interface {
 // (URL defaults to the loopback /readyz of the configuration's ProbeAddr,
 // https when C embeds TLS with its files set); otherwise it reads C from
 // the environment (config.Load), takes a context that SIGINT and SIGTERM
-// end, sets up telemetry
-// (telemetry.Setup), opens the database when C embeds Database (waiting up
-// to a minute for it) and NATS when C embeds NATS, calls newService and
+// end, sets up telemetry (telemetry.Setup, and telemetry.SetupMetrics: an
+// unknown BETTER_COMPUTE_METRICS_EXPORTER stops it here, naming the
+// variable), opens the database when C embeds Database (waiting up to a
+// minute for it; its pools' statistics are exported, DB.RecordPoolStats)
+// and NATS when C embeds NATS, calls newService and
 // runs what it returns until the signal. It exits 1 with "NAME: error" on
 // standard error (a line per error) when any of that fails, and never
 // returns.
@@ -74,7 +76,16 @@ func runMain[C Config, R Runner](name string, cfg C, newService func(C, Deps) (R
 		defer cancel()
 		_ = shutdownTracing(sctx)
 	}()
-	deps := Deps{Logger: logger, Clock: clock.New()}
+	metrics, err := telemetry.SetupMetrics(ctx, name, os.Getenv)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		_ = metrics.Shutdown(sctx)
+	}()
+	deps := Deps{Logger: logger, Clock: clock.New(), Metrics: metrics}
 	if db, ok := any(cfg).(interface{ databaseURL() string }); ok {
 		url := db.databaseURL()
 		if url == "" {
@@ -84,6 +95,9 @@ func runMain[C Config, R Runner](name string, cfg C, newService func(C, Deps) (R
 			return err
 		}
 		defer deps.DB.Close()
+		if err := deps.DB.RecordPoolStats(metrics.Provider); err != nil {
+			return err
+		}
 	}
 	if n, ok := any(cfg).(interface{ natsURL() string }); ok {
 		if deps.NC, err = bus.Connect(n.natsURL(), name, logger); err != nil {

@@ -38,6 +38,7 @@ import (
 	"connectrpc.com/validate"
 
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/telemetry"
 )
 
 // NewServer returns an http.Server for h on addr with the limits l (a zero
@@ -104,24 +105,27 @@ func Serve(ctx context.Context, logger *slog.Logger, srv *http.Server, ln net.Li
 }
 
 // HandlerOptions returns the Connect options of every service: OpenTelemetry
-// tracing (otelconnect), masking of Internal/Unknown error details in unary
+// tracing and the duration histogram of every call (otelconnect, on the
+// global providers), masking of Internal/Unknown error details in unary
 // and streaming calls (PublicError: database connection failures become
 // Unavailable, the rest Internal "internal error"; the real error is logged),
 // protovalidate checks of requests (InvalidArgument naming the field) and
 // the message limits of MessageOptions (MaxMessageBytes). It is
 // HandlerOptionsAround with no interceptors of its own.
 func HandlerOptions(logger *slog.Logger) []connect.HandlerOption {
-	return HandlerOptionsAround(logger, nil, nil)
+	return HandlerOptionsAround(logger, nil, nil, nil)
 }
 
-// HandlerOptionsAround is HandlerOptions with a service's interceptors
-// placed among the shared ones, outermost first: tracing, outer (e.g.
+// HandlerOptionsAround is HandlerOptions with the calls' histogram
+// (rpc.server.call.duration, docs/metrics.md) recorded through metrics (nil:
+// the global MeterProvider) and a service's interceptors placed among the
+// shared ones, outermost first: tracing, outer (e.g.
 // auditing, which then sees every outcome with messages masked), masking,
 // inner (e.g. authentication, so that an unauthenticated caller learns
 // nothing from validation and a database error while authenticating is
 // masked), validation, the handler.
-func HandlerOptionsAround(logger *slog.Logger, outer, inner []connect.Interceptor) []connect.HandlerOption {
-	otel, err := otelconnect.NewInterceptor()
+func HandlerOptionsAround(logger *slog.Logger, metrics *telemetry.Metrics, outer, inner []connect.Interceptor) []connect.HandlerOption {
+	otel, err := otelconnect.NewInterceptor(otelconnect.WithMeterProvider(metrics.MeterProvider()))
 	if err != nil {
 		panic(err) // only fails on invalid options, which are constant here
 	}
@@ -141,9 +145,11 @@ func HandlerOptionsAround(logger *slog.Logger, outer, inner []connect.Intercepto
 const CompressMinBytes = 1024
 
 // ClientOptions returns the Connect options of every client: OpenTelemetry
-// tracing that propagates trace context to the server.
-func ClientOptions() []connect.ClientOption {
-	otel, err := otelconnect.NewInterceptor()
+// tracing that propagates trace context to the server, and the calls'
+// histogram (rpc.client.call.duration) recorded through metrics (nil: the
+// global MeterProvider).
+func ClientOptions(metrics *telemetry.Metrics) []connect.ClientOption {
+	otel, err := otelconnect.NewInterceptor(otelconnect.WithMeterProvider(metrics.MeterProvider()))
 	if err != nil {
 		panic(err)
 	}

@@ -69,6 +69,10 @@ type SessionCommandUpdated struct {
 	// as expired when it came at or after the deadline or is a failure
 	// with CommandErrTextExpired (see ApplySessionCommandUpdates).
 	State string
+	// Kind and CreatedAt are the applied command's kind and queueing time
+	// (for its latency, bc.commands.duration).
+	Kind      string
+	CreatedAt time.Time
 }
 
 // updateGroup is the updates of one command (of one node) in a call of
@@ -162,7 +166,7 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 			WHERE c.id = old.id
 				AND (CASE c.state WHEN 'queued' THEN 0 WHEN 'delivered' THEN 1 WHEN 'running' THEN 2 ELSE 3 END) < u.rank
 			RETURNING u.ord, old.state AS old_state, c.id, c.node_id, c.state, c.purpose, p.owner_tenant_id AS tenant,
-				c.kind, c.error, u.rank, u.at),
+				c.kind, c.error, u.rank, u.at, c.created_at),
 		ended AS (
 			SELECT ord, tenant, CASE state WHEN 'succeeded' THEN '`+EventCommandSucceeded+`' WHEN 'failed' THEN '`+EventCommandFailed+`'
 					ELSE '`+EventCommandExpired+`' END AS type, id AS subject, `+commandEndedDataSQL+` AS data, at
@@ -174,7 +178,8 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 				convert_to(jsonb_build_object('nodeIds', array_agg(DISTINCT node_id ORDER BY node_id))::text, 'UTF8'), max(at)
 			FROM upd WHERE rank = 3 AND purpose = 'acceptance' HAVING count(*) > 0
 			RETURNING id)
-		SELECT ord, old_state, state, purpose = 'acceptance', (SELECT count(*) FROM evo) + (SELECT count(*) FROM acc) FROM upd`,
+		SELECT ord, old_state, state, purpose = 'acceptance', kind, created_at,
+			(SELECT count(*) FROM evo) + (SELECT count(*) FROM acc) FROM upd`,
 		cmds, nodes, states, ranks, results, errs, ats, eventTime(slices.MaxFunc(ats, time.Time.Compare)),
 		CommandErrTextExpired, commandErrDeadline)
 	if err != nil {
@@ -184,12 +189,14 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 		ord        int64
 		old, state string
 		acceptance bool
+		kind       string
+		createdAt  time.Time
 	}
 	var done []applied
 	var outboxed int64
 	for rows.Next() {
 		var a applied
-		if err := rows.Scan(&a.ord, &a.old, &a.state, &a.acceptance, &outboxed); err != nil {
+		if err := rows.Scan(&a.ord, &a.old, &a.state, &a.acceptance, &a.kind, &a.createdAt, &outboxed); err != nil {
 			rows.Close()
 			return nil, err
 		}
@@ -216,7 +223,7 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 				state = a.state
 			}
 			out[i] = SessionCommandUpdated{Applied: true, Acceptance: a.acceptance, Terminal: r == cmdRank[cmdSucceeded],
-				State: state}
+				State: state, Kind: a.kind, CreatedAt: a.createdAt}
 		}
 	}
 	if outboxed > 0 {

@@ -296,7 +296,7 @@ func TestApplySessionCommandUpdatesAfterTheDeadline(t *testing.T) {
 		expired,
 		expired,
 		{Applied: true, Terminal: true, Acceptance: true, State: "expired"},
-	}, out)
+	}, ofCommands(t, out, store.CommandDiagNVML, now))
 
 	for id, want := range map[string]struct{ state, err string }{
 		"cmd_late_ok":  {"expired", "deadline passed"},

@@ -363,6 +363,9 @@ type Activation struct {
 	TenantID string
 	// State is the reservation's state after the call.
 	State string
+	// CreatedAt is when the reservation was made (for its created→active
+	// latency, bc.reservations.activation).
+	CreatedAt time.Time
 }
 
 // ActivateReservation records a daemon's AllocationBound: reservation id
@@ -378,8 +381,8 @@ func ActivateReservation(ctx context.Context, q DBTX, now time.Time, nodeID, id 
 		node    *string
 		specGen *int64
 	)
-	err := q.QueryRow(ctx, `SELECT tenant_id, state, node_id, spec_generation FROM reservations WHERE id = $1 FOR UPDATE`, id).
-		Scan(&a.TenantID, &a.State, &node, &specGen)
+	err := q.QueryRow(ctx, `SELECT tenant_id, state, node_id, spec_generation, created_at FROM reservations WHERE id = $1 FOR UPDATE`, id).
+		Scan(&a.TenantID, &a.State, &node, &specGen, &a.CreatedAt)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return Activation{}, fmt.Errorf("activate reservation %s: %w", id, ErrNotFound)
 	}

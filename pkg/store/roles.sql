@@ -162,11 +162,13 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON leases TO bc_scheduler;
 
 -- ClaimJoiningNodes, MarkNodesAccepting, AdoptNodes, FailAcceptance,
 -- SweepUnreachable, SetSSHUserCAs, EndReservation, PokeNodes; ExpireJoiningNodes
--- deletes the nodes that never opened a session.
+-- deletes the nodes that never opened a session; FleetStatsAt counts them.
 GRANT SELECT, UPDATE, DELETE ON nodes TO bc_controllers;
--- The owner of a node's pool: AcceptanceChecks, the tenant of events.
+-- The owner of a node's pool: AcceptanceChecks, the tenant of events;
+-- FleetStatsAt (GPUs per pool).
 GRANT SELECT ON pools TO bc_controllers;
--- AdoptNodes and FailAcceptance replace the devices; ExpireJoiningNodes.
+-- AdoptNodes and FailAcceptance replace the devices; ExpireJoiningNodes;
+-- FleetStatsAt.
 GRANT SELECT, INSERT, DELETE ON node_devices TO bc_controllers;
 -- ExpireJoiningNodes; DeleteOldNodeCerts (FOR UPDATE SKIP LOCKED: the
 -- UPDATE).
@@ -174,13 +176,13 @@ GRANT SELECT, UPDATE, DELETE ON node_certs TO bc_controllers;
 -- ExpireJoiningNodes gives the token its use back; DeleteOldJoinTokens.
 GRANT SELECT, UPDATE, DELETE ON join_tokens TO bc_controllers;
 -- QueueAcceptanceCommands, ClaimDueAcceptances, AcceptanceChecks,
--- ExpireCommands, ExpireDueCommands; DeleteOldCommands.
+-- ExpireCommands, ExpireDueCommands, FleetStatsAt; DeleteOldCommands.
 GRANT SELECT, INSERT, UPDATE, DELETE ON commands TO bc_controllers;
 -- ClaimDueReservations, EndReservation, FailNeverPlaced, UsageCandidates,
--- WriteUsageWindows, SetSSHUserCAs (the specs it rebuilds);
+-- WriteUsageWindows, SetSSHUserCAs (the specs it rebuilds), FleetStatsAt;
 -- DeleteOldReservations.
 GRANT SELECT, UPDATE, DELETE ON reservations TO bc_controllers;
--- EndReservation; UsageCandidates, WriteUsageWindows;
+-- EndReservation; UsageCandidates, WriteUsageWindows; FleetStatsAt;
 -- DeleteOldReservations.
 GRANT SELECT, UPDATE, DELETE ON bookings TO bc_controllers;
 -- DeleteOldReservations deletes the reservation's tickets.
@@ -198,7 +200,7 @@ GRANT SELECT, INSERT, UPDATE ON event_retention TO bc_controllers;
 GRANT SELECT, DELETE ON audit TO bc_controllers;
 -- The writers of events, Enqueue, PokeNodes; the outbox relay (TakeOutbox)
 -- deletes what it publishes, having locked it (FOR UPDATE SKIP LOCKED: the
--- UPDATE).
+-- UPDATE); FleetStatsAt reads the backlog.
 GRANT SELECT, INSERT, UPDATE, DELETE ON outbox TO bc_controllers;
 GRANT USAGE ON SEQUENCE outbox_id_seq TO bc_controllers;
 -- The outbox relay sets aside a row NATS can never take (DeadLetterOutbox).

@@ -634,6 +634,7 @@ func controllersCalls(r *grantRun, signer *store.IntentSigner) {
 		_, err := store.TryAcquireLease(ctx, tx, "controllers.test", "test", now, 15*time.Second)
 		return err
 	})
+	r.call("FleetStatsAt", func(ctx context.Context, tx pgx.Tx) error { _, err := store.FleetStatsAt(ctx, tx, now); return err })
 	r.call("ClaimJoiningNodes", func(ctx context.Context, tx pgx.Tx) error { _, err := store.ClaimJoiningNodes(ctx, tx, 10); return err })
 	r.call("MarkNodesAccepting", func(ctx context.Context, tx pgx.Tx) error {
 		_, err := store.MarkNodesAccepting(ctx, tx, now, accepting)

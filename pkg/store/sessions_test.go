@@ -288,16 +288,37 @@ func (f gatewayFixture) applyUpdates(us ...store.SessionCommandUpdate) []store.S
 	return out
 }
 
+// ofCommands checks that each applied update of out names its command's
+// kind and queueing time (kind, createdAt: the commands of these tests share
+// them), and returns out without them, to compare the rest.
+func ofCommands(t *testing.T, out []store.SessionCommandUpdated, kind string, createdAt time.Time) []store.SessionCommandUpdated {
+	t.Helper()
+	rest := make([]store.SessionCommandUpdated, len(out))
+	for i, u := range out {
+		if u.Applied {
+			require.Equal(t, kind, u.Kind, "update %d", i)
+			require.True(t, u.CreatedAt.Equal(createdAt), "update %d: created at %s, want %s", i, u.CreatedAt, createdAt)
+		} else {
+			require.Empty(t, u.Kind, "update %d", i)
+			require.Zero(t, u.CreatedAt, "update %d", i)
+		}
+		u.Kind, u.CreatedAt = "", time.Time{}
+		rest[i] = u
+	}
+	return rest
+}
+
 func TestApplySessionCommandUpdate(t *testing.T) {
 	t.Parallel()
 	f := newGatewayFixture(t)
 	ctx := t.Context()
 	n, other := f.node(), f.node()
-	c := f.command(n, "delivered", "acceptance", f.db.Now())
+	created := f.db.Now()
+	c := f.command(n, "delivered", "acceptance", created)
 	apply := func(node, id, state string, result []byte, errText string) store.SessionCommandUpdated {
 		t.Helper()
-		return f.applyUpdates(store.SessionCommandUpdate{
-			NodeID: node, CommandID: id, State: state, Result: result, Error: errText, Now: f.db.Now()})[0]
+		return ofCommands(t, f.applyUpdates(store.SessionCommandUpdate{
+			NodeID: node, CommandID: id, State: state, Result: result, Error: errText, Now: f.db.Now()}), store.CommandDiagNVML, created)[0]
 	}
 	require.Equal(t, store.SessionCommandUpdated{Applied: true, Acceptance: true, State: "running"}, apply(n, c, "running", nil, ""))
 	require.False(t, apply(n, c, "delivered", nil, "").Applied, "never backward")
@@ -367,7 +388,7 @@ func TestApplySessionCommandUpdates(t *testing.T) {
 	accSucceeded := store.SessionCommandUpdated{Applied: true, Terminal: true, Acceptance: true, State: "succeeded"}
 	require.Equal(t, []store.SessionCommandUpdated{
 		running, {}, succeeded, running, {}, {}, accFailed, failed, {}, {}, accSucceeded, {},
-	}, out)
+	}, ofCommands(t, out, store.CommandDiagNVML, base))
 
 	type row struct {
 		State, Error string
@@ -435,7 +456,7 @@ func TestApplySessionCommandUpdates(t *testing.T) {
 	w := f.command(n, "delivered", "user", base)
 	out, err = store.ApplySessionCommandUpdates(ctx, f.db.Pool, []store.SessionCommandUpdate{u(n, w, "running", "", nil)})
 	require.NoError(t, err)
-	require.Equal(t, []store.SessionCommandUpdated{running}, out)
+	require.Equal(t, []store.SessionCommandUpdated{running}, ofCommands(t, out, store.CommandDiagNVML, base))
 	require.Equal(t, "running", get(w).State)
 
 	// An invalid state fails the whole batch, writing nothing.

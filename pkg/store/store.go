@@ -48,6 +48,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/metric/noop"
 
 	"github.com/better-compute/better-compute/pkg/clock"
 )
@@ -85,14 +88,16 @@ type Options struct {
 	MaxConns int32
 }
 
-// Open connects to the database at url (a postgres:// URL) with tracing and
-// waits until it answers a ping, retrying for up to wait.
+// Open connects to the database at url (a postgres:// URL) with tracing
+// (otelpgx, no per-query metrics) and waits until it answers a ping, retrying for up to wait.
 func Open(ctx context.Context, url string, clk clock.Clock, wait time.Duration, opts Options) (*DB, error) {
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return nil, fmt.Errorf("parse database url: %w", err)
 	}
-	cfg.ConnConfig.Tracer = otelpgx.NewTracer()
+	// Traces only: a per-query histogram would build its attributes at
+	// every query; the pools' statistics are RecordPoolStats'.
+	cfg.ConnConfig.Tracer = otelpgx.NewTracer(otelpgx.WithMeterProvider(noop.NewMeterProvider()))
 	if opts.MaxConns > 0 {
 		cfg.MaxConns = opts.MaxConns
 	}
@@ -127,6 +132,28 @@ func Open(ctx context.Context, url string, clk clock.Clock, wait time.Duration, 
 			return nil, serr
 		}
 	}
+}
+
+// RecordPoolStats exports the statistics of db's pools through mp
+// (otelpgx.RecordStats of pgxpool.Stat: connections acquired, idle and
+// open, acquires and their waits; docs/metrics.md), read at most once a
+// second, each pool labeled by db.client.connection.pool.name: main (Pool)
+// and generic (AutoCommit's).
+func (db *DB) RecordPoolStats(mp metric.MeterProvider) error {
+	pools := []struct {
+		name string
+		pool *pgxpool.Pool
+	}{{"main", db.Pool}, {"generic", db.generic}}
+	for _, p := range pools {
+		if p.pool == nil {
+			continue
+		}
+		if err := otelpgx.RecordStats(p.pool, otelpgx.WithStatsMeterProvider(mp),
+			otelpgx.WithStatsAttributes(attribute.String("db.client.connection.pool.name", p.name))); err != nil {
+			return fmt.Errorf("record pool stats: %w", err)
+		}
+	}
+	return nil
 }
 
 // Close stops the outbox notifier and closes the pools.

@@ -1,8 +1,19 @@
-// Package telemetry sets up logs and traces for a better-compute process:
-// log/slog JSON on standard error with the trace and span ids of the context,
-// at the level of BETTER_COMPUTE_LOG_LEVEL (Settings), and OpenTelemetry
-// tracing exported over OTLP/HTTP when OTEL_EXPORTER_OTLP_ENDPOINT is set
-// (off otherwise: a no-op provider that still propagates W3C trace context).
+// Package telemetry sets up logs, traces and metrics for a better-compute
+// process: log/slog JSON on standard error with the trace and span ids of
+// the context, at the level of BETTER_COMPUTE_LOG_LEVEL (Settings),
+// OpenTelemetry tracing exported over OTLP/HTTP when
+// OTEL_EXPORTER_OTLP_ENDPOINT is set (off otherwise: a no-op provider that
+// still propagates W3C trace context), and the OpenTelemetry metrics
+// pipeline of BETTER_COMPUTE_METRICS_EXPORTER (MetricsSettings, Metrics:
+// Prometheus on GET /metrics by default).
+//
+// Every metric of the services is an Instrument of Catalog, from which
+// docs/metrics.md is generated. To add one: declare it in instruments.go
+// (name, kind, unit, bounded labels, the services that export it), add it
+// to Catalog, make it once where it is measured (Int64Counter,
+// Float64Histogram, Int64Gauge with a callback) on the service's
+// Deps.Meter, with fixed attributes made once (Attrs, AttrPairs), and run
+// make generate.
 package telemetry
 
 import (

@@ -39,6 +39,7 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/nats-io/nats.go"
+	"go.opentelemetry.io/otel/metric"
 
 	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
 	"github.com/better-compute/better-compute/pkg/batch"
@@ -49,6 +50,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/ratelimit"
 	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/telemetry"
 )
 
 // Name is the API's name in logs, errors and `api healthcheck`.
@@ -177,6 +179,10 @@ type Server struct {
 	// queue batches RunCommand calls (commands.go), started on first use.
 	queue     *batch.Batcher[queueItem, queueAnswer]
 	queueOnce sync.Once
+	// commandsCreated counts queued commands (bc.commands.created), by
+	// kind: kindAttrs holds each kind's attributes.
+	commandsCreated metric.Int64Counter
+	kindAttrs       *telemetry.AttrPairs
 }
 
 // New returns a Server.
@@ -222,7 +228,10 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	authn.Failures = ratelimit.New(cfg.AuthFailureRate, cfg.AuthFailureBurst, 0, deps.Clock)
 	s := &Server{cfg: cfg, deps: deps, db: deps.DB, logger: deps.Logger, authn: authn, wellKnown: wellKnown,
 		intent: intent, nc: deps.NC, clock: deps.Clock, stopWatches: make(chan struct{}), keys: keys,
-		tickets: ratelimit.New(cfg.TicketRate, cfg.TicketBurst, 0, deps.Clock), tls: serverTLS}
+		tickets: ratelimit.New(cfg.TicketRate, cfg.TicketBurst, 0, deps.Clock), tls: serverTLS,
+		commandsCreated: telemetry.Int64Counter(deps.Meter("github.com/better-compute/better-compute/services/api"),
+			telemetry.CommandsCreated),
+		kindAttrs: telemetry.NewAttrPairs(telemetry.LabelKind, "")}
 	if keys != nil {
 		s.gatewayClient = newGatewayClient(keys.gatewayTLS)
 	}
@@ -259,7 +268,7 @@ func (s *Server) Handler() http.Handler {
 	// (Unauthenticated, or ResourceExhausted once its address failed too
 	// often) whatever it sent; the ticket limit runs after them, so that
 	// its refusals are audited with their caller.
-	opts := service.HandlerOptionsAround(s.logger,
+	opts := service.HandlerOptionsAround(s.logger, s.deps.Metrics,
 		[]connect.Interceptor{iam.NewAuditInterceptor(s.db, Policy, s.logger)},
 		[]connect.Interceptor{iam.NewInterceptor(s.authn, Policy, s.cfg.TrustForwardedFor), s.ticketLimit()})
 	api := http.NewServeMux()

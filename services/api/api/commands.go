@@ -70,6 +70,9 @@ func (s *commandService) RunCommand(ctx context.Context, req *connect.Request[co
 		return nil, mapError(err)
 	}
 	q := a.queued
+	if !q.Existing {
+		s.commandsCreated.Add(ctx, 1, s.kindAttrs.Get(q.Kind, ""))
+	}
 	s.logger.InfoContext(ctx, "command queued", telemetry.KeyCommandID, q.ID, telemetry.KeyNodeID, q.NodeID, "kind", q.Kind,
 		"existing", q.Existing)
 	return connect.NewResponse(&computev1.RunCommandResponse{Command: commandToProto(q.Command)}), nil

@@ -442,7 +442,7 @@ func (t *openTunnel) run(ctx context.Context) {
 	gwCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	t.cancelGW = cancel
 	client := gatewayv1connect.NewGatewayControlServiceClient(t.s.gatewayClient, t.grant.route.ControlURL,
-		append(service.ClientOptions(), connect.WithReadMaxBytes(tunnel.MaxMessageBytes))...)
+		append(service.ClientOptions(t.s.deps.Metrics), connect.WithReadMaxBytes(tunnel.MaxMessageBytes))...)
 	t.gw = client.Tunnel(gwCtx)
 	err := t.toGateway(&gatewayv1.TunnelRequest{Msg: &gatewayv1.TunnelRequest_Start{Start: &gatewayv1.TunnelStart{
 		TunnelId: t.row.ID, Ticket: t.ticket, Size: t.size}}})

@@ -42,6 +42,12 @@ type CommandExpiry struct {
 	// Batch is how many commands one transaction expires; DefaultBatchSize
 	// if zero.
 	Batch int
+	// Metrics makes the commands' counter and histogram
+	// (bc.commands.finished, bc.commands.duration); nil is the global
+	// MeterProvider.
+	Metrics *telemetry.Metrics
+
+	m commandMetrics
 }
 
 // Name returns "command-expiry" (service.Runner); its lease is LeasePrefix + "command-expiry".
@@ -71,7 +77,10 @@ func (e *CommandExpiry) Reconcile(ctx context.Context) (int, error) {
 			return total, err
 		}
 		total += len(expired)
+		m := e.m.init(e.Metrics)
+		now := clk.Now()
 		for _, c := range expired {
+			m.ended(ctx, c, c.State, now)
 			logger(e.Logger).Info("command expired", telemetry.KeyCommandID, c.ID, telemetry.KeyNodeID, c.NodeID,
 				"kind", c.Kind, "previous_deliveries", c.Deliveries)
 		}

@@ -34,6 +34,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"slices"
 	"time"
 
 	"github.com/better-compute/better-compute/pkg/config"
@@ -173,6 +174,13 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	for _, r := range s.reconcilers {
 		s.leases = append(s.leases, cfg.Lease(LeasePrefix+r.Name(), deps))
 	}
+	s.liveness.Metrics, s.commandExpiry.Metrics = deps.Metrics, deps.Metrics
+	// The fleet's figures are read by the replica holding the liveness
+	// lease (docs/metrics.md).
+	stats := s.leases[slices.Index(s.reconcilers, service.Runner(s.liveness))]
+	if err := registerGauges(deps.Meter(meterName), deps.DB, s.leases, stats); err != nil {
+		return nil, fmt.Errorf("controllers: metrics: %w", err)
+	}
 	return s, nil
 }
 
@@ -223,7 +231,7 @@ func (s *Server) Name() string { return Name }
 func (s *Server) Run(ctx context.Context) error {
 	// The relay runs without a lease: see the package comment.
 	parts := []service.Runner{&outbox.Relay{DB: s.deps.DB, NC: s.deps.NC, Logger: s.deps.Logger.With("reconciler", "outbox"),
-		Clock: s.deps.Clock}}
+		Clock: s.deps.Clock, Metrics: s.deps.Metrics}}
 	for i, r := range s.reconcilers {
 		parts = append(parts, service.Leased(s.leases[i], r))
 	}

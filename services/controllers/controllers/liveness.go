@@ -50,6 +50,11 @@ type Liveness struct {
 	// Batch is how many nodes one transaction marks; DefaultBatchSize if
 	// zero.
 	Batch int
+	// Metrics makes its counters (bc.liveness.sweeps, bc.liveness.unreachable);
+	// nil is the global MeterProvider.
+	Metrics *telemetry.Metrics
+
+	m livenessMetrics
 }
 
 // Name returns "liveness" (service.Runner); its lease is LeasePrefix + "liveness".
@@ -71,7 +76,14 @@ func (l *Liveness) Reconcile(ctx context.Context) ([]string, error) {
 		return nil, fmt.Errorf("liveness: timeout %s is below %s (I4)", timeout, store.MinLivenessTimeout)
 	}
 	batch := positive(l.Batch, DefaultBatchSize)
+	m := l.m.init(l.Metrics)
 	var all []string
+	defer func() {
+		m.sweeps.Add(ctx, 1)
+		if len(all) > 0 {
+			m.unreachable.Add(ctx, int64(len(all)))
+		}
+	}()
 	for {
 		var ids []string
 		err := l.DB.InTx(ctx, func(tx pgx.Tx) error {

@@ -222,6 +222,7 @@ func DefaultGatewayID() string {
 type Server struct {
 	cfg     Config
 	deps    Deps
+	metrics *metrics
 	db      *store.DB
 	nc      *nats.Conn
 	log     *slog.Logger
@@ -331,6 +332,9 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		tunnels: make(map[string]*tunnel),
 		ofNode:  make(map[string]map[*tunnel]struct{}),
 		tickets: make(map[string]time.Time),
+	}
+	if s.metrics, err = newMetrics(deps.Metrics, cfg.GatewayID, s.sessionCount); err != nil {
+		return nil, fmt.Errorf("gateway: metrics: %w", err)
 	}
 	s.ticketKey, s.ticketErr = cfg.TicketKey, nil
 	if s.ticketKey == nil {
@@ -593,6 +597,14 @@ func (s *Server) closeAll() {
 	}
 }
 
+// sessionCount is how many live sessions the gateway holds (the
+// bc.gateway.sessions gauge).
+func (s *Server) sessionCount() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.byNode)
+}
+
 // onPoke wakes the sessions a poke names. It runs on the subscription's
 // goroutine and never blocks.
 func (s *Server) onPoke(m *nats.Msg) {
@@ -601,6 +613,7 @@ func (s *Server) onPoke(m *nats.Msg) {
 		s.log.Warn("ignoring malformed poke", "subject", m.Subject, telemetry.KeyError, err)
 		return
 	}
+	s.metrics.pokes.Add(context.Background(), 1, s.metrics.gwAdd...)
 	s.mu.Lock()
 	wake := make([]*session, 0, len(p.NodeIDs))
 	for _, id := range p.NodeIDs {
@@ -728,6 +741,12 @@ func (s *Server) resync(ctx context.Context) {
 		}
 		return
 	}
+	var missed int64
+	defer func() {
+		if missed > 0 {
+			s.metrics.missed.Add(ctx, missed, s.metrics.gwAdd...)
+		}
+	}()
 	for _, w := range work {
 		s.mu.Lock()
 		st := s.byNode[w.NodeID]
@@ -742,6 +761,9 @@ func (s *Server) resync(ctx context.Context) {
 		case w.Superseded:
 			st.abort(errSuperseded)
 		case w.Queued || w.SpecGeneration > st.known():
+			if st.state.Load() == stIdle {
+				missed++ // no poke woke it: lost, or still on its way
+			}
 			s.wake(st)
 		}
 	}

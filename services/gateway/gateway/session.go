@@ -102,6 +102,10 @@ type session struct {
 	nodeID    string
 	sessionID string
 	epoch     int64
+	// counted is set, by the handler's goroutine, when Hello counted the
+	// session opened (bc.gateway.sessions.opened): closeSession, on that
+	// goroutine too, then counts it closed.
+	counted bool
 
 	lastRecv atomic.Int64 // clock time of the last message, Unix ns
 	reported atomic.Int64 // greatest generation the daemon reported
@@ -435,6 +439,8 @@ func (s *Server) hello(ctx context.Context, st *session, h *gatewayv1.Hello) (*g
 	if older != nil {
 		older.abort(errSuperseded)
 	}
+	st.counted = true
+	s.metrics.opened.Add(ctx, 1, s.metrics.gwAdd...)
 	s.log.InfoContext(ctx, "session opened", telemetry.KeyNodeID, st.nodeID, telemetry.KeySessionID, sessionID,
 		"session_epoch", opened.Epoch, "boot_id", h.GetBootId(), "observed_generation", h.GetObservedGeneration(),
 		"journal_entries", len(h.GetJournal()))
@@ -476,6 +482,9 @@ func (s *Server) closeSession(st *session, err error) {
 	var lastSeen time.Time
 	if ns := st.lastRecv.Load(); ns > 0 {
 		lastSeen = time.Unix(0, ns).UTC().Truncate(time.Microsecond)
+	}
+	if st.counted {
+		s.metrics.sessionClosed(ctx, err)
 	}
 	cleared, cerr := s.clearSession(ctx, unclosedSession{nodeID: st.nodeID, sessionID: st.sessionID, lastSeen: lastSeen})
 	if cerr != nil {
@@ -616,6 +625,7 @@ func (s *Server) handle(ctx context.Context, st *session, req *gatewayv1.Session
 	case *gatewayv1.SessionRequest_Heartbeat:
 		raise(&st.reported, m.Heartbeat.GetObservedGeneration())
 		s.ackHeartbeat(st, m.Heartbeat.GetSeq())
+		s.metrics.heartbeats.Add(ctx, 1, s.metrics.gwAdd...)
 		return nil
 	case *gatewayv1.SessionRequest_CommandUpdate:
 		return s.commandUpdate(ctx, st, m.CommandUpdate)
@@ -657,6 +667,9 @@ func (s *Server) commandUpdate(ctx context.Context, st *session, u *gatewayv1.Co
 	if state == "failed" && strings.HasPrefix(upd.Error, refusedPrefix) {
 		s.log.Warn("the daemon refused a command", telemetry.KeyNodeID, st.nodeID, telemetry.KeyCommandID, u.GetCommandId(),
 			"reason", upd.Error)
+	}
+	if out.Terminal {
+		s.metrics.commandFinished(ctx, out.Kind, out.State, s.clk.Now().Sub(out.CreatedAt))
 	}
 	// out.State is expired for a terminal report after the deadline.
 	s.log.Info("command updated", telemetry.KeyNodeID, st.nodeID, telemetry.KeyCommandID, u.GetCommandId(),
@@ -729,6 +742,7 @@ func (s *Server) allocationBound(ctx context.Context, st *session, b *gatewayv1.
 			"state", a.State, "generation", b.GetGeneration())
 		return nil
 	}
+	s.metrics.activation.Record(ctx, s.clk.Now().Sub(a.CreatedAt).Seconds())
 	s.log.Info("reservation active", telemetry.KeyNodeID, st.nodeID, telemetry.KeyReservationID, b.GetReservationId(),
 		"binding", b.GetCdiDevices(), "generation", b.GetGeneration())
 	return nil

@@ -39,6 +39,7 @@ import (
 
 	"buf.build/go/protovalidate"
 	"connectrpc.com/connect"
+	"go.opentelemetry.io/otel/metric"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	joinv1 "github.com/better-compute/better-compute/api/gen/bc/join/v1"
@@ -124,6 +125,10 @@ type Server struct {
 	joins *ratelimit.Limiter
 	// tls is its server's TLS configuration; nil: plain HTTP.
 	tls *tls.Config
+	// joinAttempts counts Join calls (bc.join.attempts), by outcome:
+	// outcomeAttrs holds each outcome's attributes.
+	joinAttempts metric.Int64Counter
+	outcomeAttrs *telemetry.AttrPairs
 }
 
 // CertificatesIssued returns how many node certificates this server has
@@ -190,7 +195,10 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	}
 	return &Server{cfg: cfg, deps: deps, db: deps.DB, logger: deps.Logger, nodeCA: nodeCA, servingCA: servingCA, trustDomain: td,
 		joinKey: joinKey, signKey: signKey, commandRoot: commandRoot, batch: &batcher{db: deps.DB},
-		joins: ratelimit.New(cfg.JoinRate, cfg.JoinBurst, 0, deps.Clock), tls: serverTLS}, nil
+		joins: ratelimit.New(cfg.JoinRate, cfg.JoinBurst, 0, deps.Clock), tls: serverTLS,
+		joinAttempts: telemetry.Int64Counter(deps.Meter("github.com/better-compute/better-compute/services/joinservice"),
+			telemetry.JoinAttempts),
+		outcomeAttrs: telemetry.NewAttrPairs(telemetry.LabelOutcome, "")}, nil
 }
 
 // Handler returns the mux of JoinService's Connect handler. The join limit
@@ -198,7 +206,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 func (s *Server) Handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle(joinv1connect.NewJoinServiceHandler(s,
-		service.HandlerOptionsAround(s.logger, nil, []connect.Interceptor{s.joinLimit()})...))
+		service.HandlerOptionsAround(s.logger, s.deps.Metrics, nil, []connect.Interceptor{s.joinLimit()})...))
 	return mux
 }
 
@@ -215,11 +223,18 @@ func (s *Server) joinLimit() connect.Interceptor {
 			}
 			if ok, retry := s.joins.Allow(ratelimit.Source(req.Peer().Addr, req.Header(), s.cfg.TrustForwardedFor)); !ok {
 				s.logger.InfoContext(ctx, "join refused", "reason", "rate limit")
-				return nil, ratelimit.Error("joins", retry)
+				err := ratelimit.Error("joins", retry)
+				s.countJoin(ctx, connect.CodeOf(err).String())
+				return nil, err
 			}
 			return next(ctx, req)
 		}
 	})
+}
+
+// countJoin counts one Join call of outcome (bc.join.attempts).
+func (s *Server) countJoin(ctx context.Context, outcome string) {
+	s.joinAttempts.Add(ctx, 1, s.outcomeAttrs.Get(outcome, ""))
 }
 
 // Name returns Name (service.Runner).
@@ -236,7 +251,20 @@ func (s *Server) Run(ctx context.Context) error {
 }
 
 // Join implements bc.join.v1.JoinService/Join; see the proto for errors.
-func (s *Server) Join(ctx context.Context, req *connect.Request[joinv1.JoinRequest]) (*connect.Response[joinv1.JoinResponse], error) {
+// It counts each call by outcome (bc.join.attempts: joined, rejoined, or
+// the Connect code of its error).
+func (s *Server) Join(ctx context.Context, req *connect.Request[joinv1.JoinRequest]) (_ *connect.Response[joinv1.JoinResponse], err error) {
+	rejoined := false
+	defer func() {
+		outcome := "joined"
+		switch {
+		case err != nil:
+			outcome = connect.CodeOf(err).String()
+		case rejoined:
+			outcome = "rejoined"
+		}
+		s.countJoin(ctx, outcome)
+	}()
 	in, err := decodeJoinRequest(s.joinKey, req.Msg)
 	if err != nil {
 		s.logger.InfoContext(ctx, "join refused", "reason", err.Error())
@@ -282,6 +310,7 @@ func (s *Server) Join(ctx context.Context, req *connect.Request[joinv1.JoinReque
 		return nil, s.mapError(ctx, err)
 	}
 	if res.rejoin != nil {
+		rejoined = true
 		if nodeID, cert, err = s.rejoin(ctx, in, *res.rejoin, token); err != nil {
 			return nil, err
 		}

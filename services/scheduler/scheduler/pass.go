@@ -109,6 +109,7 @@ func (s *Server) schedulePool(ctx context.Context, poolID string, queue []store.
 		res.Timings.Write += s.clk.Now().Sub(t3)
 		res.Placed += placed
 		s.placed.Add(int64(placed))
+		s.placements.Add(ctx, int64(placed))
 		if err != nil {
 			return err
 		}

@@ -30,6 +30,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
 
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/config"
@@ -90,6 +92,29 @@ type Server struct {
 	intent *store.IntentSigner
 	passes atomic.Int64
 	placed atomic.Int64
+	// placements counts placed in bc.scheduler.placements.
+	placements metric.Int64Counter
+}
+
+// meterName is the instrumentation scope of the scheduler's instruments.
+const meterName = "github.com/better-compute/better-compute/services/scheduler"
+
+// registerMetrics makes the scheduler's instruments (docs/metrics.md):
+// bc.scheduler.placements, and bc.lease.held of its lease.
+func (s *Server) registerMetrics() error {
+	meter := s.deps.Meter(meterName)
+	s.placements = telemetry.Int64Counter(meter, telemetry.ReservationsPlaced)
+	held := telemetry.Int64Gauge(meter, telemetry.LeaseHeld)
+	attrs := telemetry.Attrs(attribute.String(telemetry.LabelLease, s.lease.Name))
+	_, err := meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		v := int64(0)
+		if s.lease.Held() {
+			v = 1
+		}
+		o.ObserveInt64(held, v, attrs)
+		return nil
+	}, held)
+	return err
 }
 
 // New checks cfg and deps and returns a Server; it starts nothing.
@@ -108,6 +133,9 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		if s.intent, err = store.LoadIntentSigner(cfg.PKIDir); err != nil {
 			return nil, fmt.Errorf("scheduler: %w", err)
 		}
+	}
+	if err := s.registerMetrics(); err != nil {
+		return nil, fmt.Errorf("scheduler: metrics: %w", err)
 	}
 	return s, nil
 }

@@ -67,11 +67,13 @@ type DevSettings struct {
 	service.Intent `default:"SIGNED_INTENT=true"`
 }
 
-// DevLog is dev's telemetry setting, from the environment only:
+// DevLog is dev's telemetry settings, from the environment only:
 // BETTER_COMPUTE_LOG_LEVEL, warn by default (the progress lines are what a
-// developer reads).
+// developer reads), and BETTER_COMPUTE_METRICS_EXPORTER, the one pipeline of
+// every service in the process (served on the API's GET /metrics).
 type DevLog struct {
 	telemetry.Settings `default:"LOG_LEVEL=warn"`
+	telemetry.MetricsSettings
 }
 
 // devFlags are the flags of `better-compute dev`.
@@ -370,6 +372,11 @@ func (a *app) runDev(ctx context.Context, f devFlags) (err error) {
 	if err != nil {
 		return err
 	}
+	metrics, err := telemetry.SetupMetrics(ctx, "better-compute-dev", a.env.Getenv)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = metrics.Shutdown(context.WithoutCancel(ctx)) }()
 	if f.memory {
 		cfg.DatabaseURL = "" // --memory: a throwaway embedded database, whatever the configuration says
 	}
@@ -409,6 +416,7 @@ func (a *app) runDev(ctx context.Context, f devFlags) (err error) {
 		Logger:         logger,
 		MachineLogger:  logger.With("service", "fakedaemon"),
 		SignedIntent:   cfg.SignedIntent,
+		Metrics:        metrics,
 		// A laptop's reconcilers look often: adoption in well under a second.
 		ReconcileInterval: 250 * time.Millisecond,
 	})
@@ -432,6 +440,9 @@ func (a *app) runDev(ctx context.Context, f devFlags) (err error) {
 		gateway = "Gateway (mTLS, loopback)"
 	}
 	fmt.Fprintf(w, "better-compute listening on %s/api/compute\n", st.APIURL)
+	if st.MetricsURL != "" {
+		fmt.Fprintf(w, "Metrics of every service: %s\n", st.MetricsURL)
+	}
 	fmt.Fprintf(w, "%s: %s\n", gateway, st.GatewayURL())
 	for _, warning := range st.Warnings {
 		fmt.Fprintf(w, "warning: %s\n", warning)

@@ -45,18 +45,19 @@ import (
 )
 
 // readers are what reads the environment, and from which structs: every
-// service its Config and, through telemetry.Setup, telemetry.Settings; the
+// service its Config and, through telemetry.Setup and SetupMetrics,
+// telemetry.Settings and MetricsSettings; the
 // fakedaemon the variables of its flags too.
 var readers = []struct {
 	name  string
 	types []reflect.Type
 	flags []fakedaemonflags.Var
 }{
-	{api.Name, []reflect.Type{reflect.TypeFor[api.Config](), reflect.TypeFor[telemetry.Settings]()}, nil},
-	{joinservice.Name, []reflect.Type{reflect.TypeFor[joinservice.Config](), reflect.TypeFor[telemetry.Settings]()}, nil},
-	{gateway.Name, []reflect.Type{reflect.TypeFor[gateway.Config](), reflect.TypeFor[telemetry.Settings]()}, nil},
-	{scheduler.Name, []reflect.Type{reflect.TypeFor[scheduler.Config](), reflect.TypeFor[telemetry.Settings]()}, nil},
-	{controllers.Name, []reflect.Type{reflect.TypeFor[controllers.Config](), reflect.TypeFor[telemetry.Settings]()}, nil},
+	{api.Name, []reflect.Type{reflect.TypeFor[api.Config](), reflect.TypeFor[telemetry.Settings](), reflect.TypeFor[telemetry.MetricsSettings]()}, nil},
+	{joinservice.Name, []reflect.Type{reflect.TypeFor[joinservice.Config](), reflect.TypeFor[telemetry.Settings](), reflect.TypeFor[telemetry.MetricsSettings]()}, nil},
+	{gateway.Name, []reflect.Type{reflect.TypeFor[gateway.Config](), reflect.TypeFor[telemetry.Settings](), reflect.TypeFor[telemetry.MetricsSettings]()}, nil},
+	{scheduler.Name, []reflect.Type{reflect.TypeFor[scheduler.Config](), reflect.TypeFor[telemetry.Settings](), reflect.TypeFor[telemetry.MetricsSettings]()}, nil},
+	{controllers.Name, []reflect.Type{reflect.TypeFor[controllers.Config](), reflect.TypeFor[telemetry.Settings](), reflect.TypeFor[telemetry.MetricsSettings]()}, nil},
 	{"dev", []reflect.Type{reflect.TypeFor[cli.DevSettings](), reflect.TypeFor[cli.DevLog]()}, nil},
 	{"fakedaemon", []reflect.Type{reflect.TypeFor[telemetry.Settings]()}, fakedaemonflags.Vars()},
 }
@@ -233,6 +234,8 @@ func typeName(v config.Var) string {
 		return "true or false"
 	case v.Type == reflect.TypeFor[telemetry.Level]():
 		return "debug, info, warn or error"
+	case v.Type == reflect.TypeFor[telemetry.Exporter]():
+		return "prometheus, otlp or none"
 	case v.Type.Kind() == reflect.String:
 		return "string"
 	default:
