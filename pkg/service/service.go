@@ -46,7 +46,8 @@ import (
 // with 64 KiB of headers at most, l's header and idle timeouts and l's
 // HTTP/2 streams per connection, and every request is bounded by
 // l.HTTPRequestTimeout unless its handler declares it long-lived
-// (LongLived). It has no ReadTimeout or WriteTimeout, which would cut
+// (LongLived); a Connect unary call refused for its message size answers
+// 413 (ContentTooLarge). It has no ReadTimeout or WriteTimeout, which would cut
 // long-lived streams. Connections are capped by the listener (Run wraps it
 // in netutil.LimitListener of l.HTTPMaxConnections).
 func NewServer(addr string, h http.Handler, l HTTPLimits) *http.Server {
@@ -57,7 +58,7 @@ func NewServer(addr string, h http.Handler, l HTTPLimits) *http.Server {
 	p.SetUnencryptedHTTP2(true)
 	return &http.Server{
 		Addr:              addr,
-		Handler:           requestDeadlines(h, l.HTTPRequestTimeout),
+		Handler:           ContentTooLarge(requestDeadlines(h, l.HTTPRequestTimeout)),
 		Protocols:         &p,
 		ReadHeaderTimeout: l.HTTPReadHeaderTimeout,
 		MaxHeaderBytes:    64 << 10,
