@@ -235,17 +235,17 @@ func matrixRows() []matrixRow {
 		},
 		{
 			proc: computev1connect.PoolServiceOfferPoolProcedure,
-			// acme offers a pool of its own to the other tenant.
+			// acme offers a pool of its own to itself.
 			arrange: newPool,
 			call: func(ctx context.Context, c clients, s subject) error {
 				_, err := c.pools.OfferPool(ctx, connect.NewRequest(&computev1.OfferPoolRequest{PoolId: s.id,
-					TenantId: s.f.other, GpuQuota: 1000}))
+					TenantId: s.f.acme, GpuQuota: 1000}))
 				return err
 			},
 			viewer: pd, member: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
 			bad: func(ctx context.Context, c clients, s subject) error {
 				_, err := c.pools.OfferPool(ctx, connect.NewRequest(&computev1.OfferPoolRequest{PoolId: s.id,
-					TenantId: s.f.other, GpuQuota: -1}))
+					TenantId: s.f.acme, GpuQuota: -1}))
 				return err
 			}, field: "gpu_quota",
 		},
