@@ -1150,3 +1150,44 @@ func TestFreeTextRefusesControlCharacters(t *testing.T) {
 	_, err = root.apiTokens.CreateToken(ctx, connect.NewRequest(&computev1.CreateTokenRequest{Name: "ci bot (nightly) é", Role: "viewer"}))
 	require.NoError(t, err)
 }
+
+// TestTextRefusesFormatCharacters checks that names, labels and ids refuse
+// every format character (Unicode Cf: bidi overrides, zero-width
+// characters, the byte-order mark) and line separators, which would make
+// one name look like another or reorder a table's line, and that free-text
+// reasons refuse the bidi embeddings, overrides and isolates but keep the
+// zero-width joiners and marks that scripts such as Persian need.
+func TestTextRefusesFormatCharacters(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	root := f.as(f.tokens["root"])
+	refused := func(t *testing.T, field string, err error) {
+		t.Helper()
+		require.Equal(t, connect.CodeInvalidArgument, connect.CodeOf(err), "%v", err)
+		require.Contains(t, err.Error(), field)
+	}
+	for _, c := range []string{"\u202e", "\u202a", "\u2066", "\u2069", "\u200b", "\u200c", "\u200d", "\u200e", "\ufeff", "\u00ad", "\u2028", "\u2029"} {
+		t.Run(fmt.Sprintf("U+%04X", []rune(c)[0]), func(t *testing.T) {
+			_, err := root.apiTokens.CreateToken(ctx, connect.NewRequest(&computev1.CreateTokenRequest{Name: "ci" + c + "bot", Role: "viewer"}))
+			refused(t, "name", err)
+			_, err = root.pools.CreateSite(ctx, connect.NewRequest(&computev1.CreateSiteRequest{Name: "site-x", Region: "eu" + c}))
+			refused(t, "region", err)
+			_, err = f.as(f.tokens["acme-member"]).res.Reserve(ctx, connect.NewRequest(&computev1.ReserveRequest{PoolId: f.acmePool,
+				Gpus: 1, Duration: durationpb.New(time.Hour), RequestId: "r" + c}))
+			refused(t, "request_id", err)
+			_, err = root.commands.RunCommand(ctx, connect.NewRequest(&computev1.RunCommandRequest{NodeId: "node_x", Kind: "diag.nvml",
+				RequestId: "r" + c}))
+			refused(t, "request_id", err)
+		})
+	}
+	for _, c := range []string{"\u202e", "\u202a", "\u202d", "\u2066", "\u2068", "\u2069", "\u2028"} {
+		_, err := root.nodes.CordonNode(ctx, connect.NewRequest(&computev1.CordonNodeRequest{NodeId: "node_x", Reason: "fan " + c + "dead"}))
+		refused(t, "reason", err)
+		_, err = root.nodes.RevokeNode(ctx, connect.NewRequest(&computev1.RevokeNodeRequest{NodeId: "node_x", Reason: "stolen" + c}))
+		refused(t, "reason", err)
+	}
+	// "I want" in Persian, with its zero-width non-joiner, and a right-to-left mark.
+	_, err := root.nodes.CordonNode(ctx, connect.NewRequest(&computev1.CordonNodeRequest{NodeId: "node_x", Reason: "می\u200cخواهم \u200f"}))
+	requireCode(t, err, connect.CodeNotFound, "node_x")
+}

@@ -250,8 +250,11 @@ func (x *Exit) GetStatus() int32 {
 
 // Close says why a tunnel ended.
 type Close struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Reason        string                 `protobuf:"bytes,1,opt,name=reason,proto3" json:"reason,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Reason is free text: at most 1024 characters, no control character,
+	// bidi embedding, override or isolate (U+202A–U+202E, U+2066–U+2069) or
+	// line separator.
+	Reason        string `protobuf:"bytes,1,opt,name=reason,proto3" json:"reason,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -311,9 +314,9 @@ const file_bc_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"\xbaH\a*\x05\x18\x90N(\x01R\x04cols\"*\n" +
 	"\x04Exit\x12\"\n" +
 	"\x06status\x18\x01 \x01(\x05B\n" +
-	"\xbaH\a\x1a\x05\x18\xff\x01(\x00R\x06status\"7\n" +
-	"\x05Close\x12.\n" +
-	"\x06reason\x18\x01 \x01(\tB\x16\xbaH\x13r\x11\x18\x80\b2\f^[^\\p{Cc}]*$R\x06reasonB\xb9\x01\n" +
+	"\xbaH\a\x1a\x05\x18\xff\x01(\x00R\x06status\"e\n" +
+	"\x05Close\x12\\\n" +
+	"\x06reason\x18\x01 \x01(\tBD\xbaHAr?\x18\x80\b2:^[^\\p{Cc}\\x{202A}-\\x{202E}\\x{2066}-\\x{2069}\\p{Zl}\\p{Zp}]*$R\x06reasonB\xb9\x01\n" +
 	"\x10com.bc.tunnel.v1B\vTunnelProtoP\x01ZFgithub.com/better-compute/better-compute/api/gen/bc/tunnel/v1;tunnelv1\xa2\x02\x03BTX\xaa\x02\fBc.Tunnel.V1\xca\x02\fBc\\Tunnel\\V1\xe2\x02\x18Bc\\Tunnel\\V1\\GPBMetadata\xea\x02\x0eBc::Tunnel::V1b\x06proto3"
 
 var (
