@@ -35,7 +35,6 @@ import (
 
 	"connectrpc.com/connect"
 	"connectrpc.com/otelconnect"
-	"connectrpc.com/validate"
 
 	"github.com/better-compute/better-compute/pkg/store"
 )
@@ -108,8 +107,9 @@ func Serve(ctx context.Context, logger *slog.Logger, srv *http.Server, ln net.Li
 // tracing (otelconnect), masking of Internal/Unknown error details in unary
 // and streaming calls (PublicError: database connection failures become
 // Unavailable, the rest Internal "internal error"; the real error is logged),
-// protovalidate checks of requests (InvalidArgument naming the field) and
-// the message limits of MessageOptions (MaxMessageBytes). It is
+// protovalidate checks of requests (Validation: InvalidArgument
+// "<field>: <reason>") and the message limits of MessageOptions
+// (MaxMessageBytes). It is
 // HandlerOptionsAround with no interceptors of its own.
 func HandlerOptions(logger *slog.Logger) []connect.HandlerOption {
 	return HandlerOptionsAround(logger, nil, nil)
@@ -130,7 +130,7 @@ func HandlerOptionsAround(logger *slog.Logger, outer, inner []connect.Intercepto
 	ints = append(ints, outer...)
 	ints = append(ints, maskInternal(logger))
 	ints = append(ints, inner...)
-	ints = append(ints, validate.NewInterceptor())
+	ints = append(ints, Validation()...)
 	return append([]connect.HandlerOption{connect.WithInterceptors(ints...)}, MessageOptions()...)
 }
 

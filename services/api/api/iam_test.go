@@ -1191,3 +1191,50 @@ func TestTextRefusesFormatCharacters(t *testing.T) {
 	_, err := root.nodes.CordonNode(ctx, connect.NewRequest(&computev1.CordonNodeRequest{NodeId: "node_x", Reason: "می\u200cخواهم \u200f"}))
 	requireCode(t, err, connect.CodeNotFound, "node_x")
 }
+
+// TestValidationNamesTheField checks that a request breaking its proto's
+// rules is refused, unary or streaming, with InvalidArgument whose message
+// is each violation as "<field>: <reason>" joined by "; ", without
+// protovalidate's own "validation error:" wording.
+func TestValidationNamesTheField(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	root := f.as(f.tokens["root"])
+	message := func(t *testing.T, err error) string {
+		t.Helper()
+		var cerr *connect.Error
+		require.ErrorAs(t, err, &cerr)
+		require.Equal(t, connect.CodeInvalidArgument, cerr.Code(), "%v", err)
+		return cerr.Message()
+	}
+	t.Run("one field", func(t *testing.T) {
+		t.Parallel()
+		_, err := root.tokens.CreateJoinToken(ctx, connect.NewRequest(&computev1.CreateJoinTokenRequest{PoolId: f.acmePool, MaxUses: 0, TtlSeconds: 60}))
+		require.Equal(t, "max_uses: must be greater than or equal to 1 and less than or equal to 100000", message(t, err))
+	})
+	t.Run("two fields", func(t *testing.T) {
+		t.Parallel()
+		_, err := root.tokens.CreateJoinToken(ctx, connect.NewRequest(&computev1.CreateJoinTokenRequest{PoolId: f.acmePool}))
+		require.Equal(t, "max_uses: must be greater than or equal to 1 and less than or equal to 100000; "+
+			"ttl_seconds: must be greater than or equal to 1 and less than or equal to 2592000", message(t, err))
+	})
+	t.Run("custom rule", func(t *testing.T) {
+		t.Parallel()
+		_, err := root.nodes.CordonNode(ctx, connect.NewRequest(&computev1.CordonNodeRequest{NodeId: "node_x", Reason: "  "}))
+		require.Equal(t, "reason: must not be empty or only spaces", message(t, err))
+	})
+	t.Run("stream", func(t *testing.T) {
+		t.Parallel()
+		s := watch(t, root, &computev1.WatchRequest{Types: []string{"node.cordoned", "Bad"}})
+		err := <-s.done
+		require.Equal(t, `types[1]: does not match regex pattern `+"`^[a-z_]+(\\.[a-z_]+)*(\\.\\*)?$`", message(t, err))
+	})
+	t.Run("message rule", func(t *testing.T) {
+		t.Parallel()
+		s := watch(t, root, &computev1.WatchRequest{FromStart: true, AfterId: 3})
+		err := <-s.done
+		require.Equal(t, "from_start: cannot be combined with a non-zero after_id (from_start replays from the first "+
+			"retained event, after_id resumes after an event)", message(t, err))
+	})
+}

@@ -27,7 +27,6 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
-	"connectrpc.com/validate"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	tunnelv1 "github.com/better-compute/better-compute/api/gen/bc/tunnel/v1"
@@ -58,7 +57,7 @@ const (
 func tunnelOptions() []connect.HandlerOption {
 	return []connect.HandlerOption{
 		service.ReadLimit(ticket.MaxMessageBytes),
-		connect.WithInterceptors(validate.NewInterceptor()),
+		connect.WithInterceptors(service.Validation()...),
 		connect.WithCompression("gzip", nil, nil),
 	}
 }
