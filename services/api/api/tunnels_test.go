@@ -334,6 +334,9 @@ func TestIssueSshCertificate(t *testing.T) {
 		{"another tenant's reservation", "acme-admin", &computev1.IssueSshCertificateRequest{NodeId: sb.node,
 			PublicKey: testSSHKey, ReservationId: sb.reservation}, connect.CodeNotFound,
 			"reservation_id: reservation " + sb.reservation + " not found"},
+		{"a viewer's sandbox", "other-viewer", &computev1.IssueSshCertificateRequest{NodeId: sb.node,
+			PublicKey: testSSHKey, ReservationId: sb.reservation}, connect.CodePermissionDenied,
+			"role viewer may not call IssueSshCertificate (needs reservations.write)"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := issueCert(t, f.as(f.tokens[tc.who]), tc.req)

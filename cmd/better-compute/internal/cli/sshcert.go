@@ -57,7 +57,8 @@ func (a *app) sshCertCmd() *cobra.Command {
 			"--reservation it is a break-glass certificate from the break-glass CA, principal root (a\n" +
 			"tenant-admin token of the node's tenant or a root-admin token); with --reservation, a sandbox\n" +
 			"certificate from the sandbox CA, principal the reservation id, valid no later than the\n" +
-			"reservation's end (a token of the tenant holding that active reservation). It prints the serial,\n" +
+			"reservation's end (a tenant-member, tenant-admin or root-admin token of the tenant holding that\n" +
+			"active reservation: a viewer's is refused). It prints the serial,\n" +
 			"key id, principals, validity and CA; -o json prints them with the certificate and the file. The\n" +
 			"API audits every certificate with its serial. Log in with ssh-proxy as ProxyCommand (see\n" +
 			"ssh-proxy --help).",

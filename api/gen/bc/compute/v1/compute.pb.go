@@ -4451,7 +4451,8 @@ type CreateTicketRequest struct {
 	// Purpose is "shell" or "ssh".
 	Purpose string `protobuf:"bytes,2,opt,name=purpose,proto3" json:"purpose,omitempty"`
 	// ReservationId, for purpose ssh, asks for the sandbox of this active
-	// reservation of the caller's tenant on the node.
+	// reservation of the caller's tenant on the node (a tenant-member or
+	// stronger role: reservations.write; a viewer is PermissionDenied).
 	ReservationId string `protobuf:"bytes,3,opt,name=reservation_id,json=reservationId,proto3" json:"reservation_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -4590,7 +4591,8 @@ type IssueSshCertificateRequest struct {
 	// a sandbox certificate ends no later than its reservation.
 	Ttl *durationpb.Duration `protobuf:"bytes,3,opt,name=ttl,proto3" json:"ttl,omitempty"`
 	// ReservationId asks for a sandbox certificate for this active
-	// reservation of the caller's tenant on the node.
+	// reservation of the caller's tenant on the node (a tenant-member or
+	// stronger role: reservations.write; a viewer is PermissionDenied).
 	ReservationId string `protobuf:"bytes,4,opt,name=reservation_id,json=reservationId,proto3" json:"reservation_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
