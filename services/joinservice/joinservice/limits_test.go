@@ -63,4 +63,3 @@ func TestTLSNeedsBothFiles(t *testing.T) {
 		})
 	}
 }
-
