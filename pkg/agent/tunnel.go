@@ -184,9 +184,9 @@ func (d *driver) graceWait(ctx context.Context, done <-chan struct{}) {
 // serveShell runs the Hardware's interactive shell on a terminal fed by
 // the tunnel's frames (data: keystrokes, resize: the size) and sends its
 // output as data frames, then its exit status, and half-closes; cancel
-// ends the stream once the gateway ended it or tunnelGrace passed. A Close
-// frame or the end of the stream ends the shell's input (and, for a Close
-// or an error, its context). It returns the status and why the client's
+// ends the stream once the gateway ended it or tunnelGrace passed. An
+// EndOfInput frame, a Close frame or the end of the stream ends the
+// shell's input (and, for a Close or an error, its context). It returns the status and why the client's
 // side ended early, if it did.
 func (d *driver) serveShell(ctx context.Context, cancel context.CancelFunc, f *tunnelFrames, size *tunnelv1.TerminalSize) (int, error) {
 	pr, pw := io.Pipe()
@@ -213,6 +213,10 @@ func (d *driver) serveShell(ctx context.Context, cancel context.CancelFunc, f *t
 				_, _ = pw.Write(x.Data) // fails once the shell is gone: dropped
 			case *tunnelv1.Frame_Resize:
 				term.Resize(sizeOf(x.Resize))
+			case *tunnelv1.Frame_EndOfInput:
+				// The client's input ended: so does the shell's; the
+				// client still reads its output and status.
+				_ = pw.CloseWithError(io.EOF)
 			case *tunnelv1.Frame_Close:
 				if ended == nil {
 					ended = &tunnel.ClosedError{Reason: x.Close.GetReason()}

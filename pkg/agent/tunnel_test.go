@@ -297,6 +297,25 @@ func TestShellTunnel(t *testing.T) {
 	require.Equal(t, int32(0), c.waitExit())
 }
 
+// TestShellTunnelEndOfInput: the client's EndOfInput ends the shell's
+// input as the end of a pipe would: the shell runs what it was sent, ends,
+// and its exit status still reaches the client.
+func TestShellTunnelEndOfInput(t *testing.T) {
+	cp := newControlPlane(t, 1)
+	r, _ := start(t, cp.config(t.TempDir(), 1), agent.Deps{})
+	waitEstablished(t, r)
+	m := r.Machines()[0]
+	host := hostnameOf(t, m)
+	tun := cp.gw.openTunnel(t, m.NodeID(), tunnel.PurposeShell, nil)
+	c := newShellClient(t, tun)
+	c.typ("hello\r")
+	require.NoError(t, tun.Send(&tunnelv1.Frame{Frame: &tunnelv1.Frame_EndOfInput{EndOfInput: &tunnelv1.EndOfInput{}}}))
+	require.Equal(t, int32(0), c.waitExit())
+	c.waitOutput(host + "$ hello\r\nhello\r\n" + host + "$ ")
+	require.NoError(t, tun.CloseSend())
+	waitTunnels(t, m, 0)
+}
+
 // TestShellTunnelClientCloses: the client's Close ends the shell; the
 // tunnel is gone on the node.
 func TestShellTunnelClientCloses(t *testing.T) {

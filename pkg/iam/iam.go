@@ -329,9 +329,12 @@ type Authenticator struct {
 	// moment ago is not refused by it.
 	RefusalCacheTTL time.Duration
 	// Failures, when set, limits failed authentications per source address
-	// (AuthenticateFrom): once a source has spent its burst, its calls are
-	// refused with ThrottledError before their token is looked up, except
-	// those whose valid token the cache holds. Nil: no limit.
+	// (AuthenticateFrom): only a refused call spends one of the source's
+	// tokens. Once a source has spent its burst, its calls are refused with
+	// ThrottledError before their token is looked up, except those with a
+	// token this Authenticator last read valid (cached or not): a flood of
+	// bad calls from an address does not lock out a valid token there. Nil:
+	// no limit.
 	Failures *ratelimit.Limiter
 
 	cache tokenCache
@@ -447,11 +450,16 @@ func (a *Authenticator) Authenticate(ctx context.Context, authorization string) 
 
 // AuthenticateFrom is Authenticate for a call from source (a key of
 // ratelimit.Source; "" for none): every refusal counts in bc.auth.failures
-// and, with Failures set, spends one of source's tokens. A source with no
-// token left is refused with *ThrottledError (not ErrUnauthenticated) before
-// its token is looked up in the database, unless the cache holds that
-// token as valid: a burst of bad calls from an address does not lock out a
-// client there whose token is known good.
+// and, with Failures set, spends one of source's tokens; a call that
+// authenticates spends none. A source with no token left is refused with
+// *ThrottledError (not ErrUnauthenticated) before its token is looked up
+// in the database, unless this Authenticator's last lookup of that token
+// found it valid (however long ago, and whether or not its row is still
+// cached): a flood of bad calls from an address does not lock out a client
+// there whose token is known good, while unknown tokens from it cost no
+// query. A valid token this process never read (after a restart, or one
+// minted on another API server and never used here) is throttled with the
+// rest until the source's tokens refill.
 func (a *Authenticator) AuthenticateFrom(ctx context.Context, authorization, source string) (Principal, error) {
 	p, err := a.authenticate(ctx, authorization, source)
 	var (
@@ -509,7 +517,7 @@ func (a *Authenticator) authenticate(ctx context.Context, authorization, source 
 // its entry is fresh, else from the database (and then caches it unless it
 // is expired). A revoked, expired or unknown token is a refusal, cached for
 // RefusalCacheTTL; a source that Failures blocks is refused before the
-// database is read. touch reports whether this call is the one to write
+// database is read unless hash's token was valid when last read. touch reports whether this call is the one to write
 // last_used_at: then the returned (and cached) lastUsed is already now, and
 // prev is its value before.
 func (a *Authenticator) lookup(ctx context.Context, hash [sha256.Size]byte, now time.Time, source string) (tok cachedToken, touch bool, prev time.Time, err error) {
@@ -523,7 +531,7 @@ func (a *Authenticator) lookup(ctx context.Context, hash [sha256.Size]byte, now 
 		return cachedToken{}, false, time.Time{}, refusal
 	}
 	if a.Failures != nil && source != "" {
-		if blocked, retry := a.Failures.Blocked(source); blocked {
+		if blocked, retry := a.Failures.Blocked(source); blocked && !a.cache.isKnown(hash) {
 			return cachedToken{}, false, time.Time{}, &ThrottledError{RetryAfter: retry}
 		}
 	}
@@ -559,6 +567,7 @@ func (a *Authenticator) lookup(ctx context.Context, hash [sha256.Size]byte, now 
 	}
 	prev = tok.lastUsed
 	touch = tok.claimTouch(now)
+	a.cache.vouch(hash, a.CacheSize)
 	if ttl > 0 {
 		a.cache.put(hash, tok, gen, now, a.CacheSize)
 	}

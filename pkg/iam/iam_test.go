@@ -345,3 +345,59 @@ func TestAuthenticateThrottle(t *testing.T) {
 	_, err = a.AuthenticateFrom(ctx, "", "192.0.2.1")
 	require.ErrorAs(t, err, &terr)
 }
+
+// TestAuthenticateThrottleSparesKnownTokens checks that a flood of bad
+// tokens from one source does not lock out a valid token from there once
+// its cached row has gone stale: a token last read valid is still looked
+// up for a blocked source, and passes, while unknown tokens from it are
+// refused before any lookup, and a revoked one stops being spared.
+func TestAuthenticateThrottleSparesKnownTokens(t *testing.T) {
+	t.Parallel()
+	clk, db, tenant := tenantDB(t)
+	ctx := t.Context()
+	a := iam.NewAuthenticator(db)
+	a.CacheTTL = time.Second
+	a.Failures = ratelimit.New(1, 5, 0, clock.NewFake(db.Now())) // never refills
+	good, tok, err := iam.MintAPIToken(ctx, db.Pool, db.Now(), tenant.ID, "", iam.RoleViewer, nil)
+	require.NoError(t, err)
+	never, _, err := iam.MintAPIToken(ctx, db.Pool, db.Now(), tenant.ID, "", iam.RoleViewer, nil)
+	require.NoError(t, err)
+	_, err = a.AuthenticateFrom(ctx, "Bearer "+good, "192.0.2.1")
+	require.NoError(t, err)
+
+	bad := func() string {
+		s, err := iam.NewSecret(iam.APITokenPrefix)
+		require.NoError(t, err)
+		return "Bearer " + s
+	}
+	for i := range 5 {
+		_, err := a.AuthenticateFrom(ctx, bad(), "192.0.2.1")
+		require.ErrorIs(t, err, iam.ErrUnauthenticated, "failure %d of the burst", i)
+	}
+	var terr *iam.ThrottledError
+	_, err = a.AuthenticateFrom(ctx, bad(), "192.0.2.1")
+	require.ErrorAs(t, err, &terr, "an unknown token from a blocked source is not looked up")
+
+	clk.Advance(2 * time.Second) // the cached row of good is stale: it is read again
+	for range 3 {
+		p, err := a.AuthenticateFrom(ctx, "Bearer "+good, "192.0.2.1")
+		require.NoError(t, err, "a token last read valid passes from a blocked source")
+		require.Equal(t, tok.ID, p.TokenID)
+		clk.Advance(2 * time.Second)
+	}
+	_, err = a.AuthenticateFrom(ctx, "Bearer "+never, "192.0.2.1")
+	require.ErrorAs(t, err, &terr, "a valid token never read here is throttled with the rest")
+	_, err = a.AuthenticateFrom(ctx, bad(), "192.0.2.1")
+	require.ErrorAs(t, err, &terr, "still throttled after the valid calls: they spent nothing and refilled nothing")
+
+	require.NoError(t, store.RevokeAPIToken(ctx, db.Pool, store.AllTenants, tok.ID, db.Now()))
+	a.Invalidate(tok.ID)
+	_, err = a.AuthenticateFrom(ctx, "Bearer "+good, "192.0.2.1")
+	require.ErrorAs(t, err, &terr, "a revoked token is looked up once, refused, and throttled as a failure")
+	clk.Advance(time.Minute) // past the cached refusal
+	_, err = a.AuthenticateFrom(ctx, "Bearer "+good, "192.0.2.1")
+	require.ErrorAs(t, err, &terr, "once refused, it is no longer spared a throttle")
+	_, err = a.AuthenticateFrom(ctx, "Bearer "+good, "192.0.2.2")
+	require.ErrorIs(t, err, iam.ErrUnauthenticated)
+	require.ErrorContains(t, err, "revoked")
+}

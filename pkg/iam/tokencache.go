@@ -48,13 +48,18 @@ type cachedRefusal struct {
 	until time.Time
 }
 
-// tokenCache maps token hashes to their rows (entries) and to the
-// refusals of recently refused tokens (refused). Its zero value is empty
-// and ready.
+// tokenCache maps token hashes to their rows (entries), to the refusals
+// of recently refused tokens (refused), and keeps the hashes of the tokens
+// last read valid (known). Its zero value is empty and ready.
 type tokenCache struct {
 	mu      sync.Mutex
 	entries map[[sha256.Size]byte]*cachedToken
 	refused map[[sha256.Size]byte]cachedRefusal
+	// known holds the hashes of tokens whose last lookup found them valid,
+	// however long ago: a source that Failures blocks may still have them
+	// looked up (Authenticator.lookup). Only a valid row adds one, so a
+	// caller without a valid token cannot grow it; a refusal drops it.
+	known map[[sha256.Size]byte]struct{}
 	// gen counts invalidations and mints: a row, or an absence, read while
 	// one happened may be stale and is not cached.
 	gen uint64
@@ -170,11 +175,43 @@ func (c *tokenCache) untouch(hash [sha256.Size]byte, now, prev time.Time) {
 	}
 }
 
-// remove drops the entry of hash, if any.
+// remove drops the entry of hash, if any, and forgets that it was valid.
 func (c *tokenCache) remove(hash [sha256.Size]byte) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	delete(c.entries, hash)
+	delete(c.known, hash)
+}
+
+// vouch records that hash's token was just read valid. When the set holds
+// size hashes (size ≤ 0: DefaultTokenCacheSize), half of them, chosen at
+// random, are forgotten first.
+func (c *tokenCache) vouch(hash [sha256.Size]byte, size int) {
+	if size <= 0 {
+		size = DefaultTokenCacheSize
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.known == nil {
+		c.known = make(map[[sha256.Size]byte]struct{})
+	}
+	if _, ok := c.known[hash]; !ok && len(c.known) >= size {
+		for k := range c.known { // map order is random
+			if len(c.known) < size/2 {
+				break
+			}
+			delete(c.known, k)
+		}
+	}
+	c.known[hash] = struct{}{}
+}
+
+// isKnown reports whether hash's token was valid when last read.
+func (c *tokenCache) isKnown(hash [sha256.Size]byte) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	_, ok := c.known[hash]
+	return ok
 }
 
 // invalidate drops the entries of token id, or all when id is empty, and

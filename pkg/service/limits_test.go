@@ -4,12 +4,10 @@ import (
 	"bufio"
 	"context"
 	"crypto/tls"
-	"crypto/x509"
 	"errors"
 	"io"
 	"net"
 	"net/http"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -20,8 +18,8 @@ import (
 
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/config"
-	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/service"
+	"github.com/better-compute/better-compute/pkg/service/servicetest"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/telemetry"
 )
@@ -308,31 +306,11 @@ func TestReadyzHidesDatabaseError(t *testing.T) {
 	require.Contains(t, logs.String(), "127.0.0.1", "the real error is logged")
 }
 
-// servingCert writes a serving certificate for localhost, signed by a
-// fresh serving CA, into a temporary directory and returns the TLS setting
-// of its files and a pool trusting the CA.
-func servingCert(t *testing.T) (service.TLS, *x509.CertPool) {
-	t.Helper()
-	dir := t.TempDir()
-	_, err := pki.Init(dir, pki.InitOptions{}, realClock.Now())
-	require.NoError(t, err)
-	ca, err := pki.LoadCA(filepath.Join(dir, pki.ServingCACert), filepath.Join(dir, pki.ServingCAKey))
-	require.NoError(t, err)
-	cert, key, err := ca.IssueServing([]string{"localhost"}, realClock.Now(), time.Hour)
-	require.NoError(t, err)
-	s := service.TLS{TLSCert: filepath.Join(dir, "api.crt"), TLSKey: filepath.Join(dir, "api.key")}
-	require.NoError(t, pki.WriteCert(s.TLSCert, cert))
-	require.NoError(t, pki.WriteKey(s.TLSKey, key))
-	roots := x509.NewCertPool()
-	roots.AddCert(ca.Cert)
-	return s, roots
-}
-
 // TestServeTLS checks that a server with the TLS setting serves HTTPS,
 // HTTP/2 by ALPN and HTTP/1.1, its probes included, and nothing in clear.
 func TestServeTLS(t *testing.T) {
 	t.Parallel()
-	setting, roots := servingCert(t)
+	setting, roots := servicetest.ServingCert(t, "", "localhost")
 	cfg, err := setting.ServerConfig()
 	require.NoError(t, err)
 	addr := runServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { _, _ = io.WriteString(w, r.Proto) }),
@@ -373,7 +351,7 @@ func TestServeTLS(t *testing.T) {
 // TLS_CERT. Neither is no TLS.
 func TestTLSSetting(t *testing.T) {
 	t.Parallel()
-	good, _ := servingCert(t)
+	good, _ := servicetest.ServingCert(t, "", "localhost")
 	for _, c := range []struct {
 		name    string
 		setting service.TLS

@@ -2,8 +2,11 @@ package service
 
 import (
 	"compress/gzip"
+	"encoding/json"
 	"fmt"
 	"io"
+	"net/http"
+	"strings"
 
 	"connectrpc.com/connect"
 )
@@ -69,4 +72,108 @@ func (b *boundedGzip) Read(p []byte) (int, error) {
 func (b *boundedGzip) Reset(r io.Reader) error {
 	b.n = 0
 	return b.Reader.Reset(r)
+}
+
+// ContentTooLarge makes next answer HTTP 413 (Content Too Large, RFC 9110
+// section 15.5.14) instead of 429 to a Connect unary call (a POST of
+// application/proto or application/json) that was refused for a request
+// message beyond its read limit (ReadLimit), so that plain HTTP clients and
+// proxies do not take the refusal for a rate limit and retry it. The
+// Connect error in the body is left as it is: a Connect client still sees
+// ResourceExhausted ("message size N is larger than configured max M"),
+// since Connect clients take the code from the body (Connect protocol,
+// "Unary-Response"). Other refusals keep their status (a rate limit's 429
+// with Retry-After, a quota's 429), and so do streams and gRPC, whose HTTP
+// status is 200 with the code at the end of the stream. NewServer wraps
+// every handler in it.
+func ContentTooLarge(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPost || !connectUnary(r.Header.Get("Content-Type")) {
+			next.ServeHTTP(w, r)
+			return
+		}
+		tw := &tooLargeWriter{ResponseWriter: w}
+		next.ServeHTTP(tw, r)
+		tw.release()
+	})
+}
+
+// connectUnary reports whether contentType is a Connect unary request's
+// (application/<codec>, not Connect streaming's application/connect+<codec>
+// nor gRPC's).
+func connectUnary(contentType string) bool {
+	ct, _, _ := strings.Cut(contentType, ";")
+	ct = strings.ToLower(strings.TrimSpace(ct))
+	return ct == "application/proto" || ct == "application/json"
+}
+
+// tooLargeMarker is what connect-go's refusal of a message beyond the read
+// limit says, raw or decompressed (TestMessageLimit pins it).
+const tooLargeMarker = "larger than configured max"
+
+// maxHeldErrorBytes bounds the error body tooLargeWriter holds back: a
+// Connect error's JSON is far smaller; a larger body is passed on as it is.
+const maxHeldErrorBytes = 64 << 10
+
+// tooLargeWriter holds back a 429 answer, and its body, until the handler
+// returns (or flushes), to tell a message-size refusal from the others.
+type tooLargeWriter struct {
+	http.ResponseWriter
+	held bool
+	body []byte
+}
+
+func (w *tooLargeWriter) WriteHeader(status int) {
+	if status == http.StatusTooManyRequests && !w.held && w.body == nil {
+		w.held = true
+		return
+	}
+	w.ResponseWriter.WriteHeader(status)
+}
+
+func (w *tooLargeWriter) Write(p []byte) (int, error) {
+	if !w.held {
+		return w.ResponseWriter.Write(p)
+	}
+	if len(w.body)+len(p) > maxHeldErrorBytes {
+		w.release()
+		return w.ResponseWriter.Write(p)
+	}
+	w.body = append(w.body, p...)
+	return len(p), nil
+}
+
+// Flush sends what is held, deciding its status on what was written so far.
+func (w *tooLargeWriter) Flush() {
+	w.release()
+	if f, ok := w.ResponseWriter.(http.Flusher); ok {
+		f.Flush()
+	}
+}
+
+// Unwrap gives http.ResponseController the writer underneath.
+func (w *tooLargeWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+// release writes the held status, 413 for a message-size refusal, and the
+// held body.
+func (w *tooLargeWriter) release() {
+	if !w.held {
+		return
+	}
+	w.held = false
+	status := http.StatusTooManyRequests
+	var wire struct {
+		Code    string `json:"code"`
+		Message string `json:"message"`
+	}
+	if json.Unmarshal(w.body, &wire) == nil && wire.Code == connect.CodeResourceExhausted.String() &&
+		strings.Contains(wire.Message, tooLargeMarker) {
+		status = http.StatusRequestEntityTooLarge
+	}
+	w.ResponseWriter.WriteHeader(status)
+	body := w.body
+	w.body = nil
+	if len(body) > 0 {
+		_, _ = w.ResponseWriter.Write(body)
+	}
 }

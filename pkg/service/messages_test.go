@@ -1,7 +1,10 @@
 package service_test
 
 import (
+	"bytes"
+	"compress/gzip"
 	"context"
+	"encoding/json"
 	"errors"
 	"io"
 	"net/http"
@@ -11,6 +14,7 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/better-compute/better-compute/pkg/service"
@@ -18,8 +22,10 @@ import (
 )
 
 // echoServer serves /test.Echo/Unary, which answers the length of the
-// string it is sent, and /test.Echo/Stream, a client stream answering the
-// total length of the strings it is sent, both with service.HandlerOptions.
+// string it is sent, /test.Echo/Stream, a client stream answering the
+// total length of the strings it is sent, both with service.HandlerOptions,
+// and /test.Echo/Busy, which refuses every call with ResourceExhausted as a
+// quota would, all behind service.ContentTooLarge as NewServer serves them.
 func echoServer(t *testing.T) *httptest.Server {
 	t.Helper()
 	opts := service.HandlerOptions(telemetry.Discard())
@@ -39,9 +45,69 @@ func echoServer(t *testing.T) *httptest.Server {
 			}
 			return connect.NewResponse(wrapperspb.Int64(n)), nil
 		}, opts...))
-	srv := httptest.NewServer(mux)
+	mux.Handle("/test.Echo/Busy", connect.NewUnaryHandler("/test.Echo/Busy",
+		func(_ context.Context, _ *connect.Request[wrapperspb.StringValue]) (*connect.Response[wrapperspb.Int64Value], error) {
+			return nil, connect.NewError(connect.CodeResourceExhausted, errors.New("quota: too many GPUs"))
+		}, opts...))
+	srv := httptest.NewServer(service.ContentTooLarge(mux))
 	t.Cleanup(srv.Close)
 	return srv
+}
+
+// TestMessageLimitStatus checks what a plain HTTP client sees of a Connect
+// unary call whose message is beyond service.MaxMessageBytes, raw or
+// inflated: HTTP 413 with the Connect error resource_exhausted in the body;
+// and that another ResourceExhausted refusal keeps its 429.
+func TestMessageLimitStatus(t *testing.T) {
+	t.Parallel()
+	srv := echoServer(t)
+	big, err := proto.Marshal(wrapperspb.String(strings.Repeat("x", service.MaxMessageBytes)))
+	require.NoError(t, err)
+	var zipped bytes.Buffer
+	zw := gzip.NewWriter(&zipped)
+	_, err = zw.Write(big)
+	require.NoError(t, err)
+	require.NoError(t, zw.Close())
+	type answer struct {
+		Status int
+		Code   string
+	}
+	post := func(t *testing.T, path, contentType, encoding string, body []byte) answer {
+		t.Helper()
+		req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL+path, bytes.NewReader(body))
+		require.NoError(t, err)
+		req.Header.Set("Content-Type", contentType)
+		if encoding != "" {
+			req.Header.Set("Content-Encoding", encoding)
+		}
+		res, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		defer res.Body.Close()
+		var wire struct {
+			Code string `json:"code"`
+		}
+		require.NoError(t, json.NewDecoder(res.Body).Decode(&wire))
+		return answer{res.StatusCode, wire.Code}
+	}
+	tooLarge := answer{http.StatusRequestEntityTooLarge, "resource_exhausted"}
+	t.Run("raw", func(t *testing.T) {
+		t.Parallel()
+		require.Equal(t, tooLarge, post(t, "/test.Echo/Unary", "application/proto", "", big))
+	})
+	t.Run("gzip", func(t *testing.T) {
+		t.Parallel()
+		require.Equal(t, tooLarge, post(t, "/test.Echo/Unary", "application/proto", "gzip", zipped.Bytes()))
+	})
+	t.Run("json", func(t *testing.T) {
+		t.Parallel()
+		body := `{"value":"` + strings.Repeat("x", service.MaxMessageBytes) + `"}`
+		require.Equal(t, tooLarge, post(t, "/test.Echo/Unary", "application/json; charset=utf-8", "", []byte(body)))
+	})
+	t.Run("quota", func(t *testing.T) {
+		t.Parallel()
+		require.Equal(t, answer{http.StatusTooManyRequests, "resource_exhausted"},
+			post(t, "/test.Echo/Busy", "application/proto", "", nil))
+	})
 }
 
 // TestMessageLimit checks that the shared handler options refuse a message

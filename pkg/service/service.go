@@ -35,7 +35,6 @@ import (
 
 	"connectrpc.com/connect"
 	"connectrpc.com/otelconnect"
-	"connectrpc.com/validate"
 
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/telemetry"
@@ -47,7 +46,8 @@ import (
 // with 64 KiB of headers at most, l's header and idle timeouts and l's
 // HTTP/2 streams per connection, and every request is bounded by
 // l.HTTPRequestTimeout unless its handler declares it long-lived
-// (LongLived). It has no ReadTimeout or WriteTimeout, which would cut
+// (LongLived); a Connect unary call refused for its message size answers
+// 413 (ContentTooLarge). It has no ReadTimeout or WriteTimeout, which would cut
 // long-lived streams. Connections are capped by the listener (Run wraps it
 // in netutil.LimitListener of l.HTTPMaxConnections).
 func NewServer(addr string, h http.Handler, l HTTPLimits) *http.Server {
@@ -58,7 +58,7 @@ func NewServer(addr string, h http.Handler, l HTTPLimits) *http.Server {
 	p.SetUnencryptedHTTP2(true)
 	return &http.Server{
 		Addr:              addr,
-		Handler:           requestDeadlines(h, l.HTTPRequestTimeout),
+		Handler:           ContentTooLarge(requestDeadlines(h, l.HTTPRequestTimeout)),
 		Protocols:         &p,
 		ReadHeaderTimeout: l.HTTPReadHeaderTimeout,
 		MaxHeaderBytes:    64 << 10,
@@ -109,8 +109,9 @@ func Serve(ctx context.Context, logger *slog.Logger, srv *http.Server, ln net.Li
 // global providers), masking of Internal/Unknown error details in unary
 // and streaming calls (PublicError: database connection failures become
 // Unavailable, the rest Internal "internal error"; the real error is logged),
-// protovalidate checks of requests (InvalidArgument naming the field) and
-// the message limits of MessageOptions (MaxMessageBytes). It is
+// protovalidate checks of requests (Validation: InvalidArgument
+// "<field>: <reason>") and the message limits of MessageOptions
+// (MaxMessageBytes). It is
 // HandlerOptionsAround with no interceptors of its own.
 func HandlerOptions(logger *slog.Logger) []connect.HandlerOption {
 	return HandlerOptionsAround(logger, nil, nil, nil)
@@ -133,7 +134,7 @@ func HandlerOptionsAround(logger *slog.Logger, metrics *telemetry.Metrics, outer
 	ints = append(ints, outer...)
 	ints = append(ints, maskInternal(logger))
 	ints = append(ints, inner...)
-	ints = append(ints, validate.NewInterceptor())
+	ints = append(ints, Validation()...)
 	return append([]connect.HandlerOption{connect.WithInterceptors(ints...)}, MessageOptions()...)
 }
 

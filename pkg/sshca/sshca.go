@@ -18,6 +18,7 @@ package sshca
 import (
 	"crypto/ed25519"
 	"crypto/rand"
+	"crypto/rsa"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -158,9 +159,17 @@ func MarshalPublicKey(k ssh.PublicKey) string {
 	return strings.TrimSuffix(string(ssh.MarshalAuthorizedKey(k)), "\n")
 }
 
+// MinRSABits is the smallest RSA user key ParseUserKey accepts, in bits:
+// 2048, the least NIST SP 800-57 Part 1 (rev. 5, table 2) allows for use
+// now.
+const MinRSABits = 2048
+
 // ParseUserKey parses a user's public key in authorized_keys format (one
-// key; a comment is allowed). A certificate is not a user key. Errors say
-// what the text is not.
+// key; a comment is allowed): Ed25519, ECDSA (P-256, P-384, P-521), their
+// security-key forms, or RSA of at least MinRSABits. A certificate is not
+// a user key, and DSA (ssh-dss: 1024 bits, which OpenSSH no longer
+// accepts) is refused. Errors say what the text is not or what the key
+// lacks, for the caller to put after the field or flag that held it.
 func ParseUserKey(text string) (ssh.PublicKey, error) {
 	key, _, _, rest, err := ssh.ParseAuthorizedKey([]byte(text))
 	if err != nil {
@@ -171,6 +180,14 @@ func ParseUserKey(text string) (ssh.PublicKey, error) {
 	}
 	if _, ok := key.(*ssh.Certificate); ok {
 		return nil, errors.New("a certificate, not a public key")
+	}
+	if key.Type() == ssh.KeyAlgoDSA { //nolint:staticcheck // named to be refused
+		return nil, errors.New("a DSA key (ssh-dss): use Ed25519, ECDSA or RSA of at least 2048 bits")
+	}
+	if ck, ok := key.(ssh.CryptoPublicKey); ok {
+		if rk, ok := ck.CryptoPublicKey().(*rsa.PublicKey); ok && rk.N.BitLen() < MinRSABits {
+			return nil, fmt.Errorf("an RSA key of %d bits: at least %d are needed", rk.N.BitLen(), MinRSABits)
+		}
 	}
 	return key, nil
 }

@@ -1,8 +1,12 @@
 package sshca_test
 
 import (
+	"crypto/dsa" //nolint:staticcheck // DSA keys are made here to check that they are refused
+	"crypto/ecdsa"
 	"crypto/ed25519"
+	"crypto/elliptic"
 	"crypto/rand"
+	"crypto/rsa"
 	"errors"
 	"testing"
 	"time"
@@ -118,6 +122,50 @@ func TestParseUserKey(t *testing.T) {
 	require.NoError(t, err)
 	_, err = sshca.ParseUserKey(sshca.MarshalPublicKey(cert))
 	require.ErrorContains(t, err, "a certificate")
+
+	// Key types and sizes: RSA of at least 2048 bits, ECDSA, Ed25519.
+	for _, c := range []struct {
+		name string
+		key  func(t *testing.T) any
+		err  string
+	}{
+		{name: "rsa 1024", key: rsaKey(1024), err: "an RSA key of 1024 bits: at least 2048 are needed"},
+		{name: "rsa 2047", key: rsaKey(2047), err: "an RSA key of 2047 bits: at least 2048 are needed"},
+		{name: "rsa 2048", key: rsaKey(2048)},
+		{name: "ecdsa p256", key: func(t *testing.T) any {
+			k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+			require.NoError(t, err)
+			return &k.PublicKey
+		}},
+		{name: "dsa", key: func(t *testing.T) any {
+			var k dsa.PrivateKey
+			require.NoError(t, dsa.GenerateParameters(&k.Parameters, rand.Reader, dsa.L1024N160))
+			require.NoError(t, dsa.GenerateKey(&k, rand.Reader))
+			return &k.PublicKey
+		}, err: "a DSA key (ssh-dss): use Ed25519, ECDSA or RSA of at least 2048 bits"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			k, err := ssh.NewPublicKey(c.key(t))
+			require.NoError(t, err)
+			_, err = sshca.ParseUserKey(sshca.MarshalPublicKey(k))
+			if c.err == "" {
+				require.NoError(t, err)
+				return
+			}
+			require.EqualError(t, err, c.err)
+		})
+	}
 	_, err = sshca.Authorities([]*gatewayv1.SshUserCa{{Name: "other", PublicKey: line}})
 	require.ErrorContains(t, err, "unknown name")
+}
+
+// rsaKey returns a maker of an RSA public key of bits bits.
+func rsaKey(bits int) func(t *testing.T) any {
+	return func(t *testing.T) any {
+		t.Helper()
+		k, err := rsa.GenerateKey(rand.Reader, bits)
+		require.NoError(t, err)
+		return &k.PublicKey
+	}
 }

@@ -104,7 +104,8 @@ type Config struct {
 	// AuthFailureBurst is how many calls with a missing or bad API token
 	// one source address may make at once before its calls are refused
 	// with ResourceExhausted (HTTP 429, Retry-After) without their token
-	// being looked up; a valid token this server has cached still passes.
+	// being looked up; a valid token this server has read valid before
+	// is still looked up, and passes, whatever the address did.
 	AuthFailureBurst int `env:"AUTH_FAILURE_BURST,positive" default:"50"`
 	// AuthFailureRate is how many more such calls per second a source
 	// address may make after its burst.

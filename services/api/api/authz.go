@@ -35,7 +35,8 @@ import (
 //	PoolService.CreateSite                 sites.manage        root                         yes (name)
 //	PoolService.ListPools                  fleet.read          any (owned or offered), root no
 //	PoolService.CreatePool                 fleet.manage        tenant-admin (own), root     yes (name)
-//	PoolService.OfferPool                  fleet.manage        tenant-admin (own), root     yes (pool_id)
+//	PoolService.OfferPool                  fleet.manage        tenant-admin (own to own),   yes (pool_id)
+//	                                                           root
 //	PoolService.ListOffers                 fleet.read          any (to or of own), root     no
 //	ReservationService.Reserve             reservations.write  tenant-member+ (offered)     yes (pool_id)
 //	ReservationService.GetReservation      reservations.read   any (own tenant), root       no

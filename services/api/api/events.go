@@ -306,7 +306,7 @@ func parseWatchQuery(q url.Values) (*computev1.WatchRequest, error) {
 		}
 	}
 	if err := protovalidate.Validate(req); err != nil {
-		return nil, invalid(err.Error())
+		return nil, invalid(service.ViolationsText(err))
 	}
 	return req, nil
 }

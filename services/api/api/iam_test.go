@@ -235,17 +235,17 @@ func matrixRows() []matrixRow {
 		},
 		{
 			proc: computev1connect.PoolServiceOfferPoolProcedure,
-			// acme offers a pool of its own to the other tenant.
+			// acme offers a pool of its own to itself.
 			arrange: newPool,
 			call: func(ctx context.Context, c clients, s subject) error {
 				_, err := c.pools.OfferPool(ctx, connect.NewRequest(&computev1.OfferPoolRequest{PoolId: s.id,
-					TenantId: s.f.other, GpuQuota: 1000}))
+					TenantId: s.f.acme, GpuQuota: 1000}))
 				return err
 			},
 			viewer: pd, member: pd, otherMember: pd, otherAdmin: nf, right: "acme-admin",
 			bad: func(ctx context.Context, c clients, s subject) error {
 				_, err := c.pools.OfferPool(ctx, connect.NewRequest(&computev1.OfferPoolRequest{PoolId: s.id,
-					TenantId: s.f.other, GpuQuota: -1}))
+					TenantId: s.f.acme, GpuQuota: -1}))
 				return err
 			}, field: "gpu_quota",
 		},
@@ -1149,4 +1149,92 @@ func TestFreeTextRefusesControlCharacters(t *testing.T) {
 	require.Contains(t, err.Error(), "reason")
 	_, err = root.apiTokens.CreateToken(ctx, connect.NewRequest(&computev1.CreateTokenRequest{Name: "ci bot (nightly) é", Role: "viewer"}))
 	require.NoError(t, err)
+}
+
+// TestTextRefusesFormatCharacters checks that names, labels and ids refuse
+// every format character (Unicode Cf: bidi overrides, zero-width
+// characters, the byte-order mark) and line separators, which would make
+// one name look like another or reorder a table's line, and that free-text
+// reasons refuse the bidi embeddings, overrides and isolates but keep the
+// zero-width joiners and marks that scripts such as Persian need.
+func TestTextRefusesFormatCharacters(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	root := f.as(f.tokens["root"])
+	refused := func(t *testing.T, field string, err error) {
+		t.Helper()
+		require.Equal(t, connect.CodeInvalidArgument, connect.CodeOf(err), "%v", err)
+		require.Contains(t, err.Error(), field)
+	}
+	for _, c := range []string{"\u202e", "\u202a", "\u2066", "\u2069", "\u200b", "\u200c", "\u200d", "\u200e", "\ufeff", "\u00ad", "\u2028", "\u2029"} {
+		t.Run(fmt.Sprintf("U+%04X", []rune(c)[0]), func(t *testing.T) {
+			_, err := root.apiTokens.CreateToken(ctx, connect.NewRequest(&computev1.CreateTokenRequest{Name: "ci" + c + "bot", Role: "viewer"}))
+			refused(t, "name", err)
+			_, err = root.pools.CreateSite(ctx, connect.NewRequest(&computev1.CreateSiteRequest{Name: "site-x", Region: "eu" + c}))
+			refused(t, "region", err)
+			_, err = f.as(f.tokens["acme-member"]).res.Reserve(ctx, connect.NewRequest(&computev1.ReserveRequest{PoolId: f.acmePool,
+				Gpus: 1, Duration: durationpb.New(time.Hour), RequestId: "r" + c}))
+			refused(t, "request_id", err)
+			_, err = root.commands.RunCommand(ctx, connect.NewRequest(&computev1.RunCommandRequest{NodeId: "node_x", Kind: "diag.nvml",
+				RequestId: "r" + c}))
+			refused(t, "request_id", err)
+		})
+	}
+	for _, c := range []string{"\u202e", "\u202a", "\u202d", "\u2066", "\u2068", "\u2069", "\u2028"} {
+		_, err := root.nodes.CordonNode(ctx, connect.NewRequest(&computev1.CordonNodeRequest{NodeId: "node_x", Reason: "fan " + c + "dead"}))
+		refused(t, "reason", err)
+		_, err = root.nodes.RevokeNode(ctx, connect.NewRequest(&computev1.RevokeNodeRequest{NodeId: "node_x", Reason: "stolen" + c}))
+		refused(t, "reason", err)
+	}
+	// "I want" in Persian, with its zero-width non-joiner, and a right-to-left mark.
+	_, err := root.nodes.CordonNode(ctx, connect.NewRequest(&computev1.CordonNodeRequest{NodeId: "node_x", Reason: "می\u200cخواهم \u200f"}))
+	requireCode(t, err, connect.CodeNotFound, "node_x")
+}
+
+// TestValidationNamesTheField checks that a request breaking its proto's
+// rules is refused, unary or streaming, with InvalidArgument whose message
+// is each violation as "<field>: <reason>" joined by "; ", without
+// protovalidate's own "validation error:" wording.
+func TestValidationNamesTheField(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	root := f.as(f.tokens["root"])
+	message := func(t *testing.T, err error) string {
+		t.Helper()
+		var cerr *connect.Error
+		require.ErrorAs(t, err, &cerr)
+		require.Equal(t, connect.CodeInvalidArgument, cerr.Code(), "%v", err)
+		return cerr.Message()
+	}
+	t.Run("one field", func(t *testing.T) {
+		t.Parallel()
+		_, err := root.tokens.CreateJoinToken(ctx, connect.NewRequest(&computev1.CreateJoinTokenRequest{PoolId: f.acmePool, MaxUses: 0, TtlSeconds: 60}))
+		require.Equal(t, "max_uses: must be greater than or equal to 1 and less than or equal to 100000", message(t, err))
+	})
+	t.Run("two fields", func(t *testing.T) {
+		t.Parallel()
+		_, err := root.tokens.CreateJoinToken(ctx, connect.NewRequest(&computev1.CreateJoinTokenRequest{PoolId: f.acmePool}))
+		require.Equal(t, "max_uses: must be greater than or equal to 1 and less than or equal to 100000; "+
+			"ttl_seconds: must be greater than or equal to 1 and less than or equal to 2592000", message(t, err))
+	})
+	t.Run("custom rule", func(t *testing.T) {
+		t.Parallel()
+		_, err := root.nodes.CordonNode(ctx, connect.NewRequest(&computev1.CordonNodeRequest{NodeId: "node_x", Reason: "  "}))
+		require.Equal(t, "reason: must not be empty or only spaces", message(t, err))
+	})
+	t.Run("stream", func(t *testing.T) {
+		t.Parallel()
+		s := watch(t, root, &computev1.WatchRequest{Types: []string{"node.cordoned", "Bad"}})
+		err := <-s.done
+		require.Equal(t, `types[1]: does not match regex pattern `+"`^[a-z_]+(\\.[a-z_]+)*(\\.\\*)?$`", message(t, err))
+	})
+	t.Run("message rule", func(t *testing.T) {
+		t.Parallel()
+		s := watch(t, root, &computev1.WatchRequest{FromStart: true, AfterId: 3})
+		err := <-s.done
+		require.Equal(t, "from_start: cannot be combined with a non-zero after_id (from_start replays from the first "+
+			"retained event, after_id resumes after an event)", message(t, err))
+	})
 }

@@ -14,6 +14,7 @@ import (
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
 	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/iam"
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
@@ -98,6 +99,57 @@ func TestAnonymousCallsThrottled(t *testing.T) {
 	_, err = admin.nodes.ListNodes(ctx, connect.NewRequest(&computev1.ListNodesRequest{}))
 	require.NoError(t, err, "a cached valid token is not throttled")
 	_, err = f.as(f.tokens["acme-viewer"]).nodes.ListNodes(ctx, connect.NewRequest(&computev1.ListNodesRequest{}))
+	requireCode(t, err, connect.CodeResourceExhausted, "retry in 1 s")
+}
+
+// TestBadTokenFloodSparesValidTokens checks that 10,000 RevokeNode calls
+// with bad tokens from one address write no audit row and are throttled,
+// and that a valid token used from that address before still works there
+// when no row is cached (every call reads the database): the limit
+// throttles failures, not the address.
+func TestBadTokenFloodSparesValidTokens(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	f = f.serve(t, api.Config{TokenCacheTTL: -1}, clock.NewFake(f.db.Now()))
+	ctx := t.Context()
+	admin := f.as(f.tokens["acme-admin"])
+	_, err := admin.nodes.ListNodes(ctx, connect.NewRequest(&computev1.ListNodesRequest{}))
+	require.NoError(t, err)
+	before := f.auditRows(t)
+
+	const calls, workers = 10000, 8
+	var (
+		mu    sync.Mutex
+		codes = map[connect.Code]int{}
+		wg    sync.WaitGroup
+	)
+	for range workers {
+		wg.Go(func() {
+			for range calls / workers {
+				secret, err := iam.NewSecret(iam.APITokenPrefix)
+				if err != nil {
+					t.Errorf("NewSecret: %v", err)
+					return
+				}
+				_, err = f.as(secret).nodes.RevokeNode(ctx, connect.NewRequest(&computev1.RevokeNodeRequest{NodeId: "node_x"}))
+				mu.Lock()
+				codes[connect.CodeOf(err)]++
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	require.Equal(t, map[connect.Code]int{connect.CodeUnauthenticated: 50, connect.CodeResourceExhausted: calls - 50}, codes)
+	require.Equal(t, before, f.auditRows(t), "no audit row for a call that did not authenticate")
+
+	for range 3 {
+		_, err = admin.nodes.ListNodes(ctx, connect.NewRequest(&computev1.ListNodesRequest{}))
+		require.NoError(t, err, "a valid token read before passes from the throttled address")
+	}
+	_, err = admin.nodes.RevokeNode(ctx, connect.NewRequest(&computev1.RevokeNodeRequest{NodeId: "node_x"}))
+	requireCode(t, err, connect.CodeNotFound, "node_x")
+	require.Equal(t, before+1, f.auditRows(t), "the valid token's mutating call is audited")
+	_, err = f.as("").nodes.RevokeNode(ctx, connect.NewRequest(&computev1.RevokeNodeRequest{NodeId: "node_x"}))
 	requireCode(t, err, connect.CodeResourceExhausted, "retry in 1 s")
 }
 

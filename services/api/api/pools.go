@@ -126,10 +126,14 @@ func offerOrNil(o *store.Offer) *computev1.Offer {
 
 // OfferPool offers a pool of the caller's tenant (any pool for root-admin)
 // to tenant_id with a GPU quota, or changes the quota of the offer; the
-// pool's owner may offer it to itself. Lowering a quota ends no
-// reservation. Errors: NotFound (pool_id: missing, or another tenant's not
-// offered to the caller's; tenant_id), PermissionDenied (pool_id: another
-// tenant's pool offered to the caller's tenant).
+// pool's owner may offer it to itself. Only root-admin offers a pool to
+// another tenant: to anyone else another tenant reads exactly as one that
+// does not exist (docs/architecture.md, I7), so that OfferPool does not
+// tell whether a tenant id exists. Lowering a quota ends no reservation.
+// Errors: NotFound (pool_id: missing, or another tenant's not offered to
+// the caller's; tenant_id: missing or not the caller's tenant),
+// PermissionDenied (pool_id: another tenant's pool offered to the caller's
+// tenant).
 func (s *poolService) OfferPool(ctx context.Context, req *connect.Request[computev1.OfferPoolRequest]) (*connect.Response[computev1.OfferPoolResponse], error) {
 	p, err := principal(ctx)
 	if err != nil {
@@ -141,8 +145,12 @@ func (s *poolService) OfferPool(ctx context.Context, req *connect.Request[comput
 	}
 	var offer store.Offer
 	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
+		notFound := connect.NewError(connect.CodeNotFound, errors.New("tenant_id: tenant "+msg.TenantId+" not found"))
+		if !p.Scope().Includes(msg.TenantId) {
+			return notFound
+		}
 		if _, err := store.GetTenant(ctx, tx, msg.TenantId); errors.Is(err, store.ErrNotFound) {
-			return connect.NewError(connect.CodeNotFound, errors.New("tenant_id: tenant "+msg.TenantId+" not found"))
+			return notFound
 		} else if err != nil {
 			return err
 		}

@@ -4,10 +4,8 @@ import (
 	"bufio"
 	"context"
 	"crypto/tls"
-	"crypto/x509"
 	"net/http"
 	"net/url"
-	"path/filepath"
 	"strconv"
 	"testing"
 	"time"
@@ -18,8 +16,8 @@ import (
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
 	"github.com/better-compute/better-compute/pkg/clock"
-	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/service"
+	"github.com/better-compute/better-compute/pkg/service/servicetest"
 	"github.com/better-compute/better-compute/pkg/telemetry"
 	"github.com/better-compute/better-compute/services/api/api"
 	"github.com/better-compute/better-compute/services/api/apitest"
@@ -75,7 +73,7 @@ func TestTunnelOutlivesRequestTimeout(t *testing.T) {
 func TestServeTLS(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
-	setting, roots := servingCert(t)
+	setting, roots := servicetest.ServingCert(t, "", "127.0.0.1")
 	base := apitest.StartWith(t, f.db, api.Config{TLS: setting})
 	require.Regexp(t, `^https://`, base)
 
@@ -108,7 +106,7 @@ func TestServeTLS(t *testing.T) {
 func TestTLSNeedsBothFiles(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
-	setting, _ := servingCert(t)
+	setting, _ := servicetest.ServingCert(t, "", "127.0.0.1")
 	for _, c := range []struct {
 		name    string
 		setting service.TLS
@@ -123,27 +121,6 @@ func TestTLSNeedsBothFiles(t *testing.T) {
 			require.ErrorContains(t, err, c.missing)
 		})
 	}
-}
-
-// servingCert writes a serving certificate for 127.0.0.1, signed by a
-// fresh serving CA, and returns the TLS setting of its files and a pool
-// trusting the CA.
-func servingCert(t *testing.T) (service.TLS, *x509.CertPool) {
-	t.Helper()
-	dir := t.TempDir()
-	now := clock.New().Now()
-	_, err := pki.Init(dir, pki.InitOptions{}, now)
-	require.NoError(t, err)
-	ca, err := pki.LoadCA(filepath.Join(dir, pki.ServingCACert), filepath.Join(dir, pki.ServingCAKey))
-	require.NoError(t, err)
-	cert, key, err := ca.IssueServing([]string{"127.0.0.1"}, now, time.Hour)
-	require.NoError(t, err)
-	s := service.TLS{TLSCert: filepath.Join(dir, "api.crt"), TLSKey: filepath.Join(dir, "api.key")}
-	require.NoError(t, pki.WriteCert(s.TLSCert, cert))
-	require.NoError(t, pki.WriteKey(s.TLSKey, key))
-	roots := x509.NewCertPool()
-	roots.AddCert(ca.Cert)
-	return s, roots
 }
 
 type roundTripFunc func(*http.Request) (*http.Response, error)

@@ -538,7 +538,7 @@ func (t *openTunnel) fromClient() {
 			return
 		}
 		if err := protovalidate.Validate(f); err != nil {
-			t.endWith(endByServer, "invalid frame: "+err.Error(), websocket.StatusInvalidFramePayloadData)
+			t.endWith(endByServer, "invalid frame: "+service.ViolationsText(err), websocket.StatusInvalidFramePayloadData)
 			return
 		}
 		t.touch()

@@ -347,7 +347,7 @@ func TestTunnelBadFrames(t *testing.T) {
 			require.NoError(t, ws.Write(t.Context(), websocket.MessageBinary, []byte{0xff, 0xff}))
 		}, "a message is not a bc.tunnel.v1.Frame", websocket.StatusInvalidFramePayloadData},
 		{"an empty frame", func(ws *websocket.Conn) { send(t, ws, &tunnelv1.Frame{}) },
-			"invalid frame: validation error: frame: exactly one field is required in oneof", websocket.StatusInvalidFramePayloadData},
+			"invalid frame: frame: exactly one field is required in oneof", websocket.StatusInvalidFramePayloadData},
 		{"an exit", func(ws *websocket.Conn) {
 			send(t, ws, &tunnelv1.Frame{Frame: &tunnelv1.Frame_Exit{Exit: &tunnelv1.Exit{}}})
 		}, "a client sends no exit frame (the node does)", websocket.StatusInvalidFramePayloadData},

@@ -3,6 +3,7 @@ package api_test
 import (
 	"crypto/ed25519"
 	"crypto/rand"
+	"crypto/rsa"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -323,6 +324,8 @@ func TestIssueSshCertificate(t *testing.T) {
 			connect.CodeInvalidArgument, "public_key: a certificate, not a public key"},
 		{"two keys", "acme-admin", &computev1.IssueSshCertificateRequest{NodeId: node, PublicKey: testSSHKey + "\n" + testSSHKey},
 			connect.CodeInvalidArgument, "public_key: more than one SSH public key"},
+		{"a short RSA key", "acme-admin", &computev1.IssueSshCertificateRequest{NodeId: node, PublicKey: rsa1024Key(t)},
+			connect.CodeInvalidArgument, "public_key: an RSA key of 1024 bits: at least 2048 are needed"},
 		{"too long", "acme-admin", &computev1.IssueSshCertificateRequest{NodeId: node, PublicKey: testSSHKey,
 			Ttl: durationpb.New(2 * time.Hour)}, connect.CodeInvalidArgument, "ttl"},
 		{"under a second", "acme-admin", &computev1.IssueSshCertificateRequest{NodeId: node, PublicKey: testSSHKey,
@@ -334,6 +337,9 @@ func TestIssueSshCertificate(t *testing.T) {
 		{"another tenant's reservation", "acme-admin", &computev1.IssueSshCertificateRequest{NodeId: sb.node,
 			PublicKey: testSSHKey, ReservationId: sb.reservation}, connect.CodeNotFound,
 			"reservation_id: reservation " + sb.reservation + " not found"},
+		{"a viewer's sandbox", "other-viewer", &computev1.IssueSshCertificateRequest{NodeId: sb.node,
+			PublicKey: testSSHKey, ReservationId: sb.reservation}, connect.CodePermissionDenied,
+			"role viewer may not call IssueSshCertificate (needs reservations.write)"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := issueCert(t, f.as(f.tokens[tc.who]), tc.req)
@@ -346,3 +352,14 @@ func TestIssueSshCertificate(t *testing.T) {
 }
 
 func u64(n uint64) string { return strconv.FormatUint(n, 10) }
+
+// rsa1024Key returns an RSA public key of 1024 bits in authorized_keys
+// format: too short for a certificate.
+func rsa1024Key(t *testing.T) string {
+	t.Helper()
+	k, err := rsa.GenerateKey(rand.Reader, 1024)
+	require.NoError(t, err)
+	pub, err := ssh.NewPublicKey(&k.PublicKey)
+	require.NoError(t, err)
+	return sshca.MarshalPublicKey(pub)
+}

@@ -2,13 +2,9 @@ package gateway
 
 import (
 	"errors"
-	"fmt"
-	"strings"
 
 	"connectrpc.com/connect"
 	"google.golang.org/protobuf/encoding/protojson"
-	"google.golang.org/protobuf/proto"
-	"google.golang.org/protobuf/reflect/protoreflect"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	"github.com/better-compute/better-compute/pkg/store"
@@ -22,91 +18,27 @@ import (
 //
 // PostgreSQL text and jsonb cannot hold NUL, which proto strings may carry,
 // and one such string fails its whole statement (the update batcher's
-// holds the updates of many sessions). So a decoder hands the database no
-// NUL: in free text it becomes U+FFFD (storableText), and an id or name
-// with one, which names nothing, is refused (checkName).
+// holds the updates of many sessions). gateway.proto refuses a NUL in
+// every string a daemon sends (its rules refuse control characters), and
+// checkMessage runs those rules on every message before its decoder
+// (TestEverySessionStringRefusesNUL checks that no string lacks one), so
+// the decoders hand the database no NUL without looking for one.
 
-// storableText returns s with each NUL made U+FFFD, the replacement
-// character.
-func storableText(s string) string { return strings.ReplaceAll(s, "\x00", "\uFFFD") }
-
-// storableMessage makes every string of m, of the messages in it and the
-// keys of its maps storableText, in place.
-func storableMessage(m protoreflect.Message) {
-	m.Range(func(fd protoreflect.FieldDescriptor, v protoreflect.Value) bool {
-		switch {
-		case fd.IsList():
-			l := v.List()
-			for i := range l.Len() {
-				switch {
-				case fd.Kind() == protoreflect.StringKind:
-					l.Set(i, protoreflect.ValueOfString(storableText(l.Get(i).String())))
-				case fd.Message() != nil:
-					storableMessage(l.Get(i).Message())
-				}
-			}
-		case fd.IsMap():
-			mp := v.Map()
-			var bad []protoreflect.MapKey
-			mp.Range(func(k protoreflect.MapKey, mv protoreflect.Value) bool {
-				switch {
-				case fd.MapValue().Kind() == protoreflect.StringKind:
-					mp.Set(k, protoreflect.ValueOfString(storableText(mv.String())))
-				case fd.MapValue().Message() != nil:
-					storableMessage(mv.Message())
-				}
-				if fd.MapKey().Kind() == protoreflect.StringKind && strings.ContainsRune(k.String(), 0) {
-					bad = append(bad, k)
-				}
-				return true
-			})
-			for _, k := range bad {
-				mv := mp.Get(k)
-				mp.Clear(k)
-				mp.Set(protoreflect.ValueOfString(storableText(k.String())).MapKey(), mv)
-			}
-		case fd.Kind() == protoreflect.StringKind:
-			m.Set(fd, protoreflect.ValueOfString(storableText(v.String())))
-		case fd.Message() != nil:
-			storableMessage(v.Message())
-		}
-		return true
-	})
-}
-
-// checkName refuses (InvalidArgument naming field) an id or name that holds
-// a NUL.
-func checkName(field, s string) error {
-	if strings.ContainsRune(s, 0) {
-		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("%s holds a NUL character", field))
-	}
-	return nil
-}
-
-// decodeHello checks a Hello (node_id is required) and returns it with its
-// boot_id and agent_version storableText.
+// decodeHello checks a Hello (node_id is required) and returns it.
 func decodeHello(h *gatewayv1.Hello) (*gatewayv1.Hello, error) {
 	if h.GetNodeId() == "" {
 		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("hello.node_id is required"))
-	}
-	if strings.ContainsRune(h.GetBootId(), 0) || strings.ContainsRune(h.GetAgentVersion(), 0) {
-		h = proto.CloneOf(h)
-		h.BootId, h.AgentVersion = storableText(h.BootId), storableText(h.AgentVersion)
 	}
 	return h, nil
 }
 
 // decodeCommandUpdate checks a CommandUpdate of node nodeID and returns it
 // as the update batcher records it (store.SessionCommandUpdate without Now):
-// command_id is required and holds no NUL, state is one a daemon reports
-// (commandStates), result, when set, is encoded as protojson, and result and
-// error are storable (storableMessage, storableText).
+// command_id is required, state is one a daemon reports (commandStates),
+// and result, when set, is encoded as protojson.
 func decodeCommandUpdate(nodeID string, u *gatewayv1.CommandUpdate) (store.SessionCommandUpdate, error) {
 	if u.GetCommandId() == "" {
 		return store.SessionCommandUpdate{}, connect.NewError(connect.CodeInvalidArgument, errors.New("command_update.command_id is required"))
-	}
-	if err := checkName("command_update.command_id", u.GetCommandId()); err != nil {
-		return store.SessionCommandUpdate{}, err
 	}
 	state, ok := commandStates[u.GetState()]
 	if !ok {
@@ -115,15 +47,13 @@ func decodeCommandUpdate(nodeID string, u *gatewayv1.CommandUpdate) (store.Sessi
 	}
 	var result []byte
 	if u.GetResult() != nil {
-		r := proto.CloneOf(u.GetResult())
-		storableMessage(r.ProtoReflect())
 		var err error
-		if result, err = protojson.Marshal(r); err != nil {
+		if result, err = protojson.Marshal(u.GetResult()); err != nil {
 			return store.SessionCommandUpdate{}, connect.NewError(connect.CodeInvalidArgument, errors.New("command_update.result cannot be encoded"))
 		}
 	}
 	return store.SessionCommandUpdate{NodeID: nodeID, CommandID: u.GetCommandId(), State: state, Result: result,
-		Error: storableText(u.GetError())}, nil
+		Error: u.GetError()}, nil
 }
 
 // decodeReport checks that a Report carries a report.
@@ -134,16 +64,6 @@ func decodeReport(r *gatewayv1.Report) error {
 	return nil
 }
 
-// decodeSpecRefused returns a SpecRefused report as it is recorded: its
-// reason storableText.
-func decodeSpecRefused(r *gatewayv1.SpecRefused) *gatewayv1.SpecRefused {
-	if strings.ContainsRune(r.GetReason(), 0) {
-		r = proto.CloneOf(r)
-		r.Reason = storableText(r.Reason)
-	}
-	return r
-}
-
 // decodeSSHRefused returns an SshRefused report of node nodeID as it is
 // recorded. Its strings are within gateway.proto's bounds and free of
 // control characters: checkMessage refused the message otherwise.
@@ -152,18 +72,10 @@ func decodeSSHRefused(nodeID string, r *gatewayv1.SshRefused) store.SSHRefusal {
 }
 
 // decodeAllocationBound checks an AllocationBound report: reservation_id is
-// required, and neither it nor a CDI device name holds a NUL.
+// required.
 func decodeAllocationBound(b *gatewayv1.AllocationBound) (*gatewayv1.AllocationBound, error) {
 	if b.GetReservationId() == "" {
 		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("allocation_bound.reservation_id is required"))
-	}
-	if err := checkName("allocation_bound.reservation_id", b.GetReservationId()); err != nil {
-		return nil, err
-	}
-	for i, d := range b.GetCdiDevices() {
-		if err := checkName(fmt.Sprintf("allocation_bound.cdi_devices[%d]", i), d); err != nil {
-			return nil, err
-		}
 	}
 	return b, nil
 }

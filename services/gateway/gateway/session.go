@@ -12,7 +12,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"buf.build/go/protovalidate"
 	"connectrpc.com/connect"
 	"github.com/jackc/pgx/v5"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -339,13 +338,10 @@ func (s *Server) receive(st *session) (*gatewayv1.SessionRequest, error) {
 }
 
 // checkMessage checks a Session message against gateway.proto's rules
-// (protovalidate): InvalidArgument naming the field and the rule, never the
-// value, when it breaks one.
+// (service.Validate): InvalidArgument "<field>: <reason>" for each rule it
+// breaks, never the value.
 func checkMessage(req *gatewayv1.SessionRequest) error {
-	if err := protovalidate.Validate(req); err != nil {
-		return connect.NewError(connect.CodeInvalidArgument, err)
-	}
-	return nil
+	return service.Validate(req)
 }
 
 // track adds a new stream unless the gateway is shutting down.

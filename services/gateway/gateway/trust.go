@@ -138,7 +138,6 @@ func renewRefusal(st *session, cert store.SessionCert, err error) (string, error
 // specRefused records that the daemon refused a DesiredState (signedIntent)
 // as a node.spec_refused event.
 func (s *Server) specRefused(ctx context.Context, st *session, r *gatewayv1.SpecRefused) error {
-	r = decodeSpecRefused(r)
 	s.log.WarnContext(ctx, "the daemon refused a desired state", telemetry.KeyNodeID, st.nodeID,
 		"spec_generation", r.GetGeneration(), "reason", r.GetReason())
 	if err := store.RecordSpecRefused(ctx, s.db.Pool, s.db.Now(), st.nodeID, r.GetGeneration(), r.GetReason()); err != nil {

@@ -27,7 +27,6 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
-	"connectrpc.com/validate"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	tunnelv1 "github.com/better-compute/better-compute/api/gen/bc/tunnel/v1"
@@ -58,7 +57,7 @@ const (
 func tunnelOptions() []connect.HandlerOption {
 	return []connect.HandlerOption{
 		service.ReadLimit(ticket.MaxMessageBytes),
-		connect.WithInterceptors(validate.NewInterceptor()),
+		connect.WithInterceptors(service.Validation()...),
 		connect.WithCompression("gzip", nil, nil),
 	}
 }
@@ -345,17 +344,11 @@ func (c controlService) Tunnel(ctx context.Context, stream *connect.BidiStream[g
 	if hs == nil {
 		return connect.NewError(connect.CodeInternal, errors.New("tunnel stream without its HTTP request"))
 	}
-	if !s.trackTunnel() {
-		return errShuttingDown
-	}
-	defer s.tunnelHandlers.Done()
-	start, err := receiveStart(stream)
+	start, done, err := s.beginTunnel(ctx, stream)
 	if err != nil {
 		return err
 	}
-	// The start came within the request timeout; the tunnel is bounded by
-	// TunnelOpenTimeout, its session and its ends instead.
-	service.LongLived(ctx)
+	defer done()
 	tk, err := s.checkTicket(start)
 	if err != nil {
 		s.log.WarnContext(ctx, "tunnel refused", keyTunnelID, start.GetTunnelId(), telemetry.KeyError, err)
@@ -496,17 +489,11 @@ func (s *Server) Tunnel(ctx context.Context, stream *connect.BidiStream[gatewayv
 	if peer == nil {
 		return connect.NewError(connect.CodeUnauthenticated, errors.New("the tunnel needs a client certificate over TLS"))
 	}
-	if !s.trackTunnel() {
-		return errShuttingDown
-	}
-	defer s.tunnelHandlers.Done()
-	start, err := receiveStart(stream)
+	start, done, err := s.beginTunnel(ctx, stream)
 	if err != nil {
 		return err
 	}
-	// The start came within the request timeout; the tunnel is bounded by
-	// TunnelOpenTimeout, its session and its ends instead.
-	service.LongLived(ctx)
+	defer done()
 	if err := s.checkPeer(ctx, peer); err != nil {
 		s.log.WarnContext(ctx, "node tunnel refused", keyTunnelID, start.GetTunnelId(), "cert_node_id", peer.certID,
 			"cert_serial", peer.serial, telemetry.KeyError, err)
@@ -617,6 +604,29 @@ func (s *Server) pump(t *tunnel, stream *connect.BidiStream[gatewayv1.TunnelRequ
 			return nil
 		}
 	}
+}
+
+// beginTunnel is the prologue of both Tunnel handlers (the API's end on the
+// control listener, the node's on the session listener): it counts the
+// handler in (trackTunnel), reads the stream's start (receiveStart) and
+// then exempts the stream from its server's request timeout
+// (service.LongLived): the start came within it, and the tunnel is bounded
+// by TunnelOpenTimeout, its session and its ends instead. The handler calls
+// done when it returns, which counts it out. Errors (the handler returns
+// them, without calling done): errShuttingDown (Unavailable), and
+// receiveStart's.
+func (s *Server) beginTunnel(ctx context.Context, stream *connect.BidiStream[gatewayv1.TunnelRequest, tunnelv1.Frame]) (
+	start *gatewayv1.TunnelStart, done func(), err error,
+) {
+	if !s.trackTunnel() {
+		return nil, nil, errShuttingDown
+	}
+	if start, err = receiveStart(stream); err != nil {
+		s.tunnelHandlers.Done()
+		return nil, nil, err
+	}
+	service.LongLived(ctx)
+	return start, s.tunnelHandlers.Done, nil
 }
 
 // receiveStart reads a tunnel stream's first message, which must be start.

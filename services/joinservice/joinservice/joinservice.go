@@ -37,7 +37,6 @@ import (
 	"strings"
 	"sync/atomic"
 
-	"buf.build/go/protovalidate"
 	"connectrpc.com/connect"
 	"go.opentelemetry.io/otel/metric"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -400,8 +399,8 @@ type joinInput struct {
 // valid"). Every error is a *connect.Error; it never panics, whatever msg
 // holds.
 func decodeJoinRequest(key *ecdh.PrivateKey, msg *joinv1.JoinRequest) (joinInput, error) {
-	if err := protovalidate.Validate(msg); err != nil {
-		return joinInput{}, connect.NewError(connect.CodeInvalidArgument, err)
+	if err := service.Validate(msg); err != nil {
+		return joinInput{}, err
 	}
 	csr, err := pki.ParseCSR(msg.GetCsrDer())
 	if err != nil {

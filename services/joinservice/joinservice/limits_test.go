@@ -4,7 +4,6 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"net/http"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -13,9 +12,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/better-compute/better-compute/api/gen/bc/join/v1/joinv1connect"
-	"github.com/better-compute/better-compute/pkg/clock"
-	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/service"
+	"github.com/better-compute/better-compute/pkg/service/servicetest"
 	"github.com/better-compute/better-compute/services/joinservice/joinservice"
 )
 
@@ -26,7 +24,7 @@ func TestServeTLS(t *testing.T) {
 	var setting service.TLS
 	var roots *x509.CertPool
 	f := setupWith(t, func(c *joinservice.Config) {
-		setting, roots = servingCert(t, c.PKIDir)
+		setting, roots = servicetest.ServingCert(t, c.PKIDir, "127.0.0.1")
 		c.TLS = setting
 	})
 	var p http.Protocols
@@ -48,7 +46,7 @@ func TestServeTLS(t *testing.T) {
 func TestTLSNeedsBothFiles(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
-	setting, _ := servingCert(t, f.pkiDir)
+	setting, _ := servicetest.ServingCert(t, f.pkiDir, "127.0.0.1")
 	for _, c := range []struct {
 		name    string
 		setting service.TLS
@@ -64,22 +62,4 @@ func TestTLSNeedsBothFiles(t *testing.T) {
 			require.ErrorContains(t, err, c.missing)
 		})
 	}
-}
-
-// servingCert writes a serving certificate for 127.0.0.1, signed by the
-// serving CA of pkiDir, and returns the TLS setting of its files and a pool
-// trusting the CA.
-func servingCert(t *testing.T, pkiDir string) (service.TLS, *x509.CertPool) {
-	t.Helper()
-	ca, err := pki.LoadCA(filepath.Join(pkiDir, pki.ServingCACert), filepath.Join(pkiDir, pki.ServingCAKey))
-	require.NoError(t, err)
-	cert, key, err := ca.IssueServing([]string{"127.0.0.1"}, clock.New().Now(), time.Hour)
-	require.NoError(t, err)
-	dir := t.TempDir()
-	s := service.TLS{TLSCert: filepath.Join(dir, "joinservice.crt"), TLSKey: filepath.Join(dir, "joinservice.key")}
-	require.NoError(t, pki.WriteCert(s.TLSCert, cert))
-	require.NoError(t, pki.WriteKey(s.TLSKey, key))
-	roots := x509.NewCertPool()
-	roots.AddCert(ca.Cert)
-	return s, roots
 }

@@ -45,8 +45,8 @@ func (a *app) consoleCmd() *cobra.Command {
 			"not be opened (the API's error, or its refusal: the node has no live session, a limit of open\n" +
 			"tunnels) or ended without the shell's status (\"console: <reason>\": the node was revoked, your\n" +
 			"token lost its right, the connection dropped). Input that is not a terminal is sent as it comes,\n" +
-			"without raw mode or sizes; it should end with exit. Needs a tenant-admin token of the node's\n" +
-			"tenant or a root-admin token.",
+			"without raw mode or sizes; its end ends the shell's input, as a pipe's would, and console exits\n" +
+			"with the shell's status. Needs a tenant-admin token of the node's tenant or a root-admin token.",
 		Args: cobra.NoArgs,
 	}
 	c.Flags().StringVar(&node, "node", "", "node id (required)")
@@ -220,7 +220,8 @@ func receiveConsole(t *wsFrames, out io.Writer) consoleEnd {
 
 // sendConsoleInput sends what it reads from in as data frames of at most
 // tunnel.MaxChunk, up to a Ctrl-] (then it closes detached) or the end of
-// in.
+// in: then it sends an EndOfInput frame, so that the shell's input ends as
+// a pipe's would (the shell then exits, and console with its status).
 func sendConsoleInput(t *wsFrames, in io.Reader, detached chan<- struct{}) {
 	buf := make([]byte, tunnel.MaxChunk)
 	for {
@@ -239,6 +240,10 @@ func sendConsoleInput(t *wsFrames, in io.Reader, detached chan<- struct{}) {
 				close(detached)
 				return
 			}
+		}
+		if errors.Is(err, io.EOF) {
+			_ = t.Send(&tunnelv1.Frame{Frame: &tunnelv1.Frame_EndOfInput{EndOfInput: &tunnelv1.EndOfInput{}}})
+			return
 		}
 		if err != nil {
 			return

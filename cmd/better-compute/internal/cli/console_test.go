@@ -132,6 +132,23 @@ func TestConsoleWithoutTerminal(t *testing.T) {
 	require.Empty(t, f.resizesSent())
 }
 
+// TestConsolePipedInputEnds: the end of input that is not a terminal is
+// sent as the tunnel's EndOfInput after what came before it, the shell
+// ends, and console exits with its status instead of waiting.
+func TestConsolePipedInputEnds(t *testing.T) {
+	t.Parallel()
+	f := newFakeTunnels(t)
+	r := startCLI(t, f.env(), "console", "--node", f.node)
+	_, err := r.stdin.Write([]byte("hello\n"))
+	require.NoError(t, err)
+	waitFor(t, &r.stdout, "$ hello\r\n$ ")
+	require.NoError(t, r.stdin.Close())
+	require.Equal(t, 0, r.wait(t), r.stderr.String())
+	sent := f.sent()
+	require.NotEmpty(t, sent)
+	require.NotNil(t, sent[len(sent)-1].GetEndOfInput(), "the last frame sent is the end of the input: %v", sent)
+}
+
 // TestConsoleRefused: the API's errors before the tunnel opens are the
 // CLI's error line, and exit 255.
 func TestConsoleRefused(t *testing.T) {

@@ -41,7 +41,8 @@ func (a *app) poolsOfferCmd() *cobra.Command {
 		Short: "Offer a pool to a tenant with a GPU quota, or change the quota of the offer",
 		Long: "offer lets --to reserve GPUs of the pool, holding at most N at once (pending, binding and active\n" +
 			"reservations count). Offering again changes the quota; a lower quota ends no reservation. Needs a\n" +
-			"root-admin token, or a tenant-admin token of the pool's owner.",
+			"root-admin token, or a tenant-admin token of the pool's owner to offer it to its own tenant (another\n" +
+			"tenant reads to a tenant-admin as one that does not exist: only a root-admin offers across tenants).",
 		Args: cobra.ExactArgs(1),
 	}
 	c.Flags().StringVar(&to, "to", "", "tenant id to offer the pool to (required)")

@@ -57,14 +57,15 @@ func (a *app) sshCertCmd() *cobra.Command {
 			"--reservation it is a break-glass certificate from the break-glass CA, principal root (a\n" +
 			"tenant-admin token of the node's tenant or a root-admin token); with --reservation, a sandbox\n" +
 			"certificate from the sandbox CA, principal the reservation id, valid no later than the\n" +
-			"reservation's end (a token of the tenant holding that active reservation). It prints the serial,\n" +
+			"reservation's end (a tenant-member, tenant-admin or root-admin token of the tenant holding that\n" +
+			"active reservation: a viewer's is refused). It prints the serial,\n" +
 			"key id, principals, validity and CA; -o json prints them with the certificate and the file. The\n" +
 			"API audits every certificate with its serial. Log in with ssh-proxy as ProxyCommand (see\n" +
 			"ssh-proxy --help).",
 		Args: cobra.NoArgs,
 	}
 	c.Flags().StringVar(&node, "node", "", "node id the certificate is valid on (required)")
-	c.Flags().StringVar(&keyFile, "public-key", "", "your SSH public key file, e.g. ~/.ssh/id_ed25519.pub (required)")
+	c.Flags().StringVar(&keyFile, "public-key", "", "your SSH public key file, e.g. ~/.ssh/id_ed25519.pub: Ed25519, ECDSA or RSA of at least 2048 bits (required)")
 	c.Flags().DurationVar(&ttl, "ttl", sshca.DefaultTTL, "how long the certificate is valid, more than 0 and at most 1h")
 	c.Flags().StringVar(&reservation, "reservation", "", "reservation id: a certificate for its sandbox on the node")
 	c.Flags().StringVar(&certFile, "cert-file", "", "where to write the certificate (default: the key's path with -cert.pub; - for standard output)")

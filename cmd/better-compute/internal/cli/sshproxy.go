@@ -49,7 +49,8 @@ func (a *app) sshProxyCmd() *cobra.Command {
 			"or, for a sandbox, ssh-cert with --reservation res_… and ssh res_…@node_…. ProxyCommand runs in\n" +
 			"ssh's environment: BETTER_COMPUTE_URL, BETTER_COMPUTE_TOKEN (and BETTER_COMPUTE_TENANT) must be set\n" +
 			"where ssh runs. Break-glass SSH needs a tenant-admin token of the node's tenant or a root-admin\n" +
-			"token; a sandbox, a token of the tenant holding the reservation.",
+			"token; a sandbox, a tenant-member or stronger token of the tenant holding the reservation (not a\n" +
+			"viewer's).",
 		Args: cobra.NoArgs,
 	}
 	c.Flags().StringVar(&node, "node", "", "node id, in any case (required)")

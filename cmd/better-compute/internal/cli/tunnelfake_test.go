@@ -321,7 +321,8 @@ func dataFrame(b []byte) *tunnelv1.Frame {
 
 // echoShell is the shell: a prompt, then per line (ended by CR or LF)
 // size → "ROWS COLS", exit → exit 0, false → exit 1, close → a Close with
-// fakeCloseReason, drop → the connection cut, anything else echoed.
+// fakeCloseReason, drop → the connection cut, anything else echoed; the
+// end of the input exits 0.
 func (f *fakeTunnels) echoShell(ctx context.Context, ws *websocket.Conn, size [2]string) {
 	in := f.receive(ctx, ws)
 	say := func(s string) bool { return send(ctx, ws, dataFrame([]byte(s))) == nil }
@@ -339,6 +340,9 @@ func (f *fakeTunnels) echoShell(ctx context.Context, ws *websocket.Conn, size [2
 			size = [2]string{strconv.Itoa(int(x.Resize.GetRows())), strconv.Itoa(int(x.Resize.GetCols()))}
 		case *tunnelv1.Frame_Close:
 			_ = ws.Close(websocket.StatusNormalClosure, "")
+			return
+		case *tunnelv1.Frame_EndOfInput:
+			exit(0) // as a shell whose input ends
 			return
 		case *tunnelv1.Frame_Data:
 			for _, c := range x.Data {

@@ -35,7 +35,9 @@ import (
 
 	"github.com/better-compute/better-compute/cmd/better-compute/internal/cli"
 	"github.com/better-compute/better-compute/pkg/config"
+	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/telemetry"
+	"github.com/better-compute/better-compute/pkg/tunnel"
 	"github.com/better-compute/better-compute/services/api/api"
 	"github.com/better-compute/better-compute/services/controllers/controllers"
 	fakedaemonflags "github.com/better-compute/better-compute/services/fakedaemon/flags"
@@ -135,7 +137,42 @@ func write(path string) error {
 		}
 		fmt.Fprintf(&b, "- **%s**: %s\n", r.name, strings.Join(names, ", "))
 	}
+	writeFixedLimits(&b)
 	return os.WriteFile(path, b.Bytes(), 0o644)
+}
+
+// writeFixedLimits writes the section on the limits that no setting
+// changes, from the constants that set them.
+func writeFixedLimits(b *bytes.Buffer) {
+	fmt.Fprintf(b, `
+## Fixed limits
+
+These are constants of the code, not settings.
+
+- **Message size**: every message a Connect handler of the API, JoinService or the gateway reads (every unary
+  request and every message of every stream, the gateway's sessions included) is at most %s
+  (`+"`service.MaxMessageBytes`"+`), after gzip too; inflating stops there. A larger unary request is refused
+  with `+"`ResourceExhausted`"+` (its message says "larger than configured max %d"); over the Connect protocol
+  its HTTP status is 413 (Content Too Large), not 429, so that it is not taken for a rate limit, and a Connect
+  client still sees `+"`ResourceExhausted`"+` (from the error in the body). A larger message in a stream ends
+  that stream with `+"`ResourceExhausted`"+` (HTTP 200, the code at the stream's end, as in gRPC); the
+  server's other calls and streams go on.
+- **Tunnel frames**: one message of a tunnel (a node's shell or a sandbox's SSH) is at most %s
+  (`+"`tunnel.MaxMessageBytes`"+`).
+`, bytesText(service.MaxMessageBytes), service.MaxMessageBytes, bytesText(tunnel.MaxMessageBytes))
+}
+
+// bytesText writes n bytes in KiB or MiB when it is a whole number of
+// them, and adds the exact count.
+func bytesText(n int) string {
+	switch {
+	case n%(1<<20) == 0:
+		return fmt.Sprintf("%d MiB (%d bytes)", n>>20, n)
+	case n%(1<<10) == 0:
+		return fmt.Sprintf("%d KiB (%d bytes)", n>>10, n)
+	default:
+		return fmt.Sprintf("%d bytes", n)
+	}
 }
 
 const header = `# Configuration

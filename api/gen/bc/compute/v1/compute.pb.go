@@ -373,9 +373,10 @@ func (x *ApiToken) GetLastUsedAt() *timestamppb.Timestamp {
 type CreateTokenRequest struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	TenantId string                 `protobuf:"bytes,1,opt,name=tenant_id,json=tenantId,proto3" json:"tenant_id,omitempty"`
-	// Name says what the token is for: at most 63 characters, no control
-	// characters, and not empty or only spaces. Leading and trailing spaces
-	// are dropped.
+	// Name says what the token is for: at most 63 characters, no control,
+	// format or line-separator character (Unicode Cc, Cf, Zl, Zp: no bidi
+	// override, no zero-width character), and not empty or only spaces.
+	// Leading and trailing spaces are dropped.
 	Name string `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
 	Role string `protobuf:"bytes,3,opt,name=role,proto3" json:"role,omitempty"`
 	// TtlSeconds is how long the token is valid; 0 means it never expires.
@@ -1340,6 +1341,7 @@ type ReserveRequest struct {
 	// StartTime defaults to now.
 	StartTime *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=start_time,json=startTime,proto3" json:"start_time,omitempty"`
 	// RequestId makes Reserve idempotent per tenant; empty: not idempotent.
+	// At most 128 characters, no control, format or line-separator character.
 	RequestId     string `protobuf:"bytes,5,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -2424,8 +2426,10 @@ type CordonNodeRequest struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	NodeId string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
 	// Reason says why the node is cordoned: at most 256 characters, no
-	// control characters, and not empty or only spaces. Leading and trailing
-	// spaces are dropped.
+	// control character, bidi embedding, override or isolate (U+202A–U+202E,
+	// U+2066–U+2069) or line separator (free text keeps the zero-width
+	// joiners and marks that scripts need), and not empty or only spaces.
+	// Leading and trailing spaces are dropped.
 	Reason        string `protobuf:"bytes,2,opt,name=reason,proto3" json:"reason,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -2799,8 +2803,10 @@ type RunCommandRequest struct {
 	// Timeout is how long the command may take from now. Unset: 5 min. Set,
 	// it must be 1 s to 24 h: a zero or negative timeout is InvalidArgument
 	// (timeout), not the default.
-	Timeout       *durationpb.Duration `protobuf:"bytes,3,opt,name=timeout,proto3" json:"timeout,omitempty"`
-	RequestId     string               `protobuf:"bytes,4,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	Timeout *durationpb.Duration `protobuf:"bytes,3,opt,name=timeout,proto3" json:"timeout,omitempty"`
+	// RequestId makes RunCommand idempotent per node; empty: not idempotent.
+	// At most 128 characters, no control, format or line-separator character.
+	RequestId     string `protobuf:"bytes,4,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3316,7 +3322,8 @@ type RevokeNodeRequest struct {
 	NodeId string                 `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
 	// Reason is recorded on the node (Node.revoke_reason) and in the audit
 	// log (optional; leading and trailing spaces are dropped, so one of spaces
-	// only is none).
+	// only is none): at most 256 characters, no control character, bidi
+	// embedding, override or isolate, or line separator, as CordonNode's.
 	Reason        string `protobuf:"bytes,2,opt,name=reason,proto3" json:"reason,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -3502,8 +3509,8 @@ type CreateSiteRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// Region is the region the site is in (a site is a place in a region):
-	// required, not empty or only spaces, at most 63 characters, no control
-	// characters.
+	// required, not empty or only spaces, at most 63 characters, no control,
+	// format or line-separator character (Unicode Cc, Cf, Zl, Zp).
 	Region        string `protobuf:"bytes,2,opt,name=region,proto3" json:"region,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -4444,7 +4451,8 @@ type CreateTicketRequest struct {
 	// Purpose is "shell" or "ssh".
 	Purpose string `protobuf:"bytes,2,opt,name=purpose,proto3" json:"purpose,omitempty"`
 	// ReservationId, for purpose ssh, asks for the sandbox of this active
-	// reservation of the caller's tenant on the node.
+	// reservation of the caller's tenant on the node (a tenant-member or
+	// stronger role: reservations.write; a viewer is PermissionDenied).
 	ReservationId string `protobuf:"bytes,3,opt,name=reservation_id,json=reservationId,proto3" json:"reservation_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -4583,7 +4591,8 @@ type IssueSshCertificateRequest struct {
 	// a sandbox certificate ends no later than its reservation.
 	Ttl *durationpb.Duration `protobuf:"bytes,3,opt,name=ttl,proto3" json:"ttl,omitempty"`
 	// ReservationId asks for a sandbox certificate for this active
-	// reservation of the caller's tenant on the node.
+	// reservation of the caller's tenant on the node (a tenant-member or
+	// stronger role: reservations.write; a viewer is PermissionDenied).
 	ReservationId string `protobuf:"bytes,4,opt,name=reservation_id,json=reservationId,proto3" json:"reservation_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -4774,11 +4783,11 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\n" +
 	"created_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12<\n" +
 	"\flast_used_at\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\n" +
-	"lastUsedAt\"\xa8\x02\n" +
+	"lastUsedAt\"\xbb\x02\n" +
 	"\x12CreateTokenRequest\x12$\n" +
-	"\ttenant_id\x18\x01 \x01(\tB\a\xbaH\x04r\x02\x18@R\btenantId\x12q\n" +
-	"\x04name\x18\x02 \x01(\tB]\xbaHZ\xba\x01E\n" +
-	"\x0ename.not_blank\x12 must not be empty or only spaces\x1a\x11this.trim() != ''r\x10\x18?2\f^[^\\p{Cc}]*$R\x04name\x12J\n" +
+	"\ttenant_id\x18\x01 \x01(\tB\a\xbaH\x04r\x02\x18@R\btenantId\x12\x83\x01\n" +
+	"\x04name\x18\x02 \x01(\tBo\xbaHl\xba\x01E\n" +
+	"\x0ename.not_blank\x12 must not be empty or only spaces\x1a\x11this.trim() != ''r\"\x18?2\x1e^[^\\p{Cc}\\p{Cf}\\p{Zl}\\p{Zp}]*$R\x04name\x12J\n" +
 	"\x04role\x18\x03 \x01(\tB6\xbaH3r1R\n" +
 	"root-adminR\ftenant-adminR\rtenant-memberR\x06viewerR\x04role\x12-\n" +
 	"\vttl_seconds\x18\x04 \x01(\x03B\f\xbaH\t\"\a\x18\x80\x8a\x8a\x0f(\x00R\n" +
@@ -4851,15 +4860,15 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\n" +
 	"updated_at\x18\x0e \x01(\v2\x1a.google.protobuf.TimestampR\tupdatedAt\x127\n" +
 	"\tactive_at\x18\x0f \x01(\v2\x1a.google.protobuf.TimestampR\bactiveAt\x125\n" +
-	"\bended_at\x18\x10 \x01(\v2\x1a.google.protobuf.TimestampR\aendedAt\"\x92\x02\n" +
+	"\bended_at\x18\x10 \x01(\v2\x1a.google.protobuf.TimestampR\aendedAt\"\xa4\x02\n" +
 	"\x0eReserveRequest\x12\"\n" +
 	"\apool_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06poolId\x12\x1d\n" +
 	"\x04gpus\x18\x02 \x01(\x05B\t\xbaH\x06\x1a\x04\x18@(\x01R\x04gpus\x12K\n" +
 	"\bduration\x18\x03 \x01(\v2\x19.google.protobuf.DurationB\x14\xbaH\x11\xc8\x01\x01\xaa\x01\v\"\x05\b\x80\x8a\x8a\x0f2\x02\b\x01R\bduration\x129\n" +
 	"\n" +
-	"start_time\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\tstartTime\x125\n" +
+	"start_time\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\tstartTime\x12G\n" +
 	"\n" +
-	"request_id\x18\x05 \x01(\tB\x16\xbaH\x13r\x11\x18\x80\x012\f^[^\\p{Cc}]*$R\trequestId\"O\n" +
+	"request_id\x18\x05 \x01(\tB(\xbaH%r#\x18\x80\x012\x1e^[^\\p{Cc}\\p{Cf}\\p{Zl}\\p{Zp}]*$R\trequestId\"O\n" +
 	"\x0fReserveResponse\x12<\n" +
 	"\vreservation\x18\x01 \x01(\v2\x1a.bc.compute.v1.ReservationR\vreservation\"I\n" +
 	"\x15GetReservationRequest\x120\n" +
@@ -4937,11 +4946,11 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\x0eGetNodeRequest\x12\"\n" +
 	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\":\n" +
 	"\x0fGetNodeResponse\x12'\n" +
-	"\x04node\x18\x01 \x01(\v2\x13.bc.compute.v1.NodeR\x04node\"\xb1\x01\n" +
+	"\x04node\x18\x01 \x01(\v2\x13.bc.compute.v1.NodeR\x04node\"\xe2\x01\n" +
 	"\x11CordonNodeRequest\x12\"\n" +
-	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\x12x\n" +
-	"\x06reason\x18\x02 \x01(\tB`\xbaH]\xba\x01G\n" +
-	"\x10reason.not_blank\x12 must not be empty or only spaces\x1a\x11this.trim() != ''r\x11\x18\x80\x022\f^[^\\p{Cc}]*$R\x06reason\"\xab\x01\n" +
+	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\x12\xa8\x01\n" +
+	"\x06reason\x18\x02 \x01(\tB\x8f\x01\xbaH\x8b\x01\xba\x01G\n" +
+	"\x10reason.not_blank\x12 must not be empty or only spaces\x1a\x11this.trim() != ''r?\x18\x80\x022:^[^\\p{Cc}\\x{202A}-\\x{202E}\\x{2066}-\\x{2069}\\p{Zl}\\p{Zp}]*$R\x06reason\"\xab\x01\n" +
 	"\x12CordonNodeResponse\x12'\n" +
 	"\x04node\x18\x01 \x01(\v2\x13.bc.compute.v1.NodeR\x04node\x12)\n" +
 	"\x10already_cordoned\x18\x02 \x01(\bR\x0falreadyCordoned\x12'\n" +
@@ -4974,14 +4983,14 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\n" +
 	"updated_at\x18\f \x01(\v2\x1a.google.protobuf.TimestampR\tupdatedAt\x12;\n" +
 	"\vfinished_at\x18\r \x01(\v2\x1a.google.protobuf.TimestampR\n" +
-	"finishedAt\"\x89\x02\n" +
+	"finishedAt\"\x9b\x02\n" +
 	"\x11RunCommandRequest\x12\"\n" +
 	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\x12R\n" +
 	"\x04kind\x18\x02 \x01(\tB>\xbaH;r9R\tdiag.nvmlR\x11inventory.refreshR\flogs.collectR\vnode.rebootR\x04kind\x12E\n" +
 	"\atimeout\x18\x03 \x01(\v2\x19.google.protobuf.DurationB\x10\xbaH\r\xaa\x01\n" +
-	"\"\x04\b\x80\xa3\x052\x02\b\x01R\atimeout\x125\n" +
+	"\"\x04\b\x80\xa3\x052\x02\b\x01R\atimeout\x12G\n" +
 	"\n" +
-	"request_id\x18\x04 \x01(\tB\x16\xbaH\x13r\x11\x18\x80\x012\f^[^\\p{Cc}]*$R\trequestId\"F\n" +
+	"request_id\x18\x04 \x01(\tB(\xbaH%r#\x18\x80\x012\x1e^[^\\p{Cc}\\p{Cf}\\p{Zl}\\p{Zp}]*$R\trequestId\"F\n" +
 	"\x12RunCommandResponse\x120\n" +
 	"\acommand\x18\x01 \x01(\v2\x16.bc.compute.v1.CommandR\acommand\"=\n" +
 	"\x11GetCommandRequest\x12(\n" +
@@ -5013,10 +5022,10 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"from_start\x18\x03 \x01(\bR\tfromStart:\xe0\x01\xbaH\xdc\x01\x1a\xd9\x01\n" +
 	"!watch_request.from_start_after_id\x12\x8b\x01from_start: cannot be combined with a non-zero after_id (from_start replays from the first retained event, after_id resumes after an event)\x1a&!this.from_start || this.after_id == 0\";\n" +
 	"\rWatchResponse\x12*\n" +
-	"\x05event\x18\x01 \x01(\v2\x14.bc.compute.v1.EventR\x05event\"g\n" +
+	"\x05event\x18\x01 \x01(\v2\x14.bc.compute.v1.EventR\x05event\"\x95\x01\n" +
 	"\x11RevokeNodeRequest\x12\"\n" +
-	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\x12.\n" +
-	"\x06reason\x18\x02 \x01(\tB\x16\xbaH\x13r\x11\x18\x80\x022\f^[^\\p{Cc}]*$R\x06reason\"\x99\x01\n" +
+	"\anode_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\x06nodeId\x12\\\n" +
+	"\x06reason\x18\x02 \x01(\tBD\xbaHAr?\x18\x80\x022:^[^\\p{Cc}\\x{202A}-\\x{202E}\\x{2066}-\\x{2069}\\p{Zl}\\p{Zp}]*$R\x06reason\"\x99\x01\n" +
 	"\x12RevokeNodeResponse\x12'\n" +
 	"\x04node\x18\x01 \x01(\v2\x13.bc.compute.v1.NodeR\x04node\x121\n" +
 	"\x14certificates_revoked\x18\x02 \x01(\x05R\x13certificatesRevoked\x12'\n" +
@@ -5026,11 +5035,11 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x16\n" +
 	"\x06region\x18\x03 \x01(\tR\x06region\x129\n" +
 	"\n" +
-	"created_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\"\xd2\x01\n" +
+	"created_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\"\xe5\x01\n" +
 	"\x11CreateSiteRequest\x12>\n" +
-	"\x04name\x18\x01 \x01(\tB*\xbaH'r%\x10\x01\x18?2\x1f^[a-z0-9]([a-z0-9-]*[a-z0-9])?$R\x04name\x12}\n" +
-	"\x06region\x18\x02 \x01(\tBe\xbaHb\xba\x01M\n" +
-	"\x10region.not_blank\x12&is required: the region the site is in\x1a\x11this.trim() != ''r\x10\x18?2\f^[^\\p{Cc}]*$R\x06region\"=\n" +
+	"\x04name\x18\x01 \x01(\tB*\xbaH'r%\x10\x01\x18?2\x1f^[a-z0-9]([a-z0-9-]*[a-z0-9])?$R\x04name\x12\x8f\x01\n" +
+	"\x06region\x18\x02 \x01(\tBw\xbaHt\xba\x01M\n" +
+	"\x10region.not_blank\x12&is required: the region the site is in\x1a\x11this.trim() != ''r\"\x18?2\x1e^[^\\p{Cc}\\p{Cf}\\p{Zl}\\p{Zp}]*$R\x06region\"=\n" +
 	"\x12CreateSiteResponse\x12'\n" +
 	"\x04site\x18\x01 \x01(\v2\x13.bc.compute.v1.SiteR\x04site\"\x12\n" +
 	"\x10ListSitesRequest\">\n" +

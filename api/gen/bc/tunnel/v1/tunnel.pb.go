@@ -37,6 +37,7 @@ type Frame struct {
 	//	*Frame_Resize
 	//	*Frame_Exit
 	//	*Frame_Close
+	//	*Frame_EndOfInput
 	Frame         isFrame_Frame `protobuf_oneof:"frame"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -115,6 +116,15 @@ func (x *Frame) GetClose() *Close {
 	return nil
 }
 
+func (x *Frame) GetEndOfInput() *EndOfInput {
+	if x != nil {
+		if x, ok := x.Frame.(*Frame_EndOfInput); ok {
+			return x.EndOfInput
+		}
+	}
+	return nil
+}
+
 type isFrame_Frame interface {
 	isFrame_Frame()
 }
@@ -142,6 +152,15 @@ type Frame_Close struct {
 	Close *Close `protobuf:"bytes,4,opt,name=close,proto3,oneof"`
 }
 
+type Frame_EndOfInput struct {
+	// EndOfInput says the client's input ended (a pipe or file given to
+	// `console` reached its end) while the client still reads: the node
+	// ends the shell's input, as the end of a pipe would, and the shell's
+	// output and exit status follow. Toward the node only, on shell
+	// tunnels; data sent after it is dropped.
+	EndOfInput *EndOfInput `protobuf:"bytes,5,opt,name=end_of_input,json=endOfInput,proto3,oneof"`
+}
+
 func (*Frame_Data) isFrame_Frame() {}
 
 func (*Frame_Resize) isFrame_Frame() {}
@@ -149,6 +168,45 @@ func (*Frame_Resize) isFrame_Frame() {}
 func (*Frame_Exit) isFrame_Frame() {}
 
 func (*Frame_Close) isFrame_Frame() {}
+
+func (*Frame_EndOfInput) isFrame_Frame() {}
+
+// EndOfInput is the end of a shell tunnel's input (Frame.end_of_input).
+type EndOfInput struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EndOfInput) Reset() {
+	*x = EndOfInput{}
+	mi := &file_bc_tunnel_v1_tunnel_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EndOfInput) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EndOfInput) ProtoMessage() {}
+
+func (x *EndOfInput) ProtoReflect() protoreflect.Message {
+	mi := &file_bc_tunnel_v1_tunnel_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EndOfInput.ProtoReflect.Descriptor instead.
+func (*EndOfInput) Descriptor() ([]byte, []int) {
+	return file_bc_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{1}
+}
 
 // TerminalSize is a terminal's size in character cells.
 type TerminalSize struct {
@@ -161,7 +219,7 @@ type TerminalSize struct {
 
 func (x *TerminalSize) Reset() {
 	*x = TerminalSize{}
-	mi := &file_bc_tunnel_v1_tunnel_proto_msgTypes[1]
+	mi := &file_bc_tunnel_v1_tunnel_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -173,7 +231,7 @@ func (x *TerminalSize) String() string {
 func (*TerminalSize) ProtoMessage() {}
 
 func (x *TerminalSize) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_tunnel_v1_tunnel_proto_msgTypes[1]
+	mi := &file_bc_tunnel_v1_tunnel_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -186,7 +244,7 @@ func (x *TerminalSize) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TerminalSize.ProtoReflect.Descriptor instead.
 func (*TerminalSize) Descriptor() ([]byte, []int) {
-	return file_bc_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{1}
+	return file_bc_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *TerminalSize) GetRows() uint32 {
@@ -213,7 +271,7 @@ type Exit struct {
 
 func (x *Exit) Reset() {
 	*x = Exit{}
-	mi := &file_bc_tunnel_v1_tunnel_proto_msgTypes[2]
+	mi := &file_bc_tunnel_v1_tunnel_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -225,7 +283,7 @@ func (x *Exit) String() string {
 func (*Exit) ProtoMessage() {}
 
 func (x *Exit) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_tunnel_v1_tunnel_proto_msgTypes[2]
+	mi := &file_bc_tunnel_v1_tunnel_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -238,7 +296,7 @@ func (x *Exit) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Exit.ProtoReflect.Descriptor instead.
 func (*Exit) Descriptor() ([]byte, []int) {
-	return file_bc_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{2}
+	return file_bc_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *Exit) GetStatus() int32 {
@@ -250,15 +308,18 @@ func (x *Exit) GetStatus() int32 {
 
 // Close says why a tunnel ended.
 type Close struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Reason        string                 `protobuf:"bytes,1,opt,name=reason,proto3" json:"reason,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Reason is free text: at most 1024 characters, no control character,
+	// bidi embedding, override or isolate (U+202A–U+202E, U+2066–U+2069) or
+	// line separator.
+	Reason        string `protobuf:"bytes,1,opt,name=reason,proto3" json:"reason,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Close) Reset() {
 	*x = Close{}
-	mi := &file_bc_tunnel_v1_tunnel_proto_msgTypes[3]
+	mi := &file_bc_tunnel_v1_tunnel_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -270,7 +331,7 @@ func (x *Close) String() string {
 func (*Close) ProtoMessage() {}
 
 func (x *Close) ProtoReflect() protoreflect.Message {
-	mi := &file_bc_tunnel_v1_tunnel_proto_msgTypes[3]
+	mi := &file_bc_tunnel_v1_tunnel_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -283,7 +344,7 @@ func (x *Close) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Close.ProtoReflect.Descriptor instead.
 func (*Close) Descriptor() ([]byte, []int) {
-	return file_bc_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{3}
+	return file_bc_tunnel_v1_tunnel_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *Close) GetReason() string {
@@ -297,13 +358,17 @@ var File_bc_tunnel_v1_tunnel_proto protoreflect.FileDescriptor
 
 const file_bc_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"\n" +
-	"\x19bc/tunnel/v1/tunnel.proto\x12\fbc.tunnel.v1\x1a\x1bbuf/validate/validate.proto\"\xc5\x01\n" +
+	"\x19bc/tunnel/v1/tunnel.proto\x12\fbc.tunnel.v1\x1a\x1bbuf/validate/validate.proto\"\x83\x02\n" +
 	"\x05Frame\x12\x1f\n" +
 	"\x04data\x18\x01 \x01(\fB\t\xbaH\x06z\x04\x18\x80\x80\x04H\x00R\x04data\x124\n" +
 	"\x06resize\x18\x02 \x01(\v2\x1a.bc.tunnel.v1.TerminalSizeH\x00R\x06resize\x12(\n" +
 	"\x04exit\x18\x03 \x01(\v2\x12.bc.tunnel.v1.ExitH\x00R\x04exit\x12+\n" +
-	"\x05close\x18\x04 \x01(\v2\x13.bc.tunnel.v1.CloseH\x00R\x05closeB\x0e\n" +
-	"\x05frame\x12\x05\xbaH\x02\b\x01\"N\n" +
+	"\x05close\x18\x04 \x01(\v2\x13.bc.tunnel.v1.CloseH\x00R\x05close\x12<\n" +
+	"\fend_of_input\x18\x05 \x01(\v2\x18.bc.tunnel.v1.EndOfInputH\x00R\n" +
+	"endOfInputB\x0e\n" +
+	"\x05frame\x12\x05\xbaH\x02\b\x01\"\f\n" +
+	"\n" +
+	"EndOfInput\"N\n" +
 	"\fTerminalSize\x12\x1e\n" +
 	"\x04rows\x18\x01 \x01(\rB\n" +
 	"\xbaH\a*\x05\x18\x90N(\x01R\x04rows\x12\x1e\n" +
@@ -311,9 +376,9 @@ const file_bc_tunnel_v1_tunnel_proto_rawDesc = "" +
 	"\xbaH\a*\x05\x18\x90N(\x01R\x04cols\"*\n" +
 	"\x04Exit\x12\"\n" +
 	"\x06status\x18\x01 \x01(\x05B\n" +
-	"\xbaH\a\x1a\x05\x18\xff\x01(\x00R\x06status\"7\n" +
-	"\x05Close\x12.\n" +
-	"\x06reason\x18\x01 \x01(\tB\x16\xbaH\x13r\x11\x18\x80\b2\f^[^\\p{Cc}]*$R\x06reasonB\xb9\x01\n" +
+	"\xbaH\a\x1a\x05\x18\xff\x01(\x00R\x06status\"e\n" +
+	"\x05Close\x12\\\n" +
+	"\x06reason\x18\x01 \x01(\tBD\xbaHAr?\x18\x80\b2:^[^\\p{Cc}\\x{202A}-\\x{202E}\\x{2066}-\\x{2069}\\p{Zl}\\p{Zp}]*$R\x06reasonB\xb9\x01\n" +
 	"\x10com.bc.tunnel.v1B\vTunnelProtoP\x01ZFgithub.com/better-compute/better-compute/api/gen/bc/tunnel/v1;tunnelv1\xa2\x02\x03BTX\xaa\x02\fBc.Tunnel.V1\xca\x02\fBc\\Tunnel\\V1\xe2\x02\x18Bc\\Tunnel\\V1\\GPBMetadata\xea\x02\x0eBc::Tunnel::V1b\x06proto3"
 
 var (
@@ -328,22 +393,24 @@ func file_bc_tunnel_v1_tunnel_proto_rawDescGZIP() []byte {
 	return file_bc_tunnel_v1_tunnel_proto_rawDescData
 }
 
-var file_bc_tunnel_v1_tunnel_proto_msgTypes = make([]protoimpl.MessageInfo, 4)
+var file_bc_tunnel_v1_tunnel_proto_msgTypes = make([]protoimpl.MessageInfo, 5)
 var file_bc_tunnel_v1_tunnel_proto_goTypes = []any{
 	(*Frame)(nil),        // 0: bc.tunnel.v1.Frame
-	(*TerminalSize)(nil), // 1: bc.tunnel.v1.TerminalSize
-	(*Exit)(nil),         // 2: bc.tunnel.v1.Exit
-	(*Close)(nil),        // 3: bc.tunnel.v1.Close
+	(*EndOfInput)(nil),   // 1: bc.tunnel.v1.EndOfInput
+	(*TerminalSize)(nil), // 2: bc.tunnel.v1.TerminalSize
+	(*Exit)(nil),         // 3: bc.tunnel.v1.Exit
+	(*Close)(nil),        // 4: bc.tunnel.v1.Close
 }
 var file_bc_tunnel_v1_tunnel_proto_depIdxs = []int32{
-	1, // 0: bc.tunnel.v1.Frame.resize:type_name -> bc.tunnel.v1.TerminalSize
-	2, // 1: bc.tunnel.v1.Frame.exit:type_name -> bc.tunnel.v1.Exit
-	3, // 2: bc.tunnel.v1.Frame.close:type_name -> bc.tunnel.v1.Close
-	3, // [3:3] is the sub-list for method output_type
-	3, // [3:3] is the sub-list for method input_type
-	3, // [3:3] is the sub-list for extension type_name
-	3, // [3:3] is the sub-list for extension extendee
-	0, // [0:3] is the sub-list for field type_name
+	2, // 0: bc.tunnel.v1.Frame.resize:type_name -> bc.tunnel.v1.TerminalSize
+	3, // 1: bc.tunnel.v1.Frame.exit:type_name -> bc.tunnel.v1.Exit
+	4, // 2: bc.tunnel.v1.Frame.close:type_name -> bc.tunnel.v1.Close
+	1, // 3: bc.tunnel.v1.Frame.end_of_input:type_name -> bc.tunnel.v1.EndOfInput
+	4, // [4:4] is the sub-list for method output_type
+	4, // [4:4] is the sub-list for method input_type
+	4, // [4:4] is the sub-list for extension type_name
+	4, // [4:4] is the sub-list for extension extendee
+	0, // [0:4] is the sub-list for field type_name
 }
 
 func init() { file_bc_tunnel_v1_tunnel_proto_init() }
@@ -356,6 +423,7 @@ func file_bc_tunnel_v1_tunnel_proto_init() {
 		(*Frame_Resize)(nil),
 		(*Frame_Exit)(nil),
 		(*Frame_Close)(nil),
+		(*Frame_EndOfInput)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -363,7 +431,7 @@ func file_bc_tunnel_v1_tunnel_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_bc_tunnel_v1_tunnel_proto_rawDesc), len(file_bc_tunnel_v1_tunnel_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   4,
+			NumMessages:   5,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -571,10 +571,12 @@ type PoolServiceClient interface {
 	// tenant when there is one.
 	ListPools(context.Context, *connect.Request[v1.ListPoolsRequest]) (*connect.Response[v1.ListPoolsResponse], error)
 	// OfferPool offers a pool to a tenant with a GPU quota, or changes the
-	// quota of an existing offer (root-admin, or a tenant-admin of the pool's
-	// owner). Errors: NotFound (pool: missing, or neither owned by nor offered
-	// to the caller's tenant; tenant), PermissionDenied (a pool offered to the
-	// caller's tenant that another tenant owns).
+	// quota of an existing offer (root-admin to any tenant; a tenant-admin of
+	// the pool's owner to its own tenant: another tenant reads to it as one
+	// that does not exist). Errors: NotFound (pool: missing, or neither owned
+	// by nor offered to the caller's tenant; tenant: missing, or not the
+	// caller's), PermissionDenied (a pool offered to the caller's tenant that
+	// another tenant owns).
 	OfferPool(context.Context, *connect.Request[v1.OfferPoolRequest]) (*connect.Response[v1.OfferPoolResponse], error)
 	// ListOffers lists the offers the caller sees: those made to its tenant,
 	// and those of pools its tenant owns (all for root-admin).
@@ -686,10 +688,12 @@ type PoolServiceHandler interface {
 	// tenant when there is one.
 	ListPools(context.Context, *connect.Request[v1.ListPoolsRequest]) (*connect.Response[v1.ListPoolsResponse], error)
 	// OfferPool offers a pool to a tenant with a GPU quota, or changes the
-	// quota of an existing offer (root-admin, or a tenant-admin of the pool's
-	// owner). Errors: NotFound (pool: missing, or neither owned by nor offered
-	// to the caller's tenant; tenant), PermissionDenied (a pool offered to the
-	// caller's tenant that another tenant owns).
+	// quota of an existing offer (root-admin to any tenant; a tenant-admin of
+	// the pool's owner to its own tenant: another tenant reads to it as one
+	// that does not exist). Errors: NotFound (pool: missing, or neither owned
+	// by nor offered to the caller's tenant; tenant: missing, or not the
+	// caller's), PermissionDenied (a pool offered to the caller's tenant that
+	// another tenant owns).
 	OfferPool(context.Context, *connect.Request[v1.OfferPoolRequest]) (*connect.Response[v1.OfferPoolResponse], error)
 	// ListOffers lists the offers the caller sees: those made to its tenant,
 	// and those of pools its tenant owns (all for root-admin).

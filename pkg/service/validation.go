@@ -1,0 +1,103 @@
+package service
+
+import (
+	"context"
+	"errors"
+	"strings"
+
+	"buf.build/go/protovalidate"
+	"connectrpc.com/connect"
+	"connectrpc.com/validate"
+	"google.golang.org/protobuf/proto"
+)
+
+// Validate checks msg against its proto's rules (protovalidate) and
+// returns nil, or the InvalidArgument error whose message is
+// ViolationsText's, with the violations (buf.validate.Violations) as its
+// detail. Every service words a refusal of its protos' rules this way:
+// HandlerOptions' interceptors for requests, Validate for what a handler
+// checks itself (a session's messages, a watch's query, a tunnel frame).
+func Validate(msg proto.Message) error {
+	err := protovalidate.Validate(msg)
+	if err == nil {
+		return nil
+	}
+	return invalidArgument(connect.NewError(connect.CodeInvalidArgument, err))
+}
+
+// ViolationsText is the reason of a refusal of a proto's rules in the
+// project's words: each violation as "<field>: <reason>" (the field's path
+// in proto names, e.g. "acceptance.timeout" or "types[2]"; the rule's id
+// in brackets when it has no message), joined by "; ". A violation of no
+// field (a message's own rule) is its reason alone. err that is not a
+// *protovalidate.ValidationError is its Error().
+func ViolationsText(err error) string {
+	var verr *protovalidate.ValidationError
+	if !errors.As(err, &verr) {
+		return err.Error()
+	}
+	parts := make([]string, 0, len(verr.Violations))
+	for _, v := range verr.Violations {
+		reason := v.Proto.GetMessage()
+		if reason == "" {
+			reason = "[" + v.Proto.GetRuleId() + "]"
+		}
+		if path := protovalidate.FieldPathString(v.Proto.GetField()); path != "" {
+			reason = path + ": " + reason
+		}
+		parts = append(parts, reason)
+	}
+	return strings.Join(parts, "; ")
+}
+
+// invalidArgument returns err reworded by ViolationsText when it is an
+// InvalidArgument refusal of protovalidate's (with its details), else err
+// as it is.
+func invalidArgument(err error) error {
+	var (
+		verr *protovalidate.ValidationError
+		cerr *connect.Error
+	)
+	if err == nil || !errors.As(err, &verr) || !errors.As(err, &cerr) || cerr.Code() != connect.CodeInvalidArgument {
+		return err
+	}
+	out := connect.NewError(connect.CodeInvalidArgument, errors.New(ViolationsText(verr)))
+	if d, derr := connect.NewErrorDetail(verr.ToProto()); derr == nil {
+		out.AddDetail(d)
+	}
+	return out
+}
+
+// Validation returns the interceptors that check every request message
+// against its proto's rules, outermost first: the rewording of refusals
+// (InvalidArgument "<field>: <reason>", ViolationsText), then
+// connectrpc.com/validate, unary and streaming alike. HandlerOptions
+// includes them; a handler that goes without HandlerOptions takes them
+// alone.
+func Validation() []connect.Interceptor {
+	return []connect.Interceptor{rewordValidation{}, validate.NewInterceptor()}
+}
+
+// rewordValidation rewords the protovalidate refusals that calls return
+// (invalidArgument).
+type rewordValidation struct{}
+
+func (rewordValidation) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
+	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+		res, err := next(ctx, req)
+		if req.Spec().IsClient {
+			return res, err
+		}
+		return res, invalidArgument(err)
+	}
+}
+
+func (rewordValidation) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
+	return next
+}
+
+func (rewordValidation) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
+	return func(ctx context.Context, conn connect.StreamingHandlerConn) error {
+		return invalidArgument(next(ctx, conn))
+	}
+}
