@@ -38,12 +38,12 @@ const DefaultTrustDomain = "compute.dev.local"
 
 // File names inside a PKI directory.
 const (
-	NodeCACert     = "node-ca.crt"
-	NodeCAKey      = "node-ca.key"
-	ServingCACert  = "serving-ca.crt"
-	ServingCAKey   = "serving-ca.key"
-	GatewayCert    = "gateway.crt"
-	GatewayKey     = "gateway.key"
+	NodeCACert    = "node-ca.crt"
+	NodeCAKey     = "node-ca.key"
+	ServingCACert = "serving-ca.crt"
+	ServingCAKey  = "serving-ca.key"
+	GatewayCert   = "gateway.crt"
+	GatewayKey    = "gateway.key"
 	// JoinServiceCert and JoinServiceKey are JoinService's serving
 	// certificate for its control listener (NodeCertService), issued by the
 	// serving CA.

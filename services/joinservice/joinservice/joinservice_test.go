@@ -64,7 +64,7 @@ type fixture struct {
 	url      string
 	// controlURL is the control listener's (NodeCertService, mutual TLS).
 	controlURL string
-	srv      *joinservice.Server
+	srv        *joinservice.Server
 	// joinKey is JoinService's HPKE public key, pins the deployment's pins
 	// and signSPKI the join signing key: what a daemon joins with.
 	joinKey  *ecdh.PublicKey
