@@ -35,6 +35,9 @@ type nodeCerts struct {
 	ttl    time.Duration
 	refuse error
 	reqs   []*joinv1.RenewNodeCertificateRequest
+	// hold, when set, makes each call wait until it is closed (or the
+	// call's context ends) before it answers.
+	hold chan struct{}
 }
 
 var _ joinv1connect.NodeCertServiceHandler = (*nodeCerts)(nil)
@@ -62,8 +65,15 @@ func (nc *nodeCerts) RenewNodeCertificate(ctx context.Context, req *connect.Requ
 	*connect.Response[joinv1.RenewNodeCertificateResponse], error) {
 	nc.mu.Lock()
 	nc.reqs = append(nc.reqs, proto.Clone(req.Msg).(*joinv1.RenewNodeCertificateRequest))
-	refuse, ttl := nc.refuse, nc.ttl
+	refuse, ttl, hold := nc.refuse, nc.ttl, nc.hold
 	nc.mu.Unlock()
+	if hold != nil {
+		select {
+		case <-hold:
+		case <-ctx.Done():
+			return nil, connect.NewError(connect.CodeCanceled, ctx.Err())
+		}
+	}
 	if refuse != nil {
 		return nil, refuse
 	}
@@ -84,6 +94,15 @@ func (nc *nodeCerts) setRefuse(err error) {
 	nc.mu.Lock()
 	defer nc.mu.Unlock()
 	nc.refuse = err
+}
+
+// holdCalls makes every later call wait until release is called.
+func (nc *nodeCerts) holdCalls() (release func()) {
+	nc.mu.Lock()
+	defer nc.mu.Unlock()
+	hold := make(chan struct{})
+	nc.hold = hold
+	return sync.OnceFunc(func() { close(hold) })
 }
 
 // setTTL makes the certificates signed from now on valid for ttl.

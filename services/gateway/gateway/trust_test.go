@@ -224,17 +224,61 @@ func TestRenewalRefusals(t *testing.T) {
 	eventually(t, func() bool { return e.nodeRow(n.id).SessionID == nil }, "session cleared")
 }
 
+// TestRenewalDoesNotStallTheSession: while JoinService decides a renewal,
+// the session goes on (heartbeats are answered); a second RenewCertificate
+// sent meanwhile is answered at once that one is in progress, and the first
+// is answered when JoinService answers.
+func TestRenewalDoesNotStallTheSession(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	g := e.startGateway(gateway.Config{ResyncInterval: time.Hour})
+	n := e.newNode()
+	d, _ := e.connect(g, n, nil)
+	release := e.certs.holdCalls()
+	t.Cleanup(release)
+
+	_, csr := csrFor(t, n.id)
+	d.send(&gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_RenewCertificate{RenewCertificate: &gatewayv1.RenewCertificate{CsrDer: csr}}})
+	eventually(t, func() bool { return e.certs.calls() == 1 }, "JoinService is asked")
+	d.heartbeat(7, 0)
+	require.Equal(t, int64(7), d.nextAck(), "heartbeats are answered meanwhile")
+	_, other := csrFor(t, n.id)
+	busy := d.renew(other)
+	require.Empty(t, busy.GetCertificateDer())
+	require.Equal(t, "a renewal of this session is in progress; retry later", busy.GetError())
+	require.Equal(t, 1, e.certs.calls(), "the second is not relayed")
+
+	release()
+	ci := d.next().GetCertificateIssued()
+	require.NotNil(t, ci)
+	require.Empty(t, ci.GetError())
+	cert, err := x509.ParseCertificate(ci.GetCertificateDer())
+	require.NoError(t, err)
+	require.Equal(t, 2, e.certCount(n.id))
+	require.Equal(t, csr, e.certs.last().GetCsrDer())
+	require.NotEmpty(t, cert.Raw)
+}
+
 // TestRenewalWithoutJoinService: a gateway whose JoinService cannot be
-// reached (nothing listens at its URL) answers a renewal with the
-// retryable renewFailed, and the session goes on.
+// reached (what listens at its URL drops every connection at once) answers
+// a renewal with the retryable renewFailed, and the session goes on.
 func TestRenewalWithoutJoinService(t *testing.T) {
 	t.Parallel()
 	e := setup(t, options{})
+	// A listener kept open, so that no other test's server gets its port.
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	url := "https://" + ln.Addr().String()
-	require.NoError(t, ln.Close())
-	g := e.startGateway(gateway.Config{ResyncInterval: time.Hour, JoinServiceURL: url})
+	t.Cleanup(func() { _ = ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			_ = c.Close()
+		}
+	}()
+	g := e.startGateway(gateway.Config{ResyncInterval: time.Hour, JoinServiceURL: "https://" + ln.Addr().String()})
 	n := e.newNode()
 	d, w := e.connect(g, n, nil)
 	_, csr := csrFor(t, n.id)
