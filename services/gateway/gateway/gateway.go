@@ -36,9 +36,9 @@
 // "the session's certificate expired at …") by the next resync or delivery,
 // and JoinService refuses a renewal; it also refuses one when that
 // certificate or the client certificate is revoked, and more than one
-// certificate per node per its RENEW_INTERVAL. Commands and DesiredStates carry the signatures
-// stored with them (signedIntent) untouched; the gateway holds no signing
-// key. Spec refusals daemons report become node.spec_refused events.
+// certificate per node per NODE_CERT_RENEW_INTERVAL. Commands and
+// DesiredStates carry the signatures stored with them (signedIntent)
+// untouched; the gateway holds no signing key. Spec refusals daemons report become node.spec_refused events.
 //
 // Memory per session is kept small for thousands of idle sessions: one
 // goroutine of ours per stream (the Connect handler, blocked in Receive,

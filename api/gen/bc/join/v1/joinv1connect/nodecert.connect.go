@@ -53,11 +53,11 @@ type NodeCertServiceClient interface {
 	// "session_cert_der: …" for a session certificate that is not the node
 	// CA's for node_id), FailedPrecondition ("certificate revoked": the node,
 	// the client certificate or the session certificate was revoked; "the
-	// session's client certificate is not known": no node_certs row of
-	// node_id has that serial; "the session's certificate expired at …"),
-	// ResourceExhausted ("renewal rate limited: …": the node's newest
-	// certificate is younger than RENEW_INTERVAL, the message says when to
-	// try again). Any other error (Unavailable, Internal) is the control
+	// session's client certificate is not known": node_certs holds no
+	// certificate of node_id with the client's or the session certificate's
+	// serial; "the session's certificate expired at …"), ResourceExhausted
+	// ("renewal rate limited: …": the node's newest certificate is younger
+	// than NODE_CERT_RENEW_INTERVAL, the message says when to try again). Any other error (Unavailable, Internal) is the control
 	// plane's, and the renewal may be retried as it is.
 	RenewNodeCertificate(context.Context, *connect.Request[v1.RenewNodeCertificateRequest]) (*connect.Response[v1.RenewNodeCertificateResponse], error)
 }
@@ -107,11 +107,11 @@ type NodeCertServiceHandler interface {
 	// "session_cert_der: …" for a session certificate that is not the node
 	// CA's for node_id), FailedPrecondition ("certificate revoked": the node,
 	// the client certificate or the session certificate was revoked; "the
-	// session's client certificate is not known": no node_certs row of
-	// node_id has that serial; "the session's certificate expired at …"),
-	// ResourceExhausted ("renewal rate limited: …": the node's newest
-	// certificate is younger than RENEW_INTERVAL, the message says when to
-	// try again). Any other error (Unavailable, Internal) is the control
+	// session's client certificate is not known": node_certs holds no
+	// certificate of node_id with the client's or the session certificate's
+	// serial; "the session's certificate expired at …"), ResourceExhausted
+	// ("renewal rate limited: …": the node's newest certificate is younger
+	// than NODE_CERT_RENEW_INTERVAL, the message says when to try again). Any other error (Unavailable, Internal) is the control
 	// plane's, and the renewal may be retried as it is.
 	RenewNodeCertificate(context.Context, *connect.Request[v1.RenewNodeCertificateRequest]) (*connect.Response[v1.RenewNodeCertificateResponse], error)
 }
