@@ -247,8 +247,11 @@ func TestRenewalAtTwoThirdsOfLifetime(t *testing.T) {
 	require.Equal(t, t0.Add(16*time.Hour), h.now)
 
 	csr := f.csr()
-	h.apply(h.a.RenewalCSR(h.now, csr, nil))
-	require.Equal(t, [][]byte{csr}, renewRequests(h.take()))
+	proof := []byte("the driver's proof")
+	h.apply(h.a.RenewalCSR(h.now, csr, proof))
+	sent := h.take()
+	require.Equal(t, [][]byte{csr}, renewRequests(sent))
+	require.Equal(t, proof, sent[len(sent)-1].GetRenewCertificate().GetProof(), "the proof goes with the CSR")
 
 	h.advance(2 * time.Second)
 	msg, cert := f.issue(csr, h.now, 24*time.Hour)
