@@ -2,7 +2,8 @@ package agent
 
 // Certificate renewal, the driver's side: the daemon core decides when
 // (pkg/daemon, at two thirds of the certificate's lifetime) and talks to the
-// gateway; the driver makes the new key and CSR (EffectMakeCSR), stores the
+// gateway; the driver makes the new key and CSR, with the proof that it asks
+// for it signed by the key in use (EffectMakeCSR), stores the
 // issued certificate with its key in the identity file, atomically
 // (EffectCertificate), and presents it from the next dial: a TLS handshake
 // reads the newest certificate (clientCert), and the next session gets a new
@@ -58,10 +59,16 @@ type renewState struct {
 func (d *driver) renewEffect(e daemon.Effect) []daemon.Effect {
 	switch e.Kind {
 	case daemon.EffectMakeCSR:
+		// The proof is signed by the key of the certificate in use, the
+		// session's: JoinService, which signs renewals, checks it, so that
+		// no gateway can renew for a node that did not ask.
 		key, err := pki.GenerateKey()
-		var csr []byte
+		var csr, proof []byte
 		if err == nil {
 			csr, err = pki.NewCSR(key, d.hw.Hostname())
+		}
+		if err == nil {
+			proof, err = pki.SignRenewal(d.rn.id.key, d.rn.id.cert, csr)
 		}
 		if err != nil {
 			d.log.Warn("could not make a CSR for the certificate renewal", telemetry.KeyError, err)
@@ -69,7 +76,7 @@ func (d *driver) renewEffect(e daemon.Effect) []daemon.Effect {
 		}
 		d.rn.key = key
 		d.log.Info("renewing the node certificate", "not_after", d.rn.id.cert.NotAfter)
-		return d.core.RenewalCSR(d.clk.Now(), csr)
+		return d.core.RenewalCSR(d.clk.Now(), csr, proof)
 	case daemon.EffectCertificate:
 		if err := d.storeCertificate(e.Certificate); err != nil {
 			d.log.Warn("could not store the renewed certificate", telemetry.KeyError, err)

@@ -86,11 +86,13 @@ func (a *Agent) renewFailed(now time.Time, reason string) {
 		"retry_in", delay.String(), "not_after", a.cert.notAfter)
 }
 
-// RenewalCSR hands the Agent the CSR (DER) it asked for with EffectMakeCSR;
-// it sends RenewCertificate on the established session. A CSR that is no
-// longer awaited is ignored; one that arrives while no session is
-// established is dropped and asked for again after the next Welcome.
-func (a *Agent) RenewalCSR(now time.Time, csrDER []byte) []Effect {
+// RenewalCSR hands the Agent the CSR (DER) it asked for with EffectMakeCSR,
+// and proof, the driver's signature of it by the key of the certificate in
+// use (pkg/pki SignRenewal; gateway.proto, RenewCertificate.proof); it sends
+// RenewCertificate on the established session. A CSR that is no longer
+// awaited is ignored; one that arrives while no session is established is
+// dropped and asked for again after the next Welcome.
+func (a *Agent) RenewalCSR(now time.Time, csrDER, proof []byte) []Effect {
 	var o out
 	if a.cert.phase != renewCSR {
 		return a.finish(&o)
@@ -104,7 +106,7 @@ func (a *Agent) RenewalCSR(now time.Time, csrDER []byte) []Effect {
 	a.cert.csr = csrDER
 	a.cert.at = now.Add(a.cfg.RenewTimeout)
 	a.send(&o, &gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_RenewCertificate{
-		RenewCertificate: &gatewayv1.RenewCertificate{CsrDer: csrDER},
+		RenewCertificate: &gatewayv1.RenewCertificate{CsrDer: csrDER, Proof: proof},
 	}})
 	return a.finish(&o)
 }

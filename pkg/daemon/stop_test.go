@@ -122,7 +122,7 @@ func TestRevokedOldCertificateReconnectsWithRenewed(t *testing.T) {
 	h.advance(16 * time.Hour)
 	require.Equal(t, 1, h.csrs)
 	csr := f.csr()
-	h.apply(h.a.RenewalCSR(h.now, csr))
+	h.apply(h.a.RenewalCSR(h.now, csr, nil))
 	msg, _ := f.issue(csr, h.now, 24*time.Hour)
 	h.receive(msg)
 	require.Len(t, h.certs, 1)

@@ -247,8 +247,11 @@ func TestRenewalAtTwoThirdsOfLifetime(t *testing.T) {
 	require.Equal(t, t0.Add(16*time.Hour), h.now)
 
 	csr := f.csr()
-	h.apply(h.a.RenewalCSR(h.now, csr))
-	require.Equal(t, [][]byte{csr}, renewRequests(h.take()))
+	proof := []byte("the driver's proof")
+	h.apply(h.a.RenewalCSR(h.now, csr, proof))
+	sent := h.take()
+	require.Equal(t, [][]byte{csr}, renewRequests(sent))
+	require.Equal(t, proof, sent[len(sent)-1].GetRenewCertificate().GetProof(), "the proof goes with the CSR")
 
 	h.advance(2 * time.Second)
 	msg, cert := f.issue(csr, h.now, 24*time.Hour)
@@ -326,19 +329,19 @@ func TestRenewalRetries(t *testing.T) {
 	waitRetry(h.now, 4*time.Second, "no CSR")
 
 	// 2. The gateway does not answer.
-	h.apply(h.a.RenewalCSR(h.now, f.csr()))
+	h.apply(h.a.RenewalCSR(h.now, f.csr(), nil))
 	require.Len(t, renewRequests(h.take()), 1)
 	h.advance(10 * time.Second)
 	waitRetry(h.now, 8*time.Second, "no answer")
 
 	// 3. The gateway refuses.
-	h.apply(h.a.RenewalCSR(h.now, f.csr()))
+	h.apply(h.a.RenewalCSR(h.now, f.csr(), nil))
 	h.take()
 	h.receive(issuedMsg(nil, "certificate revoked"))
 	waitRetry(h.now, 16*time.Second, "refused")
 
 	// 4. A certificate for another key.
-	h.apply(h.a.RenewalCSR(h.now, f.csr()))
+	h.apply(h.a.RenewalCSR(h.now, f.csr(), nil))
 	h.take()
 	wrong, _ := f.issue(f.csr(), h.now, 24*time.Hour)
 	h.receive(wrong)
@@ -351,7 +354,7 @@ func TestRenewalRetries(t *testing.T) {
 
 	// 6. The session ends mid-renewal: the Welcome of the next one counts
 	// the failure (capped backoff) and the renewal is retried.
-	h.apply(h.a.RenewalCSR(h.now, f.csr()))
+	h.apply(h.a.RenewalCSR(h.now, f.csr(), nil))
 	h.take()
 	h.disconnect()
 	h.redial()
@@ -360,7 +363,7 @@ func TestRenewalRetries(t *testing.T) {
 
 	// Success resets the backoff: the next failure waits min again.
 	csr := f.csr()
-	h.apply(h.a.RenewalCSR(h.now, csr))
+	h.apply(h.a.RenewalCSR(h.now, csr, nil))
 	require.Len(t, renewRequests(h.take()), 1)
 	msg, _ := f.issue(csr, h.now, 24*time.Hour)
 	h.receive(msg)
@@ -381,7 +384,7 @@ func TestShortCertificateRenewsNoFasterThanBackoffMin(t *testing.T) {
 	h.advance(0)
 	require.Equal(t, 1, h.csrs)
 	csr := f.csr()
-	h.apply(h.a.RenewalCSR(h.now, csr))
+	h.apply(h.a.RenewalCSR(h.now, csr, nil))
 	// Two thirds of this certificate's remaining lifetime are 4 s.
 	msg, _ := f.issue(csr, h.now, 6*time.Second)
 	h.receive(msg)
@@ -428,7 +431,7 @@ func TestShortCertificateRenewedOnceAtTwoThirds(t *testing.T) {
 		require.Equal(t, i+1, h.csrs, "renewal %d at 60 s", i+1)
 		require.Equal(t, issuedAt.Add(60*time.Second), h.now)
 		csr := f.csr()
-		h.apply(h.a.RenewalCSR(h.now, csr))
+		h.apply(h.a.RenewalCSR(h.now, csr, nil))
 		msg, _ := f.issue(csr, h.now, 90*time.Second)
 		h.receive(msg)
 		require.Len(t, h.certs, i+1)

@@ -118,6 +118,11 @@ type Options struct {
 	// kill one): one https:// URL or several separated by commas; their TLS
 	// name must be "localhost".
 	ExternalGatewayURL string
+	// JoinServiceControlListener, when set, is where JoinService's control
+	// listener (NodeCertService, mutual TLS) accepts connections (Close
+	// closes it); otherwise it listens on a free port of 127.0.0.1. Gateways
+	// outside this process reach it at Stack.JoinServiceControlURL.
+	JoinServiceControlListener net.Listener
 	// Host is the address services listen on (default 127.0.0.1), each on a
 	// free port (or the port DataDir/ports.json recorded).
 	Host string
@@ -171,6 +176,11 @@ type Stack struct {
 	ServicePKIDirs map[string]string
 	// JoinURL is JoinService's base URL.
 	JoinURL string
+	// JoinServiceControlURL is JoinService's control listener,
+	// https://127.0.0.1:PORT, where gateways have renewals signed
+	// (gateway.Config JoinServiceURL; it serves the certificate
+	// pki.Init issues for 127.0.0.1).
+	JoinServiceControlURL string
 	// Gateways are the running gateway replicas; GatewayURLs their
 	// https:// Session URLs.
 	Gateways    []*gateway.Server
@@ -262,6 +272,9 @@ func Start(ctx context.Context, o Options) (_ *Stack, err error) {
 		if err != nil {
 			if o.APIListener != nil {
 				o.APIListener.Close()
+			}
+			if o.JoinServiceControlListener != nil {
+				o.JoinServiceControlListener.Close()
 			}
 			s.close(true)
 		}
@@ -460,6 +473,25 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 	pkiOf := func(name string) service.PKI { return service.PKI{PKIDir: s.ServicePKIDirs[name]} }
 	intent := service.Intent{SignedIntent: o.SignedIntent}
 	certs := service.NodeCerts{NodeCertTTL: o.NodeCertTTL}
+	// JoinService's control listener, which the gateways renew
+	// certificates through (mutual TLS, as in compose), is on loopback
+	// only, whatever o.Host: only this process's gateways and those the
+	// caller runs on this machine dial it. It is made first so that the
+	// gateways know its URL; JoinService serves it once it runs.
+	nodeCertLn, nodeCertServed := o.JoinServiceControlListener, false
+	if nodeCertLn == nil {
+		if nodeCertLn, err = net.Listen("tcp", "127.0.0.1:0"); err != nil {
+			return err
+		}
+		// Start closes the caller's listener when it fails; this one is
+		// closed here unless JoinService runs on it.
+		defer func() {
+			if !nodeCertServed {
+				nodeCertLn.Close()
+			}
+		}()
+	}
+	s.JoinServiceControlURL = "https://" + nodeCertLn.Addr().String()
 
 	for i := range o.Gateways {
 		var want int
@@ -479,8 +511,8 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 		}
 		gw, err := run(s, g, gctx, fmt.Sprintf("gateway-%d", i), true, func(deps service.Deps) (*gateway.Server, error) {
 			return gateway.New(gateway.Config{GatewayID: fmt.Sprintf("gw-dev-%s-%d", s.state.Instance, i), Listener: ln,
-				ControlListener: control, Probes: service.Probes{NoHealthServer: true}, PKI: pkiOf(pki.ServiceGateway), NodeCerts: certs,
-				HeartbeatInterval: o.HeartbeatInterval, ResyncInterval: o.ResyncInterval}, deps)
+				ControlListener: control, Probes: service.Probes{NoHealthServer: true}, PKI: pkiOf(pki.ServiceGateway),
+				JoinServiceURL: s.JoinServiceControlURL, HeartbeatInterval: o.HeartbeatInterval, ResyncInterval: o.ResyncInterval}, deps)
 		})
 		if err != nil {
 			ln.Close()
@@ -503,11 +535,12 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 		// Every simulated machine joins from this host: a per-address
 		// join limit would only slow a fleet of them down.
 		return joinservice.New(joinservice.Config{PKI: pkiOf(pki.ServiceJoinService), NodeCerts: certs, Intent: intent,
-			Gateways: gateways, Listener: joinLn, JoinBurst: devJoinLimit, JoinRate: devJoinLimit}, deps)
+			Gateways: gateways, Listener: joinLn, ControlListener: nodeCertLn, JoinBurst: devJoinLimit, JoinRate: devJoinLimit}, deps)
 	}); err != nil {
 		joinLn.Close()
 		return err
 	}
+	nodeCertServed = true
 	s.state.Join = joinPort
 	s.JoinURL = "http://" + net.JoinHostPort(host, fmt.Sprint(joinPort))
 	if err := s.keepState(); err != nil {

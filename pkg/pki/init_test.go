@@ -2,9 +2,13 @@ package pki_test
 
 import (
 	"crypto"
+	"crypto/rand"
+	"crypto/x509"
+	"math/big"
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -30,14 +34,15 @@ func read(t *testing.T, path string) []byte {
 }
 
 // TestInitNeverReplacesAPrivateKey: a missing public file is derived from
-// its private key (the pin does not change); a missing gateway certificate is
-// issued for the existing gateway key.
+// its private key (the pin does not change); a missing gateway or
+// JoinService certificate is issued for the existing key.
 func TestInitNeverReplacesAPrivateKey(t *testing.T) {
 	for _, tc := range []struct{ removed, key string }{
 		{pki.JoinSigningPub, pki.JoinSigningKey},
 		{pki.JoinEncryptionPub, pki.JoinEncryptionKey},
 		{pki.CommandSigningPub, pki.CommandSigningKey},
 		{pki.GatewayCert, pki.GatewayKey},
+		{pki.JoinServiceCert, pki.JoinServiceKey},
 	} {
 		t.Run(tc.removed, func(t *testing.T) {
 			dir, pins := complete(t)
@@ -51,10 +56,10 @@ func TestInitNeverReplacesAPrivateKey(t *testing.T) {
 			after, err := pki.ReadPins(dir)
 			require.NoError(t, err)
 			require.Equal(t, pins, after, "no pin changes")
-			if tc.removed != pki.GatewayCert {
+			if tc.removed != pki.GatewayCert && tc.removed != pki.JoinServiceCert {
 				require.Equal(t, pub, read(t, filepath.Join(dir, tc.removed)), "the public file is derived from the key")
 			} else {
-				gw, err := pki.LoadCert(filepath.Join(dir, pki.GatewayCert))
+				gw, err := pki.LoadCert(filepath.Join(dir, tc.removed))
 				require.NoError(t, err)
 				k, err := pki.ParseKeyPEM(key)
 				require.NoError(t, err)
@@ -62,6 +67,45 @@ func TestInitNeverReplacesAPrivateKey(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestInitGivesAnOldGatewayCertificateClientAuth: a gateway certificate
+// without the ClientAuth usage (one made before gateways were JoinService's
+// clients) is issued again, for the same key, with it; one that has it is
+// kept as it is.
+func TestInitGivesAnOldGatewayCertificateClientAuth(t *testing.T) {
+	dir, pins := complete(t)
+	key := read(t, filepath.Join(dir, pki.GatewayKey))
+	k, err := pki.ParseKeyPEM(key)
+	require.NoError(t, err)
+	sca, err := pki.LoadCA(filepath.Join(dir, pki.ServingCACert), filepath.Join(dir, pki.ServingCAKey))
+	require.NoError(t, err)
+	// What Init issued before: ServerAuth only, through the public API.
+	old, err := x509.CreateCertificate(rand.Reader, &x509.Certificate{SerialNumber: big.NewInt(7), DNSNames: []string{"gateway"},
+		NotBefore: now, NotAfter: now.Add(time.Hour), KeyUsage: x509.KeyUsageDigitalSignature,
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}, sca.Cert, k.Public(), sca.Key)
+	require.NoError(t, err)
+	oldCert, err := x509.ParseCertificate(old)
+	require.NoError(t, err)
+	require.NoError(t, pki.WriteCert(filepath.Join(dir, pki.GatewayCert), oldCert))
+
+	res, err := pki.Init(dir, pki.InitOptions{}, now)
+	require.NoError(t, err)
+	require.True(t, res.Wrote)
+	gw, err := pki.LoadCert(filepath.Join(dir, pki.GatewayCert))
+	require.NoError(t, err)
+	require.Equal(t, []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}, gw.ExtKeyUsage)
+	require.True(t, k.Public().(interface{ Equal(crypto.PublicKey) bool }).Equal(gw.PublicKey), "for the same key")
+	require.Equal(t, key, read(t, filepath.Join(dir, pki.GatewayKey)))
+	after, err := pki.ReadPins(dir)
+	require.NoError(t, err)
+	require.Equal(t, pins, after, "no pin changes")
+
+	crt := read(t, filepath.Join(dir, pki.GatewayCert))
+	res, err = pki.Init(dir, pki.InitOptions{}, now)
+	require.NoError(t, err)
+	require.False(t, res.Wrote)
+	require.Equal(t, crt, read(t, filepath.Join(dir, pki.GatewayCert)), "kept once it has ClientAuth")
 }
 
 // TestInitRefusesHalfACA: a CA certificate without its key, or a key without
@@ -91,7 +135,7 @@ func TestInitRefusesHalfACA(t *testing.T) {
 // or a public file that is not its key's, is an error naming the file.
 func TestInitChecksEveryExistingFile(t *testing.T) {
 	for _, name := range []string{pki.JoinSigningKey, pki.JoinEncryptionKey, pki.CommandSigningKey, pki.NodeCAKey,
-		pki.ServingCAKey, pki.GatewayKey, pki.ServingCACert, pki.NodeCACert, pki.GatewayCert, pki.JoinSigningPub} {
+		pki.ServingCAKey, pki.GatewayKey, pki.ServingCACert, pki.NodeCACert, pki.GatewayCert, pki.JoinServiceKey, pki.JoinServiceCert, pki.JoinSigningPub} {
 		t.Run("garbage "+name, func(t *testing.T) {
 			dir, _ := complete(t)
 			require.NoError(t, os.WriteFile(filepath.Join(dir, name), []byte("garbage\n"), 0o600))

@@ -27,8 +27,11 @@ const (
 // refuses every tunnel and the controllers leave the nodes' SSH CAs as they
 // are, each saying so in its log).
 //
-// No service reads serving-ca.key (only Init, which issues the gateway's
-// certificate with it) or pins.json (daemons get the pins out of band).
+// No service reads serving-ca.key (only Init, which issues the gateway's and
+// JoinService's certificates with it) or pins.json (daemons get the pins out
+// of band), and only JoinService reads node-ca.key: it signs every node
+// certificate, at join and the renewals gateways ask it for
+// (NodeCertService), so that a gateway cannot mint node identities.
 var layout = map[string][]string{
 	ServiceAPI: {
 		// The well-known document: the pins and the public keys machines
@@ -42,18 +45,22 @@ var layout = map[string][]string{
 		TunnelTicketKey, SSHBreakGlassCAKey, SSHSandboxCAKey,
 	},
 	ServiceJoinService: {
-		// Node certificates at join (node CA), and the JoinResponse's serving
-		// CA, trust domain and command-signing root.
+		// Node certificates at join and at renewal (node CA), and the
+		// JoinResponse's serving CA, trust domain and command-signing root.
 		TrustDomainTxt, NodeCACert, NodeCAKey, ServingCACert, CommandSigningPub,
 		// Opens sealed join tokens; signs JoinResponses.
 		JoinEncryptionKey, JoinSigningKey,
+		// The mutual-TLS control listener (NodeCertService), whose clients
+		// are the gateways: its certificate; the serving CA verifies theirs.
+		JoinServiceCert, JoinServiceKey,
 	},
 	ServiceGateway: {
 		// The mutual-TLS server: its certificate, the node CA that client
-		// certificates chain to, and their trust domain. The node CA's key
-		// signs the certificates daemons renew over their sessions
-		// (RenewCertificate).
-		TrustDomainTxt, GatewayCert, GatewayKey, NodeCACert, NodeCAKey,
+		// certificates chain to, and their trust domain. Its certificate is
+		// also its client certificate toward JoinService, which signs the
+		// certificates daemons renew over their sessions (RenewCertificate),
+		// and which it verifies with the serving CA.
+		TrustDomainTxt, GatewayCert, GatewayKey, NodeCACert, ServingCACert,
 		// Verifies exec tickets.
 		TunnelTicketPub,
 	},
@@ -94,7 +101,7 @@ func Layout(service string) ([]string, error) {
 
 // Files returns the names of every file Init writes, sorted.
 func Files() []string {
-	out := []string{TrustDomainTxt, NodeCACert, ServingCACert, GatewayCert, PinsJSON}
+	out := []string{TrustDomainTxt, NodeCACert, ServingCACert, GatewayCert, JoinServiceCert, PinsJSON}
 	out = append(out, privateKeyFiles...)
 	out = append(out, JoinEncryptionPub, JoinSigningPub, CommandSigningPub, TunnelTicketPub, SSHBreakGlassCAPub, SSHSandboxCAPub)
 	sort.Strings(out)

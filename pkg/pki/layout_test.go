@@ -27,7 +27,8 @@ func listDir(t *testing.T, dir string) map[string]os.FileMode {
 
 // TestLayoutKeepsTheSigningKeysApart is the point of the layout: the
 // command-signing key only with the services that sign commands and specs,
-// the join keys only with JoinService, the serving CA's key with none, and
+// the join keys and the node CA's key only with JoinService (so that no
+// gateway can mint node identities), the serving CA's key with none, and
 // every file a service reads one that Init writes.
 func TestLayoutKeepsTheSigningKeysApart(t *testing.T) {
 	holders := map[string][]string{}
@@ -50,7 +51,11 @@ func TestLayoutKeepsTheSigningKeysApart(t *testing.T) {
 		{pki.SSHBreakGlassCAKey, []string{pki.ServiceAPI}},
 		{pki.SSHSandboxCAKey, []string{pki.ServiceAPI}},
 		{pki.GatewayKey, []string{pki.ServiceGateway}},
-		{pki.NodeCAKey, []string{pki.ServiceGateway, pki.ServiceJoinService}},
+		{pki.NodeCAKey, []string{pki.ServiceJoinService}},
+		{pki.JoinServiceKey, []string{pki.ServiceJoinService}},
+		// The gateways verify JoinService's certificate with it, and
+		// JoinService theirs.
+		{pki.ServingCACert, []string{pki.ServiceAPI, pki.ServiceGateway, pki.ServiceJoinService}},
 		{pki.ServingCAKey, nil},
 		{pki.PinsJSON, nil},
 	} {

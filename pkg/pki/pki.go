@@ -27,6 +27,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 )
@@ -37,13 +38,18 @@ const DefaultTrustDomain = "compute.dev.local"
 
 // File names inside a PKI directory.
 const (
-	NodeCACert     = "node-ca.crt"
-	NodeCAKey      = "node-ca.key"
-	ServingCACert  = "serving-ca.crt"
-	ServingCAKey   = "serving-ca.key"
-	GatewayCert    = "gateway.crt"
-	GatewayKey     = "gateway.key"
-	TrustDomainTxt = "trust-domain"
+	NodeCACert    = "node-ca.crt"
+	NodeCAKey     = "node-ca.key"
+	ServingCACert = "serving-ca.crt"
+	ServingCAKey  = "serving-ca.key"
+	GatewayCert   = "gateway.crt"
+	GatewayKey    = "gateway.key"
+	// JoinServiceCert and JoinServiceKey are JoinService's serving
+	// certificate for its control listener (NodeCertService), issued by the
+	// serving CA.
+	JoinServiceCert = "joinservice.crt"
+	JoinServiceKey  = "joinservice.key"
+	TrustDomainTxt  = "trust-domain"
 )
 
 // CA is a certificate authority: its certificate and private key.
@@ -212,12 +218,22 @@ func (ca *CA) IssueServing(dnsNames []string, now time.Time, validity time.Durat
 	if err != nil {
 		return nil, nil, err
 	}
-	cert, err := ca.issueServingFor(key, dnsNames, now, validity)
+	cert, err := ca.issueServingFor(key, dnsNames, now, validity, x509.ExtKeyUsageServerAuth)
 	return cert, key, err
 }
 
-// issueServingFor signs a TLS server certificate for key (see IssueServing).
-func (ca *CA) issueServingFor(key crypto.Signer, dnsNames []string, now time.Time, validity time.Duration) (*x509.Certificate, error) {
+// gatewayUsages are the extended key usages of a gateway's certificate: it
+// serves the machines' sessions (ServerAuth) and is the gateway's client
+// certificate toward JoinService's NodeCertService (ClientAuth).
+var gatewayUsages = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}
+
+// issueServingFor signs a TLS certificate for key with the extended key
+// usages (ServerAuth when none; see IssueServing).
+func (ca *CA) issueServingFor(key crypto.Signer, dnsNames []string, now time.Time, validity time.Duration,
+	usages ...x509.ExtKeyUsage) (*x509.Certificate, error) {
+	if len(usages) == 0 {
+		usages = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}
+	}
 	serial, err := randomSerial()
 	if err != nil {
 		return nil, err
@@ -228,7 +244,7 @@ func (ca *CA) issueServingFor(key crypto.Signer, dnsNames []string, now time.Tim
 		NotBefore:    now.Add(-5 * time.Minute),
 		NotAfter:     now.Add(validity),
 		KeyUsage:     x509.KeyUsageDigitalSignature,
-		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+		ExtKeyUsage:  usages,
 	}
 	for _, n := range dnsNames {
 		if ip := net.ParseIP(n); ip != nil {
@@ -366,6 +382,10 @@ type InitOptions struct {
 	// GatewayNames are the DNS names and IPs of the gateway's serving
 	// certificate; "gateway", "localhost" and 127.0.0.1 when empty.
 	GatewayNames []string
+	// JoinServiceNames are the DNS names and IPs of JoinService's serving
+	// certificate (its control listener, which gateways reach);
+	// "joinservice", "localhost" and 127.0.0.1 when empty.
+	JoinServiceNames []string
 }
 
 // InitResult is what Init did.
@@ -378,18 +398,21 @@ type InitResult struct {
 }
 
 // privateKeyFiles are the private key files of a PKI directory.
-var privateKeyFiles = []string{NodeCAKey, ServingCAKey, GatewayKey, JoinEncryptionKey, JoinSigningKey, CommandSigningKey,
+var privateKeyFiles = []string{NodeCAKey, ServingCAKey, GatewayKey, JoinServiceKey, JoinEncryptionKey, JoinSigningKey, CommandSigningKey,
 	TunnelTicketKey, SSHBreakGlassCAKey, SSHSandboxCAKey}
 
 // Init writes a deployment's PKI into dir unless it is already there: the node
-// CA, the serving CA, a gateway serving certificate, the trust domain,
+// CA, the serving CA, a gateway certificate (serving, and client of
+// JoinService), JoinService's serving certificate, the trust domain,
 // JoinService's HPKE key pair and signing key, the command-signing root, the
 // tunnel-ticket key, the break-glass and sandbox SSH user CAs, and
 // pins.json with the pins daemons check (see Pins). It creates only the files
 // that are missing and never replaces an existing private key (that would
 // change a pin or orphan what the key signed):
 //   - a missing public file (.pub) is derived from its private key; a missing
-//     gateway certificate is issued for the existing gateway key;
+//     gateway or JoinService certificate is issued for the existing key, and
+//     so is a gateway certificate without the ClientAuth usage (made before
+//     gateways were JoinService's clients);
 //   - a CA certificate without its key, a key without its certificate, or a
 //     public file without its private key is an error naming both files;
 //   - every existing key, certificate and public file must parse, and a
@@ -405,6 +428,9 @@ func Init(dir string, opts InitOptions, now time.Time) (InitResult, error) {
 	}
 	if len(opts.GatewayNames) == 0 {
 		opts.GatewayNames = []string{"gateway", "localhost", "127.0.0.1"}
+	}
+	if len(opts.JoinServiceNames) == 0 {
+		opts.JoinServiceNames = []string{"joinservice", "localhost", "127.0.0.1"}
 	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return res, err
@@ -455,17 +481,28 @@ func Init(dir string, opts InitOptions, now time.Time) (InitResult, error) {
 		if err := WriteCert(p(c.crt), ca.Cert); err != nil {
 			return res, err
 		}
-		// A new serving CA invalidates any old gateway certificate.
+		// A new serving CA invalidates any old gateway and JoinService
+		// certificate.
 		if c.crt == ServingCACert {
 			_ = os.Remove(p(GatewayCert))
+			_ = os.Remove(p(JoinServiceCert))
 		}
 		res.Wrote = true
 	}
-	wrote, err := initGateway(dir, opts.GatewayNames, now)
-	if err != nil {
-		return res, err
+	for _, c := range []struct {
+		crt, key string
+		names    []string
+		usages   []x509.ExtKeyUsage
+	}{
+		{GatewayCert, GatewayKey, opts.GatewayNames, gatewayUsages},
+		{JoinServiceCert, JoinServiceKey, opts.JoinServiceNames, []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}},
+	} {
+		wrote, err := initServing(dir, c.crt, c.key, c.names, c.usages, now)
+		if err != nil {
+			return res, err
+		}
+		res.Wrote = res.Wrote || wrote
 	}
-	res.Wrote = res.Wrote || wrote
 	trustWrote, err := initTrustKeys(dir)
 	if err != nil {
 		return res, err
@@ -491,31 +528,34 @@ func publicKeysEqual(a, b crypto.PublicKey) bool {
 	return ok && k.Equal(b)
 }
 
-// initGateway makes the gateway's serving certificate when it is missing:
-// for the existing gateway key if there is one (it is never replaced), else
+// initServing makes the serving certificate crt of a service, signed by
+// the serving CA for names with usages, when it is missing or lacks one of
+// usages: for the existing key if there is one (it is never replaced), else
 // for a new key. Existing files must parse; errors name the file.
-func initGateway(dir string, names []string, now time.Time) (bool, error) {
+func initServing(dir, crt, keyFile string, names []string, usages []x509.ExtKeyUsage, now time.Time) (bool, error) {
 	p := func(n string) string { return filepath.Join(dir, n) }
 	var key crypto.Signer
-	if exists(p(GatewayKey)) {
-		b, err := os.ReadFile(p(GatewayKey))
+	if exists(p(keyFile)) {
+		b, err := os.ReadFile(p(keyFile))
 		if err != nil {
 			return false, err
 		}
 		if key, err = ParseKeyPEM(b); err != nil {
-			return false, fmt.Errorf("%s: %w", p(GatewayKey), err)
+			return false, fmt.Errorf("%s: %w", p(keyFile), err)
 		}
 	}
-	if exists(p(GatewayCert)) {
-		cert, err := LoadCert(p(GatewayCert))
+	if exists(p(crt)) {
+		cert, err := LoadCert(p(crt))
 		if err != nil {
-			return false, fmt.Errorf("%s: %w", p(GatewayCert), err)
+			return false, fmt.Errorf("%s: %w", p(crt), err)
 		}
 		if key != nil {
 			if !publicKeysEqual(key.Public(), cert.PublicKey) {
-				return false, fmt.Errorf("%s does not match %s", p(GatewayCert), p(GatewayKey))
+				return false, fmt.Errorf("%s does not match %s", p(crt), p(keyFile))
 			}
-			return false, nil
+			if hasUsages(cert, usages) {
+				return false, nil
+			}
 		}
 	}
 	sca, err := loadMatchingCA(p(ServingCACert), p(ServingCAKey))
@@ -528,19 +568,29 @@ func initGateway(dir string, names []string, now time.Time) (bool, error) {
 			return false, err
 		}
 	}
-	cert, err := sca.issueServingFor(key, names, now, 2*365*24*time.Hour)
+	cert, err := sca.issueServingFor(key, names, now, 2*365*24*time.Hour, usages...)
 	if err != nil {
 		return false, err
 	}
 	if newKey {
-		if err := WriteKey(p(GatewayKey), key); err != nil {
+		if err := WriteKey(p(keyFile), key); err != nil {
 			return false, err
 		}
 	}
-	if err := WriteCert(p(GatewayCert), cert); err != nil {
+	if err := WriteCert(p(crt), cert); err != nil {
 		return false, err
 	}
 	return true, nil
+}
+
+// hasUsages reports whether cert has every extended key usage of usages.
+func hasUsages(cert *x509.Certificate, usages []x509.ExtKeyUsage) bool {
+	for _, u := range usages {
+		if !slices.Contains(cert.ExtKeyUsage, u) {
+			return false
+		}
+	}
+	return true
 }
 
 // ReadTrustDomain reads the trust domain file of a PKI directory.

@@ -55,6 +55,20 @@ func TestInitWritesOwnerOnlyKeysAndKeepsExisting(t *testing.T) {
 			KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}})
 		require.NoError(t, err, name)
 	}
+	// It is also the gateway's client certificate toward JoinService.
+	_, err = gw.Verify(x509.VerifyOptions{Roots: pool, CurrentTime: now, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}})
+	require.NoError(t, err, "gateway.crt for client auth")
+
+	// JoinService's serves its control listener, and is no client's.
+	js, err := pki.LoadCert(filepath.Join(dir, pki.JoinServiceCert))
+	require.NoError(t, err)
+	for _, name := range []string{"joinservice", "localhost", "127.0.0.1"} {
+		_, err = js.Verify(x509.VerifyOptions{DNSName: name, Roots: pool, CurrentTime: now,
+			KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}})
+		require.NoError(t, err, name)
+	}
+	_, err = js.Verify(x509.VerifyOptions{Roots: pool, CurrentTime: now, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}})
+	require.Error(t, err, "joinservice.crt is no client certificate")
 }
 
 func TestIssueNodeCertificate(t *testing.T) {
@@ -168,4 +182,63 @@ func TestParseCSRKeys(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestRenewalProof: a proof verifies with the key of the certificate it was
+// signed for, for that CSR only; another key's, another CSR's, one made for
+// another certificate's serial, an empty or a truncated one does not.
+func TestRenewalProof(t *testing.T) {
+	ca, err := pki.NewCA("node CA", now, 24*time.Hour)
+	require.NoError(t, err)
+	issue := func() (*x509.Certificate, crypto.Signer) {
+		key, err := pki.GenerateKey()
+		require.NoError(t, err)
+		der, err := pki.NewCSR(key, "machine")
+		require.NoError(t, err)
+		csr, err := pki.ParseCSR(der)
+		require.NoError(t, err)
+		cert, err := ca.IssueNode(csr, "node_01", "example.test", now, time.Hour)
+		require.NoError(t, err)
+		return cert, key
+	}
+	cert, key := issue()
+	other, otherKey := issue()
+	csrKey, err := pki.GenerateKey()
+	require.NoError(t, err)
+	csr, err := pki.NewCSR(csrKey, "machine")
+	require.NoError(t, err)
+	anotherCSR, err := pki.NewCSR(csrKey, "other")
+	require.NoError(t, err)
+
+	proof, err := pki.SignRenewal(key, cert, csr)
+	require.NoError(t, err)
+	require.NoError(t, pki.VerifyRenewal(cert, csr, proof))
+
+	byOther, err := pki.SignRenewal(otherKey, cert, csr)
+	require.NoError(t, err)
+	forOther, err := pki.SignRenewal(key, other, csr)
+	require.NoError(t, err)
+	for name, c := range map[string]struct {
+		cert  *x509.Certificate
+		csr   []byte
+		proof []byte
+	}{
+		"another key":         {cert, csr, byOther},
+		"another CSR":         {cert, anotherCSR, proof},
+		"another certificate": {other, csr, proof},
+		"for another serial":  {cert, csr, forOther},
+		"none":                {cert, csr, nil},
+		"truncated":           {cert, csr, proof[:len(proof)-1]},
+	} {
+		require.ErrorIs(t, pki.VerifyRenewal(c.cert, c.csr, c.proof), pki.ErrRenewalProof, name)
+	}
+
+	// Ed25519 keys sign the digest itself.
+	pub, edKey, err := ed25519.GenerateKey(rand.Reader)
+	require.NoError(t, err)
+	edCert := &x509.Certificate{PublicKey: pub, SerialNumber: cert.SerialNumber}
+	edProof, err := pki.SignRenewal(edKey, edCert, csr)
+	require.NoError(t, err)
+	require.True(t, ed25519.Verify(pub, pki.RenewalDigest(csr, pki.SerialHex(cert)), edProof))
+	require.NoError(t, pki.VerifyRenewal(edCert, csr, edProof))
 }

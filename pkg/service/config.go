@@ -83,9 +83,9 @@ func (g Gateways) Check() error {
 
 // NodeCerts is the lifetime of node certificates.
 type NodeCerts struct {
-	// NodeCertTTL is how long a node certificate is valid, issued at join
-	// (JoinService) and renewed over the session (gateway); machines renew at
-	// two thirds of it.
+	// NodeCertTTL is how long a node certificate is valid, issued by
+	// JoinService at join and when a machine renews it over its session
+	// (through its gateway); machines renew at two thirds of it.
 	NodeCertTTL time.Duration `env:"NODE_CERT_TTL,positive" default:"24h"`
 }
 

@@ -85,15 +85,19 @@ GRANT SELECT ON ssh_user_cas TO bc_api;
 
 -- -------------------------------------------------------- bc_joinservice --
 -- Join: a join token's uses, the nodes it creates and their first
--- certificates.
+-- certificates; the certificates gateways renew (NodeCertService).
 
 -- CheckJoinToken, LockJoinToken (FOR UPDATE), CountJoinTokenUses.
 GRANT SELECT, UPDATE ON join_tokens TO bc_joinservice;
 -- GetNode (the pool's owner), RecordNodesJoined (the event's tenant).
 GRANT SELECT ON pools TO bc_joinservice;
--- CreateJoinedNodes; JoinedKeys and GetNode (a retried join).
-GRANT SELECT, INSERT ON nodes TO bc_joinservice;
--- CreateJoinedNodes, CreateNodeCert; GetNode.
+-- CreateJoinedNodes; JoinedKeys and GetNode (a retried join);
+-- GetSessionCert, LockSessionCert (a renewal). LockSessionCert locks the
+-- node FOR NO KEY UPDATE, which PostgreSQL allows only with UPDATE on a
+-- column: updated_at, the one whose change says nothing.
+GRANT SELECT, INSERT, UPDATE (updated_at) ON nodes TO bc_joinservice;
+-- CreateJoinedNodes, CreateNodeCert; GetNode; GetSessionCert,
+-- LockSessionCert, LastNodeCertCreatedAt (a renewal).
 GRANT SELECT, INSERT ON node_certs TO bc_joinservice;
 -- GetNode.
 GRANT SELECT ON node_devices TO bc_joinservice;
@@ -105,18 +109,18 @@ GRANT SELECT (id), INSERT ON outbox TO bc_joinservice;
 GRANT USAGE ON SEQUENCE outbox_id_seq TO bc_joinservice;
 
 -- ------------------------------------------------------------ bc_gateway --
--- Sessions: their nodes, commands and desired state, renewals, presence.
+-- Sessions: their nodes, commands and desired state, presence. Renewals
+-- are JoinService's (NodeCertService).
 
 -- OpenSession, CloseSession, ResetGatewaySessions, RecordSessionLastSeen,
 -- RecordSessionObservedGenerations, ClaimSessionDeliveries,
--- PendingSessionWork, GetSessionCert, LockSessionCert (FOR SHARE).
+-- PendingSessionWork, GetSessionCert.
 GRANT SELECT, UPDATE ON nodes TO bc_gateway;
 -- The owner of a node's pool: the tenant of its events
 -- (ApplySessionCommandUpdates, RecordSpecRefused, RecordSSHRefused).
 GRANT SELECT ON pools TO bc_gateway;
--- GetSessionCert, LockSessionCert, PendingSessionWork; CreateNodeCert (a
--- renewal).
-GRANT SELECT, INSERT ON node_certs TO bc_gateway;
+-- GetSessionCert, PendingSessionWork.
+GRANT SELECT ON node_certs TO bc_gateway;
 -- ClaimSessionDeliveries, PendingSessionWork, ApplySessionCommandUpdates.
 GRANT SELECT, UPDATE ON commands TO bc_gateway;
 -- ActivateReservation (AllocationBound).

@@ -209,9 +209,10 @@ func TestRoleGrants(t *testing.T) {
 }
 
 // TestRolesForbidWhatTheirServiceNeverDoes: the roles cannot write what
-// their services never write (the gateway mints no API token and renames
-// no tenant, JoinService writes no command, the scheduler revokes no
-// node's certificate), nor change the schema; SetupRoles run again keeps
+// their services never write (the gateway mints no API token, renames no
+// tenant and records no node certificate, JoinService writes no command and
+// lifts no node's revocation, the scheduler revokes no node's
+// certificate), nor change the schema; SetupRoles run again keeps
 // them so, and revokes a privilege granted by hand.
 func TestRolesForbidWhatTheirServiceNeverDoes(t *testing.T) {
 	t.Parallel()
@@ -231,6 +232,9 @@ func TestRolesForbidWhatTheirServiceNeverDoes(t *testing.T) {
 	denied(t, gw, `UPDATE tenants SET name = 'mine' WHERE id = $1`, tenant.ID)
 	denied(t, gw, `DELETE FROM audit`)
 	denied(t, gw, `CREATE TABLE gw_own (id int)`)
+	denied(t, gw, `INSERT INTO node_certs (serial, node_id, public_key_sha256, not_before, not_after, created_at)
+		VALUES ('0bad', $1, '\x00', now(), now() + interval '1 day', now())`, node.ID)
+	denied(t, asRole(t, dbURL, store.RoleJoinService), `UPDATE nodes SET revoked_at = NULL WHERE id = $1`, node.ID)
 	denied(t, asRole(t, dbURL, store.RoleJoinService), `INSERT INTO commands (id, node_id, kind, state, retry_safe, deadline, created_at, updated_at)
 		VALUES ('cmd_x', $1, 'node.reboot', 'queued', false, now(), now(), now())`, node.ID)
 	denied(t, asRole(t, dbURL, store.RoleScheduler), `UPDATE node_certs SET revoked_at = now()`)
@@ -460,6 +464,20 @@ func joinServiceCalls(r *grantRun) {
 		return store.CreateNodeCert(ctx, tx, store.NewNodeCert{Serial: "0a02", NodeID: node, PublicKeySHA256: key, NotBefore: now,
 			NotAfter: now.Add(time.Hour), CreatedAt: now})
 	})
+	// A renewal (NodeCertService): the session's certificates, the node
+	// locked through its client certificate, its newest certificate.
+	r.call("LockSessionCert", func(ctx context.Context, tx pgx.Tx) error {
+		_, err := store.LockSessionCert(ctx, tx, "0a01")
+		return err
+	})
+	r.call("GetSessionCert", func(ctx context.Context, tx pgx.Tx) error {
+		_, err := store.GetSessionCert(ctx, tx, "0a02")
+		return err
+	})
+	r.call("LastNodeCertCreatedAt", func(ctx context.Context, tx pgx.Tx) error {
+		_, err := store.LastNodeCertCreatedAt(ctx, tx, node)
+		return err
+	})
 	r.call("GetNode", func(ctx context.Context, tx pgx.Tx) error {
 		_, err := store.GetNode(ctx, tx, store.AllTenants, node)
 		return err
@@ -501,14 +519,6 @@ func gatewayCalls(r *grantRun) {
 		_, err := store.GetSessionCert(ctx, tx, cert.Serial)
 		return err
 	})
-	r.call("LastNodeCertCreatedAt", func(ctx context.Context, tx pgx.Tx) error {
-		_, err := store.LastNodeCertCreatedAt(ctx, tx, cert.NodeID)
-		return err
-	})
-	r.call("LockSessionCert", func(ctx context.Context, tx pgx.Tx) error {
-		_, err := store.LockSessionCert(ctx, tx, cert.Serial)
-		return err
-	})
 	sid := ids.New(ids.Session, now)
 	r.call("OpenSession", func(ctx context.Context, tx pgx.Tx) error {
 		_, err := store.OpenSession(ctx, tx, store.OpenSessionParams{NodeID: n0, GatewayID: gw, SessionID: sid, BootID: "boot",
@@ -548,10 +558,6 @@ func gatewayCalls(r *grantRun) {
 	})
 	r.call("RecordSSHRefused", func(ctx context.Context, tx pgx.Tx) error {
 		return store.RecordSSHRefused(ctx, tx, now, store.SSHRefusal{NodeID: n0, Reason: "unknown CA", KeyID: "k", User: "root"})
-	})
-	r.call("CreateNodeCert", func(ctx context.Context, tx pgx.Tx) error {
-		return store.CreateNodeCert(ctx, tx, store.NewNodeCert{Serial: "0b01", NodeID: n0, PublicKeySHA256: []byte("renewed"),
-			NotBefore: now, NotAfter: now.Add(time.Hour), CreatedAt: now})
 	})
 	r.call("CloseSession", func(ctx context.Context, tx pgx.Tx) error {
 		_, err := store.CloseSession(ctx, tx, now, n0, sid, now)

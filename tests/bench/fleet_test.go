@@ -75,8 +75,9 @@ func benchLogger() *slog.Logger {
 }
 
 // startGateway runs the gateway binary as its own process, so that its
-// memory and CPU can be read apart from the machines'.
-func startGateway(b *testing.B, dbURL, natsURL, pkiDir string) (url string, pid int) {
+// memory and CPU can be read apart from the machines', renewing certificates
+// through JoinService's control listener at joinServiceURL.
+func startGateway(b *testing.B, dbURL, natsURL, pkiDir, joinServiceURL string) (url string, pid int) {
 	b.Helper()
 	listen, health := procs.FreeAddr(b), procs.FreeAddr(b)
 	pid = procs.Start(b, "gateway", health,
@@ -86,6 +87,7 @@ func startGateway(b *testing.B, dbURL, natsURL, pkiDir string) (url string, pid 
 		"BETTER_COMPUTE_LISTEN="+listen,
 		"BETTER_COMPUTE_HEALTH_LISTEN="+health,
 		"BETTER_COMPUTE_GATEWAY_ID=gw-bench",
+		"BETTER_COMPUTE_GATEWAY_JOINSERVICE_URL="+joinServiceURL,
 		"BETTER_COMPUTE_LOG_LEVEL=warn",
 	).PID()
 	_, port, _ := net.SplitHostPort(listen)
@@ -156,7 +158,12 @@ func startFleet(b *testing.B, o fleetOptions) *fleet {
 	opts := devstack.Options{DatabaseURL: f.dbURL, NATSURL: f.natsURL, PKIDir: f.pkiDir, Logger: benchLogger(),
 		NoScheduler: o.noScheduler, NoControllers: o.externalControllers}
 	if o.externalGateway {
-		opts.ExternalGatewayURL, f.gatewayPID = startGateway(b, f.dbURL, f.natsURL, f.pkiDir)
+		// The gateway renews certificates through the stack's JoinService:
+		// its control listener is made here, before the gateway starts.
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		require.NoError(b, err)
+		opts.JoinServiceControlListener = ln
+		opts.ExternalGatewayURL, f.gatewayPID = startGateway(b, f.dbURL, f.natsURL, f.pkiDir, "https://"+ln.Addr().String())
 	}
 	if o.externalControllers {
 		f.controllersPID = startControllers(b, f.dbURL, f.natsURL, f.pkiDir)

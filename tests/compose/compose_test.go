@@ -353,6 +353,10 @@ func (s *stack) checkPrivileges() {
 		if diff := cmp.Diff(want, got); diff != "" {
 			t.Errorf("the key files of %s (-want +got):\n%s", c.container, diff)
 		}
+		// Only JoinService signs node certificates, renewals included.
+		if c.service != pki.ServiceJoinService {
+			require.NotContains(t, got, pki.NodeCAKey, c.container)
+		}
 	}
 
 	// The whole PKI volume: the pki and pki-export one-shots only.
@@ -375,12 +379,14 @@ func (s *stack) checkPrivileges() {
 	for _, role := range []string{"bc_api", "bc_controllers", "bc_gateway", "bc_joinservice", "bc_scheduler"} {
 		require.Contains(t, users, role, "a service connected as %s", role)
 	}
-	// The gateway's role reads what it reads, and writes no API token and
-	// no tenant.
+	// The gateway's role reads what it reads, and writes no API token, no
+	// tenant and no node certificate.
 	require.Regexp(t, `^[0-9]+$`, strings.TrimSpace(s.psql(pg, "bc_gateway", "bc_gateway", `SELECT count(*) FROM nodes`)))
 	for _, c := range []struct{ sql, table string }{
 		{`INSERT INTO api_tokens (id, tenant_id, hash, role, created_at) VALUES ('tok_gw', 'ten_gw', '\x00', 'root-admin', now())`, "api_tokens"},
 		{`UPDATE tenants SET name = 'taken'`, "tenants"},
+		{`INSERT INTO node_certs (serial, node_id, public_key_sha256, not_before, not_after, created_at)
+			SELECT '0bad', id, '\x00', now(), now() + interval '1 day', now() FROM nodes LIMIT 1`, "node_certs"},
 	} {
 		out, err := s.psqlErr(pg, "bc_gateway", "bc_gateway", c.sql)
 		require.Error(t, err, "bc_gateway: %s: %s", c.sql, out)

@@ -95,7 +95,8 @@ func twoGateways(t *testing.T, opts devstack.Options, gatewayEnv ...string) (*de
 		health := procs.FreeAddr(t)
 		env := append([]string{"BETTER_COMPUTE_HEALTH_LISTEN=" + health,
 			"BETTER_COMPUTE_DATABASE_URL=" + st.DatabaseURL, "BETTER_COMPUTE_NATS_URL=" + st.NATSURL, "BETTER_COMPUTE_PKI_DIR=" + st.PKIDir,
-			"BETTER_COMPUTE_LISTEN=" + addrs[i], "BETTER_COMPUTE_GATEWAY_ID=" + name}, gatewayEnv...)
+			"BETTER_COMPUTE_LISTEN=" + addrs[i], "BETTER_COMPUTE_GATEWAY_ID=" + name,
+			"BETTER_COMPUTE_GATEWAY_JOINSERVICE_URL=" + st.JoinServiceControlURL}, gatewayEnv...)
 		gws[name] = procs.Start(t, "gateway", health, append(env, "BETTER_COMPUTE_LOG_LEVEL=warn")...)
 	}
 	return st, f, names, gws

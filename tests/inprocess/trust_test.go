@@ -17,6 +17,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/daemon"
 	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/pkg/fakehw"
+	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/store/storetest"
 )
@@ -134,6 +135,47 @@ func TestRenewalKeepsSessionAndRevocationEndsIt(t *testing.T) {
 	n, err := f.getNode(ctx, nodeID)
 	require.NoError(t, err)
 	require.NotNil(t, n.GetRevokedAt())
+}
+
+// TestGatewayRenewsWithoutTheNodeCAKey: the gateways run on exactly their
+// files of the PKI (pki.Layout), which hold no node CA key, and a machine's
+// certificate is renewed all the same, twice (the second renewal resting on
+// the first one's certificate, whose key signs its proof): JoinService
+// signs renewals, through its NodeCertService, over mutual TLS.
+func TestGatewayRenewsWithoutTheNodeCAKey(t *testing.T) {
+	f := setupWith(t, devstack.Options{NodeCertTTL: shortCertTTL})
+	dir := f.stack.ServicePKIDirs[pki.ServiceGateway]
+	entries, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	var files []string
+	for _, e := range entries {
+		files = append(files, e.Name())
+	}
+	want, err := pki.Layout(pki.ServiceGateway)
+	require.NoError(t, err)
+	require.Equal(t, want, files, "the gateways' PKI directory holds their files only")
+	require.NotContains(t, files, pki.NodeCAKey)
+
+	m, nodeID := f.adoptedMachine(t)
+	require.Eventually(t, func() bool { return m.Status().Renewals >= 2 }, 40*time.Second, 50*time.Millisecond,
+		"the certificate is renewed twice")
+	nodeCA, err := pki.LoadCert(filepath.Join(f.stack.PKIDir, pki.NodeCACert))
+	require.NoError(t, err)
+	var onDisk agent.Identity
+	b, err := os.ReadFile(filepath.Join(m.Dir(), agent.NodeFile))
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal(b, &onDisk))
+	cert, err := pki.ParseCertPEM([]byte(onDisk.CertificatePEM))
+	require.NoError(t, err)
+	require.NoError(t, cert.CheckSignatureFrom(nodeCA), "the renewed certificate is the node CA's")
+	td, err := pki.ReadTrustDomain(f.stack.PKIDir)
+	require.NoError(t, err)
+	id, err := pki.NodeIDFromCert(cert, td)
+	require.NoError(t, err)
+	require.Equal(t, nodeID, id)
+	var certs int
+	require.NoError(t, f.stack.DB.Pool.QueryRow(t.Context(), `SELECT count(*) FROM node_certs WHERE node_id = $1`, nodeID).Scan(&certs))
+	require.GreaterOrEqual(t, certs, 3, "the join's and two renewals' certificates are recorded")
 }
 
 func (f *fixture) getNode(ctx context.Context, id string) (*computev1.Node, error) {

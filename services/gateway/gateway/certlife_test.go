@@ -3,7 +3,7 @@ package gateway_test
 import (
 	"crypto/tls"
 	"crypto/x509"
-	"fmt"
+	"errors"
 	"testing"
 	"time"
 
@@ -12,14 +12,15 @@ import (
 
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/pki"
-	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/services/gateway/gateway"
 )
 
 // Tests of the lifetime of a session's certificate: a session lasts as long
 // as the certificate its authority rests on (the client certificate, then
-// each one renewed on the session), renewal needs that certificate valid,
-// and a node is issued at most one certificate per RenewInterval.
+// each one renewed on the session), and a renewal rests on it. Whether a
+// renewal may be signed (that certificate valid and unrevoked, at most one
+// per node per RENEW_INTERVAL) JoinService decides: its tests
+// (services/joinservice, renew_test.go) cover that.
 
 // neverIdle keeps the idle timeout out of tests that move a fake clock by
 // days.
@@ -88,8 +89,8 @@ func TestSessionClosedWhenItsCertificateExpires(t *testing.T) {
 }
 
 // TestRenewalRefusedOnAnExpiredCertificate: a renewal on a session whose
-// certificate has expired (before any resync closed it) is refused with a
-// reason, records nothing, and the delivery of the refusal ends the
+// certificate has expired (before any resync closed it), which JoinService
+// refuses, gets that refusal, and the delivery of the refusal ends the
 // session.
 func TestRenewalRefusedOnAnExpiredCertificate(t *testing.T) {
 	t.Parallel()
@@ -102,10 +103,12 @@ func TestRenewalRefusedOnAnExpiredCertificate(t *testing.T) {
 	require.Equal(t, int64(1), d.nextAck())
 
 	fake.Set(n.cert.Leaf.NotAfter.Add(time.Second))
+	reason := "the session's certificate expired at " + n.cert.Leaf.NotAfter.UTC().Format(time.RFC3339)
+	e.certs.setRefuse(connect.NewError(connect.CodeFailedPrecondition, errors.New(reason)))
 	_, csr := csrFor(t, n.id)
 	ci := d.renew(csr)
 	require.Empty(t, ci.GetCertificateDer())
-	require.Contains(t, ci.GetError(), "certificate expired")
+	require.Equal(t, reason, ci.GetError())
 	require.Equal(t, 1, e.certCount(n.id), "no certificate recorded")
 	requireExpiredEnd(t, d)
 }
@@ -121,8 +124,8 @@ func TestRenewalExtendsTheSession(t *testing.T) {
 	fake := clock.NewFake(start)
 	e := setup(t, options{clock: fake})
 	const ttl = 24 * time.Hour
-	g := e.startGateway(gateway.Config{ResyncInterval: time.Minute, IdleTimeout: neverIdle,
-		NodeCerts: service.NodeCerts{NodeCertTTL: ttl}})
+	e.certs.setTTL(ttl)
+	g := e.startGateway(gateway.Config{ResyncInterval: time.Minute, IdleTimeout: neverIdle})
 	n := e.newNode()
 	d, w := e.connect(g, n, nil)
 	d.heartbeat(1, 0)
@@ -141,6 +144,8 @@ func TestRenewalExtendsTheSession(t *testing.T) {
 	// valid, not the expired one of the connection.
 	fake.Set(second.NotAfter.Add(-ttl / 3))
 	_, third := e.renewOK(d, n)
+	require.Equal(t, second.Raw, e.certs.last().GetSessionCertDer(), "the second renewal rests on the certificate renewed on the session")
+	require.Equal(t, pki.SerialHex(n.cert.Leaf), e.certs.last().GetClientCertSerial())
 	e.deliveredAfter(fake, d, n.id, second.NotAfter.Add(time.Hour))
 	require.Equal(t, w.GetSessionId(), *e.nodeRow(n.id).SessionID)
 
@@ -156,8 +161,7 @@ func TestRenewalExtendsTheSession(t *testing.T) {
 func TestRevokedRenewedCertificateEndsTheSession(t *testing.T) {
 	t.Parallel()
 	e := setup(t, options{})
-	g := e.startGateway(gateway.Config{ResyncInterval: 200 * time.Millisecond, IdleTimeout: time.Hour,
-		RenewInterval: time.Millisecond})
+	g := e.startGateway(gateway.Config{ResyncInterval: 200 * time.Millisecond, IdleTimeout: time.Hour})
 	n := e.newNode()
 	d, _ := e.connect(g, n, nil)
 	_, renewed := e.renewOK(d, n)
@@ -167,78 +171,4 @@ func TestRevokedRenewedCertificateEndsTheSession(t *testing.T) {
 	// function does (RevokeNode revokes them all with the node).
 	e.exec(`UPDATE node_certs SET revoked_at = $2 WHERE serial = $1`, pki.SerialHex(renewed), e.db.Now())
 	requireRevokedEnd(t, d, start)
-}
-
-// TestRenewalRateLimitedPerNode: a node is issued at most one certificate
-// per RenewInterval, counted from its newest one (issued at join or
-// renewed), whichever session asks; a refusal says when to try again, and
-// the session goes on.
-func TestRenewalRateLimitedPerNode(t *testing.T) {
-	t.Parallel()
-	start := realClock.Now()
-	fake := clock.NewFake(start)
-	e := setup(t, options{clock: fake})
-	const every = 10 * time.Minute
-	g := e.startGateway(gateway.Config{ResyncInterval: 10 * neverIdle, IdleTimeout: neverIdle, RenewInterval: every})
-	n := e.newNode() // its certificate is recorded now
-	d, w := e.connect(g, n, nil)
-
-	refused := func(d *daemon, retryAt time.Time) {
-		t.Helper()
-		_, csr := csrFor(t, n.id)
-		ci := d.renew(csr)
-		require.Empty(t, ci.GetCertificateDer())
-		require.Contains(t, ci.GetError(), "renewal rate limited")
-		require.Contains(t, ci.GetError(), retryAt.UTC().Format(time.RFC3339))
-	}
-	refused(d, start.Add(every))
-	require.Equal(t, 1, e.certCount(n.id))
-
-	fake.Set(start.Add(every))
-	e.renewOK(d, n)
-	require.Equal(t, 2, e.certCount(n.id))
-	fake.Advance(every - time.Second)
-	refused(d, start.Add(2*every))
-	d.heartbeat(1, 0)
-	require.Equal(t, int64(1), d.nextAck(), "the refusals left the session going on")
-	require.Equal(t, w.GetSessionId(), *e.nodeRow(n.id).SessionID)
-
-	// Another session of the node is no way round it. (It dials with the
-	// first certificate, still valid: the renewed one is valid from a
-	// fake time that the TLS handshake, on the real clock, has not
-	// reached.)
-	d.close()
-	d2, _ := e.connect(g, n, nil)
-	refused(d2, start.Add(2*every))
-	require.Equal(t, 2, e.certCount(n.id))
-	fake.Advance(time.Second)
-	e.renewOK(d2, n)
-	require.Equal(t, 3, e.certCount(n.id))
-}
-
-// TestRenewIntervalBounds: a RenewInterval above a quarter of NodeCertTTL
-// (a renewal whose answer was lost could not be retried before the
-// certificate expires) keeps the gateway from starting; unset, it is the
-// lesser of ten minutes and a tenth of NodeCertTTL.
-func TestRenewIntervalBounds(t *testing.T) {
-	t.Parallel()
-	fake := clock.NewFake(realClock.Now())
-	e := setup(t, options{clock: fake})
-	_, err := gateway.New(gateway.Config{PKI: service.PKI{PKIDir: e.pkiDir}, NodeCerts: service.NodeCerts{NodeCertTTL: time.Hour},
-		RenewInterval: 16 * time.Minute}, gateway.Deps{DB: e.db, NC: e.nc})
-	require.ErrorContains(t, err, "BETTER_COMPUTE_GATEWAY_RENEW_INTERVAL")
-	require.ErrorContains(t, err, "a quarter of")
-
-	for i, c := range []struct{ ttl, want time.Duration }{{24 * time.Hour, 10 * time.Minute}, {time.Hour, 6 * time.Minute}} {
-		g := e.startGateway(gateway.Config{GatewayID: fmt.Sprintf("gw-%d", i), ResyncInterval: 10 * neverIdle,
-			IdleTimeout: neverIdle, NodeCerts: service.NodeCerts{NodeCertTTL: c.ttl}})
-		base := fake.Now()
-		n := e.newNode() // its certificate is recorded at base
-		d, _ := e.connect(g, n, nil)
-		fake.Set(base.Add(c.want - time.Second))
-		_, csr := csrFor(t, n.id)
-		require.Contains(t, d.renew(csr).GetError(), "renewal rate limited", "NodeCertTTL %s", c.ttl)
-		fake.Set(base.Add(c.want))
-		e.renewOK(d, n)
-	}
 }

@@ -24,19 +24,21 @@
 // Unauthenticated "certificate revoked", when its certificate or its node is
 // revoked (RevokeNode pokes the gateway; the periodic re-read is the
 // backstop). A daemon renews its certificate on the session
-// (RenewCertificate): the gateway signs the CSR with the node CA for
-// NodeCertTTL, records it in node_certs and answers CertificateIssued, never
-// dropping the session. A session lasts as long as the certificate its
+// (RenewCertificate): the gateway, which holds no key of the node CA, has
+// JoinService decide and sign it (bc.join.v1.NodeCertService, over mutual
+// TLS with its own certificate, at JoinServiceURL), forwarding the daemon's
+// proof of the request, and answers CertificateIssued, never dropping the
+// session. A session lasts as long as the certificate its
 // authority rests on: the client certificate, then the last one renewed on
 // it (the daemon stays on the connection of its old certificate and presents
 // the new one from its next dial, so a renewal on time extends the session).
 // Past that certificate's NotAfter the session is closed (Unauthenticated
 // "the session's certificate expired at …") by the next resync or delivery,
-// and a renewal is refused; renewal also needs that certificate and the
-// client certificate unrevoked, and at most one certificate is issued per
-// node per RenewInterval. Commands and DesiredStates carry the signatures
-// stored with them (signedIntent) untouched; the gateway holds no signing
-// key. Spec refusals daemons report become node.spec_refused events.
+// and JoinService refuses a renewal; it also refuses one when that
+// certificate or the client certificate is revoked, and more than one
+// certificate per node per NODE_CERT_RENEW_INTERVAL. Commands and
+// DesiredStates carry the signatures stored with them (signedIntent)
+// untouched; the gateway holds no signing key. Spec refusals daemons report become node.spec_refused events.
 //
 // Memory per session is kept small for thousands of idle sessions: one
 // goroutine of ours per stream (the Connect handler, blocked in Receive,
@@ -73,6 +75,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -82,6 +85,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/better-compute/better-compute/api/gen/bc/gateway/v1/gatewayv1connect"
+	"github.com/better-compute/better-compute/api/gen/bc/join/v1/joinv1connect"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/config"
 	"github.com/better-compute/better-compute/pkg/pki"
@@ -96,12 +100,12 @@ const Name = "gateway"
 // Config configures a gateway. The binary reads it from the environment
 // (pkg/config; docs/configuration.md lists the variables); New gives every
 // zero field its default, and reads the TLS pieces that are unset from
-// PKIDir (gateway.crt, gateway.key, node-ca.crt, node-ca.key, trust-domain).
+// PKIDir (gateway.crt, gateway.key, node-ca.crt, serving-ca.crt,
+// trust-domain).
 type Config struct {
 	service.Database
 	service.NATS
 	service.PKI
-	service.NodeCerts
 	// GatewayID names this replica in nodes.gateway_id and in its poke
 	// subject, bc.poke.gw.<id>; replicas must have distinct ids. Unset:
 	// gw-<hostname> (DefaultGatewayID).
@@ -123,8 +127,9 @@ type Config struct {
 	// Session and Tunnel streams are long-lived (service.LongLived), bounded
 	// by HelloTimeout, IdleTimeout and TunnelOpenTimeout instead.
 	service.HTTPLimits `default:"HTTP_MAX_CONNECTIONS=20000;HTTP_MAX_STREAMS=256"`
-	// ServingCert is the gateway's TLS certificate and key; PKIDir's
-	// gateway.crt and gateway.key when nil.
+	// ServingCert is the gateway's TLS certificate and key, also its client
+	// certificate toward JoinService; PKIDir's gateway.crt and gateway.key
+	// when nil.
 	ServingCert *tls.Certificate
 	// ClientCAs verify the nodes' client certificates; PKIDir's node-ca.crt
 	// when nil.
@@ -132,9 +137,12 @@ type Config struct {
 	// TrustDomain is the SPIFFE trust domain of node certificates;
 	// pki.ReadTrustDomain(PKIDir) when empty.
 	TrustDomain string
-	// NodeCA signs renewed node certificates; PKIDir's node-ca.crt and
-	// node-ca.key when nil.
-	NodeCA *pki.CA
+	// JoinServiceURL is where the gateway has the certificates daemons
+	// renew over their sessions signed: JoinService's control listener
+	// (bc.join.v1.NodeCertService), https://HOST:PORT, over mutual TLS with
+	// the gateway's certificate, verified with PKIDir's serving-ca.crt and
+	// HOST.
+	JoinServiceURL string `env:"GATEWAY_JOINSERVICE_URL" default:"https://joinservice:8087"`
 	// HeartbeatInterval is how often machines are told to send a heartbeat
 	// (Welcome.heartbeat_interval).
 	HeartbeatInterval time.Duration `env:"HEARTBEAT_INTERVAL,positive" default:"10s"`
@@ -157,17 +165,6 @@ type Config struct {
 	IdleTimeout time.Duration `env:"GATEWAY_IDLE_TIMEOUT"`
 	// HelloTimeout closes a stream that sent no Hello for this long.
 	HelloTimeout time.Duration `default:"10s"`
-	// RenewInterval is the least time between two certificates of one
-	// node: a renewal sooner than this after the node's newest certificate
-	// (issued at join or renewed, store.LastNodeCertCreatedAt), on any
-	// session of any gateway, is refused with a reason saying when to try
-	// again (pkg/daemon retries with backoff). Machines renew at two thirds
-	// of a certificate's lifetime, far above it. Unset or not positive: the
-	// lesser of 10 minutes (DefaultRenewInterval) and a tenth of
-	// NodeCertTTL. At most a quarter of NodeCertTTL, else the gateway does
-	// not start: a machine whose renewal answer was lost must be able to
-	// renew again before its certificate expires.
-	RenewInterval time.Duration `env:"GATEWAY_RENEW_INTERVAL"`
 
 	// ControlListen is the address of the control server: cleartext HTTP/2
 	// (h2c) serving GatewayControlService, where the API opens tunnels
@@ -200,10 +197,6 @@ type Config struct {
 	// gateways) come first; this one bounds what one gateway holds.
 	TunnelsPerNode int `env:"GATEWAY_TUNNELS_PER_NODE,positive" default:"16"`
 }
-
-// DefaultRenewInterval is Config.RenewInterval when unset, unless a tenth of
-// NodeCertTTL is less.
-const DefaultRenewInterval = 10 * time.Minute
 
 // Deps are the gateway's dependencies: DB and NC (the pokes) are required.
 type Deps = service.Deps
@@ -257,7 +250,13 @@ type Server struct {
 	tickets        map[string]time.Time
 	tunnelsClosing bool // no new tunnels once shutdown started
 
+	// nodeCerts is JoinService's NodeCertService, which signs renewals.
+	nodeCerts joinv1connect.NodeCertServiceClient
+	// nodeCertsTransport is its transport, whose connections Run closes.
+	nodeCertsTransport *http.Transport
+
 	handlers       sync.WaitGroup // running Session handlers
+	renewals       sync.WaitGroup // renewals being decided (renew)
 	tunnelHandlers sync.WaitGroup // running Tunnel handlers, of both services
 	ran            atomic.Bool
 }
@@ -281,21 +280,6 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if cfg.IdleTimeout <= 0 {
 		cfg.IdleTimeout = 3 * cfg.HeartbeatInterval
 	}
-	if cfg.RenewInterval <= 0 {
-		cfg.RenewInterval = min(DefaultRenewInterval, cfg.NodeCertTTL/10)
-	}
-	if cfg.RenewInterval > cfg.NodeCertTTL/4 {
-		return nil, &config.Error{Name: config.Prefix + "GATEWAY_RENEW_INTERVAL", Err: fmt.Errorf(
-			"%s is above a quarter of BETTER_COMPUTE_NODE_CERT_TTL (%s): a renewal whose answer was lost could not be retried before the certificate expires",
-			cfg.RenewInterval, cfg.NodeCertTTL)}
-	}
-	if cfg.NodeCA == nil {
-		ca, err := pki.LoadCA(filepath.Join(cfg.PKIDir, pki.NodeCACert), filepath.Join(cfg.PKIDir, pki.NodeCAKey))
-		if err != nil {
-			return nil, fmt.Errorf("gateway: load the node CA that signs renewed certificates: %w", err)
-		}
-		cfg.NodeCA = ca
-	}
 	if cfg.ServingCert == nil {
 		c, err := tls.LoadX509KeyPair(filepath.Join(cfg.PKIDir, pki.GatewayCert), filepath.Join(cfg.PKIDir, pki.GatewayKey))
 		if err != nil {
@@ -304,8 +288,16 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		cfg.ServingCert = &c
 	}
 	if cfg.ClientCAs == nil {
+		ca, err := pki.LoadCert(filepath.Join(cfg.PKIDir, pki.NodeCACert))
+		if err != nil {
+			return nil, fmt.Errorf("gateway: load the node CA that client certificates chain to: %w", err)
+		}
 		cfg.ClientCAs = x509.NewCertPool()
-		cfg.ClientCAs.AddCert(cfg.NodeCA.Cert)
+		cfg.ClientCAs.AddCert(ca)
+	}
+	nodeCerts, nodeCertsTransport, err := newNodeCertClient(cfg)
+	if err != nil {
+		return nil, err
 	}
 	if cfg.TrustDomain == "" {
 		td, err := pki.ReadTrustDomain(cfg.PKIDir)
@@ -332,6 +324,9 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		tunnels: make(map[string]*tunnel),
 		ofNode:  make(map[string]map[*tunnel]struct{}),
 		tickets: make(map[string]time.Time),
+
+		nodeCerts:          nodeCerts,
+		nodeCertsTransport: nodeCertsTransport,
 	}
 	if s.metrics, err = newMetrics(deps.Metrics, cfg.GatewayID, s.sessionCount); err != nil {
 		return nil, fmt.Errorf("gateway: metrics: %w", err)
@@ -477,11 +472,44 @@ func (s *Server) probeServers() []service.HTTPServer {
 }
 
 // endSessions aborts every open stream and tunnel and waits for their
-// handlers.
+// handlers and renewals.
 func (s *Server) endSessions() {
 	s.closeAll()
 	s.handlers.Wait()
 	s.tunnelHandlers.Wait()
+	s.renewals.Wait()
+	s.nodeCertsTransport.CloseIdleConnections()
+}
+
+// newNodeCertClient returns the client of JoinService's NodeCertService at
+// cfg.JoinServiceURL: HTTP/2 over TLS 1.3, the gateway's certificate as
+// client certificate, JoinService's verified with PKIDir's serving-ca.crt.
+func newNodeCertClient(cfg Config) (joinv1connect.NodeCertServiceClient, *http.Transport, error) {
+	u, err := url.Parse(cfg.JoinServiceURL)
+	if err != nil || u.Scheme != "https" || u.Host == "" || (u.Path != "" && u.Path != "/") {
+		return nil, nil, &config.Error{Name: config.Prefix + "GATEWAY_JOINSERVICE_URL",
+			Err: fmt.Errorf("%q is not https://HOST:PORT", cfg.JoinServiceURL)}
+	}
+	ca, err := pki.LoadCert(filepath.Join(cfg.PKIDir, pki.ServingCACert))
+	if err != nil {
+		return nil, nil, fmt.Errorf("gateway: load the serving CA that JoinService's certificate chains to: %w", err)
+	}
+	roots := x509.NewCertPool()
+	roots.AddCert(ca)
+	var p http.Protocols
+	p.SetHTTP2(true)
+	tr := &http.Transport{
+		Protocols: &p,
+		TLSClientConfig: &tls.Config{
+			Certificates: []tls.Certificate{*cfg.ServingCert},
+			RootCAs:      roots,
+			MinVersion:   tls.VersionTLS13,
+		},
+		IdleConnTimeout:     time.Minute,
+		TLSHandshakeTimeout: 10 * time.Second,
+	}
+	client := joinv1connect.NewNodeCertServiceClient(&http.Client{Transport: tr}, strings.TrimSuffix(cfg.JoinServiceURL, "/"))
+	return client, tr, nil
 }
 
 // loops is the gateway's own part of its run.

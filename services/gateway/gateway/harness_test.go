@@ -72,6 +72,9 @@ type env struct {
 	trustDomain string
 	poolID      string
 	tenantID    string
+	// certs is the NodeCertService the gateways renew through
+	// (startGateway's JoinServiceURL unless the test sets one).
+	certs *nodeCerts
 }
 
 // options tune setup.
@@ -104,6 +107,7 @@ func setup(t testing.TB, o options) *env {
 	e.servingCAs.AddCert(sca)
 	e.trustDomain, err = pki.ReadTrustDomain(e.pkiDir)
 	require.NoError(t, err)
+	e.certs = e.startNodeCerts()
 
 	e.tenantID = storetest.Tenant(t, e.db, &storetest.TenantOpts{Name: "acme"}).ID
 	site := storetest.Site(t, e.db, &storetest.SiteOpts{Name: "dev-1"})
@@ -152,6 +156,9 @@ func (e *env) startGateway(cfg gateway.Config) *gw {
 		require.NoError(e.t, err)
 	}
 	cfg.PKIDir = e.pkiDir
+	if cfg.JoinServiceURL == "" {
+		cfg.JoinServiceURL = e.certs.url
+	}
 	cfg.NoHealthServer = cfg.HealthListener == nil
 	if cfg.GatewayID == "" {
 		cfg.GatewayID = "gw-test"

@@ -3,6 +3,7 @@ package gateway
 import (
 	"cmp"
 	"context"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
@@ -53,6 +54,9 @@ func sessionCertExpired(notAfter time.Time) string {
 type sessionCert struct {
 	serial   string    // lower-case hex (pki.SerialHex)
 	notAfter time.Time // when the session ends unless renewed
+	// cert is the certificate itself, which a renewal forwards to
+	// JoinService with the daemon's proof signed by its key.
+	cert *x509.Certificate
 }
 
 // certRefusal says why st's client certificate may not be used at now,
@@ -95,7 +99,9 @@ type session struct {
 	certID  string // node id of the client certificate, "" when none
 	certErr error  // why the certificate names no node
 	serial  string // certificate serial, lower-case hex
-	stream  *connect.BidiStream[gatewayv1.SessionRequest, gatewayv1.SessionResponse]
+	// client is the client certificate (the TLS connection's).
+	client *x509.Certificate
+	stream *connect.BidiStream[gatewayv1.SessionRequest, gatewayv1.SessionResponse]
 
 	// Set at Hello under Server.mu, read-only afterwards.
 	nodeID    string
@@ -119,6 +125,8 @@ type session struct {
 	// dial (pkg/agent), so a renewal on time extends its session.
 	cert atomic.Pointer[sessionCert]
 
+	// renewing is set while a RenewCertificate is being decided (renew).
+	renewing atomic.Bool
 	// issued is the answer to a RenewCertificate, sent by the next
 	// delivery (deliveries send everything after Welcome but heartbeat
 	// acknowledgements).
@@ -148,6 +156,7 @@ func (s *Server) peerMiddleware(next http.Handler) http.Handler {
 		st := &session{w: w, body: r.Body}
 		if r.TLS != nil && len(r.TLS.PeerCertificates) > 0 {
 			cert := r.TLS.PeerCertificates[0]
+			st.client = cert
 			st.serial = pki.SerialHex(cert)
 			st.certID, st.certErr = pki.NodeIDFromCert(cert, s.cfg.TrustDomain)
 		} else {
@@ -412,7 +421,7 @@ func (s *Server) hello(ctx context.Context, st *session, h *gatewayv1.Hello) (*g
 		return nil, refusal
 	}
 
-	st.cert.Store(&sessionCert{serial: st.serial, notAfter: notAfter})
+	st.cert.Store(&sessionCert{serial: st.serial, notAfter: notAfter, cert: st.client})
 	st.reported.Store(h.GetObservedGeneration())
 	st.inFlight = true
 	st.state.Store(stRunning)
@@ -628,7 +637,7 @@ func (s *Server) handle(ctx context.Context, st *session, req *gatewayv1.Session
 	case *gatewayv1.SessionRequest_Report:
 		return s.report(ctx, st, m.Report)
 	case *gatewayv1.SessionRequest_RenewCertificate:
-		s.renew(ctx, st, m.RenewCertificate)
+		s.renew(st, m.RenewCertificate)
 		return nil
 	case *gatewayv1.SessionRequest_Hello:
 		return connect.NewError(connect.CodeInvalidArgument, errors.New("hello may only be the first message of a session"))

@@ -5,12 +5,14 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5"
+	"connectrpc.com/connect"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	joinv1 "github.com/better-compute/better-compute/api/gen/bc/join/v1"
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/telemetry"
@@ -20,119 +22,93 @@ import (
 // see pkg/daemon ErrTextCommandUnsigned).
 const refusedPrefix = "refused: "
 
-// Reasons of a refused renewal (CertificateIssued.error); an expired
-// session certificate is sessionCertExpired, a renewal too soon
-// renewRateLimited.
-const (
-	renewRevoked     = "certificate revoked"
-	renewUnknownCert = "the session's client certificate is not known"
-	renewFailed      = "the gateway could not issue the certificate; retry later"
-)
+// renewFailed is the reason of a renewal that JoinService did not decide
+// (unreachable, failed, or a request it could not take): the daemon retries
+// with backoff.
+const renewFailed = "the gateway could not issue the certificate; retry later"
 
-// renewRateLimited is the reason of a renewal refused because the node's
-// newest certificate was recorded at last, less than every ago: the next one
-// may be issued from last+every.
-func renewRateLimited(last time.Time, every time.Duration) string {
-	return fmt.Sprintf("renewal rate limited: the node was issued a certificate at %s and gets at most one per %s; renew at or after %s",
-		last.UTC().Format(time.RFC3339), every, last.Add(every).UTC().Format(time.RFC3339))
-}
+// renewCallTimeout bounds one NodeCertService call of a renewal.
+const renewCallTimeout = 10 * time.Second
 
-// renew answers a RenewCertificate: the answer goes out with the session's
-// next delivery, and the session goes on whatever the outcome.
-func (s *Server) renew(ctx context.Context, st *session, r *gatewayv1.RenewCertificate) {
-	st.issued.Store(s.issue(ctx, st, r.GetCsrDer()))
-	s.wake(st)
-}
+// renewBusy is the reason of a RenewCertificate sent while the session's
+// previous one is still being decided (a daemon sends one at a time).
+const renewBusy = "a renewal of this session is in progress; retry later"
 
-// issue signs csrDER with the node CA for the session's node, valid for
-// NodeCertTTL, and records the certificate in node_certs, in one transaction
-// that first locks the node so that a concurrent RevokeNode cannot be
-// missed, nor a concurrent renewal of the node. It refuses a CSR that does
-// not parse or is not signed by its key; a revoked node, client certificate
-// or certificate renewed on the session; an expired session certificate
-// (session.cert: the client certificate, or the last one renewed on the
-// session); and a renewal within RenewInterval of the node's newest
-// certificate. The issued certificate becomes the session's, extending it
-// to its NotAfter.
-func (s *Server) issue(ctx context.Context, st *session, csrDER []byte) *gatewayv1.CertificateIssued {
-	csr, err := pki.ParseCSR(csrDER)
-	if err != nil {
-		s.log.WarnContext(ctx, "renewal refused: bad CSR", telemetry.KeyNodeID, st.nodeID, telemetry.KeyError, err)
-		return &gatewayv1.CertificateIssued{Error: "renew_certificate.csr_der: " + err.Error()}
+// renew answers a RenewCertificate: JoinService decides it (issue) on a
+// goroutine of its own, so that the session's messages and heartbeats go
+// on meanwhile, and the answer goes out with the session's next delivery.
+// The session goes on whatever the outcome.
+func (s *Server) renew(st *session, r *gatewayv1.RenewCertificate) {
+	if !st.renewing.CompareAndSwap(false, true) {
+		st.issued.Store(&gatewayv1.CertificateIssued{Error: renewBusy})
+		s.wake(st)
+		return
 	}
-	sc := st.cert.Load()
-	var (
-		cert    *x509.Certificate
-		refusal string
-	)
-	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
-		cert, refusal = nil, ""
-		now := s.db.Now()
-		cur, err := store.LockSessionCert(ctx, tx, st.serial)
-		if refusal, err = renewRefusal(st, cur, err); refusal != "" || err != nil {
-			return err
-		}
-		if sc.serial != st.serial {
-			renewed, err := store.GetSessionCert(ctx, tx, sc.serial)
-			if refusal, err = renewRefusal(st, renewed, err); refusal != "" || err != nil {
-				return err
-			}
-		}
-		if !now.Before(sc.notAfter) {
-			refusal = sessionCertExpired(sc.notAfter)
-			return nil
-		}
-		last, err := store.LastNodeCertCreatedAt(ctx, tx, st.nodeID)
-		if err != nil {
-			return err
-		}
-		if now.Before(last.Add(s.cfg.RenewInterval)) {
-			refusal = renewRateLimited(last, s.cfg.RenewInterval)
-			return nil
-		}
-		c, err := s.cfg.NodeCA.IssueNode(csr, st.nodeID, s.cfg.TrustDomain, now, s.cfg.NodeCertTTL)
-		if err != nil {
-			return err
-		}
-		if err := store.CreateNodeCert(ctx, tx, store.NewNodeCert{
-			Serial: pki.SerialHex(c), NodeID: st.nodeID, PublicKeySHA256: pki.PublicKeySHA256(c),
-			NotBefore: c.NotBefore, NotAfter: c.NotAfter, CreatedAt: now,
-		}); err != nil {
-			return err
-		}
-		cert = c
-		return nil
+	s.renewals.Go(func() {
+		defer st.renewing.Store(false)
+		st.issued.Store(s.issue(st.ctx, st, r))
+		s.wake(st)
 	})
-	switch {
-	case err != nil:
-		if ctx.Err() == nil {
+}
+
+// issue has JoinService decide and sign the renewal r of st's node
+// (bc.join.v1.NodeCertService/RenewNodeCertificate; JoinService holds the
+// node CA): it forwards the CSR and the daemon's proof with the session's
+// client certificate serial and the certificate the session rests on
+// (session.cert: the client certificate, or the last one renewed on the
+// session). A refusal's reason (FailedPrecondition, ResourceExhausted, and
+// InvalidArgument of the CSR or the proof, named as fields of
+// renew_certificate) goes to the daemon as it is; any other failure is
+// renewFailed. The issued certificate becomes the session's, extending it
+// to its NotAfter.
+func (s *Server) issue(ctx context.Context, st *session, r *gatewayv1.RenewCertificate) *gatewayv1.CertificateIssued {
+	sc := st.cert.Load()
+	ctx, cancel := context.WithTimeout(ctx, renewCallTimeout)
+	defer cancel()
+	resp, err := s.nodeCerts.RenewNodeCertificate(ctx, connect.NewRequest(&joinv1.RenewNodeCertificateRequest{
+		NodeId: st.nodeID, ClientCertSerial: st.serial, SessionCertDer: sc.cert.Raw,
+		CsrDer: r.GetCsrDer(), Proof: r.GetProof(),
+	}))
+	var cert *x509.Certificate
+	if err == nil {
+		if cert, err = x509.ParseCertificate(resp.Msg.GetCertificateDer()); err != nil {
+			err = fmt.Errorf("JoinService's certificate: %w", err)
+		}
+	}
+	if err != nil {
+		if reason, ok := renewRefusal(err); ok {
+			s.log.WarnContext(ctx, "renewal refused", telemetry.KeyNodeID, st.nodeID, "cert_serial", sc.serial, "reason", reason)
+			return &gatewayv1.CertificateIssued{Error: reason}
+		}
+		if st.ctx.Err() == nil {
 			s.log.ErrorContext(ctx, "renew certificate", telemetry.KeyNodeID, st.nodeID, telemetry.KeyError, err)
 		}
 		return &gatewayv1.CertificateIssued{Error: renewFailed}
-	case refusal != "":
-		s.log.WarnContext(ctx, "renewal refused", telemetry.KeyNodeID, st.nodeID, "cert_serial", st.serial, "reason", refusal)
-		return &gatewayv1.CertificateIssued{Error: refusal}
 	}
-	st.cert.Store(&sessionCert{serial: pki.SerialHex(cert), notAfter: cert.NotAfter})
+	st.cert.Store(&sessionCert{serial: pki.SerialHex(cert), notAfter: cert.NotAfter, cert: cert})
 	s.log.InfoContext(ctx, "certificate renewed", telemetry.KeyNodeID, st.nodeID, "cert_serial", pki.SerialHex(cert),
 		"not_after", cert.NotAfter)
 	return &gatewayv1.CertificateIssued{CertificateDer: cert.Raw, NotAfter: timestamppb.New(cert.NotAfter)}
 }
 
-// renewRefusal says why a renewal on st may not rest on cert, a
-// certificate of the session as store.LockSessionCert or GetSessionCert
-// returned it (cert, err): unknown, another node's, revoked. It returns ""
-// when it may, and a database error as its second result.
-func renewRefusal(st *session, cert store.SessionCert, err error) (string, error) {
-	switch {
-	case errors.Is(err, store.ErrNotFound) || (err == nil && cert.NodeID != st.nodeID):
-		return renewUnknownCert, nil
-	case err != nil:
-		return "", err
-	case cert.RevokedAt != nil:
-		return renewRevoked, nil
+// renewRefusal returns the reason a daemon gets for JoinService's error err
+// when err is a refusal of its renewal (nodecert.proto), and false when it
+// is not (the control plane's failure, or a request the gateway got
+// wrong).
+func renewRefusal(err error) (string, bool) {
+	var ce *connect.Error
+	if !errors.As(err, &ce) {
+		return "", false
 	}
-	return "", nil
+	switch ce.Code() {
+	case connect.CodeFailedPrecondition, connect.CodeResourceExhausted:
+		return ce.Message(), true
+	case connect.CodeInvalidArgument:
+		if m := ce.Message(); strings.HasPrefix(m, "csr_der: ") || strings.HasPrefix(m, "proof: ") {
+			return "renew_certificate." + m, true
+		}
+	}
+	return "", false
 }
 
 // specRefused records that the daemon refused a DesiredState (signedIntent)

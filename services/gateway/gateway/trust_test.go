@@ -1,14 +1,18 @@
 package gateway_test
 
 import (
+	"crypto"
 	"crypto/tls"
 	"crypto/x509"
+	"errors"
+	"net"
 	"testing"
 	"time"
 
 	"connectrpc.com/connect"
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	"github.com/better-compute/better-compute/pkg/pki"
@@ -89,10 +93,44 @@ func TestRevokedSessionClosedByResync(t *testing.T) {
 	requireRevokedEnd(t, dc, start)
 }
 
-// renew sends a RenewCertificate with csr and returns the answer.
+// answersHeartbeats checks that the session still answers: it sends
+// heartbeats until one is acknowledged, failing the test after waitFor. (A
+// heartbeat that arrives while a delivery is being sent gets no ack of its
+// own: ackHeartbeat skips it, the delivery being proof enough that the
+// gateway lives.)
+func (d *daemon) answersHeartbeats() {
+	d.t.Helper()
+	deadline := realClock.Now().Add(waitFor)
+	for seq := int64(1000); realClock.Now().Before(deadline); seq++ {
+		d.heartbeat(seq, 0)
+		timer := realClock.NewTimer(200 * time.Millisecond)
+	wait:
+		for {
+			select {
+			case got := <-d.acks:
+				if got == seq {
+					timer.Stop()
+					return
+				}
+			case <-timer.C():
+				break wait
+			}
+		}
+	}
+	require.FailNow(d.t, "the session answers no heartbeat")
+}
+
+// renew sends a RenewCertificate with csr (and no proof) and returns the
+// answer.
 func (d *daemon) renew(csr []byte) *gatewayv1.CertificateIssued {
 	d.t.Helper()
-	d.send(&gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_RenewCertificate{RenewCertificate: &gatewayv1.RenewCertificate{CsrDer: csr}}})
+	return d.renewWith(&gatewayv1.RenewCertificate{CsrDer: csr})
+}
+
+// renewWith sends r and returns the answer.
+func (d *daemon) renewWith(r *gatewayv1.RenewCertificate) *gatewayv1.CertificateIssued {
+	d.t.Helper()
+	d.send(&gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_RenewCertificate{RenewCertificate: r}})
 	ci := d.next().GetCertificateIssued()
 	require.NotNil(d.t, ci, "CertificateIssued")
 	return ci
@@ -105,17 +143,17 @@ func (e *env) certCount(nodeID string) int {
 	return n
 }
 
-// TestRenewalKeepsTheSession: a RenewCertificate is answered with a node
-// certificate for the new key, recorded in node_certs, while the session
-// goes on; the new certificate opens the next session.
+// TestRenewalKeepsTheSession: a RenewCertificate is relayed to JoinService
+// (NodeCertService) with the session's node, client certificate serial and
+// certificate, the CSR and the daemon's proof, and answered with the node
+// certificate JoinService signed, while the session goes on; the new
+// certificate opens the next session.
 func TestRenewalKeepsTheSession(t *testing.T) {
 	t.Parallel()
 	e := setup(t, options{})
 	e.relay()
-	// The node's certificate is recorded just before the renewal: no rate
-	// limit here (TestRenewalRateLimitedPerNode).
-	g := e.startGateway(gateway.Config{ResyncInterval: time.Hour, NodeCerts: service.NodeCerts{NodeCertTTL: 2 * time.Hour},
-		RenewInterval: time.Millisecond})
+	e.certs.setTTL(2 * time.Hour)
+	g := e.startGateway(gateway.Config{ResyncInterval: time.Hour})
 	n := e.newNode()
 	d, w := e.connect(g, n, nil)
 
@@ -123,25 +161,20 @@ func TestRenewalKeepsTheSession(t *testing.T) {
 	require.NoError(t, err)
 	csr, err := pki.NewCSR(key, n.id)
 	require.NoError(t, err)
+	proof, err := pki.SignRenewal(n.cert.PrivateKey.(crypto.Signer), n.cert.Leaf, csr)
+	require.NoError(t, err)
 	before := realClock.Now()
-	ci := d.renew(csr)
+	ci := d.renewWith(&gatewayv1.RenewCertificate{CsrDer: csr, Proof: proof})
 	require.Empty(t, ci.GetError())
+	require.True(t, proto.Equal(renewalOf(n.id, n.cert.Leaf, n.cert.Leaf, csr, proof), e.certs.last()), "relayed: %v", e.certs.last())
 	cert, err := x509.ParseCertificate(ci.GetCertificateDer())
 	require.NoError(t, err)
 	require.True(t, key.PublicKey.Equal(cert.PublicKey), "for the CSR's key")
 	id, err := pki.NodeIDFromCert(cert, e.trustDomain)
 	require.NoError(t, err)
 	require.Equal(t, n.id, id)
-	require.WithinDuration(t, before.Add(2*time.Hour), cert.NotAfter, time.Minute, "NodeCertTTL")
+	require.WithinDuration(t, before.Add(2*time.Hour), cert.NotAfter, time.Minute, "JoinService's certificate")
 	require.True(t, cert.NotAfter.Equal(ci.GetNotAfter().AsTime()))
-	_, err = cert.Verify(x509.VerifyOptions{Roots: e.nodeCA.Pool(), KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}})
-	require.NoError(t, err, "signed by the node CA")
-
-	rec, err := store.GetSessionCert(t.Context(), e.db.Pool, pki.SerialHex(cert))
-	require.NoError(t, err)
-	require.Equal(t, n.id, rec.NodeID)
-	require.Nil(t, rec.RevokedAt)
-	require.True(t, rec.NotAfter.Equal(cert.NotAfter))
 
 	// Same session: it still delivers, and the node's live session is it.
 	cmdID := e.queueCommand(n.id, "diag.nvml", "user")
@@ -157,49 +190,133 @@ func TestRenewalKeepsTheSession(t *testing.T) {
 	require.Equal(t, w2.GetSessionId(), *e.nodeRow(n.id).SessionID)
 }
 
-// TestRenewalRefusals: a CSR that does not parse or is not signed by its key,
-// and any renewal of a revoked node, are refused with a reason and nothing is
-// recorded. A bad CSR leaves the session going on; the delivery that answers
-// a revoked node's renewal re-reads the node and then ends its session with
-// Unauthenticated "certificate revoked", even without a poke or a resync.
+// TestRenewalRefusals: JoinService's refusals reach the daemon with their
+// reasons unchanged (an invalid CSR or proof named as a field of
+// renew_certificate), and any other failure of JoinService, or a
+// JoinService that cannot be reached, as renewFailed, which the daemon
+// retries; the session goes on through all of them. The delivery that
+// answers a revoked node's renewal re-reads the node and then ends its
+// session with Unauthenticated "certificate revoked", even without a poke or
+// a resync.
 func TestRenewalRefusals(t *testing.T) {
 	t.Parallel()
 	e := setup(t, options{})
 	g := e.startGateway(gateway.Config{ResyncInterval: time.Hour})
 	n := e.newNode()
 	d, w := e.connect(g, n, nil)
+	_, csr := csrFor(t, n.id)
+	const failed = "the gateway could not issue the certificate; retry later"
 
-	ci := d.renew([]byte("not a csr"))
-	require.Empty(t, ci.GetCertificateDer())
-	require.Contains(t, ci.GetError(), "csr_der")
-
-	key, err := pki.GenerateKey()
-	require.NoError(t, err)
-	csr, err := pki.NewCSR(key, n.id)
-	require.NoError(t, err)
-	tampered := append([]byte(nil), csr...)
-	tampered[len(tampered)-3] ^= 0xff // inside the signature
-	ci = d.renew(tampered)
-	require.Empty(t, ci.GetCertificateDer())
-	require.Contains(t, ci.GetError(), "csr_der")
+	for _, c := range []struct {
+		name   string
+		refuse error
+		want   string
+	}{
+		{"a bad CSR", connect.NewError(connect.CodeInvalidArgument, errors.New("csr_der: not a PKCS#10 request")),
+			"renew_certificate.csr_der: not a PKCS#10 request"},
+		{"a bad proof", connect.NewError(connect.CodeInvalidArgument, errors.New("proof: does not verify")),
+			"renew_certificate.proof: does not verify"},
+		{"a request of the gateway's that JoinService cannot take",
+			connect.NewError(connect.CodeInvalidArgument, errors.New("client_cert_serial: not hex")), failed},
+		{"rate limited", connect.NewError(connect.CodeResourceExhausted, errors.New("renewal rate limited: renew at or after …")),
+			"renewal rate limited: renew at or after …"},
+		{"an unknown certificate", connect.NewError(connect.CodeFailedPrecondition,
+			errors.New("the session's client certificate is not known")), "the session's client certificate is not known"},
+		{"JoinService failed", connect.NewError(connect.CodeInternal, errors.New("database down")), failed},
+		{"JoinService unavailable", connect.NewError(connect.CodeUnavailable, errors.New("shutting down")), failed},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			e.certs.setRefuse(c.refuse)
+			ci := d.renew(csr)
+			require.Empty(t, ci.GetCertificateDer())
+			require.Equal(t, c.want, ci.GetError())
+		})
+	}
 	require.Equal(t, 1, e.certCount(n.id))
 
 	// The session goes on: it still answers, and is still the node's.
-	d.heartbeat(1, 0)
-	ci = d.renew([]byte("still not a csr"))
-	require.Contains(t, ci.GetError(), "csr_der")
+	d.answersHeartbeats()
 	require.Equal(t, w.GetSessionId(), *e.nodeRow(n.id).SessionID, "the refusals did not end the session")
 
 	// Revoked while the session is open (no poke, no resync here): the
 	// refusal reaches the daemon, then the session ends.
 	start := realClock.Now()
 	e.revoke(n.id)
-	ci = d.renew(csr)
+	e.certs.setRefuse(connect.NewError(connect.CodeFailedPrecondition, errors.New("certificate revoked")))
+	ci := d.renew(csr)
 	require.Empty(t, ci.GetCertificateDer())
 	require.Equal(t, "certificate revoked", ci.GetError())
 	requireRevokedEnd(t, d, start)
-	require.Equal(t, 1, e.certCount(n.id), "no certificate recorded")
 	eventually(t, func() bool { return e.nodeRow(n.id).SessionID == nil }, "session cleared")
+}
+
+// TestRenewalDoesNotStallTheSession: while JoinService decides a renewal,
+// the session goes on (heartbeats are answered); a second RenewCertificate
+// sent meanwhile is answered at once that one is in progress, and the first
+// is answered when JoinService answers.
+func TestRenewalDoesNotStallTheSession(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	g := e.startGateway(gateway.Config{ResyncInterval: time.Hour})
+	n := e.newNode()
+	d, _ := e.connect(g, n, nil)
+	release := e.certs.holdCalls()
+	t.Cleanup(release)
+
+	_, csr := csrFor(t, n.id)
+	d.send(&gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_RenewCertificate{RenewCertificate: &gatewayv1.RenewCertificate{CsrDer: csr}}})
+	eventually(t, func() bool { return e.certs.calls() == 1 }, "JoinService is asked")
+	d.answersHeartbeats() // meanwhile
+	_, other := csrFor(t, n.id)
+	busy := d.renew(other)
+	require.Empty(t, busy.GetCertificateDer())
+	require.Equal(t, "a renewal of this session is in progress; retry later", busy.GetError())
+	require.Equal(t, 1, e.certs.calls(), "the second is not relayed")
+
+	release()
+	ci := d.next().GetCertificateIssued()
+	require.NotNil(t, ci)
+	require.Empty(t, ci.GetError())
+	cert, err := x509.ParseCertificate(ci.GetCertificateDer())
+	require.NoError(t, err)
+	require.Equal(t, 2, e.certCount(n.id))
+	require.Equal(t, csr, e.certs.last().GetCsrDer())
+	require.NotEmpty(t, cert.Raw)
+}
+
+// TestRenewalWithoutJoinService: a gateway whose JoinService cannot be
+// reached (what listens at its URL drops every connection at once) answers
+// a renewal with the retryable renewFailed, and the session goes on.
+func TestRenewalWithoutJoinService(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	// A listener kept open, so that no other test's server gets its port.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			_ = c.Close()
+		}
+	}()
+	g := e.startGateway(gateway.Config{ResyncInterval: time.Hour, JoinServiceURL: "https://" + ln.Addr().String()})
+	n := e.newNode()
+	d, w := e.connect(g, n, nil)
+	_, csr := csrFor(t, n.id)
+	ci := d.renew(csr)
+	require.Empty(t, ci.GetCertificateDer())
+	require.Equal(t, "the gateway could not issue the certificate; retry later", ci.GetError())
+	d.answersHeartbeats()
+	require.Equal(t, w.GetSessionId(), *e.nodeRow(n.id).SessionID)
+	require.Equal(t, 0, e.certs.calls())
+
+	_, err = gateway.New(gateway.Config{PKI: service.PKI{PKIDir: e.pkiDir}, JoinServiceURL: "http://joinservice:8087",
+		Probes: service.Probes{NoHealthServer: true}, ControlURL: "http://gw:8086"}, gateway.Deps{DB: e.db, NC: e.nc})
+	require.ErrorContains(t, err, "BETTER_COMPUTE_GATEWAY_JOINSERVICE_URL")
 }
 
 // TestSignaturesAreRelayedUntouched: the gateway sends commands and desired

@@ -16,6 +16,14 @@
 // (pki.SignJoinResponse); with Config.SignedIntent it carries the
 // command-signing root in trust.command_signing_root.
 //
+// JoinService also signs the certificates daemons renew over their sessions
+// (renew.go): the gateways ask for them through bc.join.v1.NodeCertService
+// on a control listener of its own, over mutual TLS with the serving CA's
+// certificates, so that the node CA's key never leaves JoinService. A
+// renewal is decided in one transaction too, and needs the daemon's proof
+// (a signature by its session certificate's key), so that a gateway cannot
+// get a certificate for a node that did not ask.
+//
 // To extend it, keep those rules: every check that can refuse happens in
 // decodeJoinRequest or inside the one transaction, and nothing reaches the
 // daemon unsigned.
@@ -36,6 +44,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync/atomic"
+	"time"
 
 	"connectrpc.com/connect"
 	"go.opentelemetry.io/otel/metric"
@@ -60,8 +69,8 @@ const Name = "joinservice"
 // Config configures JoinService. The binary reads it from the environment
 // (pkg/config; docs/configuration.md lists the variables); New gives every
 // zero field its default. PKIDir holds node-ca.crt/key, serving-ca.crt,
-// trust-domain, join-encryption.key, join-signing.key and, with
-// SignedIntent, command-signing.pub. GatewayURL, sent as
+// trust-domain, join-encryption.key, join-signing.key,
+// joinservice.crt/key and, with SignedIntent, command-signing.pub. GatewayURL, sent as
 // JoinResponse.gateway_urls, must be a list of https://HOST[:PORT], else New
 // fails.
 type Config struct {
@@ -88,7 +97,31 @@ type Config struct {
 	// JoinRate is how many more Join calls per second a source address may
 	// make after its burst.
 	JoinRate int `env:"JOIN_RATE,positive" default:"10"`
-	// HTTPLimits are the limits of its server.
+	// ControlListen is the address of the control listener:
+	// bc.join.v1.NodeCertService, where gateways have the certificates
+	// daemons renew over their sessions signed, over mutual TLS only
+	// (JoinService's joinservice.crt; client certificates of the serving CA
+	// with the ClientAuth usage: the gateways'). For the control plane's
+	// network only, never the machines'.
+	ControlListen string `env:"CONTROL_LISTEN" default:":8087"`
+	// ControlListener, when set, is where the control listener accepts
+	// connections instead of ControlListen (plain TCP: JoinService does TLS
+	// itself); Run closes it. Tests and `better-compute dev` pass one on
+	// 127.0.0.1:0.
+	ControlListener net.Listener
+	// RenewInterval is the least time between two certificates of one
+	// node: a renewal sooner than this after the node's newest certificate
+	// (issued at join or renewed, store.LastNodeCertCreatedAt), through any
+	// gateway, is refused with a reason saying when to try again (pkg/daemon
+	// retries with backoff). Machines renew at two thirds of a certificate's
+	// lifetime, far above it. Unset or not positive: the lesser of 10
+	// minutes (DefaultRenewInterval) and a tenth of NODE_CERT_TTL. At most a
+	// quarter of NODE_CERT_TTL, else JoinService does not start: a machine
+	// whose renewal answer was lost must be able to renew again before its
+	// certificate expires.
+	RenewInterval time.Duration `env:"NODE_CERT_RENEW_INTERVAL"`
+	// HTTPLimits are the limits of its servers (the Connect API, the
+	// control listener).
 	service.HTTPLimits
 	// TLS, with both files, has it serve HTTPS only: the sealed join
 	// tokens and the signed answers then never cross a network in clear.
@@ -128,19 +161,22 @@ type Server struct {
 	// outcomeAttrs holds each outcome's attributes.
 	joinAttempts metric.Int64Counter
 	outcomeAttrs *telemetry.AttrPairs
+	// controlTLS is the control listener's (mutual TLS).
+	controlTLS *tls.Config
 }
 
 // CertificatesIssued returns how many node certificates this server has
-// signed: joins and rejoins, refused ones included when the refusal came
-// after the signature.
+// signed: joins, rejoins and renewals, refused joins included when the
+// refusal came after the signature.
 func (s *Server) CertificatesIssued() int64 { return s.issued.Load() }
 
 var _ joinv1connect.JoinServiceHandler = (*Server)(nil)
 
 // New loads the node CA, the serving CA, the trust domain, the join
-// encryption and signing keys and (with SignedIntent) the command-signing
-// root from cfg.PKIDir and returns a Server. Errors name the file that is
-// missing or broken.
+// encryption and signing keys, JoinService's serving certificate and (with
+// SignedIntent) the command-signing root from cfg.PKIDir and returns a
+// Server. Errors name the file that is missing or broken, or the setting
+// that is wrong.
 func New(cfg Config, deps Deps) (*Server, error) {
 	deps, err := deps.Complete(Name, false)
 	if err != nil {
@@ -148,6 +184,9 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	}
 	config.SetDefaults(&cfg)
 	if err := cfg.Check(); err != nil {
+		return nil, err
+	}
+	if err := checkRenewInterval(&cfg); err != nil {
 		return nil, err
 	}
 	serverTLS, err := cfg.ServerConfig()
@@ -161,6 +200,10 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	servingCA, err := pki.LoadCert(filepath.Join(cfg.PKIDir, pki.ServingCACert))
 	if err != nil {
 		return nil, fmt.Errorf("load serving CA: %w", err)
+	}
+	controlCert, err := tls.LoadX509KeyPair(filepath.Join(cfg.PKIDir, pki.JoinServiceCert), filepath.Join(cfg.PKIDir, pki.JoinServiceKey))
+	if err != nil {
+		return nil, fmt.Errorf("load JoinService's serving certificate: %w", err)
 	}
 	td := cfg.TrustDomain
 	if td == "" {
@@ -197,7 +240,8 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		joins: ratelimit.New(cfg.JoinRate, cfg.JoinBurst, 0, deps.Clock), tls: serverTLS,
 		joinAttempts: telemetry.Int64Counter(deps.Meter("github.com/better-compute/better-compute/services/joinservice"),
 			telemetry.JoinAttempts),
-		outcomeAttrs: telemetry.NewAttrPairs(telemetry.LabelOutcome, "")}, nil
+		outcomeAttrs: telemetry.NewAttrPairs(telemetry.LabelOutcome, ""),
+		controlTLS:   controlTLS(controlCert, servingCA)}, nil
 }
 
 // Handler returns the mux of JoinService's Connect handler. The join limit
@@ -240,13 +284,27 @@ func (s *Server) countJoin(ctx context.Context, outcome string) {
 func (s *Server) Name() string { return Name }
 
 // Run serves the Connect API and the probes on Config.Listen (or
-// Listener), over TLS with Config.TLS, through the service lifecycle
-// (service.Run) until ctx ends.
+// Listener), over TLS with Config.TLS, and NodeCertService on
+// Config.ControlListen (or ControlListener) over mutual TLS, through the
+// service lifecycle (service.Run) until ctx ends.
 func (s *Server) Run(ctx context.Context) error {
 	return service.Run(ctx, service.Spec{Name: Name, Deps: s.deps, Servers: []service.HTTPServer{{
 		Name: Name, Addr: s.cfg.Listen, Listener: s.cfg.Listener, Handler: s.Handler(), Probes: true,
 		TLS: s.tls, Limits: s.cfg.HTTPLimits,
+	}, {
+		Name: "control", Addr: s.cfg.ControlListen, Listener: s.cfg.ControlListener, Handler: s.ControlHandler(),
+		TLS: s.controlTLS, Tune: s.tuneControl, Limits: s.cfg.HTTPLimits,
 	}}})
+}
+
+// tuneControl makes the control server HTTP/2 only (its clients are the
+// gateways' Connect clients) and logs what net/http reports, refused TLS
+// handshakes among it, as warnings.
+func (s *Server) tuneControl(srv *http.Server) {
+	var p http.Protocols
+	p.SetHTTP2(true)
+	srv.Protocols = &p
+	srv.ErrorLog = slog.NewLogLogger(s.logger.With("server", "control").Handler(), slog.LevelWarn)
 }
 
 // Join implements bc.join.v1.JoinService/Join; see the proto for errors.

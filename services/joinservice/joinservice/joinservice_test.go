@@ -62,7 +62,9 @@ type fixture struct {
 	tenantID string
 	client   joinv1connect.JoinServiceClient
 	url      string
-	srv      *joinservice.Server
+	// controlURL is the control listener's (NodeCertService, mutual TLS).
+	controlURL string
+	srv        *joinservice.Server
 	// joinKey is JoinService's HPKE public key, pins the deployment's pins
 	// and signSPKI the join signing key: what a daemon joins with.
 	joinKey  *ecdh.PublicKey
@@ -75,7 +77,14 @@ func setup(t *testing.T) *fixture { return setupWith(t, nil) }
 // setupWith is setup with edit applied to JoinService's Config.
 func setupWith(t *testing.T, edit func(*joinservice.Config)) *fixture {
 	t.Helper()
-	db := storetest.New(t, clock.New())
+	return setupOn(t, clock.New(), edit)
+}
+
+// setupOn is setupWith on clock clk (the database's, and so JoinService's
+// time).
+func setupOn(t *testing.T, clk clock.Clock, edit func(*joinservice.Config)) *fixture {
+	t.Helper()
+	db := storetest.New(t, clk)
 	ctx := t.Context()
 	now := db.Now()
 	f := &fixture{db: db, pkiDir: t.TempDir()}
@@ -101,7 +110,10 @@ func setupWith(t *testing.T, edit func(*joinservice.Config)) *fixture {
 
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	cfg := joinservice.Config{PKI: service.PKI{PKIDir: f.pkiDir}, Listener: ln,
+	control, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	f.controlURL = "https://" + control.Addr().String()
+	cfg := joinservice.Config{PKI: service.PKI{PKIDir: f.pkiDir}, Listener: ln, ControlListener: control,
 		Gateways: service.Gateways{GatewayURL: "https://gw.example:8443", GatewayServerName: "gw.example"}}
 	if edit != nil {
 		edit(&cfg)

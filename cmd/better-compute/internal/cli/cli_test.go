@@ -396,9 +396,10 @@ func TestPKIInit(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "pki")
 	r := runner{}
 	res := r.run(t, "pki", "init", "--dir", dir, "--trust-domain", "fleet.example", "--gateway-name", "gw.example",
-		"--gateway-name", "10.0.0.1")
+		"--gateway-name", "10.0.0.1", "--joinservice-name", "join.example")
 	require.Equal(t, 0, res.code, res.stderr)
-	for _, name := range []string{"node-ca.crt", "node-ca.key", "serving-ca.crt", "serving-ca.key", "gateway.crt", "gateway.key", "trust-domain",
+	for _, name := range []string{"node-ca.crt", "node-ca.key", "serving-ca.crt", "serving-ca.key", "gateway.crt", "gateway.key",
+		"joinservice.crt", "joinservice.key", "trust-domain",
 		"join-encryption.key", "join-encryption.pub", "join-signing.key", "join-signing.pub", "command-signing.key", "command-signing.pub", "pins.json"} {
 		require.Contains(t, res.stdout, "wrote "+filepath.Join(dir, name))
 		require.FileExists(t, filepath.Join(dir, name))
@@ -420,6 +421,15 @@ func TestPKIInit(t *testing.T) {
 	st, err := os.Stat(filepath.Join(dir, "node-ca.key"))
 	require.NoError(t, err)
 	require.Equal(t, os.FileMode(0o600), st.Mode().Perm())
+	// The certificates name what the flags said.
+	gw, err := pki.LoadCert(filepath.Join(dir, pki.GatewayCert))
+	require.NoError(t, err)
+	require.NoError(t, gw.VerifyHostname("gw.example"))
+	require.NoError(t, gw.VerifyHostname("10.0.0.1"))
+	js, err := pki.LoadCert(filepath.Join(dir, pki.JoinServiceCert))
+	require.NoError(t, err)
+	require.NoError(t, js.VerifyHostname("join.example"))
+	require.Error(t, js.VerifyHostname("joinservice"), "the flag replaces the default names")
 
 	// Run again: nothing written but the pins file asked for, pins printed.
 	pinsOut := filepath.Join(t.TempDir(), "pins.json")

@@ -29,6 +29,7 @@ var pkiFiles = []struct {
 	{pki.NodeCACert, false}, {pki.NodeCAKey, true},
 	{pki.ServingCACert, false}, {pki.ServingCAKey, true},
 	{pki.GatewayCert, false}, {pki.GatewayKey, true},
+	{pki.JoinServiceCert, false}, {pki.JoinServiceKey, true},
 	{pki.JoinEncryptionPub, false}, {pki.JoinEncryptionKey, true},
 	{pki.JoinSigningPub, false}, {pki.JoinSigningKey, true},
 	{pki.CommandSigningPub, false}, {pki.CommandSigningKey, true},
@@ -43,18 +44,22 @@ func (a *app) pkiInitCmd() *cobra.Command {
 		dir         string
 		trustDomain string
 		names       []string
+		joinNames   []string
 		pinsOut     string
 	)
 	c := &cobra.Command{
 		Use:   "init --dir DIR",
 		Short: "Create the deployment's CAs, join and signing keys where missing, and print its pins",
 		Long: "pki init writes a deployment's PKI into DIR: node-ca.crt/key (signs node certificates), serving-ca.crt/key\n" +
-			"(signs gateway certificates, pinned by daemons), gateway.crt/key, trust-domain, join-encryption.key/.pub\n" +
+			"(signs the gateway's and JoinService's certificates, pinned by daemons), gateway.crt/key (the gateways' serving\n" +
+			"certificate, and their client certificate toward JoinService), joinservice.crt/key (JoinService's control\n" +
+			"listener, where gateways have renewals signed), trust-domain, join-encryption.key/.pub\n" +
 			"(JoinService's HPKE key, which join tokens are sealed to), join-signing.key/.pub (signs JoinResponses),\n" +
 			"command-signing.key/.pub (signs commands and specs with signedIntent), tunnel-ticket.key/.pub (signs exec\n" +
 			"tickets, which gateways verify), ssh-break-glass-ca.key/.pub and ssh-sandbox-ca.key/.pub (the SSH user CAs\n" +
 			"that nodes trust) and pins.json. Existing files are kept:\n" +
-			"a private key is never replaced (a missing .pub or gateway.crt is derived from its key; a CA or key missing\n" +
+			"a private key is never replaced (a missing .pub, gateway.crt or joinservice.crt is derived from its key, and a\n" +
+			"gateway.crt without the client-auth usage is issued again for its key; a CA or key missing\n" +
 			"its other half, or a file that does not parse, is an error naming it), and a private key readable by group\n" +
 			"or others is set to 0600 with a warning.\n" +
 			"It prints the files it wrote and the pins daemons need (public), never key material; keys are written\n" +
@@ -64,6 +69,8 @@ func (a *app) pkiInitCmd() *cobra.Command {
 	c.Flags().StringVar(&dir, "dir", "", "PKI directory (env BETTER_COMPUTE_PKI_DIR, default /var/lib/better-compute/pki)")
 	c.Flags().StringVar(&trustDomain, "trust-domain", "", "SPIFFE trust domain of node certificates (default "+pki.DefaultTrustDomain+")")
 	c.Flags().StringSliceVar(&names, "gateway-name", nil, "DNS name or IP of the gateway certificate (repeatable; default gateway, localhost, 127.0.0.1)")
+	c.Flags().StringSliceVar(&joinNames, "joinservice-name", nil,
+		"DNS name or IP of JoinService's certificate, which gateways verify (repeatable; default joinservice, localhost, 127.0.0.1)")
 	c.Flags().StringVar(&pinsOut, "pins-out", "", "also write the pins (public) to this file, e.g. a volume daemons read, which must not see DIR")
 	c.RunE = func(cmd *cobra.Command, _ []string) error {
 		if dir == "" {
@@ -79,7 +86,7 @@ func (a *app) pkiInitCmd() *cobra.Command {
 				before[f.name] = st
 			}
 		}
-		res, err := pki.Init(dir, pki.InitOptions{TrustDomain: trustDomain, GatewayNames: names}, a.env.Clock.Now())
+		res, err := pki.Init(dir, pki.InitOptions{TrustDomain: trustDomain, GatewayNames: names, JoinServiceNames: joinNames}, a.env.Clock.Now())
 		if err != nil {
 			return fmt.Errorf("pki init %s: %w", dir, err)
 		}

@@ -597,7 +597,15 @@ func (*SessionResponse_OpenTunnel) isSessionResponse_Msg() {}
 type RenewCertificate struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// CsrDer is a PKCS#10 request (DER) signed by the node's new key.
-	CsrDer        []byte `protobuf:"bytes,1,opt,name=csr_der,json=csrDer,proto3" json:"csr_der,omitempty"`
+	CsrDer []byte `protobuf:"bytes,1,opt,name=csr_der,json=csrDer,proto3" json:"csr_der,omitempty"`
+	// Proof is the node's signature, by the key of the session's certificate
+	// (the client certificate, or the last one renewed on this session), over
+	// SHA-256 of "better-compute renewal v1\x00", SHA-256(csr_der) and that
+	// certificate's serial in lower-case hex (pkg/pki SignRenewal): it shows
+	// JoinService, which signs renewals, that the node asked for this one, so
+	// that a gateway cannot get a certificate for a node that did not. A
+	// renewal without it is refused.
+	Proof         []byte `protobuf:"bytes,2,opt,name=proof,proto3" json:"proof,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -635,6 +643,13 @@ func (*RenewCertificate) Descriptor() ([]byte, []int) {
 func (x *RenewCertificate) GetCsrDer() []byte {
 	if x != nil {
 		return x.CsrDer
+	}
+	return nil
+}
+
+func (x *RenewCertificate) GetProof() []byte {
+	if x != nil {
+		return x.Proof
 	}
 	return nil
 }
@@ -2048,9 +2063,10 @@ const file_bc_gateway_v1_gateway_proto_rawDesc = "" +
 	"\rheartbeat_ack\x18\x05 \x01(\v2\x1b.bc.gateway.v1.HeartbeatAckH\x00R\fheartbeatAck\x12<\n" +
 	"\vopen_tunnel\x18\x06 \x01(\v2\x19.bc.gateway.v1.OpenTunnelH\x00R\n" +
 	"openTunnelB\x05\n" +
-	"\x03msg\"6\n" +
+	"\x03msg\"V\n" +
 	"\x10RenewCertificate\x12\"\n" +
-	"\acsr_der\x18\x01 \x01(\fB\t\xbaH\x06z\x04\x18\x80\x80\x01R\x06csrDer\"\x8b\x01\n" +
+	"\acsr_der\x18\x01 \x01(\fB\t\xbaH\x06z\x04\x18\x80\x80\x01R\x06csrDer\x12\x1e\n" +
+	"\x05proof\x18\x02 \x01(\fB\b\xbaH\x05z\x03\x18\x80\bR\x05proof\"\x8b\x01\n" +
 	"\x11CertificateIssued\x12'\n" +
 	"\x0fcertificate_der\x18\x01 \x01(\fR\x0ecertificateDer\x127\n" +
 	"\tnot_after\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\bnotAfter\x12\x14\n" +
