@@ -168,7 +168,7 @@ func DeleteOldUsageWindows(ctx context.Context, q DBTX, before time.Time, limit 
 // DeleteOldNodeCerts deletes at most limit node certificates that expired
 // (node_certs.not_after) before before, revoked or not, oldest first, but
 // never a node's newest certificate (the latest not_after of the node, which
-// the node's rows and the gateway's renewal limit read). A revoked
+// the node's rows and the renewal rate limit read). A revoked
 // certificate that has not expired by before is kept, so that its
 // revocation is never forgotten while it could still authenticate. It
 // returns how many it deleted.

@@ -71,7 +71,7 @@ func LockSessionCert(ctx context.Context, q DBTX, serial string) (SessionCert, e
 
 // LastNodeCertCreatedAt returns when the newest certificate of node nodeID
 // was recorded (node_certs.created_at: at join or at a renewal), or the zero
-// time when the node has none. The gateway's renewal rate limit counts from
+// time when the node has none. JoinService's renewal rate limit counts from
 // it.
 func LastNodeCertCreatedAt(ctx context.Context, q DBTX, nodeID string) (time.Time, error) {
 	var at *time.Time
