@@ -187,8 +187,11 @@ func (w *workload) run(i int) {
 			var c struct {
 				ID string `json:"id"`
 			}
-			if err := json.Unmarshal([]byte(out), &c); err != nil || c.ID == "" {
-				return fmt.Errorf("commands run output %q: %v", out, err)
+			if err := json.Unmarshal([]byte(out), &c); err != nil {
+				return fmt.Errorf("commands run output %q: %w", out, err)
+			}
+			if c.ID == "" {
+				return fmt.Errorf("commands run output %q: no id", out)
 			}
 			a.command = c.ID
 			return nil
