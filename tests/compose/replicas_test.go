@@ -3,9 +3,11 @@ package compose_test
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"os/exec"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -59,6 +61,10 @@ func TestComposeReplicas(t *testing.T) {
 	pool, tenant := s.envValue("BETTER_COMPUTE_POOL"), s.envValue("BETTER_COMPUTE_TENANT")
 	s.cliRun("pools", "offer", pool, "--to", tenant, "--quota", "gpu=64")
 
+	// A watch of the commands' events through api-lb for the whole drill:
+	// when its API replica is killed it resumes on the other.
+	watch := s.startWatch("command.*")
+	require.NoError(t, clock.Sleep(t.Context(), clock.New(), time.Second)) // subscribed before the first command
 	w := &workload{s: s, pool: pool, nodes: nodes, stop: make(chan struct{})}
 	var wg sync.WaitGroup
 	for i := range 2 {
@@ -91,6 +97,115 @@ func TestComposeReplicas(t *testing.T) {
 	require.Empty(t, w.errs(), "worker failures")
 	s.checkNothingLost(w)
 	s.checkNothingRanTwice(w)
+	s.checkWatch(w, watch)
+}
+
+// watchedEvent is a line of `events watch`.
+type watchedEvent struct {
+	ID        int64  `json:"id"`
+	Type      string `json:"type"`
+	SubjectID string `json:"subjectId"`
+}
+
+// eventWatch is `better-compute events watch` running in the background.
+type eventWatch struct {
+	cancel func()
+	cmd    *exec.Cmd
+	stderr bytes.Buffer // read only after Wait
+	read   chan struct{}
+
+	mu     sync.Mutex
+	events []watchedEvent
+}
+
+// startWatch starts `events watch --types types`, from now; the test's
+// cleanup stops it.
+func (s *stack) startWatch(types string) *eventWatch {
+	t := s.t
+	ctx, cancel := context.WithCancel(t.Context())
+	w := &eventWatch{cancel: cancel, read: make(chan struct{})}
+	w.cmd = exec.CommandContext(ctx, s.cli, "events", "watch", "--types", types)
+	w.cmd.Env = s.env
+	w.cmd.Stderr = &w.stderr
+	out, err := w.cmd.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, w.cmd.Start())
+	go func() {
+		defer close(w.read)
+		dec := json.NewDecoder(out)
+		for {
+			var e watchedEvent
+			if dec.Decode(&e) != nil {
+				return
+			}
+			w.mu.Lock()
+			w.events = append(w.events, e)
+			w.mu.Unlock()
+		}
+	}()
+	t.Cleanup(func() { w.stop() })
+	return w
+}
+
+func (w *eventWatch) snapshot() []watchedEvent {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return slices.Clone(w.events)
+}
+
+// stop ends the watch and returns its standard error.
+func (w *eventWatch) stop() string {
+	w.cancel()
+	<-w.read
+	_ = w.cmd.Wait()
+	return w.stderr.String()
+}
+
+// checkWatch: the watch that ran through every kill printed each
+// command's command.queued and its terminal event exactly once, in
+// increasing id order (no gap, no duplicate across its reconnections).
+func (s *stack) checkWatch(w *workload, watch *eventWatch) {
+	t := s.t
+	terminal := func(typ string) bool {
+		return typ == "command.succeeded" || typ == "command.failed" || typ == "command.expired"
+	}
+	ours := map[string]bool{}
+	for _, a := range w.asked {
+		ours[a.command] = true
+	}
+	require.Eventually(t, func() bool {
+		ended := map[string]bool{}
+		for _, e := range watch.snapshot() {
+			if terminal(e.Type) && ours[e.SubjectID] {
+				ended[e.SubjectID] = true
+			}
+		}
+		return len(ended) == len(ours)
+	}, time.Minute, 500*time.Millisecond, "the watch printed every command's end")
+	stderr := watch.stop()
+	events := watch.snapshot()
+	for i := 1; i < len(events); i++ {
+		require.Greater(t, events[i].ID, events[i-1].ID, "event ids increase: no duplicate")
+	}
+	want, got := map[string]int{}, map[string]int{}
+	for id := range ours {
+		want[id+" command.queued"], want[id+" end"] = 1, 1
+	}
+	for _, e := range events {
+		if !ours[e.SubjectID] {
+			continue
+		}
+		switch {
+		case e.Type == "command.queued":
+			got[e.SubjectID+" command.queued"]++
+		case terminal(e.Type):
+			got[e.SubjectID+" end"]++
+		}
+	}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("events the watch printed per command (-want +got):\n%s", diff)
+	}
+	t.Logf("the watch printed %d events, reconnecting %d times:\n%s", len(events), strings.Count(stderr, "resuming"), stderr)
 }
 
 // asked is one worker iteration: a reservation, the command run on its
