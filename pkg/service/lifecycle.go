@@ -257,7 +257,7 @@ func (h *httpPart) Start(context.Context) error {
 	ln := h.spec.Listener
 	if ln == nil {
 		var err error
-		if ln, err = net.Listen("tcp", h.spec.Addr); err != nil {
+		if ln, err = Listen(h.spec.Addr); err != nil {
 			return fmt.Errorf("listen %s: %w", h.spec.Addr, err)
 		}
 	}
@@ -396,4 +396,34 @@ func (d Deps) checks() []Check {
 		})
 	}
 	return checks
+}
+
+// Listen listens on TCP address addr (host:port). A host name that
+// resolves to several addresses listens on the first of them that is this
+// machine's: a network alias of a replicated compose service (JoinService's
+// joinservice-control) resolves to every replica's address, and each
+// replica must bind its own. An IP or an empty host is listened on as it
+// is (net.Listen).
+func Listen(addr string) (net.Listener, error) {
+	return listen(addr, net.DefaultResolver.LookupHost)
+}
+
+func listen(addr string, lookupHost func(ctx context.Context, host string) ([]string, error)) (net.Listener, error) {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil || host == "" || net.ParseIP(host) != nil {
+		return net.Listen("tcp", addr)
+	}
+	ips, err := lookupHost(context.Background(), host)
+	if err != nil || len(ips) < 2 {
+		return net.Listen("tcp", addr)
+	}
+	var errs []error
+	for _, ip := range ips {
+		ln, err := net.Listen("tcp", net.JoinHostPort(ip, port))
+		if err == nil {
+			return ln, nil
+		}
+		errs = append(errs, err)
+	}
+	return nil, fmt.Errorf("none of the addresses of %s is this machine's: %w", host, errors.Join(errs...))
 }

@@ -49,6 +49,7 @@ type stack struct {
 	compose []string
 	env     []string
 	cli     string
+	files   []string
 }
 
 func repoRoot(t *testing.T) string {
@@ -75,6 +76,14 @@ func composeCommand() []string {
 
 func newStack(t *testing.T) *stack {
 	t.Helper()
+	return newProject(t, "bce2e")
+}
+
+// newProject is newStack with a project name of its own, prefix and the
+// process id, so that compose tests can run side by side; overrides are
+// compose files (relative to the repository root) read after compose.yaml.
+func newProject(t *testing.T, prefix string, overrides ...string) *stack {
+	t.Helper()
 	root := repoRoot(t)
 	cli := filepath.Join(root, "bin", "linux", "better-compute")
 	if _, err := os.Stat(cli); err != nil {
@@ -83,9 +92,10 @@ func newStack(t *testing.T) *stack {
 	s := &stack{
 		t:       t,
 		root:    root,
-		project: fmt.Sprintf("bce2e%d", os.Getpid()),
+		project: fmt.Sprintf("%s%d", prefix, os.Getpid()),
 		compose: composeCommand(),
 		cli:     cli,
+		files:   append([]string{"compose.yaml"}, overrides...),
 	}
 	s.env = append(os.Environ(),
 		"COMPOSE_PROJECT_NAME="+s.project,
@@ -103,7 +113,10 @@ func newStack(t *testing.T) *stack {
 }
 
 func (s *stack) run(ctx context.Context, args ...string) (string, error) {
-	argv := append(append([]string{}, s.compose[1:]...), "-f", filepath.Join(s.root, "compose.yaml"))
+	argv := append([]string{}, s.compose[1:]...)
+	for _, f := range s.files {
+		argv = append(argv, "-f", filepath.Join(s.root, f))
+	}
 	argv = append(argv, args...)
 	cmd := exec.CommandContext(ctx, s.compose[0], argv...)
 	cmd.Dir = s.root

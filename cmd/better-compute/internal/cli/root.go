@@ -91,6 +91,7 @@ func NewRoot(env Env) *cobra.Command {
 		a.pkiCmd(),
 		a.bootstrapCmd(),
 		a.healthcheckCmd(),
+		a.lbCmd(),
 		a.versionCmd(),
 	)
 	root.InitDefaultCompletionCmd()
