@@ -75,6 +75,14 @@ func composeCommand() []string {
 
 func newStack(t *testing.T) *stack {
 	t.Helper()
+	return newStackNamed(t, "bce2e")
+}
+
+// newStackNamed is newStack with the compose project named prefix + the
+// test process's id, and extra environment (KEY=VALUE) for compose and the
+// CLI.
+func newStackNamed(t *testing.T, prefix string, extra ...string) *stack {
+	t.Helper()
 	root := repoRoot(t)
 	cli := filepath.Join(root, "bin", "linux", "better-compute")
 	if _, err := os.Stat(cli); err != nil {
@@ -83,7 +91,7 @@ func newStack(t *testing.T) *stack {
 	s := &stack{
 		t:       t,
 		root:    root,
-		project: fmt.Sprintf("bce2e%d", os.Getpid()),
+		project: fmt.Sprintf("%s%d", prefix, os.Getpid()),
 		compose: composeCommand(),
 		cli:     cli,
 	}
@@ -92,6 +100,7 @@ func newStack(t *testing.T) *stack {
 		"DOCKER_BUILDKIT=0", "COMPOSE_DOCKER_CLI_BUILD=0",
 		"BETTER_COMPUTE_API_PORT="+strconv.Itoa(freePort(t)),
 	)
+	s.env = append(s.env, extra...)
 	t.Cleanup(func() {
 		if t.Failed() {
 			out, _ := s.run(context.Background(), "logs", "--tail", "40")
