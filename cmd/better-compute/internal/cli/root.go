@@ -5,7 +5,9 @@
 //
 // Global configuration comes from the environment and flags: BETTER_COMPUTE_URL
 // (--url, default http://127.0.0.1:8080), BETTER_COMPUTE_TOKEN (--token) and
-// BETTER_COMPUTE_TENANT (sent as the X-BC-Tenant header). Errors are printed
+// BETTER_COMPUTE_TENANT (sent as the X-BC-Tenant header); with
+// OTEL_EXPORTER_OTLP_ENDPOINT (or _TRACES_ENDPOINT) set, API commands export
+// their spans over OTLP (trace.go). Errors are printed
 // as "error: <code>: <message>" for API errors and "error: <message>"
 // otherwise, and make the process exit 1 — except in console and ssh-proxy,
 // which exit 255 when the tunnel fails, as ssh does, so that their other
