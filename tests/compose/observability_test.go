@@ -71,10 +71,12 @@ func TestObservabilityRules(t *testing.T) {
 	// The metric names of better-compute's namespaces; recording rules'
 	// names (bc:…) have a colon and are not matched.
 	metric := regexp.MustCompile(`\b(?:bc|rpc|pgxpool)_[a-z0-9_]+\b`)
+	// Label names: in matchers ({…}) and grouping clauses (by/on/without (…)).
+	labels := regexp.MustCompile(`\{[^}]*\}|\b(?:by|on|without|ignoring|group_left|group_right)\s*\([^)]*\)`)
 	var unknown []string
 	named := map[string]bool{}
 	for _, e := range exprs {
-		for _, m := range metric.FindAllString(e, -1) {
+		for _, m := range metric.FindAllString(labels.ReplaceAllString(e, " "), -1) {
 			named[m] = true
 			if !known[m] {
 				unknown = append(unknown, m)
