@@ -145,7 +145,7 @@ func TestComposeObservability(t *testing.T) {
 		return cmp.Diff(want, jobs) == ""
 	}, 2*time.Minute, time.Second, "every scrape target up")
 	for _, q := range []string{
-		fmt.Sprintf(`bc_commands_finished_total{kind="inventory.refresh",state="succeeded"}`),
+		`bc_commands_finished_total{kind="inventory.refresh",state="succeeded"}`,
 		`bc_commands_duration_seconds_count{kind="inventory.refresh",state="succeeded"}`,
 		`rpc_server_call_duration_seconds_count{rpc_method="bc.compute.v1.CommandService/RunCommand"}`,
 		`bc_reservations_activation_seconds_count`,
