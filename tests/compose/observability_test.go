@@ -110,6 +110,10 @@ func TestComposeObservability(t *testing.T) {
 		fmt.Sprintf("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=http://127.0.0.1:%d/v1/traces", otlpPort),
 	)
 	t.Cleanup(func() {
+		if t.Failed() {
+			out, _ := s.run(context.Background(), "--profile", "observability", "logs", "--tail", "40")
+			t.Logf("compose logs:\n%s", out)
+		}
 		_, _ = s.run(context.Background(), "--profile", "observability", "down", "-v", "--remove-orphans", "-t", "5")
 	})
 	s.mustRun("--profile", "observability", "up", "-d", "--scale", "fakedaemon=2")
@@ -179,6 +183,14 @@ func TestComposeObservability(t *testing.T) {
 	jaeger := fmt.Sprintf("http://127.0.0.1:%d", jaegerPort)
 	want := []string{"api", "better-compute", "controllers", "fakedaemon", "gateway"}
 	var last []string
+	defer func() {
+		if t.Failed() {
+			var services, ops any
+			getJSON(t, jaeger+"/api/services", &services)
+			getJSON(t, jaeger+"/api/services/better-compute/operations", &ops)
+			t.Logf("jaeger services: %v; operations of better-compute: %v", services, ops)
+		}
+	}()
 	require.Eventually(t, func() bool {
 		for _, tr := range jaegerTraces(t, jaeger, "better-compute", "better-compute commands run") {
 			var services []string
