@@ -21,6 +21,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 	"github.com/stretchr/testify/require"
 
+	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/telemetry"
 )
 
@@ -116,9 +117,13 @@ func TestComposeObservability(t *testing.T) {
 		}
 		_, _ = s.run(context.Background(), "--profile", "observability", "down", "-v", "--remove-orphans", "-t", "5")
 	})
+	wall := clock.New()
+	began := wall.Now()
 	s.mustRun("--profile", "observability", "up", "-d", "--scale", "fakedaemon=2")
+	upTook := clock.Since(wall, began)
 	s.credentials()
 	nodes := s.waitAdopted(2, 3*time.Minute)
+	t.Logf("observability profile: up -d took %s, 2 machines adopted %s after it began", upTook, clock.Since(wall, began))
 
 	pool, tenant := s.envValue("BETTER_COMPUTE_POOL"), s.envValue("BETTER_COMPUTE_TENANT")
 	s.cliRun("pools", "offer", pool, "--to", tenant, "--quota", "gpu=64")
