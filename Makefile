@@ -88,9 +88,20 @@ TAG ?= $(or $(BETTER_COMPUTE_IMAGE_TAG),$(shell git describe --tags --always --d
 images: build ## Build every image compose and the tests need (no registry: postgres, nats, services), the services' tagged TAG (git describe) and dev.
 	BETTER_COMPUTE_IMAGE_TAG=$(TAG) scripts/images.sh all
 
+# The observability profile (OBS=1): Prometheus and Jaeger beside the stack,
+# every service and fakedaemon exporting its spans to Jaeger
+# (docs/compose.md).
+OBS ?=
+OBS_COMPOSE := $(if $(OBS),--profile observability)
+OBS_ENV := $(if $(OBS),OTEL_EXPORTER_OTLP_ENDPOINT=http://jaeger:4318)
+
+.PHONY: images-obs
+images-obs: ## Build the images of compose's observability profile (prometheus, jaeger; from their Go modules, many minutes the first time).
+	scripts/images.sh observability
+
 .PHONY: up
-up: images ## Build what is missing, start the stack with FLEET (8) fakedaemons, wait for adoption, print the CLI's env.
-	$(COMPOSE) up -d --scale fakedaemon=$(FLEET)
+up: images $(if $(OBS),images-obs) ## Build what is missing, start the stack with FLEET (8) fakedaemons (OBS=1: with Prometheus and Jaeger), wait for adoption, print the CLI's env.
+	$(OBS_ENV) $(COMPOSE) $(OBS_COMPOSE) up -d --scale fakedaemon=$(FLEET)
 	scripts/wait-fleet.sh $(FLEET)
 
 SIM ?= 8
@@ -99,8 +110,8 @@ dev: ## Run the control plane in one process with SIM (8) simulated machines and
 	$(GO) run ./cmd/better-compute dev --memory --sim $(SIM)
 
 .PHONY: down
-down: ## Stop the stack and delete its volumes.
-	$(COMPOSE) down -v --remove-orphans
+down: ## Stop the stack (with the observability profile's services) and delete its volumes.
+	$(COMPOSE) --profile observability down -v --remove-orphans
 
 .PHONY: ps
 ps: ## Show the stack's containers.
@@ -115,7 +126,7 @@ test-unit: images
 # The suites of tests/: services in process against Postgres and NATS
 # containers, and the compose fleet end to end.
 .PHONY: test-e2e
-test-e2e: images
+test-e2e: images images-obs
 	cd tests && $(GO) test -race -count=1 -timeout 20m ./...
 
 # Each fuzz test runs for FUZZTIME (go test -fuzz takes one target at a

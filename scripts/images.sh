@@ -11,7 +11,7 @@ set -euo pipefail
 
 usage() {
 	cat <<'EOF'
-usage: scripts/images.sh [--force] [all|postgres|nats|services [NAME...]]...
+usage: scripts/images.sh [--force] [all|postgres|nats|services [NAME...]|observability]...
 
   all       postgres, nats and services (the default)
   postgres  ${BETTER_COMPUTE_POSTGRES_IMAGE:-better-compute/postgres:15}:
@@ -27,6 +27,13 @@ usage: scripts/images.sh [--force] [all|postgres|nats|services [NAME...]]...
             (`make images` passes `git describe --tags --always --dirty`),
             each image is also tagged dev, the tag compose.yaml and the
             tests use by default
+  observability
+            ${BETTER_COMPUTE_PROMETHEUS_IMAGE:-better-compute/prometheus:<version>}
+            and ${BETTER_COMPUTE_JAEGER_IMAGE:-better-compute/jaeger:<version>}
+            for compose's observability profile (`make up OBS=1`): static
+            prometheus + promtool and jaeger built with `go build` from their
+            Go modules, on scratch. Not part of all: the first build takes
+            many minutes
   --force   rebuild even when an up-to-date image exists (also re-runs
             debootstrap and go install)
 
@@ -34,6 +41,10 @@ environment:
   BETTER_COMPUTE_POSTGRES_IMAGE  postgres image name   (better-compute/postgres:15)
   BETTER_COMPUTE_NATS_VERSION    nats-server version   (v2.15.2)
   BETTER_COMPUTE_NATS_IMAGE      nats image name       (better-compute/nats:<version without v>)
+  BETTER_COMPUTE_PROMETHEUS_VERSION  prometheus version (v0.316.0)
+  BETTER_COMPUTE_PROMETHEUS_IMAGE    its image name     (better-compute/prometheus:<version without v>)
+  BETTER_COMPUTE_JAEGER_VERSION  jaeger version        (v1.75.0)
+  BETTER_COMPUTE_JAEGER_IMAGE    its image name        (better-compute/jaeger:<version without v>)
   BETTER_COMPUTE_IMAGE_PREFIX    service image prefix  (better-compute)
   BETTER_COMPUTE_IMAGE_TAG       service image tag     (dev; compose.yaml reads it too;
                                  another is a version, and dev its alias)
@@ -61,6 +72,11 @@ PG_IMAGE=${BETTER_COMPUTE_POSTGRES_IMAGE:-better-compute/postgres:$PG_MAJOR}
 
 NATS_VERSION=${BETTER_COMPUTE_NATS_VERSION:-v2.15.2}
 NATS_IMAGE=${BETTER_COMPUTE_NATS_IMAGE:-better-compute/nats:${NATS_VERSION#v}}
+
+PROM_VERSION=${BETTER_COMPUTE_PROMETHEUS_VERSION:-v0.316.0}
+PROM_IMAGE=${BETTER_COMPUTE_PROMETHEUS_IMAGE:-better-compute/prometheus:${PROM_VERSION#v}}
+JAEGER_VERSION=${BETTER_COMPUTE_JAEGER_VERSION:-v1.75.0}
+JAEGER_IMAGE=${BETTER_COMPUTE_JAEGER_IMAGE:-better-compute/jaeger:${JAEGER_VERSION#v}}
 
 IMAGE_PREFIX=${BETTER_COMPUTE_IMAGE_PREFIX:-better-compute}
 SERVICE_TAG=${BETTER_COMPUTE_IMAGE_TAG:-dev}
@@ -334,6 +350,106 @@ build_nats() {
 	log "      built $NATS_IMAGE in $((SECONDS - t0))s"
 }
 
+# ----------------------------------------------------------- observability --
+
+# healthcheck_bin DIR: bc-healthcheck (the compose health check of a scratch
+# image, which has no shell) built into DIR.
+healthcheck_bin() {
+	CGO_ENABLED=0 go build -C "$ROOT/pkg" -trimpath -ldflags='-s -w' -o "$1/bc-healthcheck" ./service/healthcheck
+}
+
+# go_module_build MODULE VERSION OUT PKG...: static binaries of the packages
+# PKG of MODULE@VERSION into the directory OUT (one per package, named after
+# its last path element). A throwaway main module whose go.mod is MODULE's
+# own (its requirements and replace directives, which `go install pkg@version`
+# refuses) plus a requirement of MODULE builds them, so the versions are the
+# ones MODULE was released with. Outside the repo, so its go.mod/go.work play
+# no part.
+go_module_build() {
+	local module=$1 version=$2 out=$3
+	shift 3
+	local dir=$out/build
+	rm -rf "$dir"
+	mkdir -p "$dir"
+	CLEANUP+=("$dir")
+	local modfile
+	modfile=$(env -C "$dir" GOWORK=off GOFLAGS=-mod=mod go mod download -json "$module@$version" |
+		sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",*$/\1/p')
+	[[ -f $modfile ]] || die "no go.mod of $module@$version in the module cache"
+	{
+		sed -e 's#^module .*#module better-compute.local/build#' "$modfile"
+		echo "require $module $version"
+	} >"$dir/go.mod"
+	local pkg
+	for pkg in "$@"; do
+		run_logged "$out/go-build.log" \
+			env -C "$dir" CGO_ENABLED=0 GOWORK=off GOFLAGS="-trimpath -mod=mod" \
+			go build -ldflags='-s -w' -o "$dir/$(basename "$pkg")" "$pkg"
+	done
+	for pkg in "$@"; do
+		mv "$dir/$(basename "$pkg")" "$out/"
+	done
+	rm -rf "$dir"
+}
+
+# build_gomod_image IMAGE DOCKERFILE MODULE VERSION PKG...: the image
+# IMAGE of DOCKERFILE with the binaries of PKG (go_module_build, kept in
+# the cache) and bc-healthcheck in its context; skipped when its
+# inputs-hash label is up to date.
+build_gomod_image() {
+	local image=$1 dockerfile=$2 module=$3 version=$4 t0=$SECONDS
+	shift 4
+	local hc
+	hc=$(mktemp -d)
+	CLEANUP+=("$hc")
+	healthcheck_bin "$hc"
+	local hash
+	hash=$( {
+		echo "schema=$SCHEMA module=$module version=$version packages=$*"
+		cat "$dockerfile"
+		sha256sum <"$hc/bc-healthcheck"
+	} | hash_of)
+	if up_to_date "$image" "$hash"; then
+		log "skip  $image (up to date, ${hash:0:12})"
+		return
+	fi
+	log "build $image (${hash:0:12})"
+	local dir=$CACHE_DIR/${module##*/}/$version pkg missing=0
+	mkdir -p "$dir"
+	for pkg in "$@"; do
+		[[ -x $dir/$(basename "$pkg") ]] || missing=1
+	done
+	if [[ $FORCE == 1 || $missing == 1 ]]; then
+		log "      go build $* from $module@$version (log: $dir/go-build.log)"
+		go_module_build "$module" "$version" "$dir" "$@"
+	else
+		log "      reusing the binaries in $dir"
+	fi
+	local ctx
+	ctx=$(mktemp -d)
+	CLEANUP+=("$ctx")
+	mkdir -p "$ctx/rootfs/tmp" "$ctx/data"
+	chmod 1777 "$ctx/rootfs/tmp"
+	for pkg in "$@"; do
+		cp "$dir/$(basename "$pkg")" "$ctx/"
+	done
+	cp "$hc/bc-healthcheck" "$ctx/bc-healthcheck"
+	local old
+	old=$(image_id "$image")
+	docker_build "$dir/docker-build.log" -f "$dockerfile" --label "$LABEL=$hash" -t "$image" "$ctx"
+	drop_old "$old"
+	log "      built $image in $((SECONDS - t0))s"
+}
+
+build_observability() {
+	build_gomod_image "$PROM_IMAGE" "$DEPLOY/observability/prometheus.Dockerfile" \
+		github.com/prometheus/prometheus "$PROM_VERSION" \
+		github.com/prometheus/prometheus/cmd/prometheus github.com/prometheus/prometheus/cmd/promtool
+	build_gomod_image "$JAEGER_IMAGE" "$DEPLOY/observability/jaeger.Dockerfile" \
+		github.com/jaegertracing/jaeger "$JAEGER_VERSION" \
+		github.com/jaegertracing/jaeger/cmd/jaeger
+}
+
 # ---------------------------------------------------------------- services --
 
 build_services() {
@@ -419,7 +535,7 @@ main() {
 			return 0
 			;;
 		-f | --force) FORCE=1 ;;
-		all | postgres | nats | services) targets+=("$arg") ;;
+		all | postgres | nats | services | observability) targets+=("$arg") ;;
 		-*) die "unknown option $arg (see --help)" ;;
 		*)
 			# NAMEs after "services"
@@ -446,6 +562,7 @@ main() {
 		postgres) build_postgres ;;
 		nats) build_nats ;;
 		services) build_services ${names[@]+"${names[@]}"} ;;
+		observability) build_observability ;;
 		esac
 	done
 	log "done in $((SECONDS - STARTED))s"

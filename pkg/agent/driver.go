@@ -88,6 +88,10 @@ type driver struct {
 	tun      tunnelSet
 	sshd     *sshServer
 	refusals chan *gatewayv1.SshRefused
+	// nodeID is the node's id; spans the spans of the commands in flight
+	// (trace.go).
+	nodeID string
+	spans  commandSpans
 }
 
 // revokedMessage is the message of the gateway's Unauthenticated refusal of
@@ -126,9 +130,11 @@ func (d *driver) loop(ctx context.Context) error {
 				if d.cur != nil && d.cur.n == ev.session {
 					d.log.Info("session ended", "session", ev.session, telemetry.KeyError, err)
 					d.closeSession()
+					d.spans.ended()
 				}
 				d.apply(d.core.Disconnected(d.clk.Now(), ev.session, err))
 			} else {
+				d.spans.received(ev.msg, d.nodeID)
 				d.apply(d.core.Receive(d.clk.Now(), ev.session, ev.msg))
 			}
 		case <-d.timer.C():
@@ -155,6 +161,7 @@ func (d *driver) apply(effects []daemon.Effect) {
 			}
 			// A failed send comes back as an event (write).
 			d.send(d.cur, e.Msg)
+			d.spans.sent(e.Msg)
 		case daemon.EffectDial:
 			d.closeSession()
 			d.freshTransport()

@@ -230,7 +230,8 @@ func (m *Machine) run(ctx context.Context) error {
 		events: make(chan event, 16), timer: m.r.clk.NewTimer(time.Hour),
 		urls: gwURLs, gw: int(binary.BigEndian.Uint64(seed[8:16]) % uint64(len(gwURLs))),
 		conns: conns, rn: renewState{id: id, tlsCfg: tlsCfg, tr: tr},
-		refusals: make(chan *gatewayv1.SshRefused, daemon.MaxPendingSSHRefusals)}
+		refusals: make(chan *gatewayv1.SshRefused, daemon.MaxPendingSSHRefusals),
+		nodeID:   id.NodeID, spans: commandSpans{}}
 	d.sshd = newSSHServer(log.With("part", "sshd"), m.dir, id.NodeID, m.r.clk, hw, core.SSHAccess(), d.refused)
 	d.makeClients()
 	d.timer.Stop()

@@ -14,7 +14,10 @@
 // also polls, so a missed signal only delays. Several relays may
 // run: rows are taken with FOR UPDATE SKIP LOCKED, and a message may be
 // published more than once (a commit lost after the flush; pokes and events
-// are idempotent hints to their readers).
+// are idempotent hints to their readers). A row written with a trace
+// context (store.OutboxMessage.Traceparent) is published inside a producer
+// span of that trace, whose context the message carries in its
+// traceparent header (docs/architecture.md, "Traces").
 package outbox
 
 import (
@@ -27,8 +30,11 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
+	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/store"
@@ -245,7 +251,11 @@ func (r *Relay) publish(m store.OutboxMessage) (cause string, err error) {
 		return causeMaxPayload, fmt.Errorf("payload of %d bytes is above the NATS server's max payload of %d bytes",
 			len(m.Payload), limit)
 	}
-	err = r.NC.Publish(m.Subject, m.Payload)
+	if m.Traceparent == "" {
+		err = r.NC.Publish(m.Subject, m.Payload)
+	} else {
+		err = r.publishTraced(m)
+	}
 	switch {
 	case err == nil:
 		return "", nil
@@ -255,6 +265,27 @@ func (r *Relay) publish(m store.OutboxMessage) (cause string, err error) {
 		return causeBadSubject, fmt.Errorf("subject %q: %w", m.Subject, err)
 	}
 	return "", err
+}
+
+// tracer makes the relay's publish spans (the global provider's).
+var tracer = otel.Tracer("github.com/better-compute/better-compute/pkg/outbox")
+
+// publishTraced publishes m, a row with a trace context, in a producer
+// span of that trace, with the span's context in the traceparent header.
+func (r *Relay) publishTraced(m store.OutboxMessage) error {
+	ctx := telemetry.ContextWithTraceparent(context.Background(), m.Traceparent)
+	ctx, span := tracer.Start(ctx, "outbox publish "+subjectFamilies[family(m.Subject)].family,
+		trace.WithSpanKind(trace.SpanKindProducer),
+		trace.WithAttributes(attribute.String("messaging.system", "nats"),
+			attribute.String("messaging.destination.name", m.Subject)))
+	defer span.End()
+	msg := &nats.Msg{Subject: m.Subject, Data: m.Payload, Header: nats.Header{}}
+	msg.Header.Set(telemetry.TraceparentHeader, telemetry.Traceparent(ctx))
+	err := r.NC.PublishMsg(msg)
+	if err != nil {
+		span.SetStatus(codes.Error, err.Error())
+	}
+	return err
 }
 
 // listen holds a LISTEN connection and signals wake on every notification;

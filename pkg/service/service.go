@@ -125,8 +125,15 @@ func HandlerOptions(logger *slog.Logger) []connect.HandlerOption {
 // inner (e.g. authentication, so that an unauthenticated caller learns
 // nothing from validation and a database error while authenticating is
 // masked), validation, the handler.
+//
+// The server spans are children of the caller's trace context (the
+// traceparent header) rather than new traces linked to it, so that one
+// trace crosses from the CLI to the machines (docs/architecture.md,
+// "Traces"): a trace id grants nothing, and a caller that picks one only
+// groups its own calls' spans.
 func HandlerOptionsAround(logger *slog.Logger, metrics *telemetry.Metrics, outer, inner []connect.Interceptor) []connect.HandlerOption {
-	otel, err := otelconnect.NewInterceptor(otelconnect.WithMeterProvider(metrics.MeterProvider()))
+	otel, err := otelconnect.NewInterceptor(otelconnect.WithMeterProvider(metrics.MeterProvider()),
+		otelconnect.WithTrustRemote())
 	if err != nil {
 		panic(err) // only fails on invalid options, which are constant here
 	}

@@ -186,6 +186,11 @@ type NewCommand struct {
 	// TokenID, Role and Procedure are used; At, Target, Outcome and Detail
 	// are set there).
 	Audit *AuditEntry
+	// Traceparent is the W3C trace context of the call that queues the
+	// command (telemetry.Traceparent of its context), "" for none: stored
+	// with the command and with its gateway poke (docs/architecture.md,
+	// "Traces").
+	Traceparent string
 }
 
 // QueuedCommand is what QueueCommand did.
@@ -272,9 +277,10 @@ func QueueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 // for a request id already used, that command.
 var queueSQL = `WITH u AS (
 		SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[], $5::timestamptz[], $6::text[], $7::text[],
-			$8::text[], $9::bytea[], $10::text[], $11::text[], $12::text[], $13::text[], $14::bool[], $15::text[], $19::text[])
+			$8::text[], $9::bytea[], $10::text[], $11::text[], $12::text[], $13::text[], $14::bool[], $15::text[], $19::text[],
+			$20::text[])
 			WITH ORDINALITY AS u(id, node, kind, safe, deadline, created_by, req, scope, sig, a_tenant, a_token, a_role,
-				a_proc, audit, ev_type, ev_data, ord)),
+				a_proc, audit, ev_type, ev_data, tp, ord)),
 	n AS (
 		SELECT n.id, n.provision_state, n.revoked_at IS NOT NULL AS revoked, p.owner_tenant_id AS tenant, n.gateway_id
 		FROM nodes n JOIN pools p ON p.id = n.pool_id
@@ -291,8 +297,8 @@ var queueSQL = `WITH u AS (
 			AND NOT EXISTS (SELECT 1 FROM prev WHERE prev.ord = ok.ord)),
 	ins AS (
 		INSERT INTO commands AS c (id, node_id, kind, args, purpose, state, retry_safe, deadline, created_by, created_at,
-			updated_at, request_id, signature)
-		SELECT id, node, kind, '{}', 'user', 'queued', safe, deadline, created_by, $17, $17, NULLIF(req, ''), sig
+			updated_at, request_id, signature, traceparent)
+		SELECT id, node, kind, '{}', 'user', 'queued', safe, deadline, created_by, $17, $17, NULLIF(req, ''), sig, tp
 		FROM cand ORDER BY ord
 		ON CONFLICT (node_id, request_id) WHERE request_id IS NOT NULL DO NOTHING
 		RETURNING c.id),
@@ -300,9 +306,10 @@ var queueSQL = `WITH u AS (
 	queued AS (SELECT ord, tenant, ev_type AS type, id AS subject, ev_data::jsonb AS data, $17::timestamptz AS at FROM done),
 	` + eventWriterCTEs("queued", "$18") + `,
 	poke AS (
-		INSERT INTO outbox (subject, payload, created_at)
+		INSERT INTO outbox (subject, payload, created_at, traceparent)
 		SELECT '` + SubjectPokeGatewayPrefix + `' || gateway_id,
-			convert_to(jsonb_build_object('nodeIds', array_agg(DISTINCT node ORDER BY node))::text, 'UTF8'), $17
+			convert_to(jsonb_build_object('nodeIds', array_agg(DISTINCT node ORDER BY node))::text, 'UTF8'), $17,
+			(array_agg(tp ORDER BY ord))[1]
 		FROM done WHERE gateway_id IS NOT NULL GROUP BY gateway_id ORDER BY gateway_id
 		RETURNING id),
 	aud AS (
@@ -335,6 +342,7 @@ func queueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 	safe, audit := make([]bool, k), make([]bool, k)
 	deadline := make([]time.Time, k)
 	sig := make([][]byte, k)
+	tp := make([]string, k)
 	events := make([]NewEvent, k)
 	for x, i := range sent {
 		c := cmds[i]
@@ -343,6 +351,7 @@ func queueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 		id[x], node[x], kind[x], created[x], req[x], scope[x], deadline[x] = c.ID, c.NodeID, c.Kind, c.CreatedBy,
 			c.RequestID, c.Scope.arg(), d
 		safe[x], _ = CommandRetrySafe(c.Kind)
+		tp[x] = c.Traceparent
 		// The tenant is the node's, read by the statement.
 		events[x] = NewEvent{Data: CommandQueuedData{CommandID: c.ID, NodeID: c.NodeID, Kind: c.Kind, Deadline: d}}
 		if c.Audit != nil {
@@ -366,7 +375,7 @@ func queueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 	slices.Sort(nodes)
 	nodes = slices.Compact(nodes)
 	rows, err := q.Query(ctx, queueSQL, id, node, kind, safe, deadline, created, req, scope, sig, aTenant, aToken, aRole,
-		aProc, audit, ev.types, nodes, now, eventTime(now), ev.data)
+		aProc, audit, ev.types, nodes, now, eventTime(now), ev.data, tp)
 	if err != nil {
 		return queryErr("queue commands", err)
 	}

@@ -4,6 +4,7 @@ import (
 	"crypto/ed25519"
 	"crypto/rand"
 	"encoding/json"
+	"strings"
 	"testing"
 	"time"
 
@@ -577,4 +578,50 @@ func TestQueueCommandsDuplicatesInOneBatch(t *testing.T) {
 			require.Equal(t, 1, countRows(t, db, `SELECT count(*) FROM commands`))
 		})
 	}
+}
+
+// TestQueueCommandsKeepTraceparent: a command keeps the trace context of
+// the call that queued it, and so does its gateway poke's outbox row, which
+// TakeOutbox returns with it and the gateway's claim hands on
+// (docs/architecture.md, "Traces"); a command queued without one has none.
+func TestQueueCommandsKeepTraceparent(t *testing.T) {
+	t.Parallel()
+	db, now := commandsDB(t)
+	ctx := t.Context()
+	storetest.Node(t, db, &storetest.NodeOpts{ID: "n-gw", PoolID: "pool_1", State: store.NodeAdopted, GatewayID: "gw-a",
+		SessionID: "ses_1"})
+	const tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+	res, err := store.QueueCommands(ctx, db.AutoCommit(), nil, now, []store.NewCommand{
+		{Scope: store.AllTenants, ID: "cmd_t", NodeID: "n-gw", Kind: store.CommandDiagNVML, Deadline: now.Add(time.Minute),
+			Traceparent: tp},
+		{Scope: store.AllTenants, ID: "cmd_u", NodeID: "n-ok", Kind: store.CommandDiagNVML, Deadline: now.Add(time.Minute)},
+	})
+	require.NoError(t, err)
+	require.NoError(t, res[0].Err)
+	require.NoError(t, res[1].Err)
+
+	rows, err := db.Pool.Query(ctx, `SELECT id || ' ' || traceparent FROM commands ORDER BY id`)
+	require.NoError(t, err)
+	got, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	require.Equal(t, []string{"cmd_t " + tp, "cmd_u "}, got)
+
+	var pokes []store.OutboxMessage
+	require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
+		msgs, err := store.TakeOutbox(ctx, tx, 0, 100)
+		for _, m := range msgs {
+			if strings.HasPrefix(m.Subject, store.SubjectPokeGatewayPrefix) {
+				pokes = append(pokes, m)
+			}
+		}
+		return err
+	}))
+	require.Len(t, pokes, 1)
+	require.Equal(t, "bc.poke.gw.gw-a", pokes[0].Subject)
+	require.Equal(t, tp, pokes[0].Traceparent)
+
+	d, err := store.ClaimSessionDeliveries(ctx, db.Pool, now, []store.ClaimRequest{{NodeID: "n-gw", SessionID: "ses_1"}})
+	require.NoError(t, err)
+	require.Len(t, d[0].Commands, 1)
+	require.Equal(t, tp, d[0].Commands[0].Traceparent)
 }

@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/better-compute/better-compute/pkg/telemetry"
 )
 
 // NATS subjects written through the outbox.
@@ -49,14 +51,17 @@ type APITokenRevoked struct {
 	TokenID string `json:"tokenId"`
 }
 
-// Enqueue writes one outbox message in q's transaction and signals the relay,
-// which receives the signal only if and when the transaction commits (see
+// Enqueue writes one outbox message in q's transaction, with the trace
+// context of ctx's span (telemetry.Traceparent, which the relay publishes
+// in the message's traceparent header), and signals the relay, which
+// receives the signal only if and when the transaction commits (see
 // signalOutbox).
 func Enqueue(ctx context.Context, q DBTX, now time.Time, subject string, payload []byte) error {
 	if payload == nil {
 		payload = []byte{}
 	}
-	_, err := q.Exec(ctx, `INSERT INTO outbox (subject, payload, created_at) VALUES ($1, $2, $3)`, subject, payload, now)
+	_, err := q.Exec(ctx, `INSERT INTO outbox (subject, payload, created_at, traceparent) VALUES ($1, $2, $3, $4)`,
+		subject, payload, now, telemetry.Traceparent(ctx))
 	if err != nil {
 		return fmt.Errorf("enqueue %s: %w", subject, err)
 	}
@@ -110,6 +115,9 @@ type OutboxMessage struct {
 	Payload []byte
 	// CreatedAt is when the row was written.
 	CreatedAt time.Time
+	// Traceparent is the W3C trace context of the request that wrote the
+	// row, "" when none (telemetry.Traceparent).
+	Traceparent string
 }
 
 // TakeOutbox deletes up to limit outbox rows with ids above after, oldest
@@ -128,7 +136,7 @@ type OutboxMessage struct {
 func TakeOutbox(ctx context.Context, q DBTX, after int64, limit int) ([]OutboxMessage, error) {
 	rows, err := q.Query(ctx, `DELETE FROM outbox WHERE id IN (
 			SELECT id FROM outbox WHERE id > $2 ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED)
-		RETURNING id, subject, payload, created_at`, limit, after)
+		RETURNING id, subject, payload, created_at, traceparent`, limit, after)
 	if err != nil {
 		return nil, fmt.Errorf("take outbox: %w", err)
 	}

@@ -117,6 +117,10 @@ type SessionCommand struct {
 	// Signature is the command-signing root's signature (signedIntent), nil
 	// when the command is unsigned. See CommandMessage.
 	Signature []byte
+	// Traceparent is the W3C trace context of the RunCommand call that
+	// queued the command, "" when none: the gateway starts the span of its
+	// delivery from it.
+	Traceparent string
 }
 
 // ClaimRequest asks ClaimSessionDeliveries for the work of one session.
@@ -201,7 +205,7 @@ func ClaimSessionDeliveries(ctx context.Context, q DBTX, now time.Time, reqs []C
 			state = CASE WHEN c.state = 'queued' THEN 'delivered' ELSE c.state END,
 			delivered_at = $4, deliveries = c.deliveries + 1, updated_at = $4
 		FROM pick WHERE c.id = pick.id
-		RETURNING pick.ord, c.id, c.kind, c.args, c.deadline, c.retry_safe, c.created_at, c.signature`,
+		RETURNING pick.ord, c.id, c.kind, c.args, c.deadline, c.retry_safe, c.created_at, c.signature, c.traceparent`,
 		ids, sids, inFlight, now)
 	br := q.SendBatch(ctx, b)
 	defer br.Close()
@@ -234,7 +238,7 @@ func ClaimSessionDeliveries(ctx context.Context, q DBTX, now time.Time, reqs []C
 			ord int64
 			c   SessionCommand
 		)
-		if err := rows.Scan(&ord, &c.ID, &c.Kind, &c.Args, &c.Deadline, &c.RetrySafe, &c.CreatedAt, &c.Signature); err != nil {
+		if err := rows.Scan(&ord, &c.ID, &c.Kind, &c.Args, &c.Deadline, &c.RetrySafe, &c.CreatedAt, &c.Signature, &c.Traceparent); err != nil {
 			rows.Close()
 			return nil, err
 		}

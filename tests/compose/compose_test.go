@@ -76,13 +76,14 @@ func composeCommand() []string {
 
 func newStack(t *testing.T) *stack {
 	t.Helper()
-	return newProject(t, "bce2e")
+	return newProject(t, "bce2e", nil)
 }
 
 // newProject is newStack with a project name of its own, prefix and the
 // process id, so that compose tests can run side by side; overrides are
-// compose files (relative to the repository root) read after compose.yaml.
-func newProject(t *testing.T, prefix string, overrides ...string) *stack {
+// compose files (relative to the repository root) read after compose.yaml,
+// extra is environment (KEY=VALUE) for compose and the CLI.
+func newProject(t *testing.T, prefix string, overrides []string, extra ...string) *stack {
 	t.Helper()
 	root := repoRoot(t)
 	cli := filepath.Join(root, "bin", "linux", "better-compute")
@@ -102,6 +103,7 @@ func newProject(t *testing.T, prefix string, overrides ...string) *stack {
 		"DOCKER_BUILDKIT=0", "COMPOSE_DOCKER_CLI_BUILD=0",
 		"BETTER_COMPUTE_API_PORT="+strconv.Itoa(freePort(t)),
 	)
+	s.env = append(s.env, extra...)
 	t.Cleanup(func() {
 		if t.Failed() {
 			out, _ := s.run(context.Background(), "logs", "--tail", "40")

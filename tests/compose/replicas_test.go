@@ -43,7 +43,7 @@ var replicaScale = []string{"--scale", "api=2", "--scale", "joinservice=2", "--s
 // first command queued after it finished, and for joinservice a machine
 // joining after it adopted and a certificate renewed after it.
 func TestComposeReplicas(t *testing.T) {
-	s := newProject(t, "bcrep", "tests/compose/nats-cluster.yaml")
+	s := newProject(t, "bcrep", []string{"tests/compose/nats-cluster.yaml"})
 	// Node certificates of 2 minutes: machines renew them (through their
 	// gateway, signed by JoinService on its control listener) 80 s after
 	// each, so renewals flow during the kills too.

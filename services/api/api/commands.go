@@ -50,7 +50,8 @@ func (s *commandService) RunCommand(ctx context.Context, req *connect.Request[co
 		timeout = msg.Timeout.AsDuration()
 	}
 	a, err := s.commandQueue().Do(ctx, queueItem{cmd: store.NewCommand{NodeID: msg.NodeId, Kind: msg.Kind,
-		RequestID: msg.RequestId, CreatedBy: p.TokenID, Scope: p.Scope()}, timeout: timeout, audit: audit})
+		RequestID: msg.RequestId, CreatedBy: p.TokenID, Scope: p.Scope(), Traceparent: telemetry.Traceparent(ctx)},
+		timeout: timeout, audit: audit})
 	if err == nil {
 		err = a.err
 	}

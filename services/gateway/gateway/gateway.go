@@ -650,6 +650,7 @@ func (s *Server) onPoke(m *nats.Msg) {
 		}
 	}
 	s.mu.Unlock()
+	tracePoke(m.Header.Get(telemetry.TraceparentHeader), m.Subject, len(wake))
 	for _, st := range wake {
 		s.wake(st)
 	}

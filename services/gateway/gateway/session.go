@@ -587,8 +587,12 @@ func (s *Server) deliver(st *session) {
 	}
 	st.inFlight = false
 	for _, c := range d.Commands {
-		msg := &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_Command{Command: store.CommandMessage(c)}}
-		if err := st.send(msg); err != nil {
+		tp, end := startDelivery(c.Traceparent, c.ID, c.Kind, st.nodeID)
+		msg := &gatewayv1.SessionResponse{Msg: &gatewayv1.SessionResponse_Command{Command: store.CommandMessage(c)},
+			Traceparent: tp}
+		err := st.send(msg)
+		end(err)
+		if err != nil {
 			s.log.Debug("send command", telemetry.KeyNodeID, st.nodeID, telemetry.KeyCommandID, c.ID, telemetry.KeyError, err)
 			return
 		}

@@ -48,7 +48,8 @@ func (a *app) baseURL() string {
 }
 
 // clients returns API clients that authenticate with --token or
-// BETTER_COMPUTE_TOKEN and send BETTER_COMPUTE_TENANT as X-BC-Tenant.
+// BETTER_COMPUTE_TOKEN and send BETTER_COMPUTE_TENANT as X-BC-Tenant, and,
+// with an OTLP endpoint set, trace their calls (trace.go).
 func (a *app) clients() (*apiClients, error) {
 	token, err := a.apiToken()
 	if err != nil {
@@ -66,7 +67,15 @@ func (a *app) clients() (*apiClients, error) {
 	})
 	hc := &http.Client{Timeout: 60 * time.Second}
 	base := a.baseURL() + apiPath
-	opt := connect.WithInterceptors(lostConnection{}, headers)
+	t, err := a.tracing()
+	if err != nil {
+		return nil, err
+	}
+	traced, err := t.interceptors()
+	if err != nil {
+		return nil, err
+	}
+	opt := connect.WithInterceptors(append([]connect.Interceptor{lostConnection{}, headers}, traced...)...)
 	return &apiClients{
 		nodes:     computev1connect.NewNodeServiceClient(hc, base, opt),
 		pools:     computev1connect.NewPoolServiceClient(hc, base, opt),

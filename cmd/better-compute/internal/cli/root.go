@@ -5,7 +5,9 @@
 //
 // Global configuration comes from the environment and flags: BETTER_COMPUTE_URL
 // (--url, default http://127.0.0.1:8080), BETTER_COMPUTE_TOKEN (--token) and
-// BETTER_COMPUTE_TENANT (sent as the X-BC-Tenant header). Errors are printed
+// BETTER_COMPUTE_TENANT (sent as the X-BC-Tenant header); with
+// OTEL_EXPORTER_OTLP_ENDPOINT (or _TRACES_ENDPOINT) set, API commands export
+// their spans over OTLP (trace.go). Errors are printed
 // as "error: <code>: <message>" for API errors and "error: <message>"
 // otherwise, and make the process exit 1 — except in console and ssh-proxy,
 // which exit 255 when the tunnel fails, as ssh does, so that their other
@@ -49,10 +51,20 @@ type app struct {
 	env   Env
 	url   string
 	token string
+	// cmdPath is the command that runs ("better-compute reserve"), trace
+	// its tracing once an API client is made (trace.go).
+	cmdPath string
+	trace   *cliTracing
 }
 
 // NewRoot returns the root command with every subcommand.
 func NewRoot(env Env) *cobra.Command {
+	root, _ := newRoot(env)
+	return root
+}
+
+// newRoot is NewRoot, with the run's app.
+func newRoot(env Env) (*cobra.Command, *app) {
 	a := &app{env: env}
 	root := &cobra.Command{
 		Use:           "better-compute",
@@ -60,6 +72,9 @@ func NewRoot(env Env) *cobra.Command {
 		Long:          "better-compute talks to a better-compute control plane (nodes, pools and their offers,\nreservations, usage, sites, join tokens, tenants, API tokens, audit, events), opens machines' consoles\nand SSH connections through tunnels (console, ssh-cert, ssh-proxy), administers a deployment (migrate,\npki, bootstrap) and runs the deterministic fleet simulator (sim).",
 		SilenceErrors: true,
 		SilenceUsage:  true,
+		PersistentPreRun: func(cmd *cobra.Command, _ []string) {
+			a.cmdPath = cmd.CommandPath()
+		},
 	}
 	root.SetOut(env.Stdout)
 	root.SetErr(env.Stderr)
@@ -96,7 +111,7 @@ func NewRoot(env Env) *cobra.Command {
 	)
 	root.InitDefaultCompletionCmd()
 	refuseUnknownSubcommands(root)
-	return root
+	return root, a
 }
 
 // refuseUnknownSubcommands makes every group command (one with subcommands
@@ -126,11 +141,13 @@ type exitError struct{ code int }
 func (e exitError) Error() string { return fmt.Sprintf("exit status %d", e.code) }
 
 // Run runs the CLI with args (without the program name) and returns the
-// process exit code.
+// process exit code, after exporting the run's spans when tracing is on
+// (trace.go).
 func Run(ctx context.Context, args []string, env Env) int {
-	root := NewRoot(env)
+	root, a := newRoot(env)
 	root.SetArgs(args)
 	err := root.ExecuteContext(ctx)
+	a.trace.end()
 	if err == nil {
 		return 0
 	}

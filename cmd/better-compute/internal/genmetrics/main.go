@@ -78,6 +78,18 @@ collection, by the controllers replica that holds the liveness lease (` + "`cont
 over replicas counts the fleet once. ` + "`bc_lease_held`" + ` itself is exported by every replica of the scheduler and
 the controllers, 1 for each lease it holds and 0 for each it stands by for.
 
+## Rules
+
+` + "`deploy/observability/rules.yml`" + ` holds the Prometheus rules of compose's observability profile
+([compose.md](compose.md), "Observability"), written with the names below: recording rules for the command rate
+and p99 latency, the RPCs' p99 latency and heartbeats per gateway, and alerts for the failure modes that stop
+work without stopping a service: ` + "`OutboxBacklogOld`" + ` (the oldest unpublished outbox row older than 60 s for
+2 min), ` + "`OutboxRelayFailing`" + ` (more than 3 failed relay passes in 5 min), ` + "`OutboxDeadLetters`" + ` (a row
+set aside), ` + "`GatewayWithoutSessions`" + ` and ` + "`NoGatewaySessions`" + ` (gateways holding no session while machines
+are adopted), ` + "`ReservationsStuckBinding`" + ` (reservations binding for 10 min). A test
+(tests/compose TestObservabilityRules) runs ` + "`promtool check config`" + ` on them and checks that every metric they
+name is in this catalog.
+
 ## Metrics
 
 | Prometheus name | OpenTelemetry name | type | unit | labels | exported by | meaning |

@@ -455,7 +455,13 @@ type SessionResponse struct {
 	//	*SessionResponse_CertificateIssued
 	//	*SessionResponse_HeartbeatAck
 	//	*SessionResponse_OpenTunnel
-	Msg           isSessionResponse_Msg `protobuf_oneof:"msg"`
+	Msg isSessionResponse_Msg `protobuf_oneof:"msg"`
+	// Traceparent is the W3C trace context (traceparent header format) of
+	// the gateway's span that sends msg, for a command: the daemon records
+	// the command's run as its child, so that one trace crosses from the
+	// RunCommand call to the daemon. Empty when there is none. No signature
+	// covers it: it only links spans.
+	Traceparent   string `protobuf:"bytes,7,opt,name=traceparent,proto3" json:"traceparent,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -549,6 +555,13 @@ func (x *SessionResponse) GetOpenTunnel() *OpenTunnel {
 		}
 	}
 	return nil
+}
+
+func (x *SessionResponse) GetTraceparent() string {
+	if x != nil {
+		return x.Traceparent
+	}
+	return ""
 }
 
 type isSessionResponse_Msg interface {
@@ -2054,7 +2067,7 @@ const file_bc_gateway_v1_gateway_proto_rawDesc = "" +
 	"\x06report\x18\x03 \x01(\v2\x15.bc.gateway.v1.ReportH\x00R\x06report\x128\n" +
 	"\theartbeat\x18\x04 \x01(\v2\x18.bc.gateway.v1.HeartbeatH\x00R\theartbeat\x12N\n" +
 	"\x11renew_certificate\x18\x05 \x01(\v2\x1f.bc.gateway.v1.RenewCertificateH\x00R\x10renewCertificateB\f\n" +
-	"\x03msg\x12\x05\xbaH\x02\b\x01\"\x99\x03\n" +
+	"\x03msg\x12\x05\xbaH\x02\b\x01\"\xbb\x03\n" +
 	"\x0fSessionResponse\x122\n" +
 	"\awelcome\x18\x01 \x01(\v2\x16.bc.gateway.v1.WelcomeH\x00R\awelcome\x122\n" +
 	"\acommand\x18\x02 \x01(\v2\x16.bc.gateway.v1.CommandH\x00R\acommand\x12B\n" +
@@ -2062,7 +2075,8 @@ const file_bc_gateway_v1_gateway_proto_rawDesc = "" +
 	"\x12certificate_issued\x18\x04 \x01(\v2 .bc.gateway.v1.CertificateIssuedH\x00R\x11certificateIssued\x12B\n" +
 	"\rheartbeat_ack\x18\x05 \x01(\v2\x1b.bc.gateway.v1.HeartbeatAckH\x00R\fheartbeatAck\x12<\n" +
 	"\vopen_tunnel\x18\x06 \x01(\v2\x19.bc.gateway.v1.OpenTunnelH\x00R\n" +
-	"openTunnelB\x05\n" +
+	"openTunnel\x12 \n" +
+	"\vtraceparent\x18\a \x01(\tR\vtraceparentB\x05\n" +
 	"\x03msg\"V\n" +
 	"\x10RenewCertificate\x12\"\n" +
 	"\acsr_der\x18\x01 \x01(\fB\t\xbaH\x06z\x04\x18\x80\x80\x01R\x06csrDer\x12\x1e\n" +

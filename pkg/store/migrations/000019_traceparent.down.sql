@@ -1,0 +1,2 @@
+ALTER TABLE outbox DROP COLUMN traceparent;
+ALTER TABLE commands DROP COLUMN traceparent;
