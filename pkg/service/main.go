@@ -32,7 +32,8 @@ type Config interface {
 // the environment (config.Load), takes a context that SIGINT and SIGTERM
 // end, sets up telemetry (telemetry.Setup, and telemetry.SetupMetrics: an
 // unknown BETTER_COMPUTE_METRICS_EXPORTER stops it here, naming the
-// variable), opens the database when C embeds Database (waiting up to a
+// variable), starts the profiling server when BETTER_COMPUTE_PPROF_LISTEN
+// is set (Profiling), opens the database when C embeds Database (waiting up to a
 // minute for it; its pools' statistics are exported, DB.RecordPoolStats)
 // and NATS when C embeds NATS, calls newService and
 // runs what it returns until the signal. It exits 1 with "NAME: error" on
@@ -76,6 +77,15 @@ func runMain[C Config, R Runner](name string, cfg C, newService func(C, Deps) (R
 		defer cancel()
 		_ = shutdownTracing(sctx)
 	}()
+	var prof Profiling
+	if err := config.Load(&prof, os.Getenv); err != nil {
+		return err
+	}
+	stopProfiling, err := startProfiling(prof, logger)
+	if err != nil {
+		return err
+	}
+	defer stopProfiling()
 	metrics, err := telemetry.SetupMetrics(ctx, name, os.Getenv)
 	if err != nil {
 		return err

@@ -48,18 +48,18 @@ import (
 
 // readers are what reads the environment, and from which structs: every
 // service its Config and, through telemetry.Setup and SetupMetrics,
-// telemetry.Settings and MetricsSettings; the
+// telemetry.Settings and MetricsSettings, and service.Profiling; the
 // fakedaemon the variables of its flags too.
 var readers = []struct {
 	name  string
 	types []reflect.Type
 	flags []fakedaemonflags.Var
 }{
-	{api.Name, []reflect.Type{reflect.TypeFor[api.Config](), reflect.TypeFor[telemetry.Settings](), reflect.TypeFor[telemetry.MetricsSettings]()}, nil},
-	{joinservice.Name, []reflect.Type{reflect.TypeFor[joinservice.Config](), reflect.TypeFor[telemetry.Settings](), reflect.TypeFor[telemetry.MetricsSettings]()}, nil},
-	{gateway.Name, []reflect.Type{reflect.TypeFor[gateway.Config](), reflect.TypeFor[telemetry.Settings](), reflect.TypeFor[telemetry.MetricsSettings]()}, nil},
-	{scheduler.Name, []reflect.Type{reflect.TypeFor[scheduler.Config](), reflect.TypeFor[telemetry.Settings](), reflect.TypeFor[telemetry.MetricsSettings]()}, nil},
-	{controllers.Name, []reflect.Type{reflect.TypeFor[controllers.Config](), reflect.TypeFor[telemetry.Settings](), reflect.TypeFor[telemetry.MetricsSettings]()}, nil},
+	{api.Name, []reflect.Type{reflect.TypeFor[api.Config](), reflect.TypeFor[telemetry.Settings](), reflect.TypeFor[telemetry.MetricsSettings](), reflect.TypeFor[service.Profiling]()}, nil},
+	{joinservice.Name, []reflect.Type{reflect.TypeFor[joinservice.Config](), reflect.TypeFor[telemetry.Settings](), reflect.TypeFor[telemetry.MetricsSettings](), reflect.TypeFor[service.Profiling]()}, nil},
+	{gateway.Name, []reflect.Type{reflect.TypeFor[gateway.Config](), reflect.TypeFor[telemetry.Settings](), reflect.TypeFor[telemetry.MetricsSettings](), reflect.TypeFor[service.Profiling]()}, nil},
+	{scheduler.Name, []reflect.Type{reflect.TypeFor[scheduler.Config](), reflect.TypeFor[telemetry.Settings](), reflect.TypeFor[telemetry.MetricsSettings](), reflect.TypeFor[service.Profiling]()}, nil},
+	{controllers.Name, []reflect.Type{reflect.TypeFor[controllers.Config](), reflect.TypeFor[telemetry.Settings](), reflect.TypeFor[telemetry.MetricsSettings](), reflect.TypeFor[service.Profiling]()}, nil},
 	{"dev", []reflect.Type{reflect.TypeFor[cli.DevSettings](), reflect.TypeFor[cli.DevLog]()}, nil},
 	{"fakedaemon", []reflect.Type{reflect.TypeFor[telemetry.Settings]()}, fakedaemonflags.Vars()},
 }
