@@ -59,20 +59,51 @@ func Setup(ctx context.Context, service string) (*slog.Logger, func(context.Cont
 	otel.SetErrorHandler(otel.ErrorHandlerFunc(func(err error) {
 		logger.Warn("opentelemetry", KeyError, err)
 	}))
+	tp, exported, err := NewTracerProvider(ctx, service, os.Getenv)
+	if err != nil {
+		return nil, nil, err
+	}
+	if exported {
+		logger.Info("tracing exported over OTLP")
+	}
+	otel.SetTracerProvider(tp)
+	return logger, tp.Shutdown, nil
+}
+
+// TracesEndpoint is the URL that spans are exported to over OTLP/HTTP, as
+// OpenTelemetry's exporter specification reads the environment:
+// OTEL_EXPORTER_OTLP_TRACES_ENDPOINT as it is, else
+// OTEL_EXPORTER_OTLP_ENDPOINT with /v1/traces appended; "" when neither is
+// set (no export).
+func TracesEndpoint(getenv func(string) string) string {
+	if e := getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"); e != "" {
+		return e
+	}
+	if e := getenv("OTEL_EXPORTER_OTLP_ENDPOINT"); e != "" {
+		return strings.TrimSuffix(e, "/") + "/v1/traces"
+	}
+	return ""
+}
+
+// NewTracerProvider returns the tracer provider of a process named service
+// (the service.name resource attribute): batching its spans to the OTLP/HTTP
+// exporter of TracesEndpoint(getenv) when that is set (exported true), or
+// keeping them in process only. The error is the exporter's (a malformed
+// endpoint). The caller shuts it down, which flushes the spans. Setup uses
+// it for the services; the CLI for its runs.
+func NewTracerProvider(ctx context.Context, service string, getenv func(string) string) (tp *sdktrace.TracerProvider, exported bool, err error) {
 	opts := []sdktrace.TracerProviderOption{
 		sdktrace.WithResource(resource.NewSchemaless(semconv.ServiceName(service))),
 	}
-	if os.Getenv("OTEL_EXPORTER_OTLP_ENDPOINT") != "" || os.Getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") != "" {
-		exp, err := otlptracehttp.New(ctx)
+	if endpoint := TracesEndpoint(getenv); endpoint != "" {
+		exp, err := otlptracehttp.New(ctx, otlptracehttp.WithEndpointURL(endpoint))
 		if err != nil {
-			return nil, nil, err
+			return nil, false, err
 		}
 		opts = append(opts, sdktrace.WithBatcher(exp))
-		logger.Info("tracing exported over OTLP")
+		exported = true
 	}
-	tp := sdktrace.NewTracerProvider(opts...)
-	otel.SetTracerProvider(tp)
-	return logger, tp.Shutdown, nil
+	return sdktrace.NewTracerProvider(opts...), exported, nil
 }
 
 // Settings are the telemetry settings of every process: the services,

@@ -5,6 +5,8 @@ import (
 	"context"
 	"encoding/json"
 	"log/slog"
+	"net/http"
+	"net/http/httptest"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -85,4 +87,62 @@ func TestNewLoggerLevel(t *testing.T) {
 	logger.Info("at info")
 	require.Contains(t, buf.String(), `got \"loud\"`)
 	require.Contains(t, buf.String(), "at info")
+}
+
+// TestTracesEndpoint reads the OTLP variables as OpenTelemetry's exporter
+// specification does: the traces endpoint as it is, the base endpoint
+// with /v1/traces appended, the former winning.
+func TestTracesEndpoint(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name, base, traces, want string
+	}{
+		{name: "neither"},
+		{name: "base", base: "http://jaeger:4318", want: "http://jaeger:4318/v1/traces"},
+		{name: "base with slash", base: "http://jaeger:4318/", want: "http://jaeger:4318/v1/traces"},
+		{name: "traces", traces: "http://collector:4318/custom", want: "http://collector:4318/custom"},
+		{name: "both", base: "http://jaeger:4318", traces: "http://collector:4318/custom", want: "http://collector:4318/custom"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			got := telemetry.TracesEndpoint(func(k string) string {
+				return map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": c.base, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": c.traces}[k]
+			})
+			require.Equal(t, c.want, got)
+		})
+	}
+}
+
+// TestNewTracerProviderExports: with an endpoint in the given environment
+// (not the process's), the provider's spans reach it at /v1/traces on
+// shutdown; without one, nothing is exported.
+func TestNewTracerProviderExports(t *testing.T) {
+	t.Parallel()
+	paths := make(chan string, 4)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		paths <- r.URL.Path
+	}))
+	defer srv.Close()
+	env := func(k string) string {
+		if k == "OTEL_EXPORTER_OTLP_ENDPOINT" {
+			return srv.URL
+		}
+		return ""
+	}
+	tp, exported, err := telemetry.NewTracerProvider(t.Context(), "test", env)
+	require.NoError(t, err)
+	require.True(t, exported)
+	_, span := tp.Tracer("test").Start(t.Context(), "op")
+	span.End()
+	require.NoError(t, tp.Shutdown(t.Context()))
+	require.Equal(t, "/v1/traces", <-paths)
+
+	tp, exported, err = telemetry.NewTracerProvider(t.Context(), "test", func(string) string { return "" })
+	require.NoError(t, err)
+	require.False(t, exported)
+	_, span = tp.Tracer("test").Start(t.Context(), "op")
+	require.True(t, span.SpanContext().IsValid(), "spans are made without an exporter")
+	span.End()
+	require.NoError(t, tp.Shutdown(t.Context()))
+	require.Empty(t, paths)
 }

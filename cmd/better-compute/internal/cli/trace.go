@@ -6,12 +6,11 @@ import (
 
 	"connectrpc.com/connect"
 	"connectrpc.com/otelconnect"
-	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
 	"go.opentelemetry.io/otel/propagation"
-	"go.opentelemetry.io/otel/sdk/resource"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
-	semconv "go.opentelemetry.io/otel/semconv/v1.26.0"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/better-compute/better-compute/pkg/telemetry"
 )
 
 // The CLI's traces (docs/architecture.md, "Traces"): with
@@ -41,21 +40,13 @@ func (a *app) tracing() (*cliTracing, error) {
 	if a.trace != nil {
 		return a.trace, nil
 	}
-	endpoint := a.env.Getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-	opts := []otlptracehttp.Option{}
-	if endpoint != "" {
-		opts = append(opts, otlptracehttp.WithEndpointURL(endpoint))
-	} else if endpoint = a.env.Getenv("OTEL_EXPORTER_OTLP_ENDPOINT"); endpoint != "" {
-		opts = append(opts, otlptracehttp.WithEndpointURL(endpoint+"/v1/traces"))
-	} else {
+	if telemetry.TracesEndpoint(a.env.Getenv) == "" {
 		return nil, nil
 	}
-	exp, err := otlptracehttp.New(context.Background(), opts...)
+	tp, _, err := telemetry.NewTracerProvider(context.Background(), "better-compute", a.env.Getenv)
 	if err != nil {
 		return nil, err
 	}
-	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp),
-		sdktrace.WithResource(resource.NewSchemaless(semconv.ServiceName("better-compute"))))
 	name := a.cmdPath
 	if name == "" {
 		name = "better-compute"
