@@ -188,7 +188,7 @@ func (f *benchFleet) burst(tb testing.TB, k int) {
 // own phase, as idle daemons do.
 func (f *benchFleet) pace(tb testing.TB, d time.Duration) {
 	tb.Helper()
-	_, err := fmt.Fprintf(f.stdin, "pace %s\n", d)
+	_, err := fmt.Fprintf(f.stdin, "pace %d\n", d.Nanoseconds())
 	require.NoError(tb, err)
 	f.await(tb, "pacing")
 }
@@ -451,8 +451,9 @@ func TestBenchClientProcess(t *testing.T) {
 	in := bufio.NewScanner(os.Stdin)
 	for in.Scan() {
 		var k int
-		var d time.Duration
-		if _, err := fmt.Sscanf(in.Text(), "pace %v", &d); err == nil {
+		var ns int64
+		if _, err := fmt.Sscanf(in.Text(), "pace %d", &ns); err == nil {
+			d := time.Duration(ns)
 			for i, c := range clients {
 				go func() {
 					// Phases spread over d, as daemons' are.
