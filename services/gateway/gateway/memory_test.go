@@ -230,6 +230,14 @@ func cpuNow(tb testing.TB) time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
+// switchesNow is how many times this process's threads gave up the CPU,
+// voluntarily (a thread parked: nothing left to run) or not.
+func switchesNow(tb testing.TB) int64 {
+	var ru syscall.Rusage
+	require.NoError(tb, syscall.Getrusage(syscall.RUSAGE_SELF, &ru))
+	return ru.Nvcsw + ru.Nivcsw
+}
+
 type memSample struct {
 	heapInuse, heapAlloc, stack int64
 	goroutines                  int
@@ -280,7 +288,8 @@ func benchSessions(tb testing.TB) int {
 // server), its allocations (allocs/heartbeat, B/heartbeat), and the
 // database's transactions (xacts/heartbeat) and nodes rows updated
 // (node-updates/heartbeat) while they ran, resync and last_seen flushes
-// included:
+// included, and the context switches of its threads (ctxsw/heartbeat: a
+// count, steadier than CPU time on a shared machine):
 //
 //	go test -run '^$' -bench Heartbeat -benchtime 1x ./gateway/
 //
@@ -297,15 +306,17 @@ func BenchmarkHeartbeat(b *testing.B) {
 	defer startCPUProfile(b)()
 	var cpu time.Duration
 	var allocs, bytes uint64
+	var switches int64
 	var db dbCounters
 	beats := 0
 	for b.Loop() {
 		db0 := f.dbNow(b)
 		var m0, m1 runtime.MemStats
 		runtime.ReadMemStats(&m0)
-		c0 := cpuNow(b)
+		c0, s0 := cpuNow(b), switchesNow(b)
 		f.burst(b, k)
 		cpu += cpuNow(b) - c0
+		switches += switchesNow(b) - s0
 		runtime.ReadMemStats(&m1)
 		allocs += m1.Mallocs - m0.Mallocs
 		bytes += m1.TotalAlloc - m0.TotalAlloc
@@ -317,6 +328,7 @@ func BenchmarkHeartbeat(b *testing.B) {
 	per := func(v float64) float64 { return v / float64(beats) }
 	b.ReportMetric(per(float64(cpu.Nanoseconds())), "cpu-ns/heartbeat")
 	b.ReportMetric(per(float64(allocs)), "allocs/heartbeat")
+	b.ReportMetric(per(float64(switches)), "ctxsw/heartbeat")
 	b.ReportMetric(per(float64(bytes)), "B/heartbeat")
 	b.ReportMetric(per(float64(db.xacts)), "xacts/heartbeat")
 	b.ReportMetric(per(float64(db.nodeUpdates)), "node-updates/heartbeat")
@@ -328,8 +340,9 @@ func BenchmarkHeartbeat(b *testing.B) {
 // (BETTER_COMPUTE_BENCH_SESSIONS, 1000), each sending a heartbeat every
 // 10 s, cost the gateway: this process's CPU time over
 // BETTER_COMPUTE_BENCH_IDLE_WINDOW (30 s) as a share of one core
-// (cpu-%core, and per 1,000 sessions), its allocations per second, and the
-// database's transactions and nodes rows updated per second:
+// (cpu-%core, and per 1,000 sessions), its allocations and its threads'
+// context switches per second, and the database's transactions and nodes
+// rows updated per second:
 //
 //	go test -run '^$' -bench IdleSessionCPU -benchtime 1x ./gateway/
 //
@@ -351,9 +364,9 @@ func BenchmarkIdleSessionCPU(b *testing.B) {
 		var m0, m1 runtime.MemStats
 		runtime.ReadMemStats(&m0)
 		stop := startCPUProfile(b)
-		c0 := cpuNow(b)
+		c0, s0 := cpuNow(b), switchesNow(b)
 		require.NoError(b, clock.Sleep(b.Context(), realClock, window))
-		cpu := cpuNow(b) - c0
+		cpu, switches := cpuNow(b)-c0, switchesNow(b)-s0
 		stop()
 		runtime.ReadMemStats(&m1)
 		db1 := f.dbNow(b)
@@ -361,6 +374,7 @@ func BenchmarkIdleSessionCPU(b *testing.B) {
 		b.ReportMetric(pct, "cpu-%core")
 		b.ReportMetric(pct*1000/float64(n), "cpu-%core/1000")
 		b.ReportMetric(float64(m1.Mallocs-m0.Mallocs)/window.Seconds(), "allocs/s")
+		b.ReportMetric(float64(switches)/window.Seconds(), "ctxsw/s")
 		b.ReportMetric(float64(db1.xacts-db0.xacts)/window.Seconds(), "xacts/s")
 		b.ReportMetric(float64(db1.nodeUpdates-db0.nodeUpdates)/window.Seconds(), "node-updates/s")
 	}
