@@ -293,7 +293,10 @@ func benchSessions(tb testing.TB) int {
 //
 //	go test -run '^$' -bench Heartbeat -benchtime 1x ./gateway/
 //
-// BETTER_COMPUTE_BENCH_CPUPROFILE=FILE writes a CPU profile of the bursts.
+// BETTER_COMPUTE_BENCH_CPUPROFILE=FILE writes a CPU profile of the bursts;
+// BETTER_COMPUTE_BENCH_MEMPROFILE=FILE allocation profiles before
+// (FILE.base) and after them (`go tool pprof -sample_index=alloc_objects
+// -diff_base FILE.base FILE`).
 func BenchmarkHeartbeat(b *testing.B) {
 	n := benchSessions(b)
 	k := 20
@@ -302,7 +305,22 @@ func BenchmarkHeartbeat(b *testing.B) {
 		k, err = strconv.Atoi(v)
 		require.NoError(b, err)
 	}
+	memProfile := os.Getenv("BETTER_COMPUTE_BENCH_MEMPROFILE")
+	if memProfile != "" {
+		runtime.MemProfileRate = 64
+	}
 	f := startBenchFleet(b, n, gateway.Config{HeartbeatInterval: time.Hour})
+	writeHeap := func(path string) {
+		if memProfile != "" {
+			runtime.GC()
+			out, err := os.Create(path)
+			require.NoError(b, err)
+			require.NoError(b, pprof.Lookup("allocs").WriteTo(out, 0))
+			require.NoError(b, out.Close())
+		}
+	}
+	writeHeap(memProfile + ".base")
+	defer writeHeap(memProfile)
 	defer startCPUProfile(b)()
 	var cpu time.Duration
 	var allocs, bytes uint64
