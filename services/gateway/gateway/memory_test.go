@@ -70,6 +70,12 @@ type IdleSessionMemory struct {
 	HeapPerSession, StackPerSession float64
 	// GoroutinesPerSession is the growth of goroutines.
 	GoroutinesPerSession float64
+	// OpenCPUPerSession is this process's CPU time per session while they
+	// opened (TLS handshake, Hello, first delivery: the gateway's share of
+	// a join), OpenXactsPerSession the database's transactions per session
+	// then. BETTER_COMPUTE_BENCH_OPEN_CPUPROFILE=FILE profiles it.
+	OpenCPUPerSession   time.Duration
+	OpenXactsPerSession float64
 }
 
 // MeasureIdleSessions opens n idle sessions from a child process against a
@@ -95,6 +101,8 @@ func MeasureIdleSessions(tb testing.TB, n int) IdleSessionMemory {
 		HeapPerSession:       per(after.heapInuse, before.heapInuse),
 		StackPerSession:      per(after.stack, before.stack),
 		GoroutinesPerSession: per(int64(after.goroutines), int64(before.goroutines)),
+		OpenCPUPerSession:    time.Duration(per(f.openCPU.Nanoseconds(), 0)),
+		OpenXactsPerSession:  per(f.openXacts, 0),
 	}
 }
 
@@ -105,6 +113,11 @@ type benchFleet struct {
 	g      *gw
 	n      int
 	before memSample // before the sessions opened
+	// openCPU is this process's CPU time while the sessions opened (TLS
+	// handshakes, Hello, first delivery), openXacts the database's
+	// transactions then (each is a statement or more).
+	openCPU   time.Duration
+	openXacts int64
 	stdin  io.WriteCloser
 	stdout *bufio.Scanner
 }
@@ -139,6 +152,9 @@ func startBenchFleet(tb testing.TB, n int, cfg gateway.Config) *benchFleet {
 
 	f := &benchFleet{e: e, g: g, n: n}
 	f.before = memNow()
+	db0 := f.dbNow(tb)
+	stop := startProfile(tb, "BETTER_COMPUTE_BENCH_OPEN_CPUPROFILE")
+	c0 := cpuNow(tb)
 	if path := os.Getenv("BETTER_COMPUTE_BENCH_HEAPPROFILE"); path != "" {
 		out, err := os.Create(path + ".base")
 		require.NoError(tb, err)
@@ -161,6 +177,9 @@ func startBenchFleet(tb testing.TB, n int, cfg gateway.Config) *benchFleet {
 	f.stdout = bufio.NewScanner(stdout)
 	f.await(tb, "ready")
 	require.Eventually(tb, func() bool { return g.srv.Sessions() == n }, time.Minute, 50*time.Millisecond)
+	f.openCPU = cpuNow(tb) - c0
+	stop()
+	f.openXacts = f.dbNow(tb).xacts - db0.xacts
 	return f
 }
 
@@ -212,8 +231,12 @@ func (f *benchFleet) dbNow(tb testing.TB) dbCounters {
 
 // startCPUProfile starts a CPU profile into BETTER_COMPUTE_BENCH_CPUPROFILE
 // when it is set, and returns what stops it.
-func startCPUProfile(tb testing.TB) func() {
-	path := os.Getenv("BETTER_COMPUTE_BENCH_CPUPROFILE")
+func startCPUProfile(tb testing.TB) func() { return startProfile(tb, "BETTER_COMPUTE_BENCH_CPUPROFILE") }
+
+// startProfile starts a CPU profile into the file the environment variable
+// env names, when it is set, and returns what stops it.
+func startProfile(tb testing.TB, env string) func() {
+	path := os.Getenv(env)
 	if path == "" {
 		return func() {}
 	}
@@ -266,6 +289,8 @@ func BenchmarkIdleSessionMemory(b *testing.B) {
 	b.ReportMetric(m.BytesPerSession, "B/session")
 	b.ReportMetric(m.LiveBytesPerSession, "live-B/session")
 	b.ReportMetric(m.GoroutinesPerSession, "goroutines/session")
+	b.ReportMetric(float64(m.OpenCPUPerSession.Nanoseconds()), "open-cpu-ns/session")
+	b.ReportMetric(m.OpenXactsPerSession, "open-xacts/session")
 	b.Logf("%d idle sessions: %.1f KiB/session (heap %.1f KiB, stacks %.1f KiB; live objects and stacks %.1f KiB), %.2f goroutines/session",
 		n, m.BytesPerSession/1024, m.HeapPerSession/1024, m.StackPerSession/1024, m.LiveBytesPerSession/1024, m.GoroutinesPerSession)
 }
