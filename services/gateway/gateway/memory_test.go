@@ -118,8 +118,8 @@ type benchFleet struct {
 	// transactions then (each is a statement or more).
 	openCPU   time.Duration
 	openXacts int64
-	stdin  io.WriteCloser
-	stdout *bufio.Scanner
+	stdin     io.WriteCloser
+	stdout    *bufio.Scanner
 }
 
 // startBenchFleet inserts n adopted nodes with certificates, runs a gateway
@@ -231,7 +231,9 @@ func (f *benchFleet) dbNow(tb testing.TB) dbCounters {
 
 // startCPUProfile starts a CPU profile into BETTER_COMPUTE_BENCH_CPUPROFILE
 // when it is set, and returns what stops it.
-func startCPUProfile(tb testing.TB) func() { return startProfile(tb, "BETTER_COMPUTE_BENCH_CPUPROFILE") }
+func startCPUProfile(tb testing.TB) func() {
+	return startProfile(tb, "BETTER_COMPUTE_BENCH_CPUPROFILE")
+}
 
 // startProfile starts a CPU profile into the file the environment variable
 // env names, when it is set, and returns what stops it.
