@@ -6,6 +6,8 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 )
@@ -125,4 +127,44 @@ func TestValidSessionMessagesAreAccepted(t *testing.T) {
 	require.Equal(t, longest, e.command(failing).Error)
 	require.Equal(t, "succeeded", e.command(ok).State)
 	require.Contains(t, string(e.command(ok).Result), `line 1\tok\nline 2\tok\n`)
+}
+
+// TestHeartbeatHasNoRules: Heartbeat, its fields and the messages they hold
+// carry no option at all, so no protovalidate rule: the gateway's check of
+// session messages (checkMessage) skips heartbeats on that ground, and this
+// test fails the day a rule is added to them.
+func TestHeartbeatHasNoRules(t *testing.T) {
+	t.Parallel()
+	seen := map[protoreflect.FullName]bool{}
+	var check func(md protoreflect.MessageDescriptor)
+	check = func(md protoreflect.MessageDescriptor) {
+		if seen[md.FullName()] {
+			return
+		}
+		seen[md.FullName()] = true
+		requireNoOptions(t, md.FullName(), md.Options())
+		for i := range md.Fields().Len() {
+			fd := md.Fields().Get(i)
+			requireNoOptions(t, fd.FullName(), fd.Options())
+			if fd.Message() != nil {
+				check(fd.Message())
+			}
+		}
+		for i := range md.Oneofs().Len() {
+			requireNoOptions(t, md.Oneofs().Get(i).FullName(), md.Oneofs().Get(i).Options())
+		}
+	}
+	check((&gatewayv1.Heartbeat{}).ProtoReflect().Descriptor())
+	require.True(t, seen["google.protobuf.Timestamp"], "the walk reaches sent_at's message")
+}
+
+func requireNoOptions(t *testing.T, name protoreflect.FullName, opts proto.Message) {
+	t.Helper()
+	if opts == nil || !opts.ProtoReflect().IsValid() {
+		return
+	}
+	n := 0
+	opts.ProtoReflect().Range(func(protoreflect.FieldDescriptor, protoreflect.Value) bool { n++; return true })
+	require.Zero(t, n, "%s has options", name)
+	require.Empty(t, opts.ProtoReflect().GetUnknown(), "%s has options", name)
 }
