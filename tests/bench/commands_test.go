@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"maps"
 	"os"
-	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -16,7 +15,6 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/durationpb"
 
@@ -133,15 +131,19 @@ func (l *commandLog) stats(ids []string) commandStats {
 
 // BenchmarkCommands runs diag.nvml commands through the public API
 // (CommandService.RunCommand, as `better-compute commands run` does) on
-// BETTER_COMPUTE_BENCH_MACHINES (1,000) adopted machines, the services in
-// process, and learns each command's end from its command.succeeded (or
-// .failed, .expired) event through one EventService.Watch. It prints:
+// BETTER_COMPUTE_BENCH_MACHINES (1,000) adopted machines, every service a
+// process of its own (bin/linux, `make build`), and learns each command's
+// end from its command.succeeded (or .failed, .expired) event through one
+// EventService.Watch. It prints:
 //
 //   - throughput: BETTER_COMPUTE_BENCH_COMMANDS (10 × machines) commands
 //     queued by BETTER_COMPUTE_BENCH_CALLERS (64) concurrent callers as fast
 //     as RunCommand returns, spread round-robin over the machines; completed
-//     per second from the first call to the last terminal state recorded.
-//     Target ≥ 5,000/s.
+//     per second from the first call to the last terminal state recorded,
+//     and the CPU time per command of each process group over the phase
+//     (each service, Postgres, NATS, the machines, the callers) with the
+//     control plane's total (services, Postgres, NATS). Target ≤ 0.30 ms of
+//     control-plane CPU per command.
 //   - round trip: commands at BETTER_COMPUTE_BENCH_COMMAND_RATE (default:
 //     half the throughput just measured, so that they do not queue),
 //     2 × machines or 20 s of them (at least 200;
@@ -149,29 +151,18 @@ func (l *commandLog) stats(ids []string) commandStats {
 //     RunCommand call to the terminal state the control plane records (the
 //     event's time, the command's finished_at), with the RunCommand call
 //     alone, the watch's delivery and, from the commands table, queued →
-//     delivered and delivered → finished. Target p99 < 100 ms.
+//     delivered and delivered → finished. Target p99 < 50 ms.
 //
-// The machines run in a fakedaemon process of their own (bin/linux, `make
-// build`), as in a fleet they are other hosts;
+// The machines run in a fakedaemon process of their own;
 // BETTER_COMPUTE_BENCH_MACHINES_INPROCESS=1 runs them in this process instead
-// (as before).
-//
-// With BETTER_COMPUTE_BENCH_CPUPROFILE=FILE it writes a CPU profile of the
-// throughput phase alone (of this process) to FILE.
-//
-// It also prints the CPU time per command during the throughput phase of
-// this process (the services and the callers; the machines too when in
-// process), of the machines' process, and of the Postgres and NATS
-// containers, and the control plane's total (this process, Postgres and
-// NATS; the callers' share of this process is small) with the throughput
-// it implies per core: 1 s divided by that total.
+// (their CPU is then the callers').
 func BenchmarkCommands(b *testing.B) {
 	callers := envInt("BETTER_COMPUTE_BENCH_CALLERS", 64)
 	rate := envInt("BETTER_COMPUTE_BENCH_COMMAND_RATE", 0) // 0: half the measured throughput
 	inProcess := os.Getenv("BETTER_COMPUTE_BENCH_MACHINES_INPROCESS") == "1"
 	durations := fakehw.Durations{ByKind: map[string]time.Duration{commandKind: 0}}
 	for range b.N {
-		f := startFleet(b, fleetOptions{})
+		f := startFleet(b, fleetOptions{processes: true})
 		n, clk, ctx := f.n, f.clk, b.Context()
 		total := envInt("BETTER_COMPUTE_BENCH_COMMANDS", 10*n)
 		if inProcess {
@@ -185,7 +176,7 @@ func BenchmarkCommands(b *testing.B) {
 		commands := f.commandClient(hc)
 
 		log := &commandLog{runs: map[string]*commandRun{}}
-		after, err := store.MaxEventID(ctx, f.stack.DB.Pool, store.AllTenants)
+		after, err := store.MaxEventID(ctx, f.db.Pool, store.AllTenants)
 		require.NoError(b, err)
 		watchCtx, stopWatch := context.WithCancel(ctx)
 		watchDone := f.watchEvents(watchCtx, hc, []string{store.EventCommandSucceeded, store.EventCommandFailed,
@@ -212,27 +203,18 @@ func BenchmarkCommands(b *testing.B) {
 			return ids
 		}
 
-		// Phase 1: throughput, with the CPU time it costs this process (the
-		// services and the callers; the machines too when in process), the
-		// machines' process and the Postgres and NATS containers.
-		pg, nc := containerOf(b, f.dbURL), containerOf(b, f.natsURL)
-		machinesCPU := func() time.Duration {
-			if f.machinesPID == 0 {
-				return 0
-			}
-			return procCPU(b, f.machinesPID)
-		}
-		self0, mach0, pg0, nc0 := procCPU(b, os.Getpid()), machinesCPU(), containerCPU(b, pg), containerCPU(b, nc)
-		pool0, auto0 := f.stack.DB.Pool.Stat(), f.stack.DB.AutoCommitStat()
+		// Phase 1: throughput, with the CPU time it costs each process group:
+		// each service, Postgres, NATS, the machines and the callers.
+		m0, cpu0 := f.metrics(b), f.cpu(b)
 		sampleCtx, stopSampling := context.WithCancel(ctx)
 		waits := sampleWaits(sampleCtx, f.dbURL, clk)
-		stopProfile := startCPUProfile(b, os.Getenv("BETTER_COMPUTE_BENCH_CPUPROFILE"))
+		// The phase's expected length: about 1,500 commands/s.
+		waitProfiles := f.profile(b, total/1500+1)
 		ids := runAll(total, func(i int) (string, error) { return run(nodes[i%len(nodes)]) })
-		stopProfile()
+		cpu1, m1 := f.cpu(b), f.metrics(b)
 		stopSampling()
-		pool1, auto1 := f.stack.DB.Pool.Stat(), f.stack.DB.AutoCommitStat()
-		self1, mach1, pg1, nc1 := procCPU(b, os.Getpid()), machinesCPU(), containerCPU(b, pg), containerCPU(b, nc)
-		perCmd := func(d time.Duration) time.Duration { return d / time.Duration(total) }
+		waitProfiles()
+		sat := cpu1.sub(cpu0)
 		s := log.stats(ids)
 		require.Zero(b, s.failed, "commands that did not succeed")
 		completed := float64(total) / s.lastFinished.Sub(s.first).Seconds()
@@ -246,16 +228,13 @@ func BenchmarkCommands(b *testing.B) {
 		}
 		steady := envInt("BETTER_COMPUTE_BENCH_STEADY_COMMANDS", max(200, min(2*n, 20*rate)))
 		tick := clk.NewTicker(time.Second / time.Duration(rate))
-		self2, mach2, pg2, nc2 := procCPU(b, os.Getpid()), machinesCPU(), containerCPU(b, pg), containerCPU(b, nc)
-		stopProfile = startCPUProfile(b, profileOf(os.Getenv("BETTER_COMPUTE_BENCH_CPUPROFILE"), "steady"))
+		cpu2 := f.cpu(b)
 		ids = runAll(steady, func(i int) (string, error) {
 			<-tick.C()
 			return run(nodes[(i*7)%len(nodes)])
 		})
 		tick.Stop()
-		stopProfile()
-		self3, mach3, pg3, nc3 := procCPU(b, os.Getpid()), machinesCPU(), containerCPU(b, pg), containerCPU(b, nc)
-		steadyCmd := func(d time.Duration) time.Duration { return (d / time.Duration(steady)).Round(time.Microsecond) }
+		steadyCPU := f.cpu(b).sub(cpu2)
 		s = log.stats(ids)
 		require.Zero(b, s.failed, "commands that did not succeed")
 		offered := float64(steady) / s.lastReturned.Sub(s.first).Seconds()
@@ -264,7 +243,7 @@ func BenchmarkCommands(b *testing.B) {
 		call := percentiles(s.call, 0.5, 0.99)
 		seen := percentiles(s.seen, 0.5, 0.99)
 		var deliver50, deliver99, finish50, finish99 float64
-		require.NoError(b, f.stack.DB.Pool.QueryRow(ctx, `SELECT
+		require.NoError(b, f.db.Pool.QueryRow(ctx, `SELECT
 				percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - created_at)),
 				percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM delivered_at - created_at)),
 				percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM finished_at - delivered_at)),
@@ -273,42 +252,25 @@ func BenchmarkCommands(b *testing.B) {
 		stopWatch()
 		require.NoError(b, <-watchDone)
 
-		b.ReportMetric(completed, "commands/s")
-		b.ReportMetric(ms(rt[0]), "rt-p50-ms")
-		b.ReportMetric(ms(rt[1]), "rt-p99-ms")
+		cpCmd := sat.controlPlane() / time.Duration(total)
+		record(b, figCPUPerCommand, ms(cpCmd))
+		record(b, figCommandsPerSec, completed)
+		record(b, figCommandRTp50, ms(rt[0]))
+		record(b, figCommandRTp99, ms(rt[1]))
 		fmt.Printf("commands: %d %s (no simulated time) on %d machines from %d callers: queued at %.0f/s, "+
-			"%.0f completed/s (target ≥ 5000); round trip at that load p50 %s, p99 %s\n",
+			"%.0f completed/s; round trip at that load p50 %s, p99 %s\n",
 			total, commandKind, n, callers, queued, completed, satRT[0].Round(time.Millisecond), satRT[1].Round(time.Millisecond))
-		selfCmd, pgCmd, ncCmd := perCmd(self1-self0), perCmd(pg1-pg0), perCmd(nc1-nc0)
-		controlPlane := selfCmd + pgCmd + ncCmd
-		if inProcess {
-			fmt.Printf("  CPU per command: %s services and machines (this process), %s Postgres, %s NATS\n",
-				selfCmd.Round(time.Microsecond), pgCmd.Round(time.Microsecond), ncCmd.Round(time.Microsecond))
-			fmt.Printf("  control plane %s of CPU per command with the machines (this process, Postgres, NATS) "+
-				"→ ~%.0f commands/s per core\n", controlPlane.Round(time.Microsecond), perCore(controlPlane))
-		} else {
-			fmt.Printf("  CPU per command: %s services and callers (this process), %s machines (their process), "+
-				"%s Postgres, %s NATS\n", selfCmd.Round(time.Microsecond), perCmd(mach1-mach0).Round(time.Microsecond),
-				pgCmd.Round(time.Microsecond), ncCmd.Round(time.Microsecond))
-			fmt.Printf("  control plane %s of CPU per command (services and callers, Postgres, NATS) "+
-				"→ ~%.0f commands/s per core\n", controlPlane.Round(time.Microsecond), perCore(controlPlane))
-		}
-		poolLine := func(before, after *pgxpool.Stat) string {
-			acquires := after.AcquireCount() - before.AcquireCount()
-			return fmt.Sprintf("%d acquires (%.1f per command), %d had to wait, %s waiting on average", acquires,
-				float64(acquires)/float64(total), after.EmptyAcquireCount()-before.EmptyAcquireCount(),
-				((after.AcquireDuration() - before.AcquireDuration()) / time.Duration(max(1, acquires))).Round(time.Microsecond))
-		}
-		fmt.Printf("  shared pool: %s; batched statements' pool (DB.AutoCommit): %s; %s\n", poolLine(pool0, pool1),
-			poolLine(auto0, auto1), <-waits)
+		fmt.Printf("  CPU per command: %s\n", sat.perOp(total))
+		fmt.Printf("  control plane %s of CPU per command (target ≤ 300µs) → ~%.0f commands/s per control-plane core\n",
+			cpCmd.Round(time.Microsecond), perCore(cpCmd))
+		fmt.Printf("  %s; %s\n", poolLine(m0, m1, total), <-waits)
 		fmt.Printf("command round trip at %.0f/s (%d commands): RunCommand → terminal state recorded p50 %s, p99 %s "+
-			"(target p99 < 100ms)\n", offered, steady, rt[0].Round(time.Millisecond), rt[1].Round(time.Millisecond))
+			"(target p99 < 50ms)\n", offered, steady, rt[0].Round(time.Millisecond), rt[1].Round(time.Millisecond))
 		fmt.Printf("  RunCommand call p50 %s, p99 %s; queued→delivered p50 %s, p99 %s; delivered→finished p50 %s, p99 %s; "+
 			"terminal event received by the watch p50 %s, p99 %s after the call\n",
 			call[0].Round(time.Millisecond), call[1].Round(time.Millisecond), secs(deliver50), secs(deliver99),
 			secs(finish50), secs(finish99), seen[0].Round(time.Millisecond), seen[1].Round(time.Millisecond))
-		fmt.Printf("  CPU per command at this rate: %s this process, %s machines, %s Postgres, %s NATS\n",
-			steadyCmd(self3-self2), steadyCmd(mach3-mach2), steadyCmd(pg3-pg2), steadyCmd(nc3-nc2))
+		fmt.Printf("  CPU per command at this rate: %s\n", steadyCPU.perOp(steady))
 		fmt.Printf("  slowest 1%% by when they were called (+s from the first call of the phase, 250 ms buckets): %s\n", tail)
 	}
 }
@@ -320,22 +282,6 @@ func perCore(cpu time.Duration) float64 {
 		return 0
 	}
 	return float64(time.Second) / float64(cpu)
-}
-
-// startCPUProfile writes a CPU profile of this process to path until the
-// returned function is called; with path "" it does nothing.
-func startCPUProfile(b *testing.B, path string) (stop func()) {
-	b.Helper()
-	if path == "" {
-		return func() {}
-	}
-	f, err := os.Create(path)
-	require.NoError(b, err)
-	require.NoError(b, pprof.StartCPUProfile(f))
-	return func() {
-		pprof.StopCPUProfile()
-		require.NoError(b, f.Close())
-	}
 }
 
 // tail says when the slowest fraction q of ids' round trips were called:
@@ -371,14 +317,6 @@ func (l *commandLog) tail(ids []string, q float64, width time.Duration) string {
 		parts = append(parts, fmt.Sprintf("+%s×%d (max %s)", b, count[b], worst[b].Round(time.Millisecond)))
 	}
 	return fmt.Sprintf("%s (first call at %s)", strings.Join(parts, ", "), first.UTC().Format("15:04:05.000"))
-}
-
-// profileOf is path with suffix added ("" when path is "").
-func profileOf(path, suffix string) string {
-	if path == "" {
-		return ""
-	}
-	return path + "." + suffix
 }
 
 // secs rounds a duration in seconds to the millisecond.

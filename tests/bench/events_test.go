@@ -33,7 +33,7 @@ func BenchmarkEventsWatch(b *testing.B) {
 	total -= total % batch
 	for range b.N {
 		f := startFleet(b, fleetOptions{noScheduler: true})
-		clk, ctx, db := f.clk, b.Context(), f.stack.DB
+		clk, ctx, db := f.clk, b.Context(), f.db
 		committed := make([]time.Time, total)
 		received := make([]time.Time, total)
 		var (

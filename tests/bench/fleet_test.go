@@ -28,20 +28,24 @@ import (
 	"github.com/better-compute/better-compute/pkg/devstack"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/services/fakedaemon/fakedaemon"
 	"github.com/better-compute/better-compute/tests/internal/containers"
 	"github.com/better-compute/better-compute/tests/internal/procs"
 )
 
-// The shared setup of the benchmarks: Postgres and NATS containers, the
-// services in process (devstack) with the gateway and the controllers
-// optionally in processes of their own (bin/linux, `make build`), and
-// BETTER_COMPUTE_BENCH_MACHINES fakedaemon machines, in this process or (the
-// commands benchmark) in a fakedaemon process of their own.
+// The shared setup of the benchmarks: Postgres and NATS containers, and
+// either every service as a process of its own (fleetOptions.processes,
+// cluster_test.go: the benchmarks of issue 19's table) or the services in
+// process (devstack) with the gateway and the controllers optionally in
+// processes of their own (bin/linux, `make build`); and
+// BETTER_COMPUTE_BENCH_MACHINES fakedaemon machines, in this process or in a
+// fakedaemon process of their own.
 
 func TestMain(m *testing.M) {
 	code := m.Run()
 	containers.Stop()
+	printFigures(os.Stdout)
 	os.Exit(code)
 }
 
@@ -111,6 +115,11 @@ func startControllers(b *testing.B, dbURL, natsURL, pkiDir string) int {
 
 // fleetOptions say how startFleet runs the control plane.
 type fleetOptions struct {
+	// processes runs every service as a process of its own (bin/linux),
+	// bootstrapped with the CLI, instead of devstack; with noScheduler the
+	// benchmark starts the scheduler's later (startScheduler). The other
+	// options but machines are then ignored.
+	processes bool
 	// externalGateway runs the gateway as its own process (gatewayPID).
 	externalGateway bool
 	// externalControllers runs the controllers as their own process
@@ -128,7 +137,17 @@ type fleet struct {
 	n                      int
 	clk                    clock.Clock
 	dbURL, natsURL, pkiDir string
-	stack                  *devstack.Stack
+	// stack is the in-process control plane (nil with processes);
+	// services the processes of fleetOptions.processes.
+	stack    *devstack.Stack
+	services map[string]*serviceProc
+	// apiURL is the public API's base URL; db the database (the stack's,
+	// or the benchmark's own handle with processes); pins the deployment's.
+	apiURL string
+	db     *store.DB
+	pins   pki.Pins
+	// pgID and natsID are the containers' ids (cpu reads them once).
+	pgID, natsID string
 	// rootToken is the root administrator's API token; joinToken admits
 	// n machines to poolID of tenantID.
 	rootToken, joinToken, poolID, tenantID string
@@ -155,6 +174,12 @@ func startFleet(b *testing.B, o fleetOptions) *fleet {
 	_, err := pki.Init(f.pkiDir, pki.InitOptions{GatewayNames: []string{"localhost", "127.0.0.1"}}, f.clk.Now())
 	require.NoError(b, err)
 	require.NoError(b, os.Chmod(f.pkiDir, 0o755))
+	f.pins, err = pki.ReadPins(f.pkiDir)
+	require.NoError(b, err)
+	if o.processes {
+		f.startProcesses(b, o.noScheduler)
+		return f
+	}
 	opts := devstack.Options{DatabaseURL: f.dbURL, NATSURL: f.natsURL, PKIDir: f.pkiDir, Logger: benchLogger(),
 		NoScheduler: o.noScheduler, NoControllers: o.externalControllers}
 	if o.externalGateway {
@@ -171,6 +196,7 @@ func startFleet(b *testing.B, o fleetOptions) *fleet {
 	f.stack, err = devstack.Start(b.Context(), opts)
 	require.NoError(b, err)
 	b.Cleanup(func() { _ = f.stack.Close() })
+	f.apiURL, f.db = f.stack.APIURL, f.stack.DB
 	res, err := f.stack.Bootstrap(b.Context(), devstack.BootstrapOptions{Dir: b.TempDir(), JoinMaxUses: int32(f.n)})
 	require.NoError(b, err)
 	f.rootToken, f.joinToken, f.poolID, f.tenantID = res.RootToken, res.JoinToken, res.PoolID, res.TenantID
@@ -185,7 +211,7 @@ func (f *fleet) startMachines(b *testing.B, durations *fakehw.Durations) time.Ti
 	ctx, cancel := context.WithCancel(context.Background())
 	start := f.clk.Now()
 	r, err := fakedaemon.Start(ctx, fakedaemon.Config{Config: agent.Config{
-		Server: f.stack.APIURL, Pins: f.stack.Pins, Token: f.joinToken, DataDir: b.TempDir(), Nodes: f.n,
+		Server: f.apiURL, Pins: f.pins, Token: f.joinToken, DataDir: b.TempDir(), Nodes: f.n,
 		JoinConcurrency: 32,
 	}, Durations: durations}, agent.Deps{})
 	require.NoError(b, err)
@@ -206,7 +232,7 @@ func (f *fleet) startMachines(b *testing.B, durations *fakehw.Durations) time.Ti
 func (f *fleet) startMachinesProcess(b *testing.B, durations string) {
 	b.Helper()
 	health := procs.FreeAddr(b)
-	args := []string{"--nodes", strconv.Itoa(f.n), "--data-dir", b.TempDir(), "--server", f.stack.APIURL,
+	args := []string{"--nodes", strconv.Itoa(f.n), "--data-dir", b.TempDir(), "--server", f.apiURL,
 		"--pins-file", filepath.Join(f.pkiDir, pki.PinsJSON), "--health-listen", health}
 	if durations != "" {
 		args = append(args, "--command-durations", durations)
@@ -222,7 +248,7 @@ func (f *fleet) waitAdopted(b *testing.B) {
 	b.Helper()
 	var adopted int
 	require.Eventually(b, func() bool {
-		err := f.stack.DB.Pool.QueryRow(b.Context(), `SELECT count(*) FROM nodes
+		err := f.db.Pool.QueryRow(b.Context(), `SELECT count(*) FROM nodes
 			WHERE provision_state = 'adopted' AND observed_generation >= 1`).Scan(&adopted)
 		return err == nil && adopted == f.n
 	}, 10*time.Minute, 100*time.Millisecond, "adopted %d of %d", &adopted, f.n)
@@ -231,7 +257,7 @@ func (f *fleet) waitAdopted(b *testing.B) {
 // nodeIDs returns the ids of the fleet's nodes, sorted.
 func (f *fleet) nodeIDs(b *testing.B) []string {
 	b.Helper()
-	rows, err := f.stack.DB.Pool.Query(b.Context(), `SELECT id FROM nodes ORDER BY id`)
+	rows, err := f.db.Pool.Query(b.Context(), `SELECT id FROM nodes ORDER BY id`)
 	require.NoError(b, err)
 	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	require.NoError(b, err)
@@ -261,11 +287,11 @@ func (f *fleet) apiHTTPClient(conns int) *http.Client {
 // commandClient and eventClient are Connect clients of the public API as
 // root-admin.
 func (f *fleet) commandClient(hc *http.Client) computev1connect.CommandServiceClient {
-	return computev1connect.NewCommandServiceClient(hc, f.stack.APIURL+"/api/compute")
+	return computev1connect.NewCommandServiceClient(hc, f.apiURL+"/api/compute")
 }
 
 func (f *fleet) eventClient(hc *http.Client) computev1connect.EventServiceClient {
-	return computev1connect.NewEventServiceClient(hc, f.stack.APIURL+"/api/compute")
+	return computev1connect.NewEventServiceClient(hc, f.apiURL+"/api/compute")
 }
 
 // percentiles returns the q-quantiles of ds (sorted in place), nearest rank

@@ -38,7 +38,7 @@ func BenchmarkReservations(b *testing.B) {
 		n, clk, ctx, natsURL := f.n, f.clk, b.Context(), f.natsURL
 		f.startMachines(b, nil)
 		f.waitAdopted(b)
-		db := f.stack.DB
+		db := f.db
 		count := func(sql string, args ...any) int {
 			var c int
 			require.NoError(b, db.Pool.QueryRow(ctx, sql, args...).Scan(&c))

@@ -44,7 +44,7 @@ func BenchmarkRetention(b *testing.B) {
 	pause := envDuration("BETTER_COMPUTE_BENCH_RETENTION_PAUSE", controllers.DefaultRetentionPause)
 	for range b.N {
 		f := startFleet(b, fleetOptions{machines: envInt("BETTER_COMPUTE_BENCH_RETENTION_MACHINES", 100), noScheduler: true})
-		clk, ctx, db := f.clk, b.Context(), f.stack.DB
+		clk, ctx, db := f.clk, b.Context(), f.db
 
 		seeded := clk.Now()
 		_, err := db.Pool.Exec(ctx, `INSERT INTO events (tenant_id, type, subject_id, data, created_at)

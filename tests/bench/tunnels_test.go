@@ -78,7 +78,7 @@ func BenchmarkTunnels(b *testing.B) {
 		consoles := min(100, len(nodes))
 		tokens := make([]string, (consoles+7)/8)
 		for i := range tokens {
-			secret, _, err := iam.MintAPIToken(ctx, f.stack.DB.Pool, f.stack.DB.Now(), f.tenantID, fmt.Sprintf("bench-%d", i),
+			secret, _, err := iam.MintAPIToken(ctx, f.db.Pool, f.db.Now(), f.tenantID, fmt.Sprintf("bench-%d", i),
 				iam.RoleTenantAdmin, nil)
 			require.NoError(b, err)
 			tokens[i] = secret
@@ -123,10 +123,10 @@ func (f *fleet) openTunnel(b *testing.B, token, node, purpose string) *websocket
 	b.Helper()
 	ctx := b.Context()
 	hc := &http.Client{Transport: bearer{token: token, next: http.DefaultTransport}}
-	tickets := computev1connect.NewTunnelServiceClient(hc, f.stack.APIURL+"/api/compute")
+	tickets := computev1connect.NewTunnelServiceClient(hc, f.apiURL+"/api/compute")
 	res, err := tickets.CreateTicket(ctx, connect.NewRequest(&computev1.CreateTicketRequest{NodeId: node, Purpose: purpose}))
 	require.NoError(b, err)
-	u := f.stack.APIURL + res.Msg.GetPath() + "?" + url.Values{"node": {node}, "rows": {"24"}, "cols": {"80"}}.Encode()
+	u := f.apiURL + res.Msg.GetPath() + "?" + url.Values{"node": {node}, "rows": {"24"}, "cols": {"80"}}.Encode()
 	ws, resp, err := websocket.Dial(ctx, u, nil)
 	if resp != nil && resp.Body != nil {
 		resp.Body.Close()
@@ -201,7 +201,7 @@ func (f *fleet) sshThroughput(b *testing.B, node string, mib int) float64 {
 	sshPub, err := ssh.NewPublicKey(pub)
 	require.NoError(b, err)
 	hc := &http.Client{Transport: bearer{token: f.rootToken, next: http.DefaultTransport}}
-	tickets := computev1connect.NewTunnelServiceClient(hc, f.stack.APIURL+"/api/compute")
+	tickets := computev1connect.NewTunnelServiceClient(hc, f.apiURL+"/api/compute")
 	cres, err := tickets.IssueSshCertificate(ctx, connect.NewRequest(&computev1.IssueSshCertificateRequest{NodeId: node,
 		PublicKey: sshca.MarshalPublicKey(sshPub), Ttl: durationpb.New(time.Hour)}))
 	require.NoError(b, err)
