@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"net"
 	"net/http"
 	"net/url"
 	"os"
@@ -78,41 +77,6 @@ func benchLogger() *slog.Logger {
 	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
 }
 
-// startGateway runs the gateway binary as its own process, so that its
-// memory and CPU can be read apart from the machines', renewing certificates
-// through JoinService's control listener at joinServiceURL.
-func startGateway(b *testing.B, dbURL, natsURL, pkiDir, joinServiceURL string) (url string, pid int) {
-	b.Helper()
-	listen, health := procs.FreeAddr(b), procs.FreeAddr(b)
-	pid = procs.Start(b, "gateway", health,
-		"BETTER_COMPUTE_DATABASE_URL="+dbURL,
-		"BETTER_COMPUTE_NATS_URL="+natsURL,
-		"BETTER_COMPUTE_PKI_DIR="+pkiDir,
-		"BETTER_COMPUTE_LISTEN="+listen,
-		"BETTER_COMPUTE_HEALTH_LISTEN="+health,
-		"BETTER_COMPUTE_GATEWAY_ID=gw-bench",
-		"BETTER_COMPUTE_GATEWAY_JOINSERVICE_URL="+joinServiceURL,
-		"BETTER_COMPUTE_LOG_LEVEL=warn",
-	).PID()
-	_, port, _ := net.SplitHostPort(listen)
-	return "https://localhost:" + port, pid
-}
-
-// startControllers runs the controllers binary (outbox relay, acceptance,
-// expiry, liveness, usage) as its own process and returns its pid.
-func startControllers(b *testing.B, dbURL, natsURL, pkiDir string) int {
-	b.Helper()
-	health := procs.FreeAddr(b)
-	return procs.Start(b, "controllers", health,
-		"BETTER_COMPUTE_DATABASE_URL="+dbURL,
-		"BETTER_COMPUTE_NATS_URL="+natsURL,
-		"BETTER_COMPUTE_PKI_DIR="+pkiDir,
-		"BETTER_COMPUTE_HEALTH_LISTEN="+health,
-		"BETTER_COMPUTE_LEASE_HOLDER=bench-controllers",
-		"BETTER_COMPUTE_LOG_LEVEL=warn",
-	).PID()
-}
-
 // fleetOptions say how startFleet runs the control plane.
 type fleetOptions struct {
 	// processes runs every service as a process of its own (bin/linux),
@@ -120,11 +84,6 @@ type fleetOptions struct {
 	// benchmark starts the scheduler's later (startScheduler). The other
 	// options but machines are then ignored.
 	processes bool
-	// externalGateway runs the gateway as its own process (gatewayPID).
-	externalGateway bool
-	// externalControllers runs the controllers as their own process
-	// (controllersPID).
-	externalControllers bool
 	// noScheduler starts no scheduler.
 	noScheduler bool
 	// machines is how many machines; machines() when 0.
@@ -151,7 +110,8 @@ type fleet struct {
 	// rootToken is the root administrator's API token; joinToken admits
 	// n machines to poolID of tenantID.
 	rootToken, joinToken, poolID, tenantID string
-	// gatewayPID and controllersPID are 0 when they run in this process.
+	// gatewayPID and controllersPID are their processes' (0 when they run
+	// in this process).
 	gatewayPID, controllersPID int
 	// runner runs the machines in this process (startMachines);
 	// machinesPID is the fakedaemon process running them instead
@@ -181,18 +141,7 @@ func startFleet(b *testing.B, o fleetOptions) *fleet {
 		return f
 	}
 	opts := devstack.Options{DatabaseURL: f.dbURL, NATSURL: f.natsURL, PKIDir: f.pkiDir, Logger: benchLogger(),
-		NoScheduler: o.noScheduler, NoControllers: o.externalControllers}
-	if o.externalGateway {
-		// The gateway renews certificates through the stack's JoinService:
-		// its control listener is made here, before the gateway starts.
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		require.NoError(b, err)
-		opts.JoinServiceControlListener = ln
-		opts.ExternalGatewayURL, f.gatewayPID = startGateway(b, f.dbURL, f.natsURL, f.pkiDir, "https://"+ln.Addr().String())
-	}
-	if o.externalControllers {
-		f.controllersPID = startControllers(b, f.dbURL, f.natsURL, f.pkiDir)
-	}
+		NoScheduler: o.noScheduler}
 	f.stack, err = devstack.Start(b.Context(), opts)
 	require.NoError(b, err)
 	b.Cleanup(func() { _ = f.stack.Close() })
