@@ -195,12 +195,32 @@ func (f *fleet) startMachinesProcess(b *testing.B, durations string) {
 // first NodeSpec.
 func (f *fleet) waitAdopted(b *testing.B) {
 	b.Helper()
-	var adopted int
-	require.Eventually(b, func() bool {
+	eventually(b, 10*time.Minute, 100*time.Millisecond, func() (bool, string) {
+		var adopted int
 		err := f.db.Pool.QueryRow(b.Context(), `SELECT count(*) FROM nodes
 			WHERE provision_state = 'adopted' AND observed_generation >= 1`).Scan(&adopted)
-		return err == nil && adopted == f.n
-	}, 10*time.Minute, 100*time.Millisecond, "adopted %d of %d", &adopted, f.n)
+		return err == nil && adopted == f.n, fmt.Sprintf("adopted %d of %d (%v)", adopted, f.n, err)
+	})
+}
+
+// eventually calls cond every tick until it returns true, and fails the
+// benchmark with the last message cond returned if it did not within.
+func eventually(tb testing.TB, within, tick time.Duration, cond func() (bool, string)) {
+	tb.Helper()
+	clk := clock.New()
+	deadline := clk.Now().Add(within)
+	t := clk.NewTicker(tick)
+	defer t.Stop()
+	for {
+		done, msg := cond()
+		if done {
+			return
+		}
+		if clk.Now().After(deadline) {
+			tb.Fatalf("condition not met within %s: %s", within, msg)
+		}
+		<-t.C()
+	}
 }
 
 // nodeIDs returns the ids of the fleet's nodes, sorted.
