@@ -166,14 +166,23 @@ test: images ## Run every test suite (unit, integration, fuzz for FUZZTIME, comp
 .PHONY: check
 check: vet lint generate-check breaking test ## vet, lint, generate-and-diff, buf breaking, and every test.
 
-# tests/bench: join → adoption, reservations, commands (throughput and round
-# trip), the events watch, the idle fleet's CPU and a retention pass over 10
-# million events while commands run (about 10 minutes of the run); the gateway, the
-# controllers and the commands benchmark's machines (fakedaemon) run there
-# from bin/linux (images builds them).
+# tests/bench (docs/benchmarks.md): issue 19's table (commands, reservations,
+# join → adoption, the idle fleet; every service and the machines in
+# processes of their own from bin/linux, which images builds), then tunnels,
+# the events watch, a retention pass over 10 million events while commands
+# run (about 10 minutes of the run) and `better-compute dev`.
+# How many times `make bench` runs each benchmark of issue 19's table (its
+# figures are printed as min/median/max over the runs).
+BENCH_RUNS ?= 3
+# The benchmarks of that table (every service a process of its own) and the
+# others, run once.
+BENCH_TABLE := ^Benchmark(Commands|Reservations|JoinToAdoption|IdleFleet)$$
+BENCH_OTHERS := ^Benchmark(Tunnels|EventsWatch|Retention|Dev)$$
+
 .PHONY: bench
-bench: images ## Run the benchmarks and print their figures (BETTER_COMPUTE_BENCH_MACHINES=1000), the fleet simulator's speed too.
-	cd tests && $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 75m ./bench/...
+bench: images ## Run the benchmarks (BETTER_COMPUTE_BENCH_MACHINES=1000): the table's BENCH_RUNS (3) times each, printed as min/median/max with the machine, then the others once, the fleet simulator's speed too.
+	cd tests && $(GO) test -run '^$$' -bench '$(BENCH_TABLE)' -benchtime 1x -count $(BENCH_RUNS) -timeout 90m ./bench/
+	cd tests && $(GO) test -run '^$$' -bench '$(BENCH_OTHERS)' -benchtime 1x -timeout 75m ./bench/
 	cd services/gateway && $(GO) test -run '^$$' -bench IdleSessionMemory -benchtime 1x -timeout 10m ./gateway/
 	cd services/controllers && $(GO) test -run '^$$' -bench Acceptance1000 -benchtime 3x -timeout 10m ./controllers/
 	cd pkg && $(GO) test -run '^$$' -bench '^BenchmarkSim$$' -benchtime 1x -timeout 10m ./sim/
