@@ -302,10 +302,15 @@ func poolLine(before, after map[string]map[string]float64, ops int) string {
 
 // profile takes a CPU profile of every service process over the next
 // seconds (at least 1), each into DIR/<benchmark>.<service>.pprof, when
-// BETTER_COMPUTE_BENCH_PROFILE_DIR=DIR is set; the returned function
-// waits until they are written (the benchmark calls it at the end of the
-// phase: a phase that ends sooner leaves an idle tail, which adds almost no
-// samples; one that lasts longer is profiled over its first seconds only).
+// BETTER_COMPUTE_BENCH_PROFILE_DIR=DIR is set, and its allocations
+// (/debug/pprof/allocs, which counts from the process's start) now, into
+// DIR/<benchmark>.<service>.allocs.base.pprof, and when the returned
+// function is called, into DIR/<benchmark>.<service>.allocs.pprof: the
+// phase's allocations are their difference (pprof -diff_base). The
+// returned function waits until every profile is written; the benchmark
+// calls it at the end of the phase (a phase that ends sooner leaves an idle
+// tail in the CPU profile, which adds almost no samples; one that lasts
+// longer is profiled over its first seconds only).
 func (f *fleet) profile(b *testing.B, seconds int) (wait func()) {
 	b.Helper()
 	dir := profileDir()
@@ -314,7 +319,11 @@ func (f *fleet) profile(b *testing.B, seconds int) (wait func()) {
 	}
 	require.NoError(b, os.MkdirAll(dir, 0o755))
 	seconds = max(1, seconds)
-	bench := strings.SplitN(b.Name(), "/", 2)[0]
+	prefix := filepath.Join(dir, strings.SplitN(b.Name(), "/", 2)[0])
+	for name, s := range f.services {
+		require.NoError(b, fetchProfile("http://"+s.pprof+"/debug/pprof/allocs", prefix+"."+name+".allocs.base.pprof",
+			30*time.Second))
+	}
 	var wg sync.WaitGroup
 	errs := make(chan error, len(f.services))
 	for name, s := range f.services {
@@ -322,16 +331,21 @@ func (f *fleet) profile(b *testing.B, seconds int) (wait func()) {
 		go func() {
 			defer wg.Done()
 			errs <- fetchProfile(fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", s.pprof, seconds),
-				filepath.Join(dir, bench+"."+name+".pprof"), time.Duration(seconds+30)*time.Second)
+				prefix+"."+name+".pprof", time.Duration(seconds+30)*time.Second)
 		}()
 	}
 	return func() {
+		for name, s := range f.services {
+			require.NoError(b, fetchProfile("http://"+s.pprof+"/debug/pprof/allocs", prefix+"."+name+".allocs.pprof",
+				30*time.Second))
+		}
 		wg.Wait()
 		close(errs)
 		for err := range errs {
 			require.NoError(b, err)
 		}
-		fmt.Printf("  profiles (%d s) in %s/%s.<service>.pprof\n", seconds, dir, bench)
+		fmt.Printf("  profiles: CPU over %d s and allocations in %s.<service>{,.allocs,.allocs.base}.pprof\n",
+			seconds, prefix)
 	}
 }
 
