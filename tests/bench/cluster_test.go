@@ -311,6 +311,7 @@ func poolLine(before, after map[string]map[string]float64, ops int) string {
 // calls it at the end of the phase (a phase that ends sooner leaves an idle
 // tail in the CPU profile, which adds almost no samples; one that lasts
 // longer is profiled over its first seconds only).
+// BETTER_COMPUTE_BENCH_PROFILE_SECONDS, when set, replaces seconds.
 func (f *fleet) profile(b *testing.B, seconds int) (wait func()) {
 	b.Helper()
 	dir := profileDir()
@@ -318,7 +319,7 @@ func (f *fleet) profile(b *testing.B, seconds int) (wait func()) {
 		return func() {}
 	}
 	require.NoError(b, os.MkdirAll(dir, 0o755))
-	seconds = max(1, seconds)
+	seconds = envInt("BETTER_COMPUTE_BENCH_PROFILE_SECONDS", max(1, seconds))
 	prefix := filepath.Join(dir, strings.SplitN(b.Name(), "/", 2)[0])
 	for name, s := range f.services {
 		require.NoError(b, fetchProfile("http://"+s.pprof+"/debug/pprof/allocs", prefix+"."+name+".allocs.base.pprof",

@@ -68,7 +68,7 @@ func BenchmarkReservations(b *testing.B) {
 		cpu0 := f.cpu(b)
 		start := clk.Now()
 		sched.Resume(b)
-		waitProfiles := f.profile(b, backlog/1000+1)
+		waitProfiles := f.profile(b, backlog/500+1)
 		eventually(b, 5*time.Minute, 50*time.Millisecond, func() (bool, string) {
 			placed := count(`SELECT count(*) FROM reservations WHERE placed_at IS NOT NULL`)
 			return placed >= backlog, fmt.Sprintf("placed %d of %d", placed, backlog)
