@@ -303,7 +303,9 @@ func poolLine(before, after map[string]map[string]float64, ops int) string {
 // profile takes a CPU profile of every service process over the next
 // seconds (at least 1), each into DIR/<benchmark>.<service>.pprof, when
 // BETTER_COMPUTE_BENCH_PROFILE_DIR=DIR is set, and its allocations
-// (/debug/pprof/allocs, which counts from the process's start) now, into
+// (/debug/pprof/allocs?gc=1, which counts from the process's start; gc=1
+// runs a collection first, so that it holds every allocation so far) now,
+// into
 // DIR/<benchmark>.<service>.allocs.base.pprof, and when the returned
 // function is called, into DIR/<benchmark>.<service>.allocs.pprof: the
 // phase's allocations are their difference (pprof -diff_base). The
@@ -312,7 +314,13 @@ func poolLine(before, after map[string]map[string]float64, ops int) string {
 // tail in the CPU profile, which adds almost no samples; one that lasts
 // longer is profiled over its first seconds only).
 // BETTER_COMPUTE_BENCH_PROFILE_SECONDS, when set, replaces seconds.
-func (f *fleet) profile(b *testing.B, seconds int) (wait func()) {
+//
+// The services named in paused are stopped (SIGSTOP) and about to be
+// continued: their allocations at the start were taken before they were
+// stopped (allocsBase), and their CPU profiles, asked for now, start when
+// they run again (their profiling server answers once the process runs).
+// profile returns once the other services' allocation profiles are written.
+func (f *fleet) profile(b *testing.B, seconds int, paused ...string) (wait func()) {
 	b.Helper()
 	dir := profileDir()
 	if dir == "" {
@@ -321,33 +329,75 @@ func (f *fleet) profile(b *testing.B, seconds int) (wait func()) {
 	require.NoError(b, os.MkdirAll(dir, 0o755))
 	seconds = envInt("BETTER_COMPUTE_BENCH_PROFILE_SECONDS", max(1, seconds))
 	prefix := filepath.Join(dir, strings.SplitN(b.Name(), "/", 2)[0])
-	for name, s := range f.services {
-		require.NoError(b, fetchProfile("http://"+s.pprof+"/debug/pprof/allocs", prefix+"."+name+".allocs.base.pprof",
-			30*time.Second))
+	allocs := func(s *serviceProc, suffix string) error {
+		return fetchProfile("http://"+s.pprof+"/debug/pprof/allocs?gc=1", prefix+"."+s.name+suffix, 30*time.Second)
 	}
-	var wg sync.WaitGroup
-	errs := make(chan error, len(f.services))
+	var (
+		wg, based sync.WaitGroup
+		mu        sync.Mutex
+		errs      []error
+	)
+	fail := func(err error) {
+		if err != nil {
+			mu.Lock()
+			errs = append(errs, err)
+			mu.Unlock()
+		}
+	}
 	for name, s := range f.services {
 		wg.Add(1)
+		isPaused := slices.Contains(paused, name)
+		if !isPaused {
+			based.Add(1)
+		}
 		go func() {
 			defer wg.Done()
-			errs <- fetchProfile(fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", s.pprof, seconds),
-				prefix+"."+name+".pprof", time.Duration(seconds+30)*time.Second)
+			var err error
+			if !isPaused {
+				err = allocs(s, ".allocs.base.pprof")
+				based.Done()
+			}
+			if err != nil {
+				fail(err)
+				return
+			}
+			fail(fetchProfile(fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", s.pprof, seconds),
+				prefix+"."+name+".pprof", time.Duration(seconds+30)*time.Second))
 		}()
 	}
+	based.Wait()
 	return func() {
-		for name, s := range f.services {
-			require.NoError(b, fetchProfile("http://"+s.pprof+"/debug/pprof/allocs", prefix+"."+name+".allocs.pprof",
-				30*time.Second))
+		var ends sync.WaitGroup
+		for _, s := range f.services {
+			ends.Add(1)
+			go func() {
+				defer ends.Done()
+				fail(allocs(s, ".allocs.pprof"))
+			}()
 		}
+		ends.Wait()
 		wg.Wait()
-		close(errs)
-		for err := range errs {
+		for _, err := range errs {
 			require.NoError(b, err)
 		}
 		fmt.Printf("  profiles: CPU over %d s and allocations in %s.<service>{,.allocs,.allocs.base}.pprof\n",
 			seconds, prefix)
 	}
+}
+
+// allocsBase writes service name's allocations so far into the allocation
+// profile at the start of a phase (see profile) now, before it is stopped;
+// it does nothing unless BETTER_COMPUTE_BENCH_PROFILE_DIR is set.
+func (f *fleet) allocsBase(b *testing.B, name string) {
+	b.Helper()
+	dir := profileDir()
+	if dir == "" {
+		return
+	}
+	require.NoError(b, os.MkdirAll(dir, 0o755))
+	prefix := filepath.Join(dir, strings.SplitN(b.Name(), "/", 2)[0])
+	require.NoError(b, fetchProfile("http://"+f.services[name].pprof+"/debug/pprof/allocs?gc=1",
+		prefix+"."+name+".allocs.base.pprof", 30*time.Second))
 }
 
 // fetchProfile GETs url into file path, within timeout.

@@ -62,13 +62,14 @@ func BenchmarkReservations(b *testing.B) {
 		// without its process start in the figure.
 		f.startScheduler(b)
 		sched := f.services[svcScheduler].proc
+		f.allocsBase(b, svcScheduler)
 		sched.Pause(b)
 		backlog := 2 * n
 		require.NoError(b, parallel(backlog, reservationCallers, func(i int) error { return reserve(1, i, 2) }))
+		waitProfiles := f.profile(b, backlog/500+1, svcScheduler)
 		cpu0 := f.cpu(b)
 		start := clk.Now()
 		sched.Resume(b)
-		waitProfiles := f.profile(b, backlog/500+1)
 		eventually(b, 5*time.Minute, 50*time.Millisecond, func() (bool, string) {
 			placed := count(`SELECT count(*) FROM reservations WHERE placed_at IS NOT NULL`)
 			return placed >= backlog, fmt.Sprintf("placed %d of %d", placed, backlog)
