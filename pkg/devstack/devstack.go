@@ -157,6 +157,11 @@ type Options struct {
 	// which Close shuts down. The API serves it on GET /metrics
 	// (Stack.MetricsURL), with the prometheus exporter.
 	Metrics *telemetry.Metrics
+	// TicketBurst and TicketRate override the API's per-address limit of
+	// tunnel tickets and SSH certificates (api.Config; defaults 50, then 10
+	// a second) when non-zero: a benchmark opening hundreds of tunnels from
+	// one address raises them.
+	TicketBurst, TicketRate int
 }
 
 // Stack is a running control plane.
@@ -561,7 +566,7 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 	}
 	if _, err := run(s, g, gctx, "api", true, func(deps service.Deps) (*api.Server, error) {
 		return api.New(api.Config{PKI: pkiOf(pki.ServiceAPI), Intent: intent, Listener: apiLn, WellKnown: api.WellKnownConfig{
-			PublicURL: s.APIURL, JoinURL: s.JoinURL, Gateways: gateways}}, deps)
+			PublicURL: s.APIURL, JoinURL: s.JoinURL, Gateways: gateways}, TicketBurst: o.TicketBurst, TicketRate: o.TicketRate}, deps)
 	}); err != nil {
 		apiLn.Close()
 		return err

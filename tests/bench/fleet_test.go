@@ -88,6 +88,10 @@ type fleetOptions struct {
 	noScheduler bool
 	// machines is how many machines; machines() when 0.
 	machines int
+	// tickets, when non-zero, is the API's per-address burst and rate of
+	// tunnel tickets (the tunnels benchmark opens hundreds from one
+	// address; the default limit is 50, then 10 a second).
+	tickets int
 }
 
 // fleet is a running control plane, bootstrapped, and (after
@@ -141,7 +145,7 @@ func startFleet(b *testing.B, o fleetOptions) *fleet {
 		return f
 	}
 	opts := devstack.Options{DatabaseURL: f.dbURL, NATSURL: f.natsURL, PKIDir: f.pkiDir, Logger: benchLogger(),
-		NoScheduler: o.noScheduler}
+		NoScheduler: o.noScheduler, TicketBurst: o.tickets, TicketRate: o.tickets}
 	f.stack, err = devstack.Start(b.Context(), opts)
 	require.NoError(b, err)
 	b.Cleanup(func() { _ = f.stack.Close() })

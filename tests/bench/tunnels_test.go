@@ -44,7 +44,7 @@ import (
 //     then the round trip of a command typed in each at once (p50, p99).
 func BenchmarkTunnels(b *testing.B) {
 	for range b.N {
-		f := startFleet(b, fleetOptions{machines: envInt("BETTER_COMPUTE_BENCH_TUNNEL_MACHINES", 100)})
+		f := startFleet(b, fleetOptions{machines: envInt("BETTER_COMPUTE_BENCH_TUNNEL_MACHINES", 100), tickets: 10_000})
 		f.startMachines(b, nil)
 		f.waitAdopted(b)
 		nodes := f.nodeIDs(b)
