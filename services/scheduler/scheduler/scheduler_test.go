@@ -35,7 +35,7 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-func startNATS(t *testing.T) *nats.Conn {
+func startNATS(t testing.TB) *nats.Conn {
 	t.Helper()
 	s, err := bustest.StartEmbedded(t.TempDir())
 	require.NoError(t, err)
