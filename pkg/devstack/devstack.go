@@ -460,13 +460,14 @@ func urlHost(host string) string {
 // beside its handler, as everywhere.
 func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 	o := s.opts
-	// The services share the database: its commits wake the outbox relay
-	// over NATS.
+	// The services share the database: its commits wake the outbox relay,
+	// and the scheduler when they poke it, over NATS.
 	signalNC, err := s.connect("outbox-signal")
 	if err != nil {
 		return err
 	}
 	s.DB.SignalOutboxVia(func() error { return signalNC.Publish(store.SubjectOutboxWritten, nil) })
+	s.DB.PokeSchedulerVia(func() error { return signalNC.Publish(store.SubjectPokeScheduler, nil) })
 	kept := s.state
 	s.state.Gateways = nil
 	host := urlHost(o.Host)

@@ -55,7 +55,9 @@ type APITokenRevoked struct {
 // context of ctx's span (telemetry.Traceparent, which the relay publishes
 // in the message's traceparent header), and signals the relay, which
 // receives the signal only if and when the transaction commits (see
-// signalOutbox).
+// signalOutbox). A SubjectPokeScheduler message is also published by the
+// writer itself right after the commit where the DB has a direct poke
+// (DB.PokeSchedulerVia; see pokeSchedulerAfterCommit).
 func Enqueue(ctx context.Context, q DBTX, now time.Time, subject string, payload []byte) error {
 	if payload == nil {
 		payload = []byte{}
@@ -64,6 +66,9 @@ func Enqueue(ctx context.Context, q DBTX, now time.Time, subject string, payload
 		subject, payload, now, telemetry.Traceparent(ctx))
 	if err != nil {
 		return fmt.Errorf("enqueue %s: %w", subject, err)
+	}
+	if subject == SubjectPokeScheduler {
+		pokeSchedulerAfterCommit(q)
 	}
 	return signalOutbox(ctx, q)
 }

@@ -37,10 +37,45 @@ func signalOutbox(ctx context.Context, q DBTX) error {
 }
 
 // outboxTx is the transaction DB.InTx hands to its function: signalOutbox
-// records that it wrote outbox rows.
+// records that it wrote outbox rows, pokeSchedulerAfterCommit that one of
+// them pokes the scheduler.
 type outboxTx struct {
 	pgx.Tx
-	wrote bool
+	wrote, pokeScheduler bool
+}
+
+// pokeSchedulerAfterCommit makes sure that the scheduler poke q's
+// transaction enqueued is also published directly once it commits, where
+// the DB has a direct poke (DB.PokeSchedulerVia): in a transaction of
+// DB.InTx it marks the transaction and InTx publishes after the commit; in
+// AutoCommit the statement has committed, and it publishes now. In any other
+// transaction it does nothing: the relay publishes the row.
+func pokeSchedulerAfterCommit(q DBTX) {
+	switch t := q.(type) {
+	case *outboxTx:
+		t.pokeScheduler = true
+	case autoCommit:
+		t.db.pokeScheduler()
+	}
+}
+
+// PokeSchedulerVia makes db publish the scheduler's poke itself by calling
+// send (a NATS publish on SubjectPokeScheduler, say) right after each commit
+// of DB.InTx (or statement of AutoCommit) that enqueued one, so that the
+// scheduler is woken by the commit and not only once the outbox relay has
+// taken the row, published it and committed its delete. The outbox row
+// stays: the relay publishes it too (at least once, whatever happens to the
+// direct publish), and the scheduler coalesces the two into at most one
+// more pass (pokes are idempotent hints). A failed send is left to the
+// relay. Call it before db is used; nil stops the direct pokes.
+func (db *DB) PokeSchedulerVia(send func() error) { db.schedulerPoke = send }
+
+// pokeScheduler publishes a scheduler poke directly, when db has a direct
+// poke (PokeSchedulerVia); a failure only leaves the poke to the relay.
+func (db *DB) pokeScheduler() {
+	if db.schedulerPoke != nil {
+		_ = db.schedulerPoke()
+	}
 }
 
 // notifySQL notifies OutboxChannel in a transaction of its own that commits

@@ -140,6 +140,60 @@ func TestSignalOutboxVia(t *testing.T) {
 
 var errRollback = errors.New("roll back")
 
+// TestPokeSchedulerVia: a transaction of InTx that enqueued a scheduler
+// poke publishes it directly once it has committed — when the poke is sent
+// the reservation is visible to another connection — and keeps the outbox
+// row for the relay; a rollback publishes nothing, and neither does a
+// transaction that only enqueued other messages.
+func TestPokeSchedulerVia(t *testing.T) {
+	t.Parallel()
+	db := storetest.New(t, nil)
+	ctx := t.Context()
+	f := storetest.NewFleet(t, db, "pokevia", 8)
+	tenant := f.Tenant(t, "pokevia-tenant", 8)
+	var (
+		calls   atomic.Int64
+		pending atomic.Int64 // pending reservations another connection saw at the last poke
+	)
+	db.PokeSchedulerVia(func() error {
+		var n int64
+		// The pool's other connections: the committing one is back in
+		// the pool already, but any would do.
+		if err := db.Pool.QueryRow(context.WithoutCancel(ctx),
+			`SELECT count(*) FROM reservations WHERE state = 'pending'`).Scan(&n); err != nil {
+			return err
+		}
+		pending.Store(n)
+		calls.Add(1)
+		return nil
+	})
+	outbox := func() int {
+		var n int
+		require.NoError(t, db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE subject = $1`,
+			store.SubjectPokeScheduler).Scan(&n))
+		return n
+	}
+
+	err := db.InTx(ctx, func(tx pgx.Tx) error {
+		if err := store.Enqueue(ctx, tx, db.Now(), store.SubjectPokeScheduler, nil); err != nil {
+			return err
+		}
+		return errRollback
+	})
+	require.ErrorIs(t, err, errRollback)
+	require.Zero(t, calls.Load(), "a rollback pokes nothing")
+	require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
+		return store.Enqueue(ctx, tx, db.Now(), "test.other", nil)
+	}))
+	require.Zero(t, calls.Load(), "only scheduler pokes are published directly")
+
+	_, err = f.Reserve(ctx, tenant, 2, time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), calls.Load(), "Reserve's commit pokes the scheduler")
+	require.Equal(t, int64(1), pending.Load(), "the poke comes after the commit")
+	require.Equal(t, 1, outbox(), "the outbox row stays for the relay")
+}
+
 // TestGenericPlanConnections: AutoCommit and InGenericTx run on the
 // connections that plan prepared statements generically (the hot paths'
 // batched statements and the relay's take were re-planned on every
