@@ -315,3 +315,41 @@ func withPlacements(booked []store.BookedInterval, ps []store.Placement) []store
 	}
 	return out
 }
+
+// TestCountFreeShortcut: countFree's shortcut (unbooked devices when every
+// booking starts before hi) counts what looking at each device counts, on
+// random bookings in the past and future and after placements (book).
+func TestCountFreeShortcut(t *testing.T) {
+	t.Parallel()
+	rng := rand.New(rand.NewPCG(7, 19))
+	slow := func(ns *nodeState, hi time.Time) int {
+		n := 0
+		for i := range ns.next {
+			if ns.isFree(i, hi) {
+				n++
+			}
+		}
+		return n
+	}
+	for round := range 500 {
+		n := node(fmt.Sprintf("n%03d", round), 1+rng.IntN(8))
+		var booked []store.BookedInterval
+		for range rng.IntN(12) {
+			lo := t0.Add(time.Duration(rng.IntN(240)-120) * time.Minute)
+			booked = append(booked, store.BookedInterval{NodeID: n.ID, DeviceIndex: int32(rng.IntN(len(n.Healthy))),
+				Lower: lo, Upper: lo.Add(time.Duration(1+rng.IntN(120)) * time.Minute)})
+		}
+		states, _ := nodeStates([]store.PoolNode{n}, booked, t0)
+		require.Len(t, states, 1)
+		ns := states[0]
+		for step := range 6 {
+			if step > 0 {
+				ns.book(rng.IntN(len(ns.next)), t0)
+			}
+			for range 8 {
+				hi := t0.Add(time.Duration(1+rng.IntN(180)) * time.Minute)
+				require.Equal(t, slow(ns, hi), ns.countFree(hi), "round %d step %d, hi %s", round, step, hi)
+			}
+		}
+	}
+}
