@@ -3,6 +3,7 @@ package store_test
 import (
 	"context"
 	"errors"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -140,37 +141,50 @@ func TestSignalOutboxVia(t *testing.T) {
 
 var errRollback = errors.New("roll back")
 
-// TestPokeSchedulerVia: a transaction of InTx that enqueued a scheduler
-// poke publishes it directly once it has committed — when the poke is sent
-// the reservation is visible to another connection — and keeps the outbox
-// row for the relay; a rollback publishes nothing, and neither does a
-// transaction that only enqueued other messages.
-func TestPokeSchedulerVia(t *testing.T) {
+// TestPokeVia: a transaction of InTx that enqueued a scheduler poke
+// publishes it directly, once however many times it was enqueued, after it
+// has committed — when the poke is sent the reservation is visible to
+// another connection — and keeps the outbox row for the relay; a placement
+// publishes its node's gateway poke too. A rollback publishes nothing, and
+// neither does a transaction that only enqueued other messages.
+func TestPokeVia(t *testing.T) {
 	t.Parallel()
 	db := storetest.New(t, nil)
 	ctx := t.Context()
-	f := storetest.NewFleet(t, db, "pokevia", 8)
+	f := storetest.NewFleetWith(t, db, storetest.FleetOpts{Name: "pokevia", GPUs: []int{8},
+		Node: func(_ int, o *storetest.NodeOpts) { o.GatewayID = "gw-pokevia" }})
 	tenant := f.Tenant(t, "pokevia-tenant", 8)
+	type poke struct {
+		subject, payload string
+		// pending is how many pending reservations another connection saw
+		// when the poke was published.
+		pending int
+	}
 	var (
-		calls   atomic.Int64
-		pending atomic.Int64 // pending reservations another connection saw at the last poke
+		mu    sync.Mutex
+		pokes []poke
 	)
-	db.PokeSchedulerVia(func() error {
-		var n int64
-		// The pool's other connections: the committing one is back in
-		// the pool already, but any would do.
+	db.PokeVia(func(subject string, payload []byte) error {
+		var n int
 		if err := db.Pool.QueryRow(context.WithoutCancel(ctx),
 			`SELECT count(*) FROM reservations WHERE state = 'pending'`).Scan(&n); err != nil {
 			return err
 		}
-		pending.Store(n)
-		calls.Add(1)
+		mu.Lock()
+		defer mu.Unlock()
+		pokes = append(pokes, poke{subject: subject, payload: string(payload), pending: n})
 		return nil
 	})
-	outbox := func() int {
+	taken := func() []poke {
+		mu.Lock()
+		defer mu.Unlock()
+		out := pokes
+		pokes = nil
+		return out
+	}
+	outbox := func(subject string) int {
 		var n int
-		require.NoError(t, db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE subject = $1`,
-			store.SubjectPokeScheduler).Scan(&n))
+		require.NoError(t, db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE subject = $1`, subject).Scan(&n))
 		return n
 	}
 
@@ -181,17 +195,37 @@ func TestPokeSchedulerVia(t *testing.T) {
 		return errRollback
 	})
 	require.ErrorIs(t, err, errRollback)
-	require.Zero(t, calls.Load(), "a rollback pokes nothing")
+	require.Empty(t, taken(), "a rollback pokes nothing")
 	require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
 		return store.Enqueue(ctx, tx, db.Now(), "test.other", nil)
 	}))
-	require.Zero(t, calls.Load(), "only scheduler pokes are published directly")
+	require.Empty(t, taken(), "only pokes are published directly")
+	require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
+		for range 3 {
+			if err := store.Enqueue(ctx, tx, db.Now(), store.SubjectPokeScheduler, nil); err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
+	require.Equal(t, []poke{{subject: store.SubjectPokeScheduler}}, taken(), "one scheduler poke per transaction")
 
-	_, err = f.Reserve(ctx, tenant, 2, time.Hour)
+	r, err := f.Reserve(ctx, tenant, 2, time.Hour)
 	require.NoError(t, err)
-	require.Equal(t, int64(1), calls.Load(), "Reserve's commit pokes the scheduler")
-	require.Equal(t, int64(1), pending.Load(), "the poke comes after the commit")
-	require.Equal(t, 1, outbox(), "the outbox row stays for the relay")
+	require.Equal(t, []poke{{subject: store.SubjectPokeScheduler, pending: 1}}, taken(),
+		"Reserve's commit pokes the scheduler, after the commit")
+	require.Equal(t, 4, outbox(store.SubjectPokeScheduler), "the outbox rows stay for the relay")
+
+	now := db.Now()
+	require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
+		placed, err := store.PlaceReservations(ctx, tx, nil, now, []store.Placement{{ReservationID: r.ID, TenantID: tenant,
+			NodeID: f.Nodes[0], Devices: []int32{0, 1}, Lower: now, Upper: r.EndAt}})
+		require.Equal(t, []string{r.ID}, placed)
+		return err
+	}))
+	require.Equal(t, []poke{{subject: store.SubjectPokeGatewayPrefix + "gw-pokevia",
+		payload: `{"nodeIds":["` + f.Nodes[0] + `"]}`}}, taken(), "the placement pokes the node's gateway, after the commit")
+	require.Equal(t, 1, outbox(store.SubjectPokeGatewayPrefix+"gw-pokevia"), "the outbox row stays for the relay")
 }
 
 // TestGenericPlanConnections: AutoCommit and InGenericTx run on the

@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/service"
@@ -26,11 +27,23 @@ type statementCounter struct {
 	mu     sync.Mutex
 	byVerb map[string]int
 	total  int
+	// batches are the spans of the batches: their statements' spans are
+	// their children.
+	batches map[trace.SpanID]bool
 	// took sums the round trips' durations by their first 90 characters.
 	took map[string]time.Duration
 }
 
-func (c *statementCounter) OnStart(context.Context, sdktrace.ReadWriteSpan) {}
+func (c *statementCounter) OnStart(_ context.Context, s sdktrace.ReadWriteSpan) {
+	if s.Name() == "batch start" {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		if c.batches == nil {
+			c.batches = map[trace.SpanID]bool{}
+		}
+		c.batches[s.SpanContext().SpanID()] = true
+	}
+}
 func (c *statementCounter) OnEnd(s sdktrace.ReadOnlySpan) {
 	name := s.Name()
 	// Prepares (once per connection and statement) are not counted; a
@@ -39,9 +52,23 @@ func (c *statementCounter) OnEnd(s sdktrace.ReadOnlySpan) {
 		strings.HasPrefix(name, "batch query") || strings.HasPrefix(name, "batch end") || strings.HasPrefix(name, "batch close") {
 		return
 	}
+	key := name
+	for _, a := range s.Attributes() {
+		if a.Key == "db.query.text" || a.Key == "db.statement" {
+			key = a.Value.AsString()
+		}
+	}
+	// pgx's reads of the catalog (the types of a new connection) are not
+	// the pass's.
+	if strings.Contains(key, "pg_type") || strings.Contains(key, "pg_catalog") {
+		return
+	}
 	verb, _, _ := strings.Cut(strings.TrimSpace(name), " ")
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	if c.batches[s.Parent().SpanID()] {
+		return
+	}
 	if c.byVerb == nil {
 		c.byVerb = map[string]int{}
 	}
@@ -49,12 +76,6 @@ func (c *statementCounter) OnEnd(s sdktrace.ReadOnlySpan) {
 	c.total++
 	if c.took == nil {
 		c.took = map[string]time.Duration{}
-	}
-	key := name
-	for _, a := range s.Attributes() {
-		if a.Key == "db.query.text" || a.Key == "db.statement" {
-			key = a.Value.AsString()
-		}
 	}
 	key = strings.Join(strings.Fields(key), " ")
 	c.took[key[:min(len(key), 90)]] += s.EndTime().Sub(s.StartTime())

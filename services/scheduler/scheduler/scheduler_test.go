@@ -144,13 +144,13 @@ func TestWakesOnPoke(t *testing.T) {
 // TestPlacedOnCommitPoke: with a clock that never advances (no tick, no
 // lease renewal) and no outbox relay, a reservation made after the
 // scheduler's first pass is placed on the poke its commit publishes
-// (store.DB.PokeSchedulerVia), the only thing that can wake the scheduler.
+// (store.DB.PokeVia), the only thing that can wake the scheduler.
 func TestPlacedOnCommitPoke(t *testing.T) {
 	t.Parallel()
 	clk := clock.NewFake(time.Date(2030, 1, 1, 0, 0, 0, 0, time.FixedZone("PST", -8*3600)))
 	db := storetest.New(t, clk)
 	nc := startNATS(t)
-	db.PokeSchedulerVia(func() error { return nc.Publish(store.SubjectPokeScheduler, nil) })
+	db.PokeVia(nc.Publish)
 	f := storetest.NewFleet(t, db, "commitpoke", 8)
 	tenant := f.Tenant(t, "commitpoke-tenant", 8)
 	r := startReplica(t, db, nc, clk, "a")
