@@ -353,3 +353,30 @@ func TestCountFreeShortcut(t *testing.T) {
 		}
 	}
 }
+
+// BenchmarkPlanPool plans 2,000 reservations of 2 GPUs on 1,000 nodes of 8
+// GPUs, 2,000 bookings already there (BenchmarkPass's second pass, in
+// memory).
+func BenchmarkPlanPool(b *testing.B) {
+	nodes := make([]store.PoolNode, 1000)
+	var booked []store.BookedInterval
+	for i := range nodes {
+		nodes[i] = node(fmt.Sprintf("n%04d", i), 8)
+		for d := range int32(2) {
+			booked = append(booked, store.BookedInterval{NodeID: nodes[i].ID, DeviceIndex: d,
+				Lower: t0.Add(-time.Minute), Upper: t0.Add(time.Hour)})
+		}
+	}
+	queue := make([]store.PendingReservation, 2000)
+	for i := range queue {
+		queue[i] = store.PendingReservation{ID: fmt.Sprintf("r%05d", i), PoolID: "pool", GPUs: 2,
+			StartAt: t0, EndAt: t0.Add(time.Hour), CreatedAt: t0}
+	}
+	b.ReportAllocs()
+	for b.Loop() {
+		p := planPool(queue, nodes, booked, t0, 5*time.Minute)
+		if len(p.Placements) != len(queue) {
+			b.Fatalf("placed %d of %d", len(p.Placements), len(queue))
+		}
+	}
+}
