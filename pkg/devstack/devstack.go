@@ -465,13 +465,14 @@ func urlHost(host string) string {
 // beside its handler, as everywhere.
 func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 	o := s.opts
-	// The services share the database: its commits wake the outbox relay
-	// over NATS.
+	// The services share the database: its commits wake the outbox relay,
+	// and the scheduler and gateways they poke, over NATS.
 	signalNC, err := s.connect("outbox-signal")
 	if err != nil {
 		return err
 	}
 	s.DB.SignalOutboxVia(func() error { return signalNC.Publish(store.SubjectOutboxWritten, nil) })
+	s.DB.PokeVia(signalNC.Publish)
 	kept := s.state
 	s.state.Gateways = nil
 	host := urlHost(o.Host)

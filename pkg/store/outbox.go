@@ -55,7 +55,9 @@ type APITokenRevoked struct {
 // context of ctx's span (telemetry.Traceparent, which the relay publishes
 // in the message's traceparent header), and signals the relay, which
 // receives the signal only if and when the transaction commits (see
-// signalOutbox).
+// signalOutbox). A SubjectPokeScheduler message is also published by the
+// writer itself right after the commit where the DB has a direct poke
+// (DB.PokeVia; see pokeAfterCommit).
 func Enqueue(ctx context.Context, q DBTX, now time.Time, subject string, payload []byte) error {
 	if payload == nil {
 		payload = []byte{}
@@ -65,11 +67,16 @@ func Enqueue(ctx context.Context, q DBTX, now time.Time, subject string, payload
 	if err != nil {
 		return fmt.Errorf("enqueue %s: %w", subject, err)
 	}
+	if subject == SubjectPokeScheduler {
+		pokeAfterCommit(q, subject, nil)
+	}
 	return signalOutbox(ctx, q)
 }
 
 // PokeNodes enqueues one poke per gateway that holds a session of any of
 // nodeIDs; nodes without a session get none (they read their work on Hello).
+// Where the DB has a direct poke (DB.PokeVia), each is also published right
+// after the commit.
 func PokeNodes(ctx context.Context, q DBTX, now time.Time, nodeIDs ...string) error {
 	if len(nodeIDs) == 0 {
 		return nil
@@ -104,6 +111,7 @@ func PokeNodes(ctx context.Context, q DBTX, now time.Time, nodeIDs ...string) er
 		if err := Enqueue(ctx, q, now, SubjectPokeGatewayPrefix+t.gw, payload); err != nil {
 			return err
 		}
+		pokeAfterCommit(q, SubjectPokeGatewayPrefix+t.gw, payload)
 	}
 	return nil
 }

@@ -7,6 +7,7 @@ package store
 
 import (
 	"context"
+	"slices"
 	"sync"
 
 	"github.com/jackc/pgx/v5"
@@ -37,10 +38,62 @@ func signalOutbox(ctx context.Context, q DBTX) error {
 }
 
 // outboxTx is the transaction DB.InTx hands to its function: signalOutbox
-// records that it wrote outbox rows.
+// records that it wrote outbox rows, pokeAfterCommit the pokes to publish
+// directly once it commits.
 type outboxTx struct {
 	pgx.Tx
 	wrote bool
+	pokes []directPoke
+}
+
+// directPoke is a poke an outbox row carries that the writer also publishes
+// itself after the commit (DB.PokeVia).
+type directPoke struct {
+	subject string
+	payload []byte
+}
+
+// pokeAfterCommit makes sure that the poke (subject, payload) q's
+// transaction enqueued is also published directly once it commits, where
+// the DB has a direct poke (DB.PokeVia): in a transaction of DB.InTx it
+// records the poke (a scheduler poke once) and InTx publishes after the
+// commit; in AutoCommit the statement has committed, and it publishes now.
+// In any other transaction it does nothing: the relay publishes the row.
+func pokeAfterCommit(q DBTX, subject string, payload []byte) {
+	switch t := q.(type) {
+	case *outboxTx:
+		if subject == SubjectPokeScheduler && slices.ContainsFunc(t.pokes, func(p directPoke) bool { return p.subject == subject }) {
+			return
+		}
+		t.pokes = append(t.pokes, directPoke{subject: subject, payload: payload})
+	case autoCommit:
+		t.db.publishPokes([]directPoke{{subject: subject, payload: payload}})
+	}
+}
+
+// PokeVia makes db publish, by calling publish (a NATS publish, say) right
+// after each commit of DB.InTx (or statement of AutoCommit) that enqueued
+// them, the scheduler's poke (SubjectPokeScheduler, once per transaction)
+// and the gateways' pokes of PokeNodes (a node's spec changed: a placement,
+// a release), so that the scheduler and the gateways are woken by the
+// commit and not only once the outbox relay has taken the rows, published
+// them and committed their delete. The outbox rows stay: the relay
+// publishes them too (at least once, whatever happens to the direct
+// publish), and their readers take the copy as one more idempotent hint (the
+// scheduler coalesces it into at most one more pass; a session finds nothing
+// new to deliver). A failed publish is left to the relay. Call it before db
+// is used; nil stops the direct pokes.
+func (db *DB) PokeVia(publish func(subject string, payload []byte) error) { db.poke = publish }
+
+// publishPokes publishes pokes directly, when db has a direct poke
+// (PokeVia); a failure only leaves a poke to the relay.
+func (db *DB) publishPokes(pokes []directPoke) {
+	if db.poke == nil {
+		return
+	}
+	for _, p := range pokes {
+		_ = db.poke(p.subject, p.payload)
+	}
 }
 
 // notifySQL notifies OutboxChannel in a transaction of its own that commits

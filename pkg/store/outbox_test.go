@@ -3,6 +3,7 @@ package store_test
 import (
 	"context"
 	"errors"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -139,6 +140,93 @@ func TestSignalOutboxVia(t *testing.T) {
 }
 
 var errRollback = errors.New("roll back")
+
+// TestPokeVia: a transaction of InTx that enqueued a scheduler poke
+// publishes it directly, once however many times it was enqueued, after it
+// has committed — when the poke is sent the reservation is visible to
+// another connection — and keeps the outbox row for the relay; a placement
+// publishes its node's gateway poke too. A rollback publishes nothing, and
+// neither does a transaction that only enqueued other messages.
+func TestPokeVia(t *testing.T) {
+	t.Parallel()
+	db := storetest.New(t, nil)
+	ctx := t.Context()
+	f := storetest.NewFleetWith(t, db, storetest.FleetOpts{Name: "pokevia", GPUs: []int{8},
+		Node: func(_ int, o *storetest.NodeOpts) { o.GatewayID = "gw-pokevia" }})
+	tenant := f.Tenant(t, "pokevia-tenant", 8)
+	type poke struct {
+		subject, payload string
+		// pending is how many pending reservations another connection saw
+		// when the poke was published.
+		pending int
+	}
+	var (
+		mu    sync.Mutex
+		pokes []poke
+	)
+	db.PokeVia(func(subject string, payload []byte) error {
+		var n int
+		if err := db.Pool.QueryRow(context.WithoutCancel(ctx),
+			`SELECT count(*) FROM reservations WHERE state = 'pending'`).Scan(&n); err != nil {
+			return err
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		pokes = append(pokes, poke{subject: subject, payload: string(payload), pending: n})
+		return nil
+	})
+	taken := func() []poke {
+		mu.Lock()
+		defer mu.Unlock()
+		out := pokes
+		pokes = nil
+		return out
+	}
+	outbox := func(subject string) int {
+		var n int
+		require.NoError(t, db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE subject = $1`, subject).Scan(&n))
+		return n
+	}
+
+	err := db.InTx(ctx, func(tx pgx.Tx) error {
+		if err := store.Enqueue(ctx, tx, db.Now(), store.SubjectPokeScheduler, nil); err != nil {
+			return err
+		}
+		return errRollback
+	})
+	require.ErrorIs(t, err, errRollback)
+	require.Empty(t, taken(), "a rollback pokes nothing")
+	require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
+		return store.Enqueue(ctx, tx, db.Now(), "test.other", nil)
+	}))
+	require.Empty(t, taken(), "only pokes are published directly")
+	require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
+		for range 3 {
+			if err := store.Enqueue(ctx, tx, db.Now(), store.SubjectPokeScheduler, nil); err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
+	require.Equal(t, []poke{{subject: store.SubjectPokeScheduler}}, taken(), "one scheduler poke per transaction")
+
+	r, err := f.Reserve(ctx, tenant, 2, time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, []poke{{subject: store.SubjectPokeScheduler, pending: 1}}, taken(),
+		"Reserve's commit pokes the scheduler, after the commit")
+	require.Equal(t, 4, outbox(store.SubjectPokeScheduler), "the outbox rows stay for the relay")
+
+	now := db.Now()
+	require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
+		placed, err := store.PlaceReservations(ctx, tx, nil, now, []store.Placement{{ReservationID: r.ID, TenantID: tenant,
+			NodeID: f.Nodes[0], Devices: []int32{0, 1}, Lower: now, Upper: r.EndAt}})
+		require.Equal(t, []string{r.ID}, placed)
+		return err
+	}))
+	require.Equal(t, []poke{{subject: store.SubjectPokeGatewayPrefix + "gw-pokevia",
+		payload: `{"nodeIds":["` + f.Nodes[0] + `"]}`}}, taken(), "the placement pokes the node's gateway, after the commit")
+	require.Equal(t, 1, outbox(store.SubjectPokeGatewayPrefix+"gw-pokevia"), "the outbox row stays for the relay")
+}
 
 // TestGenericPlanConnections: AutoCommit and InGenericTx run on the
 // connections that plan prepared statements generically (the hot paths'

@@ -88,14 +88,22 @@ type BookedInterval struct {
 }
 
 // PoolCapacity returns the adopted, non-revoked nodes of poolID by id, and
-// the bookings of their devices that end after now.
+// the bookings of their devices that end after now, in one round trip (a
+// pgx.Batch of the two reads).
 func PoolCapacity(ctx context.Context, q DBTX, poolID string, now time.Time) ([]PoolNode, []BookedInterval, error) {
-	rows, err := q.Query(ctx, `SELECT n.id, n.cordoned, NOT (n.reachable AND n.session_id IS NOT NULL),
+	batch := &pgx.Batch{}
+	batch.Queue(`SELECT n.id, n.cordoned, NOT (n.reachable AND n.session_id IS NOT NULL),
 			coalesce(array_agg(d.device_index ORDER BY d.device_index) FILTER (WHERE d.healthy), '{}'),
 			count(d.device_index)
 		FROM nodes n LEFT JOIN node_devices d ON d.node_id = n.id
 		WHERE n.pool_id = $1 AND n.provision_state = 'adopted' AND n.revoked_at IS NULL
 		GROUP BY n.id ORDER BY n.id`, poolID)
+	batch.Queue(`SELECT b.node_id, b.device_index, lower(b.during), upper(b.during)
+		FROM bookings b JOIN nodes n ON n.id = b.node_id
+		WHERE n.pool_id = $1 AND upper(b.during) > $2`, poolID, now)
+	br := q.SendBatch(ctx, batch)
+	defer func() { _ = br.Close() }()
+	rows, err := br.Query()
 	if err != nil {
 		return nil, nil, fmt.Errorf("pool capacity: %w", interpretError(err))
 	}
@@ -108,9 +116,7 @@ func PoolCapacity(ctx context.Context, q DBTX, poolID string, now time.Time) ([]
 	if err != nil {
 		return nil, nil, fmt.Errorf("pool capacity: %w", interpretError(err))
 	}
-	rows, err = q.Query(ctx, `SELECT b.node_id, b.device_index, lower(b.during), upper(b.during)
-		FROM bookings b JOIN nodes n ON n.id = b.node_id
-		WHERE n.pool_id = $1 AND upper(b.during) > $2`, poolID, now)
+	rows, err = br.Query()
 	if err != nil {
 		return nil, nil, fmt.Errorf("pool bookings: %w", interpretError(err))
 	}
@@ -121,6 +127,9 @@ func PoolCapacity(ctx context.Context, q DBTX, poolID string, now time.Time) ([]
 	})
 	if err != nil {
 		return nil, nil, fmt.Errorf("pool bookings: %w", interpretError(err))
+	}
+	if err := br.Close(); err != nil {
+		return nil, nil, fmt.Errorf("pool capacity: %w", interpretError(err))
 	}
 	return nodes, booked, nil
 }
@@ -137,7 +146,8 @@ type Placement struct {
 // still pending turns binding on its node (placed_at now) with one booking
 // per device, the nodes' specs are rebuilt (RebuildNodeSpecs, signed by
 // signer), the reason it waited is cleared and a reservation.bound event is
-// written for each. It first locks the placements' nodes and checks again
+// written for each; each placed reservation records the spec generation
+// that first carries it. It first locks the placements' nodes and checks again
 // that each may take a placement (adopted, reachable, not cordoned, not
 // revoked: what PoolCapacity read outside this transaction may no longer
 // hold); a revocation or cordon waits for the placement's commit, and one
@@ -156,25 +166,46 @@ func PlaceReservations(ctx context.Context, q DBTX, signer *IntentSigner, now ti
 		nodes = append(nodes, p.NodeID)
 	}
 	slices.Sort(nodes)
-	placeable, err := queryIDs(ctx, q, "lock the placements' nodes", `SELECT id FROM nodes
+	// The nodes stay locked to the commit, so the spec generation each will
+	// get (RebuildNodeSpecs: the next one, since a new allocation always
+	// changes the spec) is known here and written with the placement, not
+	// by a second update of the same rows.
+	rows, err := q.Query(ctx, `SELECT id, spec_generation FROM nodes
 		WHERE id = ANY($1) AND provision_state = 'adopted' AND reachable AND NOT cordoned AND revoked_at IS NULL
 		ORDER BY id FOR NO KEY UPDATE`, slices.Compact(nodes))
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("lock the placements' nodes: %w", interpretError(err))
 	}
-	ps = slices.DeleteFunc(slices.Clone(ps), func(p Placement) bool { return !slices.Contains(placeable, p.NodeID) })
+	nextGen := map[string]int64{}
+	for rows.Next() {
+		var (
+			id  string
+			gen int64
+		)
+		if err := rows.Scan(&id, &gen); err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("lock the placements' nodes: %w", err)
+		}
+		nextGen[id] = gen + 1
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("lock the placements' nodes: %w", interpretError(err))
+	}
+	ps = slices.DeleteFunc(slices.Clone(ps), func(p Placement) bool { _, ok := nextGen[p.NodeID]; return !ok })
 	if len(ps) == 0 {
 		return nil, nil
 	}
 	resIDs := make([]string, len(ps))
 	nodeIDs := make([]string, len(ps))
+	gens := make([]int64, len(ps))
 	for i, p := range ps {
-		resIDs[i], nodeIDs[i] = p.ReservationID, p.NodeID
+		resIDs[i], nodeIDs[i], gens[i] = p.ReservationID, p.NodeID, nextGen[p.NodeID]
 	}
-	rows, err := q.Query(ctx, `UPDATE reservations r SET state = 'binding', node_id = u.node, placed_at = $3, updated_at = $3,
-			reason = ''
-		FROM unnest($1::text[], $2::text[]) AS u(id, node)
-		WHERE r.id = u.id AND r.state = 'pending' RETURNING r.id`, resIDs, nodeIDs, now)
+	rows, err = q.Query(ctx, `UPDATE reservations r SET state = 'binding', node_id = u.node, placed_at = $3, updated_at = $3,
+			reason = '', spec_generation = u.gen
+		FROM unnest($1::text[], $2::text[], $4::bigint[]) AS u(id, node, gen)
+		WHERE r.id = u.id AND r.state = 'pending' RETURNING r.id`, resIDs, nodeIDs, now, gens)
 	if err != nil {
 		return nil, fmt.Errorf("place reservations: %w", interpretError(err))
 	}
@@ -214,8 +245,15 @@ func PlaceReservations(ctx context.Context, q DBTX, signer *IntentSigner, now ti
 		bRes, bNode, bDev, bLower, bUpper); err != nil {
 		return nil, fmt.Errorf("book devices: %w", interpretError(err))
 	}
-	if _, err := RebuildNodeSpecs(ctx, q, signer, now, placedNodes); err != nil {
+	changed, err := RebuildNodeSpecs(ctx, q, signer, now, placedNodes)
+	if err != nil {
 		return nil, err
+	}
+	for _, n := range placedNodes {
+		if changed[n] != nextGen[n] {
+			return nil, fmt.Errorf("place reservations: node %s got spec generation %d, not the %d its placements carry",
+				n, changed[n], nextGen[n])
+		}
 	}
 	if err := WriteEvents(ctx, q, now, events...); err != nil {
 		return nil, err

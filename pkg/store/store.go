@@ -80,6 +80,9 @@ type DB struct {
 	notifier outboxNotifier
 	// outboxSignal, when set, wakes the relays instead (SignalOutboxVia).
 	outboxSignal func() error
+	// poke, when set, publishes the scheduler's and the gateways' pokes
+	// right after the commits that enqueued them (PokeVia).
+	poke func(subject string, payload []byte) error
 }
 
 // Options tune Open.
@@ -214,6 +217,9 @@ func (db *DB) inTxOnce(ctx context.Context, pool *pgxpool.Pool, fn func(tx pgx.T
 	}
 	if err := tx.Commit(ctx); err != nil {
 		return interpretError(err)
+	}
+	if len(otx.pokes) > 0 {
+		db.publishPokes(otx.pokes)
 	}
 	if otx.wrote {
 		db.signalOutbox()

@@ -107,7 +107,7 @@ func planPool(queue []store.PendingReservation, nodes []store.PoolNode, booked [
 			if len(devs) < r.GPUs && best.isFree(i, hi) {
 				devs = append(devs, d)
 				if lo.Before(hi) {
-					best.next[i] = lo
+					best.book(i, lo)
 					if hi.After(best.freeAt[i]) {
 						best.freeAt[i] = hi
 					}
@@ -176,6 +176,23 @@ type nodeState struct {
 	// that ends after now (zero when it has none), from when it is free for
 	// good.
 	freeAt []time.Time
+	// unbooked is how many entries of next are zero, and lastNext is no
+	// earlier than every non-zero one (zero when there is none): when
+	// lastNext is before hi, exactly the unbooked devices are free for
+	// [now, hi), and countFree needs no look at the devices.
+	unbooked int
+	lastNext time.Time
+}
+
+// book sets device i's next booking to start at lo (not zero).
+func (ns *nodeState) book(i int, lo time.Time) {
+	if ns.next[i].IsZero() {
+		ns.unbooked--
+	}
+	ns.next[i] = lo
+	if lo.After(ns.lastNext) {
+		ns.lastNext = lo
+	}
 }
 
 // nodeStates returns the states of the schedulable nodes with healthy
@@ -203,9 +220,19 @@ func nodeStates(nodes []store.PoolNode, booked []store.BookedInterval, now time.
 		if i, ok := slices.BinarySearch(ns.node.Healthy, b.DeviceIndex); ok {
 			if ns.next[i].IsZero() || b.Lower.Before(ns.next[i]) {
 				ns.next[i] = b.Lower
+				if b.Lower.After(ns.lastNext) {
+					ns.lastNext = b.Lower
+				}
 			}
 			if b.Upper.After(ns.freeAt[i]) {
 				ns.freeAt[i] = b.Upper
+			}
+		}
+	}
+	for _, ns := range states {
+		for _, t := range ns.next {
+			if t.IsZero() {
+				ns.unbooked++
 			}
 		}
 	}
@@ -217,6 +244,9 @@ func (ns *nodeState) isFree(i int, hi time.Time) bool {
 }
 
 func (ns *nodeState) countFree(hi time.Time) int {
+	if ns.lastNext.Before(hi) {
+		return ns.unbooked
+	}
 	n := 0
 	for i := range ns.next {
 		if ns.isFree(i, hi) {

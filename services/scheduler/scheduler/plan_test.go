@@ -315,3 +315,68 @@ func withPlacements(booked []store.BookedInterval, ps []store.Placement) []store
 	}
 	return out
 }
+
+// TestCountFreeShortcut: countFree's shortcut (unbooked devices when every
+// booking starts before hi) counts what looking at each device counts, on
+// random bookings in the past and future and after placements (book).
+func TestCountFreeShortcut(t *testing.T) {
+	t.Parallel()
+	rng := rand.New(rand.NewPCG(7, 19))
+	slow := func(ns *nodeState, hi time.Time) int {
+		n := 0
+		for i := range ns.next {
+			if ns.isFree(i, hi) {
+				n++
+			}
+		}
+		return n
+	}
+	for round := range 500 {
+		n := node(fmt.Sprintf("n%03d", round), 1+rng.IntN(8))
+		var booked []store.BookedInterval
+		for range rng.IntN(12) {
+			lo := t0.Add(time.Duration(rng.IntN(240)-120) * time.Minute)
+			booked = append(booked, store.BookedInterval{NodeID: n.ID, DeviceIndex: int32(rng.IntN(len(n.Healthy))),
+				Lower: lo, Upper: lo.Add(time.Duration(1+rng.IntN(120)) * time.Minute)})
+		}
+		states, _ := nodeStates([]store.PoolNode{n}, booked, t0)
+		require.Len(t, states, 1)
+		ns := states[0]
+		for step := range 6 {
+			if step > 0 {
+				ns.book(rng.IntN(len(ns.next)), t0)
+			}
+			for range 8 {
+				hi := t0.Add(time.Duration(1+rng.IntN(180)) * time.Minute)
+				require.Equal(t, slow(ns, hi), ns.countFree(hi), "round %d step %d, hi %s", round, step, hi)
+			}
+		}
+	}
+}
+
+// BenchmarkPlanPool plans 2,000 reservations of 2 GPUs on 1,000 nodes of 8
+// GPUs, 2,000 bookings already there (BenchmarkPass's second pass, in
+// memory).
+func BenchmarkPlanPool(b *testing.B) {
+	nodes := make([]store.PoolNode, 1000)
+	var booked []store.BookedInterval
+	for i := range nodes {
+		nodes[i] = node(fmt.Sprintf("n%04d", i), 8)
+		for d := range int32(2) {
+			booked = append(booked, store.BookedInterval{NodeID: nodes[i].ID, DeviceIndex: d,
+				Lower: t0.Add(-time.Minute), Upper: t0.Add(time.Hour)})
+		}
+	}
+	queue := make([]store.PendingReservation, 2000)
+	for i := range queue {
+		queue[i] = store.PendingReservation{ID: fmt.Sprintf("r%05d", i), PoolID: "pool", GPUs: 2,
+			StartAt: t0, EndAt: t0.Add(time.Hour), CreatedAt: t0}
+	}
+	b.ReportAllocs()
+	for b.Loop() {
+		p := planPool(queue, nodes, booked, t0, 5*time.Minute)
+		if len(p.Placements) != len(queue) {
+			b.Fatalf("placed %d of %d", len(p.Placements), len(queue))
+		}
+	}
+}

@@ -35,7 +35,7 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-func startNATS(t *testing.T) *nats.Conn {
+func startNATS(t testing.TB) *nats.Conn {
 	t.Helper()
 	s, err := bustest.StartEmbedded(t.TempDir())
 	require.NoError(t, err)
@@ -138,6 +138,31 @@ func TestWakesOnPoke(t *testing.T) {
 		_ = nc.Publish(store.SubjectPokeScheduler, nil) // until the loop has subscribed
 		return r.srv.Passes() > before
 	}, 10*time.Second, 20*time.Millisecond)
+	r.stop(t)
+}
+
+// TestPlacedOnCommitPoke: with a clock that never advances (no tick, no
+// lease renewal) and no outbox relay, a reservation made after the
+// scheduler's first pass is placed on the poke its commit publishes
+// (store.DB.PokeVia), the only thing that can wake the scheduler.
+func TestPlacedOnCommitPoke(t *testing.T) {
+	t.Parallel()
+	clk := clock.NewFake(time.Date(2030, 1, 1, 0, 0, 0, 0, time.FixedZone("PST", -8*3600)))
+	db := storetest.New(t, clk)
+	nc := startNATS(t)
+	db.PokeVia(nc.Publish)
+	f := storetest.NewFleet(t, db, "commitpoke", 8)
+	tenant := f.Tenant(t, "commitpoke-tenant", 8)
+	r := startReplica(t, db, nc, clk, "a")
+	// The loop subscribes (on nc) before its first pass.
+	require.Eventually(t, func() bool { return r.srv.Passes() >= 1 }, 10*time.Second, 5*time.Millisecond)
+	res, err := f.Reserve(t.Context(), tenant, 2, time.Hour)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		got, err := store.GetReservation(t.Context(), db.Pool, store.AllTenants, res.ID)
+		return err == nil && got.State == store.ReservationBinding
+	}, 10*time.Second, 5*time.Millisecond, "placed without a tick or the relay")
+	require.Equal(t, int64(1), r.srv.Placed())
 	r.stop(t)
 }
 
