@@ -1,0 +1,69 @@
+package joinservice_test
+
+import (
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/stretchr/testify/require"
+
+	joinv1 "github.com/better-compute/better-compute/api/gen/bc/join/v1"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
+	"github.com/better-compute/better-compute/services/joinservice/joinservice"
+)
+
+// BenchmarkJoinStatements joins 64 machines with one token through the whole
+// Connect path, by 1 and by 8 concurrent callers (joins of a batch share its
+// transaction), and reports the SQL statements (BEGIN and COMMIT counted)
+// and nanoseconds per join. BENCH_SQL=1 prints the statements of the last
+// round.
+func BenchmarkJoinStatements(b *testing.B) {
+	const joins = 64
+	for _, callers := range []int{1, 8} {
+		b.Run(fmt.Sprintf("callers=%d", callers), func(b *testing.B) {
+			f := setupWith(b, func(c *joinservice.Config) { c.JoinBurst, c.JoinRate = 1 << 20, 1 << 20 })
+			stmts := storetest.CountStatements()
+			var total int
+			for b.Loop() {
+				b.StopTimer()
+				_, secret := f.token(b, joins, f.db.Now().Add(64*time.Hour))
+				reqs := make([]*joinv1.JoinRequest, joins)
+				for i := range reqs {
+					reqs[i] = f.request(b, secret, &joinv1.Claims{Hostname: fmt.Sprintf("m%d", i)})
+				}
+				stmts.Reset()
+				b.StartTimer()
+				var wg sync.WaitGroup
+				next := make(chan *joinv1.JoinRequest, joins)
+				for _, r := range reqs {
+					next <- r
+				}
+				close(next)
+				for range callers {
+					wg.Go(func() {
+						for r := range next {
+							_, err := f.client.Join(b.Context(), connect.NewRequest(r))
+							require.NoError(b, err)
+						}
+					})
+				}
+				wg.Wait()
+				b.StopTimer()
+				stmts.Stop()
+				total += stmts.Count()
+				b.StartTimer()
+			}
+			b.ReportMetric(float64(total)/float64(joins*b.N), "stmts/join")
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(joins*b.N), "ns/join")
+			if os.Getenv("BENCH_SQL") != "" {
+				for _, s := range stmts.SQL() {
+					fmt.Println("SQL:", strings.Join(strings.Fields(s), " "))
+				}
+			}
+		})
+	}
+}
