@@ -67,3 +67,23 @@ func BenchmarkJoinStatements(b *testing.B) {
 		})
 	}
 }
+
+// TestJoinStatements: a join alone costs the token's check, then one
+// transaction of the token's lock, the read of the keys that joined, and one
+// statement writing the use, the node, its certificate, its node.joined event
+// and the controllers' poke (store.RecordJoins), with the outbox's NOTIFY
+// after it: 7 statements. Not parallel: the counter sees every statement of
+// the process.
+func TestJoinStatements(t *testing.T) {
+	f := setupWith(t, nil)
+	_, secret := f.token(t, 5, f.db.Now().Add(time.Hour))
+	req := f.request(t, secret, &joinv1.Claims{Hostname: "gpu-01"})
+	stmts := storetest.CountStatements()
+	res, err := f.client.Join(t.Context(), connect.NewRequest(req))
+	require.NoError(t, err)
+	stmts.Stop()
+	require.LessOrEqual(t, stmts.Count(), 7, strings.Join(stmts.SQL(), "\n---\n"))
+	require.Equal(t, []string{res.Msg.NodeId}, f.pokedNodes(t))
+	require.Equal(t, 1, f.count(t, `SELECT count(*) FROM events WHERE type = 'node.joined' AND tenant_id = '`+f.tenantID+
+		`' AND subject_id = '`+res.Msg.NodeId+`' AND data = '{"nodeId": "`+res.Msg.NodeId+`"}'`))
+}
