@@ -7,7 +7,6 @@ package store
 import (
 	"cmp"
 	"context"
-	"encoding/json"
 	"fmt"
 	"slices"
 	"time"
@@ -69,43 +68,26 @@ func Enqueue(ctx context.Context, q DBTX, now time.Time, subject string, payload
 }
 
 // PokeNodes enqueues one poke per gateway that holds a session of any of
-// nodeIDs; nodes without a session get none (they read their work on Hello).
+// nodeIDs (payload Poke, its node ids in order); nodes without a session get
+// none (they read their work on Hello). It is one statement.
 func PokeNodes(ctx context.Context, q DBTX, now time.Time, nodeIDs ...string) error {
 	if len(nodeIDs) == 0 {
 		return nil
 	}
-	rows, err := q.Query(ctx, `SELECT gateway_id, array_agg(id ORDER BY id) FROM nodes
-		WHERE id = ANY($1) AND gateway_id IS NOT NULL GROUP BY gateway_id`, nodeIDs)
+	var poked int
+	err := q.QueryRow(ctx, `WITH pk AS (
+			INSERT INTO outbox (subject, payload, created_at, traceparent)
+			SELECT $2 || gateway_id, convert_to(jsonb_build_object('nodeIds', array_agg(id ORDER BY id))::text, 'UTF8'), $3, $4
+			FROM nodes WHERE id = ANY($1) AND gateway_id IS NOT NULL GROUP BY gateway_id
+			RETURNING id)
+		SELECT count(*) FROM pk`, nodeIDs, SubjectPokeGatewayPrefix, now, telemetry.Traceparent(ctx)).Scan(&poked)
 	if err != nil {
-		return fmt.Errorf("find gateways to poke: %w", err)
+		return fmt.Errorf("poke gateways: %w", interpretError(err))
 	}
-	type target struct {
-		gw    string
-		nodes []string
+	if poked == 0 {
+		return nil
 	}
-	var targets []target
-	for rows.Next() {
-		var t target
-		if err := rows.Scan(&t.gw, &t.nodes); err != nil {
-			rows.Close()
-			return err
-		}
-		targets = append(targets, t)
-	}
-	rows.Close()
-	if err := rows.Err(); err != nil {
-		return err
-	}
-	for _, t := range targets {
-		payload, err := json.Marshal(Poke{NodeIDs: t.nodes})
-		if err != nil {
-			return err
-		}
-		if err := Enqueue(ctx, q, now, SubjectPokeGatewayPrefix+t.gw, payload); err != nil {
-			return err
-		}
-	}
-	return nil
+	return signalOutbox(ctx, q)
 }
 
 // OutboxMessage is an outbox row: a message not yet published.

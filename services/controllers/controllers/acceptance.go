@@ -222,17 +222,11 @@ func (a *Acceptance) startBatch(ctx context.Context) (int, error) {
 		for i, n := range nodes {
 			cmds[i] = store.NewAcceptanceCommand{ID: ids.New(ids.Command, now), NodeID: n}
 		}
-		if err := store.QueueAcceptanceCommands(ctx, tx, a.Intent, now, now.Add(a.timeout()), cmds); err != nil {
-			return err
-		}
-		if _, err := store.MarkNodesAccepting(ctx, tx, now, nodes); err != nil {
-			return err
-		}
-		if err := store.PokeNodes(ctx, tx, now, nodes...); err != nil {
-			return err
-		}
-		started = len(nodes)
-		return nil
+		// The commands, the move to accepting and the gateways' pokes: one
+		// statement.
+		moved, err := store.StartAcceptance(ctx, tx, a.Intent, now, now.Add(a.timeout()), cmds)
+		started = len(moved)
+		return err
 	})
 	return started, err
 }
