@@ -63,7 +63,7 @@ func BenchmarkAcceptanceStatements(b *testing.B) {
 				b.ReportMetric(float64(took)/float64(nodes*b.N), "pass-ns/node")
 				if os.Getenv("BENCH_SQL") != "" {
 					for _, s := range last {
-						fmt.Println("SQL:", strings.Join(strings.Fields(s), " "))
+						b.Log("SQL: " + strings.Join(strings.Fields(s), " "))
 					}
 				}
 			})
