@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	joinv1 "github.com/better-compute/better-compute/api/gen/bc/join/v1"
+	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/services/joinservice/joinservice"
 )
@@ -25,7 +26,7 @@ func BenchmarkJoinStatements(b *testing.B) {
 	const joins = 64
 	for _, callers := range []int{1, 8} {
 		b.Run(fmt.Sprintf("callers=%d", callers), func(b *testing.B) {
-			f := setupWith(b, func(c *joinservice.Config) { c.JoinBurst, c.JoinRate = 1 << 20, 1 << 20 })
+			f := setupWith(b, func(c *joinservice.Config) { c.JoinBurst, c.JoinRate = 1<<20, 1<<20 })
 			stmts := storetest.CountStatements()
 			var total int
 			for b.Loop() {
@@ -61,7 +62,7 @@ func BenchmarkJoinStatements(b *testing.B) {
 			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(joins*b.N), "ns/join")
 			if os.Getenv("BENCH_SQL") != "" {
 				for _, s := range stmts.SQL() {
-					fmt.Println("SQL:", strings.Join(strings.Fields(s), " "))
+					b.Log("SQL: " + strings.Join(strings.Fields(s), " "))
 				}
 			}
 		})
@@ -86,4 +87,34 @@ func TestJoinStatements(t *testing.T) {
 	require.Equal(t, []string{res.Msg.NodeId}, f.pokedNodes(t))
 	require.Equal(t, 1, f.count(t, `SELECT count(*) FROM events WHERE type = 'node.joined' AND tenant_id = '`+f.tenantID+
 		`' AND subject_id = '`+res.Msg.NodeId+`' AND data = '{"nodeId": "`+res.Msg.NodeId+`"}'`))
+
+	// The next machine of the token, within a second: the token's check
+	// before signing is remembered, and only the transaction reads it.
+	req = f.request(t, secret, &joinv1.Claims{Hostname: "gpu-02"})
+	stmts.Reset()
+	_, err = f.client.Join(t.Context(), connect.NewRequest(req))
+	require.NoError(t, err)
+	stmts.Stop()
+	require.LessOrEqual(t, stmts.Count(), 6, strings.Join(stmts.SQL(), "\n---\n"))
+}
+
+// TestJoinRevokedSinceChecked: a token revoked after a join found it usable
+// (so that the check before signing remembers it) is refused all the same,
+// by the transaction's lock of the token, and the refused join consumes
+// nothing.
+func TestJoinRevokedSinceChecked(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	tokenID, secret := f.token(t, 5, f.db.Now().Add(time.Hour))
+	_, err := f.client.Join(t.Context(), connect.NewRequest(f.request(t, secret, &joinv1.Claims{Hostname: "gpu-01"})))
+	require.NoError(t, err)
+	_, err = store.RevokeJoinToken(t.Context(), f.db.Pool, store.AllTenants, tokenID, f.db.Now())
+	require.NoError(t, err)
+	_, err = f.client.Join(t.Context(), connect.NewRequest(f.request(t, secret, &joinv1.Claims{Hostname: "gpu-02"})))
+	require.Equal(t, connect.CodeFailedPrecondition, connect.CodeOf(err), "%v", err)
+	require.ErrorContains(t, err, "join token was revoked")
+	jt, err := store.GetJoinToken(t.Context(), f.db.Pool, store.AllTenants, tokenID)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, jt.Uses)
+	require.Equal(t, 1, f.count(t, `SELECT count(*) FROM nodes`))
 }
