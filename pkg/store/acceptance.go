@@ -27,6 +27,19 @@ func ClaimJoiningNodes(ctx context.Context, q DBTX, limit int) ([]string, error)
 		ORDER BY created_at, id LIMIT $1 FOR UPDATE SKIP LOCKED`, limit)
 }
 
+// AnyJoiningNodes reports whether a node is in state joining, locking
+// nothing: a pass that finds none needs no transaction (ClaimJoiningNodes's
+// claim then finds none either, or only nodes committed after this read,
+// whose JoinService poke wakes another pass).
+func AnyJoiningNodes(ctx context.Context, q DBTX) (bool, error) {
+	var found bool
+	err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM nodes WHERE provision_state = 'joining')`).Scan(&found)
+	if err != nil {
+		return false, fmt.Errorf("any joining nodes: %w", interpretError(err))
+	}
+	return found, nil
+}
+
 // NewAcceptanceCommand is one diag.nvml acceptance command to queue.
 type NewAcceptanceCommand struct {
 	// ID is "cmd_…" (ids.Command).
@@ -151,6 +164,21 @@ func ClaimDueAcceptances(ctx context.Context, q DBTX, now time.Time, limit int) 
 			SELECT 1 FROM commands c WHERE c.node_id = n.id AND c.purpose = 'acceptance'
 				AND c.finished_at IS NULL AND c.deadline > $1)
 		ORDER BY n.id LIMIT $2 FOR UPDATE OF n SKIP LOCKED`, now, limit)
+}
+
+// AnyDueAcceptances reports whether ClaimDueAcceptances at now could claim a
+// node, locking nothing: a pass that finds none needs no transaction. Nodes
+// another transaction holds count (their claim then skips them).
+func AnyDueAcceptances(ctx context.Context, q DBTX, now time.Time) (bool, error) {
+	var found bool
+	err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM nodes n
+		WHERE n.provision_state = 'accepting' AND NOT EXISTS (
+			SELECT 1 FROM commands c WHERE c.node_id = n.id AND c.purpose = 'acceptance'
+				AND c.finished_at IS NULL AND c.deadline > $1))`, now).Scan(&found)
+	if err != nil {
+		return false, fmt.Errorf("any due acceptances: %w", interpretError(err))
+	}
+	return found, nil
 }
 
 // AcceptanceCheck is what the reconciler needs to decide about one accepting

@@ -630,6 +630,11 @@ func controllersCalls(r *grantRun, signer *store.IntentSigner) {
 		return err
 	})
 	r.call("FleetStatsAt", func(ctx context.Context, tx pgx.Tx) error { _, err := store.FleetStatsAt(ctx, tx, now); return err })
+	r.call("AnyJoiningNodes", func(ctx context.Context, tx pgx.Tx) error { _, err := store.AnyJoiningNodes(ctx, tx); return err })
+	r.call("AnyDueAcceptances", func(ctx context.Context, tx pgx.Tx) error {
+		_, err := store.AnyDueAcceptances(ctx, tx, now)
+		return err
+	})
 	r.call("ClaimJoiningNodes", func(ctx context.Context, tx pgx.Tx) error { _, err := store.ClaimJoiningNodes(ctx, tx, 10); return err })
 	r.call("StartAcceptance", func(ctx context.Context, tx pgx.Tx) error {
 		_, err := store.StartAcceptance(ctx, tx, signer, now, now.Add(-time.Second), []store.NewAcceptanceCommand{

@@ -176,7 +176,13 @@ func (a *Acceptance) Run(ctx context.Context) error {
 // until none is left.
 func (a *Acceptance) Reconcile(ctx context.Context) (PassResult, error) {
 	var res PassResult
-	for {
+	// A pass woken for one side (a join, or an answer) finds nothing on
+	// the other: a read that locks nothing says so without a transaction.
+	starting, err := store.AnyJoiningNodes(ctx, a.DB.Pool)
+	if err != nil {
+		return res, err
+	}
+	for starting {
 		n, err := a.startBatch(ctx)
 		res.Started += n
 		if err != nil {
@@ -186,7 +192,11 @@ func (a *Acceptance) Reconcile(ctx context.Context) (PassResult, error) {
 			break
 		}
 	}
-	for {
+	evaluating, err := store.AnyDueAcceptances(ctx, a.DB.Pool, a.now())
+	if err != nil {
+		return res, err
+	}
+	for evaluating {
 		claimed, br, err := a.evaluateBatch(ctx)
 		res.Adopted += br.Adopted
 		res.Failed += br.Failed
