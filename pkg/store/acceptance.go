@@ -317,8 +317,9 @@ type Adoption struct {
 // their spec carrying the SSH user CAs (SSHUserCAs; signed with intent in the
 // same statement, as SignNodeSpecs signs a stored spec; nil: unsigned),
 // inventory and devices (replacing any), and writes a node.adopted event for
-// each (tenant: the pool's owner). It returns the ids it adopted: a node no
-// longer accepting is skipped.
+// each (tenant: the pool's owner; in the statement that adopts them, in the
+// order of adoptions). It returns the ids it adopted: a node no longer
+// accepting is skipped.
 func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time, adoptions []Adoption) ([]string, error) {
 	if len(adoptions) == 0 {
 		return nil, nil
@@ -350,32 +351,69 @@ func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time
 			return nil, fmt.Errorf("sign the spec of node %s: %w", a.NodeID, err)
 		}
 	}
-	adopted, err := queryIDs(ctx, q, "adopt nodes", `UPDATE nodes n SET provision_state = 'adopted', provision_reason = '',
-			adopted_at = $4, spec_generation = 1, spec = u.spec::jsonb, spec_signature = u.sig, inventory = u.inv::jsonb,
-			updated_at = $4
-		FROM unnest($1::text[], $2::text[], $3::text[], $5::bytea[]) AS u(id, spec, inv, sig)
-		WHERE n.id = u.id AND n.provision_state = 'accepting' RETURNING n.id`, ids, specs, invs, now, sigs)
+	// The node.adopted events, written by the statement for the nodes it
+	// adopted, in the order of adoptions.
+	events := make([]NewEvent, len(adoptions))
+	for i, a := range adoptions {
+		events[i] = NewEvent{TenantID: a.OwnerTenantID,
+			Data: NodeAdoptedData{NodeID: a.NodeID, PoolID: a.PoolID, GPUs: len(a.Devices)}}
+	}
+	cols, err := encodeEvents(events)
 	if err != nil {
 		return nil, err
+	}
+	rows, err := q.Query(ctx, `WITH u AS (
+			SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $5::bytea[], $6::text[], $7::text[])
+				WITH ORDINALITY AS u(id, spec, inv, sig, tenant, data, ord)),
+		upd AS (
+			UPDATE nodes n SET provision_state = 'adopted', provision_reason = '',
+				adopted_at = $4, spec_generation = 1, spec = u.spec::jsonb, spec_signature = u.sig, inventory = u.inv::jsonb,
+				updated_at = $4
+			FROM u WHERE n.id = u.id AND n.provision_state = 'accepting' RETURNING n.id),
+		src AS (
+			SELECT u.ord, u.tenant, '`+EventNodeAdopted+`' AS type, u.id AS subject, u.data::jsonb AS data, $4::timestamptz AS at
+			FROM u JOIN upd ON upd.id = u.id),
+		`+eventWriterCTEs("src", "$8")+`
+		SELECT id, (SELECT count(*) FROM evo) FROM upd`, ids, specs, invs, now, sigs, cols.tenants, cols.data, eventTime(now))
+	if err != nil {
+		return nil, fmt.Errorf("adopt nodes: %w", interpretError(err))
+	}
+	var (
+		adopted  []string
+		outboxed int
+	)
+	for rows.Next() {
+		var id string
+		if err := rows.Scan(&id, &outboxed); err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("adopt nodes: %w", err)
+		}
+		adopted = append(adopted, id)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("adopt nodes: %w", interpretError(err))
+	}
+	if len(adopted) == 0 {
+		return nil, nil
+	}
+	if outboxed != len(adopted) {
+		return nil, fmt.Errorf("adopt nodes: %d outbox rows for %d events", outboxed, len(adopted))
+	}
+	if err := signalOutbox(ctx, q); err != nil {
+		return nil, fmt.Errorf("adopt nodes: signal the outbox: %w", interpretError(err))
 	}
 	done := make(map[string]bool, len(adopted))
 	for _, id := range adopted {
 		done[id] = true
 	}
 	devices := make(map[string][]NodeDevice, len(adopted))
-	var events []NewEvent
 	for _, a := range adoptions {
-		if !done[a.NodeID] {
-			continue
+		if done[a.NodeID] {
+			devices[a.NodeID] = a.Devices
 		}
-		devices[a.NodeID] = a.Devices
-		events = append(events, NewEvent{TenantID: a.OwnerTenantID,
-			Data: NodeAdoptedData{NodeID: a.NodeID, PoolID: a.PoolID, GPUs: len(a.Devices)}})
 	}
 	if err := replaceNodeDevices(ctx, q, "adopt nodes", adopted, devices); err != nil {
-		return nil, err
-	}
-	if err := WriteEvents(ctx, q, now, events...); err != nil {
 		return nil, err
 	}
 	return adopted, nil
