@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/better-compute/better-compute/pkg/telemetry"
 )
 
 // ClaimJoiningNodes locks up to limit nodes in state joining, oldest first,
@@ -23,6 +25,19 @@ import (
 func ClaimJoiningNodes(ctx context.Context, q DBTX, limit int) ([]string, error) {
 	return queryIDs(ctx, q, "claim joining nodes", `SELECT id FROM nodes WHERE provision_state = 'joining'
 		ORDER BY created_at, id LIMIT $1 FOR UPDATE SKIP LOCKED`, limit)
+}
+
+// AnyJoiningNodes reports whether a node is in state joining, locking
+// nothing: a pass that finds none needs no transaction (ClaimJoiningNodes's
+// claim then finds none either, or only nodes committed after this read,
+// whose JoinService poke wakes another pass).
+func AnyJoiningNodes(ctx context.Context, q DBTX) (bool, error) {
+	var found bool
+	err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM nodes WHERE provision_state = 'joining')`).Scan(&found)
+	if err != nil {
+		return false, fmt.Errorf("any joining nodes: %w", interpretError(err))
+	}
+	return found, nil
 }
 
 // NewAcceptanceCommand is one diag.nvml acceptance command to queue.
@@ -54,6 +69,80 @@ func QueueAcceptanceCommands(ctx context.Context, q DBTX, intent *IntentSigner, 
 	return SignCommands(ctx, q, intent, ids)
 }
 
+// StartAcceptance starts the acceptance of joining nodes claimed by
+// ClaimJoiningNodes in q's transaction, in one statement: it inserts cmds as
+// QueueAcceptanceCommands does (deadline truncated to the microsecond, as
+// stored), signed with intent (nil: unsigned) over what the gateway will
+// read back (kind diag.nvml, args {}, the deadline, retry-safe; see
+// CommandMessage), moves their nodes to accepting as MarkNodesAccepting does,
+// and enqueues the poke of each gateway holding a session of one of them as
+// PokeNodes does. It returns the ids of the nodes it moved: a node no longer
+// joining or accepting gets no command either.
+func StartAcceptance(ctx context.Context, q DBTX, intent *IntentSigner, now, deadline time.Time, cmds []NewAcceptanceCommand) ([]string, error) {
+	if len(cmds) == 0 {
+		return nil, nil
+	}
+	deadline = deadline.Truncate(time.Microsecond)
+	ids := make([]string, len(cmds))
+	nodes := make([]string, len(cmds))
+	sigs := make([][]byte, len(cmds))
+	for i, c := range cmds {
+		ids[i], nodes[i] = c.ID, c.NodeID
+		if intent == nil {
+			continue
+		}
+		sig, err := intent.CommandSignature(c.NodeID, CommandMessage(SessionCommand{ID: c.ID, Kind: "diag.nvml",
+			Args: []byte("{}"), Deadline: deadline, RetrySafe: true}))
+		if err != nil {
+			return nil, fmt.Errorf("sign command %s: %w", c.ID, err)
+		}
+		sigs[i] = sig
+	}
+	rows, err := q.Query(ctx, `WITH mark AS (
+			UPDATE nodes SET provision_state = 'accepting', provision_reason = '', updated_at = $4
+			WHERE id = ANY($2) AND provision_state IN ('joining', 'accepting') RETURNING id, gateway_id),
+		cmd AS (
+			INSERT INTO commands (id, node_id, kind, args, purpose, state, retry_safe, deadline, signature,
+				created_by, created_at, updated_at)
+			SELECT u.id, u.node_id, 'diag.nvml', '{}', 'acceptance', 'queued', true, $3, u.sig, 'controllers', $4, $4
+			FROM unnest($1::text[], $2::text[], $5::bytea[]) AS u(id, node_id, sig) JOIN mark ON mark.id = u.node_id
+			RETURNING id),
+		pk AS (
+			INSERT INTO outbox (subject, payload, created_at, traceparent)
+			SELECT $6 || gateway_id, convert_to(jsonb_build_object('nodeIds', array_agg(id ORDER BY id))::text, 'UTF8'), $4, $7
+			FROM mark WHERE gateway_id IS NOT NULL GROUP BY gateway_id
+			RETURNING id)
+		SELECT id, (SELECT count(*) FROM cmd), (SELECT count(*) FROM pk) FROM mark ORDER BY id`,
+		ids, nodes, deadline, now, sigs, SubjectPokeGatewayPrefix, telemetry.Traceparent(ctx))
+	if err != nil {
+		return nil, fmt.Errorf("start acceptance: %w", interpretError(err))
+	}
+	defer rows.Close()
+	var (
+		started       []string
+		queued, poked int
+	)
+	for rows.Next() {
+		var id string
+		if err := rows.Scan(&id, &queued, &poked); err != nil {
+			return nil, fmt.Errorf("start acceptance: %w", err)
+		}
+		started = append(started, id)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("start acceptance: %w", interpretError(err))
+	}
+	if queued != len(started) {
+		return nil, fmt.Errorf("start acceptance: %d commands for %d nodes", queued, len(started))
+	}
+	if poked > 0 {
+		if err := signalOutbox(ctx, q); err != nil {
+			return nil, err
+		}
+	}
+	return started, nil
+}
+
 // MarkNodesAccepting moves nodes that are joining or accepting to accepting
 // (stamping updated_at) and returns the ids it changed.
 func MarkNodesAccepting(ctx context.Context, q DBTX, now time.Time, nodeIDs []string) ([]string, error) {
@@ -75,6 +164,21 @@ func ClaimDueAcceptances(ctx context.Context, q DBTX, now time.Time, limit int) 
 			SELECT 1 FROM commands c WHERE c.node_id = n.id AND c.purpose = 'acceptance'
 				AND c.finished_at IS NULL AND c.deadline > $1)
 		ORDER BY n.id LIMIT $2 FOR UPDATE OF n SKIP LOCKED`, now, limit)
+}
+
+// AnyDueAcceptances reports whether ClaimDueAcceptances at now could claim a
+// node, locking nothing: a pass that finds none needs no transaction. Nodes
+// another transaction holds count (their claim then skips them).
+func AnyDueAcceptances(ctx context.Context, q DBTX, now time.Time) (bool, error) {
+	var found bool
+	err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM nodes n
+		WHERE n.provision_state = 'accepting' AND NOT EXISTS (
+			SELECT 1 FROM commands c WHERE c.node_id = n.id AND c.purpose = 'acceptance'
+				AND c.finished_at IS NULL AND c.deadline > $1))`, now).Scan(&found)
+	if err != nil {
+		return false, fmt.Errorf("any due acceptances: %w", interpretError(err))
+	}
+	return found, nil
 }
 
 // AcceptanceCheck is what the reconciler needs to decide about one accepting
@@ -210,11 +314,12 @@ type Adoption struct {
 }
 
 // AdoptNodes moves accepting nodes to adopted at now with spec generation 1,
-// their spec carrying the SSH user CAs (SSHUserCAs; signed with intent, nil:
-// unsigned, see SignNodeSpecs),
+// their spec carrying the SSH user CAs (SSHUserCAs; signed with intent in the
+// same statement, as SignNodeSpecs signs a stored spec; nil: unsigned),
 // inventory and devices (replacing any), and writes a node.adopted event for
-// each (tenant: the pool's owner). It returns the ids it adopted: a node no
-// longer accepting is skipped.
+// each (tenant: the pool's owner; in the statement that adopts them, in the
+// order of adoptions). It returns the ids it adopted: a node no longer
+// accepting is skipped.
 func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time, adoptions []Adoption) ([]string, error) {
 	if len(adoptions) == 0 {
 		return nil, nil
@@ -226,41 +331,89 @@ func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time
 	ids := make([]string, len(adoptions))
 	specs := make([]string, len(adoptions))
 	invs := make([]string, len(adoptions))
+	sigs := make([][]byte, len(adoptions))
 	for i, a := range adoptions {
 		spec, err := withSSHUserCAs(a.Spec, cas)
 		if err != nil {
 			return nil, fmt.Errorf("adopt node %s: %w", a.NodeID, err)
 		}
 		ids[i], specs[i], invs[i] = a.NodeID, string(spec), string(a.Inventory)
+		if intent == nil {
+			continue
+		}
+		// Signed as SignNodeSpecs signs the stored spec: DesiredStateMessage
+		// parses it, so jsonb's rewriting of the text changes nothing.
+		m, err := DesiredStateMessage(1, spec, nil)
+		if err == nil {
+			sigs[i], err = intent.SpecSignature(a.NodeID, m)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("sign the spec of node %s: %w", a.NodeID, err)
+		}
 	}
-	adopted, err := queryIDs(ctx, q, "adopt nodes", `UPDATE nodes n SET provision_state = 'adopted', provision_reason = '',
-			adopted_at = $4, spec_generation = 1, spec = u.spec::jsonb, inventory = u.inv::jsonb, updated_at = $4
-		FROM unnest($1::text[], $2::text[], $3::text[]) AS u(id, spec, inv)
-		WHERE n.id = u.id AND n.provision_state = 'accepting' RETURNING n.id`, ids, specs, invs, now)
+	// The node.adopted events, written by the statement for the nodes it
+	// adopted, in the order of adoptions.
+	events := make([]NewEvent, len(adoptions))
+	for i, a := range adoptions {
+		events[i] = NewEvent{TenantID: a.OwnerTenantID,
+			Data: NodeAdoptedData{NodeID: a.NodeID, PoolID: a.PoolID, GPUs: len(a.Devices)}}
+	}
+	cols, err := encodeEvents(events)
 	if err != nil {
 		return nil, err
 	}
-	if err := SignNodeSpecs(ctx, q, intent, adopted); err != nil {
-		return nil, err
+	rows, err := q.Query(ctx, `WITH u AS (
+			SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $5::bytea[], $6::text[], $7::text[])
+				WITH ORDINALITY AS u(id, spec, inv, sig, tenant, data, ord)),
+		upd AS (
+			UPDATE nodes n SET provision_state = 'adopted', provision_reason = '',
+				adopted_at = $4, spec_generation = 1, spec = u.spec::jsonb, spec_signature = u.sig, inventory = u.inv::jsonb,
+				updated_at = $4
+			FROM u WHERE n.id = u.id AND n.provision_state = 'accepting' RETURNING n.id),
+		src AS (
+			SELECT u.ord, u.tenant, '`+EventNodeAdopted+`' AS type, u.id AS subject, u.data::jsonb AS data, $4::timestamptz AS at
+			FROM u JOIN upd ON upd.id = u.id),
+		`+eventWriterCTEs("src", "$8")+`
+		SELECT id, (SELECT count(*) FROM evo) FROM upd`, ids, specs, invs, now, sigs, cols.tenants, cols.data, eventTime(now))
+	if err != nil {
+		return nil, fmt.Errorf("adopt nodes: %w", interpretError(err))
+	}
+	var (
+		adopted  []string
+		outboxed int
+	)
+	for rows.Next() {
+		var id string
+		if err := rows.Scan(&id, &outboxed); err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("adopt nodes: %w", err)
+		}
+		adopted = append(adopted, id)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("adopt nodes: %w", interpretError(err))
+	}
+	if len(adopted) == 0 {
+		return nil, nil
+	}
+	if outboxed != len(adopted) {
+		return nil, fmt.Errorf("adopt nodes: %d outbox rows for %d events", outboxed, len(adopted))
+	}
+	if err := signalOutbox(ctx, q); err != nil {
+		return nil, fmt.Errorf("adopt nodes: signal the outbox: %w", interpretError(err))
 	}
 	done := make(map[string]bool, len(adopted))
 	for _, id := range adopted {
 		done[id] = true
 	}
 	devices := make(map[string][]NodeDevice, len(adopted))
-	var events []NewEvent
 	for _, a := range adoptions {
-		if !done[a.NodeID] {
-			continue
+		if done[a.NodeID] {
+			devices[a.NodeID] = a.Devices
 		}
-		devices[a.NodeID] = a.Devices
-		events = append(events, NewEvent{TenantID: a.OwnerTenantID,
-			Data: NodeAdoptedData{NodeID: a.NodeID, PoolID: a.PoolID, GPUs: len(a.Devices)}})
 	}
 	if err := replaceNodeDevices(ctx, q, "adopt nodes", adopted, devices); err != nil {
-		return nil, err
-	}
-	if err := WriteEvents(ctx, q, now, events...); err != nil {
 		return nil, err
 	}
 	return adopted, nil

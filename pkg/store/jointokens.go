@@ -254,14 +254,25 @@ func usableJoinToken(t JoinToken, err error, now time.Time) (JoinToken, error) {
 // this transaction, and returns how many were granted (1 to n). Errors: a
 // *JoinTokenRefusal (ErrJoinTokenUsedUp) when none is left.
 func CountJoinTokenUses(ctx context.Context, q DBTX, t JoinToken, n int) (int, error) {
-	if t.Uses >= t.MaxUses {
-		return 0, &JoinTokenRefusal{Reason: ErrJoinTokenUsedUp, Token: t}
+	granted, err := GrantJoinTokenUses(t, n)
+	if err != nil {
+		return 0, err
 	}
-	granted := min(n, int(t.MaxUses-t.Uses))
 	if _, err := q.Exec(ctx, `UPDATE join_tokens SET uses = uses + $2 WHERE id = $1`, t.ID, granted); err != nil {
 		return 0, queryErr("use join token", err)
 	}
 	return granted, nil
+}
+
+// GrantJoinTokenUses returns how many of n uses t, locked by LockJoinToken
+// in this transaction, has left (1 to n), counting nothing: RecordJoins
+// counts them with the joins. Errors: a *JoinTokenRefusal
+// (ErrJoinTokenUsedUp) when none is left.
+func GrantJoinTokenUses(t JoinToken, n int) (int, error) {
+	if t.Uses >= t.MaxUses {
+		return 0, &JoinTokenRefusal{Reason: ErrJoinTokenUsedUp, Token: t}
+	}
+	return min(n, int(t.MaxUses-t.Uses)), nil
 }
 
 // JoinedKey is a node that a public key joined as.

@@ -7,11 +7,16 @@ package store
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/better-compute/better-compute/pkg/telemetry"
 )
 
 // Provision states of a node (nodes.provision_state).
@@ -428,4 +433,109 @@ func ExpireJoiningNodes(ctx context.Context, q DBTX, now time.Time, timeout time
 		}
 	}
 	return ids, nil
+}
+
+// JoinTokenUses are Uses more uses of join token TokenID, granted by
+// GrantJoinTokenUses of the token locked by LockJoinToken.
+type JoinTokenUses struct {
+	TokenID string
+	Uses    int
+}
+
+// RecordJoins records a batch of joins in one statement, whatever its size:
+// it counts the token uses (each token locked by LockJoinToken in q's
+// transaction, the uses granted by GrantJoinTokenUses), inserts the nodes
+// (state NodeJoining) and their certificates, nodes[i] with certs[i] (whose
+// public key becomes the node's join key), writes a node.joined event for
+// each node (ordered by node id, for the tenant owning its pool, with its
+// outbox message, as RecordNodesJoined does) and one SubjectPokeControllers
+// poke naming the nodes (payload Poke, in the order of nodes), and signals
+// the outbox. It is what CountJoinTokenUses, CreateJoinedNodes,
+// RecordNodesJoined and Enqueue of the poke did in six statements. Errors:
+// as CreateJoinedNodes's (ErrConflict, ConstraintNodeJoinKey for a key that
+// joined concurrently); nothing is written then.
+func RecordJoins(ctx context.Context, q DBTX, now time.Time, uses []JoinTokenUses, nodes []NewNode, certs []NewNodeCert) error {
+	if len(nodes) != len(certs) {
+		return fmt.Errorf("record joins: %d nodes but %d certificates", len(nodes), len(certs))
+	}
+	if len(nodes) == 0 {
+		return nil
+	}
+	var (
+		tokenIDs []string
+		tokenN   []int32
+	)
+	for _, u := range uses {
+		tokenIDs = append(tokenIDs, u.TokenID)
+		tokenN = append(tokenN, int32(u.Uses))
+	}
+	n := len(nodes)
+	ids, pools, tokens, hosts, machines := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+	variants, versions, created := make([]string, n), make([]string, n), make([]time.Time, n)
+	joinKeys := make([][]byte, n)
+	serials, before, after, certAt := make([]string, n), make([]time.Time, n), make([]time.Time, n), make([]time.Time, n)
+	for i, nd := range nodes {
+		c := certs[i]
+		if c.NodeID != nd.ID {
+			return fmt.Errorf("record joins: certificate %d is node %s's, not %s's", i, c.NodeID, nd.ID)
+		}
+		ids[i], pools[i], tokens[i], hosts[i], machines[i] = nd.ID, nd.PoolID, nd.JoinTokenID, nd.Hostname, nd.MachineID
+		variants[i], versions[i], created[i], joinKeys[i] = nd.Variant, nd.AgentVersion, nd.CreatedAt, c.PublicKeySHA256
+		serials[i], before[i], after[i], certAt[i] = c.Serial, c.NotBefore, c.NotAfter, c.CreatedAt
+	}
+	// The events, ordered by node id as RecordNodesJoined orders them.
+	order := make([]int, n)
+	for i := range order {
+		order[i] = i
+	}
+	slices.SortFunc(order, func(a, b int) int { return strings.Compare(ids[a], ids[b]) })
+	evNodes, evPools, evData := make([]string, n), make([]string, n), make([]string, n)
+	for k, i := range order {
+		b, err := json.Marshal(NodeJoinedData{NodeID: ids[i]})
+		if err != nil {
+			return fmt.Errorf("record joins: %w", err)
+		}
+		evNodes[k], evPools[k], evData[k] = ids[i], pools[i], string(b)
+	}
+	poke, err := json.Marshal(Poke{NodeIDs: ids})
+	if err != nil {
+		return fmt.Errorf("record joins: %w", err)
+	}
+	var usedTokens, inserted, certified, outboxed, poked int
+	err = q.QueryRow(ctx, `WITH tok AS (
+			UPDATE join_tokens j SET uses = j.uses + u.n FROM unnest($1::text[], $2::int[]) AS u(id, n)
+			WHERE j.id = u.id RETURNING j.id),
+		nd AS (
+			INSERT INTO nodes (id, pool_id, join_token_id, provision_state, hostname, machine_id,
+				variant, agent_version, created_at, updated_at, join_key_sha256)
+			SELECT id, pool_id, NULLIF(token, ''), $11, host, machine, variant, version, created, created, key
+			FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[], $9::text[],
+				$10::timestamptz[], $12::bytea[]) AS t(id, pool_id, token, host, machine, variant, version, created, key)
+			RETURNING id),
+		nc AS (
+			INSERT INTO node_certs (serial, node_id, public_key_sha256, not_before, not_after, created_at)
+			SELECT * FROM unnest($13::text[], $3::text[], $12::bytea[], $14::timestamptz[], $15::timestamptz[], $16::timestamptz[])
+			RETURNING serial),
+		src AS (
+			SELECT u.ord, p.owner_tenant_id AS tenant, '`+EventNodeJoined+`' AS type, u.id AS subject, u.data::jsonb AS data,
+				$17::timestamptz AS at
+			FROM unnest($18::text[], $19::text[], $20::text[]) WITH ORDINALITY AS u(id, pool, data, ord)
+			JOIN pools p ON p.id = u.pool),
+		`+eventWriterCTEs("src", "$21")+`,
+		pk AS (
+			INSERT INTO outbox (subject, payload, created_at, traceparent) VALUES ($22, $23, $17, $24) RETURNING id)
+		SELECT (SELECT count(*) FROM tok), (SELECT count(*) FROM nd), (SELECT count(*) FROM nc), (SELECT count(*) FROM evo),
+			(SELECT count(*) FROM pk)`,
+		tokenIDs, tokenN, ids, pools, tokens, hosts, machines, variants, versions, created, NodeJoining, joinKeys,
+		serials, before, after, certAt, now, evNodes, evPools, evData, eventTime(now),
+		SubjectPokeControllers, poke, telemetry.Traceparent(ctx),
+	).Scan(&usedTokens, &inserted, &certified, &outboxed, &poked)
+	if err != nil {
+		return queryErr("record joins", err)
+	}
+	if usedTokens != len(uses) || inserted != n || certified != n || outboxed != n || poked != 1 {
+		return fmt.Errorf("record joins: %d of %d tokens, %d nodes, %d certificates, %d events and %d pokes for %d joins",
+			usedTokens, len(uses), inserted, certified, outboxed, poked, n)
+	}
+	return signalOutbox(ctx, q)
 }

@@ -7,7 +7,6 @@ package store
 import (
 	"cmp"
 	"context"
-	"encoding/json"
 	"fmt"
 	"slices"
 	"time"
@@ -74,46 +73,41 @@ func Enqueue(ctx context.Context, q DBTX, now time.Time, subject string, payload
 }
 
 // PokeNodes enqueues one poke per gateway that holds a session of any of
-// nodeIDs; nodes without a session get none (they read their work on Hello).
-// Where the DB has a direct poke (DB.PokeVia), each is also published right
-// after the commit.
+// nodeIDs (payload Poke, its node ids in order); nodes without a session get
+// none (they read their work on Hello). It is one statement. Where the DB
+// has a direct poke (DB.PokeVia), each is also published right after the
+// commit.
 func PokeNodes(ctx context.Context, q DBTX, now time.Time, nodeIDs ...string) error {
 	if len(nodeIDs) == 0 {
 		return nil
 	}
-	rows, err := q.Query(ctx, `SELECT gateway_id, array_agg(id ORDER BY id) FROM nodes
-		WHERE id = ANY($1) AND gateway_id IS NOT NULL GROUP BY gateway_id`, nodeIDs)
+	rows, err := q.Query(ctx, `INSERT INTO outbox (subject, payload, created_at, traceparent)
+		SELECT $2 || gateway_id, convert_to(jsonb_build_object('nodeIds', array_agg(id ORDER BY id))::text, 'UTF8'), $3, $4
+		FROM nodes WHERE id = ANY($1) AND gateway_id IS NOT NULL GROUP BY gateway_id
+		RETURNING subject, payload`, nodeIDs, SubjectPokeGatewayPrefix, now, telemetry.Traceparent(ctx))
 	if err != nil {
-		return fmt.Errorf("find gateways to poke: %w", err)
+		return fmt.Errorf("poke gateways: %w", interpretError(err))
 	}
-	type target struct {
-		gw    string
-		nodes []string
-	}
-	var targets []target
+	var pokes []directPoke
 	for rows.Next() {
-		var t target
-		if err := rows.Scan(&t.gw, &t.nodes); err != nil {
+		var p directPoke
+		if err := rows.Scan(&p.subject, &p.payload); err != nil {
 			rows.Close()
-			return err
+			return fmt.Errorf("poke gateways: %w", err)
 		}
-		targets = append(targets, t)
+		pokes = append(pokes, p)
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
-		return err
+		return fmt.Errorf("poke gateways: %w", interpretError(err))
 	}
-	for _, t := range targets {
-		payload, err := json.Marshal(Poke{NodeIDs: t.nodes})
-		if err != nil {
-			return err
-		}
-		if err := Enqueue(ctx, q, now, SubjectPokeGatewayPrefix+t.gw, payload); err != nil {
-			return err
-		}
-		pokeAfterCommit(q, SubjectPokeGatewayPrefix+t.gw, payload)
+	if len(pokes) == 0 {
+		return nil
 	}
-	return nil
+	for _, p := range pokes {
+		pokeAfterCommit(q, p.subject, p.payload)
+	}
+	return signalOutbox(ctx, q)
 }
 
 // OutboxMessage is an outbox row: a message not yet published.

@@ -1,7 +1,9 @@
 package store_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"sync"
 	"sync/atomic"
@@ -170,9 +172,16 @@ func TestPokeVia(t *testing.T) {
 			`SELECT count(*) FROM reservations WHERE state = 'pending'`).Scan(&n); err != nil {
 			return err
 		}
+		// The payload as compact JSON: what it says, not its spacing.
+		var compact bytes.Buffer
+		if len(payload) > 0 {
+			if err := json.Compact(&compact, payload); err != nil {
+				return err
+			}
+		}
 		mu.Lock()
 		defer mu.Unlock()
-		pokes = append(pokes, poke{subject: subject, payload: string(payload), pending: n})
+		pokes = append(pokes, poke{subject: subject, payload: compact.String(), pending: n})
 		return nil
 	})
 	taken := func() []poke {

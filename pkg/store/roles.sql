@@ -87,24 +87,24 @@ GRANT SELECT ON ssh_user_cas TO bc_api;
 -- Join: a join token's uses, the nodes it creates and their first
 -- certificates; the certificates gateways renew (NodeCertService).
 
--- CheckJoinToken, LockJoinToken (FOR UPDATE), CountJoinTokenUses.
+-- CheckJoinToken, LockJoinToken (FOR UPDATE), RecordJoins (the uses).
 GRANT SELECT, UPDATE ON join_tokens TO bc_joinservice;
--- GetNode (the pool's owner), RecordNodesJoined (the event's tenant).
+-- GetNode (the pool's owner), RecordJoins (the event's tenant).
 GRANT SELECT ON pools TO bc_joinservice;
--- CreateJoinedNodes; JoinedKeys and GetNode (a retried join);
+-- RecordJoins; JoinedKeys and GetNode (a retried join);
 -- GetSessionCert, LockSessionCert (a renewal). LockSessionCert locks the
 -- node FOR NO KEY UPDATE, which PostgreSQL allows only with UPDATE on a
 -- column: updated_at, the one whose change says nothing.
 GRANT SELECT, INSERT, UPDATE (updated_at) ON nodes TO bc_joinservice;
--- CreateJoinedNodes, CreateNodeCert; GetNode; GetSessionCert,
+-- RecordJoins, CreateNodeCert; GetNode; GetSessionCert,
 -- LockSessionCert, LastNodeCertCreatedAt (a renewal).
 GRANT SELECT, INSERT ON node_certs TO bc_joinservice;
 -- GetNode.
 GRANT SELECT ON node_devices TO bc_joinservice;
--- RecordNodesJoined.
+-- RecordJoins.
 GRANT SELECT, INSERT ON events TO bc_joinservice;
 GRANT USAGE ON SEQUENCE events_id_seq TO bc_joinservice;
--- RecordNodesJoined, Enqueue (the controllers' poke).
+-- RecordJoins (node.joined, the controllers' poke).
 GRANT SELECT (id), INSERT ON outbox TO bc_joinservice;
 GRANT USAGE ON SEQUENCE outbox_id_seq TO bc_joinservice;
 

@@ -433,18 +433,12 @@ func joinServiceCalls(r *grantRun) {
 	t, o := r.t, r.owner
 	now := o.Now()
 	tok := storetest.JoinToken(t, o, &storetest.JoinTokenOpts{MaxUses: 5})
-	var locked store.JoinToken
 	r.call("CheckJoinToken", func(ctx context.Context, tx pgx.Tx) error {
 		_, err := store.CheckJoinToken(ctx, tx, tok.Hash, now)
 		return err
 	})
 	r.call("LockJoinToken", func(ctx context.Context, tx pgx.Tx) error {
-		var err error
-		locked, err = store.LockJoinToken(ctx, tx, tok.Hash, now)
-		return err
-	})
-	r.call("CountJoinTokenUses", func(ctx context.Context, tx pgx.Tx) error {
-		_, err := store.CountJoinTokenUses(ctx, tx, locked, 1)
+		_, err := store.LockJoinToken(ctx, tx, tok.Hash, now)
 		return err
 	})
 	key := []byte("join-key-sha256-of-the-test-node")
@@ -453,12 +447,10 @@ func joinServiceCalls(r *grantRun) {
 		return err
 	})
 	node := ids.New(ids.Node, now)
-	r.call("CreateJoinedNodes", func(ctx context.Context, tx pgx.Tx) error {
-		return store.CreateJoinedNodes(ctx, tx, []store.NewNode{{ID: node, PoolID: tok.PoolID, JoinTokenID: tok.ID, CreatedAt: now}},
+	r.call("RecordJoins", func(ctx context.Context, tx pgx.Tx) error {
+		return store.RecordJoins(ctx, tx, now, []store.JoinTokenUses{{TokenID: tok.ID, Uses: 1}},
+			[]store.NewNode{{ID: node, PoolID: tok.PoolID, JoinTokenID: tok.ID, CreatedAt: now}},
 			[]store.NewNodeCert{{Serial: "0a01", NodeID: node, PublicKeySHA256: key, NotBefore: now, NotAfter: now.Add(time.Hour), CreatedAt: now}})
-	})
-	r.call("RecordNodesJoined", func(ctx context.Context, tx pgx.Tx) error {
-		return store.RecordNodesJoined(ctx, tx, now, []string{node})
 	})
 	r.call("CreateNodeCert", func(ctx context.Context, tx pgx.Tx) error {
 		return store.CreateNodeCert(ctx, tx, store.NewNodeCert{Serial: "0a02", NodeID: node, PublicKeySHA256: key, NotBefore: now,
@@ -481,9 +473,6 @@ func joinServiceCalls(r *grantRun) {
 	r.call("GetNode", func(ctx context.Context, tx pgx.Tx) error {
 		_, err := store.GetNode(ctx, tx, store.AllTenants, node)
 		return err
-	})
-	r.call("Enqueue", func(ctx context.Context, tx pgx.Tx) error {
-		return store.Enqueue(ctx, tx, now, store.SubjectPokeControllers, nil)
 	})
 }
 
@@ -641,7 +630,17 @@ func controllersCalls(r *grantRun, signer *store.IntentSigner) {
 		return err
 	})
 	r.call("FleetStatsAt", func(ctx context.Context, tx pgx.Tx) error { _, err := store.FleetStatsAt(ctx, tx, now); return err })
+	r.call("AnyJoiningNodes", func(ctx context.Context, tx pgx.Tx) error { _, err := store.AnyJoiningNodes(ctx, tx); return err })
+	r.call("AnyDueAcceptances", func(ctx context.Context, tx pgx.Tx) error {
+		_, err := store.AnyDueAcceptances(ctx, tx, now)
+		return err
+	})
 	r.call("ClaimJoiningNodes", func(ctx context.Context, tx pgx.Tx) error { _, err := store.ClaimJoiningNodes(ctx, tx, 10); return err })
+	r.call("StartAcceptance", func(ctx context.Context, tx pgx.Tx) error {
+		_, err := store.StartAcceptance(ctx, tx, signer, now, now.Add(-time.Second), []store.NewAcceptanceCommand{
+			{ID: ids.New(ids.Command, now), NodeID: accepting[0]}, {ID: ids.New(ids.Command, now), NodeID: accepting[1]}})
+		return err
+	})
 	r.call("MarkNodesAccepting", func(ctx context.Context, tx pgx.Tx) error {
 		_, err := store.MarkNodesAccepting(ctx, tx, now, accepting)
 		return err

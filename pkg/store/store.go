@@ -46,6 +46,7 @@ import (
 
 	"github.com/exaring/otelpgx"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/multitracer"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/attribute"
@@ -89,6 +90,9 @@ type DB struct {
 type Options struct {
 	// MaxConns caps the pool; 0 keeps pgx's default (max(4, CPUs)).
 	MaxConns int32
+	// QueryTracer, when set, also sees every statement of both pools
+	// (beside the OpenTelemetry tracer); storetest counts statements with it.
+	QueryTracer pgx.QueryTracer
 }
 
 // Open connects to the database at url (a postgres:// URL) with tracing
@@ -101,6 +105,9 @@ func Open(ctx context.Context, url string, clk clock.Clock, wait time.Duration, 
 	// Traces only: a per-query histogram would build its attributes at
 	// every query; the pools' statistics are RecordPoolStats'.
 	cfg.ConnConfig.Tracer = otelpgx.NewTracer(otelpgx.WithMeterProvider(noop.NewMeterProvider()))
+	if opts.QueryTracer != nil {
+		cfg.ConnConfig.Tracer = multitracer.New(cfg.ConnConfig.Tracer, opts.QueryTracer)
+	}
 	if opts.MaxConns > 0 {
 		cfg.MaxConns = opts.MaxConns
 	}

@@ -211,7 +211,7 @@ func New(t testing.TB, clk clock.Clock) *store.DB {
 	if clk == nil {
 		clk = clock.New()
 	}
-	db, err := store.Open(context.Background(), NewURL(t), clk, 30*time.Second, store.Options{})
+	db, err := store.Open(context.Background(), NewURL(t), clk, 30*time.Second, store.Options{QueryTracer: statements})
 	if err != nil {
 		t.Fatalf("storetest: %v", err)
 	}

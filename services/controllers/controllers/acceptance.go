@@ -176,7 +176,13 @@ func (a *Acceptance) Run(ctx context.Context) error {
 // until none is left.
 func (a *Acceptance) Reconcile(ctx context.Context) (PassResult, error) {
 	var res PassResult
-	for {
+	// A pass woken for one side (a join, or an answer) finds nothing on
+	// the other: a read that locks nothing says so without a transaction.
+	starting, err := store.AnyJoiningNodes(ctx, a.DB.Pool)
+	if err != nil {
+		return res, err
+	}
+	for starting {
 		n, err := a.startBatch(ctx)
 		res.Started += n
 		if err != nil {
@@ -186,7 +192,11 @@ func (a *Acceptance) Reconcile(ctx context.Context) (PassResult, error) {
 			break
 		}
 	}
-	for {
+	evaluating, err := store.AnyDueAcceptances(ctx, a.DB.Pool, a.now())
+	if err != nil {
+		return res, err
+	}
+	for evaluating {
 		claimed, br, err := a.evaluateBatch(ctx)
 		res.Adopted += br.Adopted
 		res.Failed += br.Failed
@@ -222,17 +232,11 @@ func (a *Acceptance) startBatch(ctx context.Context) (int, error) {
 		for i, n := range nodes {
 			cmds[i] = store.NewAcceptanceCommand{ID: ids.New(ids.Command, now), NodeID: n}
 		}
-		if err := store.QueueAcceptanceCommands(ctx, tx, a.Intent, now, now.Add(a.timeout()), cmds); err != nil {
-			return err
-		}
-		if _, err := store.MarkNodesAccepting(ctx, tx, now, nodes); err != nil {
-			return err
-		}
-		if err := store.PokeNodes(ctx, tx, now, nodes...); err != nil {
-			return err
-		}
-		started = len(nodes)
-		return nil
+		// The commands, the move to accepting and the gateways' pokes: one
+		// statement.
+		moved, err := store.StartAcceptance(ctx, tx, a.Intent, now, now.Add(a.timeout()), cmds)
+		started = len(moved)
+		return err
 	})
 	return started, err
 }

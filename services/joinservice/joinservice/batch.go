@@ -5,7 +5,6 @@ import (
 	"context"
 	"crypto/x509"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"slices"
 	"sync"
@@ -128,7 +127,9 @@ func (b *batcher) lead() {
 }
 
 // record counts the batch's token uses and creates its nodes, certificates,
-// node.joined events and controllers poke in one transaction, and returns each join's outcome.
+// node.joined events and controllers poke in one transaction (per token a
+// lock and a read of the keys that joined, then one statement for all,
+// store.RecordJoins), and returns each join's outcome.
 func (b *batcher) record(batch []*joinReq) []joinResult {
 	ctx, cancel := context.WithTimeout(context.Background(), batchTimeout)
 	defer cancel()
@@ -144,9 +145,9 @@ func (b *batcher) record(batch []*joinReq) []joinResult {
 		}
 		slices.SortStableFunc(order, func(x, y int) int { return bytes.Compare(batch[x].hash, batch[y].hash) })
 		var (
+			uses  []store.JoinTokenUses
 			nodes []store.NewNode
 			certs []store.NewNodeCert
-			ids   []string
 		)
 		for start := 0; start < len(order); {
 			end := start
@@ -194,7 +195,7 @@ func (b *batcher) record(batch []*joinReq) []joinResult {
 			if len(fresh) == 0 {
 				continue
 			}
-			granted, err := store.CountJoinTokenUses(ctx, tx, token, len(fresh))
+			granted, err := store.GrantJoinTokenUses(token, len(fresh))
 			switch {
 			case err != nil && !errors.As(err, &refusal):
 				return err
@@ -204,6 +205,7 @@ func (b *batcher) record(batch []*joinReq) []joinResult {
 				}
 				continue
 			}
+			uses = append(uses, store.JoinTokenUses{TokenID: token.ID, Uses: granted})
 			for k, i := range fresh {
 				if k >= granted {
 					used := token
@@ -222,23 +224,14 @@ func (b *batcher) record(batch []*joinReq) []joinResult {
 					Serial: pki.SerialHex(r.cert), NodeID: n.ID, PublicKeySHA256: pki.PublicKeySHA256(r.cert),
 					NotBefore: r.cert.NotBefore, NotAfter: r.cert.NotAfter, CreatedAt: now,
 				})
-				ids = append(ids, n.ID)
 			}
 		}
 		if len(nodes) == 0 {
 			return nil
 		}
-		if err := store.CreateJoinedNodes(ctx, tx, nodes, certs); err != nil {
-			return err
-		}
-		if err := store.RecordNodesJoined(ctx, tx, now, ids); err != nil {
-			return err
-		}
-		payload, err := json.Marshal(store.Poke{NodeIDs: ids})
-		if err != nil {
-			return err
-		}
-		return store.Enqueue(ctx, tx, now, store.SubjectPokeControllers, payload)
+		// The uses, nodes, certificates, node.joined events and the
+		// controllers' poke: one statement.
+		return store.RecordJoins(ctx, tx, now, uses, nodes, certs)
 	})
 	if err != nil {
 		for i := range results {

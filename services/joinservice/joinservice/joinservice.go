@@ -151,6 +151,8 @@ type Server struct {
 	commandRoot []byte
 	// batch records joins in shared transactions.
 	batch *batcher
+	// checked remembers the tokens found usable before signing.
+	checked tokenChecks
 	// issued counts the node certificates signed (CertificatesIssued).
 	issued atomic.Int64
 	// joins limits Join calls per source address (joinLimit).
@@ -330,11 +332,12 @@ func (s *Server) Join(ctx context.Context, req *connect.Request[joinv1.JoinReque
 	claims := req.Msg.GetClaims()
 
 	// An unknown, revoked or expired token is refused before anything is
-	// signed. The node and its certificate are then made before the token is
-	// locked and its use counted (signing needs no lock), and both are
-	// dropped unsent if that refuses it.
+	// signed (a token found usable in the last second is not read again:
+	// tokenChecks). The node and its certificate are then made before the
+	// token is locked and its use counted (signing needs no lock), and both
+	// are dropped unsent if that refuses it.
 	now := s.db.Now()
-	if _, err := store.CheckJoinToken(ctx, s.db.Pool, in.tokenHash, now); err != nil {
+	if _, err := s.checked.check(ctx, s.db, in.tokenHash, now); err != nil {
 		return nil, s.mapError(ctx, err)
 	}
 	nodeID := ids.New(ids.Node, now)

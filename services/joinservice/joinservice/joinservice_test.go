@@ -72,17 +72,17 @@ type fixture struct {
 	signSPKI []byte
 }
 
-func setup(t *testing.T) *fixture { return setupWith(t, nil) }
+func setup(t testing.TB) *fixture { return setupWith(t, nil) }
 
 // setupWith is setup with edit applied to JoinService's Config.
-func setupWith(t *testing.T, edit func(*joinservice.Config)) *fixture {
+func setupWith(t testing.TB, edit func(*joinservice.Config)) *fixture {
 	t.Helper()
 	return setupOn(t, clock.New(), edit)
 }
 
 // setupOn is setupWith on clock clk (the database's, and so JoinService's
 // time).
-func setupOn(t *testing.T, clk clock.Clock, edit func(*joinservice.Config)) *fixture {
+func setupOn(t testing.TB, clk clock.Clock, edit func(*joinservice.Config)) *fixture {
 	t.Helper()
 	db := storetest.New(t, clk)
 	ctx := t.Context()
@@ -140,7 +140,7 @@ func setupOn(t *testing.T, clk clock.Clock, edit func(*joinservice.Config)) *fix
 }
 
 // token mints a join token of the fixture's pool and returns its secret.
-func (f *fixture) token(t *testing.T, maxUses int32, expires time.Time) (string, string) {
+func (f *fixture) token(t testing.TB, maxUses int32, expires time.Time) (string, string) {
 	t.Helper()
 	secret, err := iam.NewSecret(iam.JoinTokenPrefix)
 	require.NoError(t, err)
@@ -150,7 +150,7 @@ func (f *fixture) token(t *testing.T, maxUses int32, expires time.Time) (string,
 	return id, secret
 }
 
-func newCSR(t *testing.T) []byte {
+func newCSR(t testing.TB) []byte {
 	t.Helper()
 	key, err := pki.GenerateKey()
 	require.NoError(t, err)
@@ -160,7 +160,7 @@ func newCSR(t *testing.T) []byte {
 }
 
 // seal seals token to the fixture's JoinService, bound to csr.
-func (f *fixture) seal(t *testing.T, token string, csr []byte) []byte {
+func (f *fixture) seal(t testing.TB, token string, csr []byte) []byte {
 	t.Helper()
 	sealed, err := pki.SealJoinToken(f.joinKey, token, csr)
 	require.NoError(t, err)
@@ -168,7 +168,7 @@ func (f *fixture) seal(t *testing.T, token string, csr []byte) []byte {
 }
 
 // request returns a JoinRequest with a new CSR and token sealed to it.
-func (f *fixture) request(t *testing.T, token string, claims *joinv1.Claims) *joinv1.JoinRequest {
+func (f *fixture) request(t testing.TB, token string, claims *joinv1.Claims) *joinv1.JoinRequest {
 	t.Helper()
 	csr := newCSR(t)
 	return &joinv1.JoinRequest{SealedToken: f.seal(t, token, csr), CsrDer: csr, Claims: claims}
@@ -176,7 +176,7 @@ func (f *fixture) request(t *testing.T, token string, claims *joinv1.Claims) *jo
 
 // mismatchedCSR returns a CSR whose signature was made by another key than
 // the one it carries: the request of one key with the signature of another.
-func mismatchedCSR(t *testing.T) []byte {
+func mismatchedCSR(t testing.TB) []byte {
 	t.Helper()
 	type certificationRequest struct {
 		TBS       asn1.RawValue
@@ -197,7 +197,7 @@ func mismatchedCSR(t *testing.T) []byte {
 }
 
 // nodeIDs returns every node's id, sorted.
-func (f *fixture) nodeIDs(t *testing.T) []string {
+func (f *fixture) nodeIDs(t testing.TB) []string {
 	t.Helper()
 	rows, err := f.db.Pool.Query(t.Context(), `SELECT id FROM nodes ORDER BY id`)
 	require.NoError(t, err)
