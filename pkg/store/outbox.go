@@ -81,10 +81,14 @@ func PokeNodes(ctx context.Context, q DBTX, now time.Time, nodeIDs ...string) er
 	if len(nodeIDs) == 0 {
 		return nil
 	}
-	rows, err := q.Query(ctx, `INSERT INTO outbox (subject, payload, created_at, traceparent)
-		SELECT $2 || gateway_id, convert_to(jsonb_build_object('nodeIds', array_agg(id ORDER BY id))::text, 'UTF8'), $3, $4
-		FROM nodes WHERE id = ANY($1) AND gateway_id IS NOT NULL GROUP BY gateway_id
-		RETURNING subject, payload`, nodeIDs, SubjectPokeGatewayPrefix, now, telemetry.Traceparent(ctx))
+	// The pokes are returned from the CTE, not from the INSERT (RETURNING
+	// would need SELECT on outbox, which the writers' roles lack).
+	rows, err := q.Query(ctx, `WITH p AS (
+			SELECT $2 || gateway_id AS subject,
+				convert_to(jsonb_build_object('nodeIds', array_agg(id ORDER BY id))::text, 'UTF8') AS payload
+			FROM nodes WHERE id = ANY($1) AND gateway_id IS NOT NULL GROUP BY gateway_id),
+		ins AS (INSERT INTO outbox (subject, payload, created_at, traceparent) SELECT subject, payload, $3, $4 FROM p)
+		SELECT subject, payload FROM p`, nodeIDs, SubjectPokeGatewayPrefix, now, telemetry.Traceparent(ctx))
 	if err != nil {
 		return fmt.Errorf("poke gateways: %w", interpretError(err))
 	}
