@@ -1,4 +1,4 @@
-package gateway_test
+package gateway
 
 import (
 	"strings"
@@ -8,121 +8,111 @@ import (
 	"github.com/stretchr/testify/require"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	"github.com/better-compute/better-compute/pkg/service"
 )
 
-// TestInvalidSessionMessageEndsOnlyThatSession: a session message whose
-// node-supplied strings break gateway.proto's rules (too long, a control
-// character, not a hostname, too many items) ends that session with
-// InvalidArgument naming the field, and records nothing of it; another
-// session on the same gateway goes on.
-func TestInvalidSessionMessageEndsOnlyThatSession(t *testing.T) {
-	t.Parallel()
-	update := func(cmdID, errText string) *gatewayv1.SessionRequest {
-		return &gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_CommandUpdate{CommandUpdate: &gatewayv1.CommandUpdate{
-			CommandId: cmdID, State: gatewayv1.CommandState_COMMAND_STATE_FAILED, Error: errText}}}
+// nvmlUpdate returns a succeeded diag.nvml update of a machine with n GPUs,
+// the session message the command path checks most.
+func nvmlUpdate(n int) *gatewayv1.SessionRequest {
+	inv := &gatewayv1.Inventory{Hostname: "gpu-01", CpuCores: 64, MemoryBytes: 1 << 40, DriverVersion: "550.54.15"}
+	for i := range n {
+		inv.Gpus = append(inv.Gpus, &gatewayv1.Gpu{Index: int32(i), Uuid: "GPU-4d3a7f1e-9c2b-4b8e-a1d0-5f6e7a8b9c0" + string(rune('0'+i%10)),
+			Model: "NVIDIA H100 80GB HBM3", MemoryBytes: 80 << 30, PciBusId: "00000000:1" + string(rune('0'+i%10)) + ":00.0", Healthy: true})
 	}
-	result := func(cmdID string, inv *gatewayv1.Inventory) *gatewayv1.SessionRequest {
-		return &gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_CommandUpdate{CommandUpdate: &gatewayv1.CommandUpdate{
-			CommandId: cmdID, State: gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED,
-			Result: &gatewayv1.CommandResult{Inventory: inv}}}}
-	}
-	report := func(r *gatewayv1.Report) *gatewayv1.SessionRequest {
-		return &gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Report{Report: r}}
-	}
-	for _, tc := range []struct {
-		name  string
-		msg   func(cmdID string) *gatewayv1.SessionRequest
-		field string
-	}{
-		{"oversize command error", func(id string) *gatewayv1.SessionRequest {
-			return update(id, strings.Repeat("x", 64<<10))
-		}, "command_update.error"},
-		{"control character in command error", func(id string) *gatewayv1.SessionRequest {
-			return update(id, "failed\x1b[2J\x1b[Hall clear")
-		}, "command_update.error"},
-		{"newline in command error", func(id string) *gatewayv1.SessionRequest {
-			return update(id, "failed\nlevel=INFO msg=\"forged log line\"")
-		}, "command_update.error"},
-		{"hostname that is no hostname", func(id string) *gatewayv1.SessionRequest {
-			return result(id, &gatewayv1.Inventory{Hostname: "gpu 01; rm -rf"})
-		}, "command_update.result.inventory.hostname"},
-		{"too many gpus", func(id string) *gatewayv1.SessionRequest {
-			gpus := make([]*gatewayv1.Gpu, 1000)
-			for i := range gpus {
-				gpus[i] = &gatewayv1.Gpu{Index: int32(i)}
-			}
-			return result(id, &gatewayv1.Inventory{Hostname: "gpu-01", Gpus: gpus})
-		}, "command_update.result.inventory.gpus"},
-		{"control character in gpu model", func(id string) *gatewayv1.SessionRequest {
-			return result(id, &gatewayv1.Inventory{Gpus: []*gatewayv1.Gpu{{Model: "H100\u202egnp.exe"}}})
-		}, "command_update.result.inventory.gpus[0].model"},
-		{"oversize spec refusal", func(string) *gatewayv1.SessionRequest {
-			return report(&gatewayv1.Report{Report: &gatewayv1.Report_SpecRefused{SpecRefused: &gatewayv1.SpecRefused{
-				Generation: 1, Reason: strings.Repeat("é", 5000)}}})
-		}, "report.spec_refused.reason"},
-		{"control character in ssh user", func(string) *gatewayv1.SessionRequest {
-			return report(&gatewayv1.Report{Report: &gatewayv1.Report_SshRefused{SshRefused: &gatewayv1.SshRefused{
-				Reason: "unknown CA", User: "root\r\n"}}})
-		}, "report.ssh_refused.user"},
-		{"too many cdi devices", func(string) *gatewayv1.SessionRequest {
-			return report(&gatewayv1.Report{Report: &gatewayv1.Report_AllocationBound{AllocationBound: &gatewayv1.AllocationBound{
-				ReservationId: "res_1", CdiDevices: make([]string, 1000)}}})
-		}, "report.allocation_bound.cdi_devices"},
-		{"oversize renewal csr", func(string) *gatewayv1.SessionRequest {
-			return &gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_RenewCertificate{RenewCertificate: &gatewayv1.RenewCertificate{
-				CsrDer: make([]byte, 64<<10)}}}
-		}, "renew_certificate.csr_der"},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			t.Parallel()
-			e := setup(t, options{})
-			g := e.startGateway(noResync)
-			bad, good := e.newNode(), e.newNode()
-			cmdID := e.queueCommand(bad.id, "diag.nvml", "user")
-			b, _ := e.connect(g, bad, nil)
-			require.Equal(t, cmdID, b.next().GetCommand().GetCommandId())
-			d, _ := e.connect(g, good, nil)
+	return &gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_CommandUpdate{CommandUpdate: &gatewayv1.CommandUpdate{
+		CommandId: "cmd_01JFUZZ000000000000000000", State: gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED,
+		Result: &gatewayv1.CommandResult{Inventory: inv, Output: "line one\n\tline two\n"}}}}
+}
 
-			b.send(tc.msg(cmdID))
-			err := b.ended()
-			require.Equal(t, connect.CodeInvalidArgument, connectCode(err), "%v", err)
-			require.Contains(t, err.Error(), tc.field)
-			require.Equal(t, "delivered", e.command(cmdID).State, "nothing of the message is recorded")
-
-			// The other session is still served.
-			d.heartbeat(1, 0)
-			require.Equal(t, int64(1), d.nextAck())
-			d.observed(3)
-			eventually(t, func() bool { return e.nodeRow(good.id).Observed == 3 }, "the other session's report is stored")
-			require.Equal(t, 1, g.srv.Sessions())
-		})
+// BenchmarkCheckMessage measures checkMessage on nvmlUpdate(8).
+func BenchmarkCheckMessage(b *testing.B) {
+	req := nvmlUpdate(8)
+	b.ReportAllocs()
+	for b.Loop() {
+		if err := checkMessage(req); err != nil {
+			b.Fatal(err)
+		}
 	}
 }
 
-// TestValidSessionMessagesAreAccepted: the messages of a daemon within the
-// rules (text with tabs and newlines in a command's output, an empty
-// hostname, an error at its longest) are recorded.
-func TestValidSessionMessagesAreAccepted(t *testing.T) {
+// TestCheckMessageRefusesHandCheckedFields checks, for each field whose
+// rules checkMessage tests by hand, that a value breaking each of them is
+// refused with InvalidArgument naming the field, word for word as
+// protovalidate over the whole message (service.Validate) refuses it, and
+// that a value keeping them passes.
+func TestCheckMessageRefusesHandCheckedFields(t *testing.T) {
 	t.Parallel()
-	e := setup(t, options{})
-	g := e.startGateway(noResync)
-	n := e.newNode()
-	ok := e.queueCommand(n.id, "logs.collect", "user")
-	failing := e.queueCommand(n.id, "diag.nvml", "user")
-	d, _ := e.connect(g, n, nil)
-	got := map[string]bool{}
-	for range 2 {
-		got[d.next().GetCommand().GetCommandId()] = true
+	long := func(n int) string { return strings.Repeat("a", n) }
+	for _, tc := range []struct {
+		name, field string
+		set         func(*gatewayv1.SessionRequest, string)
+		good        []string
+		bad         []string
+	}{
+		{"error", "command_update.error",
+			func(r *gatewayv1.SessionRequest, s string) { r.GetCommandUpdate().Error = s },
+			[]string{"", "nvml: GPU 3 fell off the bus", long(4096), strings.Repeat("é", 4096)},
+			[]string{long(4097), strings.Repeat("é", 4097), "two\nlines", "tab\there", "nul\x00", "bidi\u202e", "sep\u2028", "par\u2029", "c1\u0085"}},
+		{"output", "command_update.result.output",
+			func(r *gatewayv1.SessionRequest, s string) { r.GetCommandUpdate().GetResult().Output = s },
+			[]string{"", "a\n\tb\n", long(262144)},
+			[]string{long(262145), strings.Repeat("é", 131073), "cr\r", "esc\x1b[0m", "del\x7f", "c1\u009f", "bom\ufeff", "sep\u2028"}},
+		{"driver_version", "command_update.result.inventory.driver_version",
+			func(r *gatewayv1.SessionRequest, s string) {
+				r.GetCommandUpdate().GetResult().GetInventory().DriverVersion = s
+			},
+			[]string{"", "550.54.15", long(64)},
+			[]string{long(65), "5\n5", "v\u200b"}},
+		{"gpu uuid", "command_update.result.inventory.gpus[3].uuid",
+			func(r *gatewayv1.SessionRequest, s string) {
+				r.GetCommandUpdate().GetResult().GetInventory().Gpus[3].Uuid = s
+			},
+			[]string{"", "GPU-0", long(64)},
+			[]string{long(65), "GPU 0", "GPU-é", "GPU-\t", "GPU-\x7f"}},
+		{"gpu model", "command_update.result.inventory.gpus[3].model",
+			func(r *gatewayv1.SessionRequest, s string) {
+				r.GetCommandUpdate().GetResult().GetInventory().Gpus[3].Model = s
+			},
+			[]string{"", "NVIDIA H100 80GB HBM3", strings.Repeat("é", 128)},
+			[]string{long(129), "H100\n", "H100\u200e"}},
+		{"gpu pci_bus_id", "command_update.result.inventory.gpus[3].pci_bus_id",
+			func(r *gatewayv1.SessionRequest, s string) {
+				r.GetCommandUpdate().GetResult().GetInventory().Gpus[3].PciBusId = s
+			},
+			[]string{"", "00000000:17:00.0", long(32)},
+			[]string{long(33), "0000 17", "00\u00a0"}},
+		{"report gpu uuid", "report.inventory.gpus[3].uuid",
+			func(r *gatewayv1.SessionRequest, s string) {
+				inv := r.GetCommandUpdate().GetResult().GetInventory()
+				inv.Gpus[3].Uuid = s
+				r.Msg = &gatewayv1.SessionRequest_Report{Report: &gatewayv1.Report{Report: &gatewayv1.Report_Inventory{Inventory: inv}}}
+			},
+			[]string{"GPU-3"}, []string{"GPU 3"}},
+		{"report driver_version", "report.inventory.driver_version",
+			func(r *gatewayv1.SessionRequest, s string) {
+				inv := r.GetCommandUpdate().GetResult().GetInventory()
+				inv.DriverVersion = s
+				r.Msg = &gatewayv1.SessionRequest_Report{Report: &gatewayv1.Report{Report: &gatewayv1.Report_Inventory{Inventory: inv}}}
+			},
+			[]string{"550"}, []string{"5\x005"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			for _, s := range tc.good {
+				req := nvmlUpdate(8)
+				tc.set(req, s)
+				require.NoError(t, checkMessage(req), "%q", s)
+			}
+			for _, s := range tc.bad {
+				req := nvmlUpdate(8)
+				tc.set(req, s)
+				err := checkMessage(req)
+				require.Equal(t, connect.CodeInvalidArgument, connect.CodeOf(err), "%q: %v", s, err)
+				var cerr *connect.Error
+				require.ErrorAs(t, err, &cerr)
+				require.True(t, strings.HasPrefix(cerr.Message(), tc.field+": "), "%q: %s", s, cerr.Message())
+				require.Equal(t, service.Validate(req).Error(), err.Error(), "%q", s)
+			}
+		})
 	}
-	require.Equal(t, map[string]bool{ok: true, failing: true}, got)
-
-	output := "line 1\tok\nline 2\tok\n"
-	d.update(ok, gatewayv1.CommandState_COMMAND_STATE_SUCCEEDED, &gatewayv1.CommandResult{Output: output,
-		Inventory: &gatewayv1.Inventory{Gpus: []*gatewayv1.Gpu{{Model: "NVIDIA H100 80GB HBM3", Uuid: "GPU-1", PciBusId: "00000000:17:00.0"}}}}, "")
-	longest := strings.Repeat("é", 4096)
-	d.update(failing, gatewayv1.CommandState_COMMAND_STATE_FAILED, nil, longest)
-	eventually(t, func() bool { return e.command(failing).State == "failed" }, "failed stored")
-	require.Equal(t, longest, e.command(failing).Error)
-	require.Equal(t, "succeeded", e.command(ok).State)
-	require.Contains(t, string(e.command(ok).Result), `line 1\tok\nline 2\tok\n`)
 }
