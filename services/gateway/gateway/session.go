@@ -346,13 +346,6 @@ func (s *Server) receive(st *session) (*gatewayv1.SessionRequest, error) {
 	return req, nil
 }
 
-// checkMessage checks a Session message against gateway.proto's rules
-// (service.Validate): InvalidArgument "<field>: <reason>" for each rule it
-// breaks, never the value.
-func checkMessage(req *gatewayv1.SessionRequest) error {
-	return service.Validate(req)
-}
-
 // track adds a new stream unless the gateway is shutting down.
 func (s *Server) track(st *session) bool {
 	s.mu.Lock()

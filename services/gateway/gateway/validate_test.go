@@ -4,8 +4,12 @@ import (
 	"strings"
 	"testing"
 
+	validatepb "buf.build/gen/go/bufbuild/protovalidate/protocolbuffers/go/buf/validate"
 	"connectrpc.com/connect"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/runtime/protoimpl"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	"github.com/better-compute/better-compute/pkg/service"
@@ -114,5 +118,44 @@ func TestCheckMessageRefusesHandCheckedFields(t *testing.T) {
 				require.Equal(t, service.Validate(req).Error(), err.Error(), "%q", s)
 			}
 		})
+	}
+}
+
+// TestHandRulesMatchProto checks that the rules checkMessage tests by hand
+// are gateway.proto's: the same limit and pattern for every field of
+// handChecked.
+func TestHandRulesMatchProto(t *testing.T) {
+	t.Parallel()
+	want := map[protoreflect.FullName]struct {
+		rule    textRule
+		pattern string
+	}{
+		"bc.gateway.v1.CommandUpdate.error":      {ruleError, `^[^\p{Cc}\p{Cf}\p{Zl}\p{Zp}]*$`},
+		"bc.gateway.v1.CommandResult.output":     {ruleOutput, `^[^\x00-\x08\x0B-\x1F\x7F-\x9F\p{Cf}\p{Zl}\p{Zp}]*$`},
+		"bc.gateway.v1.Inventory.driver_version": {ruleDriverVersion, `^[^\p{Cc}\p{Cf}\p{Zl}\p{Zp}]*$`},
+		"bc.gateway.v1.Gpu.uuid":                 {ruleGPUUUID, `^[!-~]*$`},
+		"bc.gateway.v1.Gpu.model":                {ruleGPUModel, `^[^\p{Cc}\p{Cf}\p{Zl}\p{Zp}]*$`},
+		"bc.gateway.v1.Gpu.pci_bus_id":           {ruleGPUPCIBusID, `^[!-~]*$`},
+	}
+	require.Len(t, handChecked, len(want))
+	for d := range handChecked {
+		fd := d.(protoreflect.FieldDescriptor)
+		w, ok := want[fd.FullName()]
+		require.True(t, ok, "%s is hand-checked", fd.FullName())
+		// A copy: the options are the descriptor's, which protovalidate reads.
+		rules := proto.Clone(proto.GetExtension(fd.Options(), validatepb.E_Field).(*validatepb.FieldRules).GetString()).(*validatepb.StringRules)
+		require.Equal(t, w.pattern, rules.GetPattern(), "%s", fd.FullName())
+		if w.rule.bytes {
+			require.Equal(t, uint64(w.rule.maxLen), rules.GetMaxBytes(), "%s", fd.FullName())
+			require.False(t, rules.HasMaxLen(), "%s", fd.FullName())
+		} else {
+			require.Equal(t, uint64(w.rule.maxLen), rules.GetMaxLen(), "%s", fd.FullName())
+			require.False(t, rules.HasMaxBytes(), "%s", fd.FullName())
+		}
+		// No other string rule the hand check would leave out.
+		rules.ClearPattern()
+		rules.ClearMaxLen()
+		rules.ClearMaxBytes()
+		require.Empty(t, protoimpl.X.MessageStringOf(rules), "%s has more rules", fd.FullName())
 	}
 }
