@@ -17,8 +17,8 @@ import (
 // detail. Every service words a refusal of its protos' rules this way:
 // HandlerOptions' interceptors for requests, Validate for what a handler
 // checks itself (a session's messages, a watch's query, a tunnel frame).
-func Validate(msg proto.Message) error {
-	err := protovalidate.Validate(msg)
+func Validate(msg proto.Message, options ...protovalidate.ValidationOption) error {
+	err := protovalidate.Validate(msg, options...)
 	if err == nil {
 		return nil
 	}

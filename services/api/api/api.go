@@ -135,7 +135,9 @@ func (c Config) ProbeAddr() string { return c.Listen }
 
 // Deps are the API server's collaborators. DB is required. NC, when set,
 // wakes event watches as soon as the outbox relay publishes an event
-// (bc.events.>), without it they poll the events table every
+// (bc.events.>), and a watch holding events for transactions that were
+// running at its read checks them again at each commit's poke
+// (store.SubjectOutboxWritten); without it they poll the events table every
 // WatchConfig.Poll; it also carries the revocations of API tokens by other
 // API servers (store.SubjectAPITokenRevoked), which drop the token from
 // this server's cache (without it a token revoked elsewhere works here for
@@ -152,6 +154,13 @@ type Server struct {
 	// revoked is the subscription to store.SubjectAPITokenRevoked; nil
 	// without NC.
 	revoked *nats.Subscription
+	// committed is the subscription to store.SubjectOutboxWritten, the
+	// poke every commit that wrote events sends, which wakes the watches
+	// holding events (commits); nil without NC.
+	committed *nats.Subscription
+	// commits tells the watches holding events that a transaction that
+	// wrote events committed (events.go).
+	commits commitSignal
 	// wellKnown serves pki.WellKnownPath (wellknown.go).
 	wellKnown http.Handler
 	// intent signs changed NodeSpecs; nil without Config.SignedIntent.
@@ -240,6 +249,10 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		if s.revoked, err = deps.NC.Subscribe(store.SubjectAPITokenRevoked, s.tokenRevoked); err != nil {
 			return nil, fmt.Errorf("api: subscribe to %s: %w", store.SubjectAPITokenRevoked, err)
 		}
+		if s.committed, err = deps.NC.Subscribe(store.SubjectOutboxWritten, func(*nats.Msg) { s.commits.signal() }); err != nil {
+			_ = s.revoked.Unsubscribe()
+			return nil, fmt.Errorf("api: subscribe to %s: %w", store.SubjectOutboxWritten, err)
+		}
 	}
 	return s, nil
 }
@@ -320,6 +333,9 @@ func (s *Server) Run(ctx context.Context) error {
 func (s *Server) Close() {
 	if s.revoked != nil {
 		_ = s.revoked.Unsubscribe() // fails only when already gone
+	}
+	if s.committed != nil {
+		_ = s.committed.Unsubscribe()
 	}
 	s.commandQueue().Close()
 	s.StopWatches()

@@ -47,8 +47,11 @@ const WatchPath = PathPrefix + "/watch"
 // has ended since (none was running, or they are another database's or
 // never touched events); otherwise the watch holds it, and once none of
 // them may write events it reads again and delivers the events up to the
-// highest id held. A hold is checked after GapRecheck, doubling up to
-// Poll, as well as at every wake and poll, and ends at the latest after
+// highest id held. A hold is checked again at each poke a commit that
+// wrote events sends (store.SubjectOutboxWritten, published by the writer
+// right after its commit: the transaction held for may be the one that
+// ended), after GapRecheck, doubling up to Poll (for a transaction that
+// rolls back, which sends no poke), and at every wake and poll; it ends at the latest after
 // MaxGrace, so that a long transaction cannot stall every watch (an event
 // whose transaction outlives MaxGrace is then not delivered to watches
 // that were live; a watch resumed later does get it).
@@ -377,6 +380,36 @@ func writeHTTPError(w http.ResponseWriter, status int, code connect.Code, msg st
 // after_id 0 would mean "from now" again.
 const WatchCursorHeader = "Bc-Watch-After"
 
+// commitSignal tells the watches holding events that a transaction that
+// wrote events has committed (the pokes on store.SubjectOutboxWritten). Its
+// zero value is ready.
+type commitSignal struct {
+	mu sync.Mutex
+	// ch is closed at the next signal; nil until a watch waits.
+	ch chan struct{}
+}
+
+// wait returns a channel closed at the next signal.
+func (c *commitSignal) wait() <-chan struct{} {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.ch == nil {
+		c.ch = make(chan struct{})
+	}
+	return c.ch
+}
+
+// signal closes the channel of the watches waiting, if any; it never
+// blocks.
+func (c *commitSignal) signal() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.ch != nil {
+		close(c.ch)
+		c.ch = nil
+	}
+}
+
 // gapHold is what a watch holds back until the transactions running at a
 // read have ended (WatchConfig).
 type gapHold struct {
@@ -562,6 +595,9 @@ func (s *Server) watch(ctx context.Context, p iam.Principal, authorization strin
 	recheckTimer.Stop()
 	defer recheckTimer.Stop()
 	for {
+		// Taken before the read, so that a commit between the read and the
+		// wait is not missed.
+		committed := s.commits.wait()
 		next, err := w.step(ctx, send)
 		if err != nil {
 			return w.end(ctx, err)
@@ -584,9 +620,11 @@ func (s *Server) watch(ctx context.Context, p iam.Principal, authorization strin
 			continue
 		}
 		var recheck <-chan time.Time
+		var commit <-chan struct{} // a commit's poke, while events are held
 		if next == readOnRecheck {
 			recheckTimer.Reset(w.recheckDelay())
 			recheck = recheckTimer.C()
+			commit = committed
 		}
 	wait:
 		for {
@@ -600,6 +638,8 @@ func (s *Server) watch(ctx context.Context, p iam.Principal, authorization strin
 			case <-ticker.C():
 				break wait
 			case <-recheck:
+				break wait
+			case <-commit:
 				break wait
 			case <-authTick.C():
 			case <-expiry:

@@ -837,3 +837,47 @@ func TestWatchRefusesUnknownTypes(t *testing.T) {
 	w := watch(t, c, &computev1.WatchRequest{AfterId: start, Types: []string{"node.cordoned", "command.*"}})
 	require.Equal(t, []int64{node, cmd}, w.ids(t, 2))
 }
+
+// TestWatchHoldEndsAtCommitPoke checks that events held for a transaction
+// running at the read are delivered once it commits, at the poke a commit
+// that wrote events sends (store.SubjectOutboxWritten), with a clock that
+// never moves (no re-check timer, no poll) and no wake on the tenant's
+// events: in id order, the lower id committed last included (no gap, no
+// duplicate), and that pokes while it runs deliver nothing past it.
+func TestWatchHoldEndsAtCommitPoke(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	nc := natsConn(t)
+	f = f.withServer(t, api.WatchConfig{}, nc, clock.NewFake(f.db.Now()))
+	ctx := t.Context()
+	now := f.db.Now()
+	start := mark(t, f.db, f.acme)
+
+	// A takes an id and runs; B takes the next one and commits first.
+	txA, err := f.db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = txA.Rollback(ctx) }()
+	a := insertEvent(t, f.db, txA, now, f.acme, "node.cordoned")
+	b := insertEvent(t, f.db, nil, now, f.acme, "node.uncordoned")
+	require.Equal(t, a+1, b)
+	// Other commits' pokes (and those of parallel tests' transactions,
+	// which a read may find running) arrive all the time.
+	nudge(t, nc, store.SubjectOutboxWritten)
+	w := watch(t, f.as(f.tokens["acme-viewer"]), &computev1.WatchRequest{AfterId: start})
+	w.none(t, 300*time.Millisecond) // b is held while A may commit a
+	require.NoError(t, txA.Commit(ctx))
+	require.Equal(t, []int64{a, b}, w.ids(t, 2))
+
+	// Another tenant's transaction, running at the read, holds acme's
+	// next event until it ends, which it does by rolling back here.
+	txO, err := f.db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = txO.Rollback(ctx) }()
+	insertEvent(t, f.db, txO, now, f.other, "node.cordoned")
+	c := insertEvent(t, f.db, nil, now, f.acme, "node.cordoned")
+	require.NoError(t, nc.Publish(store.SubjectEvents+"."+f.acme+".node.cordoned", []byte("{}")))
+	w.none(t, 300*time.Millisecond)
+	require.NoError(t, txO.Rollback(ctx))
+	require.Equal(t, c, w.next(t).Id)
+	w.none(t, 100*time.Millisecond)
+}

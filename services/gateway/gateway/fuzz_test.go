@@ -15,6 +15,7 @@ import (
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/service"
 )
 
 // fuzzNodeID is the node of the session FuzzSessionMessage's messages come
@@ -114,7 +115,13 @@ func FuzzSessionMessage(f *testing.F) {
 		}
 		// What Server.receive does first: a message that breaks
 		// gateway.proto's rules ends its session with InvalidArgument.
-		if err := checkMessage(&req); err != nil {
+		err := checkMessage(&req)
+		// Its hand checks (validate.go) refuse what protovalidate over the
+		// whole message refuses, in the same words.
+		if full := service.Validate(&req); (err == nil) != (full == nil) || (err != nil && err.Error() != full.Error()) {
+			t.Fatalf("checkMessage: %v; protovalidate: %v", err, full)
+		}
+		if err != nil {
 			if connect.CodeOf(err) != connect.CodeInvalidArgument {
 				t.Fatalf("checkMessage: %v", err)
 			}

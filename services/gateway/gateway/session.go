@@ -364,19 +364,6 @@ func (s *Server) receive(st *session) (*gatewayv1.SessionRequest, error) {
 	return req, nil
 }
 
-// checkMessage checks a Session message against gateway.proto's rules
-// (service.Validate): InvalidArgument "<field>: <reason>" for each rule it
-// breaks, never the value. A Heartbeat, most of what an idle fleet sends,
-// is not walked: Heartbeat and the messages of its fields carry no rule
-// (TestHeartbeatHasNoRules), and the oneof's rule (required) holds when it
-// is set, so every heartbeat passes.
-func checkMessage(req *gatewayv1.SessionRequest) error {
-	if req.GetHeartbeat() != nil {
-		return nil
-	}
-	return service.Validate(req)
-}
-
 // track adds a new stream unless the gateway is shutting down.
 func (s *Server) track(st *session) bool {
 	s.mu.Lock()

@@ -1,0 +1,154 @@
+package gateway
+
+// The hot rules of a Session message checked by hand: the string rules of a
+// command update's fields and of its inventory's GPUs (gateway.proto) are
+// regular expressions, which protovalidate runs per field and per GPU. They
+// are checked here with loops over the text first; when every one holds,
+// protovalidate checks the message without them, and when one does not, it
+// checks the whole message, so that a refusal is word for word
+// protovalidate's (service.Validate).
+
+import (
+	"unicode"
+
+	"buf.build/go/protovalidate"
+	"google.golang.org/protobuf/reflect/protoreflect"
+
+	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	"github.com/better-compute/better-compute/pkg/service"
+)
+
+// textRule is one string rule of gateway.proto: at most maxLen characters
+// (code points) or, when bytes is set, maxLen bytes, each character allowed
+// by ok.
+type textRule struct {
+	maxLen int
+	bytes  bool
+	ok     func(rune) bool
+}
+
+// holds reports whether s keeps r.
+func (r textRule) holds(s string) bool {
+	n := 0
+	for _, c := range s {
+		if !r.ok(c) {
+			return false
+		}
+		n++
+	}
+	if r.bytes {
+		return len(s) <= r.maxLen
+	}
+	return n <= r.maxLen
+}
+
+// visibleASCII is the pattern "^[!-~]*$" (ids).
+func visibleASCII(c rune) bool { return c >= '!' && c <= '~' }
+
+// oneLine is the pattern "^[^\p{Cc}\p{Cf}\p{Zl}\p{Zp}]*$" (text shown to
+// people). A string that is not UTF-8 never reaches it (proto3 strings are
+// checked when decoded); RE2 would read such a byte as U+FFFD, which it
+// allows too.
+func oneLine(c rune) bool {
+	return !unicode.In(c, unicode.Cc, unicode.Cf, unicode.Zl, unicode.Zp)
+}
+
+// multiLine is CommandResult.output's pattern
+// "^[^\x00-\x08\x0B-\x1F\x7F-\x9F\p{Cf}\p{Zl}\p{Zp}]*$": oneLine with tab and
+// newline allowed.
+func multiLine(c rune) bool {
+	switch {
+	case c <= 0x08, c >= 0x0B && c <= 0x1F, c >= 0x7F && c <= 0x9F:
+		return false
+	}
+	return !unicode.In(c, unicode.Cf, unicode.Zl, unicode.Zp)
+}
+
+// The fields checked by hand, with gateway.proto's rules for them; a change
+// of those rules must be made here too (TestHandRulesMatchProto compares).
+var (
+	ruleError         = textRule{maxLen: 4096, ok: oneLine}
+	ruleOutput        = textRule{maxLen: 262144, bytes: true, ok: multiLine}
+	ruleDriverVersion = textRule{maxLen: 64, ok: oneLine}
+	ruleGPUUUID       = textRule{maxLen: 64, ok: visibleASCII}
+	ruleGPUModel      = textRule{maxLen: 128, ok: oneLine}
+	ruleGPUPCIBusID   = textRule{maxLen: 32, ok: visibleASCII}
+)
+
+// handChecked are the fields whose rules handCheck checks, which
+// protovalidate skips once they hold. CommandUpdate.command_id keeps its
+// min_len in protovalidate, so it is not among them.
+var handChecked = func() map[protoreflect.Descriptor]bool {
+	fields := func(m protoreflect.ProtoMessage, names ...protoreflect.Name) []protoreflect.Descriptor {
+		var out []protoreflect.Descriptor
+		for _, n := range names {
+			out = append(out, m.ProtoReflect().Descriptor().Fields().ByName(n))
+		}
+		return out
+	}
+	set := map[protoreflect.Descriptor]bool{}
+	for _, list := range [][]protoreflect.Descriptor{
+		fields(&gatewayv1.CommandUpdate{}, "error"),
+		fields(&gatewayv1.CommandResult{}, "output"),
+		fields(&gatewayv1.Inventory{}, "driver_version"),
+		fields(&gatewayv1.Gpu{}, "uuid", "model", "pci_bus_id"),
+	} {
+		for _, d := range list {
+			if d == nil {
+				panic("gateway: a hand-checked field is missing from gateway.proto")
+			}
+			set[d] = true
+		}
+	}
+	return set
+}()
+
+// skipHandChecked is the protovalidate filter that leaves out the fields
+// of handChecked.
+var skipHandChecked = protovalidate.WithFilter(protovalidate.FilterFunc(
+	func(_ protoreflect.Message, d protoreflect.Descriptor) bool { return !handChecked[d] }))
+
+// handCheck reports whether every hand-checked field of req keeps its rule.
+func handCheck(req *gatewayv1.SessionRequest) bool {
+	var inv *gatewayv1.Inventory
+	switch m := req.GetMsg().(type) {
+	case *gatewayv1.SessionRequest_CommandUpdate:
+		u := m.CommandUpdate
+		if !ruleError.holds(u.GetError()) || !ruleOutput.holds(u.GetResult().GetOutput()) {
+			return false
+		}
+		inv = u.GetResult().GetInventory()
+	case *gatewayv1.SessionRequest_Report:
+		inv = m.Report.GetInventory()
+	}
+	if inv == nil {
+		return true
+	}
+	if !ruleDriverVersion.holds(inv.GetDriverVersion()) {
+		return false
+	}
+	for _, g := range inv.GetGpus() {
+		if !ruleGPUUUID.holds(g.GetUuid()) || !ruleGPUModel.holds(g.GetModel()) || !ruleGPUPCIBusID.holds(g.GetPciBusId()) {
+			return false
+		}
+	}
+	return true
+}
+
+// checkMessage checks a Session message against gateway.proto's rules:
+// InvalidArgument "<field>: <reason>" for each rule it breaks, never the
+// value, exactly as service.Validate words it. The hand-checked rules
+// (handCheck) are tested first; protovalidate then skips them when they
+// hold, and checks everything when one does not. A Heartbeat, most of what
+// an idle fleet sends, is not walked: Heartbeat and the messages of its
+// fields carry no rule (TestHeartbeatHasNoRules), and the oneof's rule
+// (required) holds when it is set, so every heartbeat passes.
+func checkMessage(req *gatewayv1.SessionRequest) error {
+	if req.GetHeartbeat() != nil {
+		return nil
+	}
+	if handCheck(req) {
+		return service.Validate(req, skipHandChecked)
+	}
+	return service.Validate(req)
+}
