@@ -301,7 +301,9 @@ func poolLine(before, after map[string]map[string]float64, ops int) string {
 }
 
 // profile takes a CPU profile of every service process over the next
-// seconds (at least 1), each into DIR/<benchmark>.<service>.pprof, when
+// seconds (at least 1), each into DIR/<benchmark>.<service>.pprof (with a
+// phase, DIR/<benchmark>-<phase>.<service>.pprof, and likewise the
+// allocation profiles below; "" names a benchmark's saturated phase), when
 // BETTER_COMPUTE_BENCH_PROFILE_DIR=DIR is set, and its allocations
 // (/debug/pprof/allocs?gc=1, which counts from the process's start; gc=1
 // runs a collection first, so that it holds every allocation so far) now,
@@ -320,7 +322,7 @@ func poolLine(before, after map[string]map[string]float64, ops int) string {
 // stopped (allocsBase), and their CPU profiles, asked for now, start when
 // they run again (their profiling server answers once the process runs).
 // profile returns once the other services' allocation profiles are written.
-func (f *fleet) profile(b *testing.B, seconds int, paused ...string) (wait func()) {
+func (f *fleet) profile(b *testing.B, phase string, seconds int, paused ...string) (wait func()) {
 	b.Helper()
 	dir := profileDir()
 	if dir == "" {
@@ -329,6 +331,9 @@ func (f *fleet) profile(b *testing.B, seconds int, paused ...string) (wait func(
 	require.NoError(b, os.MkdirAll(dir, 0o755))
 	seconds = envInt("BETTER_COMPUTE_BENCH_PROFILE_SECONDS", max(1, seconds))
 	prefix := filepath.Join(dir, strings.SplitN(b.Name(), "/", 2)[0])
+	if phase != "" {
+		prefix += "-" + phase
+	}
 	allocs := func(s *serviceProc, suffix string) error {
 		return fetchProfile("http://"+s.pprof+"/debug/pprof/allocs?gc=1", prefix+"."+s.name+suffix, 30*time.Second)
 	}

@@ -210,7 +210,7 @@ func BenchmarkCommands(b *testing.B) {
 		waits := sampleWaits(sampleCtx, f.dbURL, clk)
 		// The phase's length at 500 commands/s, an upper bound (a shorter
 		// phase leaves an idle tail in the profile).
-		waitProfiles := f.profile(b, total/500+1)
+		waitProfiles := f.profile(b, "", total/500+1)
 		ids := runAll(total, func(i int) (string, error) { return run(nodes[i%len(nodes)]) })
 		cpu1, m1 := f.cpu(b), f.metrics(b)
 		stopSampling()
@@ -230,12 +230,14 @@ func BenchmarkCommands(b *testing.B) {
 		steady := envInt("BETTER_COMPUTE_BENCH_STEADY_COMMANDS", max(200, min(2*n, 20*rate)))
 		tick := clk.NewTicker(time.Second / time.Duration(rate))
 		cpu2 := f.cpu(b)
+		waitSteady := f.profile(b, "steady", steady/rate+1)
 		ids = runAll(steady, func(i int) (string, error) {
 			<-tick.C()
 			return run(nodes[(i*7)%len(nodes)])
 		})
 		tick.Stop()
 		steadyCPU := f.cpu(b).sub(cpu2)
+		waitSteady()
 		s = log.stats(ids)
 		require.Zero(b, s.failed, "commands that did not succeed")
 		offered := float64(steady) / s.lastReturned.Sub(s.first).Seconds()

@@ -38,7 +38,7 @@ func BenchmarkIdleFleet(b *testing.B) {
 		f.startMachinesProcess(b, "")
 		f.waitAdopted(b)
 		require.NoError(b, clock.Sleep(ctx, clk, settle))
-		waitProfiles := f.profile(b, int(window/time.Second))
+		waitProfiles := f.profile(b, "", int(window/time.Second))
 		idle := measure(window)
 		waitProfiles()
 

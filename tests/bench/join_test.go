@@ -35,7 +35,7 @@ func BenchmarkJoinToAdoption(b *testing.B) {
 		}
 		rssBefore, heapBefore := rssKiB(b, f.gatewayPID), gwMetrics()
 		cpu0 := f.cpu(b)
-		waitProfiles := f.profile(b, n/50+1)
+		waitProfiles := f.profile(b, "", n/50+1)
 		start := clk.Now()
 		f.startMachinesProcess(b, "")
 		f.waitAdopted(b)

@@ -66,7 +66,7 @@ func BenchmarkReservations(b *testing.B) {
 		sched.Pause(b)
 		backlog := 2 * n
 		require.NoError(b, parallel(backlog, reservationCallers, func(i int) error { return reserve(1, i, 2) }))
-		waitProfiles := f.profile(b, backlog/500+1, svcScheduler)
+		waitProfiles := f.profile(b, "", backlog/500+1, svcScheduler)
 		cpu0 := f.cpu(b)
 		start := clk.Now()
 		sched.Resume(b)
@@ -89,6 +89,8 @@ func BenchmarkReservations(b *testing.B) {
 		tick := clk.NewTicker(5 * time.Millisecond) // 200/s
 		phase2 := n
 		cpu2 := f.cpu(b)
+		// The phase lasts phase2/200 s, and its tail until all are active.
+		waitSteady := f.profile(b, "steady", phase2/200+2)
 		require.NoError(b, parallel(phase2, reservationCallers, func(i int) error {
 			<-tick.C()
 			return reserve(2, i, int32(1+i%4))
@@ -99,6 +101,7 @@ func BenchmarkReservations(b *testing.B) {
 			return active == backlog+phase2, fmt.Sprintf("active %d of %d", active, backlog+phase2)
 		})
 		steadyCPU := f.cpu(b).sub(cpu2)
+		waitSteady()
 
 		rows, err := db.Pool.Query(ctx, `SELECT extract(epoch FROM active_at - created_at) FROM reservations
 			ORDER BY created_at DESC LIMIT $1`, phase2)
