@@ -210,33 +210,28 @@ func (g cpuGroups) controlPlane() time.Duration {
 // control plane 400µs; machines 90µs, callers 30µs".
 func (g cpuGroups) perOp(ops int) string {
 	d := func(t time.Duration) string { return (t / time.Duration(max(1, ops))).Round(time.Microsecond).String() }
-	parts := []string{}
-	for _, k := range controlPlaneGroups {
-		if v, ok := g[k]; ok {
-			parts = append(parts, k+" "+d(v))
-		}
-	}
-	s := strings.Join(parts, ", ") + "; control plane " + d(g.controlPlane())
-	if v, ok := g[groupMachines]; ok {
-		s += "; machines " + d(v)
-	}
-	return s + "; callers " + d(g[groupCallers])
+	return g.say(d) + "; callers " + d(g[groupCallers])
 }
 
 // share says g as percentages of one core over d, group by group.
 func (g cpuGroups) share(d time.Duration) string {
-	pct := func(t time.Duration) string { return fmt.Sprintf("%.2f", 100*t.Seconds()/d.Seconds()) }
+	return g.say(func(t time.Duration) string { return fmt.Sprintf("%.2f", 100*t.Seconds()/d.Seconds()) }) + " (% of one core)"
+}
+
+// say says each control-plane group of g, their total and the machines'
+// with f: "api F, gateway F, …; control plane F; machines F".
+func (g cpuGroups) say(f func(time.Duration) string) string {
 	parts := []string{}
 	for _, k := range controlPlaneGroups {
 		if v, ok := g[k]; ok {
-			parts = append(parts, k+" "+pct(v))
+			parts = append(parts, k+" "+f(v))
 		}
 	}
-	s := strings.Join(parts, ", ") + "; control plane " + pct(g.controlPlane())
+	s := strings.Join(parts, ", ") + "; control plane " + f(g.controlPlane())
 	if v, ok := g[groupMachines]; ok {
-		s += "; machines " + pct(v)
+		s += "; machines " + f(v)
 	}
-	return s + " (% of one core)"
+	return s
 }
 
 // metrics scrapes every service's GET /metrics and returns the sum of each
