@@ -256,20 +256,20 @@ func CreateReservation(ctx context.Context, q DBTX, now time.Time, n NewReservat
 			return CreatedReservation{}, err
 		}
 	}
-	// Only whether the pool exists and its owner (GetPool would also count
-	// its nodes).
-	var owner string
-	if err := q.QueryRow(ctx, `SELECT owner_tenant_id FROM pools WHERE id = $1`, n.PoolID).Scan(&owner); err != nil {
+	// Whether the pool exists, its owner, and the tenant's offer of it,
+	// locked (FOR UPDATE in the sub-select: the lock serialises the
+	// tenant's Reserves of the pool, so that the quota check below holds).
+	var (
+		owner string
+		quota *int32
+	)
+	if err := q.QueryRow(ctx, `SELECT p.owner_tenant_id,
+			(SELECT o.gpu_quota FROM pool_offers o WHERE o.pool_id = p.id AND o.tenant_id = $2 FOR UPDATE)
+		FROM pools p WHERE p.id = $1`, n.PoolID, n.TenantID).Scan(&owner, &quota); err != nil {
 		return CreatedReservation{}, queryErr(fmt.Sprintf("pool %s", n.PoolID), err)
 	}
-	var quota int32
-	err := q.QueryRow(ctx, `SELECT gpu_quota FROM pool_offers WHERE pool_id = $1 AND tenant_id = $2 FOR UPDATE`,
-		n.PoolID, n.TenantID).Scan(&quota)
-	if errors.Is(err, pgx.ErrNoRows) {
+	if quota == nil {
 		return CreatedReservation{}, &NotOfferedError{PoolID: n.PoolID, TenantID: n.TenantID, OwnerTenantID: owner}
-	}
-	if err != nil {
-		return CreatedReservation{}, queryErr("lock offer", err)
 	}
 	// A concurrent duplicate may have committed while this waited for the
 	// lock; read committed sees it now.
@@ -280,24 +280,26 @@ func CreateReservation(ctx context.Context, q DBTX, now time.Time, n NewReservat
 			return CreatedReservation{}, err
 		}
 	}
-	var inUse int32
-	if err := q.QueryRow(ctx, `SELECT COALESCE(sum(gpus), 0)::int FROM reservations
-		WHERE tenant_id = $1 AND pool_id = $2 AND state IN ('pending', 'binding', 'active')`,
-		n.TenantID, n.PoolID).Scan(&inUse); err != nil {
+	// The GPUs the tenant holds of the pool, and whether some node can ever
+	// hold this one: the EXISTS stops at the first node big enough (usually
+	// the first), where counting every node's devices cost milliseconds per
+	// Reserve on a pool of 1,000 nodes. The largest size is needed only for
+	// the reason of a refusal.
+	var (
+		inUse int32
+		fits  bool
+	)
+	if err := q.QueryRow(ctx, `SELECT
+			(SELECT COALESCE(sum(gpus), 0)::int FROM reservations
+				WHERE tenant_id = $1 AND pool_id = $2 AND state IN ('pending', 'binding', 'active')),
+			EXISTS (SELECT 1 FROM nodes nd
+				WHERE nd.pool_id = $2 AND nd.provision_state IN ('joining', 'accepting', 'adopted') AND nd.revoked_at IS NULL
+					AND (SELECT count(*) FROM node_devices d WHERE d.node_id = nd.id) >= $3)`,
+		n.TenantID, n.PoolID, n.GPUs).Scan(&inUse, &fits); err != nil {
 		return CreatedReservation{}, queryErr("gpus in use", err)
 	}
-	if int64(inUse)+int64(n.GPUs) > int64(quota) {
-		return CreatedReservation{}, &QuotaError{PoolID: n.PoolID, Quota: quota, InUse: inUse, Want: n.GPUs}
-	}
-	// Whether some node can ever hold it: this stops at the first node big
-	// enough (usually the first), where counting every node's devices cost
-	// milliseconds per Reserve on a pool of 1,000 nodes. The largest size is
-	// needed only for the reason of a refusal.
-	var fits bool
-	if err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM nodes nd
-		WHERE nd.pool_id = $1 AND nd.provision_state IN ('joining', 'accepting', 'adopted') AND nd.revoked_at IS NULL
-			AND (SELECT count(*) FROM node_devices d WHERE d.node_id = nd.id) >= $2)`, n.PoolID, n.GPUs).Scan(&fits); err != nil {
-		return CreatedReservation{}, queryErr("largest node", err)
+	if int64(inUse)+int64(n.GPUs) > int64(*quota) {
+		return CreatedReservation{}, &QuotaError{PoolID: n.PoolID, Quota: *quota, InUse: inUse, Want: n.GPUs}
 	}
 	var largest int32
 	if !fits {
@@ -319,15 +321,17 @@ func CreateReservation(ctx context.Context, q DBTX, now time.Time, n NewReservat
 	if n.RequestID != "" {
 		requestID = &n.RequestID
 	}
-	tag, err := q.Exec(ctx, `INSERT INTO reservations (id, tenant_id, pool_id, gpus, start_at, end_at, state, reason,
-			request_id, created_by, created_at, updated_at, ended_at)
+	// The row as GetReservation reads it, from the insert itself.
+	r, err := scanReservation(q.QueryRow(ctx, `INSERT INTO reservations AS r (id, tenant_id, pool_id, gpus, start_at, end_at,
+			state, reason, request_id, created_by, created_at, updated_at, ended_at)
 		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $11, $12)
-		ON CONFLICT (tenant_id, request_id) DO NOTHING`,
-		n.ID, n.TenantID, n.PoolID, n.GPUs, n.StartAt, n.EndAt, state, reason, requestID, n.CreatedBy, now, endedAt)
-	if err != nil {
+		ON CONFLICT (tenant_id, request_id) DO NOTHING
+		RETURNING `+reservationColumns,
+		n.ID, n.TenantID, n.PoolID, n.GPUs, n.StartAt, n.EndAt, state, reason, requestID, n.CreatedBy, now, endedAt))
+	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 		return CreatedReservation{}, queryErr("create reservation", err)
 	}
-	if tag.RowsAffected() == 0 {
+	if err != nil {
 		// A duplicate of another pool committed first (the offer lock is
 		// per pool).
 		r, err := getReservationByRequest(ctx, q, n.TenantID, n.RequestID)
@@ -346,10 +350,6 @@ func CreateReservation(ctx context.Context, q DBTX, now time.Time, n NewReservat
 			return CreatedReservation{}, err
 		}
 	} else if err := Enqueue(ctx, q, now, SubjectPokeScheduler, nil); err != nil {
-		return CreatedReservation{}, err
-	}
-	r, err := GetReservation(ctx, q, AllTenants, n.ID)
-	if err != nil {
 		return CreatedReservation{}, err
 	}
 	return CreatedReservation{Reservation: r}, nil

@@ -2,6 +2,7 @@ package store_test
 
 import (
 	"errors"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -96,4 +97,39 @@ func TestCreateReservationQuotaUnderConcurrency(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, again.Existing)
 	require.Equal(t, c.Reservation.ID, again.Reservation.ID)
+}
+
+// TestCreateReservationStatements: a Reserve with a request id costs, in its
+// transaction, the request's lookup, one read of the pool with the tenant's
+// offer locked, the request's lookup again (under the lock), one read of the
+// GPUs in use with whether a node can hold it, the insert returning the row,
+// the reservation.created event and the scheduler's poke, with BEGIN and
+// COMMIT and the outbox's NOTIFY: at most 10 statements. Not parallel: the
+// counter sees every statement of the process.
+func TestCreateReservationStatements(t *testing.T) {
+	f := newFleetFixture(t)
+	ctx := t.Context()
+	now := f.db.Now()
+	storetest.Node(t, f.db, &storetest.NodeOpts{PoolID: f.pool.ID, State: store.NodeAdopted, GPUs: 8, GPUModel: "H100"})
+	_, err := store.UpsertOffer(ctx, f.db.Pool, store.AllTenants, store.Offer{PoolID: f.pool.ID, TenantID: f.tenant.ID, GPUQuota: 8, UpdatedAt: now})
+	require.NoError(t, err)
+
+	id := ids.New(ids.Reservation, now)
+	stmts := storetest.CountStatements()
+	var c store.CreatedReservation
+	require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
+		c, err = store.CreateReservation(ctx, tx, now, store.NewReservation{ID: id, TenantID: f.tenant.ID, PoolID: f.pool.ID,
+			GPUs: 2, StartAt: now, EndAt: now.Add(time.Hour), RequestID: "req-statements", CreatedBy: "tok_statements"})
+		return err
+	}))
+	stmts.Stop()
+	require.LessOrEqual(t, stmts.Count(), 10, strings.Join(stmts.SQL(), "\n---\n"))
+
+	// What it returns is what GetReservation reads.
+	got, err := store.GetReservation(ctx, f.db.Pool, store.AllTenants, id)
+	require.NoError(t, err)
+	require.False(t, c.Existing)
+	require.Equal(t, got, c.Reservation)
+	require.Equal(t, store.ReservationPending, got.State)
+	require.Equal(t, "req-statements", got.RequestID)
 }
