@@ -701,3 +701,19 @@ func TestGetMatchesList(t *testing.T) {
 	require.NotNil(t, cmd["finishedAt"])
 	require.Equal(t, element(jsonOf("commands", "list", "-o", "json"), id), cmd)
 }
+
+// TestBadURLNamesTheFlag: an API URL without http:// or https:// (or without
+// a host) is refused before any call, naming the flag or the variable it
+// came from.
+func TestBadURLNamesTheFlag(t *testing.T) {
+	t.Parallel()
+	r := runner{env: map[string]string{"BETTER_COMPUTE_TOKEN": "bc_x"}}
+	res := r.run(t, "--url", "127.0.0.1:3000", "nodes", "list")
+	require.Equal(t, 1, res.code)
+	require.Equal(t, "error: --url: want http://HOST[:PORT] or https://HOST[:PORT], got \"127.0.0.1:3000\"\n", res.stderr)
+
+	r.env["BETTER_COMPUTE_URL"] = "http://"
+	res = r.run(t, "events", "watch")
+	require.Equal(t, 1, res.code)
+	require.Equal(t, "error: BETTER_COMPUTE_URL: want http://HOST[:PORT] or https://HOST[:PORT], got \"http://\"\n", res.stderr)
+}

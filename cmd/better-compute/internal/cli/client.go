@@ -3,7 +3,9 @@ package cli
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/http"
+	"net/url"
 	"strings"
 	"time"
 
@@ -34,17 +36,21 @@ type apiClients struct {
 }
 
 // baseURL returns the API's base URL: --url, else BETTER_COMPUTE_URL, else
-// the default, without a trailing slash or /api/compute.
-func (a *app) baseURL() string {
-	u := a.url
+// the default, without a trailing slash or /api/compute. The error names
+// the flag or variable when the URL is not http:// or https:// with a host.
+func (a *app) baseURL() (string, error) {
+	u, from := a.url, "--url"
 	if u == "" {
-		u = a.env.Getenv("BETTER_COMPUTE_URL")
+		u, from = a.env.Getenv("BETTER_COMPUTE_URL"), "BETTER_COMPUTE_URL"
 	}
 	if u == "" {
 		u = defaultURL
 	}
+	if p, err := url.Parse(u); err != nil || (p.Scheme != "http" && p.Scheme != "https") || p.Host == "" {
+		return "", fmt.Errorf("%s: want http://HOST[:PORT] or https://HOST[:PORT], got %q", from, u)
+	}
 	u = strings.TrimRight(u, "/")
-	return strings.TrimSuffix(u, apiPath)
+	return strings.TrimSuffix(u, apiPath), nil
 }
 
 // clients returns API clients that authenticate with --token or
@@ -66,7 +72,11 @@ func (a *app) clients() (*apiClients, error) {
 		}
 	})
 	hc := &http.Client{Timeout: 60 * time.Second}
-	base := a.baseURL() + apiPath
+	base, err := a.baseURL()
+	if err != nil {
+		return nil, err
+	}
+	base += apiPath
 	t, err := a.tracing()
 	if err != nil {
 		return nil, err

@@ -89,8 +89,12 @@ func (a *app) eventsWatchCmd() *cobra.Command {
 		if err != nil {
 			return err
 		}
+		base, err := a.baseURL()
+		if err != nil {
+			return err
+		}
 		// No client timeout: the stream lasts until interrupted.
-		client := computev1connect.NewEventServiceClient(&http.Client{}, a.baseURL()+apiPath,
+		client := computev1connect.NewEventServiceClient(&http.Client{}, base+apiPath,
 			connect.WithInterceptors(lostConnection{}, streamHeaders{token: token, tenant: a.env.Getenv("BETTER_COMPUTE_TENANT")}))
 		return a.watchEvents(cmd.Context(), client, req)
 	}

@@ -54,3 +54,16 @@ func TestAsFlags(t *testing.T) {
 		t.Fatalf("asFlags changed %v", other)
 	}
 }
+
+// TestFormatErrorKeepsTheCLIsOwnLines: the CLI's own errors (cobra's
+// "Did you mean this?") keep their lines and tabs, without a trailing
+// newline; a terminal escape in them is still escaped.
+func TestFormatErrorKeepsTheCLIsOwnLines(t *testing.T) {
+	got := FormatError(errors.New("unknown command \"nod\" for \"better-compute\"\n\nDid you mean this?\n\tnodes\n"))
+	if want := "error: unknown command \"nod\" for \"better-compute\"\n\nDid you mean this?\n\tnodes"; got != want {
+		t.Fatalf("FormatError = %q, want %q", got, want)
+	}
+	if got, want := FormatError(errors.New("bad \x1b[2Jname")), `error: bad \x1b[2Jname`; got != want {
+		t.Fatalf("FormatError = %q, want %q", got, want)
+	}
+}

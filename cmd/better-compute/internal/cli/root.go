@@ -20,6 +20,9 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strconv"
+	"strings"
+	"unicode"
 
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
@@ -160,11 +163,30 @@ func Run(ctx context.Context, args []string, env Env) int {
 }
 
 // FormatError renders err for the terminal: "error: <code>: <message>" for
-// API (Connect) errors, "error: <message>" otherwise.
+// API (Connect) errors, with every control character escaped (cell: the
+// server's text may quote what a machine or another caller sent);
+// "error: <message>" otherwise, the CLI's own text (a usage error, "Did you
+// mean this?"), whose lines and tabs are kept and other control characters
+// escaped, without trailing newlines.
 func FormatError(err error) string {
 	var cerr *connect.Error
 	if errors.As(err, &cerr) {
 		return fmt.Sprintf("error: %s: %s", cerr.Code(), cell(cerr.Message()))
 	}
-	return "error: " + cell(err.Error())
+	return "error: " + keepLines(strings.TrimRight(err.Error(), "\n"))
+}
+
+// keepLines is s with each control character but newline and tab escaped,
+// as in a Go string literal.
+func keepLines(s string) string {
+	var b strings.Builder
+	for _, r := range s {
+		if r == '\n' || r == '\t' || !unicode.IsControl(r) {
+			b.WriteRune(r)
+			continue
+		}
+		q := strconv.QuoteRune(r)
+		b.WriteString(q[1 : len(q)-1])
+	}
+	return b.String()
 }

@@ -68,7 +68,11 @@ func (a *app) openTunnel(ctx context.Context, req *computev1.CreateTicketRequest
 	if err != nil {
 		return nil, asFlags(err)
 	}
-	u, err := tunnelURL(a.baseURL(), res.Msg.GetPath(), res.Msg.GetTicket(), query)
+	base, err := a.baseURL()
+	if err != nil {
+		return nil, err
+	}
+	u, err := tunnelURL(base, res.Msg.GetPath(), res.Msg.GetTicket(), query)
 	if err != nil {
 		return nil, err
 	}
