@@ -601,6 +601,6 @@ func TestPendingSessionWorkReadsOnlyOpenCommands(t *testing.T) {
 	require.NoError(t, err)
 	plan := strings.Join(lines, "\n")
 	require.Contains(t, plan, "commands_open_idx", "queued commands are found through the open-command index:\n%s", plan)
-	require.NotContains(t, plan, "commands_node_idx", "no read of a node's whole command history:\n%s", plan)
+	require.NotContains(t, plan, "commands_node_request_idx", "no read of a node's whole command history:\n%s", plan)
 	require.NotContains(t, plan, "Seq Scan on commands", "no read of the whole commands table:\n%s", plan)
 }

@@ -1,0 +1,180 @@
+package store_test
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/ids"
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
+)
+
+// lifecycleBatch is how many commands one step of the lifecycle tests and
+// benchmark carries: what the API's and the gateway's batchers gather under
+// load.
+const lifecycleBatch = 10
+
+// lifecycleFixture is a fleet of lifecycleBatch adopted nodes with a live
+// session on one gateway, one command of each queued, claimed and finished
+// per step.
+type lifecycleFixture struct {
+	db    *store.DB
+	fleet *storetest.Fleet
+}
+
+func newLifecycleFixture(tb testing.TB) lifecycleFixture {
+	tb.Helper()
+	db := storetest.New(tb, clock.New())
+	fleet := storetest.NewFleetWith(tb, db, storetest.FleetOpts{Name: "life", GPUs: make([]int, lifecycleBatch),
+		Node: func(_ int, o *storetest.NodeOpts) { o.GatewayID = "gw_life" }})
+	return lifecycleFixture{db: db, fleet: fleet}
+}
+
+// queue queues one command on each node as the API does (AutoCommit, with
+// a request id and an audit row each) and returns their ids.
+func (f lifecycleFixture) queue(tb testing.TB, round int) []string {
+	tb.Helper()
+	now := f.db.Now()
+	cmds := make([]store.NewCommand, len(f.fleet.Nodes))
+	out := make([]string, len(cmds))
+	for i, node := range f.fleet.Nodes {
+		out[i] = ids.New(ids.Command, now)
+		cmds[i] = store.NewCommand{ID: out[i], NodeID: node, Kind: store.CommandDiagNVML, Deadline: now.Add(time.Minute),
+			RequestID: fmt.Sprintf("req-%d-%d", round, i), CreatedBy: "tok_life", Scope: store.AllTenants,
+			Audit: &store.AuditEntry{TenantID: f.fleet.OwnerID, TokenID: "tok_life", Role: "tenant-admin",
+				Procedure: "/bc.compute.v1.CommandService/RunCommand"}}
+	}
+	res, err := store.QueueCommands(tb.Context(), f.db.AutoCommit(), nil, now, cmds)
+	require.NoError(tb, err)
+	for i, r := range res {
+		require.NoError(tb, r.Err)
+		require.False(tb, r.Existing)
+		require.Equal(tb, out[i], r.ID)
+	}
+	return out
+}
+
+// claim claims every node's queued commands as the gateway does and checks
+// it got cmds, one per node.
+func (f lifecycleFixture) claim(tb testing.TB, cmds []string) {
+	tb.Helper()
+	reqs := make([]store.ClaimRequest, len(f.fleet.Nodes))
+	for i, node := range f.fleet.Nodes {
+		reqs[i] = store.ClaimRequest{NodeID: node, SessionID: "ses_fleet", Known: 1}
+	}
+	out, err := store.ClaimSessionDeliveries(tb.Context(), f.db.AutoCommit(), f.db.Now(), reqs)
+	require.NoError(tb, err)
+	for i, d := range out {
+		require.True(tb, d.Current)
+		require.Len(tb, d.Commands, 1)
+		require.Equal(tb, cmds[i], d.Commands[0].ID)
+	}
+}
+
+// apply reports every command succeeded as the gateway does.
+func (f lifecycleFixture) apply(tb testing.TB, cmds []string) {
+	tb.Helper()
+	now := f.db.Now()
+	us := make([]store.SessionCommandUpdate, len(cmds))
+	for i, id := range cmds {
+		us[i] = store.SessionCommandUpdate{NodeID: f.fleet.Nodes[i], CommandID: id, State: "succeeded",
+			Result: []byte(`{"diag":{}}`), Now: now}
+	}
+	out, err := store.ApplySessionCommandUpdates(tb.Context(), f.db.AutoCommit(), us)
+	require.NoError(tb, err)
+	for _, o := range out {
+		require.True(tb, o.Applied)
+		require.True(tb, o.Terminal)
+	}
+}
+
+// TestCommandLifecycleStatements: a batch of lifecycleBatch commands is
+// queued in one statement (the commands, their command.queued events with
+// their outbox messages, the gateway's poke and the audit rows), claimed
+// for delivery in two pipelined statements (the sessions' nodes, the
+// claim) and finished in one (the commands, their command.succeeded events
+// with their outbox messages), whatever the batch's size. Not parallel: the
+// counter sees every statement of the process.
+func TestCommandLifecycleStatements(t *testing.T) {
+	f := newLifecycleFixture(t)
+	ctx := t.Context()
+	step := func(name string, limit int, fn func()) {
+		stmts := storetest.CountStatements()
+		fn()
+		stmts.Stop()
+		sent := callerStatements(stmts.SQL())
+		require.LessOrEqual(t, len(sent), limit, "%s:\n%s", name, strings.Join(sent, "\n---\n"))
+	}
+	var cmds []string
+	step("queue", 1, func() { cmds = f.queue(t, 0) })
+	step("claim", 2, func() { f.claim(t, cmds) })
+	step("apply", 1, func() { f.apply(t, cmds) })
+
+	// What each command promises was written: its row in its end state,
+	// two events with their outbox messages, one audit row, and one poke
+	// of the gateway for the batch.
+	count := func(sql string, args ...any) int {
+		var n int
+		require.NoError(t, f.db.Pool.QueryRow(ctx, sql, args...).Scan(&n))
+		return n
+	}
+	require.Equal(t, lifecycleBatch, count(`SELECT count(*) FROM commands WHERE id = ANY($1) AND state = 'succeeded'
+		AND deliveries = 1 AND delivered_at IS NOT NULL AND finished_at IS NOT NULL AND result IS NOT NULL`, cmds))
+	require.Equal(t, 2*lifecycleBatch, count(`SELECT count(*) FROM events WHERE subject_id = ANY($1)`, cmds))
+	require.Equal(t, lifecycleBatch, count(`SELECT count(*) FROM events WHERE subject_id = ANY($1) AND type = $2`,
+		cmds, store.EventCommandSucceeded))
+	require.Equal(t, lifecycleBatch, count(`SELECT count(*) FROM audit WHERE target = ANY($1)`, cmds))
+	require.Equal(t, 2*lifecycleBatch, count(`SELECT count(*) FROM outbox WHERE subject LIKE $1`, store.SubjectEvents+".%"))
+	require.Equal(t, 1, count(`SELECT count(*) FROM outbox WHERE subject = $1`, store.SubjectPokeGatewayPrefix+"gw_life"))
+}
+
+// callerStatements drops from sql the outbox notifier's NOTIFY
+// (store.OutboxChannel): its own goroutine sends it, coalesced, after the
+// statement that wrote outbox rows returned, on another connection and
+// outside the caller's round trips, so it lands in whichever step runs then.
+func callerStatements(sql []string) []string {
+	var out []string
+	for _, s := range sql {
+		if !strings.Contains(s, "pg_notify('"+store.OutboxChannel+"'") {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+// BenchmarkCommandLifecycle runs the three writes of a command's life for a
+// batch of lifecycleBatch commands, one per node, as the API and the gateway
+// issue them: queue (QueueCommands), claim for delivery
+// (ClaimSessionDeliveries) and the terminal update (ApplySessionCommandUpdates).
+// One op is one batch through all three; statements/op counts what the
+// callers sent (not the outbox notifier's NOTIFY), queue-, claim- and
+// apply-ns/op split the op's time by step.
+func BenchmarkCommandLifecycle(b *testing.B) {
+	f := newLifecycleFixture(b)
+	clk := clock.New()
+	var queue, claim, apply time.Duration
+	stmts := storetest.CountStatements()
+	b.ResetTimer()
+	for i := range b.N {
+		t0 := clk.Now()
+		cmds := f.queue(b, i)
+		t1 := clk.Now()
+		f.claim(b, cmds)
+		t2 := clk.Now()
+		f.apply(b, cmds)
+		t3 := clk.Now()
+		queue, claim, apply = queue+t1.Sub(t0), claim+t2.Sub(t1), apply+t3.Sub(t2)
+	}
+	b.StopTimer()
+	stmts.Stop()
+	n := float64(b.N)
+	b.ReportMetric(float64(len(callerStatements(stmts.SQL())))/n, "statements/op")
+	b.ReportMetric(float64(queue.Nanoseconds())/n, "queue-ns/op")
+	b.ReportMetric(float64(claim.Nanoseconds())/n, "claim-ns/op")
+	b.ReportMetric(float64(apply.Nanoseconds())/n, "apply-ns/op")
+}
