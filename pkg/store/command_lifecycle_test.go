@@ -96,8 +96,8 @@ func (f lifecycleFixture) apply(tb testing.TB, cmds []string) {
 // TestCommandLifecycleStatements: a batch of lifecycleBatch commands is
 // queued in one statement (the commands, their command.queued events with
 // their outbox messages, the gateway's poke and the audit rows), claimed
-// for delivery in two pipelined statements (the sessions' nodes, the
-// claim) and finished in one (the commands, their command.succeeded events
+// for delivery in one (the sessions' nodes with the claim of their
+// commands) and finished in one (the commands, their command.succeeded events
 // with their outbox messages), whatever the batch's size. Not parallel: the
 // counter sees every statement of the process.
 func TestCommandLifecycleStatements(t *testing.T) {
@@ -112,7 +112,7 @@ func TestCommandLifecycleStatements(t *testing.T) {
 	}
 	var cmds []string
 	step("queue", 1, func() { cmds = f.queue(t, 0) })
-	step("claim", 2, func() { f.claim(t, cmds) })
+	step("claim", 1, func() { f.claim(t, cmds) })
 	step("apply", 1, func() { f.apply(t, cmds) })
 
 	// What each command promises was written: its row in its end state,

@@ -15,8 +15,6 @@ import (
 	"slices"
 	"strings"
 	"time"
-
-	"github.com/jackc/pgx/v5"
 )
 
 // OpenSessionParams describe a session a node opened on a gateway.
@@ -159,12 +157,52 @@ type SessionDelivery struct {
 	Commands []SessionCommand
 }
 
-// ClaimSessionDeliveries finds the work of many sessions in one round trip
-// (two statements pipelined in one implicit transaction when q is a pool)
-// and returns one SessionDelivery per request, in their order. For each
-// request it reads whether the session is still its node's live session,
-// whether the node is revoked, and the spec when its generation is greater
-// than Known; and it claims the node's queued commands, or with InFlight
+// claimSessionDeliveriesSQL is ClaimSessionDeliveries' statement. Its CTEs:
+// u the requests, nd their nodes as the session sees them (live: the
+// session is the node's and the node is not revoked; the spec only when
+// the session lacks its generation), pick the open
+// commands to claim of the live ones, locked in id order, upd the claim.
+// It returns one row per request whose node exists (command false: the
+// node's columns) and one per claimed command (command true: the
+// command's columns), the other side's columns NULL.
+const claimSessionDeliveriesSQL = `WITH u AS (
+		SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bool[]) WITH ORDINALITY AS u(id, sid, known, inflight, ord)),
+	nd AS (
+		SELECT u.ord, u.id, u.inflight, n.session_id IS NOT DISTINCT FROM u.sid AS current,
+			n.revoked_at IS NOT NULL AS revoked, n.spec_generation,
+			CASE WHEN n.spec_generation > u.known AND n.session_id = u.sid AND n.revoked_at IS NULL THEN n.spec END AS spec,
+			CASE WHEN n.spec_generation > u.known AND n.session_id = u.sid AND n.revoked_at IS NULL
+				THEN n.spec_signature END AS spec_signature,
+			n.session_id = u.sid AND n.revoked_at IS NULL AS live
+		FROM u JOIN nodes n ON n.id = u.id WHERE n.id = ANY($1)),
+	pick AS (SELECT c.id, nd.ord FROM nd
+		JOIN commands c ON c.node_id = nd.id
+		-- finished_at IS NULL (open: see commands_finished_iff_terminal)
+		-- matches commands_open_idx's predicate, so that the node's open
+		-- commands are read by (node_id) from it rather than every open
+		-- command of the fleet.
+		WHERE nd.live AND c.finished_at IS NULL AND (c.state = 'queued' OR nd.inflight)
+		ORDER BY c.id FOR UPDATE OF c),
+	upd AS (
+		UPDATE commands c SET
+			state = CASE WHEN c.state = 'queued' THEN 'delivered' ELSE c.state END,
+			delivered_at = $5, deliveries = c.deliveries + 1, updated_at = $5
+		FROM pick WHERE c.id = pick.id
+		RETURNING pick.ord, c.id, c.kind, c.args, c.deadline, c.retry_safe, c.created_at, c.signature, c.traceparent)
+	SELECT ord, false, current, revoked, spec_generation, spec, spec_signature,
+		NULL::text, NULL::text, NULL::jsonb, NULL::timestamptz, NULL::bool, NULL::timestamptz, NULL::bytea, NULL::text
+	FROM nd
+	UNION ALL
+	SELECT ord, true, true, false, 0, NULL::jsonb, NULL::bytea,
+		id, kind, args, deadline, retry_safe, created_at, signature, traceparent
+	FROM upd`
+
+// ClaimSessionDeliveries finds the work of many sessions in one statement
+// (claimSessionDeliveriesSQL: one round trip, one snapshot) and returns one
+// SessionDelivery per request, in their order. For each request it reads
+// whether the session is still its node's live session, whether the node is
+// revoked, and the spec when its generation is greater than Known; and it
+// claims the node's queued commands, or with InFlight
 // also the delivered and running ones, by setting state delivered (running
 // stays running), delivered_at = now and deliveries+1. Claiming is
 // conditioned on the session being live and the node not revoked in the
@@ -184,71 +222,37 @@ func ClaimSessionDeliveries(ctx context.Context, q DBTX, now time.Time, reqs []C
 	for i, r := range reqs {
 		ids[i], sids[i], known[i], inFlight[i] = r.NodeID, r.SessionID, r.Known, r.InFlight
 	}
-	b := &pgx.Batch{}
-	b.Queue(`SELECT u.ord, n.session_id IS NOT DISTINCT FROM u.sid, n.revoked_at IS NOT NULL, n.spec_generation,
-			CASE WHEN n.spec_generation > u.known AND n.session_id = u.sid AND n.revoked_at IS NULL THEN n.spec END,
-			CASE WHEN n.spec_generation > u.known AND n.session_id = u.sid AND n.revoked_at IS NULL THEN n.spec_signature END
-		FROM unnest($1::text[], $2::text[], $3::bigint[]) WITH ORDINALITY AS u(id, sid, known, ord)
-		JOIN nodes n ON n.id = u.id WHERE n.id = ANY($1)`, ids, sids, known)
-	b.Queue(`WITH u AS (
-			SELECT * FROM unnest($1::text[], $2::text[], $3::bool[]) WITH ORDINALITY AS u(id, sid, inflight, ord)),
-		pick AS (SELECT c.id, u.ord FROM u
-			JOIN nodes n ON n.id = u.id AND n.session_id = u.sid AND n.revoked_at IS NULL
-			JOIN commands c ON c.node_id = u.id
-			-- finished_at IS NULL (open: see commands_finished_iff_terminal)
-			-- matches commands_open_idx's predicate, so that the node's open
-			-- commands are read by (node_id) from it rather than every open
-			-- command of the fleet.
-			WHERE n.id = ANY($1) AND c.finished_at IS NULL AND (c.state = 'queued' OR u.inflight)
-			ORDER BY c.id FOR UPDATE OF c)
-		UPDATE commands c SET
-			state = CASE WHEN c.state = 'queued' THEN 'delivered' ELSE c.state END,
-			delivered_at = $4, deliveries = c.deliveries + 1, updated_at = $4
-		FROM pick WHERE c.id = pick.id
-		RETURNING pick.ord, c.id, c.kind, c.args, c.deadline, c.retry_safe, c.created_at, c.signature, c.traceparent`,
-		ids, sids, inFlight, now)
-	br := q.SendBatch(ctx, b)
-	defer br.Close()
+	rows, err := q.Query(ctx, claimSessionDeliveriesSQL, ids, sids, known, inFlight, now)
+	if err != nil {
+		return nil, interpretError(err)
+	}
+	defer rows.Close()
 	out := make([]SessionDelivery, len(reqs))
-	rows, err := br.Query()
-	if err != nil {
-		return nil, interpretError(err)
-	}
 	for rows.Next() {
 		var (
-			ord int64
-			d   SessionDelivery
+			ord     int64
+			command bool
+			d       SessionDelivery
+			c       SessionCommand
+			id      *string
+			kind    *string
+			safe    *bool
+			dl, at  *time.Time
+			tp      *string
 		)
-		if err := rows.Scan(&ord, &d.Current, &d.Revoked, &d.SpecGeneration, &d.Spec, &d.SpecSignature); err != nil {
-			rows.Close()
+		if err := rows.Scan(&ord, &command, &d.Current, &d.Revoked, &d.SpecGeneration, &d.Spec, &d.SpecSignature,
+			&id, &kind, &c.Args, &dl, &safe, &at, &c.Signature, &tp); err != nil {
 			return nil, err
 		}
-		out[ord-1] = d
-	}
-	rows.Close()
-	if err := rows.Err(); err != nil {
-		return nil, interpretError(err)
-	}
-	rows, err = br.Query()
-	if err != nil {
-		return nil, interpretError(err)
-	}
-	for rows.Next() {
-		var (
-			ord int64
-			c   SessionCommand
-		)
-		if err := rows.Scan(&ord, &c.ID, &c.Kind, &c.Args, &c.Deadline, &c.RetrySafe, &c.CreatedAt, &c.Signature, &c.Traceparent); err != nil {
-			rows.Close()
-			return nil, err
+		if !command {
+			d.Commands = out[ord-1].Commands
+			out[ord-1] = d
+			continue
 		}
+		c.ID, c.Kind, c.Deadline, c.RetrySafe, c.CreatedAt, c.Traceparent = *id, *kind, *dl, *safe, *at, *tp
 		out[ord-1].Commands = append(out[ord-1].Commands, c)
 	}
-	rows.Close()
 	if err := rows.Err(); err != nil {
-		return nil, interpretError(err)
-	}
-	if err := br.Close(); err != nil {
 		return nil, interpretError(err)
 	}
 	for i := range out {
