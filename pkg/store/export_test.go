@@ -3,6 +3,10 @@ package store
 // PendingSessionWorkSQL exposes PendingSessionWork's query to the plan test.
 const PendingSessionWorkSQL = pendingSessionWorkSQL
 
+// ClaimSessionDeliveriesSQL exposes ClaimSessionDeliveries' statement to the
+// plan test.
+const ClaimSessionDeliveriesSQL = claimSessionDeliveriesSQL
+
 // EventOf exposes EventData's type and subject to the tests of the event
 // data.
 func EventOf(d EventData) (typ, subject string) { return d.event() }

@@ -563,9 +563,10 @@ func TestPendingSessionWork(t *testing.T) {
 }
 
 // TestPendingSessionWorkReadsOnlyOpenCommands: the gateway's periodic
-// re-read of its sessions' work must find queued commands through the
-// open-command index, not by reading every command a node ever ran (a
-// gateway of 1,000 busy nodes spent most of a second per re-read).
+// re-read of its sessions' work, and its claim of their deliveries, must
+// find queued commands through the open-command index, not by reading every
+// command a node ever ran (a gateway of 1,000 busy nodes spent most of a
+// second per re-read).
 func TestPendingSessionWorkReadsOnlyOpenCommands(t *testing.T) {
 	t.Parallel()
 	f := newGatewayFixture(t)
@@ -603,4 +604,15 @@ func TestPendingSessionWorkReadsOnlyOpenCommands(t *testing.T) {
 	require.Contains(t, plan, "commands_open_idx", "queued commands are found through the open-command index:\n%s", plan)
 	require.NotContains(t, plan, "commands_node_request_idx", "no read of a node's whole command history:\n%s", plan)
 	require.NotContains(t, plan, "Seq Scan on commands", "no read of the whole commands table:\n%s", plan)
+
+	// The claim of the sessions' deliveries reads the same open commands.
+	known, inFlight := make([]int64, len(nodeIDs)), make([]bool, len(nodeIDs))
+	rows, err = f.db.Pool.Query(ctx, "EXPLAIN "+store.ClaimSessionDeliveriesSQL, nodeIDs, sids, known, inFlight, f.db.Now())
+	require.NoError(t, err)
+	lines, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	plan = strings.Join(lines, "\n")
+	require.Contains(t, plan, "commands_open_idx", "the claim finds open commands through the open-command index:\n%s", plan)
+	require.NotContains(t, plan, "commands_node_request_idx", "the claim reads no node's whole command history:\n%s", plan)
+	require.NotContains(t, plan, "Seq Scan on commands", "the claim reads not the whole commands table:\n%s", plan)
 }
