@@ -155,65 +155,125 @@ type NodeCapacity struct {
 
 // PoolCapacitySince returns every adopted, non-revoked node of poolID by id
 // with its capacity generation; for each node whose generation differs from
-// known[node id] (absent: unknown) it also reads what PoolCapacity reads of
-// it: its state, devices and the bookings that end after now. It is one
-// statement, so every node is read at one snapshot. A caller that keeps the
-// pool's capacity in memory passes the generations it holds and reads back
-// only what changed since; a node missing from the result has left the pool
-// (or its adoption).
+// known[node id] (absent: unknown; known nil: every node) it also reads what
+// PoolCapacity reads of it: its state, devices and the bookings that end
+// after now. A caller that keeps the pool's capacity in memory passes the
+// generations it holds and reads back only what changed since: one round
+// trip when nothing did, two otherwise. A node missing from the result has
+// left the pool (or its adoption).
+//
+// A changed node's generation is read with its state and devices, and its
+// bookings after them: what is returned of it is as new as its generation
+// says, or newer (a change committed in between moves the generation again,
+// which the next read or a placement at the returned one sees).
 func PoolCapacitySince(ctx context.Context, q DBTX, poolID string, now time.Time, known map[string]int64) ([]NodeCapacity, error) {
-	ids := make([]string, 0, len(known))
-	gens := make([]int64, 0, len(known))
-	for id, g := range known {
-		ids, gens = append(ids, id), append(gens, g)
+	var (
+		out     []NodeCapacity
+		changed []string
+	)
+	if known != nil {
+		rows, err := q.Query(ctx, `SELECT id, capacity_generation FROM nodes
+			WHERE pool_id = $1 AND provision_state = 'adopted' AND revoked_at IS NULL ORDER BY id`, poolID)
+		if err != nil {
+			return nil, fmt.Errorf("pool capacity generations: %w", interpretError(err))
+		}
+		out, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (NodeCapacity, error) {
+			var c NodeCapacity
+			err := row.Scan(&c.ID, &c.Generation)
+			gen, ok := known[c.ID]
+			c.Changed = !ok || gen != c.Generation
+			return c, err
+		})
+		if err != nil {
+			return nil, fmt.Errorf("pool capacity generations: %w", interpretError(err))
+		}
+		for _, c := range out {
+			if c.Changed {
+				changed = append(changed, c.ID)
+			}
+		}
+		if len(changed) == 0 {
+			return out, nil
+		}
 	}
-	// The laterals run only for a changed node (a one-time filter on the
-	// outer row), and find its open bookings through the exclusion
-	// constraint's index (node_id, during), not its booking history.
-	rows, err := q.Query(ctx, `SELECT n.id, n.capacity_generation, k.gen IS DISTINCT FROM n.capacity_generation,
-			n.cordoned, NOT (n.reachable AND n.session_id IS NOT NULL), d.healthy, d.devices, b.devs, b.lo, b.hi
-		FROM nodes n
-		LEFT JOIN unnest($2::text[], $3::bigint[]) AS k(id, gen) ON k.id = n.id
-		LEFT JOIN LATERAL (
-			SELECT coalesce(array_agg(nd.device_index ORDER BY nd.device_index) FILTER (WHERE nd.healthy), '{}') AS healthy,
-				count(nd.device_index) AS devices
-			FROM node_devices nd WHERE nd.node_id = n.id AND k.gen IS DISTINCT FROM n.capacity_generation) d ON true
-		LEFT JOIN LATERAL (
-			SELECT array_agg(bk.device_index) AS devs, array_agg(lower(bk.during)) AS lo, array_agg(upper(bk.during)) AS hi
-			FROM bookings bk WHERE bk.node_id = n.id AND bk.during && tstzrange($4, NULL, '[)')
-				AND k.gen IS DISTINCT FROM n.capacity_generation) b ON true
-		WHERE n.pool_id = $1 AND n.provision_state = 'adopted' AND n.revoked_at IS NULL
-		ORDER BY n.id`, poolID, ids, gens, now)
+	// The whole pool by pool id (hash joins), a few nodes by id (their
+	// indexes).
+	var (
+		nodeFilter, bookingFilter = `n.pool_id = $1`, `n.pool_id = $1`
+		args                      = []any{poolID}
+	)
+	if known != nil && 2*len(changed) < len(out) {
+		nodeFilter, bookingFilter = `n.pool_id = $1 AND n.id = ANY($2)`, `n.pool_id = $1 AND b.node_id = ANY($2)`
+		args = append(args, changed)
+	}
+	batch := &pgx.Batch{}
+	batch.Queue(`SELECT n.id, n.capacity_generation, n.cordoned, NOT (n.reachable AND n.session_id IS NOT NULL),
+			coalesce(array_agg(d.device_index ORDER BY d.device_index) FILTER (WHERE d.healthy), '{}'),
+			count(d.device_index)
+		FROM nodes n LEFT JOIN node_devices d ON d.node_id = n.id
+		WHERE `+nodeFilter+` AND n.provision_state = 'adopted' AND n.revoked_at IS NULL
+		GROUP BY n.id ORDER BY n.id`, args...)
+	batch.Queue(`SELECT b.node_id, b.device_index, lower(b.during), upper(b.during)
+		FROM bookings b JOIN nodes n ON n.id = b.node_id
+		WHERE `+bookingFilter+` AND upper(b.during) > $`+fmt.Sprint(len(args)+1), append(args, now)...)
+	br := q.SendBatch(ctx, batch)
+	defer func() { _ = br.Close() }()
+	rows, err := br.Query()
 	if err != nil {
 		return nil, fmt.Errorf("pool capacity: %w", interpretError(err))
 	}
-	out, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (NodeCapacity, error) {
-		var (
-			c      NodeCapacity
-			devs   []int32
-			lo, hi []time.Time
-		)
+	read, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (NodeCapacity, error) {
+		c := NodeCapacity{Changed: true}
 		n := &c.Node
-		if err := row.Scan(&c.ID, &c.Generation, &c.Changed, &n.Cordoned, &n.Unreachable, &n.Healthy, &n.Devices,
-			&devs, &lo, &hi); err != nil {
-			return c, err
-		}
-		if !c.Changed {
-			c.Node = PoolNode{}
-			return c, nil
-		}
-		n.ID = c.ID
-		n.Schedulable = !n.Cordoned && !n.Unreachable
-		c.Booked = make([]BookedInterval, len(devs))
-		for i := range devs {
-			c.Booked[i] = BookedInterval{NodeID: c.ID, DeviceIndex: devs[i], Lower: lo[i], Upper: hi[i]}
-		}
-		return c, nil
+		err := row.Scan(&n.ID, &c.Generation, &n.Cordoned, &n.Unreachable, &n.Healthy, &n.Devices)
+		c.ID, n.Schedulable = n.ID, !n.Cordoned && !n.Unreachable
+		return c, err
 	})
 	if err != nil {
 		return nil, fmt.Errorf("pool capacity: %w", interpretError(err))
 	}
-	return out, nil
+	rows, err = br.Query()
+	if err != nil {
+		return nil, fmt.Errorf("pool bookings: %w", interpretError(err))
+	}
+	booked, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (BookedInterval, error) {
+		var b BookedInterval
+		err := row.Scan(&b.NodeID, &b.DeviceIndex, &b.Lower, &b.Upper)
+		return b, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("pool bookings: %w", interpretError(err))
+	}
+	if err := br.Close(); err != nil {
+		return nil, fmt.Errorf("pool capacity: %w", interpretError(err))
+	}
+	byID := make(map[string]int, len(read))
+	for i := range read {
+		byID[read[i].ID] = i
+	}
+	for _, b := range booked {
+		if i, ok := byID[b.NodeID]; ok {
+			read[i].Booked = append(read[i].Booked, b)
+		}
+	}
+	if known == nil {
+		return read, nil
+	}
+	// Merge what was read into the generations; a node read whole that
+	// was unchanged stays so (the same generation), one gone meanwhile is
+	// dropped.
+	whole := len(args) == 1
+	merged := out[:0]
+	for _, c := range out {
+		i, ok := byID[c.ID]
+		switch {
+		case ok && (c.Changed || read[i].Generation != c.Generation):
+			merged = append(merged, read[i])
+		case ok || (!c.Changed && !whole):
+			merged = append(merged, c)
+		}
+	}
+	return merged, nil
 }
 
 // Placement puts one pending reservation on devices of one node for
