@@ -11,6 +11,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 
@@ -31,15 +32,10 @@ func RebuildNodeSpecs(ctx context.Context, q DBTX, signer *IntentSigner, now tim
 	ids := slices.Clone(nodeIDs)
 	slices.Sort(ids)
 	ids = slices.Compact(ids)
-	changed := map[string]int64{}
 	if len(ids) == 0 {
-		return changed, nil
+		return map[string]int64{}, nil
 	}
-	type current struct {
-		gen  int64
-		spec []byte
-	}
-	cur := make(map[string]current, len(ids))
+	cur := make(map[string]lockedSpec, len(ids))
 	rows, err := q.Query(ctx, `SELECT id, spec_generation, spec FROM nodes WHERE id = ANY($1) ORDER BY id FOR NO KEY UPDATE`, ids)
 	if err != nil {
 		return nil, fmt.Errorf("rebuild node specs: %w", interpretError(err))
@@ -47,7 +43,7 @@ func RebuildNodeSpecs(ctx context.Context, q DBTX, signer *IntentSigner, now tim
 	for rows.Next() {
 		var (
 			id string
-			c  current
+			c  lockedSpec
 		)
 		if err := rows.Scan(&id, &c.gen, &c.spec); err != nil {
 			rows.Close()
@@ -64,11 +60,22 @@ func RebuildNodeSpecs(ctx context.Context, q DBTX, signer *IntentSigner, now tim
 			return nil, fmt.Errorf("rebuild spec of %s: %w", id, ErrNotFound)
 		}
 	}
-	allocs, err := placedAllocations(ctx, q, ids)
-	if err != nil {
-		return nil, err
-	}
-	cas, err := SSHUserCAs(ctx, q)
+	return rebuildLockedSpecs(ctx, q, signer, now, ids, cur)
+}
+
+// lockedSpec is a node's spec generation and stored spec, read with the
+// node locked (FOR NO KEY UPDATE) in the caller's transaction.
+type lockedSpec struct {
+	gen  int64
+	spec []byte
+}
+
+// rebuildLockedSpecs is RebuildNodeSpecs of ids (sorted, distinct), each
+// locked by the caller with its current spec in cur.
+func rebuildLockedSpecs(ctx context.Context, q DBTX, signer *IntentSigner, now time.Time, ids []string,
+	cur map[string]lockedSpec) (map[string]int64, error) {
+	changed := map[string]int64{}
+	allocs, unnumbered, cas, err := placedAllocations(ctx, q, ids)
 	if err != nil {
 		return nil, err
 	}
@@ -77,6 +84,7 @@ func RebuildNodeSpecs(ctx context.Context, q DBTX, signer *IntentSigner, now tim
 		changedIDs []string
 		specs      []string
 		gens       []int64
+		numbering  bool
 	)
 	for _, nodeID := range ids {
 		c := cur[nodeID]
@@ -98,6 +106,7 @@ func RebuildNodeSpecs(ctx context.Context, q DBTX, signer *IntentSigner, now tim
 		changedIDs = append(changedIDs, nodeID)
 		specs = append(specs, string(b))
 		gens = append(gens, c.gen+1)
+		numbering = numbering || unnumbered[nodeID]
 	}
 	if len(changedIDs) == 0 {
 		return changed, nil
@@ -107,10 +116,14 @@ func RebuildNodeSpecs(ctx context.Context, q DBTX, signer *IntentSigner, now tim
 		changedIDs, specs, gens, now); err != nil {
 		return nil, fmt.Errorf("rebuild node specs: %w", interpretError(err))
 	}
-	if _, err := q.Exec(ctx, `UPDATE reservations r SET spec_generation = u.gen
-		FROM unnest($1::text[], $2::bigint[]) AS u(id, gen)
-		WHERE r.node_id = u.id AND r.state IN ('binding', 'active') AND r.spec_generation IS NULL`, changedIDs, gens); err != nil {
-		return nil, fmt.Errorf("rebuild node specs: %w", interpretError(err))
+	// Only when a reservation in a new spec has no generation yet (its
+	// placement, PlaceReservations, records its own).
+	if numbering {
+		if _, err := q.Exec(ctx, `UPDATE reservations r SET spec_generation = u.gen
+			FROM unnest($1::text[], $2::bigint[]) AS u(id, gen)
+			WHERE r.node_id = u.id AND r.state IN ('binding', 'active') AND r.spec_generation IS NULL`, changedIDs, gens); err != nil {
+			return nil, fmt.Errorf("rebuild node specs: %w", interpretError(err))
+		}
 	}
 	if err := SignNodeSpecs(ctx, q, signer, changedIDs); err != nil {
 		return nil, err
@@ -123,24 +136,52 @@ func RebuildNodeSpecs(ctx context.Context, q DBTX, signer *IntentSigner, now tim
 
 // placedAllocations returns the allocations of the nodes' binding and active
 // reservations, by node id, each by reservation id with device indexes
-// ascending.
-func placedAllocations(ctx context.Context, q DBTX, nodeIDs []string) (map[string][]*gatewayv1.Allocation, error) {
-	rows, err := q.Query(ctx, `SELECT r.node_id, r.id, array_agg(b.device_index ORDER BY b.device_index)
+// ascending; the nodes with such a reservation that has no spec generation
+// yet; and the deployment's SSH user CAs (SSHUserCAs). It is one round trip
+// (a pgx.Batch of the two reads).
+func placedAllocations(ctx context.Context, q DBTX, nodeIDs []string) (map[string][]*gatewayv1.Allocation,
+	map[string]bool, []*gatewayv1.SshUserCa, error) {
+	batch := &pgx.Batch{}
+	batch.Queue(`SELECT r.node_id, r.id, r.spec_generation IS NULL, array_agg(b.device_index ORDER BY b.device_index)
 		FROM reservations r JOIN bookings b ON b.reservation_id = r.id
 		WHERE r.node_id = ANY($1) AND r.state IN ('binding', 'active')
 		GROUP BY r.node_id, r.id ORDER BY r.node_id, r.id`, nodeIDs)
+	batch.Queue(sshUserCAsSQL)
+	br := q.SendBatch(ctx, batch)
+	defer func() { _ = br.Close() }()
+	rows, err := br.Query()
 	if err != nil {
-		return nil, fmt.Errorf("allocations of nodes: %w", interpretError(err))
+		return nil, nil, nil, fmt.Errorf("allocations of nodes: %w", interpretError(err))
 	}
-	defer rows.Close()
 	out := map[string][]*gatewayv1.Allocation{}
+	unnumbered := map[string]bool{}
 	for rows.Next() {
-		var nodeID string
+		var (
+			nodeID string
+			none   bool
+		)
 		a := &gatewayv1.Allocation{}
-		if err := rows.Scan(&nodeID, &a.ReservationId, &a.DeviceIndexes); err != nil {
-			return nil, err
+		if err := rows.Scan(&nodeID, &a.ReservationId, &none, &a.DeviceIndexes); err != nil {
+			rows.Close()
+			return nil, nil, nil, err
 		}
 		out[nodeID] = append(out[nodeID], a)
+		unnumbered[nodeID] = unnumbered[nodeID] || none
 	}
-	return out, rows.Err()
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, nil, nil, fmt.Errorf("allocations of nodes: %w", interpretError(err))
+	}
+	rows, err = br.Query()
+	if err != nil {
+		return nil, nil, nil, queryErr("ssh user CAs", err)
+	}
+	cas, err := collectSSHUserCAs(rows)
+	if err != nil {
+		return nil, nil, nil, queryErr("ssh user CAs", err)
+	}
+	if err := br.Close(); err != nil {
+		return nil, nil, nil, fmt.Errorf("allocations of nodes: %w", interpretError(err))
+	}
+	return out, unnumbered, cas, nil
 }

@@ -134,6 +134,148 @@ func PoolCapacity(ctx context.Context, q DBTX, poolID string, now time.Time) ([]
 	return nodes, booked, nil
 }
 
+// NodeCapacity is one adopted, non-revoked node of a pool as
+// PoolCapacitySince read it.
+type NodeCapacity struct {
+	// ID is the node's id.
+	ID string
+	// Generation is the node's capacity generation (nodes.capacity_generation,
+	// migration 000021): it moves in every transaction that changes what
+	// placement reads of the node (its state, devices or bookings).
+	Generation int64
+	// Changed is true when Generation is not the one the caller knew (or the
+	// caller knew none): only then are Node and Booked read.
+	Changed bool
+	// Node is the node as PoolCapacity returns it (when Changed).
+	Node PoolNode
+	// Booked are the node's bookings that end after now (when Changed), in
+	// no order.
+	Booked []BookedInterval
+}
+
+// PoolCapacitySince returns every adopted, non-revoked node of poolID by id
+// with its capacity generation; for each node whose generation differs from
+// known[node id] (absent: unknown; known nil: every node) it also reads what
+// PoolCapacity reads of it: its state, devices and the bookings that end
+// after now. A caller that keeps the pool's capacity in memory passes the
+// generations it holds and reads back only what changed since: one round
+// trip when nothing did, two otherwise. A node missing from the result has
+// left the pool (or its adoption).
+//
+// A changed node's generation is read with its state and devices, and its
+// bookings after them: what is returned of it is as new as its generation
+// says, or newer (a change committed in between moves the generation again,
+// which the next read or a placement at the returned one sees).
+func PoolCapacitySince(ctx context.Context, q DBTX, poolID string, now time.Time, known map[string]int64) ([]NodeCapacity, error) {
+	var (
+		out     []NodeCapacity
+		changed []string
+	)
+	if known != nil {
+		rows, err := q.Query(ctx, `SELECT id, capacity_generation FROM nodes
+			WHERE pool_id = $1 AND provision_state = 'adopted' AND revoked_at IS NULL ORDER BY id`, poolID)
+		if err != nil {
+			return nil, fmt.Errorf("pool capacity generations: %w", interpretError(err))
+		}
+		out, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (NodeCapacity, error) {
+			var c NodeCapacity
+			err := row.Scan(&c.ID, &c.Generation)
+			gen, ok := known[c.ID]
+			c.Changed = !ok || gen != c.Generation
+			return c, err
+		})
+		if err != nil {
+			return nil, fmt.Errorf("pool capacity generations: %w", interpretError(err))
+		}
+		for _, c := range out {
+			if c.Changed {
+				changed = append(changed, c.ID)
+			}
+		}
+		if len(changed) == 0 {
+			return out, nil
+		}
+	}
+	// The whole pool by pool id (hash joins), a few nodes by id (their
+	// indexes).
+	var (
+		nodeFilter, bookingFilter = `n.pool_id = $1`, `n.pool_id = $1`
+		args                      = []any{poolID}
+	)
+	if known != nil && 2*len(changed) < len(out) {
+		nodeFilter, bookingFilter = `n.pool_id = $1 AND n.id = ANY($2)`, `n.pool_id = $1 AND b.node_id = ANY($2)`
+		args = append(args, changed)
+	}
+	batch := &pgx.Batch{}
+	batch.Queue(`SELECT n.id, n.capacity_generation, n.cordoned, NOT (n.reachable AND n.session_id IS NOT NULL),
+			coalesce(array_agg(d.device_index ORDER BY d.device_index) FILTER (WHERE d.healthy), '{}'),
+			count(d.device_index)
+		FROM nodes n LEFT JOIN node_devices d ON d.node_id = n.id
+		WHERE `+nodeFilter+` AND n.provision_state = 'adopted' AND n.revoked_at IS NULL
+		GROUP BY n.id ORDER BY n.id`, args...)
+	batch.Queue(`SELECT b.node_id, b.device_index, lower(b.during), upper(b.during)
+		FROM bookings b JOIN nodes n ON n.id = b.node_id
+		WHERE `+bookingFilter+` AND upper(b.during) > $`+fmt.Sprint(len(args)+1), append(args, now)...)
+	br := q.SendBatch(ctx, batch)
+	defer func() { _ = br.Close() }()
+	rows, err := br.Query()
+	if err != nil {
+		return nil, fmt.Errorf("pool capacity: %w", interpretError(err))
+	}
+	read, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (NodeCapacity, error) {
+		c := NodeCapacity{Changed: true}
+		n := &c.Node
+		err := row.Scan(&n.ID, &c.Generation, &n.Cordoned, &n.Unreachable, &n.Healthy, &n.Devices)
+		c.ID, n.Schedulable = n.ID, !n.Cordoned && !n.Unreachable
+		return c, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("pool capacity: %w", interpretError(err))
+	}
+	rows, err = br.Query()
+	if err != nil {
+		return nil, fmt.Errorf("pool bookings: %w", interpretError(err))
+	}
+	booked, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (BookedInterval, error) {
+		var b BookedInterval
+		err := row.Scan(&b.NodeID, &b.DeviceIndex, &b.Lower, &b.Upper)
+		return b, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("pool bookings: %w", interpretError(err))
+	}
+	if err := br.Close(); err != nil {
+		return nil, fmt.Errorf("pool capacity: %w", interpretError(err))
+	}
+	byID := make(map[string]int, len(read))
+	for i := range read {
+		byID[read[i].ID] = i
+	}
+	for _, b := range booked {
+		if i, ok := byID[b.NodeID]; ok {
+			read[i].Booked = append(read[i].Booked, b)
+		}
+	}
+	if known == nil {
+		return read, nil
+	}
+	// Merge what was read into the generations; a node read whole that
+	// was unchanged stays so (the same generation), one gone meanwhile is
+	// dropped.
+	whole := len(args) == 1
+	merged := out[:0]
+	for _, c := range out {
+		i, ok := byID[c.ID]
+		switch {
+		case ok && (c.Changed || read[i].Generation != c.Generation):
+			merged = append(merged, read[i])
+		case ok || (!c.Changed && !whole):
+			merged = append(merged, c)
+		}
+	}
+	return merged, nil
+}
+
 // Placement puts one pending reservation on devices of one node for
 // [Lower, Upper).
 type Placement struct {
@@ -158,69 +300,125 @@ type Placement struct {
 // BookingsNoOverlap (errors.Is ErrConflict) when a booking overlaps one
 // already committed; the caller must roll back.
 func PlaceReservations(ctx context.Context, q DBTX, signer *IntentSigner, now time.Time, ps []Placement) ([]string, error) {
+	res, err := PlaceReservationsAt(ctx, q, signer, now, ps, nil)
+	return res.Placed, err
+}
+
+// PlaceResult is what PlaceReservationsAt did.
+type PlaceResult struct {
+	// Placed are the ids of the reservations placed, in the order given.
+	Placed []string
+	// Skipped are the nodes, by id, whose placements were all skipped: not
+	// adopted, reachable, uncordoned and unrevoked any more, or (with
+	// generations) at another capacity generation than the plan's. Their
+	// reservations stay pending.
+	Skipped []string
+	// Generations is the capacity generation, once committed, of each node
+	// placed on (the next one: the spec rebuild moves it).
+	Generations map[string]int64
+}
+
+// PlaceReservationsAt is PlaceReservations for a plan made on known
+// capacity generations (NodeCapacity.Generation; nil: any): under the node's
+// lock, a node whose generation is not generations[node] has changed since
+// the plan read it, and its placements are skipped (PlaceResult.Skipped), so
+// that a plan made on a stale copy of a node is never written. It costs a
+// fixed number of statements whatever the number of placements. Errors: as
+// PlaceReservations.
+func PlaceReservationsAt(ctx context.Context, q DBTX, signer *IntentSigner, now time.Time, ps []Placement,
+	generations map[string]int64) (PlaceResult, error) {
+	var res PlaceResult
 	if len(ps) == 0 {
-		return nil, nil
+		return res, nil
 	}
 	nodes := make([]string, 0, len(ps))
 	for _, p := range ps {
 		nodes = append(nodes, p.NodeID)
 	}
 	slices.Sort(nodes)
+	nodes = slices.Compact(nodes)
 	// The nodes stay locked to the commit, so the spec generation each will
-	// get (RebuildNodeSpecs: the next one, since a new allocation always
-	// changes the spec) is known here and written with the placement, not
-	// by a second update of the same rows.
-	rows, err := q.Query(ctx, `SELECT id, spec_generation FROM nodes
-		WHERE id = ANY($1) AND provision_state = 'adopted' AND reachable AND NOT cordoned AND revoked_at IS NULL
-		ORDER BY id FOR NO KEY UPDATE`, slices.Compact(nodes))
+	// get (the next one, since a new allocation always changes the spec) is
+	// known here and written with the placement, not by a second update of
+	// the same rows; the specs read here are the ones the rebuild starts
+	// from.
+	rows, err := q.Query(ctx, `SELECT id, spec_generation, spec, capacity_generation,
+			provision_state = 'adopted' AND reachable AND NOT cordoned AND revoked_at IS NULL
+		FROM nodes WHERE id = ANY($1) ORDER BY id FOR NO KEY UPDATE`, nodes)
 	if err != nil {
-		return nil, fmt.Errorf("lock the placements' nodes: %w", interpretError(err))
+		return res, fmt.Errorf("lock the placements' nodes: %w", interpretError(err))
 	}
-	nextGen := map[string]int64{}
+	locked := make(map[string]lockedSpec, len(nodes))
+	capGen := make(map[string]int64, len(nodes))
 	for rows.Next() {
 		var (
-			id  string
-			gen int64
+			id        string
+			c         lockedSpec
+			gen       int64
+			placeable bool
 		)
-		if err := rows.Scan(&id, &gen); err != nil {
+		if err := rows.Scan(&id, &c.gen, &c.spec, &gen, &placeable); err != nil {
 			rows.Close()
-			return nil, fmt.Errorf("lock the placements' nodes: %w", err)
+			return res, fmt.Errorf("lock the placements' nodes: %w", err)
 		}
-		nextGen[id] = gen + 1
+		if want, ok := generations[id]; !placeable || (generations != nil && (!ok || want != gen)) {
+			continue
+		}
+		locked[id], capGen[id] = c, gen
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("lock the placements' nodes: %w", interpretError(err))
+		return res, fmt.Errorf("lock the placements' nodes: %w", interpretError(err))
 	}
-	ps = slices.DeleteFunc(slices.Clone(ps), func(p Placement) bool { _, ok := nextGen[p.NodeID]; return !ok })
+	for _, n := range nodes {
+		if _, ok := locked[n]; !ok {
+			res.Skipped = append(res.Skipped, n)
+		}
+	}
+	ps = slices.DeleteFunc(slices.Clone(ps), func(p Placement) bool { _, ok := locked[p.NodeID]; return !ok })
 	if len(ps) == 0 {
-		return nil, nil
+		return res, nil
 	}
 	resIDs := make([]string, len(ps))
 	nodeIDs := make([]string, len(ps))
 	gens := make([]int64, len(ps))
+	var (
+		bRes, bNode    []string
+		bDev           []int32
+		bLower, bUpper []time.Time
+	)
 	for i, p := range ps {
-		resIDs[i], nodeIDs[i], gens[i] = p.ReservationID, p.NodeID, nextGen[p.NodeID]
+		resIDs[i], nodeIDs[i], gens[i] = p.ReservationID, p.NodeID, locked[p.NodeID].gen+1
+		for _, d := range p.Devices {
+			bRes, bNode, bDev = append(bRes, p.ReservationID), append(bNode, p.NodeID), append(bDev, d)
+			bLower, bUpper = append(bLower, p.Lower), append(bUpper, p.Upper)
+		}
 	}
-	rows, err = q.Query(ctx, `UPDATE reservations r SET state = 'binding', node_id = u.node, placed_at = $3, updated_at = $3,
-			reason = '', spec_generation = u.gen
-		FROM unnest($1::text[], $2::text[], $4::bigint[]) AS u(id, node, gen)
-		WHERE r.id = u.id AND r.state = 'pending' RETURNING r.id`, resIDs, nodeIDs, now, gens)
+	// One statement turns the reservations still pending binding and books
+	// the devices of those it turned (and only those).
+	rows, err = q.Query(ctx, `WITH placed AS (
+			UPDATE reservations r SET state = 'binding', node_id = u.node, placed_at = $3, updated_at = $3,
+				reason = '', spec_generation = u.gen
+			FROM unnest($1::text[], $2::text[], $4::bigint[]) AS u(id, node, gen)
+			WHERE r.id = u.id AND r.state = 'pending' RETURNING r.id),
+		booked AS (
+			INSERT INTO bookings (reservation_id, node_id, device_index, during)
+			SELECT b.res, b.node, b.dev, tstzrange(b.lo, b.hi, '[)')
+			FROM unnest($5::text[], $6::text[], $7::int[], $8::timestamptz[], $9::timestamptz[]) AS b(res, node, dev, lo, hi)
+			WHERE b.res IN (SELECT id FROM placed))
+		SELECT id FROM placed`, resIDs, nodeIDs, now, gens, bRes, bNode, bDev, bLower, bUpper)
 	if err != nil {
-		return nil, fmt.Errorf("place reservations: %w", interpretError(err))
+		return res, fmt.Errorf("place reservations: %w", interpretError(err))
 	}
 	updated, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	if err != nil {
-		return nil, fmt.Errorf("place reservations: %w", interpretError(err))
+		return res, fmt.Errorf("place reservations: %w", interpretError(err))
 	}
 	got := make(map[string]bool, len(updated))
 	for _, id := range updated {
 		got[id] = true
 	}
 	var (
-		bRes, bNode         []string
-		bDev                []int32
-		bLower, bUpper      []time.Time
 		placed, placedNodes []string
 		events              []NewEvent
 	)
@@ -228,37 +426,34 @@ func PlaceReservations(ctx context.Context, q DBTX, signer *IntentSigner, now ti
 		if !got[p.ReservationID] {
 			continue
 		}
-		for _, d := range p.Devices {
-			bRes, bNode, bDev = append(bRes, p.ReservationID), append(bNode, p.NodeID), append(bDev, d)
-			bLower, bUpper = append(bLower, p.Lower), append(bUpper, p.Upper)
-		}
 		placed, placedNodes = append(placed, p.ReservationID), append(placedNodes, p.NodeID)
 		events = append(events, NewEvent{TenantID: p.TenantID,
 			Data: ReservationBoundData{ReservationID: p.ReservationID, NodeID: p.NodeID, DeviceIndexes: p.Devices}})
 	}
 	if len(placed) == 0 {
-		return nil, nil
+		return res, nil
 	}
-	if _, err := q.Exec(ctx, `INSERT INTO bookings (reservation_id, node_id, device_index, during)
-		SELECT u.res, u.node, u.dev, tstzrange(u.lo, u.hi, '[)')
-		FROM unnest($1::text[], $2::text[], $3::int[], $4::timestamptz[], $5::timestamptz[]) AS u(res, node, dev, lo, hi)`,
-		bRes, bNode, bDev, bLower, bUpper); err != nil {
-		return nil, fmt.Errorf("book devices: %w", interpretError(err))
-	}
-	changed, err := RebuildNodeSpecs(ctx, q, signer, now, placedNodes)
+	slices.Sort(placedNodes)
+	placedNodes = slices.Compact(placedNodes)
+	changed, err := rebuildLockedSpecs(ctx, q, signer, now, placedNodes, locked)
 	if err != nil {
-		return nil, err
+		return res, err
 	}
+	res.Generations = make(map[string]int64, len(placedNodes))
 	for _, n := range placedNodes {
-		if changed[n] != nextGen[n] {
-			return nil, fmt.Errorf("place reservations: node %s got spec generation %d, not the %d its placements carry",
-				n, changed[n], nextGen[n])
+		if changed[n] != locked[n].gen+1 {
+			return res, fmt.Errorf("place reservations: node %s got spec generation %d, not the %d its placements carry",
+				n, changed[n], locked[n].gen+1)
 		}
+		// The spec generation's move is the capacity generation's
+		// (nodes_capacity_generation, migration 000021).
+		res.Generations[n] = capGen[n] + 1
 	}
 	if err := WriteEvents(ctx, q, now, events...); err != nil {
-		return nil, err
+		return res, err
 	}
-	return placed, nil
+	res.Placed = placed
+	return res, nil
 }
 
 // ReservationFailure fails one pending reservation with a reason.

@@ -4,7 +4,10 @@
 -- revoking everything the roles held on the schema's tables and sequences,
 -- so a privilege removed here is removed from the database too.
 --
--- Each GRANT names the store functions that need it. Postgres asks for
+-- Each GRANT names the store functions that need it. The triggers that
+-- move nodes.capacity_generation (migration 000021) run as the writer of
+-- node_devices or bookings and update nodes: every role that writes those
+-- has UPDATE on nodes. Postgres asks for
 -- SELECT on a table whose columns a statement reads (a WHERE clause, a
 -- join, RETURNING), UPDATE for SELECT ... FOR UPDATE / FOR SHARE and the
 -- DO UPDATE of an upsert, UPDATE, DELETE or TRUNCATE for LOCK TABLE, and
@@ -139,17 +142,18 @@ GRANT SELECT, INSERT, UPDATE ON gateways TO bc_gateway;
 -- ---------------------------------------------------------- bc_scheduler --
 -- Placement: pending reservations onto nodes' devices.
 
--- PendingReservations, SetPendingReasons, PlaceReservations,
+-- PendingReservations, SetPendingReasons, PlaceReservationsAt,
 -- FailReservations.
 GRANT SELECT, UPDATE ON reservations TO bc_scheduler;
--- PoolCapacity, PlaceReservations (I1 holds by the exclusion constraint).
+-- PoolCapacitySince, PlaceReservationsAt (I1 holds by the exclusion
+-- constraint).
 GRANT SELECT, INSERT ON bookings TO bc_scheduler;
--- PoolCapacity; PlaceReservations rebuilds the nodes' specs (FOR NO KEY
--- UPDATE).
+-- PoolCapacitySince; PlaceReservationsAt rebuilds the nodes' specs (FOR NO
+-- KEY UPDATE; the spec generation's move moves capacity_generation).
 GRANT SELECT, UPDATE ON nodes TO bc_scheduler;
--- PoolCapacity.
+-- PoolCapacitySince.
 GRANT SELECT ON node_devices TO bc_scheduler;
--- PlaceReservations (the CAs of the rebuilt spec).
+-- PlaceReservationsAt (the CAs of the rebuilt spec).
 GRANT SELECT ON ssh_user_cas TO bc_scheduler;
 -- The writers of events.
 GRANT SELECT, INSERT ON events TO bc_scheduler;

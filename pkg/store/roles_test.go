@@ -572,18 +572,26 @@ func schedulerCalls(r *grantRun, signer *store.IntentSigner) {
 		_, err := store.PendingReservations(ctx, tx, now, 10)
 		return err
 	})
-	r.call("PoolCapacity", func(ctx context.Context, tx pgx.Tx) error {
-		_, _, err := store.PoolCapacity(ctx, tx, f.PoolID, now)
+	r.call("PoolCapacitySince", func(ctx context.Context, tx pgx.Tx) error {
+		_, err := store.PoolCapacitySince(ctx, tx, f.PoolID, now, map[string]int64{f.Nodes[0]: 0})
 		return err
 	})
 	r.call("SetPendingReasons", func(ctx context.Context, tx pgx.Tx) error {
 		_, err := store.SetPendingReasons(ctx, tx, now, []store.PendingReason{{ID: placed.ID, Reason: "waiting"}})
 		return err
 	})
-	r.call("PlaceReservations", func(ctx context.Context, tx pgx.Tx) error {
-		done, err := store.PlaceReservations(ctx, tx, signer, now, []store.Placement{{ReservationID: placed.ID, TenantID: tenant,
-			NodeID: f.Nodes[0], Devices: []int32{0, 1}, Lower: now, Upper: placed.EndAt}})
-		if err == nil && len(done) != 1 {
+	r.call("PlaceReservationsAt", func(ctx context.Context, tx pgx.Tx) error {
+		got, err := store.PoolCapacitySince(ctx, tx, f.PoolID, now, nil)
+		if err != nil {
+			return err
+		}
+		gens := map[string]int64{}
+		for _, c := range got {
+			gens[c.ID] = c.Generation
+		}
+		done, err := store.PlaceReservationsAt(ctx, tx, signer, now, []store.Placement{{ReservationID: placed.ID, TenantID: tenant,
+			NodeID: f.Nodes[0], Devices: []int32{0, 1}, Lower: now, Upper: placed.EndAt}}, gens)
+		if err == nil && len(done.Placed) != 1 {
 			err = errors.New("not placed")
 		}
 		return err

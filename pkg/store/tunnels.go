@@ -198,10 +198,17 @@ func NodeTunnelRoute(ctx context.Context, q DBTX, id string, now time.Time) (Tun
 
 // SSHUserCAs returns the SSH user CAs every NodeSpec carries, by name.
 func SSHUserCAs(ctx context.Context, q DBTX) ([]*gatewayv1.SshUserCa, error) {
-	rows, err := q.Query(ctx, `SELECT name, public_key FROM ssh_user_cas ORDER BY name`)
+	rows, err := q.Query(ctx, sshUserCAsSQL)
 	if err != nil {
 		return nil, queryErr("ssh user CAs", err)
 	}
+	return collectSSHUserCAs(rows)
+}
+
+// sshUserCAsSQL reads the SSH user CAs by name (collectSSHUserCAs).
+const sshUserCAsSQL = `SELECT name, public_key FROM ssh_user_cas ORDER BY name`
+
+func collectSSHUserCAs(rows pgx.Rows) ([]*gatewayv1.SshUserCa, error) {
 	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (*gatewayv1.SshUserCa, error) {
 		ca := &gatewayv1.SshUserCa{}
 		return ca, r.Scan(&ca.Name, &ca.PublicKey)

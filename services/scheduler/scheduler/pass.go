@@ -20,7 +20,8 @@ type PassResult struct {
 	// Waiting is how many stay pending for lack of room.
 	Waiting int
 	// Conflicts is how many batches or placements lost to another writer
-	// (the bookings' exclusion constraint) and were re-planned.
+	// (the bookings' exclusion constraint, or a node that changed since the
+	// view read it) and were re-planned.
 	Conflicts int
 	// Again is true when the pass left due work behind (a full read, or a
 	// placement lost on its last attempt): run another pass at once.
@@ -31,9 +32,10 @@ type PassResult struct {
 
 // PassTimings splits a pass's wall time by phase.
 type PassTimings struct {
-	// Pending reads the pending reservations; Capacity reads the pools'
-	// nodes and bookings; Plan plans in memory; Write writes failures and
-	// placements (the transactions, commit included).
+	// Pending reads the pending reservations; Capacity brings the pools'
+	// views up to date (what changed of their nodes and bookings); Plan
+	// plans in memory; Write writes failures and placements (the
+	// transactions, commit included).
 	Pending, Capacity, Plan, Write time.Duration
 }
 
@@ -45,11 +47,14 @@ func (s *Server) now() time.Time { return s.clk.Now().UTC().Truncate(time.Micros
 
 // Schedule runs one placement pass: it reads the due pending reservations
 // (up to MaxPending) and, pool by pool, plans them on the pool's free
-// capacity and writes the plan (see planPool and the package comment). It
-// can run in any number of replicas at once: the database keeps bookings
-// from overlapping. It returns the first error that stopped a pool; the
+// capacity (its view, brought up to date) and writes the plan (see planPool
+// and the package comment). Passes of one Server run one at a time. It can
+// run in any number of replicas at once: the database keeps bookings from
+// overlapping and placements off nodes that changed since the plan. It returns the first error that stopped a pool; the
 // other pools are still scheduled.
 func (s *Server) Schedule(ctx context.Context) (PassResult, error) {
+	s.passMu.Lock()
+	defer s.passMu.Unlock()
 	var res PassResult
 	began := s.clk.Now()
 	pending, err := store.PendingReservations(ctx, s.db.Pool, s.now(), s.cfg.MaxPending)
@@ -83,7 +88,7 @@ func (s *Server) schedulePool(ctx context.Context, poolID string, queue []store.
 	for attempt := 1; ; attempt++ {
 		t0 := s.clk.Now()
 		now := s.now()
-		nodes, booked, err := store.PoolCapacity(ctx, s.db.Pool, poolID, now)
+		nodes, booked, err := s.capacity(ctx, poolID, now)
 		if err != nil {
 			return err
 		}
@@ -105,7 +110,7 @@ func (s *Server) schedulePool(ctx context.Context, poolID string, queue []store.
 		res.Failed += failed
 		perReservation := attempt == attempts
 		t3 := s.clk.Now()
-		placed, placedIDs, conflict, err := s.place(ctx, plan.Placements, perReservation)
+		placed, placedIDs, conflict, err := s.place(ctx, poolID, plan.Placements, perReservation)
 		res.Timings.Write += s.clk.Now().Sub(t3)
 		res.Placed += placed
 		s.placed.Add(int64(placed))
@@ -180,10 +185,13 @@ func (s *Server) fail(ctx context.Context, fs []store.ReservationFailure) (int, 
 }
 
 // place writes placements Batch per transaction (one per transaction when
-// perReservation). It stops at the first batch that conflicts (conflict
-// true) unless perReservation, where a conflicting placement is skipped. It
-// returns how many it placed and which.
-func (s *Server) place(ctx context.Context, ps []store.Placement, perReservation bool) (int, map[string]bool, bool, error) {
+// perReservation), each onto the nodes at the generations of the pool's
+// view, and applies what each committed to the view. It stops at the first
+// batch that conflicts (conflict true: a booking overlapped a committed one,
+// and the view is dropped; or the batch skipped nodes that changed since the
+// view read them, and those are read again) unless perReservation, where a
+// conflicting placement is skipped. It returns how many it placed and which.
+func (s *Server) place(ctx context.Context, poolID string, ps []store.Placement, perReservation bool) (int, map[string]bool, bool, error) {
 	size := s.cfg.Batch
 	if perReservation {
 		size = 1
@@ -192,13 +200,16 @@ func (s *Server) place(ctx context.Context, ps []store.Placement, perReservation
 	conflict := false
 	for start := 0; start < len(ps); start += size {
 		chunk := ps[start:min(start+size, len(ps))]
-		var ids []string
+		gens := s.generations(poolID, chunk)
+		var done store.PlaceResult
 		err := s.db.InTx(ctx, func(tx pgx.Tx) error {
 			var err error
-			ids, err = store.PlaceReservations(ctx, tx, s.intent, s.now(), chunk)
+			done, err = store.PlaceReservationsAt(ctx, tx, s.intent, s.now(), chunk, gens)
 			return err
 		})
 		if store.IsConstraint(err, store.BookingsNoOverlap) {
+			// The view missed a booking: read the pool again whole.
+			s.dropView(poolID)
 			conflict = true
 			if perReservation {
 				continue
@@ -206,10 +217,19 @@ func (s *Server) place(ctx context.Context, ps []store.Placement, perReservation
 			return len(placed), placed, true, nil
 		}
 		if err != nil {
+			// Whether it committed is unknown.
+			s.dropView(poolID)
 			return len(placed), placed, conflict, err
 		}
-		for _, id := range ids {
+		s.applyPlaced(poolID, chunk, done)
+		for _, id := range done.Placed {
 			placed[id] = true
+		}
+		if len(done.Skipped) > 0 {
+			conflict = true
+			if !perReservation {
+				return len(placed), placed, true, nil
+			}
 		}
 	}
 	return len(placed), placed, conflict, nil

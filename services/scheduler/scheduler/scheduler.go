@@ -8,17 +8,23 @@
 // The scheduler holds the LeaseName lease (one active replica, released on
 // shutdown) and runs a pass on every poke on store.SubjectPokeScheduler
 // (pokes during a pass coalesce into one more) and every Interval. A pass
-// reads every due pending reservation and each pool's free capacity once,
-// plans in memory and writes the placements Batch at a time, each batch one
-// transaction (bookings, binding, the nodes' signed NodeSpecs, events:
-// store.PlaceReservations). The lease only keeps replicas from contending:
-// safety comes from the bookings' exclusion constraint (I1). A batch that
-// overlaps a booking another replica committed rolls back whole, and the
-// pass re-plans on fresh data; the last attempt places one reservation per
-// transaction so that one conflict costs only itself.
+// reads every due pending reservation, brings each pool's capacity view up
+// to date (poolView: the pool's nodes and open bookings held in memory
+// between passes, of which only the nodes whose capacity generation moved
+// are read again), plans in memory and writes the placements Batch at a
+// time, each batch one transaction (bookings, binding, the nodes' signed
+// NodeSpecs, events: store.PlaceReservationsAt). The lease only keeps
+// replicas from contending: safety comes from the database. A placement is
+// written only onto a node still at the generation the plan saw (read under
+// the node's lock; the others are skipped and read again), and a batch that
+// overlaps a booking another writer committed fails on the bookings'
+// exclusion constraint (I1) and rolls back whole, the pool's view is read
+// again whole, and the pass re-plans; the last attempt places one
+// reservation per transaction so that one conflict costs only itself.
 //
 // To change placement rules, change planPool (pure, unit tested); to add a
-// resource kind, extend store.PoolCapacity and planPool's notion of a free
+// resource kind, extend store.PoolCapacitySince (and the capacity
+// generation's triggers, migration 000021) and planPool's notion of a free
 // device.
 package scheduler
 
@@ -26,6 +32,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -92,6 +99,11 @@ type Server struct {
 	intent *store.IntentSigner
 	passes atomic.Int64
 	placed atomic.Int64
+	// passMu makes passes of this replica one at a time: they share views.
+	passMu sync.Mutex
+	// views are the pools' capacity as this replica holds it (poolView), by
+	// pool id; passes (under passMu) read and write it.
+	views map[string]*poolView
 	// placements counts placed in bc.scheduler.placements.
 	placements metric.Int64Counter
 }
@@ -128,7 +140,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		cfg.Holder = lease.DefaultHolder()
 	}
 	s := &Server{cfg: cfg, deps: deps, db: deps.DB, nc: deps.NC, log: deps.Logger, clk: deps.Clock,
-		lease: cfg.Lease(LeaseName, deps)}
+		lease: cfg.Lease(LeaseName, deps), views: map[string]*poolView{}}
 	if cfg.SignedIntent {
 		if s.intent, err = store.LoadIntentSigner(cfg.PKIDir); err != nil {
 			return nil, fmt.Errorf("scheduler: %w", err)
@@ -166,6 +178,10 @@ func (s *Server) Run(ctx context.Context) error {
 // that left work behind (a full read, a conflict) is followed by another at
 // once.
 func (s *Server) loop(ctx context.Context) error {
+	// A replica that (again) holds the lease starts from the database.
+	s.passMu.Lock()
+	clear(s.views)
+	s.passMu.Unlock()
 	wake := make(chan struct{}, 1)
 	sub, err := s.nc.Subscribe(store.SubjectPokeScheduler, func(*nats.Msg) {
 		select {

@@ -1,0 +1,10 @@
+DROP TRIGGER bookings_deleted_capacity_generation ON bookings;
+DROP TRIGGER bookings_updated_capacity_generation ON bookings;
+DROP FUNCTION bookings_capacity_generation();
+DROP TRIGGER node_devices_deleted_capacity_generation ON node_devices;
+DROP TRIGGER node_devices_updated_capacity_generation ON node_devices;
+DROP TRIGGER node_devices_inserted_capacity_generation ON node_devices;
+DROP FUNCTION node_devices_capacity_generation();
+DROP TRIGGER nodes_capacity_generation ON nodes;
+DROP FUNCTION nodes_capacity_generation();
+ALTER TABLE nodes DROP COLUMN capacity_generation;
