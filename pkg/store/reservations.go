@@ -468,8 +468,11 @@ SELECT (SELECT p.owner_tenant_id FROM pools p WHERE p.id = $3), c.quota, COALESC
 	(SELECT count(*) FROM evo)::int, r.*
 FROM (VALUES (1)) AS one(x) LEFT JOIN chk c ON true LEFT JOIN res r ON true`
 
-// Activation is what ActivateReservation did.
+// Activation is what ActivateReservations did with one report.
 type Activation struct {
+	// Found is false when the reservation does not exist (and then the
+	// other fields are zero).
+	Found bool
 	// Activated is true when the reservation turned active now.
 	Activated bool
 	// TenantID is the reservation's tenant ("" when it does not exist).
@@ -481,44 +484,139 @@ type Activation struct {
 	CreatedAt time.Time
 }
 
-// ActivateReservation records a daemon's AllocationBound: reservation id
-// turns active with binding (CDI device names) and active_at now, and a
-// reservation.active event is written, in q's transaction — only when it is
-// binding on nodeID and generation is at least the spec generation that
-// first carried it. Anything else (a stale report, another node's
-// reservation, one already active or ended) changes nothing (Activated
-// false). Errors: ErrNotFound when the reservation does not exist.
+// AllocationBound is a daemon's report that the devices of a reservation
+// are bound (gateway.proto AllocationBound), for ActivateReservations.
+type AllocationBound struct {
+	// NodeID is the reporting node.
+	NodeID string
+	// ReservationID is the reservation whose devices it bound.
+	ReservationID string
+	// Binding is the CDI device names it bound.
+	Binding []string
+	// Generation is the NodeSpec generation it applied.
+	Generation int64
+}
+
+// ActivateReservation is ActivateReservations of one report. Errors:
+// ErrNotFound when the reservation does not exist.
 func ActivateReservation(ctx context.Context, q DBTX, now time.Time, nodeID, id string, binding []string, generation int64) (Activation, error) {
-	var (
-		a       Activation
-		node    *string
-		specGen *int64
-	)
-	err := q.QueryRow(ctx, `SELECT tenant_id, state, node_id, spec_generation, created_at FROM reservations WHERE id = $1 FOR UPDATE`, id).
-		Scan(&a.TenantID, &a.State, &node, &specGen, &a.CreatedAt)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return Activation{}, fmt.Errorf("activate reservation %s: %w", id, ErrNotFound)
-	}
+	out, err := ActivateReservations(ctx, q, now, []AllocationBound{{NodeID: nodeID, ReservationID: id, Binding: binding,
+		Generation: generation}})
 	if err != nil {
-		return Activation{}, fmt.Errorf("activate reservation %s: %w", id, interpretError(err))
-	}
-	if a.State != ReservationBinding || node == nil || *node != nodeID || specGen == nil || generation < *specGen {
-		return a, nil
-	}
-	if binding == nil {
-		binding = []string{}
-	}
-	if _, err := q.Exec(ctx, `UPDATE reservations SET state = 'active', binding = $2, active_at = $3, updated_at = $3 WHERE id = $1`,
-		id, binding, now); err != nil {
-		return Activation{}, fmt.Errorf("activate reservation %s: %w", id, interpretError(err))
-	}
-	if err := WriteEvents(ctx, q, now, NewEvent{TenantID: a.TenantID, Data: ReservationActiveData{ReservationID: id,
-		NodeID: nodeID, Binding: binding, Generation: generation}}); err != nil {
 		return Activation{}, err
 	}
-	a.Activated, a.State = true, ReservationActive
-	return a, nil
+	if !out[0].Found {
+		return Activation{}, fmt.Errorf("activate reservation %s: %w", id, ErrNotFound)
+	}
+	return out[0], nil
 }
+
+// ActivateReservations records daemons' AllocationBound reports, in one
+// statement (run it in DB.AutoCommit or a transaction): the reservation of
+// each turns active with its binding (CDI device names; none is an empty
+// list) and active_at now, and a reservation.active event is written
+// (ReservationActiveData) — only when it is binding on the reporting node
+// and the report's generation is at least the spec generation that first
+// carried it. Anything else (a stale report, another node's reservation,
+// one already active or ended, or a second report of a reservation another
+// report of the batch activates) changes nothing (Activated false). The
+// reservations are locked in id order, so that concurrent batches do not
+// deadlock on each other. It returns one Activation per report, in their
+// order.
+func ActivateReservations(ctx context.Context, q DBTX, now time.Time, reports []AllocationBound) ([]Activation, error) {
+	if len(reports) == 0 {
+		return nil, nil
+	}
+	n := len(reports)
+	nodes, resIDs, data := make([]string, n), make([]string, n), make([]string, n)
+	gens := make([]int64, n)
+	for i, r := range reports {
+		binding := r.Binding
+		if binding == nil {
+			binding = []string{}
+		}
+		b, err := json.Marshal(ReservationActiveData{ReservationID: r.ReservationID, NodeID: r.NodeID, Binding: binding,
+			Generation: r.Generation})
+		if err != nil {
+			return nil, fmt.Errorf("activate reservations: encode the event of %s: %w", r.ReservationID, err)
+		}
+		nodes[i], resIDs[i], gens[i], data[i] = r.NodeID, r.ReservationID, r.Generation, string(b)
+	}
+	rows, err := q.Query(ctx, activateReservationsSQL, nodes, resIDs, gens, data, now, eventTime(now))
+	if err != nil {
+		return nil, fmt.Errorf("activate reservations: %w", interpretError(err))
+	}
+	out := make([]Activation, 0, n)
+	var activated, outboxed int
+	for rows.Next() {
+		var (
+			a         Activation
+			createdAt *time.Time
+		)
+		if err := rows.Scan(&a.Found, &a.Activated, &a.TenantID, &a.State, &createdAt, &outboxed); err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("activate reservations: %w", err)
+		}
+		if createdAt != nil {
+			a.CreatedAt = *createdAt
+		}
+		if a.Activated {
+			activated++
+		}
+		out = append(out, a)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("activate reservations: %w", interpretError(err))
+	}
+	if len(out) != n {
+		return nil, fmt.Errorf("activate reservations: %d answers for %d reports", len(out), n)
+	}
+	if activated == 0 {
+		return out, nil
+	}
+	if outboxed != activated {
+		return nil, fmt.Errorf("activate reservations: %d outbox rows for %d events", outboxed, activated)
+	}
+	if err := signalOutbox(ctx, q); err != nil {
+		return nil, fmt.Errorf("activate reservations: signal the outbox: %w", interpretError(err))
+	}
+	return out, nil
+}
+
+// activateReservationsSQL is ActivateReservations' statement: $1–$4 the
+// reports (node, reservation, generation, reservation.active data, whose
+// "binding" is the binding written), $5 now, $6 the events' message time.
+// l locks the reservations in id order and reads them as they are once
+// locked; w picks, of each reservation's reports that activate it, the
+// first; act writes them (checking the row again), src, ev and evo the
+// events. One row per report, in their order: found, activated, tenant,
+// state after, created_at, and the outbox rows of events written.
+var activateReservationsSQL = `WITH u AS (
+		SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) WITH ORDINALITY AS u(node, id, gen, data, ord)),
+	l AS (
+		SELECT r.id, r.tenant_id, r.state, r.node_id, r.spec_generation, r.created_at FROM reservations r
+		WHERE r.id = ANY($2) ORDER BY r.id FOR NO KEY UPDATE),
+	w AS (
+		SELECT DISTINCT ON (l.id) l.id, u.ord FROM l JOIN u ON u.id = l.id
+		WHERE l.state = 'binding' AND l.node_id = u.node AND u.gen >= l.spec_generation
+		ORDER BY l.id, u.ord),
+	act AS (
+		UPDATE reservations r SET state = 'active', binding = ARRAY(SELECT jsonb_array_elements_text(u.data::jsonb -> 'binding')),
+			active_at = $5, updated_at = $5
+		FROM w JOIN u ON u.ord = w.ord
+		WHERE r.id = w.id AND r.state = 'binding' AND r.node_id = u.node AND u.gen >= r.spec_generation
+		RETURNING r.id, r.tenant_id, u.ord, u.data),
+	src AS (
+		SELECT a.ord, a.tenant_id AS tenant, '` + EventReservationActive + `'::text AS type, a.id AS subject,
+			a.data::jsonb AS data, $5::timestamptz AS at
+		FROM act a),
+	` + eventWriterCTEs("src", "$6") + `
+SELECT l.id IS NOT NULL, a.ord IS NOT NULL, COALESCE(l.tenant_id, ''),
+	CASE WHEN EXISTS (SELECT FROM act x WHERE x.id = u.id) THEN '` + ReservationActive + `' ELSE COALESCE(l.state, '') END,
+	l.created_at, (SELECT count(*) FROM evo)::int
+FROM u LEFT JOIN l ON l.id = u.id LEFT JOIN act a ON a.ord = u.ord
+ORDER BY u.ord`
 
 // EndedReservation is what EndReservation did.
 type EndedReservation struct {
