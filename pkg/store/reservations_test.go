@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -360,4 +361,43 @@ func BenchmarkCreateReservation(b *testing.B) {
 	stmts.Stop()
 	counted += stmts.Count()
 	b.ReportMetric(float64(counted)/float64(b.N), "stmts/op")
+}
+
+// BenchmarkCreateReservationContended is BenchmarkCreateReservation with 8
+// Reserves at once of the one tenant in the one pool (b.SetParallelism(4)
+// on 2 cores), all serialised by the offer's lock: a Reserve that waited for
+// another's commit runs its statement again, which the statements per
+// reservation show. The reservations are not released (the quota is never
+// reached).
+//
+//	cd pkg && go test -run '^$' -bench BenchmarkCreateReservationContended -benchmem -benchtime 2000x ./store/
+func BenchmarkCreateReservationContended(b *testing.B) {
+	db := storetest.New(b, nil)
+	ctx := b.Context()
+	pool := storetest.Pool(b, db, nil)
+	tenant := storetest.Tenant(b, db, nil)
+	storetest.Node(b, db, &storetest.NodeOpts{PoolID: pool.ID, State: store.NodeAdopted, GPUs: 8, GPUModel: "H100"})
+	storetest.Offer(b, db, &storetest.OfferOpts{PoolID: pool.ID, TenantID: tenant.ID, GPUQuota: 1 << 30})
+	var seq atomic.Int64
+	stmts := storetest.CountStatements()
+	b.ReportAllocs()
+	b.SetParallelism(4)
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			now := db.Now()
+			n := store.NewReservation{ID: ids.New(ids.Reservation, now), TenantID: tenant.ID, PoolID: pool.ID, GPUs: 1,
+				StartAt: now, EndAt: now.Add(time.Hour), RequestID: fmt.Sprintf("bench-%d", seq.Add(1)), CreatedBy: "tok_bench"}
+			if err := db.InTx(ctx, func(tx pgx.Tx) error {
+				_, err := store.CreateReservation(ctx, tx, now, n)
+				return err
+			}); err != nil {
+				b.Error(err)
+				return
+			}
+		}
+	})
+	b.StopTimer()
+	stmts.Stop()
+	b.ReportMetric(float64(stmts.Count())/float64(b.N), "stmts/op")
 }
