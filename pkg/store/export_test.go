@@ -17,3 +17,14 @@ const CommandEndedDataSQL = commandEndedDataSQL
 // ScanEventsSQL exposes ScanEvents' statement for one tenant to the plan
 // test.
 const ScanEventsSQL = scanEventsSQL
+
+// ReservationFailedDataSQL exposes reservationFailedDataSQL to its test.
+const ReservationFailedDataSQL = reservationFailedDataSQL
+
+// CreateReservationSQL exposes CreateReservation's statement to the
+// statements test.
+var CreateReservationSQL = createReservationSQL
+
+// NotifySQL exposes the outbox notifier's statement, which tests that count
+// statements leave out (it runs on its own goroutine, whenever it runs).
+const NotifySQL = notifySQL

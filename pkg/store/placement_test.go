@@ -2,6 +2,7 @@ package store_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -217,6 +218,69 @@ func TestActivateOnlyWhatTheNodeWasGiven(t *testing.T) {
 		return err
 	})
 	require.ErrorIs(t, err, store.ErrNotFound)
+}
+
+// TestActivateReservationsInOneStatement: a batch of AllocationBound
+// reports is one statement (in AutoCommit: no BEGIN or COMMIT) that
+// activates each binding reservation its node reports at a generation that
+// carries it, once, with one reservation.active event each, and answers
+// every report in its order: a stale generation, another node's report, a
+// second report of a reservation the batch activates and an unknown
+// reservation change nothing. Not parallel: the counter sees every
+// statement of the process.
+func TestActivateReservationsInOneStatement(t *testing.T) {
+	f := newPlaceFixture(t, "activate-batch", 8, 8)
+	n0, n1 := f.fleet.Nodes[0], f.fleet.Nodes[1]
+	r1, r2, r3 := f.reserve(2, time.Hour), f.reserve(2, time.Hour), f.reserve(1, time.Hour)
+	_, err := f.place(nil, f.placement(r1, n0, 0, 1), f.placement(r2, n0, 2, 3), f.placement(r3, n1, 0))
+	require.NoError(t, err)
+	gen0, gen1 := *f.get(r1.ID).SpecGeneration, *f.get(r3.ID).SpecGeneration
+	require.Equal(t, gen0, *f.get(r2.ID).SpecGeneration)
+
+	stmts := storetest.CountStatements()
+	out, err := store.ActivateReservations(t.Context(), f.db.AutoCommit(), f.db.Now(), []store.AllocationBound{
+		{NodeID: n1, ReservationID: r3.ID, Binding: []string{"nvidia.com/gpu=0"}, Generation: gen1 - 1}, // stale
+		{NodeID: n0, ReservationID: r1.ID, Binding: []string{"nvidia.com/gpu=0", "nvidia.com/gpu=1"}, Generation: gen0},
+		{NodeID: n1, ReservationID: r2.ID, Binding: []string{"nvidia.com/gpu=2"}, Generation: gen1}, // another node's
+		{NodeID: n0, ReservationID: r2.ID, Generation: gen0 + 1},
+		{NodeID: n0, ReservationID: r1.ID, Binding: []string{"nvidia.com/gpu=9"}, Generation: gen0}, // again
+		{NodeID: n0, ReservationID: "res_nope", Generation: gen0},
+	})
+	stmts.Stop()
+	require.NoError(t, err)
+	var sent []string
+	for _, q := range stmts.SQL() {
+		if q != store.NotifySQL {
+			sent = append(sent, q)
+		}
+	}
+	require.Len(t, sent, 1, "%q", sent)
+	for i := range out {
+		out[i].CreatedAt = time.Time{}
+	}
+	tenant := r1.TenantID
+	require.Equal(t, []store.Activation{
+		{Found: true, TenantID: tenant, State: store.ReservationBinding},
+		{Found: true, Activated: true, TenantID: tenant, State: store.ReservationActive},
+		{Found: true, TenantID: tenant, State: store.ReservationActive},
+		{Found: true, Activated: true, TenantID: tenant, State: store.ReservationActive},
+		{Found: true, TenantID: tenant, State: store.ReservationActive},
+		{},
+	}, out)
+	got1, got2 := f.get(r1.ID), f.get(r2.ID)
+	require.Equal(t, []string{"nvidia.com/gpu=0", "nvidia.com/gpu=1"}, got1.Binding)
+	require.Equal(t, []string{}, got2.Binding)
+	require.NotNil(t, got1.ActiveAt)
+	require.Equal(t, store.ReservationBinding, f.get(r3.ID).State)
+	for _, id := range []string{r1.ID, r2.ID} {
+		require.Equal(t, []string{"reservation.created", "reservation.bound", "reservation.active"}, f.events(id))
+	}
+	require.Equal(t, []string{"reservation.created", "reservation.bound"}, f.events(r3.ID))
+	var data string
+	require.NoError(t, f.db.Pool.QueryRow(t.Context(), `SELECT data::text FROM events WHERE subject_id = $1 AND type = $2`,
+		r2.ID, store.EventReservationActive).Scan(&data))
+	require.JSONEq(t, fmt.Sprintf(`{"reservationId": %q, "nodeId": %q, "binding": [], "generation": %d}`, r2.ID, n0, gen0+1), data)
+	require.Equal(t, 2, f.outbox("bc.events."+tenant+".reservation.active"))
 }
 
 // TestEndReservationFreesDevicesAndDropsTheAllocation: releasing an active

@@ -11,6 +11,7 @@ package store
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
@@ -18,6 +19,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/better-compute/better-compute/pkg/telemetry"
 )
 
 // Reservation states (reservations.state).
@@ -76,6 +79,11 @@ const reservationColumns = `r.id, r.tenant_id, r.pool_id, r.gpus, r.start_at, r.
 	r.spec_generation, COALESCE(r.request_id, ''), r.created_by, r.created_at, r.updated_at, r.placed_at, r.active_at,
 	r.ended_at`
 
+// reservationColumnNames name reservationColumns, for a CTE that selects
+// them.
+const reservationColumnNames = `id, tenant_id, pool_id, gpus, start_at, end_at, state, reason, node_id, binding,
+	device_indexes, spec_generation, request_id, created_by, created_at, updated_at, placed_at, active_at, ended_at`
+
 func scanReservation(row pgx.Row) (Reservation, error) {
 	var r Reservation
 	err := row.Scan(&r.ID, &r.TenantID, &r.PoolID, &r.GPUs, &r.StartAt, &r.EndAt, &r.State, &r.Reason, &r.NodeID,
@@ -91,17 +99,6 @@ func GetReservation(ctx context.Context, q DBTX, scope Scope, id string) (Reserv
 		WHERE r.id = $1 AND ($2::text IS NULL OR r.tenant_id = $2)`, id, scope.arg()))
 	if err != nil {
 		return Reservation{}, queryErr(fmt.Sprintf("reservation %s", id), err)
-	}
-	return r, nil
-}
-
-// getReservationByRequest returns tenantID's reservation made with
-// requestID. Errors: ErrNotFound.
-func getReservationByRequest(ctx context.Context, q DBTX, tenantID, requestID string) (Reservation, error) {
-	r, err := scanReservation(q.QueryRow(ctx, `SELECT `+reservationColumns+` FROM reservations r
-		WHERE r.tenant_id = $1 AND r.request_id = $2`, tenantID, requestID))
-	if err != nil {
-		return Reservation{}, queryErr(fmt.Sprintf("reservation of request %q", requestID), err)
 	}
 	return r, nil
 }
@@ -193,6 +190,9 @@ type NewReservation struct {
 	RequestID string
 	// CreatedBy is the API token id of the caller.
 	CreatedBy string
+	// Audit, when not nil, is the audit row of the call, which
+	// CreateReservation writes with the reservation.
+	Audit *ReservationAudit
 }
 
 // CreatedReservation is what CreateReservation did.
@@ -227,136 +227,252 @@ func existingReservation(r Reservation, n NewReservation) (CreatedReservation, e
 	return CreatedReservation{Reservation: r, Existing: true}, nil
 }
 
+// ReservationAudit is the audit row of the call that makes a reservation
+// (the API's Reserve), which CreateReservation writes in its own statement
+// when it creates the reservation or returns an existing one, and not when
+// it refuses (the caller's audit of refusals writes those).
+type ReservationAudit struct {
+	// Entry is the row; CreateReservation sets its Target to the
+	// reservation's id and its Detail to one of the three below.
+	Entry AuditEntry
+	// Pending and Failed are the details of a reservation created pending,
+	// or failed because no node can ever hold it; Existing is the detail of
+	// an existing reservation returned for its request id.
+	Pending, Failed, Existing string
+}
+
+// maxCreateRuns bounds the runs of CreateReservation's statement: a second
+// sees what committed while the first waited for the offer's lock, a third
+// the duplicate of the request id the second's insert met.
+const maxCreateRuns = 3
+
 // CreateReservation creates reservation n in q's transaction (call it in
-// DB.InTx) at now:
+// DB.InTx) at now, with its audit row when n.Audit is set, in one statement
+// (createReservationSQL) and, when that one waited for another Reserve of
+// the tenant in the pool or met a duplicate request id committed after it
+// began, one or two more:
 //
 //   - a tenant's earlier reservation with the same RequestID is returned as
 //     it is (Existing), whatever the quota now says, when it asked for the
 //     same pool, GPU count and duration (else *RequestConflictError);
-//   - the tenant's offer row of the pool is locked (SELECT … FOR UPDATE), so
-//     concurrent reservations of one tenant in one pool are serialised and
-//     the quota holds: GPUs of its pending, binding and active reservations
-//     of the pool plus n.GPUs must not pass the offer's quota;
+//   - the tenant's offer row of the pool is locked (an UPDATE of its
+//     reserve_seq), so concurrent reservations of one tenant in one pool are
+//     serialised and the quota holds: GPUs of its pending, binding and
+//     active reservations of the pool plus n.GPUs must not pass the offer's
+//     quota. A statement whose snapshot is older than the lock (it waited
+//     for another Reserve's commit: the counter it incremented is not one
+//     past the one it read) decides nothing and runs again, now seeing
+//     that one's GPUs;
 //   - when no node of the pool that is adopted, or still joining or
 //     accepting, has n.GPUs GPUs, nothing can ever place it: it is created
 //     failed with the reason "no node of pool P has N GPUs (largest: M)" and
 //     a reservation.failed event. Otherwise it is created pending and the
-//     scheduler is poked (SubjectPokeScheduler); whether free capacity
-//     exists now is the scheduler's question, and it fails what it cannot
-//     place;
-//   - a reservation.created event is written (WriteEvents).
+//     scheduler is poked (SubjectPokeScheduler, also directly after the
+//     commit where the DB has DB.PokeVia); whether free capacity exists now
+//     is the scheduler's question, and it fails what it cannot place;
+//   - a reservation.created event is written (as WriteEvents writes one).
 //
 // Errors: ErrNotFound (pool), *NotOfferedError (ErrNotOffered),
-// *QuotaError (ErrQuotaExceeded).
+// *QuotaError (ErrQuotaExceeded); on any of them nothing was written.
 func CreateReservation(ctx context.Context, q DBTX, now time.Time, n NewReservation) (CreatedReservation, error) {
-	if n.RequestID != "" {
-		if r, err := getReservationByRequest(ctx, q, n.TenantID, n.RequestID); err == nil {
-			return existingReservation(r, n)
-		} else if !errors.Is(err, ErrNotFound) {
-			return CreatedReservation{}, err
-		}
-	}
-	// Whether the pool exists, its owner, and the tenant's offer of it,
-	// locked (FOR UPDATE in the sub-select: the lock serialises the
-	// tenant's Reserves of the pool, so that the quota check below holds).
-	var (
-		owner string
-		quota *int32
-	)
-	if err := q.QueryRow(ctx, `SELECT p.owner_tenant_id,
-			(SELECT o.gpu_quota FROM pool_offers o WHERE o.pool_id = p.id AND o.tenant_id = $2 FOR UPDATE)
-		FROM pools p WHERE p.id = $1`, n.PoolID, n.TenantID).Scan(&owner, &quota); err != nil {
-		return CreatedReservation{}, queryErr(fmt.Sprintf("pool %s", n.PoolID), err)
-	}
-	if quota == nil {
-		return CreatedReservation{}, &NotOfferedError{PoolID: n.PoolID, TenantID: n.TenantID, OwnerTenantID: owner}
-	}
-	// A concurrent duplicate may have committed while this waited for the
-	// lock; read committed sees it now.
-	if n.RequestID != "" {
-		if r, err := getReservationByRequest(ctx, q, n.TenantID, n.RequestID); err == nil {
-			return existingReservation(r, n)
-		} else if !errors.Is(err, ErrNotFound) {
-			return CreatedReservation{}, err
-		}
-	}
-	// The GPUs the tenant holds of the pool, and whether some node can ever
-	// hold this one: the EXISTS stops at the first node big enough (usually
-	// the first), where counting every node's devices cost milliseconds per
-	// Reserve on a pool of 1,000 nodes. The largest size is needed only for
-	// the reason of a refusal.
-	var (
-		inUse int32
-		fits  bool
-	)
-	if err := q.QueryRow(ctx, `SELECT
-			(SELECT COALESCE(sum(gpus), 0)::int FROM reservations
-				WHERE tenant_id = $1 AND pool_id = $2 AND state IN ('pending', 'binding', 'active')),
-			EXISTS (SELECT 1 FROM nodes nd
-				WHERE nd.pool_id = $2 AND nd.provision_state IN ('joining', 'accepting', 'adopted') AND nd.revoked_at IS NULL
-					AND (SELECT count(*) FROM node_devices d WHERE d.node_id = nd.id) >= $3)`,
-		n.TenantID, n.PoolID, n.GPUs).Scan(&inUse, &fits); err != nil {
-		return CreatedReservation{}, queryErr("gpus in use", err)
-	}
-	if int64(inUse)+int64(n.GPUs) > int64(*quota) {
-		return CreatedReservation{}, &QuotaError{PoolID: n.PoolID, Quota: *quota, InUse: inUse, Want: n.GPUs}
-	}
-	var largest int32
-	if !fits {
-		if err := q.QueryRow(ctx, `SELECT COALESCE(max(c.n), 0)::int FROM (SELECT count(d.device_index) AS n
-			FROM nodes nd LEFT JOIN node_devices d ON d.node_id = nd.id
-			WHERE nd.pool_id = $1 AND nd.provision_state IN ('joining', 'accepting', 'adopted') AND nd.revoked_at IS NULL
-			GROUP BY nd.id) c`, n.PoolID).Scan(&largest); err != nil {
-			return CreatedReservation{}, queryErr("largest node", err)
-		}
-	}
-	state, reason := ReservationPending, ""
-	var endedAt *time.Time
-	if !fits {
-		state = ReservationFailed
-		reason = fmt.Sprintf("no node of pool %s has %d GPUs (largest: %d)", n.PoolID, n.GPUs, largest)
-		endedAt = &now
+	a := n.Audit
+	created, err := json.Marshal(ReservationCreatedData{ReservationID: n.ID, PoolID: n.PoolID, GPUs: n.GPUs,
+		StartAt: n.StartAt.UTC(), EndAt: n.EndAt.UTC()})
+	if err != nil {
+		return CreatedReservation{}, fmt.Errorf("create reservation: encode its event: %w", err)
 	}
 	var requestID *string
 	if n.RequestID != "" {
 		requestID = &n.RequestID
 	}
-	// The row as GetReservation reads it, from the insert itself.
-	r, err := scanReservation(q.QueryRow(ctx, `INSERT INTO reservations AS r (id, tenant_id, pool_id, gpus, start_at, end_at,
-			state, reason, request_id, created_by, created_at, updated_at, ended_at)
-		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $11, $12)
-		ON CONFLICT (tenant_id, request_id) DO NOTHING
-		RETURNING `+reservationColumns,
-		n.ID, n.TenantID, n.PoolID, n.GPUs, n.StartAt, n.EndAt, state, reason, requestID, n.CreatedBy, now, endedAt))
-	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
-		return CreatedReservation{}, queryErr("create reservation", err)
+	var e AuditEntry
+	if a != nil {
+		e = a.Entry
 	}
-	if err != nil {
-		// A duplicate of another pool committed first (the offer lock is
-		// per pool).
-		r, err := getReservationByRequest(ctx, q, n.TenantID, n.RequestID)
+	args := []any{n.ID, n.TenantID, n.PoolID, n.GPUs, n.StartAt, n.EndAt, requestID, n.CreatedBy, now,
+		string(created), eventTime(now), telemetry.Traceparent(ctx),
+		a != nil, e.TenantID, e.TokenID, e.Role, e.Procedure, e.Outcome, detailOf(a, ReservationPending),
+		detailOf(a, ReservationFailed), detailOf(a, "")}
+	for range maxCreateRuns {
+		o, err := scanCreateOutcome(q.QueryRow(ctx, createReservationSQL, args...))
 		if err != nil {
-			return CreatedReservation{}, err
+			return CreatedReservation{}, queryErr("create reservation", err)
 		}
-		return existingReservation(r, n)
-	}
-	if err := WriteEvents(ctx, q, now, NewEvent{TenantID: n.TenantID, Data: ReservationCreatedData{ReservationID: n.ID,
-		PoolID: n.PoolID, GPUs: n.GPUs, StartAt: n.StartAt.UTC(), EndAt: n.EndAt.UTC()}}); err != nil {
-		return CreatedReservation{}, err
-	}
-	if state == ReservationFailed {
-		if err := WriteEvents(ctx, q, now, NewEvent{TenantID: n.TenantID,
-			Data: ReservationFailedData{ReservationID: n.ID, Reason: reason}}); err != nil {
-			return CreatedReservation{}, err
+		switch {
+		case o.existing:
+			return existingReservation(o.r, n)
+		case o.inserted:
+			want := 1
+			if o.r.State == ReservationFailed {
+				want = 2
+			}
+			if o.events != want {
+				return CreatedReservation{}, fmt.Errorf("create reservation: %d outbox rows for %d events", o.events, want)
+			}
+			if o.r.State == ReservationPending {
+				pokeAfterCommit(q, SubjectPokeScheduler, nil)
+			}
+			if err := signalOutbox(ctx, q); err != nil {
+				return CreatedReservation{}, fmt.Errorf("create reservation: signal the outbox: %w", interpretError(err))
+			}
+			return CreatedReservation{Reservation: o.r}, nil
+		case o.owner == nil:
+			return CreatedReservation{}, fmt.Errorf("pool %s: %w", n.PoolID, ErrNotFound)
+		case o.quota == nil:
+			return CreatedReservation{}, &NotOfferedError{PoolID: n.PoolID, TenantID: n.TenantID, OwnerTenantID: *o.owner}
+		case !o.fresh:
+			// It waited for another Reserve's commit: run again, holding
+			// the lock, with a snapshot that sees it.
+			continue
+		case int64(o.inUse)+int64(n.GPUs) > int64(*o.quota):
+			return CreatedReservation{}, &QuotaError{PoolID: n.PoolID, Quota: *o.quota, InUse: o.inUse, Want: n.GPUs}
 		}
-	} else if err := Enqueue(ctx, q, now, SubjectPokeScheduler, nil); err != nil {
-		return CreatedReservation{}, err
+		// The insert met a duplicate of the request id committed after the
+		// statement began (one of another pool: the offer's lock is per
+		// pool); the next run reads it.
 	}
-	return CreatedReservation{Reservation: r}, nil
+	return CreatedReservation{}, fmt.Errorf("create reservation %s: no outcome after %d runs", n.ID, maxCreateRuns)
 }
 
-// Activation is what ActivateReservation did.
+// detailOf is a's detail of a reservation created in state, or of an
+// existing one for state "".
+func detailOf(a *ReservationAudit, state string) string {
+	switch {
+	case a == nil:
+		return ""
+	case state == ReservationPending:
+		return a.Pending
+	case state == ReservationFailed:
+		return a.Failed
+	}
+	return a.Existing
+}
+
+// createOutcome is a row of createReservationSQL.
+type createOutcome struct {
+	// owner is the pool's owner, nil when the pool does not exist.
+	owner *string
+	// quota is the offer's quota, nil without an offer (or when an
+	// existing reservation answered).
+	quota *int32
+	// fresh is whether the statement's snapshot saw every reservation made
+	// under the offer before it took its lock.
+	fresh bool
+	inUse int32
+	// events is how many outbox rows of events it wrote.
+	events int
+	// existing or inserted: r is the request id's reservation, or the one
+	// created.
+	existing, inserted bool
+	r                  Reservation
+}
+
+func scanCreateOutcome(row pgx.Row) (createOutcome, error) {
+	var (
+		o                                                           createOutcome
+		inUse                                                       *int32
+		kind                                                        *bool
+		id, tenant, pool, state, reason, node, requestID, createdBy *string
+		gpus                                                        *int32
+		start, end, createdAt, updatedAt                            *time.Time
+	)
+	r := &o.r
+	if err := row.Scan(&o.owner, &o.quota, &o.fresh, &inUse, &o.events, &kind, &id, &tenant, &pool, &gpus, &start, &end,
+		&state, &reason, &node, &r.Binding, &r.DeviceIndexes, &r.SpecGeneration, &requestID, &createdBy, &createdAt,
+		&updatedAt, &r.PlacedAt, &r.ActiveAt, &r.EndedAt); err != nil {
+		return createOutcome{}, err
+	}
+	if inUse != nil {
+		o.inUse = *inUse
+	}
+	if kind == nil {
+		return o, nil
+	}
+	o.existing, o.inserted = *kind, !*kind
+	r.ID, r.TenantID, r.PoolID, r.GPUs, r.StartAt, r.EndAt = *id, *tenant, *pool, *gpus, *start, *end
+	r.State, r.Reason, r.NodeID, r.RequestID, r.CreatedBy = *state, *reason, *node, *requestID, *createdBy
+	r.CreatedAt, r.UpdatedAt = *createdAt, *updatedAt
+	return o, nil
+}
+
+// reservationFailedDataSQL is ReservationFailedData, without a node, as SQL
+// over a row with the columns id and reason of reservations (a test checks
+// that the two agree).
+const reservationFailedDataSQL = `jsonb_build_object('reservationId', id, 'reason', reason)`
+
+// createReservationSQL is CreateReservation's statement. $1–$9 are the
+// reservation (id, tenant, pool, gpus, start, end, request id or NULL,
+// created by, now), $10 the reservation.created data, $11 its message's
+// time, $12 the poke's traceparent; $13 whether to write the audit row and
+// $14–$21 its tenant, token, role, procedure, outcome and the details of a
+// pending, a failed and an existing reservation. Its CTEs: ex, the request
+// id's reservation; seen, the offer's counter in the snapshot; lk, the
+// offer's row locked and its counter incremented (unless ex answers); chk,
+// the quota, whether the snapshot is fresh, the GPUs in use and whether a
+// node can ever hold n; ok, the row to insert when fresh and within quota,
+// with the reason of a never-fits failure (the largest node is counted only
+// then); ins, the insert (nothing on a duplicate request id); src, ev, evo,
+// the events (eventWriterCTEs); poke, the scheduler's outbox row; aud, the
+// audit row. It returns one row: the pool's owner, the quota, freshness,
+// GPUs in use, outbox rows of events, and the reservation returned (the
+// existing one, or the one inserted), all NULL when none.
+var createReservationSQL = `WITH ex(` + reservationColumnNames + `) AS (
+		SELECT ` + reservationColumns + ` FROM reservations r WHERE r.tenant_id = $2 AND r.request_id = $7::text),
+	seen AS (SELECT o.reserve_seq FROM pool_offers o WHERE o.pool_id = $3 AND o.tenant_id = $2),
+	lk AS (
+		UPDATE pool_offers o SET reserve_seq = o.reserve_seq + 1
+		WHERE o.pool_id = $3 AND o.tenant_id = $2 AND NOT EXISTS (SELECT FROM ex)
+		RETURNING o.pool_id, o.tenant_id, o.gpu_quota, o.reserve_seq),
+	chk AS (
+		SELECT o.gpu_quota AS quota, COALESCE(o.reserve_seq = (SELECT s.reserve_seq + 1 FROM seen s), false) AS fresh,
+			` + gpusInUseSQL + ` AS in_use,
+			EXISTS (SELECT 1 FROM nodes nd
+				WHERE nd.pool_id = $3 AND nd.provision_state IN ('joining', 'accepting', 'adopted') AND nd.revoked_at IS NULL
+					AND (SELECT count(*) FROM node_devices d WHERE d.node_id = nd.id) >= $4::int) AS fits
+		FROM lk o),
+	ok AS (
+		SELECT c.fits, CASE WHEN c.fits THEN '' ELSE format('no node of pool %s has %s GPUs (largest: %s)', $3::text, $4::int,
+				(SELECT COALESCE(max(m.n), 0)::int FROM (SELECT count(d.device_index) AS n
+					FROM nodes nd LEFT JOIN node_devices d ON d.node_id = nd.id
+					WHERE nd.pool_id = $3 AND nd.provision_state IN ('joining', 'accepting', 'adopted') AND nd.revoked_at IS NULL
+					GROUP BY nd.id) m)) END AS reason
+		FROM chk c WHERE c.fresh AND c.in_use::bigint + $4::int <= c.quota),
+	ins(` + reservationColumnNames + `) AS (
+		INSERT INTO reservations AS r (id, tenant_id, pool_id, gpus, start_at, end_at, state, reason, request_id, created_by,
+			created_at, updated_at, ended_at)
+		SELECT $1, $2, $3, $4::int, $5, $6, CASE WHEN ok.fits THEN 'pending' ELSE 'failed' END, ok.reason, $7::text, $8,
+			$9::timestamptz, $9::timestamptz, CASE WHEN ok.fits THEN NULL ELSE $9::timestamptz END
+		FROM ok
+		ON CONFLICT (tenant_id, request_id) DO NOTHING
+		RETURNING ` + reservationColumns + `),
+	src AS (
+		SELECT 1 AS ord, $2::text AS tenant, '` + EventReservationCreated + `'::text AS type, i.id AS subject,
+			$10::jsonb AS data, $9::timestamptz AS at
+		FROM ins i
+		UNION ALL
+		SELECT 2, $2::text, '` + EventReservationFailed + `', i.id, ` + reservationFailedDataSQL + `, $9::timestamptz
+		FROM ins i WHERE i.state = 'failed'),
+	` + eventWriterCTEs("src", "$11") + `,
+	poke AS (
+		INSERT INTO outbox (subject, payload, created_at, traceparent)
+		SELECT '` + SubjectPokeScheduler + `', ''::bytea, $9::timestamptz, $12 FROM ins i WHERE i.state = 'pending'),
+	aud AS (
+		INSERT INTO audit (at, tenant_id, token_id, role, procedure, target, outcome, detail)
+		SELECT $9::timestamptz, NULLIF($14::text, ''), NULLIF($15::text, ''), $16, $17, a.target, $18, a.detail
+		FROM (SELECT e.id AS target, $21::text AS detail FROM ex e
+			UNION ALL
+			SELECT i.id, CASE WHEN i.state = 'failed' THEN $20::text ELSE $19::text END FROM ins i) a
+		WHERE $13::bool),
+	res AS (SELECT true AS existing, e.* FROM ex e UNION ALL SELECT false, i.* FROM ins i)
+SELECT (SELECT p.owner_tenant_id FROM pools p WHERE p.id = $3), c.quota, COALESCE(c.fresh, false), c.in_use,
+	(SELECT count(*) FROM evo)::int, r.*
+FROM (VALUES (1)) AS one(x) LEFT JOIN chk c ON true LEFT JOIN res r ON true`
+
+// Activation is what ActivateReservations did with one report.
 type Activation struct {
+	// Found is false when the reservation does not exist (and then the
+	// other fields are zero).
+	Found bool
 	// Activated is true when the reservation turned active now.
 	Activated bool
 	// TenantID is the reservation's tenant ("" when it does not exist).
@@ -368,44 +484,139 @@ type Activation struct {
 	CreatedAt time.Time
 }
 
-// ActivateReservation records a daemon's AllocationBound: reservation id
-// turns active with binding (CDI device names) and active_at now, and a
-// reservation.active event is written, in q's transaction — only when it is
-// binding on nodeID and generation is at least the spec generation that
-// first carried it. Anything else (a stale report, another node's
-// reservation, one already active or ended) changes nothing (Activated
-// false). Errors: ErrNotFound when the reservation does not exist.
+// AllocationBound is a daemon's report that the devices of a reservation
+// are bound (gateway.proto AllocationBound), for ActivateReservations.
+type AllocationBound struct {
+	// NodeID is the reporting node.
+	NodeID string
+	// ReservationID is the reservation whose devices it bound.
+	ReservationID string
+	// Binding is the CDI device names it bound.
+	Binding []string
+	// Generation is the NodeSpec generation it applied.
+	Generation int64
+}
+
+// ActivateReservation is ActivateReservations of one report. Errors:
+// ErrNotFound when the reservation does not exist.
 func ActivateReservation(ctx context.Context, q DBTX, now time.Time, nodeID, id string, binding []string, generation int64) (Activation, error) {
-	var (
-		a       Activation
-		node    *string
-		specGen *int64
-	)
-	err := q.QueryRow(ctx, `SELECT tenant_id, state, node_id, spec_generation, created_at FROM reservations WHERE id = $1 FOR UPDATE`, id).
-		Scan(&a.TenantID, &a.State, &node, &specGen, &a.CreatedAt)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return Activation{}, fmt.Errorf("activate reservation %s: %w", id, ErrNotFound)
-	}
+	out, err := ActivateReservations(ctx, q, now, []AllocationBound{{NodeID: nodeID, ReservationID: id, Binding: binding,
+		Generation: generation}})
 	if err != nil {
-		return Activation{}, fmt.Errorf("activate reservation %s: %w", id, interpretError(err))
-	}
-	if a.State != ReservationBinding || node == nil || *node != nodeID || specGen == nil || generation < *specGen {
-		return a, nil
-	}
-	if binding == nil {
-		binding = []string{}
-	}
-	if _, err := q.Exec(ctx, `UPDATE reservations SET state = 'active', binding = $2, active_at = $3, updated_at = $3 WHERE id = $1`,
-		id, binding, now); err != nil {
-		return Activation{}, fmt.Errorf("activate reservation %s: %w", id, interpretError(err))
-	}
-	if err := WriteEvents(ctx, q, now, NewEvent{TenantID: a.TenantID, Data: ReservationActiveData{ReservationID: id,
-		NodeID: nodeID, Binding: binding, Generation: generation}}); err != nil {
 		return Activation{}, err
 	}
-	a.Activated, a.State = true, ReservationActive
-	return a, nil
+	if !out[0].Found {
+		return Activation{}, fmt.Errorf("activate reservation %s: %w", id, ErrNotFound)
+	}
+	return out[0], nil
 }
+
+// ActivateReservations records daemons' AllocationBound reports, in one
+// statement (run it in DB.AutoCommit or a transaction): the reservation of
+// each turns active with its binding (CDI device names; none is an empty
+// list) and active_at now, and a reservation.active event is written
+// (ReservationActiveData) — only when it is binding on the reporting node
+// and the report's generation is at least the spec generation that first
+// carried it. Anything else (a stale report, another node's reservation,
+// one already active or ended, or a second report of a reservation another
+// report of the batch activates) changes nothing (Activated false). The
+// reservations are locked in id order, so that concurrent batches do not
+// deadlock on each other. It returns one Activation per report, in their
+// order.
+func ActivateReservations(ctx context.Context, q DBTX, now time.Time, reports []AllocationBound) ([]Activation, error) {
+	if len(reports) == 0 {
+		return nil, nil
+	}
+	n := len(reports)
+	nodes, resIDs, data := make([]string, n), make([]string, n), make([]string, n)
+	gens := make([]int64, n)
+	for i, r := range reports {
+		binding := r.Binding
+		if binding == nil {
+			binding = []string{}
+		}
+		b, err := json.Marshal(ReservationActiveData{ReservationID: r.ReservationID, NodeID: r.NodeID, Binding: binding,
+			Generation: r.Generation})
+		if err != nil {
+			return nil, fmt.Errorf("activate reservations: encode the event of %s: %w", r.ReservationID, err)
+		}
+		nodes[i], resIDs[i], gens[i], data[i] = r.NodeID, r.ReservationID, r.Generation, string(b)
+	}
+	rows, err := q.Query(ctx, activateReservationsSQL, nodes, resIDs, gens, data, now, eventTime(now))
+	if err != nil {
+		return nil, fmt.Errorf("activate reservations: %w", interpretError(err))
+	}
+	out := make([]Activation, 0, n)
+	var activated, outboxed int
+	for rows.Next() {
+		var (
+			a         Activation
+			createdAt *time.Time
+		)
+		if err := rows.Scan(&a.Found, &a.Activated, &a.TenantID, &a.State, &createdAt, &outboxed); err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("activate reservations: %w", err)
+		}
+		if createdAt != nil {
+			a.CreatedAt = *createdAt
+		}
+		if a.Activated {
+			activated++
+		}
+		out = append(out, a)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("activate reservations: %w", interpretError(err))
+	}
+	if len(out) != n {
+		return nil, fmt.Errorf("activate reservations: %d answers for %d reports", len(out), n)
+	}
+	if activated == 0 {
+		return out, nil
+	}
+	if outboxed != activated {
+		return nil, fmt.Errorf("activate reservations: %d outbox rows for %d events", outboxed, activated)
+	}
+	if err := signalOutbox(ctx, q); err != nil {
+		return nil, fmt.Errorf("activate reservations: signal the outbox: %w", interpretError(err))
+	}
+	return out, nil
+}
+
+// activateReservationsSQL is ActivateReservations' statement: $1–$4 the
+// reports (node, reservation, generation, reservation.active data, whose
+// "binding" is the binding written), $5 now, $6 the events' message time.
+// l locks the reservations in id order and reads them as they are once
+// locked; w picks, of each reservation's reports that activate it, the
+// first; act writes them (checking the row again), src, ev and evo the
+// events. One row per report, in their order: found, activated, tenant,
+// state after, created_at, and the outbox rows of events written.
+var activateReservationsSQL = `WITH u AS (
+		SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) WITH ORDINALITY AS u(node, id, gen, data, ord)),
+	l AS (
+		SELECT r.id, r.tenant_id, r.state, r.node_id, r.spec_generation, r.created_at FROM reservations r
+		WHERE r.id = ANY($2) ORDER BY r.id FOR NO KEY UPDATE),
+	w AS (
+		SELECT DISTINCT ON (l.id) l.id, u.ord FROM l JOIN u ON u.id = l.id
+		WHERE l.state = 'binding' AND l.node_id = u.node AND u.gen >= l.spec_generation
+		ORDER BY l.id, u.ord),
+	act AS (
+		UPDATE reservations r SET state = 'active', binding = ARRAY(SELECT jsonb_array_elements_text(u.data::jsonb -> 'binding')),
+			active_at = $5, updated_at = $5
+		FROM w JOIN u ON u.ord = w.ord
+		WHERE r.id = w.id AND r.state = 'binding' AND r.node_id = u.node AND u.gen >= r.spec_generation
+		RETURNING r.id, r.tenant_id, u.ord, u.data),
+	src AS (
+		SELECT a.ord, a.tenant_id AS tenant, '` + EventReservationActive + `'::text AS type, a.id AS subject,
+			a.data::jsonb AS data, $5::timestamptz AS at
+		FROM act a),
+	` + eventWriterCTEs("src", "$6") + `
+SELECT l.id IS NOT NULL, a.ord IS NOT NULL, COALESCE(l.tenant_id, ''),
+	CASE WHEN EXISTS (SELECT FROM act x WHERE x.id = u.id) THEN '` + ReservationActive + `' ELSE COALESCE(l.state, '') END,
+	l.created_at, (SELECT count(*) FROM evo)::int
+FROM u LEFT JOIN l ON l.id = u.id LEFT JOIN act a ON a.ord = u.ord
+ORDER BY u.ord`
 
 // EndedReservation is what EndReservation did.
 type EndedReservation struct {

@@ -535,9 +535,10 @@ func gatewayCalls(r *grantRun) {
 		_, err := store.RecordSessionObservedGenerations(ctx, tx, now, []store.ObservedGeneration{{NodeID: n1, Generation: 1}})
 		return err
 	})
-	r.call("ActivateReservation", func(ctx context.Context, tx pgx.Tx) error {
-		a, err := store.ActivateReservation(ctx, tx, now, n1, binding.ID, []string{"nvidia.com/gpu=0"}, 1)
-		if err == nil && !a.Activated {
+	r.call("ActivateReservations", func(ctx context.Context, tx pgx.Tx) error {
+		a, err := store.ActivateReservations(ctx, tx, now, []store.AllocationBound{{NodeID: n1, ReservationID: binding.ID,
+			Binding: []string{"nvidia.com/gpu=0"}, Generation: 1}})
+		if err == nil && !a[0].Activated {
 			err = errors.New("not activated")
 		}
 		return err

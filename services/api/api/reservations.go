@@ -11,6 +11,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
+	"github.com/better-compute/better-compute/pkg/iam"
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/store"
 )
@@ -33,7 +34,7 @@ type reservationService struct{ *Server }
 // start_time (default now; a start up to a minute in the past means now,
 // one further back or more than 366 days ahead is refused) for the caller's
 // tenant, in one transaction with its event, the scheduler's poke and the
-// audit row (store.CreateReservation). A request_id already used by the
+// audit row, all written by the one statement of store.CreateReservation. A request_id already used by the
 // tenant returns that reservation unchanged. A reservation no node of the
 // pool can ever hold is returned failed with the reason. Errors:
 // InvalidArgument (start_time; protovalidate: gpus, duration), NotFound
@@ -67,22 +68,22 @@ func (s *reservationService) Reserve(ctx context.Context, req *connect.Request[c
 		}
 	}
 	end := start.Add(msg.Duration.AsDuration()).Truncate(time.Microsecond)
+	audit, err := iam.DeferAudit(ctx)
+	if err != nil {
+		return nil, mapError(err)
+	}
 	n := store.NewReservation{ID: ids.New(ids.Reservation, now), TenantID: p.TenantID, PoolID: msg.PoolId,
-		GPUs: msg.Gpus, StartAt: start, EndAt: end, RequestID: msg.RequestId, CreatedBy: p.TokenID}
+		GPUs: msg.Gpus, StartAt: start, EndAt: end, RequestID: msg.RequestId, CreatedBy: p.TokenID,
+		Audit: reserveAudit(audit, now, msg.PoolId, msg.Gpus, start, end, msg.RequestId)}
 	var created store.CreatedReservation
 	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
 		var err error
-		if created, err = store.CreateReservation(ctx, tx, now, n); err != nil {
-			return err
-		}
-		r := created.Reservation
-		detail := fmt.Sprintf("%d GPUs of pool %s from %s to %s: %s", r.GPUs, r.PoolID,
-			r.StartAt.UTC().Format(time.RFC3339), r.EndAt.UTC().Format(time.RFC3339), r.State)
-		if created.Existing {
-			detail = fmt.Sprintf("request_id %q: existing reservation returned", msg.RequestId)
-		}
-		return s.auditInTx(ctx, tx, r.ID, detail)
+		created, err = store.CreateReservation(ctx, tx, now, n)
+		return err
 	})
+	if err == nil {
+		audit.Written()
+	}
 	var (
 		nf       *store.NotOfferedError
 		quota    *store.QuotaError
@@ -201,6 +202,20 @@ func (s *reservationService) ReleaseReservation(ctx context.Context, req *connec
 			"node.id", ended.NodeID)
 	}
 	return connect.NewResponse(&computev1.ReleaseReservationResponse{Reservation: reservationToProto(r)}), nil
+}
+
+// reserveAudit is the audit row of a Reserve at now (its target, the
+// reservation's id, is CreateReservation's to set): the detail of a
+// reservation created pending or failed names its GPUs, pool, times and
+// state; that of an existing one returned, the request id.
+func reserveAudit(d iam.DeferredAudit, now time.Time, pool string, gpus int32, start, end time.Time, requestID string) *store.ReservationAudit {
+	created := func(state string) string {
+		return d.Entry(now, "", fmt.Sprintf("%d GPUs of pool %s from %s to %s: %s", gpus, pool,
+			start.UTC().Format(time.RFC3339), end.UTC().Format(time.RFC3339), state)).Detail
+	}
+	return &store.ReservationAudit{Entry: d.Entry(now, "", ""), Pending: created(store.ReservationPending),
+		Failed:   created(store.ReservationFailed),
+		Existing: d.Entry(now, "", fmt.Sprintf("request_id %q: existing reservation returned", requestID)).Detail}
 }
 
 func reservationToProto(r store.Reservation) *computev1.Reservation {

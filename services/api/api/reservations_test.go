@@ -14,6 +14,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
+	"github.com/better-compute/better-compute/api/gen/bc/compute/v1/computev1connect"
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/store"
@@ -530,4 +531,51 @@ func TestRevokeNodeFailsItsReservations(t *testing.T) {
 	still, err := f.as(f.tokens["acme-member"]).res.GetReservation(ctx, connect.NewRequest(&computev1.GetReservationRequest{ReservationId: onOther}))
 	require.NoError(t, err)
 	require.Equal(t, "active", still.Msg.Reservation.State)
+}
+
+// TestReserveAuditRows: each Reserve writes one audit row, the success rows
+// in its one statement (store.CreateReservation): created pending or failed
+// with the GPUs, pool, times and state, an existing reservation returned
+// with its request id; a refusal's row is the audit interceptor's.
+func TestReserveAuditRows(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	ctx := t.Context()
+	member := f.as(f.tokens["acme-member"])
+	f.node(t, f.acmePool, 2, "H100", adopted)
+	f.offer(t, f.acmePool, f.acme, 5)
+	since := f.newestAudit(t)
+	req := func(gpus int32, requestID string) *connect.Request[computev1.ReserveRequest] {
+		return connect.NewRequest(&computev1.ReserveRequest{PoolId: f.acmePool, Gpus: gpus, Duration: durationpb.New(time.Hour),
+			RequestId: requestID})
+	}
+	pending, err := member.res.Reserve(ctx, req(2, "req-a"))
+	require.NoError(t, err)
+	failed, err := member.res.Reserve(ctx, req(3, ""))
+	require.NoError(t, err)
+	require.Equal(t, "failed", failed.Msg.Reservation.State)
+	_, err = member.res.Reserve(ctx, req(2, "req-a"))
+	require.NoError(t, err)
+	_, err = member.res.Reserve(ctx, req(4, "req-b"))
+	requireCode(t, err, connect.CodeResourceExhausted, "2 in use")
+
+	detail := func(r *computev1.Reservation) string {
+		return fmt.Sprintf("%d GPUs of pool %s from %s to %s: %s", r.Gpus, r.PoolId,
+			r.StartTime.AsTime().UTC().Format(time.RFC3339), r.EndTime.AsTime().UTC().Format(time.RFC3339), r.State)
+	}
+	type row struct{ tenant, token, procedure, target, outcome, detail string }
+	var got []row
+	for _, e := range f.auditAfter(t, since) {
+		got = append(got, row{e.TenantID, e.TokenID, e.Procedure, e.Target, e.Outcome, e.Detail})
+	}
+	require.NotEmpty(t, got)
+	tok := got[0].token
+	require.NotEmpty(t, tok)
+	proc := computev1connect.ReservationServiceReserveProcedure
+	require.Equal(t, []row{
+		{f.acme, tok, proc, pending.Msg.Reservation.Id, "ok", detail(pending.Msg.Reservation)},
+		{f.acme, tok, proc, failed.Msg.Reservation.Id, "ok", detail(failed.Msg.Reservation)},
+		{f.acme, tok, proc, pending.Msg.Reservation.Id, "ok", `request_id "req-a": existing reservation returned`},
+		{f.acme, tok, proc, f.acmePool, "resource_exhausted", "gpus: quota of pool " + f.acmePool + " is 5 GPUs, 2 in use, 4 requested"},
+	}, got)
 }

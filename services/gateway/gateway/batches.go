@@ -22,6 +22,9 @@ const (
 	// observedWorkers is how many batches of reported generations
 	// (store.RecordSessionObservedGenerations) may run at once.
 	observedWorkers = 2
+	// activationWorkers is how many batches of AllocationBound reports
+	// (store.ActivateReservations) may run at once.
+	activationWorkers = 1
 	// maxBatch is the most writes of one kind in one statement.
 	maxBatch = 256
 	// retries is how many times a batch outside a transaction of DB.InTx
@@ -36,6 +39,8 @@ type batchers struct {
 	claims   *batch.Batcher[store.ClaimRequest, store.SessionDelivery]
 	updates  *batch.Batcher[store.SessionCommandUpdate, store.SessionCommandUpdated]
 	observed *batch.Batcher[store.ObservedGeneration, struct{}]
+	// activations turn reservations active (allocationBound).
+	activations *batch.Batcher[store.AllocationBound, store.Activation]
 }
 
 func (s *Server) startBatchers() *batchers {
@@ -43,6 +48,8 @@ func (s *Server) startBatchers() *batchers {
 		claims:   batch.New(s.flushClaims, batch.Options{Workers: claimWorkers, MaxBatch: maxBatch}),
 		updates:  batch.New(s.flushUpdates, batch.Options{Workers: updateWorkers, MaxBatch: maxBatch}),
 		observed: batch.New(s.flushObserved, batch.Options{Workers: observedWorkers, MaxBatch: maxBatch}),
+		activations: batch.New(s.flushActivations,
+			batch.Options{Workers: activationWorkers, MaxBatch: maxBatch}),
 	}
 }
 
@@ -50,6 +57,7 @@ func (b *batchers) close() {
 	b.claims.Close()
 	b.updates.Close()
 	b.observed.Close()
+	b.activations.Close()
 }
 
 // retry runs fn, which writes in one implicit transaction, again while it
@@ -99,4 +107,17 @@ func (s *Server) flushObserved(ctx context.Context, gens []store.ObservedGenerat
 		return nil, err
 	}
 	return make([]struct{}, len(gens)), nil
+}
+
+// flushActivations records daemons' AllocationBound reports, all at the
+// time of the flush, in one statement (with the events of the reservations
+// it activates).
+func (s *Server) flushActivations(ctx context.Context, reports []store.AllocationBound) ([]store.Activation, error) {
+	var out []store.Activation
+	err := retry(func() error {
+		var err error
+		out, err = store.ActivateReservations(ctx, s.db.AutoCommit(), s.db.Now(), reports)
+		return err
+	})
+	return out, err
 }

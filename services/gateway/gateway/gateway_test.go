@@ -3,10 +3,13 @@ package gateway_test
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -22,6 +25,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/store/storetest"
+	"github.com/better-compute/better-compute/pkg/telemetry"
 	"github.com/better-compute/better-compute/services/gateway/gateway"
 )
 
@@ -293,6 +297,94 @@ func TestDesiredStateAndObservedGeneration(t *testing.T) {
 	cmdID := e.queueCommand(n.id, "diag.nvml", "user")
 	require.NoError(t, e.nc.Publish(store.SubjectPokeGatewayPrefix+"gw-test", pokeJSON(t, n.id)))
 	require.Equal(t, cmdID, d.next().GetCommand().GetCommandId())
+}
+
+// TestAllocationBoundActivates: a daemon's AllocationBound turns its binding
+// reservation active with the binding, a reservation.active event and the
+// created→active latency in bc.reservations.activation, when its generation
+// carries the reservation; a stale generation, another node's report and an
+// unknown reservation change nothing and the session goes on. The reports
+// of many sessions at once are written in batches
+// (store.ActivateReservations), each activated once.
+func TestAllocationBoundActivates(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	m, err := telemetry.NewMetrics(t.Context(), telemetry.ExporterPrometheus, "gateway")
+	require.NoError(t, err)
+	e.metrics = m
+	g := e.startGateway(noResync)
+	bound := func(id string, gen int64, cdi ...string) *gatewayv1.SessionRequest {
+		return &gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Report{Report: &gatewayv1.Report{
+			Report: &gatewayv1.Report_AllocationBound{AllocationBound: &gatewayv1.AllocationBound{ReservationId: id,
+				CdiDevices: cdi, Generation: gen}}}}}
+	}
+	state := func(id string) (string, []string) {
+		var (
+			st      string
+			binding []string
+		)
+		require.NoError(t, e.db.Pool.QueryRow(t.Context(), `SELECT state, binding FROM reservations WHERE id = $1`, id).
+			Scan(&st, &binding))
+		return st, binding
+	}
+	const sessions = 12
+	var (
+		daemons []*daemon
+		resIDs  []string
+	)
+	for range sessions {
+		n := e.newNodeWith(storetest.NodeOpts{SpecGeneration: 2}, time.Time{})
+		d, _ := e.connect(g, n, &gatewayv1.Hello{NodeId: n.id, BootId: "b", ObservedGeneration: 2})
+		r := storetest.Reservation(t, e.db, &storetest.ReservationOpts{TenantID: e.tenantID, PoolID: e.poolID, GPUs: 1,
+			State: store.ReservationBinding, NodeID: n.id, SpecGeneration: 2})
+		daemons, resIDs = append(daemons, d), append(resIDs, r.ID)
+	}
+
+	// Stale, foreign and unknown reports change nothing.
+	d0 := daemons[0]
+	d0.send(bound(resIDs[0], 1, "nvidia.com/gpu=0"))
+	d0.send(bound(resIDs[1], 2, "nvidia.com/gpu=0"))
+	d0.send(bound("res_01JUNKNOWN000000000000000", 2))
+	d0.heartbeat(1, 2)
+	require.Equal(t, int64(1), d0.nextAck(), "the session goes on")
+	st, _ := state(resIDs[0])
+	require.Equal(t, store.ReservationBinding, st)
+
+	// Every session reports at once.
+	var wg sync.WaitGroup
+	for i, d := range daemons {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			d.send(bound(resIDs[i], 2, fmt.Sprintf("nvidia.com/gpu=%d", i)))
+		}()
+	}
+	wg.Wait()
+	for i, id := range resIDs {
+		eventually(t, func() bool { st, _ := state(id); return st == store.ReservationActive }, "reservation "+id+" active")
+		_, binding := state(id)
+		require.Equal(t, []string{fmt.Sprintf("nvidia.com/gpu=%d", i)}, binding)
+	}
+	var events int
+	require.NoError(t, e.db.Pool.QueryRow(t.Context(), `SELECT count(*) FROM events WHERE type = $1 AND subject_id = ANY($2)`,
+		store.EventReservationActive, resIDs).Scan(&events))
+	require.Equal(t, sessions, events)
+	// A report again, now that it is active, changes nothing.
+	d0.send(bound(resIDs[0], 3, "nvidia.com/gpu=7"))
+	d0.heartbeat(2, 3)
+	require.Equal(t, int64(2), d0.nextAck())
+	_, binding := state(resIDs[0])
+	require.Equal(t, []string{"nvidia.com/gpu=0"}, binding)
+
+	rec := httptest.NewRecorder()
+	m.Handler.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
+	var count string
+	for _, line := range strings.Split(rec.Body.String(), "\n") {
+		if strings.HasPrefix(line, "bc_reservations_activation_seconds_count") {
+			count = line[strings.LastIndex(line, " ")+1:]
+		}
+	}
+	require.Equal(t, fmt.Sprint(sessions), count, "one latency per activation")
 }
 
 // A daemon that already has the spec gets no DesiredState on Hello.

@@ -75,6 +75,9 @@ type env struct {
 	// certs is the NodeCertService the gateways renew through
 	// (startGateway's JoinServiceURL unless the test sets one).
 	certs *nodeCerts
+	// metrics, when set, is the metrics pipeline of the gateways
+	// startGateway runs.
+	metrics *telemetry.Metrics
 }
 
 // options tune setup.
@@ -163,7 +166,8 @@ func (e *env) startGateway(cfg gateway.Config) *gw {
 	if cfg.GatewayID == "" {
 		cfg.GatewayID = "gw-test"
 	}
-	srv, err := gateway.New(cfg, gateway.Deps{DB: e.db, NC: e.natsConn(), Logger: telemetry.Discard(), Clock: e.clk})
+	srv, err := gateway.New(cfg, gateway.Deps{DB: e.db, NC: e.natsConn(), Logger: telemetry.Discard(), Clock: e.clk,
+		Metrics: e.metrics})
 	require.NoError(e.t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)

@@ -734,28 +734,25 @@ func (s *Server) report(ctx context.Context, st *session, r *gatewayv1.Report) e
 
 // allocationBound records a daemon's AllocationBound: the reservation turns
 // active with the CDI names in binding, when it is binding on this node and
-// the report's generation carries it (store.ActivateReservation); a stale or
-// foreign report changes nothing and is logged.
+// the report's generation carries it (store.ActivateReservations, batched
+// with the other sessions' reports); a stale or foreign report changes
+// nothing and is logged.
 func (s *Server) allocationBound(ctx context.Context, st *session, b *gatewayv1.AllocationBound) error {
 	b, err := decodeAllocationBound(b)
 	if err != nil {
 		return err
 	}
-	var a store.Activation
-	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
-		var err error
-		a, err = store.ActivateReservation(ctx, tx, s.db.Now(), st.nodeID, b.GetReservationId(), b.GetCdiDevices(), b.GetGeneration())
-		return err
-	})
-	if errors.Is(err, store.ErrNotFound) {
-		s.log.Warn("allocation bound for an unknown reservation", telemetry.KeyNodeID, st.nodeID, telemetry.KeyReservationID, b.GetReservationId())
-		return nil
-	}
+	a, err := s.batch.activations.Do(ctx, store.AllocationBound{NodeID: st.nodeID, ReservationID: b.GetReservationId(),
+		Binding: b.GetCdiDevices(), Generation: b.GetGeneration()})
 	if err != nil {
 		if ctx.Err() == nil {
 			s.log.Error("record allocation bound", telemetry.KeyNodeID, st.nodeID, telemetry.KeyReservationID, b.GetReservationId(), telemetry.KeyError, err)
 		}
 		return errRecord
+	}
+	if !a.Found {
+		s.log.Warn("allocation bound for an unknown reservation", telemetry.KeyNodeID, st.nodeID, telemetry.KeyReservationID, b.GetReservationId())
+		return nil
 	}
 	if !a.Activated {
 		s.log.Debug("allocation bound ignored", telemetry.KeyNodeID, st.nodeID, telemetry.KeyReservationID, b.GetReservationId(),
