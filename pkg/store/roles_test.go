@@ -509,9 +509,12 @@ func gatewayCalls(r *grantRun) {
 		return err
 	})
 	sid := ids.New(ids.Session, now)
-	r.call("OpenSession", func(ctx context.Context, tx pgx.Tx) error {
-		_, err := store.OpenSession(ctx, tx, store.OpenSessionParams{NodeID: n0, GatewayID: gw, SessionID: sid, BootID: "boot",
-			AgentVersion: "test", Now: now})
+	r.call("OpenSessions", func(ctx context.Context, tx pgx.Tx) error {
+		res, err := store.OpenSessions(ctx, tx, []store.OpenSessionRequest{{Serial: cert.Serial, OpenSessionParams: store.OpenSessionParams{
+			NodeID: n0, GatewayID: gw, SessionID: sid, BootID: "boot", AgentVersion: "test", Now: now}}})
+		if err == nil && !res[0].Opened {
+			return errors.New("the session was not opened")
+		}
 		return err
 	})
 	r.call("PendingSessionWork", func(ctx context.Context, tx pgx.Tx) error {

@@ -3,6 +3,8 @@ package gateway
 import (
 	"context"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/better-compute/better-compute/pkg/batch"
 	"github.com/better-compute/better-compute/pkg/store"
 )
@@ -22,6 +24,9 @@ const (
 	// observedWorkers is how many batches of reported generations
 	// (store.RecordSessionObservedGenerations) may run at once.
 	observedWorkers = 2
+	// openWorkers is how many batches of session opens
+	// (store.OpenSessions) may run at once.
+	openWorkers = 2
 	// maxBatch is the most writes of one kind in one statement.
 	maxBatch = 256
 	// retries is how many times a batch outside a transaction of DB.InTx
@@ -36,6 +41,7 @@ type batchers struct {
 	claims   *batch.Batcher[store.ClaimRequest, store.SessionDelivery]
 	updates  *batch.Batcher[store.SessionCommandUpdate, store.SessionCommandUpdated]
 	observed *batch.Batcher[store.ObservedGeneration, struct{}]
+	opens    *batch.Batcher[store.OpenSessionRequest, store.OpenSessionResult]
 }
 
 func (s *Server) startBatchers() *batchers {
@@ -43,6 +49,7 @@ func (s *Server) startBatchers() *batchers {
 		claims:   batch.New(s.flushClaims, batch.Options{Workers: claimWorkers, MaxBatch: maxBatch}),
 		updates:  batch.New(s.flushUpdates, batch.Options{Workers: updateWorkers, MaxBatch: maxBatch}),
 		observed: batch.New(s.flushObserved, batch.Options{Workers: observedWorkers, MaxBatch: maxBatch}),
+		opens:    batch.New(s.flushOpens, batch.Options{Workers: openWorkers, MaxBatch: maxBatch}),
 	}
 }
 
@@ -50,6 +57,7 @@ func (b *batchers) close() {
 	b.claims.Close()
 	b.updates.Close()
 	b.observed.Close()
+	b.opens.Close()
 }
 
 // retry runs fn, which writes in one implicit transaction, again while it
@@ -99,4 +107,18 @@ func (s *Server) flushObserved(ctx context.Context, gens []store.ObservedGenerat
 		return nil, err
 	}
 	return make([]struct{}, len(gens)), nil
+}
+
+// flushOpens checks the certificates of Hellos and opens their sessions in
+// one transaction (store.OpenSessions: one statement, and one for the
+// node.reachable events), which DB.InTx runs again after a deadlock or
+// serialization failure.
+func (s *Server) flushOpens(ctx context.Context, reqs []store.OpenSessionRequest) ([]store.OpenSessionResult, error) {
+	var out []store.OpenSessionResult
+	err := s.db.InTx(ctx, func(tx pgx.Tx) error {
+		var err error
+		out, err = store.OpenSessions(ctx, tx, reqs)
+		return err
+	})
+	return out, err
 }
