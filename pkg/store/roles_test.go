@@ -633,9 +633,8 @@ func controllersCalls(r *grantRun, signer *store.IntentSigner) {
 		return err
 	})
 	r.call("FleetStatsAt", func(ctx context.Context, tx pgx.Tx) error { _, err := store.FleetStatsAt(ctx, tx, now); return err })
-	r.call("AnyJoiningNodes", func(ctx context.Context, tx pgx.Tx) error { _, err := store.AnyJoiningNodes(ctx, tx); return err })
-	r.call("AnyDueAcceptances", func(ctx context.Context, tx pgx.Tx) error {
-		_, err := store.AnyDueAcceptances(ctx, tx, now)
+	r.call("AnyAcceptanceWork", func(ctx context.Context, tx pgx.Tx) error {
+		_, err := store.AnyAcceptanceWork(ctx, tx, now)
 		return err
 	})
 	r.call("ClaimJoiningNodes", func(ctx context.Context, tx pgx.Tx) error { _, err := store.ClaimJoiningNodes(ctx, tx, 10); return err })
@@ -716,9 +715,6 @@ func controllersCalls(r *grantRun, signer *store.IntentSigner) {
 		return err
 	})
 	r.call("PokeNodes", func(ctx context.Context, tx pgx.Tx) error { return store.PokeNodes(ctx, tx, now, n0, n1) })
-	r.call("Enqueue", func(ctx context.Context, tx pgx.Tx) error {
-		return store.Enqueue(ctx, tx, now, store.SubjectPokeControllers, nil)
-	})
 	r.call("SetSSHUserCAs", func(ctx context.Context, tx pgx.Tx) error {
 		_, err := store.SetSSHUserCAs(ctx, tx, signer, now, []*gatewayv1.SshUserCa{{Name: "break-glass", PublicKey: "ssh-ed25519 AAAAbg"},
 			{Name: "sandbox", PublicKey: "ssh-ed25519 AAAAsb"}})
