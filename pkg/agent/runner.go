@@ -28,6 +28,12 @@ import (
 // default.
 const DefaultTokenWait = 2 * time.Minute
 
+// DefaultJoinConcurrency is how many Joins a Runner has in flight at most
+// by default (Config.JoinConcurrency): a machine's first start joins once,
+// so the cap matters only to a Runner of many machines, where it bounds
+// the keys generated and the JoinService requests open at once.
+const DefaultJoinConcurrency = 16
+
 // Config configures a Runner. Zero fields take the defaults named.
 //
 // To join, a machine needs JoinService's public keys and the pins to check
@@ -93,7 +99,8 @@ type Config struct {
 	// JoinBackoffMin and JoinBackoffMax bound the delay between Join
 	// attempts after transient errors (defaults 500 ms and 15 s).
 	JoinBackoffMin, JoinBackoffMax time.Duration
-	// JoinConcurrency caps Joins in flight (default 16).
+	// JoinConcurrency caps the Joins in flight across the Runner's
+	// machines (default DefaultJoinConcurrency).
 	JoinConcurrency int
 	// JoinOnly makes Run return once every machine has joined (or had
 	// joined before), without opening sessions or the health server
@@ -115,7 +122,7 @@ func (c *Config) setDefaults() {
 		c.JoinBackoffMax = 15 * time.Second
 	}
 	if c.JoinConcurrency <= 0 {
-		c.JoinConcurrency = 16
+		c.JoinConcurrency = DefaultJoinConcurrency
 	}
 }
 

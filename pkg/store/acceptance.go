@@ -27,17 +27,32 @@ func ClaimJoiningNodes(ctx context.Context, q DBTX, limit int) ([]string, error)
 		ORDER BY created_at, id LIMIT $1 FOR UPDATE SKIP LOCKED`, limit)
 }
 
-// AnyJoiningNodes reports whether a node is in state joining, locking
-// nothing: a pass that finds none needs no transaction (ClaimJoiningNodes's
-// claim then finds none either, or only nodes committed after this read,
-// whose JoinService poke wakes another pass).
-func AnyJoiningNodes(ctx context.Context, q DBTX) (bool, error) {
-	var found bool
-	err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM nodes WHERE provision_state = 'joining')`).Scan(&found)
+// AcceptanceWork is what AnyAcceptanceWork found.
+type AcceptanceWork struct {
+	// Joining is true when a node is in state joining (ClaimJoiningNodes
+	// could claim it).
+	Joining bool
+	// Due is true when ClaimDueAcceptances at now could claim a node.
+	Due bool
+}
+
+// AnyAcceptanceWork reports, in one read that locks nothing, whether a node
+// is joining and whether an acceptance is due at now: a pass that finds
+// neither needs no transaction. ClaimJoiningNodes's claim then finds none
+// either, or only nodes committed after this read, whose JoinService poke
+// wakes another pass; nodes another transaction holds count (their claim
+// then skips them).
+func AnyAcceptanceWork(ctx context.Context, q DBTX, now time.Time) (AcceptanceWork, error) {
+	var w AcceptanceWork
+	err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM nodes WHERE provision_state = 'joining'),
+		EXISTS (SELECT 1 FROM nodes n
+			WHERE n.provision_state = 'accepting' AND NOT EXISTS (
+				SELECT 1 FROM commands c WHERE c.node_id = n.id AND c.purpose = 'acceptance'
+					AND c.finished_at IS NULL AND c.deadline > $1))`, now).Scan(&w.Joining, &w.Due)
 	if err != nil {
-		return false, fmt.Errorf("any joining nodes: %w", interpretError(err))
+		return AcceptanceWork{}, fmt.Errorf("any acceptance work: %w", interpretError(err))
 	}
-	return found, nil
+	return w, nil
 }
 
 // NewAcceptanceCommand is one diag.nvml acceptance command to queue.
@@ -164,21 +179,6 @@ func ClaimDueAcceptances(ctx context.Context, q DBTX, now time.Time, limit int) 
 			SELECT 1 FROM commands c WHERE c.node_id = n.id AND c.purpose = 'acceptance'
 				AND c.finished_at IS NULL AND c.deadline > $1)
 		ORDER BY n.id LIMIT $2 FOR UPDATE OF n SKIP LOCKED`, now, limit)
-}
-
-// AnyDueAcceptances reports whether ClaimDueAcceptances at now could claim a
-// node, locking nothing: a pass that finds none needs no transaction. Nodes
-// another transaction holds count (their claim then skips them).
-func AnyDueAcceptances(ctx context.Context, q DBTX, now time.Time) (bool, error) {
-	var found bool
-	err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM nodes n
-		WHERE n.provision_state = 'accepting' AND NOT EXISTS (
-			SELECT 1 FROM commands c WHERE c.node_id = n.id AND c.purpose = 'acceptance'
-				AND c.finished_at IS NULL AND c.deadline > $1))`, now).Scan(&found)
-	if err != nil {
-		return false, fmt.Errorf("any due acceptances: %w", interpretError(err))
-	}
-	return found, nil
 }
 
 // AcceptanceCheck is what the reconciler needs to decide about one accepting
@@ -318,7 +318,9 @@ type Adoption struct {
 // same statement, as SignNodeSpecs signs a stored spec; nil: unsigned),
 // inventory and devices (replacing any), and writes a node.adopted event for
 // each (tenant: the pool's owner; in the statement that adopts them, in the
-// order of adoptions). It returns the ids it adopted: a node no longer
+// order of adoptions) and, when it adopted any, the scheduler's poke
+// (SubjectPokeScheduler, as Enqueue writes it: the nodes are new capacity),
+// in that statement too. It returns the ids it adopted: a node no longer
 // accepting is skipped.
 func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time, adoptions []Adoption) ([]string, error) {
 	if len(adoptions) == 0 {
@@ -373,8 +375,12 @@ func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time
 		src AS (
 			SELECT u.ord, u.tenant, '`+EventNodeAdopted+`' AS type, u.id AS subject, u.data::jsonb AS data, $4::timestamptz AS at
 			FROM u JOIN upd ON upd.id = u.id),
-		`+eventWriterCTEs("src", "$8")+`
-		SELECT id, (SELECT count(*) FROM evo) FROM upd`, ids, specs, invs, now, sigs, cols.tenants, cols.data, eventTime(now))
+		`+eventWriterCTEs("src", "$8")+`,
+		sched AS (
+			INSERT INTO outbox (subject, payload, created_at, traceparent)
+			SELECT $9, '', $4, $10 WHERE EXISTS (SELECT 1 FROM upd))
+		SELECT id, (SELECT count(*) FROM evo) FROM upd`, ids, specs, invs, now, sigs, cols.tenants, cols.data, eventTime(now),
+		SubjectPokeScheduler, telemetry.Traceparent(ctx))
 	if err != nil {
 		return nil, fmt.Errorf("adopt nodes: %w", interpretError(err))
 	}
@@ -400,6 +406,7 @@ func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time
 	if outboxed != len(adopted) {
 		return nil, fmt.Errorf("adopt nodes: %d outbox rows for %d events", outboxed, len(adopted))
 	}
+	pokeAfterCommit(q, SubjectPokeScheduler, nil)
 	if err := signalOutbox(ctx, q); err != nil {
 		return nil, fmt.Errorf("adopt nodes: signal the outbox: %w", interpretError(err))
 	}

@@ -172,3 +172,34 @@ func TestAdoptAndFailOnlyAccepting(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, []string{"ten_1 node.adopted n-done", "ten_1 node.acceptance_failed n-late"}, events)
 }
+
+// TestAdoptAndFailReplaceDevices: a node's adoption replaces the devices it
+// had (the GPUs reported by an earlier acceptance), keys and all, and a
+// failure that reported none clears them, each in one statement with the
+// delete.
+func TestAdoptAndFailReplaceDevices(t *testing.T) {
+	t.Parallel()
+	db, now := acceptanceDB(t)
+	ctx := t.Context()
+	for _, id := range []string{"adopt-me", "fail-me"} {
+		storetest.Node(t, db, &storetest.NodeOpts{ID: id, PoolID: "pool_1", State: store.NodeAccepting, GPUs: 2})
+	}
+	dev := store.NodeDevice{Index: 1, UUID: "GPU-new", Model: "NVIDIA H100 80GB HBM3", MemoryBytes: 2, Healthy: true}
+	adopted, err := store.AdoptNodes(ctx, db.Pool, nil, now, []store.Adoption{{NodeID: "adopt-me", PoolID: "pool_1",
+		OwnerTenantID: "ten_1", Spec: []byte(`{}`), Inventory: []byte(`{"gpus":[{}]}`), Devices: []store.NodeDevice{dev}}})
+	require.NoError(t, err)
+	require.Equal(t, []string{"adopt-me"}, adopted)
+	failed, err := store.FailAcceptance(ctx, db.Pool, now, []store.AcceptanceFailure{{NodeID: "fail-me", PoolID: "pool_1",
+		OwnerTenantID: "ten_1", Reason: "no GPUs", Inventory: []byte(`{}`)}})
+	require.NoError(t, err)
+	require.Equal(t, []string{"fail-me"}, failed)
+
+	n, err := store.GetNode(ctx, db.Pool, store.AllTenants, "adopt-me")
+	require.NoError(t, err)
+	require.Len(t, n.Devices, 1)
+	require.Equal(t, int32(1), n.Devices[0].Index)
+	require.Equal(t, "GPU-new", n.Devices[0].UUID)
+	n, err = store.GetNode(ctx, db.Pool, store.AllTenants, "fail-me")
+	require.NoError(t, err)
+	require.Empty(t, n.Devices, "a failure that reported no GPUs clears them")
+}

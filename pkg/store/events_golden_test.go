@@ -2,8 +2,11 @@ package store_test
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"fmt"
+	"maps"
+	"slices"
 	"testing"
 	"time"
 
@@ -129,14 +132,36 @@ func TestEventsAsWatchersReceiveThem(t *testing.T) {
 		writtenEvent{"ten_owner", "node.acceptance_failed", "node_b", `{"nodeId": "node_b", "poolId": "pool_1", "reason": "expected 8 GPUs, found 2"}`,
 			`bc.events.ten_owner.node.acceptance_failed {"id": 6, "data": {"nodeId": "node_b", "poolId": "pool_1", "reason": "expected 8 GPUs, found 2"}, "time": "2030-05-06T07:08:11.123456Z", "type": "node.acceptance_failed", "tenantId": "ten_owner", "subjectId": "node_b"}`},
 	)
-	step("node.reachable by a new session", time.Second, func(ctx context.Context, tx pgx.Tx, now time.Time) error {
-		for _, n := range []string{"node_a", "node_c"} {
-			if _, err := store.OpenSession(ctx, tx, store.OpenSessionParams{NodeID: n, GatewayID: "gw-1", SessionID: "ses_" + n,
-				BootID: "boot", Now: now}); err != nil {
+	// The gateway opens sessions with OpenSessions, a batch at a time (the
+	// next step but one opens one with OpenSession).
+	openSessions := func(ctx context.Context, tx pgx.Tx, now time.Time, gw string, sessions map[string]string) error {
+		var reqs []store.OpenSessionRequest
+		for _, n := range slices.Sorted(maps.Keys(sessions)) {
+			serial := fmt.Sprintf("%x", sha256.Sum256([]byte(sessions[n])))[:16]
+			if err := store.CreateNodeCert(ctx, tx, store.NewNodeCert{Serial: serial, NodeID: n, PublicKeySHA256: []byte(serial),
+				NotBefore: now, NotAfter: now.Add(time.Hour), CreatedAt: now}); err != nil {
 				return err
 			}
+			reqs = append(reqs, store.OpenSessionRequest{Serial: serial, OpenSessionParams: store.OpenSessionParams{NodeID: n,
+				GatewayID: gw, SessionID: sessions[n], BootID: "boot", Now: now}})
 		}
-		return nil
+		res, err := store.OpenSessions(ctx, tx, reqs)
+		if err != nil {
+			return err
+		}
+		for i, r := range res {
+			if !r.Opened {
+				return fmt.Errorf("session of %s not opened", reqs[i].NodeID)
+			}
+		}
+		// The certificates were for this step only: the revocations below
+		// count the nodes' certificates.
+		_, err = tx.Exec(ctx, `DELETE FROM node_certs WHERE node_id = ANY($1) AND created_at = $2`,
+			slices.Collect(maps.Keys(sessions)), now)
+		return err
+	}
+	step("node.reachable by a new session", time.Second, func(ctx context.Context, tx pgx.Tx, now time.Time) error {
+		return openSessions(ctx, tx, now, "gw-1", map[string]string{"node_a": "ses_node_a", "node_c": "ses_node_c"})
 	},
 		writtenEvent{"ten_owner", "node.reachable", "node_a", `{"nodeId": "node_a", "gatewayId": "gw-1", "sessionId": "ses_node_a"}`,
 			`bc.events.ten_owner.node.reachable {"id": 7, "data": {"nodeId": "node_a", "gatewayId": "gw-1", "sessionId": "ses_node_a"}, "time": "2030-05-06T07:08:12.123456Z", "type": "node.reachable", "tenantId": "ten_owner", "subjectId": "node_a"}`},

@@ -274,7 +274,7 @@ func fillDevices(ctx context.Context, q DBTX, nodes []Node) error {
 }
 
 // replaceNodeDevices replaces the node_devices rows of nodeIDs with
-// devices[id] (none for a node missing there), in two statements; what
+// devices[id] (none for a node missing there), in one statement; what
 // names the caller in errors.
 func replaceNodeDevices(ctx context.Context, q DBTX, what string, nodeIDs []string, devices map[string][]NodeDevice) error {
 	if len(nodeIDs) == 0 {
@@ -296,16 +296,15 @@ func replaceNodeDevices(ctx context.Context, q DBTX, what string, nodeIDs []stri
 			devHealthy = append(devHealthy, d.Healthy)
 		}
 	}
-	if _, err := q.Exec(ctx, `DELETE FROM node_devices WHERE node_id = ANY($1)`, nodeIDs); err != nil {
-		return fmt.Errorf("%s: clear devices: %w", what, interpretError(err))
-	}
-	if len(devNode) > 0 {
-		_, err := q.Exec(ctx, `INSERT INTO node_devices (node_id, device_index, uuid, model, memory_bytes, healthy)
-			SELECT * FROM unnest($1::text[], $2::int[], $3::text[], $4::text[], $5::bigint[], $6::bool[])`,
-			devNode, devIndex, devUUID, devModel, devMemory, devHealthy)
-		if err != nil {
-			return fmt.Errorf("%s: insert devices: %w", what, interpretError(err))
-		}
+	// One statement: the insert reads the delete's count, so that the
+	// delete runs first and the new rows take the old ones' keys.
+	_, err := q.Exec(ctx, `WITH del AS (DELETE FROM node_devices WHERE node_id = ANY($1) RETURNING 1)
+		INSERT INTO node_devices (node_id, device_index, uuid, model, memory_bytes, healthy)
+		SELECT * FROM unnest($2::text[], $3::int[], $4::text[], $5::text[], $6::bigint[], $7::bool[])
+		WHERE (SELECT count(*) FROM del) >= 0`,
+		nodeIDs, devNode, devIndex, devUUID, devModel, devMemory, devHealthy)
+	if err != nil {
+		return fmt.Errorf("%s: replace devices: %w", what, interpretError(err))
 	}
 	return nil
 }

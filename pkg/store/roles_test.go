@@ -509,9 +509,12 @@ func gatewayCalls(r *grantRun) {
 		return err
 	})
 	sid := ids.New(ids.Session, now)
-	r.call("OpenSession", func(ctx context.Context, tx pgx.Tx) error {
-		_, err := store.OpenSession(ctx, tx, store.OpenSessionParams{NodeID: n0, GatewayID: gw, SessionID: sid, BootID: "boot",
-			AgentVersion: "test", Now: now})
+	r.call("OpenSessions", func(ctx context.Context, tx pgx.Tx) error {
+		res, err := store.OpenSessions(ctx, tx, []store.OpenSessionRequest{{Serial: cert.Serial, OpenSessionParams: store.OpenSessionParams{
+			NodeID: n0, GatewayID: gw, SessionID: sid, BootID: "boot", AgentVersion: "test", Now: now}}})
+		if err == nil && !res[0].Opened {
+			return errors.New("the session was not opened")
+		}
 		return err
 	})
 	r.call("PendingSessionWork", func(ctx context.Context, tx pgx.Tx) error {
@@ -639,9 +642,8 @@ func controllersCalls(r *grantRun, signer *store.IntentSigner) {
 		return err
 	})
 	r.call("FleetStatsAt", func(ctx context.Context, tx pgx.Tx) error { _, err := store.FleetStatsAt(ctx, tx, now); return err })
-	r.call("AnyJoiningNodes", func(ctx context.Context, tx pgx.Tx) error { _, err := store.AnyJoiningNodes(ctx, tx); return err })
-	r.call("AnyDueAcceptances", func(ctx context.Context, tx pgx.Tx) error {
-		_, err := store.AnyDueAcceptances(ctx, tx, now)
+	r.call("AnyAcceptanceWork", func(ctx context.Context, tx pgx.Tx) error {
+		_, err := store.AnyAcceptanceWork(ctx, tx, now)
 		return err
 	})
 	r.call("ClaimJoiningNodes", func(ctx context.Context, tx pgx.Tx) error { _, err := store.ClaimJoiningNodes(ctx, tx, 10); return err })
@@ -722,9 +724,6 @@ func controllersCalls(r *grantRun, signer *store.IntentSigner) {
 		return err
 	})
 	r.call("PokeNodes", func(ctx context.Context, tx pgx.Tx) error { return store.PokeNodes(ctx, tx, now, n0, n1) })
-	r.call("Enqueue", func(ctx context.Context, tx pgx.Tx) error {
-		return store.Enqueue(ctx, tx, now, store.SubjectPokeControllers, nil)
-	})
 	r.call("SetSSHUserCAs", func(ctx context.Context, tx pgx.Tx) error {
 		_, err := store.SetSSHUserCAs(ctx, tx, signer, now, []*gatewayv1.SshUserCa{{Name: "break-glass", PublicKey: "ssh-ed25519 AAAAbg"},
 			{Name: "sandbox", PublicKey: "ssh-ed25519 AAAAsb"}})

@@ -78,6 +78,166 @@ func OpenSession(ctx context.Context, q DBTX, p OpenSessionParams) (OpenedSessio
 	return o, nil
 }
 
+// OpenSessionRequest asks OpenSessions to open a session of a node that
+// presented the client certificate Serial.
+type OpenSessionRequest struct {
+	OpenSessionParams
+	// Serial is the serial of the session's client certificate (lower-case
+	// hex, pki.SerialHex).
+	Serial string
+}
+
+// OpenSessionResult is what OpenSessions did with one OpenSessionRequest.
+type OpenSessionResult struct {
+	// Cert is the client certificate's row as GetSessionCert reads it; its
+	// Serial is "" when the serial names no certificate (CertFound false).
+	Cert SessionCert
+	// CertFound is false when the serial names no certificate.
+	CertFound bool
+	// Opened is true when the session was opened; Session is then the
+	// node's state right after, as OpenSession returns it.
+	Opened  bool
+	Session OpenedSession
+}
+
+// openSessionsSQL checks each request's certificate and opens the session
+// of each request whose certificate may open it, locking the nodes in id
+// order (FOR UPDATE, as OpenSession does) so that concurrent batches do
+// not deadlock each other. It answers one row per request: the
+// certificate's row (NULLs when unknown), then the opened session's
+// columns (NULLs when not opened).
+const openSessionsSQL = `WITH u AS (
+		SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::bigint[], $8::timestamptz[])
+			WITH ORDINALITY AS u(id, serial, gw, sid, boot, agent, obs, at, ord)),
+	cert AS (
+		SELECT u.ord, c.serial, c.node_id, c.not_after, COALESCE(c.revoked_at, n.revoked_at) AS revoked_at,
+			c.node_id = u.id AND c.revoked_at IS NULL AND n.revoked_at IS NULL AND c.not_after > u.at AS ok
+		FROM u JOIN node_certs c ON c.serial = u.serial JOIN nodes n ON n.id = c.node_id),
+	prev AS (
+		SELECT n.id, n.reachable, n.last_seen FROM nodes n
+		WHERE n.id = ANY($1) AND n.id IN (SELECT u.id FROM u JOIN cert ON cert.ord = u.ord AND cert.ok)
+		ORDER BY n.id FOR UPDATE),
+	up AS (
+		UPDATE nodes n SET
+			gateway_id = u.gw, session_id = u.sid, session_epoch = n.session_epoch + 1,
+			boot_id = u.boot, agent_version = CASE WHEN u.agent = '' THEN n.agent_version ELSE u.agent END,
+			observed_generation = GREATEST(n.observed_generation, u.obs),
+			last_seen = u.at, reachable = true, updated_at = u.at
+		FROM u, cert, prev, pools p
+		WHERE cert.ord = u.ord AND cert.ok AND n.id = u.id AND prev.id = n.id AND p.id = n.pool_id
+		RETURNING u.ord, n.session_epoch, n.spec_generation, prev.reachable, prev.last_seen, p.owner_tenant_id)
+	SELECT u.ord, cert.serial, cert.node_id, cert.not_after, cert.revoked_at,
+		up.session_epoch, up.spec_generation, up.reachable, up.last_seen, up.owner_tenant_id
+	FROM u LEFT JOIN cert ON cert.ord = u.ord LEFT JOIN up ON up.ord = u.ord`
+
+// OpenSessions opens the sessions of reqs, in one statement for all of
+// them when they name distinct nodes, and returns one OpenSessionResult per
+// request, in their order. A request's session opens, as OpenSession opens
+// it (at the request's Now), only when its certificate (Serial) is known,
+// is its node's (NodeID), is not revoked nor is its node, and has not
+// expired at Now (not_after after Now); otherwise nothing of its node
+// changes and the result says what the certificate is. Several requests
+// of one node open in their order, each superseding the one before (one
+// more statement for each repeat), so the last holds the greatest epoch.
+// The nodes that were unreachable get their node.reachable events, in one
+// more statement, at the latest Now of their requests. Call it in a
+// transaction.
+func OpenSessions(ctx context.Context, q DBTX, reqs []OpenSessionRequest) ([]OpenSessionResult, error) {
+	out := make([]OpenSessionResult, len(reqs))
+	var (
+		events []NewEvent
+		at     time.Time
+	)
+	for round := range sessionRounds(reqs) {
+		n := len(round)
+		cols := struct {
+			ids, serials, gws, sids, boots, agents []string
+			obs                                    []int64
+			ats                                    []time.Time
+		}{make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n),
+			make([]int64, n), make([]time.Time, n)}
+		for i, j := range round {
+			r := reqs[j]
+			cols.ids[i], cols.serials[i], cols.gws[i], cols.sids[i] = r.NodeID, r.Serial, r.GatewayID, r.SessionID
+			cols.boots[i], cols.agents[i], cols.obs[i], cols.ats[i] = r.BootID, r.AgentVersion, r.ObservedGeneration, r.Now
+		}
+		rows, err := q.Query(ctx, openSessionsSQL, cols.ids, cols.serials, cols.gws, cols.sids, cols.boots, cols.agents,
+			cols.obs, cols.ats)
+		if err != nil {
+			return nil, interpretError(err)
+		}
+		for rows.Next() {
+			var (
+				ord                 int64
+				serial, certNode    *string
+				notAfter, revokedAt *time.Time
+				epoch, spec         *int64
+				wasUp               *bool
+				lastSeen            *time.Time
+				owner               *string
+			)
+			if err := rows.Scan(&ord, &serial, &certNode, &notAfter, &revokedAt, &epoch, &spec, &wasUp, &lastSeen, &owner); err != nil {
+				rows.Close()
+				return nil, err
+			}
+			j := round[ord-1]
+			res := &out[j]
+			if serial != nil {
+				res.CertFound = true
+				res.Cert = SessionCert{Serial: *serial, NodeID: *certNode, NotAfter: *notAfter, RevokedAt: revokedAt}
+			}
+			if epoch == nil {
+				continue
+			}
+			res.Opened = true
+			res.Session = OpenedSession{Epoch: *epoch, SpecGeneration: *spec}
+			if !*wasUp {
+				r := reqs[j]
+				data := NodeReachableData{NodeID: r.NodeID, SessionID: r.SessionID, GatewayID: r.GatewayID}
+				if lastSeen != nil {
+					prev := lastSeen.UTC()
+					data.PreviousLastSeen = &prev
+				}
+				events = append(events, NewEvent{TenantID: *owner, Data: data})
+				if r.Now.After(at) {
+					at = r.Now
+				}
+			}
+		}
+		rows.Close()
+		if err := rows.Err(); err != nil {
+			return nil, interpretError(err)
+		}
+	}
+	if err := WriteEvents(ctx, q, at, events...); err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// sessionRounds yields the indexes of reqs in rounds that each name a node
+// at most once: the first request of every node, then the second of those
+// that have two, and so on, each round in the order of reqs.
+func sessionRounds(reqs []OpenSessionRequest) func(yield func([]int) bool) {
+	return func(yield func([]int) bool) {
+		seen := make(map[string]int, len(reqs)) // requests of each node placed so far
+		var rounds [][]int
+		for i, r := range reqs {
+			k := seen[r.NodeID]
+			seen[r.NodeID] = k + 1
+			if k == len(rounds) {
+				rounds = append(rounds, nil)
+			}
+			rounds[k] = append(rounds[k], i)
+		}
+		for _, round := range rounds {
+			if !yield(round) {
+				return
+			}
+		}
+	}
+}
+
 // CloseSession clears the node's gateway_id and session_id if sessionID is
 // still its live session (a newer session is left alone), and raises
 // last_seen to lastSeen (unless zero) either way. It reports whether it

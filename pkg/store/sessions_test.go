@@ -117,6 +117,160 @@ func TestSessionOpenCloseAndTakeover(t *testing.T) {
 	require.ErrorIs(t, err, store.ErrNotFound)
 }
 
+// openReq is an OpenSessionRequest of nodeID with the certificate serial
+// on gateway gw, at now.
+func (f gatewayFixture) openReq(nodeID, serial, gw string, now time.Time) store.OpenSessionRequest {
+	return store.OpenSessionRequest{Serial: serial, OpenSessionParams: store.OpenSessionParams{NodeID: nodeID, GatewayID: gw,
+		SessionID: ids.New(ids.Session, now), BootID: "boot", AgentVersion: "v2", ObservedGeneration: 1, Now: now}}
+}
+
+// reachableEvents returns the node.reachable events of nodeID's, data as
+// text, in id order.
+func (f gatewayFixture) reachableEvents(nodeID string) []string {
+	f.t.Helper()
+	rows, err := f.db.Pool.Query(f.t.Context(), `SELECT data::text FROM events WHERE type = 'node.reachable' AND subject_id = $1
+		ORDER BY id`, nodeID)
+	require.NoError(f.t, err)
+	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(f.t, err)
+	return out
+}
+
+// TestOpenSessions: one call opens the sessions whose certificate may open
+// them, as OpenSession does (epoch, spec generation, node.reachable), and
+// refuses the others, each with its certificate's row: unknown, another
+// node's, revoked, its node revoked, expired. Two requests of one node open
+// in order, the second superseding the first.
+func TestOpenSessions(t *testing.T) {
+	t.Parallel()
+	f := newGatewayFixture(t)
+	ctx := t.Context()
+	now := f.db.Now()
+	seen := now.Add(-time.Hour).Truncate(time.Microsecond)
+	ok := f.nodeWith(storetest.NodeOpts{SpecGeneration: 4, LastSeen: seen})
+	twice := f.node()
+	other, revoked, nodeRevoked, expired := f.node(), f.node(), f.nodeWith(storetest.NodeOpts{RevokedAt: now}), f.node()
+	cert := func(node string, o storetest.NodeCertOpts) string {
+		o.NodeID = node
+		if o.NotAfter.IsZero() {
+			o.NotAfter = now.Add(time.Hour)
+		}
+		return storetest.NodeCert(t, f.db, &o).Serial
+	}
+	okSerial, twiceSerial := cert(ok, storetest.NodeCertOpts{}), cert(twice, storetest.NodeCertOpts{})
+	otherSerial := cert(ok, storetest.NodeCertOpts{})
+	revokedSerial := cert(revoked, storetest.NodeCertOpts{RevokedAt: now.Add(-time.Minute)})
+	nodeRevokedSerial := cert(nodeRevoked, storetest.NodeCertOpts{})
+	expiredSerial := cert(expired, storetest.NodeCertOpts{NotBefore: now.Add(-2 * time.Hour), NotAfter: now})
+
+	reqs := []store.OpenSessionRequest{
+		f.openReq(ok, okSerial, "gw-a", now),
+		f.openReq(twice, twiceSerial, "gw-a", now),
+		f.openReq(other, otherSerial, "gw-a", now),
+		f.openReq(revoked, revokedSerial, "gw-a", now),
+		f.openReq(nodeRevoked, nodeRevokedSerial, "gw-a", now),
+		f.openReq(expired, expiredSerial, "gw-a", now),
+		f.openReq(other, "ffff", "gw-a", now),
+		f.openReq(twice, twiceSerial, "gw-b", now),
+	}
+	var res []store.OpenSessionResult
+	require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
+		var err error
+		res, err = store.OpenSessions(ctx, tx, reqs)
+		return err
+	}))
+	require.Len(t, res, len(reqs))
+
+	require.True(t, res[0].Opened)
+	require.Equal(t, store.OpenedSession{Epoch: 1, SpecGeneration: 4}, res[0].Session)
+	require.True(t, res[0].CertFound)
+	require.Equal(t, ok, res[0].Cert.NodeID)
+	require.Nil(t, res[0].Cert.RevokedAt)
+	gw, sid, reachable, lastSeen, observed := f.session(ok)
+	require.Equal(t, "gw-a", *gw)
+	require.Equal(t, reqs[0].SessionID, *sid)
+	require.True(t, reachable)
+	require.True(t, lastSeen.Equal(now.Truncate(time.Microsecond)))
+	require.EqualValues(t, 1, observed)
+	require.Equal(t, []string{fmt.Sprintf(`{"nodeId": %q, "gatewayId": "gw-a", "sessionId": %q, "previousLastSeen": %q}`,
+		ok, reqs[0].SessionID, seen.UTC().Format(time.RFC3339Nano))}, f.reachableEvents(ok))
+
+	require.True(t, res[1].Opened)
+	require.EqualValues(t, 1, res[1].Session.Epoch)
+	require.True(t, res[7].Opened)
+	require.EqualValues(t, 2, res[7].Session.Epoch, "the second request of a node supersedes the first")
+	gw, sid, _, _, _ = f.session(twice)
+	require.Equal(t, "gw-b", *gw)
+	require.Equal(t, reqs[7].SessionID, *sid)
+	require.Len(t, f.reachableEvents(twice), 1, "reachable once: the second session found it reachable")
+
+	for _, tc := range []struct {
+		name    string
+		i       int
+		found   bool
+		node    string
+		revoked bool
+	}{
+		{name: "another node's certificate", i: 2, found: true, node: ok},
+		{name: "revoked certificate", i: 3, found: true, node: revoked, revoked: true},
+		{name: "revoked node", i: 4, found: true, node: nodeRevoked, revoked: true},
+		{name: "expired certificate", i: 5, found: true, node: expired},
+		{name: "unknown certificate", i: 6},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := res[tc.i]
+			require.False(t, r.Opened)
+			require.Equal(t, tc.found, r.CertFound)
+			require.Equal(t, tc.node, r.Cert.NodeID)
+			require.Equal(t, tc.revoked, r.Cert.RevokedAt != nil)
+			gw, sid, reachable, _, _ := f.session(reqs[tc.i].NodeID)
+			require.Nil(t, gw)
+			require.Nil(t, sid)
+			require.False(t, reachable)
+			require.Empty(t, f.reachableEvents(reqs[tc.i].NodeID))
+		})
+	}
+	require.True(t, res[5].Cert.NotAfter.Equal(now), "the certificate's row as it is")
+}
+
+// TestOpenSessionsStatements: OpenSessions of 32 nodes, each with its
+// certificate, in DB.InTx costs BEGIN, one statement that checks the
+// certificates and opens the sessions, one that writes their
+// node.reachable events, and COMMIT: 4 statements however many sessions.
+// The outbox's NOTIFY, sent after the commit by a goroutine of its own, is
+// not counted. Not parallel: the counter sees every statement of the
+// process.
+func TestOpenSessionsStatements(t *testing.T) {
+	f := newGatewayFixture(t)
+	ctx := t.Context()
+	now := f.db.Now()
+	var reqs []store.OpenSessionRequest
+	for range 32 {
+		n := f.node()
+		c := storetest.NodeCert(t, f.db, &storetest.NodeCertOpts{NodeID: n, NotAfter: now.Add(time.Hour)})
+		reqs = append(reqs, f.openReq(n, c.Serial, "gw-a", now))
+	}
+	stmts := storetest.CountStatements()
+	var res []store.OpenSessionResult
+	require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
+		var err error
+		res, err = store.OpenSessions(ctx, tx, reqs)
+		return err
+	}))
+	stmts.Stop()
+	var sql []string
+	for _, s := range stmts.SQL() {
+		if !strings.Contains(s, "pg_notify") {
+			sql = append(sql, s)
+		}
+	}
+	require.LessOrEqual(t, len(sql), 4, strings.Join(sql, "\n---\n"))
+	for i, r := range res {
+		require.True(t, r.Opened, reqs[i].NodeID)
+		require.Len(t, f.reachableEvents(reqs[i].NodeID), 1)
+	}
+}
+
 func TestGetSessionCert(t *testing.T) {
 	t.Parallel()
 	f := newGatewayFixture(t)

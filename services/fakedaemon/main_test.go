@@ -15,6 +15,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/better-compute/better-compute/pkg/agent"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/fakehw"
 	"github.com/better-compute/better-compute/pkg/pki"
@@ -59,6 +60,7 @@ func TestParseConfigDefaults(t *testing.T) {
 	require.Equal(t, "/var/lib/fakedaemon", cfg.DataDir)
 	require.Equal(t, "hgx-h100", cfg.Variant)
 	require.Equal(t, 1, cfg.Nodes)
+	require.Equal(t, agent.DefaultJoinConcurrency, cfg.JoinConcurrency)
 	require.Equal(t, 2*time.Minute, cfg.TokenWait)
 	require.Equal(t, ":8085", cfg.HealthListen)
 	require.Nil(t, cfg.Durations, "unset: the machines' usual command durations")
@@ -90,6 +92,7 @@ func TestParseConfigEnvAndFlags(t *testing.T) {
 	t.Setenv("BETTER_COMPUTE_DATA_DIR", "/d")
 	t.Setenv("BETTER_COMPUTE_VARIANT", "l40s")
 	t.Setenv("BETTER_COMPUTE_NODES", "4")
+	t.Setenv("BETTER_COMPUTE_FAKEDAEMON_JOIN_CONCURRENCY", "40")
 	t.Setenv("BETTER_COMPUTE_FAKEDAEMON_GATEWAY_URL", "https://g:8443")
 	t.Setenv("BETTER_COMPUTE_FAKEDAEMON_GATEWAY_SERVER_NAME", "gw")
 	t.Setenv("BETTER_COMPUTE_HEALTH_LISTEN", "127.0.0.1:9999")
@@ -104,6 +107,7 @@ func TestParseConfigEnvAndFlags(t *testing.T) {
 	require.Equal(t, "/d", cfg.DataDir)
 	require.Equal(t, "cpu", cfg.Variant)
 	require.Equal(t, 8, cfg.Nodes)
+	require.Equal(t, 40, cfg.JoinConcurrency)
 	require.Equal(t, "https://g:8443", cfg.GatewayURL)
 	require.Equal(t, "gw", cfg.GatewayServerName)
 	require.Empty(t, cfg.HealthListen, "an empty --health-listen turns the server off")
@@ -148,6 +152,11 @@ func TestParseConfigErrors(t *testing.T) {
 	require.ErrorContains(t, err, "--nodes must be from 1 to 20000, got 0")
 	_, err = parseConfig([]string{"--nodes", "100000000"}, false)
 	require.ErrorContains(t, err, "--nodes must be from 1 to 20000, got 100000000")
+	_, err = parseConfig([]string{"--join-concurrency", "0"}, false)
+	require.ErrorContains(t, err, "--join-concurrency must be from 1 to 20000, got 0")
+	cfg, err := parseConfig([]string{"--join-concurrency", "128"}, false)
+	require.NoError(t, err)
+	require.Equal(t, 128, cfg.JoinConcurrency)
 	_, err = parseConfig([]string{"extra"}, false)
 	require.ErrorContains(t, err, `unexpected argument "extra"`)
 	_, err = parseConfig([]string{"--join-signing-pin", "sha1/abc"}, false)

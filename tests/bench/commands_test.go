@@ -168,7 +168,7 @@ func BenchmarkCommands(b *testing.B) {
 		if inProcess {
 			f.startMachines(b, &durations)
 		} else {
-			f.startMachinesProcess(b, commandKind+"=0")
+			f.startMachinesProcess(b, commandKind+"=0", 0)
 		}
 		f.waitAdopted(b)
 		nodes := f.nodeIDs(b)

@@ -179,16 +179,21 @@ func (f *fleet) startMachines(b *testing.B, durations *fakehw.Durations) time.Ti
 // startMachinesProcess starts the fleet's n machines in a fakedaemon
 // process of their own (bin/linux/fakedaemon, `make build`; --nodes n,
 // joining with the fleet's join token, the deployment's pins.json), with
-// --command-durations durations when not "", and returns once every
-// machine has joined (its /healthz answers 200); it records the process id
-// in machinesPID. The process is interrupted when the benchmark ends.
-func (f *fleet) startMachinesProcess(b *testing.B, durations string) {
+// --command-durations durations when not "" and --join-concurrency
+// joinConcurrency when above 0 (else the fakedaemon's default), and returns
+// once every machine has joined (its /healthz answers 200); it records the
+// process id in machinesPID. The process is interrupted when the benchmark
+// ends.
+func (f *fleet) startMachinesProcess(b *testing.B, durations string, joinConcurrency int) {
 	b.Helper()
 	health := procs.FreeAddr(b)
 	args := []string{"--nodes", strconv.Itoa(f.n), "--data-dir", b.TempDir(), "--server", f.apiURL,
 		"--pins-file", filepath.Join(f.pkiDir, pki.PinsJSON), "--health-listen", health}
 	if durations != "" {
 		args = append(args, "--command-durations", durations)
+	}
+	if joinConcurrency > 0 {
+		args = append(args, "--join-concurrency", strconv.Itoa(joinConcurrency))
 	}
 	p := procs.Launch(b, "fakedaemon", args, "BETTER_COMPUTE_JOIN_TOKEN="+f.joinToken, "BETTER_COMPUTE_LOG_LEVEL=warn")
 	f.machinesPID = p.PID()

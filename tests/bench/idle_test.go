@@ -35,7 +35,7 @@ func BenchmarkIdleFleet(b *testing.B) {
 		}
 		require.NoError(b, clock.Sleep(ctx, clk, 5*time.Second))
 		empty := measure(baseline)
-		f.startMachinesProcess(b, "")
+		f.startMachinesProcess(b, "", 0)
 		f.waitAdopted(b)
 		require.NoError(b, clock.Sleep(ctx, clk, settle))
 		waitProfiles := f.profile(b, "", int(window/time.Second))

@@ -14,6 +14,11 @@ import (
 	"github.com/better-compute/better-compute/pkg/clock"
 )
 
+// joinBenchConcurrency is the fakedaemon's --join-concurrency in
+// BenchmarkJoinToAdoption: enough Joins in flight that the machines' side
+// (16 by default) does not bound the rate the control plane is measured at.
+const joinBenchConcurrency = 256
+
 // BenchmarkJoinToAdoption joins BETTER_COMPUTE_BENCH_MACHINES (default 1,000)
 // simulated H100 machines (one fakedaemon process, --nodes) to the control
 // plane, every service a process of its own (bin/linux), on Postgres and
@@ -37,7 +42,7 @@ func BenchmarkJoinToAdoption(b *testing.B) {
 		cpu0 := f.cpu(b)
 		waitProfiles := f.profile(b, "", n/50+1)
 		start := clk.Now()
-		f.startMachinesProcess(b, "")
+		f.startMachinesProcess(b, "", joinBenchConcurrency)
 		f.waitAdopted(b)
 		wall := clk.Now().Sub(start)
 		joinCPU := f.cpu(b).sub(cpu0)

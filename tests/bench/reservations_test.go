@@ -39,7 +39,7 @@ func BenchmarkReservations(b *testing.B) {
 	for range b.N {
 		f := startFleet(b, fleetOptions{processes: true, noScheduler: true})
 		n, clk, ctx := f.n, f.clk, b.Context()
-		f.startMachinesProcess(b, "")
+		f.startMachinesProcess(b, "", 0)
 		f.waitAdopted(b)
 		db := f.db
 		count := func(sql string, args ...any) int {

@@ -177,12 +177,13 @@ func (a *Acceptance) Run(ctx context.Context) error {
 func (a *Acceptance) Reconcile(ctx context.Context) (PassResult, error) {
 	var res PassResult
 	// A pass woken for one side (a join, or an answer) finds nothing on
-	// the other: a read that locks nothing says so without a transaction.
-	starting, err := store.AnyJoiningNodes(ctx, a.DB.Pool)
+	// the other: one read that locks nothing says so for both sides,
+	// without a transaction.
+	work, err := store.AnyAcceptanceWork(ctx, a.DB.Pool, a.now())
 	if err != nil {
 		return res, err
 	}
-	for starting {
+	for work.Joining {
 		n, err := a.startBatch(ctx)
 		res.Started += n
 		if err != nil {
@@ -192,11 +193,8 @@ func (a *Acceptance) Reconcile(ctx context.Context) (PassResult, error) {
 			break
 		}
 	}
-	evaluating, err := store.AnyDueAcceptances(ctx, a.DB.Pool, a.now())
-	if err != nil {
-		return res, err
-	}
-	for evaluating {
+	// Starting makes no acceptance due: the read before it stands.
+	for work.Due {
 		claimed, br, err := a.evaluateBatch(ctx)
 		res.Adopted += br.Adopted
 		res.Failed += br.Failed
@@ -343,14 +341,10 @@ func (a *Acceptance) evaluateBatch(ctx context.Context) (int, PassResult, error)
 		if err != nil {
 			return err
 		}
-		// Adopted nodes get their DesiredState, retried ones their command.
+		// Adopted nodes get their DesiredState, retried ones their command
+		// (AdoptNodes poked the scheduler).
 		if err := store.PokeNodes(ctx, tx, now, append(adopted, freshNodes...)...); err != nil {
 			return err
-		}
-		if len(adopted) > 0 {
-			if err := store.Enqueue(ctx, tx, now, store.SubjectPokeScheduler, nil); err != nil {
-				return err
-			}
 		}
 		res = PassResult{Adopted: len(adopted), Failed: len(failed), Retried: len(fresh)}
 		for _, id := range adopted {

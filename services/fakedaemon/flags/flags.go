@@ -74,6 +74,8 @@ func Add(fs *pflag.FlagSet, getenv func(string) string) *Flags {
 	f.str(&f.cfg.DataDir, "data-dir", p+"DATA_DIR", fakedaemon.DefaultDataDir, "the machines' directories: `PATH`/<index> holds machine index's identity and journal")
 	f.str(&f.cfg.Variant, "variant", p+"VARIANT", fakedaemon.DefaultVariant, "the fake hardware (`NAME`) of machines that have not joined: "+strings.Join(fakehw.Variants(), ", "))
 	f.integer(&f.cfg.Nodes, "nodes", p+"NODES", 1, fmt.Sprintf("machines to run in this process, 1 to %d", agent.MaxNodes))
+	f.integer(&f.cfg.JoinConcurrency, "join-concurrency", p+"FAKEDAEMON_JOIN_CONCURRENCY", agent.DefaultJoinConcurrency,
+		fmt.Sprintf("how many of the machines may be joining at once (Join calls in flight), 1 to %d; more makes a large --nodes join faster where JoinService's per-address rate limit allows it", agent.MaxNodes))
 	f.str(&f.cfg.GatewayURL, "gateway-url", p+"FAKEDAEMON_GATEWAY_URL", "", "the gateways (`URLS`), over the JoinResponse's: https://HOST[:PORT], comma-separated, one per replica; a machine moves to the next when it loses its session")
 	f.str(&f.cfg.GatewayServerName, "gateway-server-name", p+"FAKEDAEMON_GATEWAY_SERVER_NAME", "", "the gateways' TLS server `NAME`, over the JoinResponse's")
 	f.duration(&f.cfg.Core.SilenceTimeout, "gateway-silence-timeout", p+"FAKEDAEMON_GATEWAY_SILENCE_TIMEOUT", 0, "drop a session that heard nothing from its gateway for this long and dial the next (0: 3 heartbeat intervals, at most 15s; never below 1.5 intervals)")
@@ -213,6 +215,9 @@ func (f *Flags) Config(joinOnly bool) (fakedaemon.Config, error) {
 	}
 	if cfg.Nodes < 1 || cfg.Nodes > agent.MaxNodes {
 		return cfg, fmt.Errorf("--nodes must be from 1 to %d, got %d", agent.MaxNodes, cfg.Nodes)
+	}
+	if cfg.JoinConcurrency < 1 || cfg.JoinConcurrency > agent.MaxNodes {
+		return cfg, fmt.Errorf("--join-concurrency must be from 1 to %d, got %d", agent.MaxNodes, cfg.JoinConcurrency)
 	}
 	if f.pinsFile != "" {
 		fromFile, err := pki.ReadPinsFile(f.pinsFile)

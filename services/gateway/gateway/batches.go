@@ -3,6 +3,8 @@ package gateway
 import (
 	"context"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/better-compute/better-compute/pkg/batch"
 	"github.com/better-compute/better-compute/pkg/store"
 )
@@ -25,6 +27,9 @@ const (
 	// activationWorkers is how many batches of AllocationBound reports
 	// (store.ActivateReservations) may run at once.
 	activationWorkers = 1
+	// openWorkers is how many batches of session opens
+	// (store.OpenSessions) may run at once.
+	openWorkers = 2
 	// maxBatch is the most writes of one kind in one statement.
 	maxBatch = 256
 	// retries is how many times a batch outside a transaction of DB.InTx
@@ -41,6 +46,7 @@ type batchers struct {
 	observed *batch.Batcher[store.ObservedGeneration, struct{}]
 	// activations turn reservations active (allocationBound).
 	activations *batch.Batcher[store.AllocationBound, store.Activation]
+	opens       *batch.Batcher[store.OpenSessionRequest, store.OpenSessionResult]
 }
 
 func (s *Server) startBatchers() *batchers {
@@ -50,6 +56,7 @@ func (s *Server) startBatchers() *batchers {
 		observed: batch.New(s.flushObserved, batch.Options{Workers: observedWorkers, MaxBatch: maxBatch}),
 		activations: batch.New(s.flushActivations,
 			batch.Options{Workers: activationWorkers, MaxBatch: maxBatch}),
+		opens: batch.New(s.flushOpens, batch.Options{Workers: openWorkers, MaxBatch: maxBatch}),
 	}
 }
 
@@ -58,6 +65,7 @@ func (b *batchers) close() {
 	b.updates.Close()
 	b.observed.Close()
 	b.activations.Close()
+	b.opens.Close()
 }
 
 // retry runs fn, which writes in one implicit transaction, again while it
@@ -117,6 +125,20 @@ func (s *Server) flushActivations(ctx context.Context, reports []store.Allocatio
 	err := retry(func() error {
 		var err error
 		out, err = store.ActivateReservations(ctx, s.db.AutoCommit(), s.db.Now(), reports)
+		return err
+	})
+	return out, err
+}
+
+// flushOpens checks the certificates of Hellos and opens their sessions in
+// one transaction (store.OpenSessions: one statement, and one for the
+// node.reachable events), which DB.InTx runs again after a deadlock or
+// serialization failure.
+func (s *Server) flushOpens(ctx context.Context, reqs []store.OpenSessionRequest) ([]store.OpenSessionResult, error) {
+	var out []store.OpenSessionResult
+	err := s.db.InTx(ctx, func(tx pgx.Tx) error {
+		var err error
+		out, err = store.OpenSessions(ctx, tx, reqs)
 		return err
 	})
 	return out, err

@@ -14,7 +14,6 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
-	"github.com/jackc/pgx/v5"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
@@ -384,7 +383,9 @@ func (s *Server) untrack(st *session) {
 }
 
 // hello checks the client certificate against hello and the database, makes
-// st the node's live session and returns the Welcome to send.
+// st the node's live session and returns the Welcome to send. The check and
+// the open are one statement (store.OpenSessions), in a transaction the
+// Hellos that arrive together share (the opens batcher).
 func (s *Server) hello(ctx context.Context, st *session, h *gatewayv1.Hello) (*gatewayv1.SessionResponse, error) {
 	h, err := decodeHello(h)
 	if err != nil {
@@ -399,38 +400,34 @@ func (s *Server) hello(ctx context.Context, st *session, h *gatewayv1.Hello) (*g
 	}
 	now := s.db.Now()
 	sessionID := ids.New(ids.Session, now)
-	var opened store.OpenedSession
-	var refusal error
-	var notAfter time.Time
-	err = s.db.InTx(ctx, func(tx pgx.Tx) error {
-		cert, err := store.GetSessionCert(ctx, tx, st.serial)
-		if refusal, err = certRefusal(st, cert, err, now); refusal != nil || err != nil {
-			return err
-		}
-		notAfter = cert.NotAfter
-		opened, err = store.OpenSession(ctx, tx, store.OpenSessionParams{
-			NodeID:             st.certID,
-			GatewayID:          s.cfg.GatewayID,
-			SessionID:          sessionID,
-			BootID:             h.GetBootId(),
-			AgentVersion:       h.GetAgentVersion(),
-			ObservedGeneration: h.GetObservedGeneration(),
-			Now:                now,
-		})
-		if errors.Is(err, store.ErrNotFound) {
-			refusal = connect.NewError(connect.CodeNotFound, errors.New("hello.node_id names no node"))
-			return nil
-		}
-		return err
-	})
+	res, err := s.batch.opens.Do(ctx, store.OpenSessionRequest{Serial: st.serial, OpenSessionParams: store.OpenSessionParams{
+		NodeID:             st.certID,
+		GatewayID:          s.cfg.GatewayID,
+		SessionID:          sessionID,
+		BootID:             h.GetBootId(),
+		AgentVersion:       h.GetAgentVersion(),
+		ObservedGeneration: h.GetObservedGeneration(),
+		Now:                now,
+	}})
 	if err != nil {
 		s.log.ErrorContext(ctx, "open session", telemetry.KeyNodeID, st.certID, telemetry.KeyError, err)
 		return nil, connect.NewError(connect.CodeUnavailable, errors.New("the gateway could not open the session; retry"))
+	}
+	var certErr error
+	if !res.CertFound {
+		certErr = store.ErrNotFound
+	}
+	// certErr is nil or ErrNotFound, so certRefusal reports no database
+	// error.
+	refusal, _ := certRefusal(st, res.Cert, certErr, now)
+	if refusal == nil && !res.Opened {
+		refusal = connect.NewError(connect.CodeNotFound, errors.New("hello.node_id names no node"))
 	}
 	if refusal != nil {
 		s.log.WarnContext(ctx, "session refused", telemetry.KeyNodeID, st.certID, "cert_serial", st.serial, telemetry.KeyError, refusal)
 		return nil, refusal
 	}
+	opened, notAfter := res.Session, res.Cert.NotAfter
 
 	st.cert.Store(&sessionCert{serial: st.serial, notAfter: notAfter, cert: st.client})
 	st.reported.Store(h.GetObservedGeneration())

@@ -1,0 +1,112 @@
+package gateway_test
+
+import (
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	"github.com/better-compute/better-compute/api/gen/bc/gateway/v1/gatewayv1connect"
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
+)
+
+// openStatements returns the statements of sql that a session's open
+// sends, leaving out its first delivery's claim (store.ClaimSessionDeliveries)
+// and the outbox's NOTIFY, sent after the commit by a goroutine of its own,
+// which may each start before the Welcome arrives or after.
+func openStatements(sql []string) []string {
+	var out []string
+	for _, s := range sql {
+		if strings.Contains(s, "AS u(id, sid, known, ord)") || strings.Contains(s, "AS u(id, sid, inflight, ord)") ||
+			strings.Contains(s, "pg_notify") {
+			continue
+		}
+		out = append(out, s)
+	}
+	return out
+}
+
+// TestSessionOpenStatements: a Hello costs one transaction of BEGIN, one
+// statement that checks the client certificate and opens the session
+// (store.OpenSessions), the node.reachable event and COMMIT: 4 statements
+// up to the Welcome, its delivery's claim and the outbox's NOTIFY aside. The clock is fake, so that
+// no periodic flush runs meanwhile. Not parallel: the counter sees every
+// statement of the process.
+func TestSessionOpenStatements(t *testing.T) {
+	e := setup(t, options{clock: clock.NewFake(realClock.Now())})
+	g := e.startGateway(noResync)
+	// The first session waits for the gateway's start.
+	e.connect(g, e.newNode(), nil)
+
+	n := e.newNode()
+	stmts := storetest.CountStatements()
+	_, w := e.connect(g, n, nil)
+	stmts.Stop()
+	got := openStatements(stmts.SQL())
+	require.LessOrEqual(t, len(got), 4, strings.Join(got, "\n---\n"))
+	require.EqualValues(t, 1, w.GetSessionEpoch())
+	require.Equal(t, w.GetSessionId(), *e.nodeRow(n.id).SessionID)
+}
+
+// BenchmarkSessionOpenStatements opens the sessions of 64 nodes, by 1 and
+// by 16 concurrent daemons (Hellos that arrive together share a
+// transaction), each session up to its Welcome, and reports the SQL
+// statements per open (BEGIN and COMMIT counted, the first deliveries'
+// claims and the outbox's NOTIFYs aside) and nanoseconds per open. BENCH_SQL=1 prints the
+// statements of the last round.
+func BenchmarkSessionOpenStatements(b *testing.B) {
+	const opens = 64
+	for _, callers := range []int{1, 16} {
+		b.Run(fmt.Sprintf("callers=%d", callers), func(b *testing.B) {
+			e := setup(b, options{clock: clock.NewFake(realClock.Now())})
+			g := e.startGateway(noResync)
+			e.connect(g, e.newNode(), nil)
+			stmts := storetest.CountStatements()
+			var total int
+			for b.Loop() {
+				b.StopTimer()
+				clients := make(chan openClient, opens)
+				for range opens {
+					n := e.newNode()
+					clients <- openClient{c: e.client(g, n.cert), id: n.id}
+				}
+				close(clients)
+				stmts.Reset()
+				b.StartTimer()
+				// The sessions stay open until the benchmark ends: their
+				// closes would write during the next round.
+				var wg sync.WaitGroup
+				for range callers {
+					wg.Go(func() {
+						for c := range clients {
+							e.connectWith(c.c, &gatewayv1.Hello{NodeId: c.id, BootId: "boot-1", AgentVersion: "test"})
+						}
+					})
+				}
+				wg.Wait()
+				b.StopTimer()
+				stmts.Stop()
+				total += len(openStatements(stmts.SQL()))
+				b.StartTimer()
+			}
+			b.ReportMetric(float64(total)/float64(opens*b.N), "stmts/open")
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(opens*b.N), "ns/open")
+			if os.Getenv("BENCH_SQL") != "" {
+				for _, s := range stmts.SQL() {
+					b.Log("SQL: " + strings.Join(strings.Fields(s), " "))
+				}
+			}
+		})
+	}
+}
+
+// openClient is a client with the client certificate of node id.
+type openClient struct {
+	c  gatewayv1connect.GatewayServiceClient
+	id string
+}
