@@ -61,7 +61,8 @@ func (a *app) inFlagWords(c *cobra.Command, err error) error {
 // fieldWords is err with a Connect message whose violations ("field:
 // reason", joined by "; ") start with a field of byField starting with its
 // flag instead ("duration: …" → "--for: …"), and whose hints "set <field>"
-// say "pass <flag>"; the code and details are kept. Other errors pass as
+// and "(<field>)" say "pass <flag>" and "(<flag>)"; the code and details
+// are kept. Other errors pass as
 // they are.
 func fieldWords(err error, byField map[string]string) error {
 	var cerr *connect.Error
@@ -79,6 +80,7 @@ func fieldWords(err error, byField map[string]string) error {
 	out := strings.Join(parts, "; ")
 	for field, flag := range byField {
 		out = strings.ReplaceAll(out, "set "+field+" ", "pass "+flag+" ")
+		out = strings.ReplaceAll(out, "("+field+")", "("+flag+")")
 	}
 	if out == msg {
 		return err

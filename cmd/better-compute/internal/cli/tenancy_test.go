@@ -131,7 +131,7 @@ func TestSitesCreateNeedsRegion(t *testing.T) {
 	require.Equal(t, "error: required flag(s) \"region\" not set\n", res.stderr)
 	res = r.run(t, "sites", "create", "s2", "--region", "  ")
 	require.Equal(t, 1, res.code)
-	require.Equal(t, "error: invalid_argument: region: is required: the region the site is in\n", res.stderr)
+	require.Equal(t, "error: invalid_argument: --region: is required: the region the site is in\n", res.stderr)
 	_, err := store.GetSiteByName(t.Context(), f.db.Pool, "s2")
 	require.ErrorIs(t, err, store.ErrNotFound)
 
