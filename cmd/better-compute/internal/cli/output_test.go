@@ -84,7 +84,7 @@ func TestFieldWords(t *testing.T) {
 		t.Fatalf("fieldWords: %q, want %q", FormatError(fieldWords(hint, byField)), want)
 	}
 	other := connect.NewError(connect.CodeNotFound, errors.New("node node_1 not found"))
-	if got := fieldWords(other, byField); got != other {
+	if got := fieldWords(other, byField); !errors.Is(got, other) || FormatError(got) != FormatError(other) {
 		t.Fatalf("fieldWords changed %v", other)
 	}
 }
