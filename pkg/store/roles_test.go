@@ -393,6 +393,10 @@ func apiCalls(r *grantRun, signer *store.IntentSigner) {
 		_, err := store.ListUsage(ctx, tx, store.UsageFilter{Scope: all, Limit: 10})
 		return err
 	})
+	r.call("OpenUsage", func(ctx context.Context, tx pgx.Tx) error {
+		_, err := store.OpenUsage(ctx, tx, store.UsageFilter{Scope: all, Limit: 10}, now)
+		return err
+	})
 	r.call("ScanEvents", func(ctx context.Context, tx pgx.Tx) error {
 		_, err := store.ScanEvents(ctx, tx, 0, store.EventFilter{Scope: all}, 100)
 		return err

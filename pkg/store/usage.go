@@ -73,6 +73,52 @@ func ListUsage(ctx context.Context, q DBTX, f UsageFilter) ([]UsageWindow, error
 	return out, nil
 }
 
+// OpenUsage returns the usage of the running reservations matching f
+// (binding or active, placed) that no window holds yet: for each, the
+// GPU-seconds of each hour after its latest written window up to now, the
+// current hour's so far, computed as WriteUsageWindows would write them
+// once final. They are not stored: a later call, or the written windows,
+// count the same seconds again. Ordered as ListUsage; f.Limit caps them.
+func OpenUsage(ctx context.Context, q DBTX, f UsageFilter, now time.Time) ([]UsageWindow, error) {
+	limit := any(nil)
+	if f.Limit > 0 {
+		limit = f.Limit
+	}
+	var since any
+	if !f.Since.IsZero() {
+		since = f.Since
+	}
+	rows, err := q.Query(ctx, `WITH b AS (
+			SELECT b.reservation_id AS rid, r.tenant_id, r.pool_id,
+				date_trunc('second', lower(b.during), 'UTC') AS lo,
+				least(date_trunc('second', upper(b.during), 'UTC'), date_trunc('second', $3::timestamptz, 'UTC')) AS hi
+			FROM bookings b JOIN reservations r ON r.id = b.reservation_id
+			WHERE r.state IN ('binding', 'active') AND r.placed_at IS NOT NULL AND ($1::text IS NULL OR r.tenant_id = $1)
+		), w AS (
+			SELECT b.rid, b.tenant_id, b.pool_id, ws,
+				extract(epoch FROM least(b.hi, ws + interval '1 hour') - greatest(b.lo, ws))::bigint AS secs
+			FROM b, generate_series(date_trunc('hour', b.lo, 'UTC'), b.hi - interval '1 second', interval '1 hour') AS ws
+			WHERE b.hi > b.lo
+		)
+		SELECT w.rid, w.tenant_id, w.pool_id, w.ws, sum(w.secs)::bigint FROM w
+		WHERE w.ws > coalesce((SELECT max(u.window_start) FROM usage_windows u WHERE u.reservation_id = w.rid), '-infinity')
+			AND ($2::timestamptz IS NULL OR w.ws > $2::timestamptz - interval '1 hour')
+		GROUP BY w.rid, w.tenant_id, w.pool_id, w.ws
+		ORDER BY w.ws, w.rid LIMIT $4`, f.Scope.arg(), since, now, limit)
+	if err != nil {
+		return nil, queryErr("open usage", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (UsageWindow, error) {
+		var w UsageWindow
+		err := r.Scan(&w.ReservationID, &w.TenantID, &w.PoolID, &w.WindowStart, &w.GPUSeconds)
+		return w, err
+	})
+	if err != nil {
+		return nil, queryErr("open usage", err)
+	}
+	return out, nil
+}
+
 // UsageCandidates returns, by id, up to limit reservations after the id
 // after ("" from the start) that may have usage windows to write: the
 // placed ones still open, and the ended ones whose last window (the hour of

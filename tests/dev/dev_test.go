@@ -216,7 +216,8 @@ func TestDevVariants(t *testing.T) {
 // TestDevKeptData: runs on one --data keep the same root token, pool and
 // nodes; a run comes back without a new join, also after the one before it
 // was killed (SIGKILL: its embedded PostgreSQL server left as a crash
-// leaves it).
+// leaves it); a run without --sim warns that the kept machines are not
+// started.
 func TestDevKeptData(t *testing.T) {
 	t.Parallel()
 	dir := devproc.WorkDir(t)
@@ -240,6 +241,20 @@ func TestDevKeptData(t *testing.T) {
 	token1, nodes1 := run(syscall.SIGTERM)
 	token2, nodes2 := run(syscall.SIGKILL)
 	token3, nodes3 := run(syscall.SIGTERM)
+
+	// Without --sim the kept machines stay off, and dev says so (a
+	// warning, on standard error; the startup text is standard output).
+	d := devproc.Start(t, dir, nil, "--data", data, "--port", "0")
+	d.WaitLine(`^warning: `+regexp.QuoteMeta(data)+` holds 2 simulated machine\(s\) of an earlier run, not started: pass --sim 2 to start them$`,
+		30*time.Second)
+	d.WaitLine(`^CLI environment: source \.better-compute/dev\.env$`, 30*time.Second)
+	require.Contains(t, d.Stderr(), "pass --sim 2")
+	require.Contains(t, d.Stdout(), "better-compute listening on ")
+	require.Contains(t, d.Stdout(), "Root tenant ")
+	require.NotContains(t, d.Stderr(), "better-compute listening on ")
+	require.NotContains(t, d.Stdout(), "warning: ")
+	require.Equal(t, 0, d.Stop(syscall.SIGTERM), d.Output())
+
 	require.Len(t, nodes1, 2)
 	for _, run := range []struct {
 		token string
@@ -421,8 +436,8 @@ func TestDevTwoAtOnce(t *testing.T) {
 }
 
 // TestDevHangupAndBrokenPipe: a closed terminal (SIGHUP) stops dev as
-// SIGTERM does, and so does SIGTERM after the reader of its output went
-// away: the embedded server and its directory are gone afterwards.
+// SIGTERM does, and so does SIGTERM after the reader of its standard output
+// (`dev | tee`) went away: the embedded server and its directory are gone afterwards.
 func TestDevHangupAndBrokenPipe(t *testing.T) {
 	t.Parallel()
 	for _, c := range []struct {
@@ -443,12 +458,12 @@ func TestDevHangupAndBrokenPipe(t *testing.T) {
 			shm := devproc.DataDirOf(t, pg[0])
 			require.DirExists(t, shm)
 			if c.closePipe {
-				d.CloseStderr()
+				d.CloseStdout()
 			}
 			code := d.Stop(c.sig)
 			require.Equal(t, 0, code, d.Stderr())
 			if c.wantStderr {
-				require.Contains(t, d.Stderr(), "stopping")
+				require.Contains(t, d.Stdout(), "stopping")
 			}
 			devproc.RequireGone(t, pg)
 			require.NoDirExists(t, filepath.Dir(shm), "the in-memory cluster is removed")
@@ -470,7 +485,7 @@ func TestDevRevokedMachineIsReported(t *testing.T) {
 
 	d = devproc.Start(t, dir, nil, "--data", data, "--sim", "2", "--port", "0")
 	d.WaitLine(`^warning: .*node `+victim+`'s machine stopped for good`, adoptWithin)
-	require.NotContains(t, d.Stderr(), "2 simulated node(s) adopted")
+	require.NotContains(t, d.Output(), "2 simulated node(s) adopted")
 	require.Equal(t, 0, d.Stop(syscall.SIGTERM), d.Stderr())
 }
 

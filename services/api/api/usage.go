@@ -3,6 +3,8 @@ package api
 import (
 	"context"
 	"fmt"
+	"slices"
+	"strings"
 
 	"connectrpc.com/connect"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -16,12 +18,15 @@ const defaultUsagePageSize = 1000
 
 type usageService struct{ *Server }
 
-// ListUsage lists the usage windows (GPU-seconds per reservation and hour,
-// written by the controllers' usage sink) of tenant_id (default: the
-// caller's; another tenant's needs root-admin), those ending after since
-// when it is set, by window start; at most page_size windows (default
-// 1000). total_gpu_seconds sums the windows listed. Errors: NotFound
-// (tenant_id), InvalidArgument (since).
+// ListUsage lists the usage windows (GPU-seconds per reservation and hour)
+// of tenant_id (default: the caller's; another tenant's needs root-admin),
+// those ending after since when it is set, by window start, then
+// reservation id; at most page_size windows (default 1000). The windows are
+// those the controllers' usage sink wrote (final), and those of the running
+// (binding or active) reservations it has not written yet, up to now: the
+// current hour so far (store.OpenUsage), so that a running reservation
+// counts from its start. total_gpu_seconds sums the windows listed.
+// Errors: NotFound (tenant_id), InvalidArgument (since).
 func (s *usageService) ListUsage(ctx context.Context, req *connect.Request[computev1.ListUsageRequest]) (*connect.Response[computev1.ListUsageResponse], error) {
 	p, err := principal(ctx)
 	if err != nil {
@@ -46,6 +51,18 @@ func (s *usageService) ListUsage(ctx context.Context, req *connect.Request[compu
 	if err != nil {
 		return nil, mapError(err)
 	}
+	open, err := store.OpenUsage(ctx, s.db.Pool, f, s.db.Now())
+	if err != nil {
+		return nil, mapError(err)
+	}
+	windows = append(windows, open...)
+	slices.SortStableFunc(windows, func(a, b store.UsageWindow) int {
+		if c := a.WindowStart.Compare(b.WindowStart); c != 0 {
+			return c
+		}
+		return strings.Compare(a.ReservationID, b.ReservationID)
+	})
+	windows = windows[:min(len(windows), f.Limit)]
 	res := &computev1.ListUsageResponse{Windows: make([]*computev1.UsageWindow, len(windows))}
 	for i, w := range windows {
 		res.Windows[i] = &computev1.UsageWindow{ReservationId: w.ReservationID, TenantId: w.TenantID, PoolId: w.PoolID,

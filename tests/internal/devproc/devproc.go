@@ -1,8 +1,9 @@
 // Package devproc runs `better-compute dev` (bin/linux/better-compute,
 // `make build`) as a subprocess of a test or benchmark, the way a user
-// starts it in a terminal: it reads the progress lines dev prints on
-// standard error, the CLI environment it writes to .better-compute/dev.env,
-// and the processes it started.
+// starts it in a terminal: it reads the startup and progress lines dev
+// prints on standard output, the warnings and errors it prints on standard
+// error, the CLI environment it writes to .better-compute/dev.env, and the
+// processes it started.
 package devproc
 
 import (
@@ -36,13 +37,15 @@ type Dev struct {
 	// Dir is its working directory (where .better-compute/ is).
 	Dir string
 
-	stderrPipe io.ReadCloser
+	stdoutPipe io.ReadCloser
 
-	mu    sync.Mutex
-	lines []string
-	more  chan struct{} // signalled on each stderr line
-	done  chan struct{} // closed when the process exited
-	err   error
+	mu sync.Mutex
+	// lines are the lines of both outputs as they came, stdout and stderr
+	// each's own.
+	lines, stdout, stderr []string
+	more                  chan struct{} // signalled on each line
+	done                  chan struct{} // closed when the process exited
+	err                   error
 }
 
 // Start runs `better-compute dev args…` in dir (a new directory from
@@ -58,22 +61,34 @@ func Start(tb testing.TB, dir string, env []string, args ...string) *Dev {
 	cmd.Env = append(os.Environ(), env...)
 	// A test binary that is killed (a -timeout) takes its devs with it.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(tb, err)
 	stderr, err := cmd.StderrPipe()
 	require.NoError(tb, err)
 	require.NoError(tb, cmd.Start())
-	d := &Dev{tb: tb, cmd: cmd, Dir: dir, more: make(chan struct{}, 1), done: make(chan struct{}), stderrPipe: stderr}
-	go func() {
-		sc := bufio.NewScanner(stderr)
+	d := &Dev{tb: tb, cmd: cmd, Dir: dir, more: make(chan struct{}, 1), done: make(chan struct{}), stdoutPipe: stdout}
+	var readers sync.WaitGroup
+	read := func(r io.Reader, own *[]string) {
+		defer readers.Done()
+		sc := bufio.NewScanner(r)
 		sc.Buffer(make([]byte, 64<<10), 1<<20)
 		for sc.Scan() {
 			d.mu.Lock()
 			d.lines = append(d.lines, sc.Text())
+			*own = append(*own, sc.Text())
 			d.mu.Unlock()
 			select {
 			case d.more <- struct{}{}:
 			default:
 			}
 		}
+	}
+	readers.Add(2)
+	go read(stdout, &d.stdout)
+	go read(stderr, &d.stderr)
+	go func() {
+		// Wait closes the pipes: it runs once both were read to the end.
+		readers.Wait()
 		d.err = cmd.Wait()
 		close(d.done)
 	}()
@@ -104,21 +119,36 @@ func (d *Dev) PID() int { return d.cmd.Process.Pid }
 // Done is closed when dev exited.
 func (d *Dev) Done() <-chan struct{} { return d.done }
 
-// CloseStderr closes the reading end of dev's standard error, as a reader
+// CloseStdout closes the reading end of dev's standard output, as a reader
 // that went away (`dev | tee` interrupted) does: dev's next write to it
 // meets a broken pipe.
-func (d *Dev) CloseStderr() {
-	_ = d.stderrPipe.Close()
+func (d *Dev) CloseStdout() {
+	_ = d.stdoutPipe.Close()
 }
 
-// Stderr returns what dev printed so far.
+// Stdout returns what dev printed on standard output so far.
+func (d *Dev) Stdout() string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return strings.Join(d.stdout, "\n")
+}
+
+// Stderr returns what dev printed on standard error so far.
 func (d *Dev) Stderr() string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return strings.Join(d.stderr, "\n")
+}
+
+// Output returns what dev printed on both outputs so far, as it came.
+func (d *Dev) Output() string {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	return strings.Join(d.lines, "\n")
 }
 
-// WaitLine waits until dev printed a line matching re and returns its
+// WaitLine waits until dev printed a line matching re (on either output)
+// and returns its
 // submatches; it fails the test when dev exits first or after timeout.
 func (d *Dev) WaitLine(re string, timeout time.Duration) []string {
 	d.tb.Helper()
@@ -142,10 +172,10 @@ func (d *Dev) WaitLine(re string, timeout time.Duration) []string {
 			n := len(d.lines)
 			d.mu.Unlock()
 			if n == seen {
-				d.tb.Fatalf("dev exited (%v) before printing /%s/:\n%s", d.err, re, d.Stderr())
+				d.tb.Fatalf("dev exited (%v) before printing /%s/:\n%s", d.err, re, d.Output())
 			}
 		case <-timer.C():
-			d.tb.Fatalf("dev printed no /%s/ within %s:\n%s", re, timeout, d.Stderr())
+			d.tb.Fatalf("dev printed no /%s/ within %s:\n%s", re, timeout, d.Output())
 		}
 	}
 }
@@ -160,7 +190,7 @@ func (d *Dev) Wait(timeout time.Duration) int {
 	case <-d.done:
 		return d.cmd.ProcessState.ExitCode()
 	case <-timer.C():
-		d.tb.Fatalf("dev still runs %s after it started:\n%s", timeout, d.Stderr())
+		d.tb.Fatalf("dev still runs %s after it started:\n%s", timeout, d.Output())
 		return -1
 	}
 }
@@ -171,14 +201,14 @@ func (d *Dev) Stop(sig syscall.Signal) int {
 	d.tb.Helper()
 	if err := d.cmd.Process.Signal(sig); err != nil {
 		<-d.done
-		d.tb.Fatalf("dev exited (%v) before %s:\n%s", d.err, sig, d.Stderr())
+		d.tb.Fatalf("dev exited (%v) before %s:\n%s", d.err, sig, d.Output())
 	}
 	timer := Wall.NewTimer(time.Minute)
 	defer timer.Stop()
 	select {
 	case <-d.done:
 	case <-timer.C():
-		d.tb.Fatalf("dev did not exit within a minute of %s:\n%s", sig, d.Stderr())
+		d.tb.Fatalf("dev did not exit within a minute of %s:\n%s", sig, d.Output())
 	}
 	return d.cmd.ProcessState.ExitCode()
 }

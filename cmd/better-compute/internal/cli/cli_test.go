@@ -159,7 +159,7 @@ func TestNodesList(t *testing.T) {
 
 	res = r.run(t, "nodes", "list", "--pool", "pool_nope")
 	require.Equal(t, 1, res.code)
-	require.Equal(t, "error: not_found: pool_id: pool pool_nope not found\n", res.stderr)
+	require.Equal(t, "error: not_found: --pool: pool pool_nope not found\n", res.stderr)
 
 	res = r.run(t, "nodes", "get", f.failed)
 	require.Equal(t, 0, res.code, res.stderr)
@@ -202,11 +202,11 @@ func TestErrors(t *testing.T) {
 		{"bad ttl", f.runner(f.root), []string{"join-tokens", "create", "--pool", f.poolID, "--ttl", "soon"},
 			"error: invalid argument \"soon\" for \"--ttl\" flag: time: invalid duration \"soon\" (see 'better-compute join-tokens create --help')\n"},
 		{"too many uses", f.runner(f.root), []string{"join-tokens", "create", "--pool", f.poolID, "--max-uses", "0"},
-			"error: invalid_argument: max_uses: must be greater than or equal to 1 and less than or equal to 100000\n"},
-		{"bad site name", f.runner(f.root), []string{"sites", "create", "Bad Name", "--region", "eu"}, "error: invalid_argument: name: does not match regex pattern"},
+			"error: invalid_argument: --max-uses: must be greater than or equal to 1 and less than or equal to 100000\n"},
+		{"bad site name", f.runner(f.root), []string{"sites", "create", "Bad Name", "--region", "eu"}, "error: invalid_argument: NAME: must be lowercase letters, digits and '-', starting and ending with a letter or a digit, at most 63 characters\n"},
 		{"site without region", f.runner(f.root), []string{"sites", "create", "eu-2"}, "error: required flag(s) \"region\" not set\n"},
 		{"duplicate site", f.runner(f.root), []string{"sites", "create", "dev-1", "--region", "dev-1"},
-			"error: already_exists: name: a site with this name already exists\n"},
+			"error: already_exists: NAME: a site with this name already exists\n"},
 		{"unknown command", f.runner(f.root), []string{"frobnicate"}, "error: unknown command \"frobnicate\" for \"better-compute\"\n"},
 		{"bootstrap without region", runner{}, []string{"bootstrap", "--region", " "},
 			"error: --region must not be empty: a site is a place in a region\n"},

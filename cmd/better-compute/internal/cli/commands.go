@@ -96,10 +96,11 @@ func (a *app) commandsRunCmd() *cobra.Command {
 			"--request-id a retry returns the first command instead of queuing another. --wait polls until\n" +
 			"the command has finished: exit 0 when it succeeded, 1 when it failed or expired. Needs a\n" +
 			"tenant-admin or root-admin token.",
-		Args:      cobra.ExactArgs(1),
+		Args:      exactArgs("KIND"),
 		ValidArgs: commandKinds,
 	}
 	c.Flags().StringVar(&node, "node", "", "node id (required)")
+	_ = c.RegisterFlagCompletionFunc("node", a.completeNodeIDs)
 	c.Flags().DurationVar(&timeout, "timeout", 0, "how long the command may take from now, 1s to 24h (default 5m)")
 	c.Flags().StringVar(&requestID, "request-id", "", "idempotency key: a retry with the same id returns the same command")
 	c.Flags().BoolVar(&wait, "wait", false, "wait until the command succeeded, failed or expired")
@@ -160,7 +161,7 @@ func (a *app) commandsRunCmd() *cobra.Command {
 		}
 		return nil
 	}
-	return c
+	return a.fields(c, map[string]string{"node_id": "--node", "kind": "KIND", "timeout": "--timeout", "request_id": "--request-id"})
 }
 
 // transientError reports whether err, from a call whose context is still
@@ -195,6 +196,7 @@ func (a *app) commandsListCmd() *cobra.Command {
 		Args:  cobra.NoArgs,
 	}
 	c.Flags().StringVar(&node, "node", "", "only commands of this node id")
+	_ = c.RegisterFlagCompletionFunc("node", a.completeNodeIDs)
 	format := addOutputFlag(c)
 	c.RunE = func(cmd *cobra.Command, _ []string) error {
 		if err := checkFormat(*format); err != nil {
@@ -232,5 +234,5 @@ func (a *app) commandsListCmd() *cobra.Command {
 		}
 		return table(a.env.Stdout, []string{"ID", "NODE", "KIND", "STATE", "DELIVERIES", "CREATED", "ERROR"}, rows)
 	}
-	return c
+	return a.fields(c, map[string]string{"node_id": "--node"})
 }

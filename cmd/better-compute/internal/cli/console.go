@@ -114,7 +114,10 @@ func (a *app) console(ctx context.Context, node string) error {
 	}
 	t, err := a.openTunnel(ctx, &computev1.CreateTicketRequest{NodeId: node, Purpose: tunnel.PurposeShell}, query)
 	if err != nil {
-		fmt.Fprintln(a.env.Stderr, FormatError(err))
+		// console reaches root's shell only: a reservation's sandbox is
+		// ssh's.
+		fmt.Fprintln(a.env.Stderr, strings.Replace(FormatError(err), "pass --reservation for the sandbox",
+			"ssh-cert and ssh-proxy take --reservation RES_ID for the sandbox", 1))
 		return exitError{tunnelFailed}
 	}
 	defer t.close()

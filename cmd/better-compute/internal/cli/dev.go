@@ -420,7 +420,10 @@ func (a *app) runDev(ctx context.Context, f devFlags) (err error) {
 		// A laptop's reconcilers look often: adoption in well under a second.
 		ReconcileInterval: 250 * time.Millisecond,
 	})
-	w := a.env.Stderr
+	// The startup text (URLs, the credentials, the environment to paste)
+	// is standard output; warnings, errors and the services' logs are
+	// standard error.
+	w, warn := a.env.Stdout, a.env.Stderr
 	if err != nil {
 		state.close(true)
 		if ctx.Err() != nil {
@@ -445,13 +448,19 @@ func (a *app) runDev(ctx context.Context, f devFlags) (err error) {
 	}
 	fmt.Fprintf(w, "%s: %s\n", gateway, st.GatewayURL())
 	for _, warning := range st.Warnings {
-		fmt.Fprintf(w, "warning: %s\n", warning)
+		fmt.Fprintf(warn, "warning: %s\n", warning)
 	}
 	fmt.Fprintf(w, "Root tenant %s; root token (dev only): %s\n", st.TenantID, st.RootToken)
 	envCtx, stopTakeover := context.WithCancel(ctx)
 	defer stopTakeover()
 	if err := a.devEnv(envCtx, state, st, ""); err != nil {
 		return err
+	}
+	if f.sim == 0 && dataDir != "" {
+		if n := savedMachines(filepath.Join(st.DataDir(), devstack.DirMachines)); n > 0 {
+			fmt.Fprintf(warn, "warning: %s holds %d simulated machine(s) of an earlier run, not started: pass --sim %d to start them\n",
+				dataDir, n, n)
+		}
 	}
 	if f.sim > 0 {
 		if err := a.devSim(envCtx, state, st, f, cfg); err != nil {
@@ -476,7 +485,7 @@ func (a *app) runDev(ctx context.Context, f devFlags) (err error) {
 // devSim joins --sim machines and reports their acceptance: adopted (or,
 // for hgx-h100-gpu-missing, failed acceptance) and connected in this run.
 func (a *app) devSim(ctx context.Context, state *devState, st *devstack.Stack, f devFlags, cfg devConfig) error {
-	w := a.env.Stderr
+	w, warn := a.env.Stdout, a.env.Stderr
 	po, err := devstack.VariantPool(f.simVariant)
 	if err != nil {
 		return err
@@ -495,7 +504,7 @@ func (a *app) devSim(ctx context.Context, state *devState, st *devstack.Stack, f
 	fmt.Fprintf(w, "Joined %d simulated %s node(s) into %s\n", len(nodes), f.simVariant, pool)
 	if !cfg.SignedIntent {
 		if n := requireSignedIntent(st); n > 0 {
-			fmt.Fprintf(w, "warning: signed intent is off (BETTER_COMPUTE_SIGNED_INTENT=false), but %d simulated machine(s) joined "+
+			fmt.Fprintf(warn, "warning: signed intent is off (BETTER_COMPUTE_SIGNED_INTENT=false), but %d simulated machine(s) joined "+
 				"when it was on and refuse unsigned commands and NodeSpecs: turn it on again, or use another --data\n", n)
 		}
 	}
@@ -512,7 +521,7 @@ func (a *app) devSim(ctx context.Context, state *devState, st *devstack.Stack, f
 			return err
 		}
 		// The control plane keeps running: say what is wrong and go on.
-		fmt.Fprintf(w, "warning: %v\n", err)
+		fmt.Fprintf(warn, "warning: %v\n", err)
 		return nil
 	}
 	if want == store.NodeAdopted {
@@ -532,6 +541,35 @@ func (a *app) devSim(ctx context.Context, state *devState, st *devstack.Stack, f
 		fmt.Fprintf(w, "%d simulated node(s) failed acceptance: %s\n", reasons[r], r)
 	}
 	return nil
+}
+
+// savedMachines counts the simulated machines kept in dir (the data
+// directory's machines: one directory per Join, one per machine in it) that
+// joined in an earlier run; 0 when there are none or dir cannot be read.
+func savedMachines(dir string) int {
+	joins, err := os.ReadDir(dir)
+	if err != nil {
+		return 0
+	}
+	n := 0
+	for _, j := range joins {
+		if !j.IsDir() {
+			continue
+		}
+		machines, err := os.ReadDir(filepath.Join(dir, j.Name()))
+		if err != nil {
+			continue
+		}
+		for _, m := range machines {
+			if _, err := strconv.Atoi(m.Name()); err != nil || !m.IsDir() {
+				continue
+			}
+			if ok, err := agent.Joined(filepath.Join(dir, j.Name(), m.Name())); err == nil && ok {
+				n++
+			}
+		}
+	}
+	return n
 }
 
 // requireSignedIntent counts the stack's machines whose identity holds a
@@ -561,7 +599,7 @@ func (a *app) devEnv(ctx context.Context, state *devState, st *devstack.Stack, p
 	if err != nil {
 		return err
 	}
-	w := a.env.Stderr
+	w := a.env.Stdout
 	state.mu.Lock()
 	defer state.mu.Unlock()
 	first := state.env == ""
@@ -600,7 +638,7 @@ func (a *app) takeOverDevEnv(ctx context.Context, state *devState) {
 		if ctx.Err() == nil {
 			if owned, _ := state.tryOwn(); owned {
 				if err := state.write(); err == nil {
-					fmt.Fprintf(a.env.Stderr, "CLI environment: source %s (the dev that had it stopped)\n", filepath.Join(devStateDir, "dev.env"))
+					fmt.Fprintf(a.env.Stdout, "CLI environment: source %s (the dev that had it stopped)\n", filepath.Join(devStateDir, "dev.env"))
 				}
 				state.mu.Unlock()
 				return

@@ -132,7 +132,7 @@ func TestEventsWatchRemovedByRetention(t *testing.T) {
 	res := f.runner(f.viewer).run(t, "events", "watch", "--after", strconv.FormatInt(gone, 10))
 	require.Equal(t, 1, res.code)
 	require.Contains(t, res.stderr, "error: failed_precondition: ")
-	require.Contains(t, res.stderr, fmt.Sprintf("after_id: events after %d were removed by retention (the oldest event id kept is %d)",
+	require.Contains(t, res.stderr, fmt.Sprintf("--after: events after %d were removed by retention (the oldest event id kept is %d): watch again from the start (--from-start)",
 		gone, kept))
 	require.Contains(t, res.stderr, "better-compute events watch --from-start")
 	require.Equal(t, 1, strings.Count(res.stderr, "\n"), "one line: %q", res.stderr)
@@ -339,7 +339,7 @@ func TestEventsWatchRefusesWhatMatchesNothing(t *testing.T) {
 	beyond := startWatch(t, f, f.url, clock.New(), "--after", "99999999")
 	require.Equal(t, 1, beyond.ended(t))
 	require.Contains(t, beyond.stderr.String(),
-		fmt.Sprintf("error: invalid_argument: after_id: 99999999 is above the newest event id, %d", newest))
+		fmt.Sprintf("error: invalid_argument: --after: 99999999 is above the newest event id, %d", newest))
 
 	// Empty entries are ignored: node.* alone.
 	ok := startWatch(t, f, f.url, clock.New(), "--types", "node.*,,", "--from-start")

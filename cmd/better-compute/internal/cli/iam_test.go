@@ -53,7 +53,7 @@ func TestTenantsTokensAndAudit(t *testing.T) {
 	// A token may not outlive the one that mints it.
 	res = admin.run(t, "tokens", "create", "--name", "ci", "--role", "viewer")
 	require.Equal(t, 1, res.code)
-	require.Contains(t, res.stderr, "ttl_seconds: a token may not outlive the token that mints it")
+	require.Contains(t, res.stderr, "--ttl: a token may not outlive the token that mints it")
 	res = admin.run(t, "tokens", "create", "--name", "ci", "--role", "viewer", "--ttl", "1h")
 	require.Equal(t, 0, res.code, res.stderr)
 	viewerSecret := strings.TrimSpace(res.stdout)
@@ -89,10 +89,10 @@ func TestTenantsTokensAndAudit(t *testing.T) {
 	// Refusals: another tenant's tokens, a root-admin token, a viewer.
 	res = admin.run(t, "tokens", "list", "--tenant", f.tenant)
 	require.Equal(t, 1, res.code)
-	require.Equal(t, "error: not_found: tenant_id: tenant "+f.tenant+" not found\n", res.stderr)
+	require.Equal(t, "error: not_found: --tenant: tenant "+f.tenant+" not found\n", res.stderr)
 	res = admin.run(t, "tokens", "create", "--name", "x", "--role", "root-admin")
 	require.Equal(t, 1, res.code)
-	require.Equal(t, "error: permission_denied: role: a tenant-admin may not mint root-admin tokens\n", res.stderr)
+	require.Equal(t, "error: permission_denied: --role: a tenant-admin may not mint root-admin tokens\n", res.stderr)
 	res = f.runner(f.viewer).run(t, "tokens", "list")
 	require.Equal(t, 1, res.code)
 	require.Equal(t, "error: permission_denied: role viewer may not call ListTokens (needs iam.manage)\n", res.stderr)

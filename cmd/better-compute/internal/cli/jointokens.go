@@ -33,6 +33,7 @@ func (a *app) joinTokensCreateCmd() *cobra.Command {
 		Args:  cobra.NoArgs,
 	}
 	c.Flags().StringVar(&pool, "pool", "", "pool id the machines join (required)")
+	_ = c.RegisterFlagCompletionFunc("pool", a.completePoolIDs)
 	c.Flags().Int32Var(&maxUses, "max-uses", 1, "how many machines may join with it (1 to 100000)")
 	c.Flags().DurationVar(&ttl, "ttl", 24*time.Hour, "how long it is valid (1s to 720h)")
 	_ = c.MarkFlagRequired("pool")
@@ -55,13 +56,14 @@ func (a *app) joinTokensCreateCmd() *cobra.Command {
 		fmt.Fprintln(a.env.Stdout, res.Msg.Secret)
 		return nil
 	}
-	return c
+	return a.fields(c, map[string]string{"pool_id": "--pool", "max_uses": "--max-uses", "ttl_seconds": "--ttl"})
 }
 
 func (a *app) joinTokensListCmd() *cobra.Command {
 	var pool string
 	c := &cobra.Command{Use: "list", Short: "List join tokens (never their secrets)", Args: cobra.NoArgs}
 	c.Flags().StringVar(&pool, "pool", "", "only tokens of this pool id")
+	_ = c.RegisterFlagCompletionFunc("pool", a.completePoolIDs)
 	format := addOutputFlag(c)
 	c.RunE = func(cmd *cobra.Command, _ []string) error {
 		if err := checkFormat(*format); err != nil {
@@ -112,14 +114,14 @@ func (a *app) joinTokensListCmd() *cobra.Command {
 		}
 		return table(a.env.Stdout, []string{"ID", "POOL", "USES", "EXPIRES", "STATE"}, rows)
 	}
-	return c
+	return a.fields(c, map[string]string{"pool_id": "--pool"})
 }
 
 func (a *app) joinTokensRevokeCmd() *cobra.Command {
 	return &cobra.Command{
 		Use:   "revoke JOIN_TOKEN_ID",
 		Short: "Revoke a join token (machines already joined keep their identity)",
-		Args:  cobra.ExactArgs(1),
+		Args:  exactArgs("JOIN_TOKEN_ID"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			cl, err := a.clients()
 			if err != nil {

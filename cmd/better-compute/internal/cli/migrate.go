@@ -122,7 +122,7 @@ func (a *app) migrateCmd() *cobra.Command {
 		Long: "force marks the schema as being at VERSION, clean, and runs nothing. `migrate up` already runs again a\n" +
 			"migration that a killed run left half-done (each migration is one transaction); use force only when a\n" +
 			"migration is marked dirty although it was applied, or after repairing one by hand. 0 means none applied.",
-		Args: cobra.ExactArgs(1),
+		Args: exactArgs("VERSION"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			v, err := strconv.ParseUint(args[0], 10, 32)
 			if err != nil {

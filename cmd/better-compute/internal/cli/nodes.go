@@ -97,6 +97,7 @@ func (a *app) nodesListCmd() *cobra.Command {
 		Args: cobra.NoArgs,
 	}
 	c.Flags().StringVar(&pool, "pool", "", "only nodes of this pool id")
+	_ = c.RegisterFlagCompletionFunc("pool", a.completePoolIDs)
 	format := addOutputFlag(c)
 	c.RunE = func(cmd *cobra.Command, _ []string) error {
 		if err := checkFormat(*format); err != nil {
@@ -157,7 +158,7 @@ func (a *app) nodesListCmd() *cobra.Command {
 		}
 		return table(a.env.Stdout, []string{"ID", "POOL", "STATE", "GPUS", "MODEL", "GATEWAY", "LAST SEEN", "REASON"}, rows)
 	}
-	return c
+	return a.fields(c, map[string]string{"pool_id": "--pool"})
 }
 
 func (a *app) nodesGetCmd() *cobra.Command {
@@ -169,6 +170,7 @@ func (a *app) nodesGetCmd() *cobra.Command {
 			}
 			return toNodeJSON(res.Msg.GetNode()), nil
 		})
+	c.ValidArgsFunction = firstArg(a.completeNodeIDs)
 	c.Long = "Show one node as JSON: id, pool, state, reason, gpus (a count), model, gateway, lastSeen, reachable,\n" +
 		"cordoned, cordonReason, revokedAt and revokeReason when set, hostname, certNotAfter when set, variant,\n" +
 		"bootId, specGeneration, observedGeneration, createdAt, and devices: its GPUs, each index, uuid, model and\n" +
@@ -187,7 +189,8 @@ func (a *app) nodesRevokeCmd() *cobra.Command {
 			"Revoking a revoked node changes nothing and exits 0: the node keeps the time and reason of\n" +
 			"its first revocation, and a new --reason is not recorded (this says so). The machine must\n" +
 			"join again, as a new node, to come back.",
-		Args: cobra.ExactArgs(1),
+		Args:              exactArgs("NODE_ID"),
+		ValidArgsFunction: firstArg(a.completeNodeIDs),
 	}
 	c.Flags().StringVar(&reason, "reason", "", "why, recorded on the node and in the audit log (at most 256 characters)")
 	c.RunE = func(cmd *cobra.Command, args []string) error {
@@ -217,7 +220,7 @@ func (a *app) nodesRevokeCmd() *cobra.Command {
 		}
 		return nil
 	}
-	return c
+	return a.fields(c, map[string]string{"node_id": "NODE_ID", "reason": "--reason"})
 }
 
 func (a *app) nodesCordonCmd() *cobra.Command {
@@ -228,7 +231,8 @@ func (a *app) nodesCordonCmd() *cobra.Command {
 		Long: "Cordon a node: the scheduler places no new reservation on it, and the reservations it\n" +
 			"holds stay. Cordoning a cordoned node updates the reason (and says it was cordoned, and why).\n" +
 			"A revoked node cannot be cordoned. Undo with `nodes uncordon`.",
-		Args: cobra.ExactArgs(1),
+		Args:              exactArgs("NODE_ID"),
+		ValidArgsFunction: firstArg(a.completeNodeIDs),
 	}
 	c.Flags().StringVar(&reason, "reason", "", "why (required, at most 256 characters); shown by nodes list")
 	_ = c.MarkFlagRequired("reason")
@@ -252,14 +256,15 @@ func (a *app) nodesCordonCmd() *cobra.Command {
 		}
 		return nil
 	}
-	return c
+	return a.fields(c, map[string]string{"node_id": "NODE_ID", "reason": "--reason"})
 }
 
 func (a *app) nodesUncordonCmd() *cobra.Command {
 	return &cobra.Command{
-		Use:   "uncordon NODE_ID",
-		Short: "Uncordon a node: the scheduler may place reservations on it again",
-		Args:  cobra.ExactArgs(1),
+		Use:               "uncordon NODE_ID",
+		Short:             "Uncordon a node: the scheduler may place reservations on it again",
+		Args:              exactArgs("NODE_ID"),
+		ValidArgsFunction: firstArg(a.completeNodeIDs),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			cl, err := a.clients()
 			if err != nil {

@@ -82,7 +82,7 @@ func TestNodesCordon(t *testing.T) {
 	require.Contains(t, res.stderr, `"reason" not set`)
 	res = f.runner(f.root).run(t, "nodes", "cordon", f.adopted, "--reason", "   ")
 	require.Equal(t, 1, res.code)
-	require.Equal(t, "error: invalid_argument: reason: must not be empty or only spaces\n", res.stderr)
+	require.Equal(t, "error: invalid_argument: --reason: must not be empty or only spaces\n", res.stderr)
 	res = f.runner(f.root).run(t, "nodes", "cordon", "node_nope", "--reason", "x")
 	require.Equal(t, 1, res.code)
 	require.Equal(t, "error: not_found: node node_nope not found\n", res.stderr)

@@ -133,7 +133,7 @@ func (a *app) idJSONCmd(use, short string, do func(ctx context.Context, cl *apiC
 	return &cobra.Command{
 		Use:   use,
 		Short: short,
-		Args:  cobra.ExactArgs(1),
+		Args:  exactArgs(strings.Fields(use)[1]),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			cl, err := a.clients()
 			if err != nil {

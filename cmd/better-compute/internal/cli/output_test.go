@@ -67,3 +67,33 @@ func TestFormatErrorKeepsTheCLIsOwnLines(t *testing.T) {
 		t.Fatalf("FormatError = %q, want %q", got, want)
 	}
 }
+
+// TestFieldWords: every violation of a refusal that names a field of the
+// command names its flag instead, "set <field>" hints say "pass <flag>",
+// and the code stays; a refusal naming no field of the command is kept.
+func TestFieldWords(t *testing.T) {
+	byField := map[string]string{"duration": "--for", "pool_id": "--pool", "reservation_id": "--reservation"}
+	in := connect.NewError(connect.CodeInvalidArgument,
+		errors.New("pool_id: value length must be at least 1 characters; duration: must be at least 1s; gpus: must be at most 64"))
+	got := fieldWords(in, byField)
+	if want := "error: invalid_argument: --pool: value length must be at least 1 characters; --for: must be at least 1s; gpus: must be at most 64"; FormatError(got) != want {
+		t.Fatalf("fieldWords: %q, want %q", FormatError(got), want)
+	}
+	hint := connect.NewError(connect.CodePermissionDenied, errors.New("role viewer may not (needs x); set reservation_id for the sandbox"))
+	if want := "error: permission_denied: role viewer may not (needs x); pass --reservation for the sandbox"; FormatError(fieldWords(hint, byField)) != want {
+		t.Fatalf("fieldWords: %q, want %q", FormatError(fieldWords(hint, byField)), want)
+	}
+	other := connect.NewError(connect.CodeNotFound, errors.New("node node_1 not found"))
+	if got := fieldWords(other, byField); !errors.Is(got, other) || FormatError(got) != FormatError(other) {
+		t.Fatalf("fieldWords changed %v", other)
+	}
+}
+
+// TestDescribeRules: the API's name pattern reads in words.
+func TestDescribeRules(t *testing.T) {
+	got := FormatError(connect.NewError(connect.CodeInvalidArgument,
+		errors.New("name: does not match regex pattern `^[a-z0-9]([a-z0-9-]*[a-z0-9])?$`")))
+	if want := "error: invalid_argument: name: must be lowercase letters, digits and '-', starting and ending with a letter or a digit, at most 63 characters"; got != want {
+		t.Fatalf("FormatError: %q, want %q", got, want)
+	}
+}

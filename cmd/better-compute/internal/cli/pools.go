@@ -105,7 +105,7 @@ func (a *app) poolsListCmd() *cobra.Command {
 		}
 		return table(a.env.Stdout, []string{"ID", "NAME", "SITE", "KIND", "GPU MODEL", "EXPECT GPUS", "QUOTA", "NODES"}, rows)
 	}
-	return c
+	return a.fields(c, map[string]string{"site_id": "--site"})
 }
 
 // nodeCounts renders {"adopted": 2, "joining": 1} as "adopted=2 joining=1".
@@ -135,7 +135,7 @@ func (a *app) poolsCreateCmd() *cobra.Command {
 		Short: "Create a metal-host pool with diag.nvml acceptance",
 		Long: "create makes a metal-host pool owned by your tenant in --site (a site id, or a site name: sites\n" +
 			"list shows both) and prints its id.",
-		Args: cobra.ExactArgs(1),
+		Args: exactArgs("NAME"),
 	}
 	c.Flags().StringVar(&site, "site", "", "site id or name (required)")
 	c.Flags().StringVar(&gpuModel, "gpu-model", "", "GPU model every GPU must match (substring, e.g. H100)")
@@ -160,5 +160,5 @@ func (a *app) poolsCreateCmd() *cobra.Command {
 		fmt.Fprintln(a.env.Stdout, res.Msg.Pool.Id)
 		return nil
 	}
-	return c
+	return a.fields(c, map[string]string{"site_id": "--site", "name": "NAME", "acceptance.gpu_model": "--gpu-model", "acceptance.expect_gpu_count": "--expect-gpus"})
 }

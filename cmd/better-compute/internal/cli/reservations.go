@@ -43,7 +43,8 @@ func (a *app) poolsOfferCmd() *cobra.Command {
 			"reservations count). Offering again changes the quota; a lower quota ends no reservation. Needs a\n" +
 			"root-admin token, or a tenant-admin token of the pool's owner to offer it to its own tenant (another\n" +
 			"tenant reads to a tenant-admin as one that does not exist: only a root-admin offers across tenants).",
-		Args: cobra.ExactArgs(1),
+		Args:              exactArgs("POOL_ID"),
+		ValidArgsFunction: firstArg(a.completePoolIDs),
 	}
 	c.Flags().StringVar(&to, "to", "", "tenant id to offer the pool to (required)")
 	c.Flags().StringVar(&quota, "quota", "", "GPU quota, gpu=N (required)")
@@ -67,7 +68,7 @@ func (a *app) poolsOfferCmd() *cobra.Command {
 		fmt.Fprintf(a.env.Stdout, "pool %s offered to %s: quota gpu=%d (%d in use)\n", o.PoolId, o.TenantId, o.GpuQuota, o.GpusInUse)
 		return nil
 	}
-	return c
+	return a.fields(c, map[string]string{"pool_id": "POOL_ID", "tenant_id": "--to", "gpu_quota": "--quota"})
 }
 
 func (a *app) poolsOffersCmd() *cobra.Command {
@@ -78,6 +79,7 @@ func (a *app) poolsOffersCmd() *cobra.Command {
 		Args:  cobra.NoArgs,
 	}
 	c.Flags().StringVar(&pool, "pool", "", "only offers of this pool id")
+	_ = c.RegisterFlagCompletionFunc("pool", a.completePoolIDs)
 	format := addOutputFlag(c)
 	c.RunE = func(cmd *cobra.Command, _ []string) error {
 		if err := checkFormat(*format); err != nil {
@@ -110,7 +112,7 @@ func (a *app) poolsOffersCmd() *cobra.Command {
 		}
 		return table(a.env.Stdout, []string{"POOL", "TENANT", "GPU QUOTA", "GPUS IN USE"}, rows)
 	}
-	return c
+	return a.fields(c, map[string]string{"pool_id": "--pool"})
 }
 
 func (a *app) reserveCmd() *cobra.Command {
@@ -127,10 +129,12 @@ func (a *app) reserveCmd() *cobra.Command {
 			"default now) and prints the reservation as JSON. It starts pending; the scheduler places it\n" +
 			"(binding) and it turns active once the node has bound the GPUs. With --request-id a retry returns\n" +
 			"the first reservation instead of making another. --wait polls until it is active (exit 0) or\n" +
-			"failed (exit 1), for at most --timeout (default 1m; only with --wait).",
+			"failed (exit 1), for at most --timeout (default 1m; only with --wait). A reservation no node of\n" +
+			"the pool can hold (more GPUs than any node has) is failed at once: reserve exits 1 with the reason.",
 		Args: cobra.NoArgs,
 	}
 	c.Flags().StringVar(&pool, "pool", "", "pool id (required)")
+	_ = c.RegisterFlagCompletionFunc("pool", a.completePoolIDs)
 	c.Flags().Int32Var(&gpus, "gpus", 0, "how many GPUs, all on one node (required)")
 	c.Flags().DurationVar(&dur, "for", 0, "how long, e.g. 30m or 1h (required)")
 	c.Flags().StringVar(&start, "start", "", "start time, RFC 3339 (e.g. 2025-03-01T10:00:00Z; default now)")
@@ -163,7 +167,7 @@ func (a *app) reserveCmd() *cobra.Command {
 		}
 		res, err := cl.res.Reserve(cmd.Context(), connect.NewRequest(req))
 		if err != nil {
-			return err
+			return a.notOffered(err, pool)
 		}
 		r := res.Msg.Reservation
 		if wait {
@@ -190,16 +194,49 @@ func (a *app) reserveCmd() *cobra.Command {
 		if err := writeProto(a.env.Stdout, r); err != nil {
 			return err
 		}
-		if wait && r.State != "active" {
-			return fmt.Errorf("reservation %s is %s: %s", r.Id, r.State, orDash(r.Reason))
+		// A reservation no node of the pool can hold is failed at once, with
+		// or without --wait: the outcome is known, and it is a failure.
+		if (wait && r.State != "active") || r.State == "failed" {
+			return fmt.Errorf("reservation %s is %s: %s", r.Id, r.State, orDash(cell(r.Reason)))
 		}
 		return nil
 	}
-	return c
+	return a.fields(c, map[string]string{"pool_id": "--pool", "gpus": "--gpus", "duration": "--for", "start_time": "--start", "request_id": "--request-id"})
+}
+
+// notOffered is a refusal of Reserve for a pool that is not offered to
+// the caller's tenant, with what to do about it; other errors pass as they
+// are. The API answers NotFound for a pool the caller does not see (another
+// tenant's pool not offered to its tenant reads as a missing one: the CLI
+// cannot tell the two apart either, and says both), PermissionDenied
+// "pool_id: pool P is not offered to tenant T" for one it sees (it owns it,
+// or is root-admin) that is not offered to its tenant.
+func (a *app) notOffered(err error, pool string) error {
+	var cerr *connect.Error
+	if !errors.As(err, &cerr) {
+		return err
+	}
+	tenant := a.env.Getenv("BETTER_COMPUTE_TENANT")
+	if tenant == "" {
+		tenant = "TENANT_ID"
+	}
+	offer := "better-compute pools offer " + pool + " --to " + tenant + " --quota gpu=N"
+	msg := cerr.Message()
+	switch {
+	case cerr.Code() == connect.CodeNotFound && msg == "pool_id: pool "+pool+" not found":
+		msg = "pool_id: pool " + pool + " not found, or not offered to your tenant (`better-compute pools list` shows the pools " +
+			"you may reserve from, and a root-admin, or a tenant-admin of the pool's tenant, offers one with `" + offer + "`)"
+	case cerr.Code() == connect.CodePermissionDenied && strings.HasPrefix(msg, "pool_id: pool "+pool+" is not offered to tenant "):
+		tenant = strings.TrimPrefix(msg, "pool_id: pool "+pool+" is not offered to tenant ")
+		msg += " (offer it first: `better-compute pools offer " + pool + " --to " + tenant + " --quota gpu=N`)"
+	default:
+		return err
+	}
+	return connect.NewError(cerr.Code(), errors.New(msg))
 }
 
 func (a *app) releaseCmd() *cobra.Command {
-	return a.idJSONCmd("release RESERVATION_ID", "Release a reservation now: its GPUs are unbound and freed; prints it as JSON",
+	c := a.idJSONCmd("release RESERVATION_ID", "Release a reservation now: its GPUs are unbound and freed; prints it as JSON",
 		func(ctx context.Context, cl *apiClients, id string) (any, error) {
 			res, err := cl.res.ReleaseReservation(ctx, connect.NewRequest(&computev1.ReleaseReservationRequest{ReservationId: id}))
 			if err != nil {
@@ -207,6 +244,8 @@ func (a *app) releaseCmd() *cobra.Command {
 			}
 			return res.Msg.GetReservation(), nil
 		})
+	c.ValidArgsFunction = firstArg(a.completeReservationIDs(true))
+	return c
 }
 
 func (a *app) reservationsCmd() *cobra.Command {
@@ -223,6 +262,7 @@ func (a *app) reservationsListCmd() *cobra.Command {
 		Args:  cobra.NoArgs,
 	}
 	c.Flags().StringVar(&pool, "pool", "", "only reservations of this pool id")
+	_ = c.RegisterFlagCompletionFunc("pool", a.completePoolIDs)
 	c.Flags().StringVar(&state, "state", "", "only this state: pending, binding, active, released, expired or failed")
 	format := addOutputFlag(c)
 	c.RunE = func(cmd *cobra.Command, _ []string) error {
@@ -266,11 +306,11 @@ func (a *app) reservationsListCmd() *cobra.Command {
 		}
 		return table(a.env.Stdout, []string{"ID", "POOL", "GPUS", "STATE", "NODE", "START", "END", "REASON"}, rows)
 	}
-	return c
+	return a.fields(c, map[string]string{"pool_id": "--pool", "state": "--state"})
 }
 
 func (a *app) reservationsGetCmd() *cobra.Command {
-	return a.idJSONCmd("get RESERVATION_ID", "Show one reservation as JSON (binding holds the CDI device names once active)",
+	c := a.idJSONCmd("get RESERVATION_ID", "Show one reservation as JSON (binding holds the CDI device names once active)",
 		func(ctx context.Context, cl *apiClients, id string) (any, error) {
 			res, err := cl.res.GetReservation(ctx, connect.NewRequest(&computev1.GetReservationRequest{ReservationId: id}))
 			if err != nil {
@@ -278,6 +318,8 @@ func (a *app) reservationsGetCmd() *cobra.Command {
 			}
 			return res.Msg.GetReservation(), nil
 		})
+	c.ValidArgsFunction = firstArg(a.completeReservationIDs(false))
+	return c
 }
 
 func (a *app) usageCmd() *cobra.Command {
@@ -336,7 +378,7 @@ func (a *app) usageCmd() *cobra.Command {
 		rows = append(rows, []string{"TOTAL", "", "", strconv.FormatInt(res.Msg.TotalGpuSeconds, 10), gpuHours(res.Msg.TotalGpuSeconds)})
 		return table(a.env.Stdout, []string{"WINDOW", "RESERVATION", "POOL", "GPU-SECONDS", "GPU-HOURS"}, rows)
 	}
-	return c
+	return a.fields(c, map[string]string{"tenant_id": "--tenant", "since": "--since"})
 }
 
 // gpuHours renders GPU-seconds as GPU-hours with two decimals.

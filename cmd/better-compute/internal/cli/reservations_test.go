@@ -163,11 +163,11 @@ func TestReserveErrors(t *testing.T) {
 		stderr string
 	}{
 		{"quota", root, []string{"reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h"},
-			"error: resource_exhausted: gpus: quota of pool " + f.poolID + " is 4 GPUs, 4 in use, 1 requested\n"},
+			"error: resource_exhausted: --gpus: quota of pool " + f.poolID + " is 4 GPUs, 4 in use, 1 requested\n"},
 		{"zero gpus", root, []string{"reserve", "--pool", f.poolID, "--gpus", "0", "--for", "1h"},
-			"error: invalid_argument: gpus: "},
+			"error: invalid_argument: --gpus: "},
 		{"negative duration", root, []string{"reserve", "--pool", f.poolID, "--gpus", "1", "--for", "-1h"},
-			"error: invalid_argument: duration: "},
+			"error: invalid_argument: --for: "},
 		{"bad start", root, []string{"reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h", "--start", "tomorrow"},
 			"error: --start: want an RFC 3339 time"},
 		{"bad quota", root, []string{"pools", "offer", f.poolID, "--to", f.tenant, "--quota", "cpu=4"},
@@ -176,7 +176,7 @@ func TestReserveErrors(t *testing.T) {
 		{"viewer reserves", f.runner(f.viewer), []string{"reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h"},
 			"error: permission_denied: role viewer may not call Reserve (needs reservations.write)\n"},
 		{"release missing", root, []string{"release", "res_missing"}, "error: not_found: reservation res_missing not found\n"},
-		{"bad state", root, []string{"reservations", "list", "--state", "running"}, "error: invalid_argument: state: "},
+		{"bad state", root, []string{"reservations", "list", "--state", "running"}, "error: invalid_argument: --state: "},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			res := tc.r.run(t, tc.args...)

@@ -58,6 +58,9 @@ type app struct {
 	// its tracing once an API client is made (trace.go).
 	cmdPath string
 	trace   *cliTracing
+	// fieldsOf are the commands' flags by the request field they set
+	// (apiwords.go).
+	fieldsOf map[*cobra.Command]map[string]string
 }
 
 // NewRoot returns the root command with every subcommand.
@@ -149,8 +152,9 @@ func (e exitError) Error() string { return fmt.Sprintf("exit status %d", e.code)
 func Run(ctx context.Context, args []string, env Env) int {
 	root, a := newRoot(env)
 	root.SetArgs(args)
-	err := root.ExecuteContext(ctx)
+	cmd, err := root.ExecuteContextC(ctx)
 	a.trace.end()
+	err = a.inFlagWords(cmd, err)
 	if err == nil {
 		return 0
 	}
@@ -163,7 +167,8 @@ func Run(ctx context.Context, args []string, env Env) int {
 }
 
 // FormatError renders err for the terminal: "error: <code>: <message>" for
-// API (Connect) errors, with every control character escaped (cell: the
+// API (Connect) errors, the patterns of the API's rules in words
+// (describeRules), with every control character escaped (cell: the
 // server's text may quote what a machine or another caller sent);
 // "error: <message>" otherwise, the CLI's own text (a usage error, "Did you
 // mean this?"), whose lines and tabs are kept and other control characters
@@ -171,7 +176,7 @@ func Run(ctx context.Context, args []string, env Env) int {
 func FormatError(err error) string {
 	var cerr *connect.Error
 	if errors.As(err, &cerr) {
-		return fmt.Sprintf("error: %s: %s", cerr.Code(), cell(cerr.Message()))
+		return fmt.Sprintf("error: %s: %s", cerr.Code(), cell(describeRules(cerr.Message())))
 	}
 	return "error: " + keepLines(strings.TrimRight(err.Error(), "\n"))
 }

@@ -80,7 +80,7 @@ func (a *app) sitesCreateCmd() *cobra.Command {
 	c := &cobra.Command{
 		Use:   "create NAME --region REGION",
 		Short: "Create a site (a place in a region, shared by every tenant; root-admin)",
-		Args:  cobra.ExactArgs(1),
+		Args:  exactArgs("NAME"),
 	}
 	c.Flags().StringVar(&region, "region", "", "the region the site is in (required)")
 	_ = c.MarkFlagRequired("region")
@@ -96,5 +96,5 @@ func (a *app) sitesCreateCmd() *cobra.Command {
 		fmt.Fprintln(a.env.Stdout, res.Msg.Site.Id)
 		return nil
 	}
-	return c
+	return a.fields(c, map[string]string{"name": "NAME", "region": "--region"})
 }

@@ -68,6 +68,7 @@ func (a *app) sshCertCmd() *cobra.Command {
 	c.Flags().StringVar(&keyFile, "public-key", "", "your SSH public key file, e.g. ~/.ssh/id_ed25519.pub: Ed25519, ECDSA or RSA of at least 2048 bits (required)")
 	c.Flags().DurationVar(&ttl, "ttl", sshca.DefaultTTL, "how long the certificate is valid, more than 0 and at most 1h")
 	c.Flags().StringVar(&reservation, "reservation", "", "reservation id: a certificate for its sandbox on the node")
+	_ = c.RegisterFlagCompletionFunc("reservation", a.completeReservationIDs(true))
 	c.Flags().StringVar(&certFile, "cert-file", "", "where to write the certificate (default: the key's path with -cert.pub; - for standard output)")
 	format := addOutputFlag(c)
 	_ = c.MarkFlagRequired("node")

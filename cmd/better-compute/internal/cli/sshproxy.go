@@ -55,6 +55,7 @@ func (a *app) sshProxyCmd() *cobra.Command {
 	}
 	c.Flags().StringVar(&node, "node", "", "node id, in any case (required)")
 	c.Flags().StringVar(&reservation, "reservation", "", "reservation id: connect to its sandbox on the node")
+	_ = c.RegisterFlagCompletionFunc("reservation", a.completeReservationIDs(true))
 	_ = c.MarkFlagRequired("node")
 	_ = c.RegisterFlagCompletionFunc("node", a.completeNodeIDs)
 	c.RunE = func(cmd *cobra.Command, _ []string) error {

@@ -69,8 +69,17 @@ func TestTenantSeesOfferedPools(t *testing.T) {
 	foreign := member.run(t, "reserve", "--pool", hidden, "--gpus", "1", "--for", "1h")
 	gone := member.run(t, "reserve", "--pool", missing, "--gpus", "1", "--for", "1h")
 	require.Equal(t, 1, foreign.code)
-	require.Equal(t, "error: not_found: pool_id: pool "+missing+" not found\n", gone.stderr)
+	require.Equal(t, "error: not_found: --pool: pool "+missing+" not found, or not offered to your tenant (`better-compute pools list` "+
+		"shows the pools you may reserve from, and a root-admin, or a tenant-admin of the pool's tenant, offers one with "+
+		"`better-compute pools offer "+missing+" --to TENANT_ID --quota gpu=N`)\n", gone.stderr)
 	require.Equal(t, strings.ReplaceAll(gone.stderr, missing, hidden), foreign.stderr)
+
+	// The owner sees its pool: not offered to its own tenant yet, it says
+	// so, and how to offer it.
+	res = f.runner(f.root).run(t, "reserve", "--pool", hidden, "--gpus", "1", "--for", "1h")
+	require.Equal(t, 1, res.code)
+	require.Equal(t, "error: permission_denied: --pool: pool "+hidden+" is not offered to tenant "+f.tenant+
+		" (offer it first: `better-compute pools offer "+hidden+" --to "+f.tenant+" --quota gpu=N`)\n", res.stderr)
 }
 
 // TestPoolsCreateBySiteName: --site takes a site id or a site name; neither
@@ -122,7 +131,7 @@ func TestSitesCreateNeedsRegion(t *testing.T) {
 	require.Equal(t, "error: required flag(s) \"region\" not set\n", res.stderr)
 	res = r.run(t, "sites", "create", "s2", "--region", "  ")
 	require.Equal(t, 1, res.code)
-	require.Equal(t, "error: invalid_argument: region: is required: the region the site is in\n", res.stderr)
+	require.Equal(t, "error: invalid_argument: --region: is required: the region the site is in\n", res.stderr)
 	_, err := store.GetSiteByName(t.Context(), f.db.Pool, "s2")
 	require.ErrorIs(t, err, store.ErrNotFound)
 

@@ -23,7 +23,7 @@ func (a *app) tenantsCreateCmd() *cobra.Command {
 		Short: "Create a tenant under the root tenant (or --parent); prints its id",
 		Long: "create makes a tenant named NAME (lowercase letters, digits and dashes) under --parent, by default\n" +
 			"the root tenant. Give it an administrator with 'better-compute tokens create --tenant ID --role tenant-admin'.",
-		Args: cobra.ExactArgs(1),
+		Args: exactArgs("NAME"),
 	}
 	c.Flags().StringVar(&parent, "parent", "", "parent tenant id (default: the root tenant)")
 	c.RunE = func(cmd *cobra.Command, args []string) error {
@@ -38,7 +38,7 @@ func (a *app) tenantsCreateCmd() *cobra.Command {
 		fmt.Fprintln(a.env.Stdout, res.Msg.Tenant.Id)
 		return nil
 	}
-	return c
+	return a.fields(c, map[string]string{"name": "NAME", "parent_id": "--parent"})
 }
 
 func (a *app) tenantsListCmd() *cobra.Command {

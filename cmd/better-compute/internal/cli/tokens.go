@@ -31,7 +31,7 @@ func roleNames() []string {
 func (a *app) tokensCreateCmd() *cobra.Command {
 	var (
 		name, role, tenant string
-		ttl                time.Duration
+		ttl                lifetime
 	)
 	c := &cobra.Command{
 		Use:   "create --name NAME --role ROLE [--tenant TENANT_ID] [--ttl DURATION]",
@@ -45,7 +45,7 @@ func (a *app) tokensCreateCmd() *cobra.Command {
 	c.Flags().StringVar(&name, "name", "", "what the token is for, e.g. ci (required)")
 	c.Flags().StringVar(&role, "role", "", "root-admin, tenant-admin, tenant-member or viewer (required)")
 	c.Flags().StringVar(&tenant, "tenant", "", "tenant id (default: your token's tenant)")
-	c.Flags().DurationVar(&ttl, "ttl", 0, "how long it is valid, in whole seconds from 1s to 8784h (default: it never expires)")
+	c.Flags().Var(&ttl, "ttl", "how long it is valid, 1s to 8784h (366d): a duration such as 90m, 24h or 7d, or whole seconds such as 3600 (default: it never expires)")
 	_ = c.MarkFlagRequired("name")
 	_ = c.MarkFlagRequired("role")
 	_ = c.RegisterFlagCompletionFunc("role", func(*cobra.Command, []string, string) ([]cobra.Completion, cobra.ShellCompDirective) {
@@ -59,7 +59,7 @@ func (a *app) tokensCreateCmd() *cobra.Command {
 		// 0 that meant "forever" would turn a slip into a permanent
 		// credential.
 		if cmd.Flags().Changed("ttl") {
-			if err := checkTTL(ttl, maxTokenTTL, "8784h (366 days)", "leave --ttl out for a token that never expires"); err != nil {
+			if err := checkTTL(time.Duration(ttl), maxTokenTTL, "8784h (366 days)", "leave --ttl out for a token that never expires"); err != nil {
 				return err
 			}
 		}
@@ -68,7 +68,7 @@ func (a *app) tokensCreateCmd() *cobra.Command {
 			return err
 		}
 		res, err := cl.apiTokens.CreateToken(cmd.Context(), connect.NewRequest(&computev1.CreateTokenRequest{
-			TenantId: tenant, Name: name, Role: role, TtlSeconds: int64(ttl / time.Second)}))
+			TenantId: tenant, Name: name, Role: role, TtlSeconds: int64(time.Duration(ttl) / time.Second)}))
 		if err != nil {
 			return err
 		}
@@ -82,7 +82,7 @@ func (a *app) tokensCreateCmd() *cobra.Command {
 		fmt.Fprintln(a.env.Stdout, res.Msg.Secret)
 		return nil
 	}
-	return c
+	return a.fields(c, map[string]string{"name": "--name", "role": "--role", "tenant_id": "--tenant", "ttl_seconds": "--ttl"})
 }
 
 func (a *app) tokensListCmd() *cobra.Command {
@@ -138,14 +138,14 @@ func (a *app) tokensListCmd() *cobra.Command {
 		}
 		return table(a.env.Stdout, []string{"ID", "NAME", "ROLE", "TENANT", "EXPIRES", "LAST USED", "STATE"}, rows)
 	}
-	return c
+	return a.fields(c, map[string]string{"tenant_id": "--tenant"})
 }
 
 func (a *app) tokensRevokeCmd() *cobra.Command {
 	return &cobra.Command{
 		Use:   "revoke TOKEN_ID",
 		Short: "Revoke an API token at once",
-		Args:  cobra.ExactArgs(1),
+		Args:  exactArgs("TOKEN_ID"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			cl, err := a.clients()
 			if err != nil {

@@ -14,7 +14,6 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/coder/websocket"
-	"github.com/spf13/cobra"
 	"google.golang.org/protobuf/proto"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
@@ -264,58 +263,15 @@ func canonicalID(p ids.Prefix, s string) string {
 	return c
 }
 
-// completeNodeIDs completes a --node flag with the ids of the nodes the
-// caller sees (with their hostname and state), matched without regard to
-// case; nothing when the API cannot be asked.
-func (a *app) completeNodeIDs(cmd *cobra.Command, _ []string, toComplete string) ([]cobra.Completion, cobra.ShellCompDirective) {
-	cl, err := a.clients()
-	if err != nil {
-		return nil, cobra.ShellCompDirectiveNoFileComp
-	}
-	ctx, cancel := context.WithTimeout(cmd.Context(), 5*time.Second)
-	defer cancel()
-	var out []cobra.Completion
-	page := ""
-	for range 10 { // at most ten pages: a completion is not a listing
-		res, err := cl.nodes.ListNodes(ctx, connect.NewRequest(&computev1.ListNodesRequest{PageToken: page}))
-		if err != nil {
-			break
-		}
-		for _, n := range res.Msg.GetNodes() {
-			if !strings.HasPrefix(strings.ToLower(n.GetId()), strings.ToLower(toComplete)) {
-				continue
-			}
-			desc := n.GetProvisionState()
-			if n.GetHostname() != "" {
-				desc = n.GetHostname() + ", " + desc
-			}
-			out = append(out, cobra.CompletionWithDesc(n.GetId(), cell(desc)))
-		}
-		if page = res.Msg.GetNextPageToken(); page == "" {
-			break
-		}
-	}
-	return out, cobra.ShellCompDirectiveNoFileComp
-}
-
 // tunnelFlags are the flags of the tunnel commands by the request field
 // they set.
 var tunnelFlags = map[string]string{"node_id": "--node", "reservation_id": "--reservation", "public_key": "--public-key",
 	"ttl": "--ttl"}
 
-// asFlags is err with a Connect message that starts with a request field
-// ("reservation_id: reservation res_… is released, not active") starting
-// with the command's flag instead ("--reservation: …"), so that the error
-// names what the user typed.
+// asFlags is err in the words of the tunnel commands' flags (fieldWords
+// with tunnelFlags): "reservation_id: reservation res_… is released, not
+// active" becomes "--reservation: …", so that the error names what the user
+// typed.
 func asFlags(err error) error {
-	var cerr *connect.Error
-	if !errors.As(err, &cerr) {
-		return err
-	}
-	field, rest, ok := strings.Cut(cerr.Message(), ": ")
-	flag, known := tunnelFlags[field]
-	if !ok || !known {
-		return err
-	}
-	return connect.NewError(cerr.Code(), errors.New(flag+": "+rest))
+	return fieldWords(err, tunnelFlags)
 }

@@ -1,0 +1,236 @@
+package cli_test
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/iam"
+	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/service"
+	"github.com/better-compute/better-compute/pkg/store"
+	"github.com/better-compute/better-compute/pkg/store/storetest"
+	"github.com/better-compute/better-compute/services/api/api"
+	"github.com/better-compute/better-compute/services/api/apitest"
+)
+
+// TestAPIErrorsNameFlags: a refusal of the API names the flag or argument
+// of the command that set the field, and a name's rule is said in words.
+func TestAPIErrorsNameFlags(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	root := f.runner(f.root)
+	res := root.run(t, "pools", "offer", f.poolID, "--to", f.tenant, "--quota", "gpu=8")
+	require.Equal(t, 0, res.code, res.stderr)
+	long := strings.Repeat("a", 64)
+	for _, tc := range []struct {
+		name   string
+		args   []string
+		stderr string
+	}{
+		{"reserve --for", []string{"reserve", "--pool", f.poolID, "--gpus", "1", "--for", "-1h"},
+			"error: invalid_argument: --for: must be greater than or equal to 1s and less than or equal to 31622400s\n"},
+		{"reserve --gpus", []string{"reserve", "--pool", f.poolID, "--gpus", "65", "--for", "1h"},
+			"error: invalid_argument: --gpus: must be greater than or equal to 1 and less than or equal to 64\n"},
+		{"reserve --request-id", []string{"reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h", "--request-id", "a\u200eb"},
+			"error: invalid_argument: --request-id: must not contain control, format or line-separator characters\n"},
+		{"pools create NAME", []string{"pools", "create", "Big_Pool", "--site", f.siteID},
+			"error: invalid_argument: NAME: must be lowercase letters, digits and '-', starting and ending with a letter or a digit, at most 63 characters\n"},
+		{"tenants create NAME too long", []string{"tenants", "create", long},
+			"error: invalid_argument: NAME: must be at most 63 characters\n"},
+		{"sites create NAME", []string{"sites", "create", "eu-", "--region", "eu"},
+			"error: invalid_argument: NAME: must be lowercase letters, digits and '-', starting and ending with a letter or a digit, at most 63 characters\n"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			res := root.run(t, tc.args...)
+			require.Equal(t, 1, res.code, res.stdout)
+			require.Equal(t, tc.stderr, res.stderr)
+		})
+	}
+}
+
+// TestMissingArguments: a command missing its argument names it, with the
+// command's usage; an extra one is named too.
+func TestMissingArguments(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		args   []string
+		stderr string
+	}{
+		{[]string{"nodes", "get"}, "error: missing NODE_ID (usage: better-compute nodes get NODE_ID [flags])\n"},
+		{[]string{"nodes", "cordon", "--reason", "x"}, "error: missing NODE_ID (usage: better-compute nodes cordon NODE_ID --reason TEXT [flags])\n"},
+		{[]string{"release"}, "error: missing RESERVATION_ID (usage: better-compute release RESERVATION_ID [flags])\n"},
+		{[]string{"pools", "offer", "--to", "t", "--quota", "gpu=1"},
+			"error: missing POOL_ID (usage: better-compute pools offer POOL_ID --to TENANT_ID --quota gpu=N [flags])\n"},
+		{[]string{"tenants", "create"}, "error: missing NAME (usage: better-compute tenants create NAME [--parent TENANT_ID] [flags])\n"},
+		{[]string{"nodes", "get", "a", "b", "c"}, "error: unexpected arguments \"b\" \"c\" (usage: better-compute nodes get NODE_ID [flags])\n"},
+	} {
+		res := runner{env: map[string]string{}}.run(t, tc.args...)
+		require.Equal(t, 1, res.code, "%v", tc.args)
+		require.Equal(t, tc.stderr, res.stderr, "%v", tc.args)
+	}
+}
+
+// completions runs `__complete args…` and returns the candidates (without
+// descriptions) and the directive line.
+func completions(t *testing.T, r runner, args ...string) ([]string, string) {
+	t.Helper()
+	res := r.run(t, append([]string{"__complete"}, args...)...)
+	require.Equal(t, 0, res.code, res.stderr)
+	lines := strings.Split(strings.TrimRight(res.stdout, "\n"), "\n")
+	var out []string
+	for _, l := range lines[:len(lines)-1] {
+		id, _, _ := strings.Cut(l, "\t")
+		out = append(out, id)
+	}
+	return out, lines[len(lines)-1]
+}
+
+// TestIDCompletion: node, pool and reservation ids complete, as arguments
+// and as flags' values, from the API at the configured URL with the
+// configured token; an unreachable API completes nothing, quietly, and
+// never files.
+func TestIDCompletion(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	root := f.runner(f.root)
+	res := root.run(t, "pools", "offer", f.poolID, "--to", f.tenant, "--quota", "gpu=8")
+	require.Equal(t, 0, res.code, res.stderr)
+	res = root.run(t, "reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h")
+	require.Equal(t, 0, res.code, res.stderr)
+	open := parseReservation(t, res.stdout).ID
+	res = root.run(t, "reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h")
+	require.Equal(t, 0, res.code, res.stderr)
+	released := parseReservation(t, res.stdout).ID
+	res = root.run(t, "release", released)
+	require.Equal(t, 0, res.code, res.stderr)
+
+	nodes := []string{f.adopted, f.failed, f.joining}
+	for _, args := range [][]string{
+		{"nodes", "get", ""}, {"nodes", "cordon", "--reason", "x", ""}, {"nodes", "revoke", ""}, {"nodes", "uncordon", ""},
+		{"commands", "run", "--node", ""}, {"commands", "list", "--node", ""},
+	} {
+		got, directive := completions(t, root, args...)
+		require.ElementsMatch(t, nodes, got, "%v", args)
+		require.Equal(t, ":4", directive, "%v", args)
+	}
+	got, _ := completions(t, root, "nodes", "get", strings.ToLower(f.adopted[:len(f.adopted)-2]))
+	require.Subset(t, nodes, got)
+	require.Contains(t, got, f.adopted)
+	got, directive := completions(t, root, "nodes", "get", f.adopted, "")
+	require.Empty(t, got, "one argument only")
+	require.Equal(t, ":4", directive)
+
+	for _, args := range [][]string{
+		{"reserve", "--pool", ""}, {"pools", "offer", "--to", "x", "--quota", "gpu=1", ""}, {"pools", "offers", "--pool", ""}, {"nodes", "list", "--pool", ""},
+		{"reservations", "list", "--pool", ""}, {"join-tokens", "create", "--pool", ""},
+	} {
+		got, directive := completions(t, root, args...)
+		require.Equal(t, []string{f.poolID}, got, "%v", args)
+		require.Equal(t, ":4", directive, "%v", args)
+	}
+
+	got, _ = completions(t, root, "release", "")
+	require.Equal(t, []string{open}, got, "only reservations that have not ended")
+	got, _ = completions(t, root, "ssh-proxy", "--node", f.adopted, "--reservation", "")
+	require.Equal(t, []string{open}, got)
+	got, _ = completions(t, root, "reservations", "get", "")
+	require.ElementsMatch(t, []string{open, released}, got)
+
+	down := runner{env: map[string]string{"BETTER_COMPUTE_URL": "http://127.0.0.1:1", "BETTER_COMPUTE_TOKEN": f.root}}
+	for _, args := range [][]string{{"nodes", "get", ""}, {"reserve", "--pool", ""}, {"release", ""}} {
+		got, directive := completions(t, down, args...)
+		require.Empty(t, got, "%v", args)
+		require.Equal(t, ":4", directive, "%v", args)
+	}
+}
+
+// TestReserveFailedExitsNonZero: a reservation no node can hold is failed
+// at once: reserve exits 1 with the reason, with or without --wait.
+func TestReserveFailedExitsNonZero(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	r := f.runner(f.root)
+	res := r.run(t, "pools", "offer", f.poolID, "--to", f.tenant, "--quota", "gpu=16")
+	require.Equal(t, 0, res.code, res.stderr)
+	res = r.run(t, "reserve", "--pool", f.poolID, "--gpus", "9", "--for", "1h")
+	require.Equal(t, 1, res.code)
+	failed := parseReservation(t, res.stdout)
+	require.Equal(t, "failed", failed.State)
+	require.Equal(t, "error: reservation "+failed.ID+" is failed: no node of pool "+f.poolID+" has 9 GPUs (largest: 8)\n", res.stderr)
+}
+
+// TestTokenTTLForms: tokens create --ttl takes Go durations, days (7d) and
+// plain seconds.
+func TestTokenTTLForms(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	r := f.runner(f.root)
+	want := map[string]time.Duration{"90m": 90 * time.Minute, "7d": 7 * 24 * time.Hour, "1d12h": 36 * time.Hour,
+		"3600": time.Hour}
+	for ttl := range want {
+		res := r.run(t, "tokens", "create", "--name", "ttl-"+ttl, "--role", "viewer", "--ttl", ttl)
+		require.Equal(t, 0, res.code, "--ttl %s: %s", ttl, res.stderr)
+	}
+	res := r.run(t, "tokens", "list", "-o", "json")
+	require.Equal(t, 0, res.code, res.stderr)
+	var tokens []struct {
+		Name      string     `json:"name"`
+		CreatedAt time.Time  `json:"createdAt"`
+		ExpiresAt *time.Time `json:"expiresAt"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(res.stdout), &tokens), res.stdout)
+	seen := 0
+	for _, tok := range tokens {
+		ttl, ok := strings.CutPrefix(tok.Name, "ttl-")
+		if !ok {
+			continue
+		}
+		seen++
+		require.NotNil(t, tok.ExpiresAt, ttl)
+		require.InDelta(t, want[ttl].Seconds(), tok.ExpiresAt.Sub(tok.CreatedAt).Seconds(), 1, ttl)
+	}
+	require.Equal(t, len(want), seen)
+
+	for ttl, stderr := range map[string]string{
+		"7x":    "error: invalid argument \"7x\" for \"--ttl\" flag: want a duration such as 90m, 24h or 7d, or a number of seconds (see 'better-compute tokens create --help')\n",
+		"367d":  "error: --ttl must be at most 8784h (366 days), got 8808h0m0s\n",
+		"1.5":   "error: invalid argument \"1.5\" for \"--ttl\" flag: want a duration such as 90m, 24h or 7d, or a number of seconds (see 'better-compute tokens create --help')\n",
+		"d":     "error: invalid argument \"d\" for \"--ttl\" flag: want a duration such as 90m, 24h or 7d, or a number of seconds (see 'better-compute tokens create --help')\n",
+		"1d-1h": "error: invalid argument \"1d-1h\" for \"--ttl\" flag: want a duration such as 90m, 24h or 7d, or a number of seconds (see 'better-compute tokens create --help')\n",
+	} {
+		res := r.run(t, "tokens", "create", "--name", "bad", "--role", "viewer", "--ttl", ttl)
+		require.Equal(t, 1, res.code, ttl)
+		require.Equal(t, stderr, res.stderr, ttl)
+	}
+}
+
+// TestTunnelHintsNameReservationFlag: refused a shell (a tenant-member
+// has no nodes.access), console and ssh-proxy name --reservation, the flag
+// that reaches a reservation's sandbox, not the API's field.
+func TestTunnelHintsNameReservationFlag(t *testing.T) {
+	t.Parallel()
+	db := storetest.New(t, clock.New())
+	now := db.Now()
+	dir := t.TempDir()
+	_, err := pki.Init(dir, pki.InitOptions{}, now)
+	require.NoError(t, err)
+	url := apitest.StartWith(t, db, api.Config{PKI: service.PKI{PKIDir: dir}})
+	tenant := apitest.Tenant(t, db, "acme")
+	node := storetest.Node(t, db, &storetest.NodeOpts{PoolID: storetest.Pool(t, db, &storetest.PoolOpts{OwnerTenantID: tenant}).ID,
+		GPUs: 8, State: store.NodeAdopted, Reachable: true, LastSeen: now}).ID
+	member := runner{env: map[string]string{"BETTER_COMPUTE_URL": url,
+		"BETTER_COMPUTE_TOKEN": apitest.Token(t, db, tenant, iam.RoleTenantMember)}}
+	res := member.run(t, "console", "--node", node)
+	require.Equal(t, 255, res.code)
+	require.Equal(t, "error: permission_denied: role tenant-member may not open a shell or break-glass SSH on a node "+
+		"(needs nodes.access); ssh-cert and ssh-proxy take --reservation RES_ID for the sandbox of a reservation\n", res.stderr)
+	res = member.run(t, "ssh-proxy", "--node", node)
+	require.Equal(t, 255, res.code)
+	require.Equal(t, "ssh-proxy: permission_denied: role tenant-member may not open a shell or break-glass SSH on a node "+
+		"(needs nodes.access); pass --reservation for the sandbox of a reservation\n", res.stderr)
+}
