@@ -41,16 +41,19 @@
 // untouched; the gateway holds no signing key. Spec refusals daemons report become node.spec_refused events.
 //
 // Memory per session is kept small for thousands of idle sessions: one
-// goroutine of ours per stream (the Connect handler, blocked in Receive,
-// which also writes the heartbeat acknowledgements); deliveries run on a
+// goroutine of ours per stream (the Connect handler, which waits for the
+// next message in sessionBody.fill, where its stack stays at 8 KiB, and
+// also writes the heartbeat acknowledgements); deliveries run on a
 // short-lived goroutine started when a session is woken (one at a time per
-// session, wakes coalesce); timers and tickers are shared by all sessions. BenchmarkIdleSessionMemory measures about 66 KiB per idle
-// session (38 KiB heap, 28 KiB stacks, 3 goroutines), nearly all of it
-// net/http's HTTP/2 server (a connection's serve and frame-reader
-// goroutines, a 4 KiB response buffer per stream, framer, request) and
-// crypto/tls (connection, AEAD state, the peer's certificates); the
-// gateway's own state is about 1 KiB (the session record, the request
-// copy that carries it, map entries).
+// session, wakes coalesce); timers and tickers are shared by all sessions.
+// BenchmarkIdleSessionMemory measures 54–68 KiB per idle session (heap
+// 24–39 KiB, stacks 30 KiB, 3 goroutines), nearly all of it net/http's
+// HTTP/2 server (a connection's serve goroutine, 16 KiB of stack, and its
+// frame reader, 4 KiB; a 4 KiB response buffer per stream, framer,
+// request) and crypto/tls (connection and the handshake's read buffer it
+// keeps, AEAD state, the peer's certificates); the gateway's own state is
+// about 1 KiB (the session record, the request copy that carries it, map
+// entries).
 //
 // SshRefused reports become node.ssh_refused events, written as spec
 // refusals are.

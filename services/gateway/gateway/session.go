@@ -17,6 +17,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
+	"github.com/better-compute/better-compute/api/gen/bc/gateway/v1/gatewayv1connect"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/pki"
@@ -101,6 +102,9 @@ type session struct {
 	// client is the client certificate (the TLS connection's).
 	client *x509.Certificate
 	stream *connect.BidiStream[gatewayv1.SessionRequest, gatewayv1.SessionResponse]
+	// in is the request body of a Session stream, which its handler
+	// waits on (sessionBody.fill) between messages.
+	in sessionBody
 
 	// Set at Hello under Server.mu, read-only afterwards.
 	nodeID    string
@@ -163,9 +167,57 @@ func (s *Server) peerMiddleware(next http.Handler) http.Handler {
 		}
 		st.ctx = context.WithValue(r.Context(), sessionKey{}, st)
 		defer st.finish()
-		next.ServeHTTP(w, r.WithContext(st.ctx))
+		r = r.WithContext(st.ctx)
+		if r.URL.Path == gatewayv1connect.GatewayServiceSessionProcedure {
+			st.in.rc = r.Body
+			r.Body = &st.in
+		}
+		next.ServeHTTP(w, r)
 	})
 }
+
+// sessionBody is a Session stream's request body with a small read-ahead:
+// the handler waits for the daemon's next message in fill, before it calls
+// Receive, rather than deep inside Connect's Receive. Parked there its
+// goroutine uses about 1.5 KiB less of its stack, which lets the runtime
+// shrink that stack from 16 KiB to 8 KiB (it halves a stack less than a
+// quarter used); and a message that fits in head (a heartbeat, about a
+// dozen bytes) is taken from HTTP/2 in one Read instead of two (its prefix,
+// then its payload), each of which is a hand-off to the connection's
+// goroutine. Only the handler's goroutine reads it.
+type sessionBody struct {
+	rc   io.ReadCloser
+	head [64]byte
+	r, w uint8 // head[r:w] is read ahead and not yet returned
+	err  error // what the read ahead returned, returned once head[r:w] is
+}
+
+// fill waits until the daemon sent more of the stream, or ended it, unless
+// bytes or an error are already waiting.
+func (b *sessionBody) fill() {
+	if b.rc == nil || b.r < b.w || b.err != nil {
+		return
+	}
+	n, err := b.rc.Read(b.head[:])
+	b.r, b.w, b.err = 0, uint8(n), err
+}
+
+// Read returns the bytes read ahead, then what the read ahead returned,
+// then reads on.
+func (b *sessionBody) Read(p []byte) (int, error) {
+	if b.r < b.w {
+		n := copy(p, b.head[b.r:b.w])
+		b.r += uint8(n)
+		return n, nil
+	}
+	if b.err != nil {
+		return 0, b.err
+	}
+	return b.rc.Read(p)
+}
+
+// Close closes the request body; a Read waiting on it returns.
+func (b *sessionBody) Close() error { return b.rc.Close() }
 
 func sessionFrom(ctx context.Context) *session {
 	st, _ := ctx.Value(sessionKey{}).(*session)
@@ -331,6 +383,8 @@ func (s *Server) Session(ctx context.Context, stream *connect.BidiStream[gateway
 	s.deliverLoop(st)
 
 	for {
+		// Wait for the next message here, not in Receive (sessionBody).
+		st.in.fill()
 		req, err := s.receive(st)
 		if err != nil {
 			return st.endErr(err)
