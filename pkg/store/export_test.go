@@ -25,6 +25,3 @@ const ReservationFailedDataSQL = reservationFailedDataSQL
 // statements test.
 var CreateReservationSQL = createReservationSQL
 
-// NotifySQL exposes the outbox notifier's statement, which tests that count
-// statements leave out (it runs on its own goroutine, whenever it runs).
-const NotifySQL = notifySQL

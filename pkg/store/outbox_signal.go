@@ -96,10 +96,11 @@ func (db *DB) publishPokes(pokes []directPoke) {
 	}
 }
 
-// notifySQL notifies OutboxChannel in a transaction of its own that commits
+// OutboxNotifySQL is the outbox notifier's statement: it notifies
+// OutboxChannel in a transaction of its own that commits
 // without waiting for its WAL flush, so the NOTIFY lock is held only briefly;
 // a notification lost in a crash only delays the relay until its next poll.
-const notifySQL = "BEGIN; SET LOCAL synchronous_commit = off; SELECT pg_notify('" + OutboxChannel + "', ''); COMMIT"
+const OutboxNotifySQL = "BEGIN; SET LOCAL synchronous_commit = off; SELECT pg_notify('" + OutboxChannel + "', ''); COMMIT"
 
 // outboxNotifier coalesces the post-commit signals of DB.InTx into NOTIFYs:
 // at most one runs at a time, and signals that arrive meanwhile cause one
@@ -115,7 +116,7 @@ type outboxNotifier struct {
 // SignalOutboxVia makes db wake the outbox relays by calling send (a NATS
 // publish on SubjectOutboxWritten, say) after each commit that wrote outbox
 // rows, instead of a NOTIFY: that NOTIFY is a transaction of its own (see
-// notifySQL), so on a busy command path, where every batch writes outbox
+// OutboxNotifySQL), so on a busy command path, where every batch writes outbox
 // rows, it was a second transaction per batch. When send fails, the NOTIFY
 // is sent as before. Call it before db is used; nil restores NOTIFY alone.
 func (db *DB) SignalOutboxVia(send func() error) { db.outboxSignal = send }
@@ -157,7 +158,7 @@ func (n *outboxNotifier) run(ctx context.Context, pool *pgxpool.Pool) {
 		case <-n.wake:
 		}
 		// A failure only delays the relay until its next poll.
-		_, _ = pool.Exec(ctx, notifySQL)
+		_, _ = pool.Exec(ctx, OutboxNotifySQL)
 	}
 }
 

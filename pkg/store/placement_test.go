@@ -250,7 +250,7 @@ func TestActivateReservationsInOneStatement(t *testing.T) {
 	require.NoError(t, err)
 	var sent []string
 	for _, q := range stmts.SQL() {
-		if q != store.NotifySQL {
+		if q != store.OutboxNotifySQL {
 			sent = append(sent, q)
 		}
 	}

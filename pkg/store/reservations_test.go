@@ -304,7 +304,7 @@ func TestCreateReservationStatements(t *testing.T) {
 	stmts.Stop()
 	var sent []string
 	for _, q := range stmts.SQL() {
-		if q != store.NotifySQL {
+		if q != store.OutboxNotifySQL {
 			sent = append(sent, q)
 		}
 	}
