@@ -24,4 +24,3 @@ const ReservationFailedDataSQL = reservationFailedDataSQL
 // CreateReservationSQL exposes CreateReservation's statement to the
 // statements test.
 var CreateReservationSQL = createReservationSQL
-
