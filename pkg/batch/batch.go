@@ -90,18 +90,10 @@ func New[T, R any](flush Flush[T, R], opts Options) *Batcher[T, R] {
 // request whose answer was lost), unless its flush had not begun. It
 // returns ErrClosed after Close.
 func (b *Batcher[T, R]) Do(ctx context.Context, item T) (R, error) {
-	c := &call[T, R]{ctx: ctx, item: item, done: make(chan struct{})}
 	var zero R
-	b.waiting.Add(1)
-	select {
-	case b.calls <- c:
-		b.waiting.Add(-1)
-	case <-ctx.Done():
-		b.waiting.Add(-1)
-		return zero, ctx.Err()
-	case <-b.stop:
-		b.waiting.Add(-1)
-		return zero, ErrClosed
+	c, err := b.enqueue(ctx, item)
+	if err != nil {
+		return zero, err
 	}
 	select {
 	case <-c.done:
@@ -109,6 +101,40 @@ func (b *Batcher[T, R]) Do(ctx context.Context, item T) (R, error) {
 	case <-ctx.Done():
 		return zero, ctx.Err()
 	}
+}
+
+// enqueue hands item to a worker, or returns ctx.Err() or ErrClosed when
+// none took it.
+func (b *Batcher[T, R]) enqueue(ctx context.Context, item T) (*call[T, R], error) {
+	c := &call[T, R]{ctx: ctx, item: item, done: make(chan struct{})}
+	b.waiting.Add(1)
+	defer b.waiting.Add(-1)
+	select {
+	case b.calls <- c:
+		return c, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	case <-b.stop:
+		return nil, ErrClosed
+	}
+}
+
+// DoSettled is Do for a write whose caller must know whether it happened:
+// once a flush took item it waits for that flush's end (at most
+// Options.Timeout), whatever ctx does, and returns its result. So ctx.Err()
+// means that item was not flushed, and a flush's error, from a flush that
+// writes in one transaction, that it was not written. It returns ErrClosed
+// after Close.
+func (b *Batcher[T, R]) DoSettled(ctx context.Context, item T) (R, error) {
+	c, err := b.enqueue(ctx, item)
+	if err != nil {
+		var zero R
+		return zero, err
+	}
+	// run answers a call whose ctx ended before its flush began with
+	// ctx.Err(), without flushing it.
+	<-c.done
+	return c.res, c.err
 }
 
 // Waiting returns how many calls of Do wait for a worker to take them: the

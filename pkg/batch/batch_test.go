@@ -132,3 +132,34 @@ func TestDoAfterClose(t *testing.T) {
 	_, err := b.Do(t.Context(), 1)
 	require.ErrorIs(t, err, batch.ErrClosed)
 }
+
+// TestDoSettledWaitsForItsFlush: a caller whose context ends while its item
+// is being flushed gets the flush's result from DoSettled, so it knows the
+// item was written, where Do returns the context's error.
+func TestDoSettledWaitsForItsFlush(t *testing.T) {
+	started, release := make(chan struct{}), make(chan struct{})
+	b := batch.New(func(_ context.Context, items []string) ([]string, error) {
+		close(started)
+		<-release
+		return items, nil
+	}, batch.Options{Workers: 1})
+	defer b.Close()
+	ctx, cancel := context.WithCancel(t.Context())
+	type answer struct {
+		v   string
+		err error
+	}
+	got := make(chan answer, 1)
+	go func() {
+		v, err := b.DoSettled(ctx, "written")
+		got <- answer{v, err}
+	}()
+	<-started
+	cancel()
+	close(release)
+	require.Equal(t, answer{v: "written"}, <-got)
+
+	// One whose context ended before a flush took it is not flushed.
+	_, err := b.DoSettled(ctx, "gone")
+	require.ErrorIs(t, err, context.Canceled)
+}

@@ -1,11 +1,13 @@
 package gateway_test
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -109,4 +111,41 @@ func BenchmarkSessionOpenStatements(b *testing.B) {
 type openClient struct {
 	c  gatewayv1connect.GatewayServiceClient
 	id string
+}
+
+// TestHelloGoneDuringItsOpenLeavesNoSession: a daemon that goes away while
+// its Hello's open waits in a flush (here for the node's row lock) does not
+// leave the node's session open, held by a live gateway and so never swept
+// unreachable: the open is waited for and then closed (the sweeper then
+// marks the node unreachable, as after any session's end).
+func TestHelloGoneDuringItsOpenLeavesNoSession(t *testing.T) {
+	e := setup(t, options{})
+	g := e.startGateway(noResync)
+	e.connect(g, e.newNode(), nil)
+	n := e.newNode()
+
+	ctx := context.Background()
+	tx, err := e.db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = tx.Exec(ctx, `SELECT 1 FROM nodes WHERE id = $1 FOR UPDATE`, n.id)
+	require.NoError(t, err)
+
+	d := e.open(g, n, &gatewayv1.Hello{NodeId: n.id, BootId: "boot-1", AgentVersion: "test"})
+	// The open's flush waits for the row lock.
+	require.Eventually(t, func() bool {
+		var waiting int
+		require.NoError(t, e.db.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE NOT granted`).Scan(&waiting))
+		return waiting > 0
+	}, 10*time.Second, 10*time.Millisecond)
+	d.close() // the daemon goes away mid-Hello
+	// Time for the gateway to see the stream end before the open commits.
+	time.Sleep(300 * time.Millisecond)
+	require.NoError(t, tx.Commit(ctx))
+
+	// The open commits (the epoch moves), then the session is closed.
+	require.Eventually(t, func() bool {
+		r := e.nodeRow(n.id)
+		return r.Epoch >= 1 && r.SessionID == nil && r.GatewayID == nil
+	}, 10*time.Second, 20*time.Millisecond, "the session of a Hello whose stream ended is closed")
 }

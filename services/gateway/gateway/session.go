@@ -454,7 +454,11 @@ func (s *Server) hello(ctx context.Context, st *session, h *gatewayv1.Hello) (*g
 	}
 	now := s.db.Now()
 	sessionID := ids.New(ids.Session, now)
-	res, err := s.batch.opens.Do(ctx, store.OpenSessionRequest{Serial: st.serial, OpenSessionParams: store.OpenSessionParams{
+	// DoSettled, not Do: an open that a flush took is waited for even when
+	// the stream ends meanwhile, so that a session it opened is closed by
+	// Session's deferred closeSession rather than left open, held by this
+	// live gateway, on a machine that is gone.
+	res, err := s.batch.opens.DoSettled(ctx, store.OpenSessionRequest{Serial: st.serial, OpenSessionParams: store.OpenSessionParams{
 		NodeID:             st.certID,
 		GatewayID:          s.cfg.GatewayID,
 		SessionID:          sessionID,
