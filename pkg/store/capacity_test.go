@@ -216,3 +216,53 @@ func TestPoolCapacitySinceMatchesPoolCapacity(t *testing.T) {
 	require.NoError(t, err)
 	check(gens, f.fleet.Nodes[2])
 }
+
+// oldFailedReservation writes a reservation of f's tenant on node that
+// failed 72 hours ago, with its booking, for retention to delete.
+func (f placeFixture) oldFailedReservation(id, node string) {
+	f.t.Helper()
+	ctx := f.t.Context()
+	old := f.db.Now().Add(-72 * time.Hour)
+	_, err := f.db.Pool.Exec(ctx, `INSERT INTO reservations (id, tenant_id, pool_id, gpus, start_at, end_at, state, reason,
+		node_id, created_at, updated_at, placed_at, ended_at)
+		VALUES ($1, $2, $3, 1, $4, $5, 'failed', 'lost', $6, $4, $5, $4, $5)`, id, f.tenant, f.fleet.PoolID, old, old.Add(time.Hour), node)
+	require.NoError(f.t, err)
+	_, err = f.db.Pool.Exec(ctx, `INSERT INTO bookings (reservation_id, node_id, device_index, during)
+		VALUES ($1, $2, 0, tstzrange($3, $4, '[)'))`, id, node, old, old.Add(time.Hour))
+	require.NoError(f.t, err)
+}
+
+// TestRetentionLeavesCapacity: deleting long-ended reservations with their
+// bookings moves no capacity generation (they were no capacity), and takes
+// no node's lock, so it never waits on, or deadlocks with, a writer that
+// holds a node (here one that locks both nodes in id order, as placements
+// do, after retention started).
+func TestRetentionLeavesCapacity(t *testing.T) {
+	t.Parallel()
+	f := newPlaceFixture(t, "retcap", 4, 4)
+	ctx := t.Context()
+	lo, hi := f.fleet.Nodes[0], f.fleet.Nodes[1]
+	f.oldFailedReservation("res_old_lo", lo)
+	f.oldFailedReservation("res_old_hi", hi)
+	// lo's row after hi's in the heap, as a heartbeat's update leaves it.
+	_, err := f.db.Pool.Exec(ctx, `UPDATE nodes SET last_seen = $2 WHERE id = $1`, lo, f.db.Now())
+	require.NoError(t, err)
+	before := f.generations()
+
+	tx, err := f.db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	_, err = tx.Exec(ctx, `SELECT id FROM nodes WHERE id = $1 FOR NO KEY UPDATE`, lo)
+	require.NoError(t, err)
+
+	// Bounded: waiting for the held node would be waiting for this test.
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	deleted, err := store.DeleteOldReservations(rctx, f.db.Pool, f.db.Now().Add(-time.Hour), 100)
+	require.NoError(t, err)
+	require.Equal(t, 2, deleted)
+	_, err = tx.Exec(ctx, `SELECT id FROM nodes WHERE id = ANY($1) ORDER BY id FOR NO KEY UPDATE`, []string{lo, hi})
+	require.NoError(t, err)
+	require.NoError(t, tx.Commit(ctx))
+	require.Equal(t, before, f.generations())
+}

@@ -42,10 +42,12 @@ CREATE TRIGGER nodes_capacity_generation BEFORE UPDATE ON nodes FOR EACH ROW
     EXECUTE FUNCTION nodes_capacity_generation();
 
 -- One statement per triggering statement (transition tables), whatever the
--- number of rows. The devices of a node not yet adopted are no capacity:
--- its adoption moves the generation.
+-- number of rows, the nodes locked in id order first. The devices of a node
+-- not yet adopted are no capacity: its adoption moves the generation.
 CREATE FUNCTION node_devices_capacity_generation() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
+    PERFORM 1 FROM nodes WHERE id IN (SELECT node_id FROM changed_devices) AND provision_state = 'adopted'
+    ORDER BY id FOR NO KEY UPDATE;
     UPDATE nodes SET capacity_generation = capacity_generation + 1
     WHERE id IN (SELECT node_id FROM changed_devices) AND provision_state = 'adopted';
     RETURN NULL;
@@ -59,10 +61,19 @@ CREATE TRIGGER node_devices_updated_capacity_generation AFTER UPDATE ON node_dev
 CREATE TRIGGER node_devices_deleted_capacity_generation AFTER DELETE ON node_devices
     REFERENCING OLD TABLE AS changed_devices FOR EACH STATEMENT EXECUTE FUNCTION node_devices_capacity_generation();
 
+-- A booking deleted with its reservation (retention deletes only reservations
+-- that ended long ago, whose bookings ended with them) was no capacity, so
+-- only bookings whose reservation is still there count. The nodes are locked
+-- in id order first, as every other writer of several nodes locks them, so
+-- that the trigger's statement does not deadlock with them.
 CREATE FUNCTION bookings_capacity_generation() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
+    PERFORM 1 FROM nodes WHERE id IN (
+        SELECT b.node_id FROM changed_bookings b WHERE EXISTS (SELECT 1 FROM reservations r WHERE r.id = b.reservation_id))
+    ORDER BY id FOR NO KEY UPDATE;
     UPDATE nodes SET capacity_generation = capacity_generation + 1
-    WHERE id IN (SELECT node_id FROM changed_bookings);
+    WHERE id IN (
+        SELECT b.node_id FROM changed_bookings b WHERE EXISTS (SELECT 1 FROM reservations r WHERE r.id = b.reservation_id));
     RETURN NULL;
 END
 $$;
