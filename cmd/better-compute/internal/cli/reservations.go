@@ -255,18 +255,17 @@ func (a *app) notOffered(err error, pool string) error {
 	if !errors.As(err, &cerr) {
 		return err
 	}
-	tenant := a.env.Getenv("BETTER_COMPUTE_TENANT")
-	if tenant == "" {
-		tenant = "TENANT_ID"
-	}
-	offer := "better-compute pools offer " + pool + " --to " + tenant + " --quota gpu=N"
+	// The caller's tenant is the one its token belongs to, which no call
+	// of the API returns (BETTER_COMPUTE_TENANT may name another): the hint
+	// leaves it to the caller.
+	offer := "better-compute pools offer " + pool + " --to <your tenant id> --quota gpu=N"
 	msg := cerr.Message()
 	switch {
 	case cerr.Code() == connect.CodeNotFound && msg == "pool_id: pool "+pool+" not found":
 		msg = "pool_id: pool " + pool + " not found, or not offered to your tenant (`better-compute pools list` shows the pools " +
 			"you may reserve from, and a root-admin, or a tenant-admin of the pool's tenant, offers one with `" + offer + "`)"
 	case cerr.Code() == connect.CodePermissionDenied && strings.HasPrefix(msg, "pool_id: pool "+pool+" is not offered to tenant "):
-		tenant = strings.TrimPrefix(msg, "pool_id: pool "+pool+" is not offered to tenant ")
+		tenant := strings.TrimPrefix(msg, "pool_id: pool "+pool+" is not offered to tenant ")
 		msg += " (offer it first: `better-compute pools offer " + pool + " --to " + tenant + " --quota gpu=N`)"
 	default:
 		return err
