@@ -414,6 +414,75 @@ func TestUsageWindowsSumToBookedTime(t *testing.T) {
 	require.Equal(t, int64(2*(570+3600+1230)), sum(windows(exp.ID)))
 }
 
+// TestOpenUsageCountsEndedUntilWritten (I8): the written windows and
+// OpenUsage together count a reservation's GPU-seconds so far while it
+// runs, all of them once it ends and before the sink writes its last
+// windows, and the same once it has: the usage never goes down and no
+// second counts twice.
+func TestOpenUsageCountsEndedUntilWritten(t *testing.T) {
+	t.Parallel()
+	f := newPlaceFixture(t, "openusage", 8)
+	ctx := t.Context()
+	node := f.fleet.Nodes[0]
+	rel := f.reserve(4, 3*time.Hour)
+	_, err := f.place(nil, f.placement(rel, node, 0, 1, 2, 3))
+	require.NoError(t, err)
+	start := f.db.Now()
+	secs := func(a, b time.Time) int64 { return b.Truncate(time.Second).Unix() - a.Truncate(time.Second).Unix() }
+
+	// total returns the reservation's GPU-seconds written and open, and how
+	// many of its windows are open.
+	total := func() (sum int64, open int) {
+		uf := store.UsageFilter{Scope: store.AllTenants}
+		written, err := store.ListUsage(ctx, f.db.Pool, uf)
+		require.NoError(t, err)
+		opened, err := store.OpenUsage(ctx, f.db.Pool, uf, f.db.Now())
+		require.NoError(t, err)
+		seen := map[time.Time]bool{}
+		for _, w := range append(written, opened...) {
+			require.Equal(t, rel.ID, w.ReservationID)
+			require.False(t, seen[w.WindowStart], "window %s counted twice", w.WindowStart)
+			seen[w.WindowStart] = true
+			sum += w.GPUSeconds
+		}
+		return sum, len(opened)
+	}
+	write := func() int64 {
+		ids, err := store.UsageCandidates(ctx, f.db.Pool, "", 100)
+		require.NoError(t, err)
+		n, err := store.WriteUsageWindows(ctx, f.db.Pool, f.db.Now(), ids)
+		require.NoError(t, err)
+		return n
+	}
+
+	// Running: 04:50:30 to 05:30:30, the 04:00 window written.
+	f.clk.Advance(40 * time.Minute)
+	require.EqualValues(t, 1, write())
+	sum, open := total()
+	require.Equal(t, 4*secs(start, f.db.Now()), sum)
+	require.Equal(t, 1, open, "05:00 so far")
+
+	// Just ended at 05:45:30, its 05:00 window not written yet.
+	f.clk.Advance(15 * time.Minute)
+	require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
+		_, err := store.EndReservation(ctx, tx, nil, store.AllTenants, f.db.Now(), rel.ID, store.ReservationReleased)
+		return err
+	}))
+	end := f.db.Now()
+	sum, open = total()
+	require.Equal(t, 4*secs(start, end), sum, "the ended reservation's last window counts before it is written")
+	require.Equal(t, 1, open)
+	f.clk.Advance(30 * time.Minute) // 06:15:30: the end, not now, bounds it.
+	sum, _ = total()
+	require.Equal(t, 4*secs(start, end), sum)
+
+	// Written: the same total, nothing open.
+	require.EqualValues(t, 1, write())
+	sum, open = total()
+	require.Equal(t, 4*secs(start, end), sum)
+	require.Zero(t, open)
+}
+
 // TestOnlyAdoptedNodesArePlacedOn: nodes that are joining, accepting or
 // failed acceptance have their reported GPUs recorded (node_devices) but
 // are never capacity: PoolCapacity returns adopted nodes only, and a

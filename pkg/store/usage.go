@@ -73,12 +73,18 @@ func ListUsage(ctx context.Context, q DBTX, f UsageFilter) ([]UsageWindow, error
 	return out, nil
 }
 
-// OpenUsage returns the usage of the running reservations matching f
-// (binding or active, placed) that no window holds yet: for each, the
+// OpenUsage returns the usage that no window holds yet of the placed
+// reservations matching f: for each running one (binding or active), the
 // GPU-seconds of each hour after its latest written window up to now, the
-// current hour's so far, computed as WriteUsageWindows would write them
-// once final. They are not stored: a later call, or the written windows,
-// count the same seconds again. Ordered as ListUsage; f.Limit caps them.
+// current hour's so far; for each ended one (released or expired) whose last
+// window is not written yet, those of each hour after its latest written
+// window up to its end. Both are computed as WriteUsageWindows would write
+// them once final, so that the written windows and OpenUsage together never
+// lose or count twice a second of an ended reservation: the sink writes all
+// of an ended reservation's remaining windows in one statement, after which
+// OpenUsage returns none of them. They are not stored: a later call, or the
+// written windows, count a running reservation's seconds again. Ordered as
+// ListUsage; f.Limit caps them.
 func OpenUsage(ctx context.Context, q DBTX, f UsageFilter, now time.Time) ([]UsageWindow, error) {
 	limit := any(nil)
 	if f.Limit > 0 {
@@ -91,9 +97,18 @@ func OpenUsage(ctx context.Context, q DBTX, f UsageFilter, now time.Time) ([]Usa
 	rows, err := q.Query(ctx, `WITH b AS (
 			SELECT b.reservation_id AS rid, r.tenant_id, r.pool_id,
 				date_trunc('second', lower(b.during), 'UTC') AS lo,
-				least(date_trunc('second', upper(b.during), 'UTC'), date_trunc('second', $3::timestamptz, 'UTC')) AS hi
+				CASE WHEN r.state IN ('binding', 'active')
+					THEN least(date_trunc('second', upper(b.during), 'UTC'), date_trunc('second', $3::timestamptz, 'UTC'))
+					ELSE date_trunc('second', upper(b.during), 'UTC') END AS hi
 			FROM bookings b JOIN reservations r ON r.id = b.reservation_id
-			WHERE r.state IN ('binding', 'active') AND r.placed_at IS NOT NULL AND ($1::text IS NULL OR r.tenant_id = $1)
+			WHERE r.placed_at IS NOT NULL AND ($1::text IS NULL OR r.tenant_id = $1) AND (
+				r.state IN ('binding', 'active')
+				OR (r.state IN ('released', 'expired') AND EXISTS (
+					SELECT 1 FROM bookings lb
+					WHERE lb.reservation_id = r.id
+						AND date_trunc('second', upper(lb.during), 'UTC') > date_trunc('second', lower(lb.during), 'UTC')
+						AND NOT EXISTS (SELECT 1 FROM usage_windows u WHERE u.reservation_id = r.id
+							AND u.window_start = date_trunc('hour', date_trunc('second', upper(lb.during), 'UTC') - interval '1 second', 'UTC')))))
 		), w AS (
 			SELECT b.rid, b.tenant_id, b.pool_id, ws,
 				extract(epoch FROM least(b.hi, ws + interval '1 hour') - greatest(b.lo, ws))::bigint AS secs

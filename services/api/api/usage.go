@@ -22,10 +22,12 @@ type usageService struct{ *Server }
 // of tenant_id (default: the caller's; another tenant's needs root-admin),
 // those ending after since when it is set, by window start, then
 // reservation id; at most page_size windows (default 1000). The windows are
-// those the controllers' usage sink wrote (final), and those of the running
-// (binding or active) reservations it has not written yet, up to now: the
-// current hour so far (store.OpenUsage), so that a running reservation
-// counts from its start. total_gpu_seconds sums the windows listed.
+// those the controllers' usage sink wrote (final), and those it has not
+// written yet (store.OpenUsage): of the running (binding or active)
+// reservations up to now, the current hour so far, so that a running
+// reservation counts from its start; of the ended ones up to their end, so
+// that a reservation's usage does not drop between its end and the sink's
+// next pass. total_gpu_seconds sums the windows listed.
 // Errors: NotFound (tenant_id), InvalidArgument (since).
 func (s *usageService) ListUsage(ctx context.Context, req *connect.Request[computev1.ListUsageRequest]) (*connect.Response[computev1.ListUsageResponse], error) {
 	p, err := principal(ctx)

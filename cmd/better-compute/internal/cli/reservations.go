@@ -16,10 +16,19 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
+	"github.com/better-compute/better-compute/pkg/clock"
 )
 
 // reservePollInterval is how often `reserve --wait` reads the reservation.
 const reservePollInterval = 250 * time.Millisecond
+
+// The delay between the retries of `reserve --wait` after a transient
+// error doubles from reserveRetryFirst up to reserveRetryMost, and starts
+// again from reserveRetryFirst after a read that succeeded.
+const (
+	reserveRetryFirst = 500 * time.Millisecond
+	reserveRetryMost  = 10 * time.Second
+)
 
 // parseQuota parses --quota: "gpu=N" with N ≥ 0.
 func parseQuota(s string) (int32, error) {
@@ -129,7 +138,9 @@ func (a *app) reserveCmd() *cobra.Command {
 			"default now) and prints the reservation as JSON. It starts pending; the scheduler places it\n" +
 			"(binding) and it turns active once the node has bound the GPUs. With --request-id a retry returns\n" +
 			"the first reservation instead of making another. --wait polls until it is active (exit 0) or\n" +
-			"failed (exit 1), for at most --timeout (default 1m; only with --wait). A reservation no node of\n" +
+			"failed (exit 1), for at most --timeout (default 1m; only with --wait), retrying while the API\n" +
+			"cannot be reached; if it stops waiting, the reservation stays queued and holds its quota\n" +
+			"(`better-compute release ID` cancels it). A reservation no node of\n" +
 			"the pool can hold (more GPUs than any node has) is failed at once: reserve exits 1 with the reason.",
 		Args: cobra.NoArgs,
 	}
@@ -172,23 +183,39 @@ func (a *app) reserveCmd() *cobra.Command {
 		r := res.Msg.Reservation
 		if wait {
 			var timedOut bool
-			r, timedOut, err = pollWhile(cmd.Context(), a.env.Clock, reservePollInterval, a.env.Clock.Now().Add(timeout), r,
+			deadline := a.env.Clock.Now().Add(timeout)
+			delay := reserveRetryFirst
+			last := r
+			r, timedOut, err = pollWhile(cmd.Context(), a.env.Clock, reservePollInterval, deadline, r,
 				func(r *computev1.Reservation) bool { return r.State == "pending" || r.State == "binding" },
 				func(ctx context.Context) (*computev1.Reservation, error) {
 					got, err := cl.res.GetReservation(ctx, connect.NewRequest(&computev1.GetReservationRequest{ReservationId: r.Id}))
 					if err != nil {
-						return nil, err
+						if ctx.Err() != nil || !transientError(err) {
+							return last, err
+						}
+						// The reservation goes on without the API: keep
+						// waiting for it until --timeout.
+						pause := min(delay, max(deadline.Sub(a.env.Clock.Now()), 0))
+						fmt.Fprintf(a.env.Stderr, "reserve: waiting for %s: %v; retrying in %s\n", last.Id, err, pause)
+						delay = min(2*delay, reserveRetryMost)
+						return last, clock.Sleep(ctx, a.env.Clock, pause)
 					}
-					return got.Msg.Reservation, nil
+					delay = reserveRetryFirst
+					last = got.Msg.Reservation
+					return last, nil
 				})
-			if err != nil {
-				return err
-			}
-			if timedOut {
-				if err := writeProto(a.env.Stdout, r); err != nil {
-					return err
+			if err != nil || timedOut {
+				if werr := writeProto(a.env.Stdout, r); werr != nil {
+					return werr
 				}
-				return fmt.Errorf("reservation %s is still %s after %s", r.Id, r.State, timeout)
+				if cerr := (*connect.Error)(nil); errors.As(err, &cerr) {
+					return connect.NewError(cerr.Code(), fmt.Errorf("waiting for reservation %s: %s; %s", r.Id, cerr.Message(), stillHeld(r)))
+				}
+				if err != nil {
+					return fmt.Errorf("waiting for reservation %s: %w; %s", r.Id, err, stillHeld(r))
+				}
+				return fmt.Errorf("reservation %s is still %s after %s; %s", r.Id, r.State, timeout, stillHeld(r))
 			}
 		}
 		if err := writeProto(a.env.Stdout, r); err != nil {
@@ -204,6 +231,18 @@ func (a *app) reserveCmd() *cobra.Command {
 	return a.fields(c, map[string]string{"pool_id": "--pool", "gpus": "--gpus", "duration": "--for", "start_time": "--start", "request_id": "--request-id"})
 }
 
+// stillHeld says what becomes of a reservation reserve --wait stopped
+// waiting for (pending or binding, as last read): it stays, holds its
+// GPUs of the pool's quota, and how to cancel it.
+func stillHeld(r *computev1.Reservation) string {
+	how := "queued (pending)"
+	if r.State != "pending" {
+		how = r.State
+	}
+	return fmt.Sprintf("it is still %s and holds %d GPUs of pool %s's quota: cancel it with `better-compute release %s`",
+		how, r.Gpus, r.PoolId, r.Id)
+}
+
 // notOffered is a refusal of Reserve for a pool that is not offered to
 // the caller's tenant, with what to do about it; other errors pass as they
 // are. The API answers NotFound for a pool the caller does not see (another
@@ -216,18 +255,17 @@ func (a *app) notOffered(err error, pool string) error {
 	if !errors.As(err, &cerr) {
 		return err
 	}
-	tenant := a.env.Getenv("BETTER_COMPUTE_TENANT")
-	if tenant == "" {
-		tenant = "TENANT_ID"
-	}
-	offer := "better-compute pools offer " + pool + " --to " + tenant + " --quota gpu=N"
+	// The caller's tenant is the one its token belongs to, which no call
+	// of the API returns (BETTER_COMPUTE_TENANT may name another): the hint
+	// leaves it to the caller.
+	offer := "better-compute pools offer " + pool + " --to <your tenant id> --quota gpu=N"
 	msg := cerr.Message()
 	switch {
 	case cerr.Code() == connect.CodeNotFound && msg == "pool_id: pool "+pool+" not found":
 		msg = "pool_id: pool " + pool + " not found, or not offered to your tenant (`better-compute pools list` shows the pools " +
 			"you may reserve from, and a root-admin, or a tenant-admin of the pool's tenant, offers one with `" + offer + "`)"
 	case cerr.Code() == connect.CodePermissionDenied && strings.HasPrefix(msg, "pool_id: pool "+pool+" is not offered to tenant "):
-		tenant = strings.TrimPrefix(msg, "pool_id: pool "+pool+" is not offered to tenant ")
+		tenant := strings.TrimPrefix(msg, "pool_id: pool "+pool+" is not offered to tenant ")
 		msg += " (offer it first: `better-compute pools offer " + pool + " --to " + tenant + " --quota gpu=N`)"
 	default:
 		return err

@@ -3,8 +3,13 @@ package cli_test
 import (
 	"context"
 	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -121,7 +126,8 @@ func TestReserveWait(t *testing.T) {
 	res = r.run(t, "reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h", "--wait", "--timeout", "600ms")
 	require.Equal(t, 1, res.code)
 	pending := parseReservation(t, res.stdout)
-	require.Equal(t, "error: reservation "+pending.ID+" is still pending after 600ms\n", res.stderr)
+	require.Equal(t, "error: reservation "+pending.ID+" is still pending after 600ms; it is still queued (pending) and holds 1 GPUs of pool "+
+		f.poolID+"'s quota: cancel it with `better-compute release "+pending.ID+"`\n", res.stderr)
 
 	// Active as soon as the node bound it (here: by the store functions
 	// the scheduler and the gateway call).
@@ -145,6 +151,113 @@ func TestReserveWait(t *testing.T) {
 	failed := parseReservation(t, res.stdout)
 	require.Equal(t, "failed", failed.State)
 	require.Equal(t, "error: reservation "+failed.ID+" is failed: no node of pool "+f.poolID+" has 9 GPUs (largest: 8)\n", res.stderr)
+}
+
+// TestReserveWaitRidesOutAnOutage: `reserve --wait` keeps polling through
+// an API that cannot answer for a while (the reservation goes on without it)
+// and reports it active.
+func TestReserveWaitRidesOutAnOutage(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	var refused atomic.Int64
+	r := f.proxied(t, func(w http.ResponseWriter, r *http.Request) bool {
+		if !strings.HasSuffix(r.URL.Path, "/GetReservation") || refused.Add(1) > 3 {
+			return false
+		}
+		unavailable(w)
+		return true
+	})
+	res := r.run(t, "pools", "offer", f.poolID, "--to", f.tenant, "--quota", "gpu=16")
+	require.Equal(t, 0, res.code, res.stderr)
+	go func() {
+		for refused.Load() <= 3 {
+			if clock.Sleep(t.Context(), clock.New(), 20*time.Millisecond) != nil {
+				return
+			}
+		}
+		for range 100 {
+			if done, err := activate(t.Context(), f.db, f.adopted, "o"); err != nil || done {
+				return
+			}
+			_ = clock.Sleep(t.Context(), clock.New(), 50*time.Millisecond)
+		}
+	}()
+	res = r.run(t, "reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h", "--request-id", "o", "--wait", "--timeout", "30s")
+	require.Equal(t, 0, res.code, res.stderr)
+	active := parseReservation(t, res.stdout)
+	require.Equal(t, "active", active.State)
+	require.Contains(t, res.stderr, "reserve: waiting for "+active.ID+": unavailable: the api is restarting; retrying in 500ms\n")
+	require.Contains(t, res.stderr, "retrying in 1s\n", "the delay doubles")
+}
+
+// TestReserveWaitFailsNamingTheReservation: when `reserve --wait` stops
+// waiting, through an outage that outlasts --timeout or an error that is
+// not transient, it prints the reservation and says that it is still queued,
+// holds quota, and how to cancel it.
+func TestReserveWaitFailsNamingTheReservation(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	var down, refuse atomic.Bool
+	r := f.proxied(t, func(w http.ResponseWriter, r *http.Request) bool {
+		if !strings.HasSuffix(r.URL.Path, "/GetReservation") {
+			return false
+		}
+		switch {
+		case down.Load():
+			unavailable(w)
+		case refuse.Load():
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusForbidden)
+			_, _ = w.Write([]byte(`{"code":"permission_denied","message":"token revoked"}`))
+		default:
+			return false
+		}
+		return true
+	})
+	res := r.run(t, "pools", "offer", f.poolID, "--to", f.tenant, "--quota", "gpu=16")
+	require.Equal(t, 0, res.code, res.stderr)
+	held := func(id string) string {
+		return "it is still queued (pending) and holds 2 GPUs of pool " + f.poolID + "'s quota: cancel it with `better-compute release " + id + "`\n"
+	}
+
+	down.Store(true)
+	res = r.run(t, "reserve", "--pool", f.poolID, "--gpus", "2", "--for", "1h", "--wait", "--timeout", "1500ms")
+	require.Equal(t, 1, res.code)
+	out := parseReservation(t, res.stdout)
+	require.Equal(t, "pending", out.State)
+	require.Contains(t, res.stderr, "reserve: waiting for "+out.ID+": unavailable: the api is restarting; retrying in ")
+	require.True(t, strings.HasSuffix(res.stderr, "error: reservation "+out.ID+" is still pending after 1.5s; "+held(out.ID)), res.stderr)
+
+	down.Store(false)
+	refuse.Store(true)
+	res = r.run(t, "reserve", "--pool", f.poolID, "--gpus", "2", "--for", "1h", "--wait", "--timeout", "30s")
+	require.Equal(t, 1, res.code)
+	out = parseReservation(t, res.stdout)
+	require.Equal(t, "pending", out.State)
+	require.Equal(t, "error: permission_denied: waiting for reservation "+out.ID+": token revoked; "+held(out.ID), res.stderr)
+}
+
+// proxied returns a runner as root through a proxy of the fleet's API that
+// answers a request with intercept when it returns true.
+func (f *fleet) proxied(t *testing.T, intercept func(http.ResponseWriter, *http.Request) bool) runner {
+	t.Helper()
+	target, err := url.Parse(f.url)
+	require.NoError(t, err)
+	proxy := httputil.NewSingleHostReverseProxy(target)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if !intercept(w, r) {
+			proxy.ServeHTTP(w, r)
+		}
+	}))
+	t.Cleanup(srv.Close)
+	return runner{env: map[string]string{"BETTER_COMPUTE_URL": srv.URL, "BETTER_COMPUTE_TOKEN": f.root}, clk: clock.New()}
+}
+
+// unavailable answers a Connect unary call with Unavailable.
+func unavailable(w http.ResponseWriter) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusServiceUnavailable)
+	_, _ = w.Write([]byte(`{"code":"unavailable","message":"the api is restarting"}`))
 }
 
 func TestReserveErrors(t *testing.T) {

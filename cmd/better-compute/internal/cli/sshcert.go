@@ -47,13 +47,14 @@ func (a *app) sshCertCmd() *cobra.Command {
 	var node, keyFile, reservation, certFile string
 	var ttl time.Duration
 	c := &cobra.Command{
-		Use:   "ssh-cert --node NODE_ID --public-key FILE [--ttl D] [--reservation RES_ID] [--cert-file FILE]",
+		Use:   "ssh-cert (--node NODE_ID | --reservation RES_ID) --public-key FILE [--ttl D] [--cert-file FILE]",
 		Short: "Get an SSH certificate for your public key, valid on one node for up to an hour",
 		Long: "ssh-cert asks the API to sign an OpenSSH user certificate for the public key in --public-key\n" +
 			"(TunnelService.IssueSshCertificate) and writes it next to the key, where ssh looks for it: the key's\n" +
 			"path with .pub replaced by -cert.pub (~/.ssh/id_ed25519.pub → ~/.ssh/id_ed25519-cert.pub), mode\n" +
 			"0644, or --cert-file (- prints it on standard output, and what was issued on standard error). The\n" +
-			"certificate is valid on --node only, for --ttl (more than 0, at most 1h, default 15m). Without\n" +
+			"certificate is valid on --node only (with --reservation, default: the reservation's node), for\n" +
+			"--ttl (more than 0, at most 1h, default 15m). Without\n" +
 			"--reservation it is a break-glass certificate from the break-glass CA, principal root (a\n" +
 			"tenant-admin token of the node's tenant or a root-admin token); with --reservation, a sandbox\n" +
 			"certificate from the sandbox CA, principal the reservation id, valid no later than the\n" +
@@ -64,14 +65,13 @@ func (a *app) sshCertCmd() *cobra.Command {
 			"ssh-proxy --help).",
 		Args: cobra.NoArgs,
 	}
-	c.Flags().StringVar(&node, "node", "", "node id the certificate is valid on (required)")
+	c.Flags().StringVar(&node, "node", "", "node id the certificate is valid on (required without --reservation)")
 	c.Flags().StringVar(&keyFile, "public-key", "", "your SSH public key file, e.g. ~/.ssh/id_ed25519.pub: Ed25519, ECDSA or RSA of at least 2048 bits (required)")
 	c.Flags().DurationVar(&ttl, "ttl", sshca.DefaultTTL, "how long the certificate is valid, more than 0 and at most 1h")
 	c.Flags().StringVar(&reservation, "reservation", "", "reservation id: a certificate for its sandbox on the node")
 	_ = c.RegisterFlagCompletionFunc("reservation", a.completeReservationIDs(true))
 	c.Flags().StringVar(&certFile, "cert-file", "", "where to write the certificate (default: the key's path with -cert.pub; - for standard output)")
 	format := addOutputFlag(c)
-	_ = c.MarkFlagRequired("node")
 	_ = c.MarkFlagRequired("public-key")
 	_ = c.MarkFlagFilename("public-key", "pub")
 	_ = c.RegisterFlagCompletionFunc("node", a.completeNodeIDs)
@@ -89,6 +89,9 @@ func (a *app) sshCertCmd() *cobra.Command {
 		if certFile == "" {
 			certFile = certFileFor(keyFile)
 		}
+		if node == "" && reservation == "" {
+			return errNodeOrReservation
+		}
 		cl, err := a.clients()
 		if err != nil {
 			return err
@@ -97,6 +100,9 @@ func (a *app) sshCertCmd() *cobra.Command {
 			Ttl: durationpb.New(ttl)}
 		if reservation != "" {
 			req.ReservationId = canonicalID(ids.Reservation, reservation)
+			if req.NodeId, err = reservationNode(cmd.Context(), cl, req.ReservationId, req.NodeId); err != nil {
+				return err
+			}
 		}
 		res, err := cl.tunnels.IssueSshCertificate(cmd.Context(), connect.NewRequest(req))
 		if err != nil {

@@ -84,7 +84,7 @@ func TestSSHCertSandboxJSON(t *testing.T) {
 	keyText, key := sshPublicKey(t)
 	keyFile := filepath.Join(dir, "key.pub")
 	require.NoError(t, os.WriteFile(keyFile, []byte(keyText), 0o644))
-	resID := ids.New(ids.Reservation, clock.New().Now())
+	resID := f.reservation
 	certFile := filepath.Join(dir, "sandbox-cert.pub")
 
 	res := runner{env: f.env()}.run(t, "ssh-cert", "--node", f.node, "--public-key", keyFile, "--reservation", resID,
@@ -120,6 +120,48 @@ func TestSSHCertSandboxJSON(t *testing.T) {
 	require.Equal(t, key.Marshal(), parseCert(t, res.stdout).Key.Marshal())
 	require.Contains(t, res.stderr, "principals:   root\n")
 	require.NotContains(t, res.stderr, "wrote")
+}
+
+// TestSSHCertReservationNode: with --reservation, --node defaults to the
+// reservation's node (the README's `ssh-cert --reservation res_…`); a
+// --node that is another node, a reservation on no node yet, and neither
+// flag are refused, asking the API for nothing.
+func TestSSHCertReservationNode(t *testing.T) {
+	t.Parallel()
+	f := newFakeTunnels(t)
+	dir := t.TempDir()
+	keyText, _ := sshPublicKey(t)
+	keyFile := filepath.Join(dir, "id_ed25519.pub")
+	require.NoError(t, os.WriteFile(keyFile, []byte(keyText), 0o644))
+
+	res := runner{env: f.env()}.run(t, "ssh-cert", "--reservation", strings.ToLower(f.reservation), "--public-key", keyFile)
+	require.Equal(t, 0, res.code, res.stderr)
+	reqs := f.certRequestsSeen()
+	require.Len(t, reqs, 1)
+	require.Equal(t, f.node, reqs[0].GetNodeId())
+	require.Equal(t, f.reservation, reqs[0].GetReservationId())
+	res = runner{env: f.env()}.run(t, "ssh-cert", "--reservation", f.reservation, "--node", strings.ToLower(f.node),
+		"--public-key", keyFile)
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Len(t, f.certRequestsSeen(), 2)
+
+	other := ids.New(ids.Node, clock.New().Now())
+	for _, tc := range []struct {
+		args   []string
+		stderr string
+	}{
+		{[]string{"--reservation", f.reservation, "--node", other}, "error: --node " + other + " is not the node of reservation " +
+			f.reservation + " (" + f.node + "): drop --node, or give --node " + f.node + "\n"},
+		{[]string{"--reservation", f.pending}, "error: reservation " + f.pending + " is pending and on no node yet: " +
+			"its sandbox opens once it is active\n"},
+		{nil, "error: required flag(s) \"node\" not set: give --node, or --reservation (its node is the default)\n"},
+	} {
+		res := runner{env: f.env()}.run(t, append([]string{"ssh-cert", "--public-key", keyFile}, tc.args...)...)
+		require.Equal(t, 1, res.code, tc.args)
+		require.Equal(t, tc.stderr, res.stderr, tc.args)
+	}
+	require.Len(t, f.certRequestsSeen(), 2)
+	require.NoFileExists(t, filepath.Join(dir, "id_ed25519-cert.pub.tmp"))
 }
 
 // TestSSHCertFlagErrors: a bad key file or --ttl is refused before the API

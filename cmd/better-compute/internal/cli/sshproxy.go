@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 
+	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
@@ -31,7 +32,7 @@ const sshConfigExample = `    # The sandbox of a reservation: ssh res_â€¦@node_â
 func (a *app) sshProxyCmd() *cobra.Command {
 	var node, reservation string
 	c := &cobra.Command{
-		Use:   "ssh-proxy --node NODE_ID [--reservation RES_ID]",
+		Use:   "ssh-proxy (--node NODE_ID | --reservation RES_ID)",
 		Short: "Connect standard input and output to a node's SSH server (OpenSSH's ProxyCommand)",
 		Long: "ssh-proxy connects its standard input and output to the SSH server of a node's machine through a\n" +
 			"tunnel, for OpenSSH's ProxyCommand: it asks the API for an exec ticket (TunnelService.CreateTicket,\n" +
@@ -53,19 +54,53 @@ func (a *app) sshProxyCmd() *cobra.Command {
 			"viewer's).",
 		Args: cobra.NoArgs,
 	}
-	c.Flags().StringVar(&node, "node", "", "node id, in any case (required)")
+	c.Flags().StringVar(&node, "node", "", "node id, in any case (required without --reservation; with it, default: its node)")
 	c.Flags().StringVar(&reservation, "reservation", "", "reservation id: connect to its sandbox on the node")
 	_ = c.RegisterFlagCompletionFunc("reservation", a.completeReservationIDs(true))
-	_ = c.MarkFlagRequired("node")
 	_ = c.RegisterFlagCompletionFunc("node", a.completeNodeIDs)
 	c.RunE = func(cmd *cobra.Command, _ []string) error {
+		if node == "" && reservation == "" {
+			return errNodeOrReservation
+		}
 		req := &computev1.CreateTicketRequest{NodeId: canonicalID(ids.Node, node), Purpose: tunnel.PurposeSSH}
 		if reservation != "" {
 			req.ReservationId = canonicalID(ids.Reservation, reservation)
+			cl, err := a.clients()
+			if err != nil {
+				return err
+			}
+			if req.NodeId, err = reservationNode(cmd.Context(), cl, req.ReservationId, req.NodeId); err != nil {
+				fmt.Fprintf(a.env.Stderr, "ssh-proxy: %s\n", cell(strings.TrimPrefix(FormatError(err), "error: ")))
+				return exitError{tunnelFailed}
+			}
 		}
 		return a.sshProxy(cmd.Context(), req)
 	}
 	return c
+}
+
+// errNodeOrReservation refuses ssh-cert and ssh-proxy given neither a node
+// nor a reservation.
+var errNodeOrReservation = errors.New("required flag(s) \"node\" not set: give --node, or --reservation (its node is the default)")
+
+// reservationNode returns the node of reservation id (NodeId of
+// GetReservation), or node when it is set and is that node. Errors: the
+// API's (NotFound), a reservation not placed on a node yet, or a node
+// other than the reservation's, naming both.
+func reservationNode(ctx context.Context, cl *apiClients, id, node string) (string, error) {
+	res, err := cl.res.GetReservation(ctx, connect.NewRequest(&computev1.GetReservationRequest{ReservationId: id}))
+	if err != nil {
+		return "", err
+	}
+	r := res.Msg.GetReservation()
+	switch {
+	case r.GetNodeId() == "":
+		return "", fmt.Errorf("reservation %s is %s and on no node yet: its sandbox opens once it is active", id, r.GetState())
+	case node != "" && node != r.GetNodeId():
+		return "", fmt.Errorf("--node %s is not the node of reservation %s (%s): drop --node, or give --node %s", node, id,
+			r.GetNodeId(), r.GetNodeId())
+	}
+	return r.GetNodeId(), nil
 }
 
 // sshProxy copies stdin to the tunnel req grants and the tunnel to stdout.

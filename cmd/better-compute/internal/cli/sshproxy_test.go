@@ -21,7 +21,7 @@ import (
 func TestSSHProxy(t *testing.T) {
 	t.Parallel()
 	f := newFakeTunnels(t)
-	res := ids.New(ids.Reservation, clock.New().Now())
+	res := f.reservation
 	// Both ids in lower case: %h from ssh is, and %r may be.
 	r := startCLI(t, f.env(), "ssh-proxy", "--node", strings.ToLower(f.node), "--reservation", strings.ToLower(res))
 
@@ -59,6 +59,32 @@ func TestSSHProxy(t *testing.T) {
 	require.Empty(t, r.stderr.String())
 	require.Equal(t, []string{"closed"}, f.closesSent())
 	require.Len(t, r.stdout.String(), len(data))
+}
+
+// TestSSHProxyReservationNode: with --reservation, --node defaults to the
+// reservation's node (the README's `ssh-proxy --reservation res_…`); a
+// --node that is another node is refused naming both, exit 255 as ssh
+// expects of a ProxyCommand, before any ticket.
+func TestSSHProxyReservationNode(t *testing.T) {
+	t.Parallel()
+	f := newFakeTunnels(t)
+	r := startCLI(t, f.env(), "ssh-proxy", "--reservation", strings.ToLower(f.reservation))
+	_, err := r.stdin.Write([]byte("SSH-2.0-OpenSSH_9.6\r\n"))
+	require.NoError(t, err)
+	waitFor(t, &r.stdout, "SSH-2.0-OpenSSH_9.6\r\n")
+	require.NoError(t, r.stdin.Close())
+	require.Equal(t, 0, r.wait(t), r.stderr.String())
+	tickets := f.ticketRequestsSeen()
+	require.Len(t, tickets, 1)
+	require.Equal(t, f.node, tickets[0].GetNodeId())
+	require.Equal(t, f.reservation, tickets[0].GetReservationId())
+
+	other := ids.New(ids.Node, clock.New().Now())
+	res := runner{env: f.env()}.run(t, "ssh-proxy", "--reservation", f.reservation, "--node", other)
+	require.Equal(t, 255, res.code)
+	require.Equal(t, "ssh-proxy: --node "+other+" is not the node of reservation "+f.reservation+" ("+f.node+
+		"): drop --node, or give --node "+f.node+"\n", res.stderr)
+	require.Len(t, f.ticketRequestsSeen(), 1)
 }
 
 // TestSSHProxyEnds: a Close with a reason from the far end is printed on

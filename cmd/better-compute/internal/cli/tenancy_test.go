@@ -71,8 +71,14 @@ func TestTenantSeesOfferedPools(t *testing.T) {
 	require.Equal(t, 1, foreign.code)
 	require.Equal(t, "error: not_found: --pool: pool "+missing+" not found, or not offered to your tenant (`better-compute pools list` "+
 		"shows the pools you may reserve from, and a root-admin, or a tenant-admin of the pool's tenant, offers one with "+
-		"`better-compute pools offer "+missing+" --to TENANT_ID --quota gpu=N`)\n", gone.stderr)
+		"`better-compute pools offer "+missing+" --to <your tenant id> --quota gpu=N`)\n", gone.stderr)
 	require.Equal(t, strings.ReplaceAll(gone.stderr, missing, hidden), foreign.stderr)
+	// BETTER_COMPUTE_TENANT is not the caller's tenant (the token says
+	// which it is): the hint does not name it.
+	member.env["BETTER_COMPUTE_TENANT"] = f.tenant
+	res = member.run(t, "reserve", "--pool", missing, "--gpus", "1", "--for", "1h")
+	require.Equal(t, gone.stderr, res.stderr)
+	delete(member.env, "BETTER_COMPUTE_TENANT")
 
 	// The owner sees its pool: not offered to its own tenant yet, it says
 	// so, and how to offer it.

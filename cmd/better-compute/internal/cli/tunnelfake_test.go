@@ -46,8 +46,10 @@ const (
 type fakeTunnels struct {
 	url  string
 	node string
-	clk  clock.Clock
-	cas  map[string]*sshca.CA
+	// reservation is an active reservation on node; pending one on none.
+	reservation, pending string
+	clk                  clock.Clock
+	cas                  map[string]*sshca.CA
 
 	mu      sync.Mutex
 	tickets map[string]*computev1.CreateTicketRequest // by ticket; deleted when used
@@ -80,7 +82,8 @@ type fakeOpen struct {
 
 func newFakeTunnels(t *testing.T) *fakeTunnels {
 	t.Helper()
-	f := &fakeTunnels{node: ids.New(ids.Node, clock.New().Now()), clk: clock.New(), cas: map[string]*sshca.CA{},
+	f := &fakeTunnels{node: ids.New(ids.Node, clock.New().Now()), reservation: ids.New(ids.Reservation, clock.New().Now()),
+		pending: ids.New(ids.Reservation, clock.New().Now()), clk: clock.New(), cas: map[string]*sshca.CA{},
 		tickets: map[string]*computev1.CreateTicketRequest{}, kick: make(chan string, 1)}
 	for _, name := range []string{sshca.BreakGlass, sshca.Sandbox} {
 		_, key, err := ed25519.GenerateKey(rand.Reader)
@@ -93,6 +96,8 @@ func newFakeTunnels(t *testing.T) *fakeTunnels {
 	path, h := computev1connect.NewTunnelServiceHandler(fakeTunnelService{f})
 	mux.Handle("/api/compute"+path, http.StripPrefix("/api/compute", h))
 	path, h = computev1connect.NewNodeServiceHandler(fakeNodeService{f: f})
+	mux.Handle("/api/compute"+path, http.StripPrefix("/api/compute", h))
+	path, h = computev1connect.NewReservationServiceHandler(fakeReservationService{f: f})
 	mux.Handle("/api/compute"+path, http.StripPrefix("/api/compute", h))
 	mux.HandleFunc("GET /api/compute/tunnels/{ticket}", f.serveTunnel)
 	ts := httptest.NewServer(mux)
@@ -235,6 +240,29 @@ func (s fakeNodeService) ListNodes(_ context.Context, req *connect.Request[compu
 	}
 	return connect.NewResponse(&computev1.ListNodesResponse{Nodes: []*computev1.Node{
 		{Id: s.f.node, Hostname: "gpu-1", ProvisionState: "adopted"}}}), nil
+}
+
+type fakeReservationService struct {
+	computev1connect.UnimplementedReservationServiceHandler
+	f *fakeTunnels
+}
+
+func (s fakeReservationService) GetReservation(_ context.Context, req *connect.Request[computev1.GetReservationRequest]) (
+	*connect.Response[computev1.GetReservationResponse], error,
+) {
+	if err := s.f.authorize(req.Header()); err != nil {
+		return nil, err
+	}
+	switch id := req.Msg.GetReservationId(); id {
+	case s.f.reservation:
+		return connect.NewResponse(&computev1.GetReservationResponse{Reservation: &computev1.Reservation{Id: id,
+			State: "active", NodeId: s.f.node}}), nil
+	case s.f.pending:
+		return connect.NewResponse(&computev1.GetReservationResponse{Reservation: &computev1.Reservation{Id: id,
+			State: "pending"}}), nil
+	default:
+		return nil, connect.NewError(connect.CodeNotFound, fmt.Errorf("reservation %s not found", id))
+	}
 }
 
 // serveTunnel is GET /api/compute/tunnels/{ticket}: the ticket used once,
