@@ -62,15 +62,7 @@ func ListUsage(ctx context.Context, q DBTX, f UsageFilter) ([]UsageWindow, error
 	if err != nil {
 		return nil, queryErr("list usage", err)
 	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (UsageWindow, error) {
-		var w UsageWindow
-		err := r.Scan(&w.ReservationID, &w.TenantID, &w.PoolID, &w.WindowStart, &w.GPUSeconds)
-		return w, err
-	})
-	if err != nil {
-		return nil, queryErr("list usage", err)
-	}
-	return out, nil
+	return collectUsageWindows(rows, "list usage")
 }
 
 // OpenUsage returns the usage that no window holds yet of the placed
@@ -123,15 +115,7 @@ func OpenUsage(ctx context.Context, q DBTX, f UsageFilter, now time.Time) ([]Usa
 	if err != nil {
 		return nil, queryErr("open usage", err)
 	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (UsageWindow, error) {
-		var w UsageWindow
-		err := r.Scan(&w.ReservationID, &w.TenantID, &w.PoolID, &w.WindowStart, &w.GPUSeconds)
-		return w, err
-	})
-	if err != nil {
-		return nil, queryErr("open usage", err)
-	}
-	return out, nil
+	return collectUsageWindows(rows, "open usage")
 }
 
 // UsageCandidates returns, by id, up to limit reservations after the id
@@ -188,4 +172,18 @@ func WriteUsageWindows(ctx context.Context, q DBTX, now time.Time, ids []string)
 		return 0, fmt.Errorf("write usage windows: %w", interpretError(err))
 	}
 	return tag.RowsAffected(), nil
+}
+
+// collectUsageWindows reads rows of (reservation_id, tenant_id, pool_id,
+// window_start, gpu_seconds); what names the read in its error.
+func collectUsageWindows(rows pgx.Rows, what string) ([]UsageWindow, error) {
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (UsageWindow, error) {
+		var w UsageWindow
+		err := r.Scan(&w.ReservationID, &w.TenantID, &w.PoolID, &w.WindowStart, &w.GPUSeconds)
+		return w, err
+	})
+	if err != nil {
+		return nil, queryErr(what, err)
+	}
+	return out, nil
 }
