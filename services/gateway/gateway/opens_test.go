@@ -140,7 +140,7 @@ func TestHelloGoneDuringItsOpenLeavesNoSession(t *testing.T) {
 	}, 10*time.Second, 10*time.Millisecond)
 	d.close() // the daemon goes away mid-Hello
 	// Time for the gateway to see the stream end before the open commits.
-	time.Sleep(300 * time.Millisecond)
+	require.NoError(t, clock.Sleep(ctx, realClock, 300*time.Millisecond))
 	require.NoError(t, tx.Commit(ctx))
 
 	// The open commits (the epoch moves), then the session is closed.
