@@ -88,48 +88,18 @@ type BookedInterval struct {
 }
 
 // PoolCapacity returns the adopted, non-revoked nodes of poolID by id, and
-// the bookings of their devices that end after now, in one round trip (a
-// pgx.Batch of the two reads).
+// the bookings of their devices that end after now, in one round trip: the
+// whole pool as PoolCapacitySince reads it for a caller that knows nothing.
 func PoolCapacity(ctx context.Context, q DBTX, poolID string, now time.Time) ([]PoolNode, []BookedInterval, error) {
-	batch := &pgx.Batch{}
-	batch.Queue(`SELECT n.id, n.cordoned, NOT (n.reachable AND n.session_id IS NOT NULL),
-			coalesce(array_agg(d.device_index ORDER BY d.device_index) FILTER (WHERE d.healthy), '{}'),
-			count(d.device_index)
-		FROM nodes n LEFT JOIN node_devices d ON d.node_id = n.id
-		WHERE n.pool_id = $1 AND n.provision_state = 'adopted' AND n.revoked_at IS NULL
-		GROUP BY n.id ORDER BY n.id`, poolID)
-	batch.Queue(`SELECT b.node_id, b.device_index, lower(b.during), upper(b.during)
-		FROM bookings b JOIN nodes n ON n.id = b.node_id
-		WHERE n.pool_id = $1 AND upper(b.during) > $2`, poolID, now)
-	br := q.SendBatch(ctx, batch)
-	defer func() { _ = br.Close() }()
-	rows, err := br.Query()
+	read, err := PoolCapacitySince(ctx, q, poolID, now, nil)
 	if err != nil {
-		return nil, nil, fmt.Errorf("pool capacity: %w", interpretError(err))
+		return nil, nil, err
 	}
-	nodes, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (PoolNode, error) {
-		var n PoolNode
-		err := row.Scan(&n.ID, &n.Cordoned, &n.Unreachable, &n.Healthy, &n.Devices)
-		n.Schedulable = !n.Cordoned && !n.Unreachable
-		return n, err
-	})
-	if err != nil {
-		return nil, nil, fmt.Errorf("pool capacity: %w", interpretError(err))
-	}
-	rows, err = br.Query()
-	if err != nil {
-		return nil, nil, fmt.Errorf("pool bookings: %w", interpretError(err))
-	}
-	booked, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (BookedInterval, error) {
-		var b BookedInterval
-		err := row.Scan(&b.NodeID, &b.DeviceIndex, &b.Lower, &b.Upper)
-		return b, err
-	})
-	if err != nil {
-		return nil, nil, fmt.Errorf("pool bookings: %w", interpretError(err))
-	}
-	if err := br.Close(); err != nil {
-		return nil, nil, fmt.Errorf("pool capacity: %w", interpretError(err))
+	nodes := make([]PoolNode, len(read))
+	var booked []BookedInterval
+	for i, c := range read {
+		nodes[i] = c.Node
+		booked = append(booked, c.Booked...)
 	}
 	return nodes, booked, nil
 }
