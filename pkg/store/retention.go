@@ -136,12 +136,7 @@ func DeleteOldReservations(ctx context.Context, q DBTX, before time.Time, limit 
 	err := q.QueryRow(ctx, `WITH r AS (
 			SELECT r.id FROM reservations r
 			WHERE r.ended_at < $1 AND r.state IN ('released', 'expired', 'failed')
-				AND NOT (r.placed_at IS NOT NULL AND r.state IN ('released', 'expired') AND EXISTS (
-					SELECT 1 FROM bookings b
-					WHERE b.reservation_id = r.id
-						AND date_trunc('second', upper(b.during), 'UTC') > date_trunc('second', lower(b.during), 'UTC')
-						AND NOT EXISTS (SELECT 1 FROM usage_windows w WHERE w.reservation_id = r.id
-							AND w.window_start = date_trunc('hour', date_trunc('second', upper(b.during), 'UTC') - interval '1 second', 'UTC'))))
+				AND NOT (r.placed_at IS NOT NULL AND `+lastWindowUnwrittenSQL+`)
 			ORDER BY r.ended_at LIMIT $2 FOR UPDATE SKIP LOCKED),
 		b AS (DELETE FROM bookings WHERE reservation_id IN (SELECT id FROM r)),
 		t AS (DELETE FROM tunnel_tickets WHERE reservation_id IN (SELECT id FROM r)),

@@ -45,17 +45,32 @@ type UsageFilter struct {
 	Limit int
 }
 
-// ListUsage returns the usage windows matching f ordered by window start,
-// then reservation id.
-func ListUsage(ctx context.Context, q DBTX, f UsageFilter) ([]UsageWindow, error) {
-	limit := any(nil)
-	if f.Limit > 0 {
-		limit = f.Limit
-	}
-	var since any
+// args returns f's Since and Limit as statement arguments: NULL when zero.
+func (f UsageFilter) args() (since, limit any) {
 	if !f.Since.IsZero() {
 		since = f.Since
 	}
+	if f.Limit > 0 {
+		limit = f.Limit
+	}
+	return since, limit
+}
+
+// lastWindowUnwrittenSQL holds for a reservation r (the alias) that ended
+// released or expired with a booked second whose last usage window (the
+// hour of its last booked second) is not written yet: the usage sink still
+// owes it windows.
+const lastWindowUnwrittenSQL = `r.state IN ('released', 'expired') AND EXISTS (
+	SELECT 1 FROM bookings lb
+	WHERE lb.reservation_id = r.id
+		AND date_trunc('second', upper(lb.during), 'UTC') > date_trunc('second', lower(lb.during), 'UTC')
+		AND NOT EXISTS (SELECT 1 FROM usage_windows lw WHERE lw.reservation_id = r.id
+			AND lw.window_start = date_trunc('hour', date_trunc('second', upper(lb.during), 'UTC') - interval '1 second', 'UTC')))`
+
+// ListUsage returns the usage windows matching f ordered by window start,
+// then reservation id.
+func ListUsage(ctx context.Context, q DBTX, f UsageFilter) ([]UsageWindow, error) {
+	since, limit := f.args()
 	rows, err := q.Query(ctx, `SELECT reservation_id, tenant_id, pool_id, window_start, gpu_seconds FROM usage_windows
 		WHERE ($1::text IS NULL OR tenant_id = $1) AND ($2::timestamptz IS NULL OR window_start > $2::timestamptz - interval '1 hour')
 		ORDER BY window_start, reservation_id LIMIT $3`, f.Scope.arg(), since, limit)
@@ -78,14 +93,7 @@ func ListUsage(ctx context.Context, q DBTX, f UsageFilter) ([]UsageWindow, error
 // written windows, count a running reservation's seconds again. Ordered as
 // ListUsage; f.Limit caps them.
 func OpenUsage(ctx context.Context, q DBTX, f UsageFilter, now time.Time) ([]UsageWindow, error) {
-	limit := any(nil)
-	if f.Limit > 0 {
-		limit = f.Limit
-	}
-	var since any
-	if !f.Since.IsZero() {
-		since = f.Since
-	}
+	since, limit := f.args()
 	rows, err := q.Query(ctx, `WITH b AS (
 			SELECT b.reservation_id AS rid, r.tenant_id, r.pool_id,
 				date_trunc('second', lower(b.during), 'UTC') AS lo,
@@ -95,12 +103,7 @@ func OpenUsage(ctx context.Context, q DBTX, f UsageFilter, now time.Time) ([]Usa
 			FROM bookings b JOIN reservations r ON r.id = b.reservation_id
 			WHERE r.placed_at IS NOT NULL AND ($1::text IS NULL OR r.tenant_id = $1) AND (
 				r.state IN ('binding', 'active')
-				OR (r.state IN ('released', 'expired') AND EXISTS (
-					SELECT 1 FROM bookings lb
-					WHERE lb.reservation_id = r.id
-						AND date_trunc('second', upper(lb.during), 'UTC') > date_trunc('second', lower(lb.during), 'UTC')
-						AND NOT EXISTS (SELECT 1 FROM usage_windows u WHERE u.reservation_id = r.id
-							AND u.window_start = date_trunc('hour', date_trunc('second', upper(lb.during), 'UTC') - interval '1 second', 'UTC')))))
+				OR (`+lastWindowUnwrittenSQL+`))
 		), w AS (
 			SELECT b.rid, b.tenant_id, b.pool_id, ws,
 				extract(epoch FROM least(b.hi, ws + interval '1 hour') - greatest(b.lo, ws))::bigint AS secs
@@ -126,12 +129,7 @@ func UsageCandidates(ctx context.Context, q DBTX, after string, limit int) ([]st
 	rows, err := q.Query(ctx, `SELECT r.id FROM reservations r
 		WHERE r.id > $1 AND r.placed_at IS NOT NULL AND (
 			r.state IN ('binding', 'active')
-			OR (r.state IN ('released', 'expired') AND EXISTS (
-				SELECT 1 FROM bookings b
-				WHERE b.reservation_id = r.id
-					AND date_trunc('second', upper(b.during), 'UTC') > date_trunc('second', lower(b.during), 'UTC')
-					AND NOT EXISTS (SELECT 1 FROM usage_windows w WHERE w.reservation_id = r.id
-						AND w.window_start = date_trunc('hour', date_trunc('second', upper(b.during), 'UTC') - interval '1 second', 'UTC')))))
+			OR (`+lastWindowUnwrittenSQL+`))
 		ORDER BY r.id LIMIT $2`, after, limit)
 	if err != nil {
 		return nil, fmt.Errorf("usage candidates: %w", interpretError(err))
