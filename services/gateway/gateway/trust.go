@@ -45,8 +45,11 @@ func (s *Server) renew(st *session, r *gatewayv1.RenewCertificate) {
 		return
 	}
 	s.renewals.Go(func() {
-		defer st.renewing.Store(false)
-		st.issued.Store(s.issue(st.ctx, st, r))
+		ci := s.issue(st.ctx, st, r)
+		// Done before the answer can be sent: a daemon that renews again
+		// as soon as it has the answer is not told one is in progress.
+		st.renewing.Store(false)
+		st.issued.Store(ci)
 		s.wake(st)
 	})
 }
