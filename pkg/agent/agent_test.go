@@ -41,6 +41,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/service"
+	"github.com/better-compute/better-compute/pkg/sessionwire"
 	"github.com/better-compute/better-compute/pkg/syncbuf"
 )
 
@@ -124,10 +125,17 @@ func newFakeGateway(id string) *fakeGateway {
 		tunnelWaits: map[string]tunnelWait{}}
 }
 
-// serveGateway serves gw over HTTP/2 with mutual TLS (the deployment's
-// serving certificate, node certificates of its node CA) until the test
-// ends, and returns its URL.
+// serveGateway serves gw with mutual TLS (the deployment's serving
+// certificate, node certificates of its node CA) over the framed session
+// transport and HTTP/2, as the real gateway does, until the test ends, and
+// returns its URL.
 func (cp *controlPlane) serveGateway(gw *fakeGateway) string {
+	return cp.serveGatewayWith(gw, true)
+}
+
+// serveGatewayWith is serveGateway; without framed, gw serves sessions over
+// HTTP/2 only, as a gateway that does not know the framed transport.
+func (cp *controlPlane) serveGatewayWith(gw *fakeGateway, framed bool) string {
 	mux := http.NewServeMux()
 	path, h := gatewayv1connect.NewGatewayServiceHandler(gw)
 	mux.Handle(path, peerMiddleware(h))
@@ -138,6 +146,15 @@ func (cp *controlPlane) serveGateway(gw *fakeGateway) string {
 		ClientAuth:   tls.RequireAndVerifyClientCert,
 		ClientCAs:    cp.nodeCA.Pool(),
 		MinVersion:   tls.VersionTLS12,
+	}
+	if framed {
+		gsrv.TLS.NextProtos = []string{sessionwire.ALPN, "h2"}
+		// With Protocols set, net/http adds its HTTP/2 server to the map.
+		var p http.Protocols
+		p.SetHTTP1(true)
+		p.SetHTTP2(true)
+		gsrv.Config.Protocols = &p
+		gsrv.Config.TLSNextProto = map[string]func(*http.Server, *tls.Conn, http.Handler){sessionwire.ALPN: gw.serveFramed}
 	}
 	gsrv.StartTLS()
 	cp.t.Cleanup(gsrv.Close)
@@ -328,6 +345,7 @@ type fakeGateway struct {
 	// tunnelWaits are the tunnels sent in OpenTunnel whose node has not
 	// dialled back yet, by tunnel id (tunnel_test.go).
 	tunnelWaits map[string]tunnelWait
+	framed      int // sessions served over the framed transport
 }
 
 type gwSession struct {
@@ -339,8 +357,52 @@ type gwSession struct {
 // errRevoked is the gateway's refusal of a revoked node or certificate.
 var errRevoked = connect.NewError(connect.CodeUnauthenticated, errors.New("certificate revoked"))
 
+// serverStream is the gateway's end of a session: Connect's BidiStream or
+// a framedServer.
+type serverStream interface {
+	Send(*gatewayv1.SessionResponse) error
+	Receive() (*gatewayv1.SessionRequest, error)
+}
+
+// framedServer is a session over the framed transport (pkg/sessionwire).
+type framedServer struct{ c *tls.Conn }
+
+func (f framedServer) Send(m *gatewayv1.SessionResponse) error {
+	return sessionwire.WriteMessage(f.c, m)
+}
+
+func (f framedServer) Receive() (*gatewayv1.SessionRequest, error) {
+	m := new(gatewayv1.SessionRequest)
+	return m, sessionwire.ReadMessage(f.c, m, 1<<20)
+}
+
+// serveFramed serves one framed session on c, as the real gateway does:
+// it ends the stream with what ended the session, and closes c.
+func (g *fakeGateway) serveFramed(_ *http.Server, c *tls.Conn, _ http.Handler) {
+	defer func() { _ = c.Close() }()
+	g.mu.Lock()
+	g.framed++
+	g.mu.Unlock()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	cs := c.ConnectionState()
+	err := g.serve(ctx, cs.PeerCertificates[0], framedServer{c})
+	_ = sessionwire.WriteEnd(c, err)
+}
+
+// framedSessions is how many sessions came over the framed transport.
+func (g *fakeGateway) framedSessions() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.framed
+}
+
 func (g *fakeGateway) Session(ctx context.Context, stream *connect.BidiStream[gatewayv1.SessionRequest, gatewayv1.SessionResponse]) error {
 	cert, _ := ctx.Value(peerKey{}).(*x509.Certificate)
+	return g.serve(ctx, cert, stream)
+}
+
+func (g *fakeGateway) serve(ctx context.Context, cert *x509.Certificate, stream serverStream) error {
 	first, err := stream.Receive()
 	if err != nil {
 		return err
@@ -1432,4 +1494,48 @@ func TestHardwareSpec(t *testing.T) {
 		require.NoError(t, r.Wait())
 		require.Equal(t, agent.HardwareSpec{MachineID: machineID, Variant: fakehw.VariantL40S, Boot: boot}, last())
 	}
+}
+
+// TestSessionTransports: sessions go over the framed transport by default
+// (a gateway that serves it), over Connect when configured so, and over
+// Connect to a gateway that refuses the framed transport, whose refusal
+// costs one handshake: the next sessions to it go over Connect at once.
+func TestSessionTransports(t *testing.T) {
+	t.Run("framed by default", func(t *testing.T) {
+		cp := newControlPlane(t, 1)
+		r, _ := start(t, cp.config(t.TempDir(), 1), agent.Deps{})
+		waitEstablished(t, r)
+		require.Equal(t, 1, cp.gw.framedSessions())
+	})
+	t.Run("connect when configured", func(t *testing.T) {
+		cp := newControlPlane(t, 1)
+		cfg := cp.config(t.TempDir(), 1)
+		cfg.SessionTransport = agent.SessionConnect
+		r, _ := start(t, cfg, agent.Deps{})
+		waitEstablished(t, r)
+		require.Zero(t, cp.gw.framedSessions())
+		require.Len(t, cp.gw.helloes(r.Machines()[0].NodeID()), 1)
+	})
+	t.Run("connect to a gateway without it", func(t *testing.T) {
+		cp := newControlPlane(t, 1)
+		old := newFakeGateway("gw-old")
+		cfg := cp.config(t.TempDir(), 1)
+		cfg.GatewayURL = cp.serveGatewayWith(old, false)
+		var logs syncBuffer
+		r, _ := start(t, cfg, agent.Deps{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+		waitEstablished(t, r)
+		node := r.Machines()[0].NodeID()
+		old.kick(t, node)
+		require.Eventually(t, func() bool { return len(old.helloes(node)) == 2 && r.Machines()[0].State() == daemon.StateEstablished },
+			waitFor, tick, "the machine reconnects (logs %s)", logs.String())
+		require.Equal(t, 1, strings.Count(logs.String(), "does not serve the framed session transport"), logs.String())
+		require.Zero(t, old.framedSessions())
+	})
+	t.Run("an unknown transport", func(t *testing.T) {
+		cp := newControlPlane(t, 1)
+		cfg := cp.config(t.TempDir(), 1)
+		cfg.SessionTransport = "quic"
+		_, err := newRunner(cfg, agent.Deps{})
+		require.ErrorContains(t, err, "session transport (--session-transport) must be framed or connect")
+	})
 }

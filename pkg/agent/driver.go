@@ -19,6 +19,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/daemon"
 	"github.com/better-compute/better-compute/pkg/service"
+	"github.com/better-compute/better-compute/pkg/sessionwire"
 	"github.com/better-compute/better-compute/pkg/telemetry"
 )
 
@@ -39,9 +40,10 @@ type event struct {
 // drops the session.
 type session struct {
 	n      uint64
+	gw     int          // the gateway's index in driver.urls
 	url    string       // the gateway's Session URL
 	client tunnelClient // the gateway's client, for the session's tunnels
-	stream *connect.BidiStreamForClient[gatewayv1.SessionRequest, gatewayv1.SessionResponse]
+	stream sessionStream
 	ctx    context.Context
 	cancel context.CancelFunc
 
@@ -50,6 +52,15 @@ type session struct {
 	writing bool                        // a writer goroutine runs
 	closing bool                        // half-close once the queue is sent
 	ended   bool                        // send nothing more; close the request stream
+}
+
+// sessionStream is the daemon's end of a session: sessionwire's
+// ClientStream or Connect's BidiStreamForClient.
+type sessionStream interface {
+	Send(*gatewayv1.SessionRequest) error
+	Receive() (*gatewayv1.SessionResponse, error)
+	CloseRequest() error
+	CloseResponse() error
 }
 
 // closeGrace is how long a gracefully closed session may take to end.
@@ -72,14 +83,18 @@ type driver struct {
 	urls    []string
 	clients []gatewayv1connect.GatewayServiceClient
 	gw      int
-	dialed  bool
-	events  chan event
-	timer   clock.Timer
-	cur     *session
-	ctx     context.Context
-	conns   *connTracker // the connections of the machine's transports
-	rn      renewState   // certificate renewal (renew.go)
-	dir     string       // the machine's data directory
+	// framed says, for each gateway, whether sessions to it use the
+	// framed transport (Config.SessionTransport): set at the start,
+	// cleared for a gateway that refuses it.
+	framed []bool
+	dialed bool
+	events chan event
+	timer  clock.Timer
+	cur    *session
+	ctx    context.Context
+	conns  *connTracker // the connections of the machine's transports
+	rn     renewState   // certificate renewal (renew.go)
+	dir    string       // the machine's data directory
 	// stopped is set by EffectStop: the machine stopped for good.
 	stopped bool
 	// tun is the machine's open tunnels (tunnel.go), sshd its SSH server
@@ -127,6 +142,11 @@ func (d *driver) loop(ctx context.Context) error {
 		case ev := <-d.events:
 			if ev.err != nil {
 				err := classify(ev.err)
+				if d.cur != nil && d.cur.n == ev.session && sessionwire.IsUnsupported(ev.err) && d.framed[d.cur.gw] {
+					d.framed[d.cur.gw] = false
+					d.log.Info("the gateway does not serve the framed session transport: using Connect over HTTP/2",
+						"gateway", d.cur.url)
+				}
 				if d.cur != nil && d.cur.n == ev.session {
 					d.log.Info("session ended", "session", ev.session, telemetry.KeyError, err)
 					d.closeSession()
@@ -230,15 +250,21 @@ func (d *driver) apply(effects []daemon.Effect) {
 	})
 }
 
-// open starts session n: the stream and its reader goroutine.
-// The HTTP/2 request goes out with the first message (Hello).
+// open starts session n: the stream and its reader goroutine. The stream
+// dials, or sends its HTTP/2 request, with the first message (Hello) or
+// the reader's first Receive.
 func (d *driver) open(n uint64) {
 	sctx, cancel := context.WithCancel(d.ctx)
 	if len(d.urls) > 1 {
 		d.log.Debug("opening session", "session", n, "gateway", d.urls[d.gw])
 	}
-	stream := d.clients[d.gw].Session(sctx)
-	d.cur = &session{n: n, url: d.urls[d.gw], client: d.clients[d.gw], stream: stream, ctx: sctx, cancel: cancel}
+	var stream sessionStream
+	if d.framed[d.gw] {
+		stream = sessionwire.NewClientStream(sctx, newDialer(d.conns), dialAddr(d.urls[d.gw]), d.rn.tlsCfg, service.MaxMessageBytes)
+	} else {
+		stream = d.clients[d.gw].Session(sctx)
+	}
+	d.cur = &session{n: n, gw: d.gw, url: d.urls[d.gw], client: d.clients[d.gw], stream: stream, ctx: sctx, cancel: cancel}
 	go func() {
 		defer cancel()
 		defer func() { _ = stream.CloseResponse() }()

@@ -234,6 +234,10 @@ func (m *Machine) run(ctx context.Context) error {
 		nodeID:   id.NodeID, spans: commandSpans{}}
 	d.sshd = newSSHServer(log.With("part", "sshd"), m.dir, id.NodeID, m.r.clk, hw, core.SSHAccess(), d.refused)
 	d.makeClients()
+	d.framed = make([]bool, len(gwURLs))
+	for i := range d.framed {
+		d.framed[i] = m.r.cfg.SessionTransport == SessionFramed
+	}
 	d.timer.Stop()
 	log.Info("machine up", "variant", hw.Variant(), "boot", spec.Boot, "gateways", gwURLs)
 	return d.loop(ctx)

@@ -34,6 +34,16 @@ const DefaultTokenWait = 2 * time.Minute
 // the keys generated and the JoinService requests open at once.
 const DefaultJoinConcurrency = 16
 
+// Session transports (Config.SessionTransport).
+const (
+	// SessionFramed carries each session on a TLS connection of its own
+	// (pkg/sessionwire), and falls back to SessionConnect for a gateway
+	// that refuses it.
+	SessionFramed = "framed"
+	// SessionConnect carries sessions as Connect streams over HTTP/2.
+	SessionConnect = "connect"
+)
+
 // Config configures a Runner. Zero fields take the defaults named.
 //
 // To join, a machine needs JoinService's public keys and the pins to check
@@ -102,6 +112,9 @@ type Config struct {
 	// JoinConcurrency caps the Joins in flight across the Runner's
 	// machines (default DefaultJoinConcurrency).
 	JoinConcurrency int
+	// SessionTransport is how sessions reach the gateways: SessionFramed
+	// (the default) or SessionConnect. Tunnels always use Connect.
+	SessionTransport string
 	// JoinOnly makes Run return once every machine has joined (or had
 	// joined before), without opening sessions or the health server
 	// (`fakedaemon join`).
@@ -123,6 +136,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.JoinConcurrency <= 0 {
 		c.JoinConcurrency = DefaultJoinConcurrency
+	}
+	if c.SessionTransport == "" {
+		c.SessionTransport = SessionFramed
 	}
 }
 
@@ -171,7 +187,7 @@ type Runner struct {
 const MaxNodes = 20000
 
 // New validates cfg and returns a Runner. It fails for a negative node
-// count or one above MaxNodes, a malformed GatewayURL
+// count or one above MaxNodes, an unknown SessionTransport, a malformed GatewayURL
 // (pki.ParseGatewayURLs), a malformed pin, InsecureTrustServerPins without
 // Server, and without DataDir, AgentVersion or deps.Hardware.
 func New(cfg Config, deps Deps) (*Runner, error) {
@@ -183,6 +199,9 @@ func New(cfg Config, deps Deps) (*Runner, error) {
 	}
 	if err := cfg.Pins.Validate(); err != nil {
 		return nil, fmt.Errorf("pins: %w", err)
+	}
+	if t := cfg.SessionTransport; t != "" && t != SessionFramed && t != SessionConnect {
+		return nil, fmt.Errorf("session transport (--session-transport) must be %s or %s, got %q", SessionFramed, SessionConnect, t)
 	}
 	if cfg.InsecureTrustServerPins && cfg.Server == "" {
 		return nil, errors.New("trusting the server's pins needs a server (--server)")

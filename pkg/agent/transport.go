@@ -23,10 +23,9 @@ func newTransport(tlsCfg *tls.Config, conns *connTracker) *http.Transport {
 	var p http.Protocols
 	p.SetHTTP2(true)
 	return &http.Transport{
-		Protocols:       &p,
-		TLSClientConfig: tlsCfg,
-		DialContext: conns.wrap((&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second,
-			Control: dialControl}).DialContext),
+		Protocols:           &p,
+		TLSClientConfig:     tlsCfg,
+		DialContext:         newDialer(conns),
 		TLSHandshakeTimeout: 10 * time.Second,
 		MaxIdleConns:        1,
 		IdleConnTimeout:     90 * time.Second,
@@ -35,6 +34,12 @@ func newTransport(tlsCfg *tls.Config, conns *connTracker) *http.Transport {
 			PingTimeout:     10 * time.Second,
 		},
 	}
+}
+
+// newDialer dials the gateways for one machine: connections its tracker
+// conns keeps, with the socket options of dialControl.
+func newDialer(conns *connTracker) func(ctx context.Context, network, addr string) (net.Conn, error) {
+	return conns.wrap((&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second, Control: dialControl}).DialContext)
 }
 
 // connTracker keeps the connections a machine's transports dialed, by

@@ -97,6 +97,11 @@ type HTTPServer struct {
 	// Tune, when set, adjusts the server before it serves (protocols, HTTP/2
 	// settings, timeouts of long-lived streams).
 	Tune func(*http.Server)
+	// WrapListener, when set, wraps the listener (after the connection cap)
+	// before the server accepts from it: a server that does its own TLS
+	// handshakes and serves some connections itself (the gateway's framed
+	// sessions) returns only the others from Accept.
+	WrapListener func(net.Listener) net.Listener
 	// OnShutdown, when set, runs when the server starts shutting down, before
 	// it waits for the requests in flight: it ends long streams, so that the
 	// shutdown does not wait for them. It must not block.
@@ -262,6 +267,9 @@ func (h *httpPart) Start(context.Context) error {
 		}
 	}
 	h.ln = netutil.LimitListener(ln, h.spec.Limits.HTTPMaxConnections)
+	if h.spec.WrapListener != nil {
+		h.ln = h.spec.WrapListener(h.ln)
+	}
 	return nil
 }
 

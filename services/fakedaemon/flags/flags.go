@@ -77,6 +77,8 @@ func Add(fs *pflag.FlagSet, getenv func(string) string) *Flags {
 	f.integer(&f.cfg.JoinConcurrency, "join-concurrency", p+"FAKEDAEMON_JOIN_CONCURRENCY", agent.DefaultJoinConcurrency,
 		fmt.Sprintf("how many of the machines may be joining at once (Join calls in flight), 1 to %d; more makes a large --nodes join faster where JoinService's per-address rate limit allows it", agent.MaxNodes))
 	f.str(&f.cfg.GatewayURL, "gateway-url", p+"FAKEDAEMON_GATEWAY_URL", "", "the gateways (`URLS`), over the JoinResponse's: https://HOST[:PORT], comma-separated, one per replica; a machine moves to the next when it loses its session")
+	f.str(&f.cfg.SessionTransport, "session-transport", p+"FAKEDAEMON_SESSION_TRANSPORT", agent.SessionFramed,
+		"how sessions reach the gateways (`NAME`): "+agent.SessionFramed+" (a TLS connection of its own per session; "+agent.SessionConnect+" for a gateway without it) or "+agent.SessionConnect+" (Connect streams over HTTP/2)")
 	f.str(&f.cfg.GatewayServerName, "gateway-server-name", p+"FAKEDAEMON_GATEWAY_SERVER_NAME", "", "the gateways' TLS server `NAME`, over the JoinResponse's")
 	f.duration(&f.cfg.Core.SilenceTimeout, "gateway-silence-timeout", p+"FAKEDAEMON_GATEWAY_SILENCE_TIMEOUT", 0, "drop a session that heard nothing from its gateway for this long and dial the next (0: 3 heartbeat intervals, at most 15s; never below 1.5 intervals)")
 	f.str(&f.cfg.HealthListen, "health-listen", p+"HEALTH_LISTEN", fakedaemon.DefaultHealthListen, "the address (`ADDR`) of the /healthz server; empty for none")
@@ -215,6 +217,9 @@ func (f *Flags) Config(joinOnly bool) (fakedaemon.Config, error) {
 	}
 	if cfg.Nodes < 1 || cfg.Nodes > agent.MaxNodes {
 		return cfg, fmt.Errorf("--nodes must be from 1 to %d, got %d", agent.MaxNodes, cfg.Nodes)
+	}
+	if t := cfg.SessionTransport; t != agent.SessionFramed && t != agent.SessionConnect {
+		return cfg, fmt.Errorf("--session-transport must be %s or %s, got %q", agent.SessionFramed, agent.SessionConnect, t)
 	}
 	if cfg.JoinConcurrency < 1 || cfg.JoinConcurrency > agent.MaxNodes {
 		return cfg, fmt.Errorf("--join-concurrency must be from 1 to %d, got %d", agent.MaxNodes, cfg.JoinConcurrency)

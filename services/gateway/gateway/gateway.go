@@ -93,6 +93,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/config"
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/service"
+	"github.com/better-compute/better-compute/pkg/sessionwire"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/telemetry"
 )
@@ -346,8 +347,10 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		Certificates: []tls.Certificate{*cfg.ServingCert},
 		ClientCAs:    cfg.ClientCAs,
 		ClientAuth:   tls.RequireAndVerifyClientCert,
-		NextProtos:   []string{"h2"},
-		MinVersion:   tls.VersionTLS13,
+		// The framed session transport first: a daemon that offers it
+		// gets it (serveFramed); Connect clients offer only h2.
+		NextProtos: []string{sessionwire.ALPN, "h2"},
+		MinVersion: tls.VersionTLS13,
 	}
 	mux := http.NewServeMux()
 	// Session deliberately runs without service.HandlerOptions: an
@@ -453,8 +456,10 @@ func (s *Server) Run(ctx context.Context) error {
 	// The control server stops first: its tunnels close (saying the
 	// gateway is shutting down) before the sessions do.
 	servers := append([]service.HTTPServer{
-		{Name: "sessions", Addr: s.cfg.Listen, Listener: s.cfg.Listener, Handler: s.handler, TLS: s.tls, Tune: s.tuneHTTP,
-			Limits: s.cfg.HTTPLimits, OnShutdown: s.closeAll},
+		// The listener does the TLS (sessionListener): the framed
+		// sessions never reach the http.Server.
+		{Name: "sessions", Addr: s.cfg.Listen, Listener: s.cfg.Listener, Handler: s.handler, WrapListener: s.listen,
+			Tune: s.tuneHTTP, Limits: s.cfg.HTTPLimits, OnShutdown: s.closeAll},
 		{Name: "control", Addr: s.cfg.ControlListen, Listener: s.cfg.ControlListener, Handler: s.control, Tune: tuneControl,
 			Limits: s.cfg.HTTPLimits, OnShutdown: s.closeTunnels},
 	}, s.probeServers()...)
@@ -561,7 +566,8 @@ func (l *loops) Run(ctx context.Context) error {
 }
 
 // tuneHTTP makes the Session server HTTP/2 only, with the limits of
-// long-lived sessions.
+// long-lived sessions. It serves the connections that sessionListener
+// hands it, TLS done, which negotiated h2.
 //
 // It sends no HTTP/2 pings (SendPingTimeout is 0): a session whose daemon
 // went away, or whose connection died silently, is closed by the idle

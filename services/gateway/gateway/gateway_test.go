@@ -564,23 +564,29 @@ func TestStreamWithoutHelloIsClosed(t *testing.T) {
 	fake := clock.NewFake(realClock.Now())
 	e := setup(t, options{clock: fake})
 	g := e.startGateway(gateway.Config{ResyncInterval: time.Second, HelloTimeout: 5 * time.Second, IdleTimeout: 20 * time.Second})
+	// A framed session's connection opens with the reader's first
+	// Receive, and sends nothing.
+	silent := e.open(g, e.newNode(), nil)
+	// Over Connect, Send(nil) opens the stream with headers only.
 	n := e.newNode()
-	// Send(nil) opens the stream with headers only: no Hello.
-	silent := e.open(g, n, nil)
-	require.NoError(t, silent.stream.Send(nil))
+	silentConnect := e.openWith(e.client(g, n.cert), nil)
+	require.NoError(t, silentConnect.stream.Send(nil))
 	quiet, _ := e.connect(g, e.newNode(), nil)
-	var silentErr, quietErr error
+	var silentErr, silentConnectErr, quietErr error
 	eventually(t, func() bool {
 		fake.Advance(time.Second)
 		select {
 		case silentErr = <-silent.err:
+		case silentConnectErr = <-silentConnect.err:
 		case quietErr = <-quiet.err:
 		default:
 		}
-		return silentErr != nil && quietErr != nil
+		return silentErr != nil && silentConnectErr != nil && quietErr != nil
 	}, "streams without hello and silent sessions are closed")
-	require.Equal(t, connect.CodeDeadlineExceeded, connectCode(silentErr), "%v", silentErr)
-	require.Contains(t, silentErr.Error(), "hello")
+	for _, err := range []error{silentErr, silentConnectErr} {
+		require.Equal(t, connect.CodeDeadlineExceeded, connectCode(err), "%v", err)
+		require.Contains(t, err.Error(), "hello")
+	}
 	require.Equal(t, connect.CodeDeadlineExceeded, connectCode(quietErr), "%v", quietErr)
 	require.Contains(t, quietErr.Error(), "idle")
 }

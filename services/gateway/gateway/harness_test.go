@@ -28,6 +28,8 @@ import (
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/outbox"
 	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/service"
+	"github.com/better-compute/better-compute/pkg/sessionwire"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/store/storetest"
 	"github.com/better-compute/better-compute/pkg/telemetry"
@@ -277,10 +279,19 @@ func (e *env) clientDialing(g *gw, cert tls.Certificate, dial func(ctx context.C
 	return gatewayv1connect.NewGatewayServiceClient(&http.Client{Transport: tr}, "https://"+g.addr, opts...)
 }
 
+// clientStream is the daemon's end of a session: Connect's
+// BidiStreamForClient or sessionwire's ClientStream.
+type clientStream interface {
+	Send(*gatewayv1.SessionRequest) error
+	Receive() (*gatewayv1.SessionResponse, error)
+	CloseRequest() error
+	CloseResponse() error
+}
+
 // daemon is the client side of one session.
 type daemon struct {
 	t      testing.TB
-	stream *connect.BidiStreamForClient[gatewayv1.SessionRequest, gatewayv1.SessionResponse]
+	stream clientStream
 	msgs   chan *gatewayv1.SessionResponse // every message but HeartbeatAcks
 	acks   chan int64                      // seq of each HeartbeatAck (the latest 64 kept)
 	err    chan error                      // the Receive error that ended the stream
@@ -288,21 +299,32 @@ type daemon struct {
 	done   chan struct{}
 }
 
-// open starts a session of n on g and sends hello; it does not wait for the
-// answer.
+// open starts a session of n on g over the framed transport, as daemons
+// do (pkg/sessionwire), and sends hello; it does not wait for the answer.
 func (e *env) open(g *gw, n node, hello *gatewayv1.Hello) *daemon {
 	e.t.Helper()
-	return e.openWith(e.client(g, n.cert), hello)
+	return e.openFramed(g, n.cert, nil, hello)
 }
 
+// openFramed is open presenting cert, dialing with dial (net.Dialer's when
+// nil).
+func (e *env) openFramed(g *gw, cert tls.Certificate, dial sessionwire.Dialer, hello *gatewayv1.Hello) *daemon {
+	ctx, cancel := context.WithCancel(context.Background())
+	cfg := &tls.Config{RootCAs: e.servingCAs, Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS13}
+	return e.start(sessionwire.NewClientStream(ctx, dial, g.addr, cfg, service.MaxMessageBytes), cancel, hello)
+}
+
+// openWith starts a session through the Connect client c (over HTTP/2) and
+// sends hello; it does not wait for the answer.
 func (e *env) openWith(c gatewayv1connect.GatewayServiceClient, hello *gatewayv1.Hello) *daemon {
 	ctx, cancel := context.WithCancel(context.Background())
-	d := &daemon{t: e.t, stream: c.Session(ctx), msgs: make(chan *gatewayv1.SessionResponse, 64),
+	return e.start(c.Session(ctx), cancel, hello)
+}
+
+func (e *env) start(stream clientStream, cancel context.CancelFunc, hello *gatewayv1.Hello) *daemon {
+	d := &daemon{t: e.t, stream: stream, msgs: make(chan *gatewayv1.SessionResponse, 64),
 		acks: make(chan int64, 64), err: make(chan error, 1), cancel: cancel, done: make(chan struct{})}
 	e.t.Cleanup(d.close)
-	if hello != nil {
-		d.send(&gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Hello{Hello: hello}})
-	}
 	go func() {
 		defer close(d.done)
 		for {
@@ -321,6 +343,9 @@ func (e *env) openWith(c gatewayv1connect.GatewayServiceClient, hello *gatewayv1
 			d.msgs <- m
 		}
 	}()
+	if hello != nil {
+		d.send(&gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Hello{Hello: hello}})
+	}
 	return d
 }
 
@@ -330,17 +355,22 @@ func (e *env) connect(g *gw, n node, hello *gatewayv1.Hello) (*daemon, *gatewayv
 	if hello == nil {
 		hello = &gatewayv1.Hello{NodeId: n.id, BootId: "boot-1", AgentVersion: "test"}
 	}
-	return e.connectWith(e.client(g, n.cert), hello)
+	return e.welcome(e.open(g, n, hello))
+}
+
+// welcome waits for d's Welcome.
+func (e *env) welcome(d *daemon) (*daemon, *gatewayv1.Welcome) {
+	e.t.Helper()
+	w := d.next().GetWelcome()
+	require.NotNil(e.t, w, "first message is Welcome")
+	return d, w
 }
 
 // connectWith opens a session with hello through c and waits for its
 // Welcome.
 func (e *env) connectWith(c gatewayv1connect.GatewayServiceClient, hello *gatewayv1.Hello) (*daemon, *gatewayv1.Welcome) {
 	e.t.Helper()
-	d := e.openWith(c, hello)
-	w := d.next().GetWelcome()
-	require.NotNil(e.t, w, "first message is Welcome")
-	return d, w
+	return e.welcome(e.openWith(c, hello))
 }
 
 func (d *daemon) send(m *gatewayv1.SessionRequest) {
@@ -413,6 +443,7 @@ func (d *daemon) close() {
 	_ = d.stream.CloseRequest()
 	d.cancel()
 	<-d.done
+	_ = d.stream.CloseResponse()
 }
 
 func (d *daemon) heartbeat(seq, observed int64) {

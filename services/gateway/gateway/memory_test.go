@@ -11,7 +11,10 @@ package gateway_test
 //	go test -run '^$' -bench IdleSessionMemory -benchtime 1x ./services/gateway/gateway/
 //
 // with BETTER_COMPUTE_TEST_DATABASE_URL set (or the
-// better-compute/postgres:15 image). BETTER_COMPUTE_BENCH_HEAPPROFILE=FILE
+// better-compute/postgres:15 image). The daemons use the framed session
+// transport (pkg/sessionwire), as real ones do, or Connect over HTTP/2 with
+// BETTER_COMPUTE_BENCH_SESSION_TRANSPORT=connect.
+// BETTER_COMPUTE_BENCH_HEAPPROFILE=FILE
 // also writes heap profiles at full sampling rate before (FILE.base) and
 // after (FILE); compare them with
 // `go tool pprof -diff_base FILE.base FILE`.
@@ -37,7 +40,6 @@ import (
 	"testing"
 	"time"
 
-	"connectrpc.com/connect"
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
@@ -46,6 +48,8 @@ import (
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/pki"
+	"github.com/better-compute/better-compute/pkg/service"
+	"github.com/better-compute/better-compute/pkg/sessionwire"
 	"github.com/better-compute/better-compute/services/gateway/gateway"
 )
 
@@ -54,6 +58,9 @@ const (
 	benchClientEnv = "BETTER_COMPUTE_GATEWAY_BENCH_CLIENT" // directory of node-<i>.crt/.key and nodes.txt
 	benchAddrEnv   = "BETTER_COMPUTE_GATEWAY_BENCH_ADDR"   // gateway host:port
 	benchCAEnv     = "BETTER_COMPUTE_GATEWAY_BENCH_CA"     // serving CA file
+	// benchTransportEnv is the sessions' transport: connect (Connect over
+	// HTTP/2), else framed (pkg/sessionwire, as daemons use).
+	benchTransportEnv = "BETTER_COMPUTE_BENCH_SESSION_TRANSPORT"
 )
 
 // IdleSessionMemory is the result of MeasureIdleSessions: the gateway's
@@ -458,11 +465,16 @@ func TestBenchClientProcess(t *testing.T) {
 				errs <- err
 				return
 			}
-			var p http.Protocols
-			p.SetHTTP2(true)
-			tr := &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool, Certificates: []tls.Certificate{cert}}, Protocols: &p}
-			c := gatewayv1connect.NewGatewayServiceClient(&http.Client{Transport: tr}, "https://"+addr)
-			s := c.Session(ctx)
+			cfg := &tls.Config{RootCAs: pool, Certificates: []tls.Certificate{cert}}
+			var s clientStream
+			if os.Getenv(benchTransportEnv) == "connect" {
+				var p http.Protocols
+				p.SetHTTP2(true)
+				tr := &http.Transport{TLSClientConfig: cfg, Protocols: &p}
+				s = gatewayv1connect.NewGatewayServiceClient(&http.Client{Transport: tr}, "https://"+addr).Session(ctx)
+			} else {
+				s = sessionwire.NewClientStream(ctx, nil, addr, cfg, service.MaxMessageBytes)
+			}
 			if err := s.Send(&gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Hello{Hello: &gatewayv1.Hello{NodeId: id, BootId: "b"}}}); err != nil {
 				errs <- err
 				return
@@ -562,6 +574,6 @@ func TestBenchClientProcess(t *testing.T) {
 
 // benchSession is one of the client process's sessions.
 type benchSession struct {
-	s    *connect.BidiStreamForClient[gatewayv1.SessionRequest, gatewayv1.SessionResponse]
+	s    clientStream
 	acks chan struct{}
 }

@@ -3,6 +3,7 @@ package gateway
 import (
 	"cmp"
 	"context"
+	"crypto/tls"
 	"crypto/x509"
 	"errors"
 	"fmt"
@@ -101,9 +102,14 @@ type session struct {
 	serial  string // certificate serial, lower-case hex
 	// client is the client certificate (the TLS connection's).
 	client *x509.Certificate
-	stream *connect.BidiStream[gatewayv1.SessionRequest, gatewayv1.SessionResponse]
-	// in is the request body of a Session stream, which its handler
-	// waits on (sessionBody.fill) between messages.
+	// stream carries the session: Connect's BidiStream over HTTP/2, or
+	// a framedStream.
+	stream sessionStream
+	// framed is the connection of a framed session (framed.go), nil on
+	// Connect, where w and body are the request's.
+	framed *tls.Conn
+	// in is the request body of a Session stream over Connect, which its
+	// handler waits on (sessionBody.fill) between messages.
 	in sessionBody
 
 	// Set at Hello under Server.mu, read-only afterwards.
@@ -151,20 +157,35 @@ type session struct {
 
 type sessionKey struct{}
 
+// sessionStream is what a session sends and receives on, whatever carries
+// it.
+type sessionStream interface {
+	Send(*gatewayv1.SessionResponse) error
+	Receive() (*gatewayv1.SessionRequest, error)
+}
+
+// newSession is the session of a connection whose TLS state is cs: its
+// client certificate, and whether that names a node of the trust domain.
+func (s *Server) newSession(cs *tls.ConnectionState) *session {
+	st := &session{}
+	if cs != nil && len(cs.PeerCertificates) > 0 {
+		cert := cs.PeerCertificates[0]
+		st.client = cert
+		st.serial = pki.SerialHex(cert)
+		st.certID, st.certErr = pki.NodeIDFromCert(cert, s.cfg.TrustDomain)
+	} else {
+		st.certErr = errors.New("no client certificate")
+	}
+	return st
+}
+
 // peerMiddleware reads the verified client certificate of each request into a
 // session in the request's context (connect.Peer does not carry it), and
 // keeps what is needed to abort the stream from another goroutine.
 func (s *Server) peerMiddleware(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		st := &session{w: w, body: r.Body}
-		if r.TLS != nil && len(r.TLS.PeerCertificates) > 0 {
-			cert := r.TLS.PeerCertificates[0]
-			st.client = cert
-			st.serial = pki.SerialHex(cert)
-			st.certID, st.certErr = pki.NodeIDFromCert(cert, s.cfg.TrustDomain)
-		} else {
-			st.certErr = errors.New("no client certificate")
-		}
+		st := s.newSession(r.TLS)
+		st.w, st.body = w, r.Body
 		st.ctx = context.WithValue(r.Context(), sessionKey{}, st)
 		defer st.finish()
 		r = r.WithContext(st.ctx)
@@ -243,8 +264,23 @@ func (st *session) abort(err error) {
 		return
 	}
 	st.abortErr = err
-	_ = st.body.Close()
-	_ = http.NewResponseController(st.w).SetWriteDeadline(transportClock.Now().Add(sendGrace))
+	if st.framed != nil {
+		// A Read waiting returns (a timeout leaves the TLS connection
+		// writable, for the end of the stream).
+		_ = st.framed.SetReadDeadline(time.Unix(1, 0))
+	} else {
+		_ = st.body.Close()
+	}
+	st.setWriteDeadline(transportClock.Now().Add(sendGrace))
+}
+
+// setWriteDeadline makes a Send still blocked at t fail.
+func (st *session) setWriteDeadline(t time.Time) {
+	if st.framed != nil {
+		_ = st.framed.SetWriteDeadline(t)
+		return
+	}
+	_ = http.NewResponseController(st.w).SetWriteDeadline(t)
 }
 
 // send sends m on the stream after Welcome (sendMu).
@@ -295,7 +331,7 @@ func (st *session) bound() {
 	st.abortMu.Lock()
 	defer st.abortMu.Unlock()
 	if !st.done {
-		_ = http.NewResponseController(st.w).SetWriteDeadline(transportClock.Now().Add(sendGrace))
+		st.setWriteDeadline(transportClock.Now().Add(sendGrace))
 	}
 }
 
@@ -345,21 +381,29 @@ func raise(v *atomic.Int64, n int64) {
 	}
 }
 
-// Session implements bc.gateway.v1.GatewayService/Session.
-func (s *Server) Session(ctx context.Context, stream *connect.BidiStream[gatewayv1.SessionRequest, gatewayv1.SessionResponse]) (err error) {
+// Session implements bc.gateway.v1.GatewayService/Session, over Connect;
+// serveFramed serves the same stream over the framed transport.
+func (s *Server) Session(ctx context.Context, stream *connect.BidiStream[gatewayv1.SessionRequest, gatewayv1.SessionResponse]) error {
 	st := sessionFrom(ctx)
 	if st == nil {
 		return connect.NewError(connect.CodeUnauthenticated, errors.New("the session needs a client certificate over TLS"))
 	}
 	st.stream = stream
+	// A session is bounded by HelloTimeout and IdleTimeout (resync), not
+	// by the server's request timeout.
+	service.LongLived(ctx)
+	return s.serve(ctx, st)
+}
+
+// serve runs session st, whichever transport carries it, until it ends,
+// and returns what ends the stream: nil when the daemon ended it, else the
+// Connect error to end it with.
+func (s *Server) serve(ctx context.Context, st *session) (err error) {
 	st.touch(s.clk.Now())
 	if !s.track(st) {
 		return errShuttingDown
 	}
 	defer s.untrack(st)
-	// A session is bounded by HelloTimeout and IdleTimeout (resync), not
-	// by the server's request timeout.
-	service.LongLived(ctx)
 
 	req, err := s.receive(st)
 	if err != nil {
@@ -375,7 +419,7 @@ func (s *Server) Session(ctx context.Context, stream *connect.BidiStream[gateway
 		return err
 	}
 	defer func() { s.closeSession(st, err) }()
-	if err := stream.Send(welcome); err != nil {
+	if err := st.stream.Send(welcome); err != nil {
 		return st.endErr(err)
 	}
 	// The session is registered in state running, so wakes during the
