@@ -74,6 +74,62 @@ func TestScanEventsReadsOneTenant(t *testing.T) {
 	require.NotContains(t, plan, "events_pkey", "no walk of every id:\n%s", plan)
 }
 
+// TestScanWritersSeesTransactionsPastXmax: a transaction that took its
+// transaction id after another's, then an event id before the other took
+// one and committed, is running at a read that returns the other's event
+// and not its own, yet is not in the read's snapshot's list (its id is the
+// snapshot's xmax or above: no transaction with an id as high had ended).
+// ScanWriters names it, so that the watch holds the read for it rather
+// than delivering past its event, and tells when it ended after the read.
+// Not parallel: a transaction of another test with a higher id ending in
+// between would put it in the list and leave this path untried.
+func TestScanWritersSeesTransactionsPastXmax(t *testing.T) {
+	db := storetest.New(t, clock.New())
+	ctx := t.Context()
+	tenant := storetest.Tenant(t, db, nil).ID
+	mark := storetest.Event(t, db, &storetest.EventOpts{TenantID: tenant})
+	xid := func(tx pgx.Tx) int64 {
+		t.Helper()
+		var id int64
+		require.NoError(t, tx.QueryRow(ctx, `SELECT pg_current_xact_id()::text::bigint % 4294967296`).Scan(&id))
+		return id
+	}
+	first, err := db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = first.Rollback(ctx) }()
+	xid(first)
+	slow, err := db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = slow.Rollback(ctx) }()
+	lower := storetest.Event(t, db, &storetest.EventOpts{Tx: slow, TenantID: tenant})
+	slowID := xid(slow)
+	higher := storetest.Event(t, db, &storetest.EventOpts{Tx: first, TenantID: tenant})
+	require.NoError(t, first.Commit(ctx))
+	require.Less(t, lower, higher)
+
+	for _, scope := range []store.Scope{store.TenantScope(tenant), store.AllTenants} {
+		scan, err := store.ScanEvents(ctx, db.AutoCommit(), mark, store.EventFilter{Scope: scope}, 10)
+		require.NoError(t, err)
+		require.Len(t, scan.Events, 1, "the slow transaction's event is not committed")
+		require.Equal(t, higher, scan.Events[0].ID)
+		writing, _, held, err := store.ScanWriters(ctx, db.Pool, scan)
+		require.NoError(t, err)
+		require.True(t, writing, "the slow transaction may still commit an event below the read's")
+		require.Contains(t, held, slowID)
+		writing, _, err = store.EventWriters(ctx, db.Pool, held)
+		require.NoError(t, err)
+		require.True(t, writing, "a hold for held waits for the slow transaction")
+	}
+
+	scan, err := store.ScanEvents(ctx, db.AutoCommit(), mark, store.EventFilter{Scope: store.AllTenants}, 10)
+	require.NoError(t, err)
+	require.NoError(t, slow.Commit(ctx))
+	writing, ended, held, err := store.ScanWriters(ctx, db.Pool, scan)
+	require.NoError(t, err)
+	require.Equal(t, []bool{false, true}, []bool{writing, ended},
+		"the slow transaction ended after the read: the read was not final (held %v)", held)
+}
+
 // TestScanEventsGenericPlans: the watch's reads, every tenant's and one
 // tenant's, on AutoCommit's connections (generic plans, seq scans off) with
 // plans made while events was nearly empty, as when a watch opens on a new
