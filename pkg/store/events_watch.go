@@ -4,7 +4,7 @@ package store
 // watch"): the rows of the watcher's tenants after a cursor with the
 // transactions running at the read, and whether those may still write
 // events, which tells it when the ids below what it read are final
-// (EventScan, EventWriters).
+// (EventScan, ScanWriters, EventWriters).
 
 import (
 	"context"
@@ -93,10 +93,17 @@ type EventScan struct {
 	// (their ids modulo 2^32, as pg_locks names them). An event id is
 	// taken after its transaction's id (migration 000017), and an id below
 	// a committed one was taken before it, so an event with an id below
-	// one of Events that was not read belongs to one of Running, or rolled
-	// back. With none running the read is final; otherwise EventWriters
-	// tells when it is.
+	// one of Events that was not read belongs to one of Running, to a
+	// transaction with an id from Xmax on, or rolled back. ScanWriters
+	// tells whether the read is final, and EventWriters when it is.
 	Running []int64
+	// Xmax is the read's snapshot's xmax (modulo 2^32): a transaction
+	// whose id is Xmax or above was running at the read too, yet is not
+	// among Running (a snapshot lists only the ids below its xmax, one
+	// above the newest id that had ended), and it may have taken an event
+	// id below one of Events before a transaction with a lower id took
+	// that one and committed. ScanWriters counts those too.
+	Xmax int64
 	// RemovedThrough is the highest id of the filter's scope that retention
 	// deleted as of the read (EventRetention), 0 for none: a watch whose
 	// cursor is below it has lost events it did not deliver.
@@ -113,18 +120,20 @@ type EventScan struct {
 // removed of the scope's events as of the same snapshot (event_retention).
 const (
 	scanEventsSQL = `WITH snap AS (SELECT ARRAY(SELECT x::text::bigint % 4294967296 FROM pg_snapshot_xip(s) AS x) AS running,
+				pg_snapshot_xmax(s)::text::bigint % 4294967296 AS xmax,
 				COALESCE((SELECT removed_through FROM event_retention WHERE tenant_id = $1), 0) AS removed
 			FROM pg_current_snapshot() AS s)
-		SELECT snap.running, snap.removed, e.id, COALESCE(e.tenant_id, ''), e.type, e.subject_id, e.data::text, e.created_at
+		SELECT snap.running, snap.xmax, snap.removed, e.id, COALESCE(e.tenant_id, ''), e.type, e.subject_id, e.data::text, e.created_at
 		FROM snap LEFT JOIN LATERAL (SELECT * FROM events
 			WHERE tenant_id = $1 AND id > $2 AND ($5 OR type = ANY($3::text[])
 				OR EXISTS (SELECT 1 FROM unnest($4::text[]) AS p(prefix) WHERE starts_with(type, p.prefix)))
 			ORDER BY tenant_id, id LIMIT $6) AS e ON true
 		ORDER BY e.id`
 	scanAllEventsSQL = `WITH snap AS (SELECT ARRAY(SELECT x::text::bigint % 4294967296 FROM pg_snapshot_xip(s) AS x) AS running,
+				pg_snapshot_xmax(s)::text::bigint % 4294967296 AS xmax,
 				COALESCE((SELECT max(removed_through) FROM event_retention), 0) AS removed
 			FROM pg_current_snapshot() AS s)
-		SELECT snap.running, snap.removed, e.id, COALESCE(e.tenant_id, ''), e.type, e.subject_id, e.data::text, e.created_at
+		SELECT snap.running, snap.xmax, snap.removed, e.id, COALESCE(e.tenant_id, ''), e.type, e.subject_id, e.data::text, e.created_at
 		FROM snap LEFT JOIN LATERAL (SELECT * FROM events
 			WHERE id > $1 AND ($4 OR type = ANY($2::text[])
 				OR EXISTS (SELECT 1 FROM unnest($3::text[]) AS p(prefix) WHERE starts_with(type, p.prefix)))
@@ -161,7 +170,7 @@ func ScanEvents(ctx context.Context, q DBTX, after int64, f EventFilter, limit i
 		tenantID, typ, subject, data *string
 		at                           *time.Time
 	)
-	_, err = pgx.ForEachRow(rows, []any{&out.Running, &out.RemovedThrough, &id, &tenantID, &typ, &subject, &data, &at},
+	_, err = pgx.ForEachRow(rows, []any{&out.Running, &out.Xmax, &out.RemovedThrough, &id, &tenantID, &typ, &subject, &data, &at},
 		func() error {
 			if id != nil {
 				out.Events = append(out.Events, Event{ID: *id, TenantID: *tenantID, Type: *typ, SubjectID: *subject,
@@ -216,7 +225,7 @@ const eventWritersSQL = `WITH l AS MATERIALIZED (SELECT locktype, mode, database
 		(SELECT count(DISTINCT xid) FROM t) < cardinality($1::bigint[])`
 
 // EventWriters tells what became of the transactions running (ids modulo
-// 2^32, EventScan.Running) at an earlier read of the events: writing is
+// 2^32, ScanWriters' held) at an earlier read of the events: writing is
 // whether one of them is still running and holds a lock on this database's
 // events table, which it took before it took any event id and keeps until
 // it ends; ended is whether any of them has ended. When writing is false,
@@ -234,4 +243,50 @@ func EventWriters(ctx context.Context, q DBTX, running []int64) (writing, ended 
 		return false, false, queryErr("event writers", err)
 	}
 	return writing, ended, nil
+}
+
+// scanWritersSQL is ScanWriters' first statement ($1: EventScan.Running,
+// $2: EventScan.Xmax): pg_locks read once, as in eventWritersSQL, and
+// besides whether those listed may write events or have ended, the running
+// transactions with ids from $2 on (modulo 2^32) that hold a lock on this
+// database's events.
+const scanWritersSQL = `WITH l AS MATERIALIZED (SELECT locktype, mode, database, relation,
+			transactionid::text::bigint AS xid, virtualtransaction FROM pg_locks WHERE granted),
+		t AS (SELECT xid, virtualtransaction FROM l WHERE locktype = 'transactionid' AND mode = 'ExclusiveLock'),
+		ev AS (SELECT virtualtransaction FROM l WHERE locktype = 'relation' AND relation = 'events'::regclass
+			AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
+	SELECT EXISTS (SELECT 1 FROM t JOIN ev USING (virtualtransaction) WHERE xid = ANY($1::bigint[])),
+		(SELECT count(DISTINCT xid) FROM t WHERE xid = ANY($1::bigint[])) < cardinality($1::bigint[]),
+		ARRAY(SELECT DISTINCT xid FROM t JOIN ev USING (virtualtransaction)
+			WHERE (xid - $2 + 4294967296) % 4294967296 < 2147483648 AND NOT xid = ANY($1::bigint[]))`
+
+// ScanWriters is EventWriters for the read scan: it tells, of the
+// transactions that may hold event ids below those scan returned (those
+// running at it: scan.Running, and those whose ids are scan.Xmax or above),
+// whether one of them may still write events (writing) and whether one has
+// ended since (ended), and returns held, every one of them still running
+// that a later EventWriters must wait for: scan.Running and those with ids
+// from scan.Xmax on that hold a lock on events now. A transaction with an
+// id from scan.Xmax on that has ended since cannot be named; the snapshot's
+// xmax having moved past scan.Xmax when it is read, after pg_locks, says
+// that one may have, and counts as ended. When writing and ended are both
+// false the read was final; otherwise, once EventWriters(held) says none
+// of held may write events, a read from then on of the ids up to those
+// scan returned is.
+func ScanWriters(ctx context.Context, q DBTX, scan EventScan) (writing, ended bool, held []int64, err error) {
+	running := scan.Running
+	if running == nil {
+		running = []int64{}
+	}
+	var later []int64
+	if err := q.QueryRow(ctx, scanWritersSQL, running, scan.Xmax).Scan(&writing, &ended, &later); err != nil {
+		return false, false, nil, queryErr("scan writers", err)
+	}
+	var moved bool
+	if err := q.QueryRow(ctx, `SELECT (pg_snapshot_xmax(pg_current_snapshot())::text::bigint % 4294967296 - $1
+			+ 4294967296) % 4294967296 BETWEEN 1 AND 2147483647`, scan.Xmax).Scan(&moved); err != nil {
+		return false, false, nil, queryErr("scan writers", err)
+	}
+	held = append(slices.Clip(scan.Running), later...)
+	return writing || len(later) > 0, ended || moved, held, nil
 }

@@ -1,5 +1,7 @@
 package store
 
+import "github.com/jackc/pgx/v5/pgxpool"
+
 // PendingSessionWorkSQL exposes PendingSessionWork's query to the plan test.
 const PendingSessionWorkSQL = pendingSessionWorkSQL
 
@@ -24,3 +26,12 @@ const ReservationFailedDataSQL = reservationFailedDataSQL
 // CreateReservationSQL exposes CreateReservation's statement to the
 // statements test.
 var CreateReservationSQL = createReservationSQL
+
+// ScanAllEventsSQL exposes ScanEvents' statement for AllTenants to the plan
+// test.
+const ScanAllEventsSQL = scanAllEventsSQL
+
+// GenericPool exposes the pool behind AutoCommit (its connections' settings:
+// generic plans, no seq scans) to the plan tests, which PREPARE on one of its
+// connections.
+func (db *DB) GenericPool() *pgxpool.Pool { return db.generic }

@@ -121,6 +121,14 @@ func Open(ctx context.Context, url string, clk clock.Clock, wait time.Duration, 
 	// a table is nearly empty, when scanning it looks cheapest; it must not
 	// stay a scan of the table once the table has grown.
 	gcfg.ConnConfig.RuntimeParams["enable_seqscan"] = "off"
+	// With seq scans off, a scan a statement cannot avoid (a small table
+	// without a fitting index, such as the events watch's maximum of
+	// event_retention) is costed above 10^10, far past jit_above_cost, and
+	// Postgres would JIT-compile the statement, with inlining and
+	// optimization, at every execution: some 100–250 ms for statements that
+	// run in well under a millisecond. These short statements never gain
+	// from JIT.
+	gcfg.ConnConfig.RuntimeParams["jit"] = "off"
 	generic, err := pgxpool.NewWithConfig(ctx, gcfg)
 	if err != nil {
 		pool.Close()

@@ -133,7 +133,12 @@ func startFleet(b *testing.B, o fleetOptions) *fleet {
 		f.n = o.machines
 	}
 	f.dbURL = containers.Postgres(b)
-	f.natsURL = containers.NATS(b)
+	// BETTER_COMPUTE_BENCH_EMBEDDED_NATS=1 runs the benchmarks whose services
+	// run in this process on devstack's NATS server, in this process too,
+	// instead of a container of the local image (a machine without images).
+	if o.processes || os.Getenv("BETTER_COMPUTE_BENCH_EMBEDDED_NATS") == "" {
+		f.natsURL = containers.NATS(b)
+	}
 	f.pkiDir = b.TempDir()
 	_, err := pki.Init(f.pkiDir, pki.InitOptions{GatewayNames: []string{"localhost", "127.0.0.1"}}, f.clk.Now())
 	require.NoError(b, err)

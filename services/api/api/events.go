@@ -39,10 +39,11 @@ const WatchPath = PathPrefix + "/watch"
 // an id that may still commit. It reads only its caller's tenant's events
 // (every tenant's for a root administrator), so it cannot see the ids
 // between them; instead each read comes with the transactions running at
-// its snapshot (store.EventScan). An event id is taken after its
-// transaction's id (migration 000017), so an event below one read that may
-// still commit belongs to one of them; and a transaction that inserted
-// events holds a lock on the table until it ends (store.EventWriters). A
+// its snapshot (store.EventScan: those it lists, and those from its xmax
+// on, which it does not). An event id is taken after its transaction's id
+// (migration 000017), so an event below one read that may still commit
+// belongs to one of them; and a transaction that inserted events holds a
+// lock on the table until it ends (store.ScanWriters, EventWriters). A
 // read is delivered at once when none of them may write events and none
 // has ended since (none was running, or they are another database's or
 // never touched events); otherwise the watch holds it, and once none of
@@ -415,8 +416,9 @@ func (c *commitSignal) signal() {
 type gapHold struct {
 	// seen is when the events were first held.
 	seen time.Time
-	// running are the transactions running at that read
-	// (store.EventScan.Running): once none of them may write events
+	// running are the transactions that may hold ids below upTo
+	// (store.ScanWriters' held: those running at that read, whether or
+	// not its snapshot listed them): once none of them may write events
 	// (store.EventWriters), a read of the ids up to upTo is final.
 	running []int64
 	// upTo is the highest id that read returned: the ids up to it are
@@ -755,9 +757,12 @@ func (w *watcher) step(ctx context.Context, send func(store.Event) error) (readN
 		return readOnWake, nil
 	}
 	upTo := scan.Events[len(scan.Events)-1].ID
-	var writing, ended bool
+	var (
+		writing, ended bool
+		held           []int64
+	)
 	if upTo > covered {
-		if writing, ended, err = store.EventWriters(ctx, db.Pool, scan.Running); err != nil {
+		if writing, ended, held, err = store.ScanWriters(ctx, db.Pool, scan); err != nil {
 			return readOnWake, err
 		}
 		if !writing && !ended {
@@ -766,7 +771,7 @@ func (w *watcher) step(ctx context.Context, send func(store.Event) error) (readN
 	}
 	for _, e := range scan.Events {
 		if e.ID > covered {
-			w.hold = &gapHold{seen: clk.Now(), running: scan.Running, upTo: upTo, recheck: w.cfg.GapRecheck}
+			w.hold = &gapHold{seen: clk.Now(), running: held, upTo: upTo, recheck: w.cfg.GapRecheck}
 			if !writing {
 				return readNow, nil // only ended ones: a read from now on is final
 			}
