@@ -94,6 +94,21 @@ func FromReader(p Prefix, t time.Time, r io.Reader) string {
 	return string(p) + "_" + ulid.MustNew(ulid.Timestamp(t), r).String()
 }
 
+// Floor returns the lowest id of kind p made at t's millisecond: every id
+// of kind p that New or FromReader makes at t or later sorts at or above it
+// (as strings, byte by byte), every one made at an earlier millisecond below
+// it. It is a bound for a range of ids by creation time (e.g. id < Floor(p,
+// t): the ids made before t's millisecond), not an id anything has.
+func Floor(p Prefix, t time.Time) string {
+	var id ulid.ULID // entropy zero
+	if err := id.SetTime(ulid.Timestamp(t)); err != nil {
+		// Past ulid.MaxTime (year 10889): no id sorts above every id.
+		return string(p) + "_" + ulid.ULID{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+			0xff, 0xff, 0xff, 0xff}.String()
+	}
+	return string(p) + "_" + id.String()
+}
+
 // Check returns an error unless s is a well-formed id of kind p. The error
 // names the expected prefix.
 func Check(p Prefix, s string) error {

@@ -40,3 +40,26 @@ func TestIDsOfOneMillisecondSortWhenInterleaved(t *testing.T) {
 	require.True(t, slices.IsSorted(got), "same-millisecond ids in the order they were made")
 	require.Len(t, slices.Compact(slices.Clone(got)), 200, "unique")
 }
+
+// TestFloorBoundsIDsByTime: the ids made before a time's millisecond sort
+// below Floor of that time, those made at it or later at or above it.
+func TestFloorBoundsIDsByTime(t *testing.T) {
+	t0 := time.Date(2030, 3, 4, 5, 6, 7, 891234567, time.UTC)
+	floor := ids.Floor(ids.Command, t0)
+	require.NoError(t, ids.Check(ids.Command, floor))
+	for _, d := range []time.Duration{-24 * time.Hour, -time.Millisecond, -235 * time.Microsecond} {
+		require.Less(t, ids.New(ids.Command, t0.Add(d)), floor, "made %v after t0", d)
+	}
+	for _, d := range []time.Duration{-234 * time.Microsecond, 0, time.Millisecond, 24 * time.Hour} {
+		require.GreaterOrEqual(t, ids.New(ids.Command, t0.Add(d)), floor, "made %v after t0", d)
+	}
+	require.Equal(t, floor, ids.FromReader(ids.Command, t0, zeros{}), "the lowest id of its millisecond")
+}
+
+// zeros is an io.Reader of zero bytes.
+type zeros struct{}
+
+func (zeros) Read(p []byte) (int, error) {
+	clear(p)
+	return len(p), nil
+}

@@ -35,6 +35,9 @@ var cmdRank = map[string]int{
 	cmdCanceled:  3,
 }
 
+// cmdRankSQL is cmdRank of c.state (a row of commands c) in SQL.
+const cmdRankSQL = `(CASE c.state WHEN 'queued' THEN 0 WHEN 'delivered' THEN 1 WHEN 'running' THEN 2 ELSE 3 END)`
+
 // SessionCommandUpdate is a daemon's report on one of its node's commands.
 type SessionCommandUpdate struct {
 	NodeID    string
@@ -99,8 +102,10 @@ type updateGroup struct {
 // such a failure); a late success's result is kept, so the work that was
 // done can still be read, but the command did not succeed.
 //
-// It is one statement: one UPDATE for all commands (locked in id order, as
-// ClaimSessionDeliveries locks them), the command.succeeded,
+// It is one statement: one UPDATE for all commands (those it moves forward
+// locked in id order, as ClaimSessionDeliveries locks them; an update that
+// moves its command nowhere neither takes nor waits for its lock), the
+// command.succeeded,
 // command.failed and command.expired events (with their outbox messages,
 // data as ExpireDueCommands writes them) of the user commands that reached
 // a terminal state, and one SubjectPokeControllers poke naming the nodes
@@ -152,7 +157,11 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 				-- counts it), or the daemon's own "too late to start", expires it.
 				u.rank = 3 AND (c.deadline <= u.at OR (u.state = 'failed' AND u.err = $9)) AS expire
 			FROM commands c JOIN u ON c.id = u.cmd AND c.node_id = u.node
-			WHERE c.id = ANY($1) ORDER BY c.id FOR UPDATE OF c),
+			-- Only the commands the update moves forward are locked: states
+			-- never move back, so one at or past u.rank in the snapshot
+			-- stays there, and a locked one that moved there meanwhile is
+			-- dropped when its new version is checked.
+			WHERE c.id = ANY($1) AND `+cmdRankSQL+` < u.rank ORDER BY c.id FOR UPDATE OF c),
 		upd AS (
 			UPDATE commands c SET
 				state = CASE WHEN old.expire THEN 'expired' ELSE u.state END,
@@ -164,7 +173,7 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 				updated_at = u.at
 			FROM old JOIN u ON u.ord = old.ord JOIN nodes n ON n.id = u.node JOIN pools p ON p.id = n.pool_id
 			WHERE c.id = old.id
-				AND (CASE c.state WHEN 'queued' THEN 0 WHEN 'delivered' THEN 1 WHEN 'running' THEN 2 ELSE 3 END) < u.rank
+				AND `+cmdRankSQL+` < u.rank
 			RETURNING u.ord, old.state AS old_state, c.id, c.node_id, c.state, c.purpose, p.owner_tenant_id AS tenant,
 				c.kind, c.error, u.rank, u.at, c.created_at),
 		ended AS (

@@ -236,6 +236,44 @@ func TestApplySessionCommandUpdateWritesCommandEvents(t *testing.T) {
 	require.Equal(t, []ev{{"command.succeeded", "cmd_ok", "ten_1"}, {"command.failed", "cmd_bad", "ten_1"}}, got)
 }
 
+// TestApplySessionCommandUpdatesLeaveUnchangedRowsUnlocked: an update that
+// does not move its command forward (a repeated report, a terminal one
+// answered again from the daemon's journal) neither waits for nor takes the
+// command's row lock: with another transaction holding it, the batch still
+// applies its other updates at once (lock_timeout would fail it otherwise)
+// and writes nothing for the unchanged command.
+func TestApplySessionCommandUpdatesLeaveUnchangedRowsUnlocked(t *testing.T) {
+	t.Parallel()
+	db, now := commandsDB(t)
+	ctx := t.Context()
+	storetest.Command(t, db, &storetest.CommandOpts{ID: "cmd_done", NodeID: "n-ok", State: "succeeded", CreatedAt: now})
+	storetest.Command(t, db, &storetest.CommandOpts{ID: "cmd_running", NodeID: "n-ok", State: "running", CreatedAt: now})
+	storetest.Command(t, db, &storetest.CommandOpts{ID: "cmd_new", NodeID: "n-ok", State: "delivered", CreatedAt: now})
+	holder, err := db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = holder.Rollback(ctx) }()
+	_, err = holder.Exec(ctx, `SELECT id FROM commands WHERE id IN ('cmd_done', 'cmd_running') FOR UPDATE`)
+	require.NoError(t, err)
+
+	var out []store.SessionCommandUpdated
+	require.NoError(t, db.InTx(ctx, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = '2s'`); err != nil {
+			return err
+		}
+		var err error
+		out, err = store.ApplySessionCommandUpdates(ctx, tx, []store.SessionCommandUpdate{
+			{NodeID: "n-ok", CommandID: "cmd_done", State: "succeeded", Result: []byte(`{"again":true}`), Now: now},
+			{NodeID: "n-ok", CommandID: "cmd_running", State: "delivered", Now: now},
+			{NodeID: "n-ok", CommandID: "cmd_new", State: "running", Now: now}})
+		return err
+	}))
+	require.False(t, out[0].Applied)
+	require.False(t, out[1].Applied)
+	require.True(t, out[2].Applied)
+	require.Equal(t, 1, countRows(t, db, `SELECT count(*) FROM commands WHERE id = 'cmd_done' AND result IS NULL`),
+		"the repeated terminal report changed nothing")
+}
+
 // TestApplySessionCommandUpdatesAfterTheDeadline: a command must finish
 // before its deadline, whether or not the expiry reconciler ran first. A
 // terminal report at or after the deadline records it expired (a success

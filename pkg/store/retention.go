@@ -38,6 +38,8 @@ import (
 	"context"
 	"fmt"
 	"time"
+
+	"github.com/better-compute/better-compute/pkg/ids"
 )
 
 // DeleteOldEvents deletes at most limit events, lowest id first, written
@@ -108,16 +110,28 @@ func DeleteOldAudit(ctx context.Context, q DBTX, before time.Time, limit int) (i
 
 // DeleteOldCommands deletes at most limit commands that finished
 // (commands.finished_at: succeeded, failed, expired, canceled) before
-// before, oldest first, skipping rows locked by another transaction and
+// before, lowest id first, skipping rows locked by another transaction and
 // the acceptance commands of a node still joining or accepting (the
 // acceptance reconciler counts its attempts by them). It returns how many
 // it deleted.
+//
+// It walks the primary key, not an index of its own (migration 000023): ids
+// sort by creation time (pkg/ids) and a command finishes after it was
+// created, so every command due has an id below ids.Floor of before, where
+// the walk ends. It reads the commands created before before that are kept
+// (and the deleted ones' index entries until the vacuum removes them), as
+// the walk of an index on finished_at would. A command whose id sorts above
+// its creation time is deleted late, never early: only finished_at decides
+// what is due.
 func DeleteOldCommands(ctx context.Context, q DBTX, before time.Time, limit int) (int, error) {
-	tag, err := q.Exec(ctx, `DELETE FROM commands WHERE id IN (
-		SELECT c.id FROM commands c WHERE c.finished_at < $1
+	// = ANY (ARRAY(…)) deletes the rows found by their primary key
+	// whatever the plan's estimate of their number (IN (…) may be planned
+	// as a hash join over every row of commands).
+	tag, err := q.Exec(ctx, `DELETE FROM commands WHERE id = ANY (ARRAY(
+		SELECT c.id FROM commands c WHERE c.id < $3 AND c.finished_at < $1
 			AND NOT (c.purpose = 'acceptance' AND EXISTS (SELECT 1 FROM nodes n WHERE n.id = c.node_id
 				AND n.provision_state IN ('joining', 'accepting')))
-		ORDER BY c.finished_at LIMIT $2 FOR UPDATE SKIP LOCKED)`, before, limit)
+		ORDER BY c.id LIMIT $2 FOR UPDATE SKIP LOCKED))`, before, limit, ids.Floor(ids.Command, before))
 	if err != nil {
 		return 0, queryErr("delete old commands", err)
 	}

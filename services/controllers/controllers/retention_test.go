@@ -85,14 +85,16 @@ func TestRetentionPass(t *testing.T) {
 			Target: at.Format(time.DateOnly), Outcome: "ok"})
 		require.NoError(t, err)
 	}
-	// Commands (30 days after they finished).
+	// Commands (30 days after they finished), named by CreatedBy: their ids
+	// are made at CreatedAt, as the API's are (retention walks the ids by
+	// creation time).
 	for _, c := range []storetest.CommandOpts{
-		{ID: "cmd_old", NodeID: adopted, State: "succeeded", CreatedAt: ago(40 * day), FinishedAt: ago(31 * day)},
-		{ID: "cmd_recent", NodeID: adopted, State: "failed", CreatedAt: ago(40 * day), FinishedAt: ago(29 * day)},
-		{ID: "cmd_open", NodeID: adopted, State: "queued", CreatedAt: ago(40 * day)},
-		{ID: "cmd_acc_adopted", NodeID: adopted, Purpose: "acceptance", State: "succeeded", CreatedAt: ago(40 * day),
+		{CreatedBy: "cmd_old", NodeID: adopted, State: "succeeded", CreatedAt: ago(40 * day), FinishedAt: ago(31 * day)},
+		{CreatedBy: "cmd_recent", NodeID: adopted, State: "failed", CreatedAt: ago(40 * day), FinishedAt: ago(29 * day)},
+		{CreatedBy: "cmd_open", NodeID: adopted, State: "queued", CreatedAt: ago(40 * day)},
+		{CreatedBy: "cmd_acc_adopted", NodeID: adopted, Purpose: "acceptance", State: "succeeded", CreatedAt: ago(40 * day),
 			FinishedAt: ago(31 * day)},
-		{ID: "cmd_acc_accepting", NodeID: accepting, Purpose: "acceptance", State: "expired", CreatedAt: ago(40 * day),
+		{CreatedBy: "cmd_acc_accepting", NodeID: accepting, Purpose: "acceptance", State: "expired", CreatedAt: ago(40 * day),
 			FinishedAt: ago(31 * day)},
 	} {
 		storetest.Command(t, db, &c)
@@ -143,7 +145,7 @@ func TestRetentionPass(t *testing.T) {
 
 	require.Equal(t, []string{"ev_new", "ev_old3"}, column(t, db, `SELECT subject_id FROM events ORDER BY id`))
 	require.Equal(t, []string{ago(364 * day).Format(time.DateOnly)}, column(t, db, `SELECT target FROM audit`))
-	require.Equal(t, []string{"cmd_acc_accepting", "cmd_open", "cmd_recent"}, column(t, db, `SELECT id FROM commands ORDER BY id`))
+	require.Equal(t, []string{"cmd_acc_accepting", "cmd_open", "cmd_recent"}, column(t, db, `SELECT created_by FROM commands ORDER BY 1`))
 	require.Equal(t, []string{"res_recent", "res_unbilled"}, column(t, db, `SELECT id FROM reservations ORDER BY id`))
 	require.Equal(t, []string{"res_recent", "res_unbilled"}, column(t, db, `SELECT reservation_id FROM bookings ORDER BY 1`),
 		"a reservation's bookings go with it")
