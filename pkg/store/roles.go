@@ -71,6 +71,31 @@ func SetupRoles(ctx context.Context, db *DB, logins map[string]string) error {
 			return fmt.Errorf("setup roles: the password of %s is empty", role)
 		}
 	}
+	// Roles are the cluster's and the lock below the database's: another
+	// database setting the roles up at the same time may update a role's
+	// row first, which fails this transaction (XX000 "tuple concurrently
+	// updated", raised once the other committed); it runs again.
+	var err error
+	for range setupRolesAttempts {
+		if err = setupRoles(ctx, db, logins); !concurrentlyUpdated(err) {
+			return err
+		}
+	}
+	return err
+}
+
+// setupRolesAttempts is how many times SetupRoles runs its transaction.
+const setupRolesAttempts = 5
+
+// concurrentlyUpdated reports whether err is PostgreSQL's refusal of a
+// catalog update that another transaction's update of the same row beat.
+func concurrentlyUpdated(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "XX000" && pgErr.Message == "tuple concurrently updated"
+}
+
+// setupRoles is one run of SetupRoles' transaction.
+func setupRoles(ctx context.Context, db *DB, logins map[string]string) error {
 	return db.InTx(ctx, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, int64(setupRolesLock)); err != nil {
 			return fmt.Errorf("setup roles: %w", err)

@@ -414,6 +414,14 @@ func apiCalls(r *grantRun, signer *store.IntentSigner) {
 		_, _, err := store.EventWriters(ctx, tx, []int64{xid})
 		return err
 	})
+	r.call("ScanWriters", func(ctx context.Context, tx pgx.Tx) error {
+		scan, err := store.ScanEvents(ctx, tx, 0, store.EventFilter{Scope: all}, 100)
+		if err != nil {
+			return err
+		}
+		_, _, _, err = store.ScanWriters(ctx, tx, scan)
+		return err
+	})
 
 	require.NoError(t, store.RegisterGateway(t.Context(), o.Pool, "gw-1", "http://gw-1:8086", now))
 	require.NoError(t, store.RecordGatewayPresence(t.Context(), o.Pool, now, "gw-1", time.Minute))
@@ -771,4 +779,32 @@ func controllersCalls(r *grantRun, signer *store.IntentSigner) {
 		_, err := store.ReleaseLease(ctx, tx, "controllers.test", "test")
 		return err
 	})
+}
+
+// TestSetupRolesInTwoDatabasesAtOnce: roles are the cluster's, so two
+// databases setting them up at once update the same pg_authid rows, which
+// PostgreSQL refuses to one of them ("tuple concurrently updated"); both
+// succeed.
+func TestSetupRolesInTwoDatabasesAtOnce(t *testing.T) {
+	t.Parallel()
+	logins := map[string]string{}
+	for _, r := range store.Roles() {
+		logins[r] = rolePassword(r)
+	}
+	var dbs []*store.DB
+	for range 2 {
+		db, err := store.Open(t.Context(), storetest.NewURL(t), clock.New(), 30*time.Second, store.Options{})
+		require.NoError(t, err)
+		t.Cleanup(db.Close)
+		dbs = append(dbs, db)
+	}
+	for range 5 {
+		errs := make(chan error, len(dbs))
+		for _, db := range dbs {
+			go func() { errs <- store.SetupRoles(t.Context(), db, logins) }()
+		}
+		for range dbs {
+			require.NoError(t, <-errs)
+		}
+	}
 }
