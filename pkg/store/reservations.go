@@ -691,8 +691,12 @@ func EndReservation(ctx context.Context, q DBTX, signer *IntentSigner, scope Sco
 // connectivity (I5). It returns the ids of the reservations it ended. Call
 // it in the revocation's transaction.
 func FailNodeReservations(ctx context.Context, q DBTX, signer *IntentSigner, now time.Time, nodeID, reason string) ([]string, error) {
-	rows, err := q.Query(ctx, `UPDATE reservations SET state = 'failed', reason = $3, ended_at = $2, updated_at = $2
-		WHERE node_id = $1 AND state IN ('binding', 'active') RETURNING id, tenant_id, state`, nodeID, now, reason)
+	// The rows are locked in id order, as ActivateReservations locks
+	// them, so the two cannot deadlock.
+	rows, err := q.Query(ctx, `WITH l AS (
+			SELECT id FROM reservations WHERE node_id = $1 AND state IN ('binding', 'active') ORDER BY id FOR NO KEY UPDATE)
+		UPDATE reservations r SET state = 'failed', reason = $3, ended_at = $2, updated_at = $2
+		FROM l WHERE r.id = l.id AND r.state IN ('binding', 'active') RETURNING r.id, r.tenant_id, r.state`, nodeID, now, reason)
 	if err != nil {
 		return nil, fmt.Errorf("fail reservations of node %s: %w", nodeID, interpretError(err))
 	}

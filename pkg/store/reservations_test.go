@@ -1,6 +1,7 @@
 package store_test
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -13,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/ids"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/pkg/store/storetest"
@@ -400,4 +402,67 @@ func BenchmarkCreateReservationContended(b *testing.B) {
 	b.StopTimer()
 	stmts.Stop()
 	b.ReportMetric(float64(stmts.Count())/float64(b.N), "stmts/op")
+}
+
+// TestFailNodeReservationsLocksInIDOrder: FailNodeReservations locks a
+// node's reservations in id order, as ActivateReservations does, so the two
+// cannot deadlock. With the lower id held by another transaction it waits
+// there, holding no lock on the higher one, even when the higher one comes
+// first in the table.
+func TestFailNodeReservationsLocksInIDOrder(t *testing.T) {
+	t.Parallel()
+	db := storetest.New(t, clock.New())
+	f := storetest.NewFleet(t, db, "lockorder", 8)
+	now := db.Now()
+	node := f.Nodes[0]
+	res := func(id string, dev int32) {
+		storetest.Reservation(t, db, &storetest.ReservationOpts{ID: id, TenantID: f.OwnerID, PoolID: f.PoolID,
+			State: store.ReservationActive, NodeID: node, DeviceIndexes: []int32{dev}, SpecGeneration: 1, PlacedAt: now, ActiveAt: now})
+	}
+	low, high := ids.New(ids.Reservation, now), ids.New(ids.Reservation, now.Add(time.Second))
+	res(high, 1) // first in the heap
+	res(low, 0)
+
+	ctx := t.Context()
+	holder, err := db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = holder.Rollback(ctx) }()
+	_, err = holder.Exec(ctx, `SELECT FROM reservations WHERE id = $1 FOR UPDATE`, low)
+	require.NoError(t, err)
+
+	failed := make(chan error, 1)
+	go func() {
+		failed <- db.InTx(ctx, func(tx pgx.Tx) error {
+			_, err := store.FailNodeReservations(ctx, tx, nil, db.Now(), node, "node revoked")
+			return err
+		})
+	}()
+	// Once it waits on the lower id, the higher one is still free.
+	require.Eventually(t, func() bool {
+		var waiting bool
+		err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity
+			WHERE wait_event_type = 'Lock' AND query LIKE '%reservations%' AND pid <> pg_backend_pid())`).Scan(&waiting)
+		return err == nil && waiting
+	}, 10*time.Second, 10*time.Millisecond, "FailNodeReservations waits on the held reservation")
+	probe, err := db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = probe.Rollback(ctx) }()
+	_, err = probe.Exec(ctx, `SELECT FROM reservations WHERE id = $1 FOR UPDATE NOWAIT`, high)
+	require.NoError(t, err, "the higher id is not locked while the lower one is waited for")
+	require.NoError(t, probe.Rollback(ctx))
+
+	require.NoError(t, holder.Rollback(ctx))
+	require.NoError(t, <-failed)
+	var states []string
+	require.NoError(t, pgxScanStrings(ctx, db, `SELECT state FROM reservations WHERE node_id = $1 ORDER BY id`, node, &states))
+	require.Equal(t, []string{store.ReservationFailed, store.ReservationFailed}, states)
+}
+
+func pgxScanStrings(ctx context.Context, db *store.DB, sql string, arg any, out *[]string) error {
+	rows, err := db.Pool.Query(ctx, sql, arg)
+	if err != nil {
+		return err
+	}
+	*out, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	return err
 }
