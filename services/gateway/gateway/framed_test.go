@@ -61,20 +61,3 @@ func TestFramedMessageOverTheLimitEndsTheSession(t *testing.T) {
 	require.Equal(t, connect.CodeResourceExhausted, connectCode(err), "%v", err)
 	eventually(t, func() bool { return e.nodeRow(n.id).SessionID == nil }, "the session is cleared")
 }
-
-// TestFramedSessionEndsWithTheGatewaysReason: ending a framed session,
-// the gateway sends why (here its shutdown: Unavailable) and clears it.
-func TestFramedSessionEndsWithTheGatewaysReason(t *testing.T) {
-	t.Parallel()
-	e := setup(t, options{})
-	g := e.startGateway(noResync)
-	n := e.newNode()
-	d, _ := e.connect(g, n, nil)
-	d.heartbeat(1, 0)
-	require.EqualValues(t, 1, d.nextAck())
-	g.stop()
-	err := d.ended()
-	require.Equal(t, connect.CodeUnavailable, connectCode(err), "%v", err)
-	require.Contains(t, err.Error(), "shutting down")
-	require.Nil(t, e.nodeRow(n.id).SessionID)
-}

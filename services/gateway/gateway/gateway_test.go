@@ -674,9 +674,12 @@ func TestShutdownClearsSessions(t *testing.T) {
 	n := e.newNode()
 	d, _ := e.connect(g, n, nil)
 	d.heartbeat(1, 0)
+	require.EqualValues(t, 1, d.nextAck())
 	g.stop()
+	// The end of the stream says why.
 	err := d.ended()
-	require.Error(t, err)
+	require.Equal(t, connect.CodeUnavailable, connectCode(err), "%v", err)
+	require.Contains(t, err.Error(), "shutting down")
 	r := e.nodeRow(n.id)
 	require.Nil(t, r.SessionID)
 	require.Nil(t, r.GatewayID)
