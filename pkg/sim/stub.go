@@ -56,7 +56,7 @@ const (
 // per-reservation UTC-hour windows.
 //
 // Liveness is modelled as the real gateway and sweeper do it: a Hello
-// writes the node's live session and last_seen at once (OpenSession);
+// writes the node's live session and last_seen at once (OpenSessions);
 // every other message is batched per gateway and written every
 // FlushInterval, and each flush renews that gateway's presence for
 // PresenceTTL; a gateway that ends a session writes its last hearing
@@ -357,7 +357,7 @@ func (g *GatewayStub) hello(c *conn, sn *stubNode, h *gatewayv1.Hello) {
 	}
 	c.helloed = true
 	sn.epoch++
-	// OpenSession: the live session, last_seen and reachable, at once.
+	// OpenSessions: the live session, last_seen and reachable, at once.
 	sn.live = c
 	sn.lastSeen = max(sn.lastSeen, g.now())
 	if !sn.reachable {

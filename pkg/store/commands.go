@@ -229,7 +229,7 @@ type QueueResult struct {
 // in q's transaction or, on DB.AutoCommit, in a transaction of its own. For
 // each command it locks the node FOR KEY SHARE (in node id order, so
 // concurrent batches do not deadlock). That lock conflicts only with FOR
-// UPDATE, which the writers of what it checks take (OpenSession moving the
+// UPDATE, which the writers of what it checks take (OpenSessions moving the
 // session, RevokeNode, acceptance): a session opening on another gateway
 // waits for the commit, then claims the command, and the poke goes to the
 // gateway read, which still holds the session. Writers of other columns

@@ -133,7 +133,7 @@ func TestEventsAsWatchersReceiveThem(t *testing.T) {
 			`bc.events.ten_owner.node.acceptance_failed {"id": 6, "data": {"nodeId": "node_b", "poolId": "pool_1", "reason": "expected 8 GPUs, found 2"}, "time": "2030-05-06T07:08:11.123456Z", "type": "node.acceptance_failed", "tenantId": "ten_owner", "subjectId": "node_b"}`},
 	)
 	// The gateway opens sessions with OpenSessions, a batch at a time (the
-	// next step but one opens one with OpenSession).
+	// next step but one opens one with OpenSessions).
 	openSessions := func(ctx context.Context, tx pgx.Tx, now time.Time, gw string, sessions map[string]string) error {
 		var reqs []store.OpenSessionRequest
 		for _, n := range slices.Sorted(maps.Keys(sessions)) {
@@ -185,7 +185,7 @@ func TestEventsAsWatchersReceiveThem(t *testing.T) {
 			`bc.events.ten_owner.node.reachable {"id": 11, "data": {"nodeId": "node_a", "sessionId": "ses_node_a"}, "time": "2030-05-06T07:09:13.123456Z", "type": "node.reachable", "tenantId": "ten_owner", "subjectId": "node_a"}`},
 	)
 	step("node.reachable by a new session, heard before", time.Second, func(ctx context.Context, tx pgx.Tx, now time.Time) error {
-		_, err := store.OpenSession(ctx, tx, store.OpenSessionParams{NodeID: "node_c", GatewayID: "gw-2", SessionID: "ses_c2",
+		_, err := storetest.OpenSession(t, tx, store.OpenSessionParams{NodeID: "node_c", GatewayID: "gw-2", SessionID: "ses_c2",
 			BootID: "boot", Now: now})
 		return err
 	},
@@ -333,6 +333,8 @@ func TestEventsAsWatchersReceiveThem(t *testing.T) {
 			`bc.events.ten_user.reservation.failed {"id": 38, "data": {"reason": "never placed: no node had 1 free GPUs before its end time", "reservationId": "res_5"}, "time": "2030-05-06T07:10:24.123456Z", "type": "reservation.failed", "tenantId": "ten_user", "subjectId": "res_5"}`},
 	)
 	step("node.revoked, command.failed, reservation.failed by the revocation", time.Second,
+		// node_c holds the certificate its session opened with (the
+		// step "node.reachable by a new session"): the revocation revokes it.
 		func(ctx context.Context, tx pgx.Tx, now time.Time) error {
 			if _, err := store.RevokeNode(ctx, tx, store.AllTenants, now, "node_c", "stolen"); err != nil {
 				return err
@@ -342,8 +344,8 @@ func TestEventsAsWatchersReceiveThem(t *testing.T) {
 		},
 		writtenEvent{"ten_owner", "command.failed", "cmd_5", `{"kind": "logs.collect", "error": "node revoked before the command finished", "state": "failed", "nodeId": "node_c", "commandId": "cmd_5"}`,
 			`bc.events.ten_owner.command.failed {"id": 39, "data": {"kind": "logs.collect", "error": "node revoked before the command finished", "state": "failed", "nodeId": "node_c", "commandId": "cmd_5"}, "time": "2030-05-06T07:10:25.123456Z", "type": "command.failed", "tenantId": "ten_owner", "subjectId": "cmd_5"}`},
-		writtenEvent{"ten_owner", "node.revoked", "node_c", `{"nodeId": "node_c", "reason": "stolen", "certificatesRevoked": 0}`,
-			`bc.events.ten_owner.node.revoked {"id": 40, "data": {"nodeId": "node_c", "reason": "stolen", "certificatesRevoked": 0}, "time": "2030-05-06T07:10:25.123456Z", "type": "node.revoked", "tenantId": "ten_owner", "subjectId": "node_c"}`},
+		writtenEvent{"ten_owner", "node.revoked", "node_c", `{"nodeId": "node_c", "reason": "stolen", "certificatesRevoked": 1}`,
+			`bc.events.ten_owner.node.revoked {"id": 40, "data": {"nodeId": "node_c", "reason": "stolen", "certificatesRevoked": 1}, "time": "2030-05-06T07:10:25.123456Z", "type": "node.revoked", "tenantId": "ten_owner", "subjectId": "node_c"}`},
 		writtenEvent{"ten_user", "reservation.failed", "res_6", `{"nodeId": "node_c", "reason": "node revoked: stolen", "reservationId": "res_6"}`,
 			`bc.events.ten_user.reservation.failed {"id": 41, "data": {"nodeId": "node_c", "reason": "node revoked: stolen", "reservationId": "res_6"}, "time": "2030-05-06T07:10:25.123456Z", "type": "reservation.failed", "tenantId": "ten_user", "subjectId": "res_6"}`},
 	)

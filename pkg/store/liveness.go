@@ -92,7 +92,7 @@ func ResetGatewaySessions(ctx context.Context, q DBTX, now time.Time, gatewayID 
 
 // SweepUnreachable marks unreachable at most limit reachable nodes not heard
 // from for timeout (last_seen < now − timeout; a reachable node has a
-// last_seen, set with reachable by OpenSession) whose live session,
+// last_seen, set with reachable by OpenSessions) whose live session,
 // if any, is held by no gateway with an unexpired presence, and writes a
 // node.unreachable event for each. Nodes locked by another transaction are
 // skipped. It returns the ids it marked. Their reservations and bookings

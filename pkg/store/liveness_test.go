@@ -41,7 +41,7 @@ func (f livenessFixture) open(node, gw string) string {
 	f.t.Helper()
 	sid := ids.New(ids.Session, f.db.Now())
 	require.NoError(f.t, f.db.InTx(f.t.Context(), func(tx pgx.Tx) error {
-		_, err := store.OpenSession(f.t.Context(), tx, store.OpenSessionParams{NodeID: node, GatewayID: gw, SessionID: sid,
+		_, err := storetest.OpenSession(f.t, tx, store.OpenSessionParams{NodeID: node, GatewayID: gw, SessionID: sid,
 			BootID: "boot", Now: f.db.Now()})
 		return err
 	}))

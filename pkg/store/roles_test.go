@@ -187,7 +187,7 @@ func TestRoleGrants(t *testing.T) {
 	t.Parallel()
 	owner, dbURL := setupRoles(t)
 	funcs := dbFunctions(t)
-	require.True(t, funcs["OpenSession"] && funcs["SetupRoles"] && !funcs["CommandMessage"], "dbFunctions finds what reaches the database")
+	require.True(t, funcs["OpenSessions"] && funcs["SetupRoles"] && !funcs["CommandMessage"], "dbFunctions finds what reaches the database")
 	signer, _ := newIntentSigner(t)
 	scenarios := map[string]func(r *grantRun){
 		store.RoleAPI:         func(r *grantRun) { apiCalls(r, signer) },

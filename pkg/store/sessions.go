@@ -31,51 +31,13 @@ type OpenSessionParams struct {
 	Now                time.Time
 }
 
-// OpenedSession is the node's state right after OpenSession.
+// OpenedSession is the node's state right after its session opened
+// (OpenSessions).
 type OpenedSession struct {
 	// Epoch is the node's new session_epoch (one more than before).
 	Epoch int64
 	// SpecGeneration is the node's desired spec generation.
 	SpecGeneration int64
-}
-
-// OpenSession makes p the node's live session: it records gateway_id,
-// session_id, session_epoch+1, boot_id, last_seen and reachable. Any older
-// session of the node, on any gateway, is superseded. A node that was
-// unreachable gets a node.reachable event (once per transition: the row is
-// locked). Call it in a transaction. It returns ErrNotFound when the node
-// does not exist.
-func OpenSession(ctx context.Context, q DBTX, p OpenSessionParams) (OpenedSession, error) {
-	var (
-		o        OpenedSession
-		wasUp    bool
-		owner    string
-		lastSeen *time.Time
-	)
-	err := q.QueryRow(ctx, `WITH prev AS (SELECT id, reachable, last_seen FROM nodes WHERE id = $1 FOR UPDATE)
-		UPDATE nodes n SET
-			gateway_id = $2, session_id = $3, session_epoch = n.session_epoch + 1,
-			boot_id = $4, agent_version = CASE WHEN $5 = '' THEN n.agent_version ELSE $5 END,
-			observed_generation = GREATEST(n.observed_generation, $6),
-			last_seen = $7, reachable = true, updated_at = $7
-		FROM prev, pools p WHERE n.id = prev.id AND p.id = n.pool_id
-		RETURNING n.session_epoch, n.spec_generation, prev.reachable, prev.last_seen, p.owner_tenant_id`,
-		p.NodeID, p.GatewayID, p.SessionID, p.BootID, p.AgentVersion, p.ObservedGeneration, p.Now,
-	).Scan(&o.Epoch, &o.SpecGeneration, &wasUp, &lastSeen, &owner)
-	if err != nil {
-		return OpenedSession{}, interpretError(err)
-	}
-	if !wasUp {
-		data := NodeReachableData{NodeID: p.NodeID, SessionID: p.SessionID, GatewayID: p.GatewayID}
-		if lastSeen != nil {
-			prev := lastSeen.UTC()
-			data.PreviousLastSeen = &prev
-		}
-		if err := WriteEvents(ctx, q, p.Now, NewEvent{TenantID: owner, Data: data}); err != nil {
-			return OpenedSession{}, err
-		}
-	}
-	return o, nil
 }
 
 // OpenSessionRequest asks OpenSessions to open a session of a node that
@@ -95,14 +57,14 @@ type OpenSessionResult struct {
 	// CertFound is false when the serial names no certificate.
 	CertFound bool
 	// Opened is true when the session was opened; Session is then the
-	// node's state right after, as OpenSession returns it.
+	// node's state right after.
 	Opened  bool
 	Session OpenedSession
 }
 
 // openSessionsSQL checks each request's certificate and opens the session
 // of each request whose certificate may open it, locking the nodes in id
-// order (FOR UPDATE, as OpenSession does) so that concurrent batches do
+// order (FOR UPDATE) so that concurrent batches do
 // not deadlock each other. It answers one row per request: the
 // certificate's row (NULLs when unknown), then the opened session's
 // columns (NULLs when not opened).
@@ -132,8 +94,12 @@ const openSessionsSQL = `WITH u AS (
 
 // OpenSessions opens the sessions of reqs, in one statement for all of
 // them when they name distinct nodes, and returns one OpenSessionResult per
-// request, in their order. A request's session opens, as OpenSession opens
-// it (at the request's Now), only when its certificate (Serial) is known,
+// request, in their order. Opening a session makes it the node's live
+// session at the request's Now: gateway_id, session_id, session_epoch+1,
+// boot_id, agent_version (when not empty), observed_generation (the greater
+// of the stored and the Hello's), last_seen and reachable; any older
+// session of the node, on any gateway, is superseded. A request's session
+// opens only when its certificate (Serial) is known,
 // is its node's (NodeID), is not revoked nor is its node, and has not
 // expired at Now (not_after after Now); otherwise nothing of its node
 // changes and the result says what the certificate is. Several requests

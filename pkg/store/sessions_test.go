@@ -58,7 +58,7 @@ func (f gatewayFixture) command(nodeID, state, purpose string, createdAt time.Ti
 func (f gatewayFixture) open(nodeID, gw string, observed int64) (string, store.OpenedSession) {
 	f.t.Helper()
 	sid := ids.New(ids.Session, f.db.Now())
-	o, err := store.OpenSession(context.Background(), f.db.Pool, store.OpenSessionParams{
+	o, err := storetest.OpenSession(f.t, f.db.Pool, store.OpenSessionParams{
 		NodeID: nodeID, GatewayID: gw, SessionID: sid, BootID: "boot", AgentVersion: "v1",
 		ObservedGeneration: observed, Now: f.db.Now(),
 	})
@@ -113,8 +113,10 @@ func TestSessionOpenCloseAndTakeover(t *testing.T) {
 	require.Nil(t, sid)
 	require.True(t, reachable, "reachability is the liveness sweeper's")
 
-	_, err = store.OpenSession(ctx, f.db.Pool, store.OpenSessionParams{NodeID: "node_missing", GatewayID: "g", SessionID: "s", Now: f.db.Now()})
-	require.ErrorIs(t, err, store.ErrNotFound)
+	res, err := store.OpenSessions(ctx, f.db.Pool, []store.OpenSessionRequest{{Serial: "00",
+		OpenSessionParams: store.OpenSessionParams{NodeID: "node_missing", GatewayID: "g", SessionID: "s", Now: f.db.Now()}}})
+	require.NoError(t, err)
+	require.False(t, res[0].Opened, "no session of a node that does not exist")
 }
 
 // openReq is an OpenSessionRequest of nodeID with the certificate serial
@@ -137,7 +139,7 @@ func (f gatewayFixture) reachableEvents(nodeID string) []string {
 }
 
 // TestOpenSessions: one call opens the sessions whose certificate may open
-// them, as OpenSession does (epoch, spec generation, node.reachable), and
+// them (epoch, spec generation, node.reachable), and
 // refuses the others, each with its certificate's row: unknown, another
 // node's, revoked, its node revoked, expired. Two requests of one node open
 // in order, the second superseding the first.
@@ -364,7 +366,7 @@ func TestClaimSessionDeliveries(t *testing.T) {
 	a := f.node()
 	b := f.nodeWith(storetest.NodeOpts{SpecGeneration: 3, Spec: `{"labels": {"n": "b"}}`})
 	taken := f.nodeWith(storetest.NodeOpts{SpecGeneration: 1, Spec: `{}`})
-	revoked := f.nodeWith(storetest.NodeOpts{SpecGeneration: 1, Spec: `{}`, RevokedAt: f.db.Now()})
+	revoked := f.nodeWith(storetest.NodeOpts{SpecGeneration: 1, Spec: `{}`})
 	base := f.db.Now()
 	a2 := f.command(a, "queued", "user", base.Add(time.Second))
 	a1 := f.command(a, "queued", "user", base)
@@ -378,6 +380,10 @@ func TestClaimSessionDeliveries(t *testing.T) {
 	oldTaken, _ := f.open(taken, "gw", 0)
 	newTaken, _ := f.open(taken, "gw", 0)
 	sr, _ := f.open(revoked, "gw", 0)
+	// Revoked after its session opened; its queued command is left as it
+	// is (store.RevokeNode would fail it) to show the claim skips it.
+	_, err := f.db.Pool.Exec(ctx, `UPDATE nodes SET revoked_at = $2 WHERE id = $1`, revoked, f.db.Now())
+	require.NoError(t, err)
 
 	ds, err := store.ClaimSessionDeliveries(ctx, f.db.Pool, f.db.Now(), []store.ClaimRequest{
 		{NodeID: a, SessionID: sa, InFlight: true},

@@ -20,6 +20,7 @@ package storetest
 import (
 	"context"
 	"crypto/sha256"
+	"errors"
 	"fmt"
 	"sync/atomic"
 	"testing"
@@ -673,4 +674,41 @@ func TunnelTicket(t testing.TB, db *store.DB, opts *TunnelTicketOpts) store.Tunn
 	out, err := store.GetTunnelTicket(ctx, db.Pool, tt.ID)
 	require.NoError(t, err)
 	return out
+}
+
+// OpenSession opens p's session as the gateway does (store.OpenSessions),
+// in q (a transaction or the pool), presenting a certificate of the node
+// that may open it: one recorded for the node, valid at p.Now and not
+// revoked, else a new one (store.CreateNodeCert, a day from p.Now). It
+// returns the node's state after the open, and store.ErrNotFound when the
+// node does not exist.
+func OpenSession(t testing.TB, q store.DBTX, p store.OpenSessionParams) (store.OpenedSession, error) {
+	t.Helper()
+	ctx := t.Context()
+	var serial string
+	err := q.QueryRow(ctx, `SELECT serial FROM node_certs WHERE node_id = $1 AND revoked_at IS NULL AND not_after > $2
+		ORDER BY serial LIMIT 1`, p.NodeID, p.Now).Scan(&serial)
+	if errors.Is(err, pgx.ErrNoRows) {
+		var exists bool
+		if err := q.QueryRow(ctx, `SELECT EXISTS (SELECT FROM nodes WHERE id = $1)`, p.NodeID).Scan(&exists); err != nil {
+			return store.OpenedSession{}, err
+		}
+		if !exists {
+			return store.OpenedSession{}, store.ErrNotFound
+		}
+		serial = fmt.Sprintf("%x", 0xc0de0000+seq.Add(1))
+		err = store.CreateNodeCert(ctx, q, store.NewNodeCert{Serial: serial, NodeID: p.NodeID, PublicKeySHA256: hashOr(nil, serial),
+			NotBefore: p.Now, NotAfter: p.Now.Add(24 * time.Hour), CreatedAt: p.Now})
+	}
+	if err != nil {
+		return store.OpenedSession{}, err
+	}
+	res, err := store.OpenSessions(ctx, q, []store.OpenSessionRequest{{Serial: serial, OpenSessionParams: p}})
+	if err != nil {
+		return store.OpenedSession{}, err
+	}
+	if !res[0].Opened {
+		return store.OpenedSession{}, fmt.Errorf("storetest: the session of %s did not open (certificate %s: %+v)", p.NodeID, serial, res[0].Cert)
+	}
+	return res[0].Session, nil
 }
