@@ -135,10 +135,11 @@ test-e2e: images images-obs
 # decoder of network input gets its target and a line here.
 FUZZTIME ?= 15s
 .PHONY: fuzz
-fuzz: ## Run the fuzz tests of the network decoders (join request and response, session messages, renewals, CSRs, pins, gateway URLs, well-known document, signed intent, diag.nvml result, watch query and type patterns, API tokens) for FUZZTIME each.
+fuzz: ## Run the fuzz tests of the network decoders (join request and response, session messages and their framing, renewals, CSRs, pins, gateway URLs, well-known document, signed intent, diag.nvml result, watch query and type patterns, API tokens) for FUZZTIME each.
 	cd services/joinservice && $(GO) test -run '^$$' -fuzz '^FuzzJoinRequest$$' -fuzztime $(FUZZTIME) ./joinservice/
 	cd services/joinservice && $(GO) test -run '^$$' -fuzz '^FuzzRenewNodeCertificate$$' -fuzztime $(FUZZTIME) ./joinservice/
 	cd services/gateway && $(GO) test -run '^$$' -fuzz '^FuzzSessionMessage$$' -fuzztime $(FUZZTIME) ./gateway/
+	cd pkg && $(GO) test -run '^$$' -fuzz '^FuzzReadMessage$$' -fuzztime $(FUZZTIME) ./sessionwire/
 	cd services/controllers && $(GO) test -run '^$$' -fuzz '^FuzzAcceptanceResult$$' -fuzztime $(FUZZTIME) ./controllers/
 	cd services/api && $(GO) test -run '^$$' -fuzz '^FuzzWatchQuery$$' -fuzztime $(FUZZTIME) ./api/
 	cd pkg && $(GO) test -run '^$$' -fuzz '^FuzzParseBearer$$' -fuzztime $(FUZZTIME) ./iam/
