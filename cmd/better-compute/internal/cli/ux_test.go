@@ -8,6 +8,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/better-compute/better-compute/cmd/better-compute/internal/cli"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/iam"
 	"github.com/better-compute/better-compute/pkg/pki"
@@ -233,4 +234,57 @@ func TestTunnelHintsNameReservationFlag(t *testing.T) {
 	require.Equal(t, 255, res.code)
 	require.Equal(t, "ssh-proxy: permission_denied: role tenant-member may not open a shell or break-glass SSH on a node "+
 		"(needs nodes.access); pass --reservation for the sandbox of a reservation\n", res.stderr)
+}
+
+// TestShowIsGet: every get subcommand (nodes, commands, reservations) is
+// also show: the same output, help listing it under Aliases, and the group
+// completing it, described as the alias; show's argument completes as
+// get's does.
+func TestShowIsGet(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	root := f.runner(f.root)
+	res := root.run(t, "pools", "offer", f.poolID, "--to", f.tenant, "--quota", "gpu=8")
+	require.Equal(t, 0, res.code, res.stderr)
+	res = root.run(t, "reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h")
+	require.Equal(t, 0, res.code, res.stderr)
+	reservation := parseReservation(t, res.stdout).ID
+	res = root.run(t, "commands", "run", "--node", f.adopted, "inventory.refresh")
+	require.Equal(t, 0, res.code, res.stderr)
+	var command struct{ ID string }
+	require.NoError(t, json.Unmarshal([]byte(res.stdout), &command))
+
+	var groups []string
+	for _, g := range cli.NewRoot(cli.Env{Getenv: func(string) string { return "" }}).Commands() {
+		if get, _, err := g.Find([]string{"get"}); err == nil && get != g {
+			groups = append(groups, g.Name())
+			require.Equal(t, []string{"show"}, get.Aliases, g.Name())
+		}
+	}
+	require.ElementsMatch(t, []string{"nodes", "commands", "reservations"}, groups)
+
+	for group, id := range map[string]string{"nodes": f.adopted, "commands": command.ID, "reservations": reservation} {
+		get := root.run(t, group, "get", id)
+		require.Equal(t, 0, get.code, get.stderr)
+		show := root.run(t, group, "show", id)
+		require.Equal(t, 0, show.code, show.stderr)
+		require.Equal(t, get.stdout, show.stdout, group)
+		require.Contains(t, show.stdout, id)
+
+		help := root.run(t, group, "show", "--help")
+		require.Equal(t, 0, help.code, help.stderr)
+		require.Contains(t, help.stdout, "Aliases:\n  get, show\n", group)
+
+		res := root.run(t, "__complete", group, "sh")
+		require.Equal(t, 0, res.code, res.stderr)
+		require.Contains(t, res.stdout, "show\talias of get: ", group)
+		got, _ := completions(t, root, group, "")
+		require.Contains(t, got, "get", group)
+		require.Contains(t, got, "show", group)
+	}
+	got, directive := completions(t, root, "reservations", "show", "")
+	require.Equal(t, []string{reservation}, got)
+	require.Equal(t, ":4", directive)
+	got, _ = completions(t, root, "nodes", "show", "")
+	require.ElementsMatch(t, []string{f.adopted, f.failed, f.joining}, got)
 }
