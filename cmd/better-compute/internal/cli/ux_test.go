@@ -288,3 +288,39 @@ func TestShowIsGet(t *testing.T) {
 	got, _ = completions(t, root, "nodes", "show", "")
 	require.ElementsMatch(t, []string{f.adopted, f.failed, f.joining}, got)
 }
+
+// TestJoinTokenTTLForms: join-tokens create --ttl takes the forms of tokens
+// create --ttl (Go durations, days, plain seconds), with the same errors.
+func TestJoinTokenTTLForms(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	r := f.runner(f.root)
+	for _, tc := range []struct {
+		ttl  string
+		want time.Duration
+	}{
+		{"90m", 90 * time.Minute}, {"7d", 7 * 24 * time.Hour}, {"1d12h", 36 * time.Hour}, {"3600", time.Hour},
+		{"30d", 720 * time.Hour},
+	} {
+		t.Run(tc.ttl, func(t *testing.T) {
+			res := r.run(t, "join-tokens", "create", "--pool", f.poolID, "--ttl", tc.ttl)
+			require.Equal(t, 0, res.code, res.stderr)
+			jt, err := store.GetJoinTokenByHash(t.Context(), f.db.Pool, iam.HashSecret(strings.TrimSpace(res.stdout)))
+			require.NoError(t, err)
+			require.InDelta(t, tc.want.Seconds(), jt.ExpiresAt.Sub(jt.CreatedAt).Seconds(), 1)
+		})
+	}
+	for _, tc := range []struct{ ttl, stderr string }{
+		{"7x", "error: invalid argument \"7x\" for \"--ttl\" flag: want a duration such as 90m, 24h or 7d, or a number of seconds (see 'better-compute join-tokens create --help')\n"},
+		{"1d-1h", "error: invalid argument \"1d-1h\" for \"--ttl\" flag: want a duration such as 90m, 24h or 7d, or a number of seconds (see 'better-compute join-tokens create --help')\n"},
+		{"31d", "error: --ttl must be at most 720h (30 days), got 744h0m0s\n"},
+		{"0", "error: --ttl must be positive (1s to 720h (30 days)), got 0s\n"},
+	} {
+		t.Run(tc.ttl, func(t *testing.T) {
+			res := r.run(t, "join-tokens", "create", "--pool", f.poolID, "--ttl", tc.ttl)
+			require.Equal(t, 1, res.code)
+			require.Empty(t, res.stdout)
+			require.Equal(t, tc.stderr, res.stderr)
+		})
+	}
+}
