@@ -98,7 +98,7 @@ func (a *app) eventsWatchCmd() *cobra.Command {
 			connect.WithInterceptors(lostConnection{}, streamHeaders{token: token, tenant: a.env.Getenv("BETTER_COMPUTE_TENANT")}))
 		return a.watchEvents(cmd.Context(), client, req)
 	}
-	return a.fields(c, map[string]string{"after_id": "--after", "from_start": "--from-start"})
+	return a.fields(c, map[string]string{"types": "--types", "after_id": "--after", "from_start": "--from-start"})
 }
 
 // watchEvents prints the events of req's watch, reconnecting after a

@@ -34,7 +34,15 @@ func TestAPIErrorsNameFlags(t *testing.T) {
 		stderr string
 	}{
 		{"reserve --for", []string{"reserve", "--pool", f.poolID, "--gpus", "1", "--for", "-1h"},
-			"error: invalid_argument: --for: must be greater than or equal to 1s and less than or equal to 31622400s\n"},
+			"error: invalid_argument: --for: must be greater than or equal to 1s and less than or equal to 8784h (366d)\n"},
+		{"commands run --timeout", []string{"commands", "run", "--node", f.adopted, "diag.nvml", "--timeout", "48h"},
+			"error: invalid_argument: --timeout: must be greater than or equal to 1s and less than or equal to 24h\n"},
+		{"reservations list --state", []string{"reservations", "list", "--state", "running"},
+			"error: invalid_argument: --state: must be one of pending, binding, active, released, expired or failed\n"},
+		{"events watch --types", []string{"events", "watch", "--types", "node.*,Bad"},
+			"error: invalid_argument: --types (entry 2): must be an event type such as node.cordoned or a family such as node.*\n"},
+		{"pools offer --to empty", []string{"pools", "offer", f.poolID, "--to", "", "--quota", "gpu=1"},
+			"error: invalid_argument: --to: must not be empty\n"},
 		{"reserve --gpus", []string{"reserve", "--pool", f.poolID, "--gpus", "65", "--for", "1h"},
 			"error: invalid_argument: --gpus: must be greater than or equal to 1 and less than or equal to 64\n"},
 		{"reserve --request-id", []string{"reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h", "--request-id", "a\u200eb"},
