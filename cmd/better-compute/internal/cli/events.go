@@ -72,6 +72,7 @@ func (a *app) eventsWatchCmd() *cobra.Command {
 		Args: cobra.NoArgs,
 	}
 	c.Flags().StringVar(&types, "types", "", "comma-separated type patterns: exact (node.cordoned) or family (node.*); empty entries are ignored; default: all")
+	_ = c.RegisterFlagCompletionFunc("types", completeList(append(store.EventFamilies(), store.EventTypes...)...))
 	c.Flags().Int64Var(&after, "after", 0, "start after the event with this id")
 	c.Flags().BoolVar(&fromStart, "from-start", false, "replay every retained event, oldest first, then go on live")
 	c.MarkFlagsMutuallyExclusive("after", "from-start")

@@ -56,6 +56,7 @@ func (a *app) poolsOfferCmd() *cobra.Command {
 		ValidArgsFunction: firstArg(a.completePoolIDs),
 	}
 	c.Flags().StringVar(&to, "to", "", "tenant id to offer the pool to (required)")
+	_ = c.RegisterFlagCompletionFunc("to", a.completeTenantIDs)
 	c.Flags().StringVar(&quota, "quota", "", "GPU quota, gpu=N (required)")
 	_ = c.MarkFlagRequired("to")
 	_ = c.MarkFlagRequired("quota")
@@ -308,6 +309,10 @@ func (a *app) releaseCmd() *cobra.Command {
 	return c
 }
 
+// reservationStates are the states of a reservation, in the order it
+// passes them: open (pending, binding, active), then ended.
+var reservationStates = []string{"pending", "binding", "active", "released", "expired", "failed"}
+
 // reservationEnded reports whether a reservation in state has ended
 // (released, expired or failed): it holds no GPUs and never changes again.
 func reservationEnded(state string) bool {
@@ -344,6 +349,7 @@ func (a *app) reservationsListCmd() *cobra.Command {
 	c.Flags().StringVar(&pool, "pool", "", "only reservations of this pool id")
 	_ = c.RegisterFlagCompletionFunc("pool", a.completePoolIDs)
 	c.Flags().StringVar(&state, "state", "", "only this state: pending, binding, active, released, expired or failed")
+	_ = c.RegisterFlagCompletionFunc("state", completeValues(reservationStates...))
 	format := addOutputFlag(c)
 	c.RunE = func(cmd *cobra.Command, _ []string) error {
 		if err := checkFormat(*format); err != nil {
@@ -412,6 +418,7 @@ func (a *app) usageCmd() *cobra.Command {
 		Args: cobra.NoArgs,
 	}
 	c.Flags().StringVar(&tenant, "tenant", "", "tenant id (default: your token's tenant)")
+	_ = c.RegisterFlagCompletionFunc("tenant", a.completeTenantIDs)
 	c.Flags().StringVar(&since, "since", "", "only windows ending after this RFC 3339 time")
 	format := addOutputFlag(c)
 	c.RunE = func(cmd *cobra.Command, _ []string) error {

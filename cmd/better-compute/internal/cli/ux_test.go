@@ -332,3 +332,53 @@ func TestJoinTokenTTLForms(t *testing.T) {
 		})
 	}
 }
+
+// TestFlagCompletion: -o, --state and --types complete their values with
+// no call; --types completes the entry after the last comma, keeping those
+// before it, with no space after; --tenant, --to and --parent complete the
+// tenant ids the caller sees, with their names, and nothing when the API
+// cannot be asked.
+func TestFlagCompletion(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	root := f.runner(f.root)
+	res := root.run(t, "tenants", "create", "acme")
+	require.Equal(t, 0, res.code, res.stderr)
+	acme := strings.TrimSpace(res.stdout)
+	none := runner{env: map[string]string{}}
+
+	for _, args := range [][]string{{"nodes", "list", "-o", ""}, {"reservations", "list", "--output", ""}, {"ssh-cert", "-o", ""}} {
+		got, directive := completions(t, none, args...)
+		require.Equal(t, []string{"table", "json"}, got, "%v", args)
+		require.Equal(t, ":4", directive, "%v", args)
+	}
+	got, directive := completions(t, none, "reservations", "list", "--state", "")
+	require.Equal(t, []string{"pending", "binding", "active", "released", "expired", "failed"}, got)
+	require.Equal(t, ":4", directive)
+
+	got, directive = completions(t, none, "events", "watch", "--types", "")
+	require.Contains(t, got, "node.*")
+	require.Contains(t, got, "reservation.released")
+	require.Equal(t, ":6", directive, "no file, no space")
+	got, directive = completions(t, none, "events", "watch", "--types", "node.*,reservation.re")
+	require.Equal(t, []string{"node.*,reservation.released"}, got)
+	require.Equal(t, ":6", directive)
+	got, _ = completions(t, none, "events", "watch", "--types", "node.*,node")
+	require.NotContains(t, got, "node.*,node.*", "an entry given is not offered again")
+	require.Contains(t, got, "node.*,node.cordoned")
+
+	for _, args := range [][]string{
+		{"usage", "--tenant", ""}, {"tokens", "create", "--tenant", ""}, {"tokens", "list", "--tenant", ""},
+		{"pools", "offer", f.poolID, "--to", ""}, {"tenants", "create", "x", "--parent", ""},
+	} {
+		got, directive := completions(t, root, args...)
+		require.ElementsMatch(t, []string{f.tenant, acme}, got, "%v", args)
+		require.Equal(t, ":4", directive, "%v", args)
+	}
+	res = root.run(t, "__complete", "usage", "--tenant", "")
+	require.Contains(t, res.stdout, acme+"\tacme\n")
+	got, directive = completions(t, runner{env: map[string]string{"BETTER_COMPUTE_URL": "http://127.0.0.1:1", "BETTER_COMPUTE_TOKEN": f.root}},
+		"pools", "offer", f.poolID, "--to", "")
+	require.Empty(t, got)
+	require.Equal(t, ":4", directive)
+}
