@@ -382,3 +382,30 @@ func TestFlagCompletion(t *testing.T) {
 	require.Empty(t, got)
 	require.Equal(t, ":4", directive)
 }
+
+// TestDevErrorsAreLikeOthers: dev's refusals print "error: <message>",
+// lower-case, exit 1, as every command's do (Run's FormatError; cobra's own
+// "Error:" is silenced).
+func TestDevErrorsAreLikeOthers(t *testing.T) {
+	t.Parallel()
+	r := runner{env: map[string]string{}}
+	for _, tc := range []struct {
+		name   string
+		args   []string
+		stderr string
+	}{
+		{"memory and data", []string{"dev", "--memory", "--data", "x"},
+			"error: --memory and --data cannot be used together: --memory keeps no data\n"},
+		{"bad flag", []string{"dev", "--port", "abc"},
+			"error: invalid argument \"abc\" for \"--port\" flag: strconv.ParseInt: parsing \"abc\": invalid syntax (see 'better-compute dev --help')\n"},
+		{"unknown flag", []string{"dev", "--bogus"}, "error: unknown flag: --bogus (see 'better-compute dev --help')\n"},
+		{"argument", []string{"dev", "extra"}, "error: unknown command \"extra\" for \"better-compute dev\"\n"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			res := r.run(t, tc.args...)
+			require.Equal(t, 1, res.code)
+			require.Empty(t, res.stdout)
+			require.Equal(t, tc.stderr, res.stderr)
+		})
+	}
+}
