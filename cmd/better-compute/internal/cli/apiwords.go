@@ -2,7 +2,11 @@ package cli
 
 import (
 	"errors"
+	"fmt"
+	"regexp"
+	"strconv"
 	"strings"
+	"time"
 
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
@@ -11,8 +15,10 @@ import (
 // API errors name the request's fields ("duration: must be at least 1s",
 // protovalidate's and the handlers' alike: service.ViolationsText); the CLI
 // shows them in the words of the command that was run, naming its flags
-// and arguments (--for, POOL_ID), and describes the rules protovalidate
-// states as regular expressions in words.
+// and arguments (--for, POOL_ID; "types[1]" is "--types (entry 2)"), and
+// says protovalidate's rules in its own terms: regular expressions in
+// words, the allowed values of a list without the empty one (which is
+// leaving the flag out), durations in hours and days rather than seconds.
 
 // ruleWords describes, in words, the patterns of the API's proto rules
 // (api/proto/bc/compute/v1/compute.proto) that refusals quote: protovalidate
@@ -28,16 +34,80 @@ var ruleWords = map[string]string{
 	`^[a-z_]+(\.[a-z_]+)*(\.\*)?$`: "must be an event type such as node.cordoned or a family such as node.*",
 }
 
-// describeRules is msg with each quoted pattern of ruleWords in words.
+// describeRules is msg with protovalidate's wording of its rules in the
+// CLI's: each quoted pattern of ruleWords in words, "must be in list [,
+// a, b]" as "must be one of a or b" (the empty value is a flag left out),
+// "must be at least 1 characters" as "must not be empty", and the bounds
+// of a duration, which protovalidate gives in seconds ("less than or equal
+// to 31622400s"), as the CLI writes durations (humanSeconds: "8784h
+// (366d)").
 func describeRules(msg string) string {
-	if !strings.Contains(msg, "regex pattern `") {
-		return msg
+	if strings.Contains(msg, "regex pattern `") {
+		for pattern, words := range ruleWords {
+			msg = strings.ReplaceAll(msg, "does not match regex pattern `"+pattern+"`", words)
+		}
 	}
-	for pattern, words := range ruleWords {
-		msg = strings.ReplaceAll(msg, "does not match regex pattern `"+pattern+"`", words)
-	}
-	return msg
+	msg = inList.ReplaceAllStringFunc(msg, func(m string) string {
+		var values []string
+		for v := range strings.SplitSeq(inList.FindStringSubmatch(m)[1], ", ") {
+			if v != "" {
+				values = append(values, v)
+			}
+		}
+		switch len(values) {
+		case 0:
+			return m
+		case 1:
+			return "must be " + values[0]
+		}
+		return "must be one of " + strings.Join(values[:len(values)-1], ", ") + " or " + values[len(values)-1]
+	})
+	msg = strings.ReplaceAll(msg, "must be at least 1 characters", "must not be empty")
+	return durationBound.ReplaceAllStringFunc(msg, func(m string) string {
+		sub := durationBound.FindStringSubmatch(m)
+		n, err := strconv.ParseInt(sub[2], 10, 64)
+		if err != nil {
+			return m
+		}
+		return sub[1] + " " + humanSeconds(n)
+	})
 }
+
+var (
+	// inList is protovalidate's refusal of a string outside its "in" rule.
+	inList = regexp.MustCompile(`must be in list \[([^\]]*)\]`)
+	// durationBound is a bound of protovalidate's duration rules: "than
+	// 0s", "equal to 86400s".
+	durationBound = regexp.MustCompile(`\b(than|to) (\d+)s\b`)
+)
+
+// humanSeconds writes n seconds as the CLI's flags take durations: whole
+// hours as hours, with days beside them from two days on ("24h", "8784h
+// (366d)"), anything else as a Go duration without trailing zero units
+// ("90s" is "1m30s", "1800s" is "30m").
+func humanSeconds(n int64) string {
+	const hour, day = 3600, 24 * 3600
+	switch {
+	case n >= 2*day && n%day == 0:
+		return fmt.Sprintf("%dh (%dd)", n/hour, n/day)
+	case n >= hour && n%hour == 0:
+		return fmt.Sprintf("%dh", n/hour)
+	case n >= int64(maxLifetime/time.Second):
+		return strconv.FormatInt(n, 10) + "s"
+	}
+	d := (time.Duration(n) * time.Second).String()
+	if strings.HasSuffix(d, "m0s") {
+		d = strings.TrimSuffix(d, "0s")
+	}
+	if strings.HasSuffix(d, "h0m") {
+		d = strings.TrimSuffix(d, "0m")
+	}
+	return d
+}
+
+// elementPath is protovalidate's path of an element of a repeated field
+// ("types[1]").
+var elementPath = regexp.MustCompile(`^([a-z_]+)\[(\d+)\]$`)
 
 // fields records the flags and arguments of c by the request field they set
 // ("duration": "--for"), for the errors of its API calls (inFlagWords).
@@ -60,10 +130,10 @@ func (a *app) inFlagWords(c *cobra.Command, err error) error {
 
 // fieldWords is err with a Connect message whose violations ("field:
 // reason", joined by "; ") start with a field of byField starting with its
-// flag instead ("duration: …" → "--for: …"), and whose hints "set <field>"
-// and "(<field>)" say "pass <flag>" and "(<flag>)"; the code and details
-// are kept. Other errors pass as
-// they are.
+// flag instead ("duration: …" → "--for: …"; an element of a repeated
+// field, "types[1]: …", → "--types (entry 2): …"), and whose hints "set
+// <field>" and "(<field>)" say "pass <flag>" and "(<flag>)"; the code and
+// details are kept. Other errors pass as they are.
 func fieldWords(err error, byField map[string]string) error {
 	var cerr *connect.Error
 	if !errors.As(err, &cerr) {
@@ -73,8 +143,18 @@ func fieldWords(err error, byField map[string]string) error {
 	parts := strings.Split(msg, "; ")
 	for i, p := range parts {
 		field, rest, ok := strings.Cut(p, ": ")
-		if flag, known := byField[field]; ok && known {
+		if !ok {
+			continue
+		}
+		if flag, known := byField[field]; known {
 			parts[i] = flag + ": " + rest
+			continue
+		}
+		if m := elementPath.FindStringSubmatch(field); m != nil {
+			n, err := strconv.Atoi(m[2])
+			if flag, known := byField[m[1]]; known && err == nil {
+				parts[i] = fmt.Sprintf("%s (entry %d): %s", flag, n+1, rest)
+			}
 		}
 	}
 	out := strings.Join(parts, "; ")

@@ -200,7 +200,7 @@ func TestErrors(t *testing.T) {
 		{"missing flag", f.runner(f.root), []string{"join-tokens", "create"},
 			"error: required flag(s) \"pool\" not set\n"},
 		{"bad ttl", f.runner(f.root), []string{"join-tokens", "create", "--pool", f.poolID, "--ttl", "soon"},
-			"error: invalid argument \"soon\" for \"--ttl\" flag: time: invalid duration \"soon\" (see 'better-compute join-tokens create --help')\n"},
+			"error: invalid argument \"soon\" for \"--ttl\" flag: want a duration such as 90m, 24h or 7d, or a number of seconds (see 'better-compute join-tokens create --help')\n"},
 		{"too many uses", f.runner(f.root), []string{"join-tokens", "create", "--pool", f.poolID, "--max-uses", "0"},
 			"error: invalid_argument: --max-uses: must be greater than or equal to 1 and less than or equal to 100000\n"},
 		{"bad site name", f.runner(f.root), []string{"sites", "create", "Bad Name", "--region", "eu"}, "error: invalid_argument: NAME: must be lowercase letters, digits and '-', starting and ending with a letter or a digit, at most 63 characters\n"},

@@ -3,6 +3,7 @@ package cli
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -12,11 +13,13 @@ import (
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 )
 
-// Shell completion of ids: node, pool and reservation ids, as flags'
-// values and as arguments, asked of the API with the run's URL and token
-// (--url, --token, the environment). Each lists what the caller sees, with a
-// description, matched without regard to case, and never offers files;
-// when the API cannot be asked (unreachable, no token) it offers nothing.
+// Shell completion of ids: node, pool, reservation and tenant ids, as
+// flags' values and as arguments, asked of the API with the run's URL and
+// token (--url, --token, the environment). Each lists what the caller sees,
+// with a description, matched without regard to case, and never offers
+// files; when the API cannot be asked (unreachable, no token) it offers
+// nothing. Flags of a fixed set of values (-o, --state, --types, --role)
+// complete those values, with no call.
 
 const (
 	// completeTimeout bounds a completion's calls: a shell waits for it.
@@ -123,6 +126,50 @@ func (a *app) completeReservationIDs(open bool) cobra.CompletionFunc {
 			}
 			return out, res.Msg.GetNextPageToken(), nil
 		})
+	}
+}
+
+// completeTenantIDs completes with the ids of the tenants the caller sees
+// (all of them for a root-admin, its own otherwise), each with its name.
+func (a *app) completeTenantIDs(cmd *cobra.Command, _ []string, toComplete string) ([]cobra.Completion, cobra.ShellCompDirective) {
+	return a.completeWith(cmd, toComplete, func(ctx context.Context, cl *apiClients, _ string) ([]completion, string, error) {
+		res, err := cl.tenants.ListTenants(ctx, connect.NewRequest(&computev1.ListTenantsRequest{}))
+		if err != nil {
+			return nil, "", err
+		}
+		out := make([]completion, len(res.Msg.GetTenants()))
+		for i, t := range res.Msg.GetTenants() {
+			out[i] = completion{t.GetId(), t.GetName()}
+		}
+		return out, "", nil
+	})
+}
+
+// completeValues is a completion of a flag that takes one of values.
+func completeValues(values ...string) cobra.CompletionFunc {
+	return func(*cobra.Command, []string, string) ([]cobra.Completion, cobra.ShellCompDirective) {
+		return values, cobra.ShellCompDirectiveNoFileComp
+	}
+}
+
+// completeList is a completion of a flag that takes a comma-separated list
+// of values: the entry after the last comma completes with each of values
+// not yet in the list, after the entries before it, and no space follows,
+// so that another comma may.
+func completeList(values ...string) cobra.CompletionFunc {
+	return func(_ *cobra.Command, _ []string, toComplete string) ([]cobra.Completion, cobra.ShellCompDirective) {
+		head, last := "", toComplete
+		if i := strings.LastIndexByte(toComplete, ','); i >= 0 {
+			head, last = toComplete[:i+1], toComplete[i+1:]
+		}
+		given := strings.Split(head, ",")
+		var out []cobra.Completion
+		for _, v := range values {
+			if strings.HasPrefix(v, last) && !slices.Contains(given, v) {
+				out = append(out, head+v)
+			}
+		}
+		return out, cobra.ShellCompDirectiveNoFileComp | cobra.ShellCompDirectiveNoSpace
 	}
 }
 

@@ -72,6 +72,7 @@ func (a *app) eventsWatchCmd() *cobra.Command {
 		Args: cobra.NoArgs,
 	}
 	c.Flags().StringVar(&types, "types", "", "comma-separated type patterns: exact (node.cordoned) or family (node.*); empty entries are ignored; default: all")
+	_ = c.RegisterFlagCompletionFunc("types", completeList(append(store.EventFamilies(), store.EventTypes...)...))
 	c.Flags().Int64Var(&after, "after", 0, "start after the event with this id")
 	c.Flags().BoolVar(&fromStart, "from-start", false, "replay every retained event, oldest first, then go on live")
 	c.MarkFlagsMutuallyExclusive("after", "from-start")
@@ -98,7 +99,7 @@ func (a *app) eventsWatchCmd() *cobra.Command {
 			connect.WithInterceptors(lostConnection{}, streamHeaders{token: token, tenant: a.env.Getenv("BETTER_COMPUTE_TENANT")}))
 		return a.watchEvents(cmd.Context(), client, req)
 	}
-	return a.fields(c, map[string]string{"after_id": "--after", "from_start": "--from-start"})
+	return a.fields(c, map[string]string{"types": "--types", "after_id": "--after", "from_start": "--from-start"})
 }
 
 // watchEvents prints the events of req's watch, reconnecting after a

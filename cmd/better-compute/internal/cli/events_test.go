@@ -108,7 +108,7 @@ func TestEventsWatchRefused(t *testing.T) {
 	res := f.runner(f.viewer).run(t, "events", "watch", "--types", "Node.*")
 	require.Equal(t, 1, res.code)
 	require.Contains(t, res.stderr, "error: invalid_argument: ")
-	require.Contains(t, res.stderr, "types[0]")
+	require.Contains(t, res.stderr, "--types (entry 1): ")
 	res = f.runner("bct_bad").run(t, "events", "watch")
 	require.Equal(t, 1, res.code)
 	require.Contains(t, res.stderr, "error: unauthenticated: ")
@@ -333,7 +333,7 @@ func TestEventsWatchRefusesWhatMatchesNothing(t *testing.T) {
 
 	bogus := startWatch(t, f, f.url, clock.New(), "--types", "node.*,bogus")
 	require.Equal(t, 1, bogus.ended(t))
-	require.Contains(t, bogus.stderr.String(), `error: invalid_argument: types[1]: "bogus" matches no event type`)
+	require.Contains(t, bogus.stderr.String(), `error: invalid_argument: --types (entry 2): "bogus" matches no event type`)
 	require.Contains(t, bogus.stderr.String(), "command.*, node.*, reservation.*")
 
 	beyond := startWatch(t, f, f.url, clock.New(), "--after", "99999999")

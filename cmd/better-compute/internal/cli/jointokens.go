@@ -25,7 +25,7 @@ func (a *app) joinTokensCreateCmd() *cobra.Command {
 	var (
 		pool    string
 		maxUses int32
-		ttl     time.Duration
+		ttl     = lifetime(24 * time.Hour)
 	)
 	c := &cobra.Command{
 		Use:   "create --pool POOL_ID [--max-uses N] [--ttl 24h]",
@@ -35,10 +35,10 @@ func (a *app) joinTokensCreateCmd() *cobra.Command {
 	c.Flags().StringVar(&pool, "pool", "", "pool id the machines join (required)")
 	_ = c.RegisterFlagCompletionFunc("pool", a.completePoolIDs)
 	c.Flags().Int32Var(&maxUses, "max-uses", 1, "how many machines may join with it (1 to 100000)")
-	c.Flags().DurationVar(&ttl, "ttl", 24*time.Hour, "how long it is valid (1s to 720h)")
+	c.Flags().Var(&ttl, "ttl", "how long it is valid, 1s to 720h (30d): a duration such as 90m, 24h or 7d, or whole seconds such as 3600")
 	_ = c.MarkFlagRequired("pool")
 	c.RunE = func(cmd *cobra.Command, _ []string) error {
-		if err := checkTTL(ttl, maxJoinTokenTTL, "720h (30 days)", ""); err != nil {
+		if err := checkTTL(time.Duration(ttl), maxJoinTokenTTL, "720h (30 days)", ""); err != nil {
 			return err
 		}
 		cl, err := a.clients()
@@ -46,7 +46,7 @@ func (a *app) joinTokensCreateCmd() *cobra.Command {
 			return err
 		}
 		res, err := cl.tokens.CreateJoinToken(cmd.Context(), connect.NewRequest(&computev1.CreateJoinTokenRequest{
-			PoolId: pool, MaxUses: maxUses, TtlSeconds: int64(ttl / time.Second)}))
+			PoolId: pool, MaxUses: maxUses, TtlSeconds: int64(time.Duration(ttl) / time.Second)}))
 		if err != nil {
 			return err
 		}

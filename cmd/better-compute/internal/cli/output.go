@@ -27,6 +27,7 @@ const (
 func addOutputFlag(c *cobra.Command) *string {
 	var f string
 	c.Flags().StringVarP(&f, "output", "o", formatTable, "output format: table or json")
+	_ = c.RegisterFlagCompletionFunc("output", completeValues(formatTable, formatJSON))
 	return &f
 }
 

@@ -76,7 +76,7 @@ func TestFieldWords(t *testing.T) {
 	in := connect.NewError(connect.CodeInvalidArgument,
 		errors.New("pool_id: value length must be at least 1 characters; duration: must be at least 1s; gpus: must be at most 64"))
 	got := fieldWords(in, byField)
-	if want := "error: invalid_argument: --pool: value length must be at least 1 characters; --for: must be at least 1s; gpus: must be at most 64"; FormatError(got) != want {
+	if want := "error: invalid_argument: --pool: value length must not be empty; --for: must be at least 1s; gpus: must be at most 64"; FormatError(got) != want {
 		t.Fatalf("fieldWords: %q, want %q", FormatError(got), want)
 	}
 	hint := connect.NewError(connect.CodePermissionDenied, errors.New("role viewer may not (needs x); set reservation_id for the sandbox"))
@@ -87,13 +87,37 @@ func TestFieldWords(t *testing.T) {
 	if got := fieldWords(other, byField); !errors.Is(got, other) || FormatError(got) != FormatError(other) {
 		t.Fatalf("fieldWords changed %v", other)
 	}
+	element := connect.NewError(connect.CodeInvalidArgument, errors.New("types[0]: must be short; types[11]: must be long; kinds[0]: x"))
+	if want := "error: invalid_argument: --types (entry 1): must be short; --types (entry 12): must be long; kinds[0]: x"; FormatError(fieldWords(element, map[string]string{"types": "--types"})) != want {
+		t.Fatalf("fieldWords: %q, want %q", FormatError(fieldWords(element, map[string]string{"types": "--types"})), want)
+	}
 }
 
-// TestDescribeRules: the API's name pattern reads in words.
+// TestDescribeRules: the API's name pattern reads in words, a list of
+// allowed values without its empty one, a length of at least 1 as not
+// empty, and durations' bounds in hours and days; the code stays.
 func TestDescribeRules(t *testing.T) {
-	got := FormatError(connect.NewError(connect.CodeInvalidArgument,
-		errors.New("name: does not match regex pattern `^[a-z0-9]([a-z0-9-]*[a-z0-9])?$`")))
-	if want := "error: invalid_argument: name: must be lowercase letters, digits and '-', starting and ending with a letter or a digit, at most 63 characters"; got != want {
-		t.Fatalf("FormatError: %q, want %q", got, want)
+	for _, tc := range []struct{ name, msg, want string }{
+		{"pattern", "name: does not match regex pattern `^[a-z0-9]([a-z0-9-]*[a-z0-9])?$`",
+			"name: must be lowercase letters, digits and '-', starting and ending with a letter or a digit, at most 63 characters"},
+		{"list", "state: must be in list [, pending, binding, active]", "state: must be one of pending, binding or active"},
+		{"list of one", "check: must be in list [diag.nvml]", "check: must be diag.nvml"},
+		{"list of the empty value", "x: must be in list []", "x: must be in list []"},
+		{"not empty", "to: must be at least 1 characters", "to: must not be empty"},
+		{"at least 2", "to: must be at least 2 characters", "to: must be at least 2 characters"},
+		{"days", "duration: must be greater than or equal to 1s and less than or equal to 31622400s",
+			"duration: must be greater than or equal to 1s and less than or equal to 8784h (366d)"},
+		{"hours", "ttl: must be greater than 0s and less than or equal to 3600s", "ttl: must be greater than 0s and less than or equal to 1h"},
+		{"a day", "timeout: must be less than or equal to 86400s", "timeout: must be less than or equal to 24h"},
+		{"minutes", "t: must be greater than 90s and less than 1800s", "t: must be greater than 1m30s and less than 30m"},
+		{"mixed", "t: must be less than 5400s", "t: must be less than 1h30m"},
+		{"not a bound", "gpus: 64s of them", "gpus: 64s of them"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got := FormatError(connect.NewError(connect.CodeInvalidArgument, errors.New(tc.msg)))
+			if want := "error: invalid_argument: " + tc.want; got != want {
+				t.Fatalf("FormatError: %q, want %q", got, want)
+			}
+		})
 	}
 }

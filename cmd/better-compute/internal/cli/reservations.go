@@ -56,6 +56,7 @@ func (a *app) poolsOfferCmd() *cobra.Command {
 		ValidArgsFunction: firstArg(a.completePoolIDs),
 	}
 	c.Flags().StringVar(&to, "to", "", "tenant id to offer the pool to (required)")
+	_ = c.RegisterFlagCompletionFunc("to", a.completeTenantIDs)
 	c.Flags().StringVar(&quota, "quota", "", "GPU quota, gpu=N (required)")
 	_ = c.MarkFlagRequired("to")
 	_ = c.MarkFlagRequired("quota")
@@ -274,16 +275,62 @@ func (a *app) notOffered(err error, pool string) error {
 }
 
 func (a *app) releaseCmd() *cobra.Command {
-	c := a.idJSONCmd("release RESERVATION_ID", "Release a reservation now: its GPUs are unbound and freed; prints it as JSON",
-		func(ctx context.Context, cl *apiClients, id string) (any, error) {
-			res, err := cl.res.ReleaseReservation(ctx, connect.NewRequest(&computev1.ReleaseReservationRequest{ReservationId: id}))
-			if err != nil {
-				return nil, err
-			}
-			return res.Msg.GetReservation(), nil
-		})
-	c.ValidArgsFunction = firstArg(a.completeReservationIDs(true))
+	c := &cobra.Command{
+		Use:   "release RESERVATION_ID",
+		Short: "Release a reservation now: its GPUs are unbound and freed; prints it as JSON",
+		Long: "release ends the reservation now (its GPUs are unbound and freed) and prints it as JSON. A\n" +
+			"reservation that had already ended (released, expired or failed) stays as it is: release says so\n" +
+			"on standard error, with its state, prints nothing on standard output and exits 0.",
+		Args:              exactArgs("RESERVATION_ID"),
+		ValidArgsFunction: firstArg(a.completeReservationIDs(true)),
+	}
+	c.RunE = func(cmd *cobra.Command, args []string) error {
+		cl, err := a.clients()
+		if err != nil {
+			return err
+		}
+		// The API returns an ended reservation unchanged, as it returns
+		// one this call released: the state read before tells them apart.
+		before, err := cl.res.GetReservation(cmd.Context(), connect.NewRequest(&computev1.GetReservationRequest{ReservationId: args[0]}))
+		if err != nil {
+			return err
+		}
+		res, err := cl.res.ReleaseReservation(cmd.Context(), connect.NewRequest(&computev1.ReleaseReservationRequest{ReservationId: args[0]}))
+		if err != nil {
+			return err
+		}
+		r := res.Msg.GetReservation()
+		if reservationEnded(before.Msg.GetReservation().GetState()) || r.GetState() != "released" {
+			fmt.Fprintf(a.env.Stderr, "reservation %s had already ended: %s; nothing to release\n", r.GetId(), endedAs(r))
+			return nil
+		}
+		return writeProto(a.env.Stdout, r)
+	}
 	return c
+}
+
+// reservationStates are the states of a reservation, in the order it
+// passes them: open (pending, binding, active), then ended.
+var reservationStates = []string{"pending", "binding", "active", "released", "expired", "failed"}
+
+// reservationEnded reports whether a reservation in state has ended
+// (released, expired or failed): it holds no GPUs and never changes again.
+func reservationEnded(state string) bool {
+	return state == "released" || state == "expired" || state == "failed"
+}
+
+// endedAs says how an ended reservation ended: its state, when (RFC 3339,
+// UTC) and, when it has one, the reason ("failed at 2025-03-01T10:00:00Z:
+// no node of the pool has 9 GPUs").
+func endedAs(r *computev1.Reservation) string {
+	out := r.GetState()
+	if r.GetEndedAt() != nil {
+		out += " at " + r.GetEndedAt().AsTime().UTC().Format(time.RFC3339)
+	}
+	if r.GetReason() != "" {
+		out += ": " + cell(r.GetReason())
+	}
+	return out
 }
 
 func (a *app) reservationsCmd() *cobra.Command {
@@ -302,6 +349,7 @@ func (a *app) reservationsListCmd() *cobra.Command {
 	c.Flags().StringVar(&pool, "pool", "", "only reservations of this pool id")
 	_ = c.RegisterFlagCompletionFunc("pool", a.completePoolIDs)
 	c.Flags().StringVar(&state, "state", "", "only this state: pending, binding, active, released, expired or failed")
+	_ = c.RegisterFlagCompletionFunc("state", completeValues(reservationStates...))
 	format := addOutputFlag(c)
 	c.RunE = func(cmd *cobra.Command, _ []string) error {
 		if err := checkFormat(*format); err != nil {
@@ -370,6 +418,7 @@ func (a *app) usageCmd() *cobra.Command {
 		Args: cobra.NoArgs,
 	}
 	c.Flags().StringVar(&tenant, "tenant", "", "tenant id (default: your token's tenant)")
+	_ = c.RegisterFlagCompletionFunc("tenant", a.completeTenantIDs)
 	c.Flags().StringVar(&since, "since", "", "only windows ending after this RFC 3339 time")
 	format := addOutputFlag(c)
 	c.RunE = func(cmd *cobra.Command, _ []string) error {

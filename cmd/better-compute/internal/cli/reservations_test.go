@@ -326,3 +326,47 @@ func activate(ctx context.Context, db *store.DB, node, requestID string) (bool, 
 		return err
 	})
 }
+
+// TestReleaseEnded: releasing a reservation that had already ended
+// (released, or failed) says so on standard error, with its state, when it
+// ended and why, prints nothing on standard output and exits 0; the API
+// still decides who may release (a viewer is refused).
+func TestReleaseEnded(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	r := f.runner(f.root)
+	res := r.run(t, "pools", "offer", f.poolID, "--to", f.tenant, "--quota", "gpu=16")
+	require.Equal(t, 0, res.code, res.stderr)
+	res = r.run(t, "reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h")
+	require.Equal(t, 0, res.code, res.stderr)
+	id := parseReservation(t, res.stdout).ID
+	res = r.run(t, "release", id)
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Equal(t, "released", parseReservation(t, res.stdout).State)
+	require.Empty(t, res.stderr)
+	var ended struct {
+		EndedAt time.Time `json:"endedAt"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(res.stdout), &ended))
+	require.False(t, ended.EndedAt.IsZero())
+
+	res = r.run(t, "release", id)
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Empty(t, res.stdout)
+	require.Equal(t, "reservation "+id+" had already ended: released at "+ended.EndedAt.UTC().Format(time.RFC3339)+
+		"; nothing to release\n", res.stderr)
+
+	res = r.run(t, "reserve", "--pool", f.poolID, "--gpus", "9", "--for", "1h")
+	require.Equal(t, 1, res.code)
+	failed := parseReservation(t, res.stdout).ID
+	res = r.run(t, "release", failed)
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Empty(t, res.stdout)
+	require.Regexp(t, `^reservation `+failed+` had already ended: failed at \S+Z: no node of pool `+f.poolID+
+		` has 9 GPUs \(largest: 8\); nothing to release\n$`, res.stderr)
+
+	res = f.runner(f.viewer).run(t, "release", id)
+	require.Equal(t, 1, res.code)
+	require.Empty(t, res.stdout)
+	require.Equal(t, "error: permission_denied: role viewer may not call ReleaseReservation (needs reservations.write)\n", res.stderr)
+}

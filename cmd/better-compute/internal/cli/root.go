@@ -117,7 +117,23 @@ func newRoot(env Env) (*cobra.Command, *app) {
 	)
 	root.InitDefaultCompletionCmd()
 	refuseUnknownSubcommands(root)
+	showIsGet(root)
 	return root, a
+}
+
+// showIsGet makes "show" an alias of every "get" subcommand (`reservations
+// show ID` is `reservations get ID`): cobra's help lists it under Aliases,
+// and the group completes it beside its subcommands, described as the
+// alias it is (cobra completes subcommands by name only).
+func showIsGet(c *cobra.Command) {
+	for _, sub := range c.Commands() {
+		showIsGet(sub)
+		if sub.Name() != "get" || sub.HasAlias("show") {
+			continue
+		}
+		sub.Aliases = append(sub.Aliases, "show")
+		c.ValidArgs = append(c.ValidArgs, cobra.CompletionWithDesc("show", "alias of get: "+sub.Short))
+	}
 }
 
 // refuseUnknownSubcommands makes every group command (one with subcommands

@@ -45,7 +45,7 @@ func certFileFor(pubFile string) string {
 
 func (a *app) sshCertCmd() *cobra.Command {
 	var node, keyFile, reservation, certFile string
-	var ttl time.Duration
+	ttl := lifetime(sshca.DefaultTTL)
 	c := &cobra.Command{
 		Use:   "ssh-cert (--node NODE_ID | --reservation RES_ID) --public-key FILE [--ttl D] [--cert-file FILE]",
 		Short: "Get an SSH certificate for your public key, valid on one node for up to an hour",
@@ -54,7 +54,7 @@ func (a *app) sshCertCmd() *cobra.Command {
 			"path with .pub replaced by -cert.pub (~/.ssh/id_ed25519.pub → ~/.ssh/id_ed25519-cert.pub), mode\n" +
 			"0644, or --cert-file (- prints it on standard output, and what was issued on standard error). The\n" +
 			"certificate is valid on --node only (with --reservation, default: the reservation's node), for\n" +
-			"--ttl (more than 0, at most 1h, default 15m). Without\n" +
+			"--ttl (1s to 1h, default 15m: a duration such as 30m, or whole seconds such as 600). Without\n" +
 			"--reservation it is a break-glass certificate from the break-glass CA, principal root (a\n" +
 			"tenant-admin token of the node's tenant or a root-admin token); with --reservation, a sandbox\n" +
 			"certificate from the sandbox CA, principal the reservation id, valid no later than the\n" +
@@ -67,7 +67,7 @@ func (a *app) sshCertCmd() *cobra.Command {
 	}
 	c.Flags().StringVar(&node, "node", "", "node id the certificate is valid on (required without --reservation)")
 	c.Flags().StringVar(&keyFile, "public-key", "", "your SSH public key file, e.g. ~/.ssh/id_ed25519.pub: Ed25519, ECDSA or RSA of at least 2048 bits (required)")
-	c.Flags().DurationVar(&ttl, "ttl", sshca.DefaultTTL, "how long the certificate is valid, more than 0 and at most 1h")
+	c.Flags().Var(&ttl, "ttl", "how long the certificate is valid, 1s to 1h: a duration such as 15m or 1h, or whole seconds such as 600")
 	c.Flags().StringVar(&reservation, "reservation", "", "reservation id: a certificate for its sandbox on the node")
 	_ = c.RegisterFlagCompletionFunc("reservation", a.completeReservationIDs(true))
 	c.Flags().StringVar(&certFile, "cert-file", "", "where to write the certificate (default: the key's path with -cert.pub; - for standard output)")
@@ -79,8 +79,8 @@ func (a *app) sshCertCmd() *cobra.Command {
 		if err := checkFormat(*format); err != nil {
 			return err
 		}
-		if ttl <= 0 || ttl > sshca.MaxTTL {
-			return fmt.Errorf("--ttl must be more than 0 and at most 1h, got %s", ttl)
+		if err := checkTTL(time.Duration(ttl), sshca.MaxTTL, "1h", ""); err != nil {
+			return err
 		}
 		text, pub, err := readPublicKey(keyFile)
 		if err != nil {
@@ -97,7 +97,7 @@ func (a *app) sshCertCmd() *cobra.Command {
 			return err
 		}
 		req := &computev1.IssueSshCertificateRequest{NodeId: canonicalID(ids.Node, node), PublicKey: text,
-			Ttl: durationpb.New(ttl)}
+			Ttl: durationpb.New(time.Duration(ttl))}
 		if reservation != "" {
 			req.ReservationId = canonicalID(ids.Reservation, reservation)
 			if req.NodeId, err = reservationNode(cmd.Context(), cl, req.ReservationId, req.NodeId); err != nil {

@@ -88,7 +88,7 @@ func TestSSHCertSandboxJSON(t *testing.T) {
 	certFile := filepath.Join(dir, "sandbox-cert.pub")
 
 	res := runner{env: f.env()}.run(t, "ssh-cert", "--node", f.node, "--public-key", keyFile, "--reservation", resID,
-		"--ttl", "30m", "--cert-file", certFile, "-o", "json")
+		"--ttl", "1800", "--cert-file", certFile, "-o", "json")
 	require.Equal(t, 0, res.code, res.stderr)
 	var out map[string]any
 	require.NoError(t, json.Unmarshal([]byte(res.stdout), &out), res.stdout)
@@ -197,8 +197,12 @@ func TestSSHCertFlagErrors(t *testing.T) {
 		{"a private key", []string{"--public-key", private},
 			"error: --public-key " + private + ": a private key, not a public key: pass the .pub file beside it\n"},
 		{"a certificate", []string{"--public-key", certFile}, "error: --public-key " + certFile + ": a certificate, not a public key\n"},
-		{"ttl 0", []string{"--public-key", good, "--ttl", "0"}, "error: --ttl must be more than 0 and at most 1h, got 0s\n"},
-		{"ttl 2h", []string{"--public-key", good, "--ttl", "2h"}, "error: --ttl must be more than 0 and at most 1h, got 2h0m0s\n"},
+		{"ttl 0", []string{"--public-key", good, "--ttl", "0"}, "error: --ttl must be positive (1s to 1h), got 0s\n"},
+		{"ttl 2h", []string{"--public-key", good, "--ttl", "2h"}, "error: --ttl must be at most 1h, got 2h0m0s\n"},
+		{"ttl 1d", []string{"--public-key", good, "--ttl", "1d"}, "error: --ttl must be at most 1h, got 24h0m0s\n"},
+		{"ttl 1.5s", []string{"--public-key", good, "--ttl", "1.5s"}, "error: --ttl must be a whole number of seconds, got 1.5s\n"},
+		{"ttl soon", []string{"--public-key", good, "--ttl", "soon"}, "error: invalid argument \"soon\" for \"--ttl\" flag: " +
+			"want a duration such as 90m, 24h or 7d, or a number of seconds (see 'better-compute ssh-cert --help')\n"},
 		{"no key", nil, "error: required flag(s) \"public-key\" not set\n"},
 		// Read up to the bound only: an endless file ends at once.
 		{"endless", []string{"--public-key", "/dev/zero"}, "error: --public-key /dev/zero: more than 16384 bytes: not an SSH public key\n"},

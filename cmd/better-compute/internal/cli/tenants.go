@@ -26,6 +26,7 @@ func (a *app) tenantsCreateCmd() *cobra.Command {
 		Args: exactArgs("NAME"),
 	}
 	c.Flags().StringVar(&parent, "parent", "", "parent tenant id (default: the root tenant)")
+	_ = c.RegisterFlagCompletionFunc("parent", a.completeTenantIDs)
 	c.RunE = func(cmd *cobra.Command, args []string) error {
 		cl, err := a.clients()
 		if err != nil {

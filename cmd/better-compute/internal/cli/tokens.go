@@ -45,6 +45,7 @@ func (a *app) tokensCreateCmd() *cobra.Command {
 	c.Flags().StringVar(&name, "name", "", "what the token is for, e.g. ci (required)")
 	c.Flags().StringVar(&role, "role", "", "root-admin, tenant-admin, tenant-member or viewer (required)")
 	c.Flags().StringVar(&tenant, "tenant", "", "tenant id (default: your token's tenant)")
+	_ = c.RegisterFlagCompletionFunc("tenant", a.completeTenantIDs)
 	c.Flags().Var(&ttl, "ttl", "how long it is valid, 1s to 8784h (366d): a duration such as 90m, 24h or 7d, or whole seconds such as 3600 (default: it never expires)")
 	_ = c.MarkFlagRequired("name")
 	_ = c.MarkFlagRequired("role")
@@ -89,6 +90,7 @@ func (a *app) tokensListCmd() *cobra.Command {
 	var tenant string
 	c := &cobra.Command{Use: "list", Short: "List API tokens (never their secrets)", Args: cobra.NoArgs}
 	c.Flags().StringVar(&tenant, "tenant", "", "tenant id (default: your token's tenant; others need root-admin)")
+	_ = c.RegisterFlagCompletionFunc("tenant", a.completeTenantIDs)
 	format := addOutputFlag(c)
 	c.RunE = func(cmd *cobra.Command, _ []string) error {
 		if err := checkFormat(*format); err != nil {

@@ -8,6 +8,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/better-compute/better-compute/cmd/better-compute/internal/cli"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/iam"
 	"github.com/better-compute/better-compute/pkg/pki"
@@ -33,7 +34,15 @@ func TestAPIErrorsNameFlags(t *testing.T) {
 		stderr string
 	}{
 		{"reserve --for", []string{"reserve", "--pool", f.poolID, "--gpus", "1", "--for", "-1h"},
-			"error: invalid_argument: --for: must be greater than or equal to 1s and less than or equal to 31622400s\n"},
+			"error: invalid_argument: --for: must be greater than or equal to 1s and less than or equal to 8784h (366d)\n"},
+		{"commands run --timeout", []string{"commands", "run", "--node", f.adopted, "diag.nvml", "--timeout", "48h"},
+			"error: invalid_argument: --timeout: must be greater than or equal to 1s and less than or equal to 24h\n"},
+		{"reservations list --state", []string{"reservations", "list", "--state", "running"},
+			"error: invalid_argument: --state: must be one of pending, binding, active, released, expired or failed\n"},
+		{"events watch --types", []string{"events", "watch", "--types", "node.*,Bad"},
+			"error: invalid_argument: --types (entry 2): must be an event type such as node.cordoned or a family such as node.*\n"},
+		{"pools offer --to empty", []string{"pools", "offer", f.poolID, "--to", "", "--quota", "gpu=1"},
+			"error: invalid_argument: --to: must not be empty\n"},
 		{"reserve --gpus", []string{"reserve", "--pool", f.poolID, "--gpus", "65", "--for", "1h"},
 			"error: invalid_argument: --gpus: must be greater than or equal to 1 and less than or equal to 64\n"},
 		{"reserve --request-id", []string{"reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h", "--request-id", "a\u200eb"},
@@ -233,4 +242,170 @@ func TestTunnelHintsNameReservationFlag(t *testing.T) {
 	require.Equal(t, 255, res.code)
 	require.Equal(t, "ssh-proxy: permission_denied: role tenant-member may not open a shell or break-glass SSH on a node "+
 		"(needs nodes.access); pass --reservation for the sandbox of a reservation\n", res.stderr)
+}
+
+// TestShowIsGet: every get subcommand (nodes, commands, reservations) is
+// also show: the same output, help listing it under Aliases, and the group
+// completing it, described as the alias; show's argument completes as
+// get's does.
+func TestShowIsGet(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	root := f.runner(f.root)
+	res := root.run(t, "pools", "offer", f.poolID, "--to", f.tenant, "--quota", "gpu=8")
+	require.Equal(t, 0, res.code, res.stderr)
+	res = root.run(t, "reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h")
+	require.Equal(t, 0, res.code, res.stderr)
+	reservation := parseReservation(t, res.stdout).ID
+	res = root.run(t, "commands", "run", "--node", f.adopted, "inventory.refresh")
+	require.Equal(t, 0, res.code, res.stderr)
+	var command struct{ ID string }
+	require.NoError(t, json.Unmarshal([]byte(res.stdout), &command))
+
+	var groups []string
+	for _, g := range cli.NewRoot(cli.Env{Getenv: func(string) string { return "" }}).Commands() {
+		if get, _, err := g.Find([]string{"get"}); err == nil && get != g {
+			groups = append(groups, g.Name())
+			require.Equal(t, []string{"show"}, get.Aliases, g.Name())
+		}
+	}
+	require.ElementsMatch(t, []string{"nodes", "commands", "reservations"}, groups)
+
+	for group, id := range map[string]string{"nodes": f.adopted, "commands": command.ID, "reservations": reservation} {
+		get := root.run(t, group, "get", id)
+		require.Equal(t, 0, get.code, get.stderr)
+		show := root.run(t, group, "show", id)
+		require.Equal(t, 0, show.code, show.stderr)
+		require.Equal(t, get.stdout, show.stdout, group)
+		require.Contains(t, show.stdout, id)
+
+		help := root.run(t, group, "show", "--help")
+		require.Equal(t, 0, help.code, help.stderr)
+		require.Contains(t, help.stdout, "Aliases:\n  get, show\n", group)
+
+		res := root.run(t, "__complete", group, "sh")
+		require.Equal(t, 0, res.code, res.stderr)
+		require.Contains(t, res.stdout, "show\talias of get: ", group)
+		got, _ := completions(t, root, group, "")
+		require.Contains(t, got, "get", group)
+		require.Contains(t, got, "show", group)
+	}
+	got, directive := completions(t, root, "reservations", "show", "")
+	require.Equal(t, []string{reservation}, got)
+	require.Equal(t, ":4", directive)
+	got, _ = completions(t, root, "nodes", "show", "")
+	require.ElementsMatch(t, []string{f.adopted, f.failed, f.joining}, got)
+}
+
+// TestJoinTokenTTLForms: join-tokens create --ttl takes the forms of tokens
+// create --ttl (Go durations, days, plain seconds), with the same errors.
+func TestJoinTokenTTLForms(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	r := f.runner(f.root)
+	for _, tc := range []struct {
+		ttl  string
+		want time.Duration
+	}{
+		{"90m", 90 * time.Minute}, {"7d", 7 * 24 * time.Hour}, {"1d12h", 36 * time.Hour}, {"3600", time.Hour},
+		{"30d", 720 * time.Hour},
+	} {
+		t.Run(tc.ttl, func(t *testing.T) {
+			res := r.run(t, "join-tokens", "create", "--pool", f.poolID, "--ttl", tc.ttl)
+			require.Equal(t, 0, res.code, res.stderr)
+			jt, err := store.GetJoinTokenByHash(t.Context(), f.db.Pool, iam.HashSecret(strings.TrimSpace(res.stdout)))
+			require.NoError(t, err)
+			require.InDelta(t, tc.want.Seconds(), jt.ExpiresAt.Sub(jt.CreatedAt).Seconds(), 1)
+		})
+	}
+	for _, tc := range []struct{ ttl, stderr string }{
+		{"7x", "error: invalid argument \"7x\" for \"--ttl\" flag: want a duration such as 90m, 24h or 7d, or a number of seconds (see 'better-compute join-tokens create --help')\n"},
+		{"1d-1h", "error: invalid argument \"1d-1h\" for \"--ttl\" flag: want a duration such as 90m, 24h or 7d, or a number of seconds (see 'better-compute join-tokens create --help')\n"},
+		{"31d", "error: --ttl must be at most 720h (30 days), got 744h0m0s\n"},
+		{"0", "error: --ttl must be positive (1s to 720h (30 days)), got 0s\n"},
+	} {
+		t.Run(tc.ttl, func(t *testing.T) {
+			res := r.run(t, "join-tokens", "create", "--pool", f.poolID, "--ttl", tc.ttl)
+			require.Equal(t, 1, res.code)
+			require.Empty(t, res.stdout)
+			require.Equal(t, tc.stderr, res.stderr)
+		})
+	}
+}
+
+// TestFlagCompletion: -o, --state and --types complete their values with
+// no call; --types completes the entry after the last comma, keeping those
+// before it, with no space after; --tenant, --to and --parent complete the
+// tenant ids the caller sees, with their names, and nothing when the API
+// cannot be asked.
+func TestFlagCompletion(t *testing.T) {
+	t.Parallel()
+	f := newFleet(t)
+	root := f.runner(f.root)
+	res := root.run(t, "tenants", "create", "acme")
+	require.Equal(t, 0, res.code, res.stderr)
+	acme := strings.TrimSpace(res.stdout)
+	none := runner{env: map[string]string{}}
+
+	for _, args := range [][]string{{"nodes", "list", "-o", ""}, {"reservations", "list", "--output", ""}, {"ssh-cert", "-o", ""}} {
+		got, directive := completions(t, none, args...)
+		require.Equal(t, []string{"table", "json"}, got, "%v", args)
+		require.Equal(t, ":4", directive, "%v", args)
+	}
+	got, directive := completions(t, none, "reservations", "list", "--state", "")
+	require.Equal(t, []string{"pending", "binding", "active", "released", "expired", "failed"}, got)
+	require.Equal(t, ":4", directive)
+
+	got, directive = completions(t, none, "events", "watch", "--types", "")
+	require.Contains(t, got, "node.*")
+	require.Contains(t, got, "reservation.released")
+	require.Equal(t, ":6", directive, "no file, no space")
+	got, directive = completions(t, none, "events", "watch", "--types", "node.*,reservation.re")
+	require.Equal(t, []string{"node.*,reservation.released"}, got)
+	require.Equal(t, ":6", directive)
+	got, _ = completions(t, none, "events", "watch", "--types", "node.*,node")
+	require.NotContains(t, got, "node.*,node.*", "an entry given is not offered again")
+	require.Contains(t, got, "node.*,node.cordoned")
+
+	for _, args := range [][]string{
+		{"usage", "--tenant", ""}, {"tokens", "create", "--tenant", ""}, {"tokens", "list", "--tenant", ""},
+		{"pools", "offer", f.poolID, "--to", ""}, {"tenants", "create", "x", "--parent", ""},
+	} {
+		got, directive := completions(t, root, args...)
+		require.ElementsMatch(t, []string{f.tenant, acme}, got, "%v", args)
+		require.Equal(t, ":4", directive, "%v", args)
+	}
+	res = root.run(t, "__complete", "usage", "--tenant", "")
+	require.Contains(t, res.stdout, acme+"\tacme\n")
+	got, directive = completions(t, runner{env: map[string]string{"BETTER_COMPUTE_URL": "http://127.0.0.1:1", "BETTER_COMPUTE_TOKEN": f.root}},
+		"pools", "offer", f.poolID, "--to", "")
+	require.Empty(t, got)
+	require.Equal(t, ":4", directive)
+}
+
+// TestDevErrorsAreLikeOthers: dev's refusals print "error: <message>",
+// lower-case, exit 1, as every command's do (Run's FormatError; cobra's own
+// "Error:" is silenced).
+func TestDevErrorsAreLikeOthers(t *testing.T) {
+	t.Parallel()
+	r := runner{env: map[string]string{}}
+	for _, tc := range []struct {
+		name   string
+		args   []string
+		stderr string
+	}{
+		{"memory and data", []string{"dev", "--memory", "--data", "x"},
+			"error: --memory and --data cannot be used together: --memory keeps no data\n"},
+		{"bad flag", []string{"dev", "--port", "abc"},
+			"error: invalid argument \"abc\" for \"--port\" flag: strconv.ParseInt: parsing \"abc\": invalid syntax (see 'better-compute dev --help')\n"},
+		{"unknown flag", []string{"dev", "--bogus"}, "error: unknown flag: --bogus (see 'better-compute dev --help')\n"},
+		{"argument", []string{"dev", "extra"}, "error: unknown command \"extra\" for \"better-compute dev\"\n"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			res := r.run(t, tc.args...)
+			require.Equal(t, 1, res.code)
+			require.Empty(t, res.stdout)
+			require.Equal(t, tc.stderr, res.stderr)
+		})
+	}
 }
