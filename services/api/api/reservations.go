@@ -201,7 +201,7 @@ func (s *reservationService) ReleaseReservation(ctx context.Context, req *connec
 		s.logger.InfoContext(ctx, "reservation released", "reservation.id", id, "tenant.id", r.TenantID,
 			"node.id", ended.NodeID)
 	}
-	return connect.NewResponse(&computev1.ReleaseReservationResponse{Reservation: reservationToProto(r)}), nil
+	return connect.NewResponse(&computev1.ReleaseReservationResponse{Reservation: reservationToProto(r), AlreadyEnded: !ended.Changed}), nil
 }
 
 // reserveAudit is the audit row of a Reserve at now (its target, the

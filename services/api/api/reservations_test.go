@@ -273,6 +273,7 @@ func TestRelease(t *testing.T) {
 	require.NoError(t, err)
 	r := rel.Msg.Reservation
 	require.Equal(t, "released", r.State)
+	require.False(t, rel.Msg.AlreadyEnded)
 	require.NotNil(t, r.EndedAt)
 	ended := r.EndedAt.AsTime()
 	// Bookings end at the release; the spec drops the allocation.
@@ -289,9 +290,10 @@ func TestRelease(t *testing.T) {
 	require.Equal(t, gen0+1, spec.gen)
 	require.Equal(t, 1, f.count(t, `SELECT count(*) FROM events WHERE type = 'reservation.released' AND subject_id = $1`, id))
 
-	// Releasing again returns it unchanged.
+	// Releasing again returns it unchanged, and says so.
 	again, err := member.res.ReleaseReservation(ctx, connect.NewRequest(&computev1.ReleaseReservationRequest{ReservationId: id}))
 	require.NoError(t, err)
+	require.True(t, again.Msg.AlreadyEnded)
 	require.Equal(t, "released", again.Msg.Reservation.State)
 	require.True(t, again.Msg.Reservation.EndedAt.AsTime().Equal(ended))
 	require.Equal(t, gen0+1, f.allocations(t, node).gen)

@@ -289,18 +289,12 @@ func (a *app) releaseCmd() *cobra.Command {
 		if err != nil {
 			return err
 		}
-		// The API returns an ended reservation unchanged, as it returns
-		// one this call released: the state read before tells them apart.
-		before, err := cl.res.GetReservation(cmd.Context(), connect.NewRequest(&computev1.GetReservationRequest{ReservationId: args[0]}))
-		if err != nil {
-			return err
-		}
 		res, err := cl.res.ReleaseReservation(cmd.Context(), connect.NewRequest(&computev1.ReleaseReservationRequest{ReservationId: args[0]}))
 		if err != nil {
 			return err
 		}
 		r := res.Msg.GetReservation()
-		if reservationEnded(before.Msg.GetReservation().GetState()) || r.GetState() != "released" {
+		if res.Msg.GetAlreadyEnded() {
 			fmt.Fprintf(a.env.Stderr, "reservation %s had already ended: %s; nothing to release\n", r.GetId(), endedAs(r))
 			return nil
 		}
@@ -312,12 +306,6 @@ func (a *app) releaseCmd() *cobra.Command {
 // reservationStates are the states of a reservation, in the order it
 // passes them: open (pending, binding, active), then ended.
 var reservationStates = []string{"pending", "binding", "active", "released", "expired", "failed"}
-
-// reservationEnded reports whether a reservation in state has ended
-// (released, expired or failed): it holds no GPUs and never changes again.
-func reservationEnded(state string) bool {
-	return state == "released" || state == "expired" || state == "failed"
-}
 
 // endedAs says how an ended reservation ended: its state, when (RFC 3339,
 // UTC) and, when it has one, the reason ("failed at 2025-03-01T10:00:00Z:

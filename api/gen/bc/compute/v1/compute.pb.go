@@ -1711,8 +1711,12 @@ func (x *ReleaseReservationRequest) GetReservationId() string {
 }
 
 type ReleaseReservationResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Reservation   *Reservation           `protobuf:"bytes,1,opt,name=reservation,proto3" json:"reservation,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// reservation is the reservation after the call.
+	Reservation *Reservation `protobuf:"bytes,1,opt,name=reservation,proto3" json:"reservation,omitempty"`
+	// already_ended is true when the reservation had ended (released,
+	// expired or failed) before this call, which then changed nothing.
+	AlreadyEnded  bool `protobuf:"varint,2,opt,name=already_ended,json=alreadyEnded,proto3" json:"already_ended,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1752,6 +1756,13 @@ func (x *ReleaseReservationResponse) GetReservation() *Reservation {
 		return x.Reservation
 	}
 	return nil
+}
+
+func (x *ReleaseReservationResponse) GetAlreadyEnded() bool {
+	if x != nil {
+		return x.AlreadyEnded
+	}
+	return false
 }
 
 // UsageWindow is one reservation's use in one hour.
@@ -4886,9 +4897,10 @@ const file_bc_compute_v1_compute_proto_rawDesc = "" +
 	"\freservations\x18\x01 \x03(\v2\x1a.bc.compute.v1.ReservationR\freservations\x12&\n" +
 	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"M\n" +
 	"\x19ReleaseReservationRequest\x120\n" +
-	"\x0ereservation_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\rreservationId\"Z\n" +
+	"\x0ereservation_id\x18\x01 \x01(\tB\t\xbaH\x06r\x04\x10\x01\x18@R\rreservationId\"\x7f\n" +
 	"\x1aReleaseReservationResponse\x12<\n" +
-	"\vreservation\x18\x01 \x01(\v2\x1a.bc.compute.v1.ReservationR\vreservation\"\xca\x01\n" +
+	"\vreservation\x18\x01 \x01(\v2\x1a.bc.compute.v1.ReservationR\vreservation\x12#\n" +
+	"\ralready_ended\x18\x02 \x01(\bR\falreadyEnded\"\xca\x01\n" +
 	"\vUsageWindow\x12%\n" +
 	"\x0ereservation_id\x18\x01 \x01(\tR\rreservationId\x12\x1b\n" +
 	"\ttenant_id\x18\x02 \x01(\tR\btenantId\x12\x17\n" +
