@@ -45,8 +45,9 @@ func (a *app) consoleCmd() *cobra.Command {
 			"not be opened (the API's error, or its refusal: the node has no live session, a limit of open\n" +
 			"tunnels) or ended without the shell's status (\"console: <reason>\": the node was revoked, your\n" +
 			"token lost its right, the connection dropped). Input that is not a terminal is sent as it comes,\n" +
-			"without raw mode or sizes; its end ends the shell's input, as a pipe's would, and console exits\n" +
-			"with the shell's status. Needs a tenant-admin token of the node's tenant or a root-admin token.",
+			"Ctrl-] bytes included, without raw mode or sizes; its end ends the shell's input, as a pipe's\n" +
+			"would, and console exits with the shell's status. Needs a tenant-admin token of the node's\n" +
+			"tenant or a root-admin token.",
 		Args: cobra.NoArgs,
 	}
 	c.Flags().StringVar(&node, "node", "", "node id (required)")
@@ -172,7 +173,7 @@ func (a *app) consoleSession(ctx context.Context, t *wsFrames, in io.Reader, fd 
 		wg.Go(func() { followSize(t, fd, size, winch) })
 	}
 	detached := make(chan struct{})
-	go sendConsoleInput(t, in, detached)
+	go sendConsoleInput(t, in, winch != nil, detached)
 
 	var end consoleEnd
 	select {
@@ -222,16 +223,21 @@ func receiveConsole(t *wsFrames, out io.Writer) consoleEnd {
 }
 
 // sendConsoleInput sends what it reads from in as data frames of at most
-// tunnel.MaxChunk, up to a Ctrl-] (then it closes detached) or the end of
-// in: then it sends an EndOfInput frame, so that the shell's input ends as
-// a pipe's would (the shell then exits, and console with its status).
-func sendConsoleInput(t *wsFrames, in io.Reader, detached chan<- struct{}) {
+// tunnel.MaxChunk, up to a Ctrl-] typed on a terminal (typed: then it
+// closes detached; in input that is not a terminal it is data like any
+// byte) or the end of in: then it sends an EndOfInput frame, so that the
+// shell's input ends as a pipe's would (the shell then exits, and console
+// with its status).
+func sendConsoleInput(t *wsFrames, in io.Reader, typed bool, detached chan<- struct{}) {
 	buf := make([]byte, tunnel.MaxChunk)
 	for {
 		n, err := in.Read(buf)
 		if n > 0 {
 			chunk := buf[:n]
-			i := bytes.IndexByte(chunk, detachKey)
+			i := -1
+			if typed {
+				i = bytes.IndexByte(chunk, detachKey)
+			}
 			if i >= 0 {
 				chunk = chunk[:i]
 			}

@@ -149,6 +149,24 @@ func TestConsolePipedInputEnds(t *testing.T) {
 	require.NotNil(t, sent[len(sent)-1].GetEndOfInput(), "the last frame sent is the end of the input: %v", sent)
 }
 
+// TestConsolePipedInputIsData: in input that is not a terminal, Ctrl-]
+// (0x1d) is data like any byte: it goes to the machine, and console does
+// not detach.
+func TestConsolePipedInputIsData(t *testing.T) {
+	t.Parallel()
+	f := newFakeTunnels(t)
+	r := startCLI(t, f.env(), "console", "--node", f.node)
+	_, err := r.stdin.Write([]byte("ab\x1dcd\n"))
+	require.NoError(t, err)
+	waitFor(t, &r.stdout, "$ ab\x1dcd\r\n$ ")
+	_, err = r.stdin.Write([]byte("exit\n"))
+	require.NoError(t, err)
+	require.Equal(t, 0, r.wait(t), r.stderr.String())
+	require.NotContains(t, r.stderr.String(), "detached")
+	require.Empty(t, f.closesSent(), "the shell ended the tunnel")
+	require.Equal(t, "ab\x1dcd\nexit\n", string(bytes.Join(f.dataSent(), nil)))
+}
+
 // TestConsoleRefused: the API's errors before the tunnel opens are the
 // CLI's error line, and exit 255.
 func TestConsoleRefused(t *testing.T) {
