@@ -353,6 +353,22 @@ func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time
 			return nil, fmt.Errorf("sign the spec of node %s: %w", a.NodeID, err)
 		}
 	}
+	// The devices first, while the nodes are accepting: the trigger of
+	// node_devices moves only adopted nodes' capacity generations (migration
+	// 000021), so the adoption below writes each node's row once, and its
+	// generation moves there. The nodes stay accepting until the adoption:
+	// replaceNodeDevices locks those it finds so.
+	devices := make(map[string][]NodeDevice, len(adoptions))
+	for _, a := range adoptions {
+		devices[a.NodeID] = a.Devices
+	}
+	accepting, err := replaceNodeDevices(ctx, q, "adopt nodes", NodeAccepting, ids, devices)
+	if err != nil {
+		return nil, err
+	}
+	if len(accepting) == 0 {
+		return nil, nil
+	}
 	// The node.adopted events, written by the statement for the nodes it
 	// adopted, in the order of adoptions.
 	events := make([]NewEvent, len(adoptions))
@@ -409,19 +425,6 @@ func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time
 	pokeAfterCommit(q, SubjectPokeScheduler, nil)
 	if err := signalOutbox(ctx, q); err != nil {
 		return nil, fmt.Errorf("adopt nodes: signal the outbox: %w", interpretError(err))
-	}
-	done := make(map[string]bool, len(adopted))
-	for _, id := range adopted {
-		done[id] = true
-	}
-	devices := make(map[string][]NodeDevice, len(adopted))
-	for _, a := range adoptions {
-		if done[a.NodeID] {
-			devices[a.NodeID] = a.Devices
-		}
-	}
-	if err := replaceNodeDevices(ctx, q, "adopt nodes", adopted, devices); err != nil {
-		return nil, err
 	}
 	return adopted, nil
 }
@@ -489,7 +492,7 @@ func FailAcceptance(ctx context.Context, q DBTX, now time.Time, failures []Accep
 			devices[f.NodeID] = f.Devices
 		}
 	}
-	if err := replaceNodeDevices(ctx, q, "fail acceptance", reported, devices); err != nil {
+	if _, err := replaceNodeDevices(ctx, q, "fail acceptance", "", reported, devices); err != nil {
 		return nil, err
 	}
 	if err := WriteEvents(ctx, q, now, events...); err != nil {
