@@ -44,11 +44,15 @@ type AcceptanceWork struct {
 // then skips them).
 func AnyAcceptanceWork(ctx context.Context, q DBTX, now time.Time) (AcceptanceWork, error) {
 	var w AcceptanceWork
+	// OFFSET 0 keeps the NOT EXISTS a subplan run per accepting node, an
+	// index lookup of its open commands (commands_open_idx by node_id):
+	// made into an anti join, its plan on a table analyzed while small
+	// filtered every open command for every accepting node instead.
 	err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM nodes WHERE provision_state = 'joining'),
 		EXISTS (SELECT 1 FROM nodes n
 			WHERE n.provision_state = 'accepting' AND NOT EXISTS (
 				SELECT 1 FROM commands c WHERE c.node_id = n.id AND c.purpose = 'acceptance'
-					AND c.finished_at IS NULL AND c.deadline > $1))`, now).Scan(&w.Joining, &w.Due)
+					AND c.finished_at IS NULL AND c.deadline > $1 OFFSET 0))`, now).Scan(&w.Joining, &w.Due)
 	if err != nil {
 		return AcceptanceWork{}, fmt.Errorf("any acceptance work: %w", interpretError(err))
 	}
@@ -174,10 +178,11 @@ func MarkNodesAccepting(ctx context.Context, q DBTX, now time.Time, nodeIDs []st
 // and returns their ids. Read what to do with them with AcceptanceChecks in
 // the same transaction: its snapshot is taken after the locks.
 func ClaimDueAcceptances(ctx context.Context, q DBTX, now time.Time, limit int) ([]string, error) {
+	// OFFSET 0: a subplan per node, as in AnyAcceptanceWork.
 	return queryIDs(ctx, q, "claim due acceptances", `SELECT n.id FROM nodes n
 		WHERE n.provision_state = 'accepting' AND NOT EXISTS (
 			SELECT 1 FROM commands c WHERE c.node_id = n.id AND c.purpose = 'acceptance'
-				AND c.finished_at IS NULL AND c.deadline > $1)
+				AND c.finished_at IS NULL AND c.deadline > $1 OFFSET 0)
 		ORDER BY n.id LIMIT $2 FOR UPDATE OF n SKIP LOCKED`, now, limit)
 }
 
