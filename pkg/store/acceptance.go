@@ -44,11 +44,15 @@ type AcceptanceWork struct {
 // then skips them).
 func AnyAcceptanceWork(ctx context.Context, q DBTX, now time.Time) (AcceptanceWork, error) {
 	var w AcceptanceWork
+	// OFFSET 0 keeps the NOT EXISTS a subplan run per accepting node, an
+	// index lookup of its open commands (commands_open_idx by node_id):
+	// made into an anti join, its plan on a table analyzed while small
+	// filtered every open command for every accepting node instead.
 	err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM nodes WHERE provision_state = 'joining'),
 		EXISTS (SELECT 1 FROM nodes n
 			WHERE n.provision_state = 'accepting' AND NOT EXISTS (
 				SELECT 1 FROM commands c WHERE c.node_id = n.id AND c.purpose = 'acceptance'
-					AND c.finished_at IS NULL AND c.deadline > $1))`, now).Scan(&w.Joining, &w.Due)
+					AND c.finished_at IS NULL AND c.deadline > $1 OFFSET 0))`, now).Scan(&w.Joining, &w.Due)
 	if err != nil {
 		return AcceptanceWork{}, fmt.Errorf("any acceptance work: %w", interpretError(err))
 	}
@@ -174,10 +178,11 @@ func MarkNodesAccepting(ctx context.Context, q DBTX, now time.Time, nodeIDs []st
 // and returns their ids. Read what to do with them with AcceptanceChecks in
 // the same transaction: its snapshot is taken after the locks.
 func ClaimDueAcceptances(ctx context.Context, q DBTX, now time.Time, limit int) ([]string, error) {
+	// OFFSET 0: a subplan per node, as in AnyAcceptanceWork.
 	return queryIDs(ctx, q, "claim due acceptances", `SELECT n.id FROM nodes n
 		WHERE n.provision_state = 'accepting' AND NOT EXISTS (
 			SELECT 1 FROM commands c WHERE c.node_id = n.id AND c.purpose = 'acceptance'
-				AND c.finished_at IS NULL AND c.deadline > $1)
+				AND c.finished_at IS NULL AND c.deadline > $1 OFFSET 0)
 		ORDER BY n.id LIMIT $2 FOR UPDATE OF n SKIP LOCKED`, now, limit)
 }
 
@@ -353,6 +358,22 @@ func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time
 			return nil, fmt.Errorf("sign the spec of node %s: %w", a.NodeID, err)
 		}
 	}
+	// The devices first, while the nodes are accepting: the trigger of
+	// node_devices moves only adopted nodes' capacity generations (migration
+	// 000021), so the adoption below writes each node's row once, and its
+	// generation moves there. The nodes stay accepting until the adoption:
+	// replaceNodeDevices locks those it finds so.
+	devices := make(map[string][]NodeDevice, len(adoptions))
+	for _, a := range adoptions {
+		devices[a.NodeID] = a.Devices
+	}
+	accepting, err := replaceNodeDevices(ctx, q, "adopt nodes", NodeAccepting, ids, devices)
+	if err != nil {
+		return nil, err
+	}
+	if len(accepting) == 0 {
+		return nil, nil
+	}
 	// The node.adopted events, written by the statement for the nodes it
 	// adopted, in the order of adoptions.
 	events := make([]NewEvent, len(adoptions))
@@ -409,19 +430,6 @@ func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time
 	pokeAfterCommit(q, SubjectPokeScheduler, nil)
 	if err := signalOutbox(ctx, q); err != nil {
 		return nil, fmt.Errorf("adopt nodes: signal the outbox: %w", interpretError(err))
-	}
-	done := make(map[string]bool, len(adopted))
-	for _, id := range adopted {
-		done[id] = true
-	}
-	devices := make(map[string][]NodeDevice, len(adopted))
-	for _, a := range adoptions {
-		if done[a.NodeID] {
-			devices[a.NodeID] = a.Devices
-		}
-	}
-	if err := replaceNodeDevices(ctx, q, "adopt nodes", adopted, devices); err != nil {
-		return nil, err
 	}
 	return adopted, nil
 }
@@ -489,7 +497,7 @@ func FailAcceptance(ctx context.Context, q DBTX, now time.Time, failures []Accep
 			devices[f.NodeID] = f.Devices
 		}
 	}
-	if err := replaceNodeDevices(ctx, q, "fail acceptance", reported, devices); err != nil {
+	if _, err := replaceNodeDevices(ctx, q, "fail acceptance", "", reported, devices); err != nil {
 		return nil, err
 	}
 	if err := WriteEvents(ctx, q, now, events...); err != nil {

@@ -185,10 +185,18 @@ func TestAdoptAndFailReplaceDevices(t *testing.T) {
 		storetest.Node(t, db, &storetest.NodeOpts{ID: id, PoolID: "pool_1", State: store.NodeAccepting, GPUs: 2})
 	}
 	dev := store.NodeDevice{Index: 1, UUID: "GPU-new", Model: "NVIDIA H100 80GB HBM3", MemoryBytes: 2, Healthy: true}
+	generation := func(id string) (g int64) {
+		t.Helper()
+		require.NoError(t, db.Pool.QueryRow(ctx, `SELECT capacity_generation FROM nodes WHERE id = $1`, id).Scan(&g))
+		return g
+	}
+	before := generation("adopt-me")
 	adopted, err := store.AdoptNodes(ctx, db.Pool, nil, now, []store.Adoption{{NodeID: "adopt-me", PoolID: "pool_1",
 		OwnerTenantID: "ten_1", Spec: []byte(`{}`), Inventory: []byte(`{"gpus":[{}]}`), Devices: []store.NodeDevice{dev}}})
 	require.NoError(t, err)
 	require.Equal(t, []string{"adopt-me"}, adopted)
+	require.Equal(t, before+1, generation("adopt-me"),
+		"the adoption moves the capacity generation once: the devices are written before it, while the node is no capacity")
 	failed, err := store.FailAcceptance(ctx, db.Pool, now, []store.AcceptanceFailure{{NodeID: "fail-me", PoolID: "pool_1",
 		OwnerTenantID: "ten_1", Reason: "no GPUs", Inventory: []byte(`{}`)}})
 	require.NoError(t, err)

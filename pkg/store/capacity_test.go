@@ -98,6 +98,17 @@ func TestCapacityGenerationMoves(t *testing.T) {
 		return err
 	})
 	moved("a device turning unhealthy", n0)
+	f.inTx(func(ctx context.Context, tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, `DELETE FROM node_devices WHERE node_id = $1 AND device_index = 3`, n0)
+		return err
+	})
+	moved("a device removed", n0)
+	f.inTx(func(ctx context.Context, tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, `INSERT INTO node_devices (node_id, device_index, uuid, model, memory_bytes, healthy)
+			VALUES ($1, 3, 'GPU-back', 'NVIDIA H100 80GB HBM3', 1, true)`, n0)
+		return err
+	})
+	moved("a device added", n0)
 
 	node, err := store.GetNode(t.Context(), f.db.Pool, store.AllTenants, n0)
 	require.NoError(t, err)

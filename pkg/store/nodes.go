@@ -275,10 +275,13 @@ func fillDevices(ctx context.Context, q DBTX, nodes []Node) error {
 
 // replaceNodeDevices replaces the node_devices rows of nodeIDs with
 // devices[id] (none for a node missing there), in one statement; what
-// names the caller in errors.
-func replaceNodeDevices(ctx context.Context, q DBTX, what string, nodeIDs []string, devices map[string][]NodeDevice) error {
+// names the caller in errors. With state not empty it replaces only those
+// of nodeIDs in that provision state, which it locks (FOR NO KEY UPDATE, in
+// id order) so that they stay in it until the transaction ends, and returns
+// them, ordered by id; with state empty it returns nil.
+func replaceNodeDevices(ctx context.Context, q DBTX, what string, state string, nodeIDs []string, devices map[string][]NodeDevice) ([]string, error) {
 	if len(nodeIDs) == 0 {
-		return nil
+		return nil, nil
 	}
 	var (
 		devNode, devUUID, devModel []string
@@ -296,17 +299,35 @@ func replaceNodeDevices(ctx context.Context, q DBTX, what string, nodeIDs []stri
 			devHealthy = append(devHealthy, d.Healthy)
 		}
 	}
-	// One statement: the insert reads the delete's count, so that the
-	// delete runs first and the new rows take the old ones' keys.
-	_, err := q.Exec(ctx, `WITH del AS (DELETE FROM node_devices WHERE node_id = ANY($1) RETURNING 1)
-		INSERT INTO node_devices (node_id, device_index, uuid, model, memory_bytes, healthy)
-		SELECT * FROM unnest($2::text[], $3::int[], $4::text[], $5::text[], $6::bigint[], $7::bool[])
-		WHERE (SELECT count(*) FROM del) >= 0`,
-		nodeIDs, devNode, devIndex, devUUID, devModel, devMemory, devHealthy)
-	if err != nil {
-		return fmt.Errorf("%s: replace devices: %w", what, interpretError(err))
+	if state == "" {
+		// One statement: the insert reads the delete's count, so that the
+		// delete runs first and the new rows take the old ones' keys.
+		_, err := q.Exec(ctx, `WITH del AS (DELETE FROM node_devices WHERE node_id = ANY($1) RETURNING 1)
+			INSERT INTO node_devices (node_id, device_index, uuid, model, memory_bytes, healthy)
+			SELECT * FROM unnest($2::text[], $3::int[], $4::text[], $5::text[], $6::bigint[], $7::bool[])
+			WHERE (SELECT count(*) FROM del) >= 0`,
+			nodeIDs, devNode, devIndex, devUUID, devModel, devMemory, devHealthy)
+		if err != nil {
+			return nil, fmt.Errorf("%s: replace devices: %w", what, interpretError(err))
+		}
+		return nil, nil
 	}
-	return nil
+	// The same statement over the nodes the lock found in state: the delete
+	// reads them, the insert the delete's count.
+	ids, err := queryIDs(ctx, q, what+": replace devices", `WITH n AS MATERIALIZED (
+			SELECT id FROM nodes WHERE id = ANY($1) AND provision_state = $8 ORDER BY id FOR NO KEY UPDATE),
+		del AS (DELETE FROM node_devices WHERE node_id IN (SELECT id FROM n) RETURNING 1),
+		ins AS (
+			INSERT INTO node_devices (node_id, device_index, uuid, model, memory_bytes, healthy)
+			SELECT u.* FROM unnest($2::text[], $3::int[], $4::text[], $5::text[], $6::bigint[], $7::bool[])
+				AS u(node_id, device_index, uuid, model, memory_bytes, healthy)
+			WHERE u.node_id IN (SELECT id FROM n) AND (SELECT count(*) FROM del) >= 0)
+		SELECT id FROM n ORDER BY id`,
+		nodeIDs, devNode, devIndex, devUUID, devModel, devMemory, devHealthy, state)
+	if err != nil {
+		return nil, err
+	}
+	return ids, nil
 }
 
 // ErrNodeRevoked is the sentinel of NodeRevokedError.
