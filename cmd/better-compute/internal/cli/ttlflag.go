@@ -16,9 +16,11 @@ type lifetime time.Duration
 // prefixes it with the flag and the value.
 var errLifetime = errors.New("want a duration such as 90m, 24h or 7d, or a number of seconds")
 
+// String is "" for no lifetime, which pflag takes as no default, so that
+// help does not print "(default 0s)" beside a flag's own default text.
 func (l *lifetime) String() string {
 	if *l == 0 {
-		return "0s"
+		return ""
 	}
 	return time.Duration(*l).String()
 }

@@ -409,3 +409,13 @@ func TestDevErrorsAreLikeOthers(t *testing.T) {
 		})
 	}
 }
+
+// TestLifetimeFlagsHelpShowsOneDefault: a lifetime flag whose default is
+// none says so in its own words, without pflag's "(default 0s)" beside it.
+func TestLifetimeFlagsHelpShowsOneDefault(t *testing.T) {
+	t.Parallel()
+	res := runner{}.run(t, "tokens", "create", "--help")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, "(default: it never expires)")
+	require.NotContains(t, res.stdout, "(default 0s)")
+}
