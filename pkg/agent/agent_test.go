@@ -1329,6 +1329,11 @@ func TestRevokedMachineStopsForGood(t *testing.T) {
 	require.Eventually(t, func() bool { return service.Healthcheck(url) != 0 }, waitFor, tick)
 	require.Contains(t, logs.String(), "level=ERROR")
 	require.Contains(t, logs.String(), "must join again")
+	for _, l := range strings.Split(logs.String(), "\n") {
+		if strings.Contains(l, "stopped for good") {
+			require.LessOrEqual(t, strings.Count(l, "node.id="), 1, "a log line names its node once: %s", l)
+		}
+	}
 
 	// No reconnect loop: many backoff periods (100 ms max) later, the
 	// revoked machine has not dialled again; the other one is untouched.

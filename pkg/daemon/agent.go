@@ -230,7 +230,8 @@ type Config struct {
 	// and 10 min). RenewBackoffMin is also the least time between two
 	// renewals.
 	RenewBackoffMin, RenewBackoffMax time.Duration
-	// Logger receives the Agent's rare warnings; nil discards them.
+	// Logger receives the Agent's rare warnings; nil discards them. The
+	// caller's logger names the node (pkg/agent's carries node.id).
 	Logger *slog.Logger
 }
 
@@ -588,7 +589,7 @@ func (a *Agent) stop(o *out, reason error) {
 	a.stopped = reason
 	a.cert.phase = renewIdle
 	a.cert.csr = nil
-	a.cfg.Logger.Error("machine stopped for good", "node.id", a.cfg.NodeID, "reason", reason.Error())
+	a.cfg.Logger.Error("machine stopped for good", "reason", reason.Error())
 	o.add(Effect{Kind: EffectStop, Reason: reason.Error()})
 }
 
