@@ -1,8 +1,14 @@
 package gateway
 
 import (
+	"cmp"
 	"context"
 	"crypto/tls"
+	"errors"
+	"fmt"
+	"runtime/debug"
+
+	"connectrpc.com/connect"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	"github.com/better-compute/better-compute/pkg/service"
@@ -51,7 +57,7 @@ func (s *Server) serveFramed(c *tls.Conn) {
 	st := s.newSession(&cs)
 	st.ctx, st.framed, st.in.rc = ctx, c, c
 	st.stream = framedStream{c: c, in: &st.in}
-	err := s.serve(ctx, st)
+	err := s.serveRecovered(ctx, st)
 	st.finish()
 	st.sendMu.Lock()
 	defer st.sendMu.Unlock()
@@ -59,4 +65,18 @@ func (s *Server) serveFramed(c *tls.Conn) {
 	if werr := sessionwire.WriteEnd(c, err); werr != nil {
 		s.log.Debug("end a framed session", telemetry.KeyNodeID, st.nodeID, telemetry.KeyError, werr)
 	}
+}
+
+// serveRecovered is serve, a panic of which ends only its own session (as
+// net/http recovers a panicking handler of a Connect session): it is logged
+// with its stack, and the daemon gets Internal.
+func (s *Server) serveRecovered(ctx context.Context, st *session) (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			s.log.Error("panic serving a framed session", telemetry.KeyNodeID, cmp.Or(st.nodeID, st.certID),
+				"panic", fmt.Sprint(p), "stack", string(debug.Stack()))
+			err = connect.NewError(connect.CodeInternal, errors.New("internal error"))
+		}
+	}()
+	return s.serve(ctx, st)
 }
