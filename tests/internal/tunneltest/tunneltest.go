@@ -69,7 +69,10 @@ type Console struct {
 	out  bytes.Buffer // everything the console printed
 	read int          // how much of out Expect consumed
 	done chan struct{}
-	code int
+	// drained is closed when the reader of tty has read it to its end:
+	// what the console printed last is in out.
+	drained chan struct{}
+	code    int
 }
 
 // StartConsole runs `console --node node` on a new pseudo-terminal of rows
@@ -80,8 +83,9 @@ func StartConsole(t *testing.T, c CLI, node string, rows, cols uint16) *Console 
 	cmd.Env = c.Env
 	tty, err := pty.StartWithSize(cmd, &pty.Winsize{Rows: rows, Cols: cols})
 	require.NoError(t, err)
-	con := &Console{t: t, cmd: cmd, tty: tty, done: make(chan struct{})}
+	con := &Console{t: t, cmd: cmd, tty: tty, done: make(chan struct{}), drained: make(chan struct{})}
 	go func() {
+		defer close(con.drained)
 		buf := make([]byte, 4096)
 		for {
 			n, err := tty.Read(buf)
@@ -174,7 +178,8 @@ func (c *Console) Output() string {
 	return c.out.String()
 }
 
-// Wait waits for the console to exit and returns its exit code.
+// Wait waits for the console to exit, and for what it printed to be read,
+// and returns its exit code.
 func (c *Console) Wait(within time.Duration) int {
 	c.t.Helper()
 	ok := assert.Eventually(c.t, func() bool {
@@ -187,6 +192,16 @@ func (c *Console) Wait(within time.Duration) int {
 	}, within, 20*time.Millisecond)
 	if !ok {
 		c.t.Fatalf("console did not exit within %s; it printed:\n%q", within, c.Output())
+	}
+	// The process has exited; its last lines may still be in the pty
+	// (read returns them, then an error, once the terminal's other side
+	// is closed).
+	timer := wall.NewTimer(within)
+	defer timer.Stop()
+	select {
+	case <-c.drained:
+	case <-timer.C():
+		c.t.Fatalf("the console's terminal was not read to its end within %s; it printed:\n%q", within, c.Output())
 	}
 	return c.code
 }
