@@ -31,6 +31,15 @@ type reservationOut struct {
 	Binding []string `json:"binding"`
 }
 
+// reserveOne reserves one GPU of f's pool for an hour as r and returns the
+// reservation's id.
+func (f *fleet) reserveOne(t *testing.T, r runner) string {
+	t.Helper()
+	res := r.run(t, "reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h")
+	require.Equal(t, 0, res.code, res.stderr)
+	return parseReservation(t, res.stdout).ID
+}
+
 func parseReservation(t *testing.T, out string) reservationOut {
 	t.Helper()
 	var r reservationOut
@@ -337,9 +346,7 @@ func TestReleaseEnded(t *testing.T) {
 	r := f.runner(f.root)
 	res := r.run(t, "pools", "offer", f.poolID, "--to", f.tenant, "--quota", "gpu=16")
 	require.Equal(t, 0, res.code, res.stderr)
-	res = r.run(t, "reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h")
-	require.Equal(t, 0, res.code, res.stderr)
-	id := parseReservation(t, res.stdout).ID
+	id := f.reserveOne(t, r)
 	res = r.run(t, "release", id)
 	require.Equal(t, 0, res.code, res.stderr)
 	require.Equal(t, "released", parseReservation(t, res.stdout).State)

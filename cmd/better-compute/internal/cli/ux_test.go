@@ -109,12 +109,8 @@ func TestIDCompletion(t *testing.T) {
 	root := f.runner(f.root)
 	res := root.run(t, "pools", "offer", f.poolID, "--to", f.tenant, "--quota", "gpu=8")
 	require.Equal(t, 0, res.code, res.stderr)
-	res = root.run(t, "reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h")
-	require.Equal(t, 0, res.code, res.stderr)
-	open := parseReservation(t, res.stdout).ID
-	res = root.run(t, "reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h")
-	require.Equal(t, 0, res.code, res.stderr)
-	released := parseReservation(t, res.stdout).ID
+	open := f.reserveOne(t, root)
+	released := f.reserveOne(t, root)
 	res = root.run(t, "release", released)
 	require.Equal(t, 0, res.code, res.stderr)
 
@@ -254,9 +250,7 @@ func TestShowIsGet(t *testing.T) {
 	root := f.runner(f.root)
 	res := root.run(t, "pools", "offer", f.poolID, "--to", f.tenant, "--quota", "gpu=8")
 	require.Equal(t, 0, res.code, res.stderr)
-	res = root.run(t, "reserve", "--pool", f.poolID, "--gpus", "1", "--for", "1h")
-	require.Equal(t, 0, res.code, res.stderr)
-	reservation := parseReservation(t, res.stdout).ID
+	reservation := f.reserveOne(t, root)
 	res = root.run(t, "commands", "run", "--node", f.adopted, "inventory.refresh")
 	require.Equal(t, 0, res.code, res.stderr)
 	var command struct{ ID string }
