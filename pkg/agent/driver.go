@@ -142,12 +142,12 @@ func (d *driver) loop(ctx context.Context) error {
 		case ev := <-d.events:
 			if ev.err != nil {
 				err := classify(ev.err)
-				if d.cur != nil && d.cur.n == ev.session && sessionwire.IsUnsupported(ev.err) && d.framed[d.cur.gw] {
-					d.framed[d.cur.gw] = false
-					d.log.Info("the gateway does not serve the framed session transport: using Connect over HTTP/2",
-						"gateway", d.cur.url)
-				}
 				if d.cur != nil && d.cur.n == ev.session {
+					if sessionwire.IsUnsupported(ev.err) && d.framed[d.cur.gw] {
+						d.framed[d.cur.gw] = false
+						d.log.Info("the gateway does not serve the framed session transport: using Connect over HTTP/2",
+							"gateway", d.cur.url)
+					}
 					d.log.Info("session ended", "session", ev.session, telemetry.KeyError, err)
 					d.closeSession()
 					d.spans.ended()

@@ -108,8 +108,9 @@ type session struct {
 	// framed is the connection of a framed session (framed.go), nil on
 	// Connect, where w and body are the request's.
 	framed *tls.Conn
-	// in is the request body of a Session stream over Connect, which its
-	// handler waits on (sessionBody.fill) between messages.
+	// in is what the handler reads the daemon's messages from, with a
+	// read-ahead it waits on (sessionBody.fill) between messages: the
+	// request body over Connect, the TLS connection when framed.
 	in sessionBody
 
 	// Set at Hello under Server.mu, read-only afterwards.
