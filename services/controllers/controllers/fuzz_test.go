@@ -20,7 +20,8 @@ import (
 // with exactly one of an adoption and a failure; it adopts only a node whose
 // inventory passes acceptance.Evaluate, recording one device per GPU with
 // distinct indexes ≥ 0, the inventory as it decodes and the pool's labels;
-// a failure has a reason, bounded by the size of the result; any inventory
+// a failure has a reason, bounded by the sizes of the result and of the
+// pool's model, which the reason quotes once; any inventory
 // it records decodes back to the reported one.
 func FuzzAcceptanceResult(f *testing.F) {
 	h100 := &gatewayv1.Inventory{Hostname: "gpu-01", CpuCores: 64, MemoryBytes: 1 << 40, DriverVersion: "550.54", Gpus: []*gatewayv1.Gpu{
@@ -63,8 +64,8 @@ func FuzzAcceptanceResult(f *testing.F) {
 			if failure.Reason == "" || failure.NodeID != c.NodeID || failure.PoolID != c.PoolID {
 				t.Fatalf("failure %+v", failure)
 			}
-			if len(failure.Reason) > 16*len(result)+1024 {
-				t.Fatalf("a reason of %d bytes for a result of %d", len(failure.Reason), len(result))
+			if len(failure.Reason) > 16*len(result)+len(gpuModel)+1024 {
+				t.Fatalf("a reason of %d bytes for a result of %d and a pool model of %d", len(failure.Reason), len(result), len(gpuModel))
 			}
 			if failure.Inventory != nil {
 				requireInventory(t, failure.Inventory, inv)
