@@ -396,22 +396,22 @@ func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time
 		src AS (
 			SELECT u.ord, u.tenant, '`+EventNodeAdopted+`' AS type, u.id AS subject, u.data::jsonb AS data, $4::timestamptz AS at
 			FROM u JOIN upd ON upd.id = u.id),
-		`+eventWriterCTEs("src", "$8")+`,
+		`+eventWriterCTE("src")+`,
 		sched AS (
 			INSERT INTO outbox (subject, payload, created_at, traceparent)
-			SELECT $9, '', $4, $10 WHERE EXISTS (SELECT 1 FROM upd))
-		SELECT id, (SELECT count(*) FROM evo) FROM upd`, ids, specs, invs, now, sigs, cols.tenants, cols.data, eventTime(now),
+			SELECT $8, '', $4, $9 WHERE EXISTS (SELECT 1 FROM upd))
+		SELECT id, `+eventCountSQL+` FROM upd`, ids, specs, invs, now, sigs, cols.tenants, cols.data,
 		SubjectPokeScheduler, telemetry.Traceparent(ctx))
 	if err != nil {
 		return nil, fmt.Errorf("adopt nodes: %w", interpretError(err))
 	}
 	var (
-		adopted  []string
-		outboxed int
+		adopted []string
+		written int
 	)
 	for rows.Next() {
 		var id string
-		if err := rows.Scan(&id, &outboxed); err != nil {
+		if err := rows.Scan(&id, &written); err != nil {
 			rows.Close()
 			return nil, fmt.Errorf("adopt nodes: %w", err)
 		}
@@ -424,9 +424,17 @@ func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time
 	if len(adopted) == 0 {
 		return nil, nil
 	}
-	if outboxed != len(adopted) {
-		return nil, fmt.Errorf("adopt nodes: %d outbox rows for %d events", outboxed, len(adopted))
+	if written != len(adopted) {
+		return nil, fmt.Errorf("adopt nodes: %d events for %d adoptions", written, len(adopted))
 	}
+	// Only the adopted nodes have events: their tenants and type.
+	tenants, types := make([]string, 0, len(adopted)), make([]string, 0, len(adopted))
+	for _, a := range adoptions {
+		if slices.Contains(adopted, a.NodeID) {
+			tenants, types = append(tenants, a.OwnerTenantID), append(types, EventNodeAdopted)
+		}
+	}
+	hintEvents(q, eventHints(tenants, types))
 	pokeAfterCommit(q, SubjectPokeScheduler, nil)
 	if err := signalOutbox(ctx, q); err != nil {
 		return nil, fmt.Errorf("adopt nodes: signal the outbox: %w", interpretError(err))

@@ -3,6 +3,7 @@ package store_test
 import (
 	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -94,30 +95,47 @@ func (f lifecycleFixture) apply(tb testing.TB, cmds []string) {
 }
 
 // TestCommandLifecycleStatements: a batch of lifecycleBatch commands is
-// queued in one statement (the commands, their command.queued events with
-// their outbox messages, the gateway's poke and the audit rows), claimed
-// for delivery in one (the sessions' nodes with the claim of their
-// commands) and finished in one (the commands, their command.succeeded events
-// with their outbox messages), whatever the batch's size. Not parallel: the
-// counter sees every statement of the process.
+// queued in one statement (the commands, their command.queued events, the
+// gateway's poke and the audit rows), claimed for delivery in one (the
+// sessions' nodes with the claim of their commands) and finished in one
+// (the commands, their command.succeeded events), whatever the batch's
+// size; the events have no outbox rows, and each statement publishes one
+// hint for the events of the batch (one tenant, one type). Not parallel:
+// the counter sees every statement of the process.
 func TestCommandLifecycleStatements(t *testing.T) {
 	f := newLifecycleFixture(t)
 	ctx := t.Context()
-	step := func(name string, limit int, fn func()) {
+	var (
+		mu        sync.Mutex
+		published []string
+	)
+	f.db.PokeVia(func(subject string, _ []byte) error {
+		mu.Lock()
+		defer mu.Unlock()
+		published = append(published, subject)
+		return nil
+	})
+	step := func(name string, limit int, fn func(), hints ...string) {
+		t.Helper()
 		stmts := storetest.CountStatements()
 		fn()
 		stmts.Stop()
 		sent := callerStatements(stmts.SQL())
 		require.LessOrEqual(t, len(sent), limit, "%s:\n%s", name, strings.Join(sent, "\n---\n"))
+		mu.Lock()
+		defer mu.Unlock()
+		require.Equal(t, hints, published, "%s: the hints published", name)
+		published = nil
 	}
+	hint := func(typ string) string { return store.SubjectEvents + "." + f.fleet.OwnerID + "." + typ }
 	var cmds []string
-	step("queue", 1, func() { cmds = f.queue(t, 0) })
+	step("queue", 1, func() { cmds = f.queue(t, 0) }, hint(store.EventCommandQueued))
 	step("claim", 1, func() { f.claim(t, cmds) })
-	step("apply", 1, func() { f.apply(t, cmds) })
+	step("apply", 1, func() { f.apply(t, cmds) }, hint(store.EventCommandSucceeded))
 
 	// What each command promises was written: its row in its end state,
-	// two events with their outbox messages, one audit row, and one poke
-	// of the gateway for the batch.
+	// two events, one audit row, and one poke of the gateway for the
+	// batch; no outbox row for the events.
 	count := func(sql string, args ...any) int {
 		var n int
 		require.NoError(t, f.db.Pool.QueryRow(ctx, sql, args...).Scan(&n))
@@ -129,7 +147,7 @@ func TestCommandLifecycleStatements(t *testing.T) {
 	require.Equal(t, lifecycleBatch, count(`SELECT count(*) FROM events WHERE subject_id = ANY($1) AND type = $2`,
 		cmds, store.EventCommandSucceeded))
 	require.Equal(t, lifecycleBatch, count(`SELECT count(*) FROM audit WHERE target = ANY($1)`, cmds))
-	require.Equal(t, 2*lifecycleBatch, count(`SELECT count(*) FROM outbox WHERE subject LIKE $1`, store.SubjectEvents+".%"))
+	require.Zero(t, count(`SELECT count(*) FROM outbox WHERE subject LIKE $1`, store.SubjectEvents+".%"))
 	require.Equal(t, 1, count(`SELECT count(*) FROM outbox WHERE subject = $1`, store.SubjectPokeGatewayPrefix+"gw_life"))
 }
 

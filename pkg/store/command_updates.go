@@ -105,9 +105,9 @@ type updateGroup struct {
 // It is one statement: one UPDATE for all commands (those it moves forward
 // locked in id order, as ClaimSessionDeliveries locks them; an update that
 // moves its command nowhere neither takes nor waits for its lock), the
-// command.succeeded,
-// command.failed and command.expired events (with their outbox messages,
-// data as ExpireDueCommands writes them) of the user commands that reached
+// command.succeeded, command.failed and command.expired events (data as
+// ExpireDueCommands writes them; their hints published after the commit,
+// hintEvents) of the user commands that reached
 // a terminal state, and one SubjectPokeControllers poke naming the nodes
 // whose acceptance check reached one (an expired acceptance check is the
 // acceptance reconciler's to retry, as when it expires one); so it runs in q's transaction or, on DB.AutoCommit, in one of
@@ -155,7 +155,7 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 		old AS (SELECT c.id, c.state, u.ord,
 				-- A terminal report at or past the deadline (as ExpireDueCommands
 				-- counts it), or the daemon's own "too late to start", expires it.
-				u.rank = 3 AND (c.deadline <= u.at OR (u.state = 'failed' AND u.err = $9)) AS expire
+				u.rank = 3 AND (c.deadline <= u.at OR (u.state = 'failed' AND u.err = $8)) AS expire
 			FROM commands c JOIN u ON c.id = u.cmd AND c.node_id = u.node
 			-- Only the commands the update moves forward are locked: states
 			-- never move back, so one at or past u.rank in the snapshot
@@ -166,7 +166,7 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 			UPDATE commands c SET
 				state = CASE WHEN old.expire THEN 'expired' ELSE u.state END,
 				result = COALESCE(u.result::jsonb, c.result),
-				error = CASE WHEN old.expire THEN CASE WHEN u.err = $9 THEN u.err ELSE $10 END
+				error = CASE WHEN old.expire THEN CASE WHEN u.err = $8 THEN u.err ELSE $9 END
 					WHEN u.err = '' THEN c.error ELSE u.err END,
 				finished_at = CASE WHEN u.rank = 3 THEN u.at ELSE c.finished_at END,
 				delivered_at = COALESCE(c.delivered_at, u.at),
@@ -180,17 +180,16 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 			SELECT ord, tenant, CASE state WHEN 'succeeded' THEN '`+EventCommandSucceeded+`' WHEN 'failed' THEN '`+EventCommandFailed+`'
 					ELSE '`+EventCommandExpired+`' END AS type, id AS subject, `+commandEndedDataSQL+` AS data, at
 			FROM upd WHERE rank = 3 AND purpose <> 'acceptance'),
-		`+eventWriterCTEs("ended", "$8")+`,
+		`+eventWriterCTE("ended")+`,
 		acc AS (
 			INSERT INTO outbox (subject, payload, created_at)
 			SELECT '`+SubjectPokeControllers+`',
 				convert_to(jsonb_build_object('nodeIds', array_agg(DISTINCT node_id ORDER BY node_id))::text, 'UTF8'), max(at)
 			FROM upd WHERE rank = 3 AND purpose = 'acceptance' HAVING count(*) > 0
 			RETURNING id)
-		SELECT ord, old_state, state, purpose = 'acceptance', kind, created_at,
-			(SELECT count(*) FROM evo) + (SELECT count(*) FROM acc) FROM upd`,
-		cmds, nodes, states, ranks, results, errs, ats, eventTime(slices.MaxFunc(ats, time.Time.Compare)),
-		CommandErrTextExpired, commandErrDeadline)
+		SELECT ord, old_state, state, purpose = 'acceptance', kind, created_at, tenant, `+eventCountSQL+`,
+			(SELECT count(*) FROM acc) FROM upd`,
+		cmds, nodes, states, ranks, results, errs, ats, CommandErrTextExpired, commandErrDeadline)
 	if err != nil {
 		return nil, interpretError(err)
 	}
@@ -200,12 +199,14 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 		acceptance bool
 		kind       string
 		createdAt  time.Time
+		tenant     string
 	}
 	var done []applied
-	var outboxed int64
+	var written, poked int64
 	for rows.Next() {
 		var a applied
-		if err := rows.Scan(&a.ord, &a.old, &a.state, &a.acceptance, &a.kind, &a.createdAt, &outboxed); err != nil {
+		if err := rows.Scan(&a.ord, &a.old, &a.state, &a.acceptance, &a.kind, &a.createdAt, &a.tenant, &written,
+			&poked); err != nil {
 			rows.Close()
 			return nil, err
 		}
@@ -215,7 +216,15 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 	if err := rows.Err(); err != nil {
 		return nil, interpretError(err)
 	}
+	var ended int64
+	var hints []string // the ended user commands' events' hints
 	for _, a := range done {
+		if !a.acceptance && cmdRank[a.state] == cmdRank[cmdSucceeded] {
+			ended++
+			if h := eventHintSubject(a.tenant, commandEndedEventType[a.state]); h != "" && !slices.Contains(hints, h) {
+				hints = append(hints, h)
+			}
+		}
 		grp := groups[a.ord-1]
 		// Replay the command's updates in order from its previous state.
 		cur := cmdRank[a.old]
@@ -235,7 +244,11 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 				State: state, Kind: a.kind, CreatedAt: a.createdAt}
 		}
 	}
-	if outboxed > 0 {
+	if written != ended {
+		return nil, fmt.Errorf("apply command updates: %d events for %d ended commands", written, ended)
+	}
+	hintEvents(q, hints)
+	if poked > 0 {
 		if err := signalOutbox(ctx, q); err != nil {
 			return nil, err
 		}

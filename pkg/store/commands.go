@@ -271,14 +271,15 @@ func QueueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 // their nodes locked in id order, ok those of the caller's tenant, prev the
 // commands of request ids already used, cand the commands to insert, done
 // those inserted, queued their command.queued events (type and data
-// encoded by encodeEvents, tenant the node's), then the events with their
-// outbox messages (eventWriterCTEs), the gateway pokes and the audit rows. It returns, per command in order, what the node was,
-// whether the command was inserted, the rows the outbox CTEs wrote, and,
-// for a request id already used, that command.
+// encoded by encodeEvents, tenant the node's), then the events
+// (eventWriterCTE), the gateway pokes and the audit rows. It returns, per
+// command in order, what the node was, whether the command was inserted,
+// the events and the pokes written, and, for a request id already used,
+// that command.
 var queueSQL = `WITH u AS (
 		SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[], $5::timestamptz[], $6::text[], $7::text[],
-			$8::text[], $9::bytea[], $10::text[], $11::text[], $12::text[], $13::text[], $14::bool[], $15::text[], $19::text[],
-			$20::text[])
+			$8::text[], $9::bytea[], $10::text[], $11::text[], $12::text[], $13::text[], $14::bool[], $15::text[], $18::text[],
+			$19::text[])
 			WITH ORDINALITY AS u(id, node, kind, safe, deadline, created_by, req, scope, sig, a_tenant, a_token, a_role,
 				a_proc, audit, ev_type, ev_data, tp, ord)),
 	n AS (
@@ -304,7 +305,7 @@ var queueSQL = `WITH u AS (
 		RETURNING c.id),
 	done AS (SELECT cand.* FROM cand JOIN ins ON ins.id = cand.id),
 	queued AS (SELECT ord, tenant, ev_type AS type, id AS subject, ev_data::jsonb AS data, $17::timestamptz AS at FROM done),
-	` + eventWriterCTEs("queued", "$18") + `,
+	` + eventWriterCTE("queued") + `,
 	poke AS (
 		INSERT INTO outbox (subject, payload, created_at, traceparent)
 		SELECT '` + SubjectPokeGatewayPrefix + `' || gateway_id,
@@ -323,7 +324,7 @@ var queueSQL = `WITH u AS (
 		RETURNING id)
 	SELECT u.ord, n.id IS NOT NULL, COALESCE(n.provision_state, ''), COALESCE(n.revoked, false), COALESCE(n.tenant, ''),
 		COALESCE(n.gateway_id, ''),
-		EXISTS (SELECT 1 FROM done WHERE done.ord = u.ord), (SELECT count(*) FROM evo) + (SELECT count(*) FROM poke),
+		EXISTS (SELECT 1 FROM done WHERE done.ord = u.ord), ` + eventCountSQL + `, (SELECT count(*) FROM poke),
 		p.id, p.node_id, p.kind, p.purpose, p.state, p.retry_safe, p.deadline, p.result, p.error, p.deliveries,
 		COALESCE(p.request_id, ''), p.created_by, p.created_at, p.updated_at, p.delivered_at, p.finished_at
 	FROM u LEFT JOIN n ON n.id = u.node LEFT JOIN prev p ON p.ord = u.ord
@@ -375,18 +376,18 @@ func queueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 	slices.Sort(nodes)
 	nodes = slices.Compact(nodes)
 	rows, err := q.Query(ctx, queueSQL, id, node, kind, safe, deadline, created, req, scope, sig, aTenant, aToken, aRole,
-		aProc, audit, ev.types, nodes, now, eventTime(now), ev.data, tp)
+		aProc, audit, ev.types, nodes, now, ev.data, tp)
 	if err != nil {
 		return queryErr("queue commands", err)
 	}
-	var outboxRows int64
-	var raced []int // request ids an earlier call of the batch, or a concurrent transaction, used first
+	var written, pokes, queued int64
+	var hints []string // the command.queued events' hints, one per tenant
+	var raced []int    // request ids an earlier call of the batch, or a concurrent transaction, used first
 	for rows.Next() {
 		var (
 			ord                           int
 			found, revoked, inserted      bool
 			state, tenant, gateway        string
-			outboxed                      int64
 			p                             Command
 			pid, pnode, pkind, ppurpose   *string
 			pstate, perror, pby           *string
@@ -394,13 +395,12 @@ func queueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 			pdeadline, pcreated, pupdated *time.Time
 			pdeliveries                   *int32
 		)
-		if err := rows.Scan(&ord, &found, &state, &revoked, &tenant, &gateway, &inserted, &outboxed,
+		if err := rows.Scan(&ord, &found, &state, &revoked, &tenant, &gateway, &inserted, &written, &pokes,
 			&pid, &pnode, &pkind, &ppurpose, &pstate, &psafe, &pdeadline, &p.Result, &perror, &pdeliveries, &p.RequestID,
 			&pby, &pcreated, &pupdated, &p.DeliveredAt, &p.FinishedAt); err != nil {
 			rows.Close()
 			return queryErr("queue commands", err)
 		}
-		outboxRows = outboxed
 		x := ord - 1
 		i := sent[x]
 		c := cmds[i]
@@ -422,6 +422,10 @@ func queueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 				Purpose: "user", State: cmdQueued, RetrySafe: safe[x], Deadline: deadline[x], RequestID: c.RequestID,
 				CreatedBy: c.CreatedBy, CreatedAt: now, UpdatedAt: now}}
 			out[i].GatewayID = gateway
+			queued++
+			if h := eventHintSubject(tenant, EventCommandQueued); h != "" && !slices.Contains(hints, h) {
+				hints = append(hints, h)
+			}
 		default:
 			raced = append(raced, i)
 		}
@@ -430,7 +434,11 @@ func queueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 	if err := rows.Err(); err != nil {
 		return queryErr("queue commands", err)
 	}
-	if outboxRows > 0 {
+	if written != queued {
+		return fmt.Errorf("queue commands: %d command.queued events for %d commands", written, queued)
+	}
+	hintEvents(q, hints)
+	if pokes > 0 {
 		if err := signalOutbox(ctx, q); err != nil {
 			return err
 		}

@@ -5,11 +5,12 @@ package store
 // type here (NodeCordonedData for node.cordoned, …): a struct whose JSON is
 // the event's data (events.data), built in Go and nowhere else, and whose
 // keys a golden test pins. WriteEvents is the one writer: an events row per
-// event and its outbox message on bc.events.<tenant>.<type>, in the caller's
-// transaction, in one statement per batch. The two hot paths that write
-// events inside a statement of their own (QueueCommands, and
-// ApplySessionCommandUpdates, whose events depend on rows only that statement
-// reads) share its SQL, eventWriterCTEs.
+// event, in the caller's transaction, in one statement per batch, and after
+// the commit a hint on bc.events.<tenant>.<type> that wakes the watches
+// (hintEvents; no outbox row). The statements that write events inside a
+// statement of their own (QueueCommands, ApplySessionCommandUpdates, whose
+// events depend on rows only that statement reads, and a few others) share
+// its SQL, eventWriterCTE.
 //
 // A new event type takes its Event* constant in EventTypes, a data type
 // with an event method, and its keys in the golden test.
@@ -134,9 +135,45 @@ func EventPatternKnown(p string) bool {
 	return slices.ContainsFunc(EventTypes, func(t string) bool { return typeMatches(p, t) })
 }
 
-// SubjectEvents is the NATS subject prefix of events:
-// bc.events.<tenant>.<type>, e.g. bc.events.ten_x.reservation.active.
+// SubjectEvents is the NATS subject prefix of the events' hints:
+// bc.events.<tenant>.<type>, e.g. bc.events.ten_x.reservation.active, with
+// no payload, published by the writer right after a commit that wrote
+// events of that tenant and type (once per commit, however many it wrote).
+// A hint says only "read the events table": the watches read the events
+// there (docs/architecture.md, "Events and the watch").
 const SubjectEvents = "bc.events"
+
+// eventHintSubject is the hint of the events of typ of tenant
+// (SubjectEvents), "" for events without a tenant, which no subject can
+// name (a root administrator's watch finds them at its poll).
+func eventHintSubject(tenant, typ string) string {
+	if tenant == "" {
+		return ""
+	}
+	return SubjectEvents + "." + tenant + "." + typ
+}
+
+// eventHints is the hints of the events of tenants and types (one element
+// per event), each once, in the order of their first event.
+func eventHints(tenants, types []string) []string {
+	var out []string
+	for i, tenant := range tenants {
+		if h := eventHintSubject(tenant, types[i]); h != "" && !slices.Contains(out, h) {
+			out = append(out, h)
+		}
+	}
+	return out
+}
+
+// eventHintsSQL is the hints of the events the CTE ev of eventWriterCTE
+// wrote, as a text[] expression (NULL for none) of a statement that embeds
+// it: eventHintSubject in SQL.
+const eventHintsSQL = `(SELECT array_agg(DISTINCT '` + SubjectEvents + `.' || tenant_id || '.' || type) FROM ev
+	WHERE tenant_id <> '')`
+
+// eventCountSQL is how many events the CTE ev of eventWriterCTE wrote, as
+// an expression of a statement that embeds it.
+const eventCountSQL = `(SELECT count(*) FROM ev)`
 
 // EventData is the data of one event: one of the *Data types of this
 // package, whose JSON object is the event's data and which names the
@@ -158,11 +195,11 @@ type NewEvent struct {
 }
 
 // WriteEvents writes events: an events row for each, created at now, with
-// ids in the order of events, and its outbox message (subject
-// bc.events.<tenant>.<type>, payload the JSON object {"id", "tenantId",
-// "type", "subjectId", "data", "time"}), in q's transaction, in one statement
-// whatever their number. It is how every event is written; it fails, writing
-// nothing, for an event without data.
+// ids in the order of events, in q's transaction, in one statement whatever
+// their number, and their hints (bc.events.<tenant>.<type>, see
+// SubjectEvents), which the writer publishes after the commit (hintEvents).
+// It is how every event is written; it fails, writing nothing, for an event
+// without data.
 func WriteEvents(ctx context.Context, q DBTX, now time.Time, events ...NewEvent) error {
 	if len(events) == 0 {
 		return nil
@@ -171,49 +208,34 @@ func WriteEvents(ctx context.Context, q DBTX, now time.Time, events ...NewEvent)
 	if err != nil {
 		return err
 	}
-	var outboxed int
-	err = q.QueryRow(ctx, `WITH src AS (
-			SELECT u.ord, u.tenant, u.type, u.subject, u.data::jsonb AS data, $5::timestamptz AS at
-			FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS u(tenant, type, subject, data, ord)),
-		`+eventWriterCTEs("src", "$6")+`
-		SELECT count(*) FROM evo`,
-		cols.tenants, cols.types, cols.subjects, cols.data, now, eventTime(now)).Scan(&outboxed)
+	tag, err := q.Exec(ctx, `INSERT INTO events (tenant_id, type, subject_id, data, created_at)
+		SELECT u.tenant, u.type, u.subject, u.data::jsonb, $5
+		FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS u(tenant, type, subject, data, ord)
+		ORDER BY u.ord`,
+		cols.tenants, cols.types, cols.subjects, cols.data, now)
 	if err != nil {
 		return fmt.Errorf("write events: %w", interpretError(err))
 	}
-	if outboxed != len(events) {
-		return fmt.Errorf("write events: %d outbox rows for %d events", outboxed, len(events))
+	if n := tag.RowsAffected(); n != int64(len(events)) {
+		return fmt.Errorf("write events: %d rows for %d events", n, len(events))
 	}
-	if err := signalOutbox(ctx, q); err != nil {
-		return fmt.Errorf("write events: signal the outbox: %w", interpretError(err))
-	}
+	hintEvents(q, eventHints(cols.tenants, cols.types))
 	return nil
 }
 
-// eventWriterCTEs returns the two CTEs, ev and evo, that write the events of
-// the relation src, whose columns are ord (the order of their ids), tenant,
-// type, subject, data (jsonb) and at (events.created_at): ev inserts the
-// events rows, evo one outbox message per event, its payload's "time" the
-// text of the placeholder timeParam (eventTime). WriteEvents runs them on
-// its arguments; QueueCommands and ApplySessionCommandUpdates within their
-// own statement. The statement must read evo (count(*) FROM evo) to know
-// how many messages it wrote, and signal the outbox when it wrote any.
-func eventWriterCTEs(src, timeParam string) string {
+// eventWriterCTE returns the CTE ev that writes the events of the relation
+// src, whose columns are ord (the order of their ids), tenant, type,
+// subject, data (jsonb) and at (events.created_at), returning each event's
+// tenant_id and type. WriteEvents writes the same rows; the statements that
+// embed it read eventCountSQL to know how many events they wrote, and
+// eventHintsSQL for their hints, which they pass to hintEvents (or build
+// the hints from what they know in Go).
+func eventWriterCTE(src string) string {
 	return `ev AS (
 			INSERT INTO events (tenant_id, type, subject_id, data, created_at)
 			SELECT tenant, type, subject, data, at FROM ` + src + ` ORDER BY ord
-			RETURNING id, tenant_id, type, subject_id, data, created_at),
-		evo AS (
-			INSERT INTO outbox (subject, payload, created_at)
-			SELECT '` + SubjectEvents + `.' || COALESCE(tenant_id, '') || '.' || type,
-				convert_to(jsonb_build_object('id', id, 'tenantId', COALESCE(tenant_id, ''), 'type', type,
-					'subjectId', subject_id, 'data', data, 'time', ` + timeParam + `::text)::text, 'UTF8'), created_at
-			FROM ev ORDER BY id
-			RETURNING id)`
+			RETURNING tenant_id, type)`
 }
-
-// eventTime is the "time" of the outbox messages of events written at now.
-func eventTime(now time.Time) string { return now.UTC().Format(time.RFC3339Nano) }
 
 // eventColumns are events as the columns of the statements that write
 // them, one element per event.

@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -18,23 +20,24 @@ import (
 	"github.com/better-compute/better-compute/pkg/store/storetest"
 )
 
-// writtenEvent is an events row and its outbox message as text: data is
-// events.data as the watch sends it (data::text), message the outbox
-// row's subject and payload.
+// writtenEvent is an events row as text: data is events.data as the watch
+// sends it (data::text); message is its hint's subject
+// (bc.events.<tenant>.<type>) and the event as the watch sends it, the
+// JSON object {"id", "tenantId", "type", "subjectId", "data", "time"} of
+// the row.
 type writtenEvent struct {
 	tenant, typ, subject, data string
 	message                    string
 }
 
-// writtenEvents returns the events after id after with their outbox
-// messages, in id order.
+// writtenEvents returns the events after id after, in id order.
 func writtenEvents(t *testing.T, q store.DBTX, after int64) []writtenEvent {
 	t.Helper()
 	rows, err := q.Query(t.Context(), `SELECT COALESCE(e.tenant_id, ''), e.type, e.subject_id, e.data::text,
-			o.subject || ' ' || convert_from(o.payload, 'UTF8')
-		FROM events e JOIN outbox o ON o.subject LIKE 'bc.events.%'
-			AND (convert_from(o.payload, 'UTF8')::jsonb->>'id')::bigint = e.id
-		WHERE e.id > $1 ORDER BY e.id`, after)
+			'bc.events.' || COALESCE(e.tenant_id, '') || '.' || e.type || ' ' || jsonb_build_object('id', e.id,
+				'tenantId', COALESCE(e.tenant_id, ''), 'type', e.type, 'subjectId', e.subject_id, 'data', e.data,
+				'time', to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'))::text
+		FROM events e WHERE e.id > $1 ORDER BY e.id`, after)
 	require.NoError(t, err)
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (writtenEvent, error) {
 		var e writtenEvent
@@ -47,18 +50,34 @@ func writtenEvents(t *testing.T, q store.DBTX, after int64) []writtenEvent {
 
 // TestEventsAsWatchersReceiveThem drives every store function that writes
 // an event, for every event type and every shape of its data, and pins
-// what it wrote: the events row's data as the watch sends it, and its outbox
-// message as NATS carries it. A change of an event's JSON shows here, so
-// that it is deliberate.
+// what it wrote: the events row's data and the event as the watch sends
+// them, and the hints published after the commit (one per tenant and type,
+// with no payload), and that no event has an outbox row. A change of an
+// event's JSON shows here, so that it is deliberate.
 func TestEventsAsWatchersReceiveThem(t *testing.T) {
 	t.Parallel()
 	t0 := time.Date(2030, 5, 6, 7, 8, 9, 123456000, time.UTC)
 	clk := clock.NewFake(t0)
 	db := storetest.New(t, clk)
 	ctx := t.Context()
+	var (
+		mu    sync.Mutex
+		hints []string
+	)
+	db.PokeVia(func(subject string, payload []byte) error {
+		if strings.HasPrefix(subject, store.SubjectEvents+".") {
+			mu.Lock()
+			defer mu.Unlock()
+			if len(payload) != 0 {
+				return fmt.Errorf("hint %s has a payload: %q", subject, payload)
+			}
+			hints = append(hints, subject)
+		}
+		return nil
+	})
 	var last int64
 	// step runs fn in a transaction at the clock's time plus d and checks
-	// the events it wrote.
+	// the events it wrote and the hints its commit published.
 	step := func(name string, d time.Duration, fn func(ctx context.Context, tx pgx.Tx, now time.Time) error, want ...writtenEvent) {
 		t.Helper()
 		clk.Advance(d)
@@ -69,9 +88,23 @@ func TestEventsAsWatchersReceiveThem(t *testing.T) {
 		} else {
 			require.Equal(t, want, got, name)
 		}
+		var wantHints []string
+		for _, w := range want {
+			if h, _, _ := strings.Cut(w.message, " "); !slices.Contains(wantHints, h) {
+				wantHints = append(wantHints, h)
+			}
+		}
+		mu.Lock()
+		published := hints
+		hints = nil
+		mu.Unlock()
+		require.ElementsMatch(t, wantHints, published, "%s: the hints, each once", name)
 		if len(got) > 0 {
 			require.NoError(t, db.Pool.QueryRow(ctx, `SELECT max(id) FROM events`).Scan(&last))
 		}
+		var outboxed int
+		require.NoError(t, db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE subject LIKE 'bc.events.%'`).Scan(&outboxed))
+		require.Zero(t, outboxed, "%s: events have no outbox rows", name)
 	}
 
 	step("fixtures", 0, func(ctx context.Context, tx pgx.Tx, now time.Time) error {
@@ -241,7 +274,7 @@ func TestEventsAsWatchersReceiveThem(t *testing.T) {
 		return err
 	},
 		writtenEvent{"ten_owner", "command.succeeded", "cmd_1", `{"kind": "logs.collect", "state": "succeeded", "nodeId": "node_a", "commandId": "cmd_1"}`,
-			`bc.events.ten_owner.command.succeeded {"id": 21, "data": {"kind": "logs.collect", "state": "succeeded", "nodeId": "node_a", "commandId": "cmd_1"}, "time": "2030-05-06T07:09:18.124456Z", "type": "command.succeeded", "tenantId": "ten_owner", "subjectId": "cmd_1"}`},
+			`bc.events.ten_owner.command.succeeded {"id": 21, "data": {"kind": "logs.collect", "state": "succeeded", "nodeId": "node_a", "commandId": "cmd_1"}, "time": "2030-05-06T07:09:18.123456Z", "type": "command.succeeded", "tenantId": "ten_owner", "subjectId": "cmd_1"}`},
 		writtenEvent{"ten_owner", "command.failed", "cmd_2", `{"kind": "logs.collect", "error": "boom", "state": "failed", "nodeId": "node_a", "commandId": "cmd_2"}`,
 			`bc.events.ten_owner.command.failed {"id": 22, "data": {"kind": "logs.collect", "error": "boom", "state": "failed", "nodeId": "node_a", "commandId": "cmd_2"}, "time": "2030-05-06T07:09:18.124456Z", "type": "command.failed", "tenantId": "ten_owner", "subjectId": "cmd_2"}`},
 	)

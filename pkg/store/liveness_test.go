@@ -162,8 +162,8 @@ func TestLivenessSweep(t *testing.T) {
 		f.events(c)[len(f.events(c))-3:])
 	require.Equal(t, []string{store.EventNodeReachable, store.EventNodeUnreachable}, f.events(a))
 	require.Equal(t, []string{store.EventNodeReachable}, f.events(d))
-	require.Equal(t, 3, f.outbox(store.SubjectEvents+"."+f.fleet.OwnerID+"."+store.EventNodeUnreachable))
-	require.Equal(t, 6, f.outbox(store.SubjectEvents+"."+f.fleet.OwnerID+"."+store.EventNodeReachable))
+	require.Equal(t, 3, countEvents(t, f.db, f.fleet.OwnerID, store.EventNodeUnreachable))
+	require.Equal(t, 6, countEvents(t, f.db, f.fleet.OwnerID, store.EventNodeReachable))
 
 	// A gateway restarting under its id clears the sessions it held and
 	// vouches for its nodes until now.
@@ -241,7 +241,7 @@ func TestCordon(t *testing.T) {
 		node, store.EventNodeUncordoned).Scan(&data))
 	require.JSONEq(t, `{"nodeId": "`+node+`", "previousReason": "fan replaced tomorrow"}`, data,
 		"an uncordon has no reason of its own: the lifted cordon's is previousReason")
-	require.Equal(t, 2, f.outbox(store.SubjectEvents+"."+f.fleet.OwnerID+"."+store.EventNodeCordoned))
+	require.Equal(t, 2, countEvents(t, f.db, f.fleet.OwnerID, store.EventNodeCordoned))
 
 	_, err = store.CordonNode(ctx, f.db.Pool, store.AllTenants, f.db.Now(), "node_missing", "x")
 	require.ErrorIs(t, err, store.ErrNotFound)
@@ -255,7 +255,7 @@ func TestCordon(t *testing.T) {
 	n, err = store.GetNode(ctx, f.db.Pool, store.AllTenants, node)
 	require.NoError(t, err)
 	require.False(t, n.Cordoned)
-	require.Equal(t, 2, f.outbox(store.SubjectEvents+"."+f.fleet.OwnerID+"."+store.EventNodeCordoned))
+	require.Equal(t, 2, countEvents(t, f.db, f.fleet.OwnerID, store.EventNodeCordoned))
 	_, err = store.UncordonNode(ctx, f.db.Pool, store.AllTenants, f.db.Now(), "node_missing")
 	require.ErrorIs(t, err, store.ErrNotFound)
 }

@@ -467,8 +467,8 @@ type JoinTokenUses struct {
 // transaction, the uses granted by GrantJoinTokenUses), inserts the nodes
 // (state NodeJoining) and their certificates, nodes[i] with certs[i] (whose
 // public key becomes the node's join key), writes a node.joined event for
-// each node (ordered by node id, for the tenant owning its pool, with its
-// outbox message, as RecordNodesJoined does) and one SubjectPokeControllers
+// each node (ordered by node id, for the tenant owning its pool, as
+// RecordNodesJoined does; its hint published after the commit) and one SubjectPokeControllers
 // poke naming the nodes (payload Poke, in the order of nodes), and signals
 // the outbox. It is what CountJoinTokenUses, CreateJoinedNodes,
 // RecordNodesJoined and Enqueue of the poke did in six statements. Errors:
@@ -521,7 +521,8 @@ func RecordJoins(ctx context.Context, q DBTX, now time.Time, uses []JoinTokenUse
 	if err != nil {
 		return fmt.Errorf("record joins: %w", err)
 	}
-	var usedTokens, inserted, certified, outboxed, poked int
+	var usedTokens, inserted, certified, evented, poked int
+	var hints []string
 	err = q.QueryRow(ctx, `WITH tok AS (
 			UPDATE join_tokens j SET uses = j.uses + u.n FROM unnest($1::text[], $2::int[]) AS u(id, n)
 			WHERE j.id = u.id RETURNING j.id),
@@ -541,21 +542,22 @@ func RecordJoins(ctx context.Context, q DBTX, now time.Time, uses []JoinTokenUse
 				$17::timestamptz AS at
 			FROM unnest($18::text[], $19::text[], $20::text[]) WITH ORDINALITY AS u(id, pool, data, ord)
 			JOIN pools p ON p.id = u.pool),
-		`+eventWriterCTEs("src", "$21")+`,
+		`+eventWriterCTE("src")+`,
 		pk AS (
-			INSERT INTO outbox (subject, payload, created_at, traceparent) VALUES ($22, $23, $17, $24) RETURNING id)
-		SELECT (SELECT count(*) FROM tok), (SELECT count(*) FROM nd), (SELECT count(*) FROM nc), (SELECT count(*) FROM evo),
-			(SELECT count(*) FROM pk)`,
+			INSERT INTO outbox (subject, payload, created_at, traceparent) VALUES ($21, $22, $17, $23) RETURNING id)
+		SELECT (SELECT count(*) FROM tok), (SELECT count(*) FROM nd), (SELECT count(*) FROM nc), `+eventCountSQL+`,
+			(SELECT count(*) FROM pk), `+eventHintsSQL,
 		tokenIDs, tokenN, ids, pools, tokens, hosts, machines, variants, versions, created, NodeJoining, joinKeys,
-		serials, before, after, certAt, now, evNodes, evPools, evData, eventTime(now),
+		serials, before, after, certAt, now, evNodes, evPools, evData,
 		SubjectPokeControllers, poke, telemetry.Traceparent(ctx),
-	).Scan(&usedTokens, &inserted, &certified, &outboxed, &poked)
+	).Scan(&usedTokens, &inserted, &certified, &evented, &poked, &hints)
 	if err != nil {
 		return queryErr("record joins", err)
 	}
-	if usedTokens != len(uses) || inserted != n || certified != n || outboxed != n || poked != 1 {
+	if usedTokens != len(uses) || inserted != n || certified != n || evented != n || poked != 1 {
 		return fmt.Errorf("record joins: %d of %d tokens, %d nodes, %d certificates, %d events and %d pokes for %d joins",
-			usedTokens, len(uses), inserted, certified, outboxed, poked, n)
+			usedTokens, len(uses), inserted, certified, evented, poked, n)
 	}
+	hintEvents(q, hints)
 	return signalOutbox(ctx, q)
 }

@@ -39,7 +39,7 @@ func signalOutbox(ctx context.Context, q DBTX) error {
 
 // outboxTx is the transaction DB.InTx hands to its function: signalOutbox
 // records that it wrote outbox rows, pokeAfterCommit the pokes to publish
-// directly once it commits.
+// directly once it commits, hintEvents the events' hints.
 type outboxTx struct {
 	pgx.Tx
 	wrote bool
@@ -71,6 +71,32 @@ func pokeAfterCommit(q DBTX, subject string, payload []byte) {
 	}
 }
 
+// hintEvents makes sure that the events watches hear, once q's transaction
+// commits, that it wrote events: subjects are their hints
+// (eventHintSubject), published with no payload through the DB's direct
+// publish (DB.PokeVia), each once per transaction. A hint is the only
+// message an event sends (the watch reads the events table: it only wakes
+// it, and a lost one delays it until its poll), so it costs no row: in a
+// transaction of DB.InTx it is recorded and InTx publishes it after the
+// commit; in AutoCommit the statement has committed, and it is published
+// now. In any other transaction, or without a direct publish, none is sent.
+func hintEvents(q DBTX, subjects []string) {
+	switch t := q.(type) {
+	case *outboxTx:
+		for _, s := range subjects {
+			if !slices.ContainsFunc(t.pokes, func(p directPoke) bool { return p.subject == s }) {
+				t.pokes = append(t.pokes, directPoke{subject: s})
+			}
+		}
+	case autoCommit:
+		pokes := make([]directPoke, len(subjects))
+		for i, s := range subjects {
+			pokes[i] = directPoke{subject: s}
+		}
+		t.db.publishPokes(pokes)
+	}
+}
+
 // PokeVia makes db publish, by calling publish (a NATS publish, say) right
 // after each commit of DB.InTx (or statement of AutoCommit) that enqueued
 // them, the scheduler's poke (SubjectPokeScheduler, once per transaction)
@@ -81,8 +107,10 @@ func pokeAfterCommit(q DBTX, subject string, payload []byte) {
 // publishes them too (at least once, whatever happens to the direct
 // publish), and their readers take the copy as one more idempotent hint (the
 // scheduler coalesces it into at most one more pass; a session finds nothing
-// new to deliver). A failed publish is left to the relay. Call it before db
-// is used; nil stops the direct pokes.
+// new to deliver). A failed publish is left to the relay. It also publishes
+// the hints of the events a commit wrote (hintEvents), which have no outbox
+// row: a failed or missing one leaves the watches to their poll. Call it
+// before db is used; nil stops the direct pokes and the events' hints.
 func (db *DB) PokeVia(publish func(subject string, payload []byte) error) { db.poke = publish }
 
 // publishPokes publishes pokes directly, when db has a direct poke

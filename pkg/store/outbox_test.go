@@ -221,8 +221,9 @@ func TestPokeVia(t *testing.T) {
 
 	r, err := f.Reserve(ctx, tenant, 2, time.Hour)
 	require.NoError(t, err)
-	require.Equal(t, []poke{{subject: store.SubjectPokeScheduler, pending: 1}}, taken(),
-		"Reserve's commit pokes the scheduler, after the commit")
+	require.Equal(t, []poke{{subject: store.SubjectPokeScheduler, pending: 1},
+		{subject: store.SubjectEvents + "." + tenant + "." + store.EventReservationCreated, pending: 1}}, taken(),
+		"Reserve's commit pokes the scheduler, and hints its event, after the commit")
 	require.Equal(t, 4, outbox(store.SubjectPokeScheduler), "the outbox rows stay for the relay")
 
 	now := db.Now()
@@ -233,7 +234,9 @@ func TestPokeVia(t *testing.T) {
 		return err
 	}))
 	require.Equal(t, []poke{{subject: store.SubjectPokeGatewayPrefix + "gw-pokevia",
-		payload: `{"nodeIds":["` + f.Nodes[0] + `"]}`}}, taken(), "the placement pokes the node's gateway, after the commit")
+		payload: `{"nodeIds":["` + f.Nodes[0] + `"]}`},
+		{subject: store.SubjectEvents + "." + tenant + "." + store.EventReservationBound}}, taken(),
+		"the placement pokes the node's gateway, and hints its event, after the commit")
 	require.Equal(t, 1, outbox(store.SubjectPokeGatewayPrefix+"gw-pokevia"), "the outbox row stays for the relay")
 }
 

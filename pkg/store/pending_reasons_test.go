@@ -65,6 +65,6 @@ func TestFailNeverPlaced(t *testing.T) {
 	require.Equal(t, store.NeverPlacedReason(7), got.Reason)
 	require.NotNil(t, got.EndedAt)
 	require.Equal(t, []string{"reservation.created", "reservation.failed"}, f.events(pending.ID))
-	require.Equal(t, 1, f.outbox(store.SubjectEvents+"."+f.tenant+".reservation.failed"))
+	require.Equal(t, 1, countEvents(t, f.db, f.tenant, "reservation.failed"))
 	require.Equal(t, store.ReservationBinding, f.get(placed.ID).State, "placed: not failed")
 }

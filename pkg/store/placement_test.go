@@ -132,7 +132,7 @@ func TestPlaceBindsBooksAndSignsTheSpec(t *testing.T) {
 	require.Empty(t, daemon.VerifySpec(root, node, ds), "the new generation is signed")
 	require.Equal(t, 1, f.outbox(store.SubjectPokeGatewayPrefix+"gw-1"))
 	require.Equal(t, []string{"reservation.created", "reservation.bound"}, f.events(r.ID))
-	require.Equal(t, 1, f.outbox(store.SubjectEvents+"."+f.tenant+".reservation.bound"))
+	require.Equal(t, 1, countEvents(t, f.db, f.tenant, "reservation.bound"))
 
 	placed, err = f.place(signer, f.placement(r, node, 0, 2, 4, 6))
 	require.NoError(t, err)
@@ -280,7 +280,7 @@ func TestActivateReservationsInOneStatement(t *testing.T) {
 	require.NoError(t, f.db.Pool.QueryRow(t.Context(), `SELECT data::text FROM events WHERE subject_id = $1 AND type = $2`,
 		r2.ID, store.EventReservationActive).Scan(&data))
 	require.JSONEq(t, fmt.Sprintf(`{"reservationId": %q, "nodeId": %q, "binding": [], "generation": %d}`, r2.ID, n0, gen0+1), data)
-	require.Equal(t, 2, f.outbox("bc.events."+tenant+".reservation.active"))
+	require.Equal(t, 2, countEvents(t, f.db, tenant, "reservation.active"))
 }
 
 // TestEndReservationFreesDevicesAndDropsTheAllocation: releasing an active

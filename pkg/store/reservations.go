@@ -290,7 +290,7 @@ func CreateReservation(ctx context.Context, q DBTX, now time.Time, n NewReservat
 		e = a.Entry
 	}
 	args := []any{n.ID, n.TenantID, n.PoolID, n.GPUs, n.StartAt, n.EndAt, requestID, n.CreatedBy, now,
-		string(created), eventTime(now), telemetry.Traceparent(ctx),
+		string(created), telemetry.Traceparent(ctx),
 		a != nil, e.TenantID, e.TokenID, e.Role, e.Procedure, e.Outcome, detailOf(a, ReservationPending),
 		detailOf(a, ReservationFailed), detailOf(a, "")}
 	for range maxCreateRuns {
@@ -307,14 +307,18 @@ func CreateReservation(ctx context.Context, q DBTX, now time.Time, n NewReservat
 				want = 2
 			}
 			if o.events != want {
-				return CreatedReservation{}, fmt.Errorf("create reservation: %d outbox rows for %d events", o.events, want)
+				return CreatedReservation{}, fmt.Errorf("create reservation: %d events written of %d", o.events, want)
 			}
+			hint := []string{eventHintSubject(n.TenantID, EventReservationCreated)}
 			if o.r.State == ReservationPending {
 				pokeAfterCommit(q, SubjectPokeScheduler, nil)
+				if err := signalOutbox(ctx, q); err != nil {
+					return CreatedReservation{}, fmt.Errorf("create reservation: signal the outbox: %w", interpretError(err))
+				}
+			} else {
+				hint = append(hint, eventHintSubject(n.TenantID, EventReservationFailed))
 			}
-			if err := signalOutbox(ctx, q); err != nil {
-				return CreatedReservation{}, fmt.Errorf("create reservation: signal the outbox: %w", interpretError(err))
-			}
+			hintEvents(q, hint)
 			return CreatedReservation{Reservation: o.r}, nil
 		case o.owner == nil:
 			return CreatedReservation{}, fmt.Errorf("pool %s: %w", n.PoolID, ErrNotFound)
@@ -359,7 +363,7 @@ type createOutcome struct {
 	// under the offer before it took its lock.
 	fresh bool
 	inUse int32
-	// events is how many outbox rows of events it wrote.
+	// events is how many events it wrote.
 	events int
 	// existing or inserted: r is the request id's reservation, or the one
 	// created.
@@ -402,19 +406,19 @@ const reservationFailedDataSQL = `jsonb_build_object('reservationId', id, 'reaso
 
 // createReservationSQL is CreateReservation's statement. $1–$9 are the
 // reservation (id, tenant, pool, gpus, start, end, request id or NULL,
-// created by, now), $10 the reservation.created data, $11 its message's
-// time, $12 the poke's traceparent; $13 whether to write the audit row and
-// $14–$21 its tenant, token, role, procedure, outcome and the details of a
+// created by, now), $10 the reservation.created data, $11 the poke's
+// traceparent; $12 whether to write the audit row and
+// $13–$20 its tenant, token, role, procedure, outcome and the details of a
 // pending, a failed and an existing reservation. Its CTEs: ex, the request
 // id's reservation; seen, the offer's counter in the snapshot; lk, the
 // offer's row locked and its counter incremented (unless ex answers); chk,
 // the quota, whether the snapshot is fresh, the GPUs in use and whether a
 // node can ever hold n; ok, the row to insert when fresh and within quota,
 // with the reason of a never-fits failure (the largest node is counted only
-// then); ins, the insert (nothing on a duplicate request id); src, ev, evo,
-// the events (eventWriterCTEs); poke, the scheduler's outbox row; aud, the
+// then); ins, the insert (nothing on a duplicate request id); src and ev,
+// the events (eventWriterCTE); poke, the scheduler's outbox row; aud, the
 // audit row. It returns one row: the pool's owner, the quota, freshness,
-// GPUs in use, outbox rows of events, and the reservation returned (the
+// GPUs in use, events written, and the reservation returned (the
 // existing one, or the one inserted), all NULL when none.
 var createReservationSQL = `WITH ex(` + reservationColumnNames + `) AS (
 		SELECT ` + reservationColumns + ` FROM reservations r WHERE r.tenant_id = $2 AND r.request_id = $7::text),
@@ -452,20 +456,20 @@ var createReservationSQL = `WITH ex(` + reservationColumnNames + `) AS (
 		UNION ALL
 		SELECT 2, $2::text, '` + EventReservationFailed + `', i.id, ` + reservationFailedDataSQL + `, $9::timestamptz
 		FROM ins i WHERE i.state = 'failed'),
-	` + eventWriterCTEs("src", "$11") + `,
+	` + eventWriterCTE("src") + `,
 	poke AS (
 		INSERT INTO outbox (subject, payload, created_at, traceparent)
-		SELECT '` + SubjectPokeScheduler + `', ''::bytea, $9::timestamptz, $12 FROM ins i WHERE i.state = 'pending'),
+		SELECT '` + SubjectPokeScheduler + `', ''::bytea, $9::timestamptz, $11 FROM ins i WHERE i.state = 'pending'),
 	aud AS (
 		INSERT INTO audit (at, tenant_id, token_id, role, procedure, target, outcome, detail)
-		SELECT $9::timestamptz, NULLIF($14::text, ''), NULLIF($15::text, ''), $16, $17, a.target, $18, a.detail
-		FROM (SELECT e.id AS target, $21::text AS detail FROM ex e
+		SELECT $9::timestamptz, NULLIF($13::text, ''), NULLIF($14::text, ''), $15, $16, a.target, $17, a.detail
+		FROM (SELECT e.id AS target, $20::text AS detail FROM ex e
 			UNION ALL
-			SELECT i.id, CASE WHEN i.state = 'failed' THEN $20::text ELSE $19::text END FROM ins i) a
-		WHERE $13::bool),
+			SELECT i.id, CASE WHEN i.state = 'failed' THEN $19::text ELSE $18::text END FROM ins i) a
+		WHERE $12::bool),
 	res AS (SELECT true AS existing, e.* FROM ex e UNION ALL SELECT false, i.* FROM ins i)
 SELECT (SELECT p.owner_tenant_id FROM pools p WHERE p.id = $3), c.quota, COALESCE(c.fresh, false), c.in_use,
-	(SELECT count(*) FROM evo)::int, r.*
+	` + eventCountSQL + `::int, r.*
 FROM (VALUES (1)) AS one(x) LEFT JOIN chk c ON true LEFT JOIN res r ON true`
 
 // Activation is what ActivateReservations did with one report.
@@ -542,18 +546,19 @@ func ActivateReservations(ctx context.Context, q DBTX, now time.Time, reports []
 		}
 		nodes[i], resIDs[i], gens[i], data[i] = r.NodeID, r.ReservationID, r.Generation, string(b)
 	}
-	rows, err := q.Query(ctx, activateReservationsSQL, nodes, resIDs, gens, data, now, eventTime(now))
+	rows, err := q.Query(ctx, activateReservationsSQL, nodes, resIDs, gens, data, now)
 	if err != nil {
 		return nil, fmt.Errorf("activate reservations: %w", interpretError(err))
 	}
 	out := make([]Activation, 0, n)
-	var activated, outboxed int
+	var activated, written int
+	var tenants, types []string
 	for rows.Next() {
 		var (
 			a         Activation
 			createdAt *time.Time
 		)
-		if err := rows.Scan(&a.Found, &a.Activated, &a.TenantID, &a.State, &createdAt, &outboxed); err != nil {
+		if err := rows.Scan(&a.Found, &a.Activated, &a.TenantID, &a.State, &createdAt, &written); err != nil {
 			rows.Close()
 			return nil, fmt.Errorf("activate reservations: %w", err)
 		}
@@ -562,6 +567,7 @@ func ActivateReservations(ctx context.Context, q DBTX, now time.Time, reports []
 		}
 		if a.Activated {
 			activated++
+			tenants, types = append(tenants, a.TenantID), append(types, EventReservationActive)
 		}
 		out = append(out, a)
 	}
@@ -575,23 +581,21 @@ func ActivateReservations(ctx context.Context, q DBTX, now time.Time, reports []
 	if activated == 0 {
 		return out, nil
 	}
-	if outboxed != activated {
-		return nil, fmt.Errorf("activate reservations: %d outbox rows for %d events", outboxed, activated)
+	if written != activated {
+		return nil, fmt.Errorf("activate reservations: %d events for %d activations", written, activated)
 	}
-	if err := signalOutbox(ctx, q); err != nil {
-		return nil, fmt.Errorf("activate reservations: signal the outbox: %w", interpretError(err))
-	}
+	hintEvents(q, eventHints(tenants, types))
 	return out, nil
 }
 
 // activateReservationsSQL is ActivateReservations' statement: $1–$4 the
 // reports (node, reservation, generation, reservation.active data, whose
-// "binding" is the binding written), $5 now, $6 the events' message time.
+// "binding" is the binding written), $5 now.
 // l locks the reservations in id order and reads them as they are once
 // locked; w picks, of each reservation's reports that activate it, the
-// first; act writes them (checking the row again), src, ev and evo the
+// first; act writes them (checking the row again), src and ev the
 // events. One row per report, in their order: found, activated, tenant,
-// state after, created_at, and the outbox rows of events written.
+// state after, created_at, and the events written.
 var activateReservationsSQL = `WITH u AS (
 		SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) WITH ORDINALITY AS u(node, id, gen, data, ord)),
 	l AS (
@@ -611,10 +615,10 @@ var activateReservationsSQL = `WITH u AS (
 		SELECT a.ord, a.tenant_id AS tenant, '` + EventReservationActive + `'::text AS type, a.id AS subject,
 			a.data::jsonb AS data, $5::timestamptz AS at
 		FROM act a),
-	` + eventWriterCTEs("src", "$6") + `
+	` + eventWriterCTE("src") + `
 SELECT l.id IS NOT NULL, a.ord IS NOT NULL, COALESCE(l.tenant_id, ''),
 	CASE WHEN EXISTS (SELECT FROM act x WHERE x.id = u.id) THEN '` + ReservationActive + `' ELSE COALESCE(l.state, '') END,
-	l.created_at, (SELECT count(*) FROM evo)::int
+	l.created_at, ` + eventCountSQL + `::int
 FROM u LEFT JOIN l ON l.id = u.id LEFT JOIN act a ON a.ord = u.ord
 ORDER BY u.ord`
 

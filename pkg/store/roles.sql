@@ -16,8 +16,10 @@
 -- need nothing here.
 --
 -- Every event writer (WriteEvents and the statements that embed
--- eventWriterCTEs) inserts into events and outbox and reads back the rows
--- it inserted (RETURNING): that is the "events" pair of grants of each role.
+-- eventWriterCTE) inserts into events, and the statements read back the
+-- tenant and type of the rows they inserted (RETURNING): that is the
+-- "events" pair of grants of each role. Events write no outbox row (their
+-- hints are published after the commit).
 -- To change what a service may do: change its store calls, then this file;
 -- TestRoleGrants (roles_test.go) runs every store function each service
 -- calls as its role and fails on a missing grant, or on a store function a
@@ -69,8 +71,8 @@ GRANT SELECT, INSERT ON events TO bc_api;
 GRANT USAGE ON SEQUENCE events_id_seq TO bc_api;
 -- ScanEvents, MaxEventID, EventRetention: what retention removed.
 GRANT SELECT ON event_retention TO bc_api;
--- The writers of events, RevokeAPIToken (the revocation), QueueCommands
--- (the gateways' pokes).
+-- RevokeAPIToken (the revocation), QueueCommands (the gateways' pokes),
+-- CreateReservation (the scheduler's poke).
 GRANT SELECT (id), INSERT ON outbox TO bc_api;
 GRANT USAGE ON SEQUENCE outbox_id_seq TO bc_api;
 -- iam's audit interceptor and AuditInTx (InsertAudit), QueueCommands, ListAudit.
@@ -107,7 +109,7 @@ GRANT SELECT ON node_devices TO bc_joinservice;
 -- RecordJoins.
 GRANT SELECT, INSERT ON events TO bc_joinservice;
 GRANT USAGE ON SEQUENCE events_id_seq TO bc_joinservice;
--- RecordJoins (node.joined, the controllers' poke).
+-- RecordJoins (the controllers' poke).
 GRANT SELECT (id), INSERT ON outbox TO bc_joinservice;
 GRANT USAGE ON SEQUENCE outbox_id_seq TO bc_joinservice;
 
@@ -131,7 +133,7 @@ GRANT SELECT, UPDATE ON reservations TO bc_gateway;
 -- The writers of events.
 GRANT SELECT, INSERT ON events TO bc_gateway;
 GRANT USAGE ON SEQUENCE events_id_seq TO bc_gateway;
--- The writers of events; ApplySessionCommandUpdates pokes the controllers.
+-- ApplySessionCommandUpdates pokes the controllers.
 GRANT SELECT (id), INSERT ON outbox TO bc_gateway;
 GRANT USAGE ON SEQUENCE outbox_id_seq TO bc_gateway;
 -- RecordGatewayPresence (an upsert of the gateway's presence lease).
@@ -158,7 +160,7 @@ GRANT SELECT ON ssh_user_cas TO bc_scheduler;
 -- The writers of events.
 GRANT SELECT, INSERT ON events TO bc_scheduler;
 GRANT USAGE ON SEQUENCE events_id_seq TO bc_scheduler;
--- The writers of events, the gateways' pokes.
+-- The gateways' pokes (PlaceReservationsAt), the scheduler's own.
 GRANT SELECT (id), INSERT ON outbox TO bc_scheduler;
 GRANT USAGE ON SEQUENCE outbox_id_seq TO bc_scheduler;
 -- lease: TryAcquireLease, ReleaseLease.
@@ -206,7 +208,7 @@ GRANT USAGE ON SEQUENCE events_id_seq TO bc_controllers;
 GRANT SELECT, INSERT, UPDATE ON event_retention TO bc_controllers;
 -- DeleteOldAudit.
 GRANT SELECT, DELETE ON audit TO bc_controllers;
--- The writers of events, Enqueue, PokeNodes; the outbox relay (TakeOutbox)
+-- Enqueue, PokeNodes, AdoptNodes; the outbox relay (TakeOutbox)
 -- deletes what it publishes, having locked it (FOR UPDATE SKIP LOCKED: the
 -- UPDATE); FleetStatsAt reads the backlog.
 GRANT SELECT, INSERT, UPDATE, DELETE ON outbox TO bc_controllers;

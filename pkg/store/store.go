@@ -190,8 +190,9 @@ func (db *DB) Now() time.Time { return db.Clock.Now().UTC().Truncate(time.Micros
 // InTx runs fn in a transaction and commits it. A serialization failure or
 // deadlock (SQLSTATE 40001, 40P01) reruns fn, up to 10 times; any other error
 // rolls back and is returned, interpreted (ErrNotFound, ErrConflict). When
-// fn wrote outbox rows (Enqueue, WriteEvents), the relay is
-// signalled after the commit (see outboxTx).
+// fn wrote outbox rows (Enqueue, PokeNodes), the relay is signalled after
+// the commit, and the direct pokes and the hints of the events fn wrote are
+// published then (see outboxTx).
 func (db *DB) InTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
 	return db.inTx(ctx, db.Pool, fn)
 }

@@ -10,7 +10,7 @@ package storetest
 // session, a command's or reservation's state) is then written to the row
 // as it is. The factory makes rows, not histories: the store's transitions
 // (AdoptNodes, QueueCommand, CreateReservation, PlaceReservations, …)
-// also write events, outbox messages and audit rows, which a fixture must
+// also write events, outbox messages, hints and audit rows, which a fixture must
 // not; a test of a transition calls it.
 //
 // A parent left empty in the options (the pool of a node, the site and
@@ -573,7 +573,7 @@ type EventOpts struct {
 }
 
 // Event inserts an events row of any type, tenant (or none) and data, with
-// no outbox message, and returns its id: for tests of the watch, which
+// no hint published, and returns its id: for tests of the watch, which
 // reads what the table holds. The control plane writes only the types of
 // store.EventTypes, each with its data type, through store.WriteEvents.
 func Event(t testing.TB, db *store.DB, opts *EventOpts) int64 {

@@ -134,10 +134,10 @@ type Config struct {
 func (c Config) ProbeAddr() string { return c.Listen }
 
 // Deps are the API server's collaborators. DB is required. NC, when set,
-// wakes event watches as soon as the outbox relay publishes an event
-// (bc.events.>), and a watch holding events for transactions that were
-// running at its read checks them again at each commit's poke
-// (store.SubjectOutboxWritten); without it they poll the events table every
+// wakes event watches as soon as a commit that wrote events of their tenant
+// publishes its hint (bc.events.<tenant>.<type>, store.SubjectEvents), and a
+// watch holding events for transactions that were running at its read
+// checks them again at each such hint, of any tenant; without it they poll the events table every
 // WatchConfig.Poll; it also carries the revocations of API tokens by other
 // API servers (store.SubjectAPITokenRevoked), which drop the token from
 // this server's cache (without it a token revoked elsewhere works here for
@@ -154,9 +154,10 @@ type Server struct {
 	// revoked is the subscription to store.SubjectAPITokenRevoked; nil
 	// without NC.
 	revoked *nats.Subscription
-	// committed is the subscription to store.SubjectOutboxWritten, the
-	// poke every commit that wrote events sends, which wakes the watches
-	// holding events (commits); nil without NC.
+	// committed is the subscription to the hints of every tenant's events
+	// (store.SubjectEvents), which every commit that wrote events
+	// publishes, and which wakes the watches holding events (commits); nil
+	// without NC.
 	committed *nats.Subscription
 	// commits tells the watches holding events that a transaction that
 	// wrote events committed (events.go).
@@ -249,9 +250,9 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		if s.revoked, err = deps.NC.Subscribe(store.SubjectAPITokenRevoked, s.tokenRevoked); err != nil {
 			return nil, fmt.Errorf("api: subscribe to %s: %w", store.SubjectAPITokenRevoked, err)
 		}
-		if s.committed, err = deps.NC.Subscribe(store.SubjectOutboxWritten, func(*nats.Msg) { s.commits.signal() }); err != nil {
+		if s.committed, err = deps.NC.Subscribe(store.SubjectEvents+".>", func(*nats.Msg) { s.commits.signal() }); err != nil {
 			_ = s.revoked.Unsubscribe()
-			return nil, fmt.Errorf("api: subscribe to %s: %w", store.SubjectOutboxWritten, err)
+			return nil, fmt.Errorf("api: subscribe to %s.>: %w", store.SubjectEvents, err)
 		}
 	}
 	return s, nil

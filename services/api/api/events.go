@@ -48,11 +48,11 @@ const WatchPath = PathPrefix + "/watch"
 // has ended since (none was running, or they are another database's or
 // never touched events); otherwise the watch holds it, and once none of
 // them may write events it reads again and delivers the events up to the
-// highest id held. A hold is checked again at each poke a commit that
-// wrote events sends (store.SubjectOutboxWritten, published by the writer
-// right after its commit: the transaction held for may be the one that
-// ended), after GapRecheck, doubling up to Poll (for a transaction that
-// rolls back, which sends no poke), and at every wake and poll; it ends at the latest after
+// highest id held. A hold is checked again at each hint a commit that
+// wrote events publishes (store.SubjectEvents, of any tenant, published by
+// the writer right after its commit: the transaction held for may be the
+// one that ended), after GapRecheck, doubling up to Poll (for a transaction
+// that rolls back, which sends no hint), and at every wake and poll; it ends at the latest after
 // MaxGrace, so that a long transaction cannot stall every watch (an event
 // whose transaction outlives MaxGrace is then not delivered to watches
 // that were live; a watch resumed later does get it).
@@ -180,8 +180,7 @@ func (s *eventService) Watch(ctx context.Context, req *connect.Request[computev1
 		fromStart: req.Msg.FromStart, afterName: "after_id"}, ready, send)
 }
 
-// watchEventJSON is one line of WatchPath, the shape of the events NATS
-// carries (pkg/store WriteEvents).
+// watchEventJSON is one line of WatchPath: an events row.
 type watchEventJSON struct {
 	ID        int64           `json:"id"`
 	Type      string          `json:"type"`
@@ -382,8 +381,8 @@ func writeHTTPError(w http.ResponseWriter, status int, code connect.Code, msg st
 const WatchCursorHeader = "Bc-Watch-After"
 
 // commitSignal tells the watches holding events that a transaction that
-// wrote events has committed (the pokes on store.SubjectOutboxWritten). Its
-// zero value is ready.
+// wrote events has committed (the hints on store.SubjectEvents). Its zero
+// value is ready.
 type commitSignal struct {
 	mu sync.Mutex
 	// ch is closed at the next signal; nil until a watch waits.
@@ -555,8 +554,8 @@ func (s *Server) watch(ctx context.Context, p iam.Principal, authorization strin
 	}
 	wake := make(chan struct{}, 1)
 	if s.nc != nil {
-		// The outbox relay publishes an event after its commit: a hint to
-		// read now rather than at the next poll.
+		// The writer of events of the tenant publishes a hint after its
+		// commit: read now rather than at the next poll.
 		subject := store.SubjectEvents + ".>"
 		if tenant := w.filter.Scope.Tenant(); tenant != "" {
 			subject = store.SubjectEvents + "." + tenant + ".>"

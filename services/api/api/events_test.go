@@ -464,6 +464,34 @@ func TestWatchWakesOnNATS(t *testing.T) {
 	require.Eventually(t, subscribed(0), 10*time.Second, 10*time.Millisecond, "an ended watch unsubscribes")
 }
 
+// TestWatchWakesOnCommitHint checks that a commit that writes events wakes
+// the watches of their tenant through the hint its writer publishes after
+// the commit (store.DB.PokeVia on NATS), with no outbox relay running and a
+// clock that never moves (no poll): a cordon's node.cordoned reaches acme's
+// watch, and its outbox holds no copy of the event.
+func TestWatchWakesOnCommitHint(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	nc := natsConn(t)
+	f.db.PokeVia(nc.Publish)
+	f = f.withServer(t, api.WatchConfig{}, nc, clock.NewFake(f.db.Now()))
+	ctx := t.Context()
+	node := f.node(t, f.acmePool, 1, "H100", storetest.NodeOpts{State: store.NodeAdopted})
+	start := mark(t, f.db, f.acme)
+	w := watch(t, f.as(f.tokens["acme-viewer"]), &computev1.WatchRequest{AfterId: start})
+	w.none(t, 300*time.Millisecond) // caught up: it waits for a wake
+	require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
+		_, err := store.CordonNode(ctx, tx, store.AllTenants, f.db.Now(), node, "fan noise")
+		return err
+	}))
+	e := w.next(t)
+	require.Equal(t, store.EventNodeCordoned, e.Type)
+	require.Equal(t, node, e.SubjectId)
+	var outboxed int
+	require.NoError(t, f.db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE subject LIKE 'bc.events.%'`).Scan(&outboxed))
+	require.Zero(t, outboxed, "the event's only message is its hint")
+}
+
 // TestWatchEnds checks that a watch ends with no error when its client
 // cancels, and with Unavailable when the server stops.
 func TestWatchEnds(t *testing.T) {
@@ -839,11 +867,12 @@ func TestWatchRefusesUnknownTypes(t *testing.T) {
 }
 
 // TestWatchHoldEndsAtCommitPoke checks that events held for a transaction
-// running at the read are delivered once it commits, at the poke a commit
-// that wrote events sends (store.SubjectOutboxWritten), with a clock that
-// never moves (no re-check timer, no poll) and no wake on the tenant's
-// events: in id order, the lower id committed last included (no gap, no
-// duplicate), and that pokes while it runs deliver nothing past it.
+// running at the read are delivered once it commits, at the hint a commit
+// that wrote events publishes (store.SubjectEvents), here another tenant's,
+// with a clock that never moves (no re-check timer, no poll) and no wake on
+// the tenant's events: in id order, the lower id committed last included
+// (no gap, no duplicate), and that hints while it runs deliver nothing past
+// it.
 func TestWatchHoldEndsAtCommitPoke(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
@@ -860,9 +889,9 @@ func TestWatchHoldEndsAtCommitPoke(t *testing.T) {
 	a := insertEvent(t, f.db, txA, now, f.acme, "node.cordoned")
 	b := insertEvent(t, f.db, nil, now, f.acme, "node.uncordoned")
 	require.Equal(t, a+1, b)
-	// Other commits' pokes (and those of parallel tests' transactions,
-	// which a read may find running) arrive all the time.
-	nudge(t, nc, store.SubjectOutboxWritten)
+	// Other tenants' commits' hints (and those of parallel tests'
+	// transactions, which a read may find running) arrive all the time.
+	nudge(t, nc, store.SubjectEvents+"."+f.other+".node.cordoned")
 	w := watch(t, f.as(f.tokens["acme-viewer"]), &computev1.WatchRequest{AfterId: start})
 	w.none(t, 300*time.Millisecond) // b is held while A may commit a
 	require.NoError(t, txA.Commit(ctx))

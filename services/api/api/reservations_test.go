@@ -78,7 +78,7 @@ func TestReserve(t *testing.T) {
 	require.Equal(t, time.Hour, r.EndTime.AsTime().Sub(r.StartTime.AsTime()))
 	// Its event and the scheduler's poke went out with it.
 	require.Equal(t, 1, f.count(t, `SELECT count(*) FROM events WHERE type = 'reservation.created' AND subject_id = $1 AND tenant_id = $2`, r.Id, f.acme))
-	require.Equal(t, 1, f.count(t, `SELECT count(*) FROM outbox WHERE subject = $1`, "bc.events."+f.acme+".reservation.created"))
+	require.Zero(t, f.count(t, `SELECT count(*) FROM outbox WHERE subject LIKE 'bc.events.%'`), "an event has no outbox row")
 	require.Equal(t, 1, f.count(t, `SELECT count(*) FROM outbox WHERE subject = $1`, store.SubjectPokeScheduler))
 
 	// A start in the future is kept.
