@@ -286,11 +286,22 @@ type SessionDelivery struct {
 // claimSessionDeliveriesSQL is ClaimSessionDeliveries' statement. Its CTEs:
 // u the requests, nd their nodes as the session sees them (live: the
 // session is the node's and the node is not revoked; the spec only when
-// the session lacks its generation), pick the open
-// commands to claim of the live ones, locked in id order, upd the claim.
-// It returns one row per request whose node exists (command false: the
-// node's columns) and one per claimed command (command true: the
+// the session lacks its generation), pick the open commands to claim of the
+// live ones, locked in id order, upd the claim. It returns one row per
+// request whose node exists (command false: its ord and the node's
+// columns) and one per claimed command (command true: its node and the
 // command's columns), the other side's columns NULL.
+//
+// pick reads the open commands of the live nodes in one scan of
+// commands_open_idx whose index condition is the array of those nodes (an
+// InitPlan), not in a join with nd: the statement runs with a generic plan
+// (DB.AutoCommit), made once per connection, maybe while the index was
+// nearly empty, and a join then planned the index's inner side as a scan
+// of the whole index filtered by node, as cheap as a lookup by node while
+// the index was empty, which became a scan of every open command of the
+// fleet per node once thousands were queued (1.2 million buffers read by
+// one claim of 256 nodes). A restriction on node_id of commands alone has
+// one index path, the one whose index condition it is.
 const claimSessionDeliveriesSQL = `WITH u AS (
 		SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bool[]) WITH ORDINALITY AS u(id, sid, known, inflight, ord)),
 	nd AS (
@@ -301,25 +312,24 @@ const claimSessionDeliveriesSQL = `WITH u AS (
 				THEN n.spec_signature END AS spec_signature,
 			n.session_id = u.sid AND n.revoked_at IS NULL AS live
 		FROM u JOIN nodes n ON n.id = u.id WHERE n.id = ANY($1)),
-	pick AS (SELECT c.id, nd.ord FROM nd
-		JOIN commands c ON c.node_id = nd.id
+	pick AS (SELECT c.id FROM commands c
 		-- finished_at IS NULL (open: see commands_finished_iff_terminal)
-		-- matches commands_open_idx's predicate, so that the node's open
-		-- commands are read by (node_id) from it rather than every open
-		-- command of the fleet.
-		WHERE nd.live AND c.finished_at IS NULL AND (c.state = 'queued' OR nd.inflight)
+		-- matches commands_open_idx's predicate, so that the nodes' open
+		-- commands are read by node_id from it.
+		WHERE c.node_id = ANY (ARRAY(SELECT nd.id FROM nd WHERE nd.live)) AND c.finished_at IS NULL
+			AND (c.state = 'queued' OR c.node_id = ANY (ARRAY(SELECT nd.id FROM nd WHERE nd.live AND nd.inflight)))
 		ORDER BY c.id FOR UPDATE OF c),
 	upd AS (
 		UPDATE commands c SET
 			state = CASE WHEN c.state = 'queued' THEN 'delivered' ELSE c.state END,
 			delivered_at = $5, deliveries = c.deliveries + 1, updated_at = $5
 		FROM pick WHERE c.id = pick.id
-		RETURNING pick.ord, c.id, c.kind, c.args, c.deadline, c.retry_safe, c.created_at, c.signature, c.traceparent)
-	SELECT ord, false, current, revoked, spec_generation, spec, spec_signature,
+		RETURNING c.node_id, c.id, c.kind, c.args, c.deadline, c.retry_safe, c.created_at, c.signature, c.traceparent)
+	SELECT ord, NULL::text, false, current, revoked, spec_generation, spec, spec_signature,
 		NULL::text, NULL::text, NULL::jsonb, NULL::timestamptz, NULL::bool, NULL::timestamptz, NULL::bytea, NULL::text
 	FROM nd
 	UNION ALL
-	SELECT ord, true, true, false, 0, NULL::jsonb, NULL::bytea,
+	SELECT NULL::bigint, node_id, true, true, false, 0, NULL::jsonb, NULL::bytea,
 		id, kind, args, deadline, retry_safe, created_at, signature, traceparent
 	FROM upd`
 
@@ -335,8 +345,8 @@ const claimSessionDeliveriesSQL = `WITH u AS (
 // same statement, so a superseded session never takes a newer session's
 // commands and a revoked node gets nothing. Commands are locked in id order,
 // as ApplySessionCommandUpdates locks them, so concurrent batches do not
-// deadlock each other. Two requests for the same session in one call share
-// its commands between them (each command is claimed once).
+// deadlock each other. Of two requests for the same session in one call,
+// the first gets its commands (each command is claimed once).
 func ClaimSessionDeliveries(ctx context.Context, q DBTX, now time.Time, reqs []ClaimRequest) ([]SessionDelivery, error) {
 	if len(reqs) == 0 {
 		return nil, nil
@@ -354,9 +364,11 @@ func ClaimSessionDeliveries(ctx context.Context, q DBTX, now time.Time, reqs []C
 	}
 	defer rows.Close()
 	out := make([]SessionDelivery, len(reqs))
+	claimed := map[string][]SessionCommand{} // by node
 	for rows.Next() {
 		var (
-			ord     int64
+			ord     *int64
+			node    *string
 			command bool
 			d       SessionDelivery
 			c       SessionCommand
@@ -366,20 +378,27 @@ func ClaimSessionDeliveries(ctx context.Context, q DBTX, now time.Time, reqs []C
 			dl, at  *time.Time
 			tp      *string
 		)
-		if err := rows.Scan(&ord, &command, &d.Current, &d.Revoked, &d.SpecGeneration, &d.Spec, &d.SpecSignature,
+		if err := rows.Scan(&ord, &node, &command, &d.Current, &d.Revoked, &d.SpecGeneration, &d.Spec, &d.SpecSignature,
 			&id, &kind, &c.Args, &dl, &safe, &at, &c.Signature, &tp); err != nil {
 			return nil, err
 		}
 		if !command {
-			d.Commands = out[ord-1].Commands
-			out[ord-1] = d
+			out[*ord-1] = d
 			continue
 		}
 		c.ID, c.Kind, c.Deadline, c.RetrySafe, c.CreatedAt, c.Traceparent = *id, *kind, *dl, *safe, *at, *tp
-		out[ord-1].Commands = append(out[ord-1].Commands, c)
+		claimed[*node] = append(claimed[*node], c)
 	}
 	if err := rows.Err(); err != nil {
 		return nil, interpretError(err)
+	}
+	// A node's commands go to its first request on its live session (the
+	// statement claimed them for its live requests only).
+	for i, r := range reqs {
+		if cmds := claimed[r.NodeID]; len(cmds) > 0 && out[i].Current && !out[i].Revoked {
+			out[i].Commands = cmds
+			delete(claimed, r.NodeID)
+		}
 	}
 	for i := range out {
 		slices.SortFunc(out[i].Commands, func(a, b SessionCommand) int {

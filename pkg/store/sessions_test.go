@@ -766,3 +766,55 @@ func TestPendingSessionWorkReadsOnlyOpenCommands(t *testing.T) {
 	require.NotContains(t, plan, "commands_node_request_idx", "the claim reads no node's whole command history:\n%s", plan)
 	require.NotContains(t, plan, "Seq Scan on commands", "the claim reads not the whole commands table:\n%s", plan)
 }
+
+// TestClaimGenericPlanReadsByNode: the claim runs with a generic plan
+// (DB.AutoCommit), made once per connection, maybe while commands_open_idx
+// is empty; planned then, a claim must still read only the claimed nodes'
+// open commands once thousands of other commands are open: the index's
+// condition is the nodes, and no join filter drops the other nodes' rows.
+// (A join of the nodes with commands was planned, on an empty index, as a
+// scan of the whole index per node, filtered by node: 1.2 million buffers
+// read by one claim of 256 nodes under load.)
+func TestClaimGenericPlanReadsByNode(t *testing.T) {
+	t.Parallel()
+	f := newGatewayFixture(t)
+	ctx := t.Context()
+	conn, err := f.db.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	// AutoCommit's settings (store.Open), on a connection this test holds.
+	for _, set := range []string{"plan_cache_mode = force_generic_plan", "enable_seqscan = off", "jit = off"} {
+		_, err := conn.Exec(ctx, "SET "+set)
+		require.NoError(t, err)
+	}
+	_, err = conn.Exec(ctx, "PREPARE claim(text[], text[], bigint[], bool[], timestamptz) AS "+store.ClaimSessionDeliveriesSQL)
+	require.NoError(t, err)
+	// The generic plan is made at the first execution, with no open command.
+	_, err = conn.Exec(ctx, "EXPLAIN EXECUTE claim('{}', '{}', '{}', '{}', now())")
+	require.NoError(t, err)
+
+	var nodeIDs, sids []string
+	for range 20 {
+		n := f.node()
+		sid, _ := f.open(n, "gw", 0)
+		nodeIDs, sids = append(nodeIDs, n), append(sids, sid)
+		for range 30 {
+			f.command(n, "queued", "user", f.db.Now())
+		}
+	}
+	claimed := nodeIDs[:2]
+	tx, err := conn.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	rows, err := tx.Query(ctx, "EXPLAIN (ANALYZE, BUFFERS, TIMING OFF, COSTS OFF) EXECUTE claim($1, $2, $3, $4, $5)",
+		pgx.QueryExecModeSimpleProtocol, claimed, sids[:2], []int64{0, 0}, []bool{false, false}, f.db.Now())
+	require.NoError(t, err)
+	lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	plan := strings.Join(lines, "\n")
+	require.Contains(t, plan, "Index Scan using commands_open_idx on commands", plan)
+	require.Regexp(t, `commands_open_idx on commands c[^\n]*\n\s+Index Cond: \(node_id = ANY`, plan,
+		"the open commands are read by the claimed nodes")
+	require.NotContains(t, plan, "Rows Removed by Join Filter", "no other node's open command is read")
+	require.Contains(t, plan, "rows=60 loops=1", "the claimed nodes' 60 commands, once:\n%s", plan)
+}
