@@ -206,6 +206,7 @@ func BenchmarkCommands(b *testing.B) {
 		// Phase 1: throughput, with the CPU time it costs each process group:
 		// each service, Postgres, NATS, the machines and the callers.
 		m0, cpu0 := f.metrics(b), f.cpu(b)
+		stmts := startStatements(b, f.dbURL)
 		sampleCtx, stopSampling := context.WithCancel(ctx)
 		waits := sampleWaits(sampleCtx, f.dbURL, clk)
 		// The phase's length at 500 commands/s, an upper bound (a shorter
@@ -213,6 +214,7 @@ func BenchmarkCommands(b *testing.B) {
 		waitProfiles := f.profile(b, "", total/500+1)
 		ids := runAll(total, func(i int) (string, error) { return run(nodes[i%len(nodes)]) })
 		cpu1, m1 := f.cpu(b), f.metrics(b)
+		statements := stmts.summary(b, total, 10)
 		stopSampling()
 		waitProfiles()
 		sat := cpu1.sub(cpu0)
@@ -267,6 +269,9 @@ func BenchmarkCommands(b *testing.B) {
 		fmt.Printf("  control plane %s of CPU per command (target ≤ 300µs) → ~%.0f commands/s per control-plane core\n",
 			cpCmd.Round(time.Microsecond), perCore(cpCmd))
 		fmt.Printf("  %s; %s\n", poolLine(m0, m1, total), <-waits)
+		if statements != "" {
+			fmt.Println(statements)
+		}
 		fmt.Printf("command round trip at %.0f/s (%d commands): RunCommand → terminal state recorded p50 %s, p99 %s "+
 			"(target p99 < 50ms)\n", offered, steady, rt[0].Round(time.Millisecond), rt[1].Round(time.Millisecond))
 		fmt.Printf("  RunCommand call p50 %s, p99 %s; queued→delivered p50 %s, p99 %s; delivered→finished p50 %s, p99 %s; "+

@@ -5,7 +5,10 @@
 // built image BETTER_COMPUTE_POSTGRES_IMAGE (default
 // better-compute/postgres:15; `make images` builds it). Set
 // TESTCONTAINERS_RYUK_DISABLED=true: Ryuk's image cannot be pulled here, so
-// the container is terminated by Stop (call it from TestMain).
+// the container is terminated by Stop (call it from TestMain). With
+// BETTER_COMPUTE_TEST_POSTGRES_STATEMENTS=1 the container's server loads
+// pg_stat_statements (shared_preload_libraries), for benchmarks that read
+// what each statement cost (StatementsPreload).
 //
 // Each call of New creates a fresh database from a template migrated once, so
 // tests can run in parallel without seeing each other's rows. Tests put rows
@@ -46,6 +49,10 @@ var (
 	counter     atomic.Int64
 )
 
+// StatementsPreload reports whether the container's server is started with
+// pg_stat_statements loaded: BETTER_COMPUTE_TEST_POSTGRES_STATEMENTS=1.
+func StatementsPreload() bool { return os.Getenv("BETTER_COMPUTE_TEST_POSTGRES_STATEMENTS") == "1" }
+
 // Image is the Postgres image used when BETTER_COMPUTE_TEST_DATABASE_URL is unset.
 func Image() string {
 	if v := os.Getenv("BETTER_COMPUTE_POSTGRES_IMAGE"); v != "" {
@@ -59,12 +66,16 @@ func setup() {
 	serverURL = os.Getenv("BETTER_COMPUTE_TEST_DATABASE_URL")
 	if serverURL == "" {
 		UseLocalDocker()
-		c, err := postgres.Run(ctx, Image(),
+		opts := []testcontainers.ContainerCustomizer{
 			postgres.WithDatabase("bc"), postgres.WithUsername("bc"), postgres.WithPassword("bc"),
 			postgres.BasicWaitStrategies(),
 			testcontainers.WithEnv(map[string]string{"TZ": "UTC"}),
 			LoopbackPorts("5432/tcp"),
-		)
+		}
+		if StatementsPreload() {
+			opts = append(opts, testcontainers.WithCmdArgs("-c", "shared_preload_libraries=pg_stat_statements"))
+		}
+		c, err := postgres.Run(ctx, Image(), opts...)
 		if err != nil {
 			setupErr = fmt.Errorf("start postgres container from %s (run `make images`): %w", Image(), err)
 			return
