@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -64,7 +65,6 @@ func (f *fleet) startProcesses(b *testing.B, noScheduler bool) {
 	b.Helper()
 	f.services = map[string]*serviceProc{}
 	common := []string{
-		"BETTER_COMPUTE_DATABASE_URL=" + f.dbURL,
 		"BETTER_COMPUTE_NATS_URL=" + f.natsURL,
 		"BETTER_COMPUTE_PKI_DIR=" + f.pkiDir,
 		"BETTER_COMPUTE_LOG_LEVEL=warn",
@@ -120,16 +120,24 @@ func (f *fleet) startScheduler(b *testing.B) {
 	b.Helper()
 	health := procs.FreeAddr(b)
 	f.startService(b, svcScheduler, health, "http://"+health+"/metrics",
-		"BETTER_COMPUTE_DATABASE_URL="+f.dbURL, "BETTER_COMPUTE_NATS_URL="+f.natsURL,
+		"BETTER_COMPUTE_NATS_URL="+f.natsURL,
 		"BETTER_COMPUTE_PKI_DIR="+f.pkiDir, "BETTER_COMPUTE_LOG_LEVEL=warn",
 		"BETTER_COMPUTE_HEALTH_LISTEN="+health, "BETTER_COMPUTE_LEASE_HOLDER=bench-scheduler")
 }
 
-// startService starts bin/linux/<name> with env, waits until probes'
-// /readyz answers, and records it with its metrics URL (and a profiling
-// server on a free loopback port when profiles are asked for).
+// startService starts bin/linux/<name> with env and the fleet's database
+// (its connections named after the service: application_name, which
+// pg_stat_activity shows), waits until probes' /readyz answers, and records
+// it with its metrics URL (and a profiling server on a free loopback port
+// when profiles are asked for).
 func (f *fleet) startService(b *testing.B, name, probes, metrics string, env ...string) {
 	b.Helper()
+	u, err := url.Parse(f.dbURL)
+	require.NoError(b, err)
+	q := u.Query()
+	q.Set("application_name", name)
+	u.RawQuery = q.Encode()
+	env = append(env, "BETTER_COMPUTE_DATABASE_URL="+u.String())
 	s := &serviceProc{name: name, metrics: metrics}
 	if profileDir() != "" {
 		s.pprof = procs.FreeAddr(b)

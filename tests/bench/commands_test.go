@@ -206,7 +206,7 @@ func BenchmarkCommands(b *testing.B) {
 		// Phase 1: throughput, with the CPU time it costs each process group:
 		// each service, Postgres, NATS, the machines and the callers.
 		m0, cpu0 := f.metrics(b), f.cpu(b)
-		stmts := startStatements(b, f.dbURL)
+		stmts := startStatements(b, f.dbURL, f.pgID)
 		sampleCtx, stopSampling := context.WithCancel(ctx)
 		waits := sampleWaits(sampleCtx, f.dbURL, clk)
 		// The phase's length at 500 commands/s, an upper bound (a shorter
@@ -214,7 +214,7 @@ func BenchmarkCommands(b *testing.B) {
 		waitProfiles := f.profile(b, "", total/500+1)
 		ids := runAll(total, func(i int) (string, error) { return run(nodes[i%len(nodes)]) })
 		cpu1, m1 := f.cpu(b), f.metrics(b)
-		statements := stmts.summary(b, total, 10)
+		statements := stmts.summary(b, total, 10, cpu1[groupPostgres]-cpu0[groupPostgres])
 		stopSampling()
 		waitProfiles()
 		sat := cpu1.sub(cpu0)

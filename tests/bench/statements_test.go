@@ -1,10 +1,17 @@
 package bench
 
 import (
+	"cmp"
 	"context"
 	"fmt"
+	"maps"
+	"os"
+	"os/exec"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
@@ -16,14 +23,28 @@ import (
 // pg_stat_statements, when the benchmark's Postgres loads it
 // (BETTER_COMPUTE_TEST_POSTGRES_STATEMENTS=1, storetest.StatementsPreload):
 // counts a loaded machine does not blur, unlike CPU time. Nil otherwise.
+// It also splits the container's CPU time over the phase by its processes:
+// each service's backends (their application_name, set by the benchmark's
+// database URLs), autovacuum, the background processes.
 type pgStatements struct {
 	conn *pgx.Conn
+	// container is the Postgres container's id; before the CPU time of its
+	// processes at the phase's start.
+	container string
+	before    map[int]backendCPU
+}
+
+// backendCPU is a Postgres process's name (its backend's application_name,
+// or its backend_type) and CPU time.
+type backendCPU struct {
+	name string
+	cpu  time.Duration
 }
 
 // startStatements resets pg_stat_statements for the benchmark's database
 // (dbURL) and returns the reader of the phase that begins; nil when the
-// server does not load it.
-func startStatements(b *testing.B, dbURL string) *pgStatements {
+// server does not load it. container is Postgres's container id.
+func startStatements(b *testing.B, dbURL, container string) *pgStatements {
 	b.Helper()
 	if !storetest.StatementsPreload() {
 		return nil
@@ -33,18 +54,97 @@ func startStatements(b *testing.B, dbURL string) *pgStatements {
 	b.Cleanup(func() { _ = conn.Close(context.Background()) })
 	_, err = conn.Exec(b.Context(), `CREATE EXTENSION IF NOT EXISTS pg_stat_statements`)
 	require.NoError(b, err)
+	p := &pgStatements{conn: conn, container: container}
+	p.before = p.processes(b)
 	_, err = conn.Exec(b.Context(), `SELECT pg_stat_statements_reset(0, (SELECT oid FROM pg_database WHERE datname = current_database()), 0)`)
 	require.NoError(b, err)
-	return &pgStatements{conn: conn}
+	return p
 }
+
+// processes returns the container's Postgres processes by host pid, each
+// named after its backend (pg_stat_activity, whose pids are the
+// container's: /proc/<pid>/status NSpid maps them), with its CPU time so
+// far (/proc/<pid>/stat utime + stime); nil when they cannot be read.
+func (p *pgStatements) processes(b *testing.B) map[int]backendCPU {
+	b.Helper()
+	out, err := exec.Command("docker", "inspect", "-f", "{{.State.Pid}}", p.container).Output()
+	if err != nil {
+		return nil
+	}
+	postmaster, err := strconv.Atoi(strings.TrimSpace(string(out)))
+	if err != nil {
+		return nil
+	}
+	rows, err := p.conn.Query(b.Context(), `SELECT pid, COALESCE(NULLIF(application_name, ''), backend_type, '')
+		FROM pg_stat_activity`)
+	require.NoError(b, err)
+	names := map[int]string{}
+	for rows.Next() {
+		var (
+			pid  int
+			name string
+		)
+		require.NoError(b, rows.Scan(&pid, &name))
+		names[pid] = name
+	}
+	require.NoError(b, rows.Err())
+	procs := map[int]backendCPU{}
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return nil
+	}
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+		if err != nil {
+			continue
+		}
+		var ppid, nspid int
+		for _, line := range strings.Split(string(status), "\n") {
+			if v, ok := strings.CutPrefix(line, "PPid:"); ok {
+				ppid, _ = strconv.Atoi(strings.TrimSpace(v))
+			}
+			if v, ok := strings.CutPrefix(line, "NSpid:"); ok {
+				f := strings.Fields(v)
+				nspid, _ = strconv.Atoi(f[len(f)-1])
+			}
+		}
+		if pid != postmaster && ppid != postmaster {
+			continue
+		}
+		stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			continue
+		}
+		_, rest, _ := strings.Cut(string(stat), ") ")
+		f := strings.Fields(rest)
+		utime, _ := strconv.ParseInt(f[11], 10, 64)
+		stime, _ := strconv.ParseInt(f[12], 10, 64)
+		name := names[nspid]
+		if pid == postmaster {
+			name = "postmaster"
+		} else if name == "" {
+			name = "other"
+		}
+		procs[pid] = backendCPU{name: name, cpu: time.Duration(utime+stime) * time.Second / clockTicks}
+	}
+	return procs
+}
+
+// clockTicks is the kernel's USER_HZ, the unit of /proc/<pid>/stat's times.
+const clockTicks = 100
 
 // summary returns, per operation (ops of them in the phase), the
 // statements the benchmark's database ran since startStatements (top level,
 // BEGIN and COMMIT included), their WAL records and bytes, buffer hits and
 // reads, and execution time, then the top statements by execution time,
-// each with its calls and WAL records per operation; "" without
+// each with its calls and WAL records per operation, and the container's
+// CPU time over the phase, total, by process (cpuLine); "" without
 // pg_stat_statements.
-func (p *pgStatements) summary(b *testing.B, ops int, top int) string {
+func (p *pgStatements) summary(b *testing.B, ops, top int, total time.Duration) string {
 	b.Helper()
 	if p == nil {
 		return ""
@@ -80,7 +180,33 @@ func (p *pgStatements) summary(b *testing.B, ops int, top int) string {
 	}
 	require.NoError(b, rows.Err())
 	return fmt.Sprintf("  Postgres per command (pg_stat_statements): %.2f statements, %.1f WAL records, %.0f WAL bytes, "+
-		"%.0f buffer hits and reads, %.3f ms of execution; the top %d by execution time, per command:\n%s",
+		"%.0f buffer hits and reads, %.3f ms of execution; the top %d by execution time, per command:\n%s\n%s",
 		float64(calls)/n, float64(walRecords)/n, walBytes/n, float64(blocks)/n, execMS/n, len(lines),
-		strings.Join(lines, "\n"))
+		strings.Join(lines, "\n"), p.cpuLine(b, ops, total))
+}
+
+// cpuLine splits total, the container's CPU time over the phase, by its
+// processes (processes), per operation: "exited" is what processes that
+// ended during the phase used (total less what the others did).
+func (p *pgStatements) cpuLine(b *testing.B, ops int, total time.Duration) string {
+	b.Helper()
+	after := p.processes(b)
+	if p.before == nil || after == nil {
+		return "  Postgres's CPU by process: not readable here"
+	}
+	by := map[string]time.Duration{}
+	var seen time.Duration
+	for pid, a := range after {
+		d := a.cpu - p.before[pid].cpu
+		by[a.name] += d
+		seen += d
+	}
+	by["exited"] = total - seen
+	names := slices.Sorted(maps.Keys(by))
+	slices.SortStableFunc(names, func(x, y string) int { return cmp.Compare(by[y], by[x]) })
+	parts := make([]string, 0, len(names))
+	for _, name := range names {
+		parts = append(parts, fmt.Sprintf("%s %s", name, (by[name]/time.Duration(ops)).Round(time.Microsecond)))
+	}
+	return "  Postgres's CPU per command by process (its backend's application_name, or its type): " + strings.Join(parts, ", ")
 }
