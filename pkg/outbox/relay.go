@@ -17,7 +17,8 @@
 // are idempotent hints to their readers). A row written with a trace
 // context (store.OutboxMessage.Traceparent) is published inside a producer
 // span of that trace, whose context the message carries in its
-// traceparent header (docs/architecture.md, "Traces").
+// traceparent header (docs/architecture.md, "Traces"). Every message names
+// its row in store.OutboxIDHeader.
 package outbox
 
 import (
@@ -25,6 +26,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strconv"
 	"strings"
 	"time"
 
@@ -252,7 +254,7 @@ func (r *Relay) publish(m store.OutboxMessage) (cause string, err error) {
 			len(m.Payload), limit)
 	}
 	if m.Traceparent == "" {
-		err = r.NC.Publish(m.Subject, m.Payload)
+		err = r.NC.PublishMsg(outboxMsg(m))
 	} else {
 		err = r.publishTraced(m)
 	}
@@ -267,6 +269,14 @@ func (r *Relay) publish(m store.OutboxMessage) (cause string, err error) {
 	return "", err
 }
 
+// outboxMsg is the NATS message of outbox row m: its subject and payload,
+// and its id in store.OutboxIDHeader.
+func outboxMsg(m store.OutboxMessage) *nats.Msg {
+	msg := &nats.Msg{Subject: m.Subject, Data: m.Payload, Header: nats.Header{}}
+	msg.Header.Set(store.OutboxIDHeader, strconv.FormatInt(m.ID, 10))
+	return msg
+}
+
 // tracer makes the relay's publish spans (the global provider's).
 var tracer = otel.Tracer("github.com/better-compute/better-compute/pkg/outbox")
 
@@ -279,7 +289,7 @@ func (r *Relay) publishTraced(m store.OutboxMessage) error {
 		trace.WithAttributes(attribute.String("messaging.system", "nats"),
 			attribute.String("messaging.destination.name", m.Subject)))
 	defer span.End()
-	msg := &nats.Msg{Subject: m.Subject, Data: m.Payload, Header: nats.Header{}}
+	msg := outboxMsg(m)
 	msg.Header.Set(telemetry.TraceparentHeader, telemetry.Traceparent(ctx))
 	err := r.NC.PublishMsg(msg)
 	if err != nil {

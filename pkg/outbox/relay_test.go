@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"os"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -213,7 +214,7 @@ func TestRelayWakesOnTheWriteSignal(t *testing.T) {
 // TestRelayPublishesStragglers: rows that commit with ids below ones the
 // relay already took are published — just below at once (the relay looks a
 // window back when signalled), far below at the next poll (which reads from
-// the oldest id).
+// the oldest id); each message names its row (store.OutboxIDHeader).
 func TestRelayPublishesStragglers(t *testing.T) {
 	db := storetest.New(t, nil)
 	nc, sub := natsServer(t)
@@ -222,16 +223,17 @@ func TestRelayPublishesStragglers(t *testing.T) {
 	require.NoError(t, err)
 
 	runRelay(t, &outbox.Relay{DB: db, NC: nc, Logger: telemetry.Discard(), Clock: clock.New(), Poll: 500 * time.Millisecond})
-	next := func(want string) {
+	next := func(want string, id int64) {
 		t.Helper()
 		msg, err := sub.NextMsg(10 * time.Second)
 		require.NoError(t, err)
 		require.Equal(t, want, msg.Subject)
+		require.Equal(t, strconv.FormatInt(id, 10), msg.Header.Get(store.OutboxIDHeader))
 	}
 	require.NoError(t, db.InTx(t.Context(), func(tx pgx.Tx) error {
 		return store.Enqueue(t.Context(), tx, db.Now(), "test.high", nil)
 	}))
-	next("test.high") // id 100001: the relay has taken it
+	next("test.high", 100001) // the relay has taken it
 	for _, s := range []struct {
 		id      int64
 		subject string
@@ -250,6 +252,9 @@ func TestRelayPublishesStragglers(t *testing.T) {
 			msg, err := sub.NextMsg(10 * time.Second)
 			require.NoError(t, err, "after %v", got)
 			got[msg.Subject] = true
+			if msg.Subject == s.subject {
+				require.Equal(t, strconv.FormatInt(s.id, 10), msg.Header.Get(store.OutboxIDHeader))
+			}
 		}
 		require.Equal(t, map[string]bool{s.subject: true, s.subject + ".marker": true}, got)
 	}

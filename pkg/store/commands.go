@@ -218,6 +218,11 @@ type QueueResult struct {
 	// GatewayID is the gateway that held the node's session when a new
 	// command was queued ("" when none did): the poke went to it.
 	GatewayID string
+	// PokeID is the outbox row id of that gateway's poke (0 when none):
+	// a writer that publishes the poke itself names the row in the
+	// message's OutboxIDHeader, as the relay does, so that the gateway acts
+	// on one of the two copies.
+	PokeID int64
 	// Err is ErrNotFound (node unknown, or of a tenant outside the
 	// command's Scope), a *NodeNotRunnableError, or an error for an
 	// unknown kind; nothing was written for the command then.
@@ -273,9 +278,9 @@ func QueueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 // those inserted, queued their command.queued events (type and data
 // encoded by encodeEvents, tenant the node's), then the events
 // (eventWriterCTE), the gateway pokes and the audit rows. It returns, per
-// command in order, what the node was, whether the command was inserted,
-// the events and the pokes written, and, for a request id already used,
-// that command.
+// command in order, what the node was, the outbox id of its gateway's poke
+// (0: none), whether the command was inserted, the events and the pokes
+// written, and, for a request id already used, that command.
 var queueSQL = `WITH u AS (
 		SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bool[], $5::timestamptz[], $6::text[], $7::text[],
 			$8::text[], $9::bytea[], $10::text[], $11::text[], $12::text[], $13::text[], $14::bool[], $15::text[], $18::text[],
@@ -312,7 +317,7 @@ var queueSQL = `WITH u AS (
 			convert_to(jsonb_build_object('nodeIds', array_agg(DISTINCT node ORDER BY node))::text, 'UTF8'), $17,
 			(array_agg(tp ORDER BY ord))[1]
 		FROM done WHERE gateway_id IS NOT NULL GROUP BY gateway_id ORDER BY gateway_id
-		RETURNING id),
+		RETURNING id, subject),
 	aud AS (
 		INSERT INTO audit (at, tenant_id, token_id, role, procedure, target, outcome, detail)
 		SELECT $17, NULLIF(ok.a_tenant, ''), NULLIF(ok.a_token, ''), ok.a_role, ok.a_proc, COALESCE(d.id, p.id), 'ok',
@@ -324,6 +329,7 @@ var queueSQL = `WITH u AS (
 		RETURNING id)
 	SELECT u.ord, n.id IS NOT NULL, COALESCE(n.provision_state, ''), COALESCE(n.revoked, false), COALESCE(n.tenant, ''),
 		COALESCE(n.gateway_id, ''),
+		COALESCE((SELECT pk.id FROM poke pk WHERE pk.subject = '` + SubjectPokeGatewayPrefix + `' || n.gateway_id), 0),
 		EXISTS (SELECT 1 FROM done WHERE done.ord = u.ord), ` + eventCountSQL + `, (SELECT count(*) FROM poke),
 		p.id, p.node_id, p.kind, p.purpose, p.state, p.retry_safe, p.deadline, p.result, p.error, p.deliveries,
 		COALESCE(p.request_id, ''), p.created_by, p.created_at, p.updated_at, p.delivered_at, p.finished_at
@@ -388,6 +394,7 @@ func queueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 			ord                           int
 			found, revoked, inserted      bool
 			state, tenant, gateway        string
+			pokeID                        int64
 			p                             Command
 			pid, pnode, pkind, ppurpose   *string
 			pstate, perror, pby           *string
@@ -395,7 +402,7 @@ func queueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 			pdeadline, pcreated, pupdated *time.Time
 			pdeliveries                   *int32
 		)
-		if err := rows.Scan(&ord, &found, &state, &revoked, &tenant, &gateway, &inserted, &written, &pokes,
+		if err := rows.Scan(&ord, &found, &state, &revoked, &tenant, &gateway, &pokeID, &inserted, &written, &pokes,
 			&pid, &pnode, &pkind, &ppurpose, &pstate, &psafe, &pdeadline, &p.Result, &perror, &pdeliveries, &p.RequestID,
 			&pby, &pcreated, &pupdated, &p.DeliveredAt, &p.FinishedAt); err != nil {
 			rows.Close()
@@ -421,7 +428,7 @@ func queueCommands(ctx context.Context, q DBTX, intent *IntentSigner, now time.T
 			out[i].QueuedCommand = QueuedCommand{Command: Command{ID: c.ID, NodeID: c.NodeID, TenantID: tenant, Kind: c.Kind,
 				Purpose: "user", State: cmdQueued, RetrySafe: safe[x], Deadline: deadline[x], RequestID: c.RequestID,
 				CreatedBy: c.CreatedBy, CreatedAt: now, UpdatedAt: now}}
-			out[i].GatewayID = gateway
+			out[i].GatewayID, out[i].PokeID = gateway, pokeID
 			queued++
 			if h := eventHintSubject(tenant, EventCommandQueued); h != "" && !slices.Contains(hints, h) {
 				hints = append(hints, h)

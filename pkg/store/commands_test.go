@@ -450,6 +450,13 @@ func TestQueueCommandsBatch(t *testing.T) {
 	}
 	require.Equal(t, "gw-a", res[0].GatewayID)
 	require.Equal(t, "gw-b", res[1].GatewayID)
+	// Each names its gateway's poke row (OutboxIDHeader of a direct publish).
+	for _, r := range res[:2] {
+		var row int64
+		require.NoError(t, db.Pool.QueryRow(ctx, `SELECT id FROM outbox WHERE subject = $1`,
+			store.SubjectPokeGatewayPrefix+r.GatewayID).Scan(&row))
+		require.Equal(t, row, r.PokeID, r.GatewayID)
+	}
 	require.ErrorIs(t, res[2].Err, store.ErrNodeNotRunnable)
 	require.ErrorContains(t, res[2].Err, "revoked")
 	require.ErrorIs(t, res[3].Err, store.ErrNodeNotRunnable)

@@ -37,6 +37,13 @@ const (
 	// SubjectOutboxWritten (no payload) wakes the outbox relays instead of a
 	// NOTIFY on OutboxChannel where the writer has NATS (DB.SignalOutboxVia).
 	SubjectOutboxWritten = "bc.outbox.written"
+	// OutboxIDHeader is the NATS header that names the outbox row a message
+	// is a copy of, by its id (decimal): the relay sets it on every row it
+	// publishes, and a writer that also publishes a row's message itself
+	// right after the commit (QueueCommands' gateway pokes, QueueResult.PokeID)
+	// sets it there too, so that a reader may act on the first copy and drop
+	// the other.
+	OutboxIDHeader = "Bc-Outbox-Id"
 )
 
 // Poke is the payload of a gateway poke: the nodes with new work.

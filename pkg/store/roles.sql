@@ -71,9 +71,9 @@ GRANT SELECT, INSERT ON events TO bc_api;
 GRANT USAGE ON SEQUENCE events_id_seq TO bc_api;
 -- ScanEvents, MaxEventID, EventRetention: what retention removed.
 GRANT SELECT ON event_retention TO bc_api;
--- RevokeAPIToken (the revocation), QueueCommands (the gateways' pokes),
--- CreateReservation (the scheduler's poke).
-GRANT SELECT (id), INSERT ON outbox TO bc_api;
+-- RevokeAPIToken (the revocation), QueueCommands (the gateways' pokes, their
+-- ids by subject), CreateReservation (the scheduler's poke).
+GRANT SELECT (id, subject), INSERT ON outbox TO bc_api;
 GRANT USAGE ON SEQUENCE outbox_id_seq TO bc_api;
 -- iam's audit interceptor and AuditInTx (InsertAudit), QueueCommands, ListAudit.
 GRANT SELECT, INSERT ON audit TO bc_api;

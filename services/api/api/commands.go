@@ -6,9 +6,11 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"time"
 
 	"connectrpc.com/connect"
+	"github.com/nats-io/nats.go"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
@@ -146,24 +148,39 @@ func (s *Server) queueCommands(ctx context.Context, items []queueItem) ([]queueA
 }
 
 // pokeGateways publishes, right after the commit, the pokes QueueCommands
-// also wrote to the outbox: the gateways claim the commands without waiting
-// for the outbox relay, which still delivers its copy (pokes are idempotent
-// hints; the copy finds nothing left to claim) and is what a poke lost here
-// falls back on.
+// also wrote to the outbox, each naming its outbox row
+// (store.OutboxIDHeader): the gateways claim the commands without waiting
+// for the outbox relay, whose copy of the same row they then drop (pokes are
+// idempotent hints; the copy would find nothing left to claim), and which
+// is what a poke lost here falls back on.
 func (s *Server) pokeGateways(res []store.QueueResult) {
 	if s.nc == nil {
 		return
 	}
-	nodes := map[string][]string{}
+	type poke struct {
+		id    int64
+		nodes []string
+	}
+	pokes := map[string]*poke{}
 	for _, r := range res {
-		if r.Err == nil && !r.Existing && r.GatewayID != "" && !slices.Contains(nodes[r.GatewayID], r.NodeID) {
-			nodes[r.GatewayID] = append(nodes[r.GatewayID], r.NodeID)
+		if r.Err != nil || r.Existing || r.GatewayID == "" {
+			continue
+		}
+		p := pokes[r.GatewayID]
+		if p == nil {
+			p = &poke{id: r.PokeID}
+			pokes[r.GatewayID] = p
+		}
+		if !slices.Contains(p.nodes, r.NodeID) {
+			p.nodes = append(p.nodes, r.NodeID)
 		}
 	}
-	for gw, ids := range nodes {
-		payload, err := json.Marshal(store.Poke{NodeIDs: ids})
+	for gw, p := range pokes {
+		payload, err := json.Marshal(store.Poke{NodeIDs: p.nodes})
 		if err == nil {
-			err = s.nc.Publish(store.SubjectPokeGatewayPrefix+gw, payload)
+			m := &nats.Msg{Subject: store.SubjectPokeGatewayPrefix + gw, Data: payload, Header: nats.Header{}}
+			m.Header.Set(store.OutboxIDHeader, strconv.FormatInt(p.id, 10))
+			err = s.nc.PublishMsg(m)
 		}
 		if err != nil {
 			s.logger.Warn("poke gateway (the outbox relay pokes it)", "gateway_id", gw, telemetry.KeyError, err)

@@ -2,6 +2,7 @@ package api_test
 
 import (
 	"encoding/json"
+	"strconv"
 	"testing"
 	"time"
 
@@ -110,7 +111,9 @@ func TestRunCommand(t *testing.T) {
 
 // TestRunCommandPokesTheGateway: the gateway holding the node's session is
 // poked on NATS as soon as the command is queued, by the API itself (no
-// outbox relay runs here), and the outbox keeps its copy for the relay.
+// outbox relay runs here), and the outbox keeps its copy for the relay; the
+// poke names that row (store.OutboxIDHeader), so that the gateway drops the
+// relay's copy.
 func TestRunCommandPokesTheGateway(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
@@ -140,8 +143,10 @@ func TestRunCommandPokesTheGateway(t *testing.T) {
 	require.NoError(t, json.Unmarshal(m.Data, &p))
 	require.Equal(t, []string{node}, p.NodeIDs)
 	var outboxed int
-	require.NoError(t, f.db.Pool.QueryRow(t.Context(), `SELECT count(*) FROM outbox WHERE subject = $1`,
-		store.SubjectPokeGatewayPrefix+"gw-7").Scan(&outboxed))
+	var row int64
+	require.NoError(t, f.db.Pool.QueryRow(t.Context(), `SELECT count(*), max(id) FROM outbox WHERE subject = $1`,
+		store.SubjectPokeGatewayPrefix+"gw-7").Scan(&outboxed, &row))
 	require.Equal(t, 1, outboxed, "the relay's copy")
+	require.Equal(t, strconv.FormatInt(row, 10), m.Header.Get(store.OutboxIDHeader), "the poke names its outbox row")
 	require.NotEmpty(t, res.Msg.Command.Id)
 }

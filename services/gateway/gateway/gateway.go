@@ -236,6 +236,9 @@ type Server struct {
 	// batch holds the batched writes of the sessions; set by Run before
 	// it serves, closed once every session ended.
 	batch *batchers
+	// pokeRows are the outbox rows whose poke this gateway acted on
+	// (onPoke), to drop the other copy of each.
+	pokeRows recentIDs
 
 	mu      sync.Mutex
 	streams map[*session]struct{} // every open stream, before and after Hello
@@ -643,8 +646,16 @@ func (s *Server) sessionCount() int {
 }
 
 // onPoke wakes the sessions a poke names. It runs on the subscription's
-// goroutine and never blocks.
+// goroutine and never blocks. A poke that names the outbox row it is a copy
+// of (store.OutboxIDHeader) wakes them once: the API publishes a command
+// batch's poke itself after its commit, and the relay publishes the row
+// again; the second copy would make each session claim again and find
+// nothing (both come after the commit, so the claim of the first sees the
+// batch's commands).
 func (s *Server) onPoke(m *nats.Msg) {
+	if id := m.Header.Get(store.OutboxIDHeader); id != "" && !s.pokeRows.add(id) {
+		return
+	}
 	var p store.Poke
 	if err := json.Unmarshal(m.Data, &p); err != nil {
 		s.log.Warn("ignoring malformed poke", "subject", m.Subject, telemetry.KeyError, err)
@@ -805,4 +816,34 @@ func (s *Server) resync(ctx context.Context) {
 			s.wake(st)
 		}
 	}
+}
+
+// recentIDs remembers the last recentIDsKept ids added to it. Its zero
+// value is ready.
+type recentIDs struct {
+	mu   sync.Mutex
+	set  map[string]struct{}
+	ring [recentIDsKept]string
+	next int
+}
+
+// recentIDsKept is how many outbox row ids onPoke remembers: far more than
+// the pokes in flight between a commit's direct copy and the relay's.
+const recentIDsKept = 4096
+
+// add records id and reports whether it was not among the ids remembered.
+func (r *recentIDs) add(id string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if _, ok := r.set[id]; ok {
+		return false
+	}
+	if r.set == nil {
+		r.set = make(map[string]struct{}, recentIDsKept)
+	}
+	delete(r.set, r.ring[r.next])
+	r.ring[r.next] = id
+	r.next = (r.next + 1) % recentIDsKept
+	r.set[id] = struct{}{}
+	return true
 }

@@ -15,6 +15,7 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
@@ -104,6 +105,47 @@ func TestDirectPoke(t *testing.T) {
 	require.NoError(t, e.nc.Publish(store.SubjectPokeGatewayPrefix+"gw-test", []byte("not json")))
 	require.NoError(t, e.nc.Publish(store.SubjectPokeGatewayPrefix+"gw-test", payload))
 	require.Equal(t, cmdID, d.next().GetCommand().GetCommandId())
+}
+
+// TestPokeCopiesOfOneOutboxRowWakeOnce: the second copy of an outbox row's
+// poke (the same store.OutboxIDHeader: the API's direct publish and the
+// relay's) wakes no session, so no session claims again; a poke of another
+// row, and one that names none, do.
+func TestPokeCopiesOfOneOutboxRowWakeOnce(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	g := e.startGateway(noResync)
+	n := e.newNode()
+	d, _ := e.connect(g, n, nil)
+	poke := func(row string) {
+		t.Helper()
+		m := &nats.Msg{Subject: store.SubjectPokeGatewayPrefix + "gw-test", Data: pokeJSON(t, n.id), Header: nats.Header{}}
+		if row != "" {
+			m.Header.Set(store.OutboxIDHeader, row)
+		}
+		require.NoError(t, e.nc.PublishMsg(m))
+		require.NoError(t, e.nc.Flush())
+	}
+	first := e.queueCommand(n.id, "logs.collect", "user")
+	poke("41")
+	require.Equal(t, first, d.next().GetCommand().GetCommandId())
+
+	// A command queued since, which no poke of its own announced: the
+	// copy of row 41 does not make the session claim it.
+	second := e.queueCommand(n.id, "logs.collect", "user")
+	poke("41")
+	quiet := realClock.NewTimer(300 * time.Millisecond)
+	defer quiet.Stop()
+	select {
+	case m := <-d.msgs:
+		require.FailNow(t, "the copy of a poke woke the session", "%v", m)
+	case <-quiet.C():
+	}
+	poke("42")
+	require.Equal(t, second, d.next().GetCommand().GetCommandId())
+	third := e.queueCommand(n.id, "logs.collect", "user")
+	poke("")
+	require.Equal(t, third, d.next().GetCommand().GetCommandId(), "a poke naming no row wakes")
 }
 
 func TestResyncDeliversWithoutPoke(t *testing.T) {
