@@ -20,6 +20,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -73,6 +74,8 @@ type controlPlane struct {
 	gwServer *httptest.Server
 	// pins are the deployment's pins, as pins.json would hold them.
 	pins pki.Pins
+	// joinConns counts the connections the join server accepted.
+	joinConns atomic.Int64
 }
 
 func newControlPlane(t *testing.T, maxUses int) *controlPlane {
@@ -100,7 +103,13 @@ func newControlPlane(t *testing.T, maxUses int) *controlPlane {
 		joinKey: joinKey, signKey: signKey}
 	jmux := http.NewServeMux()
 	jmux.Handle(joinv1connect.NewJoinServiceHandler(j))
-	jsrv := httptest.NewServer(jmux)
+	jsrv := httptest.NewUnstartedServer(jmux)
+	jsrv.Config.ConnState = func(_ net.Conn, state http.ConnState) {
+		if state == http.StateNew {
+			cp.joinConns.Add(1)
+		}
+	}
+	jsrv.Start()
 	t.Cleanup(jsrv.Close)
 	jmux.Handle("GET "+pki.WellKnownPath, http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
@@ -226,6 +235,35 @@ type fakeJoin struct {
 	signWith ed25519.PrivateKey
 	// editDoc changes the well-known document.
 	editDoc func(*pki.WellKnown)
+	// together, when above 0, holds each Join's answer until that many
+	// Joins are answered (then the next that many, and so on): their
+	// answers go out together.
+	together int
+	arrived  int
+	allIn    chan struct{}
+}
+
+// gather holds a Join's answer until j.together Joins of its round are
+// answered (see together), or ctx ends.
+func (j *fakeJoin) gather(ctx context.Context) {
+	j.mu.Lock()
+	if j.together <= 0 {
+		j.mu.Unlock()
+		return
+	}
+	if j.arrived%j.together == 0 {
+		j.allIn = make(chan struct{})
+	}
+	j.arrived++
+	all := j.allIn
+	if j.arrived%j.together == 0 {
+		close(all)
+	}
+	j.mu.Unlock()
+	select {
+	case <-all:
+	case <-ctx.Done():
+	}
 }
 
 // wellKnown returns the document the fake deployment publishes.
@@ -255,6 +293,12 @@ func (j *fakeJoin) wellKnown(joinURL string) pki.WellKnown {
 }
 
 func (j *fakeJoin) Join(ctx context.Context, req *connect.Request[joinv1.JoinRequest]) (*connect.Response[joinv1.JoinResponse], error) {
+	res, err := j.join(ctx, req)
+	j.gather(ctx)
+	return res, err
+}
+
+func (j *fakeJoin) join(ctx context.Context, req *connect.Request[joinv1.JoinRequest]) (*connect.Response[joinv1.JoinResponse], error) {
 	j.mu.Lock()
 	defer j.mu.Unlock()
 	j.calls++
@@ -1296,6 +1340,27 @@ func TestJoinOnly(t *testing.T) {
 	calls, uses := cp.join.stats()
 	require.Equal(t, 2, calls)
 	require.Equal(t, 2, uses)
+}
+
+// TestJoinsReuseConnections: the machines of one Runner share the
+// connections of their Joins (and the well-known document's fetch): no more
+// are opened than the Joins in flight at once (Config.JoinConcurrency), not
+// one per Join, each a TCP (and with https a TLS) handshake on both sides.
+func TestJoinsReuseConnections(t *testing.T) {
+	const machines, inFlight = 64, 16
+	cp := newControlPlane(t, machines)
+	cfg := cp.config(t.TempDir(), machines)
+	cfg.JoinOnly = true
+	cfg.JoinConcurrency = inFlight
+	cp.join.together = inFlight
+	r, err := newRunner(cfg, agent.Deps{})
+	require.NoError(t, err)
+	require.NoError(t, r.Run(t.Context()))
+	require.NoError(t, r.Ready())
+	calls, _ := cp.join.stats()
+	require.Equal(t, machines, calls)
+	t.Logf("connections: %d", cp.joinConns.Load())
+	require.LessOrEqual(t, cp.joinConns.Load(), int64(inFlight))
 }
 
 func TestNewRefusesMalformedPins(t *testing.T) {

@@ -149,13 +149,27 @@ type Deps struct {
 	// Clock times backoff, token waits and the daemon cores (default real).
 	Clock clock.Clock
 	// JoinHTTPClient calls JoinService and fetches the well-known document
-	// (default: a client with a 30 s timeout).
+	// (default: a client with a 30 s timeout that keeps as many idle
+	// connections as Config.JoinConcurrency).
 	JoinHTTPClient *http.Client
 	// HealthListener, when set, serves /healthz instead of listening on
 	// Config.HealthListen (tests pass a listener on a free port).
 	HealthListener net.Listener
 	// Hardware makes each machine's Hardware at its start (required).
 	Hardware HardwareFunc
+}
+
+// joinHTTPClient is a Runner's default Deps.JoinHTTPClient: a 30 s timeout,
+// and http.DefaultTransport's settings except that it keeps up to
+// inFlight idle connections per host (DefaultTransport keeps two): the
+// Runner's machines reuse the connections of the Joins before theirs, rather
+// than each opening one (a TCP handshake, and with https a TLS one, on both
+// sides) when many answers arrive at once.
+func joinHTTPClient(inFlight int) *http.Client {
+	tr := http.DefaultTransport.(*http.Transport).Clone()
+	tr.MaxIdleConnsPerHost = max(inFlight, tr.MaxIdleConnsPerHost)
+	tr.MaxIdleConns = max(inFlight, tr.MaxIdleConns)
+	return &http.Client{Timeout: 30 * time.Second, Transport: tr}
 }
 
 // Runner runs Config.Nodes machines. Make one with New and call Run, or use
@@ -222,7 +236,7 @@ func New(cfg Config, deps Deps) (*Runner, error) {
 		deps.Clock = clock.New()
 	}
 	if deps.JoinHTTPClient == nil {
-		deps.JoinHTTPClient = &http.Client{Timeout: 30 * time.Second}
+		deps.JoinHTTPClient = joinHTTPClient(cfg.JoinConcurrency)
 	}
 	r := &Runner{
 		cfg:        cfg,
