@@ -272,6 +272,54 @@ func TestOpenSessionsStatements(t *testing.T) {
 	}
 }
 
+// TestSessionOpenAndCloseUpdateInPlace: opening a session and closing it
+// change no indexed column of nodes, so Postgres updates each node's row in
+// place, a heap-only (HOT) update that writes no entry in any of nodes'
+// indexes, when its page has room (nodes' fillfactor leaves it). Counted
+// from pg_stat_xact_user_tables, before and after, in the transaction (the
+// view also holds the connection's counts not yet reported).
+func TestSessionOpenAndCloseUpdateInPlace(t *testing.T) {
+	t.Parallel()
+	f := newGatewayFixture(t)
+	ctx := t.Context()
+	now := f.db.Now()
+	var reqs []store.OpenSessionRequest
+	for range 8 {
+		n := f.node()
+		c := storetest.NodeCert(t, f.db, &storetest.NodeCertOpts{NodeID: n, NotAfter: now.Add(time.Hour)})
+		reqs = append(reqs, f.openReq(n, c.Serial, "gw-a", now))
+	}
+	require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
+		updates := func(do func()) (all, hot int64) {
+			var all0, hot0 int64
+			const counts = `SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables WHERE relid = 'nodes'::regclass`
+			require.NoError(t, tx.QueryRow(ctx, counts).Scan(&all0, &hot0))
+			do()
+			require.NoError(t, tx.QueryRow(ctx, counts).Scan(&all, &hot))
+			return all - all0, hot - hot0
+		}
+		all, hot := updates(func() {
+			res, err := store.OpenSessions(ctx, tx, reqs)
+			require.NoError(t, err)
+			for _, r := range res {
+				require.True(t, r.Opened)
+			}
+		})
+		require.EqualValues(t, len(reqs), all, "one update per node opened")
+		require.Equal(t, all, hot, "opens updated in place")
+		all, hot = updates(func() {
+			for _, r := range reqs {
+				closed, err := store.CloseSession(ctx, tx, now, r.NodeID, r.SessionID, now)
+				require.NoError(t, err)
+				require.True(t, closed)
+			}
+		})
+		require.EqualValues(t, len(reqs), all, "one update per node closed")
+		require.Equal(t, all, hot, "closes updated in place")
+		return nil
+	}))
+}
+
 func TestGetSessionCert(t *testing.T) {
 	t.Parallel()
 	f := newGatewayFixture(t)
