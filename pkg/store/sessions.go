@@ -62,13 +62,22 @@ type OpenSessionResult struct {
 	Session OpenedSession
 }
 
-// openSessionsSQL checks each request's certificate and opens the session
-// of each request whose certificate may open it, locking the nodes in id
-// order (FOR UPDATE) so that concurrent batches do
-// not deadlock each other. It answers one row per request: the
-// certificate's row (NULLs when unknown), then the opened session's
-// columns (NULLs when not opened).
-const openSessionsSQL = `WITH u AS (
+// openSessionsSQL checks each request's certificate, opens the session of
+// each request whose certificate may open it, locking the nodes in id order
+// (FOR NO KEY UPDATE, the lock of the update itself: no key changes) so that
+// concurrent batches do not deadlock each other, and writes the
+// node.reachable event of each node that was not reachable
+// (eventWriterCTE). It answers one row per request: the certificate's row
+// (NULLs when unknown), then the opened session's columns (NULLs when not
+// opened), the count of events written and their hints.
+//
+// An event's data is built here as NodeReachableData encodes it (jsonb, so
+// the order of keys is jsonb's either way): nodeId, sessionId, gatewayId
+// unless empty, previousLastSeen unless the node was never heard, in Go's
+// RFC 3339 with the fraction's trailing zeros cut (time.RFC3339Nano; a
+// timestamptz holds microseconds). The events are at the latest Now of the
+// requests that made their nodes reachable.
+var openSessionsSQL = `WITH u AS (
 		SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::bigint[], $8::timestamptz[])
 			WITH ORDINALITY AS u(id, serial, gw, sid, boot, agent, obs, at, ord)),
 	cert AS (
@@ -78,7 +87,7 @@ const openSessionsSQL = `WITH u AS (
 	prev AS (
 		SELECT n.id, n.reachable, n.last_seen FROM nodes n
 		WHERE n.id = ANY($1) AND n.id IN (SELECT u.id FROM u JOIN cert ON cert.ord = u.ord AND cert.ok)
-		ORDER BY n.id FOR UPDATE),
+		ORDER BY n.id FOR NO KEY UPDATE),
 	up AS (
 		UPDATE nodes n SET
 			gateway_id = u.gw, session_id = u.sid, session_epoch = n.session_epoch + 1,
@@ -87,9 +96,22 @@ const openSessionsSQL = `WITH u AS (
 			last_seen = u.at, reachable = true, updated_at = u.at
 		FROM u, cert, prev, pools p
 		WHERE cert.ord = u.ord AND cert.ok AND n.id = u.id AND prev.id = n.id AND p.id = n.pool_id
-		RETURNING u.ord, n.session_epoch, n.spec_generation, prev.reachable, prev.last_seen, p.owner_tenant_id)
+		RETURNING u.ord, u.id, u.sid, u.gw, u.at, n.session_epoch, n.spec_generation, prev.reachable,
+			prev.last_seen, p.owner_tenant_id),
+	latest AS (
+		SELECT at FROM up WHERE NOT reachable ORDER BY at DESC, ord LIMIT 1),
+	src AS (
+		SELECT up.ord, up.owner_tenant_id AS tenant, '` + EventNodeReachable + `' AS type, up.id AS subject,
+			jsonb_build_object('nodeId', up.id, 'sessionId', up.sid)
+				|| CASE WHEN up.gw = '' THEN '{}'::jsonb ELSE jsonb_build_object('gatewayId', up.gw) END
+				|| CASE WHEN up.last_seen IS NULL THEN '{}'::jsonb ELSE jsonb_build_object('previousLastSeen',
+					rtrim(rtrim(to_char(up.last_seen AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US'), '0'), '.') || 'Z') END
+				AS data,
+			latest.at
+		FROM up, latest WHERE NOT up.reachable),
+	` + eventWriterCTE("src") + `
 	SELECT u.ord, cert.serial, cert.node_id, cert.not_after, cert.revoked_at,
-		up.session_epoch, up.spec_generation, up.reachable, up.last_seen, up.owner_tenant_id
+		up.session_epoch, up.spec_generation, ` + eventCountSQL + `, ` + eventHintsSQL + `
 	FROM u LEFT JOIN cert ON cert.ord = u.ord LEFT JOIN up ON up.ord = u.ord`
 
 // OpenSessions opens the sessions of reqs, in one statement for all of
@@ -105,15 +127,15 @@ const openSessionsSQL = `WITH u AS (
 // changes and the result says what the certificate is. Several requests
 // of one node open in their order, each superseding the one before (one
 // more statement for each repeat), so the last holds the greatest epoch.
-// The nodes that were unreachable get their node.reachable events, in one
-// more statement, at the latest Now of their requests. Call it in a
-// transaction.
+// The nodes that were unreachable get their node.reachable events in the
+// statement that opens them, at the latest Now of their requests (per
+// statement). Each statement is whole on its own: with distinct nodes q may
+// be DB.AutoCommit (one round trip, no transaction around it), which a
+// deadlock or serialization failure leaves as it was, so the call can be
+// made again; with repeats, call it in a transaction.
 func OpenSessions(ctx context.Context, q DBTX, reqs []OpenSessionRequest) ([]OpenSessionResult, error) {
 	out := make([]OpenSessionResult, len(reqs))
-	var (
-		events []NewEvent
-		at     time.Time
-	)
+	var hints []string
 	for round := range sessionRounds(reqs) {
 		n := len(round)
 		cols := struct {
@@ -134,20 +156,22 @@ func OpenSessions(ctx context.Context, q DBTX, reqs []OpenSessionRequest) ([]Ope
 		}
 		for rows.Next() {
 			var (
-				ord                 int64
-				serial, certNode    *string
-				notAfter, revokedAt *time.Time
-				epoch, spec         *int64
-				wasUp               *bool
-				lastSeen            *time.Time
-				owner               *string
+				ord              int64
+				serial, certNode *string
+				notAfter         *time.Time
+				revokedAt        *time.Time
+				epoch, spec      *int64
+				evented          int64
+				roundHints       []string
 			)
-			if err := rows.Scan(&ord, &serial, &certNode, &notAfter, &revokedAt, &epoch, &spec, &wasUp, &lastSeen, &owner); err != nil {
+			if err := rows.Scan(&ord, &serial, &certNode, &notAfter, &revokedAt, &epoch, &spec, &evented, &roundHints); err != nil {
 				rows.Close()
 				return nil, err
 			}
-			j := round[ord-1]
-			res := &out[j]
+			if evented > 0 && len(roundHints) > 0 && ord == 1 {
+				hints = append(hints, roundHints...)
+			}
+			res := &out[round[ord-1]]
 			if serial != nil {
 				res.CertFound = true
 				res.Cert = SessionCert{Serial: *serial, NodeID: *certNode, NotAfter: *notAfter, RevokedAt: revokedAt}
@@ -157,27 +181,13 @@ func OpenSessions(ctx context.Context, q DBTX, reqs []OpenSessionRequest) ([]Ope
 			}
 			res.Opened = true
 			res.Session = OpenedSession{Epoch: *epoch, SpecGeneration: *spec}
-			if !*wasUp {
-				r := reqs[j]
-				data := NodeReachableData{NodeID: r.NodeID, SessionID: r.SessionID, GatewayID: r.GatewayID}
-				if lastSeen != nil {
-					prev := lastSeen.UTC()
-					data.PreviousLastSeen = &prev
-				}
-				events = append(events, NewEvent{TenantID: *owner, Data: data})
-				if r.Now.After(at) {
-					at = r.Now
-				}
-			}
 		}
 		rows.Close()
 		if err := rows.Err(); err != nil {
 			return nil, interpretError(err)
 		}
 	}
-	if err := WriteEvents(ctx, q, at, events...); err != nil {
-		return nil, err
-	}
+	hintEvents(q, hints)
 	return out, nil
 }
 

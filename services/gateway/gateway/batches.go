@@ -130,16 +130,37 @@ func (s *Server) flushActivations(ctx context.Context, reports []store.Allocatio
 	return out, err
 }
 
-// flushOpens checks the certificates of Hellos and opens their sessions in
-// one transaction (store.OpenSessions: one statement, and one for the
-// node.reachable events), which DB.InTx runs again after a deadlock or
-// serialization failure.
+// flushOpens checks the certificates of Hellos and opens their sessions,
+// with the node.reachable events, in one statement (store.OpenSessions) on
+// its own, run again after a deadlock or serialization failure; Hellos of
+// one node in one batch (each superseding the one before) take a statement
+// each, in one transaction, which DB.InTx runs again.
 func (s *Server) flushOpens(ctx context.Context, reqs []store.OpenSessionRequest) ([]store.OpenSessionResult, error) {
 	var out []store.OpenSessionResult
+	if distinctNodes(reqs) {
+		err := retry(func() error {
+			var err error
+			out, err = store.OpenSessions(ctx, s.db.AutoCommit(), reqs)
+			return err
+		})
+		return out, err
+	}
 	err := s.db.InTx(ctx, func(tx pgx.Tx) error {
 		var err error
 		out, err = store.OpenSessions(ctx, tx, reqs)
 		return err
 	})
 	return out, err
+}
+
+// distinctNodes reports whether reqs name each node once.
+func distinctNodes(reqs []store.OpenSessionRequest) bool {
+	seen := make(map[string]struct{}, len(reqs))
+	for _, r := range reqs {
+		if _, ok := seen[r.NodeID]; ok {
+			return false
+		}
+		seen[r.NodeID] = struct{}{}
+	}
+	return true
 }
