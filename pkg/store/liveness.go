@@ -80,7 +80,7 @@ func RecordGatewayPresence(ctx context.Context, q DBTX, now time.Time, gatewayID
 // previous run (it holds none when it starts) and raises their nodes'
 // last_seen to now, after any message that run may have heard but not
 // flushed. It returns how many nodes it changed. It reads every node (no
-// index on gateway_id: migration 000028 dropped it so that sessions open and
+// index on gateway_id: migration 000027 dropped it so that sessions open and
 // close without index writes), once per gateway start.
 func ResetGatewaySessions(ctx context.Context, q DBTX, now time.Time, gatewayID string) (int64, error) {
 	tag, err := q.Exec(ctx, `UPDATE nodes SET gateway_id = NULL, session_id = NULL,
