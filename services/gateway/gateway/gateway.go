@@ -40,20 +40,18 @@
 // DesiredStates carry the signatures stored with them (signedIntent)
 // untouched; the gateway holds no signing key. Spec refusals daemons report become node.spec_refused events.
 //
-// Memory per session is kept small for thousands of idle sessions: one
-// goroutine of ours per stream (the Connect handler, which waits for the
-// next message in sessionBody.fill, where its stack stays at 8 KiB, and
-// also writes the heartbeat acknowledgements); deliveries run on a
-// short-lived goroutine started when a session is woken (one at a time per
-// session, wakes coalesce); timers and tickers are shared by all sessions.
-// BenchmarkIdleSessionMemory measures 54–68 KiB per idle session (heap
-// 24–39 KiB, stacks 30 KiB, 3 goroutines), nearly all of it net/http's
-// HTTP/2 server (a connection's serve goroutine, 16 KiB of stack, and its
-// frame reader, 4 KiB; a 4 KiB response buffer per stream, framer,
-// request) and crypto/tls (connection and the handshake's read buffer it
-// keeps, AEAD state, the peer's certificates); the gateway's own state is
-// about 1 KiB (the session record, the request copy that carries it, map
-// entries).
+// Memory per session is kept small for thousands of idle sessions. A
+// framed session (pkg/sessionwire, as daemons use) is one goroutine, which
+// waits for the daemon's next bytes at a shallow frame (waitFramed) where
+// the runtime shrinks its stack to 4 KiB, and about 13 KiB of live heap,
+// nearly all crypto/tls's (the connection, the read and handshake buffers
+// it keeps, the AEAD states, the client certificate); the gateway's own
+// state is about 1 KiB (the session record, its context, map entries).
+// Over Connect (HTTP/2) the handler waits in sessionBody.fill, with an 8 KiB
+// stack, beside net/http's connection goroutines and buffers. Deliveries
+// run on a short-lived goroutine started when a session is woken (one at a
+// time per session, wakes coalesce); timers and tickers are shared by all
+// sessions. BenchmarkIdleSessionMemory measures it.
 //
 // SshRefused reports become node.ssh_refused events, written as spec
 // refusals are.

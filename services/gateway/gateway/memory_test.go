@@ -157,6 +157,14 @@ func startBenchFleet(tb testing.TB, n int, cfg gateway.Config) *benchFleet {
 	require.NoError(tb, err)
 	require.NoError(tb, os.WriteFile(filepath.Join(dir, "nodes.txt"), []byte(lines.String()), 0o600))
 
+	// One session first, from this process, so that what the gateway
+	// builds once, at its first session (the compiled rules of the
+	// messages, prepared statements, protobuf descriptors), is not counted
+	// per session.
+	warm, _ := e.connect(g, e.newNode(), nil)
+	warm.heartbeat(1, 0)
+	warm.nextAck()
+
 	f := &benchFleet{e: e, g: g, n: n}
 	f.before = memNow()
 	db0 := f.dbNow(tb)
@@ -183,7 +191,7 @@ func startBenchFleet(tb testing.TB, n int, cfg gateway.Config) *benchFleet {
 	})
 	f.stdout = bufio.NewScanner(stdout)
 	f.await(tb, "ready")
-	require.Eventually(tb, func() bool { return g.srv.Sessions() == n }, time.Minute, 50*time.Millisecond)
+	require.Eventually(tb, func() bool { return g.srv.Sessions() == n+1 }, time.Minute, 50*time.Millisecond) // and the warm one
 	f.openCPU = cpuNow(tb) - c0
 	stop()
 	f.openXacts = f.dbNow(tb).xacts - db0.xacts
@@ -288,6 +296,26 @@ func memNow() memSample {
 	return memSample{heapInuse: int64(ms.HeapInuse), heapAlloc: int64(ms.HeapAlloc), stack: int64(ms.StackInuse),
 		goroutines: runtime.NumGoroutine()}
 }
+
+// TestIdleSessionMemory bounds what an idle framed session holds in the
+// gateway, measured as BenchmarkIdleSessionMemory does, over 200 sessions:
+// one goroutine, whose stack the runtime shrinks to 4 KiB (idleStackBytes),
+// and at most liveHeapPerSession bytes of live objects.
+func TestIdleSessionMemory(t *testing.T) {
+	m := MeasureIdleSessions(t, 200)
+	t.Logf("per idle session: %.0f B of live objects, %.0f B of stack, %.2f goroutines",
+		m.LiveBytesPerSession-m.StackPerSession, m.StackPerSession, m.GoroutinesPerSession)
+	require.InDelta(t, 1, m.GoroutinesPerSession, 0.02, "one goroutine per session")
+	// Stacks are counted in spans of several stacks, and each P caches
+	// some: allow a little over the stack itself.
+	require.LessOrEqual(t, m.StackPerSession, float64(idleStackBytes)*1.25, "an idle session's stack")
+	require.LessOrEqual(t, m.LiveBytesPerSession-m.StackPerSession, float64(liveHeapPerSession), "an idle session's live objects")
+}
+
+// liveHeapPerSession bounds the live objects of an idle framed session:
+// nearly all crypto/tls's (the connection, its read and handshake buffers,
+// the client certificate, the AEAD states).
+const liveHeapPerSession = 16 << 10
 
 func BenchmarkIdleSessionMemory(b *testing.B) {
 	n := benchSessions(b)
