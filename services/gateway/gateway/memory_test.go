@@ -42,6 +42,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/timestamppb"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	"github.com/better-compute/better-compute/api/gen/bc/gateway/v1/gatewayv1connect"
@@ -50,6 +51,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/sessionwire"
+	"github.com/better-compute/better-compute/pkg/telemetry"
 	"github.com/better-compute/better-compute/services/gateway/gateway"
 )
 
@@ -75,6 +77,11 @@ type IdleSessionMemory struct {
 	LiveBytesPerSession float64
 	// HeapPerSession and StackPerSession split BytesPerSession.
 	HeapPerSession, StackPerSession float64
+	// StackAfterHeartbeat is the growth of StackInuse per session right
+	// after every session sent a heartbeat and got its acknowledgement,
+	// before any collection: above StackPerSession when answering a
+	// heartbeat grows a session's stack.
+	StackAfterHeartbeat float64
 	// GoroutinesPerSession is the growth of goroutines.
 	GoroutinesPerSession float64
 	// OpenCPUPerSession is this process's CPU time per session while they
@@ -99,9 +106,16 @@ func MeasureIdleSessions(tb testing.TB, n int) IdleSessionMemory {
 		require.NoError(tb, pprof.WriteHeapProfile(out))
 		require.NoError(tb, out.Close())
 	}
+	// A heartbeat on every session, with no collection after it: a
+	// goroutine whose stack the heartbeat's calls outgrow keeps twice it
+	// until the next collections shrink it back.
+	f.burst(tb, 1)
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
 	before := f.before
 	per := func(a, b int64) float64 { return float64(a-b) / float64(n) }
 	return IdleSessionMemory{
+		StackAfterHeartbeat:  per(int64(ms.StackInuse), before.stack),
 		Sessions:             n,
 		BytesPerSession:      per(after.heapInuse+after.stack, before.heapInuse+before.stack),
 		LiveBytesPerSession:  per(after.heapAlloc+after.stack, before.heapAlloc+before.stack),
@@ -134,6 +148,11 @@ type benchFleet struct {
 // returns once the gateway holds all n. The child ends with the test.
 func startBenchFleet(tb testing.TB, n int, cfg gateway.Config) *benchFleet {
 	e := setup(tb, options{})
+	// The metrics pipeline of the binary's default (Prometheus), whose
+	// instruments every heartbeat updates.
+	m, err := telemetry.NewMetrics(context.Background(), telemetry.ExporterPrometheus, "gateway")
+	require.NoError(tb, err)
+	e.metrics = m
 	g := e.startGateway(cfg)
 
 	dir := tb.TempDir()
@@ -151,7 +170,7 @@ func startBenchFleet(tb testing.TB, n int, cfg gateway.Config) *benchFleet {
 		certRows[i] = []any{pki.SerialHex(c.Leaf), id, pki.PublicKeySHA256(c.Leaf), c.Leaf.NotBefore, c.Leaf.NotAfter, now}
 	}
 	ctx := context.Background()
-	_, err := e.db.Pool.CopyFrom(ctx, pgx.Identifier{"nodes"}, []string{"id", "pool_id", "provision_state", "created_at", "updated_at"}, pgx.CopyFromRows(nodeRows))
+	_, err = e.db.Pool.CopyFrom(ctx, pgx.Identifier{"nodes"}, []string{"id", "pool_id", "provision_state", "created_at", "updated_at"}, pgx.CopyFromRows(nodeRows))
 	require.NoError(tb, err)
 	_, err = e.db.Pool.CopyFrom(ctx, pgx.Identifier{"node_certs"}, []string{"serial", "node_id", "public_key_sha256", "not_before", "not_after", "created_at"}, pgx.CopyFromRows(certRows))
 	require.NoError(tb, err)
@@ -303,12 +322,13 @@ func memNow() memSample {
 // and at most liveHeapPerSession bytes of live objects.
 func TestIdleSessionMemory(t *testing.T) {
 	m := MeasureIdleSessions(t, 200)
-	t.Logf("per idle session: %.0f B of live objects, %.0f B of stack, %.2f goroutines",
-		m.LiveBytesPerSession-m.StackPerSession, m.StackPerSession, m.GoroutinesPerSession)
+	t.Logf("per idle session: %.0f B of live objects, %.0f B of stack (%.0f B right after a heartbeat), %.2f goroutines",
+		m.LiveBytesPerSession-m.StackPerSession, m.StackPerSession, m.StackAfterHeartbeat, m.GoroutinesPerSession)
 	require.InDelta(t, 1, m.GoroutinesPerSession, 0.02, "one goroutine per session")
 	// Stacks are counted in spans of several stacks, and each P caches
 	// some: allow a little over the stack itself.
 	require.LessOrEqual(t, m.StackPerSession, float64(idleStackBytes)*1.25, "an idle session's stack")
+	require.LessOrEqual(t, m.StackAfterHeartbeat, float64(idleStackBytes)*1.25, "an idle session's stack, right after a heartbeat")
 	require.LessOrEqual(t, m.LiveBytesPerSession-m.StackPerSession, float64(liveHeapPerSession), "an idle session's live objects")
 }
 
@@ -564,8 +584,7 @@ func TestBenchClientProcess(t *testing.T) {
 							return
 						case <-t.C():
 						}
-						if err := c.s.Send(&gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Heartbeat{
-							Heartbeat: &gatewayv1.Heartbeat{Seq: seq}}}); err != nil {
+						if err := c.s.Send(daemonHeartbeat(seq)); err != nil {
 							return
 						}
 						t.Reset(d)
@@ -582,8 +601,7 @@ func TestBenchClientProcess(t *testing.T) {
 		for _, c := range clients {
 			bwg.Go(func() {
 				for seq := range k {
-					if err := c.s.Send(&gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Heartbeat{
-						Heartbeat: &gatewayv1.Heartbeat{Seq: int64(seq + 1)}}}); err != nil {
+					if err := c.s.Send(daemonHeartbeat(int64(seq + 1))); err != nil {
 						return
 					}
 					t := realClock.NewTimer(10 * time.Second)
@@ -598,6 +616,13 @@ func TestBenchClientProcess(t *testing.T) {
 		bwg.Wait()
 		fmt.Fprintln(os.Stdout, "done")
 	}
+}
+
+// daemonHeartbeat is heartbeat seq as daemons send it (pkg/daemon), with
+// their observed generation and the time it was sent.
+func daemonHeartbeat(seq int64) *gatewayv1.SessionRequest {
+	return &gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Heartbeat{Heartbeat: &gatewayv1.Heartbeat{
+		Seq: seq, ObservedGeneration: 1, SentAt: timestamppb.New(realClock.Now())}}}
 }
 
 // benchSession is one of the client process's sessions.
