@@ -349,6 +349,11 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		// gets it (serveFramed); Connect clients offer only h2.
 		NextProtos: []string{sessionwire.ALPN, "h2"},
 		MinVersion: tls.VersionTLS13,
+		// Daemons never resume a TLS session (each dial is a full
+		// handshake, its client certificate verified): a ticket, which
+		// encrypts the client certificate, would be work at every join
+		// for nothing.
+		SessionTicketsDisabled: true,
 	}
 	mux := http.NewServeMux()
 	// Session deliberately runs without service.HandlerOptions: an

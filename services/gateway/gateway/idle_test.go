@@ -3,6 +3,7 @@ package gateway_test
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"net"
 	"runtime"
 	"strings"
@@ -14,6 +15,8 @@ import (
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	"github.com/better-compute/better-compute/pkg/clock"
+	"github.com/better-compute/better-compute/pkg/service"
+	"github.com/better-compute/better-compute/pkg/sessionwire"
 )
 
 // Idle framed sessions: where the session's goroutine waits, and that it
@@ -147,4 +150,41 @@ func TestIdleFramedSessionReadsARecordInParts(t *testing.T) {
 		hc.send(t, -1)
 		require.EqualValues(t, first, d.nextAck())
 	}
+}
+
+// ticketCache is a client session cache that counts the session tickets a
+// client was given.
+type ticketCache struct {
+	tls.ClientSessionCache
+	mu   sync.Mutex
+	puts int
+}
+
+func (c *ticketCache) Put(key string, cs *tls.ClientSessionState) {
+	c.mu.Lock()
+	c.puts++
+	c.mu.Unlock()
+	c.ClientSessionCache.Put(key, cs)
+}
+
+// TestNoSessionTickets: the gateway issues no TLS session tickets. Daemons
+// never resume a session (each dial is a full handshake, its client
+// certificate verified), so a ticket would be work and bytes for nothing
+// at every join: the state it encrypts holds the client certificate.
+func TestNoSessionTickets(t *testing.T) {
+	t.Parallel()
+	e := setup(t, options{})
+	g := e.startGateway(noResync)
+	n := e.newNode()
+	cache := &ticketCache{ClientSessionCache: tls.NewLRUClientSessionCache(4)}
+	ctx, cancel := context.WithCancel(context.Background())
+	cfg := &tls.Config{RootCAs: e.servingCAs, Certificates: []tls.Certificate{n.cert}, MinVersion: tls.VersionTLS13,
+		ClientSessionCache: cache}
+	d, _ := e.welcome(e.start(sessionwire.NewClientStream(ctx, nil, g.addr, cfg, service.MaxMessageBytes), cancel,
+		&gatewayv1.Hello{NodeId: n.id, BootId: "boot-1", AgentVersion: "test"}))
+	d.heartbeat(1, 0)
+	require.EqualValues(t, 1, d.nextAck())
+	cache.mu.Lock()
+	defer cache.mu.Unlock()
+	require.Zero(t, cache.puts, "session tickets the gateway issued")
 }
