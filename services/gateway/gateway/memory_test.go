@@ -3,10 +3,13 @@ package gateway_test
 // Memory per idle session. BenchmarkIdleSessionMemory runs a gateway in this
 // process and N daemons (default 1000, env BETTER_COMPUTE_BENCH_SESSIONS) in
 // a child process (this test binary re-executed as TestBenchClientProcess),
-// so the gateway's heap and stacks are measured without the clients'. Once
-// every session got its Welcome it reports, per session, the growth of
-// HeapInuse+StackInuse (B/session), of HeapAlloc+StackInuse (live-B/session)
-// and of goroutines:
+// so the gateway's heap and stacks are measured without the clients'. It
+// first opens one session from its own process, so that what the gateway
+// builds once is not counted per session. Once every session got its
+// Welcome it reports, per session, the growth of HeapInuse+StackInuse
+// (B/session), of HeapAlloc+StackInuse (live-B/session), of goroutines, and
+// of StackInuse right after a heartbeat on every session
+// (hb-stack-B/session):
 //
 //	go test -run '^$' -bench IdleSessionMemory -benchtime 1x ./services/gateway/gateway/
 //
@@ -32,6 +35,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"runtime/metrics"
 	"runtime/pprof"
 	"strconv"
 	"strings"
@@ -289,6 +293,15 @@ func cpuNow(tb testing.TB) time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
+// gcCPUNow is the CPU time, in seconds, this process's garbage collector
+// has used (runtime/metrics /cpu/classes/gc/total:cpu-seconds, an
+// estimate the runtime keeps).
+func gcCPUNow() float64 {
+	s := []metrics.Sample{{Name: "/cpu/classes/gc/total:cpu-seconds"}}
+	metrics.Read(s)
+	return s[0].Value.Float64()
+}
+
 // switchesNow is how many times this process's threads gave up the CPU,
 // voluntarily (a thread parked: nothing left to run) or not.
 func switchesNow(tb testing.TB) int64 {
@@ -346,6 +359,7 @@ func BenchmarkIdleSessionMemory(b *testing.B) {
 	b.ReportMetric(m.BytesPerSession, "B/session")
 	b.ReportMetric(m.LiveBytesPerSession, "live-B/session")
 	b.ReportMetric(m.GoroutinesPerSession, "goroutines/session")
+	b.ReportMetric(m.StackAfterHeartbeat, "hb-stack-B/session")
 	b.ReportMetric(float64(m.OpenCPUPerSession.Nanoseconds()), "open-cpu-ns/session")
 	b.ReportMetric(m.OpenXactsPerSession, "open-xacts/session")
 	b.Logf("%d idle sessions: %.1f KiB/session (heap %.1f KiB, stacks %.1f KiB; live objects and stacks %.1f KiB), %.2f goroutines/session",
@@ -440,7 +454,8 @@ func BenchmarkHeartbeat(b *testing.B) {
 // (BETTER_COMPUTE_BENCH_SESSIONS, 1000), each sending a heartbeat every
 // 10 s, cost the gateway: this process's CPU time over
 // BETTER_COMPUTE_BENCH_IDLE_WINDOW (30 s) as a share of one core
-// (cpu-%core, and per 1,000 sessions), its allocations and its threads'
+// (cpu-%core, and per 1,000 sessions; gc-cpu-%core its garbage
+// collector's share, which GOGC sets), its allocations and its threads'
 // context switches per second, and the database's transactions and nodes
 // rows updated per second:
 //
@@ -464,15 +479,16 @@ func BenchmarkIdleSessionCPU(b *testing.B) {
 		var m0, m1 runtime.MemStats
 		runtime.ReadMemStats(&m0)
 		stop := startCPUProfile(b)
-		c0, s0 := cpuNow(b), switchesNow(b)
+		c0, s0, gc0 := cpuNow(b), switchesNow(b), gcCPUNow()
 		require.NoError(b, clock.Sleep(b.Context(), realClock, window))
-		cpu, switches := cpuNow(b)-c0, switchesNow(b)-s0
+		cpu, switches, gcCPU := cpuNow(b)-c0, switchesNow(b)-s0, gcCPUNow()-gc0
 		stop()
 		runtime.ReadMemStats(&m1)
 		db1 := f.dbNow(b)
 		pct := 100 * cpu.Seconds() / window.Seconds()
 		b.ReportMetric(pct, "cpu-%core")
 		b.ReportMetric(pct*1000/float64(n), "cpu-%core/1000")
+		b.ReportMetric(100*gcCPU/window.Seconds(), "gc-cpu-%core")
 		b.ReportMetric(float64(m1.Mallocs-m0.Mallocs)/window.Seconds(), "allocs/s")
 		b.ReportMetric(float64(switches)/window.Seconds(), "ctxsw/s")
 		b.ReportMetric(float64(db1.xacts-db0.xacts)/window.Seconds(), "xacts/s")
