@@ -64,7 +64,7 @@ func BenchmarkIdleFleet(b *testing.B) {
 		// collects at least every 2 minutes. Resident memory rises and
 		// falls with each collection and the runtime's return of free
 		// pages: it is the mean of memorySamples samples 2 s apart.
-		eventually(b, 5*time.Minute, time.Second, func() (bool, string) {
+		eventually(b, 8*time.Minute, time.Second, func() (bool, string) {
 			gcs := gw()["go_gc_duration_seconds_count"] - gcsAdopted
 			return gcs >= 3, fmt.Sprintf("%.0f garbage collections of the gateway since the last adoption", gcs)
 		})

@@ -348,7 +348,7 @@ func TestIdleSessionMemory(t *testing.T) {
 // liveHeapPerSession bounds the live objects of an idle framed session:
 // nearly all crypto/tls's (the connection, its read and handshake buffers,
 // the client certificate, the AEAD states).
-const liveHeapPerSession = 16 << 10
+const liveHeapPerSession = 15 << 10
 
 func BenchmarkIdleSessionMemory(b *testing.B) {
 	n := benchSessions(b)
