@@ -120,41 +120,57 @@ var ErrEnd = errors.New("end of stream")
 //     envelope with unknown flags;
 //   - io.ErrUnexpectedEOF when r ended inside an envelope, or r's error.
 func ReadMessage(r io.Reader, m proto.Message, maxBytes int) error {
+	// The error paths are calls of their own, so that this frame, on the
+	// stack of every message a gateway reads, stays small.
 	var h [headerLen]byte
 	if _, err := io.ReadFull(r, h[:]); err != nil {
 		return err
 	}
 	n := binary.BigEndian.Uint32(h[1:])
 	if int64(n) > int64(maxBytes) {
-		return connect.NewError(connect.CodeResourceExhausted, fmt.Errorf("%w: %d bytes, limit %d", ErrTooLarge, n, maxBytes))
+		return errTooLarge(n, maxBytes)
 	}
 	bp := bufs.Get().(*[]byte)
-	defer bufs.Put(bp)
 	b := *bp
 	if cap(b) < int(n) {
 		b = make([]byte, n)
 	}
 	b = b[:n]
 	if _, err := io.ReadFull(r, b); err != nil {
+		bufs.Put(bp)
 		if errors.Is(err, io.EOF) {
 			return io.ErrUnexpectedEOF
 		}
 		return err
 	}
+	var err error
+	switch h[0] {
+	case 0:
+		if uerr := proto.Unmarshal(b, m); uerr != nil {
+			err = errUnmarshal(m, uerr)
+		}
+	case flagEndStream:
+		err = endError(b)
+	default:
+		err = errFlags(h[0])
+	}
 	if cap(b) <= 64<<10 {
 		*bp = b[:0]
 	}
-	switch h[0] {
-	case 0:
-		if err := proto.Unmarshal(b, m); err != nil {
-			return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("unmarshal %s: %w", m.ProtoReflect().Descriptor().FullName(), err))
-		}
-		return nil
-	case flagEndStream:
-		return endError(b)
-	default:
-		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("envelope flags %#x are not a message's (0) nor an end of stream's (0x02)", h[0]))
-	}
+	bufs.Put(bp)
+	return err
+}
+
+func errTooLarge(n uint32, maxBytes int) error {
+	return connect.NewError(connect.CodeResourceExhausted, fmt.Errorf("%w: %d bytes, limit %d", ErrTooLarge, n, maxBytes))
+}
+
+func errUnmarshal(m proto.Message, err error) error {
+	return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("unmarshal %s: %w", m.ProtoReflect().Descriptor().FullName(), err))
+}
+
+func errFlags(flags byte) error {
+	return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("envelope flags %#x are not a message's (0) nor an end of stream's (0x02)", flags))
 }
 
 // endError is the error an end-of-stream payload carries: ErrEnd for none.

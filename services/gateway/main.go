@@ -4,6 +4,8 @@
 // configuration is the environment (gateway.Config;
 // docs/configuration.md). `gateway healthcheck [URL]` probes /readyz
 // (http://127.0.0.1:8082/readyz by default) and exits 0 when it answers 200.
+// The binary sets its garbage collector's target (gateway.NewProcess,
+// GATEWAY_GC_PERCENT).
 package main
 
 import (
@@ -11,4 +13,4 @@ import (
 	"github.com/better-compute/better-compute/services/gateway/gateway"
 )
 
-func main() { service.Main(gateway.Name, gateway.New) }
+func main() { service.Main(gateway.Name, gateway.NewProcess) }

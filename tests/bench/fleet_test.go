@@ -313,18 +313,22 @@ func percentiles(ds []time.Duration, qs ...float64) []time.Duration {
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 
 // rssKiB reads a process's resident set size from /proc.
-func rssKiB(tb testing.TB, pid int) int64 {
+func rssKiB(tb testing.TB, pid int) int64 { return statusKiB(tb, pid, "VmRSS") }
+
+// statusKiB reads field (VmRSS, RssAnon, RssFile, …) of a process's
+// /proc/<pid>/status, in KiB.
+func statusKiB(tb testing.TB, pid int, field string) int64 {
 	tb.Helper()
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	require.NoError(tb, err)
 	for _, line := range strings.Split(string(b), "\n") {
-		if rest, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+		if rest, ok := strings.CutPrefix(line, field+":"); ok {
 			n, err := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(rest), " kB"), 10, 64)
 			require.NoError(tb, err)
 			return n
 		}
 	}
-	tb.Fatal("no VmRSS")
+	tb.Fatal("no " + field)
 	return 0
 }
 

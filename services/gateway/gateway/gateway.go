@@ -40,20 +40,18 @@
 // DesiredStates carry the signatures stored with them (signedIntent)
 // untouched; the gateway holds no signing key. Spec refusals daemons report become node.spec_refused events.
 //
-// Memory per session is kept small for thousands of idle sessions: one
-// goroutine of ours per stream (the Connect handler, which waits for the
-// next message in sessionBody.fill, where its stack stays at 8 KiB, and
-// also writes the heartbeat acknowledgements); deliveries run on a
-// short-lived goroutine started when a session is woken (one at a time per
-// session, wakes coalesce); timers and tickers are shared by all sessions.
-// BenchmarkIdleSessionMemory measures 54–68 KiB per idle session (heap
-// 24–39 KiB, stacks 30 KiB, 3 goroutines), nearly all of it net/http's
-// HTTP/2 server (a connection's serve goroutine, 16 KiB of stack, and its
-// frame reader, 4 KiB; a 4 KiB response buffer per stream, framer,
-// request) and crypto/tls (connection and the handshake's read buffer it
-// keeps, AEAD state, the peer's certificates); the gateway's own state is
-// about 1 KiB (the session record, the request copy that carries it, map
-// entries).
+// Memory per session is kept small for thousands of idle sessions. A
+// framed session (pkg/sessionwire, as daemons use) is one goroutine, which
+// waits for the daemon's next bytes at a shallow frame (waitFramed) where
+// the runtime shrinks its stack to 4 KiB, and about 13 KiB of live heap,
+// nearly all crypto/tls's (the connection, the read and handshake buffers
+// it keeps, the AEAD states, the client certificate); the gateway's own
+// state is about 1 KiB (the session record, its context, map entries).
+// Over Connect (HTTP/2) the handler waits in sessionBody.fill, with an 8 KiB
+// stack, beside net/http's connection goroutines and buffers. Deliveries
+// run on a short-lived goroutine started when a session is woken (one at a
+// time per session, wakes coalesce); timers and tickers are shared by all
+// sessions. BenchmarkIdleSessionMemory measures it.
 //
 // SshRefused reports become node.ssh_refused events, written as spec
 // refusals are.
@@ -78,6 +76,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -200,6 +199,39 @@ type Config struct {
 	// ResourceExhausted. The API's limits (per node and per token, across
 	// gateways) come first; this one bounds what one gateway holds.
 	TunnelsPerNode int `env:"GATEWAY_TUNNELS_PER_NODE,positive" default:"16"`
+	// GCPercent is the garbage collector's target that the gateway binary
+	// sets at start (as GOGC, runtime/debug.SetGCPercent): a collection
+	// starts once the heap has grown by this percentage of what the last
+	// one left live, plus the goroutines' stacks. A gateway's memory is
+	// nearly all its idle sessions', live for as long as they are
+	// connected, and the runtime keeps what the heap grows to between
+	// collections: at Go's default, 100, an idle session costs about
+	// 47 KiB of resident memory, at 25 about 33 KiB, for more frequent
+	// collections (with 1,000 idle machines about 7 a minute instead of 2)
+	// and about 0.3 ms more of the gateway's CPU per join
+	// (docs/benchmarks.md). The GOGC variable, when set, wins;
+	// `better-compute dev`, one process of every service, keeps Go's
+	// default.
+	GCPercent int `env:"GATEWAY_GC_PERCENT,positive" default:"25"`
+}
+
+// NewProcess is New for the gateway binary, whose process holds the
+// gateway alone: it first sets the process's garbage collector target to
+// cfg.GCPercent, unless getenv("GOGC") is set.
+func NewProcess(cfg Config, deps Deps) (*Server, error) {
+	applyGCPercent(cfg.GCPercent, os.Getenv)
+	return New(cfg, deps)
+}
+
+// applyGCPercent sets the garbage collector's target to percent
+// (debug.SetGCPercent), unless getenv("GOGC") is set or percent is not
+// positive, and returns whether it did.
+func applyGCPercent(percent int, getenv func(string) string) bool {
+	if percent <= 0 || getenv("GOGC") != "" {
+		return false
+	}
+	debug.SetGCPercent(percent)
+	return true
 }
 
 // Deps are the gateway's dependencies: DB and NC (the pokes) are required.
@@ -354,6 +386,11 @@ func New(cfg Config, deps Deps) (*Server, error) {
 		// gets it (serveFramed); Connect clients offer only h2.
 		NextProtos: []string{sessionwire.ALPN, "h2"},
 		MinVersion: tls.VersionTLS13,
+		// Daemons never resume a TLS session (each dial is a full
+		// handshake, its client certificate verified): a ticket, which
+		// encrypts the client certificate, would be work at every join
+		// for nothing.
+		SessionTicketsDisabled: true,
 	}
 	mux := http.NewServeMux()
 	// Session deliberately runs without service.HandlerOptions: an

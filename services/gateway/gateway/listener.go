@@ -63,7 +63,8 @@ func (l *sessionListener) acceptLoop() {
 // handshake does c's TLS handshake within the timeout, then serves it or
 // hands it to Accept.
 func (l *sessionListener) handshake(c net.Conn) {
-	tc := tls.Server(c, l.s.tls)
+	ic := &idleConn{Conn: c}
+	tc := tls.Server(ic, l.s.tls)
 	_ = c.SetDeadline(transportClock.Now().Add(l.timeout))
 	if err := tc.Handshake(); err != nil {
 		l.s.log.Debug("TLS handshake of a session connection", "remote_addr", c.RemoteAddr().String(), "error", err)
@@ -71,8 +72,10 @@ func (l *sessionListener) handshake(c net.Conn) {
 		return
 	}
 	_ = c.SetDeadline(time.Time{})
-	if tc.ConnectionState().NegotiatedProtocol == sessionwire.ALPN {
-		go l.s.serveFramed(tc)
+	if cs := tc.ConnectionState(); cs.NegotiatedProtocol == sessionwire.ALPN {
+		// The session is made here, so that the connection state (about
+		// 600 bytes) is on this goroutine's stack, not on the session's.
+		go l.s.serveFramed(tc, ic, l.s.newSession(&cs))
 		return
 	}
 	select {
@@ -106,4 +109,65 @@ func (l *sessionListener) Close() error {
 		err = l.Listener.Close()
 	})
 	return err
+}
+
+// idleConn is a session connection under crypto/tls, which lets an idle
+// framed session wait for the daemon's next bytes in wait, at a shallow
+// frame of its goroutine, instead of inside crypto/tls's Read: parked
+// there, the goroutine uses about 1 KiB of its stack, which lets the
+// runtime shrink that stack to 4 KiB (it halves a stack of which less than
+// a quarter is used, counting 800 bytes for the runtime's own calls), where
+// a wait in crypto/tls keeps 8 KiB. wait reads into buf, which Read returns
+// first; a heartbeat's record (about 50 bytes) fits. Only the session's
+// goroutine reads (crypto/tls's Read, or wait when crypto/tls holds none of
+// the daemon's bytes: session.waitFramed).
+type idleConn struct {
+	net.Conn
+	buf  [64]byte
+	r, w uint8 // buf[r:w] is read and not yet returned
+	// nowait makes Read return errWouldWait rather than read the
+	// connection: crypto/tls then returns what it holds, or that error.
+	nowait bool
+	err    error // what wait's read returned, returned once buf[r:w] is
+}
+
+// errWouldWait is what an idleConn's Read returns in nowait when reading
+// the connection would wait. It is temporary (net.Error), as a read
+// deadline's timeout is, which crypto/tls returns without failing the
+// connection.
+var errWouldWait net.Error = wouldWait{}
+
+type wouldWait struct{}
+
+func (wouldWait) Error() string   { return "reading the connection would wait" }
+func (wouldWait) Timeout() bool   { return true }
+func (wouldWait) Temporary() bool { return true }
+
+// wait waits until the daemon sent more, or the connection ended or
+// failed (a read deadline passed among others: session.abort), unless
+// bytes or an error are waiting already.
+func (c *idleConn) wait() {
+	if c.r < c.w || c.err != nil {
+		return
+	}
+	n, err := c.Conn.Read(c.buf[:])
+	c.r, c.w, c.err = 0, uint8(n), err
+}
+
+// Read returns the bytes wait read, then its error (once), then reads on;
+// in nowait it returns errWouldWait instead of reading.
+func (c *idleConn) Read(p []byte) (int, error) {
+	if c.r < c.w {
+		n := copy(p, c.buf[c.r:c.w])
+		c.r += uint8(n)
+		return n, nil
+	}
+	if err := c.err; err != nil {
+		c.err = nil
+		return 0, err
+	}
+	if c.nowait {
+		return 0, errWouldWait
+	}
+	return c.Conn.Read(p)
 }

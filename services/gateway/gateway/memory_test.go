@@ -3,10 +3,13 @@ package gateway_test
 // Memory per idle session. BenchmarkIdleSessionMemory runs a gateway in this
 // process and N daemons (default 1000, env BETTER_COMPUTE_BENCH_SESSIONS) in
 // a child process (this test binary re-executed as TestBenchClientProcess),
-// so the gateway's heap and stacks are measured without the clients'. Once
-// every session got its Welcome it reports, per session, the growth of
-// HeapInuse+StackInuse (B/session), of HeapAlloc+StackInuse (live-B/session)
-// and of goroutines:
+// so the gateway's heap and stacks are measured without the clients'. It
+// first opens one session from its own process, so that what the gateway
+// builds once is not counted per session. Once every session got its
+// Welcome it reports, per session, the growth of HeapInuse+StackInuse
+// (B/session), of HeapAlloc+StackInuse (live-B/session), of goroutines, and
+// of StackInuse right after a heartbeat on every session
+// (hb-stack-B/session):
 //
 //	go test -run '^$' -bench IdleSessionMemory -benchtime 1x ./services/gateway/gateway/
 //
@@ -32,6 +35,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"runtime/metrics"
 	"runtime/pprof"
 	"strconv"
 	"strings"
@@ -42,6 +46,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/timestamppb"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	"github.com/better-compute/better-compute/api/gen/bc/gateway/v1/gatewayv1connect"
@@ -50,6 +55,7 @@ import (
 	"github.com/better-compute/better-compute/pkg/pki"
 	"github.com/better-compute/better-compute/pkg/service"
 	"github.com/better-compute/better-compute/pkg/sessionwire"
+	"github.com/better-compute/better-compute/pkg/telemetry"
 	"github.com/better-compute/better-compute/services/gateway/gateway"
 )
 
@@ -75,6 +81,11 @@ type IdleSessionMemory struct {
 	LiveBytesPerSession float64
 	// HeapPerSession and StackPerSession split BytesPerSession.
 	HeapPerSession, StackPerSession float64
+	// StackAfterHeartbeat is the growth of StackInuse per session right
+	// after every session sent a heartbeat and got its acknowledgement,
+	// before any collection: above StackPerSession when answering a
+	// heartbeat grows a session's stack.
+	StackAfterHeartbeat float64
 	// GoroutinesPerSession is the growth of goroutines.
 	GoroutinesPerSession float64
 	// OpenCPUPerSession is this process's CPU time per session while they
@@ -99,9 +110,16 @@ func MeasureIdleSessions(tb testing.TB, n int) IdleSessionMemory {
 		require.NoError(tb, pprof.WriteHeapProfile(out))
 		require.NoError(tb, out.Close())
 	}
+	// A heartbeat on every session, with no collection after it: a
+	// goroutine whose stack the heartbeat's calls outgrow keeps twice it
+	// until the next collections shrink it back.
+	f.burst(tb, 1)
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
 	before := f.before
 	per := func(a, b int64) float64 { return float64(a-b) / float64(n) }
 	return IdleSessionMemory{
+		StackAfterHeartbeat:  per(int64(ms.StackInuse), before.stack),
 		Sessions:             n,
 		BytesPerSession:      per(after.heapInuse+after.stack, before.heapInuse+before.stack),
 		LiveBytesPerSession:  per(after.heapAlloc+after.stack, before.heapAlloc+before.stack),
@@ -134,6 +152,11 @@ type benchFleet struct {
 // returns once the gateway holds all n. The child ends with the test.
 func startBenchFleet(tb testing.TB, n int, cfg gateway.Config) *benchFleet {
 	e := setup(tb, options{})
+	// The metrics pipeline of the binary's default (Prometheus), whose
+	// instruments every heartbeat updates.
+	m, err := telemetry.NewMetrics(context.Background(), telemetry.ExporterPrometheus, "gateway")
+	require.NoError(tb, err)
+	e.metrics = m
 	g := e.startGateway(cfg)
 
 	dir := tb.TempDir()
@@ -151,11 +174,19 @@ func startBenchFleet(tb testing.TB, n int, cfg gateway.Config) *benchFleet {
 		certRows[i] = []any{pki.SerialHex(c.Leaf), id, pki.PublicKeySHA256(c.Leaf), c.Leaf.NotBefore, c.Leaf.NotAfter, now}
 	}
 	ctx := context.Background()
-	_, err := e.db.Pool.CopyFrom(ctx, pgx.Identifier{"nodes"}, []string{"id", "pool_id", "provision_state", "created_at", "updated_at"}, pgx.CopyFromRows(nodeRows))
+	_, err = e.db.Pool.CopyFrom(ctx, pgx.Identifier{"nodes"}, []string{"id", "pool_id", "provision_state", "created_at", "updated_at"}, pgx.CopyFromRows(nodeRows))
 	require.NoError(tb, err)
 	_, err = e.db.Pool.CopyFrom(ctx, pgx.Identifier{"node_certs"}, []string{"serial", "node_id", "public_key_sha256", "not_before", "not_after", "created_at"}, pgx.CopyFromRows(certRows))
 	require.NoError(tb, err)
 	require.NoError(tb, os.WriteFile(filepath.Join(dir, "nodes.txt"), []byte(lines.String()), 0o600))
+
+	// One session first, from this process, so that what the gateway
+	// builds once, at its first session (the compiled rules of the
+	// messages, prepared statements, protobuf descriptors), is not counted
+	// per session.
+	warm, _ := e.connect(g, e.newNode(), nil)
+	warm.heartbeat(1, 0)
+	warm.nextAck()
 
 	f := &benchFleet{e: e, g: g, n: n}
 	f.before = memNow()
@@ -183,7 +214,7 @@ func startBenchFleet(tb testing.TB, n int, cfg gateway.Config) *benchFleet {
 	})
 	f.stdout = bufio.NewScanner(stdout)
 	f.await(tb, "ready")
-	require.Eventually(tb, func() bool { return g.srv.Sessions() == n }, time.Minute, 50*time.Millisecond)
+	require.Eventually(tb, func() bool { return g.srv.Sessions() == n+1 }, time.Minute, 50*time.Millisecond) // and the warm one
 	f.openCPU = cpuNow(tb) - c0
 	stop()
 	f.openXacts = f.dbNow(tb).xacts - db0.xacts
@@ -262,6 +293,15 @@ func cpuNow(tb testing.TB) time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
+// gcCPUNow is the CPU time, in seconds, this process's garbage collector
+// has used (runtime/metrics /cpu/classes/gc/total:cpu-seconds, an
+// estimate the runtime keeps).
+func gcCPUNow() float64 {
+	s := []metrics.Sample{{Name: "/cpu/classes/gc/total:cpu-seconds"}}
+	metrics.Read(s)
+	return s[0].Value.Float64()
+}
+
 // switchesNow is how many times this process's threads gave up the CPU,
 // voluntarily (a thread parked: nothing left to run) or not.
 func switchesNow(tb testing.TB) int64 {
@@ -289,6 +329,27 @@ func memNow() memSample {
 		goroutines: runtime.NumGoroutine()}
 }
 
+// TestIdleSessionMemory bounds what an idle framed session holds in the
+// gateway, measured as BenchmarkIdleSessionMemory does, over 200 sessions:
+// one goroutine, whose stack the runtime shrinks to 4 KiB (idleStackBytes),
+// and at most liveHeapPerSession bytes of live objects.
+func TestIdleSessionMemory(t *testing.T) {
+	m := MeasureIdleSessions(t, 200)
+	t.Logf("per idle session: %.0f B of live objects, %.0f B of stack (%.0f B right after a heartbeat), %.2f goroutines",
+		m.LiveBytesPerSession-m.StackPerSession, m.StackPerSession, m.StackAfterHeartbeat, m.GoroutinesPerSession)
+	require.InDelta(t, 1, m.GoroutinesPerSession, 0.02, "one goroutine per session")
+	// Stacks are counted in spans of several stacks, and each P caches
+	// some: allow a little over the stack itself.
+	require.LessOrEqual(t, m.StackPerSession, float64(idleStackBytes)*1.25, "an idle session's stack")
+	require.LessOrEqual(t, m.StackAfterHeartbeat, float64(idleStackBytes)*1.25, "an idle session's stack, right after a heartbeat")
+	require.LessOrEqual(t, m.LiveBytesPerSession-m.StackPerSession, float64(liveHeapPerSession), "an idle session's live objects")
+}
+
+// liveHeapPerSession bounds the live objects of an idle framed session:
+// nearly all crypto/tls's (the connection, its read and handshake buffers,
+// the client certificate, the AEAD states).
+const liveHeapPerSession = 15 << 10
+
 func BenchmarkIdleSessionMemory(b *testing.B) {
 	n := benchSessions(b)
 	var m IdleSessionMemory
@@ -298,6 +359,7 @@ func BenchmarkIdleSessionMemory(b *testing.B) {
 	b.ReportMetric(m.BytesPerSession, "B/session")
 	b.ReportMetric(m.LiveBytesPerSession, "live-B/session")
 	b.ReportMetric(m.GoroutinesPerSession, "goroutines/session")
+	b.ReportMetric(m.StackAfterHeartbeat, "hb-stack-B/session")
 	b.ReportMetric(float64(m.OpenCPUPerSession.Nanoseconds()), "open-cpu-ns/session")
 	b.ReportMetric(m.OpenXactsPerSession, "open-xacts/session")
 	b.Logf("%d idle sessions: %.1f KiB/session (heap %.1f KiB, stacks %.1f KiB; live objects and stacks %.1f KiB), %.2f goroutines/session",
@@ -392,7 +454,8 @@ func BenchmarkHeartbeat(b *testing.B) {
 // (BETTER_COMPUTE_BENCH_SESSIONS, 1000), each sending a heartbeat every
 // 10 s, cost the gateway: this process's CPU time over
 // BETTER_COMPUTE_BENCH_IDLE_WINDOW (30 s) as a share of one core
-// (cpu-%core, and per 1,000 sessions), its allocations and its threads'
+// (cpu-%core, and per 1,000 sessions; gc-cpu-%core its garbage
+// collector's share, which GOGC sets), its allocations and its threads'
 // context switches per second, and the database's transactions and nodes
 // rows updated per second:
 //
@@ -416,15 +479,16 @@ func BenchmarkIdleSessionCPU(b *testing.B) {
 		var m0, m1 runtime.MemStats
 		runtime.ReadMemStats(&m0)
 		stop := startCPUProfile(b)
-		c0, s0 := cpuNow(b), switchesNow(b)
+		c0, s0, gc0 := cpuNow(b), switchesNow(b), gcCPUNow()
 		require.NoError(b, clock.Sleep(b.Context(), realClock, window))
-		cpu, switches := cpuNow(b)-c0, switchesNow(b)-s0
+		cpu, switches, gcCPU := cpuNow(b)-c0, switchesNow(b)-s0, gcCPUNow()-gc0
 		stop()
 		runtime.ReadMemStats(&m1)
 		db1 := f.dbNow(b)
 		pct := 100 * cpu.Seconds() / window.Seconds()
 		b.ReportMetric(pct, "cpu-%core")
 		b.ReportMetric(pct*1000/float64(n), "cpu-%core/1000")
+		b.ReportMetric(100*gcCPU/window.Seconds(), "gc-cpu-%core")
 		b.ReportMetric(float64(m1.Mallocs-m0.Mallocs)/window.Seconds(), "allocs/s")
 		b.ReportMetric(float64(switches)/window.Seconds(), "ctxsw/s")
 		b.ReportMetric(float64(db1.xacts-db0.xacts)/window.Seconds(), "xacts/s")
@@ -536,8 +600,7 @@ func TestBenchClientProcess(t *testing.T) {
 							return
 						case <-t.C():
 						}
-						if err := c.s.Send(&gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Heartbeat{
-							Heartbeat: &gatewayv1.Heartbeat{Seq: seq}}}); err != nil {
+						if err := c.s.Send(daemonHeartbeat(seq)); err != nil {
 							return
 						}
 						t.Reset(d)
@@ -554,8 +617,7 @@ func TestBenchClientProcess(t *testing.T) {
 		for _, c := range clients {
 			bwg.Go(func() {
 				for seq := range k {
-					if err := c.s.Send(&gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Heartbeat{
-						Heartbeat: &gatewayv1.Heartbeat{Seq: int64(seq + 1)}}}); err != nil {
+					if err := c.s.Send(daemonHeartbeat(int64(seq + 1))); err != nil {
 						return
 					}
 					t := realClock.NewTimer(10 * time.Second)
@@ -570,6 +632,13 @@ func TestBenchClientProcess(t *testing.T) {
 		bwg.Wait()
 		fmt.Fprintln(os.Stdout, "done")
 	}
+}
+
+// daemonHeartbeat is heartbeat seq as daemons send it (pkg/daemon), with
+// their observed generation and the time it was sent.
+func daemonHeartbeat(seq int64) *gatewayv1.SessionRequest {
+	return &gatewayv1.SessionRequest{Msg: &gatewayv1.SessionRequest_Heartbeat{Heartbeat: &gatewayv1.Heartbeat{
+		Seq: seq, ObservedGeneration: 1, SentAt: timestamppb.New(realClock.Now())}}}
 }
 
 // benchSession is one of the client process's sessions.

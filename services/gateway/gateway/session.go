@@ -106,8 +106,10 @@ type session struct {
 	// a framedStream.
 	stream sessionStream
 	// framed is the connection of a framed session (framed.go), nil on
-	// Connect, where w and body are the request's.
+	// Connect, where w and body are the request's; idle is the connection
+	// under it, where an idle framed session waits (waitFramed).
 	framed *tls.Conn
+	idle   *idleConn
 	// in is what the handler reads the daemon's messages from, with a
 	// read-ahead it waits on (sessionBody.fill) between messages: the
 	// request body over Connect, the TLS connection when framed.
@@ -206,7 +208,9 @@ func (s *Server) peerMiddleware(next http.Handler) http.Handler {
 // quarter used); and a message that fits in head (a heartbeat, about a
 // dozen bytes) is taken from HTTP/2 in one Read instead of two (its prefix,
 // then its payload), each of which is a hand-off to the connection's
-// goroutine. Only the handler's goroutine reads it.
+// goroutine. On a framed session rc is the TLS connection, and
+// session.waitFramed fills head before fill, from what crypto/tls holds,
+// or waits shallower still. Only the handler's goroutine reads it.
 type sessionBody struct {
 	rc   io.ReadCloser
 	head [64]byte
@@ -398,24 +402,15 @@ func (s *Server) Session(ctx context.Context, stream *connect.BidiStream[gateway
 
 // serve runs session st, whichever transport carries it, until it ends,
 // and returns what ends the stream: nil when the daemon ended it, else the
-// Connect error to end it with.
+// Connect error to end it with. Its frame, and those of the calls it waits
+// in between messages, are kept small (Hello is opened in open): they are
+// on the stack of every idle session (waitFramed).
 func (s *Server) serve(ctx context.Context, st *session) (err error) {
-	st.touch(s.clk.Now())
 	if !s.track(st) {
 		return errShuttingDown
 	}
 	defer s.untrack(st)
-
-	req, err := s.receive(st)
-	if err != nil {
-		return st.endErr(err)
-	}
-	st.touch(s.clk.Now())
-	hello := req.GetHello()
-	if hello == nil {
-		return connect.NewError(connect.CodeInvalidArgument, errors.New("the first message of a session must be hello"))
-	}
-	welcome, err := s.hello(ctx, st, hello)
+	welcome, err := s.open(ctx, st)
 	if err != nil {
 		return err
 	}
@@ -428,7 +423,11 @@ func (s *Server) serve(ctx context.Context, st *session) (err error) {
 	s.deliverLoop(st)
 
 	for {
-		// Wait for the next message here, not in Receive (sessionBody).
+		// Wait for the next message here, not in Receive (sessionBody,
+		// waitFramed).
+		if st.idle != nil {
+			st.waitFramed()
+		}
 		st.in.fill()
 		req, err := s.receive(st)
 		if err != nil {
@@ -441,6 +440,22 @@ func (s *Server) serve(ctx context.Context, st *session) (err error) {
 		}
 		s.seen.record(st, now)
 	}
+}
+
+// open reads st's Hello and opens the session (hello), and returns the
+// Welcome to send; its error ends the stream.
+func (s *Server) open(ctx context.Context, st *session) (*gatewayv1.SessionResponse, error) {
+	st.touch(s.clk.Now())
+	req, err := s.receive(st)
+	if err != nil {
+		return nil, st.endErr(err)
+	}
+	st.touch(s.clk.Now())
+	hello := req.GetHello()
+	if hello == nil {
+		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("the first message of a session must be hello"))
+	}
+	return s.hello(ctx, st, hello)
 }
 
 // receive reads st's next message and checks it against gateway.proto's
