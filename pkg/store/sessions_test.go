@@ -126,6 +126,19 @@ func (f gatewayFixture) openReq(nodeID, serial, gw string, now time.Time) store.
 		SessionID: ids.New(ids.Session, now), BootID: "boot", AgentVersion: "v2", ObservedGeneration: 1, Now: now}}
 }
 
+// openReqs inserts n accepting nodes, each with a certificate valid for an
+// hour from now, and returns their OpenSessionRequests on gateway gw at now.
+func (f gatewayFixture) openReqs(n int, gw string, now time.Time) []store.OpenSessionRequest {
+	f.t.Helper()
+	reqs := make([]store.OpenSessionRequest, n)
+	for i := range reqs {
+		node := f.node()
+		c := storetest.NodeCert(f.t, f.db, &storetest.NodeCertOpts{NodeID: node, NotAfter: now.Add(time.Hour)})
+		reqs[i] = f.openReq(node, c.Serial, gw, now)
+	}
+	return reqs
+}
+
 // reachableEvents returns the node.reachable events of nodeID's, data as
 // text, in id order.
 func (f gatewayFixture) reachableEvents(nodeID string) []string {
@@ -245,12 +258,7 @@ func TestOpenSessionsStatements(t *testing.T) {
 	f := newGatewayFixture(t)
 	ctx := t.Context()
 	now := f.db.Now()
-	var reqs []store.OpenSessionRequest
-	for range 32 {
-		n := f.node()
-		c := storetest.NodeCert(t, f.db, &storetest.NodeCertOpts{NodeID: n, NotAfter: now.Add(time.Hour)})
-		reqs = append(reqs, f.openReq(n, c.Serial, "gw-a", now))
-	}
+	reqs := f.openReqs(32, "gw-a", now)
 	stmts := storetest.CountStatements()
 	res, err := store.OpenSessions(ctx, f.db.AutoCommit(), reqs)
 	stmts.Stop()
@@ -350,12 +358,7 @@ func TestSessionOpenAndCloseUpdateInPlace(t *testing.T) {
 	f := newGatewayFixture(t)
 	ctx := t.Context()
 	now := f.db.Now()
-	var reqs []store.OpenSessionRequest
-	for range 8 {
-		n := f.node()
-		c := storetest.NodeCert(t, f.db, &storetest.NodeCertOpts{NodeID: n, NotAfter: now.Add(time.Hour)})
-		reqs = append(reqs, f.openReq(n, c.Serial, "gw-a", now))
-	}
+	reqs := f.openReqs(8, "gw-a", now)
 	require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
 		updates := func(do func()) (all, hot int64) {
 			var all0, hot0 int64
