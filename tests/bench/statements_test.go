@@ -32,6 +32,14 @@ type pgStatements struct {
 	// processes at the phase's start.
 	container string
 	before    map[int]backendCPU
+	// tables is pg_stat_user_tables' row counts at the phase's start.
+	tables map[string]tableRows
+}
+
+// tableRows is a table's rows inserted, updated (of which HOT: no index
+// entry written) and deleted, from pg_stat_user_tables.
+type tableRows struct {
+	ins, upd, hot, del int64
 }
 
 // backendCPU is a Postgres process's name (its backend's application_name,
@@ -56,9 +64,53 @@ func startStatements(b *testing.B, dbURL, container string) *pgStatements {
 	require.NoError(b, err)
 	p := &pgStatements{conn: conn, container: container}
 	p.before = p.processes(b)
+	p.tables = p.tableRows(b)
 	_, err = conn.Exec(b.Context(), `SELECT pg_stat_statements_reset(0, (SELECT oid FROM pg_database WHERE datname = current_database()), 0)`)
 	require.NoError(b, err)
 	return p
+}
+
+// tableRows returns pg_stat_user_tables' counts of the database's tables
+// by name. A backend reports its counts when its transaction ends at most
+// once a second, and an idle one up to 10 s later (PostgreSQL 15's
+// pgstat), so a reading right after a phase lacks some of its rows: the
+// ratios (HOT of updated) read better than the totals.
+func (p *pgStatements) tableRows(b *testing.B) map[string]tableRows {
+	b.Helper()
+	rows, err := p.conn.Query(b.Context(), `SELECT relname, n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_del
+		FROM pg_stat_user_tables`)
+	require.NoError(b, err)
+	defer rows.Close()
+	out := map[string]tableRows{}
+	for rows.Next() {
+		var (
+			name string
+			t    tableRows
+		)
+		require.NoError(b, rows.Scan(&name, &t.ins, &t.upd, &t.hot, &t.del))
+		out[name] = t
+	}
+	require.NoError(b, rows.Err())
+	return out
+}
+
+// tablesLine is, per operation, each table's rows inserted, updated (HOT of
+// them) and deleted since startStatements, the tables with none left out.
+func (p *pgStatements) tablesLine(b *testing.B, ops int) string {
+	b.Helper()
+	after := p.tableRows(b)
+	n := float64(ops)
+	var parts []string
+	for _, name := range slices.Sorted(maps.Keys(after)) {
+		a, o := after[name], p.tables[name]
+		d := tableRows{ins: a.ins - o.ins, upd: a.upd - o.upd, hot: a.hot - o.hot, del: a.del - o.del}
+		if d == (tableRows{}) {
+			continue
+		}
+		parts = append(parts, fmt.Sprintf("%s %.2f/%.2f (%.2f HOT)/%.2f", name, float64(d.ins)/n, float64(d.upd)/n,
+			float64(d.hot)/n, float64(d.del)/n))
+	}
+	return "  rows per command inserted/updated (HOT)/deleted (pg_stat_user_tables): " + strings.Join(parts, ", ")
 }
 
 // processes returns the container's Postgres processes by host pid, each
@@ -141,7 +193,8 @@ const clockTicks = 100
 // statements the benchmark's database ran since startStatements (top level,
 // BEGIN and COMMIT included), their WAL records and bytes, buffer hits and
 // reads, and execution time, then the top statements by execution time,
-// each with its calls and WAL records per operation, and the container's
+// each with its calls and WAL records per operation, each table's rows
+// inserted, updated (HOT of them) and deleted (tablesLine), and the container's
 // CPU time over the phase, total, by process (cpuLine); "" without
 // pg_stat_statements.
 func (p *pgStatements) summary(b *testing.B, ops, top int, total time.Duration) string {
@@ -180,9 +233,9 @@ func (p *pgStatements) summary(b *testing.B, ops, top int, total time.Duration) 
 	}
 	require.NoError(b, rows.Err())
 	return fmt.Sprintf("  Postgres per command (pg_stat_statements): %.2f statements, %.1f WAL records, %.0f WAL bytes, "+
-		"%.0f buffer hits and reads, %.3f ms of execution; the top %d by execution time, per command:\n%s\n%s",
+		"%.0f buffer hits and reads, %.3f ms of execution; the top %d by execution time, per command:\n%s\n%s\n%s",
 		float64(calls)/n, float64(walRecords)/n, walBytes/n, float64(blocks)/n, execMS/n, len(lines),
-		strings.Join(lines, "\n"), p.cpuLine(b, ops, total))
+		strings.Join(lines, "\n"), p.tablesLine(b, ops), p.cpuLine(b, ops, total))
 }
 
 // cpuLine splits total, the container's CPU time over the phase, by its
