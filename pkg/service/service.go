@@ -132,6 +132,14 @@ func HandlerOptions(logger *slog.Logger) []connect.HandlerOption {
 // "Traces"): a trace id grants nothing, and a caller that picks one only
 // groups its own calls' spans.
 func HandlerOptionsAround(logger *slog.Logger, metrics *telemetry.Metrics, outer, inner []connect.Interceptor) []connect.HandlerOption {
+	return HandlerOptionsChecked(logger, metrics, nil, outer, inner)
+}
+
+// HandlerOptionsChecked is HandlerOptionsAround whose validation passes the
+// requests that checks pass without protovalidate (ValidationWith).
+func HandlerOptionsChecked(logger *slog.Logger, metrics *telemetry.Metrics, checks RuleChecks,
+	outer, inner []connect.Interceptor,
+) []connect.HandlerOption {
 	otel, err := otelconnect.NewInterceptor(otelconnect.WithMeterProvider(metrics.MeterProvider()),
 		otelconnect.WithTrustRemote())
 	if err != nil {
@@ -141,7 +149,7 @@ func HandlerOptionsAround(logger *slog.Logger, metrics *telemetry.Metrics, outer
 	ints = append(ints, outer...)
 	ints = append(ints, maskInternal(logger))
 	ints = append(ints, inner...)
-	ints = append(ints, Validation()...)
+	ints = append(ints, ValidationWith(checks)...)
 	return append([]connect.HandlerOption{connect.WithInterceptors(ints...)}, MessageOptions()...)
 }
 

@@ -1,6 +1,7 @@
 package store_test
 
 import (
+	"encoding/json"
 	"fmt"
 	"strings"
 	"sync"
@@ -195,4 +196,71 @@ func BenchmarkCommandLifecycle(b *testing.B) {
 	b.ReportMetric(float64(queue.Nanoseconds())/n, "queue-ns/op")
 	b.ReportMetric(float64(claim.Nanoseconds())/n, "claim-ns/op")
 	b.ReportMetric(float64(apply.Nanoseconds())/n, "apply-ns/op")
+}
+
+// TestApplySessionCommandUpdatesPassesResultsAsTheyAre: the results of a
+// batch of command updates go to the statement as the bytes the gateway
+// encoded, not copied into strings first: a batch whose updates carry
+// results (a diag result is about 1.5 kB) allocates no more, per update,
+// than one whose updates carry none, but for the growth of pgx's buffers.
+func TestApplySessionCommandUpdatesPassesResultsAsTheyAre(t *testing.T) {
+	f := newLifecycleFixture(t)
+	ctx := t.Context()
+	cmds := f.queue(t, 0)
+	f.claim(t, cmds)
+	result := []byte(`{"output": "` + strings.Repeat("x", 1500) + `"}`)
+	const n = 100
+	batch := func(result []byte) []store.SessionCommandUpdate {
+		us := make([]store.SessionCommandUpdate, 0, n)
+		for i := range n {
+			node := i % len(cmds)
+			us = append(us, store.SessionCommandUpdate{NodeID: f.fleet.Nodes[node], CommandID: fmt.Sprintf("%s-%d", cmds[node], i),
+				State: "succeeded", Result: result, Now: f.db.Now()})
+		}
+		return us
+	}
+	allocs := func(us []store.SessionCommandUpdate) float64 {
+		return testing.AllocsPerRun(10, func() {
+			// Commands that do not exist: the statement is sent whole and
+			// applies nothing, so every run sends the same.
+			_, err := store.ApplySessionCommandUpdates(ctx, f.db.AutoCommit(), us)
+			require.NoError(t, err)
+		})
+	}
+	with, without := allocs(batch(result)), allocs(batch(nil))
+	require.Less(t, with-without, float64(n)/4, "allocations of %d updates with results %.0f, without %.0f", n, with, without)
+}
+
+// TestCommandResultCompressedWithLZ4: a result that puts its command's row
+// over PostgreSQL's TOAST threshold (2 kB), a logs.collect of 40 journal
+// lines here (a diag.nvml result of 8 GPUs is 1.7 kB of jsonb, with a
+// signed command's other columns at the threshold), is compressed in the
+// terminal update that writes it: with lz4 (migration 000028), which took
+// half of pglz's CPU for such a result, and it reads back as written.
+func TestCommandResultCompressedWithLZ4(t *testing.T) {
+	f := newLifecycleFixture(t)
+	ctx := t.Context()
+	cmd := storetest.Command(t, f.db, &storetest.CommandOpts{NodeID: f.fleet.Nodes[0], Kind: store.CommandLogsCollect,
+		State: "delivered"})
+	var lines []string
+	for i := range 40 {
+		lines = append(lines, fmt.Sprintf("Dec 07 20:%02d:00 gpu-01 nvidia-persistenced[%d]: device 0000:%02x:00.0 persistence mode enabled",
+			i, 1200+i, 16+i%8))
+	}
+	result, err := json.Marshal(map[string]string{"output": strings.Join(lines, "\n") + "\n"})
+	require.NoError(t, err)
+	out, err := store.ApplySessionCommandUpdates(ctx, f.db.AutoCommit(), []store.SessionCommandUpdate{{NodeID: f.fleet.Nodes[0],
+		CommandID: cmd.ID, State: "succeeded", Result: result, Now: f.db.Now()}})
+	require.NoError(t, err)
+	require.True(t, out[0].Applied)
+	var (
+		compression string
+		stored      int
+		same        bool
+	)
+	require.NoError(t, f.db.Pool.QueryRow(ctx, `SELECT COALESCE(pg_column_compression(result), ''), pg_column_size(result),
+		result = $2::jsonb FROM commands WHERE id = $1`, cmd.ID, string(result)).Scan(&compression, &stored, &same))
+	require.Equal(t, "lz4", compression, "the result is compressed, with lz4")
+	require.Less(t, stored, len(result)/2)
+	require.True(t, same, "the result reads back as written")
 }

@@ -142,12 +142,12 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 	n := len(groups)
 	cmds, nodes, states, errs := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
 	ranks := make([]int32, n)
-	results := make([]*string, n)
+	results := make([][]byte, n)
 	ats := make([]time.Time, n)
 	for g, grp := range groups {
 		w := updates[grp.winner]
 		cmds[g], nodes[g], states[g], errs[g] = w.CommandID, w.NodeID, w.State, w.Error
-		ranks[g], results[g], ats[g] = int32(cmdRank[w.State]), nullJSON(w.Result), w.Now
+		ranks[g], results[g], ats[g] = int32(cmdRank[w.State]), w.Result, w.Now
 	}
 	rows, err := q.Query(ctx, `WITH u AS (
 			SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int[], $5::text[], $6::text[], $7::timestamptz[])
@@ -254,12 +254,4 @@ func ApplySessionCommandUpdates(ctx context.Context, q DBTX, updates []SessionCo
 		}
 	}
 	return out, nil
-}
-
-func nullJSON(b []byte) *string {
-	if b == nil {
-		return nil
-	}
-	s := string(b)
-	return &s
 }

@@ -32,6 +32,17 @@ type pgStatements struct {
 	// processes at the phase's start.
 	container string
 	before    map[int]backendCPU
+	// tables is pg_stat_user_tables' row counts at the phase's start.
+	tables map[string]tableRows
+	// walStart is the WAL's insert position at the phase's start, and
+	// walFile the name of its segment.
+	walStart, walFile string
+}
+
+// tableRows is a table's rows inserted, updated (of which HOT: no index
+// entry written) and deleted, from pg_stat_user_tables.
+type tableRows struct {
+	ins, upd, hot, del int64
 }
 
 // backendCPU is a Postgres process's name (its backend's application_name,
@@ -56,9 +67,98 @@ func startStatements(b *testing.B, dbURL, container string) *pgStatements {
 	require.NoError(b, err)
 	p := &pgStatements{conn: conn, container: container}
 	p.before = p.processes(b)
+	p.tables = p.tableRows(b)
+	require.NoError(b, conn.QueryRow(b.Context(), `SELECT pg_current_wal_insert_lsn()::text,
+		pg_walfile_name(pg_current_wal_insert_lsn())`).Scan(&p.walStart, &p.walFile))
 	_, err = conn.Exec(b.Context(), `SELECT pg_stat_statements_reset(0, (SELECT oid FROM pg_database WHERE datname = current_database()), 0)`)
 	require.NoError(b, err)
 	return p
+}
+
+// tableRows returns pg_stat_user_tables' counts of the database's tables
+// by name. A backend reports its counts when its transaction ends at most
+// once a second, and an idle one up to 10 s later (PostgreSQL 15's
+// pgstat), so a reading right after a phase lacks some of its rows: the
+// ratios (HOT of updated) read better than the totals.
+func (p *pgStatements) tableRows(b *testing.B) map[string]tableRows {
+	b.Helper()
+	rows, err := p.conn.Query(b.Context(), `SELECT relname, n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_del
+		FROM pg_stat_user_tables`)
+	require.NoError(b, err)
+	defer rows.Close()
+	out := map[string]tableRows{}
+	for rows.Next() {
+		var (
+			name string
+			t    tableRows
+		)
+		require.NoError(b, rows.Scan(&name, &t.ins, &t.upd, &t.hot, &t.del))
+		out[name] = t
+	}
+	require.NoError(b, rows.Err())
+	return out
+}
+
+// tablesLine is, per operation, each table's rows inserted, updated (HOT of
+// them) and deleted since startStatements, the tables with none left out.
+func (p *pgStatements) tablesLine(b *testing.B, ops int) string {
+	b.Helper()
+	after := p.tableRows(b)
+	n := float64(ops)
+	var parts []string
+	for _, name := range slices.Sorted(maps.Keys(after)) {
+		a, o := after[name], p.tables[name]
+		d := tableRows{ins: a.ins - o.ins, upd: a.upd - o.upd, hot: a.hot - o.hot, del: a.del - o.del}
+		if d == (tableRows{}) {
+			continue
+		}
+		parts = append(parts, fmt.Sprintf("%s %.2f/%.2f (%.2f HOT)/%.2f", name, float64(d.ins)/n, float64(d.upd)/n,
+			float64(d.hot)/n, float64(d.del)/n))
+	}
+	return "  rows per command inserted/updated (HOT)/deleted (pg_stat_user_tables): " + strings.Join(parts, ", ")
+}
+
+// walLine is, per operation, the WAL records written since
+// startStatements by kind (pg_waldump --stats=record in the container,
+// over the database cluster's whole WAL: every database, the background
+// processes' records too), the kinds with the most first: which writes the
+// records per command are (index entries, row locks, HOT updates, prunes).
+func (p *pgStatements) walLine(b *testing.B, ops int) string {
+	b.Helper()
+	var end, endFile string
+	require.NoError(b, p.conn.QueryRow(b.Context(), `SELECT pg_current_wal_insert_lsn()::text,
+		pg_walfile_name(pg_current_wal_insert_lsn())`).Scan(&end, &endFile))
+	// The segments named: pg_waldump reads the segment size from the first
+	// file it opens, and a segment made ahead of use is zeros.
+	out, err := exec.Command("docker", "exec", "-u", "postgres", p.container, "sh", "-c",
+		`pg_waldump --stats=record -p "$PGDATA/pg_wal" -s "$1" -e "$2" "$3" "$4"`, "sh", p.walStart, end, p.walFile,
+		endFile).CombinedOutput()
+	if err != nil {
+		return fmt.Sprintf("  WAL records by kind: not readable here (%v: %s)", err, strings.TrimSpace(string(out)))
+	}
+	type kind struct {
+		name string
+		n    int64
+	}
+	var kinds []kind
+	for _, line := range strings.Split(string(out), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 2 || !strings.Contains(f[0], "/") {
+			continue
+		}
+		if n, err := strconv.ParseInt(f[1], 10, 64); err == nil && n > 0 {
+			kinds = append(kinds, kind{f[0], n})
+		}
+	}
+	slices.SortStableFunc(kinds, func(x, y kind) int { return cmp.Compare(y.n, x.n) })
+	parts := make([]string, 0, len(kinds))
+	for _, k := range kinds {
+		if float64(k.n)/float64(ops) < 0.01 {
+			break
+		}
+		parts = append(parts, fmt.Sprintf("%s %.2f", k.name, float64(k.n)/float64(ops)))
+	}
+	return "  WAL records per command by kind (pg_waldump, the whole cluster): " + strings.Join(parts, ", ")
 }
 
 // processes returns the container's Postgres processes by host pid, each
@@ -141,7 +241,9 @@ const clockTicks = 100
 // statements the benchmark's database ran since startStatements (top level,
 // BEGIN and COMMIT included), their WAL records and bytes, buffer hits and
 // reads, and execution time, then the top statements by execution time,
-// each with its calls and WAL records per operation, and the container's
+// each with its calls and WAL records per operation, each table's rows
+// inserted, updated (HOT of them) and deleted (tablesLine), the WAL records
+// by kind (walLine), and the container's
 // CPU time over the phase, total, by process (cpuLine); "" without
 // pg_stat_statements.
 func (p *pgStatements) summary(b *testing.B, ops, top int, total time.Duration) string {
@@ -180,9 +282,9 @@ func (p *pgStatements) summary(b *testing.B, ops, top int, total time.Duration) 
 	}
 	require.NoError(b, rows.Err())
 	return fmt.Sprintf("  Postgres per command (pg_stat_statements): %.2f statements, %.1f WAL records, %.0f WAL bytes, "+
-		"%.0f buffer hits and reads, %.3f ms of execution; the top %d by execution time, per command:\n%s\n%s",
+		"%.0f buffer hits and reads, %.3f ms of execution; the top %d by execution time, per command:\n%s\n%s\n%s\n%s",
 		float64(calls)/n, float64(walRecords)/n, walBytes/n, float64(blocks)/n, execMS/n, len(lines),
-		strings.Join(lines, "\n"), p.cpuLine(b, ops, total))
+		strings.Join(lines, "\n"), p.tablesLine(b, ops), p.walLine(b, ops), p.cpuLine(b, ops, total))
 }
 
 // cpuLine splits total, the container's CPU time over the phase, by its

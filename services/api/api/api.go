@@ -283,7 +283,7 @@ func (s *Server) Handler() http.Handler {
 	// (Unauthenticated, or ResourceExhausted once its address failed too
 	// often) whatever it sent; the ticket limit runs after them, so that
 	// its refusals are audited with their caller.
-	opts := service.HandlerOptionsAround(s.logger, s.deps.Metrics,
+	opts := service.HandlerOptionsChecked(s.logger, s.deps.Metrics, ruleChecks,
 		[]connect.Interceptor{iam.NewAuditInterceptor(s.db, Policy, s.logger)},
 		[]connect.Interceptor{iam.NewInterceptor(s.authn, Policy, s.cfg.TrustForwardedFor), s.ticketLimit()})
 	api := http.NewServeMux()

@@ -4,7 +4,6 @@ import (
 	"errors"
 
 	"connectrpc.com/connect"
-	"google.golang.org/protobuf/encoding/protojson"
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	"github.com/better-compute/better-compute/pkg/store"
@@ -35,7 +34,8 @@ func decodeHello(h *gatewayv1.Hello) (*gatewayv1.Hello, error) {
 // decodeCommandUpdate checks a CommandUpdate of node nodeID and returns it
 // as the update batcher records it (store.SessionCommandUpdate without Now):
 // command_id is required, state is one a daemon reports (commandStates),
-// and result, when set, is encoded as protojson.
+// and result, when set, is encoded as protojson encodes it
+// (appendResultJSON).
 func decodeCommandUpdate(nodeID string, u *gatewayv1.CommandUpdate) (store.SessionCommandUpdate, error) {
 	if u.GetCommandId() == "" {
 		return store.SessionCommandUpdate{}, connect.NewError(connect.CodeInvalidArgument, errors.New("command_update.command_id is required"))
@@ -46,11 +46,8 @@ func decodeCommandUpdate(nodeID string, u *gatewayv1.CommandUpdate) (store.Sessi
 			errors.New("command_update.state must be DELIVERED, RUNNING, SUCCEEDED or FAILED"))
 	}
 	var result []byte
-	if u.GetResult() != nil {
-		var err error
-		if result, err = protojson.Marshal(u.GetResult()); err != nil {
-			return store.SessionCommandUpdate{}, connect.NewError(connect.CodeInvalidArgument, errors.New("command_update.result cannot be encoded"))
-		}
+	if r := u.GetResult(); r != nil {
+		result = appendResultJSON(make([]byte, 0, resultJSONSize(r)), r)
 	}
 	return store.SessionCommandUpdate{NodeID: nodeID, CommandID: u.GetCommandId(), State: state, Result: result,
 		Error: u.GetError()}, nil

@@ -117,6 +117,13 @@ func TestPokeCopiesOfOneOutboxRowWakeOnce(t *testing.T) {
 	g := e.startGateway(noResync)
 	n := e.newNode()
 	d, _ := e.connect(g, n, nil)
+	// The session's first delivery pass runs after Welcome, before the
+	// handler reads the next message: once a heartbeat is answered, it is
+	// over, and cannot claim the commands queued below (it would, under
+	// load, and row 41's poke would then claim again after the second one
+	// was queued).
+	d.heartbeat(1, 0)
+	require.Equal(t, int64(1), d.nextAck())
 	poke := func(row string) {
 		t.Helper()
 		m := &nats.Msg{Subject: store.SubjectPokeGatewayPrefix + "gw-test", Data: pokeJSON(t, n.id), Header: nats.Header{}}

@@ -6,10 +6,17 @@ package gateway
 // are checked here with loops over the text first; when every one holds,
 // protovalidate checks the message without them, and when one does not, it
 // checks the whole message, so that a refusal is word for word
-// protovalidate's (service.Validate).
+// protovalidate's (service.Validate). A CommandUpdate, the message of every
+// command's end, has every rule of its own and of the messages in it checked
+// by hand (commandUpdateHolds), and skips protovalidate whenever they all
+// hold: protovalidate walks each GPU of a result by reflection, allocating,
+// and deep enough to grow the session goroutine's stack, which the
+// collector shrinks again between commands.
 
 import (
+	"strings"
 	"unicode"
+	"unicode/utf8"
 
 	"buf.build/go/protovalidate"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -50,6 +57,10 @@ func visibleASCII(c rune) bool { return c >= '!' && c <= '~' }
 // checked when decoded); RE2 would read such a byte as U+FFFD, which it
 // allows too.
 func oneLine(c rune) bool {
+	if c < utf8.RuneSelf {
+		// ASCII: Cc is U+0000–U+001F and U+007F; Cf, Zl and Zp hold none.
+		return c >= 0x20 && c != 0x7F
+	}
 	return !unicode.In(c, unicode.Cc, unicode.Cf, unicode.Zl, unicode.Zp)
 }
 
@@ -60,6 +71,9 @@ func multiLine(c rune) bool {
 	switch {
 	case c <= 0x08, c >= 0x0B && c <= 0x1F, c >= 0x7F && c <= 0x9F:
 		return false
+	case c < utf8.RuneSelf:
+		// Cf, Zl and Zp hold no ASCII character.
+		return true
 	}
 	return !unicode.In(c, unicode.Cf, unicode.Zl, unicode.Zp)
 }
@@ -74,6 +88,76 @@ var (
 	ruleGPUModel      = textRule{maxLen: 128, ok: oneLine}
 	ruleGPUPCIBusID   = textRule{maxLen: 32, ok: visibleASCII}
 )
+
+// The rules of a CommandUpdate's other fields, which commandUpdateHolds
+// checks too (TestCommandUpdateRulesAreHandChecked pins every rule of the
+// message and of those in it).
+var (
+	// ruleCommandID is command_id's, with its min_len of 1.
+	ruleCommandID = textRule{maxLen: 64, ok: visibleASCII}
+	// maxHostname is Inventory.hostname's max_len, in characters.
+	maxHostname = 253
+	// maxGPUs is Inventory.gpus' max_items.
+	maxGPUs = 64
+)
+
+// isHostname is protovalidate's string rule hostname (RFC 1123: labels of
+// letters, digits and hyphens, 1 to 63 long, neither starting nor ending with
+// a hyphen, at most 253 characters before an optional trailing dot, the last
+// label not all digits), as buf.build/go/protovalidate checks it.
+func isHostname(s string) bool {
+	s = strings.TrimSuffix(s, ".")
+	if len(s) > 253 {
+		return false
+	}
+	allDigits := false
+	for label := range strings.SplitSeq(s, ".") {
+		if len(label) == 0 || len(label) > 63 || label[0] == '-' || label[len(label)-1] == '-' {
+			return false
+		}
+		allDigits = true
+		for i := range len(label) {
+			c := label[i]
+			digit := c >= '0' && c <= '9'
+			if !digit && (c < 'a' || c > 'z') && (c < 'A' || c > 'Z') && c != '-' {
+				return false
+			}
+			allDigits = allDigits && digit
+		}
+	}
+	return !allDigits
+}
+
+// commandUpdateHolds reports whether u keeps every rule gateway.proto gives
+// CommandUpdate and the messages in it: command_id, state (a defined value),
+// error, the result's output, its inventory's GPU count, hostname (when set)
+// and driver version, and each GPU's strings. checkMessage lets such an
+// update pass without protovalidate; one that breaks a rule goes to
+// protovalidate whole, so that the refusal is its.
+func commandUpdateHolds(u *gatewayv1.CommandUpdate) bool {
+	if id := u.GetCommandId(); id == "" || !ruleCommandID.holds(id) {
+		return false
+	}
+	if _, ok := gatewayv1.CommandState_name[int32(u.GetState())]; !ok {
+		return false
+	}
+	if !ruleError.holds(u.GetError()) || !ruleOutput.holds(u.GetResult().GetOutput()) {
+		return false
+	}
+	inv := u.GetResult().GetInventory()
+	if len(inv.GetGpus()) > maxGPUs || !ruleDriverVersion.holds(inv.GetDriverVersion()) {
+		return false
+	}
+	if h := inv.GetHostname(); h != "" && (utf8.RuneCountInString(h) > maxHostname || !isHostname(h)) {
+		return false
+	}
+	for _, g := range inv.GetGpus() {
+		if !ruleGPUUUID.holds(g.GetUuid()) || !ruleGPUModel.holds(g.GetModel()) || !ruleGPUPCIBusID.holds(g.GetPciBusId()) {
+			return false
+		}
+	}
+	return true
+}
 
 // handChecked are the fields whose rules handCheck checks, which
 // protovalidate skips once they hold. CommandUpdate.command_id keeps its
@@ -142,9 +226,13 @@ func handCheck(req *gatewayv1.SessionRequest) bool {
 // hold, and checks everything when one does not. A Heartbeat, most of what
 // an idle fleet sends, is not walked: Heartbeat and the messages of its
 // fields carry no rule (TestHeartbeatHasNoRules), and the oneof's rule
-// (required) holds when it is set, so every heartbeat passes.
+// (required) holds when it is set, so every heartbeat passes. Nor is a
+// CommandUpdate that keeps every rule (commandUpdateHolds).
 func checkMessage(req *gatewayv1.SessionRequest) error {
 	if req.GetHeartbeat() != nil {
+		return nil
+	}
+	if u := req.GetCommandUpdate(); u != nil && commandUpdateHolds(u) {
 		return nil
 	}
 	if handCheck(req) {
