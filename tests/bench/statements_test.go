@@ -137,14 +137,15 @@ func (p *pgStatements) processes(b *testing.B) map[int]backendCPU {
 // clockTicks is the kernel's USER_HZ, the unit of /proc/<pid>/stat's times.
 const clockTicks = 100
 
-// summary returns, per operation (ops of them in the phase), the
+// summary returns, per operation (ops of them in the phase, each an op:
+// "command", "machine"), the
 // statements the benchmark's database ran since startStatements (top level,
 // BEGIN and COMMIT included), their WAL records and bytes, buffer hits and
 // reads, and execution time, then the top statements by execution time,
 // each with its calls and WAL records per operation, and the container's
 // CPU time over the phase, total, by process (cpuLine); "" without
 // pg_stat_statements.
-func (p *pgStatements) summary(b *testing.B, ops, top int, total time.Duration) string {
+func (p *pgStatements) summary(b *testing.B, op string, ops, top int, total time.Duration) string {
 	b.Helper()
 	if p == nil {
 		return ""
@@ -179,16 +180,17 @@ func (p *pgStatements) summary(b *testing.B, ops, top int, total time.Duration) 
 		}
 	}
 	require.NoError(b, rows.Err())
-	return fmt.Sprintf("  Postgres per command (pg_stat_statements): %.2f statements, %.1f WAL records, %.0f WAL bytes, "+
-		"%.0f buffer hits and reads, %.3f ms of execution; the top %d by execution time, per command:\n%s\n%s",
-		float64(calls)/n, float64(walRecords)/n, walBytes/n, float64(blocks)/n, execMS/n, len(lines),
-		strings.Join(lines, "\n"), p.cpuLine(b, ops, total))
+	return fmt.Sprintf("  Postgres per %s (pg_stat_statements): %.2f statements, %.1f WAL records, %.0f WAL bytes, "+
+		"%.0f buffer hits and reads, %.3f ms of execution; the top %d by execution time, per %s:\n%s\n%s",
+		op, float64(calls)/n, float64(walRecords)/n, walBytes/n, float64(blocks)/n, execMS/n, len(lines), op,
+		strings.Join(lines, "\n"), p.cpuLine(b, op, ops, total))
 }
 
 // cpuLine splits total, the container's CPU time over the phase, by its
-// processes (processes), per operation: "exited" is what processes that
-// ended during the phase used (total less what the others did).
-func (p *pgStatements) cpuLine(b *testing.B, ops int, total time.Duration) string {
+// processes (processes), per operation (op, as summary's): "exited" is what
+// processes that ended during the phase used (total less what the others
+// did).
+func (p *pgStatements) cpuLine(b *testing.B, op string, ops int, total time.Duration) string {
 	b.Helper()
 	after := p.processes(b)
 	if p.before == nil || after == nil {
@@ -208,5 +210,5 @@ func (p *pgStatements) cpuLine(b *testing.B, ops int, total time.Duration) strin
 	for _, name := range names {
 		parts = append(parts, fmt.Sprintf("%s %s", name, (by[name]/time.Duration(ops)).Round(time.Microsecond)))
 	}
-	return "  Postgres's CPU per command by process (its backend's application_name, or its type): " + strings.Join(parts, ", ")
+	return "  Postgres's CPU per " + op + " by process (its backend's application_name, or its type): " + strings.Join(parts, ", ")
 }
