@@ -116,7 +116,7 @@ func runMain[C Config, R Runner](name string, cfg C, newService func(C, Deps) (R
 		defer deps.NC.Close()
 		if deps.DB != nil {
 			deps.DB.SignalOutboxVia(func() error { return deps.NC.Publish(store.SubjectOutboxWritten, nil) })
-			deps.DB.PokeVia(deps.NC.Publish)
+			deps.DB.PokeVia(bus.PublishWithID(deps.NC, store.OutboxIDHeader))
 		}
 	}
 	svc, err := newService(cfg, deps)
