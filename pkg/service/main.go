@@ -81,7 +81,7 @@ func runMain[C Config, R Runner](name string, cfg C, newService func(C, Deps) (R
 	if err := config.Load(&prof, os.Getenv); err != nil {
 		return err
 	}
-	stopProfiling, err := startProfiling(prof, logger)
+	stopProfiling, err := StartProfiling(prof, logger)
 	if err != nil {
 		return err
 	}
