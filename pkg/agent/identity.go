@@ -83,6 +83,10 @@ type Identity struct {
 	cert        *x509.Certificate
 	servingCA   *x509.Certificate
 	commandRoot ed25519.PublicKey
+	// pemOf is the key that KeyPEM encodes, when it was encoded or read
+	// already (the pending join's, the file's): save encodes key again
+	// only when it is another (a renewal's).
+	pemOf crypto.Signer
 }
 
 // CommandSigningKey returns the command-signing root the node checks intent
@@ -121,17 +125,18 @@ func loadPendingJoin(dir string) (*pendingJoin, error) {
 }
 
 // savePendingJoin writes the pending join of a machine with machineID and
-// key to dir, durably, before its first Join attempt.
-func savePendingJoin(dir, machineID string, key crypto.Signer) error {
+// key to dir, durably, before its first Join attempt, and returns it.
+func savePendingJoin(dir, machineID string, key crypto.Signer) (*pendingJoin, error) {
 	pem, err := pki.EncodeKeyPEM(key)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	b, err := json.Marshal(pendingJoin{MachineID: machineID, KeyPEM: string(pem)})
+	p := &pendingJoin{MachineID: machineID, KeyPEM: string(pem), key: key}
+	b, err := json.Marshal(p)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	return writeFileSync(filepath.Join(dir, PendingJoinFile), append(b, '\n'), 0o600)
+	return p, writeFileSync(filepath.Join(dir, PendingJoinFile), append(b, '\n'), 0o600)
 }
 
 // ReadIdentity returns the identity a machine directory dir (a Runner's
@@ -168,6 +173,7 @@ func loadIdentity(dir string) (*Identity, error) {
 	if id.key, err = pki.ParseKeyPEM([]byte(id.KeyPEM)); err != nil {
 		return nil, fmt.Errorf("%s: key_pem: %w", NodeFile, err)
 	}
+	id.pemOf = id.key
 	if id.cert, err = pki.ParseCertPEM([]byte(id.CertificatePEM)); err != nil {
 		return nil, fmt.Errorf("%s: certificate_pem: %w", NodeFile, err)
 	}
@@ -183,13 +189,17 @@ func loadIdentity(dir string) (*Identity, error) {
 }
 
 // save fills the PEM fields from the key and certificates and writes
-// NodeFile atomically and durably (the commit point of the Join).
+// NodeFile atomically and durably (the commit point of the Join). The key
+// is encoded unless KeyPEM holds it already (pemOf): a join's key was
+// encoded for its pending join.
 func (id *Identity) save(dir string, nodeCA *x509.Certificate) error {
-	key, err := pki.EncodeKeyPEM(id.key)
-	if err != nil {
-		return err
+	if id.pemOf == nil || id.pemOf != id.key {
+		key, err := pki.EncodeKeyPEM(id.key)
+		if err != nil {
+			return err
+		}
+		id.KeyPEM, id.pemOf = string(key), id.key
 	}
-	id.KeyPEM = string(key)
 	id.CertificatePEM = string(pki.EncodeCertPEM(id.cert))
 	id.ServingCAPEM = string(pki.EncodeCertPEM(id.servingCA))
 	if nodeCA != nil {

@@ -256,17 +256,16 @@ func (m *Machine) join(ctx context.Context, hw Hardware, pending *pendingJoin) (
 	// stopped before the answer came joins again with it, and JoinService
 	// answers with the node that key joined as, if the first attempt got
 	// that far, rather than making another.
-	var key crypto.Signer
-	if pending != nil {
-		key = pending.key
-	} else {
-		if key, err = pki.GenerateKey(); err != nil {
+	if pending == nil {
+		key, err := pki.GenerateKey()
+		if err != nil {
 			return nil, fmt.Errorf("machine %d: key: %w", m.index, err)
 		}
-		if err := savePendingJoin(m.dir, hw.MachineID(), key); err != nil {
+		if pending, err = savePendingJoin(m.dir, hw.MachineID(), key); err != nil {
 			return nil, fmt.Errorf("machine %d: %w", m.index, err)
 		}
 	}
+	key := pending.key
 	csr, err := pki.NewCSR(key, hw.Hostname())
 	if err != nil {
 		return nil, err
@@ -326,6 +325,7 @@ func (m *Machine) join(ctx context.Context, hw Hardware, pending *pendingJoin) (
 		return nil, fmt.Errorf("machine %d: %w", m.index, err)
 	}
 	id.MachineID, id.Variant, id.JoinedAt, id.key = hw.MachineID(), hw.Variant(), m.r.clk.Now().UTC(), key
+	id.KeyPEM, id.pemOf = pending.KeyPEM, key
 	// The journal comes first: once the identity is saved, a missing
 	// journal is a loss.
 	if err := initFileJournal(m.dir); err != nil {

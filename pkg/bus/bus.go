@@ -6,6 +6,7 @@ package bus
 import (
 	"fmt"
 	"log/slog"
+	"strconv"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -29,4 +30,20 @@ func Connect(url, name string, logger *slog.Logger) (*nats.Conn, error) {
 		return nil, fmt.Errorf("connect nats %s: %w", url, err)
 	}
 	return nc, nil
+}
+
+// PublishWithID returns a function that publishes payload on subject
+// through nc, with the header named header set to id in decimal when id is
+// not 0: store.DB.PokeVia's publish, with store.OutboxIDHeader, so that a
+// message a writer publishes itself names the outbox row it is a copy of,
+// as the relay's copy does.
+func PublishWithID(nc *nats.Conn, header string) func(subject string, payload []byte, id int64) error {
+	return func(subject string, payload []byte, id int64) error {
+		if id == 0 {
+			return nc.Publish(subject, payload)
+		}
+		m := &nats.Msg{Subject: subject, Data: payload, Header: nats.Header{}}
+		m.Header.Set(header, strconv.FormatInt(id, 10))
+		return nc.PublishMsg(m)
+	}
 }

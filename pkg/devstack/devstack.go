@@ -472,7 +472,7 @@ func (s *Stack) startServices(gctx context.Context, g *errgroup.Group) error {
 		return err
 	}
 	s.DB.SignalOutboxVia(func() error { return signalNC.Publish(store.SubjectOutboxWritten, nil) })
-	s.DB.PokeVia(signalNC.Publish)
+	s.DB.PokeVia(bus.PublishWithID(signalNC, store.OutboxIDHeader))
 	kept := s.state
 	s.state.Gateways = nil
 	host := urlHost(o.Host)

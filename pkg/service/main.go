@@ -81,7 +81,7 @@ func runMain[C Config, R Runner](name string, cfg C, newService func(C, Deps) (R
 	if err := config.Load(&prof, os.Getenv); err != nil {
 		return err
 	}
-	stopProfiling, err := startProfiling(prof, logger)
+	stopProfiling, err := StartProfiling(prof, logger)
 	if err != nil {
 		return err
 	}
@@ -116,7 +116,7 @@ func runMain[C Config, R Runner](name string, cfg C, newService func(C, Deps) (R
 		defer deps.NC.Close()
 		if deps.DB != nil {
 			deps.DB.SignalOutboxVia(func() error { return deps.NC.Publish(store.SubjectOutboxWritten, nil) })
-			deps.DB.PokeVia(deps.NC.Publish)
+			deps.DB.PokeVia(bus.PublishWithID(deps.NC, store.OutboxIDHeader))
 		}
 	}
 	svc, err := newService(cfg, deps)

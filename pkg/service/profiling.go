@@ -36,10 +36,11 @@ func pprofHandler() http.Handler {
 	return mux
 }
 
-// startProfiling starts p's server when PprofListen is set and returns the
+// StartProfiling starts p's server when PprofListen is set and returns the
 // function that stops it; it fails, naming BETTER_COMPUTE_PPROF_LISTEN,
-// when the address cannot be bound.
-func startProfiling(p Profiling, log *slog.Logger) (stop func(), err error) {
+// when the address cannot be bound. Main calls it for every service; the
+// fakedaemon for its --pprof-listen.
+func StartProfiling(p Profiling, log *slog.Logger) (stop func(), err error) {
 	if p.PprofListen == "" {
 		return func() {}, nil
 	}

@@ -435,7 +435,7 @@ func AdoptNodes(ctx context.Context, q DBTX, intent *IntentSigner, now time.Time
 		}
 	}
 	hintEvents(q, eventHints(tenants, types))
-	pokeAfterCommit(q, SubjectPokeScheduler, nil)
+	pokeAfterCommit(q, SubjectPokeScheduler, nil, 0)
 	if err := signalOutbox(ctx, q); err != nil {
 		return nil, fmt.Errorf("adopt nodes: signal the outbox: %w", interpretError(err))
 	}

@@ -110,7 +110,7 @@ func TestCommandLifecycleStatements(t *testing.T) {
 		mu        sync.Mutex
 		published []string
 	)
-	f.db.PokeVia(func(subject string, _ []byte) error {
+	f.db.PokeVia(func(subject string, _ []byte, _ int64) error {
 		mu.Lock()
 		defer mu.Unlock()
 		published = append(published, subject)

@@ -64,7 +64,7 @@ func TestEventsAsWatchersReceiveThem(t *testing.T) {
 		mu    sync.Mutex
 		hints []string
 	)
-	db.PokeVia(func(subject string, payload []byte) error {
+	db.PokeVia(func(subject string, payload []byte, _ int64) error {
 		if strings.HasPrefix(subject, store.SubjectEvents+".") {
 			mu.Lock()
 			defer mu.Unlock()

@@ -16,8 +16,11 @@ package store
 //  2. A node is swept only when last_seen < now − timeout (timeout ≥ 20 s,
 //     MinLivenessTimeout): every hearing that reached the database is at
 //     least timeout old.
-//  3. Hearings that never reached the database were made by a gateway that
-//     stopped writing: it renews its presence (expiry = write time +
+//  3. Hearings that never reached the database (a gateway leaves out those
+//     that follow a written one of the same session closely, and its last
+//     batch may never be written) are covered by its presence while it
+//     holds the node's live session (rule 1), and otherwise bounded by its
+//     presence's expiry: it renews its presence (expiry = write time +
 //     GatewayPresenceTTL) in the transaction of every last_seen flush, every
 //     flush interval F ≤ MaxGatewayFlushInterval; a flush not committed
 //     within GatewayFlushTimeout fails (a hung database counts as a failing

@@ -10,8 +10,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"slices"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -455,109 +453,216 @@ func ExpireJoiningNodes(ctx context.Context, q DBTX, now time.Time, timeout time
 	return ids, nil
 }
 
-// JoinTokenUses are Uses more uses of join token TokenID, granted by
-// GrantJoinTokenUses of the token locked by LockJoinToken.
-type JoinTokenUses struct {
-	TokenID string
-	Uses    int
+// Join is one join of a batch that RecordJoins records: the node and the
+// certificate JoinService made for it before its token was counted.
+type Join struct {
+	// TokenHash is the SHA-256 of the join token's secret.
+	TokenHash []byte
+	// Node is the node to create: its ID and the machine's claims
+	// (PoolID, JoinTokenID and CreatedAt are the token's and the batch's).
+	Node NewNode
+	// Cert is its certificate: Serial, PublicKeySHA256 (the node's join
+	// key), NotBefore and NotAfter (NodeID and CreatedAt are the node's).
+	Cert NewNodeCert
 }
 
-// RecordJoins records a batch of joins in one statement, whatever its size:
-// it counts the token uses (each token locked by LockJoinToken in q's
-// transaction, the uses granted by GrantJoinTokenUses), inserts the nodes
-// (state NodeJoining) and their certificates, nodes[i] with certs[i] (whose
+// JoinOutcome is what RecordJoins did with one Join: exactly one of a use
+// counted (Err and Rejoin nil), a retry (Rejoin), or a refusal (Err).
+type JoinOutcome struct {
+	// Token is the join's token: with its use counted (Uses includes this
+	// join's) when the node was created; as it was locked for a retry or a
+	// refusal (zero for ErrJoinTokenUnknown).
+	Token JoinToken
+	// Rejoin, when set, is the node the join's key joined as already (a
+	// retry: nothing was written for it, no use counted).
+	Rejoin *JoinedKey
+	// Err is a *JoinTokenRefusal (ErrJoinTokenUnknown, ErrJoinTokenRevoked,
+	// ErrJoinTokenExpired, ErrJoinTokenUsedUp), or ErrSameKeyInBatch.
+	Err error
+}
+
+// ErrSameKeyInBatch refuses a join of RecordJoins whose key an earlier join
+// of its batch joins with: once that one is recorded, the caller joins again
+// and finds it (a retry sent before the first attempt's answer).
+var ErrSameKeyInBatch = errors.New("the same key joins in this batch")
+
+// RecordJoins records a batch of joins in one statement, whatever its size
+// or its number of tokens: it locks the batch's tokens (FOR UPDATE, in hash
+// order, so concurrent batches never deadlock and can never take more than
+// a token's max_uses in all), refuses the joins of an unknown, revoked or
+// expired token, answers a key that joined already as a retry (Rejoin;
+// nodes.join_key_sha256), grants each token's remaining uses to its other
+// joins in batch order (the rest are refused as used up), counts them,
+// inserts the nodes (state NodeJoining) with their certificates (whose
 // public key becomes the node's join key), writes a node.joined event for
-// each node (ordered by node id, for the tenant owning its pool, as
-// RecordNodesJoined does; its hint published after the commit) and one SubjectPokeControllers
-// poke naming the nodes (payload Poke, in the order of nodes), and signals
-// the outbox. It is what CountJoinTokenUses, CreateJoinedNodes,
-// RecordNodesJoined and Enqueue of the poke did in six statements. Errors:
-// as CreateJoinedNodes's (ErrConflict, ConstraintNodeJoinKey for a key that
-// joined concurrently); nothing is written then.
-func RecordJoins(ctx context.Context, q DBTX, now time.Time, uses []JoinTokenUses, nodes []NewNode, certs []NewNodeCert) error {
-	if len(nodes) != len(certs) {
-		return fmt.Errorf("record joins: %d nodes but %d certificates", len(nodes), len(certs))
+// each node (ordered by node id, for the tenant owning its pool; their
+// hints published after the commit) and one SubjectPokeControllers poke
+// naming the nodes (payload Poke, ordered by node id), and signals the
+// outbox. Run it on DB.AutoCommit (one round trip: the statement is the
+// transaction) or in a transaction. A join whose key an earlier one of the
+// batch has is not sent (ErrSameKeyInBatch). It returns one JoinOutcome per
+// join, in order.
+//
+// The lock and the counts are the latest committed (a locked row is read
+// again after the wait), the keys that joined are the statement's snapshot:
+// a key that another JoinService's batch made join while this one waited
+// for the token fails the statement on ConstraintNodeJoinKey, and nothing is
+// written (the caller records the batch again, and finds it as a retry).
+// Errors: the database's, for the whole batch.
+func RecordJoins(ctx context.Context, q DBTX, now time.Time, joins []Join) ([]JoinOutcome, error) {
+	out := make([]JoinOutcome, len(joins))
+	// The first join of each key is sent; the others are refused.
+	first := make(map[string]bool, len(joins))
+	var sent []int
+	for i, j := range joins {
+		key := string(j.Cert.PublicKeySHA256)
+		if first[key] {
+			out[i].Err = ErrSameKeyInBatch
+			continue
+		}
+		first[key] = true
+		sent = append(sent, i)
 	}
-	if len(nodes) == 0 {
-		return nil
+	if len(sent) == 0 {
+		return out, nil
+	}
+	n := len(sent)
+	hashes, keys := make([][]byte, n), make([][]byte, n)
+	ids, hosts, machines, variants, versions := make([]string, n), make([]string, n), make([]string, n), make([]string, n),
+		make([]string, n)
+	serials, before, after, data := make([]string, n), make([]time.Time, n), make([]time.Time, n), make([]string, n)
+	for x, i := range sent {
+		j := joins[i]
+		b, err := json.Marshal(NodeJoinedData{NodeID: j.Node.ID})
+		if err != nil {
+			return nil, fmt.Errorf("record joins: %w", err)
+		}
+		hashes[x], keys[x], data[x] = j.TokenHash, j.Cert.PublicKeySHA256, string(b)
+		ids[x], hosts[x], machines[x], variants[x], versions[x] = j.Node.ID, j.Node.Hostname, j.Node.MachineID, j.Node.Variant,
+			j.Node.AgentVersion
+		serials[x], before[x], after[x] = j.Cert.Serial, j.Cert.NotBefore, j.Cert.NotAfter
+	}
+	rows, err := q.Query(ctx, recordJoinsSQL, hashes, ids, hosts, machines, variants, versions, keys, serials, before, after,
+		data, now, NodeJoining, SubjectPokeControllers, telemetry.Traceparent(ctx))
+	if err != nil {
+		return nil, queryErr("record joins", err)
 	}
 	var (
-		tokenIDs []string
-		tokenN   []int32
+		created, usedTokens, inserted, certified, evented, poked int64
+		hints                                                    []string
+		tokens                                                   = map[string]bool{}
 	)
-	for _, u := range uses {
-		tokenIDs = append(tokenIDs, u.TokenID)
-		tokenN = append(tokenN, int32(u.Uses))
-	}
-	n := len(nodes)
-	ids, pools, tokens, hosts, machines := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
-	variants, versions, created := make([]string, n), make([]string, n), make([]time.Time, n)
-	joinKeys := make([][]byte, n)
-	serials, before, after, certAt := make([]string, n), make([]time.Time, n), make([]time.Time, n), make([]time.Time, n)
-	for i, nd := range nodes {
-		c := certs[i]
-		if c.NodeID != nd.ID {
-			return fmt.Errorf("record joins: certificate %d is node %s's, not %s's", i, c.NodeID, nd.ID)
+	for rows.Next() {
+		var (
+			ord                                   int
+			rank                                  *int64
+			tid, tpool, tby, rejoinID, rejoinPool *string
+			thash                                 []byte
+			tmax, tuses                           *int32
+			texp, tcreated                        *time.Time
+			t                                     JoinToken
+		)
+		if err := rows.Scan(&ord, &tid, &tpool, &thash, &tmax, &tuses, &texp, &t.RevokedAt, &tby, &tcreated, &rejoinID,
+			&rejoinPool, &rank, &usedTokens, &inserted, &certified, &evented, &poked, &hints); err != nil {
+			rows.Close()
+			return nil, queryErr("record joins", err)
 		}
-		ids[i], pools[i], tokens[i], hosts[i], machines[i] = nd.ID, nd.PoolID, nd.JoinTokenID, nd.Hostname, nd.MachineID
-		variants[i], versions[i], created[i], joinKeys[i] = nd.Variant, nd.AgentVersion, nd.CreatedAt, c.PublicKeySHA256
-		serials[i], before[i], after[i], certAt[i] = c.Serial, c.NotBefore, c.NotAfter, c.CreatedAt
-	}
-	// The events, ordered by node id as RecordNodesJoined orders them.
-	order := make([]int, n)
-	for i := range order {
-		order[i] = i
-	}
-	slices.SortFunc(order, func(a, b int) int { return strings.Compare(ids[a], ids[b]) })
-	evNodes, evPools, evData := make([]string, n), make([]string, n), make([]string, n)
-	for k, i := range order {
-		b, err := json.Marshal(NodeJoinedData{NodeID: ids[i]})
-		if err != nil {
-			return fmt.Errorf("record joins: %w", err)
+		o := &out[sent[ord-1]]
+		if tid == nil {
+			o.Err = &JoinTokenRefusal{Reason: ErrJoinTokenUnknown}
+			continue
 		}
-		evNodes[k], evPools[k], evData[k] = ids[i], pools[i], string(b)
+		t.ID, t.PoolID, t.Hash, t.MaxUses, t.Uses, t.ExpiresAt, t.CreatedBy, t.CreatedAt = *tid, *tpool, thash, *tmax, *tuses,
+			*texp, *tby, *tcreated
+		switch {
+		case t.RevokedAt != nil:
+			o.Token, o.Err = t, &JoinTokenRefusal{Reason: ErrJoinTokenRevoked, Token: t}
+		case !t.ExpiresAt.After(now):
+			o.Token, o.Err = t, &JoinTokenRefusal{Reason: ErrJoinTokenExpired, Token: t}
+		case rejoinID != nil:
+			o.Token, o.Rejoin = t, &JoinedKey{NodeID: *rejoinID, PoolID: *rejoinPool}
+		case rank == nil || *rank > int64(t.MaxUses-t.Uses):
+			used := t
+			used.Uses = t.MaxUses
+			o.Token, o.Err = t, &JoinTokenRefusal{Reason: ErrJoinTokenUsedUp, Token: used}
+		default:
+			o.Token = t
+			o.Token.Uses = t.Uses + int32(*rank)
+			created++
+			tokens[t.ID] = true
+		}
 	}
-	poke, err := json.Marshal(Poke{NodeIDs: ids})
-	if err != nil {
-		return fmt.Errorf("record joins: %w", err)
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, queryErr("record joins", err)
 	}
-	var usedTokens, inserted, certified, evented, poked int
-	var hints []string
-	err = q.QueryRow(ctx, `WITH tok AS (
-			UPDATE join_tokens j SET uses = j.uses + u.n FROM unnest($1::text[], $2::int[]) AS u(id, n)
-			WHERE j.id = u.id RETURNING j.id),
-		nd AS (
-			INSERT INTO nodes (id, pool_id, join_token_id, provision_state, hostname, machine_id,
-				variant, agent_version, created_at, updated_at, join_key_sha256)
-			SELECT id, pool_id, NULLIF(token, ''), $11, host, machine, variant, version, created, created, key
-			FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[], $9::text[],
-				$10::timestamptz[], $12::bytea[]) AS t(id, pool_id, token, host, machine, variant, version, created, key)
-			RETURNING id),
-		nc AS (
-			INSERT INTO node_certs (serial, node_id, public_key_sha256, not_before, not_after, created_at)
-			SELECT * FROM unnest($13::text[], $3::text[], $12::bytea[], $14::timestamptz[], $15::timestamptz[], $16::timestamptz[])
-			RETURNING serial),
-		src AS (
-			SELECT u.ord, p.owner_tenant_id AS tenant, '`+EventNodeJoined+`' AS type, u.id AS subject, u.data::jsonb AS data,
-				$17::timestamptz AS at
-			FROM unnest($18::text[], $19::text[], $20::text[]) WITH ORDINALITY AS u(id, pool, data, ord)
-			JOIN pools p ON p.id = u.pool),
-		`+eventWriterCTE("src")+`,
-		pk AS (
-			INSERT INTO outbox (subject, payload, created_at, traceparent) VALUES ($21, $22, $17, $23) RETURNING id)
-		SELECT (SELECT count(*) FROM tok), (SELECT count(*) FROM nd), (SELECT count(*) FROM nc), `+eventCountSQL+`,
-			(SELECT count(*) FROM pk), `+eventHintsSQL,
-		tokenIDs, tokenN, ids, pools, tokens, hosts, machines, variants, versions, created, NodeJoining, joinKeys,
-		serials, before, after, certAt, now, evNodes, evPools, evData,
-		SubjectPokeControllers, poke, telemetry.Traceparent(ctx),
-	).Scan(&usedTokens, &inserted, &certified, &evented, &poked, &hints)
-	if err != nil {
-		return queryErr("record joins", err)
+	wantPokes := int64(0)
+	if created > 0 {
+		wantPokes = 1
 	}
-	if usedTokens != len(uses) || inserted != n || certified != n || evented != n || poked != 1 {
-		return fmt.Errorf("record joins: %d of %d tokens, %d nodes, %d certificates, %d events and %d pokes for %d joins",
-			usedTokens, len(uses), inserted, certified, evented, poked, n)
+	if usedTokens != int64(len(tokens)) || inserted != created || certified != created || evented != created || poked != wantPokes {
+		return nil, fmt.Errorf("record joins: %d of %d tokens, %d nodes, %d certificates, %d events and %d pokes for %d joins",
+			usedTokens, len(tokens), inserted, certified, evented, poked, created)
+	}
+	if created == 0 {
+		return out, nil
 	}
 	hintEvents(q, hints)
-	return signalOutbox(ctx, q)
+	return out, signalOutbox(ctx, q)
 }
+
+// recordJoinsSQL is RecordJoins's statement. r is the joins sent, in
+// order; tok their tokens, locked in hash order and read again after a
+// wait; c each join with its token and the node its key joined as (jn);
+// ok the joins granted a use: a usable token's joins that are not retries,
+// ranked in batch order within their token, up to its remaining uses. It
+// returns, per join, its token as locked (NULLs: unknown), its retry's node,
+// its rank among its token's new joins (NULL: not one), and the counts
+// written and the events' hints (the same on every row).
+var recordJoinsSQL = `WITH r AS (
+		SELECT * FROM unnest($1::bytea[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::bytea[], $8::text[],
+			$9::timestamptz[], $10::timestamptz[], $11::text[])
+			WITH ORDINALITY AS r(hash, id, host, machine, variant, version, key, serial, nb, na, data, ord)),
+	tok AS MATERIALIZED (
+		SELECT ` + joinTokenColumns + ` FROM join_tokens j WHERE j.hash = ANY($1::bytea[]) ORDER BY j.hash FOR UPDATE),
+	jn AS MATERIALIZED (
+		SELECT n.join_key_sha256 AS key, n.id, n.pool_id FROM nodes n WHERE n.join_key_sha256 = ANY($7::bytea[])),
+	c AS MATERIALIZED (
+		SELECT r.*, t.id AS token_id, t.pool_id, t.max_uses, t.uses, jn.id AS rejoin_id, jn.pool_id AS rejoin_pool,
+			row_number() OVER (PARTITION BY t.id, t.revoked_at IS NULL AND t.expires_at > $12 AND jn.id IS NULL
+				ORDER BY r.ord) AS rank,
+			t.revoked_at IS NULL AND t.expires_at > $12 AND jn.id IS NULL AS fresh
+		FROM r LEFT JOIN tok t ON t.hash = r.hash LEFT JOIN jn ON jn.key = r.key),
+	ok AS MATERIALIZED (
+		SELECT * FROM c WHERE c.fresh AND c.rank <= c.max_uses - c.uses),
+	used AS (
+		UPDATE join_tokens j SET uses = j.uses + u.n
+		FROM (SELECT token_id, count(*) AS n FROM ok GROUP BY token_id) AS u
+		WHERE j.id = u.token_id RETURNING j.id),
+	nd AS (
+		INSERT INTO nodes (id, pool_id, join_token_id, provision_state, hostname, machine_id, variant, agent_version,
+			created_at, updated_at, join_key_sha256)
+		SELECT id, pool_id, token_id, $13, host, machine, variant, version, $12, $12, key FROM ok ORDER BY ord
+		RETURNING id),
+	nc AS (
+		INSERT INTO node_certs (serial, node_id, public_key_sha256, not_before, not_after, created_at)
+		SELECT serial, id, key, nb, na, $12 FROM ok ORDER BY ord
+		RETURNING serial),
+	src AS (
+		SELECT row_number() OVER (ORDER BY ok.id) AS ord, p.owner_tenant_id AS tenant, '` + EventNodeJoined + `' AS type,
+			ok.id AS subject, ok.data::jsonb AS data, $12::timestamptz AS at
+		FROM ok JOIN pools p ON p.id = ok.pool_id),
+	` + eventWriterCTE("src") + `,
+	pk AS (
+		INSERT INTO outbox (subject, payload, created_at, traceparent)
+		SELECT $14, convert_to(jsonb_build_object('nodeIds', array_agg(id ORDER BY id))::text, 'UTF8'), $12, $15
+		FROM ok HAVING count(*) > 0
+		RETURNING id),
+	counts AS MATERIALIZED (
+		SELECT (SELECT count(*) FROM used) AS used, (SELECT count(*) FROM nd) AS nd, (SELECT count(*) FROM nc) AS nc,
+			` + eventCountSQL + ` AS ev, (SELECT count(*) FROM pk) AS pk, ` + eventHintsSQL + ` AS hints)
+	SELECT c.ord, t.id, t.pool_id, t.hash, t.max_uses, t.uses, t.expires_at, t.revoked_at, t.created_by, t.created_at,
+		c.rejoin_id, c.rejoin_pool, CASE WHEN c.fresh THEN c.rank END,
+		counts.used, counts.nd, counts.nc, counts.ev, counts.pk, counts.hints
+	FROM c LEFT JOIN tok t ON t.id = c.token_id CROSS JOIN counts
+	ORDER BY c.ord`

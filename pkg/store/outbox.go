@@ -74,7 +74,7 @@ func Enqueue(ctx context.Context, q DBTX, now time.Time, subject string, payload
 		return fmt.Errorf("enqueue %s: %w", subject, err)
 	}
 	if subject == SubjectPokeScheduler {
-		pokeAfterCommit(q, subject, nil)
+		pokeAfterCommit(q, subject, nil, 0)
 	}
 	return signalOutbox(ctx, q)
 }
@@ -83,26 +83,30 @@ func Enqueue(ctx context.Context, q DBTX, now time.Time, subject string, payload
 // nodeIDs (payload Poke, its node ids in order); nodes without a session get
 // none (they read their work on Hello). It is one statement. Where the DB
 // has a direct poke (DB.PokeVia), each is also published right after the
-// commit.
+// commit, naming its outbox row, so that a gateway acts on one of the two
+// copies.
 func PokeNodes(ctx context.Context, q DBTX, now time.Time, nodeIDs ...string) error {
 	if len(nodeIDs) == 0 {
 		return nil
 	}
-	// The pokes are returned from the CTE, not from the INSERT (RETURNING
-	// would need SELECT on outbox, which the writers' roles lack).
-	rows, err := q.Query(ctx, `WITH p AS (
+	// The pokes and their ids are returned from the CTE, not from the
+	// INSERT (RETURNING subject would need SELECT on it, which most
+	// writers' roles lack): p takes each row's id from the sequence, once
+	// (a CTE read twice is evaluated once).
+	rows, err := q.Query(ctx, `WITH g AS (
 			SELECT $2 || gateway_id AS subject,
 				convert_to(jsonb_build_object('nodeIds', array_agg(id ORDER BY id))::text, 'UTF8') AS payload
 			FROM nodes WHERE id = ANY($1) AND gateway_id IS NOT NULL GROUP BY gateway_id),
-		ins AS (INSERT INTO outbox (subject, payload, created_at, traceparent) SELECT subject, payload, $3, $4 FROM p)
-		SELECT subject, payload FROM p`, nodeIDs, SubjectPokeGatewayPrefix, now, telemetry.Traceparent(ctx))
+		p AS MATERIALIZED (SELECT nextval('outbox_id_seq') AS id, subject, payload FROM g),
+		ins AS (INSERT INTO outbox (id, subject, payload, created_at, traceparent) SELECT id, subject, payload, $3, $4 FROM p)
+		SELECT id, subject, payload FROM p`, nodeIDs, SubjectPokeGatewayPrefix, now, telemetry.Traceparent(ctx))
 	if err != nil {
 		return fmt.Errorf("poke gateways: %w", interpretError(err))
 	}
 	var pokes []directPoke
 	for rows.Next() {
 		var p directPoke
-		if err := rows.Scan(&p.subject, &p.payload); err != nil {
+		if err := rows.Scan(&p.outboxID, &p.subject, &p.payload); err != nil {
 			rows.Close()
 			return fmt.Errorf("poke gateways: %w", err)
 		}
@@ -116,7 +120,7 @@ func PokeNodes(ctx context.Context, q DBTX, now time.Time, nodeIDs ...string) er
 		return nil
 	}
 	for _, p := range pokes {
-		pokeAfterCommit(q, p.subject, p.payload)
+		pokeAfterCommit(q, p.subject, p.payload, p.outboxID)
 	}
 	return signalOutbox(ctx, q)
 }

@@ -47,27 +47,32 @@ type outboxTx struct {
 }
 
 // directPoke is a poke an outbox row carries that the writer also publishes
-// itself after the commit (DB.PokeVia).
+// itself after the commit (DB.PokeVia), or an event's hint (no row).
 type directPoke struct {
 	subject string
 	payload []byte
+	// outboxID is the row's id, which the message names
+	// (OutboxIDHeader); 0 when the writer did not read it, or for a hint.
+	outboxID int64
 }
 
 // pokeAfterCommit makes sure that the poke (subject, payload) q's
-// transaction enqueued is also published directly once it commits, where
+// transaction enqueued in outbox row outboxID (0: its id was not read) is
+// also published directly once it commits, where
 // the DB has a direct poke (DB.PokeVia): in a transaction of DB.InTx it
 // records the poke (a scheduler poke once) and InTx publishes after the
 // commit; in AutoCommit the statement has committed, and it publishes now.
 // In any other transaction it does nothing: the relay publishes the row.
-func pokeAfterCommit(q DBTX, subject string, payload []byte) {
+func pokeAfterCommit(q DBTX, subject string, payload []byte, outboxID int64) {
+	p := directPoke{subject: subject, payload: payload, outboxID: outboxID}
 	switch t := q.(type) {
 	case *outboxTx:
 		if subject == SubjectPokeScheduler && slices.ContainsFunc(t.pokes, func(p directPoke) bool { return p.subject == subject }) {
 			return
 		}
-		t.pokes = append(t.pokes, directPoke{subject: subject, payload: payload})
+		t.pokes = append(t.pokes, p)
 	case autoCommit:
-		t.db.publishPokes([]directPoke{{subject: subject, payload: payload}})
+		t.db.publishPokes([]directPoke{p})
 	}
 }
 
@@ -101,17 +106,23 @@ func hintEvents(q DBTX, subjects []string) {
 // after each commit of DB.InTx (or statement of AutoCommit) that enqueued
 // them, the scheduler's poke (SubjectPokeScheduler, once per transaction)
 // and the gateways' pokes of PokeNodes (a node's spec changed: a placement,
-// a release), so that the scheduler and the gateways are woken by the
-// commit and not only once the outbox relay has taken the rows, published
-// them and committed their delete. The outbox rows stay: the relay
-// publishes them too (at least once, whatever happens to the direct
+// a release, an adoption), so that the scheduler and the gateways are woken
+// by the commit and not only once the outbox relay has taken the rows,
+// published them and committed their delete. The outbox rows stay: the
+// relay publishes them too (at least once, whatever happens to the direct
 // publish), and their readers take the copy as one more idempotent hint (the
-// scheduler coalesces it into at most one more pass; a session finds nothing
-// new to deliver). A failed publish is left to the relay. It also publishes
-// the hints of the events a commit wrote (hintEvents), which have no outbox
-// row: a failed or missing one leaves the watches to their poll. Call it
-// before db is used; nil stops the direct pokes and the events' hints.
-func (db *DB) PokeVia(publish func(subject string, payload []byte) error) { db.poke = publish }
+// scheduler coalesces it into at most one more pass). A gateway poke names
+// its outbox row (outboxID, which publish sets in the message's
+// OutboxIDHeader, as the relay does: bus.PublishWithID), so that a gateway
+// acts on the first copy and drops the other; outboxID is 0 for a message
+// that names no row. A failed publish is left to the relay. It also
+// publishes the hints of the events a commit wrote (hintEvents), which have
+// no outbox row: a failed or missing one leaves the watches to their poll.
+// Call it before db is used; nil stops the direct pokes and the events'
+// hints.
+func (db *DB) PokeVia(publish func(subject string, payload []byte, outboxID int64) error) {
+	db.poke = publish
+}
 
 // publishPokes publishes pokes directly, when db has a direct poke
 // (PokeVia); a failure only leaves a poke to the relay.
@@ -120,7 +131,7 @@ func (db *DB) publishPokes(pokes []directPoke) {
 		return
 	}
 	for _, p := range pokes {
-		_ = db.poke(p.subject, p.payload)
+		_ = db.poke(p.subject, p.payload, p.outboxID)
 	}
 }
 

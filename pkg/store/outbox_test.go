@@ -148,7 +148,9 @@ var errRollback = errors.New("roll back")
 // has committed — when the poke is sent the reservation is visible to
 // another connection — and keeps the outbox row for the relay; a placement
 // publishes its node's gateway poke too. A rollback publishes nothing, and
-// neither does a transaction that only enqueued other messages.
+// neither does a transaction that only enqueued other messages. The
+// gateway poke names its outbox row (so that a gateway drops the relay's
+// copy); the scheduler's names none.
 func TestPokeVia(t *testing.T) {
 	t.Parallel()
 	db := storetest.New(t, nil)
@@ -161,12 +163,14 @@ func TestPokeVia(t *testing.T) {
 		// pending is how many pending reservations another connection saw
 		// when the poke was published.
 		pending int
+		// row is the outbox row the poke names (0: none).
+		row int64
 	}
 	var (
 		mu    sync.Mutex
 		pokes []poke
 	)
-	db.PokeVia(func(subject string, payload []byte) error {
+	db.PokeVia(func(subject string, payload []byte, row int64) error {
 		var n int
 		if err := db.Pool.QueryRow(context.WithoutCancel(ctx),
 			`SELECT count(*) FROM reservations WHERE state = 'pending'`).Scan(&n); err != nil {
@@ -181,7 +185,7 @@ func TestPokeVia(t *testing.T) {
 		}
 		mu.Lock()
 		defer mu.Unlock()
-		pokes = append(pokes, poke{subject: subject, payload: compact.String(), pending: n})
+		pokes = append(pokes, poke{subject: subject, payload: compact.String(), pending: n, row: row})
 		return nil
 	})
 	taken := func() []poke {
@@ -233,8 +237,11 @@ func TestPokeVia(t *testing.T) {
 		require.Equal(t, []string{r.ID}, placed)
 		return err
 	}))
+	var row int64
+	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT id FROM outbox WHERE subject = $1`,
+		store.SubjectPokeGatewayPrefix+"gw-pokevia").Scan(&row))
 	require.Equal(t, []poke{{subject: store.SubjectPokeGatewayPrefix + "gw-pokevia",
-		payload: `{"nodeIds":["` + f.Nodes[0] + `"]}`},
+		payload: `{"nodeIds":["` + f.Nodes[0] + `"]}`, row: row},
 		{subject: store.SubjectEvents + "." + tenant + "." + store.EventReservationBound}}, taken(),
 		"the placement pokes the node's gateway, and hints its event, after the commit")
 	require.Equal(t, 1, outbox(store.SubjectPokeGatewayPrefix+"gw-pokevia"), "the outbox row stays for the relay")

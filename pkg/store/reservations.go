@@ -311,7 +311,7 @@ func CreateReservation(ctx context.Context, q DBTX, now time.Time, n NewReservat
 			}
 			hint := []string{eventHintSubject(n.TenantID, EventReservationCreated)}
 			if o.r.State == ReservationPending {
-				pokeAfterCommit(q, SubjectPokeScheduler, nil)
+				pokeAfterCommit(q, SubjectPokeScheduler, nil, 0)
 				if err := signalOutbox(ctx, q); err != nil {
 					return CreatedReservation{}, fmt.Errorf("create reservation: signal the outbox: %w", interpretError(err))
 				}

@@ -449,20 +449,15 @@ func joinServiceCalls(r *grantRun) {
 		_, err := store.CheckJoinToken(ctx, tx, tok.Hash, now)
 		return err
 	})
-	r.call("LockJoinToken", func(ctx context.Context, tx pgx.Tx) error {
-		_, err := store.LockJoinToken(ctx, tx, tok.Hash, now)
-		return err
-	})
 	key := []byte("join-key-sha256-of-the-test-node")
-	r.call("JoinedKeys", func(ctx context.Context, tx pgx.Tx) error {
-		_, err := store.JoinedKeys(ctx, tx, [][]byte{key})
-		return err
-	})
 	node := ids.New(ids.Node, now)
 	r.call("RecordJoins", func(ctx context.Context, tx pgx.Tx) error {
-		return store.RecordJoins(ctx, tx, now, []store.JoinTokenUses{{TokenID: tok.ID, Uses: 1}},
-			[]store.NewNode{{ID: node, PoolID: tok.PoolID, JoinTokenID: tok.ID, CreatedAt: now}},
-			[]store.NewNodeCert{{Serial: "0a01", NodeID: node, PublicKeySHA256: key, NotBefore: now, NotAfter: now.Add(time.Hour), CreatedAt: now}})
+		out, err := store.RecordJoins(ctx, tx, now, []store.Join{{TokenHash: tok.Hash, Node: store.NewNode{ID: node},
+			Cert: store.NewNodeCert{Serial: "0a01", PublicKeySHA256: key, NotBefore: now, NotAfter: now.Add(time.Hour)}}})
+		if err == nil {
+			err = out[0].Err
+		}
+		return err
 	})
 	r.call("CreateNodeCert", func(ctx context.Context, tx pgx.Tx) error {
 		return store.CreateNodeCert(ctx, tx, store.NewNodeCert{Serial: "0a02", NodeID: node, PublicKeySHA256: key, NotBefore: now,

@@ -82,8 +82,9 @@ type DB struct {
 	// outboxSignal, when set, wakes the relays instead (SignalOutboxVia).
 	outboxSignal func() error
 	// poke, when set, publishes the scheduler's and the gateways' pokes
-	// right after the commits that enqueued them (PokeVia).
-	poke func(subject string, payload []byte) error
+	// right after the commits that enqueued them, and the events' hints
+	// (PokeVia).
+	poke func(subject string, payload []byte, outboxID int64) error
 }
 
 // Options tune Open.

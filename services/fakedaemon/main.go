@@ -173,6 +173,11 @@ func run(ctx context.Context, cfg fakedaemon.Config, out io.Writer) error {
 	if err != nil {
 		return err
 	}
+	stopProfiling, err := service.StartProfiling(cfg.Profiling, logger)
+	if err != nil {
+		return usageError{err}
+	}
+	defer stopProfiling()
 	err = r.Run(ctx)
 	if !cfg.JoinOnly {
 		return err

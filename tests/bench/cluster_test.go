@@ -3,8 +3,10 @@ package bench
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"net/url"
@@ -15,12 +17,14 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/better-compute/better-compute/pkg/bootstrap"
+	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/store"
 	"github.com/better-compute/better-compute/tests/internal/procs"
 )
@@ -320,6 +324,11 @@ func poolLine(before, after map[string]map[string]float64, ops int) string {
 // longer is profiled over its first seconds only).
 // BETTER_COMPUTE_BENCH_PROFILE_SECONDS, when set, replaces seconds.
 //
+// The machines' process (machines in the file names) is profiled likewise
+// when it runs from startMachinesProcess; when profile is called before it
+// starts (join → adoption), its CPU profile is asked for as soon as its
+// profiling server answers, and its allocations are counted from its start.
+//
 // The services named in paused are stopped (SIGSTOP) and about to be
 // continued: their allocations at the start were taken before they were
 // stopped (allocsBase), and their CPU profiles, asked for now, start when
@@ -352,9 +361,17 @@ func (f *fleet) profile(b *testing.B, phase string, seconds int, paused ...strin
 			mu.Unlock()
 		}
 	}
-	for name, s := range f.services {
+	targets := maps.Clone(f.services)
+	if f.runner == nil {
+		if f.machinesPprof == "" {
+			f.machinesPprof = procs.FreeAddr(b)
+		}
+		targets[machinesProfile] = &serviceProc{name: machinesProfile, pprof: f.machinesPprof}
+	}
+	machinesLater := f.runner == nil && f.machinesPID == 0
+	for name, s := range targets {
 		wg.Add(1)
-		isPaused := slices.Contains(paused, name)
+		isPaused := slices.Contains(paused, name) || (name == machinesProfile && machinesLater)
 		if !isPaused {
 			based.Add(1)
 		}
@@ -369,14 +386,26 @@ func (f *fleet) profile(b *testing.B, phase string, seconds int, paused ...strin
 				fail(err)
 				return
 			}
-			fail(fetchProfile(fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", s.pprof, seconds),
-				prefix+"."+name+".pprof", time.Duration(seconds+30)*time.Second))
+			url := fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", s.pprof, seconds)
+			timeout := time.Duration(seconds+30) * time.Second
+			if name == machinesProfile && machinesLater {
+				// Asked for until the process is up; a benchmark that never
+				// starts it has no profile of it.
+				if err := fetchProfileWhenUp(url, prefix+"."+name+".pprof", timeout); err != nil {
+					fmt.Printf("  no CPU profile of the machines' process: %v\n", err)
+				}
+				return
+			}
+			fail(fetchProfile(url, prefix+"."+name+".pprof", timeout))
 		}()
 	}
 	based.Wait()
 	return func() {
 		var ends sync.WaitGroup
-		for _, s := range f.services {
+		for name, s := range targets {
+			if name == machinesProfile && f.machinesPID == 0 {
+				continue
+			}
 			ends.Add(1)
 			go func() {
 				defer ends.Done()
@@ -406,6 +435,25 @@ func (f *fleet) allocsBase(b *testing.B, name string) {
 	prefix := filepath.Join(dir, strings.SplitN(b.Name(), "/", 2)[0])
 	require.NoError(b, fetchProfile("http://"+f.services[name].pprof+"/debug/pprof/allocs?gc=1",
 		prefix+"."+name+".allocs.base.pprof", 30*time.Second))
+}
+
+// machinesProfile names the machines' process in profile's file names.
+const machinesProfile = "machines"
+
+// fetchProfileWhenUp is fetchProfile of a server that may not be listening
+// yet: a refused connection is tried again every 20 ms, within timeout.
+func fetchProfileWhenUp(url, path string, timeout time.Duration) error {
+	clk := clock.New()
+	deadline := clk.Now().Add(timeout)
+	t := clk.NewTicker(20 * time.Millisecond)
+	defer t.Stop()
+	for {
+		err := fetchProfile(url, path, deadline.Sub(clk.Now()))
+		if err == nil || !errors.Is(err, syscall.ECONNREFUSED) || !clk.Now().Before(deadline) {
+			return err
+		}
+		<-t.C()
+	}
 }
 
 // fetchProfile GETs url into file path, within timeout.

@@ -214,7 +214,7 @@ func BenchmarkCommands(b *testing.B) {
 		waitProfiles := f.profile(b, "", total/500+1)
 		ids := runAll(total, func(i int) (string, error) { return run(nodes[i%len(nodes)]) })
 		cpu1, m1 := f.cpu(b), f.metrics(b)
-		statements := stmts.summary(b, total, 10, cpu1[groupPostgres]-cpu0[groupPostgres])
+		statements := stmts.summary(b, "command", total, 10, cpu1[groupPostgres]-cpu0[groupPostgres])
 		stopSampling()
 		waitProfiles()
 		sat := cpu1.sub(cpu0)

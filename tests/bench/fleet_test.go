@@ -122,6 +122,11 @@ type fleet struct {
 	// (startMachinesProcess), else 0.
 	runner      *agent.Runner
 	machinesPID int
+	// machinesPprof is the fakedaemon process's profiling server's address
+	// (--pprof-listen), chosen by the first of profile and
+	// startMachinesProcess when BETTER_COMPUTE_BENCH_PROFILE_DIR is set;
+	// "" otherwise.
+	machinesPprof string
 }
 
 // startFleet starts the containers and the control plane for machines()
@@ -203,10 +208,10 @@ func (f *fleet) startMachines(b *testing.B, durations *fakehw.Durations) time.Ti
 // process of their own (bin/linux/fakedaemon, `make build`; --nodes n,
 // joining with the fleet's join token, the deployment's pins.json), with
 // --command-durations durations when not "" and --join-concurrency
-// joinConcurrency when above 0 (else the fakedaemon's default), and returns
-// once every machine has joined (its /healthz answers 200); it records the
-// process id in machinesPID. The process is interrupted when the benchmark
-// ends.
+// joinConcurrency when above 0 (else the fakedaemon's default), and
+// --pprof-listen machinesPprof when profiles are asked for, and returns once
+// every machine has joined (its /healthz answers 200); it records the process
+// id in machinesPID. The process is interrupted when the benchmark ends.
 func (f *fleet) startMachinesProcess(b *testing.B, durations string, joinConcurrency int) {
 	b.Helper()
 	health := procs.FreeAddr(b)
@@ -217,6 +222,12 @@ func (f *fleet) startMachinesProcess(b *testing.B, durations string, joinConcurr
 	}
 	if joinConcurrency > 0 {
 		args = append(args, "--join-concurrency", strconv.Itoa(joinConcurrency))
+	}
+	if profileDir() != "" {
+		if f.machinesPprof == "" {
+			f.machinesPprof = procs.FreeAddr(b)
+		}
+		args = append(args, "--pprof-listen", f.machinesPprof)
 	}
 	p := procs.Launch(b, "fakedaemon", args, "BETTER_COMPUTE_JOIN_TOKEN="+f.joinToken, "BETTER_COMPUTE_LOG_LEVEL=warn")
 	f.machinesPID = p.PID()

@@ -29,8 +29,10 @@ const joinBenchConcurrency = 256
 // (/proc) and heap and stacks (its GET /metrics: go_memstats_heap_inuse_bytes
 // and go_memstats_stack_inuse_bytes) per connected machine 3 s after the
 // last adoption, with what the joins left (BenchmarkIdleFleet records the
-// table's figure in the idle steady state). Targets on a 2-core machine:
-// ≥ 250 adopted/s, ≤ 2 ms of control-plane CPU per machine.
+// table's figure in the idle steady state). With
+// BETTER_COMPUTE_TEST_POSTGRES_STATEMENTS=1 it also prints what Postgres's
+// statements did per machine over the phase (pgStatements). Targets on a
+// 2-core machine: ≥ 250 adopted/s, ≤ 2 ms of control-plane CPU per machine.
 func BenchmarkJoinToAdoption(b *testing.B) {
 	for range b.N {
 		f := startFleet(b, fleetOptions{processes: true})
@@ -41,12 +43,15 @@ func BenchmarkJoinToAdoption(b *testing.B) {
 		}
 		rssBefore, heapBefore := rssKiB(b, f.gatewayPID), gwMetrics()
 		cpu0 := f.cpu(b)
+		stmts := startStatements(b, f.dbURL, f.pgID)
 		waitProfiles := f.profile(b, "", n/50+1)
 		start := clk.Now()
 		f.startMachinesProcess(b, "", joinBenchConcurrency)
 		f.waitAdopted(b)
 		wall := clk.Now().Sub(start)
-		joinCPU := f.cpu(b).sub(cpu0)
+		cpu1 := f.cpu(b)
+		joinCPU := cpu1.sub(cpu0)
+		statements := stmts.summary(b, "machine", n, 25, cpu1[groupPostgres]-cpu0[groupPostgres])
 		waitProfiles()
 
 		rows, err := f.db.Pool.Query(ctx, `SELECT extract(epoch FROM adopted_at - created_at) FROM nodes`)
@@ -78,6 +83,9 @@ func BenchmarkJoinToAdoption(b *testing.B) {
 		fmt.Printf("join→adoption: %d machines in %s: %.0f adopted/s (target ≥ 250); join→adopted p50 %s, p99 %s\n",
 			n, wall.Round(time.Millisecond), rate, p(0.5).Round(time.Millisecond), p(0.99).Round(time.Millisecond))
 		fmt.Printf("  CPU per machine: %s (target control plane ≤ 2ms)\n", joinCPU.perOp(n))
+		if statements != "" {
+			fmt.Println(statements)
+		}
 		fmt.Printf("gateway memory 3 s after the last adoption: %d KiB resident before, %d KiB with %d sessions: %.1f KiB per "+
 			"session; heap and stacks %.1f KiB per session\n", rssBefore, rssAfter, n, perSession, heapPerSession)
 	}

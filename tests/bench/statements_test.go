@@ -101,7 +101,7 @@ func (p *pgStatements) tableRows(b *testing.B) map[string]tableRows {
 
 // tablesLine is, per operation, each table's rows inserted, updated (HOT of
 // them) and deleted since startStatements, the tables with none left out.
-func (p *pgStatements) tablesLine(b *testing.B, ops int) string {
+func (p *pgStatements) tablesLine(b *testing.B, op string, ops int) string {
 	b.Helper()
 	after := p.tableRows(b)
 	n := float64(ops)
@@ -115,7 +115,7 @@ func (p *pgStatements) tablesLine(b *testing.B, ops int) string {
 		parts = append(parts, fmt.Sprintf("%s %.2f/%.2f (%.2f HOT)/%.2f", name, float64(d.ins)/n, float64(d.upd)/n,
 			float64(d.hot)/n, float64(d.del)/n))
 	}
-	return "  rows per command inserted/updated (HOT)/deleted (pg_stat_user_tables): " + strings.Join(parts, ", ")
+	return "  rows per " + op + " inserted/updated (HOT)/deleted (pg_stat_user_tables): " + strings.Join(parts, ", ")
 }
 
 // walLine is, per operation, the WAL records written since
@@ -123,7 +123,7 @@ func (p *pgStatements) tablesLine(b *testing.B, ops int) string {
 // over the database cluster's whole WAL: every database, the background
 // processes' records too), the kinds with the most first: which writes the
 // records per command are (index entries, row locks, HOT updates, prunes).
-func (p *pgStatements) walLine(b *testing.B, ops int) string {
+func (p *pgStatements) walLine(b *testing.B, op string, ops int) string {
 	b.Helper()
 	var end, endFile string
 	require.NoError(b, p.conn.QueryRow(b.Context(), `SELECT pg_current_wal_insert_lsn()::text,
@@ -158,7 +158,7 @@ func (p *pgStatements) walLine(b *testing.B, ops int) string {
 		}
 		parts = append(parts, fmt.Sprintf("%s %.2f", k.name, float64(k.n)/float64(ops)))
 	}
-	return "  WAL records per command by kind (pg_waldump, the whole cluster): " + strings.Join(parts, ", ")
+	return "  WAL records per " + op + " by kind (pg_waldump, the whole cluster): " + strings.Join(parts, ", ")
 }
 
 // processes returns the container's Postgres processes by host pid, each
@@ -237,7 +237,8 @@ func (p *pgStatements) processes(b *testing.B) map[int]backendCPU {
 // clockTicks is the kernel's USER_HZ, the unit of /proc/<pid>/stat's times.
 const clockTicks = 100
 
-// summary returns, per operation (ops of them in the phase), the
+// summary returns, per operation (ops of them in the phase, each an op:
+// "command", "machine"), the
 // statements the benchmark's database ran since startStatements (top level,
 // BEGIN and COMMIT included), their WAL records and bytes, buffer hits and
 // reads, and execution time, then the top statements by execution time,
@@ -246,7 +247,7 @@ const clockTicks = 100
 // by kind (walLine), and the container's
 // CPU time over the phase, total, by process (cpuLine); "" without
 // pg_stat_statements.
-func (p *pgStatements) summary(b *testing.B, ops, top int, total time.Duration) string {
+func (p *pgStatements) summary(b *testing.B, op string, ops, top int, total time.Duration) string {
 	b.Helper()
 	if p == nil {
 		return ""
@@ -281,16 +282,17 @@ func (p *pgStatements) summary(b *testing.B, ops, top int, total time.Duration) 
 		}
 	}
 	require.NoError(b, rows.Err())
-	return fmt.Sprintf("  Postgres per command (pg_stat_statements): %.2f statements, %.1f WAL records, %.0f WAL bytes, "+
-		"%.0f buffer hits and reads, %.3f ms of execution; the top %d by execution time, per command:\n%s\n%s\n%s\n%s",
-		float64(calls)/n, float64(walRecords)/n, walBytes/n, float64(blocks)/n, execMS/n, len(lines),
-		strings.Join(lines, "\n"), p.tablesLine(b, ops), p.walLine(b, ops), p.cpuLine(b, ops, total))
+	return fmt.Sprintf("  Postgres per %s (pg_stat_statements): %.2f statements, %.1f WAL records, %.0f WAL bytes, "+
+		"%.0f buffer hits and reads, %.3f ms of execution; the top %d by execution time, per %s:\n%s\n%s\n%s\n%s",
+		op, float64(calls)/n, float64(walRecords)/n, walBytes/n, float64(blocks)/n, execMS/n, len(lines), op,
+		strings.Join(lines, "\n"), p.tablesLine(b, op, ops), p.walLine(b, op, ops), p.cpuLine(b, op, ops, total))
 }
 
 // cpuLine splits total, the container's CPU time over the phase, by its
-// processes (processes), per operation: "exited" is what processes that
-// ended during the phase used (total less what the others did).
-func (p *pgStatements) cpuLine(b *testing.B, ops int, total time.Duration) string {
+// processes (processes), per operation (op, as summary's): "exited" is what
+// processes that ended during the phase used (total less what the others
+// did).
+func (p *pgStatements) cpuLine(b *testing.B, op string, ops int, total time.Duration) string {
 	b.Helper()
 	after := p.processes(b)
 	if p.before == nil || after == nil {
@@ -310,5 +312,5 @@ func (p *pgStatements) cpuLine(b *testing.B, ops int, total time.Duration) strin
 	for _, name := range names {
 		parts = append(parts, fmt.Sprintf("%s %s", name, (by[name]/time.Duration(ops)).Round(time.Microsecond)))
 	}
-	return "  Postgres's CPU per command by process (its backend's application_name, or its type): " + strings.Join(parts, ", ")
+	return "  Postgres's CPU per " + op + " by process (its backend's application_name, or its type): " + strings.Join(parts, ", ")
 }

@@ -20,6 +20,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
+	"github.com/better-compute/better-compute/pkg/bus"
 	"github.com/better-compute/better-compute/pkg/bus/bustest"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/store"
@@ -473,7 +474,7 @@ func TestWatchWakesOnCommitHint(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
 	nc := natsConn(t)
-	f.db.PokeVia(nc.Publish)
+	f.db.PokeVia(bus.PublishWithID(nc, store.OutboxIDHeader))
 	f = f.withServer(t, api.WatchConfig{}, nc, clock.NewFake(f.db.Now()))
 	ctx := t.Context()
 	node := f.node(t, f.acmePool, 1, "H100", storetest.NodeOpts{State: store.NodeAdopted})

@@ -19,6 +19,7 @@ import (
 
 	"github.com/better-compute/better-compute/pkg/agent"
 	"github.com/better-compute/better-compute/pkg/fakehw"
+	"github.com/better-compute/better-compute/pkg/service"
 )
 
 // Version is the agent version fakedaemon reports in the Join claims and in
@@ -59,6 +60,11 @@ type Config struct {
 	// (GPU UUIDs, hostnames, boot ids) run after run; empty: a random id
 	// for each machine that has not begun joining.
 	MachineIDSeed string
+	// Profiling, with PprofListen set, serves the process's Go runtime
+	// profiles there, as a service's BETTER_COMPUTE_PPROF_LISTEN does
+	// (service.Profiling): the benchmarks profile the machines' process
+	// beside the control plane's.
+	service.Profiling
 }
 
 // hardware is the Runner's agent.HardwareFunc: the fake machine spec

@@ -82,6 +82,7 @@ func Add(fs *pflag.FlagSet, getenv func(string) string) *Flags {
 	f.str(&f.cfg.GatewayServerName, "gateway-server-name", p+"FAKEDAEMON_GATEWAY_SERVER_NAME", "", "the gateways' TLS server `NAME`, over the JoinResponse's")
 	f.duration(&f.cfg.Core.SilenceTimeout, "gateway-silence-timeout", p+"FAKEDAEMON_GATEWAY_SILENCE_TIMEOUT", 0, "drop a session that heard nothing from its gateway for this long and dial the next (0: 3 heartbeat intervals, at most 15s; never below 1.5 intervals)")
 	f.str(&f.cfg.HealthListen, "health-listen", p+"HEALTH_LISTEN", fakedaemon.DefaultHealthListen, "the address (`ADDR`) of the /healthz server; empty for none")
+	f.str(&f.cfg.PprofListen, "pprof-listen", p+"PPROF_LISTEN", "", "the address (`ADDR`) of a plain-HTTP server of the process's Go runtime profiles (/debug/pprof/), as the services serve them; empty for none. Bind it to loopback")
 	f.str(&f.durations, "command-durations", p+"COMMAND_DURATIONS", "", "how long fake commands take: a `LIST` of KIND=DURATION,… with KIND one of "+strings.Join(fakehw.Kinds(), ", ")+", or default for every kind not listed; unset: the usual durations")
 	return f
 }

@@ -54,7 +54,7 @@ func TestVars(t *testing.T) {
 func TestAddReadsEnv(t *testing.T) {
 	env := map[string]string{config.Prefix + "NODES": "3", config.Prefix + "JOIN_TOKEN_WAIT": "5s",
 		config.Prefix + "INSECURE_TRUST_SERVER_PINS": "true", config.Prefix + "SERVER": "http://api:8080",
-		JoinTokenVar: "bcjt_x"}
+		config.Prefix + "PPROF_LISTEN": "127.0.0.1:6061", JoinTokenVar: "bcjt_x"}
 	getenv := func(k string) string { return env[k] }
 	f := Add(pflag.NewFlagSet("fakedaemon", pflag.ContinueOnError), getenv)
 	cfg, err := f.Config(false)
@@ -63,6 +63,7 @@ func TestAddReadsEnv(t *testing.T) {
 	require.Equal(t, 5*time.Second, cfg.TokenWait)
 	require.True(t, cfg.InsecureTrustServerPins)
 	require.Equal(t, "bcjt_x", cfg.Token)
+	require.Equal(t, "127.0.0.1:6061", cfg.PprofListen, "the services' variable profiles the machines' process too")
 
 	for _, tc := range []struct{ name, value string }{
 		{name: config.Prefix + "NODES", value: "many"},

@@ -156,7 +156,8 @@ type Config struct {
 	// FlushInterval is how often heard-from nodes' last_seen (and the
 	// generations their heartbeats report) are written, in one statement,
 	// with the gateway's presence: last_seen in the database lags by at most
-	// about this much. At most 2 s (store.MaxGatewayFlushInterval, which the
+	// about this much plus half HeartbeatInterval (a session's hearings that
+	// closely follow a written one are left out: lastSeenBatcher). At most 2 s (store.MaxGatewayFlushInterval, which the
 	// liveness invariant I4 needs), else the gateway does not start.
 	FlushInterval time.Duration `env:"GATEWAY_FLUSH_INTERVAL,positive" default:"1s"`
 	// FlushBatch flushes early when this many nodes are pending, bounding
@@ -377,7 +378,7 @@ func New(cfg Config, deps Deps) (*Server, error) {
 	if s.ticketErr != nil {
 		s.log.Warn("the gateway refuses every tunnel", telemetry.KeyError, s.ticketErr)
 	}
-	s.seen = newLastSeenBatcher(s.db, s.clk, s.log, cfg.GatewayID, cfg.FlushInterval, cfg.FlushBatch, s.fence)
+	s.seen = newLastSeenBatcher(s.db, s.clk, s.log, cfg.GatewayID, cfg.FlushInterval, cfg.HeartbeatInterval/2, cfg.FlushBatch, s.fence)
 	s.tls = &tls.Config{
 		Certificates: []tls.Certificate{*cfg.ServingCert},
 		ClientCAs:    cfg.ClientCAs,

@@ -466,13 +466,14 @@ func TestHeartbeatsUpdateLastSeen(t *testing.T) {
 	d, _ := e.connect(g, n, nil)
 	require.True(t, e.nodeRow(n.id).LastSeen.Equal(start))
 
-	fake.Advance(3 * time.Second)
+	// Half a heartbeat interval (5 s) after the open's.
+	fake.Advance(6 * time.Second)
 	d.heartbeat(1, 0)
 	d.heartbeat(2, 0)
 	eventually(t, func() bool {
 		fake.Advance(10 * time.Millisecond) // fires the flush ticker once it is due
 		ls := e.nodeRow(n.id).LastSeen
-		return ls != nil && !ls.Before(start.Add(3*time.Second))
+		return ls != nil && !ls.Before(start.Add(6*time.Second))
 	}, "last_seen follows heartbeats")
 
 	// The generation a heartbeat reports is flushed with it.
@@ -481,6 +482,63 @@ func TestHeartbeatsUpdateLastSeen(t *testing.T) {
 		fake.Advance(time.Second)
 		return e.nodeRow(n.id).Observed == 6
 	}, "heartbeat's observed generation stored")
+}
+
+// TestLastSeenCoalesced: a session's hearings less than half a heartbeat
+// interval after the last one written (its open, then each written) are not
+// written, unless they report a generation above the one written; the first
+// one past it is. A join's burst of messages wrote its node's last_seen at
+// every flush.
+func TestLastSeenCoalesced(t *testing.T) {
+	t.Parallel()
+	start := realClock.Now().Truncate(time.Second)
+	fake := clock.NewFake(start)
+	e := setup(t, options{clock: fake})
+	g := e.startGateway(gateway.Config{FlushInterval: time.Second, HeartbeatInterval: 10 * time.Second, IdleTimeout: time.Hour,
+		ResyncInterval: time.Hour})
+	n := e.newNode()
+	d, _ := e.connect(g, n, nil)
+	require.True(t, e.nodeRow(n.id).LastSeen.Equal(start))
+	seq := int64(0)
+	// hear sends two heartbeats reporting gen at start+at (the clock is
+	// before it) and waits for a flush a second later (on a tick of the
+	// flush's, a whole second after start).
+	hear := func(at time.Duration, gen int64) {
+		t.Helper()
+		fake.Set(start.Add(at))
+		seq++
+		d.heartbeat(seq, gen)
+		require.Equal(t, seq, d.nextAck())
+		// The handler records after the acknowledgement: a second
+		// heartbeat's acknowledgement comes after the first's record.
+		seq++
+		d.heartbeat(seq, gen)
+		require.Equal(t, seq, d.nextAck())
+		flushed := start.Add(at + time.Second + store.GatewayPresenceTTL)
+		eventually(t, func() bool {
+			fake.Advance(10 * time.Millisecond)
+			var expires time.Time
+			require.NoError(t, e.db.Pool.QueryRow(t.Context(), `SELECT expires_at FROM leases WHERE name = 'gateway.gw-test'`).
+				Scan(&expires))
+			return !expires.Before(flushed)
+		}, "a flush after the heartbeats")
+	}
+	seen := func() time.Time {
+		t.Helper()
+		ls := e.nodeRow(n.id).LastSeen
+		require.NotNil(t, ls)
+		return ls.UTC()
+	}
+
+	hear(3*time.Second, 0)
+	require.Equal(t, start.UTC(), seen(), "3 s after the open: not written")
+	hear(4500*time.Millisecond, 6)
+	require.Equal(t, start.Add(4500*time.Millisecond).UTC(), seen(), "a higher generation is written at once")
+	require.EqualValues(t, 6, e.nodeRow(n.id).Observed)
+	hear(8*time.Second, 6)
+	require.Equal(t, start.Add(4500*time.Millisecond).UTC(), seen(), "3.5 s after the last written: not written")
+	hear(10500*time.Millisecond, 6)
+	require.Equal(t, start.Add(10500*time.Millisecond).UTC(), seen(), "6 s after: written")
 }
 
 // TestHeartbeatsAreAcknowledged: Welcome says the gateway acknowledges

@@ -17,8 +17,20 @@ import (
 // the greatest generation its heartbeats reported, and writes them all in one
 // statement every interval (or as soon as maxBatch nodes are pending). A
 // failed flush keeps its entries for the next one, so staleness grows only
-// while the database is unavailable. The lag of nodes.last_seen behind the
-// last message is therefore at most interval plus one flush's duration.
+// while the database is unavailable.
+//
+// A hearing less than every after the last one of its session that was
+// written (the session's open, which wrote last_seen, or a hearing recorded
+// since) is not recorded, unless it raised the generation the daemon
+// reported above the one written: a burst of messages (a join's reports,
+// a command's updates) writes a node's row once, not once per flush. With
+// every half the heartbeat interval, every heartbeat of an idle session is
+// still written. The lag of nodes.last_seen behind the last message is
+// therefore at most every plus interval plus one flush's duration. No
+// invariant rests on it: a node whose live session a present gateway holds
+// is never swept, a session's close writes its last message's time, and a
+// gateway's hearings end within store.GatewayFenceAfter of its last
+// presence (store's liveness rules; I4).
 //
 // Every flush, even an empty one, renews the gateway's presence
 // (store.RecordGatewayPresence, store.GatewayPresenceTTL) in the same
@@ -36,8 +48,11 @@ type lastSeenBatcher struct {
 	log       *slog.Logger
 	gatewayID string
 	interval  time.Duration
-	maxBatch  int
-	fence     func()
+	// every is the least time between two hearings of a session that are
+	// written (record).
+	every    time.Duration
+	maxBatch int
+	fence    func()
 	// lastOK is when the last successful flush started, which is no later
 	// than the presence it wrote; run's goroutine only.
 	lastOK time.Time
@@ -47,22 +62,31 @@ type lastSeenBatcher struct {
 	full    chan struct{} // signalled when pending reaches maxBatch
 }
 
-func newLastSeenBatcher(db *store.DB, clk clock.Clock, log *slog.Logger, gatewayID string, interval time.Duration, maxBatch int,
-	fence func()) *lastSeenBatcher {
+func newLastSeenBatcher(db *store.DB, clk clock.Clock, log *slog.Logger, gatewayID string, interval, every time.Duration,
+	maxBatch int, fence func()) *lastSeenBatcher {
 	return &lastSeenBatcher{
-		db: db, clk: clk, log: log, gatewayID: gatewayID, interval: interval, maxBatch: maxBatch, fence: fence,
+		db: db, clk: clk, log: log, gatewayID: gatewayID, interval: interval, every: every, maxBatch: maxBatch, fence: fence,
 		pending: make(map[string]store.SessionLastSeen),
 		full:    make(chan struct{}, 1),
 	}
 }
 
-// record notes that the gateway heard from st's node at now.
+// record notes that the gateway heard from st's node at now, unless a
+// hearing of st less than b.every before now was written and st reports no
+// generation above the one written (see lastSeenBatcher). Only st's handler
+// calls it.
 func (b *lastSeenBatcher) record(st *session, now time.Time) {
+	gen := st.reported.Load()
+	if now.UnixNano()-st.seenWritten.Load() < int64(b.every) && gen <= st.genWritten.Load() {
+		return
+	}
+	st.seenWritten.Store(now.UnixNano())
+	raise(&st.genWritten, gen)
 	ls := store.SessionLastSeen{
 		NodeID:             st.nodeID,
 		SessionID:          st.sessionID,
 		At:                 now.UTC().Truncate(time.Microsecond),
-		ObservedGeneration: st.reported.Load(),
+		ObservedGeneration: gen,
 	}
 	b.mu.Lock()
 	b.merge(ls)

@@ -128,6 +128,13 @@ type session struct {
 	reported atomic.Int64 // greatest generation the daemon reported
 	sent     atomic.Int64 // greatest generation sent in this session
 	state    atomic.Int32 // stIdle, stRunning, stDirty | stClosed
+	// seenWritten is the clock time (Unix ns) of the session's last hearing
+	// written to last_seen, by its open or through the last_seen batch, and
+	// genWritten the greatest generation written as observed (Hello's, a
+	// Report's, a heartbeat's through the batch): lastSeenBatcher.record
+	// leaves out the hearings that would add nothing for a while.
+	seenWritten atomic.Int64
+	genWritten  atomic.Int64
 
 	// cert is the certificate the session's authority rests on: the client
 	// certificate's node_certs row from Hello on, then each certificate
@@ -549,6 +556,9 @@ func (s *Server) hello(ctx context.Context, st *session, h *gatewayv1.Hello) (*g
 
 	st.cert.Store(&sessionCert{serial: st.serial, notAfter: notAfter, cert: st.client})
 	st.reported.Store(h.GetObservedGeneration())
+	// The open wrote last_seen and the observed generation.
+	st.seenWritten.Store(now.UnixNano())
+	st.genWritten.Store(h.GetObservedGeneration())
 	st.inFlight = true
 	st.state.Store(stRunning)
 	var older *session
@@ -831,6 +841,7 @@ func (s *Server) report(ctx context.Context, st *session, r *gatewayv1.Report) e
 			}
 			return errRecord
 		}
+		raise(&st.genWritten, gen)
 		s.log.Info("observed generation", telemetry.KeyNodeID, st.nodeID, "observed_generation", gen)
 	case *gatewayv1.Report_SpecRefused:
 		return s.specRefused(ctx, st, m.SpecRefused)

@@ -8,8 +8,8 @@
 // signature, and opens the sealed token with JoinService's HPKE key (RFC
 // 9180) and SHA-256 of the CSR's DER as associated data, so a token sealed to
 // another deployment, tampered with, or replayed with another CSR is refused
-// there. Then one transaction (shared by concurrent joins, see batcher)
-// counts one use of the token, creates the node (provision state joining,
+// there. Then one statement, a transaction of its own (shared by concurrent
+// joins, see batcher; store.RecordJoins), counts one use of the token, creates the node (provision state joining,
 // with the machine's claims), records the certificate signed with the node CA
 // and enqueues a poke for the controllers: a refused or failed join consumes
 // nothing. Every JoinResponse is signed with the join signing key
@@ -25,7 +25,7 @@
 // get a certificate for a node that did not ask.
 //
 // To extend it, keep those rules: every check that can refuse happens in
-// decodeJoinRequest or inside the one transaction, and nothing reaches the
+// decodeJoinRequest or inside the one statement, and nothing reaches the
 // daemon unsigned.
 package joinservice
 
@@ -150,7 +150,7 @@ type Server struct {
 	// commandRoot is the command-signing root's DER SubjectPublicKeyInfo
 	// (SignedIntent), nil otherwise.
 	commandRoot []byte
-	// batch records joins in shared transactions.
+	// batch records joins in shared statements.
 	batch *batcher
 	// checked remembers the tokens found usable before signing.
 	checked tokenChecks
@@ -370,7 +370,7 @@ func (s *Server) Join(ctx context.Context, req *connect.Request[joinv1.JoinReque
 				Variant: claims.GetVariant(), AgentVersion: claims.GetAgentVersion(),
 			},
 		})
-		if !errors.Is(res.err, errSameKeyInBatch) && !store.IsConstraint(res.err, store.ConstraintNodeJoinKey) {
+		if !errors.Is(res.err, store.ErrSameKeyInBatch) && !store.IsConstraint(res.err, store.ConstraintNodeJoinKey) {
 			break
 		}
 	}

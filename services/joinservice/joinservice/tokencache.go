@@ -2,6 +2,7 @@ package joinservice
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"time"
 
@@ -21,10 +22,15 @@ const tokenCheckTTL = time.Second
 const maxCheckedTokens = 1024
 
 // tokenChecks remembers the join tokens found usable in the last
-// tokenCheckTTL, by the hash of their secret.
+// tokenCheckTTL, by the hash of their secret, and reads each token once at
+// a time: the joins that miss it while a read of their token is in flight
+// wait for that read instead of sending the same statement (a burst of
+// joins found the token's entry expired together, and each read it).
 type tokenChecks struct {
 	mu sync.Mutex
 	m  map[string]checkedToken
+	// reads are the reads in flight, by the hash of their token's secret.
+	reads map[string]*tokenRead
 }
 
 type checkedToken struct {
@@ -32,29 +38,69 @@ type checkedToken struct {
 	at    time.Time
 }
 
+// tokenRead is a read of a token in flight: done is closed once token and
+// err hold its outcome.
+type tokenRead struct {
+	done  chan struct{}
+	token store.JoinToken
+	err   error
+}
+
 // check returns what store.CheckJoinToken returns for hash at now, from a
-// read less than tokenCheckTTL old when there is one: its expiry is checked
-// against now again. A refusal is never remembered.
+// read less than tokenCheckTTL old, or in flight, when there is one: its
+// expiry is checked against now again. A refusal is never remembered; a
+// read in flight that fails otherwise (its caller gone, the database) is not
+// shared, and its waiters read for themselves.
 func (c *tokenChecks) check(ctx context.Context, db *store.DB, hash []byte, now time.Time) (store.JoinToken, error) {
 	key := string(hash)
 	c.mu.Lock()
 	e, ok := c.m[key]
-	c.mu.Unlock()
 	if ok && now.Sub(e.at) < tokenCheckTTL && now.Sub(e.at) >= 0 {
-		if !e.token.ExpiresAt.After(now) {
-			return e.token, &store.JoinTokenRefusal{Reason: store.ErrJoinTokenExpired, Token: e.token}
+		c.mu.Unlock()
+		return checkExpiry(e.token, now)
+	}
+	if r := c.reads[key]; r != nil {
+		c.mu.Unlock()
+		select {
+		case <-r.done:
+		case <-ctx.Done():
+			return store.JoinToken{}, ctx.Err()
 		}
-		return e.token, nil
+		var refusal *store.JoinTokenRefusal
+		switch {
+		case r.err == nil:
+			return checkExpiry(r.token, now)
+		case errors.As(r.err, &refusal):
+			return r.token, r.err
+		}
+		return store.CheckJoinToken(ctx, db.Pool, hash, now)
 	}
-	t, err := store.CheckJoinToken(ctx, db.Pool, hash, now)
-	if err != nil {
-		return t, err
+	r := &tokenRead{done: make(chan struct{})}
+	if c.reads == nil {
+		c.reads = make(map[string]*tokenRead)
 	}
-	c.mu.Lock()
-	if c.m == nil || len(c.m) >= maxCheckedTokens {
-		c.m = make(map[string]checkedToken)
-	}
-	c.m[key] = checkedToken{token: t, at: now}
+	c.reads[key] = r
 	c.mu.Unlock()
+
+	r.token, r.err = store.CheckJoinToken(ctx, db.Pool, hash, now)
+	c.mu.Lock()
+	delete(c.reads, key)
+	if r.err == nil {
+		if c.m == nil || len(c.m) >= maxCheckedTokens {
+			c.m = make(map[string]checkedToken)
+		}
+		c.m[key] = checkedToken{token: r.token, at: now}
+	}
+	c.mu.Unlock()
+	close(r.done)
+	return r.token, r.err
+}
+
+// checkExpiry returns t, refused as expired when its expiry is not after
+// now.
+func checkExpiry(t store.JoinToken, now time.Time) (store.JoinToken, error) {
+	if !t.ExpiresAt.After(now) {
+		return t, &store.JoinTokenRefusal{Reason: store.ErrJoinTokenExpired, Token: t}
+	}
 	return t, nil
 }

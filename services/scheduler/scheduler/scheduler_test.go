@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	"github.com/better-compute/better-compute/pkg/bus"
 	"github.com/better-compute/better-compute/pkg/bus/bustest"
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/service"
@@ -150,7 +151,7 @@ func TestPlacedOnCommitPoke(t *testing.T) {
 	clk := clock.NewFake(time.Date(2030, 1, 1, 0, 0, 0, 0, time.FixedZone("PST", -8*3600)))
 	db := storetest.New(t, clk)
 	nc := startNATS(t)
-	db.PokeVia(nc.Publish)
+	db.PokeVia(bus.PublishWithID(nc, store.OutboxIDHeader))
 	f := storetest.NewFleet(t, db, "commitpoke", 8)
 	tenant := f.Tenant(t, "commitpoke-tenant", 8)
 	r := startReplica(t, db, nc, clk, "a")
