@@ -204,7 +204,7 @@ func (ca *CA) IssueNode(csr *x509.CertificateRequest, nodeID, trustDomain string
 		KeyUsage:     x509.KeyUsageDigitalSignature,
 		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
 	}
-	der, err := createCertificate(tmpl, ca.Cert, csr.PublicKey, ca.Key)
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.Cert, csr.PublicKey, ca.Key)
 	if err != nil {
 		return nil, fmt.Errorf("sign node certificate: %w", err)
 	}
