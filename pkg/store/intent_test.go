@@ -2,6 +2,7 @@ package store_test
 
 import (
 	"crypto/ed25519"
+	"strings"
 	"testing"
 	"time"
 
@@ -170,4 +171,58 @@ func TestNewIntentSignerChecksTheKey(t *testing.T) {
 	require.ErrorContains(t, err, pki.CommandSigningKey)
 	var nilSigner *store.IntentSigner
 	require.Nil(t, nilSigner.Public())
+}
+
+// TestRebuiltSpecsAreSignedInTheirWrite: a spec generation that
+// RebuildNodeSpecs makes (placements, ends of reservations, SSH user CA
+// rotations) is written with its signature in one UPDATE of the node, the
+// signature made from the spec as written (no read back, no second row
+// version), and verifies as the gateway delivers it. Not parallel: it
+// counts the package's statements.
+func TestRebuiltSpecsAreSignedInTheirWrite(t *testing.T) {
+	f := newGatewayFixture(t)
+	ctx := t.Context()
+	signer, root := newIntentSigner(t)
+	n := storetest.Node(t, f.db, &storetest.NodeOpts{PoolID: f.poolID, State: store.NodeAdopted, SpecGeneration: 1,
+		Spec: `{"labels": {"pool": "p", "zone": "b"}}`}).ID
+	_, err := f.db.Pool.Exec(ctx, `INSERT INTO ssh_user_cas (name, public_key, updated_at) VALUES ('break-glass', 'ssh-ed25519 AAAAbg', $1)`,
+		f.db.Now())
+	require.NoError(t, err)
+
+	stmts := storetest.CountStatements()
+	require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
+		gens, err := store.RebuildNodeSpecs(ctx, tx, signer, f.db.Now(), []string{n})
+		require.Equal(t, map[string]int64{n: 2}, gens)
+		return err
+	}))
+	stmts.Stop()
+	var nodeWrites, nodeReads []string
+	for _, sql := range callerStatements(stmts.SQL()) {
+		switch {
+		case strings.HasPrefix(strings.TrimSpace(sql), "UPDATE nodes"):
+			nodeWrites = append(nodeWrites, sql)
+		case strings.Contains(sql, "spec FROM nodes"):
+			nodeReads = append(nodeReads, sql)
+		}
+	}
+	require.Len(t, nodeWrites, 1, "the spec, its generation and its signature in one update:\n%s", strings.Join(nodeWrites, "\n---\n"))
+	require.Len(t, nodeReads, 1, "the spec read once, locked, before the rebuild:\n%s", strings.Join(nodeReads, "\n---\n"))
+
+	_, ds := f.delivered(n)
+	require.EqualValues(t, 2, ds.GetGeneration())
+	require.Equal(t, "break-glass", ds.GetSpec().GetSshUserCas()[0].GetName())
+	require.Len(t, ds.GetSpec().GetLabels(), 2, "labels kept")
+	require.Empty(t, daemon.VerifySpec(root, n, ds), "verifies as delivered")
+
+	// Without a signer the new generation is unsigned, not generation 1's
+	// signature.
+	_, err = f.db.Pool.Exec(ctx, `DELETE FROM ssh_user_cas`)
+	require.NoError(t, err)
+	require.NoError(t, f.db.InTx(ctx, func(tx pgx.Tx) error {
+		_, err := store.RebuildNodeSpecs(ctx, tx, nil, f.db.Now(), []string{n})
+		return err
+	}))
+	_, ds = f.delivered(n)
+	require.EqualValues(t, 3, ds.GetGeneration())
+	require.Equal(t, daemon.ErrTextSpecUnsigned, daemon.VerifySpec(root, n, ds))
 }

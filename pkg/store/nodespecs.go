@@ -84,6 +84,7 @@ func rebuildLockedSpecs(ctx context.Context, q DBTX, signer *IntentSigner, now t
 		changedIDs []string
 		specs      []string
 		gens       []int64
+		sigs       [][]byte // by changedIDs; nil without a signer
 		numbering  bool
 	)
 	for _, nodeID := range ids {
@@ -102,6 +103,20 @@ func rebuildLockedSpecs(ctx context.Context, q DBTX, signer *IntentSigner, now t
 		if err != nil {
 			return nil, err
 		}
+		if signer != nil {
+			// Signed as the gateway delivers it: DesiredStateMessage of the
+			// stored spec, which Postgres keeps as jsonb (keys reordered,
+			// spacing dropped) and which parses back to what b parses to.
+			m, err := DesiredStateMessage(c.gen+1, b, nil)
+			if err != nil {
+				return nil, fmt.Errorf("rebuild spec of %s: %w", nodeID, err)
+			}
+			sig, err := signer.SpecSignature(nodeID, m)
+			if err != nil {
+				return nil, fmt.Errorf("sign the spec of node %s: %w", nodeID, err)
+			}
+			sigs = append(sigs, sig)
+		}
 		changed[nodeID] = c.gen + 1
 		changedIDs = append(changedIDs, nodeID)
 		specs = append(specs, string(b))
@@ -111,9 +126,16 @@ func rebuildLockedSpecs(ctx context.Context, q DBTX, signer *IntentSigner, now t
 	if len(changedIDs) == 0 {
 		return changed, nil
 	}
-	if _, err := q.Exec(ctx, `UPDATE nodes n SET spec = u.spec::jsonb, spec_generation = u.gen, updated_at = $4
-		FROM unnest($1::text[], $2::text[], $3::bigint[]) AS u(id, spec, gen) WHERE n.id = u.id`,
-		changedIDs, specs, gens, now); err != nil {
+	// The signature in the same update: the nodes_spec_signature_stale
+	// trigger keeps a signature set with the spec and clears the old one
+	// when there is none (no signer).
+	if sigs == nil {
+		sigs = make([][]byte, len(changedIDs))
+	}
+	if _, err := q.Exec(ctx, `UPDATE nodes n SET spec = u.spec::jsonb, spec_generation = u.gen, spec_signature = u.sig,
+			updated_at = $5
+		FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bytea[]) AS u(id, spec, gen, sig) WHERE n.id = u.id`,
+		changedIDs, specs, gens, sigs, now); err != nil {
 		return nil, fmt.Errorf("rebuild node specs: %w", interpretError(err))
 	}
 	// Only when a reservation in a new spec has no generation yet (its
@@ -124,9 +146,6 @@ func rebuildLockedSpecs(ctx context.Context, q DBTX, signer *IntentSigner, now t
 			WHERE r.node_id = u.id AND r.state IN ('binding', 'active') AND r.spec_generation IS NULL`, changedIDs, gens); err != nil {
 			return nil, fmt.Errorf("rebuild node specs: %w", interpretError(err))
 		}
-	}
-	if err := SignNodeSpecs(ctx, q, signer, changedIDs); err != nil {
-		return nil, err
 	}
 	if err := PokeNodes(ctx, q, now, changedIDs...); err != nil {
 		return nil, err
