@@ -208,9 +208,11 @@ type Config struct {
 	// connected, and the runtime keeps what the heap grows to between
 	// collections: at Go's default, 100, an idle session costs about
 	// 47 KiB of resident memory, at 25 about 33 KiB, for more frequent
-	// collections (with 1,000 idle machines about 7 a minute instead of 2)
-	// and about 0.3 ms more of the gateway's CPU per join
-	// (docs/benchmarks.md). The GOGC variable, when set, wins;
+	// collections (with 1,000 idle machines about 7 a minute instead of 2).
+	// Busy, that target would collect several times a second: while the
+	// heap grows faster than it lets it (a join burst, a stream of
+	// commands) the gateway uses Go's default, and comes back to this one
+	// 6 s after (docs/benchmarks.md). The GOGC variable, when set, wins;
 	// `better-compute dev`, one process of every service, keeps Go's
 	// default.
 	GCPercent int `env:"GATEWAY_GC_PERCENT,positive" default:"25"`
@@ -218,10 +220,19 @@ type Config struct {
 
 // NewProcess is New for the gateway binary, whose process holds the
 // gateway alone: it first sets the process's garbage collector target to
-// cfg.GCPercent, unless getenv("GOGC") is set.
+// cfg.GCPercent, unless getenv("GOGC") is set, and when that is below Go's
+// default the gateway keeps it only while idle (gcTuner: Go's default
+// while busy).
 func NewProcess(cfg Config, deps Deps) (*Server, error) {
-	applyGCPercent(cfg.GCPercent, os.Getenv)
-	return New(cfg, deps)
+	tune := applyGCPercent(cfg.GCPercent, os.Getenv) && cfg.GCPercent < busyGCPercent
+	s, err := New(cfg, deps)
+	if err != nil {
+		return nil, err
+	}
+	if tune {
+		s.gc = newGCTuner(cfg.GCPercent)
+	}
+	return s, nil
 }
 
 // applyGCPercent sets the garbage collector's target to percent
@@ -250,8 +261,12 @@ func DefaultGatewayID() string {
 
 // Server is a gateway replica. Create it with New and run it with Run.
 type Server struct {
-	cfg     Config
-	deps    Deps
+	cfg  Config
+	deps Deps
+	// gc, when set (the gateway binary: NewProcess), moves the collector's
+	// target between cfg.GCPercent and Go's default as the gateway idles
+	// or is busy.
+	gc      *gcTuner
 	metrics *metrics
 	db      *store.DB
 	nc      *nats.Conn
@@ -593,7 +608,8 @@ func (l *loops) Start(ctx context.Context) error {
 	return nil
 }
 
-// Run runs the resync and last_seen loops until ctx ends, then stops the
+// Run runs the resync and last_seen loops (and the collector's tuning,
+// gcTuner, in the gateway binary) until ctx ends, then stops the
 // batched writes and the subscription.
 func (l *loops) Run(ctx context.Context) error {
 	s := l.s
@@ -602,6 +618,9 @@ func (l *loops) Run(ctx context.Context) error {
 	var wg sync.WaitGroup
 	wg.Go(func() { s.resyncLoop(ctx) })
 	wg.Go(func() { s.seen.run(ctx) })
+	if s.gc != nil {
+		wg.Go(func() { s.gc.run(ctx, s.clk) })
+	}
 	wg.Wait()
 	return nil
 }
