@@ -163,7 +163,10 @@ func TestPlacedOnCommitPoke(t *testing.T) {
 		got, err := store.GetReservation(t.Context(), db.Pool, store.AllTenants, res.ID)
 		return err == nil && got.State == store.ReservationBinding
 	}, 10*time.Second, 5*time.Millisecond, "placed without a tick or the relay")
-	require.Equal(t, int64(1), r.srv.Placed())
+	// The pass counts its placements once their transaction committed, a
+	// moment after the state is visible.
+	require.Eventually(t, func() bool { return r.srv.Placed() >= 1 }, 10*time.Second, 5*time.Millisecond)
+	require.Equal(t, int64(1), r.srv.Placed(), "by one pass of this replica")
 	r.stop(t)
 }
 
