@@ -177,8 +177,11 @@ func TestConsoleRefused(t *testing.T) {
 		node    string // default: the fake's node
 		stderr  string
 	}{
-		{name: "no live session", refusal: &fakeRefusal{status: http.StatusConflict, text: "node has no live session\n"},
-			stderr: "error: tunnel refused: node has no live session (HTTP 409)\n"},
+		{name: "no live session", refusal: &fakeRefusal{status: http.StatusConflict, json: "failed_precondition",
+			text: "node has no live session"},
+			stderr: "error: tunnel refused: failed_precondition: node has no live session (HTTP 409)\n"},
+		{name: "a proxy's text", refusal: &fakeRefusal{status: http.StatusBadGateway, text: "upstream unreachable\n"},
+			stderr: "error: tunnel refused: upstream unreachable (HTTP 502)\n"},
 		{name: "a limit", refusal: &fakeRefusal{status: http.StatusTooManyRequests, text: "too many open tunnels on the node",
 			retryAfter: "30"}, stderr: "error: tunnel refused: too many open tunnels on the node (HTTP 429; retry after 30s)\n"},
 		{name: "no reason given", refusal: &fakeRefusal{status: http.StatusForbidden},

@@ -2,6 +2,7 @@ package cli
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -139,15 +140,21 @@ func (e *tunnelRefusedError) Error() string {
 	return s + ")"
 }
 
-// refusal reads the API's refusal of an upgrade: its status, the first line
-// of its text body (websocket.Dial keeps up to 1 KiB of it; the status's
-// name when empty) and Retry-After.
+// refusal reads the API's refusal of an upgrade: its status, its reason
+// and Retry-After. The reason is "code: message" of the API's JSON body
+// {"code", "message"}, else the first line of a text body (a proxy's;
+// websocket.Dial keeps up to 1 KiB of it), else the status's name.
 func refusal(resp *http.Response) *tunnelRefusedError {
 	e := &tunnelRefusedError{Status: resp.StatusCode, RetryAfter: cell(resp.Header.Get("Retry-After"))}
 	if resp.Body != nil {
 		b, _ := io.ReadAll(resp.Body)
-		line, _, _ := strings.Cut(strings.TrimSpace(string(b)), "\n")
-		e.Reason = cell(strings.TrimSpace(line))
+		var body struct{ Code, Message string }
+		if json.Unmarshal(b, &body) == nil && body.Message != "" {
+			e.Reason = cell(strings.TrimPrefix(body.Code+": ", ": ") + body.Message)
+		} else {
+			line, _, _ := strings.Cut(strings.TrimSpace(string(b)), "\n")
+			e.Reason = cell(strings.TrimSpace(line))
+		}
 	}
 	if e.Reason == "" {
 		e.Reason = strings.ToLower(http.StatusText(resp.StatusCode))

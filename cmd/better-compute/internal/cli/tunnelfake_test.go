@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/ed25519"
 	"crypto/rand"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
@@ -69,8 +70,11 @@ type fakeTunnels struct {
 }
 
 type fakeRefusal struct {
-	status     int
-	text       string
+	status int
+	text   string
+	// json sends text as the API does: {"code", "message"} with code
+	// (writeHTTPError in services/api).
+	json       string
 	retryAfter string
 }
 
@@ -285,6 +289,12 @@ func (f *fakeTunnels) serveTunnel(w http.ResponseWriter, r *http.Request) {
 	case refuse != nil:
 		if refuse.retryAfter != "" {
 			w.Header().Set("Retry-After", refuse.retryAfter)
+		}
+		if refuse.json != "" {
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(refuse.status)
+			_ = json.NewEncoder(w).Encode(map[string]string{"code": refuse.json, "message": refuse.text})
+			return
 		}
 		http.Error(w, refuse.text, refuse.status)
 		return
