@@ -48,9 +48,10 @@ func (a *app) pkiInitCmd() *cobra.Command {
 		pinsOut     string
 	)
 	c := &cobra.Command{
-		Use:   "init --dir DIR",
+		Use:   "init [--dir DIR]",
 		Short: "Create the deployment's CAs, join and signing keys where missing, and print its pins",
-		Long: "pki init writes a deployment's PKI into DIR: node-ca.crt/key (signs node certificates), serving-ca.crt/key\n" +
+		Long: "pki init writes a deployment's PKI into DIR (--dir, else BETTER_COMPUTE_PKI_DIR, else /var/lib/better-compute/pki):\n" +
+			"node-ca.crt/key (signs node certificates), serving-ca.crt/key\n" +
 			"(signs the gateway's and JoinService's certificates, pinned by daemons), gateway.crt/key (the gateways' serving\n" +
 			"certificate, and their client certificate toward JoinService), joinservice.crt/key (JoinService's control\n" +
 			"listener, where gateways have renewals signed), trust-domain, join-encryption.key/.pub\n" +
@@ -132,7 +133,7 @@ func (a *app) pkiExportCmd() *cobra.Command {
 		all            bool
 	)
 	c := &cobra.Command{
-		Use:   "export --dir DIR (--service NAME --out OUT | --all --out ROOT)",
+		Use:   "export [--dir DIR] (--service NAME --out OUT | --all --out ROOT)",
 		Short: "Copy the files of a PKI directory that one service reads into a directory of its own",
 		Long: "pki export copies, from the PKI directory DIR that pki init made, only the files service NAME reads into OUT,\n" +
 			"which becomes that service's BETTER_COMPUTE_PKI_DIR (a volume or secret of its own), so that no service holds\n" +
