@@ -6,10 +6,15 @@ package servicetest
 import (
 	"crypto/x509"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
+	validatepb "buf.build/gen/go/bufbuild/protovalidate/protocolbuffers/go/buf/validate"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/runtime/protoimpl"
 
 	"github.com/better-compute/better-compute/pkg/clock"
 	"github.com/better-compute/better-compute/pkg/pki"
@@ -42,4 +47,42 @@ func ServingCert(t testing.TB, pkiDir string, hosts ...string) (service.TLS, *x5
 	roots := x509.NewCertPool()
 	roots.AddCert(ca.Cert)
 	return s, roots
+}
+
+// ProtoRules returns the protovalidate rules of md and of every message its
+// fields hold, in protobuf's text form with its spacing collapsed, keyed by
+// the full name of the field, "<message>:message" and "<oneof>:oneof"
+// (rules that are empty left out). A test that pins them fails the day a
+// proto's rule changes under a hand-written check of it.
+func ProtoRules(md protoreflect.MessageDescriptor) map[protoreflect.FullName]string {
+	text := func(m proto.Message) string { return strings.Join(strings.Fields(protoimpl.X.MessageStringOf(m)), " ") }
+	rules := map[protoreflect.FullName]string{}
+	seen := map[protoreflect.FullName]bool{}
+	var walk func(md protoreflect.MessageDescriptor)
+	walk = func(md protoreflect.MessageDescriptor) {
+		if seen[md.FullName()] {
+			return
+		}
+		seen[md.FullName()] = true
+		if r := proto.GetExtension(md.Options(), validatepb.E_Message).(*validatepb.MessageRules); r != nil && text(r) != "" {
+			rules[md.FullName()+":message"] = text(r)
+		}
+		for i := range md.Oneofs().Len() {
+			o := md.Oneofs().Get(i)
+			if r := proto.GetExtension(o.Options(), validatepb.E_Oneof).(*validatepb.OneofRules); r != nil && text(r) != "" {
+				rules[o.FullName()+":oneof"] = text(r)
+			}
+		}
+		for i := range md.Fields().Len() {
+			fd := md.Fields().Get(i)
+			if r := proto.GetExtension(fd.Options(), validatepb.E_Field).(*validatepb.FieldRules); r != nil && text(r) != "" {
+				rules[fd.FullName()] = text(r)
+			}
+			if fd.Message() != nil {
+				walk(fd.Message())
+			}
+		}
+	}
+	walk(md)
+	return rules
 }

@@ -4,17 +4,15 @@ import (
 	"strings"
 	"testing"
 
-	validatepb "buf.build/gen/go/bufbuild/protovalidate/protocolbuffers/go/buf/validate"
 	"buf.build/go/protovalidate"
 	"github.com/stretchr/testify/require"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
-	"google.golang.org/protobuf/runtime/protoimpl"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	computev1 "github.com/better-compute/better-compute/api/gen/bc/compute/v1"
 	"github.com/better-compute/better-compute/pkg/service"
+	"github.com/better-compute/better-compute/pkg/service/servicetest"
 )
 
 // runCommandRequest is a RunCommand request as the CLI sends it.
@@ -93,49 +91,11 @@ func TestRuleChecksPinTheProtosRules(t *testing.T) {
 			"bc.compute.v1.RunCommandRequest.request_id": `string:{max_len:128 pattern:"^[^\\p{Cc}\\p{Cf}\\p{Zl}\\p{Zp}]*$"}`,
 		},
 	}
-	text := func(m proto.Message) string { return strings.Join(strings.Fields(protoimpl.X.MessageStringOf(m)), " ") }
 	got := map[protoreflect.FullName]map[protoreflect.FullName]string{}
 	for name := range ruleChecks {
-		md, err := protoregistryFind(name)
+		mt, err := protoregistry.GlobalTypes.FindMessageByName(name)
 		require.NoError(t, err)
-		rules := map[protoreflect.FullName]string{}
-		seen := map[protoreflect.FullName]bool{}
-		var walk func(md protoreflect.MessageDescriptor)
-		walk = func(md protoreflect.MessageDescriptor) {
-			if seen[md.FullName()] {
-				return
-			}
-			seen[md.FullName()] = true
-			if r := proto.GetExtension(md.Options(), validatepb.E_Message).(*validatepb.MessageRules); r != nil && text(r) != "" {
-				rules[md.FullName()+":message"] = text(r)
-			}
-			for i := range md.Oneofs().Len() {
-				o := md.Oneofs().Get(i)
-				if r := proto.GetExtension(o.Options(), validatepb.E_Oneof).(*validatepb.OneofRules); r != nil && text(r) != "" {
-					rules[o.FullName()+":oneof"] = text(r)
-				}
-			}
-			for i := range md.Fields().Len() {
-				fd := md.Fields().Get(i)
-				if r := proto.GetExtension(fd.Options(), validatepb.E_Field).(*validatepb.FieldRules); r != nil && text(r) != "" {
-					rules[fd.FullName()] = text(r)
-				}
-				if fd.Message() != nil {
-					walk(fd.Message())
-				}
-			}
-		}
-		walk(md)
-		got[name] = rules
+		got[name] = servicetest.ProtoRules(mt.Descriptor())
 	}
 	require.Equal(t, want, got)
-}
-
-// protoregistryFind returns the descriptor of the message named name.
-func protoregistryFind(name protoreflect.FullName) (protoreflect.MessageDescriptor, error) {
-	mt, err := protoregistry.GlobalTypes.FindMessageByName(name)
-	if err != nil {
-		return nil, err
-	}
-	return mt.Descriptor(), nil
 }

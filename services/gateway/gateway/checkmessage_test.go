@@ -13,6 +13,7 @@ import (
 
 	gatewayv1 "github.com/better-compute/better-compute/api/gen/bc/gateway/v1"
 	"github.com/better-compute/better-compute/pkg/service"
+	"github.com/better-compute/better-compute/pkg/service/servicetest"
 )
 
 // nvmlUpdate returns a succeeded diag.nvml update of a machine with n GPUs,
@@ -240,33 +241,9 @@ func TestCommandUpdateRulesAreHandChecked(t *testing.T) {
 		"bc.gateway.v1.Gpu.pci_bus_id":           `string:{max_len:32 pattern:"^[!-~]*$"}`,
 		"bc.gateway.v1.SessionRequest.msg:oneof": `required:true`,
 	}
-	got := map[protoreflect.FullName]string{}
-	text := func(m proto.Message) string {
-		return strings.Join(strings.Fields(protoimpl.X.MessageStringOf(m)), " ")
-	}
-	seen := map[protoreflect.FullName]bool{}
-	var walk func(md protoreflect.MessageDescriptor)
-	walk = func(md protoreflect.MessageDescriptor) {
-		if seen[md.FullName()] {
-			return
-		}
-		seen[md.FullName()] = true
-		if r := proto.GetExtension(md.Options(), validatepb.E_Message).(*validatepb.MessageRules); r != nil && text(r) != "" {
-			got[md.FullName()+":message"] = text(r)
-		}
-		for i := range md.Fields().Len() {
-			fd := md.Fields().Get(i)
-			if r := proto.GetExtension(fd.Options(), validatepb.E_Field).(*validatepb.FieldRules); r != nil && text(r) != "" {
-				got[fd.FullName()] = text(r)
-			}
-			if fd.Message() != nil {
-				walk(fd.Message())
-			}
-		}
-	}
-	walk((&gatewayv1.CommandUpdate{}).ProtoReflect().Descriptor())
+	got := servicetest.ProtoRules((&gatewayv1.CommandUpdate{}).ProtoReflect().Descriptor())
 	// The path from the session message to the update: its oneof.
-	oneof := (&gatewayv1.SessionRequest{}).ProtoReflect().Descriptor().Oneofs().ByName("msg")
-	got[oneof.Parent().FullName()+".msg:oneof"] = text(proto.GetExtension(oneof.Options(), validatepb.E_Oneof).(*validatepb.OneofRules))
+	const oneof = "bc.gateway.v1.SessionRequest.msg:oneof"
+	got[oneof] = servicetest.ProtoRules((&gatewayv1.SessionRequest{}).ProtoReflect().Descriptor())[oneof]
 	require.Equal(t, want, got)
 }
