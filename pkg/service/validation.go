@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"strings"
+	"unicode"
+	"unicode/utf8"
 
 	"buf.build/go/protovalidate"
 	"connectrpc.com/connect"
@@ -131,4 +133,19 @@ func (rewordValidation) WrapStreamingHandler(next connect.StreamingHandlerFunc) 
 	return func(ctx context.Context, conn connect.StreamingHandlerConn) error {
 		return invalidArgument(next(ctx, conn))
 	}
+}
+
+// OneLine reports whether c may stand in text shown to people on one line:
+// it is the character class of the proto rule pattern
+// "^[^\p{Cc}\p{Cf}\p{Zl}\p{Zp}]*$" (no control, format, line- or
+// paragraph-separator character), for the hand checks of those rules
+// (RuleCheck). A string that is not UTF-8 never reaches it (proto3 strings
+// are checked when decoded); RE2 would read such a byte as U+FFFD, which it
+// allows too.
+func OneLine(c rune) bool {
+	if c < utf8.RuneSelf {
+		// ASCII: Cc is U+0000–U+001F and U+007F; Cf, Zl and Zp hold none.
+		return c >= 0x20 && c != 0x7F
+	}
+	return !unicode.In(c, unicode.Cc, unicode.Cf, unicode.Zl, unicode.Zp)
 }

@@ -1,7 +1,6 @@
 package api
 
 import (
-	"unicode"
 	"unicode/utf8"
 
 	"google.golang.org/protobuf/proto"
@@ -53,12 +52,7 @@ func runCommandHolds(r *computev1.RunCommandRequest) bool {
 	}
 	n := 0
 	for _, c := range r.GetRequestId() {
-		if c < utf8.RuneSelf {
-			// ASCII: Cc is U+0000–U+001F and U+007F; Cf, Zl and Zp hold none.
-			if c < 0x20 || c == 0x7F {
-				return false
-			}
-		} else if unicode.In(c, unicode.Cc, unicode.Cf, unicode.Zl, unicode.Zp) {
+		if !service.OneLine(c) {
 			return false
 		}
 		n++

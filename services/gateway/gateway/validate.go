@@ -52,20 +52,8 @@ func (r textRule) holds(s string) bool {
 // visibleASCII is the pattern "^[!-~]*$" (ids).
 func visibleASCII(c rune) bool { return c >= '!' && c <= '~' }
 
-// oneLine is the pattern "^[^\p{Cc}\p{Cf}\p{Zl}\p{Zp}]*$" (text shown to
-// people). A string that is not UTF-8 never reaches it (proto3 strings are
-// checked when decoded); RE2 would read such a byte as U+FFFD, which it
-// allows too.
-func oneLine(c rune) bool {
-	if c < utf8.RuneSelf {
-		// ASCII: Cc is U+0000–U+001F and U+007F; Cf, Zl and Zp hold none.
-		return c >= 0x20 && c != 0x7F
-	}
-	return !unicode.In(c, unicode.Cc, unicode.Cf, unicode.Zl, unicode.Zp)
-}
-
 // multiLine is CommandResult.output's pattern
-// "^[^\x00-\x08\x0B-\x1F\x7F-\x9F\p{Cf}\p{Zl}\p{Zp}]*$": oneLine with tab and
+// "^[^\x00-\x08\x0B-\x1F\x7F-\x9F\p{Cf}\p{Zl}\p{Zp}]*$": service.OneLine with tab and
 // newline allowed.
 func multiLine(c rune) bool {
 	switch {
@@ -81,20 +69,21 @@ func multiLine(c rune) bool {
 // The fields checked by hand, with gateway.proto's rules for them; a change
 // of those rules must be made here too (TestHandRulesMatchProto compares).
 var (
-	ruleError         = textRule{maxLen: 4096, ok: oneLine}
+	ruleError         = textRule{maxLen: 4096, ok: service.OneLine}
 	ruleOutput        = textRule{maxLen: 262144, bytes: true, ok: multiLine}
-	ruleDriverVersion = textRule{maxLen: 64, ok: oneLine}
+	ruleDriverVersion = textRule{maxLen: 64, ok: service.OneLine}
 	ruleGPUUUID       = textRule{maxLen: 64, ok: visibleASCII}
-	ruleGPUModel      = textRule{maxLen: 128, ok: oneLine}
+	ruleGPUModel      = textRule{maxLen: 128, ok: service.OneLine}
 	ruleGPUPCIBusID   = textRule{maxLen: 32, ok: visibleASCII}
 )
 
 // The rules of a CommandUpdate's other fields, which commandUpdateHolds
 // checks too (TestCommandUpdateRulesAreHandChecked pins every rule of the
 // message and of those in it).
-var (
-	// ruleCommandID is command_id's, with its min_len of 1.
-	ruleCommandID = textRule{maxLen: 64, ok: visibleASCII}
+// ruleCommandID is command_id's, with its min_len of 1.
+var ruleCommandID = textRule{maxLen: 64, ok: visibleASCII}
+
+const (
 	// maxHostname is Inventory.hostname's max_len, in characters.
 	maxHostname = 253
 	// maxGPUs is Inventory.gpus' max_items.
