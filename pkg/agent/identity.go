@@ -193,7 +193,7 @@ func loadIdentity(dir string) (*Identity, error) {
 // is encoded unless KeyPEM holds it already (pemOf): a join's key was
 // encoded for its pending join.
 func (id *Identity) save(dir string, nodeCA *x509.Certificate) error {
-	if id.pemOf == nil || id.pemOf != id.key {
+	if id.pemOf != id.key {
 		key, err := pki.EncodeKeyPEM(id.key)
 		if err != nil {
 			return err
