@@ -150,7 +150,11 @@ func refusal(resp *http.Response) *tunnelRefusedError {
 		b, _ := io.ReadAll(resp.Body)
 		var body struct{ Code, Message string }
 		if json.Unmarshal(b, &body) == nil && body.Message != "" {
-			e.Reason = cell(strings.TrimPrefix(body.Code+": ", ": ") + body.Message)
+			e.Reason = body.Message
+			if body.Code != "" {
+				e.Reason = body.Code + ": " + body.Message
+			}
+			e.Reason = cell(e.Reason)
 		} else {
 			line, _, _ := strings.Cut(strings.TrimSpace(string(b)), "\n")
 			e.Reason = cell(strings.TrimSpace(line))
