@@ -86,3 +86,22 @@ func ProtoRules(md protoreflect.MessageDescriptor) map[protoreflect.FullName]str
 	walk(md)
 	return rules
 }
+
+// RequireSameRefusals requires that check, a hand check of a message's rules
+// (service.RuleCheck behind it), answers each of msgs as want,
+// protovalidate, does: nil for the same messages, and otherwise the same
+// error text. It returns how many of msgs passed.
+func RequireSameRefusals[M proto.Message](t testing.TB, msgs []M, check, want func(M) error) (passed int) {
+	t.Helper()
+	for _, m := range msgs {
+		got, w := check(m), want(m)
+		if w == nil {
+			require.NoError(t, got, "%v", m)
+			passed++
+			continue
+		}
+		require.Error(t, got, "%v", m)
+		require.Equal(t, w.Error(), got.Error(), "%v", m)
+	}
+	return passed
+}

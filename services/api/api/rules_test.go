@@ -62,17 +62,9 @@ func TestRuleChecksAnswerAsProtovalidate(t *testing.T) {
 		"par\u2029", "emoji 🚀", "nul\x00"} {
 		reqs = append(reqs, set(func(r *computev1.RunCommandRequest) { r.RequestId = id }))
 	}
-	passed := 0
-	for _, req := range reqs {
-		got, want := ruleChecks.Validate(req), protovalidate.Validate(req)
-		if want == nil {
-			require.NoError(t, got, "%v", req)
-			passed++
-			continue
-		}
-		require.Error(t, got, "%v", req)
-		require.Equal(t, want.Error(), got.Error(), "%v", req)
-	}
+	passed := servicetest.RequireSameRefusals(t, reqs,
+		func(r *computev1.RunCommandRequest) error { return ruleChecks.Validate(r) },
+		func(r *computev1.RunCommandRequest) error { return protovalidate.Validate(r) })
 	require.Positive(t, passed)
 	require.Less(t, passed, len(reqs))
 }

@@ -207,17 +207,8 @@ func TestCommandUpdateHandCheckIsProtovalidates(t *testing.T) {
 		update(func(u *gatewayv1.CommandUpdate) { u.GetResult().Inventory = nil }),
 		update(func(u *gatewayv1.CommandUpdate) { u.GetResult().GetInventory().Gpus[2] = nil }),
 		update(func(u *gatewayv1.CommandUpdate) { u.CommandId, u.Error = "", "two\nlines" }))
-	passed := 0
-	for _, req := range reqs {
-		got, want := checkMessage(req), service.Validate(req)
-		if want == nil {
-			require.NoError(t, got, "%v", req)
-			passed++
-			continue
-		}
-		require.Error(t, got, "%v", req)
-		require.Equal(t, want.Error(), got.Error(), "%v", req)
-	}
+	passed := servicetest.RequireSameRefusals(t, reqs, checkMessage,
+		func(r *gatewayv1.SessionRequest) error { return service.Validate(r) })
 	require.Greater(t, passed, 0)
 	require.Less(t, passed, len(reqs))
 }
