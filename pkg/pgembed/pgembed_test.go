@@ -436,13 +436,15 @@ func TestFailedMemoryStartLeavesNothing(t *testing.T) {
 }
 
 // TestParentDeathSignal kills a supervisor with SIGKILL: its postgres must
-// shut down by itself. The supervisor is this test binary, re-executed.
+// shut down by itself. The supervisor is this test binary, re-executed. Not
+// parallel: every Memory start sweeps the directories of killed
+// supervisors, so another test's start could sweep the killed one's before
+// this test sees it left behind (CI saw it gone).
 func TestParentDeathSignal(t *testing.T) {
 	if os.Getenv("PGEMBED_CHILD") == "1" {
 		parentDeathChild(t)
 		return
 	}
-	t.Parallel()
 	t.Run("memory", func(t *testing.T) {
 		dir := killedSupervisor(t, "")
 		require.DirExists(t, dir)
